@@ -1,0 +1,4 @@
+//! Understanding a guest kernel from outside it: page-table walks, symbols, KASLR, layout.
+//!
+//! Everything here works on a read-only view of guest memory so it is testable on files
+//! and snapshots.

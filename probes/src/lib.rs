@@ -1,0 +1,1 @@
+//! The instrumentation engine and the probe language.

@@ -1,0 +1,10 @@
+//! Backends that run the machine under the instrumentation.
+//!
+//! * [`qemu`]: launch `qemu-system-x86_64` with a kernel and initramfs, watch its serial
+//!   console for the guest protocol, and (in a later step) attach over its gdbstub.
+//! * [`host`]: what this host's `/dev/kvm` can do, used by backend auto-selection.
+//! * [`console`]: the guest protocol on the serial console (`EXOTAP-*` markers).
+
+pub mod console;
+pub mod host;
+pub mod qemu;
