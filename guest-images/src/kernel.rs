@@ -1,0 +1,293 @@
+//! Debian kernels, their debug info and busybox, fetched once into the cache and verified on
+//! every reuse.
+//!
+//! Layout under the cache root:
+//! ```text
+//! kernels/<abi>/manifest.json         vmlinuz, config, modules/{irqbypass,kvm,kvm-amd,kvm-intel}.ko
+//! kernels/<abi>/debug/manifest.json   vmlinux, System.map          (image fetch --debuginfo)
+//! packages/busybox-static/manifest.json   busybox
+//! ```
+//! `<abi>` is the kernel's ABI name, e.g. `6.1.0-50-cloud-amd64`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::cache::{self, CacheError, Manifest};
+use crate::debian::{self, DebianError};
+
+/// The kernel exotap boots unless told otherwise.
+pub const DEFAULT_KERNEL: &str = "6.1.0-50-cloud-amd64";
+
+/// The modules kept for the nested-KVM harness, by file name.
+pub const KEPT_MODULES: &[&str] = &["irqbypass.ko", "kvm.ko", "kvm-amd.ko", "kvm-intel.ko"];
+
+/// Errors of fetching guest images.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// The cache failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// apt or dpkg failed.
+    #[error(transparent)]
+    Debian(#[from] DebianError),
+    /// The kernel name is not one we understand.
+    #[error("`{0}` is not a kernel ABI name like 6.1.0-50-cloud-amd64 or a package name like linux-image-6.1.0-50-cloud-amd64-unsigned")]
+    BadKernelName(String),
+    /// A directory could not be prepared.
+    #[error("cannot prepare {path}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The package lacked files we need.
+    #[error("{package} {version} lacks {missing}")]
+    Incomplete {
+        /// The package.
+        package: String,
+        /// Its version.
+        version: String,
+        /// What is missing.
+        missing: String,
+    },
+}
+
+/// A kernel in the cache, verified.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    /// ABI name, e.g. `6.1.0-50-cloud-amd64`.
+    pub abi: String,
+    /// Debian package version, e.g. `6.1.176-1`.
+    pub version: String,
+    /// The component directory.
+    pub dir: PathBuf,
+    /// The bzImage.
+    pub bzimage: PathBuf,
+    /// The kernel's build configuration.
+    pub config: PathBuf,
+    /// The kept modules (see [`KEPT_MODULES`]).
+    pub modules: Vec<PathBuf>,
+}
+
+/// Debug info of a kernel, verified.
+#[derive(Debug, Clone)]
+pub struct Debuginfo {
+    /// The ELF vmlinux with DWARF.
+    pub vmlinux: PathBuf,
+    /// The full System.map.
+    pub system_map: PathBuf,
+}
+
+/// Turns `6.1.0-50-cloud-amd64` or `linux-image-6.1.0-50-cloud-amd64-unsigned` into the ABI name.
+///
+/// # Errors
+/// [`ImageError::BadKernelName`] for anything else.
+pub fn kernel_abi(name: &str) -> Result<String, ImageError> {
+    let abi = name
+        .strip_prefix("linux-image-")
+        .unwrap_or(name)
+        .trim_end_matches("-unsigned")
+        .trim_end_matches("-dbg");
+    let ok = abi.chars().next().is_some_and(|c| c.is_ascii_digit())
+        && abi.contains('-')
+        && abi
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '+' | '_'));
+    if ok {
+        Ok(abi.to_owned())
+    } else {
+        Err(ImageError::BadKernelName(name.to_owned()))
+    }
+}
+
+fn kernel_dir(abi: &str) -> Result<PathBuf, ImageError> {
+    Ok(cache::cache_root()?.join("kernels").join(abi))
+}
+
+/// A cached component: a directory filled from one Debian package.
+struct Component<'a> {
+    dir: PathBuf,
+    package: String,
+    required: &'a [&'a str],
+    select: &'a dyn Fn(&str) -> Option<String>,
+    /// Said when apt does not know the package.
+    suggestion: &'a dyn Fn() -> Option<String>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
+    move |source| ImageError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+impl Component<'_> {
+    /// Returns the verified manifest, fetching the package first when the cache cannot be used.
+    fn ensure(&self) -> Result<Manifest, ImageError> {
+        fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
+        // Serialise fetches of one component between processes (tests run in parallel).
+        let lock_path = self.dir.join(".lock");
+        let lock = fs::File::create(&lock_path).map_err(io_err(&lock_path))?;
+        lock.lock().map_err(io_err(&lock_path))?;
+        match cache::verify(&self.dir, self.required) {
+            Ok(manifest) => {
+                tracing::debug!(package = %self.package, dir = %self.dir.display(), "cached and verified");
+                return Ok(manifest);
+            }
+            Err(cache::Staleness::Missing) => {
+                tracing::info!(package = %self.package, "not cached yet: fetching");
+            }
+            Err(why) => {
+                tracing::warn!(package = %self.package, "cached copy unusable, {why}: fetching again");
+            }
+        }
+        cache::invalidate(&self.dir);
+        let info = debian::candidate(&self.package)?.ok_or_else(|| DebianError::UnknownPackage {
+            package: self.package.clone(),
+            suggestion: (self.suggestion)(),
+        })?;
+        let download_dir = self.dir.join(".download");
+        let _ = fs::remove_dir_all(&download_dir);
+        fs::create_dir_all(&download_dir).map_err(io_err(&download_dir))?;
+        let deb = debian::download(&info, &download_dir)?;
+        let written = debian::extract(&deb, &self.dir, self.select)?;
+        let _ = fs::remove_dir_all(&download_dir);
+        if let Some(missing) = self.required.iter().find(|r| !written.iter().any(|w| w == *r)) {
+            return Err(ImageError::Incomplete {
+                package: info.name,
+                version: info.version,
+                missing: (*missing).to_owned(),
+            });
+        }
+        let manifest = cache::seal(&self.dir, &info.name, &info.version, &written)?;
+        tracing::info!(package = %info.name, version = %info.version, files = written.len(), "fetched into the cache");
+        Ok(manifest)
+    }
+}
+
+fn cloud_suggestion() -> Option<String> {
+    match debian::newest_cloud_kernel() {
+        Ok(Some(newest)) => Some(format!(
+            "it may be gone from the archive. The newest cloud kernel apt knows is {newest}: use --kernel {}",
+            kernel_abi(&newest).unwrap_or(newest.clone())
+        )),
+        Ok(None) => Some("apt knows no linux-image-*-cloud-amd64-unsigned at all: run apt-get update".into()),
+        Err(e) => Some(format!("and apt-cache search failed too: {e}")),
+    }
+}
+
+/// Makes sure the kernel `name` (ABI or package name) is in the cache and intact, fetching it
+/// when needed. A second call downloads nothing and needs no network.
+///
+/// # Errors
+/// When the kernel cannot be fetched, unpacked or verified.
+pub fn ensure_kernel(name: &str) -> Result<Kernel, ImageError> {
+    let abi = kernel_abi(name)?;
+    let dir = kernel_dir(&abi)?;
+    let vmlinuz = format!("boot/vmlinuz-{abi}");
+    let config = format!("boot/config-{abi}");
+    let select = |path: &str| -> Option<String> {
+        if path == vmlinuz {
+            return Some("vmlinuz".into());
+        }
+        if path == config {
+            return Some("config".into());
+        }
+        let file = path.rsplit('/').next()?;
+        (path.starts_with("lib/modules/") && KEPT_MODULES.contains(&file))
+            .then(|| format!("modules/{file}"))
+    };
+    let mut required = vec!["vmlinuz", "config"];
+    let module_files: Vec<String> = KEPT_MODULES.iter().map(|m| format!("modules/{m}")).collect();
+    required.extend(module_files.iter().map(String::as_str));
+    let manifest = Component {
+        dir: dir.clone(),
+        package: format!("linux-image-{abi}-unsigned"),
+        required: &required,
+        select: &select,
+        suggestion: &cloud_suggestion,
+    }
+    .ensure()?;
+    Ok(Kernel {
+        abi,
+        version: manifest.version,
+        bzimage: dir.join("vmlinuz"),
+        config: dir.join("config"),
+        modules: module_files.iter().map(|m| dir.join(m)).collect(),
+        dir,
+    })
+}
+
+/// Makes sure the debug info (`vmlinux` with DWARF and the full `System.map`) of kernel `name`
+/// is cached, fetching only those two files from the `-dbg` package.
+///
+/// # Errors
+/// When the debug package cannot be fetched, unpacked or verified.
+pub fn ensure_debuginfo(name: &str) -> Result<Debuginfo, ImageError> {
+    let abi = kernel_abi(name)?;
+    let dir = kernel_dir(&abi)?.join("debug");
+    let vmlinux = format!("usr/lib/debug/boot/vmlinux-{abi}");
+    let map = format!("usr/lib/debug/boot/System.map-{abi}");
+    let select = |path: &str| -> Option<String> {
+        if path == vmlinux {
+            Some("vmlinux".into())
+        } else if path == map {
+            Some("System.map".into())
+        } else {
+            None
+        }
+    };
+    Component {
+        dir: dir.clone(),
+        package: format!("linux-image-{abi}-dbg"),
+        required: &["vmlinux", "System.map"],
+        select: &select,
+        suggestion: &|| None,
+    }
+    .ensure()?;
+    Ok(Debuginfo {
+        vmlinux: dir.join("vmlinux"),
+        system_map: dir.join("System.map"),
+    })
+}
+
+/// Makes sure a static busybox (Debian's `busybox-static`) is cached; returns its path.
+///
+/// # Errors
+/// When the package cannot be fetched, unpacked or verified.
+pub fn ensure_busybox() -> Result<PathBuf, ImageError> {
+    let dir = cache::cache_root()?.join("packages").join("busybox-static");
+    let select = |path: &str| (path == "bin/busybox").then(|| "busybox".to_owned());
+    Component {
+        dir: dir.clone(),
+        package: "busybox-static".into(),
+        required: &["busybox"],
+        select: &select,
+        suggestion: &|| Some("install it with apt-get update first".into()),
+    }
+    .ensure()?;
+    Ok(dir.join("busybox"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abi_accepts_abi_and_package_names() {
+        assert_eq!(kernel_abi("6.1.0-50-cloud-amd64").unwrap(), "6.1.0-50-cloud-amd64");
+        assert_eq!(
+            kernel_abi("linux-image-6.12.115+deb12-cloud-amd64-unsigned").unwrap(),
+            "6.12.115+deb12-cloud-amd64"
+        );
+    }
+
+    #[test]
+    fn abi_rejects_paths_and_garbage() {
+        assert!(kernel_abi("../../etc").is_err());
+        assert!(kernel_abi("cloud").is_err());
+        assert!(kernel_abi("6.1.0-50/../x").is_err());
+    }
+}
