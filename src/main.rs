@@ -1,1 +1,76 @@
-fn main() {}
+//! exotap: instrument an unmodified guest kernel from outside it.
+
+mod boot;
+mod image;
+mod script;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit code when exotap itself fails (as opposed to the guest's job).
+pub const EXOTAP_FAILURE: u8 = 125;
+
+/// Trace, profile and change an unmodified guest kernel from outside it: from a hypervisor,
+/// an emulator or a QEMU gdbstub.
+#[derive(Debug, Parser)]
+#[command(name = "exotap", version, propagate_version = true)]
+struct Cli {
+    /// More log output (-v debug, -vv trace). EXOTAP_LOG=filter overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Fetch and manage guest images (Debian kernels, debug info) in the cache.
+    #[command(subcommand)]
+    Image(image::ImageCommand),
+    /// Boot the Debian guest under QEMU with the workloads and follow its job to the end.
+    ///
+    /// Exits with the guest job's exit code, or 125 when exotap or the guest failed
+    /// (boot timeout, QEMU died, ...).
+    Boot(boot::BootArgs),
+    /// Say what this host can virtualize with (hardware KVM, kvm_pvm, none).
+    Host,
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("EXOTAP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Image(cmd) => image::run(cmd).map(|()| 0),
+        Command::Boot(args) => boot::run(&args),
+        Command::Host => {
+            let support = exotap_vmm::host::detect();
+            println!("{}", support.explain());
+            Ok(0)
+        }
+    };
+    match result {
+        Ok(code) => ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(EXOTAP_FAILURE)),
+        Err(err) => {
+            eprintln!("exotap: error: {err:#}");
+            ExitCode::from(EXOTAP_FAILURE)
+        }
+    }
+}

@@ -61,7 +61,7 @@ impl GuestJob {
         Self {
             script: "set -e\n\
                      exotap_phase syscalls\n\
-                     syscall-loop 100000\n\
+                     syscall-loop 20000\n\
                      exotap_phase mixed\n\
                      mixed 20\n"
                 .to_owned(),

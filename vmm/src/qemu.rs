@@ -1,0 +1,526 @@
+//! The QEMU backend's launcher: run `qemu-system-x86_64` on a kernel and initramfs, stream the
+//! serial console, follow the guest protocol ([`crate::console`]) and enforce timeouts.
+//!
+//! Machine configuration: `-M pc` (one of three `-M microvm` boots hung at TSC calibration on
+//! our machines; `-M pc` booted every time), `-nodefaults`, console on the first serial port
+//! (QEMU's stdout), the host's "go" channel on the second serial port (a unix socket on which
+//! exotap listens and QEMU connects). A range at the top of low RAM is hidden from the guest with
+//! `memmap=SIZE$ADDR` for the patch heap.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::console::{parse_marker, ConsoleTail, Marker};
+
+/// 2 MiB: the patch heap is mapped with PMD entries, so base and size are multiples of this.
+pub const LARGE_PAGE: u64 = 2 << 20;
+
+/// Lowest address of the 32-bit PCI hole on `-M pc`: RAM above it is moved above 4 GiB.
+const PC_LOWMEM_LIMIT: u64 = 0xe000_0000;
+
+/// Errors of the QEMU launcher.
+#[derive(Debug, thiserror::Error)]
+pub enum QemuError {
+    /// The patch heap does not fit the guest's memory.
+    #[error("a {heap_mib} MiB patch heap does not fit in {memory_mib} MiB of guest RAM (it must be a multiple of 2 MiB and at most half of low RAM)")]
+    HeapDoesNotFit {
+        /// Requested heap size.
+        heap_mib: u64,
+        /// Guest memory.
+        memory_mib: u64,
+    },
+    /// QEMU could not be started.
+    #[error("cannot start {qemu} (apt-get install qemu-system-x86)")]
+    Spawn {
+        /// The QEMU binary.
+        qemu: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The control socket could not be set up.
+    #[error("cannot set up the guest control socket {path}")]
+    ControlSocket {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The guest did not print `EXOTAP-READY` in time.
+    #[error("the guest did not reach EXOTAP-READY within {secs} s; last console lines:\n{tail}")]
+    BootTimeout {
+        /// The timeout.
+        secs: u64,
+        /// The last console lines.
+        tail: String,
+    },
+    /// The guest did not print `EXOTAP-DONE` in time.
+    #[error("the guest did not finish within {secs} s; last console lines:\n{tail}")]
+    RunTimeout {
+        /// The timeout.
+        secs: u64,
+        /// The last console lines.
+        tail: String,
+    },
+    /// QEMU exited before the guest printed `EXOTAP-DONE`.
+    #[error("QEMU exited ({status}) before the guest printed EXOTAP-DONE{stderr}; last console lines:\n{tail}")]
+    Died {
+        /// QEMU's exit status.
+        status: String,
+        /// What QEMU printed on stderr.
+        stderr: String,
+        /// The last console lines.
+        tail: String,
+    },
+    /// Writing the console copy failed.
+    #[error("cannot write the console output")]
+    Sink(#[source] std::io::Error),
+    /// The host could not send the go byte.
+    #[error("cannot send the go byte to the guest for phase {phase}")]
+    Go {
+        /// The phase.
+        phase: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The accelerator QEMU uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// Software emulation (TCG): works everywhere.
+    Tcg,
+    /// Hardware KVM: only where [`crate::host::KvmSupport::usable`].
+    Kvm,
+}
+
+/// The guest-physical range hidden from the guest for the patch heap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PatchHeapRange {
+    /// First byte (2 MiB aligned).
+    pub base: u64,
+    /// Size in bytes (a multiple of 2 MiB).
+    pub size: u64,
+}
+
+impl PatchHeapRange {
+    /// Places a heap of `size` bytes at the top of the guest's low RAM.
+    ///
+    /// # Errors
+    /// When the size is not a positive multiple of 2 MiB or is more than half of low RAM.
+    pub fn place(memory_bytes: u64, size: u64) -> Result<Self, QemuError> {
+        let lowmem = memory_bytes.min(PC_LOWMEM_LIMIT);
+        let err = || QemuError::HeapDoesNotFit {
+            heap_mib: size >> 20,
+            memory_mib: memory_bytes >> 20,
+        };
+        if size == 0 || size % LARGE_PAGE != 0 || size > lowmem / 2 {
+            return Err(err());
+        }
+        let base = (lowmem - size) & !(LARGE_PAGE - 1);
+        Ok(Self { base, size })
+    }
+
+    /// The kernel parameter reserving the range: `memmap=SIZE$ADDR`.
+    pub fn kernel_param(&self) -> String {
+        format!("memmap={}M${:#x}", self.size >> 20, self.base)
+    }
+}
+
+impl std::fmt::Display for PatchHeapRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} MiB at guest-physical {:#x}..{:#x}",
+            self.size >> 20,
+            self.base,
+            self.base + self.size
+        )
+    }
+}
+
+/// How to run the guest.
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    /// The QEMU binary.
+    pub qemu: PathBuf,
+    /// The bzImage.
+    pub kernel: PathBuf,
+    /// The initramfs.
+    pub initrd: PathBuf,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Number of vCPUs.
+    pub cpus: u32,
+    /// Accelerator.
+    pub accel: Accel,
+    /// `-cpu` model.
+    pub cpu_model: String,
+    /// The patch heap's hidden range.
+    pub patch_heap: PatchHeapRange,
+    /// Phases at which the guest waits for the host (`all` for every phase).
+    pub hold: Vec<String>,
+    /// Keep KASLR on (`nokaslr` otherwise).
+    pub kaslr: bool,
+    /// Extra kernel parameters.
+    pub append: Vec<String>,
+    /// Extra QEMU arguments, appended last.
+    pub extra_args: Vec<String>,
+}
+
+impl QemuConfig {
+    /// The defaults: TCG, `-cpu max`, 1 GiB, 2 vCPUs, a 64 MiB patch heap, KASLR on.
+    ///
+    /// # Errors
+    /// Never for the defaults; kept fallible as [`PatchHeapRange::place`] is.
+    pub fn new(kernel: PathBuf, initrd: PathBuf) -> Result<Self, QemuError> {
+        let memory_mib = 1024;
+        Ok(Self {
+            qemu: PathBuf::from("qemu-system-x86_64"),
+            kernel,
+            initrd,
+            memory_mib,
+            cpus: 2,
+            accel: Accel::Tcg,
+            cpu_model: "max".into(),
+            patch_heap: PatchHeapRange::place(memory_mib << 20, 64 << 20)?,
+            hold: Vec::new(),
+            kaslr: true,
+            append: Vec::new(),
+            extra_args: Vec::new(),
+        })
+    }
+
+    /// The kernel command line.
+    pub fn cmdline(&self) -> String {
+        let mut params = vec![
+            "console=ttyS0,115200".to_owned(),
+            "panic=-1".to_owned(),
+            "quiet".to_owned(),
+            self.patch_heap.kernel_param(),
+        ];
+        if !self.kaslr {
+            params.push("nokaslr".into());
+        }
+        if !self.hold.is_empty() {
+            params.push(format!("exotap.hold={}", self.hold.join(",")));
+        }
+        params.extend(self.append.iter().cloned());
+        params.join(" ")
+    }
+
+    /// QEMU's arguments, with the go channel's unix socket at `control`.
+    pub fn args(&self, control: &Path) -> Vec<String> {
+        let accel = match self.accel {
+            Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        };
+        let mut args: Vec<String> = [
+            "-M", "pc", "-accel", accel, "-cpu", &self.cpu_model,
+            "-m", &format!("{}M", self.memory_mib), "-smp", &self.cpus.to_string(),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-chardev", "stdio,id=console,signal=off",
+            "-serial", "chardev:console",
+            "-chardev", &format!("socket,id=control,path={}", control.display()),
+            "-serial", "chardev:control",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        args.extend(["-kernel".into(), self.kernel.display().to_string()]);
+        args.extend(["-initrd".into(), self.initrd.display().to_string()]);
+        args.extend(["-append".into(), self.cmdline()]);
+        args.extend(self.extra_args.iter().cloned());
+        args
+    }
+}
+
+/// Limits of one run.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// Until `EXOTAP-READY`.
+    pub boot: Duration,
+    /// Until `EXOTAP-DONE`, from the start.
+    pub total: Duration,
+}
+
+/// What the host does at an `EXOTAP-WAIT` marker.
+pub trait PhaseHook {
+    /// Called when the guest waits at `phase`; the guest resumes once this returns `Ok`.
+    ///
+    /// # Errors
+    /// An error stops the run.
+    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError>;
+}
+
+/// A hook that lets the guest go at once.
+#[derive(Debug, Default)]
+pub struct GoAtOnce;
+
+impl PhaseHook for GoAtOnce {
+    fn at_wait(&mut self, _phase: &str) -> Result<(), QemuError> {
+        Ok(())
+    }
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// The job's exit code from `EXOTAP-DONE`.
+    pub rc: i32,
+    /// `EXOTAP-RESULT` pairs in order.
+    pub results: Vec<(String, String)>,
+    /// Phases in order, with the time since start at which each began.
+    pub phases: Vec<(String, Duration)>,
+    /// Time from start to `EXOTAP-READY`.
+    pub ready_after: Duration,
+    /// Time from start to QEMU's exit.
+    pub wall: Duration,
+}
+
+/// Kills QEMU if the run ends early.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+        }
+        let _ = self.0.wait();
+    }
+}
+
+enum Event {
+    Line(String),
+    Eof,
+}
+
+/// Runs the guest to completion: copies every console line to `console`, answers waits with
+/// `hook`, and returns when QEMU exits after `EXOTAP-DONE`.
+///
+/// # Errors
+/// QEMU cannot start, a timeout passes (the error shows the last console lines), or QEMU exits
+/// before the guest is done.
+pub fn run(
+    config: &QemuConfig,
+    work_dir: &Path,
+    timeouts: Timeouts,
+    console: &mut dyn Write,
+    hook: &mut dyn PhaseHook,
+) -> Result<RunOutcome, QemuError> {
+    let control_path = work_dir.join("control.sock");
+    let _ = std::fs::remove_file(&control_path);
+    let sock_err = |source| QemuError::ControlSocket {
+        path: control_path.clone(),
+        source,
+    };
+    let listener = UnixListener::bind(&control_path).map_err(sock_err)?;
+    listener.set_nonblocking(true).map_err(sock_err)?;
+
+    let args = config.args(&control_path);
+    tracing::debug!(qemu = %config.qemu.display(), ?args, "starting QEMU");
+    let child = Command::new(&config.qemu)
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| QemuError::Spawn {
+            qemu: config.qemu.clone(),
+            source,
+        })?;
+    let mut child = ChildGuard(child);
+    let start = Instant::now();
+
+    let (tx, rx) = mpsc::channel();
+    if let Some(stdout) = child.0.stdout.take() {
+        std::thread::spawn(move || {
+            let mut reader = BufReader::new(stdout);
+            let mut buf = Vec::new();
+            loop {
+                buf.clear();
+                match reader.read_until(b'\n', &mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        let line = String::from_utf8_lossy(&buf);
+                        let line = line.trim_end_matches(['\n', '\r']).to_owned();
+                        if tx.send(Event::Line(line)).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            let _ = tx.send(Event::Eof);
+        });
+    }
+    let stderr_reader = child.0.stderr.take().map(|mut stderr| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+            text
+        })
+    });
+
+    let mut tail = ConsoleTail::new(30);
+    let mut control: Option<UnixStream> = None;
+    let mut outcome = RunOutcome {
+        rc: -1,
+        results: Vec::new(),
+        phases: Vec::new(),
+        ready_after: Duration::ZERO,
+        wall: Duration::ZERO,
+    };
+    let mut ready = false;
+    let mut done: Option<i32> = None;
+    loop {
+        if control.is_none() {
+            if let Ok((stream, _)) = listener.accept() {
+                control = Some(stream);
+            }
+        }
+        let elapsed = start.elapsed();
+        if !ready && elapsed > timeouts.boot {
+            return Err(QemuError::BootTimeout {
+                secs: timeouts.boot.as_secs(),
+                tail: tail.render(),
+            });
+        }
+        if elapsed > timeouts.total {
+            return Err(QemuError::RunTimeout {
+                secs: timeouts.total.as_secs(),
+                tail: tail.render(),
+            });
+        }
+        let line = match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(Event::Line(line)) => line,
+            Ok(Event::Eof) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+        };
+        writeln!(console, "{line}").map_err(QemuError::Sink)?;
+        tail.push(&line);
+        match parse_marker(&line) {
+            Some(Marker::Ready) => {
+                ready = true;
+                outcome.ready_after = start.elapsed();
+            }
+            Some(Marker::Phase(name)) => outcome.phases.push((name, start.elapsed())),
+            Some(Marker::Wait(phase)) => {
+                console.flush().map_err(QemuError::Sink)?;
+                hook.at_wait(&phase)?;
+                let stream = wait_for_control(&listener, &mut control, timeouts.boot)
+                    .map_err(|source| QemuError::Go { phase: phase.clone(), source })?;
+                stream
+                    .write_all(b"g")
+                    .map_err(|source| QemuError::Go { phase, source })?;
+            }
+            Some(Marker::Result { key, value }) => outcome.results.push((key, value)),
+            Some(Marker::Done(rc)) => done = Some(rc),
+            Some(Marker::Go(_)) | None => {}
+        }
+    }
+    console.flush().map_err(QemuError::Sink)?;
+    let status: Option<ExitStatus> = child.0.wait().ok();
+    outcome.wall = start.elapsed();
+    let stderr = stderr_reader
+        .and_then(|h| h.join().ok())
+        .unwrap_or_default();
+    match done {
+        Some(rc) => {
+            outcome.rc = rc;
+            Ok(outcome)
+        }
+        None => Err(QemuError::Died {
+            status: status.map_or_else(|| "unknown status".into(), |s| s.to_string()),
+            stderr: if stderr.trim().is_empty() {
+                String::new()
+            } else {
+                format!("; QEMU said: {}", stderr.trim())
+            },
+            tail: tail.render(),
+        }),
+    }
+}
+
+fn wait_for_control<'a>(
+    listener: &UnixListener,
+    control: &'a mut Option<UnixStream>,
+    limit: Duration,
+) -> std::io::Result<&'a mut UnixStream> {
+    let start = Instant::now();
+    while control.is_none() {
+        match listener.accept() {
+            Ok((stream, _)) => *control = Some(stream),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && start.elapsed() < limit => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    control
+        .as_mut()
+        .ok_or_else(|| std::io::Error::other("QEMU never connected the control port"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heap_goes_to_the_top_of_low_ram() {
+        let heap = PatchHeapRange::place(1024 << 20, 64 << 20).unwrap();
+
+        assert_eq!(heap, PatchHeapRange { base: 0x3c00_0000, size: 64 << 20 });
+        assert_eq!(heap.kernel_param(), "memmap=64M$0x3c000000");
+    }
+
+    #[test]
+    fn heap_stays_below_the_pci_hole_with_big_memory() {
+        let heap = PatchHeapRange::place(8 << 30, 64 << 20).unwrap();
+
+        assert_eq!(heap.base + heap.size, 0xe000_0000);
+    }
+
+    #[test]
+    fn heap_of_odd_size_or_too_big_is_refused() {
+        assert!(PatchHeapRange::place(1024 << 20, 3 << 20).is_err());
+        assert!(PatchHeapRange::place(1024 << 20, 0).is_err());
+        assert!(PatchHeapRange::place(256 << 20, 256 << 20).is_err());
+    }
+
+    #[test]
+    fn cmdline_has_console_heap_and_hold() {
+        let mut config = QemuConfig::new("bz".into(), "rd".into()).unwrap();
+        config.hold = vec!["syscalls".into(), "mixed".into()];
+        config.kaslr = false;
+
+        let cmdline = config.cmdline();
+
+        assert!(cmdline.starts_with("console=ttyS0,115200 panic=-1"), "{cmdline}");
+        assert!(cmdline.contains("memmap=64M$0x3c000000"), "{cmdline}");
+        assert!(cmdline.contains("exotap.hold=syscalls,mixed"), "{cmdline}");
+        assert!(cmdline.contains("nokaslr"), "{cmdline}");
+    }
+
+    #[test]
+    fn args_put_console_first_and_control_second() {
+        let config = QemuConfig::new("bz".into(), "rd".into()).unwrap();
+
+        let args = config.args(Path::new("/tmp/c.sock"));
+        let serials: Vec<&String> = args
+            .iter()
+            .zip(args.iter().skip(1))
+            .filter(|(flag, _)| *flag == "-serial")
+            .map(|(_, v)| v)
+            .collect();
+
+        assert_eq!(serials, ["chardev:console", "chardev:control"]);
+        assert!(args.windows(2).any(|w| w[0] == "-M" && w[1] == "pc"));
+        assert!(args.windows(2).any(|w| w[0] == "-accel" && w[1] == "tcg"));
+    }
+}

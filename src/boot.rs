@@ -1,0 +1,148 @@
+//! `exotap boot`: boot the Debian guest under QEMU with the workloads.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use exotap_guest_images::{self as images, GuestJob};
+use exotap_vmm::host;
+use exotap_vmm::qemu::{self, Accel, GoAtOnce, PatchHeapRange, QemuConfig, Timeouts};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AccelChoice {
+    /// KVM where hardware virtualization works (not kvm_pvm), TCG otherwise.
+    Auto,
+    /// QEMU's software emulation.
+    Tcg,
+    /// Hardware KVM; refused where it cannot run Linux.
+    Kvm,
+}
+
+#[derive(Debug, Args)]
+pub struct BootArgs {
+    /// Kernel ABI name or package name; fetched into the cache when missing.
+    #[arg(long, default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
+    pub kernel: String,
+    /// Boot this bzImage instead of a cached Debian kernel.
+    #[arg(long, value_name = "PATH")]
+    pub bzimage: Option<PathBuf>,
+    /// A shell script run by the guest's init instead of the default workload job. It may use
+    /// exotap_phase NAME, exotap_wait NAME and exotap_result KEY VALUE.
+    #[arg(long, value_name = "FILE", conflicts_with = "run")]
+    pub job: Option<PathBuf>,
+    /// A shell command line run by the guest's init instead of the default workload job.
+    #[arg(long, value_name = "COMMAND")]
+    pub run: Option<String>,
+    /// Copy the serial console to FILE instead of stdout (results and the rc are still printed).
+    #[arg(long, value_name = "FILE")]
+    pub console: Option<PathBuf>,
+    /// Make the guest wait for the host at this phase (repeatable; `all` for every phase).
+    #[arg(long, value_name = "PHASE")]
+    pub hold: Vec<String>,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 1024, value_name = "MiB")]
+    pub memory: u64,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub cpus: u32,
+    /// Size of the hidden patch-heap range in MiB (a multiple of 2).
+    #[arg(long, default_value_t = 64, value_name = "MiB")]
+    pub heap_size: u64,
+    /// Accelerator.
+    #[arg(long, value_enum, default_value_t = AccelChoice::Auto)]
+    pub accel: AccelChoice,
+    /// Seconds until the guest must print EXOTAP-READY.
+    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+    pub boot_timeout: u64,
+    /// Seconds until the guest must finish its job.
+    #[arg(long, default_value_t = 900, value_name = "SECONDS")]
+    pub timeout: u64,
+    /// Boot with KASLR off.
+    #[arg(long)]
+    pub nokaslr: bool,
+    /// Extra kernel parameters.
+    #[arg(long, value_name = "PARAMS")]
+    pub append: Option<String>,
+    /// The QEMU binary.
+    #[arg(long, default_value = "qemu-system-x86_64", value_name = "PATH")]
+    pub qemu: PathBuf,
+}
+
+fn pick_accel(choice: AccelChoice) -> anyhow::Result<Accel> {
+    let support = host::detect();
+    match choice {
+        AccelChoice::Tcg => Ok(Accel::Tcg),
+        AccelChoice::Kvm if support.usable() => Ok(Accel::Kvm),
+        AccelChoice::Kvm => bail!("--accel kvm refused: {}", support.explain()),
+        AccelChoice::Auto if support.usable() => Ok(Accel::Kvm),
+        AccelChoice::Auto => {
+            tracing::info!("{}", support.explain());
+            Ok(Accel::Tcg)
+        }
+    }
+}
+
+fn job(args: &BootArgs) -> anyhow::Result<GuestJob> {
+    if let Some(path) = &args.job {
+        let script = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the job script {}", path.display()))?;
+        return Ok(GuestJob::from_script(script));
+    }
+    Ok(match &args.run {
+        Some(command) => GuestJob::from_script(format!("{command}\n")),
+        None => GuestJob::default_workload(),
+    })
+}
+
+pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
+    let bzimage = match &args.bzimage {
+        Some(path) => path.clone(),
+        None => images::ensure_kernel(&args.kernel).context("cannot get the guest kernel")?.bzimage,
+    };
+    let work = tempfile::Builder::new()
+        .prefix("exotap-boot-")
+        .tempdir()
+        .context("cannot create a working directory")?;
+    let initrd = work.path().join("initramfs.cpio.gz");
+    images::write_initramfs(&job(args)?, &initrd).context("cannot build the initramfs")?;
+
+    let mut config = QemuConfig::new(bzimage, initrd)?;
+    config.qemu = args.qemu.clone();
+    config.memory_mib = args.memory;
+    config.cpus = args.cpus;
+    config.accel = pick_accel(args.accel)?;
+    config.patch_heap = PatchHeapRange::place(args.memory << 20, args.heap_size << 20)?;
+    config.hold = args.hold.clone();
+    config.kaslr = !args.nokaslr;
+    config.append = args.append.iter().flat_map(|a| a.split_whitespace().map(str::to_owned)).collect();
+    tracing::info!("patch heap: {} (hidden from the guest with {})", config.patch_heap, config.patch_heap.kernel_param());
+
+    let mut sink: Box<dyn Write> = match &args.console {
+        Some(path) => Box::new(
+            File::create(path).with_context(|| format!("cannot create the console file {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let timeouts = Timeouts {
+        boot: Duration::from_secs(args.boot_timeout),
+        total: Duration::from_secs(args.timeout),
+    };
+    let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut GoAtOnce)?;
+    drop(sink);
+    if args.console.is_some() {
+        for (key, value) in &outcome.results {
+            println!("EXOTAP-RESULT {key}={value}");
+        }
+        println!("EXOTAP-DONE {}", outcome.rc);
+    }
+    tracing::info!(
+        "guest job exited with {}; EXOTAP-READY after {:.2} s, QEMU exited after {:.2} s",
+        outcome.rc,
+        outcome.ready_after.as_secs_f64(),
+        outcome.wall.as_secs_f64()
+    );
+    Ok(outcome.rc)
+}
