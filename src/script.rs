@@ -1,2 +1,100 @@
-//! `exotap run FILE` / `exotap -e SCRIPT`: the probe language front end (owned by the
-//! language work; see probes/src/lang).
+//! `exotap run FILE` / `exotap -e SCRIPT`: the probe language front end (the language itself
+//! is in probes/src/lang).
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Context as _};
+use exotap_probes::lang::driver::{run_job, run_listing, stop_on_ctrl_c, Job, ScriptSource};
+use exotap_probes::lang::output::Format;
+use exotap_probes::lang::resolve::NoSymbols;
+use exotap_probes::lang::Limits;
+
+/// Output format of a running script.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// SystemTap's text output.
+    #[default]
+    Text,
+    /// One JSON object per line with a `type` field (printf, map, stats, hist).
+    Json,
+}
+
+/// Run a probe script (SystemTap-like language).
+#[derive(clap::Args, Debug)]
+pub struct ScriptArgs {
+    /// Script file to run.
+    #[arg(value_name = "FILE", conflicts_with = "script")]
+    pub file: Option<PathBuf>,
+    /// Script text given on the command line.
+    #[arg(short = 'e', value_name = "SCRIPT")]
+    pub script: Option<String>,
+    /// List the probe points matching PATTERN, e.g. 'kernel.function("vfs_*")'.
+    #[arg(short = 'l', value_name = "PATTERN", conflicts_with_all = ["file", "script", "list_vars"])]
+    pub list: Option<String>,
+    /// Like -l, with the target variables available at each point.
+    #[arg(short = 'L', value_name = "PATTERN", conflicts_with_all = ["file", "script"])]
+    pub list_vars: Option<String>,
+    /// Stop after pass N: 1 parse, 2 elaborate and check, 3 resolve probe points.
+    #[arg(short = 'p', value_name = "N", value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub pass: Option<u8>,
+    /// Write the script's output to FILE instead of stdout.
+    #[arg(short = 'o', value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub format: OutputFormat,
+    /// Set a limit: MAXACTION, MAXMAPENTRIES, MAXSTRINGLEN or MAXNESTING (-D MAXACTION=10000).
+    #[arg(short = 'D', value_name = "NAME=VALUE")]
+    pub define: Vec<String>,
+}
+
+/// Runs the script (or listing) `args` asks for; returns the process exit code.
+///
+/// # Errors
+/// When the script or output file cannot be opened, or the options are inconsistent.
+pub fn run(args: &ScriptArgs) -> anyhow::Result<i32> {
+    let color = std::io::stderr().is_terminal();
+    let listing = args.list.as_ref().map(|p| (p, false)).or(args.list_vars.as_ref().map(|p| (p, true)));
+    if let Some((pattern, with_vars)) = listing {
+        let mut out = std::io::stdout();
+        let code = run_listing(pattern, with_vars, &NoSymbols, &mut out, &mut std::io::stderr(), color);
+        return Ok(code);
+    }
+    let source = match (&args.script, &args.file) {
+        (Some(text), _) => ScriptSource { name: "<input>".to_string(), text: text.clone() },
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read script {}", path.display()))?;
+            ScriptSource { name: path.display().to_string(), text }
+        }
+        (None, None) => bail!("give a script FILE, -e SCRIPT, -l PATTERN or -L PATTERN"),
+    };
+    let mut limits = Limits::default();
+    for d in &args.define {
+        limits.set(d).with_context(|| format!("bad -D {d}"))?;
+    }
+    let out: Box<dyn Write> = match &args.output {
+        Some(path) => {
+            let f = std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?;
+            Box::new(std::io::BufWriter::new(f))
+        }
+        None => Box::new(std::io::stdout()),
+    };
+    let stop = match stop_on_ctrl_c() {
+        Ok(stop) => stop,
+        Err(e) => {
+            tracing::warn!("cannot catch Ctrl-C ({e}); the script can only end by itself");
+            Arc::new(AtomicBool::new(false))
+        }
+    };
+    let format = match args.format {
+        OutputFormat::Text => Format::Text,
+        OutputFormat::Json => Format::Json,
+    };
+    let job = Job { source, last_pass: args.pass, format, limits, color, resolver: &NoSymbols };
+    Ok(run_job(&job, out, Box::new(std::io::stderr()), &stop))
+}

@@ -1,1 +1,3 @@
 //! The instrumentation engine and the probe language.
+
+pub mod lang;

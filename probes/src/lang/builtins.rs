@@ -1,0 +1,92 @@
+//! Signatures of the built-in functions (the part of SystemTap's tapset library exotap has).
+//! The printing family (`print`, `printf`, ...) is variadic and checked specially.
+
+use super::check::Ty;
+
+/// A built-in function's signature.
+#[derive(Debug, Clone, Copy)]
+pub struct Builtin {
+    /// Name.
+    pub name: &'static str,
+    /// Parameter types.
+    pub params: &'static [Ty],
+    /// Result type ([`Ty::Void`] for none).
+    pub ret: Ty,
+    /// One line of documentation, for listings and hints.
+    pub doc: &'static str,
+}
+
+const L: Ty = Ty::Long;
+const S: Ty = Ty::Str;
+
+/// The fixed-arity built-ins.
+pub const BUILTINS: &[Builtin] = &[
+    Builtin { name: "exit", params: &[], ret: Ty::Void, doc: "end the session after this probe" },
+    Builtin { name: "error", params: &[S], ret: Ty::Void, doc: "raise a script error" },
+    Builtin { name: "warn", params: &[S], ret: Ty::Void, doc: "print a warning on stderr" },
+    Builtin { name: "log", params: &[S], ret: Ty::Void, doc: "print a line" },
+    Builtin { name: "strlen", params: &[S], ret: L, doc: "length in bytes" },
+    Builtin { name: "substr", params: &[S, L, L], ret: S, doc: "substring (start, length)" },
+    Builtin { name: "isinstr", params: &[S, S], ret: L, doc: "1 if s2 occurs in s1" },
+    Builtin { name: "strpos", params: &[S, S], ret: L, doc: "offset of s2 in s1, or -1" },
+    Builtin { name: "stringat", params: &[S, L], ret: L, doc: "byte at an offset" },
+    Builtin { name: "strtol", params: &[S, L], ret: L, doc: "parse an integer in a base" },
+    Builtin { name: "str_replace", params: &[S, S, S], ret: S, doc: "replace all occurrences" },
+    Builtin { name: "text_str", params: &[S], ret: S, doc: "escape non-printable characters" },
+    Builtin { name: "string_quoted", params: &[S], ret: S, doc: "quote and escape" },
+    Builtin { name: "isdigit", params: &[S], ret: L, doc: "1 if the first byte is a digit" },
+    Builtin { name: "str_upper", params: &[S], ret: S, doc: "ASCII upper case" },
+    Builtin { name: "str_lower", params: &[S], ret: S, doc: "ASCII lower case" },
+    Builtin { name: "abs", params: &[L], ret: L, doc: "absolute value" },
+    Builtin { name: "min", params: &[L, L], ret: L, doc: "smaller of two" },
+    Builtin { name: "max", params: &[L, L], ret: L, doc: "larger of two" },
+    Builtin { name: "randint", params: &[L], ret: L, doc: "random integer in [0, n)" },
+    Builtin { name: "pid", params: &[], ret: L, doc: "process id of the probed context" },
+    Builtin { name: "tid", params: &[], ret: L, doc: "thread id of the probed context" },
+    Builtin { name: "ppid", params: &[], ret: L, doc: "parent process id" },
+    Builtin { name: "uid", params: &[], ret: L, doc: "user id" },
+    Builtin { name: "cpu", params: &[], ret: L, doc: "CPU the probe fired on" },
+    Builtin { name: "execname", params: &[], ret: S, doc: "command name" },
+    Builtin { name: "probefunc", params: &[], ret: S, doc: "probed function name" },
+    Builtin { name: "ppfunc", params: &[], ret: S, doc: "probed function name" },
+    Builtin { name: "pp", params: &[], ret: S, doc: "the probe point that fired" },
+    Builtin { name: "target", params: &[], ret: L, doc: "target process id (0)" },
+    Builtin { name: "gettimeofday_s", params: &[], ret: L, doc: "seconds since the epoch" },
+    Builtin { name: "gettimeofday_ms", params: &[], ret: L, doc: "milliseconds since the epoch" },
+    Builtin { name: "gettimeofday_us", params: &[], ret: L, doc: "microseconds since the epoch" },
+    Builtin { name: "gettimeofday_ns", params: &[], ret: L, doc: "nanoseconds since the epoch" },
+    Builtin { name: "kernel_string", params: &[L], ret: S, doc: "NUL-terminated guest string" },
+    Builtin { name: "kernel_long", params: &[L], ret: L, doc: "8-byte guest value" },
+    Builtin { name: "kernel_int", params: &[L], ret: L, doc: "4-byte signed guest value" },
+];
+
+/// The variadic printing family.
+pub const PRINTERS: &[&str] =
+    &["print", "println", "printf", "sprint", "sprintln", "sprintf", "printd", "printdln"];
+
+/// Looks a fixed-arity built-in up.
+pub fn lookup(name: &str) -> Option<&'static Builtin> {
+    BUILTINS.iter().find(|b| b.name == name)
+}
+
+/// Whether `name` is any built-in.
+pub fn is_builtin(name: &str) -> bool {
+    lookup(name).is_some() || PRINTERS.contains(&name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn substr_takes_string_and_two_longs() {
+        let b = lookup("substr").unwrap();
+        assert_eq!(b.params, &[Ty::Str, Ty::Long, Ty::Long]);
+    }
+
+    #[test]
+    fn printers_are_builtins_without_fixed_signature() {
+        assert!(is_builtin("printf"));
+        assert!(lookup("printf").is_none());
+    }
+}

@@ -1,0 +1,580 @@
+//! Type inference and checks for expressions (the statement side is in [`check`](super::check)).
+
+use super::ast::*;
+use super::builtins;
+use super::check::{Checker, Shape, Ty};
+use super::diag::Diagnostic;
+use super::format::{arg_kinds, parse_format, ArgKind};
+use super::value::linear_buckets;
+
+impl Checker<'_> {
+    /// Infers the type of `e`, checking it on the way.
+    pub(crate) fn expr(&mut self, e: &Expr) -> Ty {
+        match &e.kind {
+            ExprKind::Num(_) => Ty::Long,
+            ExprKind::Str(_) => Ty::Str,
+            ExprKind::Var(name) => self.var_read(name, e.span),
+            ExprKind::Target(t) => self.target(t, e.span),
+            ExprKind::Index(ix) => {
+                let ty = self.index_keys(ix, e.span);
+                if let Some(g) = self.globals.get_mut(&ix.array.name) {
+                    g.read = true;
+                }
+                ty
+            }
+            ExprKind::Unary(_, x) => {
+                self.expect(x, Ty::Long);
+                Ty::Long
+            }
+            ExprKind::Binary(op, p) => self.binary(*op, &p.0, &p.1, e.span),
+            ExprKind::Ternary(p) => {
+                self.expect(&p.0, Ty::Long);
+                let a = self.expr(&p.1);
+                let b = self.expr(&p.2);
+                match (a, b) {
+                    (Ty::Unknown, Ty::Unknown) => Ty::Unknown,
+                    (Ty::Unknown, t) => {
+                        self.constrain(&p.1, t);
+                        t
+                    }
+                    (t, Ty::Unknown) => {
+                        self.constrain(&p.2, t);
+                        t
+                    }
+                    (a, b) if a == b => a,
+                    (a, b) => {
+                        self.emit(
+                            Diagnostic::error(
+                                format!("type mismatch: the branches of '?:' are a {a} and a {b}"),
+                                e.span,
+                            )
+                            .with_label("both branches must have one type"),
+                        );
+                        a
+                    }
+                }
+            }
+            ExprKind::Assign(op, p) => self.assign(*op, &p.0, &p.1, e.span),
+            ExprKind::IncDec(i) => {
+                self.write_target(&i.target, Ty::Long);
+                Ty::Long
+            }
+            ExprKind::Aggregate(p) => {
+                self.write_target(&p.0, Ty::Stats);
+                self.expect(&p.1, Ty::Long);
+                Ty::Long
+            }
+            ExprKind::Stat(_, target) => {
+                self.aggregate_operand(target, e.span);
+                Ty::Long
+            }
+            ExprKind::Hist(..) => {
+                self.emit(
+                    Diagnostic::error("a histogram can only be printed", e.span)
+                        .with_hint("write print(@hist_log(x)) as a statement of its own"),
+                );
+                Ty::Void
+            }
+            ExprKind::Call(c) => self.call(c, e.span),
+            ExprKind::In(i) => {
+                let keys = self.array_arity(&i.array.name, i.keys.len(), i.array.span);
+                self.require_global_array(&i.array);
+                for (k, key) in i.keys.iter().enumerate() {
+                    self.key(&i.array.name, k, keys.get(k).copied(), key);
+                }
+                if let Some(g) = self.globals.get_mut(&i.array.name) {
+                    g.read = true;
+                }
+                Ty::Long
+            }
+        }
+    }
+
+    /// Checks that `e` has type `want`, pushing `want` into untyped variables.
+    pub(crate) fn expect(&mut self, e: &Expr, want: Ty) -> Ty {
+        let got = self.expr(e);
+        match got {
+            Ty::Unknown => self.constrain(e, want),
+            Ty::Stats if want != Ty::Stats => self.stats_as_value(e.span),
+            Ty::Void => self.emit(
+                Diagnostic::error("this function returns no value", e.span)
+                    .with_label(format!("a {want} is needed here")),
+            ),
+            got if got != want => self.emit(
+                Diagnostic::error(format!("type mismatch: expected a {want}, found a {got}"), e.span)
+                    .with_label(format!("this is a {got}"))
+                    .with_hint(match want {
+                        Ty::Str => "convert a long with sprint(n) or sprintf(\"%d\", n)",
+                        Ty::Long => "convert a string with strtol(s, 10)",
+                        _ => "use a value of the expected type",
+                    }),
+            ),
+            _ => {}
+        }
+        want
+    }
+
+    pub(crate) fn stats_as_value(&mut self, span: Span) {
+        self.emit(
+            Diagnostic::error("an aggregate cannot be used as a value", span)
+                .with_label("aggregate")
+                .with_hint("extract a value with @count, @sum, @min, @max or @avg"),
+        );
+    }
+
+    /// Gives an untyped expression a type where it names something typeable.
+    fn constrain(&mut self, e: &Expr, want: Ty) {
+        match &e.kind {
+            ExprKind::Var(name) => self.set_var(name, want, e.span),
+            ExprKind::Index(ix) => self.set_global_value(&ix.array.name, want, e.span),
+            ExprKind::Call(c) => {
+                if let Some(&f) = self.functions.get(&c.name.name) {
+                    if self.function_ret[f] == Ty::Unknown && matches!(want, Ty::Long | Ty::Str) {
+                        self.function_ret[f] = want;
+                        self.changed = true;
+                    }
+                }
+            }
+            ExprKind::Ternary(p) => {
+                self.constrain(&p.1, want);
+                self.constrain(&p.2, want);
+            }
+            ExprKind::Assign(None, p) => self.constrain(&p.0, want),
+            _ => {}
+        }
+    }
+
+    fn var_read(&mut self, name: &str, span: Span) -> Ty {
+        if let Some(g) = self.globals.get_mut(name) {
+            g.read = true;
+            let (shape, value) = (g.shape, g.value);
+            if shape == Shape::Array {
+                self.emit(
+                    Diagnostic::error(format!("array '{name}' is used without an index"), span)
+                        .with_hint(format!("read one element as {name}[key]")),
+                );
+                return Ty::Unknown;
+            }
+            if shape == Shape::Unknown {
+                if let Some(g) = self.globals.get_mut(name) {
+                    g.shape = Shape::Scalar;
+                }
+            }
+            return value;
+        }
+        if !self.scope.assigned.contains(name) {
+            self.undefined(name, span);
+            return Ty::Unknown;
+        }
+        self.local_ty(name)
+    }
+
+    fn target(&mut self, t: &TargetVar, span: Span) -> Ty {
+        if self.scope.function.is_some() {
+            self.emit(
+                Diagnostic::error(format!("target variable '{}' used in a function", t.name), span)
+                    .with_hint("read it in the probe handler and pass it as an argument"),
+            );
+            return Ty::Long;
+        }
+        let kinds = self.scope.kinds.clone();
+        if let Some(k) = kinds.iter().find(|k| !k.has_target_vars()) {
+            self.emit(
+                Diagnostic::error(
+                    format!("target variable '{}' is not available in '{}' probes", t.name, k.family()),
+                    span,
+                )
+                .with_hint("target variables exist only at kernel probe points"),
+            );
+            return Ty::Long;
+        }
+        match t.name.as_str() {
+            "$return" if !kinds.iter().all(|k| k.is_return()) => {
+                self.emit(
+                    Diagnostic::error("'$return' is only available in .return probes", span)
+                        .with_hint("probe kernel.function(\"f\").return to see the return value"),
+                );
+                Ty::Long
+            }
+            "$$parms" | "$$vars" | "$$locals" | "$$return" => {
+                if !t.members.is_empty() {
+                    self.emit(Diagnostic::error(format!("'{}' has no members", t.name), span));
+                }
+                Ty::Str
+            }
+            n if n.starts_with("$$") => {
+                self.emit(
+                    Diagnostic::error(format!("unknown context variable '{n}'"), span)
+                        .with_hint("known: $$parms, $$vars, $$locals, $$return"),
+                );
+                Ty::Str
+            }
+            _ => Ty::Long,
+        }
+    }
+
+    fn require_global_array(&mut self, array: &Ident) -> bool {
+        if self.globals.contains_key(&array.name) {
+            return true;
+        }
+        self.emit(
+            Diagnostic::error(format!("'{}' is not a global array", array.name), array.span)
+                .with_hint(format!("arrays must be declared: global {}", array.name)),
+        );
+        false
+    }
+
+    fn key(&mut self, array: &str, k: usize, key_ty: Option<Ty>, key: &Expr) {
+        let got = self.expr(key);
+        match (key_ty, got) {
+            (_, Ty::Stats) => self.stats_as_value(key.span),
+            (_, Ty::Void) => self.emit(Diagnostic::error("this function returns no value", key.span)),
+            (Some(Ty::Unknown), t @ (Ty::Long | Ty::Str)) => self.set_key(array, k, t, key.span),
+            (Some(want @ (Ty::Long | Ty::Str)), Ty::Unknown) => self.constrain(key, want),
+            (Some(_), t) if t != Ty::Unknown => self.set_key(array, k, t, key.span),
+            _ => {}
+        }
+    }
+
+    /// Checks the keys of `a[k...]`; returns the element type.
+    pub(crate) fn index_keys(&mut self, ix: &IndexExpr, span: Span) -> Ty {
+        if !self.require_global_array(&ix.array) {
+            return Ty::Unknown;
+        }
+        let keys = self.array_arity(&ix.array.name, ix.keys.len(), span);
+        for (k, key) in ix.keys.iter().enumerate() {
+            self.key(&ix.array.name, k, keys.get(k).copied(), key);
+        }
+        self.globals.get(&ix.array.name).map(|g| g.value).unwrap_or(Ty::Unknown)
+    }
+
+    fn binary(&mut self, op: BinOp, l: &Expr, r: &Expr, span: Span) -> Ty {
+        if op == BinOp::Concat {
+            self.expect(l, Ty::Str);
+            self.expect(r, Ty::Str);
+            return Ty::Str;
+        }
+        if !op.is_comparison() {
+            self.expect(l, Ty::Long);
+            self.expect(r, Ty::Long);
+            return Ty::Long;
+        }
+        let a = self.expr(l);
+        let b = self.expr(r);
+        match (a, b) {
+            (Ty::Stats, _) | (Ty::Void, _) => self.expect_value(l, a),
+            (_, Ty::Stats) | (_, Ty::Void) => self.expect_value(r, b),
+            (Ty::Unknown, t) if t != Ty::Unknown => self.constrain(l, t),
+            (t, Ty::Unknown) if t != Ty::Unknown => self.constrain(r, t),
+            (a, b) if a != b && a != Ty::Unknown => self.emit(
+                Diagnostic::error(format!("type mismatch: cannot compare a {a} with a {b}"), span)
+                    .with_label(format!("'{}' needs two longs or two strings", op.symbol())),
+            ),
+            _ => {}
+        }
+        Ty::Long
+    }
+
+    fn expect_value(&mut self, e: &Expr, t: Ty) {
+        if t == Ty::Stats {
+            self.stats_as_value(e.span);
+        } else {
+            self.emit(Diagnostic::error("this function returns no value", e.span));
+        }
+    }
+
+    fn assign(&mut self, op: Option<BinOp>, lhs: &Expr, rhs: &Expr, span: Span) -> Ty {
+        let want = match op {
+            None => {
+                let t = self.expr(rhs);
+                match t {
+                    Ty::Stats => {
+                        self.stats_as_value(rhs.span);
+                        return Ty::Unknown;
+                    }
+                    Ty::Void => {
+                        self.emit(Diagnostic::error("this function returns no value", rhs.span));
+                        return Ty::Unknown;
+                    }
+                    Ty::Unknown => {
+                        let l = self.lvalue_ty(lhs);
+                        if matches!(l, Ty::Long | Ty::Str) {
+                            self.constrain(rhs, l);
+                        }
+                        l
+                    }
+                    t => t,
+                }
+            }
+            Some(BinOp::Concat) => {
+                self.expect(rhs, Ty::Str);
+                Ty::Str
+            }
+            Some(_) => {
+                self.expect(rhs, Ty::Long);
+                Ty::Long
+            }
+        };
+        let _ = span;
+        self.write_target(lhs, want);
+        want
+    }
+
+    /// The current type of an assignable expression, without reporting.
+    fn lvalue_ty(&self, e: &Expr) -> Ty {
+        match &e.kind {
+            ExprKind::Var(n) => match self.globals.get(n) {
+                Some(g) => g.value,
+                None => self.local_ty(n),
+            },
+            ExprKind::Index(ix) => self.globals.get(&ix.array.name).map_or(Ty::Unknown, |g| g.value),
+            ExprKind::Target(_) => Ty::Long,
+            _ => Ty::Unknown,
+        }
+    }
+
+    /// Records a write of a value of type `ty` (Stats for `<<<`) into `target`.
+    fn write_target(&mut self, target: &Expr, ty: Ty) {
+        match &target.kind {
+            ExprKind::Var(name) => {
+                if let Some(g) = self.globals.get_mut(name) {
+                    g.written = true;
+                    if g.shape == Shape::Array {
+                        self.emit(
+                            Diagnostic::error(format!("array '{name}' is assigned without an index"), target.span)
+                                .with_hint(format!("assign one element as {name}[key] = value")),
+                        );
+                        return;
+                    }
+                    g.shape = Shape::Scalar;
+                    if g.value == Ty::Stats && ty != Ty::Stats {
+                        self.emit(
+                            Diagnostic::error(format!("'{name}' is an aggregate and can only take '<<<'"), target.span)
+                                .with_hint(format!("add a value with {name} <<< value")),
+                        );
+                        return;
+                    }
+                } else if ty == Ty::Stats {
+                    self.emit(
+                        Diagnostic::error(format!("aggregate '{name}' must be a global"), target.span)
+                            .with_hint(format!("declare it with 'global {name}'")),
+                    );
+                    return;
+                }
+                self.set_var(name, ty, target.span);
+            }
+            ExprKind::Index(ix) => {
+                let have = self.index_keys(ix, target.span);
+                if let Some(g) = self.globals.get_mut(&ix.array.name) {
+                    g.written = true;
+                }
+                if have == Ty::Stats && ty != Ty::Stats {
+                    self.emit(
+                        Diagnostic::error(format!("'{}' holds aggregates and can only take '<<<'", ix.array.name), target.span),
+                    );
+                    return;
+                }
+                self.set_global_value(&ix.array.name, ty, target.span);
+            }
+            ExprKind::Target(t) => {
+                self.target(t, target.span);
+                self.emit(
+                    Diagnostic::error(format!("cannot write target variable '{}'", t.name), target.span)
+                        .with_hint("changing guest state needs guru mode, which exotap does not have yet"),
+                );
+            }
+            _ => self.emit(Diagnostic::error("not assignable", target.span)),
+        }
+    }
+
+    /// Checks the operand of `@count(x)`, `@hist_log(x)`, ... and returns the global's name.
+    fn aggregate_operand(&mut self, target: &Expr, span: Span) -> Option<String> {
+        let name = match &target.kind {
+            ExprKind::Var(name) if self.globals.contains_key(name) => {
+                if let Some(g) = self.globals.get_mut(name) {
+                    if g.shape == Shape::Unknown {
+                        g.shape = Shape::Scalar;
+                    }
+                }
+                name.clone()
+            }
+            ExprKind::Index(ix) => {
+                self.index_keys(ix, target.span);
+                ix.array.name.clone()
+            }
+            _ => {
+                self.emit(
+                    Diagnostic::error("statistics need a global aggregate", target.span)
+                        .with_label("not a global aggregate")
+                        .with_hint("feed a global with 'name <<< value' and use @count(name)"),
+                );
+                return None;
+            }
+        };
+        let _ = span;
+        if let Some(g) = self.globals.get_mut(&name) {
+            g.read = true;
+        }
+        self.set_global_value(&name, Ty::Stats, target.span);
+        Some(name)
+    }
+
+    fn hist(&mut self, kind: HistKind, target: &Expr, span: Span) {
+        let Some(name) = self.aggregate_operand(target, span) else { return };
+        if let HistKind::Linear { start, stop, interval } = kind {
+            if linear_buckets(start, stop, interval).is_none() {
+                self.emit(
+                    Diagnostic::error("invalid @hist_linear layout", span).with_hint(
+                        "need interval > 0, stop > start and (stop - start) / interval at most 125",
+                    ),
+                );
+                return;
+            }
+        }
+        let Some(g) = self.globals.get_mut(&name) else { return };
+        match kind {
+            HistKind::Log => g.hist.log = true,
+            HistKind::Linear { .. } => match g.hist.linear {
+                None => g.hist.linear = Some(kind),
+                Some(other) if other == kind => {}
+                Some(_) => self.emit(
+                    Diagnostic::error(format!("'{name}' is printed with two different @hist_linear layouts"), span)
+                        .with_hint("use one start, stop and interval per aggregate"),
+                ),
+            },
+        }
+    }
+
+    fn call(&mut self, c: &Call, span: Span) -> Ty {
+        let name = c.name.name.as_str();
+        match name {
+            "printf" | "sprintf" => {
+                self.printf(c, span);
+                return if name == "printf" { Ty::Void } else { Ty::Str };
+            }
+            "print" | "println" | "sprint" | "sprintln" | "printd" | "printdln" => {
+                let delimited = name.starts_with("printd");
+                if delimited {
+                    match c.args.first() {
+                        Some(d) => {
+                            self.expect(d, Ty::Str);
+                        }
+                        None => self.emit(Diagnostic::error(format!("'{name}' needs a delimiter"), span)),
+                    }
+                }
+                if name == "print" && c.args.is_empty() {
+                    self.emit(Diagnostic::error("'print' needs at least one argument", span));
+                }
+                for (i, a) in c.args.iter().enumerate().skip(usize::from(delimited)) {
+                    if let ExprKind::Hist(kind, target) = &a.kind {
+                        if c.args.len() != 1 || delimited {
+                            self.emit(
+                                Diagnostic::error("a histogram must be printed on its own", a.span)
+                                    .with_hint("print(@hist_log(x)) with no other argument"),
+                            );
+                        }
+                        self.hist(*kind, target, a.span);
+                        continue;
+                    }
+                    let t = self.expr(a);
+                    if t == Ty::Stats || t == Ty::Void {
+                        self.expect_value(a, t);
+                    }
+                    let _ = i;
+                }
+                return if name.starts_with('s') { Ty::Str } else { Ty::Void };
+            }
+            _ => {}
+        }
+        if let Some(b) = builtins::lookup(name) {
+            self.arity(name, b.params.len(), c.args.len(), span);
+            for (a, &p) in c.args.iter().zip(b.params) {
+                self.expect(a, p);
+            }
+            return b.ret;
+        }
+        let Some(&f) = self.functions.get(name) else {
+            self.emit(
+                Diagnostic::error(format!("unknown function '{name}'"), c.name.span)
+                    .with_label("not a built-in nor defined in this script"),
+            );
+            for a in &c.args {
+                self.expr(a);
+            }
+            return Ty::Unknown;
+        };
+        let func = &self.script.functions[f];
+        let body = self.script.probes.len() + f;
+        self.arity(name, func.params.len(), c.args.len(), span);
+        let params: Vec<String> = func.params.iter().map(|p| p.name.name.clone()).collect();
+        for (a, p) in c.args.iter().zip(&params) {
+            let want = self.locals[body].get(p).copied().unwrap_or(Ty::Unknown);
+            if want == Ty::Unknown {
+                let got = self.expr(a);
+                if matches!(got, Ty::Long | Ty::Str) {
+                    self.locals[body].insert(p.clone(), got);
+                    self.changed = true;
+                } else if got == Ty::Stats || got == Ty::Void {
+                    self.expect_value(a, got);
+                }
+            } else {
+                self.expect(a, want);
+            }
+        }
+        self.function_ret[f]
+    }
+
+    fn arity(&mut self, name: &str, want: usize, got: usize, span: Span) {
+        if want != got {
+            self.emit(Diagnostic::error(
+                format!("function '{name}' takes {want} argument(s), {got} given"),
+                span,
+            ));
+        }
+    }
+
+    fn printf(&mut self, c: &Call, span: Span) {
+        let name = &c.name.name;
+        let Some(first) = c.args.first() else {
+            self.emit(Diagnostic::error(format!("'{name}' needs a format string"), span));
+            return;
+        };
+        let ExprKind::Str(fmt) = &first.kind else {
+            self.emit(
+                Diagnostic::error(format!("the format of '{name}' must be a string literal"), first.span)
+                    .with_hint("formats are checked before the script runs"),
+            );
+            for a in &c.args {
+                self.expr(a);
+            }
+            return;
+        };
+        let pieces = match parse_format(fmt) {
+            Ok(p) => p,
+            Err(e) => {
+                self.emit(Diagnostic::error(format!("bad format: {e}"), first.span).with_hint(
+                    "conversions are %d %i %u %x %X %o %s %c %p and %%, with flags -+ 0# and widths",
+                ));
+                return;
+            }
+        };
+        let kinds = arg_kinds(&pieces);
+        let args = &c.args[1..];
+        if kinds.len() != args.len() {
+            self.emit(
+                Diagnostic::error(
+                    format!("format expects {} argument(s), {} given", kinds.len(), args.len()),
+                    span,
+                )
+                .with_label("argument count does not match the format"),
+            );
+        }
+        for (a, k) in args.iter().zip(kinds) {
+            let want = match k {
+                ArgKind::Long => Ty::Long,
+                ArgKind::Str => Ty::Str,
+            };
+            self.expect(a, want);
+        }
+    }
+}

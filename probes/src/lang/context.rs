@@ -1,0 +1,139 @@
+//! The probed context a probe body runs on: target variables and task facts. Kernel backends
+//! capture these into records; guest-free probes (`begin`, `end`, timers) run on an empty one.
+
+use std::collections::HashMap;
+
+use super::value::Value;
+
+/// Why guest memory could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemoryError {
+    /// This context has no guest memory (guest-free probes, records without a snapshot).
+    #[error("no guest memory in this probe context")]
+    NoMemory,
+    /// The address is not mapped or not captured.
+    #[error("cannot read guest memory at {addr:#x}")]
+    Unreadable {
+        /// The address.
+        addr: u64,
+    },
+}
+
+/// What a probe body may ask about the place and task it fired in.
+pub trait Context {
+    /// Value of a target variable by its path (`$fd`, `$file->f_pos`, `$return`, `$$parms`).
+    fn target(&self, path: &str) -> Option<Value>;
+    /// Process id.
+    fn pid(&self) -> i64;
+    /// Thread id.
+    fn tid(&self) -> i64;
+    /// Parent process id.
+    fn ppid(&self) -> i64;
+    /// User id.
+    fn uid(&self) -> i64;
+    /// Command name.
+    fn execname(&self) -> String;
+    /// CPU the probe fired on.
+    fn cpu(&self) -> i64;
+    /// Probed function (empty outside kernel probes).
+    fn probefunc(&self) -> String;
+    /// Reads guest kernel virtual memory.
+    ///
+    /// # Errors
+    /// When the memory is not available.
+    fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError>;
+}
+
+/// A context captured into a record (or made up for guest-free probes and tests).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CapturedContext {
+    /// Target variables by path.
+    pub targets: HashMap<String, Value>,
+    /// Process id.
+    pub pid: i64,
+    /// Thread id.
+    pub tid: i64,
+    /// Parent process id.
+    pub ppid: i64,
+    /// User id.
+    pub uid: i64,
+    /// Command name.
+    pub execname: String,
+    /// CPU.
+    pub cpu: i64,
+    /// Probed function.
+    pub probefunc: String,
+    /// Captured memory ranges: start address to bytes.
+    pub memory: Vec<(u64, Vec<u8>)>,
+}
+
+impl Context for CapturedContext {
+    fn target(&self, path: &str) -> Option<Value> {
+        self.targets.get(path).cloned()
+    }
+
+    fn pid(&self) -> i64 {
+        self.pid
+    }
+
+    fn tid(&self) -> i64 {
+        self.tid
+    }
+
+    fn ppid(&self) -> i64 {
+        self.ppid
+    }
+
+    fn uid(&self) -> i64 {
+        self.uid
+    }
+
+    fn execname(&self) -> String {
+        self.execname.clone()
+    }
+
+    fn cpu(&self) -> i64 {
+        self.cpu
+    }
+
+    fn probefunc(&self) -> String {
+        self.probefunc.clone()
+    }
+
+    fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
+        if self.memory.is_empty() {
+            return Err(MemoryError::NoMemory);
+        }
+        for (start, bytes) in &self.memory {
+            let Some(off) = addr.checked_sub(*start) else { continue };
+            let Ok(off) = usize::try_from(off) else { continue };
+            let Some(end) = off.checked_add(len) else { continue };
+            if let Some(slice) = bytes.get(off..end) {
+                return Ok(slice.to_vec());
+            }
+        }
+        Err(MemoryError::Unreadable { addr })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn captured_memory_is_readable_inside_its_range() {
+        let ctx = CapturedContext { memory: vec![(0x1000, vec![1, 2, 3, 4])], ..Default::default() };
+        assert_eq!(ctx.read_kernel(0x1001, 2), Ok(vec![2, 3]));
+    }
+
+    #[test]
+    fn read_past_a_captured_range_fails() {
+        let ctx = CapturedContext { memory: vec![(0x1000, vec![1, 2])], ..Default::default() };
+        assert_eq!(ctx.read_kernel(0x1001, 2), Err(MemoryError::Unreadable { addr: 0x1001 }));
+    }
+
+    #[test]
+    fn empty_context_has_no_memory() {
+        assert_eq!(CapturedContext::default().read_kernel(0, 1), Err(MemoryError::NoMemory));
+    }
+}

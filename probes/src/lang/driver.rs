@@ -1,0 +1,228 @@
+//! The passes as the command line runs them: parse (1), elaborate and check (2), resolve
+//! probe points (3), run (5). Shared by the `exotap` binary and the `stap` example.
+
+use std::io::Write;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use super::check::{check, Program, Shape, Ty};
+use super::diag::Diagnostic;
+use super::output::{Format, Output};
+use super::parser::parse;
+use super::resolve::{list, ListError, ProbePointResolver};
+use super::runtime::run_guest_free;
+use super::Limits;
+
+/// A script and where it came from.
+#[derive(Debug, Clone)]
+pub struct ScriptSource {
+    /// File name, or `<command line>` for `-e`.
+    pub name: String,
+    /// The text.
+    pub text: String,
+}
+
+/// Parses and checks a script.
+///
+/// # Errors
+/// The diagnostics (errors first by position, with any warnings).
+pub fn compile(src: &ScriptSource, limits: &Limits) -> Result<Program, Vec<Diagnostic>> {
+    let script = parse(&src.text, limits).map_err(|e| vec![Diagnostic::from(&e)])?;
+    check(script)
+}
+
+/// What to do with a script.
+pub struct Job<'a> {
+    /// The script.
+    pub source: ScriptSource,
+    /// Stop after this pass (1 parse, 2 check, 3 resolve); None runs it.
+    pub last_pass: Option<u8>,
+    /// Output format.
+    pub format: Format,
+    /// Limits.
+    pub limits: Limits,
+    /// Colored diagnostics.
+    pub color: bool,
+    /// Probe point resolver (symbols).
+    pub resolver: &'a dyn ProbePointResolver,
+}
+
+impl std::fmt::Debug for Job<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job").field("source", &self.source.name).field("last_pass", &self.last_pass).finish_non_exhaustive()
+    }
+}
+
+fn ty_name(t: Ty) -> &'static str {
+    match t {
+        Ty::Long => "long",
+        Ty::Str => "string",
+        Ty::Stats => "stats",
+        Ty::Unknown => "unknown",
+        Ty::Void => "void",
+    }
+}
+
+/// The elaborated program as `-p 2` prints it.
+pub fn summary(prog: &Program) -> String {
+    let mut s = String::from("# globals\n");
+    for (name, g) in &prog.globals {
+        let keys = if g.shape == Shape::Array {
+            let k: Vec<&str> = g.keys.iter().map(|t| ty_name(*t)).collect();
+            format!(" [{}]", k.join(", "))
+        } else {
+            String::new()
+        };
+        s.push_str(&format!("{name}:{}{keys}\n", ty_name(g.value)));
+    }
+    s.push_str("# functions\n");
+    for (i, f) in prog.script.functions.iter().enumerate() {
+        let params: Vec<String> = f
+            .params
+            .iter()
+            .map(|p| {
+                let t = prog.locals[prog.script.probes.len() + i].get(&p.name.name);
+                format!("{}:{}", p.name.name, ty_name(t.copied().unwrap_or(Ty::Unknown)))
+            })
+            .collect();
+        s.push_str(&format!("{}:{} ({})\n", f.name.name, ty_name(prog.function_ret[i]), params.join(", ")));
+    }
+    s.push_str("# probes\n");
+    for p in &prog.probes {
+        for (pt, kind) in &p.points {
+            s.push_str(&format!("{pt} /* {} */\n", kind.family()));
+        }
+    }
+    s
+}
+
+fn print_diags(err: &mut dyn Write, diags: &[Diagnostic], src: &ScriptSource, color: bool) {
+    for d in diags {
+        let _ = write!(err, "{}", d.render(&src.name, &src.text, color));
+    }
+}
+
+/// Runs `job`, writing script output to `out` and diagnostics to `err`; returns the exit code
+/// (0 success, 1 script or runtime errors).
+pub fn run_job(job: &Job<'_>, out: Box<dyn Write>, mut err: Box<dyn Write>, stop: &Arc<AtomicBool>) -> i32 {
+    let src = &job.source;
+    let mut out = out;
+    if job.last_pass == Some(1) {
+        return match parse(&src.text, &job.limits) {
+            Ok(script) => {
+                let mut text = String::new();
+                for p in &script.probes {
+                    let pts: Vec<String> = p.points.iter().map(ToString::to_string).collect();
+                    text.push_str(&format!("probe {}\n", pts.join(", ")));
+                }
+                for f in &script.functions {
+                    text.push_str(&format!("function {}\n", f.name.name));
+                }
+                let _ = out.write_all(text.as_bytes());
+                0
+            }
+            Err(e) => {
+                print_diags(&mut *err, &[Diagnostic::from(&e)], src, job.color);
+                1
+            }
+        };
+    }
+    let prog = match compile(src, &job.limits) {
+        Ok(p) => p,
+        Err(diags) => {
+            print_diags(&mut *err, &diags, src, job.color);
+            return 1;
+        }
+    };
+    print_diags(&mut *err, &prog.warnings, src, job.color);
+    if job.last_pass == Some(2) {
+        let _ = out.write_all(summary(&prog).as_bytes());
+        return 0;
+    }
+    if job.last_pass.is_some_and(|p| p >= 3) {
+        let mut failed = false;
+        for p in &prog.probes {
+            for (pt, _) in &p.points {
+                match list(&pt.to_string(), job.resolver) {
+                    Ok(found) => {
+                        for r in found {
+                            let _ = writeln!(out, "{}", r.name);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = writeln!(err, "exotap: error: {e}");
+                        failed = true;
+                    }
+                }
+            }
+        }
+        return i32::from(failed);
+    }
+    if prog.needs_guest() {
+        let points: Vec<String> = prog
+            .probes
+            .iter()
+            .flat_map(|p| p.points.iter())
+            .filter(|(_, k)| k.needs_guest())
+            .map(|(pt, _)| pt.to_string())
+            .collect();
+        let e = super::runtime::RuntimeError::NeedsGuest { points: points.join(", ") };
+        let _ = writeln!(err, "exotap: error: {e}");
+        return 1;
+    }
+    let output = Output::new(job.format, out, err);
+    match run_guest_free(&prog, job.limits.clone(), output, &src.name, &src.text, stop) {
+        Ok(code) => code,
+        Err(e) => {
+            // The Output took the error stream; report through a fresh stderr handle.
+            let _ = writeln!(std::io::stderr(), "exotap: error: {e}");
+            1
+        }
+    }
+}
+
+/// Runs `-l PATTERN` / `-L PATTERN`: prints each match (with its variables for `-L`).
+/// Returns the exit code: 1 when nothing could be listed.
+pub fn run_listing(
+    pattern: &str,
+    with_vars: bool,
+    resolver: &dyn ProbePointResolver,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    color: bool,
+) -> i32 {
+    match list(pattern, resolver) {
+        Ok(found) => {
+            for r in found {
+                let vars = if with_vars && !r.variables.is_empty() {
+                    format!(" {}", r.variables.join(" "))
+                } else {
+                    String::new()
+                };
+                let _ = writeln!(out, "{}{vars}", r.name);
+            }
+            0
+        }
+        Err(ListError::BadPattern { text, diagnostics, .. }) => {
+            let src = ScriptSource { name: "<pattern>".into(), text };
+            print_diags(err, &diagnostics, &src, color);
+            1
+        }
+        Err(ListError::Resolve(e)) => {
+            let _ = writeln!(err, "exotap: {e}");
+            1
+        }
+    }
+}
+
+/// Installs a Ctrl-C handler that sets the returned flag (the session then runs its end
+/// probes and exits). Only one handler can exist per process.
+///
+/// # Errors
+/// When a handler is already installed or signals cannot be set up.
+pub fn stop_on_ctrl_c() -> Result<Arc<AtomicBool>, ctrlc::Error> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    ctrlc::set_handler(move || flag.store(true, std::sync::atomic::Ordering::SeqCst))?;
+    Ok(stop)
+}

@@ -1,0 +1,362 @@
+//! Tree-walking evaluator for checked programs. Every failure (division by zero, MAXACTION,
+//! MAXMAPENTRIES, MAXNESTING, empty aggregates, unreadable guest memory, `error()`) is a
+//! [`ScriptError`] for the session to report; nothing here panics on script input.
+
+use std::collections::HashMap;
+
+use indexmap::IndexMap;
+
+use super::ast::*;
+use super::check::{Program, Shape, Ty};
+use super::context::Context;
+use super::limits::Limits;
+use super::output::Output;
+use super::value::{truncate, Stats, Value};
+
+/// A runtime error of the script, reported like SystemTap's `ERROR: ... near ...`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ScriptError {
+    /// What went wrong.
+    pub message: String,
+    /// The construct that failed.
+    pub span: Span,
+}
+
+/// Why evaluation stopped early: an error, or `next` leaving the probe handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stop {
+    Error(ScriptError),
+    Next,
+}
+
+pub(crate) type EResult<T> = Result<T, Stop>;
+
+pub(crate) fn fail<T>(message: impl Into<String>, span: Span) -> EResult<T> {
+    Err(Stop::Error(ScriptError { message: message.into(), span }))
+}
+
+/// How a statement finished.
+pub(crate) enum Flow {
+    Normal,
+    Break,
+    Continue,
+    Return(Option<Value>),
+}
+
+/// Storage of one global.
+#[derive(Debug, Clone)]
+pub enum Store {
+    /// Long or string scalar.
+    Scalar(Value),
+    /// Scalar aggregate.
+    Stats(Stats),
+    /// Array of longs or strings.
+    Array(IndexMap<Vec<Value>, Value>),
+    /// Array of aggregates.
+    StatsArray(IndexMap<Vec<Value>, Stats>),
+}
+
+/// Local variables of one probe handler or function call.
+pub(crate) struct Frame {
+    pub body: usize,
+    pub locals: HashMap<String, Value>,
+}
+
+/// The evaluator's state: globals, limits, output.
+pub struct Interp<'p> {
+    /// The checked program.
+    pub prog: &'p Program,
+    /// Limits in force.
+    pub limits: Limits,
+    /// Globals by name.
+    pub globals: HashMap<String, Store>,
+    /// Output streams.
+    pub out: Output,
+    /// Set by `exit()`.
+    pub exit_requested: bool,
+    pub(crate) actions: u64,
+    pub(crate) depth: usize,
+    pub(crate) rng: u64,
+    pub(crate) point: String,
+}
+
+impl std::fmt::Debug for Interp<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Interp").field("exit_requested", &self.exit_requested).finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn default_of(ty: Ty) -> Value {
+    if ty == Ty::Str {
+        Value::Str(String::new())
+    } else {
+        Value::Long(0)
+    }
+}
+
+impl<'p> Interp<'p> {
+    /// A fresh evaluator with globals at their initial values.
+    pub fn new(prog: &'p Program, limits: Limits, out: Output) -> Self {
+        let mut me = Interp {
+            prog,
+            limits,
+            globals: HashMap::new(),
+            out,
+            exit_requested: false,
+            actions: 0,
+            depth: 0,
+            rng: 0x2545_f491_4f6c_dd1d,
+            point: String::new(),
+        };
+        for name in prog.globals.keys() {
+            let store = me.initial(name);
+            me.globals.insert(name.clone(), store);
+        }
+        me
+    }
+
+    fn initial(&self, name: &str) -> Store {
+        let Some(g) = self.prog.globals.get(name) else { return Store::Scalar(Value::Long(0)) };
+        match (g.shape, g.value) {
+            (Shape::Array, Ty::Stats) => Store::StatsArray(IndexMap::new()),
+            (Shape::Array, _) => Store::Array(IndexMap::new()),
+            (_, Ty::Stats) => Store::Stats(Stats::new(g.hist)),
+            (_, ty) => Store::Scalar(match &g.init {
+                Some(Literal::Num(n)) => Value::Long(*n),
+                Some(Literal::Str(s)) => Value::Str(truncate(s.clone(), self.limits.max_string_len)),
+                None => default_of(ty),
+            }),
+        }
+    }
+
+    pub(crate) fn string(&self, s: String) -> Value {
+        Value::Str(truncate(s, self.limits.max_string_len))
+    }
+
+    /// Runs the handler of probe `index` as fired at `point` on `ctx`.
+    ///
+    /// # Errors
+    /// The script error that ended the handler.
+    pub fn run_probe(&mut self, index: usize, point: &str, ctx: &dyn Context) -> Result<(), ScriptError> {
+        let prog = self.prog;
+        let Some(probe) = prog.script.probes.get(index) else { return Ok(()) };
+        self.actions = 0;
+        self.depth = 0;
+        self.point = point.to_string();
+        let mut frame = Frame { body: index, locals: HashMap::new() };
+        let result = (|| {
+            if let Some(cond) = &probe.condition {
+                if self.eval(cond, &mut frame, ctx)?.as_long() == 0 {
+                    return Ok(Flow::Normal);
+                }
+            }
+            self.block(&probe.body, &mut frame, ctx)
+        })();
+        match result {
+            Ok(_) | Err(Stop::Next) => Ok(()),
+            Err(Stop::Error(e)) => Err(e),
+        }
+    }
+
+    pub(crate) fn tick(&mut self, span: Span) -> EResult<()> {
+        self.actions += 1;
+        if self.actions > self.limits.max_action {
+            return fail("MAXACTION exceeded", span);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn block(&mut self, b: &Block, f: &mut Frame, ctx: &dyn Context) -> EResult<Flow> {
+        for s in &b.stmts {
+            match self.stmt(s, f, ctx)? {
+                Flow::Normal => {}
+                other => return Ok(other),
+            }
+        }
+        Ok(Flow::Normal)
+    }
+
+    fn stmt(&mut self, s: &Stmt, f: &mut Frame, ctx: &dyn Context) -> EResult<Flow> {
+        self.tick(s.span)?;
+        match &s.kind {
+            StmtKind::Empty => {}
+            StmtKind::Block(b) => return self.block(b, f, ctx),
+            StmtKind::Expr(e) => {
+                self.eval(e, f, ctx)?;
+            }
+            StmtKind::If(i) => {
+                if self.eval(&i.cond, f, ctx)?.as_long() != 0 {
+                    return self.stmt(&i.then, f, ctx);
+                } else if let Some(e) = &i.els {
+                    return self.stmt(e, f, ctx);
+                }
+            }
+            StmtKind::While(w) => {
+                while self.eval(&w.0, f, ctx)?.as_long() != 0 {
+                    self.tick(s.span)?;
+                    match self.stmt(&w.1, f, ctx)? {
+                        Flow::Break => break,
+                        Flow::Return(v) => return Ok(Flow::Return(v)),
+                        Flow::Normal | Flow::Continue => {}
+                    }
+                }
+            }
+            StmtKind::For(fs) => {
+                if let Some(e) = &fs.init {
+                    self.eval(e, f, ctx)?;
+                }
+                loop {
+                    if let Some(c) = &fs.cond {
+                        if self.eval(c, f, ctx)?.as_long() == 0 {
+                            break;
+                        }
+                    }
+                    self.tick(s.span)?;
+                    match self.stmt(&fs.body, f, ctx)? {
+                        Flow::Break => break,
+                        Flow::Return(v) => return Ok(Flow::Return(v)),
+                        Flow::Normal | Flow::Continue => {}
+                    }
+                    if let Some(e) = &fs.step {
+                        self.eval(e, f, ctx)?;
+                    }
+                }
+            }
+            StmtKind::Foreach(fe) => return self.foreach(fe, f, ctx),
+            StmtKind::Next => return Err(Stop::Next),
+            StmtKind::Break => return Ok(Flow::Break),
+            StmtKind::Continue => return Ok(Flow::Continue),
+            StmtKind::Return(v) => {
+                let v = match v {
+                    Some(e) => Some(self.eval(e, f, ctx)?),
+                    None => None,
+                };
+                return Ok(Flow::Return(v));
+            }
+            StmtKind::Delete(e) => self.delete(e, f, ctx)?,
+            StmtKind::Try(t) => match self.block(&t.body, f, ctx) {
+                Err(Stop::Error(err)) => {
+                    if let Some(v) = &t.var {
+                        let msg = self.string(err.message);
+                        f.locals.insert(v.name.clone(), msg);
+                    }
+                    return self.block(&t.handler, f, ctx);
+                }
+                other => return other,
+            },
+        }
+        Ok(Flow::Normal)
+    }
+
+    fn delete(&mut self, e: &Expr, f: &mut Frame, ctx: &dyn Context) -> EResult<()> {
+        match &e.kind {
+            ExprKind::Var(name) => {
+                if self.globals.contains_key(name) {
+                    let fresh = match self.prog.globals.get(name).map(|g| (g.shape, g.value)) {
+                        Some((Shape::Array, _)) | Some((_, Ty::Stats)) => self.initial(name),
+                        Some((_, ty)) => Store::Scalar(default_of(ty)),
+                        None => return Ok(()),
+                    };
+                    self.globals.insert(name.clone(), fresh);
+                } else {
+                    let ty = self.local_ty(f, name);
+                    f.locals.insert(name.clone(), default_of(ty));
+                }
+            }
+            ExprKind::Index(ix) => {
+                let keys = self.keys(&ix.keys, f, ctx)?;
+                match self.globals.get_mut(&ix.array.name) {
+                    Some(Store::Array(m)) => {
+                        m.shift_remove(&keys);
+                    }
+                    Some(Store::StatsArray(m)) => {
+                        m.shift_remove(&keys);
+                    }
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    pub(crate) fn local_ty(&self, f: &Frame, name: &str) -> Ty {
+        self.prog.locals.get(f.body).and_then(|m| m.get(name)).copied().unwrap_or(Ty::Long)
+    }
+
+    pub(crate) fn keys(&mut self, keys: &[Expr], f: &mut Frame, ctx: &dyn Context) -> EResult<Vec<Value>> {
+        keys.iter().map(|k| self.eval(k, f, ctx)).collect()
+    }
+
+    fn foreach(&mut self, fe: &Foreach, f: &mut Frame, ctx: &dyn Context) -> EResult<Flow> {
+        let limit = match &fe.limit {
+            Some(e) => Some(self.eval(e, f, ctx)?.as_long()),
+            None => None,
+        };
+        // Iterate over a snapshot, so the body may change the array freely.
+        let stat = fe.sort.and_then(|s| s.stat).unwrap_or(StatOp::Count);
+        let mut rows: Vec<(Vec<Value>, Value)> = match self.globals.get(&fe.array.name) {
+            Some(Store::Array(m)) => m.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            Some(Store::StatsArray(m)) => m
+                .iter()
+                .map(|(k, s)| (k.clone(), Value::Long(stat_value(s, stat).unwrap_or(0))))
+                .collect(),
+            _ => Vec::new(),
+        };
+        if let Some(sort) = fe.sort {
+            sort_rows(&mut rows, sort);
+        }
+        let is_stats = matches!(self.globals.get(&fe.array.name), Some(Store::StatsArray(_)));
+        for (n, (keys, value)) in rows.into_iter().enumerate() {
+            if limit.is_some_and(|l| n as i64 >= l) {
+                break;
+            }
+            self.tick(fe.array.span)?;
+            for (ident, k) in fe.keys.iter().zip(keys) {
+                f.locals.insert(ident.name.clone(), k);
+            }
+            if let (Some(v), false) = (&fe.value, is_stats) {
+                f.locals.insert(v.name.clone(), value);
+            }
+            match self.stmt(&fe.body, f, ctx)? {
+                Flow::Break => break,
+                Flow::Return(v) => return Ok(Flow::Return(v)),
+                Flow::Normal | Flow::Continue => {}
+            }
+        }
+        Ok(Flow::Normal)
+    }
+}
+
+/// Sorts foreach rows; ties fall back to the keys in order, so output is deterministic.
+pub(crate) fn sort_rows(rows: &mut [(Vec<Value>, Value)], sort: Sort) {
+    rows.sort_by(|a, b| {
+        let primary = match sort.key {
+            SortKey::Value => a.1.compare(&b.1),
+            SortKey::Key(i) => match (a.0.get(i), b.0.get(i)) {
+                (Some(x), Some(y)) => x.compare(y),
+                _ => std::cmp::Ordering::Equal,
+            },
+        };
+        let primary = if sort.descending { primary.reverse() } else { primary };
+        primary.then_with(|| a.0.cmp(&b.0))
+    });
+}
+
+/// A statistic of an aggregate; None when it needs data and there is none.
+pub(crate) fn stat_value(s: &Stats, op: StatOp) -> Option<i64> {
+    if op == StatOp::Count {
+        return Some(s.count);
+    }
+    if s.count == 0 {
+        return None;
+    }
+    Some(match op {
+        StatOp::Count => s.count,
+        StatOp::Sum => s.sum,
+        StatOp::Min => s.min,
+        StatOp::Max => s.max,
+        StatOp::Avg => s.avg().unwrap_or(0),
+    })
+}

@@ -1,0 +1,255 @@
+//! Built-in functions at run time: printing, strings, context, guest memory.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::ast::*;
+use super::context::Context;
+use super::eval::{fail, EResult, Frame, Interp};
+use super::format::{escape, parse_format, render};
+use super::hist::Histogram;
+use super::value::{Stats, Value};
+
+impl Interp<'_> {
+    fn args(&mut self, c: &Call, f: &mut Frame, ctx: &dyn Context) -> EResult<Vec<Value>> {
+        c.args.iter().map(|a| self.eval(a, f, ctx)).collect()
+    }
+
+    fn emit_text(&mut self, s: &str, span: Span) -> EResult<()> {
+        match self.out.text(s) {
+            Ok(()) => Ok(()),
+            Err(e) => fail(format!("output failed: {e}"), span),
+        }
+    }
+
+    fn print_hist(&mut self, kind: HistKind, target: &Expr, span: Span, f: &mut Frame, ctx: &dyn Context) -> EResult<()> {
+        let Some(stats) = self.stats_of(target, f, ctx)? else {
+            return fail("empty aggregate", span);
+        };
+        if stats.count == 0 {
+            return fail("empty aggregate", span);
+        }
+        let name = match &target.kind {
+            ExprKind::Var(n) => n.clone(),
+            ExprKind::Index(ix) => {
+                let keys = self.keys(&ix.keys, f, ctx)?;
+                let keys: Vec<String> = keys.iter().map(Value::to_string).collect();
+                format!("{}[{}]", ix.array.name, keys.join(","))
+            }
+            _ => String::new(),
+        };
+        let buckets: &[u64] = match (&kind, &stats) {
+            (HistKind::Log, Stats { log, .. }) => log,
+            (HistKind::Linear { .. }, Stats { linear: Some((_, b)), .. }) => b,
+            _ => &[],
+        };
+        let result = self.out.hist(&name, &Histogram { kind, buckets });
+        result.or_else(|e| fail(format!("output failed: {e}"), span))
+    }
+
+    pub(crate) fn builtin(&mut self, c: &Call, span: Span, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+        let name = c.name.name.as_str();
+        let unit = Value::Long(0);
+        match name {
+            "print" | "println" | "sprint" | "sprintln" => {
+                if let [Expr { kind: ExprKind::Hist(kind, target), span: hspan }] = c.args.as_slice() {
+                    if name.starts_with('p') {
+                        self.print_hist(*kind, target, *hspan, f, ctx)?;
+                        if name == "println" {
+                            self.emit_text("\n", span)?;
+                        }
+                        return Ok(unit);
+                    }
+                }
+                let mut s = String::new();
+                for v in self.args(c, f, ctx)? {
+                    s.push_str(&v.to_string());
+                }
+                if name.ends_with("ln") {
+                    s.push('\n');
+                }
+                if name.starts_with('s') {
+                    return Ok(self.string(s));
+                }
+                self.emit_text(&s, span)?;
+                return Ok(unit);
+            }
+            "printd" | "printdln" => {
+                let args = self.args(c, f, ctx)?;
+                let delim = args.first().map(|d| d.as_str().to_string()).unwrap_or_default();
+                let parts: Vec<String> = args.iter().skip(1).map(Value::to_string).collect();
+                let mut s = parts.join(&delim);
+                if name == "printdln" {
+                    s.push('\n');
+                }
+                self.emit_text(&s, span)?;
+                return Ok(unit);
+            }
+            "printf" | "sprintf" => {
+                let args = self.args(c, f, ctx)?;
+                let fmt = args.first().map(|v| v.as_str().to_string()).unwrap_or_default();
+                let pieces = match parse_format(&fmt) {
+                    Ok(p) => p,
+                    Err(e) => return fail(format!("bad format: {e}"), span),
+                };
+                let s = render(&pieces, args.get(1..).unwrap_or_default());
+                if name == "sprintf" {
+                    return Ok(self.string(s));
+                }
+                self.emit_text(&s, span)?;
+                return Ok(unit);
+            }
+            _ => {}
+        }
+        let args = self.args(c, f, ctx)?;
+        let long = |i: usize| args.get(i).map_or(0, Value::as_long);
+        let text = |i: usize| args.get(i).map_or("", Value::as_str);
+        let now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let v = match name {
+            "exit" => {
+                self.exit_requested = true;
+                unit
+            }
+            "error" => return self.raise(text(0).to_string(), span),
+            "warn" => {
+                let line = format!("WARNING: {}", text(0));
+                if let Err(e) = self.out.error_line(&line) {
+                    return fail(format!("output failed: {e}"), span);
+                }
+                unit
+            }
+            "log" => {
+                let s = format!("{}\n", text(0));
+                self.emit_text(&s, span)?;
+                unit
+            }
+            "strlen" => Value::Long(text(0).len() as i64),
+            "substr" => {
+                let s = text(0).as_bytes();
+                let (start, len) = (long(1), long(2));
+                if start < 0 || len <= 0 || start as u64 >= s.len() as u64 {
+                    Value::Str(String::new())
+                } else {
+                    let start = start as usize;
+                    let end = start.saturating_add(len as usize).min(s.len());
+                    self.string(String::from_utf8_lossy(&s[start..end]).into_owned())
+                }
+            }
+            "isinstr" => Value::Long(i64::from(text(0).contains(text(1)))),
+            "strpos" => Value::Long(text(0).find(text(1)).map_or(-1, |p| p as i64)),
+            "stringat" => match text(0).as_bytes().get(usize::try_from(long(1)).unwrap_or(usize::MAX)) {
+                Some(b) => Value::Long(i64::from(*b)),
+                None => return fail("string index out of range", span),
+            },
+            "strtol" => Value::Long(strtol(text(0), long(1)).or_else(|m| fail(m, span))?),
+            "str_replace" => {
+                if text(1).is_empty() {
+                    self.string(text(0).to_string())
+                } else {
+                    self.string(text(0).replace(text(1), text(2)))
+                }
+            }
+            "text_str" => self.string(escape(text(0))),
+            "string_quoted" => self.string(format!("\"{}\"", escape(text(0)))),
+            "isdigit" => Value::Long(i64::from(text(0).bytes().next().is_some_and(|b| b.is_ascii_digit()))),
+            "str_upper" => self.string(text(0).to_ascii_uppercase()),
+            "str_lower" => self.string(text(0).to_ascii_lowercase()),
+            "abs" => Value::Long(long(0).wrapping_abs()),
+            "min" => Value::Long(long(0).min(long(1))),
+            "max" => Value::Long(long(0).max(long(1))),
+            "randint" => {
+                let n = long(0);
+                if n <= 0 {
+                    return fail("randint needs a positive bound", span);
+                }
+                // xorshift64*: good enough for sampling decisions, no dependency.
+                self.rng ^= self.rng >> 12;
+                self.rng ^= self.rng << 25;
+                self.rng ^= self.rng >> 27;
+                let r = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
+                Value::Long((r % n as u64) as i64)
+            }
+            "pid" => Value::Long(ctx.pid()),
+            "tid" => Value::Long(ctx.tid()),
+            "ppid" => Value::Long(ctx.ppid()),
+            "uid" => Value::Long(ctx.uid()),
+            "cpu" => Value::Long(ctx.cpu()),
+            "execname" => self.string(ctx.execname()),
+            "probefunc" | "ppfunc" => self.string(ctx.probefunc()),
+            "pp" => self.string(self.point.clone()),
+            "target" => Value::Long(0),
+            "gettimeofday_s" => Value::Long(now().as_secs() as i64),
+            "gettimeofday_ms" => Value::Long(now().as_millis() as i64),
+            "gettimeofday_us" => Value::Long(now().as_micros() as i64),
+            "gettimeofday_ns" => Value::Long(now().as_nanos() as i64),
+            "kernel_string" => {
+                let mut bytes = Vec::new();
+                let base = long(0) as u64;
+                while bytes.len() + 1 < self.limits.max_string_len {
+                    let addr = base.wrapping_add(bytes.len() as u64);
+                    match ctx.read_kernel(addr, 1) {
+                        Ok(b) if b.first() == Some(&0) => break,
+                        Ok(b) => bytes.extend_from_slice(&b),
+                        Err(e) => return fail(format!("kernel string copy fault: {e}"), span),
+                    }
+                }
+                self.string(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            "kernel_long" | "kernel_int" => {
+                let len = if name == "kernel_long" { 8 } else { 4 };
+                let bytes = match ctx.read_kernel(long(0) as u64, len) {
+                    Ok(b) if b.len() == len => b,
+                    Ok(_) => return fail("short guest memory read", span),
+                    Err(e) => return fail(format!("kernel read fault: {e}"), span),
+                };
+                let mut buf = [0u8; 8];
+                buf[..len].copy_from_slice(&bytes);
+                let v = i64::from_le_bytes(buf);
+                Value::Long(if len == 4 { i64::from(v as i32) } else { v })
+            }
+            other => return fail(format!("unknown function '{other}'"), span),
+        };
+        Ok(v)
+    }
+}
+
+/// C `strtol` on a whole string: optional sign, `0x` prefix for base 16, digits of `base`;
+/// parsing stops at the first non-digit.
+fn strtol(s: &str, base: i64) -> Result<i64, String> {
+    if !(2..=36).contains(&base) {
+        return Err(format!("strtol: base {base} is not between 2 and 36"));
+    }
+    let mut t = s.trim_start();
+    let negative = t.starts_with('-');
+    if negative || t.starts_with('+') {
+        t = &t[1..];
+    }
+    if base == 16 {
+        t = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")).unwrap_or(t);
+    }
+    let mut v: i64 = 0;
+    for ch in t.chars() {
+        let Some(d) = ch.to_digit(base as u32) else { break };
+        v = v.wrapping_mul(base).wrapping_add(i64::from(d));
+    }
+    Ok(if negative { v.wrapping_neg() } else { v })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strtol;
+
+    #[test]
+    fn strtol_parses_hex_with_prefix() {
+        assert_eq!(strtol("0x1f", 16), Ok(31));
+    }
+
+    #[test]
+    fn strtol_stops_at_first_non_digit() {
+        assert_eq!(strtol("  -42abc", 10), Ok(-42));
+    }
+
+    #[test]
+    fn strtol_refuses_base_one() {
+        assert!(strtol("1", 1).is_err());
+    }
+}

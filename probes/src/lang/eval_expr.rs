@@ -1,0 +1,276 @@
+//! Expression evaluation: operators, variables, arrays, aggregates and calls.
+
+use std::collections::HashMap;
+
+use super::ast::*;
+use super::check::Ty;
+use super::context::Context;
+use super::eval::{default_of, fail, stat_value, EResult, Flow, Frame, Interp, Stop, Store};
+use super::value::{Stats, Value};
+
+impl Interp<'_> {
+    /// Evaluates `e`.
+    pub(crate) fn eval(&mut self, e: &Expr, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+        Ok(match &e.kind {
+            ExprKind::Num(n) => Value::Long(*n),
+            ExprKind::Str(s) => self.string(s.clone()),
+            ExprKind::Var(_) | ExprKind::Index(_) => self.load(e, f, ctx)?,
+            ExprKind::Target(t) => match ctx.target(&t.path()) {
+                Some(v) => v,
+                None => return fail(format!("target variable '{}' is not available here", t.path()), e.span),
+            },
+            ExprKind::Unary(op, x) => {
+                let v = self.eval(x, f, ctx)?.as_long();
+                Value::Long(match op {
+                    UnOp::Neg => v.wrapping_neg(),
+                    UnOp::Plus => v,
+                    UnOp::Not => i64::from(v == 0),
+                    UnOp::BitNot => !v,
+                })
+            }
+            ExprKind::Binary(op, p) => self.binary(*op, &p.0, &p.1, e.span, f, ctx)?,
+            ExprKind::Ternary(p) => {
+                if self.eval(&p.0, f, ctx)?.as_long() != 0 {
+                    self.eval(&p.1, f, ctx)?
+                } else {
+                    self.eval(&p.2, f, ctx)?
+                }
+            }
+            ExprKind::Assign(op, p) => {
+                let rhs = self.eval(&p.1, f, ctx)?;
+                let v = match op {
+                    None => rhs,
+                    Some(op) => {
+                        let old = self.load(&p.0, f, ctx)?;
+                        self.apply(*op, old, rhs, e.span)?
+                    }
+                };
+                self.store(&p.0, v.clone(), f, ctx)?;
+                v
+            }
+            ExprKind::IncDec(i) => {
+                let old = self.load(&i.target, f, ctx)?.as_long();
+                let new = if i.increment { old.wrapping_add(1) } else { old.wrapping_sub(1) };
+                self.store(&i.target, Value::Long(new), f, ctx)?;
+                Value::Long(if i.prefix { new } else { old })
+            }
+            ExprKind::Aggregate(p) => {
+                let v = self.eval(&p.1, f, ctx)?.as_long();
+                self.with_stats(&p.0, f, ctx, true, |s| s.add(v))?;
+                Value::Long(v)
+            }
+            ExprKind::Stat(op, target) => {
+                let stats = self.stats_of(target, f, ctx)?;
+                match stats.as_ref().and_then(|s| stat_value(s, *op)) {
+                    Some(v) => Value::Long(v),
+                    None if *op == StatOp::Count => Value::Long(0),
+                    None => return fail("empty aggregate", e.span),
+                }
+            }
+            ExprKind::Hist(..) => Value::Long(0),
+            ExprKind::Call(c) => self.call(c, e.span, f, ctx)?,
+            ExprKind::In(i) => {
+                let keys = self.keys(&i.keys, f, ctx)?;
+                let found = match self.globals.get(&i.array.name) {
+                    Some(Store::Array(m)) => m.contains_key(&keys),
+                    Some(Store::StatsArray(m)) => m.contains_key(&keys),
+                    _ => false,
+                };
+                Value::Long(i64::from(found))
+            }
+        })
+    }
+
+    fn binary(&mut self, op: BinOp, l: &Expr, r: &Expr, span: Span, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+        match op {
+            BinOp::And => {
+                let v = self.eval(l, f, ctx)?.as_long() != 0 && self.eval(r, f, ctx)?.as_long() != 0;
+                Ok(Value::Long(i64::from(v)))
+            }
+            BinOp::Or => {
+                let v = self.eval(l, f, ctx)?.as_long() != 0 || self.eval(r, f, ctx)?.as_long() != 0;
+                Ok(Value::Long(i64::from(v)))
+            }
+            _ => {
+                let a = self.eval(l, f, ctx)?;
+                let b = self.eval(r, f, ctx)?;
+                self.apply(op, a, b, span)
+            }
+        }
+    }
+
+    /// Applies a non-short-circuit binary operator.
+    fn apply(&self, op: BinOp, a: Value, b: Value, span: Span) -> EResult<Value> {
+        use std::cmp::Ordering::*;
+        if op == BinOp::Concat {
+            return Ok(self.string(format!("{}{}", a.as_str(), b.as_str())));
+        }
+        if op.is_comparison() {
+            let ord = a.compare(&b);
+            let t = match op {
+                BinOp::Eq => ord == Equal,
+                BinOp::Ne => ord != Equal,
+                BinOp::Lt => ord == Less,
+                BinOp::Le => ord != Greater,
+                BinOp::Gt => ord == Greater,
+                _ => ord != Less,
+            };
+            return Ok(Value::Long(i64::from(t)));
+        }
+        let (x, y) = (a.as_long(), b.as_long());
+        let shift = (y & 63) as u32;
+        Ok(Value::Long(match op {
+            BinOp::Add => x.wrapping_add(y),
+            BinOp::Sub => x.wrapping_sub(y),
+            BinOp::Mul => x.wrapping_mul(y),
+            BinOp::Div | BinOp::Mod if y == 0 => return fail("division by 0", span),
+            BinOp::Div => x.wrapping_div(y),
+            BinOp::Mod => x.wrapping_rem(y),
+            BinOp::Shl => x.wrapping_shl(shift),
+            BinOp::Shr => x.wrapping_shr(shift),
+            BinOp::BitAnd => x & y,
+            BinOp::BitOr => x | y,
+            BinOp::BitXor => x ^ y,
+            _ => 0,
+        }))
+    }
+
+    /// Reads a variable or array element (missing elements read as 0 or "").
+    fn load(&mut self, e: &Expr, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+        match &e.kind {
+            ExprKind::Var(name) => {
+                if let Some(store) = self.globals.get(name) {
+                    return Ok(match store {
+                        Store::Scalar(v) => v.clone(),
+                        _ => Value::Long(0),
+                    });
+                }
+                Ok(match f.locals.get(name) {
+                    Some(v) => v.clone(),
+                    None => default_of(self.local_ty(f, name)),
+                })
+            }
+            ExprKind::Index(ix) => {
+                let keys = self.keys(&ix.keys, f, ctx)?;
+                let ty = self.prog.globals.get(&ix.array.name).map_or(Ty::Long, |g| g.value);
+                Ok(match self.globals.get(&ix.array.name) {
+                    Some(Store::Array(m)) => m.get(&keys).cloned().unwrap_or_else(|| default_of(ty)),
+                    _ => default_of(ty),
+                })
+            }
+            ExprKind::Target(_) => self.eval(e, f, ctx),
+            _ => fail("not assignable", e.span),
+        }
+    }
+
+    fn capacity(&self, array: &str) -> usize {
+        self.prog
+            .globals
+            .get(array)
+            .and_then(|g| g.max_entries)
+            .unwrap_or(self.limits.max_map_entries)
+    }
+
+    /// Writes a variable or array element.
+    fn store(&mut self, e: &Expr, v: Value, f: &mut Frame, ctx: &dyn Context) -> EResult<()> {
+        match &e.kind {
+            ExprKind::Var(name) => {
+                if let Some(store) = self.globals.get_mut(name) {
+                    *store = Store::Scalar(v);
+                } else {
+                    f.locals.insert(name.clone(), v);
+                }
+                Ok(())
+            }
+            ExprKind::Index(ix) => {
+                let keys = self.keys(&ix.keys, f, ctx)?;
+                let cap = self.capacity(&ix.array.name);
+                if let Some(Store::Array(m)) = self.globals.get_mut(&ix.array.name) {
+                    if !m.contains_key(&keys) && m.len() >= cap {
+                        return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                    }
+                    m.insert(keys, v);
+                }
+                Ok(())
+            }
+            _ => fail("not assignable", e.span),
+        }
+    }
+
+    /// Runs `op` on the aggregate `target` names, creating the array entry when `create`.
+    fn with_stats(
+        &mut self,
+        target: &Expr,
+        f: &mut Frame,
+        ctx: &dyn Context,
+        create: bool,
+        op: impl FnOnce(&mut Stats),
+    ) -> EResult<()> {
+        match &target.kind {
+            ExprKind::Var(name) => {
+                if let Some(Store::Stats(s)) = self.globals.get_mut(name) {
+                    op(s);
+                }
+            }
+            ExprKind::Index(ix) => {
+                let keys = self.keys(&ix.keys, f, ctx)?;
+                let cap = self.capacity(&ix.array.name);
+                let layout = self.prog.globals.get(&ix.array.name).map(|g| g.hist).unwrap_or_default();
+                if let Some(Store::StatsArray(m)) = self.globals.get_mut(&ix.array.name) {
+                    if let Some(s) = m.get_mut(&keys) {
+                        op(s);
+                    } else if create {
+                        if m.len() >= cap {
+                            return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                        }
+                        let mut s = Stats::new(layout);
+                        op(&mut s);
+                        m.insert(keys, s);
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A copy of the aggregate `target` names (None for a missing array entry).
+    pub(crate) fn stats_of(&mut self, target: &Expr, f: &mut Frame, ctx: &dyn Context) -> EResult<Option<Stats>> {
+        let mut out = None;
+        self.with_stats(target, f, ctx, false, |s| out = Some(s.clone()))?;
+        Ok(out)
+    }
+
+    fn call(&mut self, c: &Call, span: Span, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+        let prog = self.prog;
+        let Some(&index) = prog.functions.get(&c.name.name) else {
+            return self.builtin(c, span, f, ctx);
+        };
+        let func = &prog.script.functions[index];
+        let FunctionBody::Block(body) = &func.body else {
+            return fail("embedded C code cannot run", span);
+        };
+        if self.depth >= self.limits.max_nesting {
+            return fail("MAXNESTING exceeded", span);
+        }
+        let mut locals = HashMap::new();
+        for (p, a) in func.params.iter().zip(&c.args) {
+            let v = self.eval(a, f, ctx)?;
+            locals.insert(p.name.name.clone(), v);
+        }
+        let mut frame = Frame { body: prog.script.probes.len() + index, locals };
+        self.depth += 1;
+        let result = self.block(body, &mut frame, ctx);
+        self.depth -= 1;
+        let ret = prog.function_ret.get(index).copied().unwrap_or(Ty::Void);
+        match result? {
+            Flow::Return(Some(v)) => Ok(v),
+            _ => Ok(default_of(ret)),
+        }
+    }
+
+    /// `error()` and friends: raise a script error.
+    pub(crate) fn raise<T>(&self, message: String, span: Span) -> EResult<T> {
+        Err(Stop::Error(super::eval::ScriptError { message, span }))
+    }
+}

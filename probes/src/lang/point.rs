@@ -1,0 +1,363 @@
+//! Probe point families: what a written probe point means, before any symbol lookup.
+
+use super::ast::{Literal, ProbePoint, Span};
+
+/// Which instances of a kernel function a `kernel.function` point covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FunctionSite {
+    /// Entry of every instance, out-of-line and inlined.
+    Entry,
+    /// `.call`: entry of out-of-line instances only.
+    Call,
+    /// `.inline`: inlined instances only.
+    Inline,
+    /// `.return`: return of out-of-line instances.
+    Return,
+}
+
+/// How a struct member is accessed (KLAS join points).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FieldAccess {
+    /// Loads of the member.
+    Read,
+    /// Stores to the member.
+    Write,
+    /// Indirect calls through a function-pointer member.
+    Call,
+}
+
+/// What a probe point means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PointKind {
+    /// `begin` / `begin(N)`: once at start, ordered by N.
+    Begin(i64),
+    /// `end` / `end(N)`: once at normal exit.
+    End(i64),
+    /// `error` / `error(N)`: once at exit after a runtime error.
+    Error(i64),
+    /// `never`: never fires (useful to type-check code).
+    Never,
+    /// `timer.ms(N)` and friends: on the host's wall clock, every `period_ns`.
+    Timer {
+        /// Period in nanoseconds.
+        period_ns: u64,
+    },
+    /// `timer.profile`: every scheduler tick of every guest CPU.
+    TimerProfile,
+    /// `kernel.function("pattern@file:line")[.call|.inline|.return]`.
+    KernelFunction {
+        /// Function name pattern, with `*` and `?` wildcards.
+        pattern: String,
+        /// `@file` filter.
+        file: Option<String>,
+        /// `:line` filter.
+        line: Option<String>,
+        /// Which instances.
+        site: FunctionSite,
+    },
+    /// `kernel.statement("func@file:line")`.
+    KernelStatement {
+        /// Function name pattern.
+        function: String,
+        /// Source file.
+        file: Option<String>,
+        /// Source line.
+        line: Option<String>,
+    },
+    /// `kernel.statement(ADDR).absolute`.
+    KernelAddress(u64),
+    /// `kernel.field("struct S", "member").read|.write|.call`.
+    KernelField {
+        /// The struct, with its `struct ` prefix.
+        structure: String,
+        /// Member name.
+        member: String,
+        /// Which accesses.
+        access: FieldAccess,
+    },
+    /// `kernel.syscall("name")[.return]`.
+    Syscall {
+        /// Syscall name pattern.
+        name: String,
+        /// `.return`.
+        ret: bool,
+    },
+}
+
+impl PointKind {
+    /// Whether this point fires inside the guest kernel (so it needs a guest to run).
+    pub fn needs_guest(&self) -> bool {
+        !matches!(
+            self,
+            PointKind::Begin(_)
+                | PointKind::End(_)
+                | PointKind::Error(_)
+                | PointKind::Never
+                | PointKind::Timer { .. }
+        )
+    }
+
+    /// Whether target variables (`$x`) can be read at this point.
+    pub fn has_target_vars(&self) -> bool {
+        matches!(
+            self,
+            PointKind::KernelFunction { .. }
+                | PointKind::KernelStatement { .. }
+                | PointKind::KernelAddress(_)
+                | PointKind::KernelField { .. }
+                | PointKind::Syscall { .. }
+        )
+    }
+
+    /// Whether `$return` is available.
+    pub fn is_return(&self) -> bool {
+        matches!(
+            self,
+            PointKind::KernelFunction { site: FunctionSite::Return, .. }
+                | PointKind::Syscall { ret: true, .. }
+        )
+    }
+
+    /// The family name used in messages (`begin`, `timer`, `kernel.function`, ...).
+    pub fn family(&self) -> &'static str {
+        match self {
+            PointKind::Begin(_) => "begin",
+            PointKind::End(_) => "end",
+            PointKind::Error(_) => "error",
+            PointKind::Never => "never",
+            PointKind::Timer { .. } => "timer",
+            PointKind::TimerProfile => "timer.profile",
+            PointKind::KernelFunction { .. } => "kernel.function",
+            PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => "kernel.statement",
+            PointKind::KernelField { .. } => "kernel.field",
+            PointKind::Syscall { .. } => "kernel.syscall",
+        }
+    }
+}
+
+/// Why a probe point means nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PointError {
+    /// No family matches.
+    #[error("unknown probe point '{text}'")]
+    Unknown {
+        /// The point as written.
+        text: String,
+        /// Where.
+        span: Span,
+    },
+    /// The family matches but an argument is wrong.
+    #[error("bad argument to '{family}': {reason}")]
+    BadArgument {
+        /// The family.
+        family: String,
+        /// What is wrong.
+        reason: String,
+        /// Where.
+        span: Span,
+    },
+}
+
+impl PointError {
+    /// Where the error is.
+    pub fn span(&self) -> Span {
+        match self {
+            PointError::Unknown { span, .. } | PointError::BadArgument { span, .. } => *span,
+        }
+    }
+}
+
+/// The families, for hints and for `-L`.
+pub const KNOWN_FAMILIES: &str = "begin, end, error, never, timer.ms|us|ns|s|hz|jiffies(N), \
+timer.profile, kernel.function(\"pat[@file[:line]]\")[.call|.inline|.return], \
+kernel.statement(\"func@file:line\"), kernel.statement(ADDR).absolute, \
+kernel.field(\"struct S\", \"member\").read|.write|.call, kernel.syscall(\"name\")[.return]";
+
+fn split_location(spec: &str) -> (String, Option<String>, Option<String>) {
+    match spec.split_once('@') {
+        None => (spec.to_string(), None, None),
+        Some((func, rest)) => match rest.rsplit_once(':') {
+            Some((file, line)) => (func.to_string(), Some(file.to_string()), Some(line.to_string())),
+            None => (func.to_string(), Some(rest.to_string()), None),
+        },
+    }
+}
+
+/// Says what `point` means.
+///
+/// # Errors
+/// When it matches no family or an argument is wrong.
+pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
+    let names: Vec<&str> = point.components.iter().map(|c| c.name.as_str()).collect();
+    let args = |i: usize| point.components.get(i).map(|c| c.args.as_slice()).unwrap_or(&[]);
+    let bad = |family: &str, reason: &str| PointError::BadArgument {
+        family: family.to_string(),
+        reason: reason.to_string(),
+        span: point.span,
+    };
+    let unknown = || PointError::Unknown { text: point.to_string(), span: point.span };
+    let seq = |family: &str| -> Result<i64, PointError> {
+        match args(0) {
+            [] => Ok(0),
+            [Literal::Num(n)] => Ok(*n),
+            _ => Err(bad(family, "expected one number (the order)")),
+        }
+    };
+    let one_str = |i: usize, family: &str| -> Result<String, PointError> {
+        match args(i) {
+            [Literal::Str(s)] if !s.is_empty() => Ok(s.clone()),
+            _ => Err(bad(family, "expected one non-empty string")),
+        }
+    };
+    for (i, c) in point.components.iter().enumerate() {
+        let allowed = match (names.first(), i) {
+            (Some(&"kernel"), 1) | (Some(&"timer"), 1) | (Some(&"begin" | &"end" | &"error"), 0) => {
+                true
+            }
+            _ => false,
+        };
+        if !c.args.is_empty() && !allowed {
+            return Err(bad(&c.name, "this component takes no argument"));
+        }
+    }
+    match names.as_slice() {
+        ["begin"] => Ok(PointKind::Begin(seq("begin")?)),
+        ["end"] => Ok(PointKind::End(seq("end")?)),
+        ["error"] => Ok(PointKind::Error(seq("error")?)),
+        ["never"] => Ok(PointKind::Never),
+        ["timer", "profile"] | ["timer", "profile", "tick"] => Ok(PointKind::TimerProfile),
+        ["timer", unit] => {
+            let n = match args(1) {
+                [Literal::Num(n)] if *n > 0 => *n as u64,
+                _ => return Err(bad("timer", "expected one positive number")),
+            };
+            let period_ns = match *unit {
+                "ns" | "nsec" => Some(n),
+                "us" | "usec" => n.checked_mul(1_000),
+                "ms" | "msec" => n.checked_mul(1_000_000),
+                "s" | "sec" => n.checked_mul(1_000_000_000),
+                "jiffies" => n.checked_mul(4_000_000),
+                "hz" if n <= 1_000_000_000 => Some(1_000_000_000 / n),
+                "hz" => return Err(bad("timer.hz", "at most 1000000000 Hz")),
+                _ => return Err(unknown()),
+            }
+            .ok_or_else(|| bad("timer", "period too long"))?;
+            Ok(PointKind::Timer { period_ns })
+        }
+        ["kernel", "function", rest @ ..] => {
+            let spec = one_str(1, "kernel.function")?;
+            let (pattern, file, line) = split_location(&spec);
+            if pattern.is_empty() {
+                return Err(bad("kernel.function", "empty function name"));
+            }
+            let site = match rest {
+                [] => FunctionSite::Entry,
+                ["call"] => FunctionSite::Call,
+                ["inline"] => FunctionSite::Inline,
+                ["return"] => FunctionSite::Return,
+                _ => return Err(unknown()),
+            };
+            Ok(PointKind::KernelFunction { pattern, file, line, site })
+        }
+        ["kernel", "statement", rest @ ..] => match (args(1), rest) {
+            ([Literal::Num(addr)], ["absolute"]) => Ok(PointKind::KernelAddress(*addr as u64)),
+            ([Literal::Num(_)], []) => Err(bad("kernel.statement", "an address needs .absolute")),
+            ([Literal::Str(spec)], []) => {
+                let (function, file, line) = split_location(spec);
+                if function.is_empty() {
+                    return Err(bad("kernel.statement", "empty function name"));
+                }
+                Ok(PointKind::KernelStatement { function, file, line })
+            }
+            ([Literal::Str(_)], _) | ([Literal::Num(_)], _) => Err(unknown()),
+            _ => Err(bad("kernel.statement", "expected \"func@file:line\" or an address")),
+        },
+        ["kernel", "field", access] => {
+            let (structure, member) = match args(1) {
+                [Literal::Str(s), Literal::Str(m)] if !s.is_empty() && !m.is_empty() => {
+                    (s.clone(), m.clone())
+                }
+                _ => return Err(bad("kernel.field", "expected (\"struct S\", \"member\")")),
+            };
+            let access = match *access {
+                "read" => FieldAccess::Read,
+                "write" => FieldAccess::Write,
+                "call" => FieldAccess::Call,
+                _ => return Err(unknown()),
+            };
+            Ok(PointKind::KernelField { structure, member, access })
+        }
+        ["kernel", "field"] => Err(bad("kernel.field", "say .read, .write or .call")),
+        ["kernel", "syscall", rest @ ..] => {
+            let name = one_str(1, "kernel.syscall")?;
+            let ret = match rest {
+                [] => false,
+                ["return"] => true,
+                _ => return Err(unknown()),
+            };
+            Ok(PointKind::Syscall { name, ret })
+        }
+        _ => Err(unknown()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::{parser::parse, Limits};
+
+    fn kind(point: &str) -> Result<PointKind, PointError> {
+        let script = parse(&format!("probe {point} {{}}"), &Limits::default()).unwrap();
+        classify(&script.probes[0].points[0])
+    }
+
+    #[test]
+    fn function_pattern_with_file_filter_splits() {
+        assert_eq!(
+            kind(r#"kernel.function("vfs_*@fs/read_write.c").return"#).unwrap(),
+            PointKind::KernelFunction {
+                pattern: "vfs_*".into(),
+                file: Some("fs/read_write.c".into()),
+                line: None,
+                site: FunctionSite::Return,
+            }
+        );
+    }
+
+    #[test]
+    fn timer_ms_is_in_nanoseconds() {
+        assert_eq!(kind("timer.ms(5)").unwrap(), PointKind::Timer { period_ns: 5_000_000 });
+    }
+
+    #[test]
+    fn timer_with_zero_period_is_rejected() {
+        assert!(matches!(kind("timer.ms(0)"), Err(PointError::BadArgument { .. })));
+    }
+
+    #[test]
+    fn absolute_statement_takes_an_address() {
+        assert_eq!(
+            kind("kernel.statement(0xffffffff81000000).absolute").unwrap(),
+            PointKind::KernelAddress(0xffff_ffff_8100_0000)
+        );
+    }
+
+    #[test]
+    fn field_write_is_a_join_point() {
+        assert!(matches!(
+            kind(r#"kernel.field("struct file", "f_pos").write"#).unwrap(),
+            PointKind::KernelField { access: FieldAccess::Write, .. }
+        ));
+    }
+
+    #[test]
+    fn unknown_family_is_reported_with_its_text() {
+        let err = kind("kernel.fuction(\"x\")").unwrap_err();
+        assert_eq!(err.to_string(), "unknown probe point 'kernel.fuction(\"x\")'");
+    }
+
+    #[test]
+    fn syscall_return_is_a_return_point() {
+        assert!(kind(r#"kernel.syscall("read").return"#).unwrap().is_return());
+    }
+}

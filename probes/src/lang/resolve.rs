@@ -1,0 +1,166 @@
+//! Probe point resolution: from what a point means ([`PointKind`]) to concrete places in the
+//! guest kernel. The symbol table lives in introspect/; this module only defines the interface
+//! and a resolver for when no symbols are at hand.
+
+use super::ast::ProbePoint;
+use super::diag::Diagnostic;
+use super::parser::parse;
+use super::point::{classify, FieldAccess, FunctionSite, PointKind};
+use super::Limits;
+
+/// One concrete place a probe point stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedPoint {
+    /// How it is listed, e.g. `kernel.function("vfs_read@fs/read_write.c:450")`.
+    pub name: String,
+    /// Guest kernel virtual address, when it is one.
+    pub address: Option<u64>,
+    /// Target variables available there (for `-L`).
+    pub variables: Vec<String>,
+}
+
+/// Why a probe point could not be resolved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    /// Resolving needs the guest kernel's symbols, which this resolver does not have.
+    #[error("{what}: resolving it needs the guest kernel's symbols (exotap boot --gdb / attach, future work)")]
+    NeedsSymbols {
+        /// What the point means.
+        what: String,
+    },
+    /// Nothing matches.
+    #[error("no match for probe point '{0}'")]
+    NoMatch(String),
+}
+
+/// Finds the places a probe point stands for.
+pub trait ProbePointResolver {
+    /// Resolves `point` (already classified as `kind`).
+    ///
+    /// # Errors
+    /// When it cannot be resolved.
+    fn resolve(&self, point: &ProbePoint, kind: &PointKind) -> Result<Vec<ResolvedPoint>, ResolveError>;
+}
+
+/// A resolver with no symbol source: host-side points resolve to themselves, kernel points
+/// need symbols.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoSymbols;
+
+impl ProbePointResolver for NoSymbols {
+    fn resolve(&self, point: &ProbePoint, kind: &PointKind) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        if kind.needs_guest() {
+            return Err(ResolveError::NeedsSymbols { what: format!("{point} is {}", describe(kind)) });
+        }
+        Ok(vec![ResolvedPoint { name: point.to_string(), address: None, variables: Vec::new() }])
+    }
+}
+
+fn location(file: &Option<String>, line: &Option<String>) -> String {
+    match (file, line) {
+        (Some(f), Some(l)) => format!(" in {f} at line {l}"),
+        (Some(f), None) => format!(" in {f}"),
+        _ => String::new(),
+    }
+}
+
+/// What a probe point means, in words.
+pub fn describe(kind: &PointKind) -> String {
+    match kind {
+        PointKind::Begin(n) => format!("the session start (order {n})"),
+        PointKind::End(n) => format!("the normal session end (order {n})"),
+        PointKind::Error(n) => format!("the session end after errors (order {n})"),
+        PointKind::Never => "a point that never fires".to_string(),
+        PointKind::Timer { period_ns } => format!("a host timer every {period_ns} ns"),
+        PointKind::TimerProfile => "every scheduler tick of every guest CPU".to_string(),
+        PointKind::KernelFunction { pattern, file, line, site } => {
+            let what = match site {
+                FunctionSite::Entry => "the entry of",
+                FunctionSite::Call => "the entry of the out-of-line instances of",
+                FunctionSite::Inline => "the inlined instances of",
+                FunctionSite::Return => "the return of",
+            };
+            format!("{what} kernel functions matching '{pattern}'{}", location(file, line))
+        }
+        PointKind::KernelStatement { function, file, line } => {
+            format!("a statement of kernel function '{function}'{}", location(file, line))
+        }
+        PointKind::KernelAddress(a) => format!("the kernel instruction at {a:#x}"),
+        PointKind::KernelField { structure, member, access } => {
+            let what = match access {
+                FieldAccess::Read => "every read of",
+                FieldAccess::Write => "every write of",
+                FieldAccess::Call => "every call through",
+            };
+            format!("{what} member '{member}' of '{structure}'")
+        }
+        PointKind::Syscall { name, ret } => {
+            let when = if *ret { "the return of" } else { "the entry of" };
+            format!("{when} system calls matching '{name}'")
+        }
+    }
+}
+
+/// Why a `-l`/`-L` listing failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ListError {
+    /// The pattern is not a probe point.
+    #[error("'{pattern}' is not a probe point")]
+    BadPattern {
+        /// The pattern.
+        pattern: String,
+        /// The source text the diagnostics point into.
+        text: String,
+        /// What is wrong.
+        diagnostics: Vec<Diagnostic>,
+    },
+    /// Resolution failed.
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+}
+
+/// Lists what `pattern` (a probe point such as `kernel.function("vfs_*")`) matches.
+///
+/// # Errors
+/// When the pattern is not a probe point or cannot be resolved.
+pub fn list(pattern: &str, resolver: &dyn ProbePointResolver) -> Result<Vec<ResolvedPoint>, ListError> {
+    let source = format!("probe {pattern} {{}}");
+    let bad = |diagnostics: Vec<Diagnostic>| ListError::BadPattern {
+        pattern: pattern.to_string(),
+        text: source.clone(),
+        diagnostics,
+    };
+    let script = parse(&source, &Limits::default()).map_err(|e| bad(vec![Diagnostic::from(&e)]))?;
+    let mut out = Vec::new();
+    for probe in &script.probes {
+        for point in &probe.points {
+            let kind = classify(point).map_err(|e| bad(vec![Diagnostic::error(e.to_string(), e.span())]))?;
+            out.extend(resolver.resolve(point, &kind)?);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn begin_lists_itself_without_symbols() {
+        let found = list("begin", &NoSymbols).unwrap();
+        assert_eq!(found[0].name, "begin");
+    }
+
+    #[test]
+    fn kernel_function_needs_symbols() {
+        let err = list(r#"kernel.function("vfs_*@fs/read_write.c")"#, &NoSymbols).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("kernel functions matching 'vfs_*' in fs/read_write.c"), "{text}");
+        assert!(text.contains("symbols"));
+    }
+
+    #[test]
+    fn garbage_pattern_is_a_bad_pattern() {
+        assert!(matches!(list("{{{", &NoSymbols), Err(ListError::BadPattern { .. })));
+    }
+}

@@ -1,0 +1,299 @@
+//! A probe session: begin probes, then timers (on the host's wall clock) or probe hits fed by a
+//! kernel backend, then end (or error) probes and the display of write-only globals.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value as Json};
+
+use super::check::Program;
+use super::context::{CapturedContext, Context};
+use super::diag::line_col;
+use super::eval::{sort_rows, stat_value, Interp, ScriptError, Store};
+use super::format::escape;
+use super::output::{Format, Output};
+use super::point::PointKind;
+use super::value::{Stats, Value};
+use super::Limits;
+use super::ast::{Sort, SortKey, StatOp};
+
+/// Why a session could not run at all.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// The script probes the guest kernel and no backend was given.
+    #[error("kernel probe points need a guest: {points} (run them with `exotap boot --gdb` / `attach`, future work)")]
+    NeedsGuest {
+        /// The kernel probe points, comma separated.
+        points: String,
+    },
+}
+
+/// A running session over a checked program.
+pub struct Session<'p> {
+    interp: Interp<'p>,
+    file: String,
+    source: String,
+    errors: usize,
+}
+
+impl std::fmt::Debug for Session<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("file", &self.file).field("errors", &self.errors).finish()
+    }
+}
+
+impl<'p> Session<'p> {
+    /// A session for `prog`, whose source `source` came from `file` (for error positions).
+    pub fn new(prog: &'p Program, limits: Limits, out: Output, file: &str, source: &str) -> Self {
+        Session {
+            interp: Interp::new(prog, limits, out),
+            file: file.to_string(),
+            source: source.to_string(),
+            errors: 0,
+        }
+    }
+
+    /// Whether the session should stop (`exit()` was called or an error happened).
+    pub fn stopping(&self) -> bool {
+        self.interp.exit_requested || self.errors > 0
+    }
+
+    fn points(&self, pick: impl Fn(&PointKind) -> Option<i64>) -> Vec<(i64, usize, String)> {
+        let mut out = Vec::new();
+        for (i, p) in self.interp.prog.probes.iter().enumerate() {
+            for (pt, kind) in &p.points {
+                if let Some(seq) = pick(kind) {
+                    out.push((seq, i, pt.to_string()));
+                }
+            }
+        }
+        out.sort_by_key(|(seq, _, _)| *seq);
+        out
+    }
+
+    fn report(&mut self, e: &ScriptError) {
+        self.errors += 1;
+        let (line, col) = line_col(&self.source, e.span.start);
+        let near: String = self
+            .source
+            .get(e.span.range())
+            .unwrap_or_default()
+            .chars()
+            .take(40)
+            .collect::<String>()
+            .replace('\n', " ");
+        let msg = format!("ERROR: {} near '{near}' at {}:{line}:{col}", e.message, self.file);
+        // If stderr itself is gone there is nobody left to tell.
+        let _ = self.interp.out.error_line(&msg);
+    }
+
+    /// Fires probe `index` at `point` on `ctx`; returns false after a script error.
+    pub fn fire(&mut self, index: usize, point: &str, ctx: &dyn Context) -> bool {
+        let r = self.interp.run_probe(index, point, ctx);
+        let _ = self.interp.out.flush();
+        match r {
+            Ok(()) => true,
+            Err(e) => {
+                self.report(&e);
+                false
+            }
+        }
+    }
+
+    /// Runs the begin probes in order, until `exit()` or an error.
+    pub fn begin(&mut self) {
+        let ctx = CapturedContext::default();
+        for (_, i, pt) in self.points(|k| if let PointKind::Begin(n) = k { Some(*n) } else { None }) {
+            if self.stopping() {
+                break;
+            }
+            self.fire(i, &pt, &ctx);
+        }
+    }
+
+    /// Ends the session: end probes (or error probes after errors), then the display of
+    /// write-only globals. Returns the exit code: 0, or 1 after errors.
+    pub fn finish(mut self) -> i32 {
+        let ctx = CapturedContext::default();
+        let failed = self.errors > 0;
+        let pick: fn(&PointKind) -> Option<i64> = if failed {
+            |k| if let PointKind::Error(n) = k { Some(*n) } else { None }
+        } else {
+            |k| if let PointKind::End(n) = k { Some(*n) } else { None }
+        };
+        for (_, i, pt) in self.points(pick) {
+            self.fire(i, &pt, &ctx);
+        }
+        if !failed && self.errors == 0 {
+            if let Err(e) = self.display_globals() {
+                let _ = self.interp.out.error_line(&format!("ERROR: output failed: {e}"));
+                self.errors += 1;
+            }
+        }
+        if self.errors > 0 {
+            let _ = self.interp.out.error_line(&format!("WARNING: Number of errors: {}", self.errors));
+        }
+        let _ = self.interp.out.flush();
+        i32::from(self.errors > 0)
+    }
+
+    /// Prints globals that were written but never read, as SystemTap does at exit.
+    fn display_globals(&mut self) -> std::io::Result<()> {
+        let prog = self.interp.prog;
+        let json = self.interp.out.format() == Format::Json;
+        for (name, _) in prog.displayed_globals() {
+            let Some(store) = self.interp.globals.get(name).cloned() else { continue };
+            match store {
+                Store::Scalar(v) => {
+                    if json {
+                        self.interp.out.global("map", name, value_json(&v))?;
+                    } else {
+                        self.interp.out.text(&format!("{name}={}\n", quoted(&v)))?;
+                    }
+                }
+                Store::Stats(s) => {
+                    if json {
+                        self.interp.out.global("stats", name, stats_json(&s))?;
+                    } else {
+                        self.interp.out.text(&format!("{name}{}\n", stats_text(&s)))?;
+                    }
+                }
+                Store::Array(m) => {
+                    let mut rows: Vec<_> = m.into_iter().collect();
+                    sort_rows(&mut rows, Sort { key: SortKey::Value, descending: true, stat: None });
+                    if json {
+                        let mut obj = serde_json::Map::new();
+                        for (k, v) in &rows {
+                            obj.insert(key_json(k), value_json(v));
+                        }
+                        self.interp.out.global("map", name, Json::Object(obj))?;
+                    } else {
+                        for (k, v) in &rows {
+                            self.interp.out.text(&format!("{name}[{}]={}\n", key_text(k), quoted(v)))?;
+                        }
+                    }
+                }
+                Store::StatsArray(m) => {
+                    let mut rows: Vec<(Vec<Value>, Value, Stats)> = m
+                        .into_iter()
+                        .map(|(k, s)| (k, Value::Long(stat_value(&s, StatOp::Count).unwrap_or(0)), s))
+                        .collect();
+                    rows.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+                    if json {
+                        let mut obj = serde_json::Map::new();
+                        for (k, _, s) in &rows {
+                            obj.insert(key_json(k), stats_json(s));
+                        }
+                        self.interp.out.global("stats", name, Json::Object(obj))?;
+                    } else {
+                        for (k, _, s) in &rows {
+                            self.interp.out.text(&format!("{name}[{}]{}\n", key_text(k), stats_text(s)))?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn quoted(v: &Value) -> String {
+    match v {
+        Value::Long(n) => n.to_string(),
+        Value::Str(s) => format!("\"{}\"", escape(s)),
+    }
+}
+
+fn key_text(k: &[Value]) -> String {
+    k.iter().map(quoted).collect::<Vec<_>>().join(",")
+}
+
+fn key_json(k: &[Value]) -> String {
+    k.iter().map(Value::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn value_json(v: &Value) -> Json {
+    match v {
+        Value::Long(n) => json!(n),
+        Value::Str(s) => json!(s),
+    }
+}
+
+fn stats_text(s: &Stats) -> String {
+    if s.count == 0 {
+        return " @count=0".to_string();
+    }
+    format!(
+        " @count={} @min={} @max={} @sum={} @avg={}",
+        s.count,
+        s.min,
+        s.max,
+        s.sum,
+        s.avg().unwrap_or(0)
+    )
+}
+
+fn stats_json(s: &Stats) -> Json {
+    if s.count == 0 {
+        return json!({"count": 0});
+    }
+    json!({"count": s.count, "min": s.min, "max": s.max, "sum": s.sum, "avg": s.avg().unwrap_or(0)})
+}
+
+/// Runs a script that needs no guest: begin probes, timers on the wall clock until `exit()`,
+/// an error or `stop` (Ctrl-C), then end probes. A script without timers ends after begin.
+///
+/// # Errors
+/// [`RuntimeError::NeedsGuest`] when the script has kernel probe points.
+pub fn run_guest_free(
+    prog: &Program,
+    limits: Limits,
+    out: Output,
+    file: &str,
+    source: &str,
+    stop: &Arc<AtomicBool>,
+) -> Result<i32, RuntimeError> {
+    let kernel: Vec<String> = prog
+        .probes
+        .iter()
+        .flat_map(|p| p.points.iter())
+        .filter(|(_, k)| k.needs_guest())
+        .map(|(pt, _)| pt.to_string())
+        .collect();
+    if !kernel.is_empty() {
+        return Err(RuntimeError::NeedsGuest { points: kernel.join(", ") });
+    }
+    let mut session = Session::new(prog, limits, out, file, source);
+    session.begin();
+    let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
+    let start = Instant::now();
+    for (i, p) in prog.probes.iter().enumerate() {
+        for (pt, kind) in &p.points {
+            if let PointKind::Timer { period_ns } = kind {
+                let period = Duration::from_nanos(*period_ns);
+                timers.push((i, pt.to_string(), period, start + period));
+            }
+        }
+    }
+    let ctx = CapturedContext::default();
+    while !timers.is_empty() && !session.stopping() && !stop.load(Ordering::SeqCst) {
+        let Some(next) = (0..timers.len()).min_by_key(|&t| timers[t].3) else { break };
+        let due = timers[next].3;
+        let now = Instant::now();
+        if due > now {
+            // Sleep in short slices so Ctrl-C is noticed promptly.
+            std::thread::sleep((due - now).min(Duration::from_millis(20)));
+            continue;
+        }
+        let (index, point, period, _) = timers[next].clone();
+        session.fire(index, &point, &ctx);
+        let mut following = due + period;
+        let now = Instant::now();
+        if following + period < now {
+            following = now + period;
+        }
+        timers[next].3 = following;
+    }
+    Ok(session.finish())
+}
