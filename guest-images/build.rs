@@ -11,11 +11,20 @@ fn main() {
         .unwrap_or_default();
     sources.retain(|p| p.extension().is_some_and(|e| e == "c"));
     sources.sort();
-    let mut code = String::from("/// Workload programs: (name, C source).\npub const SOURCES: &[(&str, &str)] = &[\n");
+    let mut code = String::from(
+        "/// Workload programs: (name, C source).\npub const SOURCES: &[(&str, &str)] = &[\n",
+    );
     for path in &sources {
         println!("cargo:rerun-if-changed={}", path.display());
-        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        let _ = writeln!(code, "    ({name:?}, include_str!({:?})),", path.display().to_string());
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let _ = writeln!(
+            code,
+            "    ({name:?}, include_str!({:?})),",
+            path.display().to_string()
+        );
     }
     code.push_str("];\n");
     let out = Path::new(&std::env::var("OUT_DIR").unwrap_or_default()).join("workloads.rs");

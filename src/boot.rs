@@ -100,7 +100,11 @@ fn job(args: &BootArgs) -> anyhow::Result<GuestJob> {
 pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     let bzimage = match &args.bzimage {
         Some(path) => path.clone(),
-        None => images::ensure_kernel(&args.kernel).context("cannot get the guest kernel")?.bzimage,
+        None => {
+            images::ensure_kernel(&args.kernel)
+                .context("cannot get the guest kernel")?
+                .bzimage
+        }
     };
     let work = tempfile::Builder::new()
         .prefix("exotap-boot-")
@@ -117,12 +121,21 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.patch_heap = PatchHeapRange::place(args.memory << 20, args.heap_size << 20)?;
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;
-    config.append = args.append.iter().flat_map(|a| a.split_whitespace().map(str::to_owned)).collect();
-    tracing::info!("patch heap: {} (hidden from the guest with {})", config.patch_heap, config.patch_heap.kernel_param());
+    config.append = args
+        .append
+        .iter()
+        .flat_map(|a| a.split_whitespace().map(str::to_owned))
+        .collect();
+    tracing::info!(
+        "patch heap: {} (hidden from the guest with {})",
+        config.patch_heap,
+        config.patch_heap.kernel_param()
+    );
 
     let mut sink: Box<dyn Write> = match &args.console {
         Some(path) => Box::new(
-            File::create(path).with_context(|| format!("cannot create the console file {}", path.display()))?,
+            File::create(path)
+                .with_context(|| format!("cannot create the console file {}", path.display()))?,
         ),
         None => Box::new(std::io::stdout().lock()),
     };

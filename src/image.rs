@@ -30,7 +30,12 @@ pub fn run(cmd: ImageCommand) -> anyhow::Result<()> {
 
 fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
     let kernel = images::ensure_kernel(&args.kernel).context("cannot fetch the guest kernel")?;
-    println!("kernel     {} ({}) {}", kernel.abi, kernel.version, kernel.bzimage.display());
+    println!(
+        "kernel     {} ({}) {}",
+        kernel.abi,
+        kernel.version,
+        kernel.bzimage.display()
+    );
     println!("config     {}", kernel.config.display());
     for module in &kernel.modules {
         println!("module     {}", module.display());
@@ -41,7 +46,8 @@ fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
         println!("workload   {} {}", w.name, w.binary.display());
     }
     if args.debuginfo {
-        let debug = images::ensure_debuginfo(&args.kernel).context("cannot fetch the kernel's debug info")?;
+        let debug = images::ensure_debuginfo(&args.kernel)
+            .context("cannot fetch the kernel's debug info")?;
         println!("vmlinux    {}", debug.vmlinux.display());
         println!("System.map {}", debug.system_map.display());
     }

@@ -2,7 +2,6 @@
 
 mod boot;
 mod image;
-mod script;
 
 use std::process::ExitCode;
 

@@ -187,7 +187,12 @@ pub fn verify(dir: &Path, required: &[&str]) -> Result<Manifest, Staleness> {
 ///
 /// # Errors
 /// When a file cannot be hashed or the manifest cannot be written.
-pub fn seal(dir: &Path, source: &str, version: &str, files: &[String]) -> Result<Manifest, CacheError> {
+pub fn seal(
+    dir: &Path,
+    source: &str,
+    version: &str,
+    files: &[String],
+) -> Result<Manifest, CacheError> {
     let mut records = BTreeMap::new();
     for name in files {
         records.insert(name.clone(), hash_file(&dir.join(name))?);
@@ -260,7 +265,9 @@ mod tests {
 
         let err = verify(dir.path(), &[]).unwrap_err();
 
-        assert!(matches!(err, Staleness::Corrupt { ref file, ref what } if file == "a.bin" && what.contains("sha256")));
+        assert!(
+            matches!(err, Staleness::Corrupt { ref file, ref what } if file == "a.bin" && what.contains("sha256"))
+        );
     }
 
     #[test]
@@ -278,7 +285,10 @@ mod tests {
         let (dir, _) = sealed_dir();
         fs::remove_file(dir.path().join("a.bin")).unwrap();
 
-        assert_eq!(verify(dir.path(), &[]).unwrap_err(), Staleness::FileMissing("a.bin".into()));
+        assert_eq!(
+            verify(dir.path(), &[]).unwrap_err(),
+            Staleness::FileMissing("a.bin".into())
+        );
     }
 
     #[test]

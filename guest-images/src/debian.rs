@@ -147,7 +147,9 @@ pub fn newest_cloud_kernel() -> Result<Option<String>, DebianError> {
         "--names-only",
         "^linux-image-.*-cloud-amd64-unsigned$",
     ]))?;
-    Ok(newest_cloud_kernel_in(&String::from_utf8_lossy(&out.stdout)))
+    Ok(newest_cloud_kernel_in(&String::from_utf8_lossy(
+        &out.stdout,
+    )))
 }
 
 fn bar(len: u64, what: &str) -> ProgressBar {
@@ -190,11 +192,13 @@ pub fn download(info: &PackageInfo, dir: &Path) -> Result<PathBuf, DebianError> 
         })
     };
     let spec = format!("{}={}", info.name, info.version);
-    let out = run_capture(
-        Command::new("apt-get")
-            .current_dir(dir)
-            .args(["-q", "-o", "APT::Sandbox::User=root", "download", &spec]),
-    );
+    let out = run_capture(Command::new("apt-get").current_dir(dir).args([
+        "-q",
+        "-o",
+        "APT::Sandbox::User=root",
+        "download",
+        &spec,
+    ]));
     done.store(true, Ordering::Relaxed);
     let _ = watcher.join();
     let out = out?;
@@ -248,10 +252,20 @@ pub fn extract(
         deb: deb.to_owned(),
         source,
     };
-    let installed_kib = run_capture(Command::new("dpkg-deb").arg("-f").arg(deb).arg("Installed-Size"))
-        .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse::<u64>().ok())
-        .unwrap_or(0);
+    let installed_kib = run_capture(
+        Command::new("dpkg-deb")
+            .arg("-f")
+            .arg(deb)
+            .arg("Installed-Size"),
+    )
+    .ok()
+    .and_then(|o| {
+        String::from_utf8_lossy(&o.stdout)
+            .trim()
+            .parse::<u64>()
+            .ok()
+    })
+    .unwrap_or(0);
     let mut child = Command::new("dpkg-deb")
         .arg("--fsys-tarfile")
         .arg(deb)
@@ -303,7 +317,9 @@ pub fn extract(
     pb.finish_and_clear();
     result?;
     if !status.success() {
-        return Err(unpack_err(io::Error::other(format!("dpkg-deb exited with {status}"))));
+        return Err(unpack_err(io::Error::other(format!(
+            "dpkg-deb exited with {status}"
+        ))));
     }
     Ok(written)
 }

@@ -25,10 +25,12 @@ mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || mount -t debugfs deb
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 exec </dev/console >/dev/console 2>&1
 EXOTAP_HOLD=$(sed -n 's/.*exotap\.hold=\([^ ]*\).*/\1/p' /proc/cmdline)
+# The host's go channel. Kept open for the whole job: a closed 8250 port drops what it receives.
+exec 9</dev/ttyS1
+stty raw -echo <&9
 exotap_wait() {
 	echo "EXOTAP-WAIT $1"
-	stty -F /dev/ttyS1 raw -echo 2>/dev/null
-	dd if=/dev/ttyS1 of=/dev/null bs=1 count=1 2>/dev/null
+	dd of=/dev/null bs=1 count=1 <&9 2>/dev/null
 	echo "EXOTAP-GO $1"
 }
 exotap_phase() {
@@ -41,7 +43,7 @@ exotap_result() {
 	echo "EXOTAP-RESULT $1=$2"
 }
 echo "EXOTAP-READY"
-( . /etc/exotap/job.sh )
+( . /etc/exotap/job.sh ) 9<&9
 rc=$?
 echo "EXOTAP-DONE $rc"
 sync
@@ -70,7 +72,9 @@ impl GuestJob {
 
     /// A job from a script body.
     pub fn from_script(script: impl Into<String>) -> Self {
-        Self { script: script.into() }
+        Self {
+            script: script.into(),
+        }
     }
 }
 
@@ -78,9 +82,15 @@ impl GuestJob {
 ///
 /// # Errors
 /// When two entries collide (e.g. a workload named like a directory).
-pub fn assemble(busybox: Vec<u8>, workloads: &[(Workload, Vec<u8>)], job: &GuestJob) -> Result<Initramfs, InitramfsError> {
+pub fn assemble(
+    busybox: Vec<u8>,
+    workloads: &[(Workload, Vec<u8>)],
+    job: &GuestJob,
+) -> Result<Initramfs, InitramfsError> {
     let mut fs = Initramfs::new();
-    for dir in ["proc", "sys", "dev", "tmp", "run", "sbin", "usr/bin", "usr/sbin"] {
+    for dir in [
+        "proc", "sys", "dev", "tmp", "run", "sbin", "usr/bin", "usr/sbin",
+    ] {
         fs.dir(dir, 0o755)?;
     }
     fs.char_device("dev/console", 0o600, 5, 1)?;
@@ -124,13 +134,27 @@ mod tests {
 
     #[test]
     fn assembled_image_has_init_job_busybox_and_workloads() {
-        let w = Workload { name: "syscall-loop".into(), binary: "/x".into() };
+        let w = Workload {
+            name: "syscall-loop".into(),
+            binary: "/x".into(),
+        };
 
-        let fs = assemble(b"bb".to_vec(), &[(w, b"elf".to_vec())], &GuestJob::from_script("true")).unwrap();
+        let fs = assemble(
+            b"bb".to_vec(),
+            &[(w, b"elf".to_vec())],
+            &GuestJob::from_script("true"),
+        )
+        .unwrap();
         let bytes = fs.write_cpio(Vec::new()).unwrap();
         let text = String::from_utf8_lossy(&bytes);
 
-        for name in ["init", "bin/busybox", "bin/syscall-loop", "etc/exotap/job.sh", "dev/console"] {
+        for name in [
+            "init",
+            "bin/busybox",
+            "bin/syscall-loop",
+            "etc/exotap/job.sh",
+            "dev/console",
+        ] {
             assert!(text.contains(&format!("{name}\0")), "{name} missing");
         }
     }

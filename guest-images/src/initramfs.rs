@@ -47,7 +47,9 @@ fn check_path(path: &str) -> Result<(), InitramfsError> {
     let ok = !path.is_empty()
         && !path.starts_with('/')
         && !path.ends_with('/')
-        && path.split('/').all(|c| !c.is_empty() && c != "." && c != "..");
+        && path
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..");
     if ok {
         Ok(())
     } else {
@@ -65,12 +67,20 @@ impl Initramfs {
         check_path(path)?;
         // Create missing parents as 0755 directories.
         let mut parent = String::new();
-        for comp in path.split('/').collect::<Vec<_>>().split_last().map(|(_, p)| p).unwrap_or(&[]) {
+        for comp in path
+            .split('/')
+            .collect::<Vec<_>>()
+            .split_last()
+            .map(|(_, p)| p)
+            .unwrap_or(&[])
+        {
             if !parent.is_empty() {
                 parent.push('/');
             }
             parent.push_str(comp);
-            self.nodes.entry(parent.clone()).or_insert((0o755, Node::Dir));
+            self.nodes
+                .entry(parent.clone())
+                .or_insert((0o755, Node::Dir));
         }
         match self.nodes.get(path) {
             Some((_, Node::Dir)) if node == Node::Dir => Ok(()),
@@ -113,7 +123,13 @@ impl Initramfs {
     ///
     /// # Errors
     /// For a bad or duplicate path.
-    pub fn char_device(&mut self, path: &str, mode: u32, major: u32, minor: u32) -> Result<(), InitramfsError> {
+    pub fn char_device(
+        &mut self,
+        path: &str,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    ) -> Result<(), InitramfsError> {
         self.insert(path, mode, Node::CharDevice { major, minor })
     }
 
@@ -150,7 +166,8 @@ impl Initramfs {
             if let Node::CharDevice { major, minor } = node {
                 builder = builder.rdev_major(*major).rdev_minor(*minor);
             }
-            let size = u32::try_from(data.len()).map_err(|_| InitramfsError::TooLarge(path.clone()))?;
+            let size =
+                u32::try_from(data.len()).map_err(|_| InitramfsError::TooLarge(path.clone()))?;
             let mut writer = builder.write(out, size);
             writer.write_all(data).map_err(InitramfsError::Write)?;
             out = writer.finish().map_err(InitramfsError::Write)?;
@@ -175,9 +192,11 @@ mod tests {
 
     fn sample() -> Initramfs {
         let mut fs = Initramfs::new();
-        fs.file("bin/busybox", 0o755, b"\x7fELF fake".to_vec()).unwrap();
+        fs.file("bin/busybox", 0o755, b"\x7fELF fake".to_vec())
+            .unwrap();
         fs.symlink("bin/sh", "busybox").unwrap();
-        fs.file("etc/exotap/job.sh", 0o644, b"echo hi\n".to_vec()).unwrap();
+        fs.file("etc/exotap/job.sh", 0o644, b"echo hi\n".to_vec())
+            .unwrap();
         fs.char_device("dev/console", 0o600, 5, 1).unwrap();
         fs.dir("proc", 0o555).unwrap();
         fs
@@ -191,7 +210,17 @@ mod tests {
 
         assert_eq!(
             paths,
-            ["bin", "bin/busybox", "bin/sh", "dev", "dev/console", "etc", "etc/exotap", "etc/exotap/job.sh", "proc"]
+            [
+                "bin",
+                "bin/busybox",
+                "bin/sh",
+                "dev",
+                "dev/console",
+                "etc",
+                "etc/exotap",
+                "etc/exotap/job.sh",
+                "proc"
+            ]
         );
     }
 
@@ -199,11 +228,26 @@ mod tests {
     fn rejects_escaping_and_duplicate_paths() {
         let mut fs = sample();
 
-        assert!(matches!(fs.file("../x", 0o644, vec![]), Err(InitramfsError::BadPath(_))));
-        assert!(matches!(fs.file("/abs", 0o644, vec![]), Err(InitramfsError::BadPath(_))));
-        assert!(matches!(fs.file("a//b", 0o644, vec![]), Err(InitramfsError::BadPath(_))));
-        assert!(matches!(fs.symlink("bin/sh", "x"), Err(InitramfsError::Duplicate(_))));
-        assert!(matches!(fs.file("bin", 0o644, vec![]), Err(InitramfsError::Duplicate(_))));
+        assert!(matches!(
+            fs.file("../x", 0o644, vec![]),
+            Err(InitramfsError::BadPath(_))
+        ));
+        assert!(matches!(
+            fs.file("/abs", 0o644, vec![]),
+            Err(InitramfsError::BadPath(_))
+        ));
+        assert!(matches!(
+            fs.file("a//b", 0o644, vec![]),
+            Err(InitramfsError::BadPath(_))
+        ));
+        assert!(matches!(
+            fs.symlink("bin/sh", "x"),
+            Err(InitramfsError::Duplicate(_))
+        ));
+        assert!(matches!(
+            fs.file("bin", 0o644, vec![]),
+            Err(InitramfsError::Duplicate(_))
+        ));
     }
 
     #[test]
@@ -218,7 +262,13 @@ mod tests {
                 break;
             }
             let e = reader.entry();
-            names.push((e.name().to_owned(), e.mode(), e.file_size(), e.rdev_major(), e.rdev_minor()));
+            names.push((
+                e.name().to_owned(),
+                e.mode(),
+                e.file_size(),
+                e.rdev_major(),
+                e.rdev_minor(),
+            ));
             rest = reader.finish().unwrap();
         }
 
@@ -254,16 +304,38 @@ mod tests {
             .unwrap();
         let listing = String::from_utf8_lossy(&out.stdout);
 
-        assert!(out.status.success(), "cpio failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "cpio failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let lines: Vec<&str> = listing.lines().collect();
         assert_eq!(lines.len(), 9, "{listing}");
-        assert!(lines.iter().any(|l| l.starts_with("lrwxrwxrwx") && l.ends_with("bin/sh -> busybox")), "{listing}");
-        assert!(lines.iter().any(|l| l.starts_with("crw-------") && l.contains("5,") && l.ends_with("dev/console")), "{listing}");
-        assert!(lines.iter().any(|l| l.starts_with("-rwxr-xr-x") && l.ends_with("bin/busybox")), "{listing}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("lrwxrwxrwx") && l.ends_with("bin/sh -> busybox")),
+            "{listing}"
+        );
+        assert!(
+            lines.iter().any(|l| l.starts_with("crw-------")
+                && l.contains("5,")
+                && l.ends_with("dev/console")),
+            "{listing}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("-rwxr-xr-x") && l.ends_with("bin/busybox")),
+            "{listing}"
+        );
     }
 
     #[test]
     fn output_is_deterministic() {
-        assert_eq!(sample().write_gz(Vec::new()).unwrap(), sample().write_gz(Vec::new()).unwrap());
+        assert_eq!(
+            sample().write_gz(Vec::new()).unwrap(),
+            sample().write_gz(Vec::new()).unwrap()
+        );
     }
 }

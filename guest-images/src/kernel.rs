@@ -106,8 +106,36 @@ fn kernel_dir(abi: &str) -> Result<PathBuf, ImageError> {
     Ok(cache::cache_root()?.join("kernels").join(abi))
 }
 
+/// Where packages come from: apt in real use, a local file in tests.
+pub trait PackageSource {
+    /// The candidate version of `name`, `None` when unknown.
+    ///
+    /// # Errors
+    /// When the source cannot be asked.
+    fn candidate(&self, name: &str) -> Result<Option<debian::PackageInfo>, DebianError>;
+    /// Downloads the package's .deb into the empty directory `dir`.
+    ///
+    /// # Errors
+    /// When the download fails.
+    fn download(&self, info: &debian::PackageInfo, dir: &Path) -> Result<PathBuf, DebianError>;
+}
+
+/// Packages from the host's apt configuration.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Apt;
+
+impl PackageSource for Apt {
+    fn candidate(&self, name: &str) -> Result<Option<debian::PackageInfo>, DebianError> {
+        debian::candidate(name)
+    }
+    fn download(&self, info: &debian::PackageInfo, dir: &Path) -> Result<PathBuf, DebianError> {
+        debian::download(info, dir)
+    }
+}
+
 /// A cached component: a directory filled from one Debian package.
 struct Component<'a> {
+    source: &'a dyn PackageSource,
     dir: PathBuf,
     package: String,
     required: &'a [&'a str],
@@ -144,17 +172,24 @@ impl Component<'_> {
             }
         }
         cache::invalidate(&self.dir);
-        let info = debian::candidate(&self.package)?.ok_or_else(|| DebianError::UnknownPackage {
-            package: self.package.clone(),
-            suggestion: (self.suggestion)(),
-        })?;
+        let info =
+            self.source
+                .candidate(&self.package)?
+                .ok_or_else(|| DebianError::UnknownPackage {
+                    package: self.package.clone(),
+                    suggestion: (self.suggestion)(),
+                })?;
         let download_dir = self.dir.join(".download");
         let _ = fs::remove_dir_all(&download_dir);
         fs::create_dir_all(&download_dir).map_err(io_err(&download_dir))?;
-        let deb = debian::download(&info, &download_dir)?;
+        let deb = self.source.download(&info, &download_dir)?;
         let written = debian::extract(&deb, &self.dir, self.select)?;
         let _ = fs::remove_dir_all(&download_dir);
-        if let Some(missing) = self.required.iter().find(|r| !written.iter().any(|w| w == *r)) {
+        if let Some(missing) = self
+            .required
+            .iter()
+            .find(|r| !written.iter().any(|w| w == *r))
+        {
             return Err(ImageError::Incomplete {
                 package: info.name,
                 version: info.version,
@@ -200,9 +235,13 @@ pub fn ensure_kernel(name: &str) -> Result<Kernel, ImageError> {
             .then(|| format!("modules/{file}"))
     };
     let mut required = vec!["vmlinuz", "config"];
-    let module_files: Vec<String> = KEPT_MODULES.iter().map(|m| format!("modules/{m}")).collect();
+    let module_files: Vec<String> = KEPT_MODULES
+        .iter()
+        .map(|m| format!("modules/{m}"))
+        .collect();
     required.extend(module_files.iter().map(String::as_str));
     let manifest = Component {
+        source: &Apt,
         dir: dir.clone(),
         package: format!("linux-image-{abi}-unsigned"),
         required: &required,
@@ -240,6 +279,7 @@ pub fn ensure_debuginfo(name: &str) -> Result<Debuginfo, ImageError> {
         }
     };
     Component {
+        source: &Apt,
         dir: dir.clone(),
         package: format!("linux-image-{abi}-dbg"),
         required: &["vmlinux", "System.map"],
@@ -261,6 +301,7 @@ pub fn ensure_busybox() -> Result<PathBuf, ImageError> {
     let dir = cache::cache_root()?.join("packages").join("busybox-static");
     let select = |path: &str| (path == "bin/busybox").then(|| "busybox".to_owned());
     Component {
+        source: &Apt,
         dir: dir.clone(),
         package: "busybox-static".into(),
         required: &["busybox"],
@@ -274,10 +315,140 @@ pub fn ensure_busybox() -> Result<PathBuf, ImageError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
+    use std::process::Command;
+
+    /// Serves one locally built .deb and counts downloads.
+    struct LocalDeb {
+        deb: PathBuf,
+        downloads: Cell<u32>,
+    }
+
+    impl PackageSource for LocalDeb {
+        fn candidate(&self, name: &str) -> Result<Option<debian::PackageInfo>, DebianError> {
+            Ok((name == "exotap-test-kernel").then(|| debian::PackageInfo {
+                name: name.into(),
+                version: "1.0".into(),
+                size: None,
+            }))
+        }
+        fn download(&self, _: &debian::PackageInfo, dir: &Path) -> Result<PathBuf, DebianError> {
+            self.downloads.set(self.downloads.get() + 1);
+            let to = dir.join("exotap-test-kernel_1.0_amd64.deb");
+            fs::copy(&self.deb, &to).map_err(|source| DebianError::Io {
+                path: to.clone(),
+                source,
+            })?;
+            Ok(to)
+        }
+    }
+
+    /// Builds a .deb holding boot/vmlinuz-test and an unrelated file, with dpkg-deb.
+    fn local_deb(dir: &Path) -> Option<LocalDeb> {
+        let root = dir.join("pkgroot");
+        fs::create_dir_all(root.join("DEBIAN")).unwrap();
+        fs::create_dir_all(root.join("boot")).unwrap();
+        fs::write(
+            root.join("DEBIAN/control"),
+            "Package: exotap-test-kernel\nVersion: 1.0\nArchitecture: amd64\nMaintainer: t <t@t>\nDescription: t\n",
+        )
+        .unwrap();
+        fs::write(root.join("boot/vmlinuz-test"), vec![0x42u8; 100_000]).unwrap();
+        fs::write(root.join("boot/other"), b"not wanted").unwrap();
+        let deb = dir.join("test.deb");
+        let ok = Command::new("dpkg-deb")
+            .args(["--root-owner-group", "-Znone", "--build"])
+            .arg(&root)
+            .arg(&deb)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        ok.then(|| LocalDeb {
+            deb,
+            downloads: Cell::new(0),
+        })
+    }
+
+    fn component<'a>(
+        source: &'a LocalDeb,
+        dir: &Path,
+        select: &'a dyn Fn(&str) -> Option<String>,
+    ) -> Component<'a> {
+        Component {
+            source,
+            dir: dir.to_owned(),
+            package: "exotap-test-kernel".into(),
+            required: &["vmlinuz"],
+            select,
+            suggestion: &|| None,
+        }
+    }
+
+    #[test]
+    fn corrupted_cache_file_is_detected_and_fetched_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        let Some(source) = local_deb(tmp.path()) else {
+            eprintln!("SKIP: dpkg-deb cannot build a test package on this host");
+            return;
+        };
+        let select = |p: &str| (p == "boot/vmlinuz-test").then(|| "vmlinuz".to_owned());
+        let dir = tmp.path().join("cache/kernels/test");
+
+        let first = component(&source, &dir, &select).ensure().unwrap();
+        let second = component(&source, &dir, &select).ensure().unwrap();
+        let downloads_before_corruption = source.downloads.get();
+        let mut bytes = fs::read(dir.join("vmlinuz")).unwrap();
+        bytes[5000] ^= 0xff;
+        fs::write(dir.join("vmlinuz"), &bytes).unwrap();
+        let third = component(&source, &dir, &select).ensure().unwrap();
+
+        assert_eq!(
+            downloads_before_corruption, 1,
+            "a verified cache must not download again"
+        );
+        assert_eq!(first, second);
+        assert_eq!(
+            source.downloads.get(),
+            2,
+            "corruption must trigger a new download"
+        );
+        assert_eq!(third, first);
+        assert_eq!(
+            fs::read(dir.join("vmlinuz")).unwrap(),
+            vec![0x42u8; 100_000]
+        );
+        assert!(
+            !dir.join("other").exists(),
+            "only selected files are unpacked"
+        );
+    }
+
+    #[test]
+    fn unknown_package_says_so() {
+        let tmp = tempfile::tempdir().unwrap();
+        let Some(source) = local_deb(tmp.path()) else {
+            eprintln!("SKIP: dpkg-deb cannot build a test package on this host");
+            return;
+        };
+        let select = |_: &str| None;
+        let mut c = component(&source, &tmp.path().join("c"), &select);
+        c.package = "no-such-package".into();
+
+        let err = c.ensure().unwrap_err();
+
+        assert!(
+            err.to_string()
+                .contains("apt does not know the package no-such-package"),
+            "{err}"
+        );
+        assert_eq!(source.downloads.get(), 0);
+    }
 
     #[test]
     fn abi_accepts_abi_and_package_names() {
-        assert_eq!(kernel_abi("6.1.0-50-cloud-amd64").unwrap(), "6.1.0-50-cloud-amd64");
+        assert_eq!(
+            kernel_abi("6.1.0-50-cloud-amd64").unwrap(),
+            "6.1.0-50-cloud-amd64"
+        );
         assert_eq!(
             kernel_abi("linux-image-6.12.115+deb12-cloud-amd64-unsigned").unwrap(),
             "6.12.115+deb12-cloud-amd64"

@@ -56,7 +56,11 @@ fn compiler_identity() -> Result<String, WorkloadError> {
         .stdin(Stdio::null())
         .output()
         .map_err(WorkloadError::NoCompiler)?;
-    Ok(String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or_default().to_owned())
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned())
 }
 
 /// Builds (or reuses from the cache) every workload.
@@ -72,7 +76,12 @@ pub fn ensure_workloads() -> Result<Vec<Workload>, WorkloadError> {
         .collect()
 }
 
-fn build_one(root: &Path, name: &str, source: &str, compiler: &str) -> Result<Workload, WorkloadError> {
+fn build_one(
+    root: &Path,
+    name: &str,
+    source: &str,
+    compiler: &str,
+) -> Result<Workload, WorkloadError> {
     let mut hasher = Sha256::new();
     for part in [source, compiler, &CFLAGS.join(" ")] {
         hasher.update(part.as_bytes());
@@ -82,7 +91,10 @@ fn build_one(root: &Path, name: &str, source: &str, compiler: &str) -> Result<Wo
     let dir = root.join(format!("{name}-{key}"));
     let binary = dir.join(name);
     if cache::verify(&dir, &[name]).is_ok() {
-        return Ok(Workload { name: name.to_owned(), binary });
+        return Ok(Workload {
+            name: name.to_owned(),
+            binary,
+        });
     }
     let io_err = |path: &Path| {
         let path = path.to_owned();
@@ -107,7 +119,10 @@ fn build_one(root: &Path, name: &str, source: &str, compiler: &str) -> Result<Wo
         });
     }
     cache::seal(&dir, name, &key, &[name.to_owned()])?;
-    Ok(Workload { name: name.to_owned(), binary })
+    Ok(Workload {
+        name: name.to_owned(),
+        binary,
+    })
 }
 
 #[cfg(test)]

@@ -114,9 +114,18 @@ mod tests {
     #[test]
     fn plain_markers_parse() {
         assert_eq!(parse_marker("EXOTAP-READY"), Some(Marker::Ready));
-        assert_eq!(parse_marker("EXOTAP-PHASE syscalls"), Some(Marker::Phase("syscalls".into())));
-        assert_eq!(parse_marker("EXOTAP-WAIT mixed"), Some(Marker::Wait("mixed".into())));
-        assert_eq!(parse_marker("EXOTAP-GO mixed\r"), Some(Marker::Go("mixed".into())));
+        assert_eq!(
+            parse_marker("EXOTAP-PHASE syscalls"),
+            Some(Marker::Phase("syscalls".into()))
+        );
+        assert_eq!(
+            parse_marker("EXOTAP-WAIT mixed"),
+            Some(Marker::Wait("mixed".into()))
+        );
+        assert_eq!(
+            parse_marker("EXOTAP-GO mixed\r"),
+            Some(Marker::Go("mixed".into()))
+        );
         assert_eq!(parse_marker("EXOTAP-DONE 0\r"), Some(Marker::Done(0)));
         assert_eq!(parse_marker("EXOTAP-DONE 127"), Some(Marker::Done(127)));
     }
@@ -125,11 +134,17 @@ mod tests {
     fn result_keeps_value_verbatim() {
         assert_eq!(
             parse_marker("EXOTAP-RESULT getpid.ns_per_call=1234"),
-            Some(Marker::Result { key: "getpid.ns_per_call".into(), value: "1234".into() })
+            Some(Marker::Result {
+                key: "getpid.ns_per_call".into(),
+                value: "1234".into()
+            })
         );
         assert_eq!(
             parse_marker("EXOTAP-RESULT banner=Linux version 6.1"),
-            Some(Marker::Result { key: "banner".into(), value: "Linux version 6.1".into() })
+            Some(Marker::Result {
+                key: "banner".into(),
+                value: "Linux version 6.1".into()
+            })
         );
     }
 
@@ -143,7 +158,10 @@ mod tests {
 
     #[test]
     fn noise_and_malformed_markers_are_ignored() {
-        assert_eq!(parse_marker("Command line: console=ttyS0 exotap.hold=all"), None);
+        assert_eq!(
+            parse_marker("Command line: console=ttyS0 exotap.hold=all"),
+            None
+        );
         assert_eq!(parse_marker("EXOTAP-DONE"), None);
         assert_eq!(parse_marker("EXOTAP-DONE zero"), None);
         assert_eq!(parse_marker("EXOTAP-RESULT novalue"), None);

@@ -56,7 +56,12 @@ impl KvmSupport {
 
 /// Classifies from what the host shows: which kvm modules are loaded, the CPU flags line,
 /// whether `/dev/kvm` exists and whether it opened.
-pub fn classify(modules: &[&str], cpu_flags: &str, device: bool, open: Result<(), String>) -> KvmSupport {
+pub fn classify(
+    modules: &[&str],
+    cpu_flags: &str,
+    device: bool,
+    open: Result<(), String>,
+) -> KvmSupport {
     if !device {
         return KvmSupport::NoDevice;
     }
@@ -104,21 +109,33 @@ mod tests {
 
     #[test]
     fn pvm_module_wins_over_an_openable_device() {
-        assert_eq!(classify(&["kvm_pvm"], "fpu hypervisor", true, Ok(())), KvmSupport::Pvm);
+        assert_eq!(
+            classify(&["kvm_pvm"], "fpu hypervisor", true, Ok(())),
+            KvmSupport::Pvm
+        );
         assert!(!KvmSupport::Pvm.usable());
         assert!(KvmSupport::Pvm.explain().contains("kvm_pvm"));
     }
 
     #[test]
     fn vendor_modules_and_flags_mean_hardware() {
-        assert_eq!(classify(&["kvm_amd"], "fpu", true, Ok(())), KvmSupport::Hardware(Vendor::Amd));
-        assert_eq!(classify(&[], "fpu vmx sse", true, Ok(())), KvmSupport::Hardware(Vendor::Intel));
+        assert_eq!(
+            classify(&["kvm_amd"], "fpu", true, Ok(())),
+            KvmSupport::Hardware(Vendor::Amd)
+        );
+        assert_eq!(
+            classify(&[], "fpu vmx sse", true, Ok(())),
+            KvmSupport::Hardware(Vendor::Intel)
+        );
         assert!(KvmSupport::Hardware(Vendor::Amd).usable());
     }
 
     #[test]
     fn missing_or_unopenable_device_is_not_usable() {
-        assert_eq!(classify(&["kvm_amd"], "svm", false, Ok(())), KvmSupport::NoDevice);
+        assert_eq!(
+            classify(&["kvm_amd"], "svm", false, Ok(())),
+            KvmSupport::NoDevice
+        );
         assert_eq!(
             classify(&["kvm_amd"], "svm", true, Err("Permission denied".into())),
             KvmSupport::NoAccess("Permission denied".into())

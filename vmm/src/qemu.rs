@@ -120,7 +120,7 @@ impl PatchHeapRange {
             heap_mib: size >> 20,
             memory_mib: memory_bytes >> 20,
         };
-        if size == 0 || size % LARGE_PAGE != 0 || size > lowmem / 2 {
+        if size == 0 || !size.is_multiple_of(LARGE_PAGE) || size > lowmem / 2 {
             return Err(err());
         }
         let base = (lowmem - size) & !(LARGE_PAGE - 1);
@@ -222,13 +222,29 @@ impl QemuConfig {
             Accel::Kvm => "kvm",
         };
         let mut args: Vec<String> = [
-            "-M", "pc", "-accel", accel, "-cpu", &self.cpu_model,
-            "-m", &format!("{}M", self.memory_mib), "-smp", &self.cpus.to_string(),
-            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-            "-chardev", "stdio,id=console,signal=off",
-            "-serial", "chardev:console",
-            "-chardev", &format!("socket,id=control,path={}", control.display()),
-            "-serial", "chardev:control",
+            "-M",
+            "pc",
+            "-accel",
+            accel,
+            "-cpu",
+            &self.cpu_model,
+            "-m",
+            &format!("{}M", self.memory_mib),
+            "-smp",
+            &self.cpus.to_string(),
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-chardev",
+            "stdio,id=console,signal=off",
+            "-serial",
+            "chardev:console",
+            "-chardev",
+            &format!("socket,id=control,path={}", control.display()),
+            "-serial",
+            "chardev:control",
         ]
         .iter()
         .map(|s| (*s).to_owned())
@@ -413,8 +429,13 @@ pub fn run(
             Some(Marker::Wait(phase)) => {
                 console.flush().map_err(QemuError::Sink)?;
                 hook.at_wait(&phase)?;
-                let stream = wait_for_control(&listener, &mut control, timeouts.boot)
-                    .map_err(|source| QemuError::Go { phase: phase.clone(), source })?;
+                let stream =
+                    wait_for_control(&listener, &mut control, timeouts.boot).map_err(|source| {
+                        QemuError::Go {
+                            phase: phase.clone(),
+                            source,
+                        }
+                    })?;
                 stream
                     .write_all(b"g")
                     .map_err(|source| QemuError::Go { phase, source })?;
@@ -475,7 +496,13 @@ mod tests {
     fn heap_goes_to_the_top_of_low_ram() {
         let heap = PatchHeapRange::place(1024 << 20, 64 << 20).unwrap();
 
-        assert_eq!(heap, PatchHeapRange { base: 0x3c00_0000, size: 64 << 20 });
+        assert_eq!(
+            heap,
+            PatchHeapRange {
+                base: 0x3c00_0000,
+                size: 64 << 20
+            }
+        );
         assert_eq!(heap.kernel_param(), "memmap=64M$0x3c000000");
     }
 
@@ -501,7 +528,10 @@ mod tests {
 
         let cmdline = config.cmdline();
 
-        assert!(cmdline.starts_with("console=ttyS0,115200 panic=-1"), "{cmdline}");
+        assert!(
+            cmdline.starts_with("console=ttyS0,115200 panic=-1"),
+            "{cmdline}"
+        );
         assert!(cmdline.contains("memmap=64M$0x3c000000"), "{cmdline}");
         assert!(cmdline.contains("exotap.hold=syscalls,mixed"), "{cmdline}");
         assert!(cmdline.contains("nokaslr"), "{cmdline}");

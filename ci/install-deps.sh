@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what exotap needs on a Debian bookworm host, idempotently: nothing is done when
+# every package is already there. Needs root (apt-get).
+set -euo pipefail
+
+packages=(
+  qemu-system-x86   # the qemu backend: boots the guest under TCG (or KVM where it works)
+  busybox-static    # queried by apt; exotap itself fetches it with apt-get download
+  gcc libc6-dev     # workloads are built with gcc -static -O2
+  cpio              # tests read the initramfs back with an independent cpio
+  util-linux        # unshare -n: proves a cached image fetch needs no network
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "ci/install-deps.sh: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+# apt-cache must know the kernel package: a machine that never ran apt-get update knows nothing.
+if ! apt-cache show --no-all-versions busybox-static >/dev/null 2>&1; then
+  apt-get update -q
+fi

@@ -1,0 +1,46 @@
+//! Helpers shared by the end-to-end tests.
+
+#![allow(dead_code, clippy::expect_used)]
+
+use std::process::{Command, Output};
+
+/// The exotap binary under test.
+pub fn exotap() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_exotap"))
+}
+
+/// Whether QEMU is installed; prints why a test skips when it is not.
+pub fn have_qemu(test: &str) -> bool {
+    let ok = Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "SKIP {test}: qemu-system-x86_64 is not installed (ci/install-deps.sh installs it)"
+        );
+    }
+    ok
+}
+
+/// Runs and captures, returning (exit code, stdout, stderr).
+pub fn run(cmd: &mut Command) -> (i32, String, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = cmd.output().expect("cannot run exotap");
+    (
+        status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    )
+}
+
+/// The value of `EXOTAP-RESULT key=value` in a console transcript.
+pub fn result<'a>(console: &'a str, key: &str) -> Option<&'a str> {
+    let prefix = format!("EXOTAP-RESULT {key}=");
+    console
+        .lines()
+        .find_map(|l| l.find(&prefix).map(|at| l[at + prefix.len()..].trim_end()))
+}
