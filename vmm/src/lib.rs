@@ -6,5 +6,6 @@
 //! * [`console`]: the guest protocol on the serial console (`EXOTAP-*` markers).
 
 pub mod console;
+pub mod gdb;
 pub mod host;
 pub mod qemu;

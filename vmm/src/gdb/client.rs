@@ -1,0 +1,635 @@
+//! A GDB remote protocol client for QEMU's gdbstub.
+//!
+//! Hand-written because the maintained Rust crates for this protocol (`gdbstub`) implement the
+//! *server* side; a client needs the opposite half: framing and acks, stop replies, target
+//! descriptions and QEMU's extensions (`Qqemu.PhyMemMode` for physical memory).
+//!
+//! All-stop only. Every read has a timeout; a stub that stops answering gives
+//! [`GdbError::Timeout`], never a hang.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::packet::{self, from_hex, to_hex, PacketError};
+use super::target::{self, RegisterInfo, TargetError};
+
+/// Errors of the GDB client.
+#[derive(Debug, thiserror::Error)]
+pub enum GdbError {
+    /// Connecting failed.
+    #[error("cannot connect to the gdbstub at {addr}")]
+    Connect {
+        /// The address.
+        addr: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The connection failed.
+    #[error("the gdbstub connection failed")]
+    Io(#[from] std::io::Error),
+    /// The stub closed the connection.
+    #[error("the gdbstub closed the connection")]
+    Closed,
+    /// No answer in time.
+    #[error("no answer from the gdbstub within {secs:.1} s while waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The timeout.
+        secs: f64,
+    },
+    /// A packet was malformed.
+    #[error("malformed packet from the gdbstub")]
+    Packet(#[from] PacketError),
+    /// The stub answered `Exx`.
+    #[error("the gdbstub refused `{request}` with error {code}")]
+    Refused {
+        /// The request (truncated).
+        request: String,
+        /// The error code.
+        code: String,
+    },
+    /// The stub does not support a request.
+    #[error("the gdbstub does not support `{0}`")]
+    Unsupported(String),
+    /// The answer does not fit the request.
+    #[error("unexpected answer to `{request}`: `{reply}`")]
+    Unexpected {
+        /// The request (truncated).
+        request: String,
+        /// The reply (truncated).
+        reply: String,
+    },
+    /// The target description is unusable.
+    #[error("the gdbstub's target description is unusable")]
+    Target(#[from] TargetError),
+    /// A register is unknown.
+    #[error("the target has no register named {0}")]
+    NoRegister(String),
+}
+
+/// A thread as the stub numbers it (QEMU: one per vCPU, from 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ThreadId(pub u64);
+
+/// Why the target stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReply {
+    /// `S`/`T`: stopped with a signal (5 = trap: breakpoint or step; 2 = interrupt).
+    Signal {
+        /// The signal number.
+        signal: u8,
+        /// The thread that stopped, when given.
+        thread: Option<ThreadId>,
+        /// Other `key:value` pairs (e.g. `swbreak`, `watch`).
+        info: Vec<(String, String)>,
+    },
+    /// `W`: the target exited.
+    Exited(u8),
+    /// `X`: the target was terminated by a signal.
+    Terminated(u8),
+}
+
+/// Parses a stop reply packet.
+pub fn parse_stop_reply(reply: &str) -> Option<StopReply> {
+    let kind = reply.chars().next()?;
+    let rest = reply.get(1..)?;
+    let code = |s: &str| u8::from_str_radix(s.get(..2)?, 16).ok();
+    match kind {
+        'S' => Some(StopReply::Signal { signal: code(rest)?, thread: None, info: Vec::new() }),
+        'T' => {
+            let signal = code(rest)?;
+            let mut thread = None;
+            let mut info = Vec::new();
+            for pair in rest.get(2..)?.split(';').filter(|p| !p.is_empty()) {
+                let (k, v) = pair.split_once(':').unwrap_or((pair, ""));
+                if k == "thread" {
+                    thread = parse_thread_id(v);
+                } else {
+                    info.push((k.to_owned(), v.to_owned()));
+                }
+            }
+            Some(StopReply::Signal { signal, thread, info })
+        }
+        'W' => code(rest).map(StopReply::Exited),
+        'X' => code(rest).map(StopReply::Terminated),
+        _ => None,
+    }
+}
+
+/// Parses `1a` or `p1.1a` (multiprocess syntax) into a thread id.
+pub fn parse_thread_id(text: &str) -> Option<ThreadId> {
+    let tid = text.rsplit('.').next()?;
+    u64::from_str_radix(tid, 16).ok().map(ThreadId)
+}
+
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_read_timeout(d),
+            Self::Unix(s) => s.set_read_timeout(d),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.read(buf),
+            Self::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.write(buf),
+            Self::Unix(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.flush(),
+            Self::Unix(s) => s.flush(),
+        }
+    }
+}
+
+/// A connection to a gdbstub.
+pub struct GdbClient {
+    stream: Stream,
+    inbuf: Vec<u8>,
+    ack_mode: bool,
+    timeout: Duration,
+    /// The stub's maximum packet size (`PacketSize`).
+    packet_size: usize,
+    features: Vec<String>,
+    general_thread: Option<ThreadId>,
+    phys_mode: bool,
+    registers: Vec<RegisterInfo>,
+}
+
+impl std::fmt::Debug for GdbClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GdbClient")
+            .field("packet_size", &self.packet_size)
+            .field("ack_mode", &self.ack_mode)
+            .field("registers", &self.registers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn short(s: &str) -> String {
+    s.chars().take(80).collect()
+}
+
+impl GdbClient {
+    /// Connects to `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`, negotiates features, turns
+    /// acks off where supported and reads the target description.
+    ///
+    /// # Errors
+    /// When the connection or the handshake fails.
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, GdbError> {
+        let connect_err = |source| GdbError::Connect { addr: addr.to_owned(), source };
+        let stream = if let Some(path) = addr.strip_prefix("unix:") {
+            Stream::Unix(UnixStream::connect(Path::new(path)).map_err(connect_err)?)
+        } else {
+            let hostport = addr.strip_prefix("tcp:").unwrap_or(addr);
+            let tcp = TcpStream::connect(hostport).map_err(connect_err)?;
+            tcp.set_nodelay(true).map_err(connect_err)?;
+            Stream::Tcp(tcp)
+        };
+        let mut client = Self {
+            stream,
+            inbuf: Vec::new(),
+            ack_mode: true,
+            timeout,
+            packet_size: 1024,
+            features: Vec::new(),
+            general_thread: None,
+            phys_mode: false,
+            registers: Vec::new(),
+        };
+        client.handshake()?;
+        Ok(client)
+    }
+
+    fn handshake(&mut self) -> Result<(), GdbError> {
+        let reply = self.request("qSupported:swbreak+;hwbreak+;vContSupported+;xmlRegisters=i386")?;
+        self.features = reply.split(';').map(str::to_owned).collect();
+        if let Some(size) = self
+            .features
+            .iter()
+            .find_map(|f| f.strip_prefix("PacketSize="))
+            .and_then(|s| usize::from_str_radix(s, 16).ok())
+        {
+            self.packet_size = size.max(64);
+        }
+        if self.supports("QStartNoAckMode") && self.request("QStartNoAckMode")? == "OK" {
+            self.ack_mode = false;
+        }
+        if self.supports("qXfer:features:read") {
+            self.load_target_description()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the stub announced `feature+` (or `feature=...`).
+    pub fn supports(&self, feature: &str) -> bool {
+        self.features
+            .iter()
+            .any(|f| f.strip_suffix('+') == Some(feature) || f.split_once('=').is_some_and(|(k, _)| k == feature))
+    }
+
+    /// The registers of the target description, in number order.
+    pub fn registers(&self) -> &[RegisterInfo] {
+        &self.registers
+    }
+
+    /// The stub's maximum packet size.
+    pub fn packet_size(&self) -> usize {
+        self.packet_size
+    }
+
+    fn load_target_description(&mut self) -> Result<(), GdbError> {
+        let top = self.read_xfer("features", "target.xml")?;
+        let mut regs = Vec::new();
+        target::collect_registers(&top, &mut regs)?;
+        for file in target::includes(&top)? {
+            let xml = self.read_xfer("features", &file)?;
+            target::collect_registers(&xml, &mut regs)?;
+        }
+        regs.sort_by_key(|r| r.regnum);
+        self.registers = regs;
+        Ok(())
+    }
+
+    fn read_xfer(&mut self, object: &str, annex: &str) -> Result<String, GdbError> {
+        let mut out = Vec::new();
+        let chunk = self.packet_size.saturating_sub(32).max(64);
+        loop {
+            let request = format!("qXfer:{object}:read:{annex}:{:x},{chunk:x}", out.len());
+            let reply = self.request_bytes(request.as_bytes())?;
+            match reply.first() {
+                Some(b'l') => {
+                    out.extend_from_slice(&reply[1..]);
+                    break;
+                }
+                Some(b'm') => out.extend_from_slice(&reply[1..]),
+                _ => {
+                    return Err(GdbError::Unexpected {
+                        request,
+                        reply: short(&String::from_utf8_lossy(&reply)),
+                    })
+                }
+            }
+        }
+        Ok(String::from_utf8_lossy(&out).into_owned())
+    }
+
+    fn send(&mut self, payload: &[u8]) -> Result<(), GdbError> {
+        self.stream.write_all(&packet::encode(payload))?;
+        self.stream.flush()?;
+        Ok(())
+    }
+
+    /// Reads one packet's payload, acking in ack mode.
+    fn receive(&mut self, timeout: Duration, what: &str) -> Result<Vec<u8>, GdbError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some((body, sum, consumed)) = Self::find_packet(&self.inbuf) {
+                let decoded = packet::decode(&body, sum);
+                self.inbuf.drain(..consumed);
+                match decoded {
+                    Ok(payload) => {
+                        if self.ack_mode {
+                            self.stream.write_all(b"+")?;
+                        }
+                        return Ok(payload);
+                    }
+                    Err(e) if self.ack_mode => {
+                        tracing::debug!("bad packet from the stub ({e}); asking for it again");
+                        self.stream.write_all(b"-")?;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(GdbError::Timeout { what: short(what), secs: timeout.as_secs_f64() });
+            }
+            self.stream.set_read_timeout(Some(left))?;
+            let mut buf = [0u8; 4096];
+            match self.stream.read(&mut buf) {
+                Ok(0) => return Err(GdbError::Closed),
+                Ok(n) => self.inbuf.extend_from_slice(&buf[..n]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Finds `$body#xx` in the buffer, skipping acks and noise; returns body, checksum and the
+    /// number of bytes consumed.
+    fn find_packet(buf: &[u8]) -> Option<(Vec<u8>, [u8; 2], usize)> {
+        let start = buf.iter().position(|b| *b == b'$')?;
+        let hash = start + 1 + buf[start + 1..].iter().position(|b| *b == b'#')?;
+        let sum = [*buf.get(hash + 1)?, *buf.get(hash + 2)?];
+        Some((buf[start + 1..hash].to_vec(), sum, hash + 3))
+    }
+
+    fn request_bytes(&mut self, payload: &[u8]) -> Result<Vec<u8>, GdbError> {
+        self.send(payload)?;
+        let what = String::from_utf8_lossy(payload).into_owned();
+        loop {
+            let reply = self.receive(self.timeout, &what)?;
+            // Console output (`O...`) may precede the real answer to monitor commands.
+            if reply.first() == Some(&b'O') && reply.len() > 1 && !what.starts_with('m') {
+                continue;
+            }
+            return Ok(reply);
+        }
+    }
+
+    /// Sends a request and returns the reply as text; `Exx` becomes [`GdbError::Refused`]
+    /// and an empty reply [`GdbError::Unsupported`].
+    ///
+    /// # Errors
+    /// Connection failures, timeouts, refusals.
+    pub fn request(&mut self, payload: &str) -> Result<String, GdbError> {
+        let reply = self.request_bytes(payload.as_bytes())?;
+        let text = String::from_utf8_lossy(&reply).into_owned();
+        if text.is_empty() {
+            return Err(GdbError::Unsupported(short(payload)));
+        }
+        if text.len() == 3 && text.starts_with('E') && text[1..].bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(GdbError::Refused { request: short(payload), code: text });
+        }
+        Ok(text)
+    }
+
+    fn expect_ok(&mut self, payload: &str) -> Result<(), GdbError> {
+        let reply = self.request(payload)?;
+        if reply == "OK" {
+            Ok(())
+        } else {
+            Err(GdbError::Unexpected { request: short(payload), reply: short(&reply) })
+        }
+    }
+
+    /// Why the target is stopped (`?`).
+    ///
+    /// # Errors
+    /// When the stub does not answer with a stop reply.
+    pub fn stop_reason(&mut self) -> Result<StopReply, GdbError> {
+        let reply = self.request("?")?;
+        parse_stop_reply(&reply).ok_or(GdbError::Unexpected { request: "?".into(), reply: short(&reply) })
+    }
+
+    /// The threads (vCPUs), from `qfThreadInfo`/`qsThreadInfo`.
+    ///
+    /// # Errors
+    /// When the stub fails.
+    pub fn threads(&mut self) -> Result<Vec<ThreadId>, GdbError> {
+        let mut threads = Vec::new();
+        let mut reply = self.request("qfThreadInfo")?;
+        while let Some(list) = reply.strip_prefix('m') {
+            threads.extend(list.split(',').filter_map(parse_thread_id));
+            reply = self.request("qsThreadInfo")?;
+        }
+        if reply != "l" {
+            return Err(GdbError::Unexpected { request: "qsThreadInfo".into(), reply: short(&reply) });
+        }
+        Ok(threads)
+    }
+
+    /// Selects the thread for register and memory accesses (`Hg`).
+    ///
+    /// # Errors
+    /// When the stub refuses.
+    pub fn select_thread(&mut self, thread: ThreadId) -> Result<(), GdbError> {
+        if self.general_thread != Some(thread) {
+            self.expect_ok(&format!("Hg{:x}", thread.0))?;
+            self.general_thread = Some(thread);
+        }
+        Ok(())
+    }
+
+    /// Looks up a register of the target description by name.
+    ///
+    /// # Errors
+    /// [`GdbError::NoRegister`].
+    pub fn register_info(&self, name: &str) -> Result<&RegisterInfo, GdbError> {
+        self.registers
+            .iter()
+            .find(|r| r.name == name)
+            .ok_or_else(|| GdbError::NoRegister(name.to_owned()))
+    }
+
+    /// Reads a register (by name) of `thread` as little-endian bytes.
+    ///
+    /// # Errors
+    /// Unknown register, stub failure.
+    pub fn read_register(&mut self, thread: ThreadId, name: &str) -> Result<Vec<u8>, GdbError> {
+        let regnum = self.register_info(name)?.regnum;
+        self.select_thread(thread)?;
+        let request = format!("p{regnum:x}");
+        let reply = self.request(&request)?;
+        from_hex(reply.as_bytes()).ok_or(GdbError::Unexpected { request, reply: short(&reply) })
+    }
+
+    /// Reads a register of up to 64 bits as a number.
+    ///
+    /// # Errors
+    /// As [`Self::read_register`].
+    pub fn read_register_u64(&mut self, thread: ThreadId, name: &str) -> Result<u64, GdbError> {
+        let bytes = self.read_register(thread, name)?;
+        let mut raw = [0u8; 8];
+        for (dst, src) in raw.iter_mut().zip(&bytes) {
+            *dst = *src;
+        }
+        Ok(u64::from_le_bytes(raw))
+    }
+
+    /// Writes a register (by name) of `thread`; `value` is little-endian and as wide as the
+    /// register.
+    ///
+    /// # Errors
+    /// Unknown register, wrong width, stub failure.
+    pub fn write_register(&mut self, thread: ThreadId, name: &str, value: &[u8]) -> Result<(), GdbError> {
+        let info = self.register_info(name)?.clone();
+        if value.len() * 8 != info.bitsize as usize {
+            return Err(GdbError::Unexpected {
+                request: format!("P{} ({} bytes)", name, value.len()),
+                reply: format!("register is {} bits", info.bitsize),
+            });
+        }
+        self.select_thread(thread)?;
+        self.expect_ok(&format!("P{:x}={}", info.regnum, to_hex(value)))
+    }
+
+    /// Switches `m`/`M` between virtual (current thread's page tables) and physical addresses.
+    ///
+    /// # Errors
+    /// When the stub lacks QEMU's `Qqemu.PhyMemMode`.
+    pub fn set_physical_mode(&mut self, physical: bool) -> Result<(), GdbError> {
+        if self.phys_mode != physical {
+            self.expect_ok(&format!("Qqemu.PhyMemMode:{}", u8::from(physical)))?;
+            self.phys_mode = physical;
+        }
+        Ok(())
+    }
+
+    fn chunk(&self) -> usize {
+        // Hex doubles the size; leave room for the command and framing.
+        (self.packet_size.saturating_sub(32) / 2).clamp(16, 4096)
+    }
+
+    /// Reads memory at `addr` (virtual or physical per [`Self::set_physical_mode`]).
+    ///
+    /// # Errors
+    /// When the stub refuses (unmapped address) or fails.
+    pub fn read_memory(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), GdbError> {
+        let chunk = self.chunk();
+        let mut done = 0usize;
+        while done < buf.len() {
+            let n = chunk.min(buf.len() - done);
+            let at = addr.wrapping_add(done as u64);
+            let request = format!("m{at:x},{n:x}");
+            let reply = self.request(&request)?;
+            let bytes = from_hex(reply.as_bytes())
+                .filter(|b| !b.is_empty() && b.len() <= n)
+                .ok_or_else(|| GdbError::Unexpected { request: request.clone(), reply: short(&reply) })?;
+            buf[done..done + bytes.len()].copy_from_slice(&bytes);
+            done += bytes.len();
+        }
+        Ok(())
+    }
+
+    /// Writes memory at `addr` (virtual or physical per [`Self::set_physical_mode`]).
+    ///
+    /// # Errors
+    /// When the stub refuses or fails.
+    pub fn write_memory(&mut self, addr: u64, data: &[u8]) -> Result<(), GdbError> {
+        for (i, part) in data.chunks(self.chunk()).enumerate() {
+            let at = addr.wrapping_add((i * self.chunk()) as u64);
+            self.expect_ok(&format!("M{at:x},{:x}:{}", part.len(), to_hex(part)))?;
+        }
+        Ok(())
+    }
+
+    /// Inserts (`true`) or removes a software breakpoint.
+    ///
+    /// # Errors
+    /// When the stub refuses.
+    pub fn set_sw_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), GdbError> {
+        let op = if insert { 'Z' } else { 'z' };
+        self.expect_ok(&format!("{op}0,{addr:x},1"))
+    }
+
+    /// Resumes all vCPUs (all-stop `c`); the stub answers only when the target stops again.
+    ///
+    /// # Errors
+    /// When sending fails.
+    pub fn resume(&mut self) -> Result<(), GdbError> {
+        self.send(b"c")
+    }
+
+    /// Single-steps `thread` while the others stay stopped, and waits for the stop.
+    ///
+    /// # Errors
+    /// When the stub fails or does not stop in time.
+    pub fn step(&mut self, thread: ThreadId) -> Result<StopReply, GdbError> {
+        self.send(format!("vCont;s:{:x}", thread.0).as_bytes())?;
+        self.wait_stop(self.timeout)?
+            .ok_or(GdbError::Timeout { what: "the single step".into(), secs: self.timeout.as_secs_f64() })
+    }
+
+    /// Stops all vCPUs (sends `\x03`) and waits for the stop reply.
+    ///
+    /// # Errors
+    /// When the target does not stop in time.
+    pub fn interrupt(&mut self) -> Result<StopReply, GdbError> {
+        self.stream.write_all(&[0x03])?;
+        self.stream.flush()?;
+        self.wait_stop(self.timeout)?
+            .ok_or(GdbError::Timeout { what: "the interrupt".into(), secs: self.timeout.as_secs_f64() })
+    }
+
+    /// Waits up to `timeout` for the running target to stop; `None` if it is still running.
+    ///
+    /// # Errors
+    /// Connection failure or a reply that is not a stop reply.
+    pub fn wait_stop(&mut self, timeout: Duration) -> Result<Option<StopReply>, GdbError> {
+        match self.receive(timeout, "a stop reply") {
+            Ok(reply) => {
+                let text = String::from_utf8_lossy(&reply).into_owned();
+                parse_stop_reply(&text)
+                    .map(Some)
+                    .ok_or(GdbError::Unexpected { request: "(running)".into(), reply: short(&text) })
+            }
+            Err(GdbError::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Detaches (`D`): removes the stub's breakpoints and lets the target run.
+    ///
+    /// # Errors
+    /// When the stub refuses.
+    pub fn detach(&mut self) -> Result<(), GdbError> {
+        self.expect_ok("D")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_replies_parse() {
+        assert_eq!(
+            parse_stop_reply("T05thread:02;swbreak:;"),
+            Some(StopReply::Signal {
+                signal: 5,
+                thread: Some(ThreadId(2)),
+                info: vec![("swbreak".into(), String::new())]
+            })
+        );
+        assert_eq!(parse_stop_reply("S02"), Some(StopReply::Signal { signal: 2, thread: None, info: vec![] }));
+        assert_eq!(parse_stop_reply("W00"), Some(StopReply::Exited(0)));
+        assert_eq!(parse_stop_reply("X09"), Some(StopReply::Terminated(9)));
+        assert_eq!(parse_stop_reply("OK"), None);
+        assert_eq!(parse_stop_reply("T"), None);
+    }
+
+    #[test]
+    fn thread_ids_parse_in_both_syntaxes() {
+        assert_eq!(parse_thread_id("1a"), Some(ThreadId(0x1a)));
+        assert_eq!(parse_thread_id("p1.2"), Some(ThreadId(2)));
+        assert_eq!(parse_thread_id("zz"), None);
+    }
+
+    #[test]
+    fn packets_are_found_after_acks_and_noise() {
+        let buf = b"++junk$OK#9a$next";
+
+        let (body, sum, consumed) = GdbClient::find_packet(buf).unwrap();
+
+        assert_eq!(body, b"OK");
+        assert_eq!(&sum, b"9a");
+        assert_eq!(&buf[consumed..], b"$next");
+        assert!(GdbClient::find_packet(b"$partial#9").is_none());
+    }
+}

@@ -1,0 +1,7 @@
+//! The GDB remote serial protocol, client side, as QEMU's gdbstub speaks it.
+
+pub mod client;
+pub mod packet;
+pub mod target;
+
+pub use client::{GdbClient, GdbError, StopReply, ThreadId};
