@@ -28,6 +28,17 @@ pub enum Ty {
     Void,
 }
 
+impl Ty {
+    /// The type with its article, for messages: "a long", "an aggregate".
+    pub fn article(self) -> String {
+        match self {
+            Ty::Stats => "an aggregate".to_string(),
+            Ty::Void => "no value".to_string(),
+            t => format!("a {t}"),
+        }
+    }
+}
+
 impl fmt::Display for Ty {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -595,8 +606,12 @@ impl<'a> Checker<'a> {
     }
 
     fn clash(&mut self, name: &str, have: Ty, ty: Ty, span: Span) {
-        let msg = format!("type mismatch: '{name}' is a {have} but is used as a {ty} here");
-        let d = Diagnostic::error(msg, span).with_label(format!("used as a {ty}"));
+        let msg = format!(
+            "type mismatch: '{name}' is {} but is used as {} here",
+            have.article(),
+            ty.article()
+        );
+        let d = Diagnostic::error(msg, span).with_label(format!("used as {}", ty.article()));
         let d = if have == Ty::Stats || ty == Ty::Stats {
             d.with_hint("an aggregate only takes '<<<' and @count/@sum/@min/@max/@avg/@hist_*")
         } else {

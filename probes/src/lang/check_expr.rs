@@ -166,7 +166,14 @@ impl Checker<'_> {
             self.undefined(name, span);
             return Ty::Unknown;
         }
-        self.local_ty(name)
+        let ty = self.local_ty(name);
+        if ty == Ty::Unknown {
+            self.emit(
+                Diagnostic::error(format!("could not infer the type of '{name}'"), span)
+                    .with_hint("give it a value of a known type, e.g. x = 0 or x = \"\""),
+            );
+        }
+        ty
     }
 
     fn target(&mut self, t: &TargetVar, span: Span) -> Ty {

@@ -1,7 +1,10 @@
 //! Diagnostics: a message, the span it is about, a label and a hint, rendered with the
 //! source line and carets (ariadne, ASCII character set).
 
-use ariadne::{CharSet, Config, IndexType, Label, Report, ReportKind, Source};
+use codespan_reporting::diagnostic::{self, Label};
+use codespan_reporting::files::SimpleFile;
+use codespan_reporting::term;
+use termcolor::Buffer;
 
 use super::ast::Span;
 use super::parser::ParseError;
@@ -59,12 +62,9 @@ impl Diagnostic {
         self
     }
 
-    /// Renders the diagnostic with the source line and carets under the span.
+    /// Renders the diagnostic rustc-style: the message, `--> file:line:col`, the source line
+    /// with carets under the span, the label, and the hint.
     pub fn render(&self, file: &str, src: &str, color: bool) -> String {
-        let kind = match self.severity {
-            Severity::Error => ReportKind::Error,
-            Severity::Warning => ReportKind::Warning,
-        };
         // Clamp the span to the source and to character boundaries so a bad span can never
         // make the renderer fail.
         let mut start = (self.span.start as usize).min(src.len());
@@ -75,24 +75,22 @@ impl Diagnostic {
         while end < src.len() && !src.is_char_boundary(end) {
             end += 1;
         }
-        let name = file.to_string();
-        let config = Config::default()
-            .with_color(color)
-            .with_char_set(CharSet::Ascii)
-            .with_index_type(IndexType::Byte);
-        let label = Label::new((name.clone(), start..end))
-            .with_message(self.label.clone().unwrap_or_else(|| "here".to_string()));
-        let mut report = Report::build(kind, (name.clone(), start..end))
-            .with_config(config)
+        let severity = match self.severity {
+            Severity::Error => diagnostic::Severity::Error,
+            Severity::Warning => diagnostic::Severity::Warning,
+        };
+        let label = Label::primary((), start..end).with_message(self.label.clone().unwrap_or_default());
+        let mut d = diagnostic::Diagnostic::new(severity)
             .with_message(&self.message)
-            .with_label(label);
+            .with_labels(vec![label]);
         if let Some(hint) = &self.hint {
-            report = report.with_help(hint);
+            d = d.with_notes(vec![format!("hint: {hint}")]);
         }
-        let mut buf = Vec::new();
-        let written = report.finish().write((name, Source::from(src)), &mut buf);
-        match written {
-            Ok(()) => String::from_utf8_lossy(&buf).into_owned(),
+        let source = SimpleFile::new(file, src);
+        let mut buf = if color { Buffer::ansi() } else { Buffer::no_color() };
+        let config = term::Config { chars: term::Chars::ascii(), ..term::Config::default() };
+        match term::emit(&mut buf, &config, &source, &d) {
+            Ok(()) => String::from_utf8_lossy(buf.as_slice()).into_owned(),
             Err(_) => format!("{file}: error: {}\n", self.message),
         }
     }

@@ -184,7 +184,7 @@ value |-------------------------------------------------- count
     fn log_histogram_elides_long_zero_runs() {
         let b = log_hist(&[1, 1024]);
         let text = Histogram { kind: HistKind::Log, buckets: &b }.render();
-        assert!(text.contains("    8 |                                                   0\n      ~\n  256 |"));
+        assert!(text.contains("    4 |                                                   0\n      ~\n  256 |"));
     }
 
     #[test]

@@ -229,10 +229,15 @@ fn scan_number(src: &str, start: usize) -> Result<(i64, usize), LexError> {
     if digits.is_empty() || !digits.chars().all(|d| d.is_digit(radix)) {
         return Err(LexError::BadNumber { span });
     }
-    // Hex and octal literals may use all 64 bits (0xffffffffffffffff is -1), decimal ones
-    // must fit in a signed long.
+    // Hex and octal literals may use all 64 bits (0xffffffffffffffff is -1); decimal ones
+    // must fit in a signed long, except 9223372036854775808, which only makes sense negated
+    // (`-9223372036854775808` is the smallest long).
     let value = if radix == 10 {
-        digits.parse::<i64>().map_err(|_| LexError::NumberTooLarge { span })?
+        let v: u64 = digits.parse().map_err(|_| LexError::NumberTooLarge { span })?;
+        if v > 1 << 63 {
+            return Err(LexError::NumberTooLarge { span });
+        }
+        v as i64
     } else {
         let v = u64::from_str_radix(digits, radix).map_err(|_| LexError::NumberTooLarge { span })?;
         v as i64
@@ -310,7 +315,7 @@ mod tests {
 
     #[test]
     fn decimal_overflow_is_an_error() {
-        assert!(matches!(tokenize("9223372036854775808"), Err(LexError::NumberTooLarge { .. })));
+        assert!(matches!(tokenize("9223372036854775809"), Err(LexError::NumberTooLarge { .. })));
     }
 
     #[test]

@@ -302,6 +302,9 @@ impl Parser {
                 g.array_size = Some(size.unwrap_or(0));
             } else if self.eat_op("=") {
                 g.init = Some(self.literal()?);
+                if matches!(self.peek().tok, Tok::Op(o) if o != "," && o != ";") {
+                    return self.unexpected("',' or the end of the declaration (initial values are literals)");
+                }
             }
             out.push(g);
             if !self.eat_op(",") {

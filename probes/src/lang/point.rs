@@ -209,6 +209,13 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             _ => Err(bad(family, "expected one non-empty string")),
         }
     };
+    let known_root = matches!(
+        names.first(),
+        Some(&("begin" | "end" | "error" | "never" | "timer" | "kernel"))
+    );
+    if !known_root {
+        return Err(unknown());
+    }
     for (i, c) in point.components.iter().enumerate() {
         let allowed = match (names.first(), i) {
             (Some(&"kernel"), 1) | (Some(&"timer"), 1) | (Some(&"begin" | &"end" | &"error"), 0) => {
