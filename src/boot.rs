@@ -66,6 +66,10 @@ pub struct BootArgs {
     /// Extra kernel parameters.
     #[arg(long, value_name = "PARAMS")]
     pub append: Option<String>,
+    /// Expose QEMU's gdbstub for `exotap attach` or gdb, as a QEMU -gdb device: `tcp::1234`
+    /// or `unix:PATH,server=on,wait=off`.
+    #[arg(long, value_name = "DEVICE")]
+    pub gdbstub: Option<String>,
     /// The QEMU binary.
     #[arg(long, default_value = "qemu-system-x86_64", value_name = "PATH")]
     pub qemu: PathBuf,
@@ -121,6 +125,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.patch_heap = PatchHeapRange::place(args.memory << 20, args.heap_size << 20)?;
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;
+    config.gdbstub = args.gdbstub.clone();
     config.append = args
         .append
         .iter()

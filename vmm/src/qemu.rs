@@ -170,6 +170,9 @@ pub struct QemuConfig {
     pub kaslr: bool,
     /// Extra kernel parameters.
     pub append: Vec<String>,
+    /// Expose QEMU's gdbstub at this QEMU `-gdb` device (e.g. `tcp::1234`,
+    /// `unix:/run/g.sock,server=on,wait=off`).
+    pub gdbstub: Option<String>,
     /// Extra QEMU arguments, appended last.
     pub extra_args: Vec<String>,
 }
@@ -193,6 +196,7 @@ impl QemuConfig {
             hold: Vec::new(),
             kaslr: true,
             append: Vec::new(),
+            gdbstub: None,
             extra_args: Vec::new(),
         })
     }
@@ -252,6 +256,9 @@ impl QemuConfig {
         args.extend(["-kernel".into(), self.kernel.display().to_string()]);
         args.extend(["-initrd".into(), self.initrd.display().to_string()]);
         args.extend(["-append".into(), self.cmdline()]);
+        if let Some(gdb) = &self.gdbstub {
+            args.extend(["-gdb".into(), gdb.clone()]);
+        }
         args.extend(self.extra_args.iter().cloned());
         args
     }

@@ -121,6 +121,22 @@ pub fn parse_stop_reply(reply: &str) -> Option<StopReply> {
     }
 }
 
+/// Whether a packet is a stop reply (`Sxx`, `Txx...`, `Wxx`, `Xxx`).
+fn is_stop_reply(reply: &[u8]) -> bool {
+    let hex2 = reply.get(1..3).is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit));
+    match reply.first() {
+        Some(b'S' | b'W') => hex2 && reply.len() == 3,
+        Some(b'X') => hex2 && (reply.len() == 3 || reply.get(3) == Some(&b';')),
+        Some(b'T') => hex2,
+        _ => false,
+    }
+}
+
+/// Whether a packet is `O` followed by hex-encoded console text.
+fn is_console_output(reply: &[u8]) -> bool {
+    reply.len() > 1 && reply[0] == b'O' && reply[1..].iter().all(u8::is_ascii_hexdigit)
+}
+
 /// Parses `1a` or `p1.1a` (multiprocess syntax) into a thread id.
 pub fn parse_thread_id(text: &str) -> Option<ThreadId> {
     let tid = text.rsplit('.').next()?;
@@ -298,6 +314,7 @@ impl GdbClient {
     }
 
     fn send(&mut self, payload: &[u8]) -> Result<(), GdbError> {
+        tracing::trace!(packet = %String::from_utf8_lossy(payload), "gdb send");
         self.stream.write_all(&packet::encode(payload))?;
         self.stream.flush()?;
         Ok(())
@@ -312,6 +329,7 @@ impl GdbClient {
                 self.inbuf.drain(..consumed);
                 match decoded {
                     Ok(payload) => {
+                        tracing::trace!(packet = %String::from_utf8_lossy(&payload), "gdb recv");
                         if self.ack_mode {
                             self.stream.write_all(b"+")?;
                         }
@@ -352,10 +370,17 @@ impl GdbClient {
     fn request_bytes(&mut self, payload: &[u8]) -> Result<Vec<u8>, GdbError> {
         self.send(payload)?;
         let what = String::from_utf8_lossy(payload).into_owned();
+        let wants_stop = payload.first() == Some(&b'?');
         loop {
             let reply = self.receive(self.timeout, &what)?;
-            // Console output (`O...`) may precede the real answer to monitor commands.
-            if reply.first() == Some(&b'O') && reply.len() > 1 && !what.starts_with('m') {
+            // QEMU sends a stop reply by itself when a client connects (it stops the VM then);
+            // no other request is ever answered by one, so keep it aside and read on.
+            if !wants_stop && is_stop_reply(&reply) {
+                tracing::debug!(reply = %String::from_utf8_lossy(&reply), "stop reply while waiting for `{}`", short(&what));
+                continue;
+            }
+            // Console output (`O` + hex) may precede the answer to monitor commands.
+            if is_console_output(&reply) {
                 continue;
             }
             return Ok(reply);
@@ -612,6 +637,18 @@ mod tests {
         assert_eq!(parse_stop_reply("X09"), Some(StopReply::Terminated(9)));
         assert_eq!(parse_stop_reply("OK"), None);
         assert_eq!(parse_stop_reply("T"), None);
+    }
+
+    #[test]
+    fn stop_replies_are_told_from_answers() {
+        assert!(is_stop_reply(b"T02thread:01;"));
+        assert!(is_stop_reply(b"S05"));
+        assert!(!is_stop_reply(b"OK"));
+        assert!(!is_stop_reply(b"PacketSize=1000"));
+        assert!(!is_stop_reply(b"E14"));
+        assert!(!is_stop_reply(b"l<target/>"));
+        assert!(is_console_output(b"O48656c6c6f"));
+        assert!(!is_console_output(b"OK"));
     }
 
     #[test]
