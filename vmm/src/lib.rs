@@ -6,6 +6,7 @@
 //! * [`console`]: the guest protocol on the serial console (`EXOTAP-*` markers).
 
 pub mod console;
+pub mod control;
 pub mod gdb;
 pub mod host;
 pub mod qemu;

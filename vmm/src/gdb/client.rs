@@ -100,7 +100,11 @@ pub fn parse_stop_reply(reply: &str) -> Option<StopReply> {
     let rest = reply.get(1..)?;
     let code = |s: &str| u8::from_str_radix(s.get(..2)?, 16).ok();
     match kind {
-        'S' => Some(StopReply::Signal { signal: code(rest)?, thread: None, info: Vec::new() }),
+        'S' => Some(StopReply::Signal {
+            signal: code(rest)?,
+            thread: None,
+            info: Vec::new(),
+        }),
         'T' => {
             let signal = code(rest)?;
             let mut thread = None;
@@ -113,7 +117,11 @@ pub fn parse_stop_reply(reply: &str) -> Option<StopReply> {
                     info.push((k.to_owned(), v.to_owned()));
                 }
             }
-            Some(StopReply::Signal { signal, thread, info })
+            Some(StopReply::Signal {
+                signal,
+                thread,
+                info,
+            })
         }
         'W' => code(rest).map(StopReply::Exited),
         'X' => code(rest).map(StopReply::Terminated),
@@ -123,7 +131,9 @@ pub fn parse_stop_reply(reply: &str) -> Option<StopReply> {
 
 /// Whether a packet is a stop reply (`Sxx`, `Txx...`, `Wxx`, `Xxx`).
 fn is_stop_reply(reply: &[u8]) -> bool {
-    let hex2 = reply.get(1..3).is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit));
+    let hex2 = reply
+        .get(1..3)
+        .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit));
     match reply.first() {
         Some(b'S' | b'W') => hex2 && reply.len() == 3,
         Some(b'X') => hex2 && (reply.len() == 3 || reply.get(3) == Some(&b';')),
@@ -216,7 +226,10 @@ impl GdbClient {
     /// # Errors
     /// When the connection or the handshake fails.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self, GdbError> {
-        let connect_err = |source| GdbError::Connect { addr: addr.to_owned(), source };
+        let connect_err = |source| GdbError::Connect {
+            addr: addr.to_owned(),
+            source,
+        };
         let stream = if let Some(path) = addr.strip_prefix("unix:") {
             Stream::Unix(UnixStream::connect(Path::new(path)).map_err(connect_err)?)
         } else {
@@ -241,7 +254,8 @@ impl GdbClient {
     }
 
     fn handshake(&mut self) -> Result<(), GdbError> {
-        let reply = self.request("qSupported:swbreak+;hwbreak+;vContSupported+;xmlRegisters=i386")?;
+        let reply =
+            self.request("qSupported:swbreak+;hwbreak+;vContSupported+;xmlRegisters=i386")?;
         self.features = reply.split(';').map(str::to_owned).collect();
         if let Some(size) = self
             .features
@@ -262,9 +276,10 @@ impl GdbClient {
 
     /// Whether the stub announced `feature+` (or `feature=...`).
     pub fn supports(&self, feature: &str) -> bool {
-        self.features
-            .iter()
-            .any(|f| f.strip_suffix('+') == Some(feature) || f.split_once('=').is_some_and(|(k, _)| k == feature))
+        self.features.iter().any(|f| {
+            f.strip_suffix('+') == Some(feature)
+                || f.split_once('=').is_some_and(|(k, _)| k == feature)
+        })
     }
 
     /// The registers of the target description, in number order.
@@ -345,14 +360,21 @@ impl GdbClient {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(GdbError::Timeout { what: short(what), secs: timeout.as_secs_f64() });
+                return Err(GdbError::Timeout {
+                    what: short(what),
+                    secs: timeout.as_secs_f64(),
+                });
             }
             self.stream.set_read_timeout(Some(left))?;
             let mut buf = [0u8; 4096];
             match self.stream.read(&mut buf) {
                 Ok(0) => return Err(GdbError::Closed),
                 Ok(n) => self.inbuf.extend_from_slice(&buf[..n]),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
                 Err(e) => return Err(e.into()),
             }
         }
@@ -398,8 +420,14 @@ impl GdbClient {
         if text.is_empty() {
             return Err(GdbError::Unsupported(short(payload)));
         }
-        if text.len() == 3 && text.starts_with('E') && text[1..].bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(GdbError::Refused { request: short(payload), code: text });
+        if text.len() == 3
+            && text.starts_with('E')
+            && text[1..].bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            return Err(GdbError::Refused {
+                request: short(payload),
+                code: text,
+            });
         }
         Ok(text)
     }
@@ -409,7 +437,10 @@ impl GdbClient {
         if reply == "OK" {
             Ok(())
         } else {
-            Err(GdbError::Unexpected { request: short(payload), reply: short(&reply) })
+            Err(GdbError::Unexpected {
+                request: short(payload),
+                reply: short(&reply),
+            })
         }
     }
 
@@ -419,7 +450,10 @@ impl GdbClient {
     /// When the stub does not answer with a stop reply.
     pub fn stop_reason(&mut self) -> Result<StopReply, GdbError> {
         let reply = self.request("?")?;
-        parse_stop_reply(&reply).ok_or(GdbError::Unexpected { request: "?".into(), reply: short(&reply) })
+        parse_stop_reply(&reply).ok_or(GdbError::Unexpected {
+            request: "?".into(),
+            reply: short(&reply),
+        })
     }
 
     /// The threads (vCPUs), from `qfThreadInfo`/`qsThreadInfo`.
@@ -434,7 +468,10 @@ impl GdbClient {
             reply = self.request("qsThreadInfo")?;
         }
         if reply != "l" {
-            return Err(GdbError::Unexpected { request: "qsThreadInfo".into(), reply: short(&reply) });
+            return Err(GdbError::Unexpected {
+                request: "qsThreadInfo".into(),
+                reply: short(&reply),
+            });
         }
         Ok(threads)
     }
@@ -471,7 +508,10 @@ impl GdbClient {
         self.select_thread(thread)?;
         let request = format!("p{regnum:x}");
         let reply = self.request(&request)?;
-        from_hex(reply.as_bytes()).ok_or(GdbError::Unexpected { request, reply: short(&reply) })
+        from_hex(reply.as_bytes()).ok_or(GdbError::Unexpected {
+            request,
+            reply: short(&reply),
+        })
     }
 
     /// Reads a register of up to 64 bits as a number.
@@ -492,7 +532,12 @@ impl GdbClient {
     ///
     /// # Errors
     /// Unknown register, wrong width, stub failure.
-    pub fn write_register(&mut self, thread: ThreadId, name: &str, value: &[u8]) -> Result<(), GdbError> {
+    pub fn write_register(
+        &mut self,
+        thread: ThreadId,
+        name: &str,
+        value: &[u8],
+    ) -> Result<(), GdbError> {
         let info = self.register_info(name)?.clone();
         if value.len() * 8 != info.bitsize as usize {
             return Err(GdbError::Unexpected {
@@ -535,7 +580,10 @@ impl GdbClient {
             let reply = self.request(&request)?;
             let bytes = from_hex(reply.as_bytes())
                 .filter(|b| !b.is_empty() && b.len() <= n)
-                .ok_or_else(|| GdbError::Unexpected { request: request.clone(), reply: short(&reply) })?;
+                .ok_or_else(|| GdbError::Unexpected {
+                    request: request.clone(),
+                    reply: short(&reply),
+                })?;
             buf[done..done + bytes.len()].copy_from_slice(&bytes);
             done += bytes.len();
         }
@@ -577,8 +625,10 @@ impl GdbClient {
     /// When the stub fails or does not stop in time.
     pub fn step(&mut self, thread: ThreadId) -> Result<StopReply, GdbError> {
         self.send(format!("vCont;s:{:x}", thread.0).as_bytes())?;
-        self.wait_stop(self.timeout)?
-            .ok_or(GdbError::Timeout { what: "the single step".into(), secs: self.timeout.as_secs_f64() })
+        self.wait_stop(self.timeout)?.ok_or(GdbError::Timeout {
+            what: "the single step".into(),
+            secs: self.timeout.as_secs_f64(),
+        })
     }
 
     /// Stops all vCPUs (sends `\x03`) and waits for the stop reply.
@@ -588,8 +638,10 @@ impl GdbClient {
     pub fn interrupt(&mut self) -> Result<StopReply, GdbError> {
         self.stream.write_all(&[0x03])?;
         self.stream.flush()?;
-        self.wait_stop(self.timeout)?
-            .ok_or(GdbError::Timeout { what: "the interrupt".into(), secs: self.timeout.as_secs_f64() })
+        self.wait_stop(self.timeout)?.ok_or(GdbError::Timeout {
+            what: "the interrupt".into(),
+            secs: self.timeout.as_secs_f64(),
+        })
     }
 
     /// Waits up to `timeout` for the running target to stop; `None` if it is still running.
@@ -602,11 +654,56 @@ impl GdbClient {
                 let text = String::from_utf8_lossy(&reply).into_owned();
                 parse_stop_reply(&text)
                     .map(Some)
-                    .ok_or(GdbError::Unexpected { request: "(running)".into(), reply: short(&text) })
+                    .ok_or(GdbError::Unexpected {
+                        request: "(running)".into(),
+                        reply: short(&text),
+                    })
             }
             Err(GdbError::Timeout { .. }) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// Runs a QEMU monitor command (`qRcmd`) and returns what it printed.
+    ///
+    /// # Errors
+    /// When the stub does not support monitor commands or refuses this one.
+    pub fn monitor(&mut self, command: &str) -> Result<String, GdbError> {
+        let request = format!("qRcmd,{}", to_hex(command.as_bytes()));
+        self.send(request.as_bytes())?;
+        let mut text = Vec::new();
+        loop {
+            let reply = self.receive(self.timeout, &request)?;
+            if is_console_output(&reply) {
+                text.extend(from_hex(&reply[1..]).unwrap_or_default());
+                continue;
+            }
+            if is_stop_reply(&reply) {
+                continue;
+            }
+            return match reply.as_slice() {
+                b"OK" => Ok(String::from_utf8_lossy(&text).into_owned()),
+                b"" => Err(GdbError::Unsupported("qRcmd".into())),
+                other => Err(GdbError::Refused {
+                    request: short(&format!("monitor {command}")),
+                    code: short(&String::from_utf8_lossy(other)),
+                }),
+            };
+        }
+    }
+
+    /// Reads all registers with `g`: the bytes of the target description's registers in
+    /// number order, as far as the stub includes them.
+    ///
+    /// # Errors
+    /// When the stub fails.
+    pub fn read_all_registers(&mut self, thread: ThreadId) -> Result<Vec<u8>, GdbError> {
+        self.select_thread(thread)?;
+        let reply = self.request("g")?;
+        from_hex(reply.as_bytes()).ok_or(GdbError::Unexpected {
+            request: "g".into(),
+            reply: short(&reply),
+        })
     }
 
     /// Detaches (`D`): removes the stub's breakpoints and lets the target run.
@@ -632,7 +729,14 @@ mod tests {
                 info: vec![("swbreak".into(), String::new())]
             })
         );
-        assert_eq!(parse_stop_reply("S02"), Some(StopReply::Signal { signal: 2, thread: None, info: vec![] }));
+        assert_eq!(
+            parse_stop_reply("S02"),
+            Some(StopReply::Signal {
+                signal: 2,
+                thread: None,
+                info: vec![]
+            })
+        );
         assert_eq!(parse_stop_reply("W00"), Some(StopReply::Exited(0)));
         assert_eq!(parse_stop_reply("X09"), Some(StopReply::Terminated(9)));
         assert_eq!(parse_stop_reply("OK"), None);

@@ -1,7 +1,9 @@
 //! The GDB remote serial protocol, client side, as QEMU's gdbstub speaks it.
 
 pub mod client;
+pub mod machine;
 pub mod packet;
 pub mod target;
 
 pub use client::{GdbClient, GdbError, StopReply, ThreadId};
+pub use machine::GdbMachine;

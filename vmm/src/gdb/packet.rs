@@ -79,7 +79,10 @@ pub fn decode(body: &[u8], sum: [u8; 2]) -> Result<Vec<u8>, PacketError> {
                 // `X*n`: repeat the previous byte (n - 29) more times; n is printable.
                 let last = *out.last().ok_or(PacketError::BadRunLength(i))?;
                 let n = *body.get(i + 1).ok_or(PacketError::BadRunLength(i))?;
-                let count = n.checked_sub(29).filter(|c| *c > 0).ok_or(PacketError::BadRunLength(i))?;
+                let count = n
+                    .checked_sub(29)
+                    .filter(|c| *c > 0)
+                    .ok_or(PacketError::BadRunLength(i))?;
                 out.extend(std::iter::repeat_n(last, usize::from(count)));
                 i += 2;
             }
@@ -142,16 +145,31 @@ mod tests {
         // "0* " is '0' followed by 3 more ('space' is 32, 32-29 = 3).
         let body = b"0* 1";
 
-        let out = decode(body, *format!("{:02x}", checksum(body)).as_bytes().first_chunk().unwrap()).unwrap();
+        let out = decode(
+            body,
+            *format!("{:02x}", checksum(body))
+                .as_bytes()
+                .first_chunk()
+                .unwrap(),
+        )
+        .unwrap();
 
         assert_eq!(out, b"00001");
     }
 
     #[test]
     fn bad_checksum_and_malformed_bodies_are_errors() {
-        assert_eq!(decode(b"OK", *b"00"), Err(PacketError::Checksum { got: 0, want: 0x9a }));
+        assert_eq!(
+            decode(b"OK", *b"00"),
+            Err(PacketError::Checksum { got: 0, want: 0x9a })
+        );
         assert_eq!(decode(b"OK", *b"zz"), Err(PacketError::BadChecksumDigits));
-        let sum = |b: &[u8]| *format!("{:02x}", checksum(b)).as_bytes().first_chunk().unwrap();
+        let sum = |b: &[u8]| {
+            *format!("{:02x}", checksum(b))
+                .as_bytes()
+                .first_chunk()
+                .unwrap()
+        };
         assert_eq!(decode(b"*!", sum(b"*!")), Err(PacketError::BadRunLength(0)));
         assert_eq!(decode(b"a*", sum(b"a*")), Err(PacketError::BadRunLength(1)));
         assert_eq!(decode(b"a}", sum(b"a}")), Err(PacketError::DanglingEscape));
@@ -159,7 +177,10 @@ mod tests {
 
     #[test]
     fn hex_round_trips_and_rejects_garbage() {
-        assert_eq!(from_hex(to_hex(&[0, 0x7f, 0xff]).as_bytes()).unwrap(), [0, 0x7f, 0xff]);
+        assert_eq!(
+            from_hex(to_hex(&[0, 0x7f, 0xff]).as_bytes()).unwrap(),
+            [0, 0x7f, 0xff]
+        );
         assert_eq!(from_hex(b"xx01").unwrap(), [0, 1]);
         assert_eq!(from_hex(b"abc"), None);
         assert_eq!(from_hex(b"zz"), None);

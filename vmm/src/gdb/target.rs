@@ -84,7 +84,11 @@ pub fn collect_registers(xml: &str, regs: &mut Vec<RegisterInfo>) -> Result<(), 
             Some(n) => n,
             None => regs.last().map_or(0, |r| r.regnum + 1),
         };
-        regs.push(RegisterInfo { name, regnum, bitsize });
+        regs.push(RegisterInfo {
+            name,
+            regnum,
+            bitsize,
+        });
     }
     Ok(())
 }
@@ -120,10 +124,20 @@ mod tests {
 
         collect_registers(CORE, &mut regs).unwrap();
 
-        let got: Vec<(&str, u32, u32)> = regs.iter().map(|r| (r.name.as_str(), r.regnum, r.bitsize)).collect();
+        let got: Vec<(&str, u32, u32)> = regs
+            .iter()
+            .map(|r| (r.name.as_str(), r.regnum, r.bitsize))
+            .collect();
         assert_eq!(
             got,
-            [("rax", 0, 64), ("rbx", 1, 64), ("rip", 16, 64), ("eflags", 17, 32), ("cr3", 40, 64), ("cr4", 41, 64)]
+            [
+                ("rax", 0, 64),
+                ("rbx", 1, 64),
+                ("rip", 16, 64),
+                ("eflags", 17, 32),
+                ("cr3", 40, 64),
+                ("cr4", 41, 64)
+            ]
         );
     }
 
@@ -133,8 +147,14 @@ mod tests {
 
         assert!(collect_registers("<feature><reg", &mut regs).is_err());
         assert!(matches!(
-            collect_registers(r#"<feature><reg name="x" bitsize="big"/></feature>"#, &mut regs),
-            Err(TargetError::BadAttribute { attribute: "bitsize", .. })
+            collect_registers(
+                r#"<feature><reg name="x" bitsize="big"/></feature>"#,
+                &mut regs
+            ),
+            Err(TargetError::BadAttribute {
+                attribute: "bitsize",
+                ..
+            })
         ));
     }
 }

@@ -1,0 +1,252 @@
+//! The control interface every backend implements (QEMU gdbstub, KVM, Unicorn).
+//!
+//! Deliberately small, like cloud-hypervisor's `Vm`/`Vcpu` traits: guest memory by physical
+//! and by virtual address, registers per vCPU, pause/resume of all vCPUs together, software
+//! breakpoints with their stop events, and single-step where the backend can. Everything that
+//! understands the guest (page tables, symbols, KASLR) lives in `introspect/` and sees only
+//! this.
+
+use std::time::Duration;
+
+/// A vCPU as the backend numbers it, from 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VcpuId(pub u32);
+
+impl std::fmt::Display for VcpuId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "vcpu{}", self.0)
+    }
+}
+
+/// The x86-64 state the instrumentation reads and writes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct X86Registers {
+    /// rax, rbx, rcx, rdx, rsi, rdi, rbp, rsp, r8..r15 (GDB's order).
+    pub gpr: [u64; 16],
+    /// Instruction pointer.
+    pub rip: u64,
+    /// Flags.
+    pub rflags: u64,
+    /// Segment selectors cs, ss, ds, es, fs, gs.
+    pub segments: [u16; 6],
+    /// FS base.
+    pub fs_base: u64,
+    /// GS base (the kernel's per-CPU base while in kernel mode).
+    pub gs_base: u64,
+    /// The other GS base (`MSR_KERNEL_GS_BASE`, swapped by `swapgs`).
+    pub kernel_gs_base: u64,
+    /// Control registers.
+    pub cr0: u64,
+    /// Page-fault address.
+    pub cr2: u64,
+    /// Page-table root.
+    pub cr3: u64,
+    /// CR4 (LA57, PGE, SMEP, ...).
+    pub cr4: u64,
+    /// EFER.
+    pub efer: u64,
+}
+
+/// Names of [`X86Registers::gpr`] in order.
+pub const X86_GPR_NAMES: [&str; 16] = [
+    "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13",
+    "r14", "r15",
+];
+
+impl X86Registers {
+    /// Whether the vCPU was running kernel code (CPL 0) when it stopped.
+    pub fn in_kernel(&self) -> bool {
+        self.segments[0] & 3 == 0
+    }
+
+    /// The kernel's per-CPU base: `gs_base` in kernel mode, the swapped one in user mode.
+    pub fn kernel_percpu_base(&self) -> u64 {
+        if self.in_kernel() {
+            self.gs_base
+        } else {
+            self.kernel_gs_base
+        }
+    }
+}
+
+/// SPARC V9 state (for the Unicorn backend).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SparcRegisters {
+    /// %g0..%g7, %o0..%o7, %l0..%l7, %i0..%i7 of the current window.
+    pub r: [u64; 32],
+    /// Program counter.
+    pub pc: u64,
+    /// Next program counter (delay slots).
+    pub npc: u64,
+    /// Processor state.
+    pub pstate: u64,
+    /// Condition codes.
+    pub ccr: u64,
+    /// Current window pointer.
+    pub cwp: u64,
+}
+
+/// The registers of one vCPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegisterFile {
+    /// x86-64.
+    X86_64(X86Registers),
+    /// SPARC V9.
+    Sparc64(SparcRegisters),
+}
+
+/// Why the guest stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopEvent {
+    /// A software breakpoint hit on a vCPU.
+    Breakpoint {
+        /// The vCPU.
+        vcpu: VcpuId,
+        /// Its instruction pointer (the breakpoint's address).
+        pc: u64,
+    },
+    /// A single step finished.
+    Stepped {
+        /// The vCPU.
+        vcpu: VcpuId,
+    },
+    /// Stopped on request ([`Machine::pause`]).
+    Paused,
+    /// The guest is gone (powered off, QEMU exited).
+    Exited,
+}
+
+/// Errors of any backend.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// Memory at this address cannot be accessed (unmapped, outside RAM).
+    #[error("guest memory at {addr:#x} ({len} bytes, {space}) is not accessible")]
+    Memory {
+        /// The address.
+        addr: u64,
+        /// The length.
+        len: usize,
+        /// `physical` or `virtual`.
+        space: &'static str,
+    },
+    /// No such vCPU.
+    #[error("there is no {0}")]
+    NoVcpu(VcpuId),
+    /// The operation needs the guest paused.
+    #[error("the guest must be paused for this")]
+    Running,
+    /// The backend cannot do this.
+    #[error("the {backend} backend cannot {what}")]
+    Unsupported {
+        /// The backend.
+        backend: &'static str,
+        /// The operation.
+        what: &'static str,
+    },
+    /// The backend failed.
+    #[error("the {backend} backend failed")]
+    Backend {
+        /// The backend.
+        backend: &'static str,
+        /// The cause.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// A running guest under exotap's control.
+pub trait Machine {
+    /// The vCPUs.
+    ///
+    /// # Errors
+    /// Backend failure.
+    fn vcpus(&mut self) -> Result<Vec<VcpuId>, ControlError>;
+
+    /// Reads guest-physical memory.
+    ///
+    /// # Errors
+    /// [`ControlError::Memory`] when the range is not guest RAM.
+    fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError>;
+
+    /// Writes guest-physical memory.
+    ///
+    /// # Errors
+    /// [`ControlError::Memory`] when the range is not guest RAM.
+    fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError>;
+
+    /// Reads guest-virtual memory through `vcpu`'s current page tables.
+    ///
+    /// # Errors
+    /// [`ControlError::Memory`] when the range is unmapped.
+    fn read_virt(&mut self, vcpu: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError>;
+
+    /// Writes guest-virtual memory through `vcpu`'s current page tables (ignoring write
+    /// protection, as a debugger does).
+    ///
+    /// # Errors
+    /// [`ControlError::Memory`] when the range is unmapped.
+    fn write_virt(&mut self, vcpu: VcpuId, addr: u64, data: &[u8]) -> Result<(), ControlError>;
+
+    /// The registers of a vCPU (the guest must be paused).
+    ///
+    /// # Errors
+    /// Unknown vCPU, running guest, backend failure.
+    fn registers(&mut self, vcpu: VcpuId) -> Result<RegisterFile, ControlError>;
+
+    /// Sets a vCPU's instruction pointer (the guest must be paused).
+    ///
+    /// # Errors
+    /// Unknown vCPU, running guest, backend failure.
+    fn set_pc(&mut self, vcpu: VcpuId, pc: u64) -> Result<(), ControlError>;
+
+    /// Stops every vCPU; returns once they all are stopped.
+    ///
+    /// # Errors
+    /// Backend failure.
+    fn pause(&mut self) -> Result<(), ControlError>;
+
+    /// Lets every vCPU run again.
+    ///
+    /// # Errors
+    /// Backend failure.
+    fn resume(&mut self) -> Result<(), ControlError>;
+
+    /// Whether the vCPUs are paused.
+    fn is_paused(&self) -> bool;
+
+    /// Inserts or removes a software breakpoint at a guest-virtual address.
+    ///
+    /// # Errors
+    /// Backend failure or an unmapped address.
+    fn set_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), ControlError>;
+
+    /// Waits up to `timeout` for the running guest to stop; `None` when it is still running.
+    ///
+    /// # Errors
+    /// Backend failure.
+    fn wait_event(&mut self, timeout: Duration) -> Result<Option<StopEvent>, ControlError>;
+
+    /// Executes one instruction on `vcpu` while the others stay paused.
+    ///
+    /// # Errors
+    /// [`ControlError::Unsupported`] where the backend cannot step.
+    fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percpu_base_follows_cpl() {
+        let mut regs = X86Registers {
+            gs_base: 0xaaaa,
+            kernel_gs_base: 0xbbbb,
+            ..Default::default()
+        };
+        regs.segments[0] = 0x10;
+        assert_eq!(regs.kernel_percpu_base(), 0xaaaa);
+        regs.segments[0] = 0x33;
+        assert_eq!(regs.kernel_percpu_base(), 0xbbbb);
+    }
+}

@@ -1,0 +1,283 @@
+//! [`Machine`] over a QEMU gdbstub: the QEMU backend's control interface.
+
+use std::time::Duration;
+
+use super::client::{GdbClient, GdbError, StopReply, ThreadId};
+use crate::control::{
+    ControlError, Machine, RegisterFile, StopEvent, VcpuId, X86Registers, X86_GPR_NAMES,
+};
+
+const BACKEND: &str = "qemu gdbstub";
+
+fn backend(e: GdbError) -> ControlError {
+    ControlError::Backend {
+        backend: BACKEND,
+        source: Box::new(e),
+    }
+}
+
+fn memory(e: GdbError, addr: u64, len: usize, space: &'static str) -> ControlError {
+    match e {
+        GdbError::Refused { .. } | GdbError::Unexpected { .. } => {
+            ControlError::Memory { addr, len, space }
+        }
+        other => backend(other),
+    }
+}
+
+/// A QEMU guest controlled through its gdbstub (all-stop).
+#[derive(Debug)]
+pub struct GdbMachine {
+    client: GdbClient,
+    threads: Vec<ThreadId>,
+    paused: bool,
+    /// Byte offset and size of each register in the `g` packet, by name.
+    layout: Vec<(String, usize, usize)>,
+}
+
+impl GdbMachine {
+    /// Connects to a gdbstub (`tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`). QEMU stops the
+    /// guest when a debugger connects, so the machine starts paused.
+    ///
+    /// # Errors
+    /// When connecting or the handshake fails.
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, ControlError> {
+        let mut client = GdbClient::connect(addr, timeout).map_err(backend)?;
+        // QEMU answers `?` with the current stop state; this also flushes the stop reply it
+        // sent on connect.
+        client.stop_reason().map_err(backend)?;
+        let threads = client.threads().map_err(backend)?;
+        let mut offset = 0;
+        let layout = client
+            .registers()
+            .iter()
+            .map(|r| {
+                let size = (r.bitsize as usize).div_ceil(8);
+                let entry = (r.name.clone(), offset, size);
+                offset += size;
+                entry
+            })
+            .collect();
+        Ok(Self {
+            client,
+            threads,
+            paused: true,
+            layout,
+        })
+    }
+
+    /// The underlying protocol client (monitor commands and other QEMU specifics).
+    pub fn client(&mut self) -> &mut GdbClient {
+        &mut self.client
+    }
+
+    fn thread(&self, vcpu: VcpuId) -> Result<ThreadId, ControlError> {
+        self.threads
+            .get(vcpu.0 as usize)
+            .copied()
+            .ok_or(ControlError::NoVcpu(vcpu))
+    }
+
+    fn vcpu_of(&self, thread: Option<ThreadId>) -> VcpuId {
+        let index = thread
+            .and_then(|t| self.threads.iter().position(|x| *x == t))
+            .unwrap_or(0);
+        VcpuId(u32::try_from(index).unwrap_or(0))
+    }
+
+    fn field(&self, all: &[u8], name: &str) -> Option<u64> {
+        let (_, offset, size) = self.layout.iter().find(|(n, _, _)| n == name)?;
+        let bytes = all.get(*offset..offset.checked_add(*size)?)?;
+        let mut raw = [0u8; 8];
+        for (dst, src) in raw.iter_mut().zip(bytes) {
+            *dst = *src;
+        }
+        Some(u64::from_le_bytes(raw))
+    }
+
+    fn require_paused(&self) -> Result<(), ControlError> {
+        if self.paused {
+            Ok(())
+        } else {
+            Err(ControlError::Running)
+        }
+    }
+
+    fn event_of(&mut self, reply: StopReply) -> Result<StopEvent, ControlError> {
+        self.paused = true;
+        match reply {
+            StopReply::Signal {
+                signal: 5, thread, ..
+            } => {
+                let vcpu = self.vcpu_of(thread);
+                let pc = match self.registers(vcpu)? {
+                    RegisterFile::X86_64(r) => r.rip,
+                    RegisterFile::Sparc64(r) => r.pc,
+                };
+                Ok(StopEvent::Breakpoint { vcpu, pc })
+            }
+            StopReply::Signal { .. } => Ok(StopEvent::Paused),
+            StopReply::Exited(_) | StopReply::Terminated(_) => Ok(StopEvent::Exited),
+        }
+    }
+
+    /// Detaches: QEMU removes its breakpoints and the guest runs on.
+    ///
+    /// # Errors
+    /// When the stub refuses.
+    pub fn detach(mut self) -> Result<(), ControlError> {
+        self.client.detach().map_err(backend)
+    }
+}
+
+impl Machine for GdbMachine {
+    fn vcpus(&mut self) -> Result<Vec<VcpuId>, ControlError> {
+        Ok((0..self.threads.len())
+            .filter_map(|i| u32::try_from(i).ok())
+            .map(VcpuId)
+            .collect())
+    }
+
+    fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+        self.require_paused()?;
+        self.client.set_physical_mode(true).map_err(backend)?;
+        self.client
+            .read_memory(addr, buf)
+            .map_err(|e| memory(e, addr, buf.len(), "physical"))
+    }
+
+    fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+        self.require_paused()?;
+        self.client.set_physical_mode(true).map_err(backend)?;
+        self.client
+            .write_memory(addr, data)
+            .map_err(|e| memory(e, addr, data.len(), "physical"))
+    }
+
+    fn read_virt(&mut self, vcpu: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        self.client.set_physical_mode(false).map_err(backend)?;
+        self.client.select_thread(thread).map_err(backend)?;
+        self.client
+            .read_memory(addr, buf)
+            .map_err(|e| memory(e, addr, buf.len(), "virtual"))
+    }
+
+    fn write_virt(&mut self, vcpu: VcpuId, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        self.client.set_physical_mode(false).map_err(backend)?;
+        self.client.select_thread(thread).map_err(backend)?;
+        self.client
+            .write_memory(addr, data)
+            .map_err(|e| memory(e, addr, data.len(), "virtual"))
+    }
+
+    fn registers(&mut self, vcpu: VcpuId) -> Result<RegisterFile, ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        let all = self.client.read_all_registers(thread).map_err(backend)?;
+        let mut regs = X86Registers::default();
+        let mut missing = Vec::new();
+        let mut get = |name: &str| match self.field(&all, name) {
+            Some(v) => v,
+            None => {
+                missing.push(name.to_owned());
+                0
+            }
+        };
+        for (slot, name) in regs.gpr.iter_mut().zip(X86_GPR_NAMES) {
+            *slot = get(name);
+        }
+        regs.rip = get("rip");
+        regs.rflags = get("eflags");
+        for (slot, name) in regs
+            .segments
+            .iter_mut()
+            .zip(["cs", "ss", "ds", "es", "fs", "gs"])
+        {
+            *slot = u16::try_from(get(name) & 0xffff).unwrap_or(0);
+        }
+        // QEMU leaves control registers and bases out of `g`; read those one by one.
+        for (slot, name) in [
+            (&mut regs.fs_base, "fs_base"),
+            (&mut regs.gs_base, "gs_base"),
+            (&mut regs.kernel_gs_base, "k_gs_base"),
+            (&mut regs.cr0, "cr0"),
+            (&mut regs.cr2, "cr2"),
+            (&mut regs.cr3, "cr3"),
+            (&mut regs.cr4, "cr4"),
+            (&mut regs.efer, "efer"),
+        ] {
+            *slot = match self.field(&all, name) {
+                Some(v) => v,
+                None => self
+                    .client
+                    .read_register_u64(thread, name)
+                    .map_err(backend)?,
+            };
+        }
+        if !missing.is_empty() {
+            tracing::debug!(?missing, "registers not in the g packet");
+        }
+        Ok(RegisterFile::X86_64(regs))
+    }
+
+    fn set_pc(&mut self, vcpu: VcpuId, pc: u64) -> Result<(), ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        self.client
+            .write_register(thread, "rip", &pc.to_le_bytes())
+            .map_err(backend)
+    }
+
+    fn pause(&mut self) -> Result<(), ControlError> {
+        if !self.paused {
+            self.client.interrupt().map_err(backend)?;
+            self.paused = true;
+        }
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<(), ControlError> {
+        if self.paused {
+            self.client.resume().map_err(backend)?;
+            self.paused = false;
+        }
+        Ok(())
+    }
+
+    fn is_paused(&self) -> bool {
+        self.paused
+    }
+
+    fn set_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), ControlError> {
+        self.require_paused()?;
+        self.client
+            .set_sw_breakpoint(addr, insert)
+            .map_err(|e| memory(e, addr, 1, "virtual"))
+    }
+
+    fn wait_event(&mut self, timeout: Duration) -> Result<Option<StopEvent>, ControlError> {
+        if self.paused {
+            return Ok(Some(StopEvent::Paused));
+        }
+        match self.client.wait_stop(timeout) {
+            Ok(Some(reply)) => self.event_of(reply).map(Some),
+            Ok(None) => Ok(None),
+            Err(GdbError::Closed) => {
+                self.paused = true;
+                Ok(Some(StopEvent::Exited))
+            }
+            Err(e) => Err(backend(e)),
+        }
+    }
+
+    fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        self.client.step(thread).map_err(backend)?;
+        Ok(StopEvent::Stepped { vcpu })
+    }
+}
