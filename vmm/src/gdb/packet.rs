@@ -103,7 +103,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 /// Bytes from hex; `None` for odd length or non-hex characters. `xx` (unavailable register
 /// bytes in QEMU replies) decode as zero.
 pub fn from_hex(text: &[u8]) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     text.chunks_exact(2)
