@@ -57,18 +57,35 @@ pub struct ScriptArgs {
 /// When the script or output file cannot be opened, or the options are inconsistent.
 pub fn run(args: &ScriptArgs) -> anyhow::Result<i32> {
     let color = std::io::stderr().is_terminal();
-    let listing = args.list.as_ref().map(|p| (p, false)).or(args.list_vars.as_ref().map(|p| (p, true)));
+    let listing = args
+        .list
+        .as_ref()
+        .map(|p| (p, false))
+        .or(args.list_vars.as_ref().map(|p| (p, true)));
     if let Some((pattern, with_vars)) = listing {
         let mut out = std::io::stdout();
-        let code = run_listing(pattern, with_vars, &NoSymbols, &mut out, &mut std::io::stderr(), color);
+        let code = run_listing(
+            pattern,
+            with_vars,
+            &NoSymbols,
+            &mut out,
+            &mut std::io::stderr(),
+            color,
+        );
         return Ok(code);
     }
     let source = match (&args.script, &args.file) {
-        (Some(text), _) => ScriptSource { name: "<input>".to_string(), text: text.clone() },
+        (Some(text), _) => ScriptSource {
+            name: "<input>".to_string(),
+            text: text.clone(),
+        },
         (None, Some(path)) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read script {}", path.display()))?;
-            ScriptSource { name: path.display().to_string(), text }
+            ScriptSource {
+                name: path.display().to_string(),
+                text,
+            }
         }
         (None, None) => bail!("give a script FILE, -e SCRIPT, -l PATTERN or -L PATTERN"),
     };
@@ -95,6 +112,13 @@ pub fn run(args: &ScriptArgs) -> anyhow::Result<i32> {
         OutputFormat::Text => Format::Text,
         OutputFormat::Json => Format::Json,
     };
-    let job = Job { source, last_pass: args.pass, format, limits, color, resolver: &NoSymbols };
+    let job = Job {
+        source,
+        last_pass: args.pass,
+        format,
+        limits,
+        color,
+        resolver: &NoSymbols,
+    };
     Ok(run_job(&job, out, Box::new(std::io::stderr()), &stop))
 }

@@ -47,11 +47,21 @@ fn main() -> ExitCode {
     }
     let color = std::io::stderr().is_terminal();
     if let Some((pattern, vars)) = listing {
-        let code = run_listing(&pattern, vars, &NoSymbols, &mut std::io::stdout(), &mut std::io::stderr(), color);
+        let code = run_listing(
+            &pattern,
+            vars,
+            &NoSymbols,
+            &mut std::io::stdout(),
+            &mut std::io::stderr(),
+            color,
+        );
         return ExitCode::from(code as u8);
     }
     let source = match (file, script) {
-        (_, Some(text)) => ScriptSource { name: "<input>".into(), text },
+        (_, Some(text)) => ScriptSource {
+            name: "<input>".into(),
+            text,
+        },
         (Some(f), None) => match std::fs::read_to_string(&f) {
             Ok(text) => ScriptSource { name: f, text },
             Err(e) => {
@@ -76,7 +86,14 @@ fn main() -> ExitCode {
     if let Err(e) = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)) {
         eprintln!("stap: cannot catch Ctrl-C: {e}");
     }
-    let job = Job { source, last_pass: pass, format, limits, color, resolver: &NoSymbols };
+    let job = Job {
+        source,
+        last_pass: pass,
+        format,
+        limits,
+        color,
+        resolver: &NoSymbols,
+    };
     let code = run_job(&job, out, Box::new(std::io::stderr()), &stop);
     ExitCode::from(code as u8)
 }

@@ -8,6 +8,9 @@
 //!
 //! Every `*ko` script starts with a `// expect: TEXT` line: its diagnostic must contain TEXT.
 
+// A test harness: failing loudly on a broken corpus file is the point.
+#![allow(clippy::unwrap_used, clippy::panic)]
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -20,7 +23,9 @@ use exotap_probes::lang::runtime::run_guest_free;
 use exotap_probes::lang::Limits;
 
 fn corpus(dir: &str) -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus").join(dir);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/corpus")
+        .join(dir);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", root.display()))
         .map(|e| e.unwrap().path())
@@ -57,8 +62,16 @@ fn run_dir(dir: &str, mut one: impl FnMut(&Path, &str) -> Result<(), String>) ->
             failures.push(format!("{}: {why}", name(path)));
         }
     }
-    println!("corpus {dir}: {} cases, {} failed", files.len(), failures.len());
-    assert!(failures.is_empty(), "{dir} failures:\n{}", failures.join("\n"));
+    println!(
+        "corpus {dir}: {} cases, {} failed",
+        files.len(),
+        failures.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{dir} failures:\n{}",
+        failures.join("\n")
+    );
     files.len()
 }
 
@@ -91,15 +104,21 @@ fn semok() -> usize {
     run_dir("semok", |path, src| {
         let script = parse(src, &Limits::default())
             .map_err(|e| render(&[Diagnostic::from(&e)], &name(path), src))?;
-        check(script).map(|_| ()).map_err(|d| render(&d, &name(path), src))
+        check(script)
+            .map(|_| ())
+            .map_err(|d| render(&d, &name(path), src))
     })
 }
 
 fn semko() -> usize {
     run_dir("semko", |path, src| {
         let want = expectation(src, path);
-        let script = parse(src, &Limits::default())
-            .map_err(|e| format!("should parse: {}", render(&[Diagnostic::from(&e)], &name(path), src)))?;
+        let script = parse(src, &Limits::default()).map_err(|e| {
+            format!(
+                "should parse: {}",
+                render(&[Diagnostic::from(&e)], &name(path), src)
+            )
+        })?;
         match check(script) {
             Ok(_) => Err("checked, but should not".into()),
             Err(d) => {
@@ -132,7 +151,9 @@ fn run() -> usize {
             .map_err(|e| format!("no .out golden: {e}"))?;
         let (out, err, code) = run_script(path, src, Format::Text)?;
         if out != expected {
-            return Err(format!("stdout differs.\n--- expected\n{expected}--- got\n{out}--- stderr\n{err}"));
+            return Err(format!(
+                "stdout differs.\n--- expected\n{expected}--- got\n{out}--- stderr\n{err}"
+            ));
         }
         goldens += 1;
         match std::fs::read_to_string(path.with_extension("err")) {
@@ -154,7 +175,9 @@ fn run() -> usize {
         if let Ok(expected) = std::fs::read_to_string(path.with_extension("json")) {
             let (out, err, _) = run_script(path, src, Format::Json)?;
             if out != expected {
-                return Err(format!("JSON differs.\n--- expected\n{expected}--- got\n{out}--- stderr\n{err}"));
+                return Err(format!(
+                    "JSON differs.\n--- expected\n{expected}--- got\n{out}--- stderr\n{err}"
+                ));
             }
             goldens += 1;
         }

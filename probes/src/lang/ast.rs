@@ -16,12 +16,18 @@ impl Span {
     /// A span from `start` to `end` (byte offsets).
     pub fn new(start: usize, end: usize) -> Self {
         let clamp = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-        Span { start: clamp(start), end: clamp(end.max(start)) }
+        Span {
+            start: clamp(start),
+            end: clamp(end.max(start)),
+        }
     }
 
     /// The smallest span covering both.
     pub fn to(self, other: Span) -> Span {
-        Span { start: self.start.min(other.start), end: self.end.max(other.end) }
+        Span {
+            start: self.start.min(other.start),
+            end: self.end.max(other.end),
+        }
     }
 
     /// The byte range, for slicing the source.
@@ -434,7 +440,10 @@ impl BinOp {
 
     /// Comparisons work on two longs or two strings.
     pub fn is_comparison(self) -> bool {
-        matches!(self, BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge)
+        matches!(
+            self,
+            BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge
+        )
     }
 }
 

@@ -9,6 +9,7 @@ use indexmap::IndexMap;
 
 use super::ast::*;
 use super::builtins;
+use super::check_stmt::{collect_assigned, returns_value};
 use super::diag::Diagnostic;
 use super::point::{classify, PointKind, KNOWN_FAMILIES};
 use super::value::HistLayout;
@@ -114,7 +115,9 @@ pub struct Program {
 impl Program {
     /// Whether any probe point needs a guest kernel.
     pub fn needs_guest(&self) -> bool {
-        self.probes.iter().any(|p| p.points.iter().any(|(_, k)| k.needs_guest()))
+        self.probes
+            .iter()
+            .any(|p| p.points.iter().any(|(_, k)| k.needs_guest()))
     }
 
     /// Globals that are written but never read: SystemTap prints them at exit.
@@ -143,16 +146,33 @@ pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
     c.report = true;
     c.walk_all();
     c.finish();
-    let Checker { globals, functions, function_ret, locals, probes, diags, .. } = c;
-    let (errors, warnings): (Vec<_>, Vec<_>) =
-        diags.into_iter().partition(|d| d.severity == super::diag::Severity::Error);
+    let Checker {
+        globals,
+        functions,
+        function_ret,
+        locals,
+        probes,
+        diags,
+        ..
+    } = c;
+    let (errors, warnings): (Vec<_>, Vec<_>) = diags
+        .into_iter()
+        .partition(|d| d.severity == super::diag::Severity::Error);
     if !errors.is_empty() {
         let mut all = errors;
         all.extend(warnings);
         all.sort_by_key(|d| (d.span.start, d.span.end));
         return Err(all);
     }
-    Ok(Program { script, globals, functions, function_ret, locals, probes, warnings })
+    Ok(Program {
+        script,
+        globals,
+        functions,
+        function_ret,
+        locals,
+        probes,
+        warnings,
+    })
 }
 
 /// What the walker is inside.
@@ -203,7 +223,11 @@ impl<'a> Checker<'a> {
 
     /// Records a diagnostic once, in the reporting pass only.
     pub fn emit(&mut self, d: Diagnostic) {
-        if self.report && self.seen.insert((d.span.start, d.span.end, d.message.clone())) {
+        if self.report
+            && self
+                .seen
+                .insert((d.span.start, d.span.end, d.message.clone()))
+        {
             self.diags.push(d);
         }
     }
@@ -224,7 +248,11 @@ impl<'a> Checker<'a> {
             };
             let info = GlobalInfo {
                 span: g.name.span,
-                shape: if g.array_size.is_some() { Shape::Array } else { Shape::Unknown },
+                shape: if g.array_size.is_some() {
+                    Shape::Array
+                } else {
+                    Shape::Unknown
+                },
                 value,
                 keys: Vec::new(),
                 max_entries: g.array_size.filter(|&n| n > 0).map(|n| n as usize),
@@ -240,11 +268,17 @@ impl<'a> Checker<'a> {
             let name = &f.name.name;
             if builtins::is_builtin(name) {
                 self.emit(
-                    Diagnostic::error(format!("function '{name}' redefines a built-in"), f.name.span)
-                        .with_hint("pick another name"),
+                    Diagnostic::error(
+                        format!("function '{name}' redefines a built-in"),
+                        f.name.span,
+                    )
+                    .with_hint("pick another name"),
                 );
             } else if self.functions.contains_key(name) {
-                self.emit(Diagnostic::error(format!("duplicate function '{name}'"), f.name.span));
+                self.emit(Diagnostic::error(
+                    format!("duplicate function '{name}'"),
+                    f.name.span,
+                ));
             } else {
                 self.functions.insert(name.clone(), i);
             }
@@ -280,9 +314,10 @@ impl<'a> Checker<'a> {
             for pt in &p.points {
                 match classify(pt) {
                     Ok(kind) => points.push((pt.clone(), kind)),
-                    Err(e) if pt.optional => self.emit(
-                        Diagnostic::warning(format!("{e}; optional probe point skipped"), e.span()),
-                    ),
+                    Err(e) if pt.optional => self.emit(Diagnostic::warning(
+                        format!("{e}; optional probe point skipped"),
+                        e.span(),
+                    )),
                     Err(e) => {
                         let d = Diagnostic::error(e.to_string(), e.span())
                             .with_label("in this probe point")
@@ -298,7 +333,10 @@ impl<'a> Checker<'a> {
     fn walk_all(&mut self) {
         let script = self.script;
         for (i, p) in script.probes.iter().enumerate() {
-            let kinds = self.probes.get(i).map(|p| p.points.iter().map(|(_, k)| k.clone()).collect());
+            let kinds = self
+                .probes
+                .get(i)
+                .map(|p| p.points.iter().map(|(_, k)| k.clone()).collect());
             let mut assigned = HashSet::new();
             collect_assigned(&p.body.stmts, &mut assigned);
             self.scope = Scope {
@@ -315,20 +353,35 @@ impl<'a> Checker<'a> {
         }
         let nprobes = script.probes.len();
         for (i, f) in script.functions.iter().enumerate() {
-            let FunctionBody::Block(body) = &f.body else { continue };
+            let FunctionBody::Block(body) = &f.body else {
+                continue;
+            };
             let mut assigned: HashSet<String> =
                 f.params.iter().map(|p| p.name.name.clone()).collect();
             collect_assigned(&body.stmts, &mut assigned);
-            self.scope =
-                Scope { body: nprobes + i, function: Some(i), kinds: Vec::new(), assigned, loops: 0 };
+            self.scope = Scope {
+                body: nprobes + i,
+                function: Some(i),
+                kinds: Vec::new(),
+                assigned,
+                loops: 0,
+            };
             self.block(body);
         }
     }
 
     fn finish(&mut self) {
-        let has_errors = self.diags.iter().any(|d| d.severity == super::diag::Severity::Error);
+        let has_errors = self
+            .diags
+            .iter()
+            .any(|d| d.severity == super::diag::Severity::Error);
         if !has_errors && self.probes.iter().all(|p| p.points.is_empty()) {
-            let span = self.script.probes.first().map(|p| p.span).unwrap_or_default();
+            let span = self
+                .script
+                .probes
+                .first()
+                .map(|p| p.span)
+                .unwrap_or_default();
             self.emit(
                 Diagnostic::error("no probes found", span)
                     .with_hint("a script needs at least one probe, e.g. probe begin { ... }"),
@@ -336,10 +389,15 @@ impl<'a> Checker<'a> {
         }
         let names: Vec<String> = self.globals.keys().cloned().collect();
         for name in names {
-            let Some(g) = self.globals.get(&name).cloned() else { continue };
+            let Some(g) = self.globals.get(&name).cloned() else {
+                continue;
+            };
             let span = g.span;
             if !g.read && !g.written && g.value == Ty::Unknown && g.init.is_none() {
-                self.emit(Diagnostic::warning(format!("global '{name}' is never used"), span));
+                self.emit(Diagnostic::warning(
+                    format!("global '{name}' is never used"),
+                    span,
+                ));
                 if let Some(g) = self.globals.get_mut(&name) {
                     g.value = Ty::Long;
                 }
@@ -364,7 +422,10 @@ impl<'a> Checker<'a> {
             if self.function_ret[i] == Ty::Unknown {
                 self.emit(
                     Diagnostic::error(
-                        format!("could not infer the return type of function '{}'", f.name.name),
+                        format!(
+                            "could not infer the return type of function '{}'",
+                            f.name.name
+                        ),
                         f.name.span,
                     )
                     .with_hint("declare it, as in function name:long (...)"),
@@ -384,177 +445,23 @@ impl<'a> Checker<'a> {
         }
     }
 
-    // ----- statements -----
-
-    pub fn block(&mut self, b: &Block) {
-        for s in &b.stmts {
-            self.stmt(s);
-        }
-    }
-
-    fn stmt(&mut self, s: &Stmt) {
-        match &s.kind {
-            StmtKind::Empty | StmtKind::Next => {}
-            StmtKind::Block(b) => self.block(b),
-            StmtKind::Expr(e) => {
-                let t = self.expr(e);
-                if t == Ty::Stats {
-                    self.stats_as_value(e.span);
-                }
-            }
-            StmtKind::If(i) => {
-                self.expect(&i.cond, Ty::Long);
-                self.stmt(&i.then);
-                if let Some(e) = &i.els {
-                    self.stmt(e);
-                }
-            }
-            StmtKind::While(w) => {
-                self.expect(&w.0, Ty::Long);
-                self.in_loop(&w.1);
-            }
-            StmtKind::For(f) => {
-                if let Some(e) = &f.init {
-                    self.expr(e);
-                }
-                if let Some(e) = &f.cond {
-                    self.expect(e, Ty::Long);
-                }
-                if let Some(e) = &f.step {
-                    self.expr(e);
-                }
-                self.in_loop(&f.body);
-            }
-            StmtKind::Foreach(f) => self.foreach(f),
-            StmtKind::Break | StmtKind::Continue => {
-                if self.scope.loops == 0 {
-                    let what = if matches!(s.kind, StmtKind::Break) { "break" } else { "continue" };
-                    self.emit(Diagnostic::error(format!("'{what}' outside a loop"), s.span));
-                }
-            }
-            StmtKind::Return(value) => match (self.scope.function, value) {
-                (None, _) => self.emit(
-                    Diagnostic::error("'return' outside a function", s.span)
-                        .with_hint("use 'next' to leave a probe handler"),
-                ),
-                (Some(_), None) => {}
-                (Some(f), Some(e)) => {
-                    let want = self.function_ret[f];
-                    if want == Ty::Unknown {
-                        let got = self.expr(e);
-                        if matches!(got, Ty::Long | Ty::Str) {
-                            self.function_ret[f] = got;
-                            self.changed = true;
-                        }
-                    } else {
-                        self.expect(e, want);
-                    }
-                }
-            },
-            StmtKind::Delete(e) => self.delete(e),
-            StmtKind::Try(t) => {
-                self.block(&t.body);
-                if let Some(v) = &t.var {
-                    self.set_var(&v.name, Ty::Str, v.span);
-                }
-                self.block(&t.handler);
-            }
-        }
-    }
-
-    fn in_loop(&mut self, body: &Stmt) {
-        self.scope.loops += 1;
-        self.stmt(body);
-        self.scope.loops -= 1;
-    }
-
-    fn delete(&mut self, e: &Expr) {
-        match &e.kind {
-            ExprKind::Var(name) => {
-                if let Some(g) = self.globals.get_mut(name) {
-                    g.written = true;
-                } else if !self.scope.assigned.contains(name) {
-                    self.undefined(name, e.span);
-                }
-            }
-            ExprKind::Index(ix) => {
-                self.index_keys(ix, e.span);
-            }
-            _ => self.emit(
-                Diagnostic::error("only variables and array elements can be deleted", e.span)
-                    .with_label("not a variable"),
-            ),
-        }
-    }
-
-    fn foreach(&mut self, f: &Foreach) {
-        let name = &f.array.name;
-        let Some(g) = self.globals.get(name) else {
-            self.emit(
-                Diagnostic::error(format!("foreach over '{name}', which is not a global array"), f.array.span)
-                    .with_hint(format!("declare it with 'global {name}' and index it as {name}[k]")),
-            );
-            return;
-        };
-        let (value_ty, shape) = (g.value, g.shape);
-        if shape == Shape::Scalar {
-            self.emit(Diagnostic::error(format!("foreach over scalar '{name}'"), f.array.span));
-            return;
-        }
-        let keys = self.array_arity(name, f.keys.len(), f.array.span);
-        if let Some(g) = self.globals.get_mut(name) {
-            g.read = true;
-        }
-        for (k, ident) in f.keys.iter().enumerate() {
-            let key_ty = keys.get(k).copied().unwrap_or(Ty::Unknown);
-            let local = self.local_ty(&ident.name);
-            if key_ty == Ty::Unknown && matches!(local, Ty::Long | Ty::Str) {
-                self.set_key(name, k, local, ident.span);
-            } else {
-                self.set_var(&ident.name, key_ty, ident.span);
-            }
-        }
-        if let Some(v) = &f.value {
-            if value_ty == Ty::Stats {
-                self.emit(
-                    Diagnostic::error(format!("cannot bind the aggregates of '{name}' to '{}'", v.name), v.span)
-                        .with_hint(format!("use @count({name}[k]), @sum({name}[k]), ... in the body")),
-                );
-            } else if value_ty == Ty::Unknown {
-                let local = self.local_ty(&v.name);
-                if matches!(local, Ty::Long | Ty::Str) {
-                    self.set_global_value(name, local, v.span);
-                }
-            } else {
-                self.set_var(&v.name, value_ty, v.span);
-            }
-        }
-        if let Some(sort) = f.sort {
-            if sort.stat.is_some() && value_ty != Ty::Stats && value_ty != Ty::Unknown {
-                self.emit(Diagnostic::error(
-                    format!("sorting '{name}' by a statistic, but it is not an aggregate array"),
-                    f.array.span,
-                ));
-            }
-        }
-        if let Some(limit) = &f.limit {
-            self.expect(limit, Ty::Long);
-        }
-        self.in_loop(&f.body);
-    }
-
     // ----- symbols -----
 
     pub fn undefined(&mut self, name: &str, span: Span) {
         self.emit(
             Diagnostic::error(format!("undefined variable '{name}'"), span)
                 .with_label("never assigned in this body and not a global")
-                .with_hint(format!("declare it with 'global {name}' or assign it before use")),
+                .with_hint(format!(
+                    "declare it with 'global {name}' or assign it before use"
+                )),
         );
     }
 
     pub fn local_ty(&self, name: &str) -> Ty {
-        self.locals[self.scope.body].get(name).copied().unwrap_or(Ty::Unknown)
+        self.locals[self.scope.body]
+            .get(name)
+            .copied()
+            .unwrap_or(Ty::Unknown)
     }
 
     /// Gives variable `name` (local or global scalar) type `ty`, reporting a clash.
@@ -566,7 +473,9 @@ impl<'a> Checker<'a> {
             self.set_global_value(name, ty, span);
             return;
         }
-        let slot = self.locals[self.scope.body].entry(name.to_string()).or_insert(Ty::Unknown);
+        let slot = self.locals[self.scope.body]
+            .entry(name.to_string())
+            .or_insert(Ty::Unknown);
         if *slot == Ty::Unknown {
             *slot = ty;
             self.changed = true;
@@ -577,7 +486,9 @@ impl<'a> Checker<'a> {
     }
 
     pub fn set_global_value(&mut self, name: &str, ty: Ty, span: Span) {
-        let Some(g) = self.globals.get_mut(name) else { return };
+        let Some(g) = self.globals.get_mut(name) else {
+            return;
+        };
         if g.value == Ty::Unknown {
             g.value = ty;
             self.changed = true;
@@ -588,8 +499,12 @@ impl<'a> Checker<'a> {
     }
 
     pub fn set_key(&mut self, name: &str, k: usize, ty: Ty, span: Span) {
-        let Some(g) = self.globals.get_mut(name) else { return };
-        let Some(slot) = g.keys.get_mut(k) else { return };
+        let Some(g) = self.globals.get_mut(name) else {
+            return;
+        };
+        let Some(slot) = g.keys.get_mut(k) else {
+            return;
+        };
         if *slot == Ty::Unknown {
             *slot = ty;
             self.changed = true;
@@ -597,7 +512,10 @@ impl<'a> Checker<'a> {
             let have = *slot;
             self.emit(
                 Diagnostic::error(
-                    format!("type mismatch: key {} of '{name}' is a {have}, not a {ty}", k + 1),
+                    format!(
+                        "type mismatch: key {} of '{name}' is a {have}, not a {ty}",
+                        k + 1
+                    ),
                     span,
                 )
                 .with_label(format!("this key is a {ty}")),
@@ -622,7 +540,9 @@ impl<'a> Checker<'a> {
 
     /// Checks or sets the number of keys of global array `name`; returns its key types.
     pub fn array_arity(&mut self, name: &str, n: usize, span: Span) -> Vec<Ty> {
-        let Some(g) = self.globals.get_mut(name) else { return Vec::new() };
+        let Some(g) = self.globals.get_mut(name) else {
+            return Vec::new();
+        };
         match g.shape {
             Shape::Scalar => {
                 self.emit(
@@ -643,96 +563,100 @@ impl<'a> Checker<'a> {
                 span,
             ));
         }
-        self.globals.get(name).map(|g| g.keys.clone()).unwrap_or_default()
+        self.globals
+            .get(name)
+            .map(|g| g.keys.clone())
+            .unwrap_or_default()
     }
 }
 
-/// Whether any `return expr` occurs in `stmts`.
-fn returns_value(stmts: &[Stmt]) -> bool {
-    stmts.iter().any(|s| match &s.kind {
-        StmtKind::Return(Some(_)) => true,
-        StmtKind::Block(b) => returns_value(&b.stmts),
-        StmtKind::If(i) => {
-            returns_value(std::slice::from_ref(&i.then))
-                || i.els.as_ref().is_some_and(|e| returns_value(std::slice::from_ref(e)))
-        }
-        StmtKind::While(w) => returns_value(std::slice::from_ref(&w.1)),
-        StmtKind::For(f) => returns_value(std::slice::from_ref(&f.body)),
-        StmtKind::Foreach(f) => returns_value(std::slice::from_ref(&f.body)),
-        StmtKind::Try(t) => returns_value(&t.body.stmts) || returns_value(&t.handler.stmts),
-        _ => false,
-    })
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::{parser::parse, Limits};
 
-/// Names a body assigns: they are its locals (unless global).
-fn collect_assigned(stmts: &[Stmt], out: &mut HashSet<String>) {
-    for s in stmts {
-        match &s.kind {
-            StmtKind::Expr(e) | StmtKind::Delete(e) => collect_expr(e, out),
-            StmtKind::Return(Some(e)) => collect_expr(e, out),
-            StmtKind::Block(b) => collect_assigned(&b.stmts, out),
-            StmtKind::If(i) => {
-                collect_expr(&i.cond, out);
-                collect_assigned(std::slice::from_ref(&i.then), out);
-                if let Some(e) = &i.els {
-                    collect_assigned(std::slice::from_ref(e), out);
-                }
-            }
-            StmtKind::While(w) => {
-                collect_expr(&w.0, out);
-                collect_assigned(std::slice::from_ref(&w.1), out);
-            }
-            StmtKind::For(f) => {
-                for e in [&f.init, &f.cond, &f.step].into_iter().flatten() {
-                    collect_expr(e, out);
-                }
-                collect_assigned(std::slice::from_ref(&f.body), out);
-            }
-            StmtKind::Foreach(f) => {
-                out.extend(f.keys.iter().map(|k| k.name.clone()));
-                out.extend(f.value.iter().map(|v| v.name.clone()));
-                if let Some(l) = &f.limit {
-                    collect_expr(l, out);
-                }
-                collect_assigned(std::slice::from_ref(&f.body), out);
-            }
-            StmtKind::Try(t) => {
-                collect_assigned(&t.body.stmts, out);
-                out.extend(t.var.iter().map(|v| v.name.clone()));
-                collect_assigned(&t.handler.stmts, out);
-            }
-            _ => {}
-        }
+    fn checked(src: &str) -> Program {
+        check(parse(src, &Limits::default()).unwrap()).unwrap()
     }
-}
 
-fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
-    match &e.kind {
-        ExprKind::Assign(_, parts) | ExprKind::Aggregate(parts) => {
-            if let ExprKind::Var(n) = &parts.0.kind {
-                out.insert(n.clone());
-            }
-            collect_expr(&parts.0, out);
-            collect_expr(&parts.1, out);
-        }
-        ExprKind::IncDec(i) => {
-            if let ExprKind::Var(n) = &i.target.kind {
-                out.insert(n.clone());
-            }
-        }
-        ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => collect_expr(x, out),
-        ExprKind::Binary(_, p) => {
-            collect_expr(&p.0, out);
-            collect_expr(&p.1, out);
-        }
-        ExprKind::Ternary(p) => {
-            collect_expr(&p.0, out);
-            collect_expr(&p.1, out);
-            collect_expr(&p.2, out);
-        }
-        ExprKind::Index(ix) => ix.keys.iter().for_each(|k| collect_expr(k, out)),
-        ExprKind::Call(c) => c.args.iter().for_each(|a| collect_expr(a, out)),
-        ExprKind::In(i) => i.keys.iter().for_each(|k| collect_expr(k, out)),
-        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Target(_) => {}
+    fn errors(src: &str) -> Vec<String> {
+        check(parse(src, &Limits::default()).unwrap())
+            .unwrap_err()
+            .into_iter()
+            .map(|d| d.message)
+            .collect()
+    }
+
+    #[test]
+    fn global_type_comes_from_a_later_probe() {
+        let p = checked("global x\nprobe begin { y = x }\nprobe end { x = \"s\" }");
+        assert_eq!(p.globals["x"].value, Ty::Str);
+        assert_eq!(p.locals[0]["y"], Ty::Str);
+    }
+
+    #[test]
+    fn parameter_type_comes_from_the_call_site() {
+        let p = checked("function f(a) { return a }\nprobe begin { f(\"s\") }");
+        assert_eq!(p.locals[1]["a"], Ty::Str);
+        assert_eq!(p.function_ret[0], Ty::Str);
+    }
+
+    #[test]
+    fn array_key_and_value_types_are_inferred() {
+        let p = checked("global a\nprobe begin { a[\"k\", 1] = 2 }");
+        assert_eq!(p.globals["a"].keys, vec![Ty::Str, Ty::Long]);
+        assert_eq!(p.globals["a"].value, Ty::Long);
+    }
+
+    #[test]
+    fn undefined_variable_is_an_error() {
+        assert_eq!(
+            errors("probe begin { x = y }"),
+            vec!["undefined variable 'y'"]
+        );
+    }
+
+    #[test]
+    fn incremented_global_is_displayed_at_exit() {
+        let p = checked("global n\nprobe begin { n++ }");
+        assert_eq!(p.displayed_globals().count(), 1);
+    }
+
+    #[test]
+    fn read_global_is_not_displayed() {
+        let p = checked("global n\nprobe begin { n++; println(n) }");
+        assert_eq!(p.displayed_globals().count(), 0);
+    }
+
+    #[test]
+    fn optional_unknown_point_is_dropped_with_a_warning() {
+        let p = checked("probe nosuch.thing?, begin { }");
+        assert_eq!(p.probes[0].points.len(), 1);
+        assert_eq!(p.warnings.len(), 1);
+    }
+
+    #[test]
+    fn histogram_layouts_are_recorded_per_aggregate() {
+        let p = checked("global s\nprobe begin { s <<< 1; print(@hist_log(s)); print(@hist_linear(s, 0, 10, 2)) }");
+        assert!(p.globals["s"].hist.log);
+        assert_eq!(
+            p.globals["s"].hist.linear,
+            Some(HistKind::Linear {
+                start: 0,
+                stop: 10,
+                interval: 2
+            })
+        );
+    }
+
+    #[test]
+    fn kernel_point_makes_the_program_need_a_guest() {
+        assert!(checked("probe kernel.function(\"f\") { }").needs_guest());
+        assert!(!checked("probe timer.ms(1) { }").needs_guest());
+    }
+
+    #[test]
+    fn mismatch_is_reported_once() {
+        assert_eq!(errors("probe begin { x = 1; x = \"a\" }").len(), 1);
     }
 }

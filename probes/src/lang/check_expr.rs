@@ -101,13 +101,16 @@ impl Checker<'_> {
                     .with_label(format!("a {want} is needed here")),
             ),
             got if got != want => self.emit(
-                Diagnostic::error(format!("type mismatch: expected a {want}, found a {got}"), e.span)
-                    .with_label(format!("this is a {got}"))
-                    .with_hint(match want {
-                        Ty::Str => "convert a long with sprint(n) or sprintf(\"%d\", n)",
-                        Ty::Long => "convert a string with strtol(s, 10)",
-                        _ => "use a value of the expected type",
-                    }),
+                Diagnostic::error(
+                    format!("type mismatch: expected a {want}, found a {got}"),
+                    e.span,
+                )
+                .with_label(format!("this is a {got}"))
+                .with_hint(match want {
+                    Ty::Str => "convert a long with sprint(n) or sprintf(\"%d\", n)",
+                    Ty::Long => "convert a string with strtol(s, 10)",
+                    _ => "use a value of the expected type",
+                }),
             ),
             _ => {}
         }
@@ -179,8 +182,11 @@ impl Checker<'_> {
     fn target(&mut self, t: &TargetVar, span: Span) -> Ty {
         if self.scope.function.is_some() {
             self.emit(
-                Diagnostic::error(format!("target variable '{}' used in a function", t.name), span)
-                    .with_hint("read it in the probe handler and pass it as an argument"),
+                Diagnostic::error(
+                    format!("target variable '{}' used in a function", t.name),
+                    span,
+                )
+                .with_hint("read it in the probe handler and pass it as an argument"),
             );
             return Ty::Long;
         }
@@ -188,7 +194,11 @@ impl Checker<'_> {
         if let Some(k) = kinds.iter().find(|k| !k.has_target_vars()) {
             self.emit(
                 Diagnostic::error(
-                    format!("target variable '{}' is not available in '{}' probes", t.name, k.family()),
+                    format!(
+                        "target variable '{}' is not available in '{}' probes",
+                        t.name,
+                        k.family()
+                    ),
                     span,
                 )
                 .with_hint("target variables exist only at kernel probe points"),
@@ -205,7 +215,10 @@ impl Checker<'_> {
             }
             "$$parms" | "$$vars" | "$$locals" | "$$return" => {
                 if !t.members.is_empty() {
-                    self.emit(Diagnostic::error(format!("'{}' has no members", t.name), span));
+                    self.emit(Diagnostic::error(
+                        format!("'{}' has no members", t.name),
+                        span,
+                    ));
                 }
                 Ty::Str
             }
@@ -225,8 +238,11 @@ impl Checker<'_> {
             return true;
         }
         self.emit(
-            Diagnostic::error(format!("'{}' is not a global array", array.name), array.span)
-                .with_hint(format!("arrays must be declared: global {}", array.name)),
+            Diagnostic::error(
+                format!("'{}' is not a global array", array.name),
+                array.span,
+            )
+            .with_hint(format!("arrays must be declared: global {}", array.name)),
         );
         false
     }
@@ -235,7 +251,10 @@ impl Checker<'_> {
         let got = self.expr(key);
         match (key_ty, got) {
             (_, Ty::Stats) => self.stats_as_value(key.span),
-            (_, Ty::Void) => self.emit(Diagnostic::error("this function returns no value", key.span)),
+            (_, Ty::Void) => self.emit(Diagnostic::error(
+                "this function returns no value",
+                key.span,
+            )),
             (Some(Ty::Unknown), t @ (Ty::Long | Ty::Str)) => self.set_key(array, k, t, key.span),
             (Some(want @ (Ty::Long | Ty::Str)), Ty::Unknown) => self.constrain(key, want),
             (Some(_), t) if t != Ty::Unknown => self.set_key(array, k, t, key.span),
@@ -252,7 +271,10 @@ impl Checker<'_> {
         for (k, key) in ix.keys.iter().enumerate() {
             self.key(&ix.array.name, k, keys.get(k).copied(), key);
         }
-        self.globals.get(&ix.array.name).map(|g| g.value).unwrap_or(Ty::Unknown)
+        self.globals
+            .get(&ix.array.name)
+            .map(|g| g.value)
+            .unwrap_or(Ty::Unknown)
     }
 
     fn binary(&mut self, op: BinOp, l: &Expr, r: &Expr, span: Span) -> Ty {
@@ -274,8 +296,11 @@ impl Checker<'_> {
             (Ty::Unknown, t) if t != Ty::Unknown => self.constrain(l, t),
             (t, Ty::Unknown) if t != Ty::Unknown => self.constrain(r, t),
             (a, b) if a != b && a != Ty::Unknown => self.emit(
-                Diagnostic::error(format!("type mismatch: cannot compare a {a} with a {b}"), span)
-                    .with_label(format!("'{}' needs two longs or two strings", op.symbol())),
+                Diagnostic::error(
+                    format!("type mismatch: cannot compare a {a} with a {b}"),
+                    span,
+                )
+                .with_label(format!("'{}' needs two longs or two strings", op.symbol())),
             ),
             _ => {}
         }
@@ -300,7 +325,10 @@ impl Checker<'_> {
                         return Ty::Unknown;
                     }
                     Ty::Void => {
-                        self.emit(Diagnostic::error("this function returns no value", rhs.span));
+                        self.emit(Diagnostic::error(
+                            "this function returns no value",
+                            rhs.span,
+                        ));
                         return Ty::Unknown;
                     }
                     Ty::Unknown => {
@@ -334,7 +362,10 @@ impl Checker<'_> {
                 Some(g) => g.value,
                 None => self.local_ty(n),
             },
-            ExprKind::Index(ix) => self.globals.get(&ix.array.name).map_or(Ty::Unknown, |g| g.value),
+            ExprKind::Index(ix) => self
+                .globals
+                .get(&ix.array.name)
+                .map_or(Ty::Unknown, |g| g.value),
             ExprKind::Target(_) => Ty::Long,
             _ => Ty::Unknown,
         }
@@ -348,23 +379,32 @@ impl Checker<'_> {
                     g.written = true;
                     if g.shape == Shape::Array {
                         self.emit(
-                            Diagnostic::error(format!("array '{name}' is assigned without an index"), target.span)
-                                .with_hint(format!("assign one element as {name}[key] = value")),
+                            Diagnostic::error(
+                                format!("array '{name}' is assigned without an index"),
+                                target.span,
+                            )
+                            .with_hint(format!("assign one element as {name}[key] = value")),
                         );
                         return;
                     }
                     g.shape = Shape::Scalar;
                     if g.value == Ty::Stats && ty != Ty::Stats {
                         self.emit(
-                            Diagnostic::error(format!("'{name}' is an aggregate and can only take '<<<'"), target.span)
-                                .with_hint(format!("add a value with {name} <<< value")),
+                            Diagnostic::error(
+                                format!("'{name}' is an aggregate and can only take '<<<'"),
+                                target.span,
+                            )
+                            .with_hint(format!("add a value with {name} <<< value")),
                         );
                         return;
                     }
                 } else if ty == Ty::Stats {
                     self.emit(
-                        Diagnostic::error(format!("aggregate '{name}' must be a global"), target.span)
-                            .with_hint(format!("declare it with 'global {name}'")),
+                        Diagnostic::error(
+                            format!("aggregate '{name}' must be a global"),
+                            target.span,
+                        )
+                        .with_hint(format!("declare it with 'global {name}'")),
                     );
                     return;
                 }
@@ -376,9 +416,13 @@ impl Checker<'_> {
                     g.written = true;
                 }
                 if have == Ty::Stats && ty != Ty::Stats {
-                    self.emit(
-                        Diagnostic::error(format!("'{}' holds aggregates and can only take '<<<'", ix.array.name), target.span),
-                    );
+                    self.emit(Diagnostic::error(
+                        format!(
+                            "'{}' holds aggregates and can only take '<<<'",
+                            ix.array.name
+                        ),
+                        target.span,
+                    ));
                     return;
                 }
                 self.set_global_value(&ix.array.name, ty, target.span);
@@ -386,8 +430,13 @@ impl Checker<'_> {
             ExprKind::Target(t) => {
                 self.target(t, target.span);
                 self.emit(
-                    Diagnostic::error(format!("cannot write target variable '{}'", t.name), target.span)
-                        .with_hint("changing guest state needs guru mode, which exotap does not have yet"),
+                    Diagnostic::error(
+                        format!("cannot write target variable '{}'", t.name),
+                        target.span,
+                    )
+                    .with_hint(
+                        "changing guest state needs guru mode, which exotap does not have yet",
+                    ),
                 );
             }
             _ => self.emit(Diagnostic::error("not assignable", target.span)),
@@ -427,8 +476,15 @@ impl Checker<'_> {
     }
 
     fn hist(&mut self, kind: HistKind, target: &Expr, span: Span) {
-        let Some(name) = self.aggregate_operand(target, span) else { return };
-        if let HistKind::Linear { start, stop, interval } = kind {
+        let Some(name) = self.aggregate_operand(target, span) else {
+            return;
+        };
+        if let HistKind::Linear {
+            start,
+            stop,
+            interval,
+        } = kind
+        {
             if linear_buckets(start, stop, interval).is_none() {
                 self.emit(
                     Diagnostic::error("invalid @hist_linear layout", span).with_hint(
@@ -438,15 +494,20 @@ impl Checker<'_> {
                 return;
             }
         }
-        let Some(g) = self.globals.get_mut(&name) else { return };
+        let Some(g) = self.globals.get_mut(&name) else {
+            return;
+        };
         match kind {
             HistKind::Log => g.hist.log = true,
             HistKind::Linear { .. } => match g.hist.linear {
                 None => g.hist.linear = Some(kind),
                 Some(other) if other == kind => {}
                 Some(_) => self.emit(
-                    Diagnostic::error(format!("'{name}' is printed with two different @hist_linear layouts"), span)
-                        .with_hint("use one start, stop and interval per aggregate"),
+                    Diagnostic::error(
+                        format!("'{name}' is printed with two different @hist_linear layouts"),
+                        span,
+                    )
+                    .with_hint("use one start, stop and interval per aggregate"),
                 ),
             },
         }
@@ -466,11 +527,17 @@ impl Checker<'_> {
                         Some(d) => {
                             self.expect(d, Ty::Str);
                         }
-                        None => self.emit(Diagnostic::error(format!("'{name}' needs a delimiter"), span)),
+                        None => self.emit(Diagnostic::error(
+                            format!("'{name}' needs a delimiter"),
+                            span,
+                        )),
                     }
                 }
                 if name == "print" && c.args.is_empty() {
-                    self.emit(Diagnostic::error("'print' needs at least one argument", span));
+                    self.emit(Diagnostic::error(
+                        "'print' needs at least one argument",
+                        span,
+                    ));
                 }
                 for (i, a) in c.args.iter().enumerate().skip(usize::from(delimited)) {
                     if let ExprKind::Hist(kind, target) = &a.kind {
@@ -489,7 +556,11 @@ impl Checker<'_> {
                     }
                     let _ = i;
                 }
-                return if name.starts_with('s') { Ty::Str } else { Ty::Void };
+                return if name.starts_with('s') {
+                    Ty::Str
+                } else {
+                    Ty::Void
+                };
             }
             _ => {}
         }
@@ -543,13 +614,19 @@ impl Checker<'_> {
     fn printf(&mut self, c: &Call, span: Span) {
         let name = &c.name.name;
         let Some(first) = c.args.first() else {
-            self.emit(Diagnostic::error(format!("'{name}' needs a format string"), span));
+            self.emit(Diagnostic::error(
+                format!("'{name}' needs a format string"),
+                span,
+            ));
             return;
         };
         let ExprKind::Str(fmt) = &first.kind else {
             self.emit(
-                Diagnostic::error(format!("the format of '{name}' must be a string literal"), first.span)
-                    .with_hint("formats are checked before the script runs"),
+                Diagnostic::error(
+                    format!("the format of '{name}' must be a string literal"),
+                    first.span,
+                )
+                .with_hint("formats are checked before the script runs"),
             );
             for a in &c.args {
                 self.expr(a);
@@ -570,7 +647,11 @@ impl Checker<'_> {
         if kinds.len() != args.len() {
             self.emit(
                 Diagnostic::error(
-                    format!("format expects {} argument(s), {} given", kinds.len(), args.len()),
+                    format!(
+                        "format expects {} argument(s), {} given",
+                        kinds.len(),
+                        args.len()
+                    ),
                     span,
                 )
                 .with_label("argument count does not match the format"),

@@ -105,9 +105,15 @@ impl Context for CapturedContext {
             return Err(MemoryError::NoMemory);
         }
         for (start, bytes) in &self.memory {
-            let Some(off) = addr.checked_sub(*start) else { continue };
-            let Ok(off) = usize::try_from(off) else { continue };
-            let Some(end) = off.checked_add(len) else { continue };
+            let Some(off) = addr.checked_sub(*start) else {
+                continue;
+            };
+            let Ok(off) = usize::try_from(off) else {
+                continue;
+            };
+            let Some(end) = off.checked_add(len) else {
+                continue;
+            };
             if let Some(slice) = bytes.get(off..end) {
                 return Ok(slice.to_vec());
             }
@@ -122,18 +128,30 @@ mod tests {
 
     #[test]
     fn captured_memory_is_readable_inside_its_range() {
-        let ctx = CapturedContext { memory: vec![(0x1000, vec![1, 2, 3, 4])], ..Default::default() };
+        let ctx = CapturedContext {
+            memory: vec![(0x1000, vec![1, 2, 3, 4])],
+            ..Default::default()
+        };
         assert_eq!(ctx.read_kernel(0x1001, 2), Ok(vec![2, 3]));
     }
 
     #[test]
     fn read_past_a_captured_range_fails() {
-        let ctx = CapturedContext { memory: vec![(0x1000, vec![1, 2])], ..Default::default() };
-        assert_eq!(ctx.read_kernel(0x1001, 2), Err(MemoryError::Unreadable { addr: 0x1001 }));
+        let ctx = CapturedContext {
+            memory: vec![(0x1000, vec![1, 2])],
+            ..Default::default()
+        };
+        assert_eq!(
+            ctx.read_kernel(0x1001, 2),
+            Err(MemoryError::Unreadable { addr: 0x1001 })
+        );
     }
 
     #[test]
     fn empty_context_has_no_memory() {
-        assert_eq!(CapturedContext::default().read_kernel(0, 1), Err(MemoryError::NoMemory));
+        assert_eq!(
+            CapturedContext::default().read_kernel(0, 1),
+            Err(MemoryError::NoMemory)
+        );
     }
 }

@@ -47,7 +47,10 @@ impl Diagnostic {
 
     /// A warning at `span`.
     pub fn warning(message: impl Into<String>, span: Span) -> Self {
-        Diagnostic { severity: Severity::Warning, ..Diagnostic::error(message, span) }
+        Diagnostic {
+            severity: Severity::Warning,
+            ..Diagnostic::error(message, span)
+        }
     }
 
     /// Adds the label shown under the carets.
@@ -79,7 +82,8 @@ impl Diagnostic {
             Severity::Error => diagnostic::Severity::Error,
             Severity::Warning => diagnostic::Severity::Warning,
         };
-        let label = Label::primary((), start..end).with_message(self.label.clone().unwrap_or_default());
+        let label =
+            Label::primary((), start..end).with_message(self.label.clone().unwrap_or_default());
         let mut d = diagnostic::Diagnostic::new(severity)
             .with_message(&self.message)
             .with_labels(vec![label]);
@@ -87,8 +91,15 @@ impl Diagnostic {
             d = d.with_notes(vec![format!("hint: {hint}")]);
         }
         let source = SimpleFile::new(file, src);
-        let mut buf = if color { Buffer::ansi() } else { Buffer::no_color() };
-        let config = term::Config { chars: term::Chars::ascii(), ..term::Config::default() };
+        let mut buf = if color {
+            Buffer::ansi()
+        } else {
+            Buffer::no_color()
+        };
+        let config = term::Config {
+            chars: term::Chars::ascii(),
+            ..term::Config::default()
+        };
         match term::emit(&mut buf, &config, &source, &d) {
             Ok(()) => String::from_utf8_lossy(buf.as_slice()).into_owned(),
             Err(_) => format!("{file}: error: {}\n", self.message),

@@ -49,7 +49,10 @@ pub struct Job<'a> {
 
 impl std::fmt::Debug for Job<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Job").field("source", &self.source.name).field("last_pass", &self.last_pass).finish_non_exhaustive()
+        f.debug_struct("Job")
+            .field("source", &self.source.name)
+            .field("last_pass", &self.last_pass)
+            .finish_non_exhaustive()
     }
 }
 
@@ -82,10 +85,19 @@ pub fn summary(prog: &Program) -> String {
             .iter()
             .map(|p| {
                 let t = prog.locals[prog.script.probes.len() + i].get(&p.name.name);
-                format!("{}:{}", p.name.name, ty_name(t.copied().unwrap_or(Ty::Unknown)))
+                format!(
+                    "{}:{}",
+                    p.name.name,
+                    ty_name(t.copied().unwrap_or(Ty::Unknown))
+                )
             })
             .collect();
-        s.push_str(&format!("{}:{} ({})\n", f.name.name, ty_name(prog.function_ret[i]), params.join(", ")));
+        s.push_str(&format!(
+            "{}:{} ({})\n",
+            f.name.name,
+            ty_name(prog.function_ret[i]),
+            params.join(", ")
+        ));
     }
     s.push_str("# probes\n");
     for p in &prog.probes {
@@ -104,7 +116,12 @@ fn print_diags(err: &mut dyn Write, diags: &[Diagnostic], src: &ScriptSource, co
 
 /// Runs `job`, writing script output to `out` and diagnostics to `err`; returns the exit code
 /// (0 success, 1 script or runtime errors).
-pub fn run_job(job: &Job<'_>, out: Box<dyn Write>, mut err: Box<dyn Write>, stop: &Arc<AtomicBool>) -> i32 {
+pub fn run_job(
+    job: &Job<'_>,
+    out: Box<dyn Write>,
+    mut err: Box<dyn Write>,
+    stop: &Arc<AtomicBool>,
+) -> i32 {
     let src = &job.source;
     let mut out = out;
     if job.last_pass == Some(1) {
@@ -166,12 +183,21 @@ pub fn run_job(job: &Job<'_>, out: Box<dyn Write>, mut err: Box<dyn Write>, stop
             .filter(|(_, k)| k.needs_guest())
             .map(|(pt, _)| pt.to_string())
             .collect();
-        let e = super::runtime::RuntimeError::NeedsGuest { points: points.join(", ") };
+        let e = super::runtime::RuntimeError::NeedsGuest {
+            points: points.join(", "),
+        };
         let _ = writeln!(err, "exotap: error: {e}");
         return 1;
     }
     let output = Output::new(job.format, out, err);
-    match run_guest_free(&prog, job.limits.clone(), output, &src.name, &src.text, stop) {
+    match run_guest_free(
+        &prog,
+        job.limits.clone(),
+        output,
+        &src.name,
+        &src.text,
+        stop,
+    ) {
         Ok(code) => code,
         Err(e) => {
             // The Output took the error stream; report through a fresh stderr handle.
@@ -203,8 +229,13 @@ pub fn run_listing(
             }
             0
         }
-        Err(ListError::BadPattern { text, diagnostics, .. }) => {
-            let src = ScriptSource { name: "<pattern>".into(), text };
+        Err(ListError::BadPattern {
+            text, diagnostics, ..
+        }) => {
+            let src = ScriptSource {
+                name: "<pattern>".into(),
+                text,
+            };
             print_diags(err, &diagnostics, &src, color);
             1
         }

@@ -33,7 +33,10 @@ pub(crate) enum Stop {
 pub(crate) type EResult<T> = Result<T, Stop>;
 
 pub(crate) fn fail<T>(message: impl Into<String>, span: Span) -> EResult<T> {
-    Err(Stop::Error(ScriptError { message: message.into(), span }))
+    Err(Stop::Error(ScriptError {
+        message: message.into(),
+        span,
+    }))
 }
 
 /// How a statement finished.
@@ -83,7 +86,9 @@ pub struct Interp<'p> {
 
 impl std::fmt::Debug for Interp<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Interp").field("exit_requested", &self.exit_requested).finish_non_exhaustive()
+        f.debug_struct("Interp")
+            .field("exit_requested", &self.exit_requested)
+            .finish_non_exhaustive()
     }
 }
 
@@ -117,14 +122,18 @@ impl<'p> Interp<'p> {
     }
 
     fn initial(&self, name: &str) -> Store {
-        let Some(g) = self.prog.globals.get(name) else { return Store::Scalar(Value::Long(0)) };
+        let Some(g) = self.prog.globals.get(name) else {
+            return Store::Scalar(Value::Long(0));
+        };
         match (g.shape, g.value) {
             (Shape::Array, Ty::Stats) => Store::StatsArray(IndexMap::new()),
             (Shape::Array, _) => Store::Array(IndexMap::new()),
             (_, Ty::Stats) => Store::Stats(Stats::new(g.hist)),
             (_, ty) => Store::Scalar(match &g.init {
                 Some(Literal::Num(n)) => Value::Long(*n),
-                Some(Literal::Str(s)) => Value::Str(truncate(s.clone(), self.limits.max_string_len)),
+                Some(Literal::Str(s)) => {
+                    Value::Str(truncate(s.clone(), self.limits.max_string_len))
+                }
                 None => default_of(ty),
             }),
         }
@@ -138,13 +147,23 @@ impl<'p> Interp<'p> {
     ///
     /// # Errors
     /// The script error that ended the handler.
-    pub fn run_probe(&mut self, index: usize, point: &str, ctx: &dyn Context) -> Result<(), ScriptError> {
+    pub fn run_probe(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+    ) -> Result<(), ScriptError> {
         let prog = self.prog;
-        let Some(probe) = prog.script.probes.get(index) else { return Ok(()) };
+        let Some(probe) = prog.script.probes.get(index) else {
+            return Ok(());
+        };
         self.actions = 0;
         self.depth = 0;
         self.point = point.to_string();
-        let mut frame = Frame { body: index, locals: HashMap::new() };
+        let mut frame = Frame {
+            body: index,
+            locals: HashMap::new(),
+        };
         let result = (|| {
             if let Some(cond) = &probe.condition {
                 if self.eval(cond, &mut frame, ctx)?.as_long() == 0 {
@@ -282,10 +301,20 @@ impl<'p> Interp<'p> {
     }
 
     pub(crate) fn local_ty(&self, f: &Frame, name: &str) -> Ty {
-        self.prog.locals.get(f.body).and_then(|m| m.get(name)).copied().unwrap_or(Ty::Long)
+        self.prog
+            .locals
+            .get(f.body)
+            .and_then(|m| m.get(name))
+            .copied()
+            .unwrap_or(Ty::Long)
     }
 
-    pub(crate) fn keys(&mut self, keys: &[Expr], f: &mut Frame, ctx: &dyn Context) -> EResult<Vec<Value>> {
+    pub(crate) fn keys(
+        &mut self,
+        keys: &[Expr],
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<Vec<Value>> {
         keys.iter().map(|k| self.eval(k, f, ctx)).collect()
     }
 
@@ -339,7 +368,11 @@ pub(crate) fn sort_rows(rows: &mut [(Vec<Value>, Value)], sort: Sort) {
                 _ => std::cmp::Ordering::Equal,
             },
         };
-        let primary = if sort.descending { primary.reverse() } else { primary };
+        let primary = if sort.descending {
+            primary.reverse()
+        } else {
+            primary
+        };
         primary.then_with(|| a.0.cmp(&b.0))
     });
 }
@@ -359,4 +392,130 @@ pub(crate) fn stat_value(s: &Stats, op: StatOp) -> Option<i64> {
         StatOp::Max => s.max,
         StatOp::Avg => s.avg().unwrap_or(0),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::check::check;
+    use crate::lang::context::CapturedContext;
+    use crate::lang::output::{Format, SharedBuf};
+    use crate::lang::parser::parse;
+
+    fn run_with(
+        src: &str,
+        limits: Limits,
+        ctx: &CapturedContext,
+    ) -> (String, Result<(), ScriptError>) {
+        let prog = check(parse(src, &Limits::default()).unwrap()).unwrap();
+        let buf = SharedBuf::default();
+        let out = Output::new(
+            Format::Text,
+            Box::new(buf.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut interp = Interp::new(&prog, limits, out);
+        let r = interp.run_probe(0, "test", ctx);
+        (buf.contents(), r)
+    }
+
+    fn run(src: &str) -> (String, Result<(), ScriptError>) {
+        run_with(src, Limits::default(), &CapturedContext::default())
+    }
+
+    #[test]
+    fn division_by_zero_is_a_script_error() {
+        let (_, r) = run("probe begin { z = 0; x = 1 / z }");
+        assert_eq!(r.unwrap_err().message, "division by 0");
+    }
+
+    #[test]
+    fn minimum_long_divided_by_minus_one_wraps() {
+        let (out, r) =
+            run("probe begin { m = -9223372036854775808; n = -1; println(m / n, \" \", m % n) }");
+        r.unwrap();
+        assert_eq!(out, "-9223372036854775808 0\n");
+    }
+
+    #[test]
+    fn infinite_loop_hits_maxaction() {
+        let (_, r) = run("probe begin { for (;;) { } }");
+        assert_eq!(r.unwrap_err().message, "MAXACTION exceeded");
+    }
+
+    #[test]
+    fn unbounded_recursion_hits_maxnesting() {
+        let (_, r) = run("function f:long (n:long) { return f(n) }\nprobe begin { f(1) }");
+        assert_eq!(r.unwrap_err().message, "MAXNESTING exceeded");
+    }
+
+    #[test]
+    fn strings_are_cut_to_maxstringlen() {
+        let limits = Limits {
+            max_string_len: 4,
+            ..Limits::default()
+        };
+        let (out, r) = run_with(
+            "probe begin { println(\"abcdef\" . \"gh\") }",
+            limits,
+            &CapturedContext::default(),
+        );
+        r.unwrap();
+        assert_eq!(out, "abc\n");
+    }
+
+    #[test]
+    fn target_variables_come_from_the_captured_context() {
+        let mut ctx = CapturedContext::default();
+        ctx.targets.insert("$count".into(), Value::Long(4096));
+        ctx.targets.insert("$file->f_pos".into(), Value::Long(7));
+        let (out, r) = run_with(
+            "probe kernel.function(\"vfs_read\") { printf(\"%d %d\\n\", $count, $file->f_pos) }",
+            Limits::default(),
+            &ctx,
+        );
+        r.unwrap();
+        assert_eq!(out, "4096 7\n");
+    }
+
+    #[test]
+    fn missing_target_variable_is_a_script_error() {
+        let (_, r) = run("probe kernel.function(\"f\") { println($nope) }");
+        assert!(r.unwrap_err().message.contains("$nope"));
+    }
+
+    #[test]
+    fn kernel_string_reads_captured_memory() {
+        let ctx = CapturedContext {
+            memory: vec![(0x1000, b"bash\0junk".to_vec())],
+            ..Default::default()
+        };
+        let (out, r) = run_with(
+            "probe kernel.function(\"f\") { println(kernel_string(0x1000)) }",
+            Limits::default(),
+            &ctx,
+        );
+        r.unwrap();
+        assert_eq!(out, "bash\n");
+    }
+
+    #[test]
+    fn kernel_string_without_memory_is_a_script_error() {
+        let (_, r) = run("probe kernel.function(\"f\") { println(kernel_string(0x1000)) }");
+        assert!(r.unwrap_err().message.contains("kernel string copy fault"));
+    }
+
+    #[test]
+    fn foreach_iterates_a_snapshot_so_deleting_is_safe() {
+        let (out, r) = run("global a\nprobe begin { a[1]=1; a[2]=2; foreach (k+ in a) { delete a[k]; print(k) } println(\"\") }");
+        r.unwrap();
+        assert_eq!(out, "12\n");
+    }
+
+    #[test]
+    fn probe_condition_false_skips_the_body() {
+        let (out, r) = run("probe begin if (1 > 2) { println(\"x\") }");
+        r.unwrap();
+        assert_eq!(out, "");
+    }
 }

@@ -21,7 +21,14 @@ impl Interp<'_> {
         }
     }
 
-    fn print_hist(&mut self, kind: HistKind, target: &Expr, span: Span, f: &mut Frame, ctx: &dyn Context) -> EResult<()> {
+    fn print_hist(
+        &mut self,
+        kind: HistKind,
+        target: &Expr,
+        span: Span,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<()> {
         let Some(stats) = self.stats_of(target, f, ctx)? else {
             return fail("empty aggregate", span);
         };
@@ -39,19 +46,35 @@ impl Interp<'_> {
         };
         let buckets: &[u64] = match (&kind, &stats) {
             (HistKind::Log, Stats { log, .. }) => log,
-            (HistKind::Linear { .. }, Stats { linear: Some((_, b)), .. }) => b,
+            (
+                HistKind::Linear { .. },
+                Stats {
+                    linear: Some((_, b)),
+                    ..
+                },
+            ) => b,
             _ => &[],
         };
         let result = self.out.hist(&name, &Histogram { kind, buckets });
         result.or_else(|e| fail(format!("output failed: {e}"), span))
     }
 
-    pub(crate) fn builtin(&mut self, c: &Call, span: Span, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+    pub(crate) fn builtin(
+        &mut self,
+        c: &Call,
+        span: Span,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<Value> {
         let name = c.name.name.as_str();
         let unit = Value::Long(0);
         match name {
             "print" | "println" | "sprint" | "sprintln" => {
-                if let [Expr { kind: ExprKind::Hist(kind, target), span: hspan }] = c.args.as_slice() {
+                if let [Expr {
+                    kind: ExprKind::Hist(kind, target),
+                    span: hspan,
+                }] = c.args.as_slice()
+                {
                     if name.starts_with('p') {
                         self.print_hist(*kind, target, *hspan, f, ctx)?;
                         if name == "println" {
@@ -75,7 +98,10 @@ impl Interp<'_> {
             }
             "printd" | "printdln" => {
                 let args = self.args(c, f, ctx)?;
-                let delim = args.first().map(|d| d.as_str().to_string()).unwrap_or_default();
+                let delim = args
+                    .first()
+                    .map(|d| d.as_str().to_string())
+                    .unwrap_or_default();
                 let parts: Vec<String> = args.iter().skip(1).map(Value::to_string).collect();
                 let mut s = parts.join(&delim);
                 if name == "printdln" {
@@ -86,7 +112,10 @@ impl Interp<'_> {
             }
             "printf" | "sprintf" => {
                 let args = self.args(c, f, ctx)?;
-                let fmt = args.first().map(|v| v.as_str().to_string()).unwrap_or_default();
+                let fmt = args
+                    .first()
+                    .map(|v| v.as_str().to_string())
+                    .unwrap_or_default();
                 let pieces = match parse_format(&fmt) {
                     Ok(p) => p,
                     Err(e) => return fail(format!("bad format: {e}"), span),
@@ -103,7 +132,11 @@ impl Interp<'_> {
         let args = self.args(c, f, ctx)?;
         let long = |i: usize| args.get(i).map_or(0, Value::as_long);
         let text = |i: usize| args.get(i).map_or("", Value::as_str);
-        let now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let now = || {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+        };
         let v = match name {
             "exit" => {
                 self.exit_requested = true;
@@ -136,7 +169,10 @@ impl Interp<'_> {
             }
             "isinstr" => Value::Long(i64::from(text(0).contains(text(1)))),
             "strpos" => Value::Long(text(0).find(text(1)).map_or(-1, |p| p as i64)),
-            "stringat" => match text(0).as_bytes().get(usize::try_from(long(1)).unwrap_or(usize::MAX)) {
+            "stringat" => match text(0)
+                .as_bytes()
+                .get(usize::try_from(long(1)).unwrap_or(usize::MAX))
+            {
                 Some(b) => Value::Long(i64::from(*b)),
                 None => return fail("string index out of range", span),
             },
@@ -150,7 +186,9 @@ impl Interp<'_> {
             }
             "text_str" => self.string(escape(text(0))),
             "string_quoted" => self.string(format!("\"{}\"", escape(text(0)))),
-            "isdigit" => Value::Long(i64::from(text(0).bytes().next().is_some_and(|b| b.is_ascii_digit()))),
+            "isdigit" => Value::Long(i64::from(
+                text(0).bytes().next().is_some_and(|b| b.is_ascii_digit()),
+            )),
             "str_upper" => self.string(text(0).to_ascii_uppercase()),
             "str_lower" => self.string(text(0).to_ascii_lowercase()),
             "abs" => Value::Long(long(0).wrapping_abs()),
@@ -224,11 +262,16 @@ fn strtol(s: &str, base: i64) -> Result<i64, String> {
         t = &t[1..];
     }
     if base == 16 {
-        t = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")).unwrap_or(t);
+        t = t
+            .strip_prefix("0x")
+            .or_else(|| t.strip_prefix("0X"))
+            .unwrap_or(t);
     }
     let mut v: i64 = 0;
     for ch in t.chars() {
-        let Some(d) = ch.to_digit(base as u32) else { break };
+        let Some(d) = ch.to_digit(base as u32) else {
+            break;
+        };
         v = v.wrapping_mul(base).wrapping_add(i64::from(d));
     }
     Ok(if negative { v.wrapping_neg() } else { v })

@@ -17,7 +17,12 @@ impl Interp<'_> {
             ExprKind::Var(_) | ExprKind::Index(_) => self.load(e, f, ctx)?,
             ExprKind::Target(t) => match ctx.target(&t.path()) {
                 Some(v) => v,
-                None => return fail(format!("target variable '{}' is not available here", t.path()), e.span),
+                None => {
+                    return fail(
+                        format!("target variable '{}' is not available here", t.path()),
+                        e.span,
+                    )
+                }
             },
             ExprKind::Unary(op, x) => {
                 let v = self.eval(x, f, ctx)?.as_long();
@@ -50,7 +55,11 @@ impl Interp<'_> {
             }
             ExprKind::IncDec(i) => {
                 let old = self.load(&i.target, f, ctx)?.as_long();
-                let new = if i.increment { old.wrapping_add(1) } else { old.wrapping_sub(1) };
+                let new = if i.increment {
+                    old.wrapping_add(1)
+                } else {
+                    old.wrapping_sub(1)
+                };
                 self.store(&i.target, Value::Long(new), f, ctx)?;
                 Value::Long(if i.prefix { new } else { old })
             }
@@ -81,14 +90,24 @@ impl Interp<'_> {
         })
     }
 
-    fn binary(&mut self, op: BinOp, l: &Expr, r: &Expr, span: Span, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+    fn binary(
+        &mut self,
+        op: BinOp,
+        l: &Expr,
+        r: &Expr,
+        span: Span,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<Value> {
         match op {
             BinOp::And => {
-                let v = self.eval(l, f, ctx)?.as_long() != 0 && self.eval(r, f, ctx)?.as_long() != 0;
+                let v =
+                    self.eval(l, f, ctx)?.as_long() != 0 && self.eval(r, f, ctx)?.as_long() != 0;
                 Ok(Value::Long(i64::from(v)))
             }
             BinOp::Or => {
-                let v = self.eval(l, f, ctx)?.as_long() != 0 || self.eval(r, f, ctx)?.as_long() != 0;
+                let v =
+                    self.eval(l, f, ctx)?.as_long() != 0 || self.eval(r, f, ctx)?.as_long() != 0;
                 Ok(Value::Long(i64::from(v)))
             }
             _ => {
@@ -152,9 +171,15 @@ impl Interp<'_> {
             }
             ExprKind::Index(ix) => {
                 let keys = self.keys(&ix.keys, f, ctx)?;
-                let ty = self.prog.globals.get(&ix.array.name).map_or(Ty::Long, |g| g.value);
+                let ty = self
+                    .prog
+                    .globals
+                    .get(&ix.array.name)
+                    .map_or(Ty::Long, |g| g.value);
                 Ok(match self.globals.get(&ix.array.name) {
-                    Some(Store::Array(m)) => m.get(&keys).cloned().unwrap_or_else(|| default_of(ty)),
+                    Some(Store::Array(m)) => {
+                        m.get(&keys).cloned().unwrap_or_else(|| default_of(ty))
+                    }
                     _ => default_of(ty),
                 })
             }
@@ -215,7 +240,12 @@ impl Interp<'_> {
             ExprKind::Index(ix) => {
                 let keys = self.keys(&ix.keys, f, ctx)?;
                 let cap = self.capacity(&ix.array.name);
-                let layout = self.prog.globals.get(&ix.array.name).map(|g| g.hist).unwrap_or_default();
+                let layout = self
+                    .prog
+                    .globals
+                    .get(&ix.array.name)
+                    .map(|g| g.hist)
+                    .unwrap_or_default();
                 if let Some(Store::StatsArray(m)) = self.globals.get_mut(&ix.array.name) {
                     if let Some(s) = m.get_mut(&keys) {
                         op(s);
@@ -235,7 +265,12 @@ impl Interp<'_> {
     }
 
     /// A copy of the aggregate `target` names (None for a missing array entry).
-    pub(crate) fn stats_of(&mut self, target: &Expr, f: &mut Frame, ctx: &dyn Context) -> EResult<Option<Stats>> {
+    pub(crate) fn stats_of(
+        &mut self,
+        target: &Expr,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<Option<Stats>> {
         let mut out = None;
         self.with_stats(target, f, ctx, false, |s| out = Some(s.clone()))?;
         Ok(out)
@@ -258,7 +293,10 @@ impl Interp<'_> {
             let v = self.eval(a, f, ctx)?;
             locals.insert(p.name.name.clone(), v);
         }
-        let mut frame = Frame { body: prog.script.probes.len() + index, locals };
+        let mut frame = Frame {
+            body: prog.script.probes.len() + index,
+            locals,
+        };
         self.depth += 1;
         let result = self.block(body, &mut frame, ctx);
         self.depth -= 1;

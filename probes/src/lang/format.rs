@@ -179,7 +179,11 @@ pub fn arg_kinds(pieces: &[Piece]) -> Vec<ArgKind> {
             if spec.precision == Some(Width::Arg) {
                 out.push(ArgKind::Long);
             }
-            out.push(if spec.conv == Some(Conv::Str) { ArgKind::Str } else { ArgKind::Long });
+            out.push(if spec.conv == Some(Conv::Str) {
+                ArgKind::Str
+            } else {
+                ArgKind::Long
+            });
         }
     }
     out
@@ -260,14 +264,28 @@ pub fn render(pieces: &[Piece], args: &[Value]) -> String {
                 } else {
                     ""
                 };
-                pad(min_digits(n.unsigned_abs().to_string()), sign, &spec, width, true)
+                pad(
+                    min_digits(n.unsigned_abs().to_string()),
+                    sign,
+                    &spec,
+                    width,
+                    true,
+                )
             }
-            Some(Conv::Unsigned) => {
-                pad(min_digits((arg.as_long() as u64).to_string()), "", &spec, width, true)
-            }
+            Some(Conv::Unsigned) => pad(
+                min_digits((arg.as_long() as u64).to_string()),
+                "",
+                &spec,
+                width,
+                true,
+            ),
             Some(Conv::Hex { upper }) => {
                 let v = arg.as_long() as u64;
-                let digits = if upper { format!("{v:X}") } else { format!("{v:x}") };
+                let digits = if upper {
+                    format!("{v:X}")
+                } else {
+                    format!("{v:x}")
+                };
                 let prefix = match (spec.alt, upper) {
                     (false, _) => "",
                     (true, false) => "0x",
@@ -277,7 +295,13 @@ pub fn render(pieces: &[Piece], args: &[Value]) -> String {
             }
             Some(Conv::Octal) => {
                 let prefix = if spec.alt { "0" } else { "" };
-                pad(min_digits(format!("{:o}", arg.as_long() as u64)), prefix, &spec, width, true)
+                pad(
+                    min_digits(format!("{:o}", arg.as_long() as u64)),
+                    prefix,
+                    &spec,
+                    width,
+                    true,
+                )
             }
             Some(Conv::Pointer) => {
                 let body = format!("0x{:016x}", arg.as_long() as u64);
@@ -335,13 +359,19 @@ mod tests {
 
     #[test]
     fn alternate_hex_has_prefix() {
-        assert_eq!(fmt("%#x %#o", &[Value::Long(255), Value::Long(8)]), "0xff 010");
+        assert_eq!(
+            fmt("%#x %#o", &[Value::Long(255), Value::Long(8)]),
+            "0xff 010"
+        );
     }
 
     #[test]
     fn star_width_takes_an_argument() {
         assert_eq!(fmt("[%*d]", &[Value::Long(4), Value::Long(7)]), "[   7]");
-        assert_eq!(arg_kinds(&parse_format("%*d").unwrap()), vec![ArgKind::Long, ArgKind::Long]);
+        assert_eq!(
+            arg_kinds(&parse_format("%*d").unwrap()),
+            vec![ArgKind::Long, ArgKind::Long]
+        );
     }
 
     #[test]

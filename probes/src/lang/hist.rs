@@ -30,14 +30,22 @@ impl Histogram<'_> {
     fn bucket_value(&self, i: usize) -> (i64, &'static str) {
         match self.kind {
             HistKind::Log => (log_bucket_value(i), ""),
-            HistKind::Linear { start, interval, .. } => {
+            HistKind::Linear {
+                start, interval, ..
+            } => {
                 let n = self.buckets.len();
                 if i == 0 {
                     (start, "<")
                 } else if i == n - 1 {
-                    (start.wrapping_add((i as i64 - 2).wrapping_mul(interval)), ">")
+                    (
+                        start.wrapping_add((i as i64 - 2).wrapping_mul(interval)),
+                        ">",
+                    )
                 } else {
-                    (start.wrapping_add((i as i64 - 1).wrapping_mul(interval)), "")
+                    (
+                        start.wrapping_add((i as i64 - 1).wrapping_mul(interval)),
+                        "",
+                    )
                 }
             }
         }
@@ -48,7 +56,9 @@ impl Histogram<'_> {
     pub fn render(&self) -> String {
         let b = self.buckets;
         let n = b.len();
-        let Some(first) = b.iter().position(|&c| c > 0) else { return String::new() };
+        let Some(first) = b.iter().position(|&c| c > 0) else {
+            return String::new();
+        };
         let mut low = first;
         let mut high = b.iter().rposition(|&c| c > 0).unwrap_or(first);
         let valmax = b.iter().copied().max().unwrap_or(0);
@@ -74,17 +84,27 @@ impl Histogram<'_> {
             under = usize::from(low == 0);
             over = usize::from(high == n - 1);
         }
-        let scale = if valmax <= HIST_WIDTH { 1 } else { valmax.div_ceil(HIST_WIDTH) };
+        let scale = if valmax <= HIST_WIDTH {
+            1
+        } else {
+            valmax.div_ceil(HIST_WIDTH)
+        };
         let cnt_space = needed_space(valmax.min(i64::MAX as u64) as i64);
         let val_space = match self.kind {
-            HistKind::Linear { start, interval, .. } => (needed_space(start) + under).max(
-                needed_space(start.wrapping_add(interval.wrapping_mul(high as i64))) + over,
-            ),
-            HistKind::Log => needed_space(log_bucket_value(high))
-                .max(needed_space(log_bucket_value(low))),
+            HistKind::Linear {
+                start, interval, ..
+            } => (needed_space(start) + under)
+                .max(needed_space(start.wrapping_add(interval.wrapping_mul(high as i64))) + over),
+            HistKind::Log => {
+                needed_space(log_bucket_value(high)).max(needed_space(log_bucket_value(low)))
+            }
         }
         .max(5);
-        let mut out = format!("{:>val_space$} |{} count\n", "value", "-".repeat(HIST_WIDTH as usize));
+        let mut out = format!(
+            "{:>val_space$} |{} count\n",
+            "value",
+            "-".repeat(HIST_WIDTH as usize)
+        );
         let mut eliding = false;
         for i in low..=high {
             let lo = low.max(i.saturating_sub(HIST_ELISION));
@@ -130,7 +150,9 @@ impl Histogram<'_> {
                     obj.insert("min".into(), min.into());
                     obj.insert("max".into(), max.into());
                 }
-                HistKind::Linear { start, interval, .. } => {
+                HistKind::Linear {
+                    start, interval, ..
+                } => {
                     if i == 0 {
                         obj.insert("max".into(), start.wrapping_sub(1).into());
                     } else if i == n - 1 {
@@ -166,7 +188,11 @@ mod tests {
     #[test]
     fn log_histogram_has_two_zero_rows_of_margin() {
         let b = log_hist(&[8, 8, 16]);
-        let text = Histogram { kind: HistKind::Log, buckets: &b }.render();
+        let text = Histogram {
+            kind: HistKind::Log,
+            buckets: &b,
+        }
+        .render();
         let expected = "\
 value |-------------------------------------------------- count
     2 |                                                   0
@@ -183,8 +209,14 @@ value |-------------------------------------------------- count
     #[test]
     fn log_histogram_elides_long_zero_runs() {
         let b = log_hist(&[1, 1024]);
-        let text = Histogram { kind: HistKind::Log, buckets: &b }.render();
-        assert!(text.contains("    4 |                                                   0\n      ~\n  256 |"));
+        let text = Histogram {
+            kind: HistKind::Log,
+            buckets: &b,
+        }
+        .render();
+        assert!(text.contains(
+            "    4 |                                                   0\n      ~\n  256 |"
+        ));
     }
 
     #[test]
@@ -192,7 +224,11 @@ value |-------------------------------------------------- count
         let mut b = vec![0; 13];
         b[0] = 3;
         b[1] = 1;
-        let kind = HistKind::Linear { start: 0, stop: 100, interval: 10 };
+        let kind = HistKind::Linear {
+            start: 0,
+            stop: 100,
+            interval: 10,
+        };
         let text = Histogram { kind, buckets: &b }.render();
         assert!(text.starts_with("value |"));
         assert!(text.contains("   <0 |@@@"));
@@ -202,13 +238,24 @@ value |-------------------------------------------------- count
     fn large_counts_are_scaled_to_fifty_columns() {
         let mut b = vec![0; LOG_BUCKETS];
         b[65] = 100;
-        let text = Histogram { kind: HistKind::Log, buckets: &b }.render();
+        let text = Histogram {
+            kind: HistKind::Log,
+            buckets: &b,
+        }
+        .render();
         assert!(text.contains(&format!("    1 |{} 100\n", "@".repeat(50))));
     }
 
     #[test]
     fn empty_histogram_renders_nothing() {
         let b = vec![0; LOG_BUCKETS];
-        assert_eq!(Histogram { kind: HistKind::Log, buckets: &b }.render(), "");
+        assert_eq!(
+            Histogram {
+                kind: HistKind::Log,
+                buckets: &b
+            }
+            .render(),
+            ""
+        );
     }
 }

@@ -147,7 +147,9 @@ pub fn tokenize(src: &str) -> Result<Vec<Token>, LexError> {
             match src[i + 2..].find("*/") {
                 Some(end) => i = i + 2 + end + 2,
                 None => {
-                    return Err(LexError::UnterminatedComment { span: Span::new(i, i + 2) })
+                    return Err(LexError::UnterminatedComment {
+                        span: Span::new(i, i + 2),
+                    })
                 }
             }
             continue;
@@ -157,10 +159,15 @@ pub fn tokenize(src: &str) -> Result<Vec<Token>, LexError> {
                 Some(end) => {
                     let text = src[i + 2..i + 2 + end].to_string();
                     i = i + 2 + end + 2;
-                    out.push(Token { tok: Tok::Embedded(text), span: Span::new(start, i) });
+                    out.push(Token {
+                        tok: Tok::Embedded(text),
+                        span: Span::new(start, i),
+                    });
                 }
                 None => {
-                    return Err(LexError::UnterminatedEmbedded { span: Span::new(i, i + 2) })
+                    return Err(LexError::UnterminatedEmbedded {
+                        span: Span::new(i, i + 2),
+                    })
                 }
             }
             continue;
@@ -175,7 +182,10 @@ pub fn tokenize(src: &str) -> Result<Vec<Token>, LexError> {
             }
             let end = scan_word(bytes, j);
             if end == j {
-                return Err(LexError::UnexpectedChar { ch: char::from(c), span: Span::new(i, j) });
+                return Err(LexError::UnexpectedChar {
+                    ch: char::from(c),
+                    span: Span::new(i, j),
+                });
             }
             i = end;
             let text = src[start..i].to_string();
@@ -197,11 +207,20 @@ pub fn tokenize(src: &str) -> Result<Vec<Token>, LexError> {
             Tok::Op(op)
         } else {
             let ch = src[i..].chars().next().unwrap_or('\u{fffd}');
-            return Err(LexError::UnexpectedChar { ch, span: Span::new(i, i + ch.len_utf8()) });
+            return Err(LexError::UnexpectedChar {
+                ch,
+                span: Span::new(i, i + ch.len_utf8()),
+            });
         };
-        out.push(Token { tok, span: Span::new(start, i) });
+        out.push(Token {
+            tok,
+            span: Span::new(start, i),
+        });
     }
-    out.push(Token { tok: Tok::Eof, span: Span::new(src.len(), src.len()) });
+    out.push(Token {
+        tok: Tok::Eof,
+        span: Span::new(src.len(), src.len()),
+    });
     Ok(out)
 }
 
@@ -217,15 +236,14 @@ fn scan_number(src: &str, start: usize) -> Result<(i64, usize), LexError> {
     let end = scan_word(bytes, start);
     let text = &src[start..end];
     let span = Span::new(start, end);
-    let (digits, radix) = if let Some(hex) =
-        text.strip_prefix("0x").or_else(|| text.strip_prefix("0X"))
-    {
-        (hex, 16)
-    } else if text.len() > 1 && text.starts_with('0') {
-        (&text[1..], 8)
-    } else {
-        (text, 10)
-    };
+    let (digits, radix) =
+        if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+            (hex, 16)
+        } else if text.len() > 1 && text.starts_with('0') {
+            (&text[1..], 8)
+        } else {
+            (text, 10)
+        };
     if digits.is_empty() || !digits.chars().all(|d| d.is_digit(radix)) {
         return Err(LexError::BadNumber { span });
     }
@@ -233,13 +251,16 @@ fn scan_number(src: &str, start: usize) -> Result<(i64, usize), LexError> {
     // must fit in a signed long, except 9223372036854775808, which only makes sense negated
     // (`-9223372036854775808` is the smallest long).
     let value = if radix == 10 {
-        let v: u64 = digits.parse().map_err(|_| LexError::NumberTooLarge { span })?;
+        let v: u64 = digits
+            .parse()
+            .map_err(|_| LexError::NumberTooLarge { span })?;
         if v > 1 << 63 {
             return Err(LexError::NumberTooLarge { span });
         }
         v as i64
     } else {
-        let v = u64::from_str_radix(digits, radix).map_err(|_| LexError::NumberTooLarge { span })?;
+        let v =
+            u64::from_str_radix(digits, radix).map_err(|_| LexError::NumberTooLarge { span })?;
         v as i64
     };
     Ok((value, end))
@@ -279,7 +300,9 @@ fn scan_string(src: &str, start: usize) -> Result<(String, usize), LexError> {
             other => out.push(other),
         }
     }
-    Err(LexError::UnterminatedString { span: Span::new(start, start + 1) })
+    Err(LexError::UnterminatedString {
+        span: Span::new(start, start + 1),
+    })
 }
 
 #[cfg(test)]
@@ -294,13 +317,21 @@ mod tests {
     fn aggregate_operator_is_one_token() {
         assert_eq!(
             kinds("s <<< 1"),
-            vec![Tok::Ident("s".into()), Tok::Op("<<<"), Tok::Num(1), Tok::Eof]
+            vec![
+                Tok::Ident("s".into()),
+                Tok::Op("<<<"),
+                Tok::Num(1),
+                Tok::Eof
+            ]
         );
     }
 
     #[test]
     fn comments_of_all_three_kinds_are_skipped() {
-        assert_eq!(kinds("# a\n// b\n/* c */ x"), vec![Tok::Ident("x".into()), Tok::Eof]);
+        assert_eq!(
+            kinds("# a\n// b\n/* c */ x"),
+            vec![Tok::Ident("x".into()), Tok::Eof]
+        );
     }
 
     #[test]
@@ -315,17 +346,26 @@ mod tests {
 
     #[test]
     fn decimal_overflow_is_an_error() {
-        assert!(matches!(tokenize("9223372036854775809"), Err(LexError::NumberTooLarge { .. })));
+        assert!(matches!(
+            tokenize("9223372036854775809"),
+            Err(LexError::NumberTooLarge { .. })
+        ));
     }
 
     #[test]
     fn string_escapes_are_decoded() {
-        assert_eq!(kinds(r#""a\n\"b""#), vec![Tok::Str("a\n\"b".into()), Tok::Eof]);
+        assert_eq!(
+            kinds(r#""a\n\"b""#),
+            vec![Tok::Str("a\n\"b".into()), Tok::Eof]
+        );
     }
 
     #[test]
     fn unterminated_string_is_an_error() {
-        assert!(matches!(tokenize("\"abc"), Err(LexError::UnterminatedString { .. })));
+        assert!(matches!(
+            tokenize("\"abc"),
+            Err(LexError::UnterminatedString { .. })
+        ));
     }
 
     #[test]
@@ -343,7 +383,10 @@ mod tests {
 
     #[test]
     fn embedded_code_is_one_token() {
-        assert_eq!(kinds("%{ int x; %}"), vec![Tok::Embedded(" int x; ".into()), Tok::Eof]);
+        assert_eq!(
+            kinds("%{ int x; %}"),
+            vec![Tok::Embedded(" int x; ".into()), Tok::Eof]
+        );
     }
 
     #[test]
@@ -354,6 +397,9 @@ mod tests {
 
     #[test]
     fn non_ascii_character_is_reported_whole() {
-        assert!(matches!(tokenize("é"), Err(LexError::UnexpectedChar { ch: 'é', .. })));
+        assert!(matches!(
+            tokenize("é"),
+            Err(LexError::UnexpectedChar { ch: 'é', .. })
+        ));
     }
 }

@@ -56,9 +56,13 @@ impl Limits {
     /// # Errors
     /// When the setting is malformed, unknown or not a positive integer.
     pub fn set(&mut self, setting: &str) -> Result<(), LimitError> {
-        let (name, value) =
-            setting.split_once('=').ok_or_else(|| LimitError::Malformed(setting.to_string()))?;
-        let bad = || LimitError::BadValue { name: name.to_string(), value: value.to_string() };
+        let (name, value) = setting
+            .split_once('=')
+            .ok_or_else(|| LimitError::Malformed(setting.to_string()))?;
+        let bad = || LimitError::BadValue {
+            name: name.to_string(),
+            value: value.to_string(),
+        };
         let n: u64 = value.trim().parse().map_err(|_| bad())?;
         if n == 0 {
             return Err(bad());
@@ -89,12 +93,18 @@ mod tests {
     #[test]
     fn set_refuses_zero() {
         let mut limits = Limits::default();
-        assert!(matches!(limits.set("MAXNESTING=0"), Err(LimitError::BadValue { .. })));
+        assert!(matches!(
+            limits.set("MAXNESTING=0"),
+            Err(LimitError::BadValue { .. })
+        ));
     }
 
     #[test]
     fn set_refuses_unknown_names() {
         let mut limits = Limits::default();
-        assert!(matches!(limits.set("MAXFOO=1"), Err(LimitError::Unknown(_))));
+        assert!(matches!(
+            limits.set("MAXFOO=1"),
+            Err(LimitError::Unknown(_))
+        ));
     }
 }

@@ -11,6 +11,7 @@ pub mod ast;
 pub mod builtins;
 pub mod check;
 mod check_expr;
+mod check_stmt;
 pub mod context;
 pub mod diag;
 pub mod driver;

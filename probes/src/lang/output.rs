@@ -26,7 +26,9 @@ pub struct Output {
 
 impl std::fmt::Debug for Output {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Output").field("format", &self.format).finish_non_exhaustive()
+        f.debug_struct("Output")
+            .field("format", &self.format)
+            .finish_non_exhaustive()
     }
 }
 

@@ -113,8 +113,10 @@ impl PointKind {
     pub fn is_return(&self) -> bool {
         matches!(
             self,
-            PointKind::KernelFunction { site: FunctionSite::Return, .. }
-                | PointKind::Syscall { ret: true, .. }
+            PointKind::KernelFunction {
+                site: FunctionSite::Return,
+                ..
+            } | PointKind::Syscall { ret: true, .. }
         )
     }
 
@@ -177,7 +179,11 @@ fn split_location(spec: &str) -> (String, Option<String>, Option<String>) {
     match spec.split_once('@') {
         None => (spec.to_string(), None, None),
         Some((func, rest)) => match rest.rsplit_once(':') {
-            Some((file, line)) => (func.to_string(), Some(file.to_string()), Some(line.to_string())),
+            Some((file, line)) => (
+                func.to_string(),
+                Some(file.to_string()),
+                Some(line.to_string()),
+            ),
             None => (func.to_string(), Some(rest.to_string()), None),
         },
     }
@@ -189,13 +195,22 @@ fn split_location(spec: &str) -> (String, Option<String>, Option<String>) {
 /// When it matches no family or an argument is wrong.
 pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
     let names: Vec<&str> = point.components.iter().map(|c| c.name.as_str()).collect();
-    let args = |i: usize| point.components.get(i).map(|c| c.args.as_slice()).unwrap_or(&[]);
+    let args = |i: usize| {
+        point
+            .components
+            .get(i)
+            .map(|c| c.args.as_slice())
+            .unwrap_or(&[])
+    };
     let bad = |family: &str, reason: &str| PointError::BadArgument {
         family: family.to_string(),
         reason: reason.to_string(),
         span: point.span,
     };
-    let unknown = || PointError::Unknown { text: point.to_string(), span: point.span };
+    let unknown = || PointError::Unknown {
+        text: point.to_string(),
+        span: point.span,
+    };
     let seq = |family: &str| -> Result<i64, PointError> {
         match args(0) {
             [] => Ok(0),
@@ -217,12 +232,10 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
         return Err(unknown());
     }
     for (i, c) in point.components.iter().enumerate() {
-        let allowed = match (names.first(), i) {
-            (Some(&"kernel"), 1) | (Some(&"timer"), 1) | (Some(&"begin" | &"end" | &"error"), 0) => {
-                true
-            }
-            _ => false,
-        };
+        let allowed = matches!(
+            (names.first(), i),
+            (Some(&"kernel"), 1) | (Some(&"timer"), 1) | (Some(&"begin" | &"end" | &"error"), 0)
+        );
         if !c.args.is_empty() && !allowed {
             return Err(bad(&c.name, "this component takes no argument"));
         }
@@ -264,7 +277,12 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 ["return"] => FunctionSite::Return,
                 _ => return Err(unknown()),
             };
-            Ok(PointKind::KernelFunction { pattern, file, line, site })
+            Ok(PointKind::KernelFunction {
+                pattern,
+                file,
+                line,
+                site,
+            })
         }
         ["kernel", "statement", rest @ ..] => match (args(1), rest) {
             ([Literal::Num(addr)], ["absolute"]) => Ok(PointKind::KernelAddress(*addr as u64)),
@@ -274,10 +292,17 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 if function.is_empty() {
                     return Err(bad("kernel.statement", "empty function name"));
                 }
-                Ok(PointKind::KernelStatement { function, file, line })
+                Ok(PointKind::KernelStatement {
+                    function,
+                    file,
+                    line,
+                })
             }
             ([Literal::Str(_)], _) | ([Literal::Num(_)], _) => Err(unknown()),
-            _ => Err(bad("kernel.statement", "expected \"func@file:line\" or an address")),
+            _ => Err(bad(
+                "kernel.statement",
+                "expected \"func@file:line\" or an address",
+            )),
         },
         ["kernel", "field", access] => {
             let (structure, member) = match args(1) {
@@ -292,7 +317,11 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 "call" => FieldAccess::Call,
                 _ => return Err(unknown()),
             };
-            Ok(PointKind::KernelField { structure, member, access })
+            Ok(PointKind::KernelField {
+                structure,
+                member,
+                access,
+            })
         }
         ["kernel", "field"] => Err(bad("kernel.field", "say .read, .write or .call")),
         ["kernel", "syscall", rest @ ..] => {
@@ -333,12 +362,20 @@ mod tests {
 
     #[test]
     fn timer_ms_is_in_nanoseconds() {
-        assert_eq!(kind("timer.ms(5)").unwrap(), PointKind::Timer { period_ns: 5_000_000 });
+        assert_eq!(
+            kind("timer.ms(5)").unwrap(),
+            PointKind::Timer {
+                period_ns: 5_000_000
+            }
+        );
     }
 
     #[test]
     fn timer_with_zero_period_is_rejected() {
-        assert!(matches!(kind("timer.ms(0)"), Err(PointError::BadArgument { .. })));
+        assert!(matches!(
+            kind("timer.ms(0)"),
+            Err(PointError::BadArgument { .. })
+        ));
     }
 
     #[test]
@@ -353,18 +390,26 @@ mod tests {
     fn field_write_is_a_join_point() {
         assert!(matches!(
             kind(r#"kernel.field("struct file", "f_pos").write"#).unwrap(),
-            PointKind::KernelField { access: FieldAccess::Write, .. }
+            PointKind::KernelField {
+                access: FieldAccess::Write,
+                ..
+            }
         ));
     }
 
     #[test]
     fn unknown_family_is_reported_with_its_text() {
         let err = kind("kernel.fuction(\"x\")").unwrap_err();
-        assert_eq!(err.to_string(), "unknown probe point 'kernel.fuction(\"x\")'");
+        assert_eq!(
+            err.to_string(),
+            "unknown probe point 'kernel.fuction(\"x\")'"
+        );
     }
 
     #[test]
     fn syscall_return_is_a_return_point() {
-        assert!(kind(r#"kernel.syscall("read").return"#).unwrap().is_return());
+        assert!(kind(r#"kernel.syscall("read").return"#)
+            .unwrap()
+            .is_return());
     }
 }

@@ -39,7 +39,11 @@ pub trait ProbePointResolver {
     ///
     /// # Errors
     /// When it cannot be resolved.
-    fn resolve(&self, point: &ProbePoint, kind: &PointKind) -> Result<Vec<ResolvedPoint>, ResolveError>;
+    fn resolve(
+        &self,
+        point: &ProbePoint,
+        kind: &PointKind,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError>;
 }
 
 /// A resolver with no symbol source: host-side points resolve to themselves, kernel points
@@ -48,11 +52,21 @@ pub trait ProbePointResolver {
 pub struct NoSymbols;
 
 impl ProbePointResolver for NoSymbols {
-    fn resolve(&self, point: &ProbePoint, kind: &PointKind) -> Result<Vec<ResolvedPoint>, ResolveError> {
+    fn resolve(
+        &self,
+        point: &ProbePoint,
+        kind: &PointKind,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
         if kind.needs_guest() {
-            return Err(ResolveError::NeedsSymbols { what: format!("{point} is {}", describe(kind)) });
+            return Err(ResolveError::NeedsSymbols {
+                what: format!("{point} is {}", describe(kind)),
+            });
         }
-        Ok(vec![ResolvedPoint { name: point.to_string(), address: None, variables: Vec::new() }])
+        Ok(vec![ResolvedPoint {
+            name: point.to_string(),
+            address: None,
+            variables: Vec::new(),
+        }])
     }
 }
 
@@ -73,20 +87,39 @@ pub fn describe(kind: &PointKind) -> String {
         PointKind::Never => "a point that never fires".to_string(),
         PointKind::Timer { period_ns } => format!("a host timer every {period_ns} ns"),
         PointKind::TimerProfile => "every scheduler tick of every guest CPU".to_string(),
-        PointKind::KernelFunction { pattern, file, line, site } => {
+        PointKind::KernelFunction {
+            pattern,
+            file,
+            line,
+            site,
+        } => {
             let what = match site {
                 FunctionSite::Entry => "the entry of",
                 FunctionSite::Call => "the entry of the out-of-line instances of",
                 FunctionSite::Inline => "the inlined instances of",
                 FunctionSite::Return => "the return of",
             };
-            format!("{what} kernel functions matching '{pattern}'{}", location(file, line))
+            format!(
+                "{what} kernel functions matching '{pattern}'{}",
+                location(file, line)
+            )
         }
-        PointKind::KernelStatement { function, file, line } => {
-            format!("a statement of kernel function '{function}'{}", location(file, line))
+        PointKind::KernelStatement {
+            function,
+            file,
+            line,
+        } => {
+            format!(
+                "a statement of kernel function '{function}'{}",
+                location(file, line)
+            )
         }
         PointKind::KernelAddress(a) => format!("the kernel instruction at {a:#x}"),
-        PointKind::KernelField { structure, member, access } => {
+        PointKind::KernelField {
+            structure,
+            member,
+            access,
+        } => {
             let what = match access {
                 FieldAccess::Read => "every read of",
                 FieldAccess::Write => "every write of",
@@ -95,7 +128,11 @@ pub fn describe(kind: &PointKind) -> String {
             format!("{what} member '{member}' of '{structure}'")
         }
         PointKind::Syscall { name, ret } => {
-            let when = if *ret { "the return of" } else { "the entry of" };
+            let when = if *ret {
+                "the return of"
+            } else {
+                "the entry of"
+            };
             format!("{when} system calls matching '{name}'")
         }
     }
@@ -123,7 +160,10 @@ pub enum ListError {
 ///
 /// # Errors
 /// When the pattern is not a probe point or cannot be resolved.
-pub fn list(pattern: &str, resolver: &dyn ProbePointResolver) -> Result<Vec<ResolvedPoint>, ListError> {
+pub fn list(
+    pattern: &str,
+    resolver: &dyn ProbePointResolver,
+) -> Result<Vec<ResolvedPoint>, ListError> {
     let source = format!("probe {pattern} {{}}");
     let bad = |diagnostics: Vec<Diagnostic>| ListError::BadPattern {
         pattern: pattern.to_string(),
@@ -134,7 +174,8 @@ pub fn list(pattern: &str, resolver: &dyn ProbePointResolver) -> Result<Vec<Reso
     let mut out = Vec::new();
     for probe in &script.probes {
         for point in &probe.points {
-            let kind = classify(point).map_err(|e| bad(vec![Diagnostic::error(e.to_string(), e.span())]))?;
+            let kind = classify(point)
+                .map_err(|e| bad(vec![Diagnostic::error(e.to_string(), e.span())]))?;
             out.extend(resolver.resolve(point, &kind)?);
         }
     }
@@ -155,12 +196,18 @@ mod tests {
     fn kernel_function_needs_symbols() {
         let err = list(r#"kernel.function("vfs_*@fs/read_write.c")"#, &NoSymbols).unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("kernel functions matching 'vfs_*' in fs/read_write.c"), "{text}");
+        assert!(
+            text.contains("kernel functions matching 'vfs_*' in fs/read_write.c"),
+            "{text}"
+        );
         assert!(text.contains("symbols"));
     }
 
     #[test]
     fn garbage_pattern_is_a_bad_pattern() {
-        assert!(matches!(list("{{{", &NoSymbols), Err(ListError::BadPattern { .. })));
+        assert!(matches!(
+            list("{{{", &NoSymbols),
+            Err(ListError::BadPattern { .. })
+        ));
     }
 }

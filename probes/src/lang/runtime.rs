@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value as Json};
 
+use super::ast::{Sort, SortKey, StatOp};
 use super::check::Program;
 use super::context::{CapturedContext, Context};
 use super::diag::line_col;
@@ -16,7 +17,6 @@ use super::output::{Format, Output};
 use super::point::PointKind;
 use super::value::{Stats, Value};
 use super::Limits;
-use super::ast::{Sort, SortKey, StatOp};
 
 /// Why a session could not run at all.
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +39,10 @@ pub struct Session<'p> {
 
 impl std::fmt::Debug for Session<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("file", &self.file).field("errors", &self.errors).finish()
+        f.debug_struct("Session")
+            .field("file", &self.file)
+            .field("errors", &self.errors)
+            .finish()
     }
 }
 
@@ -83,7 +86,10 @@ impl<'p> Session<'p> {
             .take(40)
             .collect::<String>()
             .replace('\n', " ");
-        let msg = format!("ERROR: {} near '{near}' at {}:{line}:{col}", e.message, self.file);
+        let msg = format!(
+            "ERROR: {} near '{near}' at {}:{line}:{col}",
+            e.message, self.file
+        );
         // If stderr itself is gone there is nobody left to tell.
         let _ = self.interp.out.error_line(&msg);
     }
@@ -104,7 +110,13 @@ impl<'p> Session<'p> {
     /// Runs the begin probes in order, until `exit()` or an error.
     pub fn begin(&mut self) {
         let ctx = CapturedContext::default();
-        for (_, i, pt) in self.points(|k| if let PointKind::Begin(n) = k { Some(*n) } else { None }) {
+        for (_, i, pt) in self.points(|k| {
+            if let PointKind::Begin(n) = k {
+                Some(*n)
+            } else {
+                None
+            }
+        }) {
             if self.stopping() {
                 break;
             }
@@ -118,21 +130,39 @@ impl<'p> Session<'p> {
         let ctx = CapturedContext::default();
         let failed = self.errors > 0;
         let pick: fn(&PointKind) -> Option<i64> = if failed {
-            |k| if let PointKind::Error(n) = k { Some(*n) } else { None }
+            |k| {
+                if let PointKind::Error(n) = k {
+                    Some(*n)
+                } else {
+                    None
+                }
+            }
         } else {
-            |k| if let PointKind::End(n) = k { Some(*n) } else { None }
+            |k| {
+                if let PointKind::End(n) = k {
+                    Some(*n)
+                } else {
+                    None
+                }
+            }
         };
         for (_, i, pt) in self.points(pick) {
             self.fire(i, &pt, &ctx);
         }
         if !failed && self.errors == 0 {
             if let Err(e) = self.display_globals() {
-                let _ = self.interp.out.error_line(&format!("ERROR: output failed: {e}"));
+                let _ = self
+                    .interp
+                    .out
+                    .error_line(&format!("ERROR: output failed: {e}"));
                 self.errors += 1;
             }
         }
         if self.errors > 0 {
-            let _ = self.interp.out.error_line(&format!("WARNING: Number of errors: {}", self.errors));
+            let _ = self
+                .interp
+                .out
+                .error_line(&format!("WARNING: Number of errors: {}", self.errors));
         }
         let _ = self.interp.out.flush();
         i32::from(self.errors > 0)
@@ -143,7 +173,9 @@ impl<'p> Session<'p> {
         let prog = self.interp.prog;
         let json = self.interp.out.format() == Format::Json;
         for (name, _) in prog.displayed_globals() {
-            let Some(store) = self.interp.globals.get(name).cloned() else { continue };
+            let Some(store) = self.interp.globals.get(name).cloned() else {
+                continue;
+            };
             match store {
                 Store::Scalar(v) => {
                     if json {
@@ -156,12 +188,21 @@ impl<'p> Session<'p> {
                     if json {
                         self.interp.out.global("stats", name, stats_json(&s))?;
                     } else {
-                        self.interp.out.text(&format!("{name}{}\n", stats_text(&s)))?;
+                        self.interp
+                            .out
+                            .text(&format!("{name}{}\n", stats_text(&s)))?;
                     }
                 }
                 Store::Array(m) => {
                     let mut rows: Vec<_> = m.into_iter().collect();
-                    sort_rows(&mut rows, Sort { key: SortKey::Value, descending: true, stat: None });
+                    sort_rows(
+                        &mut rows,
+                        Sort {
+                            key: SortKey::Value,
+                            descending: true,
+                            stat: None,
+                        },
+                    );
                     if json {
                         let mut obj = serde_json::Map::new();
                         for (k, v) in &rows {
@@ -170,14 +211,24 @@ impl<'p> Session<'p> {
                         self.interp.out.global("map", name, Json::Object(obj))?;
                     } else {
                         for (k, v) in &rows {
-                            self.interp.out.text(&format!("{name}[{}]={}\n", key_text(k), quoted(v)))?;
+                            self.interp.out.text(&format!(
+                                "{name}[{}]={}\n",
+                                key_text(k),
+                                quoted(v)
+                            ))?;
                         }
                     }
                 }
                 Store::StatsArray(m) => {
                     let mut rows: Vec<(Vec<Value>, Value, Stats)> = m
                         .into_iter()
-                        .map(|(k, s)| (k, Value::Long(stat_value(&s, StatOp::Count).unwrap_or(0)), s))
+                        .map(|(k, s)| {
+                            (
+                                k,
+                                Value::Long(stat_value(&s, StatOp::Count).unwrap_or(0)),
+                                s,
+                            )
+                        })
                         .collect();
                     rows.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
                     if json {
@@ -188,7 +239,11 @@ impl<'p> Session<'p> {
                         self.interp.out.global("stats", name, Json::Object(obj))?;
                     } else {
                         for (k, _, s) in &rows {
-                            self.interp.out.text(&format!("{name}[{}]{}\n", key_text(k), stats_text(s)))?;
+                            self.interp.out.text(&format!(
+                                "{name}[{}]{}\n",
+                                key_text(k),
+                                stats_text(s)
+                            ))?;
                         }
                     }
                 }
@@ -262,7 +317,9 @@ pub fn run_guest_free(
         .map(|(pt, _)| pt.to_string())
         .collect();
     if !kernel.is_empty() {
-        return Err(RuntimeError::NeedsGuest { points: kernel.join(", ") });
+        return Err(RuntimeError::NeedsGuest {
+            points: kernel.join(", "),
+        });
     }
     let mut session = Session::new(prog, limits, out, file, source);
     session.begin();
@@ -278,7 +335,9 @@ pub fn run_guest_free(
     }
     let ctx = CapturedContext::default();
     while !timers.is_empty() && !session.stopping() && !stop.load(Ordering::SeqCst) {
-        let Some(next) = (0..timers.len()).min_by_key(|&t| timers[t].3) else { break };
+        let Some(next) = (0..timers.len()).min_by_key(|&t| timers[t].3) else {
+            break;
+        };
         let due = timers[next].3;
         let now = Instant::now();
         if due > now {
@@ -296,4 +355,84 @@ pub fn run_guest_free(
         timers[next].3 = following;
     }
     Ok(session.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::check::check;
+    use crate::lang::output::SharedBuf;
+    use crate::lang::parser::parse;
+
+    fn program(src: &str) -> Program {
+        check(parse(src, &Limits::default()).unwrap()).unwrap()
+    }
+
+    fn run(src: &str, stop: bool) -> (String, String, Result<i32, RuntimeError>) {
+        let prog = program(src);
+        let (out, err) = (SharedBuf::default(), SharedBuf::default());
+        let output = Output::new(Format::Text, Box::new(out.clone()), Box::new(err.clone()));
+        let stop = Arc::new(AtomicBool::new(stop));
+        let r = run_guest_free(&prog, Limits::default(), output, "t.stp", src, &stop);
+        (out.contents(), err.contents(), r)
+    }
+
+    #[test]
+    fn begin_only_script_runs_end_and_exits() {
+        let (out, _, code) = run("probe begin { println(1) } probe end { println(2) }", false);
+        assert_eq!((out.as_str(), code.unwrap()), ("1\n2\n", 0));
+    }
+
+    #[test]
+    fn kernel_points_without_a_backend_need_a_guest() {
+        let (_, _, r) = run("probe kernel.function(\"vfs_read\") { }", false);
+        let msg = r.unwrap_err().to_string();
+        assert!(
+            msg.contains("need a guest") && msg.contains("vfs_read"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn stop_flag_ends_the_timer_loop_and_runs_end() {
+        let (out, _, code) = run(
+            "probe timer.s(60) { println(\"tick\") } probe end { println(\"end\") }",
+            true,
+        );
+        assert_eq!((out.as_str(), code.unwrap()), ("end\n", 0));
+    }
+
+    #[test]
+    fn runtime_error_skips_end_and_runs_error_probes() {
+        let (out, err, code) =
+            run("probe begin { error(\"bad\") } probe end { println(\"end\") } probe error { println(\"err\") }", false);
+        assert_eq!((out.as_str(), code.unwrap()), ("err\n", 1));
+        assert!(
+            err.contains("ERROR: bad near 'error(\"bad\")' at t.stp:1:15"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn backend_can_fire_kernel_probes_on_captured_records() {
+        let src = "global n\nprobe kernel.syscall(\"read\") { n[execname()]++ }";
+        let prog = program(src);
+        let out = SharedBuf::default();
+        let output = Output::new(
+            Format::Text,
+            Box::new(out.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
+        session.begin();
+        let ctx = CapturedContext {
+            execname: "cat".into(),
+            ..Default::default()
+        };
+        for _ in 0..3 {
+            assert!(session.fire(0, "kernel.syscall(\"read\")", &ctx));
+        }
+        assert_eq!(session.finish(), 0);
+        assert_eq!(out.contents(), "n[\"cat\"]=3\n");
+    }
 }

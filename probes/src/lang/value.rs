@@ -74,7 +74,11 @@ pub fn log_bucket(v: i64) -> usize {
         return LOG_BUCKET0;
     }
     let bits = 64 - v.unsigned_abs().leading_zeros() as usize;
-    let b = if v > 0 { LOG_BUCKET0 + bits } else { LOG_BUCKET0 - bits };
+    let b = if v > 0 {
+        LOG_BUCKET0 + bits
+    } else {
+        LOG_BUCKET0 - bits
+    };
     b.min(LOG_BUCKETS - 1)
 }
 
@@ -128,14 +132,24 @@ pub struct HistLayout {
 impl Stats {
     /// An empty aggregate keeping the histograms of `layout`.
     pub fn new(layout: HistLayout) -> Stats {
-        let log = if layout.log { vec![0; LOG_BUCKETS] } else { Vec::new() };
+        let log = if layout.log {
+            vec![0; LOG_BUCKETS]
+        } else {
+            Vec::new()
+        };
         let linear = layout.linear.and_then(|k| match k {
-            HistKind::Linear { start, stop, interval } => {
-                linear_buckets(start, stop, interval).map(|n| (k, vec![0; n]))
-            }
+            HistKind::Linear {
+                start,
+                stop,
+                interval,
+            } => linear_buckets(start, stop, interval).map(|n| (k, vec![0; n])),
             HistKind::Log => None,
         });
-        Stats { log, linear, ..Stats::default() }
+        Stats {
+            log,
+            linear,
+            ..Stats::default()
+        }
     }
 
     /// Adds one value.
@@ -152,10 +166,20 @@ impl Stats {
         if let Some(slot) = self.log.get_mut(log_bucket(v)) {
             *slot += 1;
         }
-        if let Some((HistKind::Linear { start, interval, .. }, buckets)) = &mut self.linear {
+        if let Some((
+            HistKind::Linear {
+                start, interval, ..
+            },
+            buckets,
+        )) = &mut self.linear
+        {
             let n = buckets.len();
             let off = v.wrapping_sub(*start);
-            let idx = if v < *start { 0 } else { (off as u64 / *interval as u64) as usize + 1 };
+            let idx = if v < *start {
+                0
+            } else {
+                (off as u64 / *interval as u64) as usize + 1
+            };
             let idx = idx.min(n - 1);
             buckets[idx] += 1;
         }
@@ -207,13 +231,22 @@ mod tests {
         for v in [5, -2, 9] {
             s.add(v);
         }
-        assert_eq!((s.count, s.sum, s.min, s.max, s.avg()), (3, 12, -2, 9, Some(4)));
+        assert_eq!(
+            (s.count, s.sum, s.min, s.max, s.avg()),
+            (3, 12, -2, 9, Some(4))
+        );
     }
 
     #[test]
     fn linear_overflow_lands_in_last_bucket() {
-        let layout =
-            HistLayout { log: false, linear: Some(HistKind::Linear { start: 0, stop: 10, interval: 5 }) };
+        let layout = HistLayout {
+            log: false,
+            linear: Some(HistKind::Linear {
+                start: 0,
+                stop: 10,
+                interval: 5,
+            }),
+        };
         let mut s = Stats::new(layout);
         s.add(1000);
         s.add(-1);

@@ -1,0 +1,310 @@
+//! Expressions: precedence climbing over [`BINARY`](super::BINARY), unary operators, primaries.
+
+use super::*;
+
+impl Parser {
+    /// Parses one expression (assignment level).
+    pub(super) fn expr(&mut self) -> PResult<Expr> {
+        self.enter()?;
+        let e = self.assignment();
+        self.leave();
+        e
+    }
+
+    pub(super) fn assignment(&mut self) -> PResult<Expr> {
+        let lhs = self.ternary()?;
+        let op = match &self.peek().tok {
+            Tok::Op(o) => *o,
+            _ => return Ok(lhs),
+        };
+        if op == "<<<" {
+            self.bump();
+            check_lvalue(&lhs, op)?;
+            let rhs = self.expr()?;
+            let span = lhs.span.to(rhs.span);
+            return Ok(Expr {
+                kind: ExprKind::Aggregate(Box::new((lhs, rhs))),
+                span,
+            });
+        }
+        let Some(&(_, bin)) = ASSIGN.iter().find(|(t, _)| *t == op) else {
+            return Ok(lhs);
+        };
+        self.bump();
+        check_lvalue(&lhs, op)?;
+        let rhs = self.expr()?;
+        let span = lhs.span.to(rhs.span);
+        Ok(Expr {
+            kind: ExprKind::Assign(bin, Box::new((lhs, rhs))),
+            span,
+        })
+    }
+
+    pub(super) fn ternary(&mut self) -> PResult<Expr> {
+        let cond = self.binary(1)?;
+        if !self.eat_op("?") {
+            return Ok(cond);
+        }
+        let then = self.expr()?;
+        self.expect_op(":")?;
+        self.enter()?;
+        let els = self.ternary();
+        self.leave();
+        let els = els?;
+        let span = cond.span.to(els.span);
+        Ok(Expr {
+            kind: ExprKind::Ternary(Box::new((cond, then, els))),
+            span,
+        })
+    }
+
+    pub(super) fn binary(&mut self, min_prec: u8) -> PResult<Expr> {
+        let mut lhs = self.unary()?;
+        loop {
+            if min_prec <= IN_PREC && self.is_kw("in") {
+                self.bump();
+                let array = self.ident("an array name")?;
+                let span = lhs.span.to(array.span);
+                lhs = Expr {
+                    kind: ExprKind::In(Box::new(InExpr {
+                        keys: vec![lhs],
+                        array,
+                    })),
+                    span,
+                };
+                continue;
+            }
+            let op = match &self.peek().tok {
+                Tok::Op(o) => *o,
+                _ => break,
+            };
+            let Some(&(_, bin, prec)) = BINARY.iter().find(|(t, _, _)| *t == op) else {
+                break;
+            };
+            if prec < min_prec {
+                break;
+            }
+            self.bump();
+            self.enter()?;
+            let rhs = self.binary(prec + 1);
+            self.leave();
+            let rhs = rhs?;
+            let span = lhs.span.to(rhs.span);
+            lhs = Expr {
+                kind: ExprKind::Binary(bin, Box::new((lhs, rhs))),
+                span,
+            };
+        }
+        Ok(lhs)
+    }
+
+    pub(super) fn unary(&mut self) -> PResult<Expr> {
+        let t = self.peek().clone();
+        let op = match t.tok {
+            Tok::Op("-") => Some(UnOp::Neg),
+            Tok::Op("+") => Some(UnOp::Plus),
+            Tok::Op("!") => Some(UnOp::Not),
+            Tok::Op("~") => Some(UnOp::BitNot),
+            _ => None,
+        };
+        if let Some(op) = op {
+            self.bump();
+            // `-9223372036854775808` is a literal, not the negation of an overflowing one.
+            if op == UnOp::Neg {
+                if let Tok::Num(n) = self.peek().tok {
+                    let end = self.bump().span;
+                    return Ok(Expr {
+                        kind: ExprKind::Num(n.wrapping_neg()),
+                        span: t.span.to(end),
+                    });
+                }
+            }
+            self.enter()?;
+            let inner = self.unary();
+            self.leave();
+            let inner = inner?;
+            let span = t.span.to(inner.span);
+            return Ok(Expr {
+                kind: ExprKind::Unary(op, Box::new(inner)),
+                span,
+            });
+        }
+        if matches!(t.tok, Tok::Op("++") | Tok::Op("--")) {
+            self.bump();
+            self.enter()?;
+            let target = self.unary();
+            self.leave();
+            let target = target?;
+            check_lvalue(&target, if t.tok == Tok::Op("++") { "++" } else { "--" })?;
+            let span = t.span.to(target.span);
+            let increment = t.tok == Tok::Op("++");
+            let inc = IncDec {
+                prefix: true,
+                increment,
+                target,
+            };
+            return Ok(Expr {
+                kind: ExprKind::IncDec(Box::new(inc)),
+                span,
+            });
+        }
+        let e = self.primary()?;
+        if self.is_op("++") || self.is_op("--") {
+            let op = self.bump();
+            let increment = op.tok == Tok::Op("++");
+            check_lvalue(&e, if increment { "++" } else { "--" })?;
+            let span = e.span.to(op.span);
+            let inc = IncDec {
+                prefix: false,
+                increment,
+                target: e,
+            };
+            return Ok(Expr {
+                kind: ExprKind::IncDec(Box::new(inc)),
+                span,
+            });
+        }
+        Ok(e)
+    }
+
+    pub(super) fn expr_list(&mut self, close: &str) -> PResult<Vec<Expr>> {
+        let mut out = Vec::new();
+        if self.is_op(close) {
+            self.bump();
+            return Ok(out);
+        }
+        loop {
+            out.push(self.expr()?);
+            if !self.eat_op(",") {
+                break;
+            }
+        }
+        self.expect_op(close)?;
+        Ok(out)
+    }
+
+    pub(super) fn primary(&mut self) -> PResult<Expr> {
+        let t = self.peek().clone();
+        let kind = match t.tok {
+            Tok::Num(n) => {
+                self.bump();
+                ExprKind::Num(n)
+            }
+            Tok::Str(s) => {
+                self.bump();
+                ExprKind::Str(s)
+            }
+            Tok::Op("(") => {
+                self.bump();
+                let e = self.expr()?;
+                self.expect_op(")")?;
+                return Ok(e);
+            }
+            Tok::Op("[") => {
+                self.bump();
+                let keys = self.expr_list("]")?;
+                if !self.eat_kw("in") {
+                    return self.unexpected("'in' after a key list");
+                }
+                let array = self.ident("an array name")?;
+                ExprKind::In(Box::new(InExpr { keys, array }))
+            }
+            Tok::Target(name) => {
+                self.bump();
+                let mut members = Vec::new();
+                while self.eat_op("->") {
+                    members.push(self.ident("a struct member name")?.name);
+                }
+                ExprKind::Target(TargetVar { name, members })
+            }
+            Tok::At(name) => return self.at_expr(&name),
+            Tok::Ident(ref s) if !KEYWORDS.contains(&s.as_str()) => {
+                let name = self.ident("a name")?;
+                if self.eat_op("(") {
+                    let args = self.expr_list(")")?;
+                    ExprKind::Call(Box::new(Call { name, args }))
+                } else if self.eat_op("[") {
+                    let keys = self.expr_list("]")?;
+                    if keys.is_empty() {
+                        return Err(ParseError::Unexpected {
+                            expected: "at least one array key".into(),
+                            found: "'[]'".into(),
+                            span: self.prev_end(),
+                        });
+                    }
+                    ExprKind::Index(Box::new(IndexExpr { array: name, keys }))
+                } else {
+                    ExprKind::Var(name.name)
+                }
+            }
+            _ => return self.unexpected("an expression"),
+        };
+        Ok(Expr {
+            kind,
+            span: t.span.to(self.prev_end()),
+        })
+    }
+
+    pub(super) fn at_expr(&mut self, name: &str) -> PResult<Expr> {
+        let start = self.bump().span;
+        let bare = &name[1..];
+        if let Some(op) = StatOp::from_name(bare) {
+            self.expect_op("(")?;
+            let target = self.expr()?;
+            self.expect_op(")")?;
+            let span = start.to(self.prev_end());
+            return Ok(Expr {
+                kind: ExprKind::Stat(op, Box::new(target)),
+                span,
+            });
+        }
+        let kind = match bare {
+            "hist_log" => {
+                self.expect_op("(")?;
+                let target = self.expr()?;
+                self.expect_op(")")?;
+                ExprKind::Hist(HistKind::Log, Box::new(target))
+            }
+            "hist_linear" => {
+                self.expect_op("(")?;
+                let target = self.expr()?;
+                let mut nums = [0i64; 3];
+                for n in &mut nums {
+                    self.expect_op(",")?;
+                    match self.literal()? {
+                        (Literal::Num(v), _) => *n = v,
+                        (_, span) => {
+                            return Err(ParseError::Unexpected {
+                                expected: "a number literal".into(),
+                                found: "a string".into(),
+                                span,
+                            })
+                        }
+                    }
+                }
+                self.expect_op(")")?;
+                let [start, stop, interval] = nums;
+                ExprKind::Hist(
+                    HistKind::Linear {
+                        start,
+                        stop,
+                        interval,
+                    },
+                    Box::new(target),
+                )
+            }
+            "define" => return self.unsupported("'@define' macros"),
+            _ => {
+                return Err(ParseError::Unexpected {
+                    expected: "@count, @sum, @min, @max, @avg, @hist_log or @hist_linear".into(),
+                    found: format!("'{name}'"),
+                    span: start,
+                })
+            }
+        };
+        Ok(Expr {
+            kind,
+            span: start.to(self.prev_end()),
+        })
+    }
+}

@@ -1,0 +1,625 @@
+//! Recursive-descent parser from tokens to the [`ast`](super::ast). Expression and statement
+//! nesting are bounded by [`Limits::max_parse_depth`] so hostile input cannot exhaust the stack.
+
+mod expr;
+mod stmt;
+
+use super::ast::*;
+use super::lexer::{tokenize, LexError, Tok, Token};
+use super::limits::Limits;
+
+/// Why a script could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// The tokenizer failed.
+    #[error(transparent)]
+    Lex(#[from] LexError),
+    /// A token that does not fit the grammar here.
+    #[error("expected {expected}, found {found}")]
+    Unexpected {
+        /// What the grammar wanted.
+        expected: String,
+        /// What was there.
+        found: String,
+        /// Where.
+        span: Span,
+    },
+    /// Nesting deeper than the limit.
+    #[error("nesting deeper than {limit} levels")]
+    TooDeep {
+        /// The limit.
+        limit: usize,
+        /// Where it was exceeded.
+        span: Span,
+    },
+    /// The script is larger than the limit.
+    #[error("script is {len} bytes, more than the limit of {limit}")]
+    TooLong {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// Valid SystemTap that exotap does not take.
+    #[error("{what} is not supported")]
+    Unsupported {
+        /// The construct.
+        what: String,
+        /// Where.
+        span: Span,
+    },
+    /// The left side of an assignment is not a variable or array element.
+    #[error("left side of '{op}' is not assignable")]
+    NotAssignable {
+        /// The operator.
+        op: String,
+        /// The left side.
+        span: Span,
+    },
+}
+
+impl ParseError {
+    /// Where the error is.
+    pub fn span(&self) -> Span {
+        match self {
+            ParseError::Lex(e) => e.span(),
+            ParseError::Unexpected { span, .. }
+            | ParseError::TooDeep { span, .. }
+            | ParseError::Unsupported { span, .. }
+            | ParseError::NotAssignable { span, .. } => *span,
+            ParseError::TooLong { .. } => Span::new(0, 0),
+        }
+    }
+
+    /// A suggestion shown under the error.
+    pub fn hint(&self) -> Option<String> {
+        match self {
+            ParseError::Unsupported { what, .. } if what.contains("embedded C") => {
+                Some("exotap never runs C code in the guest; use script functions".into())
+            }
+            ParseError::TooDeep { .. } => Some("split the expression using local variables".into()),
+            ParseError::NotAssignable { .. } => {
+                Some("assign to a variable or an array element such as a[k]".into())
+            }
+            _ => None,
+        }
+    }
+}
+
+const KEYWORDS: &[&str] = &[
+    "probe", "global", "function", "if", "else", "while", "for", "foreach", "in", "limit", "next",
+    "break", "continue", "return", "delete", "try", "catch",
+];
+
+/// Parses a whole script.
+///
+/// # Errors
+/// The first syntax error.
+pub fn parse(src: &str, limits: &Limits) -> Result<Script, ParseError> {
+    if src.len() > limits.max_source_len {
+        return Err(ParseError::TooLong {
+            len: src.len(),
+            limit: limits.max_source_len,
+        });
+    }
+    let tokens = tokenize(src)?;
+    let mut p = Parser {
+        tokens,
+        pos: 0,
+        depth: 0,
+        max_depth: limits.max_parse_depth,
+    };
+    p.script()
+}
+
+struct Parser {
+    tokens: Vec<Token>,
+    pos: usize,
+    depth: usize,
+    max_depth: usize,
+}
+
+type PResult<T> = Result<T, ParseError>;
+
+/// Binary operator table: token, operator, precedence (higher binds tighter).
+const BINARY: &[(&str, BinOp, u8)] = &[
+    ("||", BinOp::Or, 1),
+    ("&&", BinOp::And, 2),
+    ("|", BinOp::BitOr, 3),
+    ("^", BinOp::BitXor, 4),
+    ("&", BinOp::BitAnd, 5),
+    ("==", BinOp::Eq, 7),
+    ("!=", BinOp::Ne, 7),
+    ("<", BinOp::Lt, 7),
+    ("<=", BinOp::Le, 7),
+    (">", BinOp::Gt, 7),
+    (">=", BinOp::Ge, 7),
+    ("<<", BinOp::Shl, 8),
+    (">>", BinOp::Shr, 8),
+    (".", BinOp::Concat, 9),
+    ("+", BinOp::Add, 10),
+    ("-", BinOp::Sub, 10),
+    ("*", BinOp::Mul, 11),
+    ("/", BinOp::Div, 11),
+    ("%", BinOp::Mod, 11),
+];
+/// Precedence of `k in a`.
+const IN_PREC: u8 = 6;
+
+const ASSIGN: &[(&str, Option<BinOp>)] = &[
+    ("=", None),
+    ("+=", Some(BinOp::Add)),
+    ("-=", Some(BinOp::Sub)),
+    ("*=", Some(BinOp::Mul)),
+    ("/=", Some(BinOp::Div)),
+    ("%=", Some(BinOp::Mod)),
+    ("<<=", Some(BinOp::Shl)),
+    (">>=", Some(BinOp::Shr)),
+    ("&=", Some(BinOp::BitAnd)),
+    ("|=", Some(BinOp::BitOr)),
+    ("^=", Some(BinOp::BitXor)),
+    (".=", Some(BinOp::Concat)),
+];
+
+impl Parser {
+    fn peek(&self) -> &Token {
+        let last = self.tokens.len().saturating_sub(1);
+        &self.tokens[self.pos.min(last)]
+    }
+
+    fn peek_at(&self, n: usize) -> &Tok {
+        let last = self.tokens.len().saturating_sub(1);
+        &self.tokens[(self.pos + n).min(last)].tok
+    }
+
+    fn bump(&mut self) -> Token {
+        let t = self.peek().clone();
+        if self.pos < self.tokens.len() {
+            self.pos += 1;
+        }
+        t
+    }
+
+    fn prev_end(&self) -> Span {
+        self.tokens
+            .get(self.pos.wrapping_sub(1))
+            .map(|t| t.span)
+            .unwrap_or_default()
+    }
+
+    fn is_op(&self, op: &str) -> bool {
+        matches!(&self.peek().tok, Tok::Op(o) if *o == op)
+    }
+
+    fn is_kw(&self, kw: &str) -> bool {
+        matches!(&self.peek().tok, Tok::Ident(s) if s == kw)
+    }
+
+    fn eat_op(&mut self, op: &str) -> bool {
+        let hit = self.is_op(op);
+        if hit {
+            self.pos += 1;
+        }
+        hit
+    }
+
+    fn eat_kw(&mut self, kw: &str) -> bool {
+        let hit = self.is_kw(kw);
+        if hit {
+            self.pos += 1;
+        }
+        hit
+    }
+
+    fn unexpected<T>(&self, expected: &str) -> PResult<T> {
+        let t = self.peek();
+        Err(ParseError::Unexpected {
+            expected: expected.to_string(),
+            found: t.tok.describe(),
+            span: t.span,
+        })
+    }
+
+    fn expect_op(&mut self, op: &str) -> PResult<Span> {
+        if self.is_op(op) {
+            Ok(self.bump().span)
+        } else {
+            self.unexpected(&format!("'{op}'"))
+        }
+    }
+
+    fn ident(&mut self, what: &str) -> PResult<Ident> {
+        match &self.peek().tok {
+            Tok::Ident(s) if !KEYWORDS.contains(&s.as_str()) => {
+                let name = s.clone();
+                let span = self.bump().span;
+                Ok(Ident { name, span })
+            }
+            _ => self.unexpected(what),
+        }
+    }
+
+    fn enter(&mut self) -> PResult<()> {
+        self.depth += 1;
+        if self.depth > self.max_depth {
+            return Err(ParseError::TooDeep {
+                limit: self.max_depth,
+                span: self.peek().span,
+            });
+        }
+        Ok(())
+    }
+
+    fn leave(&mut self) {
+        self.depth = self.depth.saturating_sub(1);
+    }
+
+    fn unsupported<T>(&self, what: &str) -> PResult<T> {
+        Err(ParseError::Unsupported {
+            what: what.to_string(),
+            span: self.peek().span,
+        })
+    }
+
+    // ----- top level -----
+
+    fn script(&mut self) -> PResult<Script> {
+        let mut script = Script::default();
+        loop {
+            match &self.peek().tok {
+                Tok::Eof => return Ok(script),
+                Tok::Op(";") => {
+                    self.bump();
+                }
+                Tok::Ident(s) if s == "global" => {
+                    self.bump();
+                    self.globals(&mut script.globals)?;
+                }
+                Tok::Ident(s) if s == "probe" => script.probes.push(self.probe()?),
+                Tok::Ident(s) if s == "function" => script.functions.push(self.function()?),
+                Tok::Ident(s) if s == "private" => return self.unsupported("'private'"),
+                Tok::Embedded(_) => return self.unsupported("embedded C code"),
+                Tok::At(s) if s == "@define" => return self.unsupported("'@define' macros"),
+                Tok::Op("%(") => return self.unsupported("preprocessor conditional '%('"),
+                _ => return self.unexpected("'probe', 'global' or 'function'"),
+            }
+        }
+    }
+
+    fn literal(&mut self) -> PResult<(Literal, Span)> {
+        let start = self.peek().span;
+        let negative = self.eat_op("-");
+        match self.peek().tok.clone() {
+            Tok::Num(n) => {
+                let span = start.to(self.bump().span);
+                Ok((
+                    Literal::Num(if negative { n.wrapping_neg() } else { n }),
+                    span,
+                ))
+            }
+            Tok::Str(s) if !negative => Ok((Literal::Str(s), self.bump().span)),
+            _ => self.unexpected("a number or string literal"),
+        }
+    }
+
+    fn globals(&mut self, out: &mut Vec<Global>) -> PResult<()> {
+        loop {
+            let name = self.ident("a global variable name")?;
+            let mut g = Global {
+                name,
+                init: None,
+                array_size: None,
+            };
+            if self.eat_op("[") {
+                let size = if self.is_op("]") {
+                    None
+                } else {
+                    match self.literal()? {
+                        (Literal::Num(n), _) if n > 0 => Some(n),
+                        (_, span) => {
+                            return Err(ParseError::Unexpected {
+                                expected: "a positive array size".into(),
+                                found: "something else".into(),
+                                span,
+                            })
+                        }
+                    }
+                };
+                self.expect_op("]")?;
+                g.array_size = Some(size.unwrap_or(0));
+            } else if self.eat_op("=") {
+                g.init = Some(self.literal()?);
+                if matches!(self.peek().tok, Tok::Op(o) if o != "," && o != ";") {
+                    return self.unexpected(
+                        "',' or the end of the declaration (initial values are literals)",
+                    );
+                }
+            }
+            out.push(g);
+            if !self.eat_op(",") {
+                return Ok(());
+            }
+        }
+    }
+
+    fn decl_type(&mut self) -> PResult<Option<DeclType>> {
+        if !self.eat_op(":") {
+            return Ok(None);
+        }
+        match &self.peek().tok {
+            Tok::Ident(s) if s == "long" => {
+                self.bump();
+                Ok(Some(DeclType::Long))
+            }
+            Tok::Ident(s) if s == "string" => {
+                self.bump();
+                Ok(Some(DeclType::Str))
+            }
+            _ => self.unexpected("type 'long' or 'string'"),
+        }
+    }
+
+    fn function(&mut self) -> PResult<Function> {
+        let start = self.bump().span;
+        let name = self.ident("a function name")?;
+        let ret = self.decl_type()?;
+        self.expect_op("(")?;
+        let mut params = Vec::new();
+        if !self.is_op(")") {
+            loop {
+                let name = self.ident("a parameter name")?;
+                let ty = self.decl_type()?;
+                params.push(Param { name, ty });
+                if !self.eat_op(",") {
+                    break;
+                }
+            }
+        }
+        self.expect_op(")")?;
+        let body = if let Tok::Embedded(_) = self.peek().tok {
+            FunctionBody::Embedded(self.bump().span)
+        } else {
+            FunctionBody::Block(self.block()?)
+        };
+        Ok(Function {
+            name,
+            ret,
+            params,
+            body,
+            span: start.to(self.prev_end()),
+        })
+    }
+
+    fn probe(&mut self) -> PResult<Probe> {
+        let start = self.bump().span;
+        let mut points = vec![self.probe_point()?];
+        while self.eat_op(",") {
+            points.push(self.probe_point()?);
+        }
+        if self.is_op("=") || self.is_op("+=") {
+            return self.unsupported("a probe alias");
+        }
+        let condition = if self.eat_kw("if") {
+            self.expect_op("(")?;
+            let e = self.expr()?;
+            self.expect_op(")")?;
+            Some(e)
+        } else {
+            None
+        };
+        let body = self.block()?;
+        Ok(Probe {
+            points,
+            condition,
+            body,
+            span: start.to(self.prev_end()),
+        })
+    }
+
+    fn probe_point(&mut self) -> PResult<ProbePoint> {
+        let start = self.peek().span;
+        let mut components = Vec::new();
+        loop {
+            let t = self.peek().clone();
+            let name = match t.tok {
+                Tok::Ident(s) => s,
+                Tok::Op("*") => "*".to_string(),
+                _ => return self.unexpected("a probe point component"),
+            };
+            self.bump();
+            let mut args = Vec::new();
+            if self.eat_op("(") {
+                loop {
+                    args.push(self.literal()?.0);
+                    if !self.eat_op(",") {
+                        break;
+                    }
+                }
+                self.expect_op(")")?;
+            }
+            components.push(Component {
+                name,
+                args,
+                span: t.span.to(self.prev_end()),
+            });
+            if !self.eat_op(".") {
+                break;
+            }
+        }
+        let mut optional = false;
+        let mut sufficient = false;
+        loop {
+            if self.eat_op("?") {
+                optional = true;
+            } else if self.eat_op("!") {
+                sufficient = true;
+            } else {
+                break;
+            }
+        }
+        Ok(ProbePoint {
+            components,
+            optional,
+            sufficient,
+            span: start.to(self.prev_end()),
+        })
+    }
+}
+
+fn check_lvalue(e: &Expr, op: &str) -> PResult<()> {
+    match e.kind {
+        ExprKind::Var(_) | ExprKind::Index(_) | ExprKind::Target(_) => Ok(()),
+        _ => Err(ParseError::NotAssignable {
+            op: op.to_string(),
+            span: e.span,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_ok(src: &str) -> Script {
+        parse(src, &Limits::default()).unwrap()
+    }
+
+    fn body_expr(src: &str) -> ExprKind {
+        let script = parse_ok(&format!("probe begin {{ {src} }}"));
+        match &script.probes[0].body.stmts[0].kind {
+            StmtKind::Expr(e) => e.kind.clone(),
+            other => panic!("not an expression: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn multiplication_binds_tighter_than_addition() {
+        let ExprKind::Assign(None, parts) = body_expr("x = 1 + 2 * 3") else {
+            panic!()
+        };
+        let ExprKind::Binary(BinOp::Add, operands) = &parts.1.kind else {
+            panic!()
+        };
+        assert!(matches!(operands.1.kind, ExprKind::Binary(BinOp::Mul, _)));
+    }
+
+    #[test]
+    fn concatenation_binds_looser_than_addition() {
+        let ExprKind::Assign(None, parts) = body_expr("s = \"a\" . 1 + 2") else {
+            panic!()
+        };
+        assert!(matches!(parts.1.kind, ExprKind::Binary(BinOp::Concat, _)));
+    }
+
+    #[test]
+    fn probe_with_comma_list_and_condition_parses() {
+        let script = parse_ok("probe begin, timer.ms(100)? if (1) { }");
+        assert_eq!(script.probes[0].points.len(), 2);
+        assert!(script.probes[0].points[1].optional);
+        assert!(script.probes[0].condition.is_some());
+    }
+
+    #[test]
+    fn field_probe_point_takes_two_arguments() {
+        let script = parse_ok(r#"probe kernel.field("struct file", "f_pos").write { }"#);
+        assert_eq!(script.probes[0].points[0].components[1].args.len(), 2);
+    }
+
+    #[test]
+    fn foreach_with_value_sort_and_limit_parses() {
+        let script = parse_ok("global a probe begin { foreach (v = [k, j-] in a limit 3) {} }");
+        let StmtKind::Foreach(f) = &script.probes[0].body.stmts[0].kind else {
+            panic!()
+        };
+        assert_eq!(f.keys.len(), 2);
+        assert_eq!(
+            f.sort,
+            Some(Sort {
+                key: SortKey::Key(1),
+                descending: true,
+                stat: None
+            })
+        );
+        assert!(f.value.is_some() && f.limit.is_some());
+    }
+
+    #[test]
+    fn foreach_with_two_sort_orders_is_an_error() {
+        let err = parse(
+            "global a probe begin { foreach ([k+] in a-) {} }",
+            &Limits::default(),
+        );
+        assert!(matches!(err, Err(ParseError::Unexpected { .. })));
+    }
+
+    #[test]
+    fn membership_with_key_list_parses() {
+        assert!(matches!(body_expr("[1, \"a\"] in arr"), ExprKind::In(_)));
+    }
+
+    #[test]
+    fn assignment_to_literal_is_rejected() {
+        let err = parse("probe begin { 1 = 2 }", &Limits::default());
+        assert!(matches!(err, Err(ParseError::NotAssignable { .. })));
+    }
+
+    #[test]
+    fn deep_parentheses_hit_the_depth_limit() {
+        let src = format!(
+            "probe begin {{ x = {}1{} }}",
+            "(".repeat(5000),
+            ")".repeat(5000)
+        );
+        let err = parse(&src, &Limits::default());
+        assert!(matches!(err, Err(ParseError::TooDeep { .. })));
+    }
+
+    #[test]
+    fn deep_unary_chain_hits_the_depth_limit() {
+        let src = format!("probe begin {{ x = {}1 }}", "!".repeat(100_000));
+        assert!(matches!(
+            parse(&src, &Limits::default()),
+            Err(ParseError::TooDeep { .. })
+        ));
+    }
+
+    #[test]
+    fn deep_blocks_hit_the_depth_limit() {
+        let src = format!("probe begin {}{}", "{".repeat(5000), "}".repeat(5000));
+        assert!(matches!(
+            parse(&src, &Limits::default()),
+            Err(ParseError::TooDeep { .. })
+        ));
+    }
+
+    #[test]
+    fn negative_minimum_long_is_a_literal() {
+        let ExprKind::Assign(None, parts) = body_expr("x = -9223372036854775808") else {
+            panic!()
+        };
+        assert!(matches!(parts.1.kind, ExprKind::Num(i64::MIN)));
+    }
+
+    #[test]
+    fn embedded_c_at_top_level_is_unsupported() {
+        let err = parse("%{ #include <x.h> %}", &Limits::default());
+        assert!(matches!(err, Err(ParseError::Unsupported { .. })));
+    }
+
+    #[test]
+    fn hist_linear_takes_three_literals() {
+        let e = body_expr("print(@hist_linear(s, 0, 100, -10))");
+        let ExprKind::Call(call) = e else { panic!() };
+        assert!(matches!(
+            call.args[0].kind,
+            ExprKind::Hist(
+                HistKind::Linear {
+                    start: 0,
+                    stop: 100,
+                    interval: -10
+                },
+                _
+            )
+        ));
+    }
+}
