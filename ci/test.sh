@@ -6,4 +6,15 @@ cd "$(dirname "$0")/.."
 ci/install-deps.sh
 cargo build --locked
 target/debug/exotap image fetch
-cargo test --workspace --locked "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --locked "$@" -- --show-output 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+echo
+echo "== tests that skipped part of their work, and why =="
+grep -h 'SKIP' "$log" | sort -u || echo "(none)"
+# One closing line over every test binary (cargo prints one per binary).
+awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "\ntotal: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
+exit "$rc"
