@@ -37,7 +37,7 @@ pub struct ScriptArgs {
     /// Like -l, with the target variables available at each point.
     #[arg(short = 'L', value_name = "PATTERN", conflicts_with_all = ["file", "script"])]
     pub list_vars: Option<String>,
-    /// Stop after pass N: 1 parse, 2 elaborate and check, 3 resolve probe points.
+    /// Stop after pass N: 1 parse, 2 elaborate and check, 3 resolve probe points (5 runs).
     #[arg(short = 'p', value_name = "N", value_parser = clap::value_parser!(u8).range(1..=5))]
     pub pass: Option<u8>,
     /// Write the script's output to FILE instead of stdout.

@@ -35,7 +35,7 @@ pub fn compile(src: &ScriptSource, limits: &Limits) -> Result<Program, Vec<Diagn
 pub struct Job<'a> {
     /// The script.
     pub source: ScriptSource,
-    /// Stop after this pass (1 parse, 2 check, 3 resolve); None runs it.
+    /// Stop after this pass (1 parse, 2 check, 3-4 resolve); None or 5 runs it.
     pub last_pass: Option<u8>,
     /// Output format.
     pub format: Format,
@@ -156,7 +156,8 @@ pub fn run_job(
         let _ = out.write_all(summary(&prog).as_bytes());
         return 0;
     }
-    if job.last_pass.is_some_and(|p| p >= 3) {
+    // Pass 4 (SystemTap's build) has nothing to do here; pass 5 is the run itself.
+    if job.last_pass.is_some_and(|p| (3..5).contains(&p)) {
         let mut failed = false;
         for p in &prog.probes {
             for (pt, _) in &p.points {
@@ -256,4 +257,71 @@ pub fn stop_on_ctrl_c() -> Result<Arc<AtomicBool>, ctrlc::Error> {
     let flag = stop.clone();
     ctrlc::set_handler(move || flag.store(true, std::sync::atomic::Ordering::SeqCst))?;
     Ok(stop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::output::SharedBuf;
+    use crate::lang::resolve::NoSymbols;
+
+    fn job(text: &str, last_pass: Option<u8>) -> (i32, String, String) {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        let job = Job {
+            source,
+            last_pass,
+            format: Format::Text,
+            limits: Limits::default(),
+            color: false,
+            resolver: &NoSymbols,
+        };
+        let (out, err) = (SharedBuf::default(), SharedBuf::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let code = run_job(&job, Box::new(out.clone()), Box::new(err.clone()), &stop);
+        (code, out.contents(), err.contents())
+    }
+
+    #[test]
+    fn pass_two_prints_inferred_types_even_for_kernel_probes() {
+        let (code, out, _) = job(
+            "global a\nprobe kernel.function(\"f\") { a[execname()] = $x }",
+            Some(2),
+        );
+        assert_eq!(code, 0);
+        assert!(out.contains("a:long [string]"), "{out}");
+        assert!(
+            out.contains("kernel.function(\"f\") /* kernel.function */"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn running_kernel_probes_without_a_guest_fails_clearly() {
+        let (code, _, err) = job("probe kernel.function(\"f\") { }", None);
+        assert_eq!(code, 1);
+        assert!(err.contains("kernel probe points need a guest"), "{err}");
+    }
+
+    #[test]
+    fn check_errors_are_rendered_with_the_file_name() {
+        let (code, _, err) = job("probe begin { x = y }", None);
+        assert_eq!(code, 1);
+        assert!(
+            err.contains("t.stp:1:19") && err.contains("undefined variable 'y'"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn listing_a_timer_prints_it() {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = run_listing("timer.ms(5)", false, &NoSymbols, &mut out, &mut err, false);
+        assert_eq!(
+            (code, String::from_utf8_lossy(&out).into_owned()),
+            (0, "timer.ms(5)\n".to_string())
+        );
+    }
 }

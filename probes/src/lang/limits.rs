@@ -40,6 +40,14 @@ pub enum LimitError {
     /// NAME is not a known limit.
     #[error("unknown limit '{0}' (known: MAXACTION, MAXMAPENTRIES, MAXSTRINGLEN, MAXNESTING)")]
     Unknown(String),
+    /// VALUE is above what the host can safely give.
+    #[error("{name} is at most {max}")]
+    TooLarge {
+        /// The limit.
+        name: String,
+        /// Its ceiling.
+        max: u64,
+    },
     /// VALUE is not a positive integer.
     #[error("value of {name} must be a positive integer, got '{value}'")]
     BadValue {
@@ -66,6 +74,19 @@ impl Limits {
         let n: u64 = value.trim().parse().map_err(|_| bad())?;
         if n == 0 {
             return Err(bad());
+        }
+        // Ceilings keep the evaluator's recursion inside the host stack and its memory sane.
+        let max = match name.trim() {
+            "MAXNESTING" => 200,
+            "MAXSTRINGLEN" => 1 << 20,
+            "MAXMAPENTRIES" => 1 << 24,
+            _ => u64::MAX,
+        };
+        if n > max {
+            return Err(LimitError::TooLarge {
+                name: name.trim().to_string(),
+                max,
+            });
         }
         let as_usize = usize::try_from(n).map_err(|_| bad())?;
         match name.trim() {
@@ -96,6 +117,15 @@ mod tests {
         assert!(matches!(
             limits.set("MAXNESTING=0"),
             Err(LimitError::BadValue { .. })
+        ));
+    }
+
+    #[test]
+    fn set_refuses_nesting_deeper_than_the_host_stack_allows() {
+        let mut limits = Limits::default();
+        assert!(matches!(
+            limits.set("MAXNESTING=100000"),
+            Err(LimitError::TooLarge { .. })
         ));
     }
 
