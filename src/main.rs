@@ -1,5 +1,6 @@
 //! exotap: instrument an unmodified guest kernel from outside it.
 
+mod attach;
 mod boot;
 mod image;
 
@@ -34,6 +35,14 @@ enum Command {
     Boot(boot::BootArgs),
     /// Say what this host can virtualize with (hardware KVM, kvm_pvm, none).
     Host,
+    /// Attach to a running QEMU guest over its gdbstub and print what exotap sees
+    /// (vCPUs, modes, page tables, attach time), then detach.
+    Attach(attach::TargetArgs),
+    /// Print what exotap sees of a running guest (same as attach).
+    Info(attach::TargetArgs),
+    /// Read guest memory.
+    #[command(subcommand)]
+    Mem(attach::MemCommand),
 }
 
 fn init_logging(verbose: u8) {
@@ -59,6 +68,14 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Image(cmd) => image::run(cmd).map(|()| 0),
         Command::Boot(args) => boot::run(&args),
+        Command::Attach(target) | Command::Info(target) => {
+            attach::attach(&target).and_then(|mut att| {
+                attach::print_info(&mut att)?;
+                att.machine.detach()?;
+                Ok(0)
+            })
+        }
+        Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
         Command::Host => {
             let support = exotap_vmm::host::detect();
             println!("{}", support.explain());

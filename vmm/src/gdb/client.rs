@@ -271,6 +271,11 @@ impl GdbClient {
         if self.supports("qXfer:features:read") {
             self.load_target_description()?;
         }
+        // QEMU keeps the memory mode across connections: start from a known state.
+        self.phys_mode = true;
+        if self.set_physical_mode(false).is_err() {
+            self.phys_mode = false;
+        }
         Ok(())
     }
 
@@ -711,6 +716,10 @@ impl GdbClient {
     /// # Errors
     /// When the stub refuses.
     pub fn detach(&mut self) -> Result<(), GdbError> {
+        // Leave QEMU in virtual mode for whoever attaches next.
+        if self.phys_mode {
+            self.set_physical_mode(false)?;
+        }
         self.expect_ok("D")
     }
 }
