@@ -9,7 +9,7 @@ use super::check::{check, Program, Shape, Ty};
 use super::diag::Diagnostic;
 use super::output::{Format, Output};
 use super::parser::parse;
-use super::resolve::{list, ListError, ProbePointResolver};
+use super::resolve::{list, resolve_program, ListError, ProbePointResolver};
 use super::runtime::run_guest_free;
 use super::Limits;
 
@@ -158,23 +158,18 @@ pub fn run_job(
     }
     // Pass 4 (SystemTap's build) has nothing to do here; pass 5 is the run itself.
     if job.last_pass.is_some_and(|p| (3..5).contains(&p)) {
-        let mut failed = false;
-        for p in &prog.probes {
-            for (pt, _) in &p.points {
-                match list(&pt.to_string(), job.resolver) {
-                    Ok(found) => {
-                        for r in found {
-                            let _ = writeln!(out, "{}", r.name);
-                        }
-                    }
-                    Err(e) => {
-                        let _ = writeln!(err, "exotap: error: {e}");
-                        failed = true;
-                    }
+        return match resolve_program(&prog, job.resolver) {
+            Ok(found) => {
+                for (_, r) in found {
+                    let _ = writeln!(out, "{}", r.name);
                 }
+                0
             }
-        }
-        return i32::from(failed);
+            Err(e) => {
+                let _ = writeln!(err, "exotap: error: {e}");
+                1
+            }
+        };
     }
     if prog.needs_guest() {
         let points: Vec<String> = prog

@@ -3,6 +3,7 @@
 //! and a resolver for when no symbols are at hand.
 
 use super::ast::ProbePoint;
+use super::check::Program;
 use super::diag::Diagnostic;
 use super::parser::parse;
 use super::point::{classify, FieldAccess, FunctionSite, PointKind};
@@ -138,6 +139,38 @@ pub fn describe(kind: &PointKind) -> String {
     }
 }
 
+/// Resolves every probe point of `prog` with SystemTap's rules: a point marked `?` that does
+/// not resolve is dropped, and once a point marked `!` resolves, the later points of the same
+/// probe are not tried. Returns (probe index, place) pairs.
+///
+/// # Errors
+/// The first failure of a point that is not optional.
+pub fn resolve_program(
+    prog: &Program,
+    resolver: &dyn ProbePointResolver,
+) -> Result<Vec<(usize, ResolvedPoint)>, ResolveError> {
+    let mut out = Vec::new();
+    for (i, probe) in prog.probes.iter().enumerate() {
+        for (point, kind) in &probe.points {
+            match resolver.resolve(point, kind) {
+                Ok(found) if found.is_empty() && !point.optional => {
+                    return Err(ResolveError::NoMatch(point.to_string()))
+                }
+                Ok(found) => {
+                    let resolved = !found.is_empty();
+                    out.extend(found.into_iter().map(|r| (i, r)));
+                    if resolved && point.sufficient {
+                        break;
+                    }
+                }
+                Err(_) if point.optional => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Why a `-l`/`-L` listing failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ListError {
@@ -201,6 +234,53 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("symbols"));
+    }
+
+    /// Knows one kernel function, `a`.
+    struct OneFunction;
+
+    impl ProbePointResolver for OneFunction {
+        fn resolve(
+            &self,
+            point: &ProbePoint,
+            kind: &PointKind,
+        ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+            match kind {
+                PointKind::KernelFunction { pattern, .. } if pattern == "a" => {
+                    Ok(vec![ResolvedPoint {
+                        name: point.to_string(),
+                        address: Some(0x1000),
+                        variables: vec!["$x".into()],
+                    }])
+                }
+                PointKind::KernelFunction { .. } => Err(ResolveError::NoMatch(point.to_string())),
+                _ => NoSymbols.resolve(point, kind),
+            }
+        }
+    }
+
+    fn program(src: &str) -> Program {
+        crate::lang::check::check(parse(src, &Limits::default()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn optional_point_that_does_not_resolve_is_dropped() {
+        let prog = program("probe kernel.function(\"zz\")?, kernel.function(\"a\") { }");
+        let found = resolve_program(&prog, &OneFunction).unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].1.address, Some(0x1000));
+    }
+
+    #[test]
+    fn sufficient_point_stops_the_list_when_it_resolves() {
+        let prog = program("probe kernel.function(\"a\")!, kernel.function(\"zz\") { }");
+        assert_eq!(resolve_program(&prog, &OneFunction).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn mandatory_point_that_does_not_resolve_fails() {
+        let prog = program("probe kernel.function(\"zz\") { }");
+        assert!(resolve_program(&prog, &OneFunction).is_err());
     }
 
     #[test]
