@@ -513,6 +513,15 @@ mod tests {
     }
 
     #[test]
+    fn sprint_of_a_histogram_is_its_text() {
+        let (out, r) = run(
+            "global s\nprobe begin { s <<< 1; t = sprint(@hist_log(s)); print(strlen(t) > 0) }",
+        );
+        r.unwrap();
+        assert_eq!(out, "1");
+    }
+
+    #[test]
     fn probe_condition_false_skips_the_body() {
         let (out, r) = run("probe begin if (1 > 2) { println(\"x\") }");
         r.unwrap();

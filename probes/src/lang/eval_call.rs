@@ -21,6 +21,7 @@ impl Interp<'_> {
         }
     }
 
+    /// Prints the histogram of `target`, or returns its text when `to_string`.
     fn print_hist(
         &mut self,
         kind: HistKind,
@@ -28,7 +29,8 @@ impl Interp<'_> {
         span: Span,
         f: &mut Frame,
         ctx: &dyn Context,
-    ) -> EResult<()> {
+        to_string: bool,
+    ) -> EResult<Option<String>> {
         let Some(stats) = self.stats_of(target, f, ctx)? else {
             return fail("empty aggregate", span);
         };
@@ -55,7 +57,11 @@ impl Interp<'_> {
             ) => b,
             _ => &[],
         };
-        let result = self.out.hist(&name, &Histogram { kind, buckets });
+        let hist = Histogram { kind, buckets };
+        if to_string {
+            return Ok(Some(hist.render()));
+        }
+        let result = self.out.hist(&name, &hist).map(|()| None);
         result.or_else(|e| fail(format!("output failed: {e}"), span))
     }
 
@@ -75,13 +81,14 @@ impl Interp<'_> {
                     span: hspan,
                 }] = c.args.as_slice()
                 {
-                    if name.starts_with('p') {
-                        self.print_hist(*kind, target, *hspan, f, ctx)?;
-                        if name == "println" {
-                            self.emit_text("\n", span)?;
-                        }
-                        return Ok(unit);
+                    let to_string = name.starts_with('s');
+                    let text = self.print_hist(*kind, target, *hspan, f, ctx, to_string)?;
+                    let newline = if name.ends_with("ln") { "\n" } else { "" };
+                    if let Some(text) = text {
+                        return Ok(self.string(format!("{text}{newline}")));
                     }
+                    self.emit_text(newline, span)?;
+                    return Ok(unit);
                 }
                 let mut s = String::new();
                 for v in self.args(c, f, ctx)? {

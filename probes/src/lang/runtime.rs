@@ -109,7 +109,7 @@ impl<'p> Session<'p> {
 
     /// Runs the begin probes in order, until `exit()` or an error.
     pub fn begin(&mut self) {
-        let ctx = CapturedContext::default();
+        let ctx = host_context();
         for (_, i, pt) in self.points(|k| {
             if let PointKind::Begin(n) = k {
                 Some(*n)
@@ -127,7 +127,7 @@ impl<'p> Session<'p> {
     /// Ends the session: end probes (or error probes after errors), then the display of
     /// write-only globals. Returns the exit code: 0, or 1 after errors.
     pub fn finish(mut self) -> i32 {
-        let ctx = CapturedContext::default();
+        let ctx = host_context();
         let failed = self.errors > 0;
         let pick: fn(&PointKind) -> Option<i64> = if failed {
             |k| {
@@ -296,6 +296,18 @@ fn stats_json(s: &Stats) -> Json {
     json!({"count": s.count, "min": s.min, "max": s.max, "sum": s.sum, "avg": s.avg().unwrap_or(0)})
 }
 
+/// The context of probes that fire on the host (`begin`, `end`, `error`, timers): the exotap
+/// process itself, as SystemTap's run in its own user-space driver.
+fn host_context() -> CapturedContext {
+    let pid = i64::from(std::process::id());
+    CapturedContext {
+        pid,
+        tid: pid,
+        execname: "exotap".to_string(),
+        ..Default::default()
+    }
+}
+
 /// Runs a script that needs no guest: begin probes, timers on the wall clock until `exit()`,
 /// an error or `stop` (Ctrl-C), then end probes. A script without timers ends after begin.
 ///
@@ -333,7 +345,7 @@ pub fn run_guest_free(
             }
         }
     }
-    let ctx = CapturedContext::default();
+    let ctx = host_context();
     while !timers.is_empty() && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let Some(next) = (0..timers.len()).min_by_key(|&t| timers[t].3) else {
             break;
