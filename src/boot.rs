@@ -9,7 +9,11 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_vmm::host;
-use exotap_vmm::qemu::{self, Accel, GoAtOnce, PatchHeapRange, QemuConfig, Timeouts};
+use exotap_vmm::qemu::{
+    self, Accel, GoAtOnce, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts,
+};
+
+use crate::attach::{self, TargetArgs};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AccelChoice {
@@ -66,6 +70,10 @@ pub struct BootArgs {
     /// Extra kernel parameters.
     #[arg(long, value_name = "PARAMS")]
     pub append: Option<String>,
+    /// Attach over QEMU's gdbstub once the guest is up (before its job runs), print what
+    /// exotap sees (vCPUs, page tables, attach time), detach, and let the job run.
+    #[arg(long, conflicts_with = "gdbstub")]
+    pub gdb: bool,
     /// Expose QEMU's gdbstub for `exotap attach` or gdb, as a QEMU -gdb device: `tcp::1234`
     /// or `unix:PATH,server=on,wait=off`.
     #[arg(long, value_name = "DEVICE")]
@@ -101,6 +109,28 @@ fn job(args: &BootArgs) -> anyhow::Result<GuestJob> {
     })
 }
 
+/// Attaches at the guest's `attach` wait point, prints what it sees and detaches.
+struct AttachHook {
+    target: TargetArgs,
+}
+
+impl PhaseHook for AttachHook {
+    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
+        if phase != "attach" {
+            return Ok(());
+        }
+        let result = attach::attach(&self.target).and_then(|mut att| {
+            attach::print_info(&mut att)?;
+            att.machine.detach()?;
+            Ok(())
+        });
+        result.map_err(|e| QemuError::Hook {
+            phase: phase.to_owned(),
+            message: format!("{e:#}"),
+        })
+    }
+}
+
 pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     let bzimage = match &args.bzimage {
         Some(path) => path.clone(),
@@ -126,6 +156,11 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;
     config.gdbstub = args.gdbstub.clone();
+    let gdb_socket = work.path().join("gdb.sock");
+    if args.gdb {
+        config.gdbstub = Some(format!("unix:{},server=on,wait=off", gdb_socket.display()));
+        config.attach_point = true;
+    }
     config.append = args
         .append
         .iter()
@@ -148,7 +183,17 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         boot: Duration::from_secs(args.boot_timeout),
         total: Duration::from_secs(args.timeout),
     };
-    let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut GoAtOnce)?;
+    let outcome = if args.gdb {
+        let mut hook = AttachHook {
+            target: TargetArgs {
+                target: format!("unix:{}", gdb_socket.display()),
+                gdb_timeout: 10,
+            },
+        };
+        qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook)?
+    } else {
+        qemu::run(&config, work.path(), timeouts, &mut sink, &mut GoAtOnce)?
+    };
     drop(sink);
     if args.console.is_some() {
         for (key, value) in &outcome.results {

@@ -10,6 +10,9 @@
 //! * `exotap_wait NAME`: prints `EXOTAP-WAIT NAME` and blocks until the host writes one byte to
 //!   the guest's second serial port (`/dev/ttyS1`), then prints `EXOTAP-GO NAME`.
 //! * `exotap_result KEY VALUE`: prints `EXOTAP-RESULT KEY=VALUE`.
+//!
+//! With the kernel parameter `exotap.attach=1` the init waits once more, at phase `attach`,
+//! right after `EXOTAP-READY` and before the job: the host attaches to the guest there.
 
 use crate::initramfs::{Initramfs, InitramfsError};
 use crate::workloads::Workload;
@@ -43,6 +46,9 @@ exotap_result() {
 	echo "EXOTAP-RESULT $1=$2"
 }
 echo "EXOTAP-READY"
+case " $(cat /proc/cmdline) " in
+*" exotap.attach=1 "*) exotap_wait attach ;;
+esac
 ( . /etc/exotap/job.sh ) 9<&9
 rc=$?
 echo "EXOTAP-DONE $rc"

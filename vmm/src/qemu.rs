@@ -77,6 +77,14 @@ pub enum QemuError {
         /// The last console lines.
         tail: String,
     },
+    /// The host's work at a wait point failed.
+    #[error("the host's work at phase {phase} failed: {message}")]
+    Hook {
+        /// The phase.
+        phase: String,
+        /// What went wrong.
+        message: String,
+    },
     /// Writing the console copy failed.
     #[error("cannot write the console output")]
     Sink(#[source] std::io::Error),
@@ -166,6 +174,8 @@ pub struct QemuConfig {
     pub patch_heap: PatchHeapRange,
     /// Phases at which the guest waits for the host (`all` for every phase).
     pub hold: Vec<String>,
+    /// Make the guest wait at phase `attach` after `EXOTAP-READY` (`exotap.attach=1`).
+    pub attach_point: bool,
     /// Keep KASLR on (`nokaslr` otherwise).
     pub kaslr: bool,
     /// Extra kernel parameters.
@@ -194,6 +204,7 @@ impl QemuConfig {
             cpu_model: "max".into(),
             patch_heap: PatchHeapRange::place(memory_mib << 20, 64 << 20)?,
             hold: Vec::new(),
+            attach_point: false,
             kaslr: true,
             append: Vec::new(),
             gdbstub: None,
@@ -211,6 +222,9 @@ impl QemuConfig {
         ];
         if !self.kaslr {
             params.push("nokaslr".into());
+        }
+        if self.attach_point {
+            params.push("exotap.attach=1".into());
         }
         if !self.hold.is_empty() {
             params.push(format!("exotap.hold={}", self.hold.join(",")));
