@@ -3,6 +3,7 @@
 mod attach;
 mod boot;
 mod image;
+mod script;
 
 use std::process::ExitCode;
 
@@ -14,17 +15,32 @@ pub const EXOTAP_FAILURE: u8 = 125;
 /// Trace, profile and change an unmodified guest kernel from outside it: from a hypervisor,
 /// an emulator or a QEMU gdbstub.
 #[derive(Debug, Parser)]
-#[command(name = "exotap", version, propagate_version = true)]
+///
+/// Without a subcommand, `exotap -e 'SCRIPT'`, `exotap -l PATTERN` and `exotap -L PATTERN`
+/// work as `exotap run` does, like `stap -e`.
+#[command(
+    name = "exotap",
+    version,
+    propagate_version = true,
+    args_conflicts_with_subcommands = true,
+    arg_required_else_help = true
+)]
 struct Cli {
     /// More log output (-v debug, -vv trace). EXOTAP_LOG=filter overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
+    #[command(flatten)]
+    script: script::ScriptOptions,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a probe script (SystemTap-like language; see probes/README.md).
+    ///
+    /// Exits with 0, 1 after a script error, or 125 when exotap itself failed.
+    Run(script::ScriptArgs),
     /// Fetch and manage guest images (Debian kernels, debug info) in the cache.
     #[command(subcommand)]
     Image(image::ImageCommand),
@@ -65,7 +81,18 @@ fn init_logging(verbose: u8) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
-    let result = match cli.command {
+    let Some(command) = cli.command else {
+        let result = if cli.script.any() {
+            script::run(None, &cli.script)
+        } else {
+            Err(anyhow::anyhow!(
+                "give a subcommand, -e SCRIPT, -l PATTERN or -L PATTERN (see --help)"
+            ))
+        };
+        return exit_code(result);
+    };
+    let result = match command {
+        Command::Run(args) => script::run(args.file.as_ref(), &args.options),
         Command::Image(cmd) => image::run(cmd).map(|()| 0),
         Command::Boot(args) => boot::run(&args),
         Command::Attach(target) | Command::Info(target) => {
@@ -82,6 +109,10 @@ fn main() -> ExitCode {
             Ok(0)
         }
     };
+    exit_code(result)
+}
+
+fn exit_code(result: anyhow::Result<i32>) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(EXOTAP_FAILURE)),
         Err(err) => {

@@ -22,20 +22,28 @@ pub enum OutputFormat {
     Json,
 }
 
-/// Run a probe script (SystemTap-like language).
+/// Run a probe script (SystemTap-like language): `exotap run FILE`.
 #[derive(clap::Args, Debug)]
 pub struct ScriptArgs {
     /// Script file to run.
-    #[arg(value_name = "FILE", conflicts_with = "script")]
+    #[arg(value_name = "FILE", conflicts_with_all = ["script", "list", "list_vars"])]
     pub file: Option<PathBuf>,
+    #[command(flatten)]
+    pub options: ScriptOptions,
+}
+
+/// The script options `exotap` also takes without a subcommand (`exotap -e 'SCRIPT'`,
+/// `exotap -l PATTERN`), as `stap` does.
+#[derive(clap::Args, Debug, Default)]
+pub struct ScriptOptions {
     /// Script text given on the command line.
     #[arg(short = 'e', value_name = "SCRIPT")]
     pub script: Option<String>,
     /// List the probe points matching PATTERN, e.g. 'kernel.function("vfs_*")'.
-    #[arg(short = 'l', value_name = "PATTERN", conflicts_with_all = ["file", "script", "list_vars"])]
+    #[arg(short = 'l', value_name = "PATTERN", conflicts_with_all = ["script", "list_vars"])]
     pub list: Option<String>,
     /// Like -l, with the target variables available at each point.
-    #[arg(short = 'L', value_name = "PATTERN", conflicts_with_all = ["file", "script"])]
+    #[arg(short = 'L', value_name = "PATTERN", conflicts_with = "script")]
     pub list_vars: Option<String>,
     /// Stop after pass N: 1 parse, 2 elaborate and check, 3 resolve probe points (5 runs).
     #[arg(short = 'p', value_name = "N", value_parser = clap::value_parser!(u8).range(1..=5))]
@@ -51,11 +59,18 @@ pub struct ScriptArgs {
     pub define: Vec<String>,
 }
 
+impl ScriptOptions {
+    /// Whether any script option was given (so `exotap` without a subcommand has work).
+    pub fn any(&self) -> bool {
+        self.script.is_some() || self.list.is_some() || self.list_vars.is_some()
+    }
+}
+
 /// Runs the script (or listing) `args` asks for; returns the process exit code.
 ///
 /// # Errors
 /// When the script or output file cannot be opened, or the options are inconsistent.
-pub fn run(args: &ScriptArgs) -> anyhow::Result<i32> {
+pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> {
     let color = std::io::stderr().is_terminal();
     let listing = args
         .list
@@ -74,7 +89,7 @@ pub fn run(args: &ScriptArgs) -> anyhow::Result<i32> {
         );
         return Ok(code);
     }
-    let source = match (&args.script, &args.file) {
+    let source = match (&args.script, file) {
         (Some(text), _) => ScriptSource {
             name: "<input>".to_string(),
             text: text.clone(),
