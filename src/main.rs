@@ -2,7 +2,9 @@
 
 mod attach;
 mod boot;
+mod guest_memory;
 mod image;
+mod kernel_image;
 mod script;
 
 use std::process::ExitCode;
@@ -56,6 +58,9 @@ enum Command {
     Attach(attach::TargetArgs),
     /// Print what exotap sees of a running guest (same as attach).
     Info(attach::TargetArgs),
+    /// List the guest kernel's symbols matching a pattern (from the kallsyms tables inside
+    /// the image; link-time addresses unless --slide is given).
+    Symbols(kernel_image::SymbolsArgs),
     /// Read guest memory.
     #[command(subcommand)]
     Mem(attach::MemCommand),
@@ -102,6 +107,7 @@ fn main() -> ExitCode {
                 Ok(0)
             })
         }
+        Command::Symbols(args) => kernel_image::run_symbols(&args),
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
         Command::Host => {
             let support = exotap_vmm::host::detect();

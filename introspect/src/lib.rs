@@ -2,3 +2,11 @@
 //!
 //! Everything here works on a read-only view of guest memory so it is testable on files
 //! and snapshots.
+
+pub mod btf;
+pub mod bzimage;
+pub mod kallsyms;
+pub mod memory;
+pub mod paging;
+pub mod symbols;
+pub mod x86;

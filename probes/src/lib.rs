@@ -1,3 +1,4 @@
 //! The instrumentation engine and the probe language.
 
 pub mod lang;
+pub mod splice;

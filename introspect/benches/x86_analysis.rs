@@ -1,0 +1,2 @@
+//! Benchmarks of the x86-64 structural analysis.
+fn main() {}

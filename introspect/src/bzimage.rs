@@ -1,0 +1,551 @@
+//! The kernel image: a bzImage's setup header, its compressed payload, and the ELF vmlinux
+//! inside it.
+//!
+//! Boot protocol (Documentation/x86/boot.rst): `setup_sects` at 0x1f1, `"HdrS"` at 0x202,
+//! `payload_offset`/`payload_length` at 0x248/0x24c counted from the start of the
+//! protected-mode code, which follows the `setup_sects + 1` real-mode sectors.
+
+use object::{Object, ObjectSection, ObjectSegment};
+
+/// Why an image could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// The file is too short for what a header says it holds.
+    #[error("the image is truncated: {what} needs bytes up to {end:#x}, the file has {len:#x}")]
+    Truncated {
+        /// What was being read.
+        what: &'static str,
+        /// One past the last byte needed.
+        end: u64,
+        /// The file length.
+        len: usize,
+    },
+    /// No `"HdrS"` signature: not a bzImage.
+    #[error("no \"HdrS\" setup-header signature at 0x202: not a bzImage")]
+    NotBzImage,
+    /// The boot protocol is older than 2.08, which has no payload fields.
+    #[error("boot protocol {major}.{minor:02} has no payload fields (needs 2.08 or newer)")]
+    OldProtocol {
+        /// Major version.
+        major: u8,
+        /// Minor version.
+        minor: u8,
+    },
+    /// The payload's compression is not one this reader decompresses.
+    #[error("the payload is compressed with {0:?}, only LZ4 (legacy format) is supported")]
+    UnsupportedCompression(Compression),
+    /// A legacy-LZ4 block is corrupt.
+    #[error("LZ4 block at payload offset {offset:#x} is corrupt")]
+    Lz4 {
+        /// Offset of the block's size field inside the payload.
+        offset: usize,
+        /// The cause.
+        #[source]
+        source: lz4_flex::block::DecompressError,
+    },
+    /// A legacy-LZ4 block claims more compressed bytes than the format allows.
+    #[error("LZ4 block at payload offset {offset:#x} claims {size:#x} compressed bytes")]
+    Lz4BlockSize {
+        /// Offset of the block's size field inside the payload.
+        offset: usize,
+        /// The claimed size.
+        size: u32,
+    },
+    /// The decompressed payload is not an ELF file the `object` crate accepts.
+    #[error("the vmlinux is not a readable ELF file")]
+    Elf(#[source] object::Error),
+    /// The vmlinux is not a 64-bit x86 ELF.
+    #[error("the vmlinux is not a 64-bit x86 ELF file")]
+    NotX86_64,
+    /// No file bytes at a link-time virtual address.
+    #[error("no file bytes at virtual address {addr:#x} ({len} bytes) in the vmlinux")]
+    NotInFile {
+        /// The address.
+        addr: u64,
+        /// The length.
+        len: usize,
+    },
+    /// A named section is missing.
+    #[error("the vmlinux has no {0} section")]
+    NoSection(&'static str),
+}
+
+/// How a bzImage payload is compressed, from its magic bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// gzip (`1f 8b`).
+    Gzip,
+    /// bzip2 (`BZh`).
+    Bzip2,
+    /// LZMA (`5d 00 00`).
+    Lzma,
+    /// XZ (`fd 37 7a 58 5a 00`).
+    Xz,
+    /// LZO (`89 4c 5a 4f`).
+    Lzo,
+    /// LZ4 legacy frame (`02 21 4c 18`).
+    Lz4Legacy,
+    /// Zstandard (`28 b5 2f fd`).
+    Zstd,
+    /// Not compressed: an ELF file (`7f 45 4c 46`).
+    None,
+    /// Something else.
+    Unknown,
+}
+
+impl Compression {
+    /// Identifies the compression from the payload's first bytes.
+    pub fn detect(payload: &[u8]) -> Self {
+        const MAGICS: [(&[u8], Compression); 8] = [
+            (&[0x1f, 0x8b], Compression::Gzip),
+            (b"BZh", Compression::Bzip2),
+            (&[0x5d, 0x00, 0x00], Compression::Lzma),
+            (&[0xfd, b'7', b'z', b'X', b'Z', 0x00], Compression::Xz),
+            (&[0x89, b'L', b'Z', b'O'], Compression::Lzo),
+            (&LZ4_LEGACY_MAGIC, Compression::Lz4Legacy),
+            (&[0x28, 0xb5, 0x2f, 0xfd], Compression::Zstd),
+            (b"\x7fELF", Compression::None),
+        ];
+        MAGICS
+            .iter()
+            .find(|(magic, _)| payload.starts_with(magic))
+            .map_or(Self::Unknown, |(_, kind)| *kind)
+    }
+}
+
+/// Magic of the LZ4 legacy frame (0x184c2102 little-endian).
+pub const LZ4_LEGACY_MAGIC: [u8; 4] = [0x02, 0x21, 0x4c, 0x18];
+/// Most bytes one legacy-LZ4 block decompresses to.
+const LZ4_LEGACY_BLOCK: usize = 8 << 20;
+
+/// The fields of a bzImage setup header this crate uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SetupHeader {
+    /// Real-mode setup sectors (0 means 4).
+    pub setup_sects: u8,
+    /// Boot protocol version, major.minor as 0xMMmm.
+    pub version: u16,
+    /// File offset of the protected-mode code.
+    pub protected_mode_offset: u64,
+    /// Payload offset, relative to the protected-mode code.
+    pub payload_offset: u32,
+    /// Payload length in bytes.
+    pub payload_length: u32,
+}
+
+impl SetupHeader {
+    /// Parses the setup header of a bzImage.
+    ///
+    /// # Errors
+    /// [`ImageError::Truncated`], [`ImageError::NotBzImage`], [`ImageError::OldProtocol`].
+    pub fn parse(image: &[u8]) -> Result<Self, ImageError> {
+        let header = image.get(..0x250).ok_or(ImageError::Truncated {
+            what: "the setup header",
+            end: 0x250,
+            len: image.len(),
+        })?;
+        if &header[0x202..0x206] != b"HdrS" {
+            return Err(ImageError::NotBzImage);
+        }
+        let version = u16::from_le_bytes([header[0x206], header[0x207]]);
+        if version < 0x0208 {
+            let [minor, major] = version.to_le_bytes();
+            return Err(ImageError::OldProtocol { major, minor });
+        }
+        let setup_sects = header[0x1f1];
+        let sects = if setup_sects == 0 { 4 } else { u64::from(setup_sects) };
+        let u32_at = |at: usize| {
+            u32::from_le_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+        };
+        Ok(Self {
+            setup_sects,
+            version,
+            protected_mode_offset: (sects + 1) * 512,
+            payload_offset: u32_at(0x248),
+            payload_length: u32_at(0x24c),
+        })
+    }
+
+    /// The compressed payload's bytes inside `image`.
+    ///
+    /// # Errors
+    /// [`ImageError::Truncated`] when the payload runs past the end of the file.
+    pub fn payload<'a>(&self, image: &'a [u8]) -> Result<&'a [u8], ImageError> {
+        let start = self.protected_mode_offset + u64::from(self.payload_offset);
+        let end = start + u64::from(self.payload_length);
+        let truncated = ImageError::Truncated { what: "the payload", end, len: image.len() };
+        let (start, end) = match (usize::try_from(start), usize::try_from(end)) {
+            (Ok(start), Ok(end)) => (start, end),
+            _ => return Err(truncated),
+        };
+        image.get(start..end).ok_or(truncated)
+    }
+}
+
+/// Decompresses a legacy-LZ4 stream: the magic, then blocks each prefixed by their
+/// little-endian compressed size. A repeated magic starts a new frame; the kernel's build
+/// appends the decompressed size as a final 4-byte field, which ends the stream.
+///
+/// # Errors
+/// [`ImageError::UnsupportedCompression`] without the magic, [`ImageError::Lz4BlockSize`] or
+/// [`ImageError::Lz4`] for a corrupt block.
+pub fn decompress_lz4_legacy(payload: &[u8]) -> Result<Vec<u8>, ImageError> {
+    let mut rest = payload
+        .strip_prefix(&LZ4_LEGACY_MAGIC)
+        .ok_or(ImageError::UnsupportedCompression(Compression::detect(payload)))?;
+    let mut out = Vec::new();
+    while rest.len() > 4 {
+        let offset = payload.len() - rest.len();
+        let size_field = [rest[0], rest[1], rest[2], rest[3]];
+        rest = &rest[4..];
+        if size_field == LZ4_LEGACY_MAGIC {
+            continue;
+        }
+        let size = u32::from_le_bytes(size_field);
+        let block = usize::try_from(size)
+            .ok()
+            .filter(|len| *len <= lz4_flex::block::get_maximum_output_size(LZ4_LEGACY_BLOCK))
+            .and_then(|len| rest.get(..len))
+            .ok_or(ImageError::Lz4BlockSize { offset, size })?;
+        rest = &rest[block.len()..];
+        let start = out.len();
+        out.resize(start + LZ4_LEGACY_BLOCK, 0);
+        let written = lz4_flex::block::decompress_into(block, &mut out[start..])
+            .map_err(|source| ImageError::Lz4 { offset, source })?;
+        out.truncate(start + written);
+    }
+    Ok(out)
+}
+
+/// Extracts the ELF vmlinux from a bzImage.
+///
+/// # Errors
+/// Header errors from [`SetupHeader::parse`], [`ImageError::UnsupportedCompression`] for a
+/// payload that is not legacy LZ4 (or plain ELF), LZ4 errors.
+pub fn extract_vmlinux(bzimage: &[u8]) -> Result<Vec<u8>, ImageError> {
+    let header = SetupHeader::parse(bzimage)?;
+    let payload = header.payload(bzimage)?;
+    match Compression::detect(payload) {
+        Compression::Lz4Legacy => decompress_lz4_legacy(payload),
+        Compression::None => Ok(payload.to_vec()),
+        other => Err(ImageError::UnsupportedCompression(other)),
+    }
+}
+
+/// A section of the vmlinux.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Section {
+    /// Its name (`.text`, `.rodata`, ...).
+    pub name: String,
+    /// Link-time virtual address.
+    pub addr: u64,
+    /// Size in memory.
+    pub size: u64,
+    /// Range of its bytes in the file, absent for `NOBITS` sections such as `.bss`.
+    pub file_range: Option<(u64, u64)>,
+}
+
+/// A loadable segment: link-time virtual address ↔ file bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Segment {
+    addr: u64,
+    file_offset: u64,
+    file_size: u64,
+}
+
+/// The ELF vmlinux, owned, with its sections and segments parsed once.
+#[derive(Debug, Clone)]
+pub struct Vmlinux {
+    data: Vec<u8>,
+    sections: Vec<Section>,
+    segments: Vec<Segment>,
+    build_id: Option<Vec<u8>>,
+}
+
+impl Vmlinux {
+    /// Parses an ELF vmlinux.
+    ///
+    /// # Errors
+    /// [`ImageError::Elf`] for a malformed file, [`ImageError::NotX86_64`] for another
+    /// architecture.
+    pub fn parse(data: Vec<u8>) -> Result<Self, ImageError> {
+        let file = object::File::parse(&*data).map_err(ImageError::Elf)?;
+        if file.architecture() != object::Architecture::X86_64 || !file.is_64() {
+            return Err(ImageError::NotX86_64);
+        }
+        let sections = file
+            .sections()
+            .map(|section| Section {
+                name: section.name().unwrap_or("").to_owned(),
+                addr: section.address(),
+                size: section.size(),
+                file_range: section.file_range(),
+            })
+            .collect();
+        let segments = file
+            .segments()
+            .map(|segment| {
+                let (file_offset, file_size) = segment.file_range();
+                Segment { addr: segment.address(), file_offset, file_size }
+            })
+            .collect();
+        let build_id = file.build_id().map_err(ImageError::Elf)?.map(<[u8]>::to_vec);
+        Ok(Self { data, sections, segments, build_id })
+    }
+
+    /// Extracts and parses the vmlinux inside a bzImage.
+    ///
+    /// # Errors
+    /// As [`extract_vmlinux`] and [`Vmlinux::parse`].
+    pub fn from_bzimage(bzimage: &[u8]) -> Result<Self, ImageError> {
+        Self::parse(extract_vmlinux(bzimage)?)
+    }
+
+    /// The whole ELF file.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// All sections, in file order.
+    pub fn sections(&self) -> &[Section] {
+        &self.sections
+    }
+
+    /// The section called `name`.
+    pub fn section(&self, name: &str) -> Option<&Section> {
+        self.sections.iter().find(|section| section.name == name)
+    }
+
+    /// The bytes of a section that has file bytes.
+    ///
+    /// # Errors
+    /// [`ImageError::NoSection`] when absent or without file bytes, [`ImageError::Truncated`].
+    pub fn section_data(&self, name: &'static str) -> Result<&[u8], ImageError> {
+        let section = self.section(name).ok_or(ImageError::NoSection(name))?;
+        let (offset, size) = section.file_range.ok_or(ImageError::NoSection(name))?;
+        self.file_bytes(offset, size, "a section")
+    }
+
+    /// Link-time `[start, end)` of `.text`.
+    ///
+    /// # Errors
+    /// [`ImageError::NoSection`] without `.text`.
+    pub fn text_range(&self) -> Result<(u64, u64), ImageError> {
+        let text = self.section(".text").ok_or(ImageError::NoSection(".text"))?;
+        Ok((text.addr, text.addr.saturating_add(text.size)))
+    }
+
+    /// The GNU build id, when the image has one.
+    pub fn build_id(&self) -> Option<&[u8]> {
+        self.build_id.as_deref()
+    }
+
+    /// The file bytes at a link-time virtual address.
+    ///
+    /// # Errors
+    /// [`ImageError::NotInFile`] when the range is not inside one segment's file bytes (e.g.
+    /// `.bss`, or outside the image).
+    pub fn read_at(&self, addr: u64, len: usize) -> Result<&[u8], ImageError> {
+        let not_in_file = ImageError::NotInFile { addr, len };
+        let len64 = u64::try_from(len).map_err(|_| ImageError::NotInFile { addr, len })?;
+        let end = addr.checked_add(len64).ok_or(ImageError::NotInFile { addr, len })?;
+        let segment = self
+            .segments
+            .iter()
+            .find(|seg| {
+                addr >= seg.addr && seg.addr.checked_add(seg.file_size).is_some_and(|e| end <= e)
+            })
+            .ok_or(not_in_file)?;
+        let offset = segment.file_offset + (addr - segment.addr);
+        self.file_bytes(offset, len64, "a segment")
+    }
+
+    /// The file offset of a link-time virtual address, when it has file bytes.
+    pub fn file_offset_of(&self, addr: u64) -> Option<u64> {
+        self.segments
+            .iter()
+            .find(|seg| addr >= seg.addr && addr - seg.addr < seg.file_size)
+            .map(|seg| seg.file_offset + (addr - seg.addr))
+    }
+
+    fn file_bytes(&self, offset: u64, size: u64, what: &'static str) -> Result<&[u8], ImageError> {
+        let end = offset.saturating_add(size);
+        let truncated = ImageError::Truncated { what, end, len: self.data.len() };
+        let (start, end) = match (usize::try_from(offset), usize::try_from(end)) {
+            (Ok(start), Ok(end)) => (start, end),
+            _ => return Err(truncated),
+        };
+        self.data.get(start..end).ok_or(truncated)
+    }
+}
+
+/// Where `exotap image fetch` caches a kernel release:
+/// `$XDG_CACHE_HOME/exotap/kernels/RELEASE` or `~/.cache/exotap/kernels/RELEASE`.
+pub fn cached_kernel_dir(release: &str) -> Option<std::path::PathBuf> {
+    let cache = match std::env::var_os("XDG_CACHE_HOME") {
+        Some(dir) if !dir.is_empty() => std::path::PathBuf::from(dir),
+        _ => std::path::PathBuf::from(std::env::var_os("HOME")?).join(".cache"),
+    };
+    Some(cache.join("exotap").join("kernels").join(release))
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// The Debian kernel the real-image tests use.
+    pub(crate) const RELEASE: &str = "6.1.0-50-cloud-amd64";
+
+    /// The cached Debian vmlinux, or `None` after printing why it is skipped.
+    pub(crate) fn real_vmlinux() -> Option<Vmlinux> {
+        let Some(path) = cached_kernel_dir(RELEASE).map(|dir| dir.join("vmlinuz")) else {
+            println!("SKIP: no HOME or XDG_CACHE_HOME to find the kernel cache");
+            return None;
+        };
+        let Ok(image) = std::fs::read(&path) else {
+            println!("SKIP: {} is absent; run `exotap image fetch` first", path.display());
+            return None;
+        };
+        Some(Vmlinux::from_bzimage(&image).unwrap())
+    }
+
+    /// A minimal bzImage around `payload`.
+    fn synthetic_bzimage(payload: &[u8]) -> Vec<u8> {
+        let setup_sects = 1u8;
+        let pm_offset = (usize::from(setup_sects) + 1) * 512;
+        let mut image = vec![0u8; pm_offset + 0x100];
+        image[0x1f1] = setup_sects;
+        image[0x202..0x206].copy_from_slice(b"HdrS");
+        image[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+        image[0x248..0x24c].copy_from_slice(&0x100u32.to_le_bytes());
+        image[0x24c..0x250].copy_from_slice(&u32::try_from(payload.len()).unwrap().to_le_bytes());
+        image.extend_from_slice(payload);
+        image.extend_from_slice(&[0u8; 16]);
+        image
+    }
+
+    /// `data` as a legacy-LZ4 stream in `block`-sized blocks, with the size trailer.
+    fn lz4_legacy(data: &[u8], block: usize) -> Vec<u8> {
+        let mut out = LZ4_LEGACY_MAGIC.to_vec();
+        for chunk in data.chunks(block) {
+            let compressed = lz4_flex::block::compress(chunk);
+            out.extend_from_slice(&u32::try_from(compressed.len()).unwrap().to_le_bytes());
+            out.extend_from_slice(&compressed);
+        }
+        out.extend_from_slice(&u32::try_from(data.len()).unwrap().to_le_bytes());
+        out
+    }
+
+    fn sample_data() -> Vec<u8> {
+        (0..300_000u32).flat_map(|i| (i % 251).to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn compression_detects_known_magics() {
+        assert_eq!(Compression::detect(&[0x02, 0x21, 0x4c, 0x18, 9]), Compression::Lz4Legacy);
+        assert_eq!(Compression::detect(&[0x28, 0xb5, 0x2f, 0xfd]), Compression::Zstd);
+        assert_eq!(Compression::detect(&[0x1f, 0x8b, 8]), Compression::Gzip);
+        assert_eq!(Compression::detect(b"\x7fELF"), Compression::None);
+        assert_eq!(Compression::detect(b"??"), Compression::Unknown);
+    }
+
+    #[test]
+    fn lz4_legacy_round_trips_multiple_blocks() {
+        let data = sample_data();
+        let stream = lz4_legacy(&data, 100_000);
+
+        let out = decompress_lz4_legacy(&stream).unwrap();
+
+        assert_eq!(out, data);
+    }
+
+    #[test]
+    fn lz4_legacy_refuses_block_past_end() {
+        let mut stream = lz4_legacy(&sample_data(), 1 << 20);
+        stream.truncate(100);
+
+        let err = decompress_lz4_legacy(&stream).unwrap_err();
+
+        assert!(matches!(err, ImageError::Lz4BlockSize { offset: 4, .. }));
+    }
+
+    #[test]
+    fn lz4_legacy_reports_corrupt_block() {
+        let mut stream = LZ4_LEGACY_MAGIC.to_vec();
+        stream.extend_from_slice(&4u32.to_le_bytes());
+        stream.extend_from_slice(&[0xff, 0xff, 0xff, 0xff]);
+        stream.extend_from_slice(&[0, 0, 0, 0, 0]);
+
+        let err = decompress_lz4_legacy(&stream).unwrap_err();
+
+        assert!(matches!(err, ImageError::Lz4 { offset: 4, .. }));
+    }
+
+    #[test]
+    fn setup_header_locates_payload_after_setup_sectors() {
+        let payload = lz4_legacy(&sample_data(), 1 << 20);
+        let image = synthetic_bzimage(&payload);
+
+        let header = SetupHeader::parse(&image).unwrap();
+
+        assert_eq!(header.protected_mode_offset, 1024);
+        assert_eq!(header.payload(&image).unwrap(), &payload[..]);
+    }
+
+    #[test]
+    fn extract_vmlinux_decompresses_synthetic_bzimage() {
+        let data = sample_data();
+        let image = synthetic_bzimage(&lz4_legacy(&data, 1 << 20));
+
+        let out = extract_vmlinux(&image).unwrap();
+
+        assert_eq!(out, data);
+    }
+
+    #[test]
+    fn setup_header_refuses_missing_signature() {
+        let image = vec![0u8; 4096];
+
+        let err = SetupHeader::parse(&image).unwrap_err();
+
+        assert!(matches!(err, ImageError::NotBzImage));
+    }
+
+    #[test]
+    fn setup_header_refuses_payload_past_end_of_file() {
+        let mut image = synthetic_bzimage(&[1, 2, 3]);
+        image[0x24c..0x250].copy_from_slice(&u32::MAX.to_le_bytes());
+
+        let header = SetupHeader::parse(&image).unwrap();
+
+        assert!(matches!(header.payload(&image), Err(ImageError::Truncated { .. })));
+    }
+
+    #[test]
+    fn vmlinux_refuses_non_elf() {
+        let err = Vmlinux::parse(vec![0u8; 64]).unwrap_err();
+
+        assert!(matches!(err, ImageError::Elf(_)));
+    }
+
+    #[test]
+    fn real_image_is_lz4_elf_with_text_and_build_id() {
+        let Some(vmlinux) = real_vmlinux() else { return };
+
+        let (start, end) = vmlinux.text_range().unwrap();
+
+        assert_eq!(start, 0xffff_ffff_8100_0000);
+        assert!(end - start > 10 << 20, ".text is {:#x} bytes", end - start);
+        assert_eq!(vmlinux.build_id().map(<[u8]>::len), Some(20));
+        assert_eq!(vmlinux.read_at(start, 4).unwrap().len(), 4);
+        assert!(vmlinux.section(".rodata").is_some());
+    }
+}
+#[cfg(test)]
+mod dump_tmp {
+    #[test]
+    fn dump_tmp_vmlinux() {
+        let v = super::tests::real_vmlinux().unwrap();
+        std::fs::write("/tmp/exotap-vmlinux", v.bytes()).unwrap();
+    }
+}

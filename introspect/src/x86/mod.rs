@@ -1,0 +1,1 @@
+//! x86-64 structural analysis: decoding, control-flow graphs and liveness.

@@ -1,0 +1,1 @@
+//! Splicing: planning, relocation and code patches.
