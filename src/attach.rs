@@ -5,8 +5,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use exotap_vmm::control::{Machine, RegisterFile, VcpuId};
+use exotap_introspect::btf::Btf;
+use exotap_introspect::kaslr::{self, Kaslr, KaslrAnchors};
+use exotap_introspect::memory::PhysicalMemory;
+use exotap_introspect::layout::{read_task, KernelLayout, TaskOffsets};
+use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
+use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 use exotap_vmm::gdb::GdbMachine;
+
+use crate::guest_memory::BackendMemory;
+use crate::kernel_image::{ImageArgs, KernelImage};
 
 /// Where the guest's gdbstub is.
 #[derive(Debug, Args, Clone)]
@@ -56,21 +64,41 @@ pub fn parse_u64(text: &str) -> Result<u64, String> {
     parsed.map_err(|e| format!("`{text}` is not an address or size ({e})"))
 }
 
-/// A connected guest and how long attaching took.
+/// A connected guest.
 pub struct Attached {
+    /// The guest's control interface.
     pub machine: GdbMachine,
-    pub attach_time: Duration,
+    /// When connecting began.
+    pub started: Instant,
+}
+
+/// `exotap attach` / `exotap info`: the gdbstub and the kernel image the guest runs.
+#[derive(Debug, Args, Clone)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    pub target: TargetArgs,
+    #[command(flatten)]
+    pub image: ImageArgs,
+}
+
+/// Attaches, loads the image's symbols, finds the slide and layout, prints them, detaches.
+///
+/// # Errors
+/// When any step fails; the guest is detached (and runs on) either way.
+pub fn run_info(args: &InfoArgs) -> anyhow::Result<()> {
+    let image = KernelImage::from_args(&args.image)?;
+    let mut att = attach(&args.target)?;
+    let printed = print_info(&mut att, &image);
+    att.machine.detach()?;
+    printed
 }
 
 /// Connects to the gdbstub (which pauses the guest).
 pub fn attach(target: &TargetArgs) -> anyhow::Result<Attached> {
-    let start = Instant::now();
+    let started = Instant::now();
     let machine = GdbMachine::connect(&target.target, Duration::from_secs(target.gdb_timeout))
         .with_context(|| format!("cannot attach to {}", target.target))?;
-    Ok(Attached {
-        machine,
-        attach_time: start.elapsed(),
-    })
+    Ok(Attached { machine, started })
 }
 
 /// The IDT base from QEMU's `info registers` (the gdbstub does not expose IDTR).
@@ -82,30 +110,139 @@ pub fn idt_base(machine: &mut GdbMachine) -> Option<u64> {
         .and_then(|hex| u64::from_str_radix(hex, 16).ok())
 }
 
+/// CR4.LA57: 5-level paging.
+const CR4_LA57: u64 = 1 << 12;
+
+fn x86_registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
+    match machine.registers(vcpu)? {
+        RegisterFile::X86_64(r) => Ok(r),
+        RegisterFile::Sparc64(_) => bail!("{vcpu} is not an x86-64 vCPU"),
+    }
+}
+
+/// What exotap knows of a running kernel once attached: the slide and the layout.
+#[derive(Debug, Clone)]
+pub struct Survey {
+    /// The kernel page-table root (PTI's kernel half of vCPU 0's CR3).
+    pub cr3: u64,
+    /// 5-level paging.
+    pub la57: bool,
+    /// The IDT base QEMU reports.
+    pub idt_base: u64,
+    /// Slide and physical load address.
+    pub kaslr: Kaslr,
+    /// Text, `_end`, page tables, per-CPU bases.
+    pub layout: KernelLayout,
+    /// Time from connecting to the slide and layout being known.
+    pub ready_after: Duration,
+}
+
+impl Survey {
+    /// The address space of the kernel as vCPUs in kernel mode see it.
+    pub fn space<'m, M: PhysicalMemory>(&self, mem: &'m mut M) -> AddressSpace<'m, M> {
+        AddressSpace::new(mem, self.cr3, self.la57)
+    }
+}
+
+/// Finds the KASLR slide (two anchors that must agree) and the kernel layout of a paused guest.
+///
+/// # Errors
+/// When registers or memory cannot be read, the anchors are missing or disagree.
+pub fn survey(att: &mut Attached, image: &KernelImage) -> anyhow::Result<Survey> {
+    let machine = &mut att.machine;
+    let regs = x86_registers(machine, VcpuId(0))?;
+    let cr3 = pti_kernel_cr3(regs.cr3);
+    let la57 = regs.cr4 & CR4_LA57 != 0;
+    let idt_base = idt_base(machine).context("QEMU's monitor did not report the IDT base")?;
+    let anchors = KaslrAnchors::from_image(&image.symbols, &image.vmlinux)
+        .context("the image lacks a KASLR anchor")?;
+    let mut mem = BackendMemory(machine);
+    let mut space = AddressSpace::new(&mut mem, cr3, la57);
+    let kaslr = kaslr::detect(&mut space, idt_base, &anchors).context("cannot find the KASLR slide")?;
+    let layout = KernelLayout::read(&mut space, &image.symbols, kaslr.slide)
+        .context("cannot read the kernel layout")?;
+    Ok(Survey {
+        cr3,
+        la57,
+        idt_base,
+        kaslr,
+        layout,
+        ready_after: att.started.elapsed(),
+    })
+}
+
+/// `task_struct`'s pid and comm offsets from the BTF in the image.
+///
+/// # Errors
+/// When the image has no BTF or its task_struct lacks the members.
+pub fn task_offsets(image: &KernelImage) -> anyhow::Result<TaskOffsets> {
+    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+    let offset = |member: &str| -> anyhow::Result<u64> {
+        btf.struct_member("task_struct", member)
+            .ok()
+            .and_then(|m| m.byte_offset())
+            .with_context(|| format!("BTF has no byte offset for task_struct.{member}"))
+    };
+    Ok(TaskOffsets {
+        pid: offset("pid")?,
+        comm: offset("comm")?,
+    })
+}
+
 /// Prints what exotap sees of the guest.
-pub fn print_info(att: &mut Attached) -> anyhow::Result<()> {
+pub fn print_info(att: &mut Attached, image: &KernelImage) -> anyhow::Result<()> {
+    let survey = survey(att, image)?;
+    let tasks = task_offsets(image);
     let m = &mut att.machine;
     let vcpus = m.vcpus()?;
+    let banner = {
+        let link = image.address("linux_banner")?;
+        let mut buf = [0u8; 256];
+        let mut mem = BackendMemory(&mut *m);
+        survey.space(&mut mem).read(link.wrapping_add(survey.kaslr.slide), &mut buf)?;
+        let text = buf.split(|b| *b == 0).next().unwrap_or(&buf);
+        String::from_utf8_lossy(text).trim_end().to_owned()
+    };
+    let l = &survey.layout;
+    println!("banner        {banner}");
     println!(
-        "attach time   {:.1} ms",
-        att.attach_time.as_secs_f64() * 1e3
+        "attach time   {:.1} ms (connect to slide and layout known; the image's symbols were loaded before, in {:.0} ms)",
+        survey.ready_after.as_secs_f64() * 1e3,
+        image.load_time.as_secs_f64() * 1e3
     );
+    println!(
+        "KASLR slide   {:#x} (IDT gates and linux_banner agree); _text at guest-physical {:#x}",
+        survey.kaslr.slide, survey.kaslr.text_phys
+    );
+    println!("text          {:#x}..{:#x}", l.text.0, l.text.1);
+    println!("_end          {:#x}", l.end);
+    println!("image PMD     page at guest-physical {:#x}", l.image_pmd_page);
+    println!("init_task     {:#x}", l.init_task);
+    println!("page tables   cr3 {:#x}, {}-level", survey.cr3, if survey.la57 { 5 } else { 4 });
     println!("vCPUs         {}", vcpus.len());
     if let Some(idt) = idt_base(m) {
         println!("IDT base      {idt:#018x}");
     }
     for v in vcpus {
-        let RegisterFile::X86_64(r) = m.registers(v)? else {
-            continue;
+        let r = x86_registers(m, v)?;
+        let base = r.kernel_percpu_base();
+        let mut mem = BackendMemory(&mut *m);
+        let mut space = survey.space(&mut mem);
+        let current = match (&tasks, survey.layout.current_task_at(&mut space, base)) {
+            (Ok(offsets), Ok(task)) => match read_task(&mut space, task, *offsets) {
+                Ok(t) => format!("current pid {} ({}) task {:#x}", t.pid, t.comm, t.task),
+                Err(e) => format!("current task {task:#x} unreadable: {e}"),
+            },
+            (Err(e), _) => format!("current task unknown: {e:#}"),
+            (_, Err(e)) => format!("current task unknown: {e}"),
         };
-        let levels = if r.cr4 & (1 << 12) != 0 { 5 } else { 4 };
+        let rip = match image.symbols.lookup_addr(r.rip.wrapping_sub(survey.kaslr.slide)) {
+            Some((sym, off)) => format!("{}+{off:#x}", sym.name),
+            None => format!("{:#x}", r.rip),
+        };
         println!(
-            "{v:<13} rip {:#018x} ({} mode)  cr3 {:#x}  {}-level paging  per-cpu base {:#x}",
-            r.rip,
+            "{v:<13} {} mode at {rip}, per-cpu base {base:#x}, {current}",
             if r.in_kernel() { "kernel" } else { "user" },
-            r.cr3,
-            levels,
-            r.kernel_percpu_base()
         );
     }
     Ok(())

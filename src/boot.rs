@@ -14,6 +14,7 @@ use exotap_vmm::qemu::{
 };
 
 use crate::attach::{self, TargetArgs};
+use crate::kernel_image::KernelImage;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AccelChoice {
@@ -112,6 +113,7 @@ fn job(args: &BootArgs) -> anyhow::Result<GuestJob> {
 /// Attaches at the guest's `attach` wait point, prints what it sees and detaches.
 struct AttachHook {
     target: TargetArgs,
+    image: KernelImage,
 }
 
 impl PhaseHook for AttachHook {
@@ -120,9 +122,9 @@ impl PhaseHook for AttachHook {
             return Ok(());
         }
         let result = attach::attach(&self.target).and_then(|mut att| {
-            attach::print_info(&mut att)?;
+            let printed = attach::print_info(&mut att, &self.image);
             att.machine.detach()?;
-            Ok(())
+            printed
         });
         result.map_err(|e| QemuError::Hook {
             phase: phase.to_owned(),
@@ -189,6 +191,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
                 target: format!("unix:{}", gdb_socket.display()),
                 gdb_timeout: 10,
             },
+            image: KernelImage::load(config.kernel.clone())?,
         };
         qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook)?
     } else {

@@ -55,9 +55,10 @@ enum Command {
     Host,
     /// Attach to a running QEMU guest over its gdbstub and print what exotap sees
     /// (vCPUs, modes, page tables, attach time), then detach.
-    Attach(attach::TargetArgs),
-    /// Print what exotap sees of a running guest (same as attach).
-    Info(attach::TargetArgs),
+    Attach(attach::InfoArgs),
+    /// Print what exotap sees of a running guest (same as attach): banner, KASLR slide,
+    /// layout, vCPUs and their current tasks, attach time.
+    Info(attach::InfoArgs),
     /// List the guest kernel's symbols matching a pattern (from the kallsyms tables inside
     /// the image; link-time addresses unless --slide is given).
     Symbols(kernel_image::SymbolsArgs),
@@ -100,13 +101,7 @@ fn main() -> ExitCode {
         Command::Run(args) => script::run(args.file.as_ref(), &args.options),
         Command::Image(cmd) => image::run(cmd).map(|()| 0),
         Command::Boot(args) => boot::run(&args),
-        Command::Attach(target) | Command::Info(target) => {
-            attach::attach(&target).and_then(|mut att| {
-                attach::print_info(&mut att)?;
-                att.machine.detach()?;
-                Ok(0)
-            })
-        }
+        Command::Attach(args) | Command::Info(args) => attach::run_info(&args).map(|()| 0),
         Command::Symbols(args) => kernel_image::run_symbols(&args),
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
         Command::Host => {

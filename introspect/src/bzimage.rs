@@ -51,6 +51,12 @@ pub enum ImageError {
         /// The claimed size.
         size: u32,
     },
+    /// The payload decompresses to more than any vmlinux needs.
+    #[error("the payload decompresses to more than {limit:#x} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: usize,
+    },
     /// The decompressed payload is not an ELF file the `object` crate accepts.
     #[error("the vmlinux is not a readable ELF file")]
     Elf(#[source] object::Error),
@@ -117,6 +123,8 @@ impl Compression {
 pub const LZ4_LEGACY_MAGIC: [u8; 4] = [0x02, 0x21, 0x4c, 0x18];
 /// Most bytes one legacy-LZ4 block decompresses to.
 const LZ4_LEGACY_BLOCK: usize = 8 << 20;
+/// Most bytes a payload may decompress to: a hostile image must not exhaust host memory.
+const MAX_VMLINUX: usize = 1 << 30;
 
 /// The fields of a bzImage setup header this crate uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +161,11 @@ impl SetupHeader {
             return Err(ImageError::OldProtocol { major, minor });
         }
         let setup_sects = header[0x1f1];
-        let sects = if setup_sects == 0 { 4 } else { u64::from(setup_sects) };
+        let sects = if setup_sects == 0 {
+            4
+        } else {
+            u64::from(setup_sects)
+        };
         let u32_at = |at: usize| {
             u32::from_le_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
         };
@@ -173,7 +185,11 @@ impl SetupHeader {
     pub fn payload<'a>(&self, image: &'a [u8]) -> Result<&'a [u8], ImageError> {
         let start = self.protected_mode_offset + u64::from(self.payload_offset);
         let end = start + u64::from(self.payload_length);
-        let truncated = ImageError::Truncated { what: "the payload", end, len: image.len() };
+        let truncated = ImageError::Truncated {
+            what: "the payload",
+            end,
+            len: image.len(),
+        };
         let (start, end) = match (usize::try_from(start), usize::try_from(end)) {
             (Ok(start), Ok(end)) => (start, end),
             _ => return Err(truncated),
@@ -188,11 +204,14 @@ impl SetupHeader {
 ///
 /// # Errors
 /// [`ImageError::UnsupportedCompression`] without the magic, [`ImageError::Lz4BlockSize`] or
-/// [`ImageError::Lz4`] for a corrupt block.
+/// [`ImageError::Lz4`] for a corrupt block, [`ImageError::TooLarge`].
 pub fn decompress_lz4_legacy(payload: &[u8]) -> Result<Vec<u8>, ImageError> {
-    let mut rest = payload
-        .strip_prefix(&LZ4_LEGACY_MAGIC)
-        .ok_or(ImageError::UnsupportedCompression(Compression::detect(payload)))?;
+    let mut rest =
+        payload
+            .strip_prefix(&LZ4_LEGACY_MAGIC)
+            .ok_or(ImageError::UnsupportedCompression(Compression::detect(
+                payload,
+            )))?;
     let mut out = Vec::new();
     while rest.len() > 4 {
         let offset = payload.len() - rest.len();
@@ -209,6 +228,9 @@ pub fn decompress_lz4_legacy(payload: &[u8]) -> Result<Vec<u8>, ImageError> {
             .ok_or(ImageError::Lz4BlockSize { offset, size })?;
         rest = &rest[block.len()..];
         let start = out.len();
+        if start + LZ4_LEGACY_BLOCK > MAX_VMLINUX {
+            return Err(ImageError::TooLarge { limit: MAX_VMLINUX });
+        }
         out.resize(start + LZ4_LEGACY_BLOCK, 0);
         let written = lz4_flex::block::decompress_into(block, &mut out[start..])
             .map_err(|source| ImageError::Lz4 { offset, source })?;
@@ -286,11 +308,23 @@ impl Vmlinux {
             .segments()
             .map(|segment| {
                 let (file_offset, file_size) = segment.file_range();
-                Segment { addr: segment.address(), file_offset, file_size }
+                Segment {
+                    addr: segment.address(),
+                    file_offset,
+                    file_size,
+                }
             })
             .collect();
-        let build_id = file.build_id().map_err(ImageError::Elf)?.map(<[u8]>::to_vec);
-        Ok(Self { data, sections, segments, build_id })
+        let build_id = file
+            .build_id()
+            .map_err(ImageError::Elf)?
+            .map(<[u8]>::to_vec);
+        Ok(Self {
+            data,
+            sections,
+            segments,
+            build_id,
+        })
     }
 
     /// Extracts and parses the vmlinux inside a bzImage.
@@ -331,7 +365,9 @@ impl Vmlinux {
     /// # Errors
     /// [`ImageError::NoSection`] without `.text`.
     pub fn text_range(&self) -> Result<(u64, u64), ImageError> {
-        let text = self.section(".text").ok_or(ImageError::NoSection(".text"))?;
+        let text = self
+            .section(".text")
+            .ok_or(ImageError::NoSection(".text"))?;
         Ok((text.addr, text.addr.saturating_add(text.size)))
     }
 
@@ -348,12 +384,18 @@ impl Vmlinux {
     pub fn read_at(&self, addr: u64, len: usize) -> Result<&[u8], ImageError> {
         let not_in_file = ImageError::NotInFile { addr, len };
         let len64 = u64::try_from(len).map_err(|_| ImageError::NotInFile { addr, len })?;
-        let end = addr.checked_add(len64).ok_or(ImageError::NotInFile { addr, len })?;
+        let end = addr
+            .checked_add(len64)
+            .ok_or(ImageError::NotInFile { addr, len })?;
         let segment = self
             .segments
             .iter()
             .find(|seg| {
-                addr >= seg.addr && seg.addr.checked_add(seg.file_size).is_some_and(|e| end <= e)
+                addr >= seg.addr
+                    && seg
+                        .addr
+                        .checked_add(seg.file_size)
+                        .is_some_and(|e| end <= e)
             })
             .ok_or(not_in_file)?;
         let offset = segment.file_offset + (addr - segment.addr);
@@ -370,7 +412,11 @@ impl Vmlinux {
 
     fn file_bytes(&self, offset: u64, size: u64, what: &'static str) -> Result<&[u8], ImageError> {
         let end = offset.saturating_add(size);
-        let truncated = ImageError::Truncated { what, end, len: self.data.len() };
+        let truncated = ImageError::Truncated {
+            what,
+            end,
+            len: self.data.len(),
+        };
         let (start, end) = match (usize::try_from(offset), usize::try_from(end)) {
             (Ok(start), Ok(end)) => (start, end),
             _ => return Err(truncated),
@@ -403,7 +449,10 @@ pub(crate) mod tests {
             return None;
         };
         let Ok(image) = std::fs::read(&path) else {
-            println!("SKIP: {} is absent; run `exotap image fetch` first", path.display());
+            println!(
+                "SKIP: {} is absent; run `exotap image fetch` first",
+                path.display()
+            );
             return None;
         };
         Some(Vmlinux::from_bzimage(&image).unwrap())
@@ -437,13 +486,21 @@ pub(crate) mod tests {
     }
 
     fn sample_data() -> Vec<u8> {
-        (0..300_000u32).flat_map(|i| (i % 251).to_le_bytes()).collect()
+        (0..300_000u32)
+            .flat_map(|i| (i % 251).to_le_bytes())
+            .collect()
     }
 
     #[test]
     fn compression_detects_known_magics() {
-        assert_eq!(Compression::detect(&[0x02, 0x21, 0x4c, 0x18, 9]), Compression::Lz4Legacy);
-        assert_eq!(Compression::detect(&[0x28, 0xb5, 0x2f, 0xfd]), Compression::Zstd);
+        assert_eq!(
+            Compression::detect(&[0x02, 0x21, 0x4c, 0x18, 9]),
+            Compression::Lz4Legacy
+        );
+        assert_eq!(
+            Compression::detect(&[0x28, 0xb5, 0x2f, 0xfd]),
+            Compression::Zstd
+        );
         assert_eq!(Compression::detect(&[0x1f, 0x8b, 8]), Compression::Gzip);
         assert_eq!(Compression::detect(b"\x7fELF"), Compression::None);
         assert_eq!(Compression::detect(b"??"), Compression::Unknown);
@@ -518,7 +575,10 @@ pub(crate) mod tests {
 
         let header = SetupHeader::parse(&image).unwrap();
 
-        assert!(matches!(header.payload(&image), Err(ImageError::Truncated { .. })));
+        assert!(matches!(
+            header.payload(&image),
+            Err(ImageError::Truncated { .. })
+        ));
     }
 
     #[test]
@@ -530,7 +590,9 @@ pub(crate) mod tests {
 
     #[test]
     fn real_image_is_lz4_elf_with_text_and_build_id() {
-        let Some(vmlinux) = real_vmlinux() else { return };
+        let Some(vmlinux) = real_vmlinux() else {
+            return;
+        };
 
         let (start, end) = vmlinux.text_range().unwrap();
 
@@ -539,13 +601,5 @@ pub(crate) mod tests {
         assert_eq!(vmlinux.build_id().map(<[u8]>::len), Some(20));
         assert_eq!(vmlinux.read_at(start, 4).unwrap().len(), 4);
         assert!(vmlinux.section(".rodata").is_some());
-    }
-}
-#[cfg(test)]
-mod dump_tmp {
-    #[test]
-    fn dump_tmp_vmlinux() {
-        let v = super::tests::real_vmlinux().unwrap();
-        std::fs::write("/tmp/exotap-vmlinux", v.bytes()).unwrap();
     }
 }

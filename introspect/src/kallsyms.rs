@@ -109,14 +109,22 @@ pub struct Kallsyms {
 /// [`KallsymsError::NoNames`], [`KallsymsError::NoOffsets`].
 pub fn extract(vmlinux: &Vmlinux) -> Result<Kallsyms, KallsymsError> {
     let rodata = vmlinux.section(".rodata").map(|s| s.addr);
-    let data = vmlinux.section_data(".rodata").map_err(KallsymsError::NoRodata)?;
+    let data = vmlinux
+        .section_data(".rodata")
+        .map_err(KallsymsError::NoRodata)?;
     // The image's sections leave gaps that linker-script symbols (`__end_rodata`, ...) point
     // into, so the image counts as one range; per-CPU sections are linked at 0.
-    let ranges = vmlinux.sections().iter().filter(|s| s.size > 0).map(|s| {
-        (s.addr, s.addr.saturating_add(s.size))
-    });
+    let ranges = vmlinux
+        .sections()
+        .iter()
+        .filter(|s| s.size > 0)
+        .map(|s| (s.addr, s.addr.saturating_add(s.size)));
     let (image, low): (Vec<_>, Vec<_>) = ranges.partition(|(start, _)| *start >= KERNEL_MAP_BASE);
-    let hull = image.iter().map(|r| r.0).min().zip(image.iter().map(|r| r.1).max());
+    let hull = image
+        .iter()
+        .map(|r| r.0)
+        .min()
+        .zip(image.iter().map(|r| r.1).max());
     let valid: Vec<(u64, u64)> = hull.into_iter().chain(low).collect();
     extract_from(data, rodata.unwrap_or(0), &valid)
 }
@@ -136,9 +144,13 @@ pub fn extract_from(
     let mut found_table = None;
     for digit_run in find_all(data, DIGIT_TOKENS) {
         candidates += 1;
-        let Some(tokens) = view.token_table_around(digit_run) else { continue };
+        let Some(tokens) = view.token_table_around(digit_run) else {
+            continue;
+        };
         found_table = Some(tokens.start);
-        let Some(names) = view.names_before(&tokens) else { continue };
+        let Some(names) = view.names_before(&tokens) else {
+            continue;
+        };
         let Some((layout, offsets)) = view.offsets_for(&tokens, &names, valid) else {
             return Err(KallsymsError::NoOffsets {
                 names: view.addr(names.start),
@@ -149,7 +161,9 @@ pub fn extract_from(
         return Ok(Kallsyms { layout, symbols });
     }
     match found_table {
-        Some(start) => Err(KallsymsError::NoNames { token_table: view.addr(start) }),
+        Some(start) => Err(KallsymsError::NoNames {
+            token_table: view.addr(start),
+        }),
         None => Err(KallsymsError::NoTokenTable { candidates }),
     }
 }
@@ -244,9 +258,15 @@ impl View<'_> {
         }
         let index = self.align8(pos)?;
         let consistent = spans.iter().enumerate().all(|(i, (offset, _))| {
-            self.u16_at(index + 2 * i).is_some_and(|v| usize::from(v) == *offset)
+            self.u16_at(index + 2 * i)
+                .is_some_and(|v| usize::from(v) == *offset)
         });
-        consistent.then_some(Tokens { start, spans, index, index_end: index + 512 })
+        consistent.then_some(Tokens {
+            start,
+            spans,
+            index,
+            index_end: index + 512,
+        })
     }
 
     /// Finds markers, names and the symbol count before the token table, with or without
@@ -279,7 +299,12 @@ impl View<'_> {
     }
 
     /// Tries `markers` as `kallsyms_markers` holding exactly `values`.
-    fn names_with_markers(&self, markers: usize, values: &[u32], token_table: usize) -> Option<Names> {
+    fn names_with_markers(
+        &self,
+        markers: usize,
+        values: &[u32],
+        token_table: usize,
+    ) -> Option<Names> {
         let groups = values.len();
         let lowest = (groups - 1) * 256 + 1;
         let highest = groups * 256;
@@ -308,7 +333,13 @@ impl View<'_> {
                 && self.names_match_markers(at + 8, count, values, markers)
                 && seqs.is_none_or(|s| self.seqs_valid(s, count))
             {
-                return Some(Names { num_syms_at: at, start: at + 8, count, markers, seqs });
+                return Some(Names {
+                    num_syms_at: at,
+                    start: at + 8,
+                    count,
+                    markers,
+                    seqs,
+                });
             }
             at = at.checked_sub(8)?;
         }
@@ -338,7 +369,10 @@ impl View<'_> {
             (pos + 1, usize::from(first))
         } else {
             let second = *self.data.get(pos + 1)?;
-            (pos + 2, usize::from(first & 0x7f) | (usize::from(second) << 7))
+            (
+                pos + 2,
+                usize::from(first & 0x7f) | (usize::from(second) << 7),
+            )
         };
         (len > 0 && data.checked_add(len)? <= self.data.len()).then_some((data, len))
     }
@@ -362,30 +396,37 @@ impl View<'_> {
     ) -> Option<(KallsymsLayout, usize)> {
         let table_len = (4 * names.count + 7) & !7;
         let before = names.num_syms_at.checked_sub(8).and_then(|base_at| {
-            base_at.checked_sub(table_len).map(|offsets| (offsets, base_at))
+            base_at
+                .checked_sub(table_len)
+                .map(|offsets| (offsets, base_at))
         });
-        let after = self
-            .align8(tokens.index_end)
-            .and_then(|offsets| offsets.checked_add(table_len).map(|base_at| (offsets, base_at)));
-        [before, after].into_iter().flatten().find_map(|(offsets, base_at)| {
-            let relative_base = self.u64_at(base_at)?;
-            let raw = self.data.get(offsets..offsets + 4 * names.count)?;
-            let absolute_percpu = raw.chunks_exact(4).any(|b| b[3] & 0x80 != 0);
-            let layout = KallsymsLayout {
-                offsets: self.addr(offsets),
-                relative_base_addr: self.addr(base_at),
-                relative_base,
-                num_syms_addr: self.addr(names.num_syms_at),
-                names: self.addr(names.start),
-                markers: self.addr(names.markers),
-                seqs_of_names: names.seqs.map(|s| self.addr(s)),
-                token_table: self.addr(tokens.start),
-                token_index: self.addr(tokens.index),
-                num_syms: names.count,
-                absolute_percpu,
-            };
-            addresses_plausible(&layout, raw, valid).then_some((layout, offsets))
-        })
+        let after = self.align8(tokens.index_end).and_then(|offsets| {
+            offsets
+                .checked_add(table_len)
+                .map(|base_at| (offsets, base_at))
+        });
+        [before, after]
+            .into_iter()
+            .flatten()
+            .find_map(|(offsets, base_at)| {
+                let relative_base = self.u64_at(base_at)?;
+                let raw = self.data.get(offsets..offsets + 4 * names.count)?;
+                let absolute_percpu = raw.chunks_exact(4).any(|b| b[3] & 0x80 != 0);
+                let layout = KallsymsLayout {
+                    offsets: self.addr(offsets),
+                    relative_base_addr: self.addr(base_at),
+                    relative_base,
+                    num_syms_addr: self.addr(names.num_syms_at),
+                    names: self.addr(names.start),
+                    markers: self.addr(names.markers),
+                    seqs_of_names: names.seqs.map(|s| self.addr(s)),
+                    token_table: self.addr(tokens.start),
+                    token_index: self.addr(tokens.index),
+                    num_syms: names.count,
+                    absolute_percpu,
+                };
+                addresses_plausible(&layout, raw, valid).then_some((layout, offsets))
+            })
     }
 
     fn decode(
@@ -400,7 +441,9 @@ impl View<'_> {
         let mut pos = names.start;
         let mut expanded = Vec::with_capacity(64);
         for i in 0..names.count {
-            let Some((data, len)) = self.name_span(pos) else { break };
+            let Some((data, len)) = self.name_span(pos) else {
+                break;
+            };
             pos = data + len;
             expanded.clear();
             for code in &self.data[data..data + len] {
@@ -410,10 +453,14 @@ impl View<'_> {
             }
             let kind = expanded.first().map_or('?', |b| char::from(*b));
             let name = String::from_utf8_lossy(expanded.get(1..).unwrap_or(&[])).into_owned();
-            let offset = raw.get(4 * i..4 * i + 4).map_or(0, |b| {
-                i32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            let offset = raw
+                .get(4 * i..4 * i + 4)
+                .map_or(0, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            symbols.push(KallsymsSymbol {
+                name,
+                addr: symbol_address(layout, offset),
+                kind,
             });
-            symbols.push(KallsymsSymbol { name, addr: symbol_address(layout, offset), kind });
         }
         symbols
     }
@@ -428,13 +475,20 @@ pub fn symbol_address(layout: &KallsymsLayout, offset: i32) -> u64 {
         offset as u64
     } else {
         // -1 - offset is in 0..=i32::MAX for a negative offset.
-        layout.relative_base.wrapping_sub(1).wrapping_sub(i64::from(offset) as u64)
+        layout
+            .relative_base
+            .wrapping_sub(1)
+            .wrapping_sub(i64::from(offset) as u64)
     }
 }
 
 /// Addresses must be sorted and each inside some section of the image.
 fn addresses_plausible(layout: &KallsymsLayout, raw: &[u8], valid: &[(u64, u64)]) -> bool {
-    let inside = |addr: u64| valid.iter().any(|(start, end)| (*start..=*end).contains(&addr));
+    let inside = |addr: u64| {
+        valid
+            .iter()
+            .any(|(start, end)| (*start..=*end).contains(&addr))
+    };
     if !inside(layout.relative_base) {
         return false;
     }
@@ -492,9 +546,17 @@ mod tests {
 
     fn sample_symbols() -> Vec<KallsymsSymbol> {
         let mut symbols: Vec<KallsymsSymbol> = (0..3u64)
-            .map(|i| KallsymsSymbol { name: format!("percpu_{i}"), addr: i * 0x40, kind: 'D' })
+            .map(|i| KallsymsSymbol {
+                name: format!("percpu_{i}"),
+                addr: i * 0x40,
+                kind: 'D',
+            })
             .collect();
-        symbols.push(KallsymsSymbol { name: "x".repeat(200), addr: TEXT, kind: 'T' });
+        symbols.push(KallsymsSymbol {
+            name: "x".repeat(200),
+            addr: TEXT,
+            kind: 'T',
+        });
         symbols.extend((1..600u64).map(|i| KallsymsSymbol {
             name: format!("sym_{i}"),
             addr: TEXT + i * 16,
@@ -551,7 +613,11 @@ mod tests {
         let mut index = Vec::new();
         let table_start = out.len();
         for code in 0..256 {
-            index.extend_from_slice(&u16::try_from(out.len() - table_start).unwrap().to_le_bytes());
+            index.extend_from_slice(
+                &u16::try_from(out.len() - table_start)
+                    .unwrap()
+                    .to_le_bytes(),
+            );
             out.extend_from_slice(&token(code));
             out.push(0);
         }
@@ -626,7 +692,10 @@ mod tests {
 
         let err = extract_from(&data, BASE, &[(0, 0x4_0000)]).unwrap_err();
 
-        assert!(matches!(err, KallsymsError::NoOffsets { num_syms: 603, .. }));
+        assert!(matches!(
+            err,
+            KallsymsError::NoOffsets { num_syms: 603, .. }
+        ));
     }
 
     #[test]
@@ -634,7 +703,10 @@ mod tests {
         let layout = extract_from(&build(&sample_symbols(), Generation::Linux61), BASE, &VALID)
             .unwrap()
             .layout;
-        let relative = KallsymsLayout { absolute_percpu: false, ..layout };
+        let relative = KallsymsLayout {
+            absolute_percpu: false,
+            ..layout
+        };
 
         assert_eq!(symbol_address(&layout, 0x40), 0x40);
         assert_eq!(symbol_address(&layout, -1), TEXT);
@@ -653,7 +725,9 @@ mod tests {
 
     #[test]
     fn real_image_kallsyms_has_the_kernel_symbols() {
-        let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else { return };
+        let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else {
+            return;
+        };
 
         let started = std::time::Instant::now();
         let kallsyms = extract(&vmlinux).unwrap();
@@ -666,17 +740,34 @@ mod tests {
         );
         assert!(kallsyms.symbols.len() >= 40_000);
         let find = |name: &str| {
-            kallsyms.symbols.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("{name}"))
+            kallsyms
+                .symbols
+                .iter()
+                .find(|s| s.name == name)
+                .unwrap_or_else(|| panic!("{name}"))
         };
-        for name in ["vfs_read", "__x64_sys_getpid", "entry_SYSCALL_64", "_end", "init_task"] {
+        for name in [
+            "vfs_read",
+            "__x64_sys_getpid",
+            "entry_SYSCALL_64",
+            "_end",
+            "init_task",
+        ] {
             find(name);
         }
         let text = find("_text");
         assert_eq!(text.addr, vmlinux.text_range().unwrap().0);
         let banner = find("linux_banner");
-        assert!(vmlinux.read_at(banner.addr, 13).unwrap().starts_with(b"Linux version"));
+        assert!(vmlinux
+            .read_at(banner.addr, 13)
+            .unwrap()
+            .starts_with(b"Linux version"));
         let vfs_read = find("vfs_read");
         assert_eq!(vfs_read.kind, 'T');
-        assert_eq!(vmlinux.read_at(vfs_read.addr, 5).unwrap()[0], 0xe8);
+        let call = vmlinux.read_at(vfs_read.addr, 5).unwrap();
+        assert_eq!(call[0], 0xe8, "vfs_read starts with {call:02x?}");
+        let rel32 = i32::from_le_bytes([call[1], call[2], call[3], call[4]]);
+        let target = (vfs_read.addr + 5).wrapping_add_signed(i64::from(rel32));
+        assert_eq!(target, find("__fentry__").addr);
     }
 }

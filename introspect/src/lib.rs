@@ -5,7 +5,10 @@
 
 pub mod btf;
 pub mod bzimage;
+pub mod heap;
 pub mod kallsyms;
+pub mod kaslr;
+pub mod layout;
 pub mod memory;
 pub mod paging;
 pub mod symbols;

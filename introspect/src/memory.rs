@@ -129,7 +129,8 @@ impl SparseMemory {
         if end > region_end {
             return Err(MemoryError::Unmapped { addr, len });
         }
-        let offset = usize::try_from(addr - start).map_err(|_| MemoryError::Unmapped { addr, len })?;
+        let offset =
+            usize::try_from(addr - start).map_err(|_| MemoryError::Unmapped { addr, len })?;
         Ok((offset, region))
     }
 
@@ -184,7 +185,13 @@ mod tests {
 
         let err = mem.read_phys(0x1003, &mut buf).unwrap_err();
 
-        assert!(matches!(err, MemoryError::Unmapped { addr: 0x1003, len: 2 }));
+        assert!(matches!(
+            err,
+            MemoryError::Unmapped {
+                addr: 0x1003,
+                len: 2
+            }
+        ));
     }
 
     #[test]

@@ -222,14 +222,28 @@ pub fn translate<M: PhysicalMemory + ?Sized>(
     va: u64,
 ) -> Result<Translation, PagingError> {
     check_canonical(la57, va)?;
-    let mut level = if la57 { TableLevel::Pml5 } else { TableLevel::Pml4 };
+    let mut level = if la57 {
+        TableLevel::Pml5
+    } else {
+        TableLevel::Pml4
+    };
     let mut table = cr3_table(cr3);
-    let mut flags = PageFlags { writable: true, user: true, no_execute: false, global: false };
+    let mut flags = PageFlags {
+        writable: true,
+        user: true,
+        no_execute: false,
+        global: false,
+    };
     loop {
         let entry_addr = level.entry_addr(table, va);
         let entry = read_entry(mem, va, entry_addr)?;
         if entry & PTE_PRESENT == 0 {
-            return Err(PagingError::NotPresent { va, level, entry_addr, entry });
+            return Err(PagingError::NotPresent {
+                va,
+                level,
+                entry_addr,
+                entry,
+            });
         }
         flags.writable &= entry & PTE_WRITABLE != 0;
         flags.user &= entry & PTE_USER != 0;
@@ -277,10 +291,15 @@ pub fn read_virt<M: PhysicalMemory + ?Sized>(
         // A read that runs off the top of the address space must not wrap to address 0.
         let cur = va
             .checked_add(done as u64)
-            .ok_or(PagingError::NonCanonical { va, levels: if la57 { 5 } else { 4 } })?;
+            .ok_or(PagingError::NonCanonical {
+                va,
+                levels: if la57 { 5 } else { 4 },
+            })?;
         let tr = translate(mem, cr3, la57, cur)?;
         let page_left = tr.page_size.bytes() - (cur & (tr.page_size.bytes() - 1));
-        let chunk = usize::try_from(page_left).unwrap_or(usize::MAX).min(buf.len() - done);
+        let chunk = usize::try_from(page_left)
+            .unwrap_or(usize::MAX)
+            .min(buf.len() - done);
         mem.read_phys(tr.phys, &mut buf[done..done + chunk])
             .map_err(|source| PagingError::Memory { va: cur, source })?;
         done += chunk;
@@ -301,13 +320,22 @@ pub fn pmd_slot<M: PhysicalMemory + ?Sized>(
     va: u64,
 ) -> Result<PmdSlot, PagingError> {
     check_canonical(la57, va)?;
-    let mut level = if la57 { TableLevel::Pml5 } else { TableLevel::Pml4 };
+    let mut level = if la57 {
+        TableLevel::Pml5
+    } else {
+        TableLevel::Pml4
+    };
     let mut table = cr3_table(cr3);
     while level != TableLevel::Pmd {
         let entry_addr = level.entry_addr(table, va);
         let entry = read_entry(mem, va, entry_addr)?;
         if entry & PTE_PRESENT == 0 {
-            return Err(PagingError::NotPresent { va, level, entry_addr, entry });
+            return Err(PagingError::NotPresent {
+                va,
+                level,
+                entry_addr,
+                entry,
+            });
         }
         if level == TableLevel::Pud && entry & PTE_PAGE_SIZE != 0 {
             return Err(PagingError::LargePage { va, level });
@@ -317,7 +345,80 @@ pub fn pmd_slot<M: PhysicalMemory + ?Sized>(
     }
     let entry_addr = TableLevel::Pmd.entry_addr(table, va);
     let entry = read_entry(mem, va, entry_addr)?;
-    Ok(PmdSlot { pmd_page: table, entry_addr, entry })
+    Ok(PmdSlot {
+        pmd_page: table,
+        entry_addr,
+        entry,
+    })
+}
+
+/// The kernel half of a PTI pair: with page-table isolation the user PGD is the kernel PGD
+/// plus 4 KiB (bit 12 of CR3), so a vCPU stopped in user mode shows the user one. Only
+/// meaningful when the guest runs with PTI; without it bit 12 is an ordinary address bit.
+pub fn pti_kernel_cr3(cr3: u64) -> u64 {
+    cr3 & !(1 << 12)
+}
+
+/// One guest address space: guest-physical memory plus the page-table root that maps it.
+#[derive(Debug)]
+pub struct AddressSpace<'m, M: PhysicalMemory + ?Sized> {
+    /// Guest-physical memory.
+    pub mem: &'m mut M,
+    /// The page-table root (CR3 as the vCPU holds it; PCID bits are ignored).
+    pub cr3: u64,
+    /// Whether CR4.LA57 (5-level paging) is set.
+    pub la57: bool,
+}
+
+impl<'m, M: PhysicalMemory + ?Sized> AddressSpace<'m, M> {
+    /// An address space rooted at `cr3`.
+    pub fn new(mem: &'m mut M, cr3: u64, la57: bool) -> Self {
+        Self { mem, cr3, la57 }
+    }
+
+    /// As [`translate`].
+    ///
+    /// # Errors
+    /// As [`translate`].
+    pub fn translate(&mut self, va: u64) -> Result<Translation, PagingError> {
+        translate(self.mem, self.cr3, self.la57, va)
+    }
+
+    /// As [`read_virt`].
+    ///
+    /// # Errors
+    /// As [`read_virt`].
+    pub fn read(&mut self, va: u64, buf: &mut [u8]) -> Result<(), PagingError> {
+        read_virt(self.mem, self.cr3, self.la57, va, buf)
+    }
+
+    /// Reads a little-endian `u64` at a virtual address.
+    ///
+    /// # Errors
+    /// As [`read_virt`].
+    pub fn read_u64(&mut self, va: u64) -> Result<u64, PagingError> {
+        let mut bytes = [0u8; 8];
+        self.read(va, &mut bytes)?;
+        Ok(u64::from_le_bytes(bytes))
+    }
+
+    /// Reads a little-endian `u32` at a virtual address.
+    ///
+    /// # Errors
+    /// As [`read_virt`].
+    pub fn read_u32(&mut self, va: u64) -> Result<u32, PagingError> {
+        let mut bytes = [0u8; 4];
+        self.read(va, &mut bytes)?;
+        Ok(u32::from_le_bytes(bytes))
+    }
+
+    /// As [`pmd_slot`].
+    ///
+    /// # Errors
+    /// As [`pmd_slot`].
+    pub fn pmd_slot(&mut self, va: u64) -> Result<PmdSlot, PagingError> {
+        pmd_slot(self.mem, self.cr3, self.la57, va)
+    }
 }
 
 fn read_entry<M: PhysicalMemory + ?Sized>(
@@ -325,7 +426,8 @@ fn read_entry<M: PhysicalMemory + ?Sized>(
     va: u64,
     entry_addr: u64,
 ) -> Result<u64, PagingError> {
-    mem.read_phys_u64(entry_addr).map_err(|source| PagingError::Memory { va, source })
+    mem.read_phys_u64(entry_addr)
+        .map_err(|source| PagingError::Memory { va, source })
 }
 
 #[cfg(test)]
@@ -344,8 +446,12 @@ pub(crate) mod tests {
 
     impl TableBuilder {
         pub fn new(la57: bool) -> Self {
-            let mut builder =
-                Self { mem: SparseMemory::new(), cr3: 0, la57, next_table: 0x10_0000 };
+            let mut builder = Self {
+                mem: SparseMemory::new(),
+                cr3: 0,
+                la57,
+                next_table: 0x10_0000,
+            };
             builder.cr3 = builder.alloc_table();
             builder
         }
@@ -359,7 +465,11 @@ pub(crate) mod tests {
 
         /// Returns the table at `level` for `va`, creating missing tables above it.
         pub fn table_at(&mut self, va: u64, target: TableLevel) -> u64 {
-            let mut level = if self.la57 { TableLevel::Pml5 } else { TableLevel::Pml4 };
+            let mut level = if self.la57 {
+                TableLevel::Pml5
+            } else {
+                TableLevel::Pml4
+            };
             let mut table = cr3_table(self.cr3);
             while level != target {
                 let entry_addr = level.entry_addr(table, va);
@@ -377,8 +487,37 @@ pub(crate) mod tests {
         /// Writes the leaf entry for `va` at `level` (`Pte`, `Pmd` or `Pud`).
         pub fn map(&mut self, va: u64, pa: u64, level: TableLevel, flags: u64) {
             let table = self.table_at(va, level);
-            let size = if level == TableLevel::Pte { 0 } else { PTE_PAGE_SIZE };
-            self.mem.write_phys_u64(level.entry_addr(table, va), pa | size | flags).unwrap();
+            let size = if level == TableLevel::Pte {
+                0
+            } else {
+                PTE_PAGE_SIZE
+            };
+            self.mem
+                .write_phys_u64(level.entry_addr(table, va), pa | size | flags)
+                .unwrap();
+        }
+    }
+
+    impl TableBuilder {
+        /// Maps `bytes` at `va` (page-aligned) onto fresh physical pages at `pa` with 4 KiB
+        /// pages, present and global.
+        pub fn map_data(&mut self, va: u64, pa: u64, bytes: &[u8]) {
+            let pages = bytes.len().div_ceil(4096).max(1);
+            let mut data = bytes.to_vec();
+            data.resize(pages * 4096, 0);
+            self.mem.add_region(pa, data).unwrap();
+            for page in 0..pages as u64 {
+                self.map(
+                    va + page * 4096,
+                    pa + page * 4096,
+                    TableLevel::Pte,
+                    PTE_PRESENT | PTE_GLOBAL,
+                );
+            }
+        }
+
+        pub fn space(&mut self) -> AddressSpace<'_, SparseMemory> {
+            AddressSpace::new(&mut self.mem, self.cr3, self.la57)
         }
     }
 
@@ -387,7 +526,12 @@ pub(crate) mod tests {
     #[test]
     fn translate_4k_page_in_4_level_tables() {
         let mut tb = TableBuilder::new(false);
-        tb.map(KERNEL_VA, 0x20_0000, TableLevel::Pte, PTE_PRESENT | PTE_GLOBAL);
+        tb.map(
+            KERNEL_VA,
+            0x20_0000,
+            TableLevel::Pte,
+            PTE_PRESENT | PTE_GLOBAL,
+        );
 
         let tr = translate(&mut tb.mem, tb.cr3, false, KERNEL_VA + 0x123).unwrap();
 
@@ -395,14 +539,24 @@ pub(crate) mod tests {
         assert_eq!(tr.page_size, PageSize::Size4K);
         assert_eq!(
             tr.flags,
-            PageFlags { writable: false, user: false, no_execute: false, global: true }
+            PageFlags {
+                writable: false,
+                user: false,
+                no_execute: false,
+                global: true
+            }
         );
     }
 
     #[test]
     fn translate_2m_page_keeps_offset_inside_large_page() {
         let mut tb = TableBuilder::new(false);
-        tb.map(KERNEL_VA, 0x4000_0000, TableLevel::Pmd, PTE_PRESENT | PTE_WRITABLE);
+        tb.map(
+            KERNEL_VA,
+            0x4000_0000,
+            TableLevel::Pmd,
+            PTE_PRESENT | PTE_WRITABLE,
+        );
 
         let tr = translate(&mut tb.mem, tb.cr3, false, KERNEL_VA + 0x1f_fff0).unwrap();
 
@@ -415,7 +569,12 @@ pub(crate) mod tests {
     fn translate_1g_page() {
         let mut tb = TableBuilder::new(false);
         let va = 0xffff_8880_0000_0000;
-        tb.map(va, 0x1_0000_0000, TableLevel::Pud, PTE_PRESENT | PTE_NO_EXECUTE);
+        tb.map(
+            va,
+            0x1_0000_0000,
+            TableLevel::Pud,
+            PTE_PRESENT | PTE_NO_EXECUTE,
+        );
 
         let tr = translate(&mut tb.mem, tb.cr3, false, va + 0x3456_789a).unwrap();
 
@@ -457,14 +616,26 @@ pub(crate) mod tests {
 
         let err = translate(&mut tb.mem, tb.cr3, false, KERNEL_VA).unwrap_err();
 
-        assert!(matches!(err, PagingError::NotPresent { level: TableLevel::Pmd, entry: 0, .. }));
+        assert!(matches!(
+            err,
+            PagingError::NotPresent {
+                level: TableLevel::Pmd,
+                entry: 0,
+                ..
+            }
+        ));
     }
 
     #[test]
     fn translate_accumulates_user_and_writable_as_and() {
         let mut tb = TableBuilder::new(false);
         let va = 0x40_0000;
-        tb.map(va, 0x50_0000, TableLevel::Pte, PTE_PRESENT | PTE_WRITABLE | PTE_USER);
+        tb.map(
+            va,
+            0x50_0000,
+            TableLevel::Pte,
+            PTE_PRESENT | PTE_WRITABLE | PTE_USER,
+        );
 
         let tr = translate(&mut tb.mem, tb.cr3, false, va).unwrap();
 
@@ -478,7 +649,9 @@ pub(crate) mod tests {
         let mut tb = TableBuilder::new(false);
         let table = tb.table_at(KERNEL_VA, TableLevel::Pmd);
         let entry_addr = TableLevel::Pmd.entry_addr(table, KERNEL_VA);
-        tb.mem.write_phys_u64(entry_addr, 0xdead_0000 | PTE_PRESENT).unwrap();
+        tb.mem
+            .write_phys_u64(entry_addr, 0xdead_0000 | PTE_PRESENT)
+            .unwrap();
 
         let err = translate(&mut tb.mem, tb.cr3, false, KERNEL_VA).unwrap_err();
 
@@ -531,7 +704,34 @@ pub(crate) mod tests {
 
         let err = pmd_slot(&mut tb.mem, tb.cr3, false, KERNEL_VA).unwrap_err();
 
-        assert!(matches!(err, PagingError::NotPresent { level: TableLevel::Pud, .. }));
+        assert!(matches!(
+            err,
+            PagingError::NotPresent {
+                level: TableLevel::Pud,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn pti_kernel_cr3_clears_user_half_bit() {
+        assert_eq!(pti_kernel_cr3(0x1_2345_1000 | 0x801), 0x1_2345_0801);
+    }
+
+    #[test]
+    fn address_space_reads_u64_through_tables() {
+        let mut tb = TableBuilder::new(false);
+        tb.map(KERNEL_VA, 0x20_0000, TableLevel::Pte, PTE_PRESENT);
+        tb.mem
+            .add_region(0x20_0000, 0x1122_3344_5566_7788u64.to_le_bytes().to_vec())
+            .unwrap();
+        let (cr3, la57) = (tb.cr3, tb.la57);
+
+        let value = AddressSpace::new(&mut tb.mem, cr3, la57)
+            .read_u64(KERNEL_VA)
+            .unwrap();
+
+        assert_eq!(value, 0x1122_3344_5566_7788);
     }
 
     #[test]
@@ -541,6 +741,12 @@ pub(crate) mod tests {
 
         let err = pmd_slot(&mut tb.mem, tb.cr3, false, KERNEL_VA).unwrap_err();
 
-        assert!(matches!(err, PagingError::LargePage { level: TableLevel::Pud, .. }));
+        assert!(matches!(
+            err,
+            PagingError::LargePage {
+                level: TableLevel::Pud,
+                ..
+            }
+        ));
     }
 }

@@ -85,7 +85,12 @@ impl SymbolTable {
             kallsyms
                 .symbols
                 .iter()
-                .map(|s| Symbol { name: s.name.clone(), addr: s.addr, kind: s.kind, size: 0 })
+                .map(|s| Symbol {
+                    name: s.name.clone(),
+                    addr: s.addr,
+                    kind: s.kind,
+                    size: 0,
+                })
                 .collect(),
         )
     }
@@ -101,7 +106,10 @@ impl SymbolTable {
         let mut symbols = Vec::new();
         for (i, line) in text.lines().enumerate() {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            let bad = || SymbolError::BadMapLine { line: i + 1, text: line.to_owned() };
+            let bad = || SymbolError::BadMapLine {
+                line: i + 1,
+                text: line.to_owned(),
+            };
             match fields.as_slice() {
                 [] => continue,
                 [addr, kind, name] => {
@@ -110,7 +118,12 @@ impl SymbolTable {
                     let (Some(kind), None) = (kind_chars.next(), kind_chars.next()) else {
                         return Err(bad());
                     };
-                    symbols.push(Symbol { name: (*name).to_owned(), addr, kind, size: 0 });
+                    symbols.push(Symbol {
+                        name: (*name).to_owned(),
+                        addr,
+                        kind,
+                        size: 0,
+                    });
                 }
                 _ => return Err(bad()),
             }
@@ -138,7 +151,12 @@ impl SymbolTable {
                 _ => None,
             };
             let kind = nm_kind(sym.kind(), section.map(|s| s.kind()), sym.is_global());
-            symbols.push(Symbol { name: name.to_owned(), addr: sym.address(), kind, size: sym.size() });
+            symbols.push(Symbol {
+                name: name.to_owned(),
+                addr: sym.address(),
+                kind,
+                size: sym.size(),
+            });
         }
         if symbols.is_empty() {
             return Err(SymbolError::NoSymtab);
@@ -168,8 +186,12 @@ impl SymbolTable {
 
     /// Every symbol called `name`, by address.
     pub fn all_named<'a>(&'a self, name: &str) -> impl Iterator<Item = &'a Symbol> + 'a {
-        let first = self.by_name.partition_point(|i| self.symbols[*i].name.as_str() < name);
-        let end = self.by_name.partition_point(|i| self.symbols[*i].name.as_str() <= name);
+        let first = self
+            .by_name
+            .partition_point(|i| self.symbols[*i].name.as_str() < name);
+        let end = self
+            .by_name
+            .partition_point(|i| self.symbols[*i].name.as_str() <= name);
         self.by_name[first..end].iter().map(|i| &self.symbols[*i])
     }
 
@@ -181,7 +203,9 @@ impl SymbolTable {
         }
         // Names sharing the literal prefix are contiguous in the name index.
         let prefix = &pattern[..pattern.find(['*', '?']).unwrap_or(pattern.len())];
-        let first = self.by_name.partition_point(|i| self.symbols[*i].name.as_str() < prefix);
+        let first = self
+            .by_name
+            .partition_point(|i| self.symbols[*i].name.as_str() < prefix);
         self.by_name[first..]
             .iter()
             .map(|i| &self.symbols[*i])
@@ -201,7 +225,13 @@ impl SymbolTable {
 
     /// Only the code symbols.
     pub fn text_only(&self) -> Self {
-        Self::new(self.symbols.iter().filter(|s| s.is_text()).cloned().collect())
+        Self::new(
+            self.symbols
+                .iter()
+                .filter(|s| s.is_text())
+                .cloned()
+                .collect(),
+        )
     }
 
     /// The table with every kernel-image symbol (at or above [`KERNEL_MAP_BASE`]) moved by
@@ -210,7 +240,10 @@ impl SymbolTable {
         let symbols = self
             .symbols
             .iter()
-            .map(|sym| Symbol { addr: slide_addr(sym.addr, slide), ..sym.clone() })
+            .map(|sym| Symbol {
+                addr: slide_addr(sym.addr, slide),
+                ..sym.clone()
+            })
             .collect();
         Self::new(symbols)
     }
@@ -309,7 +342,8 @@ ffffffff82000000 D linux_banner
 
     #[test]
     fn system_map_reports_bad_line_number() {
-        let err = SymbolTable::from_system_map("ffffffff81000000 T _text\nnot hex T x\n").unwrap_err();
+        let err =
+            SymbolTable::from_system_map("ffffffff81000000 T _text\nnot hex T x\n").unwrap_err();
 
         assert!(matches!(err, SymbolError::BadMapLine { line: 2, .. }));
     }
@@ -318,7 +352,11 @@ ffffffff82000000 D linux_banner
     fn matching_star_prefix_pattern() {
         let table = table();
 
-        let names: Vec<&str> = table.matching("vfs_*").iter().map(|s| s.name.as_str()).collect();
+        let names: Vec<&str> = table
+            .matching("vfs_*")
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect();
 
         assert_eq!(names, ["vfs_read", "vfs_readv_helper"]);
     }
@@ -327,7 +365,11 @@ ffffffff82000000 D linux_banner
     fn matching_leading_star_pattern() {
         let table = table();
 
-        let names: Vec<&str> = table.matching("*sys_getpid").iter().map(|s| s.name.as_str()).collect();
+        let names: Vec<&str> = table
+            .matching("*sys_getpid")
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect();
 
         assert_eq!(names, ["__ia32_sys_getpid", "__x64_sys_getpid"]);
     }
@@ -380,21 +422,99 @@ ffffffff82000000 D linux_banner
 
     #[test]
     fn all_named_returns_every_duplicate() {
-        let map = "ffffffff81000010 t helper\nffffffff81000020 t helper\nffffffff81000030 t other\n";
+        let map =
+            "ffffffff81000010 t helper\nffffffff81000020 t helper\nffffffff81000030 t other\n";
         let table = SymbolTable::from_system_map(map).unwrap();
 
         assert_eq!(table.all_named("helper").count(), 2);
         assert_eq!(table.get("helper").unwrap().addr, 0xffff_ffff_8100_0010);
     }
 
+    /// An x86-64 ELF object with text, data and bss symbols, written at test time.
+    fn elf_fixture() -> Vec<u8> {
+        use object::write::{Object as ElfWriter, Symbol as ElfSymbol, SymbolSection as At};
+        use object::{Architecture, BinaryFormat, Endianness, SymbolFlags, SymbolScope};
+        let mut elf = ElfWriter::new(BinaryFormat::Elf, Architecture::X86_64, Endianness::Little);
+        let text = elf.section_id(object::write::StandardSection::Text);
+        let data = elf.section_id(object::write::StandardSection::Data);
+        let bss = elf.section_id(object::write::StandardSection::UninitializedData);
+        elf.append_section_data(text, &[0x90; 0x40], 16);
+        elf.append_section_data(data, &[0; 0x100], 8);
+        elf.append_section_bss(bss, 0x1000, 8);
+        let symbols = [
+            (
+                "vfs_read",
+                0x0,
+                0x20,
+                SymbolKind::Text,
+                SymbolScope::Linkage,
+                text,
+            ),
+            (
+                "helper",
+                0x20,
+                0,
+                SymbolKind::Text,
+                SymbolScope::Compilation,
+                text,
+            ),
+            (
+                "init_task",
+                0x0,
+                0x100,
+                SymbolKind::Data,
+                SymbolScope::Linkage,
+                data,
+            ),
+            (
+                "idt_table",
+                0x0,
+                0x1000,
+                SymbolKind::Data,
+                SymbolScope::Compilation,
+                bss,
+            ),
+        ];
+        for (name, value, size, kind, scope, section) in symbols {
+            elf.add_symbol(ElfSymbol {
+                name: name.as_bytes().to_vec(),
+                value,
+                size,
+                kind,
+                scope,
+                weak: false,
+                section: At::Section(section),
+                flags: SymbolFlags::None,
+            });
+        }
+        elf.write().unwrap()
+    }
+
+    #[test]
+    fn from_elf_reads_kinds_and_sizes_of_symtab() {
+        let table = SymbolTable::from_elf(&elf_fixture()).unwrap();
+
+        let kind_and_size = |name: &str| table.get(name).map(|s| (s.kind, s.size));
+
+        assert_eq!(kind_and_size("vfs_read"), Some(('T', 0x20)));
+        assert_eq!(kind_and_size("init_task"), Some(('D', 0x100)));
+        assert_eq!(kind_and_size("idt_table"), Some(('b', 0x1000)));
+        assert_eq!(table.get("helper").map(|s| s.kind), Some('t'));
+    }
+
     #[test]
     fn from_elf_refuses_non_elf() {
-        assert!(matches!(SymbolTable::from_elf(&[0u8; 16]), Err(SymbolError::Elf(_))));
+        assert!(matches!(
+            SymbolTable::from_elf(&[0u8; 16]),
+            Err(SymbolError::Elf(_))
+        ));
     }
 
     #[test]
     fn from_elf_reports_stripped_image() {
-        let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else { return };
+        let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else {
+            return;
+        };
 
         let err = SymbolTable::from_elf(vmlinux.bytes()).unwrap_err();
 
@@ -403,13 +523,22 @@ ffffffff82000000 D linux_banner
 
     #[test]
     fn from_kallsyms_real_image_finds_vfs_read_with_size() {
-        let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else { return };
+        let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else {
+            return;
+        };
         let table = SymbolTable::from_kallsyms(&crate::kallsyms::extract(&vmlinux).unwrap());
 
         let vfs_read = table.get("vfs_read").unwrap();
 
-        assert!(vfs_read.size > 16 && vfs_read.size < 4096, "size {}", vfs_read.size);
+        assert!(
+            vfs_read.size > 16 && vfs_read.size < 4096,
+            "size {}",
+            vfs_read.size
+        );
         assert!(table.matching("__x64_sys_*").len() > 300);
-        assert_eq!(table.lookup_addr(vfs_read.addr + 3).unwrap().0.name, "vfs_read");
+        assert_eq!(
+            table.lookup_addr(vfs_read.addr + 3).unwrap().0.name,
+            "vfs_read"
+        );
     }
 }
