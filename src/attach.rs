@@ -7,8 +7,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::kaslr::{self, Kaslr, KaslrAnchors};
-use exotap_introspect::memory::PhysicalMemory;
 use exotap_introspect::layout::{read_task, KernelLayout, TaskOffsets};
+use exotap_introspect::memory::PhysicalMemory;
 use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 use exotap_vmm::gdb::GdbMachine;
@@ -158,7 +158,8 @@ pub fn survey(att: &mut Attached, image: &KernelImage) -> anyhow::Result<Survey>
         .context("the image lacks a KASLR anchor")?;
     let mut mem = BackendMemory(machine);
     let mut space = AddressSpace::new(&mut mem, cr3, la57);
-    let kaslr = kaslr::detect(&mut space, idt_base, &anchors).context("cannot find the KASLR slide")?;
+    let kaslr =
+        kaslr::detect(&mut space, idt_base, &anchors).context("cannot find the KASLR slide")?;
     let layout = KernelLayout::read(&mut space, &image.symbols, kaslr.slide)
         .context("cannot read the kernel layout")?;
     Ok(Survey {
@@ -199,7 +200,9 @@ pub fn print_info(att: &mut Attached, image: &KernelImage) -> anyhow::Result<()>
         let link = image.address("linux_banner")?;
         let mut buf = [0u8; 256];
         let mut mem = BackendMemory(&mut *m);
-        survey.space(&mut mem).read(link.wrapping_add(survey.kaslr.slide), &mut buf)?;
+        survey
+            .space(&mut mem)
+            .read(link.wrapping_add(survey.kaslr.slide), &mut buf)?;
         let text = buf.split(|b| *b == 0).next().unwrap_or(&buf);
         String::from_utf8_lossy(text).trim_end().to_owned()
     };
@@ -216,13 +219,18 @@ pub fn print_info(att: &mut Attached, image: &KernelImage) -> anyhow::Result<()>
     );
     println!("text          {:#x}..{:#x}", l.text.0, l.text.1);
     println!("_end          {:#x}", l.end);
-    println!("image PMD     page at guest-physical {:#x}", l.image_pmd_page);
+    println!(
+        "image PMD     page at guest-physical {:#x}",
+        l.image_pmd_page
+    );
     println!("init_task     {:#x}", l.init_task);
-    println!("page tables   cr3 {:#x}, {}-level", survey.cr3, if survey.la57 { 5 } else { 4 });
+    println!(
+        "page tables   cr3 {:#x}, {}-level",
+        survey.cr3,
+        if survey.la57 { 5 } else { 4 }
+    );
     println!("vCPUs         {}", vcpus.len());
-    if let Some(idt) = idt_base(m) {
-        println!("IDT base      {idt:#018x}");
-    }
+    println!("IDT base      {:#018x}", survey.idt_base);
     for v in vcpus {
         let r = x86_registers(m, v)?;
         let base = r.kernel_percpu_base();
@@ -236,7 +244,10 @@ pub fn print_info(att: &mut Attached, image: &KernelImage) -> anyhow::Result<()>
             (Err(e), _) => format!("current task unknown: {e:#}"),
             (_, Err(e)) => format!("current task unknown: {e}"),
         };
-        let rip = match image.symbols.lookup_addr(r.rip.wrapping_sub(survey.kaslr.slide)) {
+        let rip = match image
+            .symbols
+            .lookup_addr(r.rip.wrapping_sub(survey.kaslr.slide))
+        {
             Some((sym, off)) => format!("{}+{off:#x}", sym.name),
             None => format!("{:#x}", r.rip),
         };

@@ -77,7 +77,8 @@ pub fn counter_patch(
     } else if original[0] == 0xe8 {
         let disp = i32::from_le_bytes([original[1], original[2], original[3], original[4]]);
         let callee = back.wrapping_add(disp as i64 as u64);
-        let imm = i32::try_from(back as i64).map_err(|_| EntryPatchError::NotSignExtendable(back))?;
+        let imm =
+            i32::try_from(back as i64).map_err(|_| EntryPatchError::NotSignExtendable(back))?;
         code.push(0x68); // push imm32 (sign-extended): the original return address
         code.extend_from_slice(&imm.to_le_bytes());
         let at = patch.wrapping_add(code.len() as u64);

@@ -2,10 +2,12 @@
 
 mod attach;
 mod boot;
+mod entry_patch;
 mod guest_memory;
 mod image;
 mod kernel_image;
 mod script;
+mod selftest;
 
 use std::process::ExitCode;
 
@@ -59,6 +61,10 @@ enum Command {
     /// Print what exotap sees of a running guest (same as attach): banner, KASLR slide,
     /// layout, vCPUs and their current tasks, attach time.
     Info(attach::InfoArgs),
+    /// Boot a guest and prove exotap works on this host: attach, KASLR slide vs the guest's
+    /// /proc/kallsyms, patch heap, a counting splice of __x64_sys_getpid checked against the
+    /// workload and the guest's ftrace profiler, exact restore. Prints HOST-RESULT lines.
+    Selftest(selftest::SelftestArgs),
     /// List the guest kernel's symbols matching a pattern (from the kallsyms tables inside
     /// the image; link-time addresses unless --slide is given).
     Symbols(kernel_image::SymbolsArgs),
@@ -102,6 +108,7 @@ fn main() -> ExitCode {
         Command::Image(cmd) => image::run(cmd).map(|()| 0),
         Command::Boot(args) => boot::run(&args),
         Command::Attach(args) | Command::Info(args) => attach::run_info(&args).map(|()| 0),
+        Command::Selftest(args) => selftest::run(&args),
         Command::Symbols(args) => kernel_image::run_symbols(&args),
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
         Command::Host => {

@@ -44,3 +44,10 @@ pub fn result<'a>(console: &'a str, key: &str) -> Option<&'a str> {
         .lines()
         .find_map(|l| l.find(&prefix).map(|at| l[at + prefix.len()..].trim_end()))
 }
+
+/// The value of `HOST-RESULT key=value` (what exotap found from outside the guest).
+pub fn host_result<'a>(out: &'a str, key: &str) -> Option<&'a str> {
+    let prefix = format!("HOST-RESULT {key}=");
+    out.lines()
+        .find_map(|l| l.strip_prefix(&prefix).map(str::trim_end))
+}
