@@ -75,6 +75,9 @@ pub struct Attached {
 /// `exotap attach` / `exotap info`: the gdbstub and the kernel image the guest runs.
 #[derive(Debug, Args, Clone)]
 pub struct InfoArgs {
+    /// The gdbstub (same as --target): `exotap attach tcp:localhost:1234`.
+    #[arg(value_name = "TARGET", conflicts_with = "target")]
+    pub target_address: Option<String>,
     #[command(flatten)]
     pub target: TargetArgs,
     #[command(flatten)]
@@ -87,7 +90,11 @@ pub struct InfoArgs {
 /// When any step fails; the guest is detached (and runs on) either way.
 pub fn run_info(args: &InfoArgs) -> anyhow::Result<()> {
     let image = KernelImage::from_args(&args.image)?;
-    let mut att = attach(&args.target)?;
+    let mut target = args.target.clone();
+    if let Some(address) = &args.target_address {
+        target.target.clone_from(address);
+    }
+    let mut att = attach(&target)?;
     let printed = print_info(&mut att, &image);
     att.machine.detach()?;
     printed

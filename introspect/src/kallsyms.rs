@@ -678,7 +678,7 @@ mod tests {
     fn extract_from_refuses_inconsistent_markers() {
         let symbols = sample_symbols();
         let mut data = build(&symbols, Generation::Linux61);
-        let second_marker = KallsymsLayoutProbe::markers(&data) + 4;
+        let second_marker = markers_offset(&data) + 4;
         data[second_marker] ^= 1;
 
         let err = extract_from(&data, BASE, &VALID).unwrap_err();
@@ -713,14 +713,10 @@ mod tests {
         assert_eq!(symbol_address(&relative, 0x40), TEXT + 0x40);
     }
 
-    /// Finds the markers of a synthetic image by extracting it.
-    struct KallsymsLayoutProbe;
-
-    impl KallsymsLayoutProbe {
-        fn markers(data: &[u8]) -> usize {
-            let layout = extract_from(data, BASE, &VALID).unwrap().layout;
-            usize::try_from(layout.markers - BASE).unwrap()
-        }
+    /// Offset of `kallsyms_markers` in an intact synthetic image.
+    fn markers_offset(data: &[u8]) -> usize {
+        let layout = extract_from(data, BASE, &VALID).unwrap().layout;
+        usize::try_from(layout.markers - BASE).unwrap()
     }
 
     #[test]

@@ -119,7 +119,11 @@ fn declarator<G: TypeShapes>(g: &G, ty: G::Id, inner: String, depth: usize) -> S
         Shape::Qualified(qual, target) => match g.shape(target) {
             // A qualified pointer: the qualifier sits after the star.
             Shape::Pointer(pointee) => {
-                let inner = if inner.is_empty() { format!("* {qual}") } else { format!("* {qual} {inner}") };
+                let inner = if inner.is_empty() {
+                    format!("* {qual}")
+                } else {
+                    format!("* {qual} {inner}")
+                };
                 let wrapped = match g.shape(pointee) {
                     Shape::Array(..) | Shape::Function { .. } => format!("({inner})"),
                     _ => inner,
@@ -136,9 +140,16 @@ fn declarator<G: TypeShapes>(g: &G, ty: G::Id, inner: String, depth: usize) -> S
                 format!("{qual} {base}")
             }
         },
-        Shape::Function { ret, params, variadic, prototyped } => {
-            let mut list: Vec<String> =
-                params.iter().map(|&p| declarator(g, p, String::new(), depth + 1)).collect();
+        Shape::Function {
+            ret,
+            params,
+            variadic,
+            prototyped,
+        } => {
+            let mut list: Vec<String> = params
+                .iter()
+                .map(|&p| declarator(g, p, String::new(), depth + 1))
+                .collect();
             if variadic {
                 list.push("...".into());
             }
@@ -157,7 +168,11 @@ pub fn ptype<G: TypeShapes>(g: &G, ty: G::Id, offsets: bool) -> String {
     let mut out = String::new();
     match g.body(ty) {
         Some(body) => {
-            let prefix = if offsets { "/* offset      |    size */  type = " } else { "type = " };
+            let prefix = if offsets {
+                "/* offset      |    size */  type = "
+            } else {
+                "type = "
+            };
             out.push_str(prefix);
             write_body(g, &body, 0, offsets, 0, &mut out, 0);
             out.push('\n');
@@ -171,11 +186,19 @@ pub fn ptype<G: TypeShapes>(g: &G, ty: G::Id, offsets: bool) -> String {
 
 fn body_head(body: &Body<impl Copy>) -> String {
     let (keyword, name) = match body {
-        Body::Aggregate { union: false, name, .. } => ("struct", name),
-        Body::Aggregate { union: true, name, .. } => ("union", name),
+        Body::Aggregate {
+            union: false, name, ..
+        } => ("struct", name),
+        Body::Aggregate {
+            union: true, name, ..
+        } => ("union", name),
         Body::Enum { name, .. } => ("enum", name),
     };
-    if name.is_empty() { format!("{keyword} {{") } else { format!("{keyword} {name} {{") }
+    if name.is_empty() {
+        format!("{keyword} {{")
+    } else {
+        format!("{keyword} {name} {{")
+    }
 }
 
 /// Writes `struct name {` ... `}` (no trailing name or newline). `indent` is the nesting
@@ -196,7 +219,11 @@ fn write_body<G: TypeShapes>(
             let list: Vec<String> = values
                 .iter()
                 .map(|(name, value)| {
-                    let text = if *value == next { name.clone() } else { format!("{name} = {value}") };
+                    let text = if *value == next {
+                        name.clone()
+                    } else {
+                        format!("{name} = {value}")
+                    };
                     next = value.saturating_add(1);
                     text
                 })
@@ -232,7 +259,9 @@ fn write_member<G: TypeShapes>(
 ) {
     let bits = base_bits.saturating_add(m.bit_offset);
     if offsets {
-        let size = m.bit_size.map_or_else(|| g.size_of(m.ty).unwrap_or(0), |b| b);
+        let size = m
+            .bit_size
+            .map_or_else(|| g.size_of(m.ty).unwrap_or(0), |b| b);
         match m.bit_size {
             Some(_) => {
                 let _ = write!(out, "/* {:>6}:{:>2}   |  {size:>6} */", bits / 8, bits % 8);
@@ -284,18 +313,28 @@ mod tests {
 
     fn toy() -> Toy {
         let shapes = vec![
-            Shape::Named("int".into()),                // 0
-            Shape::Pointer(0),                         // 1 int *
-            Shape::Qualified("const", 0),              // 2 const int
-            Shape::Pointer(2),                         // 3 const int *
-            Shape::Qualified("const", 1),              // 4 int * const
-            Shape::Array(0, Some(16)),                 // 5 int [16]
-            Shape::Function { ret: 0, params: vec![1, 3], variadic: false, prototyped: true }, // 6
-            Shape::Pointer(6),                         // 7 int (*)(int *, const int *)
-            Shape::Pointer(5),                         // 8 int (*)[16]
-            Shape::Function { ret: 0, params: vec![], variadic: false, prototyped: true }, // 9
-            Shape::Pointer(9),                         // 10
-            Shape::Pointer(10),                        // 11 pointer loop guard test not needed
+            Shape::Named("int".into()),   // 0
+            Shape::Pointer(0),            // 1 int *
+            Shape::Qualified("const", 0), // 2 const int
+            Shape::Pointer(2),            // 3 const int *
+            Shape::Qualified("const", 1), // 4 int * const
+            Shape::Array(0, Some(16)),    // 5 int [16]
+            Shape::Function {
+                ret: 0,
+                params: vec![1, 3],
+                variadic: false,
+                prototyped: true,
+            }, // 6
+            Shape::Pointer(6),            // 7 int (*)(int *, const int *)
+            Shape::Pointer(5),            // 8 int (*)[16]
+            Shape::Function {
+                ret: 0,
+                params: vec![],
+                variadic: false,
+                prototyped: true,
+            }, // 9
+            Shape::Pointer(9),            // 10
+            Shape::Pointer(10),           // 11 pointer loop guard test not needed
         ];
         Toy(shapes, vec![])
     }
@@ -322,32 +361,57 @@ mod tests {
 
     #[test]
     fn ptype_expands_anonymous_members_and_prints_bitfields() {
-        let shapes = vec![Shape::Named("int".into()), Shape::Named("struct s".into()), Shape::Named("union {...}".into())];
+        let shapes = vec![
+            Shape::Named("int".into()),
+            Shape::Named("struct s".into()),
+            Shape::Named("union {...}".into()),
+        ];
         let inner = Body::Aggregate {
             union: true,
             name: String::new(),
             size: 4,
-            members: vec![BodyMember { name: "a".into(), ty: 0, bit_offset: 0, bit_size: None }],
+            members: vec![BodyMember {
+                name: "a".into(),
+                ty: 0,
+                bit_offset: 0,
+                bit_size: None,
+            }],
         };
         let outer = Body::Aggregate {
             union: false,
             name: "s".into(),
             size: 8,
             members: vec![
-                BodyMember { name: String::new(), ty: 2, bit_offset: 0, bit_size: None },
-                BodyMember { name: "b".into(), ty: 0, bit_offset: 32, bit_size: Some(3) },
+                BodyMember {
+                    name: String::new(),
+                    ty: 2,
+                    bit_offset: 0,
+                    bit_size: None,
+                },
+                BodyMember {
+                    name: "b".into(),
+                    ty: 0,
+                    bit_offset: 32,
+                    bit_size: Some(3),
+                },
             ],
         };
         let g = Toy(shapes, vec![None, Some(outer), Some(inner)]);
 
         let text = ptype(&g, 1, false);
 
-        assert_eq!(text, "type = struct s {\n    union {\n        int a;\n    };\n    int b : 3;\n}\n");
+        assert_eq!(
+            text,
+            "type = struct s {\n    union {\n        int a;\n    };\n    int b : 3;\n}\n"
+        );
     }
 
     #[test]
     fn ptype_of_an_enum_prints_values_that_break_the_sequence() {
-        let body = Body::Enum { name: "e".into(), values: vec![("A".into(), 0), ("B".into(), 1), ("C".into(), 8)] };
+        let body = Body::Enum {
+            name: "e".into(),
+            values: vec![("A".into(), 0), ("B".into(), 1), ("C".into(), 8)],
+        };
         let g = Toy(vec![Shape::Named("enum e".into())], vec![Some(body)]);
 
         assert_eq!(ptype(&g, 0, false), "type = enum e {A, B, C = 8}\n");

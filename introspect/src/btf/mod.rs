@@ -285,8 +285,14 @@ impl Btf {
             Some(m) => return Err(BtfError::BadMagic(m)),
             None => return Err(truncated("the magic", 2, blob.len())),
         };
-        let r = Reader { bytes: blob, big_endian };
-        let field = |at: usize| r.u32_at(at).ok_or(truncated("the header", HEADER_LEN as u64, blob.len()));
+        let r = Reader {
+            bytes: blob,
+            big_endian,
+        };
+        let field = |at: usize| {
+            r.u32_at(at)
+                .ok_or(truncated("the header", HEADER_LEN as u64, blob.len()))
+        };
         let version = blob.get(2).copied().unwrap_or(0);
         if version != 1 {
             return Err(BtfError::BadVersion(version));
@@ -302,7 +308,10 @@ impl Btf {
         };
         let type_section = section(8, "the type section")?;
         let strings = section(16, "the string section")?.to_vec();
-        let types = types::parse_all(Reader { bytes: type_section, big_endian })?;
+        let types = types::parse_all(Reader {
+            bytes: type_section,
+            big_endian,
+        })?;
         let btf = Btf { types, strings };
         btf.validate()?;
         Ok(btf)

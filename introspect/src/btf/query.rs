@@ -93,7 +93,10 @@ impl Btf {
     /// [`LookupError::NoSuchType`] when there is none.
     pub fn struct_by_name(&self, name: &str) -> Result<TypeId, LookupError> {
         self.find(name, |k| matches!(k, Kind::Struct { .. }))
-            .ok_or_else(|| LookupError::NoSuchType { kind: "struct", name: name.into() })
+            .ok_or_else(|| LookupError::NoSuchType {
+                kind: "struct",
+                name: name.into(),
+            })
     }
 
     /// The union named `name`.
@@ -102,7 +105,10 @@ impl Btf {
     /// [`LookupError::NoSuchType`] when there is none.
     pub fn union_by_name(&self, name: &str) -> Result<TypeId, LookupError> {
         self.find(name, |k| matches!(k, Kind::Union { .. }))
-            .ok_or_else(|| LookupError::NoSuchType { kind: "union", name: name.into() })
+            .ok_or_else(|| LookupError::NoSuchType {
+                kind: "union",
+                name: name.into(),
+            })
     }
 
     /// Strips typedefs, `const`, `volatile`, `restrict` and type tags.
@@ -144,9 +150,9 @@ impl Btf {
             | Kind::Float { size }
             | Kind::Datasec { size, .. } => Some(u64::from(*size)),
             Kind::Ptr(_) => Some(8),
-            Kind::Array { elem, len, .. } => {
-                self.size_of_depth(*elem, depth + 1)?.checked_mul(u64::from(*len))
-            }
+            Kind::Array { elem, len, .. } => self
+                .size_of_depth(*elem, depth + 1)?
+                .checked_mul(u64::from(*len)),
             Kind::Var { ty, .. } => self.size_of_depth(*ty, depth + 1),
             _ => None,
         }
@@ -170,10 +176,13 @@ impl Btf {
         if let Some(m) = members.iter().find(|m| self.str_at(m.name) == name) {
             return Some((u64::from(m.bit_offset), m));
         }
-        members.iter().filter(|m| m.name == 0 || self.str_at(m.name).is_empty()).find_map(|m| {
-            let (inner, found) = self.find_member(m.ty, name, depth + 1)?;
-            Some((u64::from(m.bit_offset).checked_add(inner)?, found))
-        })
+        members
+            .iter()
+            .filter(|m| m.name == 0 || self.str_at(m.name).is_empty())
+            .find_map(|m| {
+                let (inner, found) = self.find_member(m.ty, name, depth + 1)?;
+                Some((u64::from(m.bit_offset).checked_add(inner)?, found))
+            })
     }
 
     /// Location of the member at `path` inside aggregate `id`. A path is member names joined
@@ -182,24 +191,40 @@ impl Btf {
     /// # Errors
     /// [`LookupError`] when the path is malformed or a step does not exist.
     pub fn member(&self, id: TypeId, path: &str) -> Result<MemberLocation, LookupError> {
-        let mut loc = MemberLocation { bit_offset: 0, bitfield_size: None, ty: id };
+        let mut loc = MemberLocation {
+            bit_offset: 0,
+            bitfield_size: None,
+            ty: id,
+        };
         let mut walked = self.name(id).to_owned();
         for step in path.split('.') {
-            let (member, subscripts) = split_subscripts(step).ok_or_else(|| LookupError::BadPath(path.into()))?;
+            let (member, subscripts) =
+                split_subscripts(step).ok_or_else(|| LookupError::BadPath(path.into()))?;
             if self.members_of(loc.ty).is_none() {
-                return Err(LookupError::NotAggregate { path: walked, member: member.into() });
+                return Err(LookupError::NotAggregate {
+                    path: walked,
+                    member: member.into(),
+                });
             }
-            let (off, m) = self
-                .find_member(loc.ty, member, 0)
-                .ok_or_else(|| LookupError::NoSuchMember { path: walked.clone(), member: member.into() })?;
+            let (off, m) =
+                self.find_member(loc.ty, member, 0)
+                    .ok_or_else(|| LookupError::NoSuchMember {
+                        path: walked.clone(),
+                        member: member.into(),
+                    })?;
             walked = format!("{walked}.{member}");
             loc = MemberLocation {
-                bit_offset: loc.bit_offset.checked_add(off).ok_or_else(|| LookupError::NoSize(walked.clone()))?,
+                bit_offset: loc
+                    .bit_offset
+                    .checked_add(off)
+                    .ok_or_else(|| LookupError::NoSize(walked.clone()))?,
                 bitfield_size: m.bitfield_size,
                 ty: m.ty,
             };
             for index in subscripts {
-                let Some(Kind::Array { elem, .. }) = self.get(self.resolve(loc.ty)?).map(|t| &t.kind) else {
+                let Some(Kind::Array { elem, .. }) =
+                    self.get(self.resolve(loc.ty)?).map(|t| &t.kind)
+                else {
                     return Err(LookupError::NotArray(walked));
                 };
                 let elem_bits = self
@@ -207,8 +232,10 @@ impl Btf {
                     .and_then(|s| s.checked_mul(8)?.checked_mul(index))
                     .ok_or_else(|| LookupError::NoSize(walked.clone()))?;
                 walked = format!("{walked}[{index}]");
-                loc.bit_offset =
-                    loc.bit_offset.checked_add(elem_bits).ok_or_else(|| LookupError::NoSize(walked.clone()))?;
+                loc.bit_offset = loc
+                    .bit_offset
+                    .checked_add(elem_bits)
+                    .ok_or_else(|| LookupError::NoSize(walked.clone()))?;
                 loc.ty = *elem;
             }
         }
@@ -219,7 +246,11 @@ impl Btf {
     ///
     /// # Errors
     /// [`LookupError`] when the struct or a path step does not exist.
-    pub fn struct_member(&self, struct_name: &str, path: &str) -> Result<MemberLocation, LookupError> {
+    pub fn struct_member(
+        &self,
+        struct_name: &str,
+        path: &str,
+    ) -> Result<MemberLocation, LookupError> {
         self.member(self.struct_by_name(struct_name)?, path)
     }
 
@@ -228,8 +259,13 @@ impl Btf {
     /// # Errors
     /// [`LookupError::NoSuchType`] when there is no such function or its prototype is missing.
     pub fn func_signature(&self, name: &str) -> Result<FuncSignature, LookupError> {
-        let no_func = || LookupError::NoSuchType { kind: "function", name: name.into() };
-        let func = self.find(name, |k| matches!(k, Kind::Func { .. })).ok_or_else(no_func)?;
+        let no_func = || LookupError::NoSuchType {
+            kind: "function",
+            name: name.into(),
+        };
+        let func = self
+            .find(name, |k| matches!(k, Kind::Func { .. }))
+            .ok_or_else(no_func)?;
         let Some(Kind::Func { proto, .. }) = self.get(func).map(|t| &t.kind) else {
             return Err(no_func());
         };
@@ -240,7 +276,9 @@ impl Btf {
         let named = params.iter().take(params.len() - usize::from(variadic));
         Ok(FuncSignature {
             ret: *ret,
-            params: named.map(|p| (self.str_at(p.name).to_owned(), p.ty)).collect(),
+            params: named
+                .map(|p| (self.str_at(p.name).to_owned(), p.ty))
+                .collect(),
             variadic,
         })
     }

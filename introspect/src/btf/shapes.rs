@@ -16,14 +16,20 @@ impl TypeShapes for Btf {
     type Id = TypeId;
 
     fn shape(&self, id: TypeId) -> Shape<TypeId> {
-        let Some(ty) = self.get(id) else { return Shape::Unknown };
+        let Some(ty) = self.get(id) else {
+            return Shape::Unknown;
+        };
         match &ty.kind {
             Kind::Void => Shape::Void,
-            Kind::Int { .. } | Kind::Float { .. } | Kind::Typedef(_) => Shape::Named(self.name(id).to_owned()),
+            Kind::Int { .. } | Kind::Float { .. } | Kind::Typedef(_) => {
+                Shape::Named(self.name(id).to_owned())
+            }
             Kind::Struct { .. } => Shape::Named(self.keyword_name("struct", id)),
             Kind::Union { .. } => Shape::Named(self.keyword_name("union", id)),
             Kind::Enum { .. } => Shape::Named(self.keyword_name("enum", id)),
-            Kind::Fwd { union } => Shape::Named(self.keyword_name(if *union { "union" } else { "struct" }, id)),
+            Kind::Fwd { union } => {
+                Shape::Named(self.keyword_name(if *union { "union" } else { "struct" }, id))
+            }
             Kind::Ptr(t) => Shape::Pointer(*t),
             Kind::Array { elem, len, .. } => Shape::Array(*elem, Some(u64::from(*len))),
             Kind::Const(t) => Shape::Qualified("const", *t),
@@ -37,7 +43,12 @@ impl TypeShapes for Btf {
             Kind::FuncProto { ret, params } => {
                 let variadic = params.last().is_some_and(|p| p.ty == 0);
                 let named = params.iter().take(params.len() - usize::from(variadic));
-                Shape::Function { ret: *ret, params: named.map(|p| p.ty).collect(), variadic, prototyped: true }
+                Shape::Function {
+                    ret: *ret,
+                    params: named.map(|p| p.ty).collect(),
+                    variadic,
+                    prototyped: true,
+                }
             }
             Kind::Datasec { .. } | Kind::DeclTag { .. } => Shape::Unknown,
         }
@@ -50,7 +61,10 @@ impl TypeShapes for Btf {
             Kind::Struct { size, members } => (false, size, members),
             Kind::Union { size, members } => (true, size, members),
             Kind::Enum { values, .. } => {
-                let values = values.iter().map(|v| (self.str_at(v.name).to_owned(), v.value)).collect();
+                let values = values
+                    .iter()
+                    .map(|v| (self.str_at(v.name).to_owned(), v.value))
+                    .collect();
                 return Some(Body::Enum { name, values });
             }
             _ => return None,
@@ -64,7 +78,12 @@ impl TypeShapes for Btf {
                 bit_size: m.bitfield_size.map(u64::from),
             })
             .collect();
-        Some(Body::Aggregate { union, name, size: u64::from(*size), members })
+        Some(Body::Aggregate {
+            union,
+            name,
+            size: u64::from(*size),
+            members,
+        })
     }
 
     fn size_of(&self, id: TypeId) -> Option<u64> {

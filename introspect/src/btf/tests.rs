@@ -13,7 +13,11 @@ struct Builder {
 
 impl Builder {
     fn new() -> Self {
-        Builder { words: Vec::new(), strings: vec![0], big_endian: false }
+        Builder {
+            words: Vec::new(),
+            strings: vec![0],
+            big_endian: false,
+        }
     }
 
     fn s(&mut self, text: &str) -> u32 {
@@ -23,7 +27,15 @@ impl Builder {
         at
     }
 
-    fn ty(&mut self, name: &str, kind: u32, vlen: u32, kind_flag: bool, size_or_type: u32, tail: &[u32]) {
+    fn ty(
+        &mut self,
+        name: &str,
+        kind: u32,
+        vlen: u32,
+        kind_flag: bool,
+        size_or_type: u32,
+        tail: &[u32],
+    ) {
         let name = if name.is_empty() { 0 } else { self.s(name) };
         let info = vlen | kind << 24 | u32::from(kind_flag) << 31;
         self.words.extend_from_slice(&[name, info, size_or_type]);
@@ -31,11 +43,21 @@ impl Builder {
     }
 
     fn blob(&self) -> Vec<u8> {
-        let enc = |v: u32| if self.big_endian { v.to_be_bytes() } else { v.to_le_bytes() };
+        let enc = |v: u32| {
+            if self.big_endian {
+                v.to_be_bytes()
+            } else {
+                v.to_le_bytes()
+            }
+        };
         let type_len = u32::try_from(self.words.len() * 4).unwrap();
         let str_len = u32::try_from(self.strings.len()).unwrap();
         let mut out = Vec::new();
-        out.extend_from_slice(&if self.big_endian { 0xeb9fu16.to_be_bytes() } else { 0xeb9fu16.to_le_bytes() });
+        out.extend_from_slice(&if self.big_endian {
+            0xeb9fu16.to_be_bytes()
+        } else {
+            0xeb9fu16.to_le_bytes()
+        });
         out.extend_from_slice(&[1, 0]);
         for v in [24, 0, type_len, type_len, str_len] {
             out.extend_from_slice(&enc(v));
@@ -65,7 +87,13 @@ fn task_blob(b: &mut Builder) -> Vec<u8> {
     let a = b.s("a");
     let bb = b.s("b");
     b.ty("", 5, 2, false, 4, &[a, 1, 0, bb, 3, 0]);
-    let (pid, comm, tasks, flags, state) = (b.s("pid"), b.s("comm"), b.s("tasks"), b.s("flags"), b.s("state"));
+    let (pid, comm, tasks, flags, state) = (
+        b.s("pid"),
+        b.s("comm"),
+        b.s("tasks"),
+        b.s("flags"),
+        b.s("state"),
+    );
     // kind_flag: offsets carry bitfield sizes in their top byte.
     b.ty(
         "task",
@@ -73,7 +101,26 @@ fn task_blob(b: &mut Builder) -> Vec<u8> {
         6,
         true,
         64,
-        &[pid, 3, 0, comm, 5, 32, tasks, 6, 192, 0, 8, 320, flags, 1, 3 << 24 | 352, state, 1, 5 << 24 | 355],
+        &[
+            pid,
+            3,
+            0,
+            comm,
+            5,
+            32,
+            tasks,
+            6,
+            192,
+            0,
+            8,
+            320,
+            flags,
+            1,
+            3 << 24 | 352,
+            state,
+            1,
+            5 << 24 | 355,
+        ],
     );
     b.ty("", 10, 0, false, 9, &[]);
     b.ty("", 2, 0, false, 10, &[]);
@@ -93,7 +140,14 @@ fn parse_reads_every_type_and_names() {
 
     assert_eq!(btf.len(), 14);
     assert_eq!(btf.name(9), "task");
-    assert_eq!(btf.get(5).map(|t| &t.kind), Some(&Kind::Array { elem: 2, index: 1, len: 16 }));
+    assert_eq!(
+        btf.get(5).map(|t| &t.kind),
+        Some(&Kind::Array {
+            elem: 2,
+            index: 1,
+            len: 16
+        })
+    );
 }
 
 #[test]
@@ -128,7 +182,10 @@ fn kind_flag_members_carry_bitfield_sizes() {
 
     let state = btf.struct_member("task", "state").unwrap();
 
-    assert_eq!((state.bit_offset, state.bitfield_size, state.byte_offset()), (355, Some(5), None));
+    assert_eq!(
+        (state.bit_offset, state.bitfield_size, state.byte_offset()),
+        (355, Some(5), None)
+    );
 }
 
 #[test]
@@ -137,11 +194,26 @@ fn struct_member_names_the_missing_step() {
 
     assert_eq!(
         btf.struct_member("task", "tasks.nope"),
-        Err(LookupError::NoSuchMember { path: "task.tasks".into(), member: "nope".into() })
+        Err(LookupError::NoSuchMember {
+            path: "task.tasks".into(),
+            member: "nope".into()
+        })
     );
-    assert_eq!(btf.struct_member("task", "pid[1]"), Err(LookupError::NotArray("task.pid".into())));
-    assert_eq!(btf.struct_member("task", "pid.x").map(|_| ()), Err(LookupError::NotAggregate { path: "task.pid".into(), member: "x".into() }));
-    assert!(matches!(btf.struct_member("nothing", "pid"), Err(LookupError::NoSuchType { .. })));
+    assert_eq!(
+        btf.struct_member("task", "pid[1]"),
+        Err(LookupError::NotArray("task.pid".into()))
+    );
+    assert_eq!(
+        btf.struct_member("task", "pid.x").map(|_| ()),
+        Err(LookupError::NotAggregate {
+            path: "task.pid".into(),
+            member: "x".into()
+        })
+    );
+    assert!(matches!(
+        btf.struct_member("nothing", "pid"),
+        Err(LookupError::NoSuchType { .. })
+    ));
 }
 
 #[test]
@@ -174,7 +246,10 @@ fn declarations_print_like_gdb() {
 
     assert_eq!(declaration(&btf, 5, "comm"), "char comm[16]");
     assert_eq!(declaration(&btf, 11, "t"), "const struct task *t");
-    assert_eq!(declaration(&btf, 13, "task_pid"), "int task_pid(const struct task *, ...)");
+    assert_eq!(
+        declaration(&btf, 13, "task_pid"),
+        "int task_pid(const struct task *, ...)"
+    );
 }
 
 #[test]
@@ -190,10 +265,16 @@ fn ptype_prints_the_struct_body() {
 
 #[test]
 fn big_endian_blobs_parse_the_same() {
-    let mut b = Builder { big_endian: true, ..Builder::new() };
+    let mut b = Builder {
+        big_endian: true,
+        ..Builder::new()
+    };
     let btf = Btf::parse(&task_blob(&mut b)).unwrap();
 
-    assert_eq!(btf.struct_member("task", "tasks").unwrap().byte_offset(), Some(24));
+    assert_eq!(
+        btf.struct_member("task", "tasks").unwrap().byte_offset(),
+        Some(24)
+    );
 }
 
 #[test]
@@ -209,22 +290,38 @@ fn parse_refuses_a_bad_magic_and_version() {
 fn parse_refuses_dangling_type_and_string_references() {
     let mut b = Builder::new();
     b.ty("", 2, 0, false, 7, &[]);
-    assert!(matches!(Btf::parse(&b.blob()), Err(BtfError::BadReference { id: 1, target: 7, count: 1 })));
+    assert!(matches!(
+        Btf::parse(&b.blob()),
+        Err(BtfError::BadReference {
+            id: 1,
+            target: 7,
+            count: 1
+        })
+    ));
 
     let mut b = Builder::new();
     b.words.extend_from_slice(&[999, 2 << 24, 0]);
-    assert!(matches!(Btf::parse(&b.blob()), Err(BtfError::BadString { id: 1, offset: 999 })));
+    assert!(matches!(
+        Btf::parse(&b.blob()),
+        Err(BtfError::BadString { id: 1, offset: 999 })
+    ));
 }
 
 #[test]
 fn parse_refuses_unknown_kinds_and_huge_member_counts() {
     let mut b = Builder::new();
     b.ty("", 31, 0, false, 0, &[]);
-    assert!(matches!(Btf::parse(&b.blob()), Err(BtfError::UnknownKind { id: 1, kind: 31 })));
+    assert!(matches!(
+        Btf::parse(&b.blob()),
+        Err(BtfError::UnknownKind { id: 1, kind: 31 })
+    ));
 
     let mut b = Builder::new();
     b.ty("", 4, 0xffff, false, 8, &[]);
-    assert!(matches!(Btf::parse(&b.blob()), Err(BtfError::Truncated { .. })));
+    assert!(matches!(
+        Btf::parse(&b.blob()),
+        Err(BtfError::Truncated { .. })
+    ));
 }
 
 #[test]
@@ -260,7 +357,9 @@ fn typedef_loops_end_in_too_deep() {
 
 #[test]
 fn debian_kernel_btf_gives_task_struct_offsets() {
-    let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else { return };
+    let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else {
+        return;
+    };
 
     let btf = Btf::from_elf(vmlinux.bytes()).unwrap();
     let pid = btf.struct_member("task_struct", "pid").unwrap();
@@ -276,7 +375,10 @@ fn debian_kernel_btf_gives_task_struct_offsets() {
     );
     assert_eq!(btf.name(pid.ty), "pid_t");
     assert_eq!(declaration(&btf, comm.ty, "comm"), "char comm[16]");
-    assert_eq!(declaration(&btf, tasks.ty, "tasks"), "struct list_head tasks");
+    assert_eq!(
+        declaration(&btf, tasks.ty, "tasks"),
+        "struct list_head tasks"
+    );
     assert!(pid.byte_offset().is_some_and(|o| o > 0 && o < 4096));
     assert!(btf.func_signature("vfs_read").unwrap().params.len() == 4);
 }

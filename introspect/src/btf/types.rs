@@ -1,8 +1,6 @@
 //! Decoding of the type section: one `btf_type` record plus its kind-specific tail per type.
 
-use super::{
-    BtfError, Enumerator, IntEncoding, Kind, Member, Param, Reader, SecVar, Type, TypeId,
-};
+use super::{BtfError, Enumerator, IntEncoding, Kind, Member, Param, Reader, SecVar, Type, TypeId};
 
 /// Kind numbers of `include/uapi/linux/btf.h`.
 mod kind {
@@ -65,7 +63,10 @@ impl Cursor<'_> {
 
 /// Decodes every type of the section; index 0 of the result is `void`.
 pub(super) fn parse_all(r: Reader<'_>) -> Result<Vec<Type>, BtfError> {
-    let mut types = vec![Type { name: 0, kind: Kind::Void }];
+    let mut types = vec![Type {
+        name: 0,
+        kind: Kind::Void,
+    }];
     let mut c = Cursor { r, pos: 0 };
     while !c.at_end() {
         let id = TypeId::try_from(types.len()).unwrap_or(TypeId::MAX);
@@ -88,7 +89,12 @@ fn members(c: &mut Cursor<'_>, vlen: usize, kind_flag: bool) -> Result<Vec<Membe
             } else {
                 (offset, None)
             };
-            Ok(Member { name, ty, bit_offset, bitfield_size })
+            Ok(Member {
+                name,
+                ty,
+                bit_offset,
+                bitfield_size,
+            })
         })
         .collect()
 }
@@ -106,7 +112,11 @@ fn parse_one(c: &mut Cursor<'_>, id: TypeId) -> Result<Type, BtfError> {
             let enc = (word >> 24) & 0x0f;
             Kind::Int {
                 size: size_or_type,
-                encoding: IntEncoding { signed: enc & 1 != 0, char: enc & 2 != 0, bool: enc & 4 != 0 },
+                encoding: IntEncoding {
+                    signed: enc & 1 != 0,
+                    char: enc & 2 != 0,
+                    bool: enc & 4 != 0,
+                },
                 bit_offset: (word >> 16) as u8,
                 bits: word as u8,
             }
@@ -118,8 +128,14 @@ fn parse_one(c: &mut Cursor<'_>, id: TypeId) -> Result<Type, BtfError> {
             let len = c.u32()?;
             Kind::Array { elem, index, len }
         }
-        kind::STRUCT => Kind::Struct { size: size_or_type, members: members(c, vlen, kind_flag)? },
-        kind::UNION => Kind::Union { size: size_or_type, members: members(c, vlen, kind_flag)? },
+        kind::STRUCT => Kind::Struct {
+            size: size_or_type,
+            members: members(c, vlen, kind_flag)?,
+        },
+        kind::UNION => Kind::Union {
+            size: size_or_type,
+            members: members(c, vlen, kind_flag)?,
+        },
         kind::ENUM => {
             c.check_room(vlen, 8)?;
             let values = (0..vlen)
@@ -127,11 +143,19 @@ fn parse_one(c: &mut Cursor<'_>, id: TypeId) -> Result<Type, BtfError> {
                     let name = c.u32()?;
                     let raw = c.u32()?;
                     // kind_flag marks a signed enum; without it the value is unsigned.
-                    let value = if kind_flag { i128::from(raw as i32) } else { i128::from(raw) };
+                    let value = if kind_flag {
+                        i128::from(raw as i32)
+                    } else {
+                        i128::from(raw)
+                    };
                     Ok(Enumerator { name, value })
                 })
                 .collect::<Result<_, BtfError>>()?;
-            Kind::Enum { size: size_or_type, signed: kind_flag, values }
+            Kind::Enum {
+                size: size_or_type,
+                signed: kind_flag,
+                values,
+            }
         }
         kind::ENUM64 => {
             c.check_room(vlen, 12)?;
@@ -141,35 +165,69 @@ fn parse_one(c: &mut Cursor<'_>, id: TypeId) -> Result<Type, BtfError> {
                     let lo = u64::from(c.u32()?);
                     let hi = u64::from(c.u32()?);
                     let raw = hi << 32 | lo;
-                    let value = if kind_flag { i128::from(raw as i64) } else { i128::from(raw) };
+                    let value = if kind_flag {
+                        i128::from(raw as i64)
+                    } else {
+                        i128::from(raw)
+                    };
                     Ok(Enumerator { name, value })
                 })
                 .collect::<Result<_, BtfError>>()?;
-            Kind::Enum { size: size_or_type, signed: kind_flag, values }
+            Kind::Enum {
+                size: size_or_type,
+                signed: kind_flag,
+                values,
+            }
         }
         kind::FWD => Kind::Fwd { union: kind_flag },
         kind::TYPEDEF => Kind::Typedef(size_or_type),
         kind::VOLATILE => Kind::Volatile(size_or_type),
         kind::CONST => Kind::Const(size_or_type),
         kind::RESTRICT => Kind::Restrict(size_or_type),
-        kind::FUNC => Kind::Func { proto: size_or_type, linkage: vlen as u16 },
+        kind::FUNC => Kind::Func {
+            proto: size_or_type,
+            linkage: vlen as u16,
+        },
         kind::FUNC_PROTO => {
             c.check_room(vlen, 8)?;
             let params = (0..vlen)
-                .map(|_| Ok(Param { name: c.u32()?, ty: c.u32()? }))
+                .map(|_| {
+                    Ok(Param {
+                        name: c.u32()?,
+                        ty: c.u32()?,
+                    })
+                })
                 .collect::<Result<_, BtfError>>()?;
-            Kind::FuncProto { ret: size_or_type, params }
+            Kind::FuncProto {
+                ret: size_or_type,
+                params,
+            }
         }
-        kind::VAR => Kind::Var { ty: size_or_type, linkage: c.u32()? },
+        kind::VAR => Kind::Var {
+            ty: size_or_type,
+            linkage: c.u32()?,
+        },
         kind::DATASEC => {
             c.check_room(vlen, 12)?;
             let vars = (0..vlen)
-                .map(|_| Ok(SecVar { ty: c.u32()?, offset: c.u32()?, size: c.u32()? }))
+                .map(|_| {
+                    Ok(SecVar {
+                        ty: c.u32()?,
+                        offset: c.u32()?,
+                        size: c.u32()?,
+                    })
+                })
                 .collect::<Result<_, BtfError>>()?;
-            Kind::Datasec { size: size_or_type, vars }
+            Kind::Datasec {
+                size: size_or_type,
+                vars,
+            }
         }
         kind::FLOAT => Kind::Float { size: size_or_type },
-        kind::DECL_TAG => Kind::DeclTag { target: size_or_type, component: c.u32()? as i32 },
+        kind::DECL_TAG => Kind::DeclTag {
+            target: size_or_type,
+            component: c.u32()? as i32,
+        },
         kind::TYPE_TAG => Kind::TypeTag(size_or_type),
         other => return Err(BtfError::UnknownKind { id, kind: other }),
     };
@@ -179,9 +237,11 @@ fn parse_one(c: &mut Cursor<'_>, id: TypeId) -> Result<Type, BtfError> {
 /// Every type id that `kind` refers to (0 = void is always valid).
 pub(super) fn references(kind: &Kind) -> Vec<TypeId> {
     match kind {
-        Kind::Void | Kind::Int { .. } | Kind::Fwd { .. } | Kind::Float { .. } | Kind::Enum { .. } => {
-            Vec::new()
-        }
+        Kind::Void
+        | Kind::Int { .. }
+        | Kind::Fwd { .. }
+        | Kind::Float { .. }
+        | Kind::Enum { .. } => Vec::new(),
         Kind::Ptr(t)
         | Kind::Typedef(t)
         | Kind::Volatile(t)
@@ -195,9 +255,9 @@ pub(super) fn references(kind: &Kind) -> Vec<TypeId> {
         Kind::Struct { members, .. } | Kind::Union { members, .. } => {
             members.iter().map(|m| m.ty).collect()
         }
-        Kind::FuncProto { ret, params } => {
-            std::iter::once(*ret).chain(params.iter().map(|p| p.ty)).collect()
-        }
+        Kind::FuncProto { ret, params } => std::iter::once(*ret)
+            .chain(params.iter().map(|p| p.ty))
+            .collect(),
         Kind::Datasec { vars, .. } => vars.iter().map(|v| v.ty).collect(),
     }
 }
