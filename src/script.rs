@@ -7,10 +7,63 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context as _};
+use exotap_introspect::btf::Btf;
+use exotap_probes::lang::ast::ProbePoint;
 use exotap_probes::lang::driver::{run_job, run_listing, stop_on_ctrl_c, Job, ScriptSource};
+use exotap_probes::lang::kernel_points::KernelSymbols;
 use exotap_probes::lang::output::Format;
-use exotap_probes::lang::resolve::NoSymbols;
+use exotap_probes::lang::point::PointKind;
+use exotap_probes::lang::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
 use exotap_probes::lang::Limits;
+
+use crate::kernel_image::{ImageArgs, KernelImage};
+
+/// Resolves kernel probe points with the guest kernel image's symbols and BTF, loading the
+/// image the first time a kernel point needs it (host-only scripts never touch it).
+struct LazyKernel {
+    image: ImageArgs,
+    loaded: std::cell::OnceCell<Result<(KernelImage, Option<Btf>), String>>,
+}
+
+impl LazyKernel {
+    fn new(image: ImageArgs) -> Self {
+        Self {
+            image,
+            loaded: std::cell::OnceCell::new(),
+        }
+    }
+}
+
+impl ProbePointResolver for LazyKernel {
+    fn resolve(
+        &self,
+        point: &ProbePoint,
+        kind: &PointKind,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        if !kind.needs_guest() {
+            return NoSymbols.resolve(point, kind);
+        }
+        let loaded = self.loaded.get_or_init(|| {
+            let image = KernelImage::from_args(&self.image).map_err(|e| format!("{e:#}"))?;
+            let btf = match Btf::from_elf(image.vmlinux.bytes()) {
+                Ok(btf) => Some(btf),
+                Err(e) => {
+                    tracing::warn!("no target variables for -L: the image's BTF is unusable ({e})");
+                    None
+                }
+            };
+            Ok((image, btf))
+        });
+        match loaded {
+            Ok((image, btf)) => {
+                KernelSymbols::new(&image.symbols, btf.as_ref()).resolve(point, kind)
+            }
+            Err(e) => Err(ResolveError::NeedsSymbols {
+                what: format!("{point} (the kernel image could not be loaded: {e})"),
+            }),
+        }
+    }
+}
 
 /// Output format of a running script.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -34,7 +87,7 @@ pub struct ScriptArgs {
 
 /// The script options `exotap` also takes without a subcommand (`exotap -e 'SCRIPT'`,
 /// `exotap -l PATTERN`), as `stap` does.
-#[derive(clap::Args, Debug, Default)]
+#[derive(clap::Args, Debug)]
 pub struct ScriptOptions {
     /// Script text given on the command line.
     #[arg(short = 'e', value_name = "SCRIPT")]
@@ -57,6 +110,9 @@ pub struct ScriptOptions {
     /// Set a limit: MAXACTION, MAXMAPENTRIES, MAXSTRINGLEN or MAXNESTING (-D MAXACTION=10000).
     #[arg(short = 'D', value_name = "NAME=VALUE")]
     pub define: Vec<String>,
+    /// The guest kernel whose symbols resolve kernel probe points.
+    #[command(flatten)]
+    pub image: ImageArgs,
 }
 
 impl ScriptOptions {
@@ -72,6 +128,7 @@ impl ScriptOptions {
 /// When the script or output file cannot be opened, or the options are inconsistent.
 pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> {
     let color = std::io::stderr().is_terminal();
+    let resolver = LazyKernel::new(args.image.clone());
     let listing = args
         .list
         .as_ref()
@@ -82,7 +139,7 @@ pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> 
         let code = run_listing(
             pattern,
             with_vars,
-            &NoSymbols,
+            &resolver,
             &mut out,
             &mut std::io::stderr(),
             color,
@@ -133,7 +190,7 @@ pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> 
         format,
         limits,
         color,
-        resolver: &NoSymbols,
+        resolver: &resolver,
     };
     Ok(run_job(&job, out, Box::new(std::io::stderr()), &stop))
 }

@@ -20,6 +20,7 @@ mod eval_call;
 mod eval_expr;
 pub mod format;
 pub mod hist;
+pub mod kernel_points;
 pub mod lexer;
 pub mod limits;
 pub mod output;

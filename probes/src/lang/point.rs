@@ -15,6 +15,18 @@ pub enum FunctionSite {
     Return,
 }
 
+impl FunctionSite {
+    /// The probe-point suffix that selects this site (`""`, `.call`, `.inline`, `.return`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::Entry => "",
+            Self::Call => ".call",
+            Self::Inline => ".inline",
+            Self::Return => ".return",
+        }
+    }
+}
+
 /// How a struct member is accessed (KLAS join points).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FieldAccess {

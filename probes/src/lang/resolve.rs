@@ -24,9 +24,17 @@ pub struct ResolvedPoint {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResolveError {
     /// Resolving needs the guest kernel's symbols, which this resolver does not have.
-    #[error("{what}: resolving it needs the guest kernel's symbols (exotap boot --gdb / attach, future work)")]
+    #[error("{what}: resolving it needs the guest kernel's symbols")]
     NeedsSymbols {
         /// What the point means.
+        what: String,
+    },
+    /// Resolving needs DWARF debug info (source positions, variable locations, layouts).
+    #[error(
+        "{what}: that needs the kernel's DWARF debug info, which this resolver does not use yet"
+    )]
+    NeedsDebugInfo {
+        /// The point and what it asks for.
         what: String,
     },
     /// Nothing matches.

@@ -22,7 +22,7 @@ use super::Limits;
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// The script probes the guest kernel and no backend was given.
-    #[error("kernel probe points need a guest: {points} (run them with `exotap boot --gdb` / `attach`, future work)")]
+    #[error("kernel probe points need a guest: {points} (running probe bodies in a guest is not built yet; -p 3 lists where they would go)")]
     NeedsGuest {
         /// The kernel probe points, comma separated.
         points: String,
