@@ -314,6 +314,45 @@ pub fn run_mem(cmd: &MemCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Marker written at the start of the patch heap to check the mapping through the backend's
+/// own page walk.
+const HEAP_MARKER: &[u8; 16] = b"exotap patchheap";
+
+/// Maps the hidden physical range into kernel space right after the image (PMD entries written
+/// with the guest paused) and checks, through the backend's own virtual read, that it shows up.
+///
+/// # Errors
+/// When the plan is refused (occupied range, no PMD page, ...) or the check fails.
+pub fn map_patch_heap(
+    machine: &mut GdbMachine,
+    survey: &Survey,
+    phys: u64,
+    size: u64,
+) -> anyhow::Result<exotap_introspect::heap::HeapPlan> {
+    let plan = exotap_introspect::heap::plan(
+        &mut survey.space(&mut BackendMemory(&mut *machine)),
+        survey.layout.end,
+        phys,
+        size,
+    )
+    .context("cannot plan the patch heap mapping")?;
+    for w in &plan.writes {
+        machine.write_phys(w.entry_addr, &w.new.to_le_bytes())?;
+    }
+    machine.write_phys(plan.phys, HEAP_MARKER)?;
+    let mut seen = [0u8; 16];
+    machine
+        .read_virt(VcpuId(0), plan.va, &mut seen)
+        .context("the mapped patch heap cannot be read at its virtual address")?;
+    if &seen != HEAP_MARKER {
+        bail!(
+            "the patch heap at {:#x} shows {seen:02x?}, not the marker",
+            plan.va
+        );
+    }
+    Ok(plan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

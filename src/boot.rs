@@ -15,6 +15,10 @@ use exotap_vmm::qemu::{
 
 use crate::attach::{self, TargetArgs};
 use crate::kernel_image::KernelImage;
+use crate::trace;
+use exotap_probes::lang::driver::{compile, stop_on_ctrl_c, ScriptSource};
+use exotap_probes::lang::output::Format;
+use exotap_probes::lang::Limits;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AccelChoice {
@@ -79,6 +83,20 @@ pub struct BootArgs {
     /// or `unix:PATH,server=on,wait=off`.
     #[arg(long, value_name = "DEVICE")]
     pub gdbstub: Option<String>,
+    /// Run this probe script against the guest: exotap attaches right after EXOTAP-READY,
+    /// arms the script's probe points, runs begin probes, every hit, and end probes once the
+    /// guest powers off (or the script calls exit()).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["gdb", "gdbstub"])]
+    pub script: Option<PathBuf>,
+    /// Script text instead of --script FILE.
+    #[arg(long, value_name = "SCRIPT", conflicts_with_all = ["script", "gdb", "gdbstub"])]
+    pub script_text: Option<String>,
+    /// Output format of the script.
+    #[arg(long, value_enum, default_value_t = crate::script::OutputFormat::Text)]
+    pub format: crate::script::OutputFormat,
+    /// Write the script's output to FILE instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub script_output: Option<PathBuf>,
     /// The QEMU binary.
     #[arg(long, default_value = "qemu-system-x86_64", value_name = "PATH")]
     pub qemu: PathBuf,
@@ -133,7 +151,87 @@ impl PhaseHook for AttachHook {
     }
 }
 
+/// Starts the tracer at the guest's `attach` wait point.
+struct ScriptHook {
+    target: TargetArgs,
+    image: KernelImage,
+    heap: (u64, u64),
+    script: Option<trace::GuestScript>,
+    tracer: Option<std::thread::JoinHandle<i32>>,
+}
+
+impl PhaseHook for ScriptHook {
+    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
+        let Some(script) = self.script.take().filter(|_| phase == "attach") else {
+            return Ok(());
+        };
+        let started = trace::start(&self.target, &self.image, self.heap, script);
+        match started {
+            Ok(handle) => {
+                self.tracer = Some(handle);
+                Ok(())
+            }
+            Err(e) => Err(QemuError::Hook {
+                phase: phase.to_owned(),
+                message: format!("{e:#}"),
+            }),
+        }
+    }
+}
+
+/// Reads and checks the script `--script`/`--script-text` names (before booting anything).
+fn guest_script(args: &BootArgs) -> anyhow::Result<Option<trace::GuestScript>> {
+    let source = match (&args.script, &args.script_text) {
+        (Some(path), _) => ScriptSource {
+            name: path.display().to_string(),
+            text: std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read script {}", path.display()))?,
+        },
+        (None, Some(text)) => ScriptSource {
+            name: "<input>".into(),
+            text: text.clone(),
+        },
+        (None, None) => return Ok(None),
+    };
+    let limits = Limits::default();
+    let color = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let prog = match compile(&source, &limits) {
+        Ok(prog) => prog,
+        Err(diags) => {
+            for d in &diags {
+                eprint!("{}", d.render(&source.name, &source.text, color));
+            }
+            bail!("the script has errors");
+        }
+    };
+    for d in &prog.warnings {
+        eprint!("{}", d.render(&source.name, &source.text, color));
+    }
+    let out: Box<dyn Write + Send> = match &args.script_output {
+        Some(path) => Box::new(
+            File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    let stop = stop_on_ctrl_c().unwrap_or_else(|e| {
+        tracing::warn!("cannot catch Ctrl-C ({e})");
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false))
+    });
+    Ok(Some(trace::GuestScript {
+        source,
+        prog,
+        limits,
+        format: match args.format {
+            crate::script::OutputFormat::Text => Format::Text,
+            crate::script::OutputFormat::Json => Format::Json,
+        },
+        out,
+        stop,
+    }))
+}
+
 pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
+    let script = guest_script(args)?;
     let bzimage = match &args.bzimage {
         Some(path) => path.clone(),
         None => {
@@ -159,7 +257,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.kaslr = !args.nokaslr;
     config.gdbstub = args.gdbstub.clone();
     let gdb_socket = work.path().join("gdb.sock");
-    if args.gdb {
+    if args.gdb || script.is_some() {
         config.gdbstub = Some(format!("unix:{},server=on,wait=off", gdb_socket.display()));
         config.attach_point = true;
     }
@@ -185,12 +283,29 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         boot: Duration::from_secs(args.boot_timeout),
         total: Duration::from_secs(args.timeout),
     };
-    let outcome = if args.gdb {
+    let gdb_target = TargetArgs {
+        target: format!("unix:{}", gdb_socket.display()),
+        gdb_timeout: 10,
+    };
+    let mut script_rc = 0;
+    let outcome = if let Some(script) = script {
+        let mut hook = ScriptHook {
+            target: gdb_target,
+            image: KernelImage::load(config.kernel.clone())?,
+            heap: (config.patch_heap.base, config.patch_heap.size),
+            script: Some(script),
+            tracer: None,
+        };
+        let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
+        if let Some(tracer) = hook.tracer.take() {
+            script_rc = tracer
+                .join()
+                .map_err(|_| anyhow::anyhow!("the tracer thread panicked"))?;
+        }
+        outcome?
+    } else if args.gdb {
         let mut hook = AttachHook {
-            target: TargetArgs {
-                target: format!("unix:{}", gdb_socket.display()),
-                gdb_timeout: 10,
-            },
+            target: gdb_target,
             image: KernelImage::load(config.kernel.clone())?,
         };
         qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook)?
@@ -210,5 +325,8 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         outcome.ready_after.as_secs_f64(),
         outcome.wall.as_secs_f64()
     );
+    if outcome.rc == 0 && script_rc != 0 {
+        return Ok(script_rc);
+    }
     Ok(outcome.rc)
 }

@@ -52,27 +52,16 @@ pub fn jmp_rel32(at: u64, target: u64) -> Result<[u8; 5], EntryPatchError> {
     Ok([0xe9, r[0], r[1], r[2], r[3]])
 }
 
-/// The code patch placed at `patch`: `lock incq counter(%rip)`, then the relocated entry
-/// instruction `original` that was at `func`, then a jump back to `func + 5`.
-///
-/// Flags are clobbered by `lock inc`; at a function's entry they are dead (the ABI passes
-/// nothing in them).
+/// The out-of-line copy of the entry instruction `original` that was at `func`, placed at
+/// `at`: the relocated instruction, then (for the nop) a jump back to `func + 5`. A vCPU
+/// stopped at `func` resumes here to run the entry without the breakpoint or splice there.
 ///
 /// # Errors
-/// An unsupported entry instruction or an unreachable counter, callee or return address.
-pub fn counter_patch(
-    func: u64,
-    original: [u8; 5],
-    patch: u64,
-    counter: u64,
-) -> Result<Vec<u8>, EntryPatchError> {
-    let mut code = Vec::with_capacity(24);
-    // lock incq disp32(%rip): f0 48 ff 05 disp32 (8 bytes).
-    code.extend_from_slice(&[0xf0, 0x48, 0xff, 0x05]);
-    code.extend_from_slice(&rel32(patch.wrapping_add(8), counter)?);
+/// An unsupported entry instruction or an unreachable callee or return address.
+pub fn relocated_entry(func: u64, original: [u8; 5], at: u64) -> Result<Vec<u8>, EntryPatchError> {
     let back = func.wrapping_add(5);
+    let mut code = Vec::with_capacity(10);
     if original == NOP5 {
-        let at = patch.wrapping_add(code.len() as u64);
         code.extend_from_slice(&jmp_rel32(at, back)?);
     } else if original[0] == 0xe8 {
         let disp = i32::from_le_bytes([original[1], original[2], original[3], original[4]]);
@@ -81,11 +70,31 @@ pub fn counter_patch(
             i32::try_from(back as i64).map_err(|_| EntryPatchError::NotSignExtendable(back))?;
         code.push(0x68); // push imm32 (sign-extended): the original return address
         code.extend_from_slice(&imm.to_le_bytes());
-        let at = patch.wrapping_add(code.len() as u64);
-        code.extend_from_slice(&jmp_rel32(at, callee)?);
+        code.extend_from_slice(&jmp_rel32(at.wrapping_add(5), callee)?);
     } else {
         return Err(EntryPatchError::Unsupported(original));
     }
+    Ok(code)
+}
+
+/// The code patch placed at `patch`: `lock incq counter(%rip)`, then the relocated entry
+/// instruction (see [`relocated_entry`]).
+///
+/// Flags are clobbered by `lock inc`; at a function's entry they are dead (the ABI passes
+/// nothing in them).
+///
+/// # Errors
+/// As [`relocated_entry`], and an unreachable counter.
+pub fn counter_patch(
+    func: u64,
+    original: [u8; 5],
+    patch: u64,
+    counter: u64,
+) -> Result<Vec<u8>, EntryPatchError> {
+    // lock incq disp32(%rip): f0 48 ff 05 disp32 (8 bytes).
+    let mut code = vec![0xf0, 0x48, 0xff, 0x05];
+    code.extend_from_slice(&rel32(patch.wrapping_add(8), counter)?);
+    code.extend(relocated_entry(func, original, patch.wrapping_add(8))?);
     Ok(code)
 }
 

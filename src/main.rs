@@ -8,6 +8,7 @@ mod image;
 mod kernel_image;
 mod script;
 mod selftest;
+mod trace;
 
 use std::process::ExitCode;
 

@@ -19,7 +19,6 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
-use exotap_introspect::heap;
 use exotap_vmm::control::{Machine, VcpuId};
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
 
@@ -33,11 +32,9 @@ const FUNCTION: &str = "__x64_sys_getpid";
 /// The name ftrace and kprobes know it by: `__x64_sys_getpid` and `__do_sys_getpid` share one
 /// address in this kernel, and ftrace lists only the latter.
 const FTRACE_NAME: &str = "__do_sys_getpid";
-/// Offsets inside the patch heap: a marker to check the mapping, the counter, the patch.
-const MARKER_OFFSET: u64 = 0;
+/// Offsets inside the patch heap (its first page holds the mapping check's marker).
 const COUNTER_OFFSET: u64 = 0x1000;
 const PATCH_OFFSET: u64 = 0x2000;
-const MARKER: &[u8; 16] = b"exotap patchheap";
 
 /// Boot a guest and prove attach, KASLR, the patch heap and a splice work here.
 #[derive(Debug, Args)]
@@ -146,27 +143,7 @@ impl SelftestHook {
             .read(slid("vfs_read")?, &mut vfs_read)?;
         report("bytes.vfs_read", hex(&vfs_read));
 
-        // Map the heap, then check through QEMU's own page walk that it shows up there.
-        let plan = heap::plan(
-            &mut survey.space(&mut BackendMemory(&mut *m)),
-            survey.layout.end,
-            self.heap.base,
-            self.heap.size,
-        )
-        .context("cannot plan the patch heap mapping")?;
-        for w in &plan.writes {
-            m.write_phys(w.entry_addr, &w.new.to_le_bytes())?;
-        }
-        m.write_phys(plan.phys + MARKER_OFFSET, MARKER)?;
-        let mut seen = [0u8; 16];
-        m.read_virt(VcpuId(0), plan.va + MARKER_OFFSET, &mut seen)
-            .context("the mapped patch heap cannot be read at its virtual address")?;
-        if &seen != MARKER {
-            bail!(
-                "the patch heap at {:#x} shows {seen:02x?}, not the marker",
-                plan.va
-            );
-        }
+        let plan = attach::map_patch_heap(m, &survey, self.heap.base, self.heap.size)?;
         report("heap.va", format!("{:#x}", plan.va));
         report("heap.pmd_entries", plan.writes.len());
 

@@ -30,7 +30,7 @@ pub enum GdbError {
     },
     /// The connection failed.
     #[error("the gdbstub connection failed")]
-    Io(#[from] std::io::Error),
+    Io(#[source] std::io::Error),
     /// The stub closed the connection.
     #[error("the gdbstub closed the connection")]
     Closed,
@@ -70,6 +70,17 @@ pub enum GdbError {
     /// A register is unknown.
     #[error("the target has no register named {0}")]
     NoRegister(String),
+}
+
+impl From<std::io::Error> for GdbError {
+    /// A peer that hung up (QEMU exited) is [`GdbError::Closed`], not an I/O failure.
+    fn from(e: std::io::Error) -> Self {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+        match e.kind() {
+            BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof => Self::Closed,
+            _ => Self::Io(e),
+        }
+    }
 }
 
 /// A thread as the stub numbers it (QEMU: one per vCPU, from 1).

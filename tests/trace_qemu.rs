@@ -1,0 +1,109 @@
+//! End-to-end: a probe script runs against the live Debian guest (`exotap boot --script`),
+//! with host-evaluated breakpoint probes. Oracles: the workload's own call counts, and a kprobe
+//! the guest arms on the same function through its own kprobe_events (which also turns the
+//! entry nop5 into an ftrace call under the breakpoint, so the out-of-line copy must follow).
+
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+mod common;
+
+use common::{exotap, have_qemu, result, run};
+
+const CALLS: u64 = 200;
+/// syscall-loop.c preads into `char buf[64]`, `sizeof(buf)` bytes per call.
+const PREAD_BYTES: u64 = 64;
+
+fn value(out: &str, key: &str) -> Option<u64> {
+    let prefix = format!("{key}=");
+    out.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn script_counts_match_the_workload_and_the_guests_own_kprobe() {
+    if !have_qemu("script_counts_match_the_workload_and_the_guests_own_kprobe") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let job = format!(
+        "T=/sys/kernel/tracing\n\
+         echo 'p:exotap/getppid __do_sys_getppid' >> $T/kprobe_events\n\
+         echo 1 > $T/events/exotap/getppid/enable\n\
+         syscall-loop {CALLS}\n\
+         exotap_result kprobe.getppid \"$(awk '$1==\"getppid\" || $1==\"exotap/getppid\" {{print $2}}' $T/kprobe_profile)\"\n"
+    );
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let script = r#"
+        global getppid, reads, bytes
+        probe kernel.syscall("getppid") { if (execname() == "syscall-loop") getppid++ }
+        probe kernel.function("vfs_read") {
+          if (execname() == "syscall-loop") { reads++; bytes += $count }
+        }
+        probe end { printf("getppid=%d\nreads=%d\nbytes=%d\n", getppid, reads, bytes) }
+    "#;
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "400", "--script-text", script, "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+    assert_eq!(
+        result(&out, "getppid.calls"),
+        Some(CALLS.to_string().as_str()),
+        "{ctx}"
+    );
+    assert_eq!(
+        result(&out, "kprobe.getppid"),
+        Some(CALLS.to_string().as_str()),
+        "{ctx}"
+    );
+    assert_eq!(value(&out, "getppid"), Some(CALLS), "{ctx}");
+    assert_eq!(
+        result(&out, "pread.calls"),
+        Some(CALLS.to_string().as_str()),
+        "{ctx}"
+    );
+    assert_eq!(value(&out, "reads"), Some(CALLS), "{ctx}");
+    assert_eq!(value(&out, "bytes"), Some(CALLS * PREAD_BYTES), "{ctx}");
+}
+
+#[test]
+fn return_probes_are_refused_with_the_reason_before_the_job_runs() {
+    if !have_qemu("return_probes_are_refused_with_the_reason_before_the_job_runs") {
+        return;
+    }
+
+    let (code, out, err) = run(exotap().args([
+        "boot",
+        "--script-text",
+        r#"probe kernel.function("vfs_read").return { }"#,
+        "--run",
+        "true",
+    ]));
+
+    assert_eq!(code, 125, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        err.contains("entry probes only; not yet: kernel.function(\"vfs_read\").return"),
+        "{err}"
+    );
+}
+
+#[test]
+fn script_with_errors_stops_before_booting() {
+    let (code, _out, err) = run(exotap().args([
+        "boot",
+        "--script-text",
+        r#"probe kernel.function("vfs_read") { x = "a" + 1 }"#,
+    ]));
+
+    assert_eq!(code, 125, "{err}");
+    assert!(err.contains("type mismatch"), "{err}");
+    assert!(err.contains("the script has errors"), "{err}");
+}
