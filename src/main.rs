@@ -2,6 +2,7 @@
 
 mod attach;
 mod boot;
+mod debuginfo;
 mod entry_patch;
 mod guest_memory;
 mod image;
@@ -72,6 +73,15 @@ enum Command {
     /// Read guest memory.
     #[command(subcommand)]
     Mem(attach::MemCommand),
+    /// Source lines of kernel functions from the -dbg DWARF: gdb's `info line` answer, then
+    /// every line with its address. Patterns as SystemTap's: `vfs_read`, `vfs_*`, `*@fs/open.c`.
+    Lines(debuginfo::LinesArgs),
+    /// Print a kernel type as gdb's `ptype` does (`-o`: with offsets), from DWARF or `--btf`.
+    Ptype(debuginfo::PtypeArgs),
+    /// Parameters and locals of kernel functions with their locations at entry.
+    Vars(debuginfo::VarsArgs),
+    /// Addresses (and functions) of a kernel source line: `exotap where fs/open.c:1337`.
+    Where(debuginfo::WhereArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -112,6 +122,10 @@ fn main() -> ExitCode {
         Command::Selftest(args) => selftest::run(&args),
         Command::Symbols(args) => kernel_image::run_symbols(&args),
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
+        Command::Lines(args) => debuginfo::run_lines(&args),
+        Command::Ptype(args) => debuginfo::run_ptype(&args),
+        Command::Vars(args) => debuginfo::run_vars(&args),
+        Command::Where(args) => debuginfo::run_where(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();
             println!("{}", support.explain());

@@ -8,9 +8,14 @@
 //! no step is needed and no hit on another vCPU is missed while one resumes. One stop per hit:
 //! exact, but slow (milliseconds per hit under TCG); in-guest splices are the fast path.
 //!
-//! Entry points only for now: a function's entry instruction is the ftrace nop5 or, while the
-//! guest's own ftrace uses it, a `call`, both of which [`crate::entry_patch`] relocates.
-//! `.return` probes, `timer.profile` and source-level points are refused with the reason.
+//! Probe points are function entries: a function's entry instruction is the ftrace nop5 or,
+//! while the guest's own ftrace uses it, a `call`, both of which [`crate::entry_patch`]
+//! relocates. `.return` probes work as kretprobes do: at the entry hit the return address on
+//! the stack is swapped for a trampoline in the patch heap that carries a breakpoint; its hit
+//! runs the return probes (`$return` is rax) and resumes at the original return address.
+//! Detaching puts back every swapped return address still on a stack, so calls in flight return
+//! normally. While swapped, a stack unwind inside the guest sees the trampoline's address.
+//! `timer.profile` and source-level points are refused with the reason.
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::HashMap;
@@ -45,6 +50,8 @@ const OOL_OFFSET: u64 = 0x10000;
 const OOL_SLOT: u64 = 16;
 /// SysV argument registers, as indices into [`X86Registers::gpr`] (rdi rsi rdx rcx r8 r9).
 const ARG_REGS: [usize; 6] = [5, 4, 3, 2, 8, 9];
+/// The return trampoline inside the patch heap.
+const TRAMPOLINE_OFFSET: u64 = 0x8000;
 /// How often the loop looks at timers and Ctrl-C while the guest runs.
 const POLL: Duration = Duration::from_millis(20);
 
@@ -64,10 +71,21 @@ pub struct GuestScript {
     pub stop: Arc<AtomicBool>,
 }
 
-/// One breakpoint and what it runs.
+/// One probe of a site: its index in the program and how the point is named.
+#[derive(Debug, Clone)]
+struct SiteProbe {
+    probe: usize,
+    name: String,
+}
+
+/// One breakpoint at a function entry and what it runs.
 #[derive(Debug, Clone)]
 struct ArmedPoint {
-    probe: usize,
+    /// Probes run at the entry.
+    entry: Vec<SiteProbe>,
+    /// Probes run when the call returns.
+    ret: Vec<SiteProbe>,
+    /// Name used in errors.
     name: String,
     function: String,
     /// The entry instruction the out-of-line copy was made from.
@@ -104,6 +122,8 @@ struct LiveContext<'a> {
     survey: &'a Survey,
     tasks: Option<TaskOffsets>,
     task: OnceCell<Option<(i64, String)>>,
+    /// At a return: the entry's argument registers and rax.
+    at_return: Option<(X86Registers, u64)>,
 }
 
 impl LiveContext<'_> {
@@ -139,8 +159,13 @@ impl LiveContext<'_> {
             .as_ref()
     }
 
+    /// An argument as it was at the entry (for a return probe too).
     fn argument(&self, index: usize) -> Option<u64> {
-        ARG_REGS.get(index).map(|r| self.regs.gpr[*r])
+        let regs = self
+            .at_return
+            .as_ref()
+            .map_or(&self.regs, |(entry, _)| entry);
+        ARG_REGS.get(index).map(|r| regs.gpr[*r])
     }
 }
 
@@ -155,6 +180,9 @@ impl Context for LiveContext<'_> {
                 .filter_map(|(i, p)| Some(format!("{p}={:#x}", self.argument(i)?)))
                 .collect();
             return Some(Value::Str(text.join(" ")));
+        }
+        if path == "$return" {
+            return self.at_return.map(|(_, rax)| Value::Long(rax as i64));
         }
         let name = path.strip_prefix('$')?;
         let index = self.point.params.iter().position(|p| p == name)?;
@@ -195,7 +223,8 @@ impl Context for LiveContext<'_> {
 }
 
 /// Resolves the script's kernel points, writes the out-of-line entry copies into the patch
-/// heap and sets the breakpoints. Returns the armed points by (slid) address.
+/// heap and sets the breakpoints (and the return trampoline's). Returns the armed sites by
+/// (slid) address and the trampoline's address.
 fn arm(
     att: &mut Attached,
     survey: &Survey,
@@ -203,39 +232,44 @@ fn arm(
     btf: Option<&Btf>,
     prog: &Program,
     heap: (u64, u64),
-) -> anyhow::Result<HashMap<u64, ArmedPoint>> {
+) -> anyhow::Result<(HashMap<u64, ArmedPoint>, u64)> {
     let unsupported: Vec<String> = prog
         .probes
         .iter()
         .flat_map(|p| p.points.iter())
-        .filter(|(_, kind)| match kind {
-            PointKind::TimerProfile => true,
-            PointKind::KernelFunction { site, .. } => {
-                matches!(site, exotap_probes::lang::point::FunctionSite::Return)
-            }
-            PointKind::Syscall { ret, .. } => *ret,
-            _ => false,
-        })
+        .filter(|(_, kind)| matches!(kind, PointKind::TimerProfile))
         .map(|(pt, _)| pt.to_string())
         .collect();
     if !unsupported.is_empty() {
         bail!(
-            "the gdbstub tracer runs entry probes only; not yet: {}",
+            "the gdbstub tracer cannot run these probe points yet: {}",
             unsupported.join(", ")
         );
     }
     let resolver = KernelSymbols::new(&image.symbols, btf);
     let resolved = resolve_program(prog, &resolver)?;
     let plan = attach::map_patch_heap(&mut att.machine, survey, heap.0, heap.1)?;
-    let mut armed = HashMap::new();
+    let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
     let slide = survey.kaslr.slide;
+    let trampoline = plan.va + TRAMPOLINE_OFFSET;
+    let mut needs_trampoline = false;
     for (probe, point) in resolved {
         let Some(link) = point.address else {
             continue; // begin, end, timers: the host runs those
         };
         let addr = link.wrapping_add(slide);
-        if armed.contains_key(&addr) {
-            tracing::warn!("{} is already probed at {addr:#x}; skipped", point.name);
+        let is_return = point.name.ends_with(".return");
+        let probe = SiteProbe {
+            probe,
+            name: point.name.clone(),
+        };
+        if let Some(site) = armed.get_mut(&addr) {
+            needs_trampoline |= is_return;
+            if is_return {
+                site.ret.push(probe);
+            } else {
+                site.entry.push(probe);
+            }
             continue;
         }
         let mut original = [0u8; 5];
@@ -268,10 +302,17 @@ fn arm(
             .filter_map(|v| v.strip_prefix('$'))
             .map(|v| v.split(':').next().unwrap_or(v).to_owned())
             .collect();
+        needs_trampoline |= is_return;
+        let (entry, ret) = if is_return {
+            (Vec::new(), vec![probe])
+        } else {
+            (vec![probe], Vec::new())
+        };
         armed.insert(
             addr,
             ArmedPoint {
-                probe,
+                entry,
+                ret,
                 name: point.name.clone(),
                 function,
                 original,
@@ -284,8 +325,15 @@ fn arm(
     if armed.is_empty() {
         bail!("none of the script's kernel probe points could be armed");
     }
-    tracing::info!("armed {} probe points", armed.len());
-    Ok(armed)
+    if needs_trampoline {
+        // Never executed while exotap is attached (the breakpoint stops it first); `ud2` makes
+        // a bug loud instead of running on.
+        att.machine
+            .write_phys(plan.phys + TRAMPOLINE_OFFSET, &[0x0f, 0x0b])?;
+        att.machine.set_breakpoint(trampoline, true)?;
+    }
+    tracing::info!("armed {} probe sites", armed.len());
+    Ok((armed, trampoline))
 }
 
 fn registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
@@ -311,7 +359,8 @@ pub fn start(
     let survey = attach::survey(&mut att, image)?;
     let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
     let tasks = attach::task_offsets(image).ok();
-    let armed = match arm(&mut att, &survey, image, btf.as_ref(), &script.prog, heap) {
+    let (armed, trampoline) = match arm(&mut att, &survey, image, btf.as_ref(), &script.prog, heap)
+    {
         Ok(armed) => armed,
         Err(e) => {
             let _ = att.machine.detach();
@@ -320,116 +369,216 @@ pub fn start(
     };
     std::thread::Builder::new()
         .name("exotap-tracer".into())
-        .spawn(move || trace(att.machine, &survey, tasks, armed, script))
+        .spawn(move || {
+            let tracer = Tracer {
+                machine: att.machine,
+                survey,
+                tasks,
+                armed,
+                trampoline,
+                pending: HashMap::new(),
+            };
+            tracer.run(script)
+        })
         .context("cannot start the tracer thread")
 }
 
-fn trace(
-    mut machine: GdbMachine,
-    survey: &Survey,
+/// A swapped return address: where it sits on the stack, what it was, and the entry state.
+#[derive(Debug, Clone, Copy)]
+struct PendingReturn {
+    site: u64,
+    original: u64,
+    entry_regs: X86Registers,
+}
+
+/// The tracer thread's state.
+struct Tracer {
+    machine: GdbMachine,
+    survey: Survey,
     tasks: Option<TaskOffsets>,
-    mut armed: HashMap<u64, ArmedPoint>,
-    script: GuestScript,
-) -> i32 {
-    let GuestScript {
-        source,
-        prog,
-        limits,
-        format,
-        out,
-        stop,
-    } = script;
-    let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
-    let mut session = Session::new(&prog, limits, output, &source.name, &source.text);
-    session.begin();
-    let start = Instant::now();
-    let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
-    for (i, p) in prog.probes.iter().enumerate() {
-        for (pt, kind) in &p.points {
-            if let PointKind::Timer { period_ns } = kind {
-                let period = Duration::from_nanos(*period_ns);
-                timers.push((i, pt.to_string(), period, start + period));
-            }
-        }
-    }
-    let host = exotap_probes::lang::context::CapturedContext {
-        execname: "exotap".into(),
-        ..Default::default()
-    };
-    let mut hits = 0u64;
-    let mut gone = false;
-    if let Err(e) = machine.resume() {
-        tracing::error!("cannot resume the guest: {e}");
-        gone = true;
-    }
-    while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
-        let now = Instant::now();
-        for timer in timers.iter_mut().filter(|t| t.3 <= now) {
-            session.fire(timer.0, &timer.1, &host);
-            timer.3 += timer.2;
-        }
-        let event = match machine.wait_event(POLL) {
-            Ok(event) => event,
-            Err(e) => {
-                tracing::error!("lost the guest: {:#}", anyhow::Error::from(e));
-                gone = true;
-                continue;
-            }
-        };
-        let step = match event {
-            None => Ok(()),
-            Some(StopEvent::Exited) => {
-                gone = true;
-                Ok(())
-            }
-            Some(StopEvent::Breakpoint { vcpu, pc }) => match armed.get_mut(&pc) {
-                Some(point) => {
-                    hits += 1;
-                    hit(&mut machine, &mut session, vcpu, point, survey, tasks)
+    armed: HashMap<u64, ArmedPoint>,
+    trampoline: u64,
+    /// Swapped return addresses by the stack slot's address.
+    pending: HashMap<u64, PendingReturn>,
+}
+
+impl Tracer {
+    fn run(mut self, script: GuestScript) -> i32 {
+        let GuestScript {
+            source,
+            prog,
+            limits,
+            format,
+            out,
+            stop,
+        } = script;
+        let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
+        let mut session = Session::new(&prog, limits, output, &source.name, &source.text);
+        session.begin();
+        let start = Instant::now();
+        let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
+        for (i, p) in prog.probes.iter().enumerate() {
+            for (pt, kind) in &p.points {
+                if let PointKind::Timer { period_ns } = kind {
+                    let period = Duration::from_nanos(*period_ns);
+                    timers.push((i, pt.to_string(), period, start + period));
                 }
-                None => machine.resume().map_err(Into::into),
-            },
-            Some(_) => machine.resume().map_err(Into::into),
-        };
-        if let Err(e) = step {
-            tracing::error!("tracing stopped: {e:#}");
-            break;
+            }
         }
+        let host = exotap_probes::lang::context::CapturedContext {
+            execname: "exotap".into(),
+            ..Default::default()
+        };
+        let mut hits = 0u64;
+        let mut gone = false;
+        if let Err(e) = self.machine.resume() {
+            tracing::error!("cannot resume the guest: {e}");
+            gone = true;
+        }
+        while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            for timer in timers.iter_mut().filter(|t| t.3 <= now) {
+                session.fire(timer.0, &timer.1, &host);
+                timer.3 += timer.2;
+            }
+            let event = match self.machine.wait_event(POLL) {
+                Ok(event) => event,
+                Err(e) => {
+                    tracing::error!("lost the guest: {:#}", anyhow::Error::from(e));
+                    gone = true;
+                    continue;
+                }
+            };
+            let step = match event {
+                None => Ok(()),
+                Some(StopEvent::Exited) => {
+                    gone = true;
+                    Ok(())
+                }
+                Some(StopEvent::Breakpoint { vcpu, pc }) if pc == self.trampoline => {
+                    hits += 1;
+                    self.returned(&mut session, vcpu)
+                }
+                Some(StopEvent::Breakpoint { vcpu, pc }) if self.armed.contains_key(&pc) => {
+                    hits += 1;
+                    self.entered(&mut session, vcpu, pc)
+                }
+                Some(_) => self.machine.resume().map_err(Into::into),
+            };
+            if let Err(e) = step {
+                tracing::error!("tracing stopped: {e:#}");
+                break;
+            }
+        }
+        tracing::info!("{hits} probe hits handled by the host");
+        if !gone {
+            self.detach();
+        }
+        session.finish()
     }
-    tracing::info!("{hits} probe hits handled by the host");
-    if !gone {
-        // Detaching removes the breakpoints; the guest runs on.
-        let _ = machine.pause();
-        if let Err(e) = machine.detach() {
+
+    /// Puts back the return addresses still swapped, then detaches (which removes the
+    /// breakpoints); the guest runs on.
+    fn detach(mut self) {
+        let _ = self.machine.pause();
+        let mut restored = 0;
+        for (slot, p) in self.pending.drain() {
+            let mut now = [0u8; 8];
+            let still = self.machine.read_virt(VcpuId(0), slot, &mut now).is_ok()
+                && u64::from_le_bytes(now) == self.trampoline;
+            if still
+                && self
+                    .machine
+                    .write_virt(VcpuId(0), slot, &p.original.to_le_bytes())
+                    .is_ok()
+            {
+                restored += 1;
+            }
+        }
+        if restored > 0 {
+            tracing::info!("{restored} calls in flight got their return addresses back");
+        }
+        if let Err(e) = self.machine.detach() {
             tracing::warn!("detaching failed: {e}");
         }
     }
-    session.finish()
-}
 
-fn hit(
-    machine: &mut GdbMachine,
-    session: &mut Session<'_>,
-    vcpu: VcpuId,
-    point: &mut ArmedPoint,
-    survey: &Survey,
-    tasks: Option<TaskOffsets>,
-) -> anyhow::Result<()> {
-    let regs = registers(machine, vcpu)?;
-    point.refresh(machine, vcpu, regs.rip)?;
-    {
-        let ctx = LiveContext {
-            machine: RefCell::new(&mut *machine),
+    fn context<'a>(
+        &'a mut self,
+        vcpu: VcpuId,
+        regs: X86Registers,
+        site: u64,
+        at_return: Option<(X86Registers, u64)>,
+    ) -> Option<LiveContext<'a>> {
+        let point = self.armed.get(&site)?;
+        Some(LiveContext {
+            machine: RefCell::new(&mut self.machine),
             vcpu,
             regs,
             point,
-            survey,
-            tasks,
+            survey: &self.survey,
+            tasks: self.tasks,
             task: OnceCell::new(),
-        };
-        session.fire(point.probe, &point.name, &ctx);
+            at_return,
+        })
     }
-    machine.set_pc(vcpu, point.resume_at)?;
-    machine.resume()?;
-    Ok(())
+
+    fn entered(&mut self, session: &mut Session<'_>, vcpu: VcpuId, pc: u64) -> anyhow::Result<()> {
+        let regs = registers(&mut self.machine, vcpu)?;
+        let Some(site) = self.armed.get_mut(&pc) else {
+            return Ok(());
+        };
+        site.refresh(&mut self.machine, vcpu, pc)?;
+        let resume_at = site.resume_at;
+        let wants_return = !site.ret.is_empty();
+        let entry = site.entry.clone();
+        if let Some(ctx) = self.context(vcpu, regs, pc, None) {
+            for p in &entry {
+                session.fire(p.probe, &p.name, &ctx);
+            }
+        }
+        if wants_return {
+            // rsp points at the return address: swap it for the trampoline.
+            let slot = regs.gpr[7];
+            let mut original = [0u8; 8];
+            self.machine.read_virt(vcpu, slot, &mut original)?;
+            self.machine
+                .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
+            self.pending.insert(
+                slot,
+                PendingReturn {
+                    site: pc,
+                    original: u64::from_le_bytes(original),
+                    entry_regs: regs,
+                },
+            );
+        }
+        self.machine.set_pc(vcpu, resume_at)?;
+        self.machine.resume()?;
+        Ok(())
+    }
+
+    fn returned(&mut self, session: &mut Session<'_>, vcpu: VcpuId) -> anyhow::Result<()> {
+        let regs = registers(&mut self.machine, vcpu)?;
+        // `ret` popped the swapped slot: it was just below the stack pointer.
+        let slot = regs.gpr[7].wrapping_sub(8);
+        let Some(p) = self.pending.remove(&slot) else {
+            bail!(
+                "{vcpu} reached the return trampoline with no swapped return address at {slot:#x}"
+            );
+        };
+        let ret = self
+            .armed
+            .get(&p.site)
+            .map(|s| s.ret.clone())
+            .unwrap_or_default();
+        if let Some(ctx) = self.context(vcpu, regs, p.site, Some((p.entry_regs, regs.gpr[0]))) {
+            for r in &ret {
+                session.fire(r.probe, &r.name, &ctx);
+            }
+        }
+        self.machine.set_pc(vcpu, p.original)?;
+        self.machine.resume()?;
+        Ok(())
+    }
 }

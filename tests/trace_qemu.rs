@@ -75,22 +75,60 @@ fn script_counts_match_the_workload_and_the_guests_own_kprobe() {
 }
 
 #[test]
-fn return_probes_are_refused_with_the_reason_before_the_job_runs() {
-    if !have_qemu("return_probes_are_refused_with_the_reason_before_the_job_runs") {
+fn return_probes_see_the_value_the_workload_got_and_every_call_returns() {
+    if !have_qemu("return_probes_see_the_value_the_workload_got_and_every_call_returns") {
+        return;
+    }
+    let script = r#"
+        global entries, returns, values
+        probe kernel.syscall("getppid") { if (execname() == "syscall-loop") entries++ }
+        probe kernel.syscall("getppid").return {
+          if (execname() == "syscall-loop") { returns++; values[$return]++ }
+        }
+        probe end {
+          printf("entries=%d\nreturns=%d\n", entries, returns)
+          foreach (v in values) printf("value%d=%d\n", v, values[v])
+        }
+    "#;
+
+    let (code, out, err) = run(exotap().args([
+        "boot",
+        "--timeout",
+        "400",
+        "--script-text",
+        script,
+        "--run",
+        "syscall-loop 50",
+        "--console",
+        "/dev/null",
+    ]));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(value(&out, "entries"), Some(50), "{ctx}");
+    assert_eq!(value(&out, "returns"), Some(50), "{ctx}");
+    // The workload prints what getppid returned to it; every return probe saw that value.
+    let ppid = result(&out, "getppid.value").unwrap();
+    assert_eq!(value(&out, &format!("value{ppid}")), Some(50), "{ctx}");
+}
+
+#[test]
+fn timer_profile_is_refused_with_the_reason_before_the_job_runs() {
+    if !have_qemu("timer_profile_is_refused_with_the_reason_before_the_job_runs") {
         return;
     }
 
     let (code, out, err) = run(exotap().args([
         "boot",
         "--script-text",
-        r#"probe kernel.function("vfs_read").return { }"#,
+        "probe timer.profile { }",
         "--run",
         "true",
     ]));
 
     assert_eq!(code, 125, "stdout:\n{out}\nstderr:\n{err}");
     assert!(
-        err.contains("entry probes only; not yet: kernel.function(\"vfs_read\").return"),
+        err.contains("cannot run these probe points yet: timer.profile"),
         "{err}"
     );
 }
@@ -106,4 +144,47 @@ fn script_with_errors_stops_before_booting() {
     assert_eq!(code, 125, "{err}");
     assert!(err.contains("type mismatch"), "{err}");
     assert!(err.contains("the script has errors"), "{err}");
+}
+
+#[test]
+fn detaching_mid_call_gives_the_swapped_return_address_back() {
+    if !have_qemu("detaching_mid_call_gives_the_swapped_return_address_back") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    // The script ends (exit() from a timer) while `sleep 8` is inside hrtimer_nanosleep, whose
+    // return address is swapped for the trampoline at that moment.
+    let script = r#"
+        global n
+        probe kernel.function("hrtimer_nanosleep") { n++ }
+        probe kernel.function("hrtimer_nanosleep").return { println("returned") }
+        probe timer.s(3) { printf("entered=%d\n", n); exit() }
+    "#;
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "400", "--script-text", script, "--run"])
+        .arg("sleep 8; exotap_result slept yes")
+        .arg("--console")
+        .arg(&console));
+
+    let transcript = std::fs::read_to_string(&console).unwrap();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(value(&out, "entered"), Some(1), "{ctx}");
+    assert!(
+        !out.contains("returned"),
+        "the sleep cannot have returned yet: {ctx}"
+    );
+    assert!(
+        err.contains("1 calls in flight got their return addresses back"),
+        "{ctx}"
+    );
+    assert_eq!(result(&out, "slept"), Some("yes"), "{ctx}");
+    for bad in ["Oops", "BUG:", "WARNING:", "general protection"] {
+        assert!(
+            !transcript.contains(bad),
+            "{bad} in the console:\n{transcript}"
+        );
+    }
 }

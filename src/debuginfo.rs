@@ -1,0 +1,253 @@
+//! `exotap lines|ptype|vars|where`: source-level lookups in the guest kernel's debug info
+//! (the Debian `-dbg` vmlinux, or the image's BTF for `ptype --btf`).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use exotap_guest_images as images;
+use exotap_introspect::btf::{cdecl, Btf};
+use exotap_introspect::bzimage::Vmlinux;
+use exotap_introspect::dwarf::index::Layer;
+use exotap_introspect::dwarf::{DebugFile, DebugInfo, EntryKind, Index};
+
+/// Which debug info to read.
+#[derive(Debug, Args, Clone)]
+pub struct DebugArgs {
+    /// Kernel ABI name or package name; its -dbg vmlinux is fetched into the cache when missing.
+    #[arg(long, default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
+    pub kernel: String,
+    /// Read this ELF file with DWARF instead of the cached -dbg vmlinux.
+    #[arg(long, value_name = "PATH")]
+    pub vmlinux: Option<PathBuf>,
+    /// Print how long each step took, on stderr.
+    #[arg(long)]
+    pub timings: bool,
+}
+
+/// `exotap lines PATTERN`.
+#[derive(Debug, Args)]
+pub struct LinesArgs {
+    /// Function name, glob or SystemTap pattern: `vfs_read`, `vfs_*`, `*@fs/open.c`.
+    pub pattern: String,
+    /// Only gdb's `info line` answer, not every line of the function.
+    #[arg(long)]
+    pub brief: bool,
+    /// Also list the places the function was inlined.
+    #[arg(long)]
+    pub inlined: bool,
+    #[command(flatten)]
+    pub debug: DebugArgs,
+}
+
+/// `exotap ptype TYPE`.
+#[derive(Debug, Args)]
+pub struct PtypeArgs {
+    /// A C type: `struct file`, `union thread_union`, `enum pid_type`, `pid_t`.
+    pub ty: String,
+    /// Show offsets and sizes (gdb's `ptype /o`).
+    #[arg(short = 'o', long)]
+    pub offsets: bool,
+    /// Read the BTF of the kernel image instead of the -dbg DWARF.
+    #[arg(long)]
+    pub btf: bool,
+    #[command(flatten)]
+    pub debug: DebugArgs,
+}
+
+/// `exotap vars PATTERN`.
+#[derive(Debug, Args)]
+pub struct VarsArgs {
+    /// Function name or pattern (as for `lines`).
+    pub pattern: String,
+    #[command(flatten)]
+    pub debug: DebugArgs,
+}
+
+/// `exotap where FILE:LINE`.
+#[derive(Debug, Args)]
+pub struct WhereArgs {
+    /// A source line: `fs/open.c:1337`.
+    pub location: String,
+    #[command(flatten)]
+    pub debug: DebugArgs,
+}
+
+/// Times the steps of a command when `--timings` is given.
+struct Timer {
+    on: bool,
+    start: Instant,
+}
+
+impl Timer {
+    fn new(on: bool) -> Timer {
+        Timer {
+            on,
+            start: Instant::now(),
+        }
+    }
+
+    fn mark(&self, what: &str) {
+        if self.on {
+            eprintln!(
+                "[{:>8.1} ms] {what}",
+                self.start.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
+}
+
+/// The debug vmlinux: `--vmlinux`, else the cached one. A cache entry whose manifest exists was
+/// verified when it was stored; hashing 588 MB again on every lookup would cost seconds, so only
+/// a missing entry goes through `ensure_debuginfo` (which fetches and verifies).
+fn debug_file(args: &DebugArgs) -> anyhow::Result<PathBuf> {
+    if let Some(path) = &args.vmlinux {
+        return Ok(path.clone());
+    }
+    let abi = images::kernel::kernel_abi(&args.kernel)?;
+    let dir = images::cache::cache_root()?
+        .join("kernels")
+        .join(abi)
+        .join("debug");
+    if dir.join("manifest.json").is_file() && dir.join("vmlinux").is_file() {
+        return Ok(dir.join("vmlinux"));
+    }
+    Ok(images::ensure_debuginfo(&args.kernel)
+        .context("cannot get the kernel's debug info")?
+        .vmlinux)
+}
+
+/// Opens the cached index of `layer`, building it (with a progress bar) when absent.
+fn index(info: &DebugInfo<'_>, layer: Layer) -> anyhow::Result<Index> {
+    let cache = images::cache::cache_root()?.join("debuginfo");
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {elapsed}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(match layer {
+        Layer::Names => "indexing debug info (once per build)",
+        Layer::Inlines => "indexing inlined functions (once per build)",
+    });
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let index = Index::load_or_build(info, &cache, layer, &progress)
+        .context("cannot index the debug info")?;
+    bar.finish_and_clear();
+    Ok(index)
+}
+
+/// `exotap lines`: gdb's `info line` answer for each matching function, then its lines.
+pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
+    let t = Timer::new(args.debug.timings);
+    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    let info = file.load()?;
+    let names = index(&info, Layer::Names)?;
+    t.mark("index open");
+    let funcs = names.functions(&args.pattern, &[EntryKind::Function]);
+    if funcs.is_empty() && !args.inlined {
+        bail!("no function matches `{}`", args.pattern);
+    }
+    for f in &funcs {
+        println!("{}", info.info_line(f.low)?);
+        if args.brief {
+            continue;
+        }
+        for (low, high) in info.pc_ranges(f.die)? {
+            let table = info.line_table_at(low)?;
+            for (path, row) in table
+                .rows_in(low, high)
+                .into_iter()
+                .filter(|(_, r)| r.is_stmt)
+            {
+                let sym = info.symbols().describe(row.addr).unwrap_or_default();
+                println!("  {path}:{} {:#x} {sym}", row.line, row.addr);
+            }
+        }
+    }
+    t.mark("lines");
+    if args.inlined {
+        let inlines = index(&info, Layer::Inlines)?;
+        for e in inlines.functions(&args.pattern, &[EntryKind::Inlined]) {
+            let sym = info.symbols().describe(e.low).unwrap_or_default();
+            println!(
+                "{} inlined at {}:{} {:#x} {sym}",
+                e.name, e.file, e.line, e.low
+            );
+        }
+        t.mark("inlined instances");
+    }
+    Ok(0)
+}
+
+/// `exotap ptype`: a type as gdb's `ptype` prints it.
+pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
+    let t = Timer::new(args.debug.timings);
+    if args.btf {
+        let kernel =
+            images::ensure_kernel(&args.debug.kernel).context("cannot get the guest kernel")?;
+        let bytes = std::fs::read(&kernel.bzimage)
+            .with_context(|| format!("cannot read {}", kernel.bzimage.display()))?;
+        let vmlinux = Vmlinux::from_bzimage(&bytes)?;
+        let btf = Btf::from_elf(vmlinux.bytes())?;
+        t.mark("BTF parsed");
+        print!(
+            "{}",
+            cdecl::ptype(&btf, btf.type_by_spec(&args.ty)?, args.offsets)
+        );
+        return Ok(0);
+    }
+    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    let info = file.load()?;
+    let names = index(&info, Layer::Names)?;
+    t.mark("index open");
+    let ty = info.find_type(&names, &args.ty)?;
+    print!("{}", cdecl::ptype(&info, ty, args.offsets));
+    t.mark("ptype");
+    Ok(0)
+}
+
+/// `exotap vars`: parameters and locals with their locations at entry.
+pub fn run_vars(args: &VarsArgs) -> anyhow::Result<i32> {
+    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    let info = file.load()?;
+    let names = index(&info, Layer::Names)?;
+    let funcs = names.functions(&args.pattern, &[EntryKind::Function]);
+    if funcs.is_empty() {
+        bail!("no function with code matches `{}`", args.pattern);
+    }
+    for f in funcs {
+        println!("{} at {}:{} (entry {:#x})", f.name, f.file, f.line, f.low);
+        for v in info.variables(f.die, f.low)? {
+            println!("  {v}");
+        }
+    }
+    Ok(0)
+}
+
+/// `exotap where FILE:LINE`: the addresses of a source line, with their functions.
+pub fn run_where(args: &WhereArgs) -> anyhow::Result<i32> {
+    let Some((path, line)) = args.location.rsplit_once(':') else {
+        bail!("give FILE:LINE, e.g. fs/open.c:1337");
+    };
+    let line: u32 = line
+        .parse()
+        .with_context(|| format!("`{line}` is not a line number"))?;
+    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    let info = file.load()?;
+    let names = index(&info, Layer::Names)?;
+    let sites = info.line_addresses(&names, path, line)?;
+    if sites.is_empty() {
+        bail!("no code for {path}:{line}");
+    }
+    for (file, line, addr) in sites {
+        let sym = info.symbols().describe(addr).unwrap_or_default();
+        println!("{file}:{line} {addr:#x} {sym}");
+    }
+    Ok(0)
+}
