@@ -5,6 +5,7 @@
 
 pub mod btf;
 pub mod bzimage;
+pub mod dwarf;
 pub mod heap;
 pub mod kallsyms;
 pub mod kaslr;

@@ -111,6 +111,39 @@ impl Btf {
             })
     }
 
+    /// The type spelled as C: `struct file`, `union thread_union`, `enum pid_type`, or a
+    /// typedef/base type name (`pid_t`, `int`).
+    ///
+    /// # Errors
+    /// [`LookupError::NoSuchType`] when there is none.
+    pub fn type_by_spec(&self, spec: &str) -> Result<TypeId, LookupError> {
+        let spec = spec.trim();
+        let no_type = || LookupError::NoSuchType {
+            kind: "type",
+            name: spec.into(),
+        };
+        match spec.split_once(char::is_whitespace) {
+            Some(("struct", name)) => self.struct_by_name(name.trim()),
+            Some(("union", name)) => self.union_by_name(name.trim()),
+            Some(("enum", name)) => self
+                .find(name.trim(), |k| matches!(k, Kind::Enum { .. }))
+                .ok_or_else(no_type),
+            _ => self
+                .find(spec, |k| {
+                    matches!(k, Kind::Typedef(_) | Kind::Int { .. } | Kind::Float { .. })
+                })
+                .or_else(|| {
+                    self.find(spec, |k| {
+                        matches!(
+                            k,
+                            Kind::Struct { .. } | Kind::Union { .. } | Kind::Enum { .. }
+                        )
+                    })
+                })
+                .ok_or_else(no_type),
+        }
+    }
+
     /// Strips typedefs, `const`, `volatile`, `restrict` and type tags.
     ///
     /// # Errors
