@@ -1,0 +1,327 @@
+//! DWARF debug info of a guest kernel (the Debian `-dbg` vmlinux, 588 MB): functions with
+//! their inlined instances, line tables, types, parameters and locals, and KLAS-style
+//! member-access join points.
+//!
+//! Parsing is lazy, as in addr2line: [`DebugFile::open`] maps the file, [`DebugFile::load`]
+//! only finds the sections; a unit is parsed when a query first needs it and kept. Name
+//! lookups go through an [`index`] built once per build id and cached on disk. Every offset
+//! read from the file is checked: a corrupt file gives a [`DwarfError`], never a panic.
+
+pub mod index;
+pub mod lines;
+mod scan;
+pub mod symtab;
+pub mod types;
+pub mod vars;
+
+use std::cell::{OnceCell, RefCell};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use gimli::{EndianSlice, RunTimeEndian};
+use object::{Object, ObjectSection};
+
+pub use index::{Entry, EntryKind, Index, IndexError};
+pub use symtab::Symtab;
+
+/// The gimli reader over the mapped file.
+pub type R<'a> = EndianSlice<'a, RunTimeEndian>;
+/// A parsed unit.
+pub type Unit<'a> = gimli::Unit<R<'a>>;
+
+/// A DIE named by its offset in `.debug_info` (unique in the file, unlike unit offsets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DieRef(pub u64);
+
+/// Errors of reading DWARF.
+#[derive(Debug, thiserror::Error)]
+pub enum DwarfError {
+    /// The file could not be opened or mapped.
+    #[error("cannot map {path}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The ELF container is malformed.
+    #[error("the ELF file is malformed")]
+    Elf(#[source] object::Error),
+    /// The file has no `.debug_info`.
+    #[error("the file has no DWARF (.debug_info is missing or empty); is it the -dbg vmlinux?")]
+    NoDwarf,
+    /// The DWARF is malformed.
+    #[error("malformed DWARF {context}")]
+    Gimli {
+        /// What was being read.
+        context: String,
+        /// The cause.
+        #[source]
+        source: gimli::Error,
+    },
+    /// A DIE offset that lies in no unit.
+    #[error("DIE {0:#x} lies in no unit of .debug_info")]
+    NoUnitAt(u64),
+    /// Nothing of that name.
+    #[error("no {kind} named `{name}` in the debug info")]
+    NotFound {
+        /// "function", "struct", ...
+        kind: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// The name index failed.
+    #[error(transparent)]
+    Index(#[from] IndexError),
+}
+
+/// Wraps a gimli error with what was being read.
+pub(crate) fn gimli_err(context: impl Into<String>) -> impl FnOnce(gimli::Error) -> DwarfError {
+    let context = context.into();
+    move |source| DwarfError::Gimli { context, source }
+}
+
+/// A debug file mapped into memory.
+#[derive(Debug)]
+pub struct DebugFile {
+    map: memmap2::Mmap,
+    path: PathBuf,
+}
+
+impl DebugFile {
+    /// Maps `path` read-only.
+    ///
+    /// # Errors
+    /// [`DwarfError::Open`] when it cannot be opened or mapped.
+    pub fn open(path: &Path) -> Result<DebugFile, DwarfError> {
+        let open_err = |source| DwarfError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(open_err)?;
+        // SAFETY: the mapping is read-only and private. The files mapped here are cache entries
+        // that exotap writes once (to a temporary name, then renamed) and never modifies in
+        // place, so the bytes do not change under the mapping while it lives.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(open_err)?;
+        Ok(DebugFile {
+            map,
+            path: path.to_owned(),
+        })
+    }
+
+    /// The path it was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// Finds the ELF sections and DWARF sections; parses nothing else yet.
+    ///
+    /// # Errors
+    /// [`DwarfError::Elf`] for a malformed ELF, [`DwarfError::NoDwarf`] without `.debug_info`.
+    pub fn load(&self) -> Result<DebugInfo<'_>, DwarfError> {
+        DebugInfo::new(&self.map)
+    }
+}
+
+/// DWARF and ELF symbols of one file, parsed lazily.
+pub struct DebugInfo<'a> {
+    pub(crate) dwarf: gimli::Dwarf<R<'a>>,
+    elf: object::File<'a>,
+    units: OnceCell<Vec<gimli::UnitHeader<R<'a>>>>,
+    parsed: RefCell<HashMap<u64, Rc<Unit<'a>>>>,
+    symbols: OnceCell<Symtab<'a>>,
+}
+
+impl std::fmt::Debug for DebugInfo<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DebugInfo")
+            .field("build_id", &self.build_id())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> DebugInfo<'a> {
+    /// Reads the sections of the ELF file in `bytes`.
+    ///
+    /// # Errors
+    /// As [`DebugFile::load`].
+    pub fn new(bytes: &'a [u8]) -> Result<DebugInfo<'a>, DwarfError> {
+        let elf = object::File::parse(bytes).map_err(DwarfError::Elf)?;
+        let endian = if elf.is_little_endian() {
+            RunTimeEndian::Little
+        } else {
+            RunTimeEndian::Big
+        };
+        let section = |id: gimli::SectionId| -> Result<R<'a>, DwarfError> {
+            let data = match elf.section_by_name(id.name()) {
+                Some(s) => s.data().map_err(DwarfError::Elf)?,
+                None => &[],
+            };
+            Ok(EndianSlice::new(data, endian))
+        };
+        if section(gimli::SectionId::DebugInfo)?.is_empty() {
+            return Err(DwarfError::NoDwarf);
+        }
+        let dwarf = gimli::Dwarf::load(section)?;
+        Ok(DebugInfo {
+            dwarf,
+            elf,
+            units: OnceCell::new(),
+            parsed: RefCell::default(),
+            symbols: OnceCell::new(),
+        })
+    }
+
+    /// The GNU build id, the key of the on-disk index.
+    pub fn build_id(&self) -> Option<&'a [u8]> {
+        self.elf.build_id().ok().flatten()
+    }
+
+    /// The ELF function symbols.
+    pub fn symbols(&self) -> &Symtab<'a> {
+        self.symbols.get_or_init(|| Symtab::from_elf(&self.elf))
+    }
+
+    /// Every unit header, in file order (read once).
+    ///
+    /// # Errors
+    /// [`DwarfError::Gimli`] when a header is malformed.
+    pub fn unit_headers(&self) -> Result<&[gimli::UnitHeader<R<'a>>], DwarfError> {
+        if let Some(units) = self.units.get() {
+            return Ok(units);
+        }
+        let mut found = Vec::new();
+        let mut iter = self.dwarf.units();
+        while let Some(header) = iter.next().map_err(gimli_err("unit header"))? {
+            found.push(header);
+        }
+        Ok(self.units.get_or_init(|| found))
+    }
+
+    /// The parsed unit that starts at `.debug_info` offset `unit_offset`.
+    ///
+    /// # Errors
+    /// [`DwarfError::Gimli`] when the unit is malformed.
+    pub fn unit_at(&self, unit_offset: u64) -> Result<Rc<Unit<'a>>, DwarfError> {
+        if let Some(unit) = self.parsed.borrow().get(&unit_offset) {
+            return Ok(Rc::clone(unit));
+        }
+        let offset = gimli::DebugInfoOffset(
+            usize::try_from(unit_offset).map_err(|_| DwarfError::NoUnitAt(unit_offset))?,
+        );
+        let header = self
+            .dwarf
+            .debug_info
+            .header_from_offset(offset)
+            .map_err(gimli_err(format!("unit at {unit_offset:#x}")))?;
+        let unit = Rc::new(
+            self.dwarf
+                .unit(header)
+                .map_err(gimli_err(format!("unit at {unit_offset:#x}")))?,
+        );
+        self.parsed
+            .borrow_mut()
+            .insert(unit_offset, Rc::clone(&unit));
+        Ok(unit)
+    }
+
+    /// The unit holding DIE `die` and the DIE's offset inside it.
+    ///
+    /// # Errors
+    /// [`DwarfError::NoUnitAt`] when no unit covers `die`.
+    pub fn unit_of(&self, die: DieRef) -> Result<(Rc<Unit<'a>>, gimli::UnitOffset), DwarfError> {
+        let headers = self.unit_headers()?;
+        let at = headers.partition_point(|h| unit_start(h) <= die.0);
+        let header = at
+            .checked_sub(1)
+            .and_then(|i| headers.get(i))
+            .ok_or(DwarfError::NoUnitAt(die.0))?;
+        let start = unit_start(header);
+        let unit = self.unit_at(start)?;
+        let local = gimli::DebugInfoOffset(
+            usize::try_from(die.0).map_err(|_| DwarfError::NoUnitAt(die.0))?,
+        )
+        .to_unit_offset(&unit.header)
+        .ok_or(DwarfError::NoUnitAt(die.0))?;
+        Ok((unit, local))
+    }
+
+    /// The unit whose `.debug_aranges` entry covers `addr`: a few microseconds, no scan.
+    ///
+    /// # Errors
+    /// [`DwarfError::Gimli`] when `.debug_aranges` is malformed.
+    pub fn unit_for_address(&self, addr: u64) -> Result<Option<u64>, DwarfError> {
+        let mut sets = self.dwarf.debug_aranges.headers();
+        while let Some(set) = sets.next().map_err(gimli_err("aranges header"))? {
+            let mut entries = set.entries();
+            while let Some(range) = entries.next().map_err(gimli_err("aranges entry"))? {
+                let r = range.range();
+                if r.begin <= addr && addr < r.end {
+                    return Ok(Some(set.debug_info_offset().0 as u64));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// A string attribute (`DW_AT_name` ...) of `entry` in `unit`, lossily decoded.
+    pub fn attr_str(
+        &self,
+        unit: &Unit<'a>,
+        entry: &gimli::DebuggingInformationEntry<'_, '_, R<'a>>,
+        at: gimli::DwAt,
+    ) -> Option<String> {
+        let value = entry.attr_value(at).ok()??;
+        let s = self.dwarf.attr_string(unit, value).ok()?;
+        Some(String::from_utf8_lossy(s.slice()).into_owned())
+    }
+
+    /// The `.debug_info` offset of a DIE given as a reference attribute value of `unit`.
+    pub fn die_ref(unit: &Unit<'a>, value: gimli::AttributeValue<R<'a>>) -> Option<DieRef> {
+        match value {
+            gimli::AttributeValue::UnitRef(off) => off
+                .to_debug_info_offset(&unit.header)
+                .map(|o| DieRef(o.0 as u64)),
+            gimli::AttributeValue::DebugInfoRef(off) => Some(DieRef(off.0 as u64)),
+            _ => None,
+        }
+    }
+
+    /// The name of a DIE, following `DW_AT_abstract_origin` and `DW_AT_specification`
+    /// (concrete instances of inline functions carry no name of their own).
+    pub fn die_name(&self, die: DieRef) -> Option<String> {
+        let mut cur = die;
+        for _ in 0..8 {
+            let (unit, off) = self.unit_of(cur).ok()?;
+            let entry = unit.entry(off).ok()?;
+            if let Some(name) = self.attr_str(&unit, &entry, gimli::DW_AT_name) {
+                return Some(name);
+            }
+            let origin = entry
+                .attr_value(gimli::DW_AT_abstract_origin)
+                .ok()
+                .flatten()
+                .or_else(|| entry.attr_value(gimli::DW_AT_specification).ok().flatten())?;
+            cur = Self::die_ref(&unit, origin)?;
+        }
+        None
+    }
+}
+
+/// `.debug_info` offset of a unit header.
+pub(crate) fn unit_start(header: &gimli::UnitHeader<R<'_>>) -> u64 {
+    match header.offset() {
+        gimli::UnitSectionOffset::DebugInfoOffset(o) => o.0 as u64,
+        gimli::UnitSectionOffset::DebugTypesOffset(o) => o.0 as u64,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing;

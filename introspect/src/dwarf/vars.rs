@@ -1,0 +1,255 @@
+//! Parameters and locals of a function with their locations at its entry, as SystemTap's
+//! `$var` needs them: a register, a frame slot, an address, a constant, or "optimized out".
+
+use std::fmt;
+
+use gimli::{AttributeValue, Operation};
+
+use super::types::TypeRef;
+use super::{DebugInfo, DieRef, DwarfError, Unit, R};
+use crate::btf::cdecl::declaration;
+
+/// x86-64 DWARF register names (System V psABI numbering).
+const X86_64_REGS: [&str; 17] = [
+    "rax", "rdx", "rcx", "rbx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13",
+    "r14", "r15", "rip",
+];
+
+/// The name of DWARF register `n` on x86-64 (`xmmN` above the integer ones).
+pub fn register_name(n: u16) -> String {
+    match X86_64_REGS.get(usize::from(n)) {
+        Some(r) => (*r).to_owned(),
+        None if (17..33).contains(&n) => format!("xmm{}", n - 17),
+        None => format!("reg{n}"),
+    }
+}
+
+/// Where a variable lives at a pc.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// In a register.
+    Register(u16),
+    /// At register + offset (`DW_OP_bregN`).
+    Memory {
+        /// Base register.
+        base: u16,
+        /// Offset.
+        offset: i64,
+    },
+    /// At frame base + offset (`DW_OP_fbreg`).
+    Frame(i64),
+    /// At a fixed address (`DW_OP_addr`).
+    Address(u64),
+    /// A known constant.
+    Const(i64),
+    /// A DWARF expression exotap does not simplify, in text.
+    Expr(String),
+    /// Not available at that pc.
+    OptimizedOut,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Register(r) => write!(f, "%{}", register_name(*r)),
+            Location::Memory { base, offset } => write!(f, "{offset}(%{})", register_name(*base)),
+            Location::Frame(off) => write!(f, "frame_base{off:+}"),
+            Location::Address(a) => write!(f, "{a:#x}"),
+            Location::Const(v) => write!(f, "constant {v}"),
+            Location::Expr(e) => write!(f, "{e}"),
+            Location::OptimizedOut => write!(f, "<optimized out>"),
+        }
+    }
+}
+
+/// A parameter or local.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Variable {
+    /// Name.
+    pub name: String,
+    /// A parameter (else a local).
+    pub is_param: bool,
+    /// Its type as C.
+    pub type_name: String,
+    /// Its type.
+    pub ty: TypeRef,
+    /// Where it is at the function's entry pc.
+    pub at_entry: Location,
+    /// Its DIE.
+    pub die: DieRef,
+}
+
+impl fmt::Display for Variable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = if self.is_param { "param" } else { "local" };
+        write!(f, "{kind} {}: {}", self.type_name, self.at_entry)
+    }
+}
+
+/// Simplifies a location expression to a [`Location`].
+fn describe(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding) -> Location {
+    let mut ops = expr.operations(encoding);
+    let mut all = Vec::new();
+    while let Ok(Some(op)) = ops.next() {
+        all.push(op);
+    }
+    match all.as_slice() {
+        [] => Location::OptimizedOut,
+        [Operation::Register { register }] => Location::Register(register.0),
+        [Operation::RegisterOffset {
+            register, offset, ..
+        }] => Location::Memory {
+            base: register.0,
+            offset: *offset,
+        },
+        [Operation::FrameOffset { offset }] => Location::Frame(*offset),
+        [Operation::Address { address }] => Location::Address(*address),
+        [Operation::UnsignedConstant { value }, Operation::StackValue] => {
+            Location::Const(*value as i64)
+        }
+        [Operation::SignedConstant { value }, Operation::StackValue] => Location::Const(*value),
+        [Operation::ImplicitValue { data }] => {
+            Location::Expr(format!("implicit value {:02x?}", data.slice()))
+        }
+        other => Location::Expr(other.iter().map(op_text).collect::<Vec<_>>().join(" ")),
+    }
+}
+
+fn op_text(op: &Operation<R<'_>>) -> String {
+    match op {
+        Operation::Register { register } => format!("%{}", register_name(register.0)),
+        Operation::RegisterOffset {
+            register, offset, ..
+        } => format!("breg({}){offset:+}", register_name(register.0)),
+        Operation::EntryValue { .. } => "entry_value(..)".into(),
+        Operation::StackValue => "stack_value".into(),
+        Operation::Piece { size_in_bits, .. } => format!("piece({size_in_bits} bits)"),
+        Operation::UnsignedConstant { value } => format!("{value}"),
+        Operation::SignedConstant { value } => format!("{value}"),
+        Operation::PlusConstant { value } => format!("+{value}"),
+        other => format!("{other:?}")
+            .split([' ', '{', '('])
+            .next()
+            .unwrap_or("?")
+            .to_owned(),
+    }
+}
+
+impl<'a> DebugInfo<'a> {
+    /// The location of a variable DIE at `pc`.
+    fn location_at(
+        &self,
+        unit: &Unit<'a>,
+        entry: &gimli::DebuggingInformationEntry<'_, '_, R<'a>>,
+        pc: u64,
+    ) -> Location {
+        if let Ok(Some(value)) = entry.attr_value(gimli::DW_AT_const_value) {
+            return match value {
+                AttributeValue::Sdata(v) => Location::Const(v),
+                v => v
+                    .udata_value()
+                    .map_or(Location::Expr("constant block".into()), |u| {
+                        Location::Const(u as i64)
+                    }),
+            };
+        }
+        let Ok(Some(value)) = entry.attr_value(gimli::DW_AT_location) else {
+            return Location::OptimizedOut;
+        };
+        if let AttributeValue::Exprloc(expr) = value {
+            return describe(expr, unit.encoding());
+        }
+        let Ok(Some(offset)) = self.dwarf.attr_locations_offset(unit, value) else {
+            return Location::OptimizedOut;
+        };
+        let Ok(mut list) = self.dwarf.locations(unit, offset) else {
+            return Location::OptimizedOut;
+        };
+        while let Ok(Some(item)) = list.next() {
+            if item.range.begin <= pc && pc < item.range.end {
+                return describe(item.data, unit.encoding());
+            }
+        }
+        Location::OptimizedOut
+    }
+
+    /// A variable's own DIE, or its abstract origin for name and type.
+    fn variable(&self, die: DieRef, is_param: bool, pc: u64) -> Option<Variable> {
+        let (unit, off) = self.unit_of(die).ok()?;
+        let entry = unit.entry(off).ok()?;
+        let at_entry = self.location_at(&unit, &entry, pc);
+        let mut source = die;
+        for _ in 0..4 {
+            let (u, o) = self.unit_of(source).ok()?;
+            let e = u.entry(o).ok()?;
+            if let Some(name) = self.attr_str(&u, &e, gimli::DW_AT_name) {
+                let ty = e
+                    .attr_value(gimli::DW_AT_type)
+                    .ok()
+                    .flatten()
+                    .and_then(|v| Self::die_ref(&u, v));
+                let ty = ty.map_or(TypeRef::VOID, TypeRef::new);
+                let type_name = declaration(self, ty, &name);
+                return Some(Variable {
+                    name,
+                    is_param,
+                    type_name,
+                    ty,
+                    at_entry,
+                    die,
+                });
+            }
+            source = Self::die_ref(&u, e.attr_value(gimli::DW_AT_abstract_origin).ok()??)?;
+        }
+        None
+    }
+
+    /// Parameters then locals of the function at `func` (a subprogram DIE with code), with
+    /// their locations at `entry_pc`. Locals of nested blocks are included; variables of
+    /// functions inlined into it are not.
+    ///
+    /// # Errors
+    /// DWARF errors reading the function's DIEs.
+    pub fn variables(&self, func: DieRef, entry_pc: u64) -> Result<Vec<Variable>, DwarfError> {
+        let (unit, off) = self.unit_of(func)?;
+        let mut tree = unit
+            .entries_tree(Some(off))
+            .map_err(super::gimli_err("function DIEs"))?;
+        let root = tree.root().map_err(super::gimli_err("function DIE"))?;
+        let mut found: Vec<(bool, DieRef)> = Vec::new();
+        collect(root, &unit, &mut found, 0);
+        let mut vars: Vec<Variable> = found
+            .into_iter()
+            .filter_map(|(p, d)| self.variable(d, p, entry_pc))
+            .collect();
+        vars.sort_by_key(|v| !v.is_param);
+        Ok(vars)
+    }
+}
+
+/// Walks a function's subtree: parameters and variables, through lexical blocks.
+fn collect(
+    node: gimli::EntriesTreeNode<'_, '_, '_, R<'_>>,
+    unit: &Unit<'_>,
+    out: &mut Vec<(bool, DieRef)>,
+    depth: usize,
+) {
+    if depth > 64 {
+        return;
+    }
+    let mut children = node.children();
+    while let Ok(Some(child)) = children.next() {
+        let tag = child.entry().tag();
+        let global = child
+            .entry()
+            .offset()
+            .to_debug_info_offset(&unit.header)
+            .map(|o| DieRef(o.0 as u64));
+        match (tag, global) {
+            (gimli::DW_TAG_formal_parameter, Some(d)) => out.push((true, d)),
+            (gimli::DW_TAG_variable, Some(d)) => out.push((false, d)),
+            (gimli::DW_TAG_lexical_block, _) => collect(child, unit, out, depth + 1),
+            _ => {}
+        }
+    }
+}
