@@ -9,7 +9,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_probes::lang::ast::ProbePoint;
-use exotap_probes::lang::driver::{run_job, run_listing, stop_on_ctrl_c, Job, ScriptSource};
+use exotap_probes::lang::driver::{
+    compile, run_job, run_listing, stop_on_ctrl_c, Job, ScriptSource,
+};
 use exotap_probes::lang::kernel_points::KernelSymbols;
 use exotap_probes::lang::output::Format;
 use exotap_probes::lang::point::PointKind;
@@ -110,9 +112,90 @@ pub struct ScriptOptions {
     /// Set a limit: MAXACTION, MAXMAPENTRIES, MAXSTRINGLEN or MAXNESTING (-D MAXACTION=10000).
     #[arg(short = 'D', value_name = "NAME=VALUE")]
     pub define: Vec<String>,
+    /// Run the script against a running guest over its gdbstub (tcp:HOST:PORT or unix:PATH)
+    /// until exit(), Ctrl-C or the guest's end; then exotap detaches and the guest runs on.
+    #[arg(long, value_name = "ADDR")]
+    pub target: Option<String>,
+    /// With --target: the guest-physical range hidden from that guest for the patch heap, as
+    /// GPA:SIZE (the guest booted with memmap=SIZE$GPA; `exotap boot` hides 0x3c000000:64M).
+    #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
+    pub heap: String,
     /// The guest kernel whose symbols resolve kernel probe points.
     #[command(flatten)]
     pub image: ImageArgs,
+}
+
+/// Parses `GPA:SIZE` with SIZE in bytes or with a K/M/G suffix.
+fn parse_heap(text: &str) -> anyhow::Result<(u64, u64)> {
+    let (gpa, size) = text
+        .split_once(':')
+        .with_context(|| format!("--heap {text}: expected GPA:SIZE, e.g. 0x3c000000:64M"))?;
+    let gpa = crate::attach::parse_u64(gpa).map_err(anyhow::Error::msg)?;
+    let (digits, unit) = match size.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&size[..i], c.to_ascii_uppercase()),
+        _ => (size, 'B'),
+    };
+    let shift = match unit {
+        'B' => 0,
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        other => bail!("--heap {text}: unknown size unit {other}"),
+    };
+    let n = crate::attach::parse_u64(digits).map_err(anyhow::Error::msg)?;
+    let size = n
+        .checked_mul(1 << shift)
+        .with_context(|| format!("--heap {text}: size overflows"))?;
+    Ok((gpa, size))
+}
+
+/// Runs a checked script against the guest at `target` until it ends.
+fn run_attached(
+    source: ScriptSource,
+    target: &str,
+    args: &ScriptOptions,
+    limits: Limits,
+    format: Format,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<i32> {
+    let color = std::io::stderr().is_terminal();
+    let prog = match compile(&source, &limits) {
+        Ok(prog) => prog,
+        Err(diags) => {
+            for d in &diags {
+                eprint!("{}", d.render(&source.name, &source.text, color));
+            }
+            return Ok(1);
+        }
+    };
+    for d in &prog.warnings {
+        eprint!("{}", d.render(&source.name, &source.text, color));
+    }
+    let heap = parse_heap(&args.heap)?;
+    let image = KernelImage::from_args(&args.image)?;
+    let out: Box<dyn Write + Send> = match &args.output {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    let target = crate::attach::TargetArgs {
+        target: target.to_owned(),
+        gdb_timeout: 10,
+    };
+    let script = crate::trace::GuestScript {
+        source,
+        prog,
+        limits,
+        format,
+        out,
+        stop,
+    };
+    let tracer = crate::trace::start(&target, &image, heap, script)?;
+    tracer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the tracer thread panicked"))
 }
 
 impl ScriptOptions {
@@ -184,6 +267,10 @@ pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> 
         OutputFormat::Text => Format::Text,
         OutputFormat::Json => Format::Json,
     };
+    if let (Some(target), None | Some(5)) = (&args.target, args.pass) {
+        drop(out);
+        return run_attached(source, target, args, limits, format, stop);
+    }
     let job = Job {
         source,
         last_pass: args.pass,

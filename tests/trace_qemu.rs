@@ -188,3 +188,58 @@ fn detaching_mid_call_gives_the_swapped_return_address_back() {
         );
     }
 }
+
+#[test]
+fn run_with_target_traces_a_guest_someone_else_booted() {
+    if !have_qemu("run_with_target_traces_a_guest_someone_else_booted") {
+        return;
+    }
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    // The guest sleeps long enough after EXOTAP-READY for exotap to attach.
+    let mut guest = exotap()
+        .args([
+            "boot",
+            "--timeout",
+            "300",
+            "--run",
+            "sleep 8; syscall-loop 100; sleep 1",
+        ])
+        .arg("--gdbstub")
+        .arg(format!("unix:{},server=on,wait=off", socket.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut console = BufReader::new(guest.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("EXOTAP-READY") {
+        line.clear();
+        assert!(
+            console.read_line(&mut line).unwrap() > 0,
+            "the guest ended before READY"
+        );
+    }
+
+    let (code, out, err) = run(exotap()
+        .args(["run", "--target"])
+        .arg(format!("unix:{}", socket.display()))
+        .args([
+            "-e",
+            r#"global n; probe kernel.syscall("getppid") { if (execname() == "syscall-loop") n++ }
+               probe end { printf("n=%d\n", n) }"#,
+        ]));
+
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut console, &mut rest).unwrap();
+    assert!(guest.wait().unwrap().success(), "{rest}");
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(
+        value(&out, "n"),
+        Some(100),
+        "stdout:\n{out}\nstderr:\n{err}"
+    );
+    assert_eq!(result(&rest, "getppid.calls"), Some("100"), "{rest}");
+}
