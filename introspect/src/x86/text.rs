@@ -1,0 +1,414 @@
+//! Whole-text analysis: every function's CFG and liveness, in parallel, plus the set of
+//! all direct branch targets.
+//!
+//! Function ranges come from the caller (kallsyms, ELF symbols, System.map): this module
+//! does not care where. Ranges are guest data, so bad ones are set aside, not trusted.
+
+use rayon::prelude::*;
+
+use super::cfg::Cfg;
+use super::decode::{AnalysisConfig, FunctionDecoder, Insn};
+use super::liveness::Liveness;
+use super::regs::LiveState;
+
+/// Errors of whole-text analysis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TextError {
+    /// The text would run past the top of the address space.
+    #[error("text of {len} bytes at {base:#x} runs past the end of the address space")]
+    AddressOverflow {
+        /// The text's first address.
+        base: u64,
+        /// Its length.
+        len: usize,
+    },
+    /// A function range is empty, reversed, or not inside the text.
+    #[error("function range {start:#x}..{end:#x} is empty or not inside the text")]
+    RangeOutsideText {
+        /// The range's start.
+        start: u64,
+        /// The range's end.
+        end: u64,
+    },
+    /// A function range starts inside the previous one.
+    #[error("function range {start:#x}..{end:#x} overlaps the function before it")]
+    RangeOverlaps {
+        /// The range's start.
+        start: u64,
+        /// The range's end.
+        end: u64,
+    },
+}
+
+/// Code bytes and the virtual address of the first one.
+#[derive(Clone, Copy, Debug)]
+pub struct CodeView<'a> {
+    base: u64,
+    bytes: &'a [u8],
+}
+
+impl<'a> CodeView<'a> {
+    /// A view of `bytes` mapped at `base`.
+    ///
+    /// # Errors
+    /// [`TextError::AddressOverflow`] if `base + bytes.len()` does not fit in 64 bits.
+    pub fn new(base: u64, bytes: &'a [u8]) -> Result<Self, TextError> {
+        let len = bytes.len();
+        u64::try_from(len)
+            .ok()
+            .and_then(|l| base.checked_add(l))
+            .ok_or(TextError::AddressOverflow { base, len })?;
+        Ok(Self { base, bytes })
+    }
+
+    /// The first address.
+    #[must_use]
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// The address just past the last byte.
+    #[must_use]
+    pub fn end(&self) -> u64 {
+        // Checked in `new`.
+        self.base.wrapping_add(self.bytes.len() as u64)
+    }
+
+    /// All bytes.
+    #[must_use]
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// The bytes of `[start, end)`, if that range is non-empty and inside the view.
+    #[must_use]
+    pub fn range(&self, start: u64, end: u64) -> Option<&'a [u8]> {
+        if start < self.base || end <= start || end > self.end() {
+            return None;
+        }
+        let from = usize::try_from(start - self.base).ok()?;
+        let to = usize::try_from(end - self.base).ok()?;
+        self.bytes.get(from..to)
+    }
+}
+
+/// A function's address range `[start, end)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FunctionRange {
+    /// First address.
+    pub start: u64,
+    /// Address just past the function (for symbol tables without sizes: the next symbol).
+    pub end: u64,
+}
+
+impl FunctionRange {
+    /// Whether `addr` is inside the range.
+    #[must_use]
+    pub fn contains(&self, addr: u64) -> bool {
+        addr >= self.start && addr < self.end
+    }
+}
+
+/// Ranges from sorted-or-not function start addresses, each ending where the next
+/// starts; the last ends at `text_end`. Duplicates and starts at or past `text_end` are
+/// dropped.
+#[must_use]
+pub fn ranges_from_starts(starts: &[u64], text_end: u64) -> Vec<FunctionRange> {
+    let mut sorted: Vec<u64> = starts.iter().copied().filter(|&s| s < text_end).collect();
+    sorted.sort_unstable();
+    sorted.dedup();
+    sorted
+        .iter()
+        .enumerate()
+        .map(|(i, &start)| FunctionRange {
+            start,
+            end: sorted.get(i + 1).copied().unwrap_or(text_end),
+        })
+        .collect()
+}
+
+/// One function's CFG and liveness.
+#[derive(Clone, Debug, Default)]
+pub struct FunctionAnalysis {
+    /// The control-flow graph (holds the decoded instructions).
+    pub cfg: Cfg,
+    /// Liveness at block boundaries.
+    pub liveness: Liveness,
+}
+
+impl FunctionAnalysis {
+    /// Decodes and analyzes the function whose bytes `code` start at `start`.
+    #[must_use]
+    pub fn analyze(code: &[u8], start: u64, config: &AnalysisConfig) -> Self {
+        let mut decoder = FunctionDecoder::new(config);
+        Self::analyze_with(&mut decoder, code, start)
+    }
+
+    fn analyze_with(decoder: &mut FunctionDecoder<'_>, code: &[u8], start: u64) -> Self {
+        let insns = decoder.decode(code, start);
+        let cfg = Cfg::build(start, start.wrapping_add(code.len() as u64), insns);
+        let liveness = Liveness::compute(&cfg);
+        Self { cfg, liveness }
+    }
+
+    /// The instruction starting exactly at `addr`.
+    #[must_use]
+    pub fn insn_at(&self, addr: u64) -> Option<&Insn> {
+        self.cfg.insn_index_at(addr).map(|i| &self.cfg.insns()[i])
+    }
+
+    /// What is live just before the instruction at `addr`, if one starts there.
+    #[must_use]
+    pub fn live_before(&self, addr: u64) -> Option<LiveState> {
+        let i = self.cfg.insn_index_at(addr)?;
+        Some(self.liveness.before_insn(&self.cfg, i))
+    }
+}
+
+/// Every direct branch and call target in the analyzed text, sorted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BranchTargets(Vec<u64>);
+
+impl BranchTargets {
+    /// The set of `targets`.
+    #[must_use]
+    pub fn new(mut targets: Vec<u64>) -> Self {
+        targets.par_sort_unstable();
+        targets.dedup();
+        Self(targets)
+    }
+
+    /// The first target strictly inside `(start, end)`: a branch that would land in the
+    /// middle of bytes starting at `start`.
+    #[must_use]
+    pub fn first_strictly_inside(&self, start: u64, end: u64) -> Option<u64> {
+        let i = self.0.partition_point(|&t| t <= start);
+        self.0.get(i).copied().filter(|&t| t < end)
+    }
+
+    /// Whether `addr` is a target.
+    #[must_use]
+    pub fn contains(&self, addr: u64) -> bool {
+        self.0.binary_search(&addr).is_ok()
+    }
+
+    /// Number of distinct targets.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there is none.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// The analysis of a whole text section.
+#[derive(Debug, Default)]
+pub struct TextAnalysis {
+    ranges: Vec<FunctionRange>,
+    functions: Vec<FunctionAnalysis>,
+    targets: BranchTargets,
+    rejected: Vec<TextError>,
+}
+
+impl TextAnalysis {
+    /// Analyzes every function of `ranges` in `text`, in parallel. Ranges that are
+    /// empty, outside the text or overlapping an earlier one are set aside in
+    /// [`TextAnalysis::rejected`].
+    #[must_use]
+    pub fn analyze(text: CodeView<'_>, ranges: &[FunctionRange], config: &AnalysisConfig) -> Self {
+        let mut sorted = ranges.to_vec();
+        sorted.sort_unstable();
+        let mut kept: Vec<FunctionRange> = Vec::with_capacity(sorted.len());
+        let mut rejected = Vec::new();
+        for r in sorted {
+            if text.range(r.start, r.end).is_none() {
+                rejected.push(TextError::RangeOutsideText {
+                    start: r.start,
+                    end: r.end,
+                });
+            } else if kept.last().is_some_and(|prev| r.start < prev.end) {
+                rejected.push(TextError::RangeOverlaps {
+                    start: r.start,
+                    end: r.end,
+                });
+            } else {
+                kept.push(r);
+            }
+        }
+        let functions: Vec<FunctionAnalysis> = kept
+            .par_iter()
+            .map_init(
+                || FunctionDecoder::new(config),
+                |decoder, r| {
+                    let code = text.range(r.start, r.end).unwrap_or_default();
+                    FunctionAnalysis::analyze_with(decoder, code, r.start)
+                },
+            )
+            .collect();
+        let targets: Vec<u64> = functions
+            .par_iter()
+            .flat_map_iter(|f| f.cfg.branch_targets())
+            .collect();
+        Self {
+            ranges: kept,
+            functions,
+            targets: BranchTargets::new(targets),
+            rejected,
+        }
+    }
+
+    /// The analyzed functions, in address order.
+    #[must_use]
+    pub fn functions(&self) -> &[FunctionAnalysis] {
+        &self.functions
+    }
+
+    /// The function ranges that were analyzed, in address order.
+    #[must_use]
+    pub fn ranges(&self) -> &[FunctionRange] {
+        &self.ranges
+    }
+
+    /// The function whose range holds `addr`.
+    #[must_use]
+    pub fn function_containing(&self, addr: u64) -> Option<&FunctionAnalysis> {
+        let i = self
+            .ranges
+            .partition_point(|r| r.start <= addr)
+            .checked_sub(1)?;
+        self.ranges[i].contains(addr).then(|| &self.functions[i])
+    }
+
+    /// All direct branch and call targets of all analyzed functions.
+    #[must_use]
+    pub fn branch_targets(&self) -> &BranchTargets {
+        &self.targets
+    }
+
+    /// Ranges that were not analyzed, and why.
+    #[must_use]
+    pub fn rejected(&self) -> &[TextError] {
+        &self.rejected
+    }
+
+    /// Total number of decoded instructions.
+    #[must_use]
+    pub fn insn_count(&self) -> usize {
+        self.functions.iter().map(|f| f.cfg.insns().len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use iced_x86::code_asm::*;
+
+    use super::*;
+
+    const BASE: u64 = 0xffff_ffff_8100_0000;
+
+    /// Two functions: `f` calls `g` and jumps inside itself; `g` returns.
+    fn two_functions() -> (Vec<u8>, u64) {
+        let mut a = CodeAssembler::new(64).unwrap();
+        let mut g = a.create_label();
+        let mut skip = a.create_label();
+        a.test(rdi, rdi).unwrap();
+        a.je(skip).unwrap();
+        a.call(g).unwrap();
+        a.set_label(&mut skip).unwrap();
+        a.ret().unwrap();
+        a.set_label(&mut g).unwrap();
+        a.mov(eax, 7i32).unwrap();
+        a.ret().unwrap();
+        let result = a
+            .assemble_options(
+                BASE,
+                iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS,
+            )
+            .unwrap();
+        let g_addr = result.label_ip(&g).unwrap();
+        (result.inner.code_buffer, g_addr)
+    }
+
+    #[test]
+    fn analyzes_each_function_and_finds_them_by_address() {
+        let (bytes, g) = two_functions();
+        let text = CodeView::new(BASE, &bytes).unwrap();
+        let ranges = ranges_from_starts(&[g, BASE], text.end());
+
+        let analysis = TextAnalysis::analyze(text, &ranges, &AnalysisConfig::new());
+
+        assert_eq!(analysis.functions().len(), 2);
+        assert_eq!(
+            analysis.function_containing(g + 1).map(|f| f.cfg.start()),
+            Some(g)
+        );
+        assert_eq!(
+            analysis.function_containing(BASE).map(|f| f.cfg.start()),
+            Some(BASE)
+        );
+        assert!(analysis.function_containing(text.end()).is_none());
+    }
+
+    #[test]
+    fn branch_targets_cover_calls_and_jumps_of_all_functions() {
+        let (bytes, g) = two_functions();
+        let text = CodeView::new(BASE, &bytes).unwrap();
+        let ranges = ranges_from_starts(&[BASE, g], text.end());
+
+        let analysis = TextAnalysis::analyze(text, &ranges, &AnalysisConfig::new());
+
+        assert!(analysis.branch_targets().contains(g));
+        assert_eq!(analysis.branch_targets().len(), 2);
+    }
+
+    #[test]
+    fn ranges_outside_text_or_overlapping_are_rejected() {
+        let (bytes, _) = two_functions();
+        let text = CodeView::new(BASE, &bytes).unwrap();
+        let ranges = [
+            FunctionRange {
+                start: BASE,
+                end: BASE + 4,
+            },
+            FunctionRange {
+                start: BASE + 2,
+                end: BASE + 6,
+            },
+            FunctionRange {
+                start: BASE + 100,
+                end: BASE + 200,
+            },
+            FunctionRange {
+                start: BASE + 9,
+                end: BASE + 9,
+            },
+        ];
+
+        let analysis = TextAnalysis::analyze(text, &ranges, &AnalysisConfig::new());
+
+        assert_eq!(analysis.functions().len(), 1);
+        assert_eq!(analysis.rejected().len(), 3);
+    }
+
+    #[test]
+    fn code_view_rejects_wrapping_base() {
+        let bytes = [0u8; 16];
+
+        let view = CodeView::new(u64::MAX - 4, &bytes);
+
+        assert!(matches!(view, Err(TextError::AddressOverflow { .. })));
+    }
+
+    #[test]
+    fn first_strictly_inside_ignores_the_start_itself() {
+        let targets = BranchTargets::new(vec![10, 20, 13]);
+
+        assert_eq!(targets.first_strictly_inside(10, 15), Some(13));
+        assert_eq!(targets.first_strictly_inside(13, 20), None);
+        assert_eq!(targets.first_strictly_inside(20, 25), None);
+    }
+}
