@@ -9,6 +9,7 @@ packages=(
   gcc libc6-dev     # workloads are built with gcc -static -O2
   cpio              # tests read the initramfs back with an independent cpio
   util-linux        # unshare -n: proves a cached image fetch needs no network
+  gdb               # debug-info tests compare exotap's line tables and layouts with gdb's
 )
 
 missing=()

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 ci/install-deps.sh
 cargo build --locked
 target/debug/exotap image fetch
+target/debug/exotap image fetch --debuginfo
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e

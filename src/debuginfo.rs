@@ -10,6 +10,7 @@ use exotap_guest_images as images;
 use exotap_introspect::btf::{cdecl, Btf};
 use exotap_introspect::bzimage::Vmlinux;
 use exotap_introspect::dwarf::index::Layer;
+use exotap_introspect::dwarf::klas::{self, Globals, MemberQuery};
 use exotap_introspect::dwarf::{DebugFile, DebugInfo, EntryKind, Index};
 
 /// Which debug info to read.
@@ -44,8 +45,9 @@ pub struct LinesArgs {
 /// `exotap ptype TYPE`.
 #[derive(Debug, Args)]
 pub struct PtypeArgs {
-    /// A C type: `struct file`, `union thread_union`, `enum pid_type`, `pid_t`.
-    pub ty: String,
+    /// A C type: `struct file` (one or two words), `union thread_union`, `enum pid_type`, `pid_t`.
+    #[arg(required = true, num_args = 1..)]
+    pub ty: Vec<String>,
     /// Show offsets and sizes (gdb's `ptype /o`).
     #[arg(short = 'o', long)]
     pub offsets: bool,
@@ -70,6 +72,22 @@ pub struct VarsArgs {
 pub struct WhereArgs {
     /// A source line: `fs/open.c:1337`.
     pub location: String,
+    #[command(flatten)]
+    pub debug: DebugArgs,
+}
+
+/// `exotap joinpoints 'struct file.f_pos'`.
+#[derive(Debug, Args)]
+pub struct JoinpointsArgs {
+    /// A struct member (`struct file.f_pos`, `file_operations.read_iter`) or a whole struct.
+    #[arg(required = true, num_args = 1..)]
+    pub member: Vec<String>,
+    /// Only these functions (name, glob or `*@FILE` pattern) instead of the whole kernel.
+    #[arg(long, value_name = "PATTERN")]
+    pub function: Option<String>,
+    /// Print only the count per access kind.
+    #[arg(long)]
+    pub count: bool,
     #[command(flatten)]
     pub debug: DebugArgs,
 }
@@ -188,6 +206,7 @@ pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
 /// `exotap ptype`: a type as gdb's `ptype` prints it.
 pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
     let t = Timer::new(args.debug.timings);
+    let spec = args.ty.join(" ");
     if args.btf {
         let kernel =
             images::ensure_kernel(&args.debug.kernel).context("cannot get the guest kernel")?;
@@ -198,7 +217,7 @@ pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
         t.mark("BTF parsed");
         print!(
             "{}",
-            cdecl::ptype(&btf, btf.type_by_spec(&args.ty)?, args.offsets)
+            cdecl::ptype(&btf, btf.type_by_spec(&spec)?, args.offsets)
         );
         return Ok(0);
     }
@@ -206,7 +225,7 @@ pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
     let info = file.load()?;
     let names = index(&info, Layer::Names)?;
     t.mark("index open");
-    let ty = info.find_type(&names, &args.ty)?;
+    let ty = info.find_type(&names, &spec)?;
     print!("{}", cdecl::ptype(&info, ty, args.offsets));
     t.mark("ptype");
     Ok(0)
@@ -249,5 +268,51 @@ pub fn run_where(args: &WhereArgs) -> anyhow::Result<i32> {
         let sym = info.symbols().describe(addr).unwrap_or_default();
         println!("{file}:{line} {addr:#x} {sym}");
     }
+    Ok(0)
+}
+
+/// `exotap joinpoints`: the instructions that access a struct member (KLAS join points).
+pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
+    let t = Timer::new(args.debug.timings);
+    let query = MemberQuery::parse(&args.member.join(" "))?;
+    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    let info = file.load()?;
+    let names = index(&info, Layer::Names)?;
+    t.mark("index open");
+    let points = match &args.function {
+        Some(pattern) => {
+            let funcs = names.functions(pattern, &[EntryKind::Function]);
+            if funcs.is_empty() {
+                bail!("no function with code matches `{pattern}`");
+            }
+            info.join_points(&funcs, &Globals::from_index(&info, &names), &query)?
+        }
+        None => {
+            let bar = indicatif::ProgressBar::new(0);
+            bar.set_message("analysing every function");
+            let progress = |done: u64, total: u64| {
+                bar.set_length(total);
+                bar.set_position(done);
+            };
+            let points = klas::join_points_everywhere(file.bytes(), &names, &query, &progress)?;
+            bar.finish_and_clear();
+            points
+        }
+    };
+    t.mark("join points");
+    let mut counts = std::collections::BTreeMap::new();
+    for p in &points {
+        *counts.entry(p.access.to_string()).or_insert(0usize) += 1;
+        if !args.count {
+            println!("{p}");
+        }
+    }
+    let by_kind: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
+    println!(
+        "{} join points for {} ({})",
+        points.len(),
+        args.member.join(" "),
+        by_kind.join(", ")
+    );
     Ok(0)
 }

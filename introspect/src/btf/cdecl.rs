@@ -60,6 +60,8 @@ pub enum Body<Id> {
         size: u64,
         /// Members in order.
         members: Vec<BodyMember<Id>>,
+        /// Only declared (gdb's `<incomplete type>`).
+        incomplete: bool,
     },
     /// An enum.
     Enum {
@@ -80,6 +82,8 @@ pub trait TypeShapes {
     fn body(&self, id: Self::Id) -> Option<Body<Self::Id>>;
     /// Size in bytes.
     fn size_of(&self, id: Self::Id) -> Option<u64>;
+    /// What a typedef names (`None` for anything else).
+    fn typedef_target(&self, id: Self::Id) -> Option<Self::Id>;
 }
 
 /// `ty` declared with `name` in C (gdb's spelling): `struct inode *f_inode`,
@@ -116,30 +120,49 @@ fn declarator<G: TypeShapes>(g: &G, ty: G::Id, inner: String, depth: usize) -> S
             let len = len.map(|n| n.to_string()).unwrap_or_default();
             declarator(g, elem, format!("{inner}[{len}]"), depth + 1)
         }
-        Shape::Qualified(qual, target) => match g.shape(target) {
-            // A qualified pointer: the qualifier sits after the star.
-            Shape::Pointer(pointee) => {
-                let inner = if inner.is_empty() {
-                    format!("* {qual}")
-                } else {
-                    format!("* {qual} {inner}")
-                };
-                let wrapped = match g.shape(pointee) {
-                    Shape::Array(..) | Shape::Function { .. } => format!("({inner})"),
-                    _ => inner,
-                };
-                declarator(g, pointee, wrapped, depth + 1)
+        Shape::Qualified(first, target) => {
+            // gdb prints stacked qualifiers together, in a fixed order.
+            let mut quals = vec![first];
+            let mut target = target;
+            let mut shape = g.shape(target);
+            while let Shape::Qualified(q, t) = shape {
+                if quals.len() > MAX_DEPTH {
+                    return join("?", &inner);
+                }
+                quals.push(q);
+                target = t;
+                shape = g.shape(t);
             }
-            Shape::Named(_) | Shape::Void | Shape::Unknown => {
-                let base = declarator(g, target, String::new(), depth + 1);
-                join(&format!("{qual} {base}"), &inner)
+            let quals: Vec<&str> = ["const", "volatile", "restrict", "_Atomic"]
+                .into_iter()
+                .filter(|q| quals.contains(q))
+                .collect();
+            let quals = quals.join(" ");
+            match shape {
+                // A qualified pointer: the qualifiers sit after the star.
+                Shape::Pointer(pointee) => {
+                    let inner = if inner.is_empty() {
+                        format!("* {quals}")
+                    } else {
+                        format!("* {quals} {inner}")
+                    };
+                    let wrapped = match g.shape(pointee) {
+                        Shape::Array(..) | Shape::Function { .. } => format!("({inner})"),
+                        _ => inner,
+                    };
+                    declarator(g, pointee, wrapped, depth + 1)
+                }
+                Shape::Named(_) | Shape::Void | Shape::Unknown => {
+                    let base = declarator(g, target, String::new(), depth + 1);
+                    join(&format!("{quals} {base}"), &inner)
+                }
+                // Qualified arrays and functions: the qualifiers go in front.
+                _ => {
+                    let base = declarator(g, target, inner, depth + 1);
+                    format!("{quals} {base}")
+                }
             }
-            // Qualified arrays/functions and stacked qualifiers: apply to what is inside.
-            _ => {
-                let base = declarator(g, target, inner, depth + 1);
-                format!("{qual} {base}")
-            }
-        },
+        }
         Shape::Function {
             ret,
             params,
@@ -161,20 +184,44 @@ fn declarator<G: TypeShapes>(g: &G, ty: G::Id, inner: String, depth: usize) -> S
     }
 }
 
+/// gdb's spelling of GCC's base type names (`long unsigned int` → `unsigned long`).
+pub fn gdb_base_name(name: &str) -> &str {
+    match name {
+        "short int" => "short",
+        "short unsigned int" => "unsigned short",
+        "long int" => "long",
+        "long unsigned int" => "unsigned long",
+        "long long int" => "long long",
+        "long long unsigned int" => "unsigned long long",
+        other => other,
+    }
+}
+
 /// The type printed as gdb's `ptype` does: the body of a struct/union/enum (anonymous
 /// members expanded inline, named member types by name), or the declaration of anything else.
-/// `offsets` adds gdb's `ptype /o` columns (`/* offset | size */`).
+/// `offsets` prints gdb's `ptype /o` instead: offset and size columns, holes and padding,
+/// and struct/union members expanded.
 pub fn ptype<G: TypeShapes>(g: &G, ty: G::Id, offsets: bool) -> String {
     let mut out = String::new();
+    // Like gdb, look through typedefs at the top: `ptype pid_t` is `int`.
+    let mut ty = ty;
+    for _ in 0..MAX_DEPTH {
+        match g.typedef_target(ty) {
+            Some(target) => ty = target,
+            None => break,
+        }
+    }
     match g.body(ty) {
         Some(body) => {
-            let prefix = if offsets {
-                "/* offset      |    size */  type = "
-            } else {
-                "type = "
-            };
-            out.push_str(prefix);
-            write_body(g, &body, 0, offsets, 0, &mut out, 0);
+            let podata = offsets.then_some(Podata {
+                offset_bits: 0,
+                end_bits: 0,
+            });
+            if offsets {
+                out.push_str("/* offset      |    size */  ");
+            }
+            out.push_str("type = ");
+            write_body(g, &body, 0, podata, &mut out, 0);
             out.push('\n');
         }
         None => {
@@ -182,6 +229,29 @@ pub fn ptype<G: TypeShapes>(g: &G, ty: G::Id, offsets: bool) -> String {
         }
     }
     out
+}
+
+/// Width of gdb's `/* offset | size */` column.
+const OFFSET_COLUMN: usize = 27;
+
+/// gdb's `print_offset_data`: where the aggregate being printed starts in the outermost one,
+/// and where (relative to the aggregate) the previous member ended.
+#[derive(Debug, Clone, Copy)]
+struct Podata {
+    offset_bits: u64,
+    end_bits: u64,
+}
+
+fn hole(out: &mut String, end_bits: u64, bitpos: u64, what: &str) {
+    if end_bits > 0 && end_bits < bitpos {
+        let hole = bitpos - end_bits;
+        if !hole.is_multiple_of(8) {
+            let _ = writeln!(out, "/* XXX {:>2}-bit {what:<7}    */", hole % 8);
+        }
+        if hole / 8 > 0 {
+            let _ = writeln!(out, "/* XXX {:>2}-byte {what:<7}   */", hole / 8);
+        }
+    }
 }
 
 fn body_head(body: &Body<impl Copy>) -> String {
@@ -201,19 +271,18 @@ fn body_head(body: &Body<impl Copy>) -> String {
     }
 }
 
-/// Writes `struct name {` ... `}` (no trailing name or newline). `indent` is the nesting
-/// level of the body's closing brace; `base_bits` the body's offset in the outermost type.
+/// Writes `struct name {` ... `}` (no trailing name or newline); members are indented by
+/// `level + 4` spaces, as gdb's `c_type_print_base_struct_union` does.
 fn write_body<G: TypeShapes>(
     g: &G,
     body: &Body<G::Id>,
-    indent: usize,
-    offsets: bool,
-    base_bits: u64,
+    level: usize,
+    mut podata: Option<Podata>,
     out: &mut String,
     depth: usize,
 ) {
     out.push_str(&body_head(body));
-    match body {
+    let (union, size, members, incomplete) = match body {
         Body::Enum { values, .. } => {
             let mut next = 0i128;
             let list: Vec<String> = values
@@ -230,65 +299,93 @@ fn write_body<G: TypeShapes>(
                 .collect();
             out.pop();
             let _ = write!(out, "{{{}}}", list.join(", "));
+            return;
         }
-        Body::Aggregate { members, size, .. } => {
-            out.push('\n');
-            for m in members {
-                write_member(g, m, indent + 1, offsets, base_bits, out, depth);
-            }
-            if offsets {
-                let pad = " ".repeat(31 + 4 * indent);
-                let _ = writeln!(out, "\n{pad}/* total size (bytes): {size:>4} */");
-                out.push_str(&" ".repeat(29 + 4 * indent));
+        Body::Aggregate {
+            union,
+            size,
+            members,
+            incomplete,
+            ..
+        } => (*union, *size, members, *incomplete),
+    };
+    out.push('\n');
+    if members.is_empty() {
+        let column = if podata.is_some() { OFFSET_COLUMN } else { 0 };
+        let what = if incomplete {
+            "<incomplete type>"
+        } else {
+            "<no data fields>"
+        };
+        let _ = writeln!(out, "{}{what}", " ".repeat(column + level + 4));
+    }
+    for m in members {
+        let ty_size = g.size_of(m.ty).unwrap_or(0);
+        let mut nested = None;
+        if let Some(pd) = podata.as_mut() {
+            if union {
+                let _ = write!(out, "/*                {ty_size:>6} */");
             } else {
-                out.push_str(&"    ".repeat(indent));
+                hole(out, pd.end_bits, m.bit_offset, "hole");
+                let real = m.bit_offset.saturating_add(pd.offset_bits);
+                let field_bits = match m.bit_size {
+                    Some(bits) => {
+                        let _ = write!(out, "/* {:>6}:{:>2}  ", real / 8, real % 8);
+                        bits
+                    }
+                    None if pd.offset_bits % 8 != 0 => {
+                        let _ = write!(out, "/* {:>6}:{:>2}  ", real / 8, real % 8);
+                        ty_size.saturating_mul(8)
+                    }
+                    None => {
+                        let _ = write!(out, "/* {:>6}     ", real / 8);
+                        ty_size.saturating_mul(8)
+                    }
+                };
+                let _ = write!(out, " |  {ty_size:>6} */");
+                pd.end_bits = m.bit_offset.saturating_add(field_bits);
             }
-            out.push('}');
+            nested = Some(Podata {
+                offset_bits: pd.offset_bits.saturating_add(m.bit_offset),
+                end_bits: pd.end_bits.saturating_sub(ty_size.saturating_mul(8)),
+            });
         }
-    }
-}
-
-fn write_member<G: TypeShapes>(
-    g: &G,
-    m: &BodyMember<G::Id>,
-    indent: usize,
-    offsets: bool,
-    base_bits: u64,
-    out: &mut String,
-    depth: usize,
-) {
-    let bits = base_bits.saturating_add(m.bit_offset);
-    if offsets {
-        let size = m
-            .bit_size
-            .map_or_else(|| g.size_of(m.ty).unwrap_or(0), |b| b);
-        match m.bit_size {
-            Some(_) => {
-                let _ = write!(out, "/* {:>6}:{:>2}   |  {size:>6} */", bits / 8, bits % 8);
+        out.push_str(&" ".repeat(level + 4));
+        let expand = g.body(m.ty).filter(|b| match b {
+            Body::Aggregate { name, .. } => podata.is_some() || name.is_empty(),
+            Body::Enum { name, .. } => name.is_empty(),
+        });
+        match expand {
+            Some(inner) if depth < MAX_DEPTH => {
+                let inner_pd = if matches!(inner, Body::Aggregate { .. }) {
+                    nested
+                } else {
+                    None
+                };
+                write_body(g, &inner, level + 4, inner_pd, out, depth + 1);
+                if !m.name.is_empty() {
+                    out.push(' ');
+                    out.push_str(&m.name);
+                }
             }
-            None => {
-                let _ = write!(out, "/* {:>6}      |  {size:>6} */", bits / 8);
-            }
+            _ => out.push_str(&declaration(g, m.ty, &m.name)),
         }
-    }
-    out.push_str(&"    ".repeat(indent));
-    let inline = g.body(m.ty).filter(|b| match b {
-        Body::Aggregate { name, .. } | Body::Enum { name, .. } => name.is_empty(),
-    });
-    match inline {
-        Some(body) if depth < MAX_DEPTH => {
-            write_body(g, &body, indent, offsets, bits, out, depth + 1);
-            if !m.name.is_empty() {
-                out.push(' ');
-                out.push_str(&m.name);
-            }
+        if let Some(width) = m.bit_size {
+            let _ = write!(out, " : {width}");
         }
-        _ => out.push_str(&declaration(g, m.ty, &m.name)),
+        out.push_str(";\n");
     }
-    if let Some(width) = m.bit_size {
-        let _ = write!(out, " : {width}");
+    if let Some(pd) = podata {
+        hole(out, pd.end_bits, size.saturating_mul(8), "padding");
+        let _ = writeln!(
+            out,
+            "\n{}/* total size (bytes): {size:>4} */",
+            " ".repeat(OFFSET_COLUMN + level + 4)
+        );
+        out.push_str(&" ".repeat(OFFSET_COLUMN + if level == 0 { 2 } else { 0 }));
     }
-    out.push_str(";\n");
+    out.push_str(&" ".repeat(level));
+    out.push('}');
 }
 
 #[cfg(test)]
@@ -308,6 +405,9 @@ mod tests {
         }
         fn size_of(&self, _id: usize) -> Option<u64> {
             Some(4)
+        }
+        fn typedef_target(&self, _id: usize) -> Option<usize> {
+            None
         }
     }
 
@@ -368,6 +468,7 @@ mod tests {
         ];
         let inner = Body::Aggregate {
             union: true,
+            incomplete: false,
             name: String::new(),
             size: 4,
             members: vec![BodyMember {
@@ -379,6 +480,7 @@ mod tests {
         };
         let outer = Body::Aggregate {
             union: false,
+            incomplete: false,
             name: "s".into(),
             size: 8,
             members: vec![

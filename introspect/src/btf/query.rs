@@ -64,7 +64,8 @@ pub struct MemberLocation {
 impl MemberLocation {
     /// The byte offset, `None` for a bitfield or a member that does not start on a byte.
     pub fn byte_offset(&self) -> Option<u64> {
-        (self.bitfield_size.is_none() && self.bit_offset % 8 == 0).then_some(self.bit_offset / 8)
+        (self.bitfield_size.is_none() && self.bit_offset.is_multiple_of(8))
+            .then_some(self.bit_offset / 8)
     }
 }
 

@@ -1,6 +1,6 @@
 //! BTF types seen as C declarator shapes, so [`cdecl`](super::cdecl) can print them.
 
-use super::cdecl::{Body, BodyMember, Shape, TypeShapes};
+use super::cdecl::{gdb_base_name, Body, BodyMember, Shape, TypeShapes};
 use super::{Btf, Kind, TypeId};
 
 impl Btf {
@@ -21,9 +21,10 @@ impl TypeShapes for Btf {
         };
         match &ty.kind {
             Kind::Void => Shape::Void,
-            Kind::Int { .. } | Kind::Float { .. } | Kind::Typedef(_) => {
-                Shape::Named(self.name(id).to_owned())
+            Kind::Int { .. } | Kind::Float { .. } => {
+                Shape::Named(gdb_base_name(self.name(id)).to_owned())
             }
+            Kind::Typedef(_) => Shape::Named(self.name(id).to_owned()),
             Kind::Struct { .. } => Shape::Named(self.keyword_name("struct", id)),
             Kind::Union { .. } => Shape::Named(self.keyword_name("union", id)),
             Kind::Enum { .. } => Shape::Named(self.keyword_name("enum", id)),
@@ -83,7 +84,15 @@ impl TypeShapes for Btf {
             name,
             size: u64::from(*size),
             members,
+            incomplete: false,
         })
+    }
+
+    fn typedef_target(&self, id: TypeId) -> Option<TypeId> {
+        match self.get(id)?.kind {
+            Kind::Typedef(t) => Some(t),
+            _ => None,
+        }
     }
 
     fn size_of(&self, id: TypeId) -> Option<u64> {

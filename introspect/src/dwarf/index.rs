@@ -13,6 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
+use super::pattern::{file_matches, glob_match};
 pub use super::scan::Layer;
 use super::scan::{scan, UnitEntries};
 use super::{DebugInfo, DieRef, DwarfError};
@@ -155,7 +156,7 @@ fn header(layer: Layer, build_id: &[u8], count: u64, strings_len: u64, unnamed: 
     h.extend_from_slice(&u32::from(layer == Layer::Inlines).to_le_bytes());
     h.extend_from_slice(&(build_id.len() as u64).to_le_bytes());
     h.extend_from_slice(build_id);
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(0);
     }
     h.extend_from_slice(&count.to_le_bytes());
@@ -362,8 +363,11 @@ impl Index {
         progress: &(dyn Fn(u64, u64) + Sync),
     ) -> Result<Index, DwarfError> {
         let build_id = info.build_id().unwrap_or_default();
+        let start = std::time::Instant::now();
         let units = scan(info, layer, progress)?;
+        let scanned = start.elapsed();
         let bytes = serialize(&units, layer, build_id)?;
+        tracing::debug!(?layer, ?scanned, serialized = ?start.elapsed() - scanned, bytes = bytes.len(), "built the debug-info index");
         Index::from_bytes(Bytes::Owned(bytes), build_id, layer).map_err(|why| {
             DwarfError::Index(IndexError::Stale {
                 path: PathBuf::from("(in memory)"),
@@ -493,78 +497,117 @@ impl<'u> Strings<'u> {
     }
 }
 
-/// Whether `path` matches the file pattern `pattern` as a whole or in its trailing
-/// components (`fs/open.c` matches `fs/open.c` and `*/open.c` and `open.c`).
-pub fn file_matches(path: &str, pattern: &str) -> bool {
-    if glob_match(pattern, path) {
-        return true;
-    }
-    path.match_indices('/')
-        .any(|(at, _)| glob_match(pattern, &path[at + 1..]))
-}
-
-/// Shell-style glob: `*` any run, `?` one character, `[abc]`/`[a-z]`/`[!a]` a class.
-pub fn glob_match(pattern: &str, text: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let t: Vec<char> = text.chars().collect();
-    // Iterative matcher with one backtrack point for the last `*` (linear in practice).
-    let (mut pi, mut ti) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while ti < t.len() {
-        let step = match p.get(pi) {
-            Some('*') => {
-                star = Some((pi, ti));
-                pi += 1;
-                continue;
-            }
-            Some('?') => Some(pi + 1),
-            Some('[') => class_match(&p, pi, t[ti]),
-            Some(c) if *c == t[ti] => Some(pi + 1),
-            _ => None,
-        };
-        match (step, star) {
-            (Some(next), _) => {
-                pi = next;
-                ti += 1;
-            }
-            (None, Some((sp, st))) => {
-                pi = sp + 1;
-                ti = st + 1;
-                star = Some((sp, st + 1));
-            }
-            (None, None) => return false,
-        }
-    }
-    p[pi..].iter().all(|&c| c == '*')
-}
-
-/// Matches `c` against the class starting at `p[open] == '['`; the index after `]` on a match.
-fn class_match(p: &[char], open: usize, c: char) -> Option<usize> {
-    let mut i = open + 1;
-    let negate = matches!(p.get(i), Some('!' | '^'));
-    if negate {
-        i += 1;
-    }
-    let mut hit = false;
-    let mut first = true;
-    while let Some(&ch) = p.get(i) {
-        if ch == ']' && !first {
-            return (hit != negate).then_some(i + 1);
-        }
-        first = false;
-        if p.get(i + 1) == Some(&'-') && p.get(i + 2).is_some_and(|&e| e != ']') {
-            hit |= ch <= c && c <= p[i + 2];
-            i += 3;
-        } else {
-            hit |= ch == c;
-            i += 1;
-        }
-    }
-    // No closing bracket: a literal '['.
-    (c == '[').then_some(open + 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dwarf::testing::{fixture_file, names};
+
+    #[test]
+    fn names_layer_finds_functions_types_variables_and_abstract_inlines() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+
+        let index = names(&info);
+
+        let task_pid: Vec<_> = index.lookup_kind("task_pid", EntryKind::Function).collect();
+        assert_eq!(task_pid.len(), 1);
+        assert_eq!(info.symbols().by_name("task_pid")[0].addr, task_pid[0].low);
+        assert!(task_pid[0].file.ends_with("dwarf_fixture.c") && task_pid[0].line == 32);
+        assert_eq!(index.lookup_kind("task", EntryKind::Struct).count(), 1);
+        assert_eq!(index.lookup_kind("color", EntryKind::Enum).count(), 1);
+        assert_eq!(index.lookup_kind("pid_t", EntryKind::Typedef).count(), 1);
+        assert_eq!(index.lookup_kind("twice", EntryKind::Abstract).count(), 1);
+        assert!(index
+            .lookup_kind("global_task", EntryKind::Variable)
+            .next()
+            .is_some_and(|v| v.low != 0));
+    }
+
+    #[test]
+    fn inlines_layer_names_instances_by_their_origin_with_the_call_site() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+
+        let index = Index::build(&info, Layer::Inlines, &|_, _| {}).unwrap();
+
+        let twice: Vec<_> = index.lookup_kind("twice", EntryKind::Inlined).collect();
+        assert!(!twice.is_empty());
+        assert!(twice
+            .iter()
+            .all(|e| e.line == 46 && e.file.ends_with("dwarf_fixture.c")));
+    }
+
+    #[test]
+    fn functions_takes_globs_and_file_patterns() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+
+        let by_glob: Vec<&str> = index
+            .functions("*_pid*", &[EntryKind::Function])
+            .iter()
+            .map(|e| e.name)
+            .collect();
+        let by_file = index.functions("*@dwarf_fixture.c", &[EntryKind::Function]);
+        let elsewhere = index.functions("*@other.c", &[EntryKind::Function]);
+
+        assert_eq!(by_glob, vec!["sum_pids", "task_pid"]);
+        assert!(
+            by_file.iter().any(|e| e.name == "main") && by_file.iter().any(|e| e.name == "say")
+        );
+        assert!(elsewhere.is_empty());
+    }
+
+    #[test]
+    fn load_or_build_caches_by_build_id_and_rebuilds_a_corrupt_file() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let built = Index::load_or_build(&info, dir.path(), Layer::Names, &|_, _| {}).unwrap();
+        let path = Index::path(dir.path(), info.build_id().unwrap(), Layer::Names);
+
+        let reopened = Index::open(&path, info.build_id().unwrap(), Layer::Names).unwrap();
+        let other_build = Index::open(&path, b"other", Layer::Names);
+        let other_layer = Index::open(&path, info.build_id().unwrap(), Layer::Inlines);
+        std::fs::write(&path, b"EXOTAPIX garbage").unwrap();
+        let rebuilt = Index::load_or_build(&info, dir.path(), Layer::Names, &|_, _| {}).unwrap();
+
+        assert_eq!(reopened.len(), built.len());
+        assert!(matches!(
+            other_build,
+            Err(IndexError::Stale {
+                why: "other build id",
+                ..
+            })
+        ));
+        assert!(matches!(
+            other_layer,
+            Err(IndexError::Stale {
+                why: "other layer",
+                ..
+            })
+        ));
+        assert_eq!(rebuilt.len(), built.len());
+    }
+
+    #[test]
+    fn truncated_or_flipped_index_bytes_give_errors_or_entries_never_panics() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let id = info.build_id().unwrap();
+        let bytes = names(&info).data().to_vec();
+
+        for len in (0..bytes.len()).step_by(7) {
+            let _ = Index::from_bytes(Bytes::Owned(bytes[..len].to_vec()), id, Layer::Names);
+        }
+        for at in (0..bytes.len()).step_by(3) {
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x5a;
+            if let Ok(index) = Index::from_bytes(Bytes::Owned(bad), id, Layer::Names) {
+                let _ = index.iter().count();
+                let _ = index.lookup("task").count();
+                let _ = index.glob("s*").len();
+            }
+        }
+    }
 }

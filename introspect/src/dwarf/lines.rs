@@ -276,21 +276,15 @@ impl LineTable {
             if first.addr > pc && alt.is_none_or(|a| first.addr < a) {
                 alt = Some(first.addr);
             }
-            let mut item = rows.partition_point(|r| r.addr <= pc);
+            // gdb 13 ends the range at the very next row, even a non-statement row of the
+            // same line (later gdbs skip those).
+            let item = rows.partition_point(|r| r.addr <= pc);
             let prev = item.checked_sub(1);
-            if let Some(p) = prev {
-                while rows
-                    .get(item)
-                    .is_some_and(|r| r.line == rows[p].line && !r.is_stmt)
-                {
-                    item += 1;
-                }
-            }
             let best_addr = best
                 .and_then(|(s, r)| self.subfiles.get(s)?.rows.get(r))
                 .map(|r| r.addr);
             if let Some(p) = prev {
-                if best_addr.is_none_or(|b| rows[p].addr > b) {
+                if rows[p].line != 0 && best_addr.is_none_or(|b| rows[p].addr > b) {
                     let mut chosen = p;
                     if !rows[chosen].is_stmt {
                         let mut tmp = chosen;
@@ -520,4 +514,156 @@ impl<'a> DebugInfo<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dwarf::testing::{fixture_file, gdb_batch, have_gdb, names};
+    use crate::dwarf::EntryKind;
+
+    /// A builder with subfiles "a.c" (main, 0) and "b.h" (1).
+    fn builder() -> TableBuilder {
+        let mut b = TableBuilder::default();
+        b.subfile("a.c");
+        b.subfile("b.h");
+        b.start_sequence();
+        b
+    }
+
+    #[test]
+    fn switching_files_ends_the_old_file_with_a_marker_that_drops_rows_at_its_address() {
+        let mut b = builder();
+        b.row(0, 10, 0x100, true, 0, false);
+        b.row(0, 11, 0x104, true, 0, false);
+        b.row(1, 50, 0x104, true, 0, false);
+        b.row(1, 50, 0x108, true, 0, true);
+
+        let t = b.finish(0);
+
+        let a: Vec<(u64, u32)> = t.subfiles[0]
+            .rows
+            .iter()
+            .map(|r| (r.addr, r.line))
+            .collect();
+        let h: Vec<(u64, u32)> = t.subfiles[1]
+            .rows
+            .iter()
+            .map(|r| (r.addr, r.line))
+            .collect();
+        assert_eq!(a, vec![(0x100, 10), (0x104, 0)]);
+        assert_eq!(h, vec![(0x104, 50), (0x108, 0)]);
+    }
+
+    #[test]
+    fn a_non_statement_row_switching_back_at_the_same_address_is_ignored() {
+        let mut b = builder();
+        b.row(0, 10, 0x100, true, 0, false);
+        b.row(1, 50, 0x100, true, 0, false);
+        b.row(0, 10, 0x100, false, 0, false);
+        b.row(1, 50, 0x101, false, 0, false);
+        b.row(1, 50, 0x110, true, 0, true);
+
+        let t = b.finish(0);
+
+        // The pc's line is the header's, even though the main file's marker sorts first.
+        let found = t.find_pc(0x100).unwrap();
+        assert_eq!(
+            (found.file.as_str(), found.line, found.start, found.end),
+            ("b.h", 50, 0x100, 0x101)
+        );
+    }
+
+    #[test]
+    fn same_line_rows_with_discriminators_are_not_recorded_again() {
+        let mut b = builder();
+        b.row(0, 10, 0x100, true, 0, false);
+        b.row(0, 10, 0x104, true, 3, false);
+        b.row(0, 10, 0x108, true, 3, false);
+        b.row(0, 11, 0x10c, true, 0, false);
+        b.row(0, 11, 0x110, true, 0, true);
+
+        let t = b.finish(0);
+
+        let lines: Vec<(u64, u32)> = t.subfiles[0]
+            .rows
+            .iter()
+            .map(|r| (r.addr, r.line))
+            .collect();
+        assert_eq!(lines, vec![(0x100, 10), (0x10c, 11), (0x110, 0)]);
+    }
+
+    #[test]
+    fn find_pc_ends_a_line_at_the_next_row_even_a_non_statement_one() {
+        let mut b = builder();
+        b.row(0, 451, 0x950, true, 0, false);
+        b.row(0, 451, 0x955, false, 0, false);
+        b.row(0, 454, 0x963, true, 0, false);
+        b.row(0, 454, 0x970, true, 0, true);
+
+        let t = b.finish(0);
+
+        assert_eq!(
+            t.find_pc(0x950).map(|l| (l.line, l.start, l.end)),
+            Some((451, 0x950, 0x955))
+        );
+        assert_eq!(t.find_pc(0x970), None);
+        assert_eq!(t.find_pc(0x900), None);
+    }
+
+    #[test]
+    fn addresses_of_line_falls_forward_to_the_next_line_with_code() {
+        let mut b = builder();
+        b.row(0, 10, 0x100, true, 0, false);
+        b.row(0, 12, 0x104, true, 0, false);
+        b.row(0, 12, 0x108, false, 0, false);
+        b.row(0, 12, 0x10c, true, 0, true);
+        let t = b.finish(0);
+
+        assert_eq!(
+            t.addresses_of_line("a.c", 11),
+            vec![("a.c".to_owned(), 12, 0x104)]
+        );
+        assert_eq!(t.addresses_of_line("x/a.c", 10), vec![]);
+        assert!(path_matches("fs/open.c", "open.c") && !path_matches("fs/reopen.c", "open.c"));
+    }
+
+    #[test]
+    fn info_line_of_fixture_functions_equals_gdbs() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+        let funcs = ["task_pid", "sum_pids", "main"];
+
+        let ours: Vec<String> = funcs
+            .iter()
+            .map(|f| {
+                let e = index.lookup_kind(f, EntryKind::Function).next().unwrap();
+                format!("{}\n", info.info_line(e.low).unwrap())
+            })
+            .collect();
+
+        assert!(
+            ours[0].starts_with("Line 34 of \"")
+                && ours[0].contains("dwarf_fixture.c\" starts at address")
+        );
+        if have_gdb() {
+            let commands: Vec<String> = funcs.iter().map(|f| format!("info line {f}")).collect();
+            let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
+            assert_eq!(ours, gdb_batch(file.path(), &commands)[..3].to_vec());
+        }
+    }
+
+    #[test]
+    fn line_addresses_finds_the_loop_line_inside_sum_pids() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+        let sum = index
+            .lookup_kind("sum_pids", EntryKind::Function)
+            .next()
+            .unwrap();
+
+        let sites = info.line_addresses(&index, "dwarf_fixture.c", 46).unwrap();
+
+        assert!(!sites.is_empty());
+        assert!(sites.iter().all(|(f, l, a)| f.ends_with("dwarf_fixture.c")
+            && *l == 46
+            && (sum.low..sum.high).contains(a)));
+    }
 }

@@ -8,7 +8,9 @@
 //! read from the file is checked: a corrupt file gives a [`DwarfError`], never a panic.
 
 pub mod index;
+pub mod klas;
 pub mod lines;
+pub mod pattern;
 mod scan;
 pub mod symtab;
 pub mod types;
@@ -184,6 +186,19 @@ impl<'a> DebugInfo<'a> {
         self.elf.build_id().ok().flatten()
     }
 
+    /// The bytes of `lo..hi` from the section that holds them (`None` outside every section
+    /// with contents).
+    pub fn code(&self, lo: u64, hi: u64) -> Option<&'a [u8]> {
+        let section = self
+            .elf
+            .sections()
+            .find(|s| s.address() <= lo && hi <= s.address().saturating_add(s.size()))?;
+        let data = section.data().ok()?;
+        let start = usize::try_from(lo.checked_sub(section.address())?).ok()?;
+        let end = usize::try_from(hi.checked_sub(section.address())?).ok()?;
+        data.get(start..end)
+    }
+
     /// The ELF function symbols.
     pub fn symbols(&self) -> &Symtab<'a> {
         self.symbols.get_or_init(|| Symtab::from_elf(&self.elf))
@@ -325,3 +340,87 @@ pub(crate) fn unit_start(header: &gimli::UnitHeader<R<'_>>) -> u64 {
 
 #[cfg(test)]
 pub(crate) mod testing;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dwarf::testing::{fixture, fixture_file, names};
+
+    #[test]
+    fn open_names_a_missing_file() {
+        let err = DebugFile::open(Path::new("/nonexistent/vmlinux")).unwrap_err();
+
+        assert!(matches!(err, DwarfError::Open { .. }));
+    }
+
+    #[test]
+    fn load_refuses_non_elf_and_elf_without_dwarf() {
+        let Some(path) = fixture("dwarf_fixture", &[]) else {
+            return;
+        };
+        let stripped = path.with_file_name("dwarf_fixture.stripped");
+        let ok = std::process::Command::new("objcopy")
+            .arg("--strip-debug")
+            .arg(&path)
+            .arg(&stripped)
+            .status();
+        if !ok.is_ok_and(|s| s.success()) {
+            println!("SKIP: objcopy is not installed");
+            return;
+        }
+        let bytes = std::fs::read(&stripped).unwrap();
+
+        assert!(matches!(
+            DebugInfo::new(b"not an ELF file"),
+            Err(DwarfError::Elf(_))
+        ));
+        assert!(matches!(DebugInfo::new(&bytes), Err(DwarfError::NoDwarf)));
+    }
+
+    #[test]
+    fn unit_of_a_die_outside_every_unit_is_an_error() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+
+        assert!(matches!(
+            info.unit_of(DieRef(u64::MAX / 2)),
+            Err(DwarfError::NoUnitAt(_))
+        ));
+    }
+
+    #[test]
+    fn flipped_bytes_in_the_dwarf_give_errors_or_answers_never_panics() {
+        let Some(file) = fixture_file() else { return };
+        let good = file.bytes().to_vec();
+        let elf = object::File::parse(good.as_slice()).unwrap();
+        let ranges: Vec<(u64, u64)> = [
+            ".debug_info",
+            ".debug_abbrev",
+            ".debug_line",
+            ".debug_str",
+            ".debug_loclists",
+        ]
+        .iter()
+        .filter_map(|n| elf.section_by_name(n)?.file_range())
+        .collect();
+        for (start, len) in ranges {
+            for at in (start..start + len).step_by(5) {
+                let mut bad = good.clone();
+                bad[at as usize] ^= 0xff;
+                let Ok(info) = DebugInfo::new(&bad) else {
+                    continue;
+                };
+                let Ok(index) = Index::build(&info, index::Layer::Names, &|_, _| {}) else {
+                    continue;
+                };
+                let _ = Index::build(&info, index::Layer::Inlines, &|_, _| {});
+                for e in index.iter() {
+                    let _ = info.info_line(e.low);
+                    let _ = info.variables(e.die, e.low);
+                    let _ = crate::btf::cdecl::ptype(&info, types::TypeRef::new(e.die), true);
+                }
+            }
+        }
+        assert!(!names(&file.load().unwrap()).is_empty());
+    }
+}

@@ -321,7 +321,7 @@ fn scan_unit<'a>(
                 tag == gimli::DW_TAG_inlined_subroutine || (top && tag == gimli::DW_TAG_subprogram)
             }
         };
-        if !wanted && !(top && abbrev.has_children() && layer == Layer::Names) {
+        if !wanted && (!top || !abbrev.has_children() || layer != Layer::Names) {
             cursor.skip_attributes(abbrev.attributes())?;
             continue;
         }
@@ -356,7 +356,8 @@ fn scan_unit<'a>(
             }
         }
         if layer == Layer::Names && top && abbrev.has_children() {
-            if let Some(sibling) = attrs.sibling {
+            // Only forward jumps: a hostile sibling pointing back would loop forever.
+            if let Some(sibling) = attrs.sibling.filter(|s| *s > cursor.next_offset()) {
                 cursor = unit.entries_raw(Some(sibling))?;
                 bias = 1;
             }

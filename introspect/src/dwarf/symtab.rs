@@ -1,7 +1,7 @@
 //! ELF function symbols of the debug vmlinux: the fast way from a name to an address (no DWARF
 //! scan) and from an address back to `name+offset`, as gdb's minimal symbols.
 
-use object::{Object, ObjectSymbol, SymbolKind};
+use object::{Object, ObjectSection, ObjectSymbol, SymbolKind};
 
 /// One function symbol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,9 +23,19 @@ pub struct Symtab<'a> {
 impl<'a> Symtab<'a> {
     /// The text symbols of `elf` (`STT_FUNC`, and untyped symbols in executable sections).
     pub fn from_elf(elf: &object::File<'a>) -> Symtab<'a> {
+        // Untyped symbols of code sections count too (assembly entry points and thunks), as
+        // in gdb's minimal symbols.
+        let in_code = |s: &object::Symbol<'a, '_>| {
+            s.section_index()
+                .and_then(|i| elf.section_by_index(i).ok())
+                .is_some_and(|sec| sec.kind() == object::SectionKind::Text)
+        };
         let mut by_addr: Vec<FuncSymbol<'a>> = elf
             .symbols()
-            .filter(|s| s.kind() == SymbolKind::Text && s.is_definition())
+            .filter(|s| {
+                (s.kind() == SymbolKind::Text && s.is_definition())
+                    || (s.kind() == SymbolKind::Unknown && in_code(s))
+            })
             .filter_map(|s| {
                 Some(FuncSymbol {
                     name: s.name().ok()?,
@@ -76,6 +86,14 @@ impl<'a> Symtab<'a> {
         // The first symbol at that address with the largest size sorts first; prefer it.
         let first = self.by_addr.partition_point(|s| s.addr < sym.addr);
         self.by_addr.get(first).copied()
+    }
+
+    /// Every symbol that starts exactly at `addr` (aliases included).
+    pub fn at(&self, addr: u64) -> impl Iterator<Item = &FuncSymbol<'a>> {
+        let first = self.by_addr.partition_point(|s| s.addr < addr);
+        self.by_addr[first..]
+            .iter()
+            .take_while(move |s| s.addr == addr)
     }
 
     /// `addr` as gdb writes it: `<vfs_read+5>` (`<vfs_read>` at offset 0), `None` before the

@@ -41,17 +41,39 @@ pub(crate) fn fixture(name: &str, extra: &[&str]) -> Option<PathBuf> {
     Some(out)
 }
 
-/// The cached Debian `-dbg` vmlinux, or `None` after printing why the test skips.
-pub(crate) fn kernel_debuginfo() -> Option<PathBuf> {
-    let dir = crate::bzimage::cached_kernel_dir("6.1.0-50-cloud-amd64")?;
-    let path = dir.join("debug/vmlinux");
-    if path.is_file() {
-        Some(path)
-    } else {
-        println!(
-            "SKIP: {} is absent; run `exotap image fetch --debuginfo` first",
-            path.display()
-        );
-        None
+/// The DWARF fixture (`testprogs/dwarf_fixture.c`) mapped, or `None` after printing why not.
+pub(crate) fn fixture_file() -> Option<super::DebugFile> {
+    let path = fixture("dwarf_fixture", &[])?;
+    Some(super::DebugFile::open(&path).unwrap())
+}
+
+/// The names index of `info`, built in memory.
+pub(crate) fn names(info: &super::DebugInfo<'_>) -> super::Index {
+    super::Index::build(info, super::index::Layer::Names, &|_, _| {}).unwrap()
+}
+
+/// Whether gdb is installed (prints why a comparison is skipped when not).
+pub(crate) fn have_gdb() -> bool {
+    let ok = Command::new("gdb")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        println!("SKIP: gdb is not installed; the comparison with gdb is skipped");
     }
+    ok
+}
+
+/// gdb's output for `commands` on `path`, one string per command.
+pub(crate) fn gdb_batch(path: &Path, commands: &[&str]) -> Vec<String> {
+    let mut cmd = Command::new("gdb");
+    cmd.args(["-nx", "-batch"]);
+    for c in commands {
+        cmd.arg("-ex").arg(c).arg("-ex").arg("echo ==sep==\\n");
+    }
+    let out = cmd.arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split("==sep==\n")
+        .map(str::to_owned)
+        .collect()
 }

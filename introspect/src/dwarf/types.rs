@@ -5,7 +5,7 @@ use gimli::{AttributeValue, DwTag};
 
 use super::index::{EntryKind, Index};
 use super::{DebugInfo, DieRef, DwarfError};
-use crate::btf::cdecl::{Body, BodyMember, Shape, TypeShapes};
+use crate::btf::cdecl::{gdb_base_name, Body, BodyMember, Shape, TypeShapes};
 
 /// A type: a DIE, and for a multi-dimensional array which dimension starts the type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -314,7 +314,10 @@ impl TypeShapes for DebugInfo<'_> {
             return Shape::Unknown;
         };
         match d.tag {
-            gimli::DW_TAG_base_type | gimli::DW_TAG_typedef | gimli::DW_TAG_unspecified_type => {
+            gimli::DW_TAG_base_type => d.name.map_or(Shape::Unknown, |n| {
+                Shape::Named(gdb_base_name(&n).to_owned())
+            }),
+            gimli::DW_TAG_typedef | gimli::DW_TAG_unspecified_type => {
                 d.name.map_or(Shape::Unknown, Shape::Named)
             }
             gimli::DW_TAG_structure_type => Shape::Named(Self::keyword_name("struct", d.name)),
@@ -389,11 +392,20 @@ impl TypeShapes for DebugInfo<'_> {
             name: d.name.unwrap_or_default(),
             size: d.byte_size.unwrap_or(0),
             members,
+            incomplete: d.declaration,
         })
     }
 
     fn size_of(&self, ty: TypeRef) -> Option<u64> {
         self.size_of_depth(ty, 0)
+    }
+
+    fn typedef_target(&self, ty: TypeRef) -> Option<TypeRef> {
+        if ty == TypeRef::VOID || ty.dim != 0 {
+            return None;
+        }
+        let d = self.die(ty.die)?;
+        (d.tag == gimli::DW_TAG_typedef).then_some(d.ty)
     }
 }
 
@@ -432,4 +444,93 @@ impl DebugInfo<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::btf::cdecl::{declaration, ptype};
+    use crate::dwarf::testing::{fixture_file, gdb_batch, have_gdb, names};
+
+    const TASK: &str = "type = struct task {
+    pid_t pid;
+    char comm[16];
+    struct list_head tasks;
+    union {
+        int a;
+        long b;
+    };
+    unsigned int flags : 3;
+    unsigned int state : 5;
+    int (*fn)(struct task *, const char *);
+    int matrix[2][3];
+    const volatile unsigned long *cv;
+}
+";
+
+    #[test]
+    fn ptype_of_the_fixture_struct_is_gdbs() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+        let task = info.find_type(&index, "struct task").unwrap();
+
+        assert_eq!(ptype(&info, task, false), TASK);
+        if have_gdb() {
+            let theirs = gdb_batch(
+                file.path(),
+                &["ptype /o struct task", "ptype enum color", "ptype pid_t"],
+            );
+            assert_eq!(ptype(&info, task, true), theirs[0]);
+            assert_eq!(
+                ptype(&info, info.find_type(&index, "enum color").unwrap(), false),
+                theirs[1]
+            );
+            assert_eq!(
+                ptype(&info, info.find_type(&index, "pid_t").unwrap(), false),
+                theirs[2]
+            );
+        }
+    }
+
+    #[test]
+    fn layout_gives_offsets_and_sizes_of_members() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+
+        let layout = info
+            .layout(info.find_type(&index, "struct task").unwrap())
+            .unwrap();
+
+        let rows: Vec<(&str, u64, u64, Option<u64>)> = layout
+            .iter()
+            .map(|m| (m.name.as_str(), m.bit_offset, m.byte_size, m.bit_size))
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                ("pid", 0, 4, None),
+                ("comm", 32, 16, None),
+                ("tasks", 192, 16, None),
+                ("", 320, 8, None),
+                ("flags", 384, 4, Some(3)),
+                ("state", 387, 4, Some(5)),
+                ("fn", 448, 8, None),
+                ("matrix", 512, 24, None),
+                ("cv", 704, 8, None),
+            ]
+        );
+        assert_eq!(layout[7].type_name, "int [2][3]");
+    }
+
+    #[test]
+    fn find_type_names_what_is_missing() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+
+        let missing = info.find_type(&index, "struct nothing");
+
+        assert!(matches!(
+            missing,
+            Err(DwarfError::NotFound { kind: "type", .. })
+        ));
+        assert_eq!(declaration(&info, TypeRef::VOID, "p"), "void p");
+    }
 }

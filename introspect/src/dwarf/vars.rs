@@ -87,7 +87,7 @@ impl fmt::Display for Variable {
 }
 
 /// Simplifies a location expression to a [`Location`].
-fn describe(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding) -> Location {
+pub(crate) fn describe(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding) -> Location {
     let mut ops = expr.operations(encoding);
     let mut all = Vec::new();
     while let Ok(Some(op)) = ops.next() {
@@ -251,5 +251,61 @@ fn collect(
             (gimli::DW_TAG_lexical_block, _) => collect(child, unit, out, depth + 1),
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dwarf::testing::{fixture_file, names};
+    use crate::dwarf::EntryKind;
+
+    fn vars_of(name: &str) -> Option<Vec<(String, bool, String, Location)>> {
+        let file = fixture_file()?;
+        let info = file.load().unwrap();
+        let index = names(&info);
+        let f = index.lookup_kind(name, EntryKind::Function).next().unwrap();
+        let vars = info.variables(f.die, f.low).unwrap();
+        Some(
+            vars.into_iter()
+                .map(|v| (v.name, v.is_param, v.type_name, v.at_entry))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn parameters_are_in_their_abi_registers_at_entry() {
+        let Some(vars) = vars_of("sum_pids") else {
+            return;
+        };
+
+        assert_eq!(
+            vars[0],
+            (
+                "t".into(),
+                true,
+                "struct task *t".into(),
+                Location::Register(5)
+            )
+        );
+        assert_eq!(
+            vars[1],
+            ("n".into(), true, "int n".into(), Location::Register(4))
+        );
+        assert!(vars[2..].iter().all(|v| !v.1));
+        assert!(vars.iter().any(|v| v.0 == "total"));
+    }
+
+    #[test]
+    fn locations_print_as_registers_frames_and_constants() {
+        assert_eq!(Location::Register(5).to_string(), "%rdi");
+        assert_eq!(
+            Location::Memory { base: 7, offset: 8 }.to_string(),
+            "8(%rsp)"
+        );
+        assert_eq!(Location::Frame(-16).to_string(), "frame_base-16");
+        assert_eq!(Location::Const(0).to_string(), "constant 0");
+        assert_eq!(register_name(17), "xmm0");
+        assert_eq!(register_name(99), "reg99");
     }
 }

@@ -1,0 +1,220 @@
+//! exotap's debug info against gdb on the Debian `-dbg` vmlinux: `info line` of 50 sampled
+//! functions and `ptype /o` of 20 structs must be gdb's, byte for byte; the CLI answers the
+//! bench queries (`lines vfs_read`, `ptype struct file`) as gdb does.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::process::Command;
+
+use exotap_guest_images as images;
+use exotap_introspect::btf::cdecl;
+use exotap_introspect::dwarf::index::Layer;
+use exotap_introspect::dwarf::{DebugFile, DebugInfo, EntryKind, Index};
+
+/// The structs whose layouts are compared.
+const STRUCTS: [&str; 20] = [
+    "file",
+    "inode",
+    "dentry",
+    "super_block",
+    "task_struct",
+    "mm_struct",
+    "vm_area_struct",
+    "sk_buff",
+    "sock",
+    "socket",
+    "net_device",
+    "page",
+    "list_head",
+    "path",
+    "cred",
+    "file_operations",
+    "kiocb",
+    "iov_iter",
+    "address_space",
+    "pid",
+];
+
+/// How many functions are sampled.
+const FUNCTIONS: usize = 50;
+
+const SEPARATOR: &str = "==exotap-separator==";
+
+fn debug_vmlinux() -> Option<PathBuf> {
+    let path = images::cache::cache_root()
+        .ok()?
+        .join("kernels")
+        .join(images::DEFAULT_KERNEL)
+        .join("debug/vmlinux");
+    if path.is_file() {
+        Some(path)
+    } else {
+        println!(
+            "SKIP debuginfo: {} is absent (run `exotap image fetch --debuginfo`)",
+            path.display()
+        );
+        None
+    }
+}
+
+fn have_gdb() -> bool {
+    let ok = Command::new("gdb")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        println!("SKIP debuginfo: gdb is not installed (ci/install-deps.sh installs it)");
+    }
+    ok
+}
+
+/// Functions gdb and exotap must resolve to the same code: one definition, one ELF symbol at
+/// its entry, never inlined (an inlined function gives gdb several answers). Spread evenly
+/// over the sorted names.
+fn sample_functions(index: &Index, info: &DebugInfo<'_>) -> Vec<(String, u64)> {
+    let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let mut inlined: HashSet<&str> = HashSet::new();
+    for e in index.iter() {
+        match e.kind {
+            EntryKind::Function => *counts.entry(e.name).or_default() += 1,
+            EntryKind::Abstract => {
+                inlined.insert(e.name);
+            }
+            _ => {}
+        }
+    }
+    let candidates: Vec<(String, u64)> = index
+        .iter()
+        .filter(|e| e.kind == EntryKind::Function && counts.get(e.name) == Some(&1))
+        .filter(|e| {
+            !inlined.contains(e.name)
+                && e.name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+        .filter(|e| {
+            let syms = info.symbols().by_name(e.name);
+            syms.len() == 1 && syms[0].addr == e.low
+        })
+        .map(|e| (e.name.to_owned(), e.low))
+        .collect();
+    let step = (candidates.len() / FUNCTIONS).max(1);
+    candidates
+        .into_iter()
+        .step_by(step)
+        .take(FUNCTIONS)
+        .collect()
+}
+
+/// Runs gdb once with every command, returning each command's output.
+fn gdb(vmlinux: &PathBuf, commands: &[String]) -> Vec<String> {
+    let mut cmd = Command::new("gdb");
+    cmd.args(["-nx", "-batch"]);
+    for c in commands {
+        cmd.arg("-ex")
+            .arg(c)
+            .arg("-ex")
+            .arg(format!("echo {SEPARATOR}\\n"));
+    }
+    let out = cmd.arg(vmlinux).output().expect("cannot run gdb");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.split(&format!("{SEPARATOR}\n"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn info_line_of_sampled_functions_and_struct_layouts_equal_gdbs() {
+    let Some(vmlinux) = debug_vmlinux() else {
+        return;
+    };
+    if !have_gdb() {
+        return;
+    }
+    let file = DebugFile::open(&vmlinux).unwrap();
+    let info = file.load().unwrap();
+    let cache = images::cache::cache_root().unwrap().join("debuginfo");
+    let index = Index::load_or_build(&info, &cache, Layer::Names, &|_, _| {}).unwrap();
+    let functions = sample_functions(&index, &info);
+    assert_eq!(functions.len(), FUNCTIONS);
+    let mut commands: Vec<String> = functions
+        .iter()
+        .map(|(f, _)| format!("info line {f}"))
+        .collect();
+    commands.extend(STRUCTS.iter().map(|s| format!("ptype /o struct {s}")));
+
+    let ours_lines: Vec<String> = functions
+        .iter()
+        .map(|(_, entry)| format!("{}\n", info.info_line(*entry).unwrap()))
+        .collect();
+    let ours_types: Vec<String> = STRUCTS
+        .iter()
+        .map(|s| {
+            cdecl::ptype(
+                &info,
+                info.find_type(&index, &format!("struct {s}")).unwrap(),
+                true,
+            )
+        })
+        .collect();
+    let theirs = gdb(&vmlinux, &commands);
+
+    let mut differ = Vec::new();
+    for (i, (ours, (name, _))) in ours_lines.iter().zip(&functions).enumerate() {
+        if theirs.get(i) != Some(ours) {
+            differ.push(format!(
+                "info line {name}:\n  exotap: {ours}  gdb:    {:?}",
+                theirs.get(i)
+            ));
+        }
+    }
+    for (i, (ours, name)) in ours_types.iter().zip(STRUCTS).enumerate() {
+        let theirs = theirs
+            .get(FUNCTIONS + i)
+            .map(String::as_str)
+            .unwrap_or_default();
+        if theirs != ours {
+            let first = ours.lines().zip(theirs.lines()).find(|(a, b)| a != b);
+            differ.push(format!(
+                "ptype /o struct {name}: first differing line {first:?}"
+            ));
+        }
+    }
+    println!(
+        "gdb comparison: {}/{FUNCTIONS} info line answers and {}/{} ptype /o layouts equal",
+        FUNCTIONS - differ.iter().filter(|d| d.starts_with("info")).count(),
+        STRUCTS.len() - differ.iter().filter(|d| d.starts_with("ptype")).count(),
+        STRUCTS.len()
+    );
+    assert!(
+        differ.is_empty(),
+        "exotap differs from gdb:\n{}",
+        differ.join("\n")
+    );
+}
+
+#[test]
+fn cli_answers_the_bench_queries_as_gdb_does() {
+    let Some(vmlinux) = debug_vmlinux() else {
+        return;
+    };
+    if !have_gdb() {
+        return;
+    }
+    let commands = [
+        "info line vfs_read".to_owned(),
+        "ptype struct file".to_owned(),
+    ];
+    let theirs = gdb(&vmlinux, &commands);
+
+    let (rc1, lines, err1) = common::run(common::exotap().args(["lines", "--brief", "vfs_read"]));
+    let (rc2, ptype, err2) = common::run(common::exotap().args(["ptype", "struct file"]));
+
+    assert_eq!((rc1, rc2), (0, 0), "{err1}{err2}");
+    assert_eq!(Some(&lines), theirs.first());
+    assert_eq!(Some(&ptype), theirs.get(1));
+}
