@@ -30,6 +30,17 @@ pub enum AccelChoice {
     Kvm,
 }
 
+/// Which machine runs the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// exotap's own KVM VMM where hardware virtualization works (not kvm_pvm), QEMU otherwise.
+    Auto,
+    /// exotap's own VMM on /dev/kvm; refused where /dev/kvm cannot run Linux.
+    Kvm,
+    /// QEMU (with --accel).
+    Qemu,
+}
+
 #[derive(Debug, Args)]
 pub struct BootArgs {
     /// Kernel ABI name or package name; fetched into the cache when missing.
@@ -63,6 +74,17 @@ pub struct BootArgs {
     /// Accelerator.
     #[arg(long, value_enum, default_value_t = AccelChoice::Auto)]
     pub accel: AccelChoice,
+    /// The machine: exotap's own KVM VMM or QEMU. `auto` takes kvm where /dev/kvm is hardware
+    /// virtualization, qemu otherwise. --gdb, --gdbstub and --script need qemu.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Boot with this initramfs instead of building one (--job/--run are then ignored).
+    #[arg(long, value_name = "PATH")]
+    pub initrd: Option<PathBuf>,
+    /// kvm backend: splice a call counter at this kernel function's entry while the guest is
+    /// between its `splice` and `unsplice` waits; prints HOST-RESULT counter.FUNCTION=N.
+    #[arg(long, value_name = "FUNCTION")]
+    pub count_entry: Option<String>,
     /// Seconds until the guest must print EXOTAP-READY.
     #[arg(long, default_value_t = 120, value_name = "SECONDS")]
     pub boot_timeout: u64,
@@ -230,7 +252,92 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<trace::GuestScript>> {
     }))
 }
 
+/// Whether this boot runs on exotap's own KVM VMM.
+fn use_kvm(args: &BootArgs) -> anyhow::Result<bool> {
+    let needs_qemu =
+        args.gdb || args.gdbstub.is_some() || args.script.is_some() || args.script_text.is_some();
+    match args.backend {
+        BackendChoice::Qemu => Ok(false),
+        BackendChoice::Kvm => {
+            let support = host::detect();
+            if !support.usable() {
+                bail!("--backend kvm refused: {}", support.explain());
+            }
+            if needs_qemu {
+                bail!("--gdb, --gdbstub and --script need --backend qemu");
+            }
+            Ok(true)
+        }
+        BackendChoice::Auto => {
+            let support = host::detect();
+            let kvm = support.usable() && !needs_qemu && args.accel != AccelChoice::Tcg;
+            if !kvm {
+                tracing::info!("backend qemu: {}", support.explain());
+            }
+            Ok(kvm)
+        }
+    }
+}
+
+/// `exotap boot` on exotap's own KVM VMM.
+fn run_kvm(args: &BootArgs, bzimage: PathBuf, initrd: PathBuf) -> anyhow::Result<i32> {
+    use exotap_vmm::kvm::{self, KvmConfig, KvmPhaseHook, Plain};
+    let mut config = KvmConfig::new(bzimage, initrd)?;
+    config.memory_mib = args.memory;
+    config.cpus = args.cpus;
+    config.patch_heap = PatchHeapRange::place(args.memory << 20, args.heap_size << 20)?;
+    config.hold = args.hold.clone();
+    config.kaslr = !args.nokaslr;
+    config.append = args
+        .append
+        .iter()
+        .flat_map(|a| a.split_whitespace().map(str::to_owned))
+        .collect();
+    tracing::info!(
+        "backend kvm: patch heap {} (a memory slot outside the e820 RAM map)",
+        config.patch_heap
+    );
+    let mut hook: Box<dyn KvmPhaseHook> = match &args.count_entry {
+        Some(function) => Box::new(crate::kvm_splice::CountingSplice::new(
+            KernelImage::load(config.kernel.clone())?,
+            config.patch_heap,
+            function.clone(),
+        )),
+        None => Box::new(Plain(GoAtOnce)),
+    };
+    let mut sink: Box<dyn Write> = match &args.console {
+        Some(path) => Box::new(
+            File::create(path)
+                .with_context(|| format!("cannot create the console file {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let timeouts = Timeouts {
+        boot: Duration::from_secs(args.boot_timeout),
+        total: Duration::from_secs(args.timeout),
+    };
+    let outcome = kvm::run(&config, timeouts, &mut sink, hook.as_mut())?;
+    drop(sink);
+    if args.console.is_some() {
+        for (key, value) in &outcome.results {
+            println!("EXOTAP-RESULT {key}={value}");
+        }
+        println!("EXOTAP-DONE {}", outcome.rc);
+    }
+    tracing::info!(
+        "guest job exited with {}; EXOTAP-READY after {:.2} s, the VM stopped after {:.2} s",
+        outcome.rc,
+        outcome.ready_after.as_secs_f64(),
+        outcome.wall.as_secs_f64()
+    );
+    Ok(outcome.rc)
+}
+
 pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
+    let kvm = use_kvm(args)?;
+    if args.count_entry.is_some() && !kvm {
+        bail!("--count-entry needs the kvm backend (exotap selftest does it over QEMU)");
+    }
     let script = guest_script(args)?;
     let bzimage = match &args.bzimage {
         Some(path) => path.clone(),
@@ -244,8 +351,17 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         .prefix("exotap-boot-")
         .tempdir()
         .context("cannot create a working directory")?;
-    let initrd = work.path().join("initramfs.cpio.gz");
-    images::write_initramfs(&job(args)?, &initrd).context("cannot build the initramfs")?;
+    let initrd = match &args.initrd {
+        Some(path) => path.clone(),
+        None => {
+            let initrd = work.path().join("initramfs.cpio.gz");
+            images::write_initramfs(&job(args)?, &initrd).context("cannot build the initramfs")?;
+            initrd
+        }
+    };
+    if kvm {
+        return run_kvm(args, bzimage, initrd);
+    }
 
     let mut config = QemuConfig::new(bzimage, initrd)?;
     config.qemu = args.qemu.clone();

@@ -7,6 +7,7 @@ mod entry_patch;
 mod guest_memory;
 mod image;
 mod kernel_image;
+mod kvm_splice;
 mod script;
 mod selftest;
 mod trace;
@@ -82,6 +83,9 @@ enum Command {
     Vars(debuginfo::VarsArgs),
     /// Addresses (and functions) of a kernel source line: `exotap where fs/open.c:1337`.
     Where(debuginfo::WhereArgs),
+    /// KLAS join points: the instructions that read, write or call through a struct member
+    /// (`exotap joinpoints 'struct file.f_pos'`), from DWARF and disassembly.
+    Joinpoints(debuginfo::JoinpointsArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
         Command::Ptype(args) => debuginfo::run_ptype(&args),
         Command::Vars(args) => debuginfo::run_vars(&args),
         Command::Where(args) => debuginfo::run_where(&args),
+        Command::Joinpoints(args) => debuginfo::run_joinpoints(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();
             println!("{}", support.explain());

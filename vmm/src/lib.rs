@@ -4,9 +4,11 @@
 //!   console for the guest protocol, and (in a later step) attach over its gdbstub.
 //! * [`host`]: what this host's `/dev/kvm` can do, used by backend auto-selection.
 //! * [`console`]: the guest protocol on the serial console (`EXOTAP-*` markers).
+//! * [`kvm`]: exotap's own minimal VMM on `/dev/kvm` (hardware virtualization only).
 
 pub mod console;
 pub mod control;
 pub mod gdb;
 pub mod host;
+pub mod kvm;
 pub mod qemu;

@@ -1,0 +1,217 @@
+//! The guest's legacy I/O ports: two 8250 UARTs (vm-superio), the i8042's reset line, the
+//! CMOS index/data pair. Interrupts go to KVM's in-kernel PIC/IOAPIC through irqfds.
+//!
+//! | ports | device | IRQ |
+//! |---|---|---|
+//! | 0x3f8..0x400 | ttyS0: the console, copied to the host | 4 |
+//! | 0x2f8..0x300 | ttyS1: the host's go channel (the guest reads one byte per wait) | 3 |
+//! | 0x60, 0x64 | i8042: a write of 0xfe to 0x64 resets the machine (`reboot=k`) | - |
+//! | 0x70, 0x71 | CMOS: reads 0 (the kernel reads the clock from kvmclock) | - |
+//!
+//! Any other port reads all-ones (no device) and ignores writes.
+
+use std::io::Write;
+use std::sync::mpsc::Sender;
+
+use vm_superio::serial::NoEvents;
+use vm_superio::{Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
+
+/// First port of ttyS0.
+pub const COM1: u16 = 0x3f8;
+/// First port of ttyS1.
+pub const COM2: u16 = 0x2f8;
+/// ttyS0's IRQ.
+pub const COM1_IRQ: u32 = 4;
+/// ttyS1's IRQ.
+pub const COM2_IRQ: u32 = 3;
+/// i8042 data port.
+pub const I8042_DATA: u16 = 0x60;
+/// i8042 command/status port.
+pub const I8042_COMMAND: u16 = 0x64;
+/// The i8042 command that pulses the CPU reset line.
+pub const I8042_RESET: u8 = 0xfe;
+/// CMOS index port.
+pub const CMOS_INDEX: u16 = 0x70;
+/// CMOS data port.
+pub const CMOS_DATA: u16 = 0x71;
+
+/// Raises an interrupt by writing an eventfd that KVM has as an irqfd.
+#[derive(Debug)]
+pub struct IrqTrigger(pub EventFd);
+
+impl Trigger for IrqTrigger {
+    type E = std::io::Error;
+
+    fn trigger(&self) -> std::io::Result<()> {
+        self.0.write(1)
+    }
+}
+
+/// ttyS0's output: bytes go to the host's console reader.
+#[derive(Debug)]
+pub struct ConsoleOut(pub Sender<Vec<u8>>);
+
+impl Write for ConsoleOut {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // The reader gone means the run is over; the guest's output has nowhere to go.
+        let _ = self.0.send(buf.to_vec());
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a port access does beyond the device's own state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoEffect {
+    /// Nothing.
+    None,
+    /// The guest reset the machine (i8042 reset).
+    Reset,
+}
+
+/// The port-mapped devices, shared by the vCPUs behind one lock.
+pub struct Devices {
+    console: Serial<IrqTrigger, NoEvents, ConsoleOut>,
+    go: Serial<IrqTrigger, NoEvents, std::io::Sink>,
+    cmos_index: u8,
+}
+
+impl std::fmt::Debug for Devices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Devices")
+            .field("cmos_index", &self.cmos_index)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which device a port belongs to.
+fn serial_offset(port: u16, base: u16) -> Option<u8> {
+    port.checked_sub(base).filter(|o| *o < 8).map(|o| o as u8)
+}
+
+impl Devices {
+    /// The devices, with the UARTs' interrupts on the given eventfds.
+    pub fn new(console_irq: EventFd, go_irq: EventFd, console: Sender<Vec<u8>>) -> Self {
+        Self {
+            console: Serial::new(IrqTrigger(console_irq), ConsoleOut(console)),
+            go: Serial::new(IrqTrigger(go_irq), std::io::sink()),
+            cmos_index: 0,
+        }
+    }
+
+    /// An `in` of `data.len()` bytes from `port`.
+    pub fn io_in(&mut self, port: u16, data: &mut [u8]) {
+        let value = if let Some(off) = serial_offset(port, COM1) {
+            self.console.read(off)
+        } else if let Some(off) = serial_offset(port, COM2) {
+            self.go.read(off)
+        } else {
+            match port {
+                // Status: output buffer empty, input buffer empty: nothing to read, ready.
+                I8042_COMMAND | I8042_DATA => 0,
+                CMOS_DATA => 0,
+                CMOS_INDEX => self.cmos_index,
+                _ => 0xff,
+            }
+        };
+        data.fill(value);
+    }
+
+    /// An `out` of `data` to `port`.
+    pub fn io_out(&mut self, port: u16, data: &[u8]) -> IoEffect {
+        let Some(&value) = data.first() else {
+            return IoEffect::None;
+        };
+        if let Some(off) = serial_offset(port, COM1) {
+            if let Err(e) = self.console.write(off, value) {
+                tracing::debug!("ttyS0 write failed: {e:?}");
+            }
+        } else if let Some(off) = serial_offset(port, COM2) {
+            if let Err(e) = self.go.write(off, value) {
+                tracing::debug!("ttyS1 write failed: {e:?}");
+            }
+        } else {
+            match port {
+                I8042_COMMAND if value == I8042_RESET => return IoEffect::Reset,
+                CMOS_INDEX => self.cmos_index = value & 0x7f,
+                _ => {}
+            }
+        }
+        IoEffect::None
+    }
+
+    /// Puts bytes into ttyS1's receive FIFO (the host's go).
+    ///
+    /// # Errors
+    /// When the FIFO is full or the interrupt cannot be raised.
+    pub fn send_go(&mut self, bytes: &[u8]) -> Result<(), String> {
+        self.go
+            .enqueue_raw_bytes(bytes)
+            .map(drop)
+            .map_err(|e| format!("{e:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    fn devices() -> (Devices, mpsc::Receiver<Vec<u8>>) {
+        let (tx, rx) = mpsc::channel();
+        let evt = || EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        (Devices::new(evt(), evt(), tx), rx)
+    }
+
+    #[test]
+    fn bytes_written_to_ttys0_reach_the_console() {
+        let (mut d, rx) = devices();
+
+        for b in b"hi\n" {
+            assert_eq!(d.io_out(COM1, &[*b]), IoEffect::None);
+        }
+
+        let got: Vec<u8> = rx.try_iter().flatten().collect();
+        assert_eq!(got, b"hi\n");
+    }
+
+    #[test]
+    fn go_byte_is_readable_from_ttys1() {
+        let (mut d, _rx) = devices();
+        d.send_go(b"g").unwrap();
+        let mut lsr = [0u8];
+        let mut rbr = [0u8];
+
+        d.io_in(COM2 + 5, &mut lsr);
+        d.io_in(COM2, &mut rbr);
+
+        assert_eq!(lsr[0] & 1, 1, "data ready");
+        assert_eq!(rbr[0], b'g');
+    }
+
+    #[test]
+    fn i8042_reset_command_resets() {
+        let (mut d, _rx) = devices();
+
+        assert_eq!(d.io_out(I8042_COMMAND, &[0xfe]), IoEffect::Reset);
+        assert_eq!(d.io_out(I8042_COMMAND, &[0xaa]), IoEffect::None);
+    }
+
+    #[test]
+    fn absent_ports_read_all_ones_and_cmos_reads_zero() {
+        let (mut d, _rx) = devices();
+        let mut absent = [0u8; 2];
+        let mut cmos = [0xffu8];
+
+        d.io_in(0x3e8, &mut absent);
+        d.io_out(CMOS_INDEX, &[0x0a]);
+        d.io_in(CMOS_DATA, &mut cmos);
+
+        assert_eq!(absent, [0xff, 0xff]);
+        assert_eq!(cmos, [0]);
+    }
+}
