@@ -51,7 +51,8 @@ pub struct PtypeArgs {
     /// Show offsets and sizes (gdb's `ptype /o`).
     #[arg(short = 'o', long)]
     pub offsets: bool,
-    /// Read the BTF of the kernel image instead of the -dbg DWARF.
+    /// Read the BTF of the kernel image instead of the -dbg DWARF (the default when no -dbg
+    /// vmlinux is cached and no --vmlinux is given).
     #[arg(long)]
     pub btf: bool,
     #[command(flatten)]
@@ -63,6 +64,12 @@ pub struct PtypeArgs {
 pub struct VarsArgs {
     /// Function name or pattern (as for `lines`).
     pub pattern: String,
+    /// Also print each variable's whole location list (pc ranges and where it lives in each).
+    #[arg(long)]
+    pub ranges: bool,
+    /// Read the BTF of the kernel image (parameters only) instead of the -dbg DWARF.
+    #[arg(long)]
+    pub btf: bool,
     #[command(flatten)]
     pub debug: DebugArgs,
 }
@@ -116,24 +123,50 @@ impl Timer {
     }
 }
 
-/// The debug vmlinux: `--vmlinux`, else the cached one. A cache entry whose manifest exists was
-/// verified when it was stored; hashing 588 MB again on every lookup would cost seconds, so only
-/// a missing entry goes through `ensure_debuginfo` (which fetches and verifies).
-fn debug_file(args: &DebugArgs) -> anyhow::Result<PathBuf> {
+/// The debug vmlinux at hand without fetching: `--vmlinux`, else the cached one. A cache entry
+/// whose manifest exists was verified when it was stored; hashing 588 MB again on every lookup
+/// would cost seconds.
+fn cached_debug_file(args: &DebugArgs) -> anyhow::Result<Option<PathBuf>> {
     if let Some(path) = &args.vmlinux {
-        return Ok(path.clone());
+        return Ok(Some(path.clone()));
     }
     let abi = images::kernel::kernel_abi(&args.kernel)?;
     let dir = images::cache::cache_root()?
         .join("kernels")
         .join(abi)
         .join("debug");
-    if dir.join("manifest.json").is_file() && dir.join("vmlinux").is_file() {
-        return Ok(dir.join("vmlinux"));
+    Ok(
+        (dir.join("manifest.json").is_file() && dir.join("vmlinux").is_file())
+            .then(|| dir.join("vmlinux")),
+    )
+}
+
+/// The debug vmlinux: as [`cached_debug_file`], else fetched by `ensure_debuginfo` (~282 MB
+/// download, verified). For the commands that need DWARF (lines, where, joinpoints).
+fn debug_file(args: &DebugArgs) -> anyhow::Result<PathBuf> {
+    if let Some(path) = cached_debug_file(args)? {
+        return Ok(path);
     }
     Ok(images::ensure_debuginfo(&args.kernel)
         .context("cannot get the kernel's debug info")?
         .vmlinux)
+}
+
+/// The BTF of the guest kernel image (fetching the kernel, ~30 MB, when missing).
+fn kernel_btf(kernel: &str) -> anyhow::Result<Btf> {
+    let kernel = images::ensure_kernel(kernel).context("cannot get the guest kernel")?;
+    let bytes = std::fs::read(&kernel.bzimage)
+        .with_context(|| format!("cannot read {}", kernel.bzimage.display()))?;
+    let vmlinux = Vmlinux::from_bzimage(&bytes)?;
+    Ok(Btf::from_elf(vmlinux.bytes())?)
+}
+
+/// Says on stderr that BTF stands in for the absent DWARF.
+fn note_btf_fallback() {
+    eprintln!(
+        "note: no -dbg vmlinux in the cache; answering from the kernel image's BTF \
+         (`exotap image fetch --debuginfo` for DWARF)"
+    );
 }
 
 /// Opens the cached index of `layer`, building it (with a progress bar) when absent.
@@ -207,21 +240,24 @@ pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
 pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
     let t = Timer::new(args.debug.timings);
     let spec = args.ty.join(" ");
-    if args.btf {
-        let kernel =
-            images::ensure_kernel(&args.debug.kernel).context("cannot get the guest kernel")?;
-        let bytes = std::fs::read(&kernel.bzimage)
-            .with_context(|| format!("cannot read {}", kernel.bzimage.display()))?;
-        let vmlinux = Vmlinux::from_bzimage(&bytes)?;
-        let btf = Btf::from_elf(vmlinux.bytes())?;
+    let dwarf = if args.btf {
+        None
+    } else {
+        cached_debug_file(&args.debug)?
+    };
+    let Some(path) = dwarf else {
+        if !args.btf {
+            note_btf_fallback();
+        }
+        let btf = kernel_btf(&args.debug.kernel)?;
         t.mark("BTF parsed");
         print!(
             "{}",
             cdecl::ptype(&btf, btf.type_by_spec(&spec)?, args.offsets)
         );
         return Ok(0);
-    }
-    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    };
+    let file = DebugFile::open(&path)?;
     let info = file.load()?;
     let names = index(&info, Layer::Names)?;
     t.mark("index open");
@@ -233,7 +269,18 @@ pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
 
 /// `exotap vars`: parameters and locals with their locations at entry.
 pub fn run_vars(args: &VarsArgs) -> anyhow::Result<i32> {
-    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    let dwarf = if args.btf {
+        None
+    } else {
+        cached_debug_file(&args.debug)?
+    };
+    let Some(path) = dwarf else {
+        if !args.btf {
+            note_btf_fallback();
+        }
+        return vars_from_btf(&kernel_btf(&args.debug.kernel)?, &args.pattern);
+    };
+    let file = DebugFile::open(&path)?;
     let info = file.load()?;
     let names = index(&info, Layer::Names)?;
     let funcs = names.functions(&args.pattern, &[EntryKind::Function]);
@@ -244,6 +291,57 @@ pub fn run_vars(args: &VarsArgs) -> anyhow::Result<i32> {
         println!("{} at {}:{} (entry {:#x})", f.name, f.file, f.line, f.low);
         for v in info.variables(f.die, f.low)? {
             println!("  {v}");
+            if args.ranges {
+                for (low, high, at) in info.location_list(v.die)? {
+                    println!("      [{low:#x}, {high:#x}) {at}");
+                }
+            }
+        }
+    }
+    Ok(0)
+}
+
+/// The System V x86-64 integer argument registers, in order.
+const ARG_REGS: [&str; 6] = ["rdi", "rsi", "rdx", "rcx", "r8", "r9"];
+
+/// `exotap vars` from BTF: the parameters of each matching `FUNC` with their types; BTF has no
+/// locals and no locations, so a parameter's register at entry comes from the x86-64 calling
+/// convention while every earlier parameter is a scalar or pointer of at most 8 bytes.
+fn vars_from_btf(btf: &Btf, pattern: &str) -> anyhow::Result<i32> {
+    use exotap_introspect::btf::Kind;
+    if pattern.contains('@') {
+        bail!("BTF has no source files; `{pattern}` needs the -dbg DWARF (`exotap image fetch --debuginfo`)");
+    }
+    let mut names: Vec<&str> = btf
+        .iter()
+        .filter(|(_, t)| matches!(t.kind, Kind::Func { .. }))
+        .map(|(id, _)| btf.name(id))
+        .filter(|n| exotap_introspect::dwarf::pattern::glob_match(pattern, n))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    if names.is_empty() {
+        bail!("no function in the kernel's BTF matches `{pattern}`");
+    }
+    for name in names {
+        let sig = btf.func_signature(name)?;
+        println!("{name} (BTF: parameters only, locations by the x86-64 calling convention)");
+        let mut in_regs = true;
+        for (i, (pname, ty)) in sig.params.iter().enumerate() {
+            let scalar = btf
+                .resolve(*ty)
+                .ok()
+                .and_then(|t| btf.get(t))
+                .is_some_and(|t| {
+                    matches!(t.kind, Kind::Int { .. } | Kind::Ptr(_) | Kind::Enum { .. })
+                })
+                && btf.size_of(*ty).is_some_and(|s| s <= 8);
+            let at = match ARG_REGS.get(i) {
+                Some(r) if in_regs && scalar => format!("%{r}"),
+                _ => "<not known without DWARF>".to_owned(),
+            };
+            in_regs &= scalar;
+            println!("  param {}: {at}", cdecl::declaration(btf, *ty, pname));
         }
     }
     Ok(0)

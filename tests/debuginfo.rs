@@ -54,7 +54,7 @@ fn debug_vmlinux() -> Option<PathBuf> {
         Some(path)
     } else {
         println!(
-            "SKIP debuginfo: {} is absent (run `exotap image fetch --debuginfo`)",
+            "SKIP: {} is absent (run `exotap image fetch --debuginfo`)",
             path.display()
         );
         None
@@ -67,7 +67,7 @@ fn have_gdb() -> bool {
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
-        println!("SKIP debuginfo: gdb is not installed (ci/install-deps.sh installs it)");
+        println!("SKIP: gdb is not installed (ci/install-deps.sh installs it)");
     }
     ok
 }
@@ -217,4 +217,76 @@ fn cli_answers_the_bench_queries_as_gdb_does() {
     assert_eq!((rc1, rc2), (0, 0), "{err1}{err2}");
     assert_eq!(Some(&lines), theirs.first());
     assert_eq!(Some(&ptype), theirs.get(1));
+}
+
+/// Without a cached -dbg vmlinux, `ptype` and `vars` answer from the kernel image's BTF, say so
+/// on stderr, and agree with the DWARF answers.
+#[test]
+fn ptype_and_vars_fall_back_to_btf_without_the_dbg_vmlinux_and_agree_with_dwarf() {
+    let Some(vmlinux) = debug_vmlinux() else {
+        return;
+    };
+    // A cache holding the kernel (linked to the real one) but no debug/ directory.
+    let kernel_dir = vmlinux.parent().unwrap().parent().unwrap().to_owned();
+    let xdg = tempfile::tempdir().unwrap();
+    let bare = xdg
+        .path()
+        .join("exotap/kernels")
+        .join(images::DEFAULT_KERNEL);
+    std::fs::create_dir_all(&bare).unwrap();
+    for entry in std::fs::read_dir(&kernel_dir).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "debug" {
+            std::os::unix::fs::symlink(entry.path(), bare.join(entry.file_name())).unwrap();
+        }
+    }
+    let bare_cache = |args: &[&str]| {
+        common::run(
+            common::exotap()
+                .args(args)
+                .env("XDG_CACHE_HOME", xdg.path()),
+        )
+    };
+
+    let (rc_btf, btf_ptype, err_btf) = bare_cache(&["ptype", "-o", "struct file"]);
+    let (rc_dwarf, dwarf_ptype, err_dwarf) = common::run(common::exotap().args([
+        "ptype",
+        "-o",
+        "struct file",
+        "--vmlinux",
+        vmlinux.to_str().unwrap(),
+    ]));
+    let (rc_vars, btf_vars, err_vars) = bare_cache(&["vars", "vfs_read"]);
+    let (_, dwarf_vars, _) = common::run(common::exotap().args([
+        "vars",
+        "vfs_read",
+        "--vmlinux",
+        vmlinux.to_str().unwrap(),
+    ]));
+
+    assert_eq!(
+        (rc_btf, rc_dwarf, rc_vars),
+        (0, 0, 0),
+        "{err_btf}{err_dwarf}{err_vars}"
+    );
+    assert!(
+        err_btf.contains("BTF") && err_vars.contains("BTF"),
+        "{err_btf}"
+    );
+    assert!(!xdg
+        .path()
+        .join("exotap/kernels")
+        .join(images::DEFAULT_KERNEL)
+        .join("debug")
+        .exists());
+    assert_eq!(btf_ptype, dwarf_ptype);
+    // The parameters, in order, with their entry registers: the DWARF lines that BTF can know.
+    let params = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.starts_with("  param "))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(params(&btf_vars), params(&dwarf_vars));
+    assert_eq!(params(&btf_vars).len(), 4);
 }

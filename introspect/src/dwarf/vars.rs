@@ -173,6 +173,57 @@ impl<'a> DebugInfo<'a> {
         Location::OptimizedOut
     }
 
+    /// The whole location list of the variable DIE `die`: each pc range `[low, high)` with
+    /// where the variable lives there. A single location expression (valid wherever the
+    /// variable is in scope) is one range `[0, u64::MAX)`; no location gives an empty list.
+    ///
+    /// # Errors
+    /// [`DwarfError::NoUnitAt`] or [`DwarfError::Gimli`] when the DIE or its list is malformed.
+    pub fn location_list(&self, die: DieRef) -> Result<Vec<(u64, u64, Location)>, DwarfError> {
+        let (unit, off) = self.unit_of(die)?;
+        let entry = unit.entry(off).map_err(super::gimli_err("variable DIE"))?;
+        let value = entry
+            .attr_value(gimli::DW_AT_location)
+            .map_err(super::gimli_err("DW_AT_location"))?;
+        let Some(value) = value else {
+            if entry
+                .attr_value(gimli::DW_AT_const_value)
+                .ok()
+                .flatten()
+                .is_some()
+            {
+                return Ok(vec![(0, u64::MAX, self.location_at(&unit, &entry, 0))]);
+            }
+            return Ok(Vec::new());
+        };
+        if let AttributeValue::Exprloc(expr) = value {
+            return Ok(vec![(0, u64::MAX, describe(expr, unit.encoding()))]);
+        }
+        let Some(offset) = self
+            .dwarf
+            .attr_locations_offset(&unit, value)
+            .map_err(super::gimli_err("location list offset"))?
+        else {
+            return Ok(Vec::new());
+        };
+        let mut list = self
+            .dwarf
+            .locations(&unit, offset)
+            .map_err(super::gimli_err("location list"))?;
+        let mut out = Vec::new();
+        while let Some(item) = list
+            .next()
+            .map_err(super::gimli_err("location list entry"))?
+        {
+            out.push((
+                item.range.begin,
+                item.range.end,
+                describe(item.data, unit.encoding()),
+            ));
+        }
+        Ok(out)
+    }
+
     /// A variable's own DIE, or its abstract origin for name and type.
     fn variable(&self, die: DieRef, is_param: bool, pc: u64) -> Option<Variable> {
         let (unit, off) = self.unit_of(die).ok()?;
@@ -294,6 +345,27 @@ mod tests {
         );
         assert!(vars[2..].iter().all(|v| !v.1));
         assert!(vars.iter().any(|v| v.0 == "total"));
+    }
+
+    #[test]
+    fn location_lists_cover_the_entry_location_and_agree_with_it() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+        let mut lists = 0;
+        for f in index.iter().filter(|e| e.kind == EntryKind::Function) {
+            for v in info.variables(f.die, f.low).unwrap() {
+                let list = info.location_list(v.die).unwrap();
+                lists += usize::from(list.len() > 1);
+                let at_entry = list
+                    .iter()
+                    .find(|(lo, hi, _)| *lo <= f.low && f.low < *hi)
+                    .map_or(Location::OptimizedOut, |(_, _, l)| l.clone());
+                assert_eq!(at_entry, v.at_entry, "{} in {}", v.name, f.name);
+                assert!(list.iter().all(|(lo, hi, _)| lo < hi));
+            }
+        }
+        assert!(lists > 0, "the -O2 fixture has no variable that moves");
     }
 
     #[test]
