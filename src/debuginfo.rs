@@ -216,7 +216,7 @@ pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
                 .into_iter()
                 .filter(|(_, r)| r.is_stmt)
             {
-                let sym = info.symbols().describe(row.addr).unwrap_or_default();
+                let sym = info.describe(row.addr).unwrap_or_default();
                 println!("  {path}:{} {:#x} {sym}", row.line, row.addr);
             }
         }
@@ -225,7 +225,7 @@ pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
     if args.inlined {
         let inlines = index(&info, Layer::Inlines)?;
         for e in inlines.functions(&args.pattern, &[EntryKind::Inlined]) {
-            let sym = info.symbols().describe(e.low).unwrap_or_default();
+            let sym = info.describe(e.low).unwrap_or_default();
             println!(
                 "{} inlined at {}:{} {:#x} {sym}",
                 e.name, e.file, e.line, e.low
@@ -363,7 +363,7 @@ pub fn run_where(args: &WhereArgs) -> anyhow::Result<i32> {
         bail!("no code for {path}:{line}");
     }
     for (file, line, addr) in sites {
-        let sym = info.symbols().describe(addr).unwrap_or_default();
+        let sym = info.describe(addr).unwrap_or_default();
         println!("{file}:{line} {addr:#x} {sym}");
     }
     Ok(0)

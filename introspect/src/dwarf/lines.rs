@@ -492,7 +492,7 @@ impl<'a> DebugInfo<'a> {
     /// As [`DebugInfo::line_table_at`].
     pub fn info_line(&self, entry: u64) -> Result<InfoLine, DwarfError> {
         let table = self.line_table_at(entry)?;
-        let sym = |a: u64| self.symbols().describe(a).unwrap_or_default();
+        let sym = |a: u64| self.describe(a).unwrap_or_default();
         match table.find_pc(entry) {
             Some(found) if found.start >= entry => {
                 // gdb looks the line up again from its start (find_line_pc_range).

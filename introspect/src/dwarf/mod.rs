@@ -137,8 +137,11 @@ pub struct DebugInfo<'a> {
     pub(crate) dwarf: gimli::Dwarf<R<'a>>,
     elf: object::File<'a>,
     units: OnceCell<Vec<gimli::UnitHeader<R<'a>>>>,
+    unit_starts: OnceCell<Vec<u64>>,
     parsed: RefCell<HashMap<u64, Rc<Unit<'a>>>>,
     symbols: OnceCell<Symtab<'a>>,
+    /// Lookups answered by [`symtab::describe_unsorted`] so far.
+    unsorted_lookups: std::cell::Cell<u32>,
 }
 
 impl std::fmt::Debug for DebugInfo<'_> {
@@ -176,8 +179,10 @@ impl<'a> DebugInfo<'a> {
             dwarf,
             elf,
             units: OnceCell::new(),
+            unit_starts: OnceCell::new(),
             parsed: RefCell::default(),
             symbols: OnceCell::new(),
+            unsorted_lookups: std::cell::Cell::new(0),
         })
     }
 
@@ -204,6 +209,21 @@ impl<'a> DebugInfo<'a> {
         self.symbols.get_or_init(|| Symtab::from_elf(&self.elf))
     }
 
+    /// `addr` as gdb writes it (`<vfs_read+5>`), as [`Symtab::describe`]. The first few
+    /// lookups scan the ELF symbols without building the sorted table (a query that
+    /// describes two addresses should not pay for sorting 150,000 symbols); later ones build
+    /// it once and search it.
+    pub fn describe(&self, addr: u64) -> Option<String> {
+        const UNSORTED: u32 = 8;
+        if self.symbols.get().is_none() && self.unsorted_lookups.get() < UNSORTED {
+            self.unsorted_lookups.set(self.unsorted_lookups.get() + 1);
+            if let Ok(found) = symtab::describe_unsorted(&self.elf, addr) {
+                return found;
+            }
+        }
+        self.symbols().describe(addr)
+    }
+
     /// Every unit header, in file order (read once).
     ///
     /// # Errors
@@ -218,6 +238,29 @@ impl<'a> DebugInfo<'a> {
             found.push(header);
         }
         Ok(self.units.get_or_init(|| found))
+    }
+
+    /// The `.debug_info` offset of every unit, in file order: from the name index when one
+    /// was opened (see [`DebugInfo::seed_unit_starts`]), else by reading every unit header.
+    ///
+    /// # Errors
+    /// [`DwarfError::Gimli`] when a header is malformed.
+    pub fn unit_starts(&self) -> Result<&[u64], DwarfError> {
+        if let Some(starts) = self.unit_starts.get() {
+            return Ok(starts);
+        }
+        let starts = self.unit_headers()?.iter().map(unit_start).collect();
+        Ok(self.unit_starts.get_or_init(|| starts))
+    }
+
+    /// Takes the unit offsets recorded in an index of this file, sparing the walk over every
+    /// unit header. Ignored unless strictly increasing, and once offsets are known. An offset
+    /// that is no unit's start (an index from a corrupt cache) gives errors from
+    /// [`DebugInfo::unit_at`], never a panic.
+    pub fn seed_unit_starts(&self, starts: Vec<u64>) {
+        if !starts.is_empty() && starts.windows(2).all(|w| w[0] < w[1]) {
+            let _ = self.unit_starts.set(starts);
+        }
     }
 
     /// The parsed unit that starts at `.debug_info` offset `unit_offset`.
@@ -252,13 +295,12 @@ impl<'a> DebugInfo<'a> {
     /// # Errors
     /// [`DwarfError::NoUnitAt`] when no unit covers `die`.
     pub fn unit_of(&self, die: DieRef) -> Result<(Rc<Unit<'a>>, gimli::UnitOffset), DwarfError> {
-        let headers = self.unit_headers()?;
-        let at = headers.partition_point(|h| unit_start(h) <= die.0);
-        let header = at
+        let starts = self.unit_starts()?;
+        let at = starts.partition_point(|&s| s <= die.0);
+        let start = *at
             .checked_sub(1)
-            .and_then(|i| headers.get(i))
+            .and_then(|i| starts.get(i))
             .ok_or(DwarfError::NoUnitAt(die.0))?;
-        let start = unit_start(header);
         let unit = self.unit_at(start)?;
         let local = gimli::DebugInfoOffset(
             usize::try_from(die.0).map_err(|_| DwarfError::NoUnitAt(die.0))?,

@@ -7,6 +7,13 @@
 //! range, or because it was copied from such a register, loaded from a pointer member, or
 //! computed as the address of an embedded member. A memory operand based on it, at
 //! displacement `offsetof(S, M)`, is an access to M.
+//!
+//! Validation: the test `join_points_of_the_test_program_match_its_traced_accesses` builds
+//! `guest-images/testprogs/klas.c` with `gcc -g -O2`, runs it and records every executed access
+//! to its struct instances, then prints precision and recall of the static answer. The issue
+//! asked for the run to be in Unicorn; the workspace has no Unicorn binding, and the program is
+//! native x86-64, so the test-only [`tracer`] single-steps it under ptrace instead (same
+//! observation: which instruction touched which bytes, read or write).
 
 mod facts;
 mod flow;
@@ -200,7 +207,7 @@ impl<'a> DebugInfo<'a> {
                     .unwrap_or_default();
                 out.push(JoinPoint {
                     addr: site.addr,
-                    function: self.symbols().describe(site.addr).unwrap_or_default(),
+                    function: self.describe(site.addr).unwrap_or_default(),
                     file: line.as_ref().map(|l| l.file.clone()).unwrap_or_default(),
                     line: line.map_or(0, |l| l.line),
                     access: site.access,
@@ -231,7 +238,7 @@ pub fn join_points_everywhere(
 ) -> Result<Vec<JoinPoint>, KlasError> {
     let info = DebugInfo::new(bytes)?;
     let globals = Globals::from_index(&info, index);
-    let starts: Vec<u64> = info.unit_headers()?.iter().map(unit_start).collect();
+    let starts: Vec<u64> = info.unit_starts()?.to_vec();
     let mut by_unit: BTreeMap<usize, Vec<Entry<'_>>> = BTreeMap::new();
     for e in index.iter().filter(|e| e.kind == EntryKind::Function) {
         let unit = starts.partition_point(|&s| s <= e.die.0).saturating_sub(1);
@@ -243,7 +250,7 @@ pub fn join_points_everywhere(
     let results: Vec<Result<Vec<JoinPoint>, KlasError>> = groups
         .par_iter()
         .map_init(
-            || DebugInfo::new(bytes),
+            || DebugInfo::new(bytes).inspect(|worker| worker.seed_unit_starts(starts.clone())),
             |info, funcs| {
                 let info = info
                     .as_ref()
