@@ -30,45 +30,54 @@ fi
 
 # A cache that shares the kernels but has no index: the cold runs build it there.
 cold=$(mktemp -d)
-trap 'rm -rf "$cold"' EXIT
 mkdir -p "$cold/exotap"
 ln -s "$CACHE/kernels" "$cold/exotap/kernels"
 
-now() { date +%s%N; }
-ms() { awk -v ns="$1" 'BEGIN { printf "%.1f", ns / 1e6 }'; }
-
-cat "$VMLINUX" >/dev/null
-
-t0=$(now)
-gdb_out=$(gdb -batch -ex 'info line vfs_read' -ex 'ptype struct file' "$VMLINUX" 2>/dev/null)
-t1=$(now)
-gdb_ns=$((t1 - t0))
+tmp=$(mktemp -d)
+trap 'rm -rf "$cold" "$tmp"' EXIT
+# measure NAME CMD...: runs CMD with its stdout in $tmp/NAME; sets WALL and CPU (user + sys of
+# the command and its children) in ms. CPU time barely moves with the load of a shared machine;
+# wall time does.
+measure() {
+    local name=$1 t r u s
+    shift
+    TIMEFORMAT='%R %U %S'
+    t=$({ time "$@" >"$tmp/$name" 2>/dev/null; } 2>&1)
+    read -r r u s <<<"$t"
+    WALL=$(awk -v r="$r" 'BEGIN { printf "%.1f", r * 1000 }')
+    CPU=$(awk -v u="$u" -v s="$s" 'BEGIN { printf "%.1f", (u + s) * 1000 }')
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf (a / b < 100 ? "%.1f" : "%.0f"), a / b }'; }
 
 pair() {
     XDG_CACHE_HOME=$cold "$EXOTAP" lines --brief vfs_read
     XDG_CACHE_HOME=$cold "$EXOTAP" ptype struct file
 }
 
-t0=$(now)
-cold_out=$(pair 2>/dev/null)
-t1=$(now)
-cold_ns=$((t1 - t0))
+cat "$VMLINUX" >/dev/null
 
-warm=()
+measure gdb gdb -batch -ex 'info line vfs_read' -ex 'ptype struct file' "$VMLINUX"
+gdb_wall=$WALL gdb_cpu=$CPU
+measure cold pair
+cold_wall=$WALL cold_cpu=$CPU
+walls=() cpus=()
 for _ in $(seq "$RUNS"); do
-    t0=$(now)
-    warm_out=$(pair 2>/dev/null)
-    t1=$(now)
-    warm+=($((t1 - t0)))
+    measure warm pair
+    walls+=("$WALL") cpus+=("$CPU")
 done
-warm_ns=$(printf '%s\n' "${warm[@]}" | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
+median() { printf '%s\n' "$@" | sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
+warm_wall=$(median "${walls[@]}") warm_cpu=$(median "${cpus[@]}")
 
 same=yes
-[[ $cold_out == "$gdb_out" && $warm_out == "$gdb_out" ]] || same=NO
+cmp -s "$tmp/gdb" "$tmp/cold" && cmp -s "$tmp/gdb" "$tmp/warm" || same=NO
 
-echo "debug-info bench ($KERNEL, info line vfs_read + ptype struct file), $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
-echo "  gdb -batch              $(ms "$gdb_ns") ms"
-echo "  exotap cold (no index)  $(ms "$cold_ns") ms   gdb/cold = $(awk -v a="$gdb_ns" -v b="$cold_ns" 'BEGIN { printf "%.1f", a / b }')x   goal <= 2000 ms"
-echo "  exotap warm (median/$RUNS)  $(ms "$warm_ns") ms   gdb/warm = $(awk -v a="$gdb_ns" -v b="$warm_ns" 'BEGIN { printf "%.0f", a / b }')x   goal <= 50 ms"
+echo "debug-info bench ($KERNEL: info line vfs_read + ptype struct file), exotap = $EXOTAP"
+echo "  $(nproc) CPUs, load average $(cut -d' ' -f1 /proc/loadavg) (wall times grow with it; CPU times hardly)"
+printf '  %-26s %10s %10s   %s\n' "" "wall ms" "CPU ms" "gdb/this (wall, CPU)"
+printf '  %-26s %10s %10s\n' "gdb -batch" "$gdb_wall" "$gdb_cpu"
+printf '  %-26s %10s %10s   %sx, %sx   goal: wall <= 2000 ms\n' "exotap cold (no index)" "$cold_wall" "$cold_cpu" \
+    "$(ratio "$gdb_wall" "$cold_wall")" "$(ratio "$gdb_cpu" "$cold_cpu")"
+printf '  %-26s %10s %10s   %sx, %sx   goal: wall <= 50 ms\n' "exotap warm (median of $RUNS)" "$warm_wall" "$warm_cpu" \
+    "$(ratio "$gdb_wall" "$warm_wall")" "$(ratio "$gdb_cpu" "$warm_cpu")"
 echo "  answers equal gdb's: $same"
 [[ $same == yes ]]

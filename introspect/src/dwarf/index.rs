@@ -12,7 +12,8 @@
 //! 300 MB section, which costs tens of milliseconds of page faults), then the string blob the
 //! records point into.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashSet};
+use rayon::slice::ParallelSliceMut as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -183,11 +184,13 @@ impl Index {
     /// The index file of `layer` for `build_id` under `cache_dir`.
     pub fn path(cache_dir: &Path, build_id: &[u8], layer: Layer) -> PathBuf {
         let hex: String = build_id.iter().map(|b| format!("{b:02x}")).collect();
+        // The format version is in the name too, so that exotap builds of different versions
+        // sharing a cache keep their own files instead of rebuilding each other's.
         let file = match layer {
-            Layer::Names => "names.idx",
-            Layer::Inlines => "inlines.idx",
+            Layer::Names => "names",
+            Layer::Inlines => "inlines",
         };
-        cache_dir.join(hex).join(file)
+        cache_dir.join(hex).join(format!("{file}.v{VERSION}.idx"))
     }
 
     /// Maps an existing index and checks that it belongs to `build_id` and `layer`.
@@ -462,7 +465,7 @@ fn serialize<'u>(
     build_id: &[u8],
 ) -> Result<Vec<u8>, IndexError> {
     let mut strings = Strings::default();
-    let mut seen_types: HashSet<(EntryKind, &[u8])> = HashSet::new();
+    let mut seen_types: HashSet<(EntryKind, &[u8])> = HashSet::default();
     let mut records: Vec<([u8; RECORD], &'u [u8])> = Vec::new();
     let mut unnamed = 0;
     for unit in units {
@@ -491,7 +494,7 @@ fn serialize<'u>(
             records.push((r, e.name));
         }
     }
-    records.sort_unstable_by(|a, b| {
+    records.par_sort_unstable_by(|a, b| {
         a.1.cmp(b.1)
             .then(a.0[16].cmp(&b.0[16]))
             .then(a.0[24..32].cmp(&b.0[24..32]))

@@ -5,7 +5,7 @@
 //! `DW_TAG_inlined_subroutine`. Names stay borrowed from `.debug_str` until the index is
 //! written, so the scan allocates little.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use gimli::{AttributeValue, DwTag, UnitOffset};
 use rayon::prelude::*;
@@ -297,8 +297,8 @@ fn scan_unit<'a>(
         dwarf,
         unit,
         out: UnitEntries::default(),
-        file_ids: HashMap::new(),
-        named: HashMap::new(),
+        file_ids: HashMap::default(),
+        named: HashMap::default(),
         pending: Vec::new(),
     };
     let mut cursor = unit.entries_raw(None)?;
