@@ -74,10 +74,11 @@ pub struct VarsArgs {
     pub debug: DebugArgs,
 }
 
-/// `exotap where FILE:LINE`.
+/// `exotap where FILE:LINE | ADDR`.
 #[derive(Debug, Args)]
 pub struct WhereArgs {
-    /// A source line: `fs/open.c:1337`.
+    /// A source line (`fs/open.c:1337`), or a link-time address (`0xffffffff81349955`) for
+    /// its line: the line table both ways.
     pub location: String,
     #[command(flatten)]
     pub debug: DebugArgs,
@@ -349,8 +350,31 @@ fn vars_from_btf(btf: &Btf, pattern: &str) -> anyhow::Result<i32> {
 
 /// `exotap where FILE:LINE`: the addresses of a source line, with their functions.
 pub fn run_where(args: &WhereArgs) -> anyhow::Result<i32> {
+    if let Some(hex) = args.location.strip_prefix("0x") {
+        let addr = u64::from_str_radix(hex, 16)
+            .with_context(|| format!("`{}` is not an address", args.location))?;
+        let file = DebugFile::open(&debug_file(&args.debug)?)?;
+        let info = file.load()?;
+        let found = info
+            .line_table_at(addr)
+            .ok()
+            .and_then(|table| table.find_pc(addr));
+        let Some(line) = found else {
+            bail!("no line information for {addr:#x}");
+        };
+        let sym = |a: u64| info.describe(a).unwrap_or_default();
+        println!(
+            "{}:{} {addr:#x} {} (line's code {:#x}..{:#x})",
+            line.file,
+            line.line,
+            sym(addr),
+            line.start,
+            line.end
+        );
+        return Ok(0);
+    }
     let Some((path, line)) = args.location.rsplit_once(':') else {
-        bail!("give FILE:LINE, e.g. fs/open.c:1337");
+        bail!("give FILE:LINE (fs/open.c:1337) or an address (0xffffffff81349955)");
     };
     let line: u32 = line
         .parse()

@@ -77,11 +77,14 @@ enum Command {
     /// Source lines of kernel functions from the -dbg DWARF: gdb's `info line` answer, then
     /// every line with its address. Patterns as SystemTap's: `vfs_read`, `vfs_*`, `*@fs/open.c`.
     Lines(debuginfo::LinesArgs),
-    /// Print a kernel type as gdb's `ptype` does (`-o`: with offsets), from DWARF or `--btf`.
+    /// Print a kernel type as gdb's `ptype` does (`-o`: with offsets), from the -dbg DWARF, or
+    /// from the image's BTF with `--btf` or when no -dbg vmlinux is cached.
     Ptype(debuginfo::PtypeArgs),
-    /// Parameters and locals of kernel functions with their locations at entry.
+    /// Parameters and locals of kernel functions with their locations at entry (`--ranges`:
+    /// whole location lists); parameters only, from BTF, when no -dbg vmlinux is cached.
     Vars(debuginfo::VarsArgs),
-    /// Addresses (and functions) of a kernel source line: `exotap where fs/open.c:1337`.
+    /// Addresses (and functions) of a kernel source line: `exotap where fs/open.c:1337`; or the
+    /// source line of an address: `exotap where 0xffffffff81349955`.
     Where(debuginfo::WhereArgs),
     /// KLAS join points: the instructions that read, write or call through a struct member
     /// (`exotap joinpoints 'struct file.f_pos'`), from DWARF and disassembly.

@@ -205,18 +205,34 @@ fn cli_answers_the_bench_queries_as_gdb_does() {
     if !have_gdb() {
         return;
     }
+    let file = DebugFile::open(&vmlinux).unwrap();
+    let inside = file.load().unwrap().symbols().by_name("vfs_read")[0].addr + 5;
     let commands = [
         "info line vfs_read".to_owned(),
         "ptype struct file".to_owned(),
+        format!("info line *{inside:#x}"),
     ];
     let theirs = gdb(&vmlinux, &commands);
 
     let (rc1, lines, err1) = common::run(common::exotap().args(["lines", "--brief", "vfs_read"]));
     let (rc2, ptype, err2) = common::run(common::exotap().args(["ptype", "struct file"]));
+    let (rc3, line_of, err3) =
+        common::run(common::exotap().args(["where", &format!("{inside:#x}")]));
 
-    assert_eq!((rc1, rc2), (0, 0), "{err1}{err2}");
+    assert_eq!((rc1, rc2, rc3), (0, 0, 0), "{err1}{err2}{err3}");
     assert_eq!(Some(&lines), theirs.first());
     assert_eq!(Some(&ptype), theirs.get(1));
+    // gdb: `Line 451 of "fs/read_write.c" starts at address 0x... <vfs_read+5> and ends at
+    // 0x... <...>.`; exotap: `fs/read_write.c:451 0x... <vfs_read+5> (line's code S..E)`.
+    let gdb_line = theirs.get(2).unwrap();
+    let words: Vec<&str> = gdb_line.split_whitespace().collect();
+    let (line, path) = (words[1], words[3].trim_matches('"'));
+    let (start, end) = (words[7], words[12]);
+    assert_eq!(
+        line_of.trim(),
+        format!("{path}:{line} {inside:#x} <vfs_read+5> (line's code {start}..{end})"),
+        "gdb: {gdb_line}"
+    );
 }
 
 /// Without a cached -dbg vmlinux, `ptype` and `vars` answer from the kernel image's BTF, say so
