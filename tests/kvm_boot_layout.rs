@@ -16,6 +16,8 @@
 //! * the e820 table (count at 0x1e8, 20-byte entries at 0x2d0) must not list the patch heap;
 //! * `acpi_rsdp_addr` (0x070) points at an RSDP ("RSD PTR ").
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use exotap_guest_images as images;
 use exotap_vmm::kvm::{cpu_setup, kvm_bindings, load_memory, KvmConfig, LoadedGuest};
 use exotap_vmm::qemu::PatchHeapRange;

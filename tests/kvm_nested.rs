@@ -6,9 +6,10 @@
 //! The outer guest prints the inner guest's console with `EXOTAP-` renamed `inner:` so that
 //! the outer run's own protocol is not confused.
 //!
-//! Opt-in (it takes minutes): `ci/nested/run.sh`, or
+//! It needs the static exotap and about a minute: `ci/nested/run.sh`, or
 //! `EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture` after
-//! `ci/nested/build-static.sh`. Without `EXOTAP_NESTED` it prints `SKIP: <reason>`.
+//! `ci/nested/build-static.sh` (ci/test.sh does both). Without `EXOTAP_NESTED` it prints
+//! `SKIP: <reason>`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
