@@ -294,7 +294,7 @@ fn run_kvm(args: &BootArgs, bzimage: PathBuf, initrd: PathBuf) -> anyhow::Result
         .flat_map(|a| a.split_whitespace().map(str::to_owned))
         .collect();
     tracing::info!(
-        "backend kvm: patch heap {} (a memory slot outside the e820 RAM map)",
+        "patch heap: {} (backend kvm: a memory slot outside the e820 RAM map)",
         config.patch_heap
     );
     let mut hook: Box<dyn KvmPhaseHook> = match &args.count_entry {

@@ -85,7 +85,6 @@ impl CountingSplice {
         let mut original = [0u8; 5];
         space.read(entry, &mut original)?;
         let entry_phys = space.translate(entry)?.phys;
-        drop(space);
         report("kvm.slide", format!("{slide:#x}"));
         report("kvm.heap.va", format!("{:#x}", plan.va));
         report(

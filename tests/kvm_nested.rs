@@ -6,9 +6,10 @@
 //! The outer guest prints the inner guest's console with `EXOTAP-` renamed `inner:` so that
 //! the outer run's own protocol is not confused.
 //!
-//! Opt-in (it takes minutes): `ci/nested/run.sh`, or
+//! It needs the static exotap and about a minute: `ci/nested/run.sh`, or
 //! `EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture` after
-//! `ci/nested/build-static.sh`. Without `EXOTAP_NESTED` it prints `SKIP: <reason>`.
+//! `ci/nested/build-static.sh` (ci/test.sh does both). Without `EXOTAP_NESTED` it prints
+//! `SKIP: <reason>`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -31,6 +32,7 @@ const STATIC_BIN: &str = "target/nested/exotap";
 fn inner_job() -> GuestJob {
     GuestJob::from_script(format!(
         "set -e\n\
+         exotap_result cpus \"$(grep -c ^processor /proc/cpuinfo)\"\n\
          exotap_wait splice\n\
          exotap_phase syscalls\n\
          syscall-loop {CALLS}\n\
@@ -160,8 +162,38 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     eprintln!("{console}");
 
     assert_eq!(outcome.rc, 0, "{ctx}");
-    assert!(console.contains("inner:READY"), "{ctx}");
-    assert_eq!(after(&console, "inner:DONE "), Some("0"), "{ctx}");
+    // The inner guest followed the protocol exactly as it does under QEMU.
+    let markers: Vec<&str> = console
+        .lines()
+        .filter_map(|l| l.find("inner:").map(|at| &l[at..]))
+        .filter(|m| !m.starts_with("inner:RESULT") && !m.starts_with("inner:READY after"))
+        .collect();
+    assert_eq!(
+        markers,
+        [
+            "inner:READY",
+            "inner:WAIT splice",
+            "inner:GO splice",
+            "inner:PHASE syscalls",
+            "inner:WAIT unsplice",
+            "inner:GO unsplice",
+            "inner:DONE 0"
+        ],
+        "{ctx}"
+    );
+    // Every vCPU came up (the MADT), and the guest powered off through ACPI S5.
+    assert_eq!(
+        after(&console, "inner:RESULT cpus="),
+        Some(inner_cpus.to_string().as_str()),
+        "{ctx}"
+    );
+    if ["info", "debug", "trace"].contains(&log.as_str()) {
+        assert!(
+            console.contains("the VM stopped: vCPU 0 powered the machine off")
+                || console.contains("the VM stopped: vCPU 1 powered the machine off"),
+            "{ctx}"
+        );
+    }
     let calls = CALLS.to_string();
     assert_eq!(
         after(&console, "inner:RESULT getpid.calls="),

@@ -72,6 +72,8 @@ pub struct BootInputs {
     pub initrd: Option<(u64, u64)>,
     /// The memory map.
     pub e820: Vec<E820Entry>,
+    /// Where the ACPI RSDP is (`acpi_rsdp_addr`, protocol 2.14+), if there is one.
+    pub acpi_rsdp: Option<u64>,
 }
 
 /// Checks the image's setup header for what the 64-bit entry needs.
@@ -130,6 +132,9 @@ pub fn build(hdr: &setup_header, inputs: &BootInputs) -> Result<boot_params, Boo
     if let Some((addr, size)) = inputs.initrd {
         params.hdr.ramdisk_image = low32("the initramfs", addr)?;
         params.hdr.ramdisk_size = low32("the initramfs size", size)?;
+    }
+    if let Some(rsdp) = inputs.acpi_rsdp {
+        params.acpi_rsdp_addr = rsdp;
     }
     params.e820_entries = inputs.e820.len() as u8;
     for (slot, e) in params.e820_table.iter_mut().zip(&inputs.e820) {
@@ -207,6 +212,7 @@ mod tests {
                     kind: E820_RAM,
                 },
             ],
+            acpi_rsdp: Some(0xe0000),
         }
     }
 
@@ -251,6 +257,7 @@ mod tests {
         assert_eq!(u16_at(zp, 0x224), 0xfe00, "heap_end_ptr at 0x224");
         assert_eq!(u32_at(zp, 0x228), 0x20000, "cmd_line_ptr at 0x228");
         assert_eq!(u32_at(zp, 0x0c8), 0, "ext_cmd_line_ptr at 0x0C8");
+        assert_eq!(u64_at(zp, 0x070), 0xe0000, "acpi_rsdp_addr at 0x070");
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! | 0x2f8..0x300 | ttyS1: the host's go channel (the guest reads one byte per wait) | 3 |
 //! | 0x60, 0x64 | i8042: a write of 0xfe to 0x64 resets the machine (`reboot=k`) | - |
 //! | 0x70, 0x71 | CMOS: reads 0 (the kernel reads the clock from kvmclock) | - |
+//! | 0x600..0x604 | ACPI PM1a event block (PM1_STS, PM1_EN) | SCI 9, never raised |
+//! | 0x604..0x606 | ACPI PM1a control: SCI_EN reads 1; `SLP_TYP=S5 \| SLP_EN` powers off | - |
 //!
 //! Any other port reads all-ones (no device) and ignores writes.
 
@@ -16,6 +18,8 @@ use std::sync::mpsc::Sender;
 use vm_superio::serial::NoEvents;
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
+
+use super::acpi::{PM1A_CNT, PM1A_EVT, PM1_SCI_EN, PM1_SLP_EN, PM1_SLP_TYP_SHIFT, S5_SLP_TYP};
 
 /// First port of ttyS0.
 pub const COM1: u16 = 0x3f8;
@@ -71,6 +75,69 @@ pub enum IoEffect {
     None,
     /// The guest reset the machine (i8042 reset).
     Reset,
+    /// The guest entered ACPI S5 (soft-off).
+    PowerOff,
+}
+
+/// The ACPI PM1a registers (PM1_STS and PM1_EN at [`PM1A_EVT`], PM1_CNT at [`PM1A_CNT`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Pm1 {
+    /// PM1_EN (PM1_STS always reads 0: no event is ever pending).
+    pub enable: u16,
+    /// PM1_CNT without SLP_EN (write-only, reads 0).
+    pub control: u16,
+}
+
+impl Pm1 {
+    /// Whether `port` is one of the PM1a registers' bytes.
+    pub fn owns(port: u16) -> bool {
+        (PM1A_EVT..PM1A_EVT + 4).contains(&port) || (PM1A_CNT..PM1A_CNT + 2).contains(&port)
+    }
+
+    /// The bytes of the PM1a registers as one little-endian image, from [`PM1A_EVT`].
+    fn image(&self) -> [u8; 6] {
+        let mut b = [0u8; 6];
+        b[2..4].copy_from_slice(&self.enable.to_le_bytes());
+        b[4..6].copy_from_slice(&(self.control | PM1_SCI_EN).to_le_bytes());
+        b
+    }
+
+    /// A read of `data.len()` bytes at `port`.
+    pub fn read(&self, port: u16, data: &mut [u8]) {
+        let image = self.image();
+        for (i, d) in data.iter_mut().enumerate() {
+            let at = usize::from(port - PM1A_EVT) + i;
+            *d = image.get(at).copied().unwrap_or(0xff);
+        }
+    }
+
+    /// A write of `data` at `port`; says whether the guest powered off.
+    pub fn write(&mut self, port: u16, data: &[u8]) -> IoEffect {
+        let mut image = self.image();
+        for (i, d) in data.iter().enumerate() {
+            let at = usize::from(port - PM1A_EVT) + i;
+            if (2..6).contains(&at) {
+                image[at] = *d;
+            }
+        }
+        self.enable = u16::from_le_bytes([image[2], image[3]]);
+        let control = u16::from_le_bytes([image[4], image[5]]);
+        let touched_control = data
+            .iter()
+            .enumerate()
+            .any(|(i, _)| usize::from(port - PM1A_EVT) + i >= 4);
+        if touched_control && control & PM1_SLP_EN != 0 {
+            let slp_typ = (control >> PM1_SLP_TYP_SHIFT) & 0x7;
+            self.control = control & !PM1_SLP_EN;
+            if slp_typ == S5_SLP_TYP {
+                return IoEffect::PowerOff;
+            }
+            // Other sleep states are not offered (the DSDT names only \_S5_).
+            return IoEffect::None;
+        }
+        self.control = control;
+        IoEffect::None
+    }
 }
 
 /// The port-mapped devices, shared by the vCPUs behind one lock.
@@ -78,6 +145,7 @@ pub struct Devices {
     console: Serial<IrqTrigger, NoEvents, ConsoleOut>,
     go: Serial<IrqTrigger, NoEvents, std::io::Sink>,
     cmos_index: u8,
+    pm1: Pm1,
 }
 
 impl std::fmt::Debug for Devices {
@@ -100,7 +168,34 @@ impl Devices {
             console: Serial::new(IrqTrigger(console_irq), ConsoleOut(console)),
             go: Serial::new(IrqTrigger(go_irq), std::io::sink()),
             cmos_index: 0,
+            pm1: Pm1::default(),
         }
+    }
+
+    /// An `in` of one access of `data.len()` bytes (1, 2 or 4) from `port`. Byte-wide
+    /// devices see each byte as a read of `port`, as `rep insb` does.
+    pub fn access_in(&mut self, port: u16, data: &mut [u8]) {
+        if Pm1::owns(port) && data.len() <= 4 {
+            self.pm1.read(port, data);
+        } else {
+            for chunk in data.chunks_mut(1) {
+                self.io_in(port, chunk);
+            }
+        }
+    }
+
+    /// An `out` of one access of `data` to `port` (see [`Devices::access_in`]).
+    pub fn access_out(&mut self, port: u16, data: &[u8]) -> IoEffect {
+        if Pm1::owns(port) && data.len() <= 4 {
+            return self.pm1.write(port, data);
+        }
+        for chunk in data.chunks(1) {
+            let effect = self.io_out(port, chunk);
+            if effect != IoEffect::None {
+                return effect;
+            }
+        }
+        IoEffect::None
     }
 
     /// An `in` of `data.len()` bytes from `port`.
@@ -199,6 +294,50 @@ mod tests {
 
         assert_eq!(d.io_out(I8042_COMMAND, &[0xfe]), IoEffect::Reset);
         assert_eq!(d.io_out(I8042_COMMAND, &[0xaa]), IoEffect::None);
+    }
+
+    #[test]
+    fn pm1_control_reads_sci_en_and_s5_sleep_powers_off() {
+        // ACPI 6.4, 4.8.3.2.1: PM1_CNT bit 0 SCI_EN, bits 10-12 SLP_TYP, bit 13 SLP_EN.
+        let (mut d, _rx) = devices();
+        let mut cnt = [0u8; 2];
+
+        d.access_in(0x604, &mut cnt);
+        assert_eq!(u16::from_le_bytes(cnt) & 1, 1, "SCI_EN: in ACPI mode");
+        // What ACPICA does for S5: SLP_TYP first, then SLP_TYP | SLP_EN.
+        assert_eq!(
+            d.access_out(0x604, &0x0001u16.to_le_bytes()),
+            IoEffect::None
+        );
+        assert_eq!(
+            d.access_out(0x604, &(0x0001u16 | 1 << 13).to_le_bytes()),
+            IoEffect::PowerOff
+        );
+    }
+
+    #[test]
+    fn pm1_other_sleep_types_and_enable_writes_do_not_power_off() {
+        let (mut d, _rx) = devices();
+        let mut en = [0u8; 2];
+
+        assert_eq!(
+            d.access_out(0x604, &((1u16 << 10) | (1 << 13)).to_le_bytes()),
+            IoEffect::None,
+            "SLP_TYP 1 is not offered"
+        );
+        assert_eq!(
+            d.access_out(0x602, &0x0100u16.to_le_bytes()),
+            IoEffect::None
+        );
+        d.access_in(0x602, &mut en);
+        assert_eq!(
+            u16::from_le_bytes(en),
+            0x0100,
+            "PM1_EN keeps what was written"
+        );
+        let mut sts = [0xffu8; 4];
+        d.access_in(0x600, &mut sts);
+        assert_eq!(&sts[..2], &[0, 0], "PM1_STS: nothing pending");
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! | `0x9000..0xf000` | identity page tables: PML4, PDPT, 4 PDs mapping 4 GiB with 2 MiB pages |
 //! | `0x20000..` | kernel command line |
 //! | `0x9fc00..0xa0000` | MP table (reserved in e820) |
+//! | `0xe0000..0x100000` | ACPI tables, RSDP first (reserved in e820, like a PC BIOS area) |
 //! | `0x100000..` | the bzImage's protected-mode kernel |
 //! | below the patch heap | initramfs |
 //! | top of guest memory | patch heap: a memory slot of its own, absent from the e820 RAM map |
@@ -39,6 +40,8 @@ pub const CMDLINE_MAX: usize = 2048;
 pub const MPTABLE_ADDR: u64 = 0x9fc00;
 /// End of conventional memory.
 pub const LOW_RAM_END: u64 = 0xa0000;
+/// Start of the BIOS area that holds the ACPI tables ([`super::acpi::ACPI_ADDR`]).
+pub const BIOS_AREA: u64 = 0xe0000;
 /// Where the protected-mode kernel of the bzImage is loaded (`code32_start`'s default).
 pub const KERNEL_ADDR: u64 = 0x100000;
 /// Above this the 32-bit PCI/MMIO hole starts (IOAPIC, LAPIC): guest RAM stays below it.
@@ -135,7 +138,8 @@ impl MemoryLayout {
         [(0, self.heap.base), (self.heap.base, self.heap.size)]
     }
 
-    /// The e820 map: conventional memory, the MP table's reserved KiB, RAM from 1 MiB to the
+    /// The e820 map: conventional memory, the MP table's reserved KiB, the reserved BIOS area
+    /// with the ACPI tables, RAM from 1 MiB to the
     /// heap. The heap is not listed, so the kernel never allocates from it.
     pub fn e820(&self) -> Vec<E820Entry> {
         vec![
@@ -147,6 +151,11 @@ impl MemoryLayout {
             E820Entry {
                 addr: MPTABLE_ADDR,
                 size: LOW_RAM_END - MPTABLE_ADDR,
+                kind: E820_RESERVED,
+            },
+            E820Entry {
+                addr: BIOS_AREA,
+                size: KERNEL_ADDR - BIOS_AREA,
                 kind: E820_RESERVED,
             },
             E820Entry {
@@ -204,6 +213,11 @@ mod tests {
                 E820Entry {
                     addr: 0x9fc00,
                     size: 0x400,
+                    kind: 2
+                },
+                E820Entry {
+                    addr: 0xe0000,
+                    size: 0x20000,
                     kind: 2
                 },
                 E820Entry {

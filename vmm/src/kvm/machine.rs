@@ -145,6 +145,7 @@ impl KvmMachine {
                 vcpu = v.shared.id,
                 state = ?v.shared.state(),
                 halted = snap.map(|s| s.halted),
+                waiting_for_sipi = snap.map(|s| s.waiting_for_sipi),
                 rflags = snap.map(|s| format!("{:#x}", s.regs.rflags)),
                 rip = snap.map(|s| format!("{:#x}", s.regs.rip)),
                 "halt check"
@@ -178,7 +179,10 @@ impl KvmMachine {
     pub(crate) fn next_event(&mut self, timeout: Duration) -> Option<VmEvent> {
         match self.events.recv_timeout(timeout) {
             Ok(event) => {
-                if matches!(event, VmEvent::Reset { .. } | VmEvent::Failed { .. }) {
+                if matches!(
+                    event,
+                    VmEvent::Reset { .. } | VmEvent::PowerOff { .. } | VmEvent::Failed { .. }
+                ) {
                     self.ended.get_or_insert(event.clone());
                 }
                 Some(event)
@@ -365,25 +369,22 @@ impl Machine for KvmMachine {
         if self.ended.is_some() {
             return Ok(Some(StopEvent::Exited));
         }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let Some(event) = self.next_event(left) else {
-                return Ok(self.ended.as_ref().map(|_| StopEvent::Exited));
-            };
-            let stop = match event {
-                VmEvent::Breakpoint { vcpu, pc } => StopEvent::Breakpoint {
-                    vcpu: VcpuId(vcpu),
-                    pc,
-                },
-                VmEvent::Stepped { vcpu } => StopEvent::Stepped { vcpu: VcpuId(vcpu) },
-                VmEvent::Reset { .. } | VmEvent::Failed { .. } | VmEvent::Halted => {
-                    StopEvent::Exited
-                }
-            };
-            self.pause()?;
-            return Ok(Some(stop));
-        }
+        let Some(event) = self.next_event(timeout) else {
+            return Ok(self.ended.as_ref().map(|_| StopEvent::Exited));
+        };
+        let stop = match event {
+            VmEvent::Breakpoint { vcpu, pc } => StopEvent::Breakpoint {
+                vcpu: VcpuId(vcpu),
+                pc,
+            },
+            VmEvent::Stepped { vcpu } => StopEvent::Stepped { vcpu: VcpuId(vcpu) },
+            VmEvent::Reset { .. }
+            | VmEvent::PowerOff { .. }
+            | VmEvent::Failed { .. }
+            | VmEvent::Halted => StopEvent::Exited,
+        };
+        self.pause()?;
+        Ok(Some(stop))
     }
 
     fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError> {
@@ -408,9 +409,12 @@ impl Machine for KvmMachine {
                 Some(VmEvent::Breakpoint { vcpu: v, pc }) if v == vcpu.0 => {
                     break Ok(StopEvent::Breakpoint { vcpu, pc })
                 }
-                Some(VmEvent::Reset { .. } | VmEvent::Failed { .. } | VmEvent::Halted) => {
-                    break Ok(StopEvent::Exited)
-                }
+                Some(
+                    VmEvent::Reset { .. }
+                    | VmEvent::PowerOff { .. }
+                    | VmEvent::Failed { .. }
+                    | VmEvent::Halted,
+                ) => break Ok(StopEvent::Exited),
                 Some(_) => {}
                 None if self.ended.is_some() => break Ok(StopEvent::Exited),
                 None => {

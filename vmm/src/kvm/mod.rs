@@ -3,19 +3,24 @@
 //!
 //! It boots a bzImage with the 64-bit boot protocol ([`boot_params`], [`cpu_setup`],
 //! [`layout`]): zero page with the e820 map (the patch heap is a memory slot of its own, absent
-//! from the map), command line, initramfs, an MP table for the vCPUs and the IOAPIC
-//! ([`mptable`]), CPUID filtered from `KVM_GET_SUPPORTED_CPUID` and boot MSRs ([`cpuid`]),
-//! KVM's in-kernel irqchip and PIT, two 8250 UARTs ([`devices`]): ttyS0 is the console,
-//! ttyS1 the host's go channel. Each vCPU is a thread ([`vcpu`]); the guest under the control
-//! interface is a [`KvmMachine`].
+//! from the map), command line, initramfs; ACPI tables for the vCPUs, the IOAPIC and power-off
+//! ([`acpi`]; Debian's cloud kernel has no MP-table parser, but an [`mptable`] is there too
+//! for kernels booted with `acpi=off`); CPUID filtered from `KVM_GET_SUPPORTED_CPUID`, XCR0
+//! and boot MSRs ([`cpuid`]); KVM's in-kernel irqchip and PIT; two 8250 UARTs and the ACPI
+//! PM1 registers ([`devices`]): ttyS0 is the console, ttyS1 the host's go channel. Each vCPU
+//! is a thread ([`vcpu`]); the guest under the control interface is a [`KvmMachine`].
 //!
 //! [`run`] follows the guest protocol exactly as [`crate::qemu::run`] does (same markers,
-//! phases, timeouts, [`RunOutcome`]). The guest ends by resetting or halting. With no ACPI the
-//! kernel has no power-off method and turns the init's `poweroff -f` into a halt: every CPU
-//! in `hlt` with interrupts off, which makes no exit, so the run loop pauses the vCPUs to look
-//! for that state once the console has been quiet for a while ([`KvmMachine::check_halted`]).
-//! A reboot (`reboot=k`: the i8042 reset command, or a triple fault) stops the VM at once.
+//! phases, timeouts, [`RunOutcome`]). The guest's `poweroff -f` enters ACPI S5 (a write to
+//! PM1a control) and the VM stops at once; so does a reboot (`reboot=k`: the i8042 reset
+//! command, or a triple fault). A kernel that halts instead (no ACPI, or `halt`) leaves every
+//! CPU in `hlt` with interrupts off, which makes no exit: the run loop pauses the vCPUs to
+//! look for that state once the console has been quiet for a while
+//! ([`KvmMachine::check_halted`]).
 
+pub mod acpi;
+/// The KVM structures the public functions take (e.g. [`cpu_setup::long_mode_sregs`]).
+pub use kvm_bindings;
 pub mod boot_params;
 pub mod cpu_setup;
 pub mod cpuid;
@@ -33,7 +38,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{
-    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
+    kvm_pit_config, kvm_userspace_memory_region, kvm_xcrs, KVM_MAX_CPUID_ENTRIES,
+    KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use linux_loader::loader::{bzimage::BzImage, KernelLoader};
@@ -81,6 +87,9 @@ pub enum KvmError {
     /// The MP table is impossible.
     #[error(transparent)]
     MpTable(#[from] mptable::MpTableError),
+    /// The ACPI tables are impossible.
+    #[error(transparent)]
+    Acpi(#[from] acpi::AcpiError),
     /// A file could not be read.
     #[error("cannot read {path}")]
     Read {
@@ -292,6 +301,51 @@ fn write(memory: &GuestMemoryMmap, addr: u64, bytes: &[u8]) -> Result<(), KvmErr
         .map_err(|e| KvmError::Memory(Box::new(e)))
 }
 
+fn guest_memory(slots: &[(u64, u64)]) -> Result<GuestMemoryMmap, KvmError> {
+    let ranges: Vec<(GuestAddress, usize)> = slots
+        .iter()
+        .map(|(s, n)| (GuestAddress(*s), *n as usize))
+        .collect();
+    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| KvmError::Memory(Box::new(e)))
+}
+
+/// Guest memory as [`boot`] lays it out before it creates the vCPUs: kernel, initramfs, zero
+/// page, command line, page tables, GDT, MP and ACPI tables. Needs no `/dev/kvm`.
+#[derive(Debug)]
+pub struct LoadedGuest {
+    memory: GuestMemoryMmap,
+    /// Where the protected-mode kernel was loaded (the 64-bit entry is 0x200 past it).
+    pub kernel_load: u64,
+    /// The zero page (`%rsi` at entry).
+    pub zero_page: u64,
+}
+
+impl LoadedGuest {
+    /// `len` bytes of guest-physical memory at `addr`, or `None` outside guest memory.
+    pub fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let mut buf = vec![0u8; len];
+        self.memory
+            .read_slice(&mut buf, GuestAddress(addr))
+            .ok()
+            .map(|()| buf)
+    }
+}
+
+/// Lays out guest memory for `config` as the VMM does, without KVM (for tests and inspection).
+///
+/// # Errors
+/// An impossible layout, unreadable files, a kernel that is not a 64-bit bzImage.
+pub fn load_memory(config: &KvmConfig) -> Result<LoadedGuest, KvmError> {
+    let layout = layout::MemoryLayout::new(config.memory_mib, config.patch_heap)?;
+    let memory = guest_memory(&layout.slots())?;
+    let kernel_load = load_guest(config, &memory, &layout)?;
+    Ok(LoadedGuest {
+        memory,
+        kernel_load,
+        zero_page: layout::ZERO_PAGE_ADDR,
+    })
+}
+
 /// Loads the kernel, the initramfs and the boot structures; returns the kernel's load address.
 fn load_guest(
     config: &KvmConfig,
@@ -346,6 +400,7 @@ fn load_guest(
             cmdline_len: cmdline.len(),
             initrd: Some((initrd_addr, initrd.len() as u64)),
             e820: layout.e820(),
+            acpi_rsdp: Some(acpi::ACPI_ADDR),
         },
     )?;
     write(memory, layout::ZERO_PAGE_ADDR, boot_params::bytes(&params))?;
@@ -355,6 +410,9 @@ fn load_guest(
     write(memory, layout::GDT_ADDR, &cpu_setup::gdt_bytes())?;
     write(memory, layout::IDT_ADDR, &[0u8; 8])?;
     write(memory, layout::MPTABLE_ADDR, &mptable::build(config.cpus)?)?;
+    for (addr, table) in acpi::build(config.cpus)? {
+        write(memory, addr, &table)?;
+    }
     tracing::debug!(
         cmdline,
         initrd_addr = format_args!("{initrd_addr:#x}"),
@@ -391,11 +449,29 @@ fn configure_vcpu(
     let mut cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
-    cpuid::filter(cpuid.as_mut_slice(), id, count);
+    let tsc_deadline = kvm.check_extension(Cap::TscDeadlineTimer);
+    cpuid::filter(cpuid.as_mut_slice(), id, count, tsc_deadline);
     fd.set_cpuid2(&cpuid).map_err(kvm_err("KVM_SET_CPUID2"))?;
+    if let Some(xcr0) = cpuid::full_xcr0(cpuid.as_slice()) {
+        let mut xcrs = kvm_xcrs {
+            nr_xcrs: 1,
+            ..Default::default()
+        };
+        xcrs.xcrs[0].value = xcr0;
+        fd.set_xcrs(&xcrs).map_err(kvm_err("KVM_SET_XCRS"))?;
+    }
     let msrs = kvm_bindings::Msrs::from_entries(&cpuid::boot_msrs())
         .map_err(|e| KvmError::Memory(format!("MSR list: {e:?}").into()))?;
-    fd.set_msrs(&msrs).map_err(kvm_err("KVM_SET_MSRS"))?;
+    let set = fd.set_msrs(&msrs).map_err(kvm_err("KVM_SET_MSRS"))?;
+    if set != msrs.as_slice().len() {
+        // KVM stops at the first MSR it refuses; the rest keep their reset values.
+        let refused = msrs
+            .as_slice()
+            .get(set)
+            .map(|m| m.index)
+            .unwrap_or_default();
+        tracing::warn!("vCPU {id}: KVM refused MSR {refused:#x}; later boot MSRs not set");
+    }
     set_lint(fd)?;
     if id == 0 {
         let mut sregs = fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
@@ -434,12 +510,7 @@ pub fn boot(config: &KvmConfig) -> Result<(KvmMachine, Receiver<Vec<u8>>), KvmEr
     .map_err(kvm_err("KVM_CREATE_PIT2"))?;
 
     let slots = layout.slots();
-    let ranges: Vec<(GuestAddress, usize)> = slots
-        .iter()
-        .map(|(s, n)| (GuestAddress(*s), *n as usize))
-        .collect();
-    let memory =
-        Arc::new(GuestMemoryMmap::from_ranges(&ranges).map_err(|e| KvmError::Memory(Box::new(e)))?);
+    let memory = Arc::new(guest_memory(&slots)?);
     register_slots(&vm, &memory, &slots)?;
     let kernel_load = load_guest(config, &memory, &layout)?;
 
@@ -642,6 +713,7 @@ pub fn run(
     console.flush().map_err(KvmError::Sink)?;
     let why = match machine.ended() {
         Some(VmEvent::Reset { vcpu }) => format!("vCPU {vcpu} reset the machine"),
+        Some(VmEvent::PowerOff { vcpu }) => format!("vCPU {vcpu} powered the machine off"),
         Some(VmEvent::Halted) => "every vCPU halted with interrupts off".into(),
         Some(VmEvent::Failed { vcpu, message }) => format!("vCPU {vcpu}: {message}"),
         _ => "unknown".into(),
@@ -649,7 +721,8 @@ pub fn run(
     machine.shutdown();
     outcome.wall = start.elapsed();
     match (done, machine.ended()) {
-        (Some(rc), Some(VmEvent::Reset { .. } | VmEvent::Halted)) => {
+        (Some(rc), Some(VmEvent::Reset { .. } | VmEvent::PowerOff { .. } | VmEvent::Halted)) => {
+            tracing::info!("the VM stopped: {why}");
             outcome.rc = rc;
             Ok(outcome)
         }

@@ -70,6 +70,11 @@ pub enum VmEvent {
         /// The vCPU that did it.
         vcpu: u32,
     },
+    /// The guest powered the machine off (ACPI S5 through PM1a control): the run is over.
+    PowerOff {
+        /// The vCPU that did it.
+        vcpu: u32,
+    },
     /// A software breakpoint (#BP with `KVM_GUESTDBG_USE_SW_BP`); the vCPU parked itself.
     Breakpoint {
         /// The vCPU.
@@ -103,6 +108,9 @@ pub struct Snapshot {
     pub idt_base: u64,
     /// The vCPU was in `hlt` (`KVM_MP_STATE_HALTED`) when it was kicked.
     pub halted: bool,
+    /// The vCPU is an AP that waits for INIT/SIPI (`KVM_MP_STATE_UNINITIALIZED` or
+    /// `KVM_MP_STATE_INIT_RECEIVED`): the kernel never started it, or took it offline.
+    pub waiting_for_sipi: bool,
 }
 
 /// RFLAGS.IF.
@@ -111,8 +119,12 @@ const RFLAGS_IF: u64 = 1 << 9;
 impl Snapshot {
     /// Halted with interrupts off: the vCPU can never run again (no NMI source here). This is
     /// where a kernel without a power-off method ends `poweroff` (it turns it into halt).
+    ///
+    /// An AP waiting for INIT/SIPI counts as stopped too: only another vCPU can start it.
+    /// [`super::KvmMachine::check_halted`] asks this of every vCPU at once, so a waiting AP
+    /// next to a running or idle vCPU never ends the run.
     pub fn stopped_for_good(&self) -> bool {
-        self.halted && self.regs.rflags & RFLAGS_IF == 0
+        self.waiting_for_sipi || (self.halted && self.regs.rflags & RFLAGS_IF == 0)
     }
 }
 
@@ -123,6 +135,8 @@ pub enum ExitAction {
     Continue,
     /// The machine reset.
     Reset,
+    /// The guest powered the machine off (ACPI S5).
+    PowerOff,
     /// A breakpoint at this address.
     Breakpoint(u64),
     /// A single step finished.
@@ -140,21 +154,14 @@ pub fn handle_exit(exit: VcpuExit<'_>, devices: &Mutex<Devices>) -> ExitAction {
     };
     match exit {
         VcpuExit::IoIn(port, data) => {
-            let mut d = lock();
-            for chunk in data.chunks_mut(1) {
-                d.io_in(port, chunk);
-            }
+            lock().access_in(port, data);
             ExitAction::Continue
         }
-        VcpuExit::IoOut(port, data) => {
-            let mut d = lock();
-            for chunk in data.chunks(1) {
-                if d.io_out(port, chunk) == IoEffect::Reset {
-                    return ExitAction::Reset;
-                }
-            }
-            ExitAction::Continue
-        }
+        VcpuExit::IoOut(port, data) => match lock().access_out(port, data) {
+            IoEffect::None => ExitAction::Continue,
+            IoEffect::Reset => ExitAction::Reset,
+            IoEffect::PowerOff => ExitAction::PowerOff,
+        },
         VcpuExit::MmioRead(_, data) => {
             data.fill(0xff);
             ExitAction::Continue
@@ -343,9 +350,12 @@ fn read_snapshot(fd: &VcpuFd) -> Result<Snapshot, String> {
         Ok(1) => msrs.as_slice()[0].data,
         _ => 0,
     };
-    let halted = fd
-        .get_mp_state()
-        .is_ok_and(|m| m.mp_state == kvm_bindings::KVM_MP_STATE_HALTED);
+    let mp_state = fd.get_mp_state().map(|m| m.mp_state).ok();
+    let halted = mp_state == Some(kvm_bindings::KVM_MP_STATE_HALTED);
+    let waiting_for_sipi = matches!(
+        mp_state,
+        Some(kvm_bindings::KVM_MP_STATE_UNINITIALIZED | kvm_bindings::KVM_MP_STATE_INIT_RECEIVED)
+    );
     Ok(Snapshot {
         regs: X86Registers {
             gpr: [
@@ -373,6 +383,7 @@ fn read_snapshot(fd: &VcpuFd) -> Result<Snapshot, String> {
         },
         idt_base: s.idt.base,
         halted,
+        waiting_for_sipi,
     })
 }
 
@@ -453,6 +464,7 @@ pub fn vcpu_loop(
         let event = match action {
             ExitAction::Continue => continue,
             ExitAction::Reset => VmEvent::Reset { vcpu: id },
+            ExitAction::PowerOff => VmEvent::PowerOff { vcpu: id },
             ExitAction::Breakpoint(pc) => VmEvent::Breakpoint { vcpu: id, pc },
             ExitAction::Stepped => VmEvent::Stepped { vcpu: id },
             ExitAction::Fail(message) => {
@@ -555,6 +567,22 @@ mod tests {
         snap.halted = false;
         snap.regs.rflags = 0x2;
         assert!(!snap.stopped_for_good());
+        snap.waiting_for_sipi = true;
+        assert!(snap.stopped_for_good(), "an AP nobody started");
+    }
+
+    #[test]
+    fn acpi_s5_write_powers_off() {
+        let (d, _rx) = devices();
+
+        assert_eq!(
+            handle_exit(VcpuExit::IoOut(0x604, &0x2001u16.to_le_bytes()), &d),
+            ExitAction::PowerOff
+        );
+        assert_eq!(
+            handle_exit(VcpuExit::IoOut(0x604, &0x0001u16.to_le_bytes()), &d),
+            ExitAction::Continue
+        );
     }
 
     #[test]
