@@ -1,0 +1,1752 @@
+//! Splicing a live guest over QEMU's gdbstub: `exotap count`, `exotap nullify`,
+//! `exotap replace`, `exotap splice-report` (DESIGN.md, key mechanism 2).
+//!
+//! With every vCPU stopped (gdbstub all-stop), exotap reads the guest's *live* kernel text
+//! (boot-time alternatives, jump labels, static calls and the guest's ftrace have rewritten
+//! it since the image was built), analyses all of it (CFG and liveness, so the planner sees
+//! every branch target), plans each requested site (splice, trap or refuse, with the
+//! reason), generates the patches into the patch heap, checks that every site still holds
+//! the bytes it planned over (a site that changed under exotap is refused and named), and
+//! writes the `jmp rel32`s in one batch. Removal, again with the guest stopped, writes back
+//! the exact original bytes where exotap's `jmp` still is; a SHA-256 of every text page
+//! touched, taken before the install and after the removal, shows the text is
+//! byte-identical.
+//!
+//! The kernel rewrites some text itself at run time: jump labels (`__jump_table`) and
+//! static calls (`.static_call_sites`, `.static_call.text`) are refused as self-patched;
+//! exception- and bug-table instructions as address-keyed; `.entry.text` and
+//! `.noinstr.text` as forbidden (they run before the kernel's page tables and state are
+//! set up, or must not be instrumented). Alternatives are applied once at boot, before any
+//! attach, so the live bytes already are their final form.
+//!
+//! The guest's ftrace (and kprobes on ftrace sites) also rewrites function entries: while a
+//! tracer is on a function its entry holds `call <ftrace trampoline>` instead of the nop5.
+//! A splice over that relocates the call as `push <entry+5>; jmp <trampoline>`, so ftrace
+//! sees the return address it expects. The guest's ftrace refuses (with a WARN) to change an
+//! entry that does not hold what it expects, so the order is: the guest enables its tracer,
+//! exotap splices, exotap unsplices, the guest disables its tracer.
+//!
+//! Patch-heap layout: below [`REGION`] belongs to the trap probes (src/trace.rs); from
+//! [`REGION`] the data area (counters) and from [`CODE_OFFSET`] the patches.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use exotap_guest_images::{self as images, GuestJob};
+use exotap_introspect::btf::Btf;
+use exotap_introspect::x86::{
+    ranges_from_starts, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
+};
+use exotap_probes::splice::{
+    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
+    TrapReason,
+};
+use exotap_vmm::control::{Machine, StopEvent};
+use exotap_vmm::gdb::GdbMachine;
+use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
+use iced_x86::code_asm::{rax, CodeAssembler};
+use iced_x86::Register;
+use sha2::{Digest, Sha256};
+
+use crate::attach::{self, Survey, TargetArgs};
+use crate::guest_memory::BackendMemory;
+use crate::kernel_image::{ImageArgs, KernelImage};
+
+/// Start of the splice engine's part of the patch heap (below: trap probes, src/trace.rs).
+pub const REGION: u64 = 0x10_0000;
+/// Start of the patches (between [`REGION`] and this: counters).
+pub const CODE_OFFSET: u64 = 0x20_0000;
+/// The most bytes one patch may take before it is shrunk to its size.
+const MAX_PATCH: u64 = 256;
+/// Text pages are hashed and compared in units of this size.
+const PAGE: u64 = 4096;
+/// Bytes per gdbstub read of the text (the client splits them into packets).
+const READ_CHUNK: usize = 1 << 20;
+
+// ---------------------------------------------------------------------------------------
+// What the kernel image says about its text.
+// ---------------------------------------------------------------------------------------
+
+/// Facts from the image, slid to the running kernel.
+#[derive(Debug, Default)]
+pub struct KernelFacts {
+    /// The text's range `[start, end)`.
+    pub text: (u64, u64),
+    /// Function start addresses (kallsyms `T`/`t` inside the text).
+    pub starts: Vec<u64>,
+    /// Ranges not to instrument.
+    pub forbidden: Vec<Range<u64>>,
+    /// Bytes the kernel rewrites at run time.
+    pub self_patched: Vec<Range<u64>>,
+    /// Instructions the kernel finds by address, sorted.
+    pub address_keyed: Vec<u64>,
+    /// Calls and returns the analysis must model specially.
+    pub config: AnalysisConfig,
+}
+
+/// The register an `__x86_indirect_thunk_REG` jumps through.
+fn thunk_register(name: &str) -> Option<Register> {
+    let suffix = name.strip_prefix("__x86_indirect_thunk_")?;
+    let reg = match suffix {
+        "rax" => Register::RAX,
+        "rbx" => Register::RBX,
+        "rcx" => Register::RCX,
+        "rdx" => Register::RDX,
+        "rsi" => Register::RSI,
+        "rdi" => Register::RDI,
+        "rbp" => Register::RBP,
+        "r8" => Register::R8,
+        "r9" => Register::R9,
+        "r10" => Register::R10,
+        "r11" => Register::R11,
+        "r12" => Register::R12,
+        "r13" => Register::R13,
+        "r14" => Register::R14,
+        "r15" => Register::R15,
+        _ => return None,
+    };
+    Some(reg)
+}
+
+/// A table of fixed-size entries between two symbols of the image (link-time contents).
+fn table<'i>(
+    image: &'i KernelImage,
+    start: &str,
+    stop: &str,
+    entry: usize,
+) -> anyhow::Result<(u64, &'i [u8])> {
+    let from = image.address(start)?;
+    let to = image.address(stop)?;
+    let len = usize::try_from(
+        to.checked_sub(from)
+            .context("table ends before it starts")?,
+    )?;
+    if len % entry != 0 {
+        bail!("{start}..{stop} is {len} bytes, not a multiple of {entry}");
+    }
+    let bytes = image
+        .vmlinux
+        .read_at(from, len)
+        .with_context(|| format!("cannot read {start}..{stop} from the image"))?;
+    Ok((from, bytes))
+}
+
+/// The address a 32-bit self-relative field at `table_addr + offset` points to.
+fn relative(table_addr: u64, bytes: &[u8], offset: usize) -> Option<u64> {
+    let raw: [u8; 4] = bytes.get(offset..offset + 4)?.try_into().ok()?;
+    let disp = i64::from(i32::from_le_bytes(raw));
+    Some(
+        table_addr
+            .wrapping_add(offset as u64)
+            .wrapping_add(disp as u64),
+    )
+}
+
+impl KernelFacts {
+    /// Reads the facts from the image and slides them.
+    ///
+    /// # Errors
+    /// When a symbol or table the engine relies on is missing.
+    pub fn from_image(image: &KernelImage, slide: u64) -> anyhow::Result<Self> {
+        let (start, end) = image
+            .vmlinux
+            .text_range()
+            .context("the image has no .text")?;
+        let s = |a: u64| a.wrapping_add(slide);
+        let mut facts = Self {
+            text: (s(start), s(end)),
+            ..Self::default()
+        };
+        let mut config = AnalysisConfig::new();
+        for sym in image.symbols.iter() {
+            if matches!(sym.kind, 'T' | 't' | 'W' | 'w') && sym.addr >= start && sym.addr < end {
+                facts.starts.push(s(sym.addr));
+            }
+            if sym.name == "__fentry__" {
+                config = config.with_call_effect(s(sym.addr), CallEffect::TRANSPARENT);
+            }
+            if sym.name == "__x86_return_thunk" {
+                config = config.with_return_thunk(s(sym.addr));
+            }
+            if let Some(reg) = thunk_register(&sym.name) {
+                config = config.with_call_effect(s(sym.addr), CallEffect::sysv_reading(reg));
+            }
+        }
+        facts.config = config;
+        for (from, to) in [
+            ("__entry_text_start", "__entry_text_end"),
+            ("__noinstr_text_start", "__noinstr_text_end"),
+        ] {
+            facts
+                .forbidden
+                .push(s(image.address(from)?)..s(image.address(to)?));
+        }
+        facts.self_patched.push(
+            s(image.address("__static_call_text_start")?)
+                ..s(image.address("__static_call_text_end")?),
+        );
+        // struct jump_entry { s32 code; s32 target; long key; }
+        let (at, bytes) = table(image, "__start___jump_table", "__stop___jump_table", 16)?;
+        for i in (0..bytes.len()).step_by(16) {
+            if let Some(code) = relative(at, bytes, i) {
+                facts.self_patched.push(s(code)..s(code) + 5);
+            }
+        }
+        // struct static_call_site { s32 addr; s32 key; }
+        let (at, bytes) = table(
+            image,
+            "__start_static_call_sites",
+            "__stop_static_call_sites",
+            8,
+        )?;
+        for i in (0..bytes.len()).step_by(8) {
+            if let Some(site) = relative(at, bytes, i) {
+                facts.self_patched.push(s(site)..s(site) + 5);
+            }
+        }
+        facts.self_patched.sort_by_key(|r| (r.start, r.end));
+        // struct exception_table_entry { int insn, fixup, data; }
+        let (at, bytes) = table(image, "__start___ex_table", "__stop___ex_table", 12)?;
+        for i in (0..bytes.len()).step_by(12) {
+            facts.address_keyed.extend(relative(at, bytes, i).map(s));
+        }
+        // struct bug_entry { s32 bug_addr_disp; s32 file_disp; u16 line; u16 flags; }
+        let (at, bytes) = table(image, "__start___bug_table", "__stop___bug_table", 12)?;
+        for i in (0..bytes.len()).step_by(12) {
+            facts.address_keyed.extend(relative(at, bytes, i).map(s));
+        }
+        facts.address_keyed.sort_unstable();
+        facts.address_keyed.dedup();
+        Ok(facts)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The live text and its analysis.
+// ---------------------------------------------------------------------------------------
+
+/// The running kernel's text as read from the stopped guest, analysed.
+pub struct LiveKernel {
+    /// Facts from the image.
+    pub facts: KernelFacts,
+    /// Guest-physical address of the text's first byte (the text is contiguous).
+    pub text_phys: u64,
+    bytes: Vec<u8>,
+    analysis: TextAnalysis,
+    /// Time to read the text over the gdbstub.
+    pub read_time: Duration,
+    /// Time to analyse it.
+    pub analysis_time: Duration,
+}
+
+impl std::fmt::Debug for LiveKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveKernel")
+            .field("text", &self.facts.text)
+            .field("functions", &self.analysis.functions().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LiveKernel {
+    /// Reads and analyses the live text of a stopped guest.
+    ///
+    /// # Errors
+    /// When the image lacks a table, or the text cannot be read.
+    pub fn read(
+        machine: &mut GdbMachine,
+        survey: &Survey,
+        image: &KernelImage,
+    ) -> anyhow::Result<Self> {
+        let facts = KernelFacts::from_image(image, survey.kaslr.slide)?;
+        let (start, end) = facts.text;
+        let text_va = image.address("_text")?.wrapping_add(survey.kaslr.slide);
+        let text_phys = survey.kaslr.text_phys + (start - text_va);
+        // The image is mapped contiguously; check both ends through the page tables.
+        for va in [start, end - 1] {
+            let t = survey
+                .space(&mut BackendMemory(&mut *machine))
+                .translate(va)
+                .with_context(|| format!("kernel text at {va:#x} is not mapped"))?;
+            if t.phys != text_phys + (va - start) {
+                bail!(
+                    "kernel text at {va:#x} maps to {:#x}, not {:#x}: not contiguous",
+                    t.phys,
+                    text_phys + (va - start)
+                );
+            }
+        }
+        let started = Instant::now();
+        let len = usize::try_from(end - start)?;
+        let bytes = match read_through_monitor(machine, text_phys, len) {
+            Some(bytes) => bytes,
+            None => {
+                let mut bytes = vec![0u8; len];
+                for (i, chunk) in bytes.chunks_mut(READ_CHUNK).enumerate() {
+                    let at = text_phys + (i * READ_CHUNK) as u64;
+                    machine
+                        .read_phys(at, chunk)
+                        .with_context(|| format!("cannot read the kernel text at {at:#x}"))?;
+                }
+                bytes
+            }
+        };
+        let read_time = started.elapsed();
+        let started = Instant::now();
+        let view = CodeView::new(start, &bytes)?;
+        let ranges = ranges_from_starts(&facts.starts, view.end());
+        let analysis = TextAnalysis::analyze(view, &ranges, &facts.config);
+        let analysis_time = started.elapsed();
+        tracing::info!(
+            "read {} KiB of live kernel text in {:.2} s ({:.1} MB/s), analysed {} functions in {:.2} s",
+            bytes.len() >> 10,
+            read_time.as_secs_f64(),
+            bytes.len() as f64 / read_time.as_secs_f64().max(1e-9) / 1e6,
+            analysis.functions().len(),
+            analysis_time.as_secs_f64()
+        );
+        Ok(Self {
+            facts,
+            text_phys,
+            bytes,
+            analysis,
+            read_time,
+            analysis_time,
+        })
+    }
+
+    /// The planner's context.
+    pub fn context(&self) -> SpliceContext<'_> {
+        SpliceContext {
+            text: CodeView::new(self.facts.text.0, &self.bytes)
+                .unwrap_or_else(|_| CodeView::new(0, &[]).unwrap_or_else(|_| unreachable!())),
+            analysis: &self.analysis,
+            forbidden: &self.facts.forbidden,
+            self_patched: &self.facts.self_patched,
+            address_keyed: &self.facts.address_keyed,
+        }
+    }
+
+    /// Plans a splice at `addr` for a patch at `patch`.
+    pub fn plan(&self, addr: u64, patch: u64) -> SpliceDecision {
+        plan(&self.context(), addr, patch)
+    }
+
+    /// Guest-physical address of a text address.
+    pub fn phys(&self, va: u64) -> Option<u64> {
+        (va >= self.facts.text.0 && va < self.facts.text.1)
+            .then(|| self.text_phys + (va - self.facts.text.0))
+    }
+
+    /// The bytes of the text as read, `[start, end)`.
+    pub fn bytes_at(&self, start: u64, end: u64) -> Option<&[u8]> {
+        self.context().text.range(start, end)
+    }
+}
+
+/// Reads guest-physical memory in bulk through QEMU's `pmemsave` monitor command, which
+/// writes it to a file: about a thousand times faster than the gdbstub's 2-KiB `m` packets,
+/// but only when QEMU runs on this host. The result is checked against pages read over the
+/// gdbstub; `None` (and the caller falls back to the gdbstub) when anything does not work.
+fn read_through_monitor(machine: &mut GdbMachine, phys: u64, len: usize) -> Option<Vec<u8>> {
+    let dir = tempfile::Builder::new()
+        .prefix("exotap-text-")
+        .tempdir()
+        .ok()?;
+    let path = dir.path().join("text.bin");
+    let path_text = path.to_str()?;
+    if path_text.contains('"') {
+        return None;
+    }
+    let command = format!("pmemsave {phys:#x} {len:#x} \"{path_text}\"");
+    if let Err(e) = machine.client().monitor(&command) {
+        tracing::debug!("pmemsave refused ({e}); reading the text over the gdbstub");
+        return None;
+    }
+    let bytes = std::fs::read(&path).ok()?;
+    if bytes.len() != len {
+        tracing::debug!("pmemsave wrote {} bytes, not {len}", bytes.len());
+        return None;
+    }
+    // QEMU on another host would have written somewhere else: compare samples.
+    for at in [0, len / 3, len / 2, len.saturating_sub(PAGE as usize)] {
+        let n = (PAGE as usize).min(len - at);
+        let mut check = vec![0u8; n];
+        machine.read_phys(phys + at as u64, &mut check).ok()?;
+        if check[..] != bytes[at..at + n] {
+            tracing::debug!("pmemsave's file differs from the gdbstub at +{at:#x}");
+            return None;
+        }
+    }
+    Some(bytes)
+}
+
+/// A one-line reason for a plan that is not a splice.
+pub fn why_not(decision: &SpliceDecision) -> Option<String> {
+    match decision {
+        SpliceDecision::Splice(_) => None,
+        SpliceDecision::Trap {
+            reason: TrapReason::ShortInstruction { len },
+            ..
+        } => Some(format!(
+            "the instruction there is {len} bytes, shorter than a 5-byte jmp (needs a trap probe)"
+        )),
+        SpliceDecision::Refuse(r) => Some(r.to_string()),
+    }
+}
+
+/// A short category name for a plan, for tallies.
+pub fn category(decision: &SpliceDecision) -> String {
+    match decision {
+        SpliceDecision::Splice(_) => "splice".into(),
+        SpliceDecision::Trap { .. } => "trap (short instruction)".into(),
+        SpliceDecision::Refuse(Refusal::Unsupported { mnemonic, .. }) => {
+            format!("refuse: unsupported {mnemonic:?}")
+        }
+        SpliceDecision::Refuse(r) => {
+            let name = format!("{r:?}");
+            format!("refuse: {}", name.split([' ', '{']).next().unwrap_or(""))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Installing and removing.
+// ---------------------------------------------------------------------------------------
+
+/// What a splice does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Count calls, then run the function.
+    Count,
+    /// Count, then return at once with this value in rax.
+    Nullify(u64),
+    /// Count, then jump to this other function (which returns to the caller).
+    Replace(u64),
+}
+
+/// One site asked for.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Name shown in output.
+    pub name: String,
+    /// Address of the instruction.
+    pub addr: u64,
+    /// What to do there.
+    pub action: Action,
+}
+
+/// One splice in place.
+#[derive(Debug, Clone)]
+pub struct Installed {
+    /// Name shown in output.
+    pub name: String,
+    /// The spliced instruction.
+    pub addr: u64,
+    /// Its original bytes (what removal writes back; only the first five change).
+    pub original: Vec<u8>,
+    /// The `jmp rel32` written there.
+    pub splice: [u8; 5],
+    /// The patch.
+    pub patch: u64,
+    /// The hit counter.
+    pub counter: u64,
+}
+
+/// A site that was not installed, and why.
+#[derive(Debug, Clone)]
+pub struct NotInstalled {
+    /// Name shown in output.
+    pub name: String,
+    /// The address.
+    pub addr: u64,
+    /// Why.
+    pub reason: String,
+}
+
+/// A snapshot of text pages (contents by page address).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PageSnapshot(pub BTreeMap<u64, Vec<u8>>);
+
+impl PageSnapshot {
+    /// SHA-256 over every page in address order (address, then contents).
+    pub fn digest(&self) -> String {
+        let mut h = Sha256::new();
+        for (addr, bytes) in &self.0 {
+            h.update(addr.to_le_bytes());
+            h.update(bytes);
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The bytes `[addr, addr+len)` if their pages are in the snapshot.
+    pub fn bytes(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(len);
+        for a in addr..addr.checked_add(len as u64)? {
+            let page = self.0.get(&(a & !(PAGE - 1)))?;
+            out.push(*page.get(usize::try_from(a & (PAGE - 1)).ok()?)?);
+        }
+        Some(out)
+    }
+
+    /// Pages whose contents differ from `other`'s (or are missing there).
+    pub fn differing(&self, other: &Self) -> Vec<u64> {
+        self.0
+            .iter()
+            .filter(|(a, b)| other.0.get(a) != Some(b))
+            .map(|(a, _)| *a)
+            .collect()
+    }
+}
+
+/// The pages holding `[addr, addr+len)` for every site.
+fn pages_of(sites: impl Iterator<Item = (u64, usize)>) -> BTreeSet<u64> {
+    let mut pages = BTreeSet::new();
+    for (addr, len) in sites {
+        let last = addr.wrapping_add(len.max(1) as u64 - 1);
+        let mut p = addr & !(PAGE - 1);
+        while p <= last {
+            pages.insert(p);
+            p += PAGE;
+        }
+    }
+    pages
+}
+
+/// Reads pages of kernel text through their physical addresses, coalescing runs.
+fn snapshot(
+    machine: &mut GdbMachine,
+    kernel: &LiveKernel,
+    pages: &BTreeSet<u64>,
+) -> anyhow::Result<PageSnapshot> {
+    let mut out = BTreeMap::new();
+    let list: Vec<u64> = pages.iter().copied().collect();
+    let mut i = 0;
+    while i < list.len() {
+        let mut j = i + 1;
+        while j < list.len() && list[j] == list[j - 1] + PAGE && j - i < 256 {
+            j += 1;
+        }
+        let first = list[i];
+        let phys = kernel
+            .phys(first)
+            .with_context(|| format!("{first:#x} is not kernel text"))?;
+        let mut buf = vec![0u8; (j - i) * PAGE as usize];
+        machine.read_phys(phys, &mut buf)?;
+        for (k, page) in buf.chunks(PAGE as usize).enumerate() {
+            out.insert(first + k as u64 * PAGE, page.to_vec());
+        }
+        i = j;
+    }
+    Ok(PageSnapshot(out))
+}
+
+/// Which sites still hold the bytes they were planned over, per a fresh snapshot.
+/// Returns the indices that changed, with what is there now.
+pub fn changed_sites(planned: &[(u64, Vec<u8>)], now: &PageSnapshot) -> Vec<(usize, Vec<u8>)> {
+    planned
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (addr, bytes))| {
+            let seen = now.bytes(*addr, bytes.len()).unwrap_or_default();
+            (seen != *bytes).then_some((i, seen))
+        })
+        .collect()
+}
+
+/// `jmp rel32` from `from` to `to`.
+fn jmp_rel32(from: u64, to: u64) -> anyhow::Result<[u8; 5]> {
+    let rel = i32::try_from(to.wrapping_sub(from.wrapping_add(5)) as i64)
+        .with_context(|| format!("{to:#x} is out of rel32 reach of {from:#x}"))?;
+    let mut out = [0xe9, 0, 0, 0, 0];
+    out[1..].copy_from_slice(&rel.to_le_bytes());
+    Ok(out)
+}
+
+/// A patch that counts and then returns `value` (nullify) or jumps to `other` (replace),
+/// never running the spliced instruction.
+fn diverting_patch(
+    at: u64,
+    counter: u64,
+    action: Action,
+    return_thunk: Option<u64>,
+) -> anyhow::Result<Vec<u8>> {
+    let mut a = CodeAssembler::new(64)?;
+    // Flags are dead at a function entry (SysV: callers assume they are clobbered).
+    let mut inc = iced_x86::Instruction::with1(
+        iced_x86::Code::Inc_rm64,
+        iced_x86::MemoryOperand::with_base_displ(Register::RIP, counter as i64),
+    )?;
+    inc.set_has_lock_prefix(true);
+    a.add_instruction(inc)?;
+    a.set_prefer_short_branch(false);
+    match action {
+        Action::Nullify(value) => {
+            a.mov(rax, value)?;
+            match return_thunk {
+                Some(thunk) => a.jmp(thunk)?,
+                None => a.ret()?,
+            }
+        }
+        Action::Replace(other) => a.jmp(other)?,
+        Action::Count => bail!("a counting patch relocates the original instruction"),
+    }
+    Ok(a.assemble(at)?)
+}
+
+/// A splicing session on a stopped guest: heap, kernel, what is in place.
+pub struct Splicer {
+    /// The live kernel.
+    pub kernel: LiveKernel,
+    heap_va: u64,
+    heap_phys: u64,
+    heap_size: u64,
+    data: PatchHeap,
+    code: PatchHeap,
+    return_thunk: Option<u64>,
+    /// Splices in place.
+    pub installed: Vec<Installed>,
+    /// The touched pages as they were before the install.
+    pub before: PageSnapshot,
+}
+
+impl std::fmt::Debug for Splicer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Splicer")
+            .field("heap_va", &self.heap_va)
+            .field("installed", &self.installed.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What an install did.
+#[derive(Debug, Clone, Default)]
+pub struct InstallReport {
+    /// Sites refused (planner, patch generation, or changed under us).
+    pub refused: Vec<NotInstalled>,
+    /// Time to plan and generate.
+    pub plan_time: Duration,
+    /// Time to snapshot, check and write (the guest stopped).
+    pub write_time: Duration,
+}
+
+/// What a removal found.
+#[derive(Debug, Clone, Default)]
+pub struct RemoveReport {
+    /// Hits per installed site, in install order.
+    pub counts: Vec<(String, u64, u64)>,
+    /// Sites exotap found changed by someone else (left alone).
+    pub changed: Vec<NotInstalled>,
+    /// Digest of the touched pages before the install.
+    pub before: String,
+    /// Digest after the removal.
+    pub after: String,
+    /// Pages that differ.
+    pub differing: Vec<u64>,
+    /// Number of pages compared.
+    pub pages: usize,
+}
+
+impl Splicer {
+    /// Maps the patch heap (if not yet) and reads the live text; the guest must be stopped.
+    ///
+    /// # Errors
+    /// When the heap cannot be mapped or the text read.
+    pub fn new(
+        machine: &mut GdbMachine,
+        survey: &Survey,
+        image: &KernelImage,
+        heap: (u64, u64),
+    ) -> anyhow::Result<Self> {
+        let plan = attach::map_patch_heap(machine, survey, heap.0, heap.1)?;
+        if plan.size <= CODE_OFFSET + MAX_PATCH {
+            bail!(
+                "the patch heap ({} bytes) is too small for splices",
+                plan.size
+            );
+        }
+        let kernel = LiveKernel::read(machine, survey, image)?;
+        let return_thunk = image
+            .symbols
+            .get("__x86_return_thunk")
+            .map(|s| s.addr.wrapping_add(survey.kaslr.slide));
+        Ok(Self {
+            kernel,
+            heap_va: plan.va,
+            heap_phys: plan.phys,
+            heap_size: plan.size,
+            data: PatchHeap::new(plan.va + REGION, plan.va + CODE_OFFSET)?,
+            code: PatchHeap::new(plan.va + CODE_OFFSET, plan.va + plan.size)?,
+            return_thunk,
+            installed: Vec::new(),
+            before: PageSnapshot::default(),
+        })
+    }
+
+    fn heap_phys(&self, va: u64) -> u64 {
+        self.heap_phys + (va - self.heap_va)
+    }
+
+    /// Plans, generates and installs `requests` in one batch (the guest stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be written (sites already written stay listed in
+    /// `installed`, so removal puts them back).
+    pub fn install(
+        &mut self,
+        machine: &mut GdbMachine,
+        requests: &[Request],
+    ) -> anyhow::Result<InstallReport> {
+        let started = Instant::now();
+        let mut report = InstallReport::default();
+        // (request, site bytes, splice, patch, counter, patch code)
+        let mut ready: Vec<(usize, Vec<u8>, [u8; 5], u64, u64, Vec<u8>)> = Vec::new();
+        let mut seen = BTreeSet::new();
+        for (i, req) in requests.iter().enumerate() {
+            let refuse = |reason: String| NotInstalled {
+                name: req.name.clone(),
+                addr: req.addr,
+                reason,
+            };
+            if !seen.insert(req.addr) || self.installed.iter().any(|s| s.addr == req.addr) {
+                report
+                    .refused
+                    .push(refuse("another splice is already at this address".into()));
+                continue;
+            }
+            let patch = match self.code.alloc(MAX_PATCH, 16) {
+                Ok(p) => p,
+                Err(e) => {
+                    report.refused.push(refuse(format!("patch heap: {e}")));
+                    continue;
+                }
+            };
+            let decision = self.kernel.plan(req.addr, patch);
+            let site: Site = match decision {
+                SpliceDecision::Splice(site) => site,
+                other => {
+                    let _ = self.code.free(patch);
+                    report
+                        .refused
+                        .push(refuse(why_not(&other).unwrap_or_default()));
+                    continue;
+                }
+            };
+            let counter = match self.data.alloc(8, 8) {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = self.code.free(patch);
+                    report.refused.push(refuse(format!("patch heap: {e}")));
+                    continue;
+                }
+            };
+            let built = match req.action {
+                Action::Count => {
+                    let probes = [Probe::Count { counter }];
+                    generate(&PatchRequest::for_site(&site, patch, &probes))
+                        .map(|p| (p.code, p.splice))
+                        .map_err(|e| format!("{e:#}"))
+                }
+                action => diverting_patch(patch, counter, action, self.return_thunk)
+                    .and_then(|code| Ok((code, jmp_rel32(req.addr, patch)?)))
+                    .map_err(|e| format!("{e:#}")),
+            };
+            match built {
+                Ok((code, splice)) if code.len() as u64 <= MAX_PATCH => {
+                    let _ = self
+                        .code
+                        .shrink(patch, (code.len() as u64).div_ceil(16) * 16);
+                    ready.push((i, site.bytes.clone(), splice, patch, counter, code));
+                }
+                Ok((code, _)) => {
+                    let _ = self.code.free(patch);
+                    let _ = self.data.free(counter);
+                    report.refused.push(refuse(format!(
+                        "the patch is {} bytes, too big",
+                        code.len()
+                    )));
+                }
+                Err(e) => {
+                    let _ = self.code.free(patch);
+                    let _ = self.data.free(counter);
+                    report
+                        .refused
+                        .push(refuse(format!("no patch can be generated: {e}")));
+                }
+            }
+        }
+        report.plan_time = started.elapsed();
+        let started = Instant::now();
+        // Snapshot the pages about to change (also the "before" of the text hash), and
+        // check every site still holds what was planned over.
+        let pages = pages_of(
+            ready
+                .iter()
+                .map(|r| (r.0, r.1.len()))
+                .map(|(i, len)| (requests[i].addr, len)),
+        );
+        let now = snapshot(machine, &self.kernel, &pages)?;
+        let planned: Vec<(u64, Vec<u8>)> = ready
+            .iter()
+            .map(|r| (requests[r.0].addr, r.1.clone()))
+            .collect();
+        let changed = changed_sites(&planned, &now);
+        let changed_idx: BTreeSet<usize> = changed.iter().map(|c| c.0).collect();
+        for (k, seen_now) in &changed {
+            let req = &requests[ready[*k].0];
+            report.refused.push(NotInstalled {
+                name: req.name.clone(),
+                addr: req.addr,
+                reason: format!(
+                    "the site changed under exotap: planned over {}, now holds {}",
+                    hex(&ready[*k].1),
+                    hex(seen_now)
+                ),
+            });
+        }
+        for (addr, bytes) in now.0 {
+            self.before.0.entry(addr).or_insert(bytes);
+        }
+        // Counters (zeroed) and patches first, then the jumps.
+        for (k, r) in ready.iter().enumerate() {
+            if changed_idx.contains(&k) {
+                continue;
+            }
+            machine.write_phys(self.heap_phys(r.4), &0u64.to_le_bytes())?;
+            machine.write_phys(self.heap_phys(r.3), &r.5)?;
+        }
+        for (k, r) in ready.into_iter().enumerate() {
+            if changed_idx.contains(&k) {
+                continue;
+            }
+            let req = &requests[r.0];
+            let phys = self
+                .kernel
+                .phys(req.addr)
+                .with_context(|| format!("{:#x} is not kernel text", req.addr))?;
+            machine.write_phys(phys, &r.2)?;
+            self.installed.push(Installed {
+                name: req.name.clone(),
+                addr: req.addr,
+                original: r.1,
+                splice: r.2,
+                patch: r.3,
+                counter: r.4,
+            });
+        }
+        report.write_time = started.elapsed();
+        Ok(report)
+    }
+
+    /// Reads every counter (the guest stopped).
+    ///
+    /// # Errors
+    /// When the heap cannot be read.
+    pub fn counts(&self, machine: &mut GdbMachine) -> anyhow::Result<Vec<(String, u64, u64)>> {
+        if self.installed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let lo = self.installed.iter().map(|s| s.counter).min().unwrap_or(0);
+        let hi = self.installed.iter().map(|s| s.counter).max().unwrap_or(0) + 8;
+        let mut buf = vec![0u8; usize::try_from(hi - lo)?];
+        machine.read_phys(self.heap_phys(lo), &mut buf)?;
+        Ok(self
+            .installed
+            .iter()
+            .map(|s| {
+                let o = (s.counter - lo) as usize;
+                let raw: [u8; 8] = buf[o..o + 8].try_into().unwrap_or_default();
+                (s.name.clone(), s.addr, u64::from_le_bytes(raw))
+            })
+            .collect())
+    }
+
+    /// Reads the counters, writes back every original instruction where exotap's `jmp` still
+    /// is, and compares the touched pages with their state before the install (the guest
+    /// stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or written.
+    pub fn remove(&mut self, machine: &mut GdbMachine) -> anyhow::Result<RemoveReport> {
+        let mut report = RemoveReport {
+            counts: self.counts(machine)?,
+            ..RemoveReport::default()
+        };
+        let pages = pages_of(self.installed.iter().map(|s| (s.addr, s.original.len())));
+        let now = snapshot(machine, &self.kernel, &pages)?;
+        for s in self.installed.drain(..) {
+            let seen = now.bytes(s.addr, 5).unwrap_or_default();
+            if seen == s.splice {
+                let phys = self.kernel.phys(s.addr).context("not kernel text")?;
+                machine.write_phys(phys, &s.original[..5])?;
+            } else if seen != s.original[..5] {
+                report.changed.push(NotInstalled {
+                    name: s.name,
+                    addr: s.addr,
+                    reason: format!(
+                        "someone else changed the site: exotap wrote {}, it holds {}; left alone",
+                        hex(&s.splice),
+                        hex(&seen)
+                    ),
+                });
+            }
+        }
+        let pages: BTreeSet<u64> = self.before.0.keys().copied().collect();
+        let after = snapshot(machine, &self.kernel, &pages)?;
+        report.before = self.before.digest();
+        report.after = after.digest();
+        report.differing = self.before.differing(&after);
+        report.pages = pages.len();
+        self.before = PageSnapshot::default();
+        Ok(report)
+    }
+
+    /// Heap bytes in use by splices (data, code).
+    pub fn heap_use(&self) -> (u64, u64, u64) {
+        (self.data.used(), self.code.used(), self.heap_size)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Oracles read from the guest's own tracing state.
+// ---------------------------------------------------------------------------------------
+
+/// The guest's own kprobes (`kprobe_events`): name of the probed symbol → (hits, misses),
+/// summed over the CPUs, read from its `trace_kprobe` structures (the numbers
+/// `kprobe_profile` prints) at this instant.
+///
+/// # Errors
+/// When BTF lacks the structures or guest memory cannot be read.
+pub fn guest_kprobe_hits(
+    machine: &mut GdbMachine,
+    survey: &Survey,
+    image: &KernelImage,
+    btf: &Btf,
+) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+    let off = |s: &str, m: &str| -> anyhow::Result<u64> {
+        btf.struct_member(s, m)
+            .ok()
+            .and_then(|l| l.byte_offset())
+            .with_context(|| format!("BTF has no {s}.{m}"))
+    };
+    let devent = off("trace_kprobe", "devent")?;
+    let list_in_devent = off("dyn_event", "list")?;
+    let ops_in_devent = off("dyn_event", "ops")?;
+    let nhit = off("trace_kprobe", "nhit")?;
+    let symbol = off("trace_kprobe", "symbol")?;
+    let nmissed = off("trace_kprobe", "rp.kp.nmissed")?;
+    let head = image
+        .address("dyn_event_list")?
+        .wrapping_add(survey.kaslr.slide);
+    let kprobe_ops = image
+        .symbols
+        .get("trace_kprobe_ops")
+        .map(|s| s.addr.wrapping_add(survey.kaslr.slide));
+    let cpus = survey.layout.per_cpu_offsets.clone();
+    let mut mem = BackendMemory(&mut *machine);
+    let mut space = survey.space(&mut mem);
+    let u64_at = |space: &mut exotap_introspect::paging::AddressSpace<'_, _>, a: u64| {
+        let mut b = [0u8; 8];
+        space.read(a, &mut b).map(|()| u64::from_le_bytes(b))
+    };
+    let mut out = BTreeMap::new();
+    let mut node = u64_at(&mut space, head)?;
+    let mut steps = 0;
+    while node != head {
+        steps += 1;
+        if steps > 100_000 {
+            bail!("dyn_event_list does not close");
+        }
+        let ev = node - list_in_devent;
+        let tk = ev - devent;
+        let ops = u64_at(&mut space, ev + ops_in_devent)?;
+        if kprobe_ops.is_none_or(|k| k == ops) {
+            let name_ptr = u64_at(&mut space, tk + symbol)?;
+            let mut name = [0u8; 128];
+            space.read(name_ptr, &mut name)?;
+            let name =
+                String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+            let per_cpu = u64_at(&mut space, tk + nhit)?;
+            let mut hits = 0u64;
+            for base in &cpus {
+                hits += u64_at(&mut space, per_cpu.wrapping_add(*base))?;
+            }
+            let missed = u64_at(&mut space, tk + nmissed)?;
+            let e = out.entry(name).or_insert((0, 0));
+            e.0 += hits;
+            e.1 += missed;
+        }
+        node = u64_at(&mut space, node)?;
+    }
+    Ok(out)
+}
+
+/// The addresses of the guest's ftrace records (what `available_filter_functions` lists),
+/// read from its `ftrace_pages` list.
+///
+/// # Errors
+/// When BTF lacks the structures or guest memory cannot be read.
+pub fn guest_ftrace_sites(
+    machine: &mut GdbMachine,
+    survey: &Survey,
+    image: &KernelImage,
+    btf: &Btf,
+) -> anyhow::Result<Vec<u64>> {
+    let off = |s: &str, m: &str| -> anyhow::Result<u64> {
+        btf.struct_member(s, m)
+            .ok()
+            .and_then(|l| l.byte_offset())
+            .with_context(|| format!("BTF has no {s}.{m}"))
+    };
+    let next = off("ftrace_page", "next")?;
+    let records = off("ftrace_page", "records")?;
+    let index = off("ftrace_page", "index")?;
+    let rec_size = btf
+        .struct_by_name("dyn_ftrace")
+        .ok()
+        .and_then(|id| btf.size_of(id))
+        .unwrap_or(16);
+    let start = image
+        .address("ftrace_pages_start")?
+        .wrapping_add(survey.kaslr.slide);
+    let mut mem = BackendMemory(&mut *machine);
+    let mut space = survey.space(&mut mem);
+    let mut b = [0u8; 8];
+    space.read(start, &mut b)?;
+    let mut page = u64::from_le_bytes(b);
+    let mut out = Vec::new();
+    let mut steps = 0;
+    while page != 0 {
+        steps += 1;
+        if steps > 100_000 {
+            bail!("the ftrace_pages list does not end");
+        }
+        space.read(page + records, &mut b)?;
+        let recs = u64::from_le_bytes(b);
+        let mut n = [0u8; 4];
+        space.read(page + index, &mut n)?;
+        let n = u32::from_le_bytes(n);
+        if n > 1 << 20 {
+            bail!("an ftrace page claims {n} records");
+        }
+        let mut buf = vec![0u8; n as usize * rec_size as usize];
+        space.read(recs, &mut buf)?;
+        for rec in buf.chunks(rec_size as usize) {
+            let ip = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+            if ip != 0 {
+                out.push(ip);
+            }
+        }
+        space.read(page + next, &mut b)?;
+        page = u64::from_le_bytes(b);
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------
+// The CLI.
+// ---------------------------------------------------------------------------------------
+
+/// How to reach the guest: a running one (`--target`) or one booted for the run.
+#[derive(Debug, Args, Clone)]
+pub struct LiveArgs {
+    /// Attach to a running guest's gdbstub (tcp:HOST:PORT or unix:PATH) instead of booting
+    /// one: splices go in at once and come out at Ctrl-C, after --duration, or when the
+    /// guest stops running.
+    #[arg(long, short = 't', value_name = "ADDR")]
+    pub target: Option<String>,
+    /// With --target: the patch-heap range hidden from that guest, GPA:SIZE.
+    #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
+    pub heap: String,
+    /// With --target: remove the splices after this many seconds.
+    #[arg(long, value_name = "SECONDS")]
+    pub duration: Option<f64>,
+    /// Booting: the command the guest runs while the splices are in (default: the syscall
+    /// workload). The guest runs `exotap_wait splice; COMMAND; exotap_wait unsplice`.
+    #[arg(long, value_name = "COMMAND", conflicts_with = "job")]
+    pub run: Option<String>,
+    /// Booting: a job script for the guest instead of --run. exotap splices at its
+    /// `exotap_wait splice` and removes the splices at its `exotap_wait unsplice`.
+    #[arg(long, value_name = "FILE")]
+    pub job: Option<PathBuf>,
+    /// Booting: copy the serial console to FILE instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub console: Option<PathBuf>,
+    /// Booting: seconds until the guest must finish.
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub timeout: u64,
+    /// Booting: number of vCPUs.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub cpus: u32,
+    /// Also read the guest's own kprobe hit counters (`kprobe_events` probes) when the
+    /// splices go in and when they come out, and print their difference beside each count.
+    #[arg(long)]
+    pub compare_kprobes: bool,
+    #[command(flatten)]
+    pub image: ImageArgs,
+}
+
+/// `exotap count PATTERN...`.
+#[derive(Debug, Args)]
+pub struct CountArgs {
+    /// Function names or wildcard patterns (`vfs_*`): every matching kernel function's entry
+    /// is spliced with a call counter.
+    #[arg(required = true, value_name = "PATTERN")]
+    pub patterns: Vec<String>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap nullify FUNC VALUE`.
+#[derive(Debug, Args)]
+pub struct NullifyArgs {
+    /// The kernel function: every call returns VALUE at once, without running it.
+    pub function: String,
+    /// The value returned (decimal, 0x hex, or negative like -1).
+    #[arg(allow_hyphen_values = true)]
+    pub value: String,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap replace FUNC OTHER`.
+#[derive(Debug, Args)]
+pub struct ReplaceArgs {
+    /// The kernel function whose calls are diverted.
+    pub function: String,
+    /// The kernel function that runs instead (same arguments, returns to the caller).
+    pub other: String,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap splice-report`.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// List every site that is not a splice, with its reason.
+    #[arg(long)]
+    pub list: bool,
+    /// Also install (and remove) a counting splice at this many of the splice-able ftrace
+    /// sites in one batch, and print the install rate.
+    #[arg(long, value_name = "N")]
+    pub install: Option<usize>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// What to do at the sites.
+#[derive(Debug, Clone)]
+enum Operation {
+    Count(Vec<String>),
+    Nullify(String, u64),
+    Replace(String, String),
+    Report { list: bool, install: Option<usize> },
+}
+
+fn parse_value(text: &str) -> anyhow::Result<u64> {
+    if let Some(neg) = text.strip_prefix('-') {
+        let v: i64 = neg
+            .parse()
+            .with_context(|| format!("`{text}` is not a number"))?;
+        return Ok((-v) as u64);
+    }
+    attach::parse_u64(text).map_err(anyhow::Error::msg)
+}
+
+/// Resolves names to entry requests; unknown names are errors.
+fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<Vec<Request>> {
+    let text = |name: &str| -> anyhow::Result<u64> {
+        let sym = image
+            .symbols
+            .all_named(name)
+            .find(|s| s.is_text())
+            .with_context(|| {
+                if image.symbols.get(name).is_some() {
+                    format!("{name} is not a function (not a text symbol)")
+                } else {
+                    format!("the kernel has no function {name}")
+                }
+            })?;
+        Ok(sym.addr.wrapping_add(slide))
+    };
+    Ok(match op {
+        Operation::Count(patterns) => {
+            let mut out: Vec<Request> = Vec::new();
+            let mut seen = BTreeSet::new();
+            for p in patterns {
+                let found: Vec<_> = image
+                    .symbols
+                    .matching(p)
+                    .into_iter()
+                    .filter(|s| s.is_text())
+                    .collect();
+                if found.is_empty() {
+                    bail!("no kernel function matches {p}");
+                }
+                for s in found {
+                    let addr = s.addr.wrapping_add(slide);
+                    if seen.insert(addr) {
+                        out.push(Request {
+                            name: s.name.clone(),
+                            addr,
+                            action: Action::Count,
+                        });
+                    }
+                }
+            }
+            out
+        }
+        Operation::Nullify(f, v) => vec![Request {
+            name: f.clone(),
+            addr: text(f)?,
+            action: Action::Nullify(*v),
+        }],
+        Operation::Replace(f, o) => vec![Request {
+            name: f.clone(),
+            addr: text(f)?,
+            action: Action::Replace(text(o)?),
+        }],
+        Operation::Report { .. } => Vec::new(),
+    })
+}
+
+/// The state between install and removal.
+struct Live {
+    machine: GdbMachine,
+    survey: Survey,
+    splicer: Splicer,
+    kprobes_before: Option<BTreeMap<String, (u64, u64)>>,
+}
+
+/// The engine run against one stopped guest.
+struct Engine {
+    image: KernelImage,
+    btf: Option<Btf>,
+    op: Operation,
+    heap: (u64, u64),
+    compare_kprobes: bool,
+    live: Option<Live>,
+    out: Box<dyn Write + Send>,
+    /// Whether a site asked for was refused (exit code 1).
+    refused_any: bool,
+}
+
+impl Engine {
+    fn say(&mut self, line: &str) {
+        let _ = writeln!(self.out, "{line}");
+        let _ = self.out.flush();
+    }
+
+    /// Attaches (the guest stops), installs, resumes.
+    fn install(&mut self, target: &TargetArgs) -> anyhow::Result<()> {
+        let mut att = attach::attach(target)?;
+        match self.install_on(&mut att) {
+            Ok((survey, splicer, kprobes_before)) => {
+                att.machine.resume()?;
+                self.live = Some(Live {
+                    machine: att.machine,
+                    survey,
+                    splicer,
+                    kprobes_before,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                let _ = att.machine.detach();
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn install_on(
+        &mut self,
+        att: &mut attach::Attached,
+    ) -> anyhow::Result<(Survey, Splicer, Option<BTreeMap<String, (u64, u64)>>)> {
+        let survey = attach::survey(att, &self.image)?;
+        let machine = &mut att.machine;
+        let requests = requests(&self.op, &self.image, survey.kaslr.slide)?;
+        let mut splicer = Splicer::new(machine, &survey, &self.image, self.heap)?;
+        if let Operation::Report { list, install } = self.op.clone() {
+            self.report(machine, &survey, &mut splicer, list, install)?;
+            return Ok((survey, splicer, None));
+        }
+        let report = splicer.install(machine, &requests)?;
+        for r in &report.refused {
+            self.refused_any = true;
+            self.say(&format!(
+                "refused {} at {:#x}: {}",
+                r.name, r.addr, r.reason
+            ));
+        }
+        if splicer.installed.is_empty() {
+            let _ = splicer.remove(machine);
+            bail!(
+                "none of the {} sites asked for could be spliced",
+                requests.len()
+            );
+        }
+        tracing::info!(
+            "{} splices installed in {:.1} ms (planning {:.1} ms)",
+            splicer.installed.len(),
+            report.write_time.as_secs_f64() * 1e3,
+            report.plan_time.as_secs_f64() * 1e3
+        );
+        let kprobes_before = if self.compare_kprobes {
+            let btf = self.btf.as_ref().context("the image has no BTF")?;
+            Some(guest_kprobe_hits(machine, &survey, &self.image, btf)?)
+        } else {
+            None
+        };
+        Ok((survey, splicer, kprobes_before))
+    }
+
+    fn report(
+        &mut self,
+        machine: &mut GdbMachine,
+        survey: &Survey,
+        splicer: &mut Splicer,
+        list: bool,
+        install: Option<usize>,
+    ) -> anyhow::Result<()> {
+        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let sites = guest_ftrace_sites(machine, survey, &self.image, btf)?;
+        let patch = splicer.heap_va + CODE_OFFSET;
+        let mut tally: BTreeMap<String, usize> = BTreeMap::new();
+        let mut lines = Vec::new();
+        let mut spliceable = Vec::new();
+        for &ip in &sites {
+            let d = splicer.kernel.plan(ip, patch);
+            *tally.entry(category(&d)).or_default() += 1;
+            let name = self
+                .image
+                .symbols
+                .lookup_addr(ip.wrapping_sub(survey.kaslr.slide))
+                .map_or_else(
+                    || format!("{ip:#x}"),
+                    |(s, o)| {
+                        if o == 0 {
+                            s.name.clone()
+                        } else {
+                            format!("{}+{o:#x}", s.name)
+                        }
+                    },
+                );
+            match why_not(&d) {
+                Some(why) => lines.push(format!("  {name}: {why}")),
+                None => spliceable.push((name, ip)),
+            }
+        }
+        self.say(&format!(
+            "ftrace sites (available_filter_functions): {}",
+            sites.len()
+        ));
+        for (k, n) in &tally {
+            self.say(&format!("  {n:>8}  {k}"));
+        }
+        if list {
+            for l in lines {
+                self.say(&l);
+            }
+        }
+        if let Some(n) = install {
+            let requests: Vec<Request> = spliceable
+                .into_iter()
+                .take(n)
+                .map(|(name, addr)| Request {
+                    name,
+                    addr,
+                    action: Action::Count,
+                })
+                .collect();
+            let started = Instant::now();
+            let rep = splicer.install(machine, &requests)?;
+            let all = started.elapsed();
+            let installed = splicer.installed.len();
+            let started = Instant::now();
+            let removed = splicer.remove(machine)?;
+            let removal = started.elapsed();
+            self.say(&format!(
+                "install: {installed} of {} splices in one batch in {:.3} s ({:.0} points/s; plan+generate {:.3} s, check+write {:.3} s); refused {}",
+                requests.len(),
+                all.as_secs_f64(),
+                installed as f64 / all.as_secs_f64().max(1e-9),
+                rep.plan_time.as_secs_f64(),
+                rep.write_time.as_secs_f64(),
+                rep.refused.len()
+            ));
+            self.say(&format!(
+                "removal: {installed} splices in {:.3} s ({:.0} points/s); text pages {} identical: {}",
+                removal.as_secs_f64(),
+                installed as f64 / removal.as_secs_f64().max(1e-9),
+                removed.pages,
+                if removed.differing.is_empty() && removed.before == removed.after { "yes" } else { "NO" }
+            ));
+        }
+        Ok(())
+    }
+
+    /// Stops the guest, reads counts, removes every splice, detaches.
+    fn remove(&mut self) -> anyhow::Result<()> {
+        let Some(mut live) = self.live.take() else {
+            return Ok(());
+        };
+        live.machine.pause()?;
+        let result = self.remove_on(&mut live);
+        let detached = live.machine.detach();
+        result?;
+        detached?;
+        Ok(())
+    }
+
+    fn remove_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
+        let kprobes_after = match (&live.kprobes_before, &self.btf) {
+            (Some(_), Some(btf)) => Some(guest_kprobe_hits(
+                &mut live.machine,
+                &live.survey,
+                &self.image,
+                btf,
+            )?),
+            _ => None,
+        };
+        let report = live.splicer.remove(&mut live.machine)?;
+        let slide = live.survey.kaslr.slide;
+        if !report.counts.is_empty() {
+            let header = if kprobes_after.is_some() {
+                format!(
+                    "{:>12}  {:>12}  {:>8}  FUNCTION",
+                    "COUNT", "KPROBE", "MISSED"
+                )
+            } else {
+                format!("{:>12}  FUNCTION", "COUNT")
+            };
+            self.say(&header);
+        }
+        for (name, addr, n) in &report.counts {
+            match (&live.kprobes_before, &kprobes_after) {
+                (Some(before), Some(after)) => {
+                    // The guest's kprobe may name the function by an alias at the same
+                    // address (__do_sys_getpid for __x64_sys_getpid).
+                    let aliases: Vec<String> = self
+                        .image
+                        .symbols
+                        .iter()
+                        .filter(|s| s.addr.wrapping_add(slide) == *addr && s.is_text())
+                        .map(|s| s.name.clone())
+                        .collect();
+                    let k = aliases.iter().find_map(|a| {
+                        let a1 = after.get(a)?;
+                        let b = before.get(a).copied().unwrap_or_default();
+                        Some((a1.0 - b.0, a1.1 - b.1))
+                    });
+                    match k {
+                        Some((hits, missed)) => {
+                            self.say(&format!("{n:>12}  {hits:>12}  {missed:>8}  {name}"));
+                        }
+                        None => self.say(&format!("{n:>12}  {:>12}  {:>8}  {name}", "-", "-")),
+                    }
+                }
+                _ => self.say(&format!("{n:>12}  {name}")),
+            }
+        }
+        for c in &report.changed {
+            self.say(&format!("left {} at {:#x}: {}", c.name, c.addr, c.reason));
+        }
+        self.say(&format!(
+            "text: {} pages touched; sha256 before {} after {}: {}",
+            report.pages,
+            &report.before[..16],
+            &report.after[..16],
+            if report.differing.is_empty() && report.before == report.after {
+                "identical"
+            } else {
+                "DIFFERENT"
+            }
+        ));
+        if !report.differing.is_empty() {
+            bail!("{} text pages differ after removal", report.differing.len());
+        }
+        Ok(())
+    }
+}
+
+/// Hooks the engine to the guest's `splice` and `unsplice` waits.
+struct SpliceHook {
+    engine: Engine,
+    target: TargetArgs,
+}
+
+impl PhaseHook for SpliceHook {
+    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
+        let result = match phase {
+            "splice" => self.engine.install(&self.target),
+            "unsplice" => self.engine.remove(),
+            _ => Ok(()),
+        };
+        result.map_err(|e| QemuError::Hook {
+            phase: phase.to_owned(),
+            message: format!("{e:#}"),
+        })
+    }
+}
+
+fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
+    let image = KernelImage::from_args(&live.image)?;
+    let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
+    let make_engine = |image, heap| Engine {
+        image,
+        btf,
+        op,
+        heap,
+        compare_kprobes: live.compare_kprobes,
+        live: None,
+        out: Box::new(std::io::stdout()),
+        refused_any: false,
+    };
+    if let Some(target) = &live.target {
+        let heap = crate::script::parse_heap(&live.heap)?;
+        let mut engine = make_engine(image, heap);
+        let target = TargetArgs {
+            target: target.clone(),
+            gdb_timeout: 10,
+        };
+        engine.install(&target)?;
+        if matches!(engine.op, Operation::Report { .. }) {
+            // Nothing stays installed: the report installs and removes in one stop.
+            engine.remove()?;
+            return Ok(0);
+        }
+        let stop = exotap_probes::lang::driver::stop_on_ctrl_c()
+            .unwrap_or_else(|_| Arc::new(AtomicBool::new(false)));
+        let deadline = live
+            .duration
+            .map(|s| Instant::now() + Duration::from_secs_f64(s));
+        eprintln!("exotap: splices in; Ctrl-C removes them");
+        loop {
+            if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+            let Some(l) = engine.live.as_mut() else { break };
+            match l.machine.wait_event(Duration::from_millis(100)) {
+                Ok(None) => {}
+                Ok(Some(StopEvent::Exited)) => bail!("the guest ended with the splices in"),
+                Ok(Some(_)) => l.machine.resume()?,
+                Err(e) => bail!("lost the guest: {e}"),
+            }
+        }
+        engine.remove()?;
+        return Ok(i32::from(engine.refused_any));
+    }
+    // Boot a guest for the run.
+    let job = match (&live.job, &live.run) {
+        (Some(path), _) => GuestJob::from_script(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the job {}", path.display()))?,
+        ),
+        (None, cmd) => GuestJob::from_script(format!(
+            "exotap_wait splice\n{}\nexotap_wait unsplice\n",
+            cmd.as_deref().unwrap_or("syscall-loop 1000")
+        )),
+    };
+    let work = tempfile::Builder::new()
+        .prefix("exotap-splice-")
+        .tempdir()
+        .context("cannot create a working directory")?;
+    let initrd = work.path().join("initramfs.cpio.gz");
+    images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
+    let mut config = QemuConfig::new(image.path.clone(), initrd)?;
+    config.accel = if exotap_vmm::host::detect().usable() {
+        Accel::Kvm
+    } else {
+        Accel::Tcg
+    };
+    config.cpus = live.cpus;
+    config.patch_heap = PatchHeapRange::place(config.memory_mib << 20, 64 << 20)?;
+    let socket = work.path().join("gdb.sock");
+    config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
+    let heap = (config.patch_heap.base, config.patch_heap.size);
+    let mut hook = SpliceHook {
+        engine: make_engine(image, heap),
+        target: TargetArgs {
+            target: format!("unix:{}", socket.display()),
+            gdb_timeout: 10,
+        },
+    };
+    let mut sink: Box<dyn Write> = match &live.console {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stderr()),
+    };
+    let timeouts = Timeouts {
+        boot: Duration::from_secs(120),
+        total: Duration::from_secs(live.timeout),
+    };
+    let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
+    drop(sink);
+    if hook.engine.live.is_some() {
+        tracing::warn!("the guest ended before its `exotap_wait unsplice`: splices not removed");
+    }
+    let outcome = outcome?;
+    for (key, value) in &outcome.results {
+        println!("EXOTAP-RESULT {key}={value}");
+    }
+    println!("EXOTAP-DONE {}", outcome.rc);
+    if outcome.rc != 0 {
+        return Ok(outcome.rc);
+    }
+    Ok(i32::from(hook.engine.refused_any))
+}
+
+/// `exotap count`.
+///
+/// # Errors
+/// Unknown functions, attach or guest failures.
+pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
+    run(Operation::Count(args.patterns.clone()), &args.live)
+}
+
+/// `exotap nullify`.
+///
+/// # Errors
+/// As [`run_count`], and a bad VALUE.
+pub fn run_nullify(args: &NullifyArgs) -> anyhow::Result<i32> {
+    let value = parse_value(&args.value)?;
+    run(Operation::Nullify(args.function.clone(), value), &args.live)
+}
+
+/// `exotap replace`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
+    run(
+        Operation::Replace(args.function.clone(), args.other.clone()),
+        &args.live,
+    )
+}
+
+/// `exotap splice-report`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_report(args: &ReportArgs) -> anyhow::Result<i32> {
+    run(
+        Operation::Report {
+            list: args.list,
+            install: args.install,
+        },
+        &args.live,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(pages: &[(u64, u8)]) -> PageSnapshot {
+        PageSnapshot(
+            pages
+                .iter()
+                .map(|(a, fill)| (*a, vec![*fill; PAGE as usize]))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn pages_of_a_site_crossing_a_page_boundary_are_both_pages() {
+        let pages = pages_of([(0x1ffe, 5), (0x3000, 5)].into_iter());
+
+        assert_eq!(
+            pages.into_iter().collect::<Vec<_>>(),
+            vec![0x1000, 0x2000, 0x3000]
+        );
+    }
+
+    #[test]
+    fn a_site_whose_bytes_changed_since_planning_is_reported() {
+        let mut now = snap(&[(0x1000, 0x90)]);
+        now.0.get_mut(&0x1000).unwrap()[0x10] = 0xe8;
+        let planned = vec![(0x1000, vec![0x90; 5]), (0x100c, vec![0x90; 5])];
+
+        let changed = changed_sites(&planned, &now);
+
+        assert_eq!(changed, vec![(1, vec![0x90, 0x90, 0x90, 0x90, 0xe8])]);
+    }
+
+    #[test]
+    fn a_site_outside_the_snapshot_counts_as_changed() {
+        let now = snap(&[(0x1000, 0x90)]);
+
+        let changed = changed_sites(&[(0x5000, vec![0x90; 5])], &now);
+
+        assert_eq!(changed.len(), 1);
+    }
+
+    #[test]
+    fn digests_differ_when_one_byte_does_and_differing_names_the_page() {
+        let a = snap(&[(0x1000, 1), (0x2000, 2)]);
+        let mut b = a.clone();
+        b.0.get_mut(&0x2000).unwrap()[7] = 3;
+
+        assert_ne!(a.digest(), b.digest());
+        assert_eq!(a.differing(&b), vec![0x2000]);
+        assert_eq!(a.digest(), a.clone().digest());
+    }
+
+    #[test]
+    fn relative_table_fields_resolve_against_their_own_address() {
+        let bytes = [0xf0, 0xff, 0xff, 0xff, 0x10, 0, 0, 0];
+
+        assert_eq!(relative(0x1000, &bytes, 0), Some(0x1000 - 0x10));
+        assert_eq!(relative(0x1000, &bytes, 4), Some(0x1014));
+        assert_eq!(relative(0x1000, &bytes, 6), None);
+    }
+
+    #[test]
+    fn jmp_rel32_encodes_the_displacement_from_the_next_instruction() {
+        assert_eq!(
+            jmp_rel32(0xffff_ffff_8100_0000, 0xffff_ffff_8100_0105).unwrap(),
+            [0xe9, 0x00, 0x01, 0x00, 0x00]
+        );
+        assert!(jmp_rel32(0xffff_ffff_8100_0000, 0x1000).is_err());
+    }
+
+    #[test]
+    fn nullify_patch_counts_sets_rax_and_returns_through_the_thunk() {
+        let at = 0xffff_ffff_c000_0000;
+        let counter = at + 0x1000;
+        let thunk = 0xffff_ffff_81e0_1ef0;
+
+        let code = diverting_patch(at, counter, Action::Nullify(4242), Some(thunk)).unwrap();
+
+        let insns: Vec<_> =
+            iced_x86::Decoder::with_ip(64, &code, at, iced_x86::DecoderOptions::NONE)
+                .into_iter()
+                .collect();
+        assert_eq!(insns.len(), 3);
+        assert!(insns[0].has_lock_prefix());
+        assert_eq!(insns[0].ip_rel_memory_address(), counter);
+        assert_eq!(insns[1].immediate64(), 4242);
+        assert_eq!(insns[2].near_branch_target(), thunk);
+    }
+
+    #[test]
+    fn negative_values_parse_as_twos_complement() {
+        assert_eq!(parse_value("-1").unwrap(), u64::MAX);
+        assert_eq!(parse_value("0x10").unwrap(), 16);
+        assert!(parse_value("x").is_err());
+    }
+}
