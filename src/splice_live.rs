@@ -665,7 +665,19 @@ impl Splicer {
         image: &KernelImage,
         heap: (u64, u64),
     ) -> anyhow::Result<Self> {
-        let plan = attach::map_patch_heap(machine, survey, heap.0, heap.1)?;
+        // With a high KASLR slide the whole hidden range may not fit below the module
+        // area: map as much of it as fits (splices need a few MiB).
+        let mut size = heap.1;
+        let plan = loop {
+            match attach::map_patch_heap(machine, survey, heap.0, size) {
+                Ok(plan) => break plan,
+                Err(e) if size > 4 << 20 => {
+                    tracing::debug!("patch heap of {} MiB: {e:#}; trying half", size >> 20);
+                    size /= 2;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         if plan.size <= CODE_OFFSET + MAX_PATCH {
             bail!(
                 "the patch heap ({} bytes) is too small for splices",
@@ -1503,6 +1515,8 @@ impl PhaseHook for SpliceHook {
 
 fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     let image = KernelImage::from_args(&live.image)?;
+    // Unknown names fail here, before any guest is touched.
+    requests(&op, &image, 0)?;
     let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
     let make_engine = |image, heap| Engine {
         image,

@@ -1,0 +1,246 @@
+//! End-to-end: the live splice engine against the Debian guest under QEMU
+//! (`exotap count`, `exotap nullify`, `exotap splice-report`).
+//!
+//! Oracles: the guest's own kprobes on the same functions (armed through its
+//! `kprobe_events` before exotap splices, disarmed after exotap unsplices; on these
+//! ftrace-able entries they put `call <ftrace trampoline>` in the entry, which the splice
+//! relocates), read both by exotap from the guest's `trace_kprobe` counters at the very
+//! stops where the splices go in and come out, and by the guest itself from
+//! `kprobe_profile` around its wait points; the workload's own output (syscall-loop prints
+//! how many calls it made and what getppid returned); `available_filter_functions`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{exotap, have_qemu, result, run};
+
+/// Functions counted against the guest's kprobes: syscall entries, VFS, scheduler.
+const FUNCTIONS: &[&str] = &[
+    "__do_sys_getpid",
+    "__do_sys_getppid",
+    "__x64_sys_open",
+    "__x64_sys_close",
+    "__x64_sys_pread64",
+    "ksys_read",
+    "ksys_write",
+    // Present in kallsyms but inlined into __x64_sys_pread64: both count 0.
+    "ksys_pread64",
+    "vfs_read",
+    "vfs_write",
+    "vfs_open",
+    "rw_verify_area",
+    "do_sys_openat2",
+    "do_filp_open",
+    "path_openat",
+    "security_file_open",
+    "alloc_empty_file",
+    "fd_install",
+    "close_fd",
+    "filp_close",
+    "fput",
+    "__fput",
+    "dput",
+    "schedule",
+    "try_to_wake_up",
+    "pick_next_task_fair",
+    "kernel_clone",
+    "wake_up_new_task",
+    "do_exit",
+];
+
+const CALLS: u64 = 300;
+
+/// The count table: function → (ours, kprobe hits, kprobe misses), as exotap printed it.
+fn table(out: &str) -> BTreeMap<String, (u64, Option<(u64, u64)>)> {
+    let mut t = BTreeMap::new();
+    for line in out.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() != 4 {
+            continue;
+        }
+        let Ok(ours) = f[0].parse::<u64>() else {
+            continue;
+        };
+        let k = f[1].parse::<u64>().ok().zip(f[2].parse::<u64>().ok());
+        t.insert(f[3].to_owned(), (ours, k));
+    }
+    t
+}
+
+#[test]
+fn counts_equal_the_guests_own_kprobe_hits_and_the_text_is_restored() {
+    if !have_qemu("counts_equal_the_guests_own_kprobe_hits_and_the_text_is_restored") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let mut job = String::from("T=/sys/kernel/tracing\n");
+    for (i, f) in FUNCTIONS.iter().enumerate() {
+        job.push_str(&format!(
+            "echo 'p:exotap/k{i} {f}' >> $T/kprobe_events || exotap_result kprobe_refused {f}\n"
+        ));
+    }
+    job.push_str(
+        "echo 1 > $T/events/exotap/enable\n\
+         cat $T/kprobe_profile > /tmp/before\n\
+         exotap_wait splice\n\
+         syscall-loop 300\n\
+         exotap_wait unsplice\n\
+         cat $T/kprobe_profile > /tmp/after\n\
+         awk 'NR==FNR {b[$1]=$2; next} {print \"EXOTAP-RESULT profile.\" $1 \"=\" $2-b[$1]}' /tmp/before /tmp/after\n\
+         echo 0 > $T/events/exotap/enable\n\
+         echo > $T/kprobe_events\n\
+         exotap_result kprobes_left \"$(wc -l < $T/kprobe_events)\"\n",
+    );
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+
+    let mut cmd = exotap();
+    cmd.arg("count")
+        .args(FUNCTIONS)
+        .arg("entry_SYSCALL_64")
+        .args(["--compare-kprobes", "--timeout", "400", "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console);
+    let started = std::time::Instant::now();
+    let (code, out, err) = run(&mut cmd);
+    let log = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    eprintln!("{out}\n(took {:.0} s)", started.elapsed().as_secs_f64());
+
+    // entry_SYSCALL_64 is refused with the planner's reason; everything else goes in.
+    assert_eq!(code, 1, "{ctx}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("refused entry_SYSCALL_64") && l.contains("forbidden range")),
+        "{ctx}"
+    );
+    assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+    assert_eq!(result(&out, "getpid.calls"), Some("300"), "{ctx}");
+    assert!(result(&out, "kprobe_refused").is_none(), "{ctx}");
+    assert_eq!(result(&out, "kprobes_left"), Some("0"), "{ctx}");
+
+    let t = table(&out);
+    let mut compared = 0;
+    for f in FUNCTIONS {
+        let (ours, kprobe) = t
+            .get(*f)
+            .unwrap_or_else(|| panic!("no count for {f}\n{ctx}"));
+        let (hits, missed) = kprobe.unwrap_or_else(|| panic!("no kprobe for {f}\n{ctx}"));
+        // Every call runs the splice's counter and then the relocated ftrace call into the
+        // kprobe, which counts a hit, or a miss when it finds another kprobe running.
+        assert_eq!(*ours, hits + missed, "{f}\n{ctx}");
+        // The guest's own profile spans a wider window (it is read before and after the
+        // waits, whose shell, dd and console work also call VFS and scheduler functions).
+        let profile: u64 = result(
+            &out,
+            &format!(
+                "profile.k{}",
+                FUNCTIONS.iter().position(|x| x == f).unwrap()
+            ),
+        )
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no guest profile for {f}\n{ctx}"));
+        assert!(
+            profile >= hits,
+            "{f}: guest profile {profile} < {hits}\n{ctx}"
+        );
+        eprintln!(
+            "{f:<22} splice {ours:>8}  kprobe {hits:>8}+{missed}  guest profile {profile:>8}"
+        );
+        if *ours > 0 {
+            compared += 1;
+        }
+    }
+    assert!(compared >= 20, "only {compared} functions were hit\n{ctx}");
+    for f in [
+        "__do_sys_getpid",
+        "__do_sys_getppid",
+        "__x64_sys_pread64",
+        "__x64_sys_open",
+    ] {
+        assert_eq!(t[f].0, CALLS, "{f}\n{ctx}");
+    }
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{ctx}"
+    );
+    for bad in [
+        "WARNING:",
+        "BUG:",
+        "Oops",
+        "ftrace failed",
+        "ftrace faulted",
+    ] {
+        assert!(!log.contains(bad), "console has {bad}:\n{log}");
+    }
+}
+
+#[test]
+fn nullified_getppid_returns_4242_until_removed() {
+    if !have_qemu("nullified_getppid_returns_4242_until_removed") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let job = "exotap_wait splice\n\
+               syscall-loop 100 | sed 's/EXOTAP-RESULT getppid/EXOTAP-RESULT during.getppid/'\n\
+               exotap_wait unsplice\n\
+               syscall-loop 100 | sed 's/EXOTAP-RESULT getppid/EXOTAP-RESULT after.getppid/'\n\
+               exotap_result shell.ppid \"$PPID\"\n";
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+
+    let (code, out, err) = run(exotap()
+        .args([
+            "nullify",
+            "__x64_sys_getppid",
+            "4242",
+            "--timeout",
+            "300",
+            "--job",
+        ])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(result(&out, "during.getppid.value"), Some("4242"), "{ctx}");
+    let after: i64 = result(&out, "after.getppid.value")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(after > 1 && after != 4242, "{ctx}");
+    // Every getppid of the workload ran the patch (its counter) and no other caller
+    // was in the window but the workload's own 100 calls.
+    assert!(
+        out.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["100", "__x64_sys_getppid"]),
+        "{ctx}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{ctx}"
+    );
+}
+
+#[test]
+fn unknown_functions_are_refused_before_booting() {
+    if exotap_introspect::bzimage::cached_kernel_dir("6.1.0-50-cloud-amd64").is_none() {
+        eprintln!(
+            "SKIP unknown_functions_are_refused_before_booting: the guest kernel is not cached"
+        );
+        return;
+    }
+    let (code, _out, err) = run(exotap().args(["nullify", "no_such_function_xyz", "1"]));
+
+    assert_eq!(code, 125);
+    assert!(err.contains("no function no_such_function_xyz"), "{err}");
+}
