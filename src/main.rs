@@ -85,7 +85,7 @@ enum Command {
     Replace(splice_live::ReplaceArgs),
     /// Plan a splice at every ftrace site of the live guest (what available_filter_functions
     /// lists) and print how many are splice-able and why the others are not; --install N
-    /// also installs and removes N counting splices in one batch and prints the rate.
+    /// also installs N counting splices in one batch while the guest runs, and prints the rates.
     SpliceReport(splice_live::ReportArgs),
     /// Source lines of kernel functions from the -dbg DWARF: gdb's `info line` answer, then
     /// every line with its address. Patterns as SystemTap's: `vfs_read`, `vfs_*`, `*@fs/open.c`.

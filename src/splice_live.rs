@@ -65,6 +65,8 @@ pub const REGION: u64 = 0x10_0000;
 pub const CODE_OFFSET: u64 = 0x20_0000;
 /// The most bytes one patch may take before it is shrunk to its size.
 const MAX_PATCH: u64 = 256;
+/// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
+const AVERAGE_PATCH: u64 = 64;
 /// Text pages are hashed and compared in units of this size.
 const PAGE: u64 = 4096;
 /// Bytes per gdbstub read of the text (the client splits them into packets).
@@ -793,7 +795,8 @@ impl Splicer {
         // guest with one write.
         let n = u64::try_from(requests.len())?.max(1);
         let data_block = self.data.alloc(8 * n, 64)?;
-        let code_block = match self.code.alloc(MAX_PATCH * n, 16) {
+        let block_size = (AVERAGE_PATCH * n).max(MAX_PATCH);
+        let code_block = match self.code.alloc(block_size, 16) {
             Ok(block) => block,
             Err(e) => {
                 let _ = self.data.free(data_block);
@@ -839,6 +842,11 @@ impl Splicer {
                     .map_err(|e| format!("{e:#}")),
             };
             match built {
+                Ok((code, _)) if code_buf.len() as u64 + code.len() as u64 > block_size => {
+                    report.refused.push(refuse(format!(
+                        "the batch's {block_size} bytes of patch space are used up"
+                    )));
+                }
                 Ok((code, splice)) if code.len() as u64 <= MAX_PATCH => {
                     code_buf.extend_from_slice(&code);
                     code_buf.resize(code_buf.len().div_ceil(16) * 16, 0xcc);
@@ -1238,8 +1246,10 @@ pub struct ReportArgs {
     /// List every site that is not a splice, with its reason.
     #[arg(long)]
     pub list: bool,
-    /// Also install (and remove) a counting splice at this many of the splice-able ftrace
-    /// sites in one batch, and print the install rate.
+    /// Also install a counting splice at this many of the splice-able ftrace sites in one
+    /// batch (print the install rate), leave them in while the guest runs (booted: between
+    /// its splice and unsplice waits; --target: until Ctrl-C or --duration), then remove them
+    /// in one batch (print the removal rate, the hits, and whether the text is identical).
     #[arg(long, value_name = "N")]
     pub install: Option<usize>,
     #[command(flatten)]
@@ -1353,7 +1363,7 @@ impl Engine {
     fn install(&mut self, target: &TargetArgs) -> anyhow::Result<()> {
         let mut att = attach::attach(target)?;
         match self.install_on(&mut att) {
-            Ok(_) if matches!(self.op, Operation::Report { .. }) => {
+            Ok(_) if matches!(self.op, Operation::Report { install: None, .. }) => {
                 // The report installs and removes in one stop: nothing stays.
                 att.machine.detach()?;
                 Ok(())
@@ -1480,9 +1490,6 @@ impl Engine {
             let rep = splicer.install(machine, &requests)?;
             let all = started.elapsed();
             let installed = splicer.installed.len();
-            let started = Instant::now();
-            let removed = splicer.remove(machine)?;
-            let removal = started.elapsed();
             self.say(&format!(
                 "install: {installed} of {} splices in one batch in {:.3} s ({:.0} points/s; plan+generate {:.3} s, check+write {:.3} s); refused {}",
                 requests.len(),
@@ -1492,13 +1499,12 @@ impl Engine {
                 rep.write_time.as_secs_f64(),
                 rep.refused.len()
             ));
-            self.say(&format!(
-                "removal: {installed} splices in {:.3} s ({:.0} points/s); text pages {} identical: {}",
-                removal.as_secs_f64(),
-                installed as f64 / removal.as_secs_f64().max(1e-9),
-                removed.pages,
-                if removed.differing.is_empty() && removed.before == removed.after { "yes" } else { "NO" }
-            ));
+            for r in &rep.refused {
+                self.say(&format!(
+                    "refused {} at {:#x}: {}",
+                    r.name, r.addr, r.reason
+                ));
+            }
         }
         Ok(())
     }
@@ -1526,8 +1532,29 @@ impl Engine {
             )?),
             _ => None,
         };
+        let started = Instant::now();
+        let installed = live.splicer.installed.len();
         let report = live.splicer.remove(&mut live.machine)?;
+        let removal = started.elapsed();
         let slide = live.survey.kaslr.slide;
+        if matches!(self.op, Operation::Report { .. }) {
+            let hit = report.counts.iter().filter(|c| c.2 > 0).count();
+            let total: u64 = report.counts.iter().map(|c| c.2).sum();
+            self.say(&format!(
+                "hits while in: {total} calls of {hit} of the {installed} functions"
+            ));
+            self.say(&format!(
+                "removal: {installed} splices in {:.3} s ({:.0} points/s); text pages {} identical: {}",
+                removal.as_secs_f64(),
+                installed as f64 / removal.as_secs_f64().max(1e-9),
+                report.pages,
+                if report.differing.is_empty() && report.before == report.after { "yes" } else { "NO" }
+            ));
+            if !report.differing.is_empty() {
+                bail!("{} text pages differ after removal", report.differing.len());
+            }
+            return Ok(());
+        }
         if !report.counts.is_empty() {
             let header = if kprobes_after.is_some() {
                 format!(
@@ -1630,7 +1657,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
             gdb_timeout: 10,
         };
         engine.install(&target)?;
-        if matches!(engine.op, Operation::Report { .. }) {
+        if matches!(engine.op, Operation::Report { install: None, .. }) {
             return Ok(0);
         }
         let stop = exotap_probes::lang::driver::stop_on_ctrl_c()

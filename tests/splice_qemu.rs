@@ -244,3 +244,156 @@ fn unknown_functions_are_refused_before_booting() {
     assert_eq!(code, 125);
     assert!(err.contains("no function no_such_function_xyz"), "{err}");
 }
+
+/// Bench, not a timed assertion: per-call cost of getpid unprobed, with the guest's own
+/// kprobe on it, and with exotap's counting splice, in one guest run with the same workload
+/// (syscall-loop times its own calls); and the install rate for 10,000 entry splices in one
+/// batch. Run: `cargo test --release --test splice_qemu -- --ignored --nocapture bench`.
+#[test]
+#[ignore = "bench: prints numbers (about 2 minutes under TCG)"]
+fn bench_splice_vs_kprobe_per_call_and_install_rate() {
+    if !have_qemu("bench_splice_vs_kprobe_per_call_and_install_rate") {
+        return;
+    }
+    let n = 20000;
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let take = |tag: &str| {
+        format!(
+            "syscall-loop {n} | sed -n 's/EXOTAP-RESULT getpid.ns_per_call=/EXOTAP-RESULT {tag}=/p'\n"
+        )
+    };
+    let job = format!(
+        "T=/sys/kernel/tracing\n\
+         {u1}\
+         echo 'p:exotap/getpid __do_sys_getpid' >> $T/kprobe_events\n\
+         echo 1 > $T/events/exotap/getpid/enable\n\
+         {k}\
+         echo 0 > $T/events/exotap/getpid/enable\n\
+         echo '-:exotap/getpid' >> $T/kprobe_events\n\
+         exotap_wait splice\n\
+         {s}\
+         exotap_wait unsplice\n\
+         {u2}",
+        u1 = take("bench.unprobed"),
+        k = take("bench.kprobe"),
+        s = take("bench.splice"),
+        u2 = take("bench.unprobed_after"),
+    );
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+
+    let (code, out, err) = run(exotap()
+        .args(["count", "__x64_sys_getpid", "--timeout", "500", "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let ns = |k: &str| -> f64 { result(&out, k).unwrap().parse().unwrap() };
+    let unprobed = (ns("bench.unprobed") + ns("bench.unprobed_after")) / 2.0;
+    let (kprobe, splice) = (ns("bench.kprobe"), ns("bench.splice"));
+    println!(
+        "getpid ns/call (TCG, {n} calls each): unprobed {unprobed:.0} (before {:.0}, after {:.0}), \
+         guest kprobe {kprobe:.0}, exotap splice {splice:.0}",
+        ns("bench.unprobed"),
+        ns("bench.unprobed_after")
+    );
+    println!(
+        "ratios: splice/unprobed {:.3}, kprobe/unprobed {:.3}, kprobe/splice {:.2}; \
+         added per call: splice {:.0} ns, kprobe {:.0} ns (kprobe overhead / splice overhead {:.1})",
+        splice / unprobed,
+        kprobe / unprobed,
+        kprobe / splice,
+        splice - unprobed,
+        kprobe - unprobed,
+        (kprobe - unprobed) / (splice - unprobed).max(1.0)
+    );
+    assert!(out.contains(&format!("{n:>12}  __x64_sys_getpid")), "{ctx}");
+
+    let report_job = dir.path().join("report.sh");
+    std::fs::write(&report_job, "exotap_wait splice\nexotap_wait unsplice\n").unwrap();
+    let (code, out, err) = run(exotap()
+        .args(["splice-report", "--install", "10000", "--job"])
+        .arg(&report_job)
+        .arg("--console")
+        .arg(&console));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    for line in out
+        .lines()
+        .filter(|l| l.starts_with("install:") || l.starts_with("removal:"))
+    {
+        println!("{line}");
+    }
+}
+
+#[test]
+fn every_ftrace_site_of_the_live_guest_is_spliceable_and_10000_install_and_restore() {
+    if !have_qemu("every_ftrace_site_of_the_live_guest_is_spliceable_and_10000_install_and_restore")
+    {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let job = "T=/sys/kernel/tracing\n\
+               exotap_result available_filter_functions \"$(wc -l < $T/available_filter_functions)\"\n\
+               exotap_wait splice\n\
+               syscall-loop 100\n\
+               exotap_wait unsplice\n";
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+
+    let (code, out, err) = run(exotap()
+        .args(["splice-report", "--list", "--install", "10000", "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    eprintln!("{out}");
+    assert_eq!(code, 0, "{ctx}");
+    let listed: usize = result(&out, "available_filter_functions")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let sites: usize = out
+        .lines()
+        .find_map(|l| l.strip_prefix("ftrace sites (available_filter_functions): "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    // exotap reads the guest's ftrace records from its memory; the guest counts its own list.
+    assert_eq!(sites, listed, "{ctx}");
+    let spliceable: usize = out
+        .lines()
+        .find_map(|l| l.trim().strip_suffix("  splice"))
+        .map_or(0, |n| n.trim().parse().unwrap());
+    let refusals: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("  ") && l.contains(": "))
+        .collect();
+    assert_eq!(spliceable + refusals.len(), sites, "{ctx}");
+    assert!(spliceable * 100 >= sites * 99, "{ctx}");
+    assert!(
+        out.contains("install: 10000 of 10000 splices in one batch"),
+        "{ctx}"
+    );
+    assert!(
+        out.contains("text pages") && out.contains("identical: yes"),
+        "{ctx}"
+    );
+    assert_eq!(result(&out, "getpid.calls"), Some("100"), "{ctx}");
+    // The 10,000 splices ran while the workload did: some functions were hit.
+    let hits: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("hits while in: "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(hits > 0, "{ctx}");
+    let log = std::fs::read_to_string(&console).unwrap();
+    for bad in ["WARNING:", "BUG:", "Oops"] {
+        assert!(!log.contains(bad), "console has {bad}:\n{log}");
+    }
+}
