@@ -255,30 +255,28 @@ fn bench_splice_vs_kprobe_per_call_and_install_rate() {
     if !have_qemu("bench_splice_vs_kprobe_per_call_and_install_rate") {
         return;
     }
-    let n = 20000;
+    // TCG on a shared host is noisy (one run of the same loop varies by 2x): every
+    // condition is run ROUNDS times, interleaved where the choreography allows, and the
+    // minimum (least disturbed) and median are compared.
+    let n = 5000;
+    const ROUNDS: usize = 7;
     let dir = tempfile::tempdir().unwrap();
     let console = dir.path().join("console.log");
-    let take = |tag: &str| {
-        format!(
-            "syscall-loop {n} | sed -n 's/EXOTAP-RESULT getpid.ns_per_call=/EXOTAP-RESULT {tag}=/p'\n"
-        )
-    };
     let job = format!(
         "T=/sys/kernel/tracing\n\
-         {u1}\
+         t() {{ syscall-loop {n} | sed -n \"s/EXOTAP-RESULT getpid.ns_per_call=/EXOTAP-RESULT $1=/p\"; }}\n\
          echo 'p:exotap/getpid __do_sys_getpid' >> $T/kprobe_events\n\
-         echo 1 > $T/events/exotap/getpid/enable\n\
-         {k}\
-         echo 0 > $T/events/exotap/getpid/enable\n\
+         for i in $(seq {ROUNDS}); do\n\
+           t unprobed.$i\n\
+           echo 1 > $T/events/exotap/getpid/enable\n\
+           t kprobe.$i\n\
+           echo 0 > $T/events/exotap/getpid/enable\n\
+         done\n\
          echo '-:exotap/getpid' >> $T/kprobe_events\n\
          exotap_wait splice\n\
-         {s}\
+         for i in $(seq {ROUNDS}); do t splice.$i; done\n\
          exotap_wait unsplice\n\
-         {u2}",
-        u1 = take("bench.unprobed"),
-        k = take("bench.kprobe"),
-        s = take("bench.splice"),
-        u2 = take("bench.unprobed_after"),
+         for i in $(seq {ROUNDS}); do t after.$i; done\n"
     );
     let job_file = dir.path().join("job.sh");
     std::fs::write(&job_file, job).unwrap();
@@ -291,26 +289,43 @@ fn bench_splice_vs_kprobe_per_call_and_install_rate() {
 
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
-    let ns = |k: &str| -> f64 { result(&out, k).unwrap().parse().unwrap() };
-    let unprobed = (ns("bench.unprobed") + ns("bench.unprobed_after")) / 2.0;
-    let (kprobe, splice) = (ns("bench.kprobe"), ns("bench.splice"));
-    println!(
-        "getpid ns/call (TCG, {n} calls each): unprobed {unprobed:.0} (before {:.0}, after {:.0}), \
-         guest kprobe {kprobe:.0}, exotap splice {splice:.0}",
-        ns("bench.unprobed"),
-        ns("bench.unprobed_after")
+    let stats = |tag: &str| -> (f64, f64) {
+        let mut v: Vec<f64> = (1..=ROUNDS)
+            .map(|i| {
+                result(&out, &format!("{tag}.{i}"))
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        (v[0], v[v.len() / 2])
+    };
+    let (u, k, s, a) = (
+        stats("unprobed"),
+        stats("kprobe"),
+        stats("splice"),
+        stats("after"),
     );
     println!(
-        "ratios: splice/unprobed {:.3}, kprobe/unprobed {:.3}, kprobe/splice {:.2}; \
-         added per call: splice {:.0} ns, kprobe {:.0} ns (kprobe overhead / splice overhead {:.1})",
-        splice / unprobed,
-        kprobe / unprobed,
-        kprobe / splice,
-        splice - unprobed,
-        kprobe - unprobed,
-        (kprobe - unprobed) / (splice - unprobed).max(1.0)
+        "getpid ns/call under TCG, {n} calls x {ROUNDS} rounds (min / median): unprobed {:.0} / {:.0}, \
+         guest kprobe {:.0} / {:.0}, exotap splice {:.0} / {:.0}, unprobed after removal {:.0} / {:.0}",
+        u.0, u.1, k.0, k.1, s.0, s.1, a.0, a.1
     );
-    assert!(out.contains(&format!("{n:>12}  __x64_sys_getpid")), "{ctx}");
+    let base = u.0.min(a.0);
+    println!(
+        "ratios of minima: splice/unprobed {:.3}, kprobe/unprobed {:.3}, kprobe/splice {:.3}; \
+         added per call: splice {:.0} ns, kprobe {:.0} ns",
+        s.0 / base,
+        k.0 / base,
+        k.0 / s.0,
+        s.0 - base,
+        k.0 - base
+    );
+    assert!(
+        out.contains(&format!("{:>12}  __x64_sys_getpid", n * ROUNDS)),
+        "{ctx}"
+    );
 
     let report_job = dir.path().join("report.sh");
     std::fs::write(&report_job, "exotap_wait splice\nexotap_wait unsplice\n").unwrap();
