@@ -79,6 +79,9 @@ enum Command {
     /// live guest, until the guest's run ends (booted) or Ctrl-C (--target). Exact bytes
     /// restored at the end; prints the counts and the text-page hashes before and after.
     Count(splice_live::CountArgs),
+    /// Time every call of kernel functions from entry to return, in the guest (rdtsc pairs,
+    /// return addresses swapped as kretprobes do), and print log2 histograms at the end.
+    Time(splice_live::TimeArgs),
     /// Make every call of a kernel function return VALUE at once (spliced, undone at the end).
     Nullify(splice_live::NullifyArgs),
     /// Run another kernel function instead of FUNC (spliced, undone at the end).
@@ -140,6 +143,7 @@ fn main() -> ExitCode {
         Command::Symbols(args) => kernel_image::run_symbols(&args),
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
         Command::Count(args) => splice_live::run_count(&args),
+        Command::Time(args) => splice_live::run_time(&args),
         Command::Nullify(args) => splice_live::run_nullify(&args),
         Command::Replace(args) => splice_live::run_replace(&args),
         Command::SpliceReport(args) => splice_live::run_report(&args),

@@ -63,8 +63,9 @@ use crate::kernel_image::{ImageArgs, KernelImage};
 pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;
-/// The most bytes one patch may take before it is shrunk to its size.
-const MAX_PATCH: u64 = 256;
+/// The most bytes one patch may take (a timed function's trampoline, entry half and
+/// relocated instruction take about 200).
+const MAX_PATCH: u64 = 384;
 /// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
 const AVERAGE_PATCH: u64 = 64;
 /// Text pages are hashed and compared in units of this size.
@@ -432,6 +433,8 @@ pub enum Action {
     Nullify(u64),
     /// Count, then jump to this other function (which returns to the caller).
     Replace(u64),
+    /// Time every call from entry to return (rdtsc pairs) into a log2 histogram.
+    Time,
 }
 
 /// One site asked for.
@@ -460,6 +463,9 @@ pub struct Installed {
     pub patch: u64,
     /// The hit counter.
     pub counter: u64,
+    /// For [`Action::Time`]: the histogram (64 log2 buckets of TSC cycles) and the return
+    /// trampoline.
+    pub timing: Option<(u64, u64)>,
 }
 
 /// A site that was not installed, and why.
@@ -669,8 +675,148 @@ fn diverting_patch(
             }
         }
         Action::Replace(other) => a.jmp(other)?,
-        Action::Count => bail!("a counting patch relocates the original instruction"),
+        Action::Count | Action::Time => bail!("this patch relocates the original instruction"),
     }
+    Ok(a.assemble(at)?)
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry/exit pairs inside the guest (`exotap time`).
+//
+// The entry patch claims a slot in a table of calls in flight, keyed by the address of the
+// return-address slot on the stack (unique per call in flight: tasks have their own stacks,
+// and nested calls sit deeper), stores the original return address and an rdtsc there, and
+// swaps the return address for the function's return trampoline. The trampoline finds the
+// slot again (the `ret` left rsp just above it), puts the original return address back
+// where `ret` will pop it, adds the elapsed cycles to a log2 histogram, frees the slot and
+// returns to the caller. A full table (more than INFLIGHT calls in flight) skips the timing
+// of that call and counts a miss. Removal puts back every swapped return address still on
+// a stack, as kretprobes do; the trampolines stay in the heap for calls in the middle of one.
+// ---------------------------------------------------------------------------------------
+
+/// Slots of the table of calls in flight (a power of two).
+const INFLIGHT: u64 = 4096;
+/// Slots tried after the hashed one.
+const PROBE_SLOTS: u32 = 8;
+/// Bytes per slot: key (stack slot address), original return address, entry TSC, unused.
+const SLOT: u64 = 32;
+/// Histogram buckets (log2 of cycles).
+pub const BUCKETS: usize = 64;
+
+fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
+    iced_x86::MemoryOperand::with_base_displ(Register::RIP, addr as i64)
+}
+
+/// rcx = &table[hash(rsi)]; clobbers rax.
+fn emit_hash(a: &mut CodeAssembler, table: u64) -> anyhow::Result<()> {
+    use iced_x86::code_asm::{eax, rcx, rsi};
+    a.mov(rax, rsi)?;
+    a.shr(rax, 4)?;
+    a.mov(rcx, rsi)?;
+    a.shr(rcx, 14)?;
+    a.xor(rax, rcx)?;
+    a.and(eax, (INFLIGHT - 1) as i32)?;
+    a.shl(rax, SLOT.trailing_zeros())?;
+    a.add_instruction(iced_x86::Instruction::with2(
+        iced_x86::Code::Lea_r64_m,
+        Register::RCX,
+        rip_mem(table),
+    )?)?;
+    a.add(rcx, rax)?;
+    Ok(())
+}
+
+/// The entry half: claim a slot, save the return address and the TSC, swap in the
+/// trampoline. Preserves every register and (function entry) needs no flags.
+fn timing_entry(at: u64, table: u64, misses: u64, trampoline: u64) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{eax, edx, qword_ptr, rcx, rdx, rsi, rsp};
+    let mut a = CodeAssembler::new(64)?;
+    let mut probe = a.create_label();
+    let mut claim = a.create_label();
+    let mut done = a.create_label();
+    a.push(rax)?;
+    a.push(rcx)?;
+    a.push(rdx)?;
+    a.push(rsi)?;
+    a.lea(rsi, qword_ptr(rsp + 32))?;
+    emit_hash(&mut a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.xor(eax, eax)?;
+    a.lock().cmpxchg(qword_ptr(rcx), rsi)?;
+    a.je(claim)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)?;
+    let mut inc = iced_x86::Instruction::with1(iced_x86::Code::Inc_rm64, rip_mem(misses))?;
+    inc.set_has_lock_prefix(true);
+    a.add_instruction(inc)?;
+    a.jmp(done)?;
+    a.set_label(&mut claim)?;
+    a.mov(rax, qword_ptr(rsi))?;
+    a.mov(qword_ptr(rcx + 8), rax)?;
+    a.add_instruction(iced_x86::Instruction::with2(
+        iced_x86::Code::Lea_r64_m,
+        Register::RAX,
+        rip_mem(trampoline),
+    )?)?;
+    a.mov(qword_ptr(rsi), rax)?;
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.mov(qword_ptr(rcx + 16), rax)?;
+    a.set_label(&mut done)?;
+    a.pop(rsi)?;
+    a.pop(rdx)?;
+    a.pop(rcx)?;
+    a.pop(rax)?;
+    Ok(a.assemble(at)?)
+}
+
+/// The return trampoline of one timed function.
+fn timing_trampoline(at: u64, table: u64, histogram: u64) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{edx, qword_ptr, rcx, rdx, rsi, rsp};
+    let mut a = CodeAssembler::new(64)?;
+    let mut probe = a.create_label();
+    let mut found = a.create_label();
+    a.lea(rsp, qword_ptr(rsp - 8))?; // the slot `ret` popped; no flags touched
+    a.push(rax)?;
+    a.push(rcx)?;
+    a.push(rdx)?;
+    a.push(rsi)?;
+    a.pushfq()?;
+    a.lea(rsi, qword_ptr(rsp + 40))?;
+    emit_hash(&mut a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.cmp(qword_ptr(rcx), rsi)?;
+    a.je(found)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)?;
+    a.ud2()?; // no slot: cannot happen unless the table was overwritten
+    a.set_label(&mut found)?;
+    a.mov(rax, qword_ptr(rcx + 8))?;
+    a.mov(qword_ptr(rsi), rax)?;
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.sub(rax, qword_ptr(rcx + 16))?;
+    a.mov(qword_ptr(rcx), 0)?;
+    a.or(rax, 1)?;
+    a.bsr(rdx, rax)?;
+    a.add_instruction(iced_x86::Instruction::with2(
+        iced_x86::Code::Lea_r64_m,
+        Register::RCX,
+        rip_mem(histogram),
+    )?)?;
+    a.lock().inc(qword_ptr(rcx + rdx * 8))?;
+    a.popfq()?;
+    a.pop(rsi)?;
+    a.pop(rdx)?;
+    a.pop(rcx)?;
+    a.pop(rax)?;
+    a.ret()?;
     Ok(a.assemble(at)?)
 }
 
@@ -684,6 +830,12 @@ pub struct Splicer {
     data: PatchHeap,
     code: PatchHeap,
     return_thunk: Option<u64>,
+    /// The table of timed calls in flight and its miss counter, once allocated.
+    inflight: Option<(u64, u64)>,
+    /// The kernel's page tables (to reach stacks).
+    survey: Survey,
+    /// Every return trampoline installed in this session.
+    installed_timing: Vec<u64>,
     /// Splices in place.
     pub installed: Vec<Installed>,
     /// The touched pages as they were before the install.
@@ -725,6 +877,12 @@ pub struct RemoveReport {
     pub differing: Vec<u64>,
     /// Number of pages compared.
     pub pages: usize,
+    /// For timed functions: name and histogram (log2 buckets of TSC cycles).
+    pub histograms: Vec<(String, Vec<u64>)>,
+    /// Timed calls skipped because the table of calls in flight was full.
+    pub timing_misses: u64,
+    /// Timed calls in flight at removal whose return address was put back.
+    pub returns_restored: usize,
 }
 
 impl Splicer {
@@ -770,6 +928,9 @@ impl Splicer {
             data: PatchHeap::new(plan.va + REGION, plan.va + CODE_OFFSET)?,
             code: PatchHeap::new(plan.va + CODE_OFFSET, plan.va + plan.size)?,
             return_thunk,
+            inflight: None,
+            survey: survey.clone(),
+            installed_timing: Vec::new(),
             installed: Vec::new(),
             before: PageSnapshot::default(),
         })
@@ -795,7 +956,14 @@ impl Splicer {
         // guest with one write.
         let n = u64::try_from(requests.len())?.max(1);
         let data_block = self.data.alloc(8 * n, 64)?;
-        let block_size = (AVERAGE_PATCH * n).max(MAX_PATCH);
+        let block_size = requests
+            .iter()
+            .map(|r| match r.action {
+                Action::Time => MAX_PATCH,
+                _ => AVERAGE_PATCH,
+            })
+            .sum::<u64>()
+            .max(MAX_PATCH);
         let code_block = match self.code.alloc(block_size, 16) {
             Ok(block) => block,
             Err(e) => {
@@ -804,8 +972,19 @@ impl Splicer {
             }
         };
         let mut code_buf: Vec<u8> = Vec::new();
-        // (request, site bytes, splice, patch, counter)
-        let mut ready: Vec<(usize, Vec<u8>, [u8; 5], u64, u64)> = Vec::new();
+        // Histograms and the table of calls in flight, zeroed before the jumps go in.
+        let mut zero: Vec<(u64, u64)> = Vec::new();
+        if self.inflight.is_none() && requests.iter().any(|r| r.action == Action::Time) {
+            let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
+            let table = self.data.alloc(bytes, 64)?;
+            let misses = self.data.alloc(8, 8)?;
+            zero.push((table, bytes));
+            zero.push((misses, 8));
+            self.inflight = Some((table, misses));
+        }
+        // (request, site bytes, splice, patch, counter, timing)
+        #[allow(clippy::type_complexity)]
+        let mut ready: Vec<(usize, Vec<u8>, [u8; 5], u64, u64, Option<(u64, u64)>)> = Vec::new();
         let mut seen = BTreeSet::new();
         for (i, req) in requests.iter().enumerate() {
             let refuse = |reason: String| NotInstalled {
@@ -830,7 +1009,33 @@ impl Splicer {
                     continue;
                 }
             };
+            let mut timing = None;
             let built = match req.action {
+                Action::Time => {
+                    let (table, misses) = self.inflight.unwrap_or_default();
+                    let hist = self.data.alloc(BUCKETS as u64 * 8, 64)?;
+                    zero.push((hist, BUCKETS as u64 * 8));
+                    timing = Some((hist, patch));
+                    (|| -> anyhow::Result<(Vec<u8>, [u8; 5])> {
+                        let mut code = timing_trampoline(patch, table, hist)?;
+                        code.resize(code.len().div_ceil(16) * 16, 0xcc);
+                        let entry_at = patch + code.len() as u64;
+                        let entry = timing_entry(entry_at, table, misses, patch)?;
+                        let reloc_at = entry_at + entry.len() as u64;
+                        let moved = generate(&PatchRequest {
+                            original: &site.bytes,
+                            addr: site.addr,
+                            patch: reloc_at,
+                            probes: &[],
+                            live: site.live,
+                            call_return: exotap_probes::splice::CallReturn::default(),
+                        })?;
+                        code.extend_from_slice(&entry);
+                        code.extend_from_slice(&moved.code);
+                        Ok((code, jmp_rel32(req.addr, entry_at)?))
+                    })()
+                    .map_err(|e| format!("{e:#}"))
+                }
                 Action::Count => {
                     let probes = [Probe::Count { counter }];
                     generate(&PatchRequest::for_site(&site, patch, &probes))
@@ -850,7 +1055,7 @@ impl Splicer {
                 Ok((code, splice)) if code.len() as u64 <= MAX_PATCH => {
                     code_buf.extend_from_slice(&code);
                     code_buf.resize(code_buf.len().div_ceil(16) * 16, 0xcc);
-                    ready.push((i, site.bytes.clone(), splice, patch, counter));
+                    ready.push((i, site.bytes.clone(), splice, patch, counter, timing));
                 }
                 Ok((code, _)) => report.refused.push(refuse(format!(
                     "the patch is {} bytes, too big",
@@ -897,6 +1102,9 @@ impl Splicer {
         }
         // Counters (zeroed) and patches first, then the jumps, page by page.
         machine.write_phys(self.heap_phys(data_block), &vec![0u8; 8 * n as usize])?;
+        for (at, len) in zero {
+            machine.write_phys(self.heap_phys(at), &vec![0u8; usize::try_from(len)?])?;
+        }
         if !code_buf.is_empty() {
             machine.write_phys(self.heap_phys(code_block), &code_buf)?;
         }
@@ -923,7 +1131,11 @@ impl Splicer {
                 splice: r.2,
                 patch: r.3,
                 counter: r.4,
+                timing: r.5,
             });
+            if let Some((_, trampoline)) = r.5 {
+                self.installed_timing.push(trampoline);
+            }
         }
         report.write_time = started.elapsed();
         Ok(report)
@@ -987,6 +1199,17 @@ impl Splicer {
             counts: self.counts(machine)?,
             ..RemoveReport::default()
         };
+        for s in &self.installed {
+            if let Some((hist, _)) = s.timing {
+                let mut buf = vec![0u8; BUCKETS * 8];
+                machine.read_phys(self.heap_phys(hist), &mut buf)?;
+                let buckets = buf
+                    .chunks(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect();
+                report.histograms.push((s.name.clone(), buckets));
+            }
+        }
         let pages = pages_of(self.installed.iter().map(|s| (s.addr, s.original.len())));
         let now = snapshot(machine, &self.kernel, &pages)?;
         let mut writes = Vec::new();
@@ -1007,6 +1230,16 @@ impl Splicer {
             }
         }
         self.write_text(machine, &now, &writes)?;
+        if let Some((table, misses)) = self.inflight {
+            let (n, restored) = self.restore_returns(machine, table)?;
+            report.returns_restored = restored;
+            let mut m = [0u8; 8];
+            machine.read_phys(self.heap_phys(misses), &mut m)?;
+            report.timing_misses = u64::from_le_bytes(m);
+            tracing::debug!(
+                "{n} timed calls in flight at removal, {restored} return addresses put back"
+            );
+        }
         let pages: BTreeSet<u64> = self.before.0.keys().copied().collect();
         let after = snapshot(machine, &self.kernel, &pages)?;
         report.before = self.before.digest();
@@ -1015,6 +1248,42 @@ impl Splicer {
         report.pages = pages.len();
         self.before = PageSnapshot::default();
         Ok(report)
+    }
+
+    /// Puts back the return addresses of timed calls still in flight (their stack slot still
+    /// holds a trampoline); returns (calls in flight, addresses put back). A call whose vCPU
+    /// stopped inside the trampoline finishes there when the guest resumes.
+    fn restore_returns(
+        &self,
+        machine: &mut GdbMachine,
+        table: u64,
+    ) -> anyhow::Result<(usize, usize)> {
+        let trampolines: BTreeSet<u64> = self.installed_timing.iter().copied().collect();
+        let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
+        let mut buf = vec![0u8; usize::try_from(bytes)?];
+        machine.read_phys(self.heap_phys(table), &mut buf)?;
+        let (mut n, mut restored) = (0, 0);
+        let word =
+            |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
+        for slot in buf.chunks(SLOT as usize) {
+            let key = word(slot, 0);
+            if key == 0 {
+                continue;
+            }
+            n += 1;
+            let original = word(slot, 8);
+            let mut mem = BackendMemory(&mut *machine);
+            let mut space = self.survey.space(&mut mem);
+            let mut now = [0u8; 8];
+            if space.read(key, &mut now).is_err() || !trampolines.contains(&u64::from_le_bytes(now))
+            {
+                continue;
+            }
+            let phys = space.translate(key)?.phys;
+            machine.write_phys(phys, &original.to_le_bytes())?;
+            restored += 1;
+        }
+        Ok((n, restored))
     }
 
     /// Heap bytes in use by splices (data, code).
@@ -1240,6 +1509,17 @@ pub struct ReplaceArgs {
     pub live: LiveArgs,
 }
 
+/// `exotap time FUNC...`.
+#[derive(Debug, Args)]
+pub struct TimeArgs {
+    /// Kernel functions (or wildcard patterns): each call's time from entry to return
+    /// (inclusive of callees and of sleeping) goes into a log2 histogram.
+    #[arg(required = true, value_name = "FUNC")]
+    pub functions: Vec<String>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
 /// `exotap splice-report`.
 #[derive(Debug, Args)]
 pub struct ReportArgs {
@@ -1260,6 +1540,7 @@ pub struct ReportArgs {
 #[derive(Debug, Clone)]
 enum Operation {
     Count(Vec<String>),
+    Time(Vec<String>),
     Nullify(String, u64),
     Replace(String, String),
     Report { list: bool, install: Option<usize> },
@@ -1292,7 +1573,12 @@ fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<V
         Ok(sym.addr.wrapping_add(slide))
     };
     Ok(match op {
-        Operation::Count(patterns) => {
+        Operation::Count(patterns) | Operation::Time(patterns) => {
+            let action = if matches!(op, Operation::Time(_)) {
+                Action::Time
+            } else {
+                Action::Count
+            };
             let mut out: Vec<Request> = Vec::new();
             let mut seen = BTreeSet::new();
             for p in patterns {
@@ -1311,7 +1597,7 @@ fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<V
                         out.push(Request {
                             name: s.name.clone(),
                             addr,
-                            action: Action::Count,
+                            action,
                         });
                     }
                 }
@@ -1534,7 +1820,7 @@ impl Engine {
         };
         let started = Instant::now();
         let installed = live.splicer.installed.len();
-        let report = live.splicer.remove(&mut live.machine)?;
+        let mut report = live.splicer.remove(&mut live.machine)?;
         let removal = started.elapsed();
         let slide = live.survey.kaslr.slide;
         if matches!(self.op, Operation::Report { .. }) {
@@ -1555,6 +1841,8 @@ impl Engine {
             }
             return Ok(());
         }
+        let timed: BTreeSet<&str> = report.histograms.iter().map(|h| h.0.as_str()).collect();
+        report.counts.retain(|c| !timed.contains(c.0.as_str()));
         if !report.counts.is_empty() {
             let header = if kprobes_after.is_some() {
                 format!(
@@ -1593,6 +1881,26 @@ impl Engine {
                 _ => self.say(&format!("{n:>12}  {name}")),
             }
         }
+        if !report.histograms.is_empty() {
+            let khz = {
+                let at = self.image.address("tsc_khz")?.wrapping_add(slide);
+                let mut b = [0u8; 4];
+                let mut mem = BackendMemory(&mut live.machine);
+                live.survey.space(&mut mem).read(at, &mut b)?;
+                u32::from_le_bytes(b)
+            };
+            self.say(&format!(
+                "inclusive time per call (TSC {khz} kHz; {} calls not timed: in-flight table full; {} calls in flight at removal were given their return addresses back)",
+                report.timing_misses, report.returns_restored
+            ));
+            for (name, buckets) in &report.histograms {
+                let total: u64 = buckets.iter().sum();
+                self.say(&format!("{name}: {total} calls timed"));
+                for line in histogram_lines(buckets, khz) {
+                    self.say(&line);
+                }
+            }
+        }
         for c in &report.changed {
             self.say(&format!("left {} at {:#x}: {}", c.name, c.addr, c.reason));
         }
@@ -1612,6 +1920,33 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// A log2 histogram of TSC cycles as text, bucket bounds in ns (bpftrace's `hist` style).
+pub fn histogram_lines(buckets: &[u64], tsc_khz: u32) -> Vec<String> {
+    let Some(first) = buckets.iter().position(|&n| n > 0) else {
+        return Vec::new();
+    };
+    let last = buckets.iter().rposition(|&n| n > 0).unwrap_or(first);
+    let max = buckets.iter().copied().max().unwrap_or(1).max(1);
+    let ns = |cycles: u128| -> String {
+        let khz = u128::from(tsc_khz.max(1));
+        let v = cycles * 1_000_000 / khz;
+        match v {
+            v if v >= 10_000_000 => format!("{} ms", v / 1_000_000),
+            v if v >= 10_000 => format!("{} us", v / 1000),
+            v => format!("{v} ns"),
+        }
+    };
+    (first..=last)
+        .map(|i| {
+            let n = buckets[i];
+            let lo = if i == 0 { 0 } else { 1u128 << i };
+            let hi = 1u128 << (i + 1);
+            let bar = "@".repeat(usize::try_from(n * 40 / max).unwrap_or(0));
+            format!("  [{:>8}, {:>8}) {n:>10} |{bar:<40}|", ns(lo), ns(hi))
+        })
+        .collect()
 }
 
 /// Hooks the engine to the guest's `splice` and `unsplice` waits.
@@ -1769,6 +2104,14 @@ pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
         Operation::Replace(args.function.clone(), args.other.clone()),
         &args.live,
     )
+}
+
+/// `exotap time`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
+    run(Operation::Time(args.functions.clone()), &args.live)
 }
 
 /// `exotap splice-report`.

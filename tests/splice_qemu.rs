@@ -412,3 +412,71 @@ fn every_ftrace_site_of_the_live_guest_is_spliceable_and_10000_install_and_resto
         assert!(!log.contains(bad), "console has {bad}:\n{log}");
     }
 }
+
+#[test]
+fn time_histograms_count_every_call_and_sleepers_get_their_return_addresses_back() {
+    if !have_qemu("time_histograms_count_every_call_and_sleepers_get_their_return_addresses_back") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    // `sleep` is in schedule() when the splices come out: its return address is swapped.
+    let job = "exotap_wait splice\n\
+               syscall-loop 300\n\
+               sleep 3 &\n\
+               exotap_wait unsplice\n\
+               wait\n\
+               syscall-loop 50 | sed 's/EXOTAP-RESULT /EXOTAP-RESULT after./'\n";
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+
+    let (code, out, err) = run(exotap()
+        .args([
+            "time",
+            "__x64_sys_getppid",
+            "vfs_read",
+            "schedule",
+            "--timeout",
+            "300",
+            "--job",
+        ])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    eprintln!("{out}");
+    assert_eq!(code, 0, "{ctx}");
+    let timed = |f: &str| -> u64 {
+        out.lines()
+            .find_map(|l| l.strip_prefix(&format!("{f}: ")))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no histogram for {f}\n{ctx}"))
+    };
+    // Only the workload calls getppid; a read already blocked when the splices went in
+    // (the shell's wait for the host) returns untimed.
+    assert_eq!(timed("__x64_sys_getppid"), 300, "{ctx}");
+    assert!(timed("vfs_read") >= 300, "{ctx}");
+    assert!(timed("schedule") > 0, "{ctx}");
+    let restored: usize = out
+        .lines()
+        .find_map(|l| l.split("; ").nth(2))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{ctx}"));
+    assert!(
+        restored >= 1,
+        "the sleeping task's call was in flight\n{ctx}"
+    );
+    assert_eq!(result(&out, "after.getppid.calls"), Some("50"), "{ctx}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{ctx}"
+    );
+    let log = std::fs::read_to_string(&console).unwrap();
+    for bad in ["WARNING:", "BUG:", "Oops", "invalid opcode"] {
+        assert!(!log.contains(bad), "console has {bad}:\n{log}");
+    }
+}
