@@ -82,6 +82,9 @@ enum Command {
     /// Time every call of kernel functions from entry to return, in the guest (rdtsc pairs,
     /// return addresses swapped as kretprobes do), and print log2 histograms at the end.
     Time(splice_live::TimeArgs),
+    /// Record every entry (first argument) and return (return value) of kernel functions with
+    /// rdtsc timestamps in per-vCPU ring buffers in the guest; print them at the end.
+    Trace(splice_live::TraceArgs),
     /// Make every call of a kernel function return VALUE at once (spliced, undone at the end).
     Nullify(splice_live::NullifyArgs),
     /// Run another kernel function instead of FUNC (spliced, undone at the end).
@@ -144,6 +147,7 @@ fn main() -> ExitCode {
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
         Command::Count(args) => splice_live::run_count(&args),
         Command::Time(args) => splice_live::run_time(&args),
+        Command::Trace(args) => splice_live::run_trace(&args),
         Command::Nullify(args) => splice_live::run_nullify(&args),
         Command::Replace(args) => splice_live::run_replace(&args),
         Command::SpliceReport(args) => splice_live::run_report(&args),

@@ -64,8 +64,8 @@ pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;
 /// The most bytes one patch may take (a timed function's trampoline, entry half and
-/// relocated instruction take about 200).
-const MAX_PATCH: u64 = 384;
+/// relocated instruction take about 200, a traced one about 420).
+const MAX_PATCH: u64 = 512;
 /// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
 const AVERAGE_PATCH: u64 = 64;
 /// Text pages are hashed and compared in units of this size.
@@ -435,6 +435,9 @@ pub enum Action {
     Replace(u64),
     /// Time every call from entry to return (rdtsc pairs) into a log2 histogram.
     Time,
+    /// Record every entry (first argument) and return (return value) with its TSC in the
+    /// per-vCPU rings, under this function id.
+    Trace(u32),
 }
 
 /// One site asked for.
@@ -675,7 +678,9 @@ fn diverting_patch(
             }
         }
         Action::Replace(other) => a.jmp(other)?,
-        Action::Count | Action::Time => bail!("this patch relocates the original instruction"),
+        Action::Count | Action::Time | Action::Trace(_) => {
+            bail!("this patch relocates the original instruction")
+        }
     }
     Ok(a.assemble(at)?)
 }
@@ -726,10 +731,91 @@ fn emit_hash(a: &mut CodeAssembler, table: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Per-vCPU ring buffers of entry/exit records (`exotap trace`).
+///
+/// Each vCPU's ring is a 64-byte header (the `u64` head: records ever reserved, with
+/// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
+/// first argument at entry, the return value at exit), function id at +16, kind at +20
+/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit). The TSC is stored
+/// last. The host reads the rings at removal: a ring whose head passed `slots` lost
+/// `head - slots` records (overruns).
+#[derive(Debug, Clone, Copy)]
+pub struct Rings {
+    /// The first ring.
+    pub base: u64,
+    /// Records per ring (a power of two).
+    pub slots: u32,
+    /// Rings (vCPUs).
+    pub cpus: u32,
+    /// The per-CPU offset of `cpu_number` (gs-relative).
+    pub cpu_number: u64,
+}
+
+/// Bytes per trace record.
+pub const TRACE_RECORD: u64 = 32;
+const RING_HEADER: u64 = 64;
+
+impl Rings {
+    /// Bytes of one vCPU's ring.
+    pub fn ring_bytes(&self) -> u64 {
+        RING_HEADER + u64::from(self.slots) * TRACE_RECORD
+    }
+}
+
+/// Writes one record; r8 = TSC, `value` = the value, rsi = the stack slot. Clobbers rax,
+/// rcx, rdx and the flags.
+fn emit_record(
+    a: &mut CodeAssembler,
+    rings: &Rings,
+    id: u32,
+    kind: u32,
+    value: iced_x86::code_asm::AsmRegister64,
+) -> anyhow::Result<()> {
+    use iced_x86::code_asm::{dword_ptr, eax, edx, qword_ptr, r8, rcx, rdx, rsi};
+    let mut skip = a.create_label();
+    let mut cpu = iced_x86::Instruction::with2(
+        iced_x86::Code::Mov_r32_rm32,
+        Register::EAX,
+        iced_x86::MemoryOperand::with_base_displ(Register::None, rings.cpu_number as i64),
+    )?;
+    cpu.set_segment_prefix(Register::GS);
+    cpu.set_memory_displ_size(4);
+    a.add_instruction(cpu)?;
+    a.cmp(eax, rings.cpus)?;
+    a.jae(skip)?;
+    a.imul_3(rax, rax, i32::try_from(rings.ring_bytes())?)?;
+    a.add_instruction(iced_x86::Instruction::with2(
+        iced_x86::Code::Lea_r64_m,
+        Register::RCX,
+        rip_mem(rings.base),
+    )?)?;
+    a.add(rcx, rax)?;
+    a.mov(edx, 1)?;
+    a.lock().xadd(qword_ptr(rcx), rdx)?;
+    a.and(edx, rings.slots - 1)?;
+    a.shl(rdx, TRACE_RECORD.trailing_zeros())?;
+    a.lea(rdx, qword_ptr(rcx + rdx + RING_HEADER as i32))?;
+    a.mov(qword_ptr(rdx + 8), value)?;
+    a.mov(dword_ptr(rdx + 16), id)?;
+    a.mov(dword_ptr(rdx + 20), kind)?;
+    a.mov(qword_ptr(rdx + 24), rsi)?;
+    a.mov(qword_ptr(rdx), r8)?;
+    a.set_label(&mut skip)?;
+    a.nop()?;
+    Ok(())
+}
+
 /// The entry half: claim a slot, save the return address and the TSC, swap in the
-/// trampoline. Preserves every register and (function entry) needs no flags.
-fn timing_entry(at: u64, table: u64, misses: u64, trampoline: u64) -> anyhow::Result<Vec<u8>> {
-    use iced_x86::code_asm::{eax, edx, qword_ptr, rcx, rdx, rsi, rsp};
+/// trampoline (and with `trace`, record the entry with the first argument). Preserves every
+/// register and (function entry) needs no flags.
+fn timing_entry(
+    at: u64,
+    table: u64,
+    misses: u64,
+    trampoline: u64,
+    trace: Option<(&Rings, u32)>,
+) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{eax, edx, qword_ptr, r8, rcx, rdi, rdx, rsi, rsp};
     let mut a = CodeAssembler::new(64)?;
     let mut probe = a.create_label();
     let mut claim = a.create_label();
@@ -738,7 +824,8 @@ fn timing_entry(at: u64, table: u64, misses: u64, trampoline: u64) -> anyhow::Re
     a.push(rcx)?;
     a.push(rdx)?;
     a.push(rsi)?;
-    a.lea(rsi, qword_ptr(rsp + 32))?;
+    a.push(r8)?;
+    a.lea(rsi, qword_ptr(rsp + 40))?;
     emit_hash(&mut a, table)?;
     a.mov(edx, PROBE_SLOTS)?;
     a.set_label(&mut probe)?;
@@ -765,7 +852,12 @@ fn timing_entry(at: u64, table: u64, misses: u64, trampoline: u64) -> anyhow::Re
     a.shl(rdx, 32)?;
     a.or(rax, rdx)?;
     a.mov(qword_ptr(rcx + 16), rax)?;
+    if let Some((rings, id)) = trace {
+        a.mov(r8, rax)?;
+        emit_record(&mut a, rings, id, 1, rdi)?;
+    }
     a.set_label(&mut done)?;
+    a.pop(r8)?;
     a.pop(rsi)?;
     a.pop(rdx)?;
     a.pop(rcx)?;
@@ -773,9 +865,14 @@ fn timing_entry(at: u64, table: u64, misses: u64, trampoline: u64) -> anyhow::Re
     Ok(a.assemble(at)?)
 }
 
-/// The return trampoline of one timed function.
-fn timing_trampoline(at: u64, table: u64, histogram: u64) -> anyhow::Result<Vec<u8>> {
-    use iced_x86::code_asm::{edx, qword_ptr, rcx, rdx, rsi, rsp};
+/// The return trampoline of one timed (histogram) or traced (ring record) function.
+fn timing_trampoline(
+    at: u64,
+    table: u64,
+    histogram: u64,
+    trace: Option<(&Rings, u32)>,
+) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{edx, qword_ptr, r8, r9, rcx, rdx, rsi, rsp};
     let mut a = CodeAssembler::new(64)?;
     let mut probe = a.create_label();
     let mut found = a.create_label();
@@ -784,8 +881,11 @@ fn timing_trampoline(at: u64, table: u64, histogram: u64) -> anyhow::Result<Vec<
     a.push(rcx)?;
     a.push(rdx)?;
     a.push(rsi)?;
+    a.push(r8)?;
+    a.push(r9)?;
     a.pushfq()?;
-    a.lea(rsi, qword_ptr(rsp + 40))?;
+    a.mov(r9, rax)?; // the return value
+    a.lea(rsi, qword_ptr(rsp + 56))?;
     emit_hash(&mut a, table)?;
     a.mov(edx, PROBE_SLOTS)?;
     a.set_label(&mut probe)?;
@@ -801,17 +901,25 @@ fn timing_trampoline(at: u64, table: u64, histogram: u64) -> anyhow::Result<Vec<
     a.rdtsc()?;
     a.shl(rdx, 32)?;
     a.or(rax, rdx)?;
+    a.mov(r8, rax)?;
     a.sub(rax, qword_ptr(rcx + 16))?;
     a.mov(qword_ptr(rcx), 0)?;
-    a.or(rax, 1)?;
-    a.bsr(rdx, rax)?;
-    a.add_instruction(iced_x86::Instruction::with2(
-        iced_x86::Code::Lea_r64_m,
-        Register::RCX,
-        rip_mem(histogram),
-    )?)?;
-    a.lock().inc(qword_ptr(rcx + rdx * 8))?;
+    match trace {
+        Some((rings, id)) => emit_record(&mut a, rings, id, 2, r9)?,
+        None => {
+            a.or(rax, 1)?;
+            a.bsr(rdx, rax)?;
+            a.add_instruction(iced_x86::Instruction::with2(
+                iced_x86::Code::Lea_r64_m,
+                Register::RCX,
+                rip_mem(histogram),
+            )?)?;
+            a.lock().inc(qword_ptr(rcx + rdx * 8))?;
+        }
+    }
     a.popfq()?;
+    a.pop(r9)?;
+    a.pop(r8)?;
     a.pop(rsi)?;
     a.pop(rdx)?;
     a.pop(rcx)?;
@@ -836,6 +944,12 @@ pub struct Splicer {
     survey: Survey,
     /// Every return trampoline installed in this session.
     installed_timing: Vec<u64>,
+    /// The trace rings, once allocated.
+    pub rings: Option<Rings>,
+    /// The per-CPU offset of `cpu_number`.
+    cpu_number: Option<u64>,
+    /// Names of traced functions by id.
+    pub trace_names: Vec<(u32, String)>,
     /// Splices in place.
     pub installed: Vec<Installed>,
     /// The touched pages as they were before the install.
@@ -883,6 +997,56 @@ pub struct RemoveReport {
     pub timing_misses: u64,
     /// Timed calls in flight at removal whose return address was put back.
     pub returns_restored: usize,
+    /// Trace records (cpu, record), oldest first per vCPU.
+    pub records: Vec<(u32, TraceRecord)>,
+    /// Records lost per vCPU (ring overruns).
+    pub overruns: Vec<u64>,
+}
+
+/// One entry or exit record of `exotap trace`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceRecord {
+    /// TSC.
+    pub tsc: u64,
+    /// First argument (entry) or return value (exit).
+    pub value: u64,
+    /// Function id (index of the request).
+    pub id: u32,
+    /// 1 entry, 2 exit.
+    pub kind: u32,
+    /// The call's stack slot (pairs entry and exit).
+    pub slot: u64,
+}
+
+/// Decodes one vCPU's ring: the records still there, oldest first, and how many were lost.
+pub fn decode_ring(ring: &[u8], slots: u32) -> (Vec<TraceRecord>, u64) {
+    let word = |o: usize| {
+        ring.get(o..o + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    let half = |o: usize| {
+        ring.get(o..o + 4)
+            .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    let head = word(0);
+    let slots = u64::from(slots);
+    let lost = head.saturating_sub(slots);
+    let mut out = Vec::new();
+    for n in lost..head {
+        let o = (RING_HEADER + (n % slots) * TRACE_RECORD) as usize;
+        let r = TraceRecord {
+            tsc: word(o),
+            value: word(o + 8),
+            id: half(o + 16),
+            kind: half(o + 20),
+            slot: word(o + 24),
+        };
+        // A record whose vCPU stopped before its TSC (stored last) is incomplete.
+        if r.tsc != 0 {
+            out.push(r);
+        }
+    }
+    (out, lost)
 }
 
 impl Splicer {
@@ -931,6 +1095,10 @@ impl Splicer {
             inflight: None,
             survey: survey.clone(),
             installed_timing: Vec::new(),
+            rings: None,
+            // A per-CPU symbol: an offset from the GS base, not slid.
+            cpu_number: image.symbols.get("cpu_number").map(|s| s.addr),
+            trace_names: Vec::new(),
             installed: Vec::new(),
             before: PageSnapshot::default(),
         })
@@ -959,7 +1127,7 @@ impl Splicer {
         let block_size = requests
             .iter()
             .map(|r| match r.action {
-                Action::Time => MAX_PATCH,
+                Action::Time | Action::Trace(_) => MAX_PATCH,
                 _ => AVERAGE_PATCH,
             })
             .sum::<u64>()
@@ -974,7 +1142,31 @@ impl Splicer {
         let mut code_buf: Vec<u8> = Vec::new();
         // Histograms and the table of calls in flight, zeroed before the jumps go in.
         let mut zero: Vec<(u64, u64)> = Vec::new();
-        if self.inflight.is_none() && requests.iter().any(|r| r.action == Action::Time) {
+        let paired = |a: Action| matches!(a, Action::Time | Action::Trace(_));
+        if self.rings.is_none()
+            && requests
+                .iter()
+                .any(|r| matches!(r.action, Action::Trace(_)))
+        {
+            let cpu_number = self
+                .cpu_number
+                .context("the kernel has no cpu_number per-CPU variable")?;
+            let cpus = u32::try_from(self.survey.layout.per_cpu_offsets.len().max(1))?;
+            // 512 KiB of records in all.
+            let slots = ((512 << 10) / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 16);
+            let slots = 1u32 << (63 - slots.leading_zeros());
+            let mut rings = Rings {
+                base: 0,
+                slots,
+                cpus,
+                cpu_number,
+            };
+            let bytes = rings.ring_bytes() * u64::from(cpus);
+            rings.base = self.data.alloc(bytes, 64)?;
+            zero.push((rings.base, bytes));
+            self.rings = Some(rings);
+        }
+        if self.inflight.is_none() && requests.iter().any(|r| paired(r.action)) {
             let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
             let table = self.data.alloc(bytes, 64)?;
             let misses = self.data.alloc(8, 8)?;
@@ -1011,16 +1203,25 @@ impl Splicer {
             };
             let mut timing = None;
             let built = match req.action {
-                Action::Time => {
+                Action::Time | Action::Trace(_) => {
                     let (table, misses) = self.inflight.unwrap_or_default();
-                    let hist = self.data.alloc(BUCKETS as u64 * 8, 64)?;
-                    zero.push((hist, BUCKETS as u64 * 8));
+                    let trace = match (req.action, &self.rings) {
+                        (Action::Trace(id), Some(rings)) => Some((rings, id)),
+                        _ => None,
+                    };
+                    let hist = if trace.is_none() {
+                        let hist = self.data.alloc(BUCKETS as u64 * 8, 64)?;
+                        zero.push((hist, BUCKETS as u64 * 8));
+                        hist
+                    } else {
+                        0
+                    };
                     timing = Some((hist, patch));
                     (|| -> anyhow::Result<(Vec<u8>, [u8; 5])> {
-                        let mut code = timing_trampoline(patch, table, hist)?;
+                        let mut code = timing_trampoline(patch, table, hist, trace)?;
                         code.resize(code.len().div_ceil(16) * 16, 0xcc);
                         let entry_at = patch + code.len() as u64;
-                        let entry = timing_entry(entry_at, table, misses, patch)?;
+                        let entry = timing_entry(entry_at, table, misses, patch, trace)?;
                         let reloc_at = entry_at + entry.len() as u64;
                         let moved = generate(&PatchRequest {
                             original: &site.bytes,
@@ -1136,6 +1337,9 @@ impl Splicer {
             if let Some((_, trampoline)) = r.5 {
                 self.installed_timing.push(trampoline);
             }
+            if let Action::Trace(id) = req.action {
+                self.trace_names.push((id, req.name.clone()));
+            }
         }
         report.write_time = started.elapsed();
         Ok(report)
@@ -1195,12 +1399,19 @@ impl Splicer {
     /// # Errors
     /// When guest memory cannot be read or written.
     pub fn remove(&mut self, machine: &mut GdbMachine) -> anyhow::Result<RemoveReport> {
+        let counts = self.counts(machine)?;
         let mut report = RemoveReport {
-            counts: self.counts(machine)?,
+            // Timed and traced sites have no counter.
+            counts: counts
+                .into_iter()
+                .zip(&self.installed)
+                .filter(|(_, s)| s.timing.is_none())
+                .map(|(c, _)| c)
+                .collect(),
             ..RemoveReport::default()
         };
         for s in &self.installed {
-            if let Some((hist, _)) = s.timing {
+            if let Some((hist, _)) = s.timing.filter(|t| t.0 != 0) {
                 let mut buf = vec![0u8; BUCKETS * 8];
                 machine.read_phys(self.heap_phys(hist), &mut buf)?;
                 let buckets = buf
@@ -1208,6 +1419,16 @@ impl Splicer {
                     .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
                     .collect();
                 report.histograms.push((s.name.clone(), buckets));
+            }
+        }
+        if let Some(rings) = self.rings {
+            for cpu in 0..rings.cpus {
+                let at = rings.base + u64::from(cpu) * rings.ring_bytes();
+                let mut buf = vec![0u8; usize::try_from(rings.ring_bytes())?];
+                machine.read_phys(self.heap_phys(at), &mut buf)?;
+                let (records, lost) = decode_ring(&buf, rings.slots);
+                report.records.extend(records.into_iter().map(|r| (cpu, r)));
+                report.overruns.push(lost);
             }
         }
         let pages = pages_of(self.installed.iter().map(|s| (s.addr, s.original.len())));
@@ -1520,6 +1741,17 @@ pub struct TimeArgs {
     pub live: LiveArgs,
 }
 
+/// `exotap trace FUNC...`.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// Kernel functions (or wildcard patterns): every entry (with the first argument) and
+    /// return (with the return value) is recorded with its TSC in per-vCPU rings.
+    #[arg(required = true, value_name = "FUNC")]
+    pub functions: Vec<String>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
 /// `exotap splice-report`.
 #[derive(Debug, Args)]
 pub struct ReportArgs {
@@ -1541,6 +1773,7 @@ pub struct ReportArgs {
 enum Operation {
     Count(Vec<String>),
     Time(Vec<String>),
+    Trace(Vec<String>),
     Nullify(String, u64),
     Replace(String, String),
     Report { list: bool, install: Option<usize> },
@@ -1573,12 +1806,7 @@ fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<V
         Ok(sym.addr.wrapping_add(slide))
     };
     Ok(match op {
-        Operation::Count(patterns) | Operation::Time(patterns) => {
-            let action = if matches!(op, Operation::Time(_)) {
-                Action::Time
-            } else {
-                Action::Count
-            };
+        Operation::Count(patterns) | Operation::Time(patterns) | Operation::Trace(patterns) => {
             let mut out: Vec<Request> = Vec::new();
             let mut seen = BTreeSet::new();
             for p in patterns {
@@ -1594,6 +1822,11 @@ fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<V
                 for s in found {
                     let addr = s.addr.wrapping_add(slide);
                     if seen.insert(addr) {
+                        let action = match op {
+                            Operation::Time(_) => Action::Time,
+                            Operation::Trace(_) => Action::Trace(u32::try_from(out.len())?),
+                            _ => Action::Count,
+                        };
                         out.push(Request {
                             name: s.name.clone(),
                             addr,
@@ -1820,7 +2053,7 @@ impl Engine {
         };
         let started = Instant::now();
         let installed = live.splicer.installed.len();
-        let mut report = live.splicer.remove(&mut live.machine)?;
+        let report = live.splicer.remove(&mut live.machine)?;
         let removal = started.elapsed();
         let slide = live.survey.kaslr.slide;
         if matches!(self.op, Operation::Report { .. }) {
@@ -1841,8 +2074,6 @@ impl Engine {
             }
             return Ok(());
         }
-        let timed: BTreeSet<&str> = report.histograms.iter().map(|h| h.0.as_str()).collect();
-        report.counts.retain(|c| !timed.contains(c.0.as_str()));
         if !report.counts.is_empty() {
             let header = if kprobes_after.is_some() {
                 format!(
@@ -1881,14 +2112,32 @@ impl Engine {
                 _ => self.say(&format!("{n:>12}  {name}")),
             }
         }
+        let khz = if report.histograms.is_empty() && report.overruns.is_empty() {
+            0
+        } else {
+            let at = self.image.address("tsc_khz")?.wrapping_add(slide);
+            let mut b = [0u8; 4];
+            let mut mem = BackendMemory(&mut live.machine);
+            live.survey.space(&mut mem).read(at, &mut b)?;
+            u32::from_le_bytes(b).max(1)
+        };
+        if !report.overruns.is_empty() {
+            let names: BTreeMap<u64, &str> = live
+                .splicer
+                .trace_names
+                .iter()
+                .map(|(id, n)| (u64::from(*id), n.as_str()))
+                .collect();
+            for line in trace_lines(&report.records, &names, khz) {
+                self.say(&line);
+            }
+            self.say(&format!(
+                "trace: {} records; lost to ring overruns per vCPU: {:?}",
+                report.records.len(),
+                report.overruns
+            ));
+        }
         if !report.histograms.is_empty() {
-            let khz = {
-                let at = self.image.address("tsc_khz")?.wrapping_add(slide);
-                let mut b = [0u8; 4];
-                let mut mem = BackendMemory(&mut live.machine);
-                live.survey.space(&mut mem).read(at, &mut b)?;
-                u32::from_le_bytes(b)
-            };
             self.say(&format!(
                 "inclusive time per call (TSC {khz} kHz; {} calls not timed: in-flight table full; {} calls in flight at removal were given their return addresses back)",
                 report.timing_misses, report.returns_restored
@@ -1920,6 +2169,41 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Trace records as text, in TSC order: time since the first record, vCPU, entry (`->`
+/// with the first argument) or return (`<-` with the return value and the call's duration
+/// when its entry is in the trace).
+pub fn trace_lines(
+    records: &[(u32, TraceRecord)],
+    names: &BTreeMap<u64, &str>,
+    khz: u32,
+) -> Vec<String> {
+    let mut sorted: Vec<&(u32, TraceRecord)> = records.iter().collect();
+    sorted.sort_by_key(|(cpu, r)| (r.tsc, *cpu));
+    let first = sorted.first().map_or(0, |r| r.1.tsc);
+    let us = |cycles: u64| cycles as f64 * 1000.0 / f64::from(khz.max(1));
+    let mut open: BTreeMap<(u64, u32), u64> = BTreeMap::new();
+    sorted
+        .into_iter()
+        .map(|(cpu, r)| {
+            let name = names.get(&u64::from(r.id)).copied().unwrap_or("?");
+            let at = us(r.tsc.saturating_sub(first));
+            if r.kind == 1 {
+                open.insert((r.slot, r.id), r.tsc);
+                format!("{at:>14.3} us  cpu{cpu}  -> {name}(arg0={:#x})", r.value)
+            } else {
+                let took = open
+                    .remove(&(r.slot, r.id))
+                    .map(|t| format!("  [{:.3} us]", us(r.tsc.saturating_sub(t))))
+                    .unwrap_or_default();
+                format!(
+                    "{at:>14.3} us  cpu{cpu}  <- {name} = {}{took}",
+                    r.value as i64
+                )
+            }
+        })
+        .collect()
 }
 
 /// A log2 histogram of TSC cycles as text, bucket bounds in ns (bpftrace's `hist` style).
@@ -2114,6 +2398,14 @@ pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
     run(Operation::Time(args.functions.clone()), &args.live)
 }
 
+/// `exotap trace`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_trace(args: &TraceArgs) -> anyhow::Result<i32> {
+    run(Operation::Trace(args.functions.clone()), &args.live)
+}
+
 /// `exotap splice-report`.
 ///
 /// # Errors
@@ -2203,6 +2495,33 @@ mod tests {
             ]
         );
         assert!(page_spans(&now, &[(0x5000, vec![1])]).is_err());
+    }
+
+    #[test]
+    fn ring_decoding_keeps_the_newest_records_and_counts_overruns() {
+        let slots = 4u32;
+        let mut ring = vec![0u8; (RING_HEADER + 4 * TRACE_RECORD) as usize];
+        ring[..8].copy_from_slice(&6u64.to_le_bytes());
+        for n in 2u64..6 {
+            let o = (RING_HEADER + (n % 4) * TRACE_RECORD) as usize;
+            let tsc = if n == 5 { 0 } else { 100 + n };
+            ring[o..o + 8].copy_from_slice(&tsc.to_le_bytes());
+            ring[o + 8..o + 16].copy_from_slice(&(n * 10).to_le_bytes());
+            ring[o + 16..o + 20].copy_from_slice(&7u32.to_le_bytes());
+            ring[o + 20..o + 24].copy_from_slice(&1u32.to_le_bytes());
+        }
+
+        let (records, lost) = decode_ring(&ring, slots);
+
+        assert_eq!(lost, 2);
+        let tscs: Vec<u64> = records.iter().map(|r| r.tsc).collect();
+        assert_eq!(
+            tscs,
+            vec![102, 103, 104],
+            "the unfinished record (tsc 0) is left out"
+        );
+        assert_eq!(records[0].value, 20);
+        assert_eq!(records[0].id, 7);
     }
 
     #[test]

@@ -480,3 +480,54 @@ fn time_histograms_count_every_call_and_sleepers_get_their_return_addresses_back
         assert!(!log.contains(bad), "console has {bad}:\n{log}");
     }
 }
+
+#[test]
+fn trace_records_every_entry_and_return_with_the_return_value() {
+    if !have_qemu("trace_records_every_entry_and_return_with_the_return_value") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args([
+            "trace",
+            "__x64_sys_getppid",
+            "__x64_sys_pread64",
+            "--run",
+            "syscall-loop 50",
+            "--timeout",
+            "300",
+            "--console",
+        ])
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let ppid = result(&out, "getppid.value").unwrap();
+    let lines = |f: &str, arrow: &str| -> Vec<&str> {
+        out.lines()
+            .filter(|l| l.contains(&format!("{arrow} {f}")))
+            .collect()
+    };
+    assert_eq!(lines("__x64_sys_getppid", "->").len(), 50, "{ctx}");
+    let returns = lines("__x64_sys_getppid", "<-");
+    assert_eq!(returns.len(), 50, "{ctx}");
+    assert!(
+        returns.iter().all(|l| l.contains(&format!("= {ppid}  ["))),
+        "every return carries the value the workload got, and pairs with its entry\n{ctx}"
+    );
+    // syscall-loop preads 18 bytes (the small file's size) each time.
+    let preads = lines("__x64_sys_pread64", "<-");
+    assert_eq!(preads.len(), 50, "{ctx}");
+    assert!(preads.iter().all(|l| l.contains("= 18  [")), "{ctx}");
+    assert!(
+        out.contains("trace: 200 records; lost to ring overruns per vCPU: [0, 0]"),
+        "{ctx}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{ctx}"
+    );
+}
