@@ -347,11 +347,6 @@ impl LiveKernel {
         (va >= self.facts.text.0 && va < self.facts.text.1)
             .then(|| self.text_phys + (va - self.facts.text.0))
     }
-
-    /// The bytes of the text as read, `[start, end)`.
-    pub fn bytes_at(&self, start: u64, end: u64) -> Option<&[u8]> {
-        self.context().text.range(start, end)
-    }
 }
 
 /// Reads guest-physical memory in bulk through QEMU's `pmemsave` monitor command, which
@@ -934,7 +929,6 @@ pub struct Splicer {
     pub kernel: LiveKernel,
     heap_va: u64,
     heap_phys: u64,
-    heap_size: u64,
     data: PatchHeap,
     code: PatchHeap,
     return_thunk: Option<u64>,
@@ -1088,7 +1082,6 @@ impl Splicer {
             kernel,
             heap_va: plan.va,
             heap_phys: plan.phys,
-            heap_size: plan.size,
             data: PatchHeap::new(plan.va + REGION, plan.va + CODE_OFFSET)?,
             code: PatchHeap::new(plan.va + CODE_OFFSET, plan.va + plan.size)?,
             return_thunk,
@@ -1506,11 +1499,6 @@ impl Splicer {
         }
         Ok((n, restored))
     }
-
-    /// Heap bytes in use by splices (data, code).
-    pub fn heap_use(&self) -> (u64, u64, u64) {
-        (self.data.used(), self.code.used(), self.heap_size)
-    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -1918,6 +1906,9 @@ impl Engine {
             return Ok((survey, splicer, None));
         }
         let report = splicer.install(machine, &requests)?;
+        for s in &splicer.installed {
+            tracing::debug!("{} at {:#x}: patch at {:#x}", s.name, s.addr, s.patch);
+        }
         for r in &report.refused {
             self.refused_any = true;
             self.say(&format!(
@@ -1983,6 +1974,13 @@ impl Engine {
                 None => spliceable.push((name, ip)),
             }
         }
+        self.say(&format!(
+            "live text: {} KiB read in {:.2} s, {} functions analysed in {:.2} s",
+            (splicer.kernel.facts.text.1 - splicer.kernel.facts.text.0) >> 10,
+            splicer.kernel.read_time.as_secs_f64(),
+            splicer.kernel.facts.starts.len(),
+            splicer.kernel.analysis_time.as_secs_f64()
+        ));
         self.say(&format!(
             "ftrace sites (available_filter_functions): {}",
             sites.len()
