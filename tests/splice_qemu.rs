@@ -248,7 +248,9 @@ fn unknown_functions_are_refused_before_booting() {
 /// Bench, not a timed assertion: per-call cost of getpid unprobed, with the guest's own
 /// kprobe on it, and with exotap's counting splice, in one guest run with the same workload
 /// (syscall-loop times its own calls); and the install rate for 10,000 entry splices in one
-/// batch. Run: `cargo test --release --test splice_qemu -- --ignored --nocapture bench`.
+/// batch. Run: `cargo test --test splice_qemu -- --ignored --nocapture bench` (the per-call
+/// numbers are the guest's own and do not depend on how exotap was built; the install rate
+/// does: `exotap splice-report --install 10000` from a release build gives it for release).
 #[test]
 #[ignore = "bench: prints numbers (about 2 minutes under TCG)"]
 fn bench_splice_vs_kprobe_per_call_and_install_rate() {
