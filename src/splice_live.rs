@@ -1993,6 +1993,19 @@ impl Engine {
                 self.say(&l);
             }
         }
+        let mut entries: BTreeMap<String, usize> = BTreeMap::new();
+        for &start in &splicer.kernel.facts.starts {
+            *entries
+                .entry(category(&splicer.kernel.plan(start, patch)))
+                .or_default() += 1;
+        }
+        self.say(&format!(
+            "all function entries (kallsyms text symbols): {}",
+            splicer.kernel.facts.starts.len()
+        ));
+        for (k, n) in &entries {
+            self.say(&format!("  {n:>8}  {k}"));
+        }
         if let Some(n) = install {
             let requests: Vec<Request> = spliceable
                 .into_iter()
