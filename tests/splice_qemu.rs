@@ -535,3 +535,41 @@ fn trace_records_every_entry_and_return_with_the_return_value() {
         "{ctx}"
     );
 }
+
+#[test]
+fn replaced_getppid_runs_getpid_instead() {
+    if !have_qemu("replaced_getppid_runs_getpid_instead") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args([
+            "replace",
+            "__x64_sys_getppid",
+            "__x64_sys_getpid",
+            "--run",
+            "syscall-loop 50",
+            "--timeout",
+            "300",
+            "--console",
+        ])
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    // syscall-loop's getppid answered with its own pid, which getpid reports.
+    let pid = result(&out, "getpid.value").unwrap();
+    assert_eq!(result(&out, "getppid.value"), Some(pid), "{ctx}");
+    assert!(
+        out.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["50", "__x64_sys_getppid"]),
+        "{ctx}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{ctx}"
+    );
+}
