@@ -126,7 +126,7 @@ pub struct ScriptOptions {
 }
 
 /// Parses `GPA:SIZE` with SIZE in bytes or with a K/M/G suffix.
-fn parse_heap(text: &str) -> anyhow::Result<(u64, u64)> {
+pub(crate) fn parse_heap(text: &str) -> anyhow::Result<(u64, u64)> {
     let (gpa, size) = text
         .split_once(':')
         .with_context(|| format!("--heap {text}: expected GPA:SIZE, e.g. 0x3c000000:64M"))?;

@@ -1,0 +1,2581 @@
+//! Splicing a live guest over QEMU's gdbstub: `exotap count`, `exotap nullify`,
+//! `exotap replace`, `exotap splice-report` (DESIGN.md, key mechanism 2).
+//!
+//! With every vCPU stopped (gdbstub all-stop), exotap reads the guest's *live* kernel text
+//! (boot-time alternatives, jump labels, static calls and the guest's ftrace have rewritten
+//! it since the image was built), analyses all of it (CFG and liveness, so the planner sees
+//! every branch target), plans each requested site (splice, trap or refuse, with the
+//! reason), generates the patches into the patch heap, checks that every site still holds
+//! the bytes it planned over (a site that changed under exotap is refused and named), and
+//! writes the `jmp rel32`s in one batch. Removal, again with the guest stopped, writes back
+//! the exact original bytes where exotap's `jmp` still is; a SHA-256 of every text page
+//! touched, taken before the install and after the removal, shows the text is
+//! byte-identical.
+//!
+//! The kernel rewrites some text itself at run time: jump labels (`__jump_table`) and
+//! static calls (`.static_call_sites`, `.static_call.text`) are refused as self-patched;
+//! exception- and bug-table instructions as address-keyed; `.entry.text` and
+//! `.noinstr.text` as forbidden (they run before the kernel's page tables and state are
+//! set up, or must not be instrumented). Alternatives are applied once at boot, before any
+//! attach, so the live bytes already are their final form.
+//!
+//! The guest's ftrace (and kprobes on ftrace sites) also rewrites function entries: while a
+//! tracer is on a function its entry holds `call <ftrace trampoline>` instead of the nop5.
+//! A splice over that relocates the call as `push <entry+5>; jmp <trampoline>`, so ftrace
+//! sees the return address it expects. The guest's ftrace refuses (with a WARN) to change an
+//! entry that does not hold what it expects, so the order is: the guest enables its tracer,
+//! exotap splices, exotap unsplices, the guest disables its tracer.
+//!
+//! Patch-heap layout: below [`REGION`] belongs to the trap probes (src/trace.rs); from
+//! [`REGION`] the data area (counters) and from [`CODE_OFFSET`] the patches.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use exotap_guest_images::{self as images, GuestJob};
+use exotap_introspect::btf::Btf;
+use exotap_introspect::x86::{
+    ranges_from_starts, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
+};
+use exotap_probes::splice::{
+    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
+    TrapReason,
+};
+use exotap_vmm::control::{Machine, StopEvent};
+use exotap_vmm::gdb::GdbMachine;
+use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
+use iced_x86::code_asm::{rax, CodeAssembler};
+use iced_x86::Register;
+use sha2::{Digest, Sha256};
+
+use crate::attach::{self, Survey, TargetArgs};
+use crate::guest_memory::BackendMemory;
+use crate::kernel_image::{ImageArgs, KernelImage};
+
+/// Start of the splice engine's part of the patch heap (below: trap probes, src/trace.rs).
+pub const REGION: u64 = 0x10_0000;
+/// Start of the patches (between [`REGION`] and this: counters).
+pub const CODE_OFFSET: u64 = 0x20_0000;
+/// The most bytes one patch may take (a timed function's trampoline, entry half and
+/// relocated instruction take about 200, a traced one about 420).
+const MAX_PATCH: u64 = 512;
+/// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
+const AVERAGE_PATCH: u64 = 64;
+/// Text pages are hashed and compared in units of this size.
+const PAGE: u64 = 4096;
+/// Bytes per gdbstub read of the text (the client splits them into packets).
+const READ_CHUNK: usize = 1 << 20;
+
+// ---------------------------------------------------------------------------------------
+// What the kernel image says about its text.
+// ---------------------------------------------------------------------------------------
+
+/// Facts from the image, slid to the running kernel.
+#[derive(Debug, Default)]
+pub struct KernelFacts {
+    /// The text's range `[start, end)`.
+    pub text: (u64, u64),
+    /// Function start addresses (kallsyms `T`/`t` inside the text).
+    pub starts: Vec<u64>,
+    /// Ranges not to instrument.
+    pub forbidden: Vec<Range<u64>>,
+    /// Bytes the kernel rewrites at run time.
+    pub self_patched: Vec<Range<u64>>,
+    /// Instructions the kernel finds by address, sorted.
+    pub address_keyed: Vec<u64>,
+    /// Calls and returns the analysis must model specially.
+    pub config: AnalysisConfig,
+}
+
+/// The register an `__x86_indirect_thunk_REG` jumps through.
+fn thunk_register(name: &str) -> Option<Register> {
+    let suffix = name.strip_prefix("__x86_indirect_thunk_")?;
+    let reg = match suffix {
+        "rax" => Register::RAX,
+        "rbx" => Register::RBX,
+        "rcx" => Register::RCX,
+        "rdx" => Register::RDX,
+        "rsi" => Register::RSI,
+        "rdi" => Register::RDI,
+        "rbp" => Register::RBP,
+        "r8" => Register::R8,
+        "r9" => Register::R9,
+        "r10" => Register::R10,
+        "r11" => Register::R11,
+        "r12" => Register::R12,
+        "r13" => Register::R13,
+        "r14" => Register::R14,
+        "r15" => Register::R15,
+        _ => return None,
+    };
+    Some(reg)
+}
+
+/// A table of fixed-size entries between two symbols of the image (link-time contents).
+fn table<'i>(
+    image: &'i KernelImage,
+    start: &str,
+    stop: &str,
+    entry: usize,
+) -> anyhow::Result<(u64, &'i [u8])> {
+    let from = image.address(start)?;
+    let to = image.address(stop)?;
+    let len = usize::try_from(
+        to.checked_sub(from)
+            .context("table ends before it starts")?,
+    )?;
+    if len % entry != 0 {
+        bail!("{start}..{stop} is {len} bytes, not a multiple of {entry}");
+    }
+    let bytes = image
+        .vmlinux
+        .read_at(from, len)
+        .with_context(|| format!("cannot read {start}..{stop} from the image"))?;
+    Ok((from, bytes))
+}
+
+/// The address a 32-bit self-relative field at `table_addr + offset` points to.
+fn relative(table_addr: u64, bytes: &[u8], offset: usize) -> Option<u64> {
+    let raw: [u8; 4] = bytes.get(offset..offset + 4)?.try_into().ok()?;
+    let disp = i64::from(i32::from_le_bytes(raw));
+    Some(
+        table_addr
+            .wrapping_add(offset as u64)
+            .wrapping_add(disp as u64),
+    )
+}
+
+impl KernelFacts {
+    /// Reads the facts from the image and slides them.
+    ///
+    /// # Errors
+    /// When a symbol or table the engine relies on is missing.
+    pub fn from_image(image: &KernelImage, slide: u64) -> anyhow::Result<Self> {
+        let (start, end) = image
+            .vmlinux
+            .text_range()
+            .context("the image has no .text")?;
+        let s = |a: u64| a.wrapping_add(slide);
+        let mut facts = Self {
+            text: (s(start), s(end)),
+            ..Self::default()
+        };
+        let mut config = AnalysisConfig::new();
+        for sym in image.symbols.iter() {
+            if matches!(sym.kind, 'T' | 't' | 'W' | 'w') && sym.addr >= start && sym.addr < end {
+                facts.starts.push(s(sym.addr));
+            }
+            if sym.name == "__fentry__" {
+                config = config.with_call_effect(s(sym.addr), CallEffect::TRANSPARENT);
+            }
+            if sym.name == "__x86_return_thunk" {
+                config = config.with_return_thunk(s(sym.addr));
+            }
+            if let Some(reg) = thunk_register(&sym.name) {
+                config = config.with_call_effect(s(sym.addr), CallEffect::sysv_reading(reg));
+            }
+        }
+        facts.config = config;
+        for (from, to) in [
+            ("__entry_text_start", "__entry_text_end"),
+            ("__noinstr_text_start", "__noinstr_text_end"),
+        ] {
+            facts
+                .forbidden
+                .push(s(image.address(from)?)..s(image.address(to)?));
+        }
+        facts.self_patched.push(
+            s(image.address("__static_call_text_start")?)
+                ..s(image.address("__static_call_text_end")?),
+        );
+        // struct jump_entry { s32 code; s32 target; long key; }
+        let (at, bytes) = table(image, "__start___jump_table", "__stop___jump_table", 16)?;
+        for i in (0..bytes.len()).step_by(16) {
+            if let Some(code) = relative(at, bytes, i) {
+                facts.self_patched.push(s(code)..s(code) + 5);
+            }
+        }
+        // struct static_call_site { s32 addr; s32 key; }
+        let (at, bytes) = table(
+            image,
+            "__start_static_call_sites",
+            "__stop_static_call_sites",
+            8,
+        )?;
+        for i in (0..bytes.len()).step_by(8) {
+            if let Some(site) = relative(at, bytes, i) {
+                facts.self_patched.push(s(site)..s(site) + 5);
+            }
+        }
+        facts.self_patched.sort_by_key(|r| (r.start, r.end));
+        // struct exception_table_entry { int insn, fixup, data; }
+        let (at, bytes) = table(image, "__start___ex_table", "__stop___ex_table", 12)?;
+        for i in (0..bytes.len()).step_by(12) {
+            facts.address_keyed.extend(relative(at, bytes, i).map(s));
+        }
+        // struct bug_entry { s32 bug_addr_disp; s32 file_disp; u16 line; u16 flags; }
+        let (at, bytes) = table(image, "__start___bug_table", "__stop___bug_table", 12)?;
+        for i in (0..bytes.len()).step_by(12) {
+            facts.address_keyed.extend(relative(at, bytes, i).map(s));
+        }
+        facts.address_keyed.sort_unstable();
+        facts.address_keyed.dedup();
+        Ok(facts)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The live text and its analysis.
+// ---------------------------------------------------------------------------------------
+
+/// The running kernel's text as read from the stopped guest, analysed.
+pub struct LiveKernel {
+    /// Facts from the image.
+    pub facts: KernelFacts,
+    /// Guest-physical address of the text's first byte (the text is contiguous).
+    pub text_phys: u64,
+    bytes: Vec<u8>,
+    analysis: TextAnalysis,
+    /// Time to read the text over the gdbstub.
+    pub read_time: Duration,
+    /// Time to analyse it.
+    pub analysis_time: Duration,
+}
+
+impl std::fmt::Debug for LiveKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveKernel")
+            .field("text", &self.facts.text)
+            .field("functions", &self.analysis.functions().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LiveKernel {
+    /// Reads and analyses the live text of a stopped guest.
+    ///
+    /// # Errors
+    /// When the image lacks a table, or the text cannot be read.
+    pub fn read(
+        machine: &mut GdbMachine,
+        survey: &Survey,
+        image: &KernelImage,
+    ) -> anyhow::Result<Self> {
+        let facts = KernelFacts::from_image(image, survey.kaslr.slide)?;
+        let (start, end) = facts.text;
+        let text_va = image.address("_text")?.wrapping_add(survey.kaslr.slide);
+        let text_phys = survey.kaslr.text_phys + (start - text_va);
+        // The image is mapped contiguously; check both ends through the page tables.
+        for va in [start, end - 1] {
+            let t = survey
+                .space(&mut BackendMemory(&mut *machine))
+                .translate(va)
+                .with_context(|| format!("kernel text at {va:#x} is not mapped"))?;
+            if t.phys != text_phys + (va - start) {
+                bail!(
+                    "kernel text at {va:#x} maps to {:#x}, not {:#x}: not contiguous",
+                    t.phys,
+                    text_phys + (va - start)
+                );
+            }
+        }
+        let started = Instant::now();
+        let len = usize::try_from(end - start)?;
+        let bytes = match read_through_monitor(machine, text_phys, len) {
+            Some(bytes) => bytes,
+            None => {
+                let mut bytes = vec![0u8; len];
+                for (i, chunk) in bytes.chunks_mut(READ_CHUNK).enumerate() {
+                    let at = text_phys + (i * READ_CHUNK) as u64;
+                    machine
+                        .read_phys(at, chunk)
+                        .with_context(|| format!("cannot read the kernel text at {at:#x}"))?;
+                }
+                bytes
+            }
+        };
+        let read_time = started.elapsed();
+        let started = Instant::now();
+        let view = CodeView::new(start, &bytes)?;
+        let ranges = ranges_from_starts(&facts.starts, view.end());
+        let analysis = TextAnalysis::analyze(view, &ranges, &facts.config);
+        let analysis_time = started.elapsed();
+        tracing::info!(
+            "read {} KiB of live kernel text in {:.2} s ({:.1} MB/s), analysed {} functions in {:.2} s",
+            bytes.len() >> 10,
+            read_time.as_secs_f64(),
+            bytes.len() as f64 / read_time.as_secs_f64().max(1e-9) / 1e6,
+            analysis.functions().len(),
+            analysis_time.as_secs_f64()
+        );
+        Ok(Self {
+            facts,
+            text_phys,
+            bytes,
+            analysis,
+            read_time,
+            analysis_time,
+        })
+    }
+
+    /// The planner's context.
+    pub fn context(&self) -> SpliceContext<'_> {
+        SpliceContext {
+            text: CodeView::new(self.facts.text.0, &self.bytes)
+                .unwrap_or_else(|_| CodeView::new(0, &[]).unwrap_or_else(|_| unreachable!())),
+            analysis: &self.analysis,
+            forbidden: &self.facts.forbidden,
+            self_patched: &self.facts.self_patched,
+            address_keyed: &self.facts.address_keyed,
+        }
+    }
+
+    /// Plans a splice at `addr` for a patch at `patch`.
+    pub fn plan(&self, addr: u64, patch: u64) -> SpliceDecision {
+        plan(&self.context(), addr, patch)
+    }
+
+    /// Guest-physical address of a text address.
+    pub fn phys(&self, va: u64) -> Option<u64> {
+        (va >= self.facts.text.0 && va < self.facts.text.1)
+            .then(|| self.text_phys + (va - self.facts.text.0))
+    }
+}
+
+/// Reads guest-physical memory in bulk through QEMU's `pmemsave` monitor command, which
+/// writes it to a file: about a thousand times faster than the gdbstub's 2-KiB `m` packets,
+/// but only when QEMU runs on this host. The result is checked against pages read over the
+/// gdbstub; `None` (and the caller falls back to the gdbstub) when anything does not work.
+fn read_through_monitor(machine: &mut GdbMachine, phys: u64, len: usize) -> Option<Vec<u8>> {
+    let dir = tempfile::Builder::new()
+        .prefix("exotap-text-")
+        .tempdir()
+        .ok()?;
+    let path = dir.path().join("text.bin");
+    let path_text = path.to_str()?;
+    if path_text.contains('"') {
+        return None;
+    }
+    let command = format!("pmemsave {phys:#x} {len:#x} \"{path_text}\"");
+    if let Err(e) = machine.client().monitor(&command) {
+        tracing::debug!("pmemsave refused ({e}); reading the text over the gdbstub");
+        return None;
+    }
+    let bytes = std::fs::read(&path).ok()?;
+    if bytes.len() != len {
+        tracing::debug!("pmemsave wrote {} bytes, not {len}", bytes.len());
+        return None;
+    }
+    // QEMU on another host would have written somewhere else: compare samples.
+    for at in [0, len / 3, len / 2, len.saturating_sub(PAGE as usize)] {
+        let n = (PAGE as usize).min(len - at);
+        let mut check = vec![0u8; n];
+        machine.read_phys(phys + at as u64, &mut check).ok()?;
+        if check[..] != bytes[at..at + n] {
+            tracing::debug!("pmemsave's file differs from the gdbstub at +{at:#x}");
+            return None;
+        }
+    }
+    Some(bytes)
+}
+
+/// A one-line reason for a plan that is not a splice.
+pub fn why_not(decision: &SpliceDecision) -> Option<String> {
+    match decision {
+        SpliceDecision::Splice(_) => None,
+        SpliceDecision::Trap {
+            reason: TrapReason::ShortInstruction { len },
+            ..
+        } => Some(format!(
+            "the instruction there is {len} bytes, shorter than a 5-byte jmp (needs a trap probe)"
+        )),
+        SpliceDecision::Refuse(r) => Some(r.to_string()),
+    }
+}
+
+/// A short category name for a plan, for tallies.
+pub fn category(decision: &SpliceDecision) -> String {
+    match decision {
+        SpliceDecision::Splice(_) => "splice".into(),
+        SpliceDecision::Trap { .. } => "trap (short instruction)".into(),
+        SpliceDecision::Refuse(Refusal::Unsupported { mnemonic, .. }) => {
+            format!("refuse: unsupported {mnemonic:?}")
+        }
+        SpliceDecision::Refuse(r) => {
+            let name = format!("{r:?}");
+            format!("refuse: {}", name.split([' ', '{']).next().unwrap_or(""))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Installing and removing.
+// ---------------------------------------------------------------------------------------
+
+/// What a splice does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Count calls, then run the function.
+    Count,
+    /// Count, then return at once with this value in rax.
+    Nullify(u64),
+    /// Count, then jump to this other function (which returns to the caller).
+    Replace(u64),
+    /// Time every call from entry to return (rdtsc pairs) into a log2 histogram.
+    Time,
+    /// Record every entry (first argument) and return (return value) with its TSC in the
+    /// per-vCPU rings, under this function id.
+    Trace(u32),
+}
+
+/// One site asked for.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Name shown in output.
+    pub name: String,
+    /// Address of the instruction.
+    pub addr: u64,
+    /// What to do there.
+    pub action: Action,
+}
+
+/// One splice in place.
+#[derive(Debug, Clone)]
+pub struct Installed {
+    /// Name shown in output.
+    pub name: String,
+    /// The spliced instruction.
+    pub addr: u64,
+    /// Its original bytes (what removal writes back; only the first five change).
+    pub original: Vec<u8>,
+    /// The `jmp rel32` written there.
+    pub splice: [u8; 5],
+    /// The patch.
+    pub patch: u64,
+    /// The hit counter.
+    pub counter: u64,
+    /// For [`Action::Time`]: the histogram (64 log2 buckets of TSC cycles) and the return
+    /// trampoline.
+    pub timing: Option<(u64, u64)>,
+}
+
+/// A site that was not installed, and why.
+#[derive(Debug, Clone)]
+pub struct NotInstalled {
+    /// Name shown in output.
+    pub name: String,
+    /// The address.
+    pub addr: u64,
+    /// Why.
+    pub reason: String,
+}
+
+/// A snapshot of text pages (contents by page address).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PageSnapshot(pub BTreeMap<u64, Vec<u8>>);
+
+impl PageSnapshot {
+    /// SHA-256 over every page in address order (address, then contents).
+    pub fn digest(&self) -> String {
+        let mut h = Sha256::new();
+        for (addr, bytes) in &self.0 {
+            h.update(addr.to_le_bytes());
+            h.update(bytes);
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The bytes `[addr, addr+len)` if their pages are in the snapshot.
+    pub fn bytes(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(len);
+        for a in addr..addr.checked_add(len as u64)? {
+            let page = self.0.get(&(a & !(PAGE - 1)))?;
+            out.push(*page.get(usize::try_from(a & (PAGE - 1)).ok()?)?);
+        }
+        Some(out)
+    }
+
+    /// Pages whose contents differ from `other`'s (or are missing there).
+    pub fn differing(&self, other: &Self) -> Vec<u64> {
+        self.0
+            .iter()
+            .filter(|(a, b)| other.0.get(a) != Some(b))
+            .map(|(a, _)| *a)
+            .collect()
+    }
+}
+
+/// The pages holding `[addr, addr+len)` for every site.
+fn pages_of(sites: impl Iterator<Item = (u64, usize)>) -> BTreeSet<u64> {
+    let mut pages = BTreeSet::new();
+    for (addr, len) in sites {
+        let last = addr.wrapping_add(len.max(1) as u64 - 1);
+        let mut p = addr & !(PAGE - 1);
+        while p <= last {
+            pages.insert(p);
+            p += PAGE;
+        }
+    }
+    pages
+}
+
+/// Reads pages of kernel text through their physical addresses, coalescing runs.
+fn snapshot(
+    machine: &mut GdbMachine,
+    kernel: &LiveKernel,
+    pages: &BTreeSet<u64>,
+) -> anyhow::Result<PageSnapshot> {
+    let mut out = BTreeMap::new();
+    let list: Vec<u64> = pages.iter().copied().collect();
+    // Many pages: one bulk read of the span through the monitor, when QEMU is local.
+    if let (Some(&first), Some(&last)) = (list.first(), list.last()) {
+        let len = usize::try_from(last + PAGE - first)?;
+        if list.len() >= 64 {
+            if let Some(bulk) = kernel
+                .phys(first)
+                .and_then(|phys| read_through_monitor(machine, phys, len))
+            {
+                for &page in &list {
+                    let o = usize::try_from(page - first)?;
+                    out.insert(page, bulk[o..o + PAGE as usize].to_vec());
+                }
+                return Ok(PageSnapshot(out));
+            }
+        }
+    }
+    let mut i = 0;
+    while i < list.len() {
+        let mut j = i + 1;
+        while j < list.len() && list[j] == list[j - 1] + PAGE && j - i < 256 {
+            j += 1;
+        }
+        let first = list[i];
+        let phys = kernel
+            .phys(first)
+            .with_context(|| format!("{first:#x} is not kernel text"))?;
+        let mut buf = vec![0u8; (j - i) * PAGE as usize];
+        machine.read_phys(phys, &mut buf)?;
+        for (k, page) in buf.chunks(PAGE as usize).enumerate() {
+            out.insert(first + k as u64 * PAGE, page.to_vec());
+        }
+        i = j;
+    }
+    Ok(PageSnapshot(out))
+}
+
+/// Which sites still hold the bytes they were planned over, per a fresh snapshot.
+/// Returns the indices that changed, with what is there now.
+pub fn changed_sites(planned: &[(u64, Vec<u8>)], now: &PageSnapshot) -> Vec<(usize, Vec<u8>)> {
+    planned
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (addr, bytes))| {
+            let seen = now.bytes(*addr, bytes.len()).unwrap_or_default();
+            (seen != *bytes).then_some((i, seen))
+        })
+        .collect()
+}
+
+/// Bytes between two changed bytes of a page below which one write covers both: a
+/// gdbstub write costs about as much as sending this many more bytes (measured: ~0.2 ms
+/// per write, ~2 µs per byte).
+const MERGE_GAP: usize = 96;
+
+/// Applies byte writes to copies of the snapshot's pages and returns the spans to write:
+/// changes closer than [`MERGE_GAP`] within a page go in one span (with the unchanged bytes
+/// between them), since every gdbstub write is a round trip.
+///
+/// # Errors
+/// When a write falls outside the snapshot.
+pub fn page_spans(
+    now: &PageSnapshot,
+    writes: &[(u64, Vec<u8>)],
+) -> anyhow::Result<Vec<(u64, Vec<u8>)>> {
+    let mut pages: BTreeMap<u64, (Vec<u8>, BTreeSet<usize>)> = BTreeMap::new();
+    for (addr, bytes) in writes {
+        for (i, b) in bytes.iter().enumerate() {
+            let a = addr + i as u64;
+            let page = a & !(PAGE - 1);
+            let off = (a - page) as usize;
+            let entry = match pages.entry(page) {
+                std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    let copy = now
+                        .0
+                        .get(&page)
+                        .with_context(|| format!("{a:#x} is not in the snapshot"))?;
+                    v.insert((copy.clone(), BTreeSet::new()))
+                }
+            };
+            entry.0[off] = *b;
+            entry.1.insert(off);
+        }
+    }
+    let mut out = Vec::new();
+    for (page, (copy, offs)) in pages {
+        let mut span: Option<(usize, usize)> = None;
+        for off in offs {
+            span = match span {
+                Some((lo, hi)) if off - hi <= MERGE_GAP => Some((lo, off)),
+                Some((lo, hi)) => {
+                    out.push((page + lo as u64, copy[lo..=hi].to_vec()));
+                    Some((off, off))
+                }
+                None => Some((off, off)),
+            };
+        }
+        if let Some((lo, hi)) = span {
+            out.push((page + lo as u64, copy[lo..=hi].to_vec()));
+        }
+    }
+    Ok(out)
+}
+
+/// `jmp rel32` from `from` to `to`.
+fn jmp_rel32(from: u64, to: u64) -> anyhow::Result<[u8; 5]> {
+    let rel = i32::try_from(to.wrapping_sub(from.wrapping_add(5)) as i64)
+        .with_context(|| format!("{to:#x} is out of rel32 reach of {from:#x}"))?;
+    let mut out = [0xe9, 0, 0, 0, 0];
+    out[1..].copy_from_slice(&rel.to_le_bytes());
+    Ok(out)
+}
+
+/// A patch that counts and then returns `value` (nullify) or jumps to `other` (replace),
+/// never running the spliced instruction.
+fn diverting_patch(
+    at: u64,
+    counter: u64,
+    action: Action,
+    return_thunk: Option<u64>,
+) -> anyhow::Result<Vec<u8>> {
+    let mut a = CodeAssembler::new(64)?;
+    // Flags are dead at a function entry (SysV: callers assume they are clobbered).
+    let mut inc = iced_x86::Instruction::with1(
+        iced_x86::Code::Inc_rm64,
+        iced_x86::MemoryOperand::with_base_displ(Register::RIP, counter as i64),
+    )?;
+    inc.set_has_lock_prefix(true);
+    a.add_instruction(inc)?;
+    a.set_prefer_short_branch(false);
+    match action {
+        Action::Nullify(value) => {
+            a.mov(rax, value)?;
+            match return_thunk {
+                Some(thunk) => a.jmp(thunk)?,
+                None => a.ret()?,
+            }
+        }
+        Action::Replace(other) => a.jmp(other)?,
+        Action::Count | Action::Time | Action::Trace(_) => {
+            bail!("this patch relocates the original instruction")
+        }
+    }
+    Ok(a.assemble(at)?)
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry/exit pairs inside the guest (`exotap time`).
+//
+// The entry patch claims a slot in a table of calls in flight, keyed by the address of the
+// return-address slot on the stack (unique per call in flight: tasks have their own stacks,
+// and nested calls sit deeper), stores the original return address and an rdtsc there, and
+// swaps the return address for the function's return trampoline. The trampoline finds the
+// slot again (the `ret` left rsp just above it), puts the original return address back
+// where `ret` will pop it, adds the elapsed cycles to a log2 histogram, frees the slot and
+// returns to the caller. A full table (more than INFLIGHT calls in flight) skips the timing
+// of that call and counts a miss. Removal puts back every swapped return address still on
+// a stack, as kretprobes do; the trampolines stay in the heap for calls in the middle of one.
+// ---------------------------------------------------------------------------------------
+
+/// Slots of the table of calls in flight (a power of two).
+const INFLIGHT: u64 = 4096;
+/// Slots tried after the hashed one.
+const PROBE_SLOTS: u32 = 8;
+/// Bytes per slot: key (stack slot address), original return address, entry TSC, unused.
+const SLOT: u64 = 32;
+/// Histogram buckets (log2 of cycles).
+pub const BUCKETS: usize = 64;
+
+fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
+    iced_x86::MemoryOperand::with_base_displ(Register::RIP, addr as i64)
+}
+
+/// rcx = &table[hash(rsi)]; clobbers rax.
+fn emit_hash(a: &mut CodeAssembler, table: u64) -> anyhow::Result<()> {
+    use iced_x86::code_asm::{eax, rcx, rsi};
+    a.mov(rax, rsi)?;
+    a.shr(rax, 4)?;
+    a.mov(rcx, rsi)?;
+    a.shr(rcx, 14)?;
+    a.xor(rax, rcx)?;
+    a.and(eax, (INFLIGHT - 1) as i32)?;
+    a.shl(rax, SLOT.trailing_zeros())?;
+    a.add_instruction(iced_x86::Instruction::with2(
+        iced_x86::Code::Lea_r64_m,
+        Register::RCX,
+        rip_mem(table),
+    )?)?;
+    a.add(rcx, rax)?;
+    Ok(())
+}
+
+/// Per-vCPU ring buffers of entry/exit records (`exotap trace`).
+///
+/// Each vCPU's ring is a 64-byte header (the `u64` head: records ever reserved, with
+/// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
+/// first argument at entry, the return value at exit), function id at +16, kind at +20
+/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit). The TSC is stored
+/// last. The host reads the rings at removal: a ring whose head passed `slots` lost
+/// `head - slots` records (overruns).
+#[derive(Debug, Clone, Copy)]
+pub struct Rings {
+    /// The first ring.
+    pub base: u64,
+    /// Records per ring (a power of two).
+    pub slots: u32,
+    /// Rings (vCPUs).
+    pub cpus: u32,
+    /// The per-CPU offset of `cpu_number` (gs-relative).
+    pub cpu_number: u64,
+}
+
+/// Bytes per trace record.
+pub const TRACE_RECORD: u64 = 32;
+const RING_HEADER: u64 = 64;
+
+impl Rings {
+    /// Bytes of one vCPU's ring.
+    pub fn ring_bytes(&self) -> u64 {
+        RING_HEADER + u64::from(self.slots) * TRACE_RECORD
+    }
+}
+
+/// Writes one record; r8 = TSC, `value` = the value, rsi = the stack slot. Clobbers rax,
+/// rcx, rdx and the flags.
+fn emit_record(
+    a: &mut CodeAssembler,
+    rings: &Rings,
+    id: u32,
+    kind: u32,
+    value: iced_x86::code_asm::AsmRegister64,
+) -> anyhow::Result<()> {
+    use iced_x86::code_asm::{dword_ptr, eax, edx, qword_ptr, r8, rcx, rdx, rsi};
+    let mut skip = a.create_label();
+    let mut cpu = iced_x86::Instruction::with2(
+        iced_x86::Code::Mov_r32_rm32,
+        Register::EAX,
+        iced_x86::MemoryOperand::with_base_displ(Register::None, rings.cpu_number as i64),
+    )?;
+    cpu.set_segment_prefix(Register::GS);
+    cpu.set_memory_displ_size(4);
+    a.add_instruction(cpu)?;
+    a.cmp(eax, rings.cpus)?;
+    a.jae(skip)?;
+    a.imul_3(rax, rax, i32::try_from(rings.ring_bytes())?)?;
+    a.add_instruction(iced_x86::Instruction::with2(
+        iced_x86::Code::Lea_r64_m,
+        Register::RCX,
+        rip_mem(rings.base),
+    )?)?;
+    a.add(rcx, rax)?;
+    a.mov(edx, 1)?;
+    a.lock().xadd(qword_ptr(rcx), rdx)?;
+    a.and(edx, rings.slots - 1)?;
+    a.shl(rdx, TRACE_RECORD.trailing_zeros())?;
+    a.lea(rdx, qword_ptr(rcx + rdx + RING_HEADER as i32))?;
+    a.mov(qword_ptr(rdx + 8), value)?;
+    a.mov(dword_ptr(rdx + 16), id)?;
+    a.mov(dword_ptr(rdx + 20), kind)?;
+    a.mov(qword_ptr(rdx + 24), rsi)?;
+    a.mov(qword_ptr(rdx), r8)?;
+    a.set_label(&mut skip)?;
+    a.nop()?;
+    Ok(())
+}
+
+/// The entry half: claim a slot, save the return address and the TSC, swap in the
+/// trampoline (and with `trace`, record the entry with the first argument). Preserves every
+/// register and (function entry) needs no flags.
+fn timing_entry(
+    at: u64,
+    table: u64,
+    misses: u64,
+    trampoline: u64,
+    trace: Option<(&Rings, u32)>,
+) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{eax, edx, qword_ptr, r8, rcx, rdi, rdx, rsi, rsp};
+    let mut a = CodeAssembler::new(64)?;
+    let mut probe = a.create_label();
+    let mut claim = a.create_label();
+    let mut done = a.create_label();
+    a.push(rax)?;
+    a.push(rcx)?;
+    a.push(rdx)?;
+    a.push(rsi)?;
+    a.push(r8)?;
+    a.lea(rsi, qword_ptr(rsp + 40))?;
+    emit_hash(&mut a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.xor(eax, eax)?;
+    a.lock().cmpxchg(qword_ptr(rcx), rsi)?;
+    a.je(claim)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)?;
+    let mut inc = iced_x86::Instruction::with1(iced_x86::Code::Inc_rm64, rip_mem(misses))?;
+    inc.set_has_lock_prefix(true);
+    a.add_instruction(inc)?;
+    a.jmp(done)?;
+    a.set_label(&mut claim)?;
+    a.mov(rax, qword_ptr(rsi))?;
+    a.mov(qword_ptr(rcx + 8), rax)?;
+    a.add_instruction(iced_x86::Instruction::with2(
+        iced_x86::Code::Lea_r64_m,
+        Register::RAX,
+        rip_mem(trampoline),
+    )?)?;
+    a.mov(qword_ptr(rsi), rax)?;
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.mov(qword_ptr(rcx + 16), rax)?;
+    if let Some((rings, id)) = trace {
+        a.mov(r8, rax)?;
+        emit_record(&mut a, rings, id, 1, rdi)?;
+    }
+    a.set_label(&mut done)?;
+    a.pop(r8)?;
+    a.pop(rsi)?;
+    a.pop(rdx)?;
+    a.pop(rcx)?;
+    a.pop(rax)?;
+    Ok(a.assemble(at)?)
+}
+
+/// The return trampoline of one timed (histogram) or traced (ring record) function.
+fn timing_trampoline(
+    at: u64,
+    table: u64,
+    histogram: u64,
+    trace: Option<(&Rings, u32)>,
+) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{edx, qword_ptr, r8, r9, rcx, rdx, rsi, rsp};
+    let mut a = CodeAssembler::new(64)?;
+    let mut probe = a.create_label();
+    let mut found = a.create_label();
+    a.lea(rsp, qword_ptr(rsp - 8))?; // the slot `ret` popped; no flags touched
+    a.push(rax)?;
+    a.push(rcx)?;
+    a.push(rdx)?;
+    a.push(rsi)?;
+    a.push(r8)?;
+    a.push(r9)?;
+    a.pushfq()?;
+    a.mov(r9, rax)?; // the return value
+    a.lea(rsi, qword_ptr(rsp + 56))?;
+    emit_hash(&mut a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.cmp(qword_ptr(rcx), rsi)?;
+    a.je(found)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)?;
+    a.ud2()?; // no slot: cannot happen unless the table was overwritten
+    a.set_label(&mut found)?;
+    a.mov(rax, qword_ptr(rcx + 8))?;
+    a.mov(qword_ptr(rsi), rax)?;
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.mov(r8, rax)?;
+    a.sub(rax, qword_ptr(rcx + 16))?;
+    a.mov(qword_ptr(rcx), 0)?;
+    match trace {
+        Some((rings, id)) => emit_record(&mut a, rings, id, 2, r9)?,
+        None => {
+            a.or(rax, 1)?;
+            a.bsr(rdx, rax)?;
+            a.add_instruction(iced_x86::Instruction::with2(
+                iced_x86::Code::Lea_r64_m,
+                Register::RCX,
+                rip_mem(histogram),
+            )?)?;
+            a.lock().inc(qword_ptr(rcx + rdx * 8))?;
+        }
+    }
+    a.popfq()?;
+    a.pop(r9)?;
+    a.pop(r8)?;
+    a.pop(rsi)?;
+    a.pop(rdx)?;
+    a.pop(rcx)?;
+    a.pop(rax)?;
+    a.ret()?;
+    Ok(a.assemble(at)?)
+}
+
+/// A splicing session on a stopped guest: heap, kernel, what is in place.
+pub struct Splicer {
+    /// The live kernel.
+    pub kernel: LiveKernel,
+    heap_va: u64,
+    heap_phys: u64,
+    data: PatchHeap,
+    code: PatchHeap,
+    return_thunk: Option<u64>,
+    /// The table of timed calls in flight and its miss counter, once allocated.
+    inflight: Option<(u64, u64)>,
+    /// The kernel's page tables (to reach stacks).
+    survey: Survey,
+    /// Every return trampoline installed in this session.
+    installed_timing: Vec<u64>,
+    /// The trace rings, once allocated.
+    pub rings: Option<Rings>,
+    /// The per-CPU offset of `cpu_number`.
+    cpu_number: Option<u64>,
+    /// Names of traced functions by id.
+    pub trace_names: Vec<(u32, String)>,
+    /// Splices in place.
+    pub installed: Vec<Installed>,
+    /// The touched pages as they were before the install.
+    pub before: PageSnapshot,
+}
+
+impl std::fmt::Debug for Splicer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Splicer")
+            .field("heap_va", &self.heap_va)
+            .field("installed", &self.installed.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What an install did.
+#[derive(Debug, Clone, Default)]
+pub struct InstallReport {
+    /// Sites refused (planner, patch generation, or changed under us).
+    pub refused: Vec<NotInstalled>,
+    /// Time to plan and generate.
+    pub plan_time: Duration,
+    /// Time to snapshot, check and write (the guest stopped).
+    pub write_time: Duration,
+}
+
+/// What a removal found.
+#[derive(Debug, Clone, Default)]
+pub struct RemoveReport {
+    /// Hits per installed site, in install order.
+    pub counts: Vec<(String, u64, u64)>,
+    /// Sites exotap found changed by someone else (left alone).
+    pub changed: Vec<NotInstalled>,
+    /// Digest of the touched pages before the install.
+    pub before: String,
+    /// Digest after the removal.
+    pub after: String,
+    /// Pages that differ.
+    pub differing: Vec<u64>,
+    /// Number of pages compared.
+    pub pages: usize,
+    /// For timed functions: name and histogram (log2 buckets of TSC cycles).
+    pub histograms: Vec<(String, Vec<u64>)>,
+    /// Timed calls skipped because the table of calls in flight was full.
+    pub timing_misses: u64,
+    /// Timed calls in flight at removal whose return address was put back.
+    pub returns_restored: usize,
+    /// Trace records (cpu, record), oldest first per vCPU.
+    pub records: Vec<(u32, TraceRecord)>,
+    /// Records lost per vCPU (ring overruns).
+    pub overruns: Vec<u64>,
+}
+
+/// One entry or exit record of `exotap trace`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceRecord {
+    /// TSC.
+    pub tsc: u64,
+    /// First argument (entry) or return value (exit).
+    pub value: u64,
+    /// Function id (index of the request).
+    pub id: u32,
+    /// 1 entry, 2 exit.
+    pub kind: u32,
+    /// The call's stack slot (pairs entry and exit).
+    pub slot: u64,
+}
+
+/// Decodes one vCPU's ring: the records still there, oldest first, and how many were lost.
+pub fn decode_ring(ring: &[u8], slots: u32) -> (Vec<TraceRecord>, u64) {
+    let word = |o: usize| {
+        ring.get(o..o + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    let half = |o: usize| {
+        ring.get(o..o + 4)
+            .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    let head = word(0);
+    let slots = u64::from(slots);
+    let lost = head.saturating_sub(slots);
+    let mut out = Vec::new();
+    for n in lost..head {
+        let o = (RING_HEADER + (n % slots) * TRACE_RECORD) as usize;
+        let r = TraceRecord {
+            tsc: word(o),
+            value: word(o + 8),
+            id: half(o + 16),
+            kind: half(o + 20),
+            slot: word(o + 24),
+        };
+        // A record whose vCPU stopped before its TSC (stored last) is incomplete.
+        if r.tsc != 0 {
+            out.push(r);
+        }
+    }
+    (out, lost)
+}
+
+impl Splicer {
+    /// Maps the patch heap (if not yet) and reads the live text; the guest must be stopped.
+    ///
+    /// # Errors
+    /// When the heap cannot be mapped or the text read.
+    pub fn new(
+        machine: &mut GdbMachine,
+        survey: &Survey,
+        image: &KernelImage,
+        heap: (u64, u64),
+    ) -> anyhow::Result<Self> {
+        // With a high KASLR slide the whole hidden range may not fit below the module
+        // area: map as much of it as fits (splices need a few MiB).
+        let mut size = heap.1;
+        let plan = loop {
+            match attach::map_patch_heap(machine, survey, heap.0, size) {
+                Ok(plan) => break plan,
+                Err(e) if size > 4 << 20 => {
+                    tracing::debug!("patch heap of {} MiB: {e:#}; trying half", size >> 20);
+                    size /= 2;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        if plan.size <= CODE_OFFSET + MAX_PATCH {
+            bail!(
+                "the patch heap ({} bytes) is too small for splices",
+                plan.size
+            );
+        }
+        let kernel = LiveKernel::read(machine, survey, image)?;
+        let return_thunk = image
+            .symbols
+            .get("__x86_return_thunk")
+            .map(|s| s.addr.wrapping_add(survey.kaslr.slide));
+        Ok(Self {
+            kernel,
+            heap_va: plan.va,
+            heap_phys: plan.phys,
+            data: PatchHeap::new(plan.va + REGION, plan.va + CODE_OFFSET)?,
+            code: PatchHeap::new(plan.va + CODE_OFFSET, plan.va + plan.size)?,
+            return_thunk,
+            inflight: None,
+            survey: survey.clone(),
+            installed_timing: Vec::new(),
+            rings: None,
+            // A per-CPU symbol: an offset from the GS base, not slid.
+            cpu_number: image.symbols.get("cpu_number").map(|s| s.addr),
+            trace_names: Vec::new(),
+            installed: Vec::new(),
+            before: PageSnapshot::default(),
+        })
+    }
+
+    fn heap_phys(&self, va: u64) -> u64 {
+        self.heap_phys + (va - self.heap_va)
+    }
+
+    /// Plans, generates and installs `requests` in one batch (the guest stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be written (sites already written stay listed in
+    /// `installed`, so removal puts them back).
+    pub fn install(
+        &mut self,
+        machine: &mut GdbMachine,
+        requests: &[Request],
+    ) -> anyhow::Result<InstallReport> {
+        let started = Instant::now();
+        let mut report = InstallReport::default();
+        // One block of counters and one of code for the whole batch, each written to the
+        // guest with one write.
+        let n = u64::try_from(requests.len())?.max(1);
+        let data_block = self.data.alloc(8 * n, 64)?;
+        let block_size = requests
+            .iter()
+            .map(|r| match r.action {
+                Action::Time | Action::Trace(_) => MAX_PATCH,
+                _ => AVERAGE_PATCH,
+            })
+            .sum::<u64>()
+            .max(MAX_PATCH);
+        let code_block = match self.code.alloc(block_size, 16) {
+            Ok(block) => block,
+            Err(e) => {
+                let _ = self.data.free(data_block);
+                return Err(e.into());
+            }
+        };
+        let mut code_buf: Vec<u8> = Vec::new();
+        // Histograms and the table of calls in flight, zeroed before the jumps go in.
+        let mut zero: Vec<(u64, u64)> = Vec::new();
+        let paired = |a: Action| matches!(a, Action::Time | Action::Trace(_));
+        if self.rings.is_none()
+            && requests
+                .iter()
+                .any(|r| matches!(r.action, Action::Trace(_)))
+        {
+            let cpu_number = self
+                .cpu_number
+                .context("the kernel has no cpu_number per-CPU variable")?;
+            let cpus = u32::try_from(self.survey.layout.per_cpu_offsets.len().max(1))?;
+            // 512 KiB of records in all.
+            let slots = ((512 << 10) / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 16);
+            let slots = 1u32 << (63 - slots.leading_zeros());
+            let mut rings = Rings {
+                base: 0,
+                slots,
+                cpus,
+                cpu_number,
+            };
+            let bytes = rings.ring_bytes() * u64::from(cpus);
+            rings.base = self.data.alloc(bytes, 64)?;
+            zero.push((rings.base, bytes));
+            self.rings = Some(rings);
+        }
+        if self.inflight.is_none() && requests.iter().any(|r| paired(r.action)) {
+            let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
+            let table = self.data.alloc(bytes, 64)?;
+            let misses = self.data.alloc(8, 8)?;
+            zero.push((table, bytes));
+            zero.push((misses, 8));
+            self.inflight = Some((table, misses));
+        }
+        // (request, site bytes, splice, patch, counter, timing)
+        #[allow(clippy::type_complexity)]
+        let mut ready: Vec<(usize, Vec<u8>, [u8; 5], u64, u64, Option<(u64, u64)>)> = Vec::new();
+        let mut seen = BTreeSet::new();
+        for (i, req) in requests.iter().enumerate() {
+            let refuse = |reason: String| NotInstalled {
+                name: req.name.clone(),
+                addr: req.addr,
+                reason,
+            };
+            if !seen.insert(req.addr) || self.installed.iter().any(|s| s.addr == req.addr) {
+                report
+                    .refused
+                    .push(refuse("another splice is already at this address".into()));
+                continue;
+            }
+            let patch = code_block + code_buf.len() as u64;
+            let counter = data_block + 8 * i as u64;
+            let site: Site = match self.kernel.plan(req.addr, patch) {
+                SpliceDecision::Splice(site) => site,
+                other => {
+                    report
+                        .refused
+                        .push(refuse(why_not(&other).unwrap_or_default()));
+                    continue;
+                }
+            };
+            let mut timing = None;
+            let built = match req.action {
+                Action::Time | Action::Trace(_) => {
+                    let (table, misses) = self.inflight.unwrap_or_default();
+                    let trace = match (req.action, &self.rings) {
+                        (Action::Trace(id), Some(rings)) => Some((rings, id)),
+                        _ => None,
+                    };
+                    let hist = if trace.is_none() {
+                        let hist = self.data.alloc(BUCKETS as u64 * 8, 64)?;
+                        zero.push((hist, BUCKETS as u64 * 8));
+                        hist
+                    } else {
+                        0
+                    };
+                    timing = Some((hist, patch));
+                    (|| -> anyhow::Result<(Vec<u8>, [u8; 5])> {
+                        let mut code = timing_trampoline(patch, table, hist, trace)?;
+                        code.resize(code.len().div_ceil(16) * 16, 0xcc);
+                        let entry_at = patch + code.len() as u64;
+                        let entry = timing_entry(entry_at, table, misses, patch, trace)?;
+                        let reloc_at = entry_at + entry.len() as u64;
+                        let moved = generate(&PatchRequest {
+                            original: &site.bytes,
+                            addr: site.addr,
+                            patch: reloc_at,
+                            probes: &[],
+                            live: site.live,
+                            call_return: exotap_probes::splice::CallReturn::default(),
+                        })?;
+                        code.extend_from_slice(&entry);
+                        code.extend_from_slice(&moved.code);
+                        Ok((code, jmp_rel32(req.addr, entry_at)?))
+                    })()
+                    .map_err(|e| format!("{e:#}"))
+                }
+                Action::Count => {
+                    let probes = [Probe::Count { counter }];
+                    generate(&PatchRequest::for_site(&site, patch, &probes))
+                        .map(|p| (p.code, p.splice))
+                        .map_err(|e| format!("{e:#}"))
+                }
+                action => diverting_patch(patch, counter, action, self.return_thunk)
+                    .and_then(|code| Ok((code, jmp_rel32(req.addr, patch)?)))
+                    .map_err(|e| format!("{e:#}")),
+            };
+            match built {
+                Ok((code, _)) if code_buf.len() as u64 + code.len() as u64 > block_size => {
+                    report.refused.push(refuse(format!(
+                        "the batch's {block_size} bytes of patch space are used up"
+                    )));
+                }
+                Ok((code, splice)) if code.len() as u64 <= MAX_PATCH => {
+                    code_buf.extend_from_slice(&code);
+                    code_buf.resize(code_buf.len().div_ceil(16) * 16, 0xcc);
+                    ready.push((i, site.bytes.clone(), splice, patch, counter, timing));
+                }
+                Ok((code, _)) => report.refused.push(refuse(format!(
+                    "the patch is {} bytes, too big",
+                    code.len()
+                ))),
+                Err(e) => report
+                    .refused
+                    .push(refuse(format!("no patch can be generated: {e}"))),
+            }
+        }
+        if code_buf.is_empty() {
+            let _ = self.code.free(code_block);
+        } else {
+            self.code.shrink(code_block, code_buf.len() as u64)?;
+        }
+        report.plan_time = started.elapsed();
+        let started = Instant::now();
+        // Snapshot the pages about to change (also the "before" of the text hash), and
+        // check every site still holds what was planned over.
+        let pages = pages_of(ready.iter().map(|r| (requests[r.0].addr, r.1.len())));
+        let now = snapshot(machine, &self.kernel, &pages)?;
+        tracing::debug!(
+            "{} pages read in {:.3} s",
+            pages.len(),
+            started.elapsed().as_secs_f64()
+        );
+        let planned: Vec<(u64, Vec<u8>)> = ready
+            .iter()
+            .map(|r| (requests[r.0].addr, r.1.clone()))
+            .collect();
+        let changed = changed_sites(&planned, &now);
+        let changed_idx: BTreeSet<usize> = changed.iter().map(|c| c.0).collect();
+        for (k, seen_now) in &changed {
+            let req = &requests[ready[*k].0];
+            report.refused.push(NotInstalled {
+                name: req.name.clone(),
+                addr: req.addr,
+                reason: format!(
+                    "the site changed under exotap: planned over {}, now holds {}",
+                    hex(&ready[*k].1),
+                    hex(seen_now)
+                ),
+            });
+        }
+        // Counters (zeroed) and patches first, then the jumps, page by page.
+        machine.write_phys(self.heap_phys(data_block), &vec![0u8; 8 * n as usize])?;
+        for (at, len) in zero {
+            machine.write_phys(self.heap_phys(at), &vec![0u8; usize::try_from(len)?])?;
+        }
+        if !code_buf.is_empty() {
+            machine.write_phys(self.heap_phys(code_block), &code_buf)?;
+        }
+        let keep: Vec<_> = ready
+            .into_iter()
+            .enumerate()
+            .filter(|(k, _)| !changed_idx.contains(k))
+            .map(|(_, r)| r)
+            .collect();
+        let writes: Vec<(u64, Vec<u8>)> = keep
+            .iter()
+            .map(|r| (requests[r.0].addr, r.2.to_vec()))
+            .collect();
+        self.write_text(machine, &now, &writes)?;
+        for (addr, bytes) in now.0 {
+            self.before.0.entry(addr).or_insert(bytes);
+        }
+        for r in keep {
+            let req = &requests[r.0];
+            self.installed.push(Installed {
+                name: req.name.clone(),
+                addr: req.addr,
+                original: r.1,
+                splice: r.2,
+                patch: r.3,
+                counter: r.4,
+                timing: r.5,
+            });
+            if let Some((_, trampoline)) = r.5 {
+                self.installed_timing.push(trampoline);
+            }
+            if let Action::Trace(id) = req.action {
+                self.trace_names.push((id, req.name.clone()));
+            }
+        }
+        report.write_time = started.elapsed();
+        Ok(report)
+    }
+
+    /// Writes `writes` into the text: each page's changed span at once.
+    fn write_text(
+        &self,
+        machine: &mut GdbMachine,
+        now: &PageSnapshot,
+        writes: &[(u64, Vec<u8>)],
+    ) -> anyhow::Result<()> {
+        let spans = page_spans(now, writes)?;
+        tracing::debug!(
+            "{} text writes: {} spans, {} bytes",
+            writes.len(),
+            spans.len(),
+            spans.iter().map(|s| s.1.len()).sum::<usize>()
+        );
+        for (addr, bytes) in spans {
+            let phys = self
+                .kernel
+                .phys(addr)
+                .with_context(|| format!("{addr:#x} is not kernel text"))?;
+            machine.write_phys(phys, &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Reads every counter (the guest stopped).
+    ///
+    /// # Errors
+    /// When the heap cannot be read.
+    pub fn counts(&self, machine: &mut GdbMachine) -> anyhow::Result<Vec<(String, u64, u64)>> {
+        if self.installed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let lo = self.installed.iter().map(|s| s.counter).min().unwrap_or(0);
+        let hi = self.installed.iter().map(|s| s.counter).max().unwrap_or(0) + 8;
+        let mut buf = vec![0u8; usize::try_from(hi - lo)?];
+        machine.read_phys(self.heap_phys(lo), &mut buf)?;
+        Ok(self
+            .installed
+            .iter()
+            .map(|s| {
+                let o = (s.counter - lo) as usize;
+                let raw: [u8; 8] = buf[o..o + 8].try_into().unwrap_or_default();
+                (s.name.clone(), s.addr, u64::from_le_bytes(raw))
+            })
+            .collect())
+    }
+
+    /// Reads the counters, writes back every original instruction where exotap's `jmp` still
+    /// is, and compares the touched pages with their state before the install (the guest
+    /// stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or written.
+    pub fn remove(&mut self, machine: &mut GdbMachine) -> anyhow::Result<RemoveReport> {
+        let counts = self.counts(machine)?;
+        let mut report = RemoveReport {
+            // Timed and traced sites have no counter.
+            counts: counts
+                .into_iter()
+                .zip(&self.installed)
+                .filter(|(_, s)| s.timing.is_none())
+                .map(|(c, _)| c)
+                .collect(),
+            ..RemoveReport::default()
+        };
+        for s in &self.installed {
+            if let Some((hist, _)) = s.timing.filter(|t| t.0 != 0) {
+                let mut buf = vec![0u8; BUCKETS * 8];
+                machine.read_phys(self.heap_phys(hist), &mut buf)?;
+                let buckets = buf
+                    .chunks(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect();
+                report.histograms.push((s.name.clone(), buckets));
+            }
+        }
+        if let Some(rings) = self.rings {
+            for cpu in 0..rings.cpus {
+                let at = rings.base + u64::from(cpu) * rings.ring_bytes();
+                let mut buf = vec![0u8; usize::try_from(rings.ring_bytes())?];
+                machine.read_phys(self.heap_phys(at), &mut buf)?;
+                let (records, lost) = decode_ring(&buf, rings.slots);
+                report.records.extend(records.into_iter().map(|r| (cpu, r)));
+                report.overruns.push(lost);
+            }
+        }
+        let pages = pages_of(self.installed.iter().map(|s| (s.addr, s.original.len())));
+        let now = snapshot(machine, &self.kernel, &pages)?;
+        let mut writes = Vec::new();
+        for s in std::mem::take(&mut self.installed) {
+            let seen = now.bytes(s.addr, 5).unwrap_or_default();
+            if seen == s.splice {
+                writes.push((s.addr, s.original[..5].to_vec()));
+            } else if seen != s.original[..5] {
+                report.changed.push(NotInstalled {
+                    name: s.name,
+                    addr: s.addr,
+                    reason: format!(
+                        "someone else changed the site: exotap wrote {}, it holds {}; left alone",
+                        hex(&s.splice),
+                        hex(&seen)
+                    ),
+                });
+            }
+        }
+        self.write_text(machine, &now, &writes)?;
+        if let Some((table, misses)) = self.inflight {
+            let (n, restored) = self.restore_returns(machine, table)?;
+            report.returns_restored = restored;
+            let mut m = [0u8; 8];
+            machine.read_phys(self.heap_phys(misses), &mut m)?;
+            report.timing_misses = u64::from_le_bytes(m);
+            tracing::debug!(
+                "{n} timed calls in flight at removal, {restored} return addresses put back"
+            );
+        }
+        let pages: BTreeSet<u64> = self.before.0.keys().copied().collect();
+        let after = snapshot(machine, &self.kernel, &pages)?;
+        report.before = self.before.digest();
+        report.after = after.digest();
+        report.differing = self.before.differing(&after);
+        report.pages = pages.len();
+        self.before = PageSnapshot::default();
+        Ok(report)
+    }
+
+    /// Puts back the return addresses of timed calls still in flight (their stack slot still
+    /// holds a trampoline); returns (calls in flight, addresses put back). A call whose vCPU
+    /// stopped inside the trampoline finishes there when the guest resumes.
+    fn restore_returns(
+        &self,
+        machine: &mut GdbMachine,
+        table: u64,
+    ) -> anyhow::Result<(usize, usize)> {
+        let trampolines: BTreeSet<u64> = self.installed_timing.iter().copied().collect();
+        let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
+        let mut buf = vec![0u8; usize::try_from(bytes)?];
+        machine.read_phys(self.heap_phys(table), &mut buf)?;
+        let (mut n, mut restored) = (0, 0);
+        let word =
+            |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
+        for slot in buf.chunks(SLOT as usize) {
+            let key = word(slot, 0);
+            if key == 0 {
+                continue;
+            }
+            n += 1;
+            let original = word(slot, 8);
+            let mut mem = BackendMemory(&mut *machine);
+            let mut space = self.survey.space(&mut mem);
+            let mut now = [0u8; 8];
+            if space.read(key, &mut now).is_err() || !trampolines.contains(&u64::from_le_bytes(now))
+            {
+                continue;
+            }
+            let phys = space.translate(key)?.phys;
+            machine.write_phys(phys, &original.to_le_bytes())?;
+            restored += 1;
+        }
+        Ok((n, restored))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Oracles read from the guest's own tracing state.
+// ---------------------------------------------------------------------------------------
+
+/// The guest's own kprobes (`kprobe_events`): name of the probed symbol → (hits, misses),
+/// summed over the CPUs, read from its `trace_kprobe` structures (the numbers
+/// `kprobe_profile` prints) at this instant.
+///
+/// # Errors
+/// When BTF lacks the structures or guest memory cannot be read.
+pub fn guest_kprobe_hits(
+    machine: &mut GdbMachine,
+    survey: &Survey,
+    image: &KernelImage,
+    btf: &Btf,
+) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+    let off = |s: &str, m: &str| -> anyhow::Result<u64> {
+        btf.struct_member(s, m)
+            .ok()
+            .and_then(|l| l.byte_offset())
+            .with_context(|| format!("BTF has no {s}.{m}"))
+    };
+    let devent = off("trace_kprobe", "devent")?;
+    let list_in_devent = off("dyn_event", "list")?;
+    let ops_in_devent = off("dyn_event", "ops")?;
+    let nhit = off("trace_kprobe", "nhit")?;
+    let symbol = off("trace_kprobe", "symbol")?;
+    let nmissed = off("trace_kprobe", "rp.kp.nmissed")?;
+    let head = image
+        .address("dyn_event_list")?
+        .wrapping_add(survey.kaslr.slide);
+    let kprobe_ops = image
+        .symbols
+        .get("trace_kprobe_ops")
+        .map(|s| s.addr.wrapping_add(survey.kaslr.slide));
+    let cpus = survey.layout.per_cpu_offsets.clone();
+    let mut mem = BackendMemory(&mut *machine);
+    let mut space = survey.space(&mut mem);
+    let u64_at = |space: &mut exotap_introspect::paging::AddressSpace<'_, _>, a: u64| {
+        let mut b = [0u8; 8];
+        space.read(a, &mut b).map(|()| u64::from_le_bytes(b))
+    };
+    let mut out = BTreeMap::new();
+    let mut node = u64_at(&mut space, head)?;
+    let mut steps = 0;
+    while node != head {
+        steps += 1;
+        if steps > 100_000 {
+            bail!("dyn_event_list does not close");
+        }
+        let ev = node - list_in_devent;
+        let tk = ev - devent;
+        let ops = u64_at(&mut space, ev + ops_in_devent)?;
+        if kprobe_ops.is_none_or(|k| k == ops) {
+            let name_ptr = u64_at(&mut space, tk + symbol)?;
+            let mut name = [0u8; 128];
+            space.read(name_ptr, &mut name)?;
+            let name =
+                String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+            let per_cpu = u64_at(&mut space, tk + nhit)?;
+            let mut hits = 0u64;
+            for base in &cpus {
+                hits += u64_at(&mut space, per_cpu.wrapping_add(*base))?;
+            }
+            let missed = u64_at(&mut space, tk + nmissed)?;
+            let e = out.entry(name).or_insert((0, 0));
+            e.0 += hits;
+            e.1 += missed;
+        }
+        node = u64_at(&mut space, node)?;
+    }
+    Ok(out)
+}
+
+/// The addresses of the guest's ftrace records (what `available_filter_functions` lists),
+/// read from its `ftrace_pages` list.
+///
+/// # Errors
+/// When BTF lacks the structures or guest memory cannot be read.
+pub fn guest_ftrace_sites(
+    machine: &mut GdbMachine,
+    survey: &Survey,
+    image: &KernelImage,
+    btf: &Btf,
+) -> anyhow::Result<Vec<u64>> {
+    let off = |s: &str, m: &str| -> anyhow::Result<u64> {
+        btf.struct_member(s, m)
+            .ok()
+            .and_then(|l| l.byte_offset())
+            .with_context(|| format!("BTF has no {s}.{m}"))
+    };
+    let next = off("ftrace_page", "next")?;
+    let records = off("ftrace_page", "records")?;
+    let index = off("ftrace_page", "index")?;
+    let rec_size = btf
+        .struct_by_name("dyn_ftrace")
+        .ok()
+        .and_then(|id| btf.size_of(id))
+        .unwrap_or(16);
+    let start = image
+        .address("ftrace_pages_start")?
+        .wrapping_add(survey.kaslr.slide);
+    let mut mem = BackendMemory(&mut *machine);
+    let mut space = survey.space(&mut mem);
+    let mut b = [0u8; 8];
+    space.read(start, &mut b)?;
+    let mut page = u64::from_le_bytes(b);
+    let mut out = Vec::new();
+    let mut steps = 0;
+    while page != 0 {
+        steps += 1;
+        if steps > 100_000 {
+            bail!("the ftrace_pages list does not end");
+        }
+        space.read(page + records, &mut b)?;
+        let recs = u64::from_le_bytes(b);
+        let mut n = [0u8; 4];
+        space.read(page + index, &mut n)?;
+        let n = u32::from_le_bytes(n);
+        if n > 1 << 20 {
+            bail!("an ftrace page claims {n} records");
+        }
+        let mut buf = vec![0u8; n as usize * rec_size as usize];
+        space.read(recs, &mut buf)?;
+        for rec in buf.chunks(rec_size as usize) {
+            let ip = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+            if ip != 0 {
+                out.push(ip);
+            }
+        }
+        space.read(page + next, &mut b)?;
+        page = u64::from_le_bytes(b);
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------
+// The CLI.
+// ---------------------------------------------------------------------------------------
+
+/// How to reach the guest: a running one (`--target`) or one booted for the run.
+#[derive(Debug, Args, Clone)]
+pub struct LiveArgs {
+    /// Attach to a running guest's gdbstub (tcp:HOST:PORT or unix:PATH) instead of booting
+    /// one: splices go in at once and come out at Ctrl-C, after --duration, or when the
+    /// guest stops running.
+    #[arg(long, short = 't', value_name = "ADDR")]
+    pub target: Option<String>,
+    /// With --target: the patch-heap range hidden from that guest, GPA:SIZE.
+    #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
+    pub heap: String,
+    /// With --target: remove the splices after this many seconds.
+    #[arg(long, value_name = "SECONDS")]
+    pub duration: Option<f64>,
+    /// Booting: the command the guest runs while the splices are in (default: the syscall
+    /// workload). The guest runs `exotap_wait splice; COMMAND; exotap_wait unsplice`.
+    #[arg(long, value_name = "COMMAND", conflicts_with = "job")]
+    pub run: Option<String>,
+    /// Booting: a job script for the guest instead of --run. exotap splices at its
+    /// `exotap_wait splice` and removes the splices at its `exotap_wait unsplice`.
+    #[arg(long, value_name = "FILE")]
+    pub job: Option<PathBuf>,
+    /// Booting: copy the serial console to FILE instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub console: Option<PathBuf>,
+    /// Booting: seconds until the guest must finish.
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub timeout: u64,
+    /// Booting: number of vCPUs.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub cpus: u32,
+    /// Also read the guest's own kprobe hit counters (`kprobe_events` probes) when the
+    /// splices go in and when they come out, and print their difference beside each count.
+    #[arg(long)]
+    pub compare_kprobes: bool,
+    #[command(flatten)]
+    pub image: ImageArgs,
+}
+
+/// `exotap count PATTERN...`.
+#[derive(Debug, Args)]
+pub struct CountArgs {
+    /// Function names or wildcard patterns (`vfs_*`): every matching kernel function's entry
+    /// is spliced with a call counter.
+    #[arg(required = true, value_name = "PATTERN")]
+    pub patterns: Vec<String>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap nullify FUNC VALUE`.
+#[derive(Debug, Args)]
+pub struct NullifyArgs {
+    /// The kernel function: every call returns VALUE at once, without running it.
+    pub function: String,
+    /// The value returned (decimal, 0x hex, or negative like -1).
+    #[arg(allow_hyphen_values = true)]
+    pub value: String,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap replace FUNC OTHER`.
+#[derive(Debug, Args)]
+pub struct ReplaceArgs {
+    /// The kernel function whose calls are diverted.
+    pub function: String,
+    /// The kernel function that runs instead (same arguments, returns to the caller).
+    pub other: String,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap time FUNC...`.
+#[derive(Debug, Args)]
+pub struct TimeArgs {
+    /// Kernel functions (or wildcard patterns): each call's time from entry to return
+    /// (inclusive of callees and of sleeping) goes into a log2 histogram.
+    #[arg(required = true, value_name = "FUNC")]
+    pub functions: Vec<String>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap trace FUNC...`.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// Kernel functions (or wildcard patterns): every entry (with the first argument) and
+    /// return (with the return value) is recorded with its TSC in per-vCPU rings.
+    #[arg(required = true, value_name = "FUNC")]
+    pub functions: Vec<String>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap splice-report`.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// List every site that is not a splice, with its reason.
+    #[arg(long)]
+    pub list: bool,
+    /// Also install a counting splice at this many of the splice-able ftrace sites in one
+    /// batch (print the install rate), leave them in while the guest runs (booted: between
+    /// its splice and unsplice waits; --target: until Ctrl-C or --duration), then remove them
+    /// in one batch (print the removal rate, the hits, and whether the text is identical).
+    #[arg(long, value_name = "N")]
+    pub install: Option<usize>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// What to do at the sites.
+#[derive(Debug, Clone)]
+enum Operation {
+    Count(Vec<String>),
+    Time(Vec<String>),
+    Trace(Vec<String>),
+    Nullify(String, u64),
+    Replace(String, String),
+    Report { list: bool, install: Option<usize> },
+}
+
+fn parse_value(text: &str) -> anyhow::Result<u64> {
+    if let Some(neg) = text.strip_prefix('-') {
+        let v: i64 = neg
+            .parse()
+            .with_context(|| format!("`{text}` is not a number"))?;
+        return Ok((-v) as u64);
+    }
+    attach::parse_u64(text).map_err(anyhow::Error::msg)
+}
+
+/// Resolves names to entry requests; unknown names are errors.
+fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<Vec<Request>> {
+    let text = |name: &str| -> anyhow::Result<u64> {
+        let sym = image
+            .symbols
+            .all_named(name)
+            .find(|s| s.is_text())
+            .with_context(|| {
+                if image.symbols.get(name).is_some() {
+                    format!("{name} is not a function (not a text symbol)")
+                } else {
+                    format!("the kernel has no function {name}")
+                }
+            })?;
+        Ok(sym.addr.wrapping_add(slide))
+    };
+    Ok(match op {
+        Operation::Count(patterns) | Operation::Time(patterns) | Operation::Trace(patterns) => {
+            let mut out: Vec<Request> = Vec::new();
+            let mut seen = BTreeSet::new();
+            for p in patterns {
+                let found: Vec<_> = image
+                    .symbols
+                    .matching(p)
+                    .into_iter()
+                    .filter(|s| s.is_text())
+                    .collect();
+                if found.is_empty() {
+                    bail!("no kernel function matches {p}");
+                }
+                for s in found {
+                    let addr = s.addr.wrapping_add(slide);
+                    if seen.insert(addr) {
+                        let action = match op {
+                            Operation::Time(_) => Action::Time,
+                            Operation::Trace(_) => Action::Trace(u32::try_from(out.len())?),
+                            _ => Action::Count,
+                        };
+                        out.push(Request {
+                            name: s.name.clone(),
+                            addr,
+                            action,
+                        });
+                    }
+                }
+            }
+            out
+        }
+        Operation::Nullify(f, v) => vec![Request {
+            name: f.clone(),
+            addr: text(f)?,
+            action: Action::Nullify(*v),
+        }],
+        Operation::Replace(f, o) => vec![Request {
+            name: f.clone(),
+            addr: text(f)?,
+            action: Action::Replace(text(o)?),
+        }],
+        Operation::Report { .. } => Vec::new(),
+    })
+}
+
+/// The state between install and removal.
+struct Live {
+    machine: GdbMachine,
+    survey: Survey,
+    splicer: Splicer,
+    kprobes_before: Option<BTreeMap<String, (u64, u64)>>,
+}
+
+/// The engine run against one stopped guest.
+struct Engine {
+    image: KernelImage,
+    btf: Option<Btf>,
+    op: Operation,
+    heap: (u64, u64),
+    compare_kprobes: bool,
+    live: Option<Live>,
+    out: Box<dyn Write + Send>,
+    /// Whether a site asked for was refused (exit code 1).
+    refused_any: bool,
+}
+
+impl Engine {
+    fn say(&mut self, line: &str) {
+        let _ = writeln!(self.out, "{line}");
+        let _ = self.out.flush();
+    }
+
+    /// Attaches (the guest stops), installs, resumes.
+    fn install(&mut self, target: &TargetArgs) -> anyhow::Result<()> {
+        let mut att = attach::attach(target)?;
+        match self.install_on(&mut att) {
+            Ok(_) if matches!(self.op, Operation::Report { install: None, .. }) => {
+                // The report installs and removes in one stop: nothing stays.
+                att.machine.detach()?;
+                Ok(())
+            }
+            Ok((survey, splicer, kprobes_before)) => {
+                att.machine.resume()?;
+                self.live = Some(Live {
+                    machine: att.machine,
+                    survey,
+                    splicer,
+                    kprobes_before,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                let _ = att.machine.detach();
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn install_on(
+        &mut self,
+        att: &mut attach::Attached,
+    ) -> anyhow::Result<(Survey, Splicer, Option<BTreeMap<String, (u64, u64)>>)> {
+        let survey = attach::survey(att, &self.image)?;
+        let machine = &mut att.machine;
+        let requests = requests(&self.op, &self.image, survey.kaslr.slide)?;
+        let mut splicer = Splicer::new(machine, &survey, &self.image, self.heap)?;
+        if let Operation::Report { list, install } = self.op.clone() {
+            self.report(machine, &survey, &mut splicer, list, install)?;
+            return Ok((survey, splicer, None));
+        }
+        let report = splicer.install(machine, &requests)?;
+        for s in &splicer.installed {
+            tracing::debug!("{} at {:#x}: patch at {:#x}", s.name, s.addr, s.patch);
+        }
+        for r in &report.refused {
+            self.refused_any = true;
+            self.say(&format!(
+                "refused {} at {:#x}: {}",
+                r.name, r.addr, r.reason
+            ));
+        }
+        if splicer.installed.is_empty() {
+            let _ = splicer.remove(machine);
+            bail!(
+                "none of the {} sites asked for could be spliced",
+                requests.len()
+            );
+        }
+        tracing::info!(
+            "{} splices installed in {:.1} ms (planning {:.1} ms)",
+            splicer.installed.len(),
+            report.write_time.as_secs_f64() * 1e3,
+            report.plan_time.as_secs_f64() * 1e3
+        );
+        let kprobes_before = if self.compare_kprobes {
+            let btf = self.btf.as_ref().context("the image has no BTF")?;
+            Some(guest_kprobe_hits(machine, &survey, &self.image, btf)?)
+        } else {
+            None
+        };
+        Ok((survey, splicer, kprobes_before))
+    }
+
+    fn report(
+        &mut self,
+        machine: &mut GdbMachine,
+        survey: &Survey,
+        splicer: &mut Splicer,
+        list: bool,
+        install: Option<usize>,
+    ) -> anyhow::Result<()> {
+        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let sites = guest_ftrace_sites(machine, survey, &self.image, btf)?;
+        let patch = splicer.heap_va + CODE_OFFSET;
+        let mut tally: BTreeMap<String, usize> = BTreeMap::new();
+        let mut lines = Vec::new();
+        let mut spliceable = Vec::new();
+        for &ip in &sites {
+            let d = splicer.kernel.plan(ip, patch);
+            *tally.entry(category(&d)).or_default() += 1;
+            let name = self
+                .image
+                .symbols
+                .lookup_addr(ip.wrapping_sub(survey.kaslr.slide))
+                .map_or_else(
+                    || format!("{ip:#x}"),
+                    |(s, o)| {
+                        if o == 0 {
+                            s.name.clone()
+                        } else {
+                            format!("{}+{o:#x}", s.name)
+                        }
+                    },
+                );
+            match why_not(&d) {
+                Some(why) => lines.push(format!("  {name}: {why}")),
+                None => spliceable.push((name, ip)),
+            }
+        }
+        self.say(&format!(
+            "live text: {} KiB read in {:.2} s, {} functions analysed in {:.2} s",
+            (splicer.kernel.facts.text.1 - splicer.kernel.facts.text.0) >> 10,
+            splicer.kernel.read_time.as_secs_f64(),
+            splicer.kernel.facts.starts.len(),
+            splicer.kernel.analysis_time.as_secs_f64()
+        ));
+        self.say(&format!(
+            "ftrace sites (available_filter_functions): {}",
+            sites.len()
+        ));
+        for (k, n) in &tally {
+            self.say(&format!("  {n:>8}  {k}"));
+        }
+        if list {
+            for l in lines {
+                self.say(&l);
+            }
+        }
+        let mut entries: BTreeMap<String, usize> = BTreeMap::new();
+        for &start in &splicer.kernel.facts.starts {
+            *entries
+                .entry(category(&splicer.kernel.plan(start, patch)))
+                .or_default() += 1;
+        }
+        self.say(&format!(
+            "all function entries (kallsyms text symbols): {}",
+            splicer.kernel.facts.starts.len()
+        ));
+        for (k, n) in &entries {
+            self.say(&format!("  {n:>8}  {k}"));
+        }
+        if let Some(n) = install {
+            let requests: Vec<Request> = spliceable
+                .into_iter()
+                .take(n)
+                .map(|(name, addr)| Request {
+                    name,
+                    addr,
+                    action: Action::Count,
+                })
+                .collect();
+            let started = Instant::now();
+            let rep = splicer.install(machine, &requests)?;
+            let all = started.elapsed();
+            let installed = splicer.installed.len();
+            self.say(&format!(
+                "install: {installed} of {} splices in one batch in {:.3} s ({:.0} points/s; plan+generate {:.3} s, check+write {:.3} s); refused {}",
+                requests.len(),
+                all.as_secs_f64(),
+                installed as f64 / all.as_secs_f64().max(1e-9),
+                rep.plan_time.as_secs_f64(),
+                rep.write_time.as_secs_f64(),
+                rep.refused.len()
+            ));
+            for r in &rep.refused {
+                self.say(&format!(
+                    "refused {} at {:#x}: {}",
+                    r.name, r.addr, r.reason
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the guest, reads counts, removes every splice, detaches.
+    fn remove(&mut self) -> anyhow::Result<()> {
+        let Some(mut live) = self.live.take() else {
+            return Ok(());
+        };
+        live.machine.pause()?;
+        let result = self.remove_on(&mut live);
+        let detached = live.machine.detach();
+        result?;
+        detached?;
+        Ok(())
+    }
+
+    fn remove_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
+        let kprobes_after = match (&live.kprobes_before, &self.btf) {
+            (Some(_), Some(btf)) => Some(guest_kprobe_hits(
+                &mut live.machine,
+                &live.survey,
+                &self.image,
+                btf,
+            )?),
+            _ => None,
+        };
+        let started = Instant::now();
+        let installed = live.splicer.installed.len();
+        let report = live.splicer.remove(&mut live.machine)?;
+        let removal = started.elapsed();
+        let slide = live.survey.kaslr.slide;
+        if matches!(self.op, Operation::Report { .. }) {
+            let hit = report.counts.iter().filter(|c| c.2 > 0).count();
+            let total: u64 = report.counts.iter().map(|c| c.2).sum();
+            self.say(&format!(
+                "hits while in: {total} calls of {hit} of the {installed} functions"
+            ));
+            self.say(&format!(
+                "removal: {installed} splices in {:.3} s ({:.0} points/s); text pages {} identical: {}",
+                removal.as_secs_f64(),
+                installed as f64 / removal.as_secs_f64().max(1e-9),
+                report.pages,
+                if report.differing.is_empty() && report.before == report.after { "yes" } else { "NO" }
+            ));
+            if !report.differing.is_empty() {
+                bail!("{} text pages differ after removal", report.differing.len());
+            }
+            return Ok(());
+        }
+        if !report.counts.is_empty() {
+            let header = if kprobes_after.is_some() {
+                format!(
+                    "{:>12}  {:>12}  {:>8}  FUNCTION",
+                    "COUNT", "KPROBE", "MISSED"
+                )
+            } else {
+                format!("{:>12}  FUNCTION", "COUNT")
+            };
+            self.say(&header);
+        }
+        for (name, addr, n) in &report.counts {
+            match (&live.kprobes_before, &kprobes_after) {
+                (Some(before), Some(after)) => {
+                    // The guest's kprobe may name the function by an alias at the same
+                    // address (__do_sys_getpid for __x64_sys_getpid).
+                    let aliases: Vec<String> = self
+                        .image
+                        .symbols
+                        .iter()
+                        .filter(|s| s.addr.wrapping_add(slide) == *addr && s.is_text())
+                        .map(|s| s.name.clone())
+                        .collect();
+                    let k = aliases.iter().find_map(|a| {
+                        let a1 = after.get(a)?;
+                        let b = before.get(a).copied().unwrap_or_default();
+                        Some((a1.0 - b.0, a1.1 - b.1))
+                    });
+                    match k {
+                        Some((hits, missed)) => {
+                            self.say(&format!("{n:>12}  {hits:>12}  {missed:>8}  {name}"));
+                        }
+                        None => self.say(&format!("{n:>12}  {:>12}  {:>8}  {name}", "-", "-")),
+                    }
+                }
+                _ => self.say(&format!("{n:>12}  {name}")),
+            }
+        }
+        let khz = if report.histograms.is_empty() && report.overruns.is_empty() {
+            0
+        } else {
+            let at = self.image.address("tsc_khz")?.wrapping_add(slide);
+            let mut b = [0u8; 4];
+            let mut mem = BackendMemory(&mut live.machine);
+            live.survey.space(&mut mem).read(at, &mut b)?;
+            u32::from_le_bytes(b).max(1)
+        };
+        if !report.overruns.is_empty() {
+            let names: BTreeMap<u64, &str> = live
+                .splicer
+                .trace_names
+                .iter()
+                .map(|(id, n)| (u64::from(*id), n.as_str()))
+                .collect();
+            for line in trace_lines(&report.records, &names, khz) {
+                self.say(&line);
+            }
+            self.say(&format!(
+                "trace: {} records; lost to ring overruns per vCPU: {:?}",
+                report.records.len(),
+                report.overruns
+            ));
+        }
+        if !report.histograms.is_empty() {
+            self.say(&format!(
+                "inclusive time per call (TSC {khz} kHz; {} calls not timed: in-flight table full; {} calls in flight at removal were given their return addresses back)",
+                report.timing_misses, report.returns_restored
+            ));
+            for (name, buckets) in &report.histograms {
+                let total: u64 = buckets.iter().sum();
+                self.say(&format!("{name}: {total} calls timed"));
+                for line in histogram_lines(buckets, khz) {
+                    self.say(&line);
+                }
+            }
+        }
+        for c in &report.changed {
+            self.say(&format!("left {} at {:#x}: {}", c.name, c.addr, c.reason));
+        }
+        self.say(&format!(
+            "text: {} pages touched; sha256 before {} after {}: {}",
+            report.pages,
+            &report.before[..16],
+            &report.after[..16],
+            if report.differing.is_empty() && report.before == report.after {
+                "identical"
+            } else {
+                "DIFFERENT"
+            }
+        ));
+        if !report.differing.is_empty() {
+            bail!("{} text pages differ after removal", report.differing.len());
+        }
+        Ok(())
+    }
+}
+
+/// Trace records as text, in TSC order: time since the first record, vCPU, entry (`->`
+/// with the first argument) or return (`<-` with the return value and the call's duration
+/// when its entry is in the trace).
+pub fn trace_lines(
+    records: &[(u32, TraceRecord)],
+    names: &BTreeMap<u64, &str>,
+    khz: u32,
+) -> Vec<String> {
+    let mut sorted: Vec<&(u32, TraceRecord)> = records.iter().collect();
+    sorted.sort_by_key(|(cpu, r)| (r.tsc, *cpu));
+    let first = sorted.first().map_or(0, |r| r.1.tsc);
+    let us = |cycles: u64| cycles as f64 * 1000.0 / f64::from(khz.max(1));
+    let mut open: BTreeMap<(u64, u32), u64> = BTreeMap::new();
+    sorted
+        .into_iter()
+        .map(|(cpu, r)| {
+            let name = names.get(&u64::from(r.id)).copied().unwrap_or("?");
+            let at = us(r.tsc.saturating_sub(first));
+            if r.kind == 1 {
+                open.insert((r.slot, r.id), r.tsc);
+                format!("{at:>14.3} us  cpu{cpu}  -> {name}(arg0={:#x})", r.value)
+            } else {
+                let took = open
+                    .remove(&(r.slot, r.id))
+                    .map(|t| format!("  [{:.3} us]", us(r.tsc.saturating_sub(t))))
+                    .unwrap_or_default();
+                format!(
+                    "{at:>14.3} us  cpu{cpu}  <- {name} = {}{took}",
+                    r.value as i64
+                )
+            }
+        })
+        .collect()
+}
+
+/// A log2 histogram of TSC cycles as text, bucket bounds in ns (bpftrace's `hist` style).
+pub fn histogram_lines(buckets: &[u64], tsc_khz: u32) -> Vec<String> {
+    let Some(first) = buckets.iter().position(|&n| n > 0) else {
+        return Vec::new();
+    };
+    let last = buckets.iter().rposition(|&n| n > 0).unwrap_or(first);
+    let max = buckets.iter().copied().max().unwrap_or(1).max(1);
+    let ns = |cycles: u128| -> String {
+        let khz = u128::from(tsc_khz.max(1));
+        let v = cycles * 1_000_000 / khz;
+        match v {
+            v if v >= 10_000_000 => format!("{} ms", v / 1_000_000),
+            v if v >= 10_000 => format!("{} us", v / 1000),
+            v => format!("{v} ns"),
+        }
+    };
+    (first..=last)
+        .map(|i| {
+            let n = buckets[i];
+            let lo = if i == 0 { 0 } else { 1u128 << i };
+            let hi = 1u128 << (i + 1);
+            let bar = "@".repeat(usize::try_from(n * 40 / max).unwrap_or(0));
+            format!("  [{:>8}, {:>8}) {n:>10} |{bar:<40}|", ns(lo), ns(hi))
+        })
+        .collect()
+}
+
+/// Hooks the engine to the guest's `splice` and `unsplice` waits.
+struct SpliceHook {
+    engine: Engine,
+    target: TargetArgs,
+}
+
+impl PhaseHook for SpliceHook {
+    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
+        let result = match phase {
+            "splice" => self.engine.install(&self.target),
+            "unsplice" => self.engine.remove(),
+            _ => Ok(()),
+        };
+        result.map_err(|e| QemuError::Hook {
+            phase: phase.to_owned(),
+            message: format!("{e:#}"),
+        })
+    }
+}
+
+fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
+    let image = KernelImage::from_args(&live.image)?;
+    // Unknown names fail here, before any guest is touched.
+    requests(&op, &image, 0)?;
+    let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
+    let make_engine = |image, heap| Engine {
+        image,
+        btf,
+        op,
+        heap,
+        compare_kprobes: live.compare_kprobes,
+        live: None,
+        out: Box::new(std::io::stdout()),
+        refused_any: false,
+    };
+    if let Some(target) = &live.target {
+        let heap = crate::script::parse_heap(&live.heap)?;
+        let mut engine = make_engine(image, heap);
+        let target = TargetArgs {
+            target: target.clone(),
+            gdb_timeout: 10,
+        };
+        engine.install(&target)?;
+        if matches!(engine.op, Operation::Report { install: None, .. }) {
+            return Ok(0);
+        }
+        let stop = exotap_probes::lang::driver::stop_on_ctrl_c()
+            .unwrap_or_else(|_| Arc::new(AtomicBool::new(false)));
+        let deadline = live
+            .duration
+            .map(|s| Instant::now() + Duration::from_secs_f64(s));
+        eprintln!("exotap: splices in; Ctrl-C removes them");
+        loop {
+            if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+            let Some(l) = engine.live.as_mut() else { break };
+            match l.machine.wait_event(Duration::from_millis(100)) {
+                Ok(None) => {}
+                Ok(Some(StopEvent::Exited)) => bail!("the guest ended with the splices in"),
+                Ok(Some(_)) => l.machine.resume()?,
+                Err(e) => bail!("lost the guest: {e}"),
+            }
+        }
+        engine.remove()?;
+        return Ok(i32::from(engine.refused_any));
+    }
+    // Boot a guest for the run.
+    let job = match (&live.job, &live.run) {
+        (Some(path), _) => GuestJob::from_script(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the job {}", path.display()))?,
+        ),
+        (None, cmd) => GuestJob::from_script(format!(
+            "exotap_wait splice\n{}\nexotap_wait unsplice\n",
+            cmd.as_deref().unwrap_or("syscall-loop 1000")
+        )),
+    };
+    let work = tempfile::Builder::new()
+        .prefix("exotap-splice-")
+        .tempdir()
+        .context("cannot create a working directory")?;
+    let initrd = work.path().join("initramfs.cpio.gz");
+    images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
+    let mut config = QemuConfig::new(image.path.clone(), initrd)?;
+    config.accel = if exotap_vmm::host::detect().usable() {
+        Accel::Kvm
+    } else {
+        Accel::Tcg
+    };
+    config.cpus = live.cpus;
+    config.patch_heap = PatchHeapRange::place(config.memory_mib << 20, 64 << 20)?;
+    let socket = work.path().join("gdb.sock");
+    config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
+    let heap = (config.patch_heap.base, config.patch_heap.size);
+    let mut hook = SpliceHook {
+        engine: make_engine(image, heap),
+        target: TargetArgs {
+            target: format!("unix:{}", socket.display()),
+            gdb_timeout: 10,
+        },
+    };
+    let mut sink: Box<dyn Write> = match &live.console {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stderr()),
+    };
+    let timeouts = Timeouts {
+        boot: Duration::from_secs(120),
+        total: Duration::from_secs(live.timeout),
+    };
+    let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
+    drop(sink);
+    if hook.engine.live.is_some() {
+        tracing::warn!("the guest ended before its `exotap_wait unsplice`: splices not removed");
+    }
+    let outcome = outcome?;
+    for (key, value) in &outcome.results {
+        println!("EXOTAP-RESULT {key}={value}");
+    }
+    println!("EXOTAP-DONE {}", outcome.rc);
+    if outcome.rc != 0 {
+        return Ok(outcome.rc);
+    }
+    Ok(i32::from(hook.engine.refused_any))
+}
+
+/// `exotap count`.
+///
+/// # Errors
+/// Unknown functions, attach or guest failures.
+pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
+    run(Operation::Count(args.patterns.clone()), &args.live)
+}
+
+/// `exotap nullify`.
+///
+/// # Errors
+/// As [`run_count`], and a bad VALUE.
+pub fn run_nullify(args: &NullifyArgs) -> anyhow::Result<i32> {
+    let value = parse_value(&args.value)?;
+    run(Operation::Nullify(args.function.clone(), value), &args.live)
+}
+
+/// `exotap replace`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
+    run(
+        Operation::Replace(args.function.clone(), args.other.clone()),
+        &args.live,
+    )
+}
+
+/// `exotap time`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
+    run(Operation::Time(args.functions.clone()), &args.live)
+}
+
+/// `exotap trace`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_trace(args: &TraceArgs) -> anyhow::Result<i32> {
+    run(Operation::Trace(args.functions.clone()), &args.live)
+}
+
+/// `exotap splice-report`.
+///
+/// # Errors
+/// As [`run_count`].
+pub fn run_report(args: &ReportArgs) -> anyhow::Result<i32> {
+    run(
+        Operation::Report {
+            list: args.list,
+            install: args.install,
+        },
+        &args.live,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(pages: &[(u64, u8)]) -> PageSnapshot {
+        PageSnapshot(
+            pages
+                .iter()
+                .map(|(a, fill)| (*a, vec![*fill; PAGE as usize]))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn pages_of_a_site_crossing_a_page_boundary_are_both_pages() {
+        let pages = pages_of([(0x1ffe, 5), (0x3000, 5)].into_iter());
+
+        assert_eq!(
+            pages.into_iter().collect::<Vec<_>>(),
+            vec![0x1000, 0x2000, 0x3000]
+        );
+    }
+
+    #[test]
+    fn a_site_whose_bytes_changed_since_planning_is_reported() {
+        let mut now = snap(&[(0x1000, 0x90)]);
+        now.0.get_mut(&0x1000).unwrap()[0x10] = 0xe8;
+        let planned = vec![(0x1000, vec![0x90; 5]), (0x100c, vec![0x90; 5])];
+
+        let changed = changed_sites(&planned, &now);
+
+        assert_eq!(changed, vec![(1, vec![0x90, 0x90, 0x90, 0x90, 0xe8])]);
+    }
+
+    #[test]
+    fn a_site_outside_the_snapshot_counts_as_changed() {
+        let now = snap(&[(0x1000, 0x90)]);
+
+        let changed = changed_sites(&[(0x5000, vec![0x90; 5])], &now);
+
+        assert_eq!(changed.len(), 1);
+    }
+
+    #[test]
+    fn digests_differ_when_one_byte_does_and_differing_names_the_page() {
+        let a = snap(&[(0x1000, 1), (0x2000, 2)]);
+        let mut b = a.clone();
+        b.0.get_mut(&0x2000).unwrap()[7] = 3;
+
+        assert_ne!(a.digest(), b.digest());
+        assert_eq!(a.differing(&b), vec![0x2000]);
+        assert_eq!(a.digest(), a.clone().digest());
+    }
+
+    #[test]
+    fn page_spans_merge_near_writes_keep_bytes_between_and_split_far_ones() {
+        let mut now = snap(&[(0x1000, 0x90), (0x2000, 0xcc)]);
+        now.0.get_mut(&0x1000).unwrap()[0x13] = 0x55;
+        let writes = vec![
+            (0x1010, vec![1, 2, 3]),
+            (0x1014, vec![4]),
+            (0x1ffe, vec![5, 6, 7]),
+        ];
+
+        let spans = page_spans(&now, &writes).unwrap();
+
+        assert_eq!(
+            spans,
+            vec![
+                (0x1010, vec![1, 2, 3, 0x55, 4]),
+                (0x1ffe, vec![5, 6]),
+                (0x2000, vec![7]),
+            ]
+        );
+        assert!(page_spans(&now, &[(0x5000, vec![1])]).is_err());
+    }
+
+    #[test]
+    fn ring_decoding_keeps_the_newest_records_and_counts_overruns() {
+        let slots = 4u32;
+        let mut ring = vec![0u8; (RING_HEADER + 4 * TRACE_RECORD) as usize];
+        ring[..8].copy_from_slice(&6u64.to_le_bytes());
+        for n in 2u64..6 {
+            let o = (RING_HEADER + (n % 4) * TRACE_RECORD) as usize;
+            let tsc = if n == 5 { 0 } else { 100 + n };
+            ring[o..o + 8].copy_from_slice(&tsc.to_le_bytes());
+            ring[o + 8..o + 16].copy_from_slice(&(n * 10).to_le_bytes());
+            ring[o + 16..o + 20].copy_from_slice(&7u32.to_le_bytes());
+            ring[o + 20..o + 24].copy_from_slice(&1u32.to_le_bytes());
+        }
+
+        let (records, lost) = decode_ring(&ring, slots);
+
+        assert_eq!(lost, 2);
+        let tscs: Vec<u64> = records.iter().map(|r| r.tsc).collect();
+        assert_eq!(
+            tscs,
+            vec![102, 103, 104],
+            "the unfinished record (tsc 0) is left out"
+        );
+        assert_eq!(records[0].value, 20);
+        assert_eq!(records[0].id, 7);
+    }
+
+    #[test]
+    fn relative_table_fields_resolve_against_their_own_address() {
+        let bytes = [0xf0, 0xff, 0xff, 0xff, 0x10, 0, 0, 0];
+
+        assert_eq!(relative(0x1000, &bytes, 0), Some(0x1000 - 0x10));
+        assert_eq!(relative(0x1000, &bytes, 4), Some(0x1014));
+        assert_eq!(relative(0x1000, &bytes, 6), None);
+    }
+
+    #[test]
+    fn jmp_rel32_encodes_the_displacement_from_the_next_instruction() {
+        assert_eq!(
+            jmp_rel32(0xffff_ffff_8100_0000, 0xffff_ffff_8100_0105).unwrap(),
+            [0xe9, 0x00, 0x01, 0x00, 0x00]
+        );
+        assert!(jmp_rel32(0xffff_ffff_8100_0000, 0x4000_0000_0000).is_err());
+    }
+
+    #[test]
+    fn nullify_patch_counts_sets_rax_and_returns_through_the_thunk() {
+        let at = 0xffff_ffff_c000_0000;
+        let counter = at + 0x1000;
+        let thunk = 0xffff_ffff_81e0_1ef0;
+
+        let code = diverting_patch(at, counter, Action::Nullify(4242), Some(thunk)).unwrap();
+
+        let insns: Vec<_> =
+            iced_x86::Decoder::with_ip(64, &code, at, iced_x86::DecoderOptions::NONE)
+                .into_iter()
+                .collect();
+        assert_eq!(insns.len(), 3);
+        assert!(insns[0].has_lock_prefix());
+        assert_eq!(insns[0].ip_rel_memory_address(), counter);
+        assert_eq!(insns[1].immediate64(), 4242);
+        assert_eq!(insns[2].near_branch_target(), thunk);
+    }
+
+    #[test]
+    fn negative_values_parse_as_twos_complement() {
+        assert_eq!(parse_value("-1").unwrap(), u64::MAX);
+        assert_eq!(parse_value("0x10").unwrap(), 16);
+        assert!(parse_value("x").is_err());
+    }
+}
