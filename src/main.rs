@@ -11,6 +11,7 @@ mod kvm_splice;
 mod script;
 mod selftest;
 mod trace;
+mod trap_point;
 
 use std::process::ExitCode;
 

@@ -128,6 +128,24 @@ impl GdbMachine {
     pub fn detach(mut self) -> Result<(), ControlError> {
         self.client.detach().map_err(backend)
     }
+
+    /// Writes one 64-bit register of a stopped vCPU by its GDB name (`rsp`, `rcx`, ...); the
+    /// host emulating a branch or call sets them this way.
+    ///
+    /// # Errors
+    /// When the vCPU runs, does not exist, or the stub refuses.
+    pub fn set_register(
+        &mut self,
+        vcpu: VcpuId,
+        name: &str,
+        value: u64,
+    ) -> Result<(), ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        self.client
+            .write_register(thread, name, &value.to_le_bytes())
+            .map_err(backend)
+    }
 }
 
 impl Machine for GdbMachine {
