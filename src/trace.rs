@@ -427,9 +427,7 @@ fn arm(
         }
         let slot_index = u64::try_from(armed.len())?;
         if slot_index >= slots {
-            bail!(
-                "too many probe points: the patch heap has {slots} out-of-line slots for traps"
-            );
+            bail!("too many probe points: the patch heap has {slots} out-of-line slots for traps");
         }
         let slot = plan.va + OOL_OFFSET + slot_index * OOL_SLOT;
         let slot_phys = plan.phys + OOL_OFFSET + slot_index * OOL_SLOT;

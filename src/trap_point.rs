@@ -491,7 +491,7 @@ mod tests {
         assemble(|a| {
             let mut done = a.create_label();
             a.db(&[0x0f, 0x1f, 0x44, 0x00, 0x00]).unwrap(); // +0x0
-            // +0x5: mov rax, [rip+0x1000] (rip-relative, 7 bytes)
+                                                            // +0x5: mov rax, [rip+0x1000] (rip-relative, 7 bytes)
             a.db(&[0x48, 0x8b, 0x05, 0x00, 0x10, 0x00, 0x00]).unwrap();
             a.test(eax, eax).unwrap(); // +0xc
             a.je(done).unwrap(); // +0xe (short)

@@ -69,7 +69,10 @@ impl<'a> KernelSymbols<'a> {
 fn function_offset(spec: &str) -> Option<(&str, u64)> {
     let (name, offset) = spec.rsplit_once('+')?;
     let offset = offset.trim();
-    let offset = match offset.strip_prefix("0x").or_else(|| offset.strip_prefix("0X")) {
+    let offset = match offset
+        .strip_prefix("0x")
+        .or_else(|| offset.strip_prefix("0X"))
+    {
         Some(hex) => u64::from_str_radix(hex, 16).ok()?,
         None => offset.parse().ok()?,
     };
