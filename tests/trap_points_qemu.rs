@@ -416,6 +416,8 @@ fn trap_probes_at_100_random_instruction_boundaries_count_like_the_guests_kprobe
          sleep 1\n\
          echo 0 > $T/events/exotap/enable\n\
          cat $T/kprobe_profile\n\
+         awk '$1 ~ /tp[0-9]+$/ {{sub(/.*\\//, \"\", $1); print $1 \"=\" $3}}' $T/kprobe_profile |\n\
+           while read kv; do exotap_result \"kmiss.${{kv%%=*}}\" \"${{kv#*=}}\"; done\n\
          exotap_result overruns \"$(cat $T/per_cpu/cpu*/stats | awk '/^overrun/ {{s += $2}} END {{print s+0}}')\"\n\
          awk '{{for (i = 1; i <= NF; i++) if ($i ~ /^tp[0-9]+:$/) c[$i]++}}\n\
               END {{for (k in c) printf \"kprobe.%s=%d\\n\", substr(k, 1, length(k) - 1), c[k]}}' $T/trace |\n\
@@ -475,13 +477,26 @@ fn trap_probes_at_100_random_instruction_boundaries_count_like_the_guests_kprobe
         "{ctx}"
     );
     let mut wrong = Vec::new();
+    let mut explained = Vec::new();
     let mut total = 0;
     for (i, p) in points.iter().enumerate() {
         let expected: u64 = result(&out, &format!("kprobe.tp{}", p.fidx))
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
         let got = value(&out, &format!("point{i}")).unwrap_or(0);
+        let missed: u64 = result(&out, &format!("kmiss.tp{}", p.fidx))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
         total += got;
+        if got > expected && got <= expected + missed {
+            // The guest's kprobe missed hits (an interrupt arrived while another kprobe's
+            // handler ran on that CPU, and the guest says so): the trap saw them.
+            explained.push(format!(
+                "{}+{:#x}: {got} hits, the guest counted {expected} calls and missed {missed}",
+                p.function, p.offset
+            ));
+            continue;
+        }
         if got != expected || expected == 0 {
             wrong.push(format!(
                 "{}+{:#x} ({}, {}): {got} hits, the guest counted {expected} calls",
@@ -489,7 +504,13 @@ fn trap_probes_at_100_random_instruction_boundaries_count_like_the_guests_kprobe
             ));
         }
     }
-    eprintln!("{total} counted hits on {POINTS} points; kinds {kinds:?}");
+    eprintln!(
+        "{total} counted hits on {POINTS} points; kinds {kinds:?}; {} equal to the guest's \
+         count, {} within its missed kprobe hits:\n{}",
+        POINTS - wrong.len() - explained.len(),
+        explained.len(),
+        explained.join("\n")
+    );
     assert!(wrong.is_empty(), "{}\n{ctx}", wrong.join("\n"));
 }
 
@@ -562,5 +583,33 @@ fn trap_probe_costs_against_the_guests_own_kprobe() {
          per hit: trap probe {trap_hit:.0} ns, guest kprobe {kprobe_hit:.0} ns, \
          ratio trap/kprobe {:.1}",
         trap_hit / kprobe_hit.max(1.0)
+    );
+}
+
+#[test]
+fn a_point_inside_an_instruction_is_refused_with_the_reason() {
+    if !have_qemu("a_point_inside_an_instruction_is_refused_with_the_reason") {
+        return;
+    }
+    // The entry is the 5-byte ftrace nop: +1 is inside it, +5 is the next instruction.
+    let (code, out, err) = run(exotap().args([
+        "boot",
+        "--timeout",
+        "300",
+        "--script-text",
+        r#"probe kernel.statement("__do_sys_getppid+1") { }"#,
+        "--run",
+        "true",
+        "--console",
+        "/dev/null",
+    ]));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 125, "{ctx}");
+    assert!(
+        // __x64_sys_getppid and __do_sys_getppid share the address.
+        err.contains("is not an instruction boundary of __")
+            && err.contains("sys_getppid: it is inside the 5-byte instruction at"),
+        "{ctx}"
     );
 }
