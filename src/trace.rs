@@ -791,3 +791,57 @@ impl Tracer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The cached Debian kernel, when present.
+    fn image() -> Option<KernelImage> {
+        let dir =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+        KernelImage::load(dir.join("vmlinuz")).ok()
+    }
+
+    #[test]
+    fn entry_text_and_exception_table_instructions_are_refused_before_any_byte_is_read() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let text = TextMap::new(&image);
+
+        let syscall = image.address("entry_SYSCALL_64").unwrap();
+        assert!(
+            text.refusal(syscall + 0x10)
+                .is_some_and(|why| why.contains("entry text")),
+            "entry_SYSCALL_64 is not refused"
+        );
+        // Fixed-up instructions are instruction boundaries (the table parses right), and each
+        // is refused.
+        assert!(text.fixups.len() > 100, "{} fixups", text.fixups.len());
+        let mut fixups: Vec<u64> = text.fixups.iter().copied().collect();
+        fixups.sort_unstable();
+        for addr in fixups.iter().step_by(37) {
+            let (name, start, end) = text.function(*addr).unwrap();
+            let code = image
+                .vmlinux
+                .read_at(start, usize::try_from(end - start).unwrap())
+                .unwrap();
+            // A real instruction boundary of its function (a misparsed table would not be).
+            let at = instruction_at(&name, start, code, *addr);
+            assert!(at.is_ok(), "{addr:#x}: {at:?}");
+            assert!(text
+                .refusal(*addr)
+                .is_some_and(|why| why.contains("exception-table fixup")));
+        }
+        let vfs_read = image.address("vfs_read").unwrap();
+        let (name, start, end) = text.function(vfs_read + 0x10).unwrap();
+        assert_eq!((name.as_str(), start), ("vfs_read", vfs_read));
+        assert!(
+            end > start + 0x10 && end - start < 0x1000,
+            "{start:#x}..{end:#x}"
+        );
+        assert_eq!(text.refusal(vfs_read + 0x10), None);
+    }
+}
