@@ -12,6 +12,7 @@ mod script;
 mod selftest;
 mod splice_live;
 mod trace;
+mod trap_point;
 
 use std::process::ExitCode;
 

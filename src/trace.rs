@@ -1,16 +1,24 @@
 //! Running a probe script against a live guest over QEMU's gdbstub: trap probes evaluated by
 //! the host (DESIGN.md, key mechanism 4).
 //!
-//! Each resolved entry point gets a gdbstub software breakpoint. On a hit the host runs the
-//! probe body on a [`LiveContext`] (registers, arguments named by BTF, the current task, kernel
-//! memory), then resumes the vCPU through an out-of-line copy of the displaced entry
-//! instruction in the patch heap followed by a jump back. The breakpoint stays in place, so
-//! no step is needed and no hit on another vCPU is missed while one resumes. One stop per hit:
-//! exact, but slow (milliseconds per hit under TCG); in-guest splices are the fast path.
+//! Each resolved point gets a gdbstub software breakpoint (QEMU keeps it outside guest
+//! memory). On a hit the host runs the probe body on a [`LiveContext`] (registers, arguments
+//! named by BTF, the current task, kernel memory), then gets the vCPU past the probed
+//! instruction with the breakpoint still in place: relative branches, calls and returns are
+//! emulated by the host, anything else resumes through an out-of-line copy in the patch heap
+//! followed by a jump back ([`crate::trap_point`]). No step is needed and no hit on another
+//! vCPU is missed while one resumes. One stop per hit: exact, but slow (milliseconds per hit
+//! under TCG); in-guest splices are the fast path.
 //!
-//! Probe points are function entries: a function's entry instruction is the ftrace nop5 or,
-//! while the guest's own ftrace uses it, a `call`, both of which [`crate::entry_patch`]
-//! relocates. `.return` probes work as kretprobes do: at the entry hit the return address on
+//! Points are any instruction boundary of a kernel function (`kernel.statement(ADDR)
+//! .absolute`, `kernel.statement("func+OFFSET")`, entries), checked by decoding the function
+//! from its start with the live bytes. The instruction is read again at every hit and its
+//! action remade when the guest changed it: an entry is the ftrace nop5 or, while the guest's
+//! own ftrace uses it, a `call`; static keys flip jumps. The trap machinery keeps to heap
+//! offsets below 1 MiB (return trampoline at +0x8000, 32-byte out-of-line slots from
+//! +0x10000); splice patches use the rest.
+//!
+//! `.return` probes work as kretprobes do: at the entry hit the return address on
 //! the stack is swapped for a trampoline in the patch heap that carries a breakpoint; its hit
 //! runs the return probes (`$return` is rax) and resumes at the original return address.
 //! Detaching puts back every swapped return address still on a stack, so calls in flight return
@@ -18,7 +26,7 @@
 //! `timer.profile` and source-level points are refused with the reason.
 
 use std::cell::{OnceCell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -42,12 +50,18 @@ use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers
 use exotap_vmm::gdb::GdbMachine;
 
 use crate::attach::{self, Attached, Survey};
-use crate::entry_patch::relocated_entry;
 use crate::kernel_image::KernelImage;
+use crate::trap_point::{
+    decode_at, instruction_at, plan as plan_trap, Effect, TrapAction, MAX_INSN,
+};
 
 /// Where the out-of-line entry copies start inside the patch heap, and their spacing.
 const OOL_OFFSET: u64 = 0x10000;
-const OOL_SLOT: u64 = 16;
+const OOL_SLOT: u64 = 32;
+/// The trap machinery keeps below this heap offset (splice patches live above it).
+const OOL_END: u64 = 0x10_0000;
+/// The most bytes of one function decoded to check a boundary.
+const MAX_FUNCTION: u64 = 1 << 20;
 /// SysV argument registers, as indices into [`X86Registers::gpr`] (rdi rsi rdx rcx r8 r9).
 const ARG_REGS: [usize; 6] = [5, 4, 3, 2, 8, 9];
 /// The return trampoline inside the patch heap.
@@ -78,36 +92,45 @@ struct SiteProbe {
     name: String,
 }
 
-/// One breakpoint at a function entry and what it runs.
+/// One breakpoint at an instruction boundary and what it runs.
 #[derive(Debug, Clone)]
 struct ArmedPoint {
-    /// Probes run at the entry.
+    /// Probes run at the point.
     entry: Vec<SiteProbe>,
-    /// Probes run when the call returns.
+    /// Probes run when the call returns (function entries only).
     ret: Vec<SiteProbe>,
     /// Name used in errors.
     name: String,
     function: String,
-    /// The entry instruction the out-of-line copy was made from.
-    original: [u8; 5],
-    /// The copy: virtual (where the vCPU resumes) and physical (where it is written).
-    resume_at: u64,
-    copy_phys: u64,
+    /// The instruction bytes (and what follows, up to [`MAX_INSN`]) the action was made from.
+    window: Vec<u8>,
+    /// How a hit gets past the instruction.
+    action: TrapAction,
+    /// The point's out-of-line slot: virtual (where the vCPU resumes) and physical (where
+    /// the copy is written).
+    slot: u64,
+    slot_phys: u64,
     params: Vec<String>,
 }
 
 impl ArmedPoint {
-    /// Remakes the out-of-line copy when the guest changed the entry since it was made (its
-    /// own ftrace turns the nop5 into a call and back): the hit must run what is there now.
+    /// Remakes the action when the guest changed the instruction since it was made (its own
+    /// ftrace turns an entry nop5 into a call and back, static keys flip jumps): the hit
+    /// must do what is there now. Patching keeps lengths, so the point stays a boundary.
     fn refresh(&mut self, machine: &mut GdbMachine, vcpu: VcpuId, addr: u64) -> anyhow::Result<()> {
-        let mut now = [0u8; 5];
+        let mut now = vec![0u8; self.window.len()];
         machine.read_virt(vcpu, addr, &mut now)?;
-        if now != self.original {
-            let code = relocated_entry(addr, now, self.resume_at)
-                .with_context(|| format!("the guest changed {}'s entry", self.name))?;
-            machine.write_phys(self.copy_phys, &code)?;
-            tracing::debug!("{}: entry now {now:02x?}, copy remade", self.name);
-            self.original = now;
+        if now != self.window {
+            let instr = decode_at(&self.function, &now, addr)
+                .with_context(|| format!("the guest changed {}", self.name))?;
+            let action = plan_trap(&instr, &now, self.slot)
+                .with_context(|| format!("the guest changed {}", self.name))?;
+            if let TrapAction::OutOfLine { code, .. } = &action {
+                machine.write_phys(self.slot_phys, code)?;
+            }
+            tracing::debug!("{}: now {instr}, action remade", self.name);
+            self.window = now;
+            self.action = action;
         }
         Ok(())
     }
@@ -222,9 +245,136 @@ impl Context for LiveContext<'_> {
     }
 }
 
-/// Resolves the script's kernel points, writes the out-of-line entry copies into the patch
-/// heap and sets the breakpoints (and the return trampoline's). Returns the armed sites by
-/// (slid) address and the trampoline's address.
+/// Where kernel functions start and end, and what must not be trapped, from the image.
+struct TextMap<'a> {
+    image: &'a KernelImage,
+    /// Start addresses of the code symbols, sorted (link-time).
+    starts: Vec<u64>,
+    /// The entry text runs on the user page tables, where the patch heap is not mapped.
+    entry_text: Option<(u64, u64)>,
+    /// Instructions with an exception-table fixup (link-time): a fault there must happen at
+    /// its own address for the kernel to find the fixup.
+    fixups: HashSet<u64>,
+}
+
+impl<'a> TextMap<'a> {
+    fn new(image: &'a KernelImage) -> Self {
+        let mut starts: Vec<u64> = image
+            .symbols
+            .iter()
+            .filter(|s| s.is_text())
+            .map(|s| s.addr)
+            .collect();
+        starts.dedup();
+        let entry_text = image
+            .symbols
+            .get("__entry_text_start")
+            .zip(image.symbols.get("__entry_text_end"))
+            .map(|(a, b)| (a.addr, b.addr));
+        let fixups = exception_table(image).unwrap_or_else(|e| {
+            tracing::warn!("no exception table ({e}): faulting instructions are not refused");
+            HashSet::new()
+        });
+        Self {
+            image,
+            starts,
+            entry_text,
+            fixups,
+        }
+    }
+
+    /// The function containing `link`: (name, start, end), link-time.
+    fn function(&self, link: u64) -> Option<(String, u64, u64)> {
+        let (sym, _) = self.image.symbols.lookup_addr(link)?;
+        if !sym.is_text() {
+            return None;
+        }
+        let after = self.starts.partition_point(|a| *a <= sym.addr);
+        let end = self.starts.get(after).copied()?;
+        let end = if sym.size > 0 {
+            end.min(sym.addr.wrapping_add(sym.size))
+        } else {
+            end
+        };
+        Some((sym.name.clone(), sym.addr, end))
+    }
+
+    /// Why the point at `link` is refused before looking at its bytes.
+    fn refusal(&self, link: u64) -> Option<String> {
+        if let Some((start, end)) = self.entry_text {
+            if (start..end).contains(&link) {
+                return Some(format!(
+                    "{link:#x} is in the entry text, which runs on page tables without the \
+                     patch heap"
+                ));
+            }
+        }
+        self.fixups.contains(&link).then(|| {
+            format!(
+                "the instruction at {link:#x} has an exception-table fixup: a fault there must \
+                 happen at its own address"
+            )
+        })
+    }
+}
+
+/// The instructions `__ex_table` names (x86-64: 12-byte entries of self-relative `insn`,
+/// `fixup`, `data`).
+fn exception_table(image: &KernelImage) -> anyhow::Result<HashSet<u64>> {
+    let section = image
+        .vmlinux
+        .section("__ex_table")
+        .context("the vmlinux has no __ex_table section")?
+        .addr;
+    let data = image.vmlinux.section_data("__ex_table")?;
+    Ok(data
+        .chunks_exact(12)
+        .enumerate()
+        .map(|(i, e)| {
+            let rel = i32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+            (section + 12 * i as u64).wrapping_add(rel as i64 as u64)
+        })
+        .collect())
+}
+
+/// Checks that `addr` (slid; `link` before the slide) is an instruction boundary of its
+/// function, with the live bytes, and plans how a hit gets past it using `slot`. Returns
+/// the function's name, the instruction window and the action.
+fn plan_point(
+    machine: &mut GdbMachine,
+    text: &TextMap<'_>,
+    slide: u64,
+    link: u64,
+    slot: u64,
+) -> anyhow::Result<(String, Vec<u8>, TrapAction)> {
+    let Some((function, start, end)) = text.function(link) else {
+        bail!("{link:#x} is not inside a kernel function");
+    };
+    if let Some(why) = text.refusal(link) {
+        bail!(why);
+    }
+    let addr = link.wrapping_add(slide);
+    let fstart = start.wrapping_add(slide);
+    if link - start >= MAX_FUNCTION {
+        bail!("{link:#x} is more than {MAX_FUNCTION:#x} bytes into {function}");
+    }
+    // Decode up to the point's instruction; bytes past the function's end are never needed.
+    let want = (link - start + MAX_INSN as u64).min(end - start);
+    let mut code = vec![0u8; usize::try_from(want)?];
+    machine
+        .read_virt(VcpuId(0), fstart, &mut code)
+        .with_context(|| format!("cannot read {function} at {fstart:#x}"))?;
+    let instr = instruction_at(&function, fstart, &code, addr)?;
+    let from = usize::try_from(link - start)?;
+    let window = code[from..].to_vec();
+    let action = plan_trap(&instr, &window, slot)?;
+    Ok((function, window, action))
+}
+
+/// Resolves the script's kernel points, checks each is an instruction boundary that can be
+/// trapped, writes the out-of-line copies into the patch heap and sets the breakpoints (and
+/// the return trampoline's). Returns the armed sites by (slid) address and the trampoline's
+/// address.
 fn arm(
     att: &mut Attached,
     survey: &Survey,
@@ -249,10 +399,13 @@ fn arm(
     let resolver = KernelSymbols::new(&image.symbols, btf);
     let resolved = resolve_program(prog, &resolver)?;
     let plan = attach::map_patch_heap(&mut att.machine, survey, heap.0, heap.1)?;
+    let text = TextMap::new(image);
     let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
+    let mut refused: Vec<String> = Vec::new();
     let slide = survey.kaslr.slide;
     let trampoline = plan.va + TRAMPOLINE_OFFSET;
     let mut needs_trampoline = false;
+    let slots = (OOL_END.min(plan.size) - OOL_OFFSET) / OOL_SLOT;
     for (probe, point) in resolved {
         let Some(link) = point.address else {
             continue; // begin, end, timers: the host runs those
@@ -272,30 +425,38 @@ fn arm(
             }
             continue;
         }
-        let mut original = [0u8; 5];
-        att.machine.read_virt(VcpuId(0), addr, &mut original)?;
-        let slot = u64::try_from(armed.len())?;
-        let at = plan.va + OOL_OFFSET + slot * OOL_SLOT;
-        let code = match relocated_entry(addr, original, at) {
-            Ok(code) => code,
+        let slot_index = u64::try_from(armed.len())?;
+        if slot_index >= slots {
+            bail!("too many probe points: the patch heap has {slots} out-of-line slots for traps");
+        }
+        let slot = plan.va + OOL_OFFSET + slot_index * OOL_SLOT;
+        let slot_phys = plan.phys + OOL_OFFSET + slot_index * OOL_SLOT;
+        let planned = plan_point(&mut att.machine, &text, slide, link, slot).and_then(
+            |(function, window, action)| {
+                if is_return && text.function(link).is_none_or(|f| f.1 != link) {
+                    bail!("a return probe needs a function entry");
+                }
+                if let TrapAction::OutOfLine { code, .. } = &action {
+                    if code.len() as u64 > OOL_SLOT {
+                        bail!(
+                            "its out-of-line copy takes {} bytes, more than a {OOL_SLOT}-byte slot",
+                            code.len()
+                        );
+                    }
+                    att.machine.write_phys(slot_phys, code)?;
+                }
+                Ok((function, window, action))
+            },
+        );
+        let (function, window, action) = match planned {
+            Ok(p) => p,
             Err(e) => {
-                tracing::warn!("{} skipped: {e}", point.name);
+                tracing::warn!("{} refused: {e:#}", point.name);
+                refused.push(format!("{}: {e:#}", point.name));
                 continue;
             }
         };
-        if OOL_OFFSET + (slot + 1) * OOL_SLOT > plan.size {
-            bail!(
-                "too many probe points for a {} MiB patch heap",
-                plan.size >> 20
-            );
-        }
-        let copy_phys = plan.phys + OOL_OFFSET + slot * OOL_SLOT;
-        att.machine.write_phys(copy_phys, &code)?;
         att.machine.set_breakpoint(addr, true)?;
-        let function = image
-            .symbols
-            .lookup_addr(link)
-            .map_or_else(String::new, |(s, _)| s.name.clone());
         let params = point
             .variables
             .iter()
@@ -315,15 +476,19 @@ fn arm(
                 ret,
                 name: point.name.clone(),
                 function,
-                original,
-                resume_at: at,
-                copy_phys,
+                window,
+                action,
+                slot,
+                slot_phys,
                 params,
             },
         );
     }
     if armed.is_empty() {
-        bail!("none of the script's kernel probe points could be armed");
+        bail!(
+            "none of the script's kernel probe points could be armed:\n  {}",
+            refused.join("\n  ")
+        );
     }
     if needs_trampoline {
         // Never executed while exotap is attached (the breakpoint stops it first); `ud2` makes
@@ -332,7 +497,22 @@ fn arm(
             .write_phys(plan.phys + TRAMPOLINE_OFFSET, &[0x0f, 0x0b])?;
         att.machine.set_breakpoint(trampoline, true)?;
     }
-    tracing::info!("armed {} probe sites", armed.len());
+    let mut kinds: Vec<(&str, usize)> = Vec::new();
+    for site in armed.values() {
+        let kind = site.action.kind();
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((kind, 1)),
+        }
+    }
+    kinds.sort_unstable();
+    let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    tracing::info!(
+        "armed {} probe sites ({}), refused {}",
+        armed.len(),
+        kinds.join(", "),
+        refused.len()
+    );
     Ok((armed, trampoline))
 }
 
@@ -529,7 +709,8 @@ impl Tracer {
             return Ok(());
         };
         site.refresh(&mut self.machine, vcpu, pc)?;
-        let resume_at = site.resume_at;
+        let action = site.action.clone();
+        let slot_va = site.slot;
         let wants_return = !site.ret.is_empty();
         let entry = site.entry.clone();
         if let Some(ctx) = self.context(vcpu, regs, pc, None) {
@@ -553,7 +734,35 @@ impl Tracer {
                 },
             );
         }
-        self.machine.set_pc(vcpu, resume_at)?;
+        match action {
+            TrapAction::OutOfLine { .. } => self.machine.set_pc(vcpu, slot_va)?,
+            TrapAction::Emulate(e) => {
+                let rsp = regs.gpr[7];
+                let top = if matches!(e, crate::trap_point::Emulation::Ret { .. }) {
+                    let mut b = [0u8; 8];
+                    self.machine.read_virt(vcpu, rsp, &mut b)?;
+                    u64::from_le_bytes(b)
+                } else {
+                    0
+                };
+                let Effect {
+                    rip,
+                    rsp: new_rsp,
+                    rcx,
+                    store,
+                } = e.effect(regs.rflags, regs.gpr[2], rsp, top);
+                if let Some((at, value)) = store {
+                    self.machine.write_virt(vcpu, at, &value.to_le_bytes())?;
+                }
+                if let Some(v) = new_rsp {
+                    self.machine.set_register(vcpu, "rsp", v)?;
+                }
+                if let Some(v) = rcx {
+                    self.machine.set_register(vcpu, "rcx", v)?;
+                }
+                self.machine.set_pc(vcpu, rip)?;
+            }
+        }
         self.machine.resume()?;
         Ok(())
     }
@@ -580,5 +789,59 @@ impl Tracer {
         self.machine.set_pc(vcpu, p.original)?;
         self.machine.resume()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The cached Debian kernel, when present.
+    fn image() -> Option<KernelImage> {
+        let dir =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+        KernelImage::load(dir.join("vmlinuz")).ok()
+    }
+
+    #[test]
+    fn entry_text_and_exception_table_instructions_are_refused_before_any_byte_is_read() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let text = TextMap::new(&image);
+
+        let syscall = image.address("entry_SYSCALL_64").unwrap();
+        assert!(
+            text.refusal(syscall + 0x10)
+                .is_some_and(|why| why.contains("entry text")),
+            "entry_SYSCALL_64 is not refused"
+        );
+        // Fixed-up instructions are instruction boundaries (the table parses right), and each
+        // is refused.
+        assert!(text.fixups.len() > 100, "{} fixups", text.fixups.len());
+        let mut fixups: Vec<u64> = text.fixups.iter().copied().collect();
+        fixups.sort_unstable();
+        for addr in fixups.iter().step_by(37) {
+            let (name, start, end) = text.function(*addr).unwrap();
+            let code = image
+                .vmlinux
+                .read_at(start, usize::try_from(end - start).unwrap())
+                .unwrap();
+            // A real instruction boundary of its function (a misparsed table would not be).
+            let at = instruction_at(&name, start, code, *addr);
+            assert!(at.is_ok(), "{addr:#x}: {at:?}");
+            assert!(text
+                .refusal(*addr)
+                .is_some_and(|why| why.contains("exception-table fixup")));
+        }
+        let vfs_read = image.address("vfs_read").unwrap();
+        let (name, start, end) = text.function(vfs_read + 0x10).unwrap();
+        assert_eq!((name.as_str(), start), ("vfs_read", vfs_read));
+        assert!(
+            end > start + 0x10 && end - start < 0x1000,
+            "{start:#x}..{end:#x}"
+        );
+        assert_eq!(text.refusal(vfs_read + 0x10), None);
     }
 }

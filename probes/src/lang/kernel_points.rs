@@ -65,6 +65,20 @@ impl<'a> KernelSymbols<'a> {
     }
 }
 
+/// `func+OFFSET` split into the function pattern and the byte offset (decimal or `0x` hex).
+fn function_offset(spec: &str) -> Option<(&str, u64)> {
+    let (name, offset) = spec.rsplit_once('+')?;
+    let offset = offset.trim();
+    let offset = match offset
+        .strip_prefix("0x")
+        .or_else(|| offset.strip_prefix("0X"))
+    {
+        Some(hex) => u64::from_str_radix(hex, 16).ok()?,
+        None => offset.parse().ok()?,
+    };
+    (!name.is_empty()).then_some((name, offset))
+}
+
 fn needs_debuginfo(point: &ProbePoint, why: &str) -> ResolveError {
     ResolveError::NeedsDebugInfo {
         what: format!("{point} {why}"),
@@ -118,6 +132,25 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     address: Some(*addr),
                     variables: Vec::new(),
                 }]
+            }
+            PointKind::KernelStatement {
+                function,
+                file: None,
+                line: None,
+            } if function.contains('+') => {
+                let Some((name, offset)) = function_offset(function) else {
+                    return Err(ResolveError::NoMatch(format!(
+                        "{point} (write \"func+OFFSET\", the offset in decimal or 0x hex)"
+                    )));
+                };
+                self.functions(name)
+                    .into_iter()
+                    .map(|sym| ResolvedPoint {
+                        name: format!("kernel.statement(\"{}+{offset:#x}\")", sym.name),
+                        address: Some(sym.addr.wrapping_add(offset)),
+                        variables: Vec::new(),
+                    })
+                    .collect()
             }
             PointKind::KernelStatement { .. } => {
                 return Err(needs_debuginfo(point, "names a source line"));
@@ -238,6 +271,40 @@ mod tests {
         .unwrap_err();
 
         assert!(err.to_string().contains("debug info"), "{err}");
+    }
+
+    #[test]
+    fn statement_at_function_offset_is_the_symbol_plus_the_offset() {
+        let symbols = table();
+
+        let found = list(
+            r#"kernel.statement("vfs_read+0x1c")"#,
+            &KernelSymbols::new(&symbols, None),
+        )
+        .unwrap();
+
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].name, r#"kernel.statement("vfs_read+0x1c")"#);
+        assert_eq!(found[0].address, Some(0xffff_ffff_8134_9950 + 0x1c));
+        let decimal = list(
+            r#"kernel.statement("vfs_read+28")"#,
+            &KernelSymbols::new(&symbols, None),
+        )
+        .unwrap();
+        assert_eq!(decimal[0].address, found[0].address);
+    }
+
+    #[test]
+    fn statement_with_a_bad_offset_says_how_to_write_it() {
+        let symbols = table();
+
+        let err = list(
+            r#"kernel.statement("vfs_read+zz")"#,
+            &KernelSymbols::new(&symbols, None),
+        )
+        .unwrap_err();
+
+        assert!(err.to_string().contains("func+OFFSET"), "{err}");
     }
 
     #[test]

@@ -67,7 +67,8 @@ pub enum PointKind {
         /// Which instances.
         site: FunctionSite,
     },
-    /// `kernel.statement("func@file:line")`.
+    /// `kernel.statement("func@file:line")`, or `kernel.statement("func+OFFSET")` (an
+    /// instruction boundary at a byte offset into the function).
     KernelStatement {
         /// Function name pattern.
         function: String,
@@ -184,7 +185,8 @@ impl PointError {
 /// The families, for hints and for `-L`.
 pub const KNOWN_FAMILIES: &str = "begin, end, error, never, timer.ms|us|ns|s|hz|jiffies(N), \
 timer.profile, kernel.function(\"pat[@file[:line]]\")[.call|.inline|.return], \
-kernel.statement(\"func@file:line\"), kernel.statement(ADDR).absolute, \
+kernel.statement(\"func@file:line\"), kernel.statement(\"func+OFFSET\"), \
+kernel.statement(ADDR).absolute, \
 kernel.field(\"struct S\", \"member\").read|.write|.call, kernel.syscall(\"name\")[.return]";
 
 fn split_location(spec: &str) -> (String, Option<String>, Option<String>) {

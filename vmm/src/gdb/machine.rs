@@ -33,6 +33,9 @@ pub struct GdbMachine {
     paused: bool,
     /// Byte offset and size of each register in the `g` packet, by name.
     layout: Vec<(String, usize, usize)>,
+    /// The registers last read while stopped (several round trips each), until the vCPU
+    /// runs or a register is written.
+    regs_cache: Option<(VcpuId, X86Registers)>,
 }
 
 impl GdbMachine {
@@ -63,6 +66,7 @@ impl GdbMachine {
             threads,
             paused: true,
             layout,
+            regs_cache: None,
         })
     }
 
@@ -105,6 +109,7 @@ impl GdbMachine {
 
     fn event_of(&mut self, reply: StopReply) -> Result<StopEvent, ControlError> {
         self.paused = true;
+        self.regs_cache = None;
         match reply {
             StopReply::Signal {
                 signal: 5, thread, ..
@@ -127,6 +132,25 @@ impl GdbMachine {
     /// When the stub refuses.
     pub fn detach(mut self) -> Result<(), ControlError> {
         self.client.detach().map_err(backend)
+    }
+
+    /// Writes one 64-bit register of a stopped vCPU by its GDB name (`rsp`, `rcx`, ...); the
+    /// host emulating a branch or call sets them this way.
+    ///
+    /// # Errors
+    /// When the vCPU runs, does not exist, or the stub refuses.
+    pub fn set_register(
+        &mut self,
+        vcpu: VcpuId,
+        name: &str,
+        value: u64,
+    ) -> Result<(), ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        self.regs_cache = None;
+        self.client
+            .write_register(thread, name, &value.to_le_bytes())
+            .map_err(backend)
     }
 }
 
@@ -176,6 +200,11 @@ impl Machine for GdbMachine {
 
     fn registers(&mut self, vcpu: VcpuId) -> Result<RegisterFile, ControlError> {
         self.require_paused()?;
+        if let Some((cached, regs)) = self.regs_cache {
+            if cached == vcpu {
+                return Ok(RegisterFile::X86_64(regs));
+            }
+        }
         let thread = self.thread(vcpu)?;
         let all = self.client.read_all_registers(thread).map_err(backend)?;
         let mut regs = X86Registers::default();
@@ -221,12 +250,14 @@ impl Machine for GdbMachine {
         if !missing.is_empty() {
             tracing::debug!(?missing, "registers not in the g packet");
         }
+        self.regs_cache = Some((vcpu, regs));
         Ok(RegisterFile::X86_64(regs))
     }
 
     fn set_pc(&mut self, vcpu: VcpuId, pc: u64) -> Result<(), ControlError> {
         self.require_paused()?;
         let thread = self.thread(vcpu)?;
+        self.regs_cache = None;
         self.client
             .write_register(thread, "rip", &pc.to_le_bytes())
             .map_err(backend)
@@ -236,12 +267,14 @@ impl Machine for GdbMachine {
         if !self.paused {
             self.client.interrupt().map_err(backend)?;
             self.paused = true;
+            self.regs_cache = None;
         }
         Ok(())
     }
 
     fn resume(&mut self) -> Result<(), ControlError> {
         if self.paused {
+            self.regs_cache = None;
             self.client.resume().map_err(backend)?;
             self.paused = false;
         }
@@ -277,6 +310,7 @@ impl Machine for GdbMachine {
     fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError> {
         self.require_paused()?;
         let thread = self.thread(vcpu)?;
+        self.regs_cache = None;
         self.client.step(thread).map_err(backend)?;
         Ok(StopEvent::Stepped { vcpu })
     }
