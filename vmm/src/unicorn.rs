@@ -12,16 +12,18 @@
 //!
 //! Breakpoints are Unicorn "exits" (`uc_ctl_set_exits`): the emulator stops *before* the
 //! instruction at an exit address, without writing anything into guest memory, like a
-//! debugger's hardware breakpoint. Resuming from a breakpoint steps over it first.
-//! The instruction budget is counted by a code hook over the whole address space, which
-//! also serves as the optional per-address execution profile ([`UnicornMachine::profile`]):
-//! the independent oracle of the splicing regression.
+//! debugger's hardware breakpoint. Resuming from the breakpoint it stopped at steps over
+//! it first. The instruction budget bounds each resume (Unicorn's own instruction count),
+//! so a run that loops forever still ends. The optional per-address execution profile
+//! ([`UnicornMachine::start_profile`]) is a code hook over the whole address space: the
+//! independent oracle of the splicing regression, installed only while profiling
+//! because it slows emulation down.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use unicorn_engine::unicorn_const::{Arch, Mode, Prot};
-use unicorn_engine::{uc_error, RegisterSPARC, RegisterX86, Unicorn};
+use unicorn_engine::{uc_error, RegisterSPARC, RegisterX86, UcHookId, Unicorn};
 
 use crate::control::{
     ControlError, Machine, RegisterFile, SparcRegisters, StopEvent, VcpuId, X86Registers,
@@ -83,12 +85,12 @@ pub enum RunEnd {
 /// Data the hooks share with the machine.
 #[derive(Debug, Default)]
 struct HookState {
-    /// Instructions executed so far (all runs).
-    executed: u64,
     /// Execution count per address, when profiling.
     profile: Option<HashMap<u64, u64>>,
     /// The first unhandled interrupt of the current run.
     interrupt: Option<u32>,
+    /// Hits per redirect address.
+    redirect_hits: HashMap<u64, u64>,
 }
 
 /// A Unicorn emulator under exotap's control.
@@ -107,6 +109,10 @@ pub struct UnicornMachine {
     breakpoints: BTreeSet<u64>,
     halt: Option<u64>,
     budget: u64,
+    /// The breakpoint the machine stopped at, until the pc changes.
+    at_breakpoint: Option<u64>,
+    profile_hook: Option<UcHookId>,
+    redirects: Vec<UcHookId>,
     pending: Option<StopEvent>,
     last_end: Option<RunEnd>,
 }
@@ -198,14 +204,6 @@ impl UnicornMachine {
         };
         let mut uc =
             Unicorn::new_with_data(arch, mode, HookState::default()).map_err(backend)?;
-        uc.add_code_hook(1, 0, |uc, addr, _size| {
-            let data = uc.get_data_mut();
-            data.executed += 1;
-            if let Some(profile) = data.profile.as_mut() {
-                *profile.entry(addr).or_insert(0) += 1;
-            }
-        })
-        .map_err(backend)?;
         uc.add_intr_hook(|uc, number| {
             let data = uc.get_data_mut();
             if data.interrupt.is_none() {
@@ -226,6 +224,9 @@ impl UnicornMachine {
             breakpoints: BTreeSet::new(),
             halt: None,
             budget: u64::MAX,
+            at_breakpoint: None,
+            profile_hook: None,
+            redirects: Vec::new(),
             pending: None,
             last_end: None,
         };
@@ -382,21 +383,30 @@ impl UnicornMachine {
         self.sync_exits()
     }
 
-    /// The total number of instructions runs may execute from now on (`u64::MAX`:
-    /// unlimited); a run that uses it up stops with [`RunEnd::BudgetExhausted`].
+    /// How many instructions one run (one resume) may execute (`u64::MAX`: unlimited);
+    /// a run that uses them up stops with [`RunEnd::BudgetExhausted`].
     pub fn set_budget(&mut self, instructions: u64) {
-        self.budget = self.executed().saturating_add(instructions);
-    }
-
-    /// Instructions executed so far.
-    #[must_use]
-    pub fn executed(&self) -> u64 {
-        self.uc.get_data().executed
+        self.budget = instructions.max(1);
     }
 
     /// Starts counting executions per instruction address (clears earlier counts).
-    pub fn start_profile(&mut self) {
+    ///
+    /// # Errors
+    /// Backend failure.
+    pub fn start_profile(&mut self) -> Result<(), ControlError> {
         self.uc.get_data_mut().profile = Some(HashMap::new());
+        if self.profile_hook.is_none() {
+            let hook = self
+                .uc
+                .add_code_hook(1, 0, |uc, addr, _size| {
+                    if let Some(profile) = uc.get_data_mut().profile.as_mut() {
+                        *profile.entry(addr).or_insert(0) += 1;
+                    }
+                })
+                .map_err(backend)?;
+            self.profile_hook = Some(hook);
+        }
+        Ok(())
     }
 
     /// The execution count per instruction address since [`Self::start_profile`].
@@ -405,8 +415,50 @@ impl UnicornMachine {
         self.uc.get_data().profile.as_ref()
     }
 
+    /// Installs an in-emulator trap handler: whenever the pc reaches `addr`, count a hit
+    /// and continue at `to` (without executing the instruction at `addr`). This is what a
+    /// breakpoint event handled by the host does ([`Machine::set_breakpoint`], then
+    /// [`Machine::set_pc`] and [`Machine::resume`]), without leaving the emulator on
+    /// every hit.
+    ///
+    /// # Errors
+    /// Backend failure.
+    pub fn add_redirect(&mut self, addr: u64, to: u64) -> Result<(), ControlError> {
+        let isa = self.isa;
+        let hook = self
+            .uc
+            .add_code_hook(addr, addr, move |uc, pc, _size| {
+                if pc != addr {
+                    return;
+                }
+                *uc.get_data_mut().redirect_hits.entry(addr).or_insert(0) += 1;
+                let _ = match isa {
+                    Isa::X86_64 => uc.reg_write(RegisterX86::RIP, to),
+                    Isa::Sparc64 => uc.reg_write(RegisterSPARC::PC, to),
+                };
+            })
+            .map_err(backend)?;
+        self.redirects.push(hook);
+        self.uc.ctl_flush_tb().map_err(backend)
+    }
+
+    /// Removes every redirect and returns the hits per address.
+    ///
+    /// # Errors
+    /// Backend failure.
+    pub fn take_redirects(&mut self) -> Result<HashMap<u64, u64>, ControlError> {
+        for hook in std::mem::take(&mut self.redirects) {
+            self.uc.remove_hook(hook).map_err(backend)?;
+        }
+        self.uc.ctl_flush_tb().map_err(backend)?;
+        Ok(std::mem::take(&mut self.uc.get_data_mut().redirect_hits))
+    }
+
     /// Stops profiling and returns the counts.
     pub fn take_profile(&mut self) -> Option<HashMap<u64, u64>> {
+        if let Some(hook) = self.profile_hook.take() {
+            let _ = self.uc.remove_hook(hook);
+        }
         self.uc.get_data_mut().profile.take()
     }
 
@@ -416,8 +468,8 @@ impl UnicornMachine {
         self.last_end.as_ref()
     }
 
-    /// Writes guest memory, dropping translated code that covered it (so that code
-    /// patches take effect).
+    /// Writes guest memory at a virtual address, dropping translated code that covered
+    /// it (so that code patches take effect).
     ///
     /// # Errors
     /// [`ControlError::Memory`] outside the mapped regions.
@@ -432,8 +484,10 @@ impl UnicornMachine {
             self.uc
                 .mem_write(pa, &data[off..off + n])
                 .map_err(|_| err())?;
+            // Unicorn looks the range up by virtual address.
+            let va = addr + off as u64;
             self.uc
-                .ctl_remove_cache(pa, pa + n as u64)
+                .ctl_remove_cache(va, va + n as u64)
                 .map_err(backend)?;
         }
         Ok(())
@@ -475,6 +529,7 @@ impl UnicornMachine {
         self.uc
             .reg_write(RegisterX86::RFLAGS, regs.rflags)
             .map_err(backend)?;
+        self.at_breakpoint = None;
         self.uc.reg_write(RegisterX86::RIP, regs.rip).map_err(backend)
     }
 
@@ -522,7 +577,15 @@ impl UnicornMachine {
     pub fn run(&mut self) -> Result<RunEnd, ControlError> {
         self.uc.get_data_mut().interrupt = None;
         let start = self.pc()?;
-        if self.breakpoints.contains(&start) && Some(start) != self.halt {
+        let resuming = self.at_breakpoint.take() == Some(start);
+        if !resuming && Some(start) == self.halt {
+            return Ok(self.finish(RunEnd::Halted(start)));
+        }
+        if !resuming && self.breakpoints.contains(&start) {
+            // Unicorn cannot start at one of its exits: the stop is due right here.
+            return Ok(self.finish(RunEnd::Breakpoint(start)));
+        }
+        if resuming && self.breakpoints.contains(&start) {
             // Step over the breakpoint under our feet without it as an exit.
             let saved = std::mem::take(&mut self.breakpoints);
             let step = self.sync_exits().and_then(|()| self.step_one());
@@ -532,22 +595,16 @@ impl UnicornMachine {
                 return Ok(self.finish(end));
             }
         }
-        let left = self.budget.saturating_sub(self.executed());
-        if left == 0 {
-            let pc = self.pc()?;
-            return Ok(self.finish(RunEnd::BudgetExhausted(pc)));
-        }
         let pc = self.pc()?;
-        let result = self.emulate(pc, left);
+        // Unicorn's count 0 means no limit.
+        let count = if self.budget == u64::MAX { 0 } else { self.budget };
+        let result = self.emulate(pc, count);
         let end = self.classify(result)?;
         Ok(self.finish(end))
     }
 
     /// Executes one instruction; `Some(end)` when that already ended the run.
     fn step_one(&mut self) -> Result<Option<RunEnd>, ControlError> {
-        if self.executed() >= self.budget {
-            return Ok(Some(RunEnd::BudgetExhausted(self.pc()?)));
-        }
         let pc = self.pc()?;
         let result = self.emulate(pc, 1);
         match self.classify(result)? {
@@ -578,6 +635,10 @@ impl UnicornMachine {
     }
 
     fn finish(&mut self, end: RunEnd) -> RunEnd {
+        self.at_breakpoint = match end {
+            RunEnd::Breakpoint(pc) => Some(pc),
+            _ => None,
+        };
         self.pending = Some(match end {
             RunEnd::Breakpoint(pc) => StopEvent::Breakpoint { vcpu: VCPU, pc },
             RunEnd::Halted(_) | RunEnd::Fault { .. } | RunEnd::Interrupt { .. } => {
@@ -650,8 +711,8 @@ impl Machine for UnicornMachine {
                 len: data.len(),
                 space: "physical",
             })?;
-        let end = addr.saturating_add(data.len() as u64);
-        self.uc.ctl_remove_cache(addr, end).map_err(backend)
+        // Translated code is found by virtual address, and any may map this frame.
+        self.uc.ctl_flush_tb().map_err(backend)
     }
 
     fn read_virt(&mut self, vcpu: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
@@ -682,6 +743,7 @@ impl Machine for UnicornMachine {
         if vcpu != VCPU {
             return Err(ControlError::NoVcpu(vcpu));
         }
+        self.at_breakpoint = None;
         match self.isa {
             Isa::X86_64 => self.uc.set_pc(pc).map_err(backend),
             // Unicorn sets npc = pc + 4 with it.
@@ -770,7 +832,6 @@ mod tests {
 
         assert_eq!(end, RunEnd::Halted(BASE + 11));
         assert_eq!(rax(&mut m), 4);
-        assert_eq!(m.executed(), 3);
         assert_eq!(m.wait_event(Duration::ZERO).unwrap(), Some(StopEvent::Exited));
     }
 
@@ -796,6 +857,35 @@ mod tests {
         assert_eq!(rax_at_bp, 1);
         assert_eq!(second, Some(StopEvent::Exited));
         assert_eq!(rax(&mut m), 4);
+    }
+
+    #[test]
+    fn breakpoint_at_the_starting_pc_stops_first() {
+        let mut m = machine_with(&CODE);
+        m.set_halt(Some(BASE + 11)).unwrap();
+        m.set_breakpoint(BASE, true).unwrap();
+
+        let first = m.run().unwrap();
+        let second = m.run().unwrap();
+
+        assert_eq!(first, RunEnd::Breakpoint(BASE));
+        assert_eq!(second, RunEnd::Halted(BASE + 11));
+        assert_eq!(rax(&mut m), 4);
+    }
+
+    #[test]
+    fn redirect_counts_and_skips_the_instruction() {
+        // Redirect the second `add rax, rax` to the nop after it: rax = 2, one hit.
+        let mut m = machine_with(&CODE);
+        m.set_halt(Some(BASE + 11)).unwrap();
+        m.add_redirect(BASE + 8, BASE + 11).unwrap();
+
+        let end = m.run().unwrap();
+        let hits = m.take_redirects().unwrap();
+
+        assert_eq!(end, RunEnd::Halted(BASE + 11));
+        assert_eq!(rax(&mut m), 2);
+        assert_eq!(hits.get(&(BASE + 8)), Some(&1));
     }
 
     #[test]
@@ -827,7 +917,7 @@ mod tests {
         let code = [0xb9, 3, 0, 0, 0, 0xff, 0xc9, 0x75, 0xfc, 0x90];
         let mut m = machine_with(&code);
         m.set_halt(Some(BASE + 9)).unwrap();
-        m.start_profile();
+        m.start_profile().unwrap();
 
         m.run().unwrap();
         let p = m.take_profile().unwrap();
