@@ -13,6 +13,10 @@ pub struct RegressArgs {
     /// Points probed together in one run (default 16; 1 with --full).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub batch: Option<u16>,
+    /// Also run the sweep over 40 library functions of the Debian kernel's vmlinux (needs
+    /// the -dbg package in the cache: `exotap image fetch --debuginfo`).
+    #[arg(long)]
+    pub vmlinux: bool,
 }
 
 /// Builds the x86-64 mini-kernel, runs the sweep, prints the report; exit code 1 when
@@ -29,9 +33,17 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
     if let Some(batch) = args.batch {
         options.batch = usize::from(batch);
     }
-    let report: Report = exotap_regress::regress_x86_minikernel(&options)?;
-    println!("{report}");
-    Ok(i32::from(
-        !report.divergences.is_empty() || !report.build_errors.is_empty(),
-    ))
+    let mut reports: Vec<Report> = vec![exotap_regress::regress_x86_minikernel(&options)?];
+    if args.vmlinux {
+        let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
+            anyhow::anyhow!("no vmlinux with symbols in the cache: run exotap image fetch --debuginfo")
+        })?;
+        reports.push(exotap_regress::vmlinux::regress(&path, &options)?);
+    }
+    let mut failed = false;
+    for report in &reports {
+        println!("{report}\n");
+        failed |= !report.divergences.is_empty() || !report.build_errors.is_empty();
+    }
+    Ok(i32::from(failed))
 }

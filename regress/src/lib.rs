@@ -15,6 +15,7 @@
 //! runs; a batch that diverges is re-run point by point so the report names the points.
 
 pub mod image;
+pub mod vmlinux;
 pub mod x86;
 
 use std::collections::BTreeMap;
@@ -103,6 +104,9 @@ pub struct Report {
     pub reference_instructions: u64,
     /// The reference run's checksum.
     pub checksum: u64,
+    /// Functions left out because their unprobed reference call did not return, with
+    /// why (not a divergence: there is nothing to compare against).
+    pub skipped: Vec<String>,
     /// Divergences: must be empty.
     pub divergences: Vec<Divergence>,
     /// Wall time.
@@ -144,6 +148,9 @@ impl fmt::Display for Report {
             "checked: {} splices, {} traps in {} runs",
             self.splices_checked, self.traps_checked, self.runs
         )?;
+        if !self.skipped.is_empty() {
+            writeln!(f, "skipped (reference did not return): {}", self.skipped.join("; "))?;
+        }
         writeln!(f, "build errors: {}", self.build_errors.len())?;
         for (addr, why) in self.build_errors.iter().take(20) {
             writeln!(f, "  {addr:#x}: {why}")?;

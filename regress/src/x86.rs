@@ -36,6 +36,8 @@ const STATUS_FLAGS: u64 = 0x8d5;
 /// How many more instructions than the reference a probed run may execute (per probe
 /// hit the patch adds a handful).
 const BUDGET_FACTOR: u64 = 8;
+/// The most instructions a reference run may take.
+const REFERENCE_BUDGET: u64 = 50_000_000;
 
 fn round_up(v: u64) -> u64 {
     v.div_ceil(PAGE) * PAGE
@@ -43,9 +45,13 @@ fn round_up(v: u64) -> u64 {
 
 /// A region of guest memory and its initial contents.
 #[derive(Debug, Clone)]
-struct Region {
-    addr: u64,
-    init: Vec<u8>,
+pub(crate) struct Region {
+    pub(crate) addr: u64,
+    pub(crate) init: Vec<u8>,
+    /// Written back before every run (otherwise only spliced bytes are put back).
+    pub(crate) reset: bool,
+    /// Compared after every run.
+    pub(crate) compare: bool,
 }
 
 /// What a run left behind.
@@ -61,24 +67,26 @@ struct Outcome {
 }
 
 /// The image loaded in a Unicorn machine that can be reset between runs.
-struct Harness {
-    m: UnicornMachine,
+pub(crate) struct Harness {
+    pub(crate) m: UnicornMachine,
     image_regions: Vec<Region>,
     stack: Region,
     heap: Region,
-    entry: u64,
-    halt: u64,
+    /// Registers at the start of a run (rsp is set to the top of the stack minus
+    /// `stack_pushed`).
+    pub(crate) start: X86Registers,
+    /// Bytes the caller placed on top of the stack (a return address), in `stack.init`.
+    pub(crate) halt: u64,
     budget: u64,
     runs: usize,
     /// Traps handled inside the emulator (a code hook that moves the pc) instead of as
     /// breakpoint events through the control interface.
-    in_emulator_traps: bool,
+    pub(crate) in_emulator_traps: bool,
 }
 
 impl Harness {
     fn new(image: &ElfImage) -> Result<Self, RegressError> {
         let halt = image.symbol("exotap_halt")?;
-        let mut m = UnicornMachine::new(Isa::X86_64)?;
         // Page-rounded images of the segments (segments may share pages).
         let mut pages: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
         for seg in &image.segments {
@@ -101,6 +109,8 @@ impl Harness {
                 _ => image_regions.push(Region {
                     addr: page,
                     init: bytes,
+                    reset: true,
+                    compare: true,
                 }),
             }
         }
@@ -109,20 +119,44 @@ impl Harness {
         };
         let image_start = first.addr;
         let image_end = last.addr + last.init.len() as u64;
+        let mut start = X86Registers {
+            rip: image.entry,
+            rflags: 0x2,
+            ..X86Registers::default()
+        };
+        start.gpr[7] = image_start - HEAP_GAP - 16;
+        Self::with_regions(image_regions, image_start, image_end, halt, start)
+    }
+
+    /// A harness over `image_regions` (already page-aligned), with a stack below
+    /// `image_start` and a patch heap above `image_end`.
+    pub(crate) fn with_regions(
+        image_regions: Vec<Region>,
+        image_start: u64,
+        image_end: u64,
+        halt: u64,
+        start: X86Registers,
+    ) -> Result<Self, RegressError> {
+        let mut m = UnicornMachine::new(Isa::X86_64)?;
         let stack = Region {
             addr: image_start
                 .checked_sub(HEAP_GAP + STACK_SIZE)
                 .ok_or_else(|| RegressError::Layout("image too low for a stack".into()))?,
             init: vec![0; STACK_SIZE as usize],
+            reset: true,
+            compare: false,
         };
         let heap = Region {
             addr: image_end
                 .checked_add(HEAP_GAP)
                 .ok_or_else(|| RegressError::Layout("image too high for a heap".into()))?,
             init: vec![0; 0x4_0000],
+            reset: true,
+            compare: false,
         };
         for r in image_regions.iter().chain([&stack, &heap]) {
             m.map(r.addr, r.init.len() as u64)?;
+            m.write(r.addr, &r.init)?;
         }
         m.set_halt(Some(halt))?;
         Ok(Self {
@@ -130,12 +164,31 @@ impl Harness {
             image_regions,
             stack,
             heap,
-            entry: image.entry,
+            start,
             halt,
             budget: u64::MAX,
             runs: 0,
             in_emulator_traps: false,
         })
+    }
+
+    /// Replaces the initial contents of the region at `addr`.
+    pub(crate) fn set_region_init(&mut self, addr: u64, init: Vec<u8>) -> Result<(), RegressError> {
+        let region = self
+            .image_regions
+            .iter_mut()
+            .find(|r| r.addr == addr && r.init.len() == init.len())
+            .ok_or_else(|| RegressError::Layout(format!("no region of that size at {addr:#x}")))?;
+        region.init = init;
+        Ok(())
+    }
+
+    /// Puts `ret` on top of the initial stack as a return address; returns the `rsp`
+    /// a called function starts with (aligned as the ABI wants at entry).
+    pub(crate) fn push_return_address(&mut self, ret: u64) -> Result<u64, RegressError> {
+        let len = self.stack.init.len();
+        self.stack.init[len - 24..len - 16].copy_from_slice(&ret.to_le_bytes());
+        Ok(self.stack.addr + len as u64 - 24)
     }
 
     fn heap_base(&self) -> u64 {
@@ -149,15 +202,11 @@ impl Harness {
     /// Puts memory and registers back to the state before the first instruction.
     fn reset(&mut self) -> Result<(), RegressError> {
         for r in self.image_regions.iter().chain([&self.stack, &self.heap]) {
-            self.m.write(r.addr, &r.init)?;
+            if r.reset {
+                self.m.write(r.addr, &r.init)?;
+            }
         }
-        let mut regs = X86Registers {
-            rip: self.entry,
-            rflags: 0x2,
-            ..X86Registers::default()
-        };
-        regs.gpr[7] = self.stack.addr + STACK_SIZE - 16;
-        self.m.set_x86_registers(&regs)?;
+        self.m.set_x86_registers(&self.start)?;
         self.m.set_budget(self.budget);
         Ok(())
     }
@@ -188,7 +237,7 @@ impl Harness {
             return Err(RegressError::Layout("not an x86-64 register file".into()));
         };
         let mut memory = Vec::new();
-        for r in &self.image_regions {
+        for r in self.image_regions.iter().filter(|r| r.compare) {
             let mut buf = vec![0; r.init.len()];
             self.m.read(r.addr, &mut buf)?;
             memory.push((r.addr, buf));
@@ -293,22 +342,50 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
         functions: analysis.functions().len(),
         ..Report::default()
     };
+    let func_name = |addr: u64| -> String {
+        image
+            .symbols
+            .iter()
+            .rev()
+            .find(|s| s.addr <= addr && s.addr >= text.addr)
+            .map_or_else(|| "?".into(), |s| format!("{}+{:#x}", s.name, addr - s.addr))
+    };
+    let addrs: Vec<u64> = analysis
+        .functions()
+        .iter()
+        .flat_map(|f| f.cfg.insns().iter().map(|i| i.addr))
+        .collect();
+    sweep(&mut h, &ctx, &addrs, options, &mut report, &func_name)?;
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
 
-    // The reference run, profiled.
+/// The reference run, then every point of `addrs` planned, probed and checked; adds
+/// to `report`.
+pub(crate) fn sweep(
+    h: &mut Harness,
+    ctx: &SpliceContext<'_>,
+    addrs: &[u64],
+    options: &Options,
+    report: &mut Report,
+    func_name: &dyn Fn(u64) -> String,
+) -> Result<(), RegressError> {
+    // The reference run, profiled, with a generous bound.
+    h.budget = REFERENCE_BUDGET;
     h.reset()?;
     h.m.start_profile()?;
     let reference = h.run(&HashMap::new())?;
     let profile = h.m.take_profile().unwrap_or_default();
-    report.reference_instructions = profile.values().sum();
+    let reference_instructions: u64 = profile.values().sum();
+    report.reference_instructions += reference_instructions;
     if reference.end != RunEnd::Halted(h.halt) {
         return Err(RegressError::ReferenceDidNotHalt(format!(
             "{:?}",
             reference.end
         )));
     }
-    report.checksum = reference.gpr[0];
-    h.budget = report
-        .reference_instructions
+    report.checksum = report.checksum.rotate_left(7) ^ reference.gpr[0];
+    h.budget = reference_instructions
         .saturating_mul(BUDGET_FACTOR)
         .saturating_add(100_000);
 
@@ -321,12 +398,12 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
         return Err(RegressError::Layout("batch too large for the patch heap".into()));
     }
     let mut points = Vec::new();
-    for func in analysis.functions() {
-        for insn in func.cfg.insns() {
+    {
+        for &addr in addrs {
             report.points += 1;
             // Slot i of a batch is fixed per position, so plan against the farthest.
             let far_slot = slots + (slots_per_batch - 1) * PATCH_SLOT;
-            match plan(&ctx, insn.addr, far_slot) {
+            match plan(ctx, addr, far_slot) {
                 SpliceDecision::Refuse(r) => *report.refused.entry(reason_key(&r)).or_insert(0) += 1,
                 SpliceDecision::Splice(site) => {
                     report.splice_points += 1;
@@ -341,19 +418,10 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
     }
     let stride = options.stride.max(1);
     let points: Vec<_> = points.into_iter().step_by(stride).collect();
-    report.executed_points = points
+    report.executed_points += points
         .iter()
         .filter(|(a, _, _)| profile.get(a).copied().unwrap_or(0) > 0)
         .count();
-
-    let func_name = |addr: u64| -> String {
-        image
-            .symbols
-            .iter()
-            .rev()
-            .find(|s| s.addr <= addr && s.addr >= text.addr)
-            .map_or_else(|| "?".into(), |s| format!("{}+{:#x}", s.name, addr - s.addr))
-    };
 
     // Splices, batched.
     let phase = Instant::now();
@@ -381,10 +449,10 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
                 Err(e) => report.build_errors.push((site.addr, error_chain(&e))),
             }
         }
-        check_batch(&mut h, &reference, &profile, &built, ProbeKind::Splice, slots, counters, &mut report, &func_name)?;
+        check_batch(h, &reference, &profile, &built, ProbeKind::Splice, slots, counters, report, func_name)?;
     }
 
-    report.splice_time = phase.elapsed();
+    report.splice_time += phase.elapsed();
     let phase = Instant::now();
     // Traps, batched: the planner's trap points, and every splice point too if asked.
     let trap_points: Vec<_> = points
@@ -409,12 +477,11 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
                 Err(e) => report.build_errors.push((*addr, error_chain(&e))),
             }
         }
-        check_batch(&mut h, &reference, &profile, &built, ProbeKind::Trap, slots, counters, &mut report, &func_name)?;
+        check_batch(h, &reference, &profile, &built, ProbeKind::Trap, slots, counters, report, func_name)?;
     }
-    report.trap_time = phase.elapsed();
+    report.trap_time += phase.elapsed();
     report.runs = h.runs;
-    report.elapsed = started.elapsed();
-    Ok(report)
+    Ok(())
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -547,6 +614,9 @@ fn run_points(
         }
     }
     let mut outcome = h.run(&trampolines);
+    for p in points.iter().filter(|p| p.splice.is_some()) {
+        h.m.write(p.addr, &p.original)?;
+    }
     let redirected = h.m.take_redirects()?;
     if let Ok(o) = outcome.as_mut() {
         o.hits.extend(redirected);
