@@ -36,7 +36,9 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
     let mut reports: Vec<Report> = vec![exotap_regress::regress_x86_minikernel(&options)?];
     if args.vmlinux {
         let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
-            anyhow::anyhow!("no vmlinux with symbols in the cache: run exotap image fetch --debuginfo")
+            anyhow::anyhow!(
+                "no vmlinux with symbols in the cache: run exotap image fetch --debuginfo"
+            )
         })?;
         reports.push(exotap_regress::vmlinux::regress(&path, &options)?);
     }

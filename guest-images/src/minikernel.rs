@@ -16,14 +16,8 @@ use crate::workloads::WorkloadError;
 
 /// The x86-64 mini-kernel's sources: (file name, contents).
 pub const X86_64_SOURCES: &[(&str, &str)] = &[
-    (
-        "kernel.c",
-        include_str!("../minikernels/x86_64/kernel.c"),
-    ),
-    (
-        "entry.S",
-        include_str!("../minikernels/x86_64/entry.S"),
-    ),
+    ("kernel.c", include_str!("../minikernels/x86_64/kernel.c")),
+    ("entry.S", include_str!("../minikernels/x86_64/entry.S")),
     (
         "kernel.lds",
         include_str!("../minikernels/x86_64/kernel.lds"),

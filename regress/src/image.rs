@@ -104,7 +104,10 @@ impl ElfImage {
                 continue;
             }
             if (data.len() as u64) > size || seg.address().checked_add(size).is_none() {
-                return Err(bad(format!("segment at {:#x} is inconsistent", seg.address())));
+                return Err(bad(format!(
+                    "segment at {:#x} is inconsistent",
+                    seg.address()
+                )));
             }
             let exec = match seg.flags() {
                 object::SegmentFlags::Elf { p_flags } => p_flags & object::elf::PF_X != 0,

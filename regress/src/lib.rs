@@ -149,7 +149,11 @@ impl fmt::Display for Report {
             self.splices_checked, self.traps_checked, self.runs
         )?;
         if !self.skipped.is_empty() {
-            writeln!(f, "skipped (reference did not return): {}", self.skipped.join("; "))?;
+            writeln!(
+                f,
+                "skipped (reference did not return): {}",
+                self.skipped.join("; ")
+            )?;
         }
         writeln!(f, "build errors: {}", self.build_errors.len())?;
         for (addr, why) in self.build_errors.iter().take(20) {

@@ -150,11 +150,21 @@ const CALLS: &[(&str, Setup)] = &[
     ("strnlen", |s| [s.str("jumps over"), 5, 0, 0, 0]),
     ("strcmp", |s| [s.str("kernel"), s.str("kernal"), 0, 0, 0]),
     ("strncmp", |s| [s.str("exotap"), s.str("exotic"), 4, 0, 0]),
-    ("strcpy", |s| [s.alloc(32), s.str("copy me please"), 0, 0, 0]),
-    ("strscpy", |s| [s.alloc(32), s.str("truncated string"), 8, 0, 0]),
-    ("strchr", |s| [s.str("hello world"), u64::from(b'o'), 0, 0, 0]),
-    ("strrchr", |s| [s.str("hello world"), u64::from(b'o'), 0, 0, 0]),
-    ("strstr", |s| [s.str("needle in a haystack"), s.str("hay"), 0, 0, 0]),
+    ("strcpy", |s| {
+        [s.alloc(32), s.str("copy me please"), 0, 0, 0]
+    }),
+    ("strscpy", |s| {
+        [s.alloc(32), s.str("truncated string"), 8, 0, 0]
+    }),
+    ("strchr", |s| {
+        [s.str("hello world"), u64::from(b'o'), 0, 0, 0]
+    }),
+    ("strrchr", |s| {
+        [s.str("hello world"), u64::from(b'o'), 0, 0, 0]
+    }),
+    ("strstr", |s| {
+        [s.str("needle in a haystack"), s.str("hay"), 0, 0, 0]
+    }),
     ("strspn", |s| [s.str("abcabcxyz"), s.str("abc"), 0, 0, 0]),
     ("strcspn", |s| [s.str("abcabcxyz"), s.str("yx"), 0, 0, 0]),
     ("strpbrk", |s| [s.str("abcabcxyz"), s.str("zy"), 0, 0, 0]),
@@ -164,13 +174,29 @@ const CALLS: &[(&str, Setup)] = &[
         b[77] ^= 1;
         [s.put(&a), s.put(&b), 100, 0, 0]
     }),
-    ("memchr", |s| [s.put(&pattern(200)), u64::from(pattern(200)[150]), 200, 0, 0]),
-    ("memscan", |s| [s.put(&pattern(200)), u64::from(pattern(200)[99]), 200, 0, 0]),
+    ("memchr", |s| {
+        [
+            s.put(&pattern(200)),
+            u64::from(pattern(200)[150]),
+            200,
+            0,
+            0,
+        ]
+    }),
+    ("memscan", |s| {
+        [s.put(&pattern(200)), u64::from(pattern(200)[99]), 200, 0, 0]
+    }),
     ("crc16", |s| [0xffff, s.put(&pattern(96)), 96, 0, 0]),
     ("crc_ccitt", |s| [0, s.put(&pattern(96)), 96, 0, 0]),
     ("crc_itu_t", |s| [0, s.put(&pattern(96)), 96, 0, 0]),
     ("__bitmap_weight", |s| {
-        [s.u64s(&[0xdead_beef_0123_4567, 0xffff_0000_ffff_0000, 0x5555, 0x1]), 200, 0, 0, 0]
+        [
+            s.u64s(&[0xdead_beef_0123_4567, 0xffff_0000_ffff_0000, 0x5555, 0x1]),
+            200,
+            0,
+            0,
+            0,
+        ]
     }),
     ("__bitmap_and", |s| {
         let a = s.u64s(&[0xf0f0_f0f0_f0f0_f0f0, 0xffff, u64::MAX, 7]);
@@ -182,9 +208,15 @@ const CALLS: &[(&str, Setup)] = &[
         let b = s.u64s(&[0xff00_ff00_ff00_ff00, 0x00ff, 0x1234, 5]);
         [s.alloc(32), a, b, 250, 0]
     }),
-    ("_find_next_bit", |s| [s.u64s(&[0, 0, 0x100, 1]), 256, 10, 0, 0]),
-    ("_find_first_bit", |s| [s.u64s(&[0, 0, 0, 0x8000]), 256, 0, 0, 0]),
-    ("_find_first_zero_bit", |s| [s.u64s(&[u64::MAX, u64::MAX, 0xff, 0]), 256, 0, 0, 0]),
+    ("_find_next_bit", |s| {
+        [s.u64s(&[0, 0, 0x100, 1]), 256, 10, 0, 0]
+    }),
+    ("_find_first_bit", |s| {
+        [s.u64s(&[0, 0, 0, 0x8000]), 256, 0, 0, 0]
+    }),
+    ("_find_first_zero_bit", |s| {
+        [s.u64s(&[u64::MAX, u64::MAX, 0xff, 0]), 256, 0, 0, 0]
+    }),
     ("sort", |s| {
         let v: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 101).collect();
         [s.u32s(&v), 40, 4, Scratch::CMP_U32, 0]
@@ -209,8 +241,18 @@ const CALLS: &[(&str, Setup)] = &[
     ("skip_spaces", |s| [s.str("   \t  text"), 0, 0, 0, 0]),
     ("strim", |s| [s.str("  padded both ends   "), 0, 0, 0, 0]),
     ("kstrtoull", |s| [s.str("0x1234abcd"), 0, s.alloc(8), 0, 0]),
-    ("simple_strtoull", |s| [s.str("98765xyz"), s.alloc(8), 10, 0, 0]),
-    ("hex2bin", |s| [s.alloc(16), s.str("00112233445566778899aabbccddeeff"), 16, 0, 0]),
+    ("simple_strtoull", |s| {
+        [s.str("98765xyz"), s.alloc(8), 10, 0, 0]
+    }),
+    ("hex2bin", |s| {
+        [
+            s.alloc(16),
+            s.str("00112233445566778899aabbccddeeff"),
+            16,
+            0,
+            0,
+        ]
+    }),
     ("bin2hex", |s| [s.alloc(64), s.put(&pattern(24)), 24, 0, 0]),
     ("__sw_hweight64", |_| [0x0123_4567_89ab_cdef, 0, 0, 0, 0]),
     ("__sw_hweight32", |_| [0xf0f0_1234, 0, 0, 0, 0]),
@@ -318,7 +360,14 @@ pub fn regress_functions(
         .filter(|(name, _)| names.contains(name))
         .filter_map(|&(name, setup)| {
             let &(start, size) = loaded.symbols.get(name)?;
-            (size > 0).then_some((name, setup, FunctionRange { start, end: start + size }))
+            (size > 0).then_some((
+                name,
+                setup,
+                FunctionRange {
+                    start,
+                    end: start + size,
+                },
+            ))
         })
         .collect();
     calls.sort_by_key(|c| c.2.start);
@@ -330,7 +379,13 @@ pub fn regress_functions(
     let analysis = TextAnalysis::analyze(view, &ranges, &config);
     let ctx = SpliceContext::new(view, &analysis);
 
-    let image_start = loaded.regions.iter().map(|r| r.addr).filter(|&a| a >= 0xffff_8000_0000_0000).min().unwrap_or(loaded.text_base);
+    let image_start = loaded
+        .regions
+        .iter()
+        .map(|r| r.addr)
+        .filter(|&a| a >= 0xffff_8000_0000_0000)
+        .min()
+        .unwrap_or(loaded.text_base);
     let image_end = loaded
         .regions
         .iter()
@@ -344,13 +399,22 @@ pub fn regress_functions(
         reset: true,
         compare: true,
     });
-    let mut h = Harness::with_regions(regions, image_start, image_end, Scratch::HALT, X86Registers::default())?;
+    let mut h = Harness::with_regions(
+        regions,
+        image_start,
+        image_end,
+        Scratch::HALT,
+        X86Registers::default(),
+    )?;
     h.in_emulator_traps = options.in_emulator_traps;
     let mut report = Report {
         image: format!("{} ({} functions called)", vmlinux.display(), calls.len()),
         ..Report::default()
     };
-    tracing::info!("loaded and mapped in {:.2} s", started.elapsed().as_secs_f64());
+    tracing::info!(
+        "loaded and mapped in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
     for (name, setup, range) in &calls {
         let t = Instant::now();
         let mut scratch = Scratch::new();

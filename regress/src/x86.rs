@@ -15,8 +15,7 @@ use std::time::Instant;
 
 use exotap_introspect::x86::{ranges_from_starts, AnalysisConfig, CodeView, TextAnalysis};
 use exotap_probes::splice::{
-    generate, out_of_line, plan, PatchRequest, Probe, Refusal, Site, SpliceContext,
-    SpliceDecision,
+    generate, out_of_line, plan, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
 };
 use exotap_vmm::control::{Machine, RegisterFile, X86Registers};
 use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine, VCPU};
@@ -282,7 +281,9 @@ fn compare(reference: &Outcome, probed: &Outcome) -> Option<String> {
     }
     for ((addr, a), (addr_b, b)) in reference.memory.iter().zip(&probed.memory) {
         if addr != addr_b || a.len() != b.len() {
-            return Some(format!("live stack starts at {addr_b:#x} instead of {addr:#x}"));
+            return Some(format!(
+                "live stack starts at {addr_b:#x} instead of {addr:#x}"
+            ));
         }
         if let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) {
             return Some(format!(
@@ -314,7 +315,10 @@ fn reason_key(r: &Refusal) -> String {
         Refusal::Unsupported { mnemonic, .. } => format!("Unsupported ({mnemonic:?})"),
         other => {
             let dbg = format!("{other:?}");
-            dbg.split([' ', '{', '(']).next().unwrap_or_default().to_owned()
+            dbg.split([' ', '{', '('])
+                .next()
+                .unwrap_or_default()
+                .to_owned()
         }
     }
 }
@@ -329,8 +333,8 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
     let text = image
         .text()
         .ok_or_else(|| RegressError::Layout("no executable segment".into()))?;
-    let view = CodeView::new(text.addr, &text.data)
-        .map_err(|e| RegressError::Layout(e.to_string()))?;
+    let view =
+        CodeView::new(text.addr, &text.data).map_err(|e| RegressError::Layout(e.to_string()))?;
     let ranges = ranges_from_starts(&image.text_symbol_starts(), view.end());
     let analysis = TextAnalysis::analyze(view, &ranges, &AnalysisConfig::new());
     let ctx = SpliceContext::new(view, &analysis);
@@ -348,7 +352,10 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
             .iter()
             .rev()
             .find(|s| s.addr <= addr && s.addr >= text.addr)
-            .map_or_else(|| "?".into(), |s| format!("{}+{:#x}", s.name, addr - s.addr))
+            .map_or_else(
+                || "?".into(),
+                |s| format!("{}+{:#x}", s.name, addr - s.addr),
+            )
     };
     let addrs: Vec<u64> = analysis
         .functions()
@@ -395,7 +402,9 @@ pub(crate) fn sweep(
     let counters = h.heap_base();
     let slots = counters + round_up(8 * batch as u64);
     if slots + slots_per_batch * PATCH_SLOT > h.heap_end() {
-        return Err(RegressError::Layout("batch too large for the patch heap".into()));
+        return Err(RegressError::Layout(
+            "batch too large for the patch heap".into(),
+        ));
     }
     let mut points = Vec::new();
     {
@@ -404,7 +413,9 @@ pub(crate) fn sweep(
             // Slot i of a batch is fixed per position, so plan against the farthest.
             let far_slot = slots + (slots_per_batch - 1) * PATCH_SLOT;
             match plan(ctx, addr, far_slot) {
-                SpliceDecision::Refuse(r) => *report.refused.entry(reason_key(&r)).or_insert(0) += 1,
+                SpliceDecision::Refuse(r) => {
+                    *report.refused.entry(reason_key(&r)).or_insert(0) += 1
+                }
                 SpliceDecision::Splice(site) => {
                     report.splice_points += 1;
                     points.push((site.addr, site.bytes.clone(), Some(site)));
@@ -449,7 +460,17 @@ pub(crate) fn sweep(
                 Err(e) => report.build_errors.push((site.addr, error_chain(&e))),
             }
         }
-        check_batch(h, &reference, &profile, &built, ProbeKind::Splice, slots, counters, report, func_name)?;
+        check_batch(
+            h,
+            &reference,
+            &profile,
+            &built,
+            ProbeKind::Splice,
+            slots,
+            counters,
+            report,
+            func_name,
+        )?;
     }
 
     report.splice_time += phase.elapsed();
@@ -477,7 +498,17 @@ pub(crate) fn sweep(
                 Err(e) => report.build_errors.push((*addr, error_chain(&e))),
             }
         }
-        check_batch(h, &reference, &profile, &built, ProbeKind::Trap, slots, counters, report, func_name)?;
+        check_batch(
+            h,
+            &reference,
+            &profile,
+            &built,
+            ProbeKind::Trap,
+            slots,
+            counters,
+            report,
+            func_name,
+        )?;
     }
     report.trap_time += phase.elapsed();
     report.runs = h.runs;
@@ -561,7 +592,12 @@ fn check_batch(
     Ok(())
 }
 
-fn rebuild_in_slot0(p: &Point, kind: ProbeKind, slots: u64, counters: u64) -> Result<Point, String> {
+fn rebuild_in_slot0(
+    p: &Point,
+    kind: ProbeKind,
+    slots: u64,
+    counters: u64,
+) -> Result<Point, String> {
     let mut out = Point {
         addr: p.addr,
         original: p.original.clone(),
@@ -578,7 +614,8 @@ fn rebuild_in_slot0(p: &Point, kind: ProbeKind, slots: u64, counters: u64) -> Re
             out.splice = Some((patch.code, patch.splice));
         }
         ProbeKind::Trap => {
-            let o = out_of_line(&p.original, p.addr, slots + PATCH_SLOT).map_err(|e| error_chain(&e))?;
+            let o = out_of_line(&p.original, p.addr, slots + PATCH_SLOT)
+                .map_err(|e| error_chain(&e))?;
             out.ool = Some(o.code);
         }
     }

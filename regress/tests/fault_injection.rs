@@ -37,6 +37,10 @@ fn off_by_one_rel32_fixup_is_caught_as_divergences() {
     assert!(trapped >= 5, "{report}");
     // Divergences name their points (batches were split to find them); with a broken
     // relocator a batch can also fail only as a whole, but that is the exception.
-    let named = report.divergences.iter().filter(|d| d.points.len() == 1).count();
+    let named = report
+        .divergences
+        .iter()
+        .filter(|d| d.points.len() == 1)
+        .count();
     assert!(named * 10 >= report.divergences.len() * 9, "{report}");
 }

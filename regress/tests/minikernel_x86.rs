@@ -25,7 +25,13 @@ fn every_accepted_point_of_the_x86_minikernel_runs_unchanged() {
     assert!(report.points > 1000, "{report}");
     assert!(report.splice_points > 300, "{report}");
     assert!(report.trap_points > 300, "{report}");
-    assert!(report.executed_points * 2 > report.splice_points + report.trap_points, "{report}");
+    assert!(
+        report.executed_points * 2 > report.splice_points + report.trap_points,
+        "{report}"
+    );
     assert_eq!(report.splices_checked, report.splice_points);
-    assert_eq!(report.traps_checked, report.splice_points + report.trap_points);
+    assert_eq!(
+        report.traps_checked,
+        report.splice_points + report.trap_points
+    );
 }

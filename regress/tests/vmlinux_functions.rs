@@ -19,5 +19,8 @@ fn every_accepted_point_of_30_vmlinux_functions_runs_unchanged() {
     assert!(report.divergences.is_empty(), "{report}");
     assert!(report.build_errors.is_empty(), "{report}");
     assert!(report.splice_points + report.trap_points > 500, "{report}");
-    assert!(report.executed_points * 2 > report.splice_points + report.trap_points, "{report}");
+    assert!(
+        report.executed_points * 2 > report.splice_points + report.trap_points,
+        "{report}"
+    );
 }

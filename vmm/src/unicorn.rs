@@ -202,8 +202,7 @@ impl UnicornMachine {
             Isa::X86_64 => (Arch::X86, Mode::MODE_64),
             Isa::Sparc64 => (Arch::SPARC, Mode::SPARC64 | Mode::BIG_ENDIAN),
         };
-        let mut uc =
-            Unicorn::new_with_data(arch, mode, HookState::default()).map_err(backend)?;
+        let mut uc = Unicorn::new_with_data(arch, mode, HookState::default()).map_err(backend)?;
         uc.add_intr_hook(|uc, number| {
             let data = uc.get_data_mut();
             if data.interrupt.is_none() {
@@ -339,7 +338,11 @@ impl UnicornMachine {
             len: usize::try_from(size).unwrap_or(usize::MAX),
             space: "virtual",
         };
-        if size == 0 || addr % PAGE != 0 || size % PAGE != 0 || addr.checked_add(size).is_none() {
+        if size == 0
+            || !addr.is_multiple_of(PAGE)
+            || !size.is_multiple_of(PAGE)
+            || addr.checked_add(size).is_none()
+        {
             return Err(bad);
         }
         if self
@@ -530,7 +533,9 @@ impl UnicornMachine {
             .reg_write(RegisterX86::RFLAGS, regs.rflags)
             .map_err(backend)?;
         self.at_breakpoint = None;
-        self.uc.reg_write(RegisterX86::RIP, regs.rip).map_err(backend)
+        self.uc
+            .reg_write(RegisterX86::RIP, regs.rip)
+            .map_err(backend)
     }
 
     /// Sets one SPARC register of the current window (`%g0`..`%i7` as 0..31).
@@ -597,7 +602,11 @@ impl UnicornMachine {
         }
         let pc = self.pc()?;
         // Unicorn's count 0 means no limit.
-        let count = if self.budget == u64::MAX { 0 } else { self.budget };
+        let count = if self.budget == u64::MAX {
+            0
+        } else {
+            self.budget
+        };
         let result = self.emulate(pc, count);
         let end = self.classify(result)?;
         Ok(self.finish(end))
@@ -696,11 +705,13 @@ impl Machine for UnicornMachine {
     }
 
     fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
-        self.uc.mem_read(addr, buf).map_err(|_| ControlError::Memory {
-            addr,
-            len: buf.len(),
-            space: "physical",
-        })
+        self.uc
+            .mem_read(addr, buf)
+            .map_err(|_| ControlError::Memory {
+                addr,
+                len: buf.len(),
+                space: "physical",
+            })
     }
 
     fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
@@ -812,9 +823,7 @@ mod tests {
     }
 
     // mov eax, 1 (5) ; add rax, rax (3) ; add rax, rax (3) ; nop (1)
-    const CODE: [u8; 12] = [
-        0xb8, 1, 0, 0, 0, 0x48, 0x01, 0xc0, 0x48, 0x01, 0xc0, 0x90,
-    ];
+    const CODE: [u8; 12] = [0xb8, 1, 0, 0, 0, 0x48, 0x01, 0xc0, 0x48, 0x01, 0xc0, 0x90];
 
     fn rax(m: &mut UnicornMachine) -> u64 {
         match m.registers(VCPU).unwrap() {
@@ -832,7 +841,10 @@ mod tests {
 
         assert_eq!(end, RunEnd::Halted(BASE + 11));
         assert_eq!(rax(&mut m), 4);
-        assert_eq!(m.wait_event(Duration::ZERO).unwrap(), Some(StopEvent::Exited));
+        assert_eq!(
+            m.wait_event(Duration::ZERO).unwrap(),
+            Some(StopEvent::Exited)
+        );
     }
 
     #[test]
@@ -940,7 +952,13 @@ mod tests {
 
         // A page fault with no IDT: Unicorn reports the resulting #DF (8) or #PF (14).
         assert!(
-            matches!(end, RunEnd::Interrupt { pc: BASE, number: 8 | 14 }),
+            matches!(
+                end,
+                RunEnd::Interrupt {
+                    pc: BASE,
+                    number: 8 | 14
+                }
+            ),
             "{end:?}"
         );
         assert!(matches!(err, ControlError::Memory { addr: 0x1000, .. }));
