@@ -327,8 +327,8 @@ impl UnicornMachine {
         self.isa
     }
 
-    /// Maps `size` bytes of zeroed RAM at virtual address `addr` (both page-aligned),
-    /// readable, writable and executable.
+    /// Maps `size` bytes of zeroed RAM at virtual address `addr` (both page-aligned:
+    /// 4 KiB on x86-64, 8 KiB on SPARC64), readable, writable and executable.
     ///
     /// # Errors
     /// Unaligned, empty or overlapping ranges; out of frames or page tables.
@@ -487,11 +487,12 @@ impl UnicornMachine {
             self.uc
                 .mem_write(pa, &data[off..off + n])
                 .map_err(|_| err())?;
-            // Unicorn looks the range up by virtual address.
+            // Unicorn looks the range up by virtual address. Where it refuses (SPARC with
+            // the MMU off), drop all translated code instead.
             let va = addr + off as u64;
-            self.uc
-                .ctl_remove_cache(va, va + n as u64)
-                .map_err(backend)?;
+            if self.uc.ctl_remove_cache(va, va + n as u64).is_err() {
+                self.uc.ctl_flush_tb().map_err(backend)?;
+            }
         }
         Ok(())
     }
@@ -556,7 +557,12 @@ impl UnicornMachine {
     }
 
     fn pc(&self) -> Result<u64, ControlError> {
-        self.uc.pc_read().map_err(backend)
+        match self.isa {
+            Isa::X86_64 => self.uc.reg_read(RegisterX86::RIP),
+            // The binding's pc_read refuses SPARC64's mode.
+            Isa::Sparc64 => self.uc.reg_read(RegisterSPARC::PC),
+        }
+        .map_err(backend)
     }
 
     fn sync_exits(&mut self) -> Result<(), ControlError> {
