@@ -10,6 +10,7 @@ packages=(
   cpio              # tests read the initramfs back with an independent cpio
   util-linux        # unshare -n: proves a cached image fetch needs no network
   gdb               # debug-info tests compare exotap's line tables and layouts with gdb's
+  cmake libclang-dev  # the unicorn-engine crate builds Unicorn's C code (cmake) and its bindings (bindgen)
 )
 
 missing=()

@@ -8,6 +8,7 @@ mod guest_memory;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+mod regress;
 mod script;
 mod selftest;
 mod splice_live;
@@ -109,6 +110,10 @@ enum Command {
     /// KLAS join points: the instructions that read, write or call through a struct member
     /// (`exotap joinpoints 'struct file.f_pos'`), from DWARF and disassembly.
     Joinpoints(debuginfo::JoinpointsArgs),
+    /// Splicing-safety regression: build the x86-64 mini-kernel, run it under Unicorn, then
+    /// again with a counting splice or trap probe at every point the planner accepts;
+    /// report points tried, accepted, refused by reason, and divergences (exit 1 if any).
+    Regress(regress::RegressArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -160,6 +165,7 @@ fn main() -> ExitCode {
         Command::Vars(args) => debuginfo::run_vars(&args),
         Command::Where(args) => debuginfo::run_where(&args),
         Command::Joinpoints(args) => debuginfo::run_joinpoints(&args),
+        Command::Regress(args) => regress::run(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();
             println!("{}", support.explain());

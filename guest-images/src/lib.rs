@@ -6,6 +6,7 @@ pub mod debian;
 pub mod init;
 pub mod initramfs;
 pub mod kernel;
+pub mod minikernel;
 pub mod workloads;
 
 use std::path::{Path, PathBuf};

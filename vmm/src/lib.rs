@@ -5,6 +5,8 @@
 //! * [`host`]: what this host's `/dev/kvm` can do, used by backend auto-selection.
 //! * [`console`]: the guest protocol on the serial console (`EXOTAP-*` markers).
 //! * [`kvm`]: exotap's own minimal VMM on `/dev/kvm` (hardware virtualization only).
+//! * [`unicorn`]: one emulated x86-64 or SPARC V9 CPU (Unicorn) with a flat memory map,
+//!   for deterministic runs of mini-kernels and extracted kernel functions.
 
 pub mod console;
 pub mod control;
@@ -12,3 +14,4 @@ pub mod gdb;
 pub mod host;
 pub mod kvm;
 pub mod qemu;
+pub mod unicorn;

@@ -280,6 +280,12 @@ fn finish(
         code.get(offset..).unwrap_or_default(),
         relocated_at,
     )?;
+    #[cfg(feature = "fault-injection")]
+    let code = {
+        let mut code = code;
+        super::reloc::fault::apply(&mut code, offset, used, relocated_at);
+        code
+    };
     let back_offset = offset + used;
     let jump_back_at = patch.wrapping_add(back_offset as u64);
     let back =

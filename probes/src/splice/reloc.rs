@@ -11,6 +11,60 @@ use iced_x86::{
     Instruction, InstructionBlock, MemoryOperand, Mnemonic, Register, RelocInfo,
 };
 
+/// Test-only fault injection into the relocator, to prove that the splicing-safety
+/// regression (`exotap regress`) detects a broken relocation. Only built with the
+/// `fault-injection` feature, which only the regression's own tests enable.
+#[cfg(feature = "fault-injection")]
+pub mod fault {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use iced_x86::{Decoder, DecoderOptions};
+
+    static REL32_OFF_BY_ONE: AtomicBool = AtomicBool::new(false);
+
+    /// Makes every later relocation put its first rel32 branch displacement or
+    /// RIP-relative disp32 one byte off (process-wide), or stops doing so.
+    pub fn set_rel32_off_by_one(on: bool) {
+        REL32_OFF_BY_ONE.store(on, Ordering::SeqCst);
+    }
+
+    /// Applies the injected fault to `len` bytes of relocated code at `code[start..]`,
+    /// which sit at `ip`.
+    pub(crate) fn apply(code: &mut [u8], start: usize, len: usize, ip: u64) {
+        if !REL32_OFF_BY_ONE.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(bytes) = code.get(start..start + len) else {
+            return;
+        };
+        let mut decoder = Decoder::with_ip(64, bytes, ip, DecoderOptions::NONE);
+        let mut pos = start;
+        while decoder.can_decode() {
+            let instr = decoder.decode();
+            let offsets = decoder.get_constant_offsets(&instr);
+            let field = if instr.is_ip_rel_memory_operand() && offsets.displacement_size() == 4 {
+                Some(offsets.displacement_offset())
+            } else if offsets.has_immediate()
+                && offsets.immediate_size() == 4
+                && (instr.is_jmp_near() || instr.is_jcc_near() || instr.is_call_near())
+            {
+                Some(offsets.immediate_offset())
+            } else {
+                None
+            };
+            if let Some(off) = field {
+                let at = pos + off;
+                if let Some(slot) = code.get_mut(at..at + 4) {
+                    let v = i32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]);
+                    slot.copy_from_slice(&v.wrapping_add(1).to_le_bytes());
+                }
+                return;
+            }
+            pos += instr.len();
+        }
+    }
+}
+
 /// Errors of relocation.
 #[derive(Debug, thiserror::Error)]
 pub enum RelocError {
