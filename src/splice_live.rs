@@ -42,7 +42,7 @@ use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::x86::{
-    ranges_from_starts, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
+    ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
 use exotap_probes::splice::{
     generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
@@ -92,30 +92,6 @@ pub struct KernelFacts {
     pub address_keyed: Vec<u64>,
     /// Calls and returns the analysis must model specially.
     pub config: AnalysisConfig,
-}
-
-/// The register an `__x86_indirect_thunk_REG` jumps through.
-fn thunk_register(name: &str) -> Option<Register> {
-    let suffix = name.strip_prefix("__x86_indirect_thunk_")?;
-    let reg = match suffix {
-        "rax" => Register::RAX,
-        "rbx" => Register::RBX,
-        "rcx" => Register::RCX,
-        "rdx" => Register::RDX,
-        "rsi" => Register::RSI,
-        "rdi" => Register::RDI,
-        "rbp" => Register::RBP,
-        "r8" => Register::R8,
-        "r9" => Register::R9,
-        "r10" => Register::R10,
-        "r11" => Register::R11,
-        "r12" => Register::R12,
-        "r13" => Register::R13,
-        "r14" => Register::R14,
-        "r15" => Register::R15,
-        _ => return None,
-    };
-    Some(reg)
 }
 
 /// A table of fixed-size entries between two symbols of the image (link-time contents).

@@ -15,6 +15,33 @@ use iced_x86::{
 
 use super::regs::{gpr_index, LiveState, RegSet, StatusFlags};
 
+/// The register an indirect-branch thunk jumps through, from the thunk's name
+/// (`__x86_indirect_thunk_rax`, `__x86_indirect_call_thunk_r11`), as retpoline builds emit them.
+pub fn thunk_register(name: &str) -> Option<Register> {
+    let suffix = name
+        .strip_prefix("__x86_indirect_thunk_")
+        .or_else(|| name.strip_prefix("__x86_indirect_call_thunk_"))?;
+    let reg = match suffix {
+        "rax" => Register::RAX,
+        "rbx" => Register::RBX,
+        "rcx" => Register::RCX,
+        "rdx" => Register::RDX,
+        "rsi" => Register::RSI,
+        "rdi" => Register::RDI,
+        "rbp" => Register::RBP,
+        "r8" => Register::R8,
+        "r9" => Register::R9,
+        "r10" => Register::R10,
+        "r11" => Register::R11,
+        "r12" => Register::R12,
+        "r13" => Register::R13,
+        "r14" => Register::R14,
+        "r15" => Register::R15,
+        _ => return None,
+    };
+    Some(reg)
+}
+
 /// How control leaves an instruction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Flow {

@@ -11,7 +11,7 @@ pub mod regs;
 pub mod text;
 
 pub use cfg::{BasicBlock, BlockExit, Cfg};
-pub use decode::{AnalysisConfig, CallEffect, Flow, FunctionDecoder, Insn};
+pub use decode::{thunk_register, AnalysisConfig, CallEffect, Flow, FunctionDecoder, Insn};
 pub use liveness::Liveness;
 pub use regs::{LiveState, RegSet, StatusFlags};
 pub use text::{

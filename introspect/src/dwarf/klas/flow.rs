@@ -112,31 +112,9 @@ impl State {
 /// The register an indirect-branch thunk (`__x86_indirect_thunk_rax`) jumps through.
 fn thunk_register(symbols: &Symtab<'_>, target: u64) -> Option<usize> {
     // Several names can share the address (`__x86_indirect_thunk_array` and `..._rax`).
-    symbols.at(target).find_map(|sym| {
-        let name = sym
-            .name
-            .strip_prefix("__x86_indirect_thunk_")
-            .or_else(|| sym.name.strip_prefix("__x86_indirect_call_thunk_"))?;
-        let reg = match name {
-            "rax" => Register::RAX,
-            "rbx" => Register::RBX,
-            "rcx" => Register::RCX,
-            "rdx" => Register::RDX,
-            "rsi" => Register::RSI,
-            "rdi" => Register::RDI,
-            "rbp" => Register::RBP,
-            "r8" => Register::R8,
-            "r9" => Register::R9,
-            "r10" => Register::R10,
-            "r11" => Register::R11,
-            "r12" => Register::R12,
-            "r13" => Register::R13,
-            "r14" => Register::R14,
-            "r15" => Register::R15,
-            _ => return None,
-        };
-        gpr(reg)
-    })
+    symbols
+        .at(target)
+        .find_map(|sym| crate::x86::thunk_register(sym.name).and_then(gpr))
 }
 
 fn falls_through(instr: &Instruction) -> bool {
