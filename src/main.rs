@@ -8,6 +8,7 @@ mod guest_memory;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+#[cfg(feature = "unicorn")]
 mod regress;
 mod script;
 mod selftest;
@@ -113,6 +114,7 @@ enum Command {
     /// Splicing-safety regression: build the x86-64 mini-kernel, run it under Unicorn, then
     /// again with a counting splice or trap probe at every point the planner accepts;
     /// report points tried, accepted, refused by reason, and divergences (exit 1 if any).
+    #[cfg(feature = "unicorn")]
     Regress(regress::RegressArgs),
 }
 
@@ -165,6 +167,7 @@ fn main() -> ExitCode {
         Command::Vars(args) => debuginfo::run_vars(&args),
         Command::Where(args) => debuginfo::run_where(&args),
         Command::Joinpoints(args) => debuginfo::run_joinpoints(&args),
+        #[cfg(feature = "unicorn")]
         Command::Regress(args) => regress::run(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();

@@ -14,4 +14,5 @@ pub mod gdb;
 pub mod host;
 pub mod kvm;
 pub mod qemu;
+#[cfg(feature = "unicorn")]
 pub mod unicorn;
