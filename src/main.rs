@@ -70,7 +70,7 @@ enum Command {
     Info(attach::InfoArgs),
     /// Boot a guest and prove exotap works on this host: attach, KASLR slide vs the guest's
     /// /proc/kallsyms, patch heap, a counting splice of __x64_sys_getpid checked against the
-    /// workload and the guest's ftrace profiler, exact restore. Prints HOST-RESULT lines.
+    /// workload and the guest's own kprobe hit count, exact restore. Prints HOST-RESULT lines.
     Selftest(selftest::SelftestArgs),
     /// List the guest kernel's symbols matching a pattern (from the kallsyms tables inside
     /// the image; link-time addresses unless --slide is given).
