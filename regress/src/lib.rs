@@ -15,6 +15,7 @@
 //! runs; a batch that diverges is re-run point by point so the report names the points.
 
 pub mod image;
+pub mod sparc;
 pub mod vmlinux;
 pub mod x86;
 

@@ -1,0 +1,34 @@
+//! The splicing-safety regression over the SPARC v9 mini-kernel: every accepted splice
+//! point must leave the kernel's results unchanged and count exactly, with the patch
+//! heap near the image and, through springboards, far from it.
+
+use std::process::Command;
+
+use exotap_guest_images::minikernel::SPARC64_GCC;
+use exotap_regress::sparc;
+use exotap_regress::Options;
+
+fn have_cross_gcc() -> bool {
+    Command::new(SPARC64_GCC).arg("--version").output().is_ok()
+}
+
+#[test]
+fn every_accepted_point_of_the_sparc_minikernel_runs_unchanged() {
+    if !have_cross_gcc() {
+        println!("SKIP: {SPARC64_GCC} is not installed (apt-get install gcc-sparc64-linux-gnu)");
+        return;
+    }
+
+    let report = sparc::regress_minikernel(&Options::ci()).unwrap();
+    println!("{report}");
+
+    assert!(report.divergences.is_empty(), "{report}");
+    assert!(report.build_errors.is_empty(), "{report}");
+    assert!(report.points > 1000, "{report}");
+    assert!(report.splice_points > 800, "{report}");
+    assert!(
+        report.executed_points * 2 > report.splice_points,
+        "{report}"
+    );
+    assert_eq!(report.splices_checked, report.splice_points);
+}
