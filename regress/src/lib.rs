@@ -99,6 +99,9 @@ pub struct Report {
     pub splices_checked: usize,
     /// Trap runs checked (points).
     pub traps_checked: usize,
+    /// Splices checked that reached their patch through a springboard (SPARC: patch
+    /// beyond `ba,a` reach).
+    pub springboards: usize,
     /// Emulator runs made (reference included).
     pub runs: usize,
     /// Instructions of the reference run.
@@ -149,6 +152,9 @@ impl fmt::Display for Report {
             "checked: {} splices, {} traps in {} runs",
             self.splices_checked, self.traps_checked, self.runs
         )?;
+        if self.springboards > 0 {
+            writeln!(f, "through springboards: {}", self.springboards)?;
+        }
         if !self.skipped.is_empty() {
             writeln!(
                 f,

@@ -36,7 +36,7 @@ const SPRINGBOARD_GAP: u64 = 0x10_0000;
 /// Distance from the image's end to a near patch heap.
 const NEAR_GAP: u64 = 0x20_0000;
 /// A far patch heap: far beyond `ba,a` reach of the image at 16 MiB.
-const FAR_HEAP: u64 = 0x1000_0000;
+pub const FAR_HEAP: u64 = 0x1000_0000;
 /// How many more instructions than the reference a spliced run may execute.
 const BUDGET_FACTOR: u64 = 8;
 /// The most instructions a reference run may take.
@@ -432,6 +432,10 @@ fn check_batch(
         return Ok(());
     }
     report.splices_checked += points.len();
+    report.springboards += points
+        .iter()
+        .filter(|p| p.patch.springboard.is_some())
+        .count();
     let Some(failure) = run_points(h, reference, profile, points, counters)? else {
         return Ok(());
     };

@@ -32,3 +32,28 @@ fn every_accepted_point_of_the_sparc_minikernel_runs_unchanged() {
     );
     assert_eq!(report.splices_checked, report.splice_points);
 }
+
+#[test]
+fn a_far_patch_heap_is_reached_through_springboards() {
+    if !have_cross_gcc() {
+        println!("SKIP: {SPARC64_GCC} is not installed (apt-get install gcc-sparc64-linux-gnu)");
+        return;
+    }
+    let kernel = exotap_guest_images::minikernel::ensure_sparc64().unwrap();
+    let image = exotap_regress::ElfImage::load(&kernel.elf).unwrap();
+    let text = image.text().unwrap().addr;
+
+    // The patch heap 256 MiB away, far beyond ba,a's ±8 MiB: every splice is a ba,a to
+    // a springboard next to the image, which long-jumps to the patch.
+    let report = sparc::regress(&image, &Options::ci(), sparc::Placement::Far).unwrap();
+    println!("{report}");
+
+    assert!(sparc::FAR_HEAP - text > 8 << 20);
+    assert!(report.divergences.is_empty(), "{report}");
+    assert!(report.build_errors.is_empty(), "{report}");
+    assert!(report.splices_checked > 800, "{report}");
+    assert_eq!(report.springboards, report.splices_checked, "{report}");
+    let near = sparc::regress(&image, &Options::ci(), sparc::Placement::Near).unwrap();
+    assert_eq!(near.springboards, 0, "{near}");
+    assert_eq!(near.checksum, report.checksum);
+}
