@@ -27,6 +27,38 @@ exotap_halt:
     ba,a exotap_halt
      nop
 
+/* A leaf in assembly with the cases the splice planner must refuse, which gcc's output
+ * does not have: rd %pc; a trap instruction (tn: trap never, a no-op); a delay slot
+ * that is also a branch target; the delay slot of ba,a (never runs); and an annulling
+ * conditional branch, whose delay slot runs only when taken.
+ * u64 exotap_edges(u64 n): sum over n iterations. */
+    .text
+    .globl exotap_edges
+    .type exotap_edges, #function
+exotap_edges:
+    mov %o0, %g1
+    clr %o0
+    rd %pc, %g4
+    sub %g4, %g4, %g4
+    tn %icc, 5
+.Lloop:
+    andcc %g1, 1, %g0
+    bne,pt %xcc, .Lslot
+     nop
+    ba .Lnext
+.Lslot:
+     add %o0, 3, %o0
+.Lnext:
+    ba,a .Lcheck
+     add %o0, 100, %o0
+.Lcheck:
+    subcc %g1, 1, %g1
+    bg,a,pt %xcc, .Lloop
+     add %o0, 5, %o0
+    retl
+     add %o0, %g1, %o0
+    .size exotap_edges, .-exotap_edges
+
     .section .bss.stack, "aw", @nobits
     .align 16
     .globl exotap_stack_bottom

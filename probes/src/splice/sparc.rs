@@ -16,11 +16,12 @@
 //! Planning rules ([`plan`]):
 //! - an ordinary instruction is relocated alone; a DCTI is relocated together with its
 //!   delay slot (the splice replaces the DCTI; the patch runs both);
-//! - a delay-slot instruction is probed by splicing its DCTI (the pair is relocated, the
-//!   probe runs before the DCTI). That counts the delay slot's executions only when it
-//!   runs exactly when the DCTI does, so it is refused when the delay slot is a branch
-//!   target (it also runs without the DCTI), when the DCTI annuls it (it runs only when
-//!   the branch is taken, or never), and for DCTI couples;
+//! - a delay-slot instruction is probed by splicing its DCTI (the pair is relocated).
+//!   Normally the probe runs before the DCTI; when the DCTI is a conditional branch that
+//!   annuls its delay slot, the slot runs only when the branch is taken, so the probe
+//!   runs on the patch's taken path instead. Refused: delay slots that are branch
+//!   targets (they also run without the DCTI), the delay slot of `ba,a`/`bn,a` (it
+//!   never runs), and DCTI couples;
 //! - instructions whose meaning depends on where they are and that cannot be rewritten
 //!   (`rd %pc`, traps `Tcc`, `done`/`retry`, `illtrap`, undecodable words) are refused;
 //! - an indirect call `jmpl ..., %rd` whose address uses `%rd` is refused (the patch
@@ -262,6 +263,20 @@ impl Insn {
         }
     }
 
+    /// Whether it is a branch whose outcome depends on a condition (not `ba`/`bn`,
+    /// `fba`/`fbn`; every BPr is conditional).
+    #[must_use]
+    pub fn is_conditional(&self) -> bool {
+        match self.kind {
+            Kind::Branch {
+                format: BranchFormat::BPr,
+                ..
+            } => true,
+            Kind::Branch { cond, .. } => cond & 7 != 0,
+            _ => false,
+        }
+    }
+
     /// The PC-relative target of a branch or call.
     #[must_use]
     pub fn direct_target(&self) -> Option<u64> {
@@ -409,9 +424,8 @@ pub enum SparcRefusal {
     /// DCTI, so a probe at the DCTI would miscount it.
     #[error("delay-slot instruction is a branch target")]
     DelaySlotIsBranchTarget,
-    /// A delay slot annulled by its branch: it runs only when the branch is taken (or
-    /// never), so a probe at the DCTI would miscount it.
-    #[error("delay slot of an annulling branch")]
+    /// The delay slot of `ba,a` or `bn,a`: it never runs.
+    #[error("delay slot of ba,a/bn,a (never runs)")]
     AnnulledDelaySlot,
     /// A DCTI in a delay slot (a DCTI couple), or one whose delay slot holds a DCTI.
     #[error("DCTI couple")]
@@ -433,6 +447,9 @@ pub struct SparcSite {
     pub at: u64,
     /// The relocated instructions: the one at `at`, and its delay slot for a DCTI.
     pub insns: Vec<Insn>,
+    /// The probe runs on the taken path of the relocated branch (the point is the delay
+    /// slot of a conditional branch that annuls it).
+    pub probe_when_taken: bool,
 }
 
 /// The text the planner works on: words by address and every possible branch target.
@@ -455,7 +472,7 @@ impl SparcText {
             .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         let end = base + 4 * words.len() as u64;
-        let in_text = |a: u64| a >= base && a < end && a % 4 == 0;
+        let in_text = |a: u64| a >= base && a < end && a.is_multiple_of(4);
         let mut targets = BTreeSet::new();
         for (i, &w) in words.iter().enumerate() {
             if let Some(t) = decode(base + 4 * i as u64, w).direct_target() {
@@ -488,7 +505,7 @@ impl SparcText {
     /// The instruction at `addr`.
     #[must_use]
     pub fn insn(&self, addr: u64) -> Option<Insn> {
-        if addr < self.base || addr % 4 != 0 {
+        if addr < self.base || !addr.is_multiple_of(4) {
             return None;
         }
         let i = usize::try_from((addr - self.base) / 4).ok()?;
@@ -558,7 +575,8 @@ pub fn plan(text: &SparcText, addr: u64) -> Result<SparcSite, SparcRefusal> {
         if text.is_branch_target(addr) {
             return Err(SparcRefusal::DelaySlotIsBranchTarget);
         }
-        if !dcti.delay_slot_always_runs() {
+        let probe_when_taken = !dcti.delay_slot_always_runs();
+        if probe_when_taken && !dcti.is_conditional() {
             return Err(SparcRefusal::AnnulledDelaySlot);
         }
         let insns = pair(text, dcti)?;
@@ -566,6 +584,7 @@ pub fn plan(text: &SparcText, addr: u64) -> Result<SparcSite, SparcRefusal> {
             point: addr,
             at: dcti.addr,
             insns,
+            probe_when_taken,
         });
     }
     let insns = if insn.is_dcti() {
@@ -580,6 +599,7 @@ pub fn plan(text: &SparcText, addr: u64) -> Result<SparcSite, SparcRefusal> {
         point: addr,
         at: addr,
         insns,
+        probe_when_taken: false,
     })
 }
 
@@ -661,7 +681,7 @@ pub fn generate(
     springboard: Option<u64>,
 ) -> Result<SparcPatch, SparcPatchError> {
     let c = addr32(counter)?;
-    let mut w: Vec<u32> = vec![
+    let count = [
         enc_stx(L0, SP, SPILL_L0),
         enc_stx(L1, SP, SPILL_L1),
         enc_sethi(c, L0),
@@ -671,7 +691,13 @@ pub fn generate(
         enc_ldx(SP, SPILL_L0, L0),
         enc_ldx(SP, SPILL_L1, L1),
     ];
-    relocate(&mut w, patch, site)?;
+    let mut w: Vec<u32> = Vec::new();
+    if site.probe_when_taken {
+        relocate(&mut w, patch, site, &count)?;
+    } else {
+        w.extend(count);
+        relocate(&mut w, patch, site, &[])?;
+    }
     let code = w.iter().flat_map(|x| x.to_be_bytes()).collect();
     let (splice, springboard_code) = match enc_ba_a(site.at, patch) {
         Some(word) => (word, None),
@@ -694,8 +720,13 @@ pub fn generate(
 }
 
 /// Appends the relocated instruction(s) of `site` and the jumps back to `w` (which sits
-/// at `base`).
-fn relocate(w: &mut Vec<u32>, base: u64, site: &SparcSite) -> Result<(), SparcPatchError> {
+/// at `base`); `taken` goes at the start of a relocated branch's taken path.
+fn relocate(
+    w: &mut Vec<u32>,
+    base: u64,
+    site: &SparcSite,
+    taken: &[u32],
+) -> Result<(), SparcPatchError> {
     let (first, slot) = match site.insns.as_slice() {
         [one] => (*one, None),
         [dcti, slot] => (*dcti, Some(*slot)),
@@ -711,6 +742,10 @@ fn relocate(w: &mut Vec<u32>, base: u64, site: &SparcSite) -> Result<(), SparcPa
         slot.word
     };
     let after = first.addr + 8;
+    // Only a branch has a taken path to put a probe on.
+    if !taken.is_empty() && !matches!(first.kind, Kind::Branch { .. }) {
+        return Err(SparcPatchError::BadSite);
+    }
     match first.kind {
         Kind::Branch { target, .. } => {
             // branch' L_t; delay; <jump to after>; L_t: <jump to target>
@@ -722,6 +757,7 @@ fn relocate(w: &mut Vec<u32>, base: u64, site: &SparcSite) -> Result<(), SparcPa
             w.push(b);
             w.push(slot_word);
             w.extend(fall);
+            w.extend(taken);
             push_jump(w, base, target)
         }
         Kind::Call { target } => {
@@ -864,12 +900,21 @@ mod tests {
 
         assert_eq!(plan(&t, 0x1000).unwrap().insns.len(), 1);
         assert_eq!(plan(&t, 0x1004).unwrap().insns.len(), 2);
-        assert_eq!(plan(&t, 0x1008), Err(SparcRefusal::AnnulledDelaySlot));
+        let annulled = plan(&t, 0x1008).unwrap();
+        assert!(annulled.probe_when_taken && annulled.at == 0x1004);
         assert_eq!(plan(&t, 0x1010), Err(SparcRefusal::DelaySlotIsBranchTarget));
         let slot = plan(&t, 0x1018).unwrap();
         assert_eq!((slot.point, slot.at), (0x1018, 0x1014));
         assert_eq!(plan(&t, 0x101c), Err(SparcRefusal::ReadsPc));
         assert_eq!(plan(&t, 0x1002), Err(SparcRefusal::OutsideText));
+    }
+
+    #[test]
+    fn the_delay_slot_of_ba_a_never_runs_and_is_refused() {
+        let t = text(&[0x3080_0002, enc_add_imm(8, 1, 8), NOP], &[]);
+
+        assert_eq!(plan(&t, 0x1004), Err(SparcRefusal::AnnulledDelaySlot));
+        assert!(!plan(&t, 0x1000).unwrap().probe_when_taken);
     }
 
     #[test]
