@@ -13,7 +13,14 @@
 //! final stack pointer), where patches keep their scratch registers.
 //!
 //! Entry code (`_start`, before it sets the stack pointer) is left out: patches need a
-//! valid `%sp`. SPARC probes are splices only (no trap probes).
+//! valid `%sp`.
+//!
+//! Trap probes (with [`Options::traps_everywhere`]): a breakpoint at the spliced word's
+//! address, resumed at an out-of-line copy of the relocated instruction(s) — handled
+//! inside the emulator (a code hook that counts and moves the pc) or, with
+//! `in_emulator_traps` off, as breakpoint stops through the control interface. Every
+//! splice point is checked that way too, except delay slots of annulling branches (a
+//! trap at the branch counts the branch).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -76,6 +83,7 @@ struct Harness {
     springboards: u64,
     /// Where patch slot 0 is (after the counters).
     slots: u64,
+    in_emulator_traps: bool,
     budget: u64,
     runs: usize,
 }
@@ -136,6 +144,7 @@ impl Harness {
             heap_size,
             springboards,
             slots: heap,
+            in_emulator_traps: true,
             budget: REFERENCE_BUDGET,
             runs: 0,
         })
@@ -155,9 +164,31 @@ impl Harness {
         Ok(())
     }
 
-    fn run(&mut self) -> Result<Outcome, RegressError> {
+    /// Runs to the end; breakpoints in `trampolines` are counted in `hits` and resumed at
+    /// their out-of-line copy.
+    fn run(
+        &mut self,
+        trampolines: &HashMap<u64, u64>,
+        hits: &mut HashMap<u64, u64>,
+    ) -> Result<Outcome, RegressError> {
         self.runs += 1;
-        let end = self.m.run()?;
+        let mut total = 0u64;
+        let end = loop {
+            match self.m.run()? {
+                RunEnd::Breakpoint(pc) if total >= self.budget => {
+                    break RunEnd::BudgetExhausted(pc)
+                }
+                RunEnd::Breakpoint(pc) => match trampolines.get(&pc) {
+                    Some(&ool) => {
+                        total += 1;
+                        *hits.entry(pc).or_insert(0) += 1;
+                        self.m.set_pc(VCPU, ool)?;
+                    }
+                    None => break RunEnd::Breakpoint(pc),
+                },
+                end => break end,
+            }
+        };
         let RegisterFile::Sparc64(r) = self.m.registers(VCPU)? else {
             return Err(RegressError::Layout("not a SPARC machine".into()));
         };
@@ -213,14 +244,20 @@ fn compare(reference: &Outcome, got: &Outcome) -> Option<String> {
     None
 }
 
-/// One point built for a run.
+/// One point built for a run: a splice, or a trap with its out-of-line copy.
 #[derive(Debug, Clone)]
 struct Built {
     site: SparcSite,
     /// The original word at `site.at`.
     original: [u8; 4],
-    patch: sparc::SparcPatch,
+    probe: Probe,
     slot: usize,
+}
+
+#[derive(Debug, Clone)]
+enum Probe {
+    Splice(sparc::SparcPatch),
+    Trap(Vec<u8>),
 }
 
 /// Builds the SPARC v9 mini-kernel and runs the regression over it with the patch heap
@@ -263,9 +300,10 @@ pub fn regress(
     }
 
     // The reference run, with the oracle profile.
+    h.in_emulator_traps = options.in_emulator_traps;
     h.reset()?;
     h.m.start_profile()?;
-    let reference = h.run()?;
+    let reference = h.run(&HashMap::new(), &mut HashMap::new())?;
     let profile = h.m.take_profile().unwrap_or_default();
     if reference.end != RunEnd::Halted(h.halt) {
         return Err(RegressError::ReferenceDidNotHalt(format!(
@@ -349,8 +387,57 @@ pub fn regress(
         .count();
 
     let phase = Instant::now();
-    // Batches of sites with distinct splice words.
-    let mut pending: Vec<SparcSite> = sites;
+    check_all(
+        &mut h,
+        &reference,
+        &profile,
+        &sites,
+        ProbeKind::Splice,
+        batch,
+        slots,
+        counters,
+        &mut report,
+        &func_name,
+    )?;
+    report.splice_time = phase.elapsed();
+    if options.traps_everywhere {
+        let phase = Instant::now();
+        let trap_sites: Vec<SparcSite> =
+            sites.into_iter().filter(|s| !s.probe_when_taken).collect();
+        check_all(
+            &mut h,
+            &reference,
+            &profile,
+            &trap_sites,
+            ProbeKind::Trap,
+            batch,
+            slots,
+            counters,
+            &mut report,
+            &func_name,
+        )?;
+        report.trap_time = phase.elapsed();
+    }
+    report.runs = h.runs;
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+/// Checks `sites` in batches with distinct spliced/trapped words.
+#[allow(clippy::too_many_arguments)]
+fn check_all(
+    h: &mut Harness,
+    reference: &Outcome,
+    profile: &HashMap<u64, u64>,
+    sites: &[SparcSite],
+    kind: ProbeKind,
+    batch: usize,
+    slots: u64,
+    counters: u64,
+    report: &mut Report,
+    func_name: &dyn Fn(u64) -> String,
+) -> Result<(), RegressError> {
+    let mut pending: Vec<SparcSite> = sites.to_vec();
     while !pending.is_empty() {
         let mut batch_sites: Vec<SparcSite> = Vec::new();
         let mut rest = Vec::new();
@@ -364,31 +451,22 @@ pub fn regress(
         pending = rest;
         let mut built = Vec::new();
         for (slot, site) in batch_sites.into_iter().enumerate() {
-            match build(&h, &site, slot, slots, counters) {
+            match build(h, &site, kind, slot, slots, counters) {
                 Ok(b) => built.push(b),
                 Err(e) => report.build_errors.push((site.point, e)),
             }
         }
         check_batch(
-            &mut h,
-            &reference,
-            &profile,
-            &built,
-            slots,
-            counters,
-            &mut report,
-            &func_name,
+            h, reference, profile, &built, kind, slots, counters, report, func_name,
         )?;
     }
-    report.splice_time = phase.elapsed();
-    report.runs = h.runs;
-    report.elapsed = started.elapsed();
-    Ok(report)
+    Ok(())
 }
 
 fn build(
     h: &Harness,
     site: &SparcSite,
+    kind: ProbeKind,
     slot: usize,
     slots: u64,
     counters: u64,
@@ -397,6 +475,18 @@ fn build(
     h.m.read(site.at, &mut original)
         .map_err(|e| e.to_string())?;
     let patch_at = slots + slot as u64 * PATCH_SLOT;
+    if kind == ProbeKind::Trap {
+        let code = sparc::out_of_line(site, patch_at).map_err(|e| e.to_string())?;
+        if code.len() as u64 > PATCH_SLOT {
+            return Err(format!("out-of-line copy of {} bytes", code.len()));
+        }
+        return Ok(Built {
+            site: site.clone(),
+            original,
+            probe: Probe::Trap(code),
+            slot,
+        });
+    }
     let springboard = h.springboards + slot as u64 * SPRINGBOARD_SLOT;
     let patch = sparc::generate(
         site,
@@ -411,7 +501,7 @@ fn build(
     Ok(Built {
         site: site.clone(),
         original,
-        patch,
+        probe: Probe::Splice(patch),
         slot,
     })
 }
@@ -423,6 +513,7 @@ fn check_batch(
     reference: &Outcome,
     profile: &HashMap<u64, u64>,
     points: &[Built],
+    kind: ProbeKind,
     slots: u64,
     counters: u64,
     report: &mut Report,
@@ -431,10 +522,13 @@ fn check_batch(
     if points.is_empty() {
         return Ok(());
     }
-    report.splices_checked += points.len();
+    match kind {
+        ProbeKind::Splice => report.splices_checked += points.len(),
+        ProbeKind::Trap => report.traps_checked += points.len(),
+    }
     report.springboards += points
         .iter()
-        .filter(|p| p.patch.springboard.is_some())
+        .filter(|p| matches!(&p.probe, Probe::Splice(s) if s.springboard.is_some()))
         .count();
     let Some(failure) = run_points(h, reference, profile, points, counters)? else {
         return Ok(());
@@ -443,14 +537,14 @@ fn check_batch(
         report.divergences.push(Divergence {
             points: vec![points[0].site.point],
             function: func_name(points[0].site.point),
-            kind: ProbeKind::Splice,
+            kind,
             what: failure,
         });
         return Ok(());
     }
     let mut named = false;
     for p in points {
-        let single = match build(h, &p.site, 0, slots, counters) {
+        let single = match build(h, &p.site, kind, 0, slots, counters) {
             Ok(s) => s,
             Err(e) => {
                 report.build_errors.push((p.site.point, e));
@@ -462,7 +556,7 @@ fn check_batch(
             report.divergences.push(Divergence {
                 points: vec![p.site.point],
                 function: func_name(p.site.point),
-                kind: ProbeKind::Splice,
+                kind,
                 what,
             });
         }
@@ -471,7 +565,7 @@ fn check_batch(
         report.divergences.push(Divergence {
             points: points.iter().map(|p| p.site.point).collect(),
             function: func_name(points[0].site.point),
-            kind: ProbeKind::Splice,
+            kind,
             what: format!("only together: {failure}"),
         });
     }
@@ -487,17 +581,37 @@ fn run_points(
     counters: u64,
 ) -> Result<Option<String>, RegressError> {
     h.reset()?;
+    let mut trampolines = HashMap::new();
     for p in points {
         let patch_at = h.slots + p.slot as u64 * PATCH_SLOT;
-        h.m.write(patch_at, &p.patch.code)?;
-        if let Some(sb) = &p.patch.springboard {
-            h.m.write(h.springboards + p.slot as u64 * SPRINGBOARD_SLOT, sb)?;
+        match &p.probe {
+            Probe::Splice(patch) => {
+                h.m.write(patch_at, &patch.code)?;
+                if let Some(sb) = &patch.springboard {
+                    h.m.write(h.springboards + p.slot as u64 * SPRINGBOARD_SLOT, sb)?;
+                }
+                h.m.write(p.site.at, &patch.splice)?;
+            }
+            Probe::Trap(code) => {
+                h.m.write(patch_at, code)?;
+                if h.in_emulator_traps {
+                    h.m.add_redirect(p.site.at, patch_at)?;
+                } else {
+                    h.m.set_breakpoint(p.site.at, true)?;
+                    trampolines.insert(p.site.at, patch_at);
+                }
+            }
         }
-        h.m.write(p.site.at, &p.patch.splice)?;
     }
-    let outcome = h.run();
+    let mut hits = HashMap::new();
+    let outcome = h.run(&trampolines, &mut hits);
+    hits.extend(h.m.take_redirects()?);
     for p in points {
-        h.m.write(p.site.at, &p.original)?;
+        match p.probe {
+            Probe::Splice(_) => h.m.write(p.site.at, &p.original)?,
+            Probe::Trap(_) if !h.in_emulator_traps => h.m.set_breakpoint(p.site.at, false)?,
+            Probe::Trap(_) => {}
+        }
     }
     let mut outcome = match outcome {
         Ok(o) => o,
@@ -517,7 +631,10 @@ fn run_points(
     }
     for p in points {
         let expected = profile.get(&p.site.point).copied().unwrap_or(0);
-        let got = h.read_u64(counters + 8 * p.slot as u64)?;
+        let got = match p.probe {
+            Probe::Splice(_) => h.read_u64(counters + 8 * p.slot as u64)?,
+            Probe::Trap(_) => hits.get(&p.site.at).copied().unwrap_or(0),
+        };
         if got != expected {
             return Ok(Some(format!(
                 "probe at {:#x} counted {got}, the instruction ran {expected} times",

@@ -623,6 +623,10 @@ pub enum SparcPatchError {
     /// A site with no instruction, or more than a DCTI and its delay slot.
     #[error("malformed site")]
     BadSite,
+    /// A trap at a DCTI counts the DCTI's executions, not those of the delay slot it
+    /// annuls.
+    #[error("a trap at the branch cannot count the delay slot it annuls")]
+    TrapAtAnnullingBranch,
 }
 
 /// A built SPARC splice.
@@ -717,6 +721,21 @@ pub fn generate(
         splice: splice.to_be_bytes(),
         springboard: springboard_code,
     })
+}
+
+/// The out-of-line copy of a trap probe at `site.at` (a breakpoint there, resumed at the
+/// copy): the relocated instruction(s) and the jumps back, as big-endian bytes at `at`.
+///
+/// # Errors
+/// Addresses that are not 32-bit; a delay-slot point its branch annuls (the trap would
+/// count the branch).
+pub fn out_of_line(site: &SparcSite, at: u64) -> Result<Vec<u8>, SparcPatchError> {
+    if site.probe_when_taken {
+        return Err(SparcPatchError::TrapAtAnnullingBranch);
+    }
+    let mut w = Vec::new();
+    relocate(&mut w, at, site, &[])?;
+    Ok(w.iter().flat_map(|x| x.to_be_bytes()).collect())
 }
 
 /// Appends the relocated instruction(s) of `site` and the jumps back to `w` (which sits
