@@ -11,6 +11,9 @@
 //! same registers and memory (heap excluded), and with the probe's count equal to the
 //! reference's execution count of that instruction. Anything else is a divergence.
 //!
+//! [`sparc`] does the same for the SPARC v9 mini-kernel with KernInst-style `ba,a` splices
+//! (springboards when the patch heap is out of reach).
+//!
 //! Points can be instrumented in batches (each with its own counter and patch) to save
 //! runs; a batch that diverges is re-run point by point so the report names the points.
 
