@@ -468,7 +468,8 @@ impl UnicornMachine {
     /// and continue at `to` (without executing the instruction at `addr`). This is what a
     /// breakpoint event handled by the host does ([`Machine::set_breakpoint`], then
     /// [`Machine::set_pc`] and [`Machine::resume`]), without leaving the emulator on
-    /// every hit.
+    /// every hit. On SPARC `addr` must not be the delay slot of a `jmpl` (see the module
+    /// doc: a code hook there loses the jump's target).
     ///
     /// # Errors
     /// Backend failure.
