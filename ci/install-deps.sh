@@ -11,6 +11,7 @@ packages=(
   util-linux        # unshare -n: proves a cached image fetch needs no network
   gdb               # debug-info tests compare exotap's line tables and layouts with gdb's
   cmake libclang-dev  # the unicorn-engine crate builds Unicorn's C code (cmake) and its bindings (bindgen)
+  gcc-sparc64-linux-gnu  # builds the SPARC v9 mini-kernel of the splicing regression (regress/src/sparc.rs)
 )
 
 missing=()

@@ -111,8 +111,8 @@ enum Command {
     /// KLAS join points: the instructions that read, write or call through a struct member
     /// (`exotap joinpoints 'struct file.f_pos'`), from DWARF and disassembly.
     Joinpoints(debuginfo::JoinpointsArgs),
-    /// Splicing-safety regression: build the x86-64 mini-kernel, run it under Unicorn, then
-    /// again with a counting splice or trap probe at every point the planner accepts;
+    /// Splicing-safety regression: build the x86-64 and SPARC v9 mini-kernels, run them under
+    /// Unicorn, then again with a counting splice or trap probe at every point the planner accepts;
     /// report points tried, accepted, refused by reason, and divergences (exit 1 if any).
     #[cfg(feature = "unicorn")]
     Regress(regress::RegressArgs),

@@ -2,6 +2,18 @@
 
 use exotap_regress::{Options, Report};
 
+/// Which mini-kernels `exotap regress` sweeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    /// Both; SPARC is skipped with a note when its cross compiler is missing.
+    All,
+    /// The x86-64 mini-kernel.
+    #[value(name = "x86_64")]
+    X86_64,
+    /// The SPARC v9 mini-kernel (needs sparc64-linux-gnu-gcc).
+    Sparc64,
+}
+
 /// Arguments of `exotap regress`.
 #[derive(Debug, clap::Args)]
 pub struct RegressArgs {
@@ -17,10 +29,13 @@ pub struct RegressArgs {
     /// the -dbg package in the cache: `exotap image fetch --debuginfo`).
     #[arg(long)]
     pub vmlinux: bool,
+    /// Which mini-kernels to sweep.
+    #[arg(long, value_enum, default_value = "all")]
+    pub arch: Arch,
 }
 
-/// Builds the x86-64 mini-kernel, runs the sweep, prints the report; exit code 1 when
-/// anything diverged or could not be built.
+/// Builds the mini-kernels (x86-64, SPARC v9), runs the sweeps, prints the reports;
+/// exit code 1 when anything diverged or could not be built.
 ///
 /// # Errors
 /// When the regression cannot run (no gcc, emulator failure).
@@ -33,7 +48,26 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
     if let Some(batch) = args.batch {
         options.batch = usize::from(batch);
     }
-    let mut reports: Vec<Report> = vec![exotap_regress::regress_x86_minikernel(&options)?];
+    let mut reports: Vec<Report> = Vec::new();
+    if args.arch != Arch::Sparc64 {
+        reports.push(exotap_regress::regress_x86_minikernel(&options)?);
+    }
+    if args.arch != Arch::X86_64 {
+        let gcc = exotap_guest_images::minikernel::SPARC64_GCC;
+        let have_gcc = std::process::Command::new(gcc)
+            .arg("--version")
+            .output()
+            .is_ok();
+        if have_gcc {
+            reports.push(exotap_regress::sparc::regress_minikernel(&options)?);
+        } else if args.arch == Arch::Sparc64 {
+            anyhow::bail!(
+                "{gcc} is not installed: apt-get install gcc-sparc64-linux-gnu (ci/install-deps.sh)"
+            );
+        } else {
+            eprintln!("note: {gcc} is not installed: the SPARC v9 mini-kernel is skipped (apt-get install gcc-sparc64-linux-gnu)");
+        }
+    }
     if args.vmlinux {
         let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
             anyhow::anyhow!(

@@ -5,6 +5,11 @@
 //! The x86-64 one is built the way Linux builds its text for ftrace: `-pg -mfentry
 //! -mnop-mcount` gives every function a 5-byte nop at its entry; `-mcmodel=kernel`
 //! places it in the top 2 GiB; `-mno-red-zone` lets code patches push below `rsp`.
+//!
+//! The SPARC v9 one is built with Debian's cross compiler `sparc64-linux-gnu-gcc`
+//! (package `gcc-sparc64-linux-gnu`), `-mcmodel=medlow` (linked at 16 MiB: every address
+//! is a `sethi`/`or` pair), `-mno-fpu` and `-mflat` (no register windows: its `entry.S`
+//! says why Unicorn's SPARC64 CPU cannot run windowed code).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -46,6 +51,38 @@ pub const X86_64_CFLAGS: &[&str] = &[
     "-Tkernel.lds",
 ];
 
+/// The SPARC v9 mini-kernel's sources: (file name, contents).
+pub const SPARC64_SOURCES: &[(&str, &str)] = &[
+    ("kernel.c", include_str!("../minikernels/sparc64/kernel.c")),
+    ("entry.S", include_str!("../minikernels/sparc64/entry.S")),
+    (
+        "kernel.lds",
+        include_str!("../minikernels/sparc64/kernel.lds"),
+    ),
+];
+
+/// The SPARC cross compiler (Debian's `gcc-sparc64-linux-gnu`).
+pub const SPARC64_GCC: &str = "sparc64-linux-gnu-gcc";
+
+/// gcc flags of the SPARC v9 mini-kernel.
+pub const SPARC64_CFLAGS: &[&str] = &[
+    "-O2",
+    "-mcmodel=medlow",
+    "-mno-fpu",
+    "-mflat",
+    "-fno-pic",
+    "-no-pie",
+    "-static",
+    "-nostdlib",
+    "-ffreestanding",
+    "-fno-builtin",
+    "-fno-asynchronous-unwind-tables",
+    "-fno-stack-protector",
+    "-Wall",
+    "-Wl,--build-id=none",
+    "-Tkernel.lds",
+];
+
 /// A built mini-kernel.
 #[derive(Debug, Clone)]
 pub struct MiniKernel {
@@ -60,6 +97,22 @@ pub struct MiniKernel {
 pub fn ensure_x86_64() -> Result<MiniKernel, WorkloadError> {
     let root = cache::cache_root()?.join("minikernels");
     build("gcc", "x86_64", X86_64_SOURCES, X86_64_CFLAGS, &root)
+}
+
+/// Builds (or reuses from the cache) the SPARC v9 mini-kernel with
+/// [`SPARC64_GCC`].
+///
+/// # Errors
+/// The cross compiler missing or failing, or the cache not writable.
+pub fn ensure_sparc64() -> Result<MiniKernel, WorkloadError> {
+    let root = cache::cache_root()?.join("minikernels");
+    build(
+        SPARC64_GCC,
+        "sparc64",
+        SPARC64_SOURCES,
+        SPARC64_CFLAGS,
+        &root,
+    )
 }
 
 fn build(

@@ -11,10 +11,14 @@
 //! same registers and memory (heap excluded), and with the probe's count equal to the
 //! reference's execution count of that instruction. Anything else is a divergence.
 //!
+//! [`sparc`] does the same for the SPARC v9 mini-kernel with KernInst-style `ba,a` splices
+//! (springboards when the patch heap is out of reach).
+//!
 //! Points can be instrumented in batches (each with its own counter and patch) to save
 //! runs; a batch that diverges is re-run point by point so the report names the points.
 
 pub mod image;
+pub mod sparc;
 pub mod vmlinux;
 pub mod x86;
 
@@ -98,6 +102,9 @@ pub struct Report {
     pub splices_checked: usize,
     /// Trap runs checked (points).
     pub traps_checked: usize,
+    /// Splices checked that reached their patch through a springboard (SPARC: patch
+    /// beyond `ba,a` reach).
+    pub springboards: usize,
     /// Emulator runs made (reference included).
     pub runs: usize,
     /// Instructions of the reference run.
@@ -148,6 +155,9 @@ impl fmt::Display for Report {
             "checked: {} splices, {} traps in {} runs",
             self.splices_checked, self.traps_checked, self.runs
         )?;
+        if self.springboards > 0 {
+            writeln!(f, "through springboards: {}", self.springboards)?;
+        }
         if !self.skipped.is_empty() {
             writeln!(
                 f,

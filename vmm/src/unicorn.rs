@@ -18,6 +18,21 @@
 //! ([`UnicornMachine::start_profile`]) is a code hook over the whole address space: the
 //! independent oracle of the splicing regression, installed only while profiling
 //! because it slows emulation down.
+//!
+//! SPARC64 works around two bugs of Unicorn 2.1.5's SPARC translator
+//! (`qemu/target/sparc/translate.c`):
+//! - any `UC_HOOK_CODE` covering an instruction makes the translator store its
+//!   placeholder npc (`DYNAMIC_PC` = 1) into `npc` before that instruction, so a code
+//!   hook over the delay slot of a `jmpl`/`retl`/`ret` sends the CPU to address 1 (it
+//!   stops with trap 0x22 at pc 5). Unicorn's own instruction count is such a hook. So
+//!   on SPARC the per-instruction profile and the instruction budget come from a block
+//!   hook instead (translated blocks run straight through, delay slots included; the
+//!   budget is checked at block starts, so a run may overshoot it by one block, and a
+//!   single step runs one block);
+//! - an exit address (`uc_ctl_set_exits`) ends translation without stopping on
+//!   SPARC64 (sparc_tr_translate_insn emits no halt there), so the emulator spins. So
+//!   on SPARC the halt address and breakpoints are code hooks on their single address
+//!   that stop the emulator (safe unless that address is a `jmpl`'s delay slot).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -91,6 +106,12 @@ struct HookState {
     interrupt: Option<u32>,
     /// Hits per redirect address.
     redirect_hits: HashMap<u64, u64>,
+    /// SPARC: instructions the current run may still start (the block-hook budget).
+    budget_left: Option<u64>,
+    /// SPARC: the block-hook budget stopped the run.
+    budget_hit: bool,
+    /// SPARC: the end of the block that started last.
+    block_end: u64,
 }
 
 /// A Unicorn emulator under exotap's control.
@@ -113,6 +134,8 @@ pub struct UnicornMachine {
     at_breakpoint: Option<u64>,
     profile_hook: Option<UcHookId>,
     redirects: Vec<UcHookId>,
+    /// SPARC: the code hooks standing in for exits (halt and breakpoints).
+    stop_hooks: Vec<UcHookId>,
     pending: Option<StopEvent>,
     last_end: Option<RunEnd>,
 }
@@ -226,11 +249,33 @@ impl UnicornMachine {
             at_breakpoint: None,
             profile_hook: None,
             redirects: Vec::new(),
+            stop_hooks: Vec::new(),
             pending: None,
             last_end: None,
         };
-        if isa == Isa::X86_64 {
-            m.enable_paging()?;
+        match isa {
+            Isa::X86_64 => m.enable_paging()?,
+            Isa::Sparc64 => {
+                m.uc.add_block_hook(1, 0, |uc, addr, size| {
+                    let data = uc.get_data_mut();
+                    let n = u64::from(size / 4);
+                    data.block_end = addr + 4 * n;
+                    if let Some(left) = data.budget_left.as_mut() {
+                        if *left == 0 {
+                            data.budget_hit = true;
+                            let _ = uc.emu_stop();
+                            return;
+                        }
+                        *left = left.saturating_sub(n);
+                    }
+                    if let Some(profile) = data.profile.as_mut() {
+                        for i in 0..n {
+                            *profile.entry(addr + 4 * i).or_insert(0) += 1;
+                        }
+                    }
+                })
+                .map_err(backend)?;
+            }
         }
         Ok(m)
     }
@@ -398,7 +443,8 @@ impl UnicornMachine {
     /// Backend failure.
     pub fn start_profile(&mut self) -> Result<(), ControlError> {
         self.uc.get_data_mut().profile = Some(HashMap::new());
-        if self.profile_hook.is_none() {
+        // SPARC: the block hook counts (a code hook would break delay slots).
+        if self.profile_hook.is_none() && self.isa == Isa::X86_64 {
             let hook = self
                 .uc
                 .add_code_hook(1, 0, |uc, addr, _size| {
@@ -422,7 +468,8 @@ impl UnicornMachine {
     /// and continue at `to` (without executing the instruction at `addr`). This is what a
     /// breakpoint event handled by the host does ([`Machine::set_breakpoint`], then
     /// [`Machine::set_pc`] and [`Machine::resume`]), without leaving the emulator on
-    /// every hit.
+    /// every hit. On SPARC `addr` must not be the delay slot of a `jmpl` (see the module
+    /// doc: a code hook there loses the jump's target).
     ///
     /// # Errors
     /// Backend failure.
@@ -570,12 +617,47 @@ impl UnicornMachine {
         exits.extend(self.halt);
         exits.sort_unstable();
         exits.dedup();
+        if self.isa == Isa::Sparc64 {
+            for hook in std::mem::take(&mut self.stop_hooks) {
+                self.uc.remove_hook(hook).map_err(backend)?;
+            }
+            for addr in exits {
+                let hook = self
+                    .uc
+                    .add_code_hook(addr, addr, move |uc, pc, _size| {
+                        if pc != addr {
+                            return;
+                        }
+                        // The profile counted the whole block: uncount what stays unrun.
+                        let data = uc.get_data_mut();
+                        let end = data.block_end;
+                        if let Some(profile) = data.profile.as_mut() {
+                            for a in (pc..end).step_by(4) {
+                                if let Some(c) = profile.get_mut(&a) {
+                                    *c = c.saturating_sub(1);
+                                }
+                            }
+                            profile.retain(|_, c| *c > 0);
+                        }
+                        let _ = uc.emu_stop();
+                    })
+                    .map_err(backend)?;
+                self.stop_hooks.push(hook);
+            }
+            return self.uc.ctl_flush_tb().map_err(backend);
+        }
         self.uc.ctl_set_exits(&exits).map_err(backend)?;
         // Exits are compiled into translated blocks: drop those made with the old set.
         self.uc.ctl_flush_tb().map_err(backend)
     }
 
     fn emulate(&mut self, pc: u64, count: u64) -> Result<(), uc_error> {
+        if self.isa == Isa::Sparc64 {
+            let data = self.uc.get_data_mut();
+            data.budget_left = (count != 0).then_some(count);
+            data.budget_hit = false;
+            return self.uc.emu_start(pc, 0, 0, 0);
+        }
         let count = usize::try_from(count).unwrap_or(usize::MAX);
         self.uc.emu_start(pc, 0, 0, count)
     }
@@ -639,6 +721,9 @@ impl UnicornMachine {
         }
         if let Some(number) = self.uc.get_data().interrupt {
             return Ok(RunEnd::Interrupt { pc, number });
+        }
+        if std::mem::take(&mut self.uc.get_data_mut().budget_hit) {
+            return Ok(RunEnd::BudgetExhausted(pc));
         }
         if Some(pc) == self.halt {
             return Ok(RunEnd::Halted(pc));
@@ -944,6 +1029,71 @@ mod tests {
         assert_eq!(p.get(&(BASE + 5)), Some(&3));
         assert_eq!(p.get(&(BASE + 7)), Some(&3));
         assert_eq!(p.get(&(BASE + 9)), None);
+    }
+
+    /// `mov 1, %o0; call f; add %o0, 1, %o0; add %o0, 10, %o0; halt: ba,a halt; nop;
+    /// f: retl; add %o0, 100, %o0` (from sparc64-linux-gnu-as).
+    const SPARC_CALL_RETL: [u32; 8] = [
+        0x9010_2001,
+        0x4000_0005,
+        0x9002_2001,
+        0x9002_200a,
+        0x3080_0000,
+        0x0100_0000,
+        0x81c3_e008,
+        0x9002_2064,
+    ];
+    const SPARC_BASE: u64 = 0x100_0000;
+
+    fn sparc_machine() -> UnicornMachine {
+        let code: Vec<u8> = SPARC_CALL_RETL
+            .iter()
+            .flat_map(|w| w.to_be_bytes())
+            .collect();
+        let mut m = UnicornMachine::new(Isa::Sparc64).unwrap();
+        m.map(SPARC_BASE, 0x2000).unwrap();
+        m.write(SPARC_BASE, &code).unwrap();
+        m.set_pc(VCPU, SPARC_BASE).unwrap();
+        m.set_halt(Some(SPARC_BASE + 0x10)).unwrap();
+        m
+    }
+
+    fn o0(m: &mut UnicornMachine) -> u64 {
+        match m.registers(VCPU).unwrap() {
+            RegisterFile::Sparc64(r) => r.r[8],
+            RegisterFile::X86_64(_) => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn sparc_retl_delay_slot_survives_profile_and_budget_and_halts() {
+        // Both Unicorn bugs worked around: a code hook over the retl's delay slot (the
+        // profile, Unicorn's own count) and an exit at the halt address (spins).
+        let mut m = sparc_machine();
+        m.set_budget(1000);
+        m.start_profile().unwrap();
+
+        let end = m.run().unwrap();
+        let p = m.take_profile().unwrap();
+
+        assert_eq!(end, RunEnd::Halted(SPARC_BASE + 0x10));
+        assert_eq!(o0(&mut m), 112);
+        for (i, expected) in [1, 1, 1, 1, 0, 0, 1, 1].into_iter().enumerate() {
+            let got = p.get(&(SPARC_BASE + 4 * i as u64)).copied().unwrap_or(0);
+            assert_eq!(got, expected, "instruction {i}");
+        }
+    }
+
+    #[test]
+    fn sparc_budget_stops_at_a_block_boundary() {
+        let mut m = sparc_machine();
+        m.set_budget(3);
+
+        let end = m.run().unwrap();
+
+        // mov, call, delay slot: one block; f is the next.
+        assert_eq!(end, RunEnd::BudgetExhausted(SPARC_BASE + 0x18));
+        assert_eq!(o0(&mut m), 2);
     }
 
     #[test]
