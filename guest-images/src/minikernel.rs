@@ -19,9 +19,10 @@ use sha2::{Digest, Sha256};
 use crate::cache;
 use crate::workloads::WorkloadError;
 
-/// The x86-64 mini-kernel's sources: (file name, contents).
+/// The x86-64 mini-kernel's sources: (file name, contents); `common.h` is shared with SPARC.
 pub const X86_64_SOURCES: &[(&str, &str)] = &[
     ("kernel.c", include_str!("../minikernels/x86_64/kernel.c")),
+    ("common.h", include_str!("../minikernels/common.h")),
     ("entry.S", include_str!("../minikernels/x86_64/entry.S")),
     (
         "kernel.lds",
@@ -54,6 +55,7 @@ pub const X86_64_CFLAGS: &[&str] = &[
 /// The SPARC v9 mini-kernel's sources: (file name, contents).
 pub const SPARC64_SOURCES: &[(&str, &str)] = &[
     ("kernel.c", include_str!("../minikernels/sparc64/kernel.c")),
+    ("common.h", include_str!("../minikernels/common.h")),
     ("entry.S", include_str!("../minikernels/sparc64/entry.S")),
     (
         "kernel.lds",
@@ -152,7 +154,7 @@ fn build(
     for (file, text) in sources {
         let path = dir.join(file);
         std::fs::write(&path, text).map_err(io_err(&path))?;
-        if !file.ends_with(".lds") {
+        if !file.ends_with(".lds") && !file.ends_with(".h") {
             inputs.push(path);
         }
     }
