@@ -214,30 +214,31 @@ pub fn print_info(att: &mut Attached, image: &KernelImage) -> anyhow::Result<()>
         String::from_utf8_lossy(text).trim_end().to_owned()
     };
     let l = &survey.layout;
-    println!("banner        {banner}");
-    println!(
+    outln!("banner        {banner}");
+    outln!(
         "attach time   {:.1} ms (connect to slide and layout known; the image's symbols were loaded before, in {:.0} ms)",
         survey.ready_after.as_secs_f64() * 1e3,
         image.load_time.as_secs_f64() * 1e3
     );
-    println!(
+    outln!(
         "KASLR slide   {:#x} (IDT gates and linux_banner agree); _text at guest-physical {:#x}",
-        survey.kaslr.slide, survey.kaslr.text_phys
+        survey.kaslr.slide,
+        survey.kaslr.text_phys
     );
-    println!("text          {:#x}..{:#x}", l.text.0, l.text.1);
-    println!("_end          {:#x}", l.end);
-    println!(
+    outln!("text          {:#x}..{:#x}", l.text.0, l.text.1);
+    outln!("_end          {:#x}", l.end);
+    outln!(
         "image PMD     page at guest-physical {:#x}",
         l.image_pmd_page
     );
-    println!("init_task     {:#x}", l.init_task);
-    println!(
+    outln!("init_task     {:#x}", l.init_task);
+    outln!(
         "page tables   cr3 {:#x}, {}-level",
         survey.cr3,
         if survey.la57 { 5 } else { 4 }
     );
-    println!("vCPUs         {}", vcpus.len());
-    println!("IDT base      {:#018x}", survey.idt_base);
+    outln!("vCPUs         {}", vcpus.len());
+    outln!("IDT base      {:#018x}", survey.idt_base);
     for v in vcpus {
         let r = x86_registers(m, v)?;
         let base = r.kernel_percpu_base();
@@ -258,7 +259,7 @@ pub fn print_info(att: &mut Attached, image: &KernelImage) -> anyhow::Result<()>
             Some((sym, off)) => format!("{}+{off:#x}", sym.name),
             None => format!("{:#x}", r.rip),
         };
-        println!(
+        outln!(
             "{v:<13} {} mode at {rip}, per-cpu base {base:#x}, {current}",
             if r.in_kernel() { "kernel" } else { "user" },
         );
@@ -309,7 +310,7 @@ pub fn run_mem(cmd: &MemCommand) -> anyhow::Result<()> {
     } else {
         att.machine.read_virt(VcpuId(*vcpu), *addr, &mut buf)?;
     }
-    print!("{}", hexdump(*addr, &buf));
+    out!("{}", hexdump(*addr, &buf));
     att.machine.detach()?;
     Ok(())
 }

@@ -320,9 +320,9 @@ fn run_kvm(args: &BootArgs, bzimage: PathBuf, initrd: PathBuf) -> anyhow::Result
     drop(sink);
     if args.console.is_some() {
         for (key, value) in &outcome.results {
-            println!("EXOTAP-RESULT {key}={value}");
+            outln!("EXOTAP-RESULT {key}={value}");
         }
-        println!("EXOTAP-DONE {}", outcome.rc);
+        outln!("EXOTAP-DONE {}", outcome.rc);
     }
     tracing::info!(
         "guest job exited with {}; EXOTAP-READY after {:.2} s, the VM stopped after {:.2} s",
@@ -431,9 +431,9 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     drop(sink);
     if args.console.is_some() {
         for (key, value) in &outcome.results {
-            println!("EXOTAP-RESULT {key}={value}");
+            outln!("EXOTAP-RESULT {key}={value}");
         }
-        println!("EXOTAP-DONE {}", outcome.rc);
+        outln!("EXOTAP-DONE {}", outcome.rc);
     }
     tracing::info!(
         "guest job exited with {}; EXOTAP-READY after {:.2} s, QEMU exited after {:.2} s",

@@ -206,7 +206,7 @@ pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
         bail!("no function matches `{}`", args.pattern);
     }
     for f in &funcs {
-        println!("{}", info.info_line(f.low)?);
+        outln!("{}", info.info_line(f.low)?);
         if args.brief {
             continue;
         }
@@ -218,7 +218,7 @@ pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
                 .filter(|(_, r)| r.is_stmt)
             {
                 let sym = info.describe(row.addr).unwrap_or_default();
-                println!("  {path}:{} {:#x} {sym}", row.line, row.addr);
+                outln!("  {path}:{} {:#x} {sym}", row.line, row.addr);
             }
         }
     }
@@ -227,9 +227,12 @@ pub fn run_lines(args: &LinesArgs) -> anyhow::Result<i32> {
         let inlines = index(&info, Layer::Inlines)?;
         for e in inlines.functions(&args.pattern, &[EntryKind::Inlined]) {
             let sym = info.describe(e.low).unwrap_or_default();
-            println!(
+            outln!(
                 "{} inlined at {}:{} {:#x} {sym}",
-                e.name, e.file, e.line, e.low
+                e.name,
+                e.file,
+                e.line,
+                e.low
             );
         }
         t.mark("inlined instances");
@@ -252,7 +255,7 @@ pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
         }
         let btf = kernel_btf(&args.debug.kernel)?;
         t.mark("BTF parsed");
-        print!(
+        out!(
             "{}",
             cdecl::ptype(&btf, btf.type_by_spec(&spec)?, args.offsets)
         );
@@ -263,7 +266,7 @@ pub fn run_ptype(args: &PtypeArgs) -> anyhow::Result<i32> {
     let names = index(&info, Layer::Names)?;
     t.mark("index open");
     let ty = info.find_type(&names, &spec)?;
-    print!("{}", cdecl::ptype(&info, ty, args.offsets));
+    out!("{}", cdecl::ptype(&info, ty, args.offsets));
     t.mark("ptype");
     Ok(0)
 }
@@ -289,12 +292,12 @@ pub fn run_vars(args: &VarsArgs) -> anyhow::Result<i32> {
         bail!("no function with code matches `{}`", args.pattern);
     }
     for f in funcs {
-        println!("{} at {}:{} (entry {:#x})", f.name, f.file, f.line, f.low);
+        outln!("{} at {}:{} (entry {:#x})", f.name, f.file, f.line, f.low);
         for v in info.variables(f.die, f.low)? {
-            println!("  {v}");
+            outln!("  {v}");
             if args.ranges {
                 for (low, high, at) in info.location_list(v.die)? {
-                    println!("      [{low:#x}, {high:#x}) {at}");
+                    outln!("      [{low:#x}, {high:#x}) {at}");
                 }
             }
         }
@@ -326,7 +329,7 @@ fn vars_from_btf(btf: &Btf, pattern: &str) -> anyhow::Result<i32> {
     }
     for name in names {
         let sig = btf.func_signature(name)?;
-        println!("{name} (BTF: parameters only, locations by the x86-64 calling convention)");
+        outln!("{name} (BTF: parameters only, locations by the x86-64 calling convention)");
         let mut in_regs = true;
         for (i, (pname, ty)) in sig.params.iter().enumerate() {
             let scalar = btf
@@ -342,7 +345,7 @@ fn vars_from_btf(btf: &Btf, pattern: &str) -> anyhow::Result<i32> {
                 _ => "<not known without DWARF>".to_owned(),
             };
             in_regs &= scalar;
-            println!("  param {}: {at}", cdecl::declaration(btf, *ty, pname));
+            outln!("  param {}: {at}", cdecl::declaration(btf, *ty, pname));
         }
     }
     Ok(0)
@@ -363,7 +366,7 @@ pub fn run_where(args: &WhereArgs) -> anyhow::Result<i32> {
             bail!("no line information for {addr:#x}");
         };
         let sym = |a: u64| info.describe(a).unwrap_or_default();
-        println!(
+        outln!(
             "{}:{} {addr:#x} {} (line's code {:#x}..{:#x})",
             line.file,
             line.line,
@@ -388,7 +391,7 @@ pub fn run_where(args: &WhereArgs) -> anyhow::Result<i32> {
     }
     for (file, line, addr) in sites {
         let sym = info.describe(addr).unwrap_or_default();
-        println!("{file}:{line} {addr:#x} {sym}");
+        outln!("{file}:{line} {addr:#x} {sym}");
     }
     Ok(0)
 }
@@ -426,11 +429,11 @@ pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
     for p in &points {
         *counts.entry(p.access.to_string()).or_insert(0usize) += 1;
         if !args.count {
-            println!("{p}");
+            outln!("{p}");
         }
     }
     let by_kind: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
-    println!(
+    outln!(
         "{} join points for {} ({})",
         points.len(),
         args.member.join(" "),

@@ -30,26 +30,26 @@ pub fn run(cmd: ImageCommand) -> anyhow::Result<()> {
 
 fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
     let kernel = images::ensure_kernel(&args.kernel).context("cannot fetch the guest kernel")?;
-    println!(
+    outln!(
         "kernel     {} ({}) {}",
         kernel.abi,
         kernel.version,
         kernel.bzimage.display()
     );
-    println!("config     {}", kernel.config.display());
+    outln!("config     {}", kernel.config.display());
     for module in &kernel.modules {
-        println!("module     {}", module.display());
+        outln!("module     {}", module.display());
     }
     let busybox = images::kernel::ensure_busybox().context("cannot fetch busybox")?;
-    println!("busybox    {}", busybox.display());
+    outln!("busybox    {}", busybox.display());
     for w in images::workloads::ensure_workloads().context("cannot build the workloads")? {
-        println!("workload   {} {}", w.name, w.binary.display());
+        outln!("workload   {} {}", w.name, w.binary.display());
     }
     if args.debuginfo {
         let debug = images::ensure_debuginfo(&args.kernel)
             .context("cannot fetch the kernel's debug info")?;
-        println!("vmlinux    {}", debug.vmlinux.display());
-        println!("System.map {}", debug.system_map.display());
+        outln!("vmlinux    {}", debug.vmlinux.display());
+        outln!("System.map {}", debug.system_map.display());
     }
     Ok(())
 }

@@ -119,7 +119,7 @@ pub fn run_symbols(args: &SymbolsArgs) -> anyhow::Result<i32> {
             continue;
         }
         found += 1;
-        println!(
+        outln!(
             "{:016x} {} {} (size {:#x})",
             sym.addr.wrapping_add(slide),
             sym.kind,

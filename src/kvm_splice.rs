@@ -30,7 +30,7 @@ const PATCH_OFFSET: u64 = 0x2000;
 const CR4_LA57: u64 = 1 << 12;
 
 fn report(key: &str, value: impl std::fmt::Display) {
-    println!("HOST-RESULT {key}={value}");
+    outln!("HOST-RESULT {key}={value}");
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -1,5 +1,17 @@
 //! exotap: instrument an unmodified guest kernel from outside it.
 
+/// `println!` for the CLI's own output, which does not panic when standard output is gone
+/// (`exotap symbols 'vfs_*' | head -1`): see [`stdout_write`].
+macro_rules! outln {
+    () => { $crate::stdout_write(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::stdout_write(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` for the CLI's own output; see [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::stdout_write(format_args!($($arg)*)) };
+}
+
 mod attach;
 mod boot;
 mod debuginfo;
@@ -16,7 +28,9 @@ mod splice_live;
 mod trace;
 mod trap_point;
 
+use std::io::Write as _;
 use std::process::ExitCode;
+use std::sync::Mutex;
 
 use clap::{Parser, Subcommand};
 
@@ -171,19 +185,68 @@ fn main() -> ExitCode {
         Command::Regress(args) => regress::run(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();
-            println!("{}", support.explain());
+            outln!("{}", support.explain());
             Ok(0)
         }
     };
     exit_code(result)
 }
 
+/// The first error writing standard output, if any (see [`stdout_write`]).
+static STDOUT_ERROR: Mutex<Option<std::io::Error>> = Mutex::new(None);
+
+/// Writes the CLI's own output to standard output. `println!` panics when that fails (a
+/// reader such as `head` that closed the pipe, a full disk); a panic in the middle of a
+/// command that has splices in a live guest would leave them there. Instead the first error
+/// is kept, later output is dropped, the command runs to its end (removing what it
+/// installed), and [`exit_code`] reports the error.
+fn stdout_write(args: std::fmt::Arguments<'_>) {
+    let mut failed = STDOUT_ERROR
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if failed.is_none() {
+        if let Err(err) = std::io::stdout().lock().write_fmt(args) {
+            *failed = Some(err);
+        }
+    }
+}
+
+/// Exit code of a command whose reader closed the pipe (128 + SIGPIPE, as a shell shows a
+/// tool killed by SIGPIPE).
+const BROKEN_PIPE_EXIT: u8 = 141;
+
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 fn exit_code(result: anyhow::Result<i32>) -> ExitCode {
-    match result {
-        Ok(code) => ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(EXOTAP_FAILURE)),
-        Err(err) => {
+    let stdout_error = STDOUT_ERROR
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    // A reader that stopped reading is not worth a message, as for other Unix tools.
+    let broken_pipe = stdout_error
+        .as_ref()
+        .is_some_and(|err| err.kind() == std::io::ErrorKind::BrokenPipe)
+        || result.as_ref().is_err_and(is_broken_pipe);
+    if broken_pipe {
+        return ExitCode::from(BROKEN_PIPE_EXIT);
+    }
+    match (result, stdout_error) {
+        (Err(err), _) => {
             eprintln!("exotap: error: {err:#}");
             ExitCode::from(EXOTAP_FAILURE)
+        }
+        (Ok(_), Some(err)) => {
+            eprintln!("exotap: error: cannot write standard output: {err}");
+            ExitCode::from(EXOTAP_FAILURE)
+        }
+        (Ok(code), None) => {
+            ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(EXOTAP_FAILURE))
         }
     }
 }

@@ -78,7 +78,7 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
     }
     let mut failed = false;
     for report in &reports {
-        println!("{report}\n");
+        outln!("{report}\n");
         failed |= !report.divergences.is_empty() || !report.build_errors.is_empty();
     }
     Ok(i32::from(failed))

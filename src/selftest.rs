@@ -81,7 +81,7 @@ echo '-:exotap/getpid' >> $T/kprobe_events
 }
 
 fn report(key: &str, value: impl std::fmt::Display) {
-    println!("HOST-RESULT {key}={value}");
+    outln!("HOST-RESULT {key}={value}");
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -258,9 +258,9 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<i32> {
     drop(sink);
     if args.console.is_some() {
         for (key, value) in &outcome.results {
-            println!("EXOTAP-RESULT {key}={value}");
+            outln!("EXOTAP-RESULT {key}={value}");
         }
-        println!("EXOTAP-DONE {}", outcome.rc);
+        outln!("EXOTAP-DONE {}", outcome.rc);
     }
     Ok(outcome.rc)
 }

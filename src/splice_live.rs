@@ -2340,9 +2340,9 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     }
     let outcome = outcome?;
     for (key, value) in &outcome.results {
-        println!("EXOTAP-RESULT {key}={value}");
+        outln!("EXOTAP-RESULT {key}={value}");
     }
-    println!("EXOTAP-DONE {}", outcome.rc);
+    outln!("EXOTAP-DONE {}", outcome.rc);
     if outcome.rc != 0 {
         return Ok(outcome.rc);
     }

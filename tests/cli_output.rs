@@ -1,0 +1,47 @@
+//! The CLI's own output when standard output fails: a reader that closed the pipe (`exotap
+//! symbols '*' | head -1`) ends the command quietly with 141 (128 + SIGPIPE, as a shell shows
+//! a tool SIGPIPE killed), and any other write error (a full disk) is reported with exit code
+//! 125. Neither may panic: a panic in a command with splices in a live guest would leave them
+//! there.
+
+mod common;
+
+use std::process::Stdio;
+
+use common::exotap;
+
+#[test]
+fn a_reader_that_closed_the_pipe_ends_the_command_quietly() {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = exotap()
+        .arg("host")
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("cannot run exotap");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "stderr:\n{err}");
+    assert!(err.is_empty(), "nothing to say about a closed pipe, got:\n{err}");
+}
+
+#[test]
+fn a_full_disk_is_reported_as_an_error() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("SKIP: this host has no /dev/full to fill");
+        return;
+    };
+    let out = exotap()
+        .arg("host")
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("cannot run exotap");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "stderr:\n{err}");
+    assert!(
+        err.contains("exotap: error: cannot write standard output: No space left on device"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
