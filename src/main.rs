@@ -228,11 +228,14 @@ fn exit_code(result: anyhow::Result<i32>) -> ExitCode {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .take();
-    // A reader that stopped reading is not worth a message, as for other Unix tools.
-    let broken_pipe = stdout_error
-        .as_ref()
-        .is_some_and(|err| err.kind() == std::io::ErrorKind::BrokenPipe)
-        || result.as_ref().is_err_and(is_broken_pipe);
+    // A reader that stopped reading is not worth a message, as for other Unix tools; any
+    // other error of the command still is (e.g. splices it could not remove).
+    let broken_pipe = match &result {
+        Err(err) => is_broken_pipe(err),
+        Ok(_) => stdout_error
+            .as_ref()
+            .is_some_and(|err| err.kind() == std::io::ErrorKind::BrokenPipe),
+    };
     if broken_pipe {
         return ExitCode::from(BROKEN_PIPE_EXIT);
     }
