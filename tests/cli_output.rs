@@ -22,7 +22,10 @@ fn a_reader_that_closed_the_pipe_ends_the_command_quietly() {
         .expect("cannot run exotap");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(141), "stderr:\n{err}");
-    assert!(err.is_empty(), "nothing to say about a closed pipe, got:\n{err}");
+    assert!(
+        err.is_empty(),
+        "nothing to say about a closed pipe, got:\n{err}"
+    );
 }
 
 #[test]
