@@ -6,22 +6,14 @@
 
 mod common;
 
-use std::process::Stdio;
-
-use common::exotap;
+use common::{exotap, run};
 
 #[test]
 fn a_reader_that_closed_the_pipe_ends_the_command_quietly() {
     let (reader, writer) = std::io::pipe().expect("pipe");
     drop(reader);
-    let out = exotap()
-        .arg("host")
-        .stdout(writer)
-        .stderr(Stdio::piped())
-        .output()
-        .expect("cannot run exotap");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(141), "stderr:\n{err}");
+    let (code, _, err) = run(exotap().arg("host").stdout(writer));
+    assert_eq!(code, 141, "stderr:\n{err}");
     assert!(
         err.is_empty(),
         "nothing to say about a closed pipe, got:\n{err}"
@@ -34,14 +26,8 @@ fn a_full_disk_is_reported_as_an_error() {
         eprintln!("SKIP: this host has no /dev/full to fill");
         return;
     };
-    let out = exotap()
-        .arg("host")
-        .stdout(full)
-        .stderr(Stdio::piped())
-        .output()
-        .expect("cannot run exotap");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(125), "stderr:\n{err}");
+    let (code, _, err) = run(exotap().arg("host").stdout(full));
+    assert_eq!(code, 125, "stderr:\n{err}");
     assert!(
         err.contains("exotap: error: cannot write standard output: No space left on device"),
         "{err}"

@@ -52,7 +52,7 @@ pub const X86_64_CFLAGS: &[&str] = &[
     "-Tkernel.lds",
 ];
 
-/// The SPARC v9 mini-kernel's sources: (file name, contents).
+/// The SPARC v9 mini-kernel's sources: (file name, contents); `common.h` is shared with x86-64.
 pub const SPARC64_SOURCES: &[(&str, &str)] = &[
     ("kernel.c", include_str!("../minikernels/sparc64/kernel.c")),
     ("common.h", include_str!("../minikernels/common.h")),
