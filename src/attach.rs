@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use exotap_introspect::btf::Btf;
+use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::kaslr::{self, Kaslr, KaslrAnchors};
 use exotap_introspect::layout::{read_task, KernelLayout, TaskOffsets};
 use exotap_introspect::memory::PhysicalMemory;
@@ -315,11 +316,33 @@ pub fn run_mem(cmd: &MemCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--heap-place`: which side of the kernel image the patch heap goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum HeapPlaceArg {
+    /// Just past `_end` where it fits below the module area, else just below `_text`.
+    #[default]
+    Auto,
+    /// Just past `_end`, or fail.
+    After,
+    /// Just below `_text`, or fail.
+    Before,
+}
+
+impl From<HeapPlaceArg> for HeapPlacement {
+    fn from(arg: HeapPlaceArg) -> Self {
+        match arg {
+            HeapPlaceArg::Auto => Self::Auto,
+            HeapPlaceArg::After => Self::After,
+            HeapPlaceArg::Before => Self::Before,
+        }
+    }
+}
+
 /// Marker written at the start of the patch heap to check the mapping through the backend's
 /// own page walk.
 const HEAP_MARKER: &[u8; 16] = b"exotap patchheap";
 
-/// Maps the hidden physical range into kernel space right after the image (PMD entries written
+/// Maps the hidden physical range into kernel space next to the image (PMD entries written
 /// with the guest paused) and checks, through the backend's own virtual read, that it shows up.
 ///
 /// # Errors
@@ -327,12 +350,14 @@ const HEAP_MARKER: &[u8; 16] = b"exotap patchheap";
 pub fn map_patch_heap(
     machine: &mut GdbMachine,
     survey: &Survey,
+    placement: HeapPlacement,
     phys: u64,
     size: u64,
 ) -> anyhow::Result<exotap_introspect::heap::HeapPlan> {
     let plan = exotap_introspect::heap::plan(
         &mut survey.space(&mut BackendMemory(&mut *machine)),
-        survey.layout.end,
+        (survey.layout.text.0, survey.layout.end),
+        placement,
         phys,
         size,
     )

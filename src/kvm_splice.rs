@@ -79,8 +79,14 @@ impl CountingSplice {
             .slide;
         let layout = KernelLayout::read(&mut space, &self.image.symbols, slide)
             .context("cannot read the kernel layout")?;
-        let plan = heap::plan(&mut space, layout.end, self.heap.base, self.heap.size)
-            .context("cannot plan the patch heap mapping")?;
+        let plan = heap::plan(
+            &mut space,
+            (layout.text.0, layout.end),
+            heap::HeapPlacement::Auto,
+            self.heap.base,
+            self.heap.size,
+        )
+        .context("cannot plan the patch heap mapping")?;
         let entry = self.image.address(&self.function)?.wrapping_add(slide);
         let mut original = [0u8; 5];
         space.read(entry, &mut original)?;

@@ -2,7 +2,7 @@
 //!
 //! It boots the Debian guest under QEMU with the gdbstub, and at the guest's wait points:
 //! attaches (timing it several times), finds the KASLR slide and layout, maps the patch heap
-//! into kernel space right after the image, splices `__x64_sys_getpid`'s entry instruction to a
+//! into kernel space next to the image, splices `__x64_sys_getpid`'s entry instruction to a
 //! patch that counts, lets the syscall workload run, then restores the original bytes and
 //! detaches. The guest reports its own view as oracles: `/proc/kallsyms` addresses, the
 //! workload's call count, and the hit count of its own kprobe on the same function
@@ -22,7 +22,7 @@ use exotap_guest_images::{self as images, GuestJob};
 use exotap_vmm::control::{Machine, VcpuId};
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
 
-use crate::attach::{self, Attached, Survey, TargetArgs};
+use crate::attach::{self, Attached, HeapPlaceArg, Survey, TargetArgs};
 use crate::entry_patch::{counter_patch, jmp_rel32};
 use crate::guest_memory::BackendMemory;
 use crate::kernel_image::{ImageArgs, KernelImage};
@@ -48,6 +48,10 @@ pub struct SelftestArgs {
     /// Patch heap size in MiB.
     #[arg(long, default_value_t = 64, value_name = "MiB")]
     pub heap_size: u64,
+    /// Which side of the kernel image the patch heap goes (`before` tests the place KASLR
+    /// forces on a high slide).
+    #[arg(long, value_enum, default_value_t = HeapPlaceArg::Auto, value_name = "SIDE")]
+    pub heap_place: HeapPlaceArg,
     /// Copy the serial console to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
@@ -101,6 +105,7 @@ struct SelftestHook {
     target: TargetArgs,
     image: KernelImage,
     heap: PatchHeapRange,
+    heap_place: HeapPlaceArg,
     repeats: u32,
     splice: Option<Splice>,
 }
@@ -133,7 +138,7 @@ impl SelftestHook {
         let slid = |name: &str| -> anyhow::Result<u64> {
             Ok(self.image.address(name)?.wrapping_add(survey.kaslr.slide))
         };
-        for name in ["_text", "vfs_read", FUNCTION] {
+        for name in ["_text", "_end", "vfs_read", FUNCTION] {
             report(&format!("addr.{name}"), format!("{:x}", slid(name)?));
         }
         let m = &mut att.machine;
@@ -143,8 +148,15 @@ impl SelftestHook {
             .read(slid("vfs_read")?, &mut vfs_read)?;
         report("bytes.vfs_read", hex(&vfs_read));
 
-        let plan = attach::map_patch_heap(m, &survey, self.heap.base, self.heap.size)?;
+        let plan = attach::map_patch_heap(
+            m,
+            &survey,
+            self.heap_place.into(),
+            self.heap.base,
+            self.heap.size,
+        )?;
         report("heap.va", format!("{:#x}", plan.va));
+        report("heap.size", format!("{:#x}", plan.size));
         report("heap.pmd_entries", plan.writes.len());
 
         // Splice: counter and patch in the heap, then the one entry instruction.
@@ -239,6 +251,7 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<i32> {
             gdb_timeout: 10,
         },
         heap: config.patch_heap,
+        heap_place: args.heap_place,
         image,
         repeats: args.attach_repeats.max(1),
         splice: None,

@@ -41,6 +41,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
+use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::x86::{
     ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
@@ -1030,11 +1031,11 @@ impl Splicer {
         image: &KernelImage,
         heap: (u64, u64),
     ) -> anyhow::Result<Self> {
-        // With a high KASLR slide the whole hidden range may not fit below the module
-        // area: map as much of it as fits (splices need a few MiB).
+        // A hidden range too large for either side of the kernel image (see
+        // exotap_introspect::heap): map as much of it as fits (splices need a few MiB).
         let mut size = heap.1;
         let plan = loop {
-            match attach::map_patch_heap(machine, survey, heap.0, size) {
+            match attach::map_patch_heap(machine, survey, HeapPlacement::Auto, heap.0, size) {
                 Ok(plan) => break plan,
                 Err(e) if size > 4 << 20 => {
                     tracing::debug!("patch heap of {} MiB: {e:#}; trying half", size >> 20);

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
+use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::layout::TaskOffsets;
 use exotap_probes::lang::check::Program;
 use exotap_probes::lang::context::{Context, MemoryError};
@@ -398,7 +399,13 @@ fn arm(
     }
     let resolver = KernelSymbols::new(&image.symbols, btf);
     let resolved = resolve_program(prog, &resolver)?;
-    let plan = attach::map_patch_heap(&mut att.machine, survey, heap.0, heap.1)?;
+    let plan = attach::map_patch_heap(
+        &mut att.machine,
+        survey,
+        HeapPlacement::Auto,
+        heap.0,
+        heap.1,
+    )?;
     let text = TextMap::new(image);
     let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
     let mut refused: Vec<String> = Vec::new();

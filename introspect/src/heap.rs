@@ -1,7 +1,14 @@
 //! Planning the patch heap's mapping (DESIGN.md, key mechanism 1): hidden guest-physical
-//! memory mapped executable just past the kernel image, by 2 MiB PMD entries written into the
+//! memory mapped executable next to the kernel image, by 2 MiB PMD entries written into the
 //! kernel's own page-table page for that range, so every kernel instruction reaches it with a
 //! `jmp rel32`.
+//!
+//! The heap goes just past `_end` when it fits below the module area, and otherwise just below
+//! `_text`: KASLR puts the image anywhere in the 1 GiB at [`KERNEL_IMAGE_START`], so with a
+//! high slide (about one boot in ten for a 64 MiB heap) there is no room above it. Both places
+//! lie in that same 1 GiB, mapped by the one PMD page `level2_kernel_pgt`, whose entries
+//! outside the image the kernel cleared at boot, and any two addresses in it are within the
+//! ±2 GiB of a `rel32`.
 //!
 //! This only plans: it reads the tables and returns the entry writes. The entries it fills
 //! are non-present now, and x86 never caches non-present entries in the TLB, so the writes
@@ -13,6 +20,8 @@ use crate::paging::{
     PTE_PAGE_SIZE, PTE_PRESENT, PTE_WRITABLE, SIZE_2M,
 };
 
+/// First address of the kernel-image mapping (`__START_KERNEL_map`).
+pub const KERNEL_IMAGE_START: u64 = 0xffff_ffff_8000_0000;
 /// First address past the kernel-image mapping (the module area starts here).
 pub const KERNEL_IMAGE_LIMIT: u64 = 0xffff_ffff_c000_0000;
 /// Flags of a heap PMD entry: present, writable, 2 MiB, global, accessed, dirty; executable
@@ -41,16 +50,31 @@ pub enum HeapError {
         /// Size.
         size: u64,
     },
-    /// The virtual range would run into the module area.
+    /// There is no room in the kernel-image mapping on the side(s) allowed.
     #[error(
-        "the heap at {va:#x}+{size:#x} would run past {KERNEL_IMAGE_LIMIT:#x} into the module \
-         area"
+        "a heap of {size:#x} bytes does not fit {}; use a smaller heap",
+        no_room_where(*placement, *after, *before, *size)
     )]
-    PastImageMapping {
-        /// Virtual start.
-        va: u64,
+    NoRoom {
+        /// The side(s) allowed.
+        placement: HeapPlacement,
+        /// `_end` rounded up to 2 MiB.
+        after: u64,
+        /// `_text` rounded down to 2 MiB.
+        before: u64,
         /// Size.
         size: u64,
+    },
+    /// The image range given is not inside the kernel-image mapping.
+    #[error(
+        "the kernel image {text:#x}..{end:#x} is not inside the kernel-image mapping \
+         {KERNEL_IMAGE_START:#x}..{KERNEL_IMAGE_LIMIT:#x}"
+    )]
+    ImageOutsideMapping {
+        /// `_text`.
+        text: u64,
+        /// `_end`.
+        end: u64,
     },
     /// No PMD page exists for the range: the PUD entry is not present, or is a 1 GiB page.
     #[error(
@@ -95,11 +119,34 @@ pub struct PmdWrite {
     pub new: u64,
 }
 
+/// Where the caller wants the heap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HeapPlacement {
+    /// After the image where it fits, else before it.
+    #[default]
+    Auto,
+    /// After the image or nowhere.
+    After,
+    /// Before the image or nowhere.
+    Before,
+}
+
+/// Which side of the kernel image the heap is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeapSide {
+    /// Starting at `_end` rounded up to 2 MiB.
+    AfterImage,
+    /// Ending at `_text` rounded down to 2 MiB.
+    BeforeImage,
+}
+
 /// Where the heap goes and the entry writes that put it there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeapPlan {
-    /// Virtual start: `_end` rounded up to 2 MiB.
+    /// Virtual start: `_end` rounded up to 2 MiB, or `_text` rounded down less the size.
     pub va: u64,
+    /// Which side of the image that is.
+    pub side: HeapSide,
     /// Physical start.
     pub phys: u64,
     /// Size in bytes.
@@ -110,15 +157,18 @@ pub struct HeapPlan {
     pub writes: Vec<PmdWrite>,
 }
 
-/// Plans mapping `size` bytes of hidden guest-physical memory at `phys` right after the
-/// kernel image whose (slid) `_end` is `kernel_end`.
+/// Plans mapping `size` bytes of hidden guest-physical memory at `phys` next to the kernel
+/// image whose (slid) `[_text, _end)` is `image`: after it where it fits below the module
+/// area, else before it (see the module doc); `placement` can insist on one side.
 ///
 /// # Errors
-/// [`HeapError::Misaligned`], [`HeapError::PhysicalTooHigh`], [`HeapError::PastImageMapping`],
-/// [`HeapError::NoPmdPage`], [`HeapError::Occupied`], [`HeapError::Walk`].
+/// [`HeapError::Misaligned`], [`HeapError::PhysicalTooHigh`], [`HeapError::NoRoom`],
+/// [`HeapError::ImageOutsideMapping`], [`HeapError::NoPmdPage`], [`HeapError::Occupied`],
+/// [`HeapError::Walk`].
 pub fn plan<M: PhysicalMemory + ?Sized>(
     space: &mut AddressSpace<'_, M>,
-    kernel_end: u64,
+    image: (u64, u64),
+    placement: HeapPlacement,
     phys: u64,
     size: u64,
 ) -> Result<HeapPlan, HeapError> {
@@ -131,17 +181,7 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
     if phys_last & !PTE_ADDR_MASK & !(SIZE_2M - 1) != 0 {
         return Err(HeapError::PhysicalTooHigh { phys, size });
     }
-    let past = HeapError::PastImageMapping {
-        va: kernel_end,
-        size,
-    };
-    let va = kernel_end.checked_next_multiple_of(SIZE_2M).ok_or(past)?;
-    if va
-        .checked_add(size)
-        .is_none_or(|end| end > KERNEL_IMAGE_LIMIT)
-    {
-        return Err(HeapError::PastImageMapping { va, size });
-    }
+    let (va, side) = place(image, placement, size)?;
     let mut pmd_pages = Vec::new();
     let mut writes = Vec::new();
     for page in 0..size / SIZE_2M {
@@ -178,11 +218,63 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
     }
     Ok(HeapPlan {
         va,
+        side,
         phys,
         size,
         pmd_pages,
         writes,
     })
+}
+
+/// The heap's virtual start for an image `[text, end)`: after it if it fits and `placement`
+/// allows, else before it if that fits and is allowed.
+fn place(
+    (text, end): (u64, u64),
+    placement: HeapPlacement,
+    size: u64,
+) -> Result<(u64, HeapSide), HeapError> {
+    let inside = |va: u64| (KERNEL_IMAGE_START..=KERNEL_IMAGE_LIMIT).contains(&va);
+    if text > end || !inside(text) || !inside(end) {
+        return Err(HeapError::ImageOutsideMapping { text, end });
+    }
+    // `end` <= KERNEL_IMAGE_LIMIT, a multiple of 2 MiB, so neither rounding overflows.
+    let after = end.next_multiple_of(SIZE_2M);
+    let before = text & !(SIZE_2M - 1);
+    let (try_after, try_before) = match placement {
+        HeapPlacement::Auto => (true, true),
+        HeapPlacement::After => (true, false),
+        HeapPlacement::Before => (false, true),
+    };
+    if try_after && KERNEL_IMAGE_LIMIT - after >= size {
+        Ok((after, HeapSide::AfterImage))
+    } else if try_before && before - KERNEL_IMAGE_START >= size {
+        Ok((before - size, HeapSide::BeforeImage))
+    } else {
+        Err(HeapError::NoRoom {
+            placement,
+            after,
+            before,
+            size,
+        })
+    }
+}
+
+/// Says where the heap did not fit, for [`HeapError::NoRoom`].
+fn no_room_where(placement: HeapPlacement, after: u64, before: u64, size: u64) -> String {
+    let after_msg = format!(
+        "after the kernel image ({after:#x}+{size:#x} would run past {KERNEL_IMAGE_LIMIT:#x} \
+         into the module area)"
+    );
+    let before_msg = format!(
+        "before the kernel image (below {before:#x} there are only {:#x} bytes above \
+         {KERNEL_IMAGE_START:#x})",
+        before.saturating_sub(KERNEL_IMAGE_START)
+    );
+    match placement {
+        HeapPlacement::Auto => format!("{after_msg} nor {before_msg}"),
+        HeapPlacement::After => after_msg,
+        HeapPlacement::Before => before_msg,
+    }
 }
 
 /// Whether a walk failure means "no PMD page" (as opposed to unreadable memory).
@@ -202,21 +294,32 @@ mod tests {
     use crate::paging::tests::TableBuilder;
     use crate::paging::{translate, PageSize, PTE_NO_EXECUTE};
 
-    /// Slid `_end` of the Debian 6.1 kernel at slide 0x2a000000.
+    /// Slid `_text` and `_end` of the Debian 6.1 kernel at slide 0x2a000000.
+    const TEXT: u64 = 0xffff_ffff_ab00_0000;
     const END: u64 = 0xffff_ffff_ad83_0000;
+    const IMAGE: (u64, u64) = (TEXT, END);
     const HEAP_VA: u64 = 0xffff_ffff_ada0_0000;
     const HEAP_PHYS: u64 = 0x1_0000_0000;
     const SIZE: u64 = 64 << 20;
 
-    /// Kernel image mapped by 2 MiB pages up to `_end`, like level2_kernel_pgt after boot.
-    fn guest() -> TableBuilder {
+    /// The image `[text, end)` mapped by 2 MiB pages like level2_kernel_pgt after boot: the
+    /// entries below `_text` keep their early identity-style mapping with only the present bit
+    /// cleared (what `__startup_64` does), the rest past `_end` are zero.
+    fn guest_at((text, end): (u64, u64)) -> TableBuilder {
         let mut tb = TableBuilder::new(false);
-        let start = (END - 0x280_0000) & !(SIZE_2M - 1);
-        for va in (start..END).step_by(SIZE_2M as usize) {
+        for va in (KERNEL_IMAGE_START..text).step_by(SIZE_2M as usize) {
+            let stale = va - KERNEL_IMAGE_START;
+            tb.map(va, stale, TableLevel::Pmd, PTE_GLOBAL);
+        }
+        for va in (text..end).step_by(SIZE_2M as usize) {
             let flags = PTE_PRESENT | PTE_GLOBAL | PTE_NO_EXECUTE;
-            tb.map(va, 0x100_0000 + (va - start), TableLevel::Pmd, flags);
+            tb.map(va, 0x100_0000 + (va - text), TableLevel::Pmd, flags);
         }
         tb
+    }
+
+    fn guest() -> TableBuilder {
+        guest_at(IMAGE)
     }
 
     #[test]
@@ -224,7 +327,7 @@ mod tests {
         let mut tb = guest();
         let pmd_page = tb.table_at(END, TableLevel::Pmd);
 
-        let plan = plan(&mut tb.space(), END, HEAP_PHYS, SIZE).unwrap();
+        let plan = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap();
 
         assert_eq!(plan.va, HEAP_VA);
         assert_eq!(plan.pmd_pages, [pmd_page]);
@@ -237,7 +340,7 @@ mod tests {
     #[test]
     fn plan_writes_give_executable_global_2m_mapping() {
         let mut tb = guest();
-        let plan = plan(&mut tb.space(), END, HEAP_PHYS, SIZE).unwrap();
+        let plan = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap();
 
         for write in &plan.writes {
             tb.mem.write_phys_u64(write.entry_addr, write.new).unwrap();
@@ -259,31 +362,139 @@ mod tests {
             PTE_PRESENT,
         );
 
-        let err = plan(&mut tb.space(), END, HEAP_PHYS, SIZE).unwrap_err();
+        let err = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap_err();
 
         assert!(matches!(err, HeapError::Occupied { va, .. } if va == HEAP_VA + 4 * SIZE_2M));
     }
 
-    #[test]
-    fn plan_refuses_range_into_module_area() {
-        let mut tb = guest();
+    /// KASLR slide 0x39000000, as in a CI boot where the heap did not fit after `_end`.
+    const HIGH_IMAGE: (u64, u64) = (0xffff_ffff_ba00_0000, 0xffff_ffff_bc83_0000);
 
-        let err = plan(
+    #[test]
+    fn plan_goes_below_text_when_the_module_area_is_too_close() {
+        let mut tb = guest_at(HIGH_IMAGE);
+        let (text, _) = HIGH_IMAGE;
+
+        let plan = plan(
             &mut tb.space(),
-            KERNEL_IMAGE_LIMIT - SIZE_2M,
+            HIGH_IMAGE,
+            HeapPlacement::Auto,
             HEAP_PHYS,
             SIZE,
         )
-        .unwrap_err();
+        .unwrap();
+        for write in &plan.writes {
+            tb.mem.write_phys_u64(write.entry_addr, write.new).unwrap();
+        }
+        let first = translate(&mut tb.mem, tb.cr3, false, text - SIZE).unwrap();
+        let last = translate(&mut tb.mem, tb.cr3, false, text - 1).unwrap();
 
-        assert!(matches!(err, HeapError::PastImageMapping { .. }));
+        assert_eq!((plan.va, plan.side), (text - SIZE, HeapSide::BeforeImage));
+        assert_eq!(plan.writes.len(), 32);
+        let stale = text - SIZE - KERNEL_IMAGE_START;
+        assert_eq!(plan.writes[0].old, stale | PTE_PAGE_SIZE | PTE_GLOBAL);
+        assert_eq!((first.phys, last.phys), (HEAP_PHYS, HEAP_PHYS + SIZE - 1));
+        assert!(!last.flags.no_execute);
+    }
+
+    #[test]
+    fn plan_stays_after_end_when_it_fits_exactly() {
+        let image = (0xffff_ffff_b000_0000, KERNEL_IMAGE_LIMIT - SIZE - 0x1000);
+        let mut tb = guest_at(image);
+
+        let plan = plan(&mut tb.space(), image, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap();
+
+        assert_eq!(plan.va, KERNEL_IMAGE_LIMIT - SIZE);
+        assert_eq!(plan.side, HeapSide::AfterImage);
+    }
+
+    #[test]
+    fn plan_refuses_when_neither_side_has_room() {
+        let image = (
+            KERNEL_IMAGE_START + SIZE - SIZE_2M,
+            KERNEL_IMAGE_LIMIT - SIZE_2M,
+        );
+        let mut tb = guest_at((image.0, image.0 + SIZE_2M));
+
+        let err = plan(&mut tb.space(), image, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap_err();
+
+        assert!(matches!(
+            err,
+            HeapError::NoRoom { after, before, size: SIZE, .. }
+                if after == image.1 && before == image.0
+        ));
+        assert!(err.to_string().contains("use a smaller heap"), "{err}");
+    }
+
+    #[test]
+    fn plan_refuses_an_image_outside_the_image_mapping() {
+        let mut tb = guest();
+
+        for image in [
+            (0xffff_8880_0000_0000, 0xffff_8880_0200_0000),
+            (TEXT, KERNEL_IMAGE_LIMIT + 0x1000),
+            (END, TEXT),
+        ] {
+            let err =
+                plan(&mut tb.space(), image, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap_err();
+            assert!(
+                matches!(err, HeapError::ImageOutsideMapping { .. }),
+                "{image:x?}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn plan_puts_the_heap_on_the_side_asked_for_or_says_why_not() {
+        let mut tb = guest();
+
+        let before = plan(
+            &mut tb.space(),
+            IMAGE,
+            HeapPlacement::Before,
+            HEAP_PHYS,
+            SIZE,
+        );
+        let after = plan(
+            &mut tb.space(),
+            HIGH_IMAGE,
+            HeapPlacement::After,
+            HEAP_PHYS,
+            SIZE,
+        );
+
+        let before = before.unwrap();
+        assert_eq!(
+            (before.va, before.side),
+            (TEXT - SIZE, HeapSide::BeforeImage)
+        );
+        let err = after.unwrap_err().to_string();
+        assert!(err.contains("does not fit after the kernel image"), "{err}");
+        assert!(err.contains("module area"), "{err}");
+        let low = (
+            KERNEL_IMAGE_START + 0x100_0000,
+            KERNEL_IMAGE_START + 0x300_0000,
+        );
+        let mut tb = guest_at(low);
+        let err = plan(&mut tb.space(), low, HeapPlacement::Before, HEAP_PHYS, SIZE).unwrap_err();
+        assert!(
+            err.to_string().contains("only 0x1000000 bytes above"),
+            "{err}"
+        );
     }
 
     #[test]
     fn plan_refuses_misaligned_physical_range() {
         let mut tb = guest();
 
-        let err = plan(&mut tb.space(), END, HEAP_PHYS + 0x1000, SIZE).unwrap_err();
+        let err = plan(
+            &mut tb.space(),
+            IMAGE,
+            HeapPlacement::Auto,
+            HEAP_PHYS + 0x1000,
+            SIZE,
+        )
+        .unwrap_err();
 
         assert!(matches!(err, HeapError::Misaligned { .. }));
     }
@@ -292,7 +503,7 @@ mod tests {
     fn plan_refuses_physical_range_past_52_bits() {
         let mut tb = guest();
 
-        let err = plan(&mut tb.space(), END, 1 << 52, SIZE).unwrap_err();
+        let err = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, 1 << 52, SIZE).unwrap_err();
 
         assert!(matches!(err, HeapError::PhysicalTooHigh { .. }));
     }
@@ -302,7 +513,7 @@ mod tests {
         let mut tb = TableBuilder::new(false);
         tb.table_at(END, TableLevel::Pud);
 
-        let err = plan(&mut tb.space(), END, HEAP_PHYS, SIZE).unwrap_err();
+        let err = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap_err();
 
         assert!(matches!(
             err,
