@@ -98,7 +98,7 @@ fn two_boots_two_slides_each_matching_kallsyms_and_getpid_splice_counts_exactly(
     }
 
     // The first boot places the heap as `exotap` does by default: after `_end`, or before
-    // `_text` when a high slide leaves no room below the module area (one boot in ten). The
+    // `_text` when a high slide leaves no room below the module area (one boot in 15). The
     // second always puts it before `_text`, so that path is proven live on every run; 16 MiB
     // fit there at any slide (`_text` is at least 0xffffffff81000000).
     let mut slides = vec![

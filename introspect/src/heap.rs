@@ -5,7 +5,7 @@
 //!
 //! The heap goes just past `_end` when it fits below the module area, and otherwise just below
 //! `_text`: KASLR puts the image anywhere in the 1 GiB at [`KERNEL_IMAGE_START`], so with a
-//! high slide (about one boot in ten for a 64 MiB heap) there is no room above it. Both places
+//! high slide (about one boot in 15 for a 64 MiB heap) there is no room above it. Both places
 //! lie in that same 1 GiB, mapped by the one PMD page `level2_kernel_pgt`, whose entries
 //! outside the image the kernel cleared at boot, and any two addresses in it are within the
 //! ±2 GiB of a `rel32`.
