@@ -23,14 +23,26 @@ pub struct ScriptError {
     pub span: Span,
 }
 
-/// Why evaluation stopped early: an error, or `next` leaving the probe handler.
+/// Why evaluation stopped early: an error, `next` leaving the probe handler, or the output's
+/// reader gone (not an error of the script; `try` does not catch it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Stop {
     Error(ScriptError),
     Next,
+    OutputClosed,
 }
 
 pub(crate) type EResult<T> = Result<T, Stop>;
+
+/// A failed write of the script's output: [`Stop::OutputClosed`] for a broken pipe, else a
+/// script error.
+pub(crate) fn output_failed<T>(e: &std::io::Error, span: Span) -> EResult<T> {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        Err(Stop::OutputClosed)
+    } else {
+        fail(format!("output failed: {e}"), span)
+    }
+}
 
 pub(crate) fn fail<T>(message: impl Into<String>, span: Span) -> EResult<T> {
     Err(Stop::Error(ScriptError {
@@ -173,7 +185,7 @@ impl<'p> Interp<'p> {
             self.block(&probe.body, &mut frame, ctx)
         })();
         match result {
-            Ok(_) | Err(Stop::Next) => Ok(()),
+            Ok(_) | Err(Stop::Next | Stop::OutputClosed) => Ok(()),
             Err(Stop::Error(e)) => Err(e),
         }
     }

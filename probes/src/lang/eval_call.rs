@@ -4,7 +4,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::ast::*;
 use super::context::Context;
-use super::eval::{fail, EResult, Frame, Interp};
+use super::eval::{fail, output_failed, EResult, Frame, Interp};
 use super::format::{escape, parse_format, render};
 use super::hist::Histogram;
 use super::value::{Stats, Value};
@@ -17,7 +17,7 @@ impl Interp<'_> {
     fn emit_text(&mut self, s: &str, span: Span) -> EResult<()> {
         match self.out.text(s) {
             Ok(()) => Ok(()),
-            Err(e) => fail(format!("output failed: {e}"), span),
+            Err(e) => output_failed(&e, span),
         }
     }
 
@@ -62,7 +62,7 @@ impl Interp<'_> {
             return Ok(Some(hist.render()));
         }
         let result = self.out.hist(&name, &hist).map(|()| None);
-        result.or_else(|e| fail(format!("output failed: {e}"), span))
+        result.or_else(|e| output_failed(&e, span))
     }
 
     pub(crate) fn builtin(
@@ -152,8 +152,12 @@ impl Interp<'_> {
             "error" => return self.raise(text(0).to_string(), span),
             "warn" => {
                 let line = format!("WARNING: {}", text(0));
-                if let Err(e) = self.out.error_line(&line) {
-                    return fail(format!("output failed: {e}"), span);
+                match self.out.error_line(&line) {
+                    Ok(()) => {}
+                    Err(e) if self.out.closed() => return output_failed(&e, span),
+                    // The error stream's reader is gone: nobody is left to tell.
+                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+                    Err(e) => return output_failed(&e, span),
                 }
                 unit
             }

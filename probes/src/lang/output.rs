@@ -22,12 +22,14 @@ pub struct Output {
     format: Format,
     out: Box<dyn Write>,
     err: Box<dyn Write>,
+    closed: bool,
 }
 
 impl std::fmt::Debug for Output {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Output")
             .field("format", &self.format)
+            .field("closed", &self.closed)
             .finish_non_exhaustive()
     }
 }
@@ -35,7 +37,36 @@ impl std::fmt::Debug for Output {
 impl Output {
     /// Output in `format` to `out`, diagnostics and runtime errors to `err`.
     pub fn new(format: Format, out: Box<dyn Write>, err: Box<dyn Write>) -> Self {
-        Output { format, out, err }
+        Output {
+            format,
+            out,
+            err,
+            closed: false,
+        }
+    }
+
+    /// Whether the reader of the output stream went away (a broken pipe, as when the
+    /// output is piped into `head`). Every later write to it fails at once, without
+    /// writing: the session then stops quietly, like a Unix tool killed by `SIGPIPE`.
+    pub fn closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Remembers a broken pipe on the output stream.
+    fn note(&mut self, result: io::Result<()>) -> io::Result<()> {
+        if let Err(e) = &result {
+            self.closed |= e.kind() == io::ErrorKind::BrokenPipe;
+        }
+        result
+    }
+
+    /// The error every write gets once the output is closed.
+    fn check_open(&self) -> io::Result<()> {
+        if self.closed {
+            Err(io::ErrorKind::BrokenPipe.into())
+        } else {
+            Ok(())
+        }
     }
 
     /// The format.
@@ -44,7 +75,9 @@ impl Output {
     }
 
     fn line(&mut self, v: Json) -> io::Result<()> {
-        writeln!(self.out, "{v}")
+        self.check_open()?;
+        let result = writeln!(self.out, "{v}");
+        self.note(result)
     }
 
     /// Text from `print`, `printf`, ... .
@@ -56,7 +89,11 @@ impl Output {
             return Ok(());
         }
         match self.format {
-            Format::Text => self.out.write_all(s.as_bytes()),
+            Format::Text => {
+                self.check_open()?;
+                let result = self.out.write_all(s.as_bytes());
+                self.note(result)
+            }
             Format::Json => self.line(json!({"type": "printf", "data": s})),
         }
     }
@@ -67,7 +104,11 @@ impl Output {
     /// When the stream fails.
     pub fn hist(&mut self, name: &str, h: &Histogram<'_>) -> io::Result<()> {
         match self.format {
-            Format::Text => self.out.write_all(h.render().as_bytes()),
+            Format::Text => {
+                self.check_open()?;
+                let result = self.out.write_all(h.render().as_bytes());
+                self.note(result)
+            }
             Format::Json => {
                 let mut data = serde_json::Map::new();
                 data.insert(name.to_string(), Json::Array(h.json_buckets()));
@@ -91,7 +132,10 @@ impl Output {
     /// # Errors
     /// When the stream fails.
     pub fn error_line(&mut self, s: &str) -> io::Result<()> {
-        self.out.flush()?;
+        if !self.closed {
+            let result = self.out.flush();
+            self.note(result)?;
+        }
         writeln!(self.err, "{s}")?;
         self.err.flush()
     }
@@ -101,7 +145,10 @@ impl Output {
     /// # Errors
     /// When a stream fails.
     pub fn flush(&mut self) -> io::Result<()> {
-        self.out.flush()?;
+        if !self.closed {
+            let result = self.out.flush();
+            self.note(result)?;
+        }
         self.err.flush()
     }
 }

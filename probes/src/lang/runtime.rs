@@ -29,6 +29,10 @@ pub enum RuntimeError {
     },
 }
 
+/// Exit code of a session whose output's reader went away: 128 + `SIGPIPE`, what a shell
+/// shows for a tool that signal killed.
+pub const OUTPUT_CLOSED_EXIT: i32 = 141;
+
 /// A running session over a checked program.
 pub struct Session<'p> {
     interp: Interp<'p>,
@@ -57,9 +61,10 @@ impl<'p> Session<'p> {
         }
     }
 
-    /// Whether the session should stop (`exit()` was called or an error happened).
+    /// Whether the session should stop (`exit()` was called, an error happened, or the
+    /// output's reader went away).
     pub fn stopping(&self) -> bool {
-        self.interp.exit_requested || self.errors > 0
+        self.interp.exit_requested || self.errors > 0 || self.interp.out.closed()
     }
 
     fn points(&self, pick: impl Fn(&PointKind) -> Option<i64>) -> Vec<(i64, usize, String)> {
@@ -125,8 +130,14 @@ impl<'p> Session<'p> {
     }
 
     /// Ends the session: end probes (or error probes after errors), then the display of
-    /// write-only globals. Returns the exit code: 0, or 1 after errors.
+    /// write-only globals. Returns the exit code: 0, or 1 after errors, or
+    /// [`OUTPUT_CLOSED_EXIT`] when the output's reader went away (then nothing more runs:
+    /// what it would print has nowhere to go).
     pub fn finish(mut self) -> i32 {
+        if self.interp.out.closed() {
+            let _ = self.interp.out.flush();
+            return OUTPUT_CLOSED_EXIT;
+        }
         let ctx = host_context();
         let failed = self.errors > 0;
         let pick: fn(&PointKind) -> Option<i64> = if failed {
@@ -149,8 +160,14 @@ impl<'p> Session<'p> {
         for (_, i, pt) in self.points(pick) {
             self.fire(i, &pt, &ctx);
         }
+        if self.interp.out.closed() {
+            return OUTPUT_CLOSED_EXIT;
+        }
         if !failed && self.errors == 0 {
             if let Err(e) = self.display_globals() {
+                if self.interp.out.closed() {
+                    return OUTPUT_CLOSED_EXIT;
+                }
                 let _ = self
                     .interp
                     .out
@@ -446,5 +463,95 @@ mod tests {
         }
         assert_eq!(session.finish(), 0);
         assert_eq!(out.contents(), "n[\"cat\"]=3\n");
+    }
+
+    /// A pipe whose reader goes away after `room` bytes: later writes fail with
+    /// `BrokenPipe`, as `write(2)` does once `head` has exited.
+    struct ClosingPipe {
+        room: usize,
+        kept: SharedBuf,
+        writes_after_close: std::rc::Rc<std::cell::Cell<usize>>,
+    }
+
+    impl std::io::Write for ClosingPipe {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.room == 0 {
+                self.writes_after_close
+                    .set(self.writes_after_close.get() + 1);
+                return Err(std::io::ErrorKind::BrokenPipe.into());
+            }
+            let n = buf.len().min(self.room);
+            self.room -= n;
+            self.kept.write(&buf[..n])
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn run_into_closing_pipe(src: &str, room: usize) -> (String, String, usize, i32) {
+        let prog = program(src);
+        let (kept, err) = (SharedBuf::default(), SharedBuf::default());
+        let attempts = std::rc::Rc::new(std::cell::Cell::new(0));
+        let pipe = ClosingPipe {
+            room,
+            kept: kept.clone(),
+            writes_after_close: attempts.clone(),
+        };
+        let output = Output::new(Format::Text, Box::new(pipe), Box::new(err.clone()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let code = run_guest_free(&prog, Limits::default(), output, "t.stp", src, &stop).unwrap();
+        (kept.contents(), err.contents(), attempts.get(), code)
+    }
+
+    #[test]
+    fn a_closed_output_pipe_stops_the_session_quietly_with_141() {
+        let src = "probe begin { for (i = 0; i < 100; i++) println(i) }\n\
+                   probe end { println(\"end\") }";
+
+        let (kept, err, attempts, code) = run_into_closing_pipe(src, 4);
+
+        assert_eq!(code, OUTPUT_CLOSED_EXIT);
+        assert_eq!(kept, "0\n1\n");
+        assert_eq!(err, "", "a closed pipe is not a script error");
+        assert_eq!(
+            attempts, 1,
+            "nothing more is written once the reader is gone"
+        );
+    }
+
+    #[test]
+    fn try_does_not_catch_a_closed_output_and_timers_stop() {
+        let src =
+            "probe begin { try { println(\"a\") println(\"b\") } catch { println(\"c\") } }\n\
+                   probe timer.ms(1) { println(\"tick\") }\n\
+                   probe end { println(\"end\") }";
+
+        let (kept, err, attempts, code) = run_into_closing_pipe(src, 2);
+
+        assert_eq!((kept.as_str(), err.as_str()), ("a\n", ""));
+        assert_eq!((attempts, code), (1, OUTPUT_CLOSED_EXIT));
+    }
+
+    #[test]
+    fn other_output_failures_stay_script_errors() {
+        let src = "probe begin { println(1) } probe error { }";
+        let prog = program(src);
+        let err = SharedBuf::default();
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full");
+        let Ok(full) = full else {
+            eprintln!("SKIP: this host has no /dev/full to fill");
+            return;
+        };
+        let output = Output::new(Format::Text, Box::new(full), Box::new(err.clone()));
+        let stop = Arc::new(AtomicBool::new(false));
+
+        let code = run_guest_free(&prog, Limits::default(), output, "t.stp", src, &stop).unwrap();
+
+        assert_eq!(code, 1);
+        assert!(err
+            .contents()
+            .contains("ERROR: output failed: No space left on device"));
     }
 }
