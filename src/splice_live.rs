@@ -2142,8 +2142,9 @@ impl Engine {
             self.say(&format!("left {} at {:#x}: {}", c.name, c.addr, c.reason));
         }
         self.say(&format!(
-            "text: {} pages touched; sha256 before {} after {}: {}",
+            "text: {} page{} touched; sha256 before {} after {}: {}",
             report.pages,
+            if report.pages == 1 { "" } else { "s" },
             &report.before[..16],
             &report.after[..16],
             if report.differing.is_empty() && report.before == report.after {
@@ -2272,7 +2273,10 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         let deadline = live
             .duration
             .map(|s| Instant::now() + Duration::from_secs_f64(s));
-        eprintln!("exotap: splices in; Ctrl-C removes them");
+        match live.duration {
+            Some(s) => eprintln!("exotap: splices in; removed after {s} s, or at Ctrl-C"),
+            None => eprintln!("exotap: splices in; Ctrl-C removes them"),
+        }
         loop {
             if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
                 break;

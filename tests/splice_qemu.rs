@@ -1,5 +1,6 @@
 //! End-to-end: the live splice engine against the Debian guest under QEMU
-//! (`exotap count`, `exotap nullify`, `exotap splice-report`).
+//! (`exotap count`, `exotap nullify`, `exotap splice-report`), booted by exotap or, with
+//! `count --target`, by someone else.
 //!
 //! Oracles: the guest's own kprobes on the same functions (armed through its
 //! `kprobe_events` before exotap splices, disarmed after exotap unsplices; on these
@@ -572,4 +573,87 @@ fn replaced_getppid_runs_getpid_instead() {
             .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
         "{ctx}"
     );
+}
+
+#[test]
+fn count_with_target_splices_a_guest_someone_else_booted() {
+    if !have_qemu("count_with_target_splices_a_guest_someone_else_booted") {
+        return;
+    }
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    // The guest arms its own kprobe on getpid, says so, and calls getpid in bursts for a
+    // while; it never disarms (exotap may still be spliced over the entry then), it just
+    // powers off. `exotap count --target` attaches on its own, counts for 3 s and leaves.
+    let job = "T=/sys/kernel/tracing\n\
+               echo 'p:exotap/g __do_sys_getpid' >> $T/kprobe_events\n\
+               echo 1 > $T/events/exotap/enable\n\
+               exotap_result armed 1\n\
+               i=0\n\
+               while [ $i -lt 80 ]; do syscall-loop 50 > /dev/null; sleep 0.3; i=$((i+1)); done\n";
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let mut guest = exotap()
+        .args(["boot", "--timeout", "300", "--job"])
+        .arg(&job_file)
+        .arg("--gdbstub")
+        .arg(format!("unix:{},server=on,wait=off", socket.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut console = BufReader::new(guest.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("EXOTAP-RESULT armed=1") {
+        line.clear();
+        assert!(
+            console.read_line(&mut line).unwrap() > 0,
+            "the guest ended before arming its kprobe"
+        );
+    }
+
+    let started = std::time::Instant::now();
+    let (code, out, err) = run(exotap()
+        .args([
+            "count",
+            "__do_sys_getpid",
+            "--compare-kprobes",
+            "--duration",
+            "3",
+        ])
+        .arg("--target")
+        .arg(format!("unix:{}", socket.display())));
+    let took = started.elapsed().as_secs_f64();
+
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut console, &mut rest).unwrap();
+    let guest_ok = guest.wait().unwrap().success();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\n(count took {took:.1} s)");
+    eprintln!("{ctx}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(
+        guest_ok,
+        "the guest did not end well after exotap left:\n{rest}"
+    );
+    assert!(rest.contains("EXOTAP-DONE 0"), "{rest}");
+    let t = table(&out);
+    let (ours, kprobe) = t
+        .get("__do_sys_getpid")
+        .expect("a count for __do_sys_getpid");
+    let (hits, missed) = kprobe.expect("the guest's kprobe beside it");
+    assert_eq!(*ours, hits + missed, "{ctx}");
+    assert!(
+        *ours >= 50,
+        "3 s should see at least one burst of 50: {ctx}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{ctx}"
+    );
+    for bad in ["Oops", "BUG:", "WARNING:", "general protection"] {
+        assert!(!rest.contains(bad), "{bad} in the console:\n{rest}");
+    }
 }
