@@ -100,7 +100,7 @@ enum Command {
     /// return addresses swapped as kretprobes do), and print log2 histograms at the end.
     Time(splice_live::TimeArgs),
     /// Record every entry (first argument) and return (return value) of kernel functions with
-    /// rdtsc timestamps in per-vCPU ring buffers in the guest; print them at the end.
+    /// rdtsc timestamps in per-vCPU ring buffers in the guest, printed as they come (drained every 250 ms).
     Trace(splice_live::TraceArgs),
     /// Make every call of a kernel function return VALUE at once (spliced, undone at the end).
     Nullify(splice_live::NullifyArgs),

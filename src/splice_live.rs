@@ -709,8 +709,12 @@ fn emit_hash(a: &mut CodeAssembler, table: u64) -> anyhow::Result<()> {
 /// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
 /// first argument at entry, the return value at exit), function id at +16, kind at +20
 /// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit). The TSC is stored
-/// last. The host reads the rings at removal: a ring whose head passed `slots` lost
-/// `head - slots` records (overruns).
+/// last. The host drains the rings while the guest runs (every [`STREAM_EVERY`], the guest
+/// stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
+/// from where it stopped last up to the first one whose TSC is still 0 (its writer has not
+/// finished), then zeroes the records it took, so that a slot being rewritten reads as
+/// unfinished. A burst of more than `slots` records between two drains overwrites the oldest
+/// ones: those are counted as lost (overruns).
 #[derive(Debug, Clone, Copy)]
 pub struct Rings {
     /// The first ring.
@@ -921,6 +925,9 @@ pub struct Splicer {
     cpu_number: Option<u64>,
     /// Names of traced functions by id.
     pub trace_names: Vec<(u32, String)>,
+    /// Per vCPU: records taken from its ring so far, and records lost to overruns.
+    ring_taken: Vec<u64>,
+    ring_lost: Vec<u64>,
     /// Splices in place.
     pub installed: Vec<Installed>,
     /// The touched pages as they were before the install.
@@ -989,35 +996,61 @@ pub struct TraceRecord {
     pub slot: u64,
 }
 
-/// Decodes one vCPU's ring: the records still there, oldest first, and how many were lost.
-pub fn decode_ring(ring: &[u8], slots: u32) -> (Vec<TraceRecord>, u64) {
-    let word = |o: usize| {
-        ring.get(o..o + 8)
-            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
-    };
-    let half = |o: usize| {
-        ring.get(o..o + 4)
-            .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap_or_default()))
-    };
-    let head = word(0);
-    let slots = u64::from(slots);
-    let lost = head.saturating_sub(slots);
+/// The records of one vCPU's ring still to take: from the first not yet taken, or the oldest
+/// still in the ring when a burst overwrote some; returns that index and how many were lost.
+pub fn ring_window(head: u64, taken: u64, slots: u32) -> (u64, u64) {
+    // A head below what was taken cannot come from the patches: trust the head.
+    let taken = taken.min(head);
+    let oldest = head.saturating_sub(u64::from(slots));
+    if taken < oldest {
+        (oldest, oldest - taken)
+    } else {
+        (taken, 0)
+    }
+}
+
+/// The records `[from, to)` as (first slot, count) spans of a ring of `slots` records: one,
+/// or two where they wrap.
+pub fn ring_spans(from: u64, to: u64, slots: u32) -> Vec<(u64, u64)> {
+    let slots = u64::from(slots.max(1));
+    let count = to.saturating_sub(from).min(slots);
+    let first = from % slots;
+    let head_part = count.min(slots - first);
+    let mut spans = Vec::new();
+    if head_part > 0 {
+        spans.push((first, head_part));
+    }
+    if count > head_part {
+        spans.push((0, count - head_part));
+    }
+    spans
+}
+
+/// Decodes consecutive records; stops at the first unfinished one (TSC 0, stored last by
+/// its writer) unless `last`, which skips it. Returns the finished records and how many
+/// records (finished or skipped) were consumed.
+pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
     let mut out = Vec::new();
-    for n in lost..head {
-        let o = (RING_HEADER + (n % slots) * TRACE_RECORD) as usize;
+    let mut consumed = 0;
+    for chunk in bytes.chunks_exact(TRACE_RECORD as usize) {
+        let word = |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
+        let half = |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
         let r = TraceRecord {
-            tsc: word(o),
-            value: word(o + 8),
-            id: half(o + 16),
-            kind: half(o + 20),
-            slot: word(o + 24),
+            tsc: word(0),
+            value: word(8),
+            id: half(16),
+            kind: half(20),
+            slot: word(24),
         };
-        // A record whose vCPU stopped before its TSC (stored last) is incomplete.
+        if r.tsc == 0 && !last {
+            break;
+        }
+        consumed += 1;
         if r.tsc != 0 {
             out.push(r);
         }
     }
-    (out, lost)
+    (out, consumed)
 }
 
 impl Splicer {
@@ -1069,6 +1102,8 @@ impl Splicer {
             // A per-CPU symbol: an offset from the GS base, not slid.
             cpu_number: image.symbols.get("cpu_number").map(|s| s.addr),
             trace_names: Vec::new(),
+            ring_taken: Vec::new(),
+            ring_lost: Vec::new(),
             installed: Vec::new(),
             before: PageSnapshot::default(),
         })
@@ -1135,6 +1170,8 @@ impl Splicer {
             rings.base = self.data.alloc(bytes, 64)?;
             zero.push((rings.base, bytes));
             self.rings = Some(rings);
+            self.ring_taken = vec![0; cpus as usize];
+            self.ring_lost = vec![0; cpus as usize];
         }
         if self.inflight.is_none() && requests.iter().any(|r| paired(r.action)) {
             let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
@@ -1339,6 +1376,55 @@ impl Splicer {
         Ok(())
     }
 
+    /// Takes the trace records written since the last drain, oldest first per vCPU (the
+    /// guest stopped). A record still being written (TSC 0) ends the take for its vCPU until
+    /// the next drain; with `last` (at removal) it is skipped instead. The records taken are
+    /// zeroed in the guest unless `last`.
+    ///
+    /// # Errors
+    /// When the rings cannot be read or written.
+    pub fn drain_rings(
+        &mut self,
+        machine: &mut GdbMachine,
+        last: bool,
+    ) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
+        let Some(rings) = self.rings else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for cpu in 0..rings.cpus {
+            let i = cpu as usize;
+            let at = rings.base + u64::from(cpu) * rings.ring_bytes();
+            let mut head = [0u8; 8];
+            machine.read_phys(self.heap_phys(at), &mut head)?;
+            let head = u64::from_le_bytes(head);
+            let taken = self.ring_taken.get(i).copied().unwrap_or(0);
+            let (from, lost) = ring_window(head, taken, rings.slots);
+            let spans = ring_spans(from, head, rings.slots);
+            let mut bytes = Vec::new();
+            for &(slot, n) in &spans {
+                let mut buf = vec![0u8; usize::try_from(n * TRACE_RECORD)?];
+                let va = at + RING_HEADER + slot * TRACE_RECORD;
+                machine.read_phys(self.heap_phys(va), &mut buf)?;
+                bytes.extend_from_slice(&buf);
+            }
+            let (records, count) = take_records(&bytes, last);
+            if !last {
+                for &(slot, n) in &ring_spans(from, from + count, rings.slots) {
+                    let zeros = vec![0u8; usize::try_from(n * TRACE_RECORD)?];
+                    let va = at + RING_HEADER + slot * TRACE_RECORD;
+                    machine.write_phys(self.heap_phys(va), &zeros)?;
+                }
+            }
+            if let (Some(t), Some(l)) = (self.ring_taken.get_mut(i), self.ring_lost.get_mut(i)) {
+                *t = from + count;
+                *l += lost;
+            }
+            out.extend(records.into_iter().map(|r| (cpu, r)));
+        }
+        Ok(out)
+    }
+
     /// Reads every counter (the guest stopped).
     ///
     /// # Errors
@@ -1391,15 +1477,9 @@ impl Splicer {
                 report.histograms.push((s.name.clone(), buckets));
             }
         }
-        if let Some(rings) = self.rings {
-            for cpu in 0..rings.cpus {
-                let at = rings.base + u64::from(cpu) * rings.ring_bytes();
-                let mut buf = vec![0u8; usize::try_from(rings.ring_bytes())?];
-                machine.read_phys(self.heap_phys(at), &mut buf)?;
-                let (records, lost) = decode_ring(&buf, rings.slots);
-                report.records.extend(records.into_iter().map(|r| (cpu, r)));
-                report.overruns.push(lost);
-            }
+        if self.rings.is_some() {
+            report.records = self.drain_rings(machine, true)?;
+            report.overruns.clone_from(&self.ring_lost);
         }
         let pages = pages_of(self.installed.iter().map(|s| (s.addr, s.original.len())));
         let now = snapshot(machine, &self.kernel, &pages)?;
@@ -1822,6 +1902,10 @@ struct Live {
     survey: Survey,
     splicer: Splicer,
     kprobes_before: Option<BTreeMap<String, (u64, u64)>>,
+    /// The trace records shown so far (`exotap trace`), once the first arrived.
+    trace_view: Option<TraceView>,
+    /// When the rings were last drained.
+    streamed: Instant,
 }
 
 /// The engine run against one stopped guest.
@@ -1859,6 +1943,8 @@ impl Engine {
                     survey,
                     splicer,
                     kprobes_before,
+                    trace_view: None,
+                    streamed: Instant::now(),
                 });
                 Ok(())
             }
@@ -2017,6 +2103,64 @@ impl Engine {
     }
 
     /// Stops the guest, reads counts, removes every splice, detaches.
+    /// Prints the trace records that arrived since the last drain, at most every
+    /// [`STREAM_EVERY`]; the guest stops for the read. Nothing to do without trace rings.
+    fn stream(&mut self) -> anyhow::Result<()> {
+        let Some(mut live) = self.live.take() else {
+            return Ok(());
+        };
+        let result = self.stream_on(&mut live);
+        self.live = Some(live);
+        result
+    }
+
+    fn stream_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
+        if live.splicer.rings.is_none() || live.streamed.elapsed() < STREAM_EVERY {
+            return Ok(());
+        }
+        live.machine.pause()?;
+        let drained = self
+            .trace_view(live)
+            .and_then(|()| live.splicer.drain_rings(&mut live.machine, false));
+        live.machine.resume()?;
+        live.streamed = Instant::now();
+        let records = drained?;
+        if let Some(view) = live.trace_view.as_mut() {
+            for line in view.lines(&records) {
+                self.say(&line);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the trace view (reading the guest's TSC rate) if there is none yet; the guest
+    /// stopped.
+    fn trace_view(&self, live: &mut Live) -> anyhow::Result<()> {
+        if live.trace_view.is_none() {
+            let khz = self.tsc_khz(live)?;
+            let names = live
+                .splicer
+                .trace_names
+                .iter()
+                .map(|(id, n)| (u64::from(*id), n.clone()))
+                .collect();
+            live.trace_view = Some(TraceView::new(names, khz));
+        }
+        Ok(())
+    }
+
+    /// The guest's `tsc_khz` (at least 1); the guest stopped.
+    fn tsc_khz(&self, live: &mut Live) -> anyhow::Result<u32> {
+        let at = self
+            .image
+            .address("tsc_khz")?
+            .wrapping_add(live.survey.kaslr.slide);
+        let mut b = [0u8; 4];
+        let mut mem = BackendMemory(&mut live.machine);
+        live.survey.space(&mut mem).read(at, &mut b)?;
+        Ok(u32::from_le_bytes(b).max(1))
+    }
+
     fn remove(&mut self) -> anyhow::Result<()> {
         let Some(mut live) = self.live.take() else {
             return Ok(());
@@ -2100,30 +2244,24 @@ impl Engine {
                 _ => self.say(&format!("{n:>12}  {name}")),
             }
         }
-        let khz = if report.histograms.is_empty() && report.overruns.is_empty() {
+        let khz = if report.histograms.is_empty() {
             0
         } else {
-            let at = self.image.address("tsc_khz")?.wrapping_add(slide);
-            let mut b = [0u8; 4];
-            let mut mem = BackendMemory(&mut live.machine);
-            live.survey.space(&mut mem).read(at, &mut b)?;
-            u32::from_le_bytes(b).max(1)
+            self.tsc_khz(live)?
         };
         if !report.overruns.is_empty() {
-            let names: BTreeMap<u64, &str> = live
-                .splicer
-                .trace_names
-                .iter()
-                .map(|(id, n)| (u64::from(*id), n.as_str()))
-                .collect();
-            for line in trace_lines(&report.records, &names, khz) {
-                self.say(&line);
+            self.trace_view(live)?;
+            if let Some(view) = live.trace_view.as_mut() {
+                let lines = view.lines(&report.records);
+                let shown = view.shown;
+                for line in lines {
+                    self.say(&line);
+                }
+                self.say(&format!(
+                    "trace: {shown} records; lost to ring overruns per vCPU: {:?}",
+                    report.overruns
+                ));
             }
-            self.say(&format!(
-                "trace: {} records; lost to ring overruns per vCPU: {:?}",
-                report.records.len(),
-                report.overruns
-            ));
         }
         if !report.histograms.is_empty() {
             self.say(&format!(
@@ -2160,39 +2298,68 @@ impl Engine {
     }
 }
 
-/// Trace records as text, in TSC order: time since the first record, vCPU, entry (`->`
+/// How often the trace rings are drained while the guest runs.
+pub const STREAM_EVERY: Duration = Duration::from_millis(250);
+
+/// Trace records as text, as they arrive: time since the first record, vCPU, entry (`->`
 /// with the first argument) or return (`<-` with the return value and the call's duration
-/// when its entry is in the trace).
-pub fn trace_lines(
-    records: &[(u32, TraceRecord)],
-    names: &BTreeMap<u64, &str>,
+/// when its entry came before).
+#[derive(Debug)]
+pub struct TraceView {
+    names: BTreeMap<u64, String>,
     khz: u32,
-) -> Vec<String> {
-    let mut sorted: Vec<&(u32, TraceRecord)> = records.iter().collect();
-    sorted.sort_by_key(|(cpu, r)| (r.tsc, *cpu));
-    let first = sorted.first().map_or(0, |r| r.1.tsc);
-    let us = |cycles: u64| cycles as f64 * 1000.0 / f64::from(khz.max(1));
-    let mut open: BTreeMap<(u64, u32), u64> = BTreeMap::new();
-    sorted
-        .into_iter()
-        .map(|(cpu, r)| {
-            let name = names.get(&u64::from(r.id)).copied().unwrap_or("?");
-            let at = us(r.tsc.saturating_sub(first));
-            if r.kind == 1 {
-                open.insert((r.slot, r.id), r.tsc);
-                format!("{at:>14.3} us  cpu{cpu}  -> {name}(arg0={:#x})", r.value)
-            } else {
-                let took = open
-                    .remove(&(r.slot, r.id))
-                    .map(|t| format!("  [{:.3} us]", us(r.tsc.saturating_sub(t))))
-                    .unwrap_or_default();
-                format!(
-                    "{at:>14.3} us  cpu{cpu}  <- {name} = {}{took}",
-                    r.value as i64
-                )
-            }
-        })
-        .collect()
+    first: Option<u64>,
+    /// Entries whose return has not come yet, by (stack slot, function id): their TSC.
+    open: BTreeMap<(u64, u32), u64>,
+    /// Records shown so far.
+    pub shown: u64,
+}
+
+impl TraceView {
+    /// A view naming function ids with `names`, TSC at `khz`.
+    pub fn new(names: BTreeMap<u64, String>, khz: u32) -> Self {
+        TraceView {
+            names,
+            khz: khz.max(1),
+            first: None,
+            open: BTreeMap::new(),
+            shown: 0,
+        }
+    }
+
+    /// The lines of one batch, in TSC order.
+    pub fn lines(&mut self, records: &[(u32, TraceRecord)]) -> Vec<String> {
+        let mut sorted: Vec<&(u32, TraceRecord)> = records.iter().collect();
+        sorted.sort_by_key(|(cpu, r)| (r.tsc, *cpu));
+        let Some(batch_first) = sorted.first().map(|r| r.1.tsc) else {
+            return Vec::new();
+        };
+        let first = *self.first.get_or_insert(batch_first);
+        let khz = self.khz;
+        let us = |cycles: u64| cycles as f64 * 1000.0 / f64::from(khz);
+        self.shown += sorted.len() as u64;
+        sorted
+            .into_iter()
+            .map(|(cpu, r)| {
+                let name = self.names.get(&u64::from(r.id)).map_or("?", String::as_str);
+                let at = us(r.tsc.saturating_sub(first));
+                if r.kind == 1 {
+                    self.open.insert((r.slot, r.id), r.tsc);
+                    format!("{at:>14.3} us  cpu{cpu}  -> {name}(arg0={:#x})", r.value)
+                } else {
+                    let took = self
+                        .open
+                        .remove(&(r.slot, r.id))
+                        .map(|t| format!("  [{:.3} us]", us(r.tsc.saturating_sub(t))))
+                        .unwrap_or_default();
+                    format!(
+                        "{at:>14.3} us  cpu{cpu}  <- {name} = {}{took}",
+                        r.value as i64
+                    )
+                }
+            })
+            .collect()
+    }
 }
 
 /// A log2 histogram of TSC cycles as text, bucket bounds in ns (bpftrace's `hist` style).
@@ -2229,6 +2396,13 @@ struct SpliceHook {
 }
 
 impl PhaseHook for SpliceHook {
+    fn tick(&mut self) -> Result<(), QemuError> {
+        self.engine.stream().map_err(|e| QemuError::Hook {
+            phase: "trace streaming".to_owned(),
+            message: format!("{e:#}"),
+        })
+    }
+
     fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
         let result = match phase {
             "splice" => self.engine.install(&self.target),
@@ -2281,6 +2455,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
             if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
+            engine.stream()?;
             let Some(l) = engine.live.as_mut() else { break };
             match l.machine.wait_event(Duration::from_millis(100)) {
                 Ok(None) => {}
@@ -2489,31 +2664,92 @@ mod tests {
         assert!(page_spans(&now, &[(0x5000, vec![1])]).is_err());
     }
 
-    #[test]
-    fn ring_decoding_keeps_the_newest_records_and_counts_overruns() {
-        let slots = 4u32;
-        let mut ring = vec![0u8; (RING_HEADER + 4 * TRACE_RECORD) as usize];
-        ring[..8].copy_from_slice(&6u64.to_le_bytes());
-        for n in 2u64..6 {
-            let o = (RING_HEADER + (n % 4) * TRACE_RECORD) as usize;
-            let tsc = if n == 5 { 0 } else { 100 + n };
-            ring[o..o + 8].copy_from_slice(&tsc.to_le_bytes());
-            ring[o + 8..o + 16].copy_from_slice(&(n * 10).to_le_bytes());
-            ring[o + 16..o + 20].copy_from_slice(&7u32.to_le_bytes());
-            ring[o + 20..o + 24].copy_from_slice(&1u32.to_le_bytes());
+    fn record_bytes(records: &[(u64, u64, u32, u32)]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for &(tsc, value, id, kind) in records {
+            bytes.extend_from_slice(&tsc.to_le_bytes());
+            bytes.extend_from_slice(&value.to_le_bytes());
+            bytes.extend_from_slice(&id.to_le_bytes());
+            bytes.extend_from_slice(&kind.to_le_bytes());
+            bytes.extend_from_slice(&0x1000u64.to_le_bytes());
         }
+        bytes
+    }
 
-        let (records, lost) = decode_ring(&ring, slots);
+    #[test]
+    fn ring_window_takes_from_the_last_drain_or_counts_what_a_burst_overwrote() {
+        // 3 written, 1 taken before: take from 1, nothing lost.
+        assert_eq!(ring_window(3, 1, 4), (1, 0));
+        // 10 written, 1 taken: slots hold 6..10, 5 records were overwritten.
+        assert_eq!(ring_window(10, 1, 4), (6, 5));
+        // Nothing new.
+        assert_eq!(ring_window(7, 7, 4), (7, 0));
+        // A head below what was taken (a hostile or reset guest) is trusted, not underflowed.
+        assert_eq!(ring_window(2, 9, 4), (2, 0));
+    }
 
-        assert_eq!(lost, 2);
-        let tscs: Vec<u64> = records.iter().map(|r| r.tsc).collect();
+    #[test]
+    fn ring_spans_split_where_the_ring_wraps() {
+        assert_eq!(ring_spans(2, 6, 4), vec![(2, 2), (0, 2)]);
+        assert_eq!(ring_spans(5, 7, 4), vec![(1, 2)]);
+        assert_eq!(ring_spans(4, 8, 4), vec![(0, 4)]);
+        assert!(ring_spans(3, 3, 4).is_empty());
+        // Never more than the ring holds.
+        assert_eq!(ring_spans(0, 100, 4), vec![(0, 4)]);
+    }
+
+    #[test]
+    fn take_records_waits_for_an_unfinished_record_until_the_last_drain() {
+        let bytes = record_bytes(&[
+            (100, 20, 7, 1),
+            (101, 21, 7, 2),
+            (0, 0, 7, 1),
+            (103, 23, 7, 2),
+        ]);
+
+        let (running, consumed) = take_records(&bytes, false);
+        let (last, consumed_last) = take_records(&bytes, true);
+
         assert_eq!(
-            tscs,
-            vec![102, 103, 104],
-            "the unfinished record (tsc 0) is left out"
+            consumed, 2,
+            "stops at the record whose TSC is not written yet"
         );
-        assert_eq!(records[0].value, 20);
-        assert_eq!(records[0].id, 7);
+        assert_eq!(
+            running.iter().map(|r| r.tsc).collect::<Vec<_>>(),
+            [100, 101]
+        );
+        assert_eq!(
+            (running[0].value, running[0].id, running[0].kind),
+            (20, 7, 1)
+        );
+        assert_eq!(consumed_last, 4, "at removal it is skipped, not waited for");
+        assert_eq!(
+            last.iter().map(|r| r.tsc).collect::<Vec<_>>(),
+            [100, 101, 103]
+        );
+    }
+
+    #[test]
+    fn trace_view_pairs_a_return_with_an_entry_from_an_earlier_drain() {
+        let names = BTreeMap::from([(7, "vfs_read".to_owned())]);
+        let mut view = TraceView::new(names, 1_000_000); // 1 GHz: 1000 cycles a microsecond
+        let rec = |tsc, value, kind| TraceRecord {
+            tsc,
+            value,
+            id: 7,
+            kind,
+            slot: 0xffff_c900_0000_0f00,
+        };
+
+        let first = view.lines(&[(1, rec(5000, 0x10, 1))]);
+        let second = view.lines(&[(1, rec(7000, 18, 2))]);
+
+        assert_eq!(first, ["         0.000 us  cpu1  -> vfs_read(arg0=0x10)"]);
+        assert_eq!(
+            second,
+            ["         2.000 us  cpu1  <- vfs_read = 18  [2.000 us]"]
+        );
+        assert_eq!(view.shown, 2);
     }
 
     #[test]

@@ -294,6 +294,15 @@ pub trait PhaseHook {
     /// # Errors
     /// An error stops the run.
     fn at_wait(&mut self, phase: &str) -> Result<(), QemuError>;
+
+    /// Called about every 50 ms while the guest runs (between console lines), for work the
+    /// host does alongside it, such as draining trace buffers. Does nothing by default.
+    ///
+    /// # Errors
+    /// An error stops the run.
+    fn tick(&mut self) -> Result<(), QemuError> {
+        Ok(())
+    }
 }
 
 /// A hook that lets the guest go at once.
@@ -434,7 +443,11 @@ pub fn run(
                 tail: tail.render(),
             });
         }
-        let line = match rx.recv_timeout(Duration::from_millis(50)) {
+        let received = rx.recv_timeout(Duration::from_millis(50));
+        if ready {
+            hook.tick()?;
+        }
+        let line = match received {
             Ok(Event::Line(line)) => line,
             Ok(Event::Eof) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
