@@ -1391,31 +1391,35 @@ impl Splicer {
         let Some(rings) = self.rings else {
             return Ok(Vec::new());
         };
-        let mut out = Vec::new();
+        // Read every ring first: a failed read changes nothing, and removal finds it all.
+        let mut taken = Vec::new();
         for cpu in 0..rings.cpus {
-            let i = cpu as usize;
             let at = rings.base + u64::from(cpu) * rings.ring_bytes();
             let mut head = [0u8; 8];
             machine.read_phys(self.heap_phys(at), &mut head)?;
             let head = u64::from_le_bytes(head);
-            let taken = self.ring_taken.get(i).copied().unwrap_or(0);
-            let (from, lost) = ring_window(head, taken, rings.slots);
-            let spans = ring_spans(from, head, rings.slots);
+            let before = self.ring_taken.get(cpu as usize).copied().unwrap_or(0);
+            let (from, lost) = ring_window(head, before, rings.slots);
             let mut bytes = Vec::new();
-            for &(slot, n) in &spans {
+            for (slot, n) in ring_spans(from, head, rings.slots) {
                 let mut buf = vec![0u8; usize::try_from(n * TRACE_RECORD)?];
                 let va = at + RING_HEADER + slot * TRACE_RECORD;
                 machine.read_phys(self.heap_phys(va), &mut buf)?;
                 bytes.extend_from_slice(&buf);
             }
             let (records, count) = take_records(&bytes, last);
+            taken.push((cpu, at, from, count, lost, records));
+        }
+        let mut out = Vec::new();
+        for (cpu, at, from, count, lost, records) in taken {
             if !last {
-                for &(slot, n) in &ring_spans(from, from + count, rings.slots) {
+                for (slot, n) in ring_spans(from, from + count, rings.slots) {
                     let zeros = vec![0u8; usize::try_from(n * TRACE_RECORD)?];
                     let va = at + RING_HEADER + slot * TRACE_RECORD;
                     machine.write_phys(self.heap_phys(va), &zeros)?;
                 }
             }
+            let i = cpu as usize;
             if let (Some(t), Some(l)) = (self.ring_taken.get_mut(i), self.ring_lost.get_mut(i)) {
                 *t = from + count;
                 *l += lost;
@@ -1919,6 +1923,9 @@ struct Engine {
     out: Box<dyn Write + Send>,
     /// Whether a site asked for was refused (exit code 1).
     refused_any: bool,
+    /// Whether trace records still stream (off after a failed drain: the rest are read at
+    /// removal).
+    streaming: bool,
 }
 
 impl Engine {
@@ -2105,13 +2112,23 @@ impl Engine {
     /// Stops the guest, reads counts, removes every splice, detaches.
     /// Prints the trace records that arrived since the last drain, at most every
     /// [`STREAM_EVERY`]; the guest stops for the read. Nothing to do without trace rings.
-    fn stream(&mut self) -> anyhow::Result<()> {
+    ///
+    /// A failed drain turns streaming off with a warning rather than ending the run: the
+    /// splices must still come out, and removal reads what is left in the rings.
+    fn stream(&mut self) {
+        if !self.streaming {
+            return;
+        }
         let Some(mut live) = self.live.take() else {
-            return Ok(());
+            return;
         };
-        let result = self.stream_on(&mut live);
+        if let Err(e) = self.stream_on(&mut live) {
+            self.streaming = false;
+            eprintln!(
+                "exotap: warning: trace streaming stopped: {e:#}; the records left are read at removal"
+            );
+        }
         self.live = Some(live);
-        result
     }
 
     fn stream_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
@@ -2397,10 +2414,8 @@ struct SpliceHook {
 
 impl PhaseHook for SpliceHook {
     fn tick(&mut self) -> Result<(), QemuError> {
-        self.engine.stream().map_err(|e| QemuError::Hook {
-            phase: "trace streaming".to_owned(),
-            message: format!("{e:#}"),
-        })
+        self.engine.stream();
+        Ok(())
     }
 
     fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
@@ -2430,6 +2445,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         live: None,
         out: Box::new(std::io::stdout()),
         refused_any: false,
+        streaming: true,
     };
     if let Some(target) = &live.target {
         let heap = crate::script::parse_heap(&live.heap)?;
@@ -2455,7 +2471,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
             if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
-            engine.stream()?;
+            engine.stream();
             let Some(l) = engine.live.as_mut() else { break };
             match l.machine.wait_event(Duration::from_millis(100)) {
                 Ok(None) => {}
