@@ -2109,7 +2109,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Stops the guest, reads counts, removes every splice, detaches.
     /// Prints the trace records that arrived since the last drain, at most every
     /// [`STREAM_EVERY`]; the guest stops for the read. Nothing to do without trace rings.
     ///
@@ -2178,6 +2177,7 @@ impl Engine {
         Ok(u32::from_le_bytes(b).max(1))
     }
 
+    /// Stops the guest, reads counts, removes every splice, detaches.
     fn remove(&mut self) -> anyhow::Result<()> {
         let Some(mut live) = self.live.take() else {
             return Ok(());
