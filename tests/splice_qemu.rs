@@ -16,7 +16,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{exotap, have_qemu, result, run};
+use common::{boot_with_gdbstub, exotap, have_qemu, result, run};
 
 /// Functions counted against the guest's kprobes: syscall entries, VFS, scheduler.
 const FUNCTIONS: &[&str] = &[
@@ -622,8 +622,6 @@ fn count_with_target_splices_a_guest_someone_else_booted() {
     if !have_qemu("count_with_target_splices_a_guest_someone_else_booted") {
         return;
     }
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("gdb.sock");
     // The guest arms its own kprobe on getpid, says so, and calls getpid in bursts for a
@@ -637,24 +635,11 @@ fn count_with_target_splices_a_guest_someone_else_booted() {
                while [ $i -lt 80 ]; do syscall-loop 50 > /dev/null; sleep 0.3; i=$((i+1)); done\n";
     let job_file = dir.path().join("job.sh");
     std::fs::write(&job_file, job).unwrap();
-    let mut guest = exotap()
-        .args(["boot", "--timeout", "300", "--job"])
-        .arg(&job_file)
-        .arg("--gdbstub")
-        .arg(format!("unix:{},server=on,wait=off", socket.display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut console = BufReader::new(guest.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("EXOTAP-RESULT armed=1") {
-        line.clear();
-        assert!(
-            console.read_line(&mut line).unwrap() > 0,
-            "the guest ended before arming its kprobe"
-        );
-    }
+    let (mut guest, mut console) = boot_with_gdbstub(
+        &["--timeout", "300", "--job", job_file.to_str().unwrap()],
+        &socket,
+        "EXOTAP-RESULT armed=1",
+    );
 
     let started = std::time::Instant::now();
     let (code, out, err) = run(exotap()

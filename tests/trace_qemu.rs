@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{exotap, have_qemu, result, run};
+use common::{boot_with_gdbstub, exotap, have_qemu, result, run};
 
 const CALLS: u64 = 200;
 /// syscall-loop.c preads into `char buf[64]`, `sizeof(buf)` bytes per call.
@@ -194,34 +194,19 @@ fn run_with_target_traces_a_guest_someone_else_booted() {
     if !have_qemu("run_with_target_traces_a_guest_someone_else_booted") {
         return;
     }
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("gdb.sock");
     // The guest sleeps long enough after EXOTAP-READY for exotap to attach.
-    let mut guest = exotap()
-        .args([
-            "boot",
+    let (mut guest, mut console) = boot_with_gdbstub(
+        &[
             "--timeout",
             "300",
             "--run",
             "sleep 8; syscall-loop 100; sleep 1",
-        ])
-        .arg("--gdbstub")
-        .arg(format!("unix:{},server=on,wait=off", socket.display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut console = BufReader::new(guest.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("EXOTAP-READY") {
-        line.clear();
-        assert!(
-            console.read_line(&mut line).unwrap() > 0,
-            "the guest ended before READY"
-        );
-    }
+        ],
+        &socket,
+        "EXOTAP-READY",
+    );
 
     let (code, out, err) = run(exotap()
         .args(["run", "--target"])

@@ -2,7 +2,9 @@
 
 #![allow(dead_code, clippy::expect_used)]
 
-use std::process::{Command, Output};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
 
 /// The exotap binary under test.
 pub fn exotap() -> Command {
@@ -50,4 +52,33 @@ pub fn host_result<'a>(out: &'a str, key: &str) -> Option<&'a str> {
     let prefix = format!("HOST-RESULT {key}=");
     out.lines()
         .find_map(|l| l.strip_prefix(&prefix).map(str::trim_end))
+}
+
+/// A guest someone else booted: `exotap boot ARGS` with its gdbstub on the unix socket
+/// `socket`, read until a console line contains `until`. Returns the child and the rest of
+/// its console.
+pub fn boot_with_gdbstub<S: AsRef<std::ffi::OsStr>>(
+    args: &[S],
+    socket: &Path,
+    until: &str,
+) -> (Child, BufReader<ChildStdout>) {
+    let mut guest = exotap()
+        .arg("boot")
+        .args(args)
+        .arg("--gdbstub")
+        .arg(format!("unix:{},server=on,wait=off", socket.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("cannot start exotap boot");
+    let mut console = BufReader::new(guest.stdout.take().expect("piped stdout"));
+    let mut line = String::new();
+    while !line.contains(until) {
+        line.clear();
+        let n = console
+            .read_line(&mut line)
+            .expect("cannot read the console");
+        assert!(n > 0, "the guest ended before printing {until}");
+    }
+    (guest, console)
 }
