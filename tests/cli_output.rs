@@ -5,15 +5,36 @@
 //! there. A probe script's output follows the same rule: a closed pipe stops the session
 //! quietly with 141, a full disk is a script error (exit code 1).
 
+#![allow(clippy::expect_used)] // test helpers outside #[test] fns
+
 mod common;
+
+use std::process::Command;
 
 use common::{exotap, run};
 
-#[test]
-fn a_reader_that_closed_the_pipe_ends_the_command_quietly() {
+/// Runs `cmd` with standard output a pipe whose reader is gone; returns (exit code, stderr).
+fn into_closed_pipe(cmd: &mut Command) -> (i32, String) {
     let (reader, writer) = std::io::pipe().expect("pipe");
     drop(reader);
-    let (code, _, err) = run(exotap().arg("host").stdout(writer));
+    let (code, _, err) = run(cmd.stdout(writer));
+    (code, err)
+}
+
+/// Runs `cmd` with standard output `/dev/full`; returns (exit code, stderr), or `None` (and
+/// says why) where the host has no `/dev/full`.
+fn into_full_disk(cmd: &mut Command) -> Option<(i32, String)> {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("SKIP: this host has no /dev/full to fill");
+        return None;
+    };
+    let (code, _, err) = run(cmd.stdout(full));
+    Some((code, err))
+}
+
+#[test]
+fn a_reader_that_closed_the_pipe_ends_the_command_quietly() {
+    let (code, err) = into_closed_pipe(exotap().arg("host"));
     assert_eq!(code, 141, "stderr:\n{err}");
     assert!(
         err.is_empty(),
@@ -23,11 +44,9 @@ fn a_reader_that_closed_the_pipe_ends_the_command_quietly() {
 
 #[test]
 fn a_full_disk_is_reported_as_an_error() {
-    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
-        eprintln!("SKIP: this host has no /dev/full to fill");
+    let Some((code, err)) = into_full_disk(exotap().arg("host")) else {
         return;
     };
-    let (code, _, err) = run(exotap().arg("host").stdout(full));
     assert_eq!(code, 125, "stderr:\n{err}");
     assert!(
         err.contains("exotap: error: cannot write standard output: No space left on device"),
@@ -38,12 +57,10 @@ fn a_full_disk_is_reported_as_an_error() {
 
 #[test]
 fn a_script_whose_reader_closed_the_pipe_stops_quietly() {
-    let (reader, writer) = std::io::pipe().expect("pipe");
-    drop(reader);
     let script =
         "probe begin { for (i = 0; i < 100; i++) println(i) } probe end { println(\"end\") }";
 
-    let (code, _, err) = run(exotap().args(["-e", script]).stdout(writer));
+    let (code, err) = into_closed_pipe(exotap().args(["-e", script]));
 
     assert_eq!(code, 141, "stderr:\n{err}");
     assert!(
@@ -54,14 +71,10 @@ fn a_script_whose_reader_closed_the_pipe_stops_quietly() {
 
 #[test]
 fn a_script_writing_to_a_full_disk_reports_a_script_error() {
-    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
-        eprintln!("SKIP: this host has no /dev/full to fill");
+    let Some((code, err)) = into_full_disk(exotap().args(["-e", "probe begin { println(1) }"]))
+    else {
         return;
     };
-
-    let (code, _, err) = run(exotap()
-        .args(["-e", "probe begin { println(1) }"])
-        .stdout(full));
 
     assert_eq!(code, 1, "stderr:\n{err}");
     assert!(

@@ -52,6 +52,15 @@ impl Output {
         self.closed
     }
 
+    /// Writes to the output stream, unless it is closed; a broken pipe closes it.
+    fn emit(&mut self, bytes: &[u8]) -> io::Result<()> {
+        if self.closed {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        let result = self.out.write_all(bytes);
+        self.note(result)
+    }
+
     /// Remembers a broken pipe on the output stream.
     fn note(&mut self, result: io::Result<()>) -> io::Result<()> {
         if let Err(e) = &result {
@@ -60,24 +69,13 @@ impl Output {
         result
     }
 
-    /// The error every write gets once the output is closed.
-    fn check_open(&self) -> io::Result<()> {
-        if self.closed {
-            Err(io::ErrorKind::BrokenPipe.into())
-        } else {
-            Ok(())
-        }
-    }
-
     /// The format.
     pub fn format(&self) -> Format {
         self.format
     }
 
     fn line(&mut self, v: Json) -> io::Result<()> {
-        self.check_open()?;
-        let result = writeln!(self.out, "{v}");
-        self.note(result)
+        self.emit(format!("{v}\n").as_bytes())
     }
 
     /// Text from `print`, `printf`, ... .
@@ -89,11 +87,7 @@ impl Output {
             return Ok(());
         }
         match self.format {
-            Format::Text => {
-                self.check_open()?;
-                let result = self.out.write_all(s.as_bytes());
-                self.note(result)
-            }
+            Format::Text => self.emit(s.as_bytes()),
             Format::Json => self.line(json!({"type": "printf", "data": s})),
         }
     }
@@ -104,11 +98,7 @@ impl Output {
     /// When the stream fails.
     pub fn hist(&mut self, name: &str, h: &Histogram<'_>) -> io::Result<()> {
         match self.format {
-            Format::Text => {
-                self.check_open()?;
-                let result = self.out.write_all(h.render().as_bytes());
-                self.note(result)
-            }
+            Format::Text => self.emit(h.render().as_bytes()),
             Format::Json => {
                 let mut data = serde_json::Map::new();
                 data.insert(name.to_string(), Json::Array(h.json_buckets()));
