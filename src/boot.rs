@@ -113,6 +113,10 @@ pub struct BootArgs {
     /// Script text instead of --script FILE.
     #[arg(long, value_name = "SCRIPT", conflicts_with_all = ["script", "gdb", "gdbstub"])]
     pub script_text: Option<String>,
+    /// Whether the script's kernel probes run compiled inside the guest (auto: when every
+    /// one compiles, else on the host with a stop per hit, saying why).
+    #[arg(long, value_enum, default_value_t = crate::compiled::CompileMode::Auto)]
+    pub compile: crate::compiled::CompileMode,
     /// Output format of the script.
     #[arg(long, value_enum, default_value_t = crate::script::OutputFormat::Text)]
     pub format: crate::script::OutputFormat,
@@ -179,15 +183,38 @@ struct ScriptHook {
     image: KernelImage,
     heap: (u64, u64),
     script: Option<trace::GuestScript>,
+    compile: crate::compiled::CompileMode,
     tracer: Option<std::thread::JoinHandle<i32>>,
+    /// The script's stop flag, set at the guest's `detach` wait.
+    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// The script's exit code, once it ended at `detach`.
+    rc: Option<i32>,
 }
 
 impl PhaseHook for ScriptHook {
     fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
+        if phase == "detach" {
+            // The job is done: end the script (end probes, removal) while the guest waits.
+            if let (Some(stop), Some(tracer)) = (&self.stop, self.tracer.take()) {
+                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                self.rc = Some(tracer.join().map_err(|_| QemuError::Hook {
+                    phase: phase.to_owned(),
+                    message: "the script thread panicked".into(),
+                })?);
+            }
+            return Ok(());
+        }
         let Some(script) = self.script.take().filter(|_| phase == "attach") else {
             return Ok(());
         };
-        let started = trace::start(&self.target, &self.image, self.heap, script);
+        self.stop = Some(script.stop.clone());
+        let started = crate::compiled::start_script(
+            &self.target,
+            &self.image,
+            self.heap,
+            script,
+            self.compile,
+        );
         match started {
             Ok(handle) => {
                 self.tracer = Some(handle);
@@ -410,13 +437,18 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
             image: KernelImage::load(config.kernel.clone())?,
             heap: (config.patch_heap.base, config.patch_heap.size),
             script: Some(script),
+            compile: args.compile,
             tracer: None,
+            stop: None,
+            rc: None,
         };
         let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
         if let Some(tracer) = hook.tracer.take() {
             script_rc = tracer
                 .join()
                 .map_err(|_| anyhow::anyhow!("the tracer thread panicked"))?;
+        } else if let Some(rc) = hook.rc {
+            script_rc = rc;
         }
         outcome?
     } else if args.gdb {

@@ -14,6 +14,7 @@ macro_rules! out {
 
 mod attach;
 mod boot;
+mod compiled;
 mod debuginfo;
 mod entry_patch;
 mod guest_memory;

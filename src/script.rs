@@ -120,6 +120,10 @@ pub struct ScriptOptions {
     /// GPA:SIZE (the guest booted with memmap=SIZE$GPA; `exotap boot` hides 0x3c000000:64M).
     #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
     pub heap: String,
+    /// With --target: whether the script's kernel probes run compiled inside the guest
+    /// (auto: when every one compiles, else on the host with a stop per hit, saying why).
+    #[arg(long, value_enum, default_value_t = crate::compiled::CompileMode::Auto)]
+    pub compile: crate::compiled::CompileMode,
     /// The guest kernel whose symbols resolve kernel probe points.
     #[command(flatten)]
     pub image: ImageArgs,
@@ -192,7 +196,7 @@ fn run_attached(
         out,
         stop,
     };
-    let tracer = crate::trace::start(&target, &image, heap, script)?;
+    let tracer = crate::compiled::start_script(&target, &image, heap, script, args.compile)?;
     tracer
         .join()
         .map_err(|_| anyhow::anyhow!("the tracer thread panicked"))

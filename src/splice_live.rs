@@ -67,6 +67,8 @@ pub const CODE_OFFSET: u64 = 0x20_0000;
 /// The most bytes one patch may take (a timed function's trampoline, entry half and
 /// relocated instruction take about 200, a traced one about 420).
 const MAX_PATCH: u64 = 512;
+/// The most bytes one compiled-probe site may take (bodies, trampoline, relocation).
+const MAX_COMPILED: u64 = 64 << 10;
 /// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
 const AVERAGE_PATCH: u64 = 64;
 /// Text pages are hashed and compared in units of this size.
@@ -410,6 +412,26 @@ pub enum Action {
     /// Record every entry (first argument) and return (return value) with its TSC in the
     /// per-vCPU rings, under this function id.
     Trace(u32),
+    /// Run compiled probe bodies (src/compiled.rs): site number N of the [`SiteCode`] given
+    /// to [`Splicer::install_compiled`].
+    Compiled(u32),
+}
+
+/// The code of compiled-probe sites, asked for by [`Splicer::install_compiled`].
+pub trait SiteCode {
+    /// Whether site `site` has return probes (then it gets a return trampoline).
+    fn has_returns(&self, site: u32) -> bool;
+    /// The entry half at `at`; with `returns` = (table of calls in flight, its miss
+    /// counter, the trampoline) it also swaps the return address.
+    ///
+    /// # Errors
+    /// When the code cannot be generated.
+    fn entry(&mut self, site: u32, at: u64, returns: Option<(u64, u64, u64)>) -> anyhow::Result<Vec<u8>>;
+    /// The return trampoline at `at`, over the table of calls in flight `table`.
+    ///
+    /// # Errors
+    /// When the code cannot be generated.
+    fn trampoline(&mut self, site: u32, at: u64, table: u64) -> anyhow::Result<Vec<u8>>;
 }
 
 /// One site asked for.
@@ -650,7 +672,7 @@ fn diverting_patch(
             }
         }
         Action::Replace(other) => a.jmp(other)?,
-        Action::Count | Action::Time | Action::Trace(_) => {
+        Action::Count | Action::Time | Action::Trace(_) | Action::Compiled(_) => {
             bail!("this patch relocates the original instruction")
         }
     }
@@ -1123,6 +1145,55 @@ impl Splicer {
         machine: &mut GdbMachine,
         requests: &[Request],
     ) -> anyhow::Result<InstallReport> {
+        self.install_with(machine, requests, None)
+    }
+
+    /// As [`Splicer::install`], for requests with [`Action::Compiled`] sites whose code
+    /// `code` generates.
+    ///
+    /// # Errors
+    /// As [`Splicer::install`].
+    pub fn install_compiled(
+        &mut self,
+        machine: &mut GdbMachine,
+        requests: &[Request],
+        code: &mut dyn SiteCode,
+    ) -> anyhow::Result<InstallReport> {
+        self.install_with(machine, requests, Some(code))
+    }
+
+    /// Heap memory for a compiled script's data and helpers (from the patch area).
+    ///
+    /// # Errors
+    /// When the heap is full.
+    pub fn alloc(&mut self, size: u64, align: u64) -> anyhow::Result<u64> {
+        Ok(self.code.alloc(size.max(1), align)?)
+    }
+
+    /// Writes `bytes` at heap address `va` (the guest stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be written.
+    pub fn write_heap(&self, machine: &mut GdbMachine, va: u64, bytes: &[u8]) -> anyhow::Result<()> {
+        Ok(machine.write_phys(self.heap_phys(va), bytes)?)
+    }
+
+    /// Reads `len` bytes at heap address `va` (the guest stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be read.
+    pub fn read_heap(&self, machine: &mut GdbMachine, va: u64, len: usize) -> anyhow::Result<Vec<u8>> {
+        let mut buf = vec![0u8; len];
+        machine.read_phys(self.heap_phys(va), &mut buf)?;
+        Ok(buf)
+    }
+
+    fn install_with(
+        &mut self,
+        machine: &mut GdbMachine,
+        requests: &[Request],
+        mut compiled: Option<&mut dyn SiteCode>,
+    ) -> anyhow::Result<InstallReport> {
         let started = Instant::now();
         let mut report = InstallReport::default();
         // One block of counters and one of code for the whole batch, each written to the
@@ -1133,6 +1204,7 @@ impl Splicer {
             .iter()
             .map(|r| match r.action {
                 Action::Time | Action::Trace(_) => MAX_PATCH,
+                Action::Compiled(_) => MAX_COMPILED,
                 _ => AVERAGE_PATCH,
             })
             .sum::<u64>()
@@ -1147,7 +1219,12 @@ impl Splicer {
         let mut code_buf: Vec<u8> = Vec::new();
         // Histograms and the table of calls in flight, zeroed before the jumps go in.
         let mut zero: Vec<(u64, u64)> = Vec::new();
-        let paired = |a: Action| matches!(a, Action::Time | Action::Trace(_));
+        let returns = |k: u32| compiled.as_ref().is_some_and(|c| c.has_returns(k));
+        let paired = |a: Action| match a {
+            Action::Time | Action::Trace(_) => true,
+            Action::Compiled(k) => returns(k),
+            _ => false,
+        };
         if self.rings.is_none()
             && requests
                 .iter()
@@ -1244,6 +1321,36 @@ impl Splicer {
                     })()
                     .map_err(|e| format!("{e:#}"))
                 }
+                Action::Compiled(k) => {
+                    let (table, misses) = self.inflight.unwrap_or_default();
+                    let Some(gen) = compiled.as_deref_mut() else {
+                        bail!("a compiled site without its code");
+                    };
+                    (|| -> anyhow::Result<(Vec<u8>, [u8; 5])> {
+                        let mut code = Vec::new();
+                        let mut ret = None;
+                        if gen.has_returns(k) {
+                            code = gen.trampoline(k, patch, table)?;
+                            code.resize(code.len().div_ceil(16) * 16, 0xcc);
+                            ret = Some((table, misses, patch));
+                            timing = Some((0, patch));
+                        }
+                        let entry_at = patch + code.len() as u64;
+                        let entry = gen.entry(k, entry_at, ret)?;
+                        let moved = generate(&PatchRequest {
+                            original: &site.bytes,
+                            addr: site.addr,
+                            patch: entry_at + entry.len() as u64,
+                            probes: &[],
+                            live: site.live,
+                            call_return: exotap_probes::splice::CallReturn::default(),
+                        })?;
+                        code.extend_from_slice(&entry);
+                        code.extend_from_slice(&moved.code);
+                        Ok((code, jmp_rel32(req.addr, entry_at)?))
+                    })()
+                    .map_err(|e| format!("{e:#}"))
+                }
                 Action::Count => {
                     let probes = [Probe::Count { counter }];
                     generate(&PatchRequest::for_site(&site, patch, &probes))
@@ -1260,7 +1367,11 @@ impl Splicer {
                         "the batch's {block_size} bytes of patch space are used up"
                     )));
                 }
-                Ok((code, splice)) if code.len() as u64 <= MAX_PATCH => {
+                Ok((code, splice))
+                    if code.len() as u64 <= MAX_PATCH
+                        || (matches!(req.action, Action::Compiled(_))
+                            && code.len() as u64 <= MAX_COMPILED) =>
+                {
                     code_buf.extend_from_slice(&code);
                     code_buf.resize(code_buf.len().div_ceil(16) * 16, 0xcc);
                     ready.push((i, site.bytes.clone(), splice, patch, counter, timing));
@@ -1341,7 +1452,7 @@ impl Splicer {
                 counter: r.4,
                 timing: r.5,
             });
-            if let Some((_, trampoline)) = r.5 {
+            if let Some((_, trampoline)) = r.5.filter(|t| t.1 != 0) {
                 self.installed_timing.push(trampoline);
             }
             if let Action::Trace(id) = req.action {

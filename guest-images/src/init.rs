@@ -12,7 +12,9 @@
 //! * `exotap_result KEY VALUE`: prints `EXOTAP-RESULT KEY=VALUE`.
 //!
 //! With the kernel parameter `exotap.attach=1` the init waits once more, at phase `attach`,
-//! right after `EXOTAP-READY` and before the job: the host attaches to the guest there.
+//! right after `EXOTAP-READY` and before the job: the host attaches to the guest there. It
+//! also waits at phase `detach` after the job, before `EXOTAP-DONE`: the host reads what its
+//! probes gathered in the guest and removes them there, before the guest powers off.
 
 use crate::initramfs::{Initramfs, InitramfsError};
 use crate::workloads::Workload;
@@ -51,6 +53,9 @@ case " $(cat /proc/cmdline) " in
 esac
 ( . /etc/exotap/job.sh ) 9<&9
 rc=$?
+case " $(cat /proc/cmdline) " in
+*" exotap.attach=1 "*) exotap_wait detach ;;
+esac
 echo "EXOTAP-DONE $rc"
 sync
 poweroff -f

@@ -1,4 +1,5 @@
 //! The instrumentation engine and the probe language.
 
+pub mod compile;
 pub mod lang;
 pub mod splice;

@@ -99,6 +99,26 @@ impl<'p> Session<'p> {
         let _ = self.interp.out.error_line(&msg);
     }
 
+    /// The store of global `name`.
+    pub fn global(&self, name: &str) -> Option<&Store> {
+        self.interp.globals.get(name)
+    }
+
+    /// Replaces global `name`'s store (compiled probes keep theirs in the guest, and the
+    /// host brings them here before host probes run).
+    pub fn set_global(&mut self, name: &str, store: Store) {
+        if let Some(slot) = self.interp.globals.get_mut(name) {
+            *slot = store;
+        }
+    }
+
+    /// Reports a script error found outside the interpreter (e.g. by compiled probes in the
+    /// guest): printed like the interpreter's, and the session stops.
+    pub fn error(&mut self, message: &str) {
+        self.errors += 1;
+        let _ = self.interp.out.error_line(&format!("ERROR: {message}"));
+    }
+
     /// Fires probe `index` at `point` on `ctx`; returns false after a script error.
     pub fn fire(&mut self, index: usize, point: &str, ctx: &dyn Context) -> bool {
         let r = self.interp.run_probe(index, point, ctx);

@@ -1,0 +1,1083 @@
+//! One probe body as x86-64 code.
+//!
+//! Entered with `r15` pointing at the registers the site saved (see [`super::site`]); every
+//! other register is free. The body keeps its locals and key buffers in a frame under `rbp`,
+//! `r14` counts down the statement budget (MAXACTION), `r13` holds the current task. Every
+//! intermediate value goes on the stack, so calls (table helpers, kernel clock functions)
+//! never need registers saved. A long is in `rax`; a string (see [`super::data`]) is in
+//! `rax` (bytes 0-7) and `rdx` (bytes 8-15).
+//!
+//! Semantics follow the interpreter (probes/src/lang/eval*.rs), which is the oracle of the
+//! differential tests: wrapping arithmetic, shifts by the count's low 6 bits, a division by
+//! zero ends the hit with a probe error, one statement-budget tick per statement and per
+//! loop iteration.
+
+use std::collections::HashMap;
+
+use iced_x86::code_asm::*;
+use iced_x86::{Code, Instruction, MemoryOperand, Register};
+
+use crate::lang::ast::*;
+use crate::lang::check::{Program, Shape, Ty};
+use crate::lang::Limits;
+
+use super::data::{field, DataLayout, GlobalSlot, Interner, ValueKind, KEY, MAX_KEYS};
+use super::{Facts, SitePoint, Unsupported};
+
+/// How deep array lookups may nest inside each other's keys.
+const MAX_KEY_DEPTH: usize = 4;
+/// Registers the site saves, in push order (after the flags).
+pub const SAVED: [Register; 15] = [
+    Register::RAX,
+    Register::RCX,
+    Register::RDX,
+    Register::RBX,
+    Register::RSI,
+    Register::RDI,
+    Register::RBP,
+    Register::R8,
+    Register::R9,
+    Register::R10,
+    Register::R11,
+    Register::R12,
+    Register::R13,
+    Register::R14,
+    Register::R15,
+];
+/// Bytes the site pushes: the flags and [`SAVED`].
+pub const SAVED_BYTES: i32 = 8 * 16;
+
+/// Offset of a saved register from `r15`.
+pub fn saved_offset(reg: Register) -> i32 {
+    let i = SAVED.iter().position(|r| *r == reg).unwrap_or(0);
+    (14 - i as i32) * 8
+}
+
+/// SysV argument registers.
+const ARGS: [Register; 6] = [
+    Register::RDI,
+    Register::RSI,
+    Register::RDX,
+    Register::RCX,
+    Register::R8,
+    Register::R9,
+];
+
+/// What every body of a script shares.
+#[derive(Debug, Clone, Copy)]
+pub struct Env<'a> {
+    /// The checked program.
+    pub prog: &'a Program,
+    /// Limits (MAXACTION).
+    pub limits: &'a Limits,
+    /// Kernel offsets.
+    pub facts: &'a Facts,
+    /// Where the globals are.
+    pub layout: &'a DataLayout,
+    /// Virtual address of the data.
+    pub data: u64,
+    /// The table helpers: global name and insert (true) or find (false) → address.
+    pub helpers: &'a HashMap<(String, bool), u64>,
+}
+
+/// Kind of a value in registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum K {
+    Long,
+    Str,
+}
+
+type R<T> = Result<T, Unsupported>;
+
+/// Runs an assembler call and names a refusal as an unsupported construct at the current
+/// span (a macro, so the call may borrow the assembler mutably first).
+macro_rules! asm {
+    ($g:ident, $e:expr) => {{
+        let r = $e;
+        $g.asm(r)
+    }};
+}
+
+fn rip(addr: u64) -> MemoryOperand {
+    MemoryOperand::with_base_displ(Register::RIP, addr as i64)
+}
+
+struct Gen<'a, 'b> {
+    a: &'b mut CodeAssembler,
+    env: Env<'a>,
+    interner: &'b mut Interner,
+    point: &'b SitePoint,
+    locals: HashMap<String, (i32, K)>,
+    locals_size: i32,
+    depth: usize,
+    loops: Vec<(CodeLabel, CodeLabel)>,
+    end: CodeLabel,
+    err_div: CodeLabel,
+    err_budget: CodeLabel,
+    span: Span,
+}
+
+/// Emits probe `point.probe`'s body (with its condition) for `point`.
+///
+/// # Errors
+/// The first construct that does not compile.
+pub fn emit_body(
+    a: &mut CodeAssembler,
+    env: Env<'_>,
+    interner: &mut Interner,
+    point: &SitePoint,
+) -> R<()> {
+    let probe = env.prog.script.probes.get(point.probe).ok_or_else(|| Unsupported {
+        probe: Some(point.probe),
+        span: Span::default(),
+        construct: "a probe that is not in the program".into(),
+    })?;
+    let mut locals = HashMap::new();
+    let mut size = 0i32;
+    if let Some(types) = env.prog.locals.get(point.probe) {
+        let mut names: Vec<_> = types.iter().collect();
+        names.sort_by(|x, y| x.0.cmp(y.0));
+        for (name, ty) in names {
+            if env.prog.globals.contains_key(name) {
+                continue;
+            }
+            let k = match ty {
+                Ty::Long | Ty::Unknown => K::Long,
+                Ty::Str => K::Str,
+                _ => {
+                    return Err(Unsupported {
+                        probe: Some(point.probe),
+                        span: probe.span,
+                        construct: format!("the local {name} of type {ty}"),
+                    })
+                }
+            };
+            size += if k == K::Str { 16 } else { 8 };
+            locals.insert(name.clone(), (size, k));
+        }
+    }
+    let asm = |e: IcedError| Unsupported {
+        probe: Some(point.probe),
+        span: probe.span,
+        construct: format!("code the assembler refused ({e})"),
+    };
+    let end = a.create_label();
+    let err_div = a.create_label();
+    let err_budget = a.create_label();
+    let mut g = Gen {
+        a,
+        env,
+        interner,
+        point,
+        locals,
+        locals_size: size,
+        depth: 0,
+        loops: Vec::new(),
+        end,
+        err_div,
+        err_budget,
+        span: probe.span,
+    };
+    g.prologue().map_err(asm)?;
+    if let Some(cond) = &probe.condition {
+        g.long(cond)?;
+        g.a.test(rax, rax).map_err(asm)?;
+        g.a.jz(g.end).map_err(asm)?;
+    }
+    g.block(&probe.body)?;
+    g.epilogue().map_err(asm)?;
+    Ok(())
+}
+
+impl Gen<'_, '_> {
+    fn no(&self, construct: impl Into<String>) -> Unsupported {
+        Unsupported {
+            probe: Some(self.point.probe),
+            span: self.span,
+            construct: construct.into(),
+        }
+    }
+
+    fn frame_size(&self) -> i32 {
+        let keys = (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32;
+        (self.locals_size + keys + 15) / 16 * 16
+    }
+
+    fn key_buffer(&self, depth: usize) -> i32 {
+        -(self.locals_size + ((depth + 1) * MAX_KEYS) as i32 * KEY as i32)
+    }
+
+    fn prologue(&mut self) -> Result<(), IcedError> {
+        let frame = self.frame_size();
+        self.a.mov(rbp, rsp)?;
+        self.a.sub(rsp, frame)?;
+        // Locals start at 0 and "" (the key buffers need no clearing).
+        if self.locals_size > 0 {
+            self.a.xor(eax, eax)?;
+            for off in (8..=self.locals_size).step_by(8) {
+                self.a.mov(qword_ptr(rbp - off), rax)?;
+            }
+        }
+        self.a.mov(r14, self.env.limits.max_action.min(i64::MAX as u64))?;
+        let mut cur = Instruction::with2(
+            Code::Mov_r64_rm64,
+            Register::R13,
+            MemoryOperand::with_base_displ(Register::None, self.env.facts.current_task as i64),
+        )?;
+        cur.set_segment_prefix(Register::GS);
+        cur.set_memory_displ_size(4);
+        self.a.add_instruction(cur)
+    }
+
+    fn epilogue(&mut self) -> Result<(), IcedError> {
+        let data = self.env.data;
+        let mut common = self.a.create_label();
+        self.a.jmp(self.end)?;
+        self.a.set_label(&mut self.err_div)?;
+        self.count(data + field::DIV_ZERO)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.err_budget)?;
+        self.count(data + field::MAXACTION)?;
+        self.a.set_label(&mut common)?;
+        self.count(data + field::ERRORS)?;
+        self.a.set_label(&mut self.end)?;
+        self.a.mov(rsp, rbp)?;
+        Ok(())
+    }
+
+    fn count(&mut self, addr: u64) -> Result<(), IcedError> {
+        let mut inc = Instruction::with1(Code::Inc_rm64, rip(addr))?;
+        inc.set_has_lock_prefix(true);
+        self.a.add_instruction(inc)
+    }
+
+    fn asm<T>(&mut self, r: Result<T, IcedError>) -> R<T> {
+        r.map_err(|e| self.no(format!("code the assembler refused ({e})")))
+    }
+
+    fn tick(&mut self) -> R<()> {
+        let r = (|| {
+            self.a.dec(r14)?;
+            self.a.js(self.err_budget)
+        })();
+        asm!(self, r)
+    }
+
+    fn block(&mut self, b: &Block) -> R<()> {
+        for s in &b.stmts {
+            self.stmt(s)?;
+        }
+        Ok(())
+    }
+
+    fn stmt(&mut self, s: &Stmt) -> R<()> {
+        self.span = s.span;
+        self.tick()?;
+        match &s.kind {
+            StmtKind::Empty => Ok(()),
+            StmtKind::Block(b) => self.block(b),
+            StmtKind::Expr(e) => self.expr(e).map(|_| ()),
+            StmtKind::If(i) => {
+                let mut els = self.a.create_label();
+                let mut done = self.a.create_label();
+                self.long(&i.cond)?;
+                asm!(self, self.a.test(rax, rax))?;
+                asm!(self, self.a.jz(els))?;
+                self.stmt(&i.then)?;
+                asm!(self, self.a.jmp(done))?;
+                self.place(&mut els)?;
+                if let Some(e) = &i.els {
+                    self.stmt(e)?;
+                }
+                self.place(&mut done)
+            }
+            StmtKind::While(w) => {
+                let mut top = self.a.create_label();
+                let mut out = self.a.create_label();
+                self.place(&mut top)?;
+                self.span = s.span;
+                self.long(&w.0)?;
+                asm!(self, self.a.test(rax, rax))?;
+                asm!(self, self.a.jz(out))?;
+                self.tick()?;
+                self.loops.push((top, out));
+                self.stmt(&w.1)?;
+                self.loops.pop();
+                asm!(self, self.a.jmp(top))?;
+                self.place(&mut out)
+            }
+            StmtKind::For(f) => {
+                let mut top = self.a.create_label();
+                let mut step = self.a.create_label();
+                let mut out = self.a.create_label();
+                if let Some(e) = &f.init {
+                    self.expr(e)?;
+                }
+                self.place(&mut top)?;
+                if let Some(c) = &f.cond {
+                    self.long(c)?;
+                    asm!(self, self.a.test(rax, rax))?;
+                    asm!(self, self.a.jz(out))?;
+                }
+                self.span = s.span;
+                self.tick()?;
+                self.loops.push((step, out));
+                self.stmt(&f.body)?;
+                self.loops.pop();
+                self.place(&mut step)?;
+                if let Some(e) = &f.step {
+                    self.expr(e)?;
+                }
+                asm!(self, self.a.jmp(top))?;
+                self.place(&mut out)
+            }
+            StmtKind::Next => asm!(self, self.a.jmp(self.end)),
+            StmtKind::Break | StmtKind::Continue => {
+                let Some((cont, brk)) = self.loops.last().copied() else {
+                    return Err(self.no("break or continue outside a loop"));
+                };
+                let to = if matches!(s.kind, StmtKind::Break) { brk } else { cont };
+                asm!(self, self.a.jmp(to))
+            }
+            StmtKind::Foreach(_) => Err(self.no("foreach in a kernel probe")),
+            StmtKind::Return(_) => Err(self.no("return in a kernel probe")),
+            StmtKind::Delete(_) => Err(self.no("delete in a kernel probe")),
+            StmtKind::Try(_) => Err(self.no("try/catch in a kernel probe")),
+        }
+    }
+
+    /// Sets a label on a no-op (two labels may not share an instruction).
+    fn place(&mut self, l: &mut CodeLabel) -> R<()> {
+        let r = (|| {
+            self.a.set_label(l)?;
+            self.a.nop()
+        })();
+        asm!(self, r)
+    }
+
+    fn long(&mut self, e: &Expr) -> R<()> {
+        match self.expr(e)? {
+            K::Long => Ok(()),
+            K::Str => Err(self.no("a string where a number is needed")),
+        }
+    }
+
+    fn push(&mut self, k: K) -> R<()> {
+        let r = (|| {
+            if k == K::Str {
+                self.a.push(rdx)?;
+            }
+            self.a.push(rax)
+        })();
+        asm!(self, r)
+    }
+
+    fn string_const(&mut self, s: &str) -> R<K> {
+        let raw = self.interner.encode(s);
+        let lo = u64::from_le_bytes(raw[..8].try_into().unwrap_or_default());
+        let hi = u64::from_le_bytes(raw[8..].try_into().unwrap_or_default());
+        asm!(self, self.a.mov(rax, lo))?;
+        asm!(self, self.a.mov(rdx, hi))?;
+        Ok(K::Str)
+    }
+
+    fn global(&self, name: &str) -> Option<&GlobalSlot> {
+        self.env.layout.globals.get(name)
+    }
+
+    fn expr(&mut self, e: &Expr) -> R<K> {
+        let saved = self.span;
+        self.span = e.span;
+        let k = self.expr_inner(e)?;
+        self.span = saved;
+        Ok(k)
+    }
+
+    fn expr_inner(&mut self, e: &Expr) -> R<K> {
+        match &e.kind {
+            ExprKind::Num(n) => {
+                asm!(self, self.a.mov(rax, *n))?;
+                Ok(K::Long)
+            }
+            ExprKind::Str(s) => self.string_const(s),
+            ExprKind::Var(name) => self.load_var(name),
+            ExprKind::Target(t) => self.target(t),
+            ExprKind::Index(ix) => {
+                let slot = self.array(&ix.array.name)?;
+                let k = value_k(&slot.value).ok_or_else(|| self.no("an aggregate used as a value"))?;
+                self.lookup(&ix.array.name, &ix.keys, false)?;
+                let r = (|| {
+                    let mut absent = self.a.create_label();
+                    let mut done = self.a.create_label();
+                    self.a.test(rax, rax)?;
+                    self.a.jz(absent)?;
+                    if k == K::Str {
+                        self.a.mov(rdx, qword_ptr(rax + 8))?;
+                    }
+                    self.a.mov(rax, qword_ptr(rax))?;
+                    self.a.jmp(done)?;
+                    self.a.set_label(&mut absent)?;
+                    self.a.xor(eax, eax)?;
+                    self.a.xor(edx, edx)?;
+                    self.a.set_label(&mut done)?;
+                    self.a.nop()
+                })();
+                asm!(self, r)?;
+                Ok(k)
+            }
+            ExprKind::Unary(op, x) => {
+                self.long(x)?;
+                let r = match op {
+                    UnOp::Neg => self.a.neg(rax),
+                    UnOp::Plus => Ok(()),
+                    UnOp::BitNot => self.a.not(rax),
+                    UnOp::Not => (|| {
+                        self.a.test(rax, rax)?;
+                        self.a.sete(al)?;
+                        self.a.movzx(eax, al)
+                    })(),
+                };
+                asm!(self, r)?;
+                Ok(K::Long)
+            }
+            ExprKind::Binary(op, b) => self.binary(*op, &b.0, &b.1),
+            ExprKind::Ternary(t) => {
+                let mut els = self.a.create_label();
+                let mut done = self.a.create_label();
+                self.long(&t.0)?;
+                asm!(self, self.a.test(rax, rax))?;
+                asm!(self, self.a.jz(els))?;
+                let ka = self.expr(&t.1)?;
+                asm!(self, self.a.jmp(done))?;
+                self.place(&mut els)?;
+                let kb = self.expr(&t.2)?;
+                self.place(&mut done)?;
+                if ka != kb {
+                    return Err(self.no("a ternary whose branches differ in type"));
+                }
+                Ok(ka)
+            }
+            ExprKind::Assign(op, b) => self.assign(*op, &b.0, &b.1),
+            ExprKind::IncDec(i) => self.inc_dec(i),
+            ExprKind::Aggregate(b) => self.aggregate(&b.0, &b.1),
+            ExprKind::Stat(..) | ExprKind::Hist(..) => {
+                Err(self.no("reading an aggregate (@count, @hist_log, ...) in a kernel probe"))
+            }
+            ExprKind::Call(c) => self.call(c),
+            ExprKind::In(i) => {
+                self.array(&i.array.name)?;
+                self.lookup(&i.array.name, &i.keys, false)?;
+                let r = (|| {
+                    self.a.test(rax, rax)?;
+                    self.a.setne(al)?;
+                    self.a.movzx(eax, al)
+                })();
+                asm!(self, r)?;
+                Ok(K::Long)
+            }
+        }
+    }
+
+    fn array(&self, name: &str) -> R<GlobalSlot> {
+        match self.global(name) {
+            Some(slot) if slot.table.is_some() => Ok(slot.clone()),
+            _ => Err(self.no(format!("{name}, which is not a compiled array"))),
+        }
+    }
+
+    fn load_var(&mut self, name: &str) -> R<K> {
+        if self.env.prog.globals.contains_key(name) {
+            let slot = self
+                .global(name)
+                .cloned()
+                .ok_or_else(|| self.no(format!("the global {name}")))?;
+            if slot.table.is_some() {
+                return Err(self.no(format!("the array {name} used as a value")));
+            }
+            let addr = self.env.data + slot.offset;
+            return match slot.value {
+                ValueKind::Long => {
+                    asm!(self, self.a.add_instruction(
+                        Instruction::with2(Code::Mov_r64_rm64, Register::RAX, rip(addr))
+                            .map_err(|e| self.no(e.to_string()))?,
+                    ))?;
+                    Ok(K::Long)
+                }
+                ValueKind::Str => {
+                    self.lea(Register::RCX, addr)?;
+                    asm!(self, self.a.mov(rdx, qword_ptr(rcx + 8)))?;
+                    asm!(self, self.a.mov(rax, qword_ptr(rcx)))?;
+                    Ok(K::Str)
+                }
+                ValueKind::Stats(_) => Err(self.no(format!("the aggregate {name} used as a value"))),
+            };
+        }
+        let (off, k) = *self
+            .locals
+            .get(name)
+            .ok_or_else(|| self.no(format!("the variable {name}")))?;
+        if k == K::Str {
+            asm!(self, self.a.mov(rdx, qword_ptr(rbp - off + 8)))?;
+        }
+        asm!(self, self.a.mov(rax, qword_ptr(rbp - off)))?;
+        Ok(k)
+    }
+
+    fn lea(&mut self, reg: Register, addr: u64) -> R<()> {
+        let i = Instruction::with2(Code::Lea_r64_m, reg, rip(addr)).map_err(|e| self.no(e.to_string()))?;
+        asm!(self, self.a.add_instruction(i))
+    }
+
+    fn target(&mut self, t: &TargetVar) -> R<K> {
+        if !t.members.is_empty() {
+            return Err(self.no(format!("the member access {}->{}", t.name, t.members.join("->"))));
+        }
+        let reg = if t.name == "$return" {
+            if !self.point.is_return {
+                return Err(self.no("$return outside a return probe"));
+            }
+            Register::RAX
+        } else {
+            if self.point.is_return {
+                return Err(self.no(format!("{} in a return probe (the entry's arguments are not kept)", t.name)));
+            }
+            let name = t.name.trim_start_matches('$');
+            let i = self
+                .point
+                .params
+                .iter()
+                .position(|p| p == name)
+                .ok_or_else(|| self.no(format!("the target variable {}", t.name)))?;
+            *ARGS
+                .get(i)
+                .ok_or_else(|| self.no(format!("{}, passed on the stack", t.name)))?
+        };
+        let off = saved_offset(reg);
+        asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
+        Ok(K::Long)
+    }
+
+    fn binary(&mut self, op: BinOp, x: &Expr, y: &Expr) -> R<K> {
+        if matches!(op, BinOp::And | BinOp::Or) {
+            let mut short = self.a.create_label();
+            let mut done = self.a.create_label();
+            self.long(x)?;
+            asm!(self, self.a.test(rax, rax))?;
+            if op == BinOp::And {
+                asm!(self, self.a.jz(short))?;
+            } else {
+                asm!(self, self.a.jnz(short))?;
+            }
+            self.long(y)?;
+            let r = (|| {
+                self.a.test(rax, rax)?;
+                self.a.setne(al)?;
+                self.a.movzx(eax, al)?;
+                self.a.jmp(done)?;
+                self.a.set_label(&mut short)?;
+                self.a.mov(eax, u32::from(op == BinOp::Or))?;
+                self.a.set_label(&mut done)?;
+                self.a.nop()
+            })();
+            asm!(self, r)?;
+            return Ok(K::Long);
+        }
+        if op == BinOp::Concat {
+            return Err(self.no("string concatenation in a kernel probe"));
+        }
+        let kx = self.expr(x)?;
+        self.push(kx)?;
+        let ky = self.expr(y)?;
+        if kx != ky {
+            return Err(self.no("a comparison of a string with a number"));
+        }
+        if kx == K::Str {
+            if !matches!(op, BinOp::Eq | BinOp::Ne) {
+                return Err(self.no("ordering strings in a kernel probe"));
+            }
+            let r = (|| {
+                self.a.mov(r8, rax)?;
+                self.a.mov(r9, rdx)?;
+                self.a.pop(rax)?;
+                self.a.pop(rdx)?;
+                self.a.xor(rax, r8)?;
+                self.a.xor(rdx, r9)?;
+                self.a.or(rax, rdx)?;
+                if op == BinOp::Eq {
+                    self.a.sete(al)?;
+                } else {
+                    self.a.setne(al)?;
+                }
+                self.a.movzx(eax, al)
+            })();
+            asm!(self, r)?;
+            return Ok(K::Long);
+        }
+        asm!(self, self.a.mov(rcx, rax))?;
+        asm!(self, self.a.pop(rax))?;
+        self.apply(op)?;
+        Ok(K::Long)
+    }
+
+    /// rax = rax OP rcx (longs).
+    fn apply(&mut self, op: BinOp) -> R<()> {
+        let err_div = self.err_div;
+        let r = (|| {
+            match op {
+                BinOp::Add => self.a.add(rax, rcx)?,
+                BinOp::Sub => self.a.sub(rax, rcx)?,
+                BinOp::Mul => self.a.imul_2(rax, rcx)?,
+                BinOp::Div | BinOp::Mod => {
+                    let mut normal = self.a.create_label();
+                    let mut done = self.a.create_label();
+                    self.a.test(rcx, rcx)?;
+                    self.a.jz(err_div)?;
+                    self.a.cmp(rcx, -1)?;
+                    self.a.jne(normal)?;
+                    if op == BinOp::Div {
+                        self.a.neg(rax)?;
+                    } else {
+                        self.a.xor(eax, eax)?;
+                    }
+                    self.a.jmp(done)?;
+                    self.a.set_label(&mut normal)?;
+                    self.a.cqo()?;
+                    self.a.idiv(rcx)?;
+                    if op == BinOp::Mod {
+                        self.a.mov(rax, rdx)?;
+                    }
+                    self.a.set_label(&mut done)?;
+                    self.a.nop()?;
+                }
+                BinOp::Shl => self.a.shl(rax, cl)?,
+                BinOp::Shr => self.a.sar(rax, cl)?,
+                BinOp::BitAnd => self.a.and(rax, rcx)?,
+                BinOp::BitOr => self.a.or(rax, rcx)?,
+                BinOp::BitXor => self.a.xor(rax, rcx)?,
+                BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge => {
+                    self.a.cmp(rax, rcx)?;
+                    match op {
+                        BinOp::Eq => self.a.sete(al)?,
+                        BinOp::Ne => self.a.setne(al)?,
+                        BinOp::Lt => self.a.setl(al)?,
+                        BinOp::Le => self.a.setle(al)?,
+                        BinOp::Gt => self.a.setg(al)?,
+                        _ => self.a.setge(al)?,
+                    }
+                    self.a.movzx(eax, al)?;
+                }
+                BinOp::And | BinOp::Or | BinOp::Concat => {}
+            }
+            Ok(())
+        })();
+        asm!(self, r)
+    }
+
+    /// Leaves in rax the address of the array element (`insert`: created when absent; 0 when
+    /// the table is full) or 0 when absent.
+    fn lookup(&mut self, name: &str, keys: &[Expr], insert: bool) -> R<()> {
+        let slot = self.array(name)?;
+        let want = slot.table.map_or(0, |t| t.0);
+        if keys.len() != want {
+            return Err(self.no(format!("{name} indexed with {} keys, not {want}", keys.len())));
+        }
+        if self.depth >= MAX_KEY_DEPTH {
+            return Err(self.no(format!("array lookups nested more than {MAX_KEY_DEPTH} deep")));
+        }
+        let buf = self.key_buffer(self.depth);
+        self.depth += 1;
+        for (i, key) in keys.iter().enumerate() {
+            let k = self.expr(key)?;
+            let is_str = slot.key_is_str.get(i).copied().unwrap_or(false);
+            if is_str != (k == K::Str) {
+                self.depth -= 1;
+                return Err(self.no(format!("a key of {name} of the wrong type")));
+            }
+            let at = buf + 16 * i as i32;
+            asm!(self, self.a.mov(qword_ptr(rbp + at), rax))?;
+            if k == K::Str {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), rdx))?;
+            } else {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), 0))?;
+            }
+        }
+        self.depth -= 1;
+        let helper = *self
+            .env
+            .helpers
+            .get(&(name.to_owned(), insert))
+            .ok_or_else(|| self.no(format!("no table helper for {name}")))?;
+        asm!(self, self.a.lea(rsi, qword_ptr(rbp + buf)))?;
+        asm!(self, self.a.call(helper))
+    }
+
+    /// rax = address of a global scalar or an array element (created), or 0 (full table).
+    fn place_of(&mut self, target: &Expr) -> R<(ValueKind, bool)> {
+        match &target.kind {
+            ExprKind::Var(name) if self.env.prog.globals.contains_key(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .ok_or_else(|| self.no(format!("the global {name}")))?;
+                if slot.table.is_some() {
+                    return Err(self.no(format!("the array {name} used as a scalar")));
+                }
+                self.lea(Register::RAX, self.env.data + slot.offset)?;
+                Ok((slot.value, false))
+            }
+            ExprKind::Index(ix) => {
+                let slot = self.array(&ix.array.name)?;
+                self.lookup(&ix.array.name, &ix.keys, true)?;
+                Ok((slot.value, true))
+            }
+            _ => Err(self.no("assigning to this")),
+        }
+    }
+
+    fn assign(&mut self, op: Option<BinOp>, target: &Expr, value: &Expr) -> R<K> {
+        if let ExprKind::Var(name) = &target.kind {
+            if !self.env.prog.globals.contains_key(name) {
+                let (off, k) = *self
+                    .locals
+                    .get(name)
+                    .ok_or_else(|| self.no(format!("the variable {name}")))?;
+                match op {
+                    None => {
+                        let kv = self.expr(value)?;
+                        if kv != k {
+                            return Err(self.no(format!("{name} assigned a value of another type")));
+                        }
+                    }
+                    Some(op) => {
+                        if k == K::Str {
+                            return Err(self.no("compound assignment to a string"));
+                        }
+                        self.long(value)?;
+                        asm!(self, self.a.mov(rcx, rax))?;
+                        asm!(self, self.a.mov(rax, qword_ptr(rbp - off)))?;
+                        self.apply(op)?;
+                    }
+                }
+                asm!(self, self.a.mov(qword_ptr(rbp - off), rax))?;
+                if k == K::Str {
+                    asm!(self, self.a.mov(qword_ptr(rbp - off + 8), rdx))?;
+                }
+                return Ok(k);
+            }
+        }
+        let kv = self.expr(value)?;
+        self.push(kv)?;
+        let (kind, _) = self.place_of(target)?;
+        let k = value_k(&kind).ok_or_else(|| self.no("assigning to an aggregate"))?;
+        if k != kv {
+            return Err(self.no("a global assigned a value of another type"));
+        }
+        if op.is_some() && k == K::Str {
+            return Err(self.no("compound assignment to a string"));
+        }
+        let r = (|| {
+            let mut full = self.a.create_label();
+            let mut done = self.a.create_label();
+            self.a.mov(rdi, rax)?;
+            self.a.pop(rax)?;
+            if k == K::Str {
+                self.a.pop(rdx)?;
+            }
+            self.a.test(rdi, rdi)?;
+            self.a.jz(full)?;
+            match op {
+                None => {
+                    self.a.mov(qword_ptr(rdi), rax)?;
+                    if k == K::Str {
+                        self.a.mov(qword_ptr(rdi + 8), rdx)?;
+                    }
+                }
+                Some(BinOp::Add) | Some(BinOp::Sub) => {
+                    if op == Some(BinOp::Sub) {
+                        self.a.neg(rax)?;
+                    }
+                    self.a.mov(rcx, rax)?;
+                    self.a.lock().xadd(qword_ptr(rdi), rax)?;
+                    self.a.add(rax, rcx)?;
+                }
+                Some(_) => {}
+            }
+            self.a.jmp(done)?;
+            self.a.set_label(&mut full)?;
+            self.a.nop()?;
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        if let Some(op) = op.filter(|o| !matches!(o, BinOp::Add | BinOp::Sub)) {
+            // Other compound operators: load, apply, store (not atomic across vCPUs).
+            let r = (|| {
+                let skip = self.a.create_label();
+                self.a.test(rdi, rdi)?;
+                self.a.jz(skip)?;
+                self.a.mov(rcx, rax)?;
+                self.a.mov(rax, qword_ptr(rdi))?;
+                self.a.push(rdi)?;
+                Ok::<CodeLabel, IcedError>(skip)
+            })();
+            let mut skip = asm!(self, r)?;
+            self.apply(op)?;
+            let r = (|| {
+                self.a.pop(rdi)?;
+                self.a.mov(qword_ptr(rdi), rax)?;
+                self.a.set_label(&mut skip)?;
+                self.a.nop()
+            })();
+            asm!(self, r)?;
+        }
+        Ok(k)
+    }
+
+    fn inc_dec(&mut self, i: &IncDec) -> R<K> {
+        let delta: i32 = if i.increment { 1 } else { -1 };
+        if let ExprKind::Var(name) = &i.target.kind {
+            if !self.env.prog.globals.contains_key(name) {
+                let (off, k) = *self
+                    .locals
+                    .get(name)
+                    .ok_or_else(|| self.no(format!("the variable {name}")))?;
+                if k == K::Str {
+                    return Err(self.no("++ on a string"));
+                }
+                let r = (|| {
+                    self.a.mov(rax, qword_ptr(rbp - off))?;
+                    self.a.lea(rcx, qword_ptr(rax + delta))?;
+                    self.a.mov(qword_ptr(rbp - off), rcx)?;
+                    if i.prefix {
+                        self.a.mov(rax, rcx)?;
+                    }
+                    Ok(())
+                })();
+                asm!(self, r)?;
+                return Ok(K::Long);
+            }
+        }
+        let (kind, _) = self.place_of(&i.target)?;
+        if kind != ValueKind::Long {
+            return Err(self.no("++ on something that is not a number"));
+        }
+        let r = (|| {
+            let mut done = self.a.create_label();
+            self.a.test(rax, rax)?;
+            self.a.jz(done)?;
+            self.a.mov(rcx, rax)?;
+            self.a.mov(rax, i64::from(delta))?;
+            self.a.lock().xadd(qword_ptr(rcx), rax)?;
+            if i.prefix {
+                self.a.add(rax, delta)?;
+            }
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+
+    fn aggregate(&mut self, target: &Expr, value: &Expr) -> R<K> {
+        self.long(value)?;
+        asm!(self, self.a.push(rax))?;
+        let (kind, _) = self.place_of(target)?;
+        let ValueKind::Stats(layout) = kind else {
+            return Err(self.no("<<< into something that is not an aggregate"));
+        };
+        let r = (|| {
+            let mut skip = self.a.create_label();
+            let mut min_loop = self.a.create_label();
+            let mut min_done = self.a.create_label();
+            let mut max_loop = self.a.create_label();
+            let mut max_done = self.a.create_label();
+            self.a.mov(rdi, rax)?;
+            self.a.pop(rsi)?;
+            self.a.test(rdi, rdi)?;
+            self.a.jz(skip)?;
+            self.a.lock().inc(qword_ptr(rdi))?;
+            self.a.lock().add(qword_ptr(rdi + 8), rsi)?;
+            // min and max: compare-and-swap, a bounded number of tries.
+            self.a.mov(r8d, 64)?;
+            self.a.set_label(&mut min_loop)?;
+            self.a.mov(rax, qword_ptr(rdi + 16))?;
+            self.a.cmp(rsi, rax)?;
+            self.a.jge(min_done)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi + 16), rsi)?;
+            self.a.je(min_done)?;
+            self.a.dec(r8d)?;
+            self.a.jnz(min_loop)?;
+            self.a.set_label(&mut min_done)?;
+            self.a.mov(r8d, 64)?;
+            self.a.set_label(&mut max_loop)?;
+            self.a.mov(rax, qword_ptr(rdi + 24))?;
+            self.a.cmp(rsi, rax)?;
+            self.a.jle(max_done)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi + 24), rsi)?;
+            self.a.je(max_done)?;
+            self.a.dec(r8d)?;
+            self.a.jnz(max_loop)?;
+            self.a.set_label(&mut max_done)?;
+            self.a.nop()?;
+            if layout.log {
+                // bucket = 64 for 0, 64 + bits(v) for v > 0, 64 - bits(|v|) for v < 0
+                let mut nz = self.a.create_label();
+                let mut neg = self.a.create_label();
+                let mut have = self.a.create_label();
+                let mut capped = self.a.create_label();
+                self.a.mov(ecx, 64)?;
+                self.a.test(rsi, rsi)?;
+                self.a.jnz(nz)?;
+                self.a.jmp(have)?;
+                self.a.set_label(&mut nz)?;
+                self.a.mov(rax, rsi)?;
+                self.a.neg(rax)?;
+                self.a.cmovl(rax, rsi)?; // |v| (i64::MIN stays itself: 64 bits)
+                self.a.bsr(rcx, rax)?;
+                self.a.inc(ecx)?;
+                self.a.test(rsi, rsi)?;
+                self.a.js(neg)?;
+                self.a.add(ecx, 64)?;
+                self.a.cmp(ecx, 127)?;
+                self.a.jbe(capped)?;
+                self.a.mov(ecx, 127)?;
+                self.a.set_label(&mut capped)?;
+                self.a.jmp(have)?;
+                self.a.set_label(&mut neg)?;
+                self.a.mov(eax, 64)?;
+                self.a.sub(eax, ecx)?;
+                self.a.mov(ecx, eax)?;
+                self.a.set_label(&mut have)?;
+                self.a.lock().inc(qword_ptr(rdi + rcx * 8 + layout.log_offset() as i32))?;
+            }
+            if let Some((start, _, interval, n)) = layout.linear {
+                let mut under = self.a.create_label();
+                let mut have = self.a.create_label();
+                let mut capped = self.a.create_label();
+                self.a.mov(rax, rsi)?;
+                self.a.mov(rcx, start)?;
+                self.a.cmp(rax, rcx)?;
+                self.a.jl(under)?;
+                self.a.sub(rax, rcx)?;
+                self.a.xor(edx, edx)?;
+                self.a.mov(rcx, interval)?;
+                self.a.div(rcx)?;
+                self.a.inc(rax)?;
+                self.a.cmp(rax, (n - 1) as i32)?;
+                self.a.jbe(capped)?;
+                self.a.mov(eax, (n - 1) as u32)?;
+                self.a.set_label(&mut capped)?;
+                self.a.jmp(have)?;
+                self.a.set_label(&mut under)?;
+                self.a.xor(eax, eax)?;
+                self.a.set_label(&mut have)?;
+                self.a.lock().inc(qword_ptr(rdi + rax * 8 + layout.linear_offset() as i32))?;
+            }
+            self.a.set_label(&mut skip)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+
+    fn task_field(&mut self, off: Option<u64>, what: &str) -> R<()> {
+        let off = off.ok_or_else(|| self.no(format!("{what} (BTF lacks the task_struct member)")))?;
+        asm!(self, self.a.movsxd(rax, dword_ptr(r13 + off as i32)))
+    }
+
+    fn call(&mut self, c: &Call) -> R<K> {
+        let name = c.name.name.as_str();
+        let task = self.env.facts.task;
+        match name {
+            "pid" => {
+                self.task_field(task.tgid, "pid()")?;
+                Ok(K::Long)
+            }
+            "tid" => {
+                self.task_field(Some(task.pid), "tid()")?;
+                Ok(K::Long)
+            }
+            "ppid" => {
+                let parent = task.real_parent.ok_or_else(|| self.no("ppid() (no real_parent offset)"))?;
+                let tgid = task.tgid.ok_or_else(|| self.no("ppid() (no tgid offset)"))?;
+                asm!(self, self.a.mov(rax, qword_ptr(r13 + parent as i32)))?;
+                asm!(self, self.a.movsxd(rax, dword_ptr(rax + tgid as i32)))?;
+                Ok(K::Long)
+            }
+            "uid" => {
+                let cred = task.cred.ok_or_else(|| self.no("uid() (no cred offset)"))?;
+                let uid = task.cred_uid.ok_or_else(|| self.no("uid() (no cred.uid offset)"))?;
+                asm!(self, self.a.mov(rax, qword_ptr(r13 + cred as i32)))?;
+                asm!(self, self.a.mov(eax, dword_ptr(rax + uid as i32)))?;
+                Ok(K::Long)
+            }
+            "cpu" => {
+                let mut i = Instruction::with2(
+                    Code::Mov_r32_rm32,
+                    Register::EAX,
+                    MemoryOperand::with_base_displ(Register::None, self.env.facts.cpu_number as i64),
+                )
+                .map_err(|e| self.no(e.to_string()))?;
+                i.set_segment_prefix(Register::GS);
+                i.set_memory_displ_size(4);
+                asm!(self, self.a.add_instruction(i))?;
+                Ok(K::Long)
+            }
+            "execname" => {
+                let comm = task.comm as i32;
+                asm!(self, self.a.mov(rax, qword_ptr(r13 + comm)))?;
+                asm!(self, self.a.mov(rdx, qword_ptr(r13 + comm + 8)))?;
+                Ok(K::Str)
+            }
+            "probefunc" | "ppfunc" => {
+                let f = self.point.function.clone();
+                self.string_const(&f)
+            }
+            "pp" => {
+                let p = self.point.name.clone();
+                self.string_const(&p)
+            }
+            "gettimeofday_ns" | "gettimeofday_us" | "gettimeofday_ms" | "gettimeofday_s" => {
+                let f = self
+                    .env
+                    .facts
+                    .realtime_ns
+                    .ok_or_else(|| self.no(format!("{name}() (the kernel has no ktime_get_real_fast_ns)")))?;
+                asm!(self, self.a.call(f))?;
+                let div: u64 = match name {
+                    "gettimeofday_us" => 1_000,
+                    "gettimeofday_ms" => 1_000_000,
+                    "gettimeofday_s" => 1_000_000_000,
+                    _ => 1,
+                };
+                if div > 1 {
+                    asm!(self, self.a.xor(edx, edx))?;
+                    asm!(self, self.a.mov(rcx, div))?;
+                    asm!(self, self.a.div(rcx))?;
+                }
+                Ok(K::Long)
+            }
+            "exit" => {
+                let addr = self.env.data + field::EXIT;
+                let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)
+                    .map_err(|e| self.no(e.to_string()))?;
+                asm!(self, self.a.add_instruction(i))?;
+                Ok(K::Long)
+            }
+            other => Err(self.no(format!("the function {other}() in a kernel probe"))),
+        }
+    }
+}
+
+fn value_k(v: &ValueKind) -> Option<K> {
+    match v {
+        ValueKind::Long => Some(K::Long),
+        ValueKind::Str => Some(K::Str),
+        ValueKind::Stats(_) => None,
+    }
+}
+
+/// Whether `slot` is an array in the program's shape (used by the table helpers).
+pub fn is_array(prog: &Program, name: &str) -> bool {
+    prog.globals.get(name).is_some_and(|g| g.shape == Shape::Array)
+}

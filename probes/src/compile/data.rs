@@ -1,0 +1,675 @@
+//! The compiled script's data in the patch heap, and the host's view of it.
+//!
+//! ```text
+//! +0    header (64 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
+//!       errors, MAXACTION errors, dropped updates (every table's sum)
+//! +64   globals, each 64-byte aligned, in declaration order:
+//!       long scalar     8 bytes
+//!       string scalar   16 bytes (see below)
+//!       stats scalar    count, sum, min, max, then the log2 and linear buckets (8 bytes each)
+//!       array           64-byte table header (dropped updates at +0), then `capacity`
+//!                       entries: state (0 free, 1 being written, 2 ready), the keys (16
+//!                       bytes each), the value (as a scalar of its type)
+//! ```
+//!
+//! Strings are 16 bytes: up to 15 bytes of text inline, NUL-padded (what `task_struct.comm`
+//! holds, so `execname()` is two loads), or, for longer text the host knows (function names,
+//! probe points, long literals), byte 0 = 1 and an id into the host's [`Interner`] at +8.
+//! Equal strings have equal encodings, so the guest compares and hashes keys as bytes.
+//!
+//! Tables are open-addressed with linear probing over at most [`MAX_PROBES`] slots. A guest
+//! claims a free slot with `lock cmpxchg` (state 0 → 1), writes the key and the initial value,
+//! then publishes it (state 2; x86 stores are not reordered with older stores). A reader that
+//! meets a slot being written spins a bounded number of times, then drops its update (and
+//! counts it): a writer interrupted on its own CPU by the same probe can never deadlock it.
+//! Values are updated with `lock` instructions, so concurrent vCPUs give exact results.
+
+use indexmap::IndexMap;
+
+use crate::lang::ast::{HistKind, Literal};
+use crate::lang::check::{Program, Shape, Ty};
+use crate::lang::eval::Store;
+use crate::lang::value::{linear_buckets, Stats, Value, LOG_BUCKETS};
+use crate::lang::Limits;
+
+use super::Unsupported;
+
+/// "EXOTAPC1": the signature at the start of a compiled script's data.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"EXOTAPC1");
+/// Bytes of the header.
+pub const HEADER: u64 = 64;
+/// Header fields (byte offsets).
+pub mod field {
+    /// Set to 1 by `exit()`.
+    pub const EXIT: u64 = 8;
+    /// Probe errors of any kind.
+    pub const ERRORS: u64 = 16;
+    /// Divisions (or remainders) by zero.
+    pub const DIV_ZERO: u64 = 24;
+    /// Hits that ran past MAXACTION statements.
+    pub const MAXACTION: u64 = 32;
+    /// Updates dropped because a table was full or a slot stayed busy.
+    pub const DROPPED: u64 = 40;
+}
+/// Most keys of one array.
+pub const MAX_KEYS: usize = 5;
+/// Bytes per key.
+pub const KEY: u64 = 16;
+/// Most slots one lookup probes.
+pub const MAX_PROBES: u32 = 64;
+/// Table header bytes.
+pub const TABLE_HEADER: u64 = 64;
+/// Bytes of a statistics value before its buckets.
+pub const STATS_FIXED: u64 = 32;
+/// The largest data area the compiler lays out (the patch heap has 64 MiB in all).
+pub const MAX_DATA: u64 = 48 << 20;
+
+/// What a value is stored as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueKind {
+    /// 8 bytes.
+    Long,
+    /// 16 bytes.
+    Str,
+    /// Statistics.
+    Stats(StatsLayout),
+}
+
+/// The buckets of a statistics value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatsLayout {
+    /// `@hist_log` buckets ([`LOG_BUCKETS`] of them).
+    pub log: bool,
+    /// `@hist_linear(start, stop, interval)` with its bucket count.
+    pub linear: Option<(i64, i64, i64, usize)>,
+}
+
+impl StatsLayout {
+    /// Byte offset of the first log bucket.
+    pub fn log_offset(&self) -> u64 {
+        STATS_FIXED
+    }
+
+    /// Byte offset of the first linear bucket.
+    pub fn linear_offset(&self) -> u64 {
+        STATS_FIXED + if self.log { LOG_BUCKETS as u64 * 8 } else { 0 }
+    }
+}
+
+impl ValueKind {
+    /// Bytes it takes.
+    pub fn size(&self) -> u64 {
+        match self {
+            ValueKind::Long => 8,
+            ValueKind::Str => 16,
+            ValueKind::Stats(s) => s.linear_offset() + s.linear.map_or(0, |l| l.3 as u64 * 8),
+        }
+    }
+}
+
+/// Where a global lives and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalSlot {
+    /// Byte offset from the data's start.
+    pub offset: u64,
+    /// What each value is.
+    pub value: ValueKind,
+    /// For arrays: the number of keys and the table's capacity (a power of two).
+    pub table: Option<(usize, u32)>,
+    /// For arrays: which keys are strings.
+    pub key_is_str: Vec<bool>,
+}
+
+impl GlobalSlot {
+    /// Bytes of one table entry (state, keys, value, 8-byte aligned).
+    pub fn entry_size(&self) -> u64 {
+        let keys = self.table.map_or(0, |t| t.0 as u64);
+        (8 + keys * KEY + self.value.size()).div_ceil(8) * 8
+    }
+
+    /// Bytes in all.
+    pub fn size(&self) -> u64 {
+        match self.table {
+            Some((_, cap)) => TABLE_HEADER + u64::from(cap) * self.entry_size(),
+            None => self.value.size(),
+        }
+    }
+
+    /// Byte offset of an entry's value from the entry.
+    pub fn value_offset(&self) -> u64 {
+        8 + self.table.map_or(0, |t| t.0 as u64) * KEY
+    }
+}
+
+/// Strings longer than 15 bytes, by id (the guest stores only the id).
+#[derive(Debug, Clone, Default)]
+pub struct Interner {
+    strings: Vec<String>,
+    ids: std::collections::HashMap<String, u64>,
+}
+
+impl Interner {
+    /// The 16-byte encoding of `s` (interning it when it is long).
+    pub fn encode(&mut self, s: &str) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        let bytes = s.as_bytes();
+        if bytes.len() < 16 && !bytes.contains(&0) && bytes.first() != Some(&1) {
+            out[..bytes.len()].copy_from_slice(bytes);
+            return out;
+        }
+        let next = self.strings.len() as u64;
+        let id = *self.ids.entry(s.to_owned()).or_insert(next);
+        if id == next {
+            self.strings.push(s.to_owned());
+        }
+        out[0] = 1;
+        out[8..].copy_from_slice(&id.to_le_bytes());
+        out
+    }
+
+    /// The text of an encoded string (an unknown id reads as `<string N>`).
+    pub fn decode(&self, raw: &[u8]) -> String {
+        if raw.first() == Some(&1) && raw.len() >= 16 {
+            let id = u64::from_le_bytes(raw[8..16].try_into().unwrap_or_default());
+            return usize::try_from(id)
+                .ok()
+                .and_then(|i| self.strings.get(i))
+                .cloned()
+                .unwrap_or_else(|| format!("<string {id}>"));
+        }
+        let text = raw.split(|b| *b == 0).next().unwrap_or_default();
+        String::from_utf8_lossy(&text[..text.len().min(15)]).into_owned()
+    }
+}
+
+/// The hash of a key (its 16-byte parts as little-endian words), as the guest computes it.
+pub fn hash_key(words: &[u64]) -> u64 {
+    let mut h = 0u64;
+    for w in words {
+        h = (h ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    h ^ (h >> 29)
+}
+
+/// The header as the host reads it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Header {
+    /// The magic matched.
+    pub valid: bool,
+    /// `exit()` was called.
+    pub exit: bool,
+    /// Probe errors.
+    pub errors: u64,
+    /// Of which divisions by zero.
+    pub div_zero: u64,
+    /// Of which MAXACTION.
+    pub max_action: u64,
+    /// Dropped updates.
+    pub dropped: u64,
+}
+
+fn word(bytes: &[u8], at: u64) -> u64 {
+    usize::try_from(at)
+        .ok()
+        .and_then(|at| bytes.get(at..at.checked_add(8)?))
+        .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+}
+
+impl Header {
+    /// Decodes the header's bytes (short input reads as zeros).
+    pub fn decode(bytes: &[u8]) -> Self {
+        Header {
+            valid: word(bytes, 0) == MAGIC,
+            exit: word(bytes, field::EXIT) != 0,
+            errors: word(bytes, field::ERRORS),
+            div_zero: word(bytes, field::DIV_ZERO),
+            max_action: word(bytes, field::MAXACTION),
+            dropped: word(bytes, field::DROPPED),
+        }
+    }
+}
+
+/// Where every global lives.
+#[derive(Debug, Clone, Default)]
+pub struct DataLayout {
+    /// Globals by name.
+    pub globals: IndexMap<String, GlobalSlot>,
+    /// Bytes in all.
+    pub size: u64,
+}
+
+fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
+    let g = &prog.globals[name];
+    Ok(match g.value {
+        Ty::Long => ValueKind::Long,
+        Ty::Str => ValueKind::Str,
+        Ty::Stats => ValueKind::Stats(StatsLayout {
+            log: g.hist.log,
+            linear: match g.hist.linear {
+                Some(HistKind::Linear {
+                    start,
+                    stop,
+                    interval,
+                }) => {
+                    let n = linear_buckets(start, stop, interval)
+                        .ok_or_else(|| format!("the @hist_linear of {name} has bad bounds"))?;
+                    Some((start, stop, interval, n))
+                }
+                _ => None,
+            },
+        }),
+        Ty::Unknown | Ty::Void => return Err(format!("the global {name}, whose type is unknown")),
+    })
+}
+
+impl DataLayout {
+    /// Lays out every global of `prog`; tables get room for twice MAXMAPENTRIES (or the
+    /// declared size), rounded up to a power of two.
+    ///
+    /// # Errors
+    /// The globals that cannot be laid out (unknown types, too many keys, too large).
+    pub fn new(prog: &Program, limits: &Limits) -> Result<Self, Vec<Unsupported>> {
+        let mut out = DataLayout {
+            globals: IndexMap::new(),
+            size: HEADER,
+        };
+        let mut refused = Vec::new();
+        for (name, g) in &prog.globals {
+            let refuse = |construct: String| Unsupported {
+                probe: None,
+                span: g.span,
+                construct,
+            };
+            let value = match value_kind(prog, name) {
+                Ok(v) => v,
+                Err(e) => {
+                    refused.push(refuse(e));
+                    continue;
+                }
+            };
+            let table = match g.shape {
+                Shape::Array => {
+                    if g.keys.len() > MAX_KEYS || g.keys.is_empty() {
+                        refused.push(refuse(format!(
+                            "the array {name} with {} keys (compiled arrays take 1 to {MAX_KEYS})",
+                            g.keys.len()
+                        )));
+                        continue;
+                    }
+                    if g.keys.iter().any(|k| !matches!(k, Ty::Long | Ty::Str)) {
+                        refused.push(refuse(format!("the array {name}, whose key types are unknown")));
+                        continue;
+                    }
+                    let want = g.max_entries.unwrap_or(limits.max_map_entries).max(1);
+                    let cap = u32::try_from(want.saturating_mul(2).next_power_of_two())
+                        .unwrap_or(u32::MAX)
+                        .max(16);
+                    Some((g.keys.len(), cap))
+                }
+                _ => None,
+            };
+            let slot = GlobalSlot {
+                offset: out.size,
+                value,
+                table,
+                key_is_str: g.keys.iter().map(|k| *k == Ty::Str).collect(),
+            };
+            out.size = (out.size + slot.size()).div_ceil(64) * 64;
+            if out.size > MAX_DATA {
+                refused.push(refuse(format!(
+                    "the global {name}: the script's data would pass {} MiB",
+                    MAX_DATA >> 20
+                )));
+                continue;
+            }
+            out.globals.insert(name.clone(), slot);
+        }
+        if refused.is_empty() {
+            Ok(out)
+        } else {
+            Err(refused)
+        }
+    }
+
+    /// The data's initial bytes: the header's magic, initial scalar values (`global x = 5`)
+    /// and empty statistics.
+    pub fn initial(&self, prog: &Program, interner: &mut Interner) -> Vec<u8> {
+        let mut bytes = vec![0u8; usize::try_from(self.size).unwrap_or(0)];
+        bytes[..8].copy_from_slice(&MAGIC.to_le_bytes());
+        for (name, slot) in &self.globals {
+            let init = prog.globals.get(name).and_then(|g| g.init.clone());
+            let store = match (slot.table, slot.value, init) {
+                (None, ValueKind::Long, Some(Literal::Num(n))) => Store::Scalar(Value::Long(n)),
+                (None, ValueKind::Str, Some(Literal::Str(s))) => Store::Scalar(Value::Str(s)),
+                _ => continue,
+            };
+            let _ = self.encode_into(name, &store, interner, &mut bytes);
+        }
+        bytes
+    }
+
+    /// Decodes global `name` from the data's bytes `data` into an interpreter store.
+    /// Entries still being written are left out; a hostile guest gives garbage values, never
+    /// a panic.
+    pub fn decode(&self, name: &str, data: &[u8], interner: &Interner) -> Option<Store> {
+        let slot = self.globals.get(name)?;
+        let at = slot.offset;
+        let Some((keys, cap)) = slot.table else {
+            return Some(match slot.value {
+                ValueKind::Long => Store::Scalar(Value::Long(word(data, at) as i64)),
+                ValueKind::Str => Store::Scalar(Value::Str(interner.decode(bytes_at(data, at, 16)))),
+                ValueKind::Stats(layout) => Store::Stats(decode_stats(data, at, layout)),
+            });
+        };
+        let entry = slot.entry_size();
+        let mut scalars = IndexMap::new();
+        let mut stats = IndexMap::new();
+        for i in 0..u64::from(cap) {
+            let e = at + TABLE_HEADER + i * entry;
+            if word(data, e) != 2 {
+                continue;
+            }
+            let key: Vec<Value> = (0..keys)
+                .map(|k| {
+                    let at = e + 8 + k as u64 * KEY;
+                    if slot.key_is_str.get(k).copied().unwrap_or(false) {
+                        Value::Str(interner.decode(bytes_at(data, at, 16)))
+                    } else {
+                        Value::Long(word(data, at) as i64)
+                    }
+                })
+                .collect();
+            let v = e + slot.value_offset();
+            match slot.value {
+                ValueKind::Long => {
+                    scalars.insert(key, Value::Long(word(data, v) as i64));
+                }
+                ValueKind::Str => {
+                    scalars.insert(key, Value::Str(interner.decode(bytes_at(data, v, 16))));
+                }
+                ValueKind::Stats(layout) => {
+                    stats.insert(key, decode_stats(data, v, layout));
+                }
+            }
+        }
+        Some(match slot.value {
+            ValueKind::Stats(_) => Store::StatsArray(stats),
+            _ => Store::Array(scalars),
+        })
+    }
+
+    /// Encodes `store` as global `name`'s bytes into `data` (the whole data area), as the
+    /// guest would have built it. Returns the byte range written.
+    ///
+    /// # Errors
+    /// When the store does not fit the slot (a different shape, or more entries than the
+    /// table can hold).
+    pub fn encode_into(
+        &self,
+        name: &str,
+        store: &Store,
+        interner: &mut Interner,
+        data: &mut [u8],
+    ) -> Result<std::ops::Range<usize>, String> {
+        let slot = self.globals.get(name).ok_or_else(|| format!("{name} is not compiled"))?;
+        let start = usize::try_from(slot.offset).map_err(|e| e.to_string())?;
+        let end = start + usize::try_from(slot.size()).map_err(|e| e.to_string())?;
+        let area = data.get_mut(start..end).ok_or("the data area is too small")?;
+        area.fill(0);
+        match (store, slot.table, slot.value) {
+            (Store::Scalar(v), None, kind) => put_value(area, 0, v, kind, interner),
+            (Store::Stats(s), None, ValueKind::Stats(layout)) => put_stats(area, 0, s, layout),
+            (Store::Array(map), Some((keys, cap)), kind) => {
+                for (k, v) in map {
+                    let e = place(area, slot, keys, cap, k, interner)?;
+                    put_value(area, e + slot.value_offset() as usize, v, kind, interner);
+                }
+            }
+            (Store::StatsArray(map), Some((keys, cap)), ValueKind::Stats(layout)) => {
+                for (k, s) in map {
+                    let e = place(area, slot, keys, cap, k, interner)?;
+                    put_stats(area, e + slot.value_offset() as usize, s, layout);
+                }
+            }
+            _ => return Err(format!("{name} changed shape")),
+        }
+        Ok(start..end)
+    }
+}
+
+fn bytes_at(data: &[u8], at: u64, len: usize) -> &[u8] {
+    usize::try_from(at)
+        .ok()
+        .and_then(|at| data.get(at..at.checked_add(len)?))
+        .unwrap_or_default()
+}
+
+fn decode_stats(data: &[u8], at: u64, layout: StatsLayout) -> Stats {
+    let count = word(data, at) as i64;
+    let mut s = Stats {
+        count,
+        sum: word(data, at + 8) as i64,
+        min: if count == 0 { 0 } else { word(data, at + 16) as i64 },
+        max: if count == 0 { 0 } else { word(data, at + 24) as i64 },
+        log: Vec::new(),
+        linear: None,
+    };
+    if layout.log {
+        s.log = (0..LOG_BUCKETS as u64)
+            .map(|b| word(data, at + layout.log_offset() + b * 8))
+            .collect();
+    }
+    if let Some((start, stop, interval, n)) = layout.linear {
+        let buckets = (0..n as u64)
+            .map(|b| word(data, at + layout.linear_offset() + b * 8))
+            .collect();
+        s.linear = Some((
+            HistKind::Linear {
+                start,
+                stop,
+                interval,
+            },
+            buckets,
+        ));
+    }
+    s
+}
+
+fn put(area: &mut [u8], at: usize, v: u64) {
+    if let Some(b) = area.get_mut(at..at + 8) {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn put_value(area: &mut [u8], at: usize, v: &Value, kind: ValueKind, interner: &mut Interner) {
+    match kind {
+        ValueKind::Long => put(area, at, v.as_long() as u64),
+        ValueKind::Str => {
+            if let Some(b) = area.get_mut(at..at + 16) {
+                b.copy_from_slice(&interner.encode(v.as_str()));
+            }
+        }
+        ValueKind::Stats(_) => {}
+    }
+}
+
+/// Writes a statistics value; an empty one gets the min/max sentinels the guest expects.
+fn put_stats(area: &mut [u8], at: usize, s: &Stats, layout: StatsLayout) {
+    put(area, at, s.count as u64);
+    put(area, at + 8, s.sum as u64);
+    let (min, max) = if s.count == 0 { (i64::MAX, i64::MIN) } else { (s.min, s.max) };
+    put(area, at + 16, min as u64);
+    put(area, at + 24, max as u64);
+    if layout.log {
+        for (b, n) in s.log.iter().enumerate().take(LOG_BUCKETS) {
+            put(area, at + layout.log_offset() as usize + b * 8, *n);
+        }
+    }
+    if let (Some((_, _, _, n)), Some((_, buckets))) = (layout.linear, &s.linear) {
+        for (b, c) in buckets.iter().enumerate().take(n) {
+            put(area, at + layout.linear_offset() as usize + b * 8, *c);
+        }
+    }
+}
+
+/// The key's 16-byte parts as words.
+pub fn key_words(key: &[Value], interner: &mut Interner) -> Vec<u64> {
+    let mut words = Vec::with_capacity(key.len() * 2);
+    for v in key {
+        match v {
+            Value::Long(n) => {
+                words.push(*n as u64);
+                words.push(0);
+            }
+            Value::Str(s) => {
+                let raw = interner.encode(s);
+                words.push(u64::from_le_bytes(raw[..8].try_into().unwrap_or_default()));
+                words.push(u64::from_le_bytes(raw[8..].try_into().unwrap_or_default()));
+            }
+        }
+    }
+    words
+}
+
+/// Claims the slot the guest would find for `key` in the table at the start of `area`;
+/// returns the entry's offset.
+fn place(
+    area: &mut [u8],
+    slot: &GlobalSlot,
+    keys: usize,
+    cap: u32,
+    key: &[Value],
+    interner: &mut Interner,
+) -> Result<usize, String> {
+    let words = key_words(key, interner);
+    if words.len() != keys * 2 {
+        return Err(format!("a key of {} values in an array of {keys}", key.len()));
+    }
+    let entry = slot.entry_size() as usize;
+    let mask = u64::from(cap) - 1;
+    let mut i = hash_key(&words) & mask;
+    for _ in 0..MAX_PROBES.min(cap) {
+        let e = TABLE_HEADER as usize + i as usize * entry;
+        if word(area, e as u64) == 0 {
+            put(area, e, 2);
+            for (k, w) in words.iter().enumerate() {
+                put(area, e + 8 + k * 8, *w);
+            }
+            return Ok(e);
+        }
+        i = (i + 1) & mask;
+    }
+    Err("the table has no room for the host's entries".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::driver::{compile, ScriptSource};
+
+    fn program(text: &str) -> Program {
+        let src = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        compile(&src, &Limits::default()).expect("the test script checks")
+    }
+
+    #[test]
+    fn short_strings_are_inline_and_long_ones_interned() {
+        let mut i = Interner::default();
+        let short = i.encode("bash");
+        let long = i.encode("__x64_sys_getppid");
+        assert_eq!(&short[..5], b"bash\0");
+        assert_eq!((long[0], i.decode(&long)), (1, "__x64_sys_getppid".to_string()));
+        assert_eq!(i.decode(&short), "bash");
+    }
+
+    #[test]
+    fn an_array_encoded_by_the_host_decodes_to_the_same_store() {
+        let prog = program("global a; probe begin { a[\"x\", 3] = 7; a[\"a-very-long-name\", -1] = 9 }");
+        let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
+        let mut interner = Interner::default();
+        let mut data = layout.initial(&prog, &mut interner);
+        let mut map = IndexMap::new();
+        map.insert(vec![Value::Str("x".into()), Value::Long(3)], Value::Long(7));
+        map.insert(vec![Value::Str("a-very-long-name".into()), Value::Long(-1)], Value::Long(9));
+        let store = Store::Array(map.clone());
+
+        layout.encode_into("a", &store, &mut interner, &mut data).expect("fits");
+        let back = layout.decode("a", &data, &interner).expect("decodes");
+
+        let Store::Array(got) = back else { panic!("not an array") };
+        let mut got: Vec<_> = got.into_iter().collect();
+        got.sort();
+        let mut want: Vec<_> = map.into_iter().collect();
+        want.sort();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn stats_round_trip_with_log_and_linear_buckets() {
+        let prog = program(
+            "global s; probe begin { s <<< 5; print(@hist_log(s)); print(@hist_linear(s, 0, 100, 10)) }",
+        );
+        let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
+        let mut interner = Interner::default();
+        let mut data = layout.initial(&prog, &mut interner);
+        let ValueKind::Stats(sl) = layout.globals["s"].value else { panic!("not stats") };
+        let mut s = Stats::new(prog.globals["s"].hist);
+        for v in [5, 0, -3, 1000, 42] {
+            s.add(v);
+        }
+
+        layout.encode_into("s", &Store::Stats(s.clone()), &mut interner, &mut data).expect("fits");
+        let Some(Store::Stats(back)) = layout.decode("s", &data, &interner) else { panic!("no stats") };
+
+        assert!(sl.log && sl.linear.is_some());
+        assert_eq!(back, s);
+    }
+
+    #[test]
+    fn entries_being_written_and_garbage_states_are_left_out() {
+        let prog = program("global a; probe begin { a[1] = 1 }");
+        let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
+        let slot = &layout.globals["a"];
+        let mut data = vec![0u8; layout.size as usize];
+        let e = (slot.offset + TABLE_HEADER) as usize;
+        data[e..e + 8].copy_from_slice(&1u64.to_le_bytes());
+        data[e + slot.entry_size() as usize..][..8].copy_from_slice(&77u64.to_le_bytes());
+
+        let Some(Store::Array(got)) = layout.decode("a", &data, &Interner::default()) else {
+            panic!("not an array")
+        };
+
+        assert!(got.is_empty());
+    }
+
+    #[test]
+    fn a_short_data_area_decodes_as_zeros_without_panicking() {
+        let prog = program("global a, s; probe begin { a[1] = 1; s <<< 1 }");
+        let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
+
+        let a = layout.decode("a", &[0xff; 100], &Interner::default());
+        let s = layout.decode("s", &[], &Interner::default());
+
+        assert!(matches!(a, Some(Store::Array(m)) if m.is_empty()));
+        assert!(matches!(s, Some(Store::Stats(st)) if st.count == 0));
+    }
+
+    #[test]
+    fn the_header_reads_its_fields() {
+        let mut h = vec![0u8; 64];
+        h[..8].copy_from_slice(&MAGIC.to_le_bytes());
+        h[8] = 1;
+        h[16] = 3;
+        h[24] = 2;
+
+        let got = Header::decode(&h);
+
+        assert_eq!(
+            (got.valid, got.exit, got.errors, got.div_zero, got.dropped),
+            (true, true, 3, 2, 0)
+        );
+    }
+}

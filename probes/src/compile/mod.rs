@@ -1,0 +1,197 @@
+//! Compiled probes: a checked script's kernel probe bodies turned into x86-64 code that runs
+//! inside the guest, entered from a splice, with no stop of the VM (DESIGN.md, key
+//! mechanism 8).
+//!
+//! SystemTap compiles a script into a kernel module and bpftrace into BPF; exotap compiles it
+//! into machine code that it writes into the patch heap from outside. The pieces:
+//!
+//! - [`data`]: where the script's globals live in the heap (scalars, fixed-capacity hash
+//!   tables for associative arrays, statistics with their histograms), the header the host
+//!   watches (`exit()`, probe errors, dropped updates), the 16-byte string encoding, and the
+//!   host's decoding of all of it into the interpreter's stores (and back).
+//! - [`codegen`] (private): statements and expressions of one probe body.
+//! - [`site`]: the code a splice enters: save the registers, run the bodies, restore, then
+//!   the relocated instruction; and for `.return` probes the kretprobe-style return
+//!   trampoline.
+//!
+//! What compiles: `if/else`, `while`, `for`, `next`, `break`, `continue`; longs and strings
+//! (up to 15 bytes inline, longer ones interned by the host); locals; global scalars, arrays
+//! keyed by up to [`data::MAX_KEYS`] values and statistics (`<<<` with count, sum, min, max,
+//! `@hist_log` and `@hist_linear` buckets); `++`, `--`, `=`, `+=` and friends (atomic where
+//! they touch globals); `in`; arithmetic, comparisons, logic and the ternary operator;
+//! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,
+//! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
+//! body), `exit()`; `$params` in registers at function entries and `$return` in return
+//! probes. Everything else is named by [`Unsupported`] and the script runs on the host path.
+//!
+//! Safety inside the guest: a division by zero and an exhausted per-hit statement budget
+//! (MAXACTION) end the hit and count a probe error in the header; a full table counts a
+//! dropped update; no loop in the generated code is unbounded (table probes, spin waits and
+//! script loops all carry a budget).
+
+pub mod codegen;
+pub mod data;
+pub mod site;
+
+use std::collections::HashSet;
+
+use crate::lang::ast::Span;
+use crate::lang::check::Program;
+use crate::lang::point::PointKind;
+use crate::lang::Limits;
+
+pub use data::{DataLayout, Header, Interner};
+pub use site::{entry_code, return_code, runtime, Runtime, SiteBodies};
+
+/// Offsets and addresses in the guest kernel that generated code uses.
+#[derive(Debug, Clone, Default)]
+pub struct Facts {
+    /// Per-CPU offset (gs-relative) of the current task pointer.
+    pub current_task: u64,
+    /// Per-CPU offset of `cpu_number`.
+    pub cpu_number: u64,
+    /// `task_struct` member offsets.
+    pub task: TaskFields,
+    /// Slid address of `ktime_get_real_fast_ns` (for `gettimeofday_*()`).
+    pub realtime_ns: Option<u64>,
+}
+
+/// `task_struct` (and `cred`) member offsets, from BTF.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TaskFields {
+    /// `pid` (the thread id, an i32).
+    pub pid: u64,
+    /// `tgid` (the process id, an i32).
+    pub tgid: Option<u64>,
+    /// `comm` (`char[16]`).
+    pub comm: u64,
+    /// `real_parent` (a task pointer).
+    pub real_parent: Option<u64>,
+    /// `cred` (a pointer to `struct cred`).
+    pub cred: Option<u64>,
+    /// `cred.uid` (a u32).
+    pub cred_uid: Option<u64>,
+}
+
+/// One kernel probe point a compiled body runs at.
+#[derive(Debug, Clone)]
+pub struct SitePoint {
+    /// Index of the probe in the program.
+    pub probe: usize,
+    /// The point's name, as `pp()` gives it.
+    pub name: String,
+    /// The function it is in, as `probefunc()` gives it.
+    pub function: String,
+    /// Parameter names in calling-convention order (from BTF).
+    pub params: Vec<String>,
+    /// A `.return` probe.
+    pub is_return: bool,
+}
+
+/// A construct that does not compile, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsupported {
+    /// The probe it is in (None: a global or the program as a whole).
+    pub probe: Option<usize>,
+    /// Where in the source.
+    pub span: Span,
+    /// What it is, e.g. "foreach in a kernel probe".
+    pub construct: String,
+}
+
+impl std::fmt::Display for Unsupported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.construct)
+    }
+}
+
+/// Kernel probes of `prog` (index and whether it is a return probe), and the constructs that
+/// keep the program from compiling: kernel points that are not function entries or returns.
+pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
+    let mut probes = Vec::new();
+    let mut refused = Vec::new();
+    for (i, p) in prog.probes.iter().enumerate() {
+        let mut kernel = false;
+        for (pt, kind) in &p.points {
+            match kind {
+                PointKind::KernelFunction {
+                    file: None,
+                    line: None,
+                    site,
+                    ..
+                } if *site != crate::lang::point::FunctionSite::Inline => kernel = true,
+                PointKind::Syscall { .. } => kernel = true,
+                k if k.needs_guest() => refused.push(Unsupported {
+                    probe: Some(i),
+                    span: pt.span,
+                    construct: format!("the probe point {pt} (only function entries and returns compile)"),
+                }),
+                _ => {}
+            }
+        }
+        if kernel {
+            probes.push(i);
+        }
+    }
+    (probes, refused)
+}
+
+/// Checks that every kernel probe of `prog` compiles at `points`; returns every construct
+/// that does not (empty: the whole program compiles).
+pub fn check(prog: &Program, limits: &Limits, facts: &Facts, points: &[SitePoint]) -> Vec<Unsupported> {
+    let (_, mut refused) = kernel_probes(prog);
+    let layout = match DataLayout::new(prog, limits) {
+        Ok(l) => l,
+        Err(mut e) => {
+            refused.append(&mut e);
+            return refused;
+        }
+    };
+    // Assemble at made-up addresses: only whether it compiles matters here.
+    let base = 0xffff_ffff_a000_0000;
+    let rt = match site::runtime(&layout, base, base + layout.size) {
+        Ok(rt) => rt,
+        Err(e) => {
+            refused.push(Unsupported {
+                probe: None,
+                span: Span::default(),
+                construct: format!("the table helpers ({e})"),
+            });
+            return refused;
+        }
+    };
+    let env = codegen::Env {
+        prog,
+        limits,
+        facts,
+        layout: &layout,
+        data: base,
+        helpers: &rt.helpers,
+    };
+    let mut interner = Interner::default();
+    let mut seen = HashSet::new();
+    let code = base + (8 << 20);
+    for p in points {
+        if !seen.insert((p.probe, p.is_return)) {
+            continue;
+        }
+        let (entry, ret) = if p.is_return {
+            (Vec::new(), vec![p.clone()])
+        } else {
+            (vec![p.clone()], Vec::new())
+        };
+        let bodies = SiteBodies { entry, ret };
+        let r = if p.is_return {
+            site::return_code(env, &mut interner, code, &bodies, base)
+        } else {
+            site::entry_code(env, &mut interner, code, &bodies, None)
+        };
+        if let Err(mut e) = r {
+            e.probe.get_or_insert(p.probe);
+            refused.push(e);
+        }
+    }
+    refused.sort_by_key(|u| (u.span.start, u.construct.clone()));
+    refused.dedup();
+    refused
+}

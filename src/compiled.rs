@@ -1,0 +1,588 @@
+//! Running a probe script compiled into the guest (exotap_probes::compile): kernel probe
+//! bodies run as native code entered from splices, with no stop per hit; begin, end and timer
+//! probes run on the host over the same globals.
+//!
+//! The globals a script's kernel probes update live in the patch heap. The host brings them
+//! into the interpreter before any host probe runs (one stop and one bulk read: `pmemsave`
+//! when QEMU runs on this host), and writes them back after it (a timer's `delete` empties a
+//! table), with the guest stopped in between so no update is lost. It also looks at the data's
+//! header every [`POLL_EVERY`] (one short stop): `exit()` ends the session, a probe error
+//! (division by zero, MAXACTION) stops it as the interpreter would, and dropped updates (a
+//! full table) are reported at the end. Booted guests wait at `exotap_wait detach` after
+//! their job, where the host reads the final state and removes the splices before the guest
+//! powers off.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use exotap_introspect::btf::Btf;
+use exotap_probes::compile::{
+    self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies,
+    SitePoint, TaskFields, Unsupported,
+};
+use exotap_probes::lang::check::Program;
+use exotap_probes::lang::kernel_points::KernelSymbols;
+use exotap_probes::lang::output::Output;
+use exotap_probes::lang::point::PointKind;
+use exotap_probes::lang::resolve::resolve_program;
+use exotap_probes::lang::runtime::Session;
+use exotap_probes::lang::Limits;
+use exotap_vmm::control::{Machine, StopEvent};
+use exotap_vmm::gdb::GdbMachine;
+
+use crate::attach::{self, TargetArgs};
+use crate::kernel_image::KernelImage;
+use crate::splice_live::{Action, Request, SiteCode, Splicer};
+use crate::trace::GuestScript;
+
+/// How often the host looks at the data's header (exit, errors) while the guest runs.
+pub const POLL_EVERY: Duration = Duration::from_millis(250);
+/// How long one wait for a guest event lasts.
+const WAIT: Duration = Duration::from_millis(20);
+
+/// Whether scripts run compiled into the guest.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CompileMode {
+    /// Compiled when every kernel probe compiles; else host-evaluated, saying why.
+    #[default]
+    Auto,
+    /// Compiled, or an error naming what does not compile.
+    Require,
+    /// Host-evaluated (a stop per hit): the reference the compiled path is checked against.
+    Never,
+}
+
+/// What the image says a compiled run needs: the points, the kernel facts (link-time
+/// addresses; slid at attach).
+#[derive(Debug, Clone)]
+pub struct Plan {
+    points: Vec<(u64, SitePoint)>,
+    facts: Facts,
+    realtime_link: Option<u64>,
+}
+
+/// The facts the generated code needs, from the image's symbols and BTF.
+fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
+    let member = |s: &str, m: &str| -> Option<u64> {
+        btf.struct_member(s, m).ok().and_then(|m| m.byte_offset())
+    };
+    let need = |s: &str, m: &str| -> anyhow::Result<u64> {
+        member(s, m).with_context(|| format!("BTF has no byte offset for {s}.{m}"))
+    };
+    Ok(Facts {
+        // Per-CPU symbols are offsets from the GS base: not slid.
+        current_task: image.address("current_task")?,
+        cpu_number: image.address("cpu_number")?,
+        task: TaskFields {
+            pid: need("task_struct", "pid")?,
+            tgid: member("task_struct", "tgid"),
+            comm: need("task_struct", "comm")?,
+            real_parent: member("task_struct", "real_parent"),
+            cred: member("task_struct", "cred"),
+            cred_uid: member("cred", "uid"),
+        },
+        realtime_ns: image.symbols.get("ktime_get_real_fast_ns").map(|s| s.addr),
+    })
+}
+
+/// Decides from the image alone whether every kernel probe of `prog` compiles.
+///
+/// # Errors
+/// `Ok(Err(constructs))` when some do not; `Err` when the image lacks what any compiled run
+/// needs (BTF, symbols) or a point does not resolve.
+pub fn plan(
+    image: &KernelImage,
+    prog: &Program,
+    limits: &Limits,
+) -> anyhow::Result<Result<Plan, Vec<Unsupported>>> {
+    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+    let facts = facts(image, &btf)?;
+    let resolver = KernelSymbols::new(&image.symbols, Some(&btf));
+    let resolved = resolve_program(prog, &resolver)?;
+    let mut points = Vec::new();
+    for (probe, point) in resolved {
+        let Some(link) = point.address else {
+            continue;
+        };
+        let is_return = point.name.ends_with(".return");
+        let function = image
+            .symbols
+            .lookup_addr(link)
+            .filter(|(_, off)| *off == 0)
+            .map(|(s, _)| s.name.clone());
+        let Some(function) = function else {
+            return Ok(Err(vec![Unsupported {
+                probe: Some(probe),
+                span: prog.script.probes[probe].span,
+                construct: format!("{} (not a function entry)", point.name),
+            }]));
+        };
+        let params = point
+            .variables
+            .iter()
+            .filter_map(|v| v.strip_prefix('$'))
+            .map(|v| v.split(':').next().unwrap_or(v).to_owned())
+            .collect();
+        points.push((
+            link,
+            SitePoint {
+                probe,
+                name: point.name.clone(),
+                function,
+                params,
+                is_return,
+            },
+        ));
+    }
+    let only: Vec<SitePoint> = points.iter().map(|p| p.1.clone()).collect();
+    let refused = compile::check(prog, limits, &facts, &only);
+    if !refused.is_empty() {
+        return Ok(Err(refused));
+    }
+    let realtime_link = facts.realtime_ns;
+    Ok(Ok(Plan {
+        points,
+        facts,
+        realtime_link,
+    }))
+}
+
+/// Starts `script` against `target`: compiled into the guest where it compiles (as `mode`
+/// says), else through the host-evaluated tracer (src/trace.rs), naming what did not compile.
+///
+/// # Errors
+/// As [`start`] and [`crate::trace::start`]; with [`CompileMode::Require`], a script that
+/// does not compile.
+pub fn start_script(
+    target: &TargetArgs,
+    image: &KernelImage,
+    heap: (u64, u64),
+    script: GuestScript,
+    mode: CompileMode,
+) -> anyhow::Result<JoinHandle<i32>> {
+    if mode != CompileMode::Never && script.prog.needs_guest() {
+        let why = match plan(image, &script.prog, &script.limits) {
+            Ok(Ok(plan)) => return start(target, image, heap, script, plan),
+            Ok(Err(constructs)) => describe(&constructs, &script.source.name, &script.source.text),
+            Err(e) => format!("  {e:#}"),
+        };
+        if mode == CompileMode::Require {
+            bail!("the script's kernel probes do not compile (--compile=require):\n{why}");
+        }
+        tracing::warn!(
+            "the script's kernel probes run on the host instead, one stop of the guest per hit \
+             (milliseconds each under TCG), because these do not compile:\n{why}"
+        );
+    }
+    crate::trace::start(target, image, heap, script)
+}
+
+/// One line per construct, for messages: "file:line:col: construct".
+pub fn describe(unsupported: &[Unsupported], file: &str, source: &str) -> String {
+    unsupported
+        .iter()
+        .map(|u| {
+            let (line, col) = exotap_probes::lang::diag::line_col(source, u.span.start);
+            format!("  {file}:{line}:{col}: {}", u.construct)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The compiled sites of one install, as the splice engine asks for their code.
+struct Sites<'a> {
+    env: Env<'a>,
+    interner: &'a mut Interner,
+    bodies: Vec<SiteBodies>,
+}
+
+impl SiteCode for Sites<'_> {
+    fn has_returns(&self, site: u32) -> bool {
+        self.bodies.get(site as usize).is_some_and(|b| !b.ret.is_empty())
+    }
+
+    fn entry(
+        &mut self,
+        site: u32,
+        at: u64,
+        returns: Option<(u64, u64, u64)>,
+    ) -> anyhow::Result<Vec<u8>> {
+        let bodies = self.bodies.get(site as usize).context("no such site")?;
+        compile::entry_code(self.env, self.interner, at, bodies, returns)
+            .map_err(|u| anyhow::anyhow!("{u}"))
+    }
+
+    fn trampoline(&mut self, site: u32, at: u64, table: u64) -> anyhow::Result<Vec<u8>> {
+        let bodies = self.bodies.get(site as usize).context("no such site")?;
+        compile::return_code(self.env, self.interner, at, bodies, table)
+            .map_err(|u| anyhow::anyhow!("{u}"))
+    }
+}
+
+/// The guest side of a compiled run.
+struct Guest {
+    machine: GdbMachine,
+    splicer: Splicer,
+    layout: DataLayout,
+    data: u64,
+    interner: Interner,
+}
+
+impl Guest {
+    fn read_data(&mut self) -> anyhow::Result<Vec<u8>> {
+        let len = usize::try_from(self.layout.size)?;
+        self.splicer.read_heap(&mut self.machine, self.data, len)
+    }
+
+    fn header(&mut self) -> anyhow::Result<Header> {
+        let bytes = self
+            .splicer
+            .read_heap(&mut self.machine, self.data, compile::data::HEADER as usize)?;
+        Ok(Header::decode(&bytes))
+    }
+
+    /// Brings every compiled global into the session (the guest stopped).
+    fn pull(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
+        let data = self.read_data()?;
+        for name in self.layout.globals.keys() {
+            if let Some(store) = self.layout.decode(name, &data, &self.interner) {
+                session.set_global(name, store);
+            }
+        }
+        Ok(Header::decode(&data))
+    }
+
+    /// Writes every compiled global from the session back, keeping the header (the guest
+    /// stopped, right after a pull).
+    fn push(&mut self, session: &Session<'_>, prog: &Program) -> anyhow::Result<()> {
+        let mut data = self.read_data()?;
+        let header = data[..compile::data::HEADER as usize].to_vec();
+        let mut fresh = self.layout.initial(prog, &mut self.interner);
+        fresh[..header.len()].copy_from_slice(&header);
+        for name in self.layout.globals.keys() {
+            if let Some(store) = session.global(name) {
+                if let Err(e) = self.layout.encode_into(name, store, &mut self.interner, &mut fresh) {
+                    tracing::warn!("cannot give {name} back to the compiled probes: {e}");
+                }
+            }
+        }
+        if fresh != data {
+            data = fresh;
+            self.splicer.write_heap(&mut self.machine, self.data, &data)?;
+        }
+        Ok(())
+    }
+}
+
+/// Attaches, compiles and installs the script's kernel probes, and starts the thread that
+/// runs the session. Returns once the probes are in (so a booted guest's job starts
+/// instrumented); the thread returns the script's exit code.
+///
+/// # Errors
+/// When attaching, generating or installing fails (the guest is then left as it was).
+pub fn start(
+    target: &TargetArgs,
+    image: &KernelImage,
+    heap: (u64, u64),
+    script: GuestScript,
+    plan: Plan,
+) -> anyhow::Result<JoinHandle<i32>> {
+    let mut att = attach::attach(target)?;
+    let survey = attach::survey(&mut att, image)?;
+    let slide = survey.kaslr.slide;
+    let splicer = match Splicer::new(&mut att.machine, &survey, image, heap) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = att.machine.detach();
+            return Err(e);
+        }
+    };
+    let mut facts = plan.facts.clone();
+    facts.current_task = survey.layout.current_task_offset;
+    facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
+    let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
+    let machine = att.machine;
+    let handle = std::thread::Builder::new()
+        .name("exotap-compiled".into())
+        .spawn(move || run(machine, splicer, script, plan, facts, slide, ready_tx))
+        .context("cannot start the script thread")?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok(handle),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = handle.join();
+            bail!("the script thread ended before installing its probes")
+        }
+    }
+}
+
+/// Generates the sites' code and the data, writes them and installs the splices; returns the
+/// guest side.
+fn install(
+    mut machine: GdbMachine,
+    mut splicer: Splicer,
+    prog: &Program,
+    limits: &Limits,
+    plan: &Plan,
+    facts: &Facts,
+    slide: u64,
+    session: &Session<'_>,
+) -> Result<Guest, (anyhow::Error, Option<GdbMachine>)> {
+    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner)> {
+        let layout = DataLayout::new(prog, limits)
+            .map_err(|u| anyhow::anyhow!("{}", u.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
+        let data = splicer.alloc(layout.size, 64)?;
+        // Assembled once to learn its size, then again where it goes.
+        let size = compile::runtime(&layout, data, data)?.code.len() as u64;
+        let rt_at = splicer.alloc(size.max(16), 16)?;
+        let rt: Runtime = compile::runtime(&layout, data, rt_at)?;
+        let mut interner = Interner::default();
+        let mut bytes = layout.initial(prog, &mut interner);
+        for name in layout.globals.keys() {
+            if let Some(store) = session.global(name) {
+                if let Err(e) = layout.encode_into(name, store, &mut interner, &mut bytes) {
+                    tracing::warn!("{name} starts empty in the guest: {e}");
+                }
+            }
+        }
+        splicer.write_heap(&mut machine, data, &bytes)?;
+        if !rt.code.is_empty() {
+            splicer.write_heap(&mut machine, rt_at, &rt.code)?;
+        }
+        // One site per address: its entry bodies and its return bodies.
+        let mut by_addr: BTreeMap<u64, SiteBodies> = BTreeMap::new();
+        let mut names: HashMap<u64, String> = HashMap::new();
+        for (link, p) in &plan.points {
+            let addr = link.wrapping_add(slide);
+            let site = by_addr.entry(addr).or_default();
+            names.entry(addr).or_insert_with(|| p.function.clone());
+            if p.is_return {
+                site.ret.push(p.clone());
+            } else {
+                site.entry.push(p.clone());
+            }
+        }
+        let mut requests = Vec::new();
+        let mut bodies = Vec::new();
+        for (addr, b) in by_addr {
+            requests.push(Request {
+                name: names.get(&addr).cloned().unwrap_or_default(),
+                addr,
+                action: Action::Compiled(u32::try_from(bodies.len())?),
+            });
+            bodies.push(b);
+        }
+        let env = Env {
+            prog,
+            limits,
+            facts,
+            layout: &layout,
+            data,
+            helpers: &rt.helpers,
+        };
+        let mut sites = Sites {
+            env,
+            interner: &mut interner,
+            bodies,
+        };
+        let report = splicer.install_compiled(&mut machine, &requests, &mut sites)?;
+        for r in &report.refused {
+            tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
+        }
+        if report.refused.len() == requests.len() {
+            bail!(
+                "none of the script's kernel probe points could be spliced: {}",
+                report
+                    .refused
+                    .iter()
+                    .map(|r| format!("{}: {}", r.name, r.reason))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+        }
+        tracing::info!(
+            "compiled probes in at {} sites ({} refused), {} KiB of data, planned in {:.3} s",
+            splicer.installed.len(),
+            report.refused.len(),
+            layout.size >> 10,
+            report.plan_time.as_secs_f64()
+        );
+        Ok((layout, data, interner))
+    })();
+    match r {
+        Ok((layout, data, interner)) => Ok(Guest {
+            machine,
+            splicer,
+            layout,
+            data,
+            interner,
+        }),
+        Err(e) => {
+            // Whatever went in comes out.
+            if !splicer.installed.is_empty() {
+                let _ = splicer.remove(&mut machine);
+            }
+            Err((e, Some(machine)))
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    machine: GdbMachine,
+    splicer: Splicer,
+    script: GuestScript,
+    plan: Plan,
+    facts: Facts,
+    slide: u64,
+    ready: mpsc::Sender<anyhow::Result<()>>,
+) -> i32 {
+    let GuestScript {
+        source,
+        prog,
+        limits,
+        format,
+        out,
+        stop,
+    } = script;
+    let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
+    let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
+    session.begin();
+    let mut guest = match install(machine, splicer, &prog, &limits, &plan, &facts, slide, &session) {
+        Ok(g) => g,
+        Err((e, machine)) => {
+            if let Some(m) = machine {
+                let _ = m.detach();
+            }
+            let _ = ready.send(Err(e));
+            return 1;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
+    let start = Instant::now();
+    for (i, p) in prog.probes.iter().enumerate() {
+        for (pt, kind) in &p.points {
+            if let PointKind::Timer { period_ns } = kind {
+                let period = Duration::from_nanos(*period_ns);
+                timers.push((i, pt.to_string(), period, start + period));
+            }
+        }
+    }
+    let host = exotap_probes::lang::context::CapturedContext {
+        execname: "exotap".into(),
+        ..Default::default()
+    };
+    let mut gone = false;
+    let mut header = Header::default();
+    if let Err(e) = guest.machine.resume() {
+        tracing::error!("cannot resume the guest: {e}");
+        gone = true;
+    }
+    let mut next_poll = Instant::now() + POLL_EVERY;
+    while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
+        let now = Instant::now();
+        let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
+        if !due.is_empty() || now >= next_poll {
+            let step = (|| -> anyhow::Result<bool> {
+                guest.machine.pause()?;
+                if due.is_empty() {
+                    header = guest.header()?;
+                } else {
+                    header = guest.pull(&mut session)?;
+                    for i in &due {
+                        let (probe, name, period, _) = timers[*i].clone();
+                        session.fire(probe, &name, &host);
+                        timers[*i].3 += period;
+                    }
+                    guest.push(&session, &prog)?;
+                }
+                let end = header.exit || header.errors > 0;
+                if !end {
+                    guest.machine.resume()?;
+                }
+                Ok(end)
+            })();
+            match step {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!("lost the guest: {e:#}");
+                    gone = true;
+                    break;
+                }
+            }
+            next_poll = Instant::now() + POLL_EVERY;
+        }
+        match guest.machine.wait_event(WAIT) {
+            Ok(None) => {}
+            Ok(Some(StopEvent::Exited)) => gone = true,
+            Ok(Some(_)) => {
+                // Compiled probes set no breakpoints: a stop is someone else's; go on.
+                if let Err(e) = guest.machine.resume() {
+                    tracing::error!("cannot resume the guest: {e}");
+                    gone = true;
+                }
+            }
+            Err(e) => {
+                tracing::error!("lost the guest: {:#}", anyhow::Error::from(e));
+                gone = true;
+            }
+        }
+    }
+    if gone {
+        session.error(
+            "the guest ended before exotap read its compiled probes' data: their last updates are lost",
+        );
+    } else {
+        let end = (|| -> anyhow::Result<()> {
+            if !guest.machine.is_paused() {
+                guest.machine.pause()?;
+            }
+            header = guest.pull(&mut session)?;
+            let removed = guest.splicer.remove(&mut guest.machine)?;
+            if !removed.differing.is_empty() {
+                tracing::warn!("{} text pages differ after removal", removed.differing.len());
+            }
+            if removed.timing_misses > 0 {
+                session.error(&format!(
+                    "{} calls were not followed to their return: the table of calls in flight was full",
+                    removed.timing_misses
+                ));
+            }
+            Ok(())
+        })();
+        if let Err(e) = end {
+            tracing::error!("removing the compiled probes failed: {e:#}");
+        }
+        if let Err(e) = guest.machine.detach() {
+            tracing::warn!("detaching failed: {e}");
+        }
+    }
+    if header.div_zero > 0 {
+        session.error(&format!(
+            "division by 0 in a compiled probe ({} times)",
+            header.div_zero
+        ));
+    }
+    if header.max_action > 0 {
+        session.error(&format!(
+            "MAXACTION exceeded in a compiled probe ({} times)",
+            header.max_action
+        ));
+    }
+    if header.dropped > 0 {
+        session.error(&format!(
+            "{} array updates dropped: a table was full (raise MAXMAPENTRIES) or a slot stayed busy",
+            header.dropped
+        ));
+    }
+    session.finish()
+}
