@@ -117,6 +117,15 @@ pub struct BootArgs {
     /// one compiles, else on the host with a stop per hit, saying why).
     #[arg(long, value_enum, default_value_t = crate::compiled::CompileMode::Auto)]
     pub compile: crate::compiled::CompileMode,
+    /// With --script: the job itself calls `exotap_wait attach` (where exotap attaches and
+    /// installs the probes) and `exotap_wait detach` (where it reads them and removes them),
+    /// so it can prepare the guest first (e.g. arm the guest's own kprobes).
+    #[arg(long, requires = "script")]
+    pub attach_in_job: bool,
+    /// With --script and compiled probes: print the guest's own kprobe hits between install
+    /// and removal, per function, as HOST-RESULT kprobe.FUNCTION=N on stderr.
+    #[arg(long)]
+    pub compare_kprobes: bool,
     /// Output format of the script.
     #[arg(long, value_enum, default_value_t = crate::script::OutputFormat::Text)]
     pub format: crate::script::OutputFormat,
@@ -276,6 +285,7 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<trace::GuestScript>> {
         },
         out,
         stop,
+        compare_kprobes: args.compare_kprobes,
     }))
 }
 
@@ -403,6 +413,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     if args.gdb || script.is_some() {
         config.gdbstub = Some(format!("unix:{},server=on,wait=off", gdb_socket.display()));
         config.attach_point = true;
+        config.attach_in_job = args.attach_in_job;
     }
     config.append = args
         .append

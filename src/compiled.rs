@@ -36,7 +36,7 @@ use exotap_vmm::gdb::GdbMachine;
 
 use crate::attach::{self, TargetArgs};
 use crate::kernel_image::KernelImage;
-use crate::splice_live::{Action, Request, SiteCode, Splicer};
+use crate::splice_live::{Action, KprobeReader, Request, SiteCode, Splicer};
 use crate::trace::GuestScript;
 
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
@@ -304,11 +304,17 @@ pub fn start(
     let mut facts = plan.facts.clone();
     facts.current_task = survey.layout.current_task_offset;
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
+    let kprobes = if script.compare_kprobes {
+        let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+        Some(KprobeReader::new(&survey, image, &btf)?)
+    } else {
+        None
+    };
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
     let machine = att.machine;
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())
-        .spawn(move || run(machine, splicer, script, plan, facts, slide, ready_tx))
+        .spawn(move || run(machine, splicer, script, plan, facts, slide, kprobes, ready_tx))
         .context("cannot start the script thread")?;
     match ready_rx.recv() {
         Ok(Ok(())) => Ok(handle),
@@ -442,6 +448,7 @@ fn run(
     plan: Plan,
     facts: Facts,
     slide: u64,
+    kprobes: Option<KprobeReader>,
     ready: mpsc::Sender<anyhow::Result<()>>,
 ) -> i32 {
     let GuestScript {
@@ -451,6 +458,7 @@ fn run(
         format,
         out,
         stop,
+        ..
     } = script;
     let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
@@ -465,6 +473,8 @@ fn run(
             return 1;
         }
     };
+    // The guest's own kprobe counters, read at the same stops as the install and the removal.
+    let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.machine));
     let _ = ready.send(Ok(()));
     let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
     let start = Instant::now();
@@ -547,6 +557,19 @@ fn run(
                 guest.machine.pause()?;
             }
             header = guest.pull(&mut session)?;
+            if let (Some(reader), Some(before)) = (&kprobes, &kprobes_before) {
+                match (before, reader.read(&mut guest.machine)) {
+                    (Ok(before), Ok(after)) => {
+                        for (name, (hits, missed)) in after {
+                            let (h0, m0) = before.get(&name).copied().unwrap_or_default();
+                            let n = (hits + missed).saturating_sub(h0 + m0);
+                            eprintln!("HOST-RESULT kprobe.{name}={n}");
+                        }
+                    }
+                    (Err(e), _) => tracing::warn!("cannot read the guest's kprobes: {e:#}"),
+                    (_, Err(e)) => tracing::warn!("cannot read the guest's kprobes: {e:#}"),
+                }
+            }
             let removed = guest.splicer.remove(&mut guest.machine)?;
             if !removed.differing.is_empty() {
                 tracing::warn!("{} text pages differ after removal", removed.differing.len());

@@ -120,6 +120,10 @@ pub struct ScriptOptions {
     /// GPA:SIZE (the guest booted with memmap=SIZE$GPA; `exotap boot` hides 0x3c000000:64M).
     #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
     pub heap: String,
+    /// With --target and compiled probes: print the guest's own kprobe hits between install
+    /// and removal, per function, as HOST-RESULT kprobe.FUNCTION=N on stderr.
+    #[arg(long)]
+    pub compare_kprobes: bool,
     /// With --target: whether the script's kernel probes run compiled inside the guest
     /// (auto: when every one compiles, else on the host with a stop per hit, saying why).
     #[arg(long, value_enum, default_value_t = crate::compiled::CompileMode::Auto)]
@@ -195,6 +199,7 @@ fn run_attached(
         format,
         out,
         stop,
+        compare_kprobes: args.compare_kprobes,
     };
     let tracer = crate::compiled::start_script(&target, &image, heap, script, args.compile)?;
     tracer

@@ -1693,62 +1693,102 @@ pub fn guest_kprobe_hits(
     image: &KernelImage,
     btf: &Btf,
 ) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
-    let off = |s: &str, m: &str| -> anyhow::Result<u64> {
-        btf.struct_member(s, m)
-            .ok()
-            .and_then(|l| l.byte_offset())
-            .with_context(|| format!("BTF has no {s}.{m}"))
-    };
-    let devent = off("trace_kprobe", "devent")?;
-    let list_in_devent = off("dyn_event", "list")?;
-    let ops_in_devent = off("dyn_event", "ops")?;
-    let nhit = off("trace_kprobe", "nhit")?;
-    let symbol = off("trace_kprobe", "symbol")?;
-    let nmissed = off("trace_kprobe", "rp.kp.nmissed")?;
-    let head = image
-        .address("dyn_event_list")?
-        .wrapping_add(survey.kaslr.slide);
-    let kprobe_ops = image
-        .symbols
-        .get("trace_kprobe_ops")
-        .map(|s| s.addr.wrapping_add(survey.kaslr.slide));
-    let cpus = survey.layout.per_cpu_offsets.clone();
-    let mut mem = BackendMemory(&mut *machine);
-    let mut space = survey.space(&mut mem);
-    let u64_at = |space: &mut exotap_introspect::paging::AddressSpace<'_, _>, a: u64| {
-        let mut b = [0u8; 8];
-        space.read(a, &mut b).map(|()| u64::from_le_bytes(b))
-    };
-    let mut out = BTreeMap::new();
-    let mut node = u64_at(&mut space, head)?;
-    let mut steps = 0;
-    while node != head {
-        steps += 1;
-        if steps > 100_000 {
-            bail!("dyn_event_list does not close");
-        }
-        let ev = node - list_in_devent;
-        let tk = ev - devent;
-        let ops = u64_at(&mut space, ev + ops_in_devent)?;
-        if kprobe_ops.is_none_or(|k| k == ops) {
-            let name_ptr = u64_at(&mut space, tk + symbol)?;
-            let mut name = [0u8; 128];
-            space.read(name_ptr, &mut name)?;
-            let name =
-                String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
-            let per_cpu = u64_at(&mut space, tk + nhit)?;
-            let mut hits = 0u64;
-            for base in &cpus {
-                hits += u64_at(&mut space, per_cpu.wrapping_add(*base))?;
-            }
-            let missed = u64_at(&mut space, tk + nmissed)?;
-            let e = out.entry(name).or_insert((0, 0));
-            e.0 += hits;
-            e.1 += missed;
-        }
-        node = u64_at(&mut space, node)?;
+    KprobeReader::new(survey, image, btf)?.read(machine)
+}
+
+/// Reads the guest's kprobe hit counters: what [`guest_kprobe_hits`] needs, found once.
+#[derive(Debug, Clone)]
+pub struct KprobeReader {
+    survey: Survey,
+    head: u64,
+    kprobe_ops: Option<u64>,
+    devent: u64,
+    list_in_devent: u64,
+    ops_in_devent: u64,
+    nhit: u64,
+    symbol: u64,
+    nmissed: u64,
+}
+
+impl KprobeReader {
+    /// Finds the kernel's kprobe event list and the offsets to read it.
+    ///
+    /// # Errors
+    /// When BTF or the symbols lack what is needed.
+    pub fn new(survey: &Survey, image: &KernelImage, btf: &Btf) -> anyhow::Result<Self> {
+        let off = |s: &str, m: &str| -> anyhow::Result<u64> {
+            btf.struct_member(s, m)
+                .ok()
+                .and_then(|l| l.byte_offset())
+                .with_context(|| format!("BTF has no {s}.{m}"))
+        };
+        Ok(Self {
+            survey: survey.clone(),
+            devent: off("trace_kprobe", "devent")?,
+            list_in_devent: off("dyn_event", "list")?,
+            ops_in_devent: off("dyn_event", "ops")?,
+            nhit: off("trace_kprobe", "nhit")?,
+            symbol: off("trace_kprobe", "symbol")?,
+            nmissed: off("trace_kprobe", "rp.kp.nmissed")?,
+            head: image
+                .address("dyn_event_list")?
+                .wrapping_add(survey.kaslr.slide),
+            kprobe_ops: image
+                .symbols
+                .get("trace_kprobe_ops")
+                .map(|s| s.addr.wrapping_add(survey.kaslr.slide)),
+        })
     }
-    Ok(out)
+
+    /// Hits and misses per kprobe'd function (the guest stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or the list does not close.
+    pub fn read(&self, machine: &mut GdbMachine) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+        let survey = &self.survey;
+        let (head, kprobe_ops) = (self.head, self.kprobe_ops);
+        let (devent, list_in_devent, ops_in_devent) =
+            (self.devent, self.list_in_devent, self.ops_in_devent);
+        let (nhit, symbol, nmissed) = (self.nhit, self.symbol, self.nmissed);
+        let cpus = survey.layout.per_cpu_offsets.clone();
+        let mut mem = BackendMemory(&mut *machine);
+        let mut space = survey.space(&mut mem);
+        let u64_at = |space: &mut exotap_introspect::paging::AddressSpace<'_, _>, a: u64| {
+            let mut b = [0u8; 8];
+            space.read(a, &mut b).map(|()| u64::from_le_bytes(b))
+        };
+        let mut out = BTreeMap::new();
+        let mut node = u64_at(&mut space, head)?;
+        let mut steps = 0;
+        while node != head {
+            steps += 1;
+            if steps > 100_000 {
+                bail!("dyn_event_list does not close");
+            }
+            let ev = node - list_in_devent;
+            let tk = ev - devent;
+            let ops = u64_at(&mut space, ev + ops_in_devent)?;
+            if kprobe_ops.is_none_or(|k| k == ops) {
+                let name_ptr = u64_at(&mut space, tk + symbol)?;
+                let mut name = [0u8; 128];
+                space.read(name_ptr, &mut name)?;
+                let name =
+                    String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+                let per_cpu = u64_at(&mut space, tk + nhit)?;
+                let mut hits = 0u64;
+                for base in &cpus {
+                    hits += u64_at(&mut space, per_cpu.wrapping_add(*base))?;
+                }
+                let missed = u64_at(&mut space, tk + nmissed)?;
+                let e = out.entry(name).or_insert((0, 0));
+                e.0 += hits;
+                e.1 += missed;
+            }
+            node = u64_at(&mut space, node)?;
+        }
+        Ok(out)
+    }
+
 }
 
 /// The addresses of the guest's ftrace records (what `available_filter_functions` lists),

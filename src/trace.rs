@@ -84,6 +84,9 @@ pub struct GuestScript {
     pub out: Box<dyn Write + Send>,
     /// Set by Ctrl-C: end probes run, then exotap detaches and the guest runs on.
     pub stop: Arc<AtomicBool>,
+    /// Read the guest's own kprobe hit counters at install and at removal, and print the
+    /// difference per function as `HOST-RESULT kprobe.FUNCTION=N` (compiled runs only).
+    pub compare_kprobes: bool,
 }
 
 /// One probe of a site: its index in the program and how the point is named.
@@ -598,6 +601,7 @@ impl Tracer {
             format,
             out,
             stop,
+            ..
         } = script;
         let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
         let mut session = Session::new(&prog, limits, output, &source.name, &source.text);

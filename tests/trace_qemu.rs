@@ -1,5 +1,6 @@
 //! End-to-end: a probe script runs against the live Debian guest (`exotap boot --script`),
-//! with host-evaluated breakpoint probes. Oracles: the workload's own call counts, and a kprobe
+//! with host-evaluated breakpoint probes (`--compile never`: this path is the oracle the
+//! compiled one is checked against in tests/compiled_qemu.rs). Oracles: the workload's own call counts, and a kprobe
 //! the guest arms on the same function through its own kprobe_events (which also turns the
 //! entry nop5 into an ftrace call under the breakpoint, so the out-of-line copy must follow).
 
@@ -46,7 +47,7 @@ fn script_counts_match_the_workload_and_the_guests_own_kprobe() {
     "#;
 
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "400", "--script-text", script, "--job"])
+        .args(["boot", "--timeout", "400", "--compile", "never", "--script-text", script, "--job"])
         .arg(&job_file)
         .arg("--console")
         .arg(&console));
@@ -95,6 +96,8 @@ fn return_probes_see_the_value_the_workload_got_and_every_call_returns() {
         "boot",
         "--timeout",
         "400",
+        "--compile",
+        "never",
         "--script-text",
         script,
         "--run",
@@ -163,7 +166,7 @@ fn detaching_mid_call_gives_the_swapped_return_address_back() {
     "#;
 
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "400", "--script-text", script, "--run"])
+        .args(["boot", "--timeout", "400", "--compile", "never", "--script-text", script, "--run"])
         .arg("sleep 8; exotap_result slept yes")
         .arg("--console")
         .arg(&console));
@@ -209,7 +212,7 @@ fn run_with_target_traces_a_guest_someone_else_booted() {
     );
 
     let (code, out, err) = run(exotap()
-        .args(["run", "--target"])
+        .args(["run", "--compile", "never", "--target"])
         .arg(format!("unix:{}", socket.display()))
         .args([
             "-e",

@@ -571,6 +571,8 @@ fn trap_probe_costs_against_the_guests_own_kprobe() {
             "boot",
             "--timeout",
             "900",
+            "--compile",
+            "never",
             "--script-text",
             &script,
             "--job",

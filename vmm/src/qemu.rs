@@ -176,6 +176,9 @@ pub struct QemuConfig {
     pub hold: Vec<String>,
     /// Make the guest wait at phase `attach` after `EXOTAP-READY` (`exotap.attach=1`).
     pub attach_point: bool,
+    /// With `attach_point`: the job itself waits at `attach` and `detach` (`exotap.attach=job`:
+    /// the init does not), so it can prepare the guest before the host attaches.
+    pub attach_in_job: bool,
     /// Keep KASLR on (`nokaslr` otherwise).
     pub kaslr: bool,
     /// Extra kernel parameters.
@@ -205,6 +208,7 @@ impl QemuConfig {
             patch_heap: PatchHeapRange::place(memory_mib << 20, 64 << 20)?,
             hold: Vec::new(),
             attach_point: false,
+            attach_in_job: false,
             kaslr: true,
             append: Vec::new(),
             gdbstub: None,
@@ -223,7 +227,9 @@ impl QemuConfig {
         if !self.kaslr {
             params.push("nokaslr".into());
         }
-        if self.attach_point {
+        if self.attach_point && self.attach_in_job {
+            params.push("exotap.attach=job".into());
+        } else if self.attach_point {
             params.push("exotap.attach=1".into());
         }
         if !self.hold.is_empty() {

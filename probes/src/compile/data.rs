@@ -7,9 +7,10 @@
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
 //!       stats scalar    count, sum, min, max, then the log2 and linear buckets (8 bytes each)
-//!       array           64-byte table header (dropped updates at +0), then `capacity`
-//!                       entries: state (0 free, 1 being written, 2 ready), the keys (16
-//!                       bytes each), the value (as a scalar of its type)
+//!       array           64-byte table header (dropped updates at +0, the next insertion
+//!                       number at +8), then `capacity` entries: state (0 free, 1 being
+//!                       written, 2 ready), insertion number, the keys (16 bytes each), the
+//!                       value (as a scalar of its type)
 //! ```
 //!
 //! Strings are 16 bytes: up to 15 bytes of text inline, NUL-padded (what `task_struct.comm`
@@ -23,6 +24,8 @@
 //! meets a slot being written spins a bounded number of times, then drops its update (and
 //! counts it): a writer interrupted on its own CPU by the same probe can never deadlock it.
 //! Values are updated with `lock` instructions, so concurrent vCPUs give exact results.
+//! The insertion number gives the host the order the interpreter keeps (`foreach` without a
+//! sort walks an array in insertion order).
 
 use indexmap::IndexMap;
 
@@ -59,6 +62,10 @@ pub const KEY: u64 = 16;
 pub const MAX_PROBES: u32 = 64;
 /// Table header bytes.
 pub const TABLE_HEADER: u64 = 64;
+/// Offset of the insertion counter in a table's header.
+pub const TABLE_SEQUENCE: u64 = 8;
+/// Offset of the keys in a table entry (after its state and insertion number).
+pub const ENTRY_KEYS: u64 = 16;
 /// Bytes of a statistics value before its buckets.
 pub const STATS_FIXED: u64 = 32;
 /// The largest data area the compiler lays out (the patch heap has 64 MiB in all).
@@ -121,10 +128,10 @@ pub struct GlobalSlot {
 }
 
 impl GlobalSlot {
-    /// Bytes of one table entry (state, keys, value, 8-byte aligned).
+    /// Bytes of one table entry (state, insertion number, keys, value, 8-byte aligned).
     pub fn entry_size(&self) -> u64 {
         let keys = self.table.map_or(0, |t| t.0 as u64);
-        (8 + keys * KEY + self.value.size()).div_ceil(8) * 8
+        (ENTRY_KEYS + keys * KEY + self.value.size()).div_ceil(8) * 8
     }
 
     /// Bytes in all.
@@ -137,7 +144,7 @@ impl GlobalSlot {
 
     /// Byte offset of an entry's value from the entry.
     pub fn value_offset(&self) -> u64 {
-        8 + self.table.map_or(0, |t| t.0 as u64) * KEY
+        ENTRY_KEYS + self.table.map_or(0, |t| t.0 as u64) * KEY
     }
 }
 
@@ -364,14 +371,16 @@ impl DataLayout {
         let entry = slot.entry_size();
         let mut scalars = IndexMap::new();
         let mut stats = IndexMap::new();
-        for i in 0..u64::from(cap) {
-            let e = at + TABLE_HEADER + i * entry;
-            if word(data, e) != 2 {
-                continue;
-            }
+        let mut ready: Vec<(u64, u64)> = (0..u64::from(cap))
+            .map(|i| at + TABLE_HEADER + i * entry)
+            .filter(|e| word(data, *e) == 2)
+            .map(|e| (word(data, e + 8), e))
+            .collect();
+        ready.sort_unstable();
+        for (_, e) in ready {
             let key: Vec<Value> = (0..keys)
                 .map(|k| {
-                    let at = e + 8 + k as u64 * KEY;
+                    let at = e + ENTRY_KEYS + k as u64 * KEY;
                     if slot.key_is_str.get(k).copied().unwrap_or(false) {
                         Value::Str(interner.decode(bytes_at(data, at, 16)))
                     } else {
@@ -548,12 +557,15 @@ fn place(
     let entry = slot.entry_size() as usize;
     let mask = u64::from(cap) - 1;
     let mut i = hash_key(&words) & mask;
+    let seq = word(area, TABLE_SEQUENCE);
     for _ in 0..MAX_PROBES.min(cap) {
         let e = TABLE_HEADER as usize + i as usize * entry;
         if word(area, e as u64) == 0 {
             put(area, e, 2);
+            put(area, e + 8, seq);
+            put(area, TABLE_SEQUENCE as usize, seq + 1);
             for (k, w) in words.iter().enumerate() {
-                put(area, e + 8 + k * 8, *w);
+                put(area, e + ENTRY_KEYS as usize + k * 8, *w);
             }
             return Ok(e);
         }
@@ -586,7 +598,7 @@ mod tests {
     }
 
     #[test]
-    fn an_array_encoded_by_the_host_decodes_to_the_same_store() {
+    fn an_array_encoded_by_the_host_decodes_to_the_same_store_in_insertion_order() {
         let prog = program("global a; probe begin { a[\"x\", 3] = 7; a[\"a-very-long-name\", -1] = 9 }");
         let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
         let mut interner = Interner::default();
@@ -600,11 +612,9 @@ mod tests {
         let back = layout.decode("a", &data, &interner).expect("decodes");
 
         let Store::Array(got) = back else { panic!("not an array") };
-        let mut got: Vec<_> = got.into_iter().collect();
-        got.sort();
-        let mut want: Vec<_> = map.into_iter().collect();
-        want.sort();
-        assert_eq!(got, want);
+        let got: Vec<_> = got.into_iter().collect();
+        let want: Vec<_> = map.into_iter().collect();
+        assert_eq!(got, want, "same entries, in insertion order");
     }
 
     #[test]

@@ -15,7 +15,10 @@ use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
 use super::codegen::{emit_body, Env, SAVED, SAVED_BYTES};
-use super::data::{field, DataLayout, Interner, ValueKind, KEY, MAX_PROBES, TABLE_HEADER};
+use super::data::{
+    field, DataLayout, Interner, ValueKind, ENTRY_KEYS, KEY, MAX_PROBES, TABLE_HEADER,
+    TABLE_SEQUENCE,
+};
 use super::{SitePoint, Unsupported};
 
 /// Slots of the table of calls in flight (a power of two).
@@ -118,7 +121,7 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             a.jne(not_ready)?;
             for j in 0..words {
                 a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
-                a.cmp(r9, qword_ptr(rdx + 8 + 8 * j as i32))?;
+                a.cmp(r9, qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32))?;
                 a.jne(next)?;
             }
             a.lea(rax, qword_ptr(rdx + vo))?;
@@ -135,8 +138,13 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                 a.jne(probe)?; // another writer took it: look again
                 for j in 0..words {
                     a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
-                    a.mov(qword_ptr(rdx + 8 + 8 * j as i32), r9)?;
+                    a.mov(qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32), r9)?;
                 }
+                // The insertion number (the order `foreach` walks an array in).
+                lea(&mut a, Register::R9, table + TABLE_SEQUENCE)?;
+                a.mov(ecx, 1)?;
+                a.lock().xadd(qword_ptr(r9), rcx)?;
+                a.mov(qword_ptr(rdx + 8), rcx)?;
                 if let ValueKind::Stats(_) = slot.value {
                     a.mov(r9, i64::MAX)?;
                     a.mov(qword_ptr(rdx + vo + 16), r9)?;

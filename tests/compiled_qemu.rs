@@ -1,0 +1,315 @@
+//! End-to-end: probe scripts compiled into the live Debian guest (`exotap boot --script`,
+//! exotap_probes::compile). Oracles: the guest's own kprobes read at the same stops as the
+//! install and the removal, the workload's own call counts, and the host-evaluated path
+//! (`--compile never`), which must print the same bytes on the same deterministic workload.
+
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{exotap, have_qemu, host_result, result, run};
+
+/// Boots the guest with `script` and `mode`, running `command`; returns (code, stdout,
+/// stderr, console).
+fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "400", "--compile", mode, "--script-text", script])
+        .args(["--run", command, "--console"])
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    (code, out, err, transcript)
+}
+
+fn assert_no_oops(console: &str) {
+    for bad in ["Oops", "BUG:", "WARNING:", "general protection", "Call Trace"] {
+        assert!(!console.contains(bad), "{bad} in the console:\n{console}");
+    }
+}
+
+/// The script's own output: stdout without the guest's `EXOTAP-` lines that `boot` adds.
+fn script_output(out: &str) -> String {
+    out.lines()
+        .filter(|l| !l.starts_with("EXOTAP-"))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+#[test]
+fn compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops() {
+    if !have_qemu("compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    // The guest arms a kprobe on every traceable syscall wrapper before exotap attaches (its
+    // ftrace must find the nop5 it expects), and disarms them after exotap removed its
+    // splices.
+    let job = "T=/sys/kernel/tracing\n\
+               i=0\n\
+               for f in $(grep '^__x64_sys_' $T/available_filter_functions | cut -d' ' -f1); do\n\
+                 echo \"p:exotap/k$i $f\" >> $T/kprobe_events 2>/dev/null && i=$((i+1))\n\
+               done\n\
+               echo 1 > $T/events/exotap/enable\n\
+               exotap_result kprobes \"$i\"\n\
+               exotap_wait attach\n\
+               syscall-loop 2000\n\
+               mixed 3\n\
+               exotap_wait detach\n\
+               echo 0 > $T/events/exotap/enable\n\
+               echo > $T/kprobe_events\n";
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let script = r#"global c; probe kernel.function("__x64_sys_*") { c[probefunc()]++ }"#;
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "500", "--compile", "require", "--script-text", script])
+        .args(["--attach-in-job", "--compare-kprobes", "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+
+    let transcript = std::fs::read_to_string(&console).unwrap();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let counts: BTreeMap<String, u64> = out
+        .lines()
+        .filter_map(|l| {
+            let (name, n) = l.strip_prefix("c[\"")?.split_once("\"]=")?;
+            Some((name.to_owned(), n.parse().ok()?))
+        })
+        .collect();
+    let mut compared = 0;
+    for (name, n) in &counts {
+        if let Some(k) = host_result(&err, &format!("kprobe.{name}")) {
+            assert_eq!(k.parse::<u64>().ok(), Some(*n), "{name}: {ctx}");
+            compared += 1;
+        }
+    }
+    // Every kprobe'd wrapper the workload called was counted, and nothing else was hit.
+    for line in err.lines().filter_map(|l| l.strip_prefix("HOST-RESULT kprobe.")) {
+        let (name, k) = line.split_once('=').unwrap();
+        if k != "0" {
+            assert!(counts.contains_key(name), "{name} hit {k} times in the guest only: {ctx}");
+        }
+    }
+    eprintln!("{compared} syscall wrappers compared with the guest's kprobes, all equal");
+    assert!(compared >= 10, "only {compared} functions compared: {ctx}");
+    // getpid has no ftrace site (no kprobe): the workload's own count is its oracle.
+    assert_eq!(
+        counts.get("__x64_sys_getpid").copied(),
+        result(&transcript, "getpid.calls").and_then(|v| v.parse().ok()),
+        "{ctx}"
+    );
+    assert_no_oops(&transcript);
+}
+
+/// Scripts whose output depends only on the workload (`syscall-loop 60`, filtered on its
+/// name): each prints the same bytes compiled and host-evaluated.
+const DIFFERENTIAL: &[&str] = &[
+    // Counters by two keys, strings, ternary, compound assignment, `in`.
+    r#"global calls, sizes, small, big, n
+       probe kernel.function("vfs_read") {
+         if (execname() != "syscall-loop") next
+         calls[execname(), probefunc()]++
+         sizes <<< $count
+         n += $count > 32 ? 2 : 1
+         if ($count < 100) small++; else big++
+       }
+       probe kernel.syscall("getppid") {
+         if (execname() == "syscall-loop") calls[execname(), "getppid"] += 1
+       }
+       probe end {
+         foreach ([e, f] in calls) printf("%s %s %d\n", e, f, calls[e, f])
+         printf("n=%d small=%d big=%d in=%d\n", n, small, big, ["syscall-loop", "vfs_read"] in calls)
+         printf("count=%d sum=%d min=%d max=%d avg=%d\n", @count(sizes), @sum(sizes), @min(sizes), @max(sizes), @avg(sizes))
+         print(@hist_log(sizes))
+       }"#,
+    // Loops, locals, division, shifts, a linear histogram, return probes with $return.
+    r#"global acc, h, rets
+       probe kernel.function("vfs_read") {
+         if (execname() != "syscall-loop") next
+         x = 0; i = 0
+         while (i < 5) { x += i * $count; i++ }
+         for (j = 0; j < 3; j++) { if (j == 1) continue; x = x ^ (j << 3) }
+         acc <<< x / 7 + x % 5 - (x >> 2)
+         h <<< $count
+       }
+       probe kernel.function("__x64_sys_getppid").return {
+         if (execname() == "syscall-loop") rets[$return > 0] <<< 1
+       }
+       probe end {
+         printf("%d %d %d %d\n", @count(acc), @sum(acc), @min(acc), @max(acc))
+         print(@hist_linear(h, 0, 128, 16))
+         foreach (k in rets) printf("positive=%d n=%d\n", k, @count(rets[k]))
+       }"#,
+    // Global strings and scalars written by kernel probes and read by end.
+    r#"global last, seen, total = 5
+       probe kernel.syscall("getpid") {
+         if (execname() == "syscall-loop") { last = execname(); seen++; total = total + 2 }
+       }
+       probe end { printf("%s %d %d\n", last, seen, total) }"#,
+];
+
+#[test]
+fn compiled_and_host_evaluated_scripts_print_the_same() {
+    if !have_qemu("compiled_and_host_evaluated_scripts_print_the_same") {
+        return;
+    }
+    for script in DIFFERENTIAL {
+        let (code_c, out_c, err_c, con_c) = boot(script, "require", "syscall-loop 60");
+        let (code_h, out_h, err_h, _) = boot(script, "never", "syscall-loop 60");
+
+        let ctx = format!(
+            "script:\n{script}\ncompiled stderr:\n{err_c}\nhost stderr:\n{err_h}"
+        );
+        assert_eq!((code_c, code_h), (0, 0), "{ctx}");
+        assert!(!script_output(&out_c).trim().is_empty(), "{ctx}");
+        assert_eq!(script_output(&out_c), script_output(&out_h), "{ctx}");
+        assert_no_oops(&con_c);
+    }
+    eprintln!("{} scripts printed the same compiled and host-evaluated", DIFFERENTIAL.len());
+}
+
+#[test]
+fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
+    if !have_qemu("compiled_probe_errors_are_counted_and_reported_and_the_guest_lives") {
+        return;
+    }
+    let cases = [
+        (
+            r#"global z; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") z = 10 / (z - z) }"#,
+            "division by 0 in a compiled probe",
+        ),
+        (
+            r#"probe kernel.syscall("getpid") { if (execname() == "syscall-loop") while (1) {} }"#,
+            "MAXACTION exceeded in a compiled probe",
+        ),
+        (
+            r#"global a[4], i; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") a[i++] = 1 }"#,
+            "array updates dropped",
+        ),
+    ];
+    for (script, message) in cases {
+        let (code, out, err, console) = boot(script, "require", "syscall-loop 50");
+
+        let ctx = format!("script:\n{script}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 1, "a probe error is a script error: {ctx}");
+        assert!(err.contains(message), "{ctx}");
+        assert!(out.contains("EXOTAP-DONE 0"), "the guest's job finished: {ctx}");
+        assert_no_oops(&console);
+    }
+}
+
+#[test]
+fn a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails() {
+    if !have_qemu("a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails") {
+        return;
+    }
+    let script = r#"global n
+        probe kernel.syscall("getppid") { if (execname() == "syscall-loop") n++; x = sprintf("%d", n) }
+        probe end { printf("n=%d\n", n) }"#;
+
+    let (code_r, _, err_r, _) = boot(script, "require", "syscall-loop 5");
+    let (code_a, out_a, err_a, _) = boot(script, "auto", "syscall-loop 5");
+
+    assert_eq!(code_r, 125, "--compile=require refuses before the job runs: {err_r}");
+    assert!(err_r.contains("the function sprintf() in a kernel probe"), "{err_r}");
+    assert_eq!(code_a, 0, "{err_a}");
+    assert!(err_a.contains("run on the host instead") && err_a.contains("sprintf()"), "{err_a}");
+    assert!(out_a.contains("n=5"), "auto ran it on the host: {out_a}");
+}
+
+/// The numbers `EXOTAP-RESULT PREFIX.pread.ns_per_call` of a transcript.
+fn pread_ns(console: &str, prefix: &str) -> f64 {
+    result(console, &format!("{prefix}.pread.ns_per_call"))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Boots one guest that runs `syscall-loop N` unprobed (`base.`), with the probes of `args`
+/// between its `attach`/`detach` (or `splice`/`unsplice`) waits (`probed.`), then with the
+/// guest's own kprobe on vfs_read (`kprobe.`); returns the console.
+fn bench_boot(args: &[&str], waits: (&str, &str), calls: u32) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let job = format!(
+        "T=/sys/kernel/tracing\n\
+         syscall-loop {calls} | sed 's/RESULT /RESULT base./'\n\
+         exotap_wait {}\n\
+         syscall-loop {calls} | sed 's/RESULT /RESULT probed./'\n\
+         exotap_wait {}\n\
+         echo 'p:exotap/vr vfs_read' >> $T/kprobe_events\n\
+         echo 1 > $T/events/exotap/enable\n\
+         syscall-loop {calls} | sed 's/RESULT /RESULT kprobe./'\n\
+         echo 0 > $T/events/exotap/enable\n\
+         echo > $T/kprobe_events\n",
+        waits.0, waits.1
+    );
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let (code, out, err) = run(exotap()
+        .args(args)
+        .arg("--job")
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    std::fs::read_to_string(&console).unwrap()
+}
+
+/// Per-hit cost of `s[execname()] <<< $count` on vfs_read: compiled, host-evaluated, the
+/// guest's own kprobe (each against the unprobed loop of the same guest) and `exotap count`.
+/// Run by hand: `cargo test --release --test compiled_qemu -- --ignored --nocapture bench`.
+#[test]
+#[ignore = "a benchmark: run by hand, numbers in the closing note"]
+fn bench_compiled_vs_host_evaluated_vs_guest_kprobe() {
+    if !have_qemu("bench_compiled_vs_host_evaluated_vs_guest_kprobe") {
+        return;
+    }
+    let script = r#"global s; probe kernel.function("vfs_read") { s[execname()] <<< $count }"#;
+    let boot = |mode: &'static str| -> Vec<&'static str> {
+        vec!["boot", "--timeout", "900", "--attach-in-job", "--compile", mode, "--script-text", script]
+    };
+    let compiled = bench_boot(&boot("require"), ("attach", "detach"), 20000);
+    let host = bench_boot(&boot("never"), ("attach", "detach"), 300);
+    let count = bench_boot(&["count", "vfs_read"], ("splice", "unsplice"), 20000);
+    let hit = |c: &str, p: &str| pread_ns(c, p) - pread_ns(c, "base");
+    let (c, h, k, v) = (
+        hit(&compiled, "probed"),
+        hit(&host, "probed"),
+        hit(&compiled, "kprobe"),
+        hit(&count, "probed"),
+    );
+    println!(
+        "vfs_read per-hit ns (pread ns/call minus the same guest's unprobed loop):\n\
+         compiled {c:.0} (base {:.0}), host-evaluated {h:.0} (base {:.0}), guest kprobe {k:.0}, \
+         count verb {v:.0} (base {:.0})\n\
+         host/compiled {:.0}x, kprobe/compiled {:.2}, compiled/count {:.2}",
+        pread_ns(&compiled, "base"),
+        pread_ns(&host, "base"),
+        pread_ns(&count, "base"),
+        h / c.max(1.0),
+        k / c.max(1.0),
+        c / v.max(1.0),
+    );
+    // Inclusive time of vfs_read measured by a compiled entry/return pair, against the
+    // workload's own timing of the pread syscall around it in the same guest.
+    let timing = r#"global t, d
+        probe kernel.function("vfs_read") { if (execname() == "syscall-loop") t[tid()] = gettimeofday_ns() }
+        probe kernel.function("vfs_read").return {
+          if (execname() == "syscall-loop" && tid() in t) d <<< gettimeofday_ns() - t[tid()]
+        }
+        probe end { printf("avg=%d count=%d\n", @avg(d), @count(d)); print(@hist_log(d)) }"#;
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "900", "--compile", "require", "--script-text", timing])
+        .args(["--run", "syscall-loop 20000", "--console"])
+        .arg(&console));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    println!("vfs_read inclusive time (compiled):\n{out}");
+}
