@@ -230,12 +230,74 @@ struct Guest {
     layout: DataLayout,
     data: u64,
     interner: Interner,
+    /// Per vCPU: output records taken so far.
+    taken: Vec<u64>,
+    /// Output records lost to ring overruns (or unreadable).
+    lost: u64,
 }
 
 impl Guest {
     fn read_data(&mut self) -> anyhow::Result<Vec<u8>> {
-        let len = usize::try_from(self.layout.size)?;
+        let len = usize::try_from(self.layout.globals_size)?;
         self.splicer.read_heap(&mut self.machine, self.data, len)
+    }
+
+    /// Takes the output records written since the last drain, in TSC order across vCPUs (the
+    /// guest stopped). A record still being written ends its vCPU's take until the next
+    /// drain; with `last` it is skipped instead.
+    fn drain(&mut self, last: bool) -> anyhow::Result<Vec<String>> {
+        use compile::data::{ring_bytes, ring_spans, RECORD, RING_HEADER, RING_SLOTS};
+        let Some((offset, cpus)) = self.layout.rings else {
+            return Ok(Vec::new());
+        };
+        self.taken.resize(cpus as usize, 0);
+        let mut records = Vec::new();
+        for cpu in 0..cpus {
+            let ring = self.data + offset + u64::from(cpu) * ring_bytes();
+            let head = self.splicer.read_heap(&mut self.machine, ring, 8)?;
+            let head = u64::from_le_bytes(head.try_into().unwrap_or_default());
+            let mut from = self.taken[cpu as usize].min(head);
+            let oldest = head.saturating_sub(RING_SLOTS);
+            if from < oldest {
+                self.lost += oldest - from;
+                from = oldest;
+            }
+            let mut consumed = 0u64;
+            'spans: for (slot, n) in ring_spans(from, head) {
+                let at = ring + RING_HEADER + slot * RECORD;
+                let bytes = self.splicer.read_heap(&mut self.machine, at, usize::try_from(n * RECORD)?)?;
+                for rec in bytes.chunks_exact(RECORD as usize) {
+                    let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+                    if tsc == 0 && !last {
+                        break 'spans;
+                    }
+                    consumed += 1;
+                    match (tsc, self.interner.render(rec)) {
+                        (0, _) => {}
+                        (_, Some(text)) => records.push((tsc, text)),
+                        (_, None) => self.lost += 1,
+                    }
+                }
+            }
+            if !last {
+                for (slot, n) in ring_spans(from, from + consumed) {
+                    let at = ring + RING_HEADER + slot * RECORD;
+                    let zeros = vec![0u8; usize::try_from(n * RECORD)?];
+                    self.splicer.write_heap(&mut self.machine, at, &zeros)?;
+                }
+            }
+            self.taken[cpu as usize] = from + consumed;
+        }
+        records.sort_by_key(|r| r.0);
+        Ok(records.into_iter().map(|r| r.1).collect())
+    }
+
+    /// Prints what the compiled probes printed since the last look.
+    fn print(&mut self, session: &mut Session<'_>, last: bool) -> anyhow::Result<()> {
+        for text in self.drain(last)? {
+            session.text(&text);
+        }
+        Ok(())
     }
 
     fn header(&mut self) -> anyhow::Result<Header> {
@@ -342,8 +404,12 @@ fn install(
     session: &Session<'_>,
 ) -> Result<Guest, (anyhow::Error, Option<GdbMachine>)> {
     let r = (|| -> anyhow::Result<(DataLayout, u64, Interner)> {
-        let layout = DataLayout::new(prog, limits)
+        let mut layout = DataLayout::new(prog, limits)
             .map_err(|u| anyhow::anyhow!("{}", u.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
+        if compile::codegen::prints(prog) {
+            let cpus = u32::try_from(splicer.cpus())?;
+            layout = layout.with_rings(cpus);
+        }
         let data = splicer.alloc(layout.size, 64)?;
         // Assembled once to learn its size, then again where it goes.
         let size = compile::runtime(&layout, data, data)?.code.len() as u64;
@@ -358,6 +424,7 @@ fn install(
                 }
             }
         }
+        bytes.resize(usize::try_from(layout.size)?, 0);
         splicer.write_heap(&mut machine, data, &bytes)?;
         if !rt.code.is_empty() {
             splicer.write_heap(&mut machine, rt_at, &rt.code)?;
@@ -429,6 +496,8 @@ fn install(
             layout,
             data,
             interner,
+            taken: Vec::new(),
+            lost: 0,
         }),
         Err(e) => {
             // Whatever went in comes out.
@@ -492,6 +561,7 @@ fn run(
     };
     let mut gone = false;
     let mut header = Header::default();
+    let mut lost = 0;
     if let Err(e) = guest.machine.resume() {
         tracing::error!("cannot resume the guest: {e}");
         gone = true;
@@ -503,6 +573,7 @@ fn run(
         if !due.is_empty() || now >= next_poll {
             let step = (|| -> anyhow::Result<bool> {
                 guest.machine.pause()?;
+                guest.print(&mut session, false)?;
                 if due.is_empty() {
                     header = guest.header()?;
                 } else {
@@ -556,6 +627,7 @@ fn run(
             if !guest.machine.is_paused() {
                 guest.machine.pause()?;
             }
+            guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;
             if let (Some(reader), Some(before)) = (&kprobes, &kprobes_before) {
                 match (before, reader.read(&mut guest.machine)) {
@@ -585,9 +657,16 @@ fn run(
         if let Err(e) = end {
             tracing::error!("removing the compiled probes failed: {e:#}");
         }
+        lost = guest.lost;
         if let Err(e) = guest.machine.detach() {
             tracing::warn!("detaching failed: {e}");
         }
+    }
+    if lost > 0 {
+        session.warn(&format!(
+            "{lost} output records of compiled probes lost: a vCPU printed more than its ring \
+             holds between two looks of the host"
+        ));
     }
     if header.div_zero > 0 {
         session.error(&format!(

@@ -1162,6 +1162,11 @@ impl Splicer {
         self.install_with(machine, requests, Some(code))
     }
 
+    /// The guest's vCPUs (per-CPU areas).
+    pub fn cpus(&self) -> usize {
+        self.survey.layout.per_cpu_offsets.len().max(1)
+    }
+
     /// Heap memory for a compiled script's data and helpers (from the patch area).
     ///
     /// # Errors

@@ -21,7 +21,10 @@ use crate::lang::ast::*;
 use crate::lang::check::{Program, Shape, Ty};
 use crate::lang::Limits;
 
-use super::data::{field, DataLayout, GlobalSlot, Interner, ValueKind, KEY, MAX_KEYS};
+use super::data::{
+    field, ring_bytes, DataLayout, GlobalSlot, Interner, OutputKind, ValueKind, KEY, MAX_KEYS,
+    MAX_PRINT_ARGS, RECORD, RING_HEADER, RING_SLOTS,
+};
 use super::{Facts, SitePoint, Unsupported};
 
 /// How deep array lookups may nest inside each other's keys.
@@ -1057,6 +1060,7 @@ impl Gen<'_, '_> {
                 }
                 Ok(K::Long)
             }
+            "printf" | "print" | "println" => self.print(name, &c.args),
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)
@@ -1067,6 +1071,131 @@ impl Gen<'_, '_> {
             other => Err(self.no(format!("the function {other}() in a kernel probe"))),
         }
     }
+}
+
+impl Gen<'_, '_> {
+    /// An output record: the arguments (16 bytes each) pushed, a record reserved in this
+    /// vCPU's ring, filled, and its TSC stored last.
+    fn print(&mut self, name: &str, args: &[Expr]) -> R<K> {
+        let Some((rings, cpus)) = self.env.layout.rings else {
+            return Err(self.no(format!("{name}() without output rings")));
+        };
+        let (kind, values) = if name == "printf" {
+            let fmt = match args.first().map(|a| &a.kind) {
+                Some(ExprKind::Str(s)) => s.clone(),
+                _ => return Err(self.no("printf with a format that is not a literal")),
+            };
+            (OutputKind::Printf(fmt), &args[1.min(args.len())..])
+        } else {
+            if args.iter().any(|a| matches!(a.kind, ExprKind::Hist(..))) {
+                return Err(self.no(format!("{name}() of a histogram in a kernel probe")));
+            }
+            (OutputKind::Print(name == "println"), args)
+        };
+        if values.len() > MAX_PRINT_ARGS {
+            return Err(self.no(format!("{name}() with more than {MAX_PRINT_ARGS} arguments")));
+        }
+        let mut strings = Vec::new();
+        for v in values {
+            let k = self.expr(v)?;
+            strings.push(k == K::Str);
+            if k == K::Long {
+                asm!(self, self.a.xor(edx, edx))?;
+            }
+            asm!(self, self.a.push(rdx))?;
+            asm!(self, self.a.push(rax))?;
+        }
+        let n = values.len() as i32;
+        let id = self.interner.format(kind, strings);
+        let base = self.env.data + rings;
+        let cpu_number = self.env.facts.cpu_number as i64;
+        let r = (|| {
+            let mut skip = self.a.create_label();
+            let mut done = self.a.create_label();
+            let mut cpu = Instruction::with2(
+                Code::Mov_r32_rm32,
+                Register::EAX,
+                MemoryOperand::with_base_displ(Register::None, cpu_number),
+            )?;
+            cpu.set_segment_prefix(Register::GS);
+            cpu.set_memory_displ_size(4);
+            self.a.add_instruction(cpu)?;
+            self.a.cmp(eax, cpus)?;
+            self.a.jae(skip)?;
+            self.a.imul_3(rax, rax, i32::try_from(ring_bytes()).unwrap_or(i32::MAX))?;
+            self.a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(base))?)?;
+            self.a.add(rcx, rax)?;
+            self.a.mov(edx, 1)?;
+            self.a.lock().xadd(qword_ptr(rcx), rdx)?;
+            self.a.and(edx, (RING_SLOTS - 1) as u32)?;
+            self.a.shl(rdx, RECORD.trailing_zeros())?;
+            self.a.lea(rdi, qword_ptr(rcx + rdx + RING_HEADER as i32))?;
+            self.a.mov(dword_ptr(rdi + 8), id)?;
+            for i in (0..n).rev() {
+                self.a.pop(rax)?;
+                self.a.pop(rdx)?;
+                self.a.mov(qword_ptr(rdi + 16 + 16 * i), rax)?;
+                self.a.mov(qword_ptr(rdi + 24 + 16 * i), rdx)?;
+            }
+            self.a.rdtsc()?;
+            self.a.shl(rdx, 32)?;
+            self.a.or(rax, rdx)?;
+            self.a.or(rax, 1)?; // never 0: 0 marks an unfinished record
+            self.a.mov(qword_ptr(rdi), rax)?;
+            self.a.jmp(done)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rsp, 16 * n)?;
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+}
+
+/// Whether any kernel probe of `prog` prints (then the data gets output rings).
+pub fn prints(prog: &Program) -> bool {
+    fn expr(e: &Expr) -> bool {
+        match &e.kind {
+            ExprKind::Call(c) => {
+                matches!(c.name.name.as_str(), "printf" | "print" | "println")
+                    || c.args.iter().any(expr)
+            }
+            ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => expr(x),
+            ExprKind::Binary(_, b) | ExprKind::Assign(_, b) | ExprKind::Aggregate(b) => {
+                expr(&b.0) || expr(&b.1)
+            }
+            ExprKind::Ternary(t) => expr(&t.0) || expr(&t.1) || expr(&t.2),
+            ExprKind::Index(ix) => ix.keys.iter().any(expr),
+            ExprKind::In(i) => i.keys.iter().any(expr),
+            ExprKind::IncDec(i) => expr(&i.target),
+            _ => false,
+        }
+    }
+    fn stmt(s: &Stmt) -> bool {
+        match &s.kind {
+            StmtKind::Block(b) => b.stmts.iter().any(stmt),
+            StmtKind::Expr(e) | StmtKind::Delete(e) => expr(e),
+            StmtKind::If(i) => expr(&i.cond) || stmt(&i.then) || i.els.as_ref().is_some_and(stmt),
+            StmtKind::While(w) => expr(&w.0) || stmt(&w.1),
+            StmtKind::For(f) => {
+                f.init.as_ref().is_some_and(expr)
+                    || f.cond.as_ref().is_some_and(expr)
+                    || f.step.as_ref().is_some_and(expr)
+                    || stmt(&f.body)
+            }
+            StmtKind::Foreach(f) => stmt(&f.body),
+            StmtKind::Return(Some(e)) => expr(e),
+            StmtKind::Try(t) => t.body.stmts.iter().any(stmt) || t.handler.stmts.iter().any(stmt),
+            _ => false,
+        }
+    }
+    prog.script
+        .probes
+        .iter()
+        .zip(&prog.probes)
+        .filter(|(_, info)| info.points.iter().any(|(_, k)| k.needs_guest()))
+        .any(|(p, _)| p.body.stmts.iter().any(stmt))
 }
 
 fn value_k(v: &ValueKind) -> Option<K> {

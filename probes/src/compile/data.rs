@@ -13,6 +13,14 @@
 //!                       value (as a scalar of its type)
 //! ```
 //!
+//! After the globals, when kernel probes print: per vCPU, a ring of [`RECORD`]-byte output
+//! records (64-byte header with the `u64` head, records ever reserved, taken with `lock
+//! xadd`). A record holds the TSC at +0 (stored last: 0 means its writer has not finished),
+//! the output format's id at +8 and up to [`MAX_PRINT_ARGS`] arguments of 16 bytes from +16.
+//! The host drains the rings at every look (the guest stopped), prints the records in TSC
+//! order across vCPUs and zeroes what it took; a burst of more than a ring between two looks
+//! overwrites the oldest records, which the host counts as lost.
+//!
 //! Strings are 16 bytes: up to 15 bytes of text inline, NUL-padded (what `task_struct.comm`
 //! holds, so `execname()` is two loads), or, for longer text the host knows (function names,
 //! probe points, long literals), byte 0 = 1 and an id into the host's [`Interner`] at +8.
@@ -68,6 +76,14 @@ pub const TABLE_SEQUENCE: u64 = 8;
 pub const ENTRY_KEYS: u64 = 16;
 /// Bytes of a statistics value before its buckets.
 pub const STATS_FIXED: u64 = 32;
+/// Bytes of one output record.
+pub const RECORD: u64 = 128;
+/// Most arguments of one compiled `printf`/`print`.
+pub const MAX_PRINT_ARGS: usize = 7;
+/// Bytes of a ring's header.
+pub const RING_HEADER: u64 = 64;
+/// Records per vCPU ring.
+pub const RING_SLOTS: u64 = 2048;
 /// The largest data area the compiler lays out (the patch heap has 64 MiB in all).
 pub const MAX_DATA: u64 = 48 << 20;
 
@@ -148,14 +164,63 @@ impl GlobalSlot {
     }
 }
 
-/// Strings longer than 15 bytes, by id (the guest stores only the id).
+/// What an output record prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutputKind {
+    /// `printf(FORMAT, ...)`.
+    Printf(String),
+    /// `print(...)` (`println` when true).
+    Print(bool),
+}
+
+/// Strings longer than 15 bytes, by id (the guest stores only the id), and the output
+/// formats of compiled `printf`/`print` calls.
 #[derive(Debug, Clone, Default)]
 pub struct Interner {
     strings: Vec<String>,
     ids: std::collections::HashMap<String, u64>,
+    /// Output formats by id: what prints, and which arguments are strings.
+    pub formats: Vec<(OutputKind, Vec<bool>)>,
 }
 
 impl Interner {
+    /// The id of an output format (one per call site).
+    pub fn format(&mut self, kind: OutputKind, strings: Vec<bool>) -> u32 {
+        self.formats.push((kind, strings));
+        u32::try_from(self.formats.len() - 1).unwrap_or(u32::MAX)
+    }
+
+    /// The text of an output record (`None`: an unknown format id, a hostile guest).
+    pub fn render(&self, record: &[u8]) -> Option<String> {
+        let id = usize::try_from(word(record, 8) & 0xffff_ffff).ok()?;
+        let (kind, strings) = self.formats.get(id)?;
+        let args: Vec<Value> = strings
+            .iter()
+            .enumerate()
+            .map(|(i, is_str)| {
+                let at = 16 + 16 * i as u64;
+                if *is_str {
+                    Value::Str(self.decode(bytes_at(record, at, 16)))
+                } else {
+                    Value::Long(word(record, at) as i64)
+                }
+            })
+            .collect();
+        Some(match kind {
+            OutputKind::Printf(fmt) => {
+                let pieces = crate::lang::format::parse_format(fmt).ok()?;
+                crate::lang::format::render(&pieces, &args)
+            }
+            OutputKind::Print(ln) => {
+                let mut s: String = args.iter().map(ToString::to_string).collect();
+                if *ln {
+                    s.push('\n');
+                }
+                s
+            }
+        })
+    }
+
     /// The 16-byte encoding of `s` (interning it when it is long).
     pub fn encode(&mut self, s: &str) -> [u8; 16] {
         let mut out = [0u8; 16];
@@ -241,8 +306,43 @@ impl Header {
 pub struct DataLayout {
     /// Globals by name.
     pub globals: IndexMap<String, GlobalSlot>,
+    /// Bytes of the header and the globals (what the host reads to bring them over).
+    pub globals_size: u64,
+    /// The output rings: (offset, vCPUs), when kernel probes print.
+    pub rings: Option<(u64, u32)>,
     /// Bytes in all.
     pub size: u64,
+}
+
+impl DataLayout {
+    /// Adds output rings for `cpus` vCPUs after the globals.
+    pub fn with_rings(mut self, cpus: u32) -> Self {
+        let at = self.size.div_ceil(64) * 64;
+        self.rings = Some((at, cpus.max(1)));
+        self.size = at + u64::from(cpus.max(1)) * ring_bytes();
+        self
+    }
+}
+
+/// Bytes of one vCPU's ring.
+pub fn ring_bytes() -> u64 {
+    RING_HEADER + RING_SLOTS * RECORD
+}
+
+/// The records `[from, to)` of a ring as (first slot, count) spans: one, or two where they
+/// wrap; at most a ring's worth.
+pub fn ring_spans(from: u64, to: u64) -> Vec<(u64, u64)> {
+    let count = to.saturating_sub(from).min(RING_SLOTS);
+    let first = from % RING_SLOTS;
+    let head_part = count.min(RING_SLOTS - first);
+    let mut spans = Vec::new();
+    if head_part > 0 {
+        spans.push((first, head_part));
+    }
+    if count > head_part {
+        spans.push((0, count - head_part));
+    }
+    spans
 }
 
 fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
@@ -278,6 +378,8 @@ impl DataLayout {
     pub fn new(prog: &Program, limits: &Limits) -> Result<Self, Vec<Unsupported>> {
         let mut out = DataLayout {
             globals: IndexMap::new(),
+            globals_size: HEADER,
+            rings: None,
             size: HEADER,
         };
         let mut refused = Vec::new();
@@ -331,6 +433,7 @@ impl DataLayout {
             }
             out.globals.insert(name.clone(), slot);
         }
+        out.globals_size = out.size;
         if refused.is_empty() {
             Ok(out)
         } else {
@@ -341,13 +444,14 @@ impl DataLayout {
     /// The data's initial bytes: the header's magic, initial scalar values (`global x = 5`)
     /// and empty statistics.
     pub fn initial(&self, prog: &Program, interner: &mut Interner) -> Vec<u8> {
-        let mut bytes = vec![0u8; usize::try_from(self.size).unwrap_or(0)];
+        let mut bytes = vec![0u8; usize::try_from(self.globals_size).unwrap_or(0)];
         bytes[..8].copy_from_slice(&MAGIC.to_le_bytes());
         for (name, slot) in &self.globals {
             let init = prog.globals.get(name).and_then(|g| g.init.clone());
             let store = match (slot.table, slot.value, init) {
                 (None, ValueKind::Long, Some(Literal::Num(n))) => Store::Scalar(Value::Long(n)),
                 (None, ValueKind::Str, Some(Literal::Str(s))) => Store::Scalar(Value::Str(s)),
+                (None, ValueKind::Stats(_), _) => Store::Stats(Stats::default()),
                 _ => continue,
             };
             let _ = self.encode_into(name, &store, interner, &mut bytes);

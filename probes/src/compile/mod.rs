@@ -21,8 +21,10 @@
 //! they touch globals); `in`; arithmetic, comparisons, logic and the ternary operator;
 //! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
-//! body), `exit()`; `$params` in registers at function entries and `$return` in return
-//! probes. Everything else is named by [`Unsupported`] and the script runs on the host path.
+//! body), `exit()`; `printf` with a literal format, `print` and `println` (output records in
+//! per-vCPU rings, formatted by the host); `$params` in registers at function entries and
+//! `$return` in return probes. Everything else is named by [`Unsupported`] and the script runs
+//! on the host path.
 //!
 //! Safety inside the guest: a division by zero and an exhausted per-hit statement budget
 //! (MAXACTION) end the hit and count a probe error in the header; a full table counts a
@@ -141,6 +143,7 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
 pub fn check(prog: &Program, limits: &Limits, facts: &Facts, points: &[SitePoint]) -> Vec<Unsupported> {
     let (_, mut refused) = kernel_probes(prog);
     let layout = match DataLayout::new(prog, limits) {
+        Ok(l) if codegen::prints(prog) => l.with_rings(1),
         Ok(l) => l,
         Err(mut e) => {
             refused.append(&mut e);

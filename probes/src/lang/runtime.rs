@@ -112,6 +112,18 @@ impl<'p> Session<'p> {
         }
     }
 
+    /// Prints text the script produced outside the interpreter (compiled probes' output
+    /// records); a closed output makes the session stop.
+    pub fn text(&mut self, s: &str) {
+        let _ = self.interp.out.text(s);
+        let _ = self.interp.out.flush();
+    }
+
+    /// Prints a warning on the error stream (`WARNING: ...`); the session goes on.
+    pub fn warn(&mut self, message: &str) {
+        let _ = self.interp.out.error_line(&format!("WARNING: {message}"));
+    }
+
     /// Reports a script error found outside the interpreter (e.g. by compiled probes in the
     /// guest): printed like the interpreter's, and the session stops.
     pub fn error(&mut self, message: &str) {
