@@ -63,6 +63,7 @@ pub struct Plan {
     points: Vec<(u64, SitePoint)>,
     facts: Facts,
     realtime_link: Option<u64>,
+    copy_link: Option<u64>,
 }
 
 /// The facts the generated code needs, from the image's symbols and BTF.
@@ -86,6 +87,7 @@ fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
             cred_uid: member("cred", "uid"),
         },
         realtime_ns: image.symbols.get("ktime_get_real_fast_ns").map(|s| s.addr),
+        copy_nofault: image.symbols.get("copy_from_kernel_nofault").map(|s| s.addr),
     })
 }
 
@@ -144,10 +146,12 @@ pub fn plan(
         return Ok(Err(refused));
     }
     let realtime_link = facts.realtime_ns;
+    let copy_link = facts.copy_nofault;
     Ok(Ok(Plan {
         points,
         facts,
         realtime_link,
+        copy_link,
     }))
 }
 
@@ -366,6 +370,7 @@ pub fn start(
     let mut facts = plan.facts.clone();
     facts.current_task = survey.layout.current_task_offset;
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
+    facts.copy_nofault = plan.copy_link.map(|a| a.wrapping_add(slide));
     let kprobes = if script.compare_kprobes {
         let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
         Some(KprobeReader::new(&survey, image, &btf)?)
@@ -666,6 +671,12 @@ fn run(
         session.warn(&format!(
             "{lost} output records of compiled probes lost: a vCPU printed more than its ring \
              holds between two looks of the host"
+        ));
+    }
+    if header.faults > 0 {
+        session.error(&format!(
+            "kernel read fault in a compiled probe ({} times): an address that is not mapped",
+            header.faults
         ));
     }
     if header.div_zero > 0 {

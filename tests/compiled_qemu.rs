@@ -223,11 +223,15 @@ const DIFFERENTIAL: &[&str] = &[
        }
        probe end { printf("n=%d\n", n) }"#,
     // Global strings and scalars written by kernel probes and read by end.
-    r#"global last, seen, total = 5
+    r#"global last, seen, total = 5, nr, lo
        probe kernel.syscall("getpid") {
          if (execname() == "syscall-loop") { last = execname(); seen++; total = total + 2 }
        }
-       probe end { printf("%s %d %d\n", last, seen, total) }"#,
+       probe kernel.function("__x64_sys_getppid") {
+         // pt_regs.orig_ax (+120): the syscall number, 110 for getppid
+         if (execname() == "syscall-loop") { nr = kernel_long($regs + 120); lo = kernel_int($regs + 120) }
+       }
+       probe end { printf("%s %d %d %d %d\n", last, seen, total, nr, lo) }"#,
 ];
 
 #[test]
@@ -267,6 +271,10 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
         (
             r#"global a[4], i; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") a[i++] = 1 }"#,
             "array updates dropped",
+        ),
+        (
+            r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = kernel_long(0) }"#,
+            "kernel read fault in a compiled probe",
         ),
     ];
     for (script, message) in cases {

@@ -586,6 +586,22 @@ impl UnicornMachine {
             .map_err(backend)
     }
 
+    /// Sets the GS base (the kernel's per-CPU base on x86-64).
+    ///
+    /// # Errors
+    /// Not an x86-64 machine, or backend failure.
+    pub fn set_gs_base(&mut self, base: u64) -> Result<(), ControlError> {
+        if self.isa != Isa::X86_64 {
+            return Err(ControlError::Unsupported {
+                backend: BACKEND,
+                what: "set the GS base on a SPARC CPU",
+            });
+        }
+        self.uc
+            .reg_write(RegisterX86::GS_BASE, base)
+            .map_err(backend)
+    }
+
     /// Sets one SPARC register of the current window (`%g0`..`%i7` as 0..31).
     ///
     /// # Errors

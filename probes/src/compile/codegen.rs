@@ -27,6 +27,8 @@ use super::data::{
 };
 use super::{Facts, SitePoint, Unsupported};
 
+/// Bytes of the kernel-read buffer in a body's frame.
+const SCRATCH: i32 = 8;
 /// How deep array lookups may nest inside each other's keys.
 const MAX_KEY_DEPTH: usize = 4;
 /// Registers the site saves, in push order (after the flags).
@@ -117,6 +119,7 @@ struct Gen<'a, 'b> {
     end: CodeLabel,
     err_div: CodeLabel,
     err_budget: CodeLabel,
+    err_fault: CodeLabel,
     span: Span,
 }
 
@@ -167,6 +170,7 @@ pub fn emit_body(
     let end = a.create_label();
     let err_div = a.create_label();
     let err_budget = a.create_label();
+    let err_fault = a.create_label();
     let mut g = Gen {
         a,
         env,
@@ -179,6 +183,7 @@ pub fn emit_body(
         end,
         err_div,
         err_budget,
+        err_fault,
         span: probe.span,
     };
     g.prologue().map_err(asm)?;
@@ -203,7 +208,12 @@ impl Gen<'_, '_> {
 
     fn frame_size(&self) -> i32 {
         let keys = (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32;
-        (self.locals_size + keys + 15) / 16 * 16
+        (self.locals_size + keys + SCRATCH + 15) / 16 * 16
+    }
+
+    /// The 8-byte buffer kernel reads copy into (below the key buffers).
+    fn scratch(&self) -> i32 {
+        -(self.locals_size + (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32 + SCRATCH)
     }
 
     fn key_buffer(&self, depth: usize) -> i32 {
@@ -241,6 +251,9 @@ impl Gen<'_, '_> {
         self.a.jmp(common)?;
         self.a.set_label(&mut self.err_budget)?;
         self.count(data + field::MAXACTION)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.err_fault)?;
+        self.count(data + field::FAULTS)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
@@ -1061,6 +1074,33 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
+            "kernel_long" | "kernel_int" => {
+                let copy = self
+                    .env
+                    .facts
+                    .copy_nofault
+                    .ok_or_else(|| self.no(format!("{name}() (the kernel has no copy_from_kernel_nofault)")))?;
+                let arg = c.args.first().ok_or_else(|| self.no(format!("{name}() without an address")))?;
+                self.long(arg)?;
+                let len: u32 = if name == "kernel_long" { 8 } else { 4 };
+                let scratch = self.scratch();
+                let fault = self.err_fault;
+                let r = (|| {
+                    self.a.mov(rsi, rax)?;
+                    self.a.lea(rdi, qword_ptr(rbp + scratch))?;
+                    self.a.mov(edx, len)?;
+                    self.a.call(copy)?;
+                    self.a.test(rax, rax)?;
+                    self.a.jnz(fault)?;
+                    if len == 8 {
+                        self.a.mov(rax, qword_ptr(rbp + scratch))
+                    } else {
+                        self.a.movsxd(rax, dword_ptr(rbp + scratch))
+                    }
+                })();
+                asm!(self, r)?;
+                Ok(K::Long)
+            }
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)

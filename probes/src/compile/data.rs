@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! +0    header (64 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
-//!       errors, MAXACTION errors, dropped updates (every table's sum)
+//!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults
 //! +64   globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
@@ -61,6 +61,8 @@ pub mod field {
     pub const MAXACTION: u64 = 32;
     /// Updates dropped because a table was full or a slot stayed busy.
     pub const DROPPED: u64 = 40;
+    /// Kernel reads (`kernel_long`, `kernel_int`) that faulted.
+    pub const FAULTS: u64 = 48;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -278,6 +280,8 @@ pub struct Header {
     pub max_action: u64,
     /// Dropped updates.
     pub dropped: u64,
+    /// Of the errors, kernel reads that faulted.
+    pub faults: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -297,6 +301,7 @@ impl Header {
             div_zero: word(bytes, field::DIV_ZERO),
             max_action: word(bytes, field::MAXACTION),
             dropped: word(bytes, field::DROPPED),
+            faults: word(bytes, field::FAULTS),
         }
     }
 }

@@ -21,7 +21,8 @@
 //! they touch globals); `in`; arithmetic, comparisons, logic and the ternary operator;
 //! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
-//! body), `exit()`; `printf` with a literal format, `print` and `println` (output records in
+//! body), `kernel_long()` and `kernel_int()` (through the kernel's `copy_from_kernel_nofault`:
+//! a bad address ends the hit with a probe error), `exit()`; `printf` with a literal format, `print` and `println` (output records in
 //! per-vCPU rings, formatted by the host); `$params` in registers at function entries and
 //! `$return` in return probes. Everything else is named by [`Unsupported`] and the script runs
 //! on the host path.
@@ -56,6 +57,9 @@ pub struct Facts {
     pub task: TaskFields,
     /// Slid address of `ktime_get_real_fast_ns` (for `gettimeofday_*()`).
     pub realtime_ns: Option<u64>,
+    /// Slid address of `copy_from_kernel_nofault` (for `kernel_long()`, `kernel_int()`: a bad
+    /// address is a probe error, never a fault in the guest).
+    pub copy_nofault: Option<u64>,
 }
 
 /// `task_struct` (and `cred`) member offsets, from BTF.
