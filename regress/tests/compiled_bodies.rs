@@ -309,6 +309,24 @@ fn strings_in_keys_and_values_and_printf_match_the_interpreter() {
 }
 
 #[test]
+fn deleted_elements_come_back_as_new_ones_in_the_interpreters_order() {
+    let script = r#"
+        global t, d, seen, gone
+        probe kernel.function("f") {
+          k = $a % 13
+          if (k in t) { d[k % 4] <<< t[k] + $b % 100; delete t[k]; gone++ }
+          else t[k] = $b % 1000
+          seen[execname()]++
+          if ($b % 5 == 0) delete seen[execname()]
+        }
+    "#;
+
+    let header = differential(script, &hits(500));
+
+    assert_eq!((header.errors, header.dropped), (0, 0));
+}
+
+#[test]
 fn a_division_by_zero_ends_the_hit_with_a_probe_error() {
     let limits = Limits::default();
     let (mut rig, _) = rig(

@@ -357,8 +357,44 @@ impl Gen<'_, '_> {
             }
             StmtKind::Foreach(_) => Err(self.no("foreach in a kernel probe")),
             StmtKind::Return(_) => Err(self.no("return in a kernel probe")),
-            StmtKind::Delete(_) => Err(self.no("delete in a kernel probe")),
+            StmtKind::Delete(e) => self.delete(e),
             StmtKind::Try(_) => Err(self.no("try/catch in a kernel probe")),
+        }
+    }
+
+    /// `delete a[k]` marks the element deleted; `delete x` of a number or string resets it.
+    fn delete(&mut self, e: &Expr) -> R<()> {
+        match &e.kind {
+            ExprKind::Index(ix) => {
+                let slot = self.array(&ix.array.name)?;
+                self.lookup(&ix.array.name, &ix.keys, false)?;
+                let vo = slot.value_offset() as i32;
+                let r = (|| {
+                    let mut absent = self.a.create_label();
+                    self.a.test(rax, rax)?;
+                    self.a.jz(absent)?;
+                    self.a.mov(qword_ptr(rax - vo), 3)?;
+                    self.a.set_label(&mut absent)?;
+                    self.a.nop()
+                })();
+                asm!(self, r)
+            }
+            ExprKind::Var(name) if self.env.prog.globals.contains_key(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .ok_or_else(|| self.no(format!("the global {name}")))?;
+                if slot.table.is_some() || matches!(slot.value, ValueKind::Stats(_)) {
+                    return Err(self.no(format!("delete of the whole {name} in a kernel probe")));
+                }
+                self.lea(Register::RCX, self.env.data + slot.offset)?;
+                asm!(self, self.a.mov(qword_ptr(rcx), 0))?;
+                if slot.value == ValueKind::Str {
+                    asm!(self, self.a.mov(qword_ptr(rcx + 8), 0))?;
+                }
+                Ok(())
+            }
+            _ => Err(self.no("delete of this in a kernel probe")),
         }
     }
 

@@ -75,7 +75,9 @@ pub struct Runtime {
 ///
 /// A helper takes `rsi` = the key (16 bytes per key) and returns in `rax` the address of the
 /// element's value, or 0: absent (`find`), or no room (`insert`, which then counts a dropped
-/// update). It clobbers rax, rcx, rdx, r8-r11 and the flags.
+/// update). It clobbers rax, rcx, rdx, rdi, r8-r11 and the flags. Entry states: 0 free (ends
+/// a chain), 1 being written, 2 ready, 3 deleted (a chain goes on past it; an insert of the
+/// same key brings it back).
 ///
 /// # Errors
 /// When the assembler refuses an instruction.
@@ -91,11 +93,14 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
         let entry = i32::try_from(slot.entry_size()).unwrap_or(i32::MAX);
         let vo = slot.value_offset() as i32;
         let words = keys * (KEY as usize / 8);
+        let value_words = u32::try_from(slot.value.size() / 8).unwrap_or(0);
         let mask = (cap - 1) as i32;
         for insert in [false, true] {
             let mut start = a.create_label();
             let mut probe = a.create_label();
-            let mut not_ready = a.create_label();
+            let mut ready = a.create_label();
+            let mut dead = a.create_label();
+            let mut fill = a.create_label();
             let mut busy = a.create_label();
             let mut next = a.create_label();
             let mut drop = a.create_label();
@@ -118,17 +123,12 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             a.add(rdx, r11)?;
             a.mov(rcx, qword_ptr(rdx))?;
             a.cmp(rcx, 2)?;
-            a.jne(not_ready)?;
-            for j in 0..words {
-                a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
-                a.cmp(r9, qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32))?;
-                a.jne(next)?;
-            }
-            a.lea(rax, qword_ptr(rdx + vo))?;
-            a.ret()?;
-            a.set_label(&mut not_ready)?;
+            a.je(ready)?;
+            a.cmp(rcx, 3)?;
+            a.je(dead)?;
             a.test(rcx, rcx)?;
             a.jnz(busy)?;
+            // A free slot ends the chain: the key is absent.
             if insert {
                 a.push(rax)?;
                 a.xor(eax, eax)?;
@@ -140,6 +140,39 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                     a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
                     a.mov(qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32), r9)?;
                 }
+                a.jmp(fill)?;
+            } else {
+                a.xor(eax, eax)?;
+                a.ret()?;
+            }
+            a.set_label(&mut ready)?;
+            for j in 0..words {
+                a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
+                a.cmp(r9, qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32))?;
+                a.jne(next)?;
+            }
+            a.lea(rax, qword_ptr(rdx + vo))?;
+            a.ret()?;
+            // A deleted element: the chain goes on past it; an insert of the same key brings
+            // it back (zeroed, as a new element) instead of taking another slot.
+            a.set_label(&mut dead)?;
+            if insert {
+                for j in 0..words {
+                    a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
+                    a.cmp(r9, qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32))?;
+                    a.jne(next)?;
+                }
+                a.push(rax)?;
+                a.mov(eax, 3)?;
+                a.mov(ecx, 1)?;
+                a.lock().cmpxchg(qword_ptr(rdx), rcx)?;
+                a.pop(rax)?;
+                a.jne(probe)?;
+                a.lea(rdi, qword_ptr(rdx + vo))?;
+                a.mov(ecx, value_words)?;
+                a.xor(eax, eax)?;
+                a.rep().stosq()?;
+                a.set_label(&mut fill)?;
                 // The insertion number (the order `foreach` walks an array in).
                 lea(&mut a, Register::R9, table + TABLE_SEQUENCE)?;
                 a.mov(ecx, 1)?;
@@ -155,8 +188,7 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                 a.lea(rax, qword_ptr(rdx + vo))?;
                 a.ret()?;
             } else {
-                a.xor(eax, eax)?; // a free slot ends the chain: absent
-                a.ret()?;
+                a.jmp(next)?;
             }
             a.set_label(&mut busy)?;
             a.pause()?;
