@@ -693,12 +693,11 @@ fn diverting_patch(
 // a stack, as kretprobes do; the trampolines stay in the heap for calls in the middle of one.
 // ---------------------------------------------------------------------------------------
 
-/// Slots of the table of calls in flight (a power of two).
-const INFLIGHT: u64 = 4096;
-/// Slots tried after the hashed one.
-const PROBE_SLOTS: u32 = 8;
-/// Bytes per slot: key (stack slot address), original return address, entry TSC, unused.
-const SLOT: u64 = 32;
+// The table of calls in flight and its hash are the compiled probes' (one table layout for
+// `time`, `trace` and compiled `.return` probes).
+use exotap_probes::compile::site::{
+    emit_inflight_hash as emit_hash_into, INFLIGHT, PROBE_SLOTS, SLOT,
+};
 /// Histogram buckets (log2 of cycles).
 pub const BUCKETS: usize = 64;
 
@@ -708,21 +707,7 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 
 /// rcx = &table[hash(rsi)]; clobbers rax.
 fn emit_hash(a: &mut CodeAssembler, table: u64) -> anyhow::Result<()> {
-    use iced_x86::code_asm::{eax, rcx, rsi};
-    a.mov(rax, rsi)?;
-    a.shr(rax, 4)?;
-    a.mov(rcx, rsi)?;
-    a.shr(rcx, 14)?;
-    a.xor(rax, rcx)?;
-    a.and(eax, (INFLIGHT - 1) as i32)?;
-    a.shl(rax, SLOT.trailing_zeros())?;
-    a.add_instruction(iced_x86::Instruction::with2(
-        iced_x86::Code::Lea_r64_m,
-        Register::RCX,
-        rip_mem(table),
-    )?)?;
-    a.add(rcx, rax)?;
-    Ok(())
+    Ok(emit_hash_into(a, table)?)
 }
 
 /// Per-vCPU ring buffers of entry/exit records (`exotap trace`).
