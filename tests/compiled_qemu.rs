@@ -415,3 +415,43 @@ fn bench_compiled_vs_host_evaluated_vs_guest_kprobe() {
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     println!("vfs_read inclusive time (compiled):\n{out}");
 }
+
+#[test]
+fn run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_running() {
+    if !have_qemu("run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_running") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    // The guest sleeps long enough after EXOTAP-READY for exotap to attach, runs the loop,
+    // and is still running when the script's timer ends it.
+    let (mut guest, mut console) = common::boot_with_gdbstub(
+        &[
+            "--timeout",
+            "300",
+            "--run",
+            "sleep 8; syscall-loop 100; sleep 12; syscall-loop 10",
+        ],
+        &socket,
+        "EXOTAP-READY",
+    );
+
+    let (code, out, err) = run(exotap()
+        .args(["run", "--compile", "require", "--target"])
+        .arg(format!("unix:{}", socket.display()))
+        .args([
+            "-e",
+            r#"global n; probe kernel.syscall("getppid") { if (execname() == "syscall-loop") n++ }
+               probe timer.s(14) { exit() }
+               probe end { printf("n=%d\n", n) }"#,
+        ]));
+
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut console, &mut rest).unwrap();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{rest}");
+    assert!(guest.wait().unwrap().success(), "{ctx}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(out.contains("n=100\n"), "{ctx}");
+    assert!(rest.contains("EXOTAP-DONE 0"), "the guest ran on to its end: {ctx}");
+    assert_no_oops(&rest);
+}
