@@ -1109,4 +1109,45 @@ mod tests {
         assert_eq!(parse_thread_id("p1.2"), Some(ThreadId(2)));
         assert_eq!(parse_thread_id("zz"), None);
     }
+
+    #[test]
+    fn mutated_replies_never_panic_the_reader_or_the_parsers() {
+        use crate::gdb::fake_stub::{mutate, XorShift, SEED_REPLIES};
+        use crate::gdb::packet::{encode, Frame, PacketReader, MAX_BODY, MAX_PAYLOAD};
+
+        let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+        let mut packets = 0usize;
+        for _ in 0..20_000 {
+            let seed = SEED_REPLIES[rng.below(SEED_REPLIES.len())];
+            let payload = mutate(&mut rng, seed);
+            let framed = encode(&payload);
+            let stream = [framed.clone(), mutate(&mut rng, &framed)].concat();
+            let mut reader = PacketReader::new();
+            // The stream arrives in pieces of random size.
+            let mut rest = stream.as_slice();
+            while !rest.is_empty() {
+                let (piece, tail) = rest.split_at(rng.below(rest.len()) + 1);
+                rest = tail;
+                reader.push(piece);
+                while let Ok(Some(frame)) = reader.next_frame() {
+                    if let Frame::Packet(p) = frame {
+                        assert!(p.len() <= MAX_PAYLOAD);
+                        packets += 1;
+                        let text = String::from_utf8_lossy(&p);
+                        let _ = parse_stop_reply(&text);
+                        let _ = parse_thread_id(&text);
+                        let _ = is_stop_reply(&p);
+                        let _ = is_console_output(&p);
+                        let _ = from_hex(&p);
+                        let _ = target::includes(&text);
+                        let _ = target::collect_registers(&text, &mut Vec::new());
+                    }
+                }
+                assert!(reader.pending() <= MAX_BODY + 3);
+            }
+        }
+
+        // At least every unmutated copy came through whole.
+        assert!(packets >= 20_000, "{packets}");
+    }
 }

@@ -100,6 +100,80 @@ pub(crate) fn machine_handshake() -> Vec<Step> {
     ]
 }
 
+/// Replies of every shape the client parses, as QEMU sends them: seeds for mutation.
+pub(crate) const SEED_REPLIES: &[&[u8]] = &[
+    b"OK",
+    b"E14",
+    b"",
+    b"T05thread:01;swbreak:;",
+    b"T02thread:p1.2;",
+    b"S05",
+    b"W00",
+    b"X09;process:1",
+    b"O48656c6c6f0a",
+    b"m01,02,03",
+    b"l",
+    b"deadbeef00112233",
+    b"xxxx0000ffffffff",
+    b"PacketSize=1000;qXfer:features:read+;QStartNoAckMode+;vContSupported+",
+    b"l<target><reg name=\"rip\" bitsize=\"64\" regnum=\"16\"/></target>",
+    b"m<target><xi:include href=\"64bit-core.xml\"/>",
+];
+
+/// A xorshift64 generator: deterministic pseudo-random cases.
+#[derive(Debug)]
+pub(crate) struct XorShift(pub(crate) u64);
+
+impl XorShift {
+    pub(crate) fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// A number below `n` (`n` > 0).
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// `bytes` with one to four random mutations: flipped bits, protocol-significant bytes
+/// put in or over, ranges cut, repeated or truncated, pieces of another seed spliced in.
+pub(crate) fn mutate(rng: &mut XorShift, bytes: &[u8]) -> Vec<u8> {
+    const SPECIAL: &[u8] = b"$#*}+-~ 0xX:;,\x03\xff\x00";
+    let mut out = bytes.to_vec();
+    for _ in 0..=rng.below(4) {
+        let at = rng.below(out.len() + 1);
+        match rng.below(7) {
+            0 if at < out.len() => out[at] ^= 1 << rng.below(8),
+            1 if at < out.len() => out[at] = SPECIAL[rng.below(SPECIAL.len())],
+            2 => out.insert(at, SPECIAL[rng.below(SPECIAL.len())]),
+            3 => {
+                let end = (at + rng.below(8)).min(out.len());
+                out.drain(at..end);
+            }
+            4 => {
+                let end = (at + rng.below(16)).min(out.len());
+                let piece = out[at..end].to_vec();
+                for _ in 0..rng.below(64) {
+                    out.extend_from_slice(&piece);
+                }
+            }
+            5 => out.truncate(at),
+            _ => {
+                let other = SEED_REPLIES[rng.below(SEED_REPLIES.len())];
+                let from = rng.below(other.len() + 1);
+                let at = at.min(out.len());
+                out.splice(at..at, other[from..].iter().copied());
+            }
+        }
+    }
+    out
+}
+
 /// A running scripted stub.
 #[derive(Debug)]
 pub(crate) struct FakeStub {
@@ -707,5 +781,39 @@ mod tests {
         assert_eq!(regs.cr3, 0x1000);
         drop(machine);
         stub.finish();
+    }
+
+    #[test]
+    fn mutated_replies_over_the_socket_end_in_an_answer_or_an_error() {
+        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+        for case in 0..300 {
+            let seed = SEED_REPLIES[rng.below(SEED_REPLIES.len())];
+            let payload = mutate(&mut rng, seed);
+            // Half framed with a valid checksum (the parsers see it), half raw bytes.
+            let bytes = if case % 2 == 0 {
+                encode(&payload)
+            } else {
+                mutate(&mut rng, &encode(seed))
+            };
+            let request = ["m", "?", "qfThreadInfo", "c"][case % 4];
+            let (mut client, stub) = connected(
+                vec![Step::Expect(request), Step::Raw(bytes), Step::Close],
+                PATIENT,
+            );
+
+            bounded(|| match request {
+                "m" => client.read_memory(0x1000, &mut [0u8; 8]).map(|()| ()),
+                "?" => client.stop_reason().map(|_| ()),
+                "qfThreadInfo" => client.threads().map(|_| ()),
+                _ => client
+                    .resume()
+                    .and_then(|()| client.wait_stop(PATIENT))
+                    .map(|_| ()),
+            })
+            .ok();
+
+            drop(client);
+            stub.finish();
+        }
     }
 }
