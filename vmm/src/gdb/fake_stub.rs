@@ -802,7 +802,7 @@ mod tests {
             );
 
             bounded(|| match request {
-                "m" => client.read_memory(0x1000, &mut [0u8; 8]).map(|()| ()),
+                "m" => client.read_memory(0x1000, &mut [0u8; 8]),
                 "?" => client.stop_reason().map(|_| ()),
                 "qfThreadInfo" => client.threads().map(|_| ()),
                 _ => client
