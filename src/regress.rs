@@ -25,10 +25,19 @@ pub struct RegressArgs {
     /// Points probed together in one run (default 16; 1 with --full).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub batch: Option<u16>,
-    /// Also run the sweep over 40 library functions of the Debian kernel's vmlinux (needs
+    /// Also run the sweep over 41 library functions of the Debian kernel's vmlinux (needs
     /// the -dbg package in the cache: `exotap image fetch --debuginfo`).
     #[arg(long)]
     pub vmlinux: bool,
+    /// Sweep the vmlinux functions named in FILE instead of the built-in list (implies
+    /// --vmlinux). One symbol name per line; `#` starts a comment; blank lines are ignored.
+    /// A built-in function keeps its prepared arguments; any other is called with each of
+    /// its five argument registers pointing at its own zeroed 1 KiB buffer, and is reported
+    /// skipped when that call does not return. A name that is not a function of the
+    /// vmlinux's main text (unknown, data, no size, init code, an ambiguous static name)
+    /// is an error naming it, before anything runs.
+    #[arg(long, value_name = "FILE")]
+    pub functions: Option<std::path::PathBuf>,
     /// Which mini-kernels to sweep.
     #[arg(long, value_enum, default_value = "all")]
     pub arch: Arch,
@@ -38,7 +47,8 @@ pub struct RegressArgs {
 /// exit code 1 when anything diverged or could not be built.
 ///
 /// # Errors
-/// When the regression cannot run (no gcc, emulator failure).
+/// When the regression cannot run (no gcc, emulator failure, no cached vmlinux), or the
+/// function list is unreadable or names a function the vmlinux sweep cannot call.
 pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
     let mut options = if args.full {
         Options::full()
@@ -47,6 +57,25 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
     };
     if let Some(batch) = args.batch {
         options.batch = usize::from(batch);
+    }
+    let mut vmlinux_report = None;
+    // The vmlinux sweep runs first (its report prints last): a bad list or a missing
+    // vmlinux should not wait for the mini-kernel sweeps.
+    let functions = args
+        .functions
+        .as_deref()
+        .map(exotap_regress::vmlinux::read_function_list)
+        .transpose()?;
+    if args.vmlinux || functions.is_some() {
+        let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
+            anyhow::anyhow!(
+                "no vmlinux with symbols in the cache: run exotap image fetch --debuginfo"
+            )
+        })?;
+        vmlinux_report = Some(match &functions {
+            Some(names) => exotap_regress::vmlinux::regress_functions(&path, names, &options)?,
+            None => exotap_regress::vmlinux::regress(&path, &options)?,
+        });
     }
     let mut reports: Vec<Report> = Vec::new();
     if args.arch != Arch::Sparc64 {
@@ -68,14 +97,7 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
             eprintln!("note: {gcc} is not installed: the SPARC v9 mini-kernel is skipped (apt-get install gcc-sparc64-linux-gnu)");
         }
     }
-    if args.vmlinux {
-        let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
-            anyhow::anyhow!(
-                "no vmlinux with symbols in the cache: run exotap image fetch --debuginfo"
-            )
-        })?;
-        reports.push(exotap_regress::vmlinux::regress(&path, &options)?);
-    }
+    reports.extend(vmlinux_report);
     let mut failed = false;
     for report in &reports {
         outln!("{report}\n");

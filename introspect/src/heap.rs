@@ -526,4 +526,23 @@ mod tests {
             }
         ));
     }
+
+    #[test]
+    fn mutated_tables_give_a_plan_or_an_error_never_panics() {
+        use crate::mutation::{mutate_memory, XorShift};
+
+        let mut rng = XorShift(0x3c6e_f372_fe94_f82b);
+        let mut plans = 0;
+        for _ in 0..2000 {
+            let mut tb = guest();
+            let hot = tb.table_pages();
+            mutate_memory(&mut tb.mem, &mut rng, &hot, 8);
+
+            let result = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE);
+
+            plans += usize::from(result.is_ok());
+        }
+
+        assert!(plans > 0);
+    }
 }

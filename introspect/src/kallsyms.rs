@@ -766,4 +766,29 @@ mod tests {
         let target = (vfs_read.addr + 5).wrapping_add_signed(i64::from(rel32));
         assert_eq!(target, find("__fentry__").addr);
     }
+
+    #[test]
+    fn mutated_tables_give_errors_or_symbols_never_panics() {
+        use crate::mutation::{mutate_bytes, XorShift};
+
+        let symbols = sample_symbols();
+        let tables = [
+            build(&symbols, Generation::Linux61),
+            build(&symbols, Generation::WithSeqs),
+            build(&symbols, Generation::Linux64),
+        ];
+        let mut rng = XorShift(0xdaba_0b0b_cafe_f00d);
+        let mut recovered = 0;
+        for case in 0..3000 {
+            let mut data = tables[case % 3].clone();
+            mutate_bytes(&mut rng, &mut data);
+
+            let result = extract_from(&data, BASE, &VALID);
+
+            recovered += usize::from(result.is_ok());
+        }
+
+        // Mutations that miss the tables (junk, name characters) leave them readable.
+        assert!(recovered > 0);
+    }
 }

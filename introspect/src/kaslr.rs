@@ -504,4 +504,28 @@ mod tests {
         assert_eq!(anchors.banner.last(), Some(&b'\n'));
         assert_eq!(anchors.text, 0xffff_ffff_8100_0000);
     }
+
+    #[test]
+    fn mutated_guest_gives_an_error_or_a_possible_slide() {
+        use crate::mutation::{mutate_memory, XorShift};
+
+        let banner_page = (TEXT_PHYS + (anchors().linux_banner - TEXT)) & !0xfff;
+        let mut rng = XorShift(0x6a09_e667_f3bc_c908);
+        for _ in 0..2000 {
+            let mut tb = guest(SLIDE, SLIDE);
+            let mut hot = tb.table_pages();
+            hot.extend([0x20_0000, banner_page]);
+            mutate_memory(&mut tb.mem, &mut rng, &hot, 8);
+
+            let result = detect(&mut tb.space(), IDT, &anchors());
+
+            assert!(
+                result
+                    .as_ref()
+                    .map_or(true, |k| k.slide.is_multiple_of(KASLR_ALIGN)
+                        && k.slide < KASLR_RANGE),
+                "{result:?}"
+            );
+        }
+    }
 }

@@ -401,4 +401,39 @@ mod tests {
 
         assert!(matches!(err, LayoutError::Read { what: "_text", .. }));
     }
+
+    #[test]
+    fn mutated_guest_gives_errors_or_tasks_never_panics() {
+        use crate::mutation::{mutate_memory, XorShift};
+
+        let phys = |link: u64| (IMAGE_PHYS + (link - TEXT)) & !0xfff;
+        let symbols = symbols("current_task");
+        let mut rng = XorShift(0xbb67_ae85_84ca_a73b);
+        let mut tasks_read = 0;
+        for _ in 0..2000 {
+            let mut tb = guest(2);
+            let mut hot = tb.table_pages();
+            hot.extend([
+                phys(0xffff_ffff_8120_0000),
+                phys(0xffff_ffff_8120_1000),
+                phys(0xffff_ffff_8130_0000),
+                phys(0xffff_ffff_8130_1000),
+                0x800_0000,
+                0x800_1000,
+            ]);
+            mutate_memory(&mut tb.mem, &mut rng, &hot, 8);
+            let mut space = tb.space();
+
+            let Ok(layout) = KernelLayout::read(&mut space, &symbols, SLIDE) else {
+                continue;
+            };
+            for cpu in 0..layout.nr_cpu_ids() {
+                if let Ok(task) = layout.current_task_of_cpu(&mut space, cpu) {
+                    tasks_read += usize::from(read_task(&mut space, task, OFFSETS).is_ok());
+                }
+            }
+        }
+
+        assert!(tasks_read > 0);
+    }
 }

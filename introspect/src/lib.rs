@@ -11,6 +11,8 @@ pub mod kallsyms;
 pub mod kaslr;
 pub mod layout;
 pub mod memory;
+#[cfg(test)]
+mod mutation;
 pub mod paging;
 pub mod symbols;
 pub mod x86;

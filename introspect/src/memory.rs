@@ -118,6 +118,12 @@ impl SparseMemory {
         self.write_phys(addr, &value.to_le_bytes())
     }
 
+    /// (start, length) of every region.
+    #[cfg(test)]
+    pub(crate) fn region_spans(&self) -> Vec<(u64, usize)> {
+        self.regions.iter().map(|(a, b)| (*a, b.len())).collect()
+    }
+
     fn locate(&self, addr: u64, len: usize) -> Result<(usize, &Vec<u8>), MemoryError> {
         let end = range_end(addr, len)?;
         let (start, region) = self

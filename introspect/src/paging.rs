@@ -519,6 +519,11 @@ pub(crate) mod tests {
         pub fn space(&mut self) -> AddressSpace<'_, SparseMemory> {
             AddressSpace::new(&mut self.mem, self.cr3, self.la57)
         }
+
+        /// Physical addresses of every table page allocated so far.
+        pub fn table_pages(&self) -> Vec<u64> {
+            (0x10_0000..self.next_table).step_by(4096).collect()
+        }
     }
 
     const KERNEL_VA: u64 = 0xffff_ffff_8100_0000;
@@ -748,5 +753,67 @@ pub(crate) mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn table_pointing_at_itself_ends_the_walk_at_the_last_level() {
+        let mut tb = TableBuilder::new(false);
+        // Every PML4 entry points back at the PML4 (a recursive mapping, 4 levels deep).
+        let pml4 = cr3_table(tb.cr3);
+        for i in 0..512 {
+            tb.mem
+                .write_phys_u64(pml4 + 8 * i, pml4 | PTE_PRESENT | PTE_WRITABLE)
+                .unwrap();
+        }
+
+        let tr = translate(&mut tb.mem, tb.cr3, false, KERNEL_VA + 0x42).unwrap();
+        let slot = pmd_slot(&mut tb.mem, tb.cr3, false, KERNEL_VA).unwrap();
+
+        // Four steps through the same page: the "page" is the PML4 itself.
+        assert_eq!(tr.phys, pml4 | 0x42);
+        assert_eq!(slot.pmd_page, pml4);
+    }
+
+    #[test]
+    fn mutated_tables_give_errors_or_translations_never_panics() {
+        use crate::mutation::{mutate_memory, XorShift};
+
+        let vas = [
+            KERNEL_VA,
+            KERNEL_VA + SIZE_2M,
+            0xffff_8880_0000_0000,
+            0x40_0000,
+            0xffff_ffff_ffff_f000,
+        ];
+        let mut rng = XorShift(0x853c_49e6_748f_ea9b);
+        let mut answers = 0;
+        for case in 0..2000 {
+            let la57 = case % 4 == 0;
+            let mut tb = TableBuilder::new(la57);
+            for (i, va) in vas.into_iter().enumerate() {
+                let va = if la57 { va | 0xff00_0000_0000_0000 } else { va };
+                let level = [TableLevel::Pte, TableLevel::Pmd, TableLevel::Pud][i % 3];
+                tb.map(
+                    va,
+                    0x4000_0000 * (i as u64 + 1),
+                    level,
+                    PTE_PRESENT | PTE_WRITABLE,
+                );
+            }
+            tb.mem.add_zeroed(0x4000_0000, 0x2000).unwrap();
+            let hot = tb.table_pages();
+            mutate_memory(&mut tb.mem, &mut rng, &hot, 12);
+
+            for va in vas {
+                let va = if la57 { va | 0xff00_0000_0000_0000 } else { va };
+                answers += usize::from(translate(&mut tb.mem, tb.cr3, la57, va).is_ok());
+                let _ = pmd_slot(&mut tb.mem, tb.cr3, la57, va);
+                let mut buf = [0u8; 0x1800];
+                let _ = read_virt(&mut tb.mem, tb.cr3, la57, va.wrapping_sub(0x800), &mut buf);
+            }
+        }
+
+        // Not every case breaks the walk: the mutations leave most translations working.
+        assert!(answers > 0);
     }
 }

@@ -46,6 +46,14 @@ pub enum RegressError {
     /// The image is not laid out as the harness expects.
     #[error("the image is not usable: {0}")]
     Layout(String),
+    /// Listed functions that the sweep cannot call (not in the image, not code, ...).
+    #[error("cannot sweep {}", unusable_list(.0))]
+    Unusable(Vec<vmlinux::UnusableFunction>),
+}
+
+fn unusable_list(functions: &[vmlinux::UnusableFunction]) -> String {
+    let names: Vec<String> = functions.iter().map(ToString::to_string).collect();
+    names.join("; ")
 }
 
 /// How a probe is attached at a point.
@@ -111,8 +119,8 @@ pub struct Report {
     pub reference_instructions: u64,
     /// The reference run's checksum.
     pub checksum: u64,
-    /// Functions left out because their unprobed reference call did not return, with
-    /// why (not a divergence: there is nothing to compare against).
+    /// Functions left out, with why: not in this image, or their unprobed reference call
+    /// did not return (not a divergence: there is nothing to compare against).
     pub skipped: Vec<String>,
     /// Divergences: must be empty.
     pub divergences: Vec<Divergence>,
@@ -159,11 +167,7 @@ impl fmt::Display for Report {
             writeln!(f, "through springboards: {}", self.springboards)?;
         }
         if !self.skipped.is_empty() {
-            writeln!(
-                f,
-                "skipped (reference did not return): {}",
-                self.skipped.join("; ")
-            )?;
+            writeln!(f, "skipped: {}", self.skipped.join("; "))?;
         }
         writeln!(f, "build errors: {}", self.build_errors.len())?;
         for (addr, why) in self.build_errors.iter().take(20) {

@@ -11,9 +11,15 @@
 //! at 0 with GS base 0. What is compared: the return value and every register, the
 //! scratch area and the live stack. The kernel's own data is not compared (the chosen
 //! functions do not write it).
+//!
+//! `exotap regress --functions FILE` sweeps the functions a file names instead
+//! ([`read_function_list`], [`regress_functions`]); one outside [`CALLS`] gets generic
+//! arguments (see [`generic_setup`]).
 
-use std::collections::HashMap;
-use std::path::Path;
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use exotap_introspect::x86::{AnalysisConfig, CodeView, FunctionRange, TextAnalysis};
@@ -258,6 +264,238 @@ const CALLS: &[(&str, Setup)] = &[
     ("__sw_hweight32", |_| [0xf0f0_1234, 0, 0, 0, 0]),
 ];
 
+/// Bytes of each zero-filled buffer that a function outside [`CALLS`] gets as an argument.
+const GENERIC_BUFFER: usize = 1024;
+
+/// Arguments for a listed function that [`CALLS`] does not describe: each of the five
+/// argument registers points at its own zero-filled buffer. A string argument is then
+/// empty, a structure all zero, an output buffer writable; a count or flag argument gets a
+/// kernel address, which may send the function past the scratch area: its unprobed call
+/// then does not return and the function is reported skipped, not swept.
+fn generic_setup(s: &mut Scratch) -> [u64; 5] {
+    [(); 5].map(|()| s.alloc(GENERIC_BUFFER))
+}
+
+/// The functions the sweep calls by default (those of [`CALLS`]), each with arguments set
+/// up for it.
+#[must_use]
+pub fn builtin_functions() -> Vec<&'static str> {
+    CALLS.iter().map(|c| c.0).collect()
+}
+
+/// Errors of a function list (`exotap regress --functions FILE`).
+#[derive(Debug, thiserror::Error)]
+pub enum FunctionListError {
+    /// The file cannot be read.
+    #[error("cannot read the function list {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line holds something other than one symbol name.
+    #[error(
+        "line {line}: `{text}` is not a function name (one name per line, `#` starts a comment)"
+    )]
+    NotAName {
+        /// The line number, from 1.
+        line: usize,
+        /// The line's text without its comment.
+        text: String,
+    },
+    /// A name is listed twice.
+    #[error("line {line}: `{name}` is already listed on line {first}")]
+    Duplicate {
+        /// The line number of the repetition, from 1.
+        line: usize,
+        /// The name.
+        name: String,
+        /// The line number of the first listing.
+        first: usize,
+    },
+    /// Nothing but comments and blank lines.
+    #[error("the function list names no function")]
+    Empty,
+}
+
+/// Whether `name` can be an ELF symbol of a kernel function (`foo`, `foo.constprop.0`).
+fn is_symbol_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+}
+
+/// Parses a function list: one name per line; `#` starts a comment (on its own line or
+/// after a name); blank lines are ignored.
+///
+/// # Errors
+/// A line that is not one symbol name, a name listed twice, or no name at all.
+pub fn parse_function_list(text: &str) -> Result<Vec<String>, FunctionListError> {
+    let mut names: Vec<String> = Vec::new();
+    let mut first_line: HashMap<String, usize> = HashMap::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        let content = raw.split_once('#').map_or(raw, |(before, _)| before).trim();
+        if content.is_empty() {
+            continue;
+        }
+        if !is_symbol_name(content) {
+            return Err(FunctionListError::NotAName {
+                line,
+                text: content.chars().take(80).collect(),
+            });
+        }
+        if let Some(&first) = first_line.get(content) {
+            return Err(FunctionListError::Duplicate {
+                line,
+                name: content.to_owned(),
+                first,
+            });
+        }
+        first_line.insert(content.to_owned(), line);
+        names.push(content.to_owned());
+    }
+    if names.is_empty() {
+        return Err(FunctionListError::Empty);
+    }
+    Ok(names)
+}
+
+/// Reads and parses a function list file (see [`parse_function_list`]).
+///
+/// # Errors
+/// An unreadable file, or as [`parse_function_list`].
+pub fn read_function_list(path: &Path) -> Result<Vec<String>, FunctionListError> {
+    let text = std::fs::read_to_string(path).map_err(|source| FunctionListError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse_function_list(&text)
+}
+
+/// Why a listed function cannot be swept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unusable {
+    /// No symbol of that name.
+    NotInVmlinux,
+    /// Only data symbols of that name.
+    NotCode,
+    /// The symbol has size 0.
+    NoSize,
+    /// The function lies outside the text segment the sweep analyses.
+    OutsideText,
+    /// Several functions at different addresses have the name.
+    Ambiguous(usize),
+    /// Another listed name is the same function.
+    AliasOf(String),
+}
+
+impl fmt::Display for Unusable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NotInVmlinux => f.write_str("no symbol of that name in the vmlinux"),
+            Self::NotCode => f.write_str("a data symbol, not a function"),
+            Self::NoSize => {
+                f.write_str("its symbol has no size, so the sweep cannot tell where it ends")
+            }
+            Self::OutsideText => f.write_str(
+                "outside the kernel's main text segment (init or entry code), which the sweep does not load as code",
+            ),
+            Self::Ambiguous(n) => write!(
+                f,
+                "{n} functions at different addresses have this name (static functions of different files)"
+            ),
+            Self::AliasOf(other) => write!(f, "the same function as `{other}`, listed before"),
+        }
+    }
+}
+
+/// A listed function the sweep cannot call, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnusableFunction {
+    /// The name as listed.
+    pub name: String,
+    /// Why.
+    pub why: Unusable,
+}
+
+impl fmt::Display for UnusableFunction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.name, self.why)
+    }
+}
+
+/// One ELF symbol of a wanted name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SymbolFact {
+    addr: u64,
+    size: u64,
+    code: bool,
+}
+
+/// Where the function `name` lies, from the symbols of that name and the text segment.
+fn resolve(facts: &[SymbolFact], text: &Range<u64>) -> Result<FunctionRange, Unusable> {
+    if facts.is_empty() {
+        return Err(Unusable::NotInVmlinux);
+    }
+    let mut code: Vec<SymbolFact> = facts.iter().copied().filter(|f| f.code).collect();
+    if code.is_empty() {
+        return Err(Unusable::NotCode);
+    }
+    code.sort_by_key(|f| (f.addr, std::cmp::Reverse(f.size)));
+    code.dedup_by_key(|f| f.addr);
+    let [only] = code.as_slice() else {
+        return Err(Unusable::Ambiguous(code.len()));
+    };
+    if only.size == 0 {
+        return Err(Unusable::NoSize);
+    }
+    let end = only
+        .addr
+        .checked_add(only.size)
+        .ok_or(Unusable::OutsideText)?;
+    if only.addr < text.start || end > text.end {
+        return Err(Unusable::OutsideText);
+    }
+    Ok(FunctionRange {
+        start: only.addr,
+        end,
+    })
+}
+
+/// Resolves every name: the callable ones in list order, and the others with why.
+fn resolve_all<S: AsRef<str>>(
+    names: &[S],
+    symbols: &HashMap<String, Vec<SymbolFact>>,
+    text: &Range<u64>,
+) -> (Vec<(String, FunctionRange)>, Vec<UnusableFunction>) {
+    let mut callable: Vec<(String, FunctionRange)> = Vec::new();
+    let mut unusable = Vec::new();
+    for name in names {
+        let name = name.as_ref();
+        let facts = symbols.get(name).map_or(&[][..], Vec::as_slice);
+        let why = match resolve(facts, text) {
+            Ok(range) => match callable.iter().find(|(_, r)| r.start == range.start) {
+                Some((other, _)) => Unusable::AliasOf(other.clone()),
+                None => {
+                    callable.push((name.to_owned(), range));
+                    continue;
+                }
+            },
+            Err(why) => why,
+        };
+        unusable.push(UnusableFunction {
+            name: name.to_owned(),
+            why,
+        });
+    }
+    (callable, unusable)
+}
+
 /// The Debian kernel's vmlinux with symbols, if the -dbg package is in the cache.
 #[must_use]
 pub fn cached_vmlinux() -> Option<std::path::PathBuf> {
@@ -273,11 +511,14 @@ struct Loaded {
     regions: Vec<Region>,
     text_base: u64,
     text: Vec<u8>,
-    symbols: HashMap<String, (u64, u64)>,
+    /// Every symbol of a wanted name.
+    symbols: HashMap<String, Vec<SymbolFact>>,
     return_thunk: Option<u64>,
 }
 
-fn load(path: &Path) -> Result<Loaded, RegressError> {
+const RETURN_THUNK: &str = "__x86_return_thunk";
+
+fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError> {
     let bad = |why: String| RegressError::Layout(format!("{}: {why}", path.display()));
     let file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
     // SAFETY: the file is only read; a cached image is not modified while in use (the
@@ -310,20 +551,30 @@ fn load(path: &Path) -> Result<Loaded, RegressError> {
         });
     }
     let (text_base, text) = text.ok_or_else(|| bad("no kernel text segment".into()))?;
-    let wanted: std::collections::HashSet<&str> = CALLS
+    let wanted: HashSet<&str> = names
         .iter()
-        .map(|(n, _)| *n)
-        .chain(["__x86_return_thunk"])
+        .map(AsRef::as_ref)
+        .chain([RETURN_THUNK])
         .collect();
-    let mut symbols = HashMap::new();
+    let mut symbols: HashMap<String, Vec<SymbolFact>> = HashMap::new();
     for sym in elf.symbols() {
         if let Ok(name) = sym.name() {
-            if wanted.contains(name) && sym.kind() == object::SymbolKind::Text {
-                symbols.insert(name.to_owned(), (sym.address(), sym.size()));
+            if wanted.contains(name) {
+                symbols
+                    .entry(name.to_owned())
+                    .or_default()
+                    .push(SymbolFact {
+                        addr: sym.address(),
+                        size: sym.size(),
+                        code: sym.kind() == object::SymbolKind::Text,
+                    });
             }
         }
     }
-    let return_thunk = symbols.get("__x86_return_thunk").map(|&(a, _)| a);
+    let return_thunk = symbols
+        .get(RETURN_THUNK)
+        .and_then(|facts| facts.iter().find(|f| f.code))
+        .map(|f| f.addr);
     Ok(Loaded {
         regions,
         text_base,
@@ -333,41 +584,60 @@ fn load(path: &Path) -> Result<Loaded, RegressError> {
     })
 }
 
-/// Runs the sweep over the kernel functions of [`CALLS`] found in `vmlinux`.
+/// Runs the sweep over the kernel functions of [`builtin_functions`] found in `vmlinux`;
+/// those this vmlinux lacks are reported skipped.
 ///
 /// # Errors
-/// Unreadable image, emulator failure, a reference call that does not return.
+/// Unreadable image, emulator failure.
 pub fn regress(vmlinux: &Path, options: &Options) -> Result<Report, RegressError> {
-    let names: Vec<&str> = CALLS.iter().map(|c| c.0).collect();
-    regress_functions(vmlinux, &names, options)
+    sweep_functions(vmlinux, &builtin_functions(), options, false)
 }
 
-/// Runs the sweep over the named functions of [`CALLS`] only.
+/// Runs the sweep over the named functions (a list from [`read_function_list`]). A
+/// function of [`builtin_functions`] is called with the arguments set up for it; any
+/// other with generic arguments: each of the five argument registers points at its own
+/// zero-filled 1 KiB buffer. A function whose unprobed call does not return is reported
+/// skipped.
 ///
 /// # Errors
-/// As [`regress`].
-pub fn regress_functions(
+/// [`RegressError::Unusable`], naming every listed function that is not in the vmlinux or
+/// cannot be called (a data symbol, no size, outside the main text, an ambiguous static
+/// name), before anything runs; otherwise as [`regress`].
+pub fn regress_functions<S: AsRef<str>>(
     vmlinux: &Path,
-    names: &[&str],
+    names: &[S],
     options: &Options,
 ) -> Result<Report, RegressError> {
+    sweep_functions(vmlinux, names, options, true)
+}
+
+fn sweep_functions<S: AsRef<str>>(
+    vmlinux: &Path,
+    names: &[S],
+    options: &Options,
+    refuse_unusable: bool,
+) -> Result<Report, RegressError> {
     let started = Instant::now();
-    let loaded = load(vmlinux)?;
+    let loaded = load(vmlinux, names)?;
+    let text_range = loaded.text_base..loaded.text_base + loaded.text.len() as u64;
+    let (callable, unusable) = resolve_all(names, &loaded.symbols, &text_range);
+    if refuse_unusable && !unusable.is_empty() {
+        return Err(RegressError::Unusable(unusable));
+    }
     let view = CodeView::new(loaded.text_base, &loaded.text)
         .map_err(|e| RegressError::Layout(e.to_string()))?;
-    let mut calls: Vec<(&str, Setup, FunctionRange)> = CALLS
+    let mut generic: Vec<&str> = Vec::new();
+    let mut calls: Vec<(&str, Setup, FunctionRange)> = callable
         .iter()
-        .filter(|(name, _)| names.contains(name))
-        .filter_map(|&(name, setup)| {
-            let &(start, size) = loaded.symbols.get(name)?;
-            (size > 0).then_some((
-                name,
-                setup,
-                FunctionRange {
-                    start,
-                    end: start + size,
+        .map(|(name, range)| {
+            let setup = CALLS.iter().find(|c| c.0 == name).map_or_else(
+                || {
+                    generic.push(name);
+                    generic_setup as Setup
                 },
-            ))
+                |c| c.1,
+            );
+            (name.as_str(), setup, *range)
         })
         .collect();
     calls.sort_by_key(|c| c.2.start);
@@ -407,8 +677,21 @@ pub fn regress_functions(
         X86Registers::default(),
     )?;
     h.in_emulator_traps = options.in_emulator_traps;
+    let generic_note = if generic.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; with generic arguments (pointers to zeroed buffers): {}",
+            generic.join(", ")
+        )
+    };
     let mut report = Report {
-        image: format!("{} ({} functions called)", vmlinux.display(), calls.len()),
+        image: format!(
+            "{} ({} functions called{generic_note})",
+            vmlinux.display(),
+            calls.len()
+        ),
+        skipped: unusable.iter().map(ToString::to_string).collect(),
         ..Report::default()
     };
     tracing::info!(
@@ -439,7 +722,9 @@ pub fn regress_functions(
         match sweep(&mut h, &ctx, &addrs, options, &mut report, &func_name) {
             Ok(()) => report.functions += 1,
             Err(RegressError::ReferenceDidNotHalt(why)) => {
-                report.skipped.push(format!("{name}: {why}"));
+                report
+                    .skipped
+                    .push(format!("{name} (its unprobed call did not return: {why})"));
             }
             Err(e) => return Err(e),
         }
@@ -447,4 +732,203 @@ pub fn regress_functions(
     }
     report.elapsed = started.elapsed();
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: Range<u64> = 0xffff_ffff_8100_0000..0xffff_ffff_8200_0000;
+
+    fn code(addr: u64, size: u64) -> SymbolFact {
+        SymbolFact {
+            addr,
+            size,
+            code: true,
+        }
+    }
+
+    #[test]
+    fn function_list_skips_comments_and_blank_lines() {
+        let text = "# my functions\n\nstrlen\n  memcmp   # trailing comment\n\t\nfoo.constprop.0\n";
+
+        let names = parse_function_list(text).unwrap();
+
+        assert_eq!(names, ["strlen", "memcmp", "foo.constprop.0"]);
+    }
+
+    #[test]
+    fn function_list_refuses_two_names_on_a_line() {
+        let err = parse_function_list("strlen\nstrcmp strncmp\n").unwrap_err();
+
+        assert!(
+            matches!(&err, FunctionListError::NotAName { line: 2, text } if text == "strcmp strncmp"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn function_list_refuses_a_name_that_is_not_a_symbol() {
+        let err = parse_function_list("0xffffffff81000000\n").unwrap_err();
+
+        assert!(
+            matches!(err, FunctionListError::NotAName { line: 1, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn function_list_refuses_a_name_listed_twice() {
+        let err = parse_function_list("strlen\n# again:\nstrlen\n").unwrap_err();
+
+        assert!(
+            matches!(&err, FunctionListError::Duplicate { line: 3, first: 1, name } if name == "strlen"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn function_list_of_only_comments_is_empty() {
+        let err = parse_function_list("# nothing\n\n   # here\n").unwrap_err();
+
+        assert!(matches!(err, FunctionListError::Empty), "{err}");
+    }
+
+    #[test]
+    fn unreadable_function_list_names_the_file() {
+        let err = read_function_list(Path::new("/nonexistent/functions.txt")).unwrap_err();
+
+        assert!(
+            err.to_string().contains("/nonexistent/functions.txt"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unknown_names_are_all_named_with_why() {
+        let symbols = HashMap::from([
+            ("strlen".to_owned(), vec![code(TEXT.start + 0x100, 0x20)]),
+            (
+                "jiffies".to_owned(),
+                vec![SymbolFact {
+                    addr: TEXT.end + 0x1000,
+                    size: 8,
+                    code: false,
+                }],
+            ),
+        ]);
+
+        let (callable, unusable) =
+            resolve_all(&["strlen", "no_such_fn", "jiffies"], &symbols, &TEXT);
+
+        assert_eq!(callable.len(), 1);
+        assert_eq!(
+            unusable,
+            [
+                UnusableFunction {
+                    name: "no_such_fn".into(),
+                    why: Unusable::NotInVmlinux
+                },
+                UnusableFunction {
+                    name: "jiffies".into(),
+                    why: Unusable::NotCode
+                },
+            ]
+        );
+        let message = RegressError::Unusable(unusable).to_string();
+        assert!(
+            message.contains("no_such_fn (no symbol of that name"),
+            "{message}"
+        );
+        assert!(message.contains("jiffies (a data symbol"), "{message}");
+    }
+
+    #[test]
+    fn function_without_size_outside_text_or_ambiguous_is_refused() {
+        let symbols = HashMap::from([
+            ("sizeless".to_owned(), vec![code(TEXT.start + 0x10, 0)]),
+            ("init_fn".to_owned(), vec![code(TEXT.end + 0x10, 0x40)]),
+            (
+                "cmp".to_owned(),
+                vec![
+                    code(TEXT.start + 0x200, 0x10),
+                    code(TEXT.start + 0x300, 0x10),
+                ],
+            ),
+            ("straddles".to_owned(), vec![code(TEXT.end - 0x10, 0x40)]),
+        ]);
+
+        let (callable, unusable) = resolve_all(
+            &["sizeless", "init_fn", "cmp", "straddles"],
+            &symbols,
+            &TEXT,
+        );
+
+        assert!(callable.is_empty());
+        let whys: Vec<Unusable> = unusable.into_iter().map(|u| u.why).collect();
+        assert_eq!(
+            whys,
+            [
+                Unusable::NoSize,
+                Unusable::OutsideText,
+                Unusable::Ambiguous(2),
+                Unusable::OutsideText
+            ]
+        );
+    }
+
+    #[test]
+    fn second_name_of_the_same_function_is_an_alias() {
+        let symbols = HashMap::from([
+            ("memmove".to_owned(), vec![code(TEXT.start + 0x40, 0x80)]),
+            ("__memmove".to_owned(), vec![code(TEXT.start + 0x40, 0x80)]),
+        ]);
+
+        let (callable, unusable) = resolve_all(&["__memmove", "memmove"], &symbols, &TEXT);
+
+        assert_eq!(callable.len(), 1);
+        assert_eq!(unusable[0].why, Unusable::AliasOf("__memmove".into()));
+    }
+
+    #[test]
+    fn local_and_global_symbols_at_one_address_are_one_function() {
+        let symbols = HashMap::from([(
+            "gcd".to_owned(),
+            vec![
+                code(TEXT.start + 0x500, 0x30),
+                code(TEXT.start + 0x500, 0x30),
+            ],
+        )]);
+
+        let (callable, unusable) = resolve_all(&["gcd"], &symbols, &TEXT);
+
+        assert!(unusable.is_empty());
+        assert_eq!(callable[0].1.end, TEXT.start + 0x530);
+    }
+
+    #[test]
+    fn generic_arguments_point_at_distinct_zeroed_buffers() {
+        let mut scratch = Scratch::new();
+
+        let args = generic_setup(&mut scratch);
+
+        for pair in args.windows(2) {
+            assert!(pair[1] >= pair[0] + GENERIC_BUFFER as u64);
+        }
+        let last = (args[4] - SCRATCH) as usize + GENERIC_BUFFER;
+        assert!(last <= SCRATCH_SIZE);
+        assert!(scratch.bytes[(args[0] - SCRATCH) as usize..last]
+            .iter()
+            .all(|&b| b == 0));
+    }
+
+    #[test]
+    fn every_builtin_function_is_a_valid_list_entry() {
+        let text = builtin_functions().join("\n");
+
+        let names = parse_function_list(&text).unwrap();
+
+        assert_eq!(names.len(), CALLS.len());
+    }
 }

@@ -24,3 +24,37 @@ fn every_accepted_point_of_30_vmlinux_functions_runs_unchanged() {
         "{report}"
     );
 }
+
+#[test]
+fn listed_functions_are_swept_and_unknown_ones_refused_by_name() {
+    let Some(path) = vmlinux::cached_vmlinux() else {
+        println!("SKIP: no vmlinux with symbols in the cache (exotap image fetch --debuginfo)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let list = dir.path().join("functions.txt");
+    // Two built-in functions and one with generic arguments (strchrnul of an empty string
+    // returns at once, whatever the character).
+    std::fs::write(&list, "# a list\nstrlen\n\ngcd  # numbers\nstrchrnul\n").unwrap();
+    let names = vmlinux::read_function_list(&list).unwrap();
+
+    let report = vmlinux::regress_functions(&path, &names, &Options::ci()).unwrap();
+    let refused = vmlinux::regress_functions(
+        &path,
+        &["strlen", "exotap_no_such_function", "jiffies_64"],
+        &Options::ci(),
+    )
+    .unwrap_err()
+    .to_string();
+    println!("{report}\n{refused}");
+
+    assert_eq!(report.functions, 3, "{report}");
+    assert!(report.image.contains("generic arguments"), "{report}");
+    assert!(report.divergences.is_empty(), "{report}");
+    assert!(
+        refused.contains("exotap_no_such_function (no symbol"),
+        "{refused}"
+    );
+    assert!(refused.contains("jiffies_64 (a data symbol"), "{refused}");
+    assert!(!refused.contains("strlen"), "{refused}");
+}

@@ -22,6 +22,13 @@ pub const LARGE_PAGE: u64 = 2 << 20;
 /// Lowest address of the 32-bit PCI hole on `-M pc`: RAM above it is moved above 4 GiB.
 const PC_LOWMEM_LIMIT: u64 = 0xe000_0000;
 
+/// The longest console line kept whole; longer ones are split.
+const MAX_LINE: u64 = 64 * 1024;
+/// Bytes of QEMU's stderr kept for an error message.
+const MAX_STDERR: u64 = 64 * 1024;
+/// How long QEMU may take to exit after closing its console, and its stderr after that.
+const EXIT_GRACE: Duration = Duration::from_secs(5);
+
 /// Errors of the QEMU launcher.
 #[derive(Debug, thiserror::Error)]
 pub enum QemuError {
@@ -392,32 +399,17 @@ pub fn run(
 
     let (tx, rx) = mpsc::channel();
     if let Some(stdout) = child.0.stdout.take() {
+        std::thread::spawn(move || forward_lines(stdout, &tx));
+    }
+    let (stderr_tx, stderr_rx) = mpsc::channel();
+    if let Some(stderr) = child.0.stderr.take() {
         std::thread::spawn(move || {
-            let mut reader = BufReader::new(stdout);
-            let mut buf = Vec::new();
-            loop {
-                buf.clear();
-                match reader.read_until(b'\n', &mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {
-                        let line = String::from_utf8_lossy(&buf);
-                        let line = line.trim_end_matches(['\n', '\r']).to_owned();
-                        if tx.send(Event::Line(line)).is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-            let _ = tx.send(Event::Eof);
+            let mut text = Vec::new();
+            let _ =
+                std::io::Read::read_to_end(&mut std::io::Read::take(stderr, MAX_STDERR), &mut text);
+            let _ = stderr_tx.send(String::from_utf8_lossy(&text).into_owned());
         });
     }
-    let stderr_reader = child.0.stderr.take().map(|mut stderr| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
-            text
-        })
-    });
 
     let mut tail = ConsoleTail::new(30);
     let mut control: Option<UnixStream> = None;
@@ -477,7 +469,8 @@ pub fn run(
                         }
                     })?;
                 stream
-                    .write_all(b"g")
+                    .set_write_timeout(Some(timeouts.boot.max(Duration::from_millis(1))))
+                    .and_then(|()| stream.write_all(b"g"))
                     .map_err(|source| QemuError::Go { phase, source })?;
             }
             Some(Marker::Result { key, value }) => outcome.results.push((key, value)),
@@ -486,11 +479,10 @@ pub fn run(
         }
     }
     console.flush().map_err(QemuError::Sink)?;
-    let status: Option<ExitStatus> = child.0.wait().ok();
+    // QEMU closed its console: it is exiting (or hung on the way out).
+    let status: Option<ExitStatus> = wait_exit(&mut child.0, EXIT_GRACE);
     outcome.wall = start.elapsed();
-    let stderr = stderr_reader
-        .and_then(|h| h.join().ok())
-        .unwrap_or_default();
+    let stderr = stderr_rx.recv_timeout(EXIT_GRACE).unwrap_or_default();
     match done {
         Some(rc) => {
             outcome.rc = rc;
@@ -505,6 +497,50 @@ pub fn run(
             },
             tail: tail.render(),
         }),
+    }
+}
+
+/// Sends each console line (without its line end) to `tx`, then [`Event::Eof`]. A line
+/// longer than [`MAX_LINE`] is sent in pieces: a console that never prints a newline costs
+/// bounded memory.
+fn forward_lines(console: impl std::io::Read, tx: &mpsc::Sender<Event>) {
+    let mut reader = BufReader::new(console);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match std::io::Read::take(&mut reader, MAX_LINE).read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                let line = String::from_utf8_lossy(&buf);
+                let line = line.trim_end_matches(['\n', '\r']).to_owned();
+                if tx.send(Event::Line(line)).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    let _ = tx.send(Event::Eof);
+}
+
+/// Waits up to `grace` for `child` to exit, then kills it; its exit status if known.
+fn wait_exit(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + grace;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(None) => {
+                tracing::warn!(
+                    "QEMU did not exit {} s after closing its console; killing it",
+                    grace.as_secs()
+                );
+                let _ = child.kill();
+                return child.wait().ok();
+            }
+            Err(_) => return None,
+        }
     }
 }
 
@@ -592,5 +628,35 @@ mod tests {
         assert_eq!(serials, ["chardev:console", "chardev:control"]);
         assert!(args.windows(2).any(|w| w[0] == "-M" && w[1] == "pc"));
         assert!(args.windows(2).any(|w| w[0] == "-accel" && w[1] == "tcg"));
+    }
+
+    #[test]
+    fn console_line_without_newline_is_split_at_the_line_limit() {
+        let mut console = vec![b'x'; 2 * MAX_LINE as usize + 10];
+        console.extend_from_slice(b"\r\nEXOTAP-READY\n");
+        let (tx, rx) = mpsc::channel();
+
+        forward_lines(std::io::Cursor::new(console), &tx);
+
+        let lengths: Vec<usize> = rx
+            .try_iter()
+            .map(|e| match e {
+                Event::Line(line) if line.starts_with('x') => line.len(),
+                Event::Line(line) => usize::from(line == "EXOTAP-READY"),
+                Event::Eof => 0,
+            })
+            .collect();
+        assert_eq!(lengths, [MAX_LINE as usize, MAX_LINE as usize, 10, 1, 0]);
+    }
+
+    #[test]
+    fn child_that_does_not_exit_is_killed_after_the_grace() {
+        let mut child = Command::new("sleep").arg("600").spawn().unwrap();
+        let started = Instant::now();
+
+        let status = wait_exit(&mut child, Duration::from_millis(200));
+
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(status.is_some_and(|s| !s.success()), "{status:?}");
     }
 }

@@ -736,7 +736,9 @@ impl UnicornMachine {
             });
         }
         if let Some(number) = self.uc.get_data().interrupt {
-            return Ok(RunEnd::Interrupt { pc, number });
+            if !self.is_spurious_fault_at_exit(number, pc)? {
+                return Ok(RunEnd::Interrupt { pc, number });
+            }
         }
         if std::mem::take(&mut self.uc.get_data_mut().budget_hit) {
             return Ok(RunEnd::BudgetExhausted(pc));
@@ -748,6 +750,21 @@ impl UnicornMachine {
             return Ok(RunEnd::Breakpoint(pc));
         }
         Ok(RunEnd::BudgetExhausted(pc))
+    }
+
+    /// Whether interrupt `number` at `pc` is the page fault Unicorn 2.1.5 raises the first
+    /// time execution reaches an exit (the halt address or a breakpoint) at the start of a
+    /// page whose preceding page is unmapped: CR2 is the byte before the exit, which
+    /// nothing executes. The exit was reached; the run ends there as it does on every
+    /// later run.
+    fn is_spurious_fault_at_exit(&self, number: u32, pc: u64) -> Result<bool, ControlError> {
+        const PAGE_FAULT: u32 = 14;
+        let at_exit = Some(pc) == self.halt || self.breakpoints.contains(&pc);
+        if self.isa != Isa::X86_64 || number != PAGE_FAULT || !at_exit {
+            return Ok(false);
+        }
+        let cr2 = self.uc.reg_read(RegisterX86::CR2).map_err(backend)?;
+        Ok(cr2 == pc.wrapping_sub(1) && self.translate(cr2).is_none())
     }
 
     fn finish(&mut self, end: RunEnd) -> RunEnd {
@@ -952,6 +969,29 @@ mod tests {
             m.wait_event(Duration::ZERO).unwrap(),
             Some(StopEvent::Exited)
         );
+    }
+
+    #[test]
+    fn first_run_halts_at_a_page_start_after_an_unmapped_page() {
+        // `ret` to a halt address at the start of its own page, the page before unmapped.
+        let halt = BASE + 0x30_0000;
+        let stack = BASE - 0x10_0000;
+        let mut m = machine_with(&[0xc3]);
+        m.map(stack, 0x1000).unwrap();
+        m.map(halt, 0x1000).unwrap();
+        m.write(stack + 0x800, &halt.to_le_bytes()).unwrap();
+        m.set_halt(Some(halt)).unwrap();
+        let mut start = X86Registers {
+            rip: BASE,
+            rflags: 2,
+            ..X86Registers::default()
+        };
+        start.gpr[7] = stack + 0x800;
+        m.set_x86_registers(&start).unwrap();
+
+        let end = m.run().unwrap();
+
+        assert_eq!(end, RunEnd::Halted(halt));
     }
 
     #[test]

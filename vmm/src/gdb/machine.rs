@@ -2,12 +2,14 @@
 
 use std::time::Duration;
 
-use super::client::{GdbClient, GdbError, StopReply, ThreadId};
+use super::client::{GdbClient, GdbError, Interrupter, StopReply, ThreadId};
 use crate::control::{
     ControlError, Machine, RegisterFile, StopEvent, VcpuId, X86Registers, X86_GPR_NAMES,
 };
 
 const BACKEND: &str = "qemu gdbstub";
+/// The segment registers of the target description, in [`X86Registers::segments`] order.
+const SEGMENTS: [&str; 6] = ["cs", "ss", "ds", "es", "fs", "gs"];
 
 fn backend(e: GdbError) -> ControlError {
     ControlError::Backend {
@@ -68,6 +70,15 @@ impl GdbMachine {
             layout,
             regs_cache: None,
         })
+    }
+
+    /// A handle that stops the guest or cancels a wait for it from another thread (see
+    /// [`Interrupter`]).
+    ///
+    /// # Errors
+    /// When the socket cannot be shared.
+    pub fn interrupter(&self) -> Result<Interrupter, ControlError> {
+        self.client.interrupter().map_err(backend)
     }
 
     /// The underlying protocol client (monitor commands and other QEMU specifics).
@@ -208,24 +219,31 @@ impl Machine for GdbMachine {
         let thread = self.thread(vcpu)?;
         let all = self.client.read_all_registers(thread).map_err(backend)?;
         let mut regs = X86Registers::default();
-        let mut missing = Vec::new();
-        let mut get = |name: &str| match self.field(&all, name) {
-            Some(v) => v,
-            None => {
-                missing.push(name.to_owned());
-                0
-            }
-        };
+        // The core registers must all be in `g`: a short answer is an error, never zeros.
+        let missing: Vec<&str> = X86_GPR_NAMES
+            .iter()
+            .copied()
+            .chain(["rip", "eflags"])
+            .chain(SEGMENTS)
+            .filter(|name| self.field(&all, name).is_none())
+            .collect();
+        if !missing.is_empty() {
+            return Err(backend(GdbError::Unexpected {
+                request: "g".into(),
+                reply: format!(
+                    "{} bytes of registers, without {}",
+                    all.len(),
+                    missing.join(" ")
+                ),
+            }));
+        }
+        let get = |name: &str| self.field(&all, name).unwrap_or_default();
         for (slot, name) in regs.gpr.iter_mut().zip(X86_GPR_NAMES) {
             *slot = get(name);
         }
         regs.rip = get("rip");
         regs.rflags = get("eflags");
-        for (slot, name) in regs
-            .segments
-            .iter_mut()
-            .zip(["cs", "ss", "ds", "es", "fs", "gs"])
-        {
+        for (slot, name) in regs.segments.iter_mut().zip(SEGMENTS) {
             *slot = u16::try_from(get(name) & 0xffff).unwrap_or(0);
         }
         // QEMU leaves control registers and bases out of `g`; read those one by one.
@@ -246,9 +264,6 @@ impl Machine for GdbMachine {
                     .read_register_u64(thread, name)
                     .map_err(backend)?,
             };
-        }
-        if !missing.is_empty() {
-            tracing::debug!(?missing, "registers not in the g packet");
         }
         self.regs_cache = Some((vcpu, regs));
         Ok(RegisterFile::X86_64(regs))
