@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_probes::compile::{
-    self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies,
-    SitePoint, TaskFields, Unsupported,
+    self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, SitePoint,
+    TaskFields, Unsupported,
 };
 use exotap_probes::lang::check::Program;
 use exotap_probes::lang::kernel_points::KernelSymbols;
@@ -87,7 +87,10 @@ fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
             cred_uid: member("cred", "uid"),
         },
         realtime_ns: image.symbols.get("ktime_get_real_fast_ns").map(|s| s.addr),
-        copy_nofault: image.symbols.get("copy_from_kernel_nofault").map(|s| s.addr),
+        copy_nofault: image
+            .symbols
+            .get("copy_from_kernel_nofault")
+            .map(|s| s.addr),
     })
 }
 
@@ -206,7 +209,9 @@ struct Sites<'a> {
 
 impl SiteCode for Sites<'_> {
     fn has_returns(&self, site: u32) -> bool {
-        self.bodies.get(site as usize).is_some_and(|b| !b.ret.is_empty())
+        self.bodies
+            .get(site as usize)
+            .is_some_and(|b| !b.ret.is_empty())
     }
 
     fn entry(
@@ -269,7 +274,9 @@ impl Guest {
             let mut consumed = 0u64;
             'spans: for (slot, n) in ring_spans(from, head) {
                 let at = ring + RING_HEADER + slot * RECORD;
-                let bytes = self.splicer.read_heap(&mut self.machine, at, usize::try_from(n * RECORD)?)?;
+                let bytes =
+                    self.splicer
+                        .read_heap(&mut self.machine, at, usize::try_from(n * RECORD)?)?;
                 for rec in bytes.chunks_exact(RECORD as usize) {
                     let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
                     if tsc == 0 && !last {
@@ -305,9 +312,9 @@ impl Guest {
     }
 
     fn header(&mut self) -> anyhow::Result<Header> {
-        let bytes = self
-            .splicer
-            .read_heap(&mut self.machine, self.data, compile::data::HEADER as usize)?;
+        let bytes =
+            self.splicer
+                .read_heap(&mut self.machine, self.data, compile::data::HEADER as usize)?;
         Ok(Header::decode(&bytes))
     }
 
@@ -331,14 +338,18 @@ impl Guest {
         fresh[..header.len()].copy_from_slice(&header);
         for name in self.layout.globals.keys() {
             if let Some(store) = session.global(name) {
-                if let Err(e) = self.layout.encode_into(name, store, &mut self.interner, &mut fresh) {
+                if let Err(e) = self
+                    .layout
+                    .encode_into(name, store, &mut self.interner, &mut fresh)
+                {
                     tracing::warn!("cannot give {name} back to the compiled probes: {e}");
                 }
             }
         }
         if fresh != data {
             data = fresh;
-            self.splicer.write_heap(&mut self.machine, self.data, &data)?;
+            self.splicer
+                .write_heap(&mut self.machine, self.data, &data)?;
         }
         Ok(())
     }
@@ -372,7 +383,8 @@ pub fn start(
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
     facts.copy_nofault = plan.copy_link.map(|a| a.wrapping_add(slide));
     let kprobes = if script.compare_kprobes {
-        let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+        let btf =
+            Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
         Some(KprobeReader::new(&survey, image, &btf)?)
     } else {
         None
@@ -381,7 +393,11 @@ pub fn start(
     let machine = att.machine;
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())
-        .spawn(move || run(machine, splicer, script, plan, facts, slide, kprobes, ready_tx))
+        .spawn(move || {
+            run(
+                machine, splicer, script, plan, facts, slide, kprobes, ready_tx,
+            )
+        })
         .context("cannot start the script thread")?;
     match ready_rx.recv() {
         Ok(Ok(())) => Ok(handle),
@@ -396,21 +412,41 @@ pub fn start(
     }
 }
 
+/// What an install puts in: the program, its points and the kernel's facts (slid).
+#[derive(Clone, Copy)]
+struct Install<'a> {
+    prog: &'a Program,
+    limits: &'a Limits,
+    plan: &'a Plan,
+    facts: &'a Facts,
+    slide: u64,
+}
+
 /// Generates the sites' code and the data, writes them and installs the splices; returns the
 /// guest side.
 fn install(
     mut machine: GdbMachine,
     mut splicer: Splicer,
-    prog: &Program,
-    limits: &Limits,
-    plan: &Plan,
-    facts: &Facts,
-    slide: u64,
+    what: &Install<'_>,
     session: &Session<'_>,
-) -> Result<Guest, (anyhow::Error, Option<GdbMachine>)> {
+) -> Result<Guest, (anyhow::Error, Box<GdbMachine>)> {
+    let Install {
+        prog,
+        limits,
+        plan,
+        facts,
+        slide,
+    } = *what;
     let r = (|| -> anyhow::Result<(DataLayout, u64, Interner)> {
-        let mut layout = DataLayout::new(prog, limits)
-            .map_err(|u| anyhow::anyhow!("{}", u.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
+        let mut layout = DataLayout::new(prog, limits).map_err(|u| {
+            anyhow::anyhow!(
+                "{}",
+                u.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )
+        })?;
         if compile::codegen::prints(prog) {
             let cpus = u32::try_from(splicer.cpus())?;
             layout = layout.with_rings(cpus);
@@ -509,7 +545,7 @@ fn install(
             if !splicer.installed.is_empty() {
                 let _ = splicer.remove(&mut machine);
             }
-            Err((e, Some(machine)))
+            Err((e, Box::new(machine)))
         }
     }
 }
@@ -537,12 +573,17 @@ fn run(
     let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
     session.begin();
-    let mut guest = match install(machine, splicer, &prog, &limits, &plan, &facts, slide, &session) {
+    let what = Install {
+        prog: &prog,
+        limits: &limits,
+        plan: &plan,
+        facts: &facts,
+        slide,
+    };
+    let mut guest = match install(machine, splicer, &what, &session) {
         Ok(g) => g,
         Err((e, machine)) => {
-            if let Some(m) = machine {
-                let _ = m.detach();
-            }
+            let _ = machine.detach();
             let _ = ready.send(Err(e));
             return 1;
         }
@@ -649,7 +690,10 @@ fn run(
             }
             let removed = guest.splicer.remove(&mut guest.machine)?;
             if !removed.differing.is_empty() {
-                tracing::warn!("{} text pages differ after removal", removed.differing.len());
+                tracing::warn!(
+                    "{} text pages differ after removal",
+                    removed.differing.len()
+                );
             }
             if removed.timing_misses > 0 {
                 session.error(&format!(

@@ -426,7 +426,12 @@ pub trait SiteCode {
     ///
     /// # Errors
     /// When the code cannot be generated.
-    fn entry(&mut self, site: u32, at: u64, returns: Option<(u64, u64, u64)>) -> anyhow::Result<Vec<u8>>;
+    fn entry(
+        &mut self,
+        site: u32,
+        at: u64,
+        returns: Option<(u64, u64, u64)>,
+    ) -> anyhow::Result<Vec<u8>>;
     /// The return trampoline at `at`, over the table of calls in flight `table`.
     ///
     /// # Errors
@@ -1164,7 +1169,12 @@ impl Splicer {
     ///
     /// # Errors
     /// When guest memory cannot be written.
-    pub fn write_heap(&self, machine: &mut GdbMachine, va: u64, bytes: &[u8]) -> anyhow::Result<()> {
+    pub fn write_heap(
+        &self,
+        machine: &mut GdbMachine,
+        va: u64,
+        bytes: &[u8],
+    ) -> anyhow::Result<()> {
         Ok(machine.write_phys(self.heap_phys(va), bytes)?)
     }
 
@@ -1172,7 +1182,12 @@ impl Splicer {
     ///
     /// # Errors
     /// When guest memory cannot be read.
-    pub fn read_heap(&self, machine: &mut GdbMachine, va: u64, len: usize) -> anyhow::Result<Vec<u8>> {
+    pub fn read_heap(
+        &self,
+        machine: &mut GdbMachine,
+        va: u64,
+        len: usize,
+    ) -> anyhow::Result<Vec<u8>> {
         let mut buf = vec![0u8; len];
         machine.read_phys(self.heap_phys(va), &mut buf)?;
         Ok(buf)
@@ -1762,8 +1777,8 @@ impl KprobeReader {
                 let name_ptr = u64_at(&mut space, tk + symbol)?;
                 let mut name = [0u8; 128];
                 space.read(name_ptr, &mut name)?;
-                let name =
-                    String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+                let name = String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[]))
+                    .into_owned();
                 let per_cpu = u64_at(&mut space, tk + nhit)?;
                 let mut hits = 0u64;
                 for base in &cpus {
@@ -1778,7 +1793,6 @@ impl KprobeReader {
         }
         Ok(out)
     }
-
 }
 
 /// The addresses of the guest's ftrace records (what `available_filter_functions` lists),

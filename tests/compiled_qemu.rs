@@ -17,7 +17,15 @@ fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, String
     let dir = tempfile::tempdir().unwrap();
     let console = dir.path().join("console.log");
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "400", "--compile", mode, "--script-text", script])
+        .args([
+            "boot",
+            "--timeout",
+            "400",
+            "--compile",
+            mode,
+            "--script-text",
+            script,
+        ])
         .args(["--run", command, "--console"])
         .arg(&console));
     let transcript = std::fs::read_to_string(&console).unwrap_or_default();
@@ -25,7 +33,13 @@ fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, String
 }
 
 fn assert_no_oops(console: &str) {
-    for bad in ["Oops", "BUG:", "WARNING:", "general protection", "Call Trace"] {
+    for bad in [
+        "Oops",
+        "BUG:",
+        "WARNING:",
+        "general protection",
+        "Call Trace",
+    ] {
         assert!(!console.contains(bad), "{bad} in the console:\n{console}");
     }
 }
@@ -66,7 +80,15 @@ fn compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops() {
     let script = r#"global c; probe kernel.function("__x64_sys_*") { c[probefunc()]++ }"#;
 
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "500", "--compile", "require", "--script-text", script])
+        .args([
+            "boot",
+            "--timeout",
+            "500",
+            "--compile",
+            "require",
+            "--script-text",
+            script,
+        ])
         .args(["--attach-in-job", "--compare-kprobes", "--job"])
         .arg(&job_file)
         .arg("--console")
@@ -90,10 +112,16 @@ fn compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops() {
         }
     }
     // Every kprobe'd wrapper the workload called was counted, and nothing else was hit.
-    for line in err.lines().filter_map(|l| l.strip_prefix("HOST-RESULT kprobe.")) {
+    for line in err
+        .lines()
+        .filter_map(|l| l.strip_prefix("HOST-RESULT kprobe."))
+    {
         let (name, k) = line.split_once('=').unwrap();
         if k != "0" {
-            assert!(counts.contains_key(name), "{name} hit {k} times in the guest only: {ctx}");
+            assert!(
+                counts.contains_key(name),
+                "{name} hit {k} times in the guest only: {ctx}"
+            );
         }
     }
     eprintln!("{compared} syscall wrappers compared with the guest's kprobes, all equal");
@@ -143,7 +171,15 @@ fn compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times() {
         }"#;
 
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "900", "--compile", "require", "--script-text", script])
+        .args([
+            "boot",
+            "--timeout",
+            "900",
+            "--compile",
+            "require",
+            "--script-text",
+            script,
+        ])
         .args(["--attach-in-job", "--compare-kprobes", "--job"])
         .arg(&job_file)
         .arg("--console")
@@ -159,7 +195,8 @@ fn compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times() {
     };
     let kprobe = |f: &str| host_result(&err, &format!("kprobe.{f}")).and_then(|v| v.parse().ok());
     let per_cpu = out.lines().filter(|l| l.starts_with("getpid cpu")).count();
-    let hits = value("getpid").unwrap_or(0) + value("getppid").unwrap_or(0) + value("reads").unwrap_or(0);
+    let hits =
+        value("getpid").unwrap_or(0) + value("getppid").unwrap_or(0) + value("reads").unwrap_or(0);
     println!("{hits} hits on {per_cpu} vCPUs:\n{out}");
     assert_eq!(per_cpu, 2, "both vCPUs ran the loops: {ctx}");
     assert!(hits >= 1_000_000, "{ctx}");
@@ -243,15 +280,16 @@ fn compiled_and_host_evaluated_scripts_print_the_same() {
         let (code_c, out_c, err_c, con_c) = boot(script, "require", "syscall-loop 60");
         let (code_h, out_h, err_h, _) = boot(script, "never", "syscall-loop 60");
 
-        let ctx = format!(
-            "script:\n{script}\ncompiled stderr:\n{err_c}\nhost stderr:\n{err_h}"
-        );
+        let ctx = format!("script:\n{script}\ncompiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
         assert_eq!((code_c, code_h), (0, 0), "{ctx}");
         assert!(!script_output(&out_c).trim().is_empty(), "{ctx}");
         assert_eq!(script_output(&out_c), script_output(&out_h), "{ctx}");
         assert_no_oops(&con_c);
     }
-    eprintln!("{} scripts printed the same compiled and host-evaluated", DIFFERENTIAL.len());
+    eprintln!(
+        "{} scripts printed the same compiled and host-evaluated",
+        DIFFERENTIAL.len()
+    );
 }
 
 #[test]
@@ -283,7 +321,10 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
         let ctx = format!("script:\n{script}\nstdout:\n{out}\nstderr:\n{err}");
         assert_eq!(code, 1, "a probe error is a script error: {ctx}");
         assert!(err.contains(message), "{ctx}");
-        assert!(out.contains("EXOTAP-DONE 0"), "the guest's job finished: {ctx}");
+        assert!(
+            out.contains("EXOTAP-DONE 0"),
+            "the guest's job finished: {ctx}"
+        );
         assert_no_oops(&console);
     }
 }
@@ -300,10 +341,19 @@ fn a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails() 
     let (code_r, _, err_r, _) = boot(script, "require", "syscall-loop 5");
     let (code_a, out_a, err_a, _) = boot(script, "auto", "syscall-loop 5");
 
-    assert_eq!(code_r, 125, "--compile=require refuses before the job runs: {err_r}");
-    assert!(err_r.contains("the function sprintf() in a kernel probe"), "{err_r}");
+    assert_eq!(
+        code_r, 125,
+        "--compile=require refuses before the job runs: {err_r}"
+    );
+    assert!(
+        err_r.contains("the function sprintf() in a kernel probe"),
+        "{err_r}"
+    );
     assert_eq!(code_a, 0, "{err_a}");
-    assert!(err_a.contains("run on the host instead") && err_a.contains("sprintf()"), "{err_a}");
+    assert!(
+        err_a.contains("run on the host instead") && err_a.contains("sprintf()"),
+        "{err_a}"
+    );
     assert!(out_a.contains("n=5"), "auto ran it on the host: {out_a}");
 }
 
@@ -372,7 +422,16 @@ fn bench_compiled_vs_host_evaluated_vs_guest_kprobe() {
     }
     let script = r#"global s; probe kernel.function("vfs_read") { s[execname()] <<< $count }"#;
     let boot = |mode: &'static str| -> Vec<&'static str> {
-        vec!["boot", "--timeout", "900", "--attach-in-job", "--compile", mode, "--script-text", script]
+        vec![
+            "boot",
+            "--timeout",
+            "900",
+            "--attach-in-job",
+            "--compile",
+            mode,
+            "--script-text",
+            script,
+        ]
     };
     let compiled = bench_boot(&boot("require"), ("attach", "detach"), 20000);
     let host = bench_boot(&boot("never"), ("attach", "detach"), 100);
@@ -409,7 +468,15 @@ fn bench_compiled_vs_host_evaluated_vs_guest_kprobe() {
     let dir = tempfile::tempdir().unwrap();
     let console = dir.path().join("console.log");
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "900", "--compile", "require", "--script-text", timing])
+        .args([
+            "boot",
+            "--timeout",
+            "900",
+            "--compile",
+            "require",
+            "--script-text",
+            timing,
+        ])
         .args(["--run", "syscall-loop 20000", "--console"])
         .arg(&console));
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
@@ -418,7 +485,8 @@ fn bench_compiled_vs_host_evaluated_vs_guest_kprobe() {
 
 #[test]
 fn run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_running() {
-    if !have_qemu("run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_running") {
+    if !have_qemu("run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_running")
+    {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -452,6 +520,9 @@ fn run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_runni
     assert!(guest.wait().unwrap().success(), "{ctx}");
     assert_eq!(code, 0, "{ctx}");
     assert!(out.contains("n=100\n"), "{ctx}");
-    assert!(rest.contains("EXOTAP-DONE 0"), "the guest ran on to its end: {ctx}");
+    assert!(
+        rest.contains("EXOTAP-DONE 0"),
+        "the guest ran on to its end: {ctx}"
+    );
     assert_no_oops(&rest);
 }

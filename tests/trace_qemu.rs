@@ -47,7 +47,16 @@ fn script_counts_match_the_workload_and_the_guests_own_kprobe() {
     "#;
 
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "400", "--compile", "never", "--script-text", script, "--job"])
+        .args([
+            "boot",
+            "--timeout",
+            "400",
+            "--compile",
+            "never",
+            "--script-text",
+            script,
+            "--job",
+        ])
         .arg(&job_file)
         .arg("--console")
         .arg(&console));
@@ -166,7 +175,16 @@ fn detaching_mid_call_gives_the_swapped_return_address_back() {
     "#;
 
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "400", "--compile", "never", "--script-text", script, "--run"])
+        .args([
+            "boot",
+            "--timeout",
+            "400",
+            "--compile",
+            "never",
+            "--script-text",
+            script,
+            "--run",
+        ])
         .arg("sleep 8; exotap_result slept yes")
         .arg("--console")
         .arg(&console));

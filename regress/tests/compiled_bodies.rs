@@ -130,10 +130,13 @@ fn rig(script: &str, limits: &Limits) -> (Rig, exotap_probes::lang::check::Progr
     uc.write(PERCPU + 0x100, &TASK.to_le_bytes()).unwrap();
     uc.write(PERCPU + 0x108, &0u32.to_le_bytes()).unwrap();
     // The parent (tgid 1) and the cred (uid 1000).
-    uc.write(TASK + 0x40, &(TASK + 0x1000).to_le_bytes()).unwrap();
+    uc.write(TASK + 0x40, &(TASK + 0x1000).to_le_bytes())
+        .unwrap();
     uc.write(TASK + 0x1000 + 0x14, &1i32.to_le_bytes()).unwrap();
-    uc.write(TASK + 0x48, &(TASK + 0x2000).to_le_bytes()).unwrap();
-    uc.write(TASK + 0x2000 + 0x4, &1000u32.to_le_bytes()).unwrap();
+    uc.write(TASK + 0x48, &(TASK + 0x2000).to_le_bytes())
+        .unwrap();
+    uc.write(TASK + 0x2000 + 0x4, &1000u32.to_le_bytes())
+        .unwrap();
     (
         Rig {
             uc,
@@ -164,7 +167,10 @@ impl Rig {
         self.uc.set_halt(Some(self.end)).unwrap();
         self.uc.set_budget(10_000_000);
         let end = self.uc.run().unwrap();
-        assert!(matches!(end, RunEnd::Halted(_)), "the body did not return: {end:?}");
+        assert!(
+            matches!(end, RunEnd::Halted(_)),
+            "the body did not return: {end:?}"
+        );
     }
 
     fn data(&self) -> Vec<u8> {
@@ -217,7 +223,21 @@ fn hits(n: usize) -> Vec<Hit> {
         x ^= x << 17;
         x
     };
-    let awkward = [0, 1, -1, 63, 64, -64, 1 << 40, i64::MIN, i64::MAX, 99, 100, -100, 101];
+    let awkward = [
+        0,
+        1,
+        -1,
+        63,
+        64,
+        -64,
+        1 << 40,
+        i64::MIN,
+        i64::MAX,
+        99,
+        100,
+        -100,
+        101,
+    ];
     let comms = ["bash", "syscall-loop", "kworker/0:1", "a-long-name-15c"];
     (0..n)
         .map(|i| {
@@ -333,7 +353,13 @@ fn a_division_by_zero_ends_the_hit_with_a_probe_error() {
         r#"global z, after; probe kernel.function("f") { z = 10 / $a; after++ }"#,
         &limits,
     );
-    let hit = |a| Hit { comm: "t", pid: 1, tgid: 1, a, b: 0 };
+    let hit = |a| Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a,
+        b: 0,
+    };
 
     rig.hit(&hit(0));
     rig.hit(&hit(5));
@@ -354,7 +380,13 @@ fn an_endless_loop_runs_out_of_its_statement_budget() {
     let limits = Limits::default();
     let (mut rig, _) = rig(r#"probe kernel.function("f") { while (1) {} }"#, &limits);
 
-    rig.hit(&Hit { comm: "t", pid: 1, tgid: 1, a: 0, b: 0 });
+    rig.hit(&Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 0,
+        b: 0,
+    });
 
     let header = Header::decode(&rig.data());
     assert_eq!((header.errors, header.max_action), (1, 1));
@@ -370,8 +402,20 @@ fn a_faulting_kernel_read_is_a_probe_error_and_a_good_one_reads() {
     rig.uc.write(TASK + 0x800, &7i64.to_le_bytes()).unwrap();
     rig.uc.write(TASK + 0x808, &(-2i32).to_le_bytes()).unwrap();
 
-    rig.hit(&Hit { comm: "t", pid: 1, tgid: 1, a: 0, b: 0 });
-    rig.hit(&Hit { comm: "t", pid: 1, tgid: 1, a: (TASK + 0x800) as i64, b: 0 });
+    rig.hit(&Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 0,
+        b: 0,
+    });
+    rig.hit(&Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: (TASK + 0x800) as i64,
+        b: 0,
+    });
 
     let data = rig.data();
     let header = Header::decode(&data);
@@ -385,10 +429,19 @@ fn a_faulting_kernel_read_is_a_probe_error_and_a_good_one_reads() {
 #[test]
 fn a_full_table_counts_its_dropped_updates() {
     let limits = Limits::default();
-    let (mut rig, _) = rig(r#"global a[4]; probe kernel.function("f") { a[$a]++ }"#, &limits);
+    let (mut rig, _) = rig(
+        r#"global a[4]; probe kernel.function("f") { a[$a]++ }"#,
+        &limits,
+    );
 
     for i in 0..100 {
-        rig.hit(&Hit { comm: "t", pid: 1, tgid: 1, a: i, b: 0 });
+        rig.hit(&Hit {
+            comm: "t",
+            pid: 1,
+            tgid: 1,
+            a: i,
+            b: 0,
+        });
     }
 
     let data = rig.data();

@@ -133,11 +133,16 @@ pub fn emit_body(
     interner: &mut Interner,
     point: &SitePoint,
 ) -> R<()> {
-    let probe = env.prog.script.probes.get(point.probe).ok_or_else(|| Unsupported {
-        probe: Some(point.probe),
-        span: Span::default(),
-        construct: "a probe that is not in the program".into(),
-    })?;
+    let probe = env
+        .prog
+        .script
+        .probes
+        .get(point.probe)
+        .ok_or_else(|| Unsupported {
+            probe: Some(point.probe),
+            span: Span::default(),
+            construct: "a probe that is not in the program".into(),
+        })?;
     let mut locals = HashMap::new();
     let mut size = 0i32;
     if let Some(types) = env.prog.locals.get(point.probe) {
@@ -231,7 +236,8 @@ impl Gen<'_, '_> {
                 self.a.mov(qword_ptr(rbp - off), rax)?;
             }
         }
-        self.a.mov(r14, self.env.limits.max_action.min(i64::MAX as u64))?;
+        self.a
+            .mov(r14, self.env.limits.max_action.min(i64::MAX as u64))?;
         let mut cur = Instruction::with2(
             Code::Mov_r64_rm64,
             Register::R13,
@@ -352,7 +358,11 @@ impl Gen<'_, '_> {
                 let Some((cont, brk)) = self.loops.last().copied() else {
                     return Err(self.no("break or continue outside a loop"));
                 };
-                let to = if matches!(s.kind, StmtKind::Break) { brk } else { cont };
+                let to = if matches!(s.kind, StmtKind::Break) {
+                    brk
+                } else {
+                    cont
+                };
                 asm!(self, self.a.jmp(to))
             }
             StmtKind::Foreach(_) => Err(self.no("foreach in a kernel probe")),
@@ -456,7 +466,8 @@ impl Gen<'_, '_> {
             ExprKind::Target(t) => self.target(t),
             ExprKind::Index(ix) => {
                 let slot = self.array(&ix.array.name)?;
-                let k = value_k(&slot.value).ok_or_else(|| self.no("an aggregate used as a value"))?;
+                let k =
+                    value_k(&slot.value).ok_or_else(|| self.no("an aggregate used as a value"))?;
                 self.lookup(&ix.array.name, &ix.keys, false)?;
                 let r = (|| {
                     let mut absent = self.a.create_label();
@@ -549,10 +560,13 @@ impl Gen<'_, '_> {
             let addr = self.env.data + slot.offset;
             return match slot.value {
                 ValueKind::Long => {
-                    asm!(self, self.a.add_instruction(
-                        Instruction::with2(Code::Mov_r64_rm64, Register::RAX, rip(addr))
-                            .map_err(|e| self.no(e.to_string()))?,
-                    ))?;
+                    asm!(
+                        self,
+                        self.a.add_instruction(
+                            Instruction::with2(Code::Mov_r64_rm64, Register::RAX, rip(addr))
+                                .map_err(|e| self.no(e.to_string()))?,
+                        )
+                    )?;
                     Ok(K::Long)
                 }
                 ValueKind::Str => {
@@ -561,7 +575,9 @@ impl Gen<'_, '_> {
                     asm!(self, self.a.mov(rax, qword_ptr(rcx)))?;
                     Ok(K::Str)
                 }
-                ValueKind::Stats(_) => Err(self.no(format!("the aggregate {name} used as a value"))),
+                ValueKind::Stats(_) => {
+                    Err(self.no(format!("the aggregate {name} used as a value")))
+                }
             };
         }
         let (off, k) = *self
@@ -576,13 +592,18 @@ impl Gen<'_, '_> {
     }
 
     fn lea(&mut self, reg: Register, addr: u64) -> R<()> {
-        let i = Instruction::with2(Code::Lea_r64_m, reg, rip(addr)).map_err(|e| self.no(e.to_string()))?;
+        let i = Instruction::with2(Code::Lea_r64_m, reg, rip(addr))
+            .map_err(|e| self.no(e.to_string()))?;
         asm!(self, self.a.add_instruction(i))
     }
 
     fn target(&mut self, t: &TargetVar) -> R<K> {
         if !t.members.is_empty() {
-            return Err(self.no(format!("the member access {}->{}", t.name, t.members.join("->"))));
+            return Err(self.no(format!(
+                "the member access {}->{}",
+                t.name,
+                t.members.join("->")
+            )));
         }
         let reg = if t.name == "$return" {
             if !self.point.is_return {
@@ -591,7 +612,10 @@ impl Gen<'_, '_> {
             Register::RAX
         } else {
             if self.point.is_return {
-                return Err(self.no(format!("{} in a return probe (the entry's arguments are not kept)", t.name)));
+                return Err(self.no(format!(
+                    "{} in a return probe (the entry's arguments are not kept)",
+                    t.name
+                )));
             }
             let name = t.name.trim_start_matches('$');
             let i = self
@@ -731,10 +755,15 @@ impl Gen<'_, '_> {
         let slot = self.array(name)?;
         let want = slot.table.map_or(0, |t| t.0);
         if keys.len() != want {
-            return Err(self.no(format!("{name} indexed with {} keys, not {want}", keys.len())));
+            return Err(self.no(format!(
+                "{name} indexed with {} keys, not {want}",
+                keys.len()
+            )));
         }
         if self.depth >= MAX_KEY_DEPTH {
-            return Err(self.no(format!("array lookups nested more than {MAX_KEY_DEPTH} deep")));
+            return Err(self.no(format!(
+                "array lookups nested more than {MAX_KEY_DEPTH} deep"
+            )));
         }
         let buf = self.key_buffer(self.depth);
         self.depth += 1;
@@ -1000,7 +1029,9 @@ impl Gen<'_, '_> {
                 self.a.sub(eax, ecx)?;
                 self.a.mov(ecx, eax)?;
                 self.a.set_label(&mut have)?;
-                self.a.lock().inc(qword_ptr(rdi + rcx * 8 + layout.log_offset() as i32))?;
+                self.a
+                    .lock()
+                    .inc(qword_ptr(rdi + rcx * 8 + layout.log_offset() as i32))?;
             }
             if let Some((start, _, interval, n)) = layout.linear {
                 let mut under = self.a.create_label();
@@ -1023,7 +1054,9 @@ impl Gen<'_, '_> {
                 self.a.set_label(&mut under)?;
                 self.a.xor(eax, eax)?;
                 self.a.set_label(&mut have)?;
-                self.a.lock().inc(qword_ptr(rdi + rax * 8 + layout.linear_offset() as i32))?;
+                self.a
+                    .lock()
+                    .inc(qword_ptr(rdi + rax * 8 + layout.linear_offset() as i32))?;
             }
             self.a.set_label(&mut skip)?;
             self.a.nop()
@@ -1033,7 +1066,8 @@ impl Gen<'_, '_> {
     }
 
     fn task_field(&mut self, off: Option<u64>, what: &str) -> R<()> {
-        let off = off.ok_or_else(|| self.no(format!("{what} (BTF lacks the task_struct member)")))?;
+        let off =
+            off.ok_or_else(|| self.no(format!("{what} (BTF lacks the task_struct member)")))?;
         asm!(self, self.a.movsxd(rax, dword_ptr(r13 + off as i32)))
     }
 
@@ -1050,15 +1084,21 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "ppid" => {
-                let parent = task.real_parent.ok_or_else(|| self.no("ppid() (no real_parent offset)"))?;
-                let tgid = task.tgid.ok_or_else(|| self.no("ppid() (no tgid offset)"))?;
+                let parent = task
+                    .real_parent
+                    .ok_or_else(|| self.no("ppid() (no real_parent offset)"))?;
+                let tgid = task
+                    .tgid
+                    .ok_or_else(|| self.no("ppid() (no tgid offset)"))?;
                 asm!(self, self.a.mov(rax, qword_ptr(r13 + parent as i32)))?;
                 asm!(self, self.a.movsxd(rax, dword_ptr(rax + tgid as i32)))?;
                 Ok(K::Long)
             }
             "uid" => {
                 let cred = task.cred.ok_or_else(|| self.no("uid() (no cred offset)"))?;
-                let uid = task.cred_uid.ok_or_else(|| self.no("uid() (no cred.uid offset)"))?;
+                let uid = task
+                    .cred_uid
+                    .ok_or_else(|| self.no("uid() (no cred.uid offset)"))?;
                 asm!(self, self.a.mov(rax, qword_ptr(r13 + cred as i32)))?;
                 asm!(self, self.a.mov(eax, dword_ptr(rax + uid as i32)))?;
                 Ok(K::Long)
@@ -1067,7 +1107,10 @@ impl Gen<'_, '_> {
                 let mut i = Instruction::with2(
                     Code::Mov_r32_rm32,
                     Register::EAX,
-                    MemoryOperand::with_base_displ(Register::None, self.env.facts.cpu_number as i64),
+                    MemoryOperand::with_base_displ(
+                        Register::None,
+                        self.env.facts.cpu_number as i64,
+                    ),
                 )
                 .map_err(|e| self.no(e.to_string()))?;
                 i.set_segment_prefix(Register::GS);
@@ -1090,11 +1133,11 @@ impl Gen<'_, '_> {
                 self.string_const(&p)
             }
             "gettimeofday_ns" | "gettimeofday_us" | "gettimeofday_ms" | "gettimeofday_s" => {
-                let f = self
-                    .env
-                    .facts
-                    .realtime_ns
-                    .ok_or_else(|| self.no(format!("{name}() (the kernel has no ktime_get_real_fast_ns)")))?;
+                let f = self.env.facts.realtime_ns.ok_or_else(|| {
+                    self.no(format!(
+                        "{name}() (the kernel has no ktime_get_real_fast_ns)"
+                    ))
+                })?;
                 asm!(self, self.a.call(f))?;
                 let div: u64 = match name {
                     "gettimeofday_us" => 1_000,
@@ -1111,12 +1154,15 @@ impl Gen<'_, '_> {
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
             "kernel_long" | "kernel_int" => {
-                let copy = self
-                    .env
-                    .facts
-                    .copy_nofault
-                    .ok_or_else(|| self.no(format!("{name}() (the kernel has no copy_from_kernel_nofault)")))?;
-                let arg = c.args.first().ok_or_else(|| self.no(format!("{name}() without an address")))?;
+                let copy = self.env.facts.copy_nofault.ok_or_else(|| {
+                    self.no(format!(
+                        "{name}() (the kernel has no copy_from_kernel_nofault)"
+                    ))
+                })?;
+                let arg = c
+                    .args
+                    .first()
+                    .ok_or_else(|| self.no(format!("{name}() without an address")))?;
                 self.long(arg)?;
                 let len: u32 = if name == "kernel_long" { 8 } else { 4 };
                 let scratch = self.scratch();
@@ -1169,7 +1215,9 @@ impl Gen<'_, '_> {
             (OutputKind::Print(name == "println"), args)
         };
         if values.len() > MAX_PRINT_ARGS {
-            return Err(self.no(format!("{name}() with more than {MAX_PRINT_ARGS} arguments")));
+            return Err(self.no(format!(
+                "{name}() with more than {MAX_PRINT_ARGS} arguments"
+            )));
         }
         let mut strings = Vec::new();
         for v in values {
@@ -1198,8 +1246,13 @@ impl Gen<'_, '_> {
             self.a.add_instruction(cpu)?;
             self.a.cmp(eax, cpus)?;
             self.a.jae(skip)?;
-            self.a.imul_3(rax, rax, i32::try_from(ring_bytes()).unwrap_or(i32::MAX))?;
-            self.a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(base))?)?;
+            self.a
+                .imul_3(rax, rax, i32::try_from(ring_bytes()).unwrap_or(i32::MAX))?;
+            self.a.add_instruction(Instruction::with2(
+                Code::Lea_r64_m,
+                Register::RCX,
+                rip(base),
+            )?)?;
             self.a.add(rcx, rax)?;
             self.a.mov(edx, 1)?;
             self.a.lock().xadd(qword_ptr(rcx), rdx)?;
@@ -1284,5 +1337,7 @@ fn value_k(v: &ValueKind) -> Option<K> {
 
 /// Whether `slot` is an array in the program's shape (used by the table helpers).
 pub fn is_array(prog: &Program, name: &str) -> bool {
-    prog.globals.get(name).is_some_and(|g| g.shape == Shape::Array)
+    prog.globals
+        .get(name)
+        .is_some_and(|g| g.shape == Shape::Array)
 }

@@ -411,7 +411,9 @@ impl DataLayout {
                         continue;
                     }
                     if g.keys.iter().any(|k| !matches!(k, Ty::Long | Ty::Str)) {
-                        refused.push(refuse(format!("the array {name}, whose key types are unknown")));
+                        refused.push(refuse(format!(
+                            "the array {name}, whose key types are unknown"
+                        )));
                         continue;
                     }
                     let want = g.max_entries.unwrap_or(limits.max_map_entries).max(1);
@@ -473,7 +475,9 @@ impl DataLayout {
         let Some((keys, cap)) = slot.table else {
             return Some(match slot.value {
                 ValueKind::Long => Store::Scalar(Value::Long(word(data, at) as i64)),
-                ValueKind::Str => Store::Scalar(Value::Str(interner.decode(bytes_at(data, at, 16)))),
+                ValueKind::Str => {
+                    Store::Scalar(Value::Str(interner.decode(bytes_at(data, at, 16))))
+                }
                 ValueKind::Stats(layout) => Store::Stats(decode_stats(data, at, layout)),
             });
         };
@@ -529,10 +533,15 @@ impl DataLayout {
         interner: &mut Interner,
         data: &mut [u8],
     ) -> Result<std::ops::Range<usize>, String> {
-        let slot = self.globals.get(name).ok_or_else(|| format!("{name} is not compiled"))?;
+        let slot = self
+            .globals
+            .get(name)
+            .ok_or_else(|| format!("{name} is not compiled"))?;
         let start = usize::try_from(slot.offset).map_err(|e| e.to_string())?;
         let end = start + usize::try_from(slot.size()).map_err(|e| e.to_string())?;
-        let area = data.get_mut(start..end).ok_or("the data area is too small")?;
+        let area = data
+            .get_mut(start..end)
+            .ok_or("the data area is too small")?;
         area.fill(0);
         match (store, slot.table, slot.value) {
             (Store::Scalar(v), None, kind) => put_value(area, 0, v, kind, interner),
@@ -567,8 +576,16 @@ fn decode_stats(data: &[u8], at: u64, layout: StatsLayout) -> Stats {
     let mut s = Stats {
         count,
         sum: word(data, at + 8) as i64,
-        min: if count == 0 { 0 } else { word(data, at + 16) as i64 },
-        max: if count == 0 { 0 } else { word(data, at + 24) as i64 },
+        min: if count == 0 {
+            0
+        } else {
+            word(data, at + 16) as i64
+        },
+        max: if count == 0 {
+            0
+        } else {
+            word(data, at + 24) as i64
+        },
         log: Vec::new(),
         linear: None,
     };
@@ -615,7 +632,11 @@ fn put_value(area: &mut [u8], at: usize, v: &Value, kind: ValueKind, interner: &
 fn put_stats(area: &mut [u8], at: usize, s: &Stats, layout: StatsLayout) {
     put(area, at, s.count as u64);
     put(area, at + 8, s.sum as u64);
-    let (min, max) = if s.count == 0 { (i64::MAX, i64::MIN) } else { (s.min, s.max) };
+    let (min, max) = if s.count == 0 {
+        (i64::MAX, i64::MIN)
+    } else {
+        (s.min, s.max)
+    };
     put(area, at + 16, min as u64);
     put(area, at + 24, max as u64);
     if layout.log {
@@ -661,7 +682,10 @@ fn place(
 ) -> Result<usize, String> {
     let words = key_words(key, interner);
     if words.len() != keys * 2 {
-        return Err(format!("a key of {} values in an array of {keys}", key.len()));
+        return Err(format!(
+            "a key of {} values in an array of {keys}",
+            key.len()
+        ));
     }
     let entry = slot.entry_size() as usize;
     let mask = u64::from(cap) - 1;
@@ -702,25 +726,36 @@ mod tests {
         let short = i.encode("bash");
         let long = i.encode("__x64_sys_getppid");
         assert_eq!(&short[..5], b"bash\0");
-        assert_eq!((long[0], i.decode(&long)), (1, "__x64_sys_getppid".to_string()));
+        assert_eq!(
+            (long[0], i.decode(&long)),
+            (1, "__x64_sys_getppid".to_string())
+        );
         assert_eq!(i.decode(&short), "bash");
     }
 
     #[test]
     fn an_array_encoded_by_the_host_decodes_to_the_same_store_in_insertion_order() {
-        let prog = program("global a; probe begin { a[\"x\", 3] = 7; a[\"a-very-long-name\", -1] = 9 }");
+        let prog =
+            program("global a; probe begin { a[\"x\", 3] = 7; a[\"a-very-long-name\", -1] = 9 }");
         let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
         let mut interner = Interner::default();
         let mut data = layout.initial(&prog, &mut interner);
         let mut map = IndexMap::new();
         map.insert(vec![Value::Str("x".into()), Value::Long(3)], Value::Long(7));
-        map.insert(vec![Value::Str("a-very-long-name".into()), Value::Long(-1)], Value::Long(9));
+        map.insert(
+            vec![Value::Str("a-very-long-name".into()), Value::Long(-1)],
+            Value::Long(9),
+        );
         let store = Store::Array(map.clone());
 
-        layout.encode_into("a", &store, &mut interner, &mut data).expect("fits");
+        layout
+            .encode_into("a", &store, &mut interner, &mut data)
+            .expect("fits");
         let back = layout.decode("a", &data, &interner).expect("decodes");
 
-        let Store::Array(got) = back else { panic!("not an array") };
+        let Store::Array(got) = back else {
+            panic!("not an array")
+        };
         let got: Vec<_> = got.into_iter().collect();
         let want: Vec<_> = map.into_iter().collect();
         assert_eq!(got, want, "same entries, in insertion order");
@@ -734,14 +769,20 @@ mod tests {
         let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
         let mut interner = Interner::default();
         let mut data = layout.initial(&prog, &mut interner);
-        let ValueKind::Stats(sl) = layout.globals["s"].value else { panic!("not stats") };
+        let ValueKind::Stats(sl) = layout.globals["s"].value else {
+            panic!("not stats")
+        };
         let mut s = Stats::new(prog.globals["s"].hist);
         for v in [5, 0, -3, 1000, 42] {
             s.add(v);
         }
 
-        layout.encode_into("s", &Store::Stats(s.clone()), &mut interner, &mut data).expect("fits");
-        let Some(Store::Stats(back)) = layout.decode("s", &data, &interner) else { panic!("no stats") };
+        layout
+            .encode_into("s", &Store::Stats(s.clone()), &mut interner, &mut data)
+            .expect("fits");
+        let Some(Store::Stats(back)) = layout.decode("s", &data, &interner) else {
+            panic!("no stats")
+        };
 
         assert!(sl.log && sl.linear.is_some());
         assert_eq!(back, s);

@@ -130,7 +130,9 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
                 k if k.needs_guest() => refused.push(Unsupported {
                     probe: Some(i),
                     span: pt.span,
-                    construct: format!("the probe point {pt} (only function entries and returns compile)"),
+                    construct: format!(
+                        "the probe point {pt} (only function entries and returns compile)"
+                    ),
                 }),
                 _ => {}
             }
@@ -144,7 +146,12 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
 
 /// Checks that every kernel probe of `prog` compiles at `points`; returns every construct
 /// that does not (empty: the whole program compiles).
-pub fn check(prog: &Program, limits: &Limits, facts: &Facts, points: &[SitePoint]) -> Vec<Unsupported> {
+pub fn check(
+    prog: &Program,
+    limits: &Limits,
+    facts: &Facts,
+    points: &[SitePoint],
+) -> Vec<Unsupported> {
     let (_, mut refused) = kernel_probes(prog);
     let layout = match DataLayout::new(prog, limits) {
         Ok(l) if codegen::prints(prog) => l.with_rings(1),

@@ -215,7 +215,10 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
     if labels.is_empty() {
         return Ok(Runtime::default());
     }
-    let result = a.assemble_options(at, iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+    let result = a.assemble_options(
+        at,
+        iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS,
+    )?;
     let mut helpers = HashMap::new();
     for (key, label) in labels {
         helpers.insert(key, result.label_ip(&label)?);
