@@ -717,6 +717,12 @@ fn run(
              holds between two looks of the host"
         ));
     }
+    if header.overflow > 0 {
+        session.error(&format!(
+            "array overflow in a compiled probe ({} times), check MAXMAPENTRIES",
+            header.overflow
+        ));
+    }
     if header.faults > 0 {
         session.error(&format!(
             "kernel read fault in a compiled probe ({} times): an address that is not mapped",

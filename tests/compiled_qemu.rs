@@ -308,7 +308,7 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
         ),
         (
             r#"global a[4], i; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") a[i++] = 1 }"#,
-            "array updates dropped",
+            "array overflow in a compiled probe",
         ),
         (
             r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = kernel_long(0) }"#,

@@ -261,15 +261,23 @@ fn hits(n: usize) -> Vec<Hit> {
 /// Runs `script` compiled under Unicorn and in the interpreter over the same hits; returns
 /// the compiled run's header.
 fn differential(script: &str, hits: &[Hit]) -> Header {
+    differential_with(script, hits).0
+}
+
+/// As [`differential`], also saying how many hits the interpreter reported an error for.
+fn differential_with(script: &str, hits: &[Hit]) -> (Header, u64) {
     let limits = Limits::default();
     let (mut rig, prog) = rig(script, &limits);
     let out = SharedBuf::default();
     let err = SharedBuf::default();
     let output = Output::new(Format::Text, Box::new(out.clone()), Box::new(err.clone()));
     let mut session = Session::new(&prog, limits.clone(), output, "t.stp", script);
+    let mut failed = 0;
     for h in hits {
         rig.hit(h);
-        session.fire(0, "kernel.function(\"f\")", &context(h));
+        if !session.fire(0, "kernel.function(\"f\")", &context(h)) {
+            failed += 1;
+        }
     }
     let data = rig.data();
     for name in prog.globals.keys() {
@@ -283,7 +291,7 @@ fn differential(script: &str, hits: &[Hit]) -> Header {
         );
     }
     assert_eq!(rig.printed(), out.contents(), "printed output");
-    Header::decode(&data)
+    (Header::decode(&data), failed)
 }
 
 #[test]
@@ -427,26 +435,76 @@ fn a_faulting_kernel_read_is_a_probe_error_and_a_good_one_reads() {
 }
 
 #[test]
-fn a_full_table_counts_its_dropped_updates() {
+fn an_array_past_its_size_overflows_with_a_probe_error_as_in_the_interpreter() {
+    let script = r#"global a[4]; probe kernel.function("f") { a[$a]++; if ($a % 2) delete a[$a] }"#;
+    let hits: Vec<Hit> = (0..100)
+        .map(|a| Hit { comm: "t", pid: 1, tgid: 1, a, b: 0 })
+        .collect();
+
+    let (header, interpreter_errors) = differential_with(script, &hits);
+
+    // Odd keys go at once, 0, 2, 4 and 6 stay: a[7] is the first insert into a full array.
+    assert_eq!(interpreter_errors, 93);
+    assert_eq!((header.overflow, header.errors, header.dropped), (93, 93, 0));
+}
+
+/// Every case of the language's run corpus (probes/tests/corpus/run) with one `begin` probe,
+/// with that probe turned into a kernel probe: where its body compiles, one hit under Unicorn
+/// leaves the globals and the output the interpreter gives, and an interpreter error is a
+/// counted probe error.
+#[test]
+fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../probes/tests/corpus/run");
+    let mut cases: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "stp"))
+        .collect();
+    cases.sort();
     let limits = Limits::default();
-    let (mut rig, _) = rig(
-        r#"global a[4]; probe kernel.function("f") { a[$a]++ }"#,
-        &limits,
-    );
-
-    for i in 0..100 {
-        rig.hit(&Hit {
-            comm: "t",
-            pid: 1,
-            tgid: 1,
-            a: i,
-            b: 0,
-        });
+    let (mut one_begin, mut compiled) = (0, Vec::new());
+    for case in &cases {
+        let text = std::fs::read_to_string(case).unwrap();
+        if text.matches("probe begin").count() != 1 || text.contains("probe begin(") {
+            continue;
+        }
+        // The begin probe must be the script's first probe: the rig runs probe 0.
+        let first = text.find("probe ").unwrap_or(0);
+        if !text[first..].starts_with("probe begin") {
+            continue;
+        }
+        one_begin += 1;
+        let script = text.replacen("probe begin", "probe kernel.function(\"f\")", 1);
+        let Ok(prog) = check_script(
+            &ScriptSource {
+                name: "t.stp".into(),
+                text: script.clone(),
+            },
+            &limits,
+        ) else {
+            continue;
+        };
+        let point = SitePoint {
+            probe: 0,
+            name: "kernel.function(\"f\")".into(),
+            function: "f".into(),
+            params: vec!["a".into(), "b".into()],
+            is_return: false,
+        };
+        if !compile::check(&prog, &limits, &facts(), &[point]).is_empty() {
+            continue;
+        }
+        let hit = Hit { comm: "corpus", pid: 7, tgid: 7, a: 3, b: -5 };
+        let (header, failed) = differential_with(&script, &[hit]);
+        assert_eq!(header.errors, failed, "{}: probe errors", case.display());
+        compiled.push(case.file_name().unwrap().to_string_lossy().into_owned());
     }
-
-    let data = rig.data();
-    let header = Header::decode(&data);
-    // 4 entries wanted: the table holds 16 (twice, rounded up to a power of two, at least
-    // 16); everything past that is dropped and counted.
-    assert_eq!(header.dropped, 100 - 16);
+    println!(
+        "run corpus: {} cases, {one_begin} with one begin probe, {} compiled as kernel probes and \
+         matched the interpreter: {}",
+        cases.len(),
+        compiled.len(),
+        compiled.join(" ")
+    );
+    assert!(compiled.len() >= 10, "only {} corpus cases compiled", compiled.len());
 }

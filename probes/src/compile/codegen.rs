@@ -120,6 +120,7 @@ struct Gen<'a, 'b> {
     err_div: CodeLabel,
     err_budget: CodeLabel,
     err_fault: CodeLabel,
+    err_overflow: CodeLabel,
     span: Span,
 }
 
@@ -176,6 +177,7 @@ pub fn emit_body(
     let err_div = a.create_label();
     let err_budget = a.create_label();
     let err_fault = a.create_label();
+    let err_overflow = a.create_label();
     let mut g = Gen {
         a,
         env,
@@ -189,6 +191,7 @@ pub fn emit_body(
         err_div,
         err_budget,
         err_fault,
+        err_overflow,
         span: probe.span,
     };
     g.prologue().map_err(asm)?;
@@ -260,6 +263,9 @@ impl Gen<'_, '_> {
         self.a.jmp(common)?;
         self.a.set_label(&mut self.err_fault)?;
         self.count(data + field::FAULTS)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.err_overflow)?;
+        self.count(data + field::OVERFLOW)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
@@ -379,11 +385,15 @@ impl Gen<'_, '_> {
                 let slot = self.array(&ix.array.name)?;
                 self.lookup(&ix.array.name, &ix.keys, false)?;
                 let vo = slot.value_offset() as i32;
+                let count = self.env.data + slot.offset + super::data::TABLE_COUNT;
                 let r = (|| {
                     let mut absent = self.a.create_label();
                     self.a.test(rax, rax)?;
                     self.a.jz(absent)?;
                     self.a.mov(qword_ptr(rax - vo), 3)?;
+                    let mut dec = Instruction::with1(Code::Dec_rm64, rip(count))?;
+                    dec.set_has_lock_prefix(true);
+                    self.a.add_instruction(dec)?;
                     self.a.set_label(&mut absent)?;
                     self.a.nop()
                 })();
@@ -789,7 +799,13 @@ impl Gen<'_, '_> {
             .get(&(name.to_owned(), insert))
             .ok_or_else(|| self.no(format!("no table helper for {name}")))?;
         asm!(self, self.a.lea(rsi, qword_ptr(rbp + buf)))?;
-        asm!(self, self.a.call(helper))
+        asm!(self, self.a.call(helper))?;
+        if insert {
+            let overflow = self.err_overflow;
+            asm!(self, self.a.cmp(rax, 1))?;
+            asm!(self, self.a.je(overflow))?;
+        }
+        Ok(())
     }
 
     /// rax = address of a global scalar or an array element (created), or 0 (full table).

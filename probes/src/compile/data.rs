@@ -8,7 +8,7 @@
 //!       string scalar   16 bytes (see below)
 //!       stats scalar    count, sum, min, max, then the log2 and linear buckets (8 bytes each)
 //!       array           64-byte table header (dropped updates at +0, the next insertion
-//!                       number at +8), then `capacity` entries: state (0 free, 1 being
+//!                       number at +8, the element count at +16), then `capacity` entries: state (0 free, 1 being
 //!                       written, 2 ready), insertion number, the keys (16 bytes each), the
 //!                       value (as a scalar of its type)
 //! ```
@@ -31,6 +31,9 @@
 //! then publishes it (state 2; x86 stores are not reordered with older stores). A reader that
 //! meets a slot being written spins a bounded number of times, then drops its update (and
 //! counts it): a writer interrupted on its own CPU by the same probe can never deadlock it.
+//! The element count in the header bounds an array to its size (MAXMAPENTRIES or `global
+//! a[N]`): one insert more is an array overflow, as in the interpreter. A deleted element
+//! keeps its slot (state 3) so probe chains stay whole; an insert of the same key revives it.
 //! Values are updated with `lock` instructions, so concurrent vCPUs give exact results.
 //! The insertion number gives the host the order the interpreter keeps (`foreach` without a
 //! sort walks an array in insertion order).
@@ -63,6 +66,8 @@ pub mod field {
     pub const DROPPED: u64 = 40;
     /// Kernel reads (`kernel_long`, `kernel_int`) that faulted.
     pub const FAULTS: u64 = 48;
+    /// Inserts into an array that held its most elements (MAXMAPENTRIES or `global a[N]`).
+    pub const OVERFLOW: u64 = 56;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -74,6 +79,8 @@ pub const MAX_PROBES: u32 = 64;
 pub const TABLE_HEADER: u64 = 64;
 /// Offset of the insertion counter in a table's header.
 pub const TABLE_SEQUENCE: u64 = 8;
+/// Offset of the element count in a table's header.
+pub const TABLE_COUNT: u64 = 16;
 /// Offset of the keys in a table entry (after its state and insertion number).
 pub const ENTRY_KEYS: u64 = 16;
 /// Bytes of a statistics value before its buckets.
@@ -143,6 +150,9 @@ pub struct GlobalSlot {
     pub table: Option<(usize, u32)>,
     /// For arrays: which keys are strings.
     pub key_is_str: Vec<bool>,
+    /// For arrays: the most elements (MAXMAPENTRIES, or `global a[N]`); one more is an
+    /// array overflow, a probe error, as in the interpreter.
+    pub max_entries: u64,
 }
 
 impl GlobalSlot {
@@ -282,6 +292,8 @@ pub struct Header {
     pub dropped: u64,
     /// Of the errors, kernel reads that faulted.
     pub faults: u64,
+    /// Of the errors, array overflows.
+    pub overflow: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -302,6 +314,7 @@ impl Header {
             max_action: word(bytes, field::MAXACTION),
             dropped: word(bytes, field::DROPPED),
             faults: word(bytes, field::FAULTS),
+            overflow: word(bytes, field::OVERFLOW),
         }
     }
 }
@@ -429,6 +442,7 @@ impl DataLayout {
                 value,
                 table,
                 key_is_str: g.keys.iter().map(|k| *k == Ty::Str).collect(),
+                max_entries: g.max_entries.unwrap_or(limits.max_map_entries) as u64,
             };
             out.size = (out.size + slot.size()).div_ceil(64) * 64;
             if out.size > MAX_DATA {
@@ -697,6 +711,7 @@ fn place(
             put(area, e, 2);
             put(area, e + 8, seq);
             put(area, TABLE_SEQUENCE as usize, seq + 1);
+            put(area, TABLE_COUNT as usize, word(area, TABLE_COUNT) + 1);
             for (k, w) in words.iter().enumerate() {
                 put(area, e + ENTRY_KEYS as usize + k * 8, *w);
             }

@@ -27,10 +27,11 @@
 //! `$return` in return probes. Everything else is named by [`Unsupported`] and the script runs
 //! on the host path.
 //!
-//! Safety inside the guest: a division by zero and an exhausted per-hit statement budget
-//! (MAXACTION) end the hit and count a probe error in the header; a full table counts a
-//! dropped update; no loop in the generated code is unbounded (table probes, spin waits and
-//! script loops all carry a budget).
+//! Safety inside the guest: a division by zero, an exhausted per-hit statement budget
+//! (MAXACTION), a faulting kernel read and an array overflow (an insert into an array that
+//! holds its most elements) end the hit and count a probe error in the header; an update that
+//! gives up on a busy slot counts a dropped update; no loop in the generated code is unbounded
+//! (table probes, spin waits and script loops all carry a budget).
 
 pub mod codegen;
 pub mod data;

@@ -16,8 +16,8 @@ use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
 use super::codegen::{emit_body, Env, SAVED, SAVED_BYTES};
 use super::data::{
-    field, DataLayout, Interner, ValueKind, ENTRY_KEYS, KEY, MAX_PROBES, TABLE_HEADER,
-    TABLE_SEQUENCE,
+    field, DataLayout, Interner, ValueKind, ENTRY_KEYS, KEY, MAX_PROBES, TABLE_COUNT,
+    TABLE_HEADER, TABLE_SEQUENCE,
 };
 use super::{SitePoint, Unsupported};
 
@@ -75,7 +75,8 @@ pub struct Runtime {
 ///
 /// A helper takes `rsi` = the key (16 bytes per key) and returns in `rax` the address of the
 /// element's value, or 0: absent (`find`), or no room (`insert`, which then counts a dropped
-/// update). It clobbers rax, rcx, rdx, rdi, r8-r11 and the flags. Entry states: 0 free (ends
+/// update), or 1 (`insert` into an array that holds its most elements: an array overflow).
+/// It clobbers rax, rcx, rdx, rdi, r8-r11 and the flags. Entry states: 0 free (ends
 /// a chain), 1 being written, 2 ready, 3 deleted (a chain goes on past it; an insert of the
 /// same key brings it back).
 ///
@@ -101,6 +102,7 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             let mut ready = a.create_label();
             let mut dead = a.create_label();
             let mut fill = a.create_label();
+            let mut count = a.create_label();
             let mut busy = a.create_label();
             let mut next = a.create_label();
             let mut drop = a.create_label();
@@ -136,6 +138,7 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                 a.lock().cmpxchg(qword_ptr(rdx), rcx)?;
                 a.pop(rax)?;
                 a.jne(probe)?; // another writer took it: look again
+                a.call(count)?;
                 for j in 0..words {
                     a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
                     a.mov(qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32), r9)?;
@@ -168,6 +171,7 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                 a.lock().cmpxchg(qword_ptr(rdx), rcx)?;
                 a.pop(rax)?;
                 a.jne(probe)?;
+                a.call(count)?;
                 a.lea(rdi, qword_ptr(rdx + vo))?;
                 a.mov(ecx, value_words)?;
                 a.xor(eax, eax)?;
@@ -200,6 +204,26 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             a.and(eax, mask)?;
             a.dec(r8d)?;
             a.jnz(probe)?;
+            if insert {
+                // One more element, unless the array holds its most: then the slot goes back
+                // and the caller gets 1 (an array overflow) from the helper.
+                let mut room = a.create_label();
+                a.set_label(&mut count)?;
+                lea(&mut a, Register::R9, table + TABLE_COUNT)?;
+                a.mov(ecx, 1)?;
+                a.lock().xadd(qword_ptr(r9), rcx)?;
+                a.mov(r9, slot.max_entries)?;
+                a.cmp(rcx, r9)?;
+                a.jb(room)?;
+                lea(&mut a, Register::R9, table + TABLE_COUNT)?;
+                a.lock().dec(qword_ptr(r9))?;
+                a.mov(qword_ptr(rdx), 0)?;
+                a.add(rsp, 8)?; // return from the helper itself
+                a.mov(eax, 1)?;
+                a.ret()?;
+                a.set_label(&mut room)?;
+                a.ret()?;
+            }
             a.set_label(&mut drop)?;
             if insert {
                 lock_inc(&mut a, table)?;
