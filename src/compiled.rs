@@ -255,46 +255,35 @@ impl Guest {
     /// guest stopped). A record still being written ends its vCPU's take until the next
     /// drain; with `last` it is skipped instead.
     fn drain(&mut self, last: bool) -> anyhow::Result<Vec<String>> {
-        use compile::data::{ring_bytes, ring_spans, RECORD, RING_HEADER, RING_SLOTS};
-        let Some((offset, cpus)) = self.layout.rings else {
+        use exotap_probes::rings::{spans, take, window};
+        let Some(rings) = self.layout.ring_set(self.data) else {
             return Ok(Vec::new());
         };
-        self.taken.resize(cpus as usize, 0);
+        self.taken.resize(rings.cpus as usize, 0);
+        let record = usize::try_from(rings.record)?;
         let mut records = Vec::new();
-        for cpu in 0..cpus {
-            let ring = self.data + offset + u64::from(cpu) * ring_bytes();
-            let head = self.splicer.read_heap(&mut self.machine, ring, 8)?;
+        for cpu in 0..rings.cpus {
+            let head = self.splicer.read_heap(&mut self.machine, rings.ring(cpu), 8)?;
             let head = u64::from_le_bytes(head.try_into().unwrap_or_default());
-            let mut from = self.taken[cpu as usize].min(head);
-            let oldest = head.saturating_sub(RING_SLOTS);
-            if from < oldest {
-                self.lost += oldest - from;
-                from = oldest;
+            let (from, lost) = window(head, self.taken[cpu as usize], rings.slots);
+            self.lost += lost;
+            let mut bytes = Vec::new();
+            for (slot, n) in spans(from, head, rings.slots) {
+                let len = usize::try_from(n * rings.record)?;
+                bytes.extend(self.splicer.read_heap(&mut self.machine, rings.slot(cpu, slot), len)?);
             }
-            let mut consumed = 0u64;
-            'spans: for (slot, n) in ring_spans(from, head) {
-                let at = ring + RING_HEADER + slot * RECORD;
-                let bytes =
-                    self.splicer
-                        .read_heap(&mut self.machine, at, usize::try_from(n * RECORD)?)?;
-                for rec in bytes.chunks_exact(RECORD as usize) {
-                    let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
-                    if tsc == 0 && !last {
-                        break 'spans;
-                    }
-                    consumed += 1;
-                    match (tsc, self.interner.render(rec)) {
-                        (0, _) => {}
-                        (_, Some(text)) => records.push((tsc, text)),
-                        (_, None) => self.lost += 1,
-                    }
+            let (finished, consumed) = take(&bytes, record, last);
+            for rec in finished {
+                let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+                match self.interner.render(rec) {
+                    Some(text) => records.push((tsc, text)),
+                    None => self.lost += 1,
                 }
             }
             if !last {
-                for (slot, n) in ring_spans(from, from + consumed) {
-                    let at = ring + RING_HEADER + slot * RECORD;
-                    let zeros = vec![0u8; usize::try_from(n * RECORD)?];
-                    self.splicer.write_heap(&mut self.machine, at, &zeros)?;
+                for (slot, n) in spans(from, from + consumed, rings.slots) {
+                    let zeros = vec![0u8; usize::try_from(n * rings.record)?];
+                    self.splicer.write_heap(&mut self.machine, rings.slot(cpu, slot), &zeros)?;
                 }
             }
             self.taken[cpu as usize] = from + consumed;

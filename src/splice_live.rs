@@ -49,6 +49,7 @@ use exotap_probes::splice::{
     generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
     TrapReason,
 };
+use exotap_probes::rings::RingSet;
 use exotap_vmm::control::{Machine, StopEvent};
 use exotap_vmm::gdb::GdbMachine;
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
@@ -729,26 +730,14 @@ fn emit_hash(a: &mut CodeAssembler, table: u64) -> anyhow::Result<()> {
 /// ones: those are counted as lost (overruns).
 #[derive(Debug, Clone, Copy)]
 pub struct Rings {
-    /// The first ring.
-    pub base: u64,
-    /// Records per ring (a power of two).
-    pub slots: u32,
-    /// Rings (vCPUs).
-    pub cpus: u32,
+    /// The rings (exotap_probes::rings: the protocol `trace` shares with compiled probes).
+    pub set: RingSet,
     /// The per-CPU offset of `cpu_number` (gs-relative).
     pub cpu_number: u64,
 }
 
 /// Bytes per trace record.
 pub const TRACE_RECORD: u64 = 32;
-const RING_HEADER: u64 = 64;
-
-impl Rings {
-    /// Bytes of one vCPU's ring.
-    pub fn ring_bytes(&self) -> u64 {
-        RING_HEADER + u64::from(self.slots) * TRACE_RECORD
-    }
-}
 
 /// Writes one record; r8 = TSC, `value` = the value, rsi = the stack slot. Clobbers rax,
 /// rcx, rdx and the flags.
@@ -759,30 +748,9 @@ fn emit_record(
     kind: u32,
     value: iced_x86::code_asm::AsmRegister64,
 ) -> anyhow::Result<()> {
-    use iced_x86::code_asm::{dword_ptr, eax, edx, qword_ptr, r8, rcx, rdx, rsi};
+    use iced_x86::code_asm::{dword_ptr, qword_ptr, r8, rdx, rsi};
     let mut skip = a.create_label();
-    let mut cpu = iced_x86::Instruction::with2(
-        iced_x86::Code::Mov_r32_rm32,
-        Register::EAX,
-        iced_x86::MemoryOperand::with_base_displ(Register::None, rings.cpu_number as i64),
-    )?;
-    cpu.set_segment_prefix(Register::GS);
-    cpu.set_memory_displ_size(4);
-    a.add_instruction(cpu)?;
-    a.cmp(eax, rings.cpus)?;
-    a.jae(skip)?;
-    a.imul_3(rax, rax, i32::try_from(rings.ring_bytes())?)?;
-    a.add_instruction(iced_x86::Instruction::with2(
-        iced_x86::Code::Lea_r64_m,
-        Register::RCX,
-        rip_mem(rings.base),
-    )?)?;
-    a.add(rcx, rax)?;
-    a.mov(edx, 1)?;
-    a.lock().xadd(qword_ptr(rcx), rdx)?;
-    a.and(edx, rings.slots - 1)?;
-    a.shl(rdx, TRACE_RECORD.trailing_zeros())?;
-    a.lea(rdx, qword_ptr(rcx + rdx + RING_HEADER as i32))?;
+    rings.set.emit_reserve(a, rings.cpu_number, rdx, skip)?;
     a.mov(qword_ptr(rdx + 8), value)?;
     a.mov(dword_ptr(rdx + 16), id)?;
     a.mov(dword_ptr(rdx + 20), kind)?;
@@ -1008,61 +976,33 @@ pub struct TraceRecord {
     pub slot: u64,
 }
 
-/// The records of one vCPU's ring still to take: from the first not yet taken, or the oldest
-/// still in the ring when a burst overwrote some; returns that index and how many were lost.
-pub fn ring_window(head: u64, taken: u64, slots: u32) -> (u64, u64) {
-    // A head below what was taken cannot come from the patches: trust the head.
-    let taken = taken.min(head);
-    let oldest = head.saturating_sub(u64::from(slots));
-    if taken < oldest {
-        (oldest, oldest - taken)
-    } else {
-        (taken, 0)
-    }
-}
+pub use exotap_probes::rings::{spans as ring_spans_of, window as ring_window};
 
-/// The records `[from, to)` as (first slot, count) spans of a ring of `slots` records: one,
-/// or two where they wrap.
+/// The records `[from, to)` as (first slot, count) spans of a ring of `slots` records.
 pub fn ring_spans(from: u64, to: u64, slots: u32) -> Vec<(u64, u64)> {
-    let slots = u64::from(slots.max(1));
-    let count = to.saturating_sub(from).min(slots);
-    let first = from % slots;
-    let head_part = count.min(slots - first);
-    let mut spans = Vec::new();
-    if head_part > 0 {
-        spans.push((first, head_part));
-    }
-    if count > head_part {
-        spans.push((0, count - head_part));
-    }
-    spans
+    ring_spans_of(from, to, slots)
 }
 
-/// Decodes consecutive records; stops at the first unfinished one (TSC 0, stored last by
-/// its writer) unless `last`, which skips it. Returns the finished records and how many
+/// Decodes consecutive trace records; stops at the first unfinished one (TSC 0, stored last
+/// by its writer) unless `last`, which skips it. Returns the finished records and how many
 /// records (finished or skipped) were consumed.
 pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
-    let mut out = Vec::new();
-    let mut consumed = 0;
-    for chunk in bytes.chunks_exact(TRACE_RECORD as usize) {
-        let word = |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
-        let half = |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
-        let r = TraceRecord {
-            tsc: word(0),
-            value: word(8),
-            id: half(16),
-            kind: half(20),
-            slot: word(24),
-        };
-        if r.tsc == 0 && !last {
-            break;
-        }
-        consumed += 1;
-        if r.tsc != 0 {
-            out.push(r);
-        }
-    }
-    (out, consumed)
+    let (chunks, consumed) = exotap_probes::rings::take(bytes, TRACE_RECORD as usize, last);
+    let records = chunks
+        .into_iter()
+        .map(|chunk| {
+            let word = |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
+            let half = |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
+            TraceRecord {
+                tsc: word(0),
+                value: word(8),
+                id: half(16),
+                kind: half(20),
+                slot: word(24),
+            }
+        })
+        .collect();
+    (records, consumed)
 }
 
 impl Splicer {
@@ -1243,14 +1183,17 @@ impl Splicer {
             let slots = ((512 << 10) / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 16);
             let slots = 1u32 << (63 - slots.leading_zeros());
             let mut rings = Rings {
-                base: 0,
-                slots,
-                cpus,
+                set: RingSet {
+                    base: 0,
+                    cpus,
+                    slots,
+                    record: TRACE_RECORD,
+                },
                 cpu_number,
             };
-            let bytes = rings.ring_bytes() * u64::from(cpus);
-            rings.base = self.data.alloc(bytes, 64)?;
-            zero.push((rings.base, bytes));
+            let bytes = rings.set.bytes();
+            rings.set.base = self.data.alloc(bytes, 64)?;
+            zero.push((rings.set.base, bytes));
             self.rings = Some(rings);
             self.ring_taken = vec![0; cpus as usize];
             self.ring_lost = vec![0; cpus as usize];
@@ -1504,13 +1447,13 @@ impl Splicer {
         machine: &mut GdbMachine,
         last: bool,
     ) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
-        let Some(rings) = self.rings else {
+        let Some(Rings { set: rings, .. }) = self.rings else {
             return Ok(Vec::new());
         };
         // Read every ring first: a failed read changes nothing, and removal finds it all.
         let mut taken = Vec::new();
         for cpu in 0..rings.cpus {
-            let at = rings.base + u64::from(cpu) * rings.ring_bytes();
+            let at = rings.ring(cpu);
             let mut head = [0u8; 8];
             machine.read_phys(self.heap_phys(at), &mut head)?;
             let head = u64::from_le_bytes(head);
@@ -1519,19 +1462,19 @@ impl Splicer {
             let mut bytes = Vec::new();
             for (slot, n) in ring_spans(from, head, rings.slots) {
                 let mut buf = vec![0u8; usize::try_from(n * TRACE_RECORD)?];
-                let va = at + RING_HEADER + slot * TRACE_RECORD;
+                let va = rings.slot(cpu, slot);
                 machine.read_phys(self.heap_phys(va), &mut buf)?;
                 bytes.extend_from_slice(&buf);
             }
             let (records, count) = take_records(&bytes, last);
-            taken.push((cpu, at, from, count, lost, records));
+            taken.push((cpu, from, count, lost, records));
         }
         let mut out = Vec::new();
-        for (cpu, at, from, count, lost, records) in taken {
+        for (cpu, from, count, lost, records) in taken {
             if !last {
                 for (slot, n) in ring_spans(from, from + count, rings.slots) {
                     let zeros = vec![0u8; usize::try_from(n * TRACE_RECORD)?];
-                    let va = at + RING_HEADER + slot * TRACE_RECORD;
+                    let va = rings.slot(cpu, slot);
                     machine.write_phys(self.heap_phys(va), &zeros)?;
                 }
             }

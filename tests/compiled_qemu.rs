@@ -264,9 +264,9 @@ const DIFFERENTIAL: &[&str] = &[
        probe kernel.syscall("getpid") {
          if (execname() == "syscall-loop") { last = execname(); seen++; total = total + 2 }
        }
-       probe kernel.function("__x64_sys_getppid") {
-         // pt_regs.orig_ax (+120): the syscall number, 110 for getppid
-         if (execname() == "syscall-loop") { nr = kernel_long($regs + 120); lo = kernel_int($regs + 120) }
+       probe kernel.function("vfs_read") {
+         // *pos: the file offset syscall-loop preads at (0), read through the kernel
+         if (execname() == "syscall-loop") { nr += kernel_long($pos) + 1; lo = kernel_int($pos) - 3 }
        }
        probe end { printf("%s %d %d %d %d\n", last, seen, total, nr, lo) }"#,
 ];

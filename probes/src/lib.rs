@@ -2,4 +2,5 @@
 
 pub mod compile;
 pub mod lang;
+pub mod rings;
 pub mod splice;

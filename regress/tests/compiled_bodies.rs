@@ -181,18 +181,16 @@ impl Rig {
 
     /// What the compiled code printed, in order.
     fn printed(&self) -> String {
-        let data = self.data();
-        let Some((off, _)) = self.layout.rings else {
+        let Some(rings) = self.layout.ring_set(DATA) else {
             return String::new();
         };
-        let ring = &data[off as usize..];
-        let head = u64::from_le_bytes(ring[..8].try_into().unwrap());
-        (0..head)
+        let mut head = [0u8; 8];
+        self.uc.read(rings.ring(0), &mut head).unwrap();
+        (0..u64::from_le_bytes(head))
             .map(|i| {
-                let at = (compile::data::RING_HEADER + i * compile::data::RECORD) as usize;
-                self.interner
-                    .render(&ring[at..at + compile::data::RECORD as usize])
-                    .expect("a known format")
+                let mut record = vec![0u8; rings.record as usize];
+                self.uc.read(rings.slot(0, i), &mut record).unwrap();
+                self.interner.render(&record).expect("a known format")
             })
             .collect()
     }

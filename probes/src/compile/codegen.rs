@@ -22,8 +22,7 @@ use crate::lang::check::{Program, Shape, Ty};
 use crate::lang::Limits;
 
 use super::data::{
-    field, ring_bytes, DataLayout, GlobalSlot, Interner, OutputKind, ValueKind, KEY, MAX_KEYS,
-    MAX_PRINT_ARGS, RECORD, RING_HEADER, RING_SLOTS,
+    field, DataLayout, GlobalSlot, Interner, OutputKind, ValueKind, KEY, MAX_KEYS, MAX_PRINT_ARGS,
 };
 use super::{Facts, SitePoint, Unsupported};
 
@@ -1215,7 +1214,7 @@ impl Gen<'_, '_> {
     /// An output record: the arguments (16 bytes each) pushed, a record reserved in this
     /// vCPU's ring, filled, and its TSC stored last.
     fn print(&mut self, name: &str, args: &[Expr]) -> R<K> {
-        let Some((rings, cpus)) = self.env.layout.rings else {
+        let Some(rings) = self.env.layout.ring_set(self.env.data) else {
             return Err(self.no(format!("{name}() without output rings")));
         };
         let (kind, values) = if name == "printf" {
@@ -1247,34 +1246,11 @@ impl Gen<'_, '_> {
         }
         let n = values.len() as i32;
         let id = self.interner.format(kind, strings);
-        let base = self.env.data + rings;
-        let cpu_number = self.env.facts.cpu_number as i64;
+        let cpu_number = self.env.facts.cpu_number;
         let r = (|| {
             let mut skip = self.a.create_label();
             let mut done = self.a.create_label();
-            let mut cpu = Instruction::with2(
-                Code::Mov_r32_rm32,
-                Register::EAX,
-                MemoryOperand::with_base_displ(Register::None, cpu_number),
-            )?;
-            cpu.set_segment_prefix(Register::GS);
-            cpu.set_memory_displ_size(4);
-            self.a.add_instruction(cpu)?;
-            self.a.cmp(eax, cpus)?;
-            self.a.jae(skip)?;
-            self.a
-                .imul_3(rax, rax, i32::try_from(ring_bytes()).unwrap_or(i32::MAX))?;
-            self.a.add_instruction(Instruction::with2(
-                Code::Lea_r64_m,
-                Register::RCX,
-                rip(base),
-            )?)?;
-            self.a.add(rcx, rax)?;
-            self.a.mov(edx, 1)?;
-            self.a.lock().xadd(qword_ptr(rcx), rdx)?;
-            self.a.and(edx, (RING_SLOTS - 1) as u32)?;
-            self.a.shl(rdx, RECORD.trailing_zeros())?;
-            self.a.lea(rdi, qword_ptr(rcx + rdx + RING_HEADER as i32))?;
+            rings.emit_reserve(self.a, cpu_number, rdi, skip)?;
             self.a.mov(dword_ptr(rdi + 8), id)?;
             for i in (0..n).rev() {
                 self.a.pop(rax)?;

@@ -14,12 +14,11 @@
 //! ```
 //!
 //! After the globals, when kernel probes print: per vCPU, a ring of [`RECORD`]-byte output
-//! records (64-byte header with the `u64` head, records ever reserved, taken with `lock
-//! xadd`). A record holds the TSC at +0 (stored last: 0 means its writer has not finished),
-//! the output format's id at +8 and up to [`MAX_PRINT_ARGS`] arguments of 16 bytes from +16.
-//! The host drains the rings at every look (the guest stopped), prints the records in TSC
-//! order across vCPUs and zeroes what it took; a burst of more than a ring between two looks
-//! overwrites the oldest records, which the host counts as lost.
+//! records (crate::rings: the protocol `exotap trace` uses too). A record holds the TSC at
+//! +0 (stored last, never 0), the output format's id at +8 and up to [`MAX_PRINT_ARGS`]
+//! arguments of 16 bytes from +16. The host drains the rings at every look (the guest
+//! stopped) and prints the records in TSC order across vCPUs; a burst of more than a ring
+//! between two looks overwrites the oldest records, which the host counts as lost.
 //!
 //! Strings are 16 bytes: up to 15 bytes of text inline, NUL-padded (what `task_struct.comm`
 //! holds, so `execname()` is two loads), or, for longer text the host knows (function names,
@@ -45,6 +44,7 @@ use crate::lang::check::{Program, Shape, Ty};
 use crate::lang::eval::Store;
 use crate::lang::value::{linear_buckets, Stats, Value, LOG_BUCKETS};
 use crate::lang::Limits;
+use crate::rings::{RingSet, HEADER as RING_HEADER};
 
 use super::Unsupported;
 
@@ -89,10 +89,8 @@ pub const STATS_FIXED: u64 = 32;
 pub const RECORD: u64 = 128;
 /// Most arguments of one compiled `printf`/`print`.
 pub const MAX_PRINT_ARGS: usize = 7;
-/// Bytes of a ring's header.
-pub const RING_HEADER: u64 = 64;
 /// Records per vCPU ring.
-pub const RING_SLOTS: u64 = 2048;
+pub const RING_SLOTS: u32 = 2048;
 /// The largest data area the compiler lays out (the patch heap has 64 MiB in all).
 pub const MAX_DATA: u64 = 48 << 20;
 
@@ -337,30 +335,21 @@ impl DataLayout {
     pub fn with_rings(mut self, cpus: u32) -> Self {
         let at = self.size.div_ceil(64) * 64;
         self.rings = Some((at, cpus.max(1)));
-        self.size = at + u64::from(cpus.max(1)) * ring_bytes();
+        self.size = at + u64::from(cpus.max(1)) * (RING_HEADER + u64::from(RING_SLOTS) * RECORD);
         self
     }
 }
 
-/// Bytes of one vCPU's ring.
-pub fn ring_bytes() -> u64 {
-    RING_HEADER + RING_SLOTS * RECORD
-}
-
-/// The records `[from, to)` of a ring as (first slot, count) spans: one, or two where they
-/// wrap; at most a ring's worth.
-pub fn ring_spans(from: u64, to: u64) -> Vec<(u64, u64)> {
-    let count = to.saturating_sub(from).min(RING_SLOTS);
-    let first = from % RING_SLOTS;
-    let head_part = count.min(RING_SLOTS - first);
-    let mut spans = Vec::new();
-    if head_part > 0 {
-        spans.push((first, head_part));
+impl DataLayout {
+    /// The output rings, for data at `data`.
+    pub fn ring_set(&self, data: u64) -> Option<RingSet> {
+        self.rings.map(|(offset, cpus)| RingSet {
+            base: data + offset,
+            cpus,
+            slots: RING_SLOTS,
+            record: RECORD,
+        })
     }
-    if count > head_part {
-        spans.push((0, count - head_part));
-    }
-    spans
 }
 
 fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
