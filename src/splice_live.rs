@@ -701,9 +701,7 @@ fn diverting_patch(
 
 // The table of calls in flight and its hash are the compiled probes' (one table layout for
 // `time`, `trace` and compiled `.return` probes).
-use exotap_probes::compile::site::{
-    emit_inflight_hash as emit_hash_into, INFLIGHT, PROBE_SLOTS, SLOT,
-};
+use exotap_probes::compile::site::{emit_swap, emit_unswap, INFLIGHT, PROBE_SLOTS, SLOT};
 /// Histogram buckets (log2 of cycles).
 pub const BUCKETS: usize = 64;
 
@@ -711,10 +709,6 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
     iced_x86::MemoryOperand::with_base_displ(Register::RIP, addr as i64)
 }
 
-/// rcx = &table[hash(rsi)]; clobbers rax.
-fn emit_hash(a: &mut CodeAssembler, table: u64) -> anyhow::Result<()> {
-    Ok(emit_hash_into(a, table)?)
-}
 
 /// Per-vCPU ring buffers of entry/exit records (`exotap trace`).
 ///
@@ -771,10 +765,8 @@ fn timing_entry(
     trampoline: u64,
     trace: Option<(&Rings, u32)>,
 ) -> anyhow::Result<Vec<u8>> {
-    use iced_x86::code_asm::{eax, edx, qword_ptr, r8, rcx, rdi, rdx, rsi, rsp};
+    use iced_x86::code_asm::{qword_ptr, r8, rcx, rdi, rdx, rsi, rsp};
     let mut a = CodeAssembler::new(64)?;
-    let mut probe = a.create_label();
-    let mut claim = a.create_label();
     let mut done = a.create_label();
     a.push(rax)?;
     a.push(rcx)?;
@@ -782,32 +774,7 @@ fn timing_entry(
     a.push(rsi)?;
     a.push(r8)?;
     a.lea(rsi, qword_ptr(rsp + 40))?;
-    emit_hash(&mut a, table)?;
-    a.mov(edx, PROBE_SLOTS)?;
-    a.set_label(&mut probe)?;
-    a.xor(eax, eax)?;
-    a.lock().cmpxchg(qword_ptr(rcx), rsi)?;
-    a.je(claim)?;
-    a.add(rcx, SLOT as i32)?;
-    a.dec(edx)?;
-    a.jne(probe)?;
-    let mut inc = iced_x86::Instruction::with1(iced_x86::Code::Inc_rm64, rip_mem(misses))?;
-    inc.set_has_lock_prefix(true);
-    a.add_instruction(inc)?;
-    a.jmp(done)?;
-    a.set_label(&mut claim)?;
-    a.mov(rax, qword_ptr(rsi))?;
-    a.mov(qword_ptr(rcx + 8), rax)?;
-    a.add_instruction(iced_x86::Instruction::with2(
-        iced_x86::Code::Lea_r64_m,
-        Register::RAX,
-        rip_mem(trampoline),
-    )?)?;
-    a.mov(qword_ptr(rsi), rax)?;
-    a.rdtsc()?;
-    a.shl(rdx, 32)?;
-    a.or(rax, rdx)?;
-    a.mov(qword_ptr(rcx + 16), rax)?;
+    emit_swap(&mut a, table, misses, trampoline, done)?;
     if let Some((rings, id)) = trace {
         a.mov(r8, rax)?;
         emit_record(&mut a, rings, id, 1, rdi)?;
@@ -828,10 +795,8 @@ fn timing_trampoline(
     histogram: u64,
     trace: Option<(&Rings, u32)>,
 ) -> anyhow::Result<Vec<u8>> {
-    use iced_x86::code_asm::{edx, qword_ptr, r8, r9, rcx, rdx, rsi, rsp};
+    use iced_x86::code_asm::{qword_ptr, r8, r9, rcx, rdx, rsi, rsp};
     let mut a = CodeAssembler::new(64)?;
-    let mut probe = a.create_label();
-    let mut found = a.create_label();
     a.lea(rsp, qword_ptr(rsp - 8))?; // the slot `ret` popped; no flags touched
     a.push(rax)?;
     a.push(rcx)?;
@@ -842,18 +807,7 @@ fn timing_trampoline(
     a.pushfq()?;
     a.mov(r9, rax)?; // the return value
     a.lea(rsi, qword_ptr(rsp + 56))?;
-    emit_hash(&mut a, table)?;
-    a.mov(edx, PROBE_SLOTS)?;
-    a.set_label(&mut probe)?;
-    a.cmp(qword_ptr(rcx), rsi)?;
-    a.je(found)?;
-    a.add(rcx, SLOT as i32)?;
-    a.dec(edx)?;
-    a.jne(probe)?;
-    a.ud2()?; // no slot: cannot happen unless the table was overwritten
-    a.set_label(&mut found)?;
-    a.mov(rax, qword_ptr(rcx + 8))?;
-    a.mov(qword_ptr(rsi), rax)?;
+    emit_unswap(&mut a, table)?;
     a.rdtsc()?;
     a.shl(rdx, 32)?;
     a.or(rax, rdx)?;

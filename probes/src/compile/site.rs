@@ -62,6 +62,68 @@ pub fn emit_inflight_hash(a: &mut CodeAssembler, table: u64) -> Result<(), IcedE
     a.add(rcx, rax)
 }
 
+/// Claims a slot of the table of calls in flight for the return-address slot at `rsi`, keeps
+/// the original return address and the entry TSC there and swaps in `trampoline`; falls
+/// through with rcx = the slot and rax = the TSC. A full table counts a miss at `misses`,
+/// leaves the call alone and jumps to `missed`. Clobbers rax, rcx, rdx and the flags.
+///
+/// # Errors
+/// When the assembler refuses an instruction.
+pub fn emit_swap(
+    a: &mut CodeAssembler,
+    table: u64,
+    misses: u64,
+    trampoline: u64,
+    missed: CodeLabel,
+) -> Result<(), IcedError> {
+    let mut probe = a.create_label();
+    let mut claim = a.create_label();
+    emit_inflight_hash(a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.xor(eax, eax)?;
+    a.lock().cmpxchg(qword_ptr(rcx), rsi)?;
+    a.je(claim)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)?;
+    lock_inc(a, misses)?;
+    a.jmp(missed)?;
+    a.set_label(&mut claim)?;
+    a.mov(rax, qword_ptr(rsi))?;
+    a.mov(qword_ptr(rcx + 8), rax)?;
+    lea(a, Register::RAX, trampoline)?;
+    a.mov(qword_ptr(rsi), rax)?;
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.mov(qword_ptr(rcx + 16), rax)
+}
+
+/// In a return trampoline, with `rsi` = the return-address slot `ret` just popped: finds the
+/// call's slot in the table (rcx) and puts the original return address back at `rsi`. The
+/// caller frees the slot (`mov qword [rcx], 0`) once done with its entry TSC at +16. Clobbers
+/// rax, rcx, rdx and the flags; a missing slot (the table overwritten) is a `ud2`.
+///
+/// # Errors
+/// When the assembler refuses an instruction.
+pub fn emit_unswap(a: &mut CodeAssembler, table: u64) -> Result<(), IcedError> {
+    let mut probe = a.create_label();
+    let mut found = a.create_label();
+    emit_inflight_hash(a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.cmp(qword_ptr(rcx), rsi)?;
+    a.je(found)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)?;
+    a.ud2()?;
+    a.set_label(&mut found)?;
+    a.mov(rax, qword_ptr(rcx + 8))?;
+    a.mov(qword_ptr(rsi), rax)
+}
+
 /// The table helpers of a script: for every array, `find` and `insert`.
 #[derive(Debug, Clone, Default)]
 pub struct Runtime {
@@ -307,30 +369,9 @@ pub fn entry_code(
     }
     if let Some((table, misses, trampoline)) = returns {
         let r = (|| {
-            let mut probe = a.create_label();
-            let mut claim = a.create_label();
             let mut done = a.create_label();
             a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
-            emit_inflight_hash(&mut a, table)?;
-            a.mov(edx, PROBE_SLOTS)?;
-            a.set_label(&mut probe)?;
-            a.xor(eax, eax)?;
-            a.lock().cmpxchg(qword_ptr(rcx), rsi)?;
-            a.je(claim)?;
-            a.add(rcx, SLOT as i32)?;
-            a.dec(edx)?;
-            a.jne(probe)?;
-            lock_inc(&mut a, misses)?;
-            a.jmp(done)?;
-            a.set_label(&mut claim)?;
-            a.mov(rax, qword_ptr(rsi))?;
-            a.mov(qword_ptr(rcx + 8), rax)?;
-            lea(&mut a, Register::RAX, trampoline)?;
-            a.mov(qword_ptr(rsi), rax)?;
-            a.rdtsc()?;
-            a.shl(rdx, 32)?;
-            a.or(rax, rdx)?;
-            a.mov(qword_ptr(rcx + 16), rax)?;
+            emit_swap(&mut a, table, misses, trampoline, done)?;
             a.set_label(&mut done)?;
             a.nop()
         })();
@@ -355,23 +396,10 @@ pub fn return_code(
     let mut a = CodeAssembler::new(64).map_err(refused)?;
     a.set_prefer_short_branch(false);
     let r = (|| {
-        let mut probe = a.create_label();
-        let mut found = a.create_label();
         a.lea(rsp, qword_ptr(rsp - 8))?; // the slot `ret` popped; no flags touched
         save(&mut a)?;
         a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
-        emit_inflight_hash(&mut a, table)?;
-        a.mov(edx, PROBE_SLOTS)?;
-        a.set_label(&mut probe)?;
-        a.cmp(qword_ptr(rcx), rsi)?;
-        a.je(found)?;
-        a.add(rcx, SLOT as i32)?;
-        a.dec(edx)?;
-        a.jne(probe)?;
-        a.ud2()?; // no slot: cannot happen unless the table was overwritten
-        a.set_label(&mut found)?;
-        a.mov(rax, qword_ptr(rcx + 8))?;
-        a.mov(qword_ptr(rsi), rax)?;
+        emit_unswap(&mut a, table)?;
         a.mov(qword_ptr(rcx), 0)
     })();
     r.map_err(refused)?;
