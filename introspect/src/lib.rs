@@ -1,4 +1,5 @@
-//! Understanding a guest kernel from outside it: page-table walks, symbols, KASLR, layout.
+//! Understanding a guest kernel from outside it: page-table walks, symbols, KASLR, layout,
+//! ORC stack unwinding.
 //!
 //! Everything here works on a read-only view of guest memory so it is testable on files
 //! and snapshots.
@@ -11,6 +12,7 @@ pub mod kallsyms;
 pub mod kaslr;
 pub mod layout;
 pub mod memory;
+pub mod orc;
 pub mod paging;
 pub mod symbols;
 pub mod x86;
