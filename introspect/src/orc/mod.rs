@@ -72,6 +72,8 @@ pub use unwind::{
 };
 
 #[cfg(test)]
+mod real_kernel_tests;
+#[cfg(test)]
 mod testing;
 #[cfg(test)]
 mod tests;

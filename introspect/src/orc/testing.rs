@@ -1,5 +1,5 @@
 //! Test fixtures: synthetic ORC entries and tables (Linux 4.14 layout, as the Debian 6.1
-//! kernel uses) and stacks built word by word.
+//! kernel uses), stacks built word by word, and the cached Debian `-dbg` vmlinux.
 
 use super::entry::{OrcLayout, RawOrcEntry};
 use super::stack::StackSnapshot;
@@ -105,4 +105,24 @@ impl StackImage {
     pub(crate) fn snapshot(&self) -> StackSnapshot {
         StackSnapshot::new(self.base, self.bytes())
     }
+}
+
+/// The cached Debian `-dbg` vmlinux, mapped, or `None` after printing why it is skipped.
+pub(crate) fn debug_vmlinux() -> Option<memmap2::Mmap> {
+    let release = crate::bzimage::tests::RELEASE;
+    let Some(dir) = crate::bzimage::cached_kernel_dir(release) else {
+        println!("SKIP: no HOME or XDG_CACHE_HOME to find the kernel cache");
+        return None;
+    };
+    let path = dir.join("debug").join("vmlinux");
+    let Ok(file) = std::fs::File::open(&path) else {
+        println!(
+            "SKIP: {} is absent; run `exotap image fetch --debuginfo` first",
+            path.display()
+        );
+        return None;
+    };
+    // SAFETY: the cache file is only ever replaced whole (written elsewhere, then renamed),
+    // never modified in place, so the mapping stays valid for the test's lifetime.
+    Some(unsafe { memmap2::Mmap::map(&file) }.unwrap())
 }
