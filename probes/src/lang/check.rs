@@ -110,6 +110,8 @@ pub struct Program {
     pub probes: Vec<ProbeInfo>,
     /// Warnings (the script still runs).
     pub warnings: Vec<Diagnostic>,
+    /// What `target()` returns: the `-x PID` of the invocation, 0 without.
+    pub target_pid: i64,
 }
 
 impl Program {
@@ -136,6 +138,9 @@ const MAX_ROUNDS: usize = 32;
 pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
     let mut c = Checker::new(&script);
     c.declare();
+    // Inference rounds only collect types: a variable read before the statement that types
+    // it is not an error until the reporting pass says it still has no type.
+    c.report = false;
     for _ in 0..MAX_ROUNDS {
         c.changed = false;
         c.walk_all();
@@ -172,6 +177,7 @@ pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
         locals,
         probes,
         warnings,
+        target_pid: 0,
     })
 }
 
@@ -188,6 +194,8 @@ pub(crate) struct Scope {
     pub assigned: HashSet<String>,
     /// Loop nesting.
     pub loops: usize,
+    /// Inside `@defined(...)`: target variables that cannot exist here are not errors.
+    pub defined: usize,
 }
 
 pub(crate) struct Checker<'a> {
@@ -282,15 +290,12 @@ impl<'a> Checker<'a> {
             } else {
                 self.functions.insert(name.clone(), i);
             }
+            // A C function is refused where it is called (see `call`), so that scripts
+            // carrying unused C helpers still run; its types come from its declaration or
+            // from its call sites.
             let has_value = match &f.body {
                 FunctionBody::Block(b) => returns_value(&b.stmts),
-                FunctionBody::Embedded(span) => {
-                    self.emit(
-                        Diagnostic::error("embedded C code is not supported", *span)
-                            .with_hint("exotap never runs C code in the guest; write the body in the script language"),
-                    );
-                    false
-                }
+                FunctionBody::Embedded(_) => true,
             };
             let ret = match (f.ret, has_value) {
                 (Some(DeclType::Long), _) => Ty::Long,
@@ -345,6 +350,7 @@ impl<'a> Checker<'a> {
                 kinds: kinds.unwrap_or_default(),
                 assigned,
                 loops: 0,
+                defined: 0,
             };
             if let Some(cond) = &p.condition {
                 self.expect(cond, Ty::Long);
@@ -365,6 +371,7 @@ impl<'a> Checker<'a> {
                 kinds: Vec::new(),
                 assigned,
                 loops: 0,
+                defined: 0,
             };
             self.block(body);
         }
@@ -419,6 +426,9 @@ impl<'a> Checker<'a> {
         }
         let nprobes = self.script.probes.len();
         for (i, f) in self.script.functions.iter().enumerate() {
+            if matches!(f.body, FunctionBody::Embedded(_)) {
+                continue;
+            }
             if self.function_ret[i] == Ty::Unknown {
                 self.emit(
                     Diagnostic::error(
@@ -653,6 +663,95 @@ mod tests {
     fn kernel_point_makes_the_program_need_a_guest() {
         assert!(checked("probe kernel.function(\"f\") { }").needs_guest());
         assert!(!checked("probe timer.ms(1) { }").needs_guest());
+    }
+
+    #[test]
+    fn local_read_before_its_typing_assignment_is_inferred() {
+        let p = checked("probe begin { if (0) y = x + 1; x = 0 }");
+        assert_eq!(p.locals[0]["x"], Ty::Long);
+    }
+
+    #[test]
+    fn entry_outside_a_return_probe_is_an_error() {
+        assert_eq!(
+            errors("probe kernel.function(\"f\") { x = @entry($a) }"),
+            vec!["'@entry' is only available in .return probes"]
+        );
+    }
+
+    #[test]
+    fn entry_in_a_return_probe_has_the_type_of_its_operand() {
+        let p = checked("probe kernel.function(\"f\").return { s = @entry(execname()) }");
+        assert_eq!(p.locals[0]["s"], Ty::Str);
+    }
+
+    #[test]
+    fn defined_target_in_a_begin_probe_takes_the_fallback_unchecked() {
+        let p = checked("probe begin { x = @choose_defined($nosuch, \"none\") }");
+        assert_eq!(p.locals[0]["x"], Ty::Str);
+    }
+
+    #[test]
+    fn target_outside_defined_in_a_begin_probe_is_still_an_error() {
+        assert_eq!(
+            errors("probe begin { x = @defined($a) + $a }"),
+            vec!["target variable '$a' is not available in 'begin' probes"]
+        );
+    }
+
+    #[test]
+    fn calling_an_embedded_c_function_is_an_error_naming_the_alternative() {
+        let diags = check(
+            parse(
+                "function f:long () %{ STAP_RETURN(1); %}\nprobe begin { println(f()) }",
+                &Limits::default(),
+            )
+            .unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            diags[0].message,
+            "function 'f' is written in embedded C, which exotap cannot run"
+        );
+        assert!(diags[0]
+            .hint
+            .as_ref()
+            .is_some_and(|h| h.contains("no module") && h.contains("script language")));
+    }
+
+    #[test]
+    fn an_uncalled_embedded_c_function_is_fine() {
+        let p = checked("function f(x) %{ /* C */ %}\nprobe begin { }");
+        assert_eq!(p.warnings.len(), 0);
+    }
+
+    #[test]
+    fn cast_reads_a_long_from_a_long_pointer() {
+        let p =
+            checked("probe begin { p = 0; v = @cast(p, \"struct task_struct\", \"kernel\")->pid }");
+        assert_eq!(p.locals[0]["v"], Ty::Long);
+    }
+
+    #[test]
+    fn cast_of_a_string_is_an_error() {
+        assert_eq!(
+            errors("probe begin { v = @cast(\"x\", \"struct file\")->f_pos }"),
+            vec!["type mismatch: expected a long, found a string"]
+        );
+    }
+
+    #[test]
+    fn variance_records_its_bit_shift() {
+        let p = checked("global s\nprobe begin { s <<< 1; println(@variance(s, 4)) }");
+        assert_eq!(p.globals["s"].hist.variance_shift, Some(4));
+    }
+
+    #[test]
+    fn variance_of_a_local_is_an_error() {
+        assert_eq!(
+            errors("probe begin { s = 1; println(@variance(s)) }"),
+            vec!["statistics need a global aggregate"]
+        );
     }
 
     #[test]

@@ -26,6 +26,13 @@ impl Checker<'_> {
             }
             StmtKind::If(i) => {
                 self.expect(&i.cond, Ty::Long);
+                if self.statically_undefined(&i.cond) {
+                    // `if (@defined($x)) ...` where $x cannot exist: the branch is dropped.
+                    if let Some(e) = &i.els {
+                        self.stmt(e);
+                    }
+                    return;
+                }
                 self.stmt(&i.then);
                 if let Some(e) = &i.els {
                     self.stmt(e);
@@ -261,7 +268,13 @@ fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
                 out.insert(n.clone());
             }
         }
-        ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => collect_expr(x, out),
+        ExprKind::Unary(_, x)
+        | ExprKind::Stat(_, x)
+        | ExprKind::Hist(_, x)
+        | ExprKind::Entry(x)
+        | ExprKind::Defined(x)
+        | ExprKind::Variance(x, _) => collect_expr(x, out),
+        ExprKind::Cast(c) => collect_expr(&c.pointer, out),
         ExprKind::Binary(_, p) => {
             collect_expr(&p.0, out);
             collect_expr(&p.1, out);
@@ -274,6 +287,10 @@ fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
         ExprKind::Index(ix) => ix.keys.iter().for_each(|k| collect_expr(k, out)),
         ExprKind::Call(c) => c.args.iter().for_each(|a| collect_expr(a, out)),
         ExprKind::In(i) => i.keys.iter().for_each(|k| collect_expr(k, out)),
-        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Target(_) => {}
+        ExprKind::Num(_)
+        | ExprKind::Str(_)
+        | ExprKind::Var(_)
+        | ExprKind::Target(_)
+        | ExprKind::Embedded(_) => {}
     }
 }

@@ -76,6 +76,36 @@ impl Interp<'_> {
                     None => return fail("empty aggregate", e.span),
                 }
             }
+            ExprKind::Variance(target, _) => {
+                let stats = self.stats_of(target, f, ctx)?;
+                match stats.as_ref().and_then(Stats::variance) {
+                    Some(v) => Value::Long(v),
+                    None => return fail("empty aggregate", e.span),
+                }
+            }
+            ExprKind::Entry(x) => match &x.kind {
+                // A kernel context answers a parameter with its value at the entry, also in
+                // a .return probe; anything else would need evaluating at the entry.
+                ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
+                    self.eval(x, f, ctx)?
+                }
+                _ => {
+                    return fail(
+                        "@entry(...) of anything but a parameter is not supported yet: \
+                         it needs the expression evaluated at the function's entry",
+                        e.span,
+                    )
+                }
+            },
+            ExprKind::Defined(x) => Value::Long(i64::from(defined(x, ctx))),
+            ExprKind::Cast(_) => {
+                return fail(
+                    "@cast is not supported at run time yet: reading kernel types needs the \
+                     guest's type information, which the interpreter does not have",
+                    e.span,
+                )
+            }
+            ExprKind::Embedded(_) => return fail("embedded C code cannot run", e.span),
             ExprKind::Hist(..) => Value::Long(0),
             ExprKind::Call(c) => self.call(c, e.span, f, ctx)?,
             ExprKind::In(i) => {
@@ -310,5 +340,29 @@ impl Interp<'_> {
     /// `error()` and friends: raise a script error.
     pub(crate) fn raise<T>(&self, message: String, span: Span) -> EResult<T> {
         Err(Stop::Error(super::eval::ScriptError { message, span }))
+    }
+}
+
+/// Whether every target variable in `e` resolves in `ctx` (`@defined`). A `@cast` never
+/// does: the interpreter has no kernel types.
+fn defined(e: &Expr, ctx: &dyn Context) -> bool {
+    match &e.kind {
+        ExprKind::Target(t) => ctx.target(&t.path()).is_some(),
+        ExprKind::Cast(_) | ExprKind::Embedded(_) => false,
+        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) => true,
+        ExprKind::Unary(_, x)
+        | ExprKind::Stat(_, x)
+        | ExprKind::Hist(_, x)
+        | ExprKind::Entry(x)
+        | ExprKind::Defined(x)
+        | ExprKind::Variance(x, _) => defined(x, ctx),
+        ExprKind::Binary(_, p) | ExprKind::Assign(_, p) | ExprKind::Aggregate(p) => {
+            defined(&p.0, ctx) && defined(&p.1, ctx)
+        }
+        ExprKind::Ternary(p) => defined(&p.0, ctx) && defined(&p.1, ctx) && defined(&p.2, ctx),
+        ExprKind::IncDec(i) => defined(&i.target, ctx),
+        ExprKind::Index(ix) => ix.keys.iter().all(|k| defined(k, ctx)),
+        ExprKind::Call(c) => c.args.iter().all(|a| defined(a, ctx)),
+        ExprKind::In(i) => i.keys.iter().all(|k| defined(k, ctx)),
     }
 }

@@ -7,9 +7,11 @@ use super::ast::Span;
 pub enum Tok {
     /// Identifier or keyword (`probe`, `if`, ...): the parser decides.
     Ident(String),
-    /// `$name` or `$$name`.
+    /// `$name` or `$$name`; also `$1`, `$2`, ... and `$#` (script arguments, replaced by the
+    /// [preprocessor](super::preprocess)).
     Target(String),
-    /// `@name` (`@count`, `@hist_log`, ...).
+    /// `@name` (`@count`, `@hist_log`, ...); also `@1`, ... and `@#` (script arguments as strings)
+    /// and macro invocations.
     At(String),
     /// Integer literal.
     Num(i64),
@@ -180,7 +182,12 @@ pub fn tokenize(src: &str) -> Result<Vec<Token>, LexError> {
             if c == b'$' && bytes.get(j) == Some(&b'$') {
                 j += 1;
             }
-            let end = scan_word(bytes, j);
+            // `$#` and `@#`: the number of script arguments (the preprocessor replaces them).
+            let end = if bytes.get(j) == Some(&b'#') && j == i + 1 {
+                j + 1
+            } else {
+                scan_word(bytes, j)
+            };
             if end == j {
                 return Err(LexError::UnexpectedChar {
                     ch: char::from(c),
@@ -379,6 +386,27 @@ mod tests {
                 Tok::Eof
             ]
         );
+    }
+
+    #[test]
+    fn argument_count_sigils_are_tokens() {
+        assert_eq!(
+            kinds("$# @# $1"),
+            vec![
+                Tok::Target("$#".into()),
+                Tok::At("@#".into()),
+                Tok::Target("$1".into()),
+                Tok::Eof
+            ]
+        );
+    }
+
+    #[test]
+    fn lone_dollar_is_an_error() {
+        assert!(matches!(
+            tokenize("$ x"),
+            Err(LexError::UnexpectedChar { ch: '$', .. })
+        ));
     }
 
     #[test]

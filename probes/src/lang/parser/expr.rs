@@ -211,13 +211,14 @@ impl Parser {
             }
             Tok::Target(name) => {
                 self.bump();
-                let mut members = Vec::new();
-                while self.eat_op("->") {
-                    members.push(self.ident("a struct member name")?.name);
-                }
+                let members = self.member_chain()?;
                 ExprKind::Target(TargetVar { name, members })
             }
             Tok::At(name) => return self.at_expr(&name),
+            Tok::Embedded(code) => {
+                self.bump();
+                ExprKind::Embedded(code)
+            }
             Tok::Ident(ref s) if !KEYWORDS.contains(&s.as_str()) => {
                 let name = self.ident("a name")?;
                 if self.eat_op("(") {
@@ -293,10 +294,78 @@ impl Parser {
                     Box::new(target),
                 )
             }
-            "define" => return self.unsupported("'@define' macros"),
+            "entry" => ExprKind::Entry(Box::new(self.one_argument()?)),
+            "defined" => ExprKind::Defined(Box::new(self.one_argument()?)),
+            "choose_defined" => {
+                self.expect_op("(")?;
+                let first = self.expr()?;
+                self.expect_op(",")?;
+                let second = self.expr()?;
+                self.expect_op(")")?;
+                let test = Expr {
+                    kind: ExprKind::Defined(Box::new(first.clone())),
+                    span: first.span,
+                };
+                ExprKind::Ternary(Box::new((test, first, second)))
+            }
+            "variance" => {
+                self.expect_op("(")?;
+                let target = self.expr()?;
+                let mut shift = 0;
+                if self.eat_op(",") {
+                    shift = match self.literal()? {
+                        (Literal::Num(n @ 0..=62), _) => n as u32,
+                        (_, span) => {
+                            return Err(ParseError::Unexpected {
+                                expected: "a bit shift from 0 to 62".into(),
+                                found: "something else".into(),
+                                span,
+                            })
+                        }
+                    };
+                }
+                self.expect_op(")")?;
+                ExprKind::Variance(Box::new(target), shift)
+            }
+            "cast" => {
+                self.expect_op("(")?;
+                let pointer = self.expr()?;
+                self.expect_op(",")?;
+                let type_name = self.string_literal("the type name as a string")?;
+                let module = if self.eat_op(",") {
+                    Some(self.string_literal("the module as a string")?)
+                } else {
+                    None
+                };
+                self.expect_op(")")?;
+                let members = self.member_chain()?;
+                ExprKind::Cast(Box::new(CastExpr {
+                    pointer,
+                    type_name,
+                    module,
+                    members,
+                }))
+            }
+            "var" => {
+                self.expect_op("(")?;
+                let spec = self.string_literal("the variable as a string, e.g. \"name@file.c\"")?;
+                if self.eat_op(",") {
+                    self.string_literal("the module as a string")?;
+                }
+                self.expect_op(")")?;
+                let name = if spec.contains('@') {
+                    format!("@var(\"{}\")", spec.escape_default())
+                } else {
+                    format!("${spec}")
+                };
+                let members = self.member_chain()?;
+                ExprKind::Target(TargetVar { name, members })
+            }
             _ => {
                 return Err(ParseError::Unexpected {
-                    expected: "@count, @sum, @min, @max, @avg, @hist_log or @hist_linear".into(),
+                    expected: "@count, @sum, @min, @max, @avg, @variance, @hist_log, @hist_linear, \
+                               @entry, @defined, @choose_defined, @cast, @var or a macro defined with @define"
+                        .into(),
                     found: format!("'{name}'"),
                     span: start,
                 })
@@ -306,5 +375,32 @@ impl Parser {
             kind,
             span: start.to(self.prev_end()),
         })
+    }
+
+    /// `->a->b` after a target variable or `@cast(...)`.
+    fn member_chain(&mut self) -> PResult<Vec<String>> {
+        let mut members = Vec::new();
+        while self.eat_op("->") {
+            members.push(self.ident("a struct member name")?.name);
+        }
+        Ok(members)
+    }
+
+    /// `( expr )` after an `@` operator.
+    fn one_argument(&mut self) -> PResult<Expr> {
+        self.expect_op("(")?;
+        let e = self.expr()?;
+        self.expect_op(")")?;
+        Ok(e)
+    }
+
+    fn string_literal(&mut self, what: &str) -> PResult<String> {
+        match self.peek().tok.clone() {
+            Tok::Str(s) => {
+                self.bump();
+                Ok(s)
+            }
+            _ => self.unexpected(what),
+        }
     }
 }

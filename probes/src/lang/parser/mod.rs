@@ -1,10 +1,14 @@
 //! Recursive-descent parser from tokens to the [`ast`](super::ast). Expression and statement
 //! nesting are bounded by [`Limits::max_parse_depth`] so hostile input cannot exhaust the stack.
 
+mod alias;
+mod condition;
 mod expr;
+mod preprocess;
 mod stmt;
 
 use super::ast::*;
+use super::invocation::{declare_argv, Invocation};
 use super::lexer::{tokenize, LexError, Tok, Token};
 use super::limits::Limits;
 
@@ -56,6 +60,56 @@ pub enum ParseError {
         /// The left side.
         span: Span,
     },
+    /// `$N` or `@N` beyond the arguments the script was given.
+    #[error("command line argument index {index} out of range [1-{count}]")]
+    ArgumentOutOfRange {
+        /// N.
+        index: usize,
+        /// How many arguments there are.
+        count: usize,
+        /// The `$N` or `@N`.
+        span: Span,
+    },
+    /// `$N` whose argument does not tokenize as script text.
+    #[error("command line argument {index} is not script text: {reason}")]
+    BadArgument {
+        /// N.
+        index: usize,
+        /// The tokenizer's complaint.
+        reason: String,
+        /// The `$N`.
+        span: Span,
+    },
+    /// A malformed `%( CONDITION %? ... %: ... %)` or a condition that cannot be evaluated.
+    #[error("{message}")]
+    Conditional {
+        /// What is wrong.
+        message: String,
+        /// Where.
+        span: Span,
+    },
+    /// `%(` without its `%)`.
+    #[error("preprocessor conditional without its closing '%)'")]
+    UnterminatedConditional {
+        /// The `%(`.
+        span: Span,
+    },
+    /// A malformed `@define` or macro invocation.
+    #[error("{message}")]
+    Macro {
+        /// What is wrong.
+        message: String,
+        /// Where.
+        span: Span,
+    },
+    /// A probe alias that cannot be expanded.
+    #[error("{message}")]
+    Alias {
+        /// What is wrong.
+        message: String,
+        /// Where.
+        span: Span,
+    },
 }
 
 impl ParseError {
@@ -66,7 +120,13 @@ impl ParseError {
             ParseError::Unexpected { span, .. }
             | ParseError::TooDeep { span, .. }
             | ParseError::Unsupported { span, .. }
-            | ParseError::NotAssignable { span, .. } => *span,
+            | ParseError::NotAssignable { span, .. }
+            | ParseError::ArgumentOutOfRange { span, .. }
+            | ParseError::BadArgument { span, .. }
+            | ParseError::Conditional { span, .. }
+            | ParseError::UnterminatedConditional { span }
+            | ParseError::Macro { span, .. }
+            | ParseError::Alias { span, .. } => *span,
             ParseError::TooLong { .. } => Span::new(0, 0),
         }
     }
@@ -74,12 +134,15 @@ impl ParseError {
     /// A suggestion shown under the error.
     pub fn hint(&self) -> Option<String> {
         match self {
-            ParseError::Unsupported { what, .. } if what.contains("embedded C") => {
-                Some("exotap never runs C code in the guest; use script functions".into())
-            }
             ParseError::TooDeep { .. } => Some("split the expression using local variables".into()),
             ParseError::NotAssignable { .. } => {
                 Some("assign to a variable or an array element such as a[k]".into())
+            }
+            ParseError::ArgumentOutOfRange { count, .. } => Some(format!(
+                "the script was given {count} argument(s); pass them after the file: exotap FILE.stp ARG..."
+            )),
+            ParseError::UnterminatedConditional { .. } => {
+                Some("write %( CONDITION %? THEN %: ELSE %)".into())
             }
             _ => None,
         }
@@ -91,25 +154,43 @@ const KEYWORDS: &[&str] = &[
     "break", "continue", "return", "delete", "try", "catch",
 ];
 
-/// Parses a whole script.
+/// Parses a whole script run without arguments against exotap's default kernel facts.
 ///
 /// # Errors
 /// The first syntax error.
 pub fn parse(src: &str, limits: &Limits) -> Result<Script, ParseError> {
+    parse_with(src, limits, &Invocation::default())
+}
+
+/// Parses a whole script: tokens, then the [preprocessor](preprocess) (conditionals, macros,
+/// script arguments from `inv`), then the grammar; probe aliases are expanded at the end, and
+/// `argc`/`argv` declared when the script names them ([`declare_argv`]).
+///
+/// # Errors
+/// The first syntax or preprocessor error.
+pub fn parse_with(src: &str, limits: &Limits, inv: &Invocation) -> Result<Script, ParseError> {
     if src.len() > limits.max_source_len {
         return Err(ParseError::TooLong {
             len: src.len(),
             limit: limits.max_source_len,
         });
     }
-    let tokens = tokenize(src)?;
+    let tokens = preprocess::preprocess(&tokenize(src)?, inv, limits.max_parse_depth)?;
     let mut p = Parser {
         tokens,
         pos: 0,
         depth: 0,
         max_depth: limits.max_parse_depth,
     };
-    p.script()
+    let mut script = p.script()?;
+    alias::expand(&mut script, limits.max_parse_depth)?;
+    let names_used = |name: &str| {
+        p.tokens
+            .iter()
+            .any(|t| matches!(&t.tok, Tok::Ident(s) if s == name))
+    };
+    declare_argv(&mut script, inv, names_used);
+    Ok(script)
 }
 
 struct Parser {
@@ -275,12 +356,17 @@ impl Parser {
                     self.bump();
                     self.globals(&mut script.globals)?;
                 }
-                Tok::Ident(s) if s == "probe" => script.probes.push(self.probe()?),
+                Tok::Ident(s) if s == "probe" => match self.probe()? {
+                    ProbeOrAlias::Probe(p) => script.probes.push(p),
+                    ProbeOrAlias::Alias(a) => script.aliases.push(a),
+                },
                 Tok::Ident(s) if s == "function" => script.functions.push(self.function()?),
                 Tok::Ident(s) if s == "private" => return self.unsupported("'private'"),
-                Tok::Embedded(_) => return self.unsupported("embedded C code"),
-                Tok::At(s) if s == "@define" => return self.unsupported("'@define' macros"),
-                Tok::Op("%(") => return self.unsupported("preprocessor conditional '%('"),
+                // Top-level C (headers, helpers of C functions) is kept out of the script:
+                // only calling a C function is refused, by the checker.
+                Tok::Embedded(_) => {
+                    self.bump();
+                }
                 _ => return self.unexpected("'probe', 'global' or 'function'"),
             }
         }
@@ -390,14 +476,26 @@ impl Parser {
         })
     }
 
-    fn probe(&mut self) -> PResult<Probe> {
+    fn probe(&mut self) -> PResult<ProbeOrAlias> {
         let start = self.bump().span;
         let mut points = vec![self.probe_point()?];
         while self.eat_op(",") {
             points.push(self.probe_point()?);
         }
         if self.is_op("=") || self.is_op("+=") {
-            return self.unsupported("a probe alias");
+            let epilogue = self.bump().tok == Tok::Op("+=");
+            let mut targets = vec![self.probe_point()?];
+            while self.eat_op(",") {
+                targets.push(self.probe_point()?);
+            }
+            let body = self.block()?;
+            return Ok(ProbeOrAlias::Alias(ProbeAlias {
+                names: points,
+                points: targets,
+                epilogue,
+                body,
+                span: start.to(self.prev_end()),
+            }));
         }
         let condition = if self.eat_kw("if") {
             self.expect_op("(")?;
@@ -408,12 +506,12 @@ impl Parser {
             None
         };
         let body = self.block()?;
-        Ok(Probe {
+        Ok(ProbeOrAlias::Probe(Probe {
             points,
             condition,
             body,
             span: start.to(self.prev_end()),
-        })
+        }))
     }
 
     fn probe_point(&mut self) -> PResult<ProbePoint> {
@@ -464,6 +562,12 @@ impl Parser {
             span: start.to(self.prev_end()),
         })
     }
+}
+
+/// What a `probe` definition turned out to be.
+enum ProbeOrAlias {
+    Probe(Probe),
+    Alias(ProbeAlias),
 }
 
 fn check_lvalue(e: &Expr, op: &str) -> PResult<()> {
@@ -601,9 +705,100 @@ mod tests {
     }
 
     #[test]
-    fn embedded_c_at_top_level_is_unsupported() {
-        let err = parse("%{ #include <x.h> %}", &Limits::default());
-        assert!(matches!(err, Err(ParseError::Unsupported { .. })));
+    fn embedded_c_at_top_level_is_skipped() {
+        let script = parse_ok("%{ #include <x.h> %}\nprobe begin { }");
+        assert_eq!(script.probes.len(), 1);
+    }
+
+    #[test]
+    fn embedded_c_expression_parses() {
+        assert!(matches!(body_expr("x = %{ 1 %}"), ExprKind::Assign(..)));
+    }
+
+    #[test]
+    fn script_arguments_are_substituted_before_the_grammar() {
+        let inv = Invocation::with_args(["kernel.function(\"vfs_read\")", "5"]);
+        let script = parse_with("probe $1 { x = $2 }", &Limits::default(), &inv).unwrap();
+        assert_eq!(
+            script.probes[0].points[0].to_string(),
+            "kernel.function(\"vfs_read\")"
+        );
+    }
+
+    #[test]
+    fn missing_script_argument_is_an_error_with_a_hint() {
+        let err = parse("probe begin { x = $1 }", &Limits::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "command line argument index 1 out of range [1-0]"
+        );
+        assert!(err
+            .hint()
+            .is_some_and(|h| h.contains("exotap FILE.stp ARG")));
+    }
+
+    #[test]
+    fn preprocessor_conditional_selects_a_probe() {
+        let script = parse_ok(r#"%( arch == "x86_64" %? probe begin { } %: probe end { } %)"#);
+        assert_eq!(script.probes[0].points[0].to_string(), "begin");
+    }
+
+    #[test]
+    fn entry_defined_cast_and_variance_parse() {
+        assert!(matches!(body_expr("@entry($x)"), ExprKind::Entry(_)));
+        assert!(matches!(body_expr("@defined($x)"), ExprKind::Defined(_)));
+        assert!(matches!(
+            body_expr("@variance(s, 3)"),
+            ExprKind::Variance(_, 3)
+        ));
+        let ExprKind::Cast(c) = body_expr(r#"@cast(p, "struct task_struct", "kernel")->mm->pgd"#)
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (c.type_name.as_str(), c.module.as_deref(), c.members.len()),
+            ("struct task_struct", Some("kernel"), 2)
+        );
+    }
+
+    #[test]
+    fn choose_defined_is_a_ternary_on_defined() {
+        let ExprKind::Ternary(parts) = body_expr("@choose_defined($a, 0)") else {
+            panic!()
+        };
+        assert!(matches!(parts.0.kind, ExprKind::Defined(_)));
+    }
+
+    #[test]
+    fn var_without_file_is_a_target_variable() {
+        let ExprKind::Target(t) = body_expr(r#"@var("jiffies")"#) else {
+            panic!()
+        };
+        assert_eq!(t.name, "$jiffies");
+    }
+
+    #[test]
+    fn cast_without_a_type_string_is_an_error() {
+        let err = parse("probe begin { @cast(p, 3) }", &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string().contains("the type name as a string"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn variance_shift_above_62_is_an_error() {
+        let err = parse("probe begin { @variance(s, 63) }", &Limits::default()).unwrap_err();
+        assert!(err.to_string().contains("bit shift from 0 to 62"), "{err}");
+    }
+
+    #[test]
+    fn unknown_at_name_lists_the_operators_and_macros() {
+        let err = parse("probe begin { @median(s) }", &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string().contains("a macro defined with @define"),
+            "{err}"
+        );
     }
 
     #[test]
