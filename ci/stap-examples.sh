@@ -46,21 +46,30 @@ fi
 # meta_words FILE: the options (-g, -D X, -x PID) and arguments of the example's
 # `test_check: stap ...` line, one per line, options first and the script's name left out.
 meta_words() {
-    local stp=$1 meta line opts=() args=()
+    local stp=$1 meta line words opts=() args=()
     meta=${stp%.stp}.meta
     [[ $mode == meta && -f $meta ]] || return 0
     line=$(grep -m1 '^test_check:' "$meta" | sed 's/^test_check:[[:space:]]*//') || return 0
     [[ -n $line ]] || return 0
-    eval "set -- $line" 2>/dev/null || return 0
+    # Split as the shell would, without running anything in it (xargs knows quotes; a
+    # command substitution in a .meta line stays text).
+    mapfile -t words < <(printf '%s' "$line" | xargs -r printf '%s\n' 2>/dev/null)
+    ((${#words[@]})) || return 0
+    local k
+    for k in "${!words[@]}"; do # `-x $$`: the shell's pid, as the .meta line means
+        [[ ${words[k]} == '$$' ]] && words[k]=$$
+    done
+    set -- "${words[@]}"
     shift # stap
     while (($#)); do
         case $1 in
         -p*) [[ $1 == -p ]] && shift ;;
-        -g | --all-modules) [[ $1 == -g ]] && opts+=(-g) ;;
+        -g) opts+=(-g) ;;
+        -[a-zA-Z]*p[0-9]) [[ $1 == *g*p* ]] && opts+=(-g) ;; # -gp4, -wp4
         -D) opts+=(-D "$2") && shift ;;
         -D*) opts+=(-D "${1#-D}") ;;
         -x) opts+=(-x "$2") && shift ;;
-        -c | -I | -r | -m | -B | --remote | -S | -d) shift ;;
+        -c | -I | -r | -m | -B | --remote | -S | -d | -G) shift ;;
         -*) ;; # other stap options (--bpf, -w, ...): not exotap's concern here
         *.stp) [[ $1 == "$(basename "$stp")" ]] || args+=("$1") ;;
         *) args+=("$1") ;;
