@@ -86,6 +86,9 @@ pub struct Global {
     pub init: Option<(Literal, Span)>,
     /// `[N]`: declared as an array with at most N entries.
     pub array_size: Option<i64>,
+    /// `global a%` or `global a%[N]`: a full array drops its oldest entry for a new one
+    /// instead of failing.
+    pub wrap: bool,
 }
 
 /// A declared type: `:long` or `:string`.
@@ -557,6 +560,13 @@ pub enum ExprKind {
     Variance(Box<Expr>, u32),
     /// `%{ ... %}` used as a value: embedded C, which exotap parses but never runs.
     Embedded(String),
+    /// `&$var`, `&$p->member` or `&@cast(...)->member`: the address of a kernel variable or
+    /// of a struct member.
+    AddressOf(Box<Expr>),
+    /// `s =~ "regex"` (or `!~` when the flag is set): POSIX extended regular expression match.
+    RegexMatch(Box<(Expr, Expr)>, bool),
+    /// `*` as a key of `delete a[k, *]`: every value of that key.
+    Wildcard,
 }
 
 /// `@cast(pointer, "type", "module")->a->b`.

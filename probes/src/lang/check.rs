@@ -84,6 +84,8 @@ pub struct GlobalInfo {
     pub written: bool,
     /// Histograms kept for an aggregate.
     pub hist: HistLayout,
+    /// `global a%`: a full array drops its oldest entry for a new one.
+    pub wrap: bool,
 }
 
 /// A checked probe: the points that survived classification.
@@ -268,6 +270,7 @@ impl<'a> Checker<'a> {
                 read: false,
                 written: false,
                 hist: HistLayout::default(),
+                wrap: g.wrap,
             };
             self.globals.insert(g.name.name.clone(), info);
         }
@@ -751,6 +754,60 @@ mod tests {
         assert_eq!(
             errors("probe begin { s = 1; println(@variance(s)) }"),
             vec!["statistics need a global aggregate"]
+        );
+    }
+
+    #[test]
+    fn regex_pattern_must_be_a_literal() {
+        assert_eq!(
+            errors("probe begin { p = \"a\"; x = \"s\" =~ p }"),
+            vec!["the regular expression of '=~' must be a string literal"]
+        );
+    }
+
+    #[test]
+    fn invalid_regex_is_an_error_before_the_run() {
+        assert_eq!(
+            errors("probe begin { x = \"s\" =~ \"(\" }"),
+            vec!["invalid regular expression"]
+        );
+    }
+
+    #[test]
+    fn regex_match_is_a_long() {
+        let p = checked("probe begin { x = \"abc\" =~ \"^a.c$\" }");
+        assert_eq!(p.locals[0]["x"], Ty::Long);
+    }
+
+    #[test]
+    fn pretty_printed_target_is_a_string() {
+        let p = checked("probe kernel.function(\"f\") { s = $file$; t = $file->f_path$$ }");
+        assert_eq!((p.locals[0]["s"], p.locals[0]["t"]), (Ty::Str, Ty::Str));
+    }
+
+    #[test]
+    fn address_of_a_member_is_a_long() {
+        let p = checked("probe kernel.function(\"f\") { a = &$q->key }");
+        assert_eq!(p.locals[0]["a"], Ty::Long);
+    }
+
+    #[test]
+    fn wrapping_global_is_an_array() {
+        let p = checked("global a%\nprobe begin { a[1] = 2 }");
+        assert!(p.globals["a"].wrap && p.globals["a"].shape == Shape::Array);
+    }
+
+    #[test]
+    fn wildcard_delete_types_the_named_keys() {
+        let p = checked("global a\nprobe begin { a[1, \"s\"] = 1; delete a[2, *] }");
+        assert_eq!(p.globals["a"].keys, vec![Ty::Long, Ty::Str]);
+    }
+
+    #[test]
+    fn wildcard_inside_a_key_expression_is_an_error() {
+        assert!(
+            errors("global a\nprobe begin { a[1] = 1; delete a[abs(*)] }")
+                .contains(&"'*' stands for a key only in 'delete a[k, *]'".to_string())
         );
     }
 

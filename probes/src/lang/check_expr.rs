@@ -115,6 +115,41 @@ impl Checker<'_> {
                 );
                 Ty::Long
             }
+            ExprKind::AddressOf(x) => {
+                self.expr(x);
+                Ty::Long
+            }
+            ExprKind::Wildcard => {
+                self.emit(
+                    Diagnostic::error("'*' stands for a key only in 'delete a[k, *]'", e.span)
+                        .with_hint("name the key, or delete with '*' for every value of it"),
+                );
+                Ty::Unknown
+            }
+            ExprKind::RegexMatch(p, _) => {
+                self.expect(&p.0, Ty::Str);
+                match &p.1.kind {
+                    ExprKind::Str(re) => {
+                        if let Err(err) = regex::Regex::new(re) {
+                            self.emit(
+                                Diagnostic::error("invalid regular expression", p.1.span)
+                                    .with_label(first_line(&err.to_string())),
+                            );
+                        }
+                    }
+                    _ => {
+                        self.emit(
+                            Diagnostic::error(
+                                "the regular expression of '=~' must be a string literal",
+                                p.1.span,
+                            )
+                            .with_hint("regular expressions are compiled before the script runs"),
+                        );
+                        self.expr(&p.1);
+                    }
+                }
+                Ty::Long
+            }
             ExprKind::In(i) => {
                 let keys = self.array_arity(&i.array.name, i.keys.len(), i.array.span);
                 self.require_global_array(&i.array);
@@ -303,7 +338,11 @@ impl Checker<'_> {
             );
             return Ty::Long;
         }
-        match t.name.as_str() {
+        // `$x$`, `$x$$`, `$p->m$`: SystemTap's pretty-printed text of the value.
+        let base = t.name.trim_end_matches('$');
+        let pretty = base.len() < t.name.len() && base.len() > 1
+            || t.members.last().is_some_and(|m| m.ends_with('$'));
+        match base {
             "$return" if !kinds.iter().all(|k| k.is_return()) => {
                 self.emit(
                     Diagnostic::error("'$return' is only available in .return probes", span)
@@ -327,6 +366,7 @@ impl Checker<'_> {
                 );
                 Ty::Str
             }
+            _ if pretty => Ty::Str,
             _ => Ty::Long,
         }
     }
@@ -345,7 +385,7 @@ impl Checker<'_> {
         false
     }
 
-    fn key(&mut self, array: &str, k: usize, key_ty: Option<Ty>, key: &Expr) {
+    pub(crate) fn key(&mut self, array: &str, k: usize, key_ty: Option<Ty>, key: &Expr) {
         let got = self.expr(key);
         match (key_ty, got) {
             (_, Ty::Stats) => self.stats_as_value(key.span),
@@ -775,20 +815,31 @@ impl Checker<'_> {
     }
 }
 
+/// The first line of a (possibly multi-line) error text.
+fn first_line(text: &str) -> String {
+    text.lines().last().unwrap_or(text).trim().to_string()
+}
+
 /// Whether `e` reads a target variable or guest memory through `@cast`.
 fn mentions_target(e: &Expr) -> bool {
     match &e.kind {
         ExprKind::Target(_) | ExprKind::Cast(_) => true,
-        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Embedded(_) => false,
+        ExprKind::Num(_)
+        | ExprKind::Str(_)
+        | ExprKind::Var(_)
+        | ExprKind::Embedded(_)
+        | ExprKind::Wildcard => false,
         ExprKind::Unary(_, x)
         | ExprKind::Stat(_, x)
         | ExprKind::Hist(_, x)
         | ExprKind::Entry(x)
         | ExprKind::Defined(x)
-        | ExprKind::Variance(x, _) => mentions_target(x),
-        ExprKind::Binary(_, p) | ExprKind::Assign(_, p) | ExprKind::Aggregate(p) => {
-            mentions_target(&p.0) || mentions_target(&p.1)
-        }
+        | ExprKind::Variance(x, _)
+        | ExprKind::AddressOf(x) => mentions_target(x),
+        ExprKind::Binary(_, p)
+        | ExprKind::Assign(_, p)
+        | ExprKind::Aggregate(p)
+        | ExprKind::RegexMatch(p, _) => mentions_target(&p.0) || mentions_target(&p.1),
         ExprKind::Ternary(p) => {
             mentions_target(&p.0) || mentions_target(&p.1) || mentions_target(&p.2)
         }

@@ -113,6 +113,19 @@ impl Checker<'_> {
                     self.undefined(name, e.span);
                 }
             }
+            ExprKind::Index(ix) if ix.keys.iter().any(|k| matches!(k.kind, ExprKind::Wildcard)) => {
+                // `delete a[k, *]`: the wildcards match any key; the others are typed as keys.
+                if !self.globals.contains_key(&ix.array.name) {
+                    self.index_keys(ix, e.span);
+                    return;
+                }
+                let keys = self.array_arity(&ix.array.name, ix.keys.len(), e.span);
+                for (k, key) in ix.keys.iter().enumerate() {
+                    if !matches!(key.kind, ExprKind::Wildcard) {
+                        self.key(&ix.array.name, k, keys.get(k).copied(), key);
+                    }
+                }
+            }
             ExprKind::Index(ix) => {
                 self.index_keys(ix, e.span);
             }
@@ -273,7 +286,12 @@ fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
         | ExprKind::Hist(_, x)
         | ExprKind::Entry(x)
         | ExprKind::Defined(x)
-        | ExprKind::Variance(x, _) => collect_expr(x, out),
+        | ExprKind::Variance(x, _)
+        | ExprKind::AddressOf(x) => collect_expr(x, out),
+        ExprKind::RegexMatch(p, _) => {
+            collect_expr(&p.0, out);
+            collect_expr(&p.1, out);
+        }
         ExprKind::Cast(c) => collect_expr(&c.pointer, out),
         ExprKind::Binary(_, p) => {
             collect_expr(&p.0, out);
@@ -291,6 +309,7 @@ fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
         | ExprKind::Str(_)
         | ExprKind::Var(_)
         | ExprKind::Target(_)
-        | ExprKind::Embedded(_) => {}
+        | ExprKind::Embedded(_)
+        | ExprKind::Wildcard => {}
     }
 }

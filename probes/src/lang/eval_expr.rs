@@ -106,6 +106,20 @@ impl Interp<'_> {
                 )
             }
             ExprKind::Embedded(_) => return fail("embedded C code cannot run", e.span),
+            ExprKind::Wildcard => return fail("'*' is a key only in delete", e.span),
+            ExprKind::AddressOf(_) => {
+                return fail(
+                    "'&' of a struct member is not supported at run time yet: it needs the \
+                     kernel's type layout, which the interpreter does not have",
+                    e.span,
+                )
+            }
+            ExprKind::RegexMatch(p, negated) => {
+                let text = self.eval(&p.0, f, ctx)?;
+                let pattern = self.eval(&p.1, f, ctx)?;
+                let matched = self.regex_match(text.as_str(), pattern.as_str(), e.span)?;
+                Value::Long(i64::from(matched != *negated))
+            }
             ExprKind::Hist(..) => Value::Long(0),
             ExprKind::Call(c) => self.call(c, e.span, f, ctx)?,
             ExprKind::In(i) => {
@@ -226,6 +240,27 @@ impl Interp<'_> {
             .unwrap_or(self.limits.max_map_entries)
     }
 
+    /// Whether a full array drops its oldest entry (`global a%`).
+    fn wraps(&self, array: &str) -> bool {
+        self.prog.globals.get(array).is_some_and(|g| g.wrap)
+    }
+
+    /// `text =~ pattern`, compiling each pattern once.
+    fn regex_match(&mut self, text: &str, pattern: &str, span: Span) -> EResult<bool> {
+        if !self.regexes.contains_key(pattern) {
+            match regex::Regex::new(pattern) {
+                Ok(re) => {
+                    self.regexes.insert(pattern.to_string(), re);
+                }
+                Err(_) => return fail("invalid regular expression", span),
+            }
+        }
+        Ok(self
+            .regexes
+            .get(pattern)
+            .is_some_and(|re| re.is_match(text)))
+    }
+
     /// Writes a variable or array element.
     fn store(&mut self, e: &Expr, v: Value, f: &mut Frame, ctx: &dyn Context) -> EResult<()> {
         match &e.kind {
@@ -240,9 +275,13 @@ impl Interp<'_> {
             ExprKind::Index(ix) => {
                 let keys = self.keys(&ix.keys, f, ctx)?;
                 let cap = self.capacity(&ix.array.name);
+                let wrap = self.wraps(&ix.array.name);
                 if let Some(Store::Array(m)) = self.globals.get_mut(&ix.array.name) {
                     if !m.contains_key(&keys) && m.len() >= cap {
-                        return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                        if !wrap {
+                            return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                        }
+                        m.shift_remove_index(0);
                     }
                     m.insert(keys, v);
                 }
@@ -270,6 +309,7 @@ impl Interp<'_> {
             ExprKind::Index(ix) => {
                 let keys = self.keys(&ix.keys, f, ctx)?;
                 let cap = self.capacity(&ix.array.name);
+                let wrap = self.wraps(&ix.array.name);
                 let layout = self
                     .prog
                     .globals
@@ -281,7 +321,10 @@ impl Interp<'_> {
                         op(s);
                     } else if create {
                         if m.len() >= cap {
-                            return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                            if !wrap {
+                                return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                            }
+                            m.shift_remove_index(0);
                         }
                         let mut s = Stats::new(layout);
                         op(&mut s);
@@ -349,16 +392,18 @@ fn defined(e: &Expr, ctx: &dyn Context) -> bool {
     match &e.kind {
         ExprKind::Target(t) => ctx.target(&t.path()).is_some(),
         ExprKind::Cast(_) | ExprKind::Embedded(_) => false,
-        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) => true,
+        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Wildcard => true,
         ExprKind::Unary(_, x)
         | ExprKind::Stat(_, x)
         | ExprKind::Hist(_, x)
         | ExprKind::Entry(x)
         | ExprKind::Defined(x)
         | ExprKind::Variance(x, _) => defined(x, ctx),
-        ExprKind::Binary(_, p) | ExprKind::Assign(_, p) | ExprKind::Aggregate(p) => {
-            defined(&p.0, ctx) && defined(&p.1, ctx)
-        }
+        ExprKind::AddressOf(x) => defined(x, ctx),
+        ExprKind::Binary(_, p)
+        | ExprKind::Assign(_, p)
+        | ExprKind::Aggregate(p)
+        | ExprKind::RegexMatch(p, _) => defined(&p.0, ctx) && defined(&p.1, ctx),
         ExprKind::Ternary(p) => defined(&p.0, ctx) && defined(&p.1, ctx) && defined(&p.2, ctx),
         ExprKind::IncDec(i) => defined(&i.target, ctx),
         ExprKind::Index(ix) => ix.keys.iter().all(|k| defined(k, ctx)),

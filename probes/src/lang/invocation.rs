@@ -61,6 +61,7 @@ pub fn declare_argv(script: &mut Script, inv: &Invocation, names_used: impl Fn(&
             name: ident("argc"),
             init: Some((Literal::Num(count), span)),
             array_size: None,
+            wrap: false,
         });
     }
     if !names_used("argv") || declared(script, "argv") {
@@ -71,6 +72,7 @@ pub fn declare_argv(script: &mut Script, inv: &Invocation, names_used: impl Fn(&
         name: ident("argv"),
         init: None,
         array_size: Some(i64::try_from(slots).unwrap_or(i64::MAX)),
+        wrap: false,
     });
     let expr = |kind| Expr { kind, span };
     let stmts = (1..=slots)
@@ -152,6 +154,7 @@ mod tests {
             },
             init: None,
             array_size: None,
+            wrap: false,
         });
         declare_argv(&mut script, &Invocation::default(), |_| true);
         assert_eq!((script.globals.len(), script.probes.len()), (2, 0));

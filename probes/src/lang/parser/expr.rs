@@ -78,6 +78,19 @@ impl Parser {
                 Tok::Op(o) => *o,
                 _ => break,
             };
+            if (op == "=~" || op == "!~") && min_prec <= REGEX_PREC {
+                self.bump();
+                self.enter()?;
+                let rhs = self.binary(REGEX_PREC + 1);
+                self.leave();
+                let rhs = rhs?;
+                let span = lhs.span.to(rhs.span);
+                lhs = Expr {
+                    kind: ExprKind::RegexMatch(Box::new((lhs, rhs)), op == "!~"),
+                    span,
+                };
+                continue;
+            }
             let Some(&(_, bin, prec)) = BINARY.iter().find(|(t, _, _)| *t == op) else {
                 break;
             };
@@ -126,6 +139,32 @@ impl Parser {
             let span = t.span.to(inner.span);
             return Ok(Expr {
                 kind: ExprKind::Unary(op, Box::new(inner)),
+                span,
+            });
+        }
+        if t.tok == Tok::Op("&") {
+            self.bump();
+            self.enter()?;
+            let inner = self.unary();
+            self.leave();
+            let inner = inner?;
+            let member = match &inner.kind {
+                ExprKind::Target(v) => !v.name.starts_with("$$"),
+                ExprKind::Cast(c) => !c.members.is_empty(),
+                _ => false,
+            };
+            if !member {
+                return Err(ParseError::Unexpected {
+                    expected: "a target variable or struct member after '&' ($var, $p->member \
+                               or @cast(...)->member)"
+                        .into(),
+                    found: "something else".into(),
+                    span: inner.span,
+                });
+            }
+            let span = t.span.to(inner.span);
+            return Ok(Expr {
+                kind: ExprKind::AddressOf(Box::new(inner)),
                 span,
             });
         }
@@ -218,6 +257,10 @@ impl Parser {
             Tok::Embedded(code) => {
                 self.bump();
                 ExprKind::Embedded(code)
+            }
+            Tok::Op("*") if self.wildcard_keys => {
+                self.bump();
+                ExprKind::Wildcard
             }
             Tok::Ident(ref s) if !KEYWORDS.contains(&s.as_str()) => {
                 let name = self.ident("a name")?;
@@ -377,13 +420,54 @@ impl Parser {
         })
     }
 
-    /// `->a->b` after a target variable or `@cast(...)`.
+    /// `->a->b[2]->c$` after a target variable or `@cast(...)`: member names (keywords
+    /// included: `->function`), with a constant array index (`[2]`) or a pretty-printing
+    /// suffix (`$`, `$$`) kept in the member's text. An index before any member is a
+    /// member of its own (`@cast(p, "long")[1]`).
     fn member_chain(&mut self) -> PResult<Vec<String>> {
-        let mut members = Vec::new();
-        while self.eat_op("->") {
-            members.push(self.ident("a struct member name")?.name);
+        let mut members: Vec<String> = Vec::new();
+        loop {
+            if self.is_op("[") {
+                let index = self.constant_index()?;
+                match members.last_mut() {
+                    Some(last) => last.push_str(&index),
+                    None => members.push(index),
+                }
+                continue;
+            }
+            if !self.eat_op("->") {
+                return Ok(members);
+            }
+            let mut name = match &self.peek().tok {
+                Tok::Ident(s) => s.clone(),
+                _ => return self.unexpected("a struct member name"),
+            };
+            let end = self.bump().span;
+            if let Tok::Target(suffix) = &self.peek().tok {
+                if (suffix == "$" || suffix == "$$") && self.peek().span.start == end.end {
+                    name.push_str(suffix);
+                    self.bump();
+                }
+            }
+            members.push(name);
         }
-        Ok(members)
+    }
+
+    /// `[N]` in a member chain.
+    fn constant_index(&mut self) -> PResult<String> {
+        self.expect_op("[")?;
+        let n = match self.literal()? {
+            (Literal::Num(n), _) => n,
+            (_, span) => {
+                return Err(ParseError::Unexpected {
+                    expected: "a constant array index".into(),
+                    found: "a string".into(),
+                    span,
+                })
+            }
+        };
+        self.expect_op("]")?;
+        Ok(format!("[{n}]"))
     }
 
     /// `( expr )` after an `@` operator.

@@ -181,6 +181,7 @@ pub fn parse_with(src: &str, limits: &Limits, inv: &Invocation) -> Result<Script
         pos: 0,
         depth: 0,
         max_depth: limits.max_parse_depth,
+        wildcard_keys: false,
     };
     let mut script = p.script()?;
     alias::expand(&mut script, limits.max_parse_depth)?;
@@ -198,6 +199,8 @@ struct Parser {
     pos: usize,
     depth: usize,
     max_depth: usize,
+    /// Parsing the operand of `delete`, where `*` may stand for an array key.
+    wildcard_keys: bool,
 }
 
 type PResult<T> = Result<T, ParseError>;
@@ -226,6 +229,8 @@ const BINARY: &[(&str, BinOp, u8)] = &[
 ];
 /// Precedence of `k in a`.
 const IN_PREC: u8 = 6;
+/// Precedence of `s =~ re` and `s !~ re`, that of the comparisons.
+const REGEX_PREC: u8 = 7;
 
 const ASSIGN: &[(&str, Option<BinOp>)] = &[
     ("=", None),
@@ -395,7 +400,9 @@ impl Parser {
                 name,
                 init: None,
                 array_size: None,
+                wrap: false,
             };
+            g.wrap = self.eat_op("%");
             if self.eat_op("[") {
                 let size = if self.is_op("]") {
                     None
@@ -413,6 +420,9 @@ impl Parser {
                 };
                 self.expect_op("]")?;
                 g.array_size = Some(size.unwrap_or(0));
+                g.wrap |= self.eat_op("%");
+            } else if g.wrap {
+                g.array_size = Some(0);
             } else if self.eat_op("=") {
                 g.init = Some(self.literal()?);
                 if matches!(self.peek().tok, Tok::Op(o) if o != "," && o != ";") {
@@ -478,15 +488,15 @@ impl Parser {
 
     fn probe(&mut self) -> PResult<ProbeOrAlias> {
         let start = self.bump().span;
-        let mut points = vec![self.probe_point()?];
+        let mut points = self.probe_points()?;
         while self.eat_op(",") {
-            points.push(self.probe_point()?);
+            points.extend(self.probe_points()?);
         }
         if self.is_op("=") || self.is_op("+=") {
             let epilogue = self.bump().tok == Tok::Op("+=");
-            let mut targets = vec![self.probe_point()?];
+            let mut targets = self.probe_points()?;
             while self.eat_op(",") {
-                targets.push(self.probe_point()?);
+                targets.extend(self.probe_points()?);
             }
             let body = self.block()?;
             return Ok(ProbeOrAlias::Alias(ProbeAlias {
@@ -514,52 +524,111 @@ impl Parser {
         }))
     }
 
-    fn probe_point(&mut self) -> PResult<ProbePoint> {
+    /// One probe point as written, which braces make several: `syscall.{open,close}` is
+    /// `syscall.open, syscall.close`.
+    fn probe_points(&mut self) -> PResult<Vec<ProbePoint>> {
         let start = self.peek().span;
-        let mut components = Vec::new();
+        // Each position holds its alternatives; without braces there is one.
+        let mut positions: Vec<Vec<(Component, bool, bool)>> = Vec::new();
         loop {
-            let t = self.peek().clone();
-            let name = match t.tok {
-                Tok::Ident(s) => s,
-                Tok::Op("*") => "*".to_string(),
-                _ => return self.unexpected("a probe point component"),
-            };
-            self.bump();
-            let mut args = Vec::new();
-            if self.eat_op("(") {
-                loop {
-                    args.push(self.literal()?.0);
-                    if !self.eat_op(",") {
-                        break;
-                    }
+            if self.eat_op("{") {
+                let mut alternatives = vec![self.alternative()?];
+                while self.eat_op(",") {
+                    alternatives.push(self.alternative()?);
                 }
-                self.expect_op(")")?;
+                self.expect_op("}")?;
+                positions.push(alternatives);
+            } else {
+                positions.push(vec![(self.component()?, false, false)]);
             }
-            components.push(Component {
-                name,
-                args,
-                span: t.span.to(self.prev_end()),
-            });
             if !self.eat_op(".") {
                 break;
             }
         }
-        let mut optional = false;
-        let mut sufficient = false;
+        let (optional, sufficient) = self.point_flags();
+        let span = start.to(self.prev_end());
+        // (components, optional, sufficient) of every combination of alternatives.
+        let mut points = vec![(Vec::new(), optional, sufficient)];
+        for alternatives in positions {
+            points = points
+                .into_iter()
+                .flat_map(|(prefix, o, s): (Vec<Component>, bool, bool)| {
+                    alternatives.iter().map(move |(c, co, cs)| {
+                        let mut p = prefix.clone();
+                        p.push(c.clone());
+                        (p, o || *co, s || *cs)
+                    })
+                })
+                .collect();
+        }
+        Ok(points
+            .into_iter()
+            .map(|(components, optional, sufficient)| ProbePoint {
+                components,
+                optional,
+                sufficient,
+                span,
+            })
+            .collect())
+    }
+
+    /// `?` (optional) and `!` (sufficient) after a probe point or a braced alternative.
+    fn point_flags(&mut self) -> (bool, bool) {
+        let (mut optional, mut sufficient) = (false, false);
         loop {
             if self.eat_op("?") {
                 optional = true;
             } else if self.eat_op("!") {
                 sufficient = true;
             } else {
-                break;
+                return (optional, sufficient);
             }
         }
-        Ok(ProbePoint {
-            components,
-            optional,
-            sufficient,
-            span: start.to(self.prev_end()),
+    }
+
+    /// One alternative inside `{...}` of a probe point, with its own flags.
+    fn alternative(&mut self) -> PResult<(Component, bool, bool)> {
+        let c = self.component()?;
+        let (optional, sufficient) = self.point_flags();
+        Ok((c, optional, sufficient))
+    }
+
+    /// `name` or `name(literals)`; a name may glue words and `*` (`*execve`, `sys_*_at`).
+    fn component(&mut self) -> PResult<Component> {
+        let t = self.peek().clone();
+        let mut name = match t.tok {
+            Tok::Ident(s) => s,
+            Tok::Op("*") => "*".to_string(),
+            _ => return self.unexpected("a probe point component"),
+        };
+        let mut end = self.bump().span;
+        loop {
+            let next = self.peek();
+            if next.span.start != end.end {
+                break;
+            }
+            match &next.tok {
+                Tok::Ident(s) => name.push_str(s),
+                Tok::Op("*") => name.push('*'),
+                Tok::Num(n) if name.ends_with('*') => name.push_str(&n.to_string()),
+                _ => break,
+            }
+            end = self.bump().span;
+        }
+        let mut args = Vec::new();
+        if self.eat_op("(") {
+            loop {
+                args.push(self.literal()?.0);
+                if !self.eat_op(",") {
+                    break;
+                }
+            }
+            self.expect_op(")")?;
+        }
+        Ok(Component {
+            name,
+            args,
+            span: t.span.to(self.prev_end()),
         })
     }
 }
@@ -790,6 +859,123 @@ mod tests {
     fn variance_shift_above_62_is_an_error() {
         let err = parse("probe begin { @variance(s, 63) }", &Limits::default()).unwrap_err();
         assert!(err.to_string().contains("bit shift from 0 to 62"), "{err}");
+    }
+
+    #[test]
+    fn braces_in_a_probe_point_make_one_point_per_alternative() {
+        let script = parse_ok("probe syscall.{open,close}.return, begin { }");
+        let points: Vec<String> = script.probes[0]
+            .points
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            points,
+            vec!["syscall.open.return", "syscall.close.return", "begin"]
+        );
+    }
+
+    #[test]
+    fn unclosed_brace_in_a_probe_point_is_an_error() {
+        let err = parse("probe syscall.{open,close { }", &Limits::default()).unwrap_err();
+        assert!(err.to_string().contains("expected '}'"), "{err}");
+    }
+
+    #[test]
+    fn wildcard_glued_to_a_word_is_one_component() {
+        let script = parse_ok("probe syscall.*execve, syscall.sys_*_at { }");
+        assert_eq!(script.probes[0].points[0].components[1].name, "*execve");
+        assert_eq!(script.probes[0].points[1].components[1].name, "sys_*_at");
+    }
+
+    #[test]
+    fn percent_marks_a_wrapping_array() {
+        let script = parse_ok("global a%, b%[10], c[5]%, d\nprobe begin { }");
+        let wraps: Vec<(bool, Option<i64>)> = script
+            .globals
+            .iter()
+            .map(|g| (g.wrap, g.array_size))
+            .collect();
+        assert_eq!(
+            wraps,
+            vec![
+                (true, Some(0)),
+                (true, Some(10)),
+                (true, Some(5)),
+                (false, None)
+            ]
+        );
+    }
+
+    #[test]
+    fn address_of_a_member_parses() {
+        assert!(matches!(body_expr("x = &$q->key"), ExprKind::Assign(..)));
+        assert!(matches!(
+            body_expr(r#"&@cast(p, "struct sembuf")->sem_num"#),
+            ExprKind::AddressOf(_)
+        ));
+    }
+
+    #[test]
+    fn address_of_a_plain_variable_is_an_error() {
+        let err = parse("probe begin { x = &y }", &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("a target variable or struct member after '&'"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn member_chain_takes_indexes_keywords_and_pretty_suffixes() {
+        let ExprKind::Target(t) = body_expr("$tty->pgrp->numbers[0]->nr->function$$") else {
+            panic!()
+        };
+        assert_eq!(t.path(), "$tty->pgrp->numbers[0]->nr->function$$");
+    }
+
+    #[test]
+    fn member_index_must_be_a_constant() {
+        let err = parse(r#"probe begin { x = $a->b["k"] }"#, &Limits::default()).unwrap_err();
+        assert!(err.to_string().contains("a constant array index"), "{err}");
+    }
+
+    #[test]
+    fn alternatives_in_braces_keep_their_own_flags() {
+        let script = parse_ok(r#"probe kernel.{trace("a")!, trace("b")?} { }"#);
+        let flags: Vec<(bool, bool)> = script.probes[0]
+            .points
+            .iter()
+            .map(|p| (p.optional, p.sufficient))
+            .collect();
+        assert_eq!(flags, vec![(false, true), (true, false)]);
+    }
+
+    #[test]
+    fn delete_takes_wildcard_keys() {
+        let script = parse_ok("global a\nprobe begin { delete a[1, *] }");
+        let StmtKind::Delete(e) = &script.probes[0].body.stmts[0].kind else {
+            panic!()
+        };
+        let ExprKind::Index(ix) = &e.kind else {
+            panic!()
+        };
+        assert!(matches!(ix.keys[1].kind, ExprKind::Wildcard));
+    }
+
+    #[test]
+    fn wildcard_key_outside_delete_is_an_error() {
+        let err = parse("global a\nprobe begin { x = a[1, *] }", &Limits::default()).unwrap_err();
+        assert!(err.to_string().contains("expected an expression"), "{err}");
+    }
+
+    #[test]
+    fn regex_match_binds_like_a_comparison() {
+        let ExprKind::Binary(BinOp::Or, parts) = body_expr(r#"a !~ "x*" || b =~ "y""#) else {
+            panic!()
+        };
+        assert!(matches!(parts.0.kind, ExprKind::RegexMatch(_, true)));
+        assert!(matches!(parts.1.kind, ExprKind::RegexMatch(_, false)));
     }
 
     #[test]

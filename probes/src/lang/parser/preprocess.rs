@@ -49,7 +49,28 @@ pub(super) fn preprocess(
     };
     let mut out = Vec::with_capacity(tokens.len());
     pre.expand(tokens, &HashMap::new(), &mut out)?;
-    Ok(out)
+    Ok(join_adjacent_strings(out))
+}
+
+/// `"a" "b"` is `"ab"`, as in C and SystemTap (`@1 "@*:*"` builds one probe point argument).
+fn join_adjacent_strings(tokens: Vec<Token>) -> Vec<Token> {
+    let mut out: Vec<Token> = Vec::with_capacity(tokens.len());
+    for t in tokens {
+        if let (
+            Some(Token {
+                tok: Tok::Str(a),
+                span,
+            }),
+            Tok::Str(b),
+        ) = (out.last_mut(), &t.tok)
+        {
+            a.push_str(b);
+            *span = span.to(t.span);
+            continue;
+        }
+        out.push(t);
+    }
+    out
 }
 
 struct Preprocessor<'a> {
@@ -433,6 +454,14 @@ mod tests {
         assert_eq!(
             run("$# @#", &["x", "y"]).unwrap(),
             vec![Tok::Num(2), Tok::Str("2".into())]
+        );
+    }
+
+    #[test]
+    fn adjacent_strings_are_one_literal() {
+        assert_eq!(
+            run("f(@1 \"@*:*\")", &["vfs_read"]).unwrap(),
+            texts("f(\"vfs_read@*:*\")")
         );
     }
 

@@ -73,7 +73,10 @@ impl Parser {
                 }
                 "delete" => {
                     self.bump();
-                    StmtKind::Delete(self.expr()?)
+                    self.wildcard_keys = true;
+                    let e = self.expr();
+                    self.wildcard_keys = false;
+                    StmtKind::Delete(e?)
                 }
                 "try" => {
                     self.bump();
