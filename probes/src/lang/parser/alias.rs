@@ -14,7 +14,8 @@ use super::ParseError;
 /// Replaces every probe on an alias by its expansion.
 ///
 /// # Errors
-/// [`ParseError::Alias`] when aliases nest deeper than `max_depth` (an alias that uses itself).
+/// [`ParseError::Alias`] when aliases nest deeper than `max_depth` (an alias that uses itself)
+/// or make more than 10000 probes.
 pub(super) fn expand(script: &mut Script, max_depth: usize) -> Result<(), ParseError> {
     if script.aliases.is_empty() {
         return Ok(());
@@ -26,6 +27,9 @@ pub(super) fn expand(script: &mut Script, max_depth: usize) -> Result<(), ParseE
     Ok(())
 }
 
+/// Most probes alias expansion may make (aliases that each use two others grow exponentially).
+const MAX_PROBES: usize = 10_000;
+
 fn expand_probe(
     probe: Probe,
     aliases: &[ProbeAlias],
@@ -33,6 +37,12 @@ fn expand_probe(
     max_depth: usize,
     out: &mut Vec<Probe>,
 ) -> Result<(), ParseError> {
+    if out.len() > MAX_PROBES {
+        return Err(ParseError::Alias {
+            message: format!("probe aliases expand to more than {MAX_PROBES} probes"),
+            span: probe.span,
+        });
+    }
     let mut plain = Vec::new();
     let mut derived = Vec::new();
     for point in &probe.points {
@@ -214,6 +224,17 @@ mod tests {
     fn wildcard_use_matches_every_alias_name() {
         let script = parse_ok("probe s.a = begin { }\nprobe s.b = end { }\nprobe s.* { }");
         assert_eq!(points(&script), vec!["begin", "end"]);
+    }
+
+    #[test]
+    fn exponential_alias_expansion_is_cut() {
+        let mut src = String::from("probe a0 = begin { }\n");
+        for k in 1..30 {
+            src.push_str(&format!("probe a{k} = a{}, a{} {{ }}\n", k - 1, k - 1));
+        }
+        src.push_str("probe a29 { }");
+        let err = parse(&src, &Limits::default()).unwrap_err();
+        assert!(err.to_string().contains("more than 10000 probes"), "{err}");
     }
 
     #[test]

@@ -175,7 +175,13 @@ pub fn parse_with(src: &str, limits: &Limits, inv: &Invocation) -> Result<Script
             limit: limits.max_source_len,
         });
     }
-    let tokens = preprocess::preprocess(&tokenize(src)?, inv, limits.max_parse_depth)?;
+    // A token has at least one byte: the source limit bounds the expanded script too.
+    let tokens = preprocess::preprocess(
+        &tokenize(src)?,
+        inv,
+        limits.max_parse_depth,
+        limits.max_source_len,
+    )?;
     let mut p = Parser {
         tokens,
         pos: 0,
@@ -227,6 +233,8 @@ const BINARY: &[(&str, BinOp, u8)] = &[
     ("/", BinOp::Div, 11),
     ("%", BinOp::Mod, 11),
 ];
+/// Most probe points one braced probe point may stand for (`a.{b,c}.{d,e}` is four).
+const MAX_POINT_EXPANSION: usize = 10_000;
 /// Precedence of `k in a`.
 const IN_PREC: u8 = 6;
 /// Precedence of `s =~ re` and `s !~ re`, that of the comparisons.
@@ -547,6 +555,16 @@ impl Parser {
         }
         let (optional, sufficient) = self.point_flags();
         let span = start.to(self.prev_end());
+        let combinations = positions
+            .iter()
+            .try_fold(1usize, |n, alternatives| n.checked_mul(alternatives.len()));
+        if combinations.is_none_or(|n| n > MAX_POINT_EXPANSION) {
+            return Err(ParseError::Unexpected {
+                expected: format!("at most {MAX_POINT_EXPANSION} probe points from braces"),
+                found: "more".into(),
+                span,
+            });
+        }
         // (components, optional, sufficient) of every combination of alternatives.
         let mut points = vec![(Vec::new(), optional, sufficient)];
         for alternatives in positions {
@@ -872,6 +890,16 @@ mod tests {
         assert_eq!(
             points,
             vec!["syscall.open.return", "syscall.close.return", "begin"]
+        );
+    }
+
+    #[test]
+    fn brace_expansion_past_the_limit_is_an_error() {
+        let src = format!("probe a{} {{ }}", ".{b,c}".repeat(20));
+        let err = parse(&src, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string().contains("at most 10000 probe points"),
+            "{err}"
         );
     }
 

@@ -40,12 +40,14 @@ pub(super) fn preprocess(
     tokens: &[Token],
     inv: &Invocation,
     max_depth: usize,
+    max_tokens: usize,
 ) -> PResult<Vec<Token>> {
     let mut pre = Preprocessor {
         inv,
         macros: HashMap::new(),
         depth: 0,
         max_depth,
+        max_tokens,
     };
     let mut out = Vec::with_capacity(tokens.len());
     pre.expand(tokens, &HashMap::new(), &mut out)?;
@@ -78,6 +80,9 @@ struct Preprocessor<'a> {
     macros: HashMap<String, Macro>,
     depth: usize,
     max_depth: usize,
+    /// Macros that use each other twice per level grow exponentially: the expansion is cut
+    /// at this many tokens.
+    max_tokens: usize,
 }
 
 fn is_op(t: &Token, op: &str) -> bool {
@@ -101,7 +106,28 @@ fn argument_ref(name: &str) -> Option<(bool, Option<usize>)> {
 }
 
 impl Preprocessor<'_> {
+    /// Expands `toks` into `out`. Nested conditionals, macro bodies and macro arguments
+    /// each recurse here, at most `max_depth` deep.
     fn expand(
+        &mut self,
+        toks: &[Token],
+        params: &HashMap<String, Vec<Token>>,
+        out: &mut Vec<Token>,
+    ) -> PResult<()> {
+        self.depth += 1;
+        let result = if self.depth > self.max_depth {
+            Err(ParseError::TooDeep {
+                limit: self.max_depth,
+                span: toks.first().map(|t| t.span).unwrap_or_default(),
+            })
+        } else {
+            self.expand_tokens(toks, params, out)
+        };
+        self.depth -= 1;
+        result
+    }
+
+    fn expand_tokens(
         &mut self,
         toks: &[Token],
         params: &HashMap<String, Vec<Token>>,
@@ -110,6 +136,12 @@ impl Preprocessor<'_> {
         let mut i = 0;
         while i < toks.len() {
             let t = &toks[i];
+            if out.len() > self.max_tokens {
+                return Self::macro_error(
+                    format!("macro expansion makes more than {} tokens", self.max_tokens),
+                    t.span,
+                );
+            }
             match &t.tok {
                 Tok::Op("%(") => i = self.conditional(toks, i, params, out)?,
                 Tok::Op(op @ ("%?" | "%:" | "%)")) => {
@@ -380,16 +412,7 @@ impl Preprocessor<'_> {
                 bound.insert(p.clone(), expanded);
             }
         }
-        self.depth += 1;
-        if self.depth > self.max_depth {
-            return Err(ParseError::TooDeep {
-                limit: self.max_depth,
-                span: t.span,
-            });
-        }
-        let result = self.expand(&m.body, &bound, out);
-        self.depth -= 1;
-        result?;
+        self.expand(&m.body, &bound, out)?;
         Ok(next)
     }
 
@@ -428,7 +451,7 @@ mod tests {
     fn run(src: &str, args: &[&str]) -> PResult<Vec<Tok>> {
         let toks = tokenize(src)?;
         let inv = Invocation::with_args(args.iter().copied());
-        Ok(preprocess(&toks, &inv, 100)?
+        Ok(preprocess(&toks, &inv, 100, 10_000)?
             .into_iter()
             .map(|t| t.tok)
             .filter(|t| *t != Tok::Eof)
@@ -557,6 +580,34 @@ mod tests {
             run("@define r %( @r %) @r", &[]),
             Err(ParseError::TooDeep { .. })
         ));
+    }
+
+    #[test]
+    fn exponential_macro_expansion_is_cut() {
+        let mut src = String::from("@define m0 %( x %) ");
+        for k in 1..40 {
+            src.push_str(&format!("@define m{k} %( @m{} @m{} %) ", k - 1, k - 1));
+        }
+        src.push_str("@m39");
+        let err = run(&src, &[]).unwrap_err();
+        assert!(err.to_string().contains("more than 10000 tokens"), "{err}");
+    }
+
+    #[test]
+    fn nested_macro_arguments_cannot_grow_without_bound() {
+        let src = format!(
+            "@define d(x) %( @x @x %) {}a{}",
+            "@d(".repeat(40),
+            ")".repeat(40)
+        );
+        let err = run(&src, &[]).unwrap_err();
+        assert!(err.to_string().contains("more than 10000 tokens"), "{err}");
+    }
+
+    #[test]
+    fn deeply_nested_conditionals_hit_the_depth_limit() {
+        let src = format!("{}x{}", "%( 1 == 1 %? ".repeat(5000), " %)".repeat(5000));
+        assert!(matches!(run(&src, &[]), Err(ParseError::TooDeep { .. })));
     }
 
     #[test]
