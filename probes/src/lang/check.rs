@@ -209,6 +209,9 @@ pub(crate) struct Checker<'a> {
     pub probes: Vec<ProbeInfo>,
     pub diags: Vec<Diagnostic>,
     seen: HashSet<(u32, u32, String)>,
+    /// Probes with a probe point that could not be classified: their bodies are not checked
+    /// (their variables often come from a tapset alias exotap does not have).
+    unresolved: HashSet<usize>,
     pub report: bool,
     pub changed: bool,
     pub scope: Scope,
@@ -225,6 +228,7 @@ impl<'a> Checker<'a> {
             probes: Vec::new(),
             diags: Vec::new(),
             seen: HashSet::new(),
+            unresolved: HashSet::new(),
             report: true,
             changed: false,
             scope: Scope::default(),
@@ -317,7 +321,7 @@ impl<'a> Checker<'a> {
                 locals.insert(p.name.name.clone(), ty);
             }
         }
-        for p in &self.script.probes {
+        for (index, p) in self.script.probes.iter().enumerate() {
             let mut points = Vec::new();
             for pt in &p.points {
                 match classify(pt) {
@@ -331,6 +335,7 @@ impl<'a> Checker<'a> {
                             .with_label("in this probe point")
                             .with_hint(format!("known probe points: {KNOWN_FAMILIES}"));
                         self.emit(d);
+                        self.unresolved.insert(index);
                     }
                 }
             }
@@ -341,6 +346,9 @@ impl<'a> Checker<'a> {
     fn walk_all(&mut self) {
         let script = self.script;
         for (i, p) in script.probes.iter().enumerate() {
+            if self.unresolved.contains(&i) {
+                continue;
+            }
             let kinds = self
                 .probes
                 .get(i)
@@ -385,6 +393,10 @@ impl<'a> Checker<'a> {
             .diags
             .iter()
             .any(|d| d.severity == super::diag::Severity::Error);
+        // Errors other than failed inference, which the checks below would only echo.
+        let has_causes = self.diags.iter().any(|d| {
+            d.severity == super::diag::Severity::Error && !d.message.starts_with("could not infer")
+        });
         if !has_errors && self.probes.iter().all(|p| p.points.is_empty()) {
             let span = self
                 .script
@@ -403,6 +415,13 @@ impl<'a> Checker<'a> {
                 continue;
             };
             let span = g.span;
+            // With other errors, a type that could not be inferred (or a global that looks
+            // unused) is nearly always their consequence: an unknown function's result, the
+            // unchecked body of a probe on an unknown point. Not worth reporting until those
+            // are fixed.
+            if has_causes {
+                continue;
+            }
             if !g.read && !g.written && g.value == Ty::Unknown && g.init.is_none() {
                 self.emit(Diagnostic::warning(
                     format!("global '{name}' is never used"),
@@ -429,7 +448,7 @@ impl<'a> Checker<'a> {
         }
         let nprobes = self.script.probes.len();
         for (i, f) in self.script.functions.iter().enumerate() {
-            if matches!(f.body, FunctionBody::Embedded(_)) {
+            if has_causes || matches!(f.body, FunctionBody::Embedded(_)) {
                 continue;
             }
             if self.function_ret[i] == Ty::Unknown {
@@ -808,6 +827,22 @@ mod tests {
         assert!(
             errors("global a\nprobe begin { a[1] = 1; delete a[abs(*)] }")
                 .contains(&"'*' stands for a key only in 'delete a[k, *]'".to_string())
+        );
+    }
+
+    #[test]
+    fn body_of_a_probe_on_an_unknown_point_is_not_checked() {
+        assert_eq!(
+            errors("global g\nprobe nosuch.alias { g[x] = y }"),
+            vec!["unknown probe point 'nosuch.alias'"]
+        );
+    }
+
+    #[test]
+    fn uninferred_types_are_not_reported_next_to_their_cause() {
+        assert_eq!(
+            errors("global g\nprobe begin { g = nosuch() }"),
+            vec!["unknown function 'nosuch'"]
         );
     }
 

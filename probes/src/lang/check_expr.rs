@@ -99,7 +99,12 @@ impl Checker<'_> {
                             .with_hint("e.g. @cast(p, \"struct task_struct\", \"kernel\")->pid"),
                     );
                 }
-                Ty::Long
+                // `->member$$`: the pretty-printed text of the member.
+                if c.members.last().is_some_and(|m| m.ends_with('$')) {
+                    Ty::Str
+                } else {
+                    Ty::Long
+                }
             }
             ExprKind::Variance(target, shift) => {
                 if let Some(name) = self.aggregate_operand(target, e.span) {

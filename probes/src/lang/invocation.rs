@@ -44,8 +44,9 @@ impl Invocation {
     }
 }
 
-/// Declares SystemTap's `argc` (the argument count) and `argv` (the arguments as strings,
-/// `argv[1]` first, ["" up to slot 32](ARGV_SLOTS)) for a script that names them without
+/// Declares SystemTap's `argc` (the argument count), `argv` (the arguments as strings,
+/// `argv[1]` first, ["" up to slot 32](ARGV_SLOTS)) and `argv_1`... (one slot each) for a
+/// script that names them without
 /// declaring them itself, as SystemTap's argv tapset does: two globals and a `begin` probe,
 /// first of all probes, that fills `argv`.
 pub fn declare_argv(script: &mut Script, inv: &Invocation, names_used: impl Fn(&str) -> bool) {
@@ -63,6 +64,19 @@ pub fn declare_argv(script: &mut Script, inv: &Invocation, names_used: impl Fn(&
             array_size: None,
             wrap: false,
         });
+    }
+    // The tapset's per-slot globals: argv_1 ... argv_32, the argument or "".
+    for k in 1..=inv.args.len().max(ARGV_SLOTS) {
+        let name = format!("argv_{k}");
+        if names_used(&name) && !declared(script, &name) {
+            let value = inv.args.get(k - 1).cloned().unwrap_or_default();
+            script.globals.push(Global {
+                name: ident(&name),
+                init: Some((Literal::Str(value), span)),
+                array_size: None,
+                wrap: false,
+            });
+        }
     }
     if !names_used("argv") || declared(script, "argv") {
         return;
@@ -145,6 +159,26 @@ mod tests {
     }
 
     #[test]
+    fn argv_slot_globals_hold_one_argument_each() {
+        let mut script = Script::default();
+        declare_argv(&mut script, &Invocation::with_args(["a"]), |n| {
+            n == "argv_1" || n == "argv_2"
+        });
+        let inits: Vec<Option<Literal>> = script
+            .globals
+            .iter()
+            .map(|g| g.init.as_ref().map(|i| i.0.clone()))
+            .collect();
+        assert_eq!(
+            inits,
+            vec![
+                Some(Literal::Str("a".into())),
+                Some(Literal::Str(String::new()))
+            ]
+        );
+    }
+
+    #[test]
     fn a_script_declaring_argv_keeps_its_own() {
         let mut script = Script::default();
         script.globals.push(Global {
@@ -156,7 +190,9 @@ mod tests {
             array_size: None,
             wrap: false,
         });
-        declare_argv(&mut script, &Invocation::default(), |_| true);
+        declare_argv(&mut script, &Invocation::default(), |n| {
+            n == "argv" || n == "argc"
+        });
         assert_eq!((script.globals.len(), script.probes.len()), (2, 0));
     }
 }
