@@ -405,11 +405,8 @@ impl Parser {
                 ExprKind::Target(TargetVar { name, members })
             }
             _ => {
-                return Err(ParseError::Unexpected {
-                    expected: "@count, @sum, @min, @max, @avg, @variance, @hist_log, @hist_linear, \
-                               @entry, @defined, @choose_defined, @cast, @var or a macro defined with @define"
-                        .into(),
-                    found: format!("'{name}'"),
+                return Err(ParseError::UnknownAt {
+                    name: name.to_string(),
                     span: start,
                 })
             }

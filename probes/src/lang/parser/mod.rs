@@ -102,6 +102,14 @@ pub enum ParseError {
         /// Where.
         span: Span,
     },
+    /// `@name` that is neither an operator nor a macro defined before.
+    #[error("unknown macro or operator '{name}'")]
+    UnknownAt {
+        /// The name with its `@`.
+        name: String,
+        /// Where.
+        span: Span,
+    },
     /// A probe alias that cannot be expanded.
     #[error("{message}")]
     Alias {
@@ -126,7 +134,8 @@ impl ParseError {
             | ParseError::Conditional { span, .. }
             | ParseError::UnterminatedConditional { span }
             | ParseError::Macro { span, .. }
-            | ParseError::Alias { span, .. } => *span,
+            | ParseError::Alias { span, .. }
+            | ParseError::UnknownAt { span, .. } => *span,
             ParseError::TooLong { .. } => Span::new(0, 0),
         }
     }
@@ -144,6 +153,12 @@ impl ParseError {
             ParseError::UnterminatedConditional { .. } => {
                 Some("write %( CONDITION %? THEN %: ELSE %)".into())
             }
+            ParseError::UnknownAt { .. } => Some(
+                "operators: @count @sum @min @max @avg @variance @hist_log @hist_linear @entry \
+                 @defined @choose_defined @cast @var; a macro must be defined with @define \
+                 before use (SystemTap's tapset macros, .stpm, are not available)"
+                    .into(),
+            ),
             _ => None,
         }
     }
@@ -1009,10 +1024,10 @@ mod tests {
     #[test]
     fn unknown_at_name_lists_the_operators_and_macros() {
         let err = parse("probe begin { @median(s) }", &Limits::default()).unwrap_err();
-        assert!(
-            err.to_string().contains("a macro defined with @define"),
-            "{err}"
-        );
+        assert_eq!(err.to_string(), "unknown macro or operator '@median'");
+        assert!(err
+            .hint()
+            .is_some_and(|h| h.contains("defined with @define")));
     }
 
     #[test]
