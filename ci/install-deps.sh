@@ -12,6 +12,7 @@ packages=(
   gdb               # debug-info tests compare exotap's line tables and layouts with gdb's
   cmake libclang-dev  # the unicorn-engine crate builds Unicorn's C code (cmake) and its bindings (bindgen)
   gcc-sparc64-linux-gnu  # builds the SPARC v9 mini-kernel of the splicing regression (regress/src/sparc.rs)
+  systemtap-doc     # SystemTap's example suite, measured by ci/stap-examples.sh
 )
 
 missing=()

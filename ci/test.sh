@@ -17,6 +17,9 @@ set +e
 cargo test --workspace --locked "$@" -- --show-output 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
+# How much of SystemTap's own example suite the front end parses and checks (a measure, not
+# a pass/fail gate).
+EXOTAP=target/debug/exotap ci/stap-examples.sh | sed -n '/^== SystemTap examples/,/^-p 2/p'
 echo
 echo "== tests that skipped part of their work, and why =="
 grep -h 'SKIP' "$log" | sort -u || echo "(none)"

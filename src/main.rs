@@ -42,8 +42,8 @@ pub const EXOTAP_FAILURE: u8 = 125;
 /// an emulator or a QEMU gdbstub.
 #[derive(Debug, Parser)]
 ///
-/// Without a subcommand, `exotap -e 'SCRIPT'`, `exotap -l PATTERN` and `exotap -L PATTERN`
-/// work as `exotap run` does, like `stap -e`.
+/// Without a subcommand, `exotap FILE.stp [ARGS...]`, `exotap -e 'SCRIPT' [ARGS...]`,
+/// `exotap -l PATTERN` and `exotap -L PATTERN` work as `exotap run` does, like `stap`.
 #[command(
     name = "exotap",
     version,
@@ -56,7 +56,7 @@ struct Cli {
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
     #[command(flatten)]
-    script: script::ScriptOptions,
+    script: script::ScriptArgs,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -155,16 +155,16 @@ fn main() -> ExitCode {
     init_logging(cli.verbose);
     let Some(command) = cli.command else {
         let result = if cli.script.any() {
-            script::run(None, &cli.script)
+            script::run(&cli.script)
         } else {
             Err(anyhow::anyhow!(
-                "give a subcommand, -e SCRIPT, -l PATTERN or -L PATTERN (see --help)"
+                "give a subcommand, a script FILE, -e SCRIPT, -l PATTERN or -L PATTERN (see --help)"
             ))
         };
         return exit_code(result);
     };
     let result = match command {
-        Command::Run(args) => script::run(args.file.as_ref(), &args.options),
+        Command::Run(args) => script::run(&args),
         Command::Image(cmd) => image::run(cmd).map(|()| 0),
         Command::Boot(args) => boot::run(&args),
         Command::Attach(args) | Command::Info(args) => attach::run_info(&args).map(|()| 0),

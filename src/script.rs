@@ -7,12 +7,16 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context as _};
+use exotap_guest_images as images;
 use exotap_introspect::btf::Btf;
 use exotap_probes::lang::ast::ProbePoint;
 use exotap_probes::lang::driver::{
-    compile, run_job, run_listing, stop_on_ctrl_c, Job, ScriptSource,
+    compile_with, run_job, run_listing, stop_on_ctrl_c, Job, ScriptSource,
 };
+use exotap_probes::lang::facts::TargetFacts;
+use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::kernel_points::KernelSymbols;
+use exotap_probes::lang::limits::LimitError;
 use exotap_probes::lang::output::Format;
 use exotap_probes::lang::point::PointKind;
 use exotap_probes::lang::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
@@ -77,18 +81,30 @@ pub enum OutputFormat {
     Json,
 }
 
-/// Run a probe script (SystemTap-like language): `exotap run FILE`.
+/// Run a probe script (SystemTap-like language): `exotap run FILE [ARGS...]`, or as `stap`
+/// takes it, `exotap FILE [ARGS...]`.
 #[derive(clap::Args, Debug)]
 pub struct ScriptArgs {
-    /// Script file to run.
-    #[arg(value_name = "FILE", conflicts_with_all = ["script", "list", "list_vars"])]
-    pub file: Option<PathBuf>,
+    /// Script file to run (with -e, the script's first argument).
+    #[arg(value_name = "FILE", conflicts_with_all = ["list", "list_vars"])]
+    pub file: Option<String>,
+    /// The script's arguments: `$1` (as script text) and `@1` (as a string) are the first,
+    /// also `argv[1]`; `$#` and `argc` count them. Put `--` before one that starts with '-'.
+    #[arg(value_name = "ARGS", allow_negative_numbers = true)]
+    pub args: Vec<String>,
     #[command(flatten)]
     pub options: ScriptOptions,
 }
 
+impl ScriptArgs {
+    /// Whether a script or listing was asked for (so `exotap` without a subcommand has work).
+    pub fn any(&self) -> bool {
+        self.file.is_some() || self.options.any()
+    }
+}
+
 /// The script options `exotap` also takes without a subcommand (`exotap -e 'SCRIPT'`,
-/// `exotap -l PATTERN`), as `stap` does.
+/// `exotap -l PATTERN`, `exotap FILE`), as `stap` does.
 #[derive(clap::Args, Debug)]
 pub struct ScriptOptions {
     /// Script text given on the command line.
@@ -110,8 +126,15 @@ pub struct ScriptOptions {
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
     /// Set a limit: MAXACTION, MAXMAPENTRIES, MAXSTRINGLEN or MAXNESTING (-D MAXACTION=10000).
+    /// Other names (stap passes them to its module's C compiler) are accepted with a warning.
     #[arg(short = 'D', value_name = "NAME=VALUE")]
     pub define: Vec<String>,
+    /// Guru mode, as stap's -g: `guru_mode == 1` in preprocessor conditions.
+    #[arg(short = 'g')]
+    pub guru: bool,
+    /// The target process: what the script's target() returns.
+    #[arg(short = 'x', value_name = "PID")]
+    pub target_pid: Option<i64>,
     /// Run the script against a running guest over its gdbstub (tcp:HOST:PORT or unix:PATH)
     /// until exit(), Ctrl-C or the guest's end; then exotap detaches and the guest runs on.
     #[arg(long, value_name = "ADDR")]
@@ -157,17 +180,55 @@ pub(crate) fn parse_heap(text: &str) -> anyhow::Result<(u64, u64)> {
     Ok((gpa, size))
 }
 
+/// The facts `%( kernel_v ... %)` conditions see: the cached kernel's release (its ABI name,
+/// as `uname -r` gives it) and its `.config`, read from the cache without fetching anything;
+/// exotap's defaults (no CONFIG_ option set) when the kernel is not cached or is a `--bzimage`.
+fn target_facts(image: &ImageArgs) -> TargetFacts {
+    if let Some(path) = &image.bzimage {
+        return TargetFacts {
+            origin: format!(
+                "exotap's defaults ({} may be another kernel; its version and configuration are not read)",
+                path.display()
+            ),
+            ..TargetFacts::default()
+        };
+    }
+    let Ok(abi) = images::kernel::kernel_abi(&image.kernel) else {
+        return TargetFacts::default();
+    };
+    let config = images::cache::cache_root()
+        .map(|root| root.join("kernels").join(&abi).join("config"))
+        .ok()
+        .and_then(|path| std::fs::read_to_string(&path).ok().map(|text| (path, text)));
+    match config {
+        Some((path, text)) => TargetFacts::from_config(
+            &abi,
+            "x86_64",
+            &text,
+            &format!("the cached kernel configuration {}", path.display()),
+        ),
+        None => TargetFacts {
+            kernel_release: abi.clone(),
+            origin: format!(
+                "kernel {abi} without its configuration (not in the cache: `exotap image fetch`)"
+            ),
+            ..TargetFacts::default()
+        },
+    }
+}
+
 /// Runs a checked script against the guest at `target` until it ends.
 fn run_attached(
     source: ScriptSource,
     target: &str,
     args: &ScriptOptions,
+    invocation: &Invocation,
     limits: Limits,
     format: Format,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<i32> {
     let color = std::io::stderr().is_terminal();
-    let prog = match compile(&source, &limits) {
+    let prog = match compile_with(&source, &limits, invocation) {
         Ok(prog) => prog,
         Err(diags) => {
             for d in &diags {
@@ -214,11 +275,28 @@ impl ScriptOptions {
     }
 }
 
+/// Applies the `-D NAME=VALUE` settings: limits by name; any other name only warns, since
+/// stap passes it to the C compiler of a module exotap does not build.
+fn limits_from(defines: &[String]) -> anyhow::Result<Limits> {
+    let mut limits = Limits::default();
+    for d in defines {
+        match limits.set(d) {
+            Ok(()) => {}
+            Err(LimitError::Unknown(name)) => tracing::warn!(
+                "-D {d}: {name} has no effect in exotap (it is not one of its limits)"
+            ),
+            Err(e) => return Err(e).with_context(|| format!("bad -D {d}")),
+        }
+    }
+    Ok(limits)
+}
+
 /// Runs the script (or listing) `args` asks for; returns the process exit code.
 ///
 /// # Errors
 /// When the script or output file cannot be opened, or the options are inconsistent.
-pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> {
+pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
+    let args = &script_args.options;
     let color = std::io::stderr().is_terminal();
     let resolver = LazyKernel::new(args.image.clone());
     let listing = args
@@ -238,25 +316,42 @@ pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> 
         );
         return Ok(code);
     }
-    let source = match (&args.script, file) {
-        (Some(text), _) => ScriptSource {
-            name: "<input>".to_string(),
-            text: text.clone(),
-        },
+    // As stap: with -e every word after the options is an argument of the script.
+    let (source, script_args) = match (&args.script, &script_args.file) {
+        (Some(text), first) => (
+            ScriptSource {
+                name: "<input>".to_string(),
+                text: text.clone(),
+            },
+            first.iter().chain(&script_args.args).cloned().collect(),
+        ),
         (None, Some(path)) => {
             let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read script {}", path.display()))?;
-            ScriptSource {
-                name: path.display().to_string(),
-                text,
-            }
+                .with_context(|| format!("cannot read script {path}"))?;
+            (
+                ScriptSource {
+                    name: path.clone(),
+                    text,
+                },
+                script_args.args.clone(),
+            )
         }
         (None, None) => bail!("give a script FILE, -e SCRIPT, -l PATTERN or -L PATTERN"),
     };
-    let mut limits = Limits::default();
-    for d in &args.define {
-        limits.set(d).with_context(|| format!("bad -D {d}"))?;
-    }
+    let limits = limits_from(&args.define)?;
+    let facts = target_facts(&args.image);
+    tracing::debug!(
+        "preprocessor facts: kernel {} ({}), from {}",
+        facts.kernel_release,
+        facts.arch,
+        facts.origin
+    );
+    let invocation = Invocation {
+        args: script_args,
+        guru: args.guru,
+        target_pid: args.target_pid,
+        facts,
+    };
     let out: Box<dyn Write> = match &args.output {
         Some(path) => {
             let f = std::fs::File::create(path)
@@ -278,7 +373,7 @@ pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> 
     };
     if let (Some(target), None | Some(5)) = (&args.target, args.pass) {
         drop(out);
-        return run_attached(source, target, args, limits, format, stop);
+        return run_attached(source, target, args, &invocation, limits, format, stop);
     }
     let job = Job {
         source,
@@ -287,6 +382,7 @@ pub fn run(file: Option<&PathBuf>, args: &ScriptOptions) -> anyhow::Result<i32> 
         limits,
         color,
         resolver: &resolver,
+        invocation,
     };
     Ok(run_job(&job, out, Box::new(std::io::stderr()), &stop))
 }

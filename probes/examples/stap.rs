@@ -93,6 +93,7 @@ fn main() -> ExitCode {
         limits,
         color,
         resolver: &NoSymbols,
+        invocation: Default::default(),
     };
     let code = run_job(&job, out, Box::new(std::io::stderr()), &stop);
     ExitCode::from(code as u8)

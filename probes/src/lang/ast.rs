@@ -52,8 +52,11 @@ pub struct Script {
     pub globals: Vec<Global>,
     /// `function` definitions.
     pub functions: Vec<Function>,
-    /// `probe` definitions.
+    /// `probe` definitions, with probe aliases already expanded.
     pub probes: Vec<Probe>,
+    /// `probe NAME = POINTS { prologue }` and `probe NAME += POINTS { epilogue }`
+    /// definitions (kept for listings; [`Script::probes`] holds their expansions).
+    pub aliases: Vec<ProbeAlias>,
 }
 
 /// A literal usable in declarations and probe point arguments.
@@ -83,6 +86,9 @@ pub struct Global {
     pub init: Option<(Literal, Span)>,
     /// `[N]`: declared as an array with at most N entries.
     pub array_size: Option<i64>,
+    /// `global a%` or `global a%[N]`: a full array drops its oldest entry for a new one
+    /// instead of failing.
+    pub wrap: bool,
 }
 
 /// A declared type: `:long` or `:string`.
@@ -187,6 +193,23 @@ pub struct Probe {
     /// `if (cond)`: the body runs only when it is true.
     pub condition: Option<Expr>,
     /// The handler.
+    pub body: Block,
+    /// The whole definition.
+    pub span: Span,
+}
+
+/// A probe alias: `probe NAME = POINTS { prologue }` (SystemTap's tapset style) or
+/// `probe NAME += POINTS { epilogue }`. A probe on NAME becomes a probe on POINTS whose body
+/// is the prologue then its own body (or its own body then the epilogue).
+#[derive(Debug, Clone)]
+pub struct ProbeAlias {
+    /// The names it defines (usually one).
+    pub names: Vec<ProbePoint>,
+    /// What a use of a name stands for.
+    pub points: Vec<ProbePoint>,
+    /// `+=`: the body runs after the user's body rather than before.
+    pub epilogue: bool,
+    /// The alias's own statements.
     pub body: Block,
     /// The whole definition.
     pub span: Span,
@@ -469,10 +492,11 @@ pub struct Expr {
     pub span: Span,
 }
 
-/// A target variable: `$name`, `$name->a->b`, `$return`, `$$parms`.
+/// A target variable: `$name`, `$name->a->b`, `$return`, `$$parms`; `@var("name")` is
+/// `$name`, and `@var("name@file.c")` keeps its `@var(...)` text as its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetVar {
-    /// Name with its `$` or `$$`.
+    /// Name with its `$` or `$$` (or `@var("name@file")`).
     pub name: String,
     /// `->member` chain.
     pub members: Vec<String>,
@@ -523,6 +547,39 @@ pub enum ExprKind {
     Call(Box<Call>),
     /// `[k1, k2] in a`.
     In(Box<InExpr>),
+    /// `@entry(e)` in a `.return` probe: `e` as it was at the function's entry.
+    Entry(Box<Expr>),
+    /// `@defined(e)`: 1 when the target variables (or `@cast` members) of `e` resolve at the
+    /// probe point, else 0; `e` is not evaluated. `@choose_defined(a, b)` is
+    /// `@defined(a) ? a : b`.
+    Defined(Box<Expr>),
+    /// `@cast(p, "type"[, "module"])->member...`: guest memory at `p` read as a kernel type.
+    Cast(Box<CastExpr>),
+    /// `@variance(s[, shift])`: the variance of an aggregate, with `shift` bits of fixed-point
+    /// precision inside (SystemTap's Welford integer algorithm).
+    Variance(Box<Expr>, u32),
+    /// `%{ ... %}` used as a value: embedded C, which exotap parses but never runs.
+    Embedded(String),
+    /// `&$var`, `&$p->member` or `&@cast(...)->member`: the address of a kernel variable or
+    /// of a struct member.
+    AddressOf(Box<Expr>),
+    /// `s =~ "regex"` (or `!~` when the flag is set): POSIX extended regular expression match.
+    RegexMatch(Box<(Expr, Expr)>, bool),
+    /// `*` as a key of `delete a[k, *]`: every value of that key.
+    Wildcard,
+}
+
+/// `@cast(pointer, "type", "module")->a->b`.
+#[derive(Debug, Clone)]
+pub struct CastExpr {
+    /// The address.
+    pub pointer: Expr,
+    /// The type name (`struct task_struct`, `task_struct`, `uintptr_t`).
+    pub type_name: String,
+    /// Where the type is looked up (`kernel`, `kernel<linux/sched.h>`), when given.
+    pub module: Option<String>,
+    /// `->member` chain.
+    pub members: Vec<String>,
 }
 
 /// `array[keys]`.

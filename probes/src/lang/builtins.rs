@@ -199,7 +199,7 @@ pub const BUILTINS: &[Builtin] = &[
         name: "target",
         params: &[],
         ret: L,
-        doc: "target process id (0)",
+        doc: "target process id (-x PID; 0 without)",
     },
     Builtin {
         name: "gettimeofday_s",

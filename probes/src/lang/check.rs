@@ -84,6 +84,8 @@ pub struct GlobalInfo {
     pub written: bool,
     /// Histograms kept for an aggregate.
     pub hist: HistLayout,
+    /// `global a%`: a full array drops its oldest entry for a new one.
+    pub wrap: bool,
 }
 
 /// A checked probe: the points that survived classification.
@@ -110,6 +112,8 @@ pub struct Program {
     pub probes: Vec<ProbeInfo>,
     /// Warnings (the script still runs).
     pub warnings: Vec<Diagnostic>,
+    /// What `target()` returns: the `-x PID` of the invocation, 0 without.
+    pub target_pid: i64,
 }
 
 impl Program {
@@ -136,6 +140,9 @@ const MAX_ROUNDS: usize = 32;
 pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
     let mut c = Checker::new(&script);
     c.declare();
+    // Inference rounds only collect types: a variable read before the statement that types
+    // it is not an error until the reporting pass says it still has no type.
+    c.report = false;
     for _ in 0..MAX_ROUNDS {
         c.changed = false;
         c.walk_all();
@@ -172,6 +179,7 @@ pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
         locals,
         probes,
         warnings,
+        target_pid: 0,
     })
 }
 
@@ -188,6 +196,8 @@ pub(crate) struct Scope {
     pub assigned: HashSet<String>,
     /// Loop nesting.
     pub loops: usize,
+    /// Inside `@defined(...)`: target variables that cannot exist here are not errors.
+    pub defined: usize,
 }
 
 pub(crate) struct Checker<'a> {
@@ -199,6 +209,9 @@ pub(crate) struct Checker<'a> {
     pub probes: Vec<ProbeInfo>,
     pub diags: Vec<Diagnostic>,
     seen: HashSet<(u32, u32, String)>,
+    /// Probes with a probe point that could not be classified: their bodies are not checked
+    /// (their variables often come from a tapset alias exotap does not have).
+    unresolved: HashSet<usize>,
     pub report: bool,
     pub changed: bool,
     pub scope: Scope,
@@ -215,6 +228,7 @@ impl<'a> Checker<'a> {
             probes: Vec::new(),
             diags: Vec::new(),
             seen: HashSet::new(),
+            unresolved: HashSet::new(),
             report: true,
             changed: false,
             scope: Scope::default(),
@@ -260,6 +274,7 @@ impl<'a> Checker<'a> {
                 read: false,
                 written: false,
                 hist: HistLayout::default(),
+                wrap: g.wrap,
             };
             self.globals.insert(g.name.name.clone(), info);
         }
@@ -282,15 +297,12 @@ impl<'a> Checker<'a> {
             } else {
                 self.functions.insert(name.clone(), i);
             }
+            // A C function is refused where it is called (see `call`), so that scripts
+            // carrying unused C helpers still run; its types come from its declaration or
+            // from its call sites.
             let has_value = match &f.body {
                 FunctionBody::Block(b) => returns_value(&b.stmts),
-                FunctionBody::Embedded(span) => {
-                    self.emit(
-                        Diagnostic::error("embedded C code is not supported", *span)
-                            .with_hint("exotap never runs C code in the guest; write the body in the script language"),
-                    );
-                    false
-                }
+                FunctionBody::Embedded(_) => true,
             };
             let ret = match (f.ret, has_value) {
                 (Some(DeclType::Long), _) => Ty::Long,
@@ -309,7 +321,7 @@ impl<'a> Checker<'a> {
                 locals.insert(p.name.name.clone(), ty);
             }
         }
-        for p in &self.script.probes {
+        for (index, p) in self.script.probes.iter().enumerate() {
             let mut points = Vec::new();
             for pt in &p.points {
                 match classify(pt) {
@@ -323,6 +335,7 @@ impl<'a> Checker<'a> {
                             .with_label("in this probe point")
                             .with_hint(format!("known probe points: {KNOWN_FAMILIES}"));
                         self.emit(d);
+                        self.unresolved.insert(index);
                     }
                 }
             }
@@ -333,6 +346,9 @@ impl<'a> Checker<'a> {
     fn walk_all(&mut self) {
         let script = self.script;
         for (i, p) in script.probes.iter().enumerate() {
+            if self.unresolved.contains(&i) {
+                continue;
+            }
             let kinds = self
                 .probes
                 .get(i)
@@ -345,6 +361,7 @@ impl<'a> Checker<'a> {
                 kinds: kinds.unwrap_or_default(),
                 assigned,
                 loops: 0,
+                defined: 0,
             };
             if let Some(cond) = &p.condition {
                 self.expect(cond, Ty::Long);
@@ -365,6 +382,7 @@ impl<'a> Checker<'a> {
                 kinds: Vec::new(),
                 assigned,
                 loops: 0,
+                defined: 0,
             };
             self.block(body);
         }
@@ -375,6 +393,10 @@ impl<'a> Checker<'a> {
             .diags
             .iter()
             .any(|d| d.severity == super::diag::Severity::Error);
+        // Errors other than failed inference, which the checks below would only echo.
+        let has_causes = self.diags.iter().any(|d| {
+            d.severity == super::diag::Severity::Error && !d.message.starts_with("could not infer")
+        });
         if !has_errors && self.probes.iter().all(|p| p.points.is_empty()) {
             let span = self
                 .script
@@ -393,6 +415,13 @@ impl<'a> Checker<'a> {
                 continue;
             };
             let span = g.span;
+            // With other errors, a type that could not be inferred (or a global that looks
+            // unused) is nearly always their consequence: an unknown function's result, the
+            // unchecked body of a probe on an unknown point. Not worth reporting until those
+            // are fixed.
+            if has_causes {
+                continue;
+            }
             if !g.read && !g.written && g.value == Ty::Unknown && g.init.is_none() {
                 self.emit(Diagnostic::warning(
                     format!("global '{name}' is never used"),
@@ -419,6 +448,9 @@ impl<'a> Checker<'a> {
         }
         let nprobes = self.script.probes.len();
         for (i, f) in self.script.functions.iter().enumerate() {
+            if has_causes || matches!(f.body, FunctionBody::Embedded(_)) {
+                continue;
+            }
             if self.function_ret[i] == Ty::Unknown {
                 self.emit(
                     Diagnostic::error(
@@ -653,6 +685,165 @@ mod tests {
     fn kernel_point_makes_the_program_need_a_guest() {
         assert!(checked("probe kernel.function(\"f\") { }").needs_guest());
         assert!(!checked("probe timer.ms(1) { }").needs_guest());
+    }
+
+    #[test]
+    fn local_read_before_its_typing_assignment_is_inferred() {
+        let p = checked("probe begin { if (0) y = x + 1; x = 0 }");
+        assert_eq!(p.locals[0]["x"], Ty::Long);
+    }
+
+    #[test]
+    fn entry_outside_a_return_probe_is_an_error() {
+        assert_eq!(
+            errors("probe kernel.function(\"f\") { x = @entry($a) }"),
+            vec!["'@entry' is only available in .return probes"]
+        );
+    }
+
+    #[test]
+    fn entry_in_a_return_probe_has_the_type_of_its_operand() {
+        let p = checked("probe kernel.function(\"f\").return { s = @entry(execname()) }");
+        assert_eq!(p.locals[0]["s"], Ty::Str);
+    }
+
+    #[test]
+    fn defined_target_in_a_begin_probe_takes_the_fallback_unchecked() {
+        let p = checked("probe begin { x = @choose_defined($nosuch, \"none\") }");
+        assert_eq!(p.locals[0]["x"], Ty::Str);
+    }
+
+    #[test]
+    fn target_outside_defined_in_a_begin_probe_is_still_an_error() {
+        assert_eq!(
+            errors("probe begin { x = @defined($a) + $a }"),
+            vec!["target variable '$a' is not available in 'begin' probes"]
+        );
+    }
+
+    #[test]
+    fn calling_an_embedded_c_function_is_an_error_naming_the_alternative() {
+        let diags = check(
+            parse(
+                "function f:long () %{ STAP_RETURN(1); %}\nprobe begin { println(f()) }",
+                &Limits::default(),
+            )
+            .unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            diags[0].message,
+            "function 'f' is written in embedded C, which exotap cannot run"
+        );
+        assert!(diags[0]
+            .hint
+            .as_ref()
+            .is_some_and(|h| h.contains("no module") && h.contains("script language")));
+    }
+
+    #[test]
+    fn an_uncalled_embedded_c_function_is_fine() {
+        let p = checked("function f(x) %{ /* C */ %}\nprobe begin { }");
+        assert_eq!(p.warnings.len(), 0);
+    }
+
+    #[test]
+    fn cast_reads_a_long_from_a_long_pointer() {
+        let p =
+            checked("probe begin { p = 0; v = @cast(p, \"struct task_struct\", \"kernel\")->pid }");
+        assert_eq!(p.locals[0]["v"], Ty::Long);
+    }
+
+    #[test]
+    fn cast_of_a_string_is_an_error() {
+        assert_eq!(
+            errors("probe begin { v = @cast(\"x\", \"struct file\")->f_pos }"),
+            vec!["type mismatch: expected a long, found a string"]
+        );
+    }
+
+    #[test]
+    fn variance_records_its_bit_shift() {
+        let p = checked("global s\nprobe begin { s <<< 1; println(@variance(s, 4)) }");
+        assert_eq!(p.globals["s"].hist.variance_shift, Some(4));
+    }
+
+    #[test]
+    fn variance_of_a_local_is_an_error() {
+        assert_eq!(
+            errors("probe begin { s = 1; println(@variance(s)) }"),
+            vec!["statistics need a global aggregate"]
+        );
+    }
+
+    #[test]
+    fn regex_pattern_must_be_a_literal() {
+        assert_eq!(
+            errors("probe begin { p = \"a\"; x = \"s\" =~ p }"),
+            vec!["the regular expression of '=~' must be a string literal"]
+        );
+    }
+
+    #[test]
+    fn invalid_regex_is_an_error_before_the_run() {
+        assert_eq!(
+            errors("probe begin { x = \"s\" =~ \"(\" }"),
+            vec!["invalid regular expression"]
+        );
+    }
+
+    #[test]
+    fn regex_match_is_a_long() {
+        let p = checked("probe begin { x = \"abc\" =~ \"^a.c$\" }");
+        assert_eq!(p.locals[0]["x"], Ty::Long);
+    }
+
+    #[test]
+    fn pretty_printed_target_is_a_string() {
+        let p = checked("probe kernel.function(\"f\") { s = $file$; t = $file->f_path$$ }");
+        assert_eq!((p.locals[0]["s"], p.locals[0]["t"]), (Ty::Str, Ty::Str));
+    }
+
+    #[test]
+    fn address_of_a_member_is_a_long() {
+        let p = checked("probe kernel.function(\"f\") { a = &$q->key }");
+        assert_eq!(p.locals[0]["a"], Ty::Long);
+    }
+
+    #[test]
+    fn wrapping_global_is_an_array() {
+        let p = checked("global a%\nprobe begin { a[1] = 2 }");
+        assert!(p.globals["a"].wrap && p.globals["a"].shape == Shape::Array);
+    }
+
+    #[test]
+    fn wildcard_delete_types_the_named_keys() {
+        let p = checked("global a\nprobe begin { a[1, \"s\"] = 1; delete a[2, *] }");
+        assert_eq!(p.globals["a"].keys, vec![Ty::Long, Ty::Str]);
+    }
+
+    #[test]
+    fn wildcard_inside_a_key_expression_is_an_error() {
+        assert!(
+            errors("global a\nprobe begin { a[1] = 1; delete a[abs(*)] }")
+                .contains(&"'*' stands for a key only in 'delete a[k, *]'".to_string())
+        );
+    }
+
+    #[test]
+    fn body_of_a_probe_on_an_unknown_point_is_not_checked() {
+        assert_eq!(
+            errors("global g\nprobe nosuch.alias { g[x] = y }"),
+            vec!["unknown probe point 'nosuch.alias'"]
+        );
+    }
+
+    #[test]
+    fn uninferred_types_are_not_reported_next_to_their_cause() {
+        assert_eq!(
+            errors("global g\nprobe begin { g = nosuch() }"),
+            vec!["unknown function 'nosuch'"]
+        );
     }
 
     #[test]

@@ -7,6 +7,10 @@ use super::diag::Diagnostic;
 use super::format::{arg_kinds, parse_format, ArgKind};
 use super::value::linear_buckets;
 
+/// Why embedded C is refused, and what to do instead.
+const EMBEDDED_C_HINT: &str = "exotap loads no module into the guest, so no C code runs there; \
+     write it in the script language (built-ins such as kernel_long(), kernel_string() and @cast read guest memory)";
+
 impl Checker<'_> {
     /// Infers the type of `e`, checking it on the way.
     pub(crate) fn expr(&mut self, e: &Expr) -> Ty {
@@ -29,6 +33,10 @@ impl Checker<'_> {
             ExprKind::Binary(op, p) => self.binary(*op, &p.0, &p.1, e.span),
             ExprKind::Ternary(p) => {
                 self.expect(&p.0, Ty::Long);
+                if self.statically_undefined(&p.0) {
+                    // `@defined($x) ? $x : y` where $x cannot exist: only `y` is ever used.
+                    return self.expr(&p.2);
+                }
                 let a = self.expr(&p.1);
                 let b = self.expr(&p.2);
                 match (a, b) {
@@ -76,6 +84,77 @@ impl Checker<'_> {
                 Ty::Void
             }
             ExprKind::Call(c) => self.call(c, e.span),
+            ExprKind::Entry(x) => self.entry(x, e.span),
+            ExprKind::Defined(x) => {
+                self.scope.defined += 1;
+                self.expr(x);
+                self.scope.defined -= 1;
+                Ty::Long
+            }
+            ExprKind::Cast(c) => {
+                self.expect(&c.pointer, Ty::Long);
+                if c.type_name.trim().is_empty() {
+                    self.emit(
+                        Diagnostic::error("@cast needs a type name", e.span)
+                            .with_hint("e.g. @cast(p, \"struct task_struct\", \"kernel\")->pid"),
+                    );
+                }
+                // `->member$$`: the pretty-printed text of the member.
+                if c.members.last().is_some_and(|m| m.ends_with('$')) {
+                    Ty::Str
+                } else {
+                    Ty::Long
+                }
+            }
+            ExprKind::Variance(target, shift) => {
+                if let Some(name) = self.aggregate_operand(target, e.span) {
+                    self.variance_shift(&name, *shift, e.span);
+                }
+                Ty::Long
+            }
+            ExprKind::Embedded(_) => {
+                self.emit(
+                    Diagnostic::error("embedded C code is not supported", e.span)
+                        .with_label("C code")
+                        .with_hint(EMBEDDED_C_HINT),
+                );
+                Ty::Long
+            }
+            ExprKind::AddressOf(x) => {
+                self.expr(x);
+                Ty::Long
+            }
+            ExprKind::Wildcard => {
+                self.emit(
+                    Diagnostic::error("'*' stands for a key only in 'delete a[k, *]'", e.span)
+                        .with_hint("name the key, or delete with '*' for every value of it"),
+                );
+                Ty::Unknown
+            }
+            ExprKind::RegexMatch(p, _) => {
+                self.expect(&p.0, Ty::Str);
+                match &p.1.kind {
+                    ExprKind::Str(re) => {
+                        if let Err(err) = regex::Regex::new(re) {
+                            self.emit(
+                                Diagnostic::error("invalid regular expression", p.1.span)
+                                    .with_label(first_line(&err.to_string())),
+                            );
+                        }
+                    }
+                    _ => {
+                        self.emit(
+                            Diagnostic::error(
+                                "the regular expression of '=~' must be a string literal",
+                                p.1.span,
+                            )
+                            .with_hint("regular expressions are compiled before the script runs"),
+                        );
+                        self.expr(&p.1);
+                    }
+                }
+                Ty::Long
+            }
             ExprKind::In(i) => {
                 let keys = self.array_arity(&i.array.name, i.keys.len(), i.array.span);
                 self.require_global_array(&i.array);
@@ -179,7 +258,66 @@ impl Checker<'_> {
         ty
     }
 
+    /// Whether `cond` is `@defined(x)` with a target variable in `x` where none can exist
+    /// (guest-free probes, functions): SystemTap then drops the branch it guards unchecked.
+    pub(crate) fn statically_undefined(&self, cond: &Expr) -> bool {
+        let ExprKind::Defined(x) = &cond.kind else {
+            return false;
+        };
+        let no_targets =
+            self.scope.function.is_some() || self.scope.kinds.iter().any(|k| !k.has_target_vars());
+        no_targets && mentions_target(x)
+    }
+
+    /// `@entry(x)`: only in `.return` probes, where `x` is what it was at the entry.
+    fn entry(&mut self, x: &Expr, span: Span) -> Ty {
+        if self.scope.function.is_some() {
+            self.emit(
+                Diagnostic::error("'@entry' used in a function", span).with_hint(
+                    "use @entry(...) in the .return probe and pass the value as an argument",
+                ),
+            );
+        } else if self.scope.kinds.is_empty() || !self.scope.kinds.iter().all(|k| k.is_return()) {
+            self.emit(
+                Diagnostic::error("'@entry' is only available in .return probes", span)
+                    .with_label("not a .return probe")
+                    .with_hint("probe kernel.function(\"f\").return and use @entry(...) there"),
+            );
+        }
+        let t = self.expr(x);
+        if t == Ty::Stats || t == Ty::Void {
+            self.expect_value(x, t);
+            return Ty::Unknown;
+        }
+        t
+    }
+
+    /// Records the bit shift `@variance(name, shift)` uses; one per aggregate, as in SystemTap.
+    fn variance_shift(&mut self, name: &str, shift: u32, span: Span) {
+        let Some(g) = self.globals.get_mut(name) else {
+            return;
+        };
+        match g.hist.variance_shift {
+            None => g.hist.variance_shift = Some(shift),
+            Some(have) if have == shift => {}
+            Some(have) => self.emit(
+                Diagnostic::error(
+                    format!("'{name}' is used with @variance bit shifts {have} and {shift}"),
+                    span,
+                )
+                .with_hint("use one bit shift per aggregate"),
+            ),
+        }
+    }
+
     fn target(&mut self, t: &TargetVar, span: Span) -> Ty {
+        // Inside @defined a variable that cannot exist here is simply not defined.
+        if self.scope.defined > 0
+            && (self.scope.function.is_some()
+                || self.scope.kinds.iter().any(|k| !k.has_target_vars()))
+        {
+            return Ty::Long;
+        }
         if self.scope.function.is_some() {
             self.emit(
                 Diagnostic::error(
@@ -205,7 +343,11 @@ impl Checker<'_> {
             );
             return Ty::Long;
         }
-        match t.name.as_str() {
+        // `$x$`, `$x$$`, `$p->m$`: SystemTap's pretty-printed text of the value.
+        let base = t.name.trim_end_matches('$');
+        let pretty = base.len() < t.name.len() && base.len() > 1
+            || t.members.last().is_some_and(|m| m.ends_with('$'));
+        match base {
             "$return" if !kinds.iter().all(|k| k.is_return()) => {
                 self.emit(
                     Diagnostic::error("'$return' is only available in .return probes", span)
@@ -229,6 +371,7 @@ impl Checker<'_> {
                 );
                 Ty::Str
             }
+            _ if pretty => Ty::Str,
             _ => Ty::Long,
         }
     }
@@ -247,7 +390,7 @@ impl Checker<'_> {
         false
     }
 
-    fn key(&mut self, array: &str, k: usize, key_ty: Option<Ty>, key: &Expr) {
+    pub(crate) fn key(&mut self, array: &str, k: usize, key_ty: Option<Ty>, key: &Expr) {
         let got = self.expr(key);
         match (key_ty, got) {
             (_, Ty::Stats) => self.stats_as_value(key.span),
@@ -582,6 +725,16 @@ impl Checker<'_> {
             return Ty::Unknown;
         };
         let func = &self.script.functions[f];
+        if matches!(func.body, FunctionBody::Embedded(_)) {
+            self.emit(
+                Diagnostic::error(
+                    format!("function '{name}' is written in embedded C, which exotap cannot run"),
+                    c.name.span,
+                )
+                .with_label("calls a C function")
+                .with_hint(EMBEDDED_C_HINT),
+            );
+        }
         let body = self.script.probes.len() + f;
         self.arity(name, func.params.len(), c.args.len(), span);
         let params: Vec<String> = func.params.iter().map(|p| p.name.name.clone()).collect();
@@ -664,5 +817,40 @@ impl Checker<'_> {
             };
             self.expect(a, want);
         }
+    }
+}
+
+/// The first line of a (possibly multi-line) error text.
+fn first_line(text: &str) -> String {
+    text.lines().last().unwrap_or(text).trim().to_string()
+}
+
+/// Whether `e` reads a target variable or guest memory through `@cast`.
+fn mentions_target(e: &Expr) -> bool {
+    match &e.kind {
+        ExprKind::Target(_) | ExprKind::Cast(_) => true,
+        ExprKind::Num(_)
+        | ExprKind::Str(_)
+        | ExprKind::Var(_)
+        | ExprKind::Embedded(_)
+        | ExprKind::Wildcard => false,
+        ExprKind::Unary(_, x)
+        | ExprKind::Stat(_, x)
+        | ExprKind::Hist(_, x)
+        | ExprKind::Entry(x)
+        | ExprKind::Defined(x)
+        | ExprKind::Variance(x, _)
+        | ExprKind::AddressOf(x) => mentions_target(x),
+        ExprKind::Binary(_, p)
+        | ExprKind::Assign(_, p)
+        | ExprKind::Aggregate(p)
+        | ExprKind::RegexMatch(p, _) => mentions_target(&p.0) || mentions_target(&p.1),
+        ExprKind::Ternary(p) => {
+            mentions_target(&p.0) || mentions_target(&p.1) || mentions_target(&p.2)
+        }
+        ExprKind::IncDec(i) => mentions_target(&i.target),
+        ExprKind::Index(ix) => ix.keys.iter().any(mentions_target),
+        ExprKind::Call(c) => c.args.iter().any(mentions_target),
+        ExprKind::In(i) => i.keys.iter().any(mentions_target),
     }
 }

@@ -26,6 +26,13 @@ impl Checker<'_> {
             }
             StmtKind::If(i) => {
                 self.expect(&i.cond, Ty::Long);
+                if self.statically_undefined(&i.cond) {
+                    // `if (@defined($x)) ...` where $x cannot exist: the branch is dropped.
+                    if let Some(e) = &i.els {
+                        self.stmt(e);
+                    }
+                    return;
+                }
                 self.stmt(&i.then);
                 if let Some(e) = &i.els {
                     self.stmt(e);
@@ -104,6 +111,19 @@ impl Checker<'_> {
                     g.written = true;
                 } else if !self.scope.assigned.contains(name) {
                     self.undefined(name, e.span);
+                }
+            }
+            ExprKind::Index(ix) if ix.keys.iter().any(|k| matches!(k.kind, ExprKind::Wildcard)) => {
+                // `delete a[k, *]`: the wildcards match any key; the others are typed as keys.
+                if !self.globals.contains_key(&ix.array.name) {
+                    self.index_keys(ix, e.span);
+                    return;
+                }
+                let keys = self.array_arity(&ix.array.name, ix.keys.len(), e.span);
+                for (k, key) in ix.keys.iter().enumerate() {
+                    if !matches!(key.kind, ExprKind::Wildcard) {
+                        self.key(&ix.array.name, k, keys.get(k).copied(), key);
+                    }
                 }
             }
             ExprKind::Index(ix) => {
@@ -261,7 +281,18 @@ fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
                 out.insert(n.clone());
             }
         }
-        ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => collect_expr(x, out),
+        ExprKind::Unary(_, x)
+        | ExprKind::Stat(_, x)
+        | ExprKind::Hist(_, x)
+        | ExprKind::Entry(x)
+        | ExprKind::Defined(x)
+        | ExprKind::Variance(x, _)
+        | ExprKind::AddressOf(x) => collect_expr(x, out),
+        ExprKind::RegexMatch(p, _) => {
+            collect_expr(&p.0, out);
+            collect_expr(&p.1, out);
+        }
+        ExprKind::Cast(c) => collect_expr(&c.pointer, out),
         ExprKind::Binary(_, p) => {
             collect_expr(&p.0, out);
             collect_expr(&p.1, out);
@@ -274,6 +305,11 @@ fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
         ExprKind::Index(ix) => ix.keys.iter().for_each(|k| collect_expr(k, out)),
         ExprKind::Call(c) => c.args.iter().for_each(|a| collect_expr(a, out)),
         ExprKind::In(i) => i.keys.iter().for_each(|k| collect_expr(k, out)),
-        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Target(_) => {}
+        ExprKind::Num(_)
+        | ExprKind::Str(_)
+        | ExprKind::Var(_)
+        | ExprKind::Target(_)
+        | ExprKind::Embedded(_)
+        | ExprKind::Wildcard => {}
     }
 }

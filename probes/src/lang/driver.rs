@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use super::check::{check, Program, Shape, Ty};
 use super::diag::Diagnostic;
+use super::invocation::Invocation;
 use super::output::{Format, Output};
-use super::parser::parse;
+use super::parser::parse_with;
 use super::resolve::{list, resolve_program, ListError, ProbePointResolver};
 use super::runtime::run_guest_free;
 use super::Limits;
@@ -22,13 +23,27 @@ pub struct ScriptSource {
     pub text: String,
 }
 
-/// Parses and checks a script.
+/// Parses and checks a script run without arguments against the default kernel facts.
 ///
 /// # Errors
 /// The diagnostics (errors first by position, with any warnings).
 pub fn compile(src: &ScriptSource, limits: &Limits) -> Result<Program, Vec<Diagnostic>> {
-    let script = parse(&src.text, limits).map_err(|e| vec![Diagnostic::from(&e)])?;
-    check(script)
+    compile_with(src, limits, &Invocation::default())
+}
+
+/// Parses and checks a script as `inv` invokes it (arguments, facts, `-x PID`).
+///
+/// # Errors
+/// The diagnostics (errors first by position, with any warnings).
+pub fn compile_with(
+    src: &ScriptSource,
+    limits: &Limits,
+    inv: &Invocation,
+) -> Result<Program, Vec<Diagnostic>> {
+    let script = parse_with(&src.text, limits, inv).map_err(|e| vec![Diagnostic::from(&e)])?;
+    let mut prog = check(script)?;
+    prog.target_pid = inv.target_pid.unwrap_or(0);
+    Ok(prog)
 }
 
 /// What to do with a script.
@@ -45,6 +60,8 @@ pub struct Job<'a> {
     pub color: bool,
     /// Probe point resolver (symbols).
     pub resolver: &'a dyn ProbePointResolver,
+    /// Arguments, guru mode, target process and kernel facts.
+    pub invocation: Invocation,
 }
 
 impl std::fmt::Debug for Job<'_> {
@@ -125,7 +142,7 @@ pub fn run_job(
     let src = &job.source;
     let mut out = out;
     if job.last_pass == Some(1) {
-        return match parse(&src.text, &job.limits) {
+        return match parse_with(&src.text, &job.limits, &job.invocation) {
             Ok(script) => {
                 let mut text = String::new();
                 for p in &script.probes {
@@ -144,7 +161,7 @@ pub fn run_job(
             }
         };
     }
-    let prog = match compile(src, &job.limits) {
+    let prog = match compile_with(src, &job.limits, &job.invocation) {
         Ok(p) => p,
         Err(diags) => {
             print_diags(&mut *err, &diags, src, job.color);
@@ -261,6 +278,10 @@ mod tests {
     use crate::lang::resolve::NoSymbols;
 
     fn job(text: &str, last_pass: Option<u8>) -> (i32, String, String) {
+        job_with_args(text, last_pass, &[])
+    }
+
+    fn job_with_args(text: &str, last_pass: Option<u8>, args: &[&str]) -> (i32, String, String) {
         let source = ScriptSource {
             name: "t.stp".into(),
             text: text.into(),
@@ -272,6 +293,7 @@ mod tests {
             limits: Limits::default(),
             color: false,
             resolver: &NoSymbols,
+            invocation: Invocation::with_args(args.iter().copied()),
         };
         let (out, err) = (SharedBuf::default(), SharedBuf::default());
         let stop = Arc::new(AtomicBool::new(false));
@@ -308,6 +330,40 @@ mod tests {
             err.contains("t.stp:1:19") && err.contains("undefined variable 'y'"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn arguments_reach_the_script_as_tokens_strings_and_argv() {
+        let (code, out, err) = job_with_args(
+            "probe begin { printf(\"%d %s %s %d\\n\", $1 + 1, @2, argv[2], argc) }",
+            None,
+            &["41", "two"],
+        );
+        assert_eq!((code, out.as_str()), (0, "42 two two 2\n"), "{err}");
+    }
+
+    #[test]
+    fn missing_argument_fails_at_pass_one_with_the_index() {
+        let (code, _, err) = job("probe begin { println(@1) }", Some(1));
+        assert_eq!(code, 1);
+        assert!(
+            err.contains("command line argument index 1 out of range [1-0]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn target_returns_the_pid_of_the_invocation() {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: "probe begin { println(target()) }".into(),
+        };
+        let inv = Invocation {
+            target_pid: Some(1234),
+            ..Invocation::default()
+        };
+        let prog = compile_with(&source, &Limits::default(), &inv).unwrap();
+        assert_eq!(prog.target_pid, 1234);
     }
 
     #[test]

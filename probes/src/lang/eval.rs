@@ -94,6 +94,8 @@ pub struct Interp<'p> {
     pub(crate) depth: usize,
     pub(crate) rng: u64,
     pub(crate) point: String,
+    /// Compiled `=~` patterns.
+    pub(crate) regexes: HashMap<String, regex::Regex>,
 }
 
 impl std::fmt::Debug for Interp<'_> {
@@ -125,6 +127,7 @@ impl<'p> Interp<'p> {
             depth: 0,
             rng: 0x2545_f491_4f6c_dd1d,
             point: String::new(),
+            regexes: HashMap::new(),
         };
         for name in prog.globals.keys() {
             let store = me.initial(name);
@@ -293,6 +296,26 @@ impl<'p> Interp<'p> {
                 } else {
                     let ty = self.local_ty(f, name);
                     f.locals.insert(name.clone(), default_of(ty));
+                }
+            }
+            ExprKind::Index(ix) if ix.keys.iter().any(|k| matches!(k.kind, ExprKind::Wildcard)) => {
+                // `delete a[k, *]`: every entry whose named keys match.
+                let mut pattern = Vec::with_capacity(ix.keys.len());
+                for k in &ix.keys {
+                    pattern.push(match k.kind {
+                        ExprKind::Wildcard => None,
+                        _ => Some(self.eval(k, f, ctx)?),
+                    });
+                }
+                let hit = |keys: &Vec<Value>| {
+                    keys.iter()
+                        .zip(&pattern)
+                        .all(|(k, p)| p.as_ref().is_none_or(|p| p == k))
+                };
+                match self.globals.get_mut(&ix.array.name) {
+                    Some(Store::Array(m)) => m.retain(|k, _| !hit(k)),
+                    Some(Store::StatsArray(m)) => m.retain(|k, _| !hit(k)),
+                    _ => {}
                 }
             }
             ExprKind::Index(ix) => {

@@ -225,7 +225,7 @@ impl Interp<'_> {
             "execname" => self.string(ctx.execname()),
             "probefunc" | "ppfunc" => self.string(ctx.probefunc()),
             "pp" => self.string(self.point.clone()),
-            "target" => Value::Long(0),
+            "target" => Value::Long(self.prog.target_pid),
             "gettimeofday_s" => Value::Long(now().as_secs() as i64),
             "gettimeofday_ms" => Value::Long(now().as_millis() as i64),
             "gettimeofday_us" => Value::Long(now().as_micros() as i64),

@@ -76,6 +76,50 @@ impl Interp<'_> {
                     None => return fail("empty aggregate", e.span),
                 }
             }
+            ExprKind::Variance(target, _) => {
+                let stats = self.stats_of(target, f, ctx)?;
+                match stats.as_ref().and_then(Stats::variance) {
+                    Some(v) => Value::Long(v),
+                    None => return fail("empty aggregate", e.span),
+                }
+            }
+            ExprKind::Entry(x) => match &x.kind {
+                // A kernel context answers a parameter with its value at the entry, also in
+                // a .return probe; anything else would need evaluating at the entry.
+                ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
+                    self.eval(x, f, ctx)?
+                }
+                _ => {
+                    return fail(
+                        "@entry(...) of anything but a parameter is not supported yet: \
+                         it needs the expression evaluated at the function's entry",
+                        e.span,
+                    )
+                }
+            },
+            ExprKind::Defined(x) => Value::Long(i64::from(defined(x, ctx))),
+            ExprKind::Cast(_) => {
+                return fail(
+                    "@cast is not supported at run time yet: reading kernel types needs the \
+                     guest's type information, which the interpreter does not have",
+                    e.span,
+                )
+            }
+            ExprKind::Embedded(_) => return fail("embedded C code cannot run", e.span),
+            ExprKind::Wildcard => return fail("'*' is a key only in delete", e.span),
+            ExprKind::AddressOf(_) => {
+                return fail(
+                    "'&' of a struct member is not supported at run time yet: it needs the \
+                     kernel's type layout, which the interpreter does not have",
+                    e.span,
+                )
+            }
+            ExprKind::RegexMatch(p, negated) => {
+                let text = self.eval(&p.0, f, ctx)?;
+                let pattern = self.eval(&p.1, f, ctx)?;
+                let matched = self.regex_match(text.as_str(), pattern.as_str(), e.span)?;
+                Value::Long(i64::from(matched != *negated))
+            }
             ExprKind::Hist(..) => Value::Long(0),
             ExprKind::Call(c) => self.call(c, e.span, f, ctx)?,
             ExprKind::In(i) => {
@@ -196,6 +240,27 @@ impl Interp<'_> {
             .unwrap_or(self.limits.max_map_entries)
     }
 
+    /// Whether a full array drops its oldest entry (`global a%`).
+    fn wraps(&self, array: &str) -> bool {
+        self.prog.globals.get(array).is_some_and(|g| g.wrap)
+    }
+
+    /// `text =~ pattern`, compiling each pattern once.
+    fn regex_match(&mut self, text: &str, pattern: &str, span: Span) -> EResult<bool> {
+        if !self.regexes.contains_key(pattern) {
+            match regex::Regex::new(pattern) {
+                Ok(re) => {
+                    self.regexes.insert(pattern.to_string(), re);
+                }
+                Err(_) => return fail("invalid regular expression", span),
+            }
+        }
+        Ok(self
+            .regexes
+            .get(pattern)
+            .is_some_and(|re| re.is_match(text)))
+    }
+
     /// Writes a variable or array element.
     fn store(&mut self, e: &Expr, v: Value, f: &mut Frame, ctx: &dyn Context) -> EResult<()> {
         match &e.kind {
@@ -210,9 +275,13 @@ impl Interp<'_> {
             ExprKind::Index(ix) => {
                 let keys = self.keys(&ix.keys, f, ctx)?;
                 let cap = self.capacity(&ix.array.name);
+                let wrap = self.wraps(&ix.array.name);
                 if let Some(Store::Array(m)) = self.globals.get_mut(&ix.array.name) {
                     if !m.contains_key(&keys) && m.len() >= cap {
-                        return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                        if !wrap {
+                            return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                        }
+                        m.shift_remove_index(0);
                     }
                     m.insert(keys, v);
                 }
@@ -240,6 +309,7 @@ impl Interp<'_> {
             ExprKind::Index(ix) => {
                 let keys = self.keys(&ix.keys, f, ctx)?;
                 let cap = self.capacity(&ix.array.name);
+                let wrap = self.wraps(&ix.array.name);
                 let layout = self
                     .prog
                     .globals
@@ -251,7 +321,10 @@ impl Interp<'_> {
                         op(s);
                     } else if create {
                         if m.len() >= cap {
-                            return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                            if !wrap {
+                                return fail("array overflow, check MAXMAPENTRIES", ix.array.span);
+                            }
+                            m.shift_remove_index(0);
                         }
                         let mut s = Stats::new(layout);
                         op(&mut s);
@@ -310,5 +383,31 @@ impl Interp<'_> {
     /// `error()` and friends: raise a script error.
     pub(crate) fn raise<T>(&self, message: String, span: Span) -> EResult<T> {
         Err(Stop::Error(super::eval::ScriptError { message, span }))
+    }
+}
+
+/// Whether every target variable in `e` resolves in `ctx` (`@defined`). A `@cast` never
+/// does: the interpreter has no kernel types.
+fn defined(e: &Expr, ctx: &dyn Context) -> bool {
+    match &e.kind {
+        ExprKind::Target(t) => ctx.target(&t.path()).is_some(),
+        ExprKind::Cast(_) | ExprKind::Embedded(_) => false,
+        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Wildcard => true,
+        ExprKind::Unary(_, x)
+        | ExprKind::Stat(_, x)
+        | ExprKind::Hist(_, x)
+        | ExprKind::Entry(x)
+        | ExprKind::Defined(x)
+        | ExprKind::Variance(x, _) => defined(x, ctx),
+        ExprKind::AddressOf(x) => defined(x, ctx),
+        ExprKind::Binary(_, p)
+        | ExprKind::Assign(_, p)
+        | ExprKind::Aggregate(p)
+        | ExprKind::RegexMatch(p, _) => defined(&p.0, ctx) && defined(&p.1, ctx),
+        ExprKind::Ternary(p) => defined(&p.0, ctx) && defined(&p.1, ctx) && defined(&p.2, ctx),
+        ExprKind::IncDec(i) => defined(&i.target, ctx),
+        ExprKind::Index(ix) => ix.keys.iter().all(|k| defined(k, ctx)),
+        ExprKind::Call(c) => c.args.iter().all(|a| defined(a, ctx)),
+        ExprKind::In(i) => i.keys.iter().all(|k| defined(k, ctx)),
     }
 }

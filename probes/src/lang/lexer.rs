@@ -7,9 +7,11 @@ use super::ast::Span;
 pub enum Tok {
     /// Identifier or keyword (`probe`, `if`, ...): the parser decides.
     Ident(String),
-    /// `$name` or `$$name`.
+    /// `$name` or `$$name`; also `$1`, `$2`, ... and `$#` (script arguments, replaced by the
+    /// [preprocessor](super::preprocess)).
     Target(String),
-    /// `@name` (`@count`, `@hist_log`, ...).
+    /// `@name` (`@count`, `@hist_log`, ...); also `@1`, ... and `@#` (script arguments as strings)
+    /// and macro invocations.
     At(String),
     /// Integer literal.
     Num(i64),
@@ -116,10 +118,10 @@ impl LexError {
 
 /// Operators, longest first so that the first prefix match is the longest one.
 const OPERATORS: &[&str] = &[
-    "<<<", "<<=", ">>=", "%(", "%?", "%:", "%)", "<<", ">>", "<=", ">=", "==", "!=", "&&", "||",
-    "++", "--", "+=", "-=", "*=", "/=", "%=", "&=", "|=", "^=", ".=", "->", "+", "-", "*", "/",
-    "%", "<", ">", "=", "!", "~", "&", "|", "^", ".", ",", ";", ":", "?", "(", ")", "{", "}", "[",
-    "]",
+    "<<<", "<<=", ">>=", "%(", "%?", "%:", "%)", "<<", ">>", "<=", ">=", "==", "!=", "=~", "!~",
+    "&&", "||", "++", "--", "+=", "-=", "*=", "/=", "%=", "&=", "|=", "^=", ".=", "->", "+", "-",
+    "*", "/", "%", "<", ">", "=", "!", "~", "&", "|", "^", ".", ",", ";", ":", "?", "(", ")", "{",
+    "}", "[", "]",
 ];
 
 /// Splits `src` into tokens, ending with [`Tok::Eof`].
@@ -180,8 +182,23 @@ pub fn tokenize(src: &str) -> Result<Vec<Token>, LexError> {
             if c == b'$' && bytes.get(j) == Some(&b'$') {
                 j += 1;
             }
-            let end = scan_word(bytes, j);
-            if end == j {
+            // `$#` and `@#`: the number of script arguments (the preprocessor replaces them).
+            let mut end = if bytes.get(j) == Some(&b'#') && j == i + 1 {
+                j + 1
+            } else {
+                scan_word(bytes, j)
+            };
+            // `$var$`, `$$parms$$`: the pretty-printing suffix is part of the name.
+            if c == b'$' && end > j && bytes.get(end) == Some(&b'$') {
+                end += 1;
+                if bytes.get(end) == Some(&b'$') {
+                    end += 1;
+                }
+            }
+            // `->member$` and `->member$$` after a word: a pretty-printing suffix of its own.
+            let after_word =
+                i > 0 && (bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
+            if end == j && !(c == b'$' && after_word) {
                 return Err(LexError::UnexpectedChar {
                     ch: char::from(c),
                     span: Span::new(i, j),
@@ -247,16 +264,12 @@ fn scan_number(src: &str, start: usize) -> Result<(i64, usize), LexError> {
     if digits.is_empty() || !digits.chars().all(|d| d.is_digit(radix)) {
         return Err(LexError::BadNumber { span });
     }
-    // Hex and octal literals may use all 64 bits (0xffffffffffffffff is -1); decimal ones
-    // must fit in a signed long, except 9223372036854775808, which only makes sense negated
-    // (`-9223372036854775808` is the smallest long).
+    // Every literal may use all 64 bits and wraps past a signed long, as in SystemTap
+    // (0xffffffffffffffff and 18446744073709551615 are -1); past 64 bits is an error.
     let value = if radix == 10 {
         let v: u64 = digits
             .parse()
             .map_err(|_| LexError::NumberTooLarge { span })?;
-        if v > 1 << 63 {
-            return Err(LexError::NumberTooLarge { span });
-        }
         v as i64
     } else {
         let v =
@@ -345,11 +358,47 @@ mod tests {
     }
 
     #[test]
-    fn decimal_overflow_is_an_error() {
+    fn decimal_above_a_long_wraps_as_in_systemtap() {
+        assert_eq!(kinds("18446744073709551615"), vec![Tok::Num(-1), Tok::Eof]);
+    }
+
+    #[test]
+    fn decimal_past_64_bits_is_an_error() {
         assert!(matches!(
-            tokenize("9223372036854775809"),
+            tokenize("18446744073709551616"),
             Err(LexError::NumberTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn pretty_printing_suffixes_stay_with_their_names() {
+        assert_eq!(
+            kinds("$$parms$$ $x$ a->b$$"),
+            vec![
+                Tok::Target("$$parms$$".into()),
+                Tok::Target("$x$".into()),
+                Tok::Ident("a".into()),
+                Tok::Op("->"),
+                Tok::Ident("b".into()),
+                Tok::Target("$$".into()),
+                Tok::Eof
+            ]
+        );
+    }
+
+    #[test]
+    fn regex_match_operators_are_tokens() {
+        assert_eq!(
+            kinds("a =~ b !~ c"),
+            vec![
+                Tok::Ident("a".into()),
+                Tok::Op("=~"),
+                Tok::Ident("b".into()),
+                Tok::Op("!~"),
+                Tok::Ident("c".into()),
+                Tok::Eof
+            ]
+        );
     }
 
     #[test]
@@ -379,6 +428,27 @@ mod tests {
                 Tok::Eof
             ]
         );
+    }
+
+    #[test]
+    fn argument_count_sigils_are_tokens() {
+        assert_eq!(
+            kinds("$# @# $1"),
+            vec![
+                Tok::Target("$#".into()),
+                Tok::At("@#".into()),
+                Tok::Target("$1".into()),
+                Tok::Eof
+            ]
+        );
+    }
+
+    #[test]
+    fn lone_dollar_is_an_error() {
+        assert!(matches!(
+            tokenize("$ x"),
+            Err(LexError::UnexpectedChar { ch: '$', .. })
+        ));
     }
 
     #[test]

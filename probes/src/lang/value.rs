@@ -118,6 +118,12 @@ pub struct Stats {
     pub log: Vec<u64>,
     /// Linear histogram and its layout, when the script prints `@hist_linear` of it.
     pub linear: Option<(HistKind, Vec<u64>)>,
+    /// Bits of fixed-point precision of the variance (`@variance(s, shift)`).
+    pub variance_shift: u32,
+    /// Running average, shifted left by `variance_shift` (Welford's algorithm).
+    pub avg_s: i64,
+    /// Running sum of squared differences from the average, shifted twice.
+    pub m2: i64,
 }
 
 /// Which histograms an aggregate keeps.
@@ -127,6 +133,8 @@ pub struct HistLayout {
     pub log: bool,
     /// Keep this linear histogram.
     pub linear: Option<HistKind>,
+    /// `@variance(s, shift)` is used, with this bit shift.
+    pub variance_shift: Option<u32>,
 }
 
 impl Stats {
@@ -148,21 +156,33 @@ impl Stats {
         Stats {
             log,
             linear,
+            variance_shift: layout.variance_shift.unwrap_or(0),
             ..Stats::default()
         }
     }
 
     /// Adds one value.
     pub fn add(&mut self, v: i64) {
+        let scaled = v.wrapping_shl(self.variance_shift);
         if self.count == 0 {
             self.min = v;
             self.max = v;
+            self.avg_s = scaled;
+            self.m2 = 0;
         } else {
             self.min = self.min.min(v);
             self.max = self.max.max(v);
         }
         self.count = self.count.wrapping_add(1);
         self.sum = self.sum.wrapping_add(v);
+        if self.count > 1 {
+            // SystemTap's integer Welford step, wrapping where its C arithmetic would.
+            let delta = scaled.wrapping_sub(self.avg_s);
+            self.avg_s = self.avg_s.wrapping_add(delta.wrapping_div(self.count));
+            self.m2 = self
+                .m2
+                .wrapping_add(delta.wrapping_mul(scaled.wrapping_sub(self.avg_s)));
+        }
         if let Some(slot) = self.log.get_mut(log_bucket(v)) {
             *slot += 1;
         }
@@ -185,6 +205,25 @@ impl Stats {
         }
     }
 
+    /// The integer variance as SystemTap's `@variance` gives it (0 for one value), or None
+    /// when empty: the running sums corrected to the exact average of all values, divided by
+    /// count - 1, then scaled back by the bit shift.
+    pub fn variance(&self) -> Option<i64> {
+        if self.count == 0 {
+            return None;
+        }
+        if self.count < 2 {
+            return Some(0);
+        }
+        let shift = self.variance_shift;
+        let avg = self.sum.wrapping_shl(shift).wrapping_div(self.count);
+        let d = self.avg_s.wrapping_sub(avg);
+        let m2 = self
+            .m2
+            .wrapping_add(self.count.wrapping_mul(d.wrapping_mul(d)));
+        Some(m2.wrapping_div(self.count - 1) >> (2 * shift).min(63))
+    }
+
     /// The integer average, or None when empty.
     pub fn avg(&self) -> Option<i64> {
         if self.count == 0 {
@@ -198,6 +237,27 @@ impl Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn stats_of(values: impl IntoIterator<Item = i64>, shift: u32) -> Stats {
+        let mut s = Stats::new(HistLayout {
+            variance_shift: Some(shift),
+            ..HistLayout::default()
+        });
+        values.into_iter().for_each(|v| s.add(v));
+        s
+    }
+
+    #[test]
+    fn variance_matches_systemtaps_manual_example() {
+        assert_eq!(stats_of(1..=5, 0).variance(), Some(12));
+        assert_eq!(stats_of(1..=5, 1).variance(), Some(2));
+    }
+
+    #[test]
+    fn variance_of_one_value_is_zero_and_of_none_is_absent() {
+        assert_eq!(stats_of([7], 0).variance(), Some(0));
+        assert_eq!(stats_of([], 0).variance(), None);
+    }
 
     #[test]
     fn log_bucket_of_one_is_sixty_five() {
@@ -246,6 +306,7 @@ mod tests {
                 stop: 10,
                 interval: 5,
             }),
+            variance_shift: None,
         };
         let mut s = Stats::new(layout);
         s.add(1000);

@@ -78,6 +78,19 @@ impl Parser {
                 Tok::Op(o) => *o,
                 _ => break,
             };
+            if (op == "=~" || op == "!~") && min_prec <= REGEX_PREC {
+                self.bump();
+                self.enter()?;
+                let rhs = self.binary(REGEX_PREC + 1);
+                self.leave();
+                let rhs = rhs?;
+                let span = lhs.span.to(rhs.span);
+                lhs = Expr {
+                    kind: ExprKind::RegexMatch(Box::new((lhs, rhs)), op == "!~"),
+                    span,
+                };
+                continue;
+            }
             let Some(&(_, bin, prec)) = BINARY.iter().find(|(t, _, _)| *t == op) else {
                 break;
             };
@@ -126,6 +139,32 @@ impl Parser {
             let span = t.span.to(inner.span);
             return Ok(Expr {
                 kind: ExprKind::Unary(op, Box::new(inner)),
+                span,
+            });
+        }
+        if t.tok == Tok::Op("&") {
+            self.bump();
+            self.enter()?;
+            let inner = self.unary();
+            self.leave();
+            let inner = inner?;
+            let member = match &inner.kind {
+                ExprKind::Target(v) => !v.name.starts_with("$$"),
+                ExprKind::Cast(c) => !c.members.is_empty(),
+                _ => false,
+            };
+            if !member {
+                return Err(ParseError::Unexpected {
+                    expected: "a target variable or struct member after '&' ($var, $p->member \
+                               or @cast(...)->member)"
+                        .into(),
+                    found: "something else".into(),
+                    span: inner.span,
+                });
+            }
+            let span = t.span.to(inner.span);
+            return Ok(Expr {
+                kind: ExprKind::AddressOf(Box::new(inner)),
                 span,
             });
         }
@@ -211,13 +250,18 @@ impl Parser {
             }
             Tok::Target(name) => {
                 self.bump();
-                let mut members = Vec::new();
-                while self.eat_op("->") {
-                    members.push(self.ident("a struct member name")?.name);
-                }
+                let members = self.member_chain()?;
                 ExprKind::Target(TargetVar { name, members })
             }
             Tok::At(name) => return self.at_expr(&name),
+            Tok::Embedded(code) => {
+                self.bump();
+                ExprKind::Embedded(code)
+            }
+            Tok::Op("*") if self.wildcard_keys => {
+                self.bump();
+                ExprKind::Wildcard
+            }
             Tok::Ident(ref s) if !KEYWORDS.contains(&s.as_str()) => {
                 let name = self.ident("a name")?;
                 if self.eat_op("(") {
@@ -293,11 +337,76 @@ impl Parser {
                     Box::new(target),
                 )
             }
-            "define" => return self.unsupported("'@define' macros"),
+            "entry" => ExprKind::Entry(Box::new(self.one_argument()?)),
+            "defined" => ExprKind::Defined(Box::new(self.one_argument()?)),
+            "choose_defined" => {
+                self.expect_op("(")?;
+                let first = self.expr()?;
+                self.expect_op(",")?;
+                let second = self.expr()?;
+                self.expect_op(")")?;
+                let test = Expr {
+                    kind: ExprKind::Defined(Box::new(first.clone())),
+                    span: first.span,
+                };
+                ExprKind::Ternary(Box::new((test, first, second)))
+            }
+            "variance" => {
+                self.expect_op("(")?;
+                let target = self.expr()?;
+                let mut shift = 0;
+                if self.eat_op(",") {
+                    shift = match self.literal()? {
+                        (Literal::Num(n @ 0..=62), _) => n as u32,
+                        (_, span) => {
+                            return Err(ParseError::Unexpected {
+                                expected: "a bit shift from 0 to 62".into(),
+                                found: "something else".into(),
+                                span,
+                            })
+                        }
+                    };
+                }
+                self.expect_op(")")?;
+                ExprKind::Variance(Box::new(target), shift)
+            }
+            "cast" => {
+                self.expect_op("(")?;
+                let pointer = self.expr()?;
+                self.expect_op(",")?;
+                let type_name = self.string_literal("the type name as a string")?;
+                let module = if self.eat_op(",") {
+                    Some(self.string_literal("the module as a string")?)
+                } else {
+                    None
+                };
+                self.expect_op(")")?;
+                let members = self.member_chain()?;
+                ExprKind::Cast(Box::new(CastExpr {
+                    pointer,
+                    type_name,
+                    module,
+                    members,
+                }))
+            }
+            "var" => {
+                self.expect_op("(")?;
+                let spec = self.string_literal("the variable as a string, e.g. \"name@file.c\"")?;
+                if self.eat_op(",") {
+                    self.string_literal("the module as a string")?;
+                }
+                self.expect_op(")")?;
+                let name = if spec.contains('@') {
+                    format!("@var(\"{}\")", spec.escape_default())
+                } else {
+                    format!("${spec}")
+                };
+                let members = self.member_chain()?;
+                ExprKind::Target(TargetVar { name, members })
+            }
             _ => {
-                return Err(ParseError::Unexpected {
-                    expected: "@count, @sum, @min, @max, @avg, @hist_log or @hist_linear".into(),
-                    found: format!("'{name}'"),
+                return Err(ParseError::UnknownAt {
+                    name: name.to_string(),
                     span: start,
                 })
             }
@@ -306,5 +415,73 @@ impl Parser {
             kind,
             span: start.to(self.prev_end()),
         })
+    }
+
+    /// `->a->b[2]->c$` after a target variable or `@cast(...)`: member names (keywords
+    /// included: `->function`), with a constant array index (`[2]`) or a pretty-printing
+    /// suffix (`$`, `$$`) kept in the member's text. An index before any member is a
+    /// member of its own (`@cast(p, "long")[1]`).
+    fn member_chain(&mut self) -> PResult<Vec<String>> {
+        let mut members: Vec<String> = Vec::new();
+        loop {
+            if self.is_op("[") {
+                let index = self.constant_index()?;
+                match members.last_mut() {
+                    Some(last) => last.push_str(&index),
+                    None => members.push(index),
+                }
+                continue;
+            }
+            if !self.eat_op("->") {
+                return Ok(members);
+            }
+            let mut name = match &self.peek().tok {
+                Tok::Ident(s) => s.clone(),
+                _ => return self.unexpected("a struct member name"),
+            };
+            let end = self.bump().span;
+            if let Tok::Target(suffix) = &self.peek().tok {
+                if (suffix == "$" || suffix == "$$") && self.peek().span.start == end.end {
+                    name.push_str(suffix);
+                    self.bump();
+                }
+            }
+            members.push(name);
+        }
+    }
+
+    /// `[N]` in a member chain.
+    fn constant_index(&mut self) -> PResult<String> {
+        self.expect_op("[")?;
+        let n = match self.literal()? {
+            (Literal::Num(n), _) => n,
+            (_, span) => {
+                return Err(ParseError::Unexpected {
+                    expected: "a constant array index".into(),
+                    found: "a string".into(),
+                    span,
+                })
+            }
+        };
+        self.expect_op("]")?;
+        Ok(format!("[{n}]"))
+    }
+
+    /// `( expr )` after an `@` operator.
+    fn one_argument(&mut self) -> PResult<Expr> {
+        self.expect_op("(")?;
+        let e = self.expr()?;
+        self.expect_op(")")?;
+        Ok(e)
+    }
+
+    fn string_literal(&mut self, what: &str) -> PResult<String> {
+        match self.peek().tok.clone() {
+            Tok::Str(s) => {
+                self.bump();
+                Ok(s)
+            }
+            _ => self.unexpected(what),
+        }
     }
 }

@@ -73,7 +73,10 @@ impl Parser {
                 }
                 "delete" => {
                     self.bump();
-                    StmtKind::Delete(self.expr()?)
+                    self.wildcard_keys = true;
+                    let e = self.expr();
+                    self.wildcard_keys = false;
+                    StmtKind::Delete(e?)
                 }
                 "try" => {
                     self.bump();
@@ -97,7 +100,7 @@ impl Parser {
                 }
                 _ => StmtKind::Expr(self.expr()?),
             },
-            Tok::Embedded(_) => return self.unsupported("embedded C code"),
+            // Embedded C as a statement is an expression statement the checker refuses.
             _ => StmtKind::Expr(self.expr()?),
         };
         self.eat_op(";");

@@ -1,0 +1,102 @@
+//! The command line as stap users type it: `exotap FILE.stp ARGS...` without the `run`
+//! subcommand, stap's `-p N`, `-g`, `-D NAME=VALUE`, `-o FILE` and `-x PID`, and the script's
+//! arguments reaching `$1`, `@1`, `argc` and `argv`. Guest-free scripts only: no guest needed.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)] // test helpers outside #[test] fns
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{exotap, run};
+
+/// Writes `text` to a script file in a fresh directory (kept alive by the returned guard).
+fn script(text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("t.stp");
+    std::fs::write(&path, text).expect("write script");
+    (dir, path)
+}
+
+#[test]
+fn a_file_with_arguments_runs_without_the_run_subcommand() {
+    let (_dir, path) =
+        script("probe begin { printf(\"%d %s %d %s\\n\", $1 * 2, @2, argc, argv[2]) }");
+    let (code, out, err) = run(exotap().arg(&path).args(["21", "two"]));
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "42 two 2 two\n"),
+        "stderr:\n{err}"
+    );
+}
+
+#[test]
+fn the_run_subcommand_takes_arguments_too() {
+    let (_dir, path) = script("probe begin { println(@1) }");
+    let (code, out, err) = run(exotap().arg("run").arg(&path).arg("hello"));
+    assert_eq!((code, out.as_str()), (0, "hello\n"), "stderr:\n{err}");
+}
+
+#[test]
+fn dash_e_takes_every_word_as_an_argument() {
+    let (code, out, err) = run(exotap().args(["-e", "probe begin { println($1 + $2) }", "1", "2"]));
+    assert_eq!((code, out.as_str()), (0, "3\n"), "stderr:\n{err}");
+}
+
+#[test]
+fn a_missing_argument_fails_pass_one_as_stap_says() {
+    let (_dir, path) = script("probe begin { println($1) }");
+    let (code, _, err) = run(exotap().args(["-p", "1"]).arg(&path));
+    assert_eq!(code, 1, "stderr:\n{err}");
+    assert!(
+        err.contains("command line argument index 1 out of range [1-0]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn target_pid_and_guru_mode_reach_the_script() {
+    let (_dir, path) =
+        script("probe begin { println(target(), %( guru_mode == 1 %? \" guru\" %: \" user\" %)) }");
+    let (code, out, err) = run(exotap().args(["-g", "-x", "4321"]).arg(&path));
+    assert_eq!((code, out.as_str()), (0, "4321 guru\n"), "stderr:\n{err}");
+}
+
+#[test]
+fn output_goes_to_the_dash_o_file() {
+    let (dir, path) = script("probe begin { println(\"to the file\") }");
+    let out_file = dir.path().join("out.txt");
+    let (code, out, err) = run(exotap().arg("-o").arg(&out_file).arg(&path));
+    let written = std::fs::read_to_string(&out_file).unwrap_or_default();
+    assert_eq!(
+        (code, out.as_str(), written.as_str()),
+        (0, "", "to the file\n"),
+        "stderr:\n{err}"
+    );
+}
+
+#[test]
+fn an_unknown_define_only_warns_and_a_limit_applies() {
+    let (_dir, path) = script("probe begin { for (i = 0; i < 100; i++) n++ }");
+    let (code, _, err) = run(exotap()
+        .args(["-D", "STP_NO_OVERLOAD=1", "-D", "MAXACTION=10"])
+        .arg(&path));
+    assert_eq!(code, 1, "MAXACTION=10 must stop the loop; stderr:\n{err}");
+    assert!(err.contains("STP_NO_OVERLOAD has no effect"), "{err}");
+    assert!(err.contains("MAXACTION"), "{err}");
+}
+
+#[test]
+fn a_malformed_limit_is_refused() {
+    let (_dir, path) = script("probe begin { }");
+    let (code, _, err) = run(exotap().args(["-D", "MAXACTION=lots"]).arg(&path));
+    assert_eq!(code, 125, "stderr:\n{err}");
+    assert!(err.contains("bad -D MAXACTION=lots"), "{err}");
+}
+
+#[test]
+fn subcommands_still_win_over_a_script_file_name() {
+    let (code, out, err) = run(exotap().arg("host"));
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(!out.is_empty());
+}
