@@ -536,6 +536,14 @@ impl Gen<'_, '_> {
                 Err(self.no("reading an aggregate (@count, @hist_log, ...) in a kernel probe"))
             }
             ExprKind::Call(c) => self.call(c),
+            ExprKind::Entry(_) => Err(self.no("@entry in a kernel probe")),
+            ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
+            ExprKind::Cast(_) => Err(self.no("@cast in a kernel probe")),
+            ExprKind::Variance(..) => Err(self.no("@variance in a kernel probe")),
+            ExprKind::Embedded(_) => Err(self.no("embedded C")),
+            ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
+            ExprKind::RegexMatch(..) => Err(self.no("=~ in a kernel probe")),
+            ExprKind::Wildcard => Err(self.no("a * key in a kernel probe")),
             ExprKind::In(i) => {
                 self.array(&i.array.name)?;
                 self.lookup(&i.array.name, &i.keys, false)?;

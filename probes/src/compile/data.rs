@@ -357,6 +357,11 @@ fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
     Ok(match g.value {
         Ty::Long => ValueKind::Long,
         Ty::Str => ValueKind::Str,
+        Ty::Stats if g.hist.variance_shift.is_some() => {
+            return Err(format!(
+                "@variance of {name} (the guest keeps count, sum, min, max and buckets only)"
+            ))
+        }
         Ty::Stats => ValueKind::Stats(StatsLayout {
             log: g.hist.log,
             linear: match g.hist.linear {
@@ -404,6 +409,12 @@ impl DataLayout {
                 }
             };
             let table = match g.shape {
+                Shape::Array if g.wrap => {
+                    refused.push(refuse(format!(
+                        "the wrapping array {name}% (compiled arrays stop at their size)"
+                    )));
+                    continue;
+                }
                 Shape::Array => {
                     if g.keys.len() > MAX_KEYS || g.keys.is_empty() {
                         refused.push(refuse(format!(
@@ -577,6 +588,9 @@ fn bytes_at(data: &[u8], at: u64, len: usize) -> &[u8] {
 fn decode_stats(data: &[u8], at: u64, layout: StatsLayout) -> Stats {
     let count = word(data, at) as i64;
     let mut s = Stats {
+        variance_shift: 0,
+        avg_s: 0,
+        m2: 0,
         count,
         sum: word(data, at + 8) as i64,
         min: if count == 0 {
