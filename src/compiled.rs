@@ -263,14 +263,20 @@ impl Guest {
         let record = usize::try_from(rings.record)?;
         let mut records = Vec::new();
         for cpu in 0..rings.cpus {
-            let head = self.splicer.read_heap(&mut self.machine, rings.ring(cpu), 8)?;
+            let head = self
+                .splicer
+                .read_heap(&mut self.machine, rings.ring(cpu), 8)?;
             let head = u64::from_le_bytes(head.try_into().unwrap_or_default());
             let (from, lost) = window(head, self.taken[cpu as usize], rings.slots);
             self.lost += lost;
             let mut bytes = Vec::new();
             for (slot, n) in spans(from, head, rings.slots) {
                 let len = usize::try_from(n * rings.record)?;
-                bytes.extend(self.splicer.read_heap(&mut self.machine, rings.slot(cpu, slot), len)?);
+                bytes.extend(self.splicer.read_heap(
+                    &mut self.machine,
+                    rings.slot(cpu, slot),
+                    len,
+                )?);
             }
             let (finished, consumed) = take(&bytes, record, last);
             for rec in finished {
@@ -283,7 +289,8 @@ impl Guest {
             if !last {
                 for (slot, n) in spans(from, from + consumed, rings.slots) {
                     let zeros = vec![0u8; usize::try_from(n * rings.record)?];
-                    self.splicer.write_heap(&mut self.machine, rings.slot(cpu, slot), &zeros)?;
+                    self.splicer
+                        .write_heap(&mut self.machine, rings.slot(cpu, slot), &zeros)?;
                 }
             }
             self.taken[cpu as usize] = from + consumed;

@@ -45,11 +45,11 @@ use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::x86::{
     ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
+use exotap_probes::rings::RingSet;
 use exotap_probes::splice::{
     generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
     TrapReason,
 };
-use exotap_probes::rings::RingSet;
 use exotap_vmm::control::{Machine, StopEvent};
 use exotap_vmm::gdb::GdbMachine;
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
@@ -709,7 +709,6 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
     iced_x86::MemoryOperand::with_base_displ(Register::RIP, addr as i64)
 }
 
-
 /// Per-vCPU ring buffers of entry/exit records (`exotap trace`).
 ///
 /// Each vCPU's ring is a 64-byte header (the `u64` head: records ever reserved, with
@@ -945,8 +944,10 @@ pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
     let records = chunks
         .into_iter()
         .map(|chunk| {
-            let word = |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
-            let half = |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
+            let word =
+                |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
+            let half =
+                |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
             TraceRecord {
                 tsc: word(0),
                 value: word(8),

@@ -10,7 +10,9 @@
 //! drains overwrites the oldest ones: [`window`] counts them as lost. Everything read back is
 //! guest data: a head below what was taken, or past it by more than a ring, never panics.
 
-use iced_x86::code_asm::{eax, edx, qword_ptr, rax, rcx, rdx, AsmRegister64, CodeAssembler, CodeLabel};
+use iced_x86::code_asm::{
+    eax, edx, qword_ptr, rax, rcx, rdx, AsmRegister64, CodeAssembler, CodeLabel,
+};
 use iced_x86::{Code, IcedError, Instruction, MemoryOperand, Register};
 
 /// Bytes of a ring's header.
@@ -151,7 +153,11 @@ mod tests {
     fn window_takes_from_the_last_drain_or_counts_what_a_burst_overwrote() {
         assert_eq!(window(10, 4, 8), (4, 0));
         assert_eq!(window(20, 4, 8), (12, 8));
-        assert_eq!(window(3, 9, 8), (3, 0), "a head below what was taken is trusted");
+        assert_eq!(
+            window(3, 9, 8),
+            (3, 0),
+            "a head below what was taken is trusted"
+        );
     }
 
     #[test]
@@ -184,6 +190,9 @@ mod tests {
         };
 
         assert_eq!((set.ring_bytes(), set.bytes()), (64 + 128, 2 * 192));
-        assert_eq!((set.ring(1), set.slot(1, 2)), (0x1000 + 192, 0x1000 + 192 + 64 + 64));
+        assert_eq!(
+            (set.ring(1), set.slot(1, 2)),
+            (0x1000 + 192, 0x1000 + 192 + 64 + 64)
+        );
     }
 }

@@ -267,7 +267,9 @@ fn without_variance(store: Store) -> Store {
     };
     match store {
         Store::Stats(s) => Store::Stats(clear(s)),
-        Store::StatsArray(m) => Store::StatsArray(m.into_iter().map(|(k, v)| (k, clear(v))).collect()),
+        Store::StatsArray(m) => {
+            Store::StatsArray(m.into_iter().map(|(k, v)| (k, clear(v))).collect())
+        }
         other => other,
     }
 }
@@ -452,14 +454,23 @@ fn a_faulting_kernel_read_is_a_probe_error_and_a_good_one_reads() {
 fn an_array_past_its_size_overflows_with_a_probe_error_as_in_the_interpreter() {
     let script = r#"global a[4]; probe kernel.function("f") { a[$a]++; if ($a % 2) delete a[$a] }"#;
     let hits: Vec<Hit> = (0..100)
-        .map(|a| Hit { comm: "t", pid: 1, tgid: 1, a, b: 0 })
+        .map(|a| Hit {
+            comm: "t",
+            pid: 1,
+            tgid: 1,
+            a,
+            b: 0,
+        })
         .collect();
 
     let (header, interpreter_errors) = differential_with(script, &hits);
 
     // Odd keys go at once, 0, 2, 4 and 6 stay: a[7] is the first insert into a full array.
     assert_eq!(interpreter_errors, 93);
-    assert_eq!((header.overflow, header.errors, header.dropped), (93, 93, 0));
+    assert_eq!(
+        (header.overflow, header.errors, header.dropped),
+        (93, 93, 0)
+    );
 }
 
 /// Every case of the language's run corpus (probes/tests/corpus/run) with one `begin` probe,
@@ -508,7 +519,13 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
         if !compile::check(&prog, &limits, &facts(), &[point]).is_empty() {
             continue;
         }
-        let hit = Hit { comm: "corpus", pid: 7, tgid: 7, a: 3, b: -5 };
+        let hit = Hit {
+            comm: "corpus",
+            pid: 7,
+            tgid: 7,
+            a: 3,
+            b: -5,
+        };
         let (header, failed) = differential_with(&script, &[hit]);
         assert_eq!(header.errors, failed, "{}: probe errors", case.display());
         compiled.push(case.file_name().unwrap().to_string_lossy().into_owned());
@@ -520,5 +537,9 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
         compiled.len(),
         compiled.join(" ")
     );
-    assert!(compiled.len() >= 10, "only {} corpus cases compiled", compiled.len());
+    assert!(
+        compiled.len() >= 10,
+        "only {} corpus cases compiled",
+        compiled.len()
+    );
 }

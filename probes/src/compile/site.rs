@@ -16,8 +16,8 @@ use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
 use super::codegen::{emit_body, Env, SAVED, SAVED_BYTES};
 use super::data::{
-    field, DataLayout, Interner, ValueKind, ENTRY_KEYS, KEY, MAX_PROBES, TABLE_COUNT,
-    TABLE_HEADER, TABLE_SEQUENCE,
+    field, DataLayout, Interner, ValueKind, ENTRY_KEYS, KEY, MAX_PROBES, TABLE_COUNT, TABLE_HEADER,
+    TABLE_SEQUENCE,
 };
 use super::{SitePoint, Unsupported};
 
