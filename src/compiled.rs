@@ -27,9 +27,8 @@ use exotap_probes::compile::{
 use exotap_probes::lang::check::Program;
 use exotap_probes::lang::kernel_points::KernelSymbols;
 use exotap_probes::lang::output::Output;
-use exotap_probes::lang::point::PointKind;
 use exotap_probes::lang::resolve::resolve_program;
-use exotap_probes::lang::runtime::Session;
+use exotap_probes::lang::runtime::{host_context, host_timers, Session};
 use exotap_probes::lang::Limits;
 use exotap_vmm::control::{Machine, StopEvent};
 use exotap_vmm::gdb::GdbMachine;
@@ -587,20 +586,8 @@ fn run(
     // The guest's own kprobe counters, read at the same stops as the install and the removal.
     let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.machine));
     let _ = ready.send(Ok(()));
-    let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
-    let start = Instant::now();
-    for (i, p) in prog.probes.iter().enumerate() {
-        for (pt, kind) in &p.points {
-            if let PointKind::Timer { period_ns } = kind {
-                let period = Duration::from_nanos(*period_ns);
-                timers.push((i, pt.to_string(), period, start + period));
-            }
-        }
-    }
-    let host = exotap_probes::lang::context::CapturedContext {
-        execname: "exotap".into(),
-        ..Default::default()
-    };
+    let mut timers = host_timers(&prog, Instant::now());
+    let host = host_context();
     let mut gone = false;
     let mut header = Header::default();
     let mut lost = 0;

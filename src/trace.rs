@@ -44,7 +44,7 @@ use exotap_probes::lang::kernel_points::KernelSymbols;
 use exotap_probes::lang::output::{Format, Output};
 use exotap_probes::lang::point::PointKind;
 use exotap_probes::lang::resolve::resolve_program;
-use exotap_probes::lang::runtime::Session;
+use exotap_probes::lang::runtime::{host_context, host_timers, Session};
 use exotap_probes::lang::value::Value;
 use exotap_probes::lang::Limits;
 use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
@@ -606,20 +606,8 @@ impl Tracer {
         let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
         let mut session = Session::new(&prog, limits, output, &source.name, &source.text);
         session.begin();
-        let start = Instant::now();
-        let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
-        for (i, p) in prog.probes.iter().enumerate() {
-            for (pt, kind) in &p.points {
-                if let PointKind::Timer { period_ns } = kind {
-                    let period = Duration::from_nanos(*period_ns);
-                    timers.push((i, pt.to_string(), period, start + period));
-                }
-            }
-        }
-        let host = exotap_probes::lang::context::CapturedContext {
-            execname: "exotap".into(),
-            ..Default::default()
-        };
+        let mut timers = host_timers(&prog, Instant::now());
+        let host = host_context();
         let mut hits = 0u64;
         let mut gone = false;
         if let Err(e) = self.machine.resume() {

@@ -347,7 +347,22 @@ fn stats_json(s: &Stats) -> Json {
 
 /// The context of probes that fire on the host (`begin`, `end`, `error`, timers): the exotap
 /// process itself, as SystemTap's run in its own user-space driver.
-fn host_context() -> CapturedContext {
+/// The timer probes of `prog` as (probe, point, period, first firing), counted from `start`.
+pub fn host_timers(prog: &Program, start: Instant) -> Vec<(usize, String, Duration, Instant)> {
+    let mut timers = Vec::new();
+    for (i, p) in prog.probes.iter().enumerate() {
+        for (pt, kind) in &p.points {
+            if let PointKind::Timer { period_ns } = kind {
+                let period = Duration::from_nanos(*period_ns);
+                timers.push((i, pt.to_string(), period, start + period));
+            }
+        }
+    }
+    timers
+}
+
+/// The context host-run probes (begin, end, timers) see.
+pub fn host_context() -> CapturedContext {
     let pid = i64::from(std::process::id());
     CapturedContext {
         pid,
@@ -384,16 +399,7 @@ pub fn run_guest_free(
     }
     let mut session = Session::new(prog, limits, out, file, source);
     session.begin();
-    let mut timers: Vec<(usize, String, Duration, Instant)> = Vec::new();
-    let start = Instant::now();
-    for (i, p) in prog.probes.iter().enumerate() {
-        for (pt, kind) in &p.points {
-            if let PointKind::Timer { period_ns } = kind {
-                let period = Duration::from_nanos(*period_ns);
-                timers.push((i, pt.to_string(), period, start + period));
-            }
-        }
-    }
+    let mut timers = host_timers(prog, Instant::now());
     let ctx = host_context();
     while !timers.is_empty() && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let Some(next) = (0..timers.len()).min_by_key(|&t| timers[t].3) else {
