@@ -42,6 +42,8 @@ if [[ -z ${EXOTAP:-} ]]; then
     nice -n 10 cargo build --quiet --no-default-features --bin exotap >&2
     EXOTAP=$PWD/target/debug/exotap
 fi
+# The examples run from their own directories: a relative EXOTAP would not be found there.
+EXOTAP=$(realpath "$EXOTAP")
 
 # meta_words FILE: the options (-g, -D X, -x PID) and arguments of the example's
 # `test_check: stap ...` line, one per line, options first and the script's name left out.

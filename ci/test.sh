@@ -19,7 +19,7 @@ rc=${PIPESTATUS[0]}
 set -e
 # How much of SystemTap's own example suite the front end parses and checks (a measure, not
 # a pass/fail gate).
-EXOTAP=target/debug/exotap ci/stap-examples.sh | sed -n '/^== SystemTap examples/,/^-p 2/p'
+EXOTAP="$PWD/target/debug/exotap" ci/stap-examples.sh | sed -n '/^== SystemTap examples/,/^-p 2/p'
 echo
 echo "== tests that skipped part of their work, and why =="
 grep -h 'SKIP' "$log" | sort -u || echo "(none)"
