@@ -9,7 +9,8 @@
 //!   tables for associative arrays, statistics with their histograms), the header the host
 //!   watches (`exit()`, probe errors, dropped updates), the 16-byte string encoding, and the
 //!   host's decoding of all of it into the interpreter's stores (and back).
-//! - [`codegen`] (private): statements and expressions of one probe body.
+//! - [`codegen`]: one probe body: statements and expressions, updates of globals (arrays,
+//!   statistics, `delete`), built-in functions and output records.
 //! - [`site`]: the code a splice enters: save the registers, run the bodies, restore, then
 //!   the relocated instruction; and for `.return` probes the kretprobe-style return
 //!   trampoline.

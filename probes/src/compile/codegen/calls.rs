@@ -1,0 +1,249 @@
+//! Built-in functions in a compiled body: the task's context, clocks, kernel reads,
+//! `exit()`, and the output records of `printf`/`print`/`println`.
+
+use iced_x86::code_asm::*;
+use iced_x86::{Code, Instruction, MemoryOperand, Register};
+
+use crate::lang::ast::*;
+use crate::lang::check::Program;
+
+use super::super::data::{field, OutputKind, MAX_PRINT_ARGS};
+use super::{rip, Gen, K, R};
+
+impl Gen<'_, '_> {
+    pub(super) fn task_field(&mut self, off: Option<u64>, what: &str) -> R<()> {
+        let off =
+            off.ok_or_else(|| self.no(format!("{what} (BTF lacks the task_struct member)")))?;
+        asm!(self, self.a.movsxd(rax, dword_ptr(r13 + off as i32)))
+    }
+
+    pub(super) fn call(&mut self, c: &Call) -> R<K> {
+        let name = c.name.name.as_str();
+        let task = self.env.facts.task;
+        match name {
+            "pid" => {
+                self.task_field(task.tgid, "pid()")?;
+                Ok(K::Long)
+            }
+            "tid" => {
+                self.task_field(Some(task.pid), "tid()")?;
+                Ok(K::Long)
+            }
+            "ppid" => {
+                let parent = task
+                    .real_parent
+                    .ok_or_else(|| self.no("ppid() (no real_parent offset)"))?;
+                let tgid = task
+                    .tgid
+                    .ok_or_else(|| self.no("ppid() (no tgid offset)"))?;
+                asm!(self, self.a.mov(rax, qword_ptr(r13 + parent as i32)))?;
+                asm!(self, self.a.movsxd(rax, dword_ptr(rax + tgid as i32)))?;
+                Ok(K::Long)
+            }
+            "uid" => {
+                let cred = task.cred.ok_or_else(|| self.no("uid() (no cred offset)"))?;
+                let uid = task
+                    .cred_uid
+                    .ok_or_else(|| self.no("uid() (no cred.uid offset)"))?;
+                asm!(self, self.a.mov(rax, qword_ptr(r13 + cred as i32)))?;
+                asm!(self, self.a.mov(eax, dword_ptr(rax + uid as i32)))?;
+                Ok(K::Long)
+            }
+            "cpu" => {
+                let mut i = Instruction::with2(
+                    Code::Mov_r32_rm32,
+                    Register::EAX,
+                    MemoryOperand::with_base_displ(
+                        Register::None,
+                        self.env.facts.cpu_number as i64,
+                    ),
+                )
+                .map_err(|e| self.no(e.to_string()))?;
+                i.set_segment_prefix(Register::GS);
+                i.set_memory_displ_size(4);
+                asm!(self, self.a.add_instruction(i))?;
+                Ok(K::Long)
+            }
+            "execname" => {
+                let comm = task.comm as i32;
+                asm!(self, self.a.mov(rax, qword_ptr(r13 + comm)))?;
+                asm!(self, self.a.mov(rdx, qword_ptr(r13 + comm + 8)))?;
+                Ok(K::Str)
+            }
+            "probefunc" | "ppfunc" => {
+                let f = self.point.function.clone();
+                self.string_const(&f)
+            }
+            "pp" => {
+                let p = self.point.name.clone();
+                self.string_const(&p)
+            }
+            "gettimeofday_ns" | "gettimeofday_us" | "gettimeofday_ms" | "gettimeofday_s" => {
+                let f = self.env.facts.realtime_ns.ok_or_else(|| {
+                    self.no(format!(
+                        "{name}() (the kernel has no ktime_get_real_fast_ns)"
+                    ))
+                })?;
+                asm!(self, self.a.call(f))?;
+                let div: u64 = match name {
+                    "gettimeofday_us" => 1_000,
+                    "gettimeofday_ms" => 1_000_000,
+                    "gettimeofday_s" => 1_000_000_000,
+                    _ => 1,
+                };
+                if div > 1 {
+                    asm!(self, self.a.xor(edx, edx))?;
+                    asm!(self, self.a.mov(rcx, div))?;
+                    asm!(self, self.a.div(rcx))?;
+                }
+                Ok(K::Long)
+            }
+            "printf" | "print" | "println" => self.print(name, &c.args),
+            "kernel_long" | "kernel_int" => {
+                let copy = self.env.facts.copy_nofault.ok_or_else(|| {
+                    self.no(format!(
+                        "{name}() (the kernel has no copy_from_kernel_nofault)"
+                    ))
+                })?;
+                let arg = c
+                    .args
+                    .first()
+                    .ok_or_else(|| self.no(format!("{name}() without an address")))?;
+                self.long(arg)?;
+                let len: u32 = if name == "kernel_long" { 8 } else { 4 };
+                let scratch = self.scratch();
+                let fault = self.err_fault;
+                let r = (|| {
+                    self.a.mov(rsi, rax)?;
+                    self.a.lea(rdi, qword_ptr(rbp + scratch))?;
+                    self.a.mov(edx, len)?;
+                    self.a.call(copy)?;
+                    self.a.test(rax, rax)?;
+                    self.a.jnz(fault)?;
+                    if len == 8 {
+                        self.a.mov(rax, qword_ptr(rbp + scratch))
+                    } else {
+                        self.a.movsxd(rax, dword_ptr(rbp + scratch))
+                    }
+                })();
+                asm!(self, r)?;
+                Ok(K::Long)
+            }
+            "exit" => {
+                let addr = self.env.data + field::EXIT;
+                let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)
+                    .map_err(|e| self.no(e.to_string()))?;
+                asm!(self, self.a.add_instruction(i))?;
+                Ok(K::Long)
+            }
+            other => Err(self.no(format!("the function {other}() in a kernel probe"))),
+        }
+    }
+
+    /// An output record: the arguments (16 bytes each) pushed, a record reserved in this
+    /// vCPU's ring, filled, and its TSC stored last.
+    pub(super) fn print(&mut self, name: &str, args: &[Expr]) -> R<K> {
+        let Some(rings) = self.env.layout.ring_set(self.env.data) else {
+            return Err(self.no(format!("{name}() without output rings")));
+        };
+        let (kind, values) = if name == "printf" {
+            let fmt = match args.first().map(|a| &a.kind) {
+                Some(ExprKind::Str(s)) => s.clone(),
+                _ => return Err(self.no("printf with a format that is not a literal")),
+            };
+            (OutputKind::Printf(fmt), &args[1.min(args.len())..])
+        } else {
+            if args.iter().any(|a| matches!(a.kind, ExprKind::Hist(..))) {
+                return Err(self.no(format!("{name}() of a histogram in a kernel probe")));
+            }
+            (OutputKind::Print(name == "println"), args)
+        };
+        if values.len() > MAX_PRINT_ARGS {
+            return Err(self.no(format!(
+                "{name}() with more than {MAX_PRINT_ARGS} arguments"
+            )));
+        }
+        let mut strings = Vec::new();
+        for v in values {
+            let k = self.expr(v)?;
+            strings.push(k == K::Str);
+            if k == K::Long {
+                asm!(self, self.a.xor(edx, edx))?;
+            }
+            asm!(self, self.a.push(rdx))?;
+            asm!(self, self.a.push(rax))?;
+        }
+        let n = values.len() as i32;
+        let id = self.interner.format(kind, strings);
+        let cpu_number = self.env.facts.cpu_number;
+        let r = (|| {
+            let mut skip = self.a.create_label();
+            let mut done = self.a.create_label();
+            rings.emit_reserve(self.a, cpu_number, rdi, skip)?;
+            self.a.mov(dword_ptr(rdi + 8), id)?;
+            for i in (0..n).rev() {
+                self.a.pop(rax)?;
+                self.a.pop(rdx)?;
+                self.a.mov(qword_ptr(rdi + 16 + 16 * i), rax)?;
+                self.a.mov(qword_ptr(rdi + 24 + 16 * i), rdx)?;
+            }
+            self.a.rdtsc()?;
+            self.a.shl(rdx, 32)?;
+            self.a.or(rax, rdx)?;
+            self.a.or(rax, 1)?; // never 0: 0 marks an unfinished record
+            self.a.mov(qword_ptr(rdi), rax)?;
+            self.a.jmp(done)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rsp, 16 * n)?;
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+}
+
+/// Whether any kernel probe of `prog` prints (then the data gets output rings).
+pub fn prints(prog: &Program) -> bool {
+    fn expr(e: &Expr) -> bool {
+        match &e.kind {
+            ExprKind::Call(c) => {
+                matches!(c.name.name.as_str(), "printf" | "print" | "println")
+                    || c.args.iter().any(expr)
+            }
+            ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => expr(x),
+            ExprKind::Binary(_, b) | ExprKind::Assign(_, b) | ExprKind::Aggregate(b) => {
+                expr(&b.0) || expr(&b.1)
+            }
+            ExprKind::Ternary(t) => expr(&t.0) || expr(&t.1) || expr(&t.2),
+            ExprKind::Index(ix) => ix.keys.iter().any(expr),
+            ExprKind::In(i) => i.keys.iter().any(expr),
+            ExprKind::IncDec(i) => expr(&i.target),
+            _ => false,
+        }
+    }
+    fn stmt(s: &Stmt) -> bool {
+        match &s.kind {
+            StmtKind::Block(b) => b.stmts.iter().any(stmt),
+            StmtKind::Expr(e) | StmtKind::Delete(e) => expr(e),
+            StmtKind::If(i) => expr(&i.cond) || stmt(&i.then) || i.els.as_ref().is_some_and(stmt),
+            StmtKind::While(w) => expr(&w.0) || stmt(&w.1),
+            StmtKind::For(f) => {
+                f.init.as_ref().is_some_and(expr)
+                    || f.cond.as_ref().is_some_and(expr)
+                    || f.step.as_ref().is_some_and(expr)
+                    || stmt(&f.body)
+            }
+            StmtKind::Foreach(f) => stmt(&f.body),
+            StmtKind::Return(Some(e)) => expr(e),
+            StmtKind::Try(t) => t.body.stmts.iter().any(stmt) || t.handler.stmts.iter().any(stmt),
+            _ => false,
+        }
+    }
+    prog.script
+        .probes
+        .iter()
+        .zip(&prog.probes)
+        .filter(|(_, info)| info.points.iter().any(|(_, k)| k.needs_guest()))
+        .any(|(p, _)| p.body.stmts.iter().any(stmt))
+}

@@ -1,0 +1,374 @@
+//! Updates of globals: array lookups through the table helpers, assignment, `++`/`--`,
+//! `<<<` into statistics and `delete`.
+
+use iced_x86::code_asm::*;
+use iced_x86::{Code, Instruction, Register};
+
+use crate::lang::ast::*;
+
+use super::super::data::{ValueKind, TABLE_COUNT};
+use super::{rip, value_k, Gen, K, MAX_KEY_DEPTH, R};
+
+impl Gen<'_, '_> {
+    /// `delete a[k]` marks the element deleted; `delete x` of a number or string resets it.
+    pub(super) fn delete(&mut self, e: &Expr) -> R<()> {
+        match &e.kind {
+            ExprKind::Index(ix) => {
+                let slot = self.array(&ix.array.name)?;
+                self.lookup(&ix.array.name, &ix.keys, false)?;
+                let vo = slot.value_offset() as i32;
+                let count = self.env.data + slot.offset + TABLE_COUNT;
+                let r = (|| {
+                    let mut absent = self.a.create_label();
+                    self.a.test(rax, rax)?;
+                    self.a.jz(absent)?;
+                    self.a.mov(qword_ptr(rax - vo), 3)?;
+                    let mut dec = Instruction::with1(Code::Dec_rm64, rip(count))?;
+                    dec.set_has_lock_prefix(true);
+                    self.a.add_instruction(dec)?;
+                    self.a.set_label(&mut absent)?;
+                    self.a.nop()
+                })();
+                asm!(self, r)
+            }
+            ExprKind::Var(name) if self.env.prog.globals.contains_key(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .ok_or_else(|| self.no(format!("the global {name}")))?;
+                if slot.table.is_some() || matches!(slot.value, ValueKind::Stats(_)) {
+                    return Err(self.no(format!("delete of the whole {name} in a kernel probe")));
+                }
+                self.lea(Register::RCX, self.env.data + slot.offset)?;
+                asm!(self, self.a.mov(qword_ptr(rcx), 0))?;
+                if slot.value == ValueKind::Str {
+                    asm!(self, self.a.mov(qword_ptr(rcx + 8), 0))?;
+                }
+                Ok(())
+            }
+            _ => Err(self.no("delete of this in a kernel probe")),
+        }
+    }
+
+    /// Leaves in rax the address of the array element (`insert`: created when absent; 0 when
+    /// the table is full) or 0 when absent.
+    pub(super) fn lookup(&mut self, name: &str, keys: &[Expr], insert: bool) -> R<()> {
+        let slot = self.array(name)?;
+        let want = slot.table.map_or(0, |t| t.0);
+        if keys.len() != want {
+            return Err(self.no(format!(
+                "{name} indexed with {} keys, not {want}",
+                keys.len()
+            )));
+        }
+        if self.depth >= MAX_KEY_DEPTH {
+            return Err(self.no(format!(
+                "array lookups nested more than {MAX_KEY_DEPTH} deep"
+            )));
+        }
+        let buf = self.key_buffer(self.depth);
+        self.depth += 1;
+        for (i, key) in keys.iter().enumerate() {
+            let k = self.expr(key)?;
+            let is_str = slot.key_is_str.get(i).copied().unwrap_or(false);
+            if is_str != (k == K::Str) {
+                self.depth -= 1;
+                return Err(self.no(format!("a key of {name} of the wrong type")));
+            }
+            let at = buf + 16 * i as i32;
+            asm!(self, self.a.mov(qword_ptr(rbp + at), rax))?;
+            if k == K::Str {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), rdx))?;
+            } else {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), 0))?;
+            }
+        }
+        self.depth -= 1;
+        let helper = *self
+            .env
+            .helpers
+            .get(&(name.to_owned(), insert))
+            .ok_or_else(|| self.no(format!("no table helper for {name}")))?;
+        asm!(self, self.a.lea(rsi, qword_ptr(rbp + buf)))?;
+        asm!(self, self.a.call(helper))?;
+        if insert {
+            let overflow = self.err_overflow;
+            asm!(self, self.a.cmp(rax, 1))?;
+            asm!(self, self.a.je(overflow))?;
+        }
+        Ok(())
+    }
+
+    /// rax = address of a global scalar or an array element (created), or 0 (full table).
+    pub(super) fn place_of(&mut self, target: &Expr) -> R<(ValueKind, bool)> {
+        match &target.kind {
+            ExprKind::Var(name) if self.env.prog.globals.contains_key(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .ok_or_else(|| self.no(format!("the global {name}")))?;
+                if slot.table.is_some() {
+                    return Err(self.no(format!("the array {name} used as a scalar")));
+                }
+                self.lea(Register::RAX, self.env.data + slot.offset)?;
+                Ok((slot.value, false))
+            }
+            ExprKind::Index(ix) => {
+                let slot = self.array(&ix.array.name)?;
+                self.lookup(&ix.array.name, &ix.keys, true)?;
+                Ok((slot.value, true))
+            }
+            _ => Err(self.no("assigning to this")),
+        }
+    }
+
+    pub(super) fn assign(&mut self, op: Option<BinOp>, target: &Expr, value: &Expr) -> R<K> {
+        if let ExprKind::Var(name) = &target.kind {
+            if !self.env.prog.globals.contains_key(name) {
+                let (off, k) = *self
+                    .locals
+                    .get(name)
+                    .ok_or_else(|| self.no(format!("the variable {name}")))?;
+                match op {
+                    None => {
+                        let kv = self.expr(value)?;
+                        if kv != k {
+                            return Err(self.no(format!("{name} assigned a value of another type")));
+                        }
+                    }
+                    Some(op) => {
+                        if k == K::Str {
+                            return Err(self.no("compound assignment to a string"));
+                        }
+                        self.long(value)?;
+                        asm!(self, self.a.mov(rcx, rax))?;
+                        asm!(self, self.a.mov(rax, qword_ptr(rbp - off)))?;
+                        self.apply(op)?;
+                    }
+                }
+                asm!(self, self.a.mov(qword_ptr(rbp - off), rax))?;
+                if k == K::Str {
+                    asm!(self, self.a.mov(qword_ptr(rbp - off + 8), rdx))?;
+                }
+                return Ok(k);
+            }
+        }
+        let kv = self.expr(value)?;
+        self.push(kv)?;
+        let (kind, _) = self.place_of(target)?;
+        let k = value_k(&kind).ok_or_else(|| self.no("assigning to an aggregate"))?;
+        if k != kv {
+            return Err(self.no("a global assigned a value of another type"));
+        }
+        if op.is_some() && k == K::Str {
+            return Err(self.no("compound assignment to a string"));
+        }
+        let r = (|| {
+            let mut full = self.a.create_label();
+            let mut done = self.a.create_label();
+            self.a.mov(rdi, rax)?;
+            self.a.pop(rax)?;
+            if k == K::Str {
+                self.a.pop(rdx)?;
+            }
+            self.a.test(rdi, rdi)?;
+            self.a.jz(full)?;
+            match op {
+                None => {
+                    self.a.mov(qword_ptr(rdi), rax)?;
+                    if k == K::Str {
+                        self.a.mov(qword_ptr(rdi + 8), rdx)?;
+                    }
+                }
+                Some(BinOp::Add) | Some(BinOp::Sub) => {
+                    if op == Some(BinOp::Sub) {
+                        self.a.neg(rax)?;
+                    }
+                    self.a.mov(rcx, rax)?;
+                    self.a.lock().xadd(qword_ptr(rdi), rax)?;
+                    self.a.add(rax, rcx)?;
+                }
+                Some(_) => {}
+            }
+            self.a.jmp(done)?;
+            self.a.set_label(&mut full)?;
+            self.a.nop()?;
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        if let Some(op) = op.filter(|o| !matches!(o, BinOp::Add | BinOp::Sub)) {
+            // Other compound operators: load, apply, store (not atomic across vCPUs).
+            let r = (|| {
+                let skip = self.a.create_label();
+                self.a.test(rdi, rdi)?;
+                self.a.jz(skip)?;
+                self.a.mov(rcx, rax)?;
+                self.a.mov(rax, qword_ptr(rdi))?;
+                self.a.push(rdi)?;
+                Ok::<CodeLabel, IcedError>(skip)
+            })();
+            let mut skip = asm!(self, r)?;
+            self.apply(op)?;
+            let r = (|| {
+                self.a.pop(rdi)?;
+                self.a.mov(qword_ptr(rdi), rax)?;
+                self.a.set_label(&mut skip)?;
+                self.a.nop()
+            })();
+            asm!(self, r)?;
+        }
+        Ok(k)
+    }
+
+    pub(super) fn inc_dec(&mut self, i: &IncDec) -> R<K> {
+        let delta: i32 = if i.increment { 1 } else { -1 };
+        if let ExprKind::Var(name) = &i.target.kind {
+            if !self.env.prog.globals.contains_key(name) {
+                let (off, k) = *self
+                    .locals
+                    .get(name)
+                    .ok_or_else(|| self.no(format!("the variable {name}")))?;
+                if k == K::Str {
+                    return Err(self.no("++ on a string"));
+                }
+                let r = (|| {
+                    self.a.mov(rax, qword_ptr(rbp - off))?;
+                    self.a.lea(rcx, qword_ptr(rax + delta))?;
+                    self.a.mov(qword_ptr(rbp - off), rcx)?;
+                    if i.prefix {
+                        self.a.mov(rax, rcx)?;
+                    }
+                    Ok(())
+                })();
+                asm!(self, r)?;
+                return Ok(K::Long);
+            }
+        }
+        let (kind, _) = self.place_of(&i.target)?;
+        if kind != ValueKind::Long {
+            return Err(self.no("++ on something that is not a number"));
+        }
+        let r = (|| {
+            let mut done = self.a.create_label();
+            self.a.test(rax, rax)?;
+            self.a.jz(done)?;
+            self.a.mov(rcx, rax)?;
+            self.a.mov(rax, i64::from(delta))?;
+            self.a.lock().xadd(qword_ptr(rcx), rax)?;
+            if i.prefix {
+                self.a.add(rax, delta)?;
+            }
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+
+    pub(super) fn aggregate(&mut self, target: &Expr, value: &Expr) -> R<K> {
+        self.long(value)?;
+        asm!(self, self.a.push(rax))?;
+        let (kind, _) = self.place_of(target)?;
+        let ValueKind::Stats(layout) = kind else {
+            return Err(self.no("<<< into something that is not an aggregate"));
+        };
+        let r = (|| {
+            let mut skip = self.a.create_label();
+            let mut min_loop = self.a.create_label();
+            let mut min_done = self.a.create_label();
+            let mut max_loop = self.a.create_label();
+            let mut max_done = self.a.create_label();
+            self.a.mov(rdi, rax)?;
+            self.a.pop(rsi)?;
+            self.a.test(rdi, rdi)?;
+            self.a.jz(skip)?;
+            self.a.lock().inc(qword_ptr(rdi))?;
+            self.a.lock().add(qword_ptr(rdi + 8), rsi)?;
+            // min and max: compare-and-swap, a bounded number of tries.
+            self.a.mov(r8d, 64)?;
+            self.a.set_label(&mut min_loop)?;
+            self.a.mov(rax, qword_ptr(rdi + 16))?;
+            self.a.cmp(rsi, rax)?;
+            self.a.jge(min_done)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi + 16), rsi)?;
+            self.a.je(min_done)?;
+            self.a.dec(r8d)?;
+            self.a.jnz(min_loop)?;
+            self.a.set_label(&mut min_done)?;
+            self.a.mov(r8d, 64)?;
+            self.a.set_label(&mut max_loop)?;
+            self.a.mov(rax, qword_ptr(rdi + 24))?;
+            self.a.cmp(rsi, rax)?;
+            self.a.jle(max_done)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi + 24), rsi)?;
+            self.a.je(max_done)?;
+            self.a.dec(r8d)?;
+            self.a.jnz(max_loop)?;
+            self.a.set_label(&mut max_done)?;
+            self.a.nop()?;
+            if layout.log {
+                // bucket = 64 for 0, 64 + bits(v) for v > 0, 64 - bits(|v|) for v < 0
+                let mut nz = self.a.create_label();
+                let mut neg = self.a.create_label();
+                let mut have = self.a.create_label();
+                let mut capped = self.a.create_label();
+                self.a.mov(ecx, 64)?;
+                self.a.test(rsi, rsi)?;
+                self.a.jnz(nz)?;
+                self.a.jmp(have)?;
+                self.a.set_label(&mut nz)?;
+                self.a.mov(rax, rsi)?;
+                self.a.neg(rax)?;
+                self.a.cmovl(rax, rsi)?; // |v| (i64::MIN stays itself: 64 bits)
+                self.a.bsr(rcx, rax)?;
+                self.a.inc(ecx)?;
+                self.a.test(rsi, rsi)?;
+                self.a.js(neg)?;
+                self.a.add(ecx, 64)?;
+                self.a.cmp(ecx, 127)?;
+                self.a.jbe(capped)?;
+                self.a.mov(ecx, 127)?;
+                self.a.set_label(&mut capped)?;
+                self.a.jmp(have)?;
+                self.a.set_label(&mut neg)?;
+                self.a.mov(eax, 64)?;
+                self.a.sub(eax, ecx)?;
+                self.a.mov(ecx, eax)?;
+                self.a.set_label(&mut have)?;
+                self.a
+                    .lock()
+                    .inc(qword_ptr(rdi + rcx * 8 + layout.log_offset() as i32))?;
+            }
+            if let Some((start, _, interval, n)) = layout.linear {
+                let mut under = self.a.create_label();
+                let mut have = self.a.create_label();
+                let mut capped = self.a.create_label();
+                self.a.mov(rax, rsi)?;
+                self.a.mov(rcx, start)?;
+                self.a.cmp(rax, rcx)?;
+                self.a.jl(under)?;
+                self.a.sub(rax, rcx)?;
+                self.a.xor(edx, edx)?;
+                self.a.mov(rcx, interval)?;
+                self.a.div(rcx)?;
+                self.a.inc(rax)?;
+                self.a.cmp(rax, (n - 1) as i32)?;
+                self.a.jbe(capped)?;
+                self.a.mov(eax, (n - 1) as u32)?;
+                self.a.set_label(&mut capped)?;
+                self.a.jmp(have)?;
+                self.a.set_label(&mut under)?;
+                self.a.xor(eax, eax)?;
+                self.a.set_label(&mut have)?;
+                self.a
+                    .lock()
+                    .inc(qword_ptr(rdi + rax * 8 + layout.linear_offset() as i32))?;
+            }
+            self.a.set_label(&mut skip)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+}
