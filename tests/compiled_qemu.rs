@@ -32,6 +32,32 @@ fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, String
     (code, out, err, transcript)
 }
 
+/// Boots the guest with a compiled `script` whose `job` calls `exotap_wait attach` and
+/// `exotap_wait detach` itself (after arming the guest's kprobes, which exotap then reads at
+/// its install and removal stops); returns (code, stdout, stderr, console).
+fn boot_compared(script: &str, job: &str, timeout: &str) -> (i32, String, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let (code, out, err) = run(exotap()
+        .args([
+            "boot",
+            "--timeout",
+            timeout,
+            "--compile",
+            "require",
+            "--script-text",
+            script,
+        ])
+        .args(["--attach-in-job", "--compare-kprobes", "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    (code, out, err, transcript)
+}
+
 fn assert_no_oops(console: &str) {
     for bad in [
         "Oops",
@@ -57,8 +83,6 @@ fn compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops() {
     if !have_qemu("compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops") {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let console = dir.path().join("console.log");
     // The guest arms a kprobe on every traceable syscall wrapper before exotap attaches (its
     // ftrace must find the nop5 it expects), and disarms them after exotap removed its
     // splices.
@@ -75,26 +99,10 @@ fn compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops() {
                exotap_wait detach\n\
                echo 0 > $T/events/exotap/enable\n\
                echo > $T/kprobe_events\n";
-    let job_file = dir.path().join("job.sh");
-    std::fs::write(&job_file, job).unwrap();
     let script = r#"global c; probe kernel.function("__x64_sys_*") { c[probefunc()]++ }"#;
 
-    let (code, out, err) = run(exotap()
-        .args([
-            "boot",
-            "--timeout",
-            "500",
-            "--compile",
-            "require",
-            "--script-text",
-            script,
-        ])
-        .args(["--attach-in-job", "--compare-kprobes", "--job"])
-        .arg(&job_file)
-        .arg("--console")
-        .arg(&console));
+    let (code, out, err, transcript) = boot_compared(script, job, "500");
 
-    let transcript = std::fs::read_to_string(&console).unwrap();
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
     let counts: BTreeMap<String, u64> = out
@@ -141,8 +149,6 @@ fn compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times() {
         return;
     }
     const EACH: u64 = 170_000;
-    let dir = tempfile::tempdir().unwrap();
-    let console = dir.path().join("console.log");
     // Two loops at once, one per vCPU: every hit updates the same tables from both.
     let job = format!(
         "T=/sys/kernel/tracing\n\
@@ -156,8 +162,6 @@ fn compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times() {
          echo > $T/kprobe_events\n\
          cat /tmp/a /tmp/b\n"
     );
-    let job_file = dir.path().join("job.sh");
-    std::fs::write(&job_file, job).unwrap();
     let script = r#"global calls, sizes, getpid
         probe kernel.function("__x64_sys_getpid") { if (execname() == "syscall-loop") getpid[cpu()]++ }
         probe kernel.function("__do_sys_getppid") { calls[cpu()]++ }
@@ -170,22 +174,8 @@ fn compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times() {
           printf("loop.reads=%d\nloop.bytes=%d\n", @count(sizes["syscall-loop"]), @sum(sizes["syscall-loop"]))
         }"#;
 
-    let (code, out, err) = run(exotap()
-        .args([
-            "boot",
-            "--timeout",
-            "900",
-            "--compile",
-            "require",
-            "--script-text",
-            script,
-        ])
-        .args(["--attach-in-job", "--compare-kprobes", "--job"])
-        .arg(&job_file)
-        .arg("--console")
-        .arg(&console));
+    let (code, out, err, transcript) = boot_compared(script, &job, "900");
 
-    let transcript = std::fs::read_to_string(&console).unwrap();
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
     let value = |key: &str| -> Option<u64> {
