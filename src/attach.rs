@@ -106,6 +106,7 @@ pub fn attach(target: &TargetArgs) -> anyhow::Result<Attached> {
     let started = Instant::now();
     let machine = GdbMachine::connect(&target.target, Duration::from_secs(target.gdb_timeout))
         .with_context(|| format!("cannot attach to {}", target.target))?;
+    crate::recover::note_target(&target.target);
     Ok(Attached { machine, started })
 }
 
@@ -376,6 +377,10 @@ pub fn map_patch_heap(
             plan.va
         );
     }
+    // Whatever goes into the guest from here on is journaled, and a guardian undoes it if
+    // this process dies (src/recover.rs).
+    crate::recover::Journal::open(plan.phys, plan.va, plan.size, machine)?;
+    crate::recover::guard_noted(plan.phys)?;
     Ok(plan)
 }
 

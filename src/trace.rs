@@ -503,6 +503,10 @@ fn arm(
     if needs_trampoline {
         // Never executed while exotap is attached (the breakpoint stops it first); `ud2` makes
         // a bug loud instead of running on.
+        crate::recover::Journal {
+            heap_phys: plan.phys,
+        }
+        .set_trampoline(&mut att.machine, trampoline)?;
         att.machine
             .write_phys(plan.phys + TRAMPOLINE_OFFSET, &[0x0f, 0x0b])?;
         att.machine.set_breakpoint(trampoline, true)?;
@@ -567,6 +571,9 @@ pub fn start(
                 armed,
                 trampoline,
                 pending: HashMap::new(),
+                journal: crate::recover::Journal { heap_phys: heap.0 },
+                free: (0..crate::recover::RETURN_SLOTS).rev().collect(),
+                missed_returns: 0,
             };
             tracer.run(script)
         })
@@ -579,6 +586,8 @@ struct PendingReturn {
     site: u64,
     original: u64,
     entry_regs: X86Registers,
+    /// Its entry in the recovery journal's return list.
+    index: usize,
 }
 
 /// The tracer thread's state.
@@ -590,6 +599,13 @@ struct Tracer {
     trampoline: u64,
     /// Swapped return addresses by the stack slot's address.
     pending: HashMap<u64, PendingReturn>,
+    /// The recovery journal, where every swap is written before it is made (so that a
+    /// guardian or `exotap recover` can put it back if exotap dies).
+    journal: crate::recover::Journal,
+    /// Free entries of the journal's return list.
+    free: Vec<usize>,
+    /// Calls whose return probe did not run because the return list was full.
+    missed_returns: u64,
 }
 
 impl Tracer {
@@ -677,6 +693,16 @@ impl Tracer {
         if restored > 0 {
             tracing::info!("{restored} calls in flight got their return addresses back");
         }
+        if self.missed_returns > 0 {
+            tracing::warn!(
+                "{} calls missed their return probe: more than {} calls were in flight at once",
+                self.missed_returns,
+                crate::recover::RETURN_SLOTS
+            );
+        }
+        if let Err(e) = self.journal.clear_returns(&mut self.machine) {
+            tracing::warn!("cannot clear the recovery journal: {e:#}");
+        }
         if let Err(e) = self.machine.detach() {
             tracing::warn!("detaching failed: {e}");
         }
@@ -718,20 +744,29 @@ impl Tracer {
             }
         }
         if wants_return {
-            // rsp points at the return address: swap it for the trampoline.
-            let slot = regs.gpr[7];
-            let mut original = [0u8; 8];
-            self.machine.read_virt(vcpu, slot, &mut original)?;
-            self.machine
-                .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
-            self.pending.insert(
-                slot,
-                PendingReturn {
-                    site: pc,
-                    original: u64::from_le_bytes(original),
-                    entry_regs: regs,
-                },
-            );
+            if let Some(index) = self.free.pop() {
+                // rsp points at the return address: swap it for the trampoline, journaled
+                // first.
+                let slot = regs.gpr[7];
+                let mut original = [0u8; 8];
+                self.machine.read_virt(vcpu, slot, &mut original)?;
+                let original = u64::from_le_bytes(original);
+                self.journal
+                    .set_return(&mut self.machine, index, slot, original)?;
+                self.machine
+                    .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
+                self.pending.insert(
+                    slot,
+                    PendingReturn {
+                        site: pc,
+                        original,
+                        entry_regs: regs,
+                        index,
+                    },
+                );
+            } else {
+                self.missed_returns += 1;
+            }
         }
         match action {
             TrapAction::OutOfLine { .. } => self.machine.set_pc(vcpu, slot_va)?,
@@ -786,6 +821,8 @@ impl Tracer {
             }
         }
         self.machine.set_pc(vcpu, p.original)?;
+        self.journal.set_return(&mut self.machine, p.index, 0, 0)?;
+        self.free.push(p.index);
         self.machine.resume()?;
         Ok(())
     }
