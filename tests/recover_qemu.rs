@@ -180,6 +180,7 @@ exotap_result storm done"#;
         signal(&child, "KILL");
         child.wait().unwrap();
         guardians_done(&socket);
+        let recovered_after = killed.elapsed();
         let (clean, after, out) = recover(&target);
         let said = said.all();
         assert!(
@@ -192,9 +193,9 @@ exotap_result storm done"#;
         );
         assert_eq!(after, before, "{args:?}: the kernel text differs:\n{out}");
         eprintln!(
-            "SIGKILL of exotap {}: guest clean {} ms after the kill",
+            "SIGKILL of exotap {}: the guardian was done {} ms after the kill",
             args[0],
-            killed.elapsed().as_millis()
+            recovered_after.as_millis()
         );
     }
 
