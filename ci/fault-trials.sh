@@ -43,21 +43,26 @@ BEFORE=$(digest | sed -n 's/^kernel text sha256 //p')
 [ -n "$BEFORE" ] || { echo "no digest before the trials" >&2; exit 1; }
 echo "kernel text sha256 before: $BEFORE"
 
-TOOLS=(
-  "count vfs_* ksys_*"
-  "time ksys_read vfs_read do_sys_openat2 __x64_sys_getppid"
-  "trace ksys_read __x64_sys_getpid"
-  "run --compile never -e global\ n,m;\ probe\ kernel.function(\"ksys_read\")\ {n++}\ probe\ kernel.function(\"ksys_read\").return\ {m++}\ probe\ kernel.function(\"do_sys_openat2\").return\ {m++}"
-  "run --compile require -e global\ c;\ probe\ kernel.function(\"vfs_read\").return\ {c[execname()]++}\ probe\ kernel.function(\"do_sys_openat2\").return\ {c[execname()]++}"
-)
+TRAP='global n, m; probe kernel.function("ksys_read") { n++ } probe kernel.function("ksys_read").return { m++ } probe kernel.function("do_sys_openat2").return { m++ }'
+COMPILED='global c; probe kernel.function("vfs_read").return { c[execname()]++ } probe kernel.function("do_sys_openat2").return { c[execname()]++ }'
+# tool N: sets the arguments of tool N.
+TOOLS=5
+tool() {
+  case $1 in
+    0) ARGS=(count 'vfs_*' 'ksys_*') ;;
+    1) ARGS=(time ksys_read vfs_read do_sys_openat2 __x64_sys_getppid) ;;
+    2) ARGS=(trace ksys_read __x64_sys_getpid) ;;
+    3) ARGS=(run --compile never -e "$TRAP") ;;
+    4) ARGS=(run --compile require -e "$COMPILED") ;;
+  esac
+}
 IFS=, read -r -a SIGS <<< "$SIGNALS"
 failed=0; longest=0; recovered=0
 for i in $(seq 1 "$TRIALS"); do
-  tool=${TOOLS[$(( RANDOM % ${#TOOLS[@]} ))]}
+  tool $(( RANDOM % TOOLS ))
   sig=${SIGS[$(( RANDOM % ${#SIGS[@]} ))]}
   delay=$(awk -v r=$RANDOM 'BEGIN { printf "%.2f", 0.2 + r / 32767 * 9.8 }')
-  eval "set -- $tool"
-  "$X" "$@" --target "$T" > "$W/out.$i" 2> "$W/err.$i" &
+  "$X" "${ARGS[@]}" --target "$T" > "$W/out.$i" 2> "$W/err.$i" &
   P=$!
   sleep "$delay"
   t0=$(date +%s%N)
@@ -73,7 +78,7 @@ for i in $(seq 1 "$TRIALS"); do
   echo "$after" | grep -q "kernel text sha256 $BEFORE" || verdict="$verdict TEXT-CHANGED"
   [ "$verdict" = ok ] || failed=$(( failed + 1 ))
   printf 'trial %3d %-4s after %5ss: exit %3d, clean after %5d ms, %s: %s\n' \
-    "$i" "$sig" "$delay" "$rc" "$ms" "$verdict" "${tool:0:40}"
+    "$i" "$sig" "$delay" "$rc" "$ms" "$verdict" "${ARGS[*]:0:3}"
   [ "$verdict" = ok ] || { tail -3 "$W/err.$i"; echo "$after"; }
 done
 echo "waiting for the guest to finish its storm ..."

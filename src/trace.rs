@@ -744,6 +744,13 @@ impl Tracer {
             }
         }
         if wants_return {
+            // A swap left at this slot by a call that never returned through it (its task
+            // exited) is stale: forget it first.
+            if let Some(stale) = self.pending.remove(&regs.gpr[7]) {
+                self.journal
+                    .set_return(&mut self.machine, stale.index, 0, 0)?;
+                self.free.push(stale.index);
+            }
             if let Some(index) = self.free.pop() {
                 // rsp points at the return address: swap it for the trampoline, journaled
                 // first.
