@@ -20,7 +20,7 @@ use exotap_vmm::kvm::{KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::PatchHeapRange;
 
 use crate::entry_patch::{counter_patch, jmp_rel32};
-use crate::guest_memory::BackendMemory;
+use exotap_probes::live::guest_memory::BackendMemory;
 use crate::kernel_image::KernelImage;
 
 /// Offsets inside the patch heap.
