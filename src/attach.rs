@@ -1,20 +1,18 @@
 //! Attaching to a live guest over QEMU's gdbstub: `exotap attach`, `exotap info`,
 //! `exotap mem read`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{Args, Subcommand};
-use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
-use exotap_introspect::kaslr::{self, Kaslr, KaslrAnchors};
-use exotap_introspect::layout::{read_task, KernelLayout, TaskOffsets};
-use exotap_introspect::memory::PhysicalMemory;
-use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
-use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
-use exotap_vmm::gdb::GdbMachine;
+use exotap_introspect::layout::read_task;
+pub use exotap_probes::live::attach::{
+    attach, map_patch_heap, survey, task_offsets, x86_registers, Attached, Survey, Target,
+};
+use exotap_probes::live::guest_memory::BackendMemory;
+use exotap_vmm::control::{Machine, VcpuId};
 
-use crate::guest_memory::BackendMemory;
 use crate::kernel_image::{ImageArgs, KernelImage};
 
 /// Where the guest's gdbstub is.
@@ -32,6 +30,16 @@ pub struct TargetArgs {
     /// Seconds to wait for each answer of the gdbstub.
     #[arg(long, default_value_t = 10, value_name = "SECONDS")]
     pub gdb_timeout: u64,
+}
+
+impl TargetArgs {
+    /// The engine's view of these arguments.
+    pub fn to_target(&self) -> Target {
+        Target {
+            address: self.target.clone(),
+            gdb_timeout: Duration::from_secs(self.gdb_timeout),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -65,14 +73,6 @@ pub fn parse_u64(text: &str) -> Result<u64, String> {
     parsed.map_err(|e| format!("`{text}` is not an address or size ({e})"))
 }
 
-/// A connected guest.
-pub struct Attached {
-    /// The guest's control interface.
-    pub machine: GdbMachine,
-    /// When connecting began.
-    pub started: Instant,
-}
-
 /// `exotap attach` / `exotap info`: the gdbstub and the kernel image the guest runs.
 #[derive(Debug, Args, Clone)]
 pub struct InfoArgs {
@@ -90,113 +90,15 @@ pub struct InfoArgs {
 /// # Errors
 /// When any step fails; the guest is detached (and runs on) either way.
 pub fn run_info(args: &InfoArgs) -> anyhow::Result<()> {
-    let image = KernelImage::from_args(&args.image)?;
+    let image = args.image.load()?;
     let mut target = args.target.clone();
     if let Some(address) = &args.target_address {
         target.target.clone_from(address);
     }
-    let mut att = attach(&target)?;
+    let mut att = attach(&target.to_target())?;
     let printed = print_info(&mut att, &image);
     att.machine.detach()?;
     printed
-}
-
-/// Connects to the gdbstub (which pauses the guest).
-pub fn attach(target: &TargetArgs) -> anyhow::Result<Attached> {
-    let started = Instant::now();
-    let machine = GdbMachine::connect(&target.target, Duration::from_secs(target.gdb_timeout))
-        .with_context(|| format!("cannot attach to {}", target.target))?;
-    crate::recover::note_target(&target.target);
-    Ok(Attached { machine, started })
-}
-
-/// The IDT base from QEMU's `info registers` (the gdbstub does not expose IDTR).
-pub fn idt_base(machine: &mut GdbMachine) -> Option<u64> {
-    let text = machine.client().monitor("info registers").ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("IDT="))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|hex| u64::from_str_radix(hex, 16).ok())
-}
-
-/// CR4.LA57: 5-level paging.
-const CR4_LA57: u64 = 1 << 12;
-
-fn x86_registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
-    match machine.registers(vcpu)? {
-        RegisterFile::X86_64(r) => Ok(r),
-        RegisterFile::Sparc64(_) => bail!("{vcpu} is not an x86-64 vCPU"),
-    }
-}
-
-/// What exotap knows of a running kernel once attached: the slide and the layout.
-#[derive(Debug, Clone)]
-pub struct Survey {
-    /// The kernel page-table root (PTI's kernel half of vCPU 0's CR3).
-    pub cr3: u64,
-    /// 5-level paging.
-    pub la57: bool,
-    /// The IDT base QEMU reports.
-    pub idt_base: u64,
-    /// Slide and physical load address.
-    pub kaslr: Kaslr,
-    /// Text, `_end`, page tables, per-CPU bases.
-    pub layout: KernelLayout,
-    /// Time from connecting to the slide and layout being known.
-    pub ready_after: Duration,
-}
-
-impl Survey {
-    /// The address space of the kernel as vCPUs in kernel mode see it.
-    pub fn space<'m, M: PhysicalMemory>(&self, mem: &'m mut M) -> AddressSpace<'m, M> {
-        AddressSpace::new(mem, self.cr3, self.la57)
-    }
-}
-
-/// Finds the KASLR slide (two anchors that must agree) and the kernel layout of a paused guest.
-///
-/// # Errors
-/// When registers or memory cannot be read, the anchors are missing or disagree.
-pub fn survey(att: &mut Attached, image: &KernelImage) -> anyhow::Result<Survey> {
-    let machine = &mut att.machine;
-    let regs = x86_registers(machine, VcpuId(0))?;
-    let cr3 = pti_kernel_cr3(regs.cr3);
-    let la57 = regs.cr4 & CR4_LA57 != 0;
-    let idt_base = idt_base(machine).context("QEMU's monitor did not report the IDT base")?;
-    let anchors = KaslrAnchors::from_image(&image.symbols, &image.vmlinux)
-        .context("the image lacks a KASLR anchor")?;
-    let mut mem = BackendMemory(machine);
-    let mut space = AddressSpace::new(&mut mem, cr3, la57);
-    let kaslr =
-        kaslr::detect(&mut space, idt_base, &anchors).context("cannot find the KASLR slide")?;
-    let layout = KernelLayout::read(&mut space, &image.symbols, kaslr.slide)
-        .context("cannot read the kernel layout")?;
-    Ok(Survey {
-        cr3,
-        la57,
-        idt_base,
-        kaslr,
-        layout,
-        ready_after: att.started.elapsed(),
-    })
-}
-
-/// `task_struct`'s pid and comm offsets from the BTF in the image.
-///
-/// # Errors
-/// When the image has no BTF or its task_struct lacks the members.
-pub fn task_offsets(image: &KernelImage) -> anyhow::Result<TaskOffsets> {
-    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
-    let offset = |member: &str| -> anyhow::Result<u64> {
-        btf.struct_member("task_struct", member)
-            .ok()
-            .and_then(|m| m.byte_offset())
-            .with_context(|| format!("BTF has no byte offset for task_struct.{member}"))
-    };
-    Ok(TaskOffsets {
-        pid: offset("pid")?,
-        comm: offset("comm")?,
-    })
 }
 
 /// Prints what exotap sees of the guest.
@@ -305,7 +207,7 @@ pub fn run_mem(cmd: &MemCommand) -> anyhow::Result<()> {
     if *len > 1 << 24 {
         bail!("refusing to read {len} bytes at once (at most 16 MiB)");
     }
-    let mut att = attach(target)?;
+    let mut att = attach(&target.to_target())?;
     let mut buf = vec![0u8; usize::try_from(*len)?];
     if *phys {
         att.machine.read_phys(*addr, &mut buf)?;
@@ -337,51 +239,6 @@ impl From<HeapPlaceArg> for HeapPlacement {
             HeapPlaceArg::Before => Self::Before,
         }
     }
-}
-
-/// Marker written at the start of the patch heap to check the mapping through the backend's
-/// own page walk.
-const HEAP_MARKER: &[u8; 16] = b"exotap patchheap";
-
-/// Maps the hidden physical range into kernel space next to the image (PMD entries written
-/// with the guest paused) and checks, through the backend's own virtual read, that it shows up.
-///
-/// # Errors
-/// When the plan is refused (occupied range, no PMD page, ...) or the check fails.
-pub fn map_patch_heap(
-    machine: &mut GdbMachine,
-    survey: &Survey,
-    placement: HeapPlacement,
-    phys: u64,
-    size: u64,
-) -> anyhow::Result<exotap_introspect::heap::HeapPlan> {
-    let plan = exotap_introspect::heap::plan(
-        &mut survey.space(&mut BackendMemory(&mut *machine)),
-        (survey.layout.text.0, survey.layout.end),
-        placement,
-        phys,
-        size,
-    )
-    .context("cannot plan the patch heap mapping")?;
-    for w in &plan.writes {
-        machine.write_phys(w.entry_addr, &w.new.to_le_bytes())?;
-    }
-    machine.write_phys(plan.phys, HEAP_MARKER)?;
-    let mut seen = [0u8; 16];
-    machine
-        .read_virt(VcpuId(0), plan.va, &mut seen)
-        .context("the mapped patch heap cannot be read at its virtual address")?;
-    if &seen != HEAP_MARKER {
-        bail!(
-            "the patch heap at {:#x} shows {seen:02x?}, not the marker",
-            plan.va
-        );
-    }
-    // Whatever goes into the guest from here on is journaled, and a guardian undoes it if
-    // this process dies (src/recover.rs).
-    crate::recover::Journal::open(plan.phys, plan.va, plan.size, machine)?;
-    crate::recover::guard_noted(plan.phys)?;
-    Ok(plan)
 }
 
 #[cfg(test)]

@@ -13,12 +13,14 @@ use exotap_vmm::qemu::{
     self, Accel, GoAtOnce, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts,
 };
 
-use crate::attach::{self, TargetArgs};
+use crate::attach;
 use crate::kernel_image::KernelImage;
-use crate::trace;
 use exotap_probes::lang::driver::{compile, stop_on_ctrl_c, ScriptSource};
 use exotap_probes::lang::output::Format;
 use exotap_probes::lang::Limits;
+use exotap_probes::live::attach::Target;
+use exotap_probes::live::compiled::{self, CompileMode};
+use exotap_probes::live::trap_script::GuestScript;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AccelChoice {
@@ -115,8 +117,8 @@ pub struct BootArgs {
     pub script_text: Option<String>,
     /// Whether the script's kernel probes run compiled inside the guest (auto: when every
     /// one compiles, else on the host with a stop per hit, saying why).
-    #[arg(long, value_enum, default_value_t = crate::compiled::CompileMode::Auto)]
-    pub compile: crate::compiled::CompileMode,
+    #[arg(long, value_enum, default_value_t = crate::script::CompileArg::Auto)]
+    pub compile: crate::script::CompileArg,
     /// With --script: the job itself calls `exotap_wait attach` (where exotap attaches and
     /// installs the probes) and `exotap_wait detach` (where it reads them and removes them),
     /// so it can prepare the guest first (e.g. arm the guest's own kprobes).
@@ -165,7 +167,7 @@ fn job(args: &BootArgs) -> anyhow::Result<GuestJob> {
 
 /// Attaches at the guest's `attach` wait point, prints what it sees and detaches.
 struct AttachHook {
-    target: TargetArgs,
+    target: Target,
     image: KernelImage,
 }
 
@@ -188,11 +190,11 @@ impl PhaseHook for AttachHook {
 
 /// Starts the tracer at the guest's `attach` wait point.
 struct ScriptHook {
-    target: TargetArgs,
+    target: Target,
     image: KernelImage,
     heap: (u64, u64),
-    script: Option<trace::GuestScript>,
-    compile: crate::compiled::CompileMode,
+    script: Option<GuestScript>,
+    compile: CompileMode,
     tracer: Option<std::thread::JoinHandle<i32>>,
     /// The script's stop flag, set at the guest's `detach` wait.
     stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -217,13 +219,8 @@ impl PhaseHook for ScriptHook {
             return Ok(());
         };
         self.stop = Some(script.stop.clone());
-        let started = crate::compiled::start_script(
-            &self.target,
-            &self.image,
-            self.heap,
-            script,
-            self.compile,
-        );
+        let started =
+            compiled::start_script(&self.target, &self.image, self.heap, script, self.compile);
         match started {
             Ok(handle) => {
                 self.tracer = Some(handle);
@@ -238,7 +235,7 @@ impl PhaseHook for ScriptHook {
 }
 
 /// Reads and checks the script `--script`/`--script-text` names (before booting anything).
-fn guest_script(args: &BootArgs) -> anyhow::Result<Option<trace::GuestScript>> {
+fn guest_script(args: &BootArgs) -> anyhow::Result<Option<GuestScript>> {
     let source = match (&args.script, &args.script_text) {
         (Some(path), _) => ScriptSource {
             name: path.display().to_string(),
@@ -275,7 +272,7 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<trace::GuestScript>> {
         tracing::warn!("cannot catch Ctrl-C ({e})");
         std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false))
     });
-    Ok(Some(trace::GuestScript {
+    Ok(Some(GuestScript {
         source,
         prog,
         limits,
@@ -284,6 +281,7 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<trace::GuestScript>> {
             crate::script::OutputFormat::Json => Format::Json,
         },
         out,
+        err: Box::new(std::io::stderr()),
         stop,
         compare_kprobes: args.compare_kprobes,
     }))
@@ -437,10 +435,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         boot: Duration::from_secs(args.boot_timeout),
         total: Duration::from_secs(args.timeout),
     };
-    let gdb_target = TargetArgs {
-        target: format!("unix:{}", gdb_socket.display()),
-        gdb_timeout: 10,
-    };
+    let gdb_target = Target::new(format!("unix:{}", gdb_socket.display()));
     let mut script_rc = 0;
     let outcome = if let Some(script) = script {
         let mut hook = ScriptHook {
@@ -448,7 +443,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
             image: KernelImage::load(config.kernel.clone())?,
             heap: (config.patch_heap.base, config.patch_heap.size),
             script: Some(script),
-            compile: args.compile,
+            compile: args.compile.into(),
             tracer: None,
             stop: None,
             rc: None,

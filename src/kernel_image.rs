@@ -1,15 +1,12 @@
-//! The guest kernel's image on the host: the bzImage from the cache (or a path), its ELF
-//! vmlinux, and the symbols recovered from its kallsyms tables. `exotap symbols`.
+//! Which guest kernel image to read (`--kernel`, `--bzimage`), loaded as the engine's
+//! [`KernelImage`]; `exotap symbols`.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
 use exotap_guest_images as images;
-use exotap_introspect::bzimage::Vmlinux;
-use exotap_introspect::kallsyms;
-use exotap_introspect::symbols::SymbolTable;
+pub use exotap_probes::live::KernelImage;
 
 /// Which kernel image to read.
 #[derive(Debug, Args, Clone)]
@@ -35,59 +32,13 @@ impl ImageArgs {
                 .bzimage),
         }
     }
-}
 
-/// A kernel image with its symbols (link-time addresses).
-pub struct KernelImage {
-    /// The bzImage it came from.
-    pub path: PathBuf,
-    /// The decompressed ELF vmlinux.
-    pub vmlinux: Vmlinux,
-    /// Every kallsyms symbol.
-    pub symbols: SymbolTable,
-    /// Time to decompress and recover the symbols.
-    pub load_time: Duration,
-}
-
-impl KernelImage {
-    /// Reads a bzImage, decompresses its vmlinux and recovers the kallsyms symbols.
-    ///
-    /// # Errors
-    /// When the file cannot be read, is not a bzImage we can decompress, or has no kallsyms.
-    pub fn load(path: PathBuf) -> anyhow::Result<Self> {
-        let start = Instant::now();
-        let bytes = std::fs::read(&path)
-            .with_context(|| format!("cannot read the kernel image {}", path.display()))?;
-        let vmlinux = Vmlinux::from_bzimage(&bytes)
-            .with_context(|| format!("cannot unpack the vmlinux inside {}", path.display()))?;
-        let found = kallsyms::extract(&vmlinux)
-            .with_context(|| format!("cannot recover the symbols of {}", path.display()))?;
-        let symbols = SymbolTable::from_kallsyms(&found);
-        Ok(Self {
-            path,
-            vmlinux,
-            symbols,
-            load_time: start.elapsed(),
-        })
-    }
-
-    /// Loads the image `args` names.
+    /// Loads the image these arguments name.
     ///
     /// # Errors
     /// As [`ImageArgs::bzimage_path`] and [`KernelImage::load`].
-    pub fn from_args(args: &ImageArgs) -> anyhow::Result<Self> {
-        Self::load(args.bzimage_path()?)
-    }
-
-    /// The link-time address of a symbol that must exist.
-    ///
-    /// # Errors
-    /// When the kernel has no such symbol.
-    pub fn address(&self, name: &str) -> anyhow::Result<u64> {
-        self.symbols
-            .get(name)
-            .map(|s| s.addr)
-            .with_context(|| format!("the kernel has no symbol {name}"))
+    pub fn load(&self) -> anyhow::Result<KernelImage> {
+        KernelImage::load(self.bzimage_path()?)
     }
 }
 
@@ -111,7 +62,7 @@ pub struct SymbolsArgs {
 /// # Errors
 /// When the image cannot be loaded.
 pub fn run_symbols(args: &SymbolsArgs) -> anyhow::Result<i32> {
-    let image = KernelImage::from_args(&args.image)?;
+    let image = args.image.load()?;
     let slide = args.slide.unwrap_or(0);
     let mut found = 0usize;
     for sym in image.symbols.matching(&args.pattern) {

@@ -14,10 +14,8 @@ macro_rules! out {
 
 mod attach;
 mod boot;
-mod compiled;
 mod debuginfo;
 mod entry_patch;
-mod guest_memory;
 mod image;
 mod kernel_image;
 mod kvm_splice;
@@ -26,9 +24,7 @@ mod recover;
 mod regress;
 mod script;
 mod selftest;
-mod splice_live;
-mod trace;
-mod trap_point;
+mod verbs;
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -97,21 +93,21 @@ enum Command {
     /// Count calls of kernel functions by splicing a counter into each entry (`vfs_*`) of a
     /// live guest, until the guest's run ends (booted) or Ctrl-C (--target). Exact bytes
     /// restored at the end; prints the counts and the text-page hashes before and after.
-    Count(splice_live::CountArgs),
+    Count(verbs::CountArgs),
     /// Time every call of kernel functions from entry to return, in the guest (rdtsc pairs,
     /// return addresses swapped as kretprobes do), and print log2 histograms at the end.
-    Time(splice_live::TimeArgs),
+    Time(verbs::TimeArgs),
     /// Record every entry (first argument) and return (return value) of kernel functions with
     /// rdtsc timestamps in per-vCPU ring buffers in the guest, printed as they come (drained every 250 ms).
-    Trace(splice_live::TraceArgs),
+    Trace(verbs::TraceArgs),
     /// Make every call of a kernel function return VALUE at once (spliced, undone at the end).
-    Nullify(splice_live::NullifyArgs),
+    Nullify(verbs::NullifyArgs),
     /// Run another kernel function instead of FUNC (spliced, undone at the end).
-    Replace(splice_live::ReplaceArgs),
+    Replace(verbs::ReplaceArgs),
     /// Plan a splice at every ftrace site of the live guest (what available_filter_functions
     /// lists) and print how many are splice-able and why the others are not; --install N
     /// also installs N counting splices in one batch while the guest runs, and prints the rates.
-    SpliceReport(splice_live::ReportArgs),
+    SpliceReport(verbs::ReportArgs),
     /// Source lines of kernel functions from the -dbg DWARF: gdb's `info line` answer, then
     /// every line with its address. Patterns as SystemTap's: `vfs_read`, `vfs_*`, `*@fs/open.c`.
     Lines(debuginfo::LinesArgs),
@@ -162,6 +158,7 @@ fn init_logging(verbose: u8) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
+    recover::enable_guardian();
     let Some(command) = cli.command else {
         let result = if cli.script.any() {
             script::run(&cli.script)
@@ -171,7 +168,7 @@ fn main() -> ExitCode {
             ))
         };
         if result.is_ok() {
-            recover::dismiss();
+            exotap_probes::live::recover::dismiss();
         }
         return exit_code(result);
     };
@@ -183,12 +180,12 @@ fn main() -> ExitCode {
         Command::Selftest(args) => selftest::run(&args),
         Command::Symbols(args) => kernel_image::run_symbols(&args),
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
-        Command::Count(args) => splice_live::run_count(&args),
-        Command::Time(args) => splice_live::run_time(&args),
-        Command::Trace(args) => splice_live::run_trace(&args),
-        Command::Nullify(args) => splice_live::run_nullify(&args),
-        Command::Replace(args) => splice_live::run_replace(&args),
-        Command::SpliceReport(args) => splice_live::run_report(&args),
+        Command::Count(args) => verbs::run_count(&args),
+        Command::Time(args) => verbs::run_time(&args),
+        Command::Trace(args) => verbs::run_trace(&args),
+        Command::Nullify(args) => verbs::run_nullify(&args),
+        Command::Replace(args) => verbs::run_replace(&args),
+        Command::SpliceReport(args) => verbs::run_report(&args),
         Command::Lines(args) => debuginfo::run_lines(&args),
         Command::Ptype(args) => debuginfo::run_ptype(&args),
         Command::Vars(args) => debuginfo::run_vars(&args),
@@ -207,7 +204,7 @@ fn main() -> ExitCode {
     // A normal end (the script's own exit code included) removed everything: the guardian
     // may go. After an error it stays, and recovers whatever is left.
     if result.is_ok() {
-        recover::dismiss();
+        exotap_probes::live::recover::dismiss();
     }
     exit_code(result)
 }

@@ -21,6 +21,7 @@ use exotap_probes::lang::output::Format;
 use exotap_probes::lang::point::PointKind;
 use exotap_probes::lang::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
 use exotap_probes::lang::Limits;
+use exotap_probes::live::compiled::CompileMode;
 
 use crate::kernel_image::{ImageArgs, KernelImage};
 
@@ -50,7 +51,7 @@ impl ProbePointResolver for LazyKernel {
             return NoSymbols.resolve(point, kind);
         }
         let loaded = self.loaded.get_or_init(|| {
-            let image = KernelImage::from_args(&self.image).map_err(|e| format!("{e:#}"))?;
+            let image = self.image.load().map_err(|e| format!("{e:#}"))?;
             let btf = match Btf::from_elf(image.vmlinux.bytes()) {
                 Ok(btf) => Some(btf),
                 Err(e) => {
@@ -67,6 +68,28 @@ impl ProbePointResolver for LazyKernel {
             Err(e) => Err(ResolveError::NeedsSymbols {
                 what: format!("{point} (the kernel image could not be loaded: {e})"),
             }),
+        }
+    }
+}
+
+/// `--compile`: whether scripts run compiled into the guest.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CompileArg {
+    /// Compiled when every kernel probe compiles; else host-evaluated, saying why.
+    #[default]
+    Auto,
+    /// Compiled, or an error naming what does not compile.
+    Require,
+    /// Host-evaluated (a stop per hit): the reference the compiled path is checked against.
+    Never,
+}
+
+impl From<CompileArg> for CompileMode {
+    fn from(arg: CompileArg) -> Self {
+        match arg {
+            CompileArg::Auto => Self::Auto,
+            CompileArg::Require => Self::Require,
+            CompileArg::Never => Self::Never,
         }
     }
 }
@@ -149,8 +172,8 @@ pub struct ScriptOptions {
     pub compare_kprobes: bool,
     /// With --target: whether the script's kernel probes run compiled inside the guest
     /// (auto: when every one compiles, else on the host with a stop per hit, saying why).
-    #[arg(long, value_enum, default_value_t = crate::compiled::CompileMode::Auto)]
-    pub compile: crate::compiled::CompileMode,
+    #[arg(long, value_enum, default_value_t = CompileArg::Auto)]
+    pub compile: CompileArg,
     /// The guest kernel whose symbols resolve kernel probe points.
     #[command(flatten)]
     pub image: ImageArgs,
@@ -241,7 +264,7 @@ fn run_attached(
         eprint!("{}", d.render(&source.name, &source.text, color));
     }
     let heap = parse_heap(&args.heap)?;
-    let image = KernelImage::from_args(&args.image)?;
+    let image = args.image.load()?;
     let out: Box<dyn Write + Send> = match &args.output {
         Some(path) => Box::new(
             std::fs::File::create(path)
@@ -249,20 +272,24 @@ fn run_attached(
         ),
         None => Box::new(std::io::stdout()),
     };
-    let target = crate::attach::TargetArgs {
-        target: target.to_owned(),
-        gdb_timeout: 10,
-    };
-    let script = crate::trace::GuestScript {
+    let target = exotap_probes::live::attach::Target::new(target);
+    let script = exotap_probes::live::trap_script::GuestScript {
         source,
         prog,
         limits,
         format,
         out,
+        err: Box::new(std::io::stderr()),
         stop,
         compare_kprobes: args.compare_kprobes,
     };
-    let tracer = crate::compiled::start_script(&target, &image, heap, script, args.compile)?;
+    let tracer = exotap_probes::live::compiled::start_script(
+        &target,
+        &image,
+        heap,
+        script,
+        args.compile.into(),
+    )?;
     tracer
         .join()
         .map_err(|_| anyhow::anyhow!("the tracer thread panicked"))

@@ -22,10 +22,10 @@ use exotap_guest_images::{self as images, GuestJob};
 use exotap_vmm::control::{Machine, VcpuId};
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
 
-use crate::attach::{self, Attached, HeapPlaceArg, Survey, TargetArgs};
+use crate::attach::{self, Attached, HeapPlaceArg, Survey, Target};
 use crate::entry_patch::{counter_patch, jmp_rel32};
-use crate::guest_memory::BackendMemory;
 use crate::kernel_image::{ImageArgs, KernelImage};
+use exotap_probes::live::guest_memory::BackendMemory;
 
 /// The function spliced.
 const FUNCTION: &str = "__x64_sys_getpid";
@@ -102,7 +102,7 @@ struct Splice {
 }
 
 struct SelftestHook {
-    target: TargetArgs,
+    target: Target,
     image: KernelImage,
     heap: PatchHeapRange,
     heap_place: HeapPlaceArg,
@@ -229,7 +229,7 @@ impl PhaseHook for SelftestHook {
 /// # Errors
 /// When the guest cannot be booted or a step fails (the error names the step).
 pub fn run(args: &SelftestArgs) -> anyhow::Result<i32> {
-    let image = KernelImage::from_args(&args.image)?;
+    let image = args.image.load()?;
     let work = tempfile::Builder::new()
         .prefix("exotap-selftest-")
         .tempdir()
@@ -246,10 +246,7 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<i32> {
     let socket = work.path().join("gdb.sock");
     config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
     let mut hook = SelftestHook {
-        target: TargetArgs {
-            target: format!("unix:{}", socket.display()),
-            gdb_timeout: 10,
-        },
+        target: Target::new(format!("unix:{}", socket.display())),
         heap: config.patch_heap,
         heap_place: args.heap_place,
         image,

@@ -5,6 +5,8 @@
 //! a normal removal. QEMU killed under a running exotap ends it within 5 s with a clear error.
 //! `ci/fault-trials.sh` runs the same trials by the dozen, at random moments.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::io::Read as _;
@@ -235,7 +237,13 @@ exotap_result storm done"#;
     console.read_to_string(&mut rest).unwrap();
     assert!(guest.wait().unwrap().success(), "{rest}");
     assert!(rest.contains("EXOTAP-DONE 0"), "{rest}");
-    for bad in ["Oops", "BUG:", "WARNING:", "general protection", "STORM-FAIL"] {
+    for bad in [
+        "Oops",
+        "BUG:",
+        "WARNING:",
+        "general protection",
+        "STORM-FAIL",
+    ] {
         assert!(!rest.contains(bad), "{bad} on the console:\n{rest}");
     }
 }
@@ -249,7 +257,12 @@ fn qemu_killed_under_a_running_exotap_ends_it_within_5_s_with_a_clear_error() {
     let socket = dir.path().join("gdb.sock");
     let target = format!("unix:{}", socket.display());
     let (mut guest, _console) = boot_with_gdbstub(
-        &["--timeout", "300", "--run", "while true; do syscall-loop 2000 >/dev/null; done"],
+        &[
+            "--timeout",
+            "300",
+            "--run",
+            "while true; do syscall-loop 2000 >/dev/null; done",
+        ],
         &socket,
         "EXOTAP-READY",
     );
@@ -275,5 +288,9 @@ fn qemu_killed_under_a_running_exotap_ends_it_within_5_s_with_a_clear_error() {
         stderr.contains("error:"),
         "no clear error from exotap:\n{stderr}"
     );
-    eprintln!("exotap ended {} ms after QEMU died: {}", took.as_millis(), stderr.trim_end());
+    eprintln!(
+        "exotap ended {} ms after QEMU died: {}",
+        took.as_millis(),
+        stderr.trim_end()
+    );
 }

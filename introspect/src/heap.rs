@@ -374,7 +374,10 @@ mod tests {
             HEAP_PHYS + SIZE,
             SIZE,
         );
-        assert!(matches!(other, Err(HeapError::Occupied { .. })), "{other:?}");
+        assert!(
+            matches!(other, Err(HeapError::Occupied { .. })),
+            "{other:?}"
+        );
     }
 
     #[test]

@@ -2,5 +2,6 @@
 
 pub mod compile;
 pub mod lang;
+pub mod live;
 pub mod rings;
 pub mod splice;

@@ -403,12 +403,10 @@ pub fn run(
             Ok(())
         });
     }
-    let child = command
-        .spawn()
-        .map_err(|source| QemuError::Spawn {
-            qemu: config.qemu.clone(),
-            source,
-        })?;
+    let child = command.spawn().map_err(|source| QemuError::Spawn {
+        qemu: config.qemu.clone(),
+        source,
+    })?;
     let mut child = ChildGuard(child);
     let start = Instant::now();
 

@@ -119,6 +119,12 @@ impl<'p> Session<'p> {
         let _ = self.interp.out.flush();
     }
 
+    /// Prints a line of the host's own on the error stream (e.g. `HOST-RESULT` measurements),
+    /// after the script's output so far.
+    pub fn note(&mut self, line: &str) {
+        let _ = self.interp.out.error_line(line);
+    }
+
     /// Prints a warning on the error stream (`WARNING: ...`); the session goes on.
     pub fn warn(&mut self, message: &str) {
         let _ = self.interp.out.error_line(&format!("WARNING: {message}"));

@@ -15,3 +15,9 @@ impl<M: Machine + ?Sized> PhysicalMemory for BackendMemory<'_, M> {
         })
     }
 }
+
+impl<M: Machine + ?Sized> std::fmt::Debug for BackendMemory<'_, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BackendMemory")
+    }
+}

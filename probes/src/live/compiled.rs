@@ -1,4 +1,4 @@
-//! Running a probe script compiled into the guest (exotap_probes::compile): kernel probe
+//! Running a probe script compiled into the guest (crate::compile): kernel probe
 //! bodies run as native code entered from splices, with no stop per hit; begin, end and timer
 //! probes run on the host over the same globals.
 //!
@@ -18,25 +18,25 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
-use exotap_introspect::btf::Btf;
-use exotap_probes::compile::{
+use crate::compile::{
     self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, SitePoint,
     TaskFields, Unsupported,
 };
-use exotap_probes::lang::check::Program;
-use exotap_probes::lang::kernel_points::KernelSymbols;
-use exotap_probes::lang::output::Output;
-use exotap_probes::lang::resolve::resolve_program;
-use exotap_probes::lang::runtime::{host_context, host_timers, Session};
-use exotap_probes::lang::Limits;
-use exotap_vmm::control::{Machine, StopEvent};
-use exotap_vmm::gdb::GdbMachine;
+use crate::lang::check::Program;
+use crate::lang::kernel_points::KernelSymbols;
+use crate::lang::output::Output;
+use crate::lang::resolve::resolve_program;
+use crate::lang::runtime::{host_context, host_timers, Session};
+use crate::lang::Limits;
+use anyhow::{bail, Context as _};
+use exotap_introspect::btf::Btf;
+use exotap_vmm::control::StopEvent;
 
-use crate::attach::{self, TargetArgs};
-use crate::kernel_image::KernelImage;
-use crate::splice_live::{Action, KprobeReader, Request, SiteCode, Splicer};
-use crate::trace::GuestScript;
+use super::attach::Target;
+use super::kernel_image::KernelImage;
+use super::session::GuestSession;
+use super::splicer::{Action, KprobeReader, Request, SiteCode};
+use super::trap_script::GuestScript;
 
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
 pub const POLL_EVERY: Duration = Duration::from_millis(250);
@@ -44,7 +44,7 @@ pub const POLL_EVERY: Duration = Duration::from_millis(250);
 const WAIT: Duration = Duration::from_millis(20);
 
 /// Whether scripts run compiled into the guest.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CompileMode {
     /// Compiled when every kernel probe compiles; else host-evaluated, saying why.
     #[default]
@@ -158,13 +158,13 @@ pub fn plan(
 }
 
 /// Starts `script` against `target`: compiled into the guest where it compiles (as `mode`
-/// says), else through the host-evaluated tracer (src/trace.rs), naming what did not compile.
+/// says), else through the host-evaluated tracer ([`super::trap_script`]), naming what did not compile.
 ///
 /// # Errors
-/// As [`start`] and [`crate::trace::start`]; with [`CompileMode::Require`], a script that
+/// As [`start`] and [`super::trap_script::start`]; with [`CompileMode::Require`], a script that
 /// does not compile.
 pub fn start_script(
-    target: &TargetArgs,
+    target: &Target,
     image: &KernelImage,
     heap: (u64, u64),
     script: GuestScript,
@@ -184,7 +184,7 @@ pub fn start_script(
              (milliseconds each under TCG), because these do not compile:\n{why}"
         );
     }
-    crate::trace::start(target, image, heap, script)
+    super::trap_script::start(target, image, heap, script)
 }
 
 /// One line per construct, for messages: "file:line:col: construct".
@@ -192,7 +192,7 @@ pub fn describe(unsupported: &[Unsupported], file: &str, source: &str) -> String
     unsupported
         .iter()
         .map(|u| {
-            let (line, col) = exotap_probes::lang::diag::line_col(source, u.span.start);
+            let (line, col) = crate::lang::diag::line_col(source, u.span.start);
             format!("  {file}:{line}:{col}: {}", u.construct)
         })
         .collect::<Vec<_>>()
@@ -233,8 +233,7 @@ impl SiteCode for Sites<'_> {
 
 /// The guest side of a compiled run.
 struct Guest {
-    machine: GdbMachine,
-    splicer: Splicer,
+    session: GuestSession,
     layout: DataLayout,
     data: u64,
     interner: Interner,
@@ -247,14 +246,14 @@ struct Guest {
 impl Guest {
     fn read_data(&mut self) -> anyhow::Result<Vec<u8>> {
         let len = usize::try_from(self.layout.globals_size)?;
-        self.splicer.read_heap(&mut self.machine, self.data, len)
+        self.session.read_heap(self.data, len)
     }
 
     /// Takes the output records written since the last drain, in TSC order across vCPUs (the
     /// guest stopped). A record still being written ends its vCPU's take until the next
     /// drain; with `last` it is skipped instead.
     fn drain(&mut self, last: bool) -> anyhow::Result<Vec<String>> {
-        use exotap_probes::rings::{spans, take, window};
+        use crate::rings::{spans, take, window};
         let Some(rings) = self.layout.ring_set(self.data) else {
             return Ok(Vec::new());
         };
@@ -262,20 +261,14 @@ impl Guest {
         let record = usize::try_from(rings.record)?;
         let mut records = Vec::new();
         for cpu in 0..rings.cpus {
-            let head = self
-                .splicer
-                .read_heap(&mut self.machine, rings.ring(cpu), 8)?;
+            let head = self.session.read_heap(rings.ring(cpu), 8)?;
             let head = u64::from_le_bytes(head.try_into().unwrap_or_default());
             let (from, lost) = window(head, self.taken[cpu as usize], rings.slots);
             self.lost += lost;
             let mut bytes = Vec::new();
             for (slot, n) in spans(from, head, rings.slots) {
                 let len = usize::try_from(n * rings.record)?;
-                bytes.extend(self.splicer.read_heap(
-                    &mut self.machine,
-                    rings.slot(cpu, slot),
-                    len,
-                )?);
+                bytes.extend(self.session.read_heap(rings.slot(cpu, slot), len)?);
             }
             let (finished, consumed) = take(&bytes, record, last);
             for rec in finished {
@@ -288,8 +281,7 @@ impl Guest {
             if !last {
                 for (slot, n) in spans(from, from + consumed, rings.slots) {
                     let zeros = vec![0u8; usize::try_from(n * rings.record)?];
-                    self.splicer
-                        .write_heap(&mut self.machine, rings.slot(cpu, slot), &zeros)?;
+                    self.session.write_heap(rings.slot(cpu, slot), &zeros)?;
                 }
             }
             self.taken[cpu as usize] = from + consumed;
@@ -307,9 +299,9 @@ impl Guest {
     }
 
     fn header(&mut self) -> anyhow::Result<Header> {
-        let bytes =
-            self.splicer
-                .read_heap(&mut self.machine, self.data, compile::data::HEADER as usize)?;
+        let bytes = self
+            .session
+            .read_heap(self.data, compile::data::HEADER as usize)?;
         Ok(Header::decode(&bytes))
     }
 
@@ -343,8 +335,7 @@ impl Guest {
         }
         if fresh != data {
             data = fresh;
-            self.splicer
-                .write_heap(&mut self.machine, self.data, &data)?;
+            self.session.write_heap(self.data, &data)?;
         }
         Ok(())
     }
@@ -357,42 +348,31 @@ impl Guest {
 /// # Errors
 /// When attaching, generating or installing fails (the guest is then left as it was).
 pub fn start(
-    target: &TargetArgs,
+    target: &Target,
     image: &KernelImage,
     heap: (u64, u64),
     script: GuestScript,
     plan: Plan,
 ) -> anyhow::Result<JoinHandle<i32>> {
-    let mut att = attach::attach(target)?;
-    let survey = attach::survey(&mut att, image)?;
-    let slide = survey.kaslr.slide;
-    let splicer = match Splicer::new(&mut att.machine, &survey, image, heap) {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = att.machine.detach();
-            return Err(e);
-        }
-    };
+    let mut session = GuestSession::attach(target, image)?;
+    let slide = session.survey.kaslr.slide;
+    // On an error from here on, dropping the session detaches.
+    session.plan(image, heap)?;
     let mut facts = plan.facts.clone();
-    facts.current_task = survey.layout.current_task_offset;
+    facts.current_task = session.survey.layout.current_task_offset;
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
     facts.copy_nofault = plan.copy_link.map(|a| a.wrapping_add(slide));
     let kprobes = if script.compare_kprobes {
         let btf =
             Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
-        Some(KprobeReader::new(&survey, image, &btf)?)
+        Some(KprobeReader::new(&session.survey, image, &btf)?)
     } else {
         None
     };
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
-    let machine = att.machine;
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())
-        .spawn(move || {
-            run(
-                machine, splicer, script, plan, facts, slide, kprobes, ready_tx,
-            )
-        })
+        .spawn(move || run(session, script, plan, facts, slide, kprobes, ready_tx))
         .context("cannot start the script thread")?;
     match ready_rx.recv() {
         Ok(Ok(())) => Ok(handle),
@@ -420,11 +400,10 @@ struct Install<'a> {
 /// Generates the sites' code and the data, writes them and installs the splices; returns the
 /// guest side.
 fn install(
-    mut machine: GdbMachine,
-    mut splicer: Splicer,
+    mut guest: GuestSession,
     what: &Install<'_>,
     session: &Session<'_>,
-) -> Result<Guest, (anyhow::Error, Box<GdbMachine>)> {
+) -> anyhow::Result<Guest> {
     let Install {
         prog,
         limits,
@@ -443,13 +422,13 @@ fn install(
             )
         })?;
         if compile::codegen::prints(prog) {
-            let cpus = u32::try_from(splicer.cpus())?;
+            let cpus = u32::try_from(guest.parts()?.1.cpus())?;
             layout = layout.with_rings(cpus);
         }
-        let data = splicer.alloc(layout.size, 64)?;
+        let data = guest.alloc(layout.size, 64)?;
         // Assembled once to learn its size, then again where it goes.
         let size = compile::runtime(&layout, data, data)?.code.len() as u64;
-        let rt_at = splicer.alloc(size.max(16), 16)?;
+        let rt_at = guest.alloc(size.max(16), 16)?;
         let rt: Runtime = compile::runtime(&layout, data, rt_at)?;
         let mut interner = Interner::default();
         let mut bytes = layout.initial(prog, &mut interner);
@@ -461,9 +440,9 @@ fn install(
             }
         }
         bytes.resize(usize::try_from(layout.size)?, 0);
-        splicer.write_heap(&mut machine, data, &bytes)?;
+        guest.write_heap(data, &bytes)?;
         if !rt.code.is_empty() {
-            splicer.write_heap(&mut machine, rt_at, &rt.code)?;
+            guest.write_heap(rt_at, &rt.code)?;
         }
         // One site per address: its entry bodies and its return bodies.
         let mut by_addr: BTreeMap<u64, SiteBodies> = BTreeMap::new();
@@ -501,7 +480,7 @@ fn install(
             interner: &mut interner,
             bodies,
         };
-        let report = splicer.install_compiled(&mut machine, &requests, &mut sites)?;
+        let report = guest.install_compiled(&requests, &mut sites)?;
         for r in &report.refused {
             tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
         }
@@ -518,37 +497,28 @@ fn install(
         }
         tracing::info!(
             "compiled probes in at {} sites ({} refused), {} KiB of data, planned in {:.3} s",
-            splicer.installed.len(),
+            guest.splicer().map_or(0, |s| s.installed.len()),
             report.refused.len(),
             layout.size >> 10,
             report.plan_time.as_secs_f64()
         );
         Ok((layout, data, interner))
     })();
-    match r {
-        Ok((layout, data, interner)) => Ok(Guest {
-            machine,
-            splicer,
-            layout,
-            data,
-            interner,
-            taken: Vec::new(),
-            lost: 0,
-        }),
-        Err(e) => {
-            // Whatever went in comes out.
-            if !splicer.installed.is_empty() {
-                let _ = splicer.remove(&mut machine);
-            }
-            Err((e, Box::new(machine)))
-        }
-    }
+    // On an error, dropping the session takes out whatever went in and detaches.
+    let (layout, data, interner) = r?;
+    Ok(Guest {
+        session: guest,
+        layout,
+        data,
+        interner,
+        taken: Vec::new(),
+        lost: 0,
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
 fn run(
-    machine: GdbMachine,
-    splicer: Splicer,
+    guest: GuestSession,
     script: GuestScript,
     plan: Plan,
     facts: Facts,
@@ -562,10 +532,11 @@ fn run(
         limits,
         format,
         out,
+        err,
         stop,
         ..
     } = script;
-    let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
+    let output = Output::new(format, Box::new(out), Box::new(err));
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
     session.begin();
     let what = Install {
@@ -575,24 +546,25 @@ fn run(
         facts: &facts,
         slide,
     };
-    let mut guest = match install(machine, splicer, &what, &session) {
+    let mut guest = match install(guest, &what, &session) {
         Ok(g) => g,
-        Err((e, machine)) => {
-            let _ = machine.detach();
+        Err(e) => {
             let _ = ready.send(Err(e));
             return 1;
         }
     };
     // The guest's own kprobe counters, read at the same stops as the install and the removal.
-    let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.machine));
+    let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.session.machine));
     let _ = ready.send(Ok(()));
     let mut timers = host_timers(&prog, Instant::now());
     let host = host_context();
     let mut gone = false;
     let mut header = Header::default();
     let mut lost = 0;
-    if let Err(e) = guest.machine.resume() {
-        tracing::error!("cannot resume the guest: {e}");
+    // Whether the guest ended (its splices went with it): nothing to remove then.
+    let mut exited = false;
+    if let Err(e) = guest.session.resume() {
+        tracing::error!("{e:#}");
         gone = true;
     }
     let mut next_poll = Instant::now() + POLL_EVERY;
@@ -601,7 +573,7 @@ fn run(
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
         if !due.is_empty() || now >= next_poll {
             let step = (|| -> anyhow::Result<bool> {
-                guest.machine.pause()?;
+                guest.session.pause()?;
                 guest.print(&mut session, false)?;
                 if due.is_empty() {
                     header = guest.header()?;
@@ -616,7 +588,7 @@ fn run(
                 }
                 let end = header.exit || header.errors > 0;
                 if !end {
-                    guest.machine.resume()?;
+                    guest.session.resume()?;
                 }
                 Ok(end)
             })();
@@ -631,18 +603,21 @@ fn run(
             }
             next_poll = Instant::now() + POLL_EVERY;
         }
-        match guest.machine.wait_event(WAIT) {
+        match guest.session.wait(WAIT) {
             Ok(None) => {}
-            Ok(Some(StopEvent::Exited)) => gone = true,
+            Ok(Some(StopEvent::Exited)) => {
+                gone = true;
+                exited = true;
+            }
             Ok(Some(_)) => {
                 // Compiled probes set no breakpoints: a stop is someone else's; go on.
-                if let Err(e) = guest.machine.resume() {
-                    tracing::error!("cannot resume the guest: {e}");
+                if let Err(e) = guest.session.resume() {
+                    tracing::error!("{e:#}");
                     gone = true;
                 }
             }
             Err(e) => {
-                tracing::error!("lost the guest: {:#}", anyhow::Error::from(e));
+                tracing::error!("{e:#}");
                 gone = true;
             }
         }
@@ -651,27 +626,29 @@ fn run(
         session.error(
             "the guest ended before exotap read its compiled probes' data: their last updates are lost",
         );
+        if exited {
+            guest.session.abandon();
+        }
+        // Else dropping the session tries the removal and detaches.
     } else {
         let end = (|| -> anyhow::Result<()> {
-            if !guest.machine.is_paused() {
-                guest.machine.pause()?;
-            }
+            guest.session.pause()?;
             guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;
             if let (Some(reader), Some(before)) = (&kprobes, &kprobes_before) {
-                match (before, reader.read(&mut guest.machine)) {
+                match (before, reader.read(&mut guest.session.machine)) {
                     (Ok(before), Ok(after)) => {
                         for (name, (hits, missed)) in after {
                             let (h0, m0) = before.get(&name).copied().unwrap_or_default();
                             let n = (hits + missed).saturating_sub(h0 + m0);
-                            eprintln!("HOST-RESULT kprobe.{name}={n}");
+                            session.note(&format!("HOST-RESULT kprobe.{name}={n}"));
                         }
                     }
                     (Err(e), _) => tracing::warn!("cannot read the guest's kprobes: {e:#}"),
                     (_, Err(e)) => tracing::warn!("cannot read the guest's kprobes: {e:#}"),
                 }
             }
-            let removed = guest.splicer.remove(&mut guest.machine)?;
+            let removed = guest.session.remove()?;
             if !removed.differing.is_empty() {
                 tracing::warn!(
                     "{} text pages differ after removal",
@@ -690,8 +667,9 @@ fn run(
             tracing::error!("removing the compiled probes failed: {e:#}");
         }
         lost = guest.lost;
-        if let Err(e) = guest.machine.detach() {
-            tracing::warn!("detaching failed: {e}");
+        // After a failed removal, the detach tries it again.
+        if let Err(e) = guest.session.detach() {
+            tracing::warn!("{e:#}");
         }
     }
     if lost > 0 {

@@ -10,7 +10,7 @@
 //!   a short `jcc` into a near one), but `loop` and `jrcxz` only exist with 8-bit offsets, and
 //!   emulation needs no heap slot at all;
 //! * everything else runs as an **out-of-line copy** in the patch heap: the instruction
-//!   re-encoded there by the splice relocator ([`exotap_probes::splice::patch::out_of_line`],
+//!   re-encoded there by the splice relocator ([`crate::splice::patch::out_of_line`],
 //!   which rewrites RIP-relative operands and turns an indirect `call` into `push original
 //!   return address; jmp`), then a `jmp` back to the next instruction.
 //!
@@ -26,7 +26,7 @@
 //! exception-table fixup and the entry text, which runs on the user page tables where the
 //! patch heap is not mapped.
 
-use exotap_probes::splice::patch::out_of_line;
+use crate::splice::patch::out_of_line;
 use iced_x86::{
     Code, ConditionCode, Decoder, DecoderOptions, FlowControl, Instruction, Mnemonic, OpKind,
 };

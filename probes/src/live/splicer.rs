@@ -1,5 +1,5 @@
-//! Splicing a live guest over QEMU's gdbstub: `exotap count`, `exotap nullify`,
-//! `exotap replace`, `exotap splice-report` (DESIGN.md, key mechanism 2).
+//! Splicing a live guest over QEMU's gdbstub: the splicer under `exotap count`, `nullify`,
+//! `replace`, `time`, `trace`, `splice-report` and compiled scripts (DESIGN.md, key mechanism 2).
 //!
 //! With every vCPU stopped (gdbstub all-stop), exotap reads the guest's *live* kernel text
 //! (boot-time alternatives, jump labels, static calls and the guest's ftrace have rewritten
@@ -26,42 +26,35 @@
 //! entry that does not hold what it expects, so the order is: the guest enables its tracer,
 //! exotap splices, exotap unsplices, the guest disables its tracer.
 //!
-//! Patch-heap layout: below [`REGION`] belongs to the trap probes (src/trace.rs); from
+//! Patch-heap layout: below [`REGION`] belongs to the trap probes ([`super::trap_script`]); from
 //! [`REGION`] the data area (counters) and from [`CODE_OFFSET`] the patches.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::ops::Range;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::rings::RingSet;
+use crate::splice::{
+    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
+    TrapReason,
+};
 use anyhow::{bail, Context};
-use clap::Args;
-use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::x86::{
     ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
-use exotap_probes::rings::RingSet;
-use exotap_probes::splice::{
-    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
-    TrapReason,
-};
-use exotap_vmm::control::{Machine, StopEvent};
+use exotap_vmm::control::Machine;
 use exotap_vmm::gdb::GdbMachine;
-use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
 use iced_x86::code_asm::{rax, CodeAssembler};
 use iced_x86::Register;
 use sha2::{Digest, Sha256};
 
-use crate::attach::{self, Survey, TargetArgs};
-use crate::guest_memory::BackendMemory;
-use crate::kernel_image::{ImageArgs, KernelImage};
+use super::attach::{self, Survey};
+use super::guest_memory::BackendMemory;
+use super::kernel_image::KernelImage;
 
-/// Start of the splice engine's part of the patch heap (below: trap probes, src/trace.rs).
+/// Start of the splice engine's part of the patch heap (below: trap probes, [`super::trap_script`]).
 pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;
@@ -413,7 +406,7 @@ pub enum Action {
     /// Record every entry (first argument) and return (return value) with its TSC in the
     /// per-vCPU rings, under this function id.
     Trace(u32),
-    /// Run compiled probe bodies (src/compiled.rs): site number N of the [`SiteCode`] given
+    /// Run compiled probe bodies ([`super::compiled`]): site number N of the [`SiteCode`] given
     /// to [`Splicer::install_compiled`].
     Compiled(u32),
 }
@@ -701,7 +694,7 @@ fn diverting_patch(
 
 // The table of calls in flight and its hash are the compiled probes' (one table layout for
 // `time`, `trace` and compiled `.return` probes).
-use exotap_probes::compile::site::{emit_swap, emit_unswap, INFLIGHT, PROBE_SLOTS, SLOT};
+use crate::compile::site::{emit_swap, emit_unswap, INFLIGHT, PROBE_SLOTS, SLOT};
 /// Histogram buckets (log2 of cycles).
 pub const BUCKETS: usize = 64;
 
@@ -723,7 +716,7 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 /// ones: those are counted as lost (overruns).
 #[derive(Debug, Clone, Copy)]
 pub struct Rings {
-    /// The rings (exotap_probes::rings: the protocol `trace` shares with compiled probes).
+    /// The rings (crate::rings: the protocol `trace` shares with compiled probes).
     pub set: RingSet,
     /// The per-CPU offset of `cpu_number` (gs-relative).
     pub cpu_number: u64,
@@ -841,7 +834,8 @@ fn timing_trampoline(
 pub struct Splicer {
     /// The live kernel.
     pub kernel: LiveKernel,
-    heap_va: u64,
+    /// Where the patch heap is mapped in kernel space (its start).
+    pub heap_va: u64,
     heap_phys: u64,
     data: PatchHeap,
     code: PatchHeap,
@@ -865,8 +859,8 @@ pub struct Splicer {
     pub installed: Vec<Installed>,
     /// The touched pages as they were before the install.
     pub before: PageSnapshot,
-    /// What a guardian or `exotap recover` needs to undo this session (src/recover.rs).
-    journal: crate::recover::Journal,
+    /// What a guardian or `exotap recover` needs to undo this session ([`super::recover`]).
+    journal: super::recover::Journal,
 }
 
 impl std::fmt::Debug for Splicer {
@@ -931,7 +925,7 @@ pub struct TraceRecord {
     pub slot: u64,
 }
 
-pub use exotap_probes::rings::{spans as ring_spans_of, window as ring_window};
+pub use crate::rings::{spans as ring_spans_of, window as ring_window};
 
 /// The records `[from, to)` as (first slot, count) spans of a ring of `slots` records.
 pub fn ring_spans(from: u64, to: u64, slots: u32) -> Vec<(u64, u64)> {
@@ -942,7 +936,7 @@ pub fn ring_spans(from: u64, to: u64, slots: u32) -> Vec<(u64, u64)> {
 /// by its writer) unless `last`, which skips it. Returns the finished records and how many
 /// records (finished or skipped) were consumed.
 pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
-    let (chunks, consumed) = exotap_probes::rings::take(bytes, TRACE_RECORD as usize, last);
+    let (chunks, consumed) = crate::rings::take(bytes, TRACE_RECORD as usize, last);
     let records = chunks
         .into_iter()
         .map(|chunk| {
@@ -1015,7 +1009,7 @@ impl Splicer {
             ring_lost: Vec::new(),
             installed: Vec::new(),
             before: PageSnapshot::default(),
-            journal: crate::recover::Journal {
+            journal: super::recover::Journal {
                 heap_phys: plan.phys,
             },
         })
@@ -1223,7 +1217,7 @@ impl Splicer {
                             patch: reloc_at,
                             probes: &[],
                             live: site.live,
-                            call_return: exotap_probes::splice::CallReturn::default(),
+                            call_return: crate::splice::CallReturn::default(),
                         })?;
                         code.extend_from_slice(&entry);
                         code.extend_from_slice(&moved.code);
@@ -1253,7 +1247,7 @@ impl Splicer {
                             patch: entry_at + entry.len() as u64,
                             probes: &[],
                             live: site.live,
-                            call_return: exotap_probes::splice::CallReturn::default(),
+                            call_return: crate::splice::CallReturn::default(),
                         })?;
                         code.extend_from_slice(&entry);
                         code.extend_from_slice(&moved.code);
@@ -1347,7 +1341,7 @@ impl Splicer {
             .iter()
             .map(|r| (requests[r.0].addr, r.2.to_vec()))
             .collect();
-        // The recovery journal before the guest changes (src/recover.rs).
+        // The recovery journal before the guest changes ([`super::recover`]).
         if let Some((table, bytes)) = new_table {
             self.journal
                 .record_table(machine, self.heap_phys(table), bytes)?;
@@ -1355,7 +1349,7 @@ impl Splicer {
         if !keep.is_empty() {
             let block = self
                 .code
-                .alloc((keep.len() * crate::recover::TEXT_ENTRY) as u64, 32)?;
+                .alloc((keep.len() * super::recover::TEXT_ENTRY) as u64, 32)?;
             let phys: Vec<u64> = keep
                 .iter()
                 .map(|r| {
@@ -1790,907 +1784,6 @@ pub fn guest_ftrace_sites(
     Ok(out)
 }
 
-// ---------------------------------------------------------------------------------------
-// The CLI.
-// ---------------------------------------------------------------------------------------
-
-/// How to reach the guest: a running one (`--target`) or one booted for the run.
-#[derive(Debug, Args, Clone)]
-pub struct LiveArgs {
-    /// Attach to a running guest's gdbstub (tcp:HOST:PORT or unix:PATH) instead of booting
-    /// one: splices go in at once and come out at Ctrl-C, after --duration, or when the
-    /// guest stops running.
-    #[arg(long, short = 't', value_name = "ADDR")]
-    pub target: Option<String>,
-    /// With --target: the patch-heap range hidden from that guest, GPA:SIZE.
-    #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
-    pub heap: String,
-    /// With --target: remove the splices after this many seconds.
-    #[arg(long, value_name = "SECONDS")]
-    pub duration: Option<f64>,
-    /// Booting: the command the guest runs while the splices are in (default: the syscall
-    /// workload). The guest runs `exotap_wait splice; COMMAND; exotap_wait unsplice`.
-    #[arg(long, value_name = "COMMAND", conflicts_with = "job")]
-    pub run: Option<String>,
-    /// Booting: a job script for the guest instead of --run. exotap splices at its
-    /// `exotap_wait splice` and removes the splices at its `exotap_wait unsplice`.
-    #[arg(long, value_name = "FILE")]
-    pub job: Option<PathBuf>,
-    /// Booting: copy the serial console to FILE instead of stdout.
-    #[arg(long, value_name = "FILE")]
-    pub console: Option<PathBuf>,
-    /// Booting: seconds until the guest must finish.
-    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
-    pub timeout: u64,
-    /// Booting: number of vCPUs.
-    #[arg(long, default_value_t = 2, value_name = "N")]
-    pub cpus: u32,
-    /// Also read the guest's own kprobe hit counters (`kprobe_events` probes) when the
-    /// splices go in and when they come out, and print their difference beside each count.
-    #[arg(long)]
-    pub compare_kprobes: bool,
-    #[command(flatten)]
-    pub image: ImageArgs,
-}
-
-/// `exotap count PATTERN...`.
-#[derive(Debug, Args)]
-pub struct CountArgs {
-    /// Function names or wildcard patterns (`vfs_*`): every matching kernel function's entry
-    /// is spliced with a call counter.
-    #[arg(required = true, value_name = "PATTERN")]
-    pub patterns: Vec<String>,
-    #[command(flatten)]
-    pub live: LiveArgs,
-}
-
-/// `exotap nullify FUNC VALUE`.
-#[derive(Debug, Args)]
-pub struct NullifyArgs {
-    /// The kernel function: every call returns VALUE at once, without running it.
-    pub function: String,
-    /// The value returned (decimal, 0x hex, or negative like -1).
-    #[arg(allow_hyphen_values = true)]
-    pub value: String,
-    #[command(flatten)]
-    pub live: LiveArgs,
-}
-
-/// `exotap replace FUNC OTHER`.
-#[derive(Debug, Args)]
-pub struct ReplaceArgs {
-    /// The kernel function whose calls are diverted.
-    pub function: String,
-    /// The kernel function that runs instead (same arguments, returns to the caller).
-    pub other: String,
-    #[command(flatten)]
-    pub live: LiveArgs,
-}
-
-/// `exotap time FUNC...`.
-#[derive(Debug, Args)]
-pub struct TimeArgs {
-    /// Kernel functions (or wildcard patterns): each call's time from entry to return
-    /// (inclusive of callees and of sleeping) goes into a log2 histogram.
-    #[arg(required = true, value_name = "FUNC")]
-    pub functions: Vec<String>,
-    #[command(flatten)]
-    pub live: LiveArgs,
-}
-
-/// `exotap trace FUNC...`.
-#[derive(Debug, Args)]
-pub struct TraceArgs {
-    /// Kernel functions (or wildcard patterns): every entry (with the first argument) and
-    /// return (with the return value) is recorded with its TSC in per-vCPU rings.
-    #[arg(required = true, value_name = "FUNC")]
-    pub functions: Vec<String>,
-    #[command(flatten)]
-    pub live: LiveArgs,
-}
-
-/// `exotap splice-report`.
-#[derive(Debug, Args)]
-pub struct ReportArgs {
-    /// List every site that is not a splice, with its reason.
-    #[arg(long)]
-    pub list: bool,
-    /// Also install a counting splice at this many of the splice-able ftrace sites in one
-    /// batch (print the install rate), leave them in while the guest runs (booted: between
-    /// its splice and unsplice waits; --target: until Ctrl-C or --duration), then remove them
-    /// in one batch (print the removal rate, the hits, and whether the text is identical).
-    #[arg(long, value_name = "N")]
-    pub install: Option<usize>,
-    #[command(flatten)]
-    pub live: LiveArgs,
-}
-
-/// What to do at the sites.
-#[derive(Debug, Clone)]
-enum Operation {
-    Count(Vec<String>),
-    Time(Vec<String>),
-    Trace(Vec<String>),
-    Nullify(String, u64),
-    Replace(String, String),
-    Report { list: bool, install: Option<usize> },
-}
-
-fn parse_value(text: &str) -> anyhow::Result<u64> {
-    if let Some(neg) = text.strip_prefix('-') {
-        let v: i64 = neg
-            .parse()
-            .with_context(|| format!("`{text}` is not a number"))?;
-        return Ok((-v) as u64);
-    }
-    attach::parse_u64(text).map_err(anyhow::Error::msg)
-}
-
-/// Resolves names to entry requests; unknown names are errors.
-fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<Vec<Request>> {
-    let text = |name: &str| -> anyhow::Result<u64> {
-        let sym = image
-            .symbols
-            .all_named(name)
-            .find(|s| s.is_text())
-            .with_context(|| {
-                if image.symbols.get(name).is_some() {
-                    format!("{name} is not a function (not a text symbol)")
-                } else {
-                    format!("the kernel has no function {name}")
-                }
-            })?;
-        Ok(sym.addr.wrapping_add(slide))
-    };
-    Ok(match op {
-        Operation::Count(patterns) | Operation::Time(patterns) | Operation::Trace(patterns) => {
-            let mut out: Vec<Request> = Vec::new();
-            let mut seen = BTreeSet::new();
-            for p in patterns {
-                let found: Vec<_> = image
-                    .symbols
-                    .matching(p)
-                    .into_iter()
-                    .filter(|s| s.is_text())
-                    .collect();
-                if found.is_empty() {
-                    bail!("no kernel function matches {p}");
-                }
-                for s in found {
-                    let addr = s.addr.wrapping_add(slide);
-                    if seen.insert(addr) {
-                        let action = match op {
-                            Operation::Time(_) => Action::Time,
-                            Operation::Trace(_) => Action::Trace(u32::try_from(out.len())?),
-                            _ => Action::Count,
-                        };
-                        out.push(Request {
-                            name: s.name.clone(),
-                            addr,
-                            action,
-                        });
-                    }
-                }
-            }
-            out
-        }
-        Operation::Nullify(f, v) => vec![Request {
-            name: f.clone(),
-            addr: text(f)?,
-            action: Action::Nullify(*v),
-        }],
-        Operation::Replace(f, o) => vec![Request {
-            name: f.clone(),
-            addr: text(f)?,
-            action: Action::Replace(text(o)?),
-        }],
-        Operation::Report { .. } => Vec::new(),
-    })
-}
-
-/// The state between install and removal.
-struct Live {
-    machine: GdbMachine,
-    survey: Survey,
-    splicer: Splicer,
-    kprobes_before: Option<BTreeMap<String, (u64, u64)>>,
-    /// The trace records shown so far (`exotap trace`), once the first arrived.
-    trace_view: Option<TraceView>,
-    /// When the rings were last drained.
-    streamed: Instant,
-}
-
-/// The engine run against one stopped guest.
-struct Engine {
-    image: KernelImage,
-    btf: Option<Btf>,
-    op: Operation,
-    heap: (u64, u64),
-    compare_kprobes: bool,
-    live: Option<Live>,
-    out: Box<dyn Write + Send>,
-    /// Whether a site asked for was refused (exit code 1).
-    refused_any: bool,
-    /// Whether trace records still stream (off after a failed drain: the rest are read at
-    /// removal).
-    streaming: bool,
-}
-
-impl Engine {
-    fn say(&mut self, line: &str) {
-        let _ = writeln!(self.out, "{line}");
-        let _ = self.out.flush();
-    }
-
-    /// Attaches (the guest stops), installs, resumes.
-    fn install(&mut self, target: &TargetArgs) -> anyhow::Result<()> {
-        let mut att = attach::attach(target)?;
-        match self.install_on(&mut att) {
-            Ok(_) if matches!(self.op, Operation::Report { install: None, .. }) => {
-                // The report installs and removes in one stop: nothing stays.
-                att.machine.detach()?;
-                Ok(())
-            }
-            Ok((survey, splicer, kprobes_before)) => {
-                att.machine.resume()?;
-                self.live = Some(Live {
-                    machine: att.machine,
-                    survey,
-                    splicer,
-                    kprobes_before,
-                    trace_view: None,
-                    streamed: Instant::now(),
-                });
-                Ok(())
-            }
-            Err(e) => {
-                let _ = att.machine.detach();
-                Err(e)
-            }
-        }
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn install_on(
-        &mut self,
-        att: &mut attach::Attached,
-    ) -> anyhow::Result<(Survey, Splicer, Option<BTreeMap<String, (u64, u64)>>)> {
-        let survey = attach::survey(att, &self.image)?;
-        let machine = &mut att.machine;
-        let requests = requests(&self.op, &self.image, survey.kaslr.slide)?;
-        let mut splicer = Splicer::new(machine, &survey, &self.image, self.heap)?;
-        if let Operation::Report { list, install } = self.op.clone() {
-            self.report(machine, &survey, &mut splicer, list, install)?;
-            return Ok((survey, splicer, None));
-        }
-        let report = splicer.install(machine, &requests)?;
-        for s in &splicer.installed {
-            tracing::debug!("{} at {:#x}: patch at {:#x}", s.name, s.addr, s.patch);
-        }
-        for r in &report.refused {
-            self.refused_any = true;
-            self.say(&format!(
-                "refused {} at {:#x}: {}",
-                r.name, r.addr, r.reason
-            ));
-        }
-        if splicer.installed.is_empty() {
-            let _ = splicer.remove(machine);
-            bail!(
-                "none of the {} sites asked for could be spliced",
-                requests.len()
-            );
-        }
-        tracing::info!(
-            "{} splices installed in {:.1} ms (planning {:.1} ms)",
-            splicer.installed.len(),
-            report.write_time.as_secs_f64() * 1e3,
-            report.plan_time.as_secs_f64() * 1e3
-        );
-        let kprobes_before = if self.compare_kprobes {
-            let btf = self.btf.as_ref().context("the image has no BTF")?;
-            Some(guest_kprobe_hits(machine, &survey, &self.image, btf)?)
-        } else {
-            None
-        };
-        Ok((survey, splicer, kprobes_before))
-    }
-
-    fn report(
-        &mut self,
-        machine: &mut GdbMachine,
-        survey: &Survey,
-        splicer: &mut Splicer,
-        list: bool,
-        install: Option<usize>,
-    ) -> anyhow::Result<()> {
-        let btf = self.btf.as_ref().context("the image has no BTF")?;
-        let sites = guest_ftrace_sites(machine, survey, &self.image, btf)?;
-        let patch = splicer.heap_va + CODE_OFFSET;
-        let mut tally: BTreeMap<String, usize> = BTreeMap::new();
-        let mut lines = Vec::new();
-        let mut spliceable = Vec::new();
-        for &ip in &sites {
-            let d = splicer.kernel.plan(ip, patch);
-            *tally.entry(category(&d)).or_default() += 1;
-            let name = self
-                .image
-                .symbols
-                .lookup_addr(ip.wrapping_sub(survey.kaslr.slide))
-                .map_or_else(
-                    || format!("{ip:#x}"),
-                    |(s, o)| {
-                        if o == 0 {
-                            s.name.clone()
-                        } else {
-                            format!("{}+{o:#x}", s.name)
-                        }
-                    },
-                );
-            match why_not(&d) {
-                Some(why) => lines.push(format!("  {name}: {why}")),
-                None => spliceable.push((name, ip)),
-            }
-        }
-        self.say(&format!(
-            "live text: {} KiB read in {:.2} s, {} functions analysed in {:.2} s",
-            (splicer.kernel.facts.text.1 - splicer.kernel.facts.text.0) >> 10,
-            splicer.kernel.read_time.as_secs_f64(),
-            splicer.kernel.facts.starts.len(),
-            splicer.kernel.analysis_time.as_secs_f64()
-        ));
-        self.say(&format!(
-            "ftrace sites (available_filter_functions): {}",
-            sites.len()
-        ));
-        for (k, n) in &tally {
-            self.say(&format!("  {n:>8}  {k}"));
-        }
-        if list {
-            for l in lines {
-                self.say(&l);
-            }
-        }
-        let mut entries: BTreeMap<String, usize> = BTreeMap::new();
-        for &start in &splicer.kernel.facts.starts {
-            *entries
-                .entry(category(&splicer.kernel.plan(start, patch)))
-                .or_default() += 1;
-        }
-        self.say(&format!(
-            "all function entries (kallsyms text symbols): {}",
-            splicer.kernel.facts.starts.len()
-        ));
-        for (k, n) in &entries {
-            self.say(&format!("  {n:>8}  {k}"));
-        }
-        if let Some(n) = install {
-            let requests: Vec<Request> = spliceable
-                .into_iter()
-                .take(n)
-                .map(|(name, addr)| Request {
-                    name,
-                    addr,
-                    action: Action::Count,
-                })
-                .collect();
-            let started = Instant::now();
-            let rep = splicer.install(machine, &requests)?;
-            let all = started.elapsed();
-            let installed = splicer.installed.len();
-            self.say(&format!(
-                "install: {installed} of {} splices in one batch in {:.3} s ({:.0} points/s; plan+generate {:.3} s, check+write {:.3} s); refused {}",
-                requests.len(),
-                all.as_secs_f64(),
-                installed as f64 / all.as_secs_f64().max(1e-9),
-                rep.plan_time.as_secs_f64(),
-                rep.write_time.as_secs_f64(),
-                rep.refused.len()
-            ));
-            for r in &rep.refused {
-                self.say(&format!(
-                    "refused {} at {:#x}: {}",
-                    r.name, r.addr, r.reason
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Prints the trace records that arrived since the last drain, at most every
-    /// [`STREAM_EVERY`]; the guest stops for the read. Nothing to do without trace rings.
-    ///
-    /// A failed drain turns streaming off with a warning rather than ending the run: the
-    /// splices must still come out, and removal reads what is left in the rings.
-    fn stream(&mut self) {
-        if !self.streaming {
-            return;
-        }
-        let Some(mut live) = self.live.take() else {
-            return;
-        };
-        if let Err(e) = self.stream_on(&mut live) {
-            self.streaming = false;
-            eprintln!(
-                "exotap: warning: trace streaming stopped: {e:#}; the records left are read at removal"
-            );
-        }
-        self.live = Some(live);
-    }
-
-    fn stream_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
-        if live.splicer.rings.is_none() || live.streamed.elapsed() < STREAM_EVERY {
-            return Ok(());
-        }
-        live.machine.pause()?;
-        let drained = self
-            .trace_view(live)
-            .and_then(|()| live.splicer.drain_rings(&mut live.machine, false));
-        live.machine.resume()?;
-        live.streamed = Instant::now();
-        let records = drained?;
-        if let Some(view) = live.trace_view.as_mut() {
-            for line in view.lines(&records) {
-                self.say(&line);
-            }
-        }
-        Ok(())
-    }
-
-    /// Makes the trace view (reading the guest's TSC rate) if there is none yet; the guest
-    /// stopped.
-    fn trace_view(&self, live: &mut Live) -> anyhow::Result<()> {
-        if live.trace_view.is_none() {
-            let khz = self.tsc_khz(live)?;
-            let names = live
-                .splicer
-                .trace_names
-                .iter()
-                .map(|(id, n)| (u64::from(*id), n.clone()))
-                .collect();
-            live.trace_view = Some(TraceView::new(names, khz));
-        }
-        Ok(())
-    }
-
-    /// The guest's `tsc_khz` (at least 1); the guest stopped.
-    fn tsc_khz(&self, live: &mut Live) -> anyhow::Result<u32> {
-        let at = self
-            .image
-            .address("tsc_khz")?
-            .wrapping_add(live.survey.kaslr.slide);
-        let mut b = [0u8; 4];
-        let mut mem = BackendMemory(&mut live.machine);
-        live.survey.space(&mut mem).read(at, &mut b)?;
-        Ok(u32::from_le_bytes(b).max(1))
-    }
-
-    /// Stops the guest, reads counts, removes every splice, detaches.
-    fn remove(&mut self) -> anyhow::Result<()> {
-        let Some(mut live) = self.live.take() else {
-            return Ok(());
-        };
-        live.machine.pause()?;
-        let result = self.remove_on(&mut live);
-        let detached = live.machine.detach();
-        result?;
-        detached?;
-        Ok(())
-    }
-
-    fn remove_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
-        let kprobes_after = match (&live.kprobes_before, &self.btf) {
-            (Some(_), Some(btf)) => Some(guest_kprobe_hits(
-                &mut live.machine,
-                &live.survey,
-                &self.image,
-                btf,
-            )?),
-            _ => None,
-        };
-        let started = Instant::now();
-        let installed = live.splicer.installed.len();
-        let report = live.splicer.remove(&mut live.machine)?;
-        let removal = started.elapsed();
-        let slide = live.survey.kaslr.slide;
-        if matches!(self.op, Operation::Report { .. }) {
-            let hit = report.counts.iter().filter(|c| c.2 > 0).count();
-            let total: u64 = report.counts.iter().map(|c| c.2).sum();
-            self.say(&format!(
-                "hits while in: {total} calls of {hit} of the {installed} functions"
-            ));
-            self.say(&format!(
-                "removal: {installed} splices in {:.3} s ({:.0} points/s); text pages {} identical: {}",
-                removal.as_secs_f64(),
-                installed as f64 / removal.as_secs_f64().max(1e-9),
-                report.pages,
-                if report.differing.is_empty() && report.before == report.after { "yes" } else { "NO" }
-            ));
-            if !report.differing.is_empty() {
-                bail!("{} text pages differ after removal", report.differing.len());
-            }
-            return Ok(());
-        }
-        if !report.counts.is_empty() {
-            let header = if kprobes_after.is_some() {
-                format!(
-                    "{:>12}  {:>12}  {:>8}  FUNCTION",
-                    "COUNT", "KPROBE", "MISSED"
-                )
-            } else {
-                format!("{:>12}  FUNCTION", "COUNT")
-            };
-            self.say(&header);
-        }
-        for (name, addr, n) in &report.counts {
-            match (&live.kprobes_before, &kprobes_after) {
-                (Some(before), Some(after)) => {
-                    // The guest's kprobe may name the function by an alias at the same
-                    // address (__do_sys_getpid for __x64_sys_getpid).
-                    let aliases: Vec<String> = self
-                        .image
-                        .symbols
-                        .iter()
-                        .filter(|s| s.addr.wrapping_add(slide) == *addr && s.is_text())
-                        .map(|s| s.name.clone())
-                        .collect();
-                    let k = aliases.iter().find_map(|a| {
-                        let a1 = after.get(a)?;
-                        let b = before.get(a).copied().unwrap_or_default();
-                        Some((a1.0 - b.0, a1.1 - b.1))
-                    });
-                    match k {
-                        Some((hits, missed)) => {
-                            self.say(&format!("{n:>12}  {hits:>12}  {missed:>8}  {name}"));
-                        }
-                        None => self.say(&format!("{n:>12}  {:>12}  {:>8}  {name}", "-", "-")),
-                    }
-                }
-                _ => self.say(&format!("{n:>12}  {name}")),
-            }
-        }
-        let khz = if report.histograms.is_empty() {
-            0
-        } else {
-            self.tsc_khz(live)?
-        };
-        if !report.overruns.is_empty() {
-            self.trace_view(live)?;
-            if let Some(view) = live.trace_view.as_mut() {
-                let lines = view.lines(&report.records);
-                let shown = view.shown;
-                for line in lines {
-                    self.say(&line);
-                }
-                self.say(&format!(
-                    "trace: {shown} records; lost to ring overruns per vCPU: {:?}",
-                    report.overruns
-                ));
-            }
-        }
-        if !report.histograms.is_empty() {
-            self.say(&format!(
-                "inclusive time per call (TSC {khz} kHz; {} calls not timed: in-flight table full; {} calls in flight at removal were given their return addresses back)",
-                report.timing_misses, report.returns_restored
-            ));
-            for (name, buckets) in &report.histograms {
-                let total: u64 = buckets.iter().sum();
-                self.say(&format!("{name}: {total} calls timed"));
-                for line in histogram_lines(buckets, khz) {
-                    self.say(&line);
-                }
-            }
-        }
-        for c in &report.changed {
-            self.say(&format!("left {} at {:#x}: {}", c.name, c.addr, c.reason));
-        }
-        self.say(&format!(
-            "text: {} page{} touched; sha256 before {} after {}: {}",
-            report.pages,
-            if report.pages == 1 { "" } else { "s" },
-            &report.before[..16],
-            &report.after[..16],
-            if report.differing.is_empty() && report.before == report.after {
-                "identical"
-            } else {
-                "DIFFERENT"
-            }
-        ));
-        if !report.differing.is_empty() {
-            bail!("{} text pages differ after removal", report.differing.len());
-        }
-        Ok(())
-    }
-}
-
-/// How often the trace rings are drained while the guest runs.
-pub const STREAM_EVERY: Duration = Duration::from_millis(250);
-
-/// Trace records as text, as they arrive: time since the first record, vCPU, entry (`->`
-/// with the first argument) or return (`<-` with the return value and the call's duration
-/// when its entry came before).
-#[derive(Debug)]
-pub struct TraceView {
-    names: BTreeMap<u64, String>,
-    khz: u32,
-    first: Option<u64>,
-    /// Entries whose return has not come yet, by (stack slot, function id): their TSC.
-    open: BTreeMap<(u64, u32), u64>,
-    /// Records shown so far.
-    pub shown: u64,
-}
-
-impl TraceView {
-    /// A view naming function ids with `names`, TSC at `khz`.
-    pub fn new(names: BTreeMap<u64, String>, khz: u32) -> Self {
-        TraceView {
-            names,
-            khz: khz.max(1),
-            first: None,
-            open: BTreeMap::new(),
-            shown: 0,
-        }
-    }
-
-    /// The lines of one batch, in TSC order.
-    pub fn lines(&mut self, records: &[(u32, TraceRecord)]) -> Vec<String> {
-        let mut sorted: Vec<&(u32, TraceRecord)> = records.iter().collect();
-        sorted.sort_by_key(|(cpu, r)| (r.tsc, *cpu));
-        let Some(batch_first) = sorted.first().map(|r| r.1.tsc) else {
-            return Vec::new();
-        };
-        let first = *self.first.get_or_insert(batch_first);
-        let khz = self.khz;
-        let us = |cycles: u64| cycles as f64 * 1000.0 / f64::from(khz);
-        self.shown += sorted.len() as u64;
-        sorted
-            .into_iter()
-            .map(|(cpu, r)| {
-                let name = self.names.get(&u64::from(r.id)).map_or("?", String::as_str);
-                let at = us(r.tsc.saturating_sub(first));
-                if r.kind == 1 {
-                    self.open.insert((r.slot, r.id), r.tsc);
-                    format!("{at:>14.3} us  cpu{cpu}  -> {name}(arg0={:#x})", r.value)
-                } else {
-                    let took = self
-                        .open
-                        .remove(&(r.slot, r.id))
-                        .map(|t| format!("  [{:.3} us]", us(r.tsc.saturating_sub(t))))
-                        .unwrap_or_default();
-                    format!(
-                        "{at:>14.3} us  cpu{cpu}  <- {name} = {}{took}",
-                        r.value as i64
-                    )
-                }
-            })
-            .collect()
-    }
-}
-
-/// A log2 histogram of TSC cycles as text, bucket bounds in ns (bpftrace's `hist` style).
-pub fn histogram_lines(buckets: &[u64], tsc_khz: u32) -> Vec<String> {
-    let Some(first) = buckets.iter().position(|&n| n > 0) else {
-        return Vec::new();
-    };
-    let last = buckets.iter().rposition(|&n| n > 0).unwrap_or(first);
-    let max = buckets.iter().copied().max().unwrap_or(1).max(1);
-    let ns = |cycles: u128| -> String {
-        let khz = u128::from(tsc_khz.max(1));
-        let v = cycles * 1_000_000 / khz;
-        match v {
-            v if v >= 10_000_000 => format!("{} ms", v / 1_000_000),
-            v if v >= 10_000 => format!("{} us", v / 1000),
-            v => format!("{v} ns"),
-        }
-    };
-    (first..=last)
-        .map(|i| {
-            let n = buckets[i];
-            let lo = if i == 0 { 0 } else { 1u128 << i };
-            let hi = 1u128 << (i + 1);
-            let bar = "@".repeat(usize::try_from(n * 40 / max).unwrap_or(0));
-            format!("  [{:>8}, {:>8}) {n:>10} |{bar:<40}|", ns(lo), ns(hi))
-        })
-        .collect()
-}
-
-/// Hooks the engine to the guest's `splice` and `unsplice` waits.
-struct SpliceHook {
-    engine: Engine,
-    target: TargetArgs,
-}
-
-impl PhaseHook for SpliceHook {
-    fn tick(&mut self) -> Result<(), QemuError> {
-        self.engine.stream();
-        Ok(())
-    }
-
-    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
-        let result = match phase {
-            "splice" => self.engine.install(&self.target),
-            "unsplice" => self.engine.remove(),
-            _ => Ok(()),
-        };
-        result.map_err(|e| QemuError::Hook {
-            phase: phase.to_owned(),
-            message: format!("{e:#}"),
-        })
-    }
-}
-
-fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
-    let image = KernelImage::from_args(&live.image)?;
-    // Unknown names fail here, before any guest is touched.
-    requests(&op, &image, 0)?;
-    let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
-    let make_engine = |image, heap| Engine {
-        image,
-        btf,
-        op,
-        heap,
-        compare_kprobes: live.compare_kprobes,
-        live: None,
-        out: Box::new(std::io::stdout()),
-        refused_any: false,
-        streaming: true,
-    };
-    if let Some(target) = &live.target {
-        let heap = crate::script::parse_heap(&live.heap)?;
-        let mut engine = make_engine(image, heap);
-        let target = TargetArgs {
-            target: target.clone(),
-            gdb_timeout: 10,
-        };
-        engine.install(&target)?;
-        if matches!(engine.op, Operation::Report { install: None, .. }) {
-            return Ok(0);
-        }
-        let stop = exotap_probes::lang::driver::stop_on_ctrl_c()
-            .unwrap_or_else(|_| Arc::new(AtomicBool::new(false)));
-        let deadline = live
-            .duration
-            .map(|s| Instant::now() + Duration::from_secs_f64(s));
-        match live.duration {
-            Some(s) => eprintln!("exotap: splices in; removed after {s} s, or at Ctrl-C"),
-            None => eprintln!("exotap: splices in; Ctrl-C removes them"),
-        }
-        loop {
-            if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
-                break;
-            }
-            engine.stream();
-            let Some(l) = engine.live.as_mut() else { break };
-            match l.machine.wait_event(Duration::from_millis(100)) {
-                Ok(None) => {}
-                Ok(Some(StopEvent::Exited)) => bail!("the guest ended with the splices in"),
-                Ok(Some(_)) => l.machine.resume()?,
-                Err(e) => bail!("lost the guest: {e}"),
-            }
-        }
-        engine.remove()?;
-        return Ok(i32::from(engine.refused_any));
-    }
-    // Boot a guest for the run.
-    let job = match (&live.job, &live.run) {
-        (Some(path), _) => GuestJob::from_script(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read the job {}", path.display()))?,
-        ),
-        (None, cmd) => GuestJob::from_script(format!(
-            "exotap_wait splice\n{}\nexotap_wait unsplice\n",
-            cmd.as_deref().unwrap_or("syscall-loop 1000")
-        )),
-    };
-    let work = tempfile::Builder::new()
-        .prefix("exotap-splice-")
-        .tempdir()
-        .context("cannot create a working directory")?;
-    let initrd = work.path().join("initramfs.cpio.gz");
-    images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
-    let mut config = QemuConfig::new(image.path.clone(), initrd)?;
-    config.accel = if exotap_vmm::host::detect().usable() {
-        Accel::Kvm
-    } else {
-        Accel::Tcg
-    };
-    config.cpus = live.cpus;
-    config.patch_heap = PatchHeapRange::place(config.memory_mib << 20, 64 << 20)?;
-    let socket = work.path().join("gdb.sock");
-    config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
-    let heap = (config.patch_heap.base, config.patch_heap.size);
-    let mut hook = SpliceHook {
-        engine: make_engine(image, heap),
-        target: TargetArgs {
-            target: format!("unix:{}", socket.display()),
-            gdb_timeout: 10,
-        },
-    };
-    let mut sink: Box<dyn Write> = match &live.console {
-        Some(path) => Box::new(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create {}", path.display()))?,
-        ),
-        None => Box::new(std::io::stderr()),
-    };
-    let timeouts = Timeouts {
-        boot: Duration::from_secs(120),
-        total: Duration::from_secs(live.timeout),
-    };
-    let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
-    drop(sink);
-    if hook.engine.live.is_some() {
-        tracing::warn!("the guest ended before its `exotap_wait unsplice`: splices not removed");
-    }
-    let outcome = outcome?;
-    for (key, value) in &outcome.results {
-        outln!("EXOTAP-RESULT {key}={value}");
-    }
-    outln!("EXOTAP-DONE {}", outcome.rc);
-    if outcome.rc != 0 {
-        return Ok(outcome.rc);
-    }
-    Ok(i32::from(hook.engine.refused_any))
-}
-
-/// `exotap count`.
-///
-/// # Errors
-/// Unknown functions, attach or guest failures.
-pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
-    run(Operation::Count(args.patterns.clone()), &args.live)
-}
-
-/// `exotap nullify`.
-///
-/// # Errors
-/// As [`run_count`], and a bad VALUE.
-pub fn run_nullify(args: &NullifyArgs) -> anyhow::Result<i32> {
-    let value = parse_value(&args.value)?;
-    run(Operation::Nullify(args.function.clone(), value), &args.live)
-}
-
-/// `exotap replace`.
-///
-/// # Errors
-/// As [`run_count`].
-pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
-    run(
-        Operation::Replace(args.function.clone(), args.other.clone()),
-        &args.live,
-    )
-}
-
-/// `exotap time`.
-///
-/// # Errors
-/// As [`run_count`].
-pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
-    run(Operation::Time(args.functions.clone()), &args.live)
-}
-
-/// `exotap trace`.
-///
-/// # Errors
-/// As [`run_count`].
-pub fn run_trace(args: &TraceArgs) -> anyhow::Result<i32> {
-    run(Operation::Trace(args.functions.clone()), &args.live)
-}
-
-/// `exotap splice-report`.
-///
-/// # Errors
-/// As [`run_count`].
-pub fn run_report(args: &ReportArgs) -> anyhow::Result<i32> {
-    run(
-        Operation::Report {
-            list: args.list,
-            install: args.install,
-        },
-        &args.live,
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2834,29 +1927,6 @@ mod tests {
     }
 
     #[test]
-    fn trace_view_pairs_a_return_with_an_entry_from_an_earlier_drain() {
-        let names = BTreeMap::from([(7, "vfs_read".to_owned())]);
-        let mut view = TraceView::new(names, 1_000_000); // 1 GHz: 1000 cycles a microsecond
-        let rec = |tsc, value, kind| TraceRecord {
-            tsc,
-            value,
-            id: 7,
-            kind,
-            slot: 0xffff_c900_0000_0f00,
-        };
-
-        let first = view.lines(&[(1, rec(5000, 0x10, 1))]);
-        let second = view.lines(&[(1, rec(7000, 18, 2))]);
-
-        assert_eq!(first, ["         0.000 us  cpu1  -> vfs_read(arg0=0x10)"]);
-        assert_eq!(
-            second,
-            ["         2.000 us  cpu1  <- vfs_read = 18  [2.000 us]"]
-        );
-        assert_eq!(view.shown, 2);
-    }
-
-    #[test]
     fn relative_table_fields_resolve_against_their_own_address() {
         let bytes = [0xf0, 0xff, 0xff, 0xff, 0x10, 0, 0, 0];
 
@@ -2891,12 +1961,5 @@ mod tests {
         assert_eq!(insns[0].ip_rel_memory_address(), counter);
         assert_eq!(insns[1].immediate64(), 4242);
         assert_eq!(insns[2].near_branch_target(), thunk);
-    }
-
-    #[test]
-    fn negative_values_parse_as_twos_complement() {
-        assert_eq!(parse_value("-1").unwrap(), u64::MAX);
-        assert_eq!(parse_value("0x10").unwrap(), 16);
-        assert!(parse_value("x").is_err());
     }
 }

@@ -6,7 +6,7 @@
 //! named by BTF, the current task, kernel memory), then gets the vCPU past the probed
 //! instruction with the breakpoint still in place: relative branches, calls and returns are
 //! emulated by the host, anything else resumes through an out-of-line copy in the patch heap
-//! followed by a jump back ([`crate::trap_point`]). No step is needed and no hit on another
+//! followed by a jump back ([`super::trap_point`]). No step is needed and no hit on another
 //! vCPU is missed while one resumes. One stop per hit: exact, but slow (milliseconds per hit
 //! under TCG); in-guest splices are the fast path.
 //!
@@ -33,26 +33,27 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::lang::check::Program;
+use crate::lang::context::{Context, MemoryError};
+use crate::lang::driver::ScriptSource;
+use crate::lang::kernel_points::KernelSymbols;
+use crate::lang::output::{Format, Output};
+use crate::lang::point::PointKind;
+use crate::lang::resolve::resolve_program;
+use crate::lang::runtime::{host_context, host_timers, Session};
+use crate::lang::value::Value;
+use crate::lang::Limits;
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::layout::TaskOffsets;
-use exotap_probes::lang::check::Program;
-use exotap_probes::lang::context::{Context, MemoryError};
-use exotap_probes::lang::driver::ScriptSource;
-use exotap_probes::lang::kernel_points::KernelSymbols;
-use exotap_probes::lang::output::{Format, Output};
-use exotap_probes::lang::point::PointKind;
-use exotap_probes::lang::resolve::resolve_program;
-use exotap_probes::lang::runtime::{host_context, host_timers, Session};
-use exotap_probes::lang::value::Value;
-use exotap_probes::lang::Limits;
 use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
 use exotap_vmm::gdb::GdbMachine;
 
-use crate::attach::{self, Attached, Survey};
-use crate::kernel_image::KernelImage;
-use crate::trap_point::{
+use super::attach::{self, Survey};
+use super::kernel_image::KernelImage;
+use super::session::GuestSession;
+use super::trap_point::{
     decode_at, instruction_at, plan as plan_trap, Effect, TrapAction, MAX_INSN,
 };
 
@@ -82,11 +83,23 @@ pub struct GuestScript {
     pub format: Format,
     /// Where the script's output goes.
     pub out: Box<dyn Write + Send>,
+    /// Where the run's diagnostics go: the script's warnings and errors, `HOST-RESULT` lines.
+    pub err: Box<dyn Write + Send>,
     /// Set by Ctrl-C: end probes run, then exotap detaches and the guest runs on.
     pub stop: Arc<AtomicBool>,
     /// Read the guest's own kprobe hit counters at install and at removal, and print the
     /// difference per function as `HOST-RESULT kprobe.FUNCTION=N` (compiled runs only).
     pub compare_kprobes: bool,
+}
+
+impl std::fmt::Debug for GuestScript {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestScript")
+            .field("source", &self.source.name)
+            .field("format", &self.format)
+            .field("compare_kprobes", &self.compare_kprobes)
+            .finish_non_exhaustive()
+    }
 }
 
 /// One probe of a site: its index in the program and how the point is named.
@@ -380,7 +393,7 @@ fn plan_point(
 /// the return trampoline's). Returns the armed sites by (slid) address and the trampoline's
 /// address.
 fn arm(
-    att: &mut Attached,
+    att: &mut GuestSession,
     survey: &Survey,
     image: &KernelImage,
     btf: Option<&Btf>,
@@ -502,8 +515,9 @@ fn arm(
     }
     if needs_trampoline {
         // Never executed while exotap is attached (the breakpoint stops it first); `ud2` makes
-        // a bug loud instead of running on.
-        crate::recover::Journal {
+        // a bug loud instead of running on. Journaled first: a guardian moves a vCPU stopped
+        // there to its return address if exotap dies.
+        super::recover::Journal {
             heap_phys: plan.phys,
         }
         .set_trampoline(&mut att.machine, trampoline)?;
@@ -544,35 +558,35 @@ fn registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Regist
 /// # Errors
 /// When attaching or arming fails (the guest is then detached).
 pub fn start(
-    target: &attach::TargetArgs,
+    target: &attach::Target,
     image: &KernelImage,
     heap: (u64, u64),
     script: GuestScript,
 ) -> anyhow::Result<JoinHandle<i32>> {
-    let mut att = attach::attach(target)?;
-    let survey = attach::survey(&mut att, image)?;
+    // On an error, dropping the session detaches (QEMU drops the breakpoints set so far).
+    let mut session = GuestSession::attach(target, image)?;
+    let survey = session.survey.clone();
     let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
     let tasks = attach::task_offsets(image).ok();
-    let (armed, trampoline) = match arm(&mut att, &survey, image, btf.as_ref(), &script.prog, heap)
-    {
-        Ok(armed) => armed,
-        Err(e) => {
-            let _ = att.machine.detach();
-            return Err(e);
-        }
-    };
+    let (armed, trampoline) = arm(
+        &mut session,
+        &survey,
+        image,
+        btf.as_ref(),
+        &script.prog,
+        heap,
+    )?;
     std::thread::Builder::new()
         .name("exotap-tracer".into())
         .spawn(move || {
             let tracer = Tracer {
-                machine: att.machine,
-                survey,
+                session,
                 tasks,
                 armed,
                 trampoline,
                 pending: HashMap::new(),
-                journal: crate::recover::Journal { heap_phys: heap.0 },
-                free: (0..crate::recover::RETURN_SLOTS).rev().collect(),
+                journal: super::recover::Journal { heap_phys: heap.0 },
+                free: (0..super::recover::RETURN_SLOTS).rev().collect(),
                 missed_returns: 0,
             };
             tracer.run(script)
@@ -592,8 +606,8 @@ struct PendingReturn {
 
 /// The tracer thread's state.
 struct Tracer {
-    machine: GdbMachine,
-    survey: Survey,
+    /// The attached guest (its drop detaches should the thread unwind).
+    session: GuestSession,
     tasks: Option<TaskOffsets>,
     armed: HashMap<u64, ArmedPoint>,
     trampoline: u64,
@@ -601,7 +615,7 @@ struct Tracer {
     pending: HashMap<u64, PendingReturn>,
     /// The recovery journal, where every swap is written before it is made (so that a
     /// guardian or `exotap recover` can put it back if exotap dies).
-    journal: crate::recover::Journal,
+    journal: super::recover::Journal,
     /// Free entries of the journal's return list.
     free: Vec<usize>,
     /// Calls whose return probe did not run because the return list was full.
@@ -616,17 +630,18 @@ impl Tracer {
             limits,
             format,
             out,
+            err,
             stop,
             ..
         } = script;
-        let output = Output::new(format, Box::new(out), Box::new(std::io::stderr()));
+        let output = Output::new(format, Box::new(out), Box::new(err));
         let mut session = Session::new(&prog, limits, output, &source.name, &source.text);
         session.begin();
         let mut timers = host_timers(&prog, Instant::now());
         let host = host_context();
         let mut hits = 0u64;
         let mut gone = false;
-        if let Err(e) = self.machine.resume() {
+        if let Err(e) = self.session.machine.resume() {
             tracing::error!("cannot resume the guest: {e}");
             gone = true;
         }
@@ -636,7 +651,7 @@ impl Tracer {
                 session.fire(timer.0, &timer.1, &host);
                 timer.3 += timer.2;
             }
-            let event = match self.machine.wait_event(POLL) {
+            let event = match self.session.machine.wait_event(POLL) {
                 Ok(event) => event,
                 Err(e) => {
                     tracing::error!("lost the guest: {:#}", anyhow::Error::from(e));
@@ -658,7 +673,7 @@ impl Tracer {
                     hits += 1;
                     self.entered(&mut session, vcpu, pc)
                 }
-                Some(_) => self.machine.resume().map_err(Into::into),
+                Some(_) => self.session.machine.resume().map_err(Into::into),
             };
             if let Err(e) = step {
                 tracing::error!("tracing stopped: {e:#}");
@@ -666,7 +681,10 @@ impl Tracer {
             }
         }
         tracing::info!("{hits} probe hits handled by the host");
-        if !gone {
+        if gone {
+            // The guest ended or the connection is lost: nothing to put back.
+            self.session.abandon();
+        } else {
             self.detach();
         }
         session.finish()
@@ -675,14 +693,19 @@ impl Tracer {
     /// Puts back the return addresses still swapped, then detaches (which removes the
     /// breakpoints); the guest runs on.
     fn detach(mut self) {
-        let _ = self.machine.pause();
+        let _ = self.session.machine.pause();
         let mut restored = 0;
         for (slot, p) in self.pending.drain() {
             let mut now = [0u8; 8];
-            let still = self.machine.read_virt(VcpuId(0), slot, &mut now).is_ok()
+            let still = self
+                .session
+                .machine
+                .read_virt(VcpuId(0), slot, &mut now)
+                .is_ok()
                 && u64::from_le_bytes(now) == self.trampoline;
             if still
                 && self
+                    .session
                     .machine
                     .write_virt(VcpuId(0), slot, &p.original.to_le_bytes())
                     .is_ok()
@@ -697,14 +720,14 @@ impl Tracer {
             tracing::warn!(
                 "{} calls missed their return probe: more than {} calls were in flight at once",
                 self.missed_returns,
-                crate::recover::RETURN_SLOTS
+                super::recover::RETURN_SLOTS
             );
         }
-        if let Err(e) = self.journal.clear_returns(&mut self.machine) {
+        if let Err(e) = self.journal.clear_returns(&mut self.session.machine) {
             tracing::warn!("cannot clear the recovery journal: {e:#}");
         }
-        if let Err(e) = self.machine.detach() {
-            tracing::warn!("detaching failed: {e}");
+        if let Err(e) = self.session.detach() {
+            tracing::warn!("{e:#}");
         }
     }
 
@@ -717,11 +740,11 @@ impl Tracer {
     ) -> Option<LiveContext<'a>> {
         let point = self.armed.get(&site)?;
         Some(LiveContext {
-            machine: RefCell::new(&mut self.machine),
+            machine: RefCell::new(&mut self.session.machine),
             vcpu,
             regs,
             point,
-            survey: &self.survey,
+            survey: &self.session.survey,
             tasks: self.tasks,
             task: OnceCell::new(),
             at_return,
@@ -729,11 +752,11 @@ impl Tracer {
     }
 
     fn entered(&mut self, session: &mut Session<'_>, vcpu: VcpuId, pc: u64) -> anyhow::Result<()> {
-        let regs = registers(&mut self.machine, vcpu)?;
+        let regs = registers(&mut self.session.machine, vcpu)?;
         let Some(site) = self.armed.get_mut(&pc) else {
             return Ok(());
         };
-        site.refresh(&mut self.machine, vcpu, pc)?;
+        site.refresh(&mut self.session.machine, vcpu, pc)?;
         let action = site.action.clone();
         let slot_va = site.slot;
         let wants_return = !site.ret.is_empty();
@@ -748,7 +771,7 @@ impl Tracer {
             // exited) is stale: forget it first.
             if let Some(stale) = self.pending.remove(&regs.gpr[7]) {
                 self.journal
-                    .set_return(&mut self.machine, stale.index, 0, 0)?;
+                    .set_return(&mut self.session.machine, stale.index, 0, 0)?;
                 self.free.push(stale.index);
             }
             if let Some(index) = self.free.pop() {
@@ -756,11 +779,12 @@ impl Tracer {
                 // first.
                 let slot = regs.gpr[7];
                 let mut original = [0u8; 8];
-                self.machine.read_virt(vcpu, slot, &mut original)?;
+                self.session.machine.read_virt(vcpu, slot, &mut original)?;
                 let original = u64::from_le_bytes(original);
                 self.journal
-                    .set_return(&mut self.machine, index, slot, original)?;
-                self.machine
+                    .set_return(&mut self.session.machine, index, slot, original)?;
+                self.session
+                    .machine
                     .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
                 self.pending.insert(
                     slot,
@@ -776,12 +800,12 @@ impl Tracer {
             }
         }
         match action {
-            TrapAction::OutOfLine { .. } => self.machine.set_pc(vcpu, slot_va)?,
+            TrapAction::OutOfLine { .. } => self.session.machine.set_pc(vcpu, slot_va)?,
             TrapAction::Emulate(e) => {
                 let rsp = regs.gpr[7];
-                let top = if matches!(e, crate::trap_point::Emulation::Ret { .. }) {
+                let top = if matches!(e, super::trap_point::Emulation::Ret { .. }) {
                     let mut b = [0u8; 8];
-                    self.machine.read_virt(vcpu, rsp, &mut b)?;
+                    self.session.machine.read_virt(vcpu, rsp, &mut b)?;
                     u64::from_le_bytes(b)
                 } else {
                     0
@@ -793,23 +817,25 @@ impl Tracer {
                     store,
                 } = e.effect(regs.rflags, regs.gpr[2], rsp, top);
                 if let Some((at, value)) = store {
-                    self.machine.write_virt(vcpu, at, &value.to_le_bytes())?;
+                    self.session
+                        .machine
+                        .write_virt(vcpu, at, &value.to_le_bytes())?;
                 }
                 if let Some(v) = new_rsp {
-                    self.machine.set_register(vcpu, "rsp", v)?;
+                    self.session.machine.set_register(vcpu, "rsp", v)?;
                 }
                 if let Some(v) = rcx {
-                    self.machine.set_register(vcpu, "rcx", v)?;
+                    self.session.machine.set_register(vcpu, "rcx", v)?;
                 }
-                self.machine.set_pc(vcpu, rip)?;
+                self.session.machine.set_pc(vcpu, rip)?;
             }
         }
-        self.machine.resume()?;
+        self.session.machine.resume()?;
         Ok(())
     }
 
     fn returned(&mut self, session: &mut Session<'_>, vcpu: VcpuId) -> anyhow::Result<()> {
-        let regs = registers(&mut self.machine, vcpu)?;
+        let regs = registers(&mut self.session.machine, vcpu)?;
         // `ret` popped the swapped slot: it was just below the stack pointer.
         let slot = regs.gpr[7].wrapping_sub(8);
         let Some(p) = self.pending.remove(&slot) else {
@@ -827,10 +853,11 @@ impl Tracer {
                 session.fire(r.probe, &r.name, &ctx);
             }
         }
-        self.machine.set_pc(vcpu, p.original)?;
-        self.journal.set_return(&mut self.machine, p.index, 0, 0)?;
+        self.session.machine.set_pc(vcpu, p.original)?;
+        self.journal
+            .set_return(&mut self.session.machine, p.index, 0, 0)?;
         self.free.push(p.index);
-        self.machine.resume()?;
+        self.session.machine.resume()?;
         Ok(())
     }
 }

@@ -1,0 +1,195 @@
+//! Attaching to a live guest over QEMU's gdbstub and surveying it: the KASLR slide, the
+//! kernel layout, the patch heap's mapping.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use exotap_introspect::btf::Btf;
+use exotap_introspect::heap::{HeapPlacement, HeapPlan};
+use exotap_introspect::kaslr::{self, Kaslr, KaslrAnchors};
+use exotap_introspect::layout::{KernelLayout, TaskOffsets};
+use exotap_introspect::memory::PhysicalMemory;
+use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
+use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
+use exotap_vmm::gdb::GdbMachine;
+
+use super::guest_memory::BackendMemory;
+use super::kernel_image::KernelImage;
+
+/// Where a guest's gdbstub is and how long to wait for its answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The gdbstub: `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`.
+    pub address: String,
+    /// How long to wait for each answer of the gdbstub.
+    pub gdb_timeout: Duration,
+}
+
+impl Target {
+    /// The gdbstub at `address`, answers awaited for 10 s.
+    pub fn new(address: impl Into<String>) -> Self {
+        Self {
+            address: address.into(),
+            gdb_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A connected guest.
+#[derive(Debug)]
+pub struct Attached {
+    /// The guest's control interface.
+    pub machine: GdbMachine,
+    /// When connecting began.
+    pub started: Instant,
+}
+
+/// Connects to the gdbstub (which pauses the guest).
+///
+/// # Errors
+/// When the gdbstub cannot be reached or does not answer.
+pub fn attach(target: &Target) -> anyhow::Result<Attached> {
+    let started = Instant::now();
+    let machine = GdbMachine::connect(&target.address, target.gdb_timeout)
+        .with_context(|| format!("cannot attach to {}", target.address))?;
+    super::recover::note_target(&target.address);
+    Ok(Attached { machine, started })
+}
+
+/// The IDT base from QEMU's `info registers` (the gdbstub does not expose IDTR).
+pub fn idt_base(machine: &mut GdbMachine) -> Option<u64> {
+    let text = machine.client().monitor("info registers").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("IDT="))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+}
+
+/// CR4.LA57: 5-level paging.
+const CR4_LA57: u64 = 1 << 12;
+
+/// vCPU `vcpu`'s registers, which must be x86-64 ones.
+///
+/// # Errors
+/// When the registers cannot be read or are not x86-64 ones.
+pub fn x86_registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
+    match machine.registers(vcpu)? {
+        RegisterFile::X86_64(r) => Ok(r),
+        RegisterFile::Sparc64(_) => bail!("{vcpu} is not an x86-64 vCPU"),
+    }
+}
+
+/// What exotap knows of a running kernel once attached: the slide and the layout.
+#[derive(Debug, Clone)]
+pub struct Survey {
+    /// The kernel page-table root (PTI's kernel half of vCPU 0's CR3).
+    pub cr3: u64,
+    /// 5-level paging.
+    pub la57: bool,
+    /// The IDT base QEMU reports.
+    pub idt_base: u64,
+    /// Slide and physical load address.
+    pub kaslr: Kaslr,
+    /// Text, `_end`, page tables, per-CPU bases.
+    pub layout: KernelLayout,
+    /// Time from connecting to the slide and layout being known.
+    pub ready_after: Duration,
+}
+
+impl Survey {
+    /// The address space of the kernel as vCPUs in kernel mode see it.
+    pub fn space<'m, M: PhysicalMemory>(&self, mem: &'m mut M) -> AddressSpace<'m, M> {
+        AddressSpace::new(mem, self.cr3, self.la57)
+    }
+}
+
+/// Finds the KASLR slide (two anchors that must agree) and the kernel layout of a paused guest.
+///
+/// # Errors
+/// When registers or memory cannot be read, the anchors are missing or disagree.
+pub fn survey(att: &mut Attached, image: &KernelImage) -> anyhow::Result<Survey> {
+    let machine = &mut att.machine;
+    let regs = x86_registers(machine, VcpuId(0))?;
+    let cr3 = pti_kernel_cr3(regs.cr3);
+    let la57 = regs.cr4 & CR4_LA57 != 0;
+    let idt_base = idt_base(machine).context("QEMU's monitor did not report the IDT base")?;
+    let anchors = KaslrAnchors::from_image(&image.symbols, &image.vmlinux)
+        .context("the image lacks a KASLR anchor")?;
+    let mut mem = BackendMemory(machine);
+    let mut space = AddressSpace::new(&mut mem, cr3, la57);
+    let kaslr =
+        kaslr::detect(&mut space, idt_base, &anchors).context("cannot find the KASLR slide")?;
+    let layout = KernelLayout::read(&mut space, &image.symbols, kaslr.slide)
+        .context("cannot read the kernel layout")?;
+    Ok(Survey {
+        cr3,
+        la57,
+        idt_base,
+        kaslr,
+        layout,
+        ready_after: att.started.elapsed(),
+    })
+}
+
+/// `task_struct`'s pid and comm offsets from the BTF in the image.
+///
+/// # Errors
+/// When the image has no BTF or its task_struct lacks the members.
+pub fn task_offsets(image: &KernelImage) -> anyhow::Result<TaskOffsets> {
+    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+    let offset = |member: &str| -> anyhow::Result<u64> {
+        btf.struct_member("task_struct", member)
+            .ok()
+            .and_then(|m| m.byte_offset())
+            .with_context(|| format!("BTF has no byte offset for task_struct.{member}"))
+    };
+    Ok(TaskOffsets {
+        pid: offset("pid")?,
+        comm: offset("comm")?,
+    })
+}
+
+/// Marker written at the start of the patch heap to check the mapping through the backend's
+/// own page walk.
+const HEAP_MARKER: &[u8; 16] = b"exotap patchheap";
+
+/// Maps the hidden physical range into kernel space next to the image (PMD entries written
+/// with the guest paused) and checks, through the backend's own virtual read, that it shows up.
+///
+/// # Errors
+/// When the plan is refused (occupied range, no PMD page, ...) or the check fails.
+pub fn map_patch_heap(
+    machine: &mut GdbMachine,
+    survey: &Survey,
+    placement: HeapPlacement,
+    phys: u64,
+    size: u64,
+) -> anyhow::Result<HeapPlan> {
+    let plan = exotap_introspect::heap::plan(
+        &mut survey.space(&mut BackendMemory(&mut *machine)),
+        (survey.layout.text.0, survey.layout.end),
+        placement,
+        phys,
+        size,
+    )
+    .context("cannot plan the patch heap mapping")?;
+    for w in &plan.writes {
+        machine.write_phys(w.entry_addr, &w.new.to_le_bytes())?;
+    }
+    machine.write_phys(plan.phys, HEAP_MARKER)?;
+    let mut seen = [0u8; 16];
+    machine
+        .read_virt(VcpuId(0), plan.va, &mut seen)
+        .context("the mapped patch heap cannot be read at its virtual address")?;
+    if &seen != HEAP_MARKER {
+        bail!(
+            "the patch heap at {:#x} shows {seen:02x?}, not the marker",
+            plan.va
+        );
+    }
+    // Whatever goes into the guest from here on is journaled, and a guardian undoes it if
+    // this process dies ([`super::recover`]).
+    super::recover::Journal::open(plan.phys, plan.va, plan.size, machine)?;
+    super::recover::guard_noted(plan.phys)?;
+    Ok(plan)
+}

@@ -1,0 +1,66 @@
+//! The guest kernel's image on the host: its ELF vmlinux and the symbols recovered from its
+//! kallsyms tables. Which image (a cached Debian kernel, a path) is the caller's choice.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use exotap_introspect::bzimage::Vmlinux;
+use exotap_introspect::kallsyms;
+use exotap_introspect::symbols::SymbolTable;
+
+/// A kernel image with its symbols (link-time addresses).
+pub struct KernelImage {
+    /// The bzImage it came from.
+    pub path: PathBuf,
+    /// The decompressed ELF vmlinux.
+    pub vmlinux: Vmlinux,
+    /// Every kallsyms symbol.
+    pub symbols: SymbolTable,
+    /// Time to decompress and recover the symbols.
+    pub load_time: Duration,
+}
+
+impl std::fmt::Debug for KernelImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelImage")
+            .field("path", &self.path)
+            .field("symbols", &self.symbols.len())
+            .field("load_time", &self.load_time)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KernelImage {
+    /// Reads a bzImage, decompresses its vmlinux and recovers the kallsyms symbols.
+    ///
+    /// # Errors
+    /// When the file cannot be read, is not a bzImage we can decompress, or has no kallsyms.
+    pub fn load(path: PathBuf) -> anyhow::Result<Self> {
+        let start = Instant::now();
+        let bytes = std::fs::read(&path)
+            .with_context(|| format!("cannot read the kernel image {}", path.display()))?;
+        let vmlinux = Vmlinux::from_bzimage(&bytes)
+            .with_context(|| format!("cannot unpack the vmlinux inside {}", path.display()))?;
+        let found = kallsyms::extract(&vmlinux)
+            .with_context(|| format!("cannot recover the symbols of {}", path.display()))?;
+        let symbols = SymbolTable::from_kallsyms(&found);
+        Ok(Self {
+            path,
+            vmlinux,
+            symbols,
+            load_time: start.elapsed(),
+        })
+    }
+
+    /// The link-time address of a symbol that must exist.
+    ///
+    /// # Errors
+    /// When the kernel has no such symbol.
+    pub fn address(&self, name: &str) -> anyhow::Result<u64> {
+        self.symbols
+            .get(name)
+            .map(|s| s.addr)
+            .with_context(|| format!("the kernel has no symbol {name}"))
+    }
+}

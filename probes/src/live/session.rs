@@ -1,0 +1,270 @@
+//! One session of the engine with a live guest: attach → plan → install → run and drain →
+//! remove → detach (the phases are documented in [`super`]).
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use exotap_vmm::control::{Machine, StopEvent};
+use exotap_vmm::gdb::GdbMachine;
+
+use super::attach::{self, Survey, Target};
+use super::guest_memory::BackendMemory;
+use super::kernel_image::KernelImage;
+use super::splicer::{InstallReport, RemoveReport, Request, SiteCode, Splicer, TraceRecord};
+
+/// An attached guest, surveyed, and what the engine put into it.
+///
+/// The guest is paused from [`GuestSession::attach`] until the first [`GuestSession::resume`].
+/// Dropping a session that was not [detached](GuestSession::detach) (an error, a panic
+/// unwinding, a caller that returned early) still pauses the guest, removes every splice
+/// and detaches, so the guest runs on with its original text.
+pub struct GuestSession {
+    /// The guest's control interface. Pause it before reading or writing its memory.
+    pub machine: GdbMachine,
+    /// The KASLR slide and the kernel layout found at attach.
+    pub survey: Survey,
+    splicer: Option<Splicer>,
+    /// Set once the session has detached: dropping it then does nothing.
+    detached: bool,
+}
+
+impl std::fmt::Debug for GuestSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestSession")
+            .field("slide", &format_args!("{:#x}", self.survey.kaslr.slide))
+            .field("splicer", &self.splicer)
+            .field("detached", &self.detached)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GuestSession {
+    /// Attaches to the gdbstub at `target` (the guest stops) and surveys the running kernel:
+    /// the KASLR slide and the layout of `image`'s kernel.
+    ///
+    /// # Errors
+    /// When the gdbstub cannot be reached or the survey fails; the guest is detached then.
+    pub fn attach(target: &Target, image: &KernelImage) -> anyhow::Result<Self> {
+        let mut att = attach::attach(target)?;
+        match attach::survey(&mut att, image) {
+            Ok(survey) => Ok(Self {
+                machine: att.machine,
+                survey,
+                splicer: None,
+                detached: false,
+            }),
+            Err(e) => {
+                let _ = att.machine.detach();
+                Err(e)
+            }
+        }
+    }
+
+    /// The plan phase: maps the patch heap (the hidden physical range `heap`, GPA and size)
+    /// into kernel space and reads and analyses the live kernel text, so that sites can be
+    /// planned ([`Splicer::kernel`]) and installed. Done once; later calls return the same
+    /// splicer. The guest must be paused.
+    ///
+    /// # Errors
+    /// When the heap cannot be mapped or the text read.
+    pub fn plan(&mut self, image: &KernelImage, heap: (u64, u64)) -> anyhow::Result<&mut Splicer> {
+        if self.splicer.is_none() {
+            let splicer = Splicer::new(&mut self.machine, &self.survey, image, heap)?;
+            self.splicer = Some(splicer);
+        }
+        self.splicer
+            .as_mut()
+            .context("the splicer is missing right after it was made")
+    }
+
+    /// The splicer of the plan phase, if [`GuestSession::plan`] ran.
+    pub fn splicer(&self) -> Option<&Splicer> {
+        self.splicer.as_ref()
+    }
+
+    /// The guest's control interface and the splicer together (for reads and writes of the
+    /// patch heap while the guest is paused).
+    ///
+    /// # Errors
+    /// When [`GuestSession::plan`] has not run.
+    pub fn parts(&mut self) -> anyhow::Result<(&mut GdbMachine, &mut Splicer)> {
+        let splicer = self
+            .splicer
+            .as_mut()
+            .context("the session has no splicer: plan first")?;
+        Ok((&mut self.machine, splicer))
+    }
+
+    /// Patch-heap memory for a compiled script's data and helpers.
+    ///
+    /// # Errors
+    /// When [`GuestSession::plan`] has not run, or the heap is full.
+    pub fn alloc(&mut self, size: u64, align: u64) -> anyhow::Result<u64> {
+        self.parts()?.1.alloc(size, align)
+    }
+
+    /// Writes `bytes` at patch-heap address `va` (the guest paused).
+    ///
+    /// # Errors
+    /// When [`GuestSession::plan`] has not run, or guest memory cannot be written.
+    pub fn write_heap(&mut self, va: u64, bytes: &[u8]) -> anyhow::Result<()> {
+        let (machine, splicer) = self.parts()?;
+        splicer.write_heap(machine, va, bytes)
+    }
+
+    /// Reads `len` bytes at patch-heap address `va` (the guest paused).
+    ///
+    /// # Errors
+    /// When [`GuestSession::plan`] has not run, or guest memory cannot be read.
+    pub fn read_heap(&mut self, va: u64, len: usize) -> anyhow::Result<Vec<u8>> {
+        let (machine, splicer) = self.parts()?;
+        splicer.read_heap(machine, va, len)
+    }
+
+    /// The install phase for the fixed operations (count, time, trace, nullify, replace):
+    /// plans, generates and writes every request in one batch (the guest paused).
+    ///
+    /// # Errors
+    /// When [`GuestSession::plan`] has not run, or generating or writing fails (what went in
+    /// is taken out again then).
+    pub fn install(&mut self, requests: &[Request]) -> anyhow::Result<InstallReport> {
+        let (machine, splicer) = self.parts()?;
+        splicer.install(machine, requests)
+    }
+
+    /// The install phase for compiled probes: as [`GuestSession::install`], with `code`
+    /// generating each site's bodies.
+    ///
+    /// # Errors
+    /// As [`GuestSession::install`].
+    pub fn install_compiled(
+        &mut self,
+        requests: &[Request],
+        code: &mut dyn SiteCode,
+    ) -> anyhow::Result<InstallReport> {
+        let (machine, splicer) = self.parts()?;
+        splicer.install_compiled(machine, requests, code)
+    }
+
+    /// Lets the guest run.
+    ///
+    /// # Errors
+    /// When the gdbstub refuses.
+    pub fn resume(&mut self) -> anyhow::Result<()> {
+        self.machine.resume().context("cannot resume the guest")
+    }
+
+    /// Stops every vCPU (nothing when already stopped).
+    ///
+    /// # Errors
+    /// When the gdbstub refuses.
+    pub fn pause(&mut self) -> anyhow::Result<()> {
+        if !self.machine.is_paused() {
+            self.machine.pause().context("cannot pause the guest")?;
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for the running guest to stop (a breakpoint, the guest's end).
+    ///
+    /// # Errors
+    /// When the connection to the gdbstub is lost.
+    pub fn wait(&mut self, timeout: Duration) -> anyhow::Result<Option<StopEvent>> {
+        self.machine.wait_event(timeout).context("lost the guest")
+    }
+
+    /// The drain phase: the trace records written since the last drain (the guest paused);
+    /// nothing when no trace splices are in.
+    ///
+    /// # Errors
+    /// When the rings cannot be read.
+    pub fn drain(&mut self, last: bool) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
+        match self.splicer.as_mut() {
+            Some(splicer) => splicer.drain_rings(&mut self.machine, last),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The remove phase: pauses the guest, reads the counters, histograms and last records,
+    /// and writes back every original instruction; after it nothing of the session is left in
+    /// the kernel text (its report hashes the touched pages before and after). The patch heap
+    /// stays mapped: threads preempted inside a patch can still return through it.
+    ///
+    /// # Errors
+    /// When the guest cannot be paused or its memory read or written.
+    pub fn remove(&mut self) -> anyhow::Result<RemoveReport> {
+        self.pause()?;
+        match self.splicer.as_mut() {
+            Some(splicer) if !splicer.installed.is_empty() => splicer.remove(&mut self.machine),
+            _ => Ok(RemoveReport::default()),
+        }
+    }
+
+    /// Ends the session: removes whatever is still installed, then detaches (QEMU drops its
+    /// breakpoints and the guest runs on).
+    ///
+    /// # Errors
+    /// When the removal or the detach fails; the detach is tried either way.
+    pub fn detach(mut self) -> anyhow::Result<()> {
+        let removed = if self.installed() {
+            self.remove().map(drop)
+        } else {
+            Ok(())
+        };
+        self.detached = true;
+        let detached = self
+            .machine
+            .client()
+            .detach()
+            .context("cannot detach from the guest");
+        removed.and(detached)
+    }
+
+    /// Ends the session without removing anything: for a guest that has ended (its splices
+    /// went with it).
+    pub fn abandon(mut self) {
+        self.detached = true;
+    }
+
+    /// The guest kernel's TSC rate (`tsc_khz`, at least 1), to turn recorded TSC values into
+    /// time; the guest paused.
+    ///
+    /// # Errors
+    /// When `image` has no `tsc_khz` or the guest's copy cannot be read.
+    pub fn tsc_khz(&mut self, image: &KernelImage) -> anyhow::Result<u32> {
+        let at = image
+            .address("tsc_khz")?
+            .wrapping_add(self.survey.kaslr.slide);
+        let mut b = [0u8; 4];
+        let mut mem = BackendMemory(&mut self.machine);
+        self.survey
+            .space(&mut mem)
+            .read(at, &mut b)
+            .context("cannot read the guest's tsc_khz")?;
+        Ok(u32::from_le_bytes(b).max(1))
+    }
+
+    /// Whether splices are in the guest.
+    pub fn installed(&self) -> bool {
+        self.splicer
+            .as_ref()
+            .is_some_and(|s| !s.installed.is_empty())
+    }
+}
+
+impl Drop for GuestSession {
+    fn drop(&mut self) {
+        if self.detached {
+            return;
+        }
+        if self.installed() {
+            tracing::warn!("a live session ends without its removal phase: removing its splices");
+            if let Err(e) = self.remove() {
+                tracing::error!("removing the splices failed: {e:#}");
+            }
+        }
+        if let Err(e) = self.machine.client().detach() {
+            tracing::warn!("detaching failed: {e}");
+        }
+    }
+}
