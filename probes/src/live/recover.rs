@@ -97,8 +97,8 @@ const BLOCKS: u64 = 48;
 const TABLES: u64 = 56;
 const TABLE_LIST: u64 = 64;
 const BLOCK_LIST: u64 = 256;
-/// A slot of an in-flight table (see `exotap_probes::compile::site::SLOT`).
-const INFLIGHT_SLOT: usize = 32;
+/// A slot of an in-flight table: (stack slot address, original return address, ...).
+const INFLIGHT_SLOT: usize = crate::compile::site::SLOT as usize;
 
 fn word(b: &[u8], o: usize) -> u64 {
     b.get(o..o + 8)
