@@ -21,7 +21,7 @@ TRIALS=${1:-50}
 SIGNALS=${2:-KILL}
 X=${EXOTAP:-$(cd "$(dirname "$0")/.." && pwd)/target/release/exotap}
 [ -x "$X" ] || { echo "build exotap first (cargo build --release), or set EXOTAP" >&2; exit 2; }
-STORM=${3:-$(( TRIALS * 25 + 60 ))}
+STORM=${3:-$(( TRIALS * 22 + 90 ))}
 W=$(mktemp -d /tmp/exotap-trials.XXXXXX)
 SOCK=$W/gdb.sock
 T=unix:$SOCK
@@ -57,17 +57,23 @@ tool() {
   esac
 }
 IFS=, read -r -a SIGS <<< "$SIGNALS"
-failed=0; longest=0; recovered=0
+failed=0; longest=0; recovered=0; in_install=0; in_runs=0
 for i in $(seq 1 "$TRIALS"); do
   tool $(( RANDOM % TOOLS ))
   sig=${SIGS[$(( RANDOM % ${#SIGS[@]} ))]}
   delay=$(awk -v r=$RANDOM 'BEGIN { printf "%.2f", 0.2 + r / 32767 * 9.8 }')
-  "$X" "${ARGS[@]}" --target "$T" > "$W/out.$i" 2> "$W/err.$i" &
+  EXOTAP_LOG=info "$X" "${ARGS[@]}" --target "$T" > "$W/out.$i" 2> "$W/err.$i" &
   P=$!
   sleep "$delay"
   t0=$(date +%s%N)
   kill -"$sig" "$P" 2>/dev/null
-  wait "$P"; rc=$?
+  wait "$P" 2>/dev/null; rc=$?
+  # Where the signal fell: before the probes were in (attach, analysis, install) or after.
+  if grep -q -E "splices installed|compiled probes in|probe sites" "$W/err.$i"; then
+    phase=running; in_runs=$(( in_runs + 1 ))
+  else
+    phase=install; in_install=$(( in_install + 1 ))
+  fi
   while pgrep -f "guardian --target $T" > /dev/null; do sleep 0.02; done
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   [ "$ms" -gt "$longest" ] && longest=$ms
@@ -77,15 +83,16 @@ for i in $(seq 1 "$TRIALS"); do
   echo "$after" | grep -q "nothing to recover" || verdict="LEFT-OVER"
   echo "$after" | grep -q "kernel text sha256 $BEFORE" || verdict="$verdict TEXT-CHANGED"
   [ "$verdict" = ok ] || failed=$(( failed + 1 ))
-  printf 'trial %3d %-4s after %5ss: exit %3d, clean after %5d ms, %s: %s\n' \
-    "$i" "$sig" "$delay" "$rc" "$ms" "$verdict" "${ARGS[*]:0:3}"
+  printf 'trial %3d SIG%-4s after %5ss (%-7s): exit %3d, clean after %5d ms, %s: %s\n' \
+    "$i" "$sig" "$delay" "$phase" "$rc" "$ms" "$verdict" "${ARGS[0]} ${ARGS[1]} ${ARGS[2]:-}"
   [ "$verdict" = ok ] || { tail -3 "$W/err.$i"; echo "$after"; }
 done
 echo "waiting for the guest to finish its storm ..."
 wait "$BOOT"
 done_line=$(grep -a "EXOTAP-DONE" "$W/console.log" | tail -1)
 bad=$(grep -a -c -E "Oops|BUG:|WARNING:|general protection|STORM-FAIL" "$W/console.log")
-echo "trials $TRIALS, signals $SIGNALS: $failed failed; guardian recoveries $recovered;" \
+echo "trials $TRIALS, signals $SIGNALS ($in_install before the probes were in, $in_runs with them in):" \
+     "$failed failed; guardian recoveries $recovered;" \
      "longest signal-to-clean $longest ms; guest: ${done_line:-no EXOTAP-DONE}, $bad Oops/BUG/WARNING/storm failures"
 echo "work files: $W"
 [ "$failed" -eq 0 ] && [ "$done_line" = "EXOTAP-DONE 0" ] && [ "$bad" -eq 0 ]
