@@ -20,7 +20,7 @@ ORACLE=(__do_sys_getpid __do_sys_getppid __x64_sys_close __x64_sys_pread64 ksys_
         kernel_clone wake_up_new_task try_to_wake_up)
 # Wildcards for the rest of each batch (hundreds of functions each).
 GLOBS=('vfs_*' 'ksys_*' '__x64_sys_*' 'do_sys_*' 'security_file_*' 'pipe_*' 'filemap_*'
-       '*_getattr' 'path_*' 'mnt_*')
+       '*_getattr' 'path_*' 'mnt_*' 'ext4_*' 'tcp_*' 'blk_*' 'kmem_cache_*' '__se_sys_*')
 STORM=$(( SECONDS_WANTED + 150 ))
 {
   echo 'T=/sys/kernel/tracing'

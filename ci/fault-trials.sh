@@ -5,6 +5,7 @@
 # usage: ci/fault-trials.sh [TRIALS] [SIGNALS] [STORM_SECONDS]
 #   TRIALS   number of trials (default 50)
 #   SIGNALS  comma list of signals picked at random per trial (default KILL; e.g. INT,TERM)
+#   (MAX_DELAY=S: signals fall 0.05..S seconds after the start, default 10)
 #   STORM    seconds of syscall and fork/exec storm the guest runs (default: enough for the trials)
 #
 # One 2-vCPU guest runs a storm (mixed: fork+exec, file and pipe I/O; syscall-loop) with its
@@ -61,7 +62,7 @@ failed=0; longest=0; recovered=0; in_install=0; in_runs=0
 for i in $(seq 1 "$TRIALS"); do
   tool $(( RANDOM % TOOLS ))
   sig=${SIGS[$(( RANDOM % ${#SIGS[@]} ))]}
-  delay=$(awk -v r=$RANDOM 'BEGIN { printf "%.2f", 0.2 + r / 32767 * 9.8 }')
+  delay=$(awk -v r=$RANDOM -v m="${MAX_DELAY:-10}" 'BEGIN { printf "%.2f", 0.05 + r / 32767 * (m - 0.05) }')
   EXOTAP_LOG=info "$X" "${ARGS[@]}" --target "$T" > "$W/out.$i" 2> "$W/err.$i" &
   P=$!
   sleep "$delay"
