@@ -155,12 +155,25 @@ fn init_logging(verbose: u8) {
         .init();
 }
 
+/// With `--target`, Ctrl-C, SIGTERM and SIGHUP are taken from the start: a signal during the
+/// attach or the install ends the run with a normal removal once the probes are in, instead
+/// of killing exotap half-way (its guardian would recover the guest, but the run would print
+/// nothing). A booted guest's run keeps the default until its own handler goes in.
+fn signals_stop_the_run() {
+    if let Err(e) = exotap_probes::lang::driver::stop_on_ctrl_c() {
+        tracing::warn!("Ctrl-C will not remove the probes: {e}");
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
     recover::enable_guardian();
     let Some(command) = cli.command else {
         let result = if cli.script.any() {
+            if cli.script.options.target.is_some() {
+                signals_stop_the_run();
+            }
             script::run(&cli.script)
         } else {
             Err(anyhow::anyhow!(
@@ -172,6 +185,23 @@ fn main() -> ExitCode {
         }
         return exit_code(result);
     };
+    // The live commands take Ctrl-C, SIGTERM and SIGHUP from the start: a signal during the
+    // attach or the install ends the run with a normal removal once the probes are in,
+    // instead of killing exotap half-way (the guardian would recover the guest, but the
+    // run would print nothing).
+    let target = match &command {
+        Command::Run(a) => a.options.target.is_some(),
+        Command::Count(verbs::CountArgs { live, .. })
+        | Command::Time(verbs::TimeArgs { live, .. })
+        | Command::Trace(verbs::TraceArgs { live, .. })
+        | Command::Nullify(verbs::NullifyArgs { live, .. })
+        | Command::Replace(verbs::ReplaceArgs { live, .. })
+        | Command::SpliceReport(verbs::ReportArgs { live, .. }) => live.target.is_some(),
+        _ => false,
+    };
+    if target {
+        signals_stop_the_run();
+    }
     let result = match command {
         Command::Run(args) => script::run(&args),
         Command::Image(cmd) => image::run(cmd).map(|()| 0),

@@ -259,15 +259,25 @@ pub fn run_listing(
     }
 }
 
-/// Installs a Ctrl-C handler that sets the returned flag (the session then runs its end
-/// probes and exits). Only one handler can exist per process.
+/// The process's stop flag, set by Ctrl-C, SIGTERM or SIGHUP (the session then removes its
+/// probes, runs its end probes and exits). The first call installs the handler; later calls
+/// return the same flag, so a caller that installs it early (before attaching) sees a signal
+/// that came during the attach or the install.
 ///
 /// # Errors
-/// When a handler is already installed or signals cannot be set up.
+/// When another handler is installed or signals cannot be set up.
 pub fn stop_on_ctrl_c() -> Result<Arc<AtomicBool>, ctrlc::Error> {
+    static STOP: std::sync::Mutex<Option<Arc<AtomicBool>>> = std::sync::Mutex::new(None);
+    let mut slot = STOP
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(stop) = slot.as_ref() {
+        return Ok(stop.clone());
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     ctrlc::set_handler(move || flag.store(true, std::sync::atomic::Ordering::SeqCst))?;
+    *slot = Some(stop.clone());
     Ok(stop)
 }
 
