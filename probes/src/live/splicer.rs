@@ -708,8 +708,8 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 /// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
 /// first argument at entry, the return value at exit), function id at +16, kind at +20
 /// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit). The TSC is stored
-/// last. The host drains the rings while the guest runs (every [`STREAM_EVERY`], the guest
-/// stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
+/// last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
+/// guest stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
 /// from where it stopped last up to the first one whose TSC is still 0 (its writer has not
 /// finished), then zeroes the records it took, so that a slot being rewritten reads as
 /// unfinished. A burst of more than `slots` records between two drains overwrites the oldest
