@@ -7,11 +7,11 @@ use anyhow::bail;
 use clap::{Args, Subcommand};
 use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::layout::read_task;
-use exotap_vmm::control::{Machine, VcpuId};
 pub use exotap_probes::live::attach::{
     attach, map_patch_heap, survey, task_offsets, x86_registers, Attached, Survey, Target,
 };
 use exotap_probes::live::guest_memory::BackendMemory;
+use exotap_vmm::control::{Machine, VcpuId};
 
 use crate::kernel_image::{ImageArgs, KernelImage};
 

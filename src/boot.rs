@@ -15,12 +15,12 @@ use exotap_vmm::qemu::{
 
 use crate::attach;
 use crate::kernel_image::KernelImage;
-use exotap_probes::live::attach::Target;
-use exotap_probes::live::compiled::{self, CompileMode};
-use exotap_probes::live::trap_script::GuestScript;
 use exotap_probes::lang::driver::{compile, stop_on_ctrl_c, ScriptSource};
 use exotap_probes::lang::output::Format;
 use exotap_probes::lang::Limits;
+use exotap_probes::live::attach::Target;
+use exotap_probes::live::compiled::{self, CompileMode};
+use exotap_probes::live::trap_script::GuestScript;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AccelChoice {
@@ -219,13 +219,8 @@ impl PhaseHook for ScriptHook {
             return Ok(());
         };
         self.stop = Some(script.stop.clone());
-        let started = compiled::start_script(
-            &self.target,
-            &self.image,
-            self.heap,
-            script,
-            self.compile,
-        );
+        let started =
+            compiled::start_script(&self.target, &self.image, self.heap, script, self.compile);
         match started {
             Ok(handle) => {
                 self.tracer = Some(handle);

@@ -20,8 +20,8 @@ use exotap_vmm::kvm::{KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::PatchHeapRange;
 
 use crate::entry_patch::{counter_patch, jmp_rel32};
-use exotap_probes::live::guest_memory::BackendMemory;
 use crate::kernel_image::KernelImage;
+use exotap_probes::live::guest_memory::BackendMemory;
 
 /// Offsets inside the patch heap.
 const COUNTER_OFFSET: u64 = 0x1000;

@@ -24,8 +24,8 @@ use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuE
 
 use crate::attach::{self, Attached, HeapPlaceArg, Survey, Target};
 use crate::entry_patch::{counter_patch, jmp_rel32};
-use exotap_probes::live::guest_memory::BackendMemory;
 use crate::kernel_image::{ImageArgs, KernelImage};
+use exotap_probes::live::guest_memory::BackendMemory;
 
 /// The function spliced.
 const FUNCTION: &str = "__x64_sys_getpid";

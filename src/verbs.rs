@@ -13,11 +13,11 @@ use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
 use exotap_probes::live::attach::Target;
+use exotap_probes::live::operation::{requests, Operation};
 use exotap_probes::live::splicer::{
     category, guest_ftrace_sites, guest_kprobe_hits, why_not, Action, Request, TraceRecord,
     CODE_OFFSET,
 };
-use exotap_probes::live::operation::{requests, Operation};
 use exotap_probes::live::GuestSession;
 use exotap_vmm::control::StopEvent;
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
@@ -825,7 +825,6 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<i32> {
     )
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -852,7 +851,6 @@ mod tests {
         );
         assert_eq!(view.shown, 2);
     }
-
 
     #[test]
     fn negative_values_parse_as_twos_complement() {

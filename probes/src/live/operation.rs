@@ -35,11 +35,7 @@ pub enum Operation {
 ///
 /// # Errors
 /// A pattern that matches no function, or a name that is not a function.
-pub fn requests(
-    op: &Operation,
-    image: &KernelImage,
-    slide: u64,
-) -> anyhow::Result<Vec<Request>> {
+pub fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Result<Vec<Request>> {
     let text = |name: &str| -> anyhow::Result<u64> {
         let sym = image
             .symbols
@@ -100,7 +96,6 @@ pub fn requests(
     })
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,7 +129,10 @@ mod tests {
     #[test]
     fn a_pattern_requests_every_text_symbol_the_linker_placed_under_it_once_slid() {
         let Some((image, map)) = image_and_map() else {
-            eprintln!("SKIP: the Debian kernel or its System.map is not cached (exotap image fetch --debuginfo)");
+            eprintln!(
+                "SKIP: the Debian kernel or its System.map is not cached \
+                 (exotap image fetch --debuginfo)"
+            );
             return;
         };
         let expected: BTreeSet<u64> = map_text(&map, |n| n.starts_with("vfs_r"))
@@ -154,7 +152,10 @@ mod tests {
     #[test]
     fn replace_diverts_to_the_other_functions_slid_address() {
         let Some((image, map)) = image_and_map() else {
-            eprintln!("SKIP: the Debian kernel or its System.map is not cached (exotap image fetch --debuginfo)");
+            eprintln!(
+                "SKIP: the Debian kernel or its System.map is not cached \
+                 (exotap image fetch --debuginfo)"
+            );
             return;
         };
         let read = map_text(&map, |n| n == "vfs_read");
@@ -178,7 +179,10 @@ mod tests {
     #[test]
     fn names_that_are_not_functions_are_refused_with_what_they_are() {
         let Some((image, map)) = image_and_map() else {
-            eprintln!("SKIP: the Debian kernel or its System.map is not cached (exotap image fetch --debuginfo)");
+            eprintln!(
+                "SKIP: the Debian kernel or its System.map is not cached \
+                 (exotap image fetch --debuginfo)"
+            );
             return;
         };
         // The oracle: jiffies is data, not text.

@@ -10,9 +10,7 @@ use exotap_vmm::gdb::GdbMachine;
 use super::attach::{self, Survey, Target};
 use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
-use super::splicer::{
-    InstallReport, RemoveReport, Request, SiteCode, Splicer, TraceRecord,
-};
+use super::splicer::{InstallReport, RemoveReport, Request, SiteCode, Splicer, TraceRecord};
 
 /// An attached guest, surveyed, and what the engine put into it.
 ///

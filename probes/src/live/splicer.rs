@@ -39,22 +39,24 @@ use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::x86::{
     ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
-use crate::rings::RingSet;
-use crate::splice::{
-    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
-    TrapReason,
-};
 use exotap_vmm::control::Machine;
 use exotap_vmm::gdb::GdbMachine;
 use iced_x86::code_asm::{rax, CodeAssembler};
 use iced_x86::Register;
 use sha2::{Digest, Sha256};
 
+use crate::rings::RingSet;
+use crate::splice::{
+    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
+    TrapReason,
+};
+
 use super::attach::{self, Survey};
 use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
 
-/// Start of the splice engine's part of the patch heap (below: trap probes, [`super::trap_script`]).
+/// Start of the splice engine's part of the patch heap (below: the trap probes of
+/// [`super::trap_script`]).
 pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;

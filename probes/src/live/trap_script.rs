@@ -37,6 +37,9 @@ use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::layout::TaskOffsets;
+use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
+use exotap_vmm::gdb::GdbMachine;
+
 use crate::lang::check::Program;
 use crate::lang::context::{Context, MemoryError};
 use crate::lang::driver::ScriptSource;
@@ -47,12 +50,10 @@ use crate::lang::resolve::resolve_program;
 use crate::lang::runtime::{host_context, host_timers, Session};
 use crate::lang::value::Value;
 use crate::lang::Limits;
-use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
-use exotap_vmm::gdb::GdbMachine;
 
 use super::attach::{self, Survey};
-use super::session::GuestSession;
 use super::kernel_image::KernelImage;
+use super::session::GuestSession;
 use super::trap_point::{
     decode_at, instruction_at, plan as plan_trap, Effect, TrapAction, MAX_INSN,
 };
@@ -563,7 +564,14 @@ pub fn start(
     let survey = session.survey.clone();
     let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
     let tasks = attach::task_offsets(image).ok();
-    let (armed, trampoline) = arm(&mut session, &survey, image, btf.as_ref(), &script.prog, heap)?;
+    let (armed, trampoline) = arm(
+        &mut session,
+        &survey,
+        image,
+        btf.as_ref(),
+        &script.prog,
+        heap,
+    )?;
     std::thread::Builder::new()
         .name("exotap-tracer".into())
         .spawn(move || {
@@ -673,7 +681,11 @@ impl Tracer {
         let mut restored = 0;
         for (slot, p) in self.pending.drain() {
             let mut now = [0u8; 8];
-            let still = self.session.machine.read_virt(VcpuId(0), slot, &mut now).is_ok()
+            let still = self
+                .session
+                .machine
+                .read_virt(VcpuId(0), slot, &mut now)
+                .is_ok()
                 && u64::from_le_bytes(now) == self.trampoline;
             if still
                 && self
@@ -733,7 +745,8 @@ impl Tracer {
             let slot = regs.gpr[7];
             let mut original = [0u8; 8];
             self.session.machine.read_virt(vcpu, slot, &mut original)?;
-            self.session.machine
+            self.session
+                .machine
                 .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
             self.pending.insert(
                 slot,
@@ -762,7 +775,9 @@ impl Tracer {
                     store,
                 } = e.effect(regs.rflags, regs.gpr[2], rsp, top);
                 if let Some((at, value)) = store {
-                    self.session.machine.write_virt(vcpu, at, &value.to_le_bytes())?;
+                    self.session
+                        .machine
+                        .write_virt(vcpu, at, &value.to_le_bytes())?;
                 }
                 if let Some(v) = new_rsp {
                     self.session.machine.set_register(vcpu, "rsp", v)?;
