@@ -19,6 +19,7 @@ mod entry_patch;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+mod recover;
 #[cfg(feature = "unicorn")]
 mod regress;
 mod script;
@@ -122,6 +123,14 @@ enum Command {
     /// KLAS join points: the instructions that read, write or call through a struct member
     /// (`exotap joinpoints 'struct file.f_pos'`), from DWARF and disassembly.
     Joinpoints(debuginfo::JoinpointsArgs),
+    /// Remove everything an earlier exotap left in a running guest (splices, swapped return
+    /// addresses, breakpoints) and let it run: what the guardian does when an exotap dies.
+    /// It finds exotap's work by the journal kept in the patch heap.
+    Recover(recover::RecoverArgs),
+    /// (internal) The guardian exotap starts beside itself: it recovers the guest if exotap
+    /// dies without removing its probes.
+    #[command(hide = true)]
+    Guardian(recover::GuardianArgs),
     /// Splicing-safety regression: build the x86-64 and SPARC v9 mini-kernels, run them under
     /// Unicorn, then again with a counting splice or trap probe at every point the planner accepts;
     /// report points tried, accepted, refused by reason, and divergences (exit 1 if any).
@@ -149,6 +158,7 @@ fn init_logging(verbose: u8) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
+    recover::enable_guardian();
     let Some(command) = cli.command else {
         let result = if cli.script.any() {
             script::run(&cli.script)
@@ -157,6 +167,9 @@ fn main() -> ExitCode {
                 "give a subcommand, a script FILE, -e SCRIPT, -l PATTERN or -L PATTERN (see --help)"
             ))
         };
+        if result.is_ok() {
+            exotap_probes::live::recover::dismiss();
+        }
         return exit_code(result);
     };
     let result = match command {
@@ -178,6 +191,8 @@ fn main() -> ExitCode {
         Command::Vars(args) => debuginfo::run_vars(&args),
         Command::Where(args) => debuginfo::run_where(&args),
         Command::Joinpoints(args) => debuginfo::run_joinpoints(&args),
+        Command::Recover(args) => recover::run_recover(&args),
+        Command::Guardian(args) => recover::run_guardian(&args),
         #[cfg(feature = "unicorn")]
         Command::Regress(args) => regress::run(&args),
         Command::Host => {
@@ -186,6 +201,11 @@ fn main() -> ExitCode {
             Ok(0)
         }
     };
+    // A normal end (the script's own exit code included) removed everything: the guardian
+    // may go. After an error it stays, and recovers whatever is left.
+    if result.is_ok() {
+        exotap_probes::live::recover::dismiss();
+    }
     exit_code(result)
 }
 

@@ -199,7 +199,10 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
                 }
             }
         })?;
-        if slot.entry & PTE_PRESENT != 0 {
+        let new = (phys + page * SIZE_2M) | HEAP_PMD_FLAGS;
+        // An entry that maps this very heap page already is an earlier exotap's mapping (the
+        // heap stays mapped after a session: trampolines in it may still be returned to).
+        if slot.entry & PTE_PRESENT != 0 && slot.entry != new {
             return Err(HeapError::Occupied {
                 va: page_va,
                 entry_addr: slot.entry_addr,
@@ -209,7 +212,6 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
         if !pmd_pages.contains(&slot.pmd_page) {
             pmd_pages.push(slot.pmd_page);
         }
-        let new = (phys + page * SIZE_2M) | HEAP_PMD_FLAGS;
         writes.push(PmdWrite {
             entry_addr: slot.entry_addr,
             old: slot.entry,
@@ -350,6 +352,32 @@ mod tests {
         assert_eq!(tr.phys, HEAP_PHYS + SIZE - 1);
         assert_eq!(tr.page_size, PageSize::Size2M);
         assert!(!tr.flags.no_execute && tr.flags.writable && tr.flags.global && !tr.flags.user);
+    }
+
+    #[test]
+    fn plan_maps_again_over_a_heap_an_earlier_session_mapped() {
+        let mut tb = guest();
+        let first = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap();
+        for write in &first.writes {
+            tb.mem.write_phys_u64(write.entry_addr, write.new).unwrap();
+        }
+
+        let again = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap();
+
+        assert_eq!(again.va, first.va);
+        assert!(again.writes.iter().all(|w| w.old == w.new));
+        // Another physical range over the same addresses is still someone else's mapping.
+        let other = plan(
+            &mut tb.space(),
+            IMAGE,
+            HeapPlacement::Auto,
+            HEAP_PHYS + SIZE,
+            SIZE,
+        );
+        assert!(
+            matches!(other, Err(HeapError::Occupied { .. })),
+            "{other:?}"
+        );
     }
 
     #[test]

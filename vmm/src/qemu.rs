@@ -384,16 +384,29 @@ pub fn run(
 
     let args = config.args(&control_path);
     tracing::debug!(qemu = %config.qemu.display(), ?args, "starting QEMU");
-    let child = Command::new(&config.qemu)
+    let mut command = Command::new(&config.qemu);
+    command
         .args(&args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|source| QemuError::Spawn {
-            qemu: config.qemu.clone(),
-            source,
-        })?;
+        .stderr(Stdio::piped());
+    // A guest exotap booted ends with it, even when exotap is killed (SIGKILL skips
+    // `ChildGuard`): its job would otherwise wait for a host that is gone.
+    // SAFETY: the closure runs in the forked child before exec and only makes the
+    // async-signal-safe prctl(2) call.
+    unsafe {
+        use std::os::unix::process::CommandExt as _;
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().map_err(|source| QemuError::Spawn {
+        qemu: config.qemu.clone(),
+        source,
+    })?;
     let mut child = ChildGuard(child);
     let start = Instant::now();
 

@@ -52,6 +52,7 @@ pub fn attach(target: &Target) -> anyhow::Result<Attached> {
     let started = Instant::now();
     let machine = GdbMachine::connect(&target.address, target.gdb_timeout)
         .with_context(|| format!("cannot attach to {}", target.address))?;
+    super::recover::note_target(&target.address);
     Ok(Attached { machine, started })
 }
 
@@ -186,5 +187,9 @@ pub fn map_patch_heap(
             plan.va
         );
     }
+    // Whatever goes into the guest from here on is journaled, and a guardian undoes it if
+    // this process dies ([`super::recover`]).
+    super::recover::Journal::open(plan.phys, plan.va, plan.size, machine)?;
+    super::recover::guard_noted(plan.phys)?;
     Ok(plan)
 }

@@ -47,6 +47,9 @@
 //! run the remove phase as for a normal end. A guest that ended ([`GuestSession::abandon`])
 //! is not touched again.
 //!
+//! What a session puts into the guest is journaled in the patch heap first, and a guardian
+//! process undoes it if the process dies without removing it ([`recover`]).
+//!
 //! The library never prints: what a verb or script shows goes to the writer it is given
 //! (a script's output, the verbs' report lines formatted by the binary), and diagnostics go
 //! through `tracing`.
@@ -56,6 +59,7 @@ pub mod compiled;
 pub mod guest_memory;
 pub mod kernel_image;
 pub mod operation;
+pub mod recover;
 pub mod session;
 pub mod splicer;
 pub mod trap_point;

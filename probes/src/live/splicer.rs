@@ -861,6 +861,8 @@ pub struct Splicer {
     pub installed: Vec<Installed>,
     /// The touched pages as they were before the install.
     pub before: PageSnapshot,
+    /// What a guardian or `exotap recover` needs to undo this session ([`super::recover`]).
+    journal: super::recover::Journal,
 }
 
 impl std::fmt::Debug for Splicer {
@@ -1009,6 +1011,9 @@ impl Splicer {
             ring_lost: Vec::new(),
             installed: Vec::new(),
             before: PageSnapshot::default(),
+            journal: super::recover::Journal {
+                heap_phys: plan.phys,
+            },
         })
     }
 
@@ -1149,6 +1154,7 @@ impl Splicer {
             self.ring_taken = vec![0; cpus as usize];
             self.ring_lost = vec![0; cpus as usize];
         }
+        let mut new_table = None;
         if self.inflight.is_none() && requests.iter().any(|r| paired(r.action)) {
             let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
             let table = self.data.alloc(bytes, 64)?;
@@ -1156,6 +1162,7 @@ impl Splicer {
             zero.push((table, bytes));
             zero.push((misses, 8));
             self.inflight = Some((table, misses));
+            new_table = Some((table, bytes));
         }
         // (request, site bytes, splice, patch, counter, timing)
         #[allow(clippy::type_complexity)]
@@ -1336,6 +1343,32 @@ impl Splicer {
             .iter()
             .map(|r| (requests[r.0].addr, r.2.to_vec()))
             .collect();
+        // The recovery journal before the guest changes ([`super::recover`]).
+        if let Some((table, bytes)) = new_table {
+            self.journal
+                .record_table(machine, self.heap_phys(table), bytes)?;
+        }
+        if !keep.is_empty() {
+            let block = self
+                .code
+                .alloc((keep.len() * super::recover::TEXT_ENTRY) as u64, 32)?;
+            let phys: Vec<u64> = keep
+                .iter()
+                .map(|r| {
+                    let addr = requests[r.0].addr;
+                    self.kernel
+                        .phys(addr)
+                        .with_context(|| format!("{addr:#x} is not kernel text"))
+                })
+                .collect::<anyhow::Result<_>>()?;
+            let entries: Vec<(u64, &[u8], &[u8])> = keep
+                .iter()
+                .zip(&phys)
+                .map(|(r, &p)| (p, &r.1[..5], &r.2[..]))
+                .collect();
+            self.journal
+                .record_text(machine, self.heap_phys(block), &entries)?;
+        }
         self.write_text(machine, &now, &writes)?;
         for (addr, bytes) in now.0 {
             self.before.0.entry(addr).or_insert(bytes);
@@ -1515,8 +1548,10 @@ impl Splicer {
             }
         }
         self.write_text(machine, &now, &writes)?;
+        self.journal.clear_text(machine)?;
         if let Some((table, misses)) = self.inflight {
             let (n, restored) = self.restore_returns(machine, table)?;
+            self.journal.clear_tables(machine)?;
             report.returns_restored = restored;
             let mut m = [0u8; 8];
             machine.read_phys(self.heap_phys(misses), &mut m)?;

@@ -516,7 +516,12 @@ fn arm(
     }
     if needs_trampoline {
         // Never executed while exotap is attached (the breakpoint stops it first); `ud2` makes
-        // a bug loud instead of running on.
+        // a bug loud instead of running on. Journaled first: a guardian moves a vCPU stopped
+        // there to its return address if exotap dies.
+        super::recover::Journal {
+            heap_phys: plan.phys,
+        }
+        .set_trampoline(&mut att.machine, trampoline)?;
         att.machine
             .write_phys(plan.phys + TRAMPOLINE_OFFSET, &[0x0f, 0x0b])?;
         att.machine.set_breakpoint(trampoline, true)?;
@@ -581,6 +586,9 @@ pub fn start(
                 armed,
                 trampoline,
                 pending: HashMap::new(),
+                journal: super::recover::Journal { heap_phys: heap.0 },
+                free: (0..super::recover::RETURN_SLOTS).rev().collect(),
+                missed_returns: 0,
             };
             tracer.run(script)
         })
@@ -593,6 +601,8 @@ struct PendingReturn {
     site: u64,
     original: u64,
     entry_regs: X86Registers,
+    /// Its entry in the recovery journal's return list.
+    index: usize,
 }
 
 /// The tracer thread's state.
@@ -604,6 +614,13 @@ struct Tracer {
     trampoline: u64,
     /// Swapped return addresses by the stack slot's address.
     pending: HashMap<u64, PendingReturn>,
+    /// The recovery journal, where every swap is written before it is made (so that a
+    /// guardian or `exotap recover` can put it back if exotap dies).
+    journal: super::recover::Journal,
+    /// Free entries of the journal's return list.
+    free: Vec<usize>,
+    /// Calls whose return probe did not run because the return list was full.
+    missed_returns: u64,
 }
 
 impl Tracer {
@@ -700,6 +717,16 @@ impl Tracer {
         if restored > 0 {
             tracing::info!("{restored} calls in flight got their return addresses back");
         }
+        if self.missed_returns > 0 {
+            tracing::warn!(
+                "{} calls missed their return probe: more than {} calls were in flight at once",
+                self.missed_returns,
+                super::recover::RETURN_SLOTS
+            );
+        }
+        if let Err(e) = self.journal.clear_returns(&mut self.session.machine) {
+            tracing::warn!("cannot clear the recovery journal: {e:#}");
+        }
         if let Err(e) = self.session.detach() {
             tracing::warn!("{e:#}");
         }
@@ -741,21 +768,37 @@ impl Tracer {
             }
         }
         if wants_return {
-            // rsp points at the return address: swap it for the trampoline.
-            let slot = regs.gpr[7];
-            let mut original = [0u8; 8];
-            self.session.machine.read_virt(vcpu, slot, &mut original)?;
-            self.session
-                .machine
-                .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
-            self.pending.insert(
-                slot,
-                PendingReturn {
-                    site: pc,
-                    original: u64::from_le_bytes(original),
-                    entry_regs: regs,
-                },
-            );
+            // A swap left at this slot by a call that never returned through it (its task
+            // exited) is stale: forget it first.
+            if let Some(stale) = self.pending.remove(&regs.gpr[7]) {
+                self.journal
+                    .set_return(&mut self.session.machine, stale.index, 0, 0)?;
+                self.free.push(stale.index);
+            }
+            if let Some(index) = self.free.pop() {
+                // rsp points at the return address: swap it for the trampoline, journaled
+                // first.
+                let slot = regs.gpr[7];
+                let mut original = [0u8; 8];
+                self.session.machine.read_virt(vcpu, slot, &mut original)?;
+                let original = u64::from_le_bytes(original);
+                self.journal
+                    .set_return(&mut self.session.machine, index, slot, original)?;
+                self.session
+                    .machine
+                    .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
+                self.pending.insert(
+                    slot,
+                    PendingReturn {
+                        site: pc,
+                        original,
+                        entry_regs: regs,
+                        index,
+                    },
+                );
+            } else {
+                self.missed_returns += 1;
+            }
         }
         match action {
             TrapAction::OutOfLine { .. } => self.session.machine.set_pc(vcpu, slot_va)?,
@@ -812,6 +855,9 @@ impl Tracer {
             }
         }
         self.session.machine.set_pc(vcpu, p.original)?;
+        self.journal
+            .set_return(&mut self.session.machine, p.index, 0, 0)?;
+        self.free.push(p.index);
         self.session.machine.resume()?;
         Ok(())
     }

@@ -1,0 +1,296 @@
+//! exotap dies, the guest lives (issue 20): exotap is killed with its probes in a running
+//! 2-vCPU guest under a fork/exec and syscall storm; its guardian puts everything back, the
+//! kernel text's SHA-256 equals the one taken before, `exotap recover` finds nothing left, and
+//! the guest finishes its job with no Oops, BUG or WARNING. SIGTERM and SIGINT end a run with
+//! a normal removal. QEMU killed under a running exotap ends it within 5 s with a clear error.
+//! `ci/fault-trials.sh` runs the same trials by the dozen, at random moments.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::io::Read as _;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{boot_with_gdbstub, exotap, have_qemu, run};
+
+/// Guardians of a gdbstub still running (found in /proc, so no procps is needed).
+fn guardians(socket: &Path) -> usize {
+    let needle = socket.display().to_string();
+    std::fs::read_dir("/proc")
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+                .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+                .filter(|c| c.contains(" guardian ") && c.contains(&needle))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Waits for every guardian of `socket` to end; returns how long that took.
+fn guardians_done(socket: &Path) -> Duration {
+    let started = Instant::now();
+    while guardians(socket) > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "a guardian still runs after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    started.elapsed()
+}
+
+/// `exotap recover --digest`: (whether nothing was left, the text's SHA-256).
+fn recover(target: &str) -> (bool, String, String) {
+    let (code, out, err) = run(exotap().args(["recover", "--digest", "--target", target]));
+    assert_eq!(code, 0, "recover failed:\n{out}\n{err}");
+    let digest = out
+        .lines()
+        .find_map(|l| l.strip_prefix("kernel text sha256 "))
+        .unwrap_or_default()
+        .to_owned();
+    (out.contains("nothing to recover"), digest, out)
+}
+
+/// Starts `exotap ARGS --target TARGET` and waits until its standard error shows `ready`
+/// (its probes are in), then `linger` more; returns the child and what it printed so far.
+fn start_until(args: &[&str], target: &str, ready: &str, linger: Duration) -> (Child, Said) {
+    let mut child = exotap()
+        .args(args)
+        .args(["--target", target])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env("EXOTAP_LOG", "info")
+        .spawn()
+        .expect("cannot start exotap");
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = String::new();
+    let started = Instant::now();
+    while !seen.contains(ready) {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "`{ready}` not seen in 120 s; exotap {args:?} said:\n{seen}"
+        );
+        if let Ok(chunk) = rx.recv_timeout(Duration::from_millis(100)) {
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("exotap {args:?} ended ({status}) before `{ready}`:\n{seen}");
+        }
+    }
+    std::thread::sleep(linger);
+    while let Ok(chunk) = rx.try_recv() {
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    (child, Said { seen, rx })
+}
+
+/// What a started exotap printed on standard error so far, and the rest as it comes.
+struct Said {
+    seen: String,
+    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+}
+
+impl Said {
+    /// Everything, once the process has ended (its standard error closed).
+    fn all(mut self) -> String {
+        while let Ok(chunk) = self.rx.recv_timeout(Duration::from_secs(30)) {
+            self.seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        self.seen
+    }
+}
+
+fn signal(child: &Child, sig: &str) {
+    let ok = Command::new("kill")
+        .args([format!("-{sig}"), child.id().to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "cannot send SIG{sig}");
+}
+
+const TRAP_RETURNS: &str = r#"global n, m
+probe kernel.function("ksys_read") { n++ }
+probe kernel.function("ksys_read").return { m++ }
+probe kernel.function("do_sys_openat2").return { m++ }"#;
+
+const COMPILED_RETURNS: &str = r#"global c
+probe kernel.function("vfs_read").return { c[execname()]++ }
+probe kernel.function("do_sys_openat2").return { c[execname()]++ }"#;
+
+#[test]
+fn a_killed_exotap_leaves_nothing_behind_and_signals_remove_cleanly() {
+    if !have_qemu("a_killed_exotap_leaves_nothing_behind_and_signals_remove_cleanly") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    let target = format!("unix:{}", socket.display());
+    let job = r#"end=$(( $(date +%s) + 150 ))
+( while [ $(date +%s) -lt $end ]; do mixed 5 >/dev/null || echo STORM-FAIL; done ) &
+( while [ $(date +%s) -lt $end ]; do syscall-loop 20000 >/dev/null || echo STORM-FAIL; done ) &
+wait
+exotap_result storm done"#;
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let (mut guest, mut console) = boot_with_gdbstub(
+        &[
+            "--cpus".as_ref(),
+            "2".as_ref(),
+            "--timeout".as_ref(),
+            "600".as_ref(),
+            "--job".as_ref(),
+            job_file.as_os_str(),
+        ],
+        &socket,
+        "EXOTAP-READY",
+    );
+    let (clean, before, out) = recover(&target);
+    assert!(clean && before.len() == 64, "{out}");
+
+    // SIGKILL with trap probes armed (entry and .return: swapped return addresses and
+    // breakpoints), with compiled .return probes (in-flight table), and with `time`.
+    let kills: [(&[&str], &str); 3] = [
+        (
+            &["run", "--compile", "never", "-e", TRAP_RETURNS],
+            "probe sites",
+        ),
+        (
+            &["run", "--compile", "require", "-e", COMPILED_RETURNS],
+            "compiled probes in",
+        ),
+        (
+            &["time", "ksys_read", "vfs_read", "do_sys_openat2"],
+            "splices installed",
+        ),
+    ];
+    for (args, ready) in kills {
+        let (mut child, said) = start_until(args, &target, ready, Duration::from_secs(3));
+        let killed = Instant::now();
+        signal(&child, "KILL");
+        child.wait().unwrap();
+        guardians_done(&socket);
+        let recovered_after = killed.elapsed();
+        let (clean, after, out) = recover(&target);
+        let said = said.all();
+        assert!(
+            said.contains("ended without removing its probes; recovered in"),
+            "{args:?}: the guardian did not say it recovered:\n{said}"
+        );
+        assert!(
+            clean,
+            "{args:?}: exotap recover found work the guardian left:\n{out}\nexotap said:\n{said}"
+        );
+        assert_eq!(after, before, "{args:?}: the kernel text differs:\n{out}");
+        eprintln!(
+            "SIGKILL of exotap {}: the guardian was done {} ms after the kill",
+            args[0],
+            recovered_after.as_millis()
+        );
+    }
+
+    // SIGTERM and SIGINT: exotap removes its own probes and prints its results.
+    for (args, ready, sig, shows) in [
+        (
+            &["count", "vfs_read", "ksys_read"][..],
+            "splices installed",
+            "TERM",
+            "vfs_read",
+        ),
+        (
+            &["trace", "ksys_read"][..],
+            "splices installed",
+            "INT",
+            "ksys_read",
+        ),
+    ] {
+        let (child, said) = start_until(args, &target, ready, Duration::from_secs(3));
+        signal(&child, sig);
+        let output = child.wait_with_output().unwrap();
+        let said = said.all();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{args:?} after SIG{sig}: {}\n{stdout}\n{said}",
+            output.status
+        );
+        assert!(stdout.contains(shows), "{args:?}: {stdout}");
+        guardians_done(&socket);
+        let (clean, after, out) = recover(&target);
+        assert!(clean, "{args:?} after SIG{sig}:\n{out}");
+        assert_eq!(after, before, "{args:?} after SIG{sig}: the text differs");
+    }
+
+    let mut rest = String::new();
+    console.read_to_string(&mut rest).unwrap();
+    assert!(guest.wait().unwrap().success(), "{rest}");
+    assert!(rest.contains("EXOTAP-DONE 0"), "{rest}");
+    for bad in [
+        "Oops",
+        "BUG:",
+        "WARNING:",
+        "general protection",
+        "STORM-FAIL",
+    ] {
+        assert!(!rest.contains(bad), "{bad} on the console:\n{rest}");
+    }
+}
+
+#[test]
+fn qemu_killed_under_a_running_exotap_ends_it_within_5_s_with_a_clear_error() {
+    if !have_qemu("qemu_killed_under_a_running_exotap_ends_it_within_5_s_with_a_clear_error") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    let target = format!("unix:{}", socket.display());
+    let (mut guest, _console) = boot_with_gdbstub(
+        &[
+            "--timeout",
+            "300",
+            "--run",
+            "while true; do syscall-loop 2000 >/dev/null; done",
+        ],
+        &socket,
+        "EXOTAP-READY",
+    );
+    let (child, said) = start_until(
+        &["count", "vfs_read", "ksys_read"],
+        &target,
+        "splices installed",
+        Duration::from_secs(2),
+    );
+    // Killing `exotap boot` kills its QEMU too (QEMU runs with PR_SET_PDEATHSIG).
+    guest.kill().unwrap();
+    guest.wait().unwrap();
+    let killed = Instant::now();
+    let output = child.wait_with_output().unwrap();
+    let took = killed.elapsed();
+    let stderr = said.all();
+    assert!(
+        took < Duration::from_secs(5),
+        "exotap took {took:?} to notice that QEMU died:\n{stderr}"
+    );
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("error:"),
+        "no clear error from exotap:\n{stderr}"
+    );
+    eprintln!(
+        "exotap ended {} ms after QEMU died: {}",
+        took.as_millis(),
+        stderr.trim_end()
+    );
+}
