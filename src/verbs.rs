@@ -155,8 +155,8 @@ struct Live {
     streamed: Instant,
 }
 
-/// A verb's run against one guest: the engine's session, and what the verb prints.
-struct Engine {
+/// A verb's run against one guest: the verb's session, and what the verb prints.
+struct VerbRun {
     image: KernelImage,
     btf: Option<Btf>,
     op: Operation,
@@ -171,7 +171,7 @@ struct Engine {
     streaming: bool,
 }
 
-impl Engine {
+impl VerbRun {
     fn say(&mut self, line: &str) {
         let _ = writeln!(self.out, "{line}");
         let _ = self.out.flush();
@@ -628,22 +628,22 @@ pub fn histogram_lines(buckets: &[u64], tsc_khz: u32) -> Vec<String> {
         .collect()
 }
 
-/// Hooks the engine to the guest's `splice` and `unsplice` waits.
+/// Hooks a verb's run to the guest's `splice` and `unsplice` waits.
 struct SpliceHook {
-    engine: Engine,
+    verb: VerbRun,
     target: Target,
 }
 
 impl PhaseHook for SpliceHook {
     fn tick(&mut self) -> Result<(), QemuError> {
-        self.engine.stream();
+        self.verb.stream();
         Ok(())
     }
 
     fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
         let result = match phase {
-            "splice" => self.engine.install(&self.target),
-            "unsplice" => self.engine.remove(),
+            "splice" => self.verb.install(&self.target),
+            "unsplice" => self.verb.remove(),
             _ => Ok(()),
         };
         result.map_err(|e| QemuError::Hook {
@@ -658,7 +658,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
     let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
-    let make_engine = |image, heap| Engine {
+    let make_run = |image, heap| VerbRun {
         image,
         btf,
         op,
@@ -671,10 +671,10 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     };
     if let Some(target) = &live.target {
         let heap = crate::script::parse_heap(&live.heap)?;
-        let mut engine = make_engine(image, heap);
+        let mut verb = make_run(image, heap);
         let target = Target::new(target.clone());
-        engine.install(&target)?;
-        if matches!(engine.op, Operation::Report { install: None, .. }) {
+        verb.install(&target)?;
+        if matches!(verb.op, Operation::Report { install: None, .. }) {
             return Ok(0);
         }
         let stop = exotap_probes::lang::driver::stop_on_ctrl_c()
@@ -690,12 +690,12 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
             if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
-            engine.stream();
-            let Some(l) = engine.live.as_mut() else { break };
+            verb.stream();
+            let Some(l) = verb.live.as_mut() else { break };
             match l.session.wait(Duration::from_millis(100))? {
                 None => {}
                 Some(StopEvent::Exited) => {
-                    if let Some(live) = engine.live.take() {
+                    if let Some(live) = verb.live.take() {
                         live.session.abandon();
                     }
                     bail!("the guest ended with the splices in");
@@ -703,8 +703,8 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
                 Some(_) => l.session.resume()?,
             }
         }
-        engine.remove()?;
-        return Ok(i32::from(engine.refused_any));
+        verb.remove()?;
+        return Ok(i32::from(verb.refused_any));
     }
     // Boot a guest for the run.
     let job = match (&live.job, &live.run) {
@@ -735,7 +735,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
     let heap = (config.patch_heap.base, config.patch_heap.size);
     let mut hook = SpliceHook {
-        engine: make_engine(image, heap),
+        verb: make_run(image, heap),
         target: Target::new(format!("unix:{}", socket.display())),
     };
     let mut sink: Box<dyn Write> = match &live.console {
@@ -751,8 +751,10 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     };
     let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
     drop(sink);
-    if hook.engine.live.is_some() {
+    if let Some(live) = hook.verb.live.take() {
         tracing::warn!("the guest ended before its `exotap_wait unsplice`: splices not removed");
+        // Its QEMU is gone: nothing to remove them from.
+        live.session.abandon();
     }
     let outcome = outcome?;
     for (key, value) in &outcome.results {
@@ -762,7 +764,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     if outcome.rc != 0 {
         return Ok(outcome.rc);
     }
-    Ok(i32::from(hook.engine.refused_any))
+    Ok(i32::from(hook.verb.refused_any))
 }
 
 /// `exotap count`.

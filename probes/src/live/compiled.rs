@@ -18,6 +18,10 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use anyhow::{bail, Context as _};
+use exotap_introspect::btf::Btf;
+use exotap_vmm::control::StopEvent;
+
 use crate::compile::{
     self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, SitePoint,
     TaskFields, Unsupported,
@@ -28,9 +32,6 @@ use crate::lang::output::Output;
 use crate::lang::resolve::resolve_program;
 use crate::lang::runtime::{host_context, host_timers, Session};
 use crate::lang::Limits;
-use anyhow::{bail, Context as _};
-use exotap_introspect::btf::Btf;
-use exotap_vmm::control::StopEvent;
 
 use super::attach::Target;
 use super::kernel_image::KernelImage;
@@ -158,7 +159,8 @@ pub fn plan(
 }
 
 /// Starts `script` against `target`: compiled into the guest where it compiles (as `mode`
-/// says), else through the host-evaluated tracer ([`super::trap_script`]), naming what did not compile.
+/// says), else through the host-evaluated tracer ([`super::trap_script`]), naming what did not
+/// compile.
 ///
 /// # Errors
 /// As [`start`] and [`super::trap_script::start`]; with [`CompileMode::Require`], a script that

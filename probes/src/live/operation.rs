@@ -95,3 +95,122 @@ pub fn requests(op: &Operation, image: &KernelImage, slide: u64) -> anyhow::Resu
         Operation::Report { .. } => Vec::new(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The slide the tests resolve at (any 2 MiB multiple).
+    const SLIDE: u64 = 0x1c00_0000;
+
+    /// The cached Debian kernel (its kallsyms) and the linker's own `System.map` from its -dbg
+    /// package, the oracle for what the names are and where.
+    fn image_and_map() -> Option<(KernelImage, String)> {
+        let dir =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+        let image = KernelImage::load(dir.join("vmlinuz")).ok()?;
+        let map = std::fs::read_to_string(dir.join("debug").join("System.map")).ok()?;
+        Some((image, map))
+    }
+
+    /// The addresses of System.map's text symbols (`T`, `t`) whose names `keep`.
+    fn map_text(map: &str, keep: impl Fn(&str) -> bool) -> BTreeSet<u64> {
+        map.lines()
+            .filter_map(|line| {
+                let mut f = line.split_whitespace();
+                let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+                let kind = f.next()?;
+                let name = f.next()?;
+                (matches!(kind, "T" | "t") && keep(name)).then_some(addr)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_pattern_requests_every_text_symbol_the_linker_placed_under_it_once_slid() {
+        let Some((image, map)) = image_and_map() else {
+            eprintln!(
+                "SKIP: the Debian kernel or its System.map is not cached \
+                 (exotap image fetch --debuginfo)"
+            );
+            return;
+        };
+        let expected: BTreeSet<u64> = map_text(&map, |n| n.starts_with("vfs_r"))
+            .into_iter()
+            .map(|a| a + SLIDE)
+            .collect();
+
+        let got = requests(&Operation::Count(vec!["vfs_r*".into()]), &image, SLIDE).unwrap();
+
+        let addrs: BTreeSet<u64> = got.iter().map(|r| r.addr).collect();
+        assert!(expected.len() >= 5, "{expected:x?}");
+        assert_eq!(addrs, expected);
+        assert_eq!(got.len(), addrs.len(), "an address requested twice");
+        assert!(got.iter().all(|r| r.action == Action::Count));
+    }
+
+    #[test]
+    fn replace_diverts_to_the_other_functions_slid_address() {
+        let Some((image, map)) = image_and_map() else {
+            eprintln!(
+                "SKIP: the Debian kernel or its System.map is not cached \
+                 (exotap image fetch --debuginfo)"
+            );
+            return;
+        };
+        let read = map_text(&map, |n| n == "vfs_read");
+        let write = map_text(&map, |n| n == "vfs_write");
+
+        let got = requests(
+            &Operation::Replace("vfs_read".into(), "vfs_write".into()),
+            &image,
+            SLIDE,
+        )
+        .unwrap();
+
+        assert_eq!(got.len(), 1);
+        assert_eq!(Some(&(got[0].addr - SLIDE)), read.first());
+        let Action::Replace(to) = got[0].action else {
+            panic!("{:?}", got[0].action)
+        };
+        assert_eq!(Some(&(to - SLIDE)), write.first());
+    }
+
+    #[test]
+    fn names_that_are_not_functions_are_refused_with_what_they_are() {
+        let Some((image, map)) = image_and_map() else {
+            eprintln!(
+                "SKIP: the Debian kernel or its System.map is not cached \
+                 (exotap image fetch --debuginfo)"
+            );
+            return;
+        };
+        // The oracle: jiffies is data, not text.
+        assert!(map.lines().any(|l| l.ends_with(" D jiffies")));
+
+        let data = requests(&Operation::Nullify("jiffies".into(), 0), &image, SLIDE);
+        let missing = requests(
+            &Operation::Nullify("exotap_no_such_function".into(), 0),
+            &image,
+            SLIDE,
+        );
+        let no_match = requests(
+            &Operation::Time(vec!["exotap_no_such_*".into()]),
+            &image,
+            SLIDE,
+        );
+
+        assert_eq!(
+            format!("{:#}", data.unwrap_err()),
+            "jiffies is not a function (not a text symbol)"
+        );
+        assert_eq!(
+            format!("{:#}", missing.unwrap_err()),
+            "the kernel has no function exotap_no_such_function"
+        );
+        assert_eq!(
+            format!("{:#}", no_match.unwrap_err()),
+            "no kernel function matches exotap_no_such_*"
+        );
+    }
+}

@@ -33,11 +33,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::rings::RingSet;
-use crate::splice::{
-    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
-    TrapReason,
-};
 use anyhow::{bail, Context};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
@@ -50,11 +45,18 @@ use iced_x86::code_asm::{rax, CodeAssembler};
 use iced_x86::Register;
 use sha2::{Digest, Sha256};
 
+use crate::rings::RingSet;
+use crate::splice::{
+    generate, plan, PatchHeap, PatchRequest, Probe, Refusal, Site, SpliceContext, SpliceDecision,
+    TrapReason,
+};
+
 use super::attach::{self, Survey};
 use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
 
-/// Start of the splice engine's part of the patch heap (below: trap probes, [`super::trap_script`]).
+/// Start of the splice engine's part of the patch heap (below: the trap probes of
+/// [`super::trap_script`]).
 pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;
@@ -708,8 +710,8 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 /// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
 /// first argument at entry, the return value at exit), function id at +16, kind at +20
 /// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit). The TSC is stored
-/// last. The host drains the rings while the guest runs (every [`STREAM_EVERY`], the guest
-/// stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
+/// last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
+/// guest stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
 /// from where it stopped last up to the first one whose TSC is still 0 (its writer has not
 /// finished), then zeroes the records it took, so that a slot being rewritten reads as
 /// unfinished. A burst of more than `slots` records between two drains overwrites the oldest

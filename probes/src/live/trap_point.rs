@@ -26,10 +26,11 @@
 //! exception-table fixup and the entry text, which runs on the user page tables where the
 //! patch heap is not mapped.
 
-use crate::splice::patch::out_of_line;
 use iced_x86::{
     Code, ConditionCode, Decoder, DecoderOptions, FlowControl, Instruction, Mnemonic, OpKind,
 };
+
+use crate::splice::patch::out_of_line;
 
 /// Longest x86 instruction.
 pub const MAX_INSN: usize = 15;

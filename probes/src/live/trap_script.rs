@@ -33,6 +33,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use anyhow::{bail, Context as _};
+use exotap_introspect::btf::Btf;
+use exotap_introspect::heap::HeapPlacement;
+use exotap_introspect::layout::TaskOffsets;
+use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
+use exotap_vmm::gdb::GdbMachine;
+
 use crate::lang::check::Program;
 use crate::lang::context::{Context, MemoryError};
 use crate::lang::driver::ScriptSource;
@@ -43,12 +50,6 @@ use crate::lang::resolve::resolve_program;
 use crate::lang::runtime::{host_context, host_timers, Session};
 use crate::lang::value::Value;
 use crate::lang::Limits;
-use anyhow::{bail, Context as _};
-use exotap_introspect::btf::Btf;
-use exotap_introspect::heap::HeapPlacement;
-use exotap_introspect::layout::TaskOffsets;
-use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
-use exotap_vmm::gdb::GdbMachine;
 
 use super::attach::{self, Survey};
 use super::kernel_image::KernelImage;
