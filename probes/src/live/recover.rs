@@ -756,7 +756,7 @@ mod tests {
             })
         }
         fn registers(&mut self, _: VcpuId) -> Result<RegisterFile, ControlError> {
-            Ok(RegisterFile::X86_64(self.regs.clone()))
+            Ok(RegisterFile::X86_64(self.regs))
         }
         fn set_pc(&mut self, _: VcpuId, pc: u64) -> Result<(), ControlError> {
             self.regs.rip = pc;
