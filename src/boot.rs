@@ -429,7 +429,9 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
             File::create(path)
                 .with_context(|| format!("cannot create the console file {}", path.display()))?,
         ),
-        None => Box::new(std::io::stdout().lock()),
+        // Not `stdout().lock()`: a script's output goes to stdout from the tracer thread, and a
+        // lock held for the whole run by this thread would stop it at its first print.
+        None => Box::new(std::io::stdout()),
     };
     let timeouts = Timeouts {
         boot: Duration::from_secs(args.boot_timeout),

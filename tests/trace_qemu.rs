@@ -249,3 +249,27 @@ fn run_with_target_traces_a_guest_someone_else_booted() {
     );
     assert_eq!(result(&rest, "getppid.calls"), Some("100"), "{rest}");
 }
+
+#[test]
+fn a_script_prints_to_stdout_beside_the_console_without_a_deadlock() {
+    if !have_qemu("a_script_prints_to_stdout_beside_the_console_without_a_deadlock") {
+        return;
+    }
+    // No --console: the console and the script's output share stdout (the console sink once
+    // held stdout's lock for the whole run, and the first println stopped the tracer).
+    let (code, out, err) = run(exotap().args([
+        "boot",
+        "--timeout",
+        "300",
+        "--compile",
+        "never",
+        "--script-text",
+        r#"probe kernel.function("__do_sys_getppid") { if (execname() == "syscall-loop") println("hit ", execname()) }"#,
+        "--run",
+        "syscall-loop 3",
+    ]));
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(out.lines().filter(|l| *l == "hit syscall-loop").count(), 3, "{ctx}");
+    assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+}
