@@ -304,6 +304,14 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
             r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = kernel_long(0) }"#,
             "kernel read fault in a compiled probe",
         ),
+        (
+            r#"probe kernel.syscall("getpid") { if (execname() == "syscall-loop") println(user_string(1)) }"#,
+            "kernel read fault in a compiled probe",
+        ),
+        (
+            r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = @cast(0, "struct file")->f_inode->i_ino }"#,
+            "kernel read fault in a compiled probe",
+        ),
     ];
     for (script, message) in cases {
         let (code, out, err, console) = boot(script, "require", "syscall-loop 50");
@@ -317,6 +325,34 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
         );
         assert_no_oops(&console);
     }
+}
+
+#[test]
+fn compiled_member_chains_and_kernel_strings_read_what_the_guest_reports() {
+    if !have_qemu("compiled_member_chains_and_kernel_strings_read_what_the_guest_reports") {
+        return;
+    }
+    // The oracle: the guest's own `stat -c %i` of the file `cat` reads.
+    let script = r#"probe kernel.function("vfs_read") {
+          if (execname() == "cat")
+            printf("read ino=%d name=%s\n", $file->f_inode->i_ino,
+                   kernel_string($file->f_path->dentry->d_name->name))
+        }"#;
+
+    let (code, out, err, console) = boot(
+        script,
+        "require",
+        "cat /init > /dev/null; exotap_result ino $(stat -c %i /init)",
+    );
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let ino = result(&console, "ino").unwrap_or_else(|| panic!("no inode number: {ctx}"));
+    assert!(
+        out.contains(&format!("read ino={ino} name=init\n")),
+        "{ctx}"
+    );
+    assert_no_oops(&console);
 }
 
 #[test]

@@ -13,10 +13,13 @@
 //!                       value (as a scalar of its type)
 //! ```
 //!
-//! After the globals, when kernel probes print: per vCPU, a ring of [`RECORD`]-byte output
-//! records (crate::rings: the protocol `exotap trace` uses too). A record holds the TSC at
-//! +0 (stored last, never 0), the output format's id at +8 and up to [`MAX_PRINT_ARGS`]
-//! arguments of 16 bytes from +16. The host drains the rings at every look (the guest
+//! After the globals, when kernel probes print: per vCPU, a ring of output records
+//! (crate::rings: the protocol `exotap trace` uses too) of [`RECORD`] bytes, or more when a
+//! `printf` prints strings read from memory (the next power of two that holds the largest
+//! one, the ring keeping about the same bytes). A record holds the TSC at +0 (stored last,
+//! never 0), the output format's id at +8 and up to [`MAX_PRINT_ARGS`] arguments from +16,
+//! each as its format's [`ArgSlot`] says: 16 bytes for a long or a string, MAXSTRINGLEN
+//! bytes (rounded up to 16, NUL-terminated) for a string read from memory. The host drains the rings at every look (the guest
 //! stopped) and prints the records in TSC order across vCPUs; a burst of more than a ring
 //! between two looks overwrites the oldest records, which the host counts as lost.
 //!
@@ -89,8 +92,13 @@ pub const STATS_FIXED: u64 = 32;
 pub const RECORD: u64 = 128;
 /// Most arguments of one compiled `printf`/`print`.
 pub const MAX_PRINT_ARGS: usize = 7;
-/// Records per vCPU ring.
+/// Records per vCPU ring (of [`RECORD`] bytes; larger records get fewer, at least
+/// [`MIN_RING_SLOTS`]).
 pub const RING_SLOTS: u32 = 2048;
+/// Fewest records per vCPU ring.
+pub const MIN_RING_SLOTS: u32 = 512;
+/// Largest output record.
+pub const MAX_RECORD: u64 = 4096;
 /// The largest data area the compiler lays out (the patch heap has 64 MiB in all).
 pub const MAX_DATA: u64 = 48 << 20;
 
@@ -183,36 +191,62 @@ pub enum OutputKind {
     Print(bool),
 }
 
+/// How an output record holds one argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArgSlot {
+    /// A long: 8 bytes (in a 16-byte slot).
+    Long,
+    /// A 16-byte string.
+    Str,
+    /// A string read from memory: this many bytes, NUL-terminated.
+    Text(u32),
+}
+
+impl ArgSlot {
+    /// Bytes it takes in a record.
+    pub fn size(&self) -> u64 {
+        match self {
+            ArgSlot::Long | ArgSlot::Str => 16,
+            ArgSlot::Text(n) => u64::from(*n),
+        }
+    }
+}
+
 /// Strings longer than 15 bytes, by id (the guest stores only the id), and the output
 /// formats of compiled `printf`/`print` calls.
 #[derive(Debug, Clone, Default)]
 pub struct Interner {
     strings: Vec<String>,
     ids: std::collections::HashMap<String, u64>,
-    /// Output formats by id: what prints, and which arguments are strings.
-    pub formats: Vec<(OutputKind, Vec<bool>)>,
+    /// Output formats by id: what prints, and how each argument is held.
+    pub formats: Vec<(OutputKind, Vec<ArgSlot>)>,
 }
 
 impl Interner {
     /// The id of an output format (one per call site).
-    pub fn format(&mut self, kind: OutputKind, strings: Vec<bool>) -> u32 {
-        self.formats.push((kind, strings));
+    pub fn format(&mut self, kind: OutputKind, args: Vec<ArgSlot>) -> u32 {
+        self.formats.push((kind, args));
         u32::try_from(self.formats.len() - 1).unwrap_or(u32::MAX)
     }
 
     /// The text of an output record (`None`: an unknown format id, a hostile guest).
     pub fn render(&self, record: &[u8]) -> Option<String> {
         let id = usize::try_from(word(record, 8) & 0xffff_ffff).ok()?;
-        let (kind, strings) = self.formats.get(id)?;
-        let args: Vec<Value> = strings
+        let (kind, slots) = self.formats.get(id)?;
+        let mut at = 16u64;
+        let args: Vec<Value> = slots
             .iter()
-            .enumerate()
-            .map(|(i, is_str)| {
-                let at = 16 + 16 * i as u64;
-                if *is_str {
-                    Value::Str(self.decode(bytes_at(record, at, 16)))
-                } else {
-                    Value::Long(word(record, at) as i64)
+            .map(|slot| {
+                let here = at;
+                at = at.saturating_add(slot.size());
+                match slot {
+                    ArgSlot::Str => Value::Str(self.decode(bytes_at(record, here, 16))),
+                    ArgSlot::Long => Value::Long(word(record, here) as i64),
+                    ArgSlot::Text(n) => {
+                        let bytes = bytes_at(record, here, *n as usize);
+                        let text = bytes.split(|b| *b == 0).next().unwrap_or(bytes);
+                        Value::Str(String::from_utf8_lossy(text).into_owned())
+                    }
                 }
             })
             .collect();
@@ -326,6 +360,8 @@ pub struct DataLayout {
     pub globals_size: u64,
     /// The output rings: (offset, vCPUs), when kernel probes print.
     pub rings: Option<(u64, u32)>,
+    /// Bytes of one output record (a power of two).
+    pub record: u64,
     /// Bytes in all.
     pub size: u64,
 }
@@ -335,7 +371,7 @@ impl DataLayout {
     pub fn with_rings(mut self, cpus: u32) -> Self {
         let at = self.size.div_ceil(64) * 64;
         self.rings = Some((at, cpus.max(1)));
-        self.size = at + u64::from(cpus.max(1)) * (RING_HEADER + u64::from(RING_SLOTS) * RECORD);
+        self.size = at + u64::from(cpus.max(1)) * (RING_HEADER + u64::from(self.slots()) * self.record);
         self
     }
 }
@@ -346,9 +382,17 @@ impl DataLayout {
         self.rings.map(|(offset, cpus)| RingSet {
             base: data + offset,
             cpus,
-            slots: RING_SLOTS,
-            record: RECORD,
+            slots: self.slots(),
+            record: self.record,
         })
+    }
+
+    /// Records per ring.
+    fn slots(&self) -> u32 {
+        let bytes = u64::from(RING_SLOTS) * RECORD;
+        u32::try_from(bytes / self.record.max(RECORD))
+            .unwrap_or(RING_SLOTS)
+            .max(MIN_RING_SLOTS)
     }
 }
 
@@ -392,6 +436,7 @@ impl DataLayout {
             globals: IndexMap::new(),
             globals_size: HEADER,
             rings: None,
+            record: super::codegen::record_bytes(prog, limits),
             size: HEADER,
         };
         let mut refused = Vec::new();

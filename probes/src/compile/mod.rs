@@ -37,6 +37,7 @@
 pub mod codegen;
 pub mod data;
 pub mod site;
+pub mod types;
 
 use std::collections::HashSet;
 
@@ -62,6 +63,52 @@ pub struct Facts {
     /// Slid address of `copy_from_kernel_nofault` (for `kernel_long()`, `kernel_int()`: a bad
     /// address is a probe error, never a fault in the guest).
     pub copy_nofault: Option<u64>,
+    /// The kernel's other fault-tolerant copy routines (strings from memory).
+    pub memory: MemoryFns,
+    /// The guest kernel's types, for member chains (`$p->m->n`, `@cast`); `None`: they do not
+    /// compile.
+    pub types: Option<std::sync::Arc<dyn types::KernelTypes>>,
+}
+
+/// Slid addresses of the kernel's fault-tolerant string routines. Each is the kernel's own
+/// (mm/maccess.c), so a bad address is an error code, never a fault in the guest.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryFns {
+    /// `strncpy_from_kernel_nofault(dst, src, count)` (for `kernel_string*()`).
+    pub strncpy_kernel: Option<u64>,
+    /// `strncpy_from_user_nofault(dst, src, count)` (for `user_string*()`).
+    pub strncpy_user: Option<u64>,
+    /// `copy_from_user_nofault(dst, src, len)` (the last byte of a user string at its limit).
+    pub copy_user: Option<u64>,
+}
+
+impl MemoryFns {
+    /// The kernel symbols it needs, by name.
+    pub const SYMBOLS: [&'static str; 3] = [
+        "strncpy_from_kernel_nofault",
+        "strncpy_from_user_nofault",
+        "copy_from_user_nofault",
+    ];
+
+    /// The routines at the addresses `lookup` gives for [`Self::SYMBOLS`].
+    pub fn from_symbols(lookup: impl Fn(&str) -> Option<u64>) -> Self {
+        let [k, u, c] = Self::SYMBOLS;
+        MemoryFns {
+            strncpy_kernel: lookup(k),
+            strncpy_user: lookup(u),
+            copy_user: lookup(c),
+        }
+    }
+
+    /// The same routines after a KASLR slide of `slide` bytes.
+    pub fn slid(self, slide: u64) -> Self {
+        let s = |a: Option<u64>| a.map(|a| a.wrapping_add(slide));
+        MemoryFns {
+            strncpy_kernel: s(self.strncpy_kernel),
+            strncpy_user: s(self.strncpy_user),
+            copy_user: s(self.copy_user),
+        }
+    }
 }
 
 /// `task_struct` (and `cred`) member offsets, from BTF.

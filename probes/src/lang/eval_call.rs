@@ -230,15 +230,28 @@ impl Interp<'_> {
             "gettimeofday_ms" => Value::Long(now().as_millis() as i64),
             "gettimeofday_us" => Value::Long(now().as_micros() as i64),
             "gettimeofday_ns" => Value::Long(now().as_nanos() as i64),
-            "kernel_string" => {
+            "kernel_string" | "kernel_string_n" | "user_string" | "user_string_n" => {
+                // At most MAXSTRINGLEN - 1 bytes (or n, when smaller), read byte by byte up to
+                // the first NUL: the bytes past the string are never touched.
+                let most = self.limits.max_string_len.saturating_sub(1);
+                let most = if name.ends_with("_n") {
+                    usize::try_from(long(1).max(0)).unwrap_or(usize::MAX).min(most)
+                } else {
+                    most
+                };
+                let what = if name.starts_with("user") {
+                    "user"
+                } else {
+                    "kernel"
+                };
                 let mut bytes = Vec::new();
                 let base = long(0) as u64;
-                while bytes.len() + 1 < self.limits.max_string_len {
+                while bytes.len() < most {
                     let addr = base.wrapping_add(bytes.len() as u64);
                     match ctx.read_kernel(addr, 1) {
                         Ok(b) if b.first() == Some(&0) => break,
                         Ok(b) => bytes.extend_from_slice(&b),
-                        Err(e) => return fail(format!("kernel string copy fault: {e}"), span),
+                        Err(e) => return fail(format!("{what} string copy fault: {e}"), span),
                     }
                 }
                 self.string(String::from_utf8_lossy(&bytes).into_owned())

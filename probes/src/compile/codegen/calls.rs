@@ -7,7 +7,10 @@ use iced_x86::{Code, Instruction, MemoryOperand, Register};
 use crate::lang::ast::*;
 use crate::lang::check::Program;
 
-use super::super::data::{field, OutputKind, MAX_PRINT_ARGS};
+use crate::lang::Limits;
+
+use super::super::data::{field, ArgSlot, OutputKind, MAX_PRINT_ARGS, MAX_RECORD, RECORD};
+use super::memory::text_call;
 use super::{rip, Gen, K, R};
 
 impl Gen<'_, '_> {
@@ -129,6 +132,13 @@ impl Gen<'_, '_> {
                 asm!(self, r)?;
                 Ok(K::Long)
             }
+            "kernel_string" | "kernel_string_n" | "user_string" | "user_string_n" => {
+                Err(self.no(format!(
+                    "{name}() other than as an argument of printf/print/println (a string \
+                     read from memory is up to MAXSTRINGLEN bytes, a compiled string value \
+                     holds 15)"
+                )))
+            }
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)
@@ -163,30 +173,74 @@ impl Gen<'_, '_> {
                 "{name}() with more than {MAX_PRINT_ARGS} arguments"
             )));
         }
-        let mut strings = Vec::new();
+        let mut slots = Vec::new();
+        let text = self.text_bytes();
         for v in values {
-            let k = self.expr(v)?;
-            strings.push(k == K::Str);
-            if k == K::Long {
+            if let Some((c, user, with_n)) = text_call(v) {
+                // The buffer first, then its address (and a 0) as the argument's 16 bytes.
+                asm!(self, self.a.sub(rsp, text))?;
+                let saved = self.span;
+                self.span = v.span;
+                self.text(c, user, with_n)?;
+                self.span = saved;
                 asm!(self, self.a.xor(edx, edx))?;
+                slots.push(ArgSlot::Text(text as u32));
+            } else {
+                let k = self.expr(v)?;
+                slots.push(if k == K::Str {
+                    ArgSlot::Str
+                } else {
+                    ArgSlot::Long
+                });
+                if k == K::Long {
+                    asm!(self, self.a.xor(edx, edx))?;
+                }
             }
             asm!(self, self.a.push(rdx))?;
             asm!(self, self.a.push(rax))?;
         }
-        let n = values.len() as i32;
-        let id = self.interner.format(kind, strings);
+        let bytes = 16 + slots.iter().map(ArgSlot::size).sum::<u64>();
+        if bytes > self.env.layout.record {
+            return Err(self.no(format!(
+                "{name}() whose record would take {bytes} bytes (at most {MAX_RECORD})"
+            )));
+        }
+        let stacked: i32 = slots
+            .iter()
+            .map(|s| 16 + if matches!(s, ArgSlot::Text(_)) { text } else { 0 })
+            .sum();
+        let offsets: Vec<i32> = slots
+            .iter()
+            .scan(16i32, |at, s| {
+                let here = *at;
+                *at += s.size() as i32;
+                Some(here)
+            })
+            .collect();
+        let id = self.interner.format(kind, slots.clone());
         let cpu_number = self.env.facts.cpu_number;
         let r = (|| {
             let mut skip = self.a.create_label();
             let mut done = self.a.create_label();
             rings.emit_reserve(self.a, cpu_number, rdi, skip)?;
             self.a.mov(dword_ptr(rdi + 8), id)?;
-            for i in (0..n).rev() {
+            self.a.mov(r8, rdi)?;
+            for (slot, at) in slots.iter().zip(&offsets).rev() {
                 self.a.pop(rax)?;
                 self.a.pop(rdx)?;
-                self.a.mov(qword_ptr(rdi + 16 + 16 * i), rax)?;
-                self.a.mov(qword_ptr(rdi + 24 + 16 * i), rdx)?;
+                if let ArgSlot::Text(_) = slot {
+                    // The whole buffer (its string ends at a NUL), then free it.
+                    self.a.lea(rdi, qword_ptr(r8 + *at))?;
+                    self.a.mov(rsi, rsp)?;
+                    self.a.mov(ecx, text as u32)?;
+                    self.a.rep().movsb()?;
+                    self.a.add(rsp, text)?;
+                } else {
+                    self.a.mov(qword_ptr(r8 + *at), rax)?;
+                    self.a.mov(qword_ptr(r8 + *at + 8), rdx)?;
+                }
             }
+            self.a.mov(rdi, r8)?;
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
@@ -194,7 +248,7 @@ impl Gen<'_, '_> {
             self.a.mov(qword_ptr(rdi), rax)?;
             self.a.jmp(done)?;
             self.a.set_label(&mut skip)?;
-            self.a.add(rsp, 16 * n)?;
+            self.a.add(rsp, stacked)?;
             self.a.set_label(&mut done)?;
             self.a.nop()
         })();
@@ -203,47 +257,102 @@ impl Gen<'_, '_> {
     }
 }
 
-/// Whether any kernel probe of `prog` prints (then the data gets output rings).
-pub fn prints(prog: &Program) -> bool {
-    fn expr(e: &Expr) -> bool {
+/// The `printf`/`print`/`println` calls of `prog`'s kernel probes.
+fn print_calls(prog: &Program) -> Vec<&Call> {
+    fn expr<'p>(e: &'p Expr, out: &mut Vec<&'p Call>) {
         match &e.kind {
             ExprKind::Call(c) => {
-                matches!(c.name.name.as_str(), "printf" | "print" | "println")
-                    || c.args.iter().any(expr)
+                if matches!(c.name.name.as_str(), "printf" | "print" | "println") {
+                    out.push(c);
+                }
+                c.args.iter().for_each(|a| expr(a, out));
             }
-            ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => expr(x),
+            ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => expr(x, out),
             ExprKind::Binary(_, b) | ExprKind::Assign(_, b) | ExprKind::Aggregate(b) => {
-                expr(&b.0) || expr(&b.1)
+                expr(&b.0, out);
+                expr(&b.1, out);
             }
-            ExprKind::Ternary(t) => expr(&t.0) || expr(&t.1) || expr(&t.2),
-            ExprKind::Index(ix) => ix.keys.iter().any(expr),
-            ExprKind::In(i) => i.keys.iter().any(expr),
-            ExprKind::IncDec(i) => expr(&i.target),
-            _ => false,
+            ExprKind::Ternary(t) => {
+                expr(&t.0, out);
+                expr(&t.1, out);
+                expr(&t.2, out);
+            }
+            ExprKind::Index(ix) => ix.keys.iter().for_each(|k| expr(k, out)),
+            ExprKind::In(i) => i.keys.iter().for_each(|k| expr(k, out)),
+            ExprKind::IncDec(i) => expr(&i.target, out),
+            _ => {}
         }
     }
-    fn stmt(s: &Stmt) -> bool {
+    fn stmt<'p>(s: &'p Stmt, out: &mut Vec<&'p Call>) {
         match &s.kind {
-            StmtKind::Block(b) => b.stmts.iter().any(stmt),
-            StmtKind::Expr(e) | StmtKind::Delete(e) => expr(e),
-            StmtKind::If(i) => expr(&i.cond) || stmt(&i.then) || i.els.as_ref().is_some_and(stmt),
-            StmtKind::While(w) => expr(&w.0) || stmt(&w.1),
-            StmtKind::For(f) => {
-                f.init.as_ref().is_some_and(expr)
-                    || f.cond.as_ref().is_some_and(expr)
-                    || f.step.as_ref().is_some_and(expr)
-                    || stmt(&f.body)
+            StmtKind::Block(b) => b.stmts.iter().for_each(|s| stmt(s, out)),
+            StmtKind::Expr(e) | StmtKind::Delete(e) | StmtKind::Return(Some(e)) => expr(e, out),
+            StmtKind::If(i) => {
+                expr(&i.cond, out);
+                stmt(&i.then, out);
+                if let Some(e) = &i.els {
+                    stmt(e, out);
+                }
             }
-            StmtKind::Foreach(f) => stmt(&f.body),
-            StmtKind::Return(Some(e)) => expr(e),
-            StmtKind::Try(t) => t.body.stmts.iter().any(stmt) || t.handler.stmts.iter().any(stmt),
-            _ => false,
+            StmtKind::While(w) => {
+                expr(&w.0, out);
+                stmt(&w.1, out);
+            }
+            StmtKind::For(f) => {
+                for e in [&f.init, &f.cond, &f.step].into_iter().flatten() {
+                    expr(e, out);
+                }
+                stmt(&f.body, out);
+            }
+            StmtKind::Foreach(f) => stmt(&f.body, out),
+            StmtKind::Try(t) => t
+                .body
+                .stmts
+                .iter()
+                .chain(&t.handler.stmts)
+                .for_each(|s| stmt(s, out)),
+            _ => {}
         }
     }
-    prog.script
+    let mut out = Vec::new();
+    for (p, _) in prog
+        .script
         .probes
         .iter()
         .zip(&prog.probes)
         .filter(|(_, info)| info.points.iter().any(|(_, k)| k.needs_guest()))
-        .any(|(p, _)| p.body.stmts.iter().any(stmt))
+    {
+        if let Some(c) = &p.condition {
+            expr(c, &mut out);
+        }
+        p.body.stmts.iter().for_each(|s| stmt(s, &mut out));
+    }
+    out
+}
+
+/// Whether any kernel probe of `prog` prints (then the data gets output rings).
+pub fn prints(prog: &Program) -> bool {
+    !print_calls(prog).is_empty()
+}
+
+/// Bytes of the output records `prog`'s kernel probes need: [`RECORD`], or the next power of
+/// two that holds the largest `printf` of strings read from memory (at most [`MAX_RECORD`]).
+pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
+    let text = (limits.max_string_len.max(1) as u64).div_ceil(16) * 16;
+    let largest = print_calls(prog)
+        .iter()
+        .map(|c| {
+            let args = if c.name.name == "printf" {
+                &c.args[1.min(c.args.len())..]
+            } else {
+                &c.args[..]
+            };
+            16 + args
+                .iter()
+                .map(|a| if text_call(a).is_some() { text } else { 16 })
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    largest.next_power_of_two().clamp(RECORD, MAX_RECORD)
 }

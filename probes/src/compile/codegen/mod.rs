@@ -102,9 +102,10 @@ macro_rules! asm {
 
 // After the macro: the submodules use it.
 mod calls;
+mod memory;
 mod updates;
 
-pub use calls::prints;
+pub use calls::{prints, record_bytes};
 
 fn rip(addr: u64) -> MemoryOperand {
     MemoryOperand::with_base_displ(Register::RIP, addr as i64)
@@ -502,7 +503,7 @@ impl Gen<'_, '_> {
             ExprKind::Call(c) => self.call(c),
             ExprKind::Entry(_) => Err(self.no("@entry in a kernel probe")),
             ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
-            ExprKind::Cast(_) => Err(self.no("@cast in a kernel probe")),
+            ExprKind::Cast(c) => self.cast(c),
             ExprKind::Variance(..) => Err(self.no("@variance in a kernel probe")),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
             ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
@@ -579,13 +580,11 @@ impl Gen<'_, '_> {
     }
 
     fn target(&mut self, t: &TargetVar) -> R<K> {
-        if !t.members.is_empty() {
-            return Err(self.no(format!(
-                "the member access {}->{}",
-                t.name,
-                t.members.join("->")
-            )));
-        }
+        let base = if t.members.is_empty() {
+            None
+        } else {
+            Some(self.target_type(&t.name)?)
+        };
         let reg = if t.name == "$return" {
             if !self.point.is_return {
                 return Err(self.no("$return outside a return probe"));
@@ -611,6 +610,9 @@ impl Gen<'_, '_> {
         };
         let off = saved_offset(reg);
         asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
+        if let Some(base) = base {
+            self.members(&t.path(), base, &t.members)?;
+        }
         Ok(K::Long)
     }
 
