@@ -23,13 +23,19 @@
 //! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
 //! body), `kernel_long()` and `kernel_int()` (through the kernel's `copy_from_kernel_nofault`:
-//! a bad address ends the hit with a probe error), `exit()`; `printf` with a literal format, `print` and `println` (output records in
-//! per-vCPU rings, formatted by the host); `$params` in registers at function entries and
-//! `$return` in return probes. Everything else is named by [`Unsupported`] and the script runs
-//! on the host path.
+//! a bad address ends the hit with a probe error), `exit()`; `printf` with a literal format,
+//! `print` and `println` (output records in per-vCPU rings, formatted by the host); `$params`
+//! in registers at function entries and `$return` in return probes; member chains of them
+//! and `@cast(p, "type")->m...`, laid out from the kernel's BTF ([`types`]) and read with
+//! `copy_from_kernel_nofault` at each step; strings read from memory (`kernel_string`,
+//! `kernel_string_n`, `user_string`, `user_string_n`, through `strncpy_from_*_nofault`) as
+//! direct arguments of `printf`/`print`/`println` (see [`codegen`]'s memory module: a
+//! MAXSTRINGLEN-byte slot in the record; anywhere else they are refused, never cut short).
+//! Everything else is named by [`Unsupported`] and the script runs on the host path.
 //!
 //! Safety inside the guest: a division by zero, an exhausted per-hit statement budget
-//! (MAXACTION), a faulting kernel read and an array overflow (an insert into an array that
+//! (MAXACTION), a faulting kernel read (a bad pointer anywhere in a member chain, a string at
+//! a bad address) and an array overflow (an insert into an array that
 //! holds its most elements) end the hit and count a probe error in the header; an update that
 //! gives up on a busy slot counts a dropped update; no loop in the generated code is unbounded
 //! (table probes, spin waits and script loops all carry a budget).
