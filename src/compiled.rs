@@ -715,6 +715,12 @@ fn run(
             header.faults
         ));
     }
+    if header.empty > 0 {
+        session.error(&format!(
+            "empty aggregate in a compiled probe ({} times)",
+            header.empty
+        ));
+    }
     if header.div_zero > 0 {
         session.error(&format!(
             "division by 0 in a compiled probe ({} times)",

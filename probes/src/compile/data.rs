@@ -1,9 +1,10 @@
 //! The compiled script's data in the patch heap, and the host's view of it.
 //!
 //! ```text
-//! +0    header (64 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
-//!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults
-//! +64   globals, each 64-byte aligned, in declaration order:
+//! +0    header (128 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
+//!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults,
+//!       array overflows, reads of empty aggregates
+//! +128  globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
 //!       stats scalar    count, sum, min, max, then the log2 and linear buckets (8 bytes each)
@@ -54,7 +55,7 @@ use super::Unsupported;
 /// "EXOTAPC1": the signature at the start of a compiled script's data.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"EXOTAPC1");
 /// Bytes of the header.
-pub const HEADER: u64 = 64;
+pub const HEADER: u64 = 128;
 /// Header fields (byte offsets).
 pub mod field {
     /// Set to 1 by `exit()`.
@@ -71,6 +72,8 @@ pub mod field {
     pub const FAULTS: u64 = 48;
     /// Inserts into an array that held its most elements (MAXMAPENTRIES or `global a[N]`).
     pub const OVERFLOW: u64 = 56;
+    /// `@min`, `@max` or `@avg` of an aggregate with no values.
+    pub const EMPTY: u64 = 64;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -326,6 +329,8 @@ pub struct Header {
     pub faults: u64,
     /// Of the errors, array overflows.
     pub overflow: u64,
+    /// Of the errors, reads of empty aggregates.
+    pub empty: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -347,6 +352,7 @@ impl Header {
             dropped: word(bytes, field::DROPPED),
             faults: word(bytes, field::FAULTS),
             overflow: word(bytes, field::OVERFLOW),
+            empty: word(bytes, field::EMPTY),
         }
     }
 }

@@ -125,6 +125,7 @@ struct Gen<'a, 'b> {
     err_budget: CodeLabel,
     err_fault: CodeLabel,
     err_overflow: CodeLabel,
+    err_empty: CodeLabel,
     span: Span,
 }
 
@@ -182,6 +183,7 @@ pub fn emit_body(
     let err_budget = a.create_label();
     let err_fault = a.create_label();
     let err_overflow = a.create_label();
+    let err_empty = a.create_label();
     let mut g = Gen {
         a,
         env,
@@ -196,6 +198,7 @@ pub fn emit_body(
         err_budget,
         err_fault,
         err_overflow,
+        err_empty,
         span: probe.span,
     };
     g.prologue().map_err(asm)?;
@@ -270,6 +273,9 @@ impl Gen<'_, '_> {
         self.a.jmp(common)?;
         self.a.set_label(&mut self.err_overflow)?;
         self.count(data + field::OVERFLOW)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.err_empty)?;
+        self.count(data + field::EMPTY)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
@@ -497,9 +503,8 @@ impl Gen<'_, '_> {
             ExprKind::Assign(op, b) => self.assign(*op, &b.0, &b.1),
             ExprKind::IncDec(i) => self.inc_dec(i),
             ExprKind::Aggregate(b) => self.aggregate(&b.0, &b.1),
-            ExprKind::Stat(..) | ExprKind::Hist(..) => {
-                Err(self.no("reading an aggregate (@count, @hist_log, ...) in a kernel probe"))
-            }
+            ExprKind::Stat(op, target) => self.stat(*op, target),
+            ExprKind::Hist(..) => Err(self.no("a histogram used as a value in a kernel probe")),
             ExprKind::Call(c) => self.call(c),
             ExprKind::Entry(_) => Err(self.no("@entry in a kernel probe")),
             ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
