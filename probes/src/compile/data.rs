@@ -192,6 +192,16 @@ pub enum OutputKind {
     Printf(String),
     /// `print(...)` (`println` when true).
     Print(bool),
+    /// `print(@hist_log(x))`, `print(@hist_linear(x, ...))` (`println` when `newline`): the
+    /// record holds a copy of the statistics value, laid out as `layout`, from +16.
+    Hist {
+        /// Which histogram.
+        kind: HistKind,
+        /// The copied value's layout.
+        layout: StatsLayout,
+        /// `println`.
+        newline: bool,
+    },
 }
 
 /// How an output record holds one argument.
@@ -236,6 +246,28 @@ impl Interner {
     pub fn render(&self, record: &[u8]) -> Option<String> {
         let id = usize::try_from(word(record, 8) & 0xffff_ffff).ok()?;
         let (kind, slots) = self.formats.get(id)?;
+        if let OutputKind::Hist {
+            kind,
+            layout,
+            newline,
+        } = kind
+        {
+            // The interpreter's text output of a histogram (JSON output prints it as text).
+            let stats = decode_stats(record, 16, *layout);
+            let buckets: &[u64] = match kind {
+                HistKind::Log => &stats.log,
+                HistKind::Linear { .. } => stats.linear.as_ref().map_or(&[], |l| &l.1[..]),
+            };
+            let mut text = crate::lang::hist::Histogram {
+                kind: *kind,
+                buckets,
+            }
+            .render();
+            if *newline {
+                text.push('\n');
+            }
+            return Some(text);
+        }
         let mut at = 16u64;
         let args: Vec<Value> = slots
             .iter()
@@ -258,6 +290,7 @@ impl Interner {
                 let pieces = crate::lang::format::parse_format(fmt).ok()?;
                 crate::lang::format::render(&pieces, &args)
             }
+            OutputKind::Hist { .. } => String::new(),
             OutputKind::Print(ln) => {
                 let mut s: String = args.iter().map(ToString::to_string).collect();
                 if *ln {
@@ -402,7 +435,7 @@ impl DataLayout {
     }
 }
 
-fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
+pub(super) fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
     let g = &prog.globals[name];
     Ok(match g.value {
         Ty::Long => ValueKind::Long,

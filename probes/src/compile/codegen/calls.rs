@@ -9,7 +9,9 @@ use crate::lang::check::Program;
 
 use crate::lang::Limits;
 
-use super::super::data::{field, ArgSlot, OutputKind, MAX_PRINT_ARGS, MAX_RECORD, RECORD};
+use super::super::data::{
+    field, value_kind, ArgSlot, OutputKind, ValueKind, MAX_PRINT_ARGS, MAX_RECORD, RECORD,
+};
 use super::memory::text_call;
 use super::{rip, Gen, K, R};
 
@@ -163,8 +165,15 @@ impl Gen<'_, '_> {
             };
             (OutputKind::Printf(fmt), &args[1.min(args.len())..])
         } else {
+            if let [Expr {
+                kind: ExprKind::Hist(kind, target),
+                ..
+            }] = args
+            {
+                return self.print_hist(*kind, target, name == "println");
+            }
             if args.iter().any(|a| matches!(a.kind, ExprKind::Hist(..))) {
-                return Err(self.no(format!("{name}() of a histogram in a kernel probe")));
+                return Err(self.no(format!("{name}() of a histogram among other values")));
             }
             (OutputKind::Print(name == "println"), args)
         };
@@ -251,6 +260,79 @@ impl Gen<'_, '_> {
             self.a.add(rsp, stacked)?;
             self.a.set_label(&mut done)?;
             self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+}
+
+impl Gen<'_, '_> {
+    /// `print(@hist_*(x))`: the statistics value copied whole into a record (an empty one is
+    /// a probe error, as in the interpreter); the host renders it as the interpreter does.
+    fn print_hist(&mut self, kind: HistKind, target: &Expr, newline: bool) -> R<K> {
+        let Some(rings) = self.env.layout.ring_set(self.env.data) else {
+            return Err(self.no("print() without output rings"));
+        };
+        let name = match &target.kind {
+            ExprKind::Var(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .filter(|s| s.table.is_none())
+                    .ok_or_else(|| self.no(format!("a histogram of {name}")))?;
+                self.lea(Register::RAX, self.env.data + slot.offset)?;
+                name.clone()
+            }
+            ExprKind::Index(ix) => {
+                self.array(&ix.array.name)?;
+                self.lookup(&ix.array.name, &ix.keys, false)?;
+                ix.array.name.clone()
+            }
+            _ => return Err(self.no("a histogram of this")),
+        };
+        let Some(ValueKind::Stats(layout)) = self.global(&name).map(|s| s.value) else {
+            return Err(self.no(format!("a histogram of {name}, which is not an aggregate")));
+        };
+        let bytes = ValueKind::Stats(layout).size();
+        if 16 + bytes > self.env.layout.record {
+            return Err(self.no(format!(
+                "a histogram of {name} ({bytes} bytes, more than a record holds)"
+            )));
+        }
+        let id = self.interner.format(
+            OutputKind::Hist {
+                kind,
+                layout,
+                newline,
+            },
+            Vec::new(),
+        );
+        let cpu_number = self.env.facts.cpu_number;
+        let empty = self.err_empty;
+        let r = (|| {
+            let mut skip = self.a.create_label();
+            self.a.test(rax, rax)?;
+            self.a.jz(empty)?;
+            self.a.cmp(qword_ptr(rax), 0)?;
+            self.a.je(empty)?;
+            self.a.push(rax)?;
+            self.a.push(rax)?;
+            rings.emit_reserve(self.a, cpu_number, rdi, skip)?;
+            self.a.mov(dword_ptr(rdi + 8), id)?;
+            self.a.mov(r8, rdi)?;
+            self.a.pop(rsi)?;
+            self.a.pop(rsi)?;
+            self.a.lea(rdi, qword_ptr(r8 + 16))?;
+            self.a.mov(ecx, bytes as u32)?;
+            self.a.rep().movsb()?;
+            self.a.rdtsc()?;
+            self.a.shl(rdx, 32)?;
+            self.a.or(rax, rdx)?;
+            self.a.or(rax, 1)?;
+            self.a.mov(qword_ptr(r8), rax)?;
+            self.a.add(rsp, -16)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rsp, 16)
         })();
         asm!(self, r)?;
         Ok(K::Long)
@@ -347,6 +429,18 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
             } else {
                 &c.args[..]
             };
+            if let [Expr {
+                kind: ExprKind::Hist(_, target),
+                ..
+            }] = args
+            {
+                let name = match &target.kind {
+                    ExprKind::Var(n) => n,
+                    ExprKind::Index(ix) => &ix.array.name,
+                    _ => return 0,
+                };
+                return value_kind(prog, name).map_or(0, |k| 16 + k.size());
+            }
             16 + args
                 .iter()
                 .map(|a| if text_call(a).is_some() { text } else { 16 })
