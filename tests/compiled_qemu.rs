@@ -332,9 +332,10 @@ fn compiled_member_chains_and_kernel_strings_read_what_the_guest_reports() {
     if !have_qemu("compiled_member_chains_and_kernel_strings_read_what_the_guest_reports") {
         return;
     }
-    // The oracle: the guest's own `stat -c %i` of the file `cat` reads.
+    // The oracle: the guest's own `stat -c %i` of the file `dd` reads (busybox `cat` would
+    // use sendfile, not read).
     let script = r#"probe kernel.function("vfs_read") {
-          if (execname() == "cat")
+          if (execname() == "dd")
             printf("read ino=%d name=%s\n", $file->f_inode->i_ino,
                    kernel_string($file->f_path->dentry->d_name->name))
         }"#;
@@ -342,7 +343,7 @@ fn compiled_member_chains_and_kernel_strings_read_what_the_guest_reports() {
     let (code, out, err, console) = boot(
         script,
         "require",
-        "cat /init > /dev/null; exotap_result ino $(stat -c %i /init)",
+        "dd if=/init of=/dev/null bs=64 count=1 2>/dev/null; exotap_result ino $(stat -c %i /init)",
     );
 
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
