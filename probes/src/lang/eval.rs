@@ -537,7 +537,7 @@ mod tests {
     #[test]
     fn kernel_string_n_and_user_string_n_stop_at_n_bytes_or_the_nul() {
         let ctx = CapturedContext {
-            memory: vec![(0x1000, b"bash\0junk".to_vec())],
+            memory: vec![(0x1000, b"bash\0junk\0".to_vec())],
             ..Default::default()
         };
         let (out, r) = run_with(
