@@ -386,6 +386,31 @@ fn compiled_and_host_evaluated_user_strings_print_the_same() {
 }
 
 #[test]
+fn compiled_return_probes_see_the_entrys_arguments_as_the_host_path_does() {
+    if !have_qemu("compiled_return_probes_see_the_entrys_arguments_as_the_host_path_does") {
+        return;
+    }
+    // The oracle: dd's own request (64 bytes), and the host-evaluated path.
+    let script = r#"probe kernel.function("ksys_read").return {
+          if (execname() == "dd")
+            printf("count=%d entry=%d return=%d\n", $count, @entry($count), $return)
+        }"#;
+    let job = "dd if=/init of=/dev/null bs=64 count=1 2>/dev/null";
+
+    let (code_c, out_c, err_c, con_c) = boot(script, "require", job);
+    let (code_h, out_h, err_h, _) = boot(script, "never", job);
+
+    let ctx = format!("compiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
+    assert_eq!((code_c, code_h), (0, 0), "{ctx}");
+    assert!(
+        script_output(&out_c).contains("count=64 entry=64 return=64\n"),
+        "{out_c}\n{ctx}"
+    );
+    assert_eq!(script_output(&out_c), script_output(&out_h), "{ctx}");
+    assert_no_oops(&con_c);
+}
+
+#[test]
 fn a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails() {
     if !have_qemu("a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails") {
         return;

@@ -56,7 +56,7 @@ pub fn saved_offset(reg: Register) -> i32 {
 }
 
 /// SysV argument registers.
-const ARGS: [Register; 6] = [
+pub const ARGS: [Register; 6] = [
     Register::RDI,
     Register::RSI,
     Register::RDX,
@@ -506,7 +506,13 @@ impl Gen<'_, '_> {
             ExprKind::Stat(op, target) => self.stat(*op, target),
             ExprKind::Hist(..) => Err(self.no("a histogram used as a value in a kernel probe")),
             ExprKind::Call(c) => self.call(c),
-            ExprKind::Entry(_) => Err(self.no("@entry in a kernel probe")),
+            // As the interpreter: a parameter's value at the entry, also in a return probe.
+            ExprKind::Entry(x) => match &x.kind {
+                ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
+                    self.target(t)
+                }
+                _ => Err(self.no("@entry of anything but a parameter")),
+            },
             ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
             ExprKind::Cast(c) => self.cast(c),
             ExprKind::Variance(..) => Err(self.no("@variance in a kernel probe")),
@@ -596,12 +602,6 @@ impl Gen<'_, '_> {
             }
             Register::RAX
         } else {
-            if self.point.is_return {
-                return Err(self.no(format!(
-                    "{} in a return probe (the entry's arguments are not kept)",
-                    t.name
-                )));
-            }
             let name = t.name.trim_start_matches('$');
             let i = self
                 .point
@@ -613,7 +613,13 @@ impl Gen<'_, '_> {
                 .get(i)
                 .ok_or_else(|| self.no(format!("{}, passed on the stack", t.name)))?
         };
-        let off = saved_offset(reg);
+        let off = if self.point.is_return && reg != Register::RAX {
+            // The entry's value, which the trampoline pushed under the saved registers.
+            let i = ARGS.iter().position(|r| *r == reg).unwrap_or(0) as i32;
+            8 * i - super::site::ENTRY_ARGS
+        } else {
+            saved_offset(reg)
+        };
         asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
         if let Some(base) = base {
             self.members(&t.path(), base, &t.members)?;
