@@ -372,7 +372,10 @@ fn compiled_and_host_evaluated_user_strings_print_the_same() {
 
     let ctx = format!("compiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
     assert_eq!((code_c, code_h), (0, 0), "{ctx}");
-    assert!(script_output(&out_c).contains("open /init|/in|\n"), "{out_c}\n{ctx}");
+    assert!(
+        script_output(&out_c).contains("open /init|/in|\n"),
+        "{out_c}\n{ctx}"
+    );
     // The same lines; their order may differ: the compiled records are ordered by TSC across
     // the vCPUs, the host-evaluated ones by stop (seen once: a /dev/null open printed before
     // /init by the host and after it compiled).

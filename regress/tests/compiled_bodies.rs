@@ -16,7 +16,6 @@ use exotap_probes::compile::{
     types::{KernelTypes, Shape, TypeRef},
     DataLayout, Facts, Interner, MemoryFns, SiteBodies, SitePoint, TaskFields,
 };
-use iced_x86::code_asm::*;
 use exotap_probes::lang::context::CapturedContext;
 use exotap_probes::lang::driver::{compile as check_script, ScriptSource};
 use exotap_probes::lang::eval::Store;
@@ -26,6 +25,7 @@ use exotap_probes::lang::value::{Stats, Value};
 use exotap_probes::lang::Limits;
 use exotap_vmm::control::X86Registers;
 use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine};
+use iced_x86::code_asm::*;
 
 const CODE: u64 = 0xffff_ffff_a000_0000;
 const DATA: u64 = 0xffff_ffff_a100_0000;
@@ -696,12 +696,14 @@ fn member_chains_and_strings_read_from_memory_match_the_interpreter() {
     "#;
     let hits = node_hits();
 
-    let (header, failed) =
-        differential_in(script, &hits, |uc, _| write_nodes(uc), node_members);
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), node_members);
 
     // Errors: the NULL node, the nodes without a next, the unreadable strings; and at least
     // 10 hits ran to their end.
-    assert!(failed > 20 && failed + 10 < hits.len() as u64, "{failed} errors");
+    assert!(
+        failed > 20 && failed + 10 < hits.len() as u64,
+        "{failed} errors"
+    );
     assert_eq!((header.errors, header.faults), (failed, failed));
 }
 
@@ -777,7 +779,9 @@ fn a_string_from_memory_used_as_a_key_is_refused_by_name() {
 
     assert_eq!(refused.len(), 1);
     assert!(
-        refused[0].construct.contains("kernel_string() other than as an argument of printf"),
+        refused[0]
+            .construct
+            .contains("kernel_string() other than as an argument of printf"),
         "{}",
         refused[0].construct
     );

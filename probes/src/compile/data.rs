@@ -410,7 +410,8 @@ impl DataLayout {
     pub fn with_rings(mut self, cpus: u32) -> Self {
         let at = self.size.div_ceil(64) * 64;
         self.rings = Some((at, cpus.max(1)));
-        self.size = at + u64::from(cpus.max(1)) * (RING_HEADER + u64::from(self.slots()) * self.record);
+        self.size =
+            at + u64::from(cpus.max(1)) * (RING_HEADER + u64::from(self.slots()) * self.record);
         self
     }
 }

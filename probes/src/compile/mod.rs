@@ -24,9 +24,11 @@
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
 //! body), `kernel_long()` and `kernel_int()` (through the kernel's `copy_from_kernel_nofault`:
 //! a bad address ends the hit with a probe error), `exit()`; `printf` with a literal format,
-//! `print` and `println` (output records in per-vCPU rings, formatted by the host); `$params`
-//! in registers at function entries and `$return` in return probes; member chains of them
-//! and `@cast(p, "type")->m...`, laid out from the kernel's BTF ([`types`]) and read with
+//! `print` and `println` (output records in per-vCPU rings, formatted by the host), also of
+//! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
+//! `@min`, `@max`, `@avg` of aggregates; `$params` in registers at function entries, and in
+//! return probes as they were at the entry (also `@entry($param)`), and `$return`; member
+//! chains of them and `@cast(p, "type")->m...`, laid out from the kernel's BTF ([`types`]) and read with
 //! `copy_from_kernel_nofault` at each step; strings read from memory (`kernel_string`,
 //! `kernel_string_n`, `user_string`, `user_string_n`, through `strncpy_from_*_nofault`) as
 //! direct arguments of `printf`/`print`/`println` (see [`codegen`]'s memory module: a

@@ -73,7 +73,11 @@ pub enum Step {
 /// # Errors
 /// A sentence naming the step that does not compile (no such member, a bitfield, a member
 /// that is a struct, a step through something that is not a pointer).
-pub fn chain(types: &dyn KernelTypes, base: TypeRef, members: &[String]) -> Result<Vec<Step>, String> {
+pub fn chain(
+    types: &dyn KernelTypes,
+    base: TypeRef,
+    members: &[String],
+) -> Result<Vec<Step>, String> {
     walk(types, base, None, members)
 }
 
@@ -114,20 +118,24 @@ fn walk(
         let aggregate = match (i, pointee) {
             (0, Some(p)) => p,
             _ => match types.shape(ty) {
-            Shape::Pointer(to) if types.shape(to) == Shape::Aggregate => {
-                if through_pointer {
-                    // Read the pointer itself, then step into what it points to.
-                    steps.push(Step::Read {
-                        offset: pending,
-                        size: 8,
-                        signed: false,
-                    });
-                    pending = 0;
+                Shape::Pointer(to) if types.shape(to) == Shape::Aggregate => {
+                    if through_pointer {
+                        // Read the pointer itself, then step into what it points to.
+                        steps.push(Step::Read {
+                            offset: pending,
+                            size: 8,
+                            signed: false,
+                        });
+                        pending = 0;
+                    }
+                    to
                 }
-                to
-            }
-            Shape::Aggregate if i > 0 => ty,
-            _ => return Err(format!("->{member} of something that is not a struct pointer")),
+                Shape::Aggregate if i > 0 => ty,
+                _ => {
+                    return Err(format!(
+                        "->{member} of something that is not a struct pointer"
+                    ))
+                }
             },
         };
         let (offset, next) = types
@@ -314,8 +322,14 @@ mod tests {
 
     #[test]
     fn a_missing_member_a_struct_value_and_a_long_base_are_refused() {
-        assert!(chain(&Made, 2, &members(&["nope"])).unwrap_err().contains("->nope"));
-        assert!(chain(&Made, 2, &members(&["inner"])).unwrap_err().contains("struct"));
-        assert!(chain(&Made, 5, &members(&["a"])).unwrap_err().contains("not a struct pointer"));
+        assert!(chain(&Made, 2, &members(&["nope"]))
+            .unwrap_err()
+            .contains("->nope"));
+        assert!(chain(&Made, 2, &members(&["inner"]))
+            .unwrap_err()
+            .contains("struct"));
+        assert!(chain(&Made, 5, &members(&["a"]))
+            .unwrap_err()
+            .contains("not a struct pointer"));
     }
 }

@@ -235,7 +235,9 @@ impl Interp<'_> {
                 // the first NUL: the bytes past the string are never touched.
                 let most = self.limits.max_string_len.saturating_sub(1);
                 let most = if name.ends_with("_n") {
-                    usize::try_from(long(1).max(0)).unwrap_or(usize::MAX).min(most)
+                    usize::try_from(long(1).max(0))
+                        .unwrap_or(usize::MAX)
+                        .min(most)
                 } else {
                     most
                 };

@@ -216,7 +216,13 @@ impl Gen<'_, '_> {
         }
         let stacked: i32 = slots
             .iter()
-            .map(|s| 16 + if matches!(s, ArgSlot::Text(_)) { text } else { 0 })
+            .map(|s| {
+                16 + if matches!(s, ArgSlot::Text(_)) {
+                    text
+                } else {
+                    0
+                }
+            })
             .sum();
         let offsets: Vec<i32> = slots
             .iter()

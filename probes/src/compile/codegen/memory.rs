@@ -127,7 +127,8 @@ impl Gen<'_, '_> {
         for step in steps {
             let r = match *step {
                 Step::Address { offset } => {
-                    let off = i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
+                    let off =
+                        i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
                     self.a.add(rax, off)
                 }
                 Step::Read {
@@ -135,7 +136,8 @@ impl Gen<'_, '_> {
                     size,
                     signed,
                 } => {
-                    let off = i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
+                    let off =
+                        i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
                     (|| {
                         self.a.lea(rsi, qword_ptr(rax + off))?;
                         self.a.lea(rdi, qword_ptr(rbp + scratch))?;
