@@ -708,6 +708,43 @@ fn member_chains_and_strings_read_from_memory_match_the_interpreter() {
 }
 
 #[test]
+fn kernel_reads_of_every_width_sign_extend_as_the_interpreter() {
+    let script = r#"
+        global v, w
+        probe kernel.function("f") {
+          v += kernel_char($a) + kernel_short($a) * 3 + kernel_int($a) * 5
+          w[$a - $b] = kernel_long($b)
+        }
+    "#;
+    // Nodes' bytes: x is an i32, s an i16, inner.c a byte over 127 (negative as a char).
+    let hits: Vec<Hit> = (0..NODES.len())
+        .flat_map(|i| {
+            [node(i), node(i) + 32, node(i) + 40]
+                .into_iter()
+                .map(move |a| Hit {
+                    comm: "t",
+                    pid: 1,
+                    tgid: 1,
+                    a: a as i64,
+                    b: node((i + 1) % NODES.len()) as i64,
+                })
+        })
+        .chain([Hit {
+            comm: "t",
+            pid: 1,
+            tgid: 1,
+            a: 0,
+            b: 0,
+        }])
+        .collect();
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), |_, _| {});
+
+    assert_eq!(failed, 1, "the NULL read");
+    assert_eq!((header.errors, header.faults), (1, 1));
+}
+
+#[test]
 fn a_cast_reads_through_the_named_struct_and_a_null_pointer_is_a_fault() {
     let limits = Limits::default();
     let (mut rig, _) = rig(

@@ -68,7 +68,7 @@ pub mod field {
     pub const MAXACTION: u64 = 32;
     /// Updates dropped because a table was full or a slot stayed busy.
     pub const DROPPED: u64 = 40;
-    /// Kernel reads (`kernel_long`, `kernel_int`) that faulted.
+    /// Reads of guest memory that faulted (`kernel_long` and friends, a member chain, a string).
     pub const FAULTS: u64 = 48;
     /// Inserts into an array that held its most elements (MAXMAPENTRIES or `global a[N]`).
     pub const OVERFLOW: u64 = 56;

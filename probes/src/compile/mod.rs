@@ -22,8 +22,9 @@
 //! they touch globals); `in`; arithmetic, comparisons, logic and the ternary operator;
 //! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
-//! body), `kernel_long()` and `kernel_int()` (through the kernel's `copy_from_kernel_nofault`:
-//! a bad address ends the hit with a probe error), `exit()`; `printf` with a literal format,
+//! body), `kernel_long()`, `kernel_int()`, `kernel_short()`, `kernel_char()` (through the
+//! kernel's `copy_from_kernel_nofault`: a bad address ends the hit with a probe error),
+//! `exit()`; `printf` with a literal format,
 //! `print` and `println` (output records in per-vCPU rings, formatted by the host), also of
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
 //! `@min`, `@max`, `@avg` of aggregates; `$params` in registers at function entries, and in

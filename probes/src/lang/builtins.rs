@@ -261,6 +261,18 @@ pub const BUILTINS: &[Builtin] = &[
         ret: L,
         doc: "4-byte signed guest value",
     },
+    Builtin {
+        name: "kernel_short",
+        params: &[L],
+        ret: L,
+        doc: "2-byte signed guest value",
+    },
+    Builtin {
+        name: "kernel_char",
+        params: &[L],
+        ret: L,
+        doc: "1-byte signed guest value",
+    },
 ];
 
 /// The variadic printing family.

@@ -258,8 +258,13 @@ impl Interp<'_> {
                 }
                 self.string(String::from_utf8_lossy(&bytes).into_owned())
             }
-            "kernel_long" | "kernel_int" => {
-                let len = if name == "kernel_long" { 8 } else { 4 };
+            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
+                let len = match name {
+                    "kernel_long" => 8,
+                    "kernel_int" => 4,
+                    "kernel_short" => 2,
+                    _ => 1,
+                };
                 let bytes = match ctx.read_kernel(long(0) as u64, len) {
                     Ok(b) if b.len() == len => b,
                     Ok(_) => return fail("short guest memory read", span),
@@ -268,7 +273,12 @@ impl Interp<'_> {
                 let mut buf = [0u8; 8];
                 buf[..len].copy_from_slice(&bytes);
                 let v = i64::from_le_bytes(buf);
-                Value::Long(if len == 4 { i64::from(v as i32) } else { v })
+                Value::Long(match len {
+                    4 => i64::from(v as i32),
+                    2 => i64::from(v as i16),
+                    1 => i64::from(v as i8),
+                    _ => v,
+                })
             }
             other => return fail(format!("unknown function '{other}'"), span),
         };

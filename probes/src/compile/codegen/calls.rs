@@ -104,7 +104,7 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
-            "kernel_long" | "kernel_int" => {
+            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
                 let copy = self.env.facts.copy_nofault.ok_or_else(|| {
                     self.no(format!(
                         "{name}() (the kernel has no copy_from_kernel_nofault)"
@@ -115,7 +115,12 @@ impl Gen<'_, '_> {
                     .first()
                     .ok_or_else(|| self.no(format!("{name}() without an address")))?;
                 self.long(arg)?;
-                let len: u32 = if name == "kernel_long" { 8 } else { 4 };
+                let len: u32 = match name {
+                    "kernel_long" => 8,
+                    "kernel_int" => 4,
+                    "kernel_short" => 2,
+                    _ => 1,
+                };
                 let scratch = self.scratch();
                 let fault = self.err_fault;
                 let r = (|| {
@@ -125,10 +130,11 @@ impl Gen<'_, '_> {
                     self.a.call(copy)?;
                     self.a.test(rax, rax)?;
                     self.a.jnz(fault)?;
-                    if len == 8 {
-                        self.a.mov(rax, qword_ptr(rbp + scratch))
-                    } else {
-                        self.a.movsxd(rax, dword_ptr(rbp + scratch))
+                    match len {
+                        8 => self.a.mov(rax, qword_ptr(rbp + scratch)),
+                        4 => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
+                        2 => self.a.movsx(rax, word_ptr(rbp + scratch)),
+                        _ => self.a.movsx(rax, byte_ptr(rbp + scratch)),
                     }
                 })();
                 asm!(self, r)?;
