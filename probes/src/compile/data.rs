@@ -924,6 +924,30 @@ mod tests {
     }
 
     #[test]
+    fn a_string_read_from_memory_renders_to_its_nul_and_a_short_hostile_record_does_not_panic() {
+        let mut interner = Interner::default();
+        let id = interner.format(
+            OutputKind::Printf("%s|%d|%s\n".into()),
+            vec![ArgSlot::Text(32), ArgSlot::Long, ArgSlot::Text(32)],
+        );
+        let mut record = vec![0u8; 16 + 32 + 16 + 32];
+        record[8..12].copy_from_slice(&id.to_le_bytes());
+        record[16..25].copy_from_slice(b"ab\xffc\0junk");
+        record[48..56].copy_from_slice(&(-7i64).to_le_bytes());
+        // The last string has no NUL: it ends with the slot.
+        record[64..96].copy_from_slice(&[b'z'; 32]);
+
+        let whole = interner.render(&record);
+        let cut = interner.render(&record[..70]);
+
+        assert_eq!(
+            whole.as_deref(),
+            Some(format!("ab\u{fffd}c|-7|{}\n", "z".repeat(32)).as_str())
+        );
+        assert_eq!(cut.as_deref(), Some("ab\u{fffd}c|-7|\n"));
+    }
+
+    #[test]
     fn the_header_reads_its_fields() {
         let mut h = vec![0u8; 64];
         h[..8].copy_from_slice(&MAGIC.to_le_bytes());
