@@ -46,7 +46,7 @@ use indexmap::IndexMap;
 use crate::lang::ast::{HistKind, Literal};
 use crate::lang::check::{Program, Shape, Ty};
 use crate::lang::eval::Store;
-use crate::lang::value::{linear_buckets, Stats, Value, LOG_BUCKETS};
+use crate::lang::value::{linear_buckets, truncate, Stats, Value, LOG_BUCKETS};
 use crate::lang::Limits;
 use crate::rings::{RingSet, HEADER as RING_HEADER};
 
@@ -211,8 +211,14 @@ pub enum ArgSlot {
     Long,
     /// A 16-byte string.
     Str,
-    /// A string read from memory: this many bytes, NUL-terminated.
-    Text(u32),
+    /// A string read from memory: `slot` bytes, NUL-terminated; rendered as the interpreter
+    /// holds it (invalid UTF-8 replaced, then cut to MAXSTRINGLEN, `max_string_len`).
+    Text {
+        /// Bytes in the record.
+        slot: u32,
+        /// MAXSTRINGLEN.
+        max_string_len: u32,
+    },
 }
 
 impl ArgSlot {
@@ -220,7 +226,7 @@ impl ArgSlot {
     pub fn size(&self) -> u64 {
         match self {
             ArgSlot::Long | ArgSlot::Str => 16,
-            ArgSlot::Text(n) => u64::from(*n),
+            ArgSlot::Text { slot, .. } => u64::from(*slot),
         }
     }
 }
@@ -277,10 +283,16 @@ impl Interner {
                 match slot {
                     ArgSlot::Str => Value::Str(self.decode(bytes_at(record, here, 16))),
                     ArgSlot::Long => Value::Long(word(record, here) as i64),
-                    ArgSlot::Text(n) => {
-                        let bytes = bytes_at(record, here, *n as usize);
+                    ArgSlot::Text {
+                        slot,
+                        max_string_len,
+                    } => {
+                        let bytes = bytes_at(record, here, *slot as usize);
                         let text = bytes.split(|b| *b == 0).next().unwrap_or(bytes);
-                        Value::Str(String::from_utf8_lossy(text).into_owned())
+                        Value::Str(truncate(
+                            String::from_utf8_lossy(text).into_owned(),
+                            *max_string_len as usize,
+                        ))
                     }
                 }
             })
@@ -926,9 +938,13 @@ mod tests {
     #[test]
     fn a_string_read_from_memory_renders_to_its_nul_and_a_short_hostile_record_does_not_panic() {
         let mut interner = Interner::default();
+        let text = ArgSlot::Text {
+            slot: 32,
+            max_string_len: 64,
+        };
         let id = interner.format(
             OutputKind::Printf("%s|%d|%s\n".into()),
-            vec![ArgSlot::Text(32), ArgSlot::Long, ArgSlot::Text(32)],
+            vec![text, ArgSlot::Long, text],
         );
         let mut record = vec![0u8; 16 + 32 + 16 + 32];
         record[8..12].copy_from_slice(&id.to_le_bytes());
@@ -945,6 +961,26 @@ mod tests {
             Some(format!("ab\u{fffd}c|-7|{}\n", "z".repeat(32)).as_str())
         );
         assert_eq!(cut.as_deref(), Some("ab\u{fffd}c|-7|\n"));
+    }
+
+    #[test]
+    fn invalid_utf8_read_from_memory_is_cut_to_maxstringlen_after_replacement_as_the_interpreter() {
+        let mut interner = Interner::default();
+        let id = interner.format(
+            OutputKind::Print(false),
+            vec![ArgSlot::Text {
+                slot: 16,
+                max_string_len: 8,
+            }],
+        );
+        let mut record = vec![0u8; 32];
+        record[8..12].copy_from_slice(&id.to_le_bytes());
+        record[16..23].copy_from_slice(&[0xff; 7]);
+
+        let got = interner.render(&record);
+
+        // 7 bytes become 7 replacement characters (21 bytes), cut to 7 bytes: two whole ones.
+        assert_eq!(got.as_deref(), Some("\u{fffd}\u{fffd}"));
     }
 
     #[test]

@@ -199,7 +199,11 @@ impl Gen<'_, '_> {
                 self.text(c, user, with_n)?;
                 self.span = saved;
                 asm!(self, self.a.xor(edx, edx))?;
-                slots.push(ArgSlot::Text(text as u32));
+                slots.push(ArgSlot::Text {
+                    slot: text as u32,
+                    max_string_len: u32::try_from(self.env.limits.max_string_len)
+                        .unwrap_or(u32::MAX),
+                });
             } else {
                 let k = self.expr(v)?;
                 slots.push(if k == K::Str {
@@ -223,7 +227,7 @@ impl Gen<'_, '_> {
         let stacked: i32 = slots
             .iter()
             .map(|s| {
-                16 + if matches!(s, ArgSlot::Text(_)) {
+                16 + if matches!(s, ArgSlot::Text { .. }) {
                     text
                 } else {
                     0
@@ -249,7 +253,7 @@ impl Gen<'_, '_> {
             for (slot, at) in slots.iter().zip(&offsets).rev() {
                 self.a.pop(rax)?;
                 self.a.pop(rdx)?;
-                if let ArgSlot::Text(_) = slot {
+                if let ArgSlot::Text { .. } = slot {
                     // The whole buffer (its string ends at a NUL), then free it.
                     self.a.lea(rdi, qword_ptr(r8 + *at))?;
                     self.a.mov(rsi, rsp)?;
