@@ -745,6 +745,61 @@ fn kernel_reads_of_every_width_sign_extend_as_the_interpreter() {
 }
 
 #[test]
+fn locals_holding_strings_read_from_memory_print_as_the_interpreters() {
+    let script = r#"
+        global n
+        probe kernel.function("f") {
+          n++
+          name = kernel_string($a->name)
+          if (n % 2) s = user_string_n($b, 20)
+          printf("%d [%s] [%s]\n", n, name, s)
+          if (n % 5 == 0) { name = kernel_string($b); println(name, s, n) }
+        }
+    "#;
+    let hits = node_hits();
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), node_members);
+
+    assert!(
+        failed > 10 && failed + 10 < hits.len() as u64,
+        "{failed} errors"
+    );
+    assert_eq!((header.errors, header.faults), (failed, failed));
+}
+
+#[test]
+fn a_local_holding_a_string_from_memory_compared_is_refused_by_name() {
+    let limits = Limits::default();
+    let prog = check_script(
+        &ScriptSource {
+            name: "t.stp".into(),
+            text: r#"global c; probe kernel.function("f") { s = kernel_string($a); if (s == "x") c++ }"#
+                .into(),
+        },
+        &limits,
+    )
+    .unwrap();
+    let point = SitePoint {
+        probe: 0,
+        name: "kernel.function(\"f\")".into(),
+        function: "f".into(),
+        params: vec!["a".into(), "b".into()],
+        is_return: false,
+    };
+
+    let refused = compile::check(&prog, &limits, &facts(), &[point]);
+
+    assert_eq!(refused.len(), 1);
+    assert!(
+        refused[0]
+            .construct
+            .contains("s, which holds a string read from memory, used other than"),
+        "{}",
+        refused[0].construct
+    );
+}
+
+#[test]
 fn a_cast_reads_through_the_named_struct_and_a_null_pointer_is_a_fault() {
     let limits = Limits::default();
     let (mut rig, _) = rig(

@@ -29,11 +29,12 @@
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
 //! `@min`, `@max`, `@avg` of aggregates; `$params` in registers at function entries, and in
 //! return probes as they were at the entry (also `@entry($param)`), and `$return`; member
-//! chains of them and `@cast(p, "type")->m...`, laid out from the kernel's BTF ([`types`]) and read with
-//! `copy_from_kernel_nofault` at each step; strings read from memory (`kernel_string`,
+//! chains of them and `@cast(p, "type")->m...`, laid out from the kernel's BTF ([`types`])
+//! and read with `copy_from_kernel_nofault` at each step; strings read from memory (`kernel_string`,
 //! `kernel_string_n`, `user_string`, `user_string_n`, through `strncpy_from_*_nofault`) as
-//! direct arguments of `printf`/`print`/`println` (see [`codegen`]'s memory module: a
-//! MAXSTRINGLEN-byte slot in the record; anywhere else they are refused, never cut short).
+//! arguments of `printf`/`print`/`println`, directly or through a local that is only printed
+//! (see [`codegen`]'s memory module: a MAXSTRINGLEN-byte slot in the record; anywhere else
+//! they are refused, never cut short).
 //! Everything else is named by [`Unsupported`] and the script runs on the host path.
 //!
 //! Safety inside the guest: a division by zero, an exhausted per-hit statement budget

@@ -190,8 +190,25 @@ impl Gen<'_, '_> {
         }
         let mut slots = Vec::new();
         let text = self.text_bytes();
+        // Per argument: a string read from memory, and whether its buffer is on the stack.
+        let mut on_stack = Vec::new();
         for v in values {
-            if let Some((c, user, with_n)) = text_call(v) {
+            let local = match &v.kind {
+                ExprKind::Var(n) => self.texts.get(n).copied(),
+                _ => None,
+            };
+            on_stack.push(text_call(v).is_some());
+            if let Some(at) = local {
+                // A local's own buffer: its address as the argument's 16 bytes.
+                let off = self.text_local(at);
+                asm!(self, self.a.lea(rax, qword_ptr(rbp + off)))?;
+                asm!(self, self.a.xor(edx, edx))?;
+                slots.push(ArgSlot::Text {
+                    slot: text as u32,
+                    max_string_len: u32::try_from(self.env.limits.max_string_len)
+                        .unwrap_or(u32::MAX),
+                });
+            } else if let Some((c, user, with_n)) = text_call(v) {
                 // The buffer first, then its address (and a 0) as the argument's 16 bytes.
                 asm!(self, self.a.sub(rsp, text))?;
                 let saved = self.span;
@@ -224,15 +241,9 @@ impl Gen<'_, '_> {
                 "{name}() whose record would take {bytes} bytes (at most {MAX_RECORD})"
             )));
         }
-        let stacked: i32 = slots
+        let stacked: i32 = on_stack
             .iter()
-            .map(|s| {
-                16 + if matches!(s, ArgSlot::Text { .. }) {
-                    text
-                } else {
-                    0
-                }
-            })
+            .map(|s| 16 + if *s { text } else { 0 })
             .sum();
         let offsets: Vec<i32> = slots
             .iter()
@@ -250,16 +261,22 @@ impl Gen<'_, '_> {
             rings.emit_reserve(self.a, cpu_number, rdi, skip)?;
             self.a.mov(dword_ptr(rdi + 8), id)?;
             self.a.mov(r8, rdi)?;
-            for (slot, at) in slots.iter().zip(&offsets).rev() {
+            for ((slot, at), stack) in slots.iter().zip(&offsets).zip(&on_stack).rev() {
                 self.a.pop(rax)?;
                 self.a.pop(rdx)?;
                 if let ArgSlot::Text { .. } = slot {
                     // The whole buffer (its string ends at a NUL), then free it.
                     self.a.lea(rdi, qword_ptr(r8 + *at))?;
-                    self.a.mov(rsi, rsp)?;
+                    if *stack {
+                        self.a.mov(rsi, rsp)?;
+                    } else {
+                        self.a.mov(rsi, rax)?;
+                    }
                     self.a.mov(ecx, text as u32)?;
                     self.a.rep().movsb()?;
-                    self.a.add(rsp, text)?;
+                    if *stack {
+                        self.a.add(rsp, text)?;
+                    }
                 } else {
                     self.a.mov(qword_ptr(r8 + *at), rax)?;
                     self.a.mov(qword_ptr(r8 + *at + 8), rdx)?;
@@ -436,7 +453,14 @@ pub fn prints(prog: &Program) -> bool {
 /// Bytes of the output records `prog`'s kernel probes need: [`RECORD`], or the next power of
 /// two that holds the largest `printf` of strings read from memory (at most [`MAX_RECORD`]).
 pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
-    let text = (limits.max_string_len.max(1) as u64).div_ceil(16) * 16;
+    let text = super::memory::text_slot(limits) as u64;
+    // Locals that hold strings read from memory, in any kernel probe.
+    let texts: std::collections::HashSet<String> = prog
+        .script
+        .probes
+        .iter()
+        .flat_map(|p| super::memory::text_locals(&p.body))
+        .collect();
     let largest = print_calls(prog)
         .iter()
         .map(|c| {
@@ -459,7 +483,11 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
             }
             16 + args
                 .iter()
-                .map(|a| if text_call(a).is_some() { text } else { 16 })
+                .map(|a| match &a.kind {
+                    _ if text_call(a).is_some() => text,
+                    ExprKind::Var(n) if texts.contains(n) => text,
+                    _ => 16,
+                })
                 .sum::<u64>()
         })
         .max()

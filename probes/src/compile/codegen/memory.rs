@@ -7,15 +7,21 @@
 //! fault.
 //!
 //! A string read from memory is up to MAXSTRINGLEN - 1 bytes, too long for the 16-byte
-//! compiled string. It compiles only as a direct argument of `printf`/`print`/`println`: it
-//! is read into a MAXSTRINGLEN-byte buffer on the stack, then copied whole into the output
-//! record, whose layout gives it that many bytes (see [`super::super::data`]). Used anywhere
-//! else (a key, a value, a comparison, a local) it is refused by the checker, so a string is
-//! never cut shorter than the interpreter would cut it.
+//! compiled string. It compiles as a direct argument of `printf`/`print`/`println` (read into
+//! a MAXSTRINGLEN-byte buffer on the stack, then copied whole into the output record, whose
+//! layout gives it that many bytes: see [`super::super::data`]), and into a local assigned by
+//! a statement of its own (`s = kernel_string(p)`: the local gets such a buffer in the frame)
+//! that is then only printed. Used anywhere else (a key, a value, a comparison, a
+//! concatenation) it is refused by [`super::super::check`], so a string is never cut shorter
+//! than the interpreter would cut it, and compared or hashed only as the interpreter would
+//! (which compares text after replacing invalid UTF-8: raw bytes would not be the same).
+
+use std::collections::HashSet;
 
 use iced_x86::code_asm::*;
 
 use crate::lang::ast::*;
+use crate::lang::Limits;
 
 use super::super::types::{chain, Step, TypeRef};
 use super::{Gen, K, R};
@@ -34,11 +40,81 @@ pub(super) fn text_call(e: &Expr) -> Option<(&Call, bool, bool)> {
     }
 }
 
+/// Bytes a string read from memory takes on the stack, in a frame and in a record.
+pub(super) fn text_slot(limits: &Limits) -> i32 {
+    let n = i32::try_from(limits.max_string_len).unwrap_or(i32::MAX);
+    (n.max(1).min(1 << 20) + 15) / 16 * 16
+}
+
+/// Locals that `body` assigns a string read from memory (`s = kernel_string(p)` as a
+/// statement): they get a buffer of their own, and may only be printed.
+pub(super) fn text_locals(body: &Block) -> HashSet<String> {
+    fn stmt(s: &Stmt, out: &mut HashSet<String>) {
+        match &s.kind {
+            StmtKind::Block(b) => b.stmts.iter().for_each(|s| stmt(s, out)),
+            StmtKind::Expr(e) => {
+                if let ExprKind::Assign(None, p) = &e.kind {
+                    if let (ExprKind::Var(name), Some(_)) = (&p.0.kind, text_call(&p.1)) {
+                        out.insert(name.clone());
+                    }
+                }
+            }
+            StmtKind::If(i) => {
+                stmt(&i.then, out);
+                if let Some(e) = &i.els {
+                    stmt(e, out);
+                }
+            }
+            StmtKind::While(w) => stmt(&w.1, out),
+            StmtKind::For(f) => stmt(&f.body, out),
+            StmtKind::Foreach(f) => stmt(&f.body, out),
+            StmtKind::Try(t) => t
+                .body
+                .stmts
+                .iter()
+                .chain(&t.handler.stmts)
+                .for_each(|s| stmt(s, out)),
+            _ => {}
+        }
+    }
+    let mut out = HashSet::new();
+    body.stmts.iter().for_each(|s| stmt(s, &mut out));
+    out
+}
+
 impl Gen<'_, '_> {
     /// Bytes a string read from memory takes on the stack and in a record.
     pub(super) fn text_bytes(&self) -> i32 {
-        let n = i32::try_from(self.env.limits.max_string_len).unwrap_or(i32::MAX);
-        (n.max(1) + 15) / 16 * 16
+        text_slot(self.env.limits)
+    }
+
+    /// `name = kernel_string(...)` into the local's own buffer (at `at`, see `texts`).
+    pub(super) fn assign_text(
+        &mut self,
+        name: &str,
+        at: i32,
+        op: Option<BinOp>,
+        value: &Expr,
+    ) -> R<K> {
+        let Some((c, user, with_n)) = text_call(value).filter(|_| op.is_none()) else {
+            return Err(self.no(format!(
+                "{name}, which holds a string read from memory, assigned another value"
+            )));
+        };
+        let text = self.text_bytes();
+        let off = self.text_local(at);
+        asm!(self, self.a.sub(rsp, text))?;
+        self.text(c, user, with_n)?;
+        let r = (|| {
+            self.a.mov(rsi, rsp)?;
+            self.a.lea(rdi, qword_ptr(rbp + off))?;
+            self.a.mov(ecx, text as u32)?;
+            self.a.rep().movsb()?;
+            self.a.add(rsp, text)
+        })();
+        asm!(self, r)?;
+        // The statement's value is not a string the rest of the body can use.
+        Ok(K::Long)
     }
 
     /// Reads the string of `c` into the buffer at `rsp` (the caller reserved

@@ -118,6 +118,8 @@ struct Gen<'a, 'b> {
     point: &'b SitePoint,
     locals: HashMap<String, (i32, K)>,
     locals_size: i32,
+    /// Locals holding strings read from memory: name → buffer offset under the scratch.
+    texts: HashMap<String, i32>,
     depth: usize,
     loops: Vec<(CodeLabel, CodeLabel)>,
     end: CodeLabel,
@@ -151,11 +153,20 @@ pub fn emit_body(
         })?;
     let mut locals = HashMap::new();
     let mut size = 0i32;
+    // Locals that hold a string read from memory: a MAXSTRINGLEN buffer each, below the rest.
+    let text_names = memory::text_locals(&probe.body);
+    let text_bytes = memory::text_slot(env.limits);
+    let mut texts = HashMap::new();
     if let Some(types) = env.prog.locals.get(point.probe) {
         let mut names: Vec<_> = types.iter().collect();
         names.sort_by(|x, y| x.0.cmp(y.0));
         for (name, ty) in names {
             if env.prog.globals.contains_key(name) {
+                continue;
+            }
+            if *ty == Ty::Str && text_names.contains(name) {
+                let at = (texts.len() as i32 + 1) * text_bytes;
+                texts.insert(name.clone(), at);
                 continue;
             }
             let k = match ty {
@@ -191,6 +202,7 @@ pub fn emit_body(
         point,
         locals,
         locals_size: size,
+        texts,
         depth: 0,
         loops: Vec::new(),
         end,
@@ -223,7 +235,13 @@ impl Gen<'_, '_> {
 
     fn frame_size(&self) -> i32 {
         let keys = (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32;
-        (self.locals_size + keys + SCRATCH + 15) / 16 * 16
+        let texts = self.texts.values().copied().max().unwrap_or(0);
+        (self.locals_size + keys + SCRATCH + texts + 15) / 16 * 16
+    }
+
+    /// Frame offset (from rbp) of the buffer of the text local at `at` (see `texts`).
+    fn text_local(&self, at: i32) -> i32 {
+        self.scratch() - at
     }
 
     /// The 8-byte buffer kernel reads copy into (below the key buffers).
@@ -245,6 +263,10 @@ impl Gen<'_, '_> {
             for off in (8..=self.locals_size).step_by(8) {
                 self.a.mov(qword_ptr(rbp - off), rax)?;
             }
+        }
+        let texts: Vec<i32> = self.texts.values().map(|at| self.text_local(*at)).collect();
+        for off in texts {
+            self.a.mov(byte_ptr(rbp + off), 0)?;
         }
         self.a
             .mov(r14, self.env.limits.max_action.min(i64::MAX as u64))?;
@@ -572,6 +594,12 @@ impl Gen<'_, '_> {
                     Err(self.no(format!("the aggregate {name} used as a value")))
                 }
             };
+        }
+        if self.texts.contains_key(name) {
+            return Err(self.no(format!(
+                "{name}, which holds a string read from memory, used other than as an argument \
+                 of printf/print/println"
+            )));
         }
         let (off, k) = *self
             .locals

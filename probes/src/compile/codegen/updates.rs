@@ -124,6 +124,9 @@ impl Gen<'_, '_> {
 
     pub(super) fn assign(&mut self, op: Option<BinOp>, target: &Expr, value: &Expr) -> R<K> {
         if let ExprKind::Var(name) = &target.kind {
+            if let Some(at) = self.texts.get(name).copied() {
+                return self.assign_text(name, at, op, value);
+            }
             if !self.env.prog.globals.contains_key(name) {
                 let (off, k) = *self
                     .locals
