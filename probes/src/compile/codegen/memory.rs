@@ -43,7 +43,7 @@ pub(super) fn text_call(e: &Expr) -> Option<(&Call, bool, bool)> {
 /// Bytes a string read from memory takes on the stack, in a frame and in a record.
 pub(super) fn text_slot(limits: &Limits) -> i32 {
     let n = i32::try_from(limits.max_string_len).unwrap_or(i32::MAX);
-    (n.max(1).min(1 << 20) + 15) / 16 * 16
+    (n.clamp(1, 1 << 20) + 15) / 16 * 16
 }
 
 /// Locals that `body` assigns a string read from memory (`s = kernel_string(p)` as a
