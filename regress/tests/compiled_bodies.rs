@@ -951,8 +951,10 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
     for (why, n) in reasons {
         println!("  {n:3} did not compile: {why}");
     }
+    // 37 of the 59 after member chains, strings from memory, aggregate reads and printed
+    // histograms compiled: fewer is a regression.
     assert!(
-        compiled.len() >= 10,
+        compiled.len() >= 37,
         "only {} corpus cases compiled",
         compiled.len()
     );
