@@ -7,9 +7,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::sync::Arc;
+
 use exotap_probes::compile::{
-    self, codegen::Env, data::Header, DataLayout, Facts, Interner, SiteBodies, SitePoint,
-    TaskFields,
+    self,
+    codegen::Env,
+    data::Header,
+    types::{KernelTypes, Shape, TypeRef},
+    DataLayout, Facts, Interner, MemoryFns, SiteBodies, SitePoint, TaskFields,
 };
 use exotap_probes::lang::context::CapturedContext;
 use exotap_probes::lang::driver::{compile as check_script, ScriptSource};
@@ -20,6 +25,7 @@ use exotap_probes::lang::value::{Stats, Value};
 use exotap_probes::lang::Limits;
 use exotap_vmm::control::X86Registers;
 use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine};
+use iced_x86::code_asm::*;
 
 const CODE: u64 = 0xffff_ffff_a000_0000;
 const DATA: u64 = 0xffff_ffff_a100_0000;
@@ -29,6 +35,105 @@ const TASK: u64 = 0xffff_8880_0200_0000;
 /// A stand-in for the kernel's `copy_from_kernel_nofault(dst, src, len)`: addresses below
 /// 64 KiB fault (-EFAULT), others are copied byte by byte.
 const COPY: u64 = CODE + 0xf_0000;
+/// A stand-in for `strncpy_from_kernel_nofault(dst, src, count)` (and, with the same
+/// results where they matter, `strncpy_from_user_nofault`): byte by byte, a byte outside
+/// [`TASK`, `TASK_END`) faults (-EFAULT, dst[0] = 0); returns the bytes read with the NUL,
+/// or `count` with the last byte read replaced by a NUL.
+const STRNCPY: u64 = CODE + 0xf_1000;
+/// The end of the task's pages: strings there run into unreadable memory.
+const TASK_END: u64 = TASK + 3 * 4096;
+
+/// The stand-in [`STRNCPY`] routine.
+fn strncpy() -> Vec<u8> {
+    let mut a = CodeAssembler::new(64).unwrap();
+    let mut lp = a.create_label();
+    let mut end = a.create_label();
+    let mut ret0 = a.create_label();
+    let mut fault = a.create_label();
+    a.xor(eax, eax).unwrap();
+    a.test(rdx, rdx).unwrap();
+    a.jle(ret0).unwrap();
+    a.mov(r8, rsi).unwrap();
+    a.set_label(&mut lp).unwrap();
+    a.mov(r9, TASK).unwrap();
+    a.cmp(rsi, r9).unwrap();
+    a.jb(fault).unwrap();
+    a.mov(r9, TASK_END).unwrap();
+    a.cmp(rsi, r9).unwrap();
+    a.jae(fault).unwrap();
+    a.mov(cl, byte_ptr(rsi)).unwrap();
+    a.mov(byte_ptr(rdi), cl).unwrap();
+    a.inc(rdi).unwrap();
+    a.inc(rsi).unwrap();
+    a.mov(rax, rsi).unwrap();
+    a.sub(rax, r8).unwrap();
+    a.test(cl, cl).unwrap();
+    a.jz(end).unwrap();
+    a.cmp(rax, rdx).unwrap();
+    a.jb(lp).unwrap();
+    a.set_label(&mut end).unwrap();
+    a.mov(byte_ptr(rdi - 1), 0).unwrap();
+    a.set_label(&mut ret0).unwrap();
+    a.ret().unwrap();
+    a.set_label(&mut fault).unwrap();
+    a.mov(byte_ptr(rdi), 0).unwrap();
+    a.mov(rax, -14i64).unwrap();
+    a.ret().unwrap();
+    a.assemble(STRNCPY).unwrap()
+}
+
+/// Made-up kernel types: `f(struct node *a, long b)`, and
+/// `struct node { int x; struct node *next @8; char name[16] @16; short s @32;
+/// struct { unsigned char c; } inner @40; }` (0x40 bytes).
+#[derive(Debug)]
+struct NodeTypes;
+
+/// Type ids of [`NodeTypes`].
+const NODE: TypeRef = 1;
+const NODE_PTR: TypeRef = 2;
+const INT: TypeRef = 3;
+const NAME: TypeRef = 4;
+const SHORT: TypeRef = 5;
+const INNER: TypeRef = 6;
+const UCHAR: TypeRef = 7;
+const LONG: TypeRef = 8;
+
+impl KernelTypes for NodeTypes {
+    fn param(&self, function: &str, param: Option<&str>) -> Option<TypeRef> {
+        match (function, param) {
+            ("f", Some("a")) => Some(NODE_PTR),
+            ("f", Some("b")) => Some(LONG),
+            _ => None,
+        }
+    }
+    fn named(&self, spec: &str) -> Option<TypeRef> {
+        (spec == "struct node").then_some(NODE)
+    }
+    fn shape(&self, ty: TypeRef) -> Shape {
+        let int = |size, signed| Shape::Int { size, signed };
+        match ty {
+            NODE | INNER => Shape::Aggregate,
+            NODE_PTR => Shape::Pointer(NODE),
+            INT => int(4, true),
+            NAME => Shape::Array,
+            SHORT => int(2, true),
+            UCHAR => int(1, false),
+            LONG => int(8, true),
+            _ => Shape::Other,
+        }
+    }
+    fn member(&self, ty: TypeRef, name: &str) -> Option<(u64, TypeRef)> {
+        match (ty, name) {
+            (NODE, "x") => Some((0, INT)),
+            (NODE, "next") => Some((8, NODE_PTR)),
+            (NODE, "name") => Some((16, NAME)),
+            (NODE, "s") => Some((32, SHORT)),
+            (NODE, "inner") => Some((40, INNER)),
+            (INNER, "c") => Some((0, UCHAR)),
+            _ => None,
+        }
+    }
+}
 
 fn facts() -> Facts {
     Facts {
@@ -44,6 +149,12 @@ fn facts() -> Facts {
         },
         realtime_ns: None,
         copy_nofault: Some(COPY),
+        memory: MemoryFns {
+            strncpy_kernel: Some(STRNCPY),
+            strncpy_user: Some(STRNCPY),
+            copy_user: Some(COPY),
+        },
+        types: Some(Arc::new(NodeTypes)),
     }
 }
 
@@ -125,6 +236,7 @@ fn rig(script: &str, limits: &Limits) -> (Rig, exotap_probes::lang::check::Progr
         0xc3, // ret
     ];
     uc.write(COPY, &copy).unwrap();
+    uc.write(STRNCPY, &strncpy()).unwrap();
     let mut init = layout.initial(&prog, &mut interner);
     init.resize(layout.size as usize, 0);
     uc.write(DATA, &init).unwrap();
@@ -282,6 +394,18 @@ fn differential(script: &str, hits: &[Hit]) -> Header {
 
 /// As [`differential`], also saying how many hits the interpreter reported an error for.
 fn differential_with(script: &str, hits: &[Hit]) -> (Header, u64) {
+    differential_in(script, hits, |_, _| {}, |_, _| {})
+}
+
+/// As [`differential_with`], with `setup` writing the guest's memory before the hits and
+/// `known` adding to each hit's context what the interpreter is given (target variables'
+/// member chains); the interpreter reads the task's pages as the compiled code saw them.
+fn differential_in(
+    script: &str,
+    hits: &[Hit],
+    setup: impl Fn(&mut UnicornMachine, &Hit),
+    known: impl Fn(&Hit, &mut CapturedContext),
+) -> (Header, u64) {
     let limits = Limits::default();
     let (mut rig, prog) = rig(script, &limits);
     let out = SharedBuf::default();
@@ -290,8 +414,14 @@ fn differential_with(script: &str, hits: &[Hit]) -> (Header, u64) {
     let mut session = Session::new(&prog, limits.clone(), output, "t.stp", script);
     let mut failed = 0;
     for h in hits {
+        setup(&mut rig.uc, h);
         rig.hit(h);
-        if !session.fire(0, "kernel.function(\"f\")", &context(h)) {
+        let mut ctx = context(h);
+        let mut task = vec![0u8; (TASK_END - TASK) as usize];
+        rig.uc.read(TASK, &mut task).unwrap();
+        ctx.memory = vec![(TASK, task)];
+        known(h, &mut ctx);
+        if !session.fire(0, "kernel.function(\"f\")", &ctx) {
             failed += 1;
         }
     }
@@ -473,6 +603,282 @@ fn an_array_past_its_size_overflows_with_a_probe_error_as_in_the_interpreter() {
     );
 }
 
+/// The nodes of the member-chain tests: x, next, name, s, inner.c.
+const NODES: [(i32, Option<usize>, &str, i16, u8); 6] = [
+    (7, Some(1), "alpha", -1, 255),
+    (-3, Some(2), "", 300, 0),
+    (40, None, "fifteen-chars-x", -32768, 1),
+    (0, Some(4), "b", 5, 128),
+    (123_456, Some(5), "node-four", 0, 9),
+    (-2_000_000_000, None, "zz", 77, 200),
+];
+/// Strings: a short one, one longer than MAXSTRINGLEN, and one that runs into unreadable
+/// memory after 5 bytes.
+const SHORT_STR: u64 = TASK + 0x2100;
+const LONG_STR: u64 = TASK + 0x2200;
+const EDGE_STR: u64 = TASK_END - 5;
+
+fn node(i: usize) -> u64 {
+    TASK + 0x400 + 0x40 * i as u64
+}
+
+/// Writes [`NODES`] and the strings into the task's pages.
+fn write_nodes(uc: &mut UnicornMachine) {
+    for (i, (x, next, name, s, c)) in NODES.iter().enumerate() {
+        let mut bytes = [0u8; 0x40];
+        bytes[..4].copy_from_slice(&x.to_le_bytes());
+        bytes[8..16].copy_from_slice(&next.map_or(0, node).to_le_bytes());
+        bytes[16..16 + name.len()].copy_from_slice(name.as_bytes());
+        bytes[32..34].copy_from_slice(&s.to_le_bytes());
+        bytes[40] = *c;
+        uc.write(node(i), &bytes).unwrap();
+    }
+    uc.write(SHORT_STR, b"a forty character string used as b here!\0")
+        .unwrap();
+    let long: Vec<u8> = (0..600u32)
+        .map(|i| b'a' + (i % 26) as u8)
+        .chain([0])
+        .collect();
+    uc.write(LONG_STR, &long).unwrap();
+    uc.write(EDGE_STR, b"abcde").unwrap();
+}
+
+/// What the interpreter is told of `$a`'s members (it cannot read kernel types): the values
+/// [`write_nodes`] put there, and nothing behind a NULL pointer.
+fn node_members(h: &Hit, ctx: &mut CapturedContext) {
+    let Some(i) = (0..NODES.len()).find(|i| node(*i) == h.a as u64) else {
+        return;
+    };
+    let (x, next, _, s, c) = NODES[i];
+    let mut put = |path: &str, v: i64| {
+        ctx.targets.insert(path.into(), Value::Long(v));
+    };
+    put("$a->x", i64::from(x));
+    put("$a->s", i64::from(s));
+    put("$a->inner->c", i64::from(c));
+    put("$a->name", (node(i) + 16) as i64);
+    if let Some(j) = next {
+        put("$a->next->x", i64::from(NODES[j].0));
+    }
+}
+
+fn node_hits() -> Vec<Hit> {
+    let targets: Vec<i64> = (0..NODES.len())
+        .map(|i| node(i) as i64)
+        .chain([0])
+        .collect();
+    let strings = [SHORT_STR as i64, LONG_STR as i64, EDGE_STR as i64, 0, 1];
+    (0..2)
+        .flat_map(|_| targets.iter())
+        .flat_map(|a| {
+            strings.iter().map(|b| Hit {
+                comm: "t",
+                pid: 1,
+                tgid: 1,
+                a: *a,
+                b: *b,
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn member_chains_and_strings_read_from_memory_match_the_interpreter() {
+    let script = r#"
+        global xs, n
+        probe kernel.function("f") {
+          n++
+          printf("%d %d %s|%s\n", n, $a->x, kernel_string($a->name), kernel_string_n($b, $a->x % 50))
+          xs[$a->next->x] += $a->s + $a->inner->c
+          if (n % 3 == 0) println(user_string($b))
+          if (n % 4 == 0) print(user_string_n($b, 9), "\n")
+        }
+    "#;
+    let hits = node_hits();
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), node_members);
+
+    // Errors: the NULL node, the nodes without a next, the unreadable strings; and at least
+    // 10 hits ran to their end.
+    assert!(
+        failed > 20 && failed + 10 < hits.len() as u64,
+        "{failed} errors"
+    );
+    assert_eq!((header.errors, header.faults), (failed, failed));
+}
+
+#[test]
+fn kernel_reads_of_every_width_sign_extend_as_the_interpreter() {
+    let script = r#"
+        global v, w
+        probe kernel.function("f") {
+          v += kernel_char($a) + kernel_short($a) * 3 + kernel_int($a) * 5
+          w[$a - $b] = kernel_long($b)
+        }
+    "#;
+    // Nodes' bytes: x is an i32, s an i16, inner.c a byte over 127 (negative as a char).
+    let hits: Vec<Hit> = (0..NODES.len())
+        .flat_map(|i| {
+            [node(i), node(i) + 32, node(i) + 40]
+                .into_iter()
+                .map(move |a| Hit {
+                    comm: "t",
+                    pid: 1,
+                    tgid: 1,
+                    a: a as i64,
+                    b: node((i + 1) % NODES.len()) as i64,
+                })
+        })
+        .chain([Hit {
+            comm: "t",
+            pid: 1,
+            tgid: 1,
+            a: 0,
+            b: 0,
+        }])
+        .collect();
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), |_, _| {});
+
+    assert_eq!(failed, 1, "the NULL read");
+    assert_eq!((header.errors, header.faults), (1, 1));
+}
+
+#[test]
+fn locals_holding_strings_read_from_memory_print_as_the_interpreters() {
+    let script = r#"
+        global n
+        probe kernel.function("f") {
+          n++
+          name = kernel_string($a->name)
+          if (n % 2) s = user_string_n($b, 20)
+          printf("%d [%s] [%s]\n", n, name, s)
+          if (n % 5 == 0) { name = kernel_string($b); println(name, s, n) }
+        }
+    "#;
+    let hits = node_hits();
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), node_members);
+
+    assert!(
+        failed > 10 && failed + 10 < hits.len() as u64,
+        "{failed} errors"
+    );
+    assert_eq!((header.errors, header.faults), (failed, failed));
+}
+
+#[test]
+fn a_local_holding_a_string_from_memory_compared_is_refused_by_name() {
+    let limits = Limits::default();
+    let prog = check_script(
+        &ScriptSource {
+            name: "t.stp".into(),
+            text: r#"global c; probe kernel.function("f") { s = kernel_string($a); if (s == "x") c++ }"#
+                .into(),
+        },
+        &limits,
+    )
+    .unwrap();
+    let point = SitePoint {
+        probe: 0,
+        name: "kernel.function(\"f\")".into(),
+        function: "f".into(),
+        params: vec!["a".into(), "b".into()],
+        is_return: false,
+    };
+
+    let refused = compile::check(&prog, &limits, &facts(), &[point]);
+
+    assert_eq!(refused.len(), 1);
+    assert!(
+        refused[0]
+            .construct
+            .contains("s, which holds a string read from memory, used other than"),
+        "{}",
+        refused[0].construct
+    );
+}
+
+#[test]
+fn a_cast_reads_through_the_named_struct_and_a_null_pointer_is_a_fault() {
+    let limits = Limits::default();
+    let (mut rig, _) = rig(
+        r#"global v; probe kernel.function("f") { v = @cast($b, "struct node")->next->x }"#,
+        &limits,
+    );
+    write_nodes(&mut rig.uc);
+    let hit = |b: u64| Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 0,
+        b: b as i64,
+    };
+
+    rig.hit(&hit(node(0)));
+    rig.hit(&hit(0));
+
+    let data = rig.data();
+    let header = Header::decode(&data);
+    assert_eq!((header.errors, header.faults), (1, 1));
+    assert_eq!(
+        format!("{:?}", rig.layout.decode("v", &data, &rig.interner)),
+        format!("Some(Scalar(Long({})))", NODES[1].0)
+    );
+}
+
+#[test]
+fn user_string_of_a_bad_address_is_a_probe_error_and_prints_nothing() {
+    let limits = Limits::default();
+    let (mut rig, _) = rig(
+        r#"probe kernel.function("f") { println(user_string(1)) }"#,
+        &limits,
+    );
+
+    rig.hit(&Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 0,
+        b: 0,
+    });
+
+    let header = Header::decode(&rig.data());
+    assert_eq!((header.errors, header.faults), (1, 1));
+    assert_eq!(rig.printed(), "");
+}
+
+#[test]
+fn a_string_from_memory_used_as_a_key_is_refused_by_name() {
+    let limits = Limits::default();
+    let prog = check_script(
+        &ScriptSource {
+            name: "t.stp".into(),
+            text: r#"global c; probe kernel.function("f") { c[kernel_string($a)]++ }"#.into(),
+        },
+        &limits,
+    )
+    .unwrap();
+    let point = SitePoint {
+        probe: 0,
+        name: "kernel.function(\"f\")".into(),
+        function: "f".into(),
+        params: vec!["a".into(), "b".into()],
+        is_return: false,
+    };
+
+    let refused = compile::check(&prog, &limits, &facts(), &[point]);
+
+    assert_eq!(refused.len(), 1);
+    assert!(
+        refused[0]
+            .construct
+            .contains("kernel_string() other than as an argument of printf"),
+        "{}",
+        refused[0].construct
+    );
+}
+
 /// Every case of the language's run corpus (probes/tests/corpus/run) with one `begin` probe,
 /// with that probe turned into a kernel probe: where its body compiles, one hit under Unicorn
 /// leaves the globals and the output the interpreter gives, and an interpreter error is a
@@ -488,6 +894,7 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
     cases.sort();
     let limits = Limits::default();
     let (mut one_begin, mut compiled) = (0, Vec::new());
+    let mut reasons = std::collections::BTreeMap::<String, usize>::new();
     for case in &cases {
         let text = std::fs::read_to_string(case).unwrap();
         if text.matches("probe begin").count() != 1 || text.contains("probe begin(") {
@@ -516,7 +923,9 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
             params: vec!["a".into(), "b".into()],
             is_return: false,
         };
-        if !compile::check(&prog, &limits, &facts(), &[point]).is_empty() {
+        let refused = compile::check(&prog, &limits, &facts(), &[point]);
+        if let Some(first) = refused.first() {
+            *reasons.entry(first.construct.clone()).or_insert(0) += 1;
             continue;
         }
         let hit = Hit {
@@ -537,8 +946,15 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
         compiled.len(),
         compiled.join(" ")
     );
+    let mut reasons: Vec<_> = reasons.into_iter().collect();
+    reasons.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    for (why, n) in reasons {
+        println!("  {n:3} did not compile: {why}");
+    }
+    // 37 of the 59 after member chains, strings from memory, aggregate reads and printed
+    // histograms compiled: fewer is a regression.
     assert!(
-        compiled.len() >= 10,
+        compiled.len() >= 37,
         "only {} corpus cases compiled",
         compiled.len()
     );

@@ -1,9 +1,10 @@
 //! The compiled script's data in the patch heap, and the host's view of it.
 //!
 //! ```text
-//! +0    header (64 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
-//!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults
-//! +64   globals, each 64-byte aligned, in declaration order:
+//! +0    header (128 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
+//!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults,
+//!       array overflows, reads of empty aggregates
+//! +128  globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
 //!       stats scalar    count, sum, min, max, then the log2 and linear buckets (8 bytes each)
@@ -13,10 +14,13 @@
 //!                       value (as a scalar of its type)
 //! ```
 //!
-//! After the globals, when kernel probes print: per vCPU, a ring of [`RECORD`]-byte output
-//! records (crate::rings: the protocol `exotap trace` uses too). A record holds the TSC at
-//! +0 (stored last, never 0), the output format's id at +8 and up to [`MAX_PRINT_ARGS`]
-//! arguments of 16 bytes from +16. The host drains the rings at every look (the guest
+//! After the globals, when kernel probes print: per vCPU, a ring of output records
+//! (crate::rings: the protocol `exotap trace` uses too) of [`RECORD`] bytes, or more when a
+//! `printf` prints strings read from memory (the next power of two that holds the largest
+//! one, the ring keeping about the same bytes). A record holds the TSC at +0 (stored last,
+//! never 0), the output format's id at +8 and up to [`MAX_PRINT_ARGS`] arguments from +16,
+//! each as its format's [`ArgSlot`] says: 16 bytes for a long or a string, MAXSTRINGLEN
+//! bytes (rounded up to 16, NUL-terminated) for a string read from memory. The host drains the rings at every look (the guest
 //! stopped) and prints the records in TSC order across vCPUs; a burst of more than a ring
 //! between two looks overwrites the oldest records, which the host counts as lost.
 //!
@@ -42,7 +46,7 @@ use indexmap::IndexMap;
 use crate::lang::ast::{HistKind, Literal};
 use crate::lang::check::{Program, Shape, Ty};
 use crate::lang::eval::Store;
-use crate::lang::value::{linear_buckets, Stats, Value, LOG_BUCKETS};
+use crate::lang::value::{linear_buckets, truncate, Stats, Value, LOG_BUCKETS};
 use crate::lang::Limits;
 use crate::rings::{RingSet, HEADER as RING_HEADER};
 
@@ -51,7 +55,7 @@ use super::Unsupported;
 /// "EXOTAPC1": the signature at the start of a compiled script's data.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"EXOTAPC1");
 /// Bytes of the header.
-pub const HEADER: u64 = 64;
+pub const HEADER: u64 = 128;
 /// Header fields (byte offsets).
 pub mod field {
     /// Set to 1 by `exit()`.
@@ -64,10 +68,12 @@ pub mod field {
     pub const MAXACTION: u64 = 32;
     /// Updates dropped because a table was full or a slot stayed busy.
     pub const DROPPED: u64 = 40;
-    /// Kernel reads (`kernel_long`, `kernel_int`) that faulted.
+    /// Reads of guest memory that faulted (`kernel_long` and friends, a member chain, a string).
     pub const FAULTS: u64 = 48;
     /// Inserts into an array that held its most elements (MAXMAPENTRIES or `global a[N]`).
     pub const OVERFLOW: u64 = 56;
+    /// `@min`, `@max` or `@avg` of an aggregate with no values.
+    pub const EMPTY: u64 = 64;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -89,8 +95,13 @@ pub const STATS_FIXED: u64 = 32;
 pub const RECORD: u64 = 128;
 /// Most arguments of one compiled `printf`/`print`.
 pub const MAX_PRINT_ARGS: usize = 7;
-/// Records per vCPU ring.
+/// Records per vCPU ring (of [`RECORD`] bytes; larger records get fewer, at least
+/// [`MIN_RING_SLOTS`]).
 pub const RING_SLOTS: u32 = 2048;
+/// Fewest records per vCPU ring.
+pub const MIN_RING_SLOTS: u32 = 512;
+/// Largest output record.
+pub const MAX_RECORD: u64 = 4096;
 /// The largest data area the compiler lays out (the patch heap has 64 MiB in all).
 pub const MAX_DATA: u64 = 48 << 20;
 
@@ -181,6 +192,43 @@ pub enum OutputKind {
     Printf(String),
     /// `print(...)` (`println` when true).
     Print(bool),
+    /// `print(@hist_log(x))`, `print(@hist_linear(x, ...))` (`println` when `newline`): the
+    /// record holds a copy of the statistics value, laid out as `layout`, from +16.
+    Hist {
+        /// Which histogram.
+        kind: HistKind,
+        /// The copied value's layout.
+        layout: StatsLayout,
+        /// `println`.
+        newline: bool,
+    },
+}
+
+/// How an output record holds one argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArgSlot {
+    /// A long: 8 bytes (in a 16-byte slot).
+    Long,
+    /// A 16-byte string.
+    Str,
+    /// A string read from memory: `slot` bytes, NUL-terminated; rendered as the interpreter
+    /// holds it (invalid UTF-8 replaced, then cut to MAXSTRINGLEN, `max_string_len`).
+    Text {
+        /// Bytes in the record.
+        slot: u32,
+        /// MAXSTRINGLEN.
+        max_string_len: u32,
+    },
+}
+
+impl ArgSlot {
+    /// Bytes it takes in a record.
+    pub fn size(&self) -> u64 {
+        match self {
+            ArgSlot::Long | ArgSlot::Str => 16,
+            ArgSlot::Text { slot, .. } => u64::from(*slot),
+        }
+    }
 }
 
 /// Strings longer than 15 bytes, by id (the guest stores only the id), and the output
@@ -189,30 +237,63 @@ pub enum OutputKind {
 pub struct Interner {
     strings: Vec<String>,
     ids: std::collections::HashMap<String, u64>,
-    /// Output formats by id: what prints, and which arguments are strings.
-    pub formats: Vec<(OutputKind, Vec<bool>)>,
+    /// Output formats by id: what prints, and how each argument is held.
+    pub formats: Vec<(OutputKind, Vec<ArgSlot>)>,
 }
 
 impl Interner {
     /// The id of an output format (one per call site).
-    pub fn format(&mut self, kind: OutputKind, strings: Vec<bool>) -> u32 {
-        self.formats.push((kind, strings));
+    pub fn format(&mut self, kind: OutputKind, args: Vec<ArgSlot>) -> u32 {
+        self.formats.push((kind, args));
         u32::try_from(self.formats.len() - 1).unwrap_or(u32::MAX)
     }
 
     /// The text of an output record (`None`: an unknown format id, a hostile guest).
     pub fn render(&self, record: &[u8]) -> Option<String> {
         let id = usize::try_from(word(record, 8) & 0xffff_ffff).ok()?;
-        let (kind, strings) = self.formats.get(id)?;
-        let args: Vec<Value> = strings
+        let (kind, slots) = self.formats.get(id)?;
+        if let OutputKind::Hist {
+            kind,
+            layout,
+            newline,
+        } = kind
+        {
+            // The interpreter's text output of a histogram (JSON output prints it as text).
+            let stats = decode_stats(record, 16, *layout);
+            let buckets: &[u64] = match kind {
+                HistKind::Log => &stats.log,
+                HistKind::Linear { .. } => stats.linear.as_ref().map_or(&[], |l| &l.1[..]),
+            };
+            let mut text = crate::lang::hist::Histogram {
+                kind: *kind,
+                buckets,
+            }
+            .render();
+            if *newline {
+                text.push('\n');
+            }
+            return Some(text);
+        }
+        let mut at = 16u64;
+        let args: Vec<Value> = slots
             .iter()
-            .enumerate()
-            .map(|(i, is_str)| {
-                let at = 16 + 16 * i as u64;
-                if *is_str {
-                    Value::Str(self.decode(bytes_at(record, at, 16)))
-                } else {
-                    Value::Long(word(record, at) as i64)
+            .map(|slot| {
+                let here = at;
+                at = at.saturating_add(slot.size());
+                match slot {
+                    ArgSlot::Str => Value::Str(self.decode(bytes_at(record, here, 16))),
+                    ArgSlot::Long => Value::Long(word(record, here) as i64),
+                    ArgSlot::Text {
+                        slot,
+                        max_string_len,
+                    } => {
+                        let bytes = bytes_at(record, here, *slot as usize);
+                        let text = bytes.split(|b| *b == 0).next().unwrap_or(bytes);
+                        Value::Str(truncate(
+                            String::from_utf8_lossy(text).into_owned(),
+                            *max_string_len as usize,
+                        ))
+                    }
                 }
             })
             .collect();
@@ -221,6 +302,7 @@ impl Interner {
                 let pieces = crate::lang::format::parse_format(fmt).ok()?;
                 crate::lang::format::render(&pieces, &args)
             }
+            OutputKind::Hist { .. } => String::new(),
             OutputKind::Print(ln) => {
                 let mut s: String = args.iter().map(ToString::to_string).collect();
                 if *ln {
@@ -292,6 +374,8 @@ pub struct Header {
     pub faults: u64,
     /// Of the errors, array overflows.
     pub overflow: u64,
+    /// Of the errors, reads of empty aggregates.
+    pub empty: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -313,6 +397,7 @@ impl Header {
             dropped: word(bytes, field::DROPPED),
             faults: word(bytes, field::FAULTS),
             overflow: word(bytes, field::OVERFLOW),
+            empty: word(bytes, field::EMPTY),
         }
     }
 }
@@ -326,6 +411,8 @@ pub struct DataLayout {
     pub globals_size: u64,
     /// The output rings: (offset, vCPUs), when kernel probes print.
     pub rings: Option<(u64, u32)>,
+    /// Bytes of one output record (a power of two).
+    pub record: u64,
     /// Bytes in all.
     pub size: u64,
 }
@@ -335,7 +422,8 @@ impl DataLayout {
     pub fn with_rings(mut self, cpus: u32) -> Self {
         let at = self.size.div_ceil(64) * 64;
         self.rings = Some((at, cpus.max(1)));
-        self.size = at + u64::from(cpus.max(1)) * (RING_HEADER + u64::from(RING_SLOTS) * RECORD);
+        self.size =
+            at + u64::from(cpus.max(1)) * (RING_HEADER + u64::from(self.slots()) * self.record);
         self
     }
 }
@@ -346,13 +434,21 @@ impl DataLayout {
         self.rings.map(|(offset, cpus)| RingSet {
             base: data + offset,
             cpus,
-            slots: RING_SLOTS,
-            record: RECORD,
+            slots: self.slots(),
+            record: self.record,
         })
+    }
+
+    /// Records per ring.
+    fn slots(&self) -> u32 {
+        let bytes = u64::from(RING_SLOTS) * RECORD;
+        u32::try_from(bytes / self.record.max(RECORD))
+            .unwrap_or(RING_SLOTS)
+            .max(MIN_RING_SLOTS)
     }
 }
 
-fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
+pub(super) fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String> {
     let g = &prog.globals[name];
     Ok(match g.value {
         Ty::Long => ValueKind::Long,
@@ -392,6 +488,7 @@ impl DataLayout {
             globals: IndexMap::new(),
             globals_size: HEADER,
             rings: None,
+            record: super::codegen::record_bytes(prog, limits),
             size: HEADER,
         };
         let mut refused = Vec::new();
@@ -836,6 +933,54 @@ mod tests {
 
         assert!(matches!(a, Some(Store::Array(m)) if m.is_empty()));
         assert!(matches!(s, Some(Store::Stats(st)) if st.count == 0));
+    }
+
+    #[test]
+    fn a_string_read_from_memory_renders_to_its_nul_and_a_short_hostile_record_does_not_panic() {
+        let mut interner = Interner::default();
+        let text = ArgSlot::Text {
+            slot: 32,
+            max_string_len: 64,
+        };
+        let id = interner.format(
+            OutputKind::Printf("%s|%d|%s\n".into()),
+            vec![text, ArgSlot::Long, text],
+        );
+        let mut record = vec![0u8; 16 + 32 + 16 + 32];
+        record[8..12].copy_from_slice(&id.to_le_bytes());
+        record[16..25].copy_from_slice(b"ab\xffc\0junk");
+        record[48..56].copy_from_slice(&(-7i64).to_le_bytes());
+        // The last string has no NUL: it ends with the slot.
+        record[64..96].copy_from_slice(&[b'z'; 32]);
+
+        let whole = interner.render(&record);
+        let cut = interner.render(&record[..70]);
+
+        assert_eq!(
+            whole.as_deref(),
+            Some(format!("ab\u{fffd}c|-7|{}\n", "z".repeat(32)).as_str())
+        );
+        assert_eq!(cut.as_deref(), Some("ab\u{fffd}c|-7|\n"));
+    }
+
+    #[test]
+    fn invalid_utf8_read_from_memory_is_cut_to_maxstringlen_after_replacement_as_the_interpreter() {
+        let mut interner = Interner::default();
+        let id = interner.format(
+            OutputKind::Print(false),
+            vec![ArgSlot::Text {
+                slot: 16,
+                max_string_len: 8,
+            }],
+        );
+        let mut record = vec![0u8; 32];
+        record[8..12].copy_from_slice(&id.to_le_bytes());
+        record[16..23].copy_from_slice(&[0xff; 7]);
+
+        let got = interner.render(&record);
+
+        // 7 bytes become 7 replacement characters (21 bytes), cut to 7 bytes: two whole ones.
+        assert_eq!(got.as_deref(), Some("\u{fffd}\u{fffd}"));
     }
 
     #[test]

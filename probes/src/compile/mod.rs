@@ -22,14 +22,24 @@
 //! they touch globals); `in`; arithmetic, comparisons, logic and the ternary operator;
 //! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
-//! body), `kernel_long()` and `kernel_int()` (through the kernel's `copy_from_kernel_nofault`:
-//! a bad address ends the hit with a probe error), `exit()`; `printf` with a literal format, `print` and `println` (output records in
-//! per-vCPU rings, formatted by the host); `$params` in registers at function entries and
-//! `$return` in return probes. Everything else is named by [`Unsupported`] and the script runs
-//! on the host path.
+//! body), `kernel_long()`, `kernel_int()`, `kernel_short()`, `kernel_char()` (through the
+//! kernel's `copy_from_kernel_nofault`: a bad address ends the hit with a probe error),
+//! `exit()`; `printf` with a literal format,
+//! `print` and `println` (output records in per-vCPU rings, formatted by the host), also of
+//! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
+//! `@min`, `@max`, `@avg` of aggregates; `$params` in registers at function entries, and in
+//! return probes as they were at the entry (also `@entry($param)`), and `$return`; member
+//! chains of them and `@cast(p, "type")->m...`, laid out from the kernel's BTF ([`types`])
+//! and read with `copy_from_kernel_nofault` at each step; strings read from memory (`kernel_string`,
+//! `kernel_string_n`, `user_string`, `user_string_n`, through `strncpy_from_*_nofault`) as
+//! arguments of `printf`/`print`/`println`, directly or through a local that is only printed
+//! (see [`codegen`]'s memory module: a MAXSTRINGLEN-byte slot in the record; anywhere else
+//! they are refused, never cut short).
+//! Everything else is named by [`Unsupported`] and the script runs on the host path.
 //!
 //! Safety inside the guest: a division by zero, an exhausted per-hit statement budget
-//! (MAXACTION), a faulting kernel read and an array overflow (an insert into an array that
+//! (MAXACTION), a faulting kernel read (a bad pointer anywhere in a member chain, a string at
+//! a bad address) and an array overflow (an insert into an array that
 //! holds its most elements) end the hit and count a probe error in the header; an update that
 //! gives up on a busy slot counts a dropped update; no loop in the generated code is unbounded
 //! (table probes, spin waits and script loops all carry a budget).
@@ -37,6 +47,7 @@
 pub mod codegen;
 pub mod data;
 pub mod site;
+pub mod types;
 
 use std::collections::HashSet;
 
@@ -62,6 +73,52 @@ pub struct Facts {
     /// Slid address of `copy_from_kernel_nofault` (for `kernel_long()`, `kernel_int()`: a bad
     /// address is a probe error, never a fault in the guest).
     pub copy_nofault: Option<u64>,
+    /// The kernel's other fault-tolerant copy routines (strings from memory).
+    pub memory: MemoryFns,
+    /// The guest kernel's types, for member chains (`$p->m->n`, `@cast`); `None`: they do not
+    /// compile.
+    pub types: Option<std::sync::Arc<dyn types::KernelTypes>>,
+}
+
+/// Slid addresses of the kernel's fault-tolerant string routines. Each is the kernel's own
+/// (mm/maccess.c), so a bad address is an error code, never a fault in the guest.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryFns {
+    /// `strncpy_from_kernel_nofault(dst, src, count)` (for `kernel_string*()`).
+    pub strncpy_kernel: Option<u64>,
+    /// `strncpy_from_user_nofault(dst, src, count)` (for `user_string*()`).
+    pub strncpy_user: Option<u64>,
+    /// `copy_from_user_nofault(dst, src, len)` (the last byte of a user string at its limit).
+    pub copy_user: Option<u64>,
+}
+
+impl MemoryFns {
+    /// The kernel symbols it needs, by name.
+    pub const SYMBOLS: [&'static str; 3] = [
+        "strncpy_from_kernel_nofault",
+        "strncpy_from_user_nofault",
+        "copy_from_user_nofault",
+    ];
+
+    /// The routines at the addresses `lookup` gives for [`Self::SYMBOLS`].
+    pub fn from_symbols(lookup: impl Fn(&str) -> Option<u64>) -> Self {
+        let [k, u, c] = Self::SYMBOLS;
+        MemoryFns {
+            strncpy_kernel: lookup(k),
+            strncpy_user: lookup(u),
+            copy_user: lookup(c),
+        }
+    }
+
+    /// The same routines after a KASLR slide of `slide` bytes.
+    pub fn slid(self, slide: u64) -> Self {
+        let s = |a: Option<u64>| a.map(|a| a.wrapping_add(slide));
+        MemoryFns {
+            strncpy_kernel: s(self.strncpy_kernel),
+            strncpy_user: s(self.strncpy_user),
+            copy_user: s(self.copy_user),
+        }
+    }
 }
 
 /// `task_struct` (and `cred`) member offsets, from BTF.

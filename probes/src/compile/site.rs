@@ -7,14 +7,17 @@
 //! the function's return trampoline, as kretprobes do, keeping the original in a table of
 //! calls in flight keyed by the address of the return-address slot (the same table `exotap
 //! time` uses). The trampoline finds the slot, puts the original return address back, runs
-//! the return bodies with `$return` in the saved `rax`, and returns to the caller.
+//! the return bodies with `$return` in the saved `rax`, and returns to the caller. The slot
+//! also keeps the entry's six argument registers: the trampoline pushes them under the
+//! registers it saves ([`ENTRY_ARGS`] bytes below `r15`), where return bodies read `$param`
+//! and `@entry($param)` as the interpreter answers them (the values at the entry).
 
 use std::collections::HashMap;
 
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
-use super::codegen::{emit_body, Env, SAVED, SAVED_BYTES};
+use super::codegen::{emit_body, saved_offset, Env, ARGS, SAVED, SAVED_BYTES};
 use super::data::{
     field, DataLayout, Interner, ValueKind, ENTRY_KEYS, KEY, MAX_PROBES, TABLE_COUNT, TABLE_HEADER,
     TABLE_SEQUENCE,
@@ -25,8 +28,13 @@ use super::{SitePoint, Unsupported};
 pub const INFLIGHT: u64 = 4096;
 /// Slots tried after the hashed one.
 pub const PROBE_SLOTS: u32 = 8;
-/// Bytes per slot: key (stack slot address), original return address, entry TSC, unused.
-pub const SLOT: u64 = 32;
+/// Bytes per slot: key (stack slot address), original return address, entry TSC, the entry's
+/// argument registers (rdi, rsi, rdx, rcx, r8, r9) from [`SLOT_ARGS`], unused.
+pub const SLOT: u64 = 128;
+/// Offset of the entry's argument registers in a slot.
+pub const SLOT_ARGS: i32 = 24;
+/// Bytes of the entry's argument registers a return trampoline pushes below `r15`.
+pub const ENTRY_ARGS: i32 = 48;
 /// Bytes of the table of calls in flight.
 pub const INFLIGHT_BYTES: u64 = (INFLIGHT + PROBE_SLOTS as u64) * SLOT;
 /// Spins on a slot another writer holds before an update is dropped.
@@ -372,6 +380,10 @@ pub fn entry_code(
             let mut done = a.create_label();
             a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
             emit_swap(&mut a, table, misses, trampoline, done)?;
+            for (i, reg) in ARGS.iter().enumerate() {
+                a.mov(rax, qword_ptr(r15 + saved_offset(*reg)))?;
+                a.mov(qword_ptr(rcx + SLOT_ARGS + 8 * i as i32), rax)?;
+            }
             a.set_label(&mut done)?;
             a.nop()
         })();
@@ -400,12 +412,17 @@ pub fn return_code(
         save(&mut a)?;
         a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
         emit_unswap(&mut a, table)?;
+        // The entry's arguments: [r15 - ENTRY_ARGS + 8 * i] = argument i.
+        for i in (0..ARGS.len() as i32).rev() {
+            a.push(qword_ptr(rcx + SLOT_ARGS + 8 * i))?;
+        }
         a.mov(qword_ptr(rcx), 0)
     })();
     r.map_err(refused)?;
     for p in &bodies.ret {
         emit_body(&mut a, env, interner, p)?;
     }
+    a.add(rsp, ENTRY_ARGS).map_err(refused)?;
     restore(&mut a).map_err(refused)?;
     a.ret().map_err(refused)?;
     a.assemble(at).map_err(refused)

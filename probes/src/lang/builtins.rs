@@ -232,6 +232,24 @@ pub const BUILTINS: &[Builtin] = &[
         doc: "NUL-terminated guest string",
     },
     Builtin {
+        name: "kernel_string_n",
+        params: &[L, L],
+        ret: S,
+        doc: "NUL-terminated guest string of at most n bytes",
+    },
+    Builtin {
+        name: "user_string",
+        params: &[L],
+        ret: S,
+        doc: "NUL-terminated string in the current process's memory",
+    },
+    Builtin {
+        name: "user_string_n",
+        params: &[L, L],
+        ret: S,
+        doc: "NUL-terminated string in the current process's memory, at most n bytes",
+    },
+    Builtin {
         name: "kernel_long",
         params: &[L],
         ret: L,
@@ -242,6 +260,18 @@ pub const BUILTINS: &[Builtin] = &[
         params: &[L],
         ret: L,
         doc: "4-byte signed guest value",
+    },
+    Builtin {
+        name: "kernel_short",
+        params: &[L],
+        ret: L,
+        doc: "2-byte signed guest value",
+    },
+    Builtin {
+        name: "kernel_char",
+        params: &[L],
+        ret: L,
+        doc: "1-byte signed guest value",
     },
 ];
 

@@ -535,6 +535,49 @@ mod tests {
     }
 
     #[test]
+    fn kernel_string_n_and_user_string_n_stop_at_n_bytes_or_the_nul() {
+        let ctx = CapturedContext {
+            memory: vec![(0x1000, b"bash\0junk\0".to_vec())],
+            ..Default::default()
+        };
+        let (out, r) = run_with(
+            "probe kernel.function(\"f\") { println(kernel_string_n(0x1000, 2), \"|\", \
+             user_string_n(0x1000, 9), \"|\", user_string_n(0x1000, -1), \"|\", user_string(0x1005)) }",
+            Limits::default(),
+            &ctx,
+        );
+        r.unwrap();
+        assert_eq!(out, "ba|bash||junk\n");
+    }
+
+    #[test]
+    fn a_string_at_maxstringlen_stops_one_byte_short_without_reading_past_it() {
+        // 7 readable bytes and no NUL: with MAXSTRINGLEN 8 the string is the 7 bytes, and the
+        // unreadable eighth byte is never read.
+        let ctx = CapturedContext {
+            memory: vec![(0x1000, b"abcdefg".to_vec())],
+            ..Default::default()
+        };
+        let limits = Limits {
+            max_string_len: 8,
+            ..Limits::default()
+        };
+        let (out, r) = run_with(
+            "probe kernel.function(\"f\") { println(kernel_string(0x1000)) }",
+            limits,
+            &ctx,
+        );
+        r.unwrap();
+        assert_eq!(out, "abcdefg\n");
+    }
+
+    #[test]
+    fn user_string_of_an_unreadable_address_is_a_script_error() {
+        let (_, r) = run("probe kernel.function(\"f\") { println(user_string(1)) }");
+        assert!(r.unwrap_err().message.contains("user string copy fault"));
+    }
+
+    #[test]
     fn kernel_string_without_memory_is_a_script_error() {
         let (_, r) = run("probe kernel.function(\"f\") { println(kernel_string(0x1000)) }");
         assert!(r.unwrap_err().message.contains("kernel string copy fault"));

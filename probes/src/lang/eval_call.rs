@@ -230,21 +230,41 @@ impl Interp<'_> {
             "gettimeofday_ms" => Value::Long(now().as_millis() as i64),
             "gettimeofday_us" => Value::Long(now().as_micros() as i64),
             "gettimeofday_ns" => Value::Long(now().as_nanos() as i64),
-            "kernel_string" => {
+            "kernel_string" | "kernel_string_n" | "user_string" | "user_string_n" => {
+                // At most MAXSTRINGLEN - 1 bytes (or n, when smaller), read byte by byte up to
+                // the first NUL: the bytes past the string are never touched.
+                let most = self.limits.max_string_len.saturating_sub(1);
+                let most = if name.ends_with("_n") {
+                    usize::try_from(long(1).max(0))
+                        .unwrap_or(usize::MAX)
+                        .min(most)
+                } else {
+                    most
+                };
+                let what = if name.starts_with("user") {
+                    "user"
+                } else {
+                    "kernel"
+                };
                 let mut bytes = Vec::new();
                 let base = long(0) as u64;
-                while bytes.len() + 1 < self.limits.max_string_len {
+                while bytes.len() < most {
                     let addr = base.wrapping_add(bytes.len() as u64);
                     match ctx.read_kernel(addr, 1) {
                         Ok(b) if b.first() == Some(&0) => break,
                         Ok(b) => bytes.extend_from_slice(&b),
-                        Err(e) => return fail(format!("kernel string copy fault: {e}"), span),
+                        Err(e) => return fail(format!("{what} string copy fault: {e}"), span),
                     }
                 }
                 self.string(String::from_utf8_lossy(&bytes).into_owned())
             }
-            "kernel_long" | "kernel_int" => {
-                let len = if name == "kernel_long" { 8 } else { 4 };
+            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
+                let len = match name {
+                    "kernel_long" => 8,
+                    "kernel_int" => 4,
+                    "kernel_short" => 2,
+                    _ => 1,
+                };
                 let bytes = match ctx.read_kernel(long(0) as u64, len) {
                     Ok(b) if b.len() == len => b,
                     Ok(_) => return fail("short guest memory read", span),
@@ -253,7 +273,12 @@ impl Interp<'_> {
                 let mut buf = [0u8; 8];
                 buf[..len].copy_from_slice(&bytes);
                 let v = i64::from_le_bytes(buf);
-                Value::Long(if len == 4 { i64::from(v as i32) } else { v })
+                Value::Long(match len {
+                    4 => i64::from(v as i32),
+                    2 => i64::from(v as i16),
+                    1 => i64::from(v as i8),
+                    _ => v,
+                })
             }
             other => return fail(format!("unknown function '{other}'"), span),
         };

@@ -91,6 +91,8 @@ fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
             .symbols
             .get("copy_from_kernel_nofault")
             .map(|s| s.addr),
+        memory: compile::MemoryFns::from_symbols(|n| image.symbols.get(n).map(|s| s.addr)),
+        types: Some(std::sync::Arc::new(compile::types::BtfTypes(btf.clone()))),
     })
 }
 
@@ -364,6 +366,7 @@ pub fn start(
     facts.current_task = session.survey.layout.current_task_offset;
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
     facts.copy_nofault = plan.copy_link.map(|a| a.wrapping_add(slide));
+    facts.memory = plan.facts.memory.slid(slide);
     let kprobes = if script.compare_kprobes {
         let btf =
             Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
@@ -690,6 +693,12 @@ fn run(
         session.error(&format!(
             "kernel read fault in a compiled probe ({} times): an address that is not mapped",
             header.faults
+        ));
+    }
+    if header.empty > 0 {
+        session.error(&format!(
+            "empty aggregate in a compiled probe ({} times)",
+            header.empty
         ));
     }
     if header.div_zero > 0 {

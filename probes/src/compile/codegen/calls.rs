@@ -7,7 +7,12 @@ use iced_x86::{Code, Instruction, MemoryOperand, Register};
 use crate::lang::ast::*;
 use crate::lang::check::Program;
 
-use super::super::data::{field, OutputKind, MAX_PRINT_ARGS};
+use crate::lang::Limits;
+
+use super::super::data::{
+    field, value_kind, ArgSlot, OutputKind, ValueKind, MAX_PRINT_ARGS, MAX_RECORD, RECORD,
+};
+use super::memory::text_call;
 use super::{rip, Gen, K, R};
 
 impl Gen<'_, '_> {
@@ -99,7 +104,7 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
-            "kernel_long" | "kernel_int" => {
+            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
                 let copy = self.env.facts.copy_nofault.ok_or_else(|| {
                     self.no(format!(
                         "{name}() (the kernel has no copy_from_kernel_nofault)"
@@ -110,7 +115,12 @@ impl Gen<'_, '_> {
                     .first()
                     .ok_or_else(|| self.no(format!("{name}() without an address")))?;
                 self.long(arg)?;
-                let len: u32 = if name == "kernel_long" { 8 } else { 4 };
+                let len: u32 = match name {
+                    "kernel_long" => 8,
+                    "kernel_int" => 4,
+                    "kernel_short" => 2,
+                    _ => 1,
+                };
                 let scratch = self.scratch();
                 let fault = self.err_fault;
                 let r = (|| {
@@ -120,14 +130,22 @@ impl Gen<'_, '_> {
                     self.a.call(copy)?;
                     self.a.test(rax, rax)?;
                     self.a.jnz(fault)?;
-                    if len == 8 {
-                        self.a.mov(rax, qword_ptr(rbp + scratch))
-                    } else {
-                        self.a.movsxd(rax, dword_ptr(rbp + scratch))
+                    match len {
+                        8 => self.a.mov(rax, qword_ptr(rbp + scratch)),
+                        4 => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
+                        2 => self.a.movsx(rax, word_ptr(rbp + scratch)),
+                        _ => self.a.movsx(rax, byte_ptr(rbp + scratch)),
                     }
                 })();
                 asm!(self, r)?;
                 Ok(K::Long)
+            }
+            "kernel_string" | "kernel_string_n" | "user_string" | "user_string_n" => {
+                Err(self.no(format!(
+                    "{name}() other than as an argument of printf/print/println (a string \
+                     read from memory is up to MAXSTRINGLEN bytes, a compiled string value \
+                     holds 15)"
+                )))
             }
             "exit" => {
                 let addr = self.env.data + field::EXIT;
@@ -153,8 +171,15 @@ impl Gen<'_, '_> {
             };
             (OutputKind::Printf(fmt), &args[1.min(args.len())..])
         } else {
+            if let [Expr {
+                kind: ExprKind::Hist(kind, target),
+                ..
+            }] = args
+            {
+                return self.print_hist(*kind, target, name == "println");
+            }
             if args.iter().any(|a| matches!(a.kind, ExprKind::Hist(..))) {
-                return Err(self.no(format!("{name}() of a histogram in a kernel probe")));
+                return Err(self.no(format!("{name}() of a histogram among other values")));
             }
             (OutputKind::Print(name == "println"), args)
         };
@@ -163,30 +188,101 @@ impl Gen<'_, '_> {
                 "{name}() with more than {MAX_PRINT_ARGS} arguments"
             )));
         }
-        let mut strings = Vec::new();
+        let mut slots = Vec::new();
+        let text = self.text_bytes();
+        // Per argument: a string read from memory, and whether its buffer is on the stack.
+        let mut on_stack = Vec::new();
         for v in values {
-            let k = self.expr(v)?;
-            strings.push(k == K::Str);
-            if k == K::Long {
+            let local = match &v.kind {
+                ExprKind::Var(n) => self.texts.get(n).copied(),
+                _ => None,
+            };
+            on_stack.push(text_call(v).is_some());
+            if let Some(at) = local {
+                // A local's own buffer: its address as the argument's 16 bytes.
+                let off = self.text_local(at);
+                asm!(self, self.a.lea(rax, qword_ptr(rbp + off)))?;
                 asm!(self, self.a.xor(edx, edx))?;
+                slots.push(ArgSlot::Text {
+                    slot: text as u32,
+                    max_string_len: u32::try_from(self.env.limits.max_string_len)
+                        .unwrap_or(u32::MAX),
+                });
+            } else if let Some((c, user, with_n)) = text_call(v) {
+                // The buffer first, then its address (and a 0) as the argument's 16 bytes.
+                asm!(self, self.a.sub(rsp, text))?;
+                let saved = self.span;
+                self.span = v.span;
+                self.text(c, user, with_n)?;
+                self.span = saved;
+                asm!(self, self.a.xor(edx, edx))?;
+                slots.push(ArgSlot::Text {
+                    slot: text as u32,
+                    max_string_len: u32::try_from(self.env.limits.max_string_len)
+                        .unwrap_or(u32::MAX),
+                });
+            } else {
+                let k = self.expr(v)?;
+                slots.push(if k == K::Str {
+                    ArgSlot::Str
+                } else {
+                    ArgSlot::Long
+                });
+                if k == K::Long {
+                    asm!(self, self.a.xor(edx, edx))?;
+                }
             }
             asm!(self, self.a.push(rdx))?;
             asm!(self, self.a.push(rax))?;
         }
-        let n = values.len() as i32;
-        let id = self.interner.format(kind, strings);
+        let bytes = 16 + slots.iter().map(ArgSlot::size).sum::<u64>();
+        if bytes > self.env.layout.record {
+            return Err(self.no(format!(
+                "{name}() whose record would take {bytes} bytes (at most {MAX_RECORD})"
+            )));
+        }
+        let stacked: i32 = on_stack
+            .iter()
+            .map(|s| 16 + if *s { text } else { 0 })
+            .sum();
+        let offsets: Vec<i32> = slots
+            .iter()
+            .scan(16i32, |at, s| {
+                let here = *at;
+                *at += s.size() as i32;
+                Some(here)
+            })
+            .collect();
+        let id = self.interner.format(kind, slots.clone());
         let cpu_number = self.env.facts.cpu_number;
         let r = (|| {
             let mut skip = self.a.create_label();
             let mut done = self.a.create_label();
             rings.emit_reserve(self.a, cpu_number, rdi, skip)?;
             self.a.mov(dword_ptr(rdi + 8), id)?;
-            for i in (0..n).rev() {
+            self.a.mov(r8, rdi)?;
+            for ((slot, at), stack) in slots.iter().zip(&offsets).zip(&on_stack).rev() {
                 self.a.pop(rax)?;
                 self.a.pop(rdx)?;
-                self.a.mov(qword_ptr(rdi + 16 + 16 * i), rax)?;
-                self.a.mov(qword_ptr(rdi + 24 + 16 * i), rdx)?;
+                if let ArgSlot::Text { .. } = slot {
+                    // The whole buffer (its string ends at a NUL), then free it.
+                    self.a.lea(rdi, qword_ptr(r8 + *at))?;
+                    if *stack {
+                        self.a.mov(rsi, rsp)?;
+                    } else {
+                        self.a.mov(rsi, rax)?;
+                    }
+                    self.a.mov(ecx, text as u32)?;
+                    self.a.rep().movsb()?;
+                    if *stack {
+                        self.a.add(rsp, text)?;
+                    }
+                } else {
+                    self.a.mov(qword_ptr(r8 + *at), rax)?;
+                    self.a.mov(qword_ptr(r8 + *at + 8), rdx)?;
+                }
             }
+            self.a.mov(rdi, r8)?;
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
@@ -194,7 +290,7 @@ impl Gen<'_, '_> {
             self.a.mov(qword_ptr(rdi), rax)?;
             self.a.jmp(done)?;
             self.a.set_label(&mut skip)?;
-            self.a.add(rsp, 16 * n)?;
+            self.a.add(rsp, stacked)?;
             self.a.set_label(&mut done)?;
             self.a.nop()
         })();
@@ -203,47 +299,198 @@ impl Gen<'_, '_> {
     }
 }
 
-/// Whether any kernel probe of `prog` prints (then the data gets output rings).
-pub fn prints(prog: &Program) -> bool {
-    fn expr(e: &Expr) -> bool {
+impl Gen<'_, '_> {
+    /// `print(@hist_*(x))`: the statistics value copied whole into a record (an empty one is
+    /// a probe error, as in the interpreter); the host renders it as the interpreter does.
+    fn print_hist(&mut self, kind: HistKind, target: &Expr, newline: bool) -> R<K> {
+        let Some(rings) = self.env.layout.ring_set(self.env.data) else {
+            return Err(self.no("print() without output rings"));
+        };
+        let name = match &target.kind {
+            ExprKind::Var(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .filter(|s| s.table.is_none())
+                    .ok_or_else(|| self.no(format!("a histogram of {name}")))?;
+                self.lea(Register::RAX, self.env.data + slot.offset)?;
+                name.clone()
+            }
+            ExprKind::Index(ix) => {
+                self.array(&ix.array.name)?;
+                self.lookup(&ix.array.name, &ix.keys, false)?;
+                ix.array.name.clone()
+            }
+            _ => return Err(self.no("a histogram of this")),
+        };
+        let Some(ValueKind::Stats(layout)) = self.global(&name).map(|s| s.value) else {
+            return Err(self.no(format!("a histogram of {name}, which is not an aggregate")));
+        };
+        let bytes = ValueKind::Stats(layout).size();
+        if 16 + bytes > self.env.layout.record {
+            return Err(self.no(format!(
+                "a histogram of {name} ({bytes} bytes, more than a record holds)"
+            )));
+        }
+        let id = self.interner.format(
+            OutputKind::Hist {
+                kind,
+                layout,
+                newline,
+            },
+            Vec::new(),
+        );
+        let cpu_number = self.env.facts.cpu_number;
+        let empty = self.err_empty;
+        let r = (|| {
+            let mut skip = self.a.create_label();
+            self.a.test(rax, rax)?;
+            self.a.jz(empty)?;
+            self.a.cmp(qword_ptr(rax), 0)?;
+            self.a.je(empty)?;
+            self.a.push(rax)?;
+            self.a.push(rax)?;
+            rings.emit_reserve(self.a, cpu_number, rdi, skip)?;
+            self.a.mov(dword_ptr(rdi + 8), id)?;
+            self.a.mov(r8, rdi)?;
+            self.a.pop(rsi)?;
+            self.a.pop(rsi)?;
+            self.a.lea(rdi, qword_ptr(r8 + 16))?;
+            self.a.mov(ecx, bytes as u32)?;
+            self.a.rep().movsb()?;
+            self.a.rdtsc()?;
+            self.a.shl(rdx, 32)?;
+            self.a.or(rax, rdx)?;
+            self.a.or(rax, 1)?;
+            self.a.mov(qword_ptr(r8), rax)?;
+            self.a.add(rsp, -16)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rsp, 16)
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+}
+
+/// The `printf`/`print`/`println` calls of `prog`'s kernel probes.
+fn print_calls(prog: &Program) -> Vec<&Call> {
+    fn expr<'p>(e: &'p Expr, out: &mut Vec<&'p Call>) {
         match &e.kind {
             ExprKind::Call(c) => {
-                matches!(c.name.name.as_str(), "printf" | "print" | "println")
-                    || c.args.iter().any(expr)
+                if matches!(c.name.name.as_str(), "printf" | "print" | "println") {
+                    out.push(c);
+                }
+                c.args.iter().for_each(|a| expr(a, out));
             }
-            ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => expr(x),
+            ExprKind::Unary(_, x) | ExprKind::Stat(_, x) | ExprKind::Hist(_, x) => expr(x, out),
             ExprKind::Binary(_, b) | ExprKind::Assign(_, b) | ExprKind::Aggregate(b) => {
-                expr(&b.0) || expr(&b.1)
+                expr(&b.0, out);
+                expr(&b.1, out);
             }
-            ExprKind::Ternary(t) => expr(&t.0) || expr(&t.1) || expr(&t.2),
-            ExprKind::Index(ix) => ix.keys.iter().any(expr),
-            ExprKind::In(i) => i.keys.iter().any(expr),
-            ExprKind::IncDec(i) => expr(&i.target),
-            _ => false,
+            ExprKind::Ternary(t) => {
+                expr(&t.0, out);
+                expr(&t.1, out);
+                expr(&t.2, out);
+            }
+            ExprKind::Index(ix) => ix.keys.iter().for_each(|k| expr(k, out)),
+            ExprKind::In(i) => i.keys.iter().for_each(|k| expr(k, out)),
+            ExprKind::IncDec(i) => expr(&i.target, out),
+            _ => {}
         }
     }
-    fn stmt(s: &Stmt) -> bool {
+    fn stmt<'p>(s: &'p Stmt, out: &mut Vec<&'p Call>) {
         match &s.kind {
-            StmtKind::Block(b) => b.stmts.iter().any(stmt),
-            StmtKind::Expr(e) | StmtKind::Delete(e) => expr(e),
-            StmtKind::If(i) => expr(&i.cond) || stmt(&i.then) || i.els.as_ref().is_some_and(stmt),
-            StmtKind::While(w) => expr(&w.0) || stmt(&w.1),
-            StmtKind::For(f) => {
-                f.init.as_ref().is_some_and(expr)
-                    || f.cond.as_ref().is_some_and(expr)
-                    || f.step.as_ref().is_some_and(expr)
-                    || stmt(&f.body)
+            StmtKind::Block(b) => b.stmts.iter().for_each(|s| stmt(s, out)),
+            StmtKind::Expr(e) | StmtKind::Delete(e) | StmtKind::Return(Some(e)) => expr(e, out),
+            StmtKind::If(i) => {
+                expr(&i.cond, out);
+                stmt(&i.then, out);
+                if let Some(e) = &i.els {
+                    stmt(e, out);
+                }
             }
-            StmtKind::Foreach(f) => stmt(&f.body),
-            StmtKind::Return(Some(e)) => expr(e),
-            StmtKind::Try(t) => t.body.stmts.iter().any(stmt) || t.handler.stmts.iter().any(stmt),
-            _ => false,
+            StmtKind::While(w) => {
+                expr(&w.0, out);
+                stmt(&w.1, out);
+            }
+            StmtKind::For(f) => {
+                for e in [&f.init, &f.cond, &f.step].into_iter().flatten() {
+                    expr(e, out);
+                }
+                stmt(&f.body, out);
+            }
+            StmtKind::Foreach(f) => stmt(&f.body, out),
+            StmtKind::Try(t) => t
+                .body
+                .stmts
+                .iter()
+                .chain(&t.handler.stmts)
+                .for_each(|s| stmt(s, out)),
+            _ => {}
         }
     }
-    prog.script
+    let mut out = Vec::new();
+    for (p, _) in prog
+        .script
         .probes
         .iter()
         .zip(&prog.probes)
         .filter(|(_, info)| info.points.iter().any(|(_, k)| k.needs_guest()))
-        .any(|(p, _)| p.body.stmts.iter().any(stmt))
+    {
+        if let Some(c) = &p.condition {
+            expr(c, &mut out);
+        }
+        p.body.stmts.iter().for_each(|s| stmt(s, &mut out));
+    }
+    out
+}
+
+/// Whether any kernel probe of `prog` prints (then the data gets output rings).
+pub fn prints(prog: &Program) -> bool {
+    !print_calls(prog).is_empty()
+}
+
+/// Bytes of the output records `prog`'s kernel probes need: [`RECORD`], or the next power of
+/// two that holds the largest `printf` of strings read from memory (at most [`MAX_RECORD`]).
+pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
+    let text = super::memory::text_slot(limits) as u64;
+    // Locals that hold strings read from memory, in any kernel probe.
+    let texts: std::collections::HashSet<String> = prog
+        .script
+        .probes
+        .iter()
+        .flat_map(|p| super::memory::text_locals(&p.body))
+        .collect();
+    let largest = print_calls(prog)
+        .iter()
+        .map(|c| {
+            let args = if c.name.name == "printf" {
+                &c.args[1.min(c.args.len())..]
+            } else {
+                &c.args[..]
+            };
+            if let [Expr {
+                kind: ExprKind::Hist(_, target),
+                ..
+            }] = args
+            {
+                let name = match &target.kind {
+                    ExprKind::Var(n) => n,
+                    ExprKind::Index(ix) => &ix.array.name,
+                    _ => return 0,
+                };
+                return value_kind(prog, name).map_or(0, |k| 16 + k.size());
+            }
+            16 + args
+                .iter()
+                .map(|a| match &a.kind {
+                    _ if text_call(a).is_some() => text,
+                    ExprKind::Var(n) if texts.contains(n) => text,
+                    _ => 16,
+                })
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    largest.next_power_of_two().clamp(RECORD, MAX_RECORD)
 }

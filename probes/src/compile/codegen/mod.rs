@@ -56,7 +56,7 @@ pub fn saved_offset(reg: Register) -> i32 {
 }
 
 /// SysV argument registers.
-const ARGS: [Register; 6] = [
+pub const ARGS: [Register; 6] = [
     Register::RDI,
     Register::RSI,
     Register::RDX,
@@ -102,9 +102,10 @@ macro_rules! asm {
 
 // After the macro: the submodules use it.
 mod calls;
+mod memory;
 mod updates;
 
-pub use calls::prints;
+pub use calls::{prints, record_bytes};
 
 fn rip(addr: u64) -> MemoryOperand {
     MemoryOperand::with_base_displ(Register::RIP, addr as i64)
@@ -117,6 +118,8 @@ struct Gen<'a, 'b> {
     point: &'b SitePoint,
     locals: HashMap<String, (i32, K)>,
     locals_size: i32,
+    /// Locals holding strings read from memory: name → buffer offset under the scratch.
+    texts: HashMap<String, i32>,
     depth: usize,
     loops: Vec<(CodeLabel, CodeLabel)>,
     end: CodeLabel,
@@ -124,6 +127,7 @@ struct Gen<'a, 'b> {
     err_budget: CodeLabel,
     err_fault: CodeLabel,
     err_overflow: CodeLabel,
+    err_empty: CodeLabel,
     span: Span,
 }
 
@@ -149,11 +153,20 @@ pub fn emit_body(
         })?;
     let mut locals = HashMap::new();
     let mut size = 0i32;
+    // Locals that hold a string read from memory: a MAXSTRINGLEN buffer each, below the rest.
+    let text_names = memory::text_locals(&probe.body);
+    let text_bytes = memory::text_slot(env.limits);
+    let mut texts = HashMap::new();
     if let Some(types) = env.prog.locals.get(point.probe) {
         let mut names: Vec<_> = types.iter().collect();
         names.sort_by(|x, y| x.0.cmp(y.0));
         for (name, ty) in names {
             if env.prog.globals.contains_key(name) {
+                continue;
+            }
+            if *ty == Ty::Str && text_names.contains(name) {
+                let at = (texts.len() as i32 + 1) * text_bytes;
+                texts.insert(name.clone(), at);
                 continue;
             }
             let k = match ty {
@@ -181,6 +194,7 @@ pub fn emit_body(
     let err_budget = a.create_label();
     let err_fault = a.create_label();
     let err_overflow = a.create_label();
+    let err_empty = a.create_label();
     let mut g = Gen {
         a,
         env,
@@ -188,6 +202,7 @@ pub fn emit_body(
         point,
         locals,
         locals_size: size,
+        texts,
         depth: 0,
         loops: Vec::new(),
         end,
@@ -195,6 +210,7 @@ pub fn emit_body(
         err_budget,
         err_fault,
         err_overflow,
+        err_empty,
         span: probe.span,
     };
     g.prologue().map_err(asm)?;
@@ -219,7 +235,13 @@ impl Gen<'_, '_> {
 
     fn frame_size(&self) -> i32 {
         let keys = (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32;
-        (self.locals_size + keys + SCRATCH + 15) / 16 * 16
+        let texts = self.texts.values().copied().max().unwrap_or(0);
+        (self.locals_size + keys + SCRATCH + texts + 15) / 16 * 16
+    }
+
+    /// Frame offset (from rbp) of the buffer of the text local at `at` (see `texts`).
+    fn text_local(&self, at: i32) -> i32 {
+        self.scratch() - at
     }
 
     /// The 8-byte buffer kernel reads copy into (below the key buffers).
@@ -241,6 +263,10 @@ impl Gen<'_, '_> {
             for off in (8..=self.locals_size).step_by(8) {
                 self.a.mov(qword_ptr(rbp - off), rax)?;
             }
+        }
+        let texts: Vec<i32> = self.texts.values().map(|at| self.text_local(*at)).collect();
+        for off in texts {
+            self.a.mov(byte_ptr(rbp + off), 0)?;
         }
         self.a
             .mov(r14, self.env.limits.max_action.min(i64::MAX as u64))?;
@@ -269,6 +295,9 @@ impl Gen<'_, '_> {
         self.a.jmp(common)?;
         self.a.set_label(&mut self.err_overflow)?;
         self.count(data + field::OVERFLOW)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.err_empty)?;
+        self.count(data + field::EMPTY)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
@@ -496,13 +525,18 @@ impl Gen<'_, '_> {
             ExprKind::Assign(op, b) => self.assign(*op, &b.0, &b.1),
             ExprKind::IncDec(i) => self.inc_dec(i),
             ExprKind::Aggregate(b) => self.aggregate(&b.0, &b.1),
-            ExprKind::Stat(..) | ExprKind::Hist(..) => {
-                Err(self.no("reading an aggregate (@count, @hist_log, ...) in a kernel probe"))
-            }
+            ExprKind::Stat(op, target) => self.stat(*op, target),
+            ExprKind::Hist(..) => Err(self.no("a histogram used as a value in a kernel probe")),
             ExprKind::Call(c) => self.call(c),
-            ExprKind::Entry(_) => Err(self.no("@entry in a kernel probe")),
+            // As the interpreter: a parameter's value at the entry, also in a return probe.
+            ExprKind::Entry(x) => match &x.kind {
+                ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
+                    self.target(t)
+                }
+                _ => Err(self.no("@entry of anything but a parameter")),
+            },
             ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
-            ExprKind::Cast(_) => Err(self.no("@cast in a kernel probe")),
+            ExprKind::Cast(c) => self.cast(c),
             ExprKind::Variance(..) => Err(self.no("@variance in a kernel probe")),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
             ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
@@ -561,6 +595,12 @@ impl Gen<'_, '_> {
                 }
             };
         }
+        if self.texts.contains_key(name) {
+            return Err(self.no(format!(
+                "{name}, which holds a string read from memory, used other than as an argument \
+                 of printf/print/println"
+            )));
+        }
         let (off, k) = *self
             .locals
             .get(name)
@@ -579,25 +619,17 @@ impl Gen<'_, '_> {
     }
 
     fn target(&mut self, t: &TargetVar) -> R<K> {
-        if !t.members.is_empty() {
-            return Err(self.no(format!(
-                "the member access {}->{}",
-                t.name,
-                t.members.join("->")
-            )));
-        }
+        let base = if t.members.is_empty() {
+            None
+        } else {
+            Some(self.target_type(&t.name)?)
+        };
         let reg = if t.name == "$return" {
             if !self.point.is_return {
                 return Err(self.no("$return outside a return probe"));
             }
             Register::RAX
         } else {
-            if self.point.is_return {
-                return Err(self.no(format!(
-                    "{} in a return probe (the entry's arguments are not kept)",
-                    t.name
-                )));
-            }
             let name = t.name.trim_start_matches('$');
             let i = self
                 .point
@@ -609,8 +641,17 @@ impl Gen<'_, '_> {
                 .get(i)
                 .ok_or_else(|| self.no(format!("{}, passed on the stack", t.name)))?
         };
-        let off = saved_offset(reg);
+        let off = if self.point.is_return && reg != Register::RAX {
+            // The entry's value, which the trampoline pushed under the saved registers.
+            let i = ARGS.iter().position(|r| *r == reg).unwrap_or(0) as i32;
+            8 * i - super::site::ENTRY_ARGS
+        } else {
+            saved_offset(reg)
+        };
         asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
+        if let Some(base) = base {
+            self.members(&t.path(), base, &t.members)?;
+        }
         Ok(K::Long)
     }
 

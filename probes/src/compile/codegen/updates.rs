@@ -124,6 +124,9 @@ impl Gen<'_, '_> {
 
     pub(super) fn assign(&mut self, op: Option<BinOp>, target: &Expr, value: &Expr) -> R<K> {
         if let ExprKind::Var(name) = &target.kind {
+            if let Some(at) = self.texts.get(name).copied() {
+                return self.assign_text(name, at, op, value);
+            }
             if !self.env.prog.globals.contains_key(name) {
                 let (off, k) = *self
                     .locals
@@ -258,6 +261,73 @@ impl Gen<'_, '_> {
             self.a.lock().xadd(qword_ptr(rcx), rax)?;
             if i.prefix {
                 self.a.add(rax, delta)?;
+            }
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+
+    /// `@count(x)`, `@sum`, `@min`, `@max`, `@avg` of an aggregate as the interpreter gives
+    /// them: @count of an empty (or absent) one is 0, the others end the hit with a probe
+    /// error; @avg is the sum divided by the count, truncated.
+    pub(super) fn stat(&mut self, op: StatOp, target: &Expr) -> R<K> {
+        match &target.kind {
+            ExprKind::Var(name) if self.env.prog.globals.contains_key(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .ok_or_else(|| self.no(format!("the global {name}")))?;
+                if !matches!(slot.value, ValueKind::Stats(_)) || slot.table.is_some() {
+                    return Err(self.no(format!("{} of {name}", op.name())));
+                }
+                self.lea(Register::RAX, self.env.data + slot.offset)?;
+            }
+            ExprKind::Index(ix) => {
+                let slot = self.array(&ix.array.name)?;
+                if !matches!(slot.value, ValueKind::Stats(_)) {
+                    return Err(self.no(format!("{} of {}", op.name(), ix.array.name)));
+                }
+                self.lookup(&ix.array.name, &ix.keys, false)?;
+            }
+            _ => return Err(self.no(format!("{} of this", op.name()))),
+        }
+        let empty = self.err_empty;
+        let r = (|| {
+            let mut absent = self.a.create_label();
+            let mut done = self.a.create_label();
+            self.a.test(rax, rax)?;
+            self.a.jz(absent)?;
+            self.a.mov(rcx, qword_ptr(rax))?;
+            if op != StatOp::Count {
+                self.a.test(rcx, rcx)?;
+                self.a.jz(empty)?;
+            }
+            match op {
+                StatOp::Count => self.a.mov(rax, rcx)?,
+                StatOp::Sum => self.a.mov(rax, qword_ptr(rax + 8))?,
+                StatOp::Min => self.a.mov(rax, qword_ptr(rax + 16))?,
+                StatOp::Max => self.a.mov(rax, qword_ptr(rax + 24))?,
+                StatOp::Avg => {
+                    // i64 wrapping division: the count is positive, so only -1 is odd.
+                    let mut normal = self.a.create_label();
+                    self.a.mov(rax, qword_ptr(rax + 8))?;
+                    self.a.cmp(rcx, -1)?;
+                    self.a.jne(normal)?;
+                    self.a.neg(rax)?;
+                    self.a.jmp(done)?;
+                    self.a.set_label(&mut normal)?;
+                    self.a.cqo()?;
+                    self.a.idiv(rcx)?;
+                }
+            }
+            self.a.jmp(done)?;
+            self.a.set_label(&mut absent)?;
+            if op == StatOp::Count {
+                self.a.xor(eax, eax)?;
+            } else {
+                self.a.jmp(empty)?;
             }
             self.a.set_label(&mut done)?;
             self.a.nop()

@@ -1,0 +1,293 @@
+//! Reads of guest memory in a compiled body: member chains of target variables and `@cast`,
+//! and strings read from memory (`kernel_string*()`, `user_string*()`).
+//!
+//! Every read goes through one of the kernel's fault-tolerant routines, called from the body
+//! (their addresses are in [`Facts`](super::super::Facts)): a bad address is an error code,
+//! which ends the hit with a probe error (`FAULTS`), as the interpreter ends it with a copy
+//! fault.
+//!
+//! A string read from memory is up to MAXSTRINGLEN - 1 bytes, too long for the 16-byte
+//! compiled string. It compiles as a direct argument of `printf`/`print`/`println` (read into
+//! a MAXSTRINGLEN-byte buffer on the stack, then copied whole into the output record, whose
+//! layout gives it that many bytes: see [`super::super::data`]), and into a local assigned by
+//! a statement of its own (`s = kernel_string(p)`: the local gets such a buffer in the frame)
+//! that is then only printed. Used anywhere else (a key, a value, a comparison, a
+//! concatenation) it is refused by [`super::super::check`], so a string is never cut shorter
+//! than the interpreter would cut it, and compared or hashed only as the interpreter would
+//! (which compares text after replacing invalid UTF-8: raw bytes would not be the same).
+
+use std::collections::HashSet;
+
+use iced_x86::code_asm::*;
+
+use crate::lang::ast::*;
+use crate::lang::Limits;
+
+use super::super::types::{chain, Step, TypeRef};
+use super::{Gen, K, R};
+
+/// The memory-string built-ins: name → (reads user memory, takes a length).
+pub(super) fn text_call(e: &Expr) -> Option<(&Call, bool, bool)> {
+    let ExprKind::Call(c) = &e.kind else {
+        return None;
+    };
+    match c.name.name.as_str() {
+        "kernel_string" => Some((c, false, false)),
+        "kernel_string_n" => Some((c, false, true)),
+        "user_string" => Some((c, true, false)),
+        "user_string_n" => Some((c, true, true)),
+        _ => None,
+    }
+}
+
+/// Bytes a string read from memory takes on the stack, in a frame and in a record.
+pub(super) fn text_slot(limits: &Limits) -> i32 {
+    let n = i32::try_from(limits.max_string_len).unwrap_or(i32::MAX);
+    (n.clamp(1, 1 << 20) + 15) / 16 * 16
+}
+
+/// Locals that `body` assigns a string read from memory (`s = kernel_string(p)` as a
+/// statement): they get a buffer of their own, and may only be printed.
+pub(super) fn text_locals(body: &Block) -> HashSet<String> {
+    fn stmt(s: &Stmt, out: &mut HashSet<String>) {
+        match &s.kind {
+            StmtKind::Block(b) => b.stmts.iter().for_each(|s| stmt(s, out)),
+            StmtKind::Expr(e) => {
+                if let ExprKind::Assign(None, p) = &e.kind {
+                    if let (ExprKind::Var(name), Some(_)) = (&p.0.kind, text_call(&p.1)) {
+                        out.insert(name.clone());
+                    }
+                }
+            }
+            StmtKind::If(i) => {
+                stmt(&i.then, out);
+                if let Some(e) = &i.els {
+                    stmt(e, out);
+                }
+            }
+            StmtKind::While(w) => stmt(&w.1, out),
+            StmtKind::For(f) => stmt(&f.body, out),
+            StmtKind::Foreach(f) => stmt(&f.body, out),
+            StmtKind::Try(t) => t
+                .body
+                .stmts
+                .iter()
+                .chain(&t.handler.stmts)
+                .for_each(|s| stmt(s, out)),
+            _ => {}
+        }
+    }
+    let mut out = HashSet::new();
+    body.stmts.iter().for_each(|s| stmt(s, &mut out));
+    out
+}
+
+impl Gen<'_, '_> {
+    /// Bytes a string read from memory takes on the stack and in a record.
+    pub(super) fn text_bytes(&self) -> i32 {
+        text_slot(self.env.limits)
+    }
+
+    /// `name = kernel_string(...)` into the local's own buffer (at `at`, see `texts`).
+    pub(super) fn assign_text(
+        &mut self,
+        name: &str,
+        at: i32,
+        op: Option<BinOp>,
+        value: &Expr,
+    ) -> R<K> {
+        let Some((c, user, with_n)) = text_call(value).filter(|_| op.is_none()) else {
+            return Err(self.no(format!(
+                "{name}, which holds a string read from memory, assigned another value"
+            )));
+        };
+        let text = self.text_bytes();
+        let off = self.text_local(at);
+        asm!(self, self.a.sub(rsp, text))?;
+        self.text(c, user, with_n)?;
+        let r = (|| {
+            self.a.mov(rsi, rsp)?;
+            self.a.lea(rdi, qword_ptr(rbp + off))?;
+            self.a.mov(ecx, text as u32)?;
+            self.a.rep().movsb()?;
+            self.a.add(rsp, text)
+        })();
+        asm!(self, r)?;
+        // The statement's value is not a string the rest of the body can use.
+        Ok(K::Long)
+    }
+
+    /// Reads the string of `c` into the buffer at `rsp` (the caller reserved
+    /// [`Self::text_bytes`] there); leaves `rax` = the buffer.
+    pub(super) fn text(&mut self, c: &Call, user: bool, with_n: bool) -> R<()> {
+        let name = c.name.name.as_str();
+        let fns = self.env.facts.memory;
+        let (strncpy, copy_one) = if user {
+            (fns.strncpy_user, fns.copy_user)
+        } else {
+            (fns.strncpy_kernel, self.env.facts.copy_nofault)
+        };
+        let (Some(strncpy), Some(copy_one)) = (strncpy, copy_one) else {
+            return Err(self.no(format!(
+                "{name}() (the kernel lacks its nofault string copy routines)"
+            )));
+        };
+        let addr = c
+            .args
+            .first()
+            .ok_or_else(|| self.no(format!("{name}() without an address")))?;
+        let most = i64::try_from(self.env.limits.max_string_len.saturating_sub(1))
+            .unwrap_or(i64::MAX)
+            .min(i64::from(i32::MAX));
+        self.long(addr)?;
+        if with_n {
+            let n = c
+                .args
+                .get(1)
+                .ok_or_else(|| self.no(format!("{name}() without a length")))?;
+            asm!(self, self.a.push(rax))?;
+            asm!(self, self.a.push(rax))?; // keeps the stack 16-byte aligned
+            self.long(n)?;
+            asm!(self, self.a.mov(rcx, rax))?;
+            asm!(self, self.a.pop(rax))?;
+            asm!(self, self.a.pop(rax))?;
+        } else {
+            asm!(self, self.a.mov(rcx, most))?;
+        }
+        let fault = self.err_fault;
+        // rax = address, rcx = n. L = clamp(n, 0, MAXSTRINGLEN - 1) bytes at most, read up
+        // to the first NUL. strncpy_*_nofault(dst, src, L) reads bytes 0..L-1 but keeps L-1
+        // of them (its last byte becomes the NUL): when it returns L, the byte at L-1 is read
+        // again on its own, so exactly the bytes the interpreter reads are read.
+        let r = (|| {
+            let mut fits = self.a.create_label();
+            self.a.mov(byte_ptr(rsp), 0)?;
+            self.a.test(rcx, rcx)?;
+            self.a.jle(fits)?;
+            self.a.mov(rdx, most)?;
+            self.a.cmp(rcx, rdx)?;
+            self.a.cmovg(rcx, rdx)?;
+            self.a.push(rax)?;
+            self.a.push(rcx)?;
+            self.a.lea(rdi, qword_ptr(rsp + 16))?;
+            self.a.mov(rsi, rax)?;
+            self.a.mov(rdx, rcx)?;
+            self.a.call(strncpy)?;
+            self.a.pop(rcx)?;
+            self.a.pop(rsi)?;
+            self.a.test(rax, rax)?;
+            self.a.js(fault)?;
+            self.a.cmp(rax, rcx)?;
+            self.a.jl(fits)?;
+            // dst[L-1] = the byte at src + L - 1, read alone; dst[L] = 0.
+            self.a.lea(rdi, qword_ptr(rsp + rcx - 1))?;
+            self.a.mov(byte_ptr(rsp + rcx), 0)?;
+            self.a.lea(rsi, qword_ptr(rsi + rcx - 1))?;
+            self.a.mov(edx, 1)?;
+            self.a.call(copy_one)?;
+            self.a.test(rax, rax)?;
+            self.a.jnz(fault)?;
+            self.a.set_label(&mut fits)?;
+            self.a.mov(rax, rsp)
+        })();
+        asm!(self, r)
+    }
+
+    /// Applies a member chain's steps to the value in `rax`.
+    pub(super) fn steps(&mut self, steps: &[Step]) -> R<()> {
+        let copy = self.env.facts.copy_nofault.ok_or_else(|| {
+            self.no("a member chain (the kernel has no copy_from_kernel_nofault)")
+        })?;
+        let scratch = self.scratch();
+        let fault = self.err_fault;
+        for step in steps {
+            let r = match *step {
+                Step::Address { offset } => {
+                    let off =
+                        i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
+                    self.a.add(rax, off)
+                }
+                Step::Read {
+                    offset,
+                    size,
+                    signed,
+                } => {
+                    let off =
+                        i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
+                    (|| {
+                        self.a.lea(rsi, qword_ptr(rax + off))?;
+                        self.a.lea(rdi, qword_ptr(rbp + scratch))?;
+                        self.a.mov(edx, u32::from(size))?;
+                        self.a.call(copy)?;
+                        self.a.test(rax, rax)?;
+                        self.a.jnz(fault)?;
+                        let at = qword_ptr(rbp + scratch);
+                        match (size, signed) {
+                            (8, _) => self.a.mov(rax, at),
+                            (4, true) => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
+                            (4, false) => self.a.mov(eax, dword_ptr(rbp + scratch)),
+                            (2, true) => self.a.movsx(rax, word_ptr(rbp + scratch)),
+                            (2, false) => self.a.movzx(eax, word_ptr(rbp + scratch)),
+                            (_, true) => self.a.movsx(rax, byte_ptr(rbp + scratch)),
+                            (_, false) => self.a.movzx(eax, byte_ptr(rbp + scratch)),
+                        }
+                    })()
+                }
+            };
+            asm!(self, r)?;
+        }
+        Ok(())
+    }
+
+    /// The type of the target variable `name` at this point (a parameter, or `$return`).
+    pub(super) fn target_type(&self, name: &str) -> R<TypeRef> {
+        let types = self
+            .env
+            .facts
+            .types
+            .clone()
+            .ok_or_else(|| self.no(format!("{name}->... (no kernel type information)")))?;
+        let param = (name != "$return").then(|| name.trim_start_matches('$'));
+        types
+            .param(&self.point.function, param)
+            .ok_or_else(|| self.no(format!("{name}->... (BTF has no type for it)")))
+    }
+
+    /// A member chain from the value in `rax`, of type `base`.
+    pub(super) fn members(&mut self, what: &str, base: TypeRef, members: &[String]) -> R<()> {
+        let types = self
+            .env
+            .facts
+            .types
+            .clone()
+            .ok_or_else(|| self.no(format!("{what} (no kernel type information)")))?;
+        let steps =
+            chain(types.as_ref(), base, members).map_err(|e| self.no(format!("{what}: {e}")))?;
+        self.steps(&steps)
+    }
+
+    /// `@cast(p, "type")->m...`: `p` read as a pointer to `type`.
+    pub(super) fn cast(&mut self, c: &CastExpr) -> R<K> {
+        let what = format!("@cast(..., \"{}\")", c.type_name);
+        if c.module.as_deref().is_some_and(|m| m != "kernel") {
+            return Err(self.no(format!("{what} of a module's type")));
+        }
+        if c.members.is_empty() {
+            return Err(self.no(format!("{what} without a member")));
+        }
+        let types = self
+            .env
+            .facts
+            .types
+            .clone()
+            .ok_or_else(|| self.no(format!("{what} (no kernel type information)")))?;
+        let ty = types
+            .named(&c.type_name)
+            .ok_or_else(|| self.no(format!("{what} (BTF has no such type)")))?;
+        self.long(&c.pointer)?;
+        let steps = super::super::types::cast_chain(types.as_ref(), ty, &c.members)
+            .map_err(|e| self.no(format!("{what}: {e}")))?;
+        self.steps(&steps)?;
+        Ok(K::Long)
+    }
+}

@@ -1,0 +1,335 @@
+//! Member chains of target variables (`$file->f_inode->i_ino`, `@cast(p, "struct
+//! task_struct")->pid`), laid out on the host at compile time.
+//!
+//! A chain becomes a list of [`Step`]s: from the base value (a parameter, `$return` or the
+//! `@cast` pointer), add a member's byte offset, and read through the pointer where the type
+//! is a pointer (`->` into an embedded struct or union adds its offset without a read, as in
+//! SystemTap). The generated code does each read with the kernel's
+//! `copy_from_kernel_nofault`, so a NULL or bad pointer anywhere in the chain ends the hit
+//! with a counted probe error (`FAULTS`), never a fault in the guest.
+//!
+//! The compiler asks about types through [`KernelTypes`] (the guest's BTF in a live run,
+//! [`BtfTypes`]), so the layout walk is tested on made-up types too.
+
+use exotap_introspect::btf::{Btf, Kind, TypeId};
+
+/// A type, as [`KernelTypes`] names it.
+pub type TypeRef = u32;
+
+/// What a type is, as far as a member chain cares (typedefs and qualifiers stripped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// An integer or enum of `size` bytes (1, 2, 4 or 8).
+    Int {
+        /// Bytes.
+        size: u8,
+        /// Sign-extended when read.
+        signed: bool,
+    },
+    /// A pointer to `TypeRef` (0: `void`).
+    Pointer(TypeRef),
+    /// A struct or union.
+    Aggregate,
+    /// An array (its value is its address, as in C).
+    Array,
+    /// Anything else (floats, functions, void).
+    Other,
+}
+
+/// What the compiler needs to know about the guest kernel's types.
+pub trait KernelTypes: std::fmt::Debug + Send + Sync {
+    /// The type of `function`'s parameter `param`, or its return type (`None`).
+    fn param(&self, function: &str, param: Option<&str>) -> Option<TypeRef>;
+    /// A type named as `@cast` names it: `struct task_struct`, `task_struct`, `pid_t`.
+    fn named(&self, spec: &str) -> Option<TypeRef>;
+    /// What `ty` is.
+    fn shape(&self, ty: TypeRef) -> Shape;
+    /// Member `name` of the struct or union `ty` (looking through anonymous members): its
+    /// byte offset and type. `None` also for a bitfield.
+    fn member(&self, ty: TypeRef, name: &str) -> Option<(u64, TypeRef)>;
+}
+
+/// One step of a chain, applied to the value in hand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Read `size` bytes at value + `offset` (sign-extended when `signed`): the new value.
+    Read {
+        /// Byte offset added first.
+        offset: u64,
+        /// 1, 2, 4 or 8.
+        size: u8,
+        /// Sign-extend.
+        signed: bool,
+    },
+    /// value + `offset`: an array's address is its value.
+    Address {
+        /// Byte offset.
+        offset: u64,
+    },
+}
+
+/// Lays out the chain `members` from a value of type `base`.
+///
+/// # Errors
+/// A sentence naming the step that does not compile (no such member, a bitfield, a member
+/// that is a struct, a step through something that is not a pointer).
+pub fn chain(
+    types: &dyn KernelTypes,
+    base: TypeRef,
+    members: &[String],
+) -> Result<Vec<Step>, String> {
+    walk(types, base, None, members)
+}
+
+/// Lays out the chain `members` of `@cast(p, "type")`: `p` points to `pointee`.
+///
+/// # Errors
+/// As [`chain`]; also when `pointee` is not a struct or union.
+pub fn cast_chain(
+    types: &dyn KernelTypes,
+    pointee: TypeRef,
+    members: &[String],
+) -> Result<Vec<Step>, String> {
+    if types.shape(pointee) != Shape::Aggregate {
+        return Err("the type is not a struct or union".into());
+    }
+    walk(types, pointee, Some(pointee), members)
+}
+
+/// The walk: from a value of type `base`, or from a pointer to the aggregate `pointee`.
+fn walk(
+    types: &dyn KernelTypes,
+    base: TypeRef,
+    pointee: Option<TypeRef>,
+    members: &[String],
+) -> Result<Vec<Step>, String> {
+    let mut steps = Vec::new();
+    let mut ty = base;
+    // The value in hand is a pointer to the current aggregate, plus `pending` bytes.
+    let mut pending = 0u64;
+    let mut through_pointer = false;
+    for (i, member) in members.iter().enumerate() {
+        if member.ends_with('$') {
+            return Err(format!("the pretty-printed member ->{member}"));
+        }
+        if member.contains('[') {
+            return Err(format!("the subscripted member ->{member}"));
+        }
+        let aggregate = match (i, pointee) {
+            (0, Some(p)) => p,
+            _ => match types.shape(ty) {
+                Shape::Pointer(to) if types.shape(to) == Shape::Aggregate => {
+                    if through_pointer {
+                        // Read the pointer itself, then step into what it points to.
+                        steps.push(Step::Read {
+                            offset: pending,
+                            size: 8,
+                            signed: false,
+                        });
+                        pending = 0;
+                    }
+                    to
+                }
+                Shape::Aggregate if i > 0 => ty,
+                _ => {
+                    return Err(format!(
+                        "->{member} of something that is not a struct pointer"
+                    ))
+                }
+            },
+        };
+        let (offset, next) = types
+            .member(aggregate, member)
+            .ok_or_else(|| format!("->{member}: no such member (or a bitfield)"))?;
+        pending = pending
+            .checked_add(offset)
+            .ok_or_else(|| format!("->{member}: the offset overflows"))?;
+        through_pointer = true;
+        ty = next;
+    }
+    match types.shape(ty) {
+        Shape::Int { size, signed } => steps.push(Step::Read {
+            offset: pending,
+            size,
+            signed,
+        }),
+        Shape::Pointer(_) => steps.push(Step::Read {
+            offset: pending,
+            size: 8,
+            signed: false,
+        }),
+        Shape::Array => steps.push(Step::Address { offset: pending }),
+        Shape::Aggregate => {
+            return Err(format!(
+                "->{} is a struct or union, not a value",
+                members.last().map_or("", String::as_str)
+            ))
+        }
+        Shape::Other => {
+            return Err(format!(
+                "->{} has a type that is neither an integer nor a pointer",
+                members.last().map_or("", String::as_str)
+            ))
+        }
+    }
+    Ok(steps)
+}
+
+/// [`KernelTypes`] from the guest kernel's BTF.
+#[derive(Debug, Clone)]
+pub struct BtfTypes(pub Btf);
+
+impl KernelTypes for BtfTypes {
+    fn param(&self, function: &str, param: Option<&str>) -> Option<TypeRef> {
+        let sig = self.0.func_signature(function).ok()?;
+        match param {
+            None => Some(sig.ret),
+            Some(name) => sig.params.iter().find(|p| p.0 == name).map(|p| p.1),
+        }
+    }
+
+    fn named(&self, spec: &str) -> Option<TypeRef> {
+        self.0.type_by_spec(spec).ok()
+    }
+
+    fn shape(&self, ty: TypeRef) -> Shape {
+        let Some(t) = self.0.resolve(ty).ok().and_then(|id| self.0.get(id)) else {
+            return Shape::Other;
+        };
+        match &t.kind {
+            Kind::Int { size, encoding, .. } if matches!(size, 1 | 2 | 4 | 8) => Shape::Int {
+                size: *size as u8,
+                signed: encoding.signed,
+            },
+            Kind::Enum { size, .. } if matches!(size, 1 | 2 | 4 | 8) => Shape::Int {
+                size: *size as u8,
+                signed: false,
+            },
+            Kind::Ptr(to) => Shape::Pointer(*to),
+            Kind::Struct { .. } | Kind::Union { .. } => Shape::Aggregate,
+            Kind::Array { .. } => Shape::Array,
+            _ => Shape::Other,
+        }
+    }
+
+    fn member(&self, ty: TypeRef, name: &str) -> Option<(u64, TypeRef)> {
+        let loc = self.0.member(ty as TypeId, name).ok()?;
+        Some((loc.byte_offset()?, loc.ty))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// struct file (1) { int pad; struct inode *f_inode @8; struct { long a; } inner @16 }
+    /// struct inode (3) { unsigned long i_ino @64; short i_mode @2; char name[4] @4 }
+    #[derive(Debug)]
+    struct Made;
+
+    impl KernelTypes for Made {
+        fn param(&self, _: &str, p: Option<&str>) -> Option<TypeRef> {
+            (p == Some("file")).then_some(2)
+        }
+        fn named(&self, spec: &str) -> Option<TypeRef> {
+            (spec == "struct inode").then_some(3)
+        }
+        fn shape(&self, ty: TypeRef) -> Shape {
+            match ty {
+                1 | 3 | 7 => Shape::Aggregate,
+                2 => Shape::Pointer(1),
+                4 => Shape::Pointer(3),
+                5 => Shape::Int {
+                    size: 8,
+                    signed: false,
+                },
+                6 => Shape::Int {
+                    size: 2,
+                    signed: true,
+                },
+                8 => Shape::Array,
+                _ => Shape::Other,
+            }
+        }
+        fn member(&self, ty: TypeRef, name: &str) -> Option<(u64, TypeRef)> {
+            match (ty, name) {
+                (1, "f_inode") => Some((8, 4)),
+                (1, "inner") => Some((16, 7)),
+                (7, "a") => Some((0, 5)),
+                (3, "i_ino") => Some((64, 5)),
+                (3, "i_mode") => Some((2, 6)),
+                (3, "name") => Some((4, 8)),
+                _ => None,
+            }
+        }
+    }
+
+    fn members(m: &[&str]) -> Vec<String> {
+        m.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_chain_reads_each_pointer_then_the_member() {
+        assert_eq!(
+            chain(&Made, 2, &members(&["f_inode", "i_mode"])),
+            Ok(vec![
+                Step::Read {
+                    offset: 8,
+                    size: 8,
+                    signed: false
+                },
+                Step::Read {
+                    offset: 2,
+                    size: 2,
+                    signed: true
+                },
+            ])
+        );
+    }
+
+    #[test]
+    fn an_embedded_struct_adds_its_offset_without_a_read() {
+        assert_eq!(
+            chain(&Made, 2, &members(&["inner", "a"])),
+            Ok(vec![Step::Read {
+                offset: 16,
+                size: 8,
+                signed: false
+            }])
+        );
+    }
+
+    #[test]
+    fn a_cast_starts_inside_the_named_struct() {
+        assert_eq!(
+            cast_chain(&Made, 3, &members(&["i_ino"])),
+            Ok(vec![Step::Read {
+                offset: 64,
+                size: 8,
+                signed: false
+            }])
+        );
+        assert!(cast_chain(&Made, 5, &members(&["i_ino"])).is_err());
+    }
+
+    #[test]
+    fn an_array_member_is_its_address() {
+        assert_eq!(
+            chain(&Made, 4, &members(&["name"])),
+            Ok(vec![Step::Address { offset: 4 }])
+        );
+    }
+
+    #[test]
+    fn a_missing_member_a_struct_value_and_a_long_base_are_refused() {
+        assert!(chain(&Made, 2, &members(&["nope"]))
+            .unwrap_err()
+            .contains("->nope"));
+        assert!(chain(&Made, 2, &members(&["inner"]))
+            .unwrap_err()
+            .contains("struct"));
+        assert!(chain(&Made, 5, &members(&["a"]))
+            .unwrap_err()
+            .contains("not a struct pointer"));
+    }
+}
