@@ -13,6 +13,7 @@ macro_rules! out {
 }
 
 mod attach;
+mod backtrace;
 mod boot;
 mod compiled;
 mod debuginfo;
@@ -21,11 +22,13 @@ mod guest_memory;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+mod profile;
 #[cfg(feature = "unicorn")]
 mod regress;
 mod script;
 mod selftest;
 mod splice_live;
+mod stacks;
 mod trace;
 mod trap_point;
 
@@ -131,6 +134,14 @@ enum Command {
     /// report points tried, accepted, refused by reason, and divergences (exit 1 if any).
     #[cfg(feature = "unicorn")]
     Regress(regress::RegressArgs),
+    /// Kernel stacks of every vCPU (from its registers) and every task (from its saved stack
+    /// pointer), unwound from outside with the image's ORC tables while the guest is stopped:
+    /// a running guest now (--target), or a booted one at its job's `exotap_wait backtrace`.
+    Backtrace(backtrace::BacktraceArgs),
+    /// Sample every vCPU's kernel stack from the host (stop, read registers, unwind, resume)
+    /// at --hz for --duration or while the guest runs --run; print the hottest stacks, write
+    /// folded stacks (--folded), an SVG flame graph (--svg) or JSON, and the overhead.
+    Profile(profile::ProfileArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -184,6 +195,8 @@ fn main() -> ExitCode {
         Command::Joinpoints(args) => debuginfo::run_joinpoints(&args),
         #[cfg(feature = "unicorn")]
         Command::Regress(args) => regress::run(&args),
+        Command::Backtrace(args) => backtrace::run_backtrace(&args),
+        Command::Profile(args) => profile::run_profile(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();
             outln!("{}", support.explain());
