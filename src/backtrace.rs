@@ -11,8 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
-use exotap_introspect::layout::{read_task, TaskOffsets};
-use exotap_introspect::orc::{Backtrace, StackEnd};
+use exotap_introspect::orc::{Backtrace, StackEnd, StackMemory};
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 use exotap_vmm::gdb::GdbMachine;
 use exotap_vmm::qemu::{self, Accel, PhaseHook, QemuConfig, RunOutcome, Timeouts};
@@ -218,25 +217,20 @@ impl LiveStacks {
         for vcpu in vcpus {
             regs.push((vcpu, x86_registers(&mut self.machine, vcpu)?));
         }
-        let offsets = TaskOffsets {
-            pid: self.tasks.pid,
-            comm: self.tasks.comm,
-        };
         let mut mem = BackendMemory(&mut self.machine);
         let mut space = self.survey.space(&mut mem);
+        // One cache for the whole stop: the current tasks' and the stacks' pages.
+        let mut cache = PageCache::new(&mut space);
         let mut out = Vec::with_capacity(regs.len());
         for (vcpu, r) in regs {
-            let current = self
-                .survey
-                .layout
-                .current_task_at(&mut space, r.kernel_percpu_base())
+            let current_slot = r
+                .kernel_percpu_base()
+                .wrapping_add(self.survey.layout.current_task_offset);
+            let current = cache
+                .read_u64(current_slot)
                 .ok()
-                .and_then(|task| read_task(&mut space, task, offsets).ok())
-                .map(|t| (t.pid, t.comm));
-            let backtrace = {
-                let mut cache = PageCache::new(&mut space);
-                self.stacks.unwind_vcpu(&r, &mut cache)
-            };
+                .and_then(|task| read_task_name(&mut cache, task, &self.tasks));
+            let backtrace = self.stacks.unwind_vcpu(&r, &mut cache);
             out.push(VcpuStack {
                 vcpu,
                 in_kernel: r.in_kernel(),
@@ -266,6 +260,21 @@ impl LiveStacks {
             })
             .collect())
     }
+}
+
+/// A task's pid and command name, read word by word through `mem`.
+fn read_task_name<S: StackMemory + ?Sized>(
+    mem: &mut S,
+    task: u64,
+    layout: &TaskLayout,
+) -> Option<(i32, String)> {
+    let pid = mem.read_u64(task.wrapping_add(layout.pid)).ok()? as u32 as i32;
+    let comm_at = task.wrapping_add(layout.comm);
+    let mut comm = [0u8; 16];
+    comm[..8].copy_from_slice(&mem.read_u64(comm_at).ok()?.to_le_bytes());
+    comm[8..].copy_from_slice(&mem.read_u64(comm_at.wrapping_add(8)).ok()?.to_le_bytes());
+    let name = comm.split(|b| *b == 0).next().unwrap_or(&comm);
+    Some((pid, String::from_utf8_lossy(name).into_owned()))
 }
 
 /// How a backtrace ended, in a few words.

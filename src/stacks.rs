@@ -227,14 +227,20 @@ fn walk_list<M: PhysicalMemory + ?Sized>(
     Ok(items)
 }
 
-/// Guest-virtual memory read a page at a time and kept for one stop: an unwind reads many
-/// words of few pages, and each backend read is a round trip.
+/// Guest-virtual memory read a line at a time and kept for one stop, with each page's
+/// translation: an unwind reads many words of few lines, and each backend read is a round
+/// trip (a page-table walk is four more).
 pub struct PageCache<'s, 'm, M: PhysicalMemory + ?Sized> {
     space: &'s mut AddressSpace<'m, M>,
-    pages: HashMap<u64, Option<Box<[u8]>>>,
+    /// Virtual page → physical page (`None`: not mapped).
+    pages: HashMap<u64, Option<u64>>,
+    /// Virtual line → its bytes (`None`: unreadable).
+    lines: HashMap<u64, Option<[u8; LINE]>>,
 }
 
 const PAGE: u64 = 4096;
+/// Bytes read at once: a few stack frames, or the head of a `task_struct`.
+const LINE: usize = 256;
 
 impl<'s, 'm, M: PhysicalMemory + ?Sized> PageCache<'s, 'm, M> {
     /// An empty cache over `space`; drop it when the guest resumes.
@@ -242,23 +248,29 @@ impl<'s, 'm, M: PhysicalMemory + ?Sized> PageCache<'s, 'm, M> {
         Self {
             space,
             pages: HashMap::new(),
+            lines: HashMap::new(),
         }
     }
 
-    /// The page at `page`, or `None` when it cannot be read (kept too: a failed page is
-    /// not asked for again).
-    fn page(&mut self, page: u64) -> Option<&[u8]> {
-        let space = &mut *self.space;
-        self.pages
-            .entry(page)
-            .or_insert_with(|| {
-                let mut bytes = vec![0u8; PAGE as usize];
+    /// The line at `line` (aligned), or `None` when it cannot be read.
+    fn line(&mut self, line: u64) -> Option<&[u8; LINE]> {
+        if !self.lines.contains_key(&line) {
+            let page = line & !(PAGE - 1);
+            let space = &mut *self.space;
+            let phys_page = *self.pages.entry(page).or_insert_with(|| {
                 space
-                    .read(page, &mut bytes)
+                    .translate(page)
                     .ok()
-                    .map(|()| bytes.into_boxed_slice())
-            })
-            .as_deref()
+                    .map(|t| t.phys & !(PAGE - 1))
+            });
+            let bytes = phys_page.and_then(|phys| {
+                let mut bytes = [0u8; LINE];
+                let at = phys.checked_add(line - page)?;
+                space.mem.read_phys(at, &mut bytes).ok().map(|()| bytes)
+            });
+            self.lines.insert(line, bytes);
+        }
+        self.lines.get(&line).and_then(Option::as_ref)
     }
 }
 
@@ -266,19 +278,19 @@ impl<M: PhysicalMemory + ?Sized> StackMemory for PageCache<'_, '_, M> {
     type Error = PagingError;
 
     fn read_u64(&mut self, vaddr: u64) -> Result<u64, PagingError> {
-        let page = vaddr & !(PAGE - 1);
-        let offset = (vaddr - page) as usize;
-        if offset + 8 > PAGE as usize {
-            // A word across two pages (never on an aligned stack): read it directly.
+        let line = vaddr & !(LINE as u64 - 1);
+        let offset = (vaddr - line) as usize;
+        if offset + 8 > LINE {
+            // A word across two lines (never on an aligned stack): read it directly.
             return self.space.read_u64(vaddr);
         }
-        match self.page(page) {
+        match self.line(line) {
             Some(bytes) => {
                 let mut word = [0u8; 8];
                 word.copy_from_slice(&bytes[offset..offset + 8]);
                 Ok(u64::from_le_bytes(word))
             }
-            // Read again for the error (a page that failed once is not cached as bytes).
+            // Read again for the error (a line that failed is not cached as bytes).
             None => self.space.read_u64(vaddr),
         }
     }
@@ -433,6 +445,71 @@ impl KernelStacks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use exotap_introspect::memory::{MemoryError, SparseMemory};
+
+    /// Guest memory that counts the backend reads.
+    struct Counting {
+        mem: SparseMemory,
+        reads: usize,
+    }
+
+    impl PhysicalMemory for Counting {
+        fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+            self.reads += 1;
+            self.mem.read_phys(addr, buf)
+        }
+    }
+
+    const STACK_VA: u64 = 0xffff_c900_0001_2000;
+    const STACK_PA: u64 = 0x10_0000;
+
+    /// Four-level tables at 0x1000.. mapping one 4 KiB page `STACK_VA` → `STACK_PA`, whose
+    /// words are their own index times 3.
+    fn one_mapped_page() -> Counting {
+        let mut mem = SparseMemory::new();
+        mem.add_zeroed(0x1000, 0x4000).unwrap();
+        let index = |shift: u32| (STACK_VA >> shift) & 0x1ff;
+        for (level, (table, next)) in [(0x1000, 0x2003), (0x2000, 0x3003), (0x3000, 0x4003)]
+            .into_iter()
+            .enumerate()
+        {
+            let shift = 39 - 9 * level as u32;
+            mem.write_phys_u64(table + index(shift) * 8, next).unwrap();
+        }
+        mem.write_phys_u64(0x4000 + index(12) * 8, STACK_PA | 3).unwrap();
+        let words: Vec<u8> = (0..512u64).flat_map(|i| (i * 3).to_le_bytes()).collect();
+        mem.add_region(STACK_PA, words).unwrap();
+        Counting { mem, reads: 0 }
+    }
+
+    #[test]
+    fn page_cache_reads_words_through_the_page_tables_and_each_line_once() {
+        let mut mem = one_mapped_page();
+        let mut space = AddressSpace::new(&mut mem, 0x1000, false);
+        let mut cache = PageCache::new(&mut space);
+
+        let first = cache.read_u64(STACK_VA + 8 * 10).unwrap();
+        let same_line = cache.read_u64(STACK_VA + 8 * 11).unwrap();
+        let other_page_line = cache.read_u64(STACK_VA + 8 * 500).unwrap();
+        drop(cache);
+
+        assert_eq!((first, same_line, other_page_line), (30, 33, 1500));
+        // One walk (4 table reads) and two line reads.
+        assert_eq!(mem.reads, 4 + 2);
+    }
+
+    #[test]
+    fn page_cache_refuses_unmapped_and_straddling_reads_cleanly() {
+        let mut mem = one_mapped_page();
+        let mut space = AddressSpace::new(&mut mem, 0x1000, false);
+        let mut cache = PageCache::new(&mut space);
+
+        let unmapped = cache.read_u64(STACK_VA + PAGE);
+        let straddling = cache.read_u64(STACK_VA + PAGE - 4);
+
+        assert!(unmapped.is_err());
+        assert!(straddling.is_err());
+    }
 
     #[test]
     fn vcpu_registers_map_to_pt_regs_by_gdb_order() {
