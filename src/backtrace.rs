@@ -12,7 +12,7 @@ use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::orc::{Backtrace, StackEnd, StackMemory};
-use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
+use exotap_vmm::control::{Machine, VcpuId};
 use exotap_vmm::gdb::GdbMachine;
 use exotap_vmm::qemu::{self, Accel, PhaseHook, QemuConfig, RunOutcome, Timeouts};
 
@@ -171,13 +171,6 @@ impl std::fmt::Debug for LiveStacks {
     }
 }
 
-fn x86_registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
-    match machine.registers(vcpu)? {
-        RegisterFile::X86_64(r) => Ok(r),
-        RegisterFile::Sparc64(_) => anyhow::bail!("{vcpu} is not an x86-64 vCPU"),
-    }
-}
-
 impl LiveStacks {
     /// Attaches (the guest stops and stays stopped) and learns what unwinding needs.
     ///
@@ -215,7 +208,7 @@ impl LiveStacks {
         let vcpus = self.machine.vcpus()?;
         let mut regs = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
-            regs.push((vcpu, x86_registers(&mut self.machine, vcpu)?));
+            regs.push((vcpu, self.machine.unwind_registers(vcpu)?));
         }
         let mut mem = BackendMemory(&mut self.machine);
         let mut space = self.survey.space(&mut mem);

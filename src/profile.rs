@@ -154,7 +154,10 @@ fn sample(
     while !stop.load(Ordering::SeqCst) && deadline.is_none_or(|d| Instant::now() < d) {
         let stop_began = Instant::now();
         if let Err(err) = live.machine.pause() {
-            profile.ended_by = Some(format!("the guest could not be stopped: {err}"));
+            profile.ended_by = Some(format!(
+                "the guest could not be stopped: {:#}",
+                anyhow::Error::new(err)
+            ));
             break;
         }
         profile.stopping += stop_began.elapsed();
@@ -174,7 +177,10 @@ fn sample(
             }
         }
         if let Err(err) = resumed {
-            profile.ended_by = Some(format!("the guest could not be resumed: {err}"));
+            profile.ended_by = Some(format!(
+                "the guest could not be resumed: {:#}",
+                anyhow::Error::new(err)
+            ));
             break;
         }
         next += period;

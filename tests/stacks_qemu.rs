@@ -192,3 +192,56 @@ fn profile_of_a_cached_file_read_loop_is_dominated_by_the_read_path() {
     assert!(out.lines().any(|l| l.starts_with("workload: ")), "{ctx}");
     eprintln!("{overhead}");
 }
+
+#[test]
+fn profile_with_target_samples_a_guest_someone_else_booted_and_lets_it_run_on() {
+    if !have_qemu("profile_with_target_samples_a_guest_someone_else_booted_and_lets_it_run_on") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    // The guest reads a cached file for a while, then ends on its own: it must still get
+    // there after exotap sampled it and left.
+    let job = "dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null\n\
+               exotap_result ready 1\n\
+               i=0; while [ $i -lt 60 ]; do dd if=/tmp/big of=/dev/null bs=1M 2>/dev/null; \
+               i=$((i+1)); done\n";
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let (mut guest, mut console) = common::boot_with_gdbstub(
+        &["--timeout", "300", "--job", job_file.to_str().unwrap()],
+        &socket,
+        "EXOTAP-RESULT ready=1",
+    );
+
+    let (code, out, err) = run(exotap()
+        .args(["profile", "--hz", "10", "--duration", "2", "--format", "json"])
+        .arg("--target")
+        .arg(format!("unix:{}", socket.display())));
+
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut console, &mut rest).unwrap();
+    let guest_ok = guest.wait().unwrap().success();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(guest_ok && rest.contains("EXOTAP-DONE 0"), "guest after exotap:\n{rest}");
+    let json = out.find('{').map(|at| &out[at..]).unwrap();
+    let report: serde_json::Value = serde_json::from_str(json).unwrap();
+    let stops = report["stops"].as_u64().unwrap();
+    let samples = report["samples"].as_u64().unwrap();
+    let fraction = report["stop_fraction"].as_f64().unwrap();
+    let counted: u64 = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["count"].as_u64().unwrap())
+        .sum();
+    assert!(stops >= 5, "{ctx}");
+    // Two vCPUs a stop, and every sample lands in one folded stack.
+    assert_eq!(samples, 2 * stops, "{ctx}");
+    assert_eq!(counted, samples, "{ctx}");
+    assert!(fraction > 0.0 && fraction < 1.0, "{ctx}");
+    for bad in ["Oops", "BUG:", "WARNING:"] {
+        assert!(!rest.contains(bad), "{bad} in the console:\n{rest}");
+    }
+}
