@@ -442,6 +442,26 @@ impl KernelStacks {
     }
 }
 
+/// The kernel stack of a vCPU stopped at a probe hit, each frame's pc and `%pB` name, as
+/// the script built-ins (`backtrace()`, `print_backtrace()`) want it. An unwind that stops
+/// early gives the frames found so far.
+pub fn probe_backtrace<M: exotap_vmm::control::Machine + ?Sized>(
+    stacks: &KernelStacks,
+    machine: &mut M,
+    survey: &crate::attach::Survey,
+    regs: &X86Registers,
+) -> Vec<(u64, String)> {
+    let mut mem = crate::guest_memory::BackendMemory(machine);
+    let mut space = survey.space(&mut mem);
+    let mut cache = PageCache::new(&mut space);
+    let backtrace = stacks.unwind_vcpu(regs, &mut cache);
+    backtrace
+        .frames
+        .iter()
+        .map(|frame| (frame.pc, stacks.describe(frame)))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -149,6 +149,8 @@ struct LiveContext<'a> {
     survey: &'a Survey,
     tasks: Option<TaskOffsets>,
     task: OnceCell<Option<(i64, String)>>,
+    /// ORC tables for `backtrace()` and friends (src/stacks.rs).
+    stacks: Option<&'a crate::stacks::KernelStacks>,
     /// At a return: the entry's argument registers and rax.
     at_return: Option<(X86Registers, u64)>,
 }
@@ -246,6 +248,17 @@ impl Context for LiveContext<'_> {
 
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
         self.read(addr, len).ok_or(MemoryError::Unreadable { addr })
+    }
+
+    fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
+        let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
+        let mut machine = self.machine.borrow_mut();
+        Ok(crate::stacks::probe_backtrace(
+            stacks,
+            &mut **machine,
+            self.survey,
+            &self.regs,
+        ))
     }
 }
 
@@ -549,6 +562,9 @@ pub fn start(
     let survey = attach::survey(&mut att, image)?;
     let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
     let tasks = attach::task_offsets(image).ok();
+    let stacks = crate::stacks::KernelStacks::load(image, survey.kaslr.slide)
+        .map_err(|e| tracing::warn!("backtrace() will be empty: {e:#}"))
+        .ok();
     let (armed, trampoline) = match arm(&mut att, &survey, image, btf.as_ref(), &script.prog, heap)
     {
         Ok(armed) => armed,
@@ -564,6 +580,7 @@ pub fn start(
                 machine: att.machine,
                 survey,
                 tasks,
+                stacks,
                 armed,
                 trampoline,
                 pending: HashMap::new(),
@@ -586,6 +603,7 @@ struct Tracer {
     machine: GdbMachine,
     survey: Survey,
     tasks: Option<TaskOffsets>,
+    stacks: Option<crate::stacks::KernelStacks>,
     armed: HashMap<u64, ArmedPoint>,
     trampoline: u64,
     /// Swapped return addresses by the stack slot's address.
@@ -698,6 +716,7 @@ impl Tracer {
             survey: &self.survey,
             tasks: self.tasks,
             task: OnceCell::new(),
+            stacks: self.stacks.as_ref(),
             at_return,
         })
     }
