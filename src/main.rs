@@ -13,12 +13,14 @@ macro_rules! out {
 }
 
 mod attach;
+mod backtrace;
 mod boot;
 mod debuginfo;
 mod entry_patch;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+mod profile;
 mod recover;
 #[cfg(feature = "unicorn")]
 mod regress;
@@ -136,6 +138,14 @@ enum Command {
     /// report points tried, accepted, refused by reason, and divergences (exit 1 if any).
     #[cfg(feature = "unicorn")]
     Regress(regress::RegressArgs),
+    /// Kernel stacks of every vCPU (from its registers) and every task (from its saved stack
+    /// pointer), unwound from outside with the image's ORC tables while the guest is stopped:
+    /// a running guest now (--target), or a booted one at its job's `exotap_wait backtrace`.
+    Backtrace(backtrace::BacktraceArgs),
+    /// Sample every vCPU's kernel stack from the host (stop, read registers, unwind, resume)
+    /// at --hz for --duration or while the guest runs --run; print the hottest stacks, write
+    /// folded stacks (--folded), an SVG flame graph (--svg) or JSON, and the overhead.
+    Profile(profile::ProfileArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -225,6 +235,8 @@ fn main() -> ExitCode {
         Command::Guardian(args) => recover::run_guardian(&args),
         #[cfg(feature = "unicorn")]
         Command::Regress(args) => regress::run(&args),
+        Command::Backtrace(args) => backtrace::run_backtrace(&args),
+        Command::Profile(args) => profile::run_profile(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();
             outln!("{}", support.explain());

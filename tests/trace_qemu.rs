@@ -270,6 +270,10 @@ fn a_script_prints_to_stdout_beside_the_console_without_a_deadlock() {
     ]));
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
-    assert_eq!(out.lines().filter(|l| *l == "hit syscall-loop").count(), 3, "{ctx}");
+    assert_eq!(
+        out.lines().filter(|l| *l == "hit syscall-loop").count(),
+        3,
+        "{ctx}"
+    );
     assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
 }

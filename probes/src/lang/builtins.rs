@@ -273,6 +273,24 @@ pub const BUILTINS: &[Builtin] = &[
         ret: L,
         doc: "1-byte signed guest value",
     },
+    Builtin {
+        name: "backtrace",
+        params: &[],
+        ret: S,
+        doc: "the kernel stack's pcs in hex, innermost first (host-evaluated probes)",
+    },
+    Builtin {
+        name: "sprint_backtrace",
+        params: &[],
+        ret: S,
+        doc: "the kernel stack, one `0xADDR : func+0xoff/0xsize [kernel]` line a frame",
+    },
+    Builtin {
+        name: "print_backtrace",
+        params: &[],
+        ret: Ty::Void,
+        doc: "print the kernel stack as sprint_backtrace() gives it",
+    },
 ];
 
 /// The variadic printing family.

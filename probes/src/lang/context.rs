@@ -42,6 +42,15 @@ pub trait Context {
     /// # Errors
     /// When the memory is not available.
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError>;
+    /// The kernel stack where the probe fired, innermost first: each frame's pc and its
+    /// name as the kernel prints it (`func+0xoff/0xsize`). Only a context stopped in the
+    /// guest has one; others answer [`MemoryError::NoMemory`] (the default).
+    ///
+    /// # Errors
+    /// When there is no stack to unwind here.
+    fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
+        Err(MemoryError::NoMemory)
+    }
 }
 
 /// A context captured into a record (or made up for guest-free probes and tests).

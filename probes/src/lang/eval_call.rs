@@ -166,6 +166,20 @@ impl Interp<'_> {
                 self.emit_text(&s, span)?;
                 unit
             }
+            // As SystemTap's: no stack (a probe that did not stop the guest) is empty.
+            "backtrace" => {
+                let frames = ctx.kernel_backtrace().unwrap_or_default();
+                let pcs: Vec<String> = frames.iter().map(|(pc, _)| format!("{pc:#x}")).collect();
+                self.string(pcs.join(" "))
+            }
+            "sprint_backtrace" => self.string(backtrace_lines(ctx)),
+            "print_backtrace" => {
+                let lines = backtrace_lines(ctx);
+                if !lines.is_empty() {
+                    self.emit_text(&format!("{lines}\n"), span)?;
+                }
+                unit
+            }
             "strlen" => Value::Long(text(0).len() as i64),
             "substr" => {
                 let s = text(0).as_bytes();
@@ -311,6 +325,17 @@ fn strtol(s: &str, base: i64) -> Result<i64, String> {
         v = v.wrapping_mul(base).wrapping_add(i64::from(d));
     }
     Ok(if negative { v.wrapping_neg() } else { v })
+}
+
+/// The kernel stack as SystemTap's `sprint_backtrace()` writes it: ` 0xADDR : NAME [kernel]`
+/// a frame, lines joined by newlines.
+fn backtrace_lines(ctx: &dyn Context) -> String {
+    ctx.kernel_backtrace()
+        .unwrap_or_default()
+        .iter()
+        .map(|(pc, name)| format!(" {pc:#018x} : {name} [kernel]"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[cfg(test)]

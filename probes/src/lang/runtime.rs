@@ -509,6 +509,87 @@ mod tests {
         assert_eq!(out.contents(), "n[\"cat\"]=3\n");
     }
 
+    /// A probe context stopped in the guest, with a two-frame kernel stack.
+    struct StackedContext(CapturedContext);
+
+    impl Context for StackedContext {
+        fn target(&self, path: &str) -> Option<crate::lang::value::Value> {
+            self.0.target(path)
+        }
+        fn pid(&self) -> i64 {
+            self.0.pid
+        }
+        fn tid(&self) -> i64 {
+            self.0.tid
+        }
+        fn ppid(&self) -> i64 {
+            self.0.ppid
+        }
+        fn uid(&self) -> i64 {
+            self.0.uid
+        }
+        fn execname(&self) -> String {
+            self.0.execname.clone()
+        }
+        fn cpu(&self) -> i64 {
+            self.0.cpu
+        }
+        fn probefunc(&self) -> String {
+            self.0.probefunc.clone()
+        }
+        fn read_kernel(
+            &self,
+            addr: u64,
+            len: usize,
+        ) -> Result<Vec<u8>, crate::lang::context::MemoryError> {
+            self.0.read_kernel(addr, len)
+        }
+        fn kernel_backtrace(
+            &self,
+        ) -> Result<Vec<(u64, String)>, crate::lang::context::MemoryError> {
+            Ok(vec![
+                (0xffff_ffff_8124_ff10, "vfs_read+0x0/0x1c0".into()),
+                (0xffff_ffff_8125_0a01, "ksys_read+0x71/0xf0".into()),
+            ])
+        }
+    }
+
+    #[test]
+    fn backtrace_builtins_print_the_contexts_stack_as_systemtap_does() {
+        let src = "probe kernel.function(\"vfs_read\") { print_backtrace(); println(backtrace()); \
+                   println(strlen(sprint_backtrace())) }";
+        let prog = program(src);
+        let out = SharedBuf::default();
+        let output = Output::new(
+            Format::Text,
+            Box::new(out.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
+        session.begin();
+        let ctx = StackedContext(CapturedContext::default());
+
+        assert!(session.fire(0, "kernel.function(\"vfs_read\")", &ctx));
+        assert_eq!(session.finish(), 0);
+
+        assert_eq!(
+            out.contents(),
+            " 0xffffffff8124ff10 : vfs_read+0x0/0x1c0 [kernel]\n \
+             0xffffffff81250a01 : ksys_read+0x71/0xf0 [kernel]\n\
+             0xffffffff8124ff10 0xffffffff81250a01\n\
+             100\n"
+        );
+    }
+
+    #[test]
+    fn backtrace_of_a_context_without_a_stack_is_empty() {
+        let src = "probe begin { printf(\"[%s]\\n\", backtrace()); print_backtrace() }";
+
+        let (out, _err, code) = run(src, false);
+
+        assert_eq!((out.as_str(), code.unwrap()), ("[]\n", 0));
+    }
+
     /// A pipe whose reader goes away after `room` bytes: later writes fail with
     /// `BrokenPipe`, as `write(2)` does once `head` has exited.
     struct ClosingPipe {

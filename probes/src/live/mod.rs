@@ -62,6 +62,7 @@ pub mod operation;
 pub mod recover;
 pub mod session;
 pub mod splicer;
+pub mod stacks;
 pub mod trap_point;
 pub mod trap_script;
 

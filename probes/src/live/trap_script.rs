@@ -163,6 +163,8 @@ struct LiveContext<'a> {
     survey: &'a Survey,
     tasks: Option<TaskOffsets>,
     task: OnceCell<Option<(i64, String)>>,
+    /// ORC tables for `backtrace()` and friends ([`super::stacks`]).
+    stacks: Option<&'a super::stacks::KernelStacks>,
     /// At a return: the entry's argument registers and rax.
     at_return: Option<(X86Registers, u64)>,
 }
@@ -260,6 +262,17 @@ impl Context for LiveContext<'_> {
 
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
         self.read(addr, len).ok_or(MemoryError::Unreadable { addr })
+    }
+
+    fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
+        let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
+        let mut machine = self.machine.borrow_mut();
+        Ok(super::stacks::probe_backtrace(
+            stacks,
+            &mut **machine,
+            self.survey,
+            &self.regs,
+        ))
     }
 }
 
@@ -569,6 +582,9 @@ pub fn start(
     let survey = session.survey.clone();
     let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
     let tasks = attach::task_offsets(image).ok();
+    let stacks = super::stacks::KernelStacks::load(image, survey.kaslr.slide)
+        .map_err(|e| tracing::warn!("backtrace() will be empty: {e:#}"))
+        .ok();
     let (armed, trampoline) = arm(
         &mut session,
         &survey,
@@ -583,6 +599,7 @@ pub fn start(
             let tracer = Tracer {
                 session,
                 tasks,
+                stacks,
                 armed,
                 trampoline,
                 pending: HashMap::new(),
@@ -610,6 +627,7 @@ struct Tracer {
     /// The attached guest (its drop detaches should the thread unwind).
     session: GuestSession,
     tasks: Option<TaskOffsets>,
+    stacks: Option<super::stacks::KernelStacks>,
     armed: HashMap<u64, ArmedPoint>,
     trampoline: u64,
     /// Swapped return addresses by the stack slot's address.
@@ -748,6 +766,7 @@ impl Tracer {
             survey: &self.session.survey,
             tasks: self.tasks,
             task: OnceCell::new(),
+            stacks: self.stacks.as_ref(),
             at_return,
         })
     }

@@ -137,6 +137,52 @@ impl GdbMachine {
         }
     }
 
+    /// The registers a kernel stack unwind needs, in fewer round trips than
+    /// [`Machine::registers`]: `g` (general registers, rip, flags, segments) and the one GS
+    /// base holding the kernel's per-CPU base (`gs_base` in kernel mode, `k_gs_base` in user
+    /// mode, stored in both fields); fs_base, control registers and EFER are left at 0.
+    /// A sampling profiler stops the guest for every read, so each round trip counts.
+    ///
+    /// # Errors
+    /// When the vCPU runs, does not exist, or the stub's answer lacks a core register.
+    pub fn unwind_registers(&mut self, vcpu: VcpuId) -> Result<X86Registers, ControlError> {
+        self.require_paused()?;
+        let thread = self.thread(vcpu)?;
+        let all = self.client.read_all_registers(thread).map_err(backend)?;
+        let get = |name: &str| {
+            self.field(&all, name).ok_or_else(|| {
+                backend(GdbError::Unexpected {
+                    request: "g".into(),
+                    reply: format!("{} bytes of registers, without {name}", all.len()),
+                })
+            })
+        };
+        let mut regs = X86Registers::default();
+        for (slot, name) in regs.gpr.iter_mut().zip(X86_GPR_NAMES) {
+            *slot = get(name)?;
+        }
+        regs.rip = get("rip")?;
+        regs.rflags = get("eflags")?;
+        for (slot, name) in regs.segments.iter_mut().zip(SEGMENTS) {
+            *slot = u16::try_from(get(name)? & 0xffff).unwrap_or(0);
+        }
+        let base = if regs.in_kernel() {
+            "gs_base"
+        } else {
+            "k_gs_base"
+        };
+        let value = match self.field(&all, base) {
+            Some(v) => v,
+            None => self
+                .client
+                .read_register_u64(thread, base)
+                .map_err(backend)?,
+        };
+        regs.gs_base = value;
+        regs.kernel_gs_base = value;
+        Ok(regs)
+    }
+
     /// Detaches: QEMU removes its breakpoints and the guest runs on.
     ///
     /// # Errors

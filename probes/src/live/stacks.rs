@@ -1,0 +1,578 @@
+//! Kernel stacks of a live guest, unwound from outside it with the image's ORC tables
+//! (`exotap_introspect::orc`): a stopped vCPU's stack from its registers, a sleeping task's
+//! from `task->thread.sp`, and the guest's task list to find the tasks. Frames are named as
+//! the kernel's `%pB` names them (`func+0xoff/0xsize`).
+//!
+//! Everything read from the guest is untrusted: a bad pointer ends a list or an unwind with
+//! an error, never a panic, and every list walk is bounded.
+
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
+
+use anyhow::{bail, Context};
+use exotap_introspect::btf::Btf;
+use exotap_introspect::layout::TASK_COMM_LEN;
+use exotap_introspect::memory::PhysicalMemory;
+use exotap_introspect::orc::{
+    Backtrace, Frame, InactiveTaskFrame, OrcTable, PtRegs, StackMemory, UnwindStart, Unwinder,
+};
+use exotap_introspect::paging::{AddressSpace, PagingError};
+use exotap_introspect::symbols::{Symbol, SymbolTable};
+use exotap_vmm::control::X86Registers;
+
+use super::kernel_image::KernelImage;
+
+/// Most tasks a walk of the task list visits before it gives up (a corrupt or cyclic list).
+pub const MAX_TASKS: usize = 1 << 16;
+
+/// Where the members the unwinder needs sit inside `task_struct`, from BTF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TaskLayout {
+    /// `tasks` (the list of thread-group leaders, from `init_task`).
+    pub tasks: u64,
+    /// `thread_group` (the other threads of a group), when the kernel has it.
+    pub thread_group: Option<u64>,
+    /// `pid` (the thread id).
+    pub pid: u64,
+    /// `tgid`.
+    pub tgid: u64,
+    /// `comm`.
+    pub comm: u64,
+    /// `__state` (or `state` before 5.14).
+    pub state: u64,
+    /// `on_cpu`.
+    pub on_cpu: Option<u64>,
+    /// `thread.sp`: the saved stack pointer of a task that is not running.
+    pub thread_sp: u64,
+}
+
+impl TaskLayout {
+    /// Reads the offsets from the image's BTF, and checks that `struct
+    /// inactive_task_frame` is laid out as [`InactiveTaskFrame`] reads it.
+    ///
+    /// # Errors
+    /// A member missing from BTF, or a switch frame laid out otherwise.
+    pub fn from_btf(btf: &Btf) -> anyhow::Result<Self> {
+        let offset = |path: &str| -> Option<u64> {
+            btf.struct_member("task_struct", path)
+                .ok()
+                .and_then(|m| m.byte_offset())
+        };
+        let need = |path: &str| {
+            offset(path).with_context(|| format!("BTF has no byte offset for task_struct.{path}"))
+        };
+        let layout = Self {
+            tasks: need("tasks")?,
+            thread_group: offset("thread_group"),
+            pid: need("pid")?,
+            tgid: need("tgid")?,
+            comm: need("comm")?,
+            state: offset("__state").map_or_else(|| need("state"), Ok)?,
+            on_cpu: offset("on_cpu"),
+            thread_sp: need("thread.sp")?,
+        };
+        check_switch_frame(btf)?;
+        Ok(layout)
+    }
+}
+
+/// Checks BTF's `struct inactive_task_frame` against [`InactiveTaskFrame`]: the unwinder
+/// reads the saved `bp` and `ret_addr` at fixed places, so another layout must be refused
+/// rather than misread.
+fn check_switch_frame(btf: &Btf) -> anyhow::Result<()> {
+    let id = btf
+        .struct_by_name("inactive_task_frame")
+        .context("BTF has no struct inactive_task_frame")?;
+    let size = btf.size_of(id);
+    let at = |member: &str| btf.member(id, member).ok().and_then(|m| m.byte_offset());
+    let found = (size, at("bp"), at("ret_addr"));
+    let expected = (Some(InactiveTaskFrame::SIZE), Some(5 * 8), Some(6 * 8));
+    if found != expected {
+        bail!(
+            "struct inactive_task_frame is laid out as (size, bp, ret_addr) = {found:?}, not \
+             {expected:?}: this kernel saves its switch frame differently"
+        );
+    }
+    Ok(())
+}
+
+/// A task as its `task_struct` says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestTask {
+    /// Address of the `task_struct`.
+    pub task: u64,
+    /// Thread id.
+    pub pid: i32,
+    /// Thread-group id.
+    pub tgid: i32,
+    /// Command name.
+    pub comm: String,
+    /// `__state` (0 running or runnable, 1 interruptible, 2 uninterruptible, ...).
+    pub state: u32,
+    /// `on_cpu`: the task is running on a CPU (its saved stack pointer is stale).
+    pub on_cpu: bool,
+    /// `thread.sp`.
+    pub thread_sp: u64,
+}
+
+impl GuestTask {
+    /// The state letter `ps` and `/proc/PID/stat` show for the common states.
+    pub fn state_letter(&self) -> char {
+        match self.state {
+            0 => 'R',
+            s if s & 0x402 == 0x402 => 'I',
+            s if s & 1 != 0 => 'S',
+            s if s & 2 != 0 => 'D',
+            s if s & 4 != 0 => 'T',
+            s if s & 8 != 0 => 't',
+            _ => '?',
+        }
+    }
+}
+
+/// Reads one task.
+///
+/// # Errors
+/// When its memory cannot be read.
+pub fn read_guest_task<M: PhysicalMemory + ?Sized>(
+    space: &mut AddressSpace<'_, M>,
+    task: u64,
+    layout: &TaskLayout,
+) -> Result<GuestTask, PagingError> {
+    let at = |offset: u64| task.wrapping_add(offset);
+    let pid = space.read_u32(at(layout.pid))?;
+    let tgid = space.read_u32(at(layout.tgid))?;
+    let mut comm = [0u8; TASK_COMM_LEN];
+    space.read(at(layout.comm), &mut comm)?;
+    let comm = comm.split(|b| *b == 0).next().unwrap_or(&comm);
+    let state = space.read_u32(at(layout.state))?;
+    let on_cpu = match layout.on_cpu {
+        Some(offset) => space.read_u32(at(offset))? != 0,
+        None => false,
+    };
+    Ok(GuestTask {
+        task,
+        pid: pid as i32,
+        tgid: tgid as i32,
+        comm: String::from_utf8_lossy(comm).into_owned(),
+        state,
+        on_cpu,
+        thread_sp: space.read_u64(at(layout.thread_sp))?,
+    })
+}
+
+/// Every task: `init_task`, the thread-group leaders on its `tasks` list, and each leader's
+/// other threads. A list that does not come back to its head within [`MAX_TASKS`] steps,
+/// or that points at an unreadable task, is an error.
+///
+/// # Errors
+/// As said.
+pub fn list_tasks<M: PhysicalMemory + ?Sized>(
+    space: &mut AddressSpace<'_, M>,
+    init_task: u64,
+    layout: &TaskLayout,
+) -> anyhow::Result<Vec<GuestTask>> {
+    let leaders = walk_list(space, init_task, layout.tasks)
+        .context("cannot walk the task list from init_task")?;
+    let mut seen = BTreeSet::new();
+    let mut tasks = Vec::new();
+    for leader in leaders {
+        let mut group = vec![leader];
+        if let Some(offset) = layout.thread_group {
+            group.extend(
+                walk_list(space, leader, offset)
+                    .with_context(|| format!("cannot walk the threads of task {leader:#x}"))?
+                    .into_iter()
+                    .skip(1),
+            );
+        }
+        for task in group {
+            if !seen.insert(task) {
+                continue;
+            }
+            if tasks.len() >= MAX_TASKS {
+                bail!("more than {MAX_TASKS} tasks: the task list looks corrupt");
+            }
+            let info = read_guest_task(space, task, layout)
+                .with_context(|| format!("cannot read the task_struct at {task:#x}"))?;
+            tasks.push(info);
+        }
+    }
+    Ok(tasks)
+}
+
+/// The structures on a circular `list_head` at `offset` in each, starting with `first`
+/// (whose list head is the list's head).
+fn walk_list<M: PhysicalMemory + ?Sized>(
+    space: &mut AddressSpace<'_, M>,
+    first: u64,
+    offset: u64,
+) -> anyhow::Result<Vec<u64>> {
+    let head = first.wrapping_add(offset);
+    let mut items = vec![first];
+    let mut node = space.read_u64(head)?;
+    while node != head {
+        if items.len() > MAX_TASKS {
+            bail!("the list at {head:#x} does not come back to its head");
+        }
+        items.push(node.wrapping_sub(offset));
+        node = space
+            .read_u64(node)
+            .with_context(|| format!("cannot follow the list node at {node:#x}"))?;
+    }
+    Ok(items)
+}
+
+/// Guest-virtual memory read a line at a time and kept for one stop, with each page's
+/// translation: an unwind reads many words of few lines, and each backend read is a round
+/// trip (a page-table walk is four more).
+pub struct PageCache<'s, 'm, M: PhysicalMemory + ?Sized> {
+    space: &'s mut AddressSpace<'m, M>,
+    /// Virtual page → physical page (`None`: not mapped).
+    pages: HashMap<u64, Option<u64>>,
+    /// Virtual line → its bytes (`None`: unreadable).
+    lines: HashMap<u64, Option<[u8; LINE]>>,
+}
+
+impl<M: PhysicalMemory + ?Sized> std::fmt::Debug for PageCache<'_, '_, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageCache")
+            .field("pages", &self.pages.len())
+            .finish_non_exhaustive()
+    }
+}
+
+const PAGE: u64 = 4096;
+/// Bytes read at once: a few stack frames, or the head of a `task_struct`.
+const LINE: usize = 256;
+
+impl<'s, 'm, M: PhysicalMemory + ?Sized> PageCache<'s, 'm, M> {
+    /// An empty cache over `space`; drop it when the guest resumes.
+    pub fn new(space: &'s mut AddressSpace<'m, M>) -> Self {
+        Self {
+            space,
+            pages: HashMap::new(),
+            lines: HashMap::new(),
+        }
+    }
+
+    /// The line at `line` (aligned), or `None` when it cannot be read.
+    fn line(&mut self, line: u64) -> Option<&[u8; LINE]> {
+        if !self.lines.contains_key(&line) {
+            let page = line & !(PAGE - 1);
+            let space = &mut *self.space;
+            let phys_page = *self
+                .pages
+                .entry(page)
+                .or_insert_with(|| space.translate(page).ok().map(|t| t.phys & !(PAGE - 1)));
+            let bytes = phys_page.and_then(|phys| {
+                let mut bytes = [0u8; LINE];
+                let at = phys.checked_add(line - page)?;
+                space.mem.read_phys(at, &mut bytes).ok().map(|()| bytes)
+            });
+            self.lines.insert(line, bytes);
+        }
+        self.lines.get(&line).and_then(Option::as_ref)
+    }
+}
+
+impl<M: PhysicalMemory + ?Sized> StackMemory for PageCache<'_, '_, M> {
+    type Error = PagingError;
+
+    fn read_u64(&mut self, vaddr: u64) -> Result<u64, PagingError> {
+        let line = vaddr & !(LINE as u64 - 1);
+        let offset = (vaddr - line) as usize;
+        if offset + 8 > LINE {
+            // A word across two lines (never on an aligned stack): read it directly.
+            return self.space.read_u64(vaddr);
+        }
+        match self.line(line) {
+            Some(bytes) => {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(&bytes[offset..offset + 8]);
+                Ok(u64::from_le_bytes(word))
+            }
+            // Read again for the error (a line that failed is not cached as bytes).
+            None => self.space.read_u64(vaddr),
+        }
+    }
+}
+
+/// The kernel registers of a stopped vCPU as the unwinder's starting `pt_regs`.
+pub fn pt_regs_of(regs: &X86Registers) -> PtRegs {
+    let g = &regs.gpr;
+    PtRegs {
+        ax: g[0],
+        bx: g[1],
+        cx: g[2],
+        dx: g[3],
+        si: g[4],
+        di: g[5],
+        bp: g[6],
+        sp: g[7],
+        r8: g[8],
+        r9: g[9],
+        r10: g[10],
+        r11: g[11],
+        r12: g[12],
+        r13: g[13],
+        r14: g[14],
+        r15: g[15],
+        orig_ax: u64::MAX,
+        ip: regs.rip,
+        cs: u64::from(regs.segments[0]),
+        flags: regs.rflags,
+        ss: u64::from(regs.segments[1]),
+    }
+}
+
+/// The image's ORC tables and symbols, and what the kernel itself leaves out of
+/// `/proc/PID/stack`.
+pub struct KernelStacks {
+    orc: OrcTable,
+    slide: u64,
+    /// Text symbols at running addresses.
+    symbols: SymbolTable,
+    /// `__sched_text_start..__sched_text_end` and `__lock_text_start..__lock_text_end`,
+    /// running addresses: `stack_trace_save_tsk` skips these (`in_sched_functions`).
+    scheduler: Vec<Range<u64>>,
+    ret_from_fork: Option<u64>,
+}
+
+impl std::fmt::Debug for KernelStacks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelStacks")
+            .field("orc_entries", &self.orc.len())
+            .field("slide", &format_args!("{:#x}", self.slide))
+            .finish_non_exhaustive()
+    }
+}
+
+impl KernelStacks {
+    /// Reads the ORC tables of the image's vmlinux; `slide` is the guest's KASLR slide.
+    ///
+    /// # Errors
+    /// When the image has no (or an unknown kind of) ORC table.
+    pub fn load(image: &KernelImage, slide: u64) -> anyhow::Result<Self> {
+        let orc = OrcTable::from_vmlinux(&image.vmlinux)
+            .context("cannot read the ORC unwind tables of the kernel image")?;
+        let symbols = image.symbols.text_only().slid(slide);
+        let range = |start: &str, end: &str| {
+            let a = image.symbols.get(start)?.addr.wrapping_add(slide);
+            let b = image.symbols.get(end)?.addr.wrapping_add(slide);
+            (a < b).then_some(a..b)
+        };
+        let scheduler = [
+            range("__sched_text_start", "__sched_text_end"),
+            range("__lock_text_start", "__lock_text_end"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let ret_from_fork = image
+            .symbols
+            .get("ret_from_fork")
+            .map(|s| s.addr.wrapping_add(slide));
+        Ok(Self {
+            orc,
+            slide,
+            symbols,
+            scheduler,
+            ret_from_fork,
+        })
+    }
+
+    /// An unwinder over the image's table at this slide.
+    pub fn unwinder(&self) -> Unwinder<'_> {
+        Unwinder::new(&self.orc, self.slide)
+    }
+
+    /// Unwinds a stopped vCPU's stack from its registers (no frames when it runs user code).
+    pub fn unwind_vcpu<S: StackMemory + ?Sized>(
+        &self,
+        regs: &X86Registers,
+        mem: &mut S,
+    ) -> Backtrace {
+        let start = UnwindStart::from_regs(pt_regs_of(regs));
+        self.unwinder().unwind(&start, mem)
+    }
+
+    /// Unwinds a task that is not running, from its saved `thread.sp`.
+    pub fn unwind_task<S: StackMemory + ?Sized>(&self, thread_sp: u64, mem: &mut S) -> Backtrace {
+        match UnwindStart::from_inactive_task(mem, thread_sp, self.ret_from_fork) {
+            Ok(start) => self.unwinder().unwind(&start, mem),
+            Err(err) => Backtrace {
+                frames: Vec::new(),
+                end: exotap_introspect::orc::StackEnd::Error(err),
+            },
+        }
+    }
+
+    /// The address a frame is named by: a return address belongs to its call, one byte back.
+    fn lookup_pc(frame: &Frame) -> u64 {
+        frame.pc.wrapping_sub(u64::from(!frame.signal))
+    }
+
+    /// The function a frame is in.
+    pub fn function(&self, frame: &Frame) -> Option<&Symbol> {
+        self.symbols
+            .lookup_addr(Self::lookup_pc(frame))
+            .map(|(sym, _)| sym)
+    }
+
+    /// The frame as the kernel's `%pB` prints it: `func+0xoff/0xsize`, the offset of a
+    /// return address as is (looked up one byte back, printed plus one); the bare address
+    /// when no symbol covers it.
+    pub fn describe(&self, frame: &Frame) -> String {
+        let back = u64::from(!frame.signal);
+        match self.symbols.lookup_addr(Self::lookup_pc(frame)) {
+            Some((sym, offset)) => format!(
+                "{}+{:#x}/{:#x}",
+                sym.name,
+                offset.wrapping_add(back),
+                sym.size
+            ),
+            None => format!("{:#x}", frame.pc),
+        }
+    }
+
+    /// Whether the kernel leaves this frame out of `/proc/PID/stack` and other saved
+    /// traces: scheduler and lock functions (`in_sched_functions`).
+    pub fn is_scheduler(&self, frame: &Frame) -> bool {
+        let pc = frame.pc;
+        self.scheduler.iter().any(|r| r.contains(&pc))
+    }
+}
+
+/// The kernel stack of a vCPU stopped at a probe hit, each frame's pc and `%pB` name, as
+/// the script built-ins (`backtrace()`, `print_backtrace()`) want it. An unwind that stops
+/// early gives the frames found so far.
+pub fn probe_backtrace<M: exotap_vmm::control::Machine + ?Sized>(
+    stacks: &KernelStacks,
+    machine: &mut M,
+    survey: &super::attach::Survey,
+    regs: &X86Registers,
+) -> Vec<(u64, String)> {
+    let mut mem = super::guest_memory::BackendMemory(machine);
+    let mut space = survey.space(&mut mem);
+    let mut cache = PageCache::new(&mut space);
+    let backtrace = stacks.unwind_vcpu(regs, &mut cache);
+    backtrace
+        .frames
+        .iter()
+        .map(|frame| (frame.pc, stacks.describe(frame)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use exotap_introspect::memory::{MemoryError, SparseMemory};
+
+    /// Guest memory that counts the backend reads.
+    struct Counting {
+        mem: SparseMemory,
+        reads: usize,
+    }
+
+    impl PhysicalMemory for Counting {
+        fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+            self.reads += 1;
+            self.mem.read_phys(addr, buf)
+        }
+    }
+
+    const STACK_VA: u64 = 0xffff_c900_0001_2000;
+    const STACK_PA: u64 = 0x10_0000;
+
+    /// Four-level tables at 0x1000.. mapping one 4 KiB page `STACK_VA` → `STACK_PA`, whose
+    /// words are their own index times 3.
+    fn one_mapped_page() -> Counting {
+        let mut mem = SparseMemory::new();
+        mem.add_zeroed(0x1000, 0x4000).unwrap();
+        let index = |shift: u32| (STACK_VA >> shift) & 0x1ff;
+        for (level, (table, next)) in [(0x1000, 0x2003), (0x2000, 0x3003), (0x3000, 0x4003)]
+            .into_iter()
+            .enumerate()
+        {
+            let shift = 39 - 9 * level as u32;
+            mem.write_phys_u64(table + index(shift) * 8, next).unwrap();
+        }
+        mem.write_phys_u64(0x4000 + index(12) * 8, STACK_PA | 3)
+            .unwrap();
+        let words: Vec<u8> = (0..512u64).flat_map(|i| (i * 3).to_le_bytes()).collect();
+        mem.add_region(STACK_PA, words).unwrap();
+        Counting { mem, reads: 0 }
+    }
+
+    #[test]
+    fn page_cache_reads_words_through_the_page_tables_and_each_line_once() {
+        let mut mem = one_mapped_page();
+        let mut space = AddressSpace::new(&mut mem, 0x1000, false);
+        let mut cache = PageCache::new(&mut space);
+
+        let first = cache.read_u64(STACK_VA + 8 * 10).unwrap();
+        let same_line = cache.read_u64(STACK_VA + 8 * 11).unwrap();
+        let other_page_line = cache.read_u64(STACK_VA + 8 * 500).unwrap();
+        drop(cache);
+
+        assert_eq!((first, same_line, other_page_line), (30, 33, 1500));
+        // One walk (4 table reads) and two line reads.
+        assert_eq!(mem.reads, 4 + 2);
+    }
+
+    #[test]
+    fn page_cache_refuses_unmapped_and_straddling_reads_cleanly() {
+        let mut mem = one_mapped_page();
+        let mut space = AddressSpace::new(&mut mem, 0x1000, false);
+        let mut cache = PageCache::new(&mut space);
+
+        let unmapped = cache.read_u64(STACK_VA + PAGE);
+        let straddling = cache.read_u64(STACK_VA + PAGE - 4);
+
+        assert!(unmapped.is_err());
+        assert!(straddling.is_err());
+    }
+
+    #[test]
+    fn vcpu_registers_map_to_pt_regs_by_gdb_order() {
+        let mut regs = X86Registers::default();
+        for (i, g) in regs.gpr.iter_mut().enumerate() {
+            *g = 100 + i as u64;
+        }
+        regs.rip = 0xffff_ffff_8100_0000;
+        regs.segments[0] = 0x10;
+
+        let pt = pt_regs_of(&regs);
+
+        assert_eq!(
+            (pt.ax, pt.bx, pt.cx, pt.dx, pt.si, pt.di, pt.bp, pt.sp),
+            (100, 101, 102, 103, 104, 105, 106, 107)
+        );
+        assert_eq!((pt.r8, pt.r10, pt.r13, pt.r15), (108, 110, 113, 115));
+        assert_eq!(
+            (pt.ip, pt.cs, pt.user_mode()),
+            (0xffff_ffff_8100_0000, 0x10, false)
+        );
+    }
+
+    #[test]
+    fn task_state_letters_follow_proc() {
+        let task = |state| GuestTask {
+            task: 0,
+            pid: 1,
+            tgid: 1,
+            comm: String::new(),
+            state,
+            on_cpu: false,
+            thread_sp: 0,
+        };
+
+        let letters: String = [0, 1, 2, 0x402, 4]
+            .map(|s| task(s).state_letter())
+            .iter()
+            .collect();
+
+        assert_eq!(letters, "RSDIT");
+    }
+}

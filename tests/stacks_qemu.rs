@@ -1,0 +1,275 @@
+//! End-to-end: kernel stacks unwound from outside a live Debian guest under QEMU TCG
+//! (`exotap backtrace`, `exotap profile`), with the guest's own `/proc/PID/stack` as the
+//! oracle for sleeping tasks.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] fns
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::{exotap, have_qemu, run};
+
+/// Guest job: tasks blocked in four different ways, each printed by the guest's own
+/// `/proc/PID/stack`, then the host's stop. The tasks stay blocked (nothing ever writes
+/// their pipes or opens the other end of their fifos; they sleep 1000 s), so the stacks
+/// the guest printed are the stacks at the stop.
+const BLOCKED_JOB: &str = r#"start=$(sh -c 'echo $$')
+for i in 1 2 3 4 5 6; do sleep 1000 & done
+for i in 1 2 3 4 5 6; do sh -c 'sleep 1000; :' & done
+for i in 1 2 3 4 5 6; do mkfifo /tmp/f$i; cat /tmp/f$i > /dev/null & done
+for i in 1 2 3 4 5 6; do sleep 1000 | cat > /dev/null & done
+sleep 2
+for d in /proc/[0-9]*; do
+  p=${d#/proc/}
+  [ "$p" -gt "$start" ] || continue
+  read -r comm < $d/comm 2>/dev/null || continue
+  st=$(cat /proc/$p/stack 2>/dev/null) || continue
+  echo "PROC-STACK-BEGIN $p $comm"
+  echo "$st"
+  echo "PROC-STACK-END $p"
+done
+exotap_wait backtrace
+"#;
+
+/// `/proc/PID/stack` blocks from the console: pid → (comm, frames without the `[<0>] `).
+fn guest_stacks(console: &str) -> BTreeMap<i32, (String, Vec<String>)> {
+    let mut stacks = BTreeMap::new();
+    let mut current: Option<(i32, String, Vec<String>)> = None;
+    for line in console.lines() {
+        if let Some(rest) = line.strip_prefix("PROC-STACK-BEGIN ") {
+            let (pid, comm) = rest.split_once(' ').unwrap();
+            current = Some((pid.parse().unwrap(), comm.to_owned(), Vec::new()));
+        } else if line.starts_with("PROC-STACK-END") {
+            let (pid, comm, frames) = current.take().unwrap();
+            stacks.insert(pid, (comm, frames));
+        } else if let Some((_, _, frames)) = current.as_mut() {
+            frames.push(line.trim_start_matches("[<0>] ").to_owned());
+        }
+    }
+    stacks
+}
+
+/// `exotap backtrace` output: task pid → frames (`func+0xoff/0xsize`) and the end line.
+fn host_stacks(out: &str) -> BTreeMap<i32, (Vec<String>, String)> {
+    let mut stacks = BTreeMap::new();
+    let mut current: Option<i32> = None;
+    for line in out.lines() {
+        if let Some(rest) = line.strip_prefix("task ") {
+            let pid: i32 = rest.split(' ').next().unwrap().parse().unwrap();
+            stacks.insert(pid, (Vec::new(), String::new()));
+            current = Some(pid);
+        } else if line.starts_with("vcpu") {
+            current = None;
+        } else if let (Some(pid), Some(frame)) = (current, line.strip_prefix("  [<")) {
+            let entry = stacks.get_mut(&pid).unwrap();
+            entry.0.push(frame.split_once("] ").unwrap().1.to_owned());
+        } else if let (Some(pid), Some(end)) = (current, line.strip_prefix("  -- ")) {
+            stacks.get_mut(&pid).unwrap().1 = end.to_owned();
+        }
+    }
+    stacks
+}
+
+#[test]
+fn sleeping_task_stacks_equal_the_guests_own_proc_pid_stack() {
+    if !have_qemu("sleeping_task_stacks_equal_the_guests_own_proc_pid_stack") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.sh");
+    std::fs::write(&job, BLOCKED_JOB).unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args(["backtrace", "--proc-style", "--timeout", "300", "--job"])
+        .arg(&job)
+        .arg("--console")
+        .arg(&console));
+
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+    let guest = guest_stacks(&transcript);
+    let host = host_stacks(&out);
+    let mut compared = 0;
+    let mut leaves = BTreeSet::new();
+    for (pid, (comm, frames)) in &guest {
+        let (ours, end) = host
+            .get(pid)
+            .unwrap_or_else(|| panic!("exotap did not list task {pid} ({comm}): {ctx}"));
+        assert_eq!(ours, frames, "task {pid} ({comm}): {ctx}");
+        // Every one of these tasks sleeps in a system call: the unwind ends at user mode.
+        assert!(end.starts_with("user mode at "), "task {pid}: {end}");
+        assert!(frames.len() >= 4, "task {pid} ({comm}) shallow: {frames:?}");
+        leaves.insert(frames[0].split('+').next().unwrap().to_owned());
+        compared += 1;
+    }
+    // 6 sleeps, 6 shells in wait4 with their 6 sleeps, 6 cats opening fifos, 6 cats reading
+    // pipes with their 6 sleeps.
+    assert!(compared >= 20, "only {compared} tasks compared: {ctx}");
+    for leaf in [
+        "hrtimer_nanosleep",
+        "do_wait",
+        "wait_for_partner",
+        "pipe_read",
+    ] {
+        assert!(
+            leaves.contains(leaf),
+            "no task blocked in {leaf}: {leaves:?}"
+        );
+    }
+    // The stopped vCPUs were unwound from their registers to the end of their stacks.
+    let vcpus: Vec<&str> = out.lines().filter(|l| l.starts_with("vcpu")).collect();
+    assert_eq!(vcpus.len(), 2, "{ctx}");
+    eprintln!("{compared} tasks equal to /proc/PID/stack; leaves {leaves:?}");
+}
+
+#[test]
+fn profile_of_a_cached_file_read_loop_is_dominated_by_the_read_path() {
+    if !have_qemu("profile_of_a_cached_file_read_loop_is_dominated_by_the_read_path") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let folded = dir.path().join("out.folded");
+    let svg = dir.path().join("out.svg");
+    // 32 MiB in the guest's tmpfs, read again and again in 1 MiB reads: the time goes to
+    // copying page-cache pages to user space, under ksys_read.
+    let workload = "dd if=/dev/zero of=/tmp/big bs=1M count=32 2>/dev/null; i=0; \
+                    while [ $i -lt 25 ]; do dd if=/tmp/big of=/dev/null bs=1M 2>/dev/null; \
+                    i=$((i+1)); done";
+
+    let (code, out, err) = run(exotap()
+        .args([
+            "profile",
+            "--hz",
+            "20",
+            "--baseline",
+            "--timeout",
+            "300",
+            "--run",
+        ])
+        .arg(workload)
+        .arg("--folded")
+        .arg(&folded)
+        .arg("--svg")
+        .arg(&svg)
+        .arg("--console")
+        .arg(dir.path().join("console.log")));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let text = std::fs::read_to_string(&folded).unwrap();
+    let lines: Vec<(&str, u64)> = text
+        .lines()
+        .map(|l| {
+            let (stack, count) = l.rsplit_once(' ').unwrap();
+            (stack, count.parse().unwrap())
+        })
+        .collect();
+    let total: u64 = lines.iter().map(|(_, n)| n).sum();
+    // The idle loop (swapper/N) holds the vCPU dd does not run on; of the rest, dd's
+    // reads are the majority, and the hottest busy stack is one of them.
+    let busy: Vec<&(&str, u64)> = lines
+        .iter()
+        .filter(|(s, _)| !s.starts_with("swapper/"))
+        .collect();
+    let busy_total: u64 = busy.iter().map(|(_, n)| n).sum();
+    let dd_reading: u64 = busy
+        .iter()
+        .filter(|(s, _)| s.starts_with("dd;") && s.contains(";ksys_read;vfs_read;"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(total >= 40, "too few samples ({total}): {ctx}");
+    assert!(
+        dd_reading * 2 >= busy_total,
+        "only {dd_reading} of {busy_total} busy samples are dd under ksys_read:\n{text}"
+    );
+    let (hottest, _) = busy.first().unwrap();
+    assert!(
+        hottest.starts_with("dd;") && hottest.contains(";ksys_read;vfs_read;"),
+        "hottest busy stack: {hottest}\n{text}"
+    );
+    // Every kernel sample unwound to the end of its stack.
+    assert!(
+        lines.iter().all(|(s, _)| !s.contains("[incomplete]")),
+        "{text}"
+    );
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        picture.starts_with("<?xml") && picture.contains("<svg"),
+        "{picture:.200}"
+    );
+    assert!(
+        picture.contains("vfs_read"),
+        "the flame graph lacks vfs_read"
+    );
+    let overhead = out.lines().find(|l| l.starts_with("overhead: ")).unwrap();
+    assert!(out.lines().any(|l| l.starts_with("workload: ")), "{ctx}");
+    eprintln!("{overhead}");
+}
+
+#[test]
+fn profile_with_target_samples_a_guest_someone_else_booted_and_lets_it_run_on() {
+    if !have_qemu("profile_with_target_samples_a_guest_someone_else_booted_and_lets_it_run_on") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    // The guest reads a cached file for a while, then ends on its own: it must still get
+    // there after exotap sampled it and left.
+    let job = "dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null\n\
+               exotap_result ready 1\n\
+               i=0; while [ $i -lt 60 ]; do dd if=/tmp/big of=/dev/null bs=1M 2>/dev/null; \
+               i=$((i+1)); done\n";
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let (mut guest, mut console) = common::boot_with_gdbstub(
+        &["--timeout", "300", "--job", job_file.to_str().unwrap()],
+        &socket,
+        "EXOTAP-RESULT ready=1",
+    );
+
+    let (code, out, err) = run(exotap()
+        .args([
+            "profile",
+            "--hz",
+            "10",
+            "--duration",
+            "2",
+            "--format",
+            "json",
+        ])
+        .arg("--target")
+        .arg(format!("unix:{}", socket.display())));
+
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut console, &mut rest).unwrap();
+    let guest_ok = guest.wait().unwrap().success();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(
+        guest_ok && rest.contains("EXOTAP-DONE 0"),
+        "guest after exotap:\n{rest}"
+    );
+    let json = out.find('{').map(|at| &out[at..]).unwrap();
+    let report: serde_json::Value = serde_json::from_str(json).unwrap();
+    let stops = report["stops"].as_u64().unwrap();
+    let samples = report["samples"].as_u64().unwrap();
+    let fraction = report["stop_fraction"].as_f64().unwrap();
+    let counted: u64 = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["count"].as_u64().unwrap())
+        .sum();
+    assert!(stops >= 5, "{ctx}");
+    // Two vCPUs a stop, and every sample lands in one folded stack.
+    assert_eq!(samples, 2 * stops, "{ctx}");
+    assert_eq!(counted, samples, "{ctx}");
+    assert!(fraction > 0.0 && fraction < 1.0, "{ctx}");
+    for bad in ["Oops", "BUG:", "WARNING:"] {
+        assert!(!rest.contains(bad), "{bad} in the console:\n{rest}");
+    }
+}
