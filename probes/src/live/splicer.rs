@@ -27,7 +27,8 @@
 //! exotap splices, exotap unsplices, the guest disables its tracer.
 //!
 //! Patch-heap layout: below [`REGION`] belongs to the trap probes ([`super::trap_script`]); from
-//! [`REGION`] the data area (counters) and from [`CODE_OFFSET`] the patches.
+//! [`REGION`] the data area (counters) and from [`CODE_OFFSET`] the patches, the trace rings and
+//! the in-flight table.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -1148,7 +1149,11 @@ impl Splicer {
                 cpu_number,
             };
             let bytes = rings.set.bytes();
-            rings.set.base = self.data.alloc(bytes, 64)?;
+            // The rings and the in-flight table are large (rings grow with the vCPUs, the
+            // table's slots keep six argument registers: 513 KiB): they come from the 62 MiB
+            // above CODE_OFFSET, which every patch reaches just as well, not from the 1 MiB
+            // counter region.
+            rings.set.base = self.code.alloc(bytes, 64)?;
             zero.push((rings.set.base, bytes));
             self.rings = Some(rings);
             self.ring_taken = vec![0; cpus as usize];
@@ -1157,7 +1162,7 @@ impl Splicer {
         let mut new_table = None;
         if self.inflight.is_none() && requests.iter().any(|r| paired(r.action)) {
             let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
-            let table = self.data.alloc(bytes, 64)?;
+            let table = self.code.alloc(bytes, 64)?;
             let misses = self.data.alloc(8, 8)?;
             zero.push((table, bytes));
             zero.push((misses, 8));
