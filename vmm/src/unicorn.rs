@@ -112,6 +112,9 @@ struct HookState {
     budget_hit: bool,
     /// SPARC: the end of the block that started last.
     block_end: u64,
+    /// Executions per Unicorn translation block `(start, size in bytes)`, when the
+    /// block profile is on.
+    blocks: Option<HashMap<(u64, u32), u64>>,
 }
 
 /// A Unicorn emulator under exotap's control.
@@ -133,6 +136,7 @@ pub struct UnicornMachine {
     /// The breakpoint the machine stopped at, until the pc changes.
     at_breakpoint: Option<u64>,
     profile_hook: Option<UcHookId>,
+    block_hook: Option<UcHookId>,
     redirects: Vec<UcHookId>,
     /// SPARC: the code hooks standing in for exits (halt and breakpoints).
     stop_hooks: Vec<UcHookId>,
@@ -248,6 +252,7 @@ impl UnicornMachine {
             budget: u64::MAX,
             at_breakpoint: None,
             profile_hook: None,
+            block_hook: None,
             redirects: Vec::new(),
             stop_hooks: Vec::new(),
             pending: None,
@@ -510,6 +515,38 @@ impl UnicornMachine {
             let _ = self.uc.remove_hook(hook);
         }
         self.uc.get_data_mut().profile.take()
+    }
+
+    /// Starts counting executions per Unicorn block (its own `hook_block`: a block is a
+    /// straight run of instructions that Unicorn translated together, started once per
+    /// entry), clearing earlier counts. An independent oracle for block counters: it
+    /// is not derived from exotap's CFG.
+    ///
+    /// # Errors
+    /// Backend failure.
+    pub fn start_block_profile(&mut self) -> Result<(), ControlError> {
+        self.uc.get_data_mut().blocks = Some(HashMap::new());
+        if self.block_hook.is_none() {
+            let hook = self
+                .uc
+                .add_block_hook(1, 0, |uc, addr, size| {
+                    if let Some(blocks) = uc.get_data_mut().blocks.as_mut() {
+                        *blocks.entry((addr, size)).or_insert(0) += 1;
+                    }
+                })
+                .map_err(backend)?;
+            self.block_hook = Some(hook);
+            self.uc.ctl_flush_tb().map_err(backend)?;
+        }
+        Ok(())
+    }
+
+    /// Stops the block profile and returns executions per `(block start, size)`.
+    pub fn take_block_profile(&mut self) -> Option<HashMap<(u64, u32), u64>> {
+        if let Some(hook) = self.block_hook.take() {
+            let _ = self.uc.remove_hook(hook);
+        }
+        self.uc.get_data_mut().blocks.take()
     }
 
     /// How the last run ended.

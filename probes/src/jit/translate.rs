@@ -1,0 +1,908 @@
+//! Translation: kernel functions copied block by block into the code cache, with a
+//! counter incremented at every block leader.
+//!
+//! Per instruction of a block:
+//! - ordinary instructions are relocated ([`crate::splice::reloc`]: RIP-relative operands
+//!   re-aimed);
+//! - direct jumps and conditional jumps become their rel32 forms, linked to the target's
+//!   translation when it has one, else to the original address (`jrcxz`/`loop` get a
+//!   rel8 hop over a `jmp rel32`);
+//! - a direct call becomes `push <original return address>; jmp <callee>`, the callee
+//!   being its translation when it is in the translated set, else the original;
+//! - an indirect call becomes `push <original return address>; push <operand>; jmp
+//!   dispatch`, an indirect jump `push <operand>; jmp dispatch`, and a return (`ret`, or
+//!   `jmp __x86_return_thunk`) `jmp dispatch` ([`super::lookup`]).
+//!
+//! **Why original return addresses.** Every return address a translated call pushes is
+//! the one the untranslated call would have pushed, so the stack holds exactly the words
+//! it holds without the JIT: the kernel's ORC unwinder (`/proc/PID/stack`, WARN
+//! backtraces, perf), `__builtin_return_address` users (`_RET_IP_`, lockdep, kmalloc
+//! caller tracking), stack-protector and ftrace's return-address logic all see kernel
+//! text. The price is a lookup per return: the translated `ret` finds the caller's
+//! translation through the table (every instruction after a translated call is in it);
+//! a return to code that is not translated simply lands there.
+//!
+//! **Where translated code leaves the cache** ([`ExitReason`]): instructions the kernel
+//! finds by address (exception-table entries, i.e. user accesses; `ud2`/`int3` of
+//! BUG/WARN and the kernel's own kprobes) jump back to their original address and run
+//! there, as does anything the translator cannot reproduce (far or special branches,
+//! `iret`/`sysret`/`ret imm16`, undecodable bytes, an operand the relocator refuses, an
+//! indirect call through `rsp`). From there the kernel runs its own code; the next entry
+//! into a translated function (its entry splice, a translated return) comes back.
+//!
+//! **Flags.** The counter is `lock inc qword [rip+counter]` where liveness says no status
+//! flag but CF (which `inc` keeps) is live at the leader, and `pushfq; lock inc; popfq`
+//! elsewhere. The dispatch routine keeps every flag.
+//!
+//! **Cache full.** A function whose code, counters or table entries do not fit is not
+//! translated at all; the translator says so ([`CacheError`]) and refuses every later
+//! function; what was translated stays consistent (calls to the untranslated function
+//! go to its original code).
+
+use std::collections::{BTreeMap, HashMap};
+
+use exotap_introspect::x86::{CodeView, Flow, FunctionAnalysis, Insn, StatusFlags};
+use iced_x86::{Code, Encoder, FlowControl, Instruction, Register};
+
+use super::cache::{Bump, CacheError, CacheLayout};
+use super::lookup::{dispatch_routine, LookupError, LookupTable};
+use crate::splice::reloc::{decode_one, relocate, CallReturn};
+
+/// Errors of translation.
+#[derive(Debug, thiserror::Error)]
+pub enum TranslateError {
+    /// The cache (code, counters or table) is full: nothing more is translated.
+    #[error("the code cache cannot take the function at {start:#x}")]
+    Full {
+        /// The function refused.
+        start: u64,
+        /// Which part ran out.
+        #[source]
+        source: CacheError,
+    },
+    /// The layout is unusable.
+    #[error("the code cache layout is unusable")]
+    Layout(#[source] CacheError),
+    /// The lookup table or dispatch routine cannot be built.
+    #[error("the lookup table cannot be built")]
+    Lookup(#[from] LookupError),
+    /// The function is more than 2 GiB away from the cache.
+    #[error("the function at {start:#x} is out of rel32 reach of the code cache")]
+    OutOfReach {
+        /// The function.
+        start: u64,
+    },
+    /// The function has no decoded instruction, or its bytes are not in the view.
+    #[error("the function at {start:#x} has no instructions in the given text")]
+    NoCode {
+        /// The function.
+        start: u64,
+    },
+    /// A link target is out of rel32 reach of the branch that needs it.
+    #[error("the link from {from:#x} to {to:#x} does not fit a rel32")]
+    LinkOutOfReach {
+        /// The branch's end.
+        from: u64,
+        /// The target.
+        to: u64,
+    },
+}
+
+/// Why translated code leaves the cache at an instruction (it runs at its original
+/// address instead).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ExitReason {
+    /// The instruction has an exception-table entry (a user access): its fixup is found
+    /// by address.
+    ExceptionTable,
+    /// A trapping instruction (`ud2`, `int3`, `int n`): BUG/WARN and kprobes find it by
+    /// address.
+    Trap,
+    /// A branch without a translation: far, `xbegin`, an indirect call through `rsp`.
+    SpecialBranch,
+    /// `iret`, `sysret`, `ret imm16`.
+    SpecialReturn,
+    /// Bytes that do not decode.
+    Undecodable,
+    /// An operand the relocator refuses.
+    Unrelocatable,
+}
+
+/// A place where translated code jumps back to original code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheExit {
+    /// The original instruction that runs in place.
+    pub addr: u64,
+    /// Why.
+    pub reason: ExitReason,
+}
+
+/// One counted block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CountedBlock {
+    /// The function's original entry.
+    pub function: u64,
+    /// The block leader's original address.
+    pub leader: u64,
+    /// The counter's guest address (a `u64`).
+    pub counter: u64,
+    /// Where the block's translation starts (its counter increment).
+    pub cache: u64,
+    /// Whether the counter saves the flags (`pushfq`/`popfq`).
+    pub saves_flags: bool,
+}
+
+/// One translated function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TranslatedFunction {
+    /// Original range.
+    pub start: u64,
+    /// Original end.
+    pub end: u64,
+    /// The translation's entry.
+    pub entry: u64,
+    /// Bytes of translated code.
+    pub bytes: u64,
+    /// Blocks counted.
+    pub blocks: usize,
+}
+
+/// Everything to write into the guest, and what it means.
+#[derive(Debug, Clone)]
+pub struct Translation {
+    /// Where `code` goes.
+    pub code_at: u64,
+    /// The dispatch routine, then every translation.
+    pub code: Vec<u8>,
+    /// Where `table` goes.
+    pub table_at: u64,
+    /// The lookup table.
+    pub table: Vec<u8>,
+    /// Entries in the lookup table.
+    pub table_entries: usize,
+    /// The counters in use (zero them before entering the cache).
+    pub counters: std::ops::Range<u64>,
+    /// Every counted block, in translation order.
+    pub blocks: Vec<CountedBlock>,
+    /// Translated functions by original entry.
+    pub functions: BTreeMap<u64, TranslatedFunction>,
+    /// Where translated code leaves the cache.
+    pub exits: Vec<CacheExit>,
+    /// Why translation stopped early, if it did.
+    pub full: Option<CacheError>,
+}
+
+impl Translation {
+    /// The translation entry of the function starting at `start`.
+    #[must_use]
+    pub fn entry(&self, start: u64) -> Option<u64> {
+        self.functions.get(&start).map(|f| f.entry)
+    }
+
+    /// Block counts from the bytes of the counter area (as read from the guest):
+    /// `(leader, count)`, 0 for counters the bytes do not cover.
+    #[must_use]
+    pub fn counts(&self, counter_bytes: &[u8]) -> Vec<(u64, u64)> {
+        self.blocks
+            .iter()
+            .map(|b| {
+                let off = b.counter.wrapping_sub(self.counters.start) as usize;
+                let count = counter_bytes
+                    .get(off..off.saturating_add(8))
+                    .and_then(|s| <[u8; 8]>::try_from(s).ok())
+                    .map_or(0, u64::from_le_bytes);
+                (b.leader, count)
+            })
+            .collect()
+    }
+}
+
+/// The 5-byte splice that sends a function's entry into its translation
+/// (`jmp rel32`), or `None` when out of reach.
+#[must_use]
+pub fn entry_splice(entry: u64, translation: u64) -> Option<[u8; 5]> {
+    let rel = i32::try_from(translation.wrapping_sub(entry.wrapping_add(5)) as i64).ok()?;
+    let mut b = [0xe9, 0, 0, 0, 0];
+    b[1..].copy_from_slice(&rel.to_le_bytes());
+    Some(b)
+}
+
+/// A rel32 to fill in when every translation is known.
+#[derive(Debug, Clone, Copy)]
+struct Fixup {
+    /// Offset of the rel32 field in the code.
+    at: usize,
+    /// The original target.
+    target: u64,
+    /// Go to the target's translation if it has one (else: always the original).
+    link: bool,
+}
+
+/// One function's translation before it is committed.
+#[derive(Debug, Default)]
+struct Pending {
+    base: u64,
+    bytes: Vec<u8>,
+    fixups: Vec<Fixup>,
+    map: Vec<(u64, u64)>,
+    dispatch_targets: Vec<u64>,
+    blocks: Vec<CountedBlock>,
+    exits: Vec<CacheExit>,
+}
+
+impl Pending {
+    fn here(&self) -> u64 {
+        self.base + self.bytes.len() as u64
+    }
+
+    fn rel32_to(&mut self, target: u64, link: bool) {
+        self.fixups.push(Fixup {
+            at: self.bytes.len(),
+            target,
+            link,
+        });
+        self.bytes.extend_from_slice(&[0; 4]);
+    }
+
+    fn jmp(&mut self, target: u64, link: bool) {
+        self.bytes.push(0xe9);
+        self.rel32_to(target, link);
+    }
+
+    /// `jmp` to a known cache address (the dispatch routine).
+    fn jmp_known(&mut self, to: u64) -> Result<(), TranslateError> {
+        let from = self.here() + 5;
+        let rel = i32::try_from(to.wrapping_sub(from) as i64)
+            .map_err(|_| TranslateError::LinkOutOfReach { from, to })?;
+        self.bytes.push(0xe9);
+        self.bytes.extend_from_slice(&rel.to_le_bytes());
+        Ok(())
+    }
+
+    /// Leaves the cache: the instruction at `addr` runs at its own address.
+    fn leave(&mut self, addr: u64, reason: ExitReason) -> bool {
+        self.exits.push(CacheExit { addr, reason });
+        self.jmp(addr, false);
+        false
+    }
+
+    /// `push imm32` of a return address (and a fix of its high half when it does not
+    /// sign-extend from 32 bits). No flags change.
+    fn push_u64(&mut self, value: u64) {
+        let low = value as u32;
+        self.bytes.push(0x68);
+        self.bytes.extend_from_slice(&low.to_le_bytes());
+        if i64::from(low as i32) as u64 != value {
+            self.bytes.extend_from_slice(&[0xc7, 0x44, 0x24, 0x04]);
+            self.bytes
+                .extend_from_slice(&((value >> 32) as u32).to_le_bytes());
+        }
+    }
+
+    /// `lock inc qword [rip+counter]`, inside `pushfq`/`popfq` when flags are live.
+    fn count(&mut self, counter: u64, save_flags: bool) -> Result<(), TranslateError> {
+        if save_flags {
+            self.bytes.push(0x9c);
+        }
+        let end = self.here() + 8;
+        let disp = i32::try_from(counter.wrapping_sub(end) as i64).map_err(|_| {
+            TranslateError::LinkOutOfReach {
+                from: end,
+                to: counter,
+            }
+        })?;
+        self.bytes.extend_from_slice(&[0xf0, 0x48, 0xff, 0x05]);
+        self.bytes.extend_from_slice(&disp.to_le_bytes());
+        if save_flags {
+            self.bytes.push(0x9d);
+        }
+        Ok(())
+    }
+}
+
+/// Translates functions into one code cache; [`Translator::finish`] links them.
+#[derive(Debug)]
+pub struct Translator<'k> {
+    layout: CacheLayout,
+    code: Vec<u8>,
+    counters: Bump,
+    table: LookupTable,
+    dispatch: u64,
+    address_keyed: &'k [u64],
+    map: HashMap<u64, u64>,
+    dispatch_targets: Vec<u64>,
+    fixups: Vec<Fixup>,
+    blocks: Vec<CountedBlock>,
+    functions: BTreeMap<u64, TranslatedFunction>,
+    exits: Vec<CacheExit>,
+    full: Option<CacheError>,
+}
+
+fn fits_rel32(a: u64, b: u64) -> bool {
+    i32::try_from(b.wrapping_sub(a) as i64).is_ok()
+}
+
+fn uses_rsp(instr: &Instruction) -> bool {
+    instr.memory_base() == Register::RSP
+        || instr.memory_index() == Register::RSP
+        || (instr.op_count() > 0
+            && instr.op0_kind() == iced_x86::OpKind::Register
+            && instr.op0_register() == Register::RSP)
+}
+
+impl<'k> Translator<'k> {
+    /// A translator over `layout`; `address_keyed` (sorted) lists instructions the kernel
+    /// finds by address (exception and bug tables), which run in place.
+    ///
+    /// # Errors
+    /// An unusable layout; a table region under two slots.
+    pub fn new(layout: CacheLayout, address_keyed: &'k [u64]) -> Result<Self, TranslateError> {
+        layout.check().map_err(TranslateError::Layout)?;
+        let table = LookupTable::new(layout.table.start, layout.table.end - layout.table.start)?;
+        let dispatch = layout.code.start;
+        let code = dispatch_routine(dispatch, &table)?;
+        if code.len() as u64 > layout.code.end - layout.code.start {
+            return Err(TranslateError::Layout(CacheError::CodeFull {
+                needed: code.len() as u64,
+                left: layout.code.end - layout.code.start,
+            }));
+        }
+        Ok(Self {
+            counters: Bump::new(layout.counters.clone()),
+            layout,
+            code,
+            table,
+            dispatch,
+            address_keyed,
+            map: HashMap::new(),
+            dispatch_targets: Vec::new(),
+            fixups: Vec::new(),
+            blocks: Vec::new(),
+            functions: BTreeMap::new(),
+            exits: Vec::new(),
+            full: None,
+        })
+    }
+
+    /// The dispatch routine's address.
+    #[must_use]
+    pub fn dispatch(&self) -> u64 {
+        self.dispatch
+    }
+
+    /// Why the cache stopped taking functions, if it did.
+    #[must_use]
+    pub fn full(&self) -> Option<&CacheError> {
+        self.full.as_ref()
+    }
+
+    /// Translates one function (bytes from `text`). A function already translated is
+    /// left as it is.
+    ///
+    /// # Errors
+    /// [`TranslateError::Full`] (now and for every later call), out of reach, no code.
+    pub fn translate(
+        &mut self,
+        text: CodeView<'_>,
+        function: &FunctionAnalysis,
+    ) -> Result<(), TranslateError> {
+        let cfg = &function.cfg;
+        let start = cfg.start();
+        if let Some(full) = &self.full {
+            return Err(TranslateError::Full {
+                start,
+                source: full.clone(),
+            });
+        }
+        if self.functions.contains_key(&start) {
+            return Ok(());
+        }
+        if cfg.blocks().is_empty() {
+            return Err(TranslateError::NoCode { start });
+        }
+        let code_area = &self.layout.code;
+        if ![code_area.start, code_area.end]
+            .iter()
+            .all(|&c| fits_rel32(c, start) && fits_rel32(c, cfg.end()))
+        {
+            return Err(TranslateError::OutOfReach { start });
+        }
+        let mut p = Pending {
+            base: code_area.start + self.code.len() as u64,
+            ..Pending::default()
+        };
+        let counter_base = self.counters.here();
+        let blocks = cfg.blocks();
+        for (b, block) in blocks.iter().enumerate() {
+            let insns = cfg.block_insns(block);
+            let Some(first) = insns.first() else {
+                continue;
+            };
+            let live = function.liveness.block_entry(b).flags;
+            let save_flags = !live.minus(StatusFlags::CF).is_empty();
+            let counter = counter_base + 8 * p.blocks.len() as u64;
+            let cache = p.here();
+            p.map.push((first.addr, cache));
+            p.dispatch_targets.push(first.addr);
+            p.blocks.push(CountedBlock {
+                function: start,
+                leader: first.addr,
+                counter,
+                cache,
+                saves_flags: save_flags,
+            });
+            p.count(counter, save_flags)?;
+            let mut goes_on = true;
+            for (i, insn) in insns.iter().enumerate() {
+                goes_on = self.insn(&mut p, text, insn, i == 0)?;
+                if !goes_on {
+                    break;
+                }
+            }
+            let last_end = insns.last().map_or(first.addr, Insn::end);
+            let next_leader = blocks
+                .get(b + 1)
+                .and_then(|n| cfg.insns().get(n.first as usize))
+                .map(|i| i.addr);
+            if goes_on && next_leader != Some(last_end) {
+                p.jmp(last_end, true);
+            }
+        }
+        self.commit(start, cfg.end(), p)
+    }
+
+    /// Translates one instruction; whether the block goes on after it.
+    fn insn(
+        &self,
+        p: &mut Pending,
+        text: CodeView<'_>,
+        insn: &Insn,
+        leader: bool,
+    ) -> Result<bool, TranslateError> {
+        let addr = insn.addr;
+        if !leader {
+            p.map.push((addr, p.here()));
+        }
+        if self.address_keyed.binary_search(&addr).is_ok() {
+            return Ok(p.leave(addr, ExitReason::ExceptionTable));
+        }
+        let Some(bytes) = text.range(addr, insn.end()) else {
+            return Ok(p.leave(addr, ExitReason::Undecodable));
+        };
+        let Ok(instr) = decode_one(bytes, addr) else {
+            return Ok(p.leave(addr, ExitReason::Undecodable));
+        };
+        let next = insn.end();
+        let code = instr.code();
+        Ok(match insn.flow {
+            Flow::Next => {
+                if matches!(
+                    instr.flow_control(),
+                    FlowControl::Interrupt | FlowControl::Exception
+                ) {
+                    return Ok(p.leave(addr, ExitReason::Trap));
+                }
+                if instr.flow_control() == FlowControl::XbeginXabortXend {
+                    return Ok(p.leave(addr, ExitReason::SpecialBranch));
+                }
+                match relocate(bytes, addr, p.here(), CallReturn::Patch) {
+                    Ok(r) => {
+                        p.bytes.extend_from_slice(&r.bytes);
+                        true
+                    }
+                    Err(_) => p.leave(addr, ExitReason::Unrelocatable),
+                }
+            }
+            Flow::Call { target } if code == Code::Call_rel32_64 => {
+                p.push_u64(next);
+                p.jmp(target, true);
+                p.dispatch_targets.push(next);
+                true
+            }
+            Flow::IndirectCall if code == Code::Call_rm64 && !uses_rsp(&instr) => {
+                p.push_u64(next);
+                if !self.push_operand(p, &instr) {
+                    return Ok(p.leave(addr, ExitReason::Unrelocatable));
+                }
+                p.jmp_known(self.dispatch)?;
+                p.dispatch_targets.push(next);
+                true
+            }
+            Flow::Jump { target } | Flow::TailJump { target }
+                if matches!(code, Code::Jmp_rel8_64 | Code::Jmp_rel32_64) =>
+            {
+                p.jmp(target, true);
+                false
+            }
+            Flow::CondJump { target } | Flow::CondTailJump { target } => {
+                if instr.is_jcc_short_or_near() {
+                    let cc = (instr.condition_code() as u8).wrapping_sub(1) & 0xf;
+                    p.bytes.extend_from_slice(&[0x0f, 0x80 | cc]);
+                    p.rel32_to(target, true);
+                    true
+                } else if instr.is_jcx_short() || instr.is_loop() || instr.is_loopcc() {
+                    // `jrcxz/loop +2; jmp short +5; jmp rel32 target`.
+                    let (opcode, _) = bytes.split_at(bytes.len() - 1);
+                    p.bytes.extend_from_slice(opcode);
+                    p.bytes.extend_from_slice(&[0x02, 0xeb, 0x05]);
+                    p.jmp(target, true);
+                    true
+                } else {
+                    p.leave(addr, ExitReason::SpecialBranch)
+                }
+            }
+            Flow::IndirectJump if code == Code::Jmp_rm64 => {
+                if !self.push_operand(p, &instr) {
+                    return Ok(p.leave(addr, ExitReason::Unrelocatable));
+                }
+                p.jmp_known(self.dispatch)?;
+                false
+            }
+            Flow::Return
+                if matches!(code, Code::Retnq | Code::Jmp_rel8_64 | Code::Jmp_rel32_64) =>
+            {
+                p.jmp_known(self.dispatch)?;
+                false
+            }
+            Flow::Return => p.leave(addr, ExitReason::SpecialReturn),
+            Flow::Invalid => p.leave(addr, ExitReason::Undecodable),
+            _ => p.leave(addr, ExitReason::SpecialBranch),
+        })
+    }
+
+    /// `push <the operand of an indirect call or jump>` at the pending end. For a memory
+    /// operand through `rsp` the address is taken before the push moves `rsp`, as the
+    /// jump would have taken it.
+    fn push_operand(&self, p: &mut Pending, instr: &Instruction) -> bool {
+        let mut push = *instr;
+        push.set_code(Code::Push_rm64);
+        let mut encoder = Encoder::new(64);
+        match encoder.encode(&push, p.here()) {
+            Ok(_) => {
+                p.bytes.extend_from_slice(&encoder.take_buffer());
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn commit(&mut self, start: u64, end: u64, p: Pending) -> Result<(), TranslateError> {
+        let code_left = self.layout.code.end - p.base;
+        let full = if p.bytes.len() as u64 > code_left {
+            Some(CacheError::CodeFull {
+                needed: p.bytes.len() as u64,
+                left: code_left,
+            })
+        } else if (p.blocks.len() as u64) * 8 > self.counters.left() {
+            Some(CacheError::CountersFull {
+                needed: p.blocks.len() as u64,
+                left: self.counters.left() / 8,
+            })
+        } else {
+            let left = (self.table.slots() / 2).saturating_sub(self.dispatch_targets.len());
+            (p.dispatch_targets.len() > left).then_some(CacheError::TableFull {
+                needed: p.dispatch_targets.len(),
+                left,
+            })
+        };
+        if let Some(source) = full {
+            tracing::warn!("the code cache is full ({source}); no more functions are translated");
+            self.full = Some(source.clone());
+            return Err(TranslateError::Full { start, source });
+        }
+        let _ = self.counters.take(p.blocks.len() as u64 * 8);
+        let offset = self.code.len();
+        self.functions.insert(
+            start,
+            TranslatedFunction {
+                start,
+                end,
+                entry: p.base,
+                bytes: p.bytes.len() as u64,
+                blocks: p.blocks.len(),
+            },
+        );
+        self.code.extend_from_slice(&p.bytes);
+        self.fixups.extend(p.fixups.into_iter().map(|f| Fixup {
+            at: f.at + offset,
+            ..f
+        }));
+        self.map.extend(p.map);
+        self.dispatch_targets.extend(p.dispatch_targets);
+        self.blocks.extend(p.blocks);
+        self.exits.extend(p.exits);
+        Ok(())
+    }
+
+    /// Links every branch to its target's translation (or original) and fills the
+    /// lookup table.
+    ///
+    /// # Errors
+    /// A link out of rel32 reach; a table that overflows (not expected: checked per
+    /// function).
+    pub fn finish(mut self) -> Result<Translation, TranslateError> {
+        let code_at = self.layout.code.start;
+        for f in &self.fixups {
+            let to = if f.link {
+                self.map.get(&f.target).copied().unwrap_or(f.target)
+            } else {
+                f.target
+            };
+            let from = code_at + f.at as u64 + 4;
+            let rel = i32::try_from(to.wrapping_sub(from) as i64)
+                .map_err(|_| TranslateError::LinkOutOfReach { from, to })?;
+            if let Some(field) = self.code.get_mut(f.at..f.at + 4) {
+                field.copy_from_slice(&rel.to_le_bytes());
+            }
+        }
+        for target in &self.dispatch_targets {
+            if let Some(&cache) = self.map.get(target) {
+                self.table.insert(*target, cache)?;
+            }
+        }
+        Ok(Translation {
+            code_at,
+            code: self.code,
+            table_at: self.table.addr(),
+            table_entries: self.table.len(),
+            table: self.table.to_bytes(),
+            counters: self.layout.counters.start..self.counters.here(),
+            blocks: self.blocks,
+            functions: self.functions,
+            exits: self.exits,
+            full: self.full,
+        })
+    }
+
+    /// Bytes of code used so far (the dispatch routine included).
+    #[must_use]
+    pub fn code_used(&self) -> u64 {
+        self.code.len() as u64
+    }
+
+    /// Bytes of counters used so far.
+    #[must_use]
+    pub fn counters_used(&self) -> u64 {
+        self.counters.used()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use exotap_introspect::x86::AnalysisConfig;
+    use exotap_vmm::control::{Machine, RegisterFile, X86Registers};
+    use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine, VCPU};
+    use iced_x86::code_asm::*;
+
+    const TEXT: u64 = 0xffff_ffff_8100_0000;
+    const HEAP: u64 = 0xffff_ffff_8200_0000;
+    const STACK_TOP: u64 = 0xffff_ffff_8010_0000;
+    const HALT: u64 = TEXT + 0xff0;
+    const G: u64 = TEXT + 0x100;
+
+    /// `f(n)`: sums `g(n) + ...` for n down to 1, calling `g` directly and through rsi;
+    /// `g` returns rax + 1 and leaves its own return address in rdx.
+    fn text() -> Vec<u8> {
+        let mut a = CodeAssembler::new(64).unwrap();
+        let mut top = a.create_label();
+        let mut done = a.create_label();
+        a.xor(eax, eax).unwrap();
+        a.mov(rsi, G).unwrap();
+        a.set_label(&mut top).unwrap();
+        a.test(rdi, rdi).unwrap();
+        a.je(done).unwrap();
+        a.add(rax, rdi).unwrap();
+        a.call(G).unwrap();
+        a.call(rsi).unwrap();
+        a.dec(rdi).unwrap();
+        a.jmp(top).unwrap();
+        a.set_label(&mut done).unwrap();
+        a.ret().unwrap();
+        let mut f = a.assemble(TEXT).unwrap();
+        f.resize(0x100, 0xcc);
+        let mut g = CodeAssembler::new(64).unwrap();
+        g.mov(rdx, qword_ptr(rsp)).unwrap();
+        g.lea(rax, qword_ptr(rax + 1)).unwrap();
+        g.ret().unwrap();
+        f.extend(g.assemble(G).unwrap());
+        f.resize(0x1000, 0xcc);
+        f[0xff0] = 0xf4;
+        f
+    }
+
+    struct Fixture {
+        bytes: Vec<u8>,
+        f: FunctionAnalysis,
+        g: FunctionAnalysis,
+    }
+
+    fn fixture() -> Fixture {
+        let bytes = text();
+        let config = AnalysisConfig::new();
+        let f_end = TEXT + text_len(&bytes[..0x100]);
+        let f = FunctionAnalysis::analyze(&bytes[..(f_end - TEXT) as usize], TEXT, &config);
+        let g_len = text_len(&bytes[0x100..0x200]) as usize;
+        let g = FunctionAnalysis::analyze(&bytes[0x100..0x100 + g_len], G, &config);
+        Fixture { bytes, f, g }
+    }
+
+    fn text_len(bytes: &[u8]) -> u64 {
+        bytes
+            .iter()
+            .rposition(|&b| b != 0xcc)
+            .map_or(0, |i| i as u64 + 1)
+    }
+
+    fn layout(code: u64) -> CacheLayout {
+        CacheLayout {
+            code: HEAP..HEAP + code,
+            counters: HEAP + 0x4000..HEAP + 0x5000,
+            table: HEAP + 0x8000..HEAP + 0x9000,
+        }
+    }
+
+    /// Runs from `rip` with rdi = n; returns (end, rax, rdx, instruction profile).
+    fn run(
+        bytes: &[u8],
+        t: Option<&Translation>,
+        rip: u64,
+    ) -> (
+        RunEnd,
+        u64,
+        u64,
+        std::collections::HashMap<u64, u64>,
+        Vec<u8>,
+    ) {
+        let mut m = UnicornMachine::new(Isa::X86_64).unwrap();
+        m.map(TEXT, 0x1000).unwrap();
+        m.map(HEAP, 0x1_0000).unwrap();
+        m.map(STACK_TOP - 0x1000, 0x1000).unwrap();
+        m.write(TEXT, bytes).unwrap();
+        if let Some(t) = t {
+            m.write(t.code_at, &t.code).unwrap();
+            m.write(t.table_at, &t.table).unwrap();
+        }
+        m.write(STACK_TOP - 8, &HALT.to_le_bytes()).unwrap();
+        m.set_halt(Some(HALT)).unwrap();
+        m.set_budget(100_000);
+        let mut regs = X86Registers {
+            rip,
+            rflags: 0x2,
+            ..X86Registers::default()
+        };
+        regs.gpr[5] = 4;
+        regs.gpr[7] = STACK_TOP - 8;
+        m.set_x86_registers(&regs).unwrap();
+        m.start_profile().unwrap();
+        let end = m.run().unwrap();
+        let profile = m.take_profile().unwrap_or_default();
+        let RegisterFile::X86_64(r) = m.registers(VCPU).unwrap() else {
+            panic!("not x86-64")
+        };
+        let mut counters = vec![0; 0x1000];
+        m.read(HEAP + 0x4000, &mut counters).unwrap();
+        (end, r.gpr[0], r.gpr[3], profile, counters)
+    }
+
+    fn translate_both(fx: &Fixture, keyed: &[u64]) -> Translation {
+        let view = CodeView::new(TEXT, &fx.bytes).unwrap();
+        let mut t = Translator::new(layout(0x4000), keyed).unwrap();
+        t.translate(view, &fx.f).unwrap();
+        t.translate(view, &fx.g).unwrap();
+        t.finish().unwrap()
+    }
+
+    #[test]
+    fn translated_function_computes_the_same_and_counts_every_leader_exactly() {
+        let fx = fixture();
+        let t = translate_both(&fx, &[]);
+        let (end0, rax0, rdx0, profile, _) = run(&fx.bytes, None, TEXT);
+
+        let entry = t.entry(TEXT).unwrap();
+        let (end1, rax1, rdx1, _, counters) = run(&fx.bytes, Some(&t), entry);
+
+        assert_eq!(end0, RunEnd::Halted(HALT));
+        assert_eq!(end1, end0);
+        assert_eq!((rax1, rdx1), (rax0, rdx0));
+        for (leader, count) in t.counts(&counters) {
+            assert_eq!(
+                count,
+                profile.get(&leader).copied().unwrap_or(0),
+                "{leader:#x}"
+            );
+        }
+        assert!(t.blocks.len() >= 5);
+        assert!(t.exits.is_empty());
+    }
+
+    #[test]
+    fn callees_see_the_original_return_address() {
+        let fx = fixture();
+        let t = translate_both(&fx, &[]);
+        let (_, _, rdx0, _, _) = run(&fx.bytes, None, TEXT);
+
+        let (_, _, rdx1, _, _) = run(&fx.bytes, Some(&t), t.entry(TEXT).unwrap());
+
+        assert!((TEXT..TEXT + 0x100).contains(&rdx0), "{rdx0:#x}");
+        assert_eq!(rdx1, rdx0);
+    }
+
+    #[test]
+    fn an_exception_table_instruction_runs_at_its_original_address() {
+        let fx = fixture();
+        let add = fx.f.cfg.insns()[4].addr;
+        let t = translate_both(&fx, &[add]);
+        let (_, rax0, _, _, _) = run(&fx.bytes, None, TEXT);
+
+        let (end, rax1, _, profile, counters) = run(&fx.bytes, Some(&t), t.entry(TEXT).unwrap());
+
+        assert_eq!(end, RunEnd::Halted(HALT));
+        assert_eq!(rax1, rax0);
+        assert_eq!(
+            t.exits,
+            vec![CacheExit {
+                addr: add,
+                reason: ExitReason::ExceptionTable
+            }]
+        );
+        // It ran in place, once per loop iteration.
+        assert_eq!(profile.get(&add).copied(), Some(4));
+        assert!(t.counts(&counters).iter().any(|&(_, c)| c > 0));
+    }
+
+    #[test]
+    fn a_full_cache_refuses_the_function_and_every_later_one_and_stays_consistent() {
+        let fx = fixture();
+        let view = CodeView::new(TEXT, &fx.bytes).unwrap();
+        let dispatch_only = Translator::new(layout(0x400), &[]).unwrap().code_used();
+        let mut sizing = Translator::new(layout(0x4000), &[]).unwrap();
+        sizing.translate(view, &fx.g).unwrap();
+        let g_size = sizing.code_used() - dispatch_only;
+        // Room for the dispatch routine and g, not for f.
+        let mut filler = layout(0x400);
+        filler.code.end = filler.code.start + dispatch_only + g_size + 8;
+        let mut t2 = Translator::new(filler, &[]).unwrap();
+
+        t2.translate(view, &fx.g).unwrap();
+        let refused = t2.translate(view, &fx.f);
+        let again = t2.translate(view, &fx.f);
+        let translation = t2.finish().unwrap();
+        // Entering at f's original code with g translated: g's returns find no
+        // translation of f and return to the original.
+        let (_, rax0, _, _, _) = run(&fx.bytes, None, TEXT);
+        let (end, rax1, _, _, _) = run(&fx.bytes, Some(&translation), TEXT);
+
+        assert!(matches!(
+            refused,
+            Err(TranslateError::Full {
+                source: CacheError::CodeFull { .. },
+                ..
+            })
+        ));
+        assert!(matches!(again, Err(TranslateError::Full { .. })));
+        assert!(translation.full.is_some());
+        assert_eq!(translation.functions.len(), 1);
+        assert_eq!((end, rax1), (RunEnd::Halted(HALT), rax0));
+    }
+
+    #[test]
+    fn counters_save_flags_only_where_liveness_says_they_are_live() {
+        let fx = fixture();
+
+        let t = translate_both(&fx, &[]);
+
+        // Every block of this fixture starts with a flag-writing instruction or a call.
+        assert!(t.blocks.iter().all(|b| !b.saves_flags), "{:?}", t.blocks);
+    }
+
+    #[test]
+    fn entry_splice_is_a_jmp_rel32_to_the_translation() {
+        let splice = entry_splice(TEXT, HEAP + 0x40).unwrap();
+
+        assert_eq!(splice[0], 0xe9);
+        let rel = i32::from_le_bytes([splice[1], splice[2], splice[3], splice[4]]);
+        assert_eq!(TEXT + 5 + rel as u64, HEAP + 0x40);
+        assert_eq!(entry_splice(0x1000, 0xffff_ffff_8000_0000), None);
+    }
+}
