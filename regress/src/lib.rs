@@ -18,6 +18,7 @@
 //! runs; a batch that diverges is re-run point by point so the report names the points.
 
 pub mod image;
+pub mod jit;
 pub mod sparc;
 pub mod vmlinux;
 pub mod x86;
@@ -233,6 +234,17 @@ impl Options {
             stride: 1,
         }
     }
+}
+
+/// Builds the x86-64 mini-kernel and runs the JIT regression over it: every function
+/// translated with block counters ([`jit`]).
+///
+/// # Errors
+/// gcc missing or failing, emulator failure, a reference run that does not halt.
+pub fn regress_jit_x86_minikernel() -> Result<jit::JitReport, RegressError> {
+    let kernel = exotap_guest_images::minikernel::ensure_x86_64()?;
+    let image = ElfImage::load(&kernel.elf)?;
+    jit::regress_image(&image)
 }
 
 /// Builds the x86-64 mini-kernel and runs the regression over it.

@@ -675,6 +675,7 @@ fn sweep_functions<S: AsRef<str>>(
         image_end,
         Scratch::HALT,
         X86Registers::default(),
+        crate::x86::HEAP_SIZE,
     )?;
     h.in_emulator_traps = options.in_emulator_traps;
     let generic_note = if generic.is_empty() {

@@ -24,6 +24,8 @@ use crate::image::ElfImage;
 use crate::{Divergence, Options, ProbeKind, RegressError, Report};
 
 const PAGE: u64 = 0x1000;
+/// The patch heap's size for the splice sweep (patches and counters of one batch).
+pub(crate) const HEAP_SIZE: usize = 0x4_0000;
 /// The stack: 64 KiB ending 1 MiB below the image.
 const STACK_SIZE: u64 = 0x1_0000;
 /// The patch heap's distance above the image's end.
@@ -36,7 +38,7 @@ const STATUS_FLAGS: u64 = 0x8d5;
 /// hit the patch adds a handful).
 const BUDGET_FACTOR: u64 = 8;
 /// The most instructions a reference run may take.
-const REFERENCE_BUDGET: u64 = 50_000_000;
+pub(crate) const REFERENCE_BUDGET: u64 = 50_000_000;
 
 fn round_up(v: u64) -> u64 {
     v.div_ceil(PAGE) * PAGE
@@ -55,12 +57,12 @@ pub(crate) struct Region {
 
 /// What a run left behind.
 #[derive(Debug, Clone)]
-struct Outcome {
-    end: RunEnd,
-    gpr: [u64; 16],
+pub(crate) struct Outcome {
+    pub(crate) end: RunEnd,
+    pub(crate) gpr: [u64; 16],
     rflags: u64,
     /// Image memory, then the live stack (from rsp up).
-    memory: Vec<(u64, Vec<u8>)>,
+    pub(crate) memory: Vec<(u64, Vec<u8>)>,
     /// Breakpoint hits per address (trap runs).
     hits: HashMap<u64, u64>,
 }
@@ -76,15 +78,15 @@ pub(crate) struct Harness {
     pub(crate) start: X86Registers,
     /// Bytes the caller placed on top of the stack (a return address), in `stack.init`.
     pub(crate) halt: u64,
-    budget: u64,
-    runs: usize,
+    pub(crate) budget: u64,
+    pub(crate) runs: usize,
     /// Traps handled inside the emulator (a code hook that moves the pc) instead of as
     /// breakpoint events through the control interface.
     pub(crate) in_emulator_traps: bool,
 }
 
 impl Harness {
-    fn new(image: &ElfImage) -> Result<Self, RegressError> {
+    pub(crate) fn new(image: &ElfImage, heap_size: usize) -> Result<Self, RegressError> {
         let halt = image.symbol("exotap_halt")?;
         // Page-rounded images of the segments (segments may share pages).
         let mut pages: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
@@ -124,7 +126,14 @@ impl Harness {
             ..X86Registers::default()
         };
         start.gpr[7] = image_start - HEAP_GAP - 16;
-        Self::with_regions(image_regions, image_start, image_end, halt, start)
+        Self::with_regions(
+            image_regions,
+            image_start,
+            image_end,
+            halt,
+            start,
+            heap_size,
+        )
     }
 
     /// A harness over `image_regions` (already page-aligned), with a stack below
@@ -135,6 +144,7 @@ impl Harness {
         image_end: u64,
         halt: u64,
         start: X86Registers,
+        heap_size: usize,
     ) -> Result<Self, RegressError> {
         let mut m = UnicornMachine::new(Isa::X86_64)?;
         let stack = Region {
@@ -149,7 +159,7 @@ impl Harness {
             addr: image_end
                 .checked_add(HEAP_GAP)
                 .ok_or_else(|| RegressError::Layout("image too high for a heap".into()))?,
-            init: vec![0; 0x4_0000],
+            init: vec![0; heap_size],
             reset: true,
             compare: false,
         };
@@ -190,16 +200,16 @@ impl Harness {
         Ok(self.stack.addr + len as u64 - 24)
     }
 
-    fn heap_base(&self) -> u64 {
+    pub(crate) fn heap_base(&self) -> u64 {
         self.heap.addr
     }
 
-    fn heap_end(&self) -> u64 {
+    pub(crate) fn heap_end(&self) -> u64 {
         self.heap.addr + self.heap.init.len() as u64
     }
 
     /// Puts memory and registers back to the state before the first instruction.
-    fn reset(&mut self) -> Result<(), RegressError> {
+    pub(crate) fn reset(&mut self) -> Result<(), RegressError> {
         for r in self.image_regions.iter().chain([&self.stack, &self.heap]) {
             if r.reset {
                 self.m.write(r.addr, &r.init)?;
@@ -212,7 +222,7 @@ impl Harness {
 
     /// Runs to the end; at a breakpoint in `trampolines`, counts the hit and continues
     /// at the out-of-line copy.
-    fn run(&mut self, trampolines: &HashMap<u64, u64>) -> Result<Outcome, RegressError> {
+    pub(crate) fn run(&mut self, trampolines: &HashMap<u64, u64>) -> Result<Outcome, RegressError> {
         self.runs += 1;
         let mut hits: HashMap<u64, u64> = HashMap::new();
         let mut total_hits = 0u64;
@@ -257,7 +267,7 @@ impl Harness {
 }
 
 /// The first difference between a probed run and the reference, if any.
-fn compare(reference: &Outcome, probed: &Outcome) -> Option<String> {
+pub(crate) fn compare(reference: &Outcome, probed: &Outcome) -> Option<String> {
     if probed.end != reference.end {
         return Some(format!(
             "ended with {:?} instead of {:?}",
@@ -339,7 +349,7 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
     let analysis = TextAnalysis::analyze(view, &ranges, &AnalysisConfig::new());
     let ctx = SpliceContext::new(view, &analysis);
 
-    let mut h = Harness::new(image)?;
+    let mut h = Harness::new(image, HEAP_SIZE)?;
     h.in_emulator_traps = options.in_emulator_traps;
     let mut report = Report {
         image: image.path.clone(),

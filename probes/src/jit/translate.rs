@@ -423,7 +423,6 @@ impl<'k> Translator<'k> {
             let counter = counter_base + 8 * p.blocks.len() as u64;
             let cache = p.here();
             p.map.push((first.addr, cache));
-            p.dispatch_targets.push(first.addr);
             p.blocks.push(CountedBlock {
                 function: start,
                 leader: first.addr,
@@ -566,7 +565,7 @@ impl<'k> Translator<'k> {
         }
     }
 
-    fn commit(&mut self, start: u64, end: u64, p: Pending) -> Result<(), TranslateError> {
+    fn commit(&mut self, start: u64, end: u64, mut p: Pending) -> Result<(), TranslateError> {
         let code_left = self.layout.code.end - p.base;
         let full = if p.bytes.len() as u64 > code_left {
             Some(CacheError::CodeFull {
@@ -580,10 +579,8 @@ impl<'k> Translator<'k> {
             })
         } else {
             let left = (self.table.slots() / 2).saturating_sub(self.dispatch_targets.len());
-            (p.dispatch_targets.len() > left).then_some(CacheError::TableFull {
-                needed: p.dispatch_targets.len(),
-                left,
-            })
+            let needed = p.dispatch_targets.len() + p.map.len();
+            (needed > left).then_some(CacheError::TableFull { needed, left })
         };
         if let Some(source) = full {
             tracing::warn!("the code cache is full ({source}); no more functions are translated");
@@ -591,6 +588,10 @@ impl<'k> Translator<'k> {
             return Err(TranslateError::Full { start, source });
         }
         let _ = self.counters.take(p.blocks.len() as u64 * 8);
+        // Every translated instruction is a dispatch target: jump tables land on
+        // instructions that are not CFG leaders.
+        p.dispatch_targets
+            .extend(p.map.iter().map(|&(orig, _)| orig));
         let offset = self.code.len();
         self.functions.insert(
             start,
@@ -635,6 +636,8 @@ impl<'k> Translator<'k> {
                 field.copy_from_slice(&rel.to_le_bytes());
             }
         }
+        self.dispatch_targets.sort_unstable();
+        self.dispatch_targets.dedup();
         for target in &self.dispatch_targets {
             if let Some(&cache) = self.map.get(target) {
                 self.table.insert(*target, cache)?;
