@@ -27,6 +27,10 @@ use exotap_probes::splice::SpliceContext;
 use exotap_vmm::control::X86Registers;
 use object::{Object, ObjectSegment, ObjectSymbol};
 
+mod jit;
+
+pub use jit::regress_jit;
+
 use crate::x86::{sweep, Harness, Region};
 use crate::{Options, RegressError, Report};
 
@@ -514,6 +518,9 @@ struct Loaded {
     /// Every symbol of a wanted name.
     symbols: HashMap<String, Vec<SymbolFact>>,
     return_thunk: Option<u64>,
+    /// Every sized code symbol in the text, `(start, end, name)`, sorted (the JIT mode
+    /// translates callees too).
+    code_symbols: Vec<(u64, u64, String)>,
 }
 
 const RETURN_THUNK: &str = "__x86_return_thunk";
@@ -557,7 +564,18 @@ fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError>
         .chain([RETURN_THUNK])
         .collect();
     let mut symbols: HashMap<String, Vec<SymbolFact>> = HashMap::new();
+    let text_end = text_base + text.len() as u64;
+    let mut code_symbols = Vec::new();
     for sym in elf.symbols() {
+        if sym.kind() == object::SymbolKind::Text
+            && sym.size() > 0
+            && sym.address() >= text_base
+            && sym.address().saturating_add(sym.size()) <= text_end
+        {
+            if let Ok(name) = sym.name() {
+                code_symbols.push((sym.address(), sym.address() + sym.size(), name.to_owned()));
+            }
+        }
         if let Ok(name) = sym.name() {
             if wanted.contains(name) {
                 symbols
@@ -575,12 +593,15 @@ fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError>
         .get(RETURN_THUNK)
         .and_then(|facts| facts.iter().find(|f| f.code))
         .map(|f| f.addr);
+    code_symbols.sort();
+    code_symbols.dedup_by_key(|s| s.0);
     Ok(Loaded {
         regions,
         text_base,
         text,
         symbols,
         return_thunk,
+        code_symbols,
     })
 }
 
