@@ -41,6 +41,34 @@ pub struct RegressArgs {
     /// Which mini-kernels to sweep.
     #[arg(long, value_enum, default_value = "all")]
     pub arch: Arch,
+    /// JIT mode instead of the splice sweep: every function of the x86-64 mini-kernel
+    /// (and, with --vmlinux, every built-in vmlinux call with its callees) runs translated
+    /// into a code cache with block counters; the run must match the untranslated one and
+    /// every count must equal Unicorn's own block hook. x86-64 only.
+    #[arg(long, conflicts_with_all = ["full", "batch", "functions"])]
+    pub jit: bool,
+}
+
+/// `exotap regress --jit`: the JIT-mode reports; exit code 1 on any divergence.
+fn run_jit(args: &RegressArgs) -> anyhow::Result<i32> {
+    if args.arch == Arch::Sparc64 {
+        anyhow::bail!("the JIT mode is x86-64 only (SPARC translation is not built yet)");
+    }
+    let mut reports = vec![exotap_regress::regress_jit_x86_minikernel()?];
+    if args.vmlinux {
+        let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
+            anyhow::anyhow!(
+                "no vmlinux with symbols in the cache: run exotap image fetch --debuginfo"
+            )
+        })?;
+        reports.push(exotap_regress::vmlinux::regress_jit(&path)?);
+    }
+    let mut failed = false;
+    for report in &reports {
+        outln!("{report}\n");
+        failed |= !report.divergences.is_empty();
+    }
+    Ok(i32::from(failed))
 }
 
 /// Builds the mini-kernels (x86-64, SPARC v9), runs the sweeps, prints the reports;
@@ -50,6 +78,9 @@ pub struct RegressArgs {
 /// When the regression cannot run (no gcc, emulator failure, no cached vmlinux), or the
 /// function list is unreadable or names a function the vmlinux sweep cannot call.
 pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
+    if args.jit {
+        return run_jit(args);
+    }
     let mut options = if args.full {
         Options::full()
     } else {
