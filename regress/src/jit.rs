@@ -49,6 +49,8 @@ pub struct JitReport {
     pub blocks_executed: usize,
     /// Block counters compared with the oracle.
     pub counts_checked: usize,
+    /// Counters kept inside `pushfq`/`popfq` (status flags live at the leader).
+    pub counters_saving_flags: usize,
     /// Sum of all block counts (what the counters saw).
     pub block_executions: u64,
     /// Function entries sent into the cache by a splice, and by an in-emulator trap.
@@ -88,8 +90,8 @@ impl fmt::Display for JitReport {
         )?;
         writeln!(
             f,
-            "counts checked against Unicorn's block hook: {} ({} block executions)",
-            self.counts_checked, self.block_executions
+            "counts checked against Unicorn's block hook: {} ({} block executions); {} counters save flags",
+            self.counts_checked, self.block_executions, self.counters_saving_flags
         )?;
         writeln!(
             f,
@@ -194,6 +196,7 @@ pub(crate) fn check(
         .map_err(|e| RegressError::Layout(format!("linking the translation: {e}")))?;
     report.functions += t.functions.len();
     report.blocks += t.blocks.len();
+    report.counters_saving_flags += t.blocks.iter().filter(|b| b.saves_flags).count();
     report.cache_bytes = report.cache_bytes.max(t.code.len() as u64);
     report.table_entries = report.table_entries.max(t.table_entries);
     for exit in &t.exits {

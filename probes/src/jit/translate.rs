@@ -48,6 +48,27 @@ use super::cache::{Bump, CacheError, CacheLayout};
 use super::lookup::{dispatch_routine, LookupError, LookupTable};
 use crate::splice::reloc::{decode_one, relocate, CallReturn};
 
+/// Test-only fault injection into the translator, to prove that the JIT regression
+/// (`exotap regress --jit`) detects translated code that silently leaves the cache. Only
+/// built with the `fault-injection` feature, which only the regression's own tests enable.
+#[cfg(feature = "fault-injection")]
+pub mod fault {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static UNLINKED_CONDITIONAL_JUMPS: AtomicBool = AtomicBool::new(false);
+
+    /// Makes every later translation send taken conditional jumps to their original
+    /// target instead of its translation (process-wide), or stops doing so: the kernel
+    /// computes the same, but blocks run outside the cache uncounted.
+    pub fn set_unlinked_conditional_jumps(on: bool) {
+        UNLINKED_CONDITIONAL_JUMPS.store(on, Ordering::SeqCst);
+    }
+
+    pub(crate) fn unlinked_conditional_jumps() -> bool {
+        UNLINKED_CONDITIONAL_JUMPS.load(Ordering::SeqCst)
+    }
+}
+
 /// Errors of translation.
 #[derive(Debug, thiserror::Error)]
 pub enum TranslateError {
@@ -487,6 +508,16 @@ impl<'k> Translator<'k> {
                 match relocate(bytes, addr, p.here(), CallReturn::Patch) {
                     Ok(r) => {
                         p.bytes.extend_from_slice(&r.bytes);
+                        #[cfg(feature = "fault-injection")]
+                        {
+                            let at = p.bytes.len() - r.bytes.len();
+                            crate::splice::reloc::fault::apply(
+                                &mut p.bytes,
+                                at,
+                                r.bytes.len(),
+                                r.new_ip,
+                            );
+                        }
                         true
                     }
                     Err(_) => p.leave(addr, ExitReason::Unrelocatable),
@@ -517,7 +548,11 @@ impl<'k> Translator<'k> {
                 if instr.is_jcc_short_or_near() {
                     let cc = (instr.condition_code() as u8).wrapping_sub(1) & 0xf;
                     p.bytes.extend_from_slice(&[0x0f, 0x80 | cc]);
-                    p.rel32_to(target, true);
+                    #[cfg(feature = "fault-injection")]
+                    let link = !fault::unlinked_conditional_jumps();
+                    #[cfg(not(feature = "fault-injection"))]
+                    let link = true;
+                    p.rel32_to(target, link);
                     true
                 } else if instr.is_jcx_short() || instr.is_loop() || instr.is_loopcc() {
                     // `jrcxz/loop +2; jmp short +5; jmp rel32 target`.
