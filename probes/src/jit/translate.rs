@@ -280,11 +280,13 @@ impl Pending {
         Ok(())
     }
 
-    /// Leaves the cache: the instruction at `addr` runs at its own address.
+    /// Leaves the cache: the instruction at `addr` runs at its own address. The block's
+    /// later instructions are still translated (the stub never falls into them, but a
+    /// jump table or a return may enter them: `jmp *%rax; int3; <case>`).
     fn leave(&mut self, addr: u64, reason: ExitReason) -> bool {
         self.exits.push(CacheExit { addr, reason });
         self.jmp(addr, false);
-        false
+        true
     }
 
     /// `push imm32` of a return address (and a fix of its high half when it does not
@@ -942,5 +944,77 @@ mod tests {
         let rel = i32::from_le_bytes([splice[1], splice[2], splice[3], splice[4]]);
         assert_eq!(TEXT + 5 + rel as u64, HEAP + 0x40);
         assert_eq!(entry_splice(0x1000, 0xffff_ffff_8000_0000), None);
+    }
+
+    /// A function with `loop`, `jrcxz`, a call through a RIP-relative pointer, a jump
+    /// through a register and a `ret 8`: sums 1..=rdi into rax via `g`.
+    fn odd_flows() -> (Vec<u8>, Vec<FunctionAnalysis>) {
+        let ptr_at = TEXT + 0x800;
+        let mut a = CodeAssembler::new(64).unwrap();
+        let mut top = a.create_label();
+        let mut out = a.create_label();
+        let mut after = a.create_label();
+        a.xor(eax, eax).unwrap();
+        a.mov(rcx, rdi).unwrap();
+        a.jrcxz(out).unwrap();
+        a.set_label(&mut top).unwrap();
+        a.call(qword_ptr(ptr_at)).unwrap();
+        a.loop_(top).unwrap();
+        a.set_label(&mut out).unwrap();
+        a.lea(rdx, qword_ptr(after)).unwrap();
+        a.jmp(rdx).unwrap();
+        a.int3().unwrap();
+        a.set_label(&mut after).unwrap();
+        a.push(rax).unwrap();
+        a.call(G + 0x10).unwrap();
+        a.ret().unwrap();
+        let mut bytes = a.assemble(TEXT).unwrap();
+        bytes.resize(0x100, 0xcc);
+        // g: rax += rcx (called through the pointer); h, at G + 0x10: drops the word
+        // pushed before the call with `ret 8`.
+        let mut g = CodeAssembler::new(64).unwrap();
+        g.add(rax, rcx).unwrap();
+        g.ret().unwrap();
+        bytes.extend(g.assemble(G).unwrap());
+        bytes.resize(0x110, 0xcc);
+        let mut h = CodeAssembler::new(64).unwrap();
+        h.ret_1(8).unwrap();
+        bytes.extend(h.assemble(G + 0x10).unwrap());
+        bytes.resize(0x1000, 0xcc);
+        bytes[0xff0] = 0xf4;
+        bytes[0x800..0x808].copy_from_slice(&G.to_le_bytes());
+        let config = AnalysisConfig::new();
+        let f_len = text_len(&bytes[..0x100]) as usize;
+        let f = FunctionAnalysis::analyze(&bytes[..f_len], TEXT, &config);
+        let g = FunctionAnalysis::analyze(&bytes[0x100..0x104], G, &config);
+        let h = FunctionAnalysis::analyze(&bytes[0x110..0x113], G + 0x10, &config);
+        (bytes, vec![f, g, h])
+    }
+
+    #[test]
+    fn loop_jrcxz_memory_calls_register_jumps_and_ret_imm_run_as_the_original() {
+        let (bytes, functions) = odd_flows();
+        let view = CodeView::new(TEXT, &bytes).unwrap();
+        let mut t = Translator::new(layout(0x4000), &[]).unwrap();
+        for f in &functions {
+            t.translate(view, f).unwrap();
+        }
+        let t = t.finish().unwrap();
+        let (end0, rax0, _, profile, _) = run(&bytes, None, TEXT);
+
+        let (end1, rax1, _, _, counters) = run(&bytes, Some(&t), t.entry(TEXT).unwrap());
+
+        assert_eq!(end0, RunEnd::Halted(HALT));
+        assert_eq!((end1, rax1), (end0, rax0));
+        assert_eq!(rax0, 4 + 3 + 2 + 1);
+        let exits: Vec<ExitReason> = t.exits.iter().map(|e| e.reason).collect();
+        assert_eq!(exits, vec![ExitReason::Trap, ExitReason::SpecialReturn]);
+        for (leader, count) in t.counts(&counters) {
+            assert_eq!(
+                count,
+                profile.get(&leader).copied().unwrap_or(0),
+                "{leader:#x}"
+            );
+        }
     }
 }
