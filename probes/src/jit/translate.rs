@@ -1017,4 +1017,44 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn hostile_text_gives_translations_inside_the_cache_or_errors_never_a_panic() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let config = AnalysisConfig::new();
+        for round in 0..64u64 {
+            let text: Vec<u8> = (0..1024).map(|_| next() as u8).collect();
+            let view = CodeView::new(TEXT, &text).unwrap();
+            let keyed: Vec<u64> = (0..8).map(|_| TEXT + next() % 1024).collect::<Vec<_>>();
+            let mut keyed = keyed;
+            keyed.sort_unstable();
+            let code = 0x1000 * (1 + round % 4);
+            let layout = layout(code);
+            let mut t = Translator::new(layout.clone(), &keyed).unwrap();
+            for start in (0..text.len()).step_by(64) {
+                let f = FunctionAnalysis::analyze(
+                    &text[start..start + 64],
+                    TEXT + start as u64,
+                    &config,
+                );
+                let _ = t.translate(view, &f);
+            }
+
+            let Ok(t) = t.finish() else {
+                continue;
+            };
+
+            assert!(t.code.len() as u64 <= code);
+            assert!(t
+                .blocks
+                .iter()
+                .all(|b| layout.counters.contains(&b.counter) && layout.code.contains(&b.cache)));
+        }
+    }
 }
