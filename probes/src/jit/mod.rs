@@ -17,3 +17,9 @@ pub use translate::{
     entry_splice, CacheExit, CountedBlock, ExitReason, TranslateError, TranslatedFunction,
     Translation, Translator,
 };
+
+// Detaching (not built yet, issue 18): remove the entry splices (text byte-identical),
+// then zero the lookup table so every return and indirect branch in the cache continues
+// at its original target, then wait until no vCPU's RIP is in the cache; only then may
+// the heap be reused. Stacks hold original return addresses only, so a sleeping task
+// never returns into the cache.

@@ -19,8 +19,11 @@
 //! backtraces, perf), `__builtin_return_address` users (`_RET_IP_`, lockdep, kmalloc
 //! caller tracking), stack-protector and ftrace's return-address logic all see kernel
 //! text. The price is a lookup per return: the translated `ret` finds the caller's
-//! translation through the table (every instruction after a translated call is in it);
-//! a return to code that is not translated simply lands there.
+//! translation through the table (every translated instruction is in it, so jump tables
+//! and returns land on their translation); a return to code that is not translated simply
+//! lands there. What the stack cannot show: a vCPU interrupted while in the cache has a
+//! cache address in its interrupt frame until it returns there (see the module note on
+//! detaching in [`super`]).
 //!
 //! **Where translated code leaves the cache** ([`ExitReason`]): instructions the kernel
 //! finds by address (exception-table entries, i.e. user accesses; `ud2`/`int3` of
