@@ -935,6 +935,7 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
             a: 3,
             b: -5,
         };
+        eprintln!("corpus case {}", case.display());
         let (header, failed) = differential_with(&script, &[hit]);
         assert_eq!(header.errors, failed, "{}: probe errors", case.display());
         compiled.push(case.file_name().unwrap().to_string_lossy().into_owned());

@@ -102,8 +102,11 @@ macro_rules! asm {
 
 // After the macro: the submodules use it.
 mod calls;
+mod foreach;
+mod functions;
 mod memory;
 mod updates;
+mod walk;
 
 pub use calls::{prints, record_bytes};
 
@@ -123,12 +126,27 @@ struct Gen<'a, 'b> {
     depth: usize,
     loops: Vec<(CodeLabel, CodeLabel)>,
     end: CodeLabel,
-    err_div: CodeLabel,
-    err_budget: CodeLabel,
-    err_fault: CodeLabel,
-    err_overflow: CodeLabel,
-    err_empty: CodeLabel,
+    errors: Errors,
     span: Span,
+    /// Levels of key buffers in the current frame (array lookups nested in keys).
+    key_levels: usize,
+    /// `foreach` loops the current frame has state for, and how many are open.
+    foreach_levels: usize,
+    foreach_depth: usize,
+    /// User functions: their entry labels, and those still to emit (after the body).
+    functions: functions::Functions,
+}
+
+/// Where each kind of probe error jumps: the probe's counters, or inside `try` the handler.
+#[derive(Debug, Clone, Copy)]
+struct Errors {
+    div: CodeLabel,
+    budget: CodeLabel,
+    fault: CodeLabel,
+    overflow: CodeLabel,
+    empty: CodeLabel,
+    /// MAXNESTING, and `error()` (with its message in rax/rdx).
+    other: CodeLabel,
 }
 
 /// Emits probe `point.probe`'s body (with its condition) for `point`.
@@ -190,11 +208,14 @@ pub fn emit_body(
         construct: format!("code the assembler refused ({e})"),
     };
     let end = a.create_label();
-    let err_div = a.create_label();
-    let err_budget = a.create_label();
-    let err_fault = a.create_label();
-    let err_overflow = a.create_label();
-    let err_empty = a.create_label();
+    let errors = Errors {
+        div: a.create_label(),
+        budget: a.create_label(),
+        fault: a.create_label(),
+        overflow: a.create_label(),
+        empty: a.create_label(),
+        other: a.create_label(),
+    };
     let mut g = Gen {
         a,
         env,
@@ -206,12 +227,12 @@ pub fn emit_body(
         depth: 0,
         loops: Vec::new(),
         end,
-        err_div,
-        err_budget,
-        err_fault,
-        err_overflow,
-        err_empty,
+        errors,
         span: probe.span,
+        key_levels: MAX_KEY_DEPTH,
+        foreach_levels: foreach::FOREACH_LEVELS,
+        foreach_depth: 0,
+        functions: functions::Functions::default(),
     };
     g.prologue().map_err(asm)?;
     if let Some(cond) = &probe.condition {
@@ -221,7 +242,11 @@ pub fn emit_body(
     }
     g.block(&probe.body)?;
     g.epilogue().map_err(asm)?;
-    Ok(())
+    // The user functions it calls follow the body; the site's code goes on after them.
+    let mut after = g.a.create_label();
+    g.a.jmp(after).map_err(asm)?;
+    g.emit_functions()?;
+    g.place(&mut after)
 }
 
 impl Gen<'_, '_> {
@@ -234,9 +259,20 @@ impl Gen<'_, '_> {
     }
 
     fn frame_size(&self) -> i32 {
-        let keys = (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32;
         let texts = self.texts.values().copied().max().unwrap_or(0);
-        (self.locals_size + keys + SCRATCH + texts + 15) / 16 * 16
+        let foreach = self.foreach_levels as i32 * foreach::FOREACH_STATE;
+        (self.locals_size + self.keys_bytes() + SCRATCH + texts + foreach + 15) / 16 * 16
+    }
+
+    /// Bytes of the key buffers in the current frame.
+    fn keys_bytes(&self) -> i32 {
+        (self.key_levels * MAX_KEYS) as i32 * KEY as i32
+    }
+
+    /// Frame offset (from rbp) of the state of the `foreach` open at `level`.
+    fn foreach_state(&self, level: usize) -> i32 {
+        let texts = self.texts.values().copied().max().unwrap_or(0);
+        self.scratch() - texts - (level as i32 + 1) * foreach::FOREACH_STATE
     }
 
     /// Frame offset (from rbp) of the buffer of the text local at `at` (see `texts`).
@@ -246,7 +282,7 @@ impl Gen<'_, '_> {
 
     /// The 8-byte buffer kernel reads copy into (below the key buffers).
     fn scratch(&self) -> i32 {
-        -(self.locals_size + (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32 + SCRATCH)
+        -(self.locals_size + self.keys_bytes() + SCRATCH)
     }
 
     fn key_buffer(&self, depth: usize) -> i32 {
@@ -255,9 +291,18 @@ impl Gen<'_, '_> {
 
     fn prologue(&mut self) -> Result<(), IcedError> {
         let frame = self.frame_size();
+        // rbx keeps the probe's stack for the end of the hit (also from inside functions);
+        // r12 counts the user functions the hit is nested in.
         self.a.mov(rbp, rsp)?;
+        self.a.mov(rbx, rsp)?;
+        self.a.xor(r12d, r12d)?;
         self.a.sub(rsp, frame)?;
-        // Locals start at 0 and "" (the key buffers need no clearing).
+        self.zero_locals()?;
+        self.enter_probe()
+    }
+
+    /// Locals start at 0 and "" (the key buffers need no clearing).
+    fn zero_locals(&mut self) -> Result<(), IcedError> {
         if self.locals_size > 0 {
             self.a.xor(eax, eax)?;
             for off in (8..=self.locals_size).step_by(8) {
@@ -268,6 +313,10 @@ impl Gen<'_, '_> {
         for off in texts {
             self.a.mov(byte_ptr(rbp + off), 0)?;
         }
+        Ok(())
+    }
+
+    fn enter_probe(&mut self) -> Result<(), IcedError> {
         self.a
             .mov(r14, self.env.limits.max_action.min(i64::MAX as u64))?;
         let mut cur = Instruction::with2(
@@ -284,24 +333,27 @@ impl Gen<'_, '_> {
         let data = self.env.data;
         let mut common = self.a.create_label();
         self.a.jmp(self.end)?;
-        self.a.set_label(&mut self.err_div)?;
+        self.a.set_label(&mut self.errors.div)?;
         self.count(data + field::DIV_ZERO)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_budget)?;
+        self.a.set_label(&mut self.errors.budget)?;
         self.count(data + field::MAXACTION)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_fault)?;
+        self.a.set_label(&mut self.errors.fault)?;
         self.count(data + field::FAULTS)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_overflow)?;
+        self.a.set_label(&mut self.errors.overflow)?;
         self.count(data + field::OVERFLOW)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_empty)?;
+        self.a.set_label(&mut self.errors.empty)?;
         self.count(data + field::EMPTY)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.errors.other)?;
+        self.a.nop()?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
-        self.a.mov(rsp, rbp)?;
+        self.a.mov(rsp, rbx)?;
         Ok(())
     }
 
@@ -318,7 +370,7 @@ impl Gen<'_, '_> {
     fn tick(&mut self) -> R<()> {
         let r = (|| {
             self.a.dec(r14)?;
-            self.a.js(self.err_budget)
+            self.a.js(self.errors.budget)
         })();
         asm!(self, r)
     }
@@ -403,10 +455,10 @@ impl Gen<'_, '_> {
                 };
                 asm!(self, self.a.jmp(to))
             }
-            StmtKind::Foreach(_) => Err(self.no("foreach in a kernel probe")),
-            StmtKind::Return(_) => Err(self.no("return in a kernel probe")),
+            StmtKind::Foreach(fe) => self.foreach(fe),
+            StmtKind::Return(e) => self.ret(e.as_ref()),
             StmtKind::Delete(e) => self.delete(e),
-            StmtKind::Try(_) => Err(self.no("try/catch in a kernel probe")),
+            StmtKind::Try(t) => self.try_catch(t),
         }
     }
 
@@ -719,7 +771,7 @@ impl Gen<'_, '_> {
 
     /// rax = rax OP rcx (longs).
     fn apply(&mut self, op: BinOp) -> R<()> {
-        let err_div = self.err_div;
+        let err_div = self.errors.div;
         let r = (|| {
             match op {
                 BinOp::Add => self.a.add(rax, rcx)?,

@@ -92,7 +92,7 @@ impl Gen<'_, '_> {
         asm!(self, self.a.lea(rsi, qword_ptr(rbp + buf)))?;
         asm!(self, self.a.call(helper))?;
         if insert {
-            let overflow = self.err_overflow;
+            let overflow = self.errors.overflow;
             asm!(self, self.a.cmp(rax, 1))?;
             asm!(self, self.a.je(overflow))?;
         }
@@ -293,7 +293,7 @@ impl Gen<'_, '_> {
             }
             _ => return Err(self.no(format!("{} of this", op.name()))),
         }
-        let empty = self.err_empty;
+        let empty = self.errors.empty;
         let r = (|| {
             let mut absent = self.a.create_label();
             let mut done = self.a.create_label();

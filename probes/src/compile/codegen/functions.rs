@@ -1,0 +1,371 @@
+//! User functions, `return`, `error()` and `try`/`catch` in a compiled body.
+//!
+//! A user function a probe reaches is emitted once after that probe's body, as a real
+//! subroutine with its own frame under `rbp`: the caller pushes the arguments in order (a
+//! long in 8 bytes, a string in 16) and calls it; the result comes back in `rax` (and `rdx`
+//! for a string), a function without `return` gives 0 or "". `r12` counts the calls the hit
+//! is nested in: a call at MAXNESTING is a probe error before its arguments are evaluated, as
+//! in the interpreter, and since every level's frame is known at compile time the worst
+//! case's kernel stack is bounded (a function whose MAXNESTING levels would pass
+//! [`STACK_BUDGET`] bytes is refused by name). A probe error or `next` inside a function ends
+//! the hit: `rbx` holds the probe's stack.
+//!
+//! `try { } catch (msg) { }`: while the guarded block is emitted, each kind of probe error
+//! jumps to the handler instead of the probe's counters; the handler resets the stack to its
+//! frame, stores the interpreter's message for that kind in `msg` and runs. Errors inside a
+//! user function called from the guarded block, and reads of guest memory there when the
+//! message is kept (the interpreter's text names the host's error), are refused by name.
+
+use std::collections::HashMap;
+
+use iced_x86::code_asm::*;
+
+use crate::lang::ast::*;
+use crate::lang::check::Ty;
+
+use super::{walk, Errors, Gen, K, MAX_KEY_DEPTH, R};
+
+/// Most bytes of kernel stack the nested frames of user functions may take.
+pub(super) const STACK_BUDGET: i64 = 6 << 10;
+
+/// The user functions of one body: their entry labels and those still to emit.
+#[derive(Debug, Default)]
+pub(super) struct Functions {
+    labels: HashMap<usize, CodeLabel>,
+    pending: Vec<usize>,
+    /// While a function is emitted: where its `return` jumps, and what it returns.
+    current: Option<(CodeLabel, K)>,
+}
+
+/// The kind of a value of type `ty` in registers (a function's result, a parameter).
+fn kind_of(ty: Ty) -> K {
+    if ty == Ty::Str {
+        K::Str
+    } else {
+        K::Long
+    }
+}
+
+impl Gen<'_, '_> {
+    /// `f(args)` of user function `index`: rax (rdx) = its result.
+    pub(super) fn call_user(&mut self, index: usize, c: &Call) -> R<K> {
+        let prog = self.env.prog;
+        let body = prog.script.probes.len() + index;
+        let func = prog
+            .script
+            .functions
+            .get(index)
+            .ok_or_else(|| self.no(format!("the function {}()", c.name.name)))?;
+        if walk::function_body(prog, index).is_none() {
+            return Err(self.no(format!("the embedded-C function {}()", c.name.name)));
+        }
+        if c.args.len() != func.params.len() {
+            return Err(self.no(format!(
+                "{}() called with {} arguments, not {}",
+                c.name.name,
+                c.args.len(),
+                func.params.len()
+            )));
+        }
+        let types = prog.locals.get(body);
+        let param_kinds: Vec<K> = func
+            .params
+            .iter()
+            .map(|p| {
+                kind_of(
+                    types
+                        .and_then(|t| t.get(&p.name.name))
+                        .copied()
+                        .unwrap_or(Ty::Long),
+                )
+            })
+            .collect();
+        let max = self.env.limits.max_nesting.min(i32::MAX as usize) as i32;
+        let other = self.errors.other;
+        asm!(self, self.a.cmp(r12, max))?;
+        asm!(self, self.a.jae(other))?;
+        let mut pushed = 0i32;
+        for (a, want) in c.args.iter().zip(&param_kinds) {
+            let k = self.expr(a)?;
+            if k != *want {
+                return Err(self.no(format!(
+                    "an argument of {}() of another type than its parameter",
+                    c.name.name
+                )));
+            }
+            self.push(k)?;
+            pushed += if k == K::Str { 16 } else { 8 };
+        }
+        let label = self.function_label(index);
+        let r = (|| {
+            self.a.inc(r12)?;
+            self.a.call(label)?;
+            self.a.dec(r12)?;
+            if pushed > 0 {
+                self.a.add(rsp, pushed)?;
+            }
+            Ok(())
+        })();
+        asm!(self, r)?;
+        Ok(kind_of(
+            prog.function_ret.get(index).copied().unwrap_or(Ty::Long),
+        ))
+    }
+
+    fn function_label(&mut self, index: usize) -> CodeLabel {
+        if let Some(l) = self.functions.labels.get(&index) {
+            return *l;
+        }
+        let l = self.a.create_label();
+        self.functions.labels.insert(index, l);
+        self.functions.pending.push(index);
+        l
+    }
+
+    /// `return` (in a function): the value in rax (rdx), then the function's exit.
+    pub(super) fn ret(&mut self, e: Option<&Expr>) -> R<()> {
+        let Some((exit, want)) = self.functions.current else {
+            return Err(self.no("return in a kernel probe"));
+        };
+        match e {
+            Some(e) => {
+                let k = self.expr(e)?;
+                if k != want {
+                    return Err(self.no("a return value of another type than the function's"));
+                }
+            }
+            None => {
+                asm!(self, self.a.xor(eax, eax))?;
+                asm!(self, self.a.xor(edx, edx))?;
+            }
+        }
+        asm!(self, self.a.jmp(exit))
+    }
+
+    /// Emits every user function the body called (and those they call).
+    pub(super) fn emit_functions(&mut self) -> R<()> {
+        while let Some(index) = self.functions.pending.pop() {
+            self.emit_function(index)?;
+        }
+        Ok(())
+    }
+
+    fn emit_function(&mut self, index: usize) -> R<()> {
+        let prog = self.env.prog;
+        let func = &prog.script.functions[index];
+        let body = walk::function_body(prog, index)
+            .ok_or_else(|| self.no(format!("the embedded-C function {}()", func.name.name)))?;
+        self.span = func.span;
+        if !super::memory::text_locals(body).is_empty() {
+            return Err(self.no(format!(
+                "a string read from memory held in a local of {}()",
+                func.name.name
+            )));
+        }
+        let types = prog.locals.get(prog.script.probes.len() + index);
+        let mut names: Vec<(&String, &Ty)> = types.map(|t| t.iter().collect()).unwrap_or_default();
+        names.sort_by(|x, y| x.0.cmp(y.0));
+        let mut locals = HashMap::new();
+        let mut size = 0i32;
+        for (name, ty) in names {
+            if prog.globals.contains_key(name) {
+                continue;
+            }
+            let k = match ty {
+                Ty::Long | Ty::Unknown => K::Long,
+                Ty::Str => K::Str,
+                _ => {
+                    return Err(self.no(format!(
+                        "the local {name} of type {ty} in {}()",
+                        func.name.name
+                    )))
+                }
+            };
+            size += if k == K::Str { 16 } else { 8 };
+            locals.insert(name.clone(), (size, k));
+        }
+        let tables = walk::uses_tables(prog, body);
+        let ret = kind_of(prog.function_ret.get(index).copied().unwrap_or(Ty::Long));
+        let saved = (
+            std::mem::replace(&mut self.locals, locals),
+            std::mem::replace(&mut self.locals_size, size),
+            std::mem::take(&mut self.texts),
+            std::mem::take(&mut self.loops),
+            self.key_levels,
+            self.foreach_levels,
+            self.foreach_depth,
+            self.depth,
+        );
+        self.key_levels = if tables { MAX_KEY_DEPTH } else { 0 };
+        self.foreach_levels = if tables {
+            super::foreach::FOREACH_LEVELS
+        } else {
+            0
+        };
+        self.foreach_depth = 0;
+        self.depth = 0;
+        let result = self.function_code(index, body, ret);
+        let (locals, size, texts, loops, keys, foreach, open, depth) = saved;
+        self.locals = locals;
+        self.locals_size = size;
+        self.texts = texts;
+        self.loops = loops;
+        self.key_levels = keys;
+        self.foreach_levels = foreach;
+        self.foreach_depth = open;
+        self.depth = depth;
+        self.functions.current = None;
+        result
+    }
+
+    fn function_code(&mut self, index: usize, body: &Block, ret: K) -> R<()> {
+        let prog = self.env.prog;
+        let func = &prog.script.functions[index];
+        let frame = self.frame_size();
+        let params: Vec<(i32, K)> = func
+            .params
+            .iter()
+            .map(|p| self.locals.get(&p.name.name).copied())
+            .collect::<Option<_>>()
+            .ok_or_else(|| self.no(format!("a parameter of {}()", func.name.name)))?;
+        let args: i32 = params
+            .iter()
+            .map(|(_, k)| if *k == K::Str { 16 } else { 8 })
+            .sum();
+        let per_level = i64::from(frame) + 16 + i64::from(args);
+        let levels = self.env.limits.max_nesting as i64;
+        if per_level.saturating_mul(levels) > STACK_BUDGET {
+            return Err(self.no(format!(
+                "{}(), whose {levels} levels of nesting (MAXNESTING) would take {} bytes of \
+                 kernel stack (at most {STACK_BUDGET})",
+                func.name.name,
+                per_level.saturating_mul(levels)
+            )));
+        }
+        let mut label = self.function_label(index);
+        let mut exit = self.a.create_label();
+        self.functions.current = Some((exit, ret));
+        let r = (|| {
+            self.a.set_label(&mut label)?;
+            self.a.push(rbp)?;
+            self.a.mov(rbp, rsp)?;
+            self.a.sub(rsp, frame)?;
+            self.zero_locals()?;
+            // Parameter i sits above the return address, after the ones pushed later.
+            let mut at = 16 + args;
+            for &(off, k) in &params {
+                at -= if k == K::Str { 16 } else { 8 };
+                self.a.mov(rax, qword_ptr(rbp + at))?;
+                self.a.mov(qword_ptr(rbp - off), rax)?;
+                if k == K::Str {
+                    self.a.mov(rax, qword_ptr(rbp + at + 8))?;
+                    self.a.mov(qword_ptr(rbp - off + 8), rax)?;
+                }
+            }
+            Ok(())
+        })();
+        asm!(self, r)?;
+        self.block(body)?;
+        let r = (|| {
+            self.a.xor(eax, eax)?;
+            self.a.xor(edx, edx)?;
+            self.a.set_label(&mut exit)?;
+            self.a.mov(rsp, rbp)?;
+            self.a.pop(rbp)?;
+            self.a.ret()
+        })();
+        asm!(self, r)
+    }
+
+    /// `error(msg)`: a probe error, or inside `try` the handler with `msg`.
+    pub(super) fn error(&mut self, c: &Call) -> R<K> {
+        let arg = c
+            .args
+            .first()
+            .ok_or_else(|| self.no("error() without a message"))?;
+        if self.expr(arg)? != K::Str {
+            return Err(self.no("error() of a number"));
+        }
+        let other = self.errors.other;
+        asm!(self, self.a.jmp(other))?;
+        Ok(K::Long)
+    }
+
+    /// `try { body } catch (var) { handler }`.
+    pub(super) fn try_catch(&mut self, t: &TryStmt) -> R<()> {
+        let prog = self.env.prog;
+        if t.body
+            .stmts
+            .iter()
+            .any(|s| !walk::called_functions(prog, s).is_empty())
+        {
+            return Err(
+                self.no("a user function called inside try (its errors would not reach the catch)")
+            );
+        }
+        if t.var.is_some() {
+            let mut reads = false;
+            walk::block_exprs(&t.body, &mut |e| reads |= walk::reads_memory(e));
+            if reads {
+                return Err(self.no(
+                    "a guest memory read inside try with catch (msg) (the interpreter's message \
+                     names the host's error)",
+                ));
+            }
+        }
+        let var = match &t.var {
+            Some(v) => Some(
+                *self
+                    .locals
+                    .get(&v.name)
+                    .ok_or_else(|| self.no(format!("the catch variable {}", v.name)))?,
+            ),
+            None => None,
+        };
+        let caught = Errors {
+            div: self.a.create_label(),
+            budget: self.a.create_label(),
+            fault: self.a.create_label(),
+            overflow: self.a.create_label(),
+            empty: self.a.create_label(),
+            other: self.a.create_label(),
+        };
+        let outer = std::mem::replace(&mut self.errors, caught);
+        let body = self.block(&t.body);
+        self.errors = outer;
+        body?;
+        let mut done = self.a.create_label();
+        let mut handler = self.a.create_label();
+        asm!(self, self.a.jmp(done))?;
+        // The interpreter's message of each kind (probes/src/lang/eval*.rs).
+        let kinds = [
+            (caught.div, "division by 0"),
+            (caught.budget, "MAXACTION exceeded"),
+            (caught.fault, "kernel read fault"),
+            (caught.overflow, "array overflow, check MAXMAPENTRIES"),
+            (caught.empty, "empty aggregate"),
+        ];
+        for (mut label, message) in kinds {
+            asm!(self, self.a.set_label(&mut label))?;
+            self.string_const(message)?;
+            asm!(self, self.a.jmp(handler))?;
+        }
+        let mut other = caught.other;
+        self.place(&mut other)?;
+        let frame = self.frame_size();
+        let r = (|| {
+            self.a.set_label(&mut handler)?;
+            self.a.lea(rsp, qword_ptr(rbp - frame))?;
+            if let Some((off, k)) = var {
+                self.a.mov(qword_ptr(rbp - off), rax)?;
+                if k == K::Str {
+                    self.a.mov(qword_ptr(rbp - off + 8), rdx)?;
+                }
+            }
+            Ok(())
+        })();
+        asm!(self, r)?;
+        self.block(&t.handler)?;
+        self.place(&mut done)
+    }
+}
