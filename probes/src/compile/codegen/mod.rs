@@ -589,7 +589,7 @@ impl Gen<'_, '_> {
             },
             ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
             ExprKind::Cast(c) => self.cast(c),
-            ExprKind::Variance(..) => Err(self.no("@variance in a kernel probe")),
+            ExprKind::Variance(target, _) => self.variance(target),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
             ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
             ExprKind::RegexMatch(..) => Err(self.no("=~ in a kernel probe")),

@@ -6,7 +6,7 @@ use iced_x86::{Code, Instruction, Register};
 
 use crate::lang::ast::*;
 
-use super::super::data::{ValueKind, TABLE_COUNT};
+use super::super::data::{field, ValueKind, TABLE_COUNT};
 use super::{rip, value_k, Gen, K, MAX_KEY_DEPTH, R};
 
 impl Gen<'_, '_> {
@@ -435,10 +435,144 @@ impl Gen<'_, '_> {
                     .lock()
                     .inc(qword_ptr(rdi + rax * 8 + layout.linear_offset() as i32))?;
             }
+            if let Some(shift) = layout.variance {
+                self.welford_step(layout.variance_offset() as i32, shift)?;
+            }
             self.a.set_label(&mut skip)?;
             self.a.nop()
         })();
         asm!(self, r)?;
         Ok(K::Long)
     }
+
+    /// The running variance's step for the value in rsi of the statistics at rdi, as the
+    /// interpreter's `Stats::add` takes it, under the state's lock word; a lock held past
+    /// the spin budget drops the step and counts a dropped update.
+    fn welford_step(&mut self, at: i32, shift: u32) -> Result<(), IcedError> {
+        let dropped = self.env.data + field::DROPPED;
+        let mut spin = self.a.create_label();
+        let mut locked = self.a.create_label();
+        let mut step = self.a.create_label();
+        let mut unlock = self.a.create_label();
+        let mut done = self.a.create_label();
+        self.a.lea(r9, qword_ptr(rdi + at))?;
+        self.a.mov(r8d, SPINS)?;
+        self.a.set_label(&mut spin)?;
+        self.a.xor(eax, eax)?;
+        self.a.mov(ecx, 1)?;
+        self.a.lock().cmpxchg(qword_ptr(r9), rcx)?;
+        self.a.je(locked)?;
+        self.a.pause()?;
+        self.a.dec(r8d)?;
+        self.a.jnz(spin)?;
+        let mut inc = Instruction::with1(Code::Inc_rm64, rip(dropped))?;
+        inc.set_has_lock_prefix(true);
+        self.a.add_instruction(inc)?;
+        self.a.jmp(done)?;
+        self.a.set_label(&mut locked)?;
+        self.a.mov(rax, rsi)?;
+        if shift % 64 != 0 {
+            self.a.shl(rax, (shift % 64) as u32)?;
+        }
+        self.a.mov(rcx, qword_ptr(r9 + 8))?;
+        self.a.inc(rcx)?;
+        self.a.mov(qword_ptr(r9 + 8), rcx)?;
+        self.a.cmp(rcx, 1)?;
+        self.a.jne(step)?;
+        self.a.mov(qword_ptr(r9 + 16), rax)?;
+        self.a.mov(qword_ptr(r9 + 24), 0)?;
+        self.a.jmp(unlock)?;
+        self.a.set_label(&mut step)?;
+        // delta = scaled - avg; avg += delta / n; m2 += delta * (scaled - avg)
+        self.a.mov(r10, rax)?;
+        self.a.sub(rax, qword_ptr(r9 + 16))?;
+        self.a.mov(r11, rax)?;
+        self.a.cqo()?;
+        self.a.idiv(rcx)?;
+        self.a.add(rax, qword_ptr(r9 + 16))?;
+        self.a.mov(qword_ptr(r9 + 16), rax)?;
+        self.a.mov(rdx, r10)?;
+        self.a.sub(rdx, rax)?;
+        self.a.imul_2(rdx, r11)?;
+        self.a.add(qword_ptr(r9 + 24), rdx)?;
+        self.a.set_label(&mut unlock)?;
+        self.a.mov(qword_ptr(r9), 0)?;
+        self.a.set_label(&mut done)?;
+        self.a.nop()
+    }
+
+    /// `@variance(x)` as the interpreter's `Stats::variance` gives it: an empty (or absent)
+    /// aggregate ends the hit with a probe error, one value gives 0.
+    pub(super) fn variance(&mut self, target: &Expr) -> R<K> {
+        let layout = match &target.kind {
+            ExprKind::Var(name) if self.env.prog.globals.contains_key(name) => {
+                let slot = self
+                    .global(name)
+                    .cloned()
+                    .ok_or_else(|| self.no(format!("the global {name}")))?;
+                self.lea(Register::RAX, self.env.data + slot.offset)?;
+                match slot.value {
+                    ValueKind::Stats(l) if slot.table.is_none() => l,
+                    _ => return Err(self.no(format!("@variance of {name}"))),
+                }
+            }
+            ExprKind::Index(ix) => {
+                let slot = self.array(&ix.array.name)?;
+                let ValueKind::Stats(l) = slot.value else {
+                    return Err(self.no(format!("@variance of {}", ix.array.name)));
+                };
+                self.lookup(&ix.array.name, &ix.keys, false)?;
+                l
+            }
+            _ => return Err(self.no("@variance of this")),
+        };
+        let Some(shift) = layout.variance else {
+            return Err(self.no("@variance of an aggregate without variance state"));
+        };
+        let at = layout.variance_offset() as i32;
+        let shift = shift % 64;
+        let empty = self.errors.empty;
+        let r = (|| {
+            let mut zero = self.a.create_label();
+            let mut done = self.a.create_label();
+            self.a.test(rax, rax)?;
+            self.a.jz(empty)?;
+            self.a.mov(rcx, qword_ptr(rax))?;
+            self.a.test(rcx, rcx)?;
+            self.a.jz(empty)?;
+            self.a.cmp(rcx, 2)?;
+            self.a.jl(zero)?;
+            self.a.mov(r8, rax)?;
+            // avg = (sum << shift) / count; d = avg_s - avg
+            self.a.mov(rax, qword_ptr(r8 + 8))?;
+            if shift != 0 {
+                self.a.shl(rax, shift)?;
+            }
+            self.a.cqo()?;
+            self.a.idiv(rcx)?;
+            self.a.mov(r9, qword_ptr(r8 + at + 16))?;
+            self.a.sub(r9, rax)?;
+            // (m2 + count * d * d) / (count - 1) >> 2 * shift
+            self.a.imul_2(r9, r9)?;
+            self.a.imul_2(r9, rcx)?;
+            self.a.add(r9, qword_ptr(r8 + at + 24))?;
+            self.a.mov(rax, r9)?;
+            self.a.dec(rcx)?;
+            self.a.cqo()?;
+            self.a.idiv(rcx)?;
+            if shift != 0 {
+                self.a.sar(rax, (2 * shift).min(63))?;
+            }
+            self.a.jmp(done)?;
+            self.a.set_label(&mut zero)?;
+            self.a.xor(eax, eax)?;
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
 }
+
+/// Spins on a held variance lock before the step is dropped.
+const SPINS: u32 = 1000;
