@@ -17,13 +17,14 @@ use exotap_probes::compile::{
     DataLayout, Facts, Interner, MemoryFns, SiteBodies, SitePoint, TaskFields,
 };
 use exotap_probes::lang::context::CapturedContext;
-use exotap_probes::lang::driver::{compile as check_script, ScriptSource};
+use exotap_probes::lang::driver::{compile as check_script, compile_with, ScriptSource};
+use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::eval::Store;
 use exotap_probes::lang::output::{Format, Output, SharedBuf};
 use exotap_probes::lang::runtime::Session;
 use exotap_probes::lang::value::{Stats, Value};
 use exotap_probes::lang::Limits;
-use exotap_vmm::control::X86Registers;
+use exotap_vmm::control::{Machine, RegisterFile, X86Registers};
 use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine};
 use iced_x86::code_asm::*;
 
@@ -177,12 +178,22 @@ struct Rig {
 }
 
 fn rig(script: &str, limits: &Limits) -> (Rig, exotap_probes::lang::check::Program) {
-    let prog = check_script(
+    rig_as(script, limits, &Invocation::default())
+}
+
+/// As [`rig`], with the script invoked as `inv` says (e.g. `-g`).
+fn rig_as(
+    script: &str,
+    limits: &Limits,
+    inv: &Invocation,
+) -> (Rig, exotap_probes::lang::check::Program) {
+    let prog = compile_with(
         &ScriptSource {
             name: "t.stp".into(),
             text: script.into(),
         },
         limits,
+        inv,
     )
     .expect("the script checks");
     let facts = facts();
@@ -547,6 +558,55 @@ fn variance_of_aggregates_matches_the_interpreter() {
     let (header, failed) = differential_with(script, &hits(300));
 
     assert_eq!((header.errors, failed, header.dropped), (0, 0, 0));
+}
+
+#[test]
+fn guru_writes_to_parameters_reach_the_registers_the_function_runs_with() {
+    let limits = Limits::default();
+    let guru = Invocation {
+        guru: true,
+        ..Invocation::default()
+    };
+    let (mut rig, _) = rig_as(
+        r#"probe kernel.function("f") { $a = $a * 3 + 1; $b -= 5 }"#,
+        &limits,
+        &guru,
+    );
+    let hit = Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 14,
+        b: -2,
+    };
+
+    rig.hit(&hit);
+
+    let RegisterFile::X86_64(regs) = rig.uc.registers(exotap_vmm::unicorn::VCPU).unwrap() else {
+        panic!("not x86")
+    };
+    // The script's arithmetic on the hit's arguments: rdi = 14 * 3 + 1, rsi = -2 - 5.
+    assert_eq!(
+        (regs.gpr[5] as i64, regs.gpr[4] as i64),
+        (hit.a * 3 + 1, hit.b - 5)
+    );
+}
+
+#[test]
+fn writes_to_target_variables_are_refused_without_guru_mode() {
+    let refused = check_script(
+        &ScriptSource {
+            name: "t.stp".into(),
+            text: r#"probe kernel.function("f") { $a = 1 }"#.into(),
+        },
+        &Limits::default(),
+    )
+    .unwrap_err();
+
+    assert!(
+        refused[0].message.contains("cannot write target variable '$a'"),
+        "{refused:?}"
+    );
 }
 
 #[test]

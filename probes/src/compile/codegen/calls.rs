@@ -30,6 +30,17 @@ impl Gen<'_, '_> {
         let task = self.env.facts.task;
         match name {
             "error" => self.error(c),
+            "set_return" => {
+                let v = c
+                    .args
+                    .first()
+                    .ok_or_else(|| self.no("set_return() without a value"))?;
+                let ret = TargetVar {
+                    name: "$return".into(),
+                    members: Vec::new(),
+                };
+                self.write_target(&ret, None, v)
+            }
             "pid" => {
                 self.task_field(task.tgid, "pid()")?;
                 Ok(K::Long)

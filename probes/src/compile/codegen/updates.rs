@@ -123,6 +123,9 @@ impl Gen<'_, '_> {
     }
 
     pub(super) fn assign(&mut self, op: Option<BinOp>, target: &Expr, value: &Expr) -> R<K> {
+        if let ExprKind::Target(t) = &target.kind {
+            return self.write_target(t, op, value);
+        }
         if let ExprKind::Var(name) = &target.kind {
             if let Some(at) = self.texts.get(name).copied() {
                 return self.assign_text(name, at, op, value);
@@ -222,6 +225,48 @@ impl Gen<'_, '_> {
             asm!(self, r)?;
         }
         Ok(k)
+    }
+
+    /// Guru mode (the checker allows it only with `-g`): `$return = v` in a return probe
+    /// changes the saved `rax` the trampoline returns to the caller; `$param = v` at an entry
+    /// changes the saved argument register the function then runs with. Both are written
+    /// where the site restores registers from, so nothing else in the guest is touched.
+    pub(super) fn write_target(&mut self, t: &TargetVar, op: Option<BinOp>, value: &Expr) -> R<K> {
+        if !t.members.is_empty() || t.name.starts_with("$$") {
+            return Err(self.no(format!("a write to {}", t.path())));
+        }
+        let reg = if t.name == "$return" {
+            if !self.point.is_return {
+                return Err(self.no("$return outside a return probe"));
+            }
+            Register::RAX
+        } else {
+            if self.point.is_return {
+                return Err(self.no(format!(
+                    "a write to {} in a return probe (the function has run)",
+                    t.name
+                )));
+            }
+            let name = t.name.trim_start_matches('$');
+            let i = self
+                .point
+                .params
+                .iter()
+                .position(|p| p == name)
+                .ok_or_else(|| self.no(format!("the target variable {}", t.name)))?;
+            *super::ARGS
+                .get(i)
+                .ok_or_else(|| self.no(format!("a write to {}, passed on the stack", t.name)))?
+        };
+        let at = super::saved_offset(reg);
+        self.long(value)?;
+        if let Some(op) = op {
+            asm!(self, self.a.mov(rcx, rax))?;
+            asm!(self, self.a.mov(rax, qword_ptr(r15 + at)))?;
+            self.apply(op)?;
+        }
+        asm!(self, self.a.mov(qword_ptr(r15 + at), rax))?;
+        Ok(K::Long)
     }
 
     pub(super) fn inc_dec(&mut self, i: &IncDec) -> R<K> {
