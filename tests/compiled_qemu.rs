@@ -423,6 +423,53 @@ fn compiled_return_probes_see_the_entrys_arguments_as_the_host_path_does() {
 }
 
 #[test]
+fn a_guru_script_sets_the_return_value_the_guests_workload_sees() {
+    if !have_qemu("a_guru_script_sets_the_return_value_the_guests_workload_sees") {
+        return;
+    }
+    // Oracles: the workload's own getppid results (the last one it got, and its call
+    // count), and a shell's $PPID (its own getppid at start), which the filter leaves alone.
+    let script = r#"global n
+        probe kernel.function("__x64_sys_getppid").return {
+          if (execname() == "syscall-loop") { n++; if (n % 2) set_return(4242) else $return = 4242 }
+        }
+        probe end { printf("n=%d\n", n) }"#;
+    let job = "syscall-loop 50; sh -c 'echo EXOTAP-RESULT other.ppid=$PPID'";
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "-g", "--timeout", "400", "--compile", "require"])
+        .args(["--script-text", script, "--run", job, "--console"])
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(result(&out, "getppid.value"), Some("4242"), "{ctx}");
+    let calls = result(&out, "getppid.calls").unwrap_or("?");
+    assert!(
+        script_output(&out).contains(&format!("n={calls}\n")),
+        "every call of the workload ran the body: {ctx}"
+    );
+    let other: i64 = result(&out, "other.ppid").unwrap().parse().unwrap();
+    assert!(other > 0 && other != 4242, "{ctx}");
+    assert_no_oops(&std::fs::read_to_string(&console).unwrap_or_default());
+}
+
+#[test]
+fn a_guru_write_is_refused_without_g() {
+    if !have_qemu("a_guru_write_is_refused_without_g") {
+        return;
+    }
+    let script = r#"probe kernel.function("__x64_sys_getppid").return { $return = 4242 }"#;
+
+    let (code, _, err, _) = boot(script, "require", "syscall-loop 5");
+
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("guru mode (-g)"), "{err}");
+}
+
+#[test]
 fn a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails() {
     if !have_qemu("a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails") {
         return;

@@ -18,8 +18,8 @@ use exotap_probes::compile::{
 };
 use exotap_probes::lang::context::CapturedContext;
 use exotap_probes::lang::driver::{compile as check_script, compile_with, ScriptSource};
-use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::eval::Store;
+use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::output::{Format, Output, SharedBuf};
 use exotap_probes::lang::runtime::Session;
 use exotap_probes::lang::value::{Stats, Value};
@@ -604,7 +604,9 @@ fn writes_to_target_variables_are_refused_without_guru_mode() {
     .unwrap_err();
 
     assert!(
-        refused[0].message.contains("cannot write target variable '$a'"),
+        refused[0]
+            .message
+            .contains("cannot write target variable '$a'"),
         "{refused:?}"
     );
 }

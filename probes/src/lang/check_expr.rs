@@ -572,9 +572,8 @@ impl Checker<'_> {
             }
             ExprKind::Target(t) => {
                 self.target(t, target.span);
-                let plain = t.members.is_empty()
-                    && !t.name.starts_with("$$")
-                    && !t.name.ends_with('$');
+                let plain =
+                    t.members.is_empty() && !t.name.starts_with("$$") && !t.name.ends_with('$');
                 let entry_param = t.name != "$return"
                     && !self.scope.kinds.is_empty()
                     && self.scope.kinds.iter().all(|k| !k.is_return());
