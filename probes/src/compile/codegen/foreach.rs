@@ -233,7 +233,7 @@ impl Gen<'_, '_> {
 
     /// Whether any body of the script may hold a string the host interns (see
     /// [`walk::may_intern`]); the points' names count when probes use them.
-    fn interns_strings(&self) -> bool {
+    pub(super) fn interns_strings(&self) -> bool {
         let prog = self.env.prog;
         let mut hit = false;
         for p in &prog.script.probes {

@@ -743,7 +743,7 @@ impl Gen<'_, '_> {
         }
         if kx == K::Str {
             if !matches!(op, BinOp::Eq | BinOp::Ne) {
-                return Err(self.no("ordering strings in a kernel probe"));
+                return self.order_strings(op);
             }
             let r = (|| {
                 self.a.mov(r8, rax)?;
@@ -766,6 +766,41 @@ impl Gen<'_, '_> {
         asm!(self, self.a.mov(rcx, rax))?;
         asm!(self, self.a.pop(rax))?;
         self.apply(op)?;
+        Ok(K::Long)
+    }
+
+    /// `x < y` (and `<=`, `>`, `>=`) of the string pushed (x) and the one in rax/rdx (y):
+    /// byte order, as the interpreter's; only where the script holds every string inline.
+    fn order_strings(&mut self, op: BinOp) -> R<K> {
+        if self.interns_strings() {
+            return Err(self.no(
+                "ordering strings in a script with strings longer than 15 bytes (the guest \
+                 orders only the strings it holds inline)",
+            ));
+        }
+        let r = (|| {
+            let mut decided = self.a.create_label();
+            self.a.mov(r8, rax)?;
+            self.a.mov(r9, rdx)?;
+            self.a.pop(rax)?;
+            self.a.pop(rdx)?;
+            self.a.bswap(rax)?;
+            self.a.bswap(r8)?;
+            self.a.cmp(rax, r8)?;
+            self.a.jne(decided)?;
+            self.a.bswap(rdx)?;
+            self.a.bswap(r9)?;
+            self.a.cmp(rdx, r9)?;
+            self.a.set_label(&mut decided)?;
+            match op {
+                BinOp::Lt => self.a.setb(al)?,
+                BinOp::Le => self.a.setbe(al)?,
+                BinOp::Gt => self.a.seta(al)?,
+                _ => self.a.setae(al)?,
+            }
+            self.a.movzx(eax, al)
+        })();
+        asm!(self, r)?;
         Ok(K::Long)
     }
 

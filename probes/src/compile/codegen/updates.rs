@@ -6,13 +6,16 @@ use iced_x86::{Code, Instruction, Register};
 
 use crate::lang::ast::*;
 
-use super::super::data::{field, ValueKind, TABLE_COUNT};
+use super::super::data::{field, ValueKind, ENTRY_KEYS, TABLE_COUNT};
 use super::{rip, value_k, Gen, K, MAX_KEY_DEPTH, R};
 
 impl Gen<'_, '_> {
     /// `delete a[k]` marks the element deleted; `delete x` of a number or string resets it.
     pub(super) fn delete(&mut self, e: &Expr) -> R<()> {
         match &e.kind {
+            ExprKind::Index(ix) if ix.keys.iter().any(|k| matches!(k.kind, ExprKind::Wildcard)) => {
+                self.delete_matching(&ix.array.name, &ix.keys)
+            }
             ExprKind::Index(ix) => {
                 let slot = self.array(&ix.array.name)?;
                 self.lookup(&ix.array.name, &ix.keys, false)?;
@@ -36,8 +39,14 @@ impl Gen<'_, '_> {
                     .global(name)
                     .cloned()
                     .ok_or_else(|| self.no(format!("the global {name}")))?;
-                if slot.table.is_some() || matches!(slot.value, ValueKind::Stats(_)) {
-                    return Err(self.no(format!("delete of the whole {name} in a kernel probe")));
+                if slot.table.is_some() {
+                    return self.delete_all(name);
+                }
+                if matches!(slot.value, ValueKind::Stats(_)) {
+                    return Err(self.no(format!(
+                        "delete of the aggregate {name} in a kernel probe (its reset would not \
+                         be one atomic update)"
+                    )));
                 }
                 self.lea(Register::RCX, self.env.data + slot.offset)?;
                 asm!(self, self.a.mov(qword_ptr(rcx), 0))?;
@@ -48,6 +57,106 @@ impl Gen<'_, '_> {
             }
             _ => Err(self.no("delete of this in a kernel probe")),
         }
+    }
+
+    /// `delete a[k, *]`: every published element whose named keys equal the given ones is
+    /// marked deleted (one pass over the table, bounded).
+    fn delete_matching(&mut self, name: &str, keys: &[Expr]) -> R<()> {
+        let slot = self.array(name)?;
+        let (nkeys, cap) = slot.table.unwrap_or((0, 0));
+        if keys.len() != nkeys {
+            return Err(self.no(format!(
+                "{name} indexed with {} keys, not {nkeys}",
+                keys.len()
+            )));
+        }
+        if self.depth >= self.key_levels {
+            return Err(self.no(format!(
+                "array lookups nested more than {} deep",
+                self.key_levels
+            )));
+        }
+        let buf = self.key_buffer(self.depth);
+        self.depth += 1;
+        let mut named = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            if matches!(key.kind, ExprKind::Wildcard) {
+                continue;
+            }
+            let k = self.expr(key)?;
+            if slot.key_is_str.get(i).copied().unwrap_or(false) != (k == K::Str) {
+                self.depth -= 1;
+                return Err(self.no(format!("a key of {name} of the wrong type")));
+            }
+            let at = buf + 16 * i as i32;
+            asm!(self, self.a.mov(qword_ptr(rbp + at), rax))?;
+            if k == K::Str {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), rdx))?;
+            } else {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), 0))?;
+            }
+            named.push(i);
+        }
+        self.depth -= 1;
+        let table = self.env.data + slot.offset;
+        let entry = slot.entry_size() as i32;
+        self.lea(Register::RDI, table + super::super::data::TABLE_HEADER)?;
+        let r = (|| {
+            let mut each = self.a.create_label();
+            let mut skip = self.a.create_label();
+            self.a.mov(esi, cap)?;
+            self.a.mov(edx, 3)?;
+            self.a.set_label(&mut each)?;
+            for &i in &named {
+                for half in [0, 8] {
+                    let at = ENTRY_KEYS as i32 + 16 * i as i32 + half;
+                    self.a
+                        .mov(rax, qword_ptr(rbp + buf + 16 * i as i32 + half))?;
+                    self.a.cmp(rax, qword_ptr(rdi + at))?;
+                    self.a.jne(skip)?;
+                }
+            }
+            self.a.mov(eax, 2)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi), rdx)?;
+            self.a.jne(skip)?;
+            let mut dec = Instruction::with1(Code::Dec_rm64, rip(table + TABLE_COUNT))?;
+            dec.set_has_lock_prefix(true);
+            self.a.add_instruction(dec)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rdi, entry)?;
+            self.a.dec(esi)?;
+            self.a.jnz(each)
+        })();
+        asm!(self, r)
+    }
+
+    /// `delete a` of a whole array: every published element is marked deleted, as `delete
+    /// a[k]` does one (a later insert of the same key brings it back as a new element, so
+    /// the order matches the interpreter's fresh array). One pass over the table, bounded.
+    fn delete_all(&mut self, name: &str) -> R<()> {
+        let slot = self.array(name)?;
+        let (_, cap) = slot.table.unwrap_or((0, 0));
+        let table = self.env.data + slot.offset;
+        let entry = slot.entry_size() as i32;
+        self.lea(Register::RDI, table + super::super::data::TABLE_HEADER)?;
+        let r = (|| {
+            let mut each = self.a.create_label();
+            let mut skip = self.a.create_label();
+            self.a.mov(esi, cap)?;
+            self.a.mov(edx, 3)?;
+            self.a.set_label(&mut each)?;
+            self.a.mov(eax, 2)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi), rdx)?;
+            self.a.jne(skip)?;
+            let mut dec = Instruction::with1(Code::Dec_rm64, rip(table + TABLE_COUNT))?;
+            dec.set_has_lock_prefix(true);
+            self.a.add_instruction(dec)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rdi, entry)?;
+            self.a.dec(esi)?;
+            self.a.jnz(each)
+        })();
+        asm!(self, r)
     }
 
     /// Leaves in rax the address of the array element (`insert`: created when absent; 0 when
