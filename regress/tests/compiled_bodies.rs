@@ -522,6 +522,11 @@ fn foreach_user_functions_and_try_catch_match_the_interpreter_over_many_hits() {
         function classify:long (v:long) { if (v < 0) return -1; if (v == 0) return 0; return 1 }
         function depth:long (n:long) { if (n <= 0) return 0; return 1 + depth(n - 1) }
         function tag:string (s:string, v:long) { return v > 0 ? s : "none" }
+        function guarded:long (v:long) {
+          try { if (v % 5 == 0) error("five") } catch (m) { if (v % 10 == 0) error(m) }
+          if (v % 9 == 0) error(tag("nine", v))
+          return 1 / (v % 4)
+        }
         probe kernel.function("f") {
           counts[execname(), classify($b)]++
           lat[tid()] <<< $a
@@ -533,6 +538,8 @@ fn foreach_user_functions_and_try_catch_match_the_interpreter_over_many_hits() {
           foreach (t- in lat) seen -= t
           try { seen += 1000 / ($a % 7) } catch (m) { printf("caught %s %d\n", m, $a) }
           try { if ($b % 3 == 0) error($a > 0 ? "odd" : "even") } catch { seen++ }
+          try { seen += depth($b % 14) + 100 / classify($a) } catch (m) { printf("%s\n", m) }
+          try { try { seen += guarded($a) } catch (m) { error(m) } } catch (m2) { println(m2) }
           printf("%d %d %s\n", n, depth($a % 12), tag(execname(), $b))
         }
     "#;
@@ -966,8 +973,9 @@ fn foreach_and_try_forms_the_guest_cannot_follow_are_refused_by_name() {
             "sorted on strings, in a script with strings longer than 15 bytes",
         ),
         (
-            r#"function g(n) { return 1 / n } probe kernel.function("f") { try { g($a) } catch { } }"#,
-            "a user function called inside try",
+            r#"function g(n) { return 1 / n }
+               probe kernel.function("f") { while (1) { try { g($a); break } catch { } } }"#,
+            "break or continue out of a try block that calls user functions",
         ),
         (
             r#"probe kernel.function("f") { try { x = kernel_long($a) } catch (m) { println(m) } }"#,

@@ -12,9 +12,13 @@
 //!
 //! `try { } catch (msg) { }`: while the guarded block is emitted, each kind of probe error
 //! jumps to the handler instead of the probe's counters; the handler resets the stack to its
-//! frame, stores the interpreter's message for that kind in `msg` and runs. Errors inside a
-//! user function called from the guarded block, and reads of guest memory there when the
-//! message is kept (the interpreter's text names the host's error), are refused by name.
+//! frame, stores the interpreter's message for that kind in `msg` and runs. Errors inside the
+//! user functions the block calls find the handler through the catch record above the
+//! probe's frame (`[rbx]`: the handler, its `rbp` and its nesting depth), which the block
+//! sets on entry and puts back on the way out; with no record a function's error goes to the
+//! probe's counters. A `break`, `continue` or `return` that would leave such a block with its
+//! record set is refused by name, and so are reads of guest memory in a block whose message
+//! is kept (the interpreter's text names the host's error).
 
 use std::collections::HashMap;
 
@@ -81,9 +85,9 @@ impl Gen<'_, '_> {
             })
             .collect();
         let max = self.env.limits.max_nesting.min(i32::MAX as usize) as i32;
-        let other = self.errors.other;
+        let nesting = self.errors.nesting;
         asm!(self, self.a.cmp(r12, max))?;
-        asm!(self, self.a.jae(other))?;
+        asm!(self, self.a.jae(nesting))?;
         let mut pushed = 0i32;
         for (a, want) in c.args.iter().zip(&param_kinds) {
             let k = self.expr(a)?;
@@ -127,6 +131,9 @@ impl Gen<'_, '_> {
         let Some((exit, want)) = self.functions.current else {
             return Err(self.no("return in a kernel probe"));
         };
+        if self.try_pushed > 0 {
+            return Err(self.no("return out of a try block that calls user functions"));
+        }
         match e {
             Some(e) => {
                 let k = self.expr(e)?;
@@ -142,12 +149,59 @@ impl Gen<'_, '_> {
         asm!(self, self.a.jmp(exit))
     }
 
-    /// Emits every user function the body called (and those they call).
+    /// Emits every user function the body called (and those they call). A probe error
+    /// inside one goes to the `try` that the catch record names, or else to the probe's
+    /// counters.
     pub(super) fn emit_functions(&mut self) -> R<()> {
-        while let Some(index) = self.functions.pending.pop() {
-            self.emit_function(index)?;
+        if self.functions.pending.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let dynamic = Errors {
+            div: self.a.create_label(),
+            budget: self.a.create_label(),
+            fault: self.a.create_label(),
+            overflow: self.a.create_label(),
+            empty: self.a.create_label(),
+            other: self.a.create_label(),
+            nesting: self.a.create_label(),
+        };
+        let probe = std::mem::replace(&mut self.errors, dynamic);
+        let mut result = Ok(());
+        while let Some(index) = self.functions.pending.pop() {
+            result = self.emit_function(index);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.errors = probe;
+        result?;
+        // Each kind: no record → the probe's counters; else its message, then the handler.
+        let mut dispatch = self.a.create_label();
+        let kinds = [
+            (dynamic.div, probe.div, Some(DIV_MESSAGE)),
+            (dynamic.budget, probe.budget, Some(BUDGET_MESSAGE)),
+            (dynamic.fault, probe.fault, Some(FAULT_MESSAGE)),
+            (dynamic.overflow, probe.overflow, Some(OVERFLOW_MESSAGE)),
+            (dynamic.empty, probe.empty, Some(EMPTY_MESSAGE)),
+            (dynamic.nesting, probe.nesting, Some(NESTING_MESSAGE)),
+            (dynamic.other, probe.other, None),
+        ];
+        for (mut here, counted, message) in kinds {
+            asm!(self, self.a.set_label(&mut here))?;
+            asm!(self, self.a.cmp(qword_ptr(rbx), 0))?;
+            asm!(self, self.a.je(counted))?;
+            if let Some(m) = message {
+                self.string_const(m)?;
+            }
+            asm!(self, self.a.jmp(dispatch))?;
+        }
+        let r = (|| {
+            self.a.set_label(&mut dispatch)?;
+            self.a.mov(rbp, qword_ptr(rbx + 8))?;
+            self.a.mov(r12, qword_ptr(rbx + 16))?;
+            self.a.jmp(qword_ptr(rbx))
+        })();
+        asm!(self, r)
     }
 
     fn emit_function(&mut self, index: usize) -> R<()> {
@@ -195,6 +249,8 @@ impl Gen<'_, '_> {
             self.foreach_levels,
             self.foreach_depth,
             self.depth,
+            std::mem::take(&mut self.try_pushed),
+            self.try_loops.take(),
         );
         self.key_levels = if tables { MAX_KEY_DEPTH } else { 0 };
         self.foreach_levels = if tables {
@@ -205,7 +261,9 @@ impl Gen<'_, '_> {
         self.foreach_depth = 0;
         self.depth = 0;
         let result = self.function_code(index, body, ret);
-        let (locals, size, texts, loops, keys, foreach, open, depth) = saved;
+        let (locals, size, texts, loops, keys, foreach, open, depth, pushed, try_loops) = saved;
+        self.try_pushed = pushed;
+        self.try_loops = try_loops;
         self.locals = locals;
         self.locals_size = size;
         self.texts = texts;
@@ -294,18 +352,21 @@ impl Gen<'_, '_> {
     /// `try { body } catch (var) { handler }`.
     pub(super) fn try_catch(&mut self, t: &TryStmt) -> R<()> {
         let prog = self.env.prog;
-        if t.body
+        let called: Vec<usize> = t
+            .body
             .stmts
             .iter()
-            .any(|s| !walk::called_functions(prog, s).is_empty())
-        {
-            return Err(
-                self.no("a user function called inside try (its errors would not reach the catch)")
-            );
-        }
+            .flat_map(|s| walk::called_functions(prog, s))
+            .collect();
+        let reached = walk::reachable_functions(prog, &called);
         if t.var.is_some() {
             let mut reads = false;
             walk::block_exprs(&t.body, &mut |e| reads |= walk::reads_memory(e));
+            for &i in &reached {
+                if let Some(b) = walk::function_body(prog, i) {
+                    walk::block_exprs(b, &mut |e| reads |= walk::reads_memory(e));
+                }
+            }
             if reads {
                 return Err(self.no(
                     "a guest memory read inside try with catch (msg) (the interpreter's message \
@@ -322,6 +383,25 @@ impl Gen<'_, '_> {
             ),
             None => None,
         };
+        // With user functions in the body, their errors find the handler through the catch
+        // record; the record in force before is saved on the stack and put back on the way
+        // out (normally or through the handler).
+        let record = !reached.is_empty();
+        let frame = self.frame_size();
+        let base = self.try_pushed;
+        let mut handler = self.a.create_label();
+        if record {
+            let r = (|| {
+                self.a.push(qword_ptr(rbx + 16))?;
+                self.a.push(qword_ptr(rbx + 8))?;
+                self.a.push(qword_ptr(rbx))?;
+                self.a.lea(rax, qword_ptr(handler))?;
+                self.a.mov(qword_ptr(rbx), rax)?;
+                self.a.mov(qword_ptr(rbx + 8), rbp)?;
+                self.a.mov(qword_ptr(rbx + 16), r12)
+            })();
+            asm!(self, r)?;
+        }
         let caught = Errors {
             div: self.a.create_label(),
             budget: self.a.create_label(),
@@ -329,33 +409,57 @@ impl Gen<'_, '_> {
             overflow: self.a.create_label(),
             empty: self.a.create_label(),
             other: self.a.create_label(),
+            nesting: self.a.create_label(),
         };
         let outer = std::mem::replace(&mut self.errors, caught);
+        let outer_loops = self.try_loops;
+        if record {
+            self.try_pushed += 24;
+            self.try_loops = Some(self.loops.len());
+        }
         let body = self.block(&t.body);
         self.errors = outer;
+        self.try_pushed = base;
+        self.try_loops = outer_loops;
         body?;
         let mut done = self.a.create_label();
-        let mut handler = self.a.create_label();
+        let mut restore = self.a.create_label();
+        if record {
+            let r = (|| {
+                self.a.pop(qword_ptr(rbx))?;
+                self.a.pop(qword_ptr(rbx + 8))?;
+                self.a.pop(qword_ptr(rbx + 16))
+            })();
+            asm!(self, r)?;
+        }
         asm!(self, self.a.jmp(done))?;
-        // The interpreter's message of each kind (probes/src/lang/eval*.rs).
         let kinds = [
-            (caught.div, "division by 0"),
-            (caught.budget, "MAXACTION exceeded"),
-            (caught.fault, "kernel read fault"),
-            (caught.overflow, "array overflow, check MAXMAPENTRIES"),
-            (caught.empty, "empty aggregate"),
+            (caught.div, DIV_MESSAGE),
+            (caught.budget, BUDGET_MESSAGE),
+            (caught.fault, FAULT_MESSAGE),
+            (caught.overflow, OVERFLOW_MESSAGE),
+            (caught.empty, EMPTY_MESSAGE),
+            (caught.nesting, NESTING_MESSAGE),
         ];
         for (mut label, message) in kinds {
             asm!(self, self.a.set_label(&mut label))?;
             self.string_const(message)?;
-            asm!(self, self.a.jmp(handler))?;
+            asm!(self, self.a.jmp(restore))?;
         }
         let mut other = caught.other;
         self.place(&mut other)?;
-        let frame = self.frame_size();
+        // From a function (rbp and r12 already the owner's) or from the body itself.
+        self.place(&mut handler)?;
+        self.place(&mut restore)?;
+        let top = -(frame + base);
         let r = (|| {
-            self.a.set_label(&mut handler)?;
-            self.a.lea(rsp, qword_ptr(rbp - frame))?;
+            if record {
+                for (i, at) in [0, 8, 16].into_iter().enumerate() {
+                    self.a.mov(rcx, qword_ptr(rbp + top - 24 + 8 * i as i32))?;
+                    self.a.mov(qword_ptr(rbx + at), rcx)?;
+                }
+            }
+            self.a.lea(rsp, qword_ptr(rbp + top))?;
             if let Some((off, k)) = var {
                 self.a.mov(qword_ptr(rbp - off), rax)?;
                 if k == K::Str {
@@ -369,3 +473,12 @@ impl Gen<'_, '_> {
         self.place(&mut done)
     }
 }
+
+/// The interpreter's message of each kind of probe error (probes/src/lang/eval*.rs), which
+/// `catch (msg)` receives.
+const DIV_MESSAGE: &str = "division by 0";
+const BUDGET_MESSAGE: &str = "MAXACTION exceeded";
+const FAULT_MESSAGE: &str = "kernel read fault";
+const OVERFLOW_MESSAGE: &str = "array overflow, check MAXMAPENTRIES";
+const EMPTY_MESSAGE: &str = "empty aggregate";
+const NESTING_MESSAGE: &str = "MAXNESTING exceeded";

@@ -135,6 +135,12 @@ struct Gen<'a, 'b> {
     foreach_depth: usize,
     /// User functions: their entry labels, and those still to emit (after the body).
     functions: functions::Functions,
+    /// Bytes the open `try` blocks of the current frame pushed (saved catch records): the
+    /// stack at a statement is `rbp - frame - try_pushed`.
+    try_pushed: i32,
+    /// Loops open when the innermost `try` with a catch record began: a `break` or
+    /// `continue` to one of them would leave the record set, so it is refused.
+    try_loops: Option<usize>,
 }
 
 /// Where each kind of probe error jumps: the probe's counters, or inside `try` the handler.
@@ -145,9 +151,15 @@ struct Errors {
     fault: CodeLabel,
     overflow: CodeLabel,
     empty: CodeLabel,
-    /// MAXNESTING, and `error()` (with its message in rax/rdx).
+    /// `error()`, with its message in rax/rdx.
     other: CodeLabel,
+    /// A call past MAXNESTING.
+    nesting: CodeLabel,
 }
+
+/// Bytes above a probe's frame for the catch record (see [`functions`]): the handler's
+/// address (0: none), its frame pointer and its nesting depth.
+const CATCH_RECORD: i32 = 32;
 
 /// Emits probe `point.probe`'s body (with its condition) for `point`.
 ///
@@ -215,6 +227,7 @@ pub fn emit_body(
         overflow: a.create_label(),
         empty: a.create_label(),
         other: a.create_label(),
+        nesting: a.create_label(),
     };
     let mut g = Gen {
         a,
@@ -233,6 +246,8 @@ pub fn emit_body(
         foreach_levels: foreach::FOREACH_LEVELS,
         foreach_depth: 0,
         functions: functions::Functions::default(),
+        try_pushed: 0,
+        try_loops: None,
     };
     g.prologue().map_err(asm)?;
     if let Some(cond) = &probe.condition {
@@ -291,10 +306,12 @@ impl Gen<'_, '_> {
 
     fn prologue(&mut self) -> Result<(), IcedError> {
         let frame = self.frame_size();
-        // rbx keeps the probe's stack for the end of the hit (also from inside functions);
-        // r12 counts the user functions the hit is nested in.
+        // rbx keeps the probe's stack for the end of the hit (also from inside functions)
+        // and points at the catch record; r12 counts the user functions the hit is nested in.
+        self.a.sub(rsp, CATCH_RECORD)?;
         self.a.mov(rbp, rsp)?;
         self.a.mov(rbx, rsp)?;
+        self.a.mov(qword_ptr(rbx), 0)?;
         self.a.xor(r12d, r12d)?;
         self.a.sub(rsp, frame)?;
         self.zero_locals()?;
@@ -349,11 +366,13 @@ impl Gen<'_, '_> {
         self.count(data + field::EMPTY)?;
         self.a.jmp(common)?;
         self.a.set_label(&mut self.errors.other)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.errors.nesting)?;
         self.a.nop()?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
-        self.a.mov(rsp, rbx)?;
+        self.a.lea(rsp, qword_ptr(rbx + CATCH_RECORD))?;
         Ok(())
     }
 
@@ -448,6 +467,11 @@ impl Gen<'_, '_> {
                 let Some((cont, brk)) = self.loops.last().copied() else {
                     return Err(self.no("break or continue outside a loop"));
                 };
+                if self.try_loops.is_some_and(|n| self.loops.len() <= n) {
+                    return Err(
+                        self.no("break or continue out of a try block that calls user functions")
+                    );
+                }
                 let to = if matches!(s.kind, StmtKind::Break) {
                     brk
                 } else {
