@@ -259,6 +259,28 @@ const DIFFERENTIAL: &[&str] = &[
          if (execname() == "syscall-loop") { nr += kernel_long($pos) + 1; lo = kernel_int($pos) - 3 }
        }
        probe end { printf("%s %d %d %d %d\n", last, seen, total, nr, lo) }"#,
+    // foreach sorted with a limit, user functions (recursive, and raising errors) called
+    // inside try, @variance, string order: run inside the guest.
+    r#"global seen[32], lat, order, caught, fsum, v
+       function fact:long (n:long) { if (n <= 1) return 1; return n * fact(n - 1) }
+       function check:long (c:long) { if (c > 100) error("big"); return 64 / (c - 64) }
+       probe kernel.function("vfs_read") {
+         if (execname() != "syscall-loop") next
+         seen[$count % 7, execname()]++
+         seen[fsum % 5, "x"]++
+         lat <<< $count + fsum % 3
+         fsum += fact($count % 6)
+         try { fsum += check($count) } catch (m) { caught[m]++ }
+         foreach ([k-, e] in seen limit 2) order[k] = seen[k, e]
+         if (execname() < "zz") fsum++
+         v = @variance(lat)
+       }
+       probe end {
+         foreach ([k, e] in seen) printf("%d %s %d\n", k, e, seen[k, e])
+         foreach (k in order) printf("order %d %d\n", k, order[k])
+         foreach (m in caught) printf("caught %s %d\n", m, caught[m])
+         printf("fsum=%d var=%d v=%d\n", fsum, @variance(lat), v)
+       }"#,
 ];
 
 #[test]

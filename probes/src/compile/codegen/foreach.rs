@@ -235,17 +235,32 @@ impl Gen<'_, '_> {
     /// [`walk::may_intern`]); the points' names count when probes use them.
     pub(super) fn interns_strings(&self) -> bool {
         let prog = self.env.prog;
-        let mut hit = false;
+        // printf's format is never a value in the guest.
+        let mut formats = std::collections::HashSet::new();
+        let mut strings = Vec::new();
+        let mut visit = |e: &Expr| {
+            if let ExprKind::Call(c) = &e.kind {
+                if c.name.name == "printf" {
+                    if let Some(f) = c.args.first() {
+                        formats.insert(f as *const Expr);
+                    }
+                }
+            }
+            if walk::may_intern(e) {
+                strings.push(e as *const Expr);
+            }
+        };
         for p in &prog.script.probes {
             for s in &p.body.stmts {
-                walk::stmt_exprs(s, &mut |e| hit |= walk::may_intern(e));
+                walk::stmt_exprs(s, &mut visit);
             }
         }
         for f in &prog.script.functions {
             if let FunctionBody::Block(b) = &f.body {
-                walk::block_exprs(b, &mut |e| hit |= walk::may_intern(e));
+                walk::block_exprs(b, &mut visit);
             }
         }
+        let mut hit = strings.iter().any(|e| !formats.contains(e));
         for init in prog.globals.values().filter_map(|g| g.init.as_ref()) {
             hit |= matches!(init, Literal::Str(s) if s.len() >= 16);
         }

@@ -2,7 +2,10 @@
 //!
 //! Entered with `r15` pointing at the registers the site saved (see [`super::site`]); every
 //! other register is free. The body keeps its locals and key buffers in a frame under `rbp`,
-//! `r14` counts down the statement budget (MAXACTION), `r13` holds the current task. Every
+//! `r14` counts down the statement budget (MAXACTION), `r13` holds the current task, `rbx`
+//! points at the catch record just above the probe's frame (and is where the stack goes back
+//! to when the hit ends, also from inside a user function), `r12` counts the user functions
+//! the hit is nested in (see the functions module). Every
 //! intermediate value goes on the stack, so calls (table helpers, kernel clock functions)
 //! never need registers saved. A long is in `rax`; a string (see [`super::data`]) is in
 //! `rax` (bytes 0-7) and `rdx` (bytes 8-15).

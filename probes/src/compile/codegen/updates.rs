@@ -625,8 +625,9 @@ impl Gen<'_, '_> {
         self.a.jmp(done)?;
         self.a.set_label(&mut locked)?;
         self.a.mov(rax, rsi)?;
-        if shift % 64 != 0 {
-            self.a.shl(rax, (shift % 64) as u32)?;
+        let shift = shift % 64;
+        if shift != 0 {
+            self.a.shl(rax, shift)?;
         }
         self.a.mov(rcx, qword_ptr(r9 + 8))?;
         self.a.inc(rcx)?;
