@@ -551,7 +551,7 @@ fn foreach_user_functions_and_try_catch_match_the_interpreter_over_many_hits() {
 }
 
 #[test]
-fn string_order_whole_and_wildcard_deletes_match_the_interpreter() {
+fn string_order_deletes_and_defined_match_the_interpreter() {
     let script = r#"
         global by[64], first, hits
         probe kernel.function("f") {
@@ -562,6 +562,8 @@ fn string_order_whole_and_wildcard_deletes_match_the_interpreter() {
           if ($b % 29 == 0) delete by[execname(), *]
           if ($b % 53 == 0) delete by
           foreach ([c+, n] in by limit 2) hits += n
+          hits += @defined($a) + 2 * @defined($nosuch) + @choose_defined($nosuch, $b % 3)
+          if (@defined($b)) hits += 4
         }
     "#;
 
@@ -1147,10 +1149,10 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
     for (why, n) in reasons {
         println!("  {n:3} did not compile: {why}");
     }
-    // 51 of the 59 after foreach, user functions, try/catch, @variance, string order and
-    // whole and wildcard deletes compiled: fewer is a regression.
+    // 52 of the 59 after foreach, user functions, try/catch, @variance, string order,
+    // whole and wildcard deletes and @defined compiled: fewer is a regression.
     assert!(
-        compiled.len() >= 51,
+        compiled.len() >= 52,
         "only {} corpus cases compiled",
         compiled.len()
     );

@@ -21,7 +21,8 @@
 //! [`codegen`]'s foreach module); user functions as real calls (parameters, locals, return
 //! values, recursion up to MAXNESTING, a probe error past it); `try`/`catch (msg)` with the
 //! interpreter's messages, also for errors inside the functions the block calls, and
-//! `error()`; longs and strings
+//! `error()`; `@defined` and `@choose_defined` (answered when compiling, from the point's
+//! parameters); longs and strings
 //! (up to 15 bytes inline, longer ones interned by the host); locals; global scalars, arrays
 //! keyed by up to [`data::MAX_KEYS`] values and statistics (`<<<` with count, sum, min, max,
 //! `@hist_log` and `@hist_linear` buckets, and the running variance for `@variance`); `++`,

@@ -411,6 +411,15 @@ impl Gen<'_, '_> {
             StmtKind::Empty => Ok(()),
             StmtKind::Block(b) => self.block(b),
             StmtKind::Expr(e) => self.expr(e).map(|_| ()),
+            StmtKind::If(i) if matches!(i.cond.kind, ExprKind::Defined(_)) => {
+                if self.defined_here(&i.cond)? {
+                    self.stmt(&i.then)
+                } else if let Some(e) = &i.els {
+                    self.stmt(e)
+                } else {
+                    Ok(())
+                }
+            }
             StmtKind::If(i) => {
                 let mut els = self.a.create_label();
                 let mut done = self.a.create_label();
@@ -585,6 +594,14 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             ExprKind::Binary(op, b) => self.binary(*op, &b.0, &b.1),
+            ExprKind::Ternary(t) if matches!(t.0.kind, ExprKind::Defined(_)) => {
+                // `@choose_defined(a, b)`: only the branch that exists here is compiled.
+                if self.defined_here(&t.0)? {
+                    self.expr(&t.1)
+                } else {
+                    self.expr(&t.2)
+                }
+            }
             ExprKind::Ternary(t) => {
                 let mut els = self.a.create_label();
                 let mut done = self.a.create_label();
@@ -614,7 +631,11 @@ impl Gen<'_, '_> {
                 }
                 _ => Err(self.no("@entry of anything but a parameter")),
             },
-            ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
+            ExprKind::Defined(_) => {
+                let yes = self.defined_here(e)?;
+                asm!(self, self.a.mov(eax, u32::from(yes)))?;
+                Ok(K::Long)
+            }
             ExprKind::Cast(c) => self.cast(c),
             ExprKind::Variance(target, _) => self.variance(target),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
@@ -633,6 +654,37 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
         }
+    }
+
+    /// `@defined(x)` (given as the whole `Defined` expression) at this probe point, known
+    /// when compiling as the interpreter answers it: a parameter the point has (or
+    /// `$return` in a return probe) is defined, a `@cast` never is; member chains are refused
+    /// (the host path cannot read them, so its answer would differ).
+    fn defined_here(&self, e: &Expr) -> R<bool> {
+        let ExprKind::Defined(x) = &e.kind else {
+            return Err(self.no("@defined of this"));
+        };
+        let mut answer = Ok(true);
+        walk::expr_all(x, &mut |e| {
+            let here = match &e.kind {
+                ExprKind::Target(t) if !t.members.is_empty() || t.name.starts_with("$$") => {
+                    Err(format!("@defined of {}", t.path()))
+                }
+                ExprKind::Target(t) if t.name == "$return" => Ok(self.point.is_return),
+                ExprKind::Target(t) => Ok(self
+                    .point
+                    .params
+                    .iter()
+                    .any(|p| t.name.strip_prefix('$') == Some(p.as_str()))),
+                ExprKind::Cast(_) | ExprKind::Embedded(_) => Ok(false),
+                _ => Ok(true),
+            };
+            answer = match (answer.clone(), here) {
+                (Err(e), _) | (_, Err(e)) => Err(e),
+                (Ok(a), Ok(b)) => Ok(a && b),
+            };
+        });
+        answer.map_err(|c| self.no(c))
     }
 
     fn array(&self, name: &str) -> R<GlobalSlot> {
