@@ -38,7 +38,9 @@
 //! counts it): a writer interrupted on its own CPU by the same probe can never deadlock it.
 //! The element count in the header bounds an array to its size (MAXMAPENTRIES or `global
 //! a[N]`): one insert more is an array overflow, as in the interpreter. A deleted element
-//! keeps its slot (state 3) so probe chains stay whole; an insert of the same key revives it.
+//! keeps its slot (state 3) so probe chains stay whole; an insert of the same key revives it,
+//! and an insert of a key found absent takes the chain's first deleted slot (so a wrapping
+//! array, `a%`, does not fill its table with them).
 //! Values are updated with `lock` instructions, so concurrent vCPUs give exact results.
 //! The insertion number gives the host the order the interpreter keeps (`foreach` without a
 //! sort walks an array in insertion order).
@@ -185,6 +187,8 @@ pub struct GlobalSlot {
     /// For arrays: the most elements (MAXMAPENTRIES, or `global a[N]`); one more is an
     /// array overflow, a probe error, as in the interpreter.
     pub max_entries: u64,
+    /// `global a%[N]`: an insert into a full array first deletes its oldest element.
+    pub wrap: bool,
 }
 
 impl GlobalSlot {
@@ -525,12 +529,6 @@ impl DataLayout {
                 }
             };
             let table = match g.shape {
-                Shape::Array if g.wrap => {
-                    refused.push(refuse(format!(
-                        "the wrapping array {name}% (compiled arrays stop at their size)"
-                    )));
-                    continue;
-                }
                 Shape::Array => {
                     if g.keys.len() > MAX_KEYS || g.keys.is_empty() {
                         refused.push(refuse(format!(
@@ -554,6 +552,7 @@ impl DataLayout {
                 _ => None,
             };
             let slot = GlobalSlot {
+                wrap: g.wrap,
                 offset: out.size,
                 value,
                 table,

@@ -26,7 +26,8 @@
 //! (up to 15 bytes inline, longer ones interned by the host); locals; global scalars, arrays
 //! keyed by up to [`data::MAX_KEYS`] values and statistics (`<<<` with count, sum, min, max,
 //! `@hist_log` and `@hist_linear` buckets, and the running variance for `@variance`); `++`,
-//! `--`, `=`, `+=` and friends (atomic where they touch globals); `in`; `delete` of an
+//! `--`, `=`, `+=` and friends (atomic where they touch globals); wrapping arrays (`a%[N]`:
+//! a full array loses its oldest element to an insert); `in`; `delete` of an
 //! element, of `a[k, *]` and of a whole array; arithmetic, comparisons (strings ordered by
 //! their bytes where the script holds every string inline), logic and the ternary operator;
 //! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,

@@ -202,10 +202,67 @@ impl Gen<'_, '_> {
         asm!(self, self.a.call(helper))?;
         if insert {
             let overflow = self.errors.overflow;
-            asm!(self, self.a.cmp(rax, 1))?;
-            asm!(self, self.a.je(overflow))?;
+            if slot.wrap {
+                // `a%`: a full array loses its oldest element, then the insert is tried
+                // again once (another vCPU may have filled the room: then an overflow).
+                let mut done = self.a.create_label();
+                asm!(self, self.a.cmp(rax, 1))?;
+                asm!(self, self.a.jne(done))?;
+                self.delete_oldest(&slot)?;
+                asm!(self, self.a.lea(rsi, qword_ptr(rbp + buf)))?;
+                asm!(self, self.a.call(helper))?;
+                asm!(self, self.a.cmp(rax, 1))?;
+                asm!(self, self.a.je(overflow))?;
+                self.place(&mut done)?;
+            } else {
+                asm!(self, self.a.cmp(rax, 1))?;
+                asm!(self, self.a.je(overflow))?;
+            }
         }
         Ok(())
+    }
+
+    /// Marks deleted the published element with the smallest insertion number (the
+    /// interpreter's oldest); one pass over the table. Clobbers rax, rcx, rdx, rsi, rdi, r8.
+    fn delete_oldest(&mut self, slot: &super::super::data::GlobalSlot) -> R<()> {
+        let (_, cap) = slot.table.unwrap_or((0, 0));
+        let table = self.env.data + slot.offset;
+        let entry = slot.entry_size() as i32;
+        self.lea(Register::RDI, table + super::super::data::TABLE_HEADER)?;
+        let r = (|| {
+            let mut each = self.a.create_label();
+            let mut skip = self.a.create_label();
+            let mut none = self.a.create_label();
+            self.a.xor(r8d, r8d)?; // the oldest so far
+            self.a.mov(esi, cap)?;
+            self.a.set_label(&mut each)?;
+            self.a.cmp(qword_ptr(rdi), 2)?;
+            self.a.jne(skip)?;
+            self.a.test(r8, r8)?;
+            self.a.jz(none)?;
+            self.a.mov(rax, qword_ptr(rdi + 8))?;
+            self.a.cmp(rax, qword_ptr(r8 + 8))?;
+            self.a.jae(skip)?;
+            self.a.set_label(&mut none)?;
+            self.a.mov(r8, rdi)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rdi, entry)?;
+            self.a.dec(esi)?;
+            self.a.jnz(each)?;
+            let mut gone = self.a.create_label();
+            self.a.test(r8, r8)?;
+            self.a.jz(gone)?;
+            self.a.mov(eax, 2)?;
+            self.a.mov(ecx, 3)?;
+            self.a.lock().cmpxchg(qword_ptr(r8), rcx)?;
+            self.a.jne(gone)?;
+            let mut dec = Instruction::with1(Code::Dec_rm64, rip(table + TABLE_COUNT))?;
+            dec.set_has_lock_prefix(true);
+            self.a.add_instruction(dec)?;
+            self.a.set_label(&mut gone)?;
+            self.a.nop()
+        })();
+        asm!(self, r)
     }
 
     /// rax = address of a global scalar or an array element (created), or 0 (full table).
