@@ -590,6 +590,26 @@ fn wrapping_arrays_lose_their_oldest_element_as_in_the_interpreter() {
 }
 
 #[test]
+fn deleting_many_distinct_keys_leaves_the_small_table_usable() {
+    // A 16-slot table sees hundreds of distinct keys inserted and deleted: every slot ends
+    // up deleted, and inserts must still find room (the interpreter never drops one).
+    let script = r#"
+        global t[8], kept[8]
+        probe kernel.function("f") {
+          t[$a] = $b
+          if ($a % 5 != 0) delete t[$a]
+          kept[$a % 7] = $a
+          if ($b % 3 == 0) delete kept[$a % 7]
+        }
+    "#;
+
+    let (header, failed) = differential_with(script, &hits(200));
+
+    // Overflows of t (its keys divisible by 5 stay) are errors on both sides, no drops.
+    assert_eq!((header.errors, header.dropped), (failed, 0));
+}
+
+#[test]
 fn variance_of_aggregates_matches_the_interpreter() {
     let script = r#"
         global all, per, v
