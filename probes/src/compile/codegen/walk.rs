@@ -238,3 +238,67 @@ fn has_foreach(s: &Stmt) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::check::check;
+    use crate::lang::parser::parse;
+    use crate::lang::Limits;
+
+    fn program(src: &str) -> Program {
+        check(parse(src, &Limits::default()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn functions_reached_through_calls_are_found_once_each() {
+        let prog = program(
+            "function a(n) { return b(n) + b(n) } function b(n) { return c(n) } \
+             function c(n) { return n ? c(n - 1) : 0 } function unused() { return 1 } \
+             probe begin { x = a(3) }",
+        );
+        let start = called_functions(&prog, &prog.script.probes[0].body.stmts[0]);
+
+        let mut reached = reachable_functions(&prog, &start);
+
+        reached.sort_unstable();
+        assert_eq!(reached, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn writes_are_seen_in_the_body_and_in_the_functions_it_calls() {
+        let prog = program(
+            "global a, b function f() { delete b[1] } \
+             probe begin { foreach (k in a) { a[k]++ } foreach (k in b) f() } \
+             probe end { a[1] = 1; b[1] = 2 }",
+        );
+        let body = &prog.script.probes[0].body.stmts;
+        let (StmtKind::Foreach(first), StmtKind::Foreach(second)) = (&body[0].kind, &body[1].kind)
+        else {
+            panic!("not two foreach loops")
+        };
+
+        let found = (
+            stmt_writes(&prog, &first.body, "a"),
+            stmt_writes(&prog, &first.body, "b"),
+            stmt_writes(&prog, &second.body, "b"),
+        );
+
+        assert_eq!(found, (true, false, true));
+    }
+
+    #[test]
+    fn long_literals_and_point_names_may_be_interned_short_literals_not() {
+        let prog =
+            program(r#"probe begin { x = "short"; y = "a literal of twenty"; z = probefunc() }"#);
+        let mut interned = Vec::new();
+
+        block_exprs(&prog.script.probes[0].body, &mut |e| {
+            if matches!(e.kind, ExprKind::Str(_) | ExprKind::Call(_)) {
+                interned.push(may_intern(e));
+            }
+        });
+
+        assert_eq!(interned, vec![false, true, true]);
+    }
+}
