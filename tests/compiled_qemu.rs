@@ -334,6 +334,16 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
             r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = @cast(0, "struct file")->f_inode->i_ino }"#,
             "kernel read fault in a compiled probe",
         ),
+        // Recursion on the guest's kernel stack, cut at MAXNESTING.
+        (
+            r#"function down(n) { return down(n + 1) }
+               probe kernel.syscall("getpid") { if (execname() == "syscall-loop") down(0) }"#,
+            "MAXNESTING exceeded in a compiled probe (50 times)",
+        ),
+        (
+            r#"probe kernel.syscall("getpid") { if (execname() == "syscall-loop") error("no") }"#,
+            "error() raised in a compiled probe (50 times)",
+        ),
     ];
     for (script, message) in cases {
         let (code, out, err, console) = boot(script, "require", "syscall-loop 50");

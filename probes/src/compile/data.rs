@@ -3,7 +3,7 @@
 //! ```text
 //! +0    header (128 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
 //!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults,
-//!       array overflows, reads of empty aggregates
+//!       array overflows, reads of empty aggregates, calls past MAXNESTING, `error()`s
 //! +128  globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
@@ -78,6 +78,10 @@ pub mod field {
     pub const OVERFLOW: u64 = 56;
     /// `@min`, `@max` or `@avg` of an aggregate with no values.
     pub const EMPTY: u64 = 64;
+    /// Calls of user functions past MAXNESTING.
+    pub const NESTING: u64 = 72;
+    /// `error()` outside `try`.
+    pub const RAISED: u64 = 80;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -403,6 +407,10 @@ pub struct Header {
     pub overflow: u64,
     /// Of the errors, reads of empty aggregates.
     pub empty: u64,
+    /// Of the errors, calls past MAXNESTING.
+    pub nesting: u64,
+    /// Of the errors, `error()` calls.
+    pub raised: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -425,6 +433,8 @@ impl Header {
             faults: word(bytes, field::FAULTS),
             overflow: word(bytes, field::OVERFLOW),
             empty: word(bytes, field::EMPTY),
+            nesting: word(bytes, field::NESTING),
+            raised: word(bytes, field::RAISED),
         }
     }
 }

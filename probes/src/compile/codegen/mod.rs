@@ -371,9 +371,10 @@ impl Gen<'_, '_> {
         self.count(data + field::EMPTY)?;
         self.a.jmp(common)?;
         self.a.set_label(&mut self.errors.other)?;
+        self.count(data + field::RAISED)?;
         self.a.jmp(common)?;
         self.a.set_label(&mut self.errors.nesting)?;
-        self.a.nop()?;
+        self.count(data + field::NESTING)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
