@@ -336,7 +336,7 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
         ),
         // Recursion on the guest's kernel stack, cut at MAXNESTING.
         (
-            r#"function down(n) { return down(n + 1) }
+            r#"function down:long (n:long) { return down(n + 1) }
                probe kernel.syscall("getpid") { if (execname() == "syscall-loop") down(0) }"#,
             "MAXNESTING exceeded in a compiled probe (50 times)",
         ),
