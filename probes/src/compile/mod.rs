@@ -52,10 +52,15 @@
 //!
 //! Safety inside the guest: a division by zero, an exhausted per-hit statement budget
 //! (MAXACTION), a faulting kernel read (a bad pointer anywhere in a member chain, a string at
-//! a bad address) and an array overflow (an insert into an array that
-//! holds its most elements) end the hit and count a probe error in the header; an update that
-//! gives up on a busy slot counts a dropped update; no loop in the generated code is unbounded
-//! (table probes, spin waits and script loops all carry a budget).
+//! a bad address), an array overflow (an insert into an array that
+//! holds its most elements), a call past MAXNESTING and an `error()` outside `try` end the
+//! hit and count a probe error in the header; an update that gives up on a busy slot (or on
+//! an aggregate's variance lock) counts a dropped update; no loop in the generated code is
+//! unbounded (table probes, spin waits, `foreach` selection scans and script loops all carry
+//! a budget). User functions run on the kernel stack the probed function runs on: a function
+//! whose MAXNESTING frames would pass 6 KiB is refused by name. A `foreach` step scans the
+//! whole table (its capacity: twice the array's size, at least 16 slots), so declaring small
+//! arrays (`global a[64]`) keeps walks cheap.
 
 pub mod codegen;
 pub mod data;
