@@ -15,7 +15,8 @@ use exotap_vmm::qemu::{
 
 use crate::attach;
 use crate::kernel_image::KernelImage;
-use exotap_probes::lang::driver::{compile, stop_on_ctrl_c, ScriptSource};
+use exotap_probes::lang::driver::{compile_with, stop_on_ctrl_c, ScriptSource};
+use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::output::Format;
 use exotap_probes::lang::Limits;
 use exotap_probes::live::attach::Target;
@@ -128,6 +129,10 @@ pub struct BootArgs {
     /// and removal, per function, as HOST-RESULT kprobe.FUNCTION=N on stderr.
     #[arg(long)]
     pub compare_kprobes: bool,
+    /// Guru mode for the script, as stap's -g: it may write `$return` in .return probes
+    /// (or call `set_return(v)`) and parameters at function entries.
+    #[arg(short = 'g', long = "guru")]
+    pub guru: bool,
     /// Output format of the script.
     #[arg(long, value_enum, default_value_t = crate::script::OutputFormat::Text)]
     pub format: crate::script::OutputFormat,
@@ -250,7 +255,11 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<GuestScript>> {
     };
     let limits = Limits::default();
     let color = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let prog = match compile(&source, &limits) {
+    let invocation = Invocation {
+        guru: args.guru,
+        ..Invocation::default()
+    };
+    let prog = match compile_with(&source, &limits, &invocation) {
         Ok(prog) => prog,
         Err(diags) => {
             for d in &diags {

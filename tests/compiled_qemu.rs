@@ -259,6 +259,28 @@ const DIFFERENTIAL: &[&str] = &[
          if (execname() == "syscall-loop") { nr += kernel_long($pos) + 1; lo = kernel_int($pos) - 3 }
        }
        probe end { printf("%s %d %d %d %d\n", last, seen, total, nr, lo) }"#,
+    // foreach sorted with a limit, user functions (recursive, and raising errors) called
+    // inside try, @variance, string order: run inside the guest.
+    r#"global seen[32], lat, order, caught, fsum, v
+       function fact:long (n:long) { if (n <= 1) return 1; return n * fact(n - 1) }
+       function check:long (c:long) { if (c > 100) error("big"); return 64 / (c - 64) }
+       probe kernel.function("vfs_read") {
+         if (execname() != "syscall-loop") next
+         seen[$count % 7, execname()]++
+         seen[fsum % 5, "x"]++
+         lat <<< $count + fsum % 3
+         fsum += fact($count % 6)
+         try { fsum += check($count) } catch (m) { caught[m]++ }
+         foreach ([k-, e] in seen limit 2) order[k] = seen[k, e]
+         if (execname() < "zz") fsum++
+         v = @variance(lat)
+       }
+       probe end {
+         foreach ([k, e] in seen) printf("%d %s %d\n", k, e, seen[k, e])
+         foreach (k in order) printf("order %d %d\n", k, order[k])
+         foreach (m in caught) printf("caught %s %d\n", m, caught[m])
+         printf("fsum=%d var=%d v=%d\n", fsum, @variance(lat), v)
+       }"#,
 ];
 
 #[test]
@@ -311,6 +333,16 @@ fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
         (
             r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = @cast(0, "struct file")->f_inode->i_ino }"#,
             "kernel read fault in a compiled probe",
+        ),
+        // Recursion on the guest's kernel stack, cut at MAXNESTING.
+        (
+            r#"function down:long (n:long) { return down(n + 1) }
+               probe kernel.syscall("getpid") { if (execname() == "syscall-loop") down(0) }"#,
+            "MAXNESTING exceeded in a compiled probe (50 times)",
+        ),
+        (
+            r#"probe kernel.syscall("getpid") { if (execname() == "syscall-loop") error("no") }"#,
+            "error() raised in a compiled probe (50 times)",
         ),
     ];
     for (script, message) in cases {
@@ -420,6 +452,53 @@ fn compiled_return_probes_see_the_entrys_arguments_as_the_host_path_does() {
         assert!(host.contains(line), "{line} only compiled: {host}\n{ctx}");
     }
     assert_no_oops(&con_c);
+}
+
+#[test]
+fn a_guru_script_sets_the_return_value_the_guests_workload_sees() {
+    if !have_qemu("a_guru_script_sets_the_return_value_the_guests_workload_sees") {
+        return;
+    }
+    // Oracles: the workload's own getppid results (the last one it got, and its call
+    // count), and a shell's $PPID (its own getppid at start), which the filter leaves alone.
+    let script = r#"global n
+        probe kernel.function("__x64_sys_getppid").return {
+          if (execname() == "syscall-loop") { n++; if (n % 2) set_return(4242) else $return = 4242 }
+        }
+        probe end { printf("n=%d\n", n) }"#;
+    let job = "syscall-loop 50; sh -c 'echo EXOTAP-RESULT other.ppid=$PPID'";
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "-g", "--timeout", "400", "--compile", "require"])
+        .args(["--script-text", script, "--run", job, "--console"])
+        .arg(&console));
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(result(&out, "getppid.value"), Some("4242"), "{ctx}");
+    let calls = result(&out, "getppid.calls").unwrap_or("?");
+    assert!(
+        script_output(&out).contains(&format!("n={calls}\n")),
+        "every call of the workload ran the body: {ctx}"
+    );
+    let other: i64 = result(&out, "other.ppid").unwrap().parse().unwrap();
+    assert!(other > 0 && other != 4242, "{ctx}");
+    assert_no_oops(&std::fs::read_to_string(&console).unwrap_or_default());
+}
+
+#[test]
+fn a_guru_write_is_refused_without_g() {
+    if !have_qemu("a_guru_write_is_refused_without_g") {
+        return;
+    }
+    let script = r#"probe kernel.function("__x64_sys_getppid").return { $return = 4242 }"#;
+
+    let (code, _, err, _) = boot(script, "require", "syscall-loop 5");
+
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("guru mode (-g)"), "{err}");
 }
 
 #[test]

@@ -3,11 +3,13 @@
 //! ```text
 //! +0    header (128 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
 //!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults,
-//!       array overflows, reads of empty aggregates
+//!       array overflows, reads of empty aggregates, calls past MAXNESTING, `error()`s
 //! +128  globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
-//!       stats scalar    count, sum, min, max, then the log2 and linear buckets (8 bytes each)
+//!       stats scalar    count, sum, min, max, then the log2 and linear buckets (8 bytes each),
+//!                       then for `@variance` a lock word, the count, the shifted running
+//!                       average and the squared differences (Welford, as the interpreter)
 //!       array           64-byte table header (dropped updates at +0, the next insertion
 //!                       number at +8, the element count at +16), then `capacity` entries: state (0 free, 1 being
 //!                       written, 2 ready), insertion number, the keys (16 bytes each), the
@@ -36,7 +38,9 @@
 //! counts it): a writer interrupted on its own CPU by the same probe can never deadlock it.
 //! The element count in the header bounds an array to its size (MAXMAPENTRIES or `global
 //! a[N]`): one insert more is an array overflow, as in the interpreter. A deleted element
-//! keeps its slot (state 3) so probe chains stay whole; an insert of the same key revives it.
+//! keeps its slot (state 3) so probe chains stay whole; an insert of the same key revives it,
+//! and an insert of a key found absent takes the chain's first deleted slot (so a wrapping
+//! array, `a%`, does not fill its table with them).
 //! Values are updated with `lock` instructions, so concurrent vCPUs give exact results.
 //! The insertion number gives the host the order the interpreter keeps (`foreach` without a
 //! sort walks an array in insertion order).
@@ -74,6 +78,10 @@ pub mod field {
     pub const OVERFLOW: u64 = 56;
     /// `@min`, `@max` or `@avg` of an aggregate with no values.
     pub const EMPTY: u64 = 64;
+    /// Calls of user functions past MAXNESTING.
+    pub const NESTING: u64 = 72;
+    /// `error()` outside `try`.
+    pub const RAISED: u64 = 80;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -123,7 +131,15 @@ pub struct StatsLayout {
     pub log: bool,
     /// `@hist_linear(start, stop, interval)` with its bucket count.
     pub linear: Option<(i64, i64, i64, usize)>,
+    /// `@variance` with its bit shift: the running Welford state after the buckets (see
+    /// [`VARIANCE_BYTES`]).
+    pub variance: Option<u32>,
 }
+
+/// Bytes of the running variance state: a lock word (the Welford step is not one atomic
+/// update), the values it has seen, the shifted running average and the sum of squared
+/// differences, as the interpreter's `Stats` keeps them.
+pub const VARIANCE_BYTES: u64 = 32;
 
 impl StatsLayout {
     /// Byte offset of the first log bucket.
@@ -135,6 +151,12 @@ impl StatsLayout {
     pub fn linear_offset(&self) -> u64 {
         STATS_FIXED + if self.log { LOG_BUCKETS as u64 * 8 } else { 0 }
     }
+
+    /// Byte offset of the variance state (its lock word; the count, average and squares
+    /// follow at +8, +16, +24).
+    pub fn variance_offset(&self) -> u64 {
+        self.linear_offset() + self.linear.map_or(0, |l| l.3 as u64 * 8)
+    }
 }
 
 impl ValueKind {
@@ -143,7 +165,14 @@ impl ValueKind {
         match self {
             ValueKind::Long => 8,
             ValueKind::Str => 16,
-            ValueKind::Stats(s) => s.linear_offset() + s.linear.map_or(0, |l| l.3 as u64 * 8),
+            ValueKind::Stats(s) => {
+                s.variance_offset()
+                    + if s.variance.is_some() {
+                        VARIANCE_BYTES
+                    } else {
+                        0
+                    }
+            }
         }
     }
 }
@@ -162,6 +191,8 @@ pub struct GlobalSlot {
     /// For arrays: the most elements (MAXMAPENTRIES, or `global a[N]`); one more is an
     /// array overflow, a probe error, as in the interpreter.
     pub max_entries: u64,
+    /// `global a%[N]`: an insert into a full array first deletes its oldest element.
+    pub wrap: bool,
 }
 
 impl GlobalSlot {
@@ -376,6 +407,10 @@ pub struct Header {
     pub overflow: u64,
     /// Of the errors, reads of empty aggregates.
     pub empty: u64,
+    /// Of the errors, calls past MAXNESTING.
+    pub nesting: u64,
+    /// Of the errors, `error()` calls.
+    pub raised: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -398,6 +433,8 @@ impl Header {
             faults: word(bytes, field::FAULTS),
             overflow: word(bytes, field::OVERFLOW),
             empty: word(bytes, field::EMPTY),
+            nesting: word(bytes, field::NESTING),
+            raised: word(bytes, field::RAISED),
         }
     }
 }
@@ -453,13 +490,9 @@ pub(super) fn value_kind(prog: &Program, name: &str) -> Result<ValueKind, String
     Ok(match g.value {
         Ty::Long => ValueKind::Long,
         Ty::Str => ValueKind::Str,
-        Ty::Stats if g.hist.variance_shift.is_some() => {
-            return Err(format!(
-                "@variance of {name} (the guest keeps count, sum, min, max and buckets only)"
-            ))
-        }
         Ty::Stats => ValueKind::Stats(StatsLayout {
             log: g.hist.log,
+            variance: g.hist.variance_shift,
             linear: match g.hist.linear {
                 Some(HistKind::Linear {
                     start,
@@ -506,12 +539,6 @@ impl DataLayout {
                 }
             };
             let table = match g.shape {
-                Shape::Array if g.wrap => {
-                    refused.push(refuse(format!(
-                        "the wrapping array {name}% (compiled arrays stop at their size)"
-                    )));
-                    continue;
-                }
                 Shape::Array => {
                     if g.keys.len() > MAX_KEYS || g.keys.is_empty() {
                         refused.push(refuse(format!(
@@ -535,6 +562,7 @@ impl DataLayout {
                 _ => None,
             };
             let slot = GlobalSlot {
+                wrap: g.wrap,
                 offset: out.size,
                 value,
                 table,
@@ -684,10 +712,15 @@ fn bytes_at(data: &[u8], at: u64, len: usize) -> &[u8] {
 
 fn decode_stats(data: &[u8], at: u64, layout: StatsLayout) -> Stats {
     let count = word(data, at) as i64;
+    let variance = |off: u64| {
+        layout.variance.map_or(0, |_| {
+            word(data, at + layout.variance_offset() + off) as i64
+        })
+    };
     let mut s = Stats {
-        variance_shift: 0,
-        avg_s: 0,
-        m2: 0,
+        variance_shift: layout.variance.unwrap_or(0),
+        avg_s: variance(16),
+        m2: variance(24),
         count,
         sum: word(data, at + 8) as i64,
         min: if count == 0 {
@@ -762,6 +795,12 @@ fn put_stats(area: &mut [u8], at: usize, s: &Stats, layout: StatsLayout) {
         for (b, c) in buckets.iter().enumerate().take(n) {
             put(area, at + layout.linear_offset() as usize + b * 8, *c);
         }
+    }
+    if layout.variance.is_some() {
+        let v = at + layout.variance_offset() as usize;
+        put(area, v + 8, s.count as u64);
+        put(area, v + 16, s.avg_s as u64);
+        put(area, v + 24, s.m2 as u64);
     }
 }
 
@@ -899,7 +938,7 @@ mod tests {
             panic!("no stats")
         };
 
-        // The guest keeps no running variance (scripts with @variance do not compile).
+        // Without @variance the guest keeps no running variance.
         s.avg_s = 0;
         s.m2 = 0;
         assert!(sl.log && sl.linear.is_some());

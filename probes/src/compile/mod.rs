@@ -15,11 +15,21 @@
 //!   the relocated instruction; and for `.return` probes the kretprobe-style return
 //!   trampoline.
 //!
-//! What compiles: `if/else`, `while`, `for`, `next`, `break`, `continue`; longs and strings
+//! What compiles: `if/else`, `while`, `for`, `next`, `break`, `continue`; `foreach` over an
+//! array in the interpreter's order (insertion order, or sorted on the value, a statistic or
+//! a key, `+`/`-`, with `limit`; each step selects the next element from the table, see
+//! [`codegen`]'s foreach module); user functions as real calls (parameters, locals, return
+//! values, recursion up to MAXNESTING, a probe error past it); `try`/`catch (msg)` with the
+//! interpreter's messages, also for errors inside the functions the block calls, and
+//! `error()`; `@defined` and `@choose_defined` (answered when compiling, from the point's
+//! parameters); longs and strings
 //! (up to 15 bytes inline, longer ones interned by the host); locals; global scalars, arrays
 //! keyed by up to [`data::MAX_KEYS`] values and statistics (`<<<` with count, sum, min, max,
-//! `@hist_log` and `@hist_linear` buckets); `++`, `--`, `=`, `+=` and friends (atomic where
-//! they touch globals); `in`; arithmetic, comparisons, logic and the ternary operator;
+//! `@hist_log` and `@hist_linear` buckets, and the running variance for `@variance`); `++`,
+//! `--`, `=`, `+=` and friends (atomic where they touch globals); wrapping arrays (`a%[N]`:
+//! a full array loses its oldest element to an insert); `in`; `delete` of an
+//! element, of `a[k, *]` and of a whole array; arithmetic, comparisons (strings ordered by
+//! their bytes where the script holds every string inline), logic and the ternary operator;
 //! `execname() pid() tid() ppid() uid() cpu() probefunc() ppfunc() pp()`,
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
 //! body), `kernel_long()`, `kernel_int()`, `kernel_short()`, `kernel_char()` (through the
@@ -27,8 +37,11 @@
 //! `exit()`; `printf` with a literal format,
 //! `print` and `println` (output records in per-vCPU rings, formatted by the host), also of
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
-//! `@min`, `@max`, `@avg` of aggregates; `$params` in registers at function entries, and in
-//! return probes as they were at the entry (also `@entry($param)`), and `$return`; member
+//! `@min`, `@max`, `@avg`, `@variance` of aggregates; `$params` in registers at function
+//! entries, and in return probes as they were at the entry (also `@entry($param)`), and
+//! `$return`; in guru mode (`-g`, the checker refuses them without) `$param = v` at entries
+//! and `$return = v` or `set_return(v)` in return probes, written where the site restores
+//! the registers from; member
 //! chains of them and `@cast(p, "type")->m...`, laid out from the kernel's BTF ([`types`])
 //! and read with `copy_from_kernel_nofault` at each step; strings read from memory (`kernel_string`,
 //! `kernel_string_n`, `user_string`, `user_string_n`, through `strncpy_from_*_nofault`) as
@@ -39,10 +52,15 @@
 //!
 //! Safety inside the guest: a division by zero, an exhausted per-hit statement budget
 //! (MAXACTION), a faulting kernel read (a bad pointer anywhere in a member chain, a string at
-//! a bad address) and an array overflow (an insert into an array that
-//! holds its most elements) end the hit and count a probe error in the header; an update that
-//! gives up on a busy slot counts a dropped update; no loop in the generated code is unbounded
-//! (table probes, spin waits and script loops all carry a budget).
+//! a bad address), an array overflow (an insert into an array that
+//! holds its most elements), a call past MAXNESTING and an `error()` outside `try` end the
+//! hit and count a probe error in the header; an update that gives up on a busy slot (or on
+//! an aggregate's variance lock) counts a dropped update; no loop in the generated code is
+//! unbounded (table probes, spin waits, `foreach` selection scans and script loops all carry
+//! a budget). User functions run on the kernel stack the probed function runs on: a function
+//! whose MAXNESTING frames would pass 6 KiB is refused by name. A `foreach` step scans the
+//! whole table (its capacity: twice the array's size, at least 16 slots), so declaring small
+//! arrays (`global a[64]`) keeps walks cheap.
 
 pub mod codegen;
 pub mod data;

@@ -176,7 +176,17 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             let mut busy = a.create_label();
             let mut next = a.create_label();
             let mut drop = a.create_label();
+            let mut rehash = a.create_label();
+            let mut reuse = a.create_label();
+            let mut zero = a.create_label();
+            let mut other_dead = a.create_label();
             a.set_label(&mut start)?;
+            a.mov(r8d, MAX_PROBES.min(cap))?;
+            a.mov(r10d, SPINS)?;
+            // Again from the chain's start (a deleted slot this insert wanted was taken),
+            // with what is left of the probe budget.
+            a.set_label(&mut rehash)?;
+            a.xor(edi, edi)?; // the chain's first deleted slot (insert: reused for a new key)
             a.xor(eax, eax)?;
             a.mov(rcx, 0x9e37_79b9_7f4a_7c15u64)?;
             for j in 0..words {
@@ -187,8 +197,6 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             a.shr(rdx, 29)?;
             a.xor(rax, rdx)?;
             a.and(eax, mask)?;
-            a.mov(r8d, MAX_PROBES.min(cap))?;
-            a.mov(r10d, SPINS)?;
             lea(&mut a, Register::R11, table + TABLE_HEADER)?;
             a.set_label(&mut probe)?;
             a.imul_3(rdx, rax, entry)?;
@@ -202,12 +210,15 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             a.jnz(busy)?;
             // A free slot ends the chain: the key is absent.
             if insert {
+                a.test(rdi, rdi)?;
+                a.jnz(reuse)?;
                 a.push(rax)?;
                 a.xor(eax, eax)?;
                 a.mov(ecx, 1)?;
                 a.lock().cmpxchg(qword_ptr(rdx), rcx)?;
                 a.pop(rax)?;
                 a.jne(probe)?; // another writer took it: look again
+                a.xor(r10d, r10d)?; // the state the slot goes back to on an overflow
                 a.call(count)?;
                 for j in 0..words {
                     a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
@@ -233,7 +244,7 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                 for j in 0..words {
                     a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
                     a.cmp(r9, qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32))?;
-                    a.jne(next)?;
+                    a.jne(other_dead)?;
                 }
                 a.push(rax)?;
                 a.mov(eax, 3)?;
@@ -241,7 +252,9 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                 a.lock().cmpxchg(qword_ptr(rdx), rcx)?;
                 a.pop(rax)?;
                 a.jne(probe)?;
+                a.mov(r10d, 3)?; // still deleted on an overflow: the chain stays whole
                 a.call(count)?;
+                a.set_label(&mut zero)?;
                 a.lea(rdi, qword_ptr(rdx + vo))?;
                 a.mov(ecx, value_words)?;
                 a.xor(eax, eax)?;
@@ -264,6 +277,30 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             } else {
                 a.jmp(next)?;
             }
+            // Another key's deleted slot: the first one of the chain takes the new key once
+            // the key is known absent (a free slot, or the probe budget spent).
+            if insert {
+                a.set_label(&mut other_dead)?;
+                a.test(rdi, rdi)?;
+                a.jnz(next)?;
+                a.mov(rdi, rdx)?;
+                a.jmp(next)?;
+                a.set_label(&mut reuse)?;
+                a.mov(rdx, rdi)?;
+                a.push(rax)?;
+                a.mov(eax, 3)?;
+                a.mov(ecx, 1)?;
+                a.lock().cmpxchg(qword_ptr(rdx), rcx)?;
+                a.pop(rax)?;
+                a.jne(rehash)?;
+                a.mov(r10d, 3)?;
+                a.call(count)?;
+                for j in 0..words {
+                    a.mov(r9, qword_ptr(rsi + 8 * j as i32))?;
+                    a.mov(qword_ptr(rdx + ENTRY_KEYS as i32 + 8 * j as i32), r9)?;
+                }
+                a.jmp(zero)?;
+            }
             a.set_label(&mut busy)?;
             a.pause()?;
             a.dec(r10d)?;
@@ -275,6 +312,11 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             a.dec(r8d)?;
             a.jnz(probe)?;
             if insert {
+                // The budget spent: the key is not within reach, so a deleted slot seen
+                // takes it; else the update is dropped (never a fall into `count`).
+                a.test(rdi, rdi)?;
+                a.jnz(reuse)?;
+                a.jmp(drop)?;
                 // One more element, unless the array holds its most: then the slot goes back
                 // and the caller gets 1 (an array overflow) from the helper.
                 let mut room = a.create_label();
@@ -287,7 +329,7 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
                 a.jb(room)?;
                 lea(&mut a, Register::R9, table + TABLE_COUNT)?;
                 a.lock().dec(qword_ptr(r9))?;
-                a.mov(qword_ptr(rdx), 0)?;
+                a.mov(qword_ptr(rdx), r10)?;
                 a.add(rsp, 8)?; // return from the helper itself
                 a.mov(eax, 1)?;
                 a.ret()?;

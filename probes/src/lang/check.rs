@@ -138,7 +138,18 @@ const MAX_ROUNDS: usize = 32;
 /// # Errors
 /// All errors found, warnings included (in source order).
 pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
+    check_guru(script, false)
+}
+
+/// As [`check`], in guru mode when `guru` (stap's `-g`): writes to target variables
+/// (`$param = v` at kernel function entries, `$return = v` in return probes) and
+/// `set_return(v)` are allowed; without it they are errors.
+///
+/// # Errors
+/// As [`check`].
+pub fn check_guru(script: Script, guru: bool) -> Result<Program, Vec<Diagnostic>> {
     let mut c = Checker::new(&script);
+    c.guru = guru;
     c.declare();
     // Inference rounds only collect types: a variable read before the statement that types
     // it is not an error until the reporting pass says it still has no type.
@@ -215,6 +226,8 @@ pub(crate) struct Checker<'a> {
     pub report: bool,
     pub changed: bool,
     pub scope: Scope,
+    /// `-g`: writes to target variables and `set_return()` are allowed.
+    pub guru: bool,
 }
 
 impl<'a> Checker<'a> {
@@ -232,6 +245,7 @@ impl<'a> Checker<'a> {
             report: true,
             changed: false,
             scope: Scope::default(),
+            guru: false,
         }
     }
 

@@ -572,15 +572,31 @@ impl Checker<'_> {
             }
             ExprKind::Target(t) => {
                 self.target(t, target.span);
-                self.emit(
-                    Diagnostic::error(
-                        format!("cannot write target variable '{}'", t.name),
-                        target.span,
-                    )
-                    .with_hint(
-                        "changing guest state needs guru mode, which exotap does not have yet",
-                    ),
-                );
+                let plain =
+                    t.members.is_empty() && !t.name.starts_with("$$") && !t.name.ends_with('$');
+                let entry_param = t.name != "$return"
+                    && !self.scope.kinds.is_empty()
+                    && self.scope.kinds.iter().all(|k| !k.is_return());
+                if !self.guru {
+                    self.emit(
+                        Diagnostic::error(
+                            format!("cannot write target variable '{}'", t.name),
+                            target.span,
+                        )
+                        .with_hint("changing guest state needs guru mode (-g)"),
+                    );
+                } else if !plain || !(t.name == "$return" || entry_param) {
+                    self.emit(
+                        Diagnostic::error(
+                            format!("cannot write target variable '{}' here", t.name),
+                            target.span,
+                        )
+                        .with_hint(
+                            "guru mode writes $return in .return probes and a parameter \
+                             ($name) at function entries",
+                        ),
+                    );
+                }
             }
             _ => self.emit(Diagnostic::error("not assignable", target.span)),
         }
@@ -707,6 +723,9 @@ impl Checker<'_> {
             }
             _ => {}
         }
+        if name == "set_return" && !self.functions.contains_key(name) {
+            return self.set_return(c, span);
+        }
         if let Some(b) = builtins::lookup(name) {
             self.arity(name, b.params.len(), c.args.len(), span);
             for (a, &p) in c.args.iter().zip(b.params) {
@@ -753,6 +772,29 @@ impl Checker<'_> {
             }
         }
         self.function_ret[f]
+    }
+
+    /// `set_return(v)`: guru mode, in a `.return` probe handler.
+    fn set_return(&mut self, c: &Call, span: Span) -> Ty {
+        self.arity("set_return", 1, c.args.len(), span);
+        for a in &c.args {
+            self.expect(a, Ty::Long);
+        }
+        let in_return = self.scope.function.is_none()
+            && !self.scope.kinds.is_empty()
+            && self.scope.kinds.iter().all(|k| k.is_return());
+        if !self.guru {
+            self.emit(
+                Diagnostic::error("set_return() changes guest state", span)
+                    .with_hint("changing guest state needs guru mode (-g)"),
+            );
+        } else if !in_return {
+            self.emit(
+                Diagnostic::error("set_return() outside a .return probe handler", span)
+                    .with_hint("probe kernel.function(\"f\").return { set_return(v) }"),
+            );
+        }
+        Ty::Void
     }
 
     fn arity(&mut self, name: &str, want: usize, got: usize, span: Span) {

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use super::check::{check, Program, Shape, Ty};
+use super::check::{check_guru, Program, Shape, Ty};
 use super::diag::Diagnostic;
 use super::invocation::Invocation;
 use super::output::{Format, Output};
@@ -41,7 +41,7 @@ pub fn compile_with(
     inv: &Invocation,
 ) -> Result<Program, Vec<Diagnostic>> {
     let script = parse_with(&src.text, limits, inv).map_err(|e| vec![Diagnostic::from(&e)])?;
-    let mut prog = check(script)?;
+    let mut prog = check_guru(script, inv.guru)?;
     prog.target_pid = inv.target_pid.unwrap_or(0);
     Ok(prog)
 }

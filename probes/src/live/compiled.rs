@@ -713,6 +713,18 @@ fn run(
             header.max_action
         ));
     }
+    if header.nesting > 0 {
+        session.error(&format!(
+            "MAXNESTING exceeded in a compiled probe ({} times)",
+            header.nesting
+        ));
+    }
+    if header.raised > 0 {
+        session.error(&format!(
+            "error() raised in a compiled probe ({} times)",
+            header.raised
+        ));
+    }
     if header.dropped > 0 {
         session.error(&format!(
             "{} array updates dropped: a table was full (raise MAXMAPENTRIES) or a slot stayed busy",

@@ -24,8 +24,23 @@ impl Gen<'_, '_> {
 
     pub(super) fn call(&mut self, c: &Call) -> R<K> {
         let name = c.name.name.as_str();
+        if let Some(&index) = self.env.prog.functions.get(name) {
+            return self.call_user(index, c);
+        }
         let task = self.env.facts.task;
         match name {
+            "error" => self.error(c),
+            "set_return" => {
+                let v = c
+                    .args
+                    .first()
+                    .ok_or_else(|| self.no("set_return() without a value"))?;
+                let ret = TargetVar {
+                    name: "$return".into(),
+                    members: Vec::new(),
+                };
+                self.write_target(&ret, None, v)
+            }
             "pid" => {
                 self.task_field(task.tgid, "pid()")?;
                 Ok(K::Long)
@@ -122,7 +137,7 @@ impl Gen<'_, '_> {
                     _ => 1,
                 };
                 let scratch = self.scratch();
-                let fault = self.err_fault;
+                let fault = self.errors.fault;
                 let r = (|| {
                     self.a.mov(rsi, rax)?;
                     self.a.lea(rdi, qword_ptr(rbp + scratch))?;
@@ -341,7 +356,7 @@ impl Gen<'_, '_> {
             Vec::new(),
         );
         let cpu_number = self.env.facts.cpu_number;
-        let empty = self.err_empty;
+        let empty = self.errors.empty;
         let r = (|| {
             let mut skip = self.a.create_label();
             self.a.test(rax, rax)?;
@@ -441,6 +456,12 @@ fn print_calls(prog: &Program) -> Vec<&Call> {
             expr(c, &mut out);
         }
         p.body.stmts.iter().for_each(|s| stmt(s, &mut out));
+    }
+    // User functions print too when a kernel probe calls them.
+    for f in &prog.script.functions {
+        if let FunctionBody::Block(b) = &f.body {
+            b.stmts.iter().for_each(|s| stmt(s, &mut out));
+        }
     }
     out
 }

@@ -154,7 +154,7 @@ impl Gen<'_, '_> {
         } else {
             asm!(self, self.a.mov(rcx, most))?;
         }
-        let fault = self.err_fault;
+        let fault = self.errors.fault;
         // rax = address, rcx = n. L = clamp(n, 0, MAXSTRINGLEN - 1) bytes at most, read up
         // to the first NUL. strncpy_*_nofault(dst, src, L) reads bytes 0..L-1 but keeps L-1
         // of them (its last byte becomes the NUL): when it returns L, the byte at L-1 is read
@@ -199,7 +199,7 @@ impl Gen<'_, '_> {
             self.no("a member chain (the kernel has no copy_from_kernel_nofault)")
         })?;
         let scratch = self.scratch();
-        let fault = self.err_fault;
+        let fault = self.errors.fault;
         for step in steps {
             let r = match *step {
                 Step::Address { offset } => {

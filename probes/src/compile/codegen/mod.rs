@@ -2,7 +2,10 @@
 //!
 //! Entered with `r15` pointing at the registers the site saved (see [`super::site`]); every
 //! other register is free. The body keeps its locals and key buffers in a frame under `rbp`,
-//! `r14` counts down the statement budget (MAXACTION), `r13` holds the current task. Every
+//! `r14` counts down the statement budget (MAXACTION), `r13` holds the current task, `rbx`
+//! points at the catch record just above the probe's frame (and is where the stack goes back
+//! to when the hit ends, also from inside a user function), `r12` counts the user functions
+//! the hit is nested in (see the functions module). Every
 //! intermediate value goes on the stack, so calls (table helpers, kernel clock functions)
 //! never need registers saved. A long is in `rax`; a string (see [`super::data`]) is in
 //! `rax` (bytes 0-7) and `rdx` (bytes 8-15).
@@ -101,9 +104,14 @@ macro_rules! asm {
 }
 
 // After the macro: the submodules use it.
+mod aggregates;
 mod calls;
+mod foreach;
+mod functions;
 mod memory;
+mod operators;
 mod updates;
+mod walk;
 
 pub use calls::{prints, record_bytes};
 
@@ -123,13 +131,40 @@ struct Gen<'a, 'b> {
     depth: usize,
     loops: Vec<(CodeLabel, CodeLabel)>,
     end: CodeLabel,
-    err_div: CodeLabel,
-    err_budget: CodeLabel,
-    err_fault: CodeLabel,
-    err_overflow: CodeLabel,
-    err_empty: CodeLabel,
+    errors: Errors,
     span: Span,
+    /// Levels of key buffers in the current frame (array lookups nested in keys).
+    key_levels: usize,
+    /// `foreach` loops the current frame has state for, and how many are open.
+    foreach_levels: usize,
+    foreach_depth: usize,
+    /// User functions: their entry labels, and those still to emit (after the body).
+    functions: functions::Functions,
+    /// Bytes the open `try` blocks of the current frame pushed (saved catch records): the
+    /// stack at a statement is `rbp - frame - try_pushed`.
+    try_pushed: i32,
+    /// Loops open when the innermost `try` with a catch record began: a `break` or
+    /// `continue` to one of them would leave the record set, so it is refused.
+    try_loops: Option<usize>,
 }
+
+/// Where each kind of probe error jumps: the probe's counters, or inside `try` the handler.
+#[derive(Debug, Clone, Copy)]
+struct Errors {
+    div: CodeLabel,
+    budget: CodeLabel,
+    fault: CodeLabel,
+    overflow: CodeLabel,
+    empty: CodeLabel,
+    /// `error()`, with its message in rax/rdx.
+    other: CodeLabel,
+    /// A call past MAXNESTING.
+    nesting: CodeLabel,
+}
+
+/// Bytes above a probe's frame for the catch record (see [`functions`]): the handler's
+/// address (0: none), its frame pointer and its nesting depth.
+const CATCH_RECORD: i32 = 32;
 
 /// Emits probe `point.probe`'s body (with its condition) for `point`.
 ///
@@ -190,11 +225,15 @@ pub fn emit_body(
         construct: format!("code the assembler refused ({e})"),
     };
     let end = a.create_label();
-    let err_div = a.create_label();
-    let err_budget = a.create_label();
-    let err_fault = a.create_label();
-    let err_overflow = a.create_label();
-    let err_empty = a.create_label();
+    let errors = Errors {
+        div: a.create_label(),
+        budget: a.create_label(),
+        fault: a.create_label(),
+        overflow: a.create_label(),
+        empty: a.create_label(),
+        other: a.create_label(),
+        nesting: a.create_label(),
+    };
     let mut g = Gen {
         a,
         env,
@@ -206,12 +245,14 @@ pub fn emit_body(
         depth: 0,
         loops: Vec::new(),
         end,
-        err_div,
-        err_budget,
-        err_fault,
-        err_overflow,
-        err_empty,
+        errors,
         span: probe.span,
+        key_levels: MAX_KEY_DEPTH,
+        foreach_levels: foreach::FOREACH_LEVELS,
+        foreach_depth: 0,
+        functions: functions::Functions::default(),
+        try_pushed: 0,
+        try_loops: None,
     };
     g.prologue().map_err(asm)?;
     if let Some(cond) = &probe.condition {
@@ -221,7 +262,11 @@ pub fn emit_body(
     }
     g.block(&probe.body)?;
     g.epilogue().map_err(asm)?;
-    Ok(())
+    // The user functions it calls follow the body; the site's code goes on after them.
+    let mut after = g.a.create_label();
+    g.a.jmp(after).map_err(asm)?;
+    g.emit_functions()?;
+    g.place(&mut after)
 }
 
 impl Gen<'_, '_> {
@@ -234,9 +279,20 @@ impl Gen<'_, '_> {
     }
 
     fn frame_size(&self) -> i32 {
-        let keys = (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32;
         let texts = self.texts.values().copied().max().unwrap_or(0);
-        (self.locals_size + keys + SCRATCH + texts + 15) / 16 * 16
+        let foreach = self.foreach_levels as i32 * foreach::FOREACH_STATE;
+        (self.locals_size + self.keys_bytes() + SCRATCH + texts + foreach + 15) / 16 * 16
+    }
+
+    /// Bytes of the key buffers in the current frame.
+    fn keys_bytes(&self) -> i32 {
+        (self.key_levels * MAX_KEYS) as i32 * KEY as i32
+    }
+
+    /// Frame offset (from rbp) of the state of the `foreach` open at `level`.
+    fn foreach_state(&self, level: usize) -> i32 {
+        let texts = self.texts.values().copied().max().unwrap_or(0);
+        self.scratch() - texts - (level as i32 + 1) * foreach::FOREACH_STATE
     }
 
     /// Frame offset (from rbp) of the buffer of the text local at `at` (see `texts`).
@@ -246,7 +302,7 @@ impl Gen<'_, '_> {
 
     /// The 8-byte buffer kernel reads copy into (below the key buffers).
     fn scratch(&self) -> i32 {
-        -(self.locals_size + (MAX_KEY_DEPTH * MAX_KEYS) as i32 * KEY as i32 + SCRATCH)
+        -(self.locals_size + self.keys_bytes() + SCRATCH)
     }
 
     fn key_buffer(&self, depth: usize) -> i32 {
@@ -255,9 +311,20 @@ impl Gen<'_, '_> {
 
     fn prologue(&mut self) -> Result<(), IcedError> {
         let frame = self.frame_size();
+        // rbx keeps the probe's stack for the end of the hit (also from inside functions)
+        // and points at the catch record; r12 counts the user functions the hit is nested in.
+        self.a.sub(rsp, CATCH_RECORD)?;
         self.a.mov(rbp, rsp)?;
+        self.a.mov(rbx, rsp)?;
+        self.a.mov(qword_ptr(rbx), 0)?;
+        self.a.xor(r12d, r12d)?;
         self.a.sub(rsp, frame)?;
-        // Locals start at 0 and "" (the key buffers need no clearing).
+        self.zero_locals()?;
+        self.enter_probe()
+    }
+
+    /// Locals start at 0 and "" (the key buffers need no clearing).
+    fn zero_locals(&mut self) -> Result<(), IcedError> {
         if self.locals_size > 0 {
             self.a.xor(eax, eax)?;
             for off in (8..=self.locals_size).step_by(8) {
@@ -268,6 +335,10 @@ impl Gen<'_, '_> {
         for off in texts {
             self.a.mov(byte_ptr(rbp + off), 0)?;
         }
+        Ok(())
+    }
+
+    fn enter_probe(&mut self) -> Result<(), IcedError> {
         self.a
             .mov(r14, self.env.limits.max_action.min(i64::MAX as u64))?;
         let mut cur = Instruction::with2(
@@ -284,24 +355,30 @@ impl Gen<'_, '_> {
         let data = self.env.data;
         let mut common = self.a.create_label();
         self.a.jmp(self.end)?;
-        self.a.set_label(&mut self.err_div)?;
+        self.a.set_label(&mut self.errors.div)?;
         self.count(data + field::DIV_ZERO)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_budget)?;
+        self.a.set_label(&mut self.errors.budget)?;
         self.count(data + field::MAXACTION)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_fault)?;
+        self.a.set_label(&mut self.errors.fault)?;
         self.count(data + field::FAULTS)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_overflow)?;
+        self.a.set_label(&mut self.errors.overflow)?;
         self.count(data + field::OVERFLOW)?;
         self.a.jmp(common)?;
-        self.a.set_label(&mut self.err_empty)?;
+        self.a.set_label(&mut self.errors.empty)?;
         self.count(data + field::EMPTY)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.errors.other)?;
+        self.count(data + field::RAISED)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.errors.nesting)?;
+        self.count(data + field::NESTING)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
-        self.a.mov(rsp, rbp)?;
+        self.a.lea(rsp, qword_ptr(rbx + CATCH_RECORD))?;
         Ok(())
     }
 
@@ -318,7 +395,7 @@ impl Gen<'_, '_> {
     fn tick(&mut self) -> R<()> {
         let r = (|| {
             self.a.dec(r14)?;
-            self.a.js(self.err_budget)
+            self.a.js(self.errors.budget)
         })();
         asm!(self, r)
     }
@@ -337,6 +414,15 @@ impl Gen<'_, '_> {
             StmtKind::Empty => Ok(()),
             StmtKind::Block(b) => self.block(b),
             StmtKind::Expr(e) => self.expr(e).map(|_| ()),
+            StmtKind::If(i) if matches!(i.cond.kind, ExprKind::Defined(_)) => {
+                if self.defined_here(&i.cond)? {
+                    self.stmt(&i.then)
+                } else if let Some(e) = &i.els {
+                    self.stmt(e)
+                } else {
+                    Ok(())
+                }
+            }
             StmtKind::If(i) => {
                 let mut els = self.a.create_label();
                 let mut done = self.a.create_label();
@@ -396,6 +482,11 @@ impl Gen<'_, '_> {
                 let Some((cont, brk)) = self.loops.last().copied() else {
                     return Err(self.no("break or continue outside a loop"));
                 };
+                if self.try_loops.is_some_and(|n| self.loops.len() <= n) {
+                    return Err(
+                        self.no("break or continue out of a try block that calls user functions")
+                    );
+                }
                 let to = if matches!(s.kind, StmtKind::Break) {
                     brk
                 } else {
@@ -403,10 +494,10 @@ impl Gen<'_, '_> {
                 };
                 asm!(self, self.a.jmp(to))
             }
-            StmtKind::Foreach(_) => Err(self.no("foreach in a kernel probe")),
-            StmtKind::Return(_) => Err(self.no("return in a kernel probe")),
+            StmtKind::Foreach(fe) => self.foreach(fe),
+            StmtKind::Return(e) => self.ret(e.as_ref()),
             StmtKind::Delete(e) => self.delete(e),
-            StmtKind::Try(_) => Err(self.no("try/catch in a kernel probe")),
+            StmtKind::Try(t) => self.try_catch(t),
         }
     }
 
@@ -506,6 +597,14 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             ExprKind::Binary(op, b) => self.binary(*op, &b.0, &b.1),
+            ExprKind::Ternary(t) if matches!(t.0.kind, ExprKind::Defined(_)) => {
+                // `@choose_defined(a, b)`: only the branch that exists here is compiled.
+                if self.defined_here(&t.0)? {
+                    self.expr(&t.1)
+                } else {
+                    self.expr(&t.2)
+                }
+            }
             ExprKind::Ternary(t) => {
                 let mut els = self.a.create_label();
                 let mut done = self.a.create_label();
@@ -535,9 +634,13 @@ impl Gen<'_, '_> {
                 }
                 _ => Err(self.no("@entry of anything but a parameter")),
             },
-            ExprKind::Defined(_) => Err(self.no("@defined in a kernel probe")),
+            ExprKind::Defined(_) => {
+                let yes = self.defined_here(e)?;
+                asm!(self, self.a.mov(eax, u32::from(yes)))?;
+                Ok(K::Long)
+            }
             ExprKind::Cast(c) => self.cast(c),
-            ExprKind::Variance(..) => Err(self.no("@variance in a kernel probe")),
+            ExprKind::Variance(target, _) => self.variance(target),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
             ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
             ExprKind::RegexMatch(..) => Err(self.no("=~ in a kernel probe")),
@@ -554,6 +657,37 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
         }
+    }
+
+    /// `@defined(x)` (given as the whole `Defined` expression) at this probe point, known
+    /// when compiling as the interpreter answers it: a parameter the point has (or
+    /// `$return` in a return probe) is defined, a `@cast` never is; member chains are refused
+    /// (the host path cannot read them, so its answer would differ).
+    fn defined_here(&self, e: &Expr) -> R<bool> {
+        let ExprKind::Defined(x) = &e.kind else {
+            return Err(self.no("@defined of this"));
+        };
+        let mut answer = Ok(true);
+        walk::expr_all(x, &mut |e| {
+            let here = match &e.kind {
+                ExprKind::Target(t) if !t.members.is_empty() || t.name.starts_with("$$") => {
+                    Err(format!("@defined of {}", t.path()))
+                }
+                ExprKind::Target(t) if t.name == "$return" => Ok(self.point.is_return),
+                ExprKind::Target(t) => Ok(self
+                    .point
+                    .params
+                    .iter()
+                    .any(|p| t.name.strip_prefix('$') == Some(p.as_str()))),
+                ExprKind::Cast(_) | ExprKind::Embedded(_) => Ok(false),
+                _ => Ok(true),
+            };
+            answer = match (answer.clone(), here) {
+                (Err(e), _) | (_, Err(e)) => Err(e),
+                (Ok(a), Ok(b)) => Ok(a && b),
+            };
+        });
+        answer.map_err(|c| self.no(c))
     }
 
     fn array(&self, name: &str) -> R<GlobalSlot> {
@@ -653,122 +787,6 @@ impl Gen<'_, '_> {
             self.members(&t.path(), base, &t.members)?;
         }
         Ok(K::Long)
-    }
-
-    fn binary(&mut self, op: BinOp, x: &Expr, y: &Expr) -> R<K> {
-        if matches!(op, BinOp::And | BinOp::Or) {
-            let mut short = self.a.create_label();
-            let mut done = self.a.create_label();
-            self.long(x)?;
-            asm!(self, self.a.test(rax, rax))?;
-            if op == BinOp::And {
-                asm!(self, self.a.jz(short))?;
-            } else {
-                asm!(self, self.a.jnz(short))?;
-            }
-            self.long(y)?;
-            let r = (|| {
-                self.a.test(rax, rax)?;
-                self.a.setne(al)?;
-                self.a.movzx(eax, al)?;
-                self.a.jmp(done)?;
-                self.a.set_label(&mut short)?;
-                self.a.mov(eax, u32::from(op == BinOp::Or))?;
-                self.a.set_label(&mut done)?;
-                self.a.nop()
-            })();
-            asm!(self, r)?;
-            return Ok(K::Long);
-        }
-        if op == BinOp::Concat {
-            return Err(self.no("string concatenation in a kernel probe"));
-        }
-        let kx = self.expr(x)?;
-        self.push(kx)?;
-        let ky = self.expr(y)?;
-        if kx != ky {
-            return Err(self.no("a comparison of a string with a number"));
-        }
-        if kx == K::Str {
-            if !matches!(op, BinOp::Eq | BinOp::Ne) {
-                return Err(self.no("ordering strings in a kernel probe"));
-            }
-            let r = (|| {
-                self.a.mov(r8, rax)?;
-                self.a.mov(r9, rdx)?;
-                self.a.pop(rax)?;
-                self.a.pop(rdx)?;
-                self.a.xor(rax, r8)?;
-                self.a.xor(rdx, r9)?;
-                self.a.or(rax, rdx)?;
-                if op == BinOp::Eq {
-                    self.a.sete(al)?;
-                } else {
-                    self.a.setne(al)?;
-                }
-                self.a.movzx(eax, al)
-            })();
-            asm!(self, r)?;
-            return Ok(K::Long);
-        }
-        asm!(self, self.a.mov(rcx, rax))?;
-        asm!(self, self.a.pop(rax))?;
-        self.apply(op)?;
-        Ok(K::Long)
-    }
-
-    /// rax = rax OP rcx (longs).
-    fn apply(&mut self, op: BinOp) -> R<()> {
-        let err_div = self.err_div;
-        let r = (|| {
-            match op {
-                BinOp::Add => self.a.add(rax, rcx)?,
-                BinOp::Sub => self.a.sub(rax, rcx)?,
-                BinOp::Mul => self.a.imul_2(rax, rcx)?,
-                BinOp::Div | BinOp::Mod => {
-                    let mut normal = self.a.create_label();
-                    let mut done = self.a.create_label();
-                    self.a.test(rcx, rcx)?;
-                    self.a.jz(err_div)?;
-                    self.a.cmp(rcx, -1)?;
-                    self.a.jne(normal)?;
-                    if op == BinOp::Div {
-                        self.a.neg(rax)?;
-                    } else {
-                        self.a.xor(eax, eax)?;
-                    }
-                    self.a.jmp(done)?;
-                    self.a.set_label(&mut normal)?;
-                    self.a.cqo()?;
-                    self.a.idiv(rcx)?;
-                    if op == BinOp::Mod {
-                        self.a.mov(rax, rdx)?;
-                    }
-                    self.a.set_label(&mut done)?;
-                    self.a.nop()?;
-                }
-                BinOp::Shl => self.a.shl(rax, cl)?,
-                BinOp::Shr => self.a.sar(rax, cl)?,
-                BinOp::BitAnd => self.a.and(rax, rcx)?,
-                BinOp::BitOr => self.a.or(rax, rcx)?,
-                BinOp::BitXor => self.a.xor(rax, rcx)?,
-                BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge => {
-                    self.a.cmp(rax, rcx)?;
-                    match op {
-                        BinOp::Eq => self.a.sete(al)?,
-                        BinOp::Ne => self.a.setne(al)?,
-                        BinOp::Lt => self.a.setl(al)?,
-                        BinOp::Le => self.a.setle(al)?,
-                        BinOp::Gt => self.a.setg(al)?,
-                        _ => self.a.setge(al)?,
-                    }
-                    self.a.movzx(eax, al)?;
-                }
-                BinOp::And | BinOp::Or | BinOp::Concat => {}
-            }
-            Ok(())
-        })();
-        asm!(self, r)
     }
 }
 

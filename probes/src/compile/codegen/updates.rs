@@ -1,18 +1,22 @@
-//! Updates of globals: array lookups through the table helpers, assignment, `++`/`--`,
-//! `<<<` into statistics and `delete`.
+//! Updates of globals: array lookups through the table helpers, assignment (also guru-mode
+//! writes of target variables), `++`/`--` and `delete` (of an element, `a[k, *]`, a whole
+//! array, and the oldest element of a full wrapping array).
 
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, Register};
 
 use crate::lang::ast::*;
 
-use super::super::data::{ValueKind, TABLE_COUNT};
+use super::super::data::{ValueKind, ENTRY_KEYS, TABLE_COUNT};
 use super::{rip, value_k, Gen, K, MAX_KEY_DEPTH, R};
 
 impl Gen<'_, '_> {
     /// `delete a[k]` marks the element deleted; `delete x` of a number or string resets it.
     pub(super) fn delete(&mut self, e: &Expr) -> R<()> {
         match &e.kind {
+            ExprKind::Index(ix) if ix.keys.iter().any(|k| matches!(k.kind, ExprKind::Wildcard)) => {
+                self.delete_matching(&ix.array.name, &ix.keys)
+            }
             ExprKind::Index(ix) => {
                 let slot = self.array(&ix.array.name)?;
                 self.lookup(&ix.array.name, &ix.keys, false)?;
@@ -36,8 +40,14 @@ impl Gen<'_, '_> {
                     .global(name)
                     .cloned()
                     .ok_or_else(|| self.no(format!("the global {name}")))?;
-                if slot.table.is_some() || matches!(slot.value, ValueKind::Stats(_)) {
-                    return Err(self.no(format!("delete of the whole {name} in a kernel probe")));
+                if slot.table.is_some() {
+                    return self.delete_all(name);
+                }
+                if matches!(slot.value, ValueKind::Stats(_)) {
+                    return Err(self.no(format!(
+                        "delete of the aggregate {name} in a kernel probe (its reset would not \
+                         be one atomic update)"
+                    )));
                 }
                 self.lea(Register::RCX, self.env.data + slot.offset)?;
                 asm!(self, self.a.mov(qword_ptr(rcx), 0))?;
@@ -48,6 +58,106 @@ impl Gen<'_, '_> {
             }
             _ => Err(self.no("delete of this in a kernel probe")),
         }
+    }
+
+    /// `delete a[k, *]`: every published element whose named keys equal the given ones is
+    /// marked deleted (one pass over the table, bounded).
+    fn delete_matching(&mut self, name: &str, keys: &[Expr]) -> R<()> {
+        let slot = self.array(name)?;
+        let (nkeys, cap) = slot.table.unwrap_or((0, 0));
+        if keys.len() != nkeys {
+            return Err(self.no(format!(
+                "{name} indexed with {} keys, not {nkeys}",
+                keys.len()
+            )));
+        }
+        if self.depth >= self.key_levels {
+            return Err(self.no(format!(
+                "array lookups nested more than {} deep",
+                self.key_levels
+            )));
+        }
+        let buf = self.key_buffer(self.depth);
+        self.depth += 1;
+        let mut named = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            if matches!(key.kind, ExprKind::Wildcard) {
+                continue;
+            }
+            let k = self.expr(key)?;
+            if slot.key_is_str.get(i).copied().unwrap_or(false) != (k == K::Str) {
+                self.depth -= 1;
+                return Err(self.no(format!("a key of {name} of the wrong type")));
+            }
+            let at = buf + 16 * i as i32;
+            asm!(self, self.a.mov(qword_ptr(rbp + at), rax))?;
+            if k == K::Str {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), rdx))?;
+            } else {
+                asm!(self, self.a.mov(qword_ptr(rbp + at + 8), 0))?;
+            }
+            named.push(i);
+        }
+        self.depth -= 1;
+        let table = self.env.data + slot.offset;
+        let entry = slot.entry_size() as i32;
+        self.lea(Register::RDI, table + super::super::data::TABLE_HEADER)?;
+        let r = (|| {
+            let mut each = self.a.create_label();
+            let mut skip = self.a.create_label();
+            self.a.mov(esi, cap)?;
+            self.a.mov(edx, 3)?;
+            self.a.set_label(&mut each)?;
+            for &i in &named {
+                for half in [0, 8] {
+                    let at = ENTRY_KEYS as i32 + 16 * i as i32 + half;
+                    self.a
+                        .mov(rax, qword_ptr(rbp + buf + 16 * i as i32 + half))?;
+                    self.a.cmp(rax, qword_ptr(rdi + at))?;
+                    self.a.jne(skip)?;
+                }
+            }
+            self.a.mov(eax, 2)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi), rdx)?;
+            self.a.jne(skip)?;
+            let mut dec = Instruction::with1(Code::Dec_rm64, rip(table + TABLE_COUNT))?;
+            dec.set_has_lock_prefix(true);
+            self.a.add_instruction(dec)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rdi, entry)?;
+            self.a.dec(esi)?;
+            self.a.jnz(each)
+        })();
+        asm!(self, r)
+    }
+
+    /// `delete a` of a whole array: every published element is marked deleted, as `delete
+    /// a[k]` does one (a later insert of the same key brings it back as a new element, so
+    /// the order matches the interpreter's fresh array). One pass over the table, bounded.
+    fn delete_all(&mut self, name: &str) -> R<()> {
+        let slot = self.array(name)?;
+        let (_, cap) = slot.table.unwrap_or((0, 0));
+        let table = self.env.data + slot.offset;
+        let entry = slot.entry_size() as i32;
+        self.lea(Register::RDI, table + super::super::data::TABLE_HEADER)?;
+        let r = (|| {
+            let mut each = self.a.create_label();
+            let mut skip = self.a.create_label();
+            self.a.mov(esi, cap)?;
+            self.a.mov(edx, 3)?;
+            self.a.set_label(&mut each)?;
+            self.a.mov(eax, 2)?;
+            self.a.lock().cmpxchg(qword_ptr(rdi), rdx)?;
+            self.a.jne(skip)?;
+            let mut dec = Instruction::with1(Code::Dec_rm64, rip(table + TABLE_COUNT))?;
+            dec.set_has_lock_prefix(true);
+            self.a.add_instruction(dec)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rdi, entry)?;
+            self.a.dec(esi)?;
+            self.a.jnz(each)
+        })();
+        asm!(self, r)
     }
 
     /// Leaves in rax the address of the array element (`insert`: created when absent; 0 when
@@ -92,11 +202,68 @@ impl Gen<'_, '_> {
         asm!(self, self.a.lea(rsi, qword_ptr(rbp + buf)))?;
         asm!(self, self.a.call(helper))?;
         if insert {
-            let overflow = self.err_overflow;
-            asm!(self, self.a.cmp(rax, 1))?;
-            asm!(self, self.a.je(overflow))?;
+            let overflow = self.errors.overflow;
+            if slot.wrap {
+                // `a%`: a full array loses its oldest element, then the insert is tried
+                // again once (another vCPU may have filled the room: then an overflow).
+                let mut done = self.a.create_label();
+                asm!(self, self.a.cmp(rax, 1))?;
+                asm!(self, self.a.jne(done))?;
+                self.delete_oldest(&slot)?;
+                asm!(self, self.a.lea(rsi, qword_ptr(rbp + buf)))?;
+                asm!(self, self.a.call(helper))?;
+                asm!(self, self.a.cmp(rax, 1))?;
+                asm!(self, self.a.je(overflow))?;
+                self.place(&mut done)?;
+            } else {
+                asm!(self, self.a.cmp(rax, 1))?;
+                asm!(self, self.a.je(overflow))?;
+            }
         }
         Ok(())
+    }
+
+    /// Marks deleted the published element with the smallest insertion number (the
+    /// interpreter's oldest); one pass over the table. Clobbers rax, rcx, rdx, rsi, rdi, r8.
+    fn delete_oldest(&mut self, slot: &super::super::data::GlobalSlot) -> R<()> {
+        let (_, cap) = slot.table.unwrap_or((0, 0));
+        let table = self.env.data + slot.offset;
+        let entry = slot.entry_size() as i32;
+        self.lea(Register::RDI, table + super::super::data::TABLE_HEADER)?;
+        let r = (|| {
+            let mut each = self.a.create_label();
+            let mut skip = self.a.create_label();
+            let mut none = self.a.create_label();
+            self.a.xor(r8d, r8d)?; // the oldest so far
+            self.a.mov(esi, cap)?;
+            self.a.set_label(&mut each)?;
+            self.a.cmp(qword_ptr(rdi), 2)?;
+            self.a.jne(skip)?;
+            self.a.test(r8, r8)?;
+            self.a.jz(none)?;
+            self.a.mov(rax, qword_ptr(rdi + 8))?;
+            self.a.cmp(rax, qword_ptr(r8 + 8))?;
+            self.a.jae(skip)?;
+            self.a.set_label(&mut none)?;
+            self.a.mov(r8, rdi)?;
+            self.a.set_label(&mut skip)?;
+            self.a.add(rdi, entry)?;
+            self.a.dec(esi)?;
+            self.a.jnz(each)?;
+            let mut gone = self.a.create_label();
+            self.a.test(r8, r8)?;
+            self.a.jz(gone)?;
+            self.a.mov(eax, 2)?;
+            self.a.mov(ecx, 3)?;
+            self.a.lock().cmpxchg(qword_ptr(r8), rcx)?;
+            self.a.jne(gone)?;
+            let mut dec = Instruction::with1(Code::Dec_rm64, rip(table + TABLE_COUNT))?;
+            dec.set_has_lock_prefix(true);
+            self.a.add_instruction(dec)?;
+            self.a.set_label(&mut gone)?;
+            self.a.nop()
+        })();
+        asm!(self, r)
     }
 
     /// rax = address of a global scalar or an array element (created), or 0 (full table).
@@ -123,6 +290,9 @@ impl Gen<'_, '_> {
     }
 
     pub(super) fn assign(&mut self, op: Option<BinOp>, target: &Expr, value: &Expr) -> R<K> {
+        if let ExprKind::Target(t) = &target.kind {
+            return self.write_target(t, op, value);
+        }
         if let ExprKind::Var(name) = &target.kind {
             if let Some(at) = self.texts.get(name).copied() {
                 return self.assign_text(name, at, op, value);
@@ -224,6 +394,48 @@ impl Gen<'_, '_> {
         Ok(k)
     }
 
+    /// Guru mode (the checker allows it only with `-g`): `$return = v` in a return probe
+    /// changes the saved `rax` the trampoline returns to the caller; `$param = v` at an entry
+    /// changes the saved argument register the function then runs with. Both are written
+    /// where the site restores registers from, so nothing else in the guest is touched.
+    pub(super) fn write_target(&mut self, t: &TargetVar, op: Option<BinOp>, value: &Expr) -> R<K> {
+        if !t.members.is_empty() || t.name.starts_with("$$") {
+            return Err(self.no(format!("a write to {}", t.path())));
+        }
+        let reg = if t.name == "$return" {
+            if !self.point.is_return {
+                return Err(self.no("$return outside a return probe"));
+            }
+            Register::RAX
+        } else {
+            if self.point.is_return {
+                return Err(self.no(format!(
+                    "a write to {} in a return probe (the function has run)",
+                    t.name
+                )));
+            }
+            let name = t.name.trim_start_matches('$');
+            let i = self
+                .point
+                .params
+                .iter()
+                .position(|p| p == name)
+                .ok_or_else(|| self.no(format!("the target variable {}", t.name)))?;
+            *super::ARGS
+                .get(i)
+                .ok_or_else(|| self.no(format!("a write to {}, passed on the stack", t.name)))?
+        };
+        let at = super::saved_offset(reg);
+        self.long(value)?;
+        if let Some(op) = op {
+            asm!(self, self.a.mov(rcx, rax))?;
+            asm!(self, self.a.mov(rax, qword_ptr(r15 + at)))?;
+            self.apply(op)?;
+        }
+        asm!(self, self.a.mov(qword_ptr(r15 + at), rax))?;
+        Ok(K::Long)
+    }
+
     pub(super) fn inc_dec(&mut self, i: &IncDec) -> R<K> {
         let delta: i32 = if i.increment { 1 } else { -1 };
         if let ExprKind::Var(name) = &i.target.kind {
@@ -263,179 +475,6 @@ impl Gen<'_, '_> {
                 self.a.add(rax, delta)?;
             }
             self.a.set_label(&mut done)?;
-            self.a.nop()
-        })();
-        asm!(self, r)?;
-        Ok(K::Long)
-    }
-
-    /// `@count(x)`, `@sum`, `@min`, `@max`, `@avg` of an aggregate as the interpreter gives
-    /// them: @count of an empty (or absent) one is 0, the others end the hit with a probe
-    /// error; @avg is the sum divided by the count, truncated.
-    pub(super) fn stat(&mut self, op: StatOp, target: &Expr) -> R<K> {
-        match &target.kind {
-            ExprKind::Var(name) if self.env.prog.globals.contains_key(name) => {
-                let slot = self
-                    .global(name)
-                    .cloned()
-                    .ok_or_else(|| self.no(format!("the global {name}")))?;
-                if !matches!(slot.value, ValueKind::Stats(_)) || slot.table.is_some() {
-                    return Err(self.no(format!("{} of {name}", op.name())));
-                }
-                self.lea(Register::RAX, self.env.data + slot.offset)?;
-            }
-            ExprKind::Index(ix) => {
-                let slot = self.array(&ix.array.name)?;
-                if !matches!(slot.value, ValueKind::Stats(_)) {
-                    return Err(self.no(format!("{} of {}", op.name(), ix.array.name)));
-                }
-                self.lookup(&ix.array.name, &ix.keys, false)?;
-            }
-            _ => return Err(self.no(format!("{} of this", op.name()))),
-        }
-        let empty = self.err_empty;
-        let r = (|| {
-            let mut absent = self.a.create_label();
-            let mut done = self.a.create_label();
-            self.a.test(rax, rax)?;
-            self.a.jz(absent)?;
-            self.a.mov(rcx, qword_ptr(rax))?;
-            if op != StatOp::Count {
-                self.a.test(rcx, rcx)?;
-                self.a.jz(empty)?;
-            }
-            match op {
-                StatOp::Count => self.a.mov(rax, rcx)?,
-                StatOp::Sum => self.a.mov(rax, qword_ptr(rax + 8))?,
-                StatOp::Min => self.a.mov(rax, qword_ptr(rax + 16))?,
-                StatOp::Max => self.a.mov(rax, qword_ptr(rax + 24))?,
-                StatOp::Avg => {
-                    // i64 wrapping division: the count is positive, so only -1 is odd.
-                    let mut normal = self.a.create_label();
-                    self.a.mov(rax, qword_ptr(rax + 8))?;
-                    self.a.cmp(rcx, -1)?;
-                    self.a.jne(normal)?;
-                    self.a.neg(rax)?;
-                    self.a.jmp(done)?;
-                    self.a.set_label(&mut normal)?;
-                    self.a.cqo()?;
-                    self.a.idiv(rcx)?;
-                }
-            }
-            self.a.jmp(done)?;
-            self.a.set_label(&mut absent)?;
-            if op == StatOp::Count {
-                self.a.xor(eax, eax)?;
-            } else {
-                self.a.jmp(empty)?;
-            }
-            self.a.set_label(&mut done)?;
-            self.a.nop()
-        })();
-        asm!(self, r)?;
-        Ok(K::Long)
-    }
-
-    pub(super) fn aggregate(&mut self, target: &Expr, value: &Expr) -> R<K> {
-        self.long(value)?;
-        asm!(self, self.a.push(rax))?;
-        let (kind, _) = self.place_of(target)?;
-        let ValueKind::Stats(layout) = kind else {
-            return Err(self.no("<<< into something that is not an aggregate"));
-        };
-        let r = (|| {
-            let mut skip = self.a.create_label();
-            let mut min_loop = self.a.create_label();
-            let mut min_done = self.a.create_label();
-            let mut max_loop = self.a.create_label();
-            let mut max_done = self.a.create_label();
-            self.a.mov(rdi, rax)?;
-            self.a.pop(rsi)?;
-            self.a.test(rdi, rdi)?;
-            self.a.jz(skip)?;
-            self.a.lock().inc(qword_ptr(rdi))?;
-            self.a.lock().add(qword_ptr(rdi + 8), rsi)?;
-            // min and max: compare-and-swap, a bounded number of tries.
-            self.a.mov(r8d, 64)?;
-            self.a.set_label(&mut min_loop)?;
-            self.a.mov(rax, qword_ptr(rdi + 16))?;
-            self.a.cmp(rsi, rax)?;
-            self.a.jge(min_done)?;
-            self.a.lock().cmpxchg(qword_ptr(rdi + 16), rsi)?;
-            self.a.je(min_done)?;
-            self.a.dec(r8d)?;
-            self.a.jnz(min_loop)?;
-            self.a.set_label(&mut min_done)?;
-            self.a.mov(r8d, 64)?;
-            self.a.set_label(&mut max_loop)?;
-            self.a.mov(rax, qword_ptr(rdi + 24))?;
-            self.a.cmp(rsi, rax)?;
-            self.a.jle(max_done)?;
-            self.a.lock().cmpxchg(qword_ptr(rdi + 24), rsi)?;
-            self.a.je(max_done)?;
-            self.a.dec(r8d)?;
-            self.a.jnz(max_loop)?;
-            self.a.set_label(&mut max_done)?;
-            self.a.nop()?;
-            if layout.log {
-                // bucket = 64 for 0, 64 + bits(v) for v > 0, 64 - bits(|v|) for v < 0
-                let mut nz = self.a.create_label();
-                let mut neg = self.a.create_label();
-                let mut have = self.a.create_label();
-                let mut capped = self.a.create_label();
-                self.a.mov(ecx, 64)?;
-                self.a.test(rsi, rsi)?;
-                self.a.jnz(nz)?;
-                self.a.jmp(have)?;
-                self.a.set_label(&mut nz)?;
-                self.a.mov(rax, rsi)?;
-                self.a.neg(rax)?;
-                self.a.cmovl(rax, rsi)?; // |v| (i64::MIN stays itself: 64 bits)
-                self.a.bsr(rcx, rax)?;
-                self.a.inc(ecx)?;
-                self.a.test(rsi, rsi)?;
-                self.a.js(neg)?;
-                self.a.add(ecx, 64)?;
-                self.a.cmp(ecx, 127)?;
-                self.a.jbe(capped)?;
-                self.a.mov(ecx, 127)?;
-                self.a.set_label(&mut capped)?;
-                self.a.jmp(have)?;
-                self.a.set_label(&mut neg)?;
-                self.a.mov(eax, 64)?;
-                self.a.sub(eax, ecx)?;
-                self.a.mov(ecx, eax)?;
-                self.a.set_label(&mut have)?;
-                self.a
-                    .lock()
-                    .inc(qword_ptr(rdi + rcx * 8 + layout.log_offset() as i32))?;
-            }
-            if let Some((start, _, interval, n)) = layout.linear {
-                let mut under = self.a.create_label();
-                let mut have = self.a.create_label();
-                let mut capped = self.a.create_label();
-                self.a.mov(rax, rsi)?;
-                self.a.mov(rcx, start)?;
-                self.a.cmp(rax, rcx)?;
-                self.a.jl(under)?;
-                self.a.sub(rax, rcx)?;
-                self.a.xor(edx, edx)?;
-                self.a.mov(rcx, interval)?;
-                self.a.div(rcx)?;
-                self.a.inc(rax)?;
-                self.a.cmp(rax, (n - 1) as i32)?;
-                self.a.jbe(capped)?;
-                self.a.mov(eax, (n - 1) as u32)?;
-                self.a.set_label(&mut capped)?;
-                self.a.jmp(have)?;
-                self.a.set_label(&mut under)?;
-                self.a.xor(eax, eax)?;
-                self.a.set_label(&mut have)?;
-                self.a
-                    .lock()
-                    .inc(qword_ptr(rdi + rax * 8 + layout.linear_offset() as i32))?;
-            }
-            self.a.set_label(&mut skip)?;
             self.a.nop()
         })();
         asm!(self, r)?;
