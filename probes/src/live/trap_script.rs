@@ -40,6 +40,8 @@ use exotap_introspect::layout::TaskOffsets;
 use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
 use exotap_vmm::gdb::GdbMachine;
 
+use crate::compile::types::{cast_chain, chain, BtfTypes, KernelTypes, Step};
+use crate::lang::ast::{CastExpr, TargetVar};
 use crate::lang::check::Program;
 use crate::lang::context::{Context, MemoryError};
 use crate::lang::driver::ScriptSource;
@@ -167,6 +169,8 @@ struct LiveContext<'a> {
     stacks: Option<&'a super::stacks::KernelStacks>,
     /// At a return: the entry's argument registers and rax.
     at_return: Option<(X86Registers, u64)>,
+    /// The kernel's types, for member chains and `@cast` (`None` without BTF).
+    types: Option<&'a BtfTypes>,
 }
 
 impl LiveContext<'_> {
@@ -202,6 +206,18 @@ impl LiveContext<'_> {
             .as_ref()
     }
 
+    /// Follows `steps` from `base` through guest memory; `what` names the expression.
+    fn follow(&self, what: &str, base: u64, steps: &[Step]) -> Result<Value, String> {
+        Step::follow(steps, base, |at, len| self.read(at, len))
+            .map(Value::Long)
+            .map_err(|addr| {
+                format!(
+                    "kernel read fault in {what}: {}",
+                    MemoryError::Unreadable { addr }
+                )
+            })
+    }
+
     /// An argument as it was at the entry (for a return probe too).
     fn argument(&self, index: usize) -> Option<u64> {
         let regs = self
@@ -230,6 +246,53 @@ impl Context for LiveContext<'_> {
         let name = path.strip_prefix('$')?;
         let index = self.point.params.iter().position(|p| p == name)?;
         self.argument(index).map(|v| Value::Long(v as i64))
+    }
+
+    fn member_chain(&self, var: &TargetVar) -> Option<Result<Value, String>> {
+        let types = self.types?;
+        if var.members.is_empty() {
+            return None;
+        }
+        let (base, param) = if var.name == "$return" {
+            (self.at_return.map(|(_, rax)| rax)?, None)
+        } else {
+            let name = var.name.strip_prefix('$')?;
+            let index = self.point.params.iter().position(|p| p == name)?;
+            (self.argument(index)?, Some(name))
+        };
+        let path = var.path();
+        let Some(ty) = types.param(&self.point.function, param) else {
+            return Some(Err(format!(
+                "{path}: BTF has no type for {} of {}",
+                var.name, self.point.function
+            )));
+        };
+        Some(
+            chain(types, ty, &var.members)
+                .map_err(|e| format!("{path}: {e}"))
+                .and_then(|steps| self.follow(&path, base, &steps)),
+        )
+    }
+
+    fn cast(&self, pointer: u64, cast: &CastExpr) -> Option<Result<Value, String>> {
+        let types = self.types?;
+        let what = format!("@cast(..., \"{}\")", cast.type_name);
+        if cast.module.as_deref().is_some_and(|m| m != "kernel") {
+            return Some(Err(format!(
+                "{what}: only the kernel's own types are known"
+            )));
+        }
+        if cast.members.is_empty() {
+            return Some(Ok(Value::Long(pointer as i64)));
+        }
+        let Some(ty) = types.named(&cast.type_name) else {
+            return Some(Err(format!("{what}: BTF has no such type")));
+        };
+        Some(
+            cast_chain(types, ty, &cast.members)
+                .map_err(|e| format!("{what}: {e}"))
+                .and_then(|steps| self.follow(&what, pointer, &steps)),
+        )
     }
 
     fn pid(&self) -> i64 {
@@ -600,6 +663,7 @@ pub fn start(
                 session,
                 tasks,
                 stacks,
+                types: btf.map(BtfTypes),
                 armed,
                 trampoline,
                 pending: HashMap::new(),
@@ -628,6 +692,8 @@ struct Tracer {
     session: GuestSession,
     tasks: Option<TaskOffsets>,
     stacks: Option<super::stacks::KernelStacks>,
+    /// The kernel's types, for member chains and `@cast`.
+    types: Option<BtfTypes>,
     armed: HashMap<u64, ArmedPoint>,
     trampoline: u64,
     /// Swapped return addresses by the stack slot's address.
@@ -768,6 +834,7 @@ impl Tracer {
             task: OnceCell::new(),
             stacks: self.stacks.as_ref(),
             at_return,
+            types: self.types.as_ref(),
         })
     }
 
