@@ -12,7 +12,7 @@
 //! their job, where the host reads the final state and removes the splices before the guest
 //! powers off.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -38,6 +38,7 @@ use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, KprobeReader, Request, SiteCode};
 use super::trap_script::GuestScript;
+use super::traps::Traps;
 
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
 pub const POLL_EVERY: Duration = Duration::from_millis(250);
@@ -57,10 +58,15 @@ pub enum CompileMode {
 }
 
 /// What the image says a compiled run needs: the points, the kernel facts (link-time
-/// addresses; slid at attach).
+/// addresses; slid at attach), and the kernel probes that do not compile, which run on the
+/// host at breakpoints in the same session ([`super::traps`]).
 #[derive(Debug, Clone)]
 pub struct Plan {
     points: Vec<(u64, SitePoint)>,
+    /// Kernel probes evaluated on the host, by index in the program.
+    host: BTreeSet<usize>,
+    /// Why each of them does not compile.
+    refused: Vec<Unsupported>,
     facts: Facts,
     realtime_link: Option<u64>,
     copy_link: Option<u64>,
@@ -96,11 +102,13 @@ fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
     })
 }
 
-/// Decides from the image alone whether every kernel probe of `prog` compiles.
+/// Decides from the image alone which kernel probes of `prog` compile: those run from
+/// splices, the others on the host at breakpoints, per probe.
 ///
 /// # Errors
-/// `Ok(Err(constructs))` when some do not; `Err` when the image lacks what any compiled run
-/// needs (BTF, symbols) or a point does not resolve.
+/// `Ok(Err(constructs))` when none compiles or something of the whole program does not (a
+/// global's layout); `Err` when the image lacks what any compiled run needs (BTF, symbols)
+/// or a point does not resolve.
 pub fn plan(
     image: &KernelImage,
     prog: &Program,
@@ -111,6 +119,7 @@ pub fn plan(
     let resolver = KernelSymbols::new(&image.symbols, Some(&btf));
     let resolved = resolve_program(prog, &resolver)?;
     let mut points = Vec::new();
+    let mut elsewhere = Vec::new();
     for (probe, point) in resolved {
         let Some(link) = point.address else {
             continue;
@@ -122,11 +131,12 @@ pub fn plan(
             .filter(|(_, off)| *off == 0)
             .map(|(s, _)| s.name.clone());
         let Some(function) = function else {
-            return Ok(Err(vec![Unsupported {
+            elsewhere.push(Unsupported {
                 probe: Some(probe),
                 span: prog.script.probes[probe].span,
                 construct: format!("{} (not a function entry)", point.name),
-            }]));
+            });
+            continue;
         };
         let params = point
             .variables
@@ -146,14 +156,24 @@ pub fn plan(
         ));
     }
     let only: Vec<SitePoint> = points.iter().map(|p| p.1.clone()).collect();
-    let refused = compile::check(prog, limits, &facts, &only);
-    if !refused.is_empty() {
+    let mut refused = compile::check(prog, limits, &facts, &only);
+    refused.append(&mut elsewhere);
+    refused.sort_by_key(|u| (u.span.start, u.construct.clone()));
+    refused.dedup();
+    if refused.iter().any(|u| u.probe.is_none()) {
+        return Ok(Err(refused));
+    }
+    let host: BTreeSet<usize> = refused.iter().filter_map(|u| u.probe).collect();
+    points.retain(|(_, p)| !host.contains(&p.probe));
+    if points.is_empty() {
         return Ok(Err(refused));
     }
     let realtime_link = facts.realtime_ns;
     let copy_link = facts.copy_nofault;
     Ok(Ok(Plan {
         points,
+        host,
+        refused,
         facts,
         realtime_link,
         copy_link,
@@ -161,12 +181,14 @@ pub fn plan(
 }
 
 /// Starts `script` against `target`: compiled into the guest where it compiles (as `mode`
-/// says), else through the host-evaluated tracer ([`super::trap_script`]), naming what did not
-/// compile.
+/// says), per probe: the kernel probes that do not compile run on the host at breakpoints in
+/// the same session, over the same globals, each named with what does not compile. A script
+/// of which nothing compiles runs through the host-evaluated tracer
+/// ([`super::trap_script`]).
 ///
 /// # Errors
-/// As [`start`] and [`super::trap_script::start`]; with [`CompileMode::Require`], a script that
-/// does not compile.
+/// As [`start`] and [`super::trap_script::start`]; with [`CompileMode::Require`], a script of
+/// which some kernel probe does not compile.
 pub fn start_script(
     target: &Target,
     image: &KernelImage,
@@ -176,7 +198,20 @@ pub fn start_script(
 ) -> anyhow::Result<JoinHandle<i32>> {
     if mode != CompileMode::Never && script.prog.needs_guest() {
         let why = match plan(image, &script.prog, &script.limits) {
-            Ok(Ok(plan)) => return start(target, image, heap, script, plan),
+            Ok(Ok(plan)) if plan.refused.is_empty() => {
+                return start(target, image, heap, script, plan)
+            }
+            Ok(Ok(plan)) => {
+                let why = describe(&plan.refused, &script.source.name, &script.source.text);
+                if mode == CompileMode::Require {
+                    bail!(
+                        "some of the script's kernel probes do not compile \
+                         (--compile=require):\n{why}"
+                    );
+                }
+                tracing::warn!("{}", mixed_report(&script, &plan, &why));
+                return start(target, image, heap, script, plan);
+            }
             Ok(Err(constructs)) => describe(&constructs, &script.source.name, &script.source.text),
             Err(e) => format!("  {e:#}"),
         };
@@ -189,6 +224,36 @@ pub fn start_script(
         );
     }
     super::trap_script::start(target, image, heap, script)
+}
+
+/// What `--compile=auto` says of a mixed run: which kernel probes run compiled, which on
+/// the host and why (`why`: [`describe`] of the refused constructs).
+fn mixed_report(script: &GuestScript, plan: &Plan, why: &str) -> String {
+    let name = |i: usize| {
+        let probe = &script.prog.probes[i];
+        let (line, _) = crate::lang::diag::line_col(
+            &script.source.text,
+            script.prog.script.probes[i].span.start,
+        );
+        let points: Vec<String> = probe.points.iter().map(|(p, _)| p.to_string()).collect();
+        format!(
+            "  {}:{line}: probe {}",
+            script.source.name,
+            points.join(", ")
+        )
+    };
+    let compiled: BTreeSet<usize> = plan.points.iter().map(|p| p.1.probe).collect();
+    let compiled: Vec<String> = compiled.into_iter().map(name).collect();
+    let host: Vec<String> = plan.host.iter().copied().map(name).collect();
+    format!(
+        "the script runs mixed: {} kernel probes compiled into the guest (splice speed):\n{}\n\
+         {} on the host instead, one stop of the guest per hit (milliseconds each under TCG):\n\
+         {}\nbecause these do not compile:\n{why}",
+        compiled.len(),
+        compiled.join("\n"),
+        host.len(),
+        host.join("\n"),
+    )
 }
 
 /// One line per construct, for messages: "file:line:col: construct".
@@ -374,10 +439,38 @@ pub fn start(
     } else {
         None
     };
+    // The probes that do not compile get their breakpoints now, before any splice goes in
+    // (the guest stays paused until the thread installs and resumes).
+    let traps = if plan.host.is_empty() {
+        None
+    } else {
+        let area = session
+            .splicer()
+            .context("the session has no splicer after its plan")?
+            .trap_area();
+        let host = plan.host.clone();
+        let traps = Traps::arm(&mut session, image, &script.prog, area, &|i| {
+            host.contains(&i)
+        })?;
+        tracing::info!(
+            "{} host-evaluated probe points armed beside the compiled ones",
+            traps.points()
+        );
+        Some(traps)
+    };
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())
-        .spawn(move || run(session, script, plan, facts, slide, kprobes, ready_tx))
+        .spawn(move || {
+            let started = Started {
+                plan,
+                facts,
+                slide,
+                kprobes,
+                traps,
+            };
+            run(session, script, started, ready_tx)
+        })
         .context("cannot start the script thread")?;
     match ready_rx.recv() {
         Ok(Ok(())) => Ok(handle),
@@ -521,16 +614,47 @@ fn install(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run(
-    guest: GuestSession,
-    script: GuestScript,
+/// What [`start`] hands the session's thread besides the guest and the script.
+struct Started {
     plan: Plan,
+    /// The kernel facts, slid.
     facts: Facts,
     slide: u64,
     kprobes: Option<KprobeReader>,
+    /// The host-evaluated probes of a mixed script.
+    traps: Option<Traps>,
+}
+
+/// A hit of a host-evaluated probe of a mixed script (the guest stopped at it): what the
+/// compiled probes printed so far comes first, then the probe runs over the globals brought
+/// from the guest, which go back before the guest resumes.
+fn host_hit(
+    guest: &mut Guest,
+    traps: &mut Traps,
+    session: &mut Session<'_>,
+    prog: &Program,
+    (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
+) -> anyhow::Result<()> {
+    guest.print(session, false)?;
+    guest.pull(session)?;
+    traps.hit(&mut guest.session, session, vcpu, pc)?;
+    guest.push(session, prog)?;
+    guest.session.resume()
+}
+
+fn run(
+    guest: GuestSession,
+    script: GuestScript,
+    started: Started,
     ready: mpsc::Sender<anyhow::Result<()>>,
 ) -> i32 {
+    let Started {
+        plan,
+        facts,
+        slide,
+        kprobes,
+        mut traps,
+    } = started;
     let GuestScript {
         source,
         prog,
@@ -573,6 +697,7 @@ fn run(
         gone = true;
     }
     let mut next_poll = Instant::now() + POLL_EVERY;
+    let mut host_hits = 0u64;
     while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let now = Instant::now();
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
@@ -614,6 +739,19 @@ fn run(
                 gone = true;
                 exited = true;
             }
+            Ok(Some(StopEvent::Breakpoint { vcpu, pc }))
+                if traps.as_ref().is_some_and(|t| t.owns(pc)) =>
+            {
+                host_hits += 1;
+                let step = match traps.as_mut() {
+                    Some(t) => host_hit(&mut guest, t, &mut session, &prog, (vcpu, pc)),
+                    None => Ok(()),
+                };
+                if let Err(e) = step {
+                    tracing::error!("lost the guest: {e:#}");
+                    gone = true;
+                }
+            }
             Ok(Some(_)) => {
                 // Compiled probes set no breakpoints: a stop is someone else's; go on.
                 if let Err(e) = guest.session.resume() {
@@ -627,6 +765,9 @@ fn run(
             }
         }
     }
+    if traps.is_some() {
+        tracing::info!("{host_hits} hits of host-evaluated probes");
+    }
     if gone {
         session.error(
             "the guest ended before exotap read its compiled probes' data: their last updates are lost",
@@ -638,6 +779,9 @@ fn run(
     } else {
         let end = (|| -> anyhow::Result<()> {
             guest.session.pause()?;
+            if let Some(t) = traps.as_mut() {
+                t.disarm(&mut guest.session.machine);
+            }
             guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;
             if let (Some(reader), Some(before)) = (&kprobes, &kprobes_before) {

@@ -1022,6 +1022,16 @@ impl Splicer {
         self.heap_phys + (va - self.heap_va)
     }
 
+    /// The part of the patch heap below [`REGION`], which the host-evaluated probes of a
+    /// mixed script use ([`super::traps`]).
+    pub fn trap_area(&self) -> super::traps::TrapArea {
+        super::traps::TrapArea {
+            va: self.heap_va,
+            phys: self.heap_phys,
+            size: REGION,
+        }
+    }
+
     /// Plans, generates and installs `requests` in one batch (the guest stopped).
     ///
     /// # Errors
