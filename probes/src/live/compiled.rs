@@ -1,6 +1,7 @@
 //! Running a probe script compiled into the guest (crate::compile): kernel probe
 //! bodies run as native code entered from splices, with no stop per hit; begin, end and timer
-//! probes run on the host over the same globals.
+//! probes, and the kernel probes that do not compile ([`super::traps`], one stop per hit), run
+//! on the host over the same globals.
 //!
 //! The globals a script's kernel probes update live in the patch heap. The host brings them
 //! into the interpreter before any host probe runs (one stop and one bulk read: `pmemsave`
@@ -48,10 +49,11 @@ const WAIT: Duration = Duration::from_millis(20);
 /// Whether scripts run compiled into the guest.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CompileMode {
-    /// Compiled when every kernel probe compiles; else host-evaluated, saying why.
+    /// Per probe: the kernel probes that compile run from splices, the others at
+    /// breakpoints on the host, saying why.
     #[default]
     Auto,
-    /// Compiled, or an error naming what does not compile.
+    /// Every kernel probe compiled, or an error naming what does not compile.
     Require,
     /// Host-evaluated (a stop per hit): the reference the compiled path is checked against.
     Never,
