@@ -282,6 +282,110 @@ fn compiled_and_host_evaluated_scripts_print_the_same() {
     );
 }
 
+/// Member chains and `@cast` on both paths; syscall-loop creates its 18-byte file
+/// `/tmp/syscall-loop.small` (a name of 18 bytes) with mode 0644, opens it for writing once
+/// and for reading 61 times, and preads 64 bytes from it 60 times.
+const CHAINS: &str = r#"global sizes, names, modes, opened
+  probe kernel.function("vfs_read") {
+    if (execname() != "syscall-loop") next
+    sizes[$file->f_inode->i_size] <<< $count
+    names[$file->f_path->dentry->d_name->len]++
+    modes[@cast($file, "struct file")->f_inode->i_mode & 511] += $count
+  }
+  probe kernel.function("do_filp_open").return {
+    if (execname() == "syscall-loop") opened[$return->f_flags & 3]++
+  }
+  probe end {
+    foreach (s in sizes) printf("size %d: %d reads of %d bytes\n", s, @count(sizes[s]), @sum(sizes[s]))
+    foreach (l in names) printf("name of %d bytes: %d\n", l, names[l])
+    foreach (m in modes) printf("mode %d: %d\n", m, modes[m])
+    foreach (f in opened) printf("opened with access mode %d: %d\n", f, opened[f])
+  }"#;
+
+#[test]
+fn member_chains_and_casts_print_the_same_compiled_and_host_evaluated() {
+    if !have_qemu("member_chains_and_casts_print_the_same_compiled_and_host_evaluated") {
+        return;
+    }
+    let (code_c, out_c, err_c, con_c) = boot(CHAINS, "require", "syscall-loop 60");
+    let (code_h, out_h, err_h, _) = boot(CHAINS, "never", "syscall-loop 60");
+
+    let ctx = format!("compiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
+    assert_eq!((code_c, code_h), (0, 0), "{ctx}");
+    let out = script_output(&out_c);
+    for line in [
+        "size 18: 60 reads of 3840 bytes\n",
+        "name of 18 bytes: 60\n",
+        "mode 420: 3840\n",
+        "opened with access mode 1: 1\n",
+    ] {
+        assert!(out.contains(line), "{line} missing from:\n{out}\n{ctx}");
+    }
+    assert_eq!(out, script_output(&out_h), "{ctx}");
+    assert_no_oops(&con_c);
+}
+
+/// A mixed script: the getppid and close probes compile, the vfs_read probe (`foreach`)
+/// does not and runs on the host, and they share `n` and `reads` both ways.
+const MIXED: &str = r#"global n, reads, last
+  probe kernel.syscall("getppid") {
+    if (execname() == "syscall-loop") { n++; if (n % 20 == 0) printf("getppid %d\n", n) }
+  }
+  probe kernel.function("vfs_read") {
+    if (execname() != "syscall-loop") next
+    reads[$file->f_inode->i_size, n]++
+    t = 0
+    foreach ([s, m] in reads) t += reads[s, m]
+    if (t % 20 == 0)
+      printf("read %d of a file of %d bytes after %d getppid, mode %d\n", t,
+             $file->f_inode->i_size, n, @cast($file, "struct file")->f_inode->i_mode & 511)
+  }
+  probe kernel.syscall("close") {
+    if (execname() == "syscall-loop") last = reads[18, n]
+  }
+  probe end {
+    printf("n=%d last=%d\n", n, last)
+    foreach ([s, m] in reads) printf("%d %d %d\n", s, m, reads[s, m])
+  }"#;
+
+#[test]
+fn a_mixed_script_runs_compiled_and_host_probes_over_the_same_globals() {
+    if !have_qemu("a_mixed_script_runs_compiled_and_host_probes_over_the_same_globals") {
+        return;
+    }
+    let (code_r, _, err_r, _) = boot(MIXED, "require", "syscall-loop 60");
+    let (code_a, out_a, err_a, con_a) = boot(MIXED, "auto", "syscall-loop 60");
+    let (code_h, out_h, err_h, con_h) = boot(MIXED, "never", "syscall-loop 60");
+
+    let ctx = format!("mixed stderr:\n{err_a}\nhost stderr:\n{err_h}");
+    assert_eq!(code_r, 125, "--compile=require refuses: {err_r}");
+    assert!(err_r.contains("foreach in a kernel probe"), "{err_r}");
+    assert_eq!((code_a, code_h), (0, 0), "{ctx}");
+    assert!(
+        err_a.contains("the script runs mixed: 2 kernel probes compiled")
+            && err_a.contains(":5: probe kernel.function(\"vfs_read\")")
+            && err_a.contains("foreach in a kernel probe"),
+        "{ctx}"
+    );
+    let out = script_output(&out_a);
+    // The workload's own counts: 60 getppid before 60 preads of its 18-byte file, then the
+    // close that the compiled probe sees after the host probe's last update.
+    assert!(
+        out.contains("getppid 60\nread 20 of a file of 18 bytes after 60 getppid, mode 420\n")
+            && out.ends_with("n=60 last=60\n18 60 60\n"),
+        "{out}\n{ctx}"
+    );
+    assert_eq!(out, script_output(&out_h), "{ctx}");
+    // The compiled getppid probe keeps splice speed beside the host-evaluated one.
+    let ns = |console: &str| result(console, "getppid.ns_per_call").map(str::to_owned);
+    eprintln!(
+        "getppid ns per call: mixed (compiled probe) {:?}, host-evaluated {:?}",
+        ns(&con_a),
+        ns(&con_h)
+    );
+    assert_no_oops(&con_a);
+}
+
 #[test]
 fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
     if !have_qemu("compiled_probe_errors_are_counted_and_reported_and_the_guest_lives") {
