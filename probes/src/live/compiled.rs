@@ -69,6 +69,9 @@ pub struct Plan {
     host: BTreeSet<usize>,
     /// Why each of them does not compile.
     refused: Vec<Unsupported>,
+    /// The compiled points that are statements (link-time), which compile only where the
+    /// live kernel's splice planner accepts the instruction.
+    statements: BTreeSet<u64>,
     facts: Facts,
     realtime_link: Option<u64>,
     copy_link: Option<u64>,
@@ -122,15 +125,19 @@ pub fn plan(
     let resolved = resolve_program(prog, &resolver)?;
     let mut points = Vec::new();
     let mut elsewhere = Vec::new();
+    let mut statements = BTreeSet::new();
     for (probe, point) in resolved {
         let Some(link) = point.address else {
             continue;
         };
         let is_return = point.name.ends_with(".return");
+        // A statement (`func+OFFSET`, `.absolute`) runs its body in its function, at a
+        // splice where the planner accepts the instruction ([`start`] asks it).
+        let statement = point.name.starts_with("kernel.statement(");
         let function = image
             .symbols
             .lookup_addr(link)
-            .filter(|(_, off)| *off == 0)
+            .filter(|(s, off)| *off == 0 || (statement && s.is_text()))
             .map(|(s, _)| s.name.clone());
         let Some(function) = function else {
             elsewhere.push(Unsupported {
@@ -146,6 +153,9 @@ pub fn plan(
             .filter_map(|v| v.strip_prefix('$'))
             .map(|v| v.split(':').next().unwrap_or(v).to_owned())
             .collect();
+        if statement {
+            statements.insert(link);
+        }
         points.push((
             link,
             SitePoint {
@@ -176,6 +186,7 @@ pub fn plan(
         points,
         host,
         refused,
+        statements,
         facts,
         realtime_link,
         copy_link,
@@ -200,20 +211,7 @@ pub fn start_script(
 ) -> anyhow::Result<JoinHandle<i32>> {
     if mode != CompileMode::Never && script.prog.needs_guest() {
         let why = match plan(image, &script.prog, &script.limits) {
-            Ok(Ok(plan)) if plan.refused.is_empty() => {
-                return start(target, image, heap, script, plan)
-            }
-            Ok(Ok(plan)) => {
-                let why = describe(&plan.refused, &script.source.name, &script.source.text);
-                if mode == CompileMode::Require {
-                    bail!(
-                        "some of the script's kernel probes do not compile \
-                         (--compile=require):\n{why}"
-                    );
-                }
-                tracing::warn!("{}", mixed_report(&script, &plan, &why));
-                return start(target, image, heap, script, plan);
-            }
+            Ok(Ok(plan)) => return start(target, image, heap, script, plan, mode),
             Ok(Err(constructs)) => describe(&constructs, &script.source.name, &script.source.text),
             Err(e) => format!("  {e:#}"),
         };
@@ -416,19 +414,61 @@ impl Guest {
 /// runs the session. Returns once the probes are in (so a booted guest's job starts
 /// instrumented); the thread returns the script's exit code.
 ///
+/// Statement points go to the host too where the live kernel's splice planner refuses their
+/// instruction (shorter than a 5-byte `jmp`, a branch target inside it); `mode` says whether
+/// that, or any probe that does not compile, is reported or an error.
+///
 /// # Errors
-/// When attaching, generating or installing fails (the guest is then left as it was).
+/// When attaching, generating or installing fails (the guest is then left as it was); with
+/// [`CompileMode::Require`], a probe that does not compile.
 pub fn start(
     target: &Target,
     image: &KernelImage,
     heap: (u64, u64),
     script: GuestScript,
-    plan: Plan,
+    mut plan: Plan,
+    mode: CompileMode,
 ) -> anyhow::Result<JoinHandle<i32>> {
     let mut session = GuestSession::attach(target, image)?;
     let slide = session.survey.kaslr.slide;
     // On an error from here on, dropping the session detaches.
-    session.plan(image, heap)?;
+    let splicer = session.plan(image, heap)?;
+    let patch = splicer.heap_va + super::splicer::CODE_OFFSET;
+    for link in std::mem::take(&mut plan.statements) {
+        let Some(why) = super::splicer::why_not(&splicer.kernel.plan(link.wrapping_add(slide), patch))
+        else {
+            plan.statements.insert(link);
+            continue;
+        };
+        for (_, p) in plan.points.iter().filter(|(l, _)| *l == link) {
+            plan.host.insert(p.probe);
+            plan.refused.push(Unsupported {
+                probe: Some(p.probe),
+                span: script.prog.script.probes[p.probe].span,
+                construct: format!(
+                    "{}: no splice there ({why}); a breakpoint with an out-of-line copy instead",
+                    p.name
+                ),
+            });
+        }
+    }
+    let host = plan.host.clone();
+    plan.points.retain(|(_, p)| !host.contains(&p.probe));
+    if !plan.refused.is_empty() {
+        let why = describe(&plan.refused, &script.source.name, &script.source.text);
+        if mode == CompileMode::Require {
+            bail!("some of the script's kernel probes do not compile (--compile=require):\n{why}");
+        }
+        if plan.points.is_empty() {
+            tracing::warn!(
+                "the script's kernel probes run on the host instead, one stop of the guest per \
+                 hit (milliseconds each under TCG), because these do not compile:\n{why}"
+            );
+            session.detach()?;
+            return super::trap_script::start(target, image, heap, script);
+        }
+        tracing::warn!("{}", mixed_report(&script, &plan, &why));
+    }
     let mut facts = plan.facts.clone();
     facts.current_task = session.survey.layout.current_task_offset;
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
