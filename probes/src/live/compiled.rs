@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
-use exotap_vmm::control::StopEvent;
+use exotap_vmm::control::{Machine as _, StopEvent};
 
 use crate::compile::{
     self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, SitePoint,
@@ -40,6 +40,7 @@ use super::session::GuestSession;
 use super::splicer::{Action, KprobeReader, Request, SiteCode};
 use super::trap_script::GuestScript;
 use super::traps::Traps;
+use crate::splice::{SpliceDecision, TrapReason};
 
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
 pub const POLL_EVERY: Duration = Duration::from_millis(250);
@@ -310,6 +311,8 @@ struct Guest {
     taken: Vec<u64>,
     /// Output records lost to ring overruns (or unreadable).
     lost: u64,
+    /// Sites whose compiled code a breakpoint enters (no splice fits there): site to code.
+    entered: HashMap<u64, u64>,
 }
 
 impl Guest {
@@ -434,9 +437,20 @@ pub fn start(
     // On an error from here on, dropping the session detaches.
     let splicer = session.plan(image, heap)?;
     let patch = splicer.heap_va + super::splicer::CODE_OFFSET;
+    let mut entered = Vec::new();
     for link in std::mem::take(&mut plan.statements) {
-        let Some(why) = super::splicer::why_not(&splicer.kernel.plan(link.wrapping_add(slide), patch))
-        else {
+        let why = match splicer.kernel.plan(link.wrapping_add(slide), patch) {
+            SpliceDecision::Splice(_) => None,
+            SpliceDecision::Trap {
+                reason: TrapReason::ShortInstruction { len },
+                ..
+            } => {
+                entered.push((link, len));
+                None
+            }
+            SpliceDecision::Refuse(why) => Some(why),
+        };
+        let Some(why) = why else {
             plan.statements.insert(link);
             continue;
         };
@@ -446,7 +460,8 @@ pub fn start(
                 probe: Some(p.probe),
                 span: script.prog.script.probes[p.probe].span,
                 construct: format!(
-                    "{}: no splice there ({why}); a breakpoint with an out-of-line copy instead",
+                    "{}: the compiled body cannot go there ({why}); the host path tries a \
+                     breakpoint",
                     p.name
                 ),
             });
@@ -468,6 +483,24 @@ pub fn start(
             return super::trap_script::start(target, image, heap, script);
         }
         tracing::warn!("{}", mixed_report(&script, &plan, &why));
+    }
+    if !entered.is_empty() {
+        let points: Vec<String> = entered
+            .iter()
+            .flat_map(|(link, len)| {
+                plan.points
+                    .iter()
+                    .filter(move |(l, _)| l == link)
+                    .map(move |(_, p)| {
+                        format!("  {}: the instruction there is {len} bytes", p.name)
+                    })
+            })
+            .collect();
+        tracing::warn!(
+            "these compiled probe points take no splice: a breakpoint enters their compiled \
+             body, one stop of the guest per hit but nothing evaluated on the host:\n{}",
+            points.join("\n")
+        );
     }
     let mut facts = plan.facts.clone();
     facts.current_task = session.survey.layout.current_task_offset;
@@ -551,7 +584,8 @@ fn install(
         facts,
         slide,
     } = *what;
-    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner)> {
+    #[allow(clippy::type_complexity)]
+    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner, HashMap<u64, u64>)> {
         let mut layout = DataLayout::new(prog, limits).map_err(|u| {
             anyhow::anyhow!(
                 "{}",
@@ -624,6 +658,9 @@ fn install(
         for r in &report.refused {
             tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
         }
+        for (site, _) in &report.entered {
+            guest.machine.set_breakpoint(*site, true)?;
+        }
         if report.refused.len() == requests.len() {
             bail!(
                 "none of the script's kernel probe points could be spliced: {}",
@@ -642,10 +679,10 @@ fn install(
             layout.size >> 10,
             report.plan_time.as_secs_f64()
         );
-        Ok((layout, data, interner))
+        Ok((layout, data, interner, report.entered.into_iter().collect()))
     })();
     // On an error, dropping the session takes out whatever went in and detaches.
-    let (layout, data, interner) = r?;
+    let (layout, data, interner, entered) = r?;
     Ok(Guest {
         session: guest,
         layout,
@@ -653,6 +690,7 @@ fn install(
         interner,
         taken: Vec::new(),
         lost: 0,
+        entered,
     })
 }
 
@@ -740,6 +778,7 @@ fn run(
     }
     let mut next_poll = Instant::now() + POLL_EVERY;
     let mut host_hits = 0u64;
+    let mut entered_hits = 0u64;
     while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let now = Instant::now();
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
@@ -781,6 +820,20 @@ fn run(
                 gone = true;
                 exited = true;
             }
+            Ok(Some(StopEvent::Breakpoint { vcpu, pc })) if guest.entered.contains_key(&pc) => {
+                entered_hits += 1;
+                let code = guest.entered.get(&pc).copied().unwrap_or(pc);
+                let step = guest
+                    .session
+                    .machine
+                    .set_pc(vcpu, code)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|()| guest.session.resume());
+                if let Err(e) = step {
+                    tracing::error!("lost the guest: {e:#}");
+                    gone = true;
+                }
+            }
             Ok(Some(StopEvent::Breakpoint { vcpu, pc }))
                 if traps.as_ref().is_some_and(|t| t.owns(pc)) =>
             {
@@ -809,6 +862,9 @@ fn run(
     }
     if traps.is_some() {
         tracing::info!("{host_hits} hits of host-evaluated probes");
+    }
+    if !guest.entered.is_empty() {
+        tracing::info!("{entered_hits} hits entered compiled code from a breakpoint");
     }
     if gone {
         session.error(
