@@ -386,6 +386,73 @@ fn a_mixed_script_runs_compiled_and_host_probes_over_the_same_globals() {
     assert_no_oops(&con_a);
 }
 
+/// Offsets into the cached kernel's `vfs_read` of two instructions of its entry block (run
+/// at every call): the first of at least 5 bytes (a splice fits) and the first shorter one
+/// (none fits), past the ftrace site at +0.
+fn vfs_read_prologue_offsets() -> Option<(u64, u64)> {
+    use iced_x86::{Decoder, DecoderOptions, FlowControl};
+    let dir = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+    let image = exotap_probes::live::kernel_image::KernelImage::load(dir.join("vmlinuz")).ok()?;
+    let start = image.address("vfs_read").ok()?;
+    let code = image.vmlinux.read_at(start, 128).ok()?;
+    let mut decoder = Decoder::with_ip(64, code, start, DecoderOptions::NONE);
+    let (mut long, mut short) = (None, None);
+    // +0 is the ftrace site (`call __fentry__` in the file, a nop once booted).
+    for insn in decoder.iter().skip(1) {
+        if insn.flow_control() != FlowControl::Next || insn.is_invalid() {
+            break;
+        }
+        let offset = insn.ip() - start;
+        if insn.len() >= 5 {
+            long.get_or_insert(offset);
+        } else {
+            short.get_or_insert(offset);
+        }
+    }
+    long.zip(short)
+}
+
+#[test]
+fn statement_probes_compile_at_a_splice_or_behind_a_breakpoint_and_count_as_the_host_path() {
+    if !have_qemu(
+        "statement_probes_compile_at_a_splice_or_behind_a_breakpoint_and_count_as_the_host_path",
+    ) {
+        return;
+    }
+    let Some((long, short)) = vfs_read_prologue_offsets() else {
+        eprintln!("SKIP: the Debian kernel is not cached, or vfs_read's entry block has no instruction of each kind");
+        return;
+    };
+    let script = format!(
+        r#"global n, m
+  probe kernel.statement("vfs_read+{long:#x}") {{ if (execname() == "syscall-loop") n++ }}
+  probe kernel.statement("vfs_read+{short:#x}") {{ if (execname() == "syscall-loop") m++ }}
+  probe end {{ printf("n=%d m=%d\n", n, m) }}"#
+    );
+
+    let (code_c, out_c, err_c, con_c) = boot(&script, "require", "syscall-loop 60");
+    let (code_h, out_h, err_h, _) = boot(&script, "never", "syscall-loop 60");
+
+    let ctx = format!("script:\n{script}\ncompiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
+    assert_eq!((code_c, code_h), (0, 0), "{ctx}");
+    // The short one is entered from a breakpoint, the long one spliced (not listed).
+    let entered = err_c
+        .split("a breakpoint enters their compiled body")
+        .nth(1)
+        .unwrap_or_default();
+    assert!(
+        entered.contains(&format!("vfs_read+{short:#x}\"): the instruction there is"))
+            && !entered.contains(&format!("vfs_read+{long:#x}\")")),
+        "{ctx}"
+    );
+    // The workload's own count: syscall-loop preads 60 times, each one vfs_read.
+    assert_eq!(result(&con_c, "pread.calls"), Some("60"), "{ctx}");
+    assert_eq!(script_output(&out_c), "n=60 m=60\n", "{ctx}");
+    assert_eq!(script_output(&out_c), script_output(&out_h), "{ctx}");
+    assert_no_oops(&con_c);
+    eprintln!("vfs_read+{long:#x} spliced, vfs_read+{short:#x} behind a breakpoint: n=60 m=60");
+}
+
 #[test]
 fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
     if !have_qemu("compiled_probe_errors_are_counted_and_reported_and_the_guest_lives") {
