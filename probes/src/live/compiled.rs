@@ -963,3 +963,72 @@ fn run(
     }
     session.finish()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::driver::{compile as check_script, ScriptSource};
+
+    /// The cached Debian kernel, when present.
+    fn image() -> Option<KernelImage> {
+        let dir =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+        KernelImage::load(dir.join("vmlinuz")).ok()
+    }
+
+    fn program(text: &str) -> Program {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        check_script(&source, &Limits::default()).unwrap()
+    }
+
+    #[test]
+    fn a_probe_that_does_not_compile_goes_to_the_host_and_the_others_stay_compiled() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let prog = program(
+            r#"global n, a
+            probe kernel.function("vfs_read") { n++ }
+            probe kernel.function("vfs_write") { foreach (k in a) n += k }
+            probe kernel.statement("vfs_read+0x5") { a[n] = 1 }"#,
+        );
+
+        let plan = plan(&image, &prog, &Limits::default()).unwrap().unwrap();
+
+        assert_eq!(plan.host, BTreeSet::from([1]));
+        assert_eq!(plan.refused.len(), 1);
+        assert!(
+            plan.refused[0].construct.contains("foreach"),
+            "{:?}",
+            plan.refused
+        );
+        let compiled: BTreeSet<usize> = plan.points.iter().map(|p| p.1.probe).collect();
+        assert_eq!(compiled, BTreeSet::from([0, 2]));
+        let vfs_read = image.address("vfs_read").unwrap();
+        assert_eq!(plan.statements, BTreeSet::from([vfs_read + 5]));
+        let statement = plan.points.iter().find(|p| p.1.probe == 2).unwrap();
+        assert_eq!(statement.1.function, "vfs_read");
+    }
+
+    #[test]
+    fn a_script_of_which_nothing_compiles_is_refused_whole() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let prog = program(
+            r#"global a; probe kernel.function("vfs_read") { a[1] = 2; foreach (k in a) print(k) }"#,
+        );
+
+        let refused = plan(&image, &prog, &Limits::default())
+            .unwrap()
+            .unwrap_err();
+
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].probe, Some(0));
+    }
+}
