@@ -313,6 +313,8 @@ struct Guest {
     lost: u64,
     /// Sites whose compiled code a breakpoint enters (no splice fits there): site to code.
     entered: HashMap<u64, u64>,
+    /// The data as the last pull read it (the guest still stopped).
+    pulled: Option<Vec<u8>>,
 }
 
 impl Guest {
@@ -377,7 +379,8 @@ impl Guest {
         Ok(Header::decode(&bytes))
     }
 
-    /// Brings every compiled global into the session (the guest stopped).
+    /// Brings every compiled global into the session (the guest stopped); keeps what it
+    /// read for the [`Guest::push`] that follows.
     fn pull(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
         let data = self.read_data()?;
         for name in self.layout.globals.keys() {
@@ -385,13 +388,18 @@ impl Guest {
                 session.set_global(name, store);
             }
         }
-        Ok(Header::decode(&data))
+        let header = Header::decode(&data);
+        self.pulled = Some(data);
+        Ok(header)
     }
 
     /// Writes every compiled global from the session back, keeping the header (the guest
-    /// stopped, right after a pull).
+    /// stopped, right after a pull): only the bytes that differ from what the pull read.
     fn push(&mut self, session: &Session<'_>, prog: &Program) -> anyhow::Result<()> {
-        let mut data = self.read_data()?;
+        let data = match self.pulled.take() {
+            Some(data) => data,
+            None => self.read_data()?,
+        };
         let header = data[..compile::data::HEADER as usize].to_vec();
         let mut fresh = self.layout.initial(prog, &mut self.interner);
         fresh[..header.len()].copy_from_slice(&header);
@@ -405,12 +413,29 @@ impl Guest {
                 }
             }
         }
-        if fresh != data {
-            data = fresh;
-            self.session.write_heap(self.data, &data)?;
+        for (at, len) in changed_spans(&data, &fresh, SPAN_GAP) {
+            self.session
+                .write_heap(self.data + at as u64, &fresh[at..at + len])?;
         }
         Ok(())
     }
+}
+
+/// Unchanged bytes between two changed ones that [`changed_spans`] writes anyway rather
+/// than start another write.
+const SPAN_GAP: usize = 64;
+
+/// The spans (offset, length) where `new` differs from `old` (same length), merged across
+/// runs of fewer than `gap` equal bytes.
+fn changed_spans(old: &[u8], new: &[u8], gap: usize) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for (i, _) in old.iter().zip(new).enumerate().filter(|(_, (a, b))| a != b) {
+        match spans.last_mut() {
+            Some((at, len)) if i < *at + *len + gap => *len = i + 1 - *at,
+            _ => spans.push((i, 1)),
+        }
+    }
+    spans
 }
 
 /// Attaches, compiles and installs the script's kernel probes, and starts the thread that
@@ -691,6 +716,7 @@ fn install(
         taken: Vec::new(),
         lost: 0,
         entered,
+        pulled: None,
     })
 }
 
@@ -1012,6 +1038,18 @@ mod tests {
         assert_eq!(plan.statements, BTreeSet::from([vfs_read + 5]));
         let statement = plan.points.iter().find(|p| p.1.probe == 2).unwrap();
         assert_eq!(statement.1.function, "vfs_read");
+    }
+
+    #[test]
+    fn changed_spans_merge_close_changes_and_keep_far_ones_apart() {
+        let old = vec![0u8; 300];
+        let mut new = old.clone();
+        new[3] = 1;
+        new[10] = 1;
+        new[200] = 1;
+
+        assert_eq!(changed_spans(&old, &new, 64), vec![(3, 8), (200, 1)]);
+        assert_eq!(changed_spans(&old, &old, 64), vec![]);
     }
 
     #[test]
