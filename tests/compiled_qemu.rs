@@ -748,6 +748,46 @@ fn bench_compiled_vs_host_evaluated_vs_guest_kprobe() {
 }
 
 #[test]
+#[ignore = "a benchmark: run by hand, numbers in the closing note"]
+fn bench_a_mixed_scripts_compiled_probe_costs_what_a_compiled_scripts_does() {
+    if !have_qemu("bench_a_mixed_scripts_compiled_probe_costs_what_a_compiled_scripts_does") {
+        return;
+    }
+    let compiled = r#"global s; probe kernel.function("vfs_read") { s[execname()] <<< $count }"#;
+    // The same probe beside a host-evaluated one (foreach does not compile) on a function the
+    // workload never calls.
+    let mixed = r#"global s, n
+        probe kernel.function("vfs_read") { s[execname()] <<< $count }
+        probe kernel.function("ksys_sync") { foreach (k in s) n++ }"#;
+    let boot = |script: &'static str, mode: &'static str| -> Vec<&'static str> {
+        vec![
+            "boot",
+            "--timeout",
+            "900",
+            "--attach-in-job",
+            "--compile",
+            mode,
+            "--script-text",
+            script,
+        ]
+    };
+    let c = bench_boot(&boot(compiled, "require"), ("attach", "detach"), 20000);
+    let m = bench_boot(&boot(mixed, "auto"), ("attach", "detach"), 20000);
+    let bare = |c: &str| pread_ns(c, "base").min(pread_ns(c, "after"));
+    let hit = |c: &str| pread_ns(c, "probed") - bare(c);
+    println!(
+        "vfs_read per-hit ns (pread ns/call minus the same guest's unprobed loop): compiled \
+         script {:.0} (base {:.0}), the same probe in a mixed script {:.0} (base {:.0}), \
+         mixed/compiled {:.2}",
+        hit(&c),
+        bare(&c),
+        hit(&m),
+        bare(&m),
+        hit(&m) / hit(&c).max(1.0),
+    );
+}
+
+#[test]
 fn run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_running() {
     if !have_qemu("run_with_target_compiles_into_a_guest_someone_else_booted_and_leaves_it_running")
     {
