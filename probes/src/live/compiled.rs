@@ -1,7 +1,9 @@
 //! Running a probe script compiled into the guest (crate::compile): kernel probe
 //! bodies run as native code entered from splices, with no stop per hit; begin, end and timer
 //! probes, and the kernel probes that do not compile ([`super::traps`], one stop per hit), run
-//! on the host over the same globals.
+//! on the host over the same globals. Where a host-evaluated and a compiled probe share a
+//! point, the host-evaluated one runs first: its breakpoint stops the vCPU before the
+//! splice's jump.
 //!
 //! The globals a script's kernel probes update live in the patch heap. The host brings them
 //! into the interpreter before any host probe runs (one stop and one bulk read: `pmemsave`
