@@ -325,6 +325,30 @@ fn member_chains_and_casts_print_the_same_compiled_and_host_evaluated() {
     assert_no_oops(&con_c);
 }
 
+#[test]
+fn a_host_evaluated_member_chain_through_null_is_a_probe_error_and_the_guest_lives() {
+    if !have_qemu("a_host_evaluated_member_chain_through_null_is_a_probe_error_and_the_guest_lives")
+    {
+        return;
+    }
+    let script = r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = @cast(0, "struct file")->f_inode->i_ino }"#;
+
+    let (code, out, err, console) = boot(script, "never", "syscall-loop 5");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 1, "a probe error is a script error: {ctx}");
+    assert!(
+        err.contains("kernel read fault in @cast(..., \"struct file\")")
+            && err.contains("cannot read guest memory at 0x"),
+        "{ctx}"
+    );
+    assert!(
+        out.contains("EXOTAP-DONE 0"),
+        "the guest's job finished: {ctx}"
+    );
+    assert_no_oops(&console);
+}
+
 /// A mixed script: the getppid and close probes compile, the vfs_read probe (`foreach`)
 /// does not and runs on the host, and they share `n` and `reads` both ways.
 const MIXED: &str = r#"global n, reads, last
