@@ -116,8 +116,8 @@ pub struct BootArgs {
     /// Script text instead of --script FILE.
     #[arg(long, value_name = "SCRIPT", conflicts_with_all = ["script", "gdb", "gdbstub"])]
     pub script_text: Option<String>,
-    /// Whether the script's kernel probes run compiled inside the guest (auto: when every
-    /// one compiles, else on the host with a stop per hit, saying why).
+    /// Whether the script's kernel probes run compiled inside the guest (auto: per probe,
+    /// those that do not compile on the host with a stop per hit, saying why).
     #[arg(long, value_enum, default_value_t = crate::script::CompileArg::Auto)]
     pub compile: crate::script::CompileArg,
     /// With --script: the job itself calls `exotap_wait attach` (where exotap attaches and

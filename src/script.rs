@@ -75,10 +75,11 @@ impl ProbePointResolver for LazyKernel {
 /// `--compile`: whether scripts run compiled into the guest.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CompileArg {
-    /// Compiled when every kernel probe compiles; else host-evaluated, saying why.
+    /// Per probe: the kernel probes that compile run in the guest, the others on the host
+    /// (a stop per hit), each named with the construct that does not compile.
     #[default]
     Auto,
-    /// Compiled, or an error naming what does not compile.
+    /// Every kernel probe compiled, or an error naming what does not compile.
     Require,
     /// Host-evaluated (a stop per hit): the reference the compiled path is checked against.
     Never,
@@ -171,7 +172,8 @@ pub struct ScriptOptions {
     #[arg(long)]
     pub compare_kprobes: bool,
     /// With --target: whether the script's kernel probes run compiled inside the guest
-    /// (auto: when every one compiles, else on the host with a stop per hit, saying why).
+    /// (auto: per probe, those that do not compile on the host with a stop per hit, saying
+    /// why).
     #[arg(long, value_enum, default_value_t = CompileArg::Auto)]
     pub compile: CompileArg,
     /// The guest kernel whose symbols resolve kernel probe points.

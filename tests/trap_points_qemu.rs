@@ -382,6 +382,22 @@ fn trap_probes_at_100_random_instruction_boundaries_count_like_the_guests_kprobe
     if !have_qemu("trap_probes_at_100_random_instruction_boundaries") {
         return;
     }
+    random_points_count_like_the_guests_kprobes("never");
+}
+
+/// The same points compiled (`--compile require`): a splice where the planner accepts the
+/// instruction, else the compiled body behind a breakpoint; every one must compile.
+#[test]
+fn compiled_statements_at_100_random_instruction_boundaries_count_like_the_guests_kprobes() {
+    if !have_qemu("compiled_statements_at_100_random_instruction_boundaries") {
+        return;
+    }
+    random_points_count_like_the_guests_kprobes("require");
+}
+
+/// 100 random points of the hot functions as `kernel.statement(ADDR).absolute` probes run
+/// with `--compile MODE`, each point's hits against the guest's own kprobe on its function.
+fn random_points_count_like_the_guests_kprobes(mode: &str) {
     if bzimage().is_none() {
         eprintln!("SKIP: the {KERNEL} kernel is not cached (exotap boot fetches it)");
         return;
@@ -443,7 +459,7 @@ fn trap_probes_at_100_random_instruction_boundaries_count_like_the_guests_kprobe
     std::fs::write(&script_file, script).unwrap();
 
     let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "1500", "--script"])
+        .args(["boot", "--timeout", "1500", "--compile", mode, "--script"])
         .arg(&script_file)
         .arg("--job")
         .arg(&job_file)
@@ -476,10 +492,15 @@ fn trap_probes_at_100_random_instruction_boundaries_count_like_the_guests_kprobe
             "{bad} in the console:\n{transcript}"
         );
     }
-    assert!(
-        err.contains(&format!("armed {POINTS} probe sites")) && err.contains("refused 0"),
-        "{ctx}"
-    );
+    if mode == "never" {
+        assert!(
+            err.contains(&format!("armed {POINTS} probe sites")) && err.contains("refused 0"),
+            "{ctx}"
+        );
+    } else {
+        // --compile require ran (code 0): every probe compiled; none was left out.
+        assert!(!err.contains("not instrumented"), "{ctx}");
+    }
     let mut wrong = Vec::new();
     let mut explained = Vec::new();
     let mut total = 0;
@@ -508,8 +529,12 @@ fn trap_probes_at_100_random_instruction_boundaries_count_like_the_guests_kprobe
             ));
         }
     }
-    // What exotap made of the points with the live bytes (emulated kinds, out-of-line).
-    if let Some(line) = err.lines().find(|l| l.contains("armed ")) {
+    // What exotap made of the points with the live bytes (emulated kinds, out-of-line;
+    // spliced or behind a breakpoint).
+    for line in err
+        .lines()
+        .filter(|l| l.contains("armed ") || l.contains("compiled probes in at"))
+    {
         eprintln!("{}", line.trim());
     }
     eprintln!(

@@ -189,7 +189,8 @@ impl std::fmt::Display for Unsupported {
 }
 
 /// Kernel probes of `prog` (index and whether it is a return probe), and the constructs that
-/// keep the program from compiling: kernel points that are not function entries or returns.
+/// keep the program from compiling: kernel points that are not function entries, returns or
+/// statements at an offset or address.
 pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
     let mut probes = Vec::new();
     let mut refused = Vec::new();
@@ -204,11 +205,20 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
                     ..
                 } if *site != crate::lang::point::FunctionSite::Inline => kernel = true,
                 PointKind::Syscall { .. } => kernel = true,
+                // `func+OFFSET` and `.absolute`: compiled where the splice planner accepts
+                // the instruction (live::compiled asks it).
+                PointKind::KernelStatement {
+                    file: None,
+                    line: None,
+                    ..
+                }
+                | PointKind::KernelAddress(_) => kernel = true,
                 k if k.needs_guest() => refused.push(Unsupported {
                     probe: Some(i),
                     span: pt.span,
                     construct: format!(
-                        "the probe point {pt} (only function entries and returns compile)"
+                        "the probe point {pt} (only function entries, returns and statements \
+                         at an offset compile)"
                     ),
                 }),
                 _ => {}

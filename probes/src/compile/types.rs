@@ -68,6 +68,46 @@ pub enum Step {
     },
 }
 
+impl Step {
+    /// Applies the steps to `value` on the host, reading guest memory with `read` (address
+    /// and size to the little-endian bytes): what the generated code does in the guest.
+    ///
+    /// # Errors
+    /// The address of the first read that `read` could not do.
+    pub fn follow(
+        steps: &[Step],
+        value: u64,
+        mut read: impl FnMut(u64, usize) -> Option<Vec<u8>>,
+    ) -> Result<i64, u64> {
+        let mut value = value;
+        for step in steps {
+            value = match *step {
+                Step::Address { offset } => value.wrapping_add(offset),
+                Step::Read {
+                    offset,
+                    size,
+                    signed,
+                } => {
+                    let at = value.wrapping_add(offset);
+                    let bytes = read(at, usize::from(size))
+                        .filter(|b| b.len() == usize::from(size) && size <= 8)
+                        .ok_or(at)?;
+                    let mut buf = [0u8; 8];
+                    buf[..bytes.len()].copy_from_slice(&bytes);
+                    let raw = u64::from_le_bytes(buf);
+                    let shift = 64 - 8 * u32::from(size);
+                    if signed && shift > 0 {
+                        (((raw << shift) as i64) >> shift) as u64
+                    } else {
+                        raw
+                    }
+                }
+            };
+        }
+        Ok(value as i64)
+    }
+}
+
 /// Lays out the chain `members` from a value of type `base`.
 ///
 /// # Errors
@@ -318,6 +358,26 @@ mod tests {
             chain(&Made, 4, &members(&["name"])),
             Ok(vec![Step::Address { offset: 4 }])
         );
+    }
+
+    #[test]
+    fn following_steps_reads_each_pointer_and_sign_extends_the_last() {
+        let steps = chain(&Made, 2, &members(&["f_inode", "i_mode"])).unwrap();
+        let memory = |at: u64, len: usize| match (at, len) {
+            (0x1008, 8) => Some(0x2000u64.to_le_bytes().to_vec()),
+            (0x2002, 2) => Some(vec![0xfe, 0xff]),
+            _ => None,
+        };
+
+        assert_eq!(Step::follow(&steps, 0x1000, memory), Ok(-2));
+    }
+
+    #[test]
+    fn following_through_a_null_pointer_names_the_faulting_address() {
+        let steps = chain(&Made, 2, &members(&["f_inode", "i_mode"])).unwrap();
+        let memory = |at: u64, _: usize| (at == 0x1008).then(|| vec![0u8; 8]);
+
+        assert_eq!(Step::follow(&steps, 0x1000, memory), Err(2));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use super::ast::{CastExpr, TargetVar};
 use super::value::Value;
 
 /// Why guest memory could not be read.
@@ -42,6 +43,23 @@ pub trait Context {
     /// # Errors
     /// When the memory is not available.
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError>;
+    /// A member chain of a target variable (`$file->f_inode->i_ino`, `$return->m`), laid
+    /// out from the kernel's types and read through guest memory. `None` where this context
+    /// cannot follow chains (the default: only a context stopped in the guest can).
+    ///
+    /// # Errors
+    /// Inside the `Some`: a sentence naming the member or the address that could not be read.
+    fn member_chain(&self, _var: &TargetVar) -> Option<Result<Value, String>> {
+        None
+    }
+    /// `@cast(pointer, "type")->member...`: `pointer` read as a pointer to the kernel type.
+    /// `None` where this context has no kernel types (the default).
+    ///
+    /// # Errors
+    /// Inside the `Some`: as [`Context::member_chain`].
+    fn cast(&self, _pointer: u64, _cast: &CastExpr) -> Option<Result<Value, String>> {
+        None
+    }
     /// The kernel stack where the probe fired, innermost first: each frame's pc and its
     /// name as the kernel prints it (`func+0xoff/0xsize`). Only a context stopped in the
     /// guest has one; others answer [`MemoryError::NoMemory`] (the default).

@@ -17,12 +17,16 @@ impl Interp<'_> {
             ExprKind::Var(_) | ExprKind::Index(_) => self.load(e, f, ctx)?,
             ExprKind::Target(t) => match ctx.target(&t.path()) {
                 Some(v) => v,
-                None => {
-                    return fail(
-                        format!("target variable '{}' is not available here", t.path()),
-                        e.span,
-                    )
-                }
+                None => match (t.members.is_empty(), ctx.member_chain(t)) {
+                    (false, Some(Ok(v))) => v,
+                    (false, Some(Err(why))) => return fail(why, e.span),
+                    _ => {
+                        return fail(
+                            format!("target variable '{}' is not available here", t.path()),
+                            e.span,
+                        )
+                    }
+                },
             },
             ExprKind::Unary(op, x) => {
                 let v = self.eval(x, f, ctx)?.as_long();
@@ -98,12 +102,18 @@ impl Interp<'_> {
                 }
             },
             ExprKind::Defined(x) => Value::Long(i64::from(defined(x, ctx))),
-            ExprKind::Cast(_) => {
+            ExprKind::Cast(c) => {
+                let pointer = self.eval(&c.pointer, f, ctx)?.as_long() as u64;
+                match ctx.cast(pointer, c) {
+                    Some(Ok(v)) => return Ok(v),
+                    Some(Err(why)) => return fail(why, e.span),
+                    None => {}
+                }
                 return fail(
                     "@cast is not supported at run time yet: reading kernel types needs the \
                      guest's type information, which the interpreter does not have",
                     e.span,
-                )
+                );
             }
             ExprKind::Embedded(_) => return fail("embedded C code cannot run", e.span),
             ExprKind::Wildcard => return fail("'*' is a key only in delete", e.span),

@@ -1,6 +1,9 @@
 //! Running a probe script compiled into the guest (crate::compile): kernel probe
 //! bodies run as native code entered from splices, with no stop per hit; begin, end and timer
-//! probes run on the host over the same globals.
+//! probes, and the kernel probes that do not compile ([`super::traps`], one stop per hit), run
+//! on the host over the same globals. Where a host-evaluated and a compiled probe share a
+//! point, the host-evaluated one runs first: its breakpoint stops the vCPU before the
+//! splice's jump.
 //!
 //! The globals a script's kernel probes update live in the patch heap. The host brings them
 //! into the interpreter before any host probe runs (one stop and one bulk read: `pmemsave`
@@ -12,7 +15,7 @@
 //! their job, where the host reads the final state and removes the splices before the guest
 //! powers off.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -20,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
-use exotap_vmm::control::StopEvent;
+use exotap_vmm::control::{Machine as _, StopEvent};
 
 use crate::compile::{
     self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, SitePoint,
@@ -38,6 +41,8 @@ use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, KprobeReader, Request, SiteCode};
 use super::trap_script::GuestScript;
+use super::traps::Traps;
+use crate::splice::{SpliceDecision, TrapReason};
 
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
 pub const POLL_EVERY: Duration = Duration::from_millis(250);
@@ -47,20 +52,29 @@ const WAIT: Duration = Duration::from_millis(20);
 /// Whether scripts run compiled into the guest.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CompileMode {
-    /// Compiled when every kernel probe compiles; else host-evaluated, saying why.
+    /// Per probe: the kernel probes that compile run from splices, the others at
+    /// breakpoints on the host, saying why.
     #[default]
     Auto,
-    /// Compiled, or an error naming what does not compile.
+    /// Every kernel probe compiled, or an error naming what does not compile.
     Require,
     /// Host-evaluated (a stop per hit): the reference the compiled path is checked against.
     Never,
 }
 
 /// What the image says a compiled run needs: the points, the kernel facts (link-time
-/// addresses; slid at attach).
+/// addresses; slid at attach), and the kernel probes that do not compile, which run on the
+/// host at breakpoints in the same session ([`super::traps`]).
 #[derive(Debug, Clone)]
 pub struct Plan {
     points: Vec<(u64, SitePoint)>,
+    /// Kernel probes evaluated on the host, by index in the program.
+    host: BTreeSet<usize>,
+    /// Why each of them does not compile.
+    refused: Vec<Unsupported>,
+    /// The compiled points that are statements (link-time), which compile only where the
+    /// live kernel's splice planner accepts the instruction.
+    statements: BTreeSet<u64>,
     facts: Facts,
     realtime_link: Option<u64>,
     copy_link: Option<u64>,
@@ -96,11 +110,13 @@ fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
     })
 }
 
-/// Decides from the image alone whether every kernel probe of `prog` compiles.
+/// Decides from the image alone which kernel probes of `prog` compile: those run from
+/// splices, the others on the host at breakpoints, per probe.
 ///
 /// # Errors
-/// `Ok(Err(constructs))` when some do not; `Err` when the image lacks what any compiled run
-/// needs (BTF, symbols) or a point does not resolve.
+/// `Ok(Err(constructs))` when none compiles or something of the whole program does not (a
+/// global's layout); `Err` when the image lacks what any compiled run needs (BTF, symbols)
+/// or a point does not resolve.
 pub fn plan(
     image: &KernelImage,
     prog: &Program,
@@ -111,22 +127,28 @@ pub fn plan(
     let resolver = KernelSymbols::new(&image.symbols, Some(&btf));
     let resolved = resolve_program(prog, &resolver)?;
     let mut points = Vec::new();
+    let mut elsewhere = Vec::new();
+    let mut statements = BTreeSet::new();
     for (probe, point) in resolved {
         let Some(link) = point.address else {
             continue;
         };
         let is_return = point.name.ends_with(".return");
+        // A statement (`func+OFFSET`, `.absolute`) runs its body in its function, at a
+        // splice where the planner accepts the instruction ([`start`] asks it).
+        let statement = point.name.starts_with("kernel.statement(");
         let function = image
             .symbols
             .lookup_addr(link)
-            .filter(|(_, off)| *off == 0)
+            .filter(|(s, off)| *off == 0 || (statement && s.is_text()))
             .map(|(s, _)| s.name.clone());
         let Some(function) = function else {
-            return Ok(Err(vec![Unsupported {
+            elsewhere.push(Unsupported {
                 probe: Some(probe),
                 span: prog.script.probes[probe].span,
                 construct: format!("{} (not a function entry)", point.name),
-            }]));
+            });
+            continue;
         };
         let params = point
             .variables
@@ -134,6 +156,9 @@ pub fn plan(
             .filter_map(|v| v.strip_prefix('$'))
             .map(|v| v.split(':').next().unwrap_or(v).to_owned())
             .collect();
+        if statement {
+            statements.insert(link);
+        }
         points.push((
             link,
             SitePoint {
@@ -146,14 +171,25 @@ pub fn plan(
         ));
     }
     let only: Vec<SitePoint> = points.iter().map(|p| p.1.clone()).collect();
-    let refused = compile::check(prog, limits, &facts, &only);
-    if !refused.is_empty() {
+    let mut refused = compile::check(prog, limits, &facts, &only);
+    refused.append(&mut elsewhere);
+    refused.sort_by_key(|u| (u.span.start, u.construct.clone()));
+    refused.dedup();
+    if refused.iter().any(|u| u.probe.is_none()) {
+        return Ok(Err(refused));
+    }
+    let host: BTreeSet<usize> = refused.iter().filter_map(|u| u.probe).collect();
+    points.retain(|(_, p)| !host.contains(&p.probe));
+    if points.is_empty() {
         return Ok(Err(refused));
     }
     let realtime_link = facts.realtime_ns;
     let copy_link = facts.copy_nofault;
     Ok(Ok(Plan {
         points,
+        host,
+        refused,
+        statements,
         facts,
         realtime_link,
         copy_link,
@@ -161,12 +197,14 @@ pub fn plan(
 }
 
 /// Starts `script` against `target`: compiled into the guest where it compiles (as `mode`
-/// says), else through the host-evaluated tracer ([`super::trap_script`]), naming what did not
-/// compile.
+/// says), per probe: the kernel probes that do not compile run on the host at breakpoints in
+/// the same session, over the same globals, each named with what does not compile. A script
+/// of which nothing compiles runs through the host-evaluated tracer
+/// ([`super::trap_script`]).
 ///
 /// # Errors
-/// As [`start`] and [`super::trap_script::start`]; with [`CompileMode::Require`], a script that
-/// does not compile.
+/// As [`start`] and [`super::trap_script::start`]; with [`CompileMode::Require`], a script of
+/// which some kernel probe does not compile.
 pub fn start_script(
     target: &Target,
     image: &KernelImage,
@@ -176,7 +214,7 @@ pub fn start_script(
 ) -> anyhow::Result<JoinHandle<i32>> {
     if mode != CompileMode::Never && script.prog.needs_guest() {
         let why = match plan(image, &script.prog, &script.limits) {
-            Ok(Ok(plan)) => return start(target, image, heap, script, plan),
+            Ok(Ok(plan)) => return start(target, image, heap, script, plan, mode),
             Ok(Err(constructs)) => describe(&constructs, &script.source.name, &script.source.text),
             Err(e) => format!("  {e:#}"),
         };
@@ -189,6 +227,36 @@ pub fn start_script(
         );
     }
     super::trap_script::start(target, image, heap, script)
+}
+
+/// What `--compile=auto` says of a mixed run: which kernel probes run compiled, which on
+/// the host and why (`why`: [`describe`] of the refused constructs).
+fn mixed_report(script: &GuestScript, plan: &Plan, why: &str) -> String {
+    let name = |i: usize| {
+        let probe = &script.prog.probes[i];
+        let (line, _) = crate::lang::diag::line_col(
+            &script.source.text,
+            script.prog.script.probes[i].span.start,
+        );
+        let points: Vec<String> = probe.points.iter().map(|(p, _)| p.to_string()).collect();
+        format!(
+            "  {}:{line}: probe {}",
+            script.source.name,
+            points.join(", ")
+        )
+    };
+    let compiled: BTreeSet<usize> = plan.points.iter().map(|p| p.1.probe).collect();
+    let compiled: Vec<String> = compiled.into_iter().map(name).collect();
+    let host: Vec<String> = plan.host.iter().copied().map(name).collect();
+    format!(
+        "the script runs mixed: {} kernel probes compiled into the guest (splice speed):\n{}\n\
+         {} on the host instead, one stop of the guest per hit (milliseconds each under TCG):\n\
+         {}\nbecause these do not compile:\n{why}",
+        compiled.len(),
+        compiled.join("\n"),
+        host.len(),
+        host.join("\n"),
+    )
 }
 
 /// One line per construct, for messages: "file:line:col: construct".
@@ -245,6 +313,10 @@ struct Guest {
     taken: Vec<u64>,
     /// Output records lost to ring overruns (or unreadable).
     lost: u64,
+    /// Sites whose compiled code a breakpoint enters (no splice fits there): site to code.
+    entered: HashMap<u64, u64>,
+    /// The data as the last pull read it (the guest still stopped).
+    pulled: Option<Vec<u8>>,
 }
 
 impl Guest {
@@ -309,7 +381,8 @@ impl Guest {
         Ok(Header::decode(&bytes))
     }
 
-    /// Brings every compiled global into the session (the guest stopped).
+    /// Brings every compiled global into the session (the guest stopped); keeps what it
+    /// read for the [`Guest::push`] that follows.
     fn pull(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
         let data = self.read_data()?;
         for name in self.layout.globals.keys() {
@@ -317,13 +390,18 @@ impl Guest {
                 session.set_global(name, store);
             }
         }
-        Ok(Header::decode(&data))
+        let header = Header::decode(&data);
+        self.pulled = Some(data);
+        Ok(header)
     }
 
     /// Writes every compiled global from the session back, keeping the header (the guest
-    /// stopped, right after a pull).
+    /// stopped, right after a pull): only the bytes that differ from what the pull read.
     fn push(&mut self, session: &Session<'_>, prog: &Program) -> anyhow::Result<()> {
-        let mut data = self.read_data()?;
+        let data = match self.pulled.take() {
+            Some(data) => data,
+            None => self.read_data()?,
+        };
         let header = data[..compile::data::HEADER as usize].to_vec();
         let mut fresh = self.layout.initial(prog, &mut self.interner);
         fresh[..header.len()].copy_from_slice(&header);
@@ -337,31 +415,120 @@ impl Guest {
                 }
             }
         }
-        if fresh != data {
-            data = fresh;
-            self.session.write_heap(self.data, &data)?;
+        for (at, len) in changed_spans(&data, &fresh, SPAN_GAP) {
+            self.session
+                .write_heap(self.data + at as u64, &fresh[at..at + len])?;
         }
         Ok(())
     }
+}
+
+/// Unchanged bytes between two changed ones that [`changed_spans`] writes anyway rather
+/// than start another write.
+const SPAN_GAP: usize = 64;
+
+/// The spans (offset, length) where `new` differs from `old` (same length), merged across
+/// runs of fewer than `gap` equal bytes.
+fn changed_spans(old: &[u8], new: &[u8], gap: usize) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for (i, _) in old.iter().zip(new).enumerate().filter(|(_, (a, b))| a != b) {
+        match spans.last_mut() {
+            Some((at, len)) if i < *at + *len + gap => *len = i + 1 - *at,
+            _ => spans.push((i, 1)),
+        }
+    }
+    spans
 }
 
 /// Attaches, compiles and installs the script's kernel probes, and starts the thread that
 /// runs the session. Returns once the probes are in (so a booted guest's job starts
 /// instrumented); the thread returns the script's exit code.
 ///
+/// Statement points go to the host too where the live kernel's splice planner refuses their
+/// instruction (shorter than a 5-byte `jmp`, a branch target inside it); `mode` says whether
+/// that, or any probe that does not compile, is reported or an error.
+///
 /// # Errors
-/// When attaching, generating or installing fails (the guest is then left as it was).
+/// When attaching, generating or installing fails (the guest is then left as it was); with
+/// [`CompileMode::Require`], a probe that does not compile.
 pub fn start(
     target: &Target,
     image: &KernelImage,
     heap: (u64, u64),
     script: GuestScript,
-    plan: Plan,
+    mut plan: Plan,
+    mode: CompileMode,
 ) -> anyhow::Result<JoinHandle<i32>> {
     let mut session = GuestSession::attach(target, image)?;
     let slide = session.survey.kaslr.slide;
     // On an error from here on, dropping the session detaches.
-    session.plan(image, heap)?;
+    let splicer = session.plan(image, heap)?;
+    let patch = splicer.heap_va + super::splicer::CODE_OFFSET;
+    let mut entered = Vec::new();
+    for link in std::mem::take(&mut plan.statements) {
+        let why = match splicer.kernel.plan(link.wrapping_add(slide), patch) {
+            SpliceDecision::Splice(_) => None,
+            SpliceDecision::Trap {
+                reason: TrapReason::ShortInstruction { len },
+                ..
+            } => {
+                entered.push((link, len));
+                None
+            }
+            SpliceDecision::Refuse(why) => Some(why),
+        };
+        let Some(why) = why else {
+            plan.statements.insert(link);
+            continue;
+        };
+        for (_, p) in plan.points.iter().filter(|(l, _)| *l == link) {
+            plan.host.insert(p.probe);
+            plan.refused.push(Unsupported {
+                probe: Some(p.probe),
+                span: script.prog.script.probes[p.probe].span,
+                construct: format!(
+                    "{}: the compiled body cannot go there ({why}); the host path tries a \
+                     breakpoint",
+                    p.name
+                ),
+            });
+        }
+    }
+    let host = plan.host.clone();
+    plan.points.retain(|(_, p)| !host.contains(&p.probe));
+    if !plan.refused.is_empty() {
+        let why = describe(&plan.refused, &script.source.name, &script.source.text);
+        if mode == CompileMode::Require {
+            bail!("some of the script's kernel probes do not compile (--compile=require):\n{why}");
+        }
+        if plan.points.is_empty() {
+            tracing::warn!(
+                "the script's kernel probes run on the host instead, one stop of the guest per \
+                 hit (milliseconds each under TCG), because these do not compile:\n{why}"
+            );
+            session.detach()?;
+            return super::trap_script::start(target, image, heap, script);
+        }
+        tracing::warn!("{}", mixed_report(&script, &plan, &why));
+    }
+    if !entered.is_empty() {
+        let points: Vec<String> = entered
+            .iter()
+            .flat_map(|(link, len)| {
+                plan.points
+                    .iter()
+                    .filter(move |(l, _)| l == link)
+                    .map(move |(_, p)| {
+                        format!("  {}: the instruction there is {len} bytes", p.name)
+                    })
+            })
+            .collect();
+        tracing::warn!(
+            "these compiled probe points take no splice: a breakpoint enters their compiled \
+             body, one stop of the guest per hit but nothing evaluated on the host:\n{}",
+            points.join("\n")
+        );
+    }
     let mut facts = plan.facts.clone();
     facts.current_task = session.survey.layout.current_task_offset;
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
@@ -374,10 +541,38 @@ pub fn start(
     } else {
         None
     };
+    // The probes that do not compile get their breakpoints now, before any splice goes in
+    // (the guest stays paused until the thread installs and resumes).
+    let traps = if plan.host.is_empty() {
+        None
+    } else {
+        let area = session
+            .splicer()
+            .context("the session has no splicer after its plan")?
+            .trap_area();
+        let host = plan.host.clone();
+        let traps = Traps::arm(&mut session, image, &script.prog, area, &|i| {
+            host.contains(&i)
+        })?;
+        tracing::info!(
+            "{} host-evaluated probe points armed beside the compiled ones",
+            traps.points()
+        );
+        Some(traps)
+    };
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())
-        .spawn(move || run(session, script, plan, facts, slide, kprobes, ready_tx))
+        .spawn(move || {
+            let started = Started {
+                plan,
+                facts,
+                slide,
+                kprobes,
+                traps,
+            };
+            run(session, script, started, ready_tx)
+        })
         .context("cannot start the script thread")?;
     match ready_rx.recv() {
         Ok(Ok(())) => Ok(handle),
@@ -416,7 +611,8 @@ fn install(
         facts,
         slide,
     } = *what;
-    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner)> {
+    #[allow(clippy::type_complexity)]
+    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner, HashMap<u64, u64>)> {
         let mut layout = DataLayout::new(prog, limits).map_err(|u| {
             anyhow::anyhow!(
                 "{}",
@@ -489,6 +685,9 @@ fn install(
         for r in &report.refused {
             tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
         }
+        for (site, _) in &report.entered {
+            guest.machine.set_breakpoint(*site, true)?;
+        }
         if report.refused.len() == requests.len() {
             bail!(
                 "none of the script's kernel probe points could be spliced: {}",
@@ -507,10 +706,10 @@ fn install(
             layout.size >> 10,
             report.plan_time.as_secs_f64()
         );
-        Ok((layout, data, interner))
+        Ok((layout, data, interner, report.entered.into_iter().collect()))
     })();
     // On an error, dropping the session takes out whatever went in and detaches.
-    let (layout, data, interner) = r?;
+    let (layout, data, interner, entered) = r?;
     Ok(Guest {
         session: guest,
         layout,
@@ -518,19 +717,52 @@ fn install(
         interner,
         taken: Vec::new(),
         lost: 0,
+        entered,
+        pulled: None,
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run(
-    guest: GuestSession,
-    script: GuestScript,
+/// What [`start`] hands the session's thread besides the guest and the script.
+struct Started {
     plan: Plan,
+    /// The kernel facts, slid.
     facts: Facts,
     slide: u64,
     kprobes: Option<KprobeReader>,
+    /// The host-evaluated probes of a mixed script.
+    traps: Option<Traps>,
+}
+
+/// A hit of a host-evaluated probe of a mixed script (the guest stopped at it): what the
+/// compiled probes printed so far comes first, then the probe runs over the globals brought
+/// from the guest, which go back before the guest resumes.
+fn host_hit(
+    guest: &mut Guest,
+    traps: &mut Traps,
+    session: &mut Session<'_>,
+    prog: &Program,
+    (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
+) -> anyhow::Result<()> {
+    guest.print(session, false)?;
+    guest.pull(session)?;
+    traps.hit(&mut guest.session, session, vcpu, pc)?;
+    guest.push(session, prog)?;
+    guest.session.resume()
+}
+
+fn run(
+    guest: GuestSession,
+    script: GuestScript,
+    started: Started,
     ready: mpsc::Sender<anyhow::Result<()>>,
 ) -> i32 {
+    let Started {
+        plan,
+        facts,
+        slide,
+        kprobes,
+        mut traps,
+    } = started;
     let GuestScript {
         source,
         prog,
@@ -573,6 +805,8 @@ fn run(
         gone = true;
     }
     let mut next_poll = Instant::now() + POLL_EVERY;
+    let mut host_hits = 0u64;
+    let mut entered_hits = 0u64;
     while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let now = Instant::now();
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
@@ -614,6 +848,33 @@ fn run(
                 gone = true;
                 exited = true;
             }
+            Ok(Some(StopEvent::Breakpoint { vcpu, pc })) if guest.entered.contains_key(&pc) => {
+                entered_hits += 1;
+                let code = guest.entered.get(&pc).copied().unwrap_or(pc);
+                let step = guest
+                    .session
+                    .machine
+                    .set_pc(vcpu, code)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|()| guest.session.resume());
+                if let Err(e) = step {
+                    tracing::error!("lost the guest: {e:#}");
+                    gone = true;
+                }
+            }
+            Ok(Some(StopEvent::Breakpoint { vcpu, pc }))
+                if traps.as_ref().is_some_and(|t| t.owns(pc)) =>
+            {
+                host_hits += 1;
+                let step = match traps.as_mut() {
+                    Some(t) => host_hit(&mut guest, t, &mut session, &prog, (vcpu, pc)),
+                    None => Ok(()),
+                };
+                if let Err(e) = step {
+                    tracing::error!("lost the guest: {e:#}");
+                    gone = true;
+                }
+            }
             Ok(Some(_)) => {
                 // Compiled probes set no breakpoints: a stop is someone else's; go on.
                 if let Err(e) = guest.session.resume() {
@@ -627,6 +888,12 @@ fn run(
             }
         }
     }
+    if traps.is_some() {
+        tracing::info!("{host_hits} hits of host-evaluated probes");
+    }
+    if !guest.entered.is_empty() {
+        tracing::info!("{entered_hits} hits entered compiled code from a breakpoint");
+    }
     if gone {
         session.error(
             "the guest ended before exotap read its compiled probes' data: their last updates are lost",
@@ -638,6 +905,9 @@ fn run(
     } else {
         let end = (|| -> anyhow::Result<()> {
             guest.session.pause()?;
+            if let Some(t) = traps.as_mut() {
+                t.disarm(&mut guest.session.machine);
+            }
             guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;
             if let (Some(reader), Some(before)) = (&kprobes, &kprobes_before) {
@@ -732,4 +1002,85 @@ fn run(
         ));
     }
     session.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::driver::{compile as check_script, ScriptSource};
+
+    /// The cached Debian kernel, when present.
+    fn image() -> Option<KernelImage> {
+        let dir =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+        KernelImage::load(dir.join("vmlinuz")).ok()
+    }
+
+    fn program(text: &str) -> Program {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        check_script(&source, &Limits::default()).unwrap()
+    }
+
+    #[test]
+    fn a_probe_that_does_not_compile_goes_to_the_host_and_the_others_stay_compiled() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let prog = program(
+            r#"global n, a
+            probe kernel.function("vfs_read") { n++ }
+            probe kernel.function("vfs_write") { foreach (k in a) n += k }
+            probe kernel.statement("vfs_read+0x5") { a[n] = 1 }"#,
+        );
+
+        let plan = plan(&image, &prog, &Limits::default()).unwrap().unwrap();
+
+        assert_eq!(plan.host, BTreeSet::from([1]));
+        assert_eq!(plan.refused.len(), 1);
+        assert!(
+            plan.refused[0].construct.contains("foreach"),
+            "{:?}",
+            plan.refused
+        );
+        let compiled: BTreeSet<usize> = plan.points.iter().map(|p| p.1.probe).collect();
+        assert_eq!(compiled, BTreeSet::from([0, 2]));
+        let vfs_read = image.address("vfs_read").unwrap();
+        assert_eq!(plan.statements, BTreeSet::from([vfs_read + 5]));
+        let statement = plan.points.iter().find(|p| p.1.probe == 2).unwrap();
+        assert_eq!(statement.1.function, "vfs_read");
+    }
+
+    #[test]
+    fn changed_spans_merge_close_changes_and_keep_far_ones_apart() {
+        let old = vec![0u8; 300];
+        let mut new = old.clone();
+        new[3] = 1;
+        new[10] = 1;
+        new[200] = 1;
+
+        assert_eq!(changed_spans(&old, &new, 64), vec![(3, 8), (200, 1)]);
+        assert_eq!(changed_spans(&old, &old, 64), vec![]);
+    }
+
+    #[test]
+    fn a_script_of_which_nothing_compiles_is_refused_whole() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let prog = program(
+            r#"global a; probe kernel.function("vfs_read") { a[1] = 2; foreach (k in a) print(k) }"#,
+        );
+
+        let refused = plan(&image, &prog, &Limits::default())
+            .unwrap()
+            .unwrap_err();
+
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].probe, Some(0));
+    }
 }

@@ -65,6 +65,7 @@ pub mod splicer;
 pub mod stacks;
 pub mod trap_point;
 pub mod trap_script;
+pub mod traps;
 
 pub use kernel_image::KernelImage;
 pub use session::GuestSession;

@@ -884,6 +884,10 @@ pub struct InstallReport {
     pub plan_time: Duration,
     /// Time to snapshot, check and write (the guest stopped).
     pub write_time: Duration,
+    /// Compiled sites whose instruction takes no splice (shorter than a 5-byte `jmp`): their
+    /// code is in the heap, entered from a breakpoint at the site. (site, where a vCPU
+    /// stopped there goes on: the body, then the relocated instruction and a jump back.)
+    pub entered: Vec<(u64, u64)>,
 }
 
 /// What a removal found.
@@ -1020,6 +1024,16 @@ impl Splicer {
 
     fn heap_phys(&self, va: u64) -> u64 {
         self.heap_phys + (va - self.heap_va)
+    }
+
+    /// The part of the patch heap below [`REGION`], which the host-evaluated probes of a
+    /// mixed script use ([`super::traps`]).
+    pub fn trap_area(&self) -> super::traps::TrapArea {
+        super::traps::TrapArea {
+            va: self.heap_va,
+            phys: self.heap_phys,
+            size: REGION,
+        }
     }
 
     /// Plans, generates and installs `requests` in one batch (the guest stopped).
@@ -1187,8 +1201,13 @@ impl Splicer {
             }
             let patch = code_block + code_buf.len() as u64;
             let counter = data_block + 8 * i as u64;
-            let site: Site = match self.kernel.plan(req.addr, patch) {
-                SpliceDecision::Splice(site) => site,
+            // A compiled site the planner would trap is still generated: a breakpoint enters
+            // its code, with no text written.
+            let (site, by_breakpoint): (Site, bool) = match self.kernel.plan(req.addr, patch) {
+                SpliceDecision::Splice(site) => (site, false),
+                SpliceDecision::Trap { site, .. } if matches!(req.action, Action::Compiled(_)) => {
+                    (site, true)
+                }
                 other => {
                     report
                         .refused
@@ -1197,6 +1216,7 @@ impl Splicer {
                 }
             };
             let mut timing = None;
+            let mut entry_of = None;
             let built = match req.action {
                 Action::Time | Action::Trace(_) => {
                     let (table, misses) = self.inflight.unwrap_or_default();
@@ -1240,6 +1260,9 @@ impl Splicer {
                     (|| -> anyhow::Result<(Vec<u8>, [u8; 5])> {
                         let mut code = Vec::new();
                         let mut ret = None;
+                        if by_breakpoint && gen.has_returns(k) {
+                            bail!("a return probe whose entry instruction takes no splice");
+                        }
                         if gen.has_returns(k) {
                             code = gen.trampoline(k, patch, table)?;
                             code.resize(code.len().div_ceil(16) * 16, 0xcc);
@@ -1247,17 +1270,25 @@ impl Splicer {
                             timing = Some((0, patch));
                         }
                         let entry_at = patch + code.len() as u64;
+                        entry_of = Some(entry_at);
                         let entry = gen.entry(k, entry_at, ret)?;
-                        let moved = generate(&PatchRequest {
-                            original: &site.bytes,
-                            addr: site.addr,
-                            patch: entry_at + entry.len() as u64,
-                            probes: &[],
-                            live: site.live,
-                            call_return: crate::splice::CallReturn::default(),
-                        })?;
+                        let moved_at = entry_at + entry.len() as u64;
+                        let moved = if by_breakpoint {
+                            // Any length: nothing is written over it.
+                            crate::splice::out_of_line(&site.bytes, site.addr, moved_at)?.code
+                        } else {
+                            generate(&PatchRequest {
+                                original: &site.bytes,
+                                addr: site.addr,
+                                patch: moved_at,
+                                probes: &[],
+                                live: site.live,
+                                call_return: crate::splice::CallReturn::default(),
+                            })?
+                            .code
+                        };
                         code.extend_from_slice(&entry);
-                        code.extend_from_slice(&moved.code);
+                        code.extend_from_slice(&moved);
                         Ok((code, jmp_rel32(req.addr, entry_at)?))
                     })()
                     .map_err(|e| format!("{e:#}"))
@@ -1285,7 +1316,10 @@ impl Splicer {
                 {
                     code_buf.extend_from_slice(&code);
                     code_buf.resize(code_buf.len().div_ceil(16) * 16, 0xcc);
-                    ready.push((i, site.bytes.clone(), splice, patch, counter, timing));
+                    match entry_of.filter(|_| by_breakpoint) {
+                        Some(entry) => report.entered.push((req.addr, entry)),
+                        None => ready.push((i, site.bytes.clone(), splice, patch, counter, timing)),
+                    }
                 }
                 Ok((code, _)) => report.refused.push(refuse(format!(
                     "the patch is {} bytes, too big",

@@ -1,74 +1,30 @@
-//! Running a probe script against a live guest over QEMU's gdbstub: trap probes evaluated by
-//! the host (DESIGN.md, key mechanism 4).
-//!
-//! Each resolved point gets a gdbstub software breakpoint (QEMU keeps it outside guest
-//! memory). On a hit the host runs the probe body on a [`LiveContext`] (registers, arguments
-//! named by BTF, the current task, kernel memory), then gets the vCPU past the probed
-//! instruction with the breakpoint still in place: relative branches, calls and returns are
-//! emulated by the host, anything else resumes through an out-of-line copy in the patch heap
-//! followed by a jump back ([`super::trap_point`]). No step is needed and no hit on another
-//! vCPU is missed while one resumes. One stop per hit: exact, but slow (milliseconds per hit
-//! under TCG); in-guest splices are the fast path.
-//!
-//! Points are any instruction boundary of a kernel function (`kernel.statement(ADDR)
-//! .absolute`, `kernel.statement("func+OFFSET")`, entries), checked by decoding the function
-//! from its start with the live bytes. The instruction is read again at every hit and its
-//! action remade when the guest changed it: an entry is the ftrace nop5 or, while the guest's
-//! own ftrace uses it, a `call`; static keys flip jumps. The trap machinery keeps to heap
-//! offsets below 1 MiB (return trampoline at +0x8000, 32-byte out-of-line slots from
-//! +0x10000); splice patches use the rest.
-//!
-//! `.return` probes work as kretprobes do: at the entry hit the return address on
-//! the stack is swapped for a trampoline in the patch heap that carries a breakpoint; its hit
-//! runs the return probes (`$return` is rax) and resumes at the original return address.
-//! Detaching puts back every swapped return address still on a stack, so calls in flight return
-//! normally. While swapped, a stack unwind inside the guest sees the trampoline's address.
-//! `timer.profile` and source-level points are refused with the reason.
+//! Running a probe script against a live guest over QEMU's gdbstub with every kernel probe
+//! evaluated by the host ([`super::traps`]): one stop per hit, exact but slow (milliseconds
+//! per hit under TCG). Scripts whose kernel probes compile run from splices instead
+//! ([`super::compiled`]); this path is `--compile=never`, the reference they are checked
+//! against.
 
-use std::cell::{OnceCell, RefCell};
-use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
-use exotap_introspect::btf::Btf;
+use anyhow::Context as _;
 use exotap_introspect::heap::HeapPlacement;
-use exotap_introspect::layout::TaskOffsets;
-use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
-use exotap_vmm::gdb::GdbMachine;
+use exotap_vmm::control::{Machine, StopEvent};
 
 use crate::lang::check::Program;
-use crate::lang::context::{Context, MemoryError};
 use crate::lang::driver::ScriptSource;
-use crate::lang::kernel_points::KernelSymbols;
 use crate::lang::output::{Format, Output};
-use crate::lang::point::PointKind;
-use crate::lang::resolve::resolve_program;
 use crate::lang::runtime::{host_context, host_timers, Session};
-use crate::lang::value::Value;
 use crate::lang::Limits;
 
-use super::attach::{self, Survey};
+use super::attach;
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
-use super::trap_point::{
-    decode_at, instruction_at, plan as plan_trap, Effect, TrapAction, MAX_INSN,
-};
+use super::traps::{TrapArea, Traps};
 
-/// Where the out-of-line entry copies start inside the patch heap, and their spacing.
-const OOL_OFFSET: u64 = 0x10000;
-const OOL_SLOT: u64 = 32;
-/// The trap machinery keeps below this heap offset (splice patches live above it).
-const OOL_END: u64 = 0x10_0000;
-/// The most bytes of one function decoded to check a boundary.
-const MAX_FUNCTION: u64 = 1 << 20;
-/// SysV argument registers, as indices into [`X86Registers::gpr`] (rdi rsi rdx rcx r8 r9).
-const ARG_REGS: [usize; 6] = [5, 4, 3, 2, 8, 9];
-/// The return trampoline inside the patch heap.
-const TRAMPOLINE_OFFSET: u64 = 0x8000;
 /// How often the loop looks at timers and Ctrl-C while the guest runs.
 const POLL: Duration = Duration::from_millis(20);
 
@@ -103,468 +59,6 @@ impl std::fmt::Debug for GuestScript {
     }
 }
 
-/// One probe of a site: its index in the program and how the point is named.
-#[derive(Debug, Clone)]
-struct SiteProbe {
-    probe: usize,
-    name: String,
-}
-
-/// One breakpoint at an instruction boundary and what it runs.
-#[derive(Debug, Clone)]
-struct ArmedPoint {
-    /// Probes run at the point.
-    entry: Vec<SiteProbe>,
-    /// Probes run when the call returns (function entries only).
-    ret: Vec<SiteProbe>,
-    /// Name used in errors.
-    name: String,
-    function: String,
-    /// The instruction bytes (and what follows, up to [`MAX_INSN`]) the action was made from.
-    window: Vec<u8>,
-    /// How a hit gets past the instruction.
-    action: TrapAction,
-    /// The point's out-of-line slot: virtual (where the vCPU resumes) and physical (where
-    /// the copy is written).
-    slot: u64,
-    slot_phys: u64,
-    params: Vec<String>,
-}
-
-impl ArmedPoint {
-    /// Remakes the action when the guest changed the instruction since it was made (its own
-    /// ftrace turns an entry nop5 into a call and back, static keys flip jumps): the hit
-    /// must do what is there now. Patching keeps lengths, so the point stays a boundary.
-    fn refresh(&mut self, machine: &mut GdbMachine, vcpu: VcpuId, addr: u64) -> anyhow::Result<()> {
-        let mut now = vec![0u8; self.window.len()];
-        machine.read_virt(vcpu, addr, &mut now)?;
-        if now != self.window {
-            let instr = decode_at(&self.function, &now, addr)
-                .with_context(|| format!("the guest changed {}", self.name))?;
-            let action = plan_trap(&instr, &now, self.slot)
-                .with_context(|| format!("the guest changed {}", self.name))?;
-            if let TrapAction::OutOfLine { code, .. } = &action {
-                machine.write_phys(self.slot_phys, code)?;
-            }
-            tracing::debug!("{}: now {instr}, action remade", self.name);
-            self.window = now;
-            self.action = action;
-        }
-        Ok(())
-    }
-}
-
-/// The guest side of a probe hit: read on demand from the stopped vCPU.
-struct LiveContext<'a> {
-    machine: RefCell<&'a mut GdbMachine>,
-    vcpu: VcpuId,
-    regs: X86Registers,
-    point: &'a ArmedPoint,
-    survey: &'a Survey,
-    tasks: Option<TaskOffsets>,
-    task: OnceCell<Option<(i64, String)>>,
-    /// ORC tables for `backtrace()` and friends ([`super::stacks`]).
-    stacks: Option<&'a super::stacks::KernelStacks>,
-    /// At a return: the entry's argument registers and rax.
-    at_return: Option<(X86Registers, u64)>,
-}
-
-impl LiveContext<'_> {
-    fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
-        let mut buf = vec![0u8; len];
-        // The vCPU stopped in kernel code, so its CR3 is the kernel's: QEMU walks it.
-        self.machine
-            .borrow_mut()
-            .read_virt(self.vcpu, addr, &mut buf)
-            .ok()?;
-        Some(buf)
-    }
-
-    fn read_u64(&self, addr: u64) -> Option<u64> {
-        let b = self.read(addr, 8)?;
-        Some(u64::from_le_bytes(b.try_into().ok()?))
-    }
-
-    /// pid and comm of the current task, read once per hit.
-    fn task(&self) -> Option<&(i64, String)> {
-        self.task
-            .get_or_init(|| {
-                let offsets = self.tasks?;
-                let base = self.regs.kernel_percpu_base();
-                let task =
-                    self.read_u64(base.wrapping_add(self.survey.layout.current_task_offset))?;
-                let pid = self.read(task.wrapping_add(offsets.pid), 4)?;
-                let pid = i32::from_le_bytes(pid.try_into().ok()?);
-                let comm = self.read(task.wrapping_add(offsets.comm), 16)?;
-                let comm = comm.split(|b| *b == 0).next().unwrap_or(&comm);
-                Some((i64::from(pid), String::from_utf8_lossy(comm).into_owned()))
-            })
-            .as_ref()
-    }
-
-    /// An argument as it was at the entry (for a return probe too).
-    fn argument(&self, index: usize) -> Option<u64> {
-        let regs = self
-            .at_return
-            .as_ref()
-            .map_or(&self.regs, |(entry, _)| entry);
-        ARG_REGS.get(index).map(|r| regs.gpr[*r])
-    }
-}
-
-impl Context for LiveContext<'_> {
-    fn target(&self, path: &str) -> Option<Value> {
-        if path == "$$parms" {
-            let text: Vec<String> = self
-                .point
-                .params
-                .iter()
-                .enumerate()
-                .filter_map(|(i, p)| Some(format!("{p}={:#x}", self.argument(i)?)))
-                .collect();
-            return Some(Value::Str(text.join(" ")));
-        }
-        if path == "$return" {
-            return self.at_return.map(|(_, rax)| Value::Long(rax as i64));
-        }
-        let name = path.strip_prefix('$')?;
-        let index = self.point.params.iter().position(|p| p == name)?;
-        self.argument(index).map(|v| Value::Long(v as i64))
-    }
-
-    fn pid(&self) -> i64 {
-        self.task().map_or(-1, |t| t.0)
-    }
-
-    fn tid(&self) -> i64 {
-        self.pid()
-    }
-
-    fn ppid(&self) -> i64 {
-        -1
-    }
-
-    fn uid(&self) -> i64 {
-        -1
-    }
-
-    fn execname(&self) -> String {
-        self.task().map_or_else(String::new, |t| t.1.clone())
-    }
-
-    fn cpu(&self) -> i64 {
-        i64::from(self.vcpu.0)
-    }
-
-    fn probefunc(&self) -> String {
-        self.point.function.clone()
-    }
-
-    fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
-        self.read(addr, len).ok_or(MemoryError::Unreadable { addr })
-    }
-
-    fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
-        let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
-        let mut machine = self.machine.borrow_mut();
-        Ok(super::stacks::probe_backtrace(
-            stacks,
-            &mut **machine,
-            self.survey,
-            &self.regs,
-        ))
-    }
-}
-
-/// Where kernel functions start and end, and what must not be trapped, from the image.
-struct TextMap<'a> {
-    image: &'a KernelImage,
-    /// Start addresses of the code symbols, sorted (link-time).
-    starts: Vec<u64>,
-    /// The entry text runs on the user page tables, where the patch heap is not mapped.
-    entry_text: Option<(u64, u64)>,
-    /// Instructions with an exception-table fixup (link-time): a fault there must happen at
-    /// its own address for the kernel to find the fixup.
-    fixups: HashSet<u64>,
-}
-
-impl<'a> TextMap<'a> {
-    fn new(image: &'a KernelImage) -> Self {
-        let mut starts: Vec<u64> = image
-            .symbols
-            .iter()
-            .filter(|s| s.is_text())
-            .map(|s| s.addr)
-            .collect();
-        starts.dedup();
-        let entry_text = image
-            .symbols
-            .get("__entry_text_start")
-            .zip(image.symbols.get("__entry_text_end"))
-            .map(|(a, b)| (a.addr, b.addr));
-        let fixups = exception_table(image).unwrap_or_else(|e| {
-            tracing::warn!("no exception table ({e}): faulting instructions are not refused");
-            HashSet::new()
-        });
-        Self {
-            image,
-            starts,
-            entry_text,
-            fixups,
-        }
-    }
-
-    /// The function containing `link`: (name, start, end), link-time.
-    fn function(&self, link: u64) -> Option<(String, u64, u64)> {
-        let (sym, _) = self.image.symbols.lookup_addr(link)?;
-        if !sym.is_text() {
-            return None;
-        }
-        let after = self.starts.partition_point(|a| *a <= sym.addr);
-        let end = self.starts.get(after).copied()?;
-        let end = if sym.size > 0 {
-            end.min(sym.addr.wrapping_add(sym.size))
-        } else {
-            end
-        };
-        Some((sym.name.clone(), sym.addr, end))
-    }
-
-    /// Why the point at `link` is refused before looking at its bytes.
-    fn refusal(&self, link: u64) -> Option<String> {
-        if let Some((start, end)) = self.entry_text {
-            if (start..end).contains(&link) {
-                return Some(format!(
-                    "{link:#x} is in the entry text, which runs on page tables without the \
-                     patch heap"
-                ));
-            }
-        }
-        self.fixups.contains(&link).then(|| {
-            format!(
-                "the instruction at {link:#x} has an exception-table fixup: a fault there must \
-                 happen at its own address"
-            )
-        })
-    }
-}
-
-/// The instructions `__ex_table` names (x86-64: 12-byte entries of self-relative `insn`,
-/// `fixup`, `data`).
-fn exception_table(image: &KernelImage) -> anyhow::Result<HashSet<u64>> {
-    let section = image
-        .vmlinux
-        .section("__ex_table")
-        .context("the vmlinux has no __ex_table section")?
-        .addr;
-    let data = image.vmlinux.section_data("__ex_table")?;
-    Ok(data
-        .chunks_exact(12)
-        .enumerate()
-        .map(|(i, e)| {
-            let rel = i32::from_le_bytes([e[0], e[1], e[2], e[3]]);
-            (section + 12 * i as u64).wrapping_add(rel as i64 as u64)
-        })
-        .collect())
-}
-
-/// Checks that `addr` (slid; `link` before the slide) is an instruction boundary of its
-/// function, with the live bytes, and plans how a hit gets past it using `slot`. Returns
-/// the function's name, the instruction window and the action.
-fn plan_point(
-    machine: &mut GdbMachine,
-    text: &TextMap<'_>,
-    slide: u64,
-    link: u64,
-    slot: u64,
-) -> anyhow::Result<(String, Vec<u8>, TrapAction)> {
-    let Some((function, start, end)) = text.function(link) else {
-        bail!("{link:#x} is not inside a kernel function");
-    };
-    if let Some(why) = text.refusal(link) {
-        bail!(why);
-    }
-    let addr = link.wrapping_add(slide);
-    let fstart = start.wrapping_add(slide);
-    if link - start >= MAX_FUNCTION {
-        bail!("{link:#x} is more than {MAX_FUNCTION:#x} bytes into {function}");
-    }
-    // Decode up to the point's instruction; bytes past the function's end are never needed.
-    let want = (link - start + MAX_INSN as u64).min(end - start);
-    let mut code = vec![0u8; usize::try_from(want)?];
-    machine
-        .read_virt(VcpuId(0), fstart, &mut code)
-        .with_context(|| format!("cannot read {function} at {fstart:#x}"))?;
-    let instr = instruction_at(&function, fstart, &code, addr)?;
-    let from = usize::try_from(link - start)?;
-    let window = code[from..].to_vec();
-    let action = plan_trap(&instr, &window, slot)?;
-    Ok((function, window, action))
-}
-
-/// Resolves the script's kernel points, checks each is an instruction boundary that can be
-/// trapped, writes the out-of-line copies into the patch heap and sets the breakpoints (and
-/// the return trampoline's). Returns the armed sites by (slid) address and the trampoline's
-/// address.
-fn arm(
-    att: &mut GuestSession,
-    survey: &Survey,
-    image: &KernelImage,
-    btf: Option<&Btf>,
-    prog: &Program,
-    heap: (u64, u64),
-) -> anyhow::Result<(HashMap<u64, ArmedPoint>, u64)> {
-    let unsupported: Vec<String> = prog
-        .probes
-        .iter()
-        .flat_map(|p| p.points.iter())
-        .filter(|(_, kind)| matches!(kind, PointKind::TimerProfile))
-        .map(|(pt, _)| pt.to_string())
-        .collect();
-    if !unsupported.is_empty() {
-        bail!(
-            "the gdbstub tracer cannot run these probe points yet: {}",
-            unsupported.join(", ")
-        );
-    }
-    let resolver = KernelSymbols::new(&image.symbols, btf);
-    let resolved = resolve_program(prog, &resolver)?;
-    let plan = attach::map_patch_heap(
-        &mut att.machine,
-        survey,
-        HeapPlacement::Auto,
-        heap.0,
-        heap.1,
-    )?;
-    let text = TextMap::new(image);
-    let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
-    let mut refused: Vec<String> = Vec::new();
-    let slide = survey.kaslr.slide;
-    let trampoline = plan.va + TRAMPOLINE_OFFSET;
-    let mut needs_trampoline = false;
-    let slots = (OOL_END.min(plan.size) - OOL_OFFSET) / OOL_SLOT;
-    for (probe, point) in resolved {
-        let Some(link) = point.address else {
-            continue; // begin, end, timers: the host runs those
-        };
-        let addr = link.wrapping_add(slide);
-        let is_return = point.name.ends_with(".return");
-        let probe = SiteProbe {
-            probe,
-            name: point.name.clone(),
-        };
-        if let Some(site) = armed.get_mut(&addr) {
-            needs_trampoline |= is_return;
-            if is_return {
-                site.ret.push(probe);
-            } else {
-                site.entry.push(probe);
-            }
-            continue;
-        }
-        let slot_index = u64::try_from(armed.len())?;
-        if slot_index >= slots {
-            bail!("too many probe points: the patch heap has {slots} out-of-line slots for traps");
-        }
-        let slot = plan.va + OOL_OFFSET + slot_index * OOL_SLOT;
-        let slot_phys = plan.phys + OOL_OFFSET + slot_index * OOL_SLOT;
-        let planned = plan_point(&mut att.machine, &text, slide, link, slot).and_then(
-            |(function, window, action)| {
-                if is_return && text.function(link).is_none_or(|f| f.1 != link) {
-                    bail!("a return probe needs a function entry");
-                }
-                if let TrapAction::OutOfLine { code, .. } = &action {
-                    if code.len() as u64 > OOL_SLOT {
-                        bail!(
-                            "its out-of-line copy takes {} bytes, more than a {OOL_SLOT}-byte slot",
-                            code.len()
-                        );
-                    }
-                    att.machine.write_phys(slot_phys, code)?;
-                }
-                Ok((function, window, action))
-            },
-        );
-        let (function, window, action) = match planned {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!("{} refused: {e:#}", point.name);
-                refused.push(format!("{}: {e:#}", point.name));
-                continue;
-            }
-        };
-        att.machine.set_breakpoint(addr, true)?;
-        let params = point
-            .variables
-            .iter()
-            .filter_map(|v| v.strip_prefix('$'))
-            .map(|v| v.split(':').next().unwrap_or(v).to_owned())
-            .collect();
-        needs_trampoline |= is_return;
-        let (entry, ret) = if is_return {
-            (Vec::new(), vec![probe])
-        } else {
-            (vec![probe], Vec::new())
-        };
-        armed.insert(
-            addr,
-            ArmedPoint {
-                entry,
-                ret,
-                name: point.name.clone(),
-                function,
-                window,
-                action,
-                slot,
-                slot_phys,
-                params,
-            },
-        );
-    }
-    if armed.is_empty() {
-        bail!(
-            "none of the script's kernel probe points could be armed:\n  {}",
-            refused.join("\n  ")
-        );
-    }
-    if needs_trampoline {
-        // Never executed while exotap is attached (the breakpoint stops it first); `ud2` makes
-        // a bug loud instead of running on. Journaled first: a guardian moves a vCPU stopped
-        // there to its return address if exotap dies.
-        super::recover::Journal {
-            heap_phys: plan.phys,
-        }
-        .set_trampoline(&mut att.machine, trampoline)?;
-        att.machine
-            .write_phys(plan.phys + TRAMPOLINE_OFFSET, &[0x0f, 0x0b])?;
-        att.machine.set_breakpoint(trampoline, true)?;
-    }
-    let mut kinds: Vec<(&str, usize)> = Vec::new();
-    for site in armed.values() {
-        let kind = site.action.kind();
-        match kinds.iter_mut().find(|(k, _)| *k == kind) {
-            Some((_, n)) => *n += 1,
-            None => kinds.push((kind, 1)),
-        }
-    }
-    kinds.sort_unstable();
-    let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
-    tracing::info!(
-        "armed {} probe sites ({}), refused {}",
-        armed.len(),
-        kinds.join(", "),
-        refused.len()
-    );
-    Ok((armed, trampoline))
-}
-
-fn registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
-    match machine.registers(vcpu)? {
-        RegisterFile::X86_64(r) => Ok(r),
-        RegisterFile::Sparc64(_) => bail!("{vcpu} is not x86-64"),
-    }
-}
-
 /// Attaches, arms the script and starts the tracer thread, which runs the begin probes, then
 /// every hit, timers, and finally the end probes once the guest powers off, the script calls
 /// `exit()`, or Ctrl-C. The thread returns the script's exit code.
@@ -579,66 +73,30 @@ pub fn start(
 ) -> anyhow::Result<JoinHandle<i32>> {
     // On an error, dropping the session detaches (QEMU drops the breakpoints set so far).
     let mut session = GuestSession::attach(target, image)?;
-    let survey = session.survey.clone();
-    let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
-    let tasks = attach::task_offsets(image).ok();
-    let stacks = super::stacks::KernelStacks::load(image, survey.kaslr.slide)
-        .map_err(|e| tracing::warn!("backtrace() will be empty: {e:#}"))
-        .ok();
-    let (armed, trampoline) = arm(
-        &mut session,
-        &survey,
-        image,
-        btf.as_ref(),
-        &script.prog,
-        heap,
+    let plan = attach::map_patch_heap(
+        &mut session.machine,
+        &session.survey.clone(),
+        HeapPlacement::Auto,
+        heap.0,
+        heap.1,
     )?;
+    let area = TrapArea {
+        va: plan.va,
+        phys: plan.phys,
+        size: plan.size,
+    };
+    let traps = Traps::arm(&mut session, image, &script.prog, area, &|_| true)?;
     std::thread::Builder::new()
         .name("exotap-tracer".into())
-        .spawn(move || {
-            let tracer = Tracer {
-                session,
-                tasks,
-                stacks,
-                armed,
-                trampoline,
-                pending: HashMap::new(),
-                journal: super::recover::Journal { heap_phys: heap.0 },
-                free: (0..super::recover::RETURN_SLOTS).rev().collect(),
-                missed_returns: 0,
-            };
-            tracer.run(script)
-        })
+        .spawn(move || Tracer { session, traps }.run(script))
         .context("cannot start the tracer thread")
-}
-
-/// A swapped return address: where it sits on the stack, what it was, and the entry state.
-#[derive(Debug, Clone, Copy)]
-struct PendingReturn {
-    site: u64,
-    original: u64,
-    entry_regs: X86Registers,
-    /// Its entry in the recovery journal's return list.
-    index: usize,
 }
 
 /// The tracer thread's state.
 struct Tracer {
     /// The attached guest (its drop detaches should the thread unwind).
     session: GuestSession,
-    tasks: Option<TaskOffsets>,
-    stacks: Option<super::stacks::KernelStacks>,
-    armed: HashMap<u64, ArmedPoint>,
-    trampoline: u64,
-    /// Swapped return addresses by the stack slot's address.
-    pending: HashMap<u64, PendingReturn>,
-    /// The recovery journal, where every swap is written before it is made (so that a
-    /// guardian or `exotap recover` can put it back if exotap dies).
-    journal: super::recover::Journal,
-    /// Free entries of the journal's return list.
-    free: Vec<usize>,
-    /// Calls whose return probe did not run because the return list was full.
-    missed_returns: u64,
+    traps: Traps,
 }
 
 impl Tracer {
@@ -684,13 +142,11 @@ impl Tracer {
                     gone = true;
                     Ok(())
                 }
-                Some(StopEvent::Breakpoint { vcpu, pc }) if pc == self.trampoline => {
+                Some(StopEvent::Breakpoint { vcpu, pc }) if self.traps.owns(pc) => {
                     hits += 1;
-                    self.returned(&mut session, vcpu)
-                }
-                Some(StopEvent::Breakpoint { vcpu, pc }) if self.armed.contains_key(&pc) => {
-                    hits += 1;
-                    self.entered(&mut session, vcpu, pc)
+                    self.traps
+                        .hit(&mut self.session, &mut session, vcpu, pc)
+                        .and_then(|()| self.session.resume())
                 }
                 Some(_) => self.session.machine.resume().map_err(Into::into),
             };
@@ -704,234 +160,11 @@ impl Tracer {
             // The guest ended or the connection is lost: nothing to put back.
             self.session.abandon();
         } else {
-            self.detach();
+            self.traps.disarm(&mut self.session.machine);
+            if let Err(e) = self.session.detach() {
+                tracing::warn!("{e:#}");
+            }
         }
         session.finish()
-    }
-
-    /// Puts back the return addresses still swapped, then detaches (which removes the
-    /// breakpoints); the guest runs on.
-    fn detach(mut self) {
-        let _ = self.session.machine.pause();
-        let mut restored = 0;
-        for (slot, p) in self.pending.drain() {
-            let mut now = [0u8; 8];
-            let still = self
-                .session
-                .machine
-                .read_virt(VcpuId(0), slot, &mut now)
-                .is_ok()
-                && u64::from_le_bytes(now) == self.trampoline;
-            if still
-                && self
-                    .session
-                    .machine
-                    .write_virt(VcpuId(0), slot, &p.original.to_le_bytes())
-                    .is_ok()
-            {
-                restored += 1;
-            }
-        }
-        if restored > 0 {
-            tracing::info!("{restored} calls in flight got their return addresses back");
-        }
-        if self.missed_returns > 0 {
-            tracing::warn!(
-                "{} calls missed their return probe: more than {} calls were in flight at once",
-                self.missed_returns,
-                super::recover::RETURN_SLOTS
-            );
-        }
-        if let Err(e) = self.journal.clear_returns(&mut self.session.machine) {
-            tracing::warn!("cannot clear the recovery journal: {e:#}");
-        }
-        if let Err(e) = self.session.detach() {
-            tracing::warn!("{e:#}");
-        }
-    }
-
-    fn context<'a>(
-        &'a mut self,
-        vcpu: VcpuId,
-        regs: X86Registers,
-        site: u64,
-        at_return: Option<(X86Registers, u64)>,
-    ) -> Option<LiveContext<'a>> {
-        let point = self.armed.get(&site)?;
-        Some(LiveContext {
-            machine: RefCell::new(&mut self.session.machine),
-            vcpu,
-            regs,
-            point,
-            survey: &self.session.survey,
-            tasks: self.tasks,
-            task: OnceCell::new(),
-            stacks: self.stacks.as_ref(),
-            at_return,
-        })
-    }
-
-    fn entered(&mut self, session: &mut Session<'_>, vcpu: VcpuId, pc: u64) -> anyhow::Result<()> {
-        let regs = registers(&mut self.session.machine, vcpu)?;
-        let Some(site) = self.armed.get_mut(&pc) else {
-            return Ok(());
-        };
-        site.refresh(&mut self.session.machine, vcpu, pc)?;
-        let action = site.action.clone();
-        let slot_va = site.slot;
-        let wants_return = !site.ret.is_empty();
-        let entry = site.entry.clone();
-        if let Some(ctx) = self.context(vcpu, regs, pc, None) {
-            for p in &entry {
-                session.fire(p.probe, &p.name, &ctx);
-            }
-        }
-        if wants_return {
-            // A swap left at this slot by a call that never returned through it (its task
-            // exited) is stale: forget it first.
-            if let Some(stale) = self.pending.remove(&regs.gpr[7]) {
-                self.journal
-                    .set_return(&mut self.session.machine, stale.index, 0, 0)?;
-                self.free.push(stale.index);
-            }
-            if let Some(index) = self.free.pop() {
-                // rsp points at the return address: swap it for the trampoline, journaled
-                // first.
-                let slot = regs.gpr[7];
-                let mut original = [0u8; 8];
-                self.session.machine.read_virt(vcpu, slot, &mut original)?;
-                let original = u64::from_le_bytes(original);
-                self.journal
-                    .set_return(&mut self.session.machine, index, slot, original)?;
-                self.session
-                    .machine
-                    .write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
-                self.pending.insert(
-                    slot,
-                    PendingReturn {
-                        site: pc,
-                        original,
-                        entry_regs: regs,
-                        index,
-                    },
-                );
-            } else {
-                self.missed_returns += 1;
-            }
-        }
-        match action {
-            TrapAction::OutOfLine { .. } => self.session.machine.set_pc(vcpu, slot_va)?,
-            TrapAction::Emulate(e) => {
-                let rsp = regs.gpr[7];
-                let top = if matches!(e, super::trap_point::Emulation::Ret { .. }) {
-                    let mut b = [0u8; 8];
-                    self.session.machine.read_virt(vcpu, rsp, &mut b)?;
-                    u64::from_le_bytes(b)
-                } else {
-                    0
-                };
-                let Effect {
-                    rip,
-                    rsp: new_rsp,
-                    rcx,
-                    store,
-                } = e.effect(regs.rflags, regs.gpr[2], rsp, top);
-                if let Some((at, value)) = store {
-                    self.session
-                        .machine
-                        .write_virt(vcpu, at, &value.to_le_bytes())?;
-                }
-                if let Some(v) = new_rsp {
-                    self.session.machine.set_register(vcpu, "rsp", v)?;
-                }
-                if let Some(v) = rcx {
-                    self.session.machine.set_register(vcpu, "rcx", v)?;
-                }
-                self.session.machine.set_pc(vcpu, rip)?;
-            }
-        }
-        self.session.machine.resume()?;
-        Ok(())
-    }
-
-    fn returned(&mut self, session: &mut Session<'_>, vcpu: VcpuId) -> anyhow::Result<()> {
-        let regs = registers(&mut self.session.machine, vcpu)?;
-        // `ret` popped the swapped slot: it was just below the stack pointer.
-        let slot = regs.gpr[7].wrapping_sub(8);
-        let Some(p) = self.pending.remove(&slot) else {
-            bail!(
-                "{vcpu} reached the return trampoline with no swapped return address at {slot:#x}"
-            );
-        };
-        let ret = self
-            .armed
-            .get(&p.site)
-            .map(|s| s.ret.clone())
-            .unwrap_or_default();
-        if let Some(ctx) = self.context(vcpu, regs, p.site, Some((p.entry_regs, regs.gpr[0]))) {
-            for r in &ret {
-                session.fire(r.probe, &r.name, &ctx);
-            }
-        }
-        self.session.machine.set_pc(vcpu, p.original)?;
-        self.journal
-            .set_return(&mut self.session.machine, p.index, 0, 0)?;
-        self.free.push(p.index);
-        self.session.machine.resume()?;
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The cached Debian kernel, when present.
-    fn image() -> Option<KernelImage> {
-        let dir =
-            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
-        KernelImage::load(dir.join("vmlinuz")).ok()
-    }
-
-    #[test]
-    fn entry_text_and_exception_table_instructions_are_refused_before_any_byte_is_read() {
-        let Some(image) = image() else {
-            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
-            return;
-        };
-        let text = TextMap::new(&image);
-
-        let syscall = image.address("entry_SYSCALL_64").unwrap();
-        assert!(
-            text.refusal(syscall + 0x10)
-                .is_some_and(|why| why.contains("entry text")),
-            "entry_SYSCALL_64 is not refused"
-        );
-        // Fixed-up instructions are instruction boundaries (the table parses right), and each
-        // is refused.
-        assert!(text.fixups.len() > 100, "{} fixups", text.fixups.len());
-        let mut fixups: Vec<u64> = text.fixups.iter().copied().collect();
-        fixups.sort_unstable();
-        for addr in fixups.iter().step_by(37) {
-            let (name, start, end) = text.function(*addr).unwrap();
-            let code = image
-                .vmlinux
-                .read_at(start, usize::try_from(end - start).unwrap())
-                .unwrap();
-            // A real instruction boundary of its function (a misparsed table would not be).
-            let at = instruction_at(&name, start, code, *addr);
-            assert!(at.is_ok(), "{addr:#x}: {at:?}");
-            assert!(text
-                .refusal(*addr)
-                .is_some_and(|why| why.contains("exception-table fixup")));
-        }
-        let vfs_read = image.address("vfs_read").unwrap();
-        let (name, start, end) = text.function(vfs_read + 0x10).unwrap();
-        assert_eq!((name.as_str(), start), ("vfs_read", vfs_read));
-        assert!(
-            end > start + 0x10 && end - start < 0x1000,
-            "{start:#x}..{end:#x}"
-        );
-        assert_eq!(text.refusal(vfs_read + 0x10), None);
     }
 }
