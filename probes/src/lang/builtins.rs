@@ -298,9 +298,13 @@ pub const PRINTERS: &[&str] = &[
     "print", "println", "printf", "sprint", "sprintln", "sprintf", "printd", "printdln",
 ];
 
-/// Looks a fixed-arity built-in up.
+/// Looks a fixed-arity built-in up (those of this table, then the tapset's
+/// [native](super::native::NATIVE) ones).
 pub fn lookup(name: &str) -> Option<&'static Builtin> {
-    BUILTINS.iter().find(|b| b.name == name)
+    BUILTINS
+        .iter()
+        .chain(super::native::NATIVE)
+        .find(|b| b.name == name)
 }
 
 /// Whether `name` is any built-in.

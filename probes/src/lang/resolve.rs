@@ -144,6 +144,7 @@ pub fn describe(kind: &PointKind) -> String {
             };
             format!("{when} system calls matching '{name}'")
         }
+        PointKind::KernelTrace { name } => format!("the kernel tracepoints matching '{name}'"),
     }
 }
 
