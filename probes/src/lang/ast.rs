@@ -57,6 +57,8 @@ pub struct Script {
     /// `probe NAME = POINTS { prologue }` and `probe NAME += POINTS { epilogue }`
     /// definitions (kept for listings; [`Script::probes`] holds their expansions).
     pub aliases: Vec<ProbeAlias>,
+    /// Parsed for guru mode (`-g`): target variables may be written.
+    pub guru: bool,
 }
 
 /// A literal usable in declarations and probe point arguments.

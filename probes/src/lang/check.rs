@@ -281,7 +281,7 @@ impl<'a> Checker<'a> {
         let nprobes = self.script.probes.len();
         for (i, f) in self.script.functions.iter().enumerate() {
             let name = &f.name.name;
-            if builtins::is_builtin(name) {
+            if builtins::is_core(name) {
                 self.emit(
                     Diagnostic::error(
                         format!("function '{name}' redefines a built-in"),
@@ -338,6 +338,11 @@ impl<'a> Checker<'a> {
                         self.unresolved.insert(index);
                     }
                 }
+            }
+            // Every point optional and none known: SystemTap drops the probe, body and all
+            // (its body's names often come from the alias that is missing).
+            if points.is_empty() && !p.points.is_empty() {
+                self.unresolved.insert(index);
             }
             self.probes.push(ProbeInfo { points });
         }
@@ -844,6 +849,33 @@ mod tests {
             errors("global g\nprobe begin { g = nosuch() }"),
             vec!["unknown function 'nosuch'"]
         );
+    }
+
+    #[test]
+    fn body_of_a_probe_whose_optional_points_are_all_unknown_is_not_checked() {
+        let p = checked("probe nosuch.alias ? { println(undefined_here) }\nprobe begin { }");
+        assert_eq!(p.probes[0].points.len(), 0);
+    }
+
+    #[test]
+    fn a_script_function_overrides_a_native_tapset_function() {
+        let p = checked("function ctime(x) { return 1 }\nprobe begin { y = ctime(2) + 1 }");
+        assert_eq!(p.locals[0]["y"], Ty::Long);
+    }
+
+    #[test]
+    fn target_write_is_accepted_in_guru_mode() {
+        let inv = crate::lang::invocation::Invocation {
+            guru: true,
+            ..Default::default()
+        };
+        let script = crate::lang::parser::parse_with(
+            "probe kernel.function(\"f\") { $x = 1 }",
+            &Limits::default(),
+            &inv,
+        )
+        .unwrap();
+        assert!(check(script).is_ok());
     }
 
     #[test]

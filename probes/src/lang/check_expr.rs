@@ -572,15 +572,15 @@ impl Checker<'_> {
             }
             ExprKind::Target(t) => {
                 self.target(t, target.span);
-                self.emit(
-                    Diagnostic::error(
-                        format!("cannot write target variable '{}'", t.name),
-                        target.span,
-                    )
-                    .with_hint(
-                        "changing guest state needs guru mode, which exotap does not have yet",
-                    ),
-                );
+                if !self.script.guru {
+                    self.emit(
+                        Diagnostic::error(
+                            format!("cannot write target variable '{}'", t.name),
+                            target.span,
+                        )
+                        .with_hint("changing guest state needs guru mode: run with -g"),
+                    );
+                }
             }
             _ => self.emit(Diagnostic::error("not assignable", target.span)),
         }
@@ -707,7 +707,9 @@ impl Checker<'_> {
             }
             _ => {}
         }
-        if let Some(b) = builtins::lookup(name) {
+        let builtin = builtins::lookup_call(name, c.args.len())
+            .filter(|_| !self.functions.contains_key(name));
+        if let Some(b) = builtin {
             self.arity(name, b.params.len(), c.args.len(), span);
             for (a, &p) in c.args.iter().zip(b.params) {
                 self.expect(a, p);

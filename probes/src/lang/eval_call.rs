@@ -261,6 +261,12 @@ impl Interp<'_> {
                 } else {
                     "kernel"
                 };
+                // The overloads with a fallback string answer it for an unreadable address.
+                let fallback = if name.ends_with("_n") {
+                    args.get(2)
+                } else {
+                    args.get(1)
+                };
                 let mut bytes = Vec::new();
                 let base = long(0) as u64;
                 while bytes.len() < most {
@@ -268,6 +274,10 @@ impl Interp<'_> {
                     match ctx.read_kernel(addr, 1) {
                         Ok(b) if b.first() == Some(&0) => break,
                         Ok(b) => bytes.extend_from_slice(&b),
+                        Err(_) if fallback.is_some() => {
+                            let text = fallback.map(|v| v.as_str().to_string());
+                            return Ok(self.string(text.unwrap_or_default()));
+                        }
                         Err(e) => return fail(format!("{what} string copy fault: {e}"), span),
                     }
                 }
@@ -295,7 +305,21 @@ impl Interp<'_> {
                     _ => v,
                 })
             }
+            "ctime" if args.is_empty() => self.string(native::ctime(now().as_secs() as i64)),
             "ctime" | "tz_ctime" => self.string(native::ctime(long(0))),
+            "ansi_set_color" => {
+                let codes: Vec<String> = match args.len() {
+                    1 => vec![long(0).to_string()],
+                    2 => vec![long(1).to_string(), long(0).to_string()],
+                    _ => vec![
+                        long(1).to_string(),
+                        long(0).to_string(),
+                        long(2).to_string(),
+                    ],
+                };
+                self.emit_text(&format!("\x1b[{}m", codes.join(";")), span)?;
+                unit
+            }
             "errno_str" => self.string(native::errno_str(long(0))),
             "return_str" => self.string(native::return_str(long(0), long(1))),
             "signal_str" => self.string(native::signal_str(long(0))),
@@ -321,6 +345,15 @@ impl Interp<'_> {
                 Value::Long(self.started.elapsed().as_micros() as i64)
             }
             "pn" => self.string(self.point.clone()),
+            "returnval" => match ctx.target("$return") {
+                Some(v) => v,
+                None => {
+                    return fail(
+                        "returnval(): no return value here (not a .return probe)",
+                        span,
+                    )
+                }
+            },
             "system" => {
                 // As SystemTap: the command runs on the host, its output goes to the host's.
                 let status = std::process::Command::new("/bin/sh")

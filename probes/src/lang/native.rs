@@ -271,10 +271,259 @@ pub const NATIVE: &[Builtin] = &[
         ret: Ty::Void,
         doc: "write to the guest kernel's log",
     },
+    Builtin {
+        name: "returnval",
+        params: &[],
+        ret: L,
+        doc: "the probed function's return value (in .return probes)",
+    },
+    Builtin {
+        name: "task_dentry_path",
+        params: &[L, L, L],
+        ret: S,
+        doc: "the path of a dentry in a task's mount namespace",
+    },
+    Builtin {
+        name: "inode_path",
+        params: &[L],
+        ret: S,
+        doc: "the path of an inode",
+    },
+    Builtin {
+        name: "reverse_path_walk",
+        params: &[L],
+        ret: S,
+        doc: "the path of a dentry, walked up to the root",
+    },
+    Builtin {
+        name: "d_path",
+        params: &[L],
+        ret: S,
+        doc: "the path of a struct path",
+    },
+    Builtin {
+        name: "switch_file",
+        params: &[],
+        ret: Ty::Void,
+        doc: "start the next output file (-o with -S)",
+    },
+    Builtin {
+        name: "modname",
+        params: &[L],
+        ret: S,
+        doc: "the kernel module an address is in",
+    },
+    Builtin {
+        name: "symfileline",
+        params: &[L],
+        ret: S,
+        doc: "the source file and line of a kernel address",
+    },
+    Builtin {
+        name: "usymfileline",
+        params: &[L],
+        ret: S,
+        doc: "the source file and line of a user-space address",
+    },
+    Builtin {
+        name: "umodname",
+        params: &[L],
+        ret: S,
+        doc: "the user-space module an address is in",
+    },
+    Builtin {
+        name: "target_set_pid",
+        params: &[L],
+        ret: L,
+        doc: "whether a pid is the target process or one of its descendants",
+    },
+    Builtin {
+        name: "proc_mem_size",
+        params: &[],
+        ret: L,
+        doc: "the current process's virtual memory size, in pages",
+    },
+    Builtin {
+        name: "proc_mem_rss",
+        params: &[],
+        ret: L,
+        doc: "the current process's resident set, in pages",
+    },
+    Builtin {
+        name: "proc_mem_shr",
+        params: &[],
+        ret: L,
+        doc: "the current process's shared pages",
+    },
+    Builtin {
+        name: "addr_to_node",
+        params: &[L],
+        ret: L,
+        doc: "the NUMA node of a physical address",
+    },
+    Builtin {
+        name: "task_rlimit_nofile",
+        params: &[L],
+        ret: L,
+        doc: "a task's limit on open files",
+    },
 ];
+
+/// Second signatures of built-ins SystemTap overloads by arity: the string readers with a
+/// fallback for an unreadable address, `ansi_set_color` with a background and an attribute,
+/// `ctime()` of now, and the current task's `task_utime()`/`task_stime()`.
+pub const OVERLOADS: &[Builtin] = &[
+    Builtin {
+        name: "user_string",
+        params: &[L, S],
+        ret: S,
+        doc: "a user-space string, or the second argument when it cannot be read",
+    },
+    Builtin {
+        name: "kernel_string",
+        params: &[L, S],
+        ret: S,
+        doc: "a kernel string, or the second argument when it cannot be read",
+    },
+    Builtin {
+        name: "user_string_n",
+        params: &[L, L, S],
+        ret: S,
+        doc: "at most n bytes of a user-space string, or the third argument when unreadable",
+    },
+    Builtin {
+        name: "kernel_string_n",
+        params: &[L, L, S],
+        ret: S,
+        doc: "at most n bytes of a kernel string, or the third argument when unreadable",
+    },
+    Builtin {
+        name: "ansi_set_color",
+        params: &[L],
+        ret: Ty::Void,
+        doc: "set the terminal's foreground color (30-37)",
+    },
+    Builtin {
+        name: "ansi_set_color",
+        params: &[L, L],
+        ret: Ty::Void,
+        doc: "set the terminal's foreground (30-37) and background (40-47) colors",
+    },
+    Builtin {
+        name: "ansi_set_color",
+        params: &[L, L, L],
+        ret: Ty::Void,
+        doc: "set the terminal's colors and an attribute (0-8)",
+    },
+    Builtin {
+        name: "ctime",
+        params: &[],
+        ret: S,
+        doc: "the current time as UTC text",
+    },
+    Builtin {
+        name: "task_utime",
+        params: &[],
+        ret: L,
+        doc: "user time of the current task, in clock ticks",
+    },
+    Builtin {
+        name: "task_utime",
+        params: &[L],
+        ret: L,
+        doc: "user time of a task, in clock ticks",
+    },
+    Builtin {
+        name: "task_stime",
+        params: &[],
+        ret: L,
+        doc: "system time of the current task, in clock ticks",
+    },
+    Builtin {
+        name: "task_stime",
+        params: &[L],
+        ret: L,
+        doc: "system time of a task, in clock ticks",
+    },
+];
+
+/// The signature of `name` called with `args` arguments, when SystemTap overloads it.
+pub fn overload(name: &str, args: usize) -> Option<&'static Builtin> {
+    OVERLOADS
+        .iter()
+        .find(|b| b.name == name && b.params.len() == args)
+}
 
 /// Why a native built-in has no answer in host-evaluated probes yet, by name.
 pub const UNAVAILABLE: &[(&str, &str)] = &[
+    (
+        "task_dentry_path",
+        "host-evaluated probes do not walk dentries and mounts yet",
+    ),
+    (
+        "inode_path",
+        "host-evaluated probes do not walk dentries and mounts yet",
+    ),
+    (
+        "reverse_path_walk",
+        "host-evaluated probes do not walk dentries and mounts yet",
+    ),
+    (
+        "d_path",
+        "host-evaluated probes do not walk dentries and mounts yet",
+    ),
+    (
+        "switch_file",
+        "exotap writes one output stream (no -S output rotation)",
+    ),
+    (
+        "modname",
+        "exotap resolves against the kernel image only, not loaded modules",
+    ),
+    (
+        "symfileline",
+        "host-evaluated probes do not look up DWARF line tables yet",
+    ),
+    (
+        "usymfileline",
+        "user-space symbols are out of exotap's scope (no user-space probing)",
+    ),
+    (
+        "umodname",
+        "user-space modules are out of exotap's scope (no user-space probing)",
+    ),
+    (
+        "target_set_pid",
+        "the target set follows process.begin probes, and user-space probing is out of exotap's scope",
+    ),
+    (
+        "proc_mem_size",
+        "host-evaluated probes do not walk the task's mm counters yet",
+    ),
+    (
+        "proc_mem_rss",
+        "host-evaluated probes do not walk the task's mm counters yet",
+    ),
+    (
+        "proc_mem_shr",
+        "host-evaluated probes do not walk the task's mm counters yet",
+    ),
+    (
+        "addr_to_node",
+        "host-evaluated probes do not read the guest's NUMA layout yet",
+    ),
+    (
+        "task_rlimit_nofile",
+        "host-evaluated probes do not read the task's signal_struct limits yet",
+    ),
+    (
+        "task_utime",
+        "host-evaluated probes do not read the task's CPU time accounting yet",
+    ),
+    (
+        "task_stime",
+        "host-evaluated probes do not read the task's CPU time accounting yet",
+    ),
     (
         "task_current",
         "host-evaluated probes do not capture the current task_struct's address yet",
@@ -746,6 +995,6 @@ mod tests {
     fn every_unavailable_function_has_a_signature() {
         assert!(UNAVAILABLE
             .iter()
-            .all(|(n, _)| NATIVE.iter().any(|b| b.name == *n)));
+            .all(|(n, _)| NATIVE.iter().chain(OVERLOADS).any(|b| b.name == *n)));
     }
 }

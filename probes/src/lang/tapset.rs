@@ -45,6 +45,7 @@ pub const FILES: &[(&str, &str)] = &[
         include_str!("../../tapset/conversions.stp"),
     ),
     ("stopwatch.stp", include_str!("../../tapset/stopwatch.stp")),
+    ("misc.stp", include_str!("../../tapset/misc.stp")),
 ];
 
 /// `nd_syscall.NAME[.return]` for every system call (the same probes: exotap needs no DWARF
@@ -216,7 +217,14 @@ pub fn link_functions(
         .map(|f| f.name.name.clone())
         .collect();
     let wanted = |n: &String| !defined.contains(n) && !builtins::is_builtin(n);
-    if !names.calls.iter().any(wanted) && !names.vars.iter().any(|v| v.starts_with("__")) {
+    let declared: HashSet<String> = script.globals.iter().map(|g| g.name.name.clone()).collect();
+    // A library global the script names (VM_FAULT_MAJOR, BIO_READ) is spelled in capitals
+    // or starts with '__'; plain lower-case names are the script's own locals.
+    let library_global = |v: &String| {
+        !declared.contains(v)
+            && (v.starts_with("__") || v.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+    };
+    if !names.calls.iter().any(wanted) && !names.vars.iter().any(library_global) {
         return Ok(());
     }
     let mut lib = load(inv, limits)?;
@@ -243,7 +251,6 @@ pub fn link_functions(
         names.vars.extend(inner.vars);
         script.functions.push(f);
     }
-    let declared: HashSet<String> = script.globals.iter().map(|g| g.name.name.clone()).collect();
     let mut globals: Vec<&String> = names
         .vars
         .iter()

@@ -223,6 +223,7 @@ pub fn parse_with(src: &str, limits: &Limits, inv: &Invocation) -> Result<Script
             .any(|t| matches!(&t.tok, Tok::Ident(s) if s == name))
     };
     declare_argv(&mut script, inv, names_used);
+    script.guru = inv.guru;
     Ok(script)
 }
 
