@@ -169,12 +169,35 @@ impl Checker<'_> {
         }
     }
 
+    /// When `e` calls a script function with no declared type and no value returned: makes
+    /// it a long (its value 0) and says so.
+    fn void_function_as_long(&mut self, e: &Expr) -> bool {
+        let ExprKind::Call(c) = &e.kind else {
+            return false;
+        };
+        let Some(&i) = self.functions.get(&c.name.name) else {
+            return false;
+        };
+        let f = &self.script.functions[i];
+        if f.ret.is_some() || !matches!(f.body, FunctionBody::Block(_)) {
+            return false;
+        }
+        if self.function_ret[i] == Ty::Void {
+            self.function_ret[i] = Ty::Long;
+            self.changed = true;
+        }
+        true
+    }
+
     /// Checks that `e` has type `want`, pushing `want` into untyped variables.
     pub(crate) fn expect(&mut self, e: &Expr, want: Ty) -> Ty {
         let got = self.expr(e);
         match got {
             Ty::Unknown => self.constrain(e, want),
             Ty::Stats if want != Ty::Stats => self.stats_as_value(e.span),
+            // As in SystemTap, a script function that returns nothing and has no declared
+            // type is a long (0) where a long is needed (`n && report()`).
+            Ty::Void if want == Ty::Long && self.void_function_as_long(e) => {}
             Ty::Void => self.emit(
                 Diagnostic::error("this function returns no value", e.span)
                     .with_label(format!("a {want} is needed here")),

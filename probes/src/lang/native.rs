@@ -445,6 +445,24 @@ pub const OVERLOADS: &[Builtin] = &[
         ret: L,
         doc: "system time of a task, in clock ticks",
     },
+    Builtin {
+        name: "proc_mem_size",
+        params: &[L],
+        ret: L,
+        doc: "the same for a process id",
+    },
+    Builtin {
+        name: "proc_mem_rss",
+        params: &[L],
+        ret: L,
+        doc: "the same for a process id",
+    },
+    Builtin {
+        name: "proc_mem_shr",
+        params: &[L],
+        ret: L,
+        doc: "the same for a process id",
+    },
 ];
 
 /// The signature of `name` called with `args` arguments, when SystemTap overloads it.

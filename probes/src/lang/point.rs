@@ -432,6 +432,23 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
         &"procfs" => {
             Some("procfs files would have to be created inside the guest, which exotap does not do")
         }
+        &"netfilter" => Some(
+            "netfilter probes register a hook function in the guest's network stack, which \
+             exotap does not do; probe nf_hook_slow or the protocol's functions with \
+             kernel.function instead",
+        ),
+        &"nfsd" | &"nfs" | &"sunrpc" => Some(
+            "the NFS tapsets probe functions of kernel modules, and probes in modules are not \
+             supported yet",
+        ),
+        &"stap" | &"staprun" | &"stapio" => Some(
+            "these are markers inside SystemTap's own programs (user-space probe points), \
+             which exotap neither is nor probes",
+        ),
+        &"input" => Some(
+            "input.char and input.line read the terminal of stap's own process; exotap does not \
+             feed its standard input to scripts yet",
+        ),
         &"kernel" if names.get(1) == Some(&"data") => Some(
             "watchpoints on kernel data need hardware debug registers, which exotap's backends \
              do not arm; use kernel.field(\"struct S\", \"member\").write for member writes",

@@ -46,6 +46,10 @@ pub const FILES: &[(&str, &str)] = &[
     ),
     ("stopwatch.stp", include_str!("../../tapset/stopwatch.stp")),
     ("misc.stp", include_str!("../../tapset/misc.stp")),
+    (
+        "queue_stats.stp",
+        include_str!("../../tapset/queue_stats.stp"),
+    ),
 ];
 
 /// `nd_syscall.NAME[.return]` for every system call (the same probes: exotap needs no DWARF
@@ -60,13 +64,23 @@ pub fn generated_syscalls(hand_written: &HashSet<String>) -> String {
     every.sort_unstable();
     every.dedup();
     for name in every {
-        text.push_str(&format!(
-            "probe nd_syscall.{name} = syscall.{name} {{ }}\n\
-             probe nd_syscall.{name}.return = syscall.{name}.return {{ }}\n"
-        ));
+        text.push_str(&format!("probe nd_syscall.{name} = syscall.{name} {{ }}\n"));
+        // exit(2) and exit_group(2) do not return.
+        if !NO_RETURN.contains(&name) {
+            text.push_str(&format!(
+                "probe nd_syscall.{name}.return = syscall.{name}.return {{ }}\n"
+            ));
+        }
     }
     for (_, name) in SYSCALLS {
         if hand_written.contains(*name) {
+            continue;
+        }
+        if NO_RETURN.contains(name) {
+            text.push_str(&format!(
+                "probe syscall.{name} = kernel.function(\"__x64_sys_{name}\") ? {{\n\
+                 \tname = \"{name}\"\n\targ1 = $regs->di\n\targstr = sprintf(\"%d\", arg1)\n}}\n"
+            ));
             continue;
         }
         text.push_str(&format!(
@@ -85,6 +99,9 @@ pub fn generated_syscalls(hand_written: &HashSet<String>) -> String {
     }
     text
 }
+
+/// The system calls that never return: they have no `.return` probes.
+const NO_RETURN: &[&str] = &["exit", "exit_group", "rt_sigreturn"];
 
 /// Why the library could not be linked into a script.
 #[derive(Debug, Clone, thiserror::Error)]
