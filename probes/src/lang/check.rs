@@ -124,9 +124,12 @@ impl Program {
             .any(|p| p.points.iter().any(|(_, k)| k.needs_guest()))
     }
 
-    /// Globals that are written but never read: SystemTap prints them at exit.
+    /// Globals that are written but never read: SystemTap prints them at exit (not the
+    /// tapset library's private `__` ones).
     pub fn displayed_globals(&self) -> impl Iterator<Item = (&String, &GlobalInfo)> {
-        self.globals.iter().filter(|(_, g)| g.written && !g.read)
+        self.globals
+            .iter()
+            .filter(|(name, g)| g.written && !g.read && !name.starts_with("__"))
     }
 }
 
@@ -332,8 +335,12 @@ impl<'a> Checker<'a> {
                     )),
                     Err(e) => {
                         let d = Diagnostic::error(e.to_string(), e.span())
-                            .with_label("in this probe point")
-                            .with_hint(format!("known probe points: {KNOWN_FAMILIES}"));
+                            .with_label("in this probe point");
+                        // An out-of-scope family's message says what to do instead.
+                        let d = match e {
+                            super::point::PointError::OutOfScope { .. } => d,
+                            _ => d.with_hint(format!("known probe points: {KNOWN_FAMILIES}")),
+                        };
                         self.emit(d);
                         self.unresolved.insert(index);
                     }
