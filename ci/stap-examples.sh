@@ -118,7 +118,9 @@ meta_words() {
         -D) opts+=(-D "$2") && shift ;;
         -D*) opts+=(-D "${1#-D}") ;;
         -x) opts+=(-x "$2") && shift ;;
-        -c | -I | -r | -m | -B | --remote | -S | -d | -G) shift ;;
+        -I) opts+=(-I "$2") && shift ;;
+        -I*) opts+=(-I "${1#-I}") ;;
+        -c | -r | -m | -B | --remote | -S | -d | -G) shift ;;
         -*) ;; # other stap options (--bpf, -w, ...): not exotap's concern here
         *.stp) [[ $1 == "$(basename "$stp")" ]] || args+=("$1") ;;
         *) args+=("$1") ;;
@@ -177,6 +179,11 @@ for f in "${files[@]}"; do
             break
         fi
     done
+    # exotap's own verdict catches user-space families that the grep does not (glib.*, stap.*).
+    if [[ $where == in && $err == *"user-space"* ]]; then
+        where=user-space
+        sed -i '$d' "$tmp/errors_in"
+    fi
     ((reached >= 1)) && pass1=$((pass1 + 1))
     ((reached >= 2)) && pass2=$((pass2 + 1))
     ((reached >= 3)) && pass3n=$((pass3n + 1))

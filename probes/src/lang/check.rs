@@ -329,7 +329,7 @@ impl<'a> Checker<'a> {
             for pt in &p.points {
                 match classify(pt) {
                     Ok(kind) => points.push((pt.clone(), kind)),
-                    Err(e) if pt.optional => self.emit(Diagnostic::warning(
+                    Err(e) if pt.optional || pt.sufficient => self.emit(Diagnostic::warning(
                         format!("{e}; optional probe point skipped"),
                         e.span(),
                     )),

@@ -441,6 +441,10 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
             "the NFS tapsets probe functions of kernel modules, and probes in modules are not \
              supported yet",
         ),
+        &"glib" | &"python2" | &"python3" | &"java" | &"tcl" => Some(
+            "these tapsets are markers in user-space programs (process.mark), and user-space \
+             probe points are out of exotap's scope",
+        ),
         &"stap" | &"staprun" | &"stapio" => Some(
             "these are markers inside SystemTap's own programs (user-space probe points), \
              which exotap neither is nor probes",

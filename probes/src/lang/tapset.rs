@@ -115,6 +115,14 @@ pub enum TapsetError {
         /// The parse error.
         cause: Box<ParseError>,
     },
+    /// A `-I` directory or one of its files could not be read.
+    #[error("cannot read the tapset directory {dir}: {cause}")]
+    Include {
+        /// The directory.
+        dir: String,
+        /// The I/O error.
+        cause: String,
+    },
 }
 
 /// The parsed library.
@@ -147,6 +155,22 @@ fn load(inv: &Invocation, limits: &Limits) -> Result<Library, TapsetError> {
     };
     for (file, text) in FILES {
         add(file, text, &mut lib)?;
+    }
+    for dir in &inv.include_dirs {
+        let unreadable = |e: std::io::Error| TapsetError::Include {
+            dir: dir.display().to_string(),
+            cause: e.to_string(),
+        };
+        let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+            .map_err(unreadable)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "stp"))
+            .collect();
+        files.sort();
+        for path in files {
+            let text = std::fs::read_to_string(&path).map_err(unreadable)?;
+            add(&path.display().to_string(), &text, &mut lib)?;
+        }
     }
     for a in &lib.aliases {
         for n in &a.names {
