@@ -469,6 +469,52 @@ mod tests {
     }
 
     #[test]
+    fn an_include_directory_adds_its_functions_and_aliases() {
+        let dir = std::env::temp_dir().join(format!("exotap-tapset-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("mine.stp"),
+            "probe mine.tick = timer.ms(10) { ticks = 1 }\nfunction twice(x) { return 2 * x }\n",
+        )
+        .unwrap();
+        let inv = Invocation {
+            include_dirs: vec![dir.clone()],
+            ..Invocation::default()
+        };
+
+        let script = crate::lang::parser::parse_with(
+            "probe mine.tick { println(twice(ticks)) }",
+            &Limits::default(),
+            &inv,
+        )
+        .unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        assert_eq!(script.probes[0].points[0].to_string(), "timer.ms(10)");
+        assert_eq!(script.functions[0].name.name, "twice");
+    }
+
+    #[test]
+    fn an_unreadable_include_directory_is_an_error_naming_it() {
+        let inv = Invocation {
+            include_dirs: vec!["/nonexistent/exotap-tapset".into()],
+            ..Invocation::default()
+        };
+
+        let err = crate::lang::parser::parse_with(
+            "probe begin { println(nosuch()) }",
+            &Limits::default(),
+            &inv,
+        )
+        .unwrap_err();
+
+        assert!(
+            err.to_string().contains("/nonexistent/exotap-tapset"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_script_without_library_names_is_left_alone() {
         let script = parsed("probe begin { println(1) }");
 
