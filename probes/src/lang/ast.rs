@@ -215,6 +215,9 @@ pub struct ProbeAlias {
     pub body: Block,
     /// The whole definition.
     pub span: Span,
+    /// From the tapset library: prologue assignments to locals the probe never uses are
+    /// dropped at expansion, as SystemTap elides them.
+    pub library: bool,
 }
 
 /// `{ statements }`.

@@ -144,7 +144,10 @@ fn load(inv: &Invocation, limits: &Limits) -> Result<Library, TapsetError> {
             file: file.to_string(),
             cause: Box::new(e),
         })?;
-        lib.aliases.extend(script.aliases);
+        lib.aliases.extend(script.aliases.into_iter().map(|mut a| {
+            a.library = true;
+            a
+        }));
         for f in script.functions {
             lib.functions.insert(f.name.name.clone(), f);
         }
@@ -308,19 +311,21 @@ pub fn link_functions(
 
 /// The functions called and the variables named in some code.
 #[derive(Default)]
-struct Names {
-    calls: HashSet<String>,
-    vars: HashSet<String>,
+pub(crate) struct Names {
+    /// Functions called.
+    pub(crate) calls: HashSet<String>,
+    /// Variables (and arrays) named, read or written.
+    pub(crate) vars: HashSet<String>,
 }
 
 impl Names {
-    fn block(&mut self, stmts: &[Stmt]) {
+    pub(crate) fn block(&mut self, stmts: &[Stmt]) {
         for s in stmts {
             self.stmt(s);
         }
     }
 
-    fn stmt(&mut self, s: &Stmt) {
+    pub(crate) fn stmt(&mut self, s: &Stmt) {
         match &s.kind {
             StmtKind::Empty | StmtKind::Next | StmtKind::Break | StmtKind::Continue => {}
             StmtKind::Block(b) => self.block(&b.stmts),
@@ -357,7 +362,7 @@ impl Names {
         }
     }
 
-    fn expr(&mut self, e: &Expr) {
+    pub(crate) fn expr(&mut self, e: &Expr) {
         match &e.kind {
             ExprKind::Num(_)
             | ExprKind::Str(_)
@@ -426,6 +431,35 @@ mod tests {
             script.probes[0].points[0].to_string(),
             "kernel.function(\"__x64_sys_read\")"
         );
+    }
+
+    #[test]
+    fn unused_tapset_locals_are_not_computed() {
+        let script = parsed("global n\nprobe syscall.read { n++ }");
+
+        assert_eq!(script.probes[0].body.stmts.len(), 1);
+    }
+
+    #[test]
+    fn a_used_tapset_local_keeps_what_it_is_computed_from() {
+        let script = parsed("probe nd_syscall.read { println(argstr) }");
+
+        let assigned: Vec<String> = script.probes[0]
+            .body
+            .stmts
+            .iter()
+            .filter_map(|s| match &s.kind {
+                StmtKind::Expr(Expr {
+                    kind: ExprKind::Assign(_, p),
+                    ..
+                }) => match &p.0.kind {
+                    ExprKind::Var(v) => Some(v.clone()),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect();
+        assert_eq!(assigned, ["fd", "buf_uaddr", "count", "argstr"]);
     }
 
     #[test]

@@ -561,6 +561,7 @@ impl Parser {
                 epilogue,
                 body,
                 span: start.to(self.prev_end()),
+                library: false,
             }));
         }
         let condition = if self.eat_kw("if") {
