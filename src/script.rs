@@ -153,9 +153,13 @@ pub struct ScriptOptions {
     /// Other names (stap passes them to its module's C compiler) are accepted with a warning.
     #[arg(short = 'D', value_name = "NAME=VALUE")]
     pub define: Vec<String>,
-    /// Guru mode, as stap's -g: `guru_mode == 1` in preprocessor conditions.
+    /// Guru mode, as stap's -g: `guru_mode == 1` in preprocessor conditions, and target
+    /// variables may be written.
     #[arg(short = 'g')]
     pub guru: bool,
+    /// Add the tapset files (*.stp) of DIR to exotap's tapset library, as stap's -I.
+    #[arg(short = 'I', value_name = "DIR")]
+    pub include: Vec<std::path::PathBuf>,
     /// The target process: what the script's target() returns.
     #[arg(short = 'x', value_name = "PID")]
     pub target_pid: Option<i64>,
@@ -380,6 +384,7 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
         guru: args.guru,
         target_pid: args.target_pid,
         facts,
+        include_dirs: args.include.clone(),
     };
     let out: Box<dyn Write> = match &args.output {
         Some(path) => {

@@ -100,3 +100,31 @@ fn subcommands_still_win_over_a_script_file_name() {
     assert_eq!(code, 0, "stderr:\n{err}");
     assert!(!out.is_empty());
 }
+
+#[test]
+fn dash_capital_i_adds_a_directory_of_tapset_functions() {
+    let (dir, path) = script("probe begin { println(twice(21), \" \", ctime(0)) }");
+    let lib = dir.path().join("tapset");
+    std::fs::create_dir(&lib).expect("tapset dir");
+    std::fs::write(lib.join("mine.stp"), "function twice(x) { return 2 * x }\n")
+        .expect("write tapset");
+    let (code, out, err) = run(exotap().arg("-I").arg(&lib).arg(&path));
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "42 Thu Jan  1 00:00:00 1970\n"),
+        "stderr:\n{err}"
+    );
+}
+
+#[test]
+fn a_target_variable_write_is_checked_in_guru_mode_only() {
+    let (_dir, path) = script("probe kernel.function(\"vfs_read\") { $count = 0 }");
+    let (plain, _, plain_err) = run(exotap().args(["-p", "2"]).arg(&path));
+    let (guru, _, guru_err) = run(exotap().args(["-g", "-p", "2"]).arg(&path));
+    assert_eq!(
+        (plain, guru),
+        (1, 0),
+        "plain:\n{plain_err}\nguru:\n{guru_err}"
+    );
+    assert!(plain_err.contains("run with -g"), "{plain_err}");
+}

@@ -693,7 +693,7 @@ fn a_guru_write_is_refused_without_g() {
     let (code, _, err, _) = boot(script, "require", "syscall-loop 5");
 
     assert_ne!(code, 0, "{err}");
-    assert!(err.contains("guru mode (-g)"), "{err}");
+    assert!(err.contains("run with -g"), "{err}");
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //!   lines.
 //!
 //! Every `*ko` script starts with a `// expect: TEXT` line: its diagnostic must contain TEXT.
+//! A script whose first line is `// exotap -g` is parsed and checked in guru mode.
 
 // A test harness: failing loudly on a broken corpus file is the point.
 #![allow(clippy::unwrap_used, clippy::panic)]
@@ -15,12 +16,23 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use exotap_probes::lang::ast::Script;
 use exotap_probes::lang::check::check;
 use exotap_probes::lang::diag::Diagnostic;
+use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::output::{Format, Output, SharedBuf};
-use exotap_probes::lang::parser::parse;
+use exotap_probes::lang::parser::{parse_with, ParseError};
 use exotap_probes::lang::runtime::run_guest_free;
 use exotap_probes::lang::Limits;
+
+/// Parses a corpus script, in guru mode when its first line asks for it.
+fn parse(src: &str, limits: &Limits) -> Result<Script, ParseError> {
+    let inv = Invocation {
+        guru: src.lines().next() == Some("// exotap -g"),
+        ..Invocation::default()
+    };
+    parse_with(src, limits, &inv)
+}
 
 fn corpus(dir: &str) -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -57,6 +57,8 @@ pub struct Script {
     /// `probe NAME = POINTS { prologue }` and `probe NAME += POINTS { epilogue }`
     /// definitions (kept for listings; [`Script::probes`] holds their expansions).
     pub aliases: Vec<ProbeAlias>,
+    /// Parsed for guru mode (`-g`): target variables may be written.
+    pub guru: bool,
 }
 
 /// A literal usable in declarations and probe point arguments.
@@ -213,6 +215,9 @@ pub struct ProbeAlias {
     pub body: Block,
     /// The whole definition.
     pub span: Span,
+    /// From the tapset library: prologue assignments to locals the probe never uses are
+    /// dropped at expansion, as SystemTap elides them.
+    pub library: bool,
 }
 
 /// `{ statements }`.

@@ -24,7 +24,8 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "exit",
         params: &[],
-        ret: Ty::Void,
+        // SystemTap's exit() may stand in an expression (`n && exit()`).
+        ret: L,
         doc: "end the session after this probe",
     },
     Builtin {
@@ -298,14 +299,32 @@ pub const PRINTERS: &[&str] = &[
     "print", "println", "printf", "sprint", "sprintln", "sprintf", "printd", "printdln",
 ];
 
-/// Looks a fixed-arity built-in up.
+/// Looks a fixed-arity built-in up (those of this table, then the tapset's
+/// [native](super::native::NATIVE) ones).
 pub fn lookup(name: &str) -> Option<&'static Builtin> {
-    BUILTINS.iter().find(|b| b.name == name)
+    BUILTINS
+        .iter()
+        .chain(super::native::NATIVE)
+        .find(|b| b.name == name)
+}
+
+/// The signature of built-in `name` called with `args` arguments: its overload of that
+/// arity, else its one signature.
+pub fn lookup_call(name: &str, args: usize) -> Option<&'static Builtin> {
+    super::native::overload(name, args).or_else(|| lookup(name))
+}
+
+/// Whether `name` is one of the core built-ins, which a script may not redefine (the
+/// tapset's native functions, like its script ones, give way to a script's own).
+pub fn is_core(name: &str) -> bool {
+    BUILTINS.iter().any(|b| b.name == name) || PRINTERS.contains(&name)
 }
 
 /// Whether `name` is any built-in.
 pub fn is_builtin(name: &str) -> bool {
-    lookup(name).is_some() || PRINTERS.contains(&name)
+    lookup(name).is_some()
+        || super::native::OVERLOADS.iter().any(|b| b.name == name)
+        || PRINTERS.contains(&name)
 }
 
 #[cfg(test)]

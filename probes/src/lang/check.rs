@@ -124,9 +124,12 @@ impl Program {
             .any(|p| p.points.iter().any(|(_, k)| k.needs_guest()))
     }
 
-    /// Globals that are written but never read: SystemTap prints them at exit.
+    /// Globals that are written but never read: SystemTap prints them at exit (not the
+    /// tapset library's private `__` ones).
     pub fn displayed_globals(&self) -> impl Iterator<Item = (&String, &GlobalInfo)> {
-        self.globals.iter().filter(|(_, g)| g.written && !g.read)
+        self.globals
+            .iter()
+            .filter(|(name, g)| g.written && !g.read && !name.starts_with("__"))
     }
 }
 
@@ -149,7 +152,8 @@ pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
 /// As [`check`].
 pub fn check_guru(script: Script, guru: bool) -> Result<Program, Vec<Diagnostic>> {
     let mut c = Checker::new(&script);
-    c.guru = guru;
+    // `-g` reaches the checker either way: as the caller's flag or parsed into the script.
+    c.guru = guru || script.guru;
     c.declare();
     // Inference rounds only collect types: a variable read before the statement that types
     // it is not an error until the reporting pass says it still has no type.
@@ -295,7 +299,7 @@ impl<'a> Checker<'a> {
         let nprobes = self.script.probes.len();
         for (i, f) in self.script.functions.iter().enumerate() {
             let name = &f.name.name;
-            if builtins::is_builtin(name) {
+            if builtins::is_core(name) {
                 self.emit(
                     Diagnostic::error(
                         format!("function '{name}' redefines a built-in"),
@@ -340,18 +344,27 @@ impl<'a> Checker<'a> {
             for pt in &p.points {
                 match classify(pt) {
                     Ok(kind) => points.push((pt.clone(), kind)),
-                    Err(e) if pt.optional => self.emit(Diagnostic::warning(
+                    Err(e) if pt.optional || pt.sufficient => self.emit(Diagnostic::warning(
                         format!("{e}; optional probe point skipped"),
                         e.span(),
                     )),
                     Err(e) => {
                         let d = Diagnostic::error(e.to_string(), e.span())
-                            .with_label("in this probe point")
-                            .with_hint(format!("known probe points: {KNOWN_FAMILIES}"));
+                            .with_label("in this probe point");
+                        // An out-of-scope family's message says what to do instead.
+                        let d = match e {
+                            super::point::PointError::OutOfScope { .. } => d,
+                            _ => d.with_hint(format!("known probe points: {KNOWN_FAMILIES}")),
+                        };
                         self.emit(d);
                         self.unresolved.insert(index);
                     }
                 }
+            }
+            // Every point optional and none known: SystemTap drops the probe, body and all
+            // (its body's names often come from the alias that is missing).
+            if points.is_empty() && !p.points.is_empty() {
+                self.unresolved.insert(index);
             }
             self.probes.push(ProbeInfo { points });
         }
@@ -858,6 +871,33 @@ mod tests {
             errors("global g\nprobe begin { g = nosuch() }"),
             vec!["unknown function 'nosuch'"]
         );
+    }
+
+    #[test]
+    fn body_of_a_probe_whose_optional_points_are_all_unknown_is_not_checked() {
+        let p = checked("probe nosuch.alias ? { println(undefined_here) }\nprobe begin { }");
+        assert_eq!(p.probes[0].points.len(), 0);
+    }
+
+    #[test]
+    fn a_script_function_overrides_a_native_tapset_function() {
+        let p = checked("function ctime(x) { return 1 }\nprobe begin { y = ctime(2) + 1 }");
+        assert_eq!(p.locals[0]["y"], Ty::Long);
+    }
+
+    #[test]
+    fn target_write_is_accepted_in_guru_mode() {
+        let inv = crate::lang::invocation::Invocation {
+            guru: true,
+            ..Default::default()
+        };
+        let script = crate::lang::parser::parse_with(
+            "probe kernel.function(\"f\") { $x = 1 }",
+            &Limits::default(),
+            &inv,
+        )
+        .unwrap();
+        assert!(check(script).is_ok());
     }
 
     #[test]

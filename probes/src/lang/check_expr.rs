@@ -169,12 +169,35 @@ impl Checker<'_> {
         }
     }
 
+    /// When `e` calls a script function with no declared type and no value returned: makes
+    /// it a long (its value 0) and says so.
+    fn void_function_as_long(&mut self, e: &Expr) -> bool {
+        let ExprKind::Call(c) = &e.kind else {
+            return false;
+        };
+        let Some(&i) = self.functions.get(&c.name.name) else {
+            return false;
+        };
+        let f = &self.script.functions[i];
+        if f.ret.is_some() || !matches!(f.body, FunctionBody::Block(_)) {
+            return false;
+        }
+        if self.function_ret[i] == Ty::Void {
+            self.function_ret[i] = Ty::Long;
+            self.changed = true;
+        }
+        true
+    }
+
     /// Checks that `e` has type `want`, pushing `want` into untyped variables.
     pub(crate) fn expect(&mut self, e: &Expr, want: Ty) -> Ty {
         let got = self.expr(e);
         match got {
             Ty::Unknown => self.constrain(e, want),
             Ty::Stats if want != Ty::Stats => self.stats_as_value(e.span),
+            // As in SystemTap, a script function that returns nothing and has no declared
+            // type is a long (0) where a long is needed (`n && report()`).
+            Ty::Void if want == Ty::Long && self.void_function_as_long(e) => {}
             Ty::Void => self.emit(
                 Diagnostic::error("this function returns no value", e.span)
                     .with_label(format!("a {want} is needed here")),
@@ -583,7 +606,7 @@ impl Checker<'_> {
                             format!("cannot write target variable '{}'", t.name),
                             target.span,
                         )
-                        .with_hint("changing guest state needs guru mode (-g)"),
+                        .with_hint("changing guest state needs guru mode: run with -g"),
                     );
                 } else if !plain || !(t.name == "$return" || entry_param) {
                     self.emit(
@@ -726,7 +749,9 @@ impl Checker<'_> {
         if name == "set_return" && !self.functions.contains_key(name) {
             return self.set_return(c, span);
         }
-        if let Some(b) = builtins::lookup(name) {
+        let builtin = builtins::lookup_call(name, c.args.len())
+            .filter(|_| !self.functions.contains_key(name));
+        if let Some(b) = builtin {
             self.arity(name, b.params.len(), c.args.len(), span);
             for (a, &p) in c.args.iter().zip(b.params) {
                 self.expect(a, p);
@@ -786,7 +811,7 @@ impl Checker<'_> {
         if !self.guru {
             self.emit(
                 Diagnostic::error("set_return() changes guest state", span)
-                    .with_hint("changing guest state needs guru mode (-g)"),
+                    .with_hint("changing guest state needs guru mode: run with -g"),
             );
         } else if !in_return {
             self.emit(

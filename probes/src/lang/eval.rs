@@ -96,6 +96,8 @@ pub struct Interp<'p> {
     pub(crate) point: String,
     /// Compiled `=~` patterns.
     pub(crate) regexes: HashMap<String, regex::Regex>,
+    /// When the interpreter started: the origin of `get_cycles()` and the local clocks.
+    pub(crate) started: std::time::Instant,
 }
 
 impl std::fmt::Debug for Interp<'_> {
@@ -128,6 +130,7 @@ impl<'p> Interp<'p> {
             rng: 0x2545_f491_4f6c_dd1d,
             point: String::new(),
             regexes: HashMap::new(),
+            started: std::time::Instant::now(),
         };
         for name in prog.globals.keys() {
             let store = me.initial(name);

@@ -7,6 +7,7 @@ use super::context::Context;
 use super::eval::{fail, output_failed, EResult, Frame, Interp};
 use super::format::{escape, parse_format, render};
 use super::hist::Histogram;
+use super::native;
 use super::value::{Stats, Value};
 
 impl Interp<'_> {
@@ -260,6 +261,12 @@ impl Interp<'_> {
                 } else {
                     "kernel"
                 };
+                // The overloads with a fallback string answer it for an unreadable address.
+                let fallback = if name.ends_with("_n") {
+                    args.get(2)
+                } else {
+                    args.get(1)
+                };
                 let mut bytes = Vec::new();
                 let base = long(0) as u64;
                 while bytes.len() < most {
@@ -267,6 +274,10 @@ impl Interp<'_> {
                     match ctx.read_kernel(addr, 1) {
                         Ok(b) if b.first() == Some(&0) => break,
                         Ok(b) => bytes.extend_from_slice(&b),
+                        Err(_) if fallback.is_some() => {
+                            let text = fallback.map(|v| v.as_str().to_string());
+                            return Ok(self.string(text.unwrap_or_default()));
+                        }
                         Err(e) => return fail(format!("{what} string copy fault: {e}"), span),
                     }
                 }
@@ -294,7 +305,94 @@ impl Interp<'_> {
                     _ => v,
                 })
             }
-            other => return fail(format!("unknown function '{other}'"), span),
+            "ctime" if args.is_empty() => self.string(native::ctime(now().as_secs() as i64)),
+            "ctime" | "tz_ctime" => self.string(native::ctime(long(0))),
+            "ansi_set_color" => {
+                let codes: Vec<String> = match args.len() {
+                    1 => vec![long(0).to_string()],
+                    2 => vec![long(1).to_string(), long(0).to_string()],
+                    _ => vec![
+                        long(1).to_string(),
+                        long(0).to_string(),
+                        long(2).to_string(),
+                    ],
+                };
+                self.emit_text(&format!("\x1b[{}m", codes.join(";")), span)?;
+                unit
+            }
+            "errno_str" => self.string(native::errno_str(long(0))),
+            "return_str" => self.string(native::return_str(long(0), long(1))),
+            "signal_str" => self.string(native::signal_str(long(0))),
+            "syscall_name" => self.string(native::syscall_name(long(0))),
+            "_sys_open_flag_str" => self.string(native::open_flags(long(0))),
+            "tcp_sockstate_str" => self.string(native::tcp_state(long(0))),
+            "format_ipaddr" if long(1) == 2 => self.string(native::ipv4(long(0))),
+            "format_ipaddr" => {
+                return fail(
+                    format!(
+                        "format_ipaddr: address family {} is not AF_INET (2)",
+                        long(1)
+                    ),
+                    span,
+                )
+            }
+            // The guest's cycle counter is not the host's: host-evaluated probes answer
+            // the host's monotonic clock, in nanoseconds, which orders and times events alike.
+            "get_cycles" | "local_clock_ns" | "cpu_clock_ns" => {
+                Value::Long(self.started.elapsed().as_nanos() as i64)
+            }
+            "local_clock_us" | "cpu_clock_us" => {
+                Value::Long(self.started.elapsed().as_micros() as i64)
+            }
+            "pn" => self.string(self.point.clone()),
+            "returnval" => match ctx.target("$return") {
+                Some(v) => v,
+                None => {
+                    return fail(
+                        "returnval(): no return value here (not a .return probe)",
+                        span,
+                    )
+                }
+            },
+            "system" => {
+                // As SystemTap: the command runs on the host, its output goes to the host's.
+                let status = std::process::Command::new("/bin/sh")
+                    .arg("-c")
+                    .arg(text(0))
+                    .status();
+                if let Err(e) = status {
+                    return fail(format!("system: cannot run /bin/sh: {e}"), span);
+                }
+                unit
+            }
+            "user_char" | "user_short" | "user_ushort" | "user_int" | "user_uint" | "user_long" => {
+                let (len, signed) = match name {
+                    "user_char" => (1, true),
+                    "user_short" => (2, true),
+                    "user_ushort" => (2, false),
+                    "user_int" => (4, true),
+                    "user_uint" => (4, false),
+                    _ => (8, true),
+                };
+                let bytes = match ctx.read_kernel(long(0) as u64, len) {
+                    Ok(b) if b.len() == len => b,
+                    Ok(_) => return fail("short guest memory read", span),
+                    Err(e) => return fail(format!("user read fault: {e}"), span),
+                };
+                let mut buf = [0u8; 8];
+                buf[..len].copy_from_slice(&bytes);
+                let v = i64::from_le_bytes(buf);
+                Value::Long(match (len, signed) {
+                    (1, true) => i64::from(v as i8),
+                    (2, true) => i64::from(v as i16),
+                    (4, true) => i64::from(v as i32),
+                    _ => v,
+                })
+            }
+            other => match native::unavailable(other) {
+                Some(why) => return fail(format!("{other}() cannot run here: {why}"), span),
+                None => return fail(format!("unknown function '{other}'"), span),
+            },
         };
         Ok(v)
     }

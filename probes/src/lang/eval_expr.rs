@@ -297,6 +297,14 @@ impl Interp<'_> {
                 }
                 Ok(())
             }
+            ExprKind::Target(t) => fail(
+                format!(
+                    "writing target variable '{}' is not supported at run time yet: it changes \
+                     guest state, which host-evaluated probes only read",
+                    t.path()
+                ),
+                e.span,
+            ),
             _ => fail("not assignable", e.span),
         }
     }

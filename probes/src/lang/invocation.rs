@@ -26,6 +26,8 @@ pub struct Invocation {
     pub target_pid: Option<i64>,
     /// The kernel the script will run against.
     pub facts: TargetFacts,
+    /// `-I DIR`: directories whose `*.stp` files join the tapset library.
+    pub include_dirs: Vec<std::path::PathBuf>,
 }
 
 impl Invocation {

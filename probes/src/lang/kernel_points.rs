@@ -16,6 +16,10 @@ use super::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint}
 /// Where the x86-64 syscall entry points are named: `__x64_sys_NAME`.
 const SYSCALL_PREFIX: &str = "__x64_sys_";
 
+/// Every tracepoint `NAME` has an iterator function `__traceiter_NAME(void *__data, ARGS)`
+/// that calls its probes; BTF names its arguments.
+const TRACEPOINT_PREFIX: &str = "__traceiter_";
+
 /// Resolves probe points with the kernel's symbol table (and BTF prototypes when present).
 #[derive(Debug)]
 pub struct KernelSymbols<'a> {
@@ -161,6 +165,20 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     "needs struct layouts and variable locations",
                 ));
             }
+            PointKind::KernelTrace { name } => self
+                .functions(&format!("{TRACEPOINT_PREFIX}{name}"))
+                .into_iter()
+                .filter_map(|sym| {
+                    let trace = sym.name.strip_prefix(TRACEPOINT_PREFIX)?;
+                    // The iterator's first parameter is the probe's private data, not the
+                    // tracepoint's.
+                    let mut vars = self.parameters(&sym.name);
+                    if !vars.is_empty() {
+                        vars.remove(0);
+                    }
+                    Some(self.point(format!("kernel.trace(\"{trace}\")"), sym, vars))
+                })
+                .collect(),
             PointKind::TimerProfile => vec![ResolvedPoint {
                 name: point.to_string(),
                 address: None,
@@ -194,6 +212,7 @@ mod tests {
             sym("vfs_caches", 0xffff_ffff_8200_0000, 'D'),
             sym("__x64_sys_getpid", 0xffff_ffff_810b_0d90, 'T'),
             sym("__do_sys_getpid", 0xffff_ffff_810b_0d90, 't'),
+            sym("__traceiter_sched_switch", 0xffff_ffff_810c_0000, 'T'),
         ])
     }
 
@@ -322,5 +341,19 @@ mod tests {
             "{}",
             found[0].name
         );
+    }
+
+    #[test]
+    fn tracepoint_resolves_to_its_iterator() {
+        let symbols = table();
+
+        let found = list(
+            r#"kernel.trace("sched:sched_switch")"#,
+            &KernelSymbols::new(&symbols, None),
+        )
+        .unwrap();
+
+        assert_eq!(found[0].name, r#"kernel.trace("sched_switch")"#);
+        assert_eq!(found[0].address, Some(0xffff_ffff_810c_0000));
     }
 }

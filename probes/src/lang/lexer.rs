@@ -296,7 +296,20 @@ fn scan_string(src: &str, start: usize) -> Result<(String, usize), LexError> {
                     'b' => '\u{8}',
                     'f' => '\u{c}',
                     'v' => '\u{b}',
-                    '0' => '\0',
+                    // C's octal escapes, up to three digits (`\033` is ESC).
+                    d @ '0'..='7' => {
+                        let mut v = d.to_digit(8).unwrap_or(0);
+                        for _ in 0..2 {
+                            match chars.clone().next() {
+                                Some((_, c @ '0'..='7')) => {
+                                    v = v * 8 + c.to_digit(8).unwrap_or(0);
+                                    chars.next();
+                                }
+                                _ => break,
+                            }
+                        }
+                        char::from_u32(v & 0xff).unwrap_or('\0')
+                    }
                     '\\' => '\\',
                     '"' => '"',
                     '\'' => '\'',
@@ -350,6 +363,14 @@ mod tests {
     #[test]
     fn hex_literal_may_use_the_sign_bit() {
         assert_eq!(kinds("0xffffffffffffffff"), vec![Tok::Num(-1), Tok::Eof]);
+    }
+
+    #[test]
+    fn octal_escape_in_a_string_is_one_character() {
+        assert_eq!(
+            kinds(r#""\033[0m\0""#),
+            vec![Tok::Str("\u{1b}[0m\0".into()), Tok::Eof]
+        );
     }
 
     #[test]

@@ -25,11 +25,14 @@ pub mod invocation;
 pub mod kernel_points;
 pub mod lexer;
 pub mod limits;
+pub mod native;
 pub mod output;
 pub mod parser;
 pub mod point;
 pub mod resolve;
 pub mod runtime;
+pub mod syscalls;
+pub mod tapset;
 pub mod value;
 
 pub use limits::Limits;

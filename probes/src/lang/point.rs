@@ -95,6 +95,12 @@ pub enum PointKind {
         /// `.return`.
         ret: bool,
     },
+    /// `kernel.trace("[system:]name")`: a kernel tracepoint, its arguments from BTF's
+    /// `btf_trace_NAME` typedef.
+    KernelTrace {
+        /// Tracepoint name pattern, without the `system:` prefix.
+        name: String,
+    },
 }
 
 impl PointKind {
@@ -119,6 +125,7 @@ impl PointKind {
                 | PointKind::KernelAddress(_)
                 | PointKind::KernelField { .. }
                 | PointKind::Syscall { .. }
+                | PointKind::KernelTrace { .. }
         )
     }
 
@@ -146,6 +153,7 @@ impl PointKind {
             PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => "kernel.statement",
             PointKind::KernelField { .. } => "kernel.field",
             PointKind::Syscall { .. } => "kernel.syscall",
+            PointKind::KernelTrace { .. } => "kernel.trace",
         }
     }
 }
@@ -158,6 +166,16 @@ pub enum PointError {
     Unknown {
         /// The point as written.
         text: String,
+        /// Where.
+        span: Span,
+    },
+    /// A family exotap knows but does not provide, with the reason.
+    #[error("probe point '{text}' is not supported: {reason}")]
+    OutOfScope {
+        /// The point as written.
+        text: String,
+        /// Why, and what to use instead.
+        reason: String,
         /// Where.
         span: Span,
     },
@@ -177,7 +195,9 @@ impl PointError {
     /// Where the error is.
     pub fn span(&self) -> Span {
         match self {
-            PointError::Unknown { span, .. } | PointError::BadArgument { span, .. } => *span,
+            PointError::Unknown { span, .. }
+            | PointError::OutOfScope { span, .. }
+            | PointError::BadArgument { span, .. } => *span,
         }
     }
 }
@@ -187,7 +207,9 @@ pub const KNOWN_FAMILIES: &str = "begin, end, error, never, timer.ms|us|ns|s|hz|
 timer.profile, kernel.function(\"pat[@file[:line]]\")[.call|.inline|.return], \
 kernel.statement(\"func@file:line\"), kernel.statement(\"func+OFFSET\"), \
 kernel.statement(ADDR).absolute, \
-kernel.field(\"struct S\", \"member\").read|.write|.call, kernel.syscall(\"name\")[.return]";
+kernel.field(\"struct S\", \"member\").read|.write|.call, kernel.syscall(\"name\")[.return], \
+kernel.trace(\"tracepoint\"), kprobe.function(\"name\")[.return], \
+kprobe.statement(ADDR).absolute, and the tapset's aliases (syscall.*, vfs.*, scheduler.*, ...)";
 
 fn split_location(spec: &str) -> (String, Option<String>, Option<String>) {
     match spec.split_once('@') {
@@ -238,9 +260,16 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             _ => Err(bad(family, "expected one non-empty string")),
         }
     };
+    if let Some(reason) = out_of_scope(&names) {
+        return Err(PointError::OutOfScope {
+            text: point.to_string(),
+            reason: reason.to_string(),
+            span: point.span,
+        });
+    }
     let known_root = matches!(
         names.first(),
-        Some(&("begin" | "end" | "error" | "never" | "timer" | "kernel"))
+        Some(&("begin" | "end" | "error" | "never" | "timer" | "kernel" | "kprobe"))
     );
     if !known_root {
         return Err(unknown());
@@ -248,7 +277,9 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
     for (i, c) in point.components.iter().enumerate() {
         let allowed = matches!(
             (names.first(), i),
-            (Some(&"kernel"), 1) | (Some(&"timer"), 1) | (Some(&"begin" | &"end" | &"error"), 0)
+            (Some(&"kernel" | &"kprobe"), 1)
+                | (Some(&"timer"), 1)
+                | (Some(&"begin" | &"end" | &"error"), 0)
         );
         if !c.args.is_empty() && !allowed {
             return Err(bad(&c.name, "this component takes no argument"));
@@ -347,7 +378,86 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             };
             Ok(PointKind::Syscall { name, ret })
         }
+        ["kernel", "trace"] => {
+            let spec = one_str(1, "kernel.trace")?;
+            // `system:name` (SystemTap's form); the name alone is unique in the kernel.
+            let name = spec.rsplit_once(':').map_or(spec.as_str(), |(_, n)| n);
+            if name.is_empty() {
+                return Err(bad("kernel.trace", "empty tracepoint name"));
+            }
+            Ok(PointKind::KernelTrace {
+                name: name.to_string(),
+            })
+        }
+        // A kprobe on a function is what exotap's kernel.function already is: a probe on the
+        // symbol, its parameters from BTF.
+        ["kprobe", "function", rest @ ..] => {
+            let pattern = one_str(1, "kprobe.function")?;
+            let site = match rest {
+                [] => FunctionSite::Call,
+                ["return"] => FunctionSite::Return,
+                _ => return Err(unknown()),
+            };
+            Ok(PointKind::KernelFunction {
+                pattern,
+                file: None,
+                line: None,
+                site,
+            })
+        }
+        ["kprobe", "statement", "absolute"] => match args(1) {
+            [Literal::Num(addr)] => Ok(PointKind::KernelAddress(*addr as u64)),
+            _ => Err(bad("kprobe.statement", "expected an address")),
+        },
         _ => Err(unknown()),
+    }
+}
+
+/// Why a family SystemTap has is out of exotap's scope, for the points it names.
+fn out_of_scope(names: &[&str]) -> Option<&'static str> {
+    match names.first()? {
+        &"process" => Some(
+            "user-space probe points (process.*, uprobes) are out of exotap's scope: exotap \
+             instruments the guest kernel from outside, with no agent in the guest's processes; \
+             probe the kernel side instead (syscall.*, kernel.function)",
+        ),
+        &"module" | &"kprobe" if names.get(1) == Some(&"module") || names[0] == "module" => Some(
+            "probes in kernel modules are not supported yet: exotap resolves points against the \
+             kernel image's own symbols and BTF, not against loaded modules",
+        ),
+        &"perf" => Some(
+            "perf events need the guest's perf subsystem armed from inside it, which exotap \
+             does not do; use timer.profile for sampling",
+        ),
+        &"procfs" => {
+            Some("procfs files would have to be created inside the guest, which exotap does not do")
+        }
+        &"netfilter" => Some(
+            "netfilter probes register a hook function in the guest's network stack, which \
+             exotap does not do; probe nf_hook_slow or the protocol's functions with \
+             kernel.function instead",
+        ),
+        &"nfsd" | &"nfs" | &"sunrpc" => Some(
+            "the NFS tapsets probe functions of kernel modules, and probes in modules are not \
+             supported yet",
+        ),
+        &"glib" | &"python2" | &"python3" | &"java" | &"tcl" => Some(
+            "these tapsets are markers in user-space programs (process.mark), and user-space \
+             probe points are out of exotap's scope",
+        ),
+        &"stap" | &"staprun" | &"stapio" => Some(
+            "these are markers inside SystemTap's own programs (user-space probe points), \
+             which exotap neither is nor probes",
+        ),
+        &"input" => Some(
+            "input.char and input.line read the terminal of stap's own process; exotap does not \
+             feed its standard input to scripts yet",
+        ),
+        &"kernel" if names.get(1) == Some(&"data") => Some(
+            "watchpoints on kernel data need hardware debug registers, which exotap's backends \
+             do not arm; use kernel.field(\"struct S\", \"member\").write for member writes",
+        ),
+        _ => None,
     }
 }
 
@@ -425,5 +535,38 @@ mod tests {
         assert!(kind(r#"kernel.syscall("read").return"#)
             .unwrap()
             .is_return());
+    }
+
+    #[test]
+    fn trace_point_drops_its_system_prefix() {
+        assert_eq!(
+            kind(r#"kernel.trace("sched:sched_switch")"#).unwrap(),
+            PointKind::KernelTrace {
+                name: "sched_switch".into()
+            }
+        );
+    }
+
+    #[test]
+    fn kprobe_function_return_is_a_function_return() {
+        assert!(matches!(
+            kind(r#"kprobe.function("vfs_read").return"#).unwrap(),
+            PointKind::KernelFunction {
+                site: FunctionSite::Return,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn user_space_points_are_refused_with_the_reason() {
+        let err = kind(r#"process("/bin/ls").function("main")"#).unwrap_err();
+        assert!(err.to_string().contains("user-space probe points"), "{err}");
+    }
+
+    #[test]
+    fn module_points_are_refused_with_the_reason() {
+        let err = kind(r#"module("ext4").function("ext4_sync_fs")"#).unwrap_err();
+        assert!(err.to_string().contains("kernel modules"), "{err}");
     }
 }

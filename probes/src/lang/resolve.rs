@@ -144,6 +144,7 @@ pub fn describe(kind: &PointKind) -> String {
             };
             format!("{when} system calls matching '{name}'")
         }
+        PointKind::KernelTrace { name } => format!("the kernel tracepoints matching '{name}'"),
     }
 }
 
@@ -160,8 +161,10 @@ pub fn resolve_program(
     let mut out = Vec::new();
     for (i, probe) in prog.probes.iter().enumerate() {
         for (point, kind) in &probe.points {
+            // `!` (sufficient) implies `?` (optional), as in SystemTap.
+            let optional = point.optional || point.sufficient;
             match resolver.resolve(point, kind) {
-                Ok(found) if found.is_empty() && !point.optional => {
+                Ok(found) if found.is_empty() && !optional => {
                     return Err(ResolveError::NoMatch(point.to_string()))
                 }
                 Ok(found) => {
@@ -171,7 +174,7 @@ pub fn resolve_program(
                         break;
                     }
                 }
-                Err(_) if point.optional => {}
+                Err(_) if optional => {}
                 Err(e) => return Err(e),
             }
         }
@@ -282,6 +285,12 @@ mod tests {
     #[test]
     fn sufficient_point_stops_the_list_when_it_resolves() {
         let prog = program("probe kernel.function(\"a\")!, kernel.function(\"zz\") { }");
+        assert_eq!(resolve_program(&prog, &OneFunction).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn sufficient_point_that_does_not_resolve_is_optional() {
+        let prog = program("probe kernel.function(\"zz\")!, kernel.function(\"a\") { }");
         assert_eq!(resolve_program(&prog, &OneFunction).unwrap().len(), 1);
     }
 

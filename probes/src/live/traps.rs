@@ -451,6 +451,20 @@ fn arm(
             unsupported.join(", ")
         );
     }
+    if let Some((pt, _)) = prog
+        .probes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| host(*i))
+        .flat_map(|(_, p)| p.points.iter())
+        .find(|(_, kind)| matches!(kind, PointKind::KernelTrace { .. }))
+    {
+        bail!(
+            "{pt} cannot run yet: a tracepoint calls its probes only once something in the \
+             guest enables its static key, which exotap does not do yet; probe the function \
+             that fires it with kernel.function instead"
+        );
+    }
     let resolver = KernelSymbols::new(&image.symbols, btf);
     let resolved = resolve_program(prog, &resolver)?;
     let plan = area;

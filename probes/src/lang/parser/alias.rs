@@ -7,7 +7,10 @@
 //! kernel.function("vfs_read")`), and may use `*` to match alias names
 //! (`probe syscall.*`). Aliases may be defined anywhere in the script and use other aliases.
 
-use super::super::ast::{Block, Component, Probe, ProbeAlias, ProbePoint, Script};
+use super::super::ast::{
+    Block, Component, Expr, ExprKind, Probe, ProbeAlias, ProbePoint, Script, Stmt, StmtKind,
+};
+use super::super::tapset::Names;
 use super::condition::glob;
 use super::ParseError;
 
@@ -70,10 +73,15 @@ fn expand_probe(
                     target
                 })
                 .collect();
-            let (first, second) = if alias.epilogue {
-                (&probe.body.stmts, &alias.body.stmts)
+            let prologue = if alias.library && !alias.epilogue {
+                used_prologue(&alias.body.stmts, &probe)
             } else {
-                (&alias.body.stmts, &probe.body.stmts)
+                alias.body.stmts.clone()
+            };
+            let (first, second) = if alias.epilogue {
+                (&probe.body.stmts, &prologue)
+            } else {
+                (&prologue, &probe.body.stmts)
             };
             let stmts = first.iter().chain(second).cloned().collect();
             derived.push(Probe {
@@ -97,6 +105,38 @@ fn expand_probe(
         expand_probe(d, aliases, depth + 1, max_depth, out)?;
     }
     Ok(())
+}
+
+/// The statements of a library alias's prologue that `probe` needs: an assignment to a local
+/// that neither the probe (body and condition) nor a later needed statement names is dropped,
+/// as SystemTap elides unused tapset variables (so `probe syscall.read { n++ }` reads no
+/// `argstr`, and faults no user string).
+fn used_prologue(prologue: &[Stmt], probe: &Probe) -> Vec<Stmt> {
+    let mut used = Names::default();
+    used.block(&probe.body.stmts);
+    if let Some(c) = &probe.condition {
+        used.expr(c);
+    }
+    let mut kept = Vec::new();
+    for s in prologue.iter().rev() {
+        let assigned = match &s.kind {
+            StmtKind::Expr(Expr {
+                kind: ExprKind::Assign(None, parts),
+                ..
+            }) => match &parts.0.kind {
+                ExprKind::Var(name) => Some(name),
+                _ => None,
+            },
+            _ => None,
+        };
+        if assigned.is_some_and(|name| !used.vars.contains(name)) {
+            continue;
+        }
+        used.stmt(s);
+        kept.push(s.clone());
+    }
+    kept.reverse();
+    kept
 }
 
 /// The aliases `point` uses, with the components it adds after the alias name. An alias

@@ -118,6 +118,12 @@ pub enum ParseError {
         /// Where.
         span: Span,
     },
+    /// The tapset library could not be linked into the script.
+    #[error("{message}")]
+    Tapset {
+        /// What is wrong.
+        message: String,
+    },
 }
 
 impl ParseError {
@@ -136,7 +142,7 @@ impl ParseError {
             | ParseError::Macro { span, .. }
             | ParseError::Alias { span, .. }
             | ParseError::UnknownAt { span, .. } => *span,
-            ParseError::TooLong { .. } => Span::new(0, 0),
+            ParseError::TooLong { .. } | ParseError::Tapset { .. } => Span::new(0, 0),
         }
     }
 
@@ -205,14 +211,41 @@ pub fn parse_with(src: &str, limits: &Limits, inv: &Invocation) -> Result<Script
         wildcard_keys: false,
     };
     let mut script = p.script()?;
+    let library = |e: super::tapset::TapsetError| ParseError::Tapset {
+        message: e.to_string(),
+    };
+    super::tapset::link_aliases(&mut script, inv, limits).map_err(library)?;
     alias::expand(&mut script, limits.max_parse_depth)?;
+    super::tapset::link_functions(&mut script, inv, limits).map_err(library)?;
     let names_used = |name: &str| {
         p.tokens
             .iter()
             .any(|t| matches!(&t.tok, Tok::Ident(s) if s == name))
     };
     declare_argv(&mut script, inv, names_used);
+    script.guru = inv.guru;
     Ok(script)
+}
+
+/// Parses a tapset library file: tokens, preprocessor and grammar, with its aliases kept
+/// unexpanded and nothing linked (the library is what gets linked).
+///
+/// # Errors
+/// The first syntax or preprocessor error.
+pub(crate) fn parse_library(
+    src: &str,
+    limits: &Limits,
+    inv: &Invocation,
+) -> Result<Script, ParseError> {
+    let tokens = preprocess::preprocess(&tokenize(src)?, inv, limits.max_parse_depth, usize::MAX)?;
+    let mut p = Parser {
+        tokens,
+        pos: 0,
+        depth: 0,
+        max_depth: limits.max_parse_depth,
+        wildcard_keys: false,
+    };
+    p.script()
 }
 
 struct Parser {
@@ -528,6 +561,7 @@ impl Parser {
                 epilogue,
                 body,
                 span: start.to(self.prev_end()),
+                library: false,
             }));
         }
         let condition = if self.eat_kw("if") {
@@ -896,7 +930,7 @@ mod tests {
 
     #[test]
     fn braces_in_a_probe_point_make_one_point_per_alternative() {
-        let script = parse_ok("probe syscall.{open,close}.return, begin { }");
+        let script = parse_ok("probe mine.{open,close}.return, begin { }");
         let points: Vec<String> = script.probes[0]
             .points
             .iter()
@@ -904,7 +938,7 @@ mod tests {
             .collect();
         assert_eq!(
             points,
-            vec!["syscall.open.return", "syscall.close.return", "begin"]
+            vec!["mine.open.return", "mine.close.return", "begin"]
         );
     }
 
@@ -926,7 +960,7 @@ mod tests {
 
     #[test]
     fn wildcard_glued_to_a_word_is_one_component() {
-        let script = parse_ok("probe syscall.*execve, syscall.sys_*_at { }");
+        let script = parse_ok("probe mine.*execve, mine.sys_*_at { }");
         assert_eq!(script.probes[0].points[0].components[1].name, "*execve");
         assert_eq!(script.probes[0].points[1].components[1].name, "sys_*_at");
     }
