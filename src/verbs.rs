@@ -35,6 +35,16 @@ pub struct LiveArgs {
     /// With --target: the patch-heap range hidden from that guest, GPA:SIZE.
     #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
     pub heap: String,
+    /// With --target: the guest's RAM file, when its QEMU runs with a shared memory backend
+    /// (`-object memory-backend-file,id=ram,size=1024M,mem-path=/dev/shm/guest-ram,share=on
+    /// -machine memory-backend=ram`): trace records and counters are then read without
+    /// stopping the guest. Without it, exotap stops the guest to read them.
+    #[arg(long, value_name = "PATH", requires = "target")]
+    pub shm: Option<PathBuf>,
+    /// Booting: read trace records with the guest stopped (over the gdbstub), as for a
+    /// --target without --shm, instead of through the guest RAM exotap shares with QEMU.
+    #[arg(long, conflicts_with = "target")]
+    pub stop_and_read: bool,
     /// With --target: remove the splices after this many seconds.
     #[arg(long, value_name = "SECONDS")]
     pub duration: Option<f64>,
@@ -153,6 +163,10 @@ struct Live {
     trace_view: Option<TraceView>,
     /// When the rings were last drained.
     streamed: Instant,
+    /// The guest's stops counted when the splices went in ([`GuestSession::stops`]).
+    stops_at_install: u64,
+    /// Records drained while the splices were in, and the time the drains took.
+    drained: (u64, Duration),
 }
 
 /// A verb's run against one guest: the verb's session, and what the verb prints.
@@ -186,13 +200,21 @@ impl VerbRun {
             // The report plans in one stop: nothing stays.
             return session.detach();
         }
-        session.resume()?;
-        self.live = Some(Live {
+        let mut live = Live {
             session,
             kprobes_before,
             trace_view: None,
             streamed: Instant::now(),
-        });
+            stops_at_install: 0,
+            drained: (0, Duration::ZERO),
+        };
+        if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
+            // While the guest is still stopped: streaming then needs no stop of its own.
+            self.trace_view(&mut live)?;
+        }
+        live.session.resume()?;
+        live.stops_at_install = live.session.stops();
+        self.live = Some(live);
         Ok(())
     }
 
@@ -341,7 +363,8 @@ impl VerbRun {
     }
 
     /// Prints the trace records that arrived since the last drain, at most every
-    /// [`STREAM_EVERY`]; the guest stops for the read. Nothing to do without trace rings.
+    /// [`STREAM_EVERY`] with the guest stopped for the read, or every [`STREAM_SHARED_EVERY`]
+    /// with no stop when the guest's RAM is shared. Nothing to do without trace rings.
     ///
     /// A failed drain turns streaming off with a warning rather than ending the run: the
     /// splices must still come out, and removal reads what is left in the rings.
@@ -363,16 +386,28 @@ impl VerbRun {
 
     fn stream_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
         let rings = live.session.splicer().is_some_and(|s| s.rings.is_some());
-        if !rings || live.streamed.elapsed() < STREAM_EVERY {
+        let shared = live.session.is_shared();
+        let every = if shared {
+            STREAM_SHARED_EVERY
+        } else {
+            STREAM_EVERY
+        };
+        if !rings || live.streamed.elapsed() < every {
             return Ok(());
         }
-        live.session.pause()?;
-        let drained = self
-            .trace_view(live)
-            .and_then(|()| live.session.drain(false));
-        live.session.resume()?;
+        let started = Instant::now();
+        let drained = if shared {
+            live.session.drain(false)
+        } else {
+            live.session.pause()?;
+            let drained = live.session.drain(false);
+            live.session.resume()?;
+            drained
+        };
         live.streamed = Instant::now();
         let records = drained?;
+        live.drained.0 += records.len() as u64;
+        live.drained.1 += started.elapsed();
         if let Some(view) = live.trace_view.as_mut() {
             for line in view.lines(&records) {
                 self.say(&line);
@@ -404,7 +439,21 @@ impl VerbRun {
         let Some(mut live) = self.live.take() else {
             return Ok(());
         };
+        let stops_while_in = live.session.stops().saturating_sub(live.stops_at_install);
         live.session.pause()?;
+        if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
+            let (n, took) = live.drained;
+            self.say(&format!(
+                "data path: {}; the guest was stopped {stops_while_in} times while the splices were in; {n} records drained while it ran, in {:.1} ms of reading ({:.0} records/s)",
+                if live.session.is_shared() {
+                    "shared memory"
+                } else {
+                    "stop-and-read"
+                },
+                took.as_secs_f64() * 1e3,
+                n as f64 / took.as_secs_f64().max(1e-9)
+            ));
+        }
         let result = self.remove_on(&mut live);
         // Removes whatever the failed removal left, then detaches.
         let detached = live.session.detach();
@@ -537,8 +586,10 @@ impl VerbRun {
     }
 }
 
-/// How often the trace rings are drained while the guest runs.
+/// How often the trace rings are drained while the guest runs (each drain stops it).
 pub const STREAM_EVERY: Duration = Duration::from_millis(250);
+/// How often they are drained through shared RAM (no stop).
+pub const STREAM_SHARED_EVERY: Duration = Duration::from_millis(10);
 
 /// Trace records as text, as they arrive: time since the first record, vCPU, entry (`->`
 /// with the first argument) or return (`<-` with the return value and the call's duration
@@ -653,6 +704,30 @@ impl PhaseHook for SpliceHook {
     }
 }
 
+/// Where a booted guest's RAM lives, shared with exotap: on tmpfs when there is one; removed
+/// when the run ends.
+struct SharedRamFile(PathBuf);
+
+impl SharedRamFile {
+    fn new() -> Self {
+        use std::sync::atomic::AtomicU32;
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let dir = if std::path::Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Self(dir.join(format!("exotap-ram-{}-{n}", std::process::id())))
+    }
+}
+
+impl Drop for SharedRamFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
@@ -672,7 +747,14 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     if let Some(target) = &live.target {
         let heap = crate::script::parse_heap(&live.heap)?;
         let mut verb = make_run(image, heap);
-        let target = Target::new(target.clone());
+        let mut target = Target::new(target.clone());
+        target.shm.clone_from(&live.shm);
+        if target.shm.is_none() && matches!(verb.op, Operation::Trace(_)) {
+            eprintln!(
+                "exotap: the guest is stopped for each read of the trace rings; for the zero-stop path, {}",
+                exotap_probes::live::shared::FAST_PATH_HINT
+            );
+        }
         verb.install(&target)?;
         if matches!(verb.op, Operation::Report { install: None, .. }) {
             return Ok(0);
@@ -692,7 +774,8 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
             }
             verb.stream();
             let Some(l) = verb.live.as_mut() else { break };
-            match l.session.wait(Duration::from_millis(100))? {
+            let wait = if l.session.is_shared() { 10 } else { 100 };
+            match l.session.wait(Duration::from_millis(wait))? {
                 None => {}
                 Some(StopEvent::Exited) => {
                     if let Some(live) = verb.live.take() {
@@ -734,9 +817,15 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     let socket = work.path().join("gdb.sock");
     config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
     let heap = (config.patch_heap.base, config.patch_heap.size);
+    let mut target = Target::new(format!("unix:{}", socket.display()));
+    let ram = (!live.stop_and_read).then(SharedRamFile::new);
+    if let Some(ram) = &ram {
+        config.shared_ram = Some(ram.0.clone());
+        target.shm = Some(ram.0.clone());
+    }
     let mut hook = SpliceHook {
         verb: make_run(image, heap),
-        target: Target::new(format!("unix:{}", socket.display())),
+        target,
     };
     let mut sink: Box<dyn Write> = match &live.console {
         Some(path) => Box::new(

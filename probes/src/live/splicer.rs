@@ -840,6 +840,10 @@ pub struct Splicer {
     /// Where the patch heap is mapped in kernel space (its start).
     pub heap_va: u64,
     heap_phys: u64,
+    heap_size: u64,
+    /// The guest's RAM shared with exotap (set by the session): rings and counters are then
+    /// read and zeroed through it while the guest runs. Code still goes over the gdbstub.
+    pub shared: Option<super::shared::SharedHeap>,
     data: PatchHeap,
     code: PatchHeap,
     return_thunk: Option<u64>,
@@ -998,6 +1002,8 @@ impl Splicer {
             kernel,
             heap_va: plan.va,
             heap_phys: plan.phys,
+            heap_size: plan.size,
+            shared: None,
             data: PatchHeap::new(plan.va + REGION, plan.va + CODE_OFFSET)?,
             code: PatchHeap::new(plan.va + CODE_OFFSET, plan.va + plan.size)?,
             return_thunk,
@@ -1016,6 +1022,11 @@ impl Splicer {
                 heap_phys: plan.phys,
             },
         })
+    }
+
+    /// The mapped patch heap: kernel virtual address, guest-physical address, size.
+    pub fn heap_range(&self) -> (u64, u64, u64) {
+        (self.heap_va, self.heap_phys, self.heap_size)
     }
 
     fn heap_phys(&self, va: u64) -> u64 {
@@ -1136,8 +1147,11 @@ impl Splicer {
                 .cpu_number
                 .context("the kernel has no cpu_number per-CPU variable")?;
             let cpus = u32::try_from(self.survey.layout.per_cpu_offsets.len().max(1))?;
-            // 512 KiB of records in all.
-            let slots = ((512 << 10) / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 16);
+            // 512 KiB of records in all; 16 MiB when the host reads them while the guest runs
+            // (zeroed through the shared RAM, not the gdbstub): a drain every 50 ms then
+            // keeps up with millions of records a second.
+            let all: u64 = if self.shared.is_some() { 16 << 20 } else { 512 << 10 };
+            let slots = (all / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 19);
             let slots = 1u32 << (63 - slots.leading_zeros());
             let mut rings = Rings {
                 set: RingSet {
@@ -1333,7 +1347,12 @@ impl Splicer {
         // Counters (zeroed) and patches first, then the jumps, page by page.
         machine.write_phys(self.heap_phys(data_block), &vec![0u8; 8 * n as usize])?;
         for (at, len) in zero {
-            machine.write_phys(self.heap_phys(at), &vec![0u8; usize::try_from(len)?])?;
+            let zeros = vec![0u8; usize::try_from(len)?];
+            match &self.shared {
+                // Data, never executed: the shared RAM is fine (and fast for big rings).
+                Some(shared) => shared.write_heap(at, &zeros)?,
+                None => machine.write_phys(self.heap_phys(at), &zeros)?,
+            }
         }
         if !code_buf.is_empty() {
             machine.write_phys(self.heap_phys(code_block), &code_buf)?;
@@ -1439,6 +1458,9 @@ impl Splicer {
         let Some(Rings { set: rings, .. }) = self.rings else {
             return Ok(Vec::new());
         };
+        if let Some(shared) = &self.shared {
+            return self.drain_shared(&shared.clone(), rings, last);
+        }
         // Read every ring first: a failed read changes nothing, and removal finds it all.
         let mut taken = Vec::new();
         for cpu in 0..rings.cpus {
@@ -1477,7 +1499,36 @@ impl Splicer {
         Ok(out)
     }
 
-    /// Reads every counter (the guest stopped).
+    /// [`Splicer::drain_rings`] through the shared RAM, the vCPUs running
+    /// ([`crate::rings::drain_concurrent`]).
+    fn drain_shared(
+        &mut self,
+        shared: &super::shared::SharedHeap,
+        rings: RingSet,
+        last: bool,
+    ) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
+        let mut out = Vec::new();
+        for cpu in 0..rings.cpus {
+            let i = cpu as usize;
+            let (Some(taken), Some(lost)) = (self.ring_taken.get_mut(i), self.ring_lost.get_mut(i))
+            else {
+                continue;
+            };
+            let got = crate::rings::drain_concurrent(shared, &rings, cpu, taken, last)?;
+            *lost += got.lost;
+            let bytes = got.records.concat();
+            let (records, _) = take_records(&bytes, true);
+            out.extend(records.into_iter().map(|r| (cpu, r)));
+        }
+        Ok(out)
+    }
+
+    /// Records lost to ring overruns so far, per vCPU.
+    pub fn ring_losses(&self) -> &[u64] {
+        &self.ring_lost
+    }
+
+    /// Reads every counter (the guest stopped, or running when the RAM is shared).
     ///
     /// # Errors
     /// When the heap cannot be read.
@@ -1487,8 +1538,14 @@ impl Splicer {
         }
         let lo = self.installed.iter().map(|s| s.counter).min().unwrap_or(0);
         let hi = self.installed.iter().map(|s| s.counter).max().unwrap_or(0) + 8;
-        let mut buf = vec![0u8; usize::try_from(hi - lo)?];
-        machine.read_phys(self.heap_phys(lo), &mut buf)?;
+        let buf = match &self.shared {
+            Some(shared) => shared.read_heap(lo, usize::try_from(hi - lo)?)?,
+            None => {
+                let mut buf = vec![0u8; usize::try_from(hi - lo)?];
+                machine.read_phys(self.heap_phys(lo), &mut buf)?;
+                buf
+            }
+        };
         Ok(self
             .installed
             .iter()
