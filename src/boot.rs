@@ -107,6 +107,11 @@ pub struct BootArgs {
     /// or `unix:PATH,server=on,wait=off`.
     #[arg(long, value_name = "DEVICE")]
     pub gdbstub: Option<String>,
+    /// Put the guest's RAM in FILE, shared (a QEMU memory-backend-file with share=on; use a
+    /// tmpfs path such as /dev/shm/guest-ram), so that `exotap ... --target --shm FILE`
+    /// reads trace rings and counters without stopping the guest.
+    #[arg(long, value_name = "FILE")]
+    pub shm: Option<PathBuf>,
     /// Run this probe script against the guest: exotap attaches right after EXOTAP-READY,
     /// arms the script's probe points, runs begin probes, every hit, and end probes once the
     /// guest powers off (or the script calls exit()).
@@ -407,6 +412,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;
     config.gdbstub = args.gdbstub.clone();
+    config.shared_ram = args.shm.clone();
     let gdb_socket = work.path().join("gdb.sock");
     if args.gdb || script.is_some() {
         config.gdbstub = Some(format!("unix:{},server=on,wait=off", gdb_socket.display()));

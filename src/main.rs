@@ -20,6 +20,7 @@ mod entry_patch;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+mod perfetto;
 mod profile;
 mod recover;
 #[cfg(feature = "unicorn")]

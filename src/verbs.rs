@@ -125,6 +125,10 @@ pub struct TraceArgs {
     /// return (with the return value) is recorded with its TSC in per-vCPU rings.
     #[arg(required = true, value_name = "FUNC")]
     pub functions: Vec<String>,
+    /// Also write the records to FILE as a Perfetto trace (ui.perfetto.dev): one track per
+    /// vCPU, each call a slice from its entry to its return, with the task's name and pid.
+    #[arg(long, value_name = "FILE")]
+    pub perfetto: Option<PathBuf>,
     #[command(flatten)]
     pub live: LiveArgs,
 }
@@ -180,6 +184,8 @@ struct VerbRun {
     out: Box<dyn Write + Send>,
     /// Whether a site asked for was refused (exit code 1).
     refused_any: bool,
+    /// `--perfetto`: where the trace's Perfetto file goes.
+    perfetto: Option<PathBuf>,
     /// Whether trace records still stream (off after a failed drain: the rest are read at
     /// removal).
     streaming: bool,
@@ -224,7 +230,13 @@ impl VerbRun {
     ) -> anyhow::Result<Option<BTreeMap<String, (u64, u64)>>> {
         let slide = session.survey.kaslr.slide;
         let requests = requests(&self.op, &self.image, slide)?;
-        session.plan(&self.image, self.heap)?;
+        let splicer = session.plan(&self.image, self.heap)?;
+        if matches!(self.op, Operation::Trace(_)) {
+            // The task of each record: its pid and name.
+            splicer.trace_task = exotap_probes::live::attach::task_offsets(&self.image)
+                .map_err(|e| tracing::warn!("trace records will not name their tasks: {e:#}"))
+                .ok();
+        }
         if let Operation::Report { list, install } = self.op.clone() {
             self.report(session, list, install)?;
             return Ok(None);
@@ -429,7 +441,12 @@ impl VerbRun {
                 .iter()
                 .map(|(id, n)| (u64::from(*id), n.clone()))
                 .collect();
-            live.trace_view = Some(TraceView::new(names, khz));
+            let mut view = TraceView::new(names, khz);
+            view.perfetto = self
+                .perfetto
+                .as_deref()
+                .map(crate::perfetto::SliceTrace::new);
+            live.trace_view = Some(view);
         }
         Ok(())
     }
@@ -549,6 +566,9 @@ impl VerbRun {
                     "trace: {shown} records; lost to ring overruns per vCPU: {:?}",
                     report.overruns
                 ));
+                if let Some(trace) = view.perfetto.take() {
+                    trace.finish()?;
+                }
             }
         }
         if !report.histograms.is_empty() {
@@ -599,8 +619,11 @@ pub struct TraceView {
     names: BTreeMap<u64, String>,
     khz: u32,
     first: Option<u64>,
-    /// Entries whose return has not come yet, by (stack slot, function id): their TSC.
-    open: BTreeMap<(u64, u32), u64>,
+    /// Entries whose return has not come yet, by (stack slot, function id): their TSC and
+    /// vCPU.
+    open: BTreeMap<(u64, u32), (u64, u32)>,
+    /// The same records as Perfetto slices (`--perfetto`).
+    pub perfetto: Option<crate::perfetto::SliceTrace>,
     /// Records shown so far.
     pub shown: u64,
 }
@@ -613,6 +636,7 @@ impl TraceView {
             khz: khz.max(1),
             first: None,
             open: BTreeMap::new(),
+            perfetto: None,
             shown: 0,
         }
     }
@@ -625,30 +649,44 @@ impl TraceView {
             return Vec::new();
         };
         let first = *self.first.get_or_insert(batch_first);
-        let khz = self.khz;
-        let us = |cycles: u64| cycles as f64 * 1000.0 / f64::from(khz);
+        let khz = u128::from(self.khz);
+        // Nanoseconds, the unit of the Perfetto timeline too: both views show the same times.
+        let ns = |cycles: u64| u64::try_from(u128::from(cycles) * 1_000_000 / khz).unwrap_or(u64::MAX);
+        let us = |ns: u64| format!("{}.{:03}", ns / 1000, ns % 1000);
         self.shown += sorted.len() as u64;
-        sorted
-            .into_iter()
-            .map(|(cpu, r)| {
-                let name = self.names.get(&u64::from(r.id)).map_or("?", String::as_str);
-                let at = us(r.tsc.saturating_sub(first));
-                if r.kind == 1 {
-                    self.open.insert((r.slot, r.id), r.tsc);
-                    format!("{at:>14.3} us  cpu{cpu}  -> {name}(arg0={:#x})", r.value)
-                } else {
-                    let took = self
-                        .open
-                        .remove(&(r.slot, r.id))
-                        .map(|t| format!("  [{:.3} us]", us(r.tsc.saturating_sub(t))))
-                        .unwrap_or_default();
-                    format!(
-                        "{at:>14.3} us  cpu{cpu}  <- {name} = {}{took}",
-                        r.value as i64
-                    )
+        let mut lines = Vec::with_capacity(sorted.len());
+        for (cpu, r) in sorted {
+            let name = self.names.get(&u64::from(r.id)).map_or("?", String::as_str);
+            let at = ns(r.tsc.saturating_sub(first));
+            let task = r.task_name();
+            if r.kind == 1 {
+                self.open.insert((r.slot, r.id), (r.tsc, *cpu));
+                if let Some(p) = self.perfetto.as_mut() {
+                    p.begin(*cpu, at, name, &task, r.pid, r.value);
                 }
-            })
-            .collect()
+                lines.push(format!(
+                    "{:>14} us  cpu{cpu}  {task}[{}]  -> {name}(arg0={:#x})",
+                    us(at),
+                    r.pid,
+                    r.value
+                ));
+            } else {
+                let entry = self.open.remove(&(r.slot, r.id));
+                let took = entry
+                    .map(|(t, _)| format!("  [{} us]", us(ns(r.tsc.saturating_sub(t)))))
+                    .unwrap_or_default();
+                if let (Some(p), Some((_, entry_cpu))) = (self.perfetto.as_mut(), entry) {
+                    p.end(entry_cpu, at, r.value);
+                }
+                lines.push(format!(
+                    "{:>14} us  cpu{cpu}  {task}[{}]  <- {name} = {}{took}",
+                    us(at),
+                    r.pid,
+                    r.value as i64
+                ));
+            }
+        }
+        lines
     }
 }
 
@@ -728,7 +766,7 @@ impl Drop for SharedRamFile {
     }
 }
 
-fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
+fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Result<i32> {
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
@@ -739,6 +777,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         op,
         heap,
         compare_kprobes: live.compare_kprobes,
+        perfetto,
         live: None,
         out: Box::new(std::io::stdout()),
         refused_any: false,
@@ -861,7 +900,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
 /// # Errors
 /// Unknown functions, attach or guest failures.
 pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
-    run(Operation::Count(args.patterns.clone()), &args.live)
+    run(Operation::Count(args.patterns.clone()), &args.live, None)
 }
 
 /// `exotap nullify`.
@@ -870,7 +909,7 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
 /// As [`run_count`], and a bad VALUE.
 pub fn run_nullify(args: &NullifyArgs) -> anyhow::Result<i32> {
     let value = parse_value(&args.value)?;
-    run(Operation::Nullify(args.function.clone(), value), &args.live)
+    run(Operation::Nullify(args.function.clone(), value), &args.live, None)
 }
 
 /// `exotap replace`.
@@ -881,6 +920,7 @@ pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
     run(
         Operation::Replace(args.function.clone(), args.other.clone()),
         &args.live,
+        None,
     )
 }
 
@@ -889,7 +929,7 @@ pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
 /// # Errors
 /// As [`run_count`].
 pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
-    run(Operation::Time(args.functions.clone()), &args.live)
+    run(Operation::Time(args.functions.clone()), &args.live, None)
 }
 
 /// `exotap trace`.
@@ -897,7 +937,11 @@ pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
 /// # Errors
 /// As [`run_count`].
 pub fn run_trace(args: &TraceArgs) -> anyhow::Result<i32> {
-    run(Operation::Trace(args.functions.clone()), &args.live)
+    run(
+        Operation::Trace(args.functions.clone()),
+        &args.live,
+        args.perfetto.clone(),
+    )
 }
 
 /// `exotap splice-report`.
@@ -911,6 +955,7 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<i32> {
             install: args.install,
         },
         &args.live,
+        None,
     )
 }
 
@@ -928,15 +973,20 @@ mod tests {
             id: 7,
             kind,
             slot: 0xffff_c900_0000_0f00,
+            pid: 42,
+            comm: *b"dd\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
         };
 
         let first = view.lines(&[(1, rec(5000, 0x10, 1))]);
-        let second = view.lines(&[(1, rec(7000, 18, 2))]);
+        let second = view.lines(&[(1, rec(7001, 18, 2))]);
 
-        assert_eq!(first, ["         0.000 us  cpu1  -> vfs_read(arg0=0x10)"]);
+        assert_eq!(
+            first,
+            ["         0.000 us  cpu1  dd[42]  -> vfs_read(arg0=0x10)"]
+        );
         assert_eq!(
             second,
-            ["         2.000 us  cpu1  <- vfs_read = 18  [2.000 us]"]
+            ["         2.001 us  cpu1  dd[42]  <- vfs_read = 18  [2.001 us]"]
         );
         assert_eq!(view.shown, 2);
     }

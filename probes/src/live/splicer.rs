@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
+use exotap_introspect::layout::TaskOffsets;
 use exotap_introspect::x86::{
     ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
@@ -710,8 +711,9 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 /// Each vCPU's ring is a 64-byte header (the `u64` head: records ever reserved, with
 /// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
 /// first argument at entry, the return value at exit), function id at +16, kind at +20
-/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit). The TSC is stored
-/// last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
+/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit), the running task's
+/// pid at +32 and its `comm` (16 bytes) at +40 (zero when the kernel's task offsets are
+/// unknown), 8 bytes reserved. The TSC is stored last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
 /// guest stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
 /// from where it stopped last up to the first one whose TSC is still 0 (its writer has not
 /// finished), then zeroes the records it took, so that a slot being rewritten reads as
@@ -723,10 +725,13 @@ pub struct Rings {
     pub set: RingSet,
     /// The per-CPU offset of `cpu_number` (gs-relative).
     pub cpu_number: u64,
+    /// Where the running task's pid and name are: the per-CPU offset of `current_task`, and
+    /// `task_struct`'s pid and comm offsets.
+    pub task: Option<(u64, TaskOffsets)>,
 }
 
 /// Bytes per trace record.
-pub const TRACE_RECORD: u64 = 32;
+pub const TRACE_RECORD: u64 = 64;
 
 /// Writes one record; r8 = TSC, `value` = the value, rsi = the stack slot. Clobbers rax,
 /// rcx, rdx and the flags.
@@ -744,6 +749,32 @@ fn emit_record(
     a.mov(dword_ptr(rdx + 16), id)?;
     a.mov(dword_ptr(rdx + 20), kind)?;
     a.mov(qword_ptr(rdx + 24), rsi)?;
+    match rings.task {
+        Some((current_task, task)) => {
+            use iced_x86::code_asm::{ecx, rcx};
+            let mut cur = iced_x86::Instruction::with2(
+                iced_x86::Code::Mov_r64_rm64,
+                Register::RAX,
+                iced_x86::MemoryOperand::with_base_displ(Register::None, current_task as i64),
+            )?;
+            cur.set_segment_prefix(Register::GS);
+            cur.set_memory_displ_size(4);
+            a.add_instruction(cur)?;
+            let pid = i32::try_from(task.pid)?;
+            let comm = i32::try_from(task.comm)?;
+            a.mov(ecx, dword_ptr(rax + pid))?;
+            a.mov(dword_ptr(rdx + 32), ecx)?;
+            a.mov(rcx, qword_ptr(rax + comm))?;
+            a.mov(qword_ptr(rdx + 40), rcx)?;
+            a.mov(rcx, qword_ptr(rax + comm + 8))?;
+            a.mov(qword_ptr(rdx + 48), rcx)?;
+        }
+        None => {
+            a.mov(dword_ptr(rdx + 32), 0)?;
+            a.mov(qword_ptr(rdx + 40), 0)?;
+            a.mov(qword_ptr(rdx + 48), 0)?;
+        }
+    }
     a.mov(qword_ptr(rdx), r8)?;
     a.set_label(&mut skip)?;
     a.nop()?;
@@ -857,6 +888,9 @@ pub struct Splicer {
     pub rings: Option<Rings>,
     /// The per-CPU offset of `cpu_number`.
     cpu_number: Option<u64>,
+    /// `task_struct`'s pid and comm offsets, for the task in trace records (set by the
+    /// caller before the install: finding them parses the BTF).
+    pub trace_task: Option<TaskOffsets>,
     /// Names of traced functions by id.
     pub trace_names: Vec<(u32, String)>,
     /// Per vCPU: records taken from its ring so far, and records lost to overruns.
@@ -930,6 +964,18 @@ pub struct TraceRecord {
     pub kind: u32,
     /// The call's stack slot (pairs entry and exit).
     pub slot: u64,
+    /// The running task's pid (0 when unknown).
+    pub pid: u32,
+    /// The running task's name (`comm`, NUL-padded).
+    pub comm: [u8; 16],
+}
+
+impl TraceRecord {
+    /// The task's name as text (up to its first NUL).
+    pub fn task_name(&self) -> String {
+        let end = self.comm.iter().position(|&b| b == 0).unwrap_or(16);
+        String::from_utf8_lossy(&self.comm[..end]).into_owned()
+    }
 }
 
 pub use crate::rings::{spans as ring_spans_of, window as ring_window};
@@ -957,6 +1003,8 @@ pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
                 id: half(16),
                 kind: half(20),
                 slot: word(24),
+                pid: half(32),
+                comm: chunk[40..56].try_into().unwrap_or_default(),
             }
         })
         .collect();
@@ -1013,6 +1061,7 @@ impl Splicer {
             rings: None,
             // A per-CPU symbol: an offset from the GS base, not slid.
             cpu_number: image.symbols.get("cpu_number").map(|s| s.addr),
+            trace_task: None,
             trace_names: Vec::new(),
             ring_taken: Vec::new(),
             ring_lost: Vec::new(),
@@ -1161,6 +1210,9 @@ impl Splicer {
                     record: TRACE_RECORD,
                 },
                 cpu_number,
+                task: self
+                    .trace_task
+                    .map(|t| (self.survey.layout.current_task_offset, t)),
             };
             let bytes = rings.set.bytes();
             // The rings and the in-flight table are large (rings grow with the vCPUs, the
@@ -1933,6 +1985,10 @@ mod tests {
             bytes.extend_from_slice(&id.to_le_bytes());
             bytes.extend_from_slice(&kind.to_le_bytes());
             bytes.extend_from_slice(&0x1000u64.to_le_bytes());
+            bytes.extend_from_slice(&42u32.to_le_bytes());
+            bytes.extend_from_slice(&[0; 4]);
+            bytes.extend_from_slice(b"dd\0\0\0\0\0\0\0\0\0\0\0\0\0\0");
+            bytes.extend_from_slice(&[0; 8]);
         }
         bytes
     }
@@ -1983,6 +2039,7 @@ mod tests {
             (running[0].value, running[0].id, running[0].kind),
             (20, 7, 1)
         );
+        assert_eq!((running[0].pid, running[0].task_name()), (42, "dd".to_owned()));
         assert_eq!(consumed_last, 4, "at removal it is skipped, not waited for");
         assert_eq!(
             last.iter().map(|r| r.tsc).collect::<Vec<_>>(),
