@@ -673,7 +673,11 @@ impl TraceView {
             } else {
                 let entry = self.open.remove(&(r.slot, r.id));
                 let took = entry
-                    .map(|(t, _)| format!("  [{} us]", us(ns(r.tsc.saturating_sub(t)))))
+                    // The difference of the two times shown (so the text adds up).
+                    .map(|(t, _)| {
+                        let entered = ns(t.saturating_sub(first));
+                        format!("  [{} us]", us(at.saturating_sub(entered)))
+                    })
                     .unwrap_or_default();
                 if let (Some(p), Some((_, entry_cpu))) = (self.perfetto.as_mut(), entry) {
                     p.end(entry_cpu, at, r.value);

@@ -63,8 +63,8 @@ pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;
 /// The most bytes one patch may take (a timed function's trampoline, entry half and
-/// relocated instruction take about 200, a traced one about 420).
-const MAX_PATCH: u64 = 512;
+/// relocated instruction take about 200, a traced one about 520 with the task's pid and name).
+const MAX_PATCH: u64 = 768;
 /// The most bytes one compiled-probe site may take (bodies, trampoline, relocation).
 const MAX_COMPILED: u64 = 64 << 10;
 /// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
