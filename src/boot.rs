@@ -413,6 +413,11 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.kaslr = !args.nokaslr;
     config.gdbstub = args.gdbstub.clone();
     config.shared_ram = args.shm.clone();
+    // A script's compiled probes are read through the guest's RAM, shared, with no stop.
+    let _ram = (script.is_some() && args.shm.is_none()).then(crate::verbs::SharedRamFile::new);
+    if let Some(ram) = &_ram {
+        config.shared_ram = Some(ram.0.clone());
+    }
     let gdb_socket = work.path().join("gdb.sock");
     if args.gdb || script.is_some() {
         config.gdbstub = Some(format!("unix:{},server=on,wait=off", gdb_socket.display()));
@@ -443,7 +448,8 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         boot: Duration::from_secs(args.boot_timeout),
         total: Duration::from_secs(args.timeout),
     };
-    let gdb_target = Target::new(format!("unix:{}", gdb_socket.display()));
+    let mut gdb_target = Target::new(format!("unix:{}", gdb_socket.display()));
+    gdb_target.shm.clone_from(&config.shared_ram);
     let mut script_rc = 0;
     let outcome = if let Some(script) = script {
         let mut hook = ScriptHook {

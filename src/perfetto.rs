@@ -152,7 +152,10 @@ mod tests {
         assert_eq!(packets.len(), 3, "descriptor, begin, end");
         assert_eq!(packets[0].track_descriptor().name(), "vCPU 1");
         let (begin, end) = (packets[1].track_event(), packets[2].track_event());
-        assert_eq!((begin.type_(), begin.name()), (Type::TYPE_SLICE_BEGIN, "vfs_read"));
+        assert_eq!(
+            (begin.type_(), begin.name()),
+            (Type::TYPE_SLICE_BEGIN, "vfs_read")
+        );
         assert_eq!(end.type_(), Type::TYPE_SLICE_END);
         assert_eq!(begin.track_uuid(), packets[0].track_descriptor().uuid());
         assert_eq!((packets[1].timestamp(), packets[2].timestamp()), (100, 250));

@@ -651,7 +651,8 @@ impl TraceView {
         let first = *self.first.get_or_insert(batch_first);
         let khz = u128::from(self.khz);
         // Nanoseconds, the unit of the Perfetto timeline too: both views show the same times.
-        let ns = |cycles: u64| u64::try_from(u128::from(cycles) * 1_000_000 / khz).unwrap_or(u64::MAX);
+        let ns =
+            |cycles: u64| u64::try_from(u128::from(cycles) * 1_000_000 / khz).unwrap_or(u64::MAX);
         let us = |ns: u64| format!("{}.{:03}", ns / 1000, ns % 1000);
         self.shown += sorted.len() as u64;
         let mut lines = Vec::with_capacity(sorted.len());
@@ -748,10 +749,10 @@ impl PhaseHook for SpliceHook {
 
 /// Where a booted guest's RAM lives, shared with exotap: on tmpfs when there is one; removed
 /// when the run ends.
-struct SharedRamFile(PathBuf);
+pub(crate) struct SharedRamFile(pub(crate) PathBuf);
 
 impl SharedRamFile {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         use std::sync::atomic::AtomicU32;
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let dir = if std::path::Path::new("/dev/shm").is_dir() {
@@ -913,7 +914,11 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
 /// As [`run_count`], and a bad VALUE.
 pub fn run_nullify(args: &NullifyArgs) -> anyhow::Result<i32> {
     let value = parse_value(&args.value)?;
-    run(Operation::Nullify(args.function.clone(), value), &args.live, None)
+    run(
+        Operation::Nullify(args.function.clone(), value),
+        &args.live,
+        None,
+    )
 }
 
 /// `exotap replace`.

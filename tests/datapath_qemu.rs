@@ -64,12 +64,20 @@ fn counting_relay(listen: &Path, upstream: &Path) -> Arc<AtomicU64> {
     interrupts
 }
 
-/// `exotap trace --target` through the relay for 3 s; (interrupts counted, stdout, stderr).
-fn trace_through_relay(dir: &Path, name: &str, gdb: &Path, shm: Option<&Path>) -> (u64, String) {
+/// `exotap ARGS --target RELAY [--shm SHM]` through a counting relay to the gdbstub `gdb`;
+/// (interrupts counted, stdout).
+fn through_relay(
+    dir: &Path,
+    name: &str,
+    gdb: &Path,
+    shm: Option<&Path>,
+    args: &[&str],
+) -> (u64, String) {
     let relay = dir.join(format!("{name}.sock"));
     let interrupts = counting_relay(&relay, gdb);
     let mut cmd = exotap();
-    cmd.args(["trace", "__x64_sys_getppid", "--duration", "3", "--target"])
+    cmd.args(args)
+        .arg("--target")
         .arg(format!("unix:{}", relay.display()));
     if let Some(shm) = shm {
         cmd.arg("--shm").arg(shm);
@@ -78,6 +86,17 @@ fn trace_through_relay(dir: &Path, name: &str, gdb: &Path, shm: Option<&Path>) -
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     (interrupts.load(Ordering::SeqCst), out)
 }
+
+const TRACE: &[&str] = &["trace", "__x64_sys_getppid", "--duration", "3"];
+/// A compiled script that prints at every hit and ends itself (no host timer: a timer probe
+/// runs on the host with the guest stopped).
+const PRINTING_SCRIPT: &[&str] = &[
+    "run",
+    "--compile",
+    "require",
+    "-e",
+    r#"global n; probe kernel.function("__x64_sys_getppid") { n++; printf("hit %d\n", n); if (n >= 300) exit() }"#,
+];
 
 /// The number before `word` on the `data path:` line.
 fn data_path_number(out: &str, word: &str) -> u64 {
@@ -104,33 +123,62 @@ fn trace_through_shared_ram_streams_records_without_stopping_the_guest() {
     // getppid bursts for as long as the test needs the guest.
     let job = "echo LOOPING; while true; do syscall-loop 100 > /dev/null; sleep 0.05; done";
     let (mut guest, _console) = boot_with_gdbstub(
-        &["--run", job, "--timeout", "600", "--shm", shm.to_str().unwrap()],
+        &[
+            "--run",
+            job,
+            "--timeout",
+            "600",
+            "--shm",
+            shm.to_str().unwrap(),
+        ],
         &gdb,
         "LOOPING",
     );
 
-    let (shared_stops, shared_out) = trace_through_relay(dir.path(), "shared", &gdb, Some(&shm));
-    let (stopped_stops, stopped_out) = trace_through_relay(dir.path(), "stopped", &gdb, None);
+    let (shared_stops, shared_out) = through_relay(dir.path(), "shared", &gdb, Some(&shm), TRACE);
+    let (stopped_stops, stopped_out) = through_relay(dir.path(), "stopped", &gdb, None, TRACE);
+    let (script_stops, script_out) =
+        through_relay(dir.path(), "script", &gdb, Some(&shm), PRINTING_SCRIPT);
     let _ = guest.kill();
     let _ = guest.wait();
     let _ = std::fs::remove_file(&shm);
 
+    eprintln!(
+        "interrupts sent to QEMU: trace shared {shared_stops}, trace stop-and-read {stopped_stops}, compiled printf script shared {script_stops}"
+    );
     let ctx = format!("shared:\n{shared_out}\nstop-and-read:\n{stopped_out}");
+    // The script's prints streamed with one stop: its removal.
+    assert_eq!(script_stops, 1, "{script_out}");
+    let hits: Vec<&str> = script_out
+        .lines()
+        .filter(|l| l.starts_with("hit "))
+        .collect();
+    assert_eq!(hits.first().copied(), Some("hit 1"), "{script_out}");
+    assert!(hits.len() >= 300, "{script_out}");
     // One interrupt each for the removal; stop-and-read adds one per drain (every 250 ms).
     assert_eq!(shared_stops, 1, "{ctx}");
     assert!(stopped_stops >= 6, "{stopped_stops} interrupts\n{ctx}");
     assert_eq!(data_path_number(&shared_out, "times"), 0, "{ctx}");
-    assert_eq!(data_path_number(&stopped_out, "times"), stopped_stops - 1, "{ctx}");
+    assert_eq!(
+        data_path_number(&stopped_out, "times"),
+        stopped_stops - 1,
+        "{ctx}"
+    );
     assert!(shared_out.contains("data path: shared memory"), "{ctx}");
     assert!(
         data_path_number(&shared_out, "records drained") > 0,
         "records streamed while the guest ran\n{ctx}"
     );
     assert!(
-        shared_out.lines().any(|l| l.contains("-> __x64_sys_getppid")),
+        shared_out
+            .lines()
+            .any(|l| l.contains("-> __x64_sys_getppid")),
         "{ctx}"
     );
-    assert!(shared_out.contains("lost to ring overruns per vCPU: [0, 0]"), "{ctx}");
+    assert!(
+        shared_out.contains("lost to ring overruns per vCPU: [0, 0]"),
+        "{ctx}"
+    );
 }
 
 /// A booted run of `trace` at the guest's highest getppid rate; (stdout, console).
@@ -179,7 +227,11 @@ fn bench_data_path_shared_memory_against_stop_and_read() {
             .collect();
         println!(
             "BENCH {}: guest getppid {ns} ns/call traced (2 records a call)\n  {}",
-            if stop_and_read { "stop-and-read" } else { "shared memory" },
+            if stop_and_read {
+                "stop-and-read"
+            } else {
+                "shared memory"
+            },
             summary.join("\n  ")
         );
     }

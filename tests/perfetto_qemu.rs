@@ -42,7 +42,13 @@ for p in trace.packet:
 fn install_decoder(lib: &Path) -> Result<(), String> {
     for args in [&["protobuf"][..], &["--no-deps", "perfetto"][..]] {
         let out = Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
             .arg("--target")
             .arg(lib)
             .args(args)
@@ -91,7 +97,10 @@ fn text_slices(out: &str) -> Vec<Slice> {
         match f[4] {
             "->" => {
                 let function = f[5].split('(').next().unwrap().to_owned();
-                entries.insert((at, function), (format!("vCPU_{cpu}"), task.to_owned(), pid));
+                entries.insert(
+                    (at, function),
+                    (format!("vCPU_{cpu}"), task.to_owned(), pid),
+                );
             }
             "<-" if line.ends_with("us]") => {
                 let function = f[5].to_owned();
@@ -191,7 +200,10 @@ fn perfetto_slices_are_the_text_outputs_calls_with_the_same_timestamps() {
         .output()
         .unwrap();
 
-    let ctx = format!("stderr:\n{err}\ndecoder:\n{}", String::from_utf8_lossy(&decoded.stderr));
+    let ctx = format!(
+        "stderr:\n{err}\ndecoder:\n{}",
+        String::from_utf8_lossy(&decoded.stderr)
+    );
     assert_eq!(code, 0, "{ctx}");
     assert!(decoded.status.success(), "{ctx}");
     let text = text_slices(&out);

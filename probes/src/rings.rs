@@ -206,8 +206,8 @@ pub trait RingMemory {
 /// What one concurrent take of one ring found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Taken {
-    /// The finished records, oldest first, each `record` bytes.
-    pub records: Vec<Vec<u8>>,
+    /// The finished records one after the other, oldest first, each `record` bytes.
+    pub records: Vec<u8>,
     /// Records lost: overwritten before the host read them, or reused during the read.
     pub lost: u64,
 }
@@ -234,7 +234,9 @@ pub fn drain_concurrent<M: RingMemory>(
     let (from, mut lost) = window(head, *taken, set.slots);
     // At most a ring's worth: a hostile head far ahead costs one ring, no more.
     let end = head.min(from.saturating_add(slots));
-    let mut read: Vec<(u64, u64, Vec<u8>)> = Vec::new();
+    // (index, TSC) of each record read, and their bytes one after the other.
+    let mut read: Vec<(u64, u64)> = Vec::new();
+    let mut bytes = Vec::new();
     let mut next = from;
     while next < end {
         let at = set.slot(cpu, next % slots);
@@ -245,10 +247,11 @@ pub fn drain_concurrent<M: RingMemory>(
         }
         if tsc != 0 {
             // R3.
-            let mut bytes = vec![0u8; record];
-            bytes[..8].copy_from_slice(&tsc.to_le_bytes());
-            mem.read(at + 8, &mut bytes[8..])?;
-            read.push((next, tsc, bytes));
+            let start = bytes.len();
+            bytes.resize(start + record, 0);
+            bytes[start..start + 8].copy_from_slice(&tsc.to_le_bytes());
+            mem.read(at + 8, &mut bytes[start + 8..])?;
+            read.push((next, tsc));
         }
         next += 1;
     }
@@ -257,7 +260,8 @@ pub fn drain_concurrent<M: RingMemory>(
     let head_after = mem.load_acquire(head_at)?;
     let reused_below = head_after.saturating_sub(slots);
     let mut out = Taken::default();
-    for (index, tsc, bytes) in read {
+    out.records.reserve(bytes.len());
+    for ((index, tsc), record_bytes) in read.into_iter().zip(bytes.chunks_exact(record)) {
         if index < reused_below {
             lost += 1;
             continue;
@@ -266,7 +270,7 @@ pub fn drain_concurrent<M: RingMemory>(
             // R5: a failure means a newer record finished there; it stays for later.
             mem.compare_exchange(set.slot(cpu, index % slots), tsc, 0)?;
         }
-        out.records.push(bytes);
+        out.records.extend_from_slice(record_bytes);
     }
     out.lost = lost;
     *taken = next;
@@ -363,7 +367,7 @@ mod tests {
     fn values(taken: &Taken) -> Vec<u64> {
         taken
             .records
-            .iter()
+            .chunks_exact(16)
             .map(|r| u64::from_le_bytes(r[8..16].try_into().unwrap()))
             .collect()
     }
@@ -379,7 +383,11 @@ mod tests {
         let got = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
 
         assert_eq!((values(&got), got.lost, taken), (vec![10, 11, 12], 0, 3));
-        assert_eq!(ram.word(SET.slot(0, 0)), 0, "the taken slot reads unfinished");
+        assert_eq!(
+            ram.word(SET.slot(0, 0)),
+            0,
+            "the taken slot reads unfinished"
+        );
     }
 
     #[test]
@@ -393,7 +401,10 @@ mod tests {
         write_record(&mut ram.bytes.borrow_mut(), 1, 101, 11);
         let later = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
 
-        assert_eq!((values(&now), values(&later), taken), (vec![10], vec![11], 2));
+        assert_eq!(
+            (values(&now), values(&later), taken),
+            (vec![10], vec![11], 2)
+        );
     }
 
     #[test]
@@ -405,21 +416,34 @@ mod tests {
         // Right after the reader loads record 0's TSC, a writer laps the ring and rewrites
         // slot 0 (index 4) with a new value: the copy of record 0 would be torn.
         ram.writer_at = 2;
-        ram.writer = RefCell::new(Some(Box::new(|b: &mut Vec<u8>| write_record(b, 4, 104, 99))));
+        ram.writer = RefCell::new(Some(Box::new(|b: &mut Vec<u8>| {
+            write_record(b, 4, 104, 99)
+        })));
         let mut taken = 0;
 
         let got = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
 
-        assert_eq!(values(&got), vec![11, 12, 13], "record 0 is dropped, not delivered as 99");
+        assert_eq!(
+            values(&got),
+            vec![11, 12, 13],
+            "record 0 is dropped, not delivered as 99"
+        );
         assert_eq!(got.lost, 1);
-        assert_eq!(ram.word(SET.slot(0, 0)), 104, "the zeroing left the newer record alone");
+        assert_eq!(
+            ram.word(SET.slot(0, 0)),
+            104,
+            "the zeroing left the newer record alone"
+        );
     }
 
     #[test]
     fn a_hostile_head_costs_one_ring_and_an_out_of_range_ring_is_an_error() {
         let ram = FakeRam::new(SET.bytes() as usize);
         ram.bytes.borrow_mut()[..8].copy_from_slice(&u64::MAX.to_le_bytes());
-        let far = RingSet { base: 1 << 40, ..SET };
+        let far = RingSet {
+            base: 1 << 40,
+            ..SET
+        };
         let mut taken = 0;
 
         let got = drain_concurrent(&ram, &SET, 0, &mut taken, true).unwrap();

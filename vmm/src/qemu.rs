@@ -673,7 +673,8 @@ mod tests {
         let args = config.args(Path::new("/tmp/c.sock"));
 
         assert!(args.windows(2).any(|w| w[0] == "-object"
-            && w[1] == "memory-backend-file,id=exotap-ram,size=1024M,mem-path=/dev/shm/g,share=on"));
+            && w[1]
+                == "memory-backend-file,id=exotap-ram,size=1024M,mem-path=/dev/shm/g,share=on"));
         assert!(args
             .windows(2)
             .any(|w| w[0] == "-machine" && w[1] == "memory-backend=exotap-ram"));

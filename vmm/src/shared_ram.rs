@@ -181,11 +181,21 @@ impl SharedRam {
     /// [`SharedRamError::OutOfRange`].
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), SharedRamError> {
         let offset = self.offset(addr, buf.len())?;
-        for (i, byte) in buf.iter_mut().enumerate() {
-            // SAFETY: `offset(addr, len)` checked that `offset + len <= self.len`, so
-            // `offset + i` is inside the live mapping; a volatile read of a `u8` has no
-            // alignment requirement and tolerates the guest writing the byte.
-            *byte = unsafe { self.base.as_ptr().add(offset + i).read_volatile() };
+        let mut i = 0;
+        while i < buf.len() {
+            let at = offset + i;
+            if at.is_multiple_of(8) && i + 8 <= buf.len() {
+                // SAFETY: `offset(addr, len)` checked that `offset + len <= self.len`, so
+                // `[at, at + 8)` is inside the live mapping, and `at` is 8-aligned (the
+                // mapping is page-aligned); a volatile read tolerates the guest writing it.
+                let word = unsafe { self.base.as_ptr().add(at).cast::<u64>().read_volatile() };
+                buf[i..i + 8].copy_from_slice(&word.to_ne_bytes());
+                i += 8;
+            } else {
+                // SAFETY: as above for one byte, which needs no alignment.
+                buf[i] = unsafe { self.base.as_ptr().add(at).read_volatile() };
+                i += 1;
+            }
         }
         Ok(())
     }
@@ -231,7 +241,12 @@ impl SharedRam {
     ///
     /// # Errors
     /// [`SharedRamError::OutOfRange`], [`SharedRamError::Unaligned`].
-    pub fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, SharedRamError> {
+    pub fn compare_exchange(
+        &self,
+        addr: u64,
+        current: u64,
+        new: u64,
+    ) -> Result<bool, SharedRamError> {
         Ok(self
             .atomic(addr)?
             .compare_exchange(
@@ -277,7 +292,11 @@ mod tests {
 
         assert_eq!(&seen, b"exo!");
         assert_eq!(ram.load_acquire(16).unwrap(), 7);
-        assert_eq!(std::fs::read(file.path()).unwrap()[16], 7, "the file itself changed");
+        assert_eq!(
+            std::fs::read(file.path()).unwrap()[16],
+            7,
+            "the file itself changed"
+        );
     }
 
     #[test]
@@ -286,10 +305,22 @@ mod tests {
         let ram = SharedRam::open(file.path()).unwrap();
         let mut buf = [0u8; 16];
 
-        assert!(matches!(ram.read(4090, &mut buf), Err(SharedRamError::OutOfRange { .. })));
-        assert!(matches!(ram.read(u64::MAX - 4, &mut buf), Err(SharedRamError::OutOfRange { .. })));
-        assert!(matches!(ram.load_acquire(4096), Err(SharedRamError::OutOfRange { .. })));
-        assert!(matches!(ram.load_acquire(12), Err(SharedRamError::Unaligned(12))));
+        assert!(matches!(
+            ram.read(4090, &mut buf),
+            Err(SharedRamError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            ram.read(u64::MAX - 4, &mut buf),
+            Err(SharedRamError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            ram.load_acquire(4096),
+            Err(SharedRamError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            ram.load_acquire(12),
+            Err(SharedRamError::Unaligned(12))
+        ));
     }
 
     #[test]
@@ -309,6 +340,9 @@ mod tests {
     fn an_empty_file_is_refused() {
         let file = ram_file(&[]);
 
-        assert!(matches!(SharedRam::open(file.path()), Err(SharedRamError::Size { .. })));
+        assert!(matches!(
+            SharedRam::open(file.path()),
+            Err(SharedRamError::Size { .. })
+        ));
     }
 }

@@ -1199,7 +1199,11 @@ impl Splicer {
             // 512 KiB of records in all; 16 MiB when the host reads them while the guest runs
             // (zeroed through the shared RAM, not the gdbstub): a drain every 50 ms then
             // keeps up with millions of records a second.
-            let all: u64 = if self.shared.is_some() { 16 << 20 } else { 512 << 10 };
+            let all: u64 = if self.shared.is_some() {
+                16 << 20
+            } else {
+                512 << 10
+            };
             let slots = (all / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 19);
             let slots = 1u32 << (63 - slots.leading_zeros());
             let mut rings = Rings {
@@ -1568,8 +1572,7 @@ impl Splicer {
             };
             let got = crate::rings::drain_concurrent(shared, &rings, cpu, taken, last)?;
             *lost += got.lost;
-            let bytes = got.records.concat();
-            let (records, _) = take_records(&bytes, true);
+            let (records, _) = take_records(&got.records, true);
             out.extend(records.into_iter().map(|r| (cpu, r)));
         }
         Ok(out)
@@ -2039,7 +2042,10 @@ mod tests {
             (running[0].value, running[0].id, running[0].kind),
             (20, 7, 1)
         );
-        assert_eq!((running[0].pid, running[0].task_name()), (42, "dd".to_owned()));
+        assert_eq!(
+            (running[0].pid, running[0].task_name()),
+            (42, "dd".to_owned())
+        );
         assert_eq!(consumed_last, 4, "at removal it is skipped, not waited for");
         assert_eq!(
             last.iter().map(|r| r.tsc).collect::<Vec<_>>(),
