@@ -14,7 +14,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use exotap_vmm::control::Machine;
+use exotap_vmm::control::{ControlError, Machine, RegisterFile, StopEvent, VcpuId};
 use exotap_vmm::gdb::GdbMachine;
 use exotap_vmm::shared_ram::{SharedRam, SharedRamError};
 
@@ -130,6 +130,99 @@ impl SharedHeap {
     /// Outside the heap or the shared RAM.
     pub fn write_heap(&self, va: u64, data: &[u8]) -> Result<(), SharedHeapError> {
         Ok(self.ram.write(self.phys(va, data.len())?, data)?)
+    }
+}
+
+impl SharedHeap {
+    /// Whether guest-physical `[phys, phys + len)` is inside the patch heap.
+    fn in_heap(&self, phys: u64, len: usize) -> bool {
+        let Some((_, base, size)) = self.heap else {
+            return false;
+        };
+        let len = u64::try_from(len).unwrap_or(u64::MAX);
+        phys.checked_sub(base)
+            .and_then(|o| o.checked_add(len))
+            .is_some_and(|end| end <= size)
+    }
+}
+
+/// The gdbstub machine, with physical reads and writes that fall inside the patch heap
+/// going through the shared RAM instead: for the heap's data (the recovery journal, counters,
+/// rings), never for code, which the caller writes on the machine itself (see the module
+/// documentation). Everything else goes to the machine.
+pub struct HeapDataPath<'a> {
+    /// The guest's gdbstub.
+    pub machine: &'a mut GdbMachine,
+    /// The shared RAM.
+    pub shared: &'a SharedHeap,
+}
+
+impl std::fmt::Debug for HeapDataPath<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HeapDataPath")
+    }
+}
+
+impl Machine for HeapDataPath<'_> {
+    fn vcpus(&mut self) -> Result<Vec<VcpuId>, ControlError> {
+        self.machine.vcpus()
+    }
+
+    fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+        if self.shared.in_heap(addr, buf.len()) && self.shared.ram.read(addr, buf).is_ok() {
+            return Ok(());
+        }
+        self.machine.read_phys(addr, buf)
+    }
+
+    fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+        if self.shared.in_heap(addr, data.len()) && self.shared.ram.write(addr, data).is_ok() {
+            return Ok(());
+        }
+        self.machine.write_phys(addr, data)
+    }
+
+    fn read_virt(&mut self, vcpu: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+        self.machine.read_virt(vcpu, addr, buf)
+    }
+
+    fn write_virt(&mut self, vcpu: VcpuId, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+        self.machine.write_virt(vcpu, addr, data)
+    }
+
+    fn registers(&mut self, vcpu: VcpuId) -> Result<RegisterFile, ControlError> {
+        self.machine.registers(vcpu)
+    }
+
+    fn set_pc(&mut self, vcpu: VcpuId, pc: u64) -> Result<(), ControlError> {
+        self.machine.set_pc(vcpu, pc)
+    }
+
+    fn pause(&mut self) -> Result<(), ControlError> {
+        self.machine.pause()
+    }
+
+    fn resume(&mut self) -> Result<(), ControlError> {
+        self.machine.resume()
+    }
+
+    fn is_paused(&self) -> bool {
+        self.machine.is_paused()
+    }
+
+    fn set_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), ControlError> {
+        self.machine.set_breakpoint(addr, insert)
+    }
+
+    fn wait_event(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> Result<Option<StopEvent>, ControlError> {
+        self.machine.wait_event(timeout)
+    }
+
+    fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError> {
+        self.machine.step(vcpu)
     }
 }
 
