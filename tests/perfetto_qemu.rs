@@ -4,7 +4,7 @@
 //! directory, never committed. The slices must be the text output's entry/return pairs,
 //! with the same timestamps, tasks and pids.
 
-#![allow(clippy::expect_used, clippy::unwrap_used)]
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 mod common;
 

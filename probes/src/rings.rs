@@ -282,13 +282,16 @@ mod tests {
     use super::*;
     use std::cell::RefCell;
 
+    /// A vCPU's writes, run between two accesses of the reader.
+    type Writer = Box<dyn FnMut(&mut Vec<u8>)>;
+
     /// Guest memory as a flat byte array at address 0, with a hook that runs a "writer" right
     /// after the reader's n-th access (to interleave a vCPU with the reader).
     struct FakeRam {
         bytes: RefCell<Vec<u8>>,
         accesses: RefCell<u32>,
         writer_at: u32,
-        writer: RefCell<Option<Box<dyn FnMut(&mut Vec<u8>)>>>,
+        writer: RefCell<Option<Writer>>,
     }
 
     impl FakeRam {
