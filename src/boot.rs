@@ -414,9 +414,11 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.gdbstub = args.gdbstub.clone();
     config.shared_ram = args.shm.clone();
     // A script's compiled probes are read through the guest's RAM, shared, with no stop.
-    let _ram = (script.is_some() && args.shm.is_none()).then(crate::verbs::SharedRamFile::new);
+    let _ram = (script.is_some() && args.shm.is_none())
+        .then(crate::verbs::guest_ram)
+        .flatten();
     if let Some(ram) = &_ram {
-        config.shared_ram = Some(ram.0.clone());
+        config.shared_ram = Some(ram.path());
     }
     let gdb_socket = work.path().join("gdb.sock");
     if args.gdb || script.is_some() {

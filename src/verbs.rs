@@ -747,28 +747,14 @@ impl PhaseHook for SpliceHook {
     }
 }
 
-/// Where a booted guest's RAM lives, shared with exotap: on tmpfs when there is one; removed
-/// when the run ends.
-pub(crate) struct SharedRamFile(pub(crate) PathBuf);
-
-impl SharedRamFile {
-    pub(crate) fn new() -> Self {
-        use std::sync::atomic::AtomicU32;
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let dir = if std::path::Path::new("/dev/shm").is_dir() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        Self(dir.join(format!("exotap-ram-{}-{n}", std::process::id())))
-    }
-}
-
-impl Drop for SharedRamFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+/// Anonymous memory for a booted guest's RAM, shared with exotap; `None` (with a warning:
+/// the guest is then stopped for reads) where it cannot be made.
+pub(crate) fn guest_ram() -> Option<exotap_vmm::shared_ram::RamMemfd> {
+    exotap_vmm::shared_ram::RamMemfd::create()
+        .map_err(|e| {
+            tracing::warn!("no shared guest RAM ({e}): the guest is stopped for each read");
+        })
+        .ok()
 }
 
 fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Result<i32> {
@@ -862,10 +848,10 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
     config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
     let heap = (config.patch_heap.base, config.patch_heap.size);
     let mut target = Target::new(format!("unix:{}", socket.display()));
-    let ram = (!live.stop_and_read).then(SharedRamFile::new);
+    let ram = (!live.stop_and_read).then(guest_ram).flatten();
     if let Some(ram) = &ram {
-        config.shared_ram = Some(ram.0.clone());
-        target.shm = Some(ram.0.clone());
+        config.shared_ram = Some(ram.path());
+        target.shm = Some(ram.path());
     }
     let mut hook = SpliceHook {
         verb: make_run(image, heap),

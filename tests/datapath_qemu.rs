@@ -98,6 +98,15 @@ const PRINTING_SCRIPT: &[&str] = &[
     r#"global n; probe kernel.function("__x64_sys_getppid") { n++; printf("hit %d\n", n); if (n >= 300) exit() }"#,
 ];
 
+/// Removes the guest's RAM file, also when the test fails.
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// The number before `word` on the `data path:` line.
 fn data_path_number(out: &str, word: &str) -> u64 {
     let line = out
@@ -120,6 +129,7 @@ fn trace_through_shared_ram_streams_records_without_stopping_the_guest() {
     let dir = tempfile::tempdir().unwrap();
     let gdb = dir.path().join("gdb.sock");
     let shm = std::path::PathBuf::from(format!("/dev/shm/exotap-test-ram-{}", std::process::id()));
+    let _remove = RemoveOnDrop(shm.clone());
     // getppid bursts for as long as the test needs the guest.
     let job = "echo LOOPING; while true; do syscall-loop 100 > /dev/null; sleep 0.05; done";
     let (mut guest, _console) = boot_with_gdbstub(
@@ -141,7 +151,6 @@ fn trace_through_shared_ram_streams_records_without_stopping_the_guest() {
         through_relay(dir.path(), "script", &gdb, Some(&shm), PRINTING_SCRIPT);
     let _ = guest.kill();
     let _ = guest.wait();
-    let _ = std::fs::remove_file(&shm);
 
     eprintln!(
         "interrupts sent to QEMU: trace shared {shared_stops}, trace stop-and-read {stopped_stops}, compiled printf script shared {script_stops}"

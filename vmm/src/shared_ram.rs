@@ -259,6 +259,37 @@ impl SharedRam {
     }
 }
 
+/// Anonymous memory (a memfd) for the RAM of a guest exotap boots: QEMU inherits the
+/// descriptor and opens it as `/proc/self/fd/N` (the same `N` in both processes), exotap maps
+/// it the same way. Nothing is left behind on tmpfs when either process dies, even killed.
+#[derive(Debug)]
+pub struct RamMemfd {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl RamMemfd {
+    /// Creates the memfd, inheritable by child processes (QEMU).
+    ///
+    /// # Errors
+    /// When memfd_create(2) fails.
+    pub fn create() -> std::io::Result<Self> {
+        // SAFETY: a NUL-terminated name and no flags (no MFD_CLOEXEC: QEMU inherits it); the
+        // returned descriptor is checked and then owned by `OwnedFd` alone.
+        let fd = unsafe { libc::memfd_create(c"exotap-guest-ram".as_ptr(), 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Self { fd })
+    }
+
+    /// The path that names it in this process and in its children: `/proc/self/fd/N`.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
+    }
+}
+
 impl Drop for SharedRam {
     fn drop(&mut self) {
         // SAFETY: `base`/`len` are exactly the mapping made in `open`, unmapped once here;
@@ -334,6 +365,28 @@ mod tests {
 
         assert_eq!((wrong, right), (false, true));
         assert_eq!(ram.load_acquire(8).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_memfd_is_reachable_through_its_proc_path_once_sized() {
+        let memfd = RamMemfd::create().unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(memfd.path())
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let ram = SharedRam::open(&memfd.path()).unwrap();
+
+        ram.write(8, &9u64.to_le_bytes()).unwrap();
+
+        assert_eq!(
+            SharedRam::open(&memfd.path())
+                .unwrap()
+                .load_acquire(8)
+                .unwrap(),
+            9
+        );
     }
 
     #[test]
