@@ -421,9 +421,15 @@ impl VerbRun {
         live.drained.0 += records.len() as u64;
         live.drained.1 += started.elapsed();
         if let Some(view) = live.trace_view.as_mut() {
+            // One flush per drain, not per line: at a million records a second a write(2)
+            // per line would slow the drains until the rings overflow.
+            let mut text = String::new();
             for line in view.lines(&records) {
-                self.say(&line);
+                text.push_str(&line);
+                text.push('\n');
             }
+            let _ = self.out.write_all(text.as_bytes());
+            let _ = self.out.flush();
         }
         Ok(())
     }

@@ -1196,11 +1196,12 @@ impl Splicer {
                 .cpu_number
                 .context("the kernel has no cpu_number per-CPU variable")?;
             let cpus = u32::try_from(self.survey.layout.per_cpu_offsets.len().max(1))?;
-            // 512 KiB of records in all; 16 MiB when the host reads them while the guest runs
-            // (zeroed through the shared RAM, not the gdbstub): a drain every 50 ms then
-            // keeps up with millions of records a second.
+            // 512 KiB of records in all; 32 MiB when the host reads them while the guest runs
+            // (zeroed through the shared RAM, not the gdbstub): with 2 vCPUs a ring then
+            // holds 262,144 records, about 120 ms of the fastest traced syscall loop under
+            // TCG, while the host drains every 50 ms or so.
             let all: u64 = if self.shared.is_some() {
-                16 << 20
+                32 << 20
             } else {
                 512 << 10
             };
