@@ -38,6 +38,7 @@ impl TargetArgs {
         Target {
             address: self.target.clone(),
             gdb_timeout: Duration::from_secs(self.gdb_timeout),
+            shm: None,
         }
     }
 }

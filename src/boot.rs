@@ -108,6 +108,11 @@ pub struct BootArgs {
     /// or `unix:PATH,server=on,wait=off`.
     #[arg(long, value_name = "DEVICE")]
     pub gdbstub: Option<String>,
+    /// Put the guest's RAM in FILE, shared (a QEMU memory-backend-file with share=on; use a
+    /// tmpfs path such as /dev/shm/guest-ram), so that `exotap ... --target --shm FILE`
+    /// reads trace rings and counters without stopping the guest.
+    #[arg(long, value_name = "FILE")]
+    pub shm: Option<PathBuf>,
     /// Run this probe script against the guest: exotap attaches right after EXOTAP-READY,
     /// arms the script's probe points, runs begin probes, every hit, and end probes once the
     /// guest powers off (or the script calls exit()).
@@ -416,6 +421,14 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;
     config.gdbstub = args.gdbstub.clone();
+    config.shared_ram = args.shm.clone();
+    // A script's compiled probes are read through the guest's RAM, shared, with no stop.
+    let _ram = (script.is_some() && args.shm.is_none())
+        .then(crate::verbs::guest_ram)
+        .flatten();
+    if let Some(ram) = &_ram {
+        config.shared_ram = Some(ram.path());
+    }
     let gdb_socket = work.path().join("gdb.sock");
     if args.gdb || script.is_some() {
         config.gdbstub = Some(format!("unix:{},server=on,wait=off", gdb_socket.display()));
@@ -446,7 +459,8 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         boot: Duration::from_secs(args.boot_timeout),
         total: Duration::from_secs(args.timeout),
     };
-    let gdb_target = Target::new(format!("unix:{}", gdb_socket.display()));
+    let mut gdb_target = Target::new(format!("unix:{}", gdb_socket.display()));
+    gdb_target.shm.clone_from(&config.shared_ram);
     let mut script_rc = 0;
     let outcome = if let Some(script) = script {
         let mut hook = ScriptHook {

@@ -20,6 +20,7 @@ mod entry_patch;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+mod perfetto;
 mod profile;
 mod recover;
 #[cfg(feature = "unicorn")]
@@ -100,7 +101,9 @@ enum Command {
     /// return addresses swapped as kretprobes do), and print log2 histograms at the end.
     Time(verbs::TimeArgs),
     /// Record every entry (first argument) and return (return value) of kernel functions with
-    /// rdtsc timestamps in per-vCPU ring buffers in the guest, printed as they come (drained every 250 ms).
+    /// rdtsc timestamps and the task in per-vCPU ring buffers in the guest, printed as they
+    /// come: read through the guest RAM shared with QEMU every 10 ms without stopping it, or
+    /// with a stop every 250 ms for a --target without --shm. --perfetto also writes slices.
     Trace(verbs::TraceArgs),
     /// Make every call of a kernel function return VALUE at once (spliced, undone at the end).
     Nullify(verbs::NullifyArgs),

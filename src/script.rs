@@ -171,6 +171,11 @@ pub struct ScriptOptions {
     /// GPA:SIZE (the guest booted with memmap=SIZE$GPA; `exotap boot` hides 0x3c000000:64M).
     #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
     pub heap: String,
+    /// With --target: the guest's RAM file, when its QEMU runs with a shared memory backend
+    /// (`exotap boot --shm FILE`, or QEMU's `-object memory-backend-file,...,share=on`): the
+    /// compiled probes' output and header are then read without stopping the guest.
+    #[arg(long, value_name = "PATH", requires = "target")]
+    pub shm: Option<PathBuf>,
     /// With --target and compiled probes: print the guest's own kprobe hits between install
     /// and removal, per function, as HOST-RESULT kprobe.FUNCTION=N on stderr.
     #[arg(long)]
@@ -278,7 +283,8 @@ fn run_attached(
         ),
         None => Box::new(std::io::stdout()),
     };
-    let target = exotap_probes::live::attach::Target::new(target);
+    let mut target = exotap_probes::live::attach::Target::new(target);
+    target.shm.clone_from(&args.shm);
     let script = exotap_probes::live::trap_script::GuestScript {
         source,
         prog,

@@ -35,6 +35,16 @@ pub struct LiveArgs {
     /// With --target: the patch-heap range hidden from that guest, GPA:SIZE.
     #[arg(long, value_name = "GPA:SIZE", default_value = "0x3c000000:64M")]
     pub heap: String,
+    /// With --target: the guest's RAM file, when its QEMU runs with a shared memory backend
+    /// (`-object memory-backend-file,id=ram,size=1024M,mem-path=/dev/shm/guest-ram,share=on
+    /// -machine memory-backend=ram`): trace records and counters are then read without
+    /// stopping the guest. Without it, exotap stops the guest to read them.
+    #[arg(long, value_name = "PATH", requires = "target")]
+    pub shm: Option<PathBuf>,
+    /// Booting: read trace records with the guest stopped (over the gdbstub), as for a
+    /// --target without --shm, instead of through the guest RAM exotap shares with QEMU.
+    #[arg(long, conflicts_with = "target")]
+    pub stop_and_read: bool,
     /// With --target: remove the splices after this many seconds.
     #[arg(long, value_name = "SECONDS")]
     pub duration: Option<f64>,
@@ -115,6 +125,10 @@ pub struct TraceArgs {
     /// return (with the return value) is recorded with its TSC in per-vCPU rings.
     #[arg(required = true, value_name = "FUNC")]
     pub functions: Vec<String>,
+    /// Also write the records to FILE as a Perfetto trace (ui.perfetto.dev): one track per
+    /// vCPU, each call a slice from its entry to its return, with the task's name and pid.
+    #[arg(long, value_name = "FILE")]
+    pub perfetto: Option<PathBuf>,
     #[command(flatten)]
     pub live: LiveArgs,
 }
@@ -153,6 +167,10 @@ struct Live {
     trace_view: Option<TraceView>,
     /// When the rings were last drained.
     streamed: Instant,
+    /// The guest's stops counted when the splices went in ([`GuestSession::stops`]).
+    stops_at_install: u64,
+    /// Records drained while the splices were in, and the time the drains took.
+    drained: (u64, Duration),
 }
 
 /// A verb's run against one guest: the verb's session, and what the verb prints.
@@ -166,6 +184,8 @@ struct VerbRun {
     out: Box<dyn Write + Send>,
     /// Whether a site asked for was refused (exit code 1).
     refused_any: bool,
+    /// `--perfetto`: where the trace's Perfetto file goes.
+    perfetto: Option<PathBuf>,
     /// Whether trace records still stream (off after a failed drain: the rest are read at
     /// removal).
     streaming: bool,
@@ -186,13 +206,21 @@ impl VerbRun {
             // The report plans in one stop: nothing stays.
             return session.detach();
         }
-        session.resume()?;
-        self.live = Some(Live {
+        let mut live = Live {
             session,
             kprobes_before,
             trace_view: None,
             streamed: Instant::now(),
-        });
+            stops_at_install: 0,
+            drained: (0, Duration::ZERO),
+        };
+        if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
+            // While the guest is still stopped: streaming then needs no stop of its own.
+            self.trace_view(&mut live)?;
+        }
+        live.session.resume()?;
+        live.stops_at_install = live.session.stops();
+        self.live = Some(live);
         Ok(())
     }
 
@@ -202,7 +230,13 @@ impl VerbRun {
     ) -> anyhow::Result<Option<BTreeMap<String, (u64, u64)>>> {
         let slide = session.survey.kaslr.slide;
         let requests = requests(&self.op, &self.image, slide)?;
-        session.plan(&self.image, self.heap)?;
+        let splicer = session.plan(&self.image, self.heap)?;
+        if matches!(self.op, Operation::Trace(_)) {
+            // The task of each record: its pid and name.
+            splicer.trace_task = exotap_probes::live::attach::task_offsets(&self.image)
+                .map_err(|e| tracing::warn!("trace records will not name their tasks: {e:#}"))
+                .ok();
+        }
         if let Operation::Report { list, install } = self.op.clone() {
             self.report(session, list, install)?;
             return Ok(None);
@@ -341,7 +375,8 @@ impl VerbRun {
     }
 
     /// Prints the trace records that arrived since the last drain, at most every
-    /// [`STREAM_EVERY`]; the guest stops for the read. Nothing to do without trace rings.
+    /// [`STREAM_EVERY`] with the guest stopped for the read, or every [`STREAM_SHARED_EVERY`]
+    /// with no stop when the guest's RAM is shared. Nothing to do without trace rings.
     ///
     /// A failed drain turns streaming off with a warning rather than ending the run: the
     /// splices must still come out, and removal reads what is left in the rings.
@@ -363,20 +398,38 @@ impl VerbRun {
 
     fn stream_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
         let rings = live.session.splicer().is_some_and(|s| s.rings.is_some());
-        if !rings || live.streamed.elapsed() < STREAM_EVERY {
+        let shared = live.session.is_shared();
+        let every = if shared {
+            STREAM_SHARED_EVERY
+        } else {
+            STREAM_EVERY
+        };
+        if !rings || live.streamed.elapsed() < every {
             return Ok(());
         }
-        live.session.pause()?;
-        let drained = self
-            .trace_view(live)
-            .and_then(|()| live.session.drain(false));
-        live.session.resume()?;
+        let started = Instant::now();
+        let drained = if shared {
+            live.session.drain(false)
+        } else {
+            live.session.pause()?;
+            let drained = live.session.drain(false);
+            live.session.resume()?;
+            drained
+        };
         live.streamed = Instant::now();
         let records = drained?;
+        live.drained.0 += records.len() as u64;
+        live.drained.1 += started.elapsed();
         if let Some(view) = live.trace_view.as_mut() {
+            // One flush per drain, not per line: at a million records a second a write(2)
+            // per line would slow the drains until the rings overflow.
+            let mut text = String::new();
             for line in view.lines(&records) {
-                self.say(&line);
+                text.push_str(&line);
+                text.push('\n');
             }
+            let _ = self.out.write_all(text.as_bytes());
+            let _ = self.out.flush();
         }
         Ok(())
     }
@@ -394,7 +447,12 @@ impl VerbRun {
                 .iter()
                 .map(|(id, n)| (u64::from(*id), n.clone()))
                 .collect();
-            live.trace_view = Some(TraceView::new(names, khz));
+            let mut view = TraceView::new(names, khz);
+            view.perfetto = self
+                .perfetto
+                .as_deref()
+                .map(crate::perfetto::SliceTrace::new);
+            live.trace_view = Some(view);
         }
         Ok(())
     }
@@ -404,7 +462,21 @@ impl VerbRun {
         let Some(mut live) = self.live.take() else {
             return Ok(());
         };
+        let stops_while_in = live.session.stops().saturating_sub(live.stops_at_install);
         live.session.pause()?;
+        if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
+            let (n, took) = live.drained;
+            self.say(&format!(
+                "data path: {}; the guest was stopped {stops_while_in} times while the splices were in; {n} records drained while it ran, in {:.1} ms of reading ({:.0} records/s)",
+                if live.session.is_shared() {
+                    "shared memory"
+                } else {
+                    "stop-and-read"
+                },
+                took.as_secs_f64() * 1e3,
+                n as f64 / took.as_secs_f64().max(1e-9)
+            ));
+        }
         let result = self.remove_on(&mut live);
         // Removes whatever the failed removal left, then detaches.
         let detached = live.session.detach();
@@ -500,6 +572,9 @@ impl VerbRun {
                     "trace: {shown} records; lost to ring overruns per vCPU: {:?}",
                     report.overruns
                 ));
+                if let Some(trace) = view.perfetto.take() {
+                    trace.finish()?;
+                }
             }
         }
         if !report.histograms.is_empty() {
@@ -537,8 +612,10 @@ impl VerbRun {
     }
 }
 
-/// How often the trace rings are drained while the guest runs.
+/// How often the trace rings are drained while the guest runs (each drain stops it).
 pub const STREAM_EVERY: Duration = Duration::from_millis(250);
+/// How often they are drained through shared RAM (no stop).
+pub const STREAM_SHARED_EVERY: Duration = Duration::from_millis(10);
 
 /// Trace records as text, as they arrive: time since the first record, vCPU, entry (`->`
 /// with the first argument) or return (`<-` with the return value and the call's duration
@@ -548,8 +625,11 @@ pub struct TraceView {
     names: BTreeMap<u64, String>,
     khz: u32,
     first: Option<u64>,
-    /// Entries whose return has not come yet, by (stack slot, function id): their TSC.
-    open: BTreeMap<(u64, u32), u64>,
+    /// Entries whose return has not come yet, by (stack slot, function id): their TSC and
+    /// vCPU.
+    open: BTreeMap<(u64, u32), (u64, u32)>,
+    /// The same records as Perfetto slices (`--perfetto`).
+    pub perfetto: Option<crate::perfetto::SliceTrace>,
     /// Records shown so far.
     pub shown: u64,
 }
@@ -562,6 +642,7 @@ impl TraceView {
             khz: khz.max(1),
             first: None,
             open: BTreeMap::new(),
+            perfetto: None,
             shown: 0,
         }
     }
@@ -574,30 +655,49 @@ impl TraceView {
             return Vec::new();
         };
         let first = *self.first.get_or_insert(batch_first);
-        let khz = self.khz;
-        let us = |cycles: u64| cycles as f64 * 1000.0 / f64::from(khz);
+        let khz = u128::from(self.khz);
+        // Nanoseconds, the unit of the Perfetto timeline too: both views show the same times.
+        let ns =
+            |cycles: u64| u64::try_from(u128::from(cycles) * 1_000_000 / khz).unwrap_or(u64::MAX);
+        let us = |ns: u64| format!("{}.{:03}", ns / 1000, ns % 1000);
         self.shown += sorted.len() as u64;
-        sorted
-            .into_iter()
-            .map(|(cpu, r)| {
-                let name = self.names.get(&u64::from(r.id)).map_or("?", String::as_str);
-                let at = us(r.tsc.saturating_sub(first));
-                if r.kind == 1 {
-                    self.open.insert((r.slot, r.id), r.tsc);
-                    format!("{at:>14.3} us  cpu{cpu}  -> {name}(arg0={:#x})", r.value)
-                } else {
-                    let took = self
-                        .open
-                        .remove(&(r.slot, r.id))
-                        .map(|t| format!("  [{:.3} us]", us(r.tsc.saturating_sub(t))))
-                        .unwrap_or_default();
-                    format!(
-                        "{at:>14.3} us  cpu{cpu}  <- {name} = {}{took}",
-                        r.value as i64
-                    )
+        let mut lines = Vec::with_capacity(sorted.len());
+        for (cpu, r) in sorted {
+            let name = self.names.get(&u64::from(r.id)).map_or("?", String::as_str);
+            let at = ns(r.tsc.saturating_sub(first));
+            let task = r.task_name();
+            if r.kind == 1 {
+                self.open.insert((r.slot, r.id), (r.tsc, *cpu));
+                if let Some(p) = self.perfetto.as_mut() {
+                    p.begin(*cpu, at, name, &task, r.pid, r.value);
                 }
-            })
-            .collect()
+                lines.push(format!(
+                    "{:>14} us  cpu{cpu}  {task}[{}]  -> {name}(arg0={:#x})",
+                    us(at),
+                    r.pid,
+                    r.value
+                ));
+            } else {
+                let entry = self.open.remove(&(r.slot, r.id));
+                let took = entry
+                    // The difference of the two times shown (so the text adds up).
+                    .map(|(t, _)| {
+                        let entered = ns(t.saturating_sub(first));
+                        format!("  [{} us]", us(at.saturating_sub(entered)))
+                    })
+                    .unwrap_or_default();
+                if let (Some(p), Some((_, entry_cpu))) = (self.perfetto.as_mut(), entry) {
+                    p.end(entry_cpu, at, r.value);
+                }
+                lines.push(format!(
+                    "{:>14} us  cpu{cpu}  {task}[{}]  <- {name} = {}{took}",
+                    us(at),
+                    r.pid,
+                    r.value as i64
+                ));
+            }
+        }
+        lines
     }
 }
 
@@ -653,7 +753,17 @@ impl PhaseHook for SpliceHook {
     }
 }
 
-fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
+/// Anonymous memory for a booted guest's RAM, shared with exotap; `None` (with a warning:
+/// the guest is then stopped for reads) where it cannot be made.
+pub(crate) fn guest_ram() -> Option<exotap_vmm::shared_ram::RamMemfd> {
+    exotap_vmm::shared_ram::RamMemfd::create()
+        .map_err(|e| {
+            tracing::warn!("no shared guest RAM ({e}): the guest is stopped for each read");
+        })
+        .ok()
+}
+
+fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Result<i32> {
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
@@ -664,6 +774,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         op,
         heap,
         compare_kprobes: live.compare_kprobes,
+        perfetto,
         live: None,
         out: Box::new(std::io::stdout()),
         refused_any: false,
@@ -672,7 +783,14 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     if let Some(target) = &live.target {
         let heap = crate::script::parse_heap(&live.heap)?;
         let mut verb = make_run(image, heap);
-        let target = Target::new(target.clone());
+        let mut target = Target::new(target.clone());
+        target.shm.clone_from(&live.shm);
+        if target.shm.is_none() && matches!(verb.op, Operation::Trace(_)) {
+            eprintln!(
+                "exotap: the guest is stopped for each read of the trace rings; for the zero-stop path, {}",
+                exotap_probes::live::shared::FAST_PATH_HINT
+            );
+        }
         verb.install(&target)?;
         if matches!(verb.op, Operation::Report { install: None, .. }) {
             return Ok(0);
@@ -692,7 +810,8 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
             }
             verb.stream();
             let Some(l) = verb.live.as_mut() else { break };
-            match l.session.wait(Duration::from_millis(100))? {
+            let wait = if l.session.is_shared() { 10 } else { 100 };
+            match l.session.wait(Duration::from_millis(wait))? {
                 None => {}
                 Some(StopEvent::Exited) => {
                     if let Some(live) = verb.live.take() {
@@ -734,9 +853,15 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     let socket = work.path().join("gdb.sock");
     config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
     let heap = (config.patch_heap.base, config.patch_heap.size);
+    let mut target = Target::new(format!("unix:{}", socket.display()));
+    let ram = (!live.stop_and_read).then(guest_ram).flatten();
+    if let Some(ram) = &ram {
+        config.shared_ram = Some(ram.path());
+        target.shm = Some(ram.path());
+    }
     let mut hook = SpliceHook {
         verb: make_run(image, heap),
-        target: Target::new(format!("unix:{}", socket.display())),
+        target,
     };
     let mut sink: Box<dyn Write> = match &live.console {
         Some(path) => Box::new(
@@ -772,7 +897,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
 /// # Errors
 /// Unknown functions, attach or guest failures.
 pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
-    run(Operation::Count(args.patterns.clone()), &args.live)
+    run(Operation::Count(args.patterns.clone()), &args.live, None)
 }
 
 /// `exotap nullify`.
@@ -781,7 +906,11 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
 /// As [`run_count`], and a bad VALUE.
 pub fn run_nullify(args: &NullifyArgs) -> anyhow::Result<i32> {
     let value = parse_value(&args.value)?;
-    run(Operation::Nullify(args.function.clone(), value), &args.live)
+    run(
+        Operation::Nullify(args.function.clone(), value),
+        &args.live,
+        None,
+    )
 }
 
 /// `exotap replace`.
@@ -792,6 +921,7 @@ pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
     run(
         Operation::Replace(args.function.clone(), args.other.clone()),
         &args.live,
+        None,
     )
 }
 
@@ -800,7 +930,7 @@ pub fn run_replace(args: &ReplaceArgs) -> anyhow::Result<i32> {
 /// # Errors
 /// As [`run_count`].
 pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
-    run(Operation::Time(args.functions.clone()), &args.live)
+    run(Operation::Time(args.functions.clone()), &args.live, None)
 }
 
 /// `exotap trace`.
@@ -808,7 +938,11 @@ pub fn run_time(args: &TimeArgs) -> anyhow::Result<i32> {
 /// # Errors
 /// As [`run_count`].
 pub fn run_trace(args: &TraceArgs) -> anyhow::Result<i32> {
-    run(Operation::Trace(args.functions.clone()), &args.live)
+    run(
+        Operation::Trace(args.functions.clone()),
+        &args.live,
+        args.perfetto.clone(),
+    )
 }
 
 /// `exotap splice-report`.
@@ -822,6 +956,7 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<i32> {
             install: args.install,
         },
         &args.live,
+        None,
     )
 }
 
@@ -839,15 +974,20 @@ mod tests {
             id: 7,
             kind,
             slot: 0xffff_c900_0000_0f00,
+            pid: 42,
+            comm: *b"dd\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
         };
 
         let first = view.lines(&[(1, rec(5000, 0x10, 1))]);
-        let second = view.lines(&[(1, rec(7000, 18, 2))]);
+        let second = view.lines(&[(1, rec(7001, 18, 2))]);
 
-        assert_eq!(first, ["         0.000 us  cpu1  -> vfs_read(arg0=0x10)"]);
+        assert_eq!(
+            first,
+            ["         0.000 us  cpu1  dd[42]  -> vfs_read(arg0=0x10)"]
+        );
         assert_eq!(
             second,
-            ["         2.000 us  cpu1  <- vfs_read = 18  [2.000 us]"]
+            ["         2.001 us  cpu1  dd[42]  <- vfs_read = 18  [2.001 us]"]
         );
         assert_eq!(view.shown, 2);
     }

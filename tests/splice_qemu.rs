@@ -545,8 +545,9 @@ fn trace_streams_the_rings_so_bursts_beyond_their_size_lose_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let console = dir.path().join("console.log");
     // 20 bursts of 500 getppid calls = 20,000 records, more than the two vCPUs' rings hold
-    // together (512 KiB of 32-byte records: 2 x 8,192); between bursts (0.4 s) the host
-    // drains the rings (every 250 ms).
+    // together on the stop-and-read path (512 KiB of 64-byte records: 2 x 4,096); between
+    // bursts (0.4 s) the host drains the rings (every 250 ms, the guest stopped). The
+    // shared-memory path is tests/datapath_qemu.rs.
     let bursts =
         "i=0; while [ $i -lt 20 ]; do syscall-loop 500 > /dev/null; sleep 0.4; i=$((i+1)); done";
 
@@ -554,6 +555,7 @@ fn trace_streams_the_rings_so_bursts_beyond_their_size_lose_nothing() {
         .args([
             "trace",
             "__x64_sys_getppid",
+            "--stop-and-read",
             "--run",
             bursts,
             "--timeout",
@@ -575,7 +577,7 @@ fn trace_streams_the_rings_so_bursts_beyond_their_size_lose_nothing() {
         out.contains("trace: 20000 records; lost to ring overruns per vCPU: [0, 0]"),
         "{ctx}"
     );
-    // Read only at removal, the rings would have kept at most 16,384 of the 20,000: nothing
+    // Read only at removal, the rings would have kept at most 8,192 of the 20,000: nothing
     // lost means they were drained while the guest ran.
 }
 

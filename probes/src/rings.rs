@@ -4,11 +4,43 @@
 //! Each vCPU's ring is a [`HEADER`]-byte header whose first `u64` is the head (records ever
 //! reserved there, taken with `lock xadd`), then `slots` records of `record` bytes. A record's
 //! first `u64` (its TSC) is stored last by its writer and is never 0 once written, so 0 means
-//! "not finished yet". The host drains the rings with the guest stopped: from where it stopped
-//! last ([`window`]) up to the first unfinished record ([`take`]), then zeroes what it took, so
-//! a slot being rewritten reads as unfinished. A burst of more than `slots` records between two
-//! drains overwrites the oldest ones: [`window`] counts them as lost. Everything read back is
-//! guest data: a head below what was taken, or past it by more than a ring, never panics.
+//! "not finished yet". The host takes records from where it stopped last ([`window`]) up to
+//! the first unfinished one ([`take`]), then zeroes what it took, so a slot being rewritten
+//! reads as unfinished. A burst of more than `slots` records between two drains overwrites
+//! the oldest ones: [`window`] counts them as lost. Everything read back is guest data: a
+//! head below what was taken, or past it by more than a ring, never panics.
+//!
+//! # Two readers
+//!
+//! - **Stopped** (the gdbstub path): the host pauses every vCPU, reads, zeroes, resumes. No
+//!   writer runs during the read, so there is nothing to order.
+//! - **Concurrent** ([`drain_concurrent`], the shared-memory path): the vCPUs keep running
+//!   while the host reads the rings through guest RAM it has mapped. The protocol is
+//!   lock-free on both sides (the writer never waits for the host), and its memory ordering
+//!   is this:
+//!
+//!   *Writer* (patch code on one vCPU, x86 TSO): (W1) `lock xadd` on the head reserves index
+//!   `j` (a full barrier); (W2) plain stores of the record's fields into slot `j % slots`;
+//!   (W3) a plain store of the TSC into the record's first word. x86 keeps stores in program
+//!   order, so a reader that sees W3 sees W2, and a reader that sees any W2/W3 store of `j`
+//!   sees W1 of `j` on a later load.
+//!
+//!   *Reader* (host): (R1) load the head `h` with `Acquire`; for each index `i` in the
+//!   window below `h`: (R2) load the record's TSC with `Acquire`: 0 means unfinished, the
+//!   take ends there (it resumes at `i` next time); otherwise (R3) copy the other fields with
+//!   volatile reads. Then (R4) an `Acquire` fence and a second load of the head `h2`. A
+//!   record `i` whose slot a later writer could have reused during the copy has
+//!   `i + slots < h2 + 1`, i.e. `i < h2 - slots`: it is dropped and counted lost, never
+//!   delivered torn (if R3 saw any store of writer `i + slots`, R4 sees its W1: R4 is after
+//!   R3, and x86 does not reorder loads). (R5) For every record kept, a `lock cmpxchg`
+//!   replaces its TSC with 0 only if it still holds the TSC read at R2, so the zeroing never
+//!   erases a newer record that finished in between (its W3 changed the TSC); a writer that
+//!   reserved the slot after R4 and stores its TSC after R5 leaves a finished record.
+//!
+//!   One case stays unresolved by design, and is counted: after an overrun (the host was
+//!   lapped), the skipped slots were never zeroed, so a writer that has reserved such a slot
+//!   but not yet stored its TSC leaves the previous lap's record there, which reads as
+//!   finished. It can only happen when records were already lost (the overrun count says so).
 
 use iced_x86::code_asm::{
     eax, edx, qword_ptr, rax, rcx, rdx, AsmRegister64, CodeAssembler, CodeLabel,
@@ -145,9 +177,330 @@ pub fn take(bytes: &[u8], record: usize, last: bool) -> (Vec<&[u8]>, u64) {
     (out, consumed)
 }
 
+/// Guest memory that a concurrent reader reaches while the vCPUs run: the ring addresses of
+/// a [`RingSet`] (patch-heap addresses) to bytes. Every method bounds-checks its address.
+pub trait RingMemory {
+    /// The failure of an access (an address outside the memory).
+    type Error;
+
+    /// Loads the 8-aligned `u64` at `addr` with `Acquire` ordering.
+    ///
+    /// # Errors
+    /// When `addr` is outside the memory or unaligned.
+    fn load_acquire(&self, addr: u64) -> Result<u64, Self::Error>;
+
+    /// Copies `buf.len()` bytes at `addr` (volatile: they may change during the copy).
+    ///
+    /// # Errors
+    /// When the range is outside the memory.
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), Self::Error>;
+
+    /// Replaces the `u64` at `addr` with `new` if it holds `current` (atomically); whether
+    /// it did.
+    ///
+    /// # Errors
+    /// When `addr` is outside the memory or unaligned.
+    fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, Self::Error>;
+}
+
+/// What one concurrent take of one ring found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Taken {
+    /// The finished records one after the other, oldest first, each `record` bytes.
+    pub records: Vec<u8>,
+    /// Records lost: overwritten before the host read them, or reused during the read.
+    pub lost: u64,
+}
+
+/// Takes vCPU `cpu`'s finished records from its ring while the vCPUs may be writing it (the
+/// concurrent reader of the module documentation); `taken` is how many records of that ring
+/// the host has consumed so far, and is advanced. With `last` (the guest is stopped for good)
+/// an unfinished record is skipped rather than waited for, and nothing is zeroed.
+///
+/// # Errors
+/// When the ring's memory cannot be reached (a head or slot outside the memory).
+pub fn drain_concurrent<M: RingMemory>(
+    mem: &M,
+    set: &RingSet,
+    cpu: u32,
+    taken: &mut u64,
+    last: bool,
+) -> Result<Taken, M::Error> {
+    // In batches, each validated on its own: a reader that fell behind loses only the
+    // batches a writer overtook, not a whole ring's read. At most a ring's worth in all: a
+    // hostile head far ahead costs one ring, no more.
+    let slots = u64::from(set.slots.max(1));
+    let batch = slots.min(BATCH);
+    let mut out = Taken::default();
+    let mut budget = slots;
+    while budget > 0 {
+        let before = *taken;
+        let more = take_batch(mem, set, cpu, taken, last, batch.min(budget), &mut out)?;
+        budget = budget.saturating_sub(taken.saturating_sub(before).max(1));
+        if !more {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Records read and validated together by [`drain_concurrent`].
+const BATCH: u64 = 1024;
+
+/// One batch of [`drain_concurrent`]: R1 to R5 of the module documentation over at most
+/// `max` records; whether there may be more to take now.
+fn take_batch<M: RingMemory>(
+    mem: &M,
+    set: &RingSet,
+    cpu: u32,
+    taken: &mut u64,
+    last: bool,
+    max: u64,
+    out: &mut Taken,
+) -> Result<bool, M::Error> {
+    let slots = u64::from(set.slots.max(1));
+    let record = usize::try_from(set.record.max(8)).unwrap_or(8);
+    let head_at = set.ring(cpu);
+    // R1.
+    let head = mem.load_acquire(head_at)?;
+    let (from, lost) = window(head, *taken, set.slots);
+    out.lost = out.lost.saturating_add(lost);
+    let end = head.min(from.saturating_add(max));
+    // (index, TSC) of each record read, and their bytes one after the other.
+    let mut read: Vec<(u64, u64)> = Vec::new();
+    let mut bytes = Vec::new();
+    let mut next = from;
+    let mut unfinished = false;
+    while next < end {
+        let at = set.slot(cpu, next % slots);
+        // R2.
+        let tsc = mem.load_acquire(at)?;
+        if tsc == 0 && !last {
+            unfinished = true;
+            break;
+        }
+        if tsc != 0 {
+            // R3.
+            let start = bytes.len();
+            bytes.resize(start + record, 0);
+            bytes[start..start + 8].copy_from_slice(&tsc.to_le_bytes());
+            mem.read(at + 8, &mut bytes[start + 8..])?;
+            read.push((next, tsc));
+        }
+        next += 1;
+    }
+    // R4.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    let head_after = mem.load_acquire(head_at)?;
+    let reused_below = head_after.saturating_sub(slots);
+    for ((index, tsc), record_bytes) in read.into_iter().zip(bytes.chunks_exact(record)) {
+        if index < reused_below {
+            out.lost = out.lost.saturating_add(1);
+            continue;
+        }
+        if !last {
+            // R5: a failure means a newer record finished there; it stays for later.
+            mem.compare_exchange(set.slot(cpu, index % slots), tsc, 0)?;
+        }
+        out.records.extend_from_slice(record_bytes);
+    }
+    *taken = next;
+    Ok(!unfinished && next < head_after && next == end)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::RefCell;
+
+    /// A vCPU's writes, run between two accesses of the reader.
+    type Writer = Box<dyn FnMut(&mut Vec<u8>)>;
+
+    /// Guest memory as a flat byte array at address 0, with a hook that runs a "writer" right
+    /// after the reader's n-th access (to interleave a vCPU with the reader).
+    struct FakeRam {
+        bytes: RefCell<Vec<u8>>,
+        accesses: RefCell<u32>,
+        writer_at: u32,
+        writer: RefCell<Option<Writer>>,
+    }
+
+    impl FakeRam {
+        fn new(len: usize) -> Self {
+            Self {
+                bytes: RefCell::new(vec![0; len]),
+                accesses: RefCell::new(0),
+                writer_at: u32::MAX,
+                writer: RefCell::new(None),
+            }
+        }
+
+        fn tick(&self) {
+            let mut n = self.accesses.borrow_mut();
+            *n += 1;
+            if *n == self.writer_at {
+                if let Some(w) = self.writer.borrow_mut().as_mut() {
+                    w(&mut self.bytes.borrow_mut());
+                }
+            }
+        }
+
+        fn word(&self, addr: u64) -> u64 {
+            let b = self.bytes.borrow();
+            let a = addr as usize;
+            u64::from_le_bytes(b[a..a + 8].try_into().unwrap())
+        }
+    }
+
+    impl RingMemory for FakeRam {
+        type Error = ();
+
+        fn load_acquire(&self, addr: u64) -> Result<u64, ()> {
+            self.tick();
+            let len = self.bytes.borrow().len() as u64;
+            if addr + 8 > len {
+                return Err(());
+            }
+            Ok(self.word(addr))
+        }
+
+        fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), ()> {
+            self.tick();
+            let b = self.bytes.borrow();
+            let src = b.get(addr as usize..addr as usize + buf.len()).ok_or(())?;
+            buf.copy_from_slice(src);
+            Ok(())
+        }
+
+        fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, ()> {
+            self.tick();
+            if self.word(addr) != current {
+                return Ok(false);
+            }
+            let a = addr as usize;
+            self.bytes.borrow_mut()[a..a + 8].copy_from_slice(&new.to_le_bytes());
+            Ok(true)
+        }
+    }
+
+    const SET: RingSet = RingSet {
+        base: 0,
+        cpus: 1,
+        slots: 4,
+        record: 16,
+    };
+
+    /// What the patch code does: reserve, fields, TSC last.
+    fn write_record(bytes: &mut [u8], index: u64, tsc: u64, value: u64) {
+        bytes[..8].copy_from_slice(&(index + 1).to_le_bytes());
+        let at = SET.slot(0, index % 4) as usize;
+        bytes[at + 8..at + 16].copy_from_slice(&value.to_le_bytes());
+        bytes[at..at + 8].copy_from_slice(&tsc.to_le_bytes());
+    }
+
+    fn values(taken: &Taken) -> Vec<u64> {
+        taken
+            .records
+            .chunks_exact(16)
+            .map(|r| u64::from_le_bytes(r[8..16].try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn concurrent_drain_takes_finished_records_and_zeroes_their_tsc() {
+        let ram = FakeRam::new(SET.bytes() as usize);
+        for i in 0..3 {
+            write_record(&mut ram.bytes.borrow_mut(), i, 100 + i, 10 + i);
+        }
+        let mut taken = 0;
+
+        let got = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+
+        assert_eq!((values(&got), got.lost, taken), (vec![10, 11, 12], 0, 3));
+        assert_eq!(
+            ram.word(SET.slot(0, 0)),
+            0,
+            "the taken slot reads unfinished"
+        );
+    }
+
+    #[test]
+    fn concurrent_drain_waits_at_a_reserved_unfinished_record() {
+        let ram = FakeRam::new(SET.bytes() as usize);
+        write_record(&mut ram.bytes.borrow_mut(), 0, 100, 10);
+        ram.bytes.borrow_mut()[..8].copy_from_slice(&2u64.to_le_bytes()); // index 1 reserved
+        let mut taken = 0;
+
+        let now = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+        write_record(&mut ram.bytes.borrow_mut(), 1, 101, 11);
+        let later = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+
+        assert_eq!(
+            (values(&now), values(&later), taken),
+            (vec![10], vec![11], 2)
+        );
+    }
+
+    #[test]
+    fn a_record_whose_slot_is_reused_during_the_read_is_lost_not_torn() {
+        let mut ram = FakeRam::new(SET.bytes() as usize);
+        for i in 0..4 {
+            write_record(&mut ram.bytes.borrow_mut(), i, 100 + i, 10 + i);
+        }
+        // Right after the reader loads record 0's TSC, a writer laps the ring and rewrites
+        // slot 0 (index 4) with a new value: the copy of record 0 would be torn.
+        ram.writer_at = 2;
+        ram.writer = RefCell::new(Some(Box::new(|b: &mut Vec<u8>| {
+            write_record(b, 4, 104, 99)
+        })));
+        let mut taken = 0;
+
+        let got = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+
+        assert_eq!(
+            values(&got),
+            vec![11, 12, 13],
+            "record 0 is dropped, not delivered as 99"
+        );
+        assert_eq!(got.lost, 1);
+        assert_eq!(
+            ram.word(SET.slot(0, 0)),
+            104,
+            "the zeroing left the newer record alone"
+        );
+    }
+
+    #[test]
+    fn a_head_below_what_was_taken_is_trusted_without_a_panic() {
+        let ram = FakeRam::new(SET.bytes() as usize);
+        write_record(&mut ram.bytes.borrow_mut(), 0, 100, 10);
+        let mut taken = 50;
+
+        let got = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+
+        assert_eq!(
+            (values(&got), taken),
+            (vec![], 1),
+            "the reader resumes at the head"
+        );
+    }
+
+    #[test]
+    fn a_hostile_head_costs_one_ring_and_an_out_of_range_ring_is_an_error() {
+        let ram = FakeRam::new(SET.bytes() as usize);
+        ram.bytes.borrow_mut()[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let far = RingSet {
+            base: 1 << 40,
+            ..SET
+        };
+        let mut taken = 0;
+
+        let got = drain_concurrent(&ram, &SET, 0, &mut taken, true).unwrap();
+
+        assert!(got.records.is_empty());
+        assert_eq!(got.lost, u64::MAX - 4);
+        assert!(drain_concurrent(&ram, &far, 0, &mut 0, false).is_err());
+    }
 
     #[test]
     fn window_takes_from_the_last_drain_or_counts_what_a_burst_overwrote() {

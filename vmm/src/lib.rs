@@ -2,6 +2,8 @@
 //!
 //! * [`qemu`]: launch `qemu-system-x86_64` with a kernel and initramfs, watch its serial
 //!   console for the guest protocol, and (in a later step) attach over its gdbstub.
+//! * [`shared_ram`]: guest RAM in a shared memory backend, mapped by exotap (the zero-stop
+//!   data path of the QEMU backend).
 //! * [`host`]: what this host's `/dev/kvm` can do, used by backend auto-selection.
 //! * [`console`]: the guest protocol on the serial console (`EXOTAP-*` markers).
 //! * [`kvm`]: exotap's own minimal VMM on `/dev/kvm` (hardware virtualization only).
@@ -14,5 +16,6 @@ pub mod gdb;
 pub mod host;
 pub mod kvm;
 pub mod qemu;
+pub mod shared_ram;
 #[cfg(feature = "unicorn")]
 pub mod unicorn;

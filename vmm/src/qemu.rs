@@ -193,6 +193,10 @@ pub struct QemuConfig {
     /// Expose QEMU's gdbstub at this QEMU `-gdb` device (e.g. `tcp::1234`,
     /// `unix:/run/g.sock,server=on,wait=off`).
     pub gdbstub: Option<String>,
+    /// Put guest RAM in this file, shared (`memory-backend-file`, `share=on`), so exotap can
+    /// map it and read its rings and counters while the vCPUs run
+    /// ([`crate::shared_ram`]). A tmpfs path (`/dev/shm/...`) keeps it off the disk.
+    pub shared_ram: Option<PathBuf>,
     /// Extra QEMU arguments, appended last.
     pub extra_args: Vec<String>,
 }
@@ -219,6 +223,7 @@ impl QemuConfig {
             kaslr: true,
             append: Vec::new(),
             gdbstub: None,
+            shared_ram: None,
             extra_args: Vec::new(),
         })
     }
@@ -286,9 +291,26 @@ impl QemuConfig {
         if let Some(gdb) = &self.gdbstub {
             args.extend(["-gdb".into(), gdb.clone()]);
         }
+        if let Some(path) = &self.shared_ram {
+            args.extend(shared_ram_args(path, self.memory_mib));
+        }
         args.extend(self.extra_args.iter().cloned());
         args
     }
+}
+
+/// The QEMU arguments that put `memory_mib` MiB of guest RAM in the shared file `path`
+/// (the zero-stop data path, [`crate::shared_ram`]).
+pub fn shared_ram_args(path: &Path, memory_mib: u64) -> [String; 4] {
+    [
+        "-object".into(),
+        format!(
+            "memory-backend-file,id=exotap-ram,size={memory_mib}M,mem-path={},share=on",
+            path.display()
+        ),
+        "-machine".into(),
+        "memory-backend=exotap-ram".into(),
+    ]
 }
 
 /// Limits of one run.
@@ -641,6 +663,21 @@ mod tests {
         assert_eq!(serials, ["chardev:console", "chardev:control"]);
         assert!(args.windows(2).any(|w| w[0] == "-M" && w[1] == "pc"));
         assert!(args.windows(2).any(|w| w[0] == "-accel" && w[1] == "tcg"));
+    }
+
+    #[test]
+    fn shared_ram_puts_the_memory_backend_in_the_file_at_the_guests_size() {
+        let mut config = QemuConfig::new("bz".into(), "rd".into()).unwrap();
+        config.shared_ram = Some("/dev/shm/g".into());
+
+        let args = config.args(Path::new("/tmp/c.sock"));
+
+        assert!(args.windows(2).any(|w| w[0] == "-object"
+            && w[1]
+                == "memory-backend-file,id=exotap-ram,size=1024M,mem-path=/dev/shm/g,share=on"));
+        assert!(args
+            .windows(2)
+            .any(|w| w[0] == "-machine" && w[1] == "memory-backend=exotap-ram"));
     }
 
     #[test]

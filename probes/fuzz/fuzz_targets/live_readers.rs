@@ -7,6 +7,8 @@
 //!   out of RAM): bounded, it must end;
 //! - ring heads that point anywhere (far past the ring, below what was taken): the windows and
 //!   spans the drain computes stay within one ring, and the records taken stay in the buffer;
+//!   the concurrent (shared-memory) reader over a ring set anywhere in that memory takes at
+//!   most a ring's records and never reads outside the memory;
 //! - a compiled script's globals decoded from heap bytes (hash tables with garbage states,
 //!   sequence numbers, counts and interned-string ids).
 //! The outcome is always a value or an error: no panic, no hang, bounded memory.
@@ -18,12 +20,39 @@ use exotap_introspect::paging::AddressSpace;
 use exotap_probes::compile::data::{DataLayout, Header, Interner};
 use exotap_probes::lang::driver::{compile, ScriptSource};
 use exotap_probes::lang::Limits;
-use exotap_probes::rings::{spans, take, window};
+use exotap_probes::rings::{drain_concurrent, spans, take, window, RingMemory, RingSet};
 use libfuzzer_sys::fuzz_target;
 
 const HEAD: usize = 64;
 /// The most tasks a walk visits before it calls the list broken.
 const MAX_TASKS: usize = 4096;
+
+/// The fuzzed memory as the concurrent ring reader sees shared RAM (bounds-checked).
+struct Flat<'a>(std::cell::RefCell<Vec<u8>>, std::marker::PhantomData<&'a ()>);
+
+impl RingMemory for Flat<'_> {
+    type Error = ();
+    fn load_acquire(&self, addr: u64) -> Result<u64, ()> {
+        let mut b = [0u8; 8];
+        self.read(addr, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), ()> {
+        let mem = self.0.borrow();
+        let at = usize::try_from(addr).map_err(|_| ())?;
+        let src = mem.get(at..at.checked_add(buf.len()).ok_or(())?).ok_or(())?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+    fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, ()> {
+        if self.load_acquire(addr)? != current {
+            return Ok(false);
+        }
+        let at = usize::try_from(addr).map_err(|_| ())?;
+        self.0.borrow_mut()[at..at + 8].copy_from_slice(&new.to_le_bytes());
+        Ok(true)
+    }
+}
 
 fn word(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or_default())
@@ -78,6 +107,21 @@ fuzz_target!(|data: &[u8]| {
     let record = 8 + (head[62] as usize % 16) * 8;
     let (records, consumed) = take(memory, record, head[61] & 1 == 1);
     assert!(consumed as usize <= memory.len() / record && records.len() <= consumed as usize);
+
+    // The concurrent reader over a ring set the header places in the memory.
+    let set = RingSet {
+        base: word(head, 6) % (memory.len() as u64 + 1),
+        cpus: 1 + u32::from(head[60] & 3),
+        slots: 1 << (head[59] % 12),
+        record: 8 << (head[58] % 4),
+    };
+    let flat = Flat(std::cell::RefCell::new(memory.to_vec()), std::marker::PhantomData);
+    for cpu in 0..set.cpus {
+        let mut taken_so_far = taken;
+        if let Ok(got) = drain_concurrent(&flat, &set, cpu, &mut taken_so_far, head[61] & 2 == 2) {
+            assert!(got.records.len() as u64 <= u64::from(set.slots) * set.record);
+        }
+    }
 
     // A compiled script's data area, as the host decodes it.
     let _ = Header::decode(memory);

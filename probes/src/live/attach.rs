@@ -23,6 +23,9 @@ pub struct Target {
     pub address: String,
     /// How long to wait for each answer of the gdbstub.
     pub gdb_timeout: Duration,
+    /// The guest's RAM file, when QEMU runs with a shared memory backend: rings, counters
+    /// and data are then read without stopping the vCPUs ([`super::shared`]).
+    pub shm: Option<std::path::PathBuf>,
 }
 
 impl Target {
@@ -31,6 +34,7 @@ impl Target {
         Self {
             address: address.into(),
             gdb_timeout: Duration::from_secs(10),
+            shm: None,
         }
     }
 }

@@ -46,6 +46,8 @@ use crate::splice::{SpliceDecision, TrapReason};
 
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
 pub const POLL_EVERY: Duration = Duration::from_millis(250);
+/// How often they are read when the guest's RAM is shared (no stop).
+pub const POLL_SHARED_EVERY: Duration = Duration::from_millis(20);
 /// How long one wait for a guest event lasts.
 const WAIT: Duration = Duration::from_millis(20);
 
@@ -336,6 +338,25 @@ impl Guest {
         self.taken.resize(rings.cpus as usize, 0);
         let record = usize::try_from(rings.record)?;
         let mut records = Vec::new();
+        if let Some(shared) = self.session.shared_heap().cloned() {
+            // The zero-stop path: the vCPUs may be running ([`crate::rings`]).
+            for cpu in 0..rings.cpus {
+                let Some(taken) = self.taken.get_mut(cpu as usize) else {
+                    continue;
+                };
+                let got = crate::rings::drain_concurrent(&shared, &rings, cpu, taken, last)?;
+                self.lost += got.lost;
+                for rec in got.records.chunks_exact(record) {
+                    let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+                    match self.interner.render(rec) {
+                        Some(text) => records.push((tsc, text)),
+                        None => self.lost += 1,
+                    }
+                }
+            }
+            records.sort_by_key(|r| r.0);
+            return Ok(records.into_iter().map(|r| r.1).collect());
+        }
         for cpu in 0..rings.cpus {
             let head = self.session.read_heap(rings.ring(cpu), 8)?;
             let head = u64::from_le_bytes(head.try_into().unwrap_or_default());
@@ -374,10 +395,14 @@ impl Guest {
         Ok(())
     }
 
+    /// The data's header (error counts, exit), read while the guest runs when its RAM is
+    /// shared, else with the guest stopped.
     fn header(&mut self) -> anyhow::Result<Header> {
-        let bytes = self
-            .session
-            .read_heap(self.data, compile::data::HEADER as usize)?;
+        let len = compile::data::HEADER as usize;
+        let bytes = match self.session.shared_heap() {
+            Some(shared) => shared.read_heap(self.data, len)?,
+            None => self.session.read_heap(self.data, len)?,
+        };
         Ok(Header::decode(&bytes))
     }
 
@@ -811,7 +836,16 @@ fn run(
         let now = Instant::now();
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
         if !due.is_empty() || now >= next_poll {
+            let shared = guest.session.is_shared();
             let step = (|| -> anyhow::Result<bool> {
+                if shared && due.is_empty() {
+                    // Output and header through the shared RAM: no stop. (A timer probe
+                    // still stops the guest: the host runs it on globals it then writes
+                    // back, which the vCPUs must not update meanwhile.)
+                    guest.print(&mut session, false)?;
+                    header = guest.header()?;
+                    return Ok(header.exit || header.errors > 0);
+                }
                 guest.session.pause()?;
                 guest.print(&mut session, false)?;
                 if due.is_empty() {
@@ -840,7 +874,12 @@ fn run(
                     break;
                 }
             }
-            next_poll = Instant::now() + POLL_EVERY;
+            next_poll = Instant::now()
+                + if guest.session.is_shared() {
+                    POLL_SHARED_EVERY
+                } else {
+                    POLL_EVERY
+                };
         }
         match guest.session.wait(WAIT) {
             Ok(None) => {}

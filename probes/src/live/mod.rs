@@ -22,7 +22,8 @@
 //!    copies in the patch heap.
 //! 4. **Run and drain** ([`GuestSession::resume`], [`GuestSession::wait`],
 //!    [`GuestSession::pause`], [`GuestSession::drain`]): the guest runs; the host stops it
-//!    briefly to drain the per-vCPU rings and read counters and data.
+//!    briefly to drain the per-vCPU rings and read counters and data, or, when the guest's
+//!    RAM is shared with exotap ([`shared`]), reads them while the vCPUs run, with no stop.
 //! 5. **Remove** ([`GuestSession::remove`]): with the guest stopped, write back the exact
 //!    original bytes, read the final counters, histograms and records, and hash the touched
 //!    text pages before and after ([`splicer::RemoveReport`]).
@@ -61,6 +62,7 @@ pub mod kernel_image;
 pub mod operation;
 pub mod recover;
 pub mod session;
+pub mod shared;
 pub mod splicer;
 pub mod stacks;
 pub mod trap_point;

@@ -10,6 +10,7 @@ use exotap_vmm::gdb::GdbMachine;
 use super::attach::{self, Survey, Target};
 use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
+use super::shared::{SharedHeap, FAST_PATH_HINT};
 use super::splicer::{InstallReport, RemoveReport, Request, SiteCode, Splicer, TraceRecord};
 
 /// An attached guest, surveyed, and what the engine put into it.
@@ -24,6 +25,9 @@ pub struct GuestSession {
     /// The KASLR slide and the kernel layout found at attach.
     pub survey: Survey,
     splicer: Option<Splicer>,
+    /// The guest's RAM shared with exotap, checked against the gdbstub at attach: the
+    /// zero-stop data path. `None`: rings and counters are read with the guest stopped.
+    shared: Option<SharedHeap>,
     /// Set once the session has detached: dropping it then does nothing.
     detached: bool,
 }
@@ -44,15 +48,35 @@ impl GuestSession {
     ///
     /// # Errors
     /// When the gdbstub cannot be reached or the survey fails; the guest is detached then.
+    /// With [`Target::shm`], the RAM file is mapped and compared with the gdbstub's view of
+    /// the kernel's page-table root; a file that cannot be used gives a warning and the
+    /// stop-and-read path.
     pub fn attach(target: &Target, image: &KernelImage) -> anyhow::Result<Self> {
         let mut att = attach::attach(target)?;
         match attach::survey(&mut att, image) {
-            Ok(survey) => Ok(Self {
-                machine: att.machine,
-                survey,
-                splicer: None,
-                detached: false,
-            }),
+            Ok(survey) => {
+                let shared = target.shm.as_deref().and_then(|path| {
+                    let heap = SharedHeap::open(path)
+                        .and_then(|h| h.verify(&mut att.machine, survey.cr3 & !0xfff).map(|()| h));
+                    match heap {
+                        Ok(h) => Some(h),
+                        Err(e) => {
+                            tracing::warn!(
+                                "{:#}; reading with the guest stopped instead ({FAST_PATH_HINT})",
+                                anyhow::Error::from(e)
+                            );
+                            None
+                        }
+                    }
+                });
+                Ok(Self {
+                    machine: att.machine,
+                    survey,
+                    splicer: None,
+                    shared,
+                    detached: false,
+                })
+            }
             Err(e) => {
                 let _ = att.machine.detach();
                 Err(e)
@@ -69,12 +93,34 @@ impl GuestSession {
     /// When the heap cannot be mapped or the text read.
     pub fn plan(&mut self, image: &KernelImage, heap: (u64, u64)) -> anyhow::Result<&mut Splicer> {
         if self.splicer.is_none() {
-            let splicer = Splicer::new(&mut self.machine, &self.survey, image, heap)?;
+            let mut splicer = Splicer::new(&mut self.machine, &self.survey, image, heap)?;
+            if let Some(shared) = self.shared.as_mut() {
+                let (va, phys, size) = splicer.heap_range();
+                shared.set_heap(va, phys, size);
+                splicer.shared = Some(shared.clone());
+            }
             self.splicer = Some(splicer);
         }
         self.splicer
             .as_mut()
             .context("the splicer is missing right after it was made")
+    }
+
+    /// Whether rings, counters and data are read through shared RAM, without stopping the
+    /// guest.
+    pub fn is_shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// The shared patch heap (after [`GuestSession::plan`]), for readers that run while the
+    /// guest does.
+    pub fn shared_heap(&self) -> Option<&SharedHeap> {
+        self.splicer.as_ref().and(self.shared.as_ref())
+    }
+
+    /// How many times the guest was stopped since attaching (see [`GdbMachine::stops`]).
+    pub fn stops(&self) -> u64 {
+        self.machine.stops()
     }
 
     /// The splicer of the plan phase, if [`GuestSession::plan`] ran.
@@ -173,8 +219,8 @@ impl GuestSession {
         self.machine.wait_event(timeout).context("lost the guest")
     }
 
-    /// The drain phase: the trace records written since the last drain (the guest paused);
-    /// nothing when no trace splices are in.
+    /// The drain phase: the trace records written since the last drain (the guest paused,
+    /// or running when its RAM is shared); nothing when no trace splices are in.
     ///
     /// # Errors
     /// When the rings cannot be read.

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
+use exotap_introspect::layout::TaskOffsets;
 use exotap_introspect::x86::{
     ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
@@ -62,8 +63,8 @@ pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;
 /// The most bytes one patch may take (a timed function's trampoline, entry half and
-/// relocated instruction take about 200, a traced one about 420).
-const MAX_PATCH: u64 = 512;
+/// relocated instruction take about 200, a traced one about 520 with the task's pid and name).
+const MAX_PATCH: u64 = 768;
 /// The most bytes one compiled-probe site may take (bodies, trampoline, relocation).
 const MAX_COMPILED: u64 = 64 << 10;
 /// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
@@ -710,8 +711,9 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 /// Each vCPU's ring is a 64-byte header (the `u64` head: records ever reserved, with
 /// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
 /// first argument at entry, the return value at exit), function id at +16, kind at +20
-/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit). The TSC is stored
-/// last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
+/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit), the running task's
+/// pid at +32 and its `comm` (16 bytes) at +40 (zero when the kernel's task offsets are
+/// unknown), 8 bytes reserved. The TSC is stored last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
 /// guest stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
 /// from where it stopped last up to the first one whose TSC is still 0 (its writer has not
 /// finished), then zeroes the records it took, so that a slot being rewritten reads as
@@ -723,10 +725,13 @@ pub struct Rings {
     pub set: RingSet,
     /// The per-CPU offset of `cpu_number` (gs-relative).
     pub cpu_number: u64,
+    /// Where the running task's pid and name are: the per-CPU offset of `current_task`, and
+    /// `task_struct`'s pid and comm offsets.
+    pub task: Option<(u64, TaskOffsets)>,
 }
 
 /// Bytes per trace record.
-pub const TRACE_RECORD: u64 = 32;
+pub const TRACE_RECORD: u64 = 64;
 
 /// Writes one record; r8 = TSC, `value` = the value, rsi = the stack slot. Clobbers rax,
 /// rcx, rdx and the flags.
@@ -744,6 +749,32 @@ fn emit_record(
     a.mov(dword_ptr(rdx + 16), id)?;
     a.mov(dword_ptr(rdx + 20), kind)?;
     a.mov(qword_ptr(rdx + 24), rsi)?;
+    match rings.task {
+        Some((current_task, task)) => {
+            use iced_x86::code_asm::{ecx, rcx};
+            let mut cur = iced_x86::Instruction::with2(
+                iced_x86::Code::Mov_r64_rm64,
+                Register::RAX,
+                iced_x86::MemoryOperand::with_base_displ(Register::None, current_task as i64),
+            )?;
+            cur.set_segment_prefix(Register::GS);
+            cur.set_memory_displ_size(4);
+            a.add_instruction(cur)?;
+            let pid = i32::try_from(task.pid)?;
+            let comm = i32::try_from(task.comm)?;
+            a.mov(ecx, dword_ptr(rax + pid))?;
+            a.mov(dword_ptr(rdx + 32), ecx)?;
+            a.mov(rcx, qword_ptr(rax + comm))?;
+            a.mov(qword_ptr(rdx + 40), rcx)?;
+            a.mov(rcx, qword_ptr(rax + comm + 8))?;
+            a.mov(qword_ptr(rdx + 48), rcx)?;
+        }
+        None => {
+            a.mov(dword_ptr(rdx + 32), 0)?;
+            a.mov(qword_ptr(rdx + 40), 0)?;
+            a.mov(qword_ptr(rdx + 48), 0)?;
+        }
+    }
     a.mov(qword_ptr(rdx), r8)?;
     a.set_label(&mut skip)?;
     a.nop()?;
@@ -840,6 +871,10 @@ pub struct Splicer {
     /// Where the patch heap is mapped in kernel space (its start).
     pub heap_va: u64,
     heap_phys: u64,
+    heap_size: u64,
+    /// The guest's RAM shared with exotap (set by the session): rings and counters are then
+    /// read and zeroed through it while the guest runs. Code still goes over the gdbstub.
+    pub shared: Option<super::shared::SharedHeap>,
     data: PatchHeap,
     code: PatchHeap,
     return_thunk: Option<u64>,
@@ -853,6 +888,9 @@ pub struct Splicer {
     pub rings: Option<Rings>,
     /// The per-CPU offset of `cpu_number`.
     cpu_number: Option<u64>,
+    /// `task_struct`'s pid and comm offsets, for the task in trace records (set by the
+    /// caller before the install: finding them parses the BTF).
+    pub trace_task: Option<TaskOffsets>,
     /// Names of traced functions by id.
     pub trace_names: Vec<(u32, String)>,
     /// Per vCPU: records taken from its ring so far, and records lost to overruns.
@@ -930,6 +968,18 @@ pub struct TraceRecord {
     pub kind: u32,
     /// The call's stack slot (pairs entry and exit).
     pub slot: u64,
+    /// The running task's pid (0 when unknown).
+    pub pid: u32,
+    /// The running task's name (`comm`, NUL-padded).
+    pub comm: [u8; 16],
+}
+
+impl TraceRecord {
+    /// The task's name as text (up to its first NUL).
+    pub fn task_name(&self) -> String {
+        let end = self.comm.iter().position(|&b| b == 0).unwrap_or(16);
+        String::from_utf8_lossy(&self.comm[..end]).into_owned()
+    }
 }
 
 pub use crate::rings::{spans as ring_spans_of, window as ring_window};
@@ -957,6 +1007,8 @@ pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
                 id: half(16),
                 kind: half(20),
                 slot: word(24),
+                pid: half(32),
+                comm: chunk[40..56].try_into().unwrap_or_default(),
             }
         })
         .collect();
@@ -1002,6 +1054,8 @@ impl Splicer {
             kernel,
             heap_va: plan.va,
             heap_phys: plan.phys,
+            heap_size: plan.size,
+            shared: None,
             data: PatchHeap::new(plan.va + REGION, plan.va + CODE_OFFSET)?,
             code: PatchHeap::new(plan.va + CODE_OFFSET, plan.va + plan.size)?,
             return_thunk,
@@ -1011,6 +1065,7 @@ impl Splicer {
             rings: None,
             // A per-CPU symbol: an offset from the GS base, not slid.
             cpu_number: image.symbols.get("cpu_number").map(|s| s.addr),
+            trace_task: None,
             trace_names: Vec::new(),
             ring_taken: Vec::new(),
             ring_lost: Vec::new(),
@@ -1020,6 +1075,11 @@ impl Splicer {
                 heap_phys: plan.phys,
             },
         })
+    }
+
+    /// The mapped patch heap: kernel virtual address, guest-physical address, size.
+    pub fn heap_range(&self) -> (u64, u64, u64) {
+        (self.heap_va, self.heap_phys, self.heap_size)
     }
 
     fn heap_phys(&self, va: u64) -> u64 {
@@ -1150,8 +1210,16 @@ impl Splicer {
                 .cpu_number
                 .context("the kernel has no cpu_number per-CPU variable")?;
             let cpus = u32::try_from(self.survey.layout.per_cpu_offsets.len().max(1))?;
-            // 512 KiB of records in all.
-            let slots = ((512 << 10) / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 16);
+            // 512 KiB of records in all; 32 MiB when the host reads them while the guest runs
+            // (zeroed through the shared RAM, not the gdbstub): with 2 vCPUs a ring then
+            // holds 262,144 records, about 120 ms of the fastest traced syscall loop under
+            // TCG, while the host drains every 50 ms or so.
+            let all: u64 = if self.shared.is_some() {
+                32 << 20
+            } else {
+                512 << 10
+            };
+            let slots = (all / TRACE_RECORD / u64::from(cpus)).clamp(64, 1 << 19);
             let slots = 1u32 << (63 - slots.leading_zeros());
             let mut rings = Rings {
                 set: RingSet {
@@ -1161,6 +1229,9 @@ impl Splicer {
                     record: TRACE_RECORD,
                 },
                 cpu_number,
+                task: self
+                    .trace_task
+                    .map(|t| (self.survey.layout.current_task_offset, t)),
             };
             let bytes = rings.set.bytes();
             // The rings and the in-flight table are large (rings grow with the vCPUs, the
@@ -1365,13 +1436,28 @@ impl Splicer {
             });
         }
         // Counters (zeroed) and patches first, then the jumps, page by page.
-        machine.write_phys(self.heap_phys(data_block), &vec![0u8; 8 * n as usize])?;
+        match &self.shared {
+            Some(shared) => shared.write_heap(data_block, &vec![0u8; 8 * n as usize])?,
+            None => machine.write_phys(self.heap_phys(data_block), &vec![0u8; 8 * n as usize])?,
+        }
         for (at, len) in zero {
-            machine.write_phys(self.heap_phys(at), &vec![0u8; usize::try_from(len)?])?;
+            let zeros = vec![0u8; usize::try_from(len)?];
+            match &self.shared {
+                // Data, never executed: the shared RAM is fine (and fast for big rings).
+                Some(shared) => shared.write_heap(at, &zeros)?,
+                None => machine.write_phys(self.heap_phys(at), &zeros)?,
+            }
         }
         if !code_buf.is_empty() {
+            // Code: over the gdbstub, which invalidates QEMU's translated blocks of these
+            // addresses (a write into the shared RAM would not: see exotap_vmm::shared_ram).
             machine.write_phys(self.heap_phys(code_block), &code_buf)?;
         }
+        tracing::debug!(
+            "{} bytes of patches written at {:.3} s",
+            code_buf.len(),
+            started.elapsed().as_secs_f64()
+        );
         let keep: Vec<_> = ready
             .into_iter()
             .enumerate()
@@ -1382,10 +1468,23 @@ impl Splicer {
             .iter()
             .map(|r| (requests[r.0].addr, r.2.to_vec()))
             .collect();
-        // The recovery journal before the guest changes ([`super::recover`]).
+        // The recovery journal before the guest changes ([`super::recover`]): heap data,
+        // through the shared RAM when there is one.
+        let shared = self.shared.clone();
+        let mut data_path;
+        let journal_machine: &mut dyn Machine = match &shared {
+            Some(shared) => {
+                data_path = super::shared::HeapDataPath {
+                    machine: &mut *machine,
+                    shared,
+                };
+                &mut data_path
+            }
+            None => &mut *machine,
+        };
         if let Some((table, bytes)) = new_table {
             self.journal
-                .record_table(machine, self.heap_phys(table), bytes)?;
+                .record_table(journal_machine, self.heap_phys(table), bytes)?;
         }
         if !keep.is_empty() {
             let block = self
@@ -1406,9 +1505,14 @@ impl Splicer {
                 .map(|(r, &p)| (p, &r.1[..5], &r.2[..]))
                 .collect();
             self.journal
-                .record_text(machine, self.heap_phys(block), &entries)?;
+                .record_text(journal_machine, self.heap_phys(block), &entries)?;
         }
+        tracing::debug!(
+            "journal written at {:.3} s",
+            started.elapsed().as_secs_f64()
+        );
         self.write_text(machine, &now, &writes)?;
+        tracing::debug!("text written at {:.3} s", started.elapsed().as_secs_f64());
         for (addr, bytes) in now.0 {
             self.before.0.entry(addr).or_insert(bytes);
         }
@@ -1448,6 +1552,10 @@ impl Splicer {
             spans.len(),
             spans.iter().map(|s| s.1.len()).sum::<usize>()
         );
+        // Text always over the gdbstub: QEMU then drops its translated blocks of these bytes
+        // (a write into the shared RAM would leave the vCPUs running the old instructions).
+        // Measured under TCG: about 35 µs a write and 0.25 µs a byte on QEMU's side, the same
+        // with the writes pipelined, and worse with whole pages: small spans it is.
         for (addr, bytes) in spans {
             let phys = self
                 .kernel
@@ -1473,6 +1581,9 @@ impl Splicer {
         let Some(Rings { set: rings, .. }) = self.rings else {
             return Ok(Vec::new());
         };
+        if let Some(shared) = &self.shared {
+            return self.drain_shared(&shared.clone(), rings, last);
+        }
         // Read every ring first: a failed read changes nothing, and removal finds it all.
         let mut taken = Vec::new();
         for cpu in 0..rings.cpus {
@@ -1511,7 +1622,35 @@ impl Splicer {
         Ok(out)
     }
 
-    /// Reads every counter (the guest stopped).
+    /// [`Splicer::drain_rings`] through the shared RAM, the vCPUs running
+    /// ([`crate::rings::drain_concurrent`]).
+    fn drain_shared(
+        &mut self,
+        shared: &super::shared::SharedHeap,
+        rings: RingSet,
+        last: bool,
+    ) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
+        let mut out = Vec::new();
+        for cpu in 0..rings.cpus {
+            let i = cpu as usize;
+            let (Some(taken), Some(lost)) = (self.ring_taken.get_mut(i), self.ring_lost.get_mut(i))
+            else {
+                continue;
+            };
+            let got = crate::rings::drain_concurrent(shared, &rings, cpu, taken, last)?;
+            *lost += got.lost;
+            let (records, _) = take_records(&got.records, true);
+            out.extend(records.into_iter().map(|r| (cpu, r)));
+        }
+        Ok(out)
+    }
+
+    /// Records lost to ring overruns so far, per vCPU.
+    pub fn ring_losses(&self) -> &[u64] {
+        &self.ring_lost
+    }
+
+    /// Reads every counter (the guest stopped, or running when the RAM is shared).
     ///
     /// # Errors
     /// When the heap cannot be read.
@@ -1521,8 +1660,14 @@ impl Splicer {
         }
         let lo = self.installed.iter().map(|s| s.counter).min().unwrap_or(0);
         let hi = self.installed.iter().map(|s| s.counter).max().unwrap_or(0) + 8;
-        let mut buf = vec![0u8; usize::try_from(hi - lo)?];
-        machine.read_phys(self.heap_phys(lo), &mut buf)?;
+        let buf = match &self.shared {
+            Some(shared) => shared.read_heap(lo, usize::try_from(hi - lo)?)?,
+            None => {
+                let mut buf = vec![0u8; usize::try_from(hi - lo)?];
+                machine.read_phys(self.heap_phys(lo), &mut buf)?;
+                buf
+            }
+        };
         Ok(self
             .installed
             .iter()
@@ -1910,6 +2055,10 @@ mod tests {
             bytes.extend_from_slice(&id.to_le_bytes());
             bytes.extend_from_slice(&kind.to_le_bytes());
             bytes.extend_from_slice(&0x1000u64.to_le_bytes());
+            bytes.extend_from_slice(&42u32.to_le_bytes());
+            bytes.extend_from_slice(&[0; 4]);
+            bytes.extend_from_slice(b"dd\0\0\0\0\0\0\0\0\0\0\0\0\0\0");
+            bytes.extend_from_slice(&[0; 8]);
         }
         bytes
     }
@@ -1959,6 +2108,10 @@ mod tests {
         assert_eq!(
             (running[0].value, running[0].id, running[0].kind),
             (20, 7, 1)
+        );
+        assert_eq!(
+            (running[0].pid, running[0].task_name()),
+            (42, "dd".to_owned())
         );
         assert_eq!(consumed_last, 4, "at removal it is skipped, not waited for");
         assert_eq!(

@@ -38,6 +38,8 @@ pub struct GdbMachine {
     /// The registers last read while stopped (several round trips each), until the vCPU
     /// runs or a register is written.
     regs_cache: Option<(VcpuId, X86Registers)>,
+    /// Times the running guest stopped: at a [`Machine::pause`] or a stop event.
+    stops: u64,
 }
 
 impl GdbMachine {
@@ -69,6 +71,7 @@ impl GdbMachine {
             paused: true,
             layout,
             regs_cache: None,
+            stops: 0,
         })
     }
 
@@ -79,6 +82,12 @@ impl GdbMachine {
     /// When the socket cannot be shared.
     pub fn interrupter(&self) -> Result<Interrupter, ControlError> {
         self.client.interrupter().map_err(backend)
+    }
+
+    /// How many times the running guest was stopped since connecting: pauses asked for and
+    /// stops it reported (breakpoints, steps). The stop on connect is not counted.
+    pub fn stops(&self) -> u64 {
+        self.stops
     }
 
     /// The underlying protocol client (monitor commands and other QEMU specifics).
@@ -119,6 +128,9 @@ impl GdbMachine {
     }
 
     fn event_of(&mut self, reply: StopReply) -> Result<StopEvent, ControlError> {
+        if !self.paused {
+            self.stops += 1;
+        }
         self.paused = true;
         self.regs_cache = None;
         match reply {
@@ -327,6 +339,7 @@ impl Machine for GdbMachine {
     fn pause(&mut self) -> Result<(), ControlError> {
         if !self.paused {
             self.client.interrupt().map_err(backend)?;
+            self.stops += 1;
             self.paused = true;
             self.regs_cache = None;
         }

@@ -1,0 +1,215 @@
+//! `exotap trace --perfetto` decoded by an independent decoder: Python's `protobuf` package
+//! with the Perfetto trace protos that Perfetto publishes on PyPI (the `perfetto` package
+//! ships them compiled, `perfetto_trace_pb2`), both installed at test time into a temporary
+//! directory, never committed. The slices must be the text output's entry/return pairs,
+//! with the same timestamps, tasks and pids.
+
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use common::{exotap, have_qemu, run};
+
+const DECODER: &str = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+trace = pb.Trace()
+trace.ParseFromString(open(sys.argv[2], 'rb').read())
+tracks = {p.track_descriptor.uuid: p.track_descriptor.name
+          for p in trace.packet if p.HasField('track_descriptor')}
+for p in trace.packet:
+    if not p.HasField('track_event'):
+        continue
+    e = p.track_event
+    ann = {}
+    for a in e.debug_annotations:
+        ann[a.name] = getattr(a, a.WhichOneof('value'))
+    track = tracks[e.track_uuid].replace(' ', '_')
+    if e.type == pb.TrackEvent.TYPE_SLICE_BEGIN:
+        print('B', p.timestamp, track, e.name, ann['task'], ann['pid'])
+    elif e.type == pb.TrackEvent.TYPE_SLICE_END:
+        print('E', p.timestamp, track, ann['return'])
+    else:
+        print('?', p.timestamp, track, e.type)
+"#;
+
+/// Installs `protobuf` and Perfetto's `perfetto` package into `lib`; why not, when it fails.
+fn install_decoder(lib: &Path) -> Result<(), String> {
+    for args in [&["protobuf"][..], &["--no-deps", "perfetto"][..]] {
+        let out = Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg("--target")
+            .arg(lib)
+            .args(args)
+            .output()
+            .map_err(|e| format!("cannot run python3 -m pip: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "pip install {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Nanoseconds of a text time `123.456` (microseconds with three decimals).
+fn ns(text: &str) -> u64 {
+    let (us, frac) = text.split_once('.').unwrap();
+    us.parse::<u64>().unwrap() * 1000 + frac.parse::<u64>().unwrap()
+}
+
+/// A traced call as both views show it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Slice {
+    begin: u64,
+    end: u64,
+    track: String,
+    function: String,
+    task: String,
+    pid: u32,
+    value: i64,
+}
+
+/// The text output's calls: each return line with a duration, paired with its entry line
+/// (the entry at `return time - duration`, same function).
+fn text_slices(out: &str) -> Vec<Slice> {
+    let mut entries: BTreeMap<(u64, String), (String, String, u32)> = BTreeMap::new();
+    let mut slices = Vec::new();
+    for line in out.lines().filter(|l| l.contains(" us  cpu")) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // [time, "us", cpuN, task[pid], arrow, ...]
+        let at = ns(f[0]);
+        let cpu = f[2].trim_start_matches("cpu");
+        let (task, pid) = f[3].trim_end_matches(']').rsplit_once('[').unwrap();
+        let pid: u32 = pid.parse().unwrap();
+        match f[4] {
+            "->" => {
+                let function = f[5].split('(').next().unwrap().to_owned();
+                entries.insert(
+                    (at, function),
+                    (format!("vCPU_{cpu}"), task.to_owned(), pid),
+                );
+            }
+            "<-" if line.ends_with("us]") => {
+                let function = f[5].to_owned();
+                let value: i64 = f[7].parse().unwrap();
+                let took = ns(f[8].trim_start_matches('['));
+                let begin = at - took;
+                let (track, task, pid) = entries
+                    .remove(&(begin, function.clone()))
+                    .expect("the entry of a paired return");
+                slices.push(Slice {
+                    begin,
+                    end: at,
+                    track,
+                    function,
+                    task,
+                    pid,
+                    value,
+                });
+            }
+            _ => {}
+        }
+    }
+    slices.sort();
+    slices
+}
+
+/// The Perfetto file's slices: per track, each end closes the latest open begin.
+fn perfetto_slices(decoded: &str) -> Vec<Slice> {
+    let mut open: BTreeMap<String, Vec<(u64, String, String, u32)>> = BTreeMap::new();
+    let mut slices = Vec::new();
+    for line in decoded.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let ts: u64 = f[1].parse().unwrap();
+        match f[0] {
+            "B" => open.entry(f[2].to_owned()).or_default().push((
+                ts,
+                f[3].to_owned(),
+                f[4].to_owned(),
+                f[5].parse().unwrap(),
+            )),
+            "E" => {
+                let (begin, function, task, pid) = open
+                    .get_mut(f[2])
+                    .and_then(Vec::pop)
+                    .expect("an end with an open slice on its track");
+                slices.push(Slice {
+                    begin,
+                    end: ts,
+                    track: f[2].to_owned(),
+                    function,
+                    task,
+                    pid,
+                    value: f[3].parse().unwrap(),
+                });
+            }
+            other => panic!("unexpected event {other}: {line}"),
+        }
+    }
+    slices.sort();
+    slices
+}
+
+#[test]
+fn perfetto_slices_are_the_text_outputs_calls_with_the_same_timestamps() {
+    if !have_qemu("perfetto_slices_are_the_text_outputs_calls_with_the_same_timestamps") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join("pylib");
+    if let Err(why) = install_decoder(&lib) {
+        eprintln!(
+            "SKIP perfetto_slices_are_the_text_outputs_calls_with_the_same_timestamps: no independent decoder: {why}"
+        );
+        return;
+    }
+    let trace = dir.path().join("out.pftrace");
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args([
+            "trace",
+            "__x64_sys_getppid",
+            "__x64_sys_getpid",
+            "--run",
+            "syscall-loop 150 > /dev/null & syscall-loop 150 > /dev/null; wait",
+            "--timeout",
+            "300",
+            "--perfetto",
+        ])
+        .arg(&trace)
+        .arg("--console")
+        .arg(&console));
+    let decoded = Command::new("python3")
+        .args(["-c", DECODER])
+        .arg(&lib)
+        .arg(&trace)
+        .output()
+        .unwrap();
+
+    let ctx = format!(
+        "stderr:\n{err}\ndecoder:\n{}",
+        String::from_utf8_lossy(&decoded.stderr)
+    );
+    assert_eq!(code, 0, "{ctx}");
+    assert!(decoded.status.success(), "{ctx}");
+    let text = text_slices(&out);
+    let perfetto = perfetto_slices(&String::from_utf8_lossy(&decoded.stdout));
+    // 2 workers x 150 calls of each function, all paired.
+    assert_eq!(text.len(), 600, "{ctx}");
+    assert!(text.iter().all(|s| s.task == "syscall-loop"), "{text:?}");
+    assert_eq!(perfetto, text);
+}

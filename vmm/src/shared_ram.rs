@@ -1,0 +1,401 @@
+//! Guest RAM shared with QEMU: the zero-stop data path of the QEMU backend.
+//!
+//! QEMU started with its RAM in a shared memory backend
+//! (`-object memory-backend-file,id=exotap-ram,size=1024M,mem-path=/dev/shm/F,share=on
+//! -machine memory-backend=exotap-ram`, see [`crate::qemu::QemuConfig::shared_ram`]) keeps the
+//! guest's memory in that file; exotap maps the same file and reads counters, rings and maps
+//! while the vCPUs run, with no gdbstub stop.
+//!
+//! Only RAM below [`IDENTITY_LIMIT`] is reachable: on QEMU's `pc` and `q35` machines the
+//! backend's first bytes are guest-physical 0.. up to the PCI hole (at 2.75 GiB at the lowest),
+//! so there the file offset is the guest-physical address; RAM above 4 GiB sits at other
+//! offsets and is refused rather than guessed. The patch heap is placed in low RAM.
+//!
+//! **Text writes do not go through here.** QEMU's TCG keeps translated blocks of guest code;
+//! a write through the gdbstub goes through QEMU's memory API, which invalidates the blocks
+//! of the pages it touches, but a write into the shared file does not, so a vCPU could go on
+//! running the old instructions. Kernel text and patch code are written over the gdbstub;
+//! this path carries data only (counters, ring records, compiled globals).
+//!
+//! The guest writes this memory concurrently and is hostile: every access is bounds-checked
+//! ([`SharedRamError::OutOfRange`]), never panics, and plain reads are volatile copies (the
+//! bytes may change under them; callers validate what they read, see
+//! `exotap_probes::rings`).
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd as _;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Guest-physical addresses below this are at the same offset in the RAM file (QEMU's lowest
+/// start of the PCI hole, q35 with more than 2.75 GiB of RAM).
+pub const IDENTITY_LIMIT: u64 = 0xb000_0000;
+
+/// Errors of the shared RAM mapping.
+#[derive(Debug, thiserror::Error)]
+pub enum SharedRamError {
+    /// The file could not be opened.
+    #[error("cannot open the guest RAM file {path}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is empty or too large to map.
+    #[error("the guest RAM file {path} has {len} bytes: nothing to map")]
+    Size {
+        /// The file.
+        path: PathBuf,
+        /// Its length.
+        len: u64,
+    },
+    /// mmap(2) failed.
+    #[error("cannot map the guest RAM file {path}")]
+    Map {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The range is outside the mapped low RAM.
+    #[error("guest-physical {addr:#x} (+{len} bytes) is outside the shared RAM ({limit:#x} bytes reachable)")]
+    OutOfRange {
+        /// The address.
+        addr: u64,
+        /// The length.
+        len: u64,
+        /// Bytes reachable from guest-physical 0.
+        limit: u64,
+    },
+    /// An atomic access at an address that is not 8-byte aligned.
+    #[error("guest-physical {0:#x} is not 8-byte aligned for an atomic access")]
+    Unaligned(u64),
+}
+
+/// The guest's RAM, mapped shared from QEMU's memory backend file.
+#[derive(Debug)]
+pub struct SharedRam {
+    base: NonNull<u8>,
+    /// Bytes mapped.
+    len: usize,
+    /// Bytes reachable from guest-physical 0 (`len` capped at [`IDENTITY_LIMIT`]).
+    reachable: u64,
+    path: PathBuf,
+}
+
+// SAFETY: the mapping is plain shared memory; every access through `SharedRam` is a volatile
+// or atomic access that tolerates concurrent writers (the guest), so sharing or sending the
+// handle between threads adds no data race the guest does not already cause.
+unsafe impl Send for SharedRam {}
+// SAFETY: as for `Send`: `&SharedRam` only offers volatile and atomic accesses.
+unsafe impl Sync for SharedRam {}
+
+impl SharedRam {
+    /// Maps the RAM file `path` read-write and shared.
+    ///
+    /// # Errors
+    /// When the file cannot be opened or mapped, or is empty.
+    pub fn open(path: &Path) -> Result<Self, SharedRamError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| SharedRamError::Open {
+                path: path.to_owned(),
+                source,
+            })?;
+        let size_err = |len| SharedRamError::Size {
+            path: path.to_owned(),
+            len,
+        };
+        let file_len = file
+            .metadata()
+            .map_err(|source| SharedRamError::Open {
+                path: path.to_owned(),
+                source,
+            })?
+            .len();
+        let len = usize::try_from(file_len).map_err(|_| size_err(file_len))?;
+        if len == 0 {
+            return Err(size_err(file_len));
+        }
+        // SAFETY: a fresh shared mapping of a file we opened read-write, at an address the
+        // kernel chooses; the result is checked for MAP_FAILED before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(SharedRamError::Map {
+                path: path.to_owned(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| size_err(file_len))?;
+        Ok(Self {
+            base,
+            len,
+            reachable: file_len.min(IDENTITY_LIMIT),
+            path: path.to_owned(),
+        })
+    }
+
+    /// The mapped file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes of guest RAM reachable from guest-physical 0.
+    pub fn reachable(&self) -> u64 {
+        self.reachable
+    }
+
+    /// The offset of `[addr, addr + len)` in the mapping, after the bounds check.
+    fn offset(&self, addr: u64, len: usize) -> Result<usize, SharedRamError> {
+        let len64 = u64::try_from(len).unwrap_or(u64::MAX);
+        let out = SharedRamError::OutOfRange {
+            addr,
+            len: len64,
+            limit: self.reachable,
+        };
+        match addr.checked_add(len64) {
+            Some(end) if end <= self.reachable => usize::try_from(addr).map_err(|_| out),
+            _ => Err(out),
+        }
+    }
+
+    /// Copies guest-physical `[addr, addr + buf.len())` into `buf` with volatile reads (the
+    /// guest may be writing it: the caller validates what it gets).
+    ///
+    /// # Errors
+    /// [`SharedRamError::OutOfRange`].
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), SharedRamError> {
+        let offset = self.offset(addr, buf.len())?;
+        let mut i = 0;
+        while i < buf.len() {
+            let at = offset + i;
+            if at.is_multiple_of(8) && i + 8 <= buf.len() {
+                // SAFETY: `offset(addr, len)` checked that `offset + len <= self.len`, so
+                // `[at, at + 8)` is inside the live mapping, and `at` is 8-aligned (the
+                // mapping is page-aligned); a volatile read tolerates the guest writing it.
+                let word = unsafe { self.base.as_ptr().add(at).cast::<u64>().read_volatile() };
+                buf[i..i + 8].copy_from_slice(&word.to_ne_bytes());
+                i += 8;
+            } else {
+                // SAFETY: as above for one byte, which needs no alignment.
+                buf[i] = unsafe { self.base.as_ptr().add(at).read_volatile() };
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at guest-physical `addr` with volatile writes. Data only: never kernel
+    /// text or patch code (see the module documentation).
+    ///
+    /// # Errors
+    /// [`SharedRamError::OutOfRange`].
+    pub fn write(&self, addr: u64, data: &[u8]) -> Result<(), SharedRamError> {
+        let offset = self.offset(addr, data.len())?;
+        for (i, byte) in data.iter().enumerate() {
+            // SAFETY: in bounds as in `read`; the mapping is writable (PROT_WRITE).
+            unsafe { self.base.as_ptr().add(offset + i).write_volatile(*byte) };
+        }
+        Ok(())
+    }
+
+    /// The 8-aligned `u64` at guest-physical `addr` as an atomic.
+    fn atomic(&self, addr: u64) -> Result<&AtomicU64, SharedRamError> {
+        if !addr.is_multiple_of(8) {
+            return Err(SharedRamError::Unaligned(addr));
+        }
+        let offset = self.offset(addr, 8)?;
+        // SAFETY: in bounds (checked), 8-aligned (the mapping is page-aligned and `addr` is a
+        // multiple of 8), and valid for the lifetime of `&self` (unmapped only in `drop`);
+        // other writers of the word (the guest's `lock xadd` and stores) are hardware
+        // atomic accesses of the same size.
+        Ok(unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(offset).cast::<u64>()) })
+    }
+
+    /// Loads the `u64` at `addr` with `Acquire` ordering: the reads after it see at least
+    /// what the guest wrote before the value it returns (x86 stores are ordered).
+    ///
+    /// # Errors
+    /// [`SharedRamError::OutOfRange`], [`SharedRamError::Unaligned`].
+    pub fn load_acquire(&self, addr: u64) -> Result<u64, SharedRamError> {
+        Ok(u64::from_le(self.atomic(addr)?.load(Ordering::Acquire)))
+    }
+
+    /// Replaces the `u64` at `addr` with `new` if it still holds `current` (a `lock cmpxchg`,
+    /// atomic with respect to the vCPUs); whether it did.
+    ///
+    /// # Errors
+    /// [`SharedRamError::OutOfRange`], [`SharedRamError::Unaligned`].
+    pub fn compare_exchange(
+        &self,
+        addr: u64,
+        current: u64,
+        new: u64,
+    ) -> Result<bool, SharedRamError> {
+        Ok(self
+            .atomic(addr)?
+            .compare_exchange(
+                current.to_le(),
+                new.to_le(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok())
+    }
+}
+
+/// Anonymous memory (a memfd) for the RAM of a guest exotap boots: QEMU inherits the
+/// descriptor and opens it as `/proc/self/fd/N` (the same `N` in both processes), exotap maps
+/// it the same way. Nothing is left behind on tmpfs when either process dies, even killed.
+#[derive(Debug)]
+pub struct RamMemfd {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl RamMemfd {
+    /// Creates the memfd, inheritable by child processes (QEMU).
+    ///
+    /// # Errors
+    /// When memfd_create(2) fails.
+    pub fn create() -> std::io::Result<Self> {
+        // SAFETY: a NUL-terminated name and no flags (no MFD_CLOEXEC: QEMU inherits it); the
+        // returned descriptor is checked and then owned by `OwnedFd` alone.
+        let fd = unsafe { libc::memfd_create(c"exotap-guest-ram".as_ptr(), 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Self { fd })
+    }
+
+    /// The path that names it in this process and in its children: `/proc/self/fd/N`.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
+    }
+}
+
+impl Drop for SharedRam {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are exactly the mapping made in `open`, unmapped once here;
+        // no reference into it outlives `self` (every accessor borrows `self`).
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ram_file(bytes: &[u8]) -> tempfile::NamedTempFile {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), bytes).unwrap();
+        file
+    }
+
+    #[test]
+    fn reads_and_writes_land_at_the_guest_physical_offset_of_the_file() {
+        let mut bytes = vec![0u8; 8192];
+        bytes[4096..4100].copy_from_slice(b"exo!");
+        let file = ram_file(&bytes);
+        let ram = SharedRam::open(file.path()).unwrap();
+        let mut seen = [0u8; 4];
+
+        ram.read(4096, &mut seen).unwrap();
+        ram.write(16, &7u64.to_le_bytes()).unwrap();
+
+        assert_eq!(&seen, b"exo!");
+        assert_eq!(ram.load_acquire(16).unwrap(), 7);
+        assert_eq!(
+            std::fs::read(file.path()).unwrap()[16],
+            7,
+            "the file itself changed"
+        );
+    }
+
+    #[test]
+    fn ranges_past_the_end_or_wrapping_are_refused_without_a_panic() {
+        let file = ram_file(&[0u8; 4096]);
+        let ram = SharedRam::open(file.path()).unwrap();
+        let mut buf = [0u8; 16];
+
+        assert!(matches!(
+            ram.read(4090, &mut buf),
+            Err(SharedRamError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            ram.read(u64::MAX - 4, &mut buf),
+            Err(SharedRamError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            ram.load_acquire(4096),
+            Err(SharedRamError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            ram.load_acquire(12),
+            Err(SharedRamError::Unaligned(12))
+        ));
+    }
+
+    #[test]
+    fn compare_exchange_replaces_only_the_expected_value() {
+        let file = ram_file(&[0u8; 64]);
+        let ram = SharedRam::open(file.path()).unwrap();
+        ram.write(8, &5u64.to_le_bytes()).unwrap();
+
+        let wrong = ram.compare_exchange(8, 4, 0).unwrap();
+        let right = ram.compare_exchange(8, 5, 0).unwrap();
+
+        assert_eq!((wrong, right), (false, true));
+        assert_eq!(ram.load_acquire(8).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_memfd_is_reachable_through_its_proc_path_once_sized() {
+        let memfd = RamMemfd::create().unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(memfd.path())
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let ram = SharedRam::open(&memfd.path()).unwrap();
+
+        ram.write(8, &9u64.to_le_bytes()).unwrap();
+
+        assert_eq!(
+            SharedRam::open(&memfd.path())
+                .unwrap()
+                .load_acquire(8)
+                .unwrap(),
+            9
+        );
+    }
+
+    #[test]
+    fn an_empty_file_is_refused() {
+        let file = ram_file(&[]);
+
+        assert!(matches!(
+            SharedRam::open(file.path()),
+            Err(SharedRamError::Size { .. })
+        ));
+    }
+}
