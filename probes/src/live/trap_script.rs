@@ -38,7 +38,6 @@ use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::layout::TaskOffsets;
 use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId, X86Registers};
-use exotap_vmm::gdb::GdbMachine;
 
 use crate::lang::check::Program;
 use crate::lang::context::{Context, MemoryError};
@@ -135,7 +134,12 @@ impl ArmedPoint {
     /// Remakes the action when the guest changed the instruction since it was made (its own
     /// ftrace turns an entry nop5 into a call and back, static keys flip jumps): the hit
     /// must do what is there now. Patching keeps lengths, so the point stays a boundary.
-    fn refresh(&mut self, machine: &mut GdbMachine, vcpu: VcpuId, addr: u64) -> anyhow::Result<()> {
+    fn refresh(
+        &mut self,
+        machine: &mut dyn Machine,
+        vcpu: VcpuId,
+        addr: u64,
+    ) -> anyhow::Result<()> {
         let mut now = vec![0u8; self.window.len()];
         machine.read_virt(vcpu, addr, &mut now)?;
         if now != self.window {
@@ -156,7 +160,7 @@ impl ArmedPoint {
 
 /// The guest side of a probe hit: read on demand from the stopped vCPU.
 struct LiveContext<'a> {
-    machine: RefCell<&'a mut GdbMachine>,
+    machine: RefCell<&'a mut dyn Machine>,
     vcpu: VcpuId,
     regs: X86Registers,
     point: &'a ArmedPoint,
@@ -372,7 +376,7 @@ fn exception_table(image: &KernelImage) -> anyhow::Result<HashSet<u64>> {
 /// function, with the live bytes, and plans how a hit gets past it using `slot`. Returns
 /// the function's name, the instruction window and the action.
 fn plan_point(
-    machine: &mut GdbMachine,
+    machine: &mut dyn Machine,
     text: &TextMap<'_>,
     slide: u64,
     link: u64,
@@ -558,7 +562,7 @@ fn arm(
     Ok((armed, trampoline))
 }
 
-fn registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
+fn registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
     match machine.registers(vcpu)? {
         RegisterFile::X86_64(r) => Ok(r),
         RegisterFile::Sparc64(_) => bail!("{vcpu} is not x86-64"),
