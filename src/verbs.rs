@@ -20,8 +20,11 @@ use exotap_probes::live::splicer::{
 };
 use exotap_probes::live::GuestSession;
 use exotap_vmm::control::StopEvent;
+use exotap_vmm::host::Backend;
+use exotap_vmm::kvm::{self, KvmConfig, KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
 
+use crate::backend::BackendChoice;
 use crate::kernel_image::{ImageArgs, KernelImage};
 
 /// How to reach the guest: a running one (`--target`) or one booted for the run.
@@ -55,6 +58,12 @@ pub struct LiveArgs {
     /// Booting: number of vCPUs.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub cpus: u32,
+    /// Booting: the machine. `kvm` is exotap's own VMM on /dev/kvm (counters, rings and maps
+    /// read straight from guest memory, no stop of the guest between install and removal);
+    /// `qemu` is QEMU over its gdbstub; `auto` takes kvm where /dev/kvm is hardware
+    /// virtualization (not kvm_pvm) and there is no --target, qemu otherwise.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
     /// Also read the guest's own kprobe hit counters (`kprobe_events` probes) when the
     /// splices go in and when they come out, and print their difference beside each count.
     #[arg(long)]
@@ -153,6 +162,8 @@ struct Live {
     trace_view: Option<TraceView>,
     /// When the rings were last drained.
     streamed: Instant,
+    /// The backend's pause count once the splices were in (kvm counts them).
+    pauses_at_install: Option<u64>,
 }
 
 /// A verb's run against one guest: the verb's session, and what the verb prints.
@@ -180,18 +191,25 @@ impl VerbRun {
     /// Attaches (the guest stops), plans, installs, resumes. On an error the session's
     /// drop takes out whatever went in and detaches.
     fn install(&mut self, target: &Target) -> anyhow::Result<()> {
-        let mut session = GuestSession::attach(target, &self.image)?;
+        let session = GuestSession::attach(target, &self.image)?;
+        self.install_with(session)
+    }
+
+    /// Plans and installs on an attached session (the guest stopped), then resumes.
+    fn install_with(&mut self, mut session: GuestSession) -> anyhow::Result<()> {
         let kprobes_before = self.install_on(&mut session)?;
         if matches!(self.op, Operation::Report { install: None, .. }) {
             // The report plans in one stop: nothing stays.
             return session.detach();
         }
         session.resume()?;
+        let pauses_at_install = session.pause_count();
         self.live = Some(Live {
             session,
             kprobes_before,
             trace_view: None,
             streamed: Instant::now(),
+            pauses_at_install,
         });
         Ok(())
     }
@@ -366,11 +384,12 @@ impl VerbRun {
         if !rings || live.streamed.elapsed() < STREAM_EVERY {
             return Ok(());
         }
-        live.session.pause()?;
+        // Exotap's own VMM reads the rings from guest memory while the guest runs.
+        let paused = live.session.pause_for_read()?;
         let drained = self
             .trace_view(live)
             .and_then(|()| live.session.drain(false));
-        live.session.resume()?;
+        live.session.resume_after_read(paused)?;
         live.streamed = Instant::now();
         let records = drained?;
         if let Some(view) = live.trace_view.as_mut() {
@@ -404,7 +423,18 @@ impl VerbRun {
         let Some(mut live) = self.live.take() else {
             return Ok(());
         };
+        let pauses = live
+            .session
+            .pause_count()
+            .zip(live.pauses_at_install)
+            .map(|(now, then)| now.saturating_sub(then));
         live.session.pause()?;
+        if let Some(n) = pauses {
+            self.say(&format!(
+                "vCPU pauses between install and removal: {n} ({} backend)",
+                live.session.machine.backend()
+            ));
+        }
         let result = self.remove_on(&mut live);
         // Removes whatever the failed removal left, then detaches.
         let detached = live.session.detach();
@@ -653,7 +683,38 @@ impl PhaseHook for SpliceHook {
     }
 }
 
+/// Hooks a verb's run to the guest's `splice` and `unsplice` waits on exotap's own VMM: the
+/// session is a handle on the VM ([`KvmMachine::control`]), and the trace rings stream from
+/// guest memory while the guest runs.
+struct KvmSpliceHook {
+    verb: VerbRun,
+}
+
+impl KvmPhaseHook for KvmSpliceHook {
+    fn at_wait(&mut self, phase: &str, machine: &mut KvmMachine) -> Result<(), String> {
+        let result = match phase {
+            "splice" => GuestSession::over(Box::new(machine.control()), &self.verb.image)
+                .and_then(|session| self.verb.install_with(session)),
+            "unsplice" => self.verb.remove(),
+            _ => Ok(()),
+        };
+        result.map_err(|e| format!("{e:#}"))
+    }
+
+    fn tick(&mut self, _machine: &mut KvmMachine) -> Result<(), String> {
+        self.verb.stream();
+        Ok(())
+    }
+}
+
 fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
+    // Before anything is loaded: a refused backend says why at once.
+    let backend = crate::backend::resolve(
+        live.backend,
+        live.target
+            .as_ref()
+            .map(|_| "--target (attaching to a running guest's gdbstub)"),
+    )?;
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
@@ -723,6 +784,34 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         .context("cannot create a working directory")?;
     let initrd = work.path().join("initramfs.cpio.gz");
     images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
+    let mut sink: Box<dyn Write> = match &live.console {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stderr()),
+    };
+    let timeouts = Timeouts {
+        boot: Duration::from_secs(120),
+        total: Duration::from_secs(live.timeout),
+    };
+    if backend == Backend::Kvm {
+        let mut config = KvmConfig::new(image.path.clone(), initrd)?;
+        config.cpus = live.cpus;
+        let heap = (config.patch_heap.base, config.patch_heap.size);
+        let mut hook = KvmSpliceHook {
+            verb: make_run(image, heap),
+        };
+        let outcome = kvm::run(&config, timeouts, &mut sink, &mut hook);
+        drop(sink);
+        if let Some(live) = hook.verb.live.take() {
+            tracing::warn!(
+                "the guest ended before its `exotap_wait unsplice`: splices not removed"
+            );
+            live.session.abandon();
+        }
+        return finish(outcome?, hook.verb.refused_any);
+    }
     let mut config = QemuConfig::new(image.path.clone(), initrd)?;
     config.accel = if exotap_vmm::host::detect().usable() {
         Accel::Kvm
@@ -738,17 +827,6 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         verb: make_run(image, heap),
         target: Target::new(format!("unix:{}", socket.display())),
     };
-    let mut sink: Box<dyn Write> = match &live.console {
-        Some(path) => Box::new(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create {}", path.display()))?,
-        ),
-        None => Box::new(std::io::stderr()),
-    };
-    let timeouts = Timeouts {
-        boot: Duration::from_secs(120),
-        total: Duration::from_secs(live.timeout),
-    };
     let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
     drop(sink);
     if let Some(live) = hook.verb.live.take() {
@@ -756,7 +834,12 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         // Its QEMU is gone: nothing to remove them from.
         live.session.abandon();
     }
-    let outcome = outcome?;
+    finish(outcome?, hook.verb.refused_any)
+}
+
+/// Prints the guest's results and its rc; the exit code: the guest's, else 1 when a site was
+/// refused.
+fn finish(outcome: qemu::RunOutcome, refused_any: bool) -> anyhow::Result<i32> {
     for (key, value) in &outcome.results {
         outln!("EXOTAP-RESULT {key}={value}");
     }
@@ -764,7 +847,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
     if outcome.rc != 0 {
         return Ok(outcome.rc);
     }
-    Ok(i32::from(hook.verb.refused_any))
+    Ok(i32::from(refused_any))
 }
 
 /// `exotap count`.

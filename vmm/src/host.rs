@@ -36,6 +36,22 @@ impl KvmSupport {
         matches!(self, Self::Hardware(_))
     }
 
+    /// Why exotap's own VMM cannot run here (`None` with hardware KVM): what was found,
+    /// without what exotap does instead.
+    pub fn reason(&self) -> Option<String> {
+        if self.usable() {
+            return None;
+        }
+        let text = self.explain();
+        let cause = [
+            ": exotap uses QEMU TCG",
+            ", so exotap uses QEMU TCG instead",
+        ]
+        .iter()
+        .find_map(|tail| text.find(tail).map(|at| text[..at].to_owned()));
+        Some(cause.unwrap_or(text))
+    }
+
     /// One line saying what was found and what follows.
     pub fn explain(&self) -> String {
         match self {
@@ -88,9 +104,10 @@ pub fn choose(
 ) -> Result<Backend, String> {
     match request {
         BackendRequest::Qemu => Ok(Backend::Qemu),
-        BackendRequest::Kvm if !support.usable() => {
-            Err(format!("--backend kvm refused: {}", support.explain()))
-        }
+        BackendRequest::Kvm if !support.usable() => Err(format!(
+            "--backend kvm refused: {} (--backend qemu runs it under QEMU)",
+            support.reason().unwrap_or_default()
+        )),
         BackendRequest::Kvm => match needs_qemu {
             Some(what) => Err(format!(
                 "--backend kvm refused: {what} needs the qemu backend"

@@ -358,7 +358,21 @@ pub fn start(
     script: GuestScript,
     plan: Plan,
 ) -> anyhow::Result<JoinHandle<i32>> {
-    let mut session = GuestSession::attach(target, image)?;
+    let session = GuestSession::attach(target, image)?;
+    start_on(session, image, heap, script, plan)
+}
+
+/// [`start`] on a session already attached (exotap's own KVM VMM hands one over).
+///
+/// # Errors
+/// As [`start`].
+pub fn start_on(
+    mut session: GuestSession,
+    image: &KernelImage,
+    heap: (u64, u64),
+    script: GuestScript,
+    plan: Plan,
+) -> anyhow::Result<JoinHandle<i32>> {
     let slide = session.survey.kaslr.slide;
     // On an error from here on, dropping the session detaches.
     session.plan(image, heap)?;
@@ -572,13 +586,21 @@ fn run(
         tracing::error!("{e:#}");
         gone = true;
     }
+    let pauses_at_install = guest.session.pause_count();
     let mut next_poll = Instant::now() + POLL_EVERY;
     while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let now = Instant::now();
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
         if !due.is_empty() || now >= next_poll {
             let step = (|| -> anyhow::Result<bool> {
-                guest.session.pause()?;
+                // A backend that maps guest memory (exotap's own VMM) is read, and its rings
+                // drained, while the guest runs; timers write the globals back: a stop then.
+                let paused = if due.is_empty() {
+                    guest.session.pause_for_read()?
+                } else {
+                    guest.session.pause()?;
+                    true
+                };
                 guest.print(&mut session, false)?;
                 if due.is_empty() {
                     header = guest.header()?;
@@ -593,7 +615,7 @@ fn run(
                 }
                 let end = header.exit || header.errors > 0;
                 if !end {
-                    guest.session.resume()?;
+                    guest.session.resume_after_read(paused)?;
                 }
                 Ok(end)
             })();
@@ -636,6 +658,12 @@ fn run(
         }
         // Else dropping the session tries the removal and detaches.
     } else {
+        if let (Some(now), Some(then)) = (guest.session.pause_count(), pauses_at_install) {
+            session.note(&format!(
+                "HOST-RESULT pauses.between_install_and_removal={}",
+                now.saturating_sub(then)
+            ));
+        }
         let end = (|| -> anyhow::Result<()> {
             guest.session.pause()?;
             guest.print(&mut session, true)?;

@@ -182,6 +182,8 @@ pub struct KvmConfig {
     pub hold: Vec<String>,
     /// Make the guest wait at phase `attach` after `EXOTAP-READY`.
     pub attach_point: bool,
+    /// With `attach_point`: the job itself waits at `attach` and `detach` (`exotap.attach=job`).
+    pub attach_in_job: bool,
     /// Keep KASLR on.
     pub kaslr: bool,
     /// Extra kernel parameters.
@@ -203,6 +205,7 @@ impl KvmConfig {
             patch_heap: PatchHeapRange::place(memory_mib << 20, 64 << 20)?,
             hold: Vec::new(),
             attach_point: false,
+            attach_in_job: false,
             kaslr: true,
             append: Vec::new(),
         })
@@ -228,7 +231,9 @@ impl KvmConfig {
         if !self.kaslr {
             params.push("nokaslr".into());
         }
-        if self.attach_point {
+        if self.attach_point && self.attach_in_job {
+            params.push("exotap.attach=job".into());
+        } else if self.attach_point {
             params.push("exotap.attach=1".into());
         }
         if !self.hold.is_empty() {
