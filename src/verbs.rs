@@ -49,6 +49,10 @@ pub struct LiveArgs {
     /// `exotap_wait splice` and removes the splices at its `exotap_wait unsplice`.
     #[arg(long, value_name = "FILE")]
     pub job: Option<PathBuf>,
+    /// Booting: boot with this initramfs instead of building one from --run or --job (its job
+    /// must call `exotap_wait splice` and `exotap_wait unsplice`).
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["run", "job"])]
+    pub initrd: Option<PathBuf>,
     /// Booting: copy the serial console to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
@@ -782,8 +786,14 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         .prefix("exotap-splice-")
         .tempdir()
         .context("cannot create a working directory")?;
-    let initrd = work.path().join("initramfs.cpio.gz");
-    images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
+    let initrd = match &live.initrd {
+        Some(path) => path.clone(),
+        None => {
+            let initrd = work.path().join("initramfs.cpio.gz");
+            images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
+            initrd
+        }
+    };
     let mut sink: Box<dyn Write> = match &live.console {
         Some(path) => Box::new(
             std::fs::File::create(path)
