@@ -56,6 +56,9 @@ pub struct LiveArgs {
     /// Booting: copy the serial console to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
+    /// Booting: seconds until the guest must print EXOTAP-READY.
+    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+    pub boot_timeout: u64,
     /// Booting: seconds until the guest must finish.
     #[arg(long, default_value_t = 600, value_name = "SECONDS")]
     pub timeout: u64,
@@ -802,7 +805,7 @@ fn run(op: Operation, live: &LiveArgs) -> anyhow::Result<i32> {
         None => Box::new(std::io::stderr()),
     };
     let timeouts = Timeouts {
-        boot: Duration::from_secs(120),
+        boot: Duration::from_secs(live.boot_timeout),
         total: Duration::from_secs(live.timeout),
     };
     if backend == Backend::Kvm {

@@ -103,9 +103,10 @@ tagged() {{
     exotap_result "$tag.wall_s" "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
 }}
 tagged count /bin/exotap count --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
-    --cpus {inner_cpus} --timeout 600 __x64_sys_getpid
+    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
 tagged nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/nullify.cpio.gz --cpus {inner_cpus} --timeout 600 __x64_sys_getppid 4242
+    --initrd /kvm/nullify.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    __x64_sys_getppid 4242
 tagged script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
     --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
     --compile require --script /kvm/count.stp

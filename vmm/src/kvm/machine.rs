@@ -290,7 +290,13 @@ impl KvmMachine {
         }
         let mem = &self.vm.memory;
         let mut read = |pa: u64| mem.read_obj::<u64>(GuestAddress(pa)).ok();
-        translate(&mut read, regs.cr3, regs.cr4 & CR4_LA57 != 0, va).ok_or(unmapped)
+        translate(
+            &mut read,
+            kernel_view(regs.cr3, va),
+            regs.cr4 & CR4_LA57 != 0,
+            va,
+        )
+        .ok_or(unmapped)
     }
 
     fn for_each_page(
@@ -334,6 +340,20 @@ impl KvmMachine {
              engine does not see them yet"
                 .to_owned()
         })
+    }
+}
+
+/// PTI's user page-table bit in CR3: the user half of the kernel's 8-KiB PGD pair.
+const PTI_USER_PGTABLE: u64 = 1 << 12;
+
+/// The page-table root that translates `va`: a kernel address goes through the kernel's half
+/// of a PTI pair even when the vCPU stopped in user mode (the user half maps almost none of
+/// the kernel), as a debugger's kernel view does.
+fn kernel_view(cr3: u64, va: u64) -> u64 {
+    if va >> 63 == 1 {
+        cr3 & !PTI_USER_PGTABLE
+    } else {
+        cr3
     }
 }
 
@@ -614,6 +634,33 @@ mod tests {
         assert_eq!(
             translate(&mut read, 0x1000, false, va),
             Some((0x0463_4567, 0x20_0000 - 0x3_4567))
+        );
+    }
+
+    #[test]
+    fn kernel_addresses_go_through_the_kernel_half_of_a_pti_pair() {
+        let user_cr3 = 0x0123_5000 | PTI_USER_PGTABLE | 0x7; // PCID 7, user half
+
+        assert_eq!(
+            kernel_view(user_cr3, 0xffff_ffff_8100_0000),
+            0x0123_4000 | 0x7
+        );
+        assert_eq!(kernel_view(user_cr3, 0x7fff_0000_1000), user_cr3);
+    }
+
+    #[test]
+    fn vcpu_events_map_to_stop_events_and_only_resets_and_failures_end_the_run() {
+        let event = VmEvent::PowerOff { vcpu: 1 };
+
+        assert!(ends_the_run(&event));
+        assert!(!ends_the_run(&VmEvent::Breakpoint { vcpu: 0, pc: 1 }));
+        assert_eq!(stop_of(event), StopEvent::Exited);
+        assert_eq!(
+            stop_of(VmEvent::Breakpoint { vcpu: 1, pc: 0x10 }),
+            StopEvent::Breakpoint {
+                vcpu: VcpuId(1),
+                pc: 0x10
+            }
         );
     }
 
