@@ -951,7 +951,19 @@ impl Splicer {
                 plan.size
             );
         }
-        let kernel = LiveKernel::read(machine, survey, image)?;
+        // A backend that maps guest memory (exotap's own VMM) reads and analyses the text
+        // while the guest runs: seconds of analysis cost it no stop (a stopped KVM guest's
+        // clock runs on, and its RCU reports a stall). Install checks every site's bytes
+        // again with the guest stopped.
+        let run_meanwhile = machine.reads_while_running() && machine.is_paused();
+        if run_meanwhile {
+            machine.resume()?;
+        }
+        let kernel = LiveKernel::read(machine, survey, image);
+        if run_meanwhile {
+            machine.pause()?;
+        }
+        let kernel = kernel?;
         let return_thunk = image
             .symbols
             .get("__x86_return_thunk")
