@@ -14,6 +14,7 @@ use exotap_vmm::qemu::{
 };
 
 use crate::attach;
+use crate::backend::BackendChoice;
 use crate::kernel_image::KernelImage;
 use exotap_probes::lang::driver::{compile_with, stop_on_ctrl_c, ScriptSource};
 use exotap_probes::lang::invocation::Invocation;
@@ -31,17 +32,6 @@ pub enum AccelChoice {
     Tcg,
     /// Hardware KVM; refused where it cannot run Linux.
     Kvm,
-}
-
-/// Which machine runs the guest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendChoice {
-    /// exotap's own KVM VMM where hardware virtualization works (not kvm_pvm), QEMU otherwise.
-    Auto,
-    /// exotap's own VMM on /dev/kvm; refused where /dev/kvm cannot run Linux.
-    Kvm,
-    /// QEMU (with --accel).
-    Qemu,
 }
 
 #[derive(Debug, Args)]
@@ -78,7 +68,8 @@ pub struct BootArgs {
     #[arg(long, value_enum, default_value_t = AccelChoice::Auto)]
     pub accel: AccelChoice,
     /// The machine: exotap's own KVM VMM or QEMU. `auto` takes kvm where /dev/kvm is hardware
-    /// virtualization, qemu otherwise. --gdb, --gdbstub and --script need qemu.
+    /// virtualization, qemu otherwise. --gdb and --gdbstub need qemu; so does a --script
+    /// whose kernel probes do not all compile (kvm runs compiled probes only).
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
     /// Boot with this initramfs instead of building one (--job/--run are then ignored).
@@ -301,42 +292,168 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<GuestScript>> {
     }))
 }
 
-/// Whether this boot runs on exotap's own KVM VMM.
-fn use_kvm(args: &BootArgs) -> anyhow::Result<bool> {
-    let needs_qemu =
-        args.gdb || args.gdbstub.is_some() || args.script.is_some() || args.script_text.is_some();
-    match args.backend {
-        BackendChoice::Qemu => Ok(false),
-        BackendChoice::Kvm => {
-            let support = host::detect();
-            if !support.usable() {
-                bail!("--backend kvm refused: {}", support.explain());
+/// A script to run on exotap's own VMM: compiled, its plan made before booting.
+struct KvmScript {
+    script: GuestScript,
+    image: KernelImage,
+    plan: compiled::Plan,
+}
+
+/// Whether this boot runs on exotap's own KVM VMM; for a script there, its compiled plan.
+///
+/// The backend is refused (or `auto` takes qemu) before anything is loaded when the host
+/// cannot run the VMM or --gdb/--gdbstub ask for QEMU; a script then runs on kvm only when
+/// every kernel probe compiles, since host-evaluated trap probes need exits that the VMM's
+/// session does not take (and that nested KVM under TCG does not deliver).
+fn use_kvm(
+    args: &BootArgs,
+    script: &mut Option<GuestScript>,
+) -> anyhow::Result<(bool, Option<KvmScript>)> {
+    let needs_qemu = if args.gdb {
+        Some("--gdb")
+    } else if args.gdbstub.is_some() {
+        Some("--gdbstub")
+    } else {
+        None
+    };
+    let choice = if args.backend == BackendChoice::Auto && args.accel == AccelChoice::Tcg {
+        BackendChoice::Qemu
+    } else {
+        args.backend
+    };
+    if crate::backend::resolve(choice, needs_qemu)? == host::Backend::Qemu {
+        return Ok((false, None));
+    }
+    let Some(guest_script) = script.take() else {
+        return Ok((true, None));
+    };
+    let image = KernelImage::load(kernel_path(args)?)?;
+    let mode: CompileMode = args.compile.into();
+    let why = if mode == CompileMode::Never {
+        "--compile never (host-evaluated trap probes)".to_owned()
+    } else if !guest_script.prog.needs_guest() {
+        "a script without kernel probes".to_owned()
+    } else {
+        match compiled::plan(&image, &guest_script.prog, &guest_script.limits) {
+            Ok(Ok(plan)) => {
+                return Ok((
+                    true,
+                    Some(KvmScript {
+                        script: guest_script,
+                        image,
+                        plan,
+                    }),
+                ))
             }
-            if needs_qemu {
-                bail!("--gdb, --gdbstub and --script need --backend qemu");
-            }
-            Ok(true)
+            Ok(Err(constructs)) => format!(
+                "host-evaluated trap probes (these do not compile:\n{})",
+                compiled::describe(
+                    &constructs,
+                    &guest_script.source.name,
+                    &guest_script.source.text
+                )
+            ),
+            Err(e) => format!("host-evaluated trap probes ({e:#})"),
         }
-        BackendChoice::Auto => {
-            let support = host::detect();
-            let kvm = support.usable() && !needs_qemu && args.accel != AccelChoice::Tcg;
-            if !kvm {
-                tracing::info!("backend qemu: {}", support.explain());
+    };
+    if args.backend == BackendChoice::Kvm {
+        let nested = if host::nested() {
+            format!("; and here {}", exotap_vmm::kvm::NESTED_TRAPS_REFUSED)
+        } else {
+            String::new()
+        };
+        bail!("--backend kvm refused: {why} needs the qemu backend{nested}");
+    }
+    tracing::info!("backend qemu: the script needs {why}");
+    *script = Some(guest_script);
+    Ok((false, None))
+}
+
+/// The bzImage --bzimage or --kernel names (fetched into the cache when missing).
+fn kernel_path(args: &BootArgs) -> anyhow::Result<PathBuf> {
+    Ok(match &args.bzimage {
+        Some(path) => path.clone(),
+        None => {
+            images::ensure_kernel(&args.kernel)
+                .context("cannot get the guest kernel")?
+                .bzimage
+        }
+    })
+}
+
+/// Runs a compiled script on exotap's own VMM: installs at the guest's `attach` wait (the
+/// session is a handle on the VM), ends it at `detach`.
+struct KvmScriptHook {
+    image: KernelImage,
+    heap: (u64, u64),
+    pending: Option<(GuestScript, compiled::Plan)>,
+    tracer: Option<std::thread::JoinHandle<i32>>,
+    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    rc: Option<i32>,
+}
+
+impl exotap_vmm::kvm::KvmPhaseHook for KvmScriptHook {
+    fn at_wait(
+        &mut self,
+        phase: &str,
+        machine: &mut exotap_vmm::kvm::KvmMachine,
+    ) -> Result<(), String> {
+        if phase == "detach" {
+            if let (Some(stop), Some(tracer)) = (&self.stop, self.tracer.take()) {
+                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                self.rc = Some(
+                    tracer
+                        .join()
+                        .map_err(|_| "the script thread panicked".to_owned())?,
+                );
             }
-            Ok(kvm)
+            return Ok(());
+        }
+        let Some((script, plan)) = self.pending.take().filter(|_| phase == "attach") else {
+            return Ok(());
+        };
+        self.stop = Some(script.stop.clone());
+        let session =
+            exotap_probes::live::GuestSession::over(Box::new(machine.control()), &self.image);
+        let started = session.and_then(|session| {
+            // Only scripts whose every kernel probe compiles come here (the VMM takes no
+            // breakpoint exits).
+            compiled::start_on(
+                session,
+                None,
+                &self.image,
+                self.heap,
+                script,
+                plan,
+                compiled::CompileMode::Require,
+            )
+        });
+        match started {
+            Ok(handle) => {
+                self.tracer = Some(handle);
+                Ok(())
+            }
+            Err(e) => Err(format!("{e:#}")),
         }
     }
 }
 
 /// `exotap boot` on exotap's own KVM VMM.
-fn run_kvm(args: &BootArgs, bzimage: PathBuf, initrd: PathBuf) -> anyhow::Result<i32> {
-    use exotap_vmm::kvm::{self, KvmConfig, KvmPhaseHook, Plain};
+fn run_kvm(
+    args: &BootArgs,
+    bzimage: PathBuf,
+    initrd: PathBuf,
+    script: Option<KvmScript>,
+) -> anyhow::Result<i32> {
+    use exotap_vmm::kvm::{self, KvmConfig, Plain};
     let mut config = KvmConfig::new(bzimage, initrd)?;
     config.memory_mib = args.memory;
     config.cpus = args.cpus;
     config.patch_heap = PatchHeapRange::place(args.memory << 20, args.heap_size << 20)?;
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;
+    config.attach_point = script.is_some();
+    config.attach_in_job = args.attach_in_job;
     config.append = args
         .append
         .iter()
@@ -346,26 +463,49 @@ fn run_kvm(args: &BootArgs, bzimage: PathBuf, initrd: PathBuf) -> anyhow::Result
         "patch heap: {} (backend kvm: a memory slot outside the e820 RAM map)",
         config.patch_heap
     );
-    let mut hook: Box<dyn KvmPhaseHook> = match &args.count_entry {
-        Some(function) => Box::new(crate::kvm_splice::CountingSplice::new(
-            KernelImage::load(config.kernel.clone())?,
-            config.patch_heap,
-            function.clone(),
-        )),
-        None => Box::new(Plain(GoAtOnce)),
-    };
     let mut sink: Box<dyn Write> = match &args.console {
         Some(path) => Box::new(
             File::create(path)
                 .with_context(|| format!("cannot create the console file {}", path.display()))?,
         ),
-        None => Box::new(std::io::stdout().lock()),
+        // Not locked: a script's output goes to stdout from its own thread.
+        None => Box::new(std::io::stdout()),
     };
     let timeouts = Timeouts {
         boot: Duration::from_secs(args.boot_timeout),
         total: Duration::from_secs(args.timeout),
     };
-    let outcome = kvm::run(&config, timeouts, &mut sink, hook.as_mut())?;
+    let mut script_rc = 0;
+    let outcome = match (script, &args.count_entry) {
+        (Some(s), _) => {
+            let mut hook = KvmScriptHook {
+                image: s.image,
+                heap: (config.patch_heap.base, config.patch_heap.size),
+                pending: Some((s.script, s.plan)),
+                tracer: None,
+                stop: None,
+                rc: None,
+            };
+            let outcome = kvm::run(&config, timeouts, &mut sink, &mut hook);
+            if let Some(tracer) = hook.tracer.take() {
+                script_rc = tracer
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("the script thread panicked"))?;
+            } else if let Some(rc) = hook.rc {
+                script_rc = rc;
+            }
+            outcome?
+        }
+        (None, Some(function)) => {
+            let mut hook = crate::kvm_splice::CountingSplice::new(
+                KernelImage::load(config.kernel.clone())?,
+                config.patch_heap,
+                function.clone(),
+            );
+            kvm::run(&config, timeouts, &mut sink, &mut hook)?
+        }
+        (None, None) => kvm::run(&config, timeouts, &mut sink, &mut Plain(GoAtOnce))?,
+    };
     drop(sink);
     if args.console.is_some() {
         for (key, value) in &outcome.results {
@@ -379,23 +519,19 @@ fn run_kvm(args: &BootArgs, bzimage: PathBuf, initrd: PathBuf) -> anyhow::Result
         outcome.ready_after.as_secs_f64(),
         outcome.wall.as_secs_f64()
     );
+    if outcome.rc == 0 && script_rc != 0 {
+        return Ok(script_rc);
+    }
     Ok(outcome.rc)
 }
 
 pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
-    let kvm = use_kvm(args)?;
+    let mut script = guest_script(args)?;
+    let (kvm, kvm_script) = use_kvm(args, &mut script)?;
     if args.count_entry.is_some() && !kvm {
         bail!("--count-entry needs the kvm backend (exotap selftest does it over QEMU)");
     }
-    let script = guest_script(args)?;
-    let bzimage = match &args.bzimage {
-        Some(path) => path.clone(),
-        None => {
-            images::ensure_kernel(&args.kernel)
-                .context("cannot get the guest kernel")?
-                .bzimage
-        }
-    };
+    let bzimage = kernel_path(args)?;
     let work = tempfile::Builder::new()
         .prefix("exotap-boot-")
         .tempdir()
@@ -409,7 +545,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
         }
     };
     if kvm {
-        return run_kvm(args, bzimage, initrd);
+        return run_kvm(args, bzimage, initrd, kvm_script);
     }
 
     let mut config = QemuConfig::new(bzimage, initrd)?;

@@ -13,6 +13,7 @@ macro_rules! out {
 }
 
 mod attach;
+mod backend;
 mod backtrace;
 mod boot;
 mod debuginfo;

@@ -20,8 +20,11 @@ use exotap_probes::live::splicer::{
 };
 use exotap_probes::live::GuestSession;
 use exotap_vmm::control::StopEvent;
+use exotap_vmm::host::Backend;
+use exotap_vmm::kvm::{self, KvmConfig, KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuError, Timeouts};
 
+use crate::backend::BackendChoice;
 use crate::kernel_image::{ImageArgs, KernelImage};
 
 /// How to reach the guest: a running one (`--target`) or one booted for the run.
@@ -56,15 +59,28 @@ pub struct LiveArgs {
     /// `exotap_wait splice` and removes the splices at its `exotap_wait unsplice`.
     #[arg(long, value_name = "FILE")]
     pub job: Option<PathBuf>,
+    /// Booting: boot with this initramfs instead of building one from --run or --job (its job
+    /// must call `exotap_wait splice` and `exotap_wait unsplice`).
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["run", "job"])]
+    pub initrd: Option<PathBuf>,
     /// Booting: copy the serial console to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
+    /// Booting: seconds until the guest must print EXOTAP-READY.
+    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+    pub boot_timeout: u64,
     /// Booting: seconds until the guest must finish.
     #[arg(long, default_value_t = 600, value_name = "SECONDS")]
     pub timeout: u64,
     /// Booting: number of vCPUs.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub cpus: u32,
+    /// Booting: the machine. `kvm` is exotap's own VMM on /dev/kvm (counters, rings and maps
+    /// read straight from guest memory, no stop of the guest between install and removal);
+    /// `qemu` is QEMU over its gdbstub; `auto` takes kvm where /dev/kvm is hardware
+    /// virtualization (not kvm_pvm) and there is no --target, qemu otherwise.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
     /// Also read the guest's own kprobe hit counters (`kprobe_events` probes) when the
     /// splices go in and when they come out, and print their difference beside each count.
     #[arg(long)]
@@ -200,7 +216,12 @@ impl VerbRun {
     /// Attaches (the guest stops), plans, installs, resumes. On an error the session's
     /// drop takes out whatever went in and detaches.
     fn install(&mut self, target: &Target) -> anyhow::Result<()> {
-        let mut session = GuestSession::attach(target, &self.image)?;
+        let session = GuestSession::attach(target, &self.image)?;
+        self.install_with(session)
+    }
+
+    /// Plans and installs on an attached session (the guest stopped), then resumes.
+    fn install_with(&mut self, mut session: GuestSession) -> anyhow::Result<()> {
         let kprobes_before = self.install_on(&mut session)?;
         if matches!(self.op, Operation::Report { install: None, .. }) {
             // The report plans in one stop: nothing stays.
@@ -411,9 +432,11 @@ impl VerbRun {
         let drained = if shared {
             live.session.drain(false)
         } else {
-            live.session.pause()?;
+            // A backend that maps guest memory (exotap's own VMM) is read while the guest
+            // runs; over a gdbstub without shared RAM the guest stops for the read.
+            let paused = live.session.pause_for_read()?;
             let drained = live.session.drain(false);
-            live.session.resume()?;
+            live.session.resume_after_read(paused)?;
             drained
         };
         live.streamed = Instant::now();
@@ -464,6 +487,11 @@ impl VerbRun {
         };
         let stops_while_in = live.session.stops().saturating_sub(live.stops_at_install);
         live.session.pause()?;
+        if live.session.machine.backend() == "kvm" {
+            self.say(&format!(
+                "vCPU pauses between install and removal: {stops_while_in} (kvm backend)"
+            ));
+        }
         if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
             let (n, took) = live.drained;
             self.say(&format!(
@@ -753,6 +781,30 @@ impl PhaseHook for SpliceHook {
     }
 }
 
+/// Hooks a verb's run to the guest's `splice` and `unsplice` waits on exotap's own VMM: the
+/// session is a handle on the VM ([`KvmMachine::control`]), and the trace rings stream from
+/// guest memory while the guest runs.
+struct KvmSpliceHook {
+    verb: VerbRun,
+}
+
+impl KvmPhaseHook for KvmSpliceHook {
+    fn at_wait(&mut self, phase: &str, machine: &mut KvmMachine) -> Result<(), String> {
+        let result = match phase {
+            "splice" => GuestSession::over(Box::new(machine.control()), &self.verb.image)
+                .and_then(|session| self.verb.install_with(session)),
+            "unsplice" => self.verb.remove(),
+            _ => Ok(()),
+        };
+        result.map_err(|e| format!("{e:#}"))
+    }
+
+    fn tick(&mut self, _machine: &mut KvmMachine) -> Result<(), String> {
+        self.verb.stream();
+        Ok(())
+    }
+}
+
 /// Anonymous memory for a booted guest's RAM, shared with exotap; `None` (with a warning:
 /// the guest is then stopped for reads) where it cannot be made.
 pub(crate) fn guest_ram() -> Option<exotap_vmm::shared_ram::RamMemfd> {
@@ -764,6 +816,13 @@ pub(crate) fn guest_ram() -> Option<exotap_vmm::shared_ram::RamMemfd> {
 }
 
 fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Result<i32> {
+    // Before anything is loaded: a refused backend says why at once.
+    let backend = crate::backend::resolve(
+        live.backend,
+        live.target
+            .as_ref()
+            .map(|_| "--target (attaching to a running guest's gdbstub)"),
+    )?;
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
@@ -840,8 +899,42 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
         .prefix("exotap-splice-")
         .tempdir()
         .context("cannot create a working directory")?;
-    let initrd = work.path().join("initramfs.cpio.gz");
-    images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
+    let initrd = match &live.initrd {
+        Some(path) => path.clone(),
+        None => {
+            let initrd = work.path().join("initramfs.cpio.gz");
+            images::write_initramfs(&job, &initrd).context("cannot build the initramfs")?;
+            initrd
+        }
+    };
+    let mut sink: Box<dyn Write> = match &live.console {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stderr()),
+    };
+    let timeouts = Timeouts {
+        boot: Duration::from_secs(live.boot_timeout),
+        total: Duration::from_secs(live.timeout),
+    };
+    if backend == Backend::Kvm {
+        let mut config = KvmConfig::new(image.path.clone(), initrd)?;
+        config.cpus = live.cpus;
+        let heap = (config.patch_heap.base, config.patch_heap.size);
+        let mut hook = KvmSpliceHook {
+            verb: make_run(image, heap),
+        };
+        let outcome = kvm::run(&config, timeouts, &mut sink, &mut hook);
+        drop(sink);
+        if let Some(live) = hook.verb.live.take() {
+            tracing::warn!(
+                "the guest ended before its `exotap_wait unsplice`: splices not removed"
+            );
+            live.session.abandon();
+        }
+        return finish(outcome?, hook.verb.refused_any);
+    }
     let mut config = QemuConfig::new(image.path.clone(), initrd)?;
     config.accel = if exotap_vmm::host::detect().usable() {
         Accel::Kvm
@@ -863,17 +956,6 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
         verb: make_run(image, heap),
         target,
     };
-    let mut sink: Box<dyn Write> = match &live.console {
-        Some(path) => Box::new(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create {}", path.display()))?,
-        ),
-        None => Box::new(std::io::stderr()),
-    };
-    let timeouts = Timeouts {
-        boot: Duration::from_secs(120),
-        total: Duration::from_secs(live.timeout),
-    };
     let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
     drop(sink);
     if let Some(live) = hook.verb.live.take() {
@@ -881,7 +963,12 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
         // Its QEMU is gone: nothing to remove them from.
         live.session.abandon();
     }
-    let outcome = outcome?;
+    finish(outcome?, hook.verb.refused_any)
+}
+
+/// Prints the guest's results and its rc; the exit code: the guest's, else 1 when a site was
+/// refused.
+fn finish(outcome: qemu::RunOutcome, refused_any: bool) -> anyhow::Result<i32> {
     for (key, value) in &outcome.results {
         outln!("EXOTAP-RESULT {key}={value}");
     }
@@ -889,7 +976,7 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
     if outcome.rc != 0 {
         return Ok(outcome.rc);
     }
-    Ok(i32::from(hook.verb.refused_any))
+    Ok(i32::from(refused_any))
 }
 
 /// `exotap count`.

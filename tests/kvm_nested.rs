@@ -3,6 +3,10 @@
 //! irqbypass, kvm and kvm-amd from the same kernel package in that guest, and runs a static
 //! exotap there that boots the same kernel under KVM (exotap's own VMM) with the syscall
 //! workload and splices a counter at `__x64_sys_getpid`'s entry (`--count-entry`; no traps).
+//! Then the same static exotap drives the live engine on its VMM (`--backend kvm`): `count`
+//! (the counter equals the workload's calls, 0 vCPU pauses between install and removal),
+//! `nullify` (getppid returns the value, then the real parent's pid), and a compiled script
+//! with a map, a histogram and streamed records on `boot --script`.
 //! The outer guest prints the inner guest's console with `EXOTAP-` renamed `inner:` so that
 //! the outer run's own protocol is not confused.
 //!
@@ -40,7 +44,41 @@ fn inner_job() -> GuestJob {
     ))
 }
 
-/// The outer guest's job: load KVM, run exotap's VMM on the inner guest.
+/// The inner guest's job for `exotap nullify`: getppid during the splice and after it.
+fn nullify_job() -> GuestJob {
+    GuestJob::from_script(
+        "exotap_wait splice\n\
+         syscall-loop 100 | sed 's/EXOTAP-RESULT getppid/EXOTAP-RESULT during.getppid/'\n\
+         exotap_wait unsplice\n\
+         syscall-loop 100 | sed 's/EXOTAP-RESULT getppid/EXOTAP-RESULT after.getppid/'\n\
+         cut -d' ' -f4 /proc/self/stat | sed 's/^/EXOTAP-RESULT parent.pid=/'\n"
+            .to_owned(),
+    )
+}
+
+/// The inner guest's job under a compiled script (the init waits at attach and detach).
+fn script_job() -> GuestJob {
+    GuestJob::from_script(format!("syscall-loop {CALLS}\n"))
+}
+
+/// The compiled script: a map keyed by execname, a histogram, and records streamed through
+/// the rings while the workload runs (one every 1000 calls).
+const SCRIPT: &str = r#"global calls, one
+probe kernel.function("__x64_sys_getpid") {
+  calls[execname()]++
+  one <<< 1
+  if (calls[execname()] % 1000 == 0) printf("tick %s %d\n", execname(), calls[execname()])
+}
+probe end {
+  foreach (name in calls) printf("calls %s %d\n", name, calls[name])
+  printf("hist count %d\n", @count(one))
+}
+"#;
+
+/// The outer guest's job: load KVM, run exotap's VMM on the inner guest: the canned counting
+/// splice of `boot --count-entry`, then `count`, `nullify` and a compiled script through the
+/// live engine (`--backend kvm`). Each run's lines are tagged (`count| `, ...), and the inner
+/// guest's `EXOTAP-` markers renamed `inner:`.
 fn outer_job(inner_cpus: u32, log: &str) -> GuestJob {
     GuestJob::from_script(format!(
         r#"set -e
@@ -55,8 +93,37 @@ t0=$(cut -d' ' -f1 /proc/uptime)
     --boot-timeout 300 --timeout 400 2>&1 | sed 's/EXOTAP-/inner:/g'
 t1=$(cut -d' ' -f1 /proc/uptime)
 exotap_result inner.wall_s "$(awk -v a=$t0 -v b=$t1 'BEGIN {{print b - a}}')"
+set +e
+tagged() {{
+    tag=$1; shift
+    s0=$(cut -d' ' -f1 /proc/uptime)
+    "$@" 2>&1 | sed "s/EXOTAP-/inner:/g; s/^/$tag| /"
+    exotap_result "$tag.rc" "$?"
+    s1=$(cut -d' ' -f1 /proc/uptime)
+    exotap_result "$tag.wall_s" "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
+}}
+tagged count /bin/exotap count --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
+tagged nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/nullify.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    __x64_sys_getppid 4242
+tagged script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
+    --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
+    --compile require --script /kvm/count.stp
 "#
     ))
+}
+
+/// The tags of the engine's runs in the outer job.
+const TAGS: [&str; 3] = ["count", "nullify", "script"];
+
+/// The lines of one tagged run, tag removed.
+fn tagged<'a>(console: &'a str, tag: &str) -> Vec<&'a str> {
+    let prefix = format!("{tag}| ");
+    console
+        .lines()
+        .filter_map(|l| l.find(&prefix).map(|at| l[at + prefix.len()..].trim_end()))
+        .collect()
 }
 
 fn static_exotap() -> PathBuf {
@@ -107,6 +174,10 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
 
     let inner = dir.path().join("inner.cpio.gz");
     images::write_initramfs(&inner_job(), &inner).unwrap();
+    let nullify = dir.path().join("nullify.cpio.gz");
+    images::write_initramfs(&nullify_job(), &nullify).unwrap();
+    let script = dir.path().join("script.cpio.gz");
+    images::write_initramfs(&script_job(), &script).unwrap();
     let busybox = std::fs::read(kernel::ensure_busybox().unwrap()).unwrap();
     let built: Vec<_> = workloads::ensure_workloads()
         .unwrap()
@@ -134,6 +205,16 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     .unwrap();
     fs.file("kvm/inner.cpio.gz", 0o644, std::fs::read(&inner).unwrap())
         .unwrap();
+    fs.file(
+        "kvm/nullify.cpio.gz",
+        0o644,
+        std::fs::read(&nullify).unwrap(),
+    )
+    .unwrap();
+    fs.file("kvm/script.cpio.gz", 0o644, std::fs::read(&script).unwrap())
+        .unwrap();
+    fs.file("kvm/count.stp", 0o644, SCRIPT.as_bytes().to_vec())
+        .unwrap();
     fs.file("bin/exotap", 0o755, std::fs::read(&exotap).unwrap())
         .unwrap();
     let outer = dir.path().join("outer.cpio.gz");
@@ -146,7 +227,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     config.patch_heap = qemu::PatchHeapRange::place(2048 << 20, 64 << 20).unwrap();
     let timeouts = Timeouts {
         boot: Duration::from_secs(180),
-        total: Duration::from_secs(900),
+        total: Duration::from_secs(1800),
     };
     let mut transcript = Vec::new();
     let outcome = qemu::run(
@@ -165,6 +246,8 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // The inner guest followed the protocol exactly as it does under QEMU.
     let markers: Vec<&str> = console
         .lines()
+        // The canned splice's run: the engine's runs after it are tagged.
+        .filter(|l| !TAGS.iter().any(|t| l.contains(&format!("{t}| "))))
         .filter_map(|l| l.find("inner:").map(|at| &l[at..]))
         .filter(|m| !m.starts_with("inner:RESULT") && !m.starts_with("inner:READY after"))
         .collect();
@@ -209,6 +292,109 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         after(&console, "HOST-RESULT restored="),
         Some("yes"),
         "{ctx}"
+    );
+
+    // `exotap count --backend kvm`: the engine's counter equals the workload's calls, the
+    // vCPUs were never paused while the splice was in, and the text came back.
+    let count = tagged(&console, "count");
+    let count_ctx = format!("count run:\n{}\n{ctx}", count.join("\n"));
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT count.rc="),
+        Some("0"),
+        "{count_ctx}"
+    );
+    assert!(
+        count
+            .iter()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>()
+                == [calls.as_str(), "__x64_sys_getpid"]),
+        "{count_ctx}"
+    );
+    assert!(
+        count.contains(&"vCPU pauses between install and removal: 0 (kvm backend)"),
+        "{count_ctx}"
+    );
+    assert!(
+        count
+            .iter()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{count_ctx}"
+    );
+    assert!(count.contains(&"inner:DONE 0"), "{count_ctx}");
+
+    // `exotap nullify --backend kvm`: getppid returns the value while the splice is in, and
+    // after removal the real parent: the shell that forks the pipeline, as /proc shows it for
+    // a process in the same place (`cut`'s ppid).
+    let nullify = tagged(&console, "nullify");
+    let nullify_ctx = format!("nullify run:\n{}\n{ctx}", nullify.join("\n"));
+    let value = |key: &str| {
+        let prefix = format!("inner:RESULT {key}=");
+        nullify
+            .iter()
+            .find_map(|l| l.strip_prefix(&prefix).map(str::to_owned))
+    };
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT nullify.rc="),
+        Some("0"),
+        "{nullify_ctx}"
+    );
+    assert_eq!(
+        value("during.getppid.value").as_deref(),
+        Some("4242"),
+        "{nullify_ctx}"
+    );
+    assert_eq!(
+        value("after.getppid.value"),
+        value("parent.pid"),
+        "{nullify_ctx}"
+    );
+    assert!(
+        nullify
+            .iter()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["100", "__x64_sys_getppid"]),
+        "{nullify_ctx}"
+    );
+    assert!(
+        nullify
+            .iter()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{nullify_ctx}"
+    );
+
+    // A compiled script on `boot --backend kvm`: its map and histogram count the workload's
+    // calls exactly, its streamed records all arrived, and nothing paused the vCPUs between
+    // install and removal.
+    let script = tagged(&console, "script");
+    let script_ctx = format!("script run:\n{}\n{ctx}", script.join("\n"));
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT script.rc="),
+        Some("0"),
+        "{script_ctx}"
+    );
+    assert!(
+        script.contains(&format!("calls syscall-loop {CALLS}").as_str()),
+        "{script_ctx}"
+    );
+    assert!(
+        script.contains(&format!("hist count {CALLS}").as_str()),
+        "{script_ctx}"
+    );
+    let ticks: Vec<&&str> = script
+        .iter()
+        .filter(|l| l.starts_with("tick syscall-loop "))
+        .collect();
+    assert_eq!(ticks.len() as u32, CALLS / 1000, "{script_ctx}");
+    assert!(
+        script.contains(&"HOST-RESULT pauses.between_install_and_removal=0"),
+        "{script_ctx}"
+    );
+    assert!(script.contains(&"inner:DONE 0"), "{script_ctx}");
+    eprintln!(
+        "nested kvm through the engine: count {} s, nullify {} s, compiled script {} s \
+         (each an inner boot in the outer guest)",
+        after(&console, "EXOTAP-RESULT count.wall_s=").unwrap_or("?"),
+        after(&console, "EXOTAP-RESULT nullify.wall_s=").unwrap_or("?"),
+        after(&console, "EXOTAP-RESULT script.wall_s=").unwrap_or("?"),
     );
     eprintln!(
         "nested kvm: inner exotap run {} s in the outer guest ({}); whole test {:.1} s",

@@ -135,6 +135,16 @@ pub enum ControlError {
     /// The operation needs the guest paused.
     #[error("the guest must be paused for this")]
     Running,
+    /// The backend refuses this here, for a reason found on this host.
+    #[error("the {backend} backend refuses to {what}: {why}")]
+    Refused {
+        /// The backend.
+        backend: &'static str,
+        /// The operation.
+        what: &'static str,
+        /// Why, as measured or detected.
+        why: String,
+    },
     /// The backend cannot do this.
     #[error("the {backend} backend cannot {what}")]
     Unsupported {
@@ -231,6 +241,139 @@ pub trait Machine {
     /// # Errors
     /// [`ControlError::Unsupported`] where the backend cannot step.
     fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError>;
+
+    // What the live engine needs beyond the core above. The defaults are those of a backend
+    // that cannot do the thing; QEMU's gdbstub and exotap's KVM VMM override what they can.
+
+    /// The backend's name for messages (`qemu gdbstub`, `kvm`).
+    fn backend(&self) -> &'static str {
+        "unnamed"
+    }
+
+    /// The IDT base of a paused vCPU (KASLR's first anchor).
+    ///
+    /// # Errors
+    /// [`ControlError::Unsupported`] where the backend cannot read IDTR.
+    fn idt_base(&mut self, vcpu: VcpuId) -> Result<u64, ControlError> {
+        let _ = vcpu;
+        Err(ControlError::Unsupported {
+            backend: self.backend(),
+            what: "read the IDT base",
+        })
+    }
+
+    /// Writes one 64-bit register of a paused vCPU by its GDB name (`rsp`, `rcx`, ...).
+    ///
+    /// # Errors
+    /// [`ControlError::Unsupported`] where the backend cannot.
+    fn set_register(&mut self, vcpu: VcpuId, name: &str, value: u64) -> Result<(), ControlError> {
+        let _ = (vcpu, name, value);
+        Err(ControlError::Unsupported {
+            backend: self.backend(),
+            what: "write registers by name",
+        })
+    }
+
+    /// `len` bytes of guest-physical memory at `addr` in one bulk transfer, where the backend
+    /// has a faster path than [`Machine::read_phys`] (QEMU's `pmemsave`); `None` otherwise.
+    fn read_phys_bulk(&mut self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let _ = (addr, len);
+        None
+    }
+
+    /// Whether guest memory can be read (and the patch heap's data written) while the vCPUs
+    /// run: true where the host maps guest memory itself, so counters, rings and maps are
+    /// read with no stop at all.
+    fn reads_while_running(&self) -> bool {
+        false
+    }
+
+    /// Whether the guest outlives this process (a QEMU guest does; exotap's own VMM's guest
+    /// ends with it): only then must a guardian undo what this process put in.
+    fn guest_outlives_process(&self) -> bool {
+        true
+    }
+
+    /// How many times the vCPUs were paused since the machine started, where the backend
+    /// counts them.
+    fn pause_count(&self) -> Option<u64> {
+        None
+    }
+
+    /// Lets the guest go: the debugger's detach (QEMU drops its breakpoints), or a resume.
+    ///
+    /// # Errors
+    /// Backend failure.
+    fn release(&mut self) -> Result<(), ControlError> {
+        self.resume()
+    }
+}
+
+/// A boxed machine is a machine (the live engine holds any backend as one).
+impl<M: Machine + ?Sized> Machine for Box<M> {
+    fn vcpus(&mut self) -> Result<Vec<VcpuId>, ControlError> {
+        (**self).vcpus()
+    }
+    fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+        (**self).read_phys(addr, buf)
+    }
+    fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+        (**self).write_phys(addr, data)
+    }
+    fn read_virt(&mut self, vcpu: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+        (**self).read_virt(vcpu, addr, buf)
+    }
+    fn write_virt(&mut self, vcpu: VcpuId, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+        (**self).write_virt(vcpu, addr, data)
+    }
+    fn registers(&mut self, vcpu: VcpuId) -> Result<RegisterFile, ControlError> {
+        (**self).registers(vcpu)
+    }
+    fn set_pc(&mut self, vcpu: VcpuId, pc: u64) -> Result<(), ControlError> {
+        (**self).set_pc(vcpu, pc)
+    }
+    fn pause(&mut self) -> Result<(), ControlError> {
+        (**self).pause()
+    }
+    fn resume(&mut self) -> Result<(), ControlError> {
+        (**self).resume()
+    }
+    fn is_paused(&self) -> bool {
+        (**self).is_paused()
+    }
+    fn set_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), ControlError> {
+        (**self).set_breakpoint(addr, insert)
+    }
+    fn wait_event(&mut self, timeout: Duration) -> Result<Option<StopEvent>, ControlError> {
+        (**self).wait_event(timeout)
+    }
+    fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError> {
+        (**self).step(vcpu)
+    }
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+    fn idt_base(&mut self, vcpu: VcpuId) -> Result<u64, ControlError> {
+        (**self).idt_base(vcpu)
+    }
+    fn set_register(&mut self, vcpu: VcpuId, name: &str, value: u64) -> Result<(), ControlError> {
+        (**self).set_register(vcpu, name, value)
+    }
+    fn read_phys_bulk(&mut self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        (**self).read_phys_bulk(addr, len)
+    }
+    fn reads_while_running(&self) -> bool {
+        (**self).reads_while_running()
+    }
+    fn guest_outlives_process(&self) -> bool {
+        (**self).guest_outlives_process()
+    }
+    fn pause_count(&self) -> Option<u64> {
+        (**self).pause_count()
+    }
+    fn release(&mut self) -> Result<(), ControlError> {
+        (**self).release()
+    }
 }
 
 #[cfg(test)]

@@ -36,6 +36,22 @@ impl KvmSupport {
         matches!(self, Self::Hardware(_))
     }
 
+    /// Why exotap's own VMM cannot run here (`None` with hardware KVM): what was found,
+    /// without what exotap does instead.
+    pub fn reason(&self) -> Option<String> {
+        if self.usable() {
+            return None;
+        }
+        let text = self.explain();
+        let cause = [
+            ": exotap uses QEMU TCG",
+            ", so exotap uses QEMU TCG instead",
+        ]
+        .iter()
+        .find_map(|tail| text.find(tail).map(|at| text[..at].to_owned()));
+        Some(cause.unwrap_or(text))
+    }
+
     /// One line saying what was found and what follows.
     pub fn explain(&self) -> String {
         match self {
@@ -51,6 +67,55 @@ impl KvmSupport {
                               shows no vmx/svm flag: exotap uses QEMU TCG"
                 .into(),
         }
+    }
+}
+
+/// The machine a command asks for (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendRequest {
+    /// exotap's own KVM VMM where hardware KVM works and nothing needs QEMU, QEMU otherwise.
+    Auto,
+    /// exotap's own KVM VMM; refused where it cannot run.
+    Kvm,
+    /// QEMU.
+    Qemu,
+}
+
+/// The machine a command runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// exotap's own KVM VMM (vmm/src/kvm).
+    Kvm,
+    /// QEMU, over its gdbstub.
+    Qemu,
+}
+
+/// Picks the backend for `request` on a host with `support`. `needs_qemu` names what the
+/// command asks for that only QEMU gives (a gdbstub to attach to, host-evaluated trap
+/// probes), if anything.
+///
+/// # Errors
+/// `--backend kvm` on a host whose `/dev/kvm` cannot run Linux (the reason is
+/// [`KvmSupport::explain`]), or with something only QEMU gives.
+pub fn choose(
+    request: BackendRequest,
+    support: &KvmSupport,
+    needs_qemu: Option<&str>,
+) -> Result<Backend, String> {
+    match request {
+        BackendRequest::Qemu => Ok(Backend::Qemu),
+        BackendRequest::Kvm if !support.usable() => Err(format!(
+            "--backend kvm refused: {} (--backend qemu runs it under QEMU)",
+            support.reason().unwrap_or_default()
+        )),
+        BackendRequest::Kvm => match needs_qemu {
+            Some(what) => Err(format!(
+                "--backend kvm refused: {what} needs the qemu backend"
+            )),
+            None => Ok(Backend::Kvm),
+        },
+        BackendRequest::Auto if support.usable() && needs_qemu.is_none() => Ok(Backend::Kvm),
+        BackendRequest::Auto => Ok(Backend::Qemu),
     }
 }
 
@@ -81,18 +146,33 @@ pub fn classify(
     }
 }
 
+/// Whether the CPU flags line says this host is itself a guest (`hypervisor`): its KVM, if
+/// any, is nested.
+pub fn flags_say_nested(cpu_flags: &str) -> bool {
+    cpu_flags.split_whitespace().any(|f| f == "hypervisor")
+}
+
+/// Whether this host is itself a guest (see [`flags_say_nested`]).
+pub fn nested() -> bool {
+    flags_say_nested(&cpu_flags())
+}
+
+fn cpu_flags() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    cpuinfo
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// Looks at this host.
 pub fn detect() -> KvmSupport {
     let modules: Vec<&str> = ["kvm_pvm", "kvm_intel", "kvm_amd"]
         .into_iter()
         .filter(|m| Path::new("/sys/module").join(m).exists())
         .collect();
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let flags = cpuinfo
-        .lines()
-        .find(|l| l.starts_with("flags"))
-        .unwrap_or_default()
-        .to_owned();
+    let flags = cpu_flags();
     let device = Path::new("/dev/kvm").exists();
     let open = std::fs::OpenOptions::new()
         .read(true)
@@ -128,6 +208,56 @@ mod tests {
             KvmSupport::Hardware(Vendor::Intel)
         );
         assert!(KvmSupport::Hardware(Vendor::Amd).usable());
+    }
+
+    #[test]
+    fn auto_takes_hardware_kvm_and_qemu_elsewhere() {
+        let amd = KvmSupport::Hardware(Vendor::Amd);
+
+        assert_eq!(choose(BackendRequest::Auto, &amd, None), Ok(Backend::Kvm));
+        assert_eq!(
+            choose(BackendRequest::Auto, &KvmSupport::Pvm, None),
+            Ok(Backend::Qemu)
+        );
+        assert_eq!(
+            choose(BackendRequest::Auto, &KvmSupport::NoDevice, None),
+            Ok(Backend::Qemu)
+        );
+        assert_eq!(
+            choose(BackendRequest::Auto, &amd, Some("--target")),
+            Ok(Backend::Qemu)
+        );
+    }
+
+    #[test]
+    fn kvm_on_pvm_is_refused_naming_kvm_pvm() {
+        let refused = choose(BackendRequest::Kvm, &KvmSupport::Pvm, None).unwrap_err();
+
+        assert!(refused.starts_with("--backend kvm refused: "), "{refused}");
+        assert!(refused.contains("kvm_pvm"), "{refused}");
+        assert!(
+            refused.contains("cannot run an unmodified Linux kernel"),
+            "{refused}"
+        );
+    }
+
+    #[test]
+    fn kvm_with_what_only_qemu_gives_is_refused_naming_it() {
+        let amd = KvmSupport::Hardware(Vendor::Intel);
+
+        assert_eq!(choose(BackendRequest::Kvm, &amd, None), Ok(Backend::Kvm));
+        assert_eq!(
+            choose(BackendRequest::Kvm, &amd, Some("--target (a gdbstub)")),
+            Err("--backend kvm refused: --target (a gdbstub) needs the qemu backend".into())
+        );
+        assert_eq!(choose(BackendRequest::Qemu, &amd, None), Ok(Backend::Qemu));
+    }
+
+    #[test]
+    fn hypervisor_flag_means_nested() {
+        assert!(flags_say_nested("fpu vme svm hypervisor lahf_lm"));
+        assert!(!flags_say_nested("fpu vme svm lahf_lm"));
+        assert!(!flags_say_nested("fpu hypervisor_x"));
     }
 
     #[test]

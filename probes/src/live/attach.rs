@@ -1,4 +1,4 @@
-//! Attaching to a live guest over QEMU's gdbstub and surveying it: the KASLR slide, the
+//! Attaching to a live guest (over QEMU's gdbstub, or exotap's own KVM VMM) and surveying it: the KASLR slide, the
 //! kernel layout, the patch heap's mapping.
 
 use std::time::{Duration, Instant};
@@ -60,13 +60,10 @@ pub fn attach(target: &Target) -> anyhow::Result<Attached> {
     Ok(Attached { machine, started })
 }
 
-/// The IDT base from QEMU's `info registers` (the gdbstub does not expose IDTR).
-pub fn idt_base(machine: &mut GdbMachine) -> Option<u64> {
-    let text = machine.client().monitor("info registers").ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("IDT="))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+/// The IDT base of vCPU 0 as the backend reports it (QEMU: its monitor's `info registers`,
+/// as the gdbstub does not expose IDTR; kvm: the vCPU's own IDTR).
+pub fn idt_base(machine: &mut dyn Machine) -> Option<u64> {
+    machine.idt_base(VcpuId(0)).ok()
 }
 
 /// CR4.LA57: 5-level paging.
@@ -76,7 +73,7 @@ const CR4_LA57: u64 = 1 << 12;
 ///
 /// # Errors
 /// When the registers cannot be read or are not x86-64 ones.
-pub fn x86_registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
+pub fn x86_registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
     match machine.registers(vcpu)? {
         RegisterFile::X86_64(r) => Ok(r),
         RegisterFile::Sparc64(_) => bail!("{vcpu} is not an x86-64 vCPU"),
@@ -90,7 +87,7 @@ pub struct Survey {
     pub cr3: u64,
     /// 5-level paging.
     pub la57: bool,
-    /// The IDT base QEMU reports.
+    /// The IDT base the backend reports.
     pub idt_base: u64,
     /// Slide and physical load address.
     pub kaslr: Kaslr,
@@ -112,11 +109,27 @@ impl Survey {
 /// # Errors
 /// When registers or memory cannot be read, the anchors are missing or disagree.
 pub fn survey(att: &mut Attached, image: &KernelImage) -> anyhow::Result<Survey> {
-    let machine = &mut att.machine;
+    survey_machine(&mut att.machine, att.started, image)
+}
+
+/// [`survey`] of a paused guest on any backend; `started` is when attaching began.
+///
+/// # Errors
+/// As [`survey`].
+pub fn survey_machine(
+    machine: &mut dyn Machine,
+    started: Instant,
+    image: &KernelImage,
+) -> anyhow::Result<Survey> {
     let regs = x86_registers(machine, VcpuId(0))?;
     let cr3 = pti_kernel_cr3(regs.cr3);
     let la57 = regs.cr4 & CR4_LA57 != 0;
-    let idt_base = idt_base(machine).context("QEMU's monitor did not report the IDT base")?;
+    let idt_base = idt_base(machine).with_context(|| {
+        format!(
+            "the {} backend did not report the IDT base",
+            machine.backend()
+        )
+    })?;
     let anchors = KaslrAnchors::from_image(&image.symbols, &image.vmlinux)
         .context("the image lacks a KASLR anchor")?;
     let mut mem = BackendMemory(machine);
@@ -131,7 +144,7 @@ pub fn survey(att: &mut Attached, image: &KernelImage) -> anyhow::Result<Survey>
         idt_base,
         kaslr,
         layout,
-        ready_after: att.started.elapsed(),
+        ready_after: started.elapsed(),
     })
 }
 
@@ -163,7 +176,7 @@ const HEAP_MARKER: &[u8; 16] = b"exotap patchheap";
 /// # Errors
 /// When the plan is refused (occupied range, no PMD page, ...) or the check fails.
 pub fn map_patch_heap(
-    machine: &mut GdbMachine,
+    machine: &mut dyn Machine,
     survey: &Survey,
     placement: HeapPlacement,
     phys: u64,
@@ -194,6 +207,9 @@ pub fn map_patch_heap(
     // Whatever goes into the guest from here on is journaled, and a guardian undoes it if
     // this process dies ([`super::recover`]).
     super::recover::Journal::open(plan.phys, plan.va, plan.size, machine)?;
-    super::recover::guard_noted(plan.phys)?;
+    // exotap's own VMM's guest ends with this process: nothing is left to undo then.
+    if machine.guest_outlives_process() {
+        super::recover::guard_noted(plan.phys)?;
+    }
     Ok(plan)
 }

@@ -481,10 +481,28 @@ pub fn start(
     image: &KernelImage,
     heap: (u64, u64),
     script: GuestScript,
+    plan: Plan,
+    mode: CompileMode,
+) -> anyhow::Result<JoinHandle<i32>> {
+    let session = GuestSession::attach(target, image)?;
+    start_on(session, Some(target), image, heap, script, plan, mode)
+}
+
+/// [`start`] on a session already attached (exotap's own KVM VMM hands one over). With no
+/// `target` to re-attach through, a script of which no kernel probe compiles is an error
+/// instead of a fall-back to the host path.
+///
+/// # Errors
+/// As [`start`].
+pub fn start_on(
+    mut session: GuestSession,
+    target: Option<&Target>,
+    image: &KernelImage,
+    heap: (u64, u64),
+    script: GuestScript,
     mut plan: Plan,
     mode: CompileMode,
 ) -> anyhow::Result<JoinHandle<i32>> {
-    let mut session = GuestSession::attach(target, image)?;
     let slide = session.survey.kaslr.slide;
     // On an error from here on, dropping the session detaches.
     let splicer = session.plan(image, heap)?;
@@ -531,6 +549,12 @@ pub fn start(
                 "the script's kernel probes run on the host instead, one stop of the guest per \
                  hit (milliseconds each under TCG), because these do not compile:\n{why}"
             );
+            let Some(target) = target else {
+                bail!(
+                    "no kernel probe of the script compiles, and this backend cannot run them \
+                     on the host:\n{why}"
+                );
+            };
             session.detach()?;
             return super::trap_script::start(target, image, heap, script);
         }
@@ -829,6 +853,7 @@ fn run(
         tracing::error!("{e:#}");
         gone = true;
     }
+    let pauses_at_install = guest.session.pause_count();
     let mut next_poll = Instant::now() + POLL_EVERY;
     let mut host_hits = 0u64;
     let mut entered_hits = 0u64;
@@ -846,7 +871,14 @@ fn run(
                     header = guest.header()?;
                     return Ok(header.exit || header.errors > 0);
                 }
-                guest.session.pause()?;
+                // A backend that maps guest memory (exotap's own VMM) is read, and its rings
+                // drained, while the guest runs; timers write the globals back: a stop then.
+                let paused = if due.is_empty() {
+                    guest.session.pause_for_read()?
+                } else {
+                    guest.session.pause()?;
+                    true
+                };
                 guest.print(&mut session, false)?;
                 if due.is_empty() {
                     header = guest.header()?;
@@ -861,7 +893,7 @@ fn run(
                 }
                 let end = header.exit || header.errors > 0;
                 if !end {
-                    guest.session.resume()?;
+                    guest.session.resume_after_read(paused)?;
                 }
                 Ok(end)
             })();
@@ -942,6 +974,12 @@ fn run(
         }
         // Else dropping the session tries the removal and detaches.
     } else {
+        if let (Some(now), Some(then)) = (guest.session.pause_count(), pauses_at_install) {
+            session.note(&format!(
+                "HOST-RESULT pauses.between_install_and_removal={}",
+                now.saturating_sub(then)
+            ));
+        }
         let end = (|| -> anyhow::Result<()> {
             guest.session.pause()?;
             if let Some(t) = traps.as_mut() {

@@ -1,5 +1,7 @@
-//! The live engine: instrumenting a running guest kernel from outside it, over QEMU's
-//! gdbstub. Every live path of exotap goes through it: the verbs (`count`, `time`, `trace`,
+//! The live engine: instrumenting a running guest kernel from outside it, through any
+//! backend's control interface ([`exotap_vmm::control::Machine`]: QEMU's gdbstub, or
+//! exotap's own KVM VMM, whose session is a handle on the VM and reads guest memory without
+//! stopping it, [`GuestSession::over`]). Every live path of exotap goes through it: the verbs (`count`, `time`, `trace`,
 //! `nullify`, `replace`, `splice-report`) and scripts, compiled into the guest
 //! ([`compiled`]) or evaluated by the host at trap probes ([`trap_script`]).
 //!

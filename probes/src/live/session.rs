@@ -5,13 +5,16 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use exotap_vmm::control::{Machine, StopEvent};
-use exotap_vmm::gdb::GdbMachine;
 
 use super::attach::{self, Survey, Target};
 use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
 use super::shared::{SharedHeap, FAST_PATH_HINT};
 use super::splicer::{InstallReport, RemoveReport, Request, SiteCode, Splicer, TraceRecord};
+
+/// The control interface of any backend, as a session holds it: QEMU's gdbstub
+/// ([`exotap_vmm::gdb::GdbMachine`]) or exotap's own KVM VMM ([`exotap_vmm::kvm::KvmMachine`]).
+pub type AnyMachine = Box<dyn Machine + Send>;
 
 /// An attached guest, surveyed, and what the engine put into it.
 ///
@@ -20,8 +23,9 @@ use super::splicer::{InstallReport, RemoveReport, Request, SiteCode, Splicer, Tr
 /// unwinding, a caller that returned early) still pauses the guest, removes every splice
 /// and detaches, so the guest runs on with its original text.
 pub struct GuestSession {
-    /// The guest's control interface. Pause it before reading or writing its memory.
-    pub machine: GdbMachine,
+    /// The guest's control interface. Pause it before writing its text, and before reading
+    /// its memory unless [`Machine::reads_while_running`].
+    pub machine: AnyMachine,
     /// The KASLR slide and the kernel layout found at attach.
     pub survey: Survey,
     splicer: Option<Splicer>,
@@ -70,7 +74,7 @@ impl GuestSession {
                     }
                 });
                 Ok(Self {
-                    machine: att.machine,
+                    machine: Box::new(att.machine),
                     survey,
                     splicer: None,
                     shared,
@@ -79,6 +83,29 @@ impl GuestSession {
             }
             Err(e) => {
                 let _ = att.machine.detach();
+                Err(e)
+            }
+        }
+    }
+
+    /// A session over a machine this process already holds (exotap's own KVM VMM): pauses
+    /// every vCPU and surveys the running kernel as [`GuestSession::attach`] does.
+    ///
+    /// # Errors
+    /// When the guest cannot be paused or the survey fails; the guest runs on then.
+    pub fn over(mut machine: AnyMachine, image: &KernelImage) -> anyhow::Result<Self> {
+        let started = std::time::Instant::now();
+        machine.pause().context("cannot pause the guest")?;
+        match attach::survey_machine(&mut *machine, started, image) {
+            Ok(survey) => Ok(Self {
+                machine,
+                survey,
+                splicer: None,
+                shared: None,
+                detached: false,
+            }),
+            Err(e) => {
+                let _ = machine.release();
                 Err(e)
             }
         }
@@ -93,7 +120,7 @@ impl GuestSession {
     /// When the heap cannot be mapped or the text read.
     pub fn plan(&mut self, image: &KernelImage, heap: (u64, u64)) -> anyhow::Result<&mut Splicer> {
         if self.splicer.is_none() {
-            let mut splicer = Splicer::new(&mut self.machine, &self.survey, image, heap)?;
+            let mut splicer = Splicer::new(&mut *self.machine, &self.survey, image, heap)?;
             if let Some(shared) = self.shared.as_mut() {
                 let (va, phys, size) = splicer.heap_range();
                 shared.set_heap(va, phys, size);
@@ -120,7 +147,7 @@ impl GuestSession {
 
     /// How many times the guest was stopped since attaching (see [`GdbMachine::stops`]).
     pub fn stops(&self) -> u64 {
-        self.machine.stops()
+        self.machine.pause_count().unwrap_or(0)
     }
 
     /// The splicer of the plan phase, if [`GuestSession::plan`] ran.
@@ -133,12 +160,12 @@ impl GuestSession {
     ///
     /// # Errors
     /// When [`GuestSession::plan`] has not run.
-    pub fn parts(&mut self) -> anyhow::Result<(&mut GdbMachine, &mut Splicer)> {
+    pub fn parts(&mut self) -> anyhow::Result<(&mut dyn Machine, &mut Splicer)> {
         let splicer = self
             .splicer
             .as_mut()
             .context("the session has no splicer: plan first")?;
-        Ok((&mut self.machine, splicer))
+        Ok((&mut *self.machine, splicer))
     }
 
     /// Patch-heap memory for a compiled script's data and helpers.
@@ -211,6 +238,36 @@ impl GuestSession {
         Ok(())
     }
 
+    /// Stops the guest for a read of its data, unless the backend reads guest memory while it
+    /// runs (exotap's own VMM maps it: no stop at all). Returns whether it stopped the guest;
+    /// pass that to [`GuestSession::resume_after_read`].
+    ///
+    /// # Errors
+    /// When the guest cannot be paused.
+    pub fn pause_for_read(&mut self) -> anyhow::Result<bool> {
+        if self.machine.reads_while_running() || self.machine.is_paused() {
+            return Ok(false);
+        }
+        self.pause()?;
+        Ok(true)
+    }
+
+    /// Lets the guest run again after [`GuestSession::pause_for_read`] stopped it.
+    ///
+    /// # Errors
+    /// When the backend refuses.
+    pub fn resume_after_read(&mut self, paused: bool) -> anyhow::Result<()> {
+        if paused {
+            self.resume()?;
+        }
+        Ok(())
+    }
+
+    /// How many times the vCPUs were paused so far, where the backend counts them.
+    pub fn pause_count(&self) -> Option<u64> {
+        self.machine.pause_count()
+    }
+
     /// Waits up to `timeout` for the running guest to stop (a breakpoint, the guest's end).
     ///
     /// # Errors
@@ -226,7 +283,7 @@ impl GuestSession {
     /// When the rings cannot be read.
     pub fn drain(&mut self, last: bool) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
         match self.splicer.as_mut() {
-            Some(splicer) => splicer.drain_rings(&mut self.machine, last),
+            Some(splicer) => splicer.drain_rings(&mut *self.machine, last),
             None => Ok(Vec::new()),
         }
     }
@@ -241,13 +298,13 @@ impl GuestSession {
     pub fn remove(&mut self) -> anyhow::Result<RemoveReport> {
         self.pause()?;
         match self.splicer.as_mut() {
-            Some(splicer) if !splicer.installed.is_empty() => splicer.remove(&mut self.machine),
+            Some(splicer) if !splicer.installed.is_empty() => splicer.remove(&mut *self.machine),
             _ => Ok(RemoveReport::default()),
         }
     }
 
     /// Ends the session: removes whatever is still installed, then detaches (QEMU drops its
-    /// breakpoints and the guest runs on).
+    /// breakpoints and the guest runs on; exotap's own VMM resumes its vCPUs).
     ///
     /// # Errors
     /// When the removal or the detach fails; the detach is tried either way.
@@ -260,8 +317,7 @@ impl GuestSession {
         self.detached = true;
         let detached = self
             .machine
-            .client()
-            .detach()
+            .release()
             .context("cannot detach from the guest");
         removed.and(detached)
     }
@@ -282,7 +338,7 @@ impl GuestSession {
             .address("tsc_khz")?
             .wrapping_add(self.survey.kaslr.slide);
         let mut b = [0u8; 4];
-        let mut mem = BackendMemory(&mut self.machine);
+        let mut mem = BackendMemory(&mut *self.machine);
         self.survey
             .space(&mut mem)
             .read(at, &mut b)
@@ -309,7 +365,7 @@ impl Drop for GuestSession {
                 tracing::error!("removing the splices failed: {e:#}");
             }
         }
-        if let Err(e) = self.machine.client().detach() {
+        if let Err(e) = self.machine.release() {
             tracing::warn!("detaching failed: {e}");
         }
     }

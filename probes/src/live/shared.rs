@@ -15,7 +15,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use exotap_vmm::control::{ControlError, Machine, RegisterFile, StopEvent, VcpuId};
-use exotap_vmm::gdb::GdbMachine;
 use exotap_vmm::shared_ram::{SharedRam, SharedRamError};
 
 use crate::rings::RingMemory;
@@ -76,7 +75,7 @@ impl SharedHeap {
     ///
     /// # Errors
     /// [`SharedHeapError::NotThisGuest`] when they differ, or either read fails.
-    pub fn verify(&self, machine: &mut GdbMachine, page: u64) -> Result<(), SharedHeapError> {
+    pub fn verify(&self, machine: &mut dyn Machine, page: u64) -> Result<(), SharedHeapError> {
         let mut over_gdb = vec![0u8; 4096];
         machine
             .read_phys(page, &mut over_gdb)
@@ -152,7 +151,7 @@ impl SharedHeap {
 /// documentation). Everything else goes to the machine.
 pub struct HeapDataPath<'a> {
     /// The guest's gdbstub.
-    pub machine: &'a mut GdbMachine,
+    pub machine: &'a mut dyn Machine,
     /// The shared RAM.
     pub shared: &'a SharedHeap,
 }

@@ -42,7 +42,6 @@ use exotap_introspect::x86::{
     ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
 };
 use exotap_vmm::control::Machine;
-use exotap_vmm::gdb::GdbMachine;
 use iced_x86::code_asm::{rax, CodeAssembler};
 use iced_x86::Register;
 use sha2::{Digest, Sha256};
@@ -241,7 +240,7 @@ impl LiveKernel {
     /// # Errors
     /// When the image lacks a table, or the text cannot be read.
     pub fn read(
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         survey: &Survey,
         image: &KernelImage,
     ) -> anyhow::Result<Self> {
@@ -265,7 +264,7 @@ impl LiveKernel {
         }
         let started = Instant::now();
         let len = usize::try_from(end - start)?;
-        let bytes = match read_through_monitor(machine, text_phys, len) {
+        let bytes = match machine.read_phys_bulk(text_phys, len) {
             Some(bytes) => bytes,
             None => {
                 let mut bytes = vec![0u8; len];
@@ -324,43 +323,6 @@ impl LiveKernel {
         (va >= self.facts.text.0 && va < self.facts.text.1)
             .then(|| self.text_phys + (va - self.facts.text.0))
     }
-}
-
-/// Reads guest-physical memory in bulk through QEMU's `pmemsave` monitor command, which
-/// writes it to a file: about a thousand times faster than the gdbstub's 2-KiB `m` packets,
-/// but only when QEMU runs on this host. The result is checked against pages read over the
-/// gdbstub; `None` (and the caller falls back to the gdbstub) when anything does not work.
-fn read_through_monitor(machine: &mut GdbMachine, phys: u64, len: usize) -> Option<Vec<u8>> {
-    let dir = tempfile::Builder::new()
-        .prefix("exotap-text-")
-        .tempdir()
-        .ok()?;
-    let path = dir.path().join("text.bin");
-    let path_text = path.to_str()?;
-    if path_text.contains('"') {
-        return None;
-    }
-    let command = format!("pmemsave {phys:#x} {len:#x} \"{path_text}\"");
-    if let Err(e) = machine.client().monitor(&command) {
-        tracing::debug!("pmemsave refused ({e}); reading the text over the gdbstub");
-        return None;
-    }
-    let bytes = std::fs::read(&path).ok()?;
-    if bytes.len() != len {
-        tracing::debug!("pmemsave wrote {} bytes, not {len}", bytes.len());
-        return None;
-    }
-    // QEMU on another host would have written somewhere else: compare samples.
-    for at in [0, len / 3, len / 2, len.saturating_sub(PAGE as usize)] {
-        let n = (PAGE as usize).min(len - at);
-        let mut check = vec![0u8; n];
-        machine.read_phys(phys + at as u64, &mut check).ok()?;
-        if check[..] != bytes[at..at + n] {
-            tracing::debug!("pmemsave's file differs from the gdbstub at +{at:#x}");
-            return None;
-        }
-    }
-    Some(bytes)
 }
 
 /// A one-line reason for a plan that is not a splice.
@@ -530,7 +492,7 @@ fn pages_of(sites: impl Iterator<Item = (u64, usize)>) -> BTreeSet<u64> {
 
 /// Reads pages of kernel text through their physical addresses, coalescing runs.
 fn snapshot(
-    machine: &mut GdbMachine,
+    machine: &mut dyn Machine,
     kernel: &LiveKernel,
     pages: &BTreeSet<u64>,
 ) -> anyhow::Result<PageSnapshot> {
@@ -542,7 +504,7 @@ fn snapshot(
         if list.len() >= 64 {
             if let Some(bulk) = kernel
                 .phys(first)
-                .and_then(|phys| read_through_monitor(machine, phys, len))
+                .and_then(|phys| machine.read_phys_bulk(phys, len))
             {
                 for &page in &list {
                     let o = usize::try_from(page - first)?;
@@ -1021,7 +983,7 @@ impl Splicer {
     /// # Errors
     /// When the heap cannot be mapped or the text read.
     pub fn new(
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         survey: &Survey,
         image: &KernelImage,
         heap: (u64, u64),
@@ -1045,7 +1007,19 @@ impl Splicer {
                 plan.size
             );
         }
-        let kernel = LiveKernel::read(machine, survey, image)?;
+        // A backend that maps guest memory (exotap's own VMM) reads and analyses the text
+        // while the guest runs: seconds of analysis cost it no stop (a stopped KVM guest's
+        // clock runs on, and its RCU reports a stall). Install checks every site's bytes
+        // again with the guest stopped.
+        let run_meanwhile = machine.reads_while_running() && machine.is_paused();
+        if run_meanwhile {
+            machine.resume()?;
+        }
+        let kernel = LiveKernel::read(machine, survey, image);
+        if run_meanwhile {
+            machine.pause()?;
+        }
+        let kernel = kernel?;
         let return_thunk = image
             .symbols
             .get("__x86_return_thunk")
@@ -1103,7 +1077,7 @@ impl Splicer {
     /// `installed`, so removal puts them back).
     pub fn install(
         &mut self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         requests: &[Request],
     ) -> anyhow::Result<InstallReport> {
         self.install_with(machine, requests, None)
@@ -1116,7 +1090,7 @@ impl Splicer {
     /// As [`Splicer::install`].
     pub fn install_compiled(
         &mut self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         requests: &[Request],
         code: &mut dyn SiteCode,
     ) -> anyhow::Result<InstallReport> {
@@ -1142,7 +1116,7 @@ impl Splicer {
     /// When guest memory cannot be written.
     pub fn write_heap(
         &self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         va: u64,
         bytes: &[u8],
     ) -> anyhow::Result<()> {
@@ -1155,7 +1129,7 @@ impl Splicer {
     /// When guest memory cannot be read.
     pub fn read_heap(
         &self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         va: u64,
         len: usize,
     ) -> anyhow::Result<Vec<u8>> {
@@ -1166,7 +1140,7 @@ impl Splicer {
 
     fn install_with(
         &mut self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         requests: &[Request],
         mut compiled: Option<&mut dyn SiteCode>,
     ) -> anyhow::Result<InstallReport> {
@@ -1541,7 +1515,7 @@ impl Splicer {
     /// Writes `writes` into the text: each page's changed span at once.
     fn write_text(
         &self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         now: &PageSnapshot,
         writes: &[(u64, Vec<u8>)],
     ) -> anyhow::Result<()> {
@@ -1575,7 +1549,7 @@ impl Splicer {
     /// When the rings cannot be read or written.
     pub fn drain_rings(
         &mut self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         last: bool,
     ) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
         let Some(Rings { set: rings, .. }) = self.rings else {
@@ -1654,7 +1628,7 @@ impl Splicer {
     ///
     /// # Errors
     /// When the heap cannot be read.
-    pub fn counts(&self, machine: &mut GdbMachine) -> anyhow::Result<Vec<(String, u64, u64)>> {
+    pub fn counts(&self, machine: &mut dyn Machine) -> anyhow::Result<Vec<(String, u64, u64)>> {
         if self.installed.is_empty() {
             return Ok(Vec::new());
         }
@@ -1685,7 +1659,7 @@ impl Splicer {
     ///
     /// # Errors
     /// When guest memory cannot be read or written.
-    pub fn remove(&mut self, machine: &mut GdbMachine) -> anyhow::Result<RemoveReport> {
+    pub fn remove(&mut self, machine: &mut dyn Machine) -> anyhow::Result<RemoveReport> {
         let counts = self.counts(machine)?;
         let mut report = RemoveReport {
             // Timed and traced sites have no counter.
@@ -1759,7 +1733,7 @@ impl Splicer {
     /// stopped inside the trampoline finishes there when the guest resumes.
     fn restore_returns(
         &self,
-        machine: &mut GdbMachine,
+        machine: &mut dyn Machine,
         table: u64,
     ) -> anyhow::Result<(usize, usize)> {
         let trampolines: BTreeSet<u64> = self.installed_timing.iter().copied().collect();
@@ -1806,7 +1780,7 @@ fn hex(bytes: &[u8]) -> String {
 /// # Errors
 /// When BTF lacks the structures or guest memory cannot be read.
 pub fn guest_kprobe_hits(
-    machine: &mut GdbMachine,
+    machine: &mut dyn Machine,
     survey: &Survey,
     image: &KernelImage,
     btf: &Btf,
@@ -1862,7 +1836,7 @@ impl KprobeReader {
     ///
     /// # Errors
     /// When guest memory cannot be read or the list does not close.
-    pub fn read(&self, machine: &mut GdbMachine) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+    pub fn read(&self, machine: &mut dyn Machine) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
         let survey = &self.survey;
         let (head, kprobe_ops) = (self.head, self.kprobe_ops);
         let (devent, list_in_devent, ops_in_devent) =
@@ -1914,7 +1888,7 @@ impl KprobeReader {
 /// # Errors
 /// When BTF lacks the structures or guest memory cannot be read.
 pub fn guest_ftrace_sites(
-    machine: &mut GdbMachine,
+    machine: &mut dyn Machine,
     survey: &Survey,
     image: &KernelImage,
     btf: &Btf,

@@ -31,7 +31,6 @@ use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::layout::TaskOffsets;
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
-use exotap_vmm::gdb::GdbMachine;
 
 use crate::compile::types::{cast_chain, chain, BtfTypes, KernelTypes, Step};
 use crate::lang::ast::{CastExpr, TargetVar};
@@ -94,7 +93,12 @@ impl ArmedPoint {
     /// Remakes the action when the guest changed the instruction since it was made (its own
     /// ftrace turns an entry nop5 into a call and back, static keys flip jumps): the hit
     /// must do what is there now. Patching keeps lengths, so the point stays a boundary.
-    fn refresh(&mut self, machine: &mut GdbMachine, vcpu: VcpuId, addr: u64) -> anyhow::Result<()> {
+    fn refresh(
+        &mut self,
+        machine: &mut dyn Machine,
+        vcpu: VcpuId,
+        addr: u64,
+    ) -> anyhow::Result<()> {
         let mut now = vec![0u8; self.window.len()];
         machine.read_virt(vcpu, addr, &mut now)?;
         if now != self.window {
@@ -115,7 +119,7 @@ impl ArmedPoint {
 
 /// The guest side of a probe hit: read on demand from the stopped vCPU.
 struct LiveContext<'a> {
-    machine: RefCell<&'a mut GdbMachine>,
+    machine: RefCell<&'a mut dyn Machine>,
     vcpu: VcpuId,
     regs: X86Registers,
     point: &'a ArmedPoint,
@@ -392,7 +396,7 @@ fn exception_table(image: &KernelImage) -> anyhow::Result<HashSet<u64>> {
 /// function, with the live bytes, and plans how a hit gets past it using `slot`. Returns
 /// the function's name, the instruction window and the action.
 fn plan_point(
-    machine: &mut GdbMachine,
+    machine: &mut dyn Machine,
     text: &TextMap<'_>,
     slide: u64,
     link: u64,
@@ -593,7 +597,7 @@ fn arm(
     Ok((armed, trampoline))
 }
 
-fn registers(machine: &mut GdbMachine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
+fn registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
     match machine.registers(vcpu)? {
         RegisterFile::X86_64(r) => Ok(r),
         RegisterFile::Sparc64(_) => bail!("{vcpu} is not x86-64"),
@@ -699,7 +703,7 @@ impl Traps {
 
     /// Puts back the return addresses still swapped and empties the journal's return list
     /// (the guest paused); detaching then removes the breakpoints.
-    pub fn disarm(&mut self, machine: &mut GdbMachine) {
+    pub fn disarm(&mut self, machine: &mut dyn Machine) {
         let _ = machine.pause();
         let mut restored = 0;
         for (slot, p) in self.pending.drain() {
@@ -732,7 +736,7 @@ impl Traps {
     #[allow(clippy::too_many_arguments)]
     fn context<'a>(
         &'a self,
-        machine: &'a mut GdbMachine,
+        machine: &'a mut dyn Machine,
         survey: &'a Survey,
         vcpu: VcpuId,
         regs: X86Registers,

@@ -1,12 +1,19 @@
 //! A running KVM guest under the shared control interface ([`Machine`]).
 //!
-//! Memory is read and written directly in the VMM's mapping of guest RAM and the patch heap;
-//! virtual addresses go through the paused vCPU's own page tables (4- or 5-level, large pages).
-//! Registers come from the snapshot each vCPU leaves when it parks.
+//! Memory is read and written directly in the VMM's mapping of guest RAM and the patch heap
+//! (vm-memory), with no stop: the host sees what the guest wrote as soon as it is written, so
+//! counters, rings and maps are read while the vCPUs run ([`Machine::reads_while_running`]).
+//! Virtual addresses go through the paused vCPU's own page tables (4- or 5-level, large
+//! pages). Registers come from the snapshot each vCPU leaves when it parks.
+//!
+//! The machine [`super::boot`] returns owns the vCPU threads and their events; [`KvmMachine::control`]
+//! gives more handles on the same VM (for the live engine's session, which may run on its own
+//! thread), which pause, resume, read and write as the owner does but take no vCPU events.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -23,33 +30,61 @@ const BACKEND: &str = "kvm";
 pub struct VcpuHandle {
     /// Shared with the thread.
     pub shared: Arc<VcpuShared>,
-    /// The thread (None once joined).
-    pub thread: Option<JoinHandle<()>>,
+    /// The thread, to kick it with a signal (it may have finished: [`VcpuShared::ask`] only
+    /// kicks a vCPU that is not `Finished`).
+    pub pthread: libc::pthread_t,
 }
 
 impl VcpuHandle {
     fn ask(&self, request: RunRequest) {
-        if let Some(t) = &self.thread {
-            let pthread = std::os::unix::thread::JoinHandleExt::as_pthread_t(t);
-            self.shared.ask(request, pthread);
-        }
+        self.shared.ask(request, self.pthread);
     }
 }
 
-/// A KVM guest: its memory, its vCPU threads, their events.
-#[derive(Debug)]
-pub struct KvmMachine {
-    pub(crate) memory: Arc<GuestMemoryMmap>,
-    pub(crate) vcpus: Vec<VcpuHandle>,
-    pub(crate) events: Receiver<VmEvent>,
-    pub(crate) devices: Arc<Mutex<Devices>>,
-    /// Keeps the VM (and so the vCPUs' VM) alive as long as the machine.
-    pub(crate) _vm: kvm_ioctls::VmFd,
+/// What the handles on one VM change together.
+#[derive(Debug, Default)]
+struct Control {
+    /// Software breakpoints: address → (physical address, original byte).
     breakpoints: BTreeMap<u64, (u64, u8)>,
     paused: bool,
     /// Why the guest is gone, once it is.
     ended: Option<VmEvent>,
 }
+
+/// The VM every handle shares.
+#[derive(Debug)]
+struct Vm {
+    memory: Arc<GuestMemoryMmap>,
+    vcpus: Vec<VcpuHandle>,
+    devices: Arc<Mutex<Devices>>,
+    /// Keeps the VM (and so the vCPUs' VM) alive as long as any handle.
+    _fd: kvm_ioctls::VmFd,
+    control: Mutex<Control>,
+    /// Times every vCPU was paused, from any handle.
+    pauses: AtomicU64,
+    /// Why software breakpoints are refused on this host, if they are.
+    traps_refused: Option<String>,
+}
+
+/// What only the machine [`super::boot`] returned holds.
+#[derive(Debug)]
+struct Owner {
+    threads: Vec<JoinHandle<()>>,
+    events: Receiver<VmEvent>,
+}
+
+/// A KVM guest: its memory, its vCPUs and, for the owner, their threads and events.
+#[derive(Debug)]
+pub struct KvmMachine {
+    vm: Arc<Vm>,
+    owner: Option<Owner>,
+}
+
+/// Why software breakpoints (`KVM_GUESTDBG_USE_SW_BP`) are refused where this host is itself a
+/// guest: measured under QEMU TCG's SVM, where `int3` did not exit to userspace.
+pub const NESTED_TRAPS_REFUSED: &str = "this host is itself a guest (nested KVM), and under QEMU \
+    TCG's SVM int3 with KVM_GUESTDBG_USE_SW_BP was measured not to exit to userspace (the guest \
+    triple-faulted): trap probes are refused; compiled and splice probes need no exits";
 
 /// CR0.PG.
 const CR0_PG: u64 = 1 << 31;
@@ -91,24 +126,46 @@ impl KvmMachine {
     pub(crate) fn new(
         memory: Arc<GuestMemoryMmap>,
         vcpus: Vec<VcpuHandle>,
+        threads: Vec<JoinHandle<()>>,
         events: Receiver<VmEvent>,
         devices: Arc<Mutex<Devices>>,
-        vm: kvm_ioctls::VmFd,
+        fd: kvm_ioctls::VmFd,
     ) -> Self {
+        let traps_refused = crate::host::nested().then(|| NESTED_TRAPS_REFUSED.to_owned());
         Self {
-            memory,
-            vcpus,
-            events,
-            devices,
-            _vm: vm,
-            breakpoints: BTreeMap::new(),
-            paused: false,
-            ended: None,
+            vm: Arc::new(Vm {
+                memory,
+                vcpus,
+                devices,
+                _fd: fd,
+                control: Mutex::new(Control::default()),
+                pauses: AtomicU64::new(0),
+                traps_refused,
+            }),
+            owner: Some(Owner { threads, events }),
         }
     }
 
+    /// Another handle on this VM for the live engine: it pauses, resumes, reads and writes
+    /// as this one does; it takes no vCPU events (breakpoints and single steps are the
+    /// owner's), and dropping it leaves the VM running.
+    pub fn control(&self) -> KvmMachine {
+        KvmMachine {
+            vm: Arc::clone(&self.vm),
+            owner: None,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Control> {
+        self.vm
+            .control
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn handle(&self, vcpu: VcpuId) -> Result<&VcpuHandle, ControlError> {
-        self.vcpus
+        self.vm
+            .vcpus
             .get(vcpu.0 as usize)
             .ok_or(ControlError::NoVcpu(vcpu))
     }
@@ -128,18 +185,18 @@ impl KvmMachine {
     /// [`Snapshot::stopped_for_good`]); if so the guest is over ([`VmEvent::Halted`]),
     /// otherwise it resumes. Returns whether it is over.
     pub fn check_halted(&mut self) -> bool {
-        if self.ended.is_some() {
+        if self.ended().is_some() {
             return true;
         }
-        let was_paused = self.paused;
+        let was_paused = self.is_paused();
         if self.pause().is_err() {
             return false;
         }
-        let dead = self.vcpus.iter().all(|v| match v.shared.state() {
+        let dead = self.vm.vcpus.iter().all(|v| match v.shared.state() {
             VcpuState::Finished => true,
             _ => v.shared.snapshot().is_some_and(|s| s.stopped_for_good()),
         });
-        for v in &self.vcpus {
+        for v in &self.vm.vcpus {
             let snap = v.shared.snapshot();
             tracing::debug!(
                 vcpu = v.shared.id,
@@ -152,7 +209,7 @@ impl KvmMachine {
             );
         }
         if dead {
-            self.ended = Some(VmEvent::Halted);
+            self.lock().ended = Some(VmEvent::Halted);
         } else if !was_paused {
             let _ = self.resume();
         }
@@ -160,8 +217,8 @@ impl KvmMachine {
     }
 
     /// Why the guest ended, once it has.
-    pub fn ended(&self) -> Option<&VmEvent> {
-        self.ended.as_ref()
+    pub fn ended(&self) -> Option<VmEvent> {
+        self.lock().ended.clone()
     }
 
     /// Writes bytes to the guest's go channel (ttyS1).
@@ -169,27 +226,37 @@ impl KvmMachine {
     /// # Errors
     /// When the UART's FIFO is full.
     pub fn send_go(&mut self, bytes: &[u8]) -> Result<(), String> {
-        self.devices
+        self.vm
+            .devices
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .send_go(bytes)
     }
 
-    /// Takes one event from the vCPUs within `timeout`; remembers the end of the guest.
+    /// Takes one event from the vCPUs within `timeout`; remembers the end of the guest. A
+    /// handle from [`KvmMachine::control`] takes none: it sleeps and reports the end.
     pub(crate) fn next_event(&mut self, timeout: Duration) -> Option<VmEvent> {
-        match self.events.recv_timeout(timeout) {
+        let Some(owner) = &self.owner else {
+            let deadline = Instant::now() + timeout;
+            while self.ended().is_none() && Instant::now() < deadline {
+                std::thread::sleep(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .min(Duration::from_millis(10)),
+                );
+            }
+            return None;
+        };
+        match owner.events.recv_timeout(timeout) {
             Ok(event) => {
-                if matches!(
-                    event,
-                    VmEvent::Reset { .. } | VmEvent::PowerOff { .. } | VmEvent::Failed { .. }
-                ) {
-                    self.ended.get_or_insert(event.clone());
+                if ends_the_run(&event) {
+                    self.lock().ended.get_or_insert(event.clone());
                 }
                 Some(event)
             }
             Err(RecvTimeoutError::Timeout) => None,
             Err(RecvTimeoutError::Disconnected) => {
-                self.ended.get_or_insert(VmEvent::Failed {
+                self.lock().ended.get_or_insert(VmEvent::Failed {
                     vcpu: 0,
                     message: "every vCPU thread is gone".into(),
                 });
@@ -198,15 +265,16 @@ impl KvmMachine {
         }
     }
 
-    /// Stops every vCPU thread and joins it.
+    /// Stops every vCPU thread and joins it (the owner; a handle does nothing).
     pub fn shutdown(&mut self) {
-        for v in &self.vcpus {
+        let Some(owner) = self.owner.as_mut() else {
+            return;
+        };
+        for v in &self.vm.vcpus {
             v.ask(RunRequest::Stop);
         }
-        for v in &mut self.vcpus {
-            if let Some(t) = v.thread.take() {
-                let _ = t.join();
-            }
+        for t in owner.threads.drain(..) {
+            let _ = t.join();
         }
     }
 
@@ -220,9 +288,15 @@ impl KvmMachine {
         if regs.cr0 & CR0_PG == 0 {
             return Ok((va, 0x1000 - (va & 0xfff)));
         }
-        let mem = &self.memory;
+        let mem = &self.vm.memory;
         let mut read = |pa: u64| mem.read_obj::<u64>(GuestAddress(pa)).ok();
-        translate(&mut read, regs.cr3, regs.cr4 & CR4_LA57 != 0, va).ok_or(unmapped)
+        translate(
+            &mut read,
+            kernel_view(regs.cr3, va),
+            regs.cr4 & CR4_LA57 != 0,
+            va,
+        )
+        .ok_or(unmapped)
     }
 
     fn for_each_page(
@@ -250,9 +324,59 @@ impl KvmMachine {
     }
 
     fn all_stopped(&self) -> bool {
-        self.vcpus
+        self.vm
+            .vcpus
             .iter()
             .all(|v| matches!(v.shared.state(), VcpuState::Paused | VcpuState::Finished))
+    }
+
+    /// Why a breakpoint cannot be set through this handle, if it cannot.
+    fn traps_refused(&self) -> Option<String> {
+        if let Some(why) = &self.vm.traps_refused {
+            return Some(why.clone());
+        }
+        self.owner.is_none().then(|| {
+            "the VMM's run loop takes the vCPUs' debug exits, and this handle of the live \
+             engine does not see them yet"
+                .to_owned()
+        })
+    }
+}
+
+/// PTI's user page-table bit in CR3: the user half of the kernel's 8-KiB PGD pair.
+const PTI_USER_PGTABLE: u64 = 1 << 12;
+
+/// The page-table root that translates `va`: a kernel address goes through the kernel's half
+/// of a PTI pair even when the vCPU stopped in user mode (the user half maps almost none of
+/// the kernel), as a debugger's kernel view does.
+fn kernel_view(cr3: u64, va: u64) -> u64 {
+    if va >> 63 == 1 {
+        cr3 & !PTI_USER_PGTABLE
+    } else {
+        cr3
+    }
+}
+
+/// Whether a vCPU event ends the guest's run.
+fn ends_the_run(event: &VmEvent) -> bool {
+    matches!(
+        event,
+        VmEvent::Reset { .. } | VmEvent::PowerOff { .. } | VmEvent::Failed { .. }
+    )
+}
+
+/// The control interface's view of a vCPU event.
+fn stop_of(event: VmEvent) -> StopEvent {
+    match event {
+        VmEvent::Breakpoint { vcpu, pc } => StopEvent::Breakpoint {
+            vcpu: VcpuId(vcpu),
+            pc,
+        },
+        VmEvent::Stepped { vcpu } => StopEvent::Stepped { vcpu: VcpuId(vcpu) },
+        VmEvent::Reset { .. }
+        | VmEvent::PowerOff { .. }
+        | VmEvent::Failed { .. }
+        | VmEvent::Halted => StopEvent::Exited,
     }
 }
 
@@ -264,11 +388,12 @@ impl Drop for KvmMachine {
 
 impl Machine for KvmMachine {
     fn vcpus(&mut self) -> Result<Vec<VcpuId>, ControlError> {
-        Ok((0..self.vcpus.len() as u32).map(VcpuId).collect())
+        Ok((0..self.vm.vcpus.len() as u32).map(VcpuId).collect())
     }
 
     fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
-        self.memory
+        self.vm
+            .memory
             .read_slice(buf, GuestAddress(addr))
             .map_err(|_| ControlError::Memory {
                 addr,
@@ -278,7 +403,8 @@ impl Machine for KvmMachine {
     }
 
     fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
-        self.memory
+        self.vm
+            .memory
             .write_slice(data, GuestAddress(addr))
             .map_err(|_| ControlError::Memory {
                 addr,
@@ -312,87 +438,102 @@ impl Machine for KvmMachine {
         }
     }
 
+    /// Asks every vCPU to park (each is kicked out of `KVM_RUN` with a signal and
+    /// `immediate_exit`) and waits until all are `Paused` or `Finished`.
     fn pause(&mut self) -> Result<(), ControlError> {
-        for v in &self.vcpus {
+        let mut control = self.lock();
+        for v in &self.vm.vcpus {
             v.ask(RunRequest::Pause);
         }
-        for v in &self.vcpus {
+        for v in &self.vm.vcpus {
             v.shared.wait_stopped();
         }
-        self.paused = true;
+        control.paused = true;
+        self.vm.pauses.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     fn resume(&mut self) -> Result<(), ControlError> {
-        if self.ended.is_some() {
+        let mut control = self.lock();
+        if control.ended.is_some() {
             return Ok(());
         }
-        for v in &self.vcpus {
+        for v in &self.vm.vcpus {
             v.ask(RunRequest::Run);
         }
-        self.paused = false;
+        control.paused = false;
         Ok(())
     }
 
     fn is_paused(&self) -> bool {
-        self.paused
+        self.lock().paused
     }
 
     fn set_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), ControlError> {
+        if insert {
+            if let Some(why) = self.traps_refused() {
+                return Err(ControlError::Refused {
+                    backend: BACKEND,
+                    what: "set a software breakpoint",
+                    why,
+                });
+            }
+        }
         if !self.all_stopped() {
             return Err(ControlError::Running);
         }
-        if insert {
-            if self.breakpoints.contains_key(&addr) {
-                return Ok(());
+        let mut breakpoints = std::mem::take(&mut self.lock().breakpoints);
+        let result = (|| {
+            if insert {
+                if breakpoints.contains_key(&addr) {
+                    return Ok(());
+                }
+                let (pa, _) = self.translate_for(VcpuId(0), addr)?;
+                let mut orig = [0u8];
+                self.read_phys(pa, &mut orig)?;
+                self.write_phys(pa, &[0xcc])?;
+                breakpoints.insert(addr, (pa, orig[0]));
+            } else if let Some((pa, orig)) = breakpoints.remove(&addr) {
+                self.write_phys(pa, &[orig])?;
             }
-            let (pa, _) = self.translate_for(VcpuId(0), addr)?;
-            let mut orig = [0u8];
-            self.read_phys(pa, &mut orig)?;
-            self.write_phys(pa, &[0xcc])?;
-            self.breakpoints.insert(addr, (pa, orig[0]));
-        } else if let Some((pa, orig)) = self.breakpoints.remove(&addr) {
-            self.write_phys(pa, &[orig])?;
-        }
-        let control = if self.breakpoints.is_empty() {
+            Ok(())
+        })();
+        let control = if breakpoints.is_empty() {
             0
         } else {
             DEBUG_SW_BP
         };
-        for v in &self.vcpus {
+        self.lock().breakpoints = breakpoints;
+        for v in &self.vm.vcpus {
             v.shared.set_debug(control);
         }
-        Ok(())
+        result
     }
 
     fn wait_event(&mut self, timeout: Duration) -> Result<Option<StopEvent>, ControlError> {
-        if self.ended.is_some() {
+        if self.ended().is_some() {
             return Ok(Some(StopEvent::Exited));
         }
         let Some(event) = self.next_event(timeout) else {
-            return Ok(self.ended.as_ref().map(|_| StopEvent::Exited));
+            return Ok(self.ended().map(|_| StopEvent::Exited));
         };
-        let stop = match event {
-            VmEvent::Breakpoint { vcpu, pc } => StopEvent::Breakpoint {
-                vcpu: VcpuId(vcpu),
-                pc,
-            },
-            VmEvent::Stepped { vcpu } => StopEvent::Stepped { vcpu: VcpuId(vcpu) },
-            VmEvent::Reset { .. }
-            | VmEvent::PowerOff { .. }
-            | VmEvent::Failed { .. }
-            | VmEvent::Halted => StopEvent::Exited,
-        };
+        let stop = stop_of(event);
         self.pause()?;
         Ok(Some(stop))
     }
 
     fn step(&mut self, vcpu: VcpuId) -> Result<StopEvent, ControlError> {
+        if self.owner.is_none() {
+            return Err(ControlError::Unsupported {
+                backend: BACKEND,
+                what: "single-step through a handle that takes no vCPU events",
+            });
+        }
         let handle = self.handle(vcpu)?;
         if handle.shared.state() != VcpuState::Paused {
             return Err(ControlError::Running);
         }
-        let restore = if self.breakpoints.is_empty() {
+        let restore = if self.lock().breakpoints.is_empty() {
             0
         } else {
             DEBUG_SW_BP
@@ -416,7 +557,7 @@ impl Machine for KvmMachine {
                     | VmEvent::Halted,
                 ) => break Ok(StopEvent::Exited),
                 Some(_) => {}
-                None if self.ended.is_some() => break Ok(StopEvent::Exited),
+                None if self.ended().is_some() => break Ok(StopEvent::Exited),
                 None => {
                     break Err(ControlError::Backend {
                         backend: BACKEND,
@@ -429,6 +570,27 @@ impl Machine for KvmMachine {
         handle.shared.wait_stopped();
         handle.shared.set_debug(restore);
         result
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    /// The vCPU's own IDTR, from the snapshot it left when it parked.
+    fn idt_base(&mut self, vcpu: VcpuId) -> Result<u64, ControlError> {
+        Ok(self.snapshot(vcpu)?.idt_base)
+    }
+
+    fn reads_while_running(&self) -> bool {
+        true
+    }
+
+    fn guest_outlives_process(&self) -> bool {
+        false
+    }
+
+    fn pause_count(&self) -> Option<u64> {
+        Some(self.vm.pauses.load(Ordering::Relaxed))
     }
 }
 
@@ -472,6 +634,33 @@ mod tests {
         assert_eq!(
             translate(&mut read, 0x1000, false, va),
             Some((0x0463_4567, 0x20_0000 - 0x3_4567))
+        );
+    }
+
+    #[test]
+    fn kernel_addresses_go_through_the_kernel_half_of_a_pti_pair() {
+        let user_cr3 = 0x0123_5000 | PTI_USER_PGTABLE | 0x7; // PCID 7, user half
+
+        assert_eq!(
+            kernel_view(user_cr3, 0xffff_ffff_8100_0000),
+            0x0123_4000 | 0x7
+        );
+        assert_eq!(kernel_view(user_cr3, 0x7fff_0000_1000), user_cr3);
+    }
+
+    #[test]
+    fn vcpu_events_map_to_stop_events_and_only_resets_and_failures_end_the_run() {
+        let event = VmEvent::PowerOff { vcpu: 1 };
+
+        assert!(ends_the_run(&event));
+        assert!(!ends_the_run(&VmEvent::Breakpoint { vcpu: 0, pc: 1 }));
+        assert_eq!(stop_of(event), StopEvent::Exited);
+        assert_eq!(
+            stop_of(VmEvent::Breakpoint { vcpu: 1, pc: 0x10 }),
+            StopEvent::Breakpoint {
+                vcpu: VcpuId(1),
+                pc: 0x10
+            }
         );
     }
 

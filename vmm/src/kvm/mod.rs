@@ -50,6 +50,7 @@ use crate::console::{parse_marker, ConsoleTail, Marker};
 use crate::qemu::{PatchHeapRange, PhaseHook, RunOutcome, Timeouts};
 pub use machine::KvmMachine;
 use machine::VcpuHandle;
+pub use machine::NESTED_TRAPS_REFUSED;
 use vcpu::{VcpuShared, VmEvent};
 
 /// How long the console must be quiet before the run loop looks for a halted guest, and how
@@ -181,6 +182,8 @@ pub struct KvmConfig {
     pub hold: Vec<String>,
     /// Make the guest wait at phase `attach` after `EXOTAP-READY`.
     pub attach_point: bool,
+    /// With `attach_point`: the job itself waits at `attach` and `detach` (`exotap.attach=job`).
+    pub attach_in_job: bool,
     /// Keep KASLR on.
     pub kaslr: bool,
     /// Extra kernel parameters.
@@ -202,6 +205,7 @@ impl KvmConfig {
             patch_heap: PatchHeapRange::place(memory_mib << 20, 64 << 20)?,
             hold: Vec::new(),
             attach_point: false,
+            attach_in_job: false,
             kaslr: true,
             append: Vec::new(),
         })
@@ -227,7 +231,9 @@ impl KvmConfig {
         if !self.kaslr {
             params.push("nokaslr".into());
         }
-        if self.attach_point {
+        if self.attach_point && self.attach_in_job {
+            params.push("exotap.attach=job".into());
+        } else if self.attach_point {
             params.push("exotap.attach=1".into());
         }
         if !self.hold.is_empty() {
@@ -246,6 +252,16 @@ pub trait KvmPhaseHook {
     /// # Errors
     /// A message that stops the run.
     fn at_wait(&mut self, phase: &str, machine: &mut KvmMachine) -> Result<(), String>;
+
+    /// Called about every 20 ms while the guest runs (e.g. to stream trace records, which the
+    /// host reads from guest memory without pausing).
+    ///
+    /// # Errors
+    /// A message that stops the run.
+    fn tick(&mut self, machine: &mut KvmMachine) -> Result<(), String> {
+        let _ = machine;
+        Ok(())
+    }
 }
 
 /// A [`PhaseHook`] of the QEMU path used as a [`KvmPhaseHook`] (it does not see the machine).
@@ -537,6 +553,7 @@ pub fn boot(config: &KvmConfig) -> Result<(KvmMachine, Receiver<Vec<u8>>), KvmEr
         fds.push(fd);
     }
     let mut handles = Vec::new();
+    let mut threads = Vec::new();
     for (id, fd) in fds.into_iter().enumerate() {
         let shared = Arc::new(VcpuShared::new(id as u32));
         let thread = std::thread::Builder::new()
@@ -550,11 +567,12 @@ pub fn boot(config: &KvmConfig) -> Result<(KvmMachine, Receiver<Vec<u8>>), KvmEr
             .map_err(|e| KvmError::Thread(id as u32, e))?;
         handles.push(VcpuHandle {
             shared,
-            thread: Some(thread),
+            pthread: std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread),
         });
+        threads.push(thread);
     }
     Ok((
-        KvmMachine::new(memory, handles, events_rx, devices, vm),
+        KvmMachine::new(memory, handles, threads, events_rx, devices, vm),
         console_rx,
     ))
 }
@@ -688,8 +706,17 @@ pub fn run(
         if machine.ended().is_none() {
             machine.next_event(Duration::ZERO);
         }
-        // A halted guest makes no exit: look for it once the console has been quiet a while.
+        if machine.ended().is_none() {
+            hook.tick(&mut machine).map_err(|message| KvmError::Hook {
+                phase: "(running)".into(),
+                message,
+            })?;
+        }
+        // A halted guest makes no exit: look for it once the console has been quiet a while
+        // after the job's end (each look pauses the vCPUs, which the zero-stop data path of
+        // an instrumented job must not see).
         if machine.ended().is_none()
+            && state.done.is_some()
             && quiet_since.elapsed() > HALT_CHECK_QUIET
             && last_halt_check.elapsed() > HALT_CHECK_EVERY
         {

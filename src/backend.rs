@@ -1,0 +1,45 @@
+//! `--backend auto|kvm|qemu`: which machine a command runs on (the choice itself is
+//! [`exotap_vmm::host::choose`], tested there).
+
+use clap::ValueEnum;
+use exotap_vmm::host::{self, Backend, BackendRequest};
+
+/// Which machine runs the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// exotap's own KVM VMM where hardware virtualization works (not kvm_pvm) and nothing
+    /// needs QEMU, QEMU otherwise.
+    Auto,
+    /// exotap's own VMM on /dev/kvm; refused where /dev/kvm cannot run Linux.
+    Kvm,
+    /// QEMU (over its gdbstub).
+    Qemu,
+}
+
+impl From<BackendChoice> for BackendRequest {
+    fn from(choice: BackendChoice) -> Self {
+        match choice {
+            BackendChoice::Auto => Self::Auto,
+            BackendChoice::Kvm => Self::Kvm,
+            BackendChoice::Qemu => Self::Qemu,
+        }
+    }
+}
+
+/// The backend for `choice` on this host; `needs_qemu` names what the command asks for that
+/// only QEMU gives, if anything.
+///
+/// # Errors
+/// `--backend kvm` where this host's `/dev/kvm` cannot run Linux (kvm_pvm, none, no access)
+/// or with something only QEMU gives; the message says which.
+pub fn resolve(choice: BackendChoice, needs_qemu: Option<&str>) -> anyhow::Result<Backend> {
+    let support = host::detect();
+    let backend = host::choose(choice.into(), &support, needs_qemu).map_err(anyhow::Error::msg)?;
+    if backend == Backend::Qemu && choice == BackendChoice::Auto {
+        match needs_qemu {
+            Some(what) => tracing::info!("backend qemu: {what} needs it"),
+            None => tracing::info!("backend qemu: {}", support.explain()),
+        }
+    }
+    Ok(backend)
+}

@@ -1,0 +1,131 @@
+//! `--backend kvm` on every live command. Where this host's `/dev/kvm` cannot run Linux
+//! (kvm_pvm here, or no /dev/kvm), each command must refuse at once, before loading an image
+//! or booting anything, naming why; the reason is checked against what the host shows
+//! (`/sys/module/kvm_pvm`, `/dev/kvm`). Where hardware KVM works the commands would run for
+//! real: these tests print SKIP there (tests/kvm_nested.rs runs them under nested KVM).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use exotap_vmm::host;
+
+/// The reason the host gives, or None (with SKIP printed) where hardware KVM works.
+fn refusal_expected(test: &str) -> Option<String> {
+    let support = host::detect();
+    match support.reason() {
+        Some(reason) => Some(reason),
+        None => {
+            eprintln!(
+                "SKIP {test}: this host has hardware KVM ({}), so --backend kvm would run; \
+                 tests/kvm_nested.rs covers the real runs",
+                support.explain()
+            );
+            None
+        }
+    }
+}
+
+/// Runs `exotap ARGS --backend kvm` and checks the refusal.
+fn assert_refused(test: &str, args: &[&str]) {
+    let Some(reason) = refusal_expected(test) else {
+        return;
+    };
+    let started = Instant::now();
+
+    let (code, stdout, stderr) =
+        common::run(common::exotap().args(args).args(["--backend", "kvm"]));
+
+    assert_ne!(code, 0, "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(&format!("--backend kvm refused: {reason}")),
+        "{stderr}"
+    );
+    // The host's own facts, outside exotap: the module or the missing device.
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        assert!(stderr.contains("kvm_pvm"), "{stderr}");
+        assert!(
+            stderr.contains("cannot run an unmodified Linux kernel"),
+            "{stderr}"
+        );
+    } else if !Path::new("/dev/kvm").exists() {
+        assert!(stderr.contains("there is no /dev/kvm"), "{stderr}");
+    }
+    // Refused before anything booted.
+    assert!(
+        !stdout.contains("EXOTAP-") && !stderr.contains("EXOTAP-"),
+        "{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the refusal took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn count_refuses_kvm_naming_the_host_reason() {
+    assert_refused("count", &["count", "__x64_sys_getpid"]);
+}
+
+#[test]
+fn time_refuses_kvm_naming_the_host_reason() {
+    assert_refused("time", &["time", "vfs_read"]);
+}
+
+#[test]
+fn trace_refuses_kvm_naming_the_host_reason() {
+    assert_refused("trace", &["trace", "vfs_read"]);
+}
+
+#[test]
+fn nullify_refuses_kvm_naming_the_host_reason() {
+    assert_refused("nullify", &["nullify", "__x64_sys_getppid", "4242"]);
+}
+
+#[test]
+fn replace_refuses_kvm_naming_the_host_reason() {
+    assert_refused(
+        "replace",
+        &["replace", "__x64_sys_getppid", "__x64_sys_getpid"],
+    );
+}
+
+#[test]
+fn splice_report_refuses_kvm_naming_the_host_reason() {
+    assert_refused("splice-report", &["splice-report"]);
+}
+
+#[test]
+fn boot_script_refuses_kvm_naming_the_host_reason() {
+    assert_refused(
+        "boot --script",
+        &[
+            "boot",
+            "--script-text",
+            "global n\nprobe kernel.function(\"__x64_sys_getpid\") { n++ }\nprobe end { println(n) }",
+        ],
+    );
+}
+
+#[test]
+fn kvm_with_target_is_refused() {
+    let (code, _, stderr) = common::run(common::exotap().args([
+        "count",
+        "--target",
+        "tcp:127.0.0.1:1",
+        "--backend",
+        "kvm",
+        "__x64_sys_getpid",
+    ]));
+
+    assert_ne!(code, 0);
+    // The host's reason where it has no usable KVM, else the gdbstub's.
+    let expected = host::detect().reason().unwrap_or_else(|| {
+        "--target (attaching to a running guest's gdbstub) needs the qemu backend".into()
+    });
+    assert!(stderr.contains(&expected), "{stderr}");
+}
