@@ -64,7 +64,7 @@ impl Gen<'_, '_> {
     /// marked deleted (one pass over the table, bounded).
     fn delete_matching(&mut self, name: &str, keys: &[Expr]) -> R<()> {
         let slot = self.array(name)?;
-        let (nkeys, cap) = slot.table.unwrap_or((0, 0));
+        let (nkeys, _) = slot.table.unwrap_or((0, 0));
         if keys.len() != nkeys {
             return Err(self.no(format!(
                 "{name} indexed with {} keys, not {nkeys}",
@@ -99,43 +99,26 @@ impl Gen<'_, '_> {
             named.push(i);
         }
         self.depth -= 1;
-        let table = self.env.data + slot.offset;
-        let entry = slot.entry_size() as i32;
-        self.lea(Register::RDI, table + super::super::data::TABLE_HEADER)?;
-        let r = (|| {
-            let mut each = self.a.create_label();
-            let mut skip = self.a.create_label();
-            self.a.mov(esi, cap)?;
-            self.a.mov(edx, 3)?;
-            self.a.set_label(&mut each)?;
-            for &i in &named {
-                for half in [0, 8] {
-                    let at = ENTRY_KEYS as i32 + 16 * i as i32 + half;
-                    self.a
-                        .mov(rax, qword_ptr(rbp + buf + 16 * i as i32 + half))?;
-                    self.a.cmp(rax, qword_ptr(rdi + at))?;
-                    self.a.jne(skip)?;
-                }
-            }
-            self.a.mov(eax, 2)?;
-            self.a.lock().cmpxchg(qword_ptr(rdi), rdx)?;
-            self.a.jne(skip)?;
-            let mut dec = Instruction::with1(Code::Dec_rm64, rip(table + TABLE_COUNT))?;
-            dec.set_has_lock_prefix(true);
-            self.a.add_instruction(dec)?;
-            self.a.set_label(&mut skip)?;
-            self.a.add(rdi, entry)?;
-            self.a.dec(esi)?;
-            self.a.jnz(each)
-        })();
-        asm!(self, r)
+        self.delete_pass(&slot, &named, buf)
     }
 
     /// `delete a` of a whole array: every published element is marked deleted, as `delete
     /// a[k]` does one (a later insert of the same key brings it back as a new element, so
-    /// the order matches the interpreter's fresh array). One pass over the table, bounded.
+    /// the order matches the interpreter's fresh array).
     fn delete_all(&mut self, name: &str) -> R<()> {
         let slot = self.array(name)?;
+        self.delete_pass(&slot, &[], 0)
+    }
+
+    /// One pass over the table of `slot`, bounded by its capacity: every published element
+    /// whose keys `named` equal the ones in the frame at `buf` (16 bytes a key) is marked
+    /// deleted (`lock cmpxchg` 2 → 3) and the element count goes down. No keys: every one.
+    fn delete_pass(
+        &mut self,
+        slot: &super::super::data::GlobalSlot,
+        named: &[usize],
+        buf: i32,
+    ) -> R<()> {
         let (_, cap) = slot.table.unwrap_or((0, 0));
         let table = self.env.data + slot.offset;
         let entry = slot.entry_size() as i32;
@@ -146,6 +129,15 @@ impl Gen<'_, '_> {
             self.a.mov(esi, cap)?;
             self.a.mov(edx, 3)?;
             self.a.set_label(&mut each)?;
+            for &i in named {
+                for half in [0, 8] {
+                    let at = ENTRY_KEYS as i32 + 16 * i as i32 + half;
+                    self.a
+                        .mov(rax, qword_ptr(rbp + buf + 16 * i as i32 + half))?;
+                    self.a.cmp(rax, qword_ptr(rdi + at))?;
+                    self.a.jne(skip)?;
+                }
+            }
             self.a.mov(eax, 2)?;
             self.a.lock().cmpxchg(qword_ptr(rdi), rdx)?;
             self.a.jne(skip)?;
