@@ -333,6 +333,9 @@ pub struct Foreach {
     pub keys: Vec<Ident>,
     /// The iterated array.
     pub array: Ident,
+    /// `in a[k, *]`: only the entries whose keys equal these, `*` ([`ExprKind::Wildcard`])
+    /// matching any key.
+    pub slice: Option<Vec<Expr>>,
     /// Sort order.
     pub sort: Option<Sort>,
     /// `limit n`.
@@ -583,8 +586,12 @@ pub struct CastExpr {
     pub type_name: String,
     /// Where the type is looked up (`kernel`, `kernel<linux/sched.h>`), when given.
     pub module: Option<String>,
-    /// `->member` chain.
+    /// `->member` chain. A member index computed at run time (`->fd[i]`, `@cast(p, "T")[j]`)
+    /// is written `[?]` in its member's text, and its expression is in
+    /// [`CastExpr::indexes`].
     pub members: Vec<String>,
+    /// The computed member indexes, in the order of the `[?]` in `members`.
+    pub indexes: Vec<Expr>,
 }
 
 /// `array[keys]`.

@@ -93,6 +93,9 @@ impl Checker<'_> {
             }
             ExprKind::Cast(c) => {
                 self.expect(&c.pointer, Ty::Long);
+                for index in &c.indexes {
+                    self.expect(index, Ty::Long);
+                }
                 if c.type_name.trim().is_empty() {
                     self.emit(
                         Diagnostic::error("@cast needs a type name", e.span)

@@ -199,6 +199,30 @@ impl Checker<'_> {
                 ));
             }
         }
+        if let Some(slice) = &f.slice {
+            if slice.len() != f.keys.len() {
+                self.emit(Diagnostic::error(
+                    format!(
+                        "the slice of '{name}' has {} keys, but the foreach binds {}",
+                        slice.len(),
+                        f.keys.len()
+                    ),
+                    f.array.span,
+                ));
+            }
+            for (k, e) in slice.iter().enumerate() {
+                if matches!(e.kind, ExprKind::Wildcard) {
+                    continue;
+                }
+                let want = keys.get(k).copied().unwrap_or(Ty::Unknown);
+                let got = self.expr(e);
+                if want == Ty::Unknown && matches!(got, Ty::Long | Ty::Str) {
+                    self.set_key(name, k, got, e.span);
+                } else if want != Ty::Unknown {
+                    self.expect(e, want);
+                }
+            }
+        }
         if let Some(limit) = &f.limit {
             self.expect(limit, Ty::Long);
         }
@@ -252,6 +276,9 @@ pub(crate) fn collect_assigned(stmts: &[Stmt], out: &mut HashSet<String>) {
             StmtKind::Foreach(f) => {
                 out.extend(f.keys.iter().map(|k| k.name.clone()));
                 out.extend(f.value.iter().map(|v| v.name.clone()));
+                for e in f.slice.iter().flatten() {
+                    collect_expr(e, out);
+                }
                 if let Some(l) = &f.limit {
                     collect_expr(l, out);
                 }
@@ -292,7 +319,12 @@ fn collect_expr(e: &Expr, out: &mut HashSet<String>) {
             collect_expr(&p.0, out);
             collect_expr(&p.1, out);
         }
-        ExprKind::Cast(c) => collect_expr(&c.pointer, out),
+        ExprKind::Cast(c) => {
+            collect_expr(&c.pointer, out);
+            for index in &c.indexes {
+                collect_expr(index, out);
+            }
+        }
         ExprKind::Binary(_, p) => {
             collect_expr(&p.0, out);
             collect_expr(&p.1, out);

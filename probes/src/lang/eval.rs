@@ -361,6 +361,18 @@ impl<'p> Interp<'p> {
             Some(e) => Some(self.eval(e, f, ctx)?.as_long()),
             None => None,
         };
+        // `in a[k, *]`: the keys to match, None for `*`.
+        let slice: Option<Vec<Option<Value>>> = match &fe.slice {
+            Some(keys) => Some(
+                keys.iter()
+                    .map(|k| match k.kind {
+                        ExprKind::Wildcard => Ok(None),
+                        _ => self.eval(k, f, ctx).map(Some),
+                    })
+                    .collect::<EResult<_>>()?,
+            ),
+            None => None,
+        };
         // Iterate over a snapshot, so the body may change the array freely.
         let stat = fe.sort.and_then(|s| s.stat).unwrap_or(StatOp::Count);
         let mut rows: Vec<(Vec<Value>, Value)> = match self.globals.get(&fe.array.name) {
@@ -371,6 +383,13 @@ impl<'p> Interp<'p> {
                 .collect(),
             _ => Vec::new(),
         };
+        if let Some(slice) = &slice {
+            rows.retain(|(keys, _)| {
+                keys.iter()
+                    .zip(slice)
+                    .all(|(k, want)| want.as_ref().is_none_or(|w| w == k))
+            });
+        }
         if let Some(sort) = fe.sort {
             sort_rows(&mut rows, sort);
         }

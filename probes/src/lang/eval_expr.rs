@@ -104,6 +104,13 @@ impl Interp<'_> {
             ExprKind::Defined(x) => Value::Long(i64::from(defined(x, ctx))),
             ExprKind::Cast(c) => {
                 let pointer = self.eval(&c.pointer, f, ctx)?.as_long() as u64;
+                if !c.indexes.is_empty() {
+                    return fail(
+                        "a member index computed at run time (@cast(...)->a[i]) is not \
+                         supported yet: the type walk takes constant indexes only",
+                        e.span,
+                    );
+                }
                 match ctx.cast(pointer, c) {
                     Some(Ok(v)) => return Ok(v),
                     Some(Err(why)) => return fail(why, e.span),

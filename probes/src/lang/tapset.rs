@@ -350,6 +350,9 @@ impl Names {
             }
             StmtKind::Foreach(f) => {
                 self.vars.insert(f.array.name.clone());
+                for e in f.slice.iter().flatten() {
+                    self.expr(e);
+                }
                 if let Some(l) = &f.limit {
                     self.expr(l);
                 }
@@ -404,7 +407,12 @@ impl Names {
                 self.expr(&p.2);
             }
             ExprKind::IncDec(i) => self.expr(&i.target),
-            ExprKind::Cast(c) => self.expr(&c.pointer),
+            ExprKind::Cast(c) => {
+                self.expr(&c.pointer);
+                for index in &c.indexes {
+                    self.expr(index);
+                }
+            }
         }
     }
 }

@@ -48,6 +48,9 @@ enum Part {
 impl Gen<'_, '_> {
     pub(super) fn foreach(&mut self, fe: &Foreach) -> R<()> {
         let name = fe.array.name.as_str();
+        if fe.slice.is_some() {
+            return Err(self.no(format!("foreach over a slice of {name} (in {name}[k, *])")));
+        }
         let slot = self.array(name)?;
         let (nkeys, cap) = slot.table.unwrap_or((0, 0));
         if fe.keys.len() != nkeys {

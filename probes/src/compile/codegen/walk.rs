@@ -34,6 +34,9 @@ pub(super) fn stmt_exprs<'p>(s: &'p Stmt, f: &mut impl FnMut(&'p Expr)) {
             stmt_exprs(&fs.body, f);
         }
         StmtKind::Foreach(fe) => {
+            for e in fe.slice.iter().flatten() {
+                expr_all(e, f);
+            }
             if let Some(l) = &fe.limit {
                 expr_all(l, f);
             }

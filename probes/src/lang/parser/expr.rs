@@ -150,7 +150,8 @@ impl Parser {
             let inner = inner?;
             let member = match &inner.kind {
                 ExprKind::Target(v) => !v.name.starts_with("$$"),
-                ExprKind::Cast(c) => !c.members.is_empty(),
+                // `&@cast(p, "T")` is the structure's address (SystemTap's @container_of).
+                ExprKind::Cast(_) => true,
                 _ => false,
             };
             if !member {
@@ -250,7 +251,7 @@ impl Parser {
             }
             Tok::Target(name) => {
                 self.bump();
-                let members = self.member_chain()?;
+                let members = self.target_members()?;
                 ExprKind::Target(TargetVar { name, members })
             }
             Tok::At(name) => return self.at_expr(&name),
@@ -381,12 +382,13 @@ impl Parser {
                     None
                 };
                 self.expect_op(")")?;
-                let members = self.member_chain()?;
+                let (members, indexes) = self.member_chain()?;
                 ExprKind::Cast(Box::new(CastExpr {
                     pointer,
                     type_name,
                     module,
                     members,
+                    indexes,
                 }))
             }
             "var" => {
@@ -401,7 +403,7 @@ impl Parser {
                 } else {
                     format!("${spec}")
                 };
-                let members = self.member_chain()?;
+                let members = self.target_members()?;
                 ExprKind::Target(TargetVar { name, members })
             }
             _ => {
@@ -417,15 +419,51 @@ impl Parser {
         })
     }
 
+    /// The member chain of a target variable, whose indexes must be constants (the captured
+    /// value of `$p->a[2]` is named by its path).
+    fn target_members(&mut self) -> PResult<Vec<String>> {
+        let (members, indexes) = self.member_chain()?;
+        match indexes.first() {
+            Some(index) => Err(ParseError::Unsupported {
+                what: "a member index computed at run time on a target variable ($p->a[i]: \
+                       host-evaluated probes capture target values by their path, so the \
+                       index must be a constant)"
+                    .into(),
+                span: index.span,
+            }),
+            None => Ok(members),
+        }
+    }
+
     /// `->a->b[2]->c$` after a target variable or `@cast(...)`: member names (keywords
     /// included: `->function`), with a constant array index (`[2]`) or a pretty-printing
     /// suffix (`$`, `$$`) kept in the member's text. An index before any member is a
-    /// member of its own (`@cast(p, "long")[1]`).
-    fn member_chain(&mut self) -> PResult<Vec<String>> {
+    /// member of its own (`@cast(p, "long")[1]`). An index that is not a number literal is
+    /// written `[?]` and its expression returned beside the members, in order.
+    fn member_chain(&mut self) -> PResult<(Vec<String>, Vec<Expr>)> {
         let mut members: Vec<String> = Vec::new();
+        let mut indexes = Vec::new();
         loop {
             if self.is_op("[") {
-                let index = self.constant_index()?;
+                let constant = match self.peek_at(1) {
+                    Tok::Num(_) => matches!(self.peek_at(2), Tok::Op("]")),
+                    Tok::Op("-") => {
+                        matches!(self.peek_at(2), Tok::Num(_))
+                            && matches!(self.peek_at(3), Tok::Op("]"))
+                    }
+                    _ => false,
+                };
+                let index = if constant {
+                    self.constant_index()?
+                } else {
+                    self.bump();
+                    self.enter()?;
+                    let e = self.expr();
+                    self.leave();
+                    indexes.push(e?);
+                    self.expect_op("]")?;
+                    "[?]".to_string()
+                };
                 match members.last_mut() {
                     Some(last) => last.push_str(&index),
                     None => members.push(index),
@@ -433,7 +471,7 @@ impl Parser {
                 continue;
             }
             if !self.eat_op("->") {
-                return Ok(members);
+                return Ok((members, indexes));
             }
             let mut name = match &self.peek().tok {
                 Tok::Ident(s) => s.clone(),

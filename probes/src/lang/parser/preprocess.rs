@@ -10,8 +10,14 @@
 //!
 //! Expanded tokens keep spans inside the script: an argument's tokens take the span of the
 //! `$N` they replace, a macro body's tokens the span they have in the `@define`.
+//!
+//! The tapset library's macros (SystemTap's `.stpm` files; ours are `probes/tapset/*.stpm`)
+//! are known in every script: a script's own `@define` of the same name hides one. Their
+//! tokens take the span of the `@NAME` that uses them, since their own spans are in another
+//! file.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use super::super::ast::Span;
 use super::super::invocation::Invocation;
@@ -29,6 +35,49 @@ struct Macro {
     params: Option<Vec<String>>,
     /// The tokens between `%(` and `%)`.
     body: Vec<Token>,
+    /// From the tapset library: its spans are not the script's.
+    library: bool,
+}
+
+/// The tapset library's macro files (`.stpm`): name and text.
+pub(crate) const MACRO_FILES: &[(&str, &str)] =
+    &[("macros.stpm", include_str!("../../../tapset/macros.stpm"))];
+
+/// The library's macros, read once; an error names the file (a bug in exotap).
+fn library_macros() -> Result<&'static HashMap<String, Macro>, ParseError> {
+    static MACROS: OnceLock<Result<HashMap<String, Macro>, String>> = OnceLock::new();
+    let loaded = MACROS.get_or_init(|| {
+        let empty = HashMap::new();
+        let inv = Invocation::default();
+        let mut pre = Preprocessor {
+            inv: &inv,
+            macros: HashMap::new(),
+            library: &empty,
+            depth: 0,
+            max_depth: 100,
+            max_tokens: usize::MAX,
+        };
+        for (file, text) in MACRO_FILES {
+            let tokens = tokenize(text).map_err(|e| format!("{file}: {e}"))?;
+            let mut out = Vec::new();
+            pre.expand(&tokens, &HashMap::new(), &mut out)
+                .map_err(|e| format!("{file}: {e}"))?;
+            if let Some(t) = out.iter().find(|t| t.tok != Tok::Eof) {
+                return Err(format!("{file}: {} outside a macro", t.tok.describe()));
+            }
+        }
+        Ok(pre
+            .macros
+            .into_iter()
+            .map(|(name, mut m)| {
+                m.library = true;
+                (name, m)
+            })
+            .collect())
+    });
+    loaded.as_ref().map_err(|message| ParseError::Tapset {
+        message: format!("the tapset macros do not parse: {message}"),
+    })
 }
 
 /// Runs the preprocessor over `tokens` (ending with [`Tok::Eof`]); macro expansions nest at
@@ -45,6 +94,7 @@ pub(super) fn preprocess(
     let mut pre = Preprocessor {
         inv,
         macros: HashMap::new(),
+        library: library_macros()?,
         depth: 0,
         max_depth,
         max_tokens,
@@ -78,6 +128,8 @@ fn join_adjacent_strings(tokens: Vec<Token>) -> Vec<Token> {
 struct Preprocessor<'a> {
     inv: &'a Invocation,
     macros: HashMap<String, Macro>,
+    /// The tapset library's macros, below the script's own.
+    library: &'a HashMap<String, Macro>,
     depth: usize,
     max_depth: usize,
     /// Macros that use each other twice per level grow exponentially: the expansion is cut
@@ -155,7 +207,10 @@ impl Preprocessor<'_> {
                     out.extend(params[&name[1..]].iter().cloned());
                     i += 1;
                 }
-                Tok::At(name) if self.macros.contains_key(&name[1..]) => {
+                Tok::At(name)
+                    if self.macros.contains_key(&name[1..])
+                        || self.library.contains_key(&name[1..]) =>
+                {
                     i = self.invoke(toks, i, params, out)?;
                 }
                 Tok::At(name) | Tok::Target(name) if argument_ref(name).is_some() => {
@@ -362,7 +417,14 @@ impl Preprocessor<'_> {
         if self.macros.contains_key(&name) {
             return Self::macro_error(format!("macro '@{name}' is defined twice"), name_span);
         }
-        self.macros.insert(name, Macro { params, body });
+        self.macros.insert(
+            name,
+            Macro {
+                params,
+                body,
+                library: false,
+            },
+        );
         Ok(close + 1)
     }
 
@@ -379,9 +441,14 @@ impl Preprocessor<'_> {
             return Ok(at + 1);
         };
         let name = name[1..].to_string();
-        let Some(m) = self.macros.get(&name).cloned() else {
+        let Some(mut m) = self.macros.get(&name).or(self.library.get(&name)).cloned() else {
             return Ok(at + 1);
         };
+        if m.library {
+            for b in &mut m.body {
+                b.span = t.span;
+            }
+        }
         let mut next = at + 1;
         let mut bound = HashMap::new();
         if let Some(names) = &m.params {

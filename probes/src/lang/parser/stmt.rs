@@ -214,6 +214,18 @@ impl Parser {
             return self.unexpected("'in'");
         }
         let array = self.ident("an array name")?;
+        let slice = if self.eat_op("[") {
+            self.wildcard_keys = true;
+            let keys = self.expr_list("]");
+            self.wildcard_keys = false;
+            let keys = keys?;
+            if keys.is_empty() {
+                return self.unexpected("the keys of an array slice");
+            }
+            Some(keys)
+        } else {
+            None
+        };
         let mut stat = None;
         if let Tok::At(name) = self.peek().tok.clone() {
             match StatOp::from_name(&name[1..]) {
@@ -247,6 +259,7 @@ impl Parser {
             value,
             keys,
             array,
+            slice,
             sort,
             limit,
             body,
