@@ -5,6 +5,7 @@ mod alias;
 mod condition;
 mod expr;
 mod preprocess;
+mod shadow;
 mod stmt;
 
 use super::ast::*;
@@ -217,6 +218,7 @@ pub fn parse_with(src: &str, limits: &Limits, inv: &Invocation) -> Result<Script
     super::tapset::link_aliases(&mut script, inv, limits).map_err(library)?;
     alias::expand(&mut script, limits.max_parse_depth)?;
     super::tapset::link_functions(&mut script, inv, limits).map_err(library)?;
+    shadow::rename_shadowing_params(&mut script);
     let names_used = |name: &str| {
         p.tokens
             .iter()
@@ -1012,9 +1014,22 @@ mod tests {
     }
 
     #[test]
-    fn member_index_must_be_a_constant() {
-        let err = parse(r#"probe begin { x = $a->b["k"] }"#, &Limits::default()).unwrap_err();
-        assert!(err.to_string().contains("a constant array index"), "{err}");
+    fn target_member_index_must_be_a_constant() {
+        let err = parse(r#"probe begin { x = $a->b[i] }"#, &Limits::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("a member index computed at run time on a target variable"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn cast_member_index_may_be_computed() {
+        let ExprKind::Cast(c) = body_expr(r#"@cast(p, "struct s")->a[i + 1]->b[2]"#) else {
+            panic!()
+        };
+        assert_eq!(c.members, ["a[?]", "b[2]"]);
+        assert_eq!(c.indexes.len(), 1);
     }
 
     #[test]

@@ -530,6 +530,22 @@ mod tests {
     }
 
     #[test]
+    fn library_macros_load_and_take_the_span_of_their_use() {
+        let src = "x = @this2";
+        let toks =
+            preprocess(&tokenize(src).unwrap(), &Invocation::default(), 100, 10_000).unwrap();
+        let use_span = Span::new(4, 10);
+        let body: Vec<&Token> = toks.iter().skip(2).filter(|t| t.tok != Tok::Eof).collect();
+        assert_eq!(body[0].tok, Tok::Ident("__this_var2".into()));
+        assert!(body.iter().all(|t| t.span == use_span));
+    }
+
+    #[test]
+    fn script_macro_hides_a_library_macro() {
+        assert_eq!(texts("@define this1 %( 7 %) @this1"), [Tok::Num(7)]);
+    }
+
+    #[test]
     fn dollar_argument_expands_to_its_tokens() {
         assert_eq!(run("x = $1", &["a.b(3)"]).unwrap(), texts("x = a.b(3)"));
     }
