@@ -97,7 +97,14 @@ EXOTAP=$(realpath "$EXOTAP")
 meta_words() {
     local stp=$1 meta line words opts=() args=()
     meta=${stp%.stp}.meta
-    [[ $mode == meta && -f $meta ]] || return 0
+    [[ $mode == meta ]] || return 0
+    if [[ ! -f $meta ]]; then
+        # The tutorial's scripts have no .meta. Its tapset/ directory is the tapset of its
+        # section on the tapset search path (timer_begin, used by tapset-time-user.stp):
+        # the scripts beside it run with it on the path, `-I tapset`.
+        [[ -d $(dirname "$stp")/tapset ]] && printf '%s\n' -I tapset --
+        return 0
+    fi
     line=$(grep -m1 '^test_check:' "$meta" | sed 's/^test_check:[[:space:]]*//') || return 0
     [[ -n $line ]] || return 0
     # Split as the shell would, without running anything in it (xargs knows quotes; a

@@ -416,15 +416,13 @@ impl<'a> Checker<'a> {
     }
 
     fn finish(&mut self) {
-        let has_errors = self
-            .diags
-            .iter()
-            .any(|d| d.severity == super::diag::Severity::Error);
         // Errors other than failed inference, which the checks below would only echo.
         let has_causes = self.diags.iter().any(|d| {
             d.severity == super::diag::Severity::Error && !d.message.starts_with("could not infer")
         });
-        if !has_errors && self.probes.iter().all(|p| p.points.is_empty()) {
+        // A file of functions only (a tapset) is reported as such first, as SystemTap does,
+        // rather than by the types its uncalled functions leave open.
+        if !has_causes && self.probes.iter().all(|p| p.points.is_empty()) {
             let span = self
                 .script
                 .probes

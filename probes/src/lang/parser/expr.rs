@@ -278,6 +278,17 @@ impl Parser {
                         });
                     }
                     ExprKind::Index(Box::new(IndexExpr { array: name, keys }))
+                } else if self.is_op("->") {
+                    return Err(ParseError::Unsupported {
+                        what: format!(
+                            "a member of the local variable '{}' ({}->member: SystemTap's \
+                             autocast keeps the kernel type of a pointer copied from a target \
+                             variable, which exotap does not track; write \
+                             @cast({}, \"struct TYPE\")->member)",
+                            name.name, name.name, name.name
+                        ),
+                        span: name.span,
+                    });
                 } else {
                     ExprKind::Var(name.name)
                 }
