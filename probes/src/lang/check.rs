@@ -382,10 +382,18 @@ impl<'a> Checker<'a> {
                 .map(|p| p.points.iter().map(|(_, k)| k.clone()).collect());
             let mut assigned = HashSet::new();
             collect_assigned(&p.body.stmts, &mut assigned);
+            let kinds: Vec<PointKind> = kinds.unwrap_or_default();
+            // `input.char`'s `char`, `input.line`'s `line`: strings the probe starts with.
+            for local in kinds.iter().filter_map(PointKind::given_local) {
+                assigned.insert(local.to_string());
+                if let Some(body) = self.locals.get_mut(i) {
+                    body.insert(local.to_string(), Ty::Str);
+                }
+            }
             self.scope = Scope {
                 body: i,
                 function: None,
-                kinds: kinds.unwrap_or_default(),
+                kinds,
                 assigned,
                 loops: 0,
                 defined: 0,
@@ -416,6 +424,23 @@ impl<'a> Checker<'a> {
     }
 
     fn finish(&mut self) {
+        // The guest paths (trap and compiled probes) run begin, end and timer probes on the
+        // host but do not read exotap's standard input: a script that needs both is refused
+        // here rather than having its input probes never fire.
+        let points = || self.probes.iter().flat_map(|p| p.points.iter());
+        let input = points().find(|(_, k)| k.given_local().is_some());
+        let kernel = points().find(|(_, k)| k.needs_guest());
+        if let (Some((pt, _)), Some((kpt, _))) = (input, kernel) {
+            let d = Diagnostic::error(
+                format!(
+                    "{pt} runs only in scripts without kernel probes: exotap reads its \
+                     standard input in the guest-free runtime, and the guest paths that run \
+                     {kpt} do not feed it to scripts yet"
+                ),
+                pt.span,
+            );
+            self.emit(d);
+        }
         // Errors other than failed inference, which the checks below would only echo.
         let has_causes = self.diags.iter().any(|d| {
             d.severity == super::diag::Severity::Error && !d.message.starts_with("could not infer")

@@ -171,6 +171,20 @@ impl<'p> Interp<'p> {
         point: &str,
         ctx: &dyn Context,
     ) -> Result<(), ScriptError> {
+        self.run_probe_with(index, point, ctx, Vec::new())
+    }
+
+    /// Runs the handler of probe `index` with `locals` set first (`input.char`'s `char`).
+    ///
+    /// # Errors
+    /// The script error that ended the handler.
+    pub fn run_probe_with(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+        locals: Vec<(String, Value)>,
+    ) -> Result<(), ScriptError> {
         let prog = self.prog;
         let Some(probe) = prog.script.probes.get(index) else {
             return Ok(());
@@ -180,7 +194,7 @@ impl<'p> Interp<'p> {
         self.point = point.to_string();
         let mut frame = Frame {
             body: index,
-            locals: HashMap::new(),
+            locals: locals.into_iter().collect(),
         };
         let result = (|| {
             if let Some(cond) = &probe.condition {

@@ -56,6 +56,12 @@ pub enum PointKind {
     },
     /// `timer.profile`: every scheduler tick of every guest CPU.
     TimerProfile,
+    /// `input.char`: each byte of exotap's standard input (on the host, as stap's reads its
+    /// own), in the local `char`.
+    InputChar,
+    /// `input.line`: each line of exotap's standard input, its newline included, in the local
+    /// `line`.
+    InputLine,
     /// `kernel.function("pattern@file:line")[.call|.inline|.return]`.
     KernelFunction {
         /// Function name pattern, with `*` and `?` wildcards.
@@ -113,7 +119,19 @@ impl PointKind {
                 | PointKind::Error(_)
                 | PointKind::Never
                 | PointKind::Timer { .. }
+                | PointKind::InputChar
+                | PointKind::InputLine
         )
+    }
+
+    /// The local a probe on this point starts with: `char` for `input.char`, `line` for
+    /// `input.line` (strings).
+    pub fn given_local(&self) -> Option<&'static str> {
+        match self {
+            PointKind::InputChar => Some("char"),
+            PointKind::InputLine => Some("line"),
+            _ => None,
+        }
     }
 
     /// Whether target variables (`$x`) can be read at this point.
@@ -149,6 +167,8 @@ impl PointKind {
             PointKind::Never => "never",
             PointKind::Timer { .. } => "timer",
             PointKind::TimerProfile => "timer.profile",
+            PointKind::InputChar => "input.char",
+            PointKind::InputLine => "input.line",
             PointKind::KernelFunction { .. } => "kernel.function",
             PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => "kernel.statement",
             PointKind::KernelField { .. } => "kernel.field",
@@ -203,7 +223,8 @@ impl PointError {
 }
 
 /// The families, for hints and for `-L`.
-pub const KNOWN_FAMILIES: &str = "begin, end, error, never, timer.ms|us|ns|s|hz|jiffies(N), \
+pub const KNOWN_FAMILIES: &str =
+    "begin, end, error, never, input.char, input.line, timer.ms|us|ns|s|hz|jiffies(N), \
 timer.profile, kernel.function(\"pat[@file[:line]]\")[.call|.inline|.return], \
 kernel.statement(\"func@file:line\"), kernel.statement(\"func+OFFSET\"), \
 kernel.statement(ADDR).absolute, \
@@ -269,7 +290,7 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
     }
     let known_root = matches!(
         names.first(),
-        Some(&("begin" | "end" | "error" | "never" | "timer" | "kernel" | "kprobe"))
+        Some(&("begin" | "end" | "error" | "never" | "timer" | "kernel" | "kprobe" | "input"))
     );
     if !known_root {
         return Err(unknown());
@@ -290,6 +311,8 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
         ["end"] => Ok(PointKind::End(seq("end")?)),
         ["error"] => Ok(PointKind::Error(seq("error")?)),
         ["never"] => Ok(PointKind::Never),
+        ["input", "char"] => Ok(PointKind::InputChar),
+        ["input", "line"] => Ok(PointKind::InputLine),
         ["timer", "profile"] | ["timer", "profile", "tick"] => Ok(PointKind::TimerProfile),
         ["timer", unit] => {
             let n = match args(1) {
@@ -448,10 +471,6 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
         &"stap" | &"staprun" | &"stapio" => Some(
             "these are markers inside SystemTap's own programs (user-space probe points), \
              which exotap neither is nor probes",
-        ),
-        &"input" => Some(
-            "input.char and input.line read the terminal of stap's own process; exotap does not \
-             feed its standard input to scripts yet",
         ),
         &"kernel" if names.get(1) == Some(&"data") => Some(
             "watchpoints on kernel data need hardware debug registers, which exotap's backends \

@@ -96,6 +96,8 @@ pub fn describe(kind: &PointKind) -> String {
         PointKind::Never => "a point that never fires".to_string(),
         PointKind::Timer { period_ns } => format!("a host timer every {period_ns} ns"),
         PointKind::TimerProfile => "every scheduler tick of every guest CPU".to_string(),
+        PointKind::InputChar => "each byte of exotap's standard input".to_string(),
+        PointKind::InputLine => "each line of exotap's standard input".to_string(),
         PointKind::KernelFunction {
             pattern,
             file,

@@ -1,7 +1,9 @@
 //! A probe session: begin probes, then timers (on the host's wall clock) or probe hits fed by a
 //! kernel backend, then end (or error) probes and the display of write-only globals.
 
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -139,7 +141,18 @@ impl<'p> Session<'p> {
 
     /// Fires probe `index` at `point` on `ctx`; returns false after a script error.
     pub fn fire(&mut self, index: usize, point: &str, ctx: &dyn Context) -> bool {
-        let r = self.interp.run_probe(index, point, ctx);
+        self.fire_with(index, point, ctx, Vec::new())
+    }
+
+    /// [`Session::fire`] with locals the probe starts with (`input.char`'s `char`).
+    pub fn fire_with(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+        locals: Vec<(String, Value)>,
+    ) -> bool {
+        let r = self.interp.run_probe_with(index, point, ctx, locals);
         let _ = self.interp.out.flush();
         match r {
             Ok(()) => true,
@@ -378,8 +391,10 @@ pub fn host_context() -> CapturedContext {
     }
 }
 
-/// Runs a script that needs no guest: begin probes, timers on the wall clock until `exit()`,
-/// an error or `stop` (Ctrl-C), then end probes. A script without timers ends after begin.
+/// Runs a script that needs no guest: begin probes, timers on the wall clock and
+/// `input.char`/`input.line` probes on exotap's standard input until `exit()`, an error or
+/// `stop` (Ctrl-C), then end probes. A script without timers ends after begin, or, with input
+/// probes, at the end of its input.
 ///
 /// # Errors
 /// [`RuntimeError::NeedsGuest`] when the script has kernel probe points.
@@ -390,6 +405,59 @@ pub fn run_guest_free(
     file: &str,
     source: &str,
     stop: &Arc<AtomicBool>,
+) -> Result<i32, RuntimeError> {
+    let stdin = || Box::new(std::io::stdin()) as Box<dyn Read + Send>;
+    run_guest_free_with_input(prog, limits, out, file, source, stop, stdin)
+}
+
+/// The input probes of `prog`: (probe, point, line rather than byte).
+fn input_probes(prog: &Program) -> Vec<(usize, String, bool)> {
+    let mut probes = Vec::new();
+    for (i, p) in prog.probes.iter().enumerate() {
+        for (pt, k) in &p.points {
+            match k {
+                PointKind::InputChar => probes.push((i, pt.to_string(), false)),
+                PointKind::InputLine => probes.push((i, pt.to_string(), true)),
+                _ => {}
+            }
+        }
+    }
+    probes
+}
+
+/// Reads `input` on a thread of its own, a chunk per message; the channel closes at its end
+/// (or on a read error). The thread stays blocked in its read if the session ends first.
+fn read_input(mut input: Box<dyn Read + Send>) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        loop {
+            match input.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.send(buf[..n].to_vec()).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    rx
+}
+
+/// [`run_guest_free`] with the input probes reading what `input` makes (called only when
+/// the script has input probes).
+///
+/// # Errors
+/// [`RuntimeError::NeedsGuest`] when the script has kernel probe points.
+pub fn run_guest_free_with_input(
+    prog: &Program,
+    limits: Limits,
+    out: Output,
+    file: &str,
+    source: &str,
+    stop: &Arc<AtomicBool>,
+    input: impl FnOnce() -> Box<dyn Read + Send>,
 ) -> Result<i32, RuntimeError> {
     let kernel: Vec<String> = prog
         .probes
@@ -407,17 +475,59 @@ pub fn run_guest_free(
     session.begin();
     let mut timers = host_timers(prog, Instant::now());
     let ctx = host_context();
-    while !timers.is_empty() && !session.stopping() && !stop.load(Ordering::SeqCst) {
-        let Some(next) = (0..timers.len()).min_by_key(|&t| timers[t].3) else {
-            break;
-        };
-        let due = timers[next].3;
+    let inputs = input_probes(prog);
+    let mut reader = if inputs.is_empty() || session.stopping() || stop.load(Ordering::SeqCst) {
+        None
+    } else {
+        Some(read_input(input()))
+    };
+    // `input.line`: the bytes of the line read so far.
+    let mut line: Vec<u8> = Vec::new();
+    while (!timers.is_empty() || reader.is_some())
+        && !session.stopping()
+        && !stop.load(Ordering::SeqCst)
+    {
         let now = Instant::now();
-        if due > now {
-            // Sleep in short slices so Ctrl-C is noticed promptly.
-            std::thread::sleep((due - now).min(Duration::from_millis(20)));
+        let next = (0..timers.len()).min_by_key(|&t| timers[t].3);
+        let due = next.map(|t| timers[t].3);
+        if due.is_none_or(|d| d > now) {
+            // Sleep (or wait for input) in short slices so Ctrl-C is noticed promptly.
+            let wait = due
+                .map_or(Duration::from_millis(20), |d| d - now)
+                .min(Duration::from_millis(20));
+            match reader.as_ref().map(|r| r.recv_timeout(wait)) {
+                None => std::thread::sleep(wait),
+                Some(Err(mpsc::RecvTimeoutError::Timeout)) => {}
+                Some(Err(mpsc::RecvTimeoutError::Disconnected)) => {
+                    // The end of the input: a last line without its newline still fires.
+                    if !line.is_empty() {
+                        fire_line(&mut session, &inputs, &ctx, &mut line);
+                    }
+                    reader = None;
+                }
+                Some(Ok(chunk)) => {
+                    for &b in &chunk {
+                        if session.stopping() || stop.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        let char = String::from_utf8_lossy(&[b]).into_owned();
+                        for (i, pt, _) in inputs.iter().filter(|(_, _, l)| !l) {
+                            let locals = vec![("char".to_string(), Value::Str(char.clone()))];
+                            session.fire_with(*i, pt, &ctx, locals);
+                        }
+                        line.push(b);
+                        if b == b'\n' {
+                            fire_line(&mut session, &inputs, &ctx, &mut line);
+                        }
+                    }
+                }
+            }
             continue;
         }
+        let Some(next) = next else {
+            continue;
+        };
+        let due = timers[next].3;
         let (index, point, period, _) = timers[next].clone();
         session.fire(index, &point, &ctx);
         let mut following = due + period;
@@ -428,6 +538,20 @@ pub fn run_guest_free(
         timers[next].3 = following;
     }
     Ok(session.finish())
+}
+
+/// Fires the `input.line` probes with `line` (taken).
+fn fire_line(
+    session: &mut Session<'_>,
+    inputs: &[(usize, String, bool)],
+    ctx: &dyn Context,
+    line: &mut Vec<u8>,
+) {
+    let text = String::from_utf8_lossy(&std::mem::take(line)).into_owned();
+    for (i, pt, _) in inputs.iter().filter(|(_, _, l)| *l) {
+        let locals = vec![("line".to_string(), session.interp.string(text.clone()))];
+        session.fire_with(*i, pt, ctx, locals);
+    }
 }
 
 #[cfg(test)]
@@ -448,6 +572,35 @@ mod tests {
         let stop = Arc::new(AtomicBool::new(stop));
         let r = run_guest_free(&prog, Limits::default(), output, "t.stp", src, &stop);
         (out.contents(), err.contents(), r)
+    }
+
+    fn run_on_input(src: &str, input: &'static [u8]) -> (String, String, i32) {
+        let prog = program(src);
+        let (out, err) = (SharedBuf::default(), SharedBuf::default());
+        let output = Output::new(Format::Text, Box::new(out.clone()), Box::new(err.clone()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let input = || Box::new(std::io::Cursor::new(input)) as Box<dyn Read + Send>;
+        let code =
+            run_guest_free_with_input(&prog, Limits::default(), output, "t.stp", src, &stop, input)
+                .unwrap();
+        (out.contents(), err.contents(), code)
+    }
+
+    #[test]
+    fn input_char_fires_per_byte_and_input_line_per_line_then_the_input_ends_the_session() {
+        let src = "global n probe input.char { n++; printf(\"[%s]\", char) } \
+                   probe input.line { printf(\"<%s>\", line) } \
+                   probe end { printf(\"\\n%d\\n\", n) }";
+        let (out, err, code) = run_on_input(src, b"ab\nc");
+        assert_eq!((err.as_str(), code), ("", 0));
+        assert_eq!(out, "[a][b][\n]<ab\n>[c]<c>\n4\n");
+    }
+
+    #[test]
+    fn exit_in_an_input_probe_stops_reading() {
+        let src = "probe input.line { print(line); if (line == \"stop\\n\") exit() }";
+        let (out, _, code) = run_on_input(src, b"one\nstop\nnever\n");
+        assert_eq!((out.as_str(), code), ("one\nstop\n", 0));
     }
 
     #[test]
