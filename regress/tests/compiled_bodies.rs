@@ -1195,3 +1195,15 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
         compiled.len()
     );
 }
+
+#[test]
+fn foreach_over_an_array_slice_is_refused_by_name() {
+    let refused = refusals(
+        r#"global a; probe kernel.function("f") { a[$a, 1]++; foreach ([k, j] in a[$a, *]) println(k) }"#,
+    );
+
+    assert!(
+        refused.len() == 1 && refused[0].contains("foreach over a slice of a"),
+        "got {refused:?}"
+    );
+}
