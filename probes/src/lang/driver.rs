@@ -102,9 +102,11 @@ pub fn summary(prog: &Program) -> String {
             .iter()
             .map(|p| {
                 let t = prog.locals[prog.script.probes.len() + i].get(&p.name.name);
+                // A parameter renamed because it hides a global (parser/shadow.rs) is listed
+                // by the name the script gives it.
                 format!(
                     "{}:{}",
-                    p.name.name,
+                    p.name.name.trim_end_matches('\''),
                     ty_name(t.copied().unwrap_or(Ty::Unknown))
                 )
             })
