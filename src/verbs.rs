@@ -496,10 +496,15 @@ impl VerbRun {
             // With shared RAM a thread of its own drained the rings: its own count and time
             // (the main thread only decoded and printed what it handed over).
             let (n, took, passes) = match live.session.stop_drainer() {
-                Some((n, took, passes)) => (
-                    n,
-                    took,
-                    format!(" by the drainer thread in {passes} passes"),
+                Some(d) => (
+                    d.records,
+                    d.reading,
+                    format!(
+                        " by the drainer thread in {} passes, {:.1} ms of its CPU time ({:.0} records/s)",
+                        d.passes,
+                        d.reading_cpu.as_secs_f64() * 1e3,
+                        d.records as f64 / d.reading_cpu.as_secs_f64().max(1e-9)
+                    ),
                 ),
                 None => (live.drained.0, live.drained.1, String::new()),
             };

@@ -250,7 +250,7 @@ pub fn drain_concurrent<M: RingMemory>(
 }
 
 /// Records read and validated together by [`drain_concurrent`].
-const BATCH: u64 = 1024;
+const BATCH: u64 = 4096;
 
 /// One batch of [`drain_concurrent`]: R1 to R5 of the module documentation over at most
 /// `max` records; whether there may be more to take now.

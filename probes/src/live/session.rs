@@ -289,11 +289,11 @@ impl GuestSession {
     }
 
     /// Stops the thread that drains the rings through shared RAM, if one runs; what it
-    /// drained: records, time spent reading, passes ([`Splicer::drain_statistics`]).
-    pub fn stop_drainer(&mut self) -> Option<(u64, Duration, u64)> {
+    /// drained ([`Splicer::drain_statistics`]).
+    pub fn stop_drainer(&mut self) -> Option<super::drainer::DrainState> {
         let splicer = self.splicer.as_mut()?;
         splicer.stop_drainer();
-        splicer.drain_statistics()
+        splicer.drain_statistics().cloned()
     }
 
     /// The remove phase: pauses the guest, reads the counters, histograms and last records,

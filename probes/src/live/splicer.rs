@@ -1678,12 +1678,9 @@ impl Splicer {
         self.drained = Some(state);
     }
 
-    /// What the drainer thread did, once stopped ([`Splicer::stop_drainer`]): records taken,
-    /// time spent reading the rings, and passes over them.
-    pub fn drain_statistics(&self) -> Option<(u64, std::time::Duration, u64)> {
-        self.drained
-            .as_ref()
-            .map(|d| (d.records, d.reading, d.passes))
+    /// What the drainer thread did, once stopped ([`Splicer::stop_drainer`]).
+    pub fn drain_statistics(&self) -> Option<&super::drainer::DrainState> {
+        self.drained.as_ref()
     }
 
     /// [`Splicer::drain_rings`] through the shared RAM, the vCPUs running
