@@ -443,6 +443,16 @@ impl KernelStacks {
         Some(format!("{}+{offset:#x}/{:#x}", sym.name, sym.size))
     }
 
+    /// A namer of pcs as [`KernelStacks::name_pc`], owning a copy of the symbols (for a
+    /// script session's `end` probes, which run without a hit).
+    pub fn pc_namer(&self) -> impl Fn(u64) -> Option<String> + Send + 'static {
+        let symbols = self.symbols.clone();
+        move |pc| {
+            let (sym, offset) = symbols.lookup_addr(pc)?;
+            Some(format!("{}+{offset:#x}/{:#x}", sym.name, sym.size))
+        }
+    }
+
     /// Whether the kernel leaves this frame out of `/proc/PID/stack` and other saved
     /// traces: scheduler and lock functions (`in_sched_functions`).
     pub fn is_scheduler(&self, frame: &Frame) -> bool {

@@ -741,6 +741,14 @@ impl Traps {
         })
     }
 
+    /// Names kernel pcs for the whole script session (`sprint_stack()` in `end` probes);
+    /// `None` without the ORC tables and symbols.
+    pub fn kernel_symbols(&self) -> Option<crate::lang::eval::KernelSymbols> {
+        self.stacks
+            .as_ref()
+            .map(|s| Box::new(s.pc_namer()) as crate::lang::eval::KernelSymbols)
+    }
+
     /// Whether a stop at `pc` is one of these traps'.
     pub fn owns(&self, pc: u64) -> bool {
         pc == self.trampoline || self.armed.contains_key(&pc)
