@@ -1202,7 +1202,7 @@ impl Splicer {
             // 512 KiB of records in all; 32 MiB when the host reads them while the guest runs
             // (zeroed through the shared RAM, not the gdbstub): with 2 vCPUs a ring then
             // holds 262,144 records, about 120 ms of the fastest traced syscall loop under
-            // TCG, while the host drains every 50 ms or so.
+            // TCG, while the drainer thread polls every millisecond (live::drainer).
             let all: u64 = if self.shared.is_some() {
                 32 << 20
             } else {

@@ -310,7 +310,7 @@ impl Context for LiveContext<'_> {
         let vcpus = machine.vcpus().map_err(|_| MemoryError::NoMemory)?;
         for vcpu in vcpus {
             let regs = if vcpu == self.vcpu {
-                self.regs.clone()
+                self.regs
             } else {
                 match machine.registers(vcpu) {
                     Ok(exotap_vmm::control::RegisterFile::X86_64(regs)) => regs,
