@@ -15,7 +15,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use exotap_probes::live::shared::SharedHeap;
 use exotap_probes::live::splicer::{take_records, TRACE_RECORD};
-use exotap_probes::rings::{drain_concurrent, RingSet};
+use exotap_probes::rings::{drain_concurrent, window, RingMemory, RingSet};
 
 const HEAP_VA: u64 = 0xffff_ffff_a000_0000;
 const SLOTS: u32 = 1 << 18;
@@ -30,6 +30,65 @@ fn fill(heap: &SharedHeap, set: &RingSet) {
                 .unwrap();
         }
     }
+}
+
+/// The reader as it was before the batched copy (R2 and R3 record by record: a TSC load and
+/// a 56-byte read each), kept here to give the ratio side by side in one run.
+fn per_record_drain<M: RingMemory>(
+    mem: &M,
+    set: &RingSet,
+    cpu: u32,
+    taken: &mut u64,
+) -> (Vec<u8>, u64) {
+    let slots = u64::from(set.slots);
+    let record = set.record as usize;
+    let mut records = Vec::new();
+    let mut lost = 0;
+    loop {
+        let head_at = set.ring(cpu);
+        let Ok(head) = mem.load_acquire(head_at) else {
+            break;
+        };
+        let (from, l) = window(head, *taken, set.slots);
+        lost += l;
+        let end = head.min(from + 1024);
+        let mut read = Vec::new();
+        let mut bytes = Vec::new();
+        let mut next = from;
+        while next < end {
+            let at = set.slot(cpu, next % slots);
+            let Ok(tsc) = mem.load_acquire(at) else { break };
+            if tsc == 0 {
+                break;
+            }
+            let start = bytes.len();
+            bytes.resize(start + record, 0);
+            bytes[start..start + 8].copy_from_slice(&tsc.to_le_bytes());
+            if mem.read(at + 8, &mut bytes[start + 8..]).is_err() {
+                break;
+            }
+            read.push((next, tsc));
+            next += 1;
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        let Ok(head_after) = mem.load_acquire(head_at) else {
+            break;
+        };
+        let reused_below = head_after.saturating_sub(slots);
+        for ((index, tsc), r) in read.into_iter().zip(bytes.chunks_exact(record)) {
+            if index < reused_below {
+                lost += 1;
+                continue;
+            }
+            let _ = mem.compare_exchange(set.slot(cpu, index % slots), tsc, 0);
+            records.extend_from_slice(r);
+        }
+        *taken = next;
+        if next == from || next >= head_after {
+            break;
+        }
+    }
+    (records, lost)
 }
 
 fn ring_drain(c: &mut Criterion) {
@@ -70,6 +129,23 @@ fn ring_drain(c: &mut Criterion) {
                     let got = drain_concurrent(&heap, &set, cpu, &mut taken, false).unwrap();
                     assert_eq!(got.lost, 0);
                     bytes += got.records.len();
+                    black_box(got);
+                }
+                assert_eq!(bytes, (SLOTS * CPUS) as usize * TRACE_RECORD as usize);
+            },
+            BatchSize::PerIteration,
+        );
+    });
+    group.bench_function("take_two_full_rings_record_by_record_before", |b| {
+        b.iter_batched(
+            || fill(&heap, &set),
+            |()| {
+                let mut bytes = 0;
+                for cpu in 0..CPUS {
+                    let mut taken = 0;
+                    let (got, lost) = per_record_drain(&heap, &set, cpu, &mut taken);
+                    assert_eq!(lost, 0);
+                    bytes += got.len();
                     black_box(got);
                 }
                 assert_eq!(bytes, (SLOTS * CPUS) as usize * TRACE_RECORD as usize);
