@@ -493,9 +493,23 @@ impl VerbRun {
             ));
         }
         if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
-            let (n, took) = live.drained;
+            // With shared RAM a thread of its own drained the rings: its own count and time
+            // (the main thread only decoded and printed what it handed over).
+            let (n, took, passes) = match live.session.stop_drainer() {
+                Some(d) => (
+                    d.records,
+                    d.reading,
+                    format!(
+                        " by the drainer thread in {} passes, {:.1} ms of its CPU time ({:.0} records/s)",
+                        d.passes,
+                        d.reading_cpu.as_secs_f64() * 1e3,
+                        d.records as f64 / d.reading_cpu.as_secs_f64().max(1e-9)
+                    ),
+                ),
+                None => (live.drained.0, live.drained.1, String::new()),
+            };
             self.say(&format!(
-                "data path: {}; the guest was stopped {stops_while_in} times while the splices were in; {n} records drained while it ran, in {:.1} ms of reading ({:.0} records/s)",
+                "data path: {}; the guest was stopped {stops_while_in} times while the splices were in; {n} records drained while it ran, in {:.1} ms of reading ({:.0} records/s){passes}",
                 if live.session.is_shared() {
                     "shared memory"
                 } else {

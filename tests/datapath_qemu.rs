@@ -218,30 +218,76 @@ fn tail(out: &str) -> String {
     lines[lines.len().saturating_sub(6)..].join("\n")
 }
 
+/// (records/s drained, records lost) from a run's `data path:` and `trace:` lines.
+fn rate_and_lost(out: &str) -> (f64, u64) {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("data path: "))
+        .expect("a data path line");
+    let rate = line
+        .rsplit_once(" records/s)")
+        .and_then(|(before, _)| before.rsplit_once('(').map(|(_, n)| n.to_owned()))
+        .and_then(|n| n.parse().ok())
+        .expect("a records/s figure");
+    let lost = out
+        .lines()
+        .find_map(|l| l.split_once("lost to ring overruns per vCPU: ["))
+        .map(|(_, rest)| {
+            rest.trim_end_matches(']')
+                .split(", ")
+                .filter_map(|n| n.parse::<u64>().ok())
+                .sum()
+        })
+        .expect("a lost line");
+    (rate, lost)
+}
+
 /// Data path bench (`cargo test --release --test datapath_qemu -- --ignored --nocapture`):
 /// records drained per second and records lost at the guest's highest rate, shared memory
-/// against stop-and-read, in one run.
+/// against stop-and-read, in one run: `EXOTAP_BENCH_ROUNDS` rounds (default 3), the two
+/// paths one after the other in each, then the medians and their ratio. The host is shared
+/// with whatever else runs: compare the ratio, and the rounds among themselves.
 #[test]
 #[ignore = "a bench: minutes of TCG; run by hand"]
 fn bench_data_path_shared_memory_against_stop_and_read() {
     if !have_qemu("bench_data_path_shared_memory_against_stop_and_read") {
         return;
     }
-    for stop_and_read in [false, true] {
-        let (out, console) = bench_run(stop_and_read);
-        let ns = result(&console, "getppid.ns_per_call").unwrap_or("?");
-        let summary: Vec<&str> = out
-            .lines()
-            .filter(|l| l.starts_with("data path: ") || l.starts_with("trace: "))
-            .collect();
-        println!(
-            "BENCH {}: guest getppid {ns} ns/call traced (2 records a call)\n  {}",
-            if stop_and_read {
-                "stop-and-read"
-            } else {
-                "shared memory"
-            },
-            summary.join("\n  ")
-        );
+    let rounds: usize = std::env::var("EXOTAP_BENCH_ROUNDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(3);
+    let mut results: [Vec<(f64, u64)>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..rounds {
+        for (i, stop_and_read) in [false, true].into_iter().enumerate() {
+            let (out, console) = bench_run(stop_and_read);
+            let ns = result(&console, "getppid.ns_per_call").unwrap_or("?");
+            let summary: Vec<&str> = out
+                .lines()
+                .filter(|l| l.starts_with("data path: ") || l.starts_with("trace: "))
+                .collect();
+            println!(
+                "BENCH round {round} {}: guest getppid {ns} ns/call traced (2 records a call)\n  {}",
+                if stop_and_read {
+                    "stop-and-read"
+                } else {
+                    "shared memory"
+                },
+                summary.join("\n  ")
+            );
+            results[i].push(rate_and_lost(&out));
+        }
     }
+    let median = |v: &[(f64, u64)]| {
+        let mut rates: Vec<f64> = v.iter().map(|r| r.0).collect();
+        rates.sort_by(f64::total_cmp);
+        rates[rates.len() / 2]
+    };
+    let (shared, stopped) = (median(&results[0]), median(&results[1]));
+    println!(
+        "BENCH summary over {rounds} rounds: drained records/s median shared memory {shared:.0}, stop-and-read {stopped:.0} (ratio {:.1}); lost per round shared memory {:?}, stop-and-read {:?}",
+        shared / stopped.max(1.0),
+        results[0].iter().map(|r| r.1).collect::<Vec<_>>(),
+        results[1].iter().map(|r| r.1).collect::<Vec<_>>()
+    );
 }

@@ -126,6 +126,107 @@ fn sleeping_task_stacks_equal_the_guests_own_proc_pid_stack() {
     eprintln!("{compared} tasks equal to /proc/PID/stack; leaves {leaves:?}");
 }
 
+/// A script's view of the same tasks: `task_backtrace($task)` at the guest's own
+/// `proc_pid_stack` (the function behind `/proc/PID/stack`), so the host unwinds the very
+/// task the guest is about to print, at the same moment; and kernel stacks as map keys,
+/// counted at every getppid and printed with their symbols at the end. `print_stack`, not
+/// `printf` of `sprint_stack`: a string is cut at 512 bytes, as SystemTap's MAXSTRINGLEN.
+const STACK_SCRIPT: &str = r#"global stacks
+probe kernel.function("proc_pid_stack") {
+  printf("TASK-STACK-BEGIN %d\n", @cast($task, "task_struct")->pid)
+  print_stack(task_backtrace($task))
+  printf("TASK-STACK-END\n")
+}
+probe kernel.function("__x64_sys_getppid") {
+  if (execname() == "syscall-loop") stacks[backtrace()]++
+}
+probe end {
+  foreach (k in stacks) {
+    printf("KEY-BEGIN %d\n", stacks[k])
+    print_stack(k)
+    printf("KEY-END\n")
+  }
+}
+"#;
+
+/// Blocks of `BEGIN` header lines, each's number and frame names (`func+0xoff/0xsize` from
+/// ` 0xADDR : NAME [kernel]` lines).
+fn script_blocks(out: &str, begin: &str, end: &str) -> Vec<(i64, Vec<String>)> {
+    let mut blocks = Vec::new();
+    let mut current: Option<(i64, Vec<String>)> = None;
+    for line in out.lines() {
+        if let Some(n) = line.strip_prefix(begin) {
+            current = Some((n.trim().parse().unwrap(), Vec::new()));
+        } else if line.starts_with(end) {
+            blocks.extend(current.take());
+        } else if let Some((_, frames)) = current.as_mut() {
+            let name = line.split(" : ").nth(1).unwrap_or(line);
+            frames.push(name.trim_end_matches(" [kernel]").to_owned());
+        }
+    }
+    blocks
+}
+
+#[test]
+fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_keys() {
+    if !have_qemu(
+        "task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_keys",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.sh");
+    let script = dir.path().join("stacks.stp");
+    let job_text = BLOCKED_JOB.replace("exotap_wait backtrace\n", "syscall-loop 50\n");
+    std::fs::write(&job, job_text).unwrap();
+    std::fs::write(&script, STACK_SCRIPT).unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "600", "--compile", "never", "--script"])
+        .arg(&script)
+        .arg("--job")
+        .arg(&job)
+        .arg("--console")
+        .arg(&console));
+
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    let guest = guest_stacks(&transcript);
+    let host = script_blocks(&out, "TASK-STACK-BEGIN ", "TASK-STACK-END");
+    let mut compared = 0;
+    for (pid, (comm, frames)) in &guest {
+        let ours = host
+            .iter()
+            .find(|(p, _)| i64::from(*pid) == *p)
+            .unwrap_or_else(|| panic!("the script printed no stack of task {pid} ({comm}): {ctx}"));
+        assert_eq!(&ours.1, frames, "task {pid} ({comm}): {ctx}");
+        compared += 1;
+    }
+    assert!(compared >= 20, "only {compared} tasks compared: {ctx}");
+    // Every getppid the workload made (its own count; the shells call getppid too) counted
+    // under a stack that starts in __x64_sys_getppid and came from the system call entry.
+    let calls: i64 = common::result(&out, "getppid.calls")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let keys = script_blocks(&out, "KEY-BEGIN ", "KEY-END");
+    assert_eq!(keys.iter().map(|k| k.0).sum::<i64>(), calls, "{ctx}");
+    for (_, frames) in &keys {
+        assert!(frames[0].starts_with("__x64_sys_getppid+0x"), "{frames:?}");
+        assert!(
+            frames.iter().any(|f| f.starts_with("do_syscall_64+"))
+                && frames.iter().any(|f| f.starts_with("entry_SYSCALL_64")),
+            "{frames:?}"
+        );
+    }
+    eprintln!(
+        "{compared} task_backtrace() stacks equal to /proc/PID/stack; {} getppid stacks as keys",
+        keys.len()
+    );
+}
+
 #[test]
 fn profile_of_a_cached_file_read_loop_is_dominated_by_the_read_path() {
     if !have_qemu("profile_of_a_cached_file_read_loop_is_dominated_by_the_read_path") {

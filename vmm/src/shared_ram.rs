@@ -161,6 +161,7 @@ impl SharedRam {
     }
 
     /// The offset of `[addr, addr + len)` in the mapping, after the bounds check.
+    #[inline]
     fn offset(&self, addr: u64, len: usize) -> Result<usize, SharedRamError> {
         let len64 = u64::try_from(len).unwrap_or(u64::MAX);
         let out = SharedRamError::OutOfRange {
@@ -179,23 +180,33 @@ impl SharedRam {
     ///
     /// # Errors
     /// [`SharedRamError::OutOfRange`].
+    #[inline]
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), SharedRamError> {
         let offset = self.offset(addr, buf.len())?;
-        let mut i = 0;
-        while i < buf.len() {
-            let at = offset + i;
-            if at.is_multiple_of(8) && i + 8 <= buf.len() {
-                // SAFETY: `offset(addr, len)` checked that `offset + len <= self.len`, so
-                // `[at, at + 8)` is inside the live mapping, and `at` is 8-aligned (the
-                // mapping is page-aligned); a volatile read tolerates the guest writing it.
-                let word = unsafe { self.base.as_ptr().add(at).cast::<u64>().read_volatile() };
-                buf[i..i + 8].copy_from_slice(&word.to_ne_bytes());
-                i += 8;
-            } else {
-                // SAFETY: as above for one byte, which needs no alignment.
-                buf[i] = unsafe { self.base.as_ptr().add(at).read_volatile() };
-                i += 1;
-            }
+        // Whole aligned words where the range allows (the ring reader's bulk copies are all
+        // words): one volatile 8-byte load each, the rest a byte at a time.
+        let lead = (8 - offset % 8) % 8;
+        let lead = lead.min(buf.len());
+        let (head, rest) = buf.split_at_mut(lead);
+        let mut words = rest.chunks_exact_mut(8);
+        for (i, byte) in head.iter_mut().enumerate() {
+            // SAFETY: `offset(addr, len)` checked that `offset + len <= self.len`, so every
+            // byte of `[offset, offset + len)` is inside the live mapping; a volatile read
+            // tolerates the guest writing it, and a byte needs no alignment.
+            *byte = unsafe { self.base.as_ptr().add(offset + i).read_volatile() };
+        }
+        let mut at = offset + lead;
+        for word in &mut words {
+            // SAFETY: `[at, at + 8)` is inside the checked range, and `at` is 8-aligned
+            // (`offset + lead` is, and the mapping is page-aligned).
+            let value = unsafe { self.base.as_ptr().add(at).cast::<u64>().read_volatile() };
+            word.copy_from_slice(&value.to_ne_bytes());
+            at += 8;
+        }
+        for byte in words.into_remainder() {
+            // SAFETY: as for the leading bytes.
+            *byte = unsafe { self.base.as_ptr().add(at).read_volatile() };
+            at += 1;
         }
         Ok(())
     }
@@ -215,6 +226,7 @@ impl SharedRam {
     }
 
     /// The 8-aligned `u64` at guest-physical `addr` as an atomic.
+    #[inline]
     fn atomic(&self, addr: u64) -> Result<&AtomicU64, SharedRamError> {
         if !addr.is_multiple_of(8) {
             return Err(SharedRamError::Unaligned(addr));
@@ -232,6 +244,7 @@ impl SharedRam {
     ///
     /// # Errors
     /// [`SharedRamError::OutOfRange`], [`SharedRamError::Unaligned`].
+    #[inline]
     pub fn load_acquire(&self, addr: u64) -> Result<u64, SharedRamError> {
         Ok(u64::from_le(self.atomic(addr)?.load(Ordering::Acquire)))
     }
@@ -241,6 +254,7 @@ impl SharedRam {
     ///
     /// # Errors
     /// [`SharedRamError::OutOfRange`], [`SharedRamError::Unaligned`].
+    #[inline]
     pub fn compare_exchange(
         &self,
         addr: u64,

@@ -292,6 +292,24 @@ pub const BUILTINS: &[Builtin] = &[
         ret: Ty::Void,
         doc: "print the kernel stack as sprint_backtrace() gives it",
     },
+    Builtin {
+        name: "task_backtrace",
+        params: &[Ty::Long],
+        ret: Ty::Str,
+        doc: "the kernel stack's pcs in hex of the task_struct at the address (host-evaluated probes): running or sleeping",
+    },
+    Builtin {
+        name: "sprint_stack",
+        params: &[Ty::Str],
+        ret: Ty::Str,
+        doc: "a backtrace() string's pcs with their symbols, one `0xADDR : func+0xoff/0xsize [kernel]` line a frame (for stacks kept as map keys)",
+    },
+    Builtin {
+        name: "print_stack",
+        params: &[Ty::Str],
+        ret: Ty::Void,
+        doc: "print a backtrace() string as sprint_stack() gives it",
+    },
 ];
 
 /// The variadic printing family.

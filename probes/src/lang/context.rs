@@ -69,6 +69,22 @@ pub trait Context {
     fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
         Err(MemoryError::NoMemory)
     }
+    /// The kernel stack of the task whose `task_struct` is at `task`, innermost first, as
+    /// [`Context::kernel_backtrace`] gives it: the stack where the probe fired for the
+    /// current task, another vCPU's for a task running there, and the saved stack
+    /// (`task->thread.sp`) of a task that is not running. Only a context stopped in the
+    /// guest has one (the default answers [`MemoryError::NoMemory`]).
+    ///
+    /// # Errors
+    /// When there is no stack to unwind here, or `task` cannot be read.
+    fn task_backtrace(&self, _task: u64) -> Result<Vec<(u64, String)>, MemoryError> {
+        Err(MemoryError::NoMemory)
+    }
+    /// The kernel address `addr` as `%pB` names it (`func+0xoff/0xsize`), for
+    /// `sprint_stack()`: `None` where the context has no kernel symbols (the default).
+    fn kernel_symbol(&self, _addr: u64) -> Option<String> {
+        None
+    }
 }
 
 /// A context captured into a record (or made up for guest-free probes and tests).

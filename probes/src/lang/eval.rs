@@ -98,7 +98,14 @@ pub struct Interp<'p> {
     pub(crate) regexes: HashMap<String, regex::Regex>,
     /// When the interpreter started: the origin of `get_cycles()` and the local clocks.
     pub(crate) started: std::time::Instant,
+    /// Names kernel addresses (`func+0xoff/0xsize`) in any probe, `end` too, where the
+    /// probe's context has no symbols of its own (`sprint_stack()` of a stack kept as a
+    /// map key): set by a runner that has the kernel's symbols.
+    pub kernel_symbols: Option<KernelSymbols>,
 }
+
+/// A function naming kernel addresses (see [`Interp::kernel_symbols`]).
+pub type KernelSymbols = Box<dyn Fn(u64) -> Option<String> + Send>;
 
 impl std::fmt::Debug for Interp<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -131,6 +138,7 @@ impl<'p> Interp<'p> {
             point: String::new(),
             regexes: HashMap::new(),
             started: std::time::Instant::now(),
+            kernel_symbols: None,
         };
         for name in prog.globals.keys() {
             let store = me.initial(name);

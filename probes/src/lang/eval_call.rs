@@ -173,6 +173,21 @@ impl Interp<'_> {
                 let pcs: Vec<String> = frames.iter().map(|(pc, _)| format!("{pc:#x}")).collect();
                 self.string(pcs.join(" "))
             }
+            "task_backtrace" => {
+                let frames = ctx.task_backtrace(long(0) as u64).unwrap_or_default();
+                let pcs: Vec<String> = frames.iter().map(|(pc, _)| format!("{pc:#x}")).collect();
+                self.string(pcs.join(" "))
+            }
+            "sprint_stack" => {
+                self.string(stack_lines(ctx, self.kernel_symbols.as_deref(), text(0)))
+            }
+            "print_stack" => {
+                let lines = stack_lines(ctx, self.kernel_symbols.as_deref(), text(0));
+                if !lines.is_empty() {
+                    self.emit_text(&format!("{lines}\n"), span)?;
+                }
+                unit
+            }
             "sprint_backtrace" => self.string(backtrace_lines(ctx)),
             "print_backtrace" => {
                 let lines = backtrace_lines(ctx);
@@ -432,6 +447,33 @@ fn backtrace_lines(ctx: &dyn Context) -> String {
         .unwrap_or_default()
         .iter()
         .map(|(pc, name)| format!(" {pc:#018x} : {name} [kernel]"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A `backtrace()` string (pcs in hex, blank-separated) as `sprint_backtrace()` writes a
+/// stack, each pc named by the context's symbols or else the session's (bare when neither
+/// has one or the word is not a number): how a stack kept as a map key is printed.
+fn stack_lines(
+    ctx: &dyn Context,
+    symbols: Option<&(dyn Fn(u64) -> Option<String> + Send)>,
+    stack: &str,
+) -> String {
+    stack
+        .split_whitespace()
+        .map(|word| {
+            let pc = u64::from_str_radix(word.trim_start_matches("0x"), 16).ok();
+            let name = pc
+                .and_then(|pc| {
+                    ctx.kernel_symbol(pc)
+                        .or_else(|| symbols.and_then(|f| f(pc)))
+                })
+                .unwrap_or_else(|| word.to_owned());
+            match pc {
+                Some(pc) => format!(" {pc:#018x} : {name} [kernel]"),
+                None => format!(" {word} : {name} [kernel]"),
+            }
+        })
         .collect::<Vec<_>>()
         .join("\n")
 }

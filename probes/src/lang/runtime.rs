@@ -180,6 +180,11 @@ impl<'p> Session<'p> {
         }
     }
 
+    /// Names kernel addresses for every probe, `end` included ([`Interp::kernel_symbols`]).
+    pub fn set_kernel_symbols(&mut self, symbols: crate::lang::eval::KernelSymbols) {
+        self.interp.kernel_symbols = Some(symbols);
+    }
+
     /// Ends the session: end probes (or error probes after errors), then the display of
     /// write-only globals. Returns the exit code: 0, or 1 after errors, or
     /// [`OUTPUT_CLOSED_EXIT`] when the output's reader went away (then nothing more runs:
@@ -705,6 +710,54 @@ mod tests {
                 (0xffff_ffff_8125_0a01, "ksys_read+0x71/0xf0".into()),
             ])
         }
+        fn task_backtrace(
+            &self,
+            task: u64,
+        ) -> Result<Vec<(u64, String)>, crate::lang::context::MemoryError> {
+            match task {
+                0x1000 => Ok(vec![(0xffff_ffff_8100_0010, "schedule+0x10/0x80".into())]),
+                _ => Err(crate::lang::context::MemoryError::NoMemory),
+            }
+        }
+        fn kernel_symbol(&self, addr: u64) -> Option<String> {
+            (addr == 0xffff_ffff_8124_ff10).then(|| "vfs_read+0x0/0x1c0".into())
+        }
+    }
+
+    #[test]
+    fn stacks_as_map_keys_count_and_print_with_their_symbols() {
+        let src = "global s; probe kernel.function(\"vfs_read\") { s[backtrace()]++; \
+                   println(task_backtrace(4096)); println(task_backtrace(8)) } \
+                   probe end { foreach (k in s) { printf(\"%d\\n\", s[k]); print_stack(k) } \
+                   print_stack(\"0xffffffff81250a01 junk\") }";
+        let prog = program(src);
+        let out = SharedBuf::default();
+        let output = Output::new(
+            Format::Text,
+            Box::new(out.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
+        // The session's symbols know one of the two pcs; `end` has no hit context.
+        session.set_kernel_symbols(Box::new(|pc| {
+            (pc == 0xffff_ffff_8125_0a01).then(|| "ksys_read+0x71/0xf0".to_owned())
+        }));
+        session.begin();
+        let ctx = StackedContext(CapturedContext::default());
+
+        assert!(session.fire(0, "kernel.function(\"vfs_read\")", &ctx));
+        assert!(session.fire(0, "kernel.function(\"vfs_read\")", &ctx));
+        assert_eq!(session.finish(), 0);
+
+        assert_eq!(
+            out.contents(),
+            "0xffffffff81000010\n\n0xffffffff81000010\n\n\
+             2\n \
+             0xffffffff8124ff10 : 0xffffffff8124ff10 [kernel]\n \
+             0xffffffff81250a01 : ksys_read+0x71/0xf0 [kernel]\n \
+             0xffffffff81250a01 : ksys_read+0x71/0xf0 [kernel]\n \
+             junk : junk [kernel]\n"
+        );
     }
 
     #[test]

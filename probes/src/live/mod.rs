@@ -59,6 +59,7 @@
 
 pub mod attach;
 pub mod compiled;
+pub mod drainer;
 pub mod guest_memory;
 pub mod kernel_image;
 pub mod operation;

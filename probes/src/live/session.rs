@@ -288,6 +288,14 @@ impl GuestSession {
         }
     }
 
+    /// Stops the thread that drains the rings through shared RAM, if one runs; what it
+    /// drained ([`Splicer::drain_statistics`]).
+    pub fn stop_drainer(&mut self) -> Option<super::drainer::DrainState> {
+        let splicer = self.splicer.as_mut()?;
+        splicer.stop_drainer();
+        splicer.drain_statistics().cloned()
+    }
+
     /// The remove phase: pauses the guest, reads the counters, histograms and last records,
     /// and writes back every original instruction; after it nothing of the session is left in
     /// the kernel text (its report hashes the touched pages before and after). The patch heap

@@ -98,6 +98,7 @@ impl SharedHeap {
     }
 
     /// The guest-physical address of heap range `[va, va + len)`.
+    #[inline]
     fn phys(&self, va: u64, len: usize) -> Result<u64, SharedHeapError> {
         let len = u64::try_from(len).unwrap_or(u64::MAX);
         let outside = SharedHeapError::OutsideHeap { addr: va, len };
@@ -228,14 +229,17 @@ impl Machine for HeapDataPath<'_> {
 impl RingMemory for SharedHeap {
     type Error = SharedHeapError;
 
+    #[inline]
     fn load_acquire(&self, addr: u64) -> Result<u64, SharedHeapError> {
         Ok(self.ram.load_acquire(self.phys(addr, 8)?)?)
     }
 
+    #[inline]
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), SharedHeapError> {
         Ok(self.ram.read(self.phys(addr, buf.len())?, buf)?)
     }
 
+    #[inline]
     fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, SharedHeapError> {
         Ok(self
             .ram

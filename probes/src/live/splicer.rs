@@ -858,6 +858,12 @@ pub struct Splicer {
     /// Per vCPU: records taken from its ring so far, and records lost to overruns.
     ring_taken: Vec<u64>,
     ring_lost: Vec<u64>,
+    /// With shared RAM, the thread that drains the rings while the guest runs (started by
+    /// the first streaming drain; [`super::drainer`]), and what it drained once stopped.
+    drainer: Option<super::drainer::Drainer>,
+    drained: Option<super::drainer::DrainState>,
+    /// Records the stopped drainer had taken but not yet handed out.
+    pending: Vec<(u32, TraceRecord)>,
     /// Splices in place.
     pub installed: Vec<Installed>,
     /// The touched pages as they were before the install.
@@ -955,25 +961,31 @@ pub fn ring_spans(from: u64, to: u64, slots: u32) -> Vec<(u64, u64)> {
 /// by its writer) unless `last`, which skips it. Returns the finished records and how many
 /// records (finished or skipped) were consumed.
 pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
-    let (chunks, consumed) = crate::rings::take(bytes, TRACE_RECORD as usize, last);
-    let records = chunks
-        .into_iter()
-        .map(|chunk| {
-            let word =
-                |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
-            let half =
-                |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
-            TraceRecord {
-                tsc: word(0),
+    // The loop of `crate::rings::take`, decoding as it goes: this runs on every record
+    // streamed (`benches/ring_drain.rs`), and a list of slices first costs a pass and an
+    // allocation.
+    let mut records = Vec::with_capacity(bytes.len() / TRACE_RECORD as usize);
+    let mut consumed = 0;
+    for chunk in bytes.chunks_exact(TRACE_RECORD as usize) {
+        let word = |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
+        let half = |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
+        let tsc = word(0);
+        if tsc == 0 && !last {
+            break;
+        }
+        consumed += 1;
+        if tsc != 0 {
+            records.push(TraceRecord {
+                tsc,
                 value: word(8),
                 id: half(16),
                 kind: half(20),
                 slot: word(24),
                 pid: half(32),
                 comm: chunk[40..56].try_into().unwrap_or_default(),
-            }
-        })
-        .collect();
+            });
+        }
+    }
     (records, consumed)
 }
 
@@ -1043,6 +1055,9 @@ impl Splicer {
             trace_names: Vec::new(),
             ring_taken: Vec::new(),
             ring_lost: Vec::new(),
+            drainer: None,
+            drained: None,
+            pending: Vec::new(),
             installed: Vec::new(),
             before: PageSnapshot::default(),
             journal: super::recover::Journal {
@@ -1187,7 +1202,7 @@ impl Splicer {
             // 512 KiB of records in all; 32 MiB when the host reads them while the guest runs
             // (zeroed through the shared RAM, not the gdbstub): with 2 vCPUs a ring then
             // holds 262,144 records, about 120 ms of the fastest traced syscall loop under
-            // TCG, while the host drains every 50 ms or so.
+            // TCG, while the drainer thread polls every millisecond (live::drainer).
             let all: u64 = if self.shared.is_some() {
                 32 << 20
             } else {
@@ -1556,7 +1571,14 @@ impl Splicer {
             return Ok(Vec::new());
         };
         if let Some(shared) = &self.shared {
-            return self.drain_shared(&shared.clone(), rings, last);
+            let shared = shared.clone();
+            if last {
+                self.stop_drainer();
+                let mut out = std::mem::take(&mut self.pending);
+                out.extend(self.drain_shared(&shared, rings, true)?);
+                return Ok(out);
+            }
+            return self.drain_by_thread(shared, rings);
         }
         // Read every ring first: a failed read changes nothing, and removal finds it all.
         let mut taken = Vec::new();
@@ -1594,6 +1616,71 @@ impl Splicer {
             out.extend(records.into_iter().map(|r| (cpu, r)));
         }
         Ok(out)
+    }
+
+    /// [`Splicer::drain_rings`] through the shared RAM while the guest runs: the records
+    /// the drainer thread took since the last call (starting it on the first call).
+    fn drain_by_thread(
+        &mut self,
+        shared: super::shared::SharedHeap,
+        rings: RingSet,
+    ) -> anyhow::Result<Vec<(u32, TraceRecord)>> {
+        if self.drainer.is_none() && self.drained.is_none() {
+            let state = super::drainer::DrainState {
+                taken: self.ring_taken.clone(),
+                lost: self.ring_lost.clone(),
+                ..Default::default()
+            };
+            self.drainer = Some(super::drainer::Drainer::start(shared, rings, state)?);
+        }
+        let Some(drainer) = &self.drainer else {
+            return Ok(std::mem::take(&mut self.pending));
+        };
+        let ended = drainer.ended();
+        let mut out = std::mem::take(&mut self.pending);
+        for batch in drainer.try_batches() {
+            let (records, _) = take_records(&batch.records, true);
+            out.extend(records.into_iter().map(|r| (batch.cpu, r)));
+        }
+        if ended {
+            self.stop_drainer();
+            out.append(&mut self.pending);
+            if let Some(e) = self.drained.as_ref().and_then(|d| d.error.clone()) {
+                self.pending = out;
+                anyhow::bail!("the ring drainer stopped: {e}");
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stops the drainer thread (if one runs): its readers' positions and counts come back
+    /// here, the records it had not handed out wait for the next drain, and what it drained
+    /// is kept for [`Splicer::drain_statistics`]. Streaming drains after it return only
+    /// those records.
+    pub fn stop_drainer(&mut self) {
+        let Some(drainer) = self.drainer.take() else {
+            return;
+        };
+        let (batches, state) = drainer.stop();
+        for batch in batches {
+            let (records, _) = take_records(&batch.records, true);
+            self.pending
+                .extend(records.into_iter().map(|r| (batch.cpu, r)));
+        }
+        for (i, (&t, &l)) in state.taken.iter().zip(&state.lost).enumerate() {
+            if let (Some(taken), Some(lost)) =
+                (self.ring_taken.get_mut(i), self.ring_lost.get_mut(i))
+            {
+                *taken = t;
+                *lost = l;
+            }
+        }
+        self.drained = Some(state);
+    }
+
+    /// What the drainer thread did, once stopped ([`Splicer::stop_drainer`]).
+    pub fn drain_statistics(&self) -> Option<&super::drainer::DrainState> {
+        self.drained.as_ref()
     }
 
     /// [`Splicer::drain_rings`] through the shared RAM, the vCPUs running

@@ -436,6 +436,23 @@ impl KernelStacks {
         }
     }
 
+    /// A pc as a backtrace string holds it, named `func+0xoff/0xsize` (looked up as is: the
+    /// string does not say which pcs are return addresses); `None` outside every symbol.
+    pub fn name_pc(&self, pc: u64) -> Option<String> {
+        let (sym, offset) = self.symbols.lookup_addr(pc)?;
+        Some(format!("{}+{offset:#x}/{:#x}", sym.name, sym.size))
+    }
+
+    /// A namer of pcs as [`KernelStacks::name_pc`], owning a copy of the symbols (for a
+    /// script session's `end` probes, which run without a hit).
+    pub fn pc_namer(&self) -> impl Fn(u64) -> Option<String> + Send + 'static {
+        let symbols = self.symbols.clone();
+        move |pc| {
+            let (sym, offset) = symbols.lookup_addr(pc)?;
+            Some(format!("{}+{offset:#x}/{:#x}", sym.name, sym.size))
+        }
+    }
+
     /// Whether the kernel leaves this frame out of `/proc/PID/stack` and other saved
     /// traces: scheduler and lock functions (`in_sched_functions`).
     pub fn is_scheduler(&self, frame: &Frame) -> bool {
@@ -460,6 +477,32 @@ pub fn probe_backtrace<M: exotap_vmm::control::Machine + ?Sized>(
     backtrace
         .frames
         .iter()
+        .map(|frame| (frame.pc, stacks.describe(frame)))
+        .collect()
+}
+
+/// The saved kernel stack of a task that is not running (from `task->thread.sp`), as the
+/// kernel's own saved traces (`/proc/PID/stack`) show it: without the scheduler and lock
+/// frames. Each frame's pc and `%pB` name; an unwind that stops early gives the frames found
+/// so far, an unreadable task none.
+pub fn saved_task_backtrace<M: exotap_vmm::control::Machine + ?Sized>(
+    stacks: &KernelStacks,
+    machine: &mut M,
+    survey: &super::attach::Survey,
+    layout: &TaskLayout,
+    task: u64,
+) -> Vec<(u64, String)> {
+    let mut mem = super::guest_memory::BackendMemory(machine);
+    let mut space = survey.space(&mut mem);
+    let mut cache = PageCache::new(&mut space);
+    let Ok(sp) = cache.read_u64(task.wrapping_add(layout.thread_sp)) else {
+        return Vec::new();
+    };
+    stacks
+        .unwind_task(sp, &mut cache)
+        .frames
+        .iter()
+        .filter(|frame| !stacks.is_scheduler(frame))
         .map(|frame| (frame.pc, stacks.describe(frame)))
         .collect()
 }

@@ -113,6 +113,9 @@ impl Tracer {
         } = script;
         let output = Output::new(format, Box::new(out), Box::new(err));
         let mut session = Session::new(&prog, limits, output, &source.name, &source.text);
+        if let Some(symbols) = self.traps.kernel_symbols() {
+            session.set_kernel_symbols(symbols);
+        }
         session.begin();
         let mut timers = host_timers(&prog, Instant::now());
         let host = host_context();

@@ -128,6 +128,8 @@ struct LiveContext<'a> {
     task: OnceCell<Option<(i64, String)>>,
     /// ORC tables for `backtrace()` and friends ([`super::stacks`]).
     stacks: Option<&'a super::stacks::KernelStacks>,
+    /// Where `task_struct` keeps a sleeping task's stack pointer, for `task_backtrace()`.
+    task_layout: Option<super::stacks::TaskLayout>,
     /// At a return: the entry's argument registers and rax.
     at_return: Option<(X86Registers, u64)>,
     /// The kernel's types, for member chains and `@cast` (`None` without BTF).
@@ -297,6 +299,47 @@ impl Context for LiveContext<'_> {
             self.survey,
             &self.regs,
         ))
+    }
+
+    fn task_backtrace(&self, task: u64) -> Result<Vec<(u64, String)>, MemoryError> {
+        let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
+        let layout = self.task_layout.ok_or(MemoryError::NoMemory)?;
+        let current = self.survey.layout.current_task_offset;
+        let mut machine = self.machine.borrow_mut();
+        // A task running on a vCPU (all of them are stopped at a hit): from its registers.
+        let vcpus = machine.vcpus().map_err(|_| MemoryError::NoMemory)?;
+        for vcpu in vcpus {
+            let regs = if vcpu == self.vcpu {
+                self.regs
+            } else {
+                match machine.registers(vcpu) {
+                    Ok(exotap_vmm::control::RegisterFile::X86_64(regs)) => regs,
+                    _ => continue,
+                }
+            };
+            let mut on = [0u8; 8];
+            let at = regs.kernel_percpu_base().wrapping_add(current);
+            if machine.read_virt(self.vcpu, at, &mut on).is_ok() && u64::from_le_bytes(on) == task {
+                return Ok(super::stacks::probe_backtrace(
+                    stacks,
+                    &mut **machine,
+                    self.survey,
+                    &regs,
+                ));
+            }
+        }
+        // Not running: its saved stack, as the kernel's own saved traces show it.
+        Ok(super::stacks::saved_task_backtrace(
+            stacks,
+            &mut **machine,
+            self.survey,
+            &layout,
+            task,
+        ))
+    }
+
+    fn kernel_symbol(&self, addr: u64) -> Option<String> {
+        self.stacks?.name_pc(addr)
     }
 }
 
@@ -630,6 +673,7 @@ pub struct TrapArea {
 pub struct Traps {
     tasks: Option<TaskOffsets>,
     stacks: Option<super::stacks::KernelStacks>,
+    task_layout: Option<super::stacks::TaskLayout>,
     /// The kernel's types, for member chains and `@cast`.
     types: Option<BtfTypes>,
     armed: HashMap<u64, ArmedPoint>,
@@ -675,10 +719,16 @@ impl Traps {
         let stacks = super::stacks::KernelStacks::load(image, guest.survey.kaslr.slide)
             .map_err(|e| tracing::warn!("backtrace() will be empty: {e:#}"))
             .ok();
+        let task_layout = btf.as_ref().and_then(|btf| {
+            super::stacks::TaskLayout::from_btf(btf)
+                .map_err(|e| tracing::warn!("task_backtrace() will be empty: {e:#}"))
+                .ok()
+        });
         let (armed, trampoline) = arm(guest, image, btf.as_ref(), prog, area, host)?;
         Ok(Self {
             tasks,
             stacks,
+            task_layout,
             types: btf.map(BtfTypes),
             armed,
             trampoline,
@@ -689,6 +739,14 @@ impl Traps {
             free: (0..super::recover::RETURN_SLOTS).rev().collect(),
             missed_returns: 0,
         })
+    }
+
+    /// Names kernel pcs for the whole script session (`sprint_stack()` in `end` probes);
+    /// `None` without the ORC tables and symbols.
+    pub fn kernel_symbols(&self) -> Option<crate::lang::eval::KernelSymbols> {
+        self.stacks
+            .as_ref()
+            .map(|s| Box::new(s.pc_namer()) as crate::lang::eval::KernelSymbols)
     }
 
     /// Whether a stop at `pc` is one of these traps'.
@@ -753,6 +811,7 @@ impl Traps {
             tasks: self.tasks,
             task: OnceCell::new(),
             stacks: self.stacks.as_ref(),
+            task_layout: self.task_layout,
             at_return,
             types: self.types.as_ref(),
         })

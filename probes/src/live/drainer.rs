@@ -1,0 +1,320 @@
+//! A thread that takes records out of the trace rings through the shared guest RAM while the
+//! guest runs, apart from the thread that decodes and prints them (issue 19's zero-stop data
+//! path).
+//!
+//! Why a thread of its own: a ring holds about a tenth of a second of the fastest traced
+//! loop under TCG. When the same thread both drains and formats (a million lines a second,
+//! written to a file or a pipe), a slow write or a busy host delays the next drain past
+//! that, and records are overwritten. The drainer only copies raw records out (the
+//! concurrent reader of [`crate::rings`]) and hands them over a channel; it polls again at
+//! once while there is more, and every [`POLL`] otherwise. What it took waits in host
+//! memory until the printing side catches up: nothing is lost to a slow consumer.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::rings::{drain_concurrent, RingMemory, RingSet};
+
+/// How long the drainer sleeps after a pass that found little to take.
+pub const POLL: Duration = Duration::from_millis(1);
+
+/// A pass that took fewer records than this sleeps [`POLL`] before the next.
+const BUSY: usize = 4096;
+
+/// One vCPU's records taken in one pass, `record` bytes each, oldest first.
+#[derive(Debug)]
+pub struct Batch {
+    /// The vCPU (its ring).
+    pub cpu: u32,
+    /// The records one after the other.
+    pub records: Vec<u8>,
+}
+
+/// What the drainer leaves when it stops: where each ring's reader is, and what it counted.
+#[derive(Debug, Clone, Default)]
+pub struct DrainState {
+    /// Per vCPU: records taken from its ring so far.
+    pub taken: Vec<u64>,
+    /// Per vCPU: records lost (overwritten before they were read, or reused during a read).
+    pub lost: Vec<u64>,
+    /// Records taken by the drainer.
+    pub records: u64,
+    /// Time spent reading the rings (all passes, also those that found nothing), wall clock:
+    /// on a busy host it includes the time the thread waited for a CPU.
+    pub reading: Duration,
+    /// The same passes' CPU time (the thread's own clock): what reading cost, load aside.
+    pub reading_cpu: Duration,
+    /// Passes over the rings.
+    pub passes: u64,
+    /// Why the drainer stopped early, if a read failed.
+    pub error: Option<String>,
+}
+
+/// The running drainer: batches arrive on [`Drainer::try_batches`]; [`Drainer::stop`] ends
+/// it and gives back the readers' positions.
+#[derive(Debug)]
+pub struct Drainer {
+    stop: Arc<AtomicBool>,
+    batches: Receiver<Batch>,
+    thread: Option<JoinHandle<DrainState>>,
+}
+
+impl Drainer {
+    /// Starts draining the rings `set` of `mem`, each ring's reader at `state.taken`.
+    ///
+    /// # Errors
+    /// When the thread cannot be started.
+    pub fn start<M>(mem: M, set: RingSet, mut state: DrainState) -> std::io::Result<Self>
+    where
+        M: RingMemory + Send + 'static,
+        M::Error: std::fmt::Display,
+    {
+        let cpus = set.cpus as usize;
+        state.taken.resize(cpus, 0);
+        state.lost.resize(cpus, 0);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, batches) = channel();
+        let stopping = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("exotap-drainer".into())
+            .spawn(move || {
+                let record = usize::try_from(set.record.max(1)).unwrap_or(1);
+                loop {
+                    // Read the flag before the pass: the pass after a stop request still
+                    // runs, so what was in the rings at the request is taken.
+                    let stopping = stopping.load(Ordering::Acquire);
+                    let started = Instant::now();
+                    let cpu_started = thread_cpu_time();
+                    let mut took = 0;
+                    for cpu in 0..set.cpus {
+                        let i = cpu as usize;
+                        let got =
+                            match drain_concurrent(&mem, &set, cpu, &mut state.taken[i], false) {
+                                Ok(got) => got,
+                                Err(e) => {
+                                    state.error = Some(format!("ring of vCPU {cpu}: {e}"));
+                                    return state;
+                                }
+                            };
+                        state.lost[i] = state.lost[i].saturating_add(got.lost);
+                        let n = got.records.len() / record;
+                        took += n;
+                        if n > 0
+                            && tx
+                                .send(Batch {
+                                    cpu,
+                                    records: got.records,
+                                })
+                                .is_err()
+                        {
+                            // Nobody listens any more: stop.
+                            return state;
+                        }
+                    }
+                    state.reading += started.elapsed();
+                    state.reading_cpu += thread_cpu_time().saturating_sub(cpu_started);
+                    state.records += took as u64;
+                    state.passes += 1;
+                    if stopping {
+                        return state;
+                    }
+                    if took < BUSY {
+                        std::thread::sleep(POLL);
+                    }
+                }
+            })?;
+        Ok(Self {
+            stop,
+            batches,
+            thread: Some(thread),
+        })
+    }
+
+    /// The batches taken since the last call, without waiting.
+    pub fn try_batches(&self) -> Vec<Batch> {
+        let mut out = Vec::new();
+        loop {
+            match self.batches.try_recv() {
+                Ok(batch) => out.push(batch),
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return out,
+            }
+        }
+    }
+
+    /// Whether the thread has ended on its own (a failed read).
+    pub fn ended(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// Stops the thread after one more pass; the batches it had not handed over yet, and
+    /// its state (the readers' positions for whoever reads the rings next).
+    pub fn stop(mut self) -> (Vec<Batch>, DrainState) {
+        self.stop.store(true, Ordering::Release);
+        let state = self
+            .thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_else(|| DrainState {
+                error: Some("the drainer thread panicked".into()),
+                ..DrainState::default()
+            });
+        (self.try_batches(), state)
+    }
+}
+
+/// The calling thread's CPU time so far (zero if the clock cannot be read).
+fn thread_cpu_time() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec; the call only writes it.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        u64::try_from(now.tv_sec).unwrap_or(0),
+        u32::try_from(now.tv_nsec).unwrap_or(0),
+    )
+}
+
+impl Drop for Drainer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Guest memory as a shared byte array at address 0 (a writer thread and the drainer).
+    #[derive(Clone)]
+    struct Ram(Arc<Mutex<Vec<u8>>>);
+
+    impl Ram {
+        fn word(&self, addr: u64) -> u64 {
+            let b = self.0.lock().unwrap();
+            let a = addr as usize;
+            u64::from_le_bytes(b[a..a + 8].try_into().unwrap())
+        }
+
+        fn put(&self, addr: u64, value: u64) {
+            let a = addr as usize;
+            self.0.lock().unwrap()[a..a + 8].copy_from_slice(&value.to_le_bytes());
+        }
+    }
+
+    impl RingMemory for Ram {
+        type Error = String;
+
+        fn load_acquire(&self, addr: u64) -> Result<u64, String> {
+            if addr as usize + 8 > self.0.lock().unwrap().len() {
+                return Err(format!("{addr:#x} outside"));
+            }
+            Ok(self.word(addr))
+        }
+
+        fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), String> {
+            let b = self.0.lock().unwrap();
+            let src = b
+                .get(addr as usize..addr as usize + buf.len())
+                .ok_or_else(|| format!("{addr:#x} outside"))?;
+            buf.copy_from_slice(src);
+            Ok(())
+        }
+
+        fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, String> {
+            let mut b = self.0.lock().unwrap();
+            let a = addr as usize;
+            if u64::from_le_bytes(b[a..a + 8].try_into().unwrap()) != current {
+                return Ok(false);
+            }
+            b[a..a + 8].copy_from_slice(&new.to_le_bytes());
+            Ok(true)
+        }
+    }
+
+    const SET: RingSet = RingSet {
+        base: 0,
+        cpus: 2,
+        slots: 64,
+        record: 16,
+    };
+
+    /// The patch code's steps for record `index` of `cpu`: reserve, value, TSC last.
+    fn write_record(ram: &Ram, cpu: u32, index: u64, value: u64) {
+        ram.put(SET.ring(cpu), index + 1);
+        let at = SET.slot(cpu, index % u64::from(SET.slots));
+        ram.put(at + 8, value);
+        ram.put(at, 1000 + index);
+    }
+
+    fn values(batches: &[Batch], cpu: u32) -> Vec<u64> {
+        batches
+            .iter()
+            .filter(|b| b.cpu == cpu)
+            .flat_map(|b| b.records.chunks_exact(16))
+            .map(|r| u64::from_le_bytes(r[8..16].try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn the_drainer_streams_every_record_a_slower_writer_writes_in_order() {
+        let ram = Ram(Arc::new(Mutex::new(vec![0; SET.bytes() as usize])));
+        let drainer = Drainer::start(ram.clone(), SET, DrainState::default()).unwrap();
+        let mut batches = Vec::new();
+
+        // Three rings' worth per vCPU, in bursts smaller than a ring, the drainer keeping up.
+        for burst in 0..12u64 {
+            for i in 0..16 {
+                let index = burst * 16 + i;
+                write_record(&ram, 0, index, index);
+                write_record(&ram, 1, index, 10_000 + index);
+            }
+            while ram.word(SET.slot(0, (burst * 16 + 15) % 64)) != 0
+                || ram.word(SET.slot(1, (burst * 16 + 15) % 64)) != 0
+            {
+                batches.extend(drainer.try_batches());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let (rest, state) = drainer.stop();
+        batches.extend(rest);
+
+        assert_eq!(values(&batches, 0), (0..192).collect::<Vec<_>>());
+        assert_eq!(values(&batches, 1), (10_000..10_192).collect::<Vec<_>>());
+        assert_eq!(
+            (state.taken, state.lost, state.records, state.error),
+            (vec![192, 192], vec![0, 0], 384, None)
+        );
+    }
+
+    #[test]
+    fn a_ring_out_of_reach_stops_the_drainer_with_the_reason() {
+        let ram = Ram(Arc::new(Mutex::new(vec![0; 64])));
+        let drainer = Drainer::start(ram, SET, DrainState::default()).unwrap();
+        while !drainer.ended() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+
+        let (_, state) = drainer.stop();
+
+        assert!(
+            state
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("outside")),
+            "{:?}",
+            state.error
+        );
+    }
+}
