@@ -441,3 +441,42 @@ pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
     );
     Ok(0)
 }
+
+/// Source lines of kernel addresses from the cached `-dbg` vmlinux, for the commands that
+/// show them when the debug info is at hand (`count --blocks`) and never fetch it.
+pub struct LineLookup {
+    file: DebugFile,
+}
+
+impl LineLookup {
+    /// The cached debug vmlinux of the default kernel, if there is one.
+    pub fn cached() -> Option<Self> {
+        let args = DebugArgs {
+            kernel: images::DEFAULT_KERNEL.to_owned(),
+            vmlinux: None,
+            timings: false,
+        };
+        let path = cached_debug_file(&args).ok().flatten()?;
+        DebugFile::open(&path).ok().map(|file| Self { file })
+    }
+
+    /// `file:line` of each link-time address, grouped by `function` (one line table a
+    /// function): (function entry, addresses in it).
+    pub fn lines(&self, groups: &[(u64, Vec<u64>)]) -> std::collections::HashMap<u64, String> {
+        let mut out = std::collections::HashMap::new();
+        let Ok(info) = self.file.load() else {
+            return out;
+        };
+        for (entry, addrs) in groups {
+            let Ok(table) = info.line_table_at(*entry) else {
+                continue;
+            };
+            for &a in addrs {
+                if let Some(line) = table.find_pc(a) {
+                    out.insert(a, format!("{}:{}", line.file, line.line));
+                }
+            }
+        }
+        out
+    }
+}

@@ -18,6 +18,8 @@ use exotap_probes::live::splicer::{
     category, guest_ftrace_sites, guest_kprobe_hits, why_not, Action, Request, TraceRecord,
     CODE_OFFSET,
 };
+use exotap_probes::live::jit::{JitOptions, LiveJit};
+use exotap_probes::live::splicer::KprobeReader;
 use exotap_probes::live::GuestSession;
 use exotap_vmm::control::StopEvent;
 use exotap_vmm::host::Backend;
@@ -96,8 +98,46 @@ pub struct CountArgs {
     /// is spliced with a call counter.
     #[arg(required = true, value_name = "PATTERN")]
     pub patterns: Vec<String>,
+    /// Count every basic block instead of the calls: the functions (and their direct
+    /// callees, see --depth) are translated into a code cache in the patch heap with a
+    /// counter at each block leader, and entered through a splice at each entry (the JIT).
+    /// With --compare-kprobes, the guest's own kprobes (`p FUNC+OFFSET` at the leaders) are
+    /// read at the job's `exotap_wait kprobes-in` and `exotap_wait kprobes-out` and their
+    /// hits printed beside each block.
+    #[arg(long)]
+    pub blocks: bool,
+    /// With --blocks: translate direct callees to this depth (0: only the functions named).
+    #[arg(long, default_value_t = 1, value_name = "N", requires = "blocks")]
+    pub depth: u32,
+    /// With --blocks: print the blocks of the translated callees too.
+    #[arg(long, requires = "blocks")]
+    pub all_blocks: bool,
+    /// With --blocks: output format.
+    #[arg(long, value_enum, default_value_t = BlockFormat::Text, requires = "blocks")]
+    pub format: BlockFormat,
     #[command(flatten)]
     pub live: LiveArgs,
+}
+
+/// How `count --blocks` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BlockFormat {
+    /// A table, one block a line.
+    Text,
+    /// One JSON object: the blocks, the cache and the removal checks.
+    Json,
+}
+
+/// What `count --blocks` asked for.
+#[derive(Debug, Clone)]
+struct BlocksRun {
+    depth: u32,
+    all: bool,
+    format: BlockFormat,
+    /// The guest's kprobe hits per (symbol, offset) at its `kprobes-in` wait.
+    kprobes_in: Option<BTreeMap<(String, u64), (u64, u64)>>,
+    /// ... and at its `kprobes-out` wait.
+    kprobes_out: Option<BTreeMap<(String, u64), (u64, u64)>>,
 }
 
 /// `exotap nullify FUNC VALUE`.
@@ -187,6 +227,8 @@ struct Live {
     stops_at_install: u64,
     /// Records drained while the splices were in, and the time the drains took.
     drained: (u64, Duration),
+    /// `count --blocks`: the translations in the guest.
+    jit: Option<LiveJit>,
 }
 
 /// A verb's run against one guest: the verb's session, and what the verb prints.
@@ -205,6 +247,8 @@ struct VerbRun {
     /// Whether trace records still stream (off after a failed drain: the rest are read at
     /// removal).
     streaming: bool,
+    /// `count --blocks`.
+    blocks: Option<BlocksRun>,
 }
 
 impl VerbRun {
@@ -234,7 +278,23 @@ impl VerbRun {
             streamed: Instant::now(),
             stops_at_install: 0,
             drained: (0, Duration::ZERO),
+            jit: None,
         };
+        if self.blocks.is_some() {
+            let functions: Vec<(String, u64)> = requests(&self.op, &self.image, live.session.survey.kaslr.slide)?
+                .into_iter()
+                .map(|r| (r.name, r.addr))
+                .collect();
+            let options = JitOptions {
+                depth: self.blocks.as_ref().map_or(1, |b| b.depth),
+                ..JitOptions::default()
+            };
+            let jit = LiveJit::install(&mut live.session, &self.image, &functions, &options)?;
+            for r in jit.entries_refused() {
+                tracing::info!("no entry splice at {} ({:#x}): {}", r.name, r.addr, r.reason);
+            }
+            live.jit = Some(jit);
+        }
         if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
             // While the guest is still stopped: streaming then needs no stop of its own.
             self.trace_view(&mut live)?;
@@ -260,6 +320,10 @@ impl VerbRun {
         }
         if let Operation::Report { list, install } = self.op.clone() {
             self.report(session, list, install)?;
+            return Ok(None);
+        }
+        if self.blocks.is_some() {
+            // The JIT installs its own entry splices (install_with).
             return Ok(None);
         }
         let report = session.install(&requests)?;
@@ -513,6 +577,9 @@ impl VerbRun {
     }
 
     fn remove_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
+        if let Some(jit) = live.jit.take() {
+            return self.remove_blocks(live, jit);
+        }
         let kprobes_after = match (&live.kprobes_before, &self.btf) {
             (Some(_), Some(btf)) => Some(guest_kprobe_hits(
                 &mut live.session.machine,
@@ -638,6 +705,220 @@ impl VerbRun {
         }
         Ok(())
     }
+}
+
+impl VerbRun {
+    /// Reads the guest's kprobe hits per site at a `kprobes-in` or `kprobes-out` wait: attach,
+    /// read, detach.
+    fn read_kprobe_sites(&mut self, target: &Target, at_in: bool) -> anyhow::Result<()> {
+        let Some(blocks) = self.blocks.as_mut() else {
+            return Ok(());
+        };
+        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let mut session = GuestSession::attach(target, &self.image)?;
+        let reader = KprobeReader::new(&session.survey, &self.image, btf)?;
+        let hits = reader.read_sites(&mut *session.machine);
+        session.detach()?;
+        let hits = hits?;
+        if at_in {
+            blocks.kprobes_in = Some(hits);
+        } else {
+            blocks.kprobes_out = Some(hits);
+        }
+        Ok(())
+    }
+
+    /// `count --blocks` at removal: counts, text restored, the cache unreachable; prints.
+    fn remove_blocks(&mut self, live: &mut Live, jit: LiveJit) -> anyhow::Result<()> {
+        let slide = live.session.survey.kaslr.slide;
+        let stats = JitStats {
+            functions: jit.translation.functions.len(),
+            requested: jit.requested.len(),
+            source_bytes: jit.source_bytes,
+            cache_bytes: jit.translation.code.len() as u64,
+            blocks: jit.translation.blocks.len(),
+            table_entries: jit.translation.table_entries,
+            translate_ms: jit.translate_time.as_secs_f64() * 1e3,
+            entry_splices: jit.entries_installed,
+            entries_refused: jit.entries_refused().len(),
+            exits: jit
+                .exits()
+                .into_iter()
+                .map(|(k, v)| (format!("{k:?}"), v))
+                .collect(),
+            refused: jit.refused.clone(),
+        };
+        let removal = jit.remove(&mut live.session, &self.image)?;
+        let Some(blocks) = self.blocks.clone() else {
+            return Ok(());
+        };
+        let kprobe = |function: &str, offset: u64| -> Option<u64> {
+            let (out, inn) = (blocks.kprobes_out.as_ref()?, blocks.kprobes_in.as_ref()?);
+            let (h1, m1) = *out.get(&(function.to_owned(), offset))?;
+            let (h0, m0) = inn.get(&(function.to_owned(), offset)).copied().unwrap_or_default();
+            Some((h1 + m1).saturating_sub(h0 + m0))
+        };
+        let shown: Vec<&exotap_probes::live::jit::BlockCount> = removal
+            .counts
+            .iter()
+            .filter(|b| blocks.all || b.requested)
+            .collect();
+        let mut groups: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for b in &shown {
+            groups
+                .entry(b.function_addr.wrapping_sub(slide))
+                .or_default()
+                .push(b.leader.wrapping_sub(slide));
+        }
+        let groups: Vec<(u64, Vec<u64>)> = groups.into_iter().collect();
+        let lines = crate::debuginfo::LineLookup::cached()
+            .map(|l| l.lines(&groups))
+            .unwrap_or_default();
+        let line_of = |leader: u64| lines.get(&leader.wrapping_sub(slide)).cloned();
+        let text_identical =
+            removal.text.differing.is_empty() && removal.text.before == removal.text.after;
+        match blocks.format {
+            BlockFormat::Json => {
+                let rows: Vec<serde_json::Value> = shown
+                    .iter()
+                    .map(|b| {
+                        let offset = b.leader - b.function_addr;
+                        serde_json::json!({
+                            "function": b.function,
+                            "offset": offset,
+                            "address": format!("{:#x}", b.leader),
+                            "link_address": format!("{:#x}", b.leader.wrapping_sub(slide)),
+                            "line": line_of(b.leader),
+                            "count": b.count,
+                            "kprobe": kprobe(&b.function, offset),
+                        })
+                    })
+                    .collect();
+                let doc = serde_json::json!({
+                    "blocks": rows,
+                    "cache": {
+                        "functions": stats.functions,
+                        "requested": stats.requested,
+                        "depth": blocks.depth,
+                        "source_bytes": stats.source_bytes,
+                        "cache_bytes": stats.cache_bytes,
+                        "blocks": stats.blocks,
+                        "table_entries": stats.table_entries,
+                        "translate_ms": stats.translate_ms,
+                        "entry_splices": stats.entry_splices,
+                        "entries_refused": stats.entries_refused,
+                        "exits": stats.exits,
+                        "refused": stats.refused,
+                    },
+                    "text": {
+                        "pages": removal.text.pages,
+                        "sha256_before": removal.text.before,
+                        "sha256_after": removal.text.after,
+                        "identical": text_identical,
+                    },
+                    "cache_unreachable": {
+                        "unreachable": removal.reach.unreachable(),
+                        "checks": removal.reach.checks,
+                        "tasks": removal.reach.tasks,
+                        "stack_bytes_scanned": removal.reach.scanned_bytes,
+                        "found": removal.reach.found.iter().map(|(w, v)| format!("{w}: {v:#x}")).collect::<Vec<_>>(),
+                    },
+                });
+                self.say(&serde_json::to_string_pretty(&doc)?);
+            }
+            BlockFormat::Text => {
+                self.say(&format!(
+                    "JIT: {} functions translated ({} asked for, callees to depth {}) in {:.1} ms: {} bytes of text, {} blocks, {} bytes of cache, {} lookup entries; {} entry splices ({} entries take none); cache exits {:?}",
+                    stats.functions,
+                    stats.requested,
+                    blocks.depth,
+                    stats.translate_ms,
+                    stats.source_bytes,
+                    stats.blocks,
+                    stats.cache_bytes,
+                    stats.table_entries,
+                    stats.entry_splices,
+                    stats.entries_refused,
+                    stats.exits
+                ));
+                for (name, why) in &stats.refused {
+                    self.say(&format!("not translated {name}: {why}"));
+                }
+                let with_kprobes = blocks.kprobes_out.is_some();
+                self.say(&if with_kprobes {
+                    format!("{:>12}  {:>12}  {:<18}  BLOCK", "COUNT", "KPROBE", "ADDRESS")
+                } else {
+                    format!("{:>12}  {:<18}  BLOCK", "COUNT", "ADDRESS")
+                });
+                for b in &shown {
+                    let offset = b.leader - b.function_addr;
+                    let line = line_of(b.leader)
+                        .map(|l| format!("  {l}"))
+                        .unwrap_or_default();
+                    let block = format!("{}+{offset:#x}", b.function);
+                    if with_kprobes {
+                        let k = kprobe(&b.function, offset)
+                            .map_or_else(|| "-".to_owned(), |k| k.to_string());
+                        self.say(&format!("{:>12}  {k:>12}  {:#018x}  {block}{line}", b.count, b.leader));
+                    } else {
+                        self.say(&format!("{:>12}  {:#018x}  {block}{line}", b.count, b.leader));
+                    }
+                }
+                self.say(&format!(
+                    "text: {} page{} touched; sha256 before {} after {}: {}",
+                    removal.text.pages,
+                    if removal.text.pages == 1 { "" } else { "s" },
+                    &removal.text.before[..16.min(removal.text.before.len())],
+                    &removal.text.after[..16.min(removal.text.after.len())],
+                    if text_identical { "identical" } else { "DIFFERENT" }
+                ));
+                if removal.reach.unreachable() {
+                    self.say(&format!(
+                        "code cache unreachable: no vCPU RIP and no stack word points into it ({} check{}, {} tasks, {} bytes of stacks scanned)",
+                        removal.reach.checks,
+                        if removal.reach.checks == 1 { "" } else { "s" },
+                        removal.reach.tasks,
+                        removal.reach.scanned_bytes
+                    ));
+                } else {
+                    self.say(&format!(
+                        "code cache STILL REACHABLE after {} checks: {}",
+                        removal.reach.checks,
+                        removal
+                            .reach
+                            .found
+                            .iter()
+                            .map(|(w, v)| format!("{w}: {v:#x}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                }
+            }
+        }
+        if !text_identical {
+            bail!("{} text pages differ after removal", removal.text.differing.len());
+        }
+        if !removal.reach.unreachable() {
+            bail!("the code cache is still reachable; the patch heap must not be reused");
+        }
+        Ok(())
+    }
+}
+
+/// What `count --blocks` says about the cache.
+#[derive(Debug)]
+struct JitStats {
+    functions: usize,
+    requested: usize,
+    source_bytes: u64,
+    cache_bytes: u64,
+    blocks: usize,
+    table_entries: usize,
+    translate_ms: f64,
+    entry_splices: usize,
+    entries_refused: usize,
+    exits: BTreeMap<String, usize>,
+    refused: Vec<(String, String)>,
 }
 
 /// How often the trace rings are drained while the guest runs (each drain stops it).
@@ -772,6 +1053,8 @@ impl PhaseHook for SpliceHook {
         let result = match phase {
             "splice" => self.verb.install(&self.target),
             "unsplice" => self.verb.remove(),
+            "kprobes-in" => self.verb.read_kprobe_sites(&self.target, true),
+            "kprobes-out" => self.verb.read_kprobe_sites(&self.target, false),
             _ => Ok(()),
         };
         result.map_err(|e| QemuError::Hook {
@@ -816,6 +1099,15 @@ pub(crate) fn guest_ram() -> Option<exotap_vmm::shared_ram::RamMemfd> {
 }
 
 fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Result<i32> {
+    run_with(op, live, perfetto, None)
+}
+
+fn run_with(
+    op: Operation,
+    live: &LiveArgs,
+    perfetto: Option<PathBuf>,
+    blocks: Option<BlocksRun>,
+) -> anyhow::Result<i32> {
     // Before anything is loaded: a refused backend says why at once.
     let backend = crate::backend::resolve(
         live.backend,
@@ -838,6 +1130,7 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
         out: Box::new(std::io::stdout()),
         refused_any: false,
         streaming: true,
+        blocks,
     };
     if let Some(target) = &live.target {
         let heap = crate::script::parse_heap(&live.heap)?;
@@ -984,7 +1277,19 @@ fn finish(outcome: qemu::RunOutcome, refused_any: bool) -> anyhow::Result<i32> {
 /// # Errors
 /// Unknown functions, attach or guest failures.
 pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
-    run(Operation::Count(args.patterns.clone()), &args.live, None)
+    let blocks = args.blocks.then(|| BlocksRun {
+        depth: args.depth,
+        all: args.all_blocks,
+        format: args.format,
+        kprobes_in: None,
+        kprobes_out: None,
+    });
+    run_with(
+        Operation::Count(args.patterns.clone()),
+        &args.live,
+        None,
+        blocks,
+    )
 }
 
 /// `exotap nullify`.

@@ -342,6 +342,23 @@ pub struct Translator<'k> {
     functions: BTreeMap<u64, TranslatedFunction>,
     exits: Vec<CacheExit>,
     full: Option<CacheError>,
+    /// Retpoline thunks (`__x86_indirect_thunk_rax`, ...) by address, with the register
+    /// each jumps through: a call or jump to one is an indirect call or jump through the
+    /// lookup table, so a translated callee is entered in the cache.
+    thunks: HashMap<u64, Register>,
+}
+
+/// `push r64`.
+fn push_register(p: &mut Pending, reg: Register) -> bool {
+    let n = reg.number();
+    if !reg.is_gpr64() {
+        return false;
+    }
+    if n >= 8 {
+        p.bytes.push(0x41);
+    }
+    p.bytes.push(0x50 + (n as u8 & 7));
+    true
 }
 
 fn fits_rel32(a: u64, b: u64) -> bool {
@@ -387,7 +404,18 @@ impl<'k> Translator<'k> {
             functions: BTreeMap::new(),
             exits: Vec::new(),
             full: None,
+            thunks: HashMap::new(),
         })
+    }
+
+    /// Treats a call or jump to one of `thunks` (retpoline thunks by address, with the
+    /// register each jumps through) as an indirect call or jump through that register:
+    /// it goes through the lookup table like `call *%rax`, so a translated target is
+    /// entered in the cache rather than run from its original code.
+    #[must_use]
+    pub fn with_thunks(mut self, thunks: HashMap<u64, Register>) -> Self {
+        self.thunks = thunks;
+        self
     }
 
     /// The dispatch routine's address.
@@ -529,6 +557,15 @@ impl<'k> Translator<'k> {
                 }
             }
             Flow::Call { target } if code == Code::Call_rel32_64 => {
+                if let Some(&reg) = self.thunks.get(&target) {
+                    p.push_u64(next);
+                    if !push_register(p, reg) {
+                        return Ok(p.leave(addr, ExitReason::Unrelocatable));
+                    }
+                    p.jmp_known(self.dispatch)?;
+                    p.dispatch_targets.push(next);
+                    return Ok(true);
+                }
                 p.push_u64(next);
                 p.jmp(target, true);
                 p.dispatch_targets.push(next);
@@ -542,6 +579,19 @@ impl<'k> Translator<'k> {
                 p.jmp_known(self.dispatch)?;
                 p.dispatch_targets.push(next);
                 true
+            }
+            Flow::TailJump { target }
+                if matches!(code, Code::Jmp_rel8_64 | Code::Jmp_rel32_64)
+                    && self.thunks.contains_key(&target) =>
+            {
+                let Some(&reg) = self.thunks.get(&target) else {
+                    return Ok(p.leave(addr, ExitReason::SpecialBranch));
+                };
+                if !push_register(p, reg) {
+                    return Ok(p.leave(addr, ExitReason::Unrelocatable));
+                }
+                p.jmp_known(self.dispatch)?;
+                false
             }
             Flow::Jump { target } | Flow::TailJump { target }
                 if matches!(code, Code::Jmp_rel8_64 | Code::Jmp_rel32_64) =>
