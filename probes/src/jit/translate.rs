@@ -990,6 +990,60 @@ mod tests {
     }
 
     #[test]
+    fn a_call_through_a_retpoline_thunk_enters_the_translated_callee_through_the_table() {
+        // f: rax = 0; rcx = G; call THUNK (which does `jmp *%rcx`); ret.
+        let thunk = TEXT + 0x200;
+        let mut a = CodeAssembler::new(64).unwrap();
+        a.xor(eax, eax).unwrap();
+        a.mov(rcx, G).unwrap();
+        a.call(thunk).unwrap();
+        a.ret().unwrap();
+        let mut bytes = a.assemble(TEXT).unwrap();
+        let f_len = bytes.len();
+        bytes.resize(0x100, 0xcc);
+        let mut g = CodeAssembler::new(64).unwrap();
+        g.lea(rax, qword_ptr(rax + 1)).unwrap();
+        g.ret().unwrap();
+        bytes.extend(g.assemble(G).unwrap());
+        bytes.resize(0x200, 0xcc);
+        let mut t = CodeAssembler::new(64).unwrap();
+        t.jmp(rcx).unwrap();
+        bytes.extend(t.assemble(thunk).unwrap());
+        bytes.resize(0x1000, 0xcc);
+        bytes[0xff0] = 0xf4;
+        let config = AnalysisConfig::new();
+        let f = FunctionAnalysis::analyze(&bytes[..f_len], TEXT, &config);
+        let g = FunctionAnalysis::analyze(&bytes[0x100..0x105], G, &config);
+        let view = CodeView::new(TEXT, &bytes).unwrap();
+        let translate = |thunks: HashMap<u64, Register>| {
+            let mut t = Translator::new(layout(0x4000), &[])
+                .unwrap()
+                .with_thunks(thunks);
+            t.translate(view, &f).unwrap();
+            t.translate(view, &g).unwrap();
+            t.finish().unwrap()
+        };
+        let with = translate(HashMap::from([(thunk, Register::RCX)]));
+        let without = translate(HashMap::new());
+        let g_count = |t: &Translation, counters: &[u8]| {
+            t.counts(counters)
+                .into_iter()
+                .find(|&(leader, _)| leader == G)
+                .map(|(_, n)| n)
+        };
+
+        let (end1, rax1, _, _, c1) = run(&bytes, Some(&with), with.entry(TEXT).unwrap());
+        let (end0, rax0, _, _, c0) = run(&bytes, Some(&without), without.entry(TEXT).unwrap());
+
+        assert_eq!((end1, rax1), (RunEnd::Halted(HALT), 1));
+        assert_eq!((end0, rax0), (RunEnd::Halted(HALT), 1));
+        // Through the table g runs translated (counted); through the original thunk it
+        // runs its original code (not counted).
+        assert_eq!(g_count(&with, &c1), Some(1));
+        assert_eq!(g_count(&without, &c0), Some(0));
+    }
+
+    #[test]
     fn entry_splice_is_a_jmp_rel32_to_the_translation() {
         let splice = entry_splice(TEXT, HEAP + 0x40).unwrap();
 

@@ -67,10 +67,10 @@ impl Default for JitOptions {
     fn default() -> Self {
         Self {
             depth: 1,
-            max_functions: 2000,
-            code_bytes: 4 << 20,
-            counter_bytes: 512 << 10,
-            table_bytes: 2 << 20,
+            max_functions: 4000,
+            code_bytes: 8 << 20,
+            counter_bytes: 1 << 20,
+            table_bytes: 8 << 20,
         }
     }
 }
