@@ -260,6 +260,7 @@ impl VerbRun {
     /// Attaches (the guest stops), plans, installs, resumes. On an error the session's
     /// drop takes out whatever went in and detaches.
     fn install(&mut self, target: &Target) -> anyhow::Result<()> {
+        self.settle();
         let session = GuestSession::attach(target, &self.image)?;
         self.install_with(session)
     }
@@ -546,6 +547,10 @@ impl VerbRun {
 
     /// Stops the guest, reads counts, removes every splice, detaches.
     fn remove(&mut self) -> anyhow::Result<()> {
+        if self.live.is_none() {
+            return Ok(());
+        }
+        self.settle();
         let Some(mut live) = self.live.take() else {
             return Ok(());
         };
@@ -707,10 +712,42 @@ impl VerbRun {
     }
 }
 
+/// How long `count --blocks` lets the guest run after it announced a wait, before stopping
+/// it there: the guest's `exotap_wait` starts a `dd` that reads the host's go byte, and
+/// stopping the guest once that `dd` sleeps in its read makes every wait's window start and
+/// end at the same point (the oracle's windows and the JIT's then hold the same work).
+const BLOCKS_SETTLE: Duration = Duration::from_secs(2);
+
 impl VerbRun {
+    /// `count --blocks`: gives up translations whose text the kernel changed
+    /// ([`LiveJit::watch`]). A failure is a warning: the removal still runs.
+    fn watch_jit(&mut self) {
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        let Live { session, jit, .. } = live;
+        let Some(jit) = jit.as_mut() else {
+            return;
+        };
+        if let Err(e) = jit.watch(session) {
+            eprintln!("exotap: warning: cannot compare the translated text with the guest's: {e:#}");
+        }
+    }
+
+    /// See [`BLOCKS_SETTLE`]; nothing for the other verbs.
+    fn settle(&self) {
+        if self.blocks.is_some() {
+            std::thread::sleep(BLOCKS_SETTLE);
+        }
+    }
+
     /// Reads the guest's kprobe hits per site at a `kprobes-in` or `kprobes-out` wait: attach,
     /// read, detach.
     fn read_kprobe_sites(&mut self, target: &Target, at_in: bool) -> anyhow::Result<()> {
+        if self.blocks.is_none() {
+            return Ok(());
+        }
+        self.settle();
         let Some(blocks) = self.blocks.as_mut() else {
             return Ok(());
         };
@@ -748,6 +785,7 @@ impl VerbRun {
                 .collect(),
             refused: jit.refused.clone(),
         };
+        let invalidated = jit.invalidated.clone();
         let removal = jit.remove(&mut live.session, &self.image)?;
         let Some(blocks) = self.blocks.clone() else {
             return Ok(());
@@ -816,11 +854,18 @@ impl VerbRun {
                         "sha256_after": removal.text.after,
                         "identical": text_identical,
                     },
+                    "invalidated": invalidated.iter().map(|i| serde_json::json!({
+                        "function": i.function,
+                        "at": format!("{:#x}", i.at),
+                        "offset": i.at - i.start,
+                        "was": i.was,
+                        "now": i.now,
+                    })).collect::<Vec<_>>(),
                     "cache_unreachable": {
                         "unreachable": removal.reach.unreachable(),
                         "checks": removal.reach.checks,
                         "tasks": removal.reach.tasks,
-                        "stack_bytes_scanned": removal.reach.scanned_bytes,
+                        "frames_unwound": removal.reach.frames,
                         "found": removal.reach.found.iter().map(|(w, v)| format!("{w}: {v:#x}")).collect::<Vec<_>>(),
                     },
                 });
@@ -843,6 +888,15 @@ impl VerbRun {
                 ));
                 for (name, why) in &stats.refused {
                     self.say(&format!("not translated {name}: {why}"));
+                }
+                for i in &invalidated {
+                    self.say(&format!(
+                        "invalidated {}: the kernel changed its text at +{:#x} ({:02x} -> {:02x}); it ran its original code from then on",
+                        i.function,
+                        i.at - i.start,
+                        i.was,
+                        i.now
+                    ));
                 }
                 let with_kprobes = blocks.kprobes_out.is_some();
                 self.say(&if with_kprobes {
@@ -874,11 +928,11 @@ impl VerbRun {
                 ));
                 if removal.reach.unreachable() {
                     self.say(&format!(
-                        "code cache unreachable: no vCPU RIP and no stack word points into it ({} check{}, {} tasks, {} bytes of stacks scanned)",
+                        "code cache unreachable: no vCPU RIP and no return address on a kernel stack points into it ({} check{}, {} tasks, {} frames unwound)",
                         removal.reach.checks,
                         if removal.reach.checks == 1 { "" } else { "s" },
                         removal.reach.tasks,
-                        removal.reach.scanned_bytes
+                        removal.reach.frames
                     ));
                 } else {
                     self.say(&format!(
@@ -899,7 +953,16 @@ impl VerbRun {
             bail!("{} text pages differ after removal", removal.text.differing.len());
         }
         if !removal.reach.unreachable() {
-            bail!("the code cache is still reachable; the patch heap must not be reused");
+            bail!(
+                "the code cache is still reachable ({}); the patch heap must not be reused",
+                removal
+                    .reach
+                    .found
+                    .iter()
+                    .map(|(w, v)| format!("{w}: {v:#x}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
         Ok(())
     }
@@ -1046,6 +1109,7 @@ struct SpliceHook {
 impl PhaseHook for SpliceHook {
     fn tick(&mut self) -> Result<(), QemuError> {
         self.verb.stream();
+        self.verb.watch_jit();
         Ok(())
     }
 

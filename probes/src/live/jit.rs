@@ -27,9 +27,10 @@
 //! The counters are read; the splicer writes back every entry's original bytes and hashes
 //! the touched pages; the lookup table is zeroed, so every return and indirect branch still
 //! in the cache continues at its original target; then exotap checks that no vCPU's RIP and
-//! no word of a live kernel stack (each vCPU's from its RSP, every other task's from its
-//! saved `thread.sp`) points into the cache's code, letting the guest run a little and
-//! checking again while one does ([`Reachability`]). Only then is the heap given up.
+//! no return address of a kernel stack (each vCPU's unwound from its registers, every other
+//! task's from its saved `thread.sp`, with the image's ORC tables, interrupt frames
+//! included) points into the cache's code, letting the guest run 100 ms and checking again
+//! while one does ([`Reachability`], up to 20 times). Only then is the heap given up.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
@@ -45,7 +46,7 @@ use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, InstallReport, NotInstalled, RemoveReport, Request};
-use super::stacks::{list_tasks, TaskLayout};
+use super::stacks::{list_tasks, KernelStacks, PageCache, TaskLayout};
 use crate::jit::{CacheLayout, ExitReason, TranslateError, Translation, Translator};
 
 /// What to translate and how much room to give it.
@@ -112,6 +113,34 @@ pub struct LiveJit {
     pub entries: InstallReport,
     /// Entry splices in place.
     pub entries_installed: usize,
+    /// Per translated function: (entry, end, the text it was translated from, its
+    /// instructions' addresses), to see the kernel change it ([`LiveJit::watch`]).
+    sources: Vec<(u64, u64, Vec<u8>, Vec<u64>)>,
+    /// Functions whose text changed under their translation, and were sent back to their
+    /// original code.
+    pub invalidated: Vec<Invalidation>,
+    /// Functions whose text changed but could not be invalidated yet (a vCPU was inside a
+    /// block head); tried again at the next look.
+    pending: BTreeSet<u64>,
+    /// When the text was last compared.
+    watched: Option<Instant>,
+}
+
+/// A translation given up because the kernel changed the text under it (the guest arming
+/// a kprobe, a static key or ftrace flipping): from then on the function runs its
+/// original code, uncounted.
+#[derive(Debug, Clone)]
+pub struct Invalidation {
+    /// The function.
+    pub function: String,
+    /// Its entry.
+    pub start: u64,
+    /// The first byte that changed.
+    pub at: u64,
+    /// What was there, and what is there now.
+    pub was: u8,
+    /// See `was`.
+    pub now: u8,
 }
 
 /// What the reachability check at removal found.
@@ -121,8 +150,8 @@ pub struct Reachability {
     pub checks: u32,
     /// Words that pointed into the cache at the last check: (where, what).
     pub found: Vec<(String, u64)>,
-    /// Stack bytes scanned at the last check.
-    pub scanned_bytes: u64,
+    /// Stack frames unwound at the last check.
+    pub frames: usize,
     /// Tasks whose stacks were scanned.
     pub tasks: usize,
 }
@@ -145,8 +174,6 @@ pub struct JitRemoval {
     pub reach: Reachability,
 }
 
-/// The kernel's stack size (`THREAD_SIZE` on x86-64 without KASAN).
-const THREAD_SIZE: u64 = 16 << 10;
 /// How often the reachability check looks again while something still points into the cache.
 const REACH_CHECKS: u32 = 20;
 
@@ -267,6 +294,7 @@ impl LiveJit {
         let mut translator =
             Translator::new(layout.clone(), &facts.address_keyed)?.with_thunks(thunks);
         let mut names = BTreeMap::new();
+        let mut sources = Vec::new();
         let mut source_bytes = 0;
         for &addr in &order {
             let Some(f) = ctx.analysis.function_containing(addr) else {
@@ -277,6 +305,13 @@ impl LiveJit {
                 Ok(()) => {
                     source_bytes += f.cfg.end() - f.cfg.start();
                     names.insert(addr, name);
+                    let bytes = ctx
+                        .text
+                        .range(f.cfg.start(), f.cfg.end())
+                        .unwrap_or_default()
+                        .to_vec();
+                    let insns = f.cfg.insns().iter().map(|i| i.addr).collect();
+                    sources.push((f.cfg.start(), f.cfg.end(), bytes, insns));
                 }
                 Err(e @ TranslateError::Full { .. }) => {
                     refused.push((name, format!("{e:#}")));
@@ -338,7 +373,173 @@ impl LiveJit {
             source_bytes,
             entries,
             entries_installed,
+            sources,
+            invalidated: Vec::new(),
+            pending: BTreeSet::new(),
+            watched: None,
         })
+    }
+
+    /// Compares the translated functions' text with what the guest holds now (through the
+    /// shared RAM, the guest running; at most every 100 ms; nothing without shared RAM) and
+    /// invalidates every function whose text changed past its entry instruction (the entry
+    /// holds exotap's own splice): its block heads become jumps to the original leaders
+    /// (the entry block's: the relocated entry instruction, then a jump past it) and its
+    /// lookup-table entries map to the original addresses, so every path into the old
+    /// translation continues in the kernel's current code. The guest is stopped for the
+    /// writes. A function is not translated again (not built yet).
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or written, or the guest stopped.
+    pub fn watch(&mut self, session: &mut GuestSession) -> anyhow::Result<Vec<Invalidation>> {
+        if self
+            .watched
+            .is_some_and(|t| t.elapsed() < Duration::from_millis(100))
+        {
+            return Ok(Vec::new());
+        }
+        self.watched = Some(Instant::now());
+        let changed = {
+            let (_, splicer) = session.parts()?;
+            let Some(shared) = splicer.shared.clone() else {
+                return Ok(Vec::new());
+            };
+            let mut changed = Vec::new();
+            for (k, (start, end, bytes, insns)) in self.sources.iter().enumerate() {
+                if self.invalidated.iter().any(|i| i.start == *start) {
+                    continue;
+                }
+                let skip = insns.get(1).map_or(bytes.len() as u64, |n| n - start) as usize;
+                let Some(phys) = splicer.kernel.phys(*start) else {
+                    continue;
+                };
+                let mut now = vec![0u8; usize::try_from(end - start)?];
+                if shared.read_phys(phys, &mut now).is_err() {
+                    continue;
+                }
+                if let Some(i) = (skip..bytes.len()).find(|&i| now.get(i) != bytes.get(i)) {
+                    changed.push((k, i, now[i]));
+                }
+            }
+            changed
+        };
+        if changed.is_empty() {
+            return Ok(Vec::new());
+        }
+        session.pause()?;
+        let mut done = Vec::new();
+        for (k, i, now) in changed {
+            let (start, _, bytes, insns) = self.sources[k].clone();
+            let Some(f) = self.translation.functions.get(&start).copied() else {
+                continue;
+            };
+            let inv = Invalidation {
+                function: self.names.get(&start).cloned().unwrap_or_default(),
+                start,
+                at: start + i as u64,
+                was: bytes[i],
+                now,
+            };
+            let entry_insn = bytes
+                .get(..insns.get(1).map_or(bytes.len(), |n| (n - start) as usize))
+                .unwrap_or_default()
+                .to_vec();
+            match self.invalidate(session, f.start, &entry_insn, &insns) {
+                Ok(true) => {
+                    self.pending.remove(&start);
+                    tracing::info!(
+                        "{} changed at {:#x} ({:02x} -> {:02x}): its translation is given up, it runs its original code",
+                        inv.function,
+                        inv.at,
+                        inv.was,
+                        inv.now
+                    );
+                    self.invalidated.push(inv.clone());
+                    done.push(inv);
+                }
+                Ok(false) => {
+                    self.pending.insert(start);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        session.resume()?;
+        Ok(done)
+    }
+
+    /// Sends every way into one function's translation back to its original code (the
+    /// guest stopped); false when a vCPU or an interrupted context is inside a block head
+    /// that would be overwritten.
+    fn invalidate(
+        &mut self,
+        session: &mut GuestSession,
+        start: u64,
+        entry_insn: &[u8],
+        insns: &[u64],
+    ) -> anyhow::Result<bool> {
+        let heads: Vec<(u64, u64)> = self
+            .translation
+            .blocks
+            .iter()
+            .filter(|b| b.function == start)
+            .map(|b| (b.cache, b.leader))
+            .collect();
+        // A vCPU stopped inside the first five bytes of a block head (after its `pushfq`)
+        // would resume in the middle of the new jump.
+        for vcpu in session.machine.vcpus()? {
+            let regs = attach::x86_registers(&mut *session.machine, vcpu)?;
+            if heads
+                .iter()
+                .any(|&(c, _)| regs.rip > c && regs.rip < c + 5)
+            {
+                return Ok(false);
+            }
+        }
+        let mut writes = Vec::new();
+        for &(cache, leader) in &heads {
+            let mut code = Vec::new();
+            let mut at = cache;
+            if leader == start {
+                let moved = crate::splice::reloc::relocate(
+                    entry_insn,
+                    start,
+                    cache,
+                    crate::splice::reloc::CallReturn::Patch,
+                )
+                .map_err(|e| anyhow::anyhow!("cannot relocate the entry instruction: {e}"))?;
+                code.extend_from_slice(&moved.bytes);
+                at += moved.bytes.len() as u64;
+            }
+            let resume = if leader == start {
+                start + entry_insn.len() as u64
+            } else {
+                leader
+            };
+            let rel = i32::try_from(resume.wrapping_sub(at + 5) as i64)
+                .context("the original code is out of rel32 reach of the cache")?;
+            code.push(0xe9);
+            code.extend_from_slice(&rel.to_le_bytes());
+            writes.push((cache, code));
+        }
+        let keys: BTreeSet<u64> = insns.iter().copied().collect();
+        let mut table = self.translation.table.clone();
+        for slot in table.chunks_exact_mut(16) {
+            let key = u64::from_le_bytes(slot[..8].try_into().unwrap_or_default());
+            if key != 0 && keys.contains(&key) {
+                slot[8..].copy_from_slice(&key.to_le_bytes());
+            }
+        }
+        let (machine, splicer) = session.parts()?;
+        // The table first: a return into this function then already goes to the original.
+        match &splicer.shared {
+            Some(shared) => shared.write_heap(self.translation.table_at, &table)?,
+            None => splicer.write_heap(machine, self.translation.table_at, &table)?,
+        }
+        for (at, code) in writes {
+            splicer.write_heap(machine, at, &code)?;
+        }
+        self.translation.table = table;
+        Ok(true)
     }
 
     /// Entry splices refused by the planner (their functions are entered only from
@@ -408,14 +609,10 @@ impl LiveJit {
         let code = self.layout.code.start..self.translation.code_at + self.translation.code.len() as u64;
         let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no BTF")?;
         let tasks = TaskLayout::from_btf(&btf)?;
-        let stack = btf
-            .struct_member("task_struct", "stack")
-            .ok()
-            .and_then(|m| m.byte_offset())
-            .context("BTF has no task_struct.stack")?;
+        let stacks = KernelStacks::load(image, session.survey.kaslr.slide)?;
         let mut reach = Reachability::default();
         for check in 1..=REACH_CHECKS {
-            reach = check_reachability(session, &code, &tasks, stack)?;
+            reach = check_reachability(session, &code, &tasks, &stacks)?;
             reach.checks = check;
             if reach.unreachable() {
                 break;
@@ -436,77 +633,54 @@ impl LiveJit {
     }
 }
 
-/// One look, with the guest stopped, for RIPs and stack words inside `code`.
+/// One look, with the guest stopped, for RIPs and return addresses inside `code`: every
+/// vCPU's stack unwound from its registers, every other task's from its saved `thread.sp`,
+/// with the image's ORC tables (what the kernel's own unwinder follows, interrupt frames
+/// included). A raw scan of the stacks would also find dead words left below live frames
+/// by the dispatch routine (it writes a cache address where `ret` pops it), which no
+/// return ever uses.
 fn check_reachability(
     session: &mut GuestSession,
     code: &Range<u64>,
     tasks: &TaskLayout,
-    stack_offset: u64,
+    stacks: &KernelStacks,
 ) -> anyhow::Result<Reachability> {
     let survey = session.survey.clone();
     let machine: &mut dyn Machine = &mut *session.machine;
     let mut reach = Reachability::default();
-    let scan = |machine: &mut dyn Machine,
-                    reach: &mut Reachability,
-                    what: &str,
-                    from: u64,
-                    to: u64| {
-        let from = from & !7;
-        if to <= from || to - from > THREAD_SIZE {
-            return;
-        }
-        let mut buf = vec![0u8; (to - from) as usize];
-        let mut mem = BackendMemory(machine);
-        if survey.space(&mut mem).read(from, &mut buf).is_err() {
-            return;
-        }
-        reach.scanned_bytes += to - from;
-        for (i, w) in buf.chunks_exact(8).enumerate() {
-            let v = u64::from_le_bytes(w.try_into().unwrap_or_default());
-            if code.contains(&v) {
-                reach
-                    .found
-                    .push((format!("{what} stack at {:#x}", from + 8 * i as u64), v));
+    let look = |reach: &mut Reachability, what: String, bt: &exotap_introspect::orc::Backtrace| {
+        reach.frames += bt.frames.len();
+        for frame in &bt.frames {
+            if code.contains(&frame.pc) {
+                reach.found.push((what.clone(), frame.pc));
             }
         }
     };
-    let vcpus = machine.vcpus()?;
-    for vcpu in vcpus {
+    for vcpu in machine.vcpus()? {
         let regs = attach::x86_registers(machine, vcpu)?;
         let VcpuId(n) = vcpu;
         if code.contains(&regs.rip) {
             reach.found.push((format!("vCPU {n} RIP"), regs.rip));
         }
         if regs.in_kernel() {
-            let rsp = regs.gpr[7];
-            let top = (rsp | (THREAD_SIZE - 1)).wrapping_add(1);
-            scan(machine, &mut reach, &format!("vCPU {n}"), rsp, top);
+            let mut mem = BackendMemory(&mut *machine);
+            let mut space = survey.space(&mut mem);
+            let mut cache = PageCache::new(&mut space);
+            let bt = stacks.unwind_vcpu(&regs, &mut cache);
+            look(&mut reach, format!("vCPU {n} stack"), &bt);
         }
     }
     let mut mem = BackendMemory(&mut *machine);
-    let list = list_tasks(
-        &mut survey.space(&mut mem),
-        survey.layout.init_task,
-        tasks,
-    )?;
+    let mut space = survey.space(&mut mem);
+    let list = list_tasks(&mut space, survey.layout.init_task, tasks)?;
     reach.tasks = list.len();
     for task in list {
         if task.on_cpu {
-            continue; // its stack is a vCPU's, scanned above
+            continue; // a vCPU's, unwound above
         }
-        let mut mem = BackendMemory(&mut *machine);
-        let base = survey.space(&mut mem).read_u64(task.task + stack_offset);
-        let Ok(base) = base else { continue };
-        let top = base.wrapping_add(THREAD_SIZE);
-        if task.thread_sp >= base && task.thread_sp < top {
-            scan(
-                machine,
-                &mut reach,
-                &format!("task {} ({})", task.pid, task.comm),
-                task.thread_sp,
-                top,
-            );
-        }
+        let mut cache = PageCache::new(&mut space);
+        let bt = stacks.unwind_task(task.thread_sp, &mut cache);
+        look(&mut reach, format!("task {} ({}) stack", task.pid, task.comm), &bt);
     }
     Ok(reach)
 }
