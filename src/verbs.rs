@@ -115,6 +115,32 @@ pub struct CountArgs {
     /// With --blocks: output format.
     #[arg(long, value_enum, default_value_t = BlockFormat::Text, requires = "blocks")]
     pub format: BlockFormat,
+    /// With --blocks: also write the line coverage of the functions named as an lcov
+    /// tracefile (needs the cached -dbg vmlinux: `exotap image fetch --debuginfo`).
+    #[arg(long, value_name = "FILE", requires = "blocks")]
+    pub lcov: Option<PathBuf>,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// `exotap coverage PATTERN... | --file SOURCE -o OUT.info`.
+#[derive(Debug, Args)]
+pub struct CoverageArgs {
+    /// Kernel functions (or wildcard patterns) to cover.
+    #[arg(value_name = "PATTERN", required_unless_present = "file")]
+    pub patterns: Vec<String>,
+    /// Cover every function the debug info places in this source file (`fs/read_write.c`).
+    #[arg(long, value_name = "SOURCE")]
+    pub file: Option<String>,
+    /// The lcov tracefile to write.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// Also print the blocks: a table, or JSON per basic block.
+    #[arg(long, value_enum, default_value_t = BlockFormat::Text)]
+    pub format: BlockFormat,
+    /// Translate direct callees to this depth too (their lines are not reported).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub depth: u32,
     #[command(flatten)]
     pub live: LiveArgs,
 }
@@ -138,6 +164,8 @@ struct BlocksRun {
     kprobes_in: Option<BTreeMap<(String, u64), (u64, u64)>>,
     /// ... and at its `kprobes-out` wait.
     kprobes_out: Option<BTreeMap<(String, u64), (u64, u64)>>,
+    /// Where to write the line coverage (lcov).
+    lcov: Option<PathBuf>,
 }
 
 /// `exotap nullify FUNC VALUE`.
@@ -765,6 +793,63 @@ impl VerbRun {
         Ok(())
     }
 
+    /// Line coverage of the functions `ranges` (running addresses) from their block counts,
+    /// as an lcov tracefile at `path`.
+    fn write_lcov(
+        &mut self,
+        path: &std::path::Path,
+        slide: u64,
+        ranges: &[(u64, u64)],
+        counts: &[exotap_probes::live::jit::BlockCount],
+    ) -> anyhow::Result<()> {
+        let lines = crate::debuginfo::LineLookup::cached()
+            .context("line coverage needs the cached -dbg vmlinux (exotap image fetch --debuginfo)")?;
+        let link: Vec<(u64, u64)> = ranges
+            .iter()
+            .map(|(s, e)| (s.wrapping_sub(slide), e.wrapping_sub(slide)))
+            .collect();
+        let rows = lines.rows(&link);
+        // Leaders per function, sorted: an address's block is the last leader at or below it.
+        let mut leaders: BTreeMap<u64, Vec<(u64, u64)>> = BTreeMap::new();
+        for b in counts {
+            leaders
+                .entry(b.function_addr.wrapping_sub(slide))
+                .or_default()
+                .push((b.leader.wrapping_sub(slide), b.count));
+        }
+        for v in leaders.values_mut() {
+            v.sort_unstable();
+        }
+        let hits = |addr: u64| -> u64 {
+            let Some((_, blocks)) = leaders.range(..=addr).next_back() else {
+                return 0;
+            };
+            let i = blocks.partition_point(|(l, _)| *l <= addr);
+            i.checked_sub(1).map_or(0, |i| blocks[i].1)
+        };
+        let functions: Vec<(String, String, u32, u64)> = link
+            .iter()
+            .filter_map(|(low, _)| {
+                let (_, file, line) = rows.iter().find(|r| r.0 == *low)?;
+                let name = self
+                    .image
+                    .symbols
+                    .lookup_addr(*low)
+                    .map(|(s, _)| s.name.clone())?;
+                Some((name, file.clone(), *line, hits(*low)))
+            })
+            .collect();
+        let text = crate::debuginfo::lcov(&rows, hits, &functions);
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!(
+            "exotap: line coverage of {} functions ({} statement rows) written to {}",
+            ranges.len(),
+            rows.len(),
+            path.display()
+        );
+        Ok(())
+    }
+
     /// `count --blocks` at removal: counts, text restored, the cache unreachable; prints.
     fn remove_blocks(&mut self, live: &mut Live, jit: LiveJit) -> anyhow::Result<()> {
         let slide = live.session.survey.kaslr.slide;
@@ -786,7 +871,15 @@ impl VerbRun {
             refused: jit.refused.clone(),
         };
         let invalidated = jit.invalidated.clone();
+        let ranges: Vec<(u64, u64)> = jit
+            .ranges()
+            .into_iter()
+            .filter(|(s, _)| jit.requested.contains(s))
+            .collect();
         let removal = jit.remove(&mut live.session, &self.image)?;
+        if let Some(path) = self.blocks.as_ref().and_then(|b| b.lcov.clone()) {
+            self.write_lcov(&path, slide, &ranges, &removal.counts)?;
+        }
         let Some(blocks) = self.blocks.clone() else {
             return Ok(());
         };
@@ -1347,13 +1440,52 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
         format: args.format,
         kprobes_in: None,
         kprobes_out: None,
+        lcov: args.lcov.clone(),
     });
+    if args.lcov.is_some() && crate::debuginfo::LineLookup::cached().is_none() {
+        bail!("--lcov needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo");
+    }
     run_with(
         Operation::Count(args.patterns.clone()),
         &args.live,
         None,
         blocks,
     )
+}
+
+/// `exotap coverage`.
+///
+/// # Errors
+/// No cached debug info, no function in the file, as [`run_count`].
+pub fn run_coverage(args: &CoverageArgs) -> anyhow::Result<i32> {
+    let lines = crate::debuginfo::LineLookup::cached().context(
+        "coverage needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo",
+    )?;
+    let mut patterns = args.patterns.clone();
+    if let Some(file) = &args.file {
+        let image = args.live.image.load()?;
+        for (name, low) in lines.functions_in(file)? {
+            // The kallsyms name at that address (a static function's DWARF name may stand
+            // for several, or carry no `.isra` suffix).
+            let sym = image
+                .symbols
+                .lookup_addr(low)
+                .filter(|(_, off)| *off == 0)
+                .map_or(name, |(s, _)| s.name.clone());
+            if !patterns.contains(&sym) {
+                patterns.push(sym);
+            }
+        }
+    }
+    let blocks = BlocksRun {
+        depth: args.depth,
+        all: false,
+        format: args.format,
+        kprobes_in: None,
+        kprobes_out: None,
+        lcov: Some(args.output.clone()),
+    };
+    run_with(Operation::Count(patterns), &args.live, None, Some(blocks))
 }
 
 /// `exotap nullify`.

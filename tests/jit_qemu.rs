@@ -117,6 +117,83 @@ fn second_instruction(image: &KernelImage, name: &str) -> u64 {
     f.cfg.insns()[1].addr - sym.addr
 }
 
+/// The lcov tracefile against the kprobes: a line holding a leader whose kprobe saw it run
+/// is covered, and a line lcov calls uncovered has no such kprobe (ten of each at least);
+/// and Debian's `genhtml` renders the file.
+fn check_lcov(path: &std::path::Path, doc: &serde_json::Value, dir: &std::path::Path) {
+    let text = std::fs::read_to_string(path).expect("the lcov file");
+    let mut da: BTreeMap<(String, u64), u64> = BTreeMap::new();
+    let mut file = String::new();
+    for line in text.lines() {
+        if let Some(f) = line.strip_prefix("SF:") {
+            file = f.to_owned();
+        } else if let Some(d) = line.strip_prefix("DA:") {
+            let (l, n) = d.split_once(',').unwrap();
+            da.insert((file.clone(), l.parse().unwrap()), n.parse().unwrap());
+        }
+    }
+    // Per source line: the kprobe hits of the blocks that start on it.
+    let mut probed: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
+    for b in doc["blocks"].as_array().unwrap() {
+        if !FUNCTIONS.contains(&b["function"].as_str().unwrap()) {
+            continue;
+        }
+        let (Some(line), Some(k)) = (b["line"].as_str(), b["kprobe"].as_u64()) else {
+            continue;
+        };
+        let (f, l) = line.rsplit_once(':').unwrap();
+        probed
+            .entry((f.to_owned(), l.parse().unwrap()))
+            .or_default()
+            .push(k);
+    }
+    let (mut covered, mut uncovered) = (Vec::new(), Vec::new());
+    for (key, hits) in &probed {
+        // A leader inside a line's range but on no statement row of it has no DA record.
+        let Some(&n) = da.get(key) else {
+            continue;
+        };
+        // A line the kprobes saw run must be covered; a line lcov calls uncovered must
+        // have no kprobe that saw it run. (A covered line whose probed blocks did not run
+        // ran in another block: lines of inlined headers appear in many.)
+        let ran = hits.iter().any(|&k| k > 0);
+        if ran {
+            assert!(n > 0, "{}:{}: lcov {n}, kprobes {hits:?}", key.0, key.1);
+            covered.push(format!("{}:{}", key.0, key.1));
+        } else if n == 0 {
+            uncovered.push(format!("{}:{}", key.0, key.1));
+        }
+    }
+    eprintln!(
+        "lcov: {} lines; checked against the kprobes: {} covered ({}), {} not ({})",
+        da.len(),
+        covered.len(),
+        covered.iter().take(10).cloned().collect::<Vec<_>>().join(" "),
+        uncovered.len(),
+        uncovered.iter().take(10).cloned().collect::<Vec<_>>().join(" ")
+    );
+    assert!(covered.len() >= 10 && uncovered.len() >= 10);
+    let html = dir.join("html");
+    match std::process::Command::new("genhtml")
+        .arg("--no-source")
+        .arg("-q")
+        .arg("-o")
+        .arg(&html)
+        .arg(path)
+        .output()
+    {
+        Ok(o) => {
+            assert!(
+                o.status.success(),
+                "genhtml: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            assert!(html.join("index.html").is_file());
+        }
+        Err(e) => eprintln!("SKIP the genhtml check: genhtml cannot run ({e}); apt-get install lcov"),
+    }
+}
+
 fn job(leaders: &[(String, u64)], own: &(String, u64)) -> String {
     let mut s = String::from("T=/sys/kernel/tracing\n");
     // One compound command, parsed (here-document included) before it runs: the shell
@@ -187,6 +264,7 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     let job_file = tmp.path().join("job.sh");
     std::fs::write(&job_file, job(&leaders, &own)).unwrap();
     let console = tmp.path().join("console.log");
+    let lcov = tmp.path().join("blocks.info");
 
     let mut cmd = exotap();
     cmd.arg("count")
@@ -194,6 +272,8 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
         .args(FUNCTIONS)
         .args(ALSO_TRANSLATED)
         .args(["--depth", "6", "--format", "json", "--compare-kprobes"])
+        .arg("--lcov")
+        .arg(&lcov)
         .args(["--timeout", "900", "--job"])
         .arg(&job_file)
         .arg("--console")
@@ -271,6 +351,7 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     assert_eq!(doc["text"]["identical"], true, "{ctx}");
     assert_eq!(doc["cache_unreachable"]["unreachable"], true, "{ctx}");
     assert_eq!(result(&out, "kprobes_left"), Some("0"), "{ctx}");
+    check_lcov(&lcov, &doc, tmp.path());
     // The kernel behaves under the JIT as without it.
     assert_eq!(result(&out, "stacks_differ"), Some("0"), "{ctx}");
     assert!(log.contains("STACK "), "console:\n{log}");

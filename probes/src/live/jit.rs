@@ -542,6 +542,11 @@ impl LiveJit {
         Ok(true)
     }
 
+    /// (entry, end) of every translated function, running-kernel addresses.
+    pub fn ranges(&self) -> Vec<(u64, u64)> {
+        self.sources.iter().map(|(s, e, _, _)| (*s, *e)).collect()
+    }
+
     /// Entry splices refused by the planner (their functions are entered only from
     /// translated callers).
     pub fn entries_refused(&self) -> &[NotInstalled] {
