@@ -397,3 +397,95 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
         assert!(!log.contains(bad), "console has {bad}:\n{log}");
     }
 }
+
+/// The bench of issue 18, in one guest run: the syscall workload's time per call
+/// uninstrumented, with a guest kprobe at every block leader of the functions (int3 traps:
+/// kprobe optimization off, so every block costs a trap, as a trap probe per block would),
+/// with the same functions counted through the JIT, and uninstrumented again after removal.
+/// Ratios are printed, not asserted (timings under TCG on a shared machine). Run it with
+/// `cargo test --release --test jit_qemu -- --ignored --nocapture bench`.
+#[test]
+#[ignore = "a benchmark (one boot, about a minute): run it with --ignored"]
+fn bench_jit_vs_a_trap_per_block_vs_uninstrumented() {
+    let test = "bench_jit_vs_a_trap_per_block_vs_uninstrumented";
+    if !have_qemu(test) {
+        return;
+    }
+    let Some(dir) =
+        exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+    else {
+        eprintln!("SKIP {test}: no cached Debian kernel (exotap image fetch)");
+        return;
+    };
+    let image = KernelImage::load(dir.join("vmlinuz")).unwrap();
+    let mut functions: Vec<&str> = FUNCTIONS.to_vec();
+    functions.extend(ALSO_TRANSLATED);
+    functions.extend([
+        "path_openat",
+        "do_dentry_open",
+        "security_file_open",
+        "vfs_read",
+        "ksys_read",
+    ]);
+    let leaders = self::leaders(&image, &functions);
+    let mut job = String::from("T=/sys/kernel/tracing\n{\n");
+    job.push_str("echo 0 > /proc/sys/debug/kprobes-optimization\n");
+    job.push_str("while read l; do echo \"$l\" >> $T/kprobe_events || echo \"KPROBE-REFUSED $l\"; done <<'EOF'\n");
+    for (i, (f, off)) in leaders.iter().enumerate() {
+        job.push_str(&format!("p:exotap/b{i} {f}+{off:#x}\n"));
+    }
+    job.push_str(
+        "EOF\n\
+         R() { syscall-loop 2000 | sed -n \"s/^EXOTAP-RESULT \\(.*ns_per_call\\)/EXOTAP-RESULT $1.\\1/p\"; }\n\
+         R base\n\
+         echo 1 > $T/events/exotap/enable; R trap; echo 0 > $T/events/exotap/enable\n\
+         echo > $T/kprobe_events\n\
+         exotap_wait splice; R jit; exotap_wait unsplice\n\
+         R after\n\
+         }\n",
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let job_file = tmp.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let console = tmp.path().join("console.log");
+    let mut cmd = exotap();
+    cmd.arg("count")
+        .arg("--blocks")
+        .args(&functions)
+        .args(["--depth", "6", "--format", "json", "--timeout", "900", "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console);
+    let (code, out, err) = run(&mut cmd);
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let json_end = out.find("\nEXOTAP-").unwrap_or(out.len());
+    let doc: serde_json::Value = serde_json::from_str(&out[..json_end]).expect("JSON");
+    let cache = &doc["cache"];
+    eprintln!(
+        "{} functions asked for, {} kprobes at their leaders; JIT: {} functions ({} bytes of text) translated in {:.0} ms ({:.0} functions/s, {:.0} KB/s), {} bytes of cache, {} blocks, {} lookup entries",
+        functions.len(),
+        leaders.len(),
+        cache["functions"],
+        cache["source_bytes"],
+        cache["translate_ms"].as_f64().unwrap(),
+        cache["functions"].as_f64().unwrap() / cache["translate_ms"].as_f64().unwrap() * 1e3,
+        cache["source_bytes"].as_f64().unwrap() / cache["translate_ms"].as_f64().unwrap(),
+        cache["cache_bytes"],
+        cache["blocks"],
+        cache["table_entries"],
+    );
+    for call in ["getpid", "getppid", "open_close", "pread"] {
+        let ns = |phase: &str| -> f64 {
+            result(&out, &format!("{phase}.{call}.ns_per_call"))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {phase}.{call}\n{ctx}"))
+        };
+        let (base, trap, jit, after) = (ns("base"), ns("trap"), ns("jit"), ns("after"));
+        eprintln!(
+            "{call:<11} ns/call: uninstrumented {base:>8.0}  trap per block {trap:>9.0} ({:>6.1}x)  JIT {jit:>8.0} ({:>5.2}x)  after removal {after:>8.0}",
+            trap / base,
+            jit / base
+        );
+    }
+}
