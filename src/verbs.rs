@@ -1318,6 +1318,7 @@ fn run_with(
                 break;
             }
             verb.stream();
+            verb.watch_jit();
             let Some(l) = verb.live.as_mut() else { break };
             let wait = if l.session.is_shared() { 10 } else { 100 };
             match l.session.wait(Duration::from_millis(wait))? {
