@@ -13,13 +13,13 @@ use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
 use exotap_probes::live::attach::Target;
+use exotap_probes::live::jit::{JitOptions, LiveJit};
 use exotap_probes::live::operation::{requests, Operation};
+use exotap_probes::live::splicer::KprobeReader;
 use exotap_probes::live::splicer::{
     category, guest_ftrace_sites, guest_kprobe_hits, why_not, Action, Request, TraceRecord,
     CODE_OFFSET,
 };
-use exotap_probes::live::jit::{JitOptions, LiveJit};
-use exotap_probes::live::splicer::KprobeReader;
 use exotap_probes::live::GuestSession;
 use exotap_vmm::control::StopEvent;
 use exotap_vmm::host::Backend;
@@ -310,17 +310,23 @@ impl VerbRun {
             jit: None,
         };
         if self.blocks.is_some() {
-            let functions: Vec<(String, u64)> = requests(&self.op, &self.image, live.session.survey.kaslr.slide)?
-                .into_iter()
-                .map(|r| (r.name, r.addr))
-                .collect();
+            let functions: Vec<(String, u64)> =
+                requests(&self.op, &self.image, live.session.survey.kaslr.slide)?
+                    .into_iter()
+                    .map(|r| (r.name, r.addr))
+                    .collect();
             let options = JitOptions {
                 depth: self.blocks.as_ref().map_or(1, |b| b.depth),
                 ..JitOptions::default()
             };
             let jit = LiveJit::install(&mut live.session, &self.image, &functions, &options)?;
             for r in jit.entries_refused() {
-                tracing::info!("no entry splice at {} ({:#x}): {}", r.name, r.addr, r.reason);
+                tracing::info!(
+                    "no entry splice at {} ({:#x}): {}",
+                    r.name,
+                    r.addr,
+                    r.reason
+                );
             }
             live.jit = Some(jit);
         }
@@ -758,7 +764,9 @@ impl VerbRun {
             return;
         };
         if let Err(e) = jit.watch(session) {
-            eprintln!("exotap: warning: cannot compare the translated text with the guest's: {e:#}");
+            eprintln!(
+                "exotap: warning: cannot compare the translated text with the guest's: {e:#}"
+            );
         }
     }
 
@@ -802,8 +810,9 @@ impl VerbRun {
         ranges: &[(u64, u64)],
         counts: &[exotap_probes::live::jit::BlockCount],
     ) -> anyhow::Result<()> {
-        let lines = crate::debuginfo::LineLookup::cached()
-            .context("line coverage needs the cached -dbg vmlinux (exotap image fetch --debuginfo)")?;
+        let lines = crate::debuginfo::LineLookup::cached().context(
+            "line coverage needs the cached -dbg vmlinux (exotap image fetch --debuginfo)",
+        )?;
         let link: Vec<(u64, u64)> = ranges
             .iter()
             .map(|(s, e)| (s.wrapping_sub(slide), e.wrapping_sub(slide)))
@@ -886,7 +895,10 @@ impl VerbRun {
         let kprobe = |function: &str, offset: u64| -> Option<u64> {
             let (out, inn) = (blocks.kprobes_out.as_ref()?, blocks.kprobes_in.as_ref()?);
             let (h1, m1) = *out.get(&(function.to_owned(), offset))?;
-            let (h0, m0) = inn.get(&(function.to_owned(), offset)).copied().unwrap_or_default();
+            let (h0, m0) = inn
+                .get(&(function.to_owned(), offset))
+                .copied()
+                .unwrap_or_default();
             Some((h1 + m1).saturating_sub(h0 + m0))
         };
         let shown: Vec<&exotap_probes::live::jit::BlockCount> = removal
@@ -993,7 +1005,10 @@ impl VerbRun {
                 }
                 let with_kprobes = blocks.kprobes_out.is_some();
                 self.say(&if with_kprobes {
-                    format!("{:>12}  {:>12}  {:<18}  BLOCK", "COUNT", "KPROBE", "ADDRESS")
+                    format!(
+                        "{:>12}  {:>12}  {:<18}  BLOCK",
+                        "COUNT", "KPROBE", "ADDRESS"
+                    )
                 } else {
                     format!("{:>12}  {:<18}  BLOCK", "COUNT", "ADDRESS")
                 });
@@ -1006,9 +1021,15 @@ impl VerbRun {
                     if with_kprobes {
                         let k = kprobe(&b.function, offset)
                             .map_or_else(|| "-".to_owned(), |k| k.to_string());
-                        self.say(&format!("{:>12}  {k:>12}  {:#018x}  {block}{line}", b.count, b.leader));
+                        self.say(&format!(
+                            "{:>12}  {k:>12}  {:#018x}  {block}{line}",
+                            b.count, b.leader
+                        ));
                     } else {
-                        self.say(&format!("{:>12}  {:#018x}  {block}{line}", b.count, b.leader));
+                        self.say(&format!(
+                            "{:>12}  {:#018x}  {block}{line}",
+                            b.count, b.leader
+                        ));
                     }
                 }
                 self.say(&format!(
@@ -1017,7 +1038,11 @@ impl VerbRun {
                     if removal.text.pages == 1 { "" } else { "s" },
                     &removal.text.before[..16.min(removal.text.before.len())],
                     &removal.text.after[..16.min(removal.text.after.len())],
-                    if text_identical { "identical" } else { "DIFFERENT" }
+                    if text_identical {
+                        "identical"
+                    } else {
+                        "DIFFERENT"
+                    }
                 ));
                 if removal.reach.unreachable() {
                     self.say(&format!(
@@ -1043,7 +1068,10 @@ impl VerbRun {
             }
         }
         if !text_identical {
-            bail!("{} text pages differ after removal", removal.text.differing.len());
+            bail!(
+                "{} text pages differ after removal",
+                removal.text.differing.len()
+            );
         }
         if !removal.reach.unreachable() {
             bail!(
@@ -1444,7 +1472,9 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
         lcov: args.lcov.clone(),
     });
     if args.lcov.is_some() && crate::debuginfo::LineLookup::cached().is_none() {
-        bail!("--lcov needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo");
+        bail!(
+            "--lcov needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo"
+        );
     }
     run_with(
         Operation::Count(args.patterns.clone()),

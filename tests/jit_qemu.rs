@@ -168,9 +168,19 @@ fn check_lcov(path: &std::path::Path, doc: &serde_json::Value, dir: &std::path::
         "lcov: {} lines; checked against the kprobes: {} covered ({}), {} not ({})",
         da.len(),
         covered.len(),
-        covered.iter().take(10).cloned().collect::<Vec<_>>().join(" "),
+        covered
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(" "),
         uncovered.len(),
-        uncovered.iter().take(10).cloned().collect::<Vec<_>>().join(" ")
+        uncovered
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     assert!(covered.len() >= 10 && uncovered.len() >= 10);
     let html = dir.join("html");
@@ -190,7 +200,9 @@ fn check_lcov(path: &std::path::Path, doc: &serde_json::Value, dir: &std::path::
             );
             assert!(html.join("index.html").is_file());
         }
-        Err(e) => eprintln!("SKIP the genhtml check: genhtml cannot run ({e}); apt-get install lcov"),
+        Err(e) => {
+            eprintln!("SKIP the genhtml check: genhtml cannot run ({e}); apt-get install lcov")
+        }
     }
 }
 
@@ -255,7 +267,10 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     };
     let image = KernelImage::load(dir.join("vmlinuz")).unwrap();
     let leaders = self::leaders(&image, FUNCTIONS);
-    let own = (OWN_KPROBE.to_owned(), second_instruction(&image, OWN_KPROBE));
+    let own = (
+        OWN_KPROBE.to_owned(),
+        second_instruction(&image, OWN_KPROBE),
+    );
     assert!(
         !self::leaders(&image, &[OWN_KPROBE]).contains(&own),
         "{own:?} is a leader"
@@ -338,7 +353,10 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     // The guest refuses kprobes at jump-label sites and where its decoder disagrees with
     // the link-time leader: those blocks are left out.
     eprintln!("kprobes the guest refused: {}", refused.len());
-    assert!(refused.len() * 10 <= leaders.len(), "kprobes refused: {refused:?}");
+    assert!(
+        refused.len() * 10 <= leaders.len(),
+        "kprobes refused: {refused:?}"
+    );
     assert!(differ.is_empty(), "{}\n{ctx}", differ.join("\n"));
     assert!(per_function.len() >= 10, "{per_function:?}");
     assert!(executed >= 40, "only {executed} executed blocks compared");
@@ -360,7 +378,11 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     }
     for step in ["own_add", "own_on", "own_off", "own_del"] {
         for w in ["kp", "jt"] {
-            assert_eq!(result(&out, &format!("{step}.{w}")), Some("0"), "{step}.{w}\n{ctx}");
+            assert_eq!(
+                result(&out, &format!("{step}.{w}")),
+                Some("0"),
+                "{step}.{w}\n{ctx}"
+            );
         }
     }
     let hits = |w: &str| -> u64 {
@@ -389,11 +411,18 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     eprintln!("invalidated: {invalidated:?}");
     assert!(invalidated.iter().any(|f| f == OWN_KPROBE), "{ctx}");
     assert_eq!(
-        log.matches("sysrq: Show backtrace of all active CPUs").count(),
+        log.matches("sysrq: Show backtrace of all active CPUs")
+            .count(),
         2,
         "console:\n{log}"
     );
-    for bad in ["WARNING:", "BUG:", "Oops", "ftrace failed", "ftrace faulted"] {
+    for bad in [
+        "WARNING:",
+        "BUG:",
+        "Oops",
+        "ftrace failed",
+        "ftrace faulted",
+    ] {
         assert!(!log.contains(bad), "console has {bad}:\n{log}");
     }
 }
@@ -452,7 +481,15 @@ fn bench_jit_vs_a_trap_per_block_vs_uninstrumented() {
     cmd.arg("count")
         .arg("--blocks")
         .args(&functions)
-        .args(["--depth", "6", "--format", "json", "--timeout", "900", "--job"])
+        .args([
+            "--depth",
+            "6",
+            "--format",
+            "json",
+            "--timeout",
+            "900",
+            "--job",
+        ])
         .arg(&job_file)
         .arg("--console")
         .arg(&console);

@@ -488,10 +488,7 @@ impl LiveJit {
         // would resume in the middle of the new jump.
         for vcpu in session.machine.vcpus()? {
             let regs = attach::x86_registers(&mut *session.machine, vcpu)?;
-            if heads
-                .iter()
-                .any(|&(c, _)| regs.rip > c && regs.rip < c + 5)
-            {
+            if heads.iter().any(|&(c, _)| regs.rip > c && regs.rip < c + 5) {
                 return Ok(false);
             }
         }
@@ -611,7 +608,8 @@ impl LiveJit {
                 None => splicer.write_heap(machine, self.translation.table_at, &zeros)?,
             }
         }
-        let code = self.layout.code.start..self.translation.code_at + self.translation.code.len() as u64;
+        let code =
+            self.layout.code.start..self.translation.code_at + self.translation.code.len() as u64;
         let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no BTF")?;
         let tasks = TaskLayout::from_btf(&btf)?;
         let stacks = KernelStacks::load(image, session.survey.kaslr.slide)?;
@@ -685,7 +683,11 @@ fn check_reachability(
         }
         let mut cache = PageCache::new(&mut space);
         let bt = stacks.unwind_task(task.thread_sp, &mut cache);
-        look(&mut reach, format!("task {} ({}) stack", task.pid, task.comm), &bt);
+        look(
+            &mut reach,
+            format!("task {} ({}) stack", task.pid, task.comm),
+            &bt,
+        );
     }
     Ok(reach)
 }
