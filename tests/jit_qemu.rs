@@ -287,12 +287,17 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
         .args(FUNCTIONS)
         .args(ALSO_TRANSLATED)
         .args(["--depth", "6", "--format", "json", "--compare-kprobes"])
-        .arg("--lcov")
-        .arg(&lcov)
         .args(["--timeout", "900", "--job"])
         .arg(&job_file)
         .arg("--console")
         .arg(&console);
+    // The line coverage needs the -dbg vmlinux (ci/test.sh fetches it).
+    let debuginfo = dir.join("debug").join("vmlinux").is_file();
+    if debuginfo {
+        cmd.arg("--lcov").arg(&lcov);
+    } else {
+        eprintln!("SKIP the lcov check: no cached -dbg vmlinux (exotap image fetch --debuginfo)");
+    }
     let started = std::time::Instant::now();
     let (code, out, err) = run(&mut cmd);
     let log = std::fs::read_to_string(&console).unwrap_or_default();
@@ -369,7 +374,9 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     assert_eq!(doc["text"]["identical"], true, "{ctx}");
     assert_eq!(doc["cache_unreachable"]["unreachable"], true, "{ctx}");
     assert_eq!(result(&out, "kprobes_left"), Some("0"), "{ctx}");
-    check_lcov(&lcov, &doc, tmp.path());
+    if debuginfo {
+        check_lcov(&lcov, &doc, tmp.path());
+    }
     // The kernel behaves under the JIT as without it.
     assert_eq!(result(&out, "stacks_differ"), Some("0"), "{ctx}");
     assert!(log.contains("STACK "), "console:\n{log}");
