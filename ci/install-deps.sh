@@ -13,6 +13,7 @@ packages=(
   cmake libclang-dev  # the unicorn-engine crate builds Unicorn's C code (cmake) and its bindings (bindgen)
   gcc-sparc64-linux-gnu  # builds the SPARC v9 mini-kernel of the splicing regression (regress/src/sparc.rs)
   systemtap-doc     # SystemTap's example suite, measured by ci/stap-examples.sh
+  lcov              # genhtml renders the coverage tracefiles of exotap coverage (tests/jit_qemu.rs)
   python3-pip       # tests/perfetto_qemu.rs installs protobuf and Perfetto's published protos (PyPI) at test time
 )
 

@@ -4,7 +4,10 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 fn main() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads");
+    // The manifest directory of this build, not of the one that compiled the script: a
+    // target directory shared between worktrees reuses the compiled script.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".to_owned());
+    let dir = Path::new(&manifest).join("workloads");
     println!("cargo:rerun-if-changed={}", dir.display());
     let mut sources: Vec<_> = std::fs::read_dir(&dir)
         .map(|it| it.filter_map(Result::ok).map(|e| e.path()).collect())

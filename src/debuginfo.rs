@@ -441,3 +441,151 @@ pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
     );
     Ok(0)
 }
+
+/// Source lines of kernel addresses from the cached `-dbg` vmlinux, for the commands that
+/// show them when the debug info is at hand (`count --blocks`) and never fetch it.
+pub struct LineLookup {
+    file: DebugFile,
+}
+
+impl LineLookup {
+    /// The cached debug vmlinux of the default kernel, if there is one.
+    pub fn cached() -> Option<Self> {
+        let args = DebugArgs {
+            kernel: images::DEFAULT_KERNEL.to_owned(),
+            vmlinux: None,
+            timings: false,
+        };
+        let path = cached_debug_file(&args).ok().flatten()?;
+        DebugFile::open(&path).ok().map(|file| Self { file })
+    }
+
+    /// `file:line` of each link-time address, grouped by `function` (one line table a
+    /// function): (function entry, addresses in it).
+    pub fn lines(&self, groups: &[(u64, Vec<u64>)]) -> std::collections::HashMap<u64, String> {
+        let mut out = std::collections::HashMap::new();
+        let Ok(info) = self.file.load() else {
+            return out;
+        };
+        for (entry, addrs) in groups {
+            let Ok(table) = info.line_table_at(*entry) else {
+                continue;
+            };
+            for &a in addrs {
+                if let Some(line) = table.find_pc(a) {
+                    out.insert(a, format!("{}:{}", line.file, line.line));
+                }
+            }
+        }
+        out
+    }
+}
+
+impl LineLookup {
+    /// The statement rows (address, file, line) of the link-time ranges `[low, high)`.
+    pub fn rows(&self, ranges: &[(u64, u64)]) -> Vec<(u64, String, u32)> {
+        let mut out = Vec::new();
+        let Ok(info) = self.file.load() else {
+            return out;
+        };
+        for &(low, high) in ranges {
+            let Ok(table) = info.line_table_at(low) else {
+                continue;
+            };
+            for (path, row) in table.rows_in(low, high) {
+                if row.is_stmt {
+                    out.push((row.addr, path.to_owned(), row.line));
+                }
+            }
+        }
+        out
+    }
+
+    /// The functions of a source file (`fs/read_write.c`), by their link-time entry.
+    ///
+    /// # Errors
+    /// No debug index, or no function in the file.
+    pub fn functions_in(&self, file: &str) -> anyhow::Result<Vec<(String, u64)>> {
+        let info = self.file.load()?;
+        let names = index(&info, Layer::Names)?;
+        let found: Vec<(String, u64)> = names
+            .functions(&format!("*@{file}"), &[EntryKind::Function])
+            .into_iter()
+            .filter(|f| f.low != 0)
+            .map(|f| (f.name.to_owned(), f.low))
+            .collect();
+        if found.is_empty() {
+            bail!("the debug info has no function in {file}");
+        }
+        Ok(found)
+    }
+}
+
+/// Line coverage as an lcov tracefile (what `genhtml` renders): per source file its lines
+/// (`DA:line,hits`) and functions (`FN`/`FNDA`). `rows` are the statement rows (address, file,
+/// line) of the instrumented functions, `hits(address)` the count of the basic block holding
+/// the address, and `functions` (name, file, first line, calls).
+pub fn lcov(
+    rows: &[(u64, String, u32)],
+    hits: impl Fn(u64) -> u64,
+    functions: &[(String, String, u32, u64)],
+) -> String {
+    use std::collections::BTreeMap;
+    use std::fmt::Write as _;
+    let mut files: BTreeMap<&str, BTreeMap<u32, u64>> = BTreeMap::new();
+    for (addr, file, line) in rows {
+        let n = hits(*addr);
+        let e = files.entry(file).or_default().entry(*line).or_insert(0);
+        *e = (*e).max(n);
+    }
+    let mut out = String::from("TN:exotap\n");
+    for (file, lines) in &files {
+        let _ = writeln!(out, "SF:{file}");
+        let fns: Vec<&(String, String, u32, u64)> =
+            functions.iter().filter(|f| f.1 == *file).collect();
+        for (name, _, line, _) in &fns {
+            let _ = writeln!(out, "FN:{line},{name}");
+        }
+        for (name, _, _, calls) in &fns {
+            let _ = writeln!(out, "FNDA:{calls},{name}");
+        }
+        let _ = writeln!(out, "FNF:{}", fns.len());
+        let _ = writeln!(out, "FNH:{}", fns.iter().filter(|f| f.3 > 0).count());
+        for (line, n) in lines {
+            let _ = writeln!(out, "DA:{line},{n}");
+        }
+        let _ = writeln!(out, "LF:{}", lines.len());
+        let _ = writeln!(out, "LH:{}", lines.values().filter(|n| **n > 0).count());
+        out.push_str("end_of_record\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod lcov_tests {
+    use super::*;
+
+    #[test]
+    fn a_line_takes_the_most_executed_of_its_blocks_and_records_close_per_file() {
+        let rows = vec![
+            (0x10, "fs/a.c".to_owned(), 3),
+            (0x20, "fs/a.c".to_owned(), 3),
+            (0x30, "fs/a.c".to_owned(), 4),
+            (0x40, "include/b.h".to_owned(), 9),
+        ];
+        let hits = |a: u64| match a {
+            0x10 => 2,
+            0x20 => 5,
+            _ => 0,
+        };
+        let fns = vec![("f".to_owned(), "fs/a.c".to_owned(), 2, 2)];
+
+        let text = lcov(&rows, hits, &fns);
+
+        assert_eq!(
+            text,
+            "TN:exotap\nSF:fs/a.c\nFN:2,f\nFNDA:2,f\nFNF:1\nFNH:1\nDA:3,5\nDA:4,0\nLF:2\nLH:1\nend_of_record\n\
+             SF:include/b.h\nFNF:0\nFNH:0\nDA:9,0\nLF:1\nLH:0\nend_of_record\n"
+        );
+    }
+}

@@ -98,6 +98,9 @@ enum Command {
     /// live guest, until the guest's run ends (booted) or Ctrl-C (--target). Exact bytes
     /// restored at the end; prints the counts and the text-page hashes before and after.
     Count(verbs::CountArgs),
+    /// Kernel line coverage out of the guest, through the JIT's block counters (`count
+    /// --blocks`): an lcov tracefile with lines from the -dbg DWARF (`genhtml` renders it).
+    Coverage(verbs::CoverageArgs),
     /// Time every call of kernel functions from entry to return, in the guest (rdtsc pairs,
     /// return addresses swapped as kretprobes do), and print log2 histograms at the end.
     Time(verbs::TimeArgs),
@@ -206,6 +209,7 @@ fn main() -> ExitCode {
     let target = match &command {
         Command::Run(a) => a.options.target.is_some(),
         Command::Count(verbs::CountArgs { live, .. })
+        | Command::Coverage(verbs::CoverageArgs { live, .. })
         | Command::Time(verbs::TimeArgs { live, .. })
         | Command::Trace(verbs::TraceArgs { live, .. })
         | Command::Nullify(verbs::NullifyArgs { live, .. })
@@ -225,6 +229,7 @@ fn main() -> ExitCode {
         Command::Symbols(args) => kernel_image::run_symbols(&args),
         Command::Mem(cmd) => attach::run_mem(&cmd).map(|()| 0),
         Command::Count(args) => verbs::run_count(&args),
+        Command::Coverage(args) => verbs::run_coverage(&args),
         Command::Time(args) => verbs::run_time(&args),
         Command::Trace(args) => verbs::run_trace(&args),
         Command::Nullify(args) => verbs::run_nullify(&args),

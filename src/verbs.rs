@@ -13,7 +13,9 @@ use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
 use exotap_probes::live::attach::Target;
+use exotap_probes::live::jit::{JitOptions, LiveJit};
 use exotap_probes::live::operation::{requests, Operation};
+use exotap_probes::live::splicer::KprobeReader;
 use exotap_probes::live::splicer::{
     category, guest_ftrace_sites, guest_kprobe_hits, why_not, Action, Request, TraceRecord,
     CODE_OFFSET,
@@ -96,8 +98,74 @@ pub struct CountArgs {
     /// is spliced with a call counter.
     #[arg(required = true, value_name = "PATTERN")]
     pub patterns: Vec<String>,
+    /// Count every basic block instead of the calls: the functions (and their direct
+    /// callees, see --depth) are translated into a code cache in the patch heap with a
+    /// counter at each block leader, and entered through a splice at each entry (the JIT).
+    /// With --compare-kprobes, the guest's own kprobes (`p FUNC+OFFSET` at the leaders) are
+    /// read at the job's `exotap_wait kprobes-in` and `exotap_wait kprobes-out` and their
+    /// hits printed beside each block.
+    #[arg(long)]
+    pub blocks: bool,
+    /// With --blocks: translate direct callees to this depth (0: only the functions named).
+    #[arg(long, default_value_t = 1, value_name = "N", requires = "blocks")]
+    pub depth: u32,
+    /// With --blocks: print the blocks of the translated callees too.
+    #[arg(long, requires = "blocks")]
+    pub all_blocks: bool,
+    /// With --blocks: output format.
+    #[arg(long, value_enum, default_value_t = BlockFormat::Text, requires = "blocks")]
+    pub format: BlockFormat,
+    /// With --blocks: also write the line coverage of the functions named as an lcov
+    /// tracefile (needs the cached -dbg vmlinux: `exotap image fetch --debuginfo`).
+    #[arg(long, value_name = "FILE", requires = "blocks")]
+    pub lcov: Option<PathBuf>,
     #[command(flatten)]
     pub live: LiveArgs,
+}
+
+/// `exotap coverage PATTERN... | --file SOURCE -o OUT.info`.
+#[derive(Debug, Args)]
+pub struct CoverageArgs {
+    /// Kernel functions (or wildcard patterns) to cover.
+    #[arg(value_name = "PATTERN", required_unless_present = "file")]
+    pub patterns: Vec<String>,
+    /// Cover every function the debug info places in this source file (`fs/read_write.c`).
+    #[arg(long, value_name = "SOURCE")]
+    pub file: Option<String>,
+    /// The lcov tracefile to write.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// Also print the blocks: a table, or JSON per basic block.
+    #[arg(long, value_enum, default_value_t = BlockFormat::Text)]
+    pub format: BlockFormat,
+    /// Translate direct callees to this depth too (their lines are not reported).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub depth: u32,
+    #[command(flatten)]
+    pub live: LiveArgs,
+}
+
+/// How `count --blocks` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BlockFormat {
+    /// A table, one block a line.
+    Text,
+    /// One JSON object: the blocks, the cache and the removal checks.
+    Json,
+}
+
+/// What `count --blocks` asked for.
+#[derive(Debug, Clone)]
+struct BlocksRun {
+    depth: u32,
+    all: bool,
+    format: BlockFormat,
+    /// The guest's kprobe hits per (symbol, offset) at its `kprobes-in` wait.
+    kprobes_in: Option<BTreeMap<(String, u64), (u64, u64)>>,
+    /// ... and at its `kprobes-out` wait.
+    kprobes_out: Option<BTreeMap<(String, u64), (u64, u64)>>,
+    /// Where to write the line coverage (lcov).
+    lcov: Option<PathBuf>,
 }
 
 /// `exotap nullify FUNC VALUE`.
@@ -187,6 +255,8 @@ struct Live {
     stops_at_install: u64,
     /// Records drained while the splices were in, and the time the drains took.
     drained: (u64, Duration),
+    /// `count --blocks`: the translations in the guest.
+    jit: Option<LiveJit>,
 }
 
 /// A verb's run against one guest: the verb's session, and what the verb prints.
@@ -205,6 +275,8 @@ struct VerbRun {
     /// Whether trace records still stream (off after a failed drain: the rest are read at
     /// removal).
     streaming: bool,
+    /// `count --blocks`.
+    blocks: Option<BlocksRun>,
 }
 
 impl VerbRun {
@@ -216,6 +288,7 @@ impl VerbRun {
     /// Attaches (the guest stops), plans, installs, resumes. On an error the session's
     /// drop takes out whatever went in and detaches.
     fn install(&mut self, target: &Target) -> anyhow::Result<()> {
+        self.settle();
         let session = GuestSession::attach(target, &self.image)?;
         self.install_with(session)
     }
@@ -234,7 +307,29 @@ impl VerbRun {
             streamed: Instant::now(),
             stops_at_install: 0,
             drained: (0, Duration::ZERO),
+            jit: None,
         };
+        if self.blocks.is_some() {
+            let functions: Vec<(String, u64)> =
+                requests(&self.op, &self.image, live.session.survey.kaslr.slide)?
+                    .into_iter()
+                    .map(|r| (r.name, r.addr))
+                    .collect();
+            let options = JitOptions {
+                depth: self.blocks.as_ref().map_or(1, |b| b.depth),
+                ..JitOptions::default()
+            };
+            let jit = LiveJit::install(&mut live.session, &self.image, &functions, &options)?;
+            for r in jit.entries_refused() {
+                tracing::info!(
+                    "no entry splice at {} ({:#x}): {}",
+                    r.name,
+                    r.addr,
+                    r.reason
+                );
+            }
+            live.jit = Some(jit);
+        }
         if live.session.splicer().is_some_and(|s| s.rings.is_some()) {
             // While the guest is still stopped: streaming then needs no stop of its own.
             self.trace_view(&mut live)?;
@@ -260,6 +355,10 @@ impl VerbRun {
         }
         if let Operation::Report { list, install } = self.op.clone() {
             self.report(session, list, install)?;
+            return Ok(None);
+        }
+        if self.blocks.is_some() {
+            // The JIT installs its own entry splices (install_with).
             return Ok(None);
         }
         let report = session.install(&requests)?;
@@ -482,6 +581,10 @@ impl VerbRun {
 
     /// Stops the guest, reads counts, removes every splice, detaches.
     fn remove(&mut self) -> anyhow::Result<()> {
+        if self.live.is_none() {
+            return Ok(());
+        }
+        self.settle();
         let Some(mut live) = self.live.take() else {
             return Ok(());
         };
@@ -527,6 +630,9 @@ impl VerbRun {
     }
 
     fn remove_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
+        if let Some(jit) = live.jit.take() {
+            return self.remove_blocks(live, jit);
+        }
         let kprobes_after = match (&live.kprobes_before, &self.btf) {
             (Some(_), Some(btf)) => Some(guest_kprobe_hits(
                 &mut live.session.machine,
@@ -654,6 +760,365 @@ impl VerbRun {
     }
 }
 
+/// How long `count --blocks` lets the guest run after it announced a wait, before stopping
+/// it there: the guest's `exotap_wait` starts a `dd` that reads the host's go byte, and
+/// stopping the guest once that `dd` sleeps in its read makes every wait's window start and
+/// end at the same point (the oracle's windows and the JIT's then hold the same work).
+const BLOCKS_SETTLE: Duration = Duration::from_secs(2);
+
+impl VerbRun {
+    /// `count --blocks`: gives up translations whose text the kernel changed
+    /// ([`LiveJit::watch`]). A failure is a warning: the removal still runs.
+    fn watch_jit(&mut self) {
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        let Live { session, jit, .. } = live;
+        let Some(jit) = jit.as_mut() else {
+            return;
+        };
+        if let Err(e) = jit.watch(session) {
+            eprintln!(
+                "exotap: warning: cannot compare the translated text with the guest's: {e:#}"
+            );
+        }
+    }
+
+    /// See [`BLOCKS_SETTLE`]; nothing for the other verbs.
+    fn settle(&self) {
+        if self.blocks.is_some() {
+            std::thread::sleep(BLOCKS_SETTLE);
+        }
+    }
+
+    /// Reads the guest's kprobe hits per site at a `kprobes-in` or `kprobes-out` wait: attach,
+    /// read, detach.
+    fn read_kprobe_sites(&mut self, target: &Target, at_in: bool) -> anyhow::Result<()> {
+        if self.blocks.is_none() {
+            return Ok(());
+        }
+        self.settle();
+        let Some(blocks) = self.blocks.as_mut() else {
+            return Ok(());
+        };
+        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let mut session = GuestSession::attach(target, &self.image)?;
+        let reader = KprobeReader::new(&session.survey, &self.image, btf)?;
+        let hits = reader.read_sites(&mut *session.machine);
+        session.detach()?;
+        let hits = hits?;
+        if at_in {
+            blocks.kprobes_in = Some(hits);
+        } else {
+            blocks.kprobes_out = Some(hits);
+        }
+        Ok(())
+    }
+
+    /// Line coverage of the functions `ranges` (running addresses) from their block counts,
+    /// as an lcov tracefile at `path`.
+    fn write_lcov(
+        &mut self,
+        path: &std::path::Path,
+        slide: u64,
+        ranges: &[(u64, u64)],
+        counts: &[exotap_probes::live::jit::BlockCount],
+    ) -> anyhow::Result<()> {
+        let lines = crate::debuginfo::LineLookup::cached().context(
+            "line coverage needs the cached -dbg vmlinux (exotap image fetch --debuginfo)",
+        )?;
+        let link: Vec<(u64, u64)> = ranges
+            .iter()
+            .map(|(s, e)| (s.wrapping_sub(slide), e.wrapping_sub(slide)))
+            .collect();
+        let rows = lines.rows(&link);
+        // Leaders per function, sorted: an address's block is the last leader at or below it.
+        let mut leaders: BTreeMap<u64, Vec<(u64, u64)>> = BTreeMap::new();
+        for b in counts {
+            leaders
+                .entry(b.function_addr.wrapping_sub(slide))
+                .or_default()
+                .push((b.leader.wrapping_sub(slide), b.count));
+        }
+        for v in leaders.values_mut() {
+            v.sort_unstable();
+        }
+        let hits = |addr: u64| -> u64 {
+            let Some((_, blocks)) = leaders.range(..=addr).next_back() else {
+                return 0;
+            };
+            let i = blocks.partition_point(|(l, _)| *l <= addr);
+            i.checked_sub(1).map_or(0, |i| blocks[i].1)
+        };
+        let functions: Vec<(String, String, u32, u64)> = link
+            .iter()
+            .filter_map(|(low, _)| {
+                let (_, file, line) = rows.iter().find(|r| r.0 == *low)?;
+                let name = self
+                    .image
+                    .symbols
+                    .lookup_addr(*low)
+                    .map(|(s, _)| s.name.clone())?;
+                Some((name, file.clone(), *line, hits(*low)))
+            })
+            .collect();
+        let text = crate::debuginfo::lcov(&rows, hits, &functions);
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!(
+            "exotap: line coverage of {} functions ({} statement rows) written to {}",
+            ranges.len(),
+            rows.len(),
+            path.display()
+        );
+        Ok(())
+    }
+
+    /// `count --blocks` at removal: counts, text restored, the cache unreachable; prints.
+    fn remove_blocks(&mut self, live: &mut Live, jit: LiveJit) -> anyhow::Result<()> {
+        let slide = live.session.survey.kaslr.slide;
+        let stats = JitStats {
+            functions: jit.translation.functions.len(),
+            requested: jit.requested.len(),
+            source_bytes: jit.source_bytes,
+            cache_bytes: jit.translation.code.len() as u64,
+            blocks: jit.translation.blocks.len(),
+            table_entries: jit.translation.table_entries,
+            translate_ms: jit.translate_time.as_secs_f64() * 1e3,
+            entry_splices: jit.entries_installed,
+            entries_refused: jit.entries_refused().len(),
+            exits: jit
+                .exits()
+                .into_iter()
+                .map(|(k, v)| (format!("{k:?}"), v))
+                .collect(),
+            refused: jit.refused.clone(),
+        };
+        let invalidated = jit.invalidated.clone();
+        let ranges: Vec<(u64, u64)> = jit
+            .ranges()
+            .into_iter()
+            .filter(|(s, _)| jit.requested.contains(s))
+            .collect();
+        let removal = jit.remove(&mut live.session, &self.image)?;
+        if let Some(path) = self.blocks.as_ref().and_then(|b| b.lcov.clone()) {
+            self.write_lcov(&path, slide, &ranges, &removal.counts)?;
+        }
+        let Some(blocks) = self.blocks.clone() else {
+            return Ok(());
+        };
+        let kprobe = |function: &str, offset: u64| -> Option<u64> {
+            let (out, inn) = (blocks.kprobes_out.as_ref()?, blocks.kprobes_in.as_ref()?);
+            let (h1, m1) = *out.get(&(function.to_owned(), offset))?;
+            let (h0, m0) = inn
+                .get(&(function.to_owned(), offset))
+                .copied()
+                .unwrap_or_default();
+            Some((h1 + m1).saturating_sub(h0 + m0))
+        };
+        let shown: Vec<&exotap_probes::live::jit::BlockCount> = removal
+            .counts
+            .iter()
+            .filter(|b| blocks.all || b.requested)
+            .collect();
+        let mut groups: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for b in &shown {
+            groups
+                .entry(b.function_addr.wrapping_sub(slide))
+                .or_default()
+                .push(b.leader.wrapping_sub(slide));
+        }
+        let groups: Vec<(u64, Vec<u64>)> = groups.into_iter().collect();
+        let lines = crate::debuginfo::LineLookup::cached()
+            .map(|l| l.lines(&groups))
+            .unwrap_or_default();
+        let line_of = |leader: u64| lines.get(&leader.wrapping_sub(slide)).cloned();
+        let text_identical =
+            removal.text.differing.is_empty() && removal.text.before == removal.text.after;
+        match blocks.format {
+            BlockFormat::Json => {
+                let rows: Vec<serde_json::Value> = shown
+                    .iter()
+                    .map(|b| {
+                        let offset = b.leader - b.function_addr;
+                        serde_json::json!({
+                            "function": b.function,
+                            "offset": offset,
+                            "address": format!("{:#x}", b.leader),
+                            "link_address": format!("{:#x}", b.leader.wrapping_sub(slide)),
+                            "line": line_of(b.leader),
+                            "count": b.count,
+                            "kprobe": kprobe(&b.function, offset),
+                        })
+                    })
+                    .collect();
+                let doc = serde_json::json!({
+                    "blocks": rows,
+                    "cache": {
+                        "functions": stats.functions,
+                        "requested": stats.requested,
+                        "depth": blocks.depth,
+                        "source_bytes": stats.source_bytes,
+                        "cache_bytes": stats.cache_bytes,
+                        "blocks": stats.blocks,
+                        "table_entries": stats.table_entries,
+                        "translate_ms": stats.translate_ms,
+                        "entry_splices": stats.entry_splices,
+                        "entries_refused": stats.entries_refused,
+                        "exits": stats.exits,
+                        "refused": stats.refused,
+                    },
+                    "text": {
+                        "pages": removal.text.pages,
+                        "sha256_before": removal.text.before,
+                        "sha256_after": removal.text.after,
+                        "identical": text_identical,
+                    },
+                    "invalidated": invalidated.iter().map(|i| serde_json::json!({
+                        "function": i.function,
+                        "at": format!("{:#x}", i.at),
+                        "offset": i.at - i.start,
+                        "was": i.was,
+                        "now": i.now,
+                    })).collect::<Vec<_>>(),
+                    "cache_unreachable": {
+                        "unreachable": removal.reach.unreachable(),
+                        "checks": removal.reach.checks,
+                        "tasks": removal.reach.tasks,
+                        "frames_unwound": removal.reach.frames,
+                        "found": removal.reach.found.iter().map(|(w, v)| format!("{w}: {v:#x}")).collect::<Vec<_>>(),
+                    },
+                });
+                self.say(&serde_json::to_string_pretty(&doc)?);
+            }
+            BlockFormat::Text => {
+                self.say(&format!(
+                    "JIT: {} functions translated ({} asked for, callees to depth {}) in {:.1} ms: {} bytes of text, {} blocks, {} bytes of cache, {} lookup entries; {} entry splices ({} entries take none); cache exits {:?}",
+                    stats.functions,
+                    stats.requested,
+                    blocks.depth,
+                    stats.translate_ms,
+                    stats.source_bytes,
+                    stats.blocks,
+                    stats.cache_bytes,
+                    stats.table_entries,
+                    stats.entry_splices,
+                    stats.entries_refused,
+                    stats.exits
+                ));
+                for (name, why) in &stats.refused {
+                    self.say(&format!("not translated {name}: {why}"));
+                }
+                for i in &invalidated {
+                    self.say(&format!(
+                        "invalidated {}: the kernel changed its text at +{:#x} ({:02x} -> {:02x}); it ran its original code from then on",
+                        i.function,
+                        i.at - i.start,
+                        i.was,
+                        i.now
+                    ));
+                }
+                let with_kprobes = blocks.kprobes_out.is_some();
+                self.say(&if with_kprobes {
+                    format!(
+                        "{:>12}  {:>12}  {:<18}  BLOCK",
+                        "COUNT", "KPROBE", "ADDRESS"
+                    )
+                } else {
+                    format!("{:>12}  {:<18}  BLOCK", "COUNT", "ADDRESS")
+                });
+                for b in &shown {
+                    let offset = b.leader - b.function_addr;
+                    let line = line_of(b.leader)
+                        .map(|l| format!("  {l}"))
+                        .unwrap_or_default();
+                    let block = format!("{}+{offset:#x}", b.function);
+                    if with_kprobes {
+                        let k = kprobe(&b.function, offset)
+                            .map_or_else(|| "-".to_owned(), |k| k.to_string());
+                        self.say(&format!(
+                            "{:>12}  {k:>12}  {:#018x}  {block}{line}",
+                            b.count, b.leader
+                        ));
+                    } else {
+                        self.say(&format!(
+                            "{:>12}  {:#018x}  {block}{line}",
+                            b.count, b.leader
+                        ));
+                    }
+                }
+                self.say(&format!(
+                    "text: {} page{} touched; sha256 before {} after {}: {}",
+                    removal.text.pages,
+                    if removal.text.pages == 1 { "" } else { "s" },
+                    &removal.text.before[..16.min(removal.text.before.len())],
+                    &removal.text.after[..16.min(removal.text.after.len())],
+                    if text_identical {
+                        "identical"
+                    } else {
+                        "DIFFERENT"
+                    }
+                ));
+                if removal.reach.unreachable() {
+                    self.say(&format!(
+                        "code cache unreachable: no vCPU RIP and no return address on a kernel stack points into it ({} check{}, {} tasks, {} frames unwound)",
+                        removal.reach.checks,
+                        if removal.reach.checks == 1 { "" } else { "s" },
+                        removal.reach.tasks,
+                        removal.reach.frames
+                    ));
+                } else {
+                    self.say(&format!(
+                        "code cache STILL REACHABLE after {} checks: {}",
+                        removal.reach.checks,
+                        removal
+                            .reach
+                            .found
+                            .iter()
+                            .map(|(w, v)| format!("{w}: {v:#x}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                }
+            }
+        }
+        if !text_identical {
+            bail!(
+                "{} text pages differ after removal",
+                removal.text.differing.len()
+            );
+        }
+        if !removal.reach.unreachable() {
+            bail!(
+                "the code cache is still reachable ({}); the patch heap must not be reused",
+                removal
+                    .reach
+                    .found
+                    .iter()
+                    .map(|(w, v)| format!("{w}: {v:#x}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What `count --blocks` says about the cache.
+#[derive(Debug)]
+struct JitStats {
+    functions: usize,
+    requested: usize,
+    source_bytes: u64,
+    cache_bytes: u64,
+    blocks: usize,
+    table_entries: usize,
+    translate_ms: f64,
+    entry_splices: usize,
+    entries_refused: usize,
+    exits: BTreeMap<String, usize>,
+    refused: Vec<(String, String)>,
+}
+
 /// How often the trace rings are drained while the guest runs (each drain stops it).
 pub const STREAM_EVERY: Duration = Duration::from_millis(250);
 /// How often they are drained through shared RAM (no stop).
@@ -779,6 +1244,7 @@ struct SpliceHook {
 impl PhaseHook for SpliceHook {
     fn tick(&mut self) -> Result<(), QemuError> {
         self.verb.stream();
+        self.verb.watch_jit();
         Ok(())
     }
 
@@ -786,6 +1252,8 @@ impl PhaseHook for SpliceHook {
         let result = match phase {
             "splice" => self.verb.install(&self.target),
             "unsplice" => self.verb.remove(),
+            "kprobes-in" => self.verb.read_kprobe_sites(&self.target, true),
+            "kprobes-out" => self.verb.read_kprobe_sites(&self.target, false),
             _ => Ok(()),
         };
         result.map_err(|e| QemuError::Hook {
@@ -830,6 +1298,15 @@ pub(crate) fn guest_ram() -> Option<exotap_vmm::shared_ram::RamMemfd> {
 }
 
 fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Result<i32> {
+    run_with(op, live, perfetto, None)
+}
+
+fn run_with(
+    op: Operation,
+    live: &LiveArgs,
+    perfetto: Option<PathBuf>,
+    blocks: Option<BlocksRun>,
+) -> anyhow::Result<i32> {
     // Before anything is loaded: a refused backend says why at once.
     let backend = crate::backend::resolve(
         live.backend,
@@ -852,6 +1329,7 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
         out: Box::new(std::io::stdout()),
         refused_any: false,
         streaming: true,
+        blocks,
     };
     if let Some(target) = &live.target {
         let heap = crate::script::parse_heap(&live.heap)?;
@@ -882,6 +1360,7 @@ fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Res
                 break;
             }
             verb.stream();
+            verb.watch_jit();
             let Some(l) = verb.live.as_mut() else { break };
             let wait = if l.session.is_shared() { 10 } else { 100 };
             match l.session.wait(Duration::from_millis(wait))? {
@@ -998,7 +1477,60 @@ fn finish(outcome: qemu::RunOutcome, refused_any: bool) -> anyhow::Result<i32> {
 /// # Errors
 /// Unknown functions, attach or guest failures.
 pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
-    run(Operation::Count(args.patterns.clone()), &args.live, None)
+    let blocks = args.blocks.then(|| BlocksRun {
+        depth: args.depth,
+        all: args.all_blocks,
+        format: args.format,
+        kprobes_in: None,
+        kprobes_out: None,
+        lcov: args.lcov.clone(),
+    });
+    if args.lcov.is_some() && crate::debuginfo::LineLookup::cached().is_none() {
+        bail!(
+            "--lcov needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo"
+        );
+    }
+    run_with(
+        Operation::Count(args.patterns.clone()),
+        &args.live,
+        None,
+        blocks,
+    )
+}
+
+/// `exotap coverage`.
+///
+/// # Errors
+/// No cached debug info, no function in the file, as [`run_count`].
+pub fn run_coverage(args: &CoverageArgs) -> anyhow::Result<i32> {
+    let lines = crate::debuginfo::LineLookup::cached().context(
+        "coverage needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo",
+    )?;
+    let mut patterns = args.patterns.clone();
+    if let Some(file) = &args.file {
+        let image = args.live.image.load()?;
+        for (name, low) in lines.functions_in(file)? {
+            // The kallsyms name at that address (a static function's DWARF name may stand
+            // for several, or carry no `.isra` suffix).
+            let sym = image
+                .symbols
+                .lookup_addr(low)
+                .filter(|(_, off)| *off == 0)
+                .map_or(name, |(s, _)| s.name.clone());
+            if !patterns.contains(&sym) {
+                patterns.push(sym);
+            }
+        }
+    }
+    let blocks = BlocksRun {
+        depth: args.depth,
+        all: false,
+        format: args.format,
+        kprobes_in: None,
+        kprobes_out: None,
+        lcov: Some(args.output.clone()),
+    };
+    run_with(Operation::Count(patterns), &args.live, None, Some(blocks))
 }
 
 /// `exotap nullify`.

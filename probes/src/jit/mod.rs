@@ -18,8 +18,10 @@ pub use translate::{
     Translation, Translator,
 };
 
-// Detaching (not built yet, issue 18): remove the entry splices (text byte-identical),
-// then zero the lookup table so every return and indirect branch in the cache continues
-// at its original target, then wait until no vCPU's RIP is in the cache; only then may
-// the heap be reused. Stacks hold original return addresses only, so a sleeping task
-// never returns into the cache.
+// In a live guest (crate::live::jit): translated from the live text, entered through
+// entry splices, invalidated when the kernel changes a translated function's text, and
+// detached by removing the entry splices (text byte-identical), zeroing the lookup table
+// so every return and indirect branch in the cache continues at its original target, and
+// checking that no vCPU RIP and no unwound return address is in the cache before the heap
+// is given up. Stacks hold original return addresses only, so a sleeping task never
+// returns into the cache; an interrupted one may, until it runs.

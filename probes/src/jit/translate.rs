@@ -342,6 +342,23 @@ pub struct Translator<'k> {
     functions: BTreeMap<u64, TranslatedFunction>,
     exits: Vec<CacheExit>,
     full: Option<CacheError>,
+    /// Retpoline thunks (`__x86_indirect_thunk_rax`, ...) by address, with the register
+    /// each jumps through: a call or jump to one is an indirect call or jump through the
+    /// lookup table, so a translated callee is entered in the cache.
+    thunks: HashMap<u64, Register>,
+}
+
+/// `push r64`.
+fn push_register(p: &mut Pending, reg: Register) -> bool {
+    let n = reg.number();
+    if !reg.is_gpr64() {
+        return false;
+    }
+    if n >= 8 {
+        p.bytes.push(0x41);
+    }
+    p.bytes.push(0x50 + (n as u8 & 7));
+    true
 }
 
 fn fits_rel32(a: u64, b: u64) -> bool {
@@ -387,7 +404,18 @@ impl<'k> Translator<'k> {
             functions: BTreeMap::new(),
             exits: Vec::new(),
             full: None,
+            thunks: HashMap::new(),
         })
+    }
+
+    /// Treats a call or jump to one of `thunks` (retpoline thunks by address, with the
+    /// register each jumps through) as an indirect call or jump through that register:
+    /// it goes through the lookup table like `call *%rax`, so a translated target is
+    /// entered in the cache rather than run from its original code.
+    #[must_use]
+    pub fn with_thunks(mut self, thunks: HashMap<u64, Register>) -> Self {
+        self.thunks = thunks;
+        self
     }
 
     /// The dispatch routine's address.
@@ -529,6 +557,15 @@ impl<'k> Translator<'k> {
                 }
             }
             Flow::Call { target } if code == Code::Call_rel32_64 => {
+                if let Some(&reg) = self.thunks.get(&target) {
+                    p.push_u64(next);
+                    if !push_register(p, reg) {
+                        return Ok(p.leave(addr, ExitReason::Unrelocatable));
+                    }
+                    p.jmp_known(self.dispatch)?;
+                    p.dispatch_targets.push(next);
+                    return Ok(true);
+                }
                 p.push_u64(next);
                 p.jmp(target, true);
                 p.dispatch_targets.push(next);
@@ -542,6 +579,19 @@ impl<'k> Translator<'k> {
                 p.jmp_known(self.dispatch)?;
                 p.dispatch_targets.push(next);
                 true
+            }
+            Flow::TailJump { target }
+                if matches!(code, Code::Jmp_rel8_64 | Code::Jmp_rel32_64)
+                    && self.thunks.contains_key(&target) =>
+            {
+                let Some(&reg) = self.thunks.get(&target) else {
+                    return Ok(p.leave(addr, ExitReason::SpecialBranch));
+                };
+                if !push_register(p, reg) {
+                    return Ok(p.leave(addr, ExitReason::Unrelocatable));
+                }
+                p.jmp_known(self.dispatch)?;
+                false
             }
             Flow::Jump { target } | Flow::TailJump { target }
                 if matches!(code, Code::Jmp_rel8_64 | Code::Jmp_rel32_64) =>
@@ -937,6 +987,60 @@ mod tests {
 
         // Every block of this fixture starts with a flag-writing instruction or a call.
         assert!(t.blocks.iter().all(|b| !b.saves_flags), "{:?}", t.blocks);
+    }
+
+    #[test]
+    fn a_call_through_a_retpoline_thunk_enters_the_translated_callee_through_the_table() {
+        // f: rax = 0; rcx = G; call THUNK (which does `jmp *%rcx`); ret.
+        let thunk = TEXT + 0x200;
+        let mut a = CodeAssembler::new(64).unwrap();
+        a.xor(eax, eax).unwrap();
+        a.mov(rcx, G).unwrap();
+        a.call(thunk).unwrap();
+        a.ret().unwrap();
+        let mut bytes = a.assemble(TEXT).unwrap();
+        let f_len = bytes.len();
+        bytes.resize(0x100, 0xcc);
+        let mut g = CodeAssembler::new(64).unwrap();
+        g.lea(rax, qword_ptr(rax + 1)).unwrap();
+        g.ret().unwrap();
+        bytes.extend(g.assemble(G).unwrap());
+        bytes.resize(0x200, 0xcc);
+        let mut t = CodeAssembler::new(64).unwrap();
+        t.jmp(rcx).unwrap();
+        bytes.extend(t.assemble(thunk).unwrap());
+        bytes.resize(0x1000, 0xcc);
+        bytes[0xff0] = 0xf4;
+        let config = AnalysisConfig::new();
+        let f = FunctionAnalysis::analyze(&bytes[..f_len], TEXT, &config);
+        let g = FunctionAnalysis::analyze(&bytes[0x100..0x105], G, &config);
+        let view = CodeView::new(TEXT, &bytes).unwrap();
+        let translate = |thunks: HashMap<u64, Register>| {
+            let mut t = Translator::new(layout(0x4000), &[])
+                .unwrap()
+                .with_thunks(thunks);
+            t.translate(view, &f).unwrap();
+            t.translate(view, &g).unwrap();
+            t.finish().unwrap()
+        };
+        let with = translate(HashMap::from([(thunk, Register::RCX)]));
+        let without = translate(HashMap::new());
+        let g_count = |t: &Translation, counters: &[u8]| {
+            t.counts(counters)
+                .into_iter()
+                .find(|&(leader, _)| leader == G)
+                .map(|(_, n)| n)
+        };
+
+        let (end1, rax1, _, _, c1) = run(&bytes, Some(&with), with.entry(TEXT).unwrap());
+        let (end0, rax0, _, _, c0) = run(&bytes, Some(&without), without.entry(TEXT).unwrap());
+
+        assert_eq!((end1, rax1), (RunEnd::Halted(HALT), 1));
+        assert_eq!((end0, rax0), (RunEnd::Halted(HALT), 1));
+        // Through the table g runs translated (counted); through the original thunk it
+        // runs its original code (not counted).
+        assert_eq!(g_count(&with, &c1), Some(1));
+        assert_eq!(g_count(&without, &c0), Some(0));
     }
 
     #[test]

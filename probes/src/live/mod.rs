@@ -61,6 +61,7 @@ pub mod attach;
 pub mod compiled;
 pub mod drainer;
 pub mod guest_memory;
+pub mod jit;
 pub mod kernel_image;
 pub mod operation;
 pub mod recover;

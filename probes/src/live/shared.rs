@@ -124,6 +124,15 @@ impl SharedHeap {
         Ok(buf)
     }
 
+    /// Reads guest-physical memory anywhere in the guest's RAM (not only the heap), the
+    /// vCPUs running: the JIT compares the kernel text it translated with what is there now.
+    ///
+    /// # Errors
+    /// A range outside the RAM file.
+    pub fn read_phys(&self, phys: u64, buf: &mut [u8]) -> Result<(), SharedHeapError> {
+        Ok(self.ram.read(phys, buf)?)
+    }
+
     /// Writes data (never code: see the module documentation) at heap address `va`.
     ///
     /// # Errors

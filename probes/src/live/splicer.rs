@@ -375,6 +375,10 @@ pub enum Action {
     /// Run compiled probe bodies ([`super::compiled`]): site number N of the [`SiteCode`] given
     /// to [`Splicer::install_compiled`].
     Compiled(u32),
+    /// Jump straight to this address, with no patch of its own: the entry splice of a
+    /// function translated into the JIT's code cache ([`super::jit`]), whose translation
+    /// runs the spliced instruction.
+    Enter(u64),
 }
 
 /// The code of compiled-probe sites, asked for by [`Splicer::install_compiled`].
@@ -637,7 +641,11 @@ fn diverting_patch(
             }
         }
         Action::Replace(other) => a.jmp(other)?,
-        Action::Count | Action::Time | Action::Trace(_) | Action::Compiled(_) => {
+        Action::Count
+        | Action::Time
+        | Action::Trace(_)
+        | Action::Compiled(_)
+        | Action::Enter(_) => {
             bail!("this patch relocates the original instruction")
         }
     }
@@ -1353,6 +1361,9 @@ impl Splicer {
                     })()
                     .map_err(|e| format!("{e:#}"))
                 }
+                Action::Enter(to) => jmp_rel32(req.addr, to)
+                    .map(|splice| (Vec::new(), splice))
+                    .map_err(|e| format!("{e:#}")),
                 Action::Count => {
                     let probes = [Probe::Count { counter }];
                     generate(&PatchRequest::for_site(&site, patch, &probes))
@@ -1887,6 +1898,8 @@ pub struct KprobeReader {
     nhit: u64,
     symbol: u64,
     nmissed: u64,
+    /// `trace_kprobe.rp.kp.offset` (the `+OFFSET` of `p SYMBOL+OFFSET`).
+    offset: Option<u64>,
 }
 
 impl KprobeReader {
@@ -1909,6 +1922,7 @@ impl KprobeReader {
             nhit: off("trace_kprobe", "nhit")?,
             symbol: off("trace_kprobe", "symbol")?,
             nmissed: off("trace_kprobe", "rp.kp.nmissed")?,
+            offset: off("trace_kprobe", "rp.kp.offset").ok(),
             head: image
                 .address("dyn_event_list")?
                 .wrapping_add(survey.kaslr.slide),
@@ -1924,6 +1938,24 @@ impl KprobeReader {
     /// # Errors
     /// When guest memory cannot be read or the list does not close.
     pub fn read(&self, machine: &mut dyn Machine) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+        let mut out = BTreeMap::new();
+        for ((name, _), (hits, missed)) in self.read_sites(machine)? {
+            let e = out.entry(name).or_insert((0, 0));
+            e.0 += hits;
+            e.1 += missed;
+        }
+        Ok(out)
+    }
+
+    /// Hits and misses per kprobe, keyed by (symbol, offset): `p vfs_read+0x1c` is
+    /// `("vfs_read", 0x1c)` (the guest stopped).
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or the list does not close.
+    pub fn read_sites(
+        &self,
+        machine: &mut dyn Machine,
+    ) -> anyhow::Result<BTreeMap<(String, u64), (u64, u64)>> {
         let survey = &self.survey;
         let (head, kprobe_ops) = (self.head, self.kprobe_ops);
         let (devent, list_in_devent, ops_in_devent) =
@@ -1953,13 +1985,17 @@ impl KprobeReader {
                 space.read(name_ptr, &mut name)?;
                 let name = String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[]))
                     .into_owned();
+                let offset = match self.offset {
+                    Some(o) => u64::from(space.read_u32(tk + o)?),
+                    None => 0,
+                };
                 let per_cpu = u64_at(&mut space, tk + nhit)?;
                 let mut hits = 0u64;
                 for base in &cpus {
                     hits += u64_at(&mut space, per_cpu.wrapping_add(*base))?;
                 }
                 let missed = u64_at(&mut space, tk + nmissed)?;
-                let e = out.entry(name).or_insert((0, 0));
+                let e = out.entry((name, offset)).or_insert((0, 0));
                 e.0 += hits;
                 e.1 += missed;
             }

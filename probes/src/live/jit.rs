@@ -1,0 +1,693 @@
+//! The JIT against a live guest (issue 18): chosen kernel functions, and the functions
+//! they call directly (to a depth), translated from the *live* text into a code cache in
+//! the patch heap ([`crate::jit`]), entered through a `jmp` splice at each translated
+//! function's entry, counted per basic block while the guest runs, and taken out again.
+//!
+//! # Install (the guest stopped)
+//! The session's live text and its analysis ([`super::splicer::LiveKernel`]) give each
+//! function's CFG and liveness; the translator copies the functions block by block into a
+//! region of the patch heap (code, block counters, lookup table). Calls to retpoline
+//! thunks go through the lookup table like `call *%rax`. The code goes over the backend's
+//! write path (QEMU then drops its translated blocks of those addresses), the zeroed
+//! counters and the table through the shared RAM where there is one. Then the entry
+//! splices go in as one batch of the splicer ([`Action::Enter`]: journaled for recovery,
+//! checked against the bytes planned over, restored byte-exact).
+//!
+//! # What is counted, and what is not
+//! A block's counter counts the executions of its translation. Code runs outside the cache
+//! after an instruction the kernel finds by address (user accesses with exception-table
+//! entries run at their original address), after a return from a function that is not
+//! translated (its `ret` pops an ORIGINAL return address, which lands in original text:
+//! the stack never holds a cache address), and after a lookup miss of an indirect branch.
+//! From there the rest of that execution of the function, and of its callers up the stack,
+//! runs uncounted until the next entry splice is hit. Lazy translation and re-entry at such
+//! return sites are not built (issue 18).
+//!
+//! # Remove (the guest stopped)
+//! The counters are read; the splicer writes back every entry's original bytes and hashes
+//! the touched pages; the lookup table is zeroed, so every return and indirect branch still
+//! in the cache continues at its original target; then exotap checks that no vCPU's RIP and
+//! no return address of a kernel stack (each vCPU's unwound from its registers, every other
+//! task's from its saved `thread.sp`, with the image's ORC tables, interrupt frames
+//! included) points into the cache's code, letting the guest run 100 ms and checking again
+//! while one does ([`Reachability`], up to 20 times). Only then is the heap given up.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use exotap_introspect::btf::Btf;
+use exotap_introspect::x86::{thunk_register, Flow};
+use exotap_vmm::control::{Machine, VcpuId};
+
+use super::attach;
+use super::guest_memory::BackendMemory;
+use super::kernel_image::KernelImage;
+use super::session::GuestSession;
+use super::splicer::{Action, InstallReport, NotInstalled, RemoveReport, Request};
+use super::stacks::{list_tasks, KernelStacks, PageCache, TaskLayout};
+use crate::jit::{CacheLayout, ExitReason, TranslateError, Translation, Translator};
+
+/// What to translate and how much room to give it.
+#[derive(Debug, Clone)]
+pub struct JitOptions {
+    /// Direct callees are translated to this depth (0: only the functions asked for).
+    pub depth: u32,
+    /// At most this many functions are translated in all.
+    pub max_functions: usize,
+    /// Bytes of translated code.
+    pub code_bytes: u64,
+    /// Bytes of block counters (8 a block).
+    pub counter_bytes: u64,
+    /// Bytes of lookup table (16 a slot; at most half the slots are used).
+    pub table_bytes: u64,
+}
+
+impl Default for JitOptions {
+    fn default() -> Self {
+        Self {
+            depth: 1,
+            max_functions: 4000,
+            code_bytes: 8 << 20,
+            counter_bytes: 1 << 20,
+            table_bytes: 8 << 20,
+        }
+    }
+}
+
+/// One block's count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockCount {
+    /// The function's name.
+    pub function: String,
+    /// The function's entry (running kernel).
+    pub function_addr: u64,
+    /// The block leader (running kernel).
+    pub leader: u64,
+    /// Executions of the block's translation.
+    pub count: u64,
+    /// Whether the function was asked for (else it was translated as a callee).
+    pub requested: bool,
+}
+
+/// Translations in a live guest, between install and removal.
+#[derive(Debug)]
+pub struct LiveJit {
+    /// What was translated.
+    pub translation: Translation,
+    /// The cache's parts in the patch heap.
+    pub layout: CacheLayout,
+    /// Function entry → name, for every translated function.
+    pub names: BTreeMap<u64, String>,
+    /// The entries asked for.
+    pub requested: BTreeSet<u64>,
+    /// Functions the translator refused, and why.
+    pub refused: Vec<(String, String)>,
+    /// Time to choose and translate the functions.
+    pub translate_time: Duration,
+    /// Bytes of original text translated.
+    pub source_bytes: u64,
+    /// The entry splices' install report (entries refused are reachable only from
+    /// translated callers).
+    pub entries: InstallReport,
+    /// Entry splices in place.
+    pub entries_installed: usize,
+    /// Per translated function: (entry, end, the text it was translated from, its
+    /// instructions' addresses), to see the kernel change it ([`LiveJit::watch`]).
+    sources: Vec<(u64, u64, Vec<u8>, Vec<u64>)>,
+    /// Functions whose text changed under their translation, and were sent back to their
+    /// original code.
+    pub invalidated: Vec<Invalidation>,
+    /// Functions whose text changed but could not be invalidated yet (a vCPU was inside a
+    /// block head); tried again at the next look.
+    pending: BTreeSet<u64>,
+    /// When the text was last compared.
+    watched: Option<Instant>,
+}
+
+/// A translation given up because the kernel changed the text under it (the guest arming
+/// a kprobe, a static key or ftrace flipping): from then on the function runs its
+/// original code, uncounted.
+#[derive(Debug, Clone)]
+pub struct Invalidation {
+    /// The function.
+    pub function: String,
+    /// Its entry.
+    pub start: u64,
+    /// The first byte that changed.
+    pub at: u64,
+    /// What was there, and what is there now.
+    pub was: u8,
+    /// See `was`.
+    pub now: u8,
+}
+
+/// What the reachability check at removal found.
+#[derive(Debug, Clone, Default)]
+pub struct Reachability {
+    /// Checks made (each with the guest stopped).
+    pub checks: u32,
+    /// Words that pointed into the cache at the last check: (where, what).
+    pub found: Vec<(String, u64)>,
+    /// Stack frames unwound at the last check.
+    pub frames: usize,
+    /// Tasks whose stacks were scanned.
+    pub tasks: usize,
+}
+
+impl Reachability {
+    /// Whether the cache was unreachable at the last check.
+    pub fn unreachable(&self) -> bool {
+        self.found.is_empty()
+    }
+}
+
+/// What a removal found.
+#[derive(Debug)]
+pub struct JitRemoval {
+    /// Block counts read at the stop before the text was restored.
+    pub counts: Vec<BlockCount>,
+    /// The splicer's removal report (text pages before and after).
+    pub text: RemoveReport,
+    /// The reachability check.
+    pub reach: Reachability,
+}
+
+/// How often the reachability check looks again while something still points into the cache.
+const REACH_CHECKS: u32 = 20;
+
+/// Names of translated functions: the image's symbol at each entry.
+fn name_of(image: &KernelImage, slide: u64, addr: u64) -> String {
+    image
+        .symbols
+        .lookup_addr(addr.wrapping_sub(slide))
+        .map_or_else(
+            || format!("{addr:#x}"),
+            |(s, o)| {
+                if o == 0 {
+                    s.name.clone()
+                } else {
+                    format!("{}+{o:#x}", s.name)
+                }
+            },
+        )
+}
+
+impl LiveJit {
+    /// Translates `functions` (names and running-kernel entries) and their direct callees
+    /// to `options.depth`, writes the cache and splices every translated entry that takes a
+    /// splice. The session must be planned ([`GuestSession::plan`]) and the guest stopped.
+    ///
+    /// # Errors
+    /// No room in the heap, a function with no code, the cache too small for the functions
+    /// asked for, guest memory that cannot be written.
+    pub fn install(
+        session: &mut GuestSession,
+        image: &KernelImage,
+        functions: &[(String, u64)],
+        options: &JitOptions,
+    ) -> anyhow::Result<Self> {
+        let slide = session.survey.kaslr.slide;
+        let started = Instant::now();
+        let (machine, splicer) = session.parts()?;
+        let total = options
+            .code_bytes
+            .checked_add(options.counter_bytes)
+            .and_then(|t| t.checked_add(options.table_bytes))
+            .context("the cache size overflows")?;
+        let base = splicer.alloc(total, 0x1000)?;
+        let layout = CacheLayout {
+            code: base..base + options.code_bytes,
+            counters: base + options.code_bytes..base + options.code_bytes + options.counter_bytes,
+            table: base + options.code_bytes + options.counter_bytes..base + total,
+        };
+        let thunks: HashMap<u64, iced_x86::Register> = image
+            .symbols
+            .iter()
+            .filter_map(|s| Some((s.addr.wrapping_add(slide), thunk_register(&s.name)?)))
+            .collect();
+        let kernel = &splicer.kernel;
+        let ctx = kernel.context();
+        let facts = &kernel.facts;
+        let starts: BTreeSet<u64> = facts.starts.iter().copied().collect();
+        let special: BTreeSet<u64> = ["__fentry__", "__x86_return_thunk"]
+            .iter()
+            .filter_map(|n| image.symbols.get(n))
+            .map(|s| s.addr.wrapping_add(slide))
+            .collect();
+        let translatable = |addr: u64| {
+            starts.contains(&addr)
+                && !thunks.contains_key(&addr)
+                && !special.contains(&addr)
+                && !facts.forbidden.iter().any(|r| r.contains(&addr))
+                && !facts.self_patched.iter().any(|r| r.contains(&addr))
+        };
+        // The functions asked for, then their direct callees breadth first.
+        let mut order: Vec<u64> = Vec::new();
+        let mut seen = BTreeSet::new();
+        let mut queue: VecDeque<(u64, u32)> = VecDeque::new();
+        let mut refused = Vec::new();
+        for (name, addr) in functions {
+            if !translatable(*addr) {
+                anyhow::bail!(
+                    "{name} at {addr:#x} cannot be translated: not a function start in the \
+                     instrumentable text (entry and noinstr code, thunks and self-patched \
+                     code are not)"
+                );
+            }
+            if seen.insert(*addr) {
+                queue.push_back((*addr, 0));
+            }
+        }
+        while let Some((addr, depth)) = queue.pop_front() {
+            if order.len() >= options.max_functions {
+                break;
+            }
+            let Some(f) = ctx
+                .analysis
+                .function_containing(addr)
+                .filter(|f| f.cfg.start() == addr)
+            else {
+                refused.push((
+                    name_of(image, slide, addr),
+                    "no analysed function starts there".to_owned(),
+                ));
+                continue;
+            };
+            order.push(addr);
+            if depth >= options.depth {
+                continue;
+            }
+            for insn in f.cfg.insns() {
+                let target = match insn.flow {
+                    Flow::Call { target }
+                    | Flow::TailJump { target }
+                    | Flow::CondTailJump { target } => target,
+                    _ => continue,
+                };
+                if translatable(target) && seen.insert(target) {
+                    queue.push_back((target, depth + 1));
+                }
+            }
+        }
+        let mut translator =
+            Translator::new(layout.clone(), &facts.address_keyed)?.with_thunks(thunks);
+        let mut names = BTreeMap::new();
+        let mut sources = Vec::new();
+        let mut source_bytes = 0;
+        for &addr in &order {
+            let Some(f) = ctx.analysis.function_containing(addr) else {
+                continue;
+            };
+            let name = name_of(image, slide, addr);
+            match translator.translate(ctx.text, f) {
+                Ok(()) => {
+                    source_bytes += f.cfg.end() - f.cfg.start();
+                    names.insert(addr, name);
+                    let bytes = ctx
+                        .text
+                        .range(f.cfg.start(), f.cfg.end())
+                        .unwrap_or_default()
+                        .to_vec();
+                    let insns = f.cfg.insns().iter().map(|i| i.addr).collect();
+                    sources.push((f.cfg.start(), f.cfg.end(), bytes, insns));
+                }
+                Err(e @ TranslateError::Full { .. }) => {
+                    refused.push((name, format!("{e:#}")));
+                    if functions.iter().any(|(_, a)| *a == addr) {
+                        return Err(anyhow::Error::new(e)
+                            .context("the code cache cannot take the functions asked for"));
+                    }
+                }
+                Err(e) => {
+                    refused.push((name, format!("{e}")));
+                    if functions.iter().any(|(_, a)| *a == addr) {
+                        return Err(anyhow::Error::new(e));
+                    }
+                }
+            }
+        }
+        let translation = translator.finish()?;
+        let translate_time = started.elapsed();
+        // Code over the backend's write path; data (zeroed counters, the table) through the
+        // shared RAM when there is one.
+        splicer.write_heap(machine, translation.code_at, &translation.code)?;
+        let zeros = vec![0u8; usize::try_from(layout.counters.end - layout.counters.start)?];
+        match &splicer.shared {
+            Some(shared) => {
+                shared.write_heap(layout.counters.start, &zeros)?;
+                shared.write_heap(translation.table_at, &translation.table)?;
+            }
+            None => {
+                splicer.write_heap(machine, layout.counters.start, &zeros)?;
+                splicer.write_heap(machine, translation.table_at, &translation.table)?;
+            }
+        }
+        let requests: Vec<Request> = translation
+            .functions
+            .values()
+            .map(|f| Request {
+                name: names.get(&f.start).cloned().unwrap_or_default(),
+                addr: f.start,
+                action: Action::Enter(f.entry),
+            })
+            .collect();
+        let entries = session.install(&requests)?;
+        let entries_installed = session.splicer().map_or(0, |s| s.installed.len());
+        tracing::info!(
+            "JIT: {} functions ({} bytes of text) translated in {:.1} ms into {} bytes of cache; {} entry splices",
+            translation.functions.len(),
+            source_bytes,
+            translate_time.as_secs_f64() * 1e3,
+            translation.code.len(),
+            entries_installed
+        );
+        Ok(Self {
+            translation,
+            layout,
+            names,
+            requested: functions.iter().map(|(_, a)| *a).collect(),
+            refused,
+            translate_time,
+            source_bytes,
+            entries,
+            entries_installed,
+            sources,
+            invalidated: Vec::new(),
+            pending: BTreeSet::new(),
+            watched: None,
+        })
+    }
+
+    /// Compares the translated functions' text with what the guest holds now (through the
+    /// shared RAM, the guest running; at most every 100 ms; nothing without shared RAM) and
+    /// invalidates every function whose text changed past its entry instruction (the entry
+    /// holds exotap's own splice): its block heads become jumps to the original leaders
+    /// (the entry block's: the relocated entry instruction, then a jump past it) and its
+    /// lookup-table entries map to the original addresses, so every path into the old
+    /// translation continues in the kernel's current code. The guest is stopped for the
+    /// writes. A function is not translated again (not built yet).
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or written, or the guest stopped.
+    pub fn watch(&mut self, session: &mut GuestSession) -> anyhow::Result<Vec<Invalidation>> {
+        if self
+            .watched
+            .is_some_and(|t| t.elapsed() < Duration::from_millis(100))
+        {
+            return Ok(Vec::new());
+        }
+        self.watched = Some(Instant::now());
+        let changed = {
+            let (_, splicer) = session.parts()?;
+            let Some(shared) = splicer.shared.clone() else {
+                return Ok(Vec::new());
+            };
+            let mut changed = Vec::new();
+            for (k, (start, end, bytes, insns)) in self.sources.iter().enumerate() {
+                if self.invalidated.iter().any(|i| i.start == *start) {
+                    continue;
+                }
+                let skip = insns.get(1).map_or(bytes.len() as u64, |n| n - start) as usize;
+                let Some(phys) = splicer.kernel.phys(*start) else {
+                    continue;
+                };
+                let mut now = vec![0u8; usize::try_from(end - start)?];
+                if shared.read_phys(phys, &mut now).is_err() {
+                    continue;
+                }
+                if let Some(i) = (skip..bytes.len()).find(|&i| now.get(i) != bytes.get(i)) {
+                    changed.push((k, i, now[i]));
+                }
+            }
+            changed
+        };
+        if changed.is_empty() {
+            return Ok(Vec::new());
+        }
+        session.pause()?;
+        let mut done = Vec::new();
+        for (k, i, now) in changed {
+            let (start, _, bytes, insns) = self.sources[k].clone();
+            let Some(f) = self.translation.functions.get(&start).copied() else {
+                continue;
+            };
+            let inv = Invalidation {
+                function: self.names.get(&start).cloned().unwrap_or_default(),
+                start,
+                at: start + i as u64,
+                was: bytes[i],
+                now,
+            };
+            let entry_insn = bytes
+                .get(..insns.get(1).map_or(bytes.len(), |n| (n - start) as usize))
+                .unwrap_or_default()
+                .to_vec();
+            match self.invalidate(session, f.start, &entry_insn, &insns) {
+                Ok(true) => {
+                    self.pending.remove(&start);
+                    tracing::info!(
+                        "{} changed at {:#x} ({:02x} -> {:02x}): its translation is given up, it runs its original code",
+                        inv.function,
+                        inv.at,
+                        inv.was,
+                        inv.now
+                    );
+                    self.invalidated.push(inv.clone());
+                    done.push(inv);
+                }
+                Ok(false) => {
+                    self.pending.insert(start);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        session.resume()?;
+        Ok(done)
+    }
+
+    /// Sends every way into one function's translation back to its original code (the
+    /// guest stopped); false when a vCPU or an interrupted context is inside a block head
+    /// that would be overwritten.
+    fn invalidate(
+        &mut self,
+        session: &mut GuestSession,
+        start: u64,
+        entry_insn: &[u8],
+        insns: &[u64],
+    ) -> anyhow::Result<bool> {
+        let heads: Vec<(u64, u64)> = self
+            .translation
+            .blocks
+            .iter()
+            .filter(|b| b.function == start)
+            .map(|b| (b.cache, b.leader))
+            .collect();
+        // A vCPU stopped inside the first five bytes of a block head (after its `pushfq`)
+        // would resume in the middle of the new jump.
+        for vcpu in session.machine.vcpus()? {
+            let regs = attach::x86_registers(&mut *session.machine, vcpu)?;
+            if heads.iter().any(|&(c, _)| regs.rip > c && regs.rip < c + 5) {
+                return Ok(false);
+            }
+        }
+        let mut writes = Vec::new();
+        for &(cache, leader) in &heads {
+            let mut code = Vec::new();
+            let mut at = cache;
+            if leader == start {
+                let moved = crate::splice::reloc::relocate(
+                    entry_insn,
+                    start,
+                    cache,
+                    crate::splice::reloc::CallReturn::Patch,
+                )
+                .map_err(|e| anyhow::anyhow!("cannot relocate the entry instruction: {e}"))?;
+                code.extend_from_slice(&moved.bytes);
+                at += moved.bytes.len() as u64;
+            }
+            let resume = if leader == start {
+                start + entry_insn.len() as u64
+            } else {
+                leader
+            };
+            let rel = i32::try_from(resume.wrapping_sub(at + 5) as i64)
+                .context("the original code is out of rel32 reach of the cache")?;
+            code.push(0xe9);
+            code.extend_from_slice(&rel.to_le_bytes());
+            writes.push((cache, code));
+        }
+        let keys: BTreeSet<u64> = insns.iter().copied().collect();
+        let mut table = self.translation.table.clone();
+        for slot in table.chunks_exact_mut(16) {
+            let key = u64::from_le_bytes(slot[..8].try_into().unwrap_or_default());
+            if key != 0 && keys.contains(&key) {
+                slot[8..].copy_from_slice(&key.to_le_bytes());
+            }
+        }
+        let (machine, splicer) = session.parts()?;
+        // The table first: a return into this function then already goes to the original.
+        match &splicer.shared {
+            Some(shared) => shared.write_heap(self.translation.table_at, &table)?,
+            None => splicer.write_heap(machine, self.translation.table_at, &table)?,
+        }
+        for (at, code) in writes {
+            splicer.write_heap(machine, at, &code)?;
+        }
+        self.translation.table = table;
+        Ok(true)
+    }
+
+    /// (entry, end) of every translated function, running-kernel addresses.
+    pub fn ranges(&self) -> Vec<(u64, u64)> {
+        self.sources.iter().map(|(s, e, _, _)| (*s, *e)).collect()
+    }
+
+    /// Entry splices refused by the planner (their functions are entered only from
+    /// translated callers).
+    pub fn entries_refused(&self) -> &[NotInstalled] {
+        &self.entries.refused
+    }
+
+    /// Cache exits by reason.
+    pub fn exits(&self) -> BTreeMap<ExitReason, usize> {
+        let mut out = BTreeMap::new();
+        for e in &self.translation.exits {
+            *out.entry(e.reason).or_default() += 1;
+        }
+        out
+    }
+
+    /// Reads every block counter (the guest stopped, or running where the RAM is shared).
+    ///
+    /// # Errors
+    /// When the heap cannot be read.
+    pub fn counts(&self, session: &mut GuestSession) -> anyhow::Result<Vec<BlockCount>> {
+        let range = &self.translation.counters;
+        let len = usize::try_from(range.end - range.start)?;
+        let (machine, splicer) = session.parts()?;
+        let bytes = match &splicer.shared {
+            Some(shared) => shared.read_heap(range.start, len)?,
+            None => splicer.read_heap(machine, range.start, len)?,
+        };
+        Ok(self
+            .translation
+            .blocks
+            .iter()
+            .zip(self.translation.counts(&bytes))
+            .map(|(b, (leader, count))| BlockCount {
+                function: self.names.get(&b.function).cloned().unwrap_or_default(),
+                function_addr: b.function,
+                leader,
+                count,
+                requested: self.requested.contains(&b.function),
+            })
+            .collect())
+    }
+
+    /// Reads the counters, takes the entry splices out (text byte-identical), zeroes the
+    /// lookup table and checks that nothing points into the cache any more (see the module
+    /// documentation). Leaves the guest stopped.
+    ///
+    /// # Errors
+    /// When the guest cannot be stopped, read or written, or the task list cannot be read.
+    pub fn remove(
+        self,
+        session: &mut GuestSession,
+        image: &KernelImage,
+    ) -> anyhow::Result<JitRemoval> {
+        session.pause()?;
+        let counts = self.counts(session)?;
+        let text = session.remove()?;
+        let zeros = vec![0u8; self.translation.table.len()];
+        {
+            let (machine, splicer) = session.parts()?;
+            match &splicer.shared {
+                Some(shared) => shared.write_heap(self.translation.table_at, &zeros)?,
+                None => splicer.write_heap(machine, self.translation.table_at, &zeros)?,
+            }
+        }
+        let code =
+            self.layout.code.start..self.translation.code_at + self.translation.code.len() as u64;
+        let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no BTF")?;
+        let tasks = TaskLayout::from_btf(&btf)?;
+        let stacks = KernelStacks::load(image, session.survey.kaslr.slide)?;
+        let mut reach = Reachability::default();
+        for check in 1..=REACH_CHECKS {
+            reach = check_reachability(session, &code, &tasks, &stacks)?;
+            reach.checks = check;
+            if reach.unreachable() {
+                break;
+            }
+            tracing::info!(
+                "the code cache is still reachable ({} words); letting the guest run 100 ms",
+                reach.found.len()
+            );
+            session.resume()?;
+            std::thread::sleep(Duration::from_millis(100));
+            session.pause()?;
+        }
+        Ok(JitRemoval {
+            counts,
+            text,
+            reach,
+        })
+    }
+}
+
+/// One look, with the guest stopped, for RIPs and return addresses inside `code`: every
+/// vCPU's stack unwound from its registers, every other task's from its saved `thread.sp`,
+/// with the image's ORC tables (what the kernel's own unwinder follows, interrupt frames
+/// included). A raw scan of the stacks would also find dead words left below live frames
+/// by the dispatch routine (it writes a cache address where `ret` pops it), which no
+/// return ever uses.
+fn check_reachability(
+    session: &mut GuestSession,
+    code: &Range<u64>,
+    tasks: &TaskLayout,
+    stacks: &KernelStacks,
+) -> anyhow::Result<Reachability> {
+    let survey = session.survey.clone();
+    let machine: &mut dyn Machine = &mut *session.machine;
+    let mut reach = Reachability::default();
+    let look = |reach: &mut Reachability, what: String, bt: &exotap_introspect::orc::Backtrace| {
+        reach.frames += bt.frames.len();
+        for frame in &bt.frames {
+            if code.contains(&frame.pc) {
+                reach.found.push((what.clone(), frame.pc));
+            }
+        }
+    };
+    for vcpu in machine.vcpus()? {
+        let regs = attach::x86_registers(machine, vcpu)?;
+        let VcpuId(n) = vcpu;
+        if code.contains(&regs.rip) {
+            reach.found.push((format!("vCPU {n} RIP"), regs.rip));
+        }
+        if regs.in_kernel() {
+            let mut mem = BackendMemory(&mut *machine);
+            let mut space = survey.space(&mut mem);
+            let mut cache = PageCache::new(&mut space);
+            let bt = stacks.unwind_vcpu(&regs, &mut cache);
+            look(&mut reach, format!("vCPU {n} stack"), &bt);
+        }
+    }
+    let mut mem = BackendMemory(&mut *machine);
+    let mut space = survey.space(&mut mem);
+    let list = list_tasks(&mut space, survey.layout.init_task, tasks)?;
+    reach.tasks = list.len();
+    for task in list {
+        if task.on_cpu {
+            continue; // a vCPU's, unwound above
+        }
+        let mut cache = PageCache::new(&mut space);
+        let bt = stacks.unwind_task(task.thread_sp, &mut cache);
+        look(
+            &mut reach,
+            format!("task {} ({}) stack", task.pid, task.comm),
+            &bt,
+        );
+    }
+    Ok(reach)
+}
