@@ -69,6 +69,16 @@ pub trait Context {
     fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
         Err(MemoryError::NoMemory)
     }
+    /// The address of the current task's `task_struct` (`task_current()`). `None` where this
+    /// context has no task (the default: only a context stopped in the guest has one).
+    fn task_current(&self) -> Option<u64> {
+        None
+    }
+    /// Argument `n` (1-based) of the probed function as its register held it at the entry
+    /// (`int_arg(n)` and friends). `None` where this context has no registers (the default).
+    fn arg_register(&self, _n: i64) -> Option<u64> {
+        None
+    }
 }
 
 /// A context captured into a record (or made up for guest-free probes and tests).

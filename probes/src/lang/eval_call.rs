@@ -389,6 +389,33 @@ impl Interp<'_> {
                     _ => v,
                 })
             }
+            "int_arg" | "uint_arg" | "long_arg" | "ulong_arg" | "pointer_arg" => {
+                let Some(raw) = ctx.arg_register(long(0)) else {
+                    return fail(
+                        format!(
+                            "{name}({}): no such argument register here (arguments 1 to 6 of \
+                             a kernel probe that stopped the guest)",
+                            long(0)
+                        ),
+                        span,
+                    );
+                };
+                Value::Long(match name {
+                    "int_arg" => i64::from(raw as u32 as i32),
+                    "uint_arg" => i64::from(raw as u32),
+                    _ => raw as i64,
+                })
+            }
+            "task_current" => match ctx.task_current() {
+                Some(task) => Value::Long(task as i64),
+                None => {
+                    return fail(
+                        "task_current() has no task here: only a kernel probe that stopped the \
+                         guest has one",
+                        span,
+                    )
+                }
+            },
             other => match native::unavailable(other) {
                 Some(why) => return fail(format!("{other}() cannot run here: {why}"), span),
                 None => return fail(format!("unknown function '{other}'"), span),
