@@ -813,6 +813,30 @@ impl Traps {
     /// (the guest paused); detaching then removes the breakpoints.
     pub fn disarm(&mut self, machine: &mut dyn Machine) {
         let _ = machine.pause();
+        // A vCPU that returned into the trampoline and stopped at its breakpoint, where the
+        // loop ended before handling that stop, would run the trampoline's `ud2` once the
+        // breakpoint is gone: send it to the return address its `ret` popped (its return
+        // probe does not run).
+        let mut moved = 0;
+        for vcpu in machine.vcpus().unwrap_or_default() {
+            let Ok(regs) = registers(machine, vcpu) else {
+                continue;
+            };
+            if regs.rip != self.trampoline {
+                continue;
+            }
+            let slot = regs.gpr[7].wrapping_sub(8);
+            match self.pending.remove(&slot) {
+                Some(p) if machine.set_pc(vcpu, p.original).is_ok() => moved += 1,
+                _ => tracing::error!(
+                    "{vcpu} stopped at the return trampoline with no swapped return address at \
+                     {slot:#x}: it will fault once exotap detaches"
+                ),
+            }
+        }
+        if moved > 0 {
+            tracing::info!("{moved} vCPUs at the return trampoline sent on to their callers");
+        }
         let mut restored = 0;
         for (slot, p) in self.pending.drain() {
             let mut now = [0u8; 8];
@@ -1061,5 +1085,31 @@ mod tests {
             "{start:#x}..{end:#x}"
         );
         assert_eq!(text.refusal(vfs_read + 0x10), None);
+    }
+
+    #[test]
+    fn tracepoint_points_name_their_tracepoint_and_others_none() {
+        assert_eq!(
+            tracepoint_name("kernel.trace(\"sched_switch\")"),
+            Some("sched_switch")
+        );
+        assert_eq!(tracepoint_name("kernel.function(\"vfs_read\")"), None);
+        assert_eq!(tracepoint_name("kernel.trace(\"sched_switch\").x"), None);
+    }
+
+    #[test]
+    fn task_ids_are_laid_out_from_the_kernels_btf() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let btf = Btf::from_elf(image.vmlinux.bytes()).unwrap();
+        let ids = TaskIds::from_btf(&btf).unwrap();
+        let pid = btf.struct_member("task_struct", "pid").unwrap().byte_offset();
+        // tgid follows pid in struct task_struct; uid comes early in struct cred, right
+        // after its usage counter (and the debug fields, where configured).
+        assert_eq!(Some(ids.tgid), pid.map(|p| p + 4));
+        assert!(ids.real_parent > ids.tgid && ids.cred > ids.real_parent);
+        assert!(ids.uid >= 4 && ids.uid < 64 && ids.uid % 4 == 0, "{}", ids.uid);
     }
 }
