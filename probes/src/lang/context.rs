@@ -79,6 +79,15 @@ pub trait Context {
     fn arg_register(&self, _n: i64) -> Option<u64> {
         None
     }
+    /// The kernel text symbol `addr` lies in: its name, the offset into it and its size;
+    /// `Ok(None)` where no symbol covers it. Only a context stopped in the guest has the
+    /// kernel's symbols; others answer [`MemoryError::NoMemory`] (the default).
+    ///
+    /// # Errors
+    /// When this context has no kernel symbols.
+    fn kernel_symbol(&self, _addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
+        Err(MemoryError::NoMemory)
+    }
 }
 
 /// A context captured into a record (or made up for guest-free probes and tests).

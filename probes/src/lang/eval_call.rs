@@ -406,6 +406,38 @@ impl Interp<'_> {
                     _ => raw as i64,
                 })
             }
+            "symname" | "symdata" => {
+                let addr = long(0) as u64;
+                match ctx.kernel_symbol(addr) {
+                    Ok(Some((sym, _, _))) if name == "symname" => self.string(sym),
+                    Ok(Some((sym, offset, size))) => {
+                        self.string(format!("{sym}+{offset:#x}/{size:#x} [kernel]"))
+                    }
+                    // As SystemTap: an address no symbol covers prints as itself.
+                    Ok(None) => self.string(format!("{addr:#x}")),
+                    Err(_) => return fail(no_symbols(name), span),
+                }
+            }
+            "print_syms" => {
+                let mut lines = String::new();
+                for word in text(0).split_whitespace() {
+                    let Some(addr) = word
+                        .strip_prefix("0x")
+                        .and_then(|h| u64::from_str_radix(h, 16).ok())
+                    else {
+                        return fail(format!("print_syms: '{word}' is not an address"), span);
+                    };
+                    match ctx.kernel_symbol(addr) {
+                        Ok(Some((sym, offset, size))) => lines.push_str(&format!(
+                            " {addr:#018x} : {sym}+{offset:#x}/{size:#x} [kernel]\n"
+                        )),
+                        Ok(None) => lines.push_str(&format!(" {addr:#018x}\n")),
+                        Err(_) => return fail(no_symbols(name), span),
+                    }
+                }
+                self.emit_text(&lines, span)?;
+                unit
+            }
             "task_current" => match ctx.task_current() {
                 Some(task) => Value::Long(task as i64),
                 None => {
@@ -454,6 +486,11 @@ fn strtol(s: &str, base: i64) -> Result<i64, String> {
 
 /// The kernel stack as SystemTap's `sprint_backtrace()` writes it: ` 0xADDR : NAME [kernel]`
 /// a frame, lines joined by newlines.
+/// Why `name` has no kernel symbols to look in here.
+fn no_symbols(name: &str) -> String {
+    format!("{name}() has no kernel symbols here: only a kernel probe that stopped the guest has them")
+}
+
 fn backtrace_lines(ctx: &dyn Context) -> String {
     ctx.kernel_backtrace()
         .unwrap_or_default()

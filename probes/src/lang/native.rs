@@ -551,18 +551,6 @@ pub const UNAVAILABLE: &[(&str, &str)] = &[
         "host-evaluated probes do not capture the privilege level of the probed context yet",
     ),
     (
-        "symname",
-        "host-evaluated probes do not have the kernel's symbol table yet",
-    ),
-    (
-        "symdata",
-        "host-evaluated probes do not have the kernel's symbol table yet",
-    ),
-    (
-        "print_syms",
-        "host-evaluated probes do not have the kernel's symbol table yet",
-    ),
-    (
         "addr",
         "host-evaluated probes do not capture the probed context's registers yet",
     ),

@@ -341,6 +341,13 @@ impl Context for LiveContext<'_> {
         self.current_task()
     }
 
+    fn kernel_symbol(&self, addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
+        let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
+        Ok(stacks
+            .symbol(addr)
+            .map(|(sym, offset)| (sym.name.clone(), offset, sym.size)))
+    }
+
     fn arg_register(&self, n: i64) -> Option<u64> {
         self.argument(usize::try_from(n.checked_sub(1)?).ok()?)
     }
