@@ -198,7 +198,8 @@ enum Window {
     /// [`ROUNDS`] rounds of the workload, and at least this many seconds (its timers).
     Rounds(u64),
     /// This many seconds: for examples that stop the guest at every context switch or
-    /// system call, under which a round of the workload takes minutes.
+    /// system call (or copy the compiled globals at each stop), under which a round of the
+    /// workload takes a minute.
     Secs(u64),
 }
 
@@ -790,13 +791,14 @@ fn chng_cpu(run: &Run) -> Result<String, String> {
     for l in &lines {
         if let Some(rest) = l.strip_prefix("thread ") {
             let f: Vec<&str> = rest.split_whitespace().collect();
+            // "TID (mixed) context switched on cpuN state: N"
             ensure(
-                f.len() == 7 && f[1] == "(mixed)" && f[4].starts_with("cpu"),
+                f.len() == 8 && f[1] == "(mixed)" && f[5].starts_with("cpu"),
                 || format!("row '{l}'"),
             )?;
             num(f[0])?;
-            num(f[4].trim_start_matches("cpu"))?;
-            num(f[6])?;
+            num(f[5].trim_start_matches("cpu"))?;
+            num(f[7])?;
             blocks += 1;
             first = true;
             continue;
@@ -936,7 +938,7 @@ const EXAMPLES: &[Example] = &[
     Example {
         file: "process/chng_cpu.stp",
         args: &["mixed"],
-        window: Window::Rounds(0),
+        window: Window::Secs(4),
         check: chng_cpu,
     },
     Example {

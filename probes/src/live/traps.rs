@@ -1117,6 +1117,6 @@ mod tests {
         // after its usage counter (and the debug fields, where configured).
         assert_eq!(Some(ids.tgid), pid.map(|p| p + 4));
         assert!(ids.real_parent > ids.tgid && ids.cred > ids.real_parent);
-        assert!(ids.uid >= 4 && ids.uid < 64 && ids.uid % 4 == 0, "{}", ids.uid);
+        assert!(ids.uid >= 4 && ids.uid < 64 && ids.uid.is_multiple_of(4), "{}", ids.uid);
     }
 }
