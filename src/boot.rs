@@ -121,7 +121,7 @@ pub struct BootArgs {
     /// so it can prepare the guest first (e.g. arm the guest's own kprobes).
     #[arg(long, requires = "script")]
     pub attach_in_job: bool,
-    /// With --script and compiled probes: print the guest's own kprobe hits between install
+    /// With --script: print the guest's own kprobe hits between install
     /// and removal, per function, as HOST-RESULT kprobe.FUNCTION=N on stderr.
     #[arg(long)]
     pub compare_kprobes: bool,

@@ -176,7 +176,7 @@ pub struct ScriptOptions {
     /// compiled probes' output and header are then read without stopping the guest.
     #[arg(long, value_name = "PATH", requires = "target")]
     pub shm: Option<PathBuf>,
-    /// With --target and compiled probes: print the guest's own kprobe hits between install
+    /// With --target: print the guest's own kprobe hits between install
     /// and removal, per function, as HOST-RESULT kprobe.FUNCTION=N on stderr.
     #[arg(long)]
     pub compare_kprobes: bool,

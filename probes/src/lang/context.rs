@@ -82,8 +82,27 @@ pub trait Context {
     }
     /// The kernel address `addr` as `%pB` names it (`func+0xoff/0xsize`), for
     /// `sprint_stack()`: `None` where the context has no kernel symbols (the default).
-    fn kernel_symbol(&self, _addr: u64) -> Option<String> {
+    fn pc_name(&self, _addr: u64) -> Option<String> {
         None
+    }
+    /// The address of the current task's `task_struct` (`task_current()`). `None` where this
+    /// context has no task (the default: only a context stopped in the guest has one).
+    fn task_current(&self) -> Option<u64> {
+        None
+    }
+    /// Argument `n` (1-based) of the probed function as its register held it at the entry
+    /// (`int_arg(n)` and friends). `None` where this context has no registers (the default).
+    fn arg_register(&self, _n: i64) -> Option<u64> {
+        None
+    }
+    /// The kernel text symbol `addr` lies in: its name, the offset into it and its size;
+    /// `Ok(None)` where no symbol covers it. Only a context stopped in the guest has the
+    /// kernel's symbols; others answer [`MemoryError::NoMemory`] (the default).
+    ///
+    /// # Errors
+    /// When this context has no kernel symbols.
+    fn kernel_symbol(&self, _addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
+        Err(MemoryError::NoMemory)
     }
 }
 

@@ -404,6 +404,65 @@ impl Interp<'_> {
                     _ => v,
                 })
             }
+            "int_arg" | "uint_arg" | "long_arg" | "ulong_arg" | "pointer_arg" => {
+                let Some(raw) = ctx.arg_register(long(0)) else {
+                    return fail(
+                        format!(
+                            "{name}({}): no such argument register here (arguments 1 to 6 of \
+                             a kernel probe that stopped the guest)",
+                            long(0)
+                        ),
+                        span,
+                    );
+                };
+                Value::Long(match name {
+                    "int_arg" => i64::from(raw as u32 as i32),
+                    "uint_arg" => i64::from(raw as u32),
+                    _ => raw as i64,
+                })
+            }
+            "symname" | "symdata" => {
+                let addr = long(0) as u64;
+                match ctx.kernel_symbol(addr) {
+                    Ok(Some((sym, _, _))) if name == "symname" => self.string(sym),
+                    Ok(Some((sym, offset, size))) => {
+                        self.string(format!("{sym}+{offset:#x}/{size:#x} [kernel]"))
+                    }
+                    // As SystemTap: an address no symbol covers prints as itself.
+                    Ok(None) => self.string(format!("{addr:#x}")),
+                    Err(_) => return fail(no_symbols(name), span),
+                }
+            }
+            "print_syms" => {
+                let mut lines = String::new();
+                for word in text(0).split_whitespace() {
+                    let Some(addr) = word
+                        .strip_prefix("0x")
+                        .and_then(|h| u64::from_str_radix(h, 16).ok())
+                    else {
+                        return fail(format!("print_syms: '{word}' is not an address"), span);
+                    };
+                    match ctx.kernel_symbol(addr) {
+                        Ok(Some((sym, offset, size))) => lines.push_str(&format!(
+                            " {addr:#018x} : {sym}+{offset:#x}/{size:#x} [kernel]\n"
+                        )),
+                        Ok(None) => lines.push_str(&format!(" {addr:#018x}\n")),
+                        Err(_) => return fail(no_symbols(name), span),
+                    }
+                }
+                self.emit_text(&lines, span)?;
+                unit
+            }
+            "task_current" => {
+                match ctx.task_current() {
+                    Some(task) => Value::Long(task as i64),
+                    None => return fail(
+                        "task_current() has no task here: only a kernel probe that stopped the \
+                         guest has one",
+                        span,
+                    ),
+                }
+            }
             other => match native::unavailable(other) {
                 Some(why) => return fail(format!("{other}() cannot run here: {why}"), span),
                 None => return fail(format!("unknown function '{other}'"), span),
@@ -442,6 +501,13 @@ fn strtol(s: &str, base: i64) -> Result<i64, String> {
 
 /// The kernel stack as SystemTap's `sprint_backtrace()` writes it: ` 0xADDR : NAME [kernel]`
 /// a frame, lines joined by newlines.
+/// Why `name` has no kernel symbols to look in here.
+fn no_symbols(name: &str) -> String {
+    format!(
+        "{name}() has no kernel symbols here: only a kernel probe that stopped the guest has them"
+    )
+}
+
 fn backtrace_lines(ctx: &dyn Context) -> String {
     ctx.kernel_backtrace()
         .unwrap_or_default()
@@ -464,10 +530,7 @@ fn stack_lines(
         .map(|word| {
             let pc = u64::from_str_radix(word.trim_start_matches("0x"), 16).ok();
             let name = pc
-                .and_then(|pc| {
-                    ctx.kernel_symbol(pc)
-                        .or_else(|| symbols.and_then(|f| f(pc)))
-                })
+                .and_then(|pc| ctx.pc_name(pc).or_else(|| symbols.and_then(|f| f(pc))))
                 .unwrap_or_else(|| word.to_owned());
             match pc {
                 Some(pc) => format!(" {pc:#018x} : {name} [kernel]"),

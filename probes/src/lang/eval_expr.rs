@@ -76,7 +76,9 @@ impl Interp<'_> {
                 let stats = self.stats_of(target, f, ctx)?;
                 match stats.as_ref().and_then(|s| stat_value(s, *op)) {
                     Some(v) => Value::Long(v),
-                    None if *op == StatOp::Count => Value::Long(0),
+                    // As SystemTap: an empty aggregate counts and sums to 0; its
+                    // @min/@max/@avg are errors.
+                    None if matches!(*op, StatOp::Count | StatOp::Sum) => Value::Long(0),
                     None => return fail("empty aggregate", e.span),
                 }
             }

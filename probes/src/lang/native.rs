@@ -543,28 +543,12 @@ pub const UNAVAILABLE: &[(&str, &str)] = &[
         "host-evaluated probes do not read the task's CPU time accounting yet",
     ),
     (
-        "task_current",
-        "host-evaluated probes do not capture the current task_struct's address yet",
-    ),
-    (
         "jiffies",
         "host-evaluated probes do not look up the guest's 'jiffies' variable yet",
     ),
     (
         "user_mode",
         "host-evaluated probes do not capture the privilege level of the probed context yet",
-    ),
-    (
-        "symname",
-        "host-evaluated probes do not have the kernel's symbol table yet",
-    ),
-    (
-        "symdata",
-        "host-evaluated probes do not have the kernel's symbol table yet",
-    ),
-    (
-        "print_syms",
-        "host-evaluated probes do not have the kernel's symbol table yet",
     ),
     (
         "addr",
@@ -593,31 +577,6 @@ pub const UNAVAILABLE: &[(&str, &str)] = &[
     (
         "ubacktrace",
         "user-space stacks are out of exotap's scope (no user-space probing)",
-    ),
-    (
-        "int_arg",
-        "host-evaluated probes do not capture the argument registers yet; name the \
-         parameter ($name) instead",
-    ),
-    (
-        "uint_arg",
-        "host-evaluated probes do not capture the argument registers yet; name the \
-         parameter ($name) instead",
-    ),
-    (
-        "long_arg",
-        "host-evaluated probes do not capture the argument registers yet; name the \
-         parameter ($name) instead",
-    ),
-    (
-        "ulong_arg",
-        "host-evaluated probes do not capture the argument registers yet; name the \
-         parameter ($name) instead",
-    ),
-    (
-        "pointer_arg",
-        "host-evaluated probes do not capture the argument registers yet; name the \
-         parameter ($name) instead",
     ),
     (
         "pid2task",

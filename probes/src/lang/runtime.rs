@@ -719,7 +719,7 @@ mod tests {
                 _ => Err(crate::lang::context::MemoryError::NoMemory),
             }
         }
-        fn kernel_symbol(&self, addr: u64) -> Option<String> {
+        fn pc_name(&self, addr: u64) -> Option<String> {
             (addr == 0xffff_ffff_8124_ff10).then(|| "vfs_read+0x0/0x1c0".into())
         }
     }

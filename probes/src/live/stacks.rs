@@ -413,6 +413,11 @@ impl KernelStacks {
         frame.pc.wrapping_sub(u64::from(!frame.signal))
     }
 
+    /// The text symbol `addr` (a running address) lies in, and the offset into it.
+    pub fn symbol(&self, addr: u64) -> Option<(&Symbol, u64)> {
+        self.symbols.lookup_addr(addr)
+    }
+
     /// The function a frame is in.
     pub fn function(&self, frame: &Frame) -> Option<&Symbol> {
         self.symbols

@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
 use exotap_vmm::control::{Machine, StopEvent};
 
@@ -23,6 +24,7 @@ use crate::lang::Limits;
 use super::attach;
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
+use super::splicer::KprobeReader;
 use super::traps::{TrapArea, Traps};
 
 /// How often the loop looks at timers and Ctrl-C while the guest runs.
@@ -45,7 +47,7 @@ pub struct GuestScript {
     /// Set by Ctrl-C: end probes run, then exotap detaches and the guest runs on.
     pub stop: Arc<AtomicBool>,
     /// Read the guest's own kprobe hit counters at install and at removal, and print the
-    /// difference per function as `HOST-RESULT kprobe.FUNCTION=N` (compiled runs only).
+    /// difference per function as `HOST-RESULT kprobe.FUNCTION=N`.
     pub compare_kprobes: bool,
 }
 
@@ -86,9 +88,23 @@ pub fn start(
         size: plan.size,
     };
     let traps = Traps::arm(&mut session, image, &script.prog, area, &|_| true)?;
+    let kprobes = if script.compare_kprobes {
+        let btf =
+            Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+        Some(KprobeReader::new(&session.survey, image, &btf)?)
+    } else {
+        None
+    };
     std::thread::Builder::new()
         .name("exotap-tracer".into())
-        .spawn(move || Tracer { session, traps }.run(script))
+        .spawn(move || {
+            Tracer {
+                session,
+                traps,
+                kprobes,
+            }
+            .run(script)
+        })
         .context("cannot start the tracer thread")
 }
 
@@ -97,6 +113,8 @@ struct Tracer {
     /// The attached guest (its drop detaches should the thread unwind).
     session: GuestSession,
     traps: Traps,
+    /// With `compare_kprobes`: reads the guest's own kprobe hits.
+    kprobes: Option<KprobeReader>,
 }
 
 impl Tracer {
@@ -121,6 +139,12 @@ impl Tracer {
         let host = host_context();
         let mut hits = 0u64;
         let mut gone = false;
+        // Read with the guest still paused after arming, as at the end after disarming:
+        // both counts bracket the same window as the breakpoints.
+        let kprobes_before = self
+            .kprobes
+            .as_ref()
+            .map(|k| k.read(&mut self.session.machine));
         if let Err(e) = self.session.machine.resume() {
             tracing::error!("cannot resume the guest: {e}");
             gone = true;
@@ -164,6 +188,20 @@ impl Tracer {
             self.session.abandon();
         } else {
             self.traps.disarm(&mut self.session.machine);
+            if let (Some(reader), Some(before)) = (&self.kprobes, kprobes_before) {
+                match (before, reader.read(&mut self.session.machine)) {
+                    (Ok(before), Ok(after)) => {
+                        for (name, (hits, missed)) in after {
+                            let (h0, m0) = before.get(&name).copied().unwrap_or_default();
+                            let n = (hits + missed).saturating_sub(h0 + m0);
+                            session.note(&format!("HOST-RESULT kprobe.{name}={n}"));
+                        }
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        tracing::warn!("cannot read the guest's kprobes: {e:#}");
+                    }
+                }
+            }
             if let Err(e) = self.session.detach() {
                 tracing::warn!("{e:#}");
             }

@@ -117,6 +117,31 @@ impl ArmedPoint {
     }
 }
 
+/// Where a `task_struct` keeps what `pid()`, `ppid()` and `uid()` answer, from BTF.
+#[derive(Debug, Clone, Copy)]
+struct TaskIds {
+    /// `tgid` (an `i32`): the process id.
+    tgid: u64,
+    /// `real_parent` (a task pointer).
+    real_parent: u64,
+    /// `cred` (a pointer to `struct cred`).
+    cred: u64,
+    /// `uid` in `struct cred` (a `kuid_t`, its `val` first).
+    uid: u64,
+}
+
+impl TaskIds {
+    fn from_btf(btf: &Btf) -> Option<Self> {
+        let off = |s: &str, m: &str| btf.struct_member(s, m).ok()?.byte_offset();
+        Some(Self {
+            tgid: off("task_struct", "tgid")?,
+            real_parent: off("task_struct", "real_parent")?,
+            cred: off("task_struct", "cred")?,
+            uid: off("cred", "uid")?,
+        })
+    }
+}
+
 /// The guest side of a probe hit: read on demand from the stopped vCPU.
 struct LiveContext<'a> {
     machine: RefCell<&'a mut dyn Machine>,
@@ -125,6 +150,7 @@ struct LiveContext<'a> {
     point: &'a ArmedPoint,
     survey: &'a Survey,
     tasks: Option<TaskOffsets>,
+    ids: Option<TaskIds>,
     task: OnceCell<Option<(i64, String)>>,
     /// ORC tables for `backtrace()` and friends ([`super::stacks`]).
     stacks: Option<&'a super::stacks::KernelStacks>,
@@ -152,14 +178,24 @@ impl LiveContext<'_> {
         Some(u64::from_le_bytes(b.try_into().ok()?))
     }
 
+    fn read_i32(&self, addr: u64) -> Option<i64> {
+        let b = self.read(addr, 4)?;
+        Some(i64::from(i32::from_le_bytes(b.try_into().ok()?)))
+    }
+
+    /// The current task's `task_struct`: the per-CPU `current_task` of the stopped vCPU.
+    fn current_task(&self) -> Option<u64> {
+        let base = self.regs.kernel_percpu_base();
+        self.read_u64(base.wrapping_add(self.survey.layout.current_task_offset))
+            .filter(|t| *t != 0)
+    }
+
     /// pid and comm of the current task, read once per hit.
     fn task(&self) -> Option<&(i64, String)> {
         self.task
             .get_or_init(|| {
                 let offsets = self.tasks?;
-                let base = self.regs.kernel_percpu_base();
-                let task =
-                    self.read_u64(base.wrapping_add(self.survey.layout.current_task_offset))?;
+                let task = self.current_task()?;
                 let pid = self.read(task.wrapping_add(offsets.pid), 4)?;
                 let pid = i32::from_le_bytes(pid.try_into().ok()?);
                 let comm = self.read(task.wrapping_add(offsets.comm), 16)?;
@@ -259,19 +295,32 @@ impl Context for LiveContext<'_> {
     }
 
     fn pid(&self) -> i64 {
-        self.task().map_or(-1, |t| t.0)
+        match (self.ids, self.current_task()) {
+            (Some(ids), Some(task)) => self.read_i32(task.wrapping_add(ids.tgid)).unwrap_or(-1),
+            _ => self.tid(),
+        }
     }
 
     fn tid(&self) -> i64 {
-        self.pid()
+        self.task().map_or(-1, |t| t.0)
     }
 
     fn ppid(&self) -> i64 {
-        -1
+        let (Some(ids), Some(task)) = (self.ids, self.current_task()) else {
+            return -1;
+        };
+        self.read_u64(task.wrapping_add(ids.real_parent))
+            .and_then(|parent| self.read_i32(parent.wrapping_add(ids.tgid)))
+            .unwrap_or(-1)
     }
 
     fn uid(&self) -> i64 {
-        -1
+        let (Some(ids), Some(task)) = (self.ids, self.current_task()) else {
+            return -1;
+        };
+        self.read_u64(task.wrapping_add(ids.cred))
+            .and_then(|cred| self.read_i32(cred.wrapping_add(ids.uid)))
+            .map_or(-1, |uid| i64::from(uid as u32))
     }
 
     fn execname(&self) -> String {
@@ -288,6 +337,21 @@ impl Context for LiveContext<'_> {
 
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
         self.read(addr, len).ok_or(MemoryError::Unreadable { addr })
+    }
+
+    fn task_current(&self) -> Option<u64> {
+        self.current_task()
+    }
+
+    fn kernel_symbol(&self, addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
+        let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
+        Ok(stacks
+            .symbol(addr)
+            .map(|(sym, offset)| (sym.name.clone(), offset, sym.size)))
+    }
+
+    fn arg_register(&self, n: i64) -> Option<u64> {
+        self.argument(usize::try_from(n.checked_sub(1)?).ok()?)
     }
 
     fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
@@ -338,7 +402,7 @@ impl Context for LiveContext<'_> {
         ))
     }
 
-    fn kernel_symbol(&self, addr: u64) -> Option<String> {
+    fn pc_name(&self, addr: u64) -> Option<String> {
         self.stacks?.name_pc(addr)
     }
 }
@@ -498,22 +562,30 @@ fn arm(
             unsupported.join(", ")
         );
     }
-    if let Some((pt, _)) = prog
-        .probes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| host(*i))
-        .flat_map(|(_, p)| p.points.iter())
-        .find(|(_, kind)| matches!(kind, PointKind::KernelTrace { .. }))
-    {
-        bail!(
-            "{pt} cannot run yet: a tracepoint calls its probes only once something in the \
-             guest enables its static key, which exotap does not do yet; probe the function \
-             that fires it with kernel.function instead"
-        );
-    }
     let resolver = KernelSymbols::new(&image.symbols, btf);
     let resolved = resolve_program(prog, &resolver)?;
+    let off: Vec<String> = resolved
+        .iter()
+        .filter(|(probe, _)| host(*probe))
+        .filter_map(|(_, point)| tracepoint_name(&point.name))
+        .filter_map(|name| match tracepoint_enabled(att, image, btf, name) {
+            Ok(true) => None,
+            Ok(false) => Some(format!(
+                "kernel.trace(\"{name}\"): its static key is off (enable it inside the guest, \
+                 e.g. echo 1 > /sys/kernel/tracing/events/*/{name}/enable)"
+            )),
+            Err(e) => Some(format!("kernel.trace(\"{name}\"): {e:#}")),
+        })
+        .collect();
+    if !off.is_empty() {
+        bail!(
+            "tracepoints call their probes only while something in the guest has them on, and \
+             exotap does not turn a guest's tracepoint on by itself (that would run the guest's \
+             tracing code): \n  {}\nor probe the function that fires the tracepoint with \
+             kernel.function",
+            off.join("\n  ")
+        );
+    }
     let plan = area;
     let text = TextMap::new(image);
     let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
@@ -576,11 +648,18 @@ fn arm(
             }
         };
         att.machine.set_breakpoint(addr, true)?;
-        let params = point
-            .variables
-            .iter()
-            .filter_map(|v| v.strip_prefix('$'))
-            .map(|v| v.split(':').next().unwrap_or(v).to_owned())
+        // A tracepoint's point is its iterator `__traceiter_NAME(void *__data, ARGS)`, whose
+        // variables leave out `__data`: the arguments start at the second register.
+        let data = tracepoint_name(&point.name).map(|_| String::new());
+        let params = data
+            .into_iter()
+            .chain(
+                point
+                    .variables
+                    .iter()
+                    .filter_map(|v| v.strip_prefix('$'))
+                    .map(|v| v.split(':').next().unwrap_or(v).to_owned()),
+            )
             .collect();
         needs_trampoline |= is_return;
         let (entry, ret) = if is_return {
@@ -640,6 +719,40 @@ fn arm(
     Ok((armed, trampoline))
 }
 
+/// The tracepoint a resolved point names (`kernel.trace("NAME")`).
+fn tracepoint_name(point: &str) -> Option<&str> {
+    point.strip_prefix("kernel.trace(\"")?.strip_suffix("\")")
+}
+
+/// Whether the guest has tracepoint `name` on: its `__tracepoint_NAME.key.enabled` is
+/// positive once a tracer, perf or BPF in the guest attached to it. While it is off the
+/// kernel jumps over the call to `__traceiter_NAME`, so a probe there would never fire.
+///
+/// # Errors
+/// When BTF or the symbol table lacks the tracepoint, or guest memory cannot be read.
+fn tracepoint_enabled(
+    att: &mut GuestSession,
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    name: &str,
+) -> anyhow::Result<bool> {
+    let btf = btf.context("the kernel image has no BTF to lay out struct tracepoint")?;
+    let enabled = btf
+        .struct_member("tracepoint", "key.enabled")
+        .ok()
+        .and_then(|l| l.byte_offset())
+        .context("BTF has no tracepoint.key.enabled")?;
+    let at = image
+        .address(&format!("__tracepoint_{name}"))?
+        .wrapping_add(att.survey.kaslr.slide)
+        .wrapping_add(enabled);
+    let mut count = [0u8; 4];
+    att.machine
+        .read_virt(VcpuId(0), at, &mut count)
+        .with_context(|| format!("cannot read __tracepoint_{name} at {at:#x}"))?;
+    Ok(i32::from_le_bytes(count) > 0)
+}
+
 fn registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
     match machine.registers(vcpu)? {
         RegisterFile::X86_64(r) => Ok(r),
@@ -672,6 +785,7 @@ pub struct TrapArea {
 /// trampoline, and the return addresses swapped while calls are in flight.
 pub struct Traps {
     tasks: Option<TaskOffsets>,
+    ids: Option<TaskIds>,
     stacks: Option<super::stacks::KernelStacks>,
     task_layout: Option<super::stacks::TaskLayout>,
     /// The kernel's types, for member chains and `@cast`.
@@ -727,6 +841,7 @@ impl Traps {
         let (armed, trampoline) = arm(guest, image, btf.as_ref(), prog, area, host)?;
         Ok(Self {
             tasks,
+            ids: btf.as_ref().and_then(TaskIds::from_btf),
             stacks,
             task_layout,
             types: btf.map(BtfTypes),
@@ -763,6 +878,30 @@ impl Traps {
     /// (the guest paused); detaching then removes the breakpoints.
     pub fn disarm(&mut self, machine: &mut dyn Machine) {
         let _ = machine.pause();
+        // A vCPU that returned into the trampoline and stopped at its breakpoint, where the
+        // loop ended before handling that stop, would run the trampoline's `ud2` once the
+        // breakpoint is gone: send it to the return address its `ret` popped (its return
+        // probe does not run).
+        let mut moved = 0;
+        for vcpu in machine.vcpus().unwrap_or_default() {
+            let Ok(regs) = registers(machine, vcpu) else {
+                continue;
+            };
+            if regs.rip != self.trampoline {
+                continue;
+            }
+            let slot = regs.gpr[7].wrapping_sub(8);
+            match self.pending.remove(&slot) {
+                Some(p) if machine.set_pc(vcpu, p.original).is_ok() => moved += 1,
+                _ => tracing::error!(
+                    "{vcpu} stopped at the return trampoline with no swapped return address at \
+                     {slot:#x}: it will fault once exotap detaches"
+                ),
+            }
+        }
+        if moved > 0 {
+            tracing::info!("{moved} vCPUs at the return trampoline sent on to their callers");
+        }
         let mut restored = 0;
         for (slot, p) in self.pending.drain() {
             let mut now = [0u8; 8];
@@ -809,6 +948,7 @@ impl Traps {
             point,
             survey,
             tasks: self.tasks,
+            ids: self.ids,
             task: OnceCell::new(),
             stacks: self.stacks.as_ref(),
             task_layout: self.task_layout,
@@ -1011,5 +1151,38 @@ mod tests {
             "{start:#x}..{end:#x}"
         );
         assert_eq!(text.refusal(vfs_read + 0x10), None);
+    }
+
+    #[test]
+    fn tracepoint_points_name_their_tracepoint_and_others_none() {
+        assert_eq!(
+            tracepoint_name("kernel.trace(\"sched_switch\")"),
+            Some("sched_switch")
+        );
+        assert_eq!(tracepoint_name("kernel.function(\"vfs_read\")"), None);
+        assert_eq!(tracepoint_name("kernel.trace(\"sched_switch\").x"), None);
+    }
+
+    #[test]
+    fn task_ids_are_laid_out_from_the_kernels_btf() {
+        let Some(image) = image() else {
+            eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
+            return;
+        };
+        let btf = Btf::from_elf(image.vmlinux.bytes()).unwrap();
+        let ids = TaskIds::from_btf(&btf).unwrap();
+        let pid = btf
+            .struct_member("task_struct", "pid")
+            .unwrap()
+            .byte_offset();
+        // tgid follows pid in struct task_struct; uid comes early in struct cred, right
+        // after its usage counter (and the debug fields, where configured).
+        assert_eq!(Some(ids.tgid), pid.map(|p| p + 4));
+        assert!(ids.real_parent > ids.tgid && ids.cred > ids.real_parent);
+        assert!(
+            ids.uid >= 4 && ids.uid < 64 && ids.uid.is_multiple_of(4),
+            "{}",
+            ids.uid
+        );
     }
 }
