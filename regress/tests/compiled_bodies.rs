@@ -218,6 +218,7 @@ fn rig_as(
             function: "f".into(),
             params: vec!["a".into(), "b".into()],
             is_return: false,
+            locals: None,
         }],
         ret: Vec::new(),
     };
@@ -962,6 +963,7 @@ fn a_local_holding_a_string_from_memory_compared_is_refused_by_name() {
         function: "f".into(),
         params: vec!["a".into(), "b".into()],
         is_return: false,
+        locals: None,
     };
 
     let refused = compile::check(&prog, &limits, &facts(), &[point]);
@@ -993,6 +995,7 @@ fn refusals(script: &str) -> Vec<String> {
         function: "f".into(),
         params: vec!["a".into(), "b".into()],
         is_return: false,
+        locals: None,
     };
     compile::check(&prog, &limits, &facts(), &[point])
         .into_iter()
@@ -1098,6 +1101,7 @@ fn a_string_from_memory_used_as_a_key_is_refused_by_name() {
         function: "f".into(),
         params: vec!["a".into(), "b".into()],
         is_return: false,
+        locals: None,
     };
 
     let refused = compile::check(&prog, &limits, &facts(), &[point]);
@@ -1155,6 +1159,7 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
             function: "f".into(),
             params: vec!["a".into(), "b".into()],
             is_return: false,
+            locals: None,
         };
         let refused = compile::check(&prog, &limits, &facts(), &[point]);
         if let Some(first) = refused.first() {

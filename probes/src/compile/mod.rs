@@ -64,6 +64,7 @@
 
 pub mod codegen;
 pub mod data;
+pub mod locals;
 pub mod site;
 pub mod types;
 
@@ -169,6 +170,9 @@ pub struct SitePoint {
     pub params: Vec<String>,
     /// A `.return` probe.
     pub is_return: bool,
+    /// The target variables at the point by their DWARF locations (statement probes, and
+    /// entries whose body reads a variable BTF does not name), from the -dbg vmlinux.
+    pub locals: Option<std::sync::Arc<locals::Locals>>,
 }
 
 /// A construct that does not compile, and where.

@@ -128,6 +128,7 @@ pub fn plan(
     let facts = facts(image, &btf)?;
     let resolver = KernelSymbols::new(&image.symbols, Some(&btf));
     let resolved = resolve_program(prog, &resolver)?;
+    let locals = super::target_vars::point_locals(image, prog, &resolved)?;
     let mut points = Vec::new();
     let mut elsewhere = Vec::new();
     let mut statements = BTreeSet::new();
@@ -152,12 +153,7 @@ pub fn plan(
             });
             continue;
         };
-        let params = point
-            .variables
-            .iter()
-            .filter_map(|v| v.strip_prefix('$'))
-            .map(|v| v.split(':').next().unwrap_or(v).to_owned())
-            .collect();
+        let params = super::target_vars::btf_params(&point);
         if statement {
             statements.insert(link);
         }
@@ -169,6 +165,7 @@ pub fn plan(
                 function,
                 params,
                 is_return,
+                locals: locals.get(&(probe, link)).cloned(),
             },
         ));
     }
@@ -218,6 +215,8 @@ pub fn start_script(
         let why = match plan(image, &script.prog, &script.limits) {
             Ok(Ok(plan)) => return start(target, image, heap, script, plan, mode),
             Ok(Err(constructs)) => describe(&constructs, &script.source.name, &script.source.text),
+            // Not a matter of compiling: the host path could not read them either.
+            Err(e) if e.is::<super::target_vars::UnreadableTargets>() => return Err(e),
             Err(e) => format!("  {e:#}"),
         };
         if mode == CompileMode::Require {

@@ -26,12 +26,14 @@
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::layout::TaskOffsets;
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 
+use crate::compile::locals::{Local, Locals};
 use crate::compile::types::{cast_chain, chain, BtfTypes, KernelTypes, Step};
 use crate::lang::ast::{CastExpr, TargetVar};
 use crate::lang::check::Program;
@@ -87,6 +89,8 @@ struct ArmedPoint {
     slot: u64,
     slot_phys: u64,
     params: Vec<String>,
+    /// Target variables by their DWARF location here ([`super::target_vars`]).
+    locals: Option<Arc<Locals>>,
 }
 
 impl ArmedPoint {
@@ -179,6 +183,34 @@ impl LiveContext<'_> {
             })
     }
 
+    /// The target variable `name` by its DWARF location here: not at a return, and not a
+    /// parameter BTF names at an entry (read from its ABI register, as compiled).
+    fn local(&self, name: &str) -> Option<&Local> {
+        let name = name.strip_prefix('$')?;
+        if self.at_return.is_some() || self.point.params.iter().any(|p| p == name) {
+            return None;
+        }
+        self.point.locals.as_ref()?.get(name)?.as_ref().ok()
+    }
+
+    /// A local's value in the stopped vCPU's registers and memory.
+    fn local_value(&self, local: &Local) -> Result<i64, String> {
+        // DWARF numbers rax rdx rcx rbx rsi rdi rbp rsp r8-r15; gdb's order differs.
+        const GPR: [usize; 16] = [0, 3, 2, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
+        let reg = |r: u16| {
+            GPR.get(usize::from(r))
+                .map_or(0, |i| self.regs.gpr[*i])
+        };
+        local
+            .value(reg, |at, len| self.read(at, len))
+            .map_err(|addr| {
+                format!(
+                    "kernel read fault in a target variable: {}",
+                    MemoryError::Unreadable { addr }
+                )
+            })
+    }
+
     /// An argument as it was at the entry (for a return probe too).
     fn argument(&self, index: usize) -> Option<u64> {
         let regs = self
@@ -204,6 +236,9 @@ impl Context for LiveContext<'_> {
         if path == "$return" {
             return self.at_return.map(|(_, rax)| Value::Long(rax as i64));
         }
+        if let Some(local) = self.local(path) {
+            return self.local_value(local).ok().map(Value::Long);
+        }
         let name = path.strip_prefix('$')?;
         let index = self.point.params.iter().position(|p| p == name)?;
         self.argument(index).map(|v| Value::Long(v as i64))
@@ -213,6 +248,26 @@ impl Context for LiveContext<'_> {
         let types = self.types?;
         if var.members.is_empty() {
             return None;
+        }
+        if let Some(local) = self.local(&var.name) {
+            let path = var.path();
+            let Some(pointee) = &local.pointee else {
+                return Some(Err(format!(
+                    "{path}: {} is not a pointer to a struct",
+                    var.name
+                )));
+            };
+            let Some(ty) = types.named(pointee) else {
+                return Some(Err(format!("{path}: BTF has no {pointee}")));
+            };
+            return Some(
+                self.local_value(local)
+                    .and_then(|base| {
+                        cast_chain(types, ty, &var.members)
+                            .map_err(|e| format!("{path}: {e}"))
+                            .and_then(|steps| self.follow(&path, base as u64, &steps))
+                    }),
+            );
         }
         let (base, param) = if var.name == "$return" {
             (self.at_return.map(|(_, rax)| rax)?, None)
@@ -471,6 +526,7 @@ fn arm(
     }
     let resolver = KernelSymbols::new(&image.symbols, btf);
     let resolved = resolve_program(prog, &resolver)?;
+    let locals = super::target_vars::point_locals(image, prog, &resolved)?;
     let plan = area;
     let text = TextMap::new(image);
     let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
@@ -533,12 +589,8 @@ fn arm(
             }
         };
         att.machine.set_breakpoint(addr, true)?;
-        let params = point
-            .variables
-            .iter()
-            .filter_map(|v| v.strip_prefix('$'))
-            .map(|v| v.split(':').next().unwrap_or(v).to_owned())
-            .collect();
+        let params = super::target_vars::btf_params(&point);
+        let point_locals = locals.get(&(probe.probe, link)).cloned();
         needs_trampoline |= is_return;
         let (entry, ret) = if is_return {
             (Vec::new(), vec![probe])
@@ -557,6 +609,7 @@ fn arm(
                 slot,
                 slot_phys,
                 params,
+                locals: point_locals,
             },
         );
     }

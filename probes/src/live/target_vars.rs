@@ -1,0 +1,200 @@
+//! Which target variables each kernel probe point of a script reads, and where they are
+//! there: the parameters BTF names at function entries, and everything else (`$locals`,
+//! `$params` at statement probes) by its DWARF location at the point's address, from the
+//! guest kernel's -dbg vmlinux when it is cached ([`crate::compile::locals`]).
+//!
+//! Both live paths ask here before they start (the compiled bodies and the host-evaluated
+//! ones read the same places), and a variable that does not exist at a point, is optimized
+//! out there, or lives where exotap cannot read it is an error that names it, the point and
+//! the function, before anything is put into the guest, as SystemTap's semantic errors are.
+//! Reads inside `@defined(...)` are not errors: there a missing variable is simply not
+//! defined.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use exotap_introspect::dwarf::DebugFile;
+
+use crate::compile::codegen::walk;
+use crate::compile::locals::{locals_at, Locals};
+use crate::lang::ast::ExprKind;
+use crate::lang::check::Program;
+use crate::lang::resolve::ResolvedPoint;
+
+use super::kernel_image::KernelImage;
+
+/// Target variables a script reads that cannot be read where it reads them: the script does
+/// not start, compiled or not.
+#[derive(Debug, thiserror::Error)]
+#[error("target variables that cannot be read:\n  {}", .0.join("\n  "))]
+pub struct UnreadableTargets(pub Vec<String>);
+
+/// The target variables by DWARF location, per (probe, link-time address); points absent
+/// here read only BTF parameters (or nothing).
+pub type PointLocals = HashMap<(usize, u64), Arc<Locals>>;
+
+/// Target variable names a probe reads (without `$`): those read outside `@defined`
+/// (required), and those only inside it.
+fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut required = BTreeSet::new();
+    let mut optional = BTreeSet::new();
+    let Some(p) = prog.script.probes.get(probe) else {
+        return (required, optional);
+    };
+    let mut guarded = BTreeSet::new();
+    let mut visit = |e: &crate::lang::ast::Expr| match &e.kind {
+        ExprKind::Defined(x) => walk::expr_all(x, &mut |inner| {
+            if let ExprKind::Target(t) = &inner.kind {
+                guarded.insert(inner.span.start);
+                optional.insert(t.name.clone());
+            }
+        }),
+        ExprKind::Target(t) if !guarded.contains(&e.span.start) => {
+            required.insert(t.name.clone());
+        }
+        _ => {}
+    };
+    if let Some(c) = &p.condition {
+        walk::expr_all(c, &mut visit);
+    }
+    walk::block_exprs(&p.body, &mut visit);
+    let plain = |set: BTreeSet<String>| -> BTreeSet<String> {
+        set.into_iter()
+            .filter(|n| n != "$return" && !n.starts_with("$$") && n.starts_with('$'))
+            .map(|n| n.trim_end_matches('$').trim_start_matches('$').to_owned())
+            .filter(|n| !n.is_empty())
+            .collect()
+    };
+    (plain(required), plain(optional))
+}
+
+/// The cached -dbg vmlinux beside the image (`kernels/ABI/debug/vmlinux`, stored with its
+/// manifest once verified).
+fn debug_vmlinux(image: &KernelImage) -> Option<PathBuf> {
+    let dir = image.path.parent()?.join("debug");
+    (dir.join("manifest.json").is_file() && dir.join("vmlinux").is_file())
+        .then(|| dir.join("vmlinux"))
+}
+
+/// The parameter names BTF gives a resolved point (`$name:type`).
+pub fn btf_params(point: &ResolvedPoint) -> Vec<String> {
+    point
+        .variables
+        .iter()
+        .filter_map(|v| v.strip_prefix('$'))
+        .map(|v| v.split(':').next().unwrap_or(v).to_owned())
+        .collect()
+}
+
+/// Finds where the target variables the probes of `prog` read are at each of their points
+/// in `resolved` that needs DWARF: statement probes, and entries that read a name BTF does
+/// not give as a parameter. Return probes read parameters (as at the entry) and `$return`
+/// only, as before.
+///
+/// # Errors
+/// Every variable read outside `@defined` that does not exist at a point, is optimized out
+/// there or lives where exotap cannot read it, each named with the point and the function;
+/// and such reads when no -dbg vmlinux is cached.
+pub fn point_locals(
+    image: &KernelImage,
+    prog: &Program,
+    resolved: &[(usize, ResolvedPoint)],
+) -> anyhow::Result<PointLocals> {
+    let mut out = PointLocals::new();
+    let mut errors: Vec<String> = Vec::new();
+    let mut reads: HashMap<usize, (BTreeSet<String>, BTreeSet<String>)> = HashMap::new();
+    let path = debug_vmlinux(image);
+    let file = path.as_deref().map(DebugFile::open).transpose();
+    let file = match file {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!("cannot open the cached -dbg vmlinux: {e}");
+            None
+        }
+    };
+    let info = file.as_ref().map(DebugFile::load).transpose().unwrap_or_else(|e| {
+        tracing::warn!("cannot read the cached -dbg vmlinux: {e}");
+        None
+    });
+    for (probe, point) in resolved {
+        let Some(link) = point.address else {
+            continue;
+        };
+        if point.name.ends_with(".return") {
+            continue;
+        }
+        let (required, optional) = reads
+            .entry(*probe)
+            .or_insert_with(|| names_read(prog, *probe));
+        let params = btf_params(point);
+        let needed: Vec<&String> = required
+            .iter()
+            .chain(optional.iter())
+            .filter(|n| !params.contains(n))
+            .collect();
+        if needed.is_empty() {
+            continue;
+        }
+        let must: Vec<&String> = required.iter().filter(|n| !params.contains(n)).collect();
+        let Some(info) = &info else {
+            if let Some(name) = must.first() {
+                errors.push(format!(
+                    "{}: ${name} is not a parameter the kernel's BTF names there; locals, and \
+                     parameters away from a function's entry, need the kernel's -dbg vmlinux \
+                     (exotap image fetch --debuginfo)",
+                    point.name
+                ));
+            }
+            continue;
+        };
+        // The cached debug info must be this kernel's: the bytes at the point agree.
+        let same = match (info.code(link, link + 16), image.vmlinux.read_at(link, 16)) {
+            (Some(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if !same {
+            errors.push(format!(
+                "{}: the cached -dbg vmlinux ({}) does not hold this kernel's code at {link:#x}",
+                point.name,
+                path.as_deref().unwrap_or(std::path::Path::new("?")).display()
+            ));
+            continue;
+        }
+        let locals = match locals_at(info, link) {
+            Ok(l) => l,
+            Err(why) => {
+                if !must.is_empty() {
+                    errors.push(format!("{}: {why}", point.name));
+                }
+                continue;
+            }
+        };
+        for name in must {
+            match locals.get(name) {
+                Some(Ok(_)) => {}
+                Some(Err(why)) => {
+                    errors.push(format!("{}: {why} in {}", point.name, locals.function))
+                }
+                None => errors.push(format!(
+                    "{}: no variable ${name} at {link:#x} in {} or what it is inlined into \
+                     (there: {})",
+                    point.name,
+                    locals.function,
+                    if locals.vars.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        locals.names()
+                    }
+                )),
+            }
+        }
+        out.insert((*probe, link), Arc::new(locals));
+    }
+    if !errors.is_empty() {
+        errors.sort();
+        errors.dedup();
+        return Err(UnreadableTargets(errors).into());
+    }
+    Ok(out)
+}
