@@ -332,8 +332,16 @@ pub struct ScopeAt {
     pub vars: Vec<Variable>,
 }
 
-/// Variables found while walking down to a pc: (block depth, is a parameter, DIE).
-type Found = Vec<(usize, bool, DieRef)>;
+/// What a walk down to a pc has found so far.
+#[derive(Default)]
+struct Walk {
+    /// Variables: (block depth, is a parameter, DIE).
+    found: Vec<(usize, bool, DieRef)>,
+    /// The innermost function covering the pc: DIE, inlined, the frame base.
+    frame: Option<(DieRef, bool, Option<FrameBase>)>,
+    /// The out-of-line function covering it.
+    subprogram: Option<DieRef>,
+}
 
 impl<'a> DebugInfo<'a> {
     /// The variables in scope at the link-time address `pc` with their locations there, as a
@@ -351,11 +359,14 @@ impl<'a> DebugInfo<'a> {
             .entries_tree(None)
             .map_err(super::gimli_err("unit DIEs"))?;
         let root = tree.root().map_err(super::gimli_err("unit DIE"))?;
-        let mut found = Found::new();
-        let mut frame: Option<(DieRef, bool, Option<FrameBase>)> = None;
-        let mut subprogram = None;
-        self.descend(&unit, root, pc, 0, &mut found, &mut (&mut frame, &mut subprogram))?;
-        let (Some((function, inlined, frame_base)), Some(subprogram)) = (frame, subprogram) else {
+        let mut walk = Walk::default();
+        self.descend(&unit, root, pc, 0, &mut walk)?;
+        let Walk {
+            mut found,
+            frame: Some((function, inlined, frame_base)),
+            subprogram: Some(subprogram),
+        } = walk
+        else {
             return Ok(None);
         };
         // Innermost first, so that a name declared again in an inner block wins.
@@ -386,20 +397,13 @@ impl<'a> DebugInfo<'a> {
         node: gimli::EntriesTreeNode<'_, '_, '_, R<'a>>,
         pc: u64,
         depth: usize,
-        found: &mut Found,
-        (frame, subprogram): &mut (
-            &mut Option<(DieRef, bool, Option<FrameBase>)>,
-            &mut Option<DieRef>,
-        ),
+        walk: &mut Walk,
     ) -> Result<(), DwarfError> {
         if depth > 64 {
             return Ok(());
         }
         let mut children = node.children();
-        while let Some(child) = children
-            .next()
-            .map_err(super::gimli_err("DIE children"))?
-        {
+        while let Some(child) = children.next().map_err(super::gimli_err("DIE children"))? {
             let entry = child.entry();
             let tag = entry.tag();
             let Some(die) = entry
@@ -410,15 +414,16 @@ impl<'a> DebugInfo<'a> {
                 continue;
             };
             match tag {
-                gimli::DW_TAG_formal_parameter | gimli::DW_TAG_variable if frame.is_some() => {
-                    found.push((depth, tag == gimli::DW_TAG_formal_parameter, die));
+                gimli::DW_TAG_formal_parameter | gimli::DW_TAG_variable if walk.frame.is_some() => {
+                    walk.found
+                        .push((depth, tag == gimli::DW_TAG_formal_parameter, die));
                 }
                 gimli::DW_TAG_subprogram
                 | gimli::DW_TAG_inlined_subroutine
                 | gimli::DW_TAG_lexical_block => {
                     let (covers, has_ranges) = self.covers(unit, entry, pc)?;
                     let block = tag == gimli::DW_TAG_lexical_block;
-                    if !(covers || block && !has_ranges && frame.is_some()) {
+                    if !(covers || block && !has_ranges && walk.frame.is_some()) {
                         continue;
                     }
                     if tag == gimli::DW_TAG_subprogram {
@@ -430,23 +435,16 @@ impl<'a> DebugInfo<'a> {
                                 AttributeValue::Exprloc(e) => Some(frame_base(e, unit.encoding())),
                                 _ => None,
                             });
-                        **frame = Some((die, false, base));
-                        **subprogram = Some(die);
-                        found.clear();
+                        walk.frame = Some((die, false, base));
+                        walk.subprogram = Some(die);
+                        walk.found.clear();
                     } else if tag == gimli::DW_TAG_inlined_subroutine {
                         // The caller's variables stay visible below the inlined function's
                         // own, as in gdb's frames up the inline chain.
-                        let base = frame.as_ref().and_then(|f| f.2.clone());
-                        **frame = Some((die, true, base));
+                        let base = walk.frame.as_ref().and_then(|f| f.2.clone());
+                        walk.frame = Some((die, true, base));
                     }
-                    self.descend(
-                        unit,
-                        child,
-                        pc,
-                        depth + 1,
-                        found,
-                        &mut (&mut **frame, &mut **subprogram),
-                    )?;
+                    self.descend(unit, child, pc, depth + 1, walk)?;
                 }
                 _ => {}
             }
@@ -475,12 +473,12 @@ impl<'a> DebugInfo<'a> {
         Ok((false, any))
     }
 
-    /// The canonical frame address at the link-time `pc` from `.debug_frame`: (DWARF
-    /// register, offset), CFA = register + offset. `None` when no entry covers `pc` or its
-    /// rule is an expression.
+    /// The canonical frame address at the link-time `pc` from `.debug_frame` (the kernel's),
+    /// else `.eh_frame` (user programs'): (DWARF register, offset), CFA = register + offset.
+    /// `None` when no entry covers `pc` or its rule is an expression.
     ///
     /// # Errors
-    /// [`DwarfError::Gimli`] when `.debug_frame` is malformed.
+    /// [`DwarfError::Gimli`] when the call frame information is malformed.
     pub fn cfa_at(&self, pc: u64) -> Result<Option<(u16, i64)>, DwarfError> {
         use gimli::UnwindSection;
         use object::{Object, ObjectSection};
@@ -489,30 +487,52 @@ impl<'a> DebugInfo<'a> {
         } else {
             gimli::RunTimeEndian::Big
         };
-        let data = self
-            .elf
-            .section_by_name(".debug_frame")
-            .and_then(|s| s.data().ok())
-            .unwrap_or(&[]);
-        let mut frame = gimli::DebugFrame::new(data, endian);
-        frame.set_address_size(8);
-        let bases = gimli::BaseAddresses::default();
+        let section = |name: &str| {
+            self.elf
+                .section_by_name(name)
+                .and_then(|s| Some((s.address(), s.data().ok()?)))
+        };
+        let rule = |row: &gimli::UnwindTableRow<usize>| match row.cfa() {
+            gimli::CfaRule::RegisterAndOffset { register, offset } => {
+                Some((register.0, offset.to_owned()))
+            }
+            gimli::CfaRule::Expression(_) => None,
+        };
         let mut ctx = Box::new(gimli::UnwindContext::new());
-        match frame.unwind_info_for_address(
-            &bases,
-            &mut ctx,
-            pc,
-            gimli::DebugFrame::cie_from_offset,
-        ) {
-            Ok(row) => Ok(match row.cfa() {
-                gimli::CfaRule::RegisterAndOffset { register, offset } => {
-                    Some((register.0, offset.to_owned()))
-                }
-                gimli::CfaRule::Expression(_) => None,
-            }),
-            Err(gimli::Error::NoUnwindInfoForAddress) => Ok(None),
-            Err(e) => Err(super::gimli_err("call frame information")(e)),
+        if let Some((_, data)) = section(".debug_frame") {
+            let mut frame = gimli::DebugFrame::new(data, endian);
+            frame.set_address_size(8);
+            let bases = gimli::BaseAddresses::default();
+            match frame.unwind_info_for_address(
+                &bases,
+                &mut ctx,
+                pc,
+                gimli::DebugFrame::cie_from_offset,
+            ) {
+                Ok(row) => return Ok(rule(row)),
+                Err(gimli::Error::NoUnwindInfoForAddress) => {}
+                Err(e) => return Err(super::gimli_err("call frame information")(e)),
+            }
         }
+        if let Some((addr, data)) = section(".eh_frame") {
+            let mut frame = gimli::EhFrame::new(data, endian);
+            frame.set_address_size(8);
+            let mut bases = gimli::BaseAddresses::default().set_eh_frame(addr);
+            if let Some((text, _)) = section(".text") {
+                bases = bases.set_text(text);
+            }
+            match frame.unwind_info_for_address(
+                &bases,
+                &mut ctx,
+                pc,
+                gimli::EhFrame::cie_from_offset,
+            ) {
+                Ok(row) => return Ok(rule(row)),
+                Err(gimli::Error::NoUnwindInfoForAddress) => {}
+                Err(e) => return Err(super::gimli_err("call frame information")(e)),
+            }
+        }
+        Ok(None)
     }
 
     /// What reading a variable of type `ty` as a scalar gives: its size, signedness and, for
@@ -545,7 +565,9 @@ impl<'a> DebugInfo<'a> {
                 let integer = signed
                     || matches!(
                         encoding,
-                        gimli::DW_ATE_unsigned | gimli::DW_ATE_unsigned_char | gimli::DW_ATE_boolean
+                        gimli::DW_ATE_unsigned
+                            | gimli::DW_ATE_unsigned_char
+                            | gimli::DW_ATE_boolean
                     );
                 integer.then_some(Scalar {
                     size,
@@ -599,7 +621,7 @@ impl<'a> DebugInfo<'a> {
 
 /// A function's frame base expression.
 fn frame_base(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding) -> FrameBase {
-    let mut ops = expr.clone().operations(encoding);
+    let mut ops = expr.operations(encoding);
     if let (Ok(Some(Operation::CallFrameCFA)), Ok(None)) = (ops.next(), ops.next()) {
         return FrameBase::Cfa;
     }
@@ -694,6 +716,49 @@ mod tests {
             }
         }
         assert!(lists > 0, "the -O2 fixture has no variable that moves");
+    }
+
+    #[test]
+    fn the_scope_at_a_functions_entry_has_its_parameters_in_abi_registers_and_typed_scalars() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+        let f = index
+            .lookup_kind("sum_pids", EntryKind::Function)
+            .next()
+            .unwrap();
+
+        let scope = info.scope_at(f.low).unwrap().unwrap();
+
+        // sum_pids(struct task *t, int n) { int total; for (int i ...) }: psABI rdi, rsi.
+        assert_eq!(
+            (scope.function.as_str(), scope.inlined),
+            ("sum_pids", false)
+        );
+        assert_eq!(scope.out_of_line, "sum_pids");
+        let get = |n: &str| scope.vars.iter().find(|v| v.name == n).unwrap();
+        assert_eq!(get("t").at_entry, Location::Register(5));
+        assert_eq!(get("n").at_entry, Location::Register(4));
+        assert!(get("t").is_param && !get("total").is_param && !get("i").is_param);
+        assert_eq!(
+            info.scalar(get("t").ty),
+            Some(Scalar {
+                size: 8,
+                signed: false,
+                pointee: Some("struct task".into())
+            })
+        );
+        assert_eq!(
+            info.scalar(get("n").ty),
+            Some(Scalar {
+                size: 4,
+                signed: true,
+                pointee: None
+            })
+        );
+        // At a function's first instruction the CFA is rsp + 8 (the return address).
+        assert_eq!(info.cfa_at(f.low).unwrap(), Some((7, 8)));
+        assert!(info.scope_at(0).unwrap().is_none());
     }
 
     #[test]

@@ -148,12 +148,7 @@ pub fn locals_at(info: &DebugInfo<'_>, pc: u64) -> Result<Locals, String> {
     Ok(from_scope(info, &scope, pc, cfa))
 }
 
-fn from_scope(
-    info: &DebugInfo<'_>,
-    scope: &ScopeAt,
-    pc: u64,
-    cfa: Option<(u16, i64)>,
-) -> Locals {
+fn from_scope(info: &DebugInfo<'_>, scope: &ScopeAt, pc: u64, cfa: Option<(u16, i64)>) -> Locals {
     let mut vars = BTreeMap::new();
     for v in &scope.vars {
         let local = info
@@ -162,15 +157,12 @@ fn from_scope(
                 format!(
                     "${} is a {}, not an integer or pointer",
                     v.name,
-                    v.type_name
-                        .trim_end_matches(v.name.as_str())
-                        .trim_end()
+                    v.type_name.trim_end_matches(v.name.as_str()).trim_end()
                 )
             })
             .and_then(|s| {
-                let place = place(&v.at_entry, &scope.frame_base, cfa).map_err(|why| {
-                    format!("${} {why} at {pc:#x}", v.name)
-                })?;
+                let place = place(&v.at_entry, &scope.frame_base, cfa)
+                    .map_err(|why| format!("${} {why} at {pc:#x}", v.name))?;
                 Ok(Local {
                     place,
                     size: s.size,
@@ -224,7 +216,8 @@ fn place(
             }
             (base, _) => Err(format!(
                 "lives at frame base{off:+} and the frame base is {}",
-                base.as_ref().map_or("missing".to_owned(), |b| format!("{b:?}"))
+                base.as_ref()
+                    .map_or("missing".to_owned(), |b| format!("{b:?}"))
             )),
         },
         Location::OptimizedOut => Err("is optimized out".into()),
@@ -260,7 +253,10 @@ mod tests {
         let regs = |r: u16| if r == 3 { 0xdead_beef_ffff_fff0 } else { 0 };
         let none = |_: u64, _: usize| None;
 
-        assert_eq!(local(Place::Register(3), 4, true).value(regs, none), Ok(-16));
+        assert_eq!(
+            local(Place::Register(3), 4, true).value(regs, none),
+            Ok(-16)
+        );
         assert_eq!(
             local(Place::Register(3), 4, false).value(regs, none),
             Ok(0xffff_fff0)
@@ -305,7 +301,9 @@ mod tests {
             .unwrap_err()
             .contains("optimized out"));
         let entry = Location::Expr("entry_value(..) stack_value".into());
-        assert!(place(&entry, &cfa, None).unwrap_err().contains("entry_value"));
+        assert!(place(&entry, &cfa, None)
+            .unwrap_err()
+            .contains("entry_value"));
         assert_eq!(
             place(
                 &Location::Value {

@@ -38,7 +38,8 @@
 //! `print` and `println` (output records in per-vCPU rings, formatted by the host), also of
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
 //! `@min`, `@max`, `@avg`, `@variance` of aggregates; `$params` in registers at function
-//! entries, and in return probes as they were at the entry (also `@entry($param)`), and
+//! entries, and in return probes as they were at the entry (also `@entry($param)`);
+//! `$locals` and `$params` anywhere by their DWARF location at the point ([`locals`]); and
 //! `$return`; in guru mode (`-g`, the checker refuses them without) `$param = v` at entries
 //! and `$return = v` or `set_return(v)` in return probes, written where the site restores
 //! the registers from; member

@@ -113,10 +113,14 @@ pub fn point_locals(
             None
         }
     };
-    let info = file.as_ref().map(DebugFile::load).transpose().unwrap_or_else(|e| {
-        tracing::warn!("cannot read the cached -dbg vmlinux: {e}");
-        None
-    });
+    let info = file
+        .as_ref()
+        .map(DebugFile::load)
+        .transpose()
+        .unwrap_or_else(|e| {
+            tracing::warn!("cannot read the cached -dbg vmlinux: {e}");
+            None
+        });
     for (probe, point) in resolved {
         let Some(link) = point.address else {
             continue;
@@ -157,7 +161,9 @@ pub fn point_locals(
             errors.push(format!(
                 "{}: the cached -dbg vmlinux ({}) does not hold this kernel's code at {link:#x}",
                 point.name,
-                path.as_deref().unwrap_or(std::path::Path::new("?")).display()
+                path.as_deref()
+                    .unwrap_or(std::path::Path::new("?"))
+                    .display()
             ));
             continue;
         }
@@ -177,8 +183,7 @@ pub fn point_locals(
                     errors.push(format!("{}: {why} in {}", point.name, locals.function))
                 }
                 None => errors.push(format!(
-                    "{}: no variable ${name} at {link:#x} in {} or what it is inlined into \
-                     (there: {})",
+                    "{}: no variable ${name} in scope at {link:#x}, in {} (there: {})",
                     point.name,
                     locals.function,
                     if locals.vars.is_empty() {
@@ -197,4 +202,129 @@ pub fn point_locals(
         return Err(UnreadableTargets(errors).into());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::driver::{compile as check_script, ScriptSource};
+    use crate::lang::kernel_points::KernelSymbols;
+    use crate::lang::resolve::resolve_program;
+    use crate::lang::Limits;
+
+    /// `vfs_read+0xf1` (`testl $0x4004000,0x44(%rbp)`, after a read that returned > 0) and
+    /// `vfs_read+0x1b6` (`test %r15,%r15`, in the inlined `new_sync_read`) of the cached
+    /// Debian 6.1 cloud kernel, with its -dbg vmlinux; `None` (after saying why) otherwise.
+    fn kernel() -> Option<KernelImage> {
+        let dir =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+        let image = KernelImage::load(dir.join("vmlinuz")).ok()?;
+        if debug_vmlinux(&image).is_none() {
+            eprintln!("SKIP: no cached -dbg vmlinux (exotap image fetch --debuginfo)");
+            return None;
+        }
+        let start = image.address("vfs_read").ok()?;
+        let at = |off: u64, len: usize| image.vmlinux.read_at(start + off, len).ok();
+        if at(0xf1, 7)? != [0xf7, 0x45, 0x44, 0x00, 0x40, 0x00, 0x04]
+            || at(0x1b6, 3)? != [0x4d, 0x85, 0xff]
+        {
+            eprintln!(
+                "SKIP: the cached kernel is another build of vfs_read than these offsets are for"
+            );
+            return None;
+        }
+        Some(image)
+    }
+
+    fn locals(image: &KernelImage, text: &str) -> anyhow::Result<PointLocals> {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        let prog = check_script(&source, &Limits::default()).unwrap();
+        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes()).ok();
+        let resolved =
+            resolve_program(&prog, &KernelSymbols::new(&image.symbols, btf.as_ref())).unwrap();
+        point_locals(image, &prog, &resolved)
+    }
+
+    #[test]
+    fn locals_of_a_statement_probe_come_from_their_dwarf_location_there() {
+        let Some(image) = kernel() else { return };
+
+        let found = locals(
+            &image,
+            r#"probe kernel.statement("vfs_read+0xf1") { println($ret, $file->f_pos) }
+               probe kernel.statement("vfs_read+0x1b6") { println($count) }"#,
+        )
+        .unwrap();
+
+        let start = image.address("vfs_read").unwrap();
+        let ret_site = found.get(&(0, start + 0xf1)).unwrap();
+        // The read's result in rbx (`mov %rax,%rbx` after the read method returned), `file`
+        // in rbp; `count` saved in the stack slot at the CFA - 160 (`mov %rdx,(%rsp)` with
+        // 160 bytes of frame, return address included).
+        let ret = ret_site.get("ret").unwrap().as_ref().unwrap();
+        assert_eq!(
+            (ret.place, ret.size, ret.signed),
+            (crate::compile::locals::Place::Register(3), 8, true)
+        );
+        let file = ret_site.get("file").unwrap().as_ref().unwrap();
+        assert_eq!(file.pointee.as_deref(), Some("struct file"));
+        let count_site = found.get(&(1, start + 0x1b6)).unwrap();
+        assert_eq!(
+            count_site.get("count").unwrap().as_ref().unwrap().place,
+            crate::compile::locals::Place::Memory { base: 7, offset: 0 }
+        );
+        assert!(count_site
+            .function
+            .starts_with("new_sync_read (inlined into vfs_read)"));
+    }
+
+    #[test]
+    fn an_absent_optimized_out_or_unreadable_local_is_an_error_naming_it() {
+        let Some(image) = kernel() else { return };
+
+        let err = locals(
+            &image,
+            r#"probe kernel.statement("vfs_read+0x1b6") { println($ret, $nosuch) }
+               probe kernel.statement("vfs_read+0xf1") { println($count, @defined($zz)) }
+               probe kernel.function("vfs_read") { println($file, $ret) }"#,
+        )
+        .unwrap_err();
+
+        let text = format!("{err:#}");
+        assert!(err.is::<UnreadableTargets>(), "{text}");
+        assert!(
+            text.contains("vfs_read+0x1b6\"): $ret is optimized out at"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vfs_read+0x1b6\"): no variable $nosuch in scope at"),
+            "{text}"
+        );
+        assert!(text.contains("vfs_read+0xf1\"): $count has a location exotap cannot read: the DWARF expression entry_value"), "{text}");
+        assert!(
+            text.contains("kernel.function(\"vfs_read\"): $ret is optimized out"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("$zz") && !text.contains("\"): $file"),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 5, "{text}");
+    }
+
+    #[test]
+    fn an_entry_that_reads_only_btf_parameters_needs_no_debug_info() {
+        let Some(image) = kernel() else { return };
+
+        let found = locals(
+            &image,
+            r#"probe kernel.function("vfs_read") { println($file, $count) }"#,
+        )
+        .unwrap();
+
+        assert!(found.is_empty());
+    }
 }

@@ -197,10 +197,7 @@ impl LiveContext<'_> {
     fn local_value(&self, local: &Local) -> Result<i64, String> {
         // DWARF numbers rax rdx rcx rbx rsi rdi rbp rsp r8-r15; gdb's order differs.
         const GPR: [usize; 16] = [0, 3, 2, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
-        let reg = |r: u16| {
-            GPR.get(usize::from(r))
-                .map_or(0, |i| self.regs.gpr[*i])
-        };
+        let reg = |r: u16| GPR.get(usize::from(r)).map_or(0, |i| self.regs.gpr[*i]);
         local
             .value(reg, |at, len| self.read(at, len))
             .map_err(|addr| {
@@ -260,14 +257,11 @@ impl Context for LiveContext<'_> {
             let Some(ty) = types.named(pointee) else {
                 return Some(Err(format!("{path}: BTF has no {pointee}")));
             };
-            return Some(
-                self.local_value(local)
-                    .and_then(|base| {
-                        cast_chain(types, ty, &var.members)
-                            .map_err(|e| format!("{path}: {e}"))
-                            .and_then(|steps| self.follow(&path, base as u64, &steps))
-                    }),
-            );
+            return Some(self.local_value(local).and_then(|base| {
+                cast_chain(types, ty, &var.members)
+                    .map_err(|e| format!("{path}: {e}"))
+                    .and_then(|steps| self.follow(&path, base as u64, &steps))
+            }));
         }
         let (base, param) = if var.name == "$return" {
             (self.at_return.map(|(_, rax)| rax)?, None)
