@@ -12,7 +12,7 @@ use std::sync::Arc;
 use exotap_probes::compile::{
     self,
     codegen::Env,
-    data::Header,
+    data::{Header, Printed},
     types::{KernelTypes, Shape, TypeRef},
     DataLayout, Facts, Interner, MemoryFns, SiteBodies, SitePoint, TaskFields,
 };
@@ -319,6 +319,46 @@ impl Rig {
             })
             .collect()
     }
+
+    /// What the compiled code printed, as `--format json` prints it (the host's drain:
+    /// histograms as their own objects).
+    fn printed_json(&self) -> String {
+        let out = SharedBuf::default();
+        let mut json = Output::new(
+            Format::Json,
+            Box::new(out.clone()),
+            Box::new(std::io::sink()),
+        );
+        let Some(rings) = self.layout.ring_set(DATA) else {
+            return String::new();
+        };
+        let mut head = [0u8; 8];
+        self.uc.read(rings.ring(0), &mut head).unwrap();
+        for i in 0..u64::from_le_bytes(head) {
+            let mut record = vec![0u8; rings.record as usize];
+            self.uc.read(rings.slot(0, i), &mut record).unwrap();
+            match self.interner.printed(&record).expect("a known format") {
+                Printed::Text(t) => json.text(&t).unwrap(),
+                Printed::Hist {
+                    name,
+                    kind,
+                    buckets,
+                    newline,
+                } => {
+                    let h = exotap_probes::lang::hist::Histogram {
+                        kind,
+                        buckets: &buckets,
+                    };
+                    json.hist(&name, &h).unwrap();
+                    if newline {
+                        json.text("\n").unwrap();
+                    }
+                }
+            }
+        }
+        json.flush().unwrap();
+        out.contents()
+    }
 }
 
 fn context(h: &Hit) -> CapturedContext {
@@ -424,6 +464,13 @@ fn differential_in(
     let err = SharedBuf::default();
     let output = Output::new(Format::Text, Box::new(out.clone()), Box::new(err.clone()));
     let mut session = Session::new(&prog, limits.clone(), output, "t.stp", script);
+    let out_json = SharedBuf::default();
+    let output_json = Output::new(
+        Format::Json,
+        Box::new(out_json.clone()),
+        Box::new(std::io::sink()),
+    );
+    let mut session_json = Session::new(&prog, limits.clone(), output_json, "t.stp", script);
     let mut failed = 0;
     for h in hits {
         setup(&mut rig.uc, h);
@@ -436,6 +483,7 @@ fn differential_in(
         if !session.fire(0, "kernel.function(\"f\")", &ctx) {
             failed += 1;
         }
+        session_json.fire(0, "kernel.function(\"f\")", &ctx);
     }
     let data = rig.data();
     for name in prog.globals.keys() {
@@ -452,6 +500,11 @@ fn differential_in(
         );
     }
     assert_eq!(rig.printed(), out.contents(), "printed output");
+    assert_eq!(
+        rig.printed_json(),
+        out_json.contents(),
+        "printed output, --format json"
+    );
     (Header::decode(&data), failed)
 }
 

@@ -329,7 +329,7 @@ impl Guest {
     /// Takes the output records written since the last drain, in TSC order across vCPUs (the
     /// guest stopped). A record still being written ends its vCPU's take until the next
     /// drain; with `last` it is skipped instead.
-    fn drain(&mut self, last: bool) -> anyhow::Result<Vec<String>> {
+    fn drain(&mut self, last: bool) -> anyhow::Result<Vec<compile::data::Printed>> {
         use crate::rings::{spans, take, window};
         let Some(rings) = self.layout.ring_set(self.data) else {
             return Ok(Vec::new());
@@ -347,7 +347,7 @@ impl Guest {
                 self.lost += got.lost;
                 for rec in got.records.chunks_exact(record) {
                     let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
-                    match self.interner.render(rec) {
+                    match self.interner.printed(rec) {
                         Some(text) => records.push((tsc, text)),
                         None => self.lost += 1,
                     }
@@ -369,7 +369,7 @@ impl Guest {
             let (finished, consumed) = take(&bytes, record, last);
             for rec in finished {
                 let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
-                match self.interner.render(rec) {
+                match self.interner.printed(rec) {
                     Some(text) => records.push((tsc, text)),
                     None => self.lost += 1,
                 }
@@ -388,8 +388,27 @@ impl Guest {
 
     /// Prints what the compiled probes printed since the last look.
     fn print(&mut self, session: &mut Session<'_>, last: bool) -> anyhow::Result<()> {
-        for text in self.drain(last)? {
-            session.text(&text);
+        for printed in self.drain(last)? {
+            match printed {
+                compile::data::Printed::Text(text) => session.text(&text),
+                compile::data::Printed::Hist {
+                    name,
+                    kind,
+                    buckets,
+                    newline,
+                } => {
+                    session.hist(
+                        &name,
+                        &crate::lang::hist::Histogram {
+                            kind,
+                            buckets: &buckets,
+                        },
+                    );
+                    if newline {
+                        session.text("\n");
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -321,7 +321,7 @@ impl Gen<'_, '_> {
         let Some(rings) = self.env.layout.ring_set(self.env.data) else {
             return Err(self.no("print() without output rings"));
         };
-        let name = match &target.kind {
+        let (name, keys, value_offset) = match &target.kind {
             ExprKind::Var(name) => {
                 let slot = self
                     .global(name)
@@ -329,12 +329,16 @@ impl Gen<'_, '_> {
                     .filter(|s| s.table.is_none())
                     .ok_or_else(|| self.no(format!("a histogram of {name}")))?;
                 self.lea(Register::RAX, self.env.data + slot.offset)?;
-                name.clone()
+                (name.clone(), Vec::new(), 0)
             }
             ExprKind::Index(ix) => {
-                self.array(&ix.array.name)?;
+                let slot = self.array(&ix.array.name)?;
                 self.lookup(&ix.array.name, &ix.keys, false)?;
-                ix.array.name.clone()
+                (
+                    ix.array.name.clone(),
+                    slot.key_is_str.clone(),
+                    slot.value_offset() as i32,
+                )
             }
             _ => return Err(self.no("a histogram of this")),
         };
@@ -342,7 +346,8 @@ impl Gen<'_, '_> {
             return Err(self.no(format!("a histogram of {name}, which is not an aggregate")));
         };
         let bytes = ValueKind::Stats(layout).size();
-        if 16 + bytes > self.env.layout.record {
+        let key_bytes = 16 * keys.len() as u64;
+        if 16 + bytes + key_bytes > self.env.layout.record {
             return Err(self.no(format!(
                 "a histogram of {name} ({bytes} bytes, more than a record holds)"
             )));
@@ -352,9 +357,14 @@ impl Gen<'_, '_> {
                 kind,
                 layout,
                 newline,
+                name: name.clone(),
+                keys: keys.clone(),
             },
             Vec::new(),
         );
+        // After the copy, rsi is just past the element's value; its keys sit at
+        // ENTRY_KEYS in the same table entry.
+        let keys_back = super::super::data::ENTRY_KEYS as i32 - value_offset - bytes as i32;
         let cpu_number = self.env.facts.cpu_number;
         let empty = self.errors.empty;
         let r = (|| {
@@ -373,6 +383,11 @@ impl Gen<'_, '_> {
             self.a.lea(rdi, qword_ptr(r8 + 16))?;
             self.a.mov(ecx, bytes as u32)?;
             self.a.rep().movsb()?;
+            if key_bytes > 0 {
+                self.a.lea(rsi, qword_ptr(rsi + keys_back))?;
+                self.a.mov(ecx, key_bytes as u32)?;
+                self.a.rep().movsb()?;
+            }
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
