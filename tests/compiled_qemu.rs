@@ -782,6 +782,41 @@ fn a_guru_script_sets_the_return_value_the_guests_workload_sees() {
 }
 
 #[test]
+fn guru_writes_of_return_values_and_parameters_reach_the_guest_compiled_and_host_evaluated() {
+    if !have_qemu(
+        "guru_writes_of_return_values_and_parameters_reach_the_guest_compiled_and_host_evaluated",
+    ) {
+        return;
+    }
+    // Oracles: syscall-loop's last getppid result and its call count; the bytes dd wrote
+    // after its one 64-byte read was cut to 3 at ksys_read's entry, counted by wc.
+    let script = r#"global n
+        probe kernel.function("__x64_sys_getppid").return {
+          if (execname() == "syscall-loop") { n++; if (n % 2) set_return(4242) else $return = 4242 }
+        }
+        probe kernel.function("ksys_read") { if (execname() == "dd") $count = 3 }
+        probe end { printf("n=%d\n", n) }"#;
+    let job = "syscall-loop 20; sh -c 'echo EXOTAP-RESULT dd.bytes=$(dd if=/init bs=64 count=1 2>/dev/null | wc -c)'";
+    for mode in ["require", "never"] {
+        let dir = tempfile::tempdir().unwrap();
+        let console = dir.path().join("console.log");
+
+        let (code, out, err) = run(exotap()
+            .args(["boot", "-g", "--timeout", "400", "--compile", mode])
+            .args(["--script-text", script, "--run", job, "--console"])
+            .arg(&console));
+
+        let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 0, "{ctx}");
+        assert_eq!(result(&out, "getppid.value"), Some("4242"), "{ctx}");
+        assert_eq!(result(&out, "getppid.calls"), Some("20"), "{ctx}");
+        assert!(script_output(&out).contains("n=20\n"), "{ctx}");
+        assert_eq!(result(&out, "dd.bytes"), Some("3"), "{ctx}");
+        assert_no_oops(&std::fs::read_to_string(&console).unwrap_or_default());
+    }
+}
+
+#[test]
 fn a_guru_write_is_refused_without_g() {
     if !have_qemu("a_guru_write_is_refused_without_g") {
         return;

@@ -136,7 +136,16 @@ struct LiveContext<'a> {
     at_return: Option<(X86Registers, u64)>,
     /// The kernel's types, for member chains and `@cast` (`None` without BTF).
     types: Option<&'a BtfTypes>,
+    /// Guru-mode writes of this hit: register (index into [`X86Registers::gpr`]) and value,
+    /// put into the vCPU before it resumes.
+    writes: RefCell<Vec<(usize, u64)>>,
 }
+
+/// Names of [`X86Registers::gpr`], for the writes.
+const GPR_NAMES: [&str; 16] = [
+    "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13",
+    "r14", "r15",
+];
 
 impl LiveContext<'_> {
     fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
@@ -208,13 +217,29 @@ impl LiveContext<'_> {
             })
     }
 
-    /// An argument as it was at the entry (for a return probe too).
+    /// An argument as it was at the entry (for a return probe too), or as this hit wrote it.
     fn argument(&self, index: usize) -> Option<u64> {
         let regs = self
             .at_return
             .as_ref()
             .map_or(&self.regs, |(entry, _)| entry);
-        ARG_REGS.get(index).map(|r| regs.gpr[*r])
+        let r = *ARG_REGS.get(index)?;
+        if self.at_return.is_none() {
+            if let Some(v) = self.written(r) {
+                return Some(v);
+            }
+        }
+        Some(regs.gpr[r])
+    }
+
+    /// The last value this hit wrote to register `r`.
+    fn written(&self, r: usize) -> Option<u64> {
+        self.writes
+            .borrow()
+            .iter()
+            .rev()
+            .find(|(w, _)| *w == r)
+            .map(|w| w.1)
     }
 }
 
@@ -231,7 +256,9 @@ impl Context for LiveContext<'_> {
             return Some(Value::Str(text.join(" ")));
         }
         if path == "$return" {
-            return self.at_return.map(|(_, rax)| Value::Long(rax as i64));
+            return self
+                .at_return
+                .map(|(_, rax)| Value::Long(self.written(0).unwrap_or(rax) as i64));
         }
         if let Some(local) = self.local(path) {
             return self.local_value(local).ok().map(Value::Long);
@@ -303,6 +330,33 @@ impl Context for LiveContext<'_> {
                 .map_err(|e| format!("{what}: {e}"))
                 .and_then(|steps| self.follow(&what, pointer, &steps)),
         )
+    }
+
+    fn write_target(&self, path: &str, value: i64) -> Result<(), String> {
+        let reg = match (path, self.at_return.is_some()) {
+            ("$return", true) => 0,
+            ("$return", false) => return Err("'$return' is only written in a .return probe".into()),
+            (_, true) => {
+                return Err(format!(
+                    "writing '{path}' in a return probe: the function has run"
+                ))
+            }
+            (name, false) => {
+                let index = name
+                    .strip_prefix('$')
+                    .and_then(|n| self.point.params.iter().position(|p| p == n))
+                    .ok_or_else(|| {
+                        format!(
+                            "writing '{path}': only a parameter at a function's entry is written"
+                        )
+                    })?;
+                *ARG_REGS
+                    .get(index)
+                    .ok_or_else(|| format!("writing '{path}': it is passed on the stack"))?
+            }
+        };
+        self.writes.borrow_mut().push((reg, value as u64));
+        Ok(())
     }
 
     fn pid(&self) -> i64 {
@@ -802,6 +856,7 @@ impl Traps {
             stacks: self.stacks.as_ref(),
             at_return,
             types: self.types.as_ref(),
+            writes: RefCell::new(Vec::new()),
         })
     }
 
@@ -833,7 +888,7 @@ impl Traps {
     ) -> anyhow::Result<()> {
         let machine = &mut guest.machine;
         let survey = &guest.survey;
-        let regs = registers(machine, vcpu)?;
+        let mut regs = registers(machine, vcpu)?;
         let Some(site) = self.armed.get_mut(&pc) else {
             return Ok(());
         };
@@ -842,10 +897,18 @@ impl Traps {
         let slot_va = site.slot;
         let wants_return = !site.ret.is_empty();
         let entry = site.entry.clone();
+        let mut writes = Vec::new();
         if let Some(ctx) = self.context(machine, survey, vcpu, regs, pc, None) {
             for p in &entry {
                 session.fire(p.probe, &p.name, &ctx);
             }
+            writes = ctx.writes.take();
+        }
+        // Guru writes of parameters: the function runs with them (and a return probe sees
+        // them as the entry's, as compiled).
+        for (r, v) in writes {
+            machine.set_register(vcpu, GPR_NAMES[r], v)?;
+            regs.gpr[r] = v;
         }
         if wants_return {
             // A swap left at this slot by a call that never returned through it (its task
@@ -939,6 +1002,10 @@ impl Traps {
         ) {
             for r in &ret {
                 session.fire(r.probe, &r.name, &ctx);
+            }
+            // `$return = v`, `set_return(v)`: the caller gets it.
+            for (r, v) in ctx.writes.take() {
+                machine.set_register(vcpu, GPR_NAMES[r], v)?;
             }
         }
         machine.set_pc(vcpu, p.original)?;
