@@ -18,7 +18,7 @@ use exotap_introspect::dwarf::DebugFile;
 
 use crate::compile::codegen::walk;
 use crate::compile::locals::{locals_at, Locals};
-use crate::lang::ast::ExprKind;
+use crate::lang::ast::{ExprKind, Stmt, StmtKind};
 use crate::lang::check::Program;
 use crate::lang::resolve::ResolvedPoint;
 
@@ -42,14 +42,28 @@ fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<Strin
     let Some(p) = prog.script.probes.get(probe) else {
         return (required, optional);
     };
+    // Reads under `@defined(...)`, and in the branches it chooses between (`@defined($a) ?
+    // $a : $b`, `if (@defined($a)) ... else ...`), are optional: the branch that cannot be
+    // read at a point is not compiled (nor evaluated) there.
     let mut guarded = BTreeSet::new();
-    let mut visit = |e: &crate::lang::ast::Expr| match &e.kind {
-        ExprKind::Defined(x) => walk::expr_all(x, &mut |inner| {
+    let mark = |e: &crate::lang::ast::Expr,
+                guarded: &mut BTreeSet<u32>,
+                optional: &mut BTreeSet<String>| {
+        walk::expr_all(e, &mut |inner| {
             if let ExprKind::Target(t) = &inner.kind {
                 guarded.insert(inner.span.start);
                 optional.insert(t.name.clone());
             }
-        }),
+        });
+    };
+    guarded_branches(&p.body.stmts, &mut |e| mark(e, &mut guarded, &mut optional));
+    let mut visit = |e: &crate::lang::ast::Expr| match &e.kind {
+        ExprKind::Defined(x) => mark(x, &mut guarded, &mut optional),
+        ExprKind::Ternary(t) if matches!(t.0.kind, ExprKind::Defined(_)) => {
+            for branch in [&t.0, &t.1, &t.2] {
+                mark(branch, &mut guarded, &mut optional);
+            }
+        }
         ExprKind::Target(t) if !guarded.contains(&e.span.start) => {
             required.insert(t.name.clone());
         }
@@ -67,6 +81,33 @@ fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<Strin
             .collect()
     };
     (plain(required), plain(optional))
+}
+
+/// Calls `f` on every expression inside an `if (@defined(...))` statement's condition and
+/// branches, at any depth of `stmts`.
+fn guarded_branches<'p>(stmts: &'p [Stmt], f: &mut impl FnMut(&'p crate::lang::ast::Expr)) {
+    for s in stmts {
+        match &s.kind {
+            StmtKind::If(i) if matches!(i.cond.kind, ExprKind::Defined(_)) => {
+                walk::stmt_exprs(s, f);
+            }
+            StmtKind::Block(b) => guarded_branches(&b.stmts, f),
+            StmtKind::If(i) => {
+                guarded_branches(std::slice::from_ref(&i.then), f);
+                if let Some(e) = &i.els {
+                    guarded_branches(std::slice::from_ref(e), f);
+                }
+            }
+            StmtKind::While(w) => guarded_branches(std::slice::from_ref(&w.1), f),
+            StmtKind::For(fs) => guarded_branches(std::slice::from_ref(&fs.body), f),
+            StmtKind::Foreach(fe) => guarded_branches(std::slice::from_ref(&fe.body), f),
+            StmtKind::Try(t) => {
+                guarded_branches(&t.body.stmts, f);
+                guarded_branches(&t.handler.stmts, f);
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The cached -dbg vmlinux beside the image (`kernels/ABI/debug/vmlinux`, stored with its
@@ -313,6 +354,23 @@ mod tests {
             "{text}"
         );
         assert_eq!(text.lines().count(), 5, "{text}");
+    }
+
+    #[test]
+    fn the_branch_at_defined_chooses_against_is_not_required() {
+        let Some(image) = kernel() else { return };
+
+        // As grapher.stp's `count = @defined($c) ? $c : $count` at pty_write, and an `if`:
+        // `$ret` (optimized out at the entry) is read only where `@defined` chose it.
+        let found = locals(
+            &image,
+            r#"probe kernel.function("vfs_read") {
+                 x = @defined($nope) ? $nope : $ret
+                 if (@defined($zz)) println($zz) else println($ret, x)
+               }"#,
+        );
+
+        assert!(found.is_ok(), "{found:?}");
     }
 
     #[test]
