@@ -551,6 +551,23 @@ fn strings_in_keys_and_values_and_printf_match_the_interpreter() {
 }
 
 #[test]
+fn printd_and_printdln_match_the_interpreter() {
+    let script = r#"
+        global n
+        probe kernel.function("f") {
+          n++
+          if (n % 9 == 0) printd(", ", execname(), n, $a, pp())
+          if (n % 13 == 0) printdln("|", $b, "x", probefunc())
+          if (n % 40 == 0) printdln("--", n)
+        }
+    "#;
+
+    let header = differential(script, &hits(120));
+
+    assert_eq!((header.errors, header.dropped), (0, 0));
+}
+
+#[test]
 fn deleted_elements_come_back_as_new_ones_in_the_interpreters_order() {
     let script = r#"
         global t, d, seen, gone

@@ -35,7 +35,7 @@
 //! body), `kernel_long()`, `kernel_int()`, `kernel_short()`, `kernel_char()` (through the
 //! kernel's `copy_from_kernel_nofault`: a bad address ends the hit with a probe error),
 //! `exit()`; `printf` with a literal format,
-//! `print` and `println` (output records in per-vCPU rings, formatted by the host), also of
+//! `print` and `println`, `printd`/`printdln` with a literal delimiter (output records in per-vCPU rings, formatted by the host), also of
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
 //! `@min`, `@max`, `@avg`, `@variance` of aggregates; `$params` in registers at function
 //! entries, and in return probes as they were at the entry (also `@entry($param)`);

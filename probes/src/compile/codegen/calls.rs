@@ -119,6 +119,13 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
+            // `printd(", ", a, b)` prints what `print(a, ", ", b)` prints.
+            "printd" | "printdln" => {
+                let args = interleaved(&c.args).ok_or_else(|| {
+                    self.no(format!("{name}() with a delimiter that is not a literal"))
+                })?;
+                self.print(if name == "printd" { "print" } else { "println" }, &args)
+            }
             "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
                 let copy = self.env.facts.copy_nofault.ok_or_else(|| {
                     self.no(format!(
@@ -402,12 +409,33 @@ impl Gen<'_, '_> {
     }
 }
 
-/// The `printf`/`print`/`println` calls of `prog`'s kernel probes.
+/// The values of `printd(DELIM, a, b, ...)` with the literal delimiter between them, as
+/// `print` takes them; `None` when the delimiter is not a string literal (evaluated once per
+/// call, so it cannot be repeated).
+fn interleaved(args: &[Expr]) -> Option<Vec<Expr>> {
+    let (delim, values) = args.split_first()?;
+    if !matches!(delim.kind, ExprKind::Str(_)) {
+        return None;
+    }
+    let mut out = Vec::new();
+    for (i, v) in values.iter().enumerate() {
+        if i > 0 {
+            out.push(delim.clone());
+        }
+        out.push(v.clone());
+    }
+    Some(out)
+}
+
+/// The `printf`/`print`/`println`/`printd`/`printdln` calls of `prog`'s kernel probes.
 fn print_calls(prog: &Program) -> Vec<&Call> {
     fn expr<'p>(e: &'p Expr, out: &mut Vec<&'p Call>) {
         match &e.kind {
             ExprKind::Call(c) => {
-                if matches!(c.name.name.as_str(), "printf" | "print" | "println") {
+                if matches!(
+                    c.name.name.as_str(),
+                    "printf" | "print" | "println" | "printd" | "printdln"
+                ) {
                     out.push(c);
                 }
                 c.args.iter().for_each(|a| expr(a, out));
@@ -500,10 +528,14 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
     let largest = print_calls(prog)
         .iter()
         .map(|c| {
-            let args = if c.name.name == "printf" {
-                &c.args[1.min(c.args.len())..]
-            } else {
-                &c.args[..]
+            let printd;
+            let args = match c.name.name.as_str() {
+                "printf" => &c.args[1.min(c.args.len())..],
+                "printd" | "printdln" => {
+                    printd = interleaved(&c.args).unwrap_or_default();
+                    &printd[..]
+                }
+                _ => &c.args[..],
             };
             if let [Expr {
                 kind: ExprKind::Hist(_, target),
