@@ -502,6 +502,87 @@ fn statement_probes_compile_at_a_splice_or_behind_a_breakpoint_and_count_as_the_
     eprintln!("vfs_read+{long:#x} spliced, vfs_read+{short:#x} behind a breakpoint: n=60 m=60");
 }
 
+/// Whether the cached Debian kernel is the build whose `vfs_read` offsets the locals test
+/// names (`+0xf1`: `testl $0x4004000,0x44(%rbp)` after a read returned > 0; `+0x1b6`: `test
+/// %r15,%r15` in the inlined `new_sync_read`), with its -dbg vmlinux cached.
+fn vfs_read_locals_build() -> bool {
+    let Some(dir) =
+        exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+    else {
+        return false;
+    };
+    if !dir.join("debug/vmlinux").is_file() {
+        return false;
+    }
+    let Ok(image) = exotap_probes::live::kernel_image::KernelImage::load(dir.join("vmlinuz"))
+    else {
+        return false;
+    };
+    let Ok(start) = image.address("vfs_read") else {
+        return false;
+    };
+    let at = |off: u64, len: usize| image.vmlinux.read_at(start + off, len).ok();
+    at(0xf1, 7) == Some(&[0xf7, 0x45, 0x44, 0x00, 0x40, 0x00, 0x04][..])
+        && at(0x1b6, 3) == Some(&[0x4d, 0x85, 0xff][..])
+}
+
+#[test]
+fn dwarf_locals_at_statement_probes_read_what_the_workload_determines() {
+    if !have_qemu("dwarf_locals_at_statement_probes_read_what_the_workload_determines") {
+        return;
+    }
+    if !vfs_read_locals_build() {
+        eprintln!(
+            "SKIP: needs the cached Debian kernel these vfs_read offsets are for and its -dbg \
+             vmlinux (exotap image fetch --debuginfo)"
+        );
+        return;
+    }
+    // Oracles: syscall-loop's preads of its 18-byte file into a 64-byte buffer at offset 0:
+    // `ret` (a local in rbx) is 18, `count` (a parameter the function saved in a stack slot
+    // at the CFA - 160) is 64, the file's own position stays 0 (`$file`, in rbp there, is a
+    // local pointer whose member chain is laid out from BTF), each once per pread; and the
+    // host-evaluated path, reading the same places from the stopped vCPU.
+    let script = r#"global n, m
+      probe kernel.statement("vfs_read+0xf1") {
+        if (execname() == "syscall-loop") { n++; if ($ret != 18 || $file->f_pos != 0) printf("ret=%d f_pos=%d\n", $ret, $file->f_pos) }
+      }
+      probe kernel.statement("vfs_read+0x1b6") {
+        if (execname() == "syscall-loop") { m++; if ($count != 64) printf("count=%d\n", $count) }
+      }
+      probe end { printf("n=%d m=%d\n", n, m) }"#;
+
+    let (code_c, out_c, err_c, con_c) = boot(script, "require", "syscall-loop 30");
+    let (code_h, out_h, err_h, _) = boot(script, "never", "syscall-loop 30");
+
+    let ctx = format!("compiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
+    assert_eq!((code_c, code_h), (0, 0), "{ctx}");
+    assert_eq!(result(&con_c, "pread.calls"), Some("30"), "{ctx}");
+    assert_eq!(script_output(&out_c), "n=30 m=30\n", "{ctx}");
+    assert_eq!(script_output(&out_c), script_output(&out_h), "{ctx}");
+    assert_no_oops(&con_c);
+}
+
+#[test]
+fn a_local_optimized_out_at_the_probe_address_stops_the_script_naming_it() {
+    if !have_qemu("a_local_optimized_out_at_the_probe_address_stops_the_script_naming_it") {
+        return;
+    }
+    if !vfs_read_locals_build() {
+        eprintln!("SKIP: needs the cached Debian kernel these vfs_read offsets are for and its -dbg vmlinux");
+        return;
+    }
+    let script = r#"probe kernel.statement("vfs_read+0x1b6") { println($ret) }"#;
+
+    let (code, _, err, _) = boot(script, "auto", "true");
+
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains("vfs_read+0x1b6\"): $ret is optimized out at"),
+        "{err}"
+    );
+}
+
 #[test]
 fn compiled_probe_errors_are_counted_and_reported_and_the_guest_lives() {
     if !have_qemu("compiled_probe_errors_are_counted_and_reported_and_the_guest_lives") {
@@ -698,6 +779,41 @@ fn a_guru_script_sets_the_return_value_the_guests_workload_sees() {
     let other: i64 = result(&out, "other.ppid").unwrap().parse().unwrap();
     assert!(other > 0 && other != 4242, "{ctx}");
     assert_no_oops(&std::fs::read_to_string(&console).unwrap_or_default());
+}
+
+#[test]
+fn guru_writes_of_return_values_and_parameters_reach_the_guest_compiled_and_host_evaluated() {
+    if !have_qemu(
+        "guru_writes_of_return_values_and_parameters_reach_the_guest_compiled_and_host_evaluated",
+    ) {
+        return;
+    }
+    // Oracles: syscall-loop's last getppid result and its call count; the bytes dd wrote
+    // after its one 64-byte read was cut to 3 at ksys_read's entry, counted by wc.
+    let script = r#"global n
+        probe kernel.function("__x64_sys_getppid").return {
+          if (execname() == "syscall-loop") { n++; if (n % 2) set_return(4242) else $return = 4242 }
+        }
+        probe kernel.function("ksys_read") { if (execname() == "dd") $count = 3 }
+        probe end { printf("n=%d\n", n) }"#;
+    let job = "syscall-loop 20; sh -c 'echo EXOTAP-RESULT dd.bytes=$(dd if=/init bs=64 count=1 2>/dev/null | wc -c)'";
+    for mode in ["require", "never"] {
+        let dir = tempfile::tempdir().unwrap();
+        let console = dir.path().join("console.log");
+
+        let (code, out, err) = run(exotap()
+            .args(["boot", "-g", "--timeout", "400", "--compile", mode])
+            .args(["--script-text", script, "--run", job, "--console"])
+            .arg(&console));
+
+        let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 0, "{ctx}");
+        assert_eq!(result(&out, "getppid.value"), Some("4242"), "{ctx}");
+        assert_eq!(result(&out, "getppid.calls"), Some("20"), "{ctx}");
+        assert!(script_output(&out).contains("n=20\n"), "{ctx}");
+        assert_eq!(result(&out, "dd.bytes"), Some("3"), "{ctx}");
+        assert_no_oops(&std::fs::read_to_string(&console).unwrap_or_default());
+    }
 }
 
 #[test]

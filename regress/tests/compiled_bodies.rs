@@ -12,7 +12,7 @@ use std::sync::Arc;
 use exotap_probes::compile::{
     self,
     codegen::Env,
-    data::Header,
+    data::{Header, Printed},
     types::{KernelTypes, Shape, TypeRef},
     DataLayout, Facts, Interner, MemoryFns, SiteBodies, SitePoint, TaskFields,
 };
@@ -218,6 +218,7 @@ fn rig_as(
             function: "f".into(),
             params: vec!["a".into(), "b".into()],
             is_return: false,
+            locals: None,
         }],
         ret: Vec::new(),
     };
@@ -317,6 +318,46 @@ impl Rig {
                 self.interner.render(&record).expect("a known format")
             })
             .collect()
+    }
+
+    /// What the compiled code printed, as `--format json` prints it (the host's drain:
+    /// histograms as their own objects).
+    fn printed_json(&self) -> String {
+        let out = SharedBuf::default();
+        let mut json = Output::new(
+            Format::Json,
+            Box::new(out.clone()),
+            Box::new(std::io::sink()),
+        );
+        let Some(rings) = self.layout.ring_set(DATA) else {
+            return String::new();
+        };
+        let mut head = [0u8; 8];
+        self.uc.read(rings.ring(0), &mut head).unwrap();
+        for i in 0..u64::from_le_bytes(head) {
+            let mut record = vec![0u8; rings.record as usize];
+            self.uc.read(rings.slot(0, i), &mut record).unwrap();
+            match self.interner.printed(&record).expect("a known format") {
+                Printed::Text(t) => json.text(&t).unwrap(),
+                Printed::Hist {
+                    name,
+                    kind,
+                    buckets,
+                    newline,
+                } => {
+                    let h = exotap_probes::lang::hist::Histogram {
+                        kind,
+                        buckets: &buckets,
+                    };
+                    json.hist(&name, &h).unwrap();
+                    if newline {
+                        json.text("\n").unwrap();
+                    }
+                }
+            }
+        }
+        json.flush().unwrap();
+        out.contents()
     }
 }
 
@@ -423,6 +464,13 @@ fn differential_in(
     let err = SharedBuf::default();
     let output = Output::new(Format::Text, Box::new(out.clone()), Box::new(err.clone()));
     let mut session = Session::new(&prog, limits.clone(), output, "t.stp", script);
+    let out_json = SharedBuf::default();
+    let output_json = Output::new(
+        Format::Json,
+        Box::new(out_json.clone()),
+        Box::new(std::io::sink()),
+    );
+    let mut session_json = Session::new(&prog, limits.clone(), output_json, "t.stp", script);
     let mut failed = 0;
     for h in hits {
         setup(&mut rig.uc, h);
@@ -435,6 +483,7 @@ fn differential_in(
         if !session.fire(0, "kernel.function(\"f\")", &ctx) {
             failed += 1;
         }
+        session_json.fire(0, "kernel.function(\"f\")", &ctx);
     }
     let data = rig.data();
     for name in prog.globals.keys() {
@@ -451,6 +500,11 @@ fn differential_in(
         );
     }
     assert_eq!(rig.printed(), out.contents(), "printed output");
+    assert_eq!(
+        rig.printed_json(),
+        out_json.contents(),
+        "printed output, --format json"
+    );
     (Header::decode(&data), failed)
 }
 
@@ -492,6 +546,23 @@ fn strings_in_keys_and_values_and_printf_match_the_interpreter() {
     "#;
 
     let header = differential(script, &hits(300));
+
+    assert_eq!((header.errors, header.dropped), (0, 0));
+}
+
+#[test]
+fn printd_and_printdln_match_the_interpreter() {
+    let script = r#"
+        global n
+        probe kernel.function("f") {
+          n++
+          if (n % 9 == 0) printd(", ", execname(), n, $a, pp())
+          if (n % 13 == 0) printdln("|", $b, "x", probefunc())
+          if (n % 40 == 0) printdln("--", n)
+        }
+    "#;
+
+    let header = differential(script, &hits(120));
 
     assert_eq!((header.errors, header.dropped), (0, 0));
 }
@@ -962,6 +1033,7 @@ fn a_local_holding_a_string_from_memory_compared_is_refused_by_name() {
         function: "f".into(),
         params: vec!["a".into(), "b".into()],
         is_return: false,
+        locals: None,
     };
 
     let refused = compile::check(&prog, &limits, &facts(), &[point]);
@@ -993,6 +1065,7 @@ fn refusals(script: &str) -> Vec<String> {
         function: "f".into(),
         params: vec!["a".into(), "b".into()],
         is_return: false,
+        locals: None,
     };
     compile::check(&prog, &limits, &facts(), &[point])
         .into_iter()
@@ -1098,6 +1171,7 @@ fn a_string_from_memory_used_as_a_key_is_refused_by_name() {
         function: "f".into(),
         params: vec!["a".into(), "b".into()],
         is_return: false,
+        locals: None,
     };
 
     let refused = compile::check(&prog, &limits, &facts(), &[point]);
@@ -1155,6 +1229,7 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
             function: "f".into(),
             params: vec!["a".into(), "b".into()],
             is_return: false,
+            locals: None,
         };
         let refused = compile::check(&prog, &limits, &facts(), &[point]);
         if let Some(first) = refused.first() {

@@ -36,6 +36,13 @@ pub enum Location {
         /// Offset.
         offset: i64,
     },
+    /// Register + offset is the value itself (`DW_OP_bregN; DW_OP_stack_value`).
+    Value {
+        /// Base register.
+        base: u16,
+        /// Offset.
+        offset: i64,
+    },
     /// At frame base + offset (`DW_OP_fbreg`).
     Frame(i64),
     /// At a fixed address (`DW_OP_addr`).
@@ -53,6 +60,9 @@ impl fmt::Display for Location {
         match self {
             Location::Register(r) => write!(f, "%{}", register_name(*r)),
             Location::Memory { base, offset } => write!(f, "{offset}(%{})", register_name(*base)),
+            Location::Value { base, offset } => {
+                write!(f, "breg({}){offset:+} stack_value", register_name(*base))
+            }
             Location::Frame(off) => write!(f, "frame_base{off:+}"),
             Location::Address(a) => write!(f, "{a:#x}"),
             Location::Const(v) => write!(f, "constant {v}"),
@@ -99,6 +109,12 @@ pub(crate) fn describe(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding
         [Operation::RegisterOffset {
             register, offset, ..
         }] => Location::Memory {
+            base: register.0,
+            offset: *offset,
+        },
+        [Operation::RegisterOffset {
+            register, offset, ..
+        }, Operation::StackValue] => Location::Value {
             base: register.0,
             offset: *offset,
         },
@@ -278,6 +294,340 @@ impl<'a> DebugInfo<'a> {
     }
 }
 
+/// A variable's value as a scalar: what a `$var` read gives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scalar {
+    /// Bytes (1, 2, 4 or 8).
+    pub size: u8,
+    /// Sign-extended when read.
+    pub signed: bool,
+    /// For a pointer to a named struct or union: `struct NAME` / `union NAME`, the type its
+    /// members (`$var->m`) are laid out from.
+    pub pointee: Option<String>,
+}
+
+/// Where the frame base of a function is (`DW_AT_frame_base`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameBase {
+    /// `DW_OP_call_frame_cfa`: the canonical frame address from the call frame information.
+    Cfa,
+    /// Another expression, simplified.
+    Other(Location),
+}
+
+/// The variables visible at one pc: those of the innermost function (out-of-line or inlined)
+/// whose code covers it, from the blocks that cover it, then those of the functions it was
+/// inlined into (gdb's frames up the inline chain); where a name repeats, the innermost wins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScopeAt {
+    /// The innermost function covering the pc (an inlined one's own name).
+    pub function: String,
+    /// Whether that function is an inlined instance inside the out-of-line one.
+    pub inlined: bool,
+    /// The out-of-line function whose code holds the pc.
+    pub out_of_line: String,
+    /// The frame base of the out-of-line function holding the pc.
+    pub frame_base: Option<FrameBase>,
+    /// Parameters then locals, one per name; [`Variable::at_entry`] is the location at the pc.
+    pub vars: Vec<Variable>,
+}
+
+/// What a walk down to a pc has found so far.
+#[derive(Default)]
+struct Walk {
+    /// Variables: (block depth, is a parameter, DIE).
+    found: Vec<(usize, bool, DieRef)>,
+    /// The innermost function covering the pc: DIE, inlined, the frame base.
+    frame: Option<(DieRef, bool, Option<FrameBase>)>,
+    /// The out-of-line function covering it.
+    subprogram: Option<DieRef>,
+}
+
+impl<'a> DebugInfo<'a> {
+    /// The variables in scope at the link-time address `pc` with their locations there, as a
+    /// debugger finds them from the innermost frame up the inline chain. `None` when no
+    /// function's code covers `pc`.
+    ///
+    /// # Errors
+    /// DWARF errors reading the unit or its DIEs.
+    pub fn scope_at(&self, pc: u64) -> Result<Option<ScopeAt>, DwarfError> {
+        let Some(unit_offset) = self.unit_for_address(pc)? else {
+            return Ok(None);
+        };
+        let unit = self.unit_at(unit_offset)?;
+        let mut tree = unit
+            .entries_tree(None)
+            .map_err(super::gimli_err("unit DIEs"))?;
+        let root = tree.root().map_err(super::gimli_err("unit DIE"))?;
+        let mut walk = Walk::default();
+        self.descend(&unit, root, pc, 0, &mut walk)?;
+        let Walk {
+            mut found,
+            frame: Some((function, inlined, frame_base)),
+            subprogram: Some(subprogram),
+        } = walk
+        else {
+            return Ok(None);
+        };
+        // Innermost first, so that a name declared again in an inner block wins.
+        found.sort_by_key(|(depth, ..)| std::cmp::Reverse(*depth));
+        let mut vars: Vec<Variable> = Vec::new();
+        for (_, is_param, die) in found {
+            if let Some(v) = self.variable(die, is_param, pc) {
+                if !vars.iter().any(|have| have.name == v.name) {
+                    vars.push(v);
+                }
+            }
+        }
+        vars.sort_by_key(|v| !v.is_param);
+        Ok(Some(ScopeAt {
+            function: self.die_name(function).unwrap_or_default(),
+            inlined,
+            out_of_line: self.die_name(subprogram).unwrap_or_default(),
+            frame_base,
+            vars,
+        }))
+    }
+
+    /// Walks into the children of `node` whose code covers `pc`, collecting variables; a
+    /// function (out-of-line or inlined) that covers it starts the collection again.
+    fn descend(
+        &self,
+        unit: &Unit<'a>,
+        node: gimli::EntriesTreeNode<'_, '_, '_, R<'a>>,
+        pc: u64,
+        depth: usize,
+        walk: &mut Walk,
+    ) -> Result<(), DwarfError> {
+        if depth > 64 {
+            return Ok(());
+        }
+        let mut children = node.children();
+        while let Some(child) = children.next().map_err(super::gimli_err("DIE children"))? {
+            let entry = child.entry();
+            let tag = entry.tag();
+            let Some(die) = entry
+                .offset()
+                .to_debug_info_offset(&unit.header)
+                .map(|o| DieRef(o.0 as u64))
+            else {
+                continue;
+            };
+            match tag {
+                gimli::DW_TAG_formal_parameter | gimli::DW_TAG_variable if walk.frame.is_some() => {
+                    walk.found
+                        .push((depth, tag == gimli::DW_TAG_formal_parameter, die));
+                }
+                gimli::DW_TAG_subprogram
+                | gimli::DW_TAG_inlined_subroutine
+                | gimli::DW_TAG_lexical_block => {
+                    let (covers, has_ranges) = self.covers(unit, entry, pc)?;
+                    let block = tag == gimli::DW_TAG_lexical_block;
+                    if !(covers || block && !has_ranges && walk.frame.is_some()) {
+                        continue;
+                    }
+                    if tag == gimli::DW_TAG_subprogram {
+                        let base = entry
+                            .attr_value(gimli::DW_AT_frame_base)
+                            .ok()
+                            .flatten()
+                            .and_then(|v| match v {
+                                AttributeValue::Exprloc(e) => Some(frame_base(e, unit.encoding())),
+                                _ => None,
+                            });
+                        walk.frame = Some((die, false, base));
+                        walk.subprogram = Some(die);
+                        walk.found.clear();
+                    } else if tag == gimli::DW_TAG_inlined_subroutine {
+                        // The caller's variables stay visible below the inlined function's
+                        // own, as in gdb's frames up the inline chain.
+                        let base = walk.frame.as_ref().and_then(|f| f.2.clone());
+                        walk.frame = Some((die, true, base));
+                    }
+                    self.descend(unit, child, pc, depth + 1, walk)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the code of `entry` covers `pc`, and whether it has any range at all.
+    fn covers(
+        &self,
+        unit: &Unit<'a>,
+        entry: &gimli::DebuggingInformationEntry<'_, '_, R<'a>>,
+        pc: u64,
+    ) -> Result<(bool, bool), DwarfError> {
+        let mut ranges = self
+            .dwarf
+            .die_ranges(unit, entry)
+            .map_err(super::gimli_err("DIE ranges"))?;
+        let mut any = false;
+        while let Some(r) = ranges.next().map_err(super::gimli_err("DIE range"))? {
+            any = true;
+            if r.begin <= pc && pc < r.end {
+                return Ok((true, true));
+            }
+        }
+        Ok((false, any))
+    }
+
+    /// The canonical frame address at the link-time `pc` from `.debug_frame` (the kernel's),
+    /// else `.eh_frame` (user programs'): (DWARF register, offset), CFA = register + offset.
+    /// `None` when no entry covers `pc` or its rule is an expression.
+    ///
+    /// # Errors
+    /// [`DwarfError::Gimli`] when the call frame information is malformed.
+    pub fn cfa_at(&self, pc: u64) -> Result<Option<(u16, i64)>, DwarfError> {
+        use gimli::UnwindSection;
+        use object::{Object, ObjectSection};
+        let endian = if self.elf.is_little_endian() {
+            gimli::RunTimeEndian::Little
+        } else {
+            gimli::RunTimeEndian::Big
+        };
+        let section = |name: &str| {
+            self.elf
+                .section_by_name(name)
+                .and_then(|s| Some((s.address(), s.data().ok()?)))
+        };
+        let rule = |row: &gimli::UnwindTableRow<usize>| match row.cfa() {
+            gimli::CfaRule::RegisterAndOffset { register, offset } => {
+                Some((register.0, offset.to_owned()))
+            }
+            gimli::CfaRule::Expression(_) => None,
+        };
+        let mut ctx = Box::new(gimli::UnwindContext::new());
+        if let Some((_, data)) = section(".debug_frame") {
+            let mut frame = gimli::DebugFrame::new(data, endian);
+            frame.set_address_size(8);
+            let bases = gimli::BaseAddresses::default();
+            match frame.unwind_info_for_address(
+                &bases,
+                &mut ctx,
+                pc,
+                gimli::DebugFrame::cie_from_offset,
+            ) {
+                Ok(row) => return Ok(rule(row)),
+                Err(gimli::Error::NoUnwindInfoForAddress) => {}
+                Err(e) => return Err(super::gimli_err("call frame information")(e)),
+            }
+        }
+        if let Some((addr, data)) = section(".eh_frame") {
+            let mut frame = gimli::EhFrame::new(data, endian);
+            frame.set_address_size(8);
+            let mut bases = gimli::BaseAddresses::default().set_eh_frame(addr);
+            if let Some((text, _)) = section(".text") {
+                bases = bases.set_text(text);
+            }
+            match frame.unwind_info_for_address(
+                &bases,
+                &mut ctx,
+                pc,
+                gimli::EhFrame::cie_from_offset,
+            ) {
+                Ok(row) => return Ok(rule(row)),
+                Err(gimli::Error::NoUnwindInfoForAddress) => {}
+                Err(e) => return Err(super::gimli_err("call frame information")(e)),
+            }
+        }
+        Ok(None)
+    }
+
+    /// What reading a variable of type `ty` as a scalar gives: its size, signedness and, for
+    /// a pointer to a named struct or union, that type. `None` for a struct, union, array,
+    /// float or function value, or a size other than 1, 2, 4 or 8.
+    pub fn scalar(&self, ty: TypeRef) -> Option<Scalar> {
+        let ty = self.strip_typedefs(ty);
+        if ty == TypeRef::VOID || ty.dim != 0 {
+            return None;
+        }
+        let (unit, off) = self.unit_of(ty.die).ok()?;
+        let entry = unit.entry(off).ok()?;
+        let size = entry
+            .attr(gimli::DW_AT_byte_size)
+            .ok()
+            .flatten()
+            .and_then(|a| a.udata_value());
+        let size = match entry.tag() {
+            gimli::DW_TAG_pointer_type | gimli::DW_TAG_reference_type => size.or(Some(8)),
+            _ => size,
+        }
+        .filter(|s| matches!(s, 1 | 2 | 4 | 8))? as u8;
+        match entry.tag() {
+            gimli::DW_TAG_base_type => {
+                let encoding = match entry.attr_value(gimli::DW_AT_encoding).ok().flatten() {
+                    Some(AttributeValue::Encoding(e)) => e,
+                    _ => return None,
+                };
+                let signed = matches!(encoding, gimli::DW_ATE_signed | gimli::DW_ATE_signed_char);
+                let integer = signed
+                    || matches!(
+                        encoding,
+                        gimli::DW_ATE_unsigned
+                            | gimli::DW_ATE_unsigned_char
+                            | gimli::DW_ATE_boolean
+                    );
+                integer.then_some(Scalar {
+                    size,
+                    signed,
+                    pointee: None,
+                })
+            }
+            gimli::DW_TAG_enumeration_type => {
+                let under = entry
+                    .attr_value(gimli::DW_AT_type)
+                    .ok()
+                    .flatten()
+                    .and_then(|v| Self::die_ref(&unit, v));
+                let signed = under
+                    .and_then(|u| self.scalar(TypeRef::new(u)))
+                    .is_some_and(|s| s.signed);
+                Some(Scalar {
+                    size,
+                    signed,
+                    pointee: None,
+                })
+            }
+            gimli::DW_TAG_pointer_type | gimli::DW_TAG_reference_type => {
+                let to = entry
+                    .attr_value(gimli::DW_AT_type)
+                    .ok()
+                    .flatten()
+                    .and_then(|v| Self::die_ref(&unit, v))
+                    .map(|d| self.strip_typedefs(TypeRef::new(d)));
+                let pointee = to.and_then(|t| {
+                    let (u, o) = self.unit_of(t.die).ok()?;
+                    let e = u.entry(o).ok()?;
+                    let keyword = match e.tag() {
+                        gimli::DW_TAG_structure_type => "struct",
+                        gimli::DW_TAG_union_type => "union",
+                        _ => return None,
+                    };
+                    let name = self.attr_str(&u, &e, gimli::DW_AT_name)?;
+                    Some(format!("{keyword} {name}"))
+                });
+                Some(Scalar {
+                    size: 8,
+                    signed: false,
+                    pointee,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A function's frame base expression.
+fn frame_base(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding) -> FrameBase {
+    let mut ops = expr.operations(encoding);
+    if let (Ok(Some(Operation::CallFrameCFA)), Ok(None)) = (ops.next(), ops.next()) {
+        return FrameBase::Cfa;
+    }
+    FrameBase::Other(describe(expr, encoding))
+}
+
 /// Walks a function's subtree: parameters and variables, through lexical blocks.
 fn collect(
     node: gimli::EntriesTreeNode<'_, '_, '_, R<'_>>,
@@ -366,6 +716,49 @@ mod tests {
             }
         }
         assert!(lists > 0, "the -O2 fixture has no variable that moves");
+    }
+
+    #[test]
+    fn the_scope_at_a_functions_entry_has_its_parameters_in_abi_registers_and_typed_scalars() {
+        let Some(file) = fixture_file() else { return };
+        let info = file.load().unwrap();
+        let index = names(&info);
+        let f = index
+            .lookup_kind("sum_pids", EntryKind::Function)
+            .next()
+            .unwrap();
+
+        let scope = info.scope_at(f.low).unwrap().unwrap();
+
+        // sum_pids(struct task *t, int n) { int total; for (int i ...) }: psABI rdi, rsi.
+        assert_eq!(
+            (scope.function.as_str(), scope.inlined),
+            ("sum_pids", false)
+        );
+        assert_eq!(scope.out_of_line, "sum_pids");
+        let get = |n: &str| scope.vars.iter().find(|v| v.name == n).unwrap();
+        assert_eq!(get("t").at_entry, Location::Register(5));
+        assert_eq!(get("n").at_entry, Location::Register(4));
+        assert!(get("t").is_param && !get("total").is_param && !get("i").is_param);
+        assert_eq!(
+            info.scalar(get("t").ty),
+            Some(Scalar {
+                size: 8,
+                signed: false,
+                pointee: Some("struct task".into())
+            })
+        );
+        assert_eq!(
+            info.scalar(get("n").ty),
+            Some(Scalar {
+                size: 4,
+                signed: true,
+                pointee: None
+            })
+        );
+        // At a function's first instruction the CFA is rsp + 8 (the return address).
+        assert_eq!(info.cfa_at(f.low).unwrap(), Some((7, 8)));
+        assert!(info.scope_at(0).unwrap().is_none());
     }
 
     #[test]

@@ -232,6 +232,29 @@ pub enum OutputKind {
         layout: StatsLayout,
         /// `println`.
         newline: bool,
+        /// The aggregate's name, as JSON output names the histogram.
+        name: String,
+        /// For an array element: whether each key is a string; the record holds the keys'
+        /// 16-byte encodings after the statistics (JSON names it `a[k1,k2]`).
+        keys: Vec<bool>,
+    },
+}
+
+/// What one output record prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Printed {
+    /// Text (`printf`, `print`, `println`).
+    Text(String),
+    /// A histogram, which JSON output prints as an object of its own.
+    Hist {
+        /// `s`, or `a[k1,k2]` for an array element, as the interpreter names it.
+        name: String,
+        /// Which histogram.
+        kind: HistKind,
+        /// Its buckets.
+        buckets: Vec<u64>,
+        /// `println`: a newline follows.
+        newline: bool,
     },
 }
 
@@ -279,6 +302,53 @@ impl Interner {
         u32::try_from(self.formats.len() - 1).unwrap_or(u32::MAX)
     }
 
+    /// What an output record prints (`None`: an unknown format id, a hostile guest): a
+    /// histogram apart, for JSON output; everything else as [`Self::render`]'s text.
+    pub fn printed(&self, record: &[u8]) -> Option<Printed> {
+        let id = usize::try_from(word(record, 8) & 0xffff_ffff).ok()?;
+        let Some((
+            OutputKind::Hist {
+                kind,
+                layout,
+                newline,
+                name,
+                keys,
+            },
+            _,
+        )) = self.formats.get(id)
+        else {
+            return self.render(record).map(Printed::Text);
+        };
+        let stats = decode_stats(record, 16, *layout);
+        let buckets = match kind {
+            HistKind::Log => stats.log.clone(),
+            HistKind::Linear { .. } => stats.linear.map(|l| l.1).unwrap_or_default(),
+        };
+        let mut name = name.clone();
+        if !keys.is_empty() {
+            let at = 16 + ValueKind::Stats(*layout).size();
+            let shown: Vec<String> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, is_str)| {
+                    let here = at + 16 * i as u64;
+                    if *is_str {
+                        self.decode(bytes_at(record, here, 16))
+                    } else {
+                        (word(record, here) as i64).to_string()
+                    }
+                })
+                .collect();
+            name = format!("{name}[{}]", shown.join(","));
+        }
+        Some(Printed::Hist {
+            name,
+            kind: *kind,
+            buckets,
+            newline: *newline,
+        })
+    }
+
     /// The text of an output record (`None`: an unknown format id, a hostile guest).
     pub fn render(&self, record: &[u8]) -> Option<String> {
         let id = usize::try_from(word(record, 8) & 0xffff_ffff).ok()?;
@@ -287,6 +357,7 @@ impl Interner {
             kind,
             layout,
             newline,
+            ..
         } = kind
         {
             // The interpreter's text output of a histogram (JSON output prints it as text).

@@ -35,10 +35,11 @@
 //! body), `kernel_long()`, `kernel_int()`, `kernel_short()`, `kernel_char()` (through the
 //! kernel's `copy_from_kernel_nofault`: a bad address ends the hit with a probe error),
 //! `exit()`; `printf` with a literal format,
-//! `print` and `println` (output records in per-vCPU rings, formatted by the host), also of
+//! `print` and `println`, `printd`/`printdln` with a literal delimiter (output records in per-vCPU rings, formatted by the host), also of
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
 //! `@min`, `@max`, `@avg`, `@variance` of aggregates; `$params` in registers at function
-//! entries, and in return probes as they were at the entry (also `@entry($param)`), and
+//! entries, and in return probes as they were at the entry (also `@entry($param)`);
+//! `$locals` and `$params` anywhere by their DWARF location at the point ([`locals`]); and
 //! `$return`; in guru mode (`-g`, the checker refuses them without) `$param = v` at entries
 //! and `$return = v` or `set_return(v)` in return probes, written where the site restores
 //! the registers from; member
@@ -64,6 +65,7 @@
 
 pub mod codegen;
 pub mod data;
+pub mod locals;
 pub mod site;
 pub mod types;
 
@@ -169,6 +171,9 @@ pub struct SitePoint {
     pub params: Vec<String>,
     /// A `.return` probe.
     pub is_return: bool,
+    /// The target variables at the point by their DWARF locations (statement probes, and
+    /// entries whose body reads a variable BTF does not name), from the -dbg vmlinux.
+    pub locals: Option<std::sync::Arc<locals::Locals>>,
 }
 
 /// A construct that does not compile, and where.

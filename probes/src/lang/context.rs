@@ -52,6 +52,17 @@ pub trait Context {
     fn member_chain(&self, _var: &TargetVar) -> Option<Result<Value, String>> {
         None
     }
+    /// Guru mode (`-g`): writes `value` to the target variable `path` (`$return` in a return
+    /// probe, `$param` at an entry), where the probed code will see it. The default: this
+    /// context cannot change guest state.
+    ///
+    /// # Errors
+    /// A sentence saying why the write cannot be done here.
+    fn write_target(&self, path: &str, _value: i64) -> Result<(), String> {
+        Err(format!(
+            "writing target variable '{path}' needs a probe stopped in the guest"
+        ))
+    }
     /// `@cast(pointer, "type")->member...`: `pointer` read as a pointer to the kernel type.
     /// `None` where this context has no kernel types (the default).
     ///

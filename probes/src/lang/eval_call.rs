@@ -146,6 +146,12 @@ impl Interp<'_> {
                 .unwrap_or_default()
         };
         let v = match name {
+            "set_return" => {
+                if let Err(why) = ctx.write_target("$return", long(0)) {
+                    return fail(why, span);
+                }
+                unit
+            }
             "exit" => {
                 self.exit_requested = true;
                 unit

@@ -306,12 +306,11 @@ impl Interp<'_> {
                 }
                 Ok(())
             }
+            ExprKind::Target(t) if t.members.is_empty() => ctx
+                .write_target(&t.path(), v.as_long())
+                .or_else(|why| fail(why, e.span)),
             ExprKind::Target(t) => fail(
-                format!(
-                    "writing target variable '{}' is not supported at run time yet: it changes \
-                     guest state, which host-evaluated probes only read",
-                    t.path()
-                ),
+                format!("writing the member chain '{}' is not supported", t.path()),
                 e.span,
             ),
             _ => fail("not assignable", e.span),

@@ -121,6 +121,13 @@ impl<'p> Session<'p> {
         let _ = self.interp.out.flush();
     }
 
+    /// Prints a histogram a compiled probe printed (`print(@hist_log(s))`): text, or JSON's
+    /// own `hist` object, as the interpreter prints it.
+    pub fn hist(&mut self, name: &str, h: &crate::lang::hist::Histogram<'_>) {
+        let _ = self.interp.out.hist(name, h);
+        let _ = self.interp.out.flush();
+    }
+
     /// Prints a line of the host's own on the error stream (e.g. `HOST-RESULT` measurements),
     /// after the script's output so far.
     pub fn note(&mut self, line: &str) {

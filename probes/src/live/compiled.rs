@@ -128,6 +128,7 @@ pub fn plan(
     let facts = facts(image, &btf)?;
     let resolver = KernelSymbols::new(&image.symbols, Some(&btf));
     let resolved = resolve_program(prog, &resolver)?;
+    let locals = super::target_vars::point_locals(image, prog, &resolved)?;
     let mut points = Vec::new();
     let mut elsewhere = Vec::new();
     let mut statements = BTreeSet::new();
@@ -152,12 +153,7 @@ pub fn plan(
             });
             continue;
         };
-        let params = point
-            .variables
-            .iter()
-            .filter_map(|v| v.strip_prefix('$'))
-            .map(|v| v.split(':').next().unwrap_or(v).to_owned())
-            .collect();
+        let params = super::target_vars::btf_params(&point);
         if statement {
             statements.insert(link);
         }
@@ -169,6 +165,7 @@ pub fn plan(
                 function,
                 params,
                 is_return,
+                locals: locals.get(&(probe, link)).cloned(),
             },
         ));
     }
@@ -218,6 +215,8 @@ pub fn start_script(
         let why = match plan(image, &script.prog, &script.limits) {
             Ok(Ok(plan)) => return start(target, image, heap, script, plan, mode),
             Ok(Err(constructs)) => describe(&constructs, &script.source.name, &script.source.text),
+            // Not a matter of compiling: the host path could not read them either.
+            Err(e) if e.is::<super::target_vars::UnreadableTargets>() => return Err(e),
             Err(e) => format!("  {e:#}"),
         };
         if mode == CompileMode::Require {
@@ -330,7 +329,7 @@ impl Guest {
     /// Takes the output records written since the last drain, in TSC order across vCPUs (the
     /// guest stopped). A record still being written ends its vCPU's take until the next
     /// drain; with `last` it is skipped instead.
-    fn drain(&mut self, last: bool) -> anyhow::Result<Vec<String>> {
+    fn drain(&mut self, last: bool) -> anyhow::Result<Vec<compile::data::Printed>> {
         use crate::rings::{spans, take, window};
         let Some(rings) = self.layout.ring_set(self.data) else {
             return Ok(Vec::new());
@@ -348,7 +347,7 @@ impl Guest {
                 self.lost += got.lost;
                 for rec in got.records.chunks_exact(record) {
                     let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
-                    match self.interner.render(rec) {
+                    match self.interner.printed(rec) {
                         Some(text) => records.push((tsc, text)),
                         None => self.lost += 1,
                     }
@@ -370,7 +369,7 @@ impl Guest {
             let (finished, consumed) = take(&bytes, record, last);
             for rec in finished {
                 let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
-                match self.interner.render(rec) {
+                match self.interner.printed(rec) {
                     Some(text) => records.push((tsc, text)),
                     None => self.lost += 1,
                 }
@@ -389,8 +388,27 @@ impl Guest {
 
     /// Prints what the compiled probes printed since the last look.
     fn print(&mut self, session: &mut Session<'_>, last: bool) -> anyhow::Result<()> {
-        for text in self.drain(last)? {
-            session.text(&text);
+        for printed in self.drain(last)? {
+            match printed {
+                compile::data::Printed::Text(text) => session.text(&text),
+                compile::data::Printed::Hist {
+                    name,
+                    kind,
+                    buckets,
+                    newline,
+                } => {
+                    session.hist(
+                        &name,
+                        &crate::lang::hist::Histogram {
+                            kind,
+                            buckets: &buckets,
+                        },
+                    );
+                    if newline {
+                        session.text("\n");
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -69,6 +69,7 @@ pub mod session;
 pub mod shared;
 pub mod splicer;
 pub mod stacks;
+pub mod target_vars;
 pub mod trap_point;
 pub mod trap_script;
 pub mod traps;

@@ -26,12 +26,14 @@
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::layout::TaskOffsets;
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 
+use crate::compile::locals::{Local, Locals};
 use crate::compile::types::{cast_chain, chain, BtfTypes, KernelTypes, Step};
 use crate::lang::ast::{CastExpr, TargetVar};
 use crate::lang::check::Program;
@@ -87,6 +89,8 @@ struct ArmedPoint {
     slot: u64,
     slot_phys: u64,
     params: Vec<String>,
+    /// Target variables by their DWARF location here ([`super::target_vars`]).
+    locals: Option<Arc<Locals>>,
 }
 
 impl ArmedPoint {
@@ -160,7 +164,16 @@ struct LiveContext<'a> {
     at_return: Option<(X86Registers, u64)>,
     /// The kernel's types, for member chains and `@cast` (`None` without BTF).
     types: Option<&'a BtfTypes>,
+    /// Guru-mode writes of this hit: register (index into [`X86Registers::gpr`]) and value,
+    /// put into the vCPU before it resumes.
+    writes: RefCell<Vec<(usize, u64)>>,
 }
+
+/// Names of [`X86Registers::gpr`], for the writes.
+const GPR_NAMES: [&str; 16] = [
+    "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13",
+    "r14", "r15",
+];
 
 impl LiveContext<'_> {
     fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
@@ -217,13 +230,54 @@ impl LiveContext<'_> {
             })
     }
 
-    /// An argument as it was at the entry (for a return probe too).
+    /// The target variable `name` by its DWARF location here: not at a return, and not a
+    /// parameter BTF names at an entry (read from its ABI register, as compiled).
+    fn local(&self, name: &str) -> Option<&Local> {
+        let name = name.strip_prefix('$')?;
+        if self.at_return.is_some() || self.point.params.iter().any(|p| p == name) {
+            return None;
+        }
+        self.point.locals.as_ref()?.get(name)?.as_ref().ok()
+    }
+
+    /// A local's value in the stopped vCPU's registers and memory.
+    fn local_value(&self, local: &Local) -> Result<i64, String> {
+        // DWARF numbers rax rdx rcx rbx rsi rdi rbp rsp r8-r15; gdb's order differs.
+        const GPR: [usize; 16] = [0, 3, 2, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
+        let reg = |r: u16| GPR.get(usize::from(r)).map_or(0, |i| self.regs.gpr[*i]);
+        local
+            .value(reg, |at, len| self.read(at, len))
+            .map_err(|addr| {
+                format!(
+                    "kernel read fault in a target variable: {}",
+                    MemoryError::Unreadable { addr }
+                )
+            })
+    }
+
+    /// An argument as it was at the entry (for a return probe too), or as this hit wrote it.
     fn argument(&self, index: usize) -> Option<u64> {
         let regs = self
             .at_return
             .as_ref()
             .map_or(&self.regs, |(entry, _)| entry);
-        ARG_REGS.get(index).map(|r| regs.gpr[*r])
+        let r = *ARG_REGS.get(index)?;
+        if self.at_return.is_none() {
+            if let Some(v) = self.written(r) {
+                return Some(v);
+            }
+        }
+        Some(regs.gpr[r])
+    }
+
+    /// The last value this hit wrote to register `r`.
+    fn written(&self, r: usize) -> Option<u64> {
+        self.writes
+            .borrow()
+            .iter()
+            .rev()
+            .find(|(w, _)| *w == r)
+            .map(|w| w.1)
     }
 }
 
@@ -240,7 +294,12 @@ impl Context for LiveContext<'_> {
             return Some(Value::Str(text.join(" ")));
         }
         if path == "$return" {
-            return self.at_return.map(|(_, rax)| Value::Long(rax as i64));
+            return self
+                .at_return
+                .map(|(_, rax)| Value::Long(self.written(0).unwrap_or(rax) as i64));
+        }
+        if let Some(local) = self.local(path) {
+            return self.local_value(local).ok().map(Value::Long);
         }
         let name = path.strip_prefix('$')?;
         let index = self.point.params.iter().position(|p| p == name)?;
@@ -251,6 +310,23 @@ impl Context for LiveContext<'_> {
         let types = self.types?;
         if var.members.is_empty() {
             return None;
+        }
+        if let Some(local) = self.local(&var.name) {
+            let path = var.path();
+            let Some(pointee) = &local.pointee else {
+                return Some(Err(format!(
+                    "{path}: {} is not a pointer to a struct",
+                    var.name
+                )));
+            };
+            let Some(ty) = types.named(pointee) else {
+                return Some(Err(format!("{path}: BTF has no {pointee}")));
+            };
+            return Some(self.local_value(local).and_then(|base| {
+                cast_chain(types, ty, &var.members)
+                    .map_err(|e| format!("{path}: {e}"))
+                    .and_then(|steps| self.follow(&path, base as u64, &steps))
+            }));
         }
         let (base, param) = if var.name == "$return" {
             (self.at_return.map(|(_, rax)| rax)?, None)
@@ -292,6 +368,33 @@ impl Context for LiveContext<'_> {
                 .map_err(|e| format!("{what}: {e}"))
                 .and_then(|steps| self.follow(&what, pointer, &steps)),
         )
+    }
+
+    fn write_target(&self, path: &str, value: i64) -> Result<(), String> {
+        let reg = match (path, self.at_return.is_some()) {
+            ("$return", true) => 0,
+            ("$return", false) => return Err("'$return' is only written in a .return probe".into()),
+            (_, true) => {
+                return Err(format!(
+                    "writing '{path}' in a return probe: the function has run"
+                ))
+            }
+            (name, false) => {
+                let index = name
+                    .strip_prefix('$')
+                    .and_then(|n| self.point.params.iter().position(|p| p == n))
+                    .ok_or_else(|| {
+                        format!(
+                            "writing '{path}': only a parameter at a function's entry is written"
+                        )
+                    })?;
+                *ARG_REGS
+                    .get(index)
+                    .ok_or_else(|| format!("writing '{path}': it is passed on the stack"))?
+            }
+        };
+        self.writes.borrow_mut().push((reg, value as u64));
+        Ok(())
     }
 
     fn pid(&self) -> i64 {
@@ -586,6 +689,7 @@ fn arm(
             off.join("\n  ")
         );
     }
+    let locals = super::target_vars::point_locals(image, prog, &resolved)?;
     let plan = area;
     let text = TextMap::new(image);
     let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
@@ -653,14 +757,9 @@ fn arm(
         let data = tracepoint_name(&point.name).map(|_| String::new());
         let params = data
             .into_iter()
-            .chain(
-                point
-                    .variables
-                    .iter()
-                    .filter_map(|v| v.strip_prefix('$'))
-                    .map(|v| v.split(':').next().unwrap_or(v).to_owned()),
-            )
+            .chain(super::target_vars::btf_params(&point))
             .collect();
+        let point_locals = locals.get(&(probe.probe, link)).cloned();
         needs_trampoline |= is_return;
         let (entry, ret) = if is_return {
             (Vec::new(), vec![probe])
@@ -679,6 +778,7 @@ fn arm(
                 slot,
                 slot_phys,
                 params,
+                locals: point_locals,
             },
         );
     }
@@ -954,6 +1054,7 @@ impl Traps {
             task_layout: self.task_layout,
             at_return,
             types: self.types.as_ref(),
+            writes: RefCell::new(Vec::new()),
         })
     }
 
@@ -985,7 +1086,7 @@ impl Traps {
     ) -> anyhow::Result<()> {
         let machine = &mut guest.machine;
         let survey = &guest.survey;
-        let regs = registers(machine, vcpu)?;
+        let mut regs = registers(machine, vcpu)?;
         let Some(site) = self.armed.get_mut(&pc) else {
             return Ok(());
         };
@@ -994,10 +1095,18 @@ impl Traps {
         let slot_va = site.slot;
         let wants_return = !site.ret.is_empty();
         let entry = site.entry.clone();
+        let mut writes = Vec::new();
         if let Some(ctx) = self.context(machine, survey, vcpu, regs, pc, None) {
             for p in &entry {
                 session.fire(p.probe, &p.name, &ctx);
             }
+            writes = ctx.writes.take();
+        }
+        // Guru writes of parameters: the function runs with them (and a return probe sees
+        // them as the entry's, as compiled).
+        for (r, v) in writes {
+            machine.set_register(vcpu, GPR_NAMES[r], v)?;
+            regs.gpr[r] = v;
         }
         if wants_return {
             // A swap left at this slot by a call that never returned through it (its task
@@ -1091,6 +1200,10 @@ impl Traps {
         ) {
             for r in &ret {
                 session.fire(r.probe, &r.name, &ctx);
+            }
+            // `$return = v`, `set_return(v)`: the caller gets it.
+            for (r, v) in ctx.writes.take() {
+                machine.set_register(vcpu, GPR_NAMES[r], v)?;
             }
         }
         machine.set_pc(vcpu, p.original)?;

@@ -119,6 +119,13 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
+            // `printd(", ", a, b)` prints what `print(a, ", ", b)` prints.
+            "printd" | "printdln" => {
+                let args = interleaved(&c.args).ok_or_else(|| {
+                    self.no(format!("{name}() with a delimiter that is not a literal"))
+                })?;
+                self.print(if name == "printd" { "print" } else { "println" }, &args)
+            }
             "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
                 let copy = self.env.facts.copy_nofault.ok_or_else(|| {
                     self.no(format!(
@@ -321,7 +328,7 @@ impl Gen<'_, '_> {
         let Some(rings) = self.env.layout.ring_set(self.env.data) else {
             return Err(self.no("print() without output rings"));
         };
-        let name = match &target.kind {
+        let (name, keys, value_offset) = match &target.kind {
             ExprKind::Var(name) => {
                 let slot = self
                     .global(name)
@@ -329,12 +336,16 @@ impl Gen<'_, '_> {
                     .filter(|s| s.table.is_none())
                     .ok_or_else(|| self.no(format!("a histogram of {name}")))?;
                 self.lea(Register::RAX, self.env.data + slot.offset)?;
-                name.clone()
+                (name.clone(), Vec::new(), 0)
             }
             ExprKind::Index(ix) => {
-                self.array(&ix.array.name)?;
+                let slot = self.array(&ix.array.name)?;
                 self.lookup(&ix.array.name, &ix.keys, false)?;
-                ix.array.name.clone()
+                (
+                    ix.array.name.clone(),
+                    slot.key_is_str.clone(),
+                    slot.value_offset() as i32,
+                )
             }
             _ => return Err(self.no("a histogram of this")),
         };
@@ -342,7 +353,8 @@ impl Gen<'_, '_> {
             return Err(self.no(format!("a histogram of {name}, which is not an aggregate")));
         };
         let bytes = ValueKind::Stats(layout).size();
-        if 16 + bytes > self.env.layout.record {
+        let key_bytes = 16 * keys.len() as u64;
+        if 16 + bytes + key_bytes > self.env.layout.record {
             return Err(self.no(format!(
                 "a histogram of {name} ({bytes} bytes, more than a record holds)"
             )));
@@ -352,9 +364,14 @@ impl Gen<'_, '_> {
                 kind,
                 layout,
                 newline,
+                name: name.clone(),
+                keys: keys.clone(),
             },
             Vec::new(),
         );
+        // After the copy, rsi is just past the element's value; its keys sit at
+        // ENTRY_KEYS in the same table entry.
+        let keys_back = super::super::data::ENTRY_KEYS as i32 - value_offset - bytes as i32;
         let cpu_number = self.env.facts.cpu_number;
         let empty = self.errors.empty;
         let r = (|| {
@@ -373,6 +390,11 @@ impl Gen<'_, '_> {
             self.a.lea(rdi, qword_ptr(r8 + 16))?;
             self.a.mov(ecx, bytes as u32)?;
             self.a.rep().movsb()?;
+            if key_bytes > 0 {
+                self.a.lea(rsi, qword_ptr(rsi + keys_back))?;
+                self.a.mov(ecx, key_bytes as u32)?;
+                self.a.rep().movsb()?;
+            }
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
@@ -387,12 +409,33 @@ impl Gen<'_, '_> {
     }
 }
 
-/// The `printf`/`print`/`println` calls of `prog`'s kernel probes.
+/// The values of `printd(DELIM, a, b, ...)` with the literal delimiter between them, as
+/// `print` takes them; `None` when the delimiter is not a string literal (evaluated once per
+/// call, so it cannot be repeated).
+fn interleaved(args: &[Expr]) -> Option<Vec<Expr>> {
+    let (delim, values) = args.split_first()?;
+    if !matches!(delim.kind, ExprKind::Str(_)) {
+        return None;
+    }
+    let mut out = Vec::new();
+    for (i, v) in values.iter().enumerate() {
+        if i > 0 {
+            out.push(delim.clone());
+        }
+        out.push(v.clone());
+    }
+    Some(out)
+}
+
+/// The `printf`/`print`/`println`/`printd`/`printdln` calls of `prog`'s kernel probes.
 fn print_calls(prog: &Program) -> Vec<&Call> {
     fn expr<'p>(e: &'p Expr, out: &mut Vec<&'p Call>) {
         match &e.kind {
             ExprKind::Call(c) => {
-                if matches!(c.name.name.as_str(), "printf" | "print" | "println") {
+                if matches!(
+                    c.name.name.as_str(),
+                    "printf" | "print" | "println" | "printd" | "printdln"
+                ) {
                     out.push(c);
                 }
                 c.args.iter().for_each(|a| expr(a, out));
@@ -485,10 +528,14 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
     let largest = print_calls(prog)
         .iter()
         .map(|c| {
-            let args = if c.name.name == "printf" {
-                &c.args[1.min(c.args.len())..]
-            } else {
-                &c.args[..]
+            let printd;
+            let args = match c.name.name.as_str() {
+                "printf" => &c.args[1.min(c.args.len())..],
+                "printd" | "printdln" => {
+                    printd = interleaved(&c.args).unwrap_or_default();
+                    &printd[..]
+                }
+                _ => &c.args[..],
             };
             if let [Expr {
                 kind: ExprKind::Hist(_, target),

@@ -111,7 +111,7 @@ mod functions;
 mod memory;
 mod operators;
 mod updates;
-mod walk;
+pub(crate) mod walk;
 
 pub use calls::{prints, record_bytes};
 
@@ -674,11 +674,17 @@ impl Gen<'_, '_> {
                     Err(format!("@defined of {}", t.path()))
                 }
                 ExprKind::Target(t) if t.name == "$return" => Ok(self.point.is_return),
-                ExprKind::Target(t) => Ok(self
-                    .point
-                    .params
-                    .iter()
-                    .any(|p| t.name.strip_prefix('$') == Some(p.as_str()))),
+                ExprKind::Target(t) => {
+                    let name = t.name.trim_start_matches('$');
+                    let local = !self.point.is_return
+                        && self
+                            .point
+                            .locals
+                            .as_ref()
+                            .and_then(|l| l.get(name))
+                            .is_some_and(|l| l.is_ok());
+                    Ok(local || self.point.params.iter().any(|p| p == name))
+                }
                 ExprKind::Cast(_) | ExprKind::Embedded(_) => Ok(false),
                 _ => Ok(true),
             };
@@ -753,6 +759,14 @@ impl Gen<'_, '_> {
     }
 
     fn target(&mut self, t: &TargetVar) -> R<K> {
+        let name = t.name.trim_start_matches('$');
+        let param = self.point.params.iter().any(|p| p == name);
+        if t.name != "$return" && !self.point.is_return && !param {
+            if let Some(local) = self.point.locals.as_ref().and_then(|l| l.get(name)) {
+                let local = local.clone().map_err(|why| self.no(why))?;
+                return self.local(t, &local);
+            }
+        }
         let base = if t.members.is_empty() {
             None
         } else {
@@ -785,6 +799,86 @@ impl Gen<'_, '_> {
         asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
         if let Some(base) = base {
             self.members(&t.path(), base, &t.members)?;
+        }
+        Ok(K::Long)
+    }
+}
+
+impl Gen<'_, '_> {
+    /// A target variable by its DWARF location at the point ([`super::locals`]): a saved
+    /// register (the probed code's `rsp` is just above the saved registers), a stack slot
+    /// read with `copy_from_kernel_nofault`, or a constant; then its member chain, laid out
+    /// from the struct its pointer type names.
+    fn local(&mut self, t: &TargetVar, local: &super::locals::Local) -> R<K> {
+        use super::locals::{Place, DWARF_RSP};
+        const DWARF_REGS: [Register; 16] = [
+            Register::RAX,
+            Register::RDX,
+            Register::RCX,
+            Register::RBX,
+            Register::RSI,
+            Register::RDI,
+            Register::RBP,
+            Register::RSP,
+            Register::R8,
+            Register::R9,
+            Register::R10,
+            Register::R11,
+            Register::R12,
+            Register::R13,
+            Register::R14,
+            Register::R15,
+        ];
+        let load = |g: &mut Self, reg: u16| -> R<()> {
+            if reg == DWARF_RSP {
+                return asm!(g, g.a.lea(rax, qword_ptr(r15 + SAVED_BYTES)));
+            }
+            let r = *DWARF_REGS
+                .get(usize::from(reg))
+                .ok_or_else(|| g.no(format!("{} in DWARF register {reg}", t.name)))?;
+            asm!(g, g.a.mov(rax, qword_ptr(r15 + saved_offset(r))))
+        };
+        match local.place {
+            Place::Const(v) => asm!(self, self.a.mov(rax, v))?,
+            Place::Register(reg) | Place::Computed { reg, .. } => {
+                load(self, reg)?;
+                if let Place::Computed { add, .. } = local.place {
+                    asm!(self, self.a.mov(rcx, add))?;
+                    asm!(self, self.a.add(rax, rcx))?;
+                }
+                let r = match (local.size, local.signed) {
+                    (8, _) => Ok(()),
+                    (4, true) => self.a.movsxd(rax, eax),
+                    (4, false) => self.a.mov(eax, eax),
+                    (2, true) => self.a.movsx(rax, ax),
+                    (2, false) => self.a.movzx(eax, ax),
+                    (_, true) => self.a.movsx(rax, al),
+                    (_, false) => self.a.movzx(eax, al),
+                };
+                asm!(self, r)?;
+            }
+            Place::Memory { base, offset } => {
+                load(self, base)?;
+                self.steps(&local.steps(offset))?;
+            }
+        }
+        if !t.members.is_empty() {
+            let what = t.path();
+            let pointee = local.pointee.clone().ok_or_else(|| {
+                self.no(format!("{what}: {} is not a pointer to a struct", t.name))
+            })?;
+            let types = self
+                .env
+                .facts
+                .types
+                .clone()
+                .ok_or_else(|| self.no(format!("{what} (no kernel type information)")))?;
+            let ty = types
+                .named(&pointee)
+                .ok_or_else(|| self.no(format!("{what} (BTF has no {pointee})")))?;
+            let steps = super::types::cast_chain(types.as_ref(), ty, &t.members)
+                .map_err(|e| self.no(format!("{what}: {e}")))?;
+            self.steps(&steps)?;
         }
         Ok(K::Long)
     }

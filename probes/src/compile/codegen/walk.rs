@@ -6,7 +6,7 @@ use crate::lang::ast::*;
 use crate::lang::check::Program;
 
 /// Calls `f` on every expression in `s`, nested ones included.
-pub(super) fn stmt_exprs<'p>(s: &'p Stmt, f: &mut impl FnMut(&'p Expr)) {
+pub(crate) fn stmt_exprs<'p>(s: &'p Stmt, f: &mut impl FnMut(&'p Expr)) {
     match &s.kind {
         StmtKind::Empty | StmtKind::Next | StmtKind::Break | StmtKind::Continue => {}
         StmtKind::Block(b) => block_exprs(b, f),
@@ -50,14 +50,14 @@ pub(super) fn stmt_exprs<'p>(s: &'p Stmt, f: &mut impl FnMut(&'p Expr)) {
 }
 
 /// Calls `f` on every expression in `b`.
-pub(super) fn block_exprs<'p>(b: &'p Block, f: &mut impl FnMut(&'p Expr)) {
+pub(crate) fn block_exprs<'p>(b: &'p Block, f: &mut impl FnMut(&'p Expr)) {
     for s in &b.stmts {
         stmt_exprs(s, f);
     }
 }
 
 /// Calls `f` on `e` and every expression inside it.
-pub(super) fn expr_all<'p>(e: &'p Expr, f: &mut impl FnMut(&'p Expr)) {
+pub(crate) fn expr_all<'p>(e: &'p Expr, f: &mut impl FnMut(&'p Expr)) {
     f(e);
     match &e.kind {
         ExprKind::Num(_)

@@ -1,0 +1,388 @@
+//! Which target variables each kernel probe point of a script reads, and where they are
+//! there: the parameters BTF names at function entries, and everything else (`$locals`,
+//! `$params` at statement probes) by its DWARF location at the point's address, from the
+//! guest kernel's -dbg vmlinux when it is cached ([`crate::compile::locals`]).
+//!
+//! Both live paths ask here before they start (the compiled bodies and the host-evaluated
+//! ones read the same places), and a variable that does not exist at a point, is optimized
+//! out there, or lives where exotap cannot read it is an error that names it, the point and
+//! the function, before anything is put into the guest, as SystemTap's semantic errors are.
+//! Reads inside `@defined(...)` are not errors: there a missing variable is simply not
+//! defined.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use exotap_introspect::dwarf::DebugFile;
+
+use crate::compile::codegen::walk;
+use crate::compile::locals::{locals_at, Locals};
+use crate::lang::ast::{ExprKind, Stmt, StmtKind};
+use crate::lang::check::Program;
+use crate::lang::resolve::ResolvedPoint;
+
+use super::kernel_image::KernelImage;
+
+/// Target variables a script reads that cannot be read where it reads them: the script does
+/// not start, compiled or not.
+#[derive(Debug, thiserror::Error)]
+#[error("target variables that cannot be read:\n  {}", .0.join("\n  "))]
+pub struct UnreadableTargets(pub Vec<String>);
+
+/// The target variables by DWARF location, per (probe, link-time address); points absent
+/// here read only BTF parameters (or nothing).
+pub type PointLocals = HashMap<(usize, u64), Arc<Locals>>;
+
+/// Target variable names a probe reads (without `$`): those read outside `@defined`
+/// (required), and those only inside it.
+fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut required = BTreeSet::new();
+    let mut optional = BTreeSet::new();
+    let Some(p) = prog.script.probes.get(probe) else {
+        return (required, optional);
+    };
+    // Reads under `@defined(...)`, and in the branches it chooses between (`@defined($a) ?
+    // $a : $b`, `if (@defined($a)) ... else ...`), are optional: the branch that cannot be
+    // read at a point is not compiled (nor evaluated) there.
+    let mut guarded = BTreeSet::new();
+    let mark = |e: &crate::lang::ast::Expr,
+                guarded: &mut BTreeSet<u32>,
+                optional: &mut BTreeSet<String>| {
+        walk::expr_all(e, &mut |inner| {
+            if let ExprKind::Target(t) = &inner.kind {
+                guarded.insert(inner.span.start);
+                optional.insert(t.name.clone());
+            }
+        });
+    };
+    guarded_branches(&p.body.stmts, &mut |e| mark(e, &mut guarded, &mut optional));
+    let mut visit = |e: &crate::lang::ast::Expr| match &e.kind {
+        ExprKind::Defined(x) => mark(x, &mut guarded, &mut optional),
+        ExprKind::Ternary(t) if matches!(t.0.kind, ExprKind::Defined(_)) => {
+            for branch in [&t.0, &t.1, &t.2] {
+                mark(branch, &mut guarded, &mut optional);
+            }
+        }
+        ExprKind::Target(t) if !guarded.contains(&e.span.start) => {
+            required.insert(t.name.clone());
+        }
+        _ => {}
+    };
+    if let Some(c) = &p.condition {
+        walk::expr_all(c, &mut visit);
+    }
+    walk::block_exprs(&p.body, &mut visit);
+    let plain = |set: BTreeSet<String>| -> BTreeSet<String> {
+        set.into_iter()
+            .filter(|n| n != "$return" && !n.starts_with("$$") && n.starts_with('$'))
+            .map(|n| n.trim_end_matches('$').trim_start_matches('$').to_owned())
+            .filter(|n| !n.is_empty())
+            .collect()
+    };
+    (plain(required), plain(optional))
+}
+
+/// Calls `f` on every expression inside an `if (@defined(...))` statement's condition and
+/// branches, at any depth of `stmts`.
+fn guarded_branches<'p>(stmts: &'p [Stmt], f: &mut impl FnMut(&'p crate::lang::ast::Expr)) {
+    for s in stmts {
+        match &s.kind {
+            StmtKind::If(i) if matches!(i.cond.kind, ExprKind::Defined(_)) => {
+                walk::stmt_exprs(s, f);
+            }
+            StmtKind::Block(b) => guarded_branches(&b.stmts, f),
+            StmtKind::If(i) => {
+                guarded_branches(std::slice::from_ref(&i.then), f);
+                if let Some(e) = &i.els {
+                    guarded_branches(std::slice::from_ref(e), f);
+                }
+            }
+            StmtKind::While(w) => guarded_branches(std::slice::from_ref(&w.1), f),
+            StmtKind::For(fs) => guarded_branches(std::slice::from_ref(&fs.body), f),
+            StmtKind::Foreach(fe) => guarded_branches(std::slice::from_ref(&fe.body), f),
+            StmtKind::Try(t) => {
+                guarded_branches(&t.body.stmts, f);
+                guarded_branches(&t.handler.stmts, f);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The cached -dbg vmlinux beside the image (`kernels/ABI/debug/vmlinux`, stored with its
+/// manifest once verified).
+fn debug_vmlinux(image: &KernelImage) -> Option<PathBuf> {
+    let dir = image.path.parent()?.join("debug");
+    (dir.join("manifest.json").is_file() && dir.join("vmlinux").is_file())
+        .then(|| dir.join("vmlinux"))
+}
+
+/// The parameter names BTF gives a resolved point (`$name:type`).
+pub fn btf_params(point: &ResolvedPoint) -> Vec<String> {
+    point
+        .variables
+        .iter()
+        .filter_map(|v| v.strip_prefix('$'))
+        .map(|v| v.split(':').next().unwrap_or(v).to_owned())
+        .collect()
+}
+
+/// Finds where the target variables the probes of `prog` read are at each of their points
+/// in `resolved` that needs DWARF: statement probes, and entries that read a name BTF does
+/// not give as a parameter. Return probes read parameters (as at the entry) and `$return`
+/// only, as before.
+///
+/// # Errors
+/// Every variable read outside `@defined` that does not exist at a point, is optimized out
+/// there or lives where exotap cannot read it, each named with the point and the function;
+/// and such reads when no -dbg vmlinux is cached.
+pub fn point_locals(
+    image: &KernelImage,
+    prog: &Program,
+    resolved: &[(usize, ResolvedPoint)],
+) -> anyhow::Result<PointLocals> {
+    let mut out = PointLocals::new();
+    let mut errors: Vec<String> = Vec::new();
+    let mut reads: HashMap<usize, (BTreeSet<String>, BTreeSet<String>)> = HashMap::new();
+    let path = debug_vmlinux(image);
+    let file = path.as_deref().map(DebugFile::open).transpose();
+    let file = match file {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!("cannot open the cached -dbg vmlinux: {e}");
+            None
+        }
+    };
+    let info = file
+        .as_ref()
+        .map(DebugFile::load)
+        .transpose()
+        .unwrap_or_else(|e| {
+            tracing::warn!("cannot read the cached -dbg vmlinux: {e}");
+            None
+        });
+    for (probe, point) in resolved {
+        let Some(link) = point.address else {
+            continue;
+        };
+        if point.name.ends_with(".return") {
+            continue;
+        }
+        let (required, optional) = reads
+            .entry(*probe)
+            .or_insert_with(|| names_read(prog, *probe));
+        let params = btf_params(point);
+        let needed: Vec<&String> = required
+            .iter()
+            .chain(optional.iter())
+            .filter(|n| !params.contains(n))
+            .collect();
+        if needed.is_empty() {
+            continue;
+        }
+        let must: Vec<&String> = required.iter().filter(|n| !params.contains(n)).collect();
+        let Some(info) = &info else {
+            if let Some(name) = must.first() {
+                errors.push(format!(
+                    "{}: ${name} is not a parameter the kernel's BTF names there; locals, and \
+                     parameters away from a function's entry, need the kernel's -dbg vmlinux \
+                     (exotap image fetch --debuginfo)",
+                    point.name
+                ));
+            }
+            continue;
+        };
+        // The cached debug info must be this kernel's: the bytes at the point agree.
+        let same = match (info.code(link, link + 16), image.vmlinux.read_at(link, 16)) {
+            (Some(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if !same {
+            errors.push(format!(
+                "{}: the cached -dbg vmlinux ({}) does not hold this kernel's code at {link:#x}",
+                point.name,
+                path.as_deref()
+                    .unwrap_or(std::path::Path::new("?"))
+                    .display()
+            ));
+            continue;
+        }
+        let locals = match locals_at(info, link) {
+            Ok(l) => l,
+            Err(why) => {
+                if !must.is_empty() {
+                    errors.push(format!("{}: {why}", point.name));
+                }
+                continue;
+            }
+        };
+        for name in must {
+            match locals.get(name) {
+                Some(Ok(_)) => {}
+                Some(Err(why)) => {
+                    errors.push(format!("{}: {why} in {}", point.name, locals.function))
+                }
+                None => errors.push(format!(
+                    "{}: no variable ${name} in scope at {link:#x}, in {} (there: {})",
+                    point.name,
+                    locals.function,
+                    if locals.vars.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        locals.names()
+                    }
+                )),
+            }
+        }
+        out.insert((*probe, link), Arc::new(locals));
+    }
+    if !errors.is_empty() {
+        errors.sort();
+        errors.dedup();
+        return Err(UnreadableTargets(errors).into());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lang::driver::{compile as check_script, ScriptSource};
+    use crate::lang::kernel_points::KernelSymbols;
+    use crate::lang::resolve::resolve_program;
+    use crate::lang::Limits;
+
+    /// `vfs_read+0xf1` (`testl $0x4004000,0x44(%rbp)`, after a read that returned > 0) and
+    /// `vfs_read+0x1b6` (`test %r15,%r15`, in the inlined `new_sync_read`) of the cached
+    /// Debian 6.1 cloud kernel, with its -dbg vmlinux; `None` (after saying why) otherwise.
+    fn kernel() -> Option<KernelImage> {
+        let dir =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+        let image = KernelImage::load(dir.join("vmlinuz")).ok()?;
+        if debug_vmlinux(&image).is_none() {
+            eprintln!("SKIP: no cached -dbg vmlinux (exotap image fetch --debuginfo)");
+            return None;
+        }
+        let start = image.address("vfs_read").ok()?;
+        let at = |off: u64, len: usize| image.vmlinux.read_at(start + off, len).ok();
+        if at(0xf1, 7)? != [0xf7, 0x45, 0x44, 0x00, 0x40, 0x00, 0x04]
+            || at(0x1b6, 3)? != [0x4d, 0x85, 0xff]
+        {
+            eprintln!(
+                "SKIP: the cached kernel is another build of vfs_read than these offsets are for"
+            );
+            return None;
+        }
+        Some(image)
+    }
+
+    fn locals(image: &KernelImage, text: &str) -> anyhow::Result<PointLocals> {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        let prog = check_script(&source, &Limits::default()).unwrap();
+        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes()).ok();
+        let resolved =
+            resolve_program(&prog, &KernelSymbols::new(&image.symbols, btf.as_ref())).unwrap();
+        point_locals(image, &prog, &resolved)
+    }
+
+    #[test]
+    fn locals_of_a_statement_probe_come_from_their_dwarf_location_there() {
+        let Some(image) = kernel() else { return };
+
+        let found = locals(
+            &image,
+            r#"probe kernel.statement("vfs_read+0xf1") { println($ret, $file->f_pos) }
+               probe kernel.statement("vfs_read+0x1b6") { println($count) }"#,
+        )
+        .unwrap();
+
+        let start = image.address("vfs_read").unwrap();
+        let ret_site = found.get(&(0, start + 0xf1)).unwrap();
+        // The read's result in rbx (`mov %rax,%rbx` after the read method returned), `file`
+        // in rbp; `count` saved in the stack slot at the CFA - 160 (`mov %rdx,(%rsp)` with
+        // 160 bytes of frame, return address included).
+        let ret = ret_site.get("ret").unwrap().as_ref().unwrap();
+        assert_eq!(
+            (ret.place, ret.size, ret.signed),
+            (crate::compile::locals::Place::Register(3), 8, true)
+        );
+        let file = ret_site.get("file").unwrap().as_ref().unwrap();
+        assert_eq!(file.pointee.as_deref(), Some("struct file"));
+        let count_site = found.get(&(1, start + 0x1b6)).unwrap();
+        assert_eq!(
+            count_site.get("count").unwrap().as_ref().unwrap().place,
+            crate::compile::locals::Place::Memory { base: 7, offset: 0 }
+        );
+        assert!(count_site
+            .function
+            .starts_with("new_sync_read (inlined into vfs_read)"));
+    }
+
+    #[test]
+    fn an_absent_optimized_out_or_unreadable_local_is_an_error_naming_it() {
+        let Some(image) = kernel() else { return };
+
+        let err = locals(
+            &image,
+            r#"probe kernel.statement("vfs_read+0x1b6") { println($ret, $nosuch) }
+               probe kernel.statement("vfs_read+0xf1") { println($count, @defined($zz)) }
+               probe kernel.function("vfs_read") { println($file, $ret) }"#,
+        )
+        .unwrap_err();
+
+        let text = format!("{err:#}");
+        assert!(err.is::<UnreadableTargets>(), "{text}");
+        assert!(
+            text.contains("vfs_read+0x1b6\"): $ret is optimized out at"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vfs_read+0x1b6\"): no variable $nosuch in scope at"),
+            "{text}"
+        );
+        assert!(text.contains("vfs_read+0xf1\"): $count has a location exotap cannot read: the DWARF expression entry_value"), "{text}");
+        assert!(
+            text.contains("kernel.function(\"vfs_read\"): $ret is optimized out"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("$zz") && !text.contains("\"): $file"),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 5, "{text}");
+    }
+
+    #[test]
+    fn the_branch_at_defined_chooses_against_is_not_required() {
+        let Some(image) = kernel() else { return };
+
+        // As grapher.stp's `count = @defined($c) ? $c : $count` at pty_write, and an `if`:
+        // `$ret` (optimized out at the entry) is read only where `@defined` chose it.
+        let found = locals(
+            &image,
+            r#"probe kernel.function("vfs_read") {
+                 x = @defined($nope) ? $nope : $ret
+                 if (@defined($zz)) println($zz) else println($ret, x)
+               }"#,
+        );
+
+        assert!(found.is_ok(), "{found:?}");
+    }
+
+    #[test]
+    fn an_entry_that_reads_only_btf_parameters_needs_no_debug_info() {
+        let Some(image) = kernel() else { return };
+
+        let found = locals(
+            &image,
+            r#"probe kernel.function("vfs_read") { println($file, $count) }"#,
+        )
+        .unwrap();
+
+        assert!(found.is_empty());
+    }
+}
