@@ -61,6 +61,17 @@ fn script_job() -> GuestJob {
     GuestJob::from_script(format!("syscall-loop {CALLS}\n"))
 }
 
+/// The inner guest's job for the SIGKILL recovery: the workload, a pause in which the client
+/// is killed with its splices in, and the workload again through the recovered text (the
+/// init waits at attach and detach).
+fn recover_job() -> GuestJob {
+    GuestJob::from_script(format!(
+        "syscall-loop {CALLS}\n\
+         sleep 2\n\
+         syscall-loop {CALLS} | sed 's/EXOTAP-RESULT getpid/EXOTAP-RESULT after.getpid/'\n"
+    ))
+}
+
 /// The compiled script: a map keyed by execname, a histogram, and records streamed through
 /// the rings while the workload runs (one every 1000 calls).
 const SCRIPT: &str = r#"global calls, one
@@ -110,12 +121,52 @@ tagged nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
 tagged script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
     --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
     --compile require --script /kvm/count.stp
+# A VMM that stays up with its control socket; a second exotap drives it with --target.
+vmm_up() {{
+    rm -f /tmp/vmm.sock /tmp/vmm.out /tmp/client.out
+    /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd "$1" \
+        --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
+        --control-socket /tmp/vmm.sock --await-client > /tmp/vmm.out 2>&1 &
+    vmm=$!
+    n=0
+    while [ ! -S /tmp/vmm.sock ] && [ $n -lt 1200 ]; do sleep 0.5; n=$((n + 1)); done
+    /bin/exotap run --compile require --bzimage /kvm/vmlinuz --target vmm:/tmp/vmm.sock \
+        /kvm/count.stp > /tmp/client.out 2>&1 &
+    client=$!
+}}
+until_vmm_says() {{
+    while ! grep -q "$1" /tmp/vmm.out && kill -0 $vmm 2>/dev/null; do sleep 0.5; done
+}}
+vmm_down() {{
+    tag=$1
+    wait $client
+    exotap_result "$tag.client.rc" "$?"
+    sed "s/EXOTAP-/inner:/g; s/^/$tag| /" /tmp/client.out
+    wait $vmm
+    exotap_result "$tag.vmm.rc" "$?"
+    sed "s/EXOTAP-/inner:/g; s/^/$tag.vmm| /" /tmp/vmm.out
+    s1=$(cut -d' ' -f1 /proc/uptime)
+    exotap_result "$tag.wall_s" "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
+}}
+# run --target vmm:PATH: the guest's job runs between the client's install and its end (SIGTERM
+# at the guest's detach wait: the client removes its probes and leaves).
+s0=$(cut -d' ' -f1 /proc/uptime)
+vmm_up /kvm/script.cpio.gz
+until_vmm_says 'EXOTAP-WAIT detach'
+kill -TERM $client
+vmm_down target
+# SIGKILL with the splices in, while the guest runs: the VMM undoes them itself.
+s0=$(cut -d' ' -f1 /proc/uptime)
+vmm_up /kvm/recover.cpio.gz
+until_vmm_says 'EXOTAP-RESULT getpid.calls='
+kill -KILL $client
+vmm_down recover
 "#
     ))
 }
 
 /// The tags of the engine's runs in the outer job.
-const TAGS: [&str; 3] = ["count", "nullify", "script"];
+const TAGS: [&str; 5] = ["count", "nullify", "script", "target", "recover"];
 
 /// The lines of one tagged run, tag removed.
 fn tagged<'a>(console: &'a str, tag: &str) -> Vec<&'a str> {
@@ -178,6 +229,8 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     images::write_initramfs(&nullify_job(), &nullify).unwrap();
     let script = dir.path().join("script.cpio.gz");
     images::write_initramfs(&script_job(), &script).unwrap();
+    let recover = dir.path().join("recover.cpio.gz");
+    images::write_initramfs(&recover_job(), &recover).unwrap();
     let busybox = std::fs::read(kernel::ensure_busybox().unwrap()).unwrap();
     let built: Vec<_> = workloads::ensure_workloads()
         .unwrap()
@@ -213,6 +266,12 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     .unwrap();
     fs.file("kvm/script.cpio.gz", 0o644, std::fs::read(&script).unwrap())
         .unwrap();
+    fs.file(
+        "kvm/recover.cpio.gz",
+        0o644,
+        std::fs::read(&recover).unwrap(),
+    )
+    .unwrap();
     fs.file("kvm/count.stp", 0o644, SCRIPT.as_bytes().to_vec())
         .unwrap();
     fs.file("bin/exotap", 0o755, std::fs::read(&exotap).unwrap())
@@ -247,7 +306,11 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     let markers: Vec<&str> = console
         .lines()
         // The canned splice's run: the engine's runs after it are tagged.
-        .filter(|l| !TAGS.iter().any(|t| l.contains(&format!("{t}| "))))
+        .filter(|l| {
+            !TAGS
+                .iter()
+                .any(|t| l.contains(&format!("{t}| ")) || l.contains(&format!("{t}.vmm| ")))
+        })
         .filter_map(|l| l.find("inner:").map(|at| &l[at..]))
         .filter(|m| !m.starts_with("inner:RESULT") && !m.starts_with("inner:READY after"))
         .collect();
@@ -389,12 +452,101 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         "{script_ctx}"
     );
     assert!(script.contains(&"inner:DONE 0"), "{script_ctx}");
+
+    // `exotap run --target vmm:PATH` from a second process against a VMM that stays up
+    // (--control-socket, --await-client): the same counts and records, 0 pauses, and the
+    // guest ran its job to the end after the client left.
+    let target = tagged(&console, "target");
+    let target_vmm = tagged(&console, "target.vmm");
+    let target_ctx = format!(
+        "client:\n{}\nVMM:\n{}\n{ctx}",
+        target.join("\n"),
+        target_vmm.join("\n")
+    );
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT target.client.rc="),
+        Some("0"),
+        "{target_ctx}"
+    );
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT target.vmm.rc="),
+        Some("0"),
+        "{target_ctx}"
+    );
+    assert!(
+        target.contains(&format!("calls syscall-loop {CALLS}").as_str()),
+        "{target_ctx}"
+    );
+    assert!(
+        target.contains(&format!("hist count {CALLS}").as_str()),
+        "{target_ctx}"
+    );
+    let ticks = target
+        .iter()
+        .filter(|l| l.starts_with("tick syscall-loop "))
+        .count();
+    assert_eq!(ticks as u32, CALLS / 1000, "{target_ctx}");
+    assert!(
+        target.contains(&"HOST-RESULT pauses.between_install_and_removal=0"),
+        "{target_ctx}"
+    );
+    assert!(target_vmm.contains(&"inner:DONE 0"), "{target_ctx}");
+    assert!(
+        !target_vmm.iter().any(|l| l.contains("vmm.recovered")),
+        "a client that removed its probes leaves nothing to recover: {target_ctx}"
+    );
+
+    // SIGKILL of the client with its splice in while the guest runs: the VMM undoes it at
+    // once (one splice: the compiled probe's), the guest runs the workload again through the
+    // restored text and ends normally.
+    let recover = tagged(&console, "recover");
+    let recover_vmm = tagged(&console, "recover.vmm");
+    let recover_ctx = format!(
+        "client:\n{}\nVMM:\n{}\n{ctx}",
+        recover.join("\n"),
+        recover_vmm.join("\n")
+    );
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT recover.client.rc="),
+        Some("137"),
+        "the client was killed: {recover_ctx}"
+    );
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT recover.vmm.rc="),
+        Some("0"),
+        "{recover_ctx}"
+    );
+    assert!(
+        recover_vmm.contains(&"HOST-RESULT vmm.recovered.splices=1 vmm.recovered.returns=0"),
+        "{recover_ctx}"
+    );
+    assert!(
+        recover_vmm
+            .iter()
+            .any(|l| l.contains("ended with its probes in; recovered in")),
+        "{recover_ctx}"
+    );
+    assert!(
+        !recover_vmm.iter().any(|l| l.contains("left alone")),
+        "{recover_ctx}"
+    );
+    let calls_line = format!("inner:RESULT after.getpid.calls={CALLS}");
+    assert!(recover_vmm.contains(&calls_line.as_str()), "{recover_ctx}");
+    assert!(recover_vmm.contains(&"inner:DONE 0"), "{recover_ctx}");
+    for bad in ["Oops", "BUG:", "WARNING:", "general protection"] {
+        assert!(
+            !recover_vmm.iter().any(|l| l.contains(bad)),
+            "{bad} in the inner guest: {recover_ctx}"
+        );
+    }
     eprintln!(
-        "nested kvm through the engine: count {} s, nullify {} s, compiled script {} s \
-         (each an inner boot in the outer guest)",
+        "nested kvm through the engine: count {} s, nullify {} s, compiled script {} s, \
+         run --target vmm: {} s, SIGKILL recovery {} s (each an inner boot in the outer guest)",
         after(&console, "EXOTAP-RESULT count.wall_s=").unwrap_or("?"),
         after(&console, "EXOTAP-RESULT nullify.wall_s=").unwrap_or("?"),
         after(&console, "EXOTAP-RESULT script.wall_s=").unwrap_or("?"),
+        after(&console, "EXOTAP-RESULT target.wall_s=").unwrap_or("?"),
+        after(&console, "EXOTAP-RESULT recover.wall_s=").unwrap_or("?"),
     );
     eprintln!(
         "nested kvm: inner exotap run {} s in the outer guest ({}); whole test {:.1} s",

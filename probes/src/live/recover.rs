@@ -361,6 +361,19 @@ impl Journal {
             .context("cannot write the return journal")
     }
 
+    /// Whether the journal lists anything to undo (splices, return-address tables, a trap
+    /// trampoline); read while the guest runs where the backend allows it.
+    ///
+    /// # Errors
+    /// Guest memory cannot be read.
+    pub fn lists_anything<M: Machine + ?Sized>(&self, machine: &mut M) -> anyhow::Result<bool> {
+        let h = self.read_header(machine)?;
+        Ok(h.starts_with(MAGIC)
+            && [BLOCKS, TABLES, TRAMPOLINE]
+                .iter()
+                .any(|&o| word(&h, o as usize) != 0))
+    }
+
     /// Undoes everything the journal lists (the guest stopped), and empties it.
     ///
     /// # Errors
