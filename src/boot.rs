@@ -81,8 +81,9 @@ pub struct BootArgs {
     pub count_entry: Option<String>,
     /// kvm backend: serve the guest's control interface on a unix socket at PATH while the VMM
     /// runs, for `exotap run|count|trace|... --target vmm:PATH` from another exotap process
-    /// (compiled probes and splices; the protocol is in vmm/src/control_socket.rs). A client
-    /// that ends with its probes in (killed) has them removed by the VMM at once.
+    /// (compiled probes and splices; the protocol is in vmm/src/control_socket.rs). The socket
+    /// appears at EXOTAP-READY. A client that ends with its probes in (killed) has them
+    /// removed by the VMM at once.
     #[arg(long, value_name = "PATH", conflicts_with_all = ["script", "script_text", "count_entry", "gdb", "gdbstub"])]
     pub control_socket: Option<PathBuf>,
     /// With --control-socket: the guest waits at `attach` before its job until a client's
@@ -525,7 +526,7 @@ fn run_kvm(
         }
         (None, None) => match &args.control_socket {
             Some(path) => {
-                let mut hook = crate::vmm_control::ControlHook::bind(
+                let mut hook = crate::vmm_control::ControlHook::new(
                     path.clone(),
                     config.patch_heap,
                     args.await_client,

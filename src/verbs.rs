@@ -421,7 +421,8 @@ impl VerbRun {
     fn stream_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
         let rings = live.session.splicer().is_some_and(|s| s.rings.is_some());
         let shared = live.session.is_shared();
-        let every = if shared {
+        // exotap's own VMM reads guest memory while the guest runs: no stop, the fast cadence.
+        let every = if shared || live.session.machine.reads_while_running() {
             STREAM_SHARED_EVERY
         } else {
             STREAM_EVERY
@@ -499,6 +500,8 @@ impl VerbRun {
                 "data path: {}; the guest was stopped {stops_while_in} times while the splices were in; {n} records drained while it ran, in {:.1} ms of reading ({:.0} records/s)",
                 if live.session.is_shared() {
                     "shared memory"
+                } else if live.session.machine.reads_while_running() {
+                    "the VMM's own mapping of guest memory"
                 } else {
                     "stop-and-read"
                 },

@@ -2,6 +2,11 @@
 //! interface to other exotap processes (`--target vmm:PATH`; the protocol is
 //! `exotap_vmm::control_socket`).
 //!
+//! The socket appears when the guest prints `EXOTAP-READY`: a client that surveyed a kernel
+//! still booting would find no KASLR anchors yet (measured nested: a client that connected
+//! during boot failed with "cannot find the KASLR slide"). The path is checked before the
+//! guest boots.
+//!
 //! A client changes the guest only through its connection, so when the connection ends with
 //! the client's recovery journal still listing splices (the client was killed), the VMM undoes
 //! them at once, with the guest paused: the VMM is the client's guardian. With
@@ -9,7 +14,6 @@
 //! splices are in and the guest runs again, and its `detach` wait (after the job) once no
 //! client is connected, so that a job's whole run falls inside a client's session.
 
-use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -22,9 +26,8 @@ use exotap_vmm::qemu::PatchHeapRange;
 /// How often a held wait looks at the client.
 const LOOK_EVERY: Duration = Duration::from_millis(20);
 
-/// The control socket as a phase hook of the VMM's run: served from the first tick.
+/// The control socket as a phase hook of the VMM's run: served from `EXOTAP-READY` on.
 pub struct ControlHook {
-    listener: Option<UnixListener>,
     path: PathBuf,
     heap: PatchHeapRange,
     await_client: bool,
@@ -34,24 +37,35 @@ pub struct ControlHook {
 }
 
 impl ControlHook {
-    /// Binds the socket at `path` now (so that a bad path fails before the guest boots).
+    /// A socket at `path`, checked now (so that a bad path fails before the guest boots)
+    /// and bound at `EXOTAP-READY`.
     ///
     /// # Errors
-    /// The socket cannot be created there.
-    pub fn bind(
+    /// `path` exists, or its directory does not.
+    pub fn new(
         path: PathBuf,
         heap: PatchHeapRange,
         await_client: bool,
         wait_limit: Duration,
     ) -> anyhow::Result<Self> {
-        let listener = ControlServer::bind(&path).map_err(|e| {
-            anyhow::anyhow!(
-                "--control-socket {}: cannot listen there: {e}",
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if path.exists() {
+            anyhow::bail!(
+                "--control-socket {}: it exists (remove a stale socket first)",
                 path.display()
-            )
-        })?;
+            );
+        }
+        if !dir.is_dir() {
+            anyhow::bail!(
+                "--control-socket {}: there is no directory {}",
+                path.display(),
+                dir.display()
+            );
+        }
         Ok(Self {
-            listener: Some(listener),
             path,
             heap,
             await_client,
@@ -61,9 +75,15 @@ impl ControlHook {
     }
 
     fn serve(&mut self, machine: &KvmMachine) -> Result<(), String> {
-        let Some(listener) = self.listener.take() else {
+        if self.server.is_some() {
             return Ok(());
-        };
+        }
+        let listener = ControlServer::bind(&self.path).map_err(|e| {
+            format!(
+                "--control-socket {}: cannot listen there: {e}",
+                self.path.display()
+            )
+        })?;
         let template = machine.control();
         let make: MakeMachine = Box::new(move || Box::new(template.control()));
         let heap_phys = self.heap.base;
@@ -133,7 +153,7 @@ impl KvmPhaseHook for ControlHook {
         }
     }
 
-    fn tick(&mut self, machine: &mut KvmMachine) -> Result<(), String> {
+    fn ready(&mut self, machine: &mut KvmMachine) -> Result<(), String> {
         self.serve(machine)
     }
 }
@@ -176,5 +196,51 @@ fn undo_left(machine: &mut dyn Machine, client: Client, heap_phys: u64) {
             "control socket: client pid {} left probes in and recovery failed: {e:#}",
             client.pid
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heap() -> PatchHeapRange {
+        PatchHeapRange::place(512 << 20, 16 << 20).unwrap()
+    }
+
+    #[test]
+    fn a_socket_path_that_exists_is_refused_before_the_guest_boots() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vmm.sock");
+        std::fs::write(&path, b"").unwrap();
+
+        let e = ControlHook::new(path.clone(), heap(), false, Duration::from_secs(1))
+            .err()
+            .unwrap();
+
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "--control-socket {}: it exists (remove a stale socket first)",
+                path.display()
+            )
+        );
+    }
+
+    #[test]
+    fn a_socket_path_in_a_missing_directory_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("none").join("vmm.sock");
+
+        let e = ControlHook::new(path.clone(), heap(), false, Duration::from_secs(1))
+            .err()
+            .unwrap();
+
+        assert!(
+            e.to_string().ends_with(&format!(
+                "there is no directory {}",
+                dir.path().join("none").display()
+            )),
+            "{e}"
+        );
     }
 }

@@ -166,15 +166,14 @@ fn a_vmm_target_nothing_listens_on_is_named_with_the_connect_error() {
     let socket = dir.path().join("none.sock");
     let target = format!("vmm:{}", socket.display());
 
-    let (code, _, stderr) = common::run(common::exotap().args([
-        "count",
-        "--target",
-        &target,
-        "__x64_sys_getpid",
-    ]));
+    let (code, _, stderr) =
+        common::run(common::exotap().args(["count", "--target", &target, "__x64_sys_getpid"]));
 
     assert_ne!(code, 0);
-    assert!(stderr.contains(&format!("cannot attach to {target}")), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot attach to {target}")),
+        "{stderr}"
+    );
     assert!(
         stderr.contains(&format!("cannot connect to {}", socket.display())),
         "{stderr}"
@@ -183,11 +182,8 @@ fn a_vmm_target_nothing_listens_on_is_named_with_the_connect_error() {
 
 #[test]
 fn commands_that_need_a_gdbstub_refuse_a_vmm_target_saying_what_it_serves() {
-    let (code, _, stderr) = common::run(common::exotap().args([
-        "recover",
-        "--target",
-        "vmm:/nonexistent/vmm.sock",
-    ]));
+    let (code, _, stderr) =
+        common::run(common::exotap().args(["recover", "--target", "vmm:/nonexistent/vmm.sock"]));
 
     assert_ne!(code, 0);
     assert!(

@@ -61,6 +61,32 @@ fn script_job() -> GuestJob {
     GuestJob::from_script(format!("syscall-loop {CALLS}\n"))
 }
 
+/// The inner guest's job for `exotap replace __x64_sys_getppid __x64_sys_getpid`: the loop's
+/// getppid and getpid values during the splice (both its own pid then) and after it.
+fn replace_job() -> GuestJob {
+    GuestJob::from_script(
+        "exotap_wait splice\n\
+         syscall-loop 100 | sed 's/EXOTAP-RESULT /EXOTAP-RESULT during./'\n\
+         exotap_wait unsplice\n\
+         syscall-loop 100 | sed 's/EXOTAP-RESULT /EXOTAP-RESULT after./'\n\
+         cut -d' ' -f4 /proc/self/stat | sed 's/^/EXOTAP-RESULT parent.pid=/'\n"
+            .to_owned(),
+    )
+}
+
+/// The inner guest's job for `exotap splice-report --install`: the guest counts its own ftrace
+/// sites, and runs a little while the splices are in.
+fn report_job() -> GuestJob {
+    GuestJob::from_script(
+        "exotap_result available_filter_functions \
+           \"$(wc -l < /sys/kernel/tracing/available_filter_functions)\"\n\
+         exotap_wait splice\n\
+         syscall-loop 100\n\
+         exotap_wait unsplice\n"
+            .to_owned(),
+    )
+}
+
 /// The inner guest's job for the SIGKILL recovery: the workload, a pause in which the client
 /// is killed with its splices in, and the workload again through the recovered text (the
 /// init waits at attach and detach).
@@ -121,6 +147,14 @@ tagged nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
 tagged script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
     --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
     --compile require --script /kvm/count.stp
+tagged time /bin/exotap time --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
+tagged replace /bin/exotap replace --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/replace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    __x64_sys_getppid __x64_sys_getpid
+tagged report /bin/exotap splice-report --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/report.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    --install 1000
 # trace with streaming: 40000 record lines go to a file in the outer guest, not through its serial
 # console (under TCG that console is the slow part); counted here, a sample printed and timed.
 s0=$(cut -d' ' -f1 /proc/uptime)
@@ -185,10 +219,13 @@ vmm_down recover
 }
 
 /// The tags of the engine's runs in the outer job.
-const TAGS: [&str; 7] = [
+const TAGS: [&str; 10] = [
     "count",
     "nullify",
     "script",
+    "time",
+    "replace",
+    "report",
     "trace",
     "trace.sample",
     "target",
@@ -256,6 +293,10 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     images::write_initramfs(&nullify_job(), &nullify).unwrap();
     let script = dir.path().join("script.cpio.gz");
     images::write_initramfs(&script_job(), &script).unwrap();
+    let replace = dir.path().join("replace.cpio.gz");
+    images::write_initramfs(&replace_job(), &replace).unwrap();
+    let report = dir.path().join("report.cpio.gz");
+    images::write_initramfs(&report_job(), &report).unwrap();
     let recover = dir.path().join("recover.cpio.gz");
     images::write_initramfs(&recover_job(), &recover).unwrap();
     let busybox = std::fs::read(kernel::ensure_busybox().unwrap()).unwrap();
@@ -292,6 +333,14 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     )
     .unwrap();
     fs.file("kvm/script.cpio.gz", 0o644, std::fs::read(&script).unwrap())
+        .unwrap();
+    fs.file(
+        "kvm/replace.cpio.gz",
+        0o644,
+        std::fs::read(&replace).unwrap(),
+    )
+    .unwrap();
+    fs.file("kvm/report.cpio.gz", 0o644, std::fs::read(&report).unwrap())
         .unwrap();
     fs.file(
         "kvm/recover.cpio.gz",
@@ -480,6 +529,103 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     );
     assert!(script.contains(&"inner:DONE 0"), "{script_ctx}");
 
+    // `exotap time --backend kvm`: every call of the workload timed, no pause, text identical.
+    let time = tagged(&console, "time");
+    let time_ctx = format!("time run:\n{}\n{ctx}", time.join("\n"));
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT time.rc="),
+        Some("0"),
+        "{time_ctx}"
+    );
+    assert!(
+        time.contains(&format!("__x64_sys_getpid: {CALLS} calls timed").as_str()),
+        "{time_ctx}"
+    );
+    assert!(
+        time.contains(&"vCPU pauses between install and removal: 0 (kvm backend)"),
+        "{time_ctx}"
+    );
+    assert!(
+        time.iter()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{time_ctx}"
+    );
+
+    // `exotap replace --backend kvm`: getppid runs getpid's body while the splice is in (the
+    // loop's own pid, as its getpid says), the real parent after it.
+    let replaced = tagged(&console, "replace");
+    let replace_ctx = format!("replace run:\n{}\n{ctx}", replaced.join("\n"));
+    let value = |key: &str| {
+        let prefix = format!("inner:RESULT {key}=");
+        replaced
+            .iter()
+            .find_map(|l| l.strip_prefix(&prefix).map(str::to_owned))
+    };
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT replace.rc="),
+        Some("0"),
+        "{replace_ctx}"
+    );
+    assert!(value("during.getpid.value").is_some(), "{replace_ctx}");
+    assert_eq!(
+        value("during.getppid.value"),
+        value("during.getpid.value"),
+        "{replace_ctx}"
+    );
+    assert_eq!(
+        value("after.getppid.value"),
+        value("parent.pid"),
+        "{replace_ctx}"
+    );
+    assert_ne!(
+        value("after.getppid.value"),
+        value("after.getpid.value"),
+        "{replace_ctx}"
+    );
+    assert!(
+        replaced
+            .iter()
+            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+        "{replace_ctx}"
+    );
+
+    // `exotap splice-report --backend kvm --install 1000`: the ftrace sites exotap reads from
+    // guest memory are as many as the guest lists itself; 1000 splices in one batch, hit while
+    // in, the text identical after.
+    let report = tagged(&console, "report");
+    let report_ctx = format!("splice-report run:\n{}\n{ctx}", report.join("\n"));
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT report.rc="),
+        Some("0"),
+        "{report_ctx}"
+    );
+    let listed = report
+        .iter()
+        .find_map(|l| l.strip_prefix("inner:RESULT available_filter_functions="));
+    let sites = report
+        .iter()
+        .find_map(|l| l.strip_prefix("ftrace sites (available_filter_functions): "));
+    assert!(listed.is_some(), "{report_ctx}");
+    assert_eq!(sites, listed, "{report_ctx}");
+    assert!(
+        report
+            .iter()
+            .any(|l| l.starts_with("install: 1000 of 1000 splices in one batch")),
+        "{report_ctx}"
+    );
+    let hits: u64 = report
+        .iter()
+        .find_map(|l| l.strip_prefix("hits while in: "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(hits > 0, "{report_ctx}");
+    assert!(
+        report.iter().any(|l| l.contains("identical: yes")),
+        "{report_ctx}"
+    );
+    assert!(report.contains(&"inner:DONE 0"), "{report_ctx}");
+
     // `exotap trace --backend kvm`: every entry and return of the workload's calls streamed
     // while the guest ran, none lost, no pause, the text identical after.
     let trace = tagged(&console, "trace");
@@ -490,7 +636,10 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     assert_eq!(result("trace.returns"), Some(calls.clone()), "{trace_ctx}");
     let lost = trace
         .iter()
-        .find_map(|l| l.strip_prefix("trace: ")?.split_once("lost to ring overruns per vCPU: "))
+        .find_map(|l| {
+            l.strip_prefix("trace: ")?
+                .split_once("lost to ring overruns per vCPU: ")
+        })
         .map(|(_, per_vcpu)| per_vcpu.to_owned());
     assert_eq!(
         lost,
@@ -597,12 +746,15 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     }
     eprintln!(
         "nested kvm through the engine: count {} s, nullify {} s, compiled script {} s, \
-         trace {} s ({} bytes of records; the outer serial console printed a {}-byte sample \
+         time {} s, replace {} s, splice-report {} s, trace {} s ({} bytes of records; the outer serial console printed a {}-byte sample \
          in {} s), run --target vmm: {} s, SIGKILL recovery {} s (each an inner boot in the \
          outer guest)",
         after(&console, "EXOTAP-RESULT count.wall_s=").unwrap_or("?"),
         after(&console, "EXOTAP-RESULT nullify.wall_s=").unwrap_or("?"),
         after(&console, "EXOTAP-RESULT script.wall_s=").unwrap_or("?"),
+        after(&console, "EXOTAP-RESULT time.wall_s=").unwrap_or("?"),
+        after(&console, "EXOTAP-RESULT replace.wall_s=").unwrap_or("?"),
+        after(&console, "EXOTAP-RESULT report.wall_s=").unwrap_or("?"),
         after(&console, "EXOTAP-RESULT trace.wall_s=").unwrap_or("?"),
         after(&console, "EXOTAP-RESULT trace.bytes=").unwrap_or("?"),
         after(&console, "EXOTAP-RESULT trace.sample_bytes=").unwrap_or("?"),
