@@ -225,8 +225,12 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
         assert!(!rest.contains(bad), "{bad}: {ctx}");
     }
     eprintln!(
-        "control socket over QEMU's gdbstub: the first script done after {:.1} s, test {:.1} s",
+        "control socket over QEMU's gdbstub: n={} (guest kprobe {}), the first script done after \
+         {:.1} s; recovered {}; text sha256 {before} before and after; test {:.1} s",
+        n.unwrap_or_default(),
+        kprobe.unwrap_or_default(),
         first_done.as_secs_f64(),
+        recovered[0],
         started.elapsed().as_secs_f64()
     );
 }

@@ -696,7 +696,10 @@ fn serve_client(
         Err(e) => Err(e),
     };
     if let Err(e) = served {
-        tracing::warn!("control socket: client pid {pid}: {e}");
+        let cause = std::error::Error::source(&e)
+            .map(|c| format!(": {c}"))
+            .unwrap_or_default();
+        tracing::warn!("control socket: client pid {pid}: {e}{cause}");
     }
     tracing::info!("control socket: client pid {pid} disconnected");
     {
