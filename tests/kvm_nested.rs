@@ -5,12 +5,17 @@
 //! workload and splices a counter at `__x64_sys_getpid`'s entry (`--count-entry`; no traps).
 //! Then the same static exotap drives the live engine on its VMM (`--backend kvm`): `count`
 //! (the counter equals the workload's calls, 0 vCPU pauses between install and removal),
-//! `nullify` (getppid returns the value, then the real parent's pid), and a compiled script
-//! with a map, a histogram and streamed records on `boot --script`.
+//! `nullify` (getppid returns the value, then the real parent's pid), a compiled script
+//! with a map, a histogram and streamed records on `boot --script`, `time`, `replace`,
+//! `splice-report --install`, `trace` with streaming (every record, none lost, no pause), and
+//! a VMM that stays up with its control socket (`boot --control-socket --await-client`): a
+//! second exotap runs the compiled script against it with `run --target vmm:PATH`, and once
+//! more is killed with SIGKILL with its splice in, which the VMM recovers itself while the
+//! guest runs on.
 //! The outer guest prints the inner guest's console with `EXOTAP-` renamed `inner:` so that
 //! the outer run's own protocol is not confused.
 //!
-//! It needs the static exotap and about a minute: `ci/nested/run.sh`, or
+//! It needs the static exotap and several minutes (482 s measured on the loaded 2-core machine): `ci/nested/run.sh`, or
 //! `EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture` after
 //! `ci/nested/build-static.sh` (ci/test.sh does both). Without `EXOTAP_NESTED` it prints
 //! `SKIP: <reason>`.

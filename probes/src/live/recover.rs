@@ -862,6 +862,27 @@ mod tests {
     }
 
     #[test]
+    fn a_journal_lists_something_from_its_first_splice_until_removal_or_recovery() {
+        let mut m = guest();
+        let journal = Journal::open(HEAP, HEAP_VA, 0x10_0000, &mut m).unwrap();
+        let fresh = journal.lists_anything(&mut m).unwrap();
+        let entries: Vec<(u64, &[u8], &[u8])> = vec![(0x1000, &ORIGINAL[..], &SPLICE[..])];
+        journal
+            .record_text(&mut m, HEAP + 0x4_0000, &entries)
+            .unwrap();
+        let spliced = journal.lists_anything(&mut m).unwrap();
+        journal.clear_text(&mut m).unwrap();
+        let removed = journal.lists_anything(&mut m).unwrap();
+        let recovered = left_behind(&mut m).recover(&mut m).map(drop);
+        let after_recovery = journal.lists_anything(&mut m).unwrap();
+
+        assert_eq!((fresh, spliced, removed), (false, true, false));
+        assert!(recovered.is_ok());
+        assert!(!after_recovery);
+        assert!(!Journal { heap_phys: 0 }.lists_anything(&mut m).unwrap());
+    }
+
+    #[test]
     fn a_journal_left_by_a_dead_exotap_is_recovered_when_the_heap_is_taken_again() {
         let mut m = guest();
         left_behind(&mut m);
