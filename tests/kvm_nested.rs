@@ -15,8 +15,8 @@
 //! The outer guest prints the inner guest's console with `EXOTAP-` renamed `inner:` so that
 //! the outer run's own protocol is not confused.
 //!
-//! It needs the static exotap and several minutes (276-482 s measured on 2 shared cores): `ci/nested/run.sh`, or
-//! `EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture` after
+//! It needs the static exotap and several minutes (276-482 s measured on 2 shared cores):
+//! `ci/nested/run.sh`, or `EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture` after
 //! `ci/nested/build-static.sh` (ci/test.sh does both). Without `EXOTAP_NESTED` it prints
 //! `SKIP: <reason>`.
 
