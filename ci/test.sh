@@ -8,7 +8,8 @@ cargo build --locked
 target/debug/exotap image fetch
 target/debug/exotap image fetch --debuginfo
 # The nested KVM test (tests/kvm_nested.rs) runs a static release exotap inside a QEMU TCG
-# guest: ~2.5 min to build from scratch, ~1 min to run (README.md, "The kvm backend").
+# guest: ~2.5 min to build from scratch, 4-8 min to run with its nine engine runs (README.md,
+# "The kvm backend").
 ci/nested/build-static.sh
 export EXOTAP_NESTED=1
 log=$(mktemp)

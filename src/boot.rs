@@ -79,6 +79,18 @@ pub struct BootArgs {
     /// between its `splice` and `unsplice` waits; prints HOST-RESULT counter.FUNCTION=N.
     #[arg(long, value_name = "FUNCTION")]
     pub count_entry: Option<String>,
+    /// kvm backend: serve the guest's control interface on a unix socket at PATH while the VMM
+    /// runs, for `exotap run|count|trace|... --target vmm:PATH` from another exotap process
+    /// (compiled probes and splices; the protocol is in vmm/src/control_socket.rs). The socket
+    /// appears at EXOTAP-READY. A client that ends with its probes in (killed) has them
+    /// removed by the VMM at once.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["script", "script_text", "count_entry", "gdb", "gdbstub"])]
+    pub control_socket: Option<PathBuf>,
+    /// With --control-socket: the guest waits at `attach` before its job until a client's
+    /// splices are in and the guest runs again, and at `detach` after its job until no client
+    /// is connected (each wait at most --timeout).
+    #[arg(long, requires = "control_socket")]
+    pub await_client: bool,
     /// Seconds until the guest must print EXOTAP-READY.
     #[arg(long, default_value_t = 120, value_name = "SECONDS")]
     pub boot_timeout: u64,
@@ -309,6 +321,9 @@ fn use_kvm(
     args: &BootArgs,
     script: &mut Option<GuestScript>,
 ) -> anyhow::Result<(bool, Option<KvmScript>)> {
+    if args.control_socket.is_some() && args.backend == BackendChoice::Qemu {
+        bail!("--control-socket is exotap's VMM's (--backend kvm); QEMU's is --gdbstub");
+    }
     let needs_qemu = if args.gdb {
         Some("--gdb")
     } else if args.gdbstub.is_some() {
@@ -320,6 +335,11 @@ fn use_kvm(
         BackendChoice::Qemu
     } else {
         args.backend
+    };
+    let choice = if args.control_socket.is_some() {
+        BackendChoice::Kvm
+    } else {
+        choice
     };
     if crate::backend::resolve(choice, needs_qemu)? == host::Backend::Qemu {
         return Ok((false, None));
@@ -452,7 +472,7 @@ fn run_kvm(
     config.patch_heap = PatchHeapRange::place(args.memory << 20, args.heap_size << 20)?;
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;
-    config.attach_point = script.is_some();
+    config.attach_point = script.is_some() || args.await_client;
     config.attach_in_job = args.attach_in_job;
     config.append = args
         .append
@@ -504,7 +524,18 @@ fn run_kvm(
             );
             kvm::run(&config, timeouts, &mut sink, &mut hook)?
         }
-        (None, None) => kvm::run(&config, timeouts, &mut sink, &mut Plain(GoAtOnce))?,
+        (None, None) => match &args.control_socket {
+            Some(path) => {
+                let mut hook = crate::vmm_control::ControlHook::new(
+                    path.clone(),
+                    config.patch_heap,
+                    args.await_client,
+                    timeouts.total,
+                )?;
+                kvm::run(&config, timeouts, &mut sink, &mut hook)?
+            }
+            None => kvm::run(&config, timeouts, &mut sink, &mut Plain(GoAtOnce))?,
+        },
     };
     drop(sink);
     if args.console.is_some() {

@@ -29,6 +29,7 @@ mod regress;
 mod script;
 mod selftest;
 mod verbs;
+mod vmm_control;
 
 use std::io::Write as _;
 use std::process::ExitCode;

@@ -163,8 +163,9 @@ pub struct ScriptOptions {
     /// The target process: what the script's target() returns.
     #[arg(short = 'x', value_name = "PID")]
     pub target_pid: Option<i64>,
-    /// Run the script against a running guest over its gdbstub (tcp:HOST:PORT or unix:PATH)
-    /// until exit(), Ctrl-C or the guest's end; then exotap detaches and the guest runs on.
+    /// Run the script against a running guest over its gdbstub (tcp:HOST:PORT or unix:PATH),
+    /// or a running exotap VMM's control socket (vmm:PATH: compiled probes only), until
+    /// exit(), Ctrl-C or the guest's end; then exotap detaches and the guest runs on.
     #[arg(long, value_name = "ADDR")]
     pub target: Option<String>,
     /// With --target: the guest-physical range hidden from that guest for the patch heap, as

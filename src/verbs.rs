@@ -32,9 +32,10 @@ use crate::kernel_image::{ImageArgs, KernelImage};
 /// How to reach the guest: a running one (`--target`) or one booted for the run.
 #[derive(Debug, Args, Clone)]
 pub struct LiveArgs {
-    /// Attach to a running guest's gdbstub (tcp:HOST:PORT or unix:PATH) instead of booting
-    /// one: splices go in at once and come out at Ctrl-C, after --duration, or when the
-    /// guest stops running.
+    /// Attach to a running guest's gdbstub (tcp:HOST:PORT or unix:PATH), or to a running
+    /// exotap VMM's control socket (vmm:PATH, `exotap boot --backend kvm --control-socket
+    /// PATH`), instead of booting one: splices go in at once and come out at Ctrl-C, after
+    /// --duration, or when the guest stops running.
     #[arg(long, short = 't', value_name = "ADDR")]
     pub target: Option<String>,
     /// With --target: the patch-heap range hidden from that guest, GPA:SIZE.
@@ -519,7 +520,8 @@ impl VerbRun {
     fn stream_on(&mut self, live: &mut Live) -> anyhow::Result<()> {
         let rings = live.session.splicer().is_some_and(|s| s.rings.is_some());
         let shared = live.session.is_shared();
-        let every = if shared {
+        // exotap's own VMM reads guest memory while the guest runs: no stop, the fast cadence.
+        let every = if shared || live.session.machine.reads_while_running() {
             STREAM_SHARED_EVERY
         } else {
             STREAM_EVERY
@@ -615,6 +617,8 @@ impl VerbRun {
                 "data path: {}; the guest was stopped {stops_while_in} times while the splices were in; {n} records drained while it ran, in {:.1} ms of reading ({:.0} records/s){passes}",
                 if live.session.is_shared() {
                     "shared memory"
+                } else if live.session.machine.reads_while_running() {
+                    "the VMM's own mapping of guest memory"
                 } else {
                     "stop-and-read"
                 },
@@ -1308,12 +1312,21 @@ fn run_with(
     blocks: Option<BlocksRun>,
 ) -> anyhow::Result<i32> {
     // Before anything is loaded: a refused backend says why at once.
-    let backend = crate::backend::resolve(
-        live.backend,
-        live.target
-            .as_ref()
-            .map(|_| "--target (attaching to a running guest's gdbstub)"),
-    )?;
+    // A running exotap VMM (--target vmm:PATH) is whatever backend it is; nothing to choose.
+    let vmm_target = live
+        .target
+        .as_ref()
+        .is_some_and(|t| t.starts_with(exotap_probes::live::attach::VMM_PREFIX));
+    let backend = if vmm_target {
+        Backend::Qemu
+    } else {
+        crate::backend::resolve(
+            live.backend,
+            live.target
+                .as_ref()
+                .map(|_| "--target (attaching to a running guest's gdbstub)"),
+        )?
+    };
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
@@ -1336,7 +1349,7 @@ fn run_with(
         let mut verb = make_run(image, heap);
         let mut target = Target::new(target.clone());
         target.shm.clone_from(&live.shm);
-        if target.shm.is_none() && matches!(verb.op, Operation::Trace(_)) {
+        if target.shm.is_none() && !vmm_target && matches!(verb.op, Operation::Trace(_)) {
             eprintln!(
                 "exotap: the guest is stopped for each read of the trace rings; for the zero-stop path, {}",
                 exotap_probes::live::shared::FAST_PATH_HINT

@@ -129,3 +129,69 @@ fn kvm_with_target_is_refused() {
     });
     assert!(stderr.contains(&expected), "{stderr}");
 }
+
+#[test]
+fn boot_control_socket_refuses_kvm_naming_the_host_reason_and_binds_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vmm.sock");
+
+    assert_refused(
+        "boot --control-socket",
+        &["boot", "--control-socket", socket.to_str().unwrap()],
+    );
+
+    assert!(!socket.exists());
+}
+
+#[test]
+fn control_socket_with_the_qemu_backend_is_refused_naming_gdbstub() {
+    let (code, _, stderr) = common::run(common::exotap().args([
+        "boot",
+        "--backend",
+        "qemu",
+        "--control-socket",
+        "/nonexistent/vmm.sock",
+    ]));
+
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("--control-socket is exotap's VMM's (--backend kvm); QEMU's is --gdbstub"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_vmm_target_nothing_listens_on_is_named_with_the_connect_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("none.sock");
+    let target = format!("vmm:{}", socket.display());
+
+    let (code, _, stderr) =
+        common::run(common::exotap().args(["count", "--target", &target, "__x64_sys_getpid"]));
+
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains(&format!("cannot attach to {target}")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("cannot connect to {}", socket.display())),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn commands_that_need_a_gdbstub_refuse_a_vmm_target_saying_what_it_serves() {
+    let (code, _, stderr) =
+        common::run(common::exotap().args(["recover", "--target", "vmm:/nonexistent/vmm.sock"]));
+
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("vmm:/nonexistent/vmm.sock is an exotap VMM's control socket"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("the VMM undoes a dead client's probes itself"),
+        "{stderr}"
+    );
+}

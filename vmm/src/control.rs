@@ -288,8 +288,10 @@ pub trait Machine {
         false
     }
 
-    /// Whether the guest outlives this process (a QEMU guest does; exotap's own VMM's guest
-    /// ends with it): only then must a guardian undo what this process put in.
+    /// Whether the guest outlives this process with nothing else to undo what this process put
+    /// in (a QEMU guest over its gdbstub): only then must a guardian process do it. exotap's
+    /// own VMM's guest ends with it, and a VMM driven over its control socket undoes a dead
+    /// client's probes itself ([`crate::control_socket`]).
     fn guest_outlives_process(&self) -> bool {
         true
     }
@@ -297,6 +299,12 @@ pub trait Machine {
     /// How many times the vCPUs were paused since the machine started, where the backend
     /// counts them.
     fn pause_count(&self) -> Option<u64> {
+        None
+    }
+
+    /// The guest-physical range (GPA, size) the backend keeps out of the guest's RAM for the
+    /// patch heap, where it knows it (a running exotap VMM says so on its control socket).
+    fn patch_heap(&self) -> Option<(u64, u64)> {
         None
     }
 
@@ -370,6 +378,9 @@ impl<M: Machine + ?Sized> Machine for Box<M> {
     }
     fn pause_count(&self) -> Option<u64> {
         (**self).pause_count()
+    }
+    fn patch_heap(&self) -> Option<(u64, u64)> {
+        (**self).patch_heap()
     }
     fn release(&mut self) -> Result<(), ControlError> {
         (**self).release()

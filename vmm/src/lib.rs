@@ -6,12 +6,15 @@
 //!   data path of the QEMU backend).
 //! * [`host`]: what this host's `/dev/kvm` can do, used by backend auto-selection.
 //! * [`console`]: the guest protocol on the serial console (`EXOTAP-*` markers).
+//! * [`control_socket`]: a running exotap VMM's control socket: the control interface over
+//!   a unix socket, for another exotap process (`--target vmm:PATH`).
 //! * [`kvm`]: exotap's own minimal VMM on `/dev/kvm` (hardware virtualization only).
 //! * [`unicorn`]: one emulated x86-64 or SPARC V9 CPU (Unicorn) with a flat memory map,
 //!   for deterministic runs of mini-kernels and extracted kernel functions.
 
 pub mod console;
 pub mod control;
+pub mod control_socket;
 pub mod gdb;
 pub mod host;
 pub mod kvm;

@@ -16,10 +16,16 @@ use exotap_vmm::gdb::GdbMachine;
 use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
 
-/// Where a guest's gdbstub is and how long to wait for its answers.
+/// The prefix of a target that is a running exotap VMM's control socket (`vmm:PATH`).
+pub const VMM_PREFIX: &str = "vmm:";
+
+/// Where a guest's gdbstub (or exotap VMM's control socket) is and how long to wait for its
+/// answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
-    /// The gdbstub: `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`.
+    /// The gdbstub: `tcp:HOST:PORT`, `HOST:PORT` or `unix:PATH`; or `vmm:PATH`, the control
+    /// socket of `exotap boot --backend kvm --control-socket PATH`
+    /// ([`super::GuestSession::attach`] takes it; [`attach`] refuses it).
     pub address: String,
     /// How long to wait for each answer of the gdbstub.
     pub gdb_timeout: Duration,
@@ -53,6 +59,15 @@ pub struct Attached {
 /// # Errors
 /// When the gdbstub cannot be reached or does not answer.
 pub fn attach(target: &Target) -> anyhow::Result<Attached> {
+    if target.address.starts_with(VMM_PREFIX) {
+        bail!(
+            "{} is an exotap VMM's control socket: it serves splices and compiled probes \
+             (count, time, trace, nullify, replace, splice-report, and scripts whose kernel \
+             probes all compile); this needs QEMU's gdbstub (host-evaluated trap probes, \
+             backtrace, profile, attach, recover: the VMM undoes a dead client's probes itself)",
+            target.address
+        );
+    }
     let started = Instant::now();
     let machine = GdbMachine::connect(&target.address, target.gdb_timeout)
         .with_context(|| format!("cannot attach to {}", target.address))?;

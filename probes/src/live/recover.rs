@@ -361,6 +361,19 @@ impl Journal {
             .context("cannot write the return journal")
     }
 
+    /// Whether the journal lists anything to undo (splices, return-address tables, a trap
+    /// trampoline); read while the guest runs where the backend allows it.
+    ///
+    /// # Errors
+    /// Guest memory cannot be read.
+    pub fn lists_anything<M: Machine + ?Sized>(&self, machine: &mut M) -> anyhow::Result<bool> {
+        let h = self.read_header(machine)?;
+        Ok(h.starts_with(MAGIC)
+            && [BLOCKS, TABLES, TRAMPOLINE]
+                .iter()
+                .any(|&o| word(&h, o as usize) != 0))
+    }
+
     /// Undoes everything the journal lists (the guest stopped), and empties it.
     ///
     /// # Errors
@@ -846,6 +859,27 @@ mod tests {
         // Emptied: a second recovery finds nothing.
         let again = journal.recover(&mut m).unwrap();
         assert!(!again.anything(), "{again}");
+    }
+
+    #[test]
+    fn a_journal_lists_something_from_its_first_splice_until_removal_or_recovery() {
+        let mut m = guest();
+        let journal = Journal::open(HEAP, HEAP_VA, 0x10_0000, &mut m).unwrap();
+        let fresh = journal.lists_anything(&mut m).unwrap();
+        let entries: Vec<(u64, &[u8], &[u8])> = vec![(0x1000, &ORIGINAL[..], &SPLICE[..])];
+        journal
+            .record_text(&mut m, HEAP + 0x4_0000, &entries)
+            .unwrap();
+        let spliced = journal.lists_anything(&mut m).unwrap();
+        journal.clear_text(&mut m).unwrap();
+        let removed = journal.lists_anything(&mut m).unwrap();
+        let recovered = left_behind(&mut m).recover(&mut m).map(drop);
+        let after_recovery = journal.lists_anything(&mut m).unwrap();
+
+        assert_eq!((fresh, spliced, removed), (false, true, false));
+        assert!(recovered.is_ok());
+        assert!(!after_recovery);
+        assert!(!Journal { heap_phys: 0 }.lists_anything(&mut m).unwrap());
     }
 
     #[test]

@@ -56,6 +56,16 @@ impl GuestSession {
     /// the kernel's page-table root; a file that cannot be used gives a warning and the
     /// stop-and-read path.
     pub fn attach(target: &Target, image: &KernelImage) -> anyhow::Result<Self> {
+        if let Some(path) = target.address.strip_prefix(attach::VMM_PREFIX) {
+            // A running exotap VMM's control socket: its memory is read while the guest runs
+            // (no shared-RAM file to map), and the VMM itself undoes what a dead client left.
+            let machine = exotap_vmm::control_socket::ControlClient::connect(
+                std::path::Path::new(path),
+                target.gdb_timeout,
+            )
+            .with_context(|| format!("cannot attach to {}", target.address))?;
+            return Self::over(Box::new(machine), image);
+        }
         let mut att = attach::attach(target)?;
         match attach::survey(&mut att, image) {
             Ok(survey) => {
@@ -120,6 +130,20 @@ impl GuestSession {
     /// When the heap cannot be mapped or the text read.
     pub fn plan(&mut self, image: &KernelImage, heap: (u64, u64)) -> anyhow::Result<&mut Splicer> {
         if self.splicer.is_none() {
+            // A backend that knows the range it kept out of the guest's RAM says so (a VMM
+            // over its control socket); the caller's range is the default for a gdbstub.
+            let heap = match self.machine.patch_heap() {
+                Some(known) if known != heap => {
+                    tracing::debug!(
+                        "patch heap {:#x}:{:#x}, as the {} backend says",
+                        known.0,
+                        known.1,
+                        self.machine.backend()
+                    );
+                    known
+                }
+                _ => heap,
+            };
             let mut splicer = Splicer::new(&mut *self.machine, &self.survey, image, heap)?;
             if let Some(shared) = self.shared.as_mut() {
                 let (va, phys, size) = splicer.heap_range();

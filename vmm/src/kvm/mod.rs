@@ -253,6 +253,15 @@ pub trait KvmPhaseHook {
     /// A message that stops the run.
     fn at_wait(&mut self, phase: &str, machine: &mut KvmMachine) -> Result<(), String>;
 
+    /// Called when the guest prints `EXOTAP-READY` (its kernel is up).
+    ///
+    /// # Errors
+    /// A message that stops the run.
+    fn ready(&mut self, machine: &mut KvmMachine) -> Result<(), String> {
+        let _ = machine;
+        Ok(())
+    }
+
     /// Called about every 20 ms while the guest runs (e.g. to stream trace records, which the
     /// host reads from guest memory without pausing).
     ///
@@ -628,6 +637,10 @@ impl Follow<'_> {
             Some(Marker::Ready) => {
                 self.ready = true;
                 self.outcome.ready_after = self.start.elapsed();
+                hook.ready(machine).map_err(|message| KvmError::Hook {
+                    phase: "ready".into(),
+                    message,
+                })?;
             }
             Some(Marker::Phase(name)) => self.outcome.phases.push((name, self.start.elapsed())),
             Some(Marker::Wait(phase)) => {
