@@ -8,6 +8,27 @@ use core::fmt;
 
 use iced_x86::Register;
 
+/// DWARF register numbers 0..16 (the x86-64 psABI's numbering: rax, rdx, rcx, rbx, rsi, rdi,
+/// rbp, rsp, r8..r15) as iced registers.
+pub const DWARF_GPRS: [Register; 16] = [
+    Register::RAX,
+    Register::RDX,
+    Register::RCX,
+    Register::RBX,
+    Register::RSI,
+    Register::RDI,
+    Register::RBP,
+    Register::RSP,
+    Register::R8,
+    Register::R9,
+    Register::R10,
+    Register::R11,
+    Register::R12,
+    Register::R13,
+    Register::R14,
+    Register::R15,
+];
+
 /// A set of 64-bit general-purpose registers, one bit per register in iced's order
 /// (rax, rcx, rdx, rbx, rsp, rbp, rsi, rdi, r8..r15).
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]

@@ -18,25 +18,7 @@ use super::super::{DebugInfo, DieRef};
 use super::facts::{Fact, Globals, Layouts};
 use super::Access;
 
-/// DWARF register numbers 0..16 as iced registers.
-const DWARF_GPRS: [Register; 16] = [
-    Register::RAX,
-    Register::RDX,
-    Register::RCX,
-    Register::RBX,
-    Register::RSI,
-    Register::RDI,
-    Register::RBP,
-    Register::RSP,
-    Register::R8,
-    Register::R9,
-    Register::R10,
-    Register::R11,
-    Register::R12,
-    Register::R13,
-    Register::R14,
-    Register::R15,
-];
+use crate::x86::regs::DWARF_GPRS;
 
 /// Registers a call may change (System V, which the kernel follows).
 const CALLER_SAVED: [Register; 9] = [

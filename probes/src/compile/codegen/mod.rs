@@ -811,24 +811,7 @@ impl Gen<'_, '_> {
     /// from the struct its pointer type names.
     fn local(&mut self, t: &TargetVar, local: &super::locals::Local) -> R<K> {
         use super::locals::{Place, DWARF_RSP};
-        const DWARF_REGS: [Register; 16] = [
-            Register::RAX,
-            Register::RDX,
-            Register::RCX,
-            Register::RBX,
-            Register::RSI,
-            Register::RDI,
-            Register::RBP,
-            Register::RSP,
-            Register::R8,
-            Register::R9,
-            Register::R10,
-            Register::R11,
-            Register::R12,
-            Register::R13,
-            Register::R14,
-            Register::R15,
-        ];
+        use exotap_introspect::x86::regs::DWARF_GPRS as DWARF_REGS;
         let load = |g: &mut Self, reg: u16| -> R<()> {
             if reg == DWARF_RSP {
                 return asm!(g, g.a.lea(rax, qword_ptr(r15 + SAVED_BYTES)));
