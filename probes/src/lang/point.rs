@@ -281,6 +281,17 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             _ => Err(bad(family, "expected one non-empty string")),
         }
     };
+    // `.return.maxactive(N)`: how many calls of the function a kretprobe may follow at once.
+    // exotap's return probes share fixed pools instead (trap probes: RETURN_SLOTS calls in
+    // flight; compiled probes: their return table), and count and report every call that
+    // misses its return probe, so N is checked and accepted but neither lowers nor raises
+    // that limit (probes/README.md).
+    let maxactive = |family: &str| -> Result<(), PointError> {
+        match args(3) {
+            [Literal::Num(n)] if *n > 0 => Ok(()),
+            _ => Err(bad(family, "maxactive takes one positive number")),
+        }
+    };
     if let Some(reason) = out_of_scope(&names) {
         return Err(PointError::OutOfScope {
             text: point.to_string(),
@@ -301,7 +312,7 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             (Some(&"kernel" | &"kprobe"), 1)
                 | (Some(&"timer"), 1)
                 | (Some(&"begin" | &"end" | &"error"), 0)
-        );
+        ) || (c.name == "maxactive" && i == 3);
         if !c.args.is_empty() && !allowed {
             return Err(bad(&c.name, "this component takes no argument"));
         }
@@ -343,6 +354,10 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 ["call"] => FunctionSite::Call,
                 ["inline"] => FunctionSite::Inline,
                 ["return"] => FunctionSite::Return,
+                ["return", "maxactive"] => {
+                    maxactive("kernel.function")?;
+                    FunctionSite::Return
+                }
                 _ => return Err(unknown()),
             };
             Ok(PointKind::KernelFunction {
@@ -419,6 +434,10 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             let site = match rest {
                 [] => FunctionSite::Call,
                 ["return"] => FunctionSite::Return,
+                ["return", "maxactive"] => {
+                    maxactive("kprobe.function")?;
+                    FunctionSite::Return
+                }
                 _ => return Err(unknown()),
             };
             Ok(PointKind::KernelFunction {
@@ -501,6 +520,45 @@ mod tests {
                 site: FunctionSite::Return,
             }
         );
+    }
+
+    #[test]
+    fn return_maxactive_takes_a_positive_count_after_return_only() {
+        for point in [
+            r#"kernel.function("vfs_read").return.maxactive(16)"#,
+            r#"kprobe.function("vfs_read").return.maxactive(1)"#,
+        ] {
+            assert!(
+                matches!(
+                    kind(point).unwrap(),
+                    PointKind::KernelFunction {
+                        site: FunctionSite::Return,
+                        ..
+                    }
+                ),
+                "{point}"
+            );
+        }
+        for point in [
+            r#"kernel.function("vfs_read").return.maxactive(0)"#,
+            r#"kernel.function("vfs_read").return.maxactive"#,
+        ] {
+            match kind(point) {
+                Err(PointError::BadArgument { reason, .. }) => {
+                    assert_eq!(reason, "maxactive takes one positive number", "{point}")
+                }
+                other => panic!("{point}: {other:?}"),
+            }
+        }
+        // SystemTap's order only: `.maxactive(N)` follows `.return`.
+        assert!(matches!(
+            kind(r#"kernel.function("vfs_read").maxactive(4).return"#),
+            Err(PointError::BadArgument { .. } | PointError::Unknown { .. })
+        ));
+        assert!(matches!(
+            kind(r#"kernel.function("vfs_read").maxactive(4)"#),
+            Err(PointError::BadArgument { .. } | PointError::Unknown { .. })
+        ));
     }
 
     #[test]
