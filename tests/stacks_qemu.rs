@@ -374,3 +374,115 @@ fn profile_with_target_samples_a_guest_someone_else_booted_and_lets_it_run_on() 
         assert!(!rest.contains(bad), "{bad} in the console:\n{rest}");
     }
 }
+
+/// SystemTap's `profiling/pf2.stp` reduced to what can be checked: `timer.profile` samples
+/// every vCPU, `addr()` and `user_mode()` say where it was, `symname()` names the kernel pcs
+/// and `execname()` reads the task also in user mode (through the kernel's CR3 under PTI).
+const PROFILE_SCRIPT: &str = r#"global pcount, kern, user, bad, dd, unamed, syms
+probe timer.profile {
+  pcount <<< 1
+  if (user_mode()) {
+    user++
+    if (addr() < 0) bad++
+    if (execname() != "") unamed++
+  } else {
+    kern++
+    if (addr() >= 0) bad++
+    syms[symname(addr())]++
+  }
+  if (execname() == "dd") dd++
+}
+probe end {
+  printf("PROFILE samples=%d kernel=%d user=%d bad=%d dd=%d user_named=%d\n",
+         @count(pcount), kern, user, bad, dd, unamed)
+  foreach (s in syms- limit 30) printf("SYM %s %d\n", s, syms[s])
+}
+"#;
+
+#[test]
+fn timer_profile_samples_every_vcpu_where_it_runs() {
+    if !have_qemu("timer_profile_samples_every_vcpu_where_it_runs") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.sh");
+    let script = dir.path().join("pf.stp");
+    std::fs::write(
+        &job,
+        "dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null\nexotap_wait profile\n\
+         i=0; while [ $i -lt 12 ]; do dd if=/tmp/big of=/dev/null bs=1M 2>/dev/null; \
+         i=$((i+1)); done\n",
+    )
+    .unwrap();
+    std::fs::write(&script, PROFILE_SCRIPT).unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "600", "--compile", "never", "--script"])
+        .arg(&script)
+        .arg("--job")
+        .arg(&job)
+        .arg("--console")
+        .arg(&console));
+
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("PROFILE "))
+        .unwrap_or_else(|| panic!("no PROFILE line: {ctx}"));
+    let field = |k: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("no {k} in {line}"))
+            .parse()
+            .unwrap()
+    };
+    let (samples, kernel, user, bad, dd) = (
+        field("samples"),
+        field("kernel"),
+        field("user"),
+        field("bad"),
+        field("dd"),
+    );
+    // Every sample is one vCPU in one mode, its pc on that mode's side of the address space.
+    assert!(samples >= 40, "too few samples: {line}");
+    assert_eq!(kernel + user, samples, "{line}");
+    assert_eq!(bad, 0, "a pc on the wrong side for its mode: {line}");
+    // The task is read in user mode too (the user CR3 maps no kernel data under PTI).
+    assert_eq!(field("user_named"), user, "{line}");
+    // dd's read loop keeps one of the two vCPUs busy for most of the window.
+    assert!(dd * 5 >= samples, "dd in only {dd} of {samples} samples: {line}");
+    // The kernel pcs' names are the kernel's text symbols (the -dbg System.map, an outside
+    // list, when cached).
+    let syms: Vec<(&str, u64)> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("SYM "))
+        .map(|l| {
+            let (s, n) = l.rsplit_once(' ').unwrap();
+            (s, n.parse().unwrap())
+        })
+        .collect();
+    assert!(!syms.is_empty(), "{ctx}");
+    let map = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+        .map(|d| d.join("debug/System.map"))
+        .and_then(|p| std::fs::read_to_string(p).ok());
+    match map {
+        Some(map) => {
+            let text: BTreeSet<&str> = map
+                .lines()
+                .filter_map(|l| {
+                    let mut w = l.split_whitespace();
+                    let (_, kind, name) = (w.next()?, w.next()?, w.next()?);
+                    matches!(kind, "t" | "T" | "W" | "w").then_some(name)
+                })
+                .collect();
+            for (s, _) in &syms {
+                assert!(text.contains(s), "{s} is no text symbol of System.map: {ctx}");
+            }
+        }
+        None => eprintln!("SKIP: no -dbg System.map cached; symbol names not checked"),
+    }
+    eprintln!("{line}; hottest kernel pcs: {:?}", &syms[..syms.len().min(5)]);
+}

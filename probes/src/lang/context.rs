@@ -101,6 +101,11 @@ pub trait Context {
     fn task_current(&self) -> Option<u64> {
         None
     }
+    /// Where the probed context was stopped: its pc and whether it ran in user mode
+    /// (`addr()`, `user_mode()`). `None` where this context has no registers (the default).
+    fn probe_pc(&self) -> Option<(u64, bool)> {
+        None
+    }
     /// Argument `n` (1-based) of the probed function as its register held it at the entry
     /// (`int_arg(n)` and friends). `None` where this context has no registers (the default).
     fn arg_register(&self, _n: i64) -> Option<u64> {

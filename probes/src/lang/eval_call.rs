@@ -469,6 +469,14 @@ impl Interp<'_> {
                     ),
                 }
             }
+            "addr" | "user_mode" if ctx.probe_pc().is_some() => {
+                let (pc, user) = ctx.probe_pc().unwrap_or_default();
+                Value::Long(if name == "addr" {
+                    pc as i64
+                } else {
+                    i64::from(user)
+                })
+            }
             other => match native::unavailable(other) {
                 Some(why) => return fail(format!("{other}() cannot run here: {why}"), span),
                 None => return fail(format!("unknown function '{other}'"), span),

@@ -548,11 +548,14 @@ pub const UNAVAILABLE: &[(&str, &str)] = &[
     ),
     (
         "user_mode",
-        "host-evaluated probes do not capture the privilege level of the probed context yet",
+        "only a probe that stopped the guest where it ran (a kernel function entry, a statement \
+         or timer.profile) knows the privilege level it was stopped at",
     ),
     (
         "addr",
-        "host-evaluated probes do not capture the probed context's registers yet",
+        "only a probe that stopped the guest where it ran (a kernel function entry, a statement \
+         or timer.profile) has the pc it was stopped at; a .return probe stands at exotap's \
+         trampoline",
     ),
     (
         "uaddr",

@@ -149,13 +149,27 @@ impl Tracer {
             tracing::error!("cannot resume the guest: {e}");
             gone = true;
         }
+        let profile_every = Duration::from_secs(1) / super::traps::PROFILE_HZ;
+        let mut next_sample = Instant::now() + profile_every;
         while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
             let now = Instant::now();
             for timer in timers.iter_mut().filter(|t| t.3 <= now) {
                 session.fire(timer.0, &timer.1, &host);
                 timer.3 += timer.2;
             }
-            let event = match self.session.machine.wait_event(POLL) {
+            let mut wait = POLL;
+            if self.traps.profiles() {
+                if next_sample <= now {
+                    if let Err(e) = self.traps.sample(&mut self.session, &mut session) {
+                        tracing::error!("timer.profile stopped: {e:#}");
+                        break;
+                    }
+                    // Behind (samples slower than the period): no catch-up burst.
+                    next_sample = (next_sample + profile_every).max(Instant::now());
+                }
+                wait = wait.min(next_sample.saturating_duration_since(Instant::now()));
+            }
+            let event = match self.session.machine.wait_event(wait) {
                 Ok(event) => event,
                 Err(e) => {
                     tracing::error!("lost the guest: {:#}", anyhow::Error::from(e));

@@ -31,6 +31,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::layout::TaskOffsets;
+use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 
 use crate::compile::locals::{Local, Locals};
@@ -45,6 +46,7 @@ use crate::lang::runtime::Session;
 use crate::lang::value::Value;
 
 use super::attach::{self, Survey};
+use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::trap_point::{
@@ -169,6 +171,11 @@ struct LiveContext<'a> {
     writes: RefCell<Vec<(usize, u64)>>,
 }
 
+/// How often [`Traps::sample`] runs the `timer.profile` probes: every vCPU this many times a
+/// second. SystemTap's fire at the kernel's HZ (250 on Debian) on every CPU; each sample here
+/// stops the whole guest, so the host samples less often.
+pub const PROFILE_HZ: u32 = 100;
+
 /// Names of [`X86Registers::gpr`], for the writes.
 const GPR_NAMES: [&str; 16] = [
     "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13",
@@ -178,11 +185,19 @@ const GPR_NAMES: [&str; 16] = [
 impl LiveContext<'_> {
     fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
         let mut buf = vec![0u8; len];
-        // The vCPU stopped in kernel code, so its CR3 is the kernel's: QEMU walks it.
-        self.machine
-            .borrow_mut()
-            .read_virt(self.vcpu, addr, &mut buf)
-            .ok()?;
+        let mut machine = self.machine.borrow_mut();
+        if self.regs.in_kernel() {
+            // The vCPU stopped in kernel code, so its CR3 is the kernel's: QEMU walks it.
+            machine.read_virt(self.vcpu, addr, &mut buf).ok()?;
+        } else {
+            // A `timer.profile` sample in user mode: with page-table isolation the user CR3
+            // maps no kernel data; its kernel twin does.
+            let la57 = self.regs.cr4 & (1 << 12) != 0;
+            let mut mem = BackendMemory(&mut **machine);
+            AddressSpace::new(&mut mem, pti_kernel_cr3(self.regs.cr3), la57)
+                .read(addr, &mut buf)
+                .ok()?;
+        }
         Some(buf)
     }
 
@@ -446,6 +461,14 @@ impl Context for LiveContext<'_> {
         self.current_task()
     }
 
+    fn probe_pc(&self) -> Option<(u64, bool)> {
+        // At a return the vCPU stands at the trampoline, not in the probed code.
+        if self.at_return.is_some() {
+            return None;
+        }
+        Some((self.regs.rip, !self.regs.in_kernel()))
+    }
+
     fn kernel_symbol(&self, addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
         let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
         Ok(stacks
@@ -650,21 +673,6 @@ fn arm(
 ) -> anyhow::Result<(HashMap<u64, ArmedPoint>, u64)> {
     let survey = att.survey.clone();
     let survey = &survey;
-    let unsupported: Vec<String> = prog
-        .probes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| host(*i))
-        .flat_map(|(_, p)| p.points.iter())
-        .filter(|(_, kind)| matches!(kind, PointKind::TimerProfile))
-        .map(|(pt, _)| pt.to_string())
-        .collect();
-    if !unsupported.is_empty() {
-        bail!(
-            "the gdbstub tracer cannot run these probe points yet: {}",
-            unsupported.join(", ")
-        );
-    }
     let resolver = KernelSymbols::new(&image.symbols, btf);
     let resolved = resolve_program(prog, &resolver)?;
     let off: Vec<String> = resolved
@@ -901,6 +909,10 @@ pub struct Traps {
     free: Vec<usize>,
     /// Calls whose return probe did not run because the return list was full.
     missed_returns: u64,
+    /// `timer.profile` probes the host runs on every vCPU at each sample ([`Traps::sample`]).
+    profile: Vec<SiteProbe>,
+    /// The point those probes' contexts name.
+    profile_point: ArmedPoint,
 }
 
 impl std::fmt::Debug for Traps {
@@ -953,7 +965,73 @@ impl Traps {
             },
             free: (0..super::recover::RETURN_SLOTS).rev().collect(),
             missed_returns: 0,
+            profile: prog
+                .probes
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| host(*i))
+                .flat_map(|(i, p)| p.points.iter().map(move |pt| (i, pt)))
+                .filter(|(_, (_, kind))| matches!(kind, PointKind::TimerProfile))
+                .map(|(probe, (pt, _))| SiteProbe {
+                    probe,
+                    name: pt.to_string(),
+                })
+                .collect(),
+            profile_point: ArmedPoint {
+                entry: Vec::new(),
+                ret: Vec::new(),
+                name: "timer.profile".into(),
+                function: String::new(),
+                window: Vec::new(),
+                // Never carried out: a sample does not stop at a breakpoint.
+                action: TrapAction::OutOfLine {
+                    code: Vec::new(),
+                    rip_relative: false,
+                },
+                slot: 0,
+                slot_phys: 0,
+                params: Vec::new(),
+                locals: None,
+            },
         })
+    }
+
+    /// Whether the script has `timer.profile` probes for [`Traps::sample`].
+    pub fn profiles(&self) -> bool {
+        !self.profile.is_empty()
+    }
+
+    /// One `timer.profile` tick: stops the guest, runs the `timer.profile` probes once for
+    /// every vCPU in the context it was stopped in (`addr()` its pc, `user_mode()` its
+    /// privilege, the current task its task), and lets it run on. SystemTap's fires on each
+    /// CPU's profiling timer interrupt at the kernel's HZ; from outside, the host samples
+    /// every vCPU at a rate of its choosing ([`PROFILE_HZ`]).
+    ///
+    /// # Errors
+    /// When the guest cannot be stopped, read or resumed.
+    pub fn sample(
+        &mut self,
+        guest: &mut GuestSession,
+        session: &mut Session<'_>,
+    ) -> anyhow::Result<()> {
+        let machine = &mut guest.machine;
+        machine.pause()?;
+        for vcpu in machine.vcpus()? {
+            let regs = registers(machine, vcpu)?;
+            let ctx = self.context_at(
+                &self.profile_point,
+                machine,
+                &guest.survey,
+                vcpu,
+                regs,
+                None,
+            );
+            for p in &self.profile {
+                session.fire(p.probe, &p.name, &ctx);
+            }
+        }
+        machine.resume()?;
+        Ok(())
     }
 
     /// Names kernel pcs for the whole script session (`sprint_stack()` in `end` probes);
@@ -1041,7 +1119,19 @@ impl Traps {
         at_return: Option<(X86Registers, u64)>,
     ) -> Option<LiveContext<'a>> {
         let point = self.armed.get(&site)?;
-        Some(LiveContext {
+        Some(self.context_at(point, machine, survey, vcpu, regs, at_return))
+    }
+
+    fn context_at<'a>(
+        &'a self,
+        point: &'a ArmedPoint,
+        machine: &'a mut dyn Machine,
+        survey: &'a Survey,
+        vcpu: VcpuId,
+        regs: X86Registers,
+        at_return: Option<(X86Registers, u64)>,
+    ) -> LiveContext<'a> {
+        LiveContext {
             machine: RefCell::new(machine),
             vcpu,
             regs,
@@ -1055,7 +1145,7 @@ impl Traps {
             at_return,
             types: self.types.as_ref(),
             writes: RefCell::new(Vec::new()),
-        })
+        }
     }
 
     /// A hit at an armed point `pc`: runs its probes on `session` and moves the vCPU past
