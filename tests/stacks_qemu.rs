@@ -453,7 +453,10 @@ fn timer_profile_samples_every_vcpu_where_it_runs() {
     // The task is read in user mode too (the user CR3 maps no kernel data under PTI).
     assert_eq!(field("user_named"), user, "{line}");
     // dd's read loop keeps one of the two vCPUs busy for most of the window.
-    assert!(dd * 5 >= samples, "dd in only {dd} of {samples} samples: {line}");
+    assert!(
+        dd * 5 >= samples,
+        "dd in only {dd} of {samples} samples: {line}"
+    );
     // The kernel pcs' names are the kernel's text symbols (the -dbg System.map, an outside
     // list, when cached).
     let syms: Vec<(&str, u64)> = out
@@ -479,10 +482,16 @@ fn timer_profile_samples_every_vcpu_where_it_runs() {
                 })
                 .collect();
             for (s, _) in &syms {
-                assert!(text.contains(s), "{s} is no text symbol of System.map: {ctx}");
+                assert!(
+                    text.contains(s),
+                    "{s} is no text symbol of System.map: {ctx}"
+                );
             }
         }
         None => eprintln!("SKIP: no -dbg System.map cached; symbol names not checked"),
     }
-    eprintln!("{line}; hottest kernel pcs: {:?}", &syms[..syms.len().min(5)]);
+    eprintln!(
+        "{line}; hottest kernel pcs: {:?}",
+        &syms[..syms.len().min(5)]
+    );
 }

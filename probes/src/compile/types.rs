@@ -118,7 +118,35 @@ pub fn chain(
     base: TypeRef,
     members: &[String],
 ) -> Result<Vec<Step>, String> {
-    walk(types, base, None, members)
+    walk(types, base, None, members, false)
+}
+
+/// Lays out `&` of the chain `members` (`&$file->f_pos`, `&$p->m->sub`): as [`chain`], but
+/// the last member's address is the value, whatever its type (a struct too).
+///
+/// # Errors
+/// As [`chain`], but for the last member's type.
+pub fn address_chain(
+    types: &dyn KernelTypes,
+    base: TypeRef,
+    members: &[String],
+) -> Result<Vec<Step>, String> {
+    walk(types, base, None, members, true)
+}
+
+/// `&@cast(p, "type")->members`: as [`address_chain`] from a pointer to `pointee`.
+///
+/// # Errors
+/// As [`cast_chain`], but for the last member's type.
+pub fn cast_address_chain(
+    types: &dyn KernelTypes,
+    pointee: TypeRef,
+    members: &[String],
+) -> Result<Vec<Step>, String> {
+    if types.shape(pointee) != Shape::Aggregate {
+        return Err("the type is not a struct or union".into());
+    }
+    walk(types, pointee, Some(pointee), members, true)
 }
 
 /// Lays out the chain `members` of `@cast(p, "type")`: `p` points to `pointee`.
@@ -133,15 +161,17 @@ pub fn cast_chain(
     if types.shape(pointee) != Shape::Aggregate {
         return Err("the type is not a struct or union".into());
     }
-    walk(types, pointee, Some(pointee), members)
+    walk(types, pointee, Some(pointee), members, false)
 }
 
-/// The walk: from a value of type `base`, or from a pointer to the aggregate `pointee`.
+/// The walk: from a value of type `base`, or from a pointer to the aggregate `pointee`; with
+/// `address`, the last member's address rather than its value.
 fn walk(
     types: &dyn KernelTypes,
     base: TypeRef,
     pointee: Option<TypeRef>,
     members: &[String],
+    address: bool,
 ) -> Result<Vec<Step>, String> {
     let mut steps = Vec::new();
     let mut ty = base;
@@ -186,6 +216,10 @@ fn walk(
             .ok_or_else(|| format!("->{member}: the offset overflows"))?;
         through_pointer = true;
         ty = next;
+    }
+    if address {
+        steps.push(Step::Address { offset: pending });
+        return Ok(steps);
     }
     match types.shape(ty) {
         Shape::Int { size, signed } => steps.push(Step::Read {
@@ -350,6 +384,32 @@ mod tests {
             }])
         );
         assert!(cast_chain(&Made, 5, &members(&["i_ino"])).is_err());
+    }
+
+    #[test]
+    fn address_of_a_member_reads_the_pointers_but_not_the_member() {
+        // &$file->f_inode->i_mode: file->f_inode read, then i_mode's address.
+        assert_eq!(
+            address_chain(&Made, 2, &members(&["f_inode", "i_mode"])),
+            Ok(vec![
+                Step::Read {
+                    offset: 8,
+                    size: 8,
+                    signed: false
+                },
+                Step::Address { offset: 2 },
+            ])
+        );
+        // &$file->inner: a struct member has an address, though no value.
+        assert_eq!(
+            address_chain(&Made, 2, &members(&["inner"])),
+            Ok(vec![Step::Address { offset: 16 }])
+        );
+        assert!(chain(&Made, 2, &members(&["inner"])).is_err());
+        // &@cast(p, "struct inode")->i_ino: p plus the offset, nothing read.
+        let steps = cast_address_chain(&Made, 3, &members(&["i_ino"])).unwrap();
+        assert_eq!(Step::follow(&steps, 0x4000, |_, _| None), Ok(0x4040));
+        assert!(cast_address_chain(&Made, 5, &members(&["i_ino"])).is_err());
     }
 
     #[test]

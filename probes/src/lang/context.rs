@@ -52,6 +52,19 @@ pub trait Context {
     fn member_chain(&self, _var: &TargetVar) -> Option<Result<Value, String>> {
         None
     }
+    /// `&` of a member chain (`&$file->f_pos`; with `cast`, `&@cast(p, "T")->m` from the
+    /// pointer `p`): the member's address, laid out from the kernel's types. `None` where
+    /// this context has no types (the default).
+    ///
+    /// # Errors
+    /// Inside the `Some`: a sentence naming the step that could not be laid out or read.
+    fn member_address(
+        &self,
+        _var: Option<&TargetVar>,
+        _cast: Option<(u64, &crate::lang::ast::CastExpr)>,
+    ) -> Option<Result<Value, String>> {
+        None
+    }
     /// Guru mode (`-g`): writes `value` to the target variable `path` (`$return` in a return
     /// probe, `$param` at an entry), where the probed code will see it. The default: this
     /// context cannot change guest state.

@@ -126,12 +126,27 @@ impl Interp<'_> {
             }
             ExprKind::Embedded(_) => return fail("embedded C code cannot run", e.span),
             ExprKind::Wildcard => return fail("'*' is a key only in delete", e.span),
-            ExprKind::AddressOf(_) => {
+            ExprKind::AddressOf(x) => {
+                let answer = match &x.kind {
+                    ExprKind::Target(t) if !t.members.is_empty() => {
+                        ctx.member_address(Some(t), None)
+                    }
+                    ExprKind::Cast(c) if c.indexes.is_empty() && !c.members.is_empty() => {
+                        let pointer = self.eval(&c.pointer, f, ctx)?.as_long() as u64;
+                        ctx.member_address(None, Some((pointer, c)))
+                    }
+                    _ => None,
+                };
+                match answer {
+                    Some(Ok(v)) => return Ok(v),
+                    Some(Err(why)) => return fail(why, e.span),
+                    None => {}
+                }
                 return fail(
-                    "'&' of a struct member is not supported at run time yet: it needs the \
-                     kernel's type layout, which the interpreter does not have",
+                    "'&' of a struct member needs the kernel's type layout: only a kernel probe \
+                     that stopped the guest has it",
                     e.span,
-                )
+                );
             }
             ExprKind::RegexMatch(p, negated) => {
                 let text = self.eval(&p.0, f, ctx)?;

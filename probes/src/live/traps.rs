@@ -35,7 +35,9 @@ use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 
 use crate::compile::locals::{Local, Locals};
-use crate::compile::types::{cast_chain, chain, BtfTypes, KernelTypes, Step};
+use crate::compile::types::{
+    address_chain, cast_address_chain, cast_chain, chain, BtfTypes, KernelTypes, Step,
+};
 use crate::lang::ast::{CastExpr, TargetVar};
 use crate::lang::check::Program;
 use crate::lang::context::{Context, MemoryError};
@@ -285,6 +287,66 @@ impl LiveContext<'_> {
         Some(regs.gpr[r])
     }
 
+    /// `$var$`, `$var$$`, `$$parms$[$]`, `$$return$[$]`, `$return$[$]`: the parameters and
+    /// return value pretty-printed from BTF ([`super::pretty`]); `None` for any other path.
+    fn pretty_target(&self, path: &str) -> Option<String> {
+        let deep = path.ends_with("$$") && path.len() > 3 && !path[..path.len() - 2].is_empty();
+        let base = path.strip_suffix(if deep { "$$" } else { "$" })?;
+        if base.is_empty() || base == "$" {
+            return None;
+        }
+        let btf = &self.types?.0;
+        let sig = btf.func_signature(&self.point.function).ok();
+        let param_type = |name: &str| -> Option<u32> {
+            sig.as_ref()?
+                .params
+                .iter()
+                .find(|p| p.0 == name)
+                .map(|p| p.1)
+        };
+        let read = |at: u64, len: usize| self.read(at, len);
+        let ret = || -> Option<String> {
+            let rax = self
+                .at_return
+                .map(|(_, rax)| self.written(0).unwrap_or(rax))?;
+            let ty = sig.as_ref()?.ret;
+            Some(super::pretty::pretty(btf, ty, rax, deep, &read))
+        };
+        match base {
+            "$$parms" => Some(
+                self.point
+                    .params
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| !p.is_empty())
+                    .map(|(i, p)| {
+                        let v = match (self.argument(i), param_type(p)) {
+                            (Some(v), Some(ty)) => super::pretty::pretty(btf, ty, v, deep, &read),
+                            (Some(v), None) => format!("{v:#x}"),
+                            (None, _) => "?".into(),
+                        };
+                        format!("{p}={v}")
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+            "$$return" => ret().map(|r| format!("return={r}")),
+            "$return" => ret(),
+            _ => {
+                let name = base.strip_prefix('$')?;
+                let index = self.point.params.iter().position(|p| p == name)?;
+                let v = self.argument(index)?;
+                Some(super::pretty::pretty(
+                    btf,
+                    param_type(name)?,
+                    v,
+                    deep,
+                    &read,
+                ))
+            }
+        }
+    }
+
     /// The last value this hit wrote to register `r`.
     fn written(&self, r: usize) -> Option<u64> {
         self.writes
@@ -298,6 +360,9 @@ impl LiveContext<'_> {
 
 impl Context for LiveContext<'_> {
     fn target(&self, path: &str) -> Option<Value> {
+        if let Some(text) = self.pretty_target(path) {
+            return Some(Value::Str(text));
+        }
         if path == "$$parms" {
             let text: Vec<String> = self
                 .point
@@ -307,6 +372,12 @@ impl Context for LiveContext<'_> {
                 .filter_map(|(i, p)| Some(format!("{p}={:#x}", self.argument(i)?)))
                 .collect();
             return Some(Value::Str(text.join(" ")));
+        }
+        if path == "$$return" {
+            let rax = self
+                .at_return
+                .map(|(_, rax)| self.written(0).unwrap_or(rax))?;
+            return Some(Value::Str(format!("return={rax:#x}")));
         }
         if path == "$return" {
             return self
@@ -359,6 +430,61 @@ impl Context for LiveContext<'_> {
         };
         Some(
             chain(types, ty, &var.members)
+                .map_err(|e| format!("{path}: {e}"))
+                .and_then(|steps| self.follow(&path, base, &steps)),
+        )
+    }
+
+    fn member_address(
+        &self,
+        var: Option<&TargetVar>,
+        cast: Option<(u64, &CastExpr)>,
+    ) -> Option<Result<Value, String>> {
+        let types = self.types?;
+        if let Some((pointer, cast)) = cast {
+            let what = format!("&@cast(..., \"{}\")", cast.type_name);
+            let Some(ty) = types.named(&cast.type_name) else {
+                return Some(Err(format!("{what}: BTF has no such type")));
+            };
+            return Some(
+                cast_address_chain(types, ty, &cast.members)
+                    .map_err(|e| format!("{what}: {e}"))
+                    .and_then(|steps| self.follow(&what, pointer, &steps)),
+            );
+        }
+        let var = var?;
+        let path = format!("&{}", var.path());
+        if let Some(local) = self.local(&var.name) {
+            let Some(pointee) = &local.pointee else {
+                return Some(Err(format!(
+                    "{path}: {} is not a pointer to a struct",
+                    var.name
+                )));
+            };
+            let Some(ty) = types.named(pointee) else {
+                return Some(Err(format!("{path}: BTF has no {pointee}")));
+            };
+            return Some(self.local_value(local).and_then(|base| {
+                cast_address_chain(types, ty, &var.members)
+                    .map_err(|e| format!("{path}: {e}"))
+                    .and_then(|steps| self.follow(&path, base as u64, &steps))
+            }));
+        }
+        let (base, param) = if var.name == "$return" {
+            (self.at_return.map(|(_, rax)| rax)?, None)
+        } else {
+            let name = var.name.strip_prefix('$')?;
+            let index = self.point.params.iter().position(|p| p == name)?;
+            (self.argument(index)?, Some(name))
+        };
+        let Some(ty) = types.param(&self.point.function, param) else {
+            return Some(Err(format!(
+                "{path}: BTF has no type for {} of {}",
+                var.name, self.point.function
+            )));
+        };
+        Some(
+            address_chain(types, ty, &var.members)
                 .map_err(|e| format!("{path}: {e}"))
                 .and_then(|steps| self.follow(&path, base, &steps)),
         )
