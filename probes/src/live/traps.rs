@@ -665,7 +665,8 @@ fn arm(
             unsupported.join(", ")
         );
     }
-    let resolver = KernelSymbols::new(&image.symbols, btf);
+    let lines = super::target_vars::source_lines(image);
+    let resolver = KernelSymbols::new(&image.symbols, btf).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
     let off: Vec<String> = resolved
         .iter()
