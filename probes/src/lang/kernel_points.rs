@@ -109,9 +109,7 @@ impl<'a> KernelSymbols<'a> {
             )));
         }
         let (first, last) = parse_lines(spec).ok_or_else(|| {
-            ResolveError::Source(format!(
-                "{point}: '{spec}' is not a line (write N or N-M)"
-            ))
+            ResolveError::Source(format!("{point}: '{spec}' is not a line (write N or N-M)"))
         })?;
         let mut out = Vec::new();
         let mut next_code = None;
@@ -131,9 +129,9 @@ impl<'a> KernelSymbols<'a> {
                 Some(next) => format!(
                     "{point}: {lines} of {file} has no code; the next line with code is {next}"
                 ),
-                None => format!(
-                    "{point}: {lines} of {file} has no code (or no file ends with {file})"
-                ),
+                None => {
+                    format!("{point}: {lines} of {file} has no code (or no file ends with {file})")
+                }
             }));
         }
         Ok(out)

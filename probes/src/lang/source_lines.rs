@@ -110,3 +110,215 @@ impl SourceLines {
         Ok(LineSites::Code(exact))
     }
 }
+
+/// Checked against gdb on the cached -dbg vmlinux of the default guest kernel.
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use crate::lang::kernel_points::KernelSymbols;
+    use crate::lang::resolve::{list, ResolveError, ResolvedPoint};
+    use crate::live::KernelImage;
+
+    /// The cached kernel and its -dbg vmlinux; `None` (after saying why) otherwise.
+    fn kernel() -> Option<(KernelImage, super::SourceLines)> {
+        let Some(dir) =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+        else {
+            println!("SKIP: the default guest kernel is not cached (exotap image fetch)");
+            return None;
+        };
+        let image = KernelImage::load(dir.join("vmlinuz")).ok()?;
+        let Some(lines) = crate::live::target_vars::source_lines(&image) else {
+            println!("SKIP: no cached -dbg vmlinux (exotap image fetch --debuginfo)");
+            return None;
+        };
+        Some((image, lines))
+    }
+
+    fn gdb(vmlinux: &std::path::Path, commands: &[String]) -> Option<String> {
+        let mut cmd = Command::new("gdb");
+        cmd.args(["-nx", "-batch"]);
+        for c in commands {
+            cmd.arg("-ex").arg(c);
+        }
+        match cmd.arg(vmlinux).output() {
+            Ok(out) if out.status.success() => Some(String::from_utf8_lossy(&out.stdout).into()),
+            _ => {
+                println!(
+                    "SKIP: gdb is not installed or failed; the comparison with gdb is skipped"
+                );
+                None
+            }
+        }
+    }
+
+    fn resolve(
+        image: &KernelImage,
+        lines: &super::SourceLines,
+        point: &str,
+    ) -> Result<Vec<ResolvedPoint>, String> {
+        list(
+            point,
+            &KernelSymbols::new(&image.symbols, None).with_lines(Some(lines)),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    /// For every line of fs/read_write.c 450-500 where gdb's `info line` says "starts at
+    /// address A <func+off>", the statement probe is at A (the line's first address) and
+    /// `kernel.function("*@fs/read_write.c:LINE")` is func.
+    #[test]
+    fn statement_lines_begin_where_gdb_says_they_start() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        let commands: Vec<String> = (450..=500)
+            .map(|l| format!("info line fs/read_write.c:{l}"))
+            .collect();
+        let Some(out) = gdb(lines.path(), &commands) else {
+            return;
+        };
+        let mut compared = 0;
+        for text in out.lines().filter(|l| l.contains(" starts at address ")) {
+            // Line 456 of "fs/read_write.c" starts at address 0xffffffff81349981 <vfs_read+49> and ...
+            let line: u32 = text.split(' ').nth(1).unwrap().parse().unwrap();
+            let after = text.split(" starts at address ").nth(1).unwrap();
+            let addr = u64::from_str_radix(after[2..].split(' ').next().unwrap(), 16).unwrap();
+            let func = after.split('<').nth(1).unwrap();
+            let func = func.split(['+', '>']).next().unwrap();
+
+            let found = resolve(
+                &image,
+                &lines,
+                &format!(r#"kernel.statement("*@fs/read_write.c:{line}")"#),
+            )
+            .unwrap();
+            let lowest = found.iter().filter_map(|p| p.address).min();
+            assert_eq!(lowest, Some(addr), "line {line}: {found:?} vs gdb: {text}");
+            let funcs = resolve(
+                &image,
+                &lines,
+                &format!(r#"kernel.function("*@fs/read_write.c:{line}")"#),
+            )
+            .unwrap();
+            assert!(
+                funcs
+                    .iter()
+                    .any(|p| p.name.starts_with(&format!("kernel.function(\"{func}@"))),
+                "line {line}: {funcs:?} vs gdb: {text}"
+            );
+            compared += 1;
+        }
+        println!("{compared} lines of fs/read_write.c 450-500 start where gdb says");
+        assert!(
+            compared >= 5,
+            "gdb gave only {compared} lines with code:\n{out}"
+        );
+    }
+
+    /// `vfs_*@fs/read_write.c` (and the shorter `@read_write.c`) is the list gdb's `info
+    /// functions ^vfs_` gives under "File fs/read_write.c:", declaration lines included.
+    #[test]
+    fn file_filter_keeps_the_functions_gdb_lists_for_the_file() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        let Some(out) = gdb(lines.path(), &["info functions ^vfs_".to_owned()]) else {
+            return;
+        };
+        let mut in_file = false;
+        let mut expected: Vec<String> = Vec::new();
+        for l in out.lines() {
+            if l.starts_with("File ") {
+                in_file = l == "File fs/read_write.c:";
+            } else if in_file && !l.trim().is_empty() {
+                // 450:	ssize_t vfs_read(struct file *, char *, size_t, loff_t *);
+                let (line, decl) = l.split_once(':').unwrap();
+                let name = decl
+                    .split('(')
+                    .next()
+                    .unwrap()
+                    .rsplit([' ', '*'])
+                    .next()
+                    .unwrap();
+                expected.push(format!(
+                    r#"kernel.function("{name}@fs/read_write.c:{line}")"#
+                ));
+            }
+        }
+        expected.sort();
+
+        for point in [
+            r#"kernel.function("vfs_*@fs/read_write.c")"#,
+            r#"kernel.function("vfs_*@read_write.c")"#,
+            r#"kernel.function("vfs_*@fs/read_wri*.c")"#,
+        ] {
+            let mut ours: Vec<String> = resolve(&image, &lines, point)
+                .unwrap()
+                .into_iter()
+                .map(|p| p.name)
+                .collect();
+            ours.sort();
+            assert_eq!(ours, expected, "{point}");
+        }
+        assert!(expected.len() >= 5, "{out}");
+    }
+
+    #[test]
+    fn a_line_without_code_names_the_next_line_with_code_and_a_range_takes_each_line() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        // 450 is vfs_read's signature line; its body's first statement (line 451) has code.
+        let err = resolve(
+            &image,
+            &lines,
+            r#"kernel.statement("*@fs/read_write.c:450")"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("line 450 of fs/read_write.c has no code; the next line with code is 451"),
+            "{err}"
+        );
+
+        let one = |l: u32| {
+            resolve(
+                &image,
+                &lines,
+                &format!(r#"kernel.statement("vfs_read@fs/read_write.c:{l}")"#),
+            )
+            .unwrap()
+        };
+        let both = resolve(
+            &image,
+            &lines,
+            r#"kernel.statement("vfs_read@fs/read_write.c:461-462")"#,
+        )
+        .unwrap();
+        // One probe per function: the range's lowest address.
+        assert_eq!(both.len(), 1);
+        assert_eq!(
+            both[0].address,
+            one(461)[0].address.min(one(462)[0].address)
+        );
+    }
+
+    #[test]
+    fn without_the_debug_vmlinux_a_source_line_says_how_to_get_it() {
+        let symbols = exotap_introspect::symbols::SymbolTable::new(Vec::new());
+        let err = list(
+            r#"kernel.statement("*@fs/read_write.c:500")"#,
+            &KernelSymbols::new(&symbols, None),
+        )
+        .unwrap_err();
+        assert!(matches!(
+            err,
+            crate::lang::resolve::ListError::Resolve(ResolveError::NoDebugInfo { .. })
+        ));
+        assert!(
+            err.to_string().contains("exotap image fetch --debuginfo"),
+            "{err}"
+        );
+    }
+}
