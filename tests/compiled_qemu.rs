@@ -535,6 +535,7 @@ fn source_line_probes_count_what_the_workload_calls() {
     assert_eq!(result(&con, "pread.calls"), Some("40"), "{ctx}");
     assert_eq!(script_output(&out), "n=40 m=40 e=40\n", "{ctx}");
     assert_no_oops(&con);
+    eprintln!("{err}pread.calls=40, script: {}", script_output(&out));
 }
 
 /// Whether the cached Debian kernel is the build whose `vfs_read` offsets the locals test
