@@ -12,7 +12,8 @@
 //! of them whose code holds that line; as a statement it stands for the lowest `is_stmt`
 //! address of the line's rows in each containing function (functions matching PAT), i.e. one
 //! probe per function where the line begins (an inlined copy of a header line in several
-//! callers gives one probe per caller). `:N-M` is every line of the range that has code. A
+//! callers gives one probe per caller). `:N-M` is every line of the range that has code; `:*`
+//! every line of the function's own file in the functions matching PAT defined in FILE. A
 //! line with no code is an error naming the next line that has some.
 
 use exotap_introspect::btf::cdecl::declaration;
@@ -137,6 +138,37 @@ impl<'a> KernelSymbols<'a> {
         Ok(out)
     }
 
+    /// `kernel.statement("PAT@FILE:*")`: every line of the functions matching PAT defined in
+    /// FILE (globs allowed), each at its lowest address in the function.
+    fn every_line(
+        &self,
+        point: &ProbePoint,
+        src: &SourceLines,
+        pattern: &str,
+        file: &str,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        let mut out = Vec::new();
+        for f in src
+            .functions(pattern, file)
+            .map_err(|e| dwarf_error(point, &e))?
+        {
+            for (line, addr) in src.function_lines(&f).map_err(|e| dwarf_error(point, &e))? {
+                out.push(ResolvedPoint {
+                    name: format!(
+                        "kernel.statement(\"{}@{}:{line}\") ({}+{:#x})",
+                        f.name,
+                        f.file,
+                        f.name,
+                        addr - f.low
+                    ),
+                    address: Some(addr),
+                    variables: Vec::new(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
     /// `kernel.statement("PAT@FILE:LINE")`: the lowest address of the line in each function
     /// matching PAT that holds it.
     fn source_statements(
@@ -147,6 +179,9 @@ impl<'a> KernelSymbols<'a> {
         line: &str,
     ) -> Result<Vec<ResolvedPoint>, ResolveError> {
         let src = self.source_lines(point)?;
+        if line == "*" {
+            return self.every_line(point, src, pattern, file);
+        }
         let sites = self.line_sites(point, src, file, line)?;
         let mut best: std::collections::BTreeMap<String, (u64, u64, String)> =
             std::collections::BTreeMap::new();

@@ -87,6 +87,24 @@ impl SourceLines {
         Ok(out)
     }
 
+    /// Every line of `f`'s own file that has code in `f`'s main range, with the lowest
+    /// `is_stmt` address of each (stap's `:*`), by line.
+    ///
+    /// # Errors
+    /// Unreadable DWARF.
+    pub fn function_lines(&self, f: &SourceFunction) -> anyhow::Result<Vec<(u32, u64)>> {
+        let info = self.file.load()?;
+        let table = info.line_table_at(f.low)?;
+        let mut lines: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+        for (path, row) in table.rows_in(f.low, f.high) {
+            if row.is_stmt && path == f.file {
+                let e = lines.entry(row.line).or_insert(row.addr);
+                *e = (*e).min(row.addr);
+            }
+        }
+        Ok(lines.into_iter().collect())
+    }
+
     /// Where `line` of `file` (a trailing path, no globs) begins: every `is_stmt` row of the
     /// line tables for exactly that line, or, when it has none, the next line that has code.
     ///
@@ -302,6 +320,45 @@ mod tests {
             both[0].address,
             one(461)[0].address.min(one(462)[0].address)
         );
+    }
+
+    /// `:*` lists every line of the function once, inside it, and includes the line gdb's
+    /// `info line do_sys_open` gives for its entry, at gdb's address.
+    #[test]
+    fn every_line_of_a_function_includes_gdbs_entry_line() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        let Some(out) = gdb(lines.path(), &["info line do_sys_open".to_owned()]) else {
+            return;
+        };
+        // Line 1334 of "fs/open.c" starts at address 0xffffffff81347520 <do_sys_open> and ...
+        // (then the lines of its inlined copies in the syscalls).
+        let Some(text) = out.lines().find(|l| l.contains(" <do_sys_open> ")) else {
+            panic!("gdb names no out-of-line do_sys_open: {out}");
+        };
+        let line: u32 = text.split(' ').nth(1).unwrap().parse().unwrap();
+        let addr = text.split(" starts at address 0x").nth(1).unwrap();
+        let addr = u64::from_str_radix(addr.split(' ').next().unwrap(), 16).unwrap();
+
+        let found = resolve(
+            &image,
+            &lines,
+            r#"kernel.statement("do_sys_open@fs/open.c:*")"#,
+        )
+        .unwrap();
+
+        let entry = format!("kernel.statement(\"do_sys_open@fs/open.c:{line}\") (do_sys_open+0x0)");
+        assert!(
+            found
+                .iter()
+                .any(|p| p.name == entry && p.address == Some(addr)),
+            "{found:?} vs gdb: {out}"
+        );
+        assert!(found.len() >= 3, "{found:?}");
+        let mut names: Vec<&str> = found.iter().map(|p| p.name.as_str()).collect();
+        names.dedup();
+        assert_eq!(names.len(), found.len());
     }
 
     #[test]
