@@ -25,11 +25,18 @@ use exotap_probes::live::compiled::CompileMode;
 
 use crate::kernel_image::{ImageArgs, KernelImage};
 
+/// The kernel image, its BTF and the cached -dbg vmlinux's source positions, if any.
+type Loaded = (
+    KernelImage,
+    Option<Btf>,
+    Option<exotap_probes::lang::source_lines::SourceLines>,
+);
+
 /// Resolves kernel probe points with the guest kernel image's symbols and BTF, loading the
 /// image the first time a kernel point needs it (host-only scripts never touch it).
 struct LazyKernel {
     image: ImageArgs,
-    loaded: std::cell::OnceCell<Result<(KernelImage, Option<Btf>), String>>,
+    loaded: std::cell::OnceCell<Result<Loaded, String>>,
 }
 
 impl LazyKernel {
@@ -59,12 +66,13 @@ impl ProbePointResolver for LazyKernel {
                     None
                 }
             };
-            Ok((image, btf))
+            let lines = exotap_probes::live::target_vars::source_lines(&image);
+            Ok((image, btf, lines))
         });
         match loaded {
-            Ok((image, btf)) => {
-                KernelSymbols::new(&image.symbols, btf.as_ref()).resolve(point, kind)
-            }
+            Ok((image, btf, lines)) => KernelSymbols::new(&image.symbols, btf.as_ref())
+                .with_lines(lines.as_ref())
+                .resolve(point, kind),
             Err(e) => Err(ResolveError::NeedsSymbols {
                 what: format!("{point} (the kernel image could not be loaded: {e})"),
             }),

@@ -502,6 +502,42 @@ fn statement_probes_compile_at_a_splice_or_behind_a_breakpoint_and_count_as_the_
     eprintln!("vfs_read+{long:#x} spliced, vfs_read+{short:#x} behind a breakpoint: n=60 m=60");
 }
 
+/// Source-line probes (resolved with the cached -dbg vmlinux) run through the statement path:
+/// fs/read_write.c 456 (`if (!(file->f_mode & FMODE_CAN_READ))`, a 5-byte `test`: spliced)
+/// and 461 (the `rw_verify_area` call's setup, a 3-byte `mov`: behind a breakpoint) run once
+/// per `vfs_read`, as does the entry `vfs_read@fs/read_write.c`. Oracle: the workload's own
+/// pread count.
+#[test]
+fn source_line_probes_count_what_the_workload_calls() {
+    if !have_qemu("source_line_probes_count_what_the_workload_calls") {
+        return;
+    }
+    let Some(dir) =
+        exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+    else {
+        eprintln!("SKIP: the Debian kernel is not cached");
+        return;
+    };
+    if !dir.join("debug/vmlinux").is_file() {
+        eprintln!("SKIP: no cached -dbg vmlinux (exotap image fetch --debuginfo)");
+        return;
+    }
+    let script = r#"global n, m, e
+  probe kernel.statement("vfs_read@fs/read_write.c:456") { if (execname() == "syscall-loop") n++ }
+  probe kernel.statement("*@fs/read_write.c:461") { if (execname() == "syscall-loop") m++ }
+  probe kernel.function("vfs_read@fs/read_write.c") { if (execname() == "syscall-loop") e++ }
+  probe end { printf("n=%d m=%d e=%d\n", n, m, e) }"#;
+
+    let (code, out, err, con) = boot(script, "require", "syscall-loop 40");
+
+    let ctx = format!("stderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(result(&con, "pread.calls"), Some("40"), "{ctx}");
+    assert_eq!(script_output(&out), "n=40 m=40 e=40\n", "{ctx}");
+    assert_no_oops(&con);
+    eprintln!("{err}pread.calls=40, script: {}", script_output(&out));
+}
+
 /// Whether the cached Debian kernel is the build whose `vfs_read` offsets the locals test
 /// names (`+0xf1`: `testl $0x4004000,0x44(%rbp)` after a read returned > 0; `+0x1b6`: `test
 /// %r15,%r15` in the inlined `new_sync_read`), with its -dbg vmlinux cached.

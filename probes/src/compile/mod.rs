@@ -203,21 +203,16 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
         let mut kernel = false;
         for (pt, kind) in &p.points {
             match kind {
-                PointKind::KernelFunction {
-                    file: None,
-                    line: None,
-                    site,
-                    ..
-                } if *site != crate::lang::point::FunctionSite::Inline => kernel = true,
+                // `@FILE`/`:LINE` resolve (with the -dbg vmlinux) to entries and statements.
+                PointKind::KernelFunction { site, .. }
+                    if *site != crate::lang::point::FunctionSite::Inline =>
+                {
+                    kernel = true
+                }
                 PointKind::Syscall { .. } => kernel = true,
                 // `func+OFFSET` and `.absolute`: compiled where the splice planner accepts
                 // the instruction (live::compiled asks it).
-                PointKind::KernelStatement {
-                    file: None,
-                    line: None,
-                    ..
-                }
-                | PointKind::KernelAddress(_) => kernel = true,
+                PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => kernel = true,
                 k if k.needs_guest() => refused.push(Unsupported {
                     probe: Some(i),
                     span: pt.span,

@@ -2,8 +2,19 @@
 //! and, for `-L`, the parameters its BTF records.
 //!
 //! Addresses are link-time; the backend adds the KASLR slide when it attaches. Points that need
-//! source positions or struct layouts from DWARF (`@file`, `:line`, `kernel.statement("f@file:
-//! line")`, `kernel.field`) say so instead of guessing.
+//! source positions (`@file`, `:line`, `kernel.statement("f@file:line")`) are resolved with the
+//! -dbg vmlinux's DWARF when one is given ([`KernelSymbols::with_lines`], see
+//! [`super::source_lines`]), and otherwise say how to get it; `kernel.field` (struct layouts)
+//! says it is not supported here instead of guessing.
+//!
+//! Source positions follow SystemTap: `@FILE` keeps the functions whose definition is in a
+//! file whose path ends with FILE (globs allowed); `PAT@FILE:LINE` as a function keeps those
+//! of them whose code holds that line; as a statement it stands for the lowest `is_stmt`
+//! address of the line's rows in each containing function (functions matching PAT), i.e. one
+//! probe per function where the line begins (an inlined copy of a header line in several
+//! callers gives one probe per caller). `:N-M` is every line of the range that has code; `:*`
+//! every line of the function's own file in the functions matching PAT defined in FILE. A
+//! line with no code is an error naming the next line that has some.
 
 use exotap_introspect::btf::cdecl::declaration;
 use exotap_introspect::btf::Btf;
@@ -12,6 +23,7 @@ use exotap_introspect::symbols::{Symbol, SymbolTable};
 use super::ast::ProbePoint;
 use super::point::PointKind;
 use super::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
+use super::source_lines::{LineSites, SourceLines};
 
 /// Where the x86-64 syscall entry points are named: `__x64_sys_NAME`.
 const SYSCALL_PREFIX: &str = "__x64_sys_";
@@ -25,12 +37,177 @@ const TRACEPOINT_PREFIX: &str = "__traceiter_";
 pub struct KernelSymbols<'a> {
     symbols: &'a SymbolTable,
     btf: Option<&'a Btf>,
+    lines: Option<&'a SourceLines>,
 }
 
 impl<'a> KernelSymbols<'a> {
     /// A resolver over `symbols`; `btf` adds parameters as target variables.
     pub fn new(symbols: &'a SymbolTable, btf: Option<&'a Btf>) -> Self {
-        Self { symbols, btf }
+        Self {
+            symbols,
+            btf,
+            lines: None,
+        }
+    }
+
+    /// Resolves `@FILE` and `:LINE` with the -dbg vmlinux's DWARF (`None`: they are refused
+    /// with a note on how to get it).
+    #[must_use]
+    pub fn with_lines(mut self, lines: Option<&'a SourceLines>) -> Self {
+        self.lines = lines;
+        self
+    }
+
+    fn source_lines(&self, point: &ProbePoint) -> Result<&'a SourceLines, ResolveError> {
+        self.lines.ok_or_else(|| ResolveError::NoDebugInfo {
+            what: point.to_string(),
+        })
+    }
+
+    /// `kernel.function("PAT@FILE[:LINE]")`: the functions matching PAT defined in FILE
+    /// (holding LINE's code).
+    fn source_functions(
+        &self,
+        point: &ProbePoint,
+        pattern: &str,
+        file: Option<&str>,
+        line: Option<&str>,
+        suffix: &str,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        let src = self.source_lines(point)?;
+        let file = file.unwrap_or("*");
+        let mut funcs = src
+            .functions(pattern, file)
+            .map_err(|e| dwarf_error(point, &e))?;
+        if let Some(line) = line {
+            let sites = self.line_sites(point, src, file, line)?;
+            funcs.retain(|f| sites.iter().any(|(_, a)| (f.low..f.high).contains(a)));
+        }
+        Ok(funcs
+            .into_iter()
+            .map(|f| ResolvedPoint {
+                name: format!(
+                    "kernel.function(\"{}@{}:{}\"){suffix}",
+                    f.name, f.file, f.line
+                ),
+                address: Some(f.low),
+                variables: self.parameters(&f.name),
+            })
+            .collect())
+    }
+
+    /// The rows where the lines `spec` (`N` or `N-M`) of `file` begin, as (file, address).
+    fn line_sites(
+        &self,
+        point: &ProbePoint,
+        src: &SourceLines,
+        file: &str,
+        spec: &str,
+    ) -> Result<Vec<(String, u64)>, ResolveError> {
+        if file.contains(['*', '?', '[']) {
+            return Err(ResolveError::Source(format!(
+                "{point}: a source line needs a file name without wildcards"
+            )));
+        }
+        let (first, last) = parse_lines(spec).ok_or_else(|| {
+            ResolveError::Source(format!("{point}: '{spec}' is not a line (write N or N-M)"))
+        })?;
+        let mut out = Vec::new();
+        let mut next_code = None;
+        for line in first..=last {
+            match src.line(file, line).map_err(|e| dwarf_error(point, &e))? {
+                LineSites::Code(sites) => out.extend(sites),
+                LineSites::NoCode { next } => next_code = next_code.or(next),
+            }
+        }
+        if out.is_empty() {
+            let lines = if first == last {
+                format!("line {first}")
+            } else {
+                format!("lines {first}-{last}")
+            };
+            return Err(ResolveError::Source(match next_code {
+                Some(next) => format!(
+                    "{point}: {lines} of {file} has no code; the next line with code is {next}"
+                ),
+                None => {
+                    format!("{point}: {lines} of {file} has no code (or no file ends with {file})")
+                }
+            }));
+        }
+        Ok(out)
+    }
+
+    /// `kernel.statement("PAT@FILE:*")`: every line of the functions matching PAT defined in
+    /// FILE (globs allowed), each at its lowest address in the function.
+    fn every_line(
+        &self,
+        point: &ProbePoint,
+        src: &SourceLines,
+        pattern: &str,
+        file: &str,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        let mut out = Vec::new();
+        for f in src
+            .functions(pattern, file)
+            .map_err(|e| dwarf_error(point, &e))?
+        {
+            for (line, addr) in src.function_lines(&f).map_err(|e| dwarf_error(point, &e))? {
+                out.push(ResolvedPoint {
+                    name: format!(
+                        "kernel.statement(\"{}@{}:{line}\") ({}+{:#x})",
+                        f.name,
+                        f.file,
+                        f.name,
+                        addr - f.low
+                    ),
+                    address: Some(addr),
+                    variables: Vec::new(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// `kernel.statement("PAT@FILE:LINE")`: the lowest address of the line in each function
+    /// matching PAT that holds it.
+    fn source_statements(
+        &self,
+        point: &ProbePoint,
+        pattern: &str,
+        file: &str,
+        line: &str,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        let src = self.source_lines(point)?;
+        if line == "*" {
+            return self.every_line(point, src, pattern, file);
+        }
+        let sites = self.line_sites(point, src, file, line)?;
+        let mut best: std::collections::BTreeMap<String, (u64, u64, String)> =
+            std::collections::BTreeMap::new();
+        for (path, addr) in sites {
+            let Some((sym, off)) = self.symbols.lookup_addr(addr) else {
+                continue;
+            };
+            if !sym.is_text() || !exotap_introspect::dwarf::pattern::glob_match(pattern, &sym.name)
+            {
+                continue;
+            }
+            let e = best
+                .entry(sym.name.clone())
+                .or_insert((addr, off, path.clone()));
+            if addr < e.0 {
+                *e = (addr, off, path);
+            }
+        }
+        Ok(best
+            .into_iter()
+            .map(|(name, (addr, off, path))| ResolvedPoint {
+                name: format!("kernel.statement(\"{name}@{path}:{line}\") ({name}+{off:#x})"),
+                address: Some(addr),
+                variables: Vec::new(),
+            })
+            .collect())
     }
 
     /// Code symbols matching `pattern`, one per name, in name order.
@@ -83,6 +260,22 @@ fn function_offset(spec: &str) -> Option<(&str, u64)> {
     (!name.is_empty()).then_some((name, offset))
 }
 
+/// `N` or `N-M` (first <= last).
+fn parse_lines(spec: &str) -> Option<(u32, u32)> {
+    let (a, b) = match spec.split_once('-') {
+        Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+        None => {
+            let n = spec.trim().parse().ok()?;
+            (n, n)
+        }
+    };
+    (a <= b && a > 0).then_some((a, b))
+}
+
+fn dwarf_error(point: &ProbePoint, e: &anyhow::Error) -> ResolveError {
+    ResolveError::Source(format!("{point}: cannot read the -dbg vmlinux: {e:#}"))
+}
+
 fn needs_debuginfo(point: &ProbePoint, why: &str) -> ResolveError {
     ResolveError::NeedsDebugInfo {
         what: format!("{point} {why}"),
@@ -96,10 +289,18 @@ impl ProbePointResolver for KernelSymbols<'_> {
         kind: &PointKind,
     ) -> Result<Vec<ResolvedPoint>, ResolveError> {
         let found = match kind {
-            PointKind::KernelFunction { file: Some(_), .. }
-            | PointKind::KernelFunction { line: Some(_), .. } => {
-                return Err(needs_debuginfo(point, "filters by source file or line"));
-            }
+            PointKind::KernelFunction {
+                pattern,
+                file,
+                line,
+                site,
+            } if file.is_some() || line.is_some() => self.source_functions(
+                point,
+                pattern,
+                file.as_deref(),
+                line.as_deref(),
+                site.suffix(),
+            )?,
             PointKind::KernelFunction { pattern, site, .. } => self
                 .functions(pattern)
                 .into_iter()
@@ -156,8 +357,15 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     })
                     .collect()
             }
+            PointKind::KernelStatement {
+                function,
+                file: Some(file),
+                line: Some(line),
+            } => self.source_statements(point, function, file, line)?,
             PointKind::KernelStatement { .. } => {
-                return Err(needs_debuginfo(point, "names a source line"));
+                return Err(ResolveError::Source(format!(
+                    "{point}: a statement is \"func+OFFSET\" or \"PAT@FILE:LINE\""
+                )));
             }
             PointKind::KernelField { .. } => {
                 return Err(needs_debuginfo(

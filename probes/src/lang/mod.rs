@@ -31,6 +31,7 @@ pub mod parser;
 pub mod point;
 pub mod resolve;
 pub mod runtime;
+pub mod source_lines;
 pub mod syscalls;
 pub mod tapset;
 pub mod value;

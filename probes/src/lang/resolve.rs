@@ -37,6 +37,18 @@ pub enum ResolveError {
         /// The point and what it asks for.
         what: String,
     },
+    /// Resolving needs the -dbg vmlinux, which is not cached.
+    #[error(
+        "{what} names a source file or line: that needs the kernel's DWARF debug info, and no \
+         -dbg vmlinux is cached (run `exotap image fetch --debuginfo`)"
+    )]
+    NoDebugInfo {
+        /// The point.
+        what: String,
+    },
+    /// A source position that does not resolve (no code at the line, bad line), in words.
+    #[error("{0}")]
+    Source(String),
     /// Nothing matches.
     #[error("no match for probe point '{0}'")]
     NoMatch(String),

@@ -126,7 +126,8 @@ pub fn plan(
 ) -> anyhow::Result<Result<Plan, Vec<Unsupported>>> {
     let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
     let facts = facts(image, &btf)?;
-    let resolver = KernelSymbols::new(&image.symbols, Some(&btf));
+    let lines = super::target_vars::source_lines(image);
+    let resolver = KernelSymbols::new(&image.symbols, Some(&btf)).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
     let locals = super::target_vars::point_locals(image, prog, &resolved)?;
     let mut points = Vec::new();

@@ -118,6 +118,17 @@ fn debug_vmlinux(image: &KernelImage) -> Option<PathBuf> {
         .then(|| dir.join("vmlinux"))
 }
 
+/// The source positions of the cached -dbg vmlinux beside the image, for `@FILE`/`:LINE`
+/// points; its name index is cached with the others in `CACHE/debuginfo` (the image is
+/// `CACHE/kernels/ABI/bzImage`).
+pub fn source_lines(image: &KernelImage) -> Option<crate::lang::source_lines::SourceLines> {
+    let path = debug_vmlinux(image)?;
+    let cache = image.path.parent()?.parent()?.parent()?.join("debuginfo");
+    crate::lang::source_lines::SourceLines::open(&path, &cache)
+        .map_err(|e| tracing::warn!("cannot open the cached -dbg vmlinux: {e:#}"))
+        .ok()
+}
+
 /// The parameter names BTF gives a resolved point (`$name:type`).
 pub fn btf_params(point: &ResolvedPoint) -> Vec<String> {
     point

@@ -799,7 +799,8 @@ fn arm(
 ) -> anyhow::Result<(HashMap<u64, ArmedPoint>, u64)> {
     let survey = att.survey.clone();
     let survey = &survey;
-    let resolver = KernelSymbols::new(&image.symbols, btf);
+    let lines = super::target_vars::source_lines(image);
+    let resolver = KernelSymbols::new(&image.symbols, btf).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
     let off: Vec<String> = resolved
         .iter()

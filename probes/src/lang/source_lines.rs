@@ -1,0 +1,381 @@
+//! Source positions of the guest kernel from its -dbg vmlinux (DWARF): the functions a
+//! source file defines and the addresses where a source line begins, for the `@FILE` and
+//! `:LINE` filters of `kernel.function(...)` and `kernel.statement(...)`.
+//!
+//! The DWARF reading (name index, line tables) is introspect's; this module only asks it.
+
+use std::path::{Path, PathBuf};
+
+use exotap_introspect::dwarf::index::Layer;
+use exotap_introspect::dwarf::{DebugFile, EntryKind, Index};
+
+/// A function defined in a source file: (name, declaring file, declaration line, entry,
+/// end) with link-time addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceFunction {
+    /// The function's name.
+    pub name: String,
+    /// The file that defines it, as DWARF names it (`fs/read_write.c`).
+    pub file: String,
+    /// The line of its definition.
+    pub line: u32,
+    /// Entry pc (link-time).
+    pub low: u64,
+    /// End of its main range (link-time).
+    pub high: u64,
+}
+
+/// What a source line maps to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LineSites {
+    /// The `is_stmt` addresses where the line begins, as (file, address), by address.
+    Code(Vec<(String, u64)>),
+    /// The line has no code; the nearest later line that has some, if any.
+    NoCode {
+        /// The next line with code in that file.
+        next: Option<u32>,
+    },
+}
+
+/// The -dbg vmlinux of the guest kernel, with the directory its name index is cached in.
+#[derive(Debug)]
+pub struct SourceLines {
+    file: DebugFile,
+    cache: PathBuf,
+}
+
+impl SourceLines {
+    /// Opens the -dbg vmlinux at `path`; its name index lives (or is built once) in `cache`.
+    ///
+    /// # Errors
+    /// When the file cannot be opened.
+    pub fn open(path: &Path, cache: &Path) -> anyhow::Result<Self> {
+        Ok(Self {
+            file: DebugFile::open(path)?,
+            cache: cache.to_owned(),
+        })
+    }
+
+    /// Path of the -dbg vmlinux.
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+
+    /// The functions with code matching `pattern` (glob) defined in a file matching `file`
+    /// (a trailing path, globs allowed: `fs/read_write.c`, `read_write.c`, `fs/*.c`), by name
+    /// then address.
+    ///
+    /// # Errors
+    /// Unreadable DWARF or index.
+    pub fn functions(&self, pattern: &str, file: &str) -> anyhow::Result<Vec<SourceFunction>> {
+        let info = self.file.load()?;
+        let names = Index::load_or_build(&info, &self.cache, Layer::Names, &|_, _| {})?;
+        let mut out: Vec<SourceFunction> = names
+            .functions(&format!("{pattern}@{file}"), &[EntryKind::Function])
+            .into_iter()
+            .filter(|f| f.low != 0)
+            .map(|f| SourceFunction {
+                name: f.name.to_owned(),
+                file: f.file.to_owned(),
+                line: f.line,
+                low: f.low,
+                high: f.high,
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.name, a.low).cmp(&(&b.name, b.low)));
+        out.dedup_by(|a, b| a.name == b.name && a.low == b.low);
+        Ok(out)
+    }
+
+    /// Every line of `f`'s own file that has code in `f`'s main range, with the lowest
+    /// `is_stmt` address of each (stap's `:*`), by line.
+    ///
+    /// # Errors
+    /// Unreadable DWARF.
+    pub fn function_lines(&self, f: &SourceFunction) -> anyhow::Result<Vec<(u32, u64)>> {
+        let info = self.file.load()?;
+        let table = info.line_table_at(f.low)?;
+        let mut lines: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+        for (path, row) in table.rows_in(f.low, f.high) {
+            if row.is_stmt && path == f.file {
+                let e = lines.entry(row.line).or_insert(row.addr);
+                *e = (*e).min(row.addr);
+            }
+        }
+        Ok(lines.into_iter().collect())
+    }
+
+    /// Where `line` of `file` (a trailing path, no globs) begins: every `is_stmt` row of the
+    /// line tables for exactly that line, or, when it has none, the next line that has code.
+    ///
+    /// # Errors
+    /// Unreadable DWARF or index.
+    pub fn line(&self, file: &str, line: u32) -> anyhow::Result<LineSites> {
+        let info = self.file.load()?;
+        let names = Index::load_or_build(&info, &self.cache, Layer::Names, &|_, _| {})?;
+        // introspect falls forward to the next line with code (gdb's choice); a probe on a
+        // line with no code is an error instead, naming that line.
+        let sites = info.line_addresses(&names, file, line)?;
+        let exact: Vec<(String, u64)> = sites
+            .iter()
+            .filter(|(_, l, _)| *l == line)
+            .map(|(f, _, a)| (f.clone(), *a))
+            .collect();
+        if exact.is_empty() {
+            let next = sites.iter().map(|(_, l, _)| *l).filter(|l| *l > line).min();
+            return Ok(LineSites::NoCode { next });
+        }
+        Ok(LineSites::Code(exact))
+    }
+}
+
+/// Checked against gdb on the cached -dbg vmlinux of the default guest kernel.
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use crate::lang::kernel_points::KernelSymbols;
+    use crate::lang::resolve::{list, ResolveError, ResolvedPoint};
+    use crate::live::KernelImage;
+
+    /// The cached kernel and its -dbg vmlinux; `None` (after saying why) otherwise.
+    fn kernel() -> Option<(KernelImage, super::SourceLines)> {
+        let Some(dir) =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+        else {
+            println!("SKIP: the default guest kernel is not cached (exotap image fetch)");
+            return None;
+        };
+        let image = KernelImage::load(dir.join("vmlinuz")).ok()?;
+        let Some(lines) = crate::live::target_vars::source_lines(&image) else {
+            println!("SKIP: no cached -dbg vmlinux (exotap image fetch --debuginfo)");
+            return None;
+        };
+        Some((image, lines))
+    }
+
+    fn gdb(vmlinux: &std::path::Path, commands: &[String]) -> Option<String> {
+        let mut cmd = Command::new("gdb");
+        cmd.args(["-nx", "-batch"]);
+        for c in commands {
+            cmd.arg("-ex").arg(c);
+        }
+        match cmd.arg(vmlinux).output() {
+            Ok(out) if out.status.success() => Some(String::from_utf8_lossy(&out.stdout).into()),
+            _ => {
+                println!(
+                    "SKIP: gdb is not installed or failed; the comparison with gdb is skipped"
+                );
+                None
+            }
+        }
+    }
+
+    fn resolve(
+        image: &KernelImage,
+        lines: &super::SourceLines,
+        point: &str,
+    ) -> Result<Vec<ResolvedPoint>, String> {
+        list(
+            point,
+            &KernelSymbols::new(&image.symbols, None).with_lines(Some(lines)),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    /// For every line of fs/read_write.c 450-500 where gdb's `info line` says "starts at
+    /// address A <func+off>", the statement probe is at A (the line's first address) and
+    /// `kernel.function("*@fs/read_write.c:LINE")` is func.
+    #[test]
+    fn statement_lines_begin_where_gdb_says_they_start() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        let commands: Vec<String> = (450..=500)
+            .map(|l| format!("info line fs/read_write.c:{l}"))
+            .collect();
+        let Some(out) = gdb(lines.path(), &commands) else {
+            return;
+        };
+        let mut compared = 0;
+        for text in out.lines().filter(|l| l.contains(" starts at address ")) {
+            // Line 456 of "fs/read_write.c" starts at address 0xffffffff81349981 <vfs_read+49> and ...
+            let line: u32 = text.split(' ').nth(1).unwrap().parse().unwrap();
+            let after = text.split(" starts at address ").nth(1).unwrap();
+            let addr = u64::from_str_radix(after[2..].split(' ').next().unwrap(), 16).unwrap();
+            let func = after.split('<').nth(1).unwrap();
+            let func = func.split(['+', '>']).next().unwrap();
+
+            let found = resolve(
+                &image,
+                &lines,
+                &format!(r#"kernel.statement("*@fs/read_write.c:{line}")"#),
+            )
+            .unwrap();
+            let lowest = found.iter().filter_map(|p| p.address).min();
+            assert_eq!(lowest, Some(addr), "line {line}: {found:?} vs gdb: {text}");
+            let funcs = resolve(
+                &image,
+                &lines,
+                &format!(r#"kernel.function("*@fs/read_write.c:{line}")"#),
+            )
+            .unwrap();
+            assert!(
+                funcs
+                    .iter()
+                    .any(|p| p.name.starts_with(&format!("kernel.function(\"{func}@"))),
+                "line {line}: {funcs:?} vs gdb: {text}"
+            );
+            compared += 1;
+        }
+        println!("{compared} lines of fs/read_write.c 450-500 start where gdb says");
+        assert!(
+            compared >= 5,
+            "gdb gave only {compared} lines with code:\n{out}"
+        );
+    }
+
+    /// `vfs_*@fs/read_write.c` (and the shorter `@read_write.c`) is the list gdb's `info
+    /// functions ^vfs_` gives under "File fs/read_write.c:", declaration lines included.
+    #[test]
+    fn file_filter_keeps_the_functions_gdb_lists_for_the_file() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        let Some(out) = gdb(lines.path(), &["info functions ^vfs_".to_owned()]) else {
+            return;
+        };
+        let mut in_file = false;
+        let mut expected: Vec<String> = Vec::new();
+        for l in out.lines() {
+            if l.starts_with("File ") {
+                in_file = l == "File fs/read_write.c:";
+            } else if in_file && !l.trim().is_empty() {
+                // 450:	ssize_t vfs_read(struct file *, char *, size_t, loff_t *);
+                let (line, decl) = l.split_once(':').unwrap();
+                let name = decl
+                    .split('(')
+                    .next()
+                    .unwrap()
+                    .rsplit([' ', '*'])
+                    .next()
+                    .unwrap();
+                expected.push(format!(
+                    r#"kernel.function("{name}@fs/read_write.c:{line}")"#
+                ));
+            }
+        }
+        expected.sort();
+
+        for point in [
+            r#"kernel.function("vfs_*@fs/read_write.c")"#,
+            r#"kernel.function("vfs_*@read_write.c")"#,
+            r#"kernel.function("vfs_*@fs/read_wri*.c")"#,
+        ] {
+            let mut ours: Vec<String> = resolve(&image, &lines, point)
+                .unwrap()
+                .into_iter()
+                .map(|p| p.name)
+                .collect();
+            ours.sort();
+            assert_eq!(ours, expected, "{point}");
+        }
+        assert!(expected.len() >= 5, "{out}");
+    }
+
+    #[test]
+    fn a_line_without_code_names_the_next_line_with_code_and_a_range_takes_each_line() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        // 450 is vfs_read's signature line; its body's first statement (line 451) has code.
+        let err = resolve(
+            &image,
+            &lines,
+            r#"kernel.statement("*@fs/read_write.c:450")"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("line 450 of fs/read_write.c has no code; the next line with code is 451"),
+            "{err}"
+        );
+
+        let one = |l: u32| {
+            resolve(
+                &image,
+                &lines,
+                &format!(r#"kernel.statement("vfs_read@fs/read_write.c:{l}")"#),
+            )
+            .unwrap()
+        };
+        let both = resolve(
+            &image,
+            &lines,
+            r#"kernel.statement("vfs_read@fs/read_write.c:461-462")"#,
+        )
+        .unwrap();
+        // One probe per function: the range's lowest address.
+        assert_eq!(both.len(), 1);
+        assert_eq!(
+            both[0].address,
+            one(461)[0].address.min(one(462)[0].address)
+        );
+    }
+
+    /// `:*` lists every line of the function once, inside it, and includes the line gdb's
+    /// `info line do_sys_open` gives for its entry, at gdb's address.
+    #[test]
+    fn every_line_of_a_function_includes_gdbs_entry_line() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        let Some(out) = gdb(lines.path(), &["info line do_sys_open".to_owned()]) else {
+            return;
+        };
+        // Line 1334 of "fs/open.c" starts at address 0xffffffff81347520 <do_sys_open> and ...
+        // (then the lines of its inlined copies in the syscalls).
+        let Some(text) = out.lines().find(|l| l.contains(" <do_sys_open> ")) else {
+            panic!("gdb names no out-of-line do_sys_open: {out}");
+        };
+        let line: u32 = text.split(' ').nth(1).unwrap().parse().unwrap();
+        let addr = text.split(" starts at address 0x").nth(1).unwrap();
+        let addr = u64::from_str_radix(addr.split(' ').next().unwrap(), 16).unwrap();
+
+        let found = resolve(
+            &image,
+            &lines,
+            r#"kernel.statement("do_sys_open@fs/open.c:*")"#,
+        )
+        .unwrap();
+
+        let entry = format!("kernel.statement(\"do_sys_open@fs/open.c:{line}\") (do_sys_open+0x0)");
+        assert!(
+            found
+                .iter()
+                .any(|p| p.name == entry && p.address == Some(addr)),
+            "{found:?} vs gdb: {out}"
+        );
+        assert!(found.len() >= 3, "{found:?}");
+        let mut names: Vec<&str> = found.iter().map(|p| p.name.as_str()).collect();
+        names.dedup();
+        assert_eq!(names.len(), found.len());
+    }
+
+    #[test]
+    fn without_the_debug_vmlinux_a_source_line_says_how_to_get_it() {
+        let symbols = exotap_introspect::symbols::SymbolTable::new(Vec::new());
+        let err = list(
+            r#"kernel.statement("*@fs/read_write.c:500")"#,
+            &KernelSymbols::new(&symbols, None),
+        )
+        .unwrap_err();
+        assert!(matches!(
+            err,
+            crate::lang::resolve::ListError::Resolve(ResolveError::NoDebugInfo { .. })
+        ));
+        assert!(
+            err.to_string().contains("exotap image fetch --debuginfo"),
+            "{err}"
+        );
+    }
+}
