@@ -218,6 +218,54 @@ impl<'p> Interp<'p> {
         }
     }
 
+    /// The entry side of return probe `index`'s `@entry(...)` expressions: each one's inner
+    /// expression evaluated on `ctx` (the function's entry) and kept under its
+    /// [`entry_key`](super::context::entry_key), as SystemTap's implicit entry probe does; the
+    /// return probe of the same call then reads them through [`Context::entry_value`]. Empty
+    /// when the probe has none. An error is kept too and raised where the value is used.
+    pub fn entry_values(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+    ) -> Vec<(usize, Result<Value, String>)> {
+        let prog = self.prog;
+        let Some(probe) = prog.script.probes.get(index) else {
+            return Vec::new();
+        };
+        let mut entries = Vec::new();
+        let mut collect = |e: &'p Expr| {
+            if matches!(e.kind, ExprKind::Entry(_)) {
+                entries.push(e);
+            }
+        };
+        if let Some(cond) = &probe.condition {
+            crate::compile::codegen::walk::expr_all(cond, &mut collect);
+        }
+        crate::compile::codegen::walk::block_exprs(&probe.body, &mut collect);
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let ExprKind::Entry(x) = &e.kind else {
+                continue;
+            };
+            self.actions = 0;
+            self.depth = 0;
+            self.point = point.to_string();
+            let mut frame = Frame {
+                body: index,
+                locals: HashMap::new(),
+            };
+            let v = match self.eval(x, &mut frame, ctx) {
+                Ok(v) => Ok(v),
+                Err(Stop::Error(e)) => Err(e.message),
+                Err(Stop::Next) => Err("'next' while evaluating @entry(...)".to_string()),
+                Err(Stop::OutputClosed) => Err("the output's reader went away".to_string()),
+            };
+            out.push((super::context::entry_key(e), v));
+        }
+        out
+    }
+
     pub(crate) fn tick(&mut self, span: Span) -> EResult<()> {
         self.actions += 1;
         if self.actions > self.limits.max_action {
