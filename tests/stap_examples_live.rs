@@ -981,6 +981,31 @@ fn opensnoop_nd(run: &Run) -> Result<String, String> {
     near("opens", rows.len() as u64, "__x64_sys_open", IN_FLIGHT, run)
 }
 
+/// exotap's own `tests/scripts/entry_values.stp`: `@entry` of a task fact, a dereference of a
+/// parameter and a member chain, checked against what the kernel does to `*pos` in a pread
+/// of syscall-loop's 18-byte file (0 at the entry, 18 at the return).
+fn entry_values(run: &Run) -> Result<String, String> {
+    let line = run
+        .lines()
+        .into_iter()
+        .find(|l| l.starts_with("returns "))
+        .ok_or_else(|| "no summary line".to_string())?;
+    let f: Vec<&str> = line.split_whitespace().collect();
+    ensure(f.len() == 10, || format!("not the summary: {line:?}"))?;
+    let (returns, same_task, preads, advanced, named) =
+        (num(f[1])?, num(f[3])?, num(f[5])?, num(f[7])?, num(f[9])?);
+    ensure(same_task == returns, || {
+        format!("@entry(tid())/@entry(execname()) differ from the return's: {line}")
+    })?;
+    ensure(preads > 0 && advanced == preads && named == preads, || {
+        format!("@entry of *pos or of the file's name is not the entry's value: {line}")
+    })?;
+    Ok(format!(
+        "{preads} preads with entry values, {}",
+        near("returns", returns as u64, "vfs_read", IN_FLIGHT, run)?
+    ))
+}
+
 const EXAMPLES: &[Example] = &[
     Example {
         file: "process/syscalls_by_proc.stp",
@@ -1177,6 +1202,12 @@ const EXAMPLES: &[Example] = &[
         args: &[],
         window: Window::Secs(3),
         check: opensnoop_nd,
+    },
+    Example {
+        file: concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/entry_values.stp"),
+        args: &[],
+        window: Window::Rounds(0),
+        check: entry_values,
     },
 ];
 
