@@ -981,6 +981,19 @@ fn opensnoop_nd(run: &Run) -> Result<String, String> {
     near("opens", rows.len() as u64, "__x64_sys_open", IN_FLIGHT, run)
 }
 
+/// `uint_arg(1)`/`uint_arg(2)` at kill's entry: the target and the signal, read (as stap's
+/// `nd_syscall` makes them) from the user's registers in the wrapper's `pt_regs`. The job
+/// kills a `sleep` with SIGKILL each round.
+fn killsnoop_nd(run: &Run) -> Result<String, String> {
+    let rows = rows_after(run, "FROM   COMMAND", 5)?;
+    for r in &rows {
+        ensure(num(r[0])? > 0 && num(r[3])? > 0, || format!("pids in {r:?}"))?;
+        num(r[2])?;
+    }
+    ensure(rows.iter().any(|r| r[2] == "9"), || "no SIGKILL row".into())?;
+    near("kills", rows.len() as u64, "__x64_sys_kill", IN_FLIGHT, run)
+}
+
 /// exotap's own `tests/scripts/entry_values.stp`: `@entry` of a task fact, a dereference of a
 /// parameter and a member chain, checked against what the kernel does to `*pos` in a pread
 /// of syscall-loop's 18-byte file (0 at the entry, 18 at the return).
@@ -1202,6 +1215,12 @@ const EXAMPLES: &[Example] = &[
         args: &[],
         window: Window::Secs(3),
         check: opensnoop_nd,
+    },
+    Example {
+        file: "lwtools/killsnoop-nd.stp",
+        args: &[],
+        window: Window::Rounds(0),
+        check: killsnoop_nd,
     },
     Example {
         file: concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/entry_values.stp"),
