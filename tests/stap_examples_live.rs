@@ -902,13 +902,15 @@ fn wait4time(run: &Run) -> Result<String, String> {
     let mut last = 0;
     for l in &lines {
         let r: Vec<&str> = l.split_whitespace().collect();
-        ensure(r.len() == 6 && r[3] == "wait4:" && r[2].starts_with('('), || {
-            format!("not a wait4 row: {l:?}")
-        })?;
+        ensure(
+            r.len() == 6 && r[3] == "wait4:" && r[2].starts_with('('),
+            || format!("not a wait4 row: {l:?}"),
+        )?;
         let (at, pid, elapsed, waited) = (num(r[0])?, num(r[1])?, num(r[4])?, num(r[5])?);
-        ensure(at >= last && pid > 0 && elapsed >= 0 && waited >= -1, || {
-            format!("out of order, or a negative time or pid: {l:?}")
-        })?;
+        ensure(
+            at >= last && pid > 0 && elapsed >= 0 && waited >= -1,
+            || format!("out of order, or a negative time or pid: {l:?}"),
+        )?;
         last = at;
     }
     near(
@@ -931,10 +933,13 @@ fn slowvfs(run: &Run) -> Result<String, String> {
             .and_then(|n| n.strip_suffix(']'))
             .and_then(|n| n.rsplit_once('['))
             .map(|(_, tid)| tid);
-        ensure(r.len() >= 3 && tid.is_some(), || format!("not a row: {l:?}"))?;
-        ensure(num(tid.unwrap_or_default())? > 0 && num(r[1])? >= 50, || {
-            format!("a tid of 0 or a time under 50 us: {l:?}")
+        ensure(r.len() >= 3 && tid.is_some(), || {
+            format!("not a row: {l:?}")
         })?;
+        ensure(
+            num(tid.unwrap_or_default())? > 0 && num(r[1])? >= 50,
+            || format!("a tid of 0 or a time under 50 us: {l:?}"),
+        )?;
     }
     ensure(
         lines
@@ -974,7 +979,9 @@ fn opensnoop_nd(run: &Run) -> Result<String, String> {
     // syscall-loop.c opens this file with open(2), and the call succeeds.
     ensure(
         rows.iter().any(|r| {
-            r[2] == "syscall-loop" && r[4] == "/tmp/syscall-loop.small" && num(r[3]).unwrap_or(-1) >= 0
+            r[2] == "syscall-loop"
+                && r[4] == "/tmp/syscall-loop.small"
+                && num(r[3]).unwrap_or(-1) >= 0
         }),
         || "no successful open of /tmp/syscall-loop.small by syscall-loop".into(),
     )?;
@@ -987,7 +994,9 @@ fn opensnoop_nd(run: &Run) -> Result<String, String> {
 fn killsnoop_nd(run: &Run) -> Result<String, String> {
     let rows = rows_after(run, "FROM   COMMAND", 5)?;
     for r in &rows {
-        ensure(num(r[0])? > 0 && num(r[3])? > 0, || format!("pids in {r:?}"))?;
+        ensure(num(r[0])? > 0 && num(r[3])? > 0, || {
+            format!("pids in {r:?}")
+        })?;
         num(r[2])?;
     }
     ensure(rows.iter().any(|r| r[2] == "9"), || "no SIGKILL row".into())?;
@@ -1223,7 +1232,10 @@ const EXAMPLES: &[Example] = &[
         check: killsnoop_nd,
     },
     Example {
-        file: concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/entry_values.stp"),
+        file: concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/scripts/entry_values.stp"
+        ),
         args: &[],
         window: Window::Rounds(0),
         check: entry_values,

@@ -749,7 +749,8 @@ mod tests {
             execname: execname.into(),
             ..CapturedContext::default()
         };
-        ctx.targets.insert("$file->f_pos".into(), Value::Long(f_pos));
+        ctx.targets
+            .insert("$file->f_pos".into(), Value::Long(f_pos));
         ctx.targets.insert("$file".into(), Value::Long(0x1000));
         ctx
     }
@@ -764,7 +765,11 @@ mod tests {
     ) -> (String, Result<(), ScriptError>) {
         let prog = check(parse(src, &Limits::default()).unwrap()).unwrap();
         let buf = SharedBuf::default();
-        let out = Output::new(Format::Text, Box::new(buf.clone()), Box::new(std::io::sink()));
+        let out = Output::new(
+            Format::Text,
+            Box::new(buf.clone()),
+            Box::new(std::io::sink()),
+        );
         let mut interp = Interp::new(&prog, Limits::default(), out);
         interp.run_probe(0, "begin", entry).unwrap();
         let values = interp.entry_values(1, "f.return", entry);
@@ -804,7 +809,11 @@ mod tests {
              }";
         let prog = check(parse(src, &Limits::default()).unwrap()).unwrap();
         let buf = SharedBuf::default();
-        let out = Output::new(Format::Text, Box::new(buf.clone()), Box::new(std::io::sink()));
+        let out = Output::new(
+            Format::Text,
+            Box::new(buf.clone()),
+            Box::new(std::io::sink()),
+        );
         let mut interp = Interp::new(&prog, Limits::default(), out);
         let entry = captured("sh", 0);
         let values = interp.entry_values(1, "f.return", &entry);
@@ -820,7 +829,10 @@ mod tests {
         // At least the 20 ms slept between entry and return, and at most what passed since
         // just before the entry value was taken... plus the clock's microsecond rounding.
         assert!(us >= 19_999, "{us} us < the 20 ms between entry and return");
-        assert!(us <= elapsed_after + 1_000, "{us} us > {elapsed_after} us elapsed");
+        assert!(
+            us <= elapsed_after + 1_000,
+            "{us} us > {elapsed_after} us elapsed"
+        );
     }
 
     #[test]
@@ -841,9 +853,7 @@ mod tests {
 
     #[test]
     fn entry_of_an_expression_without_entry_values_names_what_is_missing() {
-        let (_, r) = run(
-            "probe kernel.function(\"f\").return { println(@entry(execname())) }",
-        );
+        let (_, r) = run("probe kernel.function(\"f\").return { println(@entry(execname())) }");
         let why = r.unwrap_err().message;
         assert!(why.contains("evaluated at the function's entry"), "{why}");
     }
