@@ -263,9 +263,6 @@ impl LiveContext<'_> {
             .at_return
             .as_ref()
             .map_or(&self.regs, |(entry, _)| entry);
-        if self.point.function.starts_with("__x64_sys_") {
-            return self.syscall_argument(regs.gpr[5], index);
-        }
         let r = *ARG_REGS.get(index)?;
         if self.at_return.is_none() {
             if let Some(v) = self.written(r) {
@@ -479,7 +476,13 @@ impl Context for LiveContext<'_> {
     }
 
     fn arg_register(&self, n: i64) -> Option<u64> {
-        self.argument(usize::try_from(n.checked_sub(1)?).ok()?)
+        let index = usize::try_from(n.checked_sub(1)?).ok()?;
+        // In a syscall wrapper the `*_arg()` functions read the syscall's arguments from the
+        // wrapper's one parameter, `$regs` (`$regs` itself stays the pointer).
+        if self.point.function.starts_with("__x64_sys_") {
+            return self.syscall_argument(self.argument(0)?, index);
+        }
+        self.argument(index)
     }
 
     fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
