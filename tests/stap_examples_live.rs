@@ -671,13 +671,15 @@ fn nettop(run: &Run) -> Result<String, String> {
         ensure(r[2] == "lo", || format!("device in {r:?}"))?;
         sent += num(r[3])?;
     }
-    // It prints and clears its table every 5 s: what it printed is a part of the window.
+    // It prints and clears its table every 5 s: what it printed is a part of the window,
+    // give or take a vCPU stopped for the removal between the example's probe and the
+    // guest's kprobe on the same entry (at most one per vCPU, as `at_entry`).
     let k = run.k("__dev_queue_xmit")?;
-    ensure(sent > 0 && sent as u64 <= k, || {
+    ensure(sent > 0 && sent as u64 <= k + VCPUS, || {
         format!("{sent} packets sent printed, the guest's kprobe on __dev_queue_xmit {k}")
     })?;
     Ok(format!(
-        "packets printed {sent} <= kprobe __dev_queue_xmit {k}"
+        "packets printed {sent} <= kprobe __dev_queue_xmit {k} (+ {VCPUS})"
     ))
 }
 
@@ -864,6 +866,141 @@ fn probe_alias(run: &Run) -> Result<String, String> {
     ))
 }
 
+/// `@hist_log` histograms after the lines that start with each of `titles`: the sum of
+/// each one's counts (0 where the title is followed by no histogram: an empty aggregate).
+fn hist_totals(run: &Run, titles: &[&str]) -> Result<Vec<u64>, String> {
+    let lines = run.lines();
+    let mut totals = Vec::new();
+    for title in titles {
+        let at = lines
+            .iter()
+            .position(|l| l.starts_with(title))
+            .ok_or_else(|| format!("no line '{title}'"))?;
+        let mut total = 0u64;
+        for l in &lines[at + 1..] {
+            let t = l.trim_start();
+            if t.starts_with("value |") {
+                continue;
+            }
+            let Some((value, rest)) = t.split_once('|') else {
+                break;
+            };
+            let Ok(_) = value.trim().parse::<i64>() else {
+                break;
+            };
+            total += num(rest.trim_start_matches('@').trim())? as u64;
+        }
+        totals.push(total);
+    }
+    Ok(totals)
+}
+
+/// `vfs.open.return` with `@entry(gettimeofday_us())`: "NAME[TID] MICROSECONDS PATH" for
+/// opens that took at least 50 us (`sloth`); a breakpoint probe's two stops take longer.
+fn slowvfs(run: &Run) -> Result<String, String> {
+    let lines = run.lines();
+    for l in &lines {
+        let r: Vec<&str> = l.split_whitespace().collect();
+        let tid = r
+            .first()
+            .and_then(|n| n.strip_suffix(']'))
+            .and_then(|n| n.rsplit_once('['))
+            .map(|(_, tid)| tid);
+        ensure(r.len() >= 3 && tid.is_some(), || {
+            format!("not a row: {l:?}")
+        })?;
+        ensure(
+            num(tid.unwrap_or_default())? > 0 && num(r[1])? >= 50,
+            || format!("a tid of 0 or a time under 50 us: {l:?}"),
+        )?;
+    }
+    ensure(
+        lines
+            .iter()
+            .any(|l| l.starts_with("syscall-loop[") && l.ends_with("syscall-loop.small")),
+        || "no open of syscall-loop's small file".into(),
+    )?;
+    Ok(format!("{} slow opens", lines.len()))
+}
+
+/// read/write latencies by `@entry(gettimeofday_ns())` in `@hist_log`s: one value per
+/// returned call.
+fn rwtime_nd(run: &Run) -> Result<String, String> {
+    ensure(run.out.starts_with("Tracing read/write syscalls"), || {
+        "no banner".into()
+    })?;
+    let t = hist_totals(
+        run,
+        &["syscall read latency (ns):", "syscall write latency (ns):"],
+    )?;
+    Ok(format!(
+        "{}, {}",
+        near("reads", t[0], "__x64_sys_read", IN_FLIGHT, run)?,
+        near("writes", t[1], "__x64_sys_write", IN_FLIGHT, run)?
+    ))
+}
+
+/// `user_string(@entry(pointer_arg(1)))` in open's return: the path the call opened, read
+/// from the user's registers as the syscall wrapper got them.
+fn opensnoop_nd(run: &Run) -> Result<String, String> {
+    let rows = rows_after(run, "UID    PID", 5)?;
+    for r in &rows {
+        num(r[0])?;
+        ensure(num(r[1])? > 0, || format!("pid in {r:?}"))?;
+        num(r[r.len() - 2])?;
+    }
+    // syscall-loop.c opens this file with open(2), and the call succeeds.
+    ensure(
+        rows.iter().any(|r| {
+            r[2] == "syscall-loop"
+                && r[4] == "/tmp/syscall-loop.small"
+                && num(r[3]).unwrap_or(-1) >= 0
+        }),
+        || "no successful open of /tmp/syscall-loop.small by syscall-loop".into(),
+    )?;
+    near("opens", rows.len() as u64, "__x64_sys_open", IN_FLIGHT, run)
+}
+
+/// `uint_arg(1)`/`uint_arg(2)` at kill's entry: the target and the signal, read (as stap's
+/// `nd_syscall` makes them) from the user's registers in the wrapper's `pt_regs`. The job
+/// kills a `sleep` with SIGKILL each round.
+fn killsnoop_nd(run: &Run) -> Result<String, String> {
+    let rows = rows_after(run, "FROM   COMMAND", 5)?;
+    for r in &rows {
+        ensure(num(r[0])? > 0 && num(r[3])? > 0, || {
+            format!("pids in {r:?}")
+        })?;
+        num(r[2])?;
+    }
+    ensure(rows.iter().any(|r| r[2] == "9"), || "no SIGKILL row".into())?;
+    near("kills", rows.len() as u64, "__x64_sys_kill", IN_FLIGHT, run)
+}
+
+/// exotap's own `tests/scripts/entry_values.stp`: `@entry` of a task fact, a dereference of a
+/// parameter and a member chain, checked against what the kernel does to `*pos` in a pread
+/// of syscall-loop's 18-byte file (0 at the entry, 18 at the return).
+fn entry_values(run: &Run) -> Result<String, String> {
+    let line = run
+        .lines()
+        .into_iter()
+        .find(|l| l.starts_with("returns "))
+        .ok_or_else(|| "no summary line".to_string())?;
+    let f: Vec<&str> = line.split_whitespace().collect();
+    ensure(f.len() == 10, || format!("not the summary: {line:?}"))?;
+    let (returns, same_task, preads, advanced, named) =
+        (num(f[1])?, num(f[3])?, num(f[5])?, num(f[7])?, num(f[9])?);
+    ensure(same_task == returns, || {
+        format!("@entry(tid())/@entry(execname()) differ from the return's: {line}")
+    })?;
+    ensure(preads > 0 && advanced == preads && named == preads, || {
+        format!("@entry of *pos or of the file's name is not the entry's value: {line}")
+    })?;
+    Ok(format!(
+        "{preads} preads with entry values, {}",
+        near("returns", returns as u64, "vfs_read", IN_FLIGHT, run)?
+    ))
+}
+
 const EXAMPLES: &[Example] = &[
     Example {
         file: "process/syscalls_by_proc.stp",
@@ -1035,6 +1172,41 @@ const EXAMPLES: &[Example] = &[
         window: Window::Rounds(0),
         check: strace_open,
     },
+    // `@entry` of expressions, evaluated at the entry by the host for breakpoint probes;
+    // short windows (each return probe stops the guest twice per call).
+    Example {
+        file: "io/slowvfs.stp",
+        args: &[],
+        window: Window::Secs(3),
+        check: slowvfs,
+    },
+    Example {
+        file: "lwtools/rwtime-nd.stp",
+        args: &[],
+        window: Window::Secs(3),
+        check: rwtime_nd,
+    },
+    Example {
+        file: "lwtools/opensnoop-nd.stp",
+        args: &[],
+        window: Window::Secs(3),
+        check: opensnoop_nd,
+    },
+    Example {
+        file: "lwtools/killsnoop-nd.stp",
+        args: &[],
+        window: Window::Rounds(0),
+        check: killsnoop_nd,
+    },
+    Example {
+        file: concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/scripts/entry_values.stp"
+        ),
+        args: &[],
+        window: Window::Rounds(0),
+        check: entry_values,
+    },
 ];
 
 /// Round markers each [`Window::Rounds`] window sees: the first may end a round begun
@@ -1164,7 +1336,13 @@ fn systemtap_examples_run_unchanged_on_the_live_guest_and_agree_with_its_kprobes
 
     let mut passed = Vec::new();
     let mut failed = Vec::new();
+    // EXOTAP_EXAMPLES=a,b runs only the examples whose path contains one of them.
+    let only = std::env::var("EXOTAP_EXAMPLES").unwrap_or_default();
+    let only: Vec<&str> = only.split(',').filter(|s| !s.is_empty()).collect();
     for ex in EXAMPLES {
+        if !only.is_empty() && !only.iter().any(|o| ex.file.contains(o)) {
+            continue;
+        }
         let file = dir.join(ex.file);
         let name = file.file_name().unwrap().to_string_lossy().into_owned();
         let run = run_example(&file, ex, &socket, &rounds);
@@ -1210,5 +1388,7 @@ fn systemtap_examples_run_unchanged_on_the_live_guest_and_agree_with_its_kprobes
         "the guest could not arm its oracle:\n{console}"
     );
     assert!(failed.is_empty(), "failed:\n{}", failed.join("\n"));
-    assert!(passed.len() >= 25, "only {} examples ran", passed.len());
+    if only.is_empty() {
+        assert!(passed.len() >= 25, "only {} examples ran", passed.len());
+    }
 }

@@ -76,6 +76,13 @@ pub trait Context {
             "writing target variable '{path}' needs a probe stopped in the guest"
         ))
     }
+    /// In a `.return` probe: the value `@entry(...)` expression `key` ([`entry_key`]) had
+    /// when it was evaluated at the entry of this same call, or the error that evaluation
+    /// raised. `None` where this context kept no entry values (the default: only a backend
+    /// that stops at the function's entry for its return probes does).
+    fn entry_value(&self, _key: usize) -> Option<Result<Value, String>> {
+        None
+    }
     /// `@cast(pointer, "type")->member...`: `pointer` read as a pointer to the kernel type.
     /// `None` where this context has no kernel types (the default).
     ///
@@ -133,6 +140,13 @@ pub trait Context {
     fn kernel_symbol(&self, _addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
         Err(MemoryError::NoMemory)
     }
+}
+
+/// The key an `@entry(...)` expression's entry-side value is kept under: the address of its
+/// node in the checked program, which stays put while the program runs (two `@entry`s with
+/// the same text in different places are different keys, as they are different evaluations).
+pub fn entry_key(e: &super::ast::Expr) -> usize {
+    std::ptr::from_ref(e) as usize
 }
 
 /// A context captured into a record (or made up for guest-free probes and tests).

@@ -218,6 +218,54 @@ impl<'p> Interp<'p> {
         }
     }
 
+    /// The entry side of return probe `index`'s `@entry(...)` expressions: each one's inner
+    /// expression evaluated on `ctx` (the function's entry) and kept under its
+    /// [`entry_key`](super::context::entry_key), as SystemTap's implicit entry probe does; the
+    /// return probe of the same call then reads them through [`Context::entry_value`]. Empty
+    /// when the probe has none. An error is kept too and raised where the value is used.
+    pub fn entry_values(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+    ) -> Vec<(usize, Result<Value, String>)> {
+        let prog = self.prog;
+        let Some(probe) = prog.script.probes.get(index) else {
+            return Vec::new();
+        };
+        let mut entries = Vec::new();
+        let mut collect = |e: &'p Expr| {
+            if matches!(e.kind, ExprKind::Entry(_)) {
+                entries.push(e);
+            }
+        };
+        if let Some(cond) = &probe.condition {
+            crate::compile::codegen::walk::expr_all(cond, &mut collect);
+        }
+        crate::compile::codegen::walk::block_exprs(&probe.body, &mut collect);
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let ExprKind::Entry(x) = &e.kind else {
+                continue;
+            };
+            self.actions = 0;
+            self.depth = 0;
+            self.point = point.to_string();
+            let mut frame = Frame {
+                body: index,
+                locals: HashMap::new(),
+            };
+            let v = match self.eval(x, &mut frame, ctx) {
+                Ok(v) => Ok(v),
+                Err(Stop::Error(e)) => Err(e.message),
+                Err(Stop::Next) => Err("'next' while evaluating @entry(...)".to_string()),
+                Err(Stop::OutputClosed) => Err("the output's reader went away".to_string()),
+            };
+            out.push((super::context::entry_key(e), v));
+        }
+        out
+    }
+
     pub(crate) fn tick(&mut self, span: Span) -> EResult<()> {
         self.actions += 1;
         if self.actions > self.limits.max_action {
@@ -648,5 +696,165 @@ mod tests {
         let (out, r) = run("probe begin if (1 > 2) { println(\"x\") }");
         r.unwrap();
         assert_eq!(out, "");
+    }
+
+    /// A context at a return that also answers `@entry(...)` with what the entry evaluated.
+    struct AtReturn {
+        here: CapturedContext,
+        entry: Vec<(usize, Result<Value, String>)>,
+    }
+
+    impl Context for AtReturn {
+        fn target(&self, path: &str) -> Option<Value> {
+            self.here.target(path)
+        }
+        fn pid(&self) -> i64 {
+            self.here.pid
+        }
+        fn tid(&self) -> i64 {
+            self.here.tid
+        }
+        fn ppid(&self) -> i64 {
+            self.here.ppid
+        }
+        fn uid(&self) -> i64 {
+            self.here.uid
+        }
+        fn execname(&self) -> String {
+            self.here.execname.clone()
+        }
+        fn cpu(&self) -> i64 {
+            self.here.cpu
+        }
+        fn probefunc(&self) -> String {
+            self.here.probefunc.clone()
+        }
+        fn read_kernel(
+            &self,
+            addr: u64,
+            len: usize,
+        ) -> Result<Vec<u8>, crate::lang::context::MemoryError> {
+            self.here.read_kernel(addr, len)
+        }
+        fn entry_value(&self, key: usize) -> Option<Result<Value, String>> {
+            self.entry
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v.clone())
+        }
+    }
+
+    fn captured(execname: &str, f_pos: i64) -> CapturedContext {
+        let mut ctx = CapturedContext {
+            execname: execname.into(),
+            ..CapturedContext::default()
+        };
+        ctx.targets
+            .insert("$file->f_pos".into(), Value::Long(f_pos));
+        ctx.targets.insert("$file".into(), Value::Long(0x1000));
+        ctx
+    }
+
+    /// Probe 0 bumps `g`; probe 1 is the return probe. Runs: g++, the entry side of probe 1
+    /// on `entry`, g++ `between` times, probe 1 on `ret`. Returns its output.
+    fn entry_then_return(
+        src: &str,
+        entry: &CapturedContext,
+        between: usize,
+        ret: CapturedContext,
+    ) -> (String, Result<(), ScriptError>) {
+        let prog = check(parse(src, &Limits::default()).unwrap()).unwrap();
+        let buf = SharedBuf::default();
+        let out = Output::new(
+            Format::Text,
+            Box::new(buf.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut interp = Interp::new(&prog, Limits::default(), out);
+        interp.run_probe(0, "begin", entry).unwrap();
+        let values = interp.entry_values(1, "f.return", entry);
+        for _ in 0..between {
+            interp.run_probe(0, "begin", entry).unwrap();
+        }
+        let ctx = AtReturn {
+            here: ret,
+            entry: values,
+        };
+        let r = interp.run_probe(1, "f.return", &ctx);
+        (buf.contents(), r)
+    }
+
+    #[test]
+    fn entry_of_expressions_is_their_value_at_the_entry_of_the_call() {
+        // At the entry: execname "sh", $file->f_pos 7, g 1. At the return: "cat", 9, g 3.
+        let (out, r) = entry_then_return(
+            "global g\nprobe begin { g++ }\n\
+             probe kernel.function(\"f\").return {\n\
+               printf(\"%s %s %d %d %d %d %d\\n\", @entry(execname()), execname(),\n\
+                 @entry($file->f_pos), $file->f_pos, @entry(g), g, @entry(g * 10 + 1))\n\
+             }",
+            &captured("sh", 7),
+            2,
+            captured("cat", 9),
+        );
+        r.unwrap();
+        assert_eq!(out, "sh cat 7 9 1 3 11\n");
+    }
+
+    #[test]
+    fn entry_of_the_clock_measures_the_call() {
+        let src = "global g\nprobe begin { g++ }\n\
+             probe kernel.function(\"f\").return {\n\
+               println(gettimeofday_us() - @entry(gettimeofday_us()))\n\
+             }";
+        let prog = check(parse(src, &Limits::default()).unwrap()).unwrap();
+        let buf = SharedBuf::default();
+        let out = Output::new(
+            Format::Text,
+            Box::new(buf.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut interp = Interp::new(&prog, Limits::default(), out);
+        let entry = captured("sh", 0);
+        let values = interp.entry_values(1, "f.return", &entry);
+        let slept = std::time::Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let ctx = AtReturn {
+            here: captured("sh", 0),
+            entry: values,
+        };
+        interp.run_probe(1, "f.return", &ctx).unwrap();
+        let elapsed_after = slept.elapsed().as_micros() as i64;
+        let us: i64 = buf.contents().trim().parse().unwrap();
+        // At least the 20 ms slept between entry and return, and at most what passed since
+        // just before the entry value was taken... plus the clock's microsecond rounding.
+        assert!(us >= 19_999, "{us} us < the 20 ms between entry and return");
+        assert!(
+            us <= elapsed_after + 1_000,
+            "{us} us > {elapsed_after} us elapsed"
+        );
+    }
+
+    #[test]
+    fn an_error_at_the_entry_is_raised_where_its_value_is_used() {
+        let (out, r) = entry_then_return(
+            "global g\nprobe begin { g = 0 }\n\
+             probe kernel.function(\"f\").return { println(\"before\"); println(@entry(1 / g)) }",
+            &captured("sh", 0),
+            0,
+            captured("sh", 0),
+        );
+        assert_eq!(out, "before\n");
+        assert_eq!(
+            r.unwrap_err().message,
+            "@entry(...) at the entry: division by 0"
+        );
+    }
+
+    #[test]
+    fn entry_of_an_expression_without_entry_values_names_what_is_missing() {
+        let (_, r) = run("probe kernel.function(\"f\").return { println(@entry(execname())) }");
+        let why = r.unwrap_err().message;
+        assert!(why.contains("evaluated at the function's entry"), "{why}");
     }
 }

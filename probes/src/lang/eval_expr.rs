@@ -89,19 +89,26 @@ impl Interp<'_> {
                     None => return fail("empty aggregate", e.span),
                 }
             }
-            ExprKind::Entry(x) => match &x.kind {
-                // A kernel context answers a parameter with its value at the entry, also in
-                // a .return probe; anything else would need evaluating at the entry.
-                ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
-                    self.eval(x, f, ctx)?
-                }
-                _ => {
-                    return fail(
-                        "@entry(...) of anything but a parameter is not supported yet: \
-                         it needs the expression evaluated at the function's entry",
-                        e.span,
-                    )
-                }
+            // The value the entry of this call computed, where the backend evaluated it
+            // there (host-evaluated return probes do: see `Interp::entry_values`).
+            ExprKind::Entry(x) => match ctx.entry_value(super::context::entry_key(e)) {
+                Some(Ok(v)) => v,
+                Some(Err(why)) => return fail(format!("@entry(...) at the entry: {why}"), e.span),
+                None => match &x.kind {
+                    // A kernel context answers a parameter with its value at the entry, also
+                    // in a .return probe.
+                    ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
+                        self.eval(x, f, ctx)?
+                    }
+                    _ => {
+                        return fail(
+                            "@entry(...) of anything but a parameter needs the expression \
+                             evaluated at the function's entry, which this backend does not \
+                             do (probes stopped in the live guest do)",
+                            e.span,
+                        )
+                    }
+                },
             },
             ExprKind::Defined(x) => Value::Long(i64::from(defined(x, ctx))),
             ExprKind::Cast(c) => {

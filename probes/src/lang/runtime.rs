@@ -146,6 +146,17 @@ impl<'p> Session<'p> {
         let _ = self.interp.out.error_line(&format!("ERROR: {message}"));
     }
 
+    /// The entry-side values of return probe `index`'s `@entry(...)` expressions, evaluated
+    /// on `ctx` at the function's entry ([`Interp::entry_values`]).
+    pub fn entry_values(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+    ) -> Vec<(usize, Result<Value, String>)> {
+        self.interp.entry_values(index, point, ctx)
+    }
+
     /// Fires probe `index` at `point` on `ctx`; returns false after a script error.
     pub fn fire(&mut self, index: usize, point: &str, ctx: &dyn Context) -> bool {
         self.fire_with(index, point, ctx, Vec::new())

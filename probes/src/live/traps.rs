@@ -166,6 +166,8 @@ struct LiveContext<'a> {
     task_layout: Option<super::stacks::TaskLayout>,
     /// At a return: the entry's argument registers and rax.
     at_return: Option<(X86Registers, u64)>,
+    /// At a return: the `@entry(...)` values the entry of this call evaluated.
+    entry_values: &'a [(usize, Result<Value, String>)],
     /// The kernel's types, for member chains and `@cast` (`None` without BTF).
     types: Option<&'a BtfTypes>,
     /// Guru-mode writes of this hit: register (index into [`X86Registers::gpr`]) and value,
@@ -347,6 +349,19 @@ impl LiveContext<'_> {
         }
     }
 
+    /// Argument `index` of the system call whose wrapper (`__x64_sys_NAME(const struct
+    /// pt_regs *regs)`) was entered with `regs`: the user's register in that `pt_regs`, as
+    /// SystemTap's `nd_syscall` probes make `int_arg()`/`pointer_arg()` read it on kernels
+    /// with syscall wrappers (`__set_syscall_pt_regs`). The wrapper's own register argument is
+    /// only the `pt_regs` pointer. Offsets: x86-64's `struct pt_regs`, the ptrace ABI
+    /// (`user_regs_struct`'s first part), fixed since the architecture began.
+    fn syscall_argument(&self, pt_regs: u64, index: usize) -> Option<u64> {
+        // di, si, dx, r10, r8, r9.
+        const OFFSETS: [u64; 6] = [112, 104, 96, 56, 72, 64];
+        let off = *OFFSETS.get(index)?;
+        self.read_u64(pt_regs.checked_add(off)?)
+    }
+
     /// The last value this hit wrote to register `r`.
     fn written(&self, r: usize) -> Option<u64> {
         self.writes
@@ -359,6 +374,13 @@ impl LiveContext<'_> {
 }
 
 impl Context for LiveContext<'_> {
+    fn entry_value(&self, key: usize) -> Option<Result<Value, String>> {
+        self.entry_values
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.clone())
+    }
+
     fn target(&self, path: &str) -> Option<Value> {
         if let Some(text) = self.pretty_target(path) {
             return Some(Value::Str(text));
@@ -603,7 +625,13 @@ impl Context for LiveContext<'_> {
     }
 
     fn arg_register(&self, n: i64) -> Option<u64> {
-        self.argument(usize::try_from(n.checked_sub(1)?).ok()?)
+        let index = usize::try_from(n.checked_sub(1)?).ok()?;
+        // In a syscall wrapper the `*_arg()` functions read the syscall's arguments from the
+        // wrapper's one parameter, `$regs` (`$regs` itself stays the pointer).
+        if self.point.function.starts_with("__x64_sys_") {
+            return self.syscall_argument(self.argument(0)?, index);
+        }
+        self.argument(index)
     }
 
     fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, MemoryError> {
@@ -996,11 +1024,13 @@ fn registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Regis
 }
 
 /// A swapped return address: where it sits on the stack, what it was, and the entry state.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct PendingReturn {
     site: u64,
     original: u64,
     entry_regs: X86Registers,
+    /// The return probes' `@entry(...)` values, evaluated at this call's entry.
+    entry_values: Vec<(usize, Result<Value, String>)>,
     /// Its entry in the recovery journal's return list.
     index: usize,
 }
@@ -1152,6 +1182,7 @@ impl Traps {
                 vcpu,
                 regs,
                 None,
+                &[],
             );
             for p in &self.profile {
                 session.fire(p.probe, &p.name, &ctx);
@@ -1244,11 +1275,13 @@ impl Traps {
         regs: X86Registers,
         site: u64,
         at_return: Option<(X86Registers, u64)>,
+        entry_values: &'a [(usize, Result<Value, String>)],
     ) -> Option<LiveContext<'a>> {
         let point = self.armed.get(&site)?;
-        Some(self.context_at(point, machine, survey, vcpu, regs, at_return))
+        Some(self.context_at(point, machine, survey, vcpu, regs, at_return, entry_values))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn context_at<'a>(
         &'a self,
         point: &'a ArmedPoint,
@@ -1257,6 +1290,7 @@ impl Traps {
         vcpu: VcpuId,
         regs: X86Registers,
         at_return: Option<(X86Registers, u64)>,
+        entry_values: &'a [(usize, Result<Value, String>)],
     ) -> LiveContext<'a> {
         LiveContext {
             machine: RefCell::new(machine),
@@ -1270,6 +1304,7 @@ impl Traps {
             stacks: self.stacks.as_ref(),
             task_layout: self.task_layout,
             at_return,
+            entry_values,
             types: self.types.as_ref(),
             writes: RefCell::new(Vec::new()),
         }
@@ -1312,10 +1347,19 @@ impl Traps {
         let slot_va = site.slot;
         let wants_return = !site.ret.is_empty();
         let entry = site.entry.clone();
+        let site_ret = site.ret.clone();
         let mut writes = Vec::new();
-        if let Some(ctx) = self.context(machine, survey, vcpu, regs, pc, None) {
+        let mut entry_values = Vec::new();
+        if let Some(ctx) = self.context(machine, survey, vcpu, regs, pc, None, &[]) {
             for p in &entry {
                 session.fire(p.probe, &p.name, &ctx);
+            }
+            // The implicit entry side of the return probes' `@entry(...)` (as stap's): their
+            // expressions as they are now, kept with this call's swapped return address.
+            if wants_return && !self.free.is_empty() {
+                for r in &site_ret {
+                    entry_values.extend(session.entry_values(r.probe, &r.name, &ctx));
+                }
             }
             writes = ctx.writes.take();
         }
@@ -1347,6 +1391,7 @@ impl Traps {
                         site: pc,
                         original,
                         entry_regs: regs,
+                        entry_values,
                         index,
                     },
                 );
@@ -1414,6 +1459,7 @@ impl Traps {
             regs,
             p.site,
             Some((p.entry_regs, regs.gpr[0])),
+            &p.entry_values,
         ) {
             for r in &ret {
                 session.fire(r.probe, &r.name, &ctx);

@@ -632,7 +632,10 @@ impl Gen<'_, '_> {
                 ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
                     self.target(t)
                 }
-                _ => Err(self.no("@entry of anything but a parameter")),
+                _ => Err(self.no(
+                    "@entry of anything but a parameter (its value would need a per-call \
+                     slot in the guest, kept from the entry to the return)",
+                )),
             },
             ExprKind::Defined(_) => {
                 let yes = self.defined_here(e)?;
