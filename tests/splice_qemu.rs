@@ -71,6 +71,9 @@ fn table(out: &str) -> BTreeMap<String, (u64, Option<(u64, u64)>)> {
     t
 }
 
+/// The guest's vCPUs (`exotap boot`'s default).
+const VCPUS: u64 = 2;
+
 #[test]
 fn counts_equal_the_guests_own_kprobe_hits_and_the_text_is_restored() {
     if !have_qemu("counts_equal_the_guests_own_kprobe_hits_and_the_text_is_restored") {
@@ -127,14 +130,25 @@ fn counts_equal_the_guests_own_kprobe_hits_and_the_text_is_restored() {
 
     let t = table(&out);
     let mut compared = 0;
+    let mut exact = 0;
     for f in FUNCTIONS {
         let (ours, kprobe) = t
             .get(*f)
             .unwrap_or_else(|| panic!("no count for {f}\n{ctx}"));
         let (hits, missed) = kprobe.unwrap_or_else(|| panic!("no kprobe for {f}\n{ctx}"));
         // Every call runs the splice's counter and then the relocated ftrace call into the
-        // kprobe, which counts a hit, or a miss when it finds another kprobe running.
-        assert_eq!(*ours, hits + missed, "{f}\n{ctx}");
+        // kprobe, which counts a hit, or a miss when it finds another kprobe running. Both are
+        // read at the install and removal stops: a vCPU stopped between the splice's counter
+        // and the kprobe's (or one already inside the ftrace call when the splice went in)
+        // is counted by one side only, at most one call per vCPU at each stop. Measured once
+        // under load (CI of 2026-11-25): filp_close 323 against 324.
+        assert!(
+            ours.abs_diff(hits + missed) <= VCPUS,
+            "{f}: splice {ours}, kprobe {hits}+{missed}\n{ctx}"
+        );
+        if *ours == hits + missed {
+            exact += 1;
+        }
         // The guest's own profile spans a wider window (it is read before and after the
         // waits, whose shell, dd and console work also call VFS and scheduler functions).
         let profile: u64 = result(
@@ -158,6 +172,12 @@ fn counts_equal_the_guests_own_kprobe_hits_and_the_text_is_restored() {
         }
     }
     assert!(compared >= 20, "only {compared} functions were hit\n{ctx}");
+    // The race above is rare: nearly every function counts exactly what the kprobe did.
+    assert!(
+        exact + 2 >= FUNCTIONS.len(),
+        "only {exact} of {} functions counted exactly what the kprobe did\n{ctx}",
+        FUNCTIONS.len()
+    );
     for f in [
         "__do_sys_getpid",
         "__do_sys_getppid",

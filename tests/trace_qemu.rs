@@ -125,27 +125,6 @@ fn return_probes_see_the_value_the_workload_got_and_every_call_returns() {
 }
 
 #[test]
-fn timer_profile_is_refused_with_the_reason_before_the_job_runs() {
-    if !have_qemu("timer_profile_is_refused_with_the_reason_before_the_job_runs") {
-        return;
-    }
-
-    let (code, out, err) = run(exotap().args([
-        "boot",
-        "--script-text",
-        "probe timer.profile { }",
-        "--run",
-        "true",
-    ]));
-
-    assert_eq!(code, 125, "stdout:\n{out}\nstderr:\n{err}");
-    assert!(
-        err.contains("cannot run these probe points yet: timer.profile"),
-        "{err}"
-    );
-}
-
-#[test]
 fn script_with_errors_stops_before_booting() {
     let (code, _out, err) = run(exotap().args([
         "boot",
