@@ -150,8 +150,8 @@ impl Interp<'_> {
                     None => {}
                 }
                 return fail(
-                    "'&' of a struct member needs the kernel's type layout: only a kernel probe \
-                     that stopped the guest has it",
+                    "'&' of a struct member is not supported at run time here: it needs the \
+                     kernel's type layout, which only a kernel probe that stopped the guest has",
                     e.span,
                 );
             }

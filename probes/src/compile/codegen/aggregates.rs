@@ -45,7 +45,12 @@ impl Gen<'_, '_> {
             self.a.test(rax, rax)?;
             self.a.jz(absent)?;
             self.a.mov(rcx, qword_ptr(rax))?;
-            if op != StatOp::Count {
+            // As SystemTap (and the interpreter): an empty aggregate counts and sums to 0;
+            // its @min/@max/@avg are errors.
+            if op == StatOp::Sum {
+                self.a.test(rcx, rcx)?;
+                self.a.jz(absent)?;
+            } else if op != StatOp::Count {
                 self.a.test(rcx, rcx)?;
                 self.a.jz(empty)?;
             }
@@ -69,7 +74,7 @@ impl Gen<'_, '_> {
             }
             self.a.jmp(done)?;
             self.a.set_label(&mut absent)?;
-            if op == StatOp::Count {
+            if matches!(op, StatOp::Count | StatOp::Sum) {
                 self.a.xor(eax, eax)?;
             } else {
                 self.a.jmp(empty)?;
