@@ -362,6 +362,58 @@ impl LiveContext<'_> {
         self.read_u64(pt_regs.checked_add(off)?)
     }
 
+    /// `var`'s member chain laid out from BTF and followed through guest memory: its value,
+    /// or with `address` the last member's address (`&$p->m`). From a local's struct pointer
+    /// (DWARF), a parameter (BTF's signature) or `$return`.
+    fn walk_target(&self, var: &TargetVar, address: bool) -> Option<Result<Value, String>> {
+        let types = self.types?;
+        let path = if address {
+            format!("&{}", var.path())
+        } else {
+            var.path()
+        };
+        if let Some(local) = self.local(&var.name) {
+            let Some(pointee) = &local.pointee else {
+                return Some(Err(format!(
+                    "{path}: {} is not a pointer to a struct",
+                    var.name
+                )));
+            };
+            let Some(ty) = types.named(pointee) else {
+                return Some(Err(format!("{path}: BTF has no {pointee}")));
+            };
+            let walk = if address {
+                cast_address_chain
+            } else {
+                cast_chain
+            };
+            return Some(self.local_value(local).and_then(|base| {
+                walk(types, ty, &var.members)
+                    .map_err(|e| format!("{path}: {e}"))
+                    .and_then(|steps| self.follow(&path, base as u64, &steps))
+            }));
+        }
+        let (base, param) = if var.name == "$return" {
+            (self.at_return.map(|(_, rax)| rax)?, None)
+        } else {
+            let name = var.name.strip_prefix('$')?;
+            let index = self.point.params.iter().position(|p| p == name)?;
+            (self.argument(index)?, Some(name))
+        };
+        let Some(ty) = types.param(&self.point.function, param) else {
+            return Some(Err(format!(
+                "{path}: BTF has no type for {} of {}",
+                var.name, self.point.function
+            )));
+        };
+        let walk = if address { address_chain } else { chain };
+        Some(
+            walk(types, ty, &var.members)
+                .map_err(|e| format!("{path}: {e}"))
+                .and_then(|steps| self.follow(&path, base, &steps)),
+        )
+    }
+
     /// The last value this hit wrote to register `r`.
     fn written(&self, r: usize) -> Option<u64> {
         self.writes
@@ -415,46 +467,10 @@ impl Context for LiveContext<'_> {
     }
 
     fn member_chain(&self, var: &TargetVar) -> Option<Result<Value, String>> {
-        let types = self.types?;
         if var.members.is_empty() {
             return None;
         }
-        if let Some(local) = self.local(&var.name) {
-            let path = var.path();
-            let Some(pointee) = &local.pointee else {
-                return Some(Err(format!(
-                    "{path}: {} is not a pointer to a struct",
-                    var.name
-                )));
-            };
-            let Some(ty) = types.named(pointee) else {
-                return Some(Err(format!("{path}: BTF has no {pointee}")));
-            };
-            return Some(self.local_value(local).and_then(|base| {
-                cast_chain(types, ty, &var.members)
-                    .map_err(|e| format!("{path}: {e}"))
-                    .and_then(|steps| self.follow(&path, base as u64, &steps))
-            }));
-        }
-        let (base, param) = if var.name == "$return" {
-            (self.at_return.map(|(_, rax)| rax)?, None)
-        } else {
-            let name = var.name.strip_prefix('$')?;
-            let index = self.point.params.iter().position(|p| p == name)?;
-            (self.argument(index)?, Some(name))
-        };
-        let path = var.path();
-        let Some(ty) = types.param(&self.point.function, param) else {
-            return Some(Err(format!(
-                "{path}: BTF has no type for {} of {}",
-                var.name, self.point.function
-            )));
-        };
-        Some(
-            chain(types, ty, &var.members)
-                .map_err(|e| format!("{path}: {e}"))
-                .and_then(|steps| self.follow(&path, base, &steps)),
-        )
+        self.walk_target(var, false)
     }
 
     fn member_address(
@@ -474,42 +490,7 @@ impl Context for LiveContext<'_> {
                     .and_then(|steps| self.follow(&what, pointer, &steps)),
             );
         }
-        let var = var?;
-        let path = format!("&{}", var.path());
-        if let Some(local) = self.local(&var.name) {
-            let Some(pointee) = &local.pointee else {
-                return Some(Err(format!(
-                    "{path}: {} is not a pointer to a struct",
-                    var.name
-                )));
-            };
-            let Some(ty) = types.named(pointee) else {
-                return Some(Err(format!("{path}: BTF has no {pointee}")));
-            };
-            return Some(self.local_value(local).and_then(|base| {
-                cast_address_chain(types, ty, &var.members)
-                    .map_err(|e| format!("{path}: {e}"))
-                    .and_then(|steps| self.follow(&path, base as u64, &steps))
-            }));
-        }
-        let (base, param) = if var.name == "$return" {
-            (self.at_return.map(|(_, rax)| rax)?, None)
-        } else {
-            let name = var.name.strip_prefix('$')?;
-            let index = self.point.params.iter().position(|p| p == name)?;
-            (self.argument(index)?, Some(name))
-        };
-        let Some(ty) = types.param(&self.point.function, param) else {
-            return Some(Err(format!(
-                "{path}: BTF has no type for {} of {}",
-                var.name, self.point.function
-            )));
-        };
-        Some(
-            address_chain(types, ty, &var.members)
-                .map_err(|e| format!("{path}: {e}"))
-                .and_then(|steps| self.follow(&path, base, &steps)),
-        )
+        self.walk_target(var?, true)
     }
 
     fn cast(&self, pointer: u64, cast: &CastExpr) -> Option<Result<Value, String>> {
