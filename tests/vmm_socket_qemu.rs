@@ -40,15 +40,21 @@ fn serve(gdb: &str, path: &std::path::Path, recovered: Arc<Mutex<Vec<String>>>) 
         Box::new(move || Box::new(Shared(Arc::clone(&shared))))
     };
     let on_end: OnEnd = Box::new(move |m, client| {
+        // A gdbstub reads memory only with the guest stopped (QEMU's stub is all-stop), and a
+        // client killed by a signal may leave it running: pause before reading the journal.
+        // The server resumes the guest after `on_end`.
         let journal = Journal { heap_phys: HEAP.0 };
-        if journal.lists_anything(m).unwrap_or(false) {
-            m.pause().unwrap();
-            let report = journal.recover(m).unwrap();
-            recovered
-                .lock()
-                .unwrap()
-                .push(format!("pid {}: {report}", client.pid));
-        }
+        let outcome = m
+            .pause()
+            .map_err(anyhow::Error::from)
+            .and_then(|()| journal.lists_anything(m))
+            .and_then(|listed| listed.then(|| journal.recover(m)).transpose());
+        let line = match outcome {
+            Ok(Some(report)) => format!("pid {}: {report}", client.pid),
+            Ok(None) => return,
+            Err(e) => format!("pid {}: recovery failed: {e:#}", client.pid),
+        };
+        recovered.lock().unwrap().push(line);
     });
     let listener = ControlServer::bind(path).unwrap();
     ControlServer::spawn(
