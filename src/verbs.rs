@@ -592,9 +592,19 @@ impl VerbRun {
         };
         let stops_while_in = live.session.stops().saturating_sub(live.stops_at_install);
         live.session.pause()?;
-        if live.session.machine.backend() == "kvm" {
+        // Where the data path needs no stops (exotap's own VMM, in process or through its
+        // control socket), the count of stops is the proof: say it.
+        let backend = live.session.machine.backend();
+        let via = match backend {
+            "kvm" => Some("kvm backend"),
+            b if b == exotap_vmm::control_socket::CLIENT_BACKEND => {
+                Some("exotap's VMM, through its control socket")
+            }
+            _ => None,
+        };
+        if let Some(via) = via {
             self.say(&format!(
-                "vCPU pauses between install and removal: {stops_while_in} (kvm backend)"
+                "vCPU pauses between install and removal: {stops_while_in} ({via})"
             ));
         }
         if live.session.splicer().is_some_and(|s| s.rings.is_some()) {

@@ -691,6 +691,14 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         target.contains(&format!("hist count {CALLS}").as_str()),
         "{target_ctx}"
     );
+    // The client maps the VMM's memfd RAM (op 19 of the control socket): rings and maps
+    // are read with no request.
+    assert!(
+        target
+            .iter()
+            .any(|l| l.contains("the VMM's guest RAM is mapped here")),
+        "{target_ctx}"
+    );
     let ticks = target
         .iter()
         .filter(|l| l.starts_with("tick syscall-loop "))

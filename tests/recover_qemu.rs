@@ -294,3 +294,86 @@ fn qemu_killed_under_a_running_exotap_ends_it_within_5_s_with_a_clear_error() {
         stderr.trim_end()
     );
 }
+
+/// A normal end with a `.return` probe armed while a shell sleeps in the probed call and both
+/// vCPUs spin in user mode: the return address swapped on the shell's kernel stack must come
+/// back at the detach, or the shell returns from `wait4` into the trampoline's `ud2` (the
+/// guest's own outcome is the oracle: no Oops, the job ends `EXOTAP-DONE 0`). The detach
+/// reads and writes the slot through the kernel's page tables, not through vCPU 0's current
+/// view: under page-table isolation a vCPU stopped in user mode maps no kernel stack. (QEMU
+/// TCG's `-cpu max` reports Meltdown "Not affected", so this guest runs without PTI and the
+/// test checks the restore itself; the PTI half is what KVM on an affected CPU needs.)
+#[test]
+fn swapped_return_addresses_come_back_at_detach_while_the_vcpus_run_user_code() {
+    if !have_qemu("swapped_return_addresses_come_back_at_detach_while_the_vcpus_run_user_code") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("gdb.sock");
+    let target = format!("unix:{}", socket.display());
+    // Two user-mode spinners keep both vCPUs out of the kernel at nearly every stop; the
+    // job's shell sits in wait4 (its `sleep 5`) most of the time.
+    let job = r#"taskset -c 0 sh -c 'while :; do :; done' & s0=$!
+taskset -c 1 sh -c 'while :; do :; done' & s1=$!
+exotap_result spinning yes
+end=$(( $(date +%s) + 25 ))
+while [ $(date +%s) -lt $end ]; do sleep 5; done
+kill $s0 $s1
+exotap_result job done"#;
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let (mut guest, mut console) = boot_with_gdbstub(
+        &[
+            "--cpus".as_ref(),
+            "2".as_ref(),
+            "--timeout".as_ref(),
+            "300".as_ref(),
+            "--job".as_ref(),
+            job_file.as_os_str(),
+        ],
+        &socket,
+        "EXOTAP-RESULT spinning=yes",
+    );
+    let (code, out, err) = run(exotap()
+        .args(["run", "--compile", "never", "--target", &target])
+        .env("EXOTAP_LOG", "info")
+        .args([
+            "-e",
+            // The first entry ends the run: that call (the shell waiting for its `sleep 5`)
+            // has its return address swapped, and is in flight at the detach.
+            r#"global n
+               probe kernel.function("__x64_sys_wait4") { exit() }
+               probe kernel.function("__x64_sys_wait4").return { n++ }
+               probe end { printf("returns=%d\n", n) }"#,
+        ]));
+    let mut rest = String::new();
+    console.read_to_string(&mut rest).unwrap();
+    let status = guest.wait().unwrap();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{rest}");
+    assert_eq!(code, 0, "{ctx}");
+    // The call whose entry ended the run was in flight at the detach.
+    let restored: u64 = err
+        .lines()
+        .find_map(|l| {
+            l.split_once(" calls in flight got their return addresses back")
+                .and_then(|(head, _)| head.rsplit(' ').next()?.parse().ok())
+        })
+        .unwrap_or(0);
+    assert!(restored >= 1, "no return address was put back:\n{ctx}");
+    assert!(status.success(), "{ctx}");
+    assert!(rest.contains("EXOTAP-RESULT job=done"), "{ctx}");
+    assert!(rest.contains("EXOTAP-DONE 0"), "{ctx}");
+    for bad in [
+        "Oops",
+        "BUG:",
+        "WARNING:",
+        "invalid opcode",
+        "general protection",
+    ] {
+        assert!(!rest.contains(bad), "{bad} on the console:\n{ctx}");
+    }
+    eprintln!(
+        "detach while both vCPUs spin user code: {restored} swapped return addresses put back; \
+         the guest's shell went on to EXOTAP-DONE 0"
+    );
+}

@@ -45,6 +45,7 @@ const KPROBES: &[&str] = &[
     "__x64_sys_read",
     "__x64_sys_write",
     "__x64_sys_kill",
+    "__x64_sys_wait4",
     "__x64_sys_fork",
     "__x64_sys_execve",
     "vfs_read",
@@ -895,6 +896,34 @@ fn hist_totals(run: &Run, titles: &[&str]) -> Result<Vec<u64>, String> {
     Ok(totals)
 }
 
+/// `gettimeofday_us() - @entry(gettimeofday_us())` in wait4's return: "TIMESTAMP PID (NAME)
+/// wait4: ELAPSED WAITED_PID", one row per returned call.
+fn wait4time(run: &Run) -> Result<String, String> {
+    let lines = run.lines();
+    ensure(!lines.is_empty(), || "no rows".into())?;
+    let mut last = 0;
+    for l in &lines {
+        let r: Vec<&str> = l.split_whitespace().collect();
+        ensure(
+            r.len() == 6 && r[3] == "wait4:" && r[2].starts_with('('),
+            || format!("not a wait4 row: {l:?}"),
+        )?;
+        let (at, pid, elapsed, waited) = (num(r[0])?, num(r[1])?, num(r[4])?, num(r[5])?);
+        ensure(
+            at >= last && pid > 0 && elapsed >= 0 && waited >= -1,
+            || format!("out of order, or a negative time or pid: {l:?}"),
+        )?;
+        last = at;
+    }
+    near(
+        "wait4 returns",
+        lines.len() as u64,
+        "__x64_sys_wait4",
+        IN_FLIGHT,
+        run,
+    )
+}
+
 /// `vfs.open.return` with `@entry(gettimeofday_us())`: "NAME[TID] MICROSECONDS PATH" for
 /// opens that took at least 50 us (`sloth`); a breakpoint probe's two stops take longer.
 fn slowvfs(run: &Run) -> Result<String, String> {
@@ -1174,6 +1203,12 @@ const EXAMPLES: &[Example] = &[
     },
     // `@entry` of expressions, evaluated at the entry by the host for breakpoint probes;
     // short windows (each return probe stops the guest twice per call).
+    Example {
+        file: "process/wait4time.stp",
+        args: &[],
+        window: Window::Secs(3),
+        check: wait4time,
+    },
     Example {
         file: "io/slowvfs.stp",
         args: &[],

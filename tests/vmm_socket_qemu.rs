@@ -167,6 +167,16 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
                probe end { printf("n=%d\n", n) }"#,
         ]));
     let first_done = started.elapsed();
+    // A fixed verb through the socket says how often the guest was stopped while its splices
+    // were in (here a gdbstub behind the socket, which stops to read: any count, but said).
+    let (count_code, count_out, count_err) = run(exotap().args([
+        "count",
+        "__do_sys_getppid",
+        "--duration",
+        "2",
+        "--target",
+        &target,
+    ]));
     let mut killed = exotap()
         .args(["run", "--compile", "require", "--target", &target])
         .args([
@@ -215,6 +225,19 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
         .and_then(|v| v.parse().ok());
     assert_eq!(code, 0, "{ctx}");
     assert!(n.is_some_and(|n| n > 0), "{ctx}");
+    let count_said = format!("{count_out}{count_err}");
+    assert_eq!(count_code, 0, "count through the socket:\n{count_said}");
+    assert!(
+        count_said
+            .lines()
+            .any(|l| l.contains("vCPU pauses between install and removal: ")
+                && l.ends_with("(exotap's VMM, through its control socket)")),
+        "count through the socket did not say its pauses:\n{count_said}"
+    );
+    assert!(
+        count_out.contains("__do_sys_getppid"),
+        "count through the socket:\n{count_said}"
+    );
     assert_eq!(n, kprobe, "{ctx}");
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),

@@ -164,6 +164,20 @@ pub enum ControlError {
     },
 }
 
+/// A piece of guest RAM in a file another process can map: `size` bytes of guest-physical
+/// memory from `gpa`, at byte `offset` of `file` (exotap's VMM: a memfd).
+#[derive(Debug, Clone)]
+pub struct SharedRegion {
+    /// Guest-physical start.
+    pub gpa: u64,
+    /// Length in bytes.
+    pub size: u64,
+    /// The file holding it.
+    pub file: std::sync::Arc<std::fs::File>,
+    /// Where in the file it starts.
+    pub offset: u64,
+}
+
 /// A running guest under exotap's control.
 pub trait Machine {
     /// The vCPUs.
@@ -308,6 +322,13 @@ pub trait Machine {
         None
     }
 
+    /// Guest RAM that another process may map: the file descriptors behind the backend's
+    /// own mapping (exotap's VMM keeps its RAM in a memfd), so that a control-socket client
+    /// reads counters, rings and maps with no request at all. Empty where there is none.
+    fn shared_regions(&self) -> Vec<SharedRegion> {
+        Vec::new()
+    }
+
     /// Lets the guest go: the debugger's detach (QEMU drops its breakpoints), or a resume.
     ///
     /// # Errors
@@ -381,6 +402,9 @@ impl<M: Machine + ?Sized> Machine for Box<M> {
     }
     fn patch_heap(&self) -> Option<(u64, u64)> {
         (**self).patch_heap()
+    }
+    fn shared_regions(&self) -> Vec<SharedRegion> {
+        (**self).shared_regions()
     }
     fn release(&mut self) -> Result<(), ControlError> {
         (**self).release()

@@ -17,7 +17,7 @@
 //!
 //! | op | name | arguments | answer |
 //! |---|---|---|---|
-//! | 1 | hello | magic `EXOTAPVM`, `u32` version ([`VERSION`]), `u32` client pid | `u32` version, `str` backend, `u8` flags (bit 0: memory is read while the vCPUs run), `u8` heap known, `u64` heap GPA, `u64` heap size |
+//! | 1 | hello | magic `EXOTAPVM`, `u32` version ([`VERSION`]), `u32` client pid | `u32` version, `str` backend, `u8` flags (bit 0: memory is read while the vCPUs run; bit 1: op 19 shares the RAM), `u8` heap known, `u64` heap GPA, `u64` heap size |
 //! | 2 | vcpus | | `u32` n, n × `u32` vCPU id |
 //! | 3 | read physical | `u64` addr, `u32` len | `bytes` |
 //! | 4 | write physical | `u64` addr, `bytes` data | |
@@ -35,7 +35,14 @@
 //! | 16 | set register | `u32` vCPU, `str` name, `u64` value | |
 //! | 17 | pause count | | `u8` known, `u64` count |
 //! | 18 | release | | |
+//! | 19 | share RAM | | `u32` n, n × (`u64` GPA, `u64` size, `u64` file offset); the response frame carries one file descriptor (`SCM_RIGHTS`), the file holding them all |
 //!
+//! The hello's flags bit 1 says the server can share its guest RAM (op 19). exotap's VMM keeps
+//! the RAM in a memfd; a client maps it and reads and writes guest-physical memory there with
+//! no request (counters, rings, maps; on KVM text too, since no translated-block cache sits
+//! between the file and the vCPUs). Regions in another file, and addresses outside them, go
+//! through ops 3 and 4. A client checks that every region lies inside the file before it maps
+//! it (a mapping past the file's end faults on access).
 //! An event is a `u8` kind: 0 breakpoint (`u32` vCPU, `u64` pc), 1 stepped (`u32` vCPU),
 //! 2 paused, 3 exited.
 //!
@@ -60,6 +67,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use vm_memory::{Bytes as _, GuestMemoryMmap};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket as _;
+
 use crate::control::{
     ControlError, Machine, RegisterFile, SparcRegisters, StopEvent, VcpuId, X86Registers,
 };
@@ -74,8 +84,8 @@ pub const MAX_TRANSFER: usize = 1 << 20;
 pub const MAX_FRAME: usize = MAX_TRANSFER + 4096;
 /// The longest a wait-event request blocks the server.
 pub const MAX_WAIT: Duration = Duration::from_secs(10);
-/// The backend name the client reports.
-const CLIENT_BACKEND: &str = "exotap vmm (control socket)";
+/// The backend name the client reports: [`Machine::backend`] of a [`ControlClient`].
+pub const CLIENT_BACKEND: &str = "exotap vmm (control socket)";
 
 const OP_HELLO: u8 = 1;
 const OP_VCPUS: u8 = 2;
@@ -95,6 +105,7 @@ const OP_IDT_BASE: u8 = 15;
 const OP_SET_REGISTER: u8 = 16;
 const OP_PAUSE_COUNT: u8 = 17;
 const OP_RELEASE: u8 = 18;
+const OP_SHARE_RAM: u8 = 19;
 
 /// Errors of the protocol itself (the [`Machine`] calls' own errors travel inside it).
 #[derive(Debug, thiserror::Error)]
@@ -390,7 +401,8 @@ fn answer(
             Ok(ok
                 .u32(VERSION)
                 .bytes(machine.backend().as_bytes())
-                .u8(u8::from(machine.reads_while_running()))
+                .u8(u8::from(machine.reads_while_running())
+                    | u8::from(!machine.shared_regions().is_empty()) << 1)
                 .u8(heap_known)
                 .u64(gpa)
                 .u64(size))
@@ -485,6 +497,10 @@ pub fn serve_connection(
     guest: &ServedGuest,
 ) -> Result<(), SocketError> {
     while let Some(body) = read_frame(stream)? {
+        if body.first() == Some(&OP_SHARE_RAM) {
+            share_ram(stream, machine)?;
+            continue;
+        }
         let reply = match answer(machine, guest, &body) {
             Ok(Ok(m)) => m.0,
             Ok(Err(e)) => error_body(&e),
@@ -498,6 +514,31 @@ pub fn serve_connection(
         };
         write_frame(stream, &reply)?;
     }
+    Ok(())
+}
+
+/// Answers op 19: the regions of the machine's RAM in its first region's file, with that
+/// file's descriptor attached to the frame.
+fn share_ram(stream: &mut UnixStream, machine: &mut dyn Machine) -> Result<(), SocketError> {
+    let regions = machine.shared_regions();
+    let Some(first) = regions.first().map(|r| Arc::clone(&r.file)) else {
+        return write_frame(stream, &Message::default().u8(0).u32(0).0);
+    };
+    let same: Vec<_> = regions
+        .iter()
+        .filter(|r| Arc::ptr_eq(&r.file, &first))
+        .collect();
+    let body = same
+        .iter()
+        .fold(Message::default().u8(0).u32(same.len() as u32), |m, r| {
+            m.u64(r.gpa).u64(r.size).u64(r.offset)
+        });
+    let mut frame = (body.0.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body.0);
+    let sent = stream
+        .send_with_fd(&frame[..], std::os::fd::AsRawFd::as_raw_fd(&*first))
+        .map_err(|e| SocketError::Io(std::io::Error::from_raw_os_error(e.errno())))?;
+    stream.write_all(&frame[sent..])?;
     Ok(())
 }
 
@@ -727,6 +768,8 @@ pub struct ControlClient {
     backend: String,
     reads_while_running: bool,
     patch_heap: Option<(u64, u64)>,
+    /// The server's RAM mapped here (op 19), where it shares it.
+    ram: Option<GuestMemoryMmap>,
 }
 
 fn lost(e: SocketError) -> ControlError {
@@ -756,6 +799,7 @@ impl ControlClient {
             backend: String::new(),
             reads_while_running: false,
             patch_heap: None,
+            ram: None,
         };
         let mut hello = Message::default().u8(OP_HELLO);
         hello.0.extend_from_slice(MAGIC);
@@ -765,7 +809,7 @@ impl ControlClient {
             e => e,
         })?;
         let mut f = Fields(&answer);
-        let parsed = (|| -> Result<(), SocketError> {
+        let parsed = (|| -> Result<bool, SocketError> {
             let version = f.u32("version")?;
             if version != VERSION {
                 return Err(SocketError::Hello(format!(
@@ -773,14 +817,120 @@ impl ControlClient {
                 )));
             }
             client.backend = f.str("backend")?;
-            client.reads_while_running = f.u8("flags")? & 1 != 0;
+            let flags = f.u8("flags")?;
+            client.reads_while_running = flags & 1 != 0;
             let known = f.u8("heap known")? != 0;
             let heap = (f.u64("heap gpa")?, f.u64("heap size")?);
             client.patch_heap = known.then_some(heap);
-            Ok(())
+            Ok(flags & 2 != 0)
         })();
-        parsed.map_err(lost)?;
+        if parsed.map_err(lost)? {
+            match client.map_ram() {
+                Ok(ram) => {
+                    if let Some(ram) = &ram {
+                        use vm_memory::{GuestMemoryBackend as _, GuestMemoryRegion as _};
+                        let bytes: u64 = ram.iter().map(|r| r.len()).sum();
+                        tracing::info!(
+                            "the VMM's guest RAM is mapped here ({} MiB in {} regions): guest \
+                             memory is read and written with no request",
+                            bytes >> 20,
+                            ram.num_regions()
+                        );
+                    }
+                    client.ram = ram;
+                }
+                Err(e) => tracing::warn!(
+                    "the VMM offers its RAM, but it cannot be mapped here ({e}): guest memory \
+                     goes through the socket"
+                ),
+            }
+        }
         Ok(client)
+    }
+
+    /// Whether the server's guest RAM is mapped in this process (op 19).
+    pub fn maps_ram(&self) -> bool {
+        self.ram.is_some()
+    }
+
+    /// Asks for the server's RAM (op 19) and maps it.
+    fn map_ram(&self) -> Result<Option<GuestMemoryMmap>, SocketError> {
+        let stream = self.stream.borrow_mut();
+        write_frame(&mut &*stream, &[OP_SHARE_RAM])?;
+        let mut got = vec![0u8; 4096];
+        let (n, file) = stream
+            .recv_with_fd(&mut got)
+            .map_err(|e| SocketError::Io(std::io::Error::from_raw_os_error(e.errno())))?;
+        got.truncate(n);
+        while got.len() < 4 {
+            let mut b = [0u8; 4];
+            let k = (&*stream).read(&mut b[..4 - got.len()])?;
+            if k == 0 {
+                return Err(SocketError::Malformed("the RAM answer ended early".into()));
+            }
+            got.extend_from_slice(&b[..k]);
+        }
+        let len = u32::from_le_bytes([got[0], got[1], got[2], got[3]]) as usize;
+        if len > MAX_FRAME || got.len() > 4 + len {
+            return Err(SocketError::Malformed(format!(
+                "a RAM answer of {len} bytes ({} read)",
+                got.len() - 4
+            )));
+        }
+        let mut rest = vec![0u8; 4 + len - got.len()];
+        (&*stream).read_exact(&mut rest)?;
+        got.extend_from_slice(&rest);
+        let mut f = Fields(&got[4..]);
+        if f.u8("status")? != 0 {
+            return Err(SocketError::Malformed(format!(
+                "the VMM refused to share its RAM: {}",
+                get_error(&mut f).map_or_else(|e| e.to_string(), |e| e.to_string())
+            )));
+        }
+        let n = f.u32("regions")?;
+        let Some(file) = file else {
+            return if n == 0 {
+                Ok(None)
+            } else {
+                Err(SocketError::Malformed(format!(
+                    "{n} RAM regions and no file descriptor"
+                )))
+            };
+        };
+        // recvmsg(2) without MSG_CMSG_CLOEXEC: keep the descriptor out of the commands
+        // exotap starts.
+        // SAFETY: fcntl on a descriptor this process owns (`file`); no memory is passed.
+        unsafe {
+            libc::fcntl(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                libc::F_SETFD,
+                libc::FD_CLOEXEC,
+            );
+        }
+        let file = Arc::new(file);
+        let file_len = file.metadata()?.len();
+        let mut ranges = Vec::new();
+        for _ in 0..n.min(64) {
+            let (gpa, size, offset) = (f.u64("gpa")?, f.u64("size")?, f.u64("offset")?);
+            let inside = offset.checked_add(size).is_some_and(|end| end <= file_len);
+            if !inside || size == 0 || gpa.checked_add(size).is_none() {
+                return Err(SocketError::Malformed(format!(
+                    "RAM region {gpa:#x}+{size:#x} at file offset {offset:#x} is not inside the \
+                     {file_len}-byte file"
+                )));
+            }
+            let size = usize::try_from(size)
+                .map_err(|_| SocketError::Malformed(format!("RAM region of {size} bytes")))?;
+            ranges.push((
+                vm_memory::GuestAddress(gpa),
+                size,
+                Some(vm_memory::FileOffset::from_arc(Arc::clone(&file), offset)),
+            ));
+        }
+        ranges.sort_by_key(|r| r.0);
+        GuestMemoryMmap::from_ranges_with_files(&ranges)
+            .map(Some)
+            .map_err(|e| SocketError::Malformed(format!("cannot map the VMM's RAM: {e}")))
     }
 
     /// The backend behind the socket (`kvm`).
@@ -827,6 +977,11 @@ impl Machine for ControlClient {
     }
 
     fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+        if let Some(ram) = &self.ram {
+            if ram.read_slice(buf, vm_memory::GuestAddress(addr)).is_ok() {
+                return Ok(());
+            }
+        }
         for (i, chunk) in buf.chunks_mut(MAX_TRANSFER).enumerate() {
             let at = addr.wrapping_add((i * MAX_TRANSFER) as u64);
             let request = Message::default()
@@ -848,6 +1003,11 @@ impl Machine for ControlClient {
     }
 
     fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+        if let Some(ram) = &self.ram {
+            if ram.write_slice(data, vm_memory::GuestAddress(addr)).is_ok() {
+                return Ok(());
+            }
+        }
         for (i, chunk) in data.chunks(MAX_TRANSFER).enumerate() {
             let at = addr.wrapping_add((i * MAX_TRANSFER) as u64);
             self.call_unit(Message::default().u8(OP_WRITE_PHYS).u64(at).bytes(chunk))?;
@@ -998,6 +1158,10 @@ mod tests {
         pauses: u64,
         ended_clients: Vec<u32>,
         paused_at_end: Vec<bool>,
+        /// RAM in a file the server shares (op 19), read and written with pread/pwrite.
+        shared: Option<crate::control::SharedRegion>,
+        /// Physical reads and writes the server was asked for.
+        phys_requests: u64,
     }
 
     /// A [`Machine`] over a shared [`Guest`] (what the server's `make` hands out).
@@ -1029,6 +1193,12 @@ mod tests {
         fn g(&self) -> std::sync::MutexGuard<'_, Guest> {
             self.0.lock().unwrap()
         }
+        /// The file offset of `len` bytes at `addr` when they lie in the shared region.
+        fn in_shared(&self, addr: u64, len: usize) -> Option<u64> {
+            let g = self.g();
+            let r = g.shared.as_ref()?;
+            (addr >= r.gpa && addr + len as u64 <= r.gpa + r.size).then(|| r.offset + addr - r.gpa)
+        }
         fn range(&self, addr: u64, len: usize) -> Result<std::ops::Range<usize>, ControlError> {
             let start = usize::try_from(addr).unwrap_or(usize::MAX);
             match start.checked_add(len) {
@@ -1047,14 +1217,29 @@ mod tests {
             Ok(vec![VcpuId(0), VcpuId(1)])
         }
         fn read_phys(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
+            self.g().phys_requests += 1;
+            if let Some(at) = self.in_shared(addr, buf.len()) {
+                let file = Arc::clone(&self.g().shared.as_ref().unwrap().file);
+                std::os::unix::fs::FileExt::read_exact_at(&*file, buf, at).unwrap();
+                return Ok(());
+            }
             let r = self.range(addr, buf.len())?;
             buf.copy_from_slice(&self.g().ram[r]);
             Ok(())
         }
         fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
+            self.g().phys_requests += 1;
+            if let Some(at) = self.in_shared(addr, data.len()) {
+                let file = Arc::clone(&self.g().shared.as_ref().unwrap().file);
+                std::os::unix::fs::FileExt::write_all_at(&*file, data, at).unwrap();
+                return Ok(());
+            }
             let r = self.range(addr, data.len())?;
             self.g().ram[r].copy_from_slice(data);
             Ok(())
+        }
+        fn shared_regions(&self) -> Vec<crate::control::SharedRegion> {
+            self.g().shared.iter().cloned().collect()
         }
         fn read_virt(&mut self, _: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
             Err(ControlError::Memory {
@@ -1234,6 +1419,86 @@ mod tests {
                 pc: 0xffff_ffff_8100_1234
             })
         );
+    }
+
+    /// A server whose RAM sits in a file (as exotap's VMM keeps it in a memfd) hands the file
+    /// over: the client reads and writes that RAM with no request, the server's own pread and
+    /// pwrite see the same bytes, and addresses outside it still cross the socket.
+    #[test]
+    fn shared_ram_is_mapped_by_the_client_and_needs_no_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Fake::new(64 << 10);
+        let file = Arc::new(tempfile::tempfile().unwrap());
+        file.set_len(3 << 20).unwrap();
+        // 1 MiB of guest RAM at GPA 16 MiB, 1 MiB into the file.
+        let (gpa, size, offset) = (16u64 << 20, 1u64 << 20, 1u64 << 20);
+        fake.g().shared = Some(crate::control::SharedRegion {
+            gpa,
+            size,
+            file: Arc::clone(&file),
+            offset,
+        });
+        let server = server(dir.path(), &fake);
+        let mut client = connect(&server);
+        assert!(client.maps_ram());
+        let asked = fake.g().phys_requests;
+
+        // The server's side writes; the client reads it from its mapping.
+        let theirs: Vec<u8> = (0..5000u32).map(|i| (i * 13 % 251) as u8).collect();
+        std::os::unix::fs::FileExt::write_all_at(&*file, &theirs, offset + 4000).unwrap();
+        let mut seen = vec![0u8; theirs.len()];
+        client.read_phys(gpa + 4000, &mut seen).unwrap();
+        // The client writes; the server's file holds it.
+        let ours = b"written through the client's mapping";
+        client
+            .write_phys(gpa + size - ours.len() as u64, ours)
+            .unwrap();
+        let mut back = vec![0u8; ours.len()];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &*file,
+            &mut back,
+            offset + size - ours.len() as u64,
+        )
+        .unwrap();
+        let local = fake.g().phys_requests - asked;
+        // Outside the region (and across its end): through the socket, as before.
+        let mut low = [0u8; 16];
+        client.read_phys(100, &mut low).unwrap();
+        let mut across = [0u8; 8];
+        let across_result = client.read_phys(gpa + size - 4, &mut across);
+
+        assert_eq!(seen, theirs);
+        assert_eq!(&back, ours);
+        assert_eq!(
+            local, 0,
+            "reads and writes in the shared RAM crossed the socket"
+        );
+        assert_eq!(low.to_vec(), fake.g().ram[100..116].to_vec());
+        assert!(across_result.is_err(), "a read past the shared RAM's end");
+        assert_eq!(fake.g().phys_requests - asked, 2);
+    }
+
+    /// A server that lies about its RAM (a region past the end of its file: touching such a
+    /// mapping would fault) is not mapped; the client goes on through the socket.
+    #[test]
+    fn a_shared_region_past_the_files_end_is_refused_and_the_socket_serves() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Fake::new(64 << 10);
+        let file = Arc::new(tempfile::tempfile().unwrap());
+        file.set_len(1 << 20).unwrap();
+        fake.g().shared = Some(crate::control::SharedRegion {
+            gpa: 16 << 20,
+            size: 2 << 20,
+            file,
+            offset: 0,
+        });
+        let server = server(dir.path(), &fake);
+        let mut client = connect(&server);
+        let mut low = [0u8; 16];
+        client.read_phys(100, &mut low).unwrap();
+
+        assert!(!client.maps_ram());
+        assert_eq!(low.to_vec(), fake.g().ram[100..116].to_vec());
     }
 
     #[test]

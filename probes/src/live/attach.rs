@@ -13,7 +13,7 @@ use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 use exotap_vmm::gdb::GdbMachine;
 
-use super::guest_memory::BackendMemory;
+use super::guest_memory::{read_kernel, BackendMemory};
 use super::kernel_image::KernelImage;
 
 /// The prefix of a target that is a running exotap VMM's control socket (`vmm:PATH`).
@@ -212,6 +212,8 @@ pub fn map_patch_heap(
     let mut seen = [0u8; 16];
     machine
         .read_virt(VcpuId(0), plan.va, &mut seen)
+        .map_err(anyhow::Error::from)
+        .or_else(|_| read_kernel(machine, plan.va, &mut seen))
         .context("the mapped patch heap cannot be read at its virtual address")?;
     if &seen != HEAP_MARKER {
         bail!(

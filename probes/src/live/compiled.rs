@@ -961,8 +961,14 @@ fn run(
                     None => Ok(()),
                 };
                 if let Err(e) = step {
-                    tracing::error!("lost the guest: {e:#}");
-                    gone = true;
+                    // End as after `exit()`: the return addresses this run swapped on kernel
+                    // stacks must go back (the disarm below), or their calls return into the
+                    // trampoline's `ud2` once exotap detaches. If the guest is really lost,
+                    // the removal says so.
+                    tracing::error!(
+                        "a host-evaluated probe at {pc:#x} failed: {e:#}; ending the run"
+                    );
+                    break;
                 }
             }
             Ok(Some(_)) => {
@@ -990,6 +996,10 @@ fn run(
         );
         if exited {
             guest.session.abandon();
+        } else if let Some(t) = traps.as_mut() {
+            // Best effort: swapped return addresses back before the drop's removal.
+            let _ = guest.session.pause();
+            t.disarm(&mut guest.session.machine);
         }
         // Else dropping the session tries the removal and detaches.
     } else {

@@ -48,7 +48,7 @@ use crate::lang::runtime::Session;
 use crate::lang::value::Value;
 
 use super::attach::{self, Survey};
-use super::guest_memory::BackendMemory;
+use super::guest_memory::{read_kernel, write_kernel, BackendMemory};
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::trap_point::{
@@ -784,8 +784,12 @@ fn plan_point(
     // Decode up to the point's instruction; bytes past the function's end are never needed.
     let want = (link - start + MAX_INSN as u64).min(end - start);
     let mut code = vec![0u8; usize::try_from(want)?];
+    // vCPU 0's own view first (one request); when it stopped in user mode under PTI that
+    // view lacks most kernel text, and the kernel's page tables are walked instead.
     machine
         .read_virt(VcpuId(0), fstart, &mut code)
+        .map_err(anyhow::Error::from)
+        .or_else(|_| read_kernel(machine, fstart, &mut code))
         .with_context(|| format!("cannot read {function} at {fstart:#x}"))?;
     let instr = instruction_at(&function, fstart, &code, addr)?;
     let from = usize::try_from(link - start)?;
@@ -993,6 +997,8 @@ fn tracepoint_enabled(
     let mut count = [0u8; 4];
     att.machine
         .read_virt(VcpuId(0), at, &mut count)
+        .map_err(anyhow::Error::from)
+        .or_else(|_| read_kernel(&mut *att.machine, at, &mut count))
         .with_context(|| format!("cannot read __tracepoint_{name} at {at:#x}"))?;
     Ok(i32::from_le_bytes(count) > 0)
 }
@@ -1219,17 +1225,28 @@ impl Traps {
         if moved > 0 {
             tracing::info!("{moved} vCPUs at the return trampoline sent on to their callers");
         }
+        // The slots are on kernel stacks: read and written through the kernel's page tables,
+        // since vCPU 0 may have stopped in user mode, where PTI's user half maps no kernel
+        // stack. A slot left swapped returns into the trampoline's `ud2` after the detach.
         let mut restored = 0;
         for (slot, p) in self.pending.drain() {
             let mut now = [0u8; 8];
-            let still = machine.read_virt(VcpuId(0), slot, &mut now).is_ok()
-                && u64::from_le_bytes(now) == self.trampoline;
-            if still
-                && machine
-                    .write_virt(VcpuId(0), slot, &p.original.to_le_bytes())
-                    .is_ok()
-            {
-                restored += 1;
+            match read_kernel(machine, slot, &mut now) {
+                Ok(()) if u64::from_le_bytes(now) == self.trampoline => {}
+                // The call returned since, or its task and stack are gone.
+                Ok(()) => continue,
+                Err(e) => {
+                    tracing::warn!("cannot read the swapped return address at {slot:#x}: {e:#}");
+                    continue;
+                }
+            }
+            match write_kernel(machine, slot, &p.original.to_le_bytes()) {
+                Ok(()) => restored += 1,
+                Err(e) => tracing::error!(
+                    "cannot put the return address {:#x} back at {slot:#x}: {e:#}; that call \
+                     will fault when it returns",
+                    p.original
+                ),
             }
         }
         if restored > 0 {

@@ -17,11 +17,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use super::devices::Devices;
 use super::vcpu::{RunRequest, Snapshot, VcpuShared, VcpuState, VmEvent, DEBUG_STEP, DEBUG_SW_BP};
-use crate::control::{ControlError, Machine, RegisterFile, StopEvent, VcpuId};
+use crate::control::{ControlError, Machine, RegisterFile, SharedRegion, StopEvent, VcpuId};
 
 const BACKEND: &str = "kvm";
 
@@ -591,6 +591,23 @@ impl Machine for KvmMachine {
 
     fn pause_count(&self) -> Option<u64> {
         Some(self.vm.pauses.load(Ordering::Relaxed))
+    }
+
+    /// The memfd slots of the guest's RAM (all of them, the patch heap's included).
+    fn shared_regions(&self) -> Vec<SharedRegion> {
+        self.vm
+            .memory
+            .iter()
+            .filter_map(|r| {
+                let at = r.file_offset()?;
+                Some(SharedRegion {
+                    gpa: r.start_addr().0,
+                    size: r.len(),
+                    file: Arc::clone(at.arc()),
+                    offset: at.start(),
+                })
+            })
+            .collect()
     }
 }
 

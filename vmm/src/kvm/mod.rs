@@ -43,7 +43,7 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use linux_loader::loader::{bzimage::BzImage, KernelLoader};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::console::{parse_marker, ConsoleTail, Marker};
@@ -326,12 +326,52 @@ fn write(memory: &GuestMemoryMmap, addr: u64, bytes: &[u8]) -> Result<(), KvmErr
         .map_err(|e| KvmError::Memory(Box::new(e)))
 }
 
+/// The guest's memory: one memfd holding every slot back to back, mapped shared, so that a
+/// control-socket client can map the same pages ([`crate::control::SharedRegion`]) and read
+/// rings and maps with no request. Anonymous memory where memfd_create(2) is refused.
 fn guest_memory(slots: &[(u64, u64)]) -> Result<GuestMemoryMmap, KvmError> {
-    let ranges: Vec<(GuestAddress, usize)> = slots
-        .iter()
-        .map(|(s, n)| (GuestAddress(*s), *n as usize))
-        .collect();
-    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| KvmError::Memory(Box::new(e)))
+    let total: u64 = slots.iter().map(|(_, n)| n).sum();
+    let file = memfd("exotap-guest-ram").and_then(|f| f.set_len(total).map(|()| f));
+    match file {
+        Ok(file) => {
+            let file = std::sync::Arc::new(file);
+            let mut offset = 0u64;
+            let ranges: Vec<(GuestAddress, usize, Option<FileOffset>)> = slots
+                .iter()
+                .map(|(s, n)| {
+                    let at = FileOffset::from_arc(std::sync::Arc::clone(&file), offset);
+                    offset += n;
+                    (GuestAddress(*s), *n as usize, Some(at))
+                })
+                .collect();
+            GuestMemoryMmap::from_ranges_with_files(&ranges)
+                .map_err(|e| KvmError::Memory(Box::new(e)))
+        }
+        Err(e) => {
+            tracing::warn!(
+                "guest RAM in anonymous memory (memfd: {e}): control-socket clients will read it \
+                 through the socket"
+            );
+            let ranges: Vec<(GuestAddress, usize)> = slots
+                .iter()
+                .map(|(s, n)| (GuestAddress(*s), *n as usize))
+                .collect();
+            GuestMemoryMmap::from_ranges(&ranges).map_err(|e| KvmError::Memory(Box::new(e)))
+        }
+    }
+}
+
+/// A new memfd (close-on-exec) named `name`.
+fn memfd(name: &str) -> std::io::Result<std::fs::File> {
+    let name = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
+    // SAFETY: `name` is a valid NUL-terminated string; memfd_create returns a new descriptor
+    // or -1, and a new descriptor is owned by nothing else.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nothing else.
+    Ok(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) })
 }
 
 /// Guest memory as [`boot`] lays it out before it creates the vCPUs: kernel, initramfs, zero
