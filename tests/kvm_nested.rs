@@ -184,12 +184,13 @@ vmm_up() {{
     rm -f /tmp/vmm.sock /tmp/vmm.out /tmp/client.out
     /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd "$1" \
         --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
-        --control-socket /tmp/vmm.sock --await-client > /tmp/vmm.out 2>&1 &
+        --control-socket /tmp/vmm.sock --await-client \
+        --append 'kprobe_event=p:exotap/getpid,__x64_sys_getpid' > /tmp/vmm.out 2>&1 &
     vmm=$!
     n=0
     while [ ! -S /tmp/vmm.sock ] && [ $n -lt 1200 ]; do sleep 0.5; n=$((n + 1)); done
     /bin/exotap run --compile require --bzimage /kvm/vmlinuz --target vmm:/tmp/vmm.sock \
-        /kvm/count.stp > /tmp/client.out 2>&1 &
+        --compare-kprobes /kvm/count.stp > /tmp/client.out 2>&1 &
     client=$!
 }}
 until_vmm_says() {{
@@ -708,6 +709,20 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         target.contains(&"HOST-RESULT pauses.between_install_and_removal=0"),
         "{target_ctx}"
     );
+    // The guest's own kprobe on the same function (armed at boot by `kprobe_event=`, before
+    // any splice), read at the install and the removal: the compiled script's calls of every
+    // task add up to its hits.
+    let kprobe: Option<u64> = target
+        .iter()
+        .find_map(|l| l.strip_prefix("HOST-RESULT kprobe.__x64_sys_getpid="))
+        .and_then(|v| v.trim().parse().ok());
+    let counted: u64 = target
+        .iter()
+        .filter_map(|l| l.strip_prefix("calls "))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(counted >= u64::from(CALLS), "{target_ctx}");
+    assert_eq!(kprobe, Some(counted), "{target_ctx}");
     assert!(target_vmm.contains(&"inner:DONE 0"), "{target_ctx}");
     assert!(
         !target_vmm.iter().any(|l| l.contains("vmm.recovered")),

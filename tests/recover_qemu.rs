@@ -16,6 +16,31 @@ use std::time::{Duration, Instant};
 
 use common::{boot_with_gdbstub, exotap, have_qemu, run};
 
+/// Boots a 2-vCPU guest running `job` (written into `dir`) with its gdbstub on `socket`,
+/// until its console shows `until`.
+fn boot_job(
+    dir: &Path,
+    job: &str,
+    timeout: &str,
+    socket: &Path,
+    until: &str,
+) -> (Child, std::io::BufReader<std::process::ChildStdout>) {
+    let job_file = dir.join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    boot_with_gdbstub(
+        &[
+            "--cpus".as_ref(),
+            "2".as_ref(),
+            "--timeout".as_ref(),
+            timeout.as_ref(),
+            "--job".as_ref(),
+            job_file.as_os_str(),
+        ],
+        socket,
+        until,
+    )
+}
+
 /// Guardians of a gdbstub still running (found in /proc, so no procps is needed).
 fn guardians(socket: &Path) -> usize {
     let needle = socket.display().to_string();
@@ -143,20 +168,7 @@ fn a_killed_exotap_leaves_nothing_behind_and_signals_remove_cleanly() {
 ( while [ $(date +%s) -lt $end ]; do syscall-loop 20000 >/dev/null || echo STORM-FAIL; done ) &
 wait
 exotap_result storm done"#;
-    let job_file = dir.path().join("job.sh");
-    std::fs::write(&job_file, job).unwrap();
-    let (mut guest, mut console) = boot_with_gdbstub(
-        &[
-            "--cpus".as_ref(),
-            "2".as_ref(),
-            "--timeout".as_ref(),
-            "600".as_ref(),
-            "--job".as_ref(),
-            job_file.as_os_str(),
-        ],
-        &socket,
-        "EXOTAP-READY",
-    );
+    let (mut guest, mut console) = boot_job(dir.path(), job, "600", &socket, "EXOTAP-READY");
     let (clean, before, out) = recover(&target);
     assert!(clean && before.len() == 64, "{out}");
 
@@ -320,17 +332,10 @@ end=$(( $(date +%s) + 25 ))
 while [ $(date +%s) -lt $end ]; do sleep 5; done
 kill $s0 $s1
 exotap_result job done"#;
-    let job_file = dir.path().join("job.sh");
-    std::fs::write(&job_file, job).unwrap();
-    let (mut guest, mut console) = boot_with_gdbstub(
-        &[
-            "--cpus".as_ref(),
-            "2".as_ref(),
-            "--timeout".as_ref(),
-            "300".as_ref(),
-            "--job".as_ref(),
-            job_file.as_os_str(),
-        ],
+    let (mut guest, mut console) = boot_job(
+        dir.path(),
+        job,
+        "300",
         &socket,
         "EXOTAP-RESULT spinning=yes",
     );
