@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use exotap_introspect::btf::Btf;
 use exotap_introspect::x86::{thunk_register, Flow};
-use exotap_vmm::control::{Machine, VcpuId};
+use exotap_vmm::control::{Machine, StopEvent, VcpuId};
 
 use super::attach;
 use super::guest_memory::BackendMemory;
@@ -47,7 +47,7 @@ use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, InstallReport, NotInstalled, RemoveReport, Request};
 use super::stacks::{list_tasks, KernelStacks, PageCache, TaskLayout};
-use crate::jit::{CacheLayout, ExitReason, TranslateError, Translation, Translator};
+use crate::jit::{CacheLayout, ExitReason, Link, TranslateError, Translation, Translator};
 
 /// What to translate and how much room to give it.
 #[derive(Debug, Clone)]
@@ -62,6 +62,10 @@ pub struct JitOptions {
     pub counter_bytes: u64,
     /// Bytes of lookup table (16 a slot; at most half the slots are used).
     pub table_bytes: u64,
+    /// Lazy translation: a direct call or jump from translated code to a function not
+    /// translated yet stops the guest once, at a stub; the host translates the function,
+    /// relinks the stub and gives it an entry splice ([`LiveJit::serve`]).
+    pub lazy: bool,
 }
 
 impl Default for JitOptions {
@@ -72,6 +76,7 @@ impl Default for JitOptions {
             code_bytes: 8 << 20,
             counter_bytes: 1 << 20,
             table_bytes: 8 << 20,
+            lazy: false,
         }
     }
 }
@@ -124,6 +129,37 @@ pub struct LiveJit {
     pending: BTreeSet<u64>,
     /// When the text was last compared.
     watched: Option<Instant>,
+    /// The translator, kept for lazy translation.
+    translator: Option<Translator<'static>>,
+    /// Lazy translation so far.
+    pub lazy: LazyStats,
+    /// Stubs with a breakpoint in place.
+    armed: BTreeSet<u64>,
+    /// Block counts at [`LiveJit::mark`], subtracted at removal.
+    marked: Option<BTreeMap<(u64, u64), u64>>,
+}
+
+/// What lazy translation did.
+#[derive(Debug, Clone, Default)]
+pub struct LazyStats {
+    /// Whether it is on.
+    pub on: bool,
+    /// Stops at a stub (each translated a function, or found it could not).
+    pub stops: u64,
+    /// Stops at [`LiveJit::mark`].
+    pub stops_at_mark: Option<u64>,
+    /// Functions translated lazily.
+    pub translated: usize,
+    /// Entry splices added for them.
+    pub entries: usize,
+    /// Stubs made (each an untranslated target of a translated direct call or jump).
+    pub stubs: usize,
+    /// Time the stops took, the guest stopped (translation, writes, breakpoints).
+    pub stopped: Duration,
+    /// Why lazy translation stopped early (the cache full): stubs then run original code.
+    pub full: Option<String>,
+    /// Breakpoint stops at no armed stub (resumed at once).
+    pub other_stops: u64,
 }
 
 /// A translation given up because the kernel changed the text under it (the guest arming
@@ -291,8 +327,37 @@ impl LiveJit {
                 }
             }
         }
-        let mut translator =
-            Translator::new(layout.clone(), &facts.address_keyed)?.with_thunks(thunks);
+        let mut translator = Translator::new_owned(layout.clone(), facts.address_keyed.clone())?
+            .with_thunks(thunks.clone());
+        if options.lazy {
+            // Every function start the same rules admit; the ranges once sorted and merged
+            // (tens of thousands of starts against thousands of self-patched sites).
+            let mut out: Vec<Range<u64>> = facts
+                .forbidden
+                .iter()
+                .chain(&facts.self_patched)
+                .cloned()
+                .collect();
+            out.sort_by_key(|r| r.start);
+            let mut merged: Vec<Range<u64>> = Vec::new();
+            for r in out {
+                match merged.last_mut() {
+                    Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                    _ => merged.push(r),
+                }
+            }
+            let inside = |a: u64| {
+                let i = merged.partition_point(|r| r.start <= a);
+                i > 0 && merged[i - 1].contains(&a)
+            };
+            let lazy: std::collections::HashSet<u64> = facts
+                .starts
+                .iter()
+                .copied()
+                .filter(|a| !thunks.contains_key(a) && !special.contains(a) && !inside(*a))
+                .collect();
+            translator = translator.with_lazy(lazy);
+        }
         let mut names = BTreeMap::new();
         let mut sources = Vec::new();
         let mut source_bytes = 0;
@@ -328,7 +393,8 @@ impl LiveJit {
                 }
             }
         }
-        let translation = translator.finish()?;
+        translator.link()?;
+        let translation = translator.snapshot();
         let translate_time = started.elapsed();
         // Code over the backend's write path; data (zeroed counters, the table) through the
         // shared RAM when there is one.
@@ -355,6 +421,33 @@ impl LiveJit {
             .collect();
         let entries = session.install(&requests)?;
         let entries_installed = session.splicer().map_or(0, |s| s.installed.len());
+        let mut lazy = LazyStats {
+            on: options.lazy,
+            stubs: translation.stubs.len(),
+            ..LazyStats::default()
+        };
+        let mut armed = BTreeSet::new();
+        if options.lazy {
+            for &stub in translation.stubs.values() {
+                match session.machine.set_breakpoint(stub, true) {
+                    Ok(()) => {
+                        armed.insert(stub);
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "no lazy translation: the backend sets no breakpoint in the cache ({e})"
+                        );
+                        lazy.on = false;
+                        break;
+                    }
+                }
+            }
+            if !lazy.on {
+                for stub in std::mem::take(&mut armed) {
+                    let _ = session.machine.set_breakpoint(stub, false);
+                }
+            }
+        }
         tracing::info!(
             "JIT: {} functions ({} bytes of text) translated in {:.1} ms into {} bytes of cache; {} entry splices",
             translation.functions.len(),
@@ -377,7 +470,211 @@ impl LiveJit {
             invalidated: Vec::new(),
             pending: BTreeSet::new(),
             watched: None,
+            translator: lazy.on.then_some(translator),
+            lazy,
+            armed,
+            marked: None,
         })
+    }
+
+    /// Lazy translation while the guest runs: takes the guest's stops at stubs (waiting
+    /// `wait` for the first, then briefly for more, at most `budget` in all) and serves
+    /// each ([`LiveJit::lazy_stop`]), then lets the guest run again. Nothing without lazy
+    /// translation. Returns the stops served.
+    ///
+    /// # Errors
+    /// When the guest is lost, or cannot be read, written or resumed.
+    pub fn serve(
+        &mut self,
+        session: &mut GuestSession,
+        image: &KernelImage,
+        wait: Duration,
+        budget: Duration,
+    ) -> anyhow::Result<u64> {
+        if self.translator.is_none() || session.machine.is_paused() {
+            return Ok(0);
+        }
+        let started = Instant::now();
+        let mut served = 0;
+        let mut timeout = wait;
+        while started.elapsed() < budget {
+            match session.wait(timeout)? {
+                None | Some(StopEvent::Paused) | Some(StopEvent::Exited) => break,
+                Some(StopEvent::Breakpoint { pc, .. }) => {
+                    let stop = Instant::now();
+                    if self.armed.contains(&pc) {
+                        self.lazy_stop(session, image, pc)?;
+                        served += 1;
+                    } else {
+                        self.lazy.other_stops += 1;
+                    }
+                    self.lazy.stopped += stop.elapsed();
+                    session.resume()?;
+                }
+                Some(StopEvent::Stepped { .. }) => session.resume()?,
+            }
+            timeout = Duration::from_millis(5);
+        }
+        Ok(served)
+    }
+
+    /// One lazy-translation stop (the guest stopped at the stub at `stub`): translates the
+    /// stub's target from the session's text, appends it to the cache and writes its
+    /// lookup-table slots, arms the stubs it brings, turns the stub into a `jmp` to the
+    /// translation, takes the breakpoint out and splices the function's entry. A target
+    /// that cannot be translated keeps its stub's `jmp` to the original code; a full cache
+    /// takes every breakpoint out (from then on stubs run the original code).
+    fn lazy_stop(
+        &mut self,
+        session: &mut GuestSession,
+        image: &KernelImage,
+        stub: u64,
+    ) -> anyhow::Result<()> {
+        self.lazy.stops += 1;
+        let slide = session.survey.kaslr.slide;
+        let Some(translator) = self.translator.as_mut() else {
+            return Ok(());
+        };
+        let Some(target) = translator.stub_target(stub) else {
+            return Ok(());
+        };
+        let name = name_of(image, slide, target);
+        let (machine, splicer) = session.parts()?;
+        let ctx = splicer.kernel.context();
+        let function = ctx
+            .analysis
+            .function_containing(target)
+            .filter(|f| f.cfg.start() == target);
+        let translated = match function {
+            None => Err("no analysed function starts there".to_owned()),
+            Some(f) => match translator.translate(ctx.text, f) {
+                Ok(()) => {
+                    let bytes = ctx
+                        .text
+                        .range(f.cfg.start(), f.cfg.end())
+                        .unwrap_or_default()
+                        .to_vec();
+                    let insns = f.cfg.insns().iter().map(|i| i.addr).collect();
+                    self.sources
+                        .push((f.cfg.start(), f.cfg.end(), bytes, insns));
+                    self.source_bytes += f.cfg.end() - f.cfg.start();
+                    Ok(())
+                }
+                Err(e @ TranslateError::Full { .. }) => {
+                    self.lazy.full = Some(format!("{e:#}"));
+                    Err(format!("{e:#}"))
+                }
+                Err(e) => Err(format!("{e:#}")),
+            },
+        };
+        let link = translator.link()?;
+        let resolve = translator.resolve(target);
+        write_link(machine, splicer, &link)?;
+        for &(_, new_stub) in &link.stubs {
+            if self.lazy.full.is_none() && machine.set_breakpoint(new_stub, true).is_ok() {
+                self.armed.insert(new_stub);
+            }
+        }
+        if let Some((at, jump)) = resolve {
+            splicer.write_heap(machine, at, &jump)?;
+            let off = usize::try_from(at - self.translation.code_at)?;
+            if let Some(code) = self.translation.code.get_mut(off..off + jump.len()) {
+                code.copy_from_slice(&jump);
+            }
+        }
+        machine.set_breakpoint(stub, false)?;
+        self.armed.remove(&stub);
+        if self.lazy.full.is_some() {
+            tracing::warn!(
+                "the code cache is full: lazy translation stops, untranslated targets run their original code"
+            );
+            for armed in std::mem::take(&mut self.armed) {
+                machine.set_breakpoint(armed, false)?;
+            }
+        }
+        self.apply(&link);
+        let entry = match translated {
+            Ok(()) => link
+                .functions
+                .iter()
+                .find(|f| f.start == target)
+                .map(|f| f.entry),
+            Err(why) => {
+                tracing::info!("lazy translation of {name} refused: {why}");
+                self.refused.push((name.clone(), why));
+                None
+            }
+        };
+        let Some(entry) = entry else {
+            return Ok(());
+        };
+        self.lazy.translated += 1;
+        tracing::info!(
+            "lazy translation {}: {name} at {target:#x} ({} blocks)",
+            self.lazy.stops,
+            link.blocks.len()
+        );
+        self.names.insert(target, name.clone());
+        let report = session.install(&[Request {
+            name,
+            addr: target,
+            action: Action::Enter(entry),
+        }])?;
+        if report.refused.is_empty() {
+            self.lazy.entries += 1;
+        }
+        self.entries.refused.extend(report.refused);
+        self.entries_installed = session.splicer().map_or(0, |s| s.installed.len());
+        Ok(())
+    }
+
+    /// Adds a link's code, blocks, functions, exits, stubs and table slots to the host's
+    /// copy of the translation.
+    fn apply(&mut self, link: &Link) {
+        let t = &mut self.translation;
+        let end = t.code_at + t.code.len() as u64;
+        if link.code_at == end {
+            t.code.extend_from_slice(&link.code);
+        }
+        t.blocks.extend_from_slice(&link.blocks);
+        for f in &link.functions {
+            t.functions.insert(f.start, *f);
+        }
+        t.exits.extend_from_slice(&link.exits);
+        t.counters = link.counters.clone();
+        for &(target, stub) in &link.stubs {
+            t.stubs.insert(target, stub);
+        }
+        self.lazy.stubs = t.stubs.len();
+        for (at, bytes) in &link.table {
+            let off = (at - t.table_at) as usize;
+            if let Some(slot) = t.table.get_mut(off..off + 16) {
+                slot.copy_from_slice(bytes);
+            }
+        }
+        if let Some(tr) = &self.translator {
+            t.table_entries = tr.table_entries();
+        }
+    }
+
+    /// Reads the block counts now (the guest stopped for it, then resumed): removal reports
+    /// the executions after this point, and the lazy-translation stops after it are counted
+    /// apart (a workload run twice: the second run should need no stop).
+    ///
+    /// # Errors
+    /// When the guest cannot be stopped, read or resumed.
+    pub fn mark(&mut self, session: &mut GuestSession) -> anyhow::Result<()> {
+        session.pause()?;
+        let counts = self.counts(session)?;
+        self.marked = Some(
+            counts
+                .into_iter()
+                .map(|b| ((b.function_addr, b.leader), b.count))
+                .collect(),
+        );
+        self.lazy.stops_at_mark = Some(self.lazy.stops);
+        session.resume()?;
+        Ok(())
     }
 
     /// Compares the translated functions' text with what the guest holds now (through the
@@ -571,19 +868,30 @@ impl LiveJit {
             Some(shared) => shared.read_heap(range.start, len)?,
             None => splicer.read_heap(machine, range.start, len)?,
         };
-        Ok(self
+        // A function translated again after its text changed has two blocks per leader:
+        // one count, their sum.
+        let mut out: Vec<BlockCount> = Vec::new();
+        let mut at: HashMap<(u64, u64), usize> = HashMap::new();
+        for (b, (leader, count)) in self
             .translation
             .blocks
             .iter()
             .zip(self.translation.counts(&bytes))
-            .map(|(b, (leader, count))| BlockCount {
+        {
+            if let Some(&i) = at.get(&(b.function, leader)) {
+                out[i].count += count;
+                continue;
+            }
+            at.insert((b.function, leader), out.len());
+            out.push(BlockCount {
                 function: self.names.get(&b.function).cloned().unwrap_or_default(),
                 function_addr: b.function,
                 leader,
                 count,
                 requested: self.requested.contains(&b.function),
-            })
-            .collect())
+            });
+        }
+        Ok(out)
     }
 
     /// Reads the counters, takes the entry splices out (text byte-identical), zeroes the
@@ -598,7 +906,20 @@ impl LiveJit {
         image: &KernelImage,
     ) -> anyhow::Result<JitRemoval> {
         session.pause()?;
-        let counts = self.counts(session)?;
+        let mut counts = self.counts(session)?;
+        if let Some(marked) = &self.marked {
+            for b in &mut counts {
+                let before = marked
+                    .get(&(b.function_addr, b.leader))
+                    .copied()
+                    .unwrap_or(0);
+                b.count = b.count.saturating_sub(before);
+            }
+        }
+        // Every stub runs its `jmp` (to the original code, or a translation) from now on.
+        for &stub in &self.armed {
+            session.machine.set_breakpoint(stub, false)?;
+        }
         let text = session.remove()?;
         let zeros = vec![0u8; self.translation.table.len()];
         {
@@ -634,6 +955,33 @@ impl LiveJit {
             reach,
         })
     }
+}
+
+/// Writes a link into the guest (stopped): the code over the backend's write path (QEMU
+/// drops its translated blocks there), each table slot cache address first, then its
+/// original address, through the shared RAM when there is one. Nothing runs the new code
+/// before the stub's `jmp` is rewritten, which comes after.
+fn write_link(
+    machine: &mut dyn Machine,
+    splicer: &super::splicer::Splicer,
+    link: &Link,
+) -> anyhow::Result<()> {
+    if !link.code.is_empty() {
+        splicer.write_heap(machine, link.code_at, &link.code)?;
+    }
+    for (at, slot) in &link.table {
+        match &splicer.shared {
+            Some(shared) => {
+                shared.write_heap(at + 8, &slot[8..])?;
+                shared.write_heap(*at, &slot[..8])?;
+            }
+            None => {
+                splicer.write_heap(machine, at + 8, &slot[8..])?;
+                splicer.write_heap(machine, *at, &slot[..8])?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One look, with the guest stopped, for RIPs and return addresses inside `code`: every
