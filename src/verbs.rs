@@ -1033,6 +1033,7 @@ impl VerbRun {
                         "offset": i.at - i.start,
                         "was": i.was,
                         "now": i.now,
+                        "retranslated": i.retranslated,
                     })).collect::<Vec<_>>(),
                     "cache_unreachable": {
                         "unreachable": removal.reach.unreachable(),
@@ -1077,11 +1078,16 @@ impl VerbRun {
                 }
                 for i in &invalidated {
                     self.say(&format!(
-                        "invalidated {}: the kernel changed its text at +{:#x} ({:02x} -> {:02x}); it ran its original code from then on",
+                        "invalidated {}: the kernel changed its text at +{:#x} ({:02x} -> {:02x}); {}",
                         i.function,
                         i.at - i.start,
                         i.was,
-                        i.now
+                        i.now,
+                        if i.retranslated {
+                            "translated again from the new text"
+                        } else {
+                            "it ran its original code from then on"
+                        }
                     ));
                 }
                 let with_kprobes = blocks.kprobes_out.is_some();

@@ -20,8 +20,33 @@
 //! translated (its `ret` pops an ORIGINAL return address, which lands in original text:
 //! the stack never holds a cache address), and after a lookup miss of an indirect branch.
 //! From there the rest of that execution of the function, and of its callers up the stack,
-//! runs uncounted until the next entry splice is hit. Lazy translation and re-entry at such
-//! return sites are not built (issue 18).
+//! runs uncounted until the next entry splice is hit. Re-entry at such return sites is not
+//! built (issue 18).
+//!
+//! # Lazy translation ([`JitOptions::lazy`], [`LiveJit::serve`])
+//! A direct call or jump from translated code to a function start that has no translation
+//! (yet) is linked to a stub: an 8-byte-aligned `jmp <original target>` in the cache, with
+//! an exotap breakpoint on it (QEMU's gdbstub keeps breakpoints outside guest memory). The
+//! first vCPU to reach a stub stops the guest (all vCPUs: the gdbstub is all-stop); exotap
+//! translates the target from the session's text, appends the code after the cache's end,
+//! writes its lookup-table slots (cache address first, then the key), arms the stubs the
+//! new code brings, rewrites the stub's `jmp` to the translation (the backend's write path,
+//! so QEMU drops its blocks there), takes the breakpoint out and splices the function's
+//! entry; then the guest resumes, and the stopped vCPU runs the new `jmp`. Every patch is
+//! made with every vCPU stopped, so no vCPU sees half a stub; the `jmp` lies inside one
+//! aligned quadword all the same. A later call through the stub jumps straight into the
+//! translation: in steady state nothing stops. A target that cannot be translated keeps its
+//! `jmp` to the original; a full cache takes every breakpoint out (stubs then run original
+//! code) and is reported. Return addresses stay original ones (a stub is entered by the
+//! same `push <original return address>; jmp` as a linked call). At removal every
+//! breakpoint comes out first, so a vCPU stopped at a stub goes on to the original code.
+//!
+//! # Text that changes ([`LiveJit::watch`])
+//! A function whose text changed under its translation is translated again from its new
+//! text (at most [`MAX_RETRANSLATIONS`] times): every block head of the earlier translations
+//! becomes a `jmp` to the new translation's block at the same leader, and the lookup table
+//! maps its instructions to the new code. Past the bound, or when the new text cannot be
+//! translated, the heads go to the original code instead and the function runs there.
 //!
 //! # Remove (the guest stopped)
 //! The counters are read; the splicer writes back every entry's original bytes and hashes
@@ -137,6 +162,10 @@ pub struct LiveJit {
     armed: BTreeSet<u64>,
     /// Block counts at [`LiveJit::mark`], subtracted at removal.
     marked: Option<BTreeMap<(u64, u64), u64>>,
+    /// Translations made again per function after its text changed.
+    retranslations: BTreeMap<u64, u32>,
+    /// Functions sent back to their original code for good.
+    given_up: BTreeSet<u64>,
 }
 
 /// What lazy translation did.
@@ -177,7 +206,15 @@ pub struct Invalidation {
     pub was: u8,
     /// See `was`.
     pub now: u8,
+    /// Whether the function was translated again from its new text (else it runs its
+    /// original code from then on).
+    pub retranslated: bool,
 }
+
+/// How many times one function is translated again after its text changed; after that it
+/// runs its original code (a function the kernel keeps patching costs a translation each
+/// time).
+pub const MAX_RETRANSLATIONS: u32 = 8;
 
 /// What the reachability check at removal found.
 #[derive(Debug, Clone, Default)]
@@ -470,10 +507,12 @@ impl LiveJit {
             invalidated: Vec::new(),
             pending: BTreeSet::new(),
             watched: None,
-            translator: lazy.on.then_some(translator),
+            translator: Some(translator),
             lazy,
             armed,
             marked: None,
+            retranslations: BTreeMap::new(),
+            given_up: BTreeSet::new(),
         })
     }
 
@@ -491,7 +530,7 @@ impl LiveJit {
         wait: Duration,
         budget: Duration,
     ) -> anyhow::Result<u64> {
-        if self.translator.is_none() || session.machine.is_paused() {
+        if !self.lazy.on || session.machine.is_paused() {
             return Ok(0);
         }
         let started = Instant::now();
@@ -680,11 +719,13 @@ impl LiveJit {
     /// Compares the translated functions' text with what the guest holds now (through the
     /// shared RAM, the guest running; at most every 100 ms; nothing without shared RAM) and
     /// invalidates every function whose text changed past its entry instruction (the entry
-    /// holds exotap's own splice): its block heads become jumps to the original leaders
-    /// (the entry block's: the relocated entry instruction, then a jump past it) and its
+    /// holds exotap's own splice): it is translated again from the new text and its old
+    /// block heads jump to the new translation (see the module documentation), or, past
+    /// [`MAX_RETRANSLATIONS`], its block heads become jumps to the original leaders (the
+    /// entry block's: the relocated entry instruction, then a jump past it) and its
     /// lookup-table entries map to the original addresses, so every path into the old
     /// translation continues in the kernel's current code. The guest is stopped for the
-    /// writes. A function is not translated again (not built yet).
+    /// writes.
     ///
     /// # Errors
     /// When guest memory cannot be read or written, or the guest stopped.
@@ -703,7 +744,7 @@ impl LiveJit {
             };
             let mut changed = Vec::new();
             for (k, (start, end, bytes, insns)) in self.sources.iter().enumerate() {
-                if self.invalidated.iter().any(|i| i.start == *start) {
+                if self.given_up.contains(start) {
                     continue;
                 }
                 let skip = insns.get(1).map_or(bytes.len() as u64, |n| n - start) as usize;
@@ -715,7 +756,10 @@ impl LiveJit {
                     continue;
                 }
                 if let Some(i) = (skip..bytes.len()).find(|&i| now.get(i) != bytes.get(i)) {
-                    changed.push((k, i, now[i]));
+                    let mut text = now.clone();
+                    // The entry instruction holds exotap's splice: its original bytes.
+                    text[..skip].copy_from_slice(&bytes[..skip]);
+                    changed.push((k, i, now[i], text));
                 }
             }
             changed
@@ -725,36 +769,43 @@ impl LiveJit {
         }
         session.pause()?;
         let mut done = Vec::new();
-        for (k, i, now) in changed {
+        for (k, i, now, text) in changed {
             let (start, _, bytes, insns) = self.sources[k].clone();
             let Some(f) = self.translation.functions.get(&start).copied() else {
                 continue;
             };
-            let inv = Invalidation {
+            let mut inv = Invalidation {
                 function: self.names.get(&start).cloned().unwrap_or_default(),
                 start,
                 at: start + i as u64,
                 was: bytes[i],
                 now,
+                retranslated: false,
             };
             let entry_insn = bytes
                 .get(..insns.get(1).map_or(bytes.len(), |n| (n - start) as usize))
                 .unwrap_or_default()
                 .to_vec();
-            match self.invalidate(session, f.start, &entry_insn, &insns) {
-                Ok(true) => {
+            match self.invalidate(session, f.start, &entry_insn, &insns, k, &text) {
+                Ok(Some(retranslated)) => {
                     self.pending.remove(&start);
+                    inv.retranslated = retranslated;
                     tracing::info!(
-                        "{} changed at {:#x} ({:02x} -> {:02x}): its translation is given up, it runs its original code",
+                        "{} changed at {:#x} ({:02x} -> {:02x}): {}",
                         inv.function,
                         inv.at,
                         inv.was,
-                        inv.now
+                        inv.now,
+                        if retranslated {
+                            "translated again from its new text"
+                        } else {
+                            "its translation is given up, it runs its original code"
+                        }
                     );
                     self.invalidated.push(inv.clone());
                     done.push(inv);
                 }
-                Ok(false) => {
+                Ok(None) => {
                     self.pending.insert(start);
                 }
                 Err(e) => return Err(e),
@@ -764,16 +815,21 @@ impl LiveJit {
         Ok(done)
     }
 
-    /// Sends every way into one function's translation back to its original code (the
-    /// guest stopped); false when a vCPU or an interrupted context is inside a block head
-    /// that would be overwritten.
+    /// Sends every way into one function's translation (the `k`th source) to a new
+    /// translation of `text` (its current text, entry instruction as before the splice) or,
+    /// past [`MAX_RETRANSLATIONS`] or when it cannot be translated, back to its original
+    /// code (the guest stopped). `None` when a vCPU or an interrupted context is inside a
+    /// block head that would be overwritten; else whether it was translated again.
     fn invalidate(
         &mut self,
         session: &mut GuestSession,
         start: u64,
         entry_insn: &[u8],
         insns: &[u64],
-    ) -> anyhow::Result<bool> {
+        k: usize,
+        text: &[u8],
+    ) -> anyhow::Result<Option<bool>> {
+        // Every head so far (an earlier translation's included): all go to the new one.
         let heads: Vec<(u64, u64)> = self
             .translation
             .blocks
@@ -786,13 +842,29 @@ impl LiveJit {
         for vcpu in session.machine.vcpus()? {
             let regs = attach::x86_registers(&mut *session.machine, vcpu)?;
             if heads.iter().any(|&(c, _)| regs.rip > c && regs.rip < c + 5) {
-                return Ok(false);
+                return Ok(None);
             }
         }
+        let retranslated = self.retranslate(session, start, k, text)?;
+        let new_code = |leader: u64| -> Option<u64> {
+            let tr = self.translator.as_ref()?;
+            retranslated.then(|| tr.cache_of(leader)).flatten()
+        };
         let mut writes = Vec::new();
         for &(cache, leader) in &heads {
             let mut code = Vec::new();
             let mut at = cache;
+            if let Some(to) = new_code(leader) {
+                if to == cache {
+                    continue; // a head of the new translation itself
+                }
+                let rel = i32::try_from(to.wrapping_sub(at + 5) as i64)
+                    .context("a translation is out of rel32 reach of another")?;
+                code.push(0xe9);
+                code.extend_from_slice(&rel.to_le_bytes());
+                writes.push((cache, code));
+                continue;
+            }
             if leader == start {
                 let moved = crate::splice::reloc::relocate(
                     entry_insn,
@@ -815,7 +887,12 @@ impl LiveJit {
             code.extend_from_slice(&rel.to_le_bytes());
             writes.push((cache, code));
         }
-        let keys: BTreeSet<u64> = insns.iter().copied().collect();
+        // Instructions the new translation has are in the table already (its link).
+        let keys: BTreeSet<u64> = insns
+            .iter()
+            .copied()
+            .filter(|&a| new_code(a).is_none())
+            .collect();
         let mut table = self.translation.table.clone();
         for slot in table.chunks_exact_mut(16) {
             let key = u64::from_le_bytes(slot[..8].try_into().unwrap_or_default());
@@ -833,6 +910,60 @@ impl LiveJit {
             splicer.write_heap(machine, at, &code)?;
         }
         self.translation.table = table;
+        if !retranslated {
+            self.given_up.insert(start);
+        }
+        Ok(Some(retranslated))
+    }
+
+    /// Translates the `k`th source function again from `text` (its current bytes) and
+    /// writes the new translation into the cache, unless it was translated
+    /// [`MAX_RETRANSLATIONS`] times already or cannot be (the cache full, text that does
+    /// not analyse). Whether it was.
+    fn retranslate(
+        &mut self,
+        session: &mut GuestSession,
+        start: u64,
+        k: usize,
+        text: &[u8],
+    ) -> anyhow::Result<bool> {
+        let done = self.retranslations.get(&start).copied().unwrap_or(0);
+        let Some(translator) = self.translator.as_mut() else {
+            return Ok(false);
+        };
+        if done >= MAX_RETRANSLATIONS {
+            return Ok(false);
+        }
+        let end = start + text.len() as u64;
+        let (machine, splicer) = session.parts()?;
+        let analysis = exotap_introspect::x86::FunctionAnalysis::analyze(
+            text,
+            start,
+            &splicer.kernel.facts.config,
+        );
+        let view = exotap_introspect::x86::CodeView::new(start, text)
+            .context("the function's new text")?;
+        translator.forget(start, end);
+        if let Err(e) = translator.translate(view, &analysis) {
+            tracing::info!("cannot translate the function at {start:#x} again: {e:#}");
+            return Ok(false);
+        }
+        let link = translator.link()?;
+        write_link(machine, splicer, &link)?;
+        for &(_, stub) in &link.stubs {
+            if self.lazy.on
+                && self.lazy.full.is_none()
+                && machine.set_breakpoint(stub, true).is_ok()
+            {
+                self.armed.insert(stub);
+            }
+        }
+        self.apply(&link);
+        self.retranslations.insert(start, done + 1);
+        if let Some(source) = self.sources.get_mut(k) {
+            source.2 = text.to_vec();
+            source.3 = analysis.cfg.insns().iter().map(|i| i.addr).collect();
+        }
         Ok(true)
     }
 
