@@ -1455,7 +1455,13 @@ fn run_with(
                     }
                     bail!("the guest ended with the splices in");
                 }
-                Some(_) => l.session.resume()?,
+                Some(event) => match l.jit.as_mut() {
+                    // A lazy-translation stop (the JIT's stub breakpoints).
+                    Some(jit) => {
+                        jit.on_stop(&mut l.session, &verb.image, &event)?;
+                    }
+                    None => l.session.resume()?,
+                },
             }
         }
         verb.remove()?;

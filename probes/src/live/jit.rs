@@ -464,7 +464,15 @@ impl LiveJit {
             ..LazyStats::default()
         };
         let mut armed = BTreeSet::new();
-        if options.lazy {
+        if options.lazy && session.machine.backend() != "qemu gdbstub" {
+            // Only the gdbstub's stops are served while the guest runs.
+            tracing::warn!(
+                "no lazy translation on the {} backend: only over QEMU's gdbstub",
+                session.machine.backend()
+            );
+            lazy.on = false;
+        }
+        if lazy.on {
             for &stub in translation.stubs.values() {
                 match session.machine.set_breakpoint(stub, true) {
                     Ok(()) => {
@@ -539,21 +547,43 @@ impl LiveJit {
         while started.elapsed() < budget {
             match session.wait(timeout)? {
                 None | Some(StopEvent::Paused) | Some(StopEvent::Exited) => break,
-                Some(StopEvent::Breakpoint { pc, .. }) => {
-                    let stop = Instant::now();
-                    if self.armed.contains(&pc) {
-                        self.lazy_stop(session, image, pc)?;
-                        served += 1;
-                    } else {
-                        self.lazy.other_stops += 1;
-                    }
-                    self.lazy.stopped += stop.elapsed();
-                    session.resume()?;
+                Some(event) => {
+                    served += u64::from(self.on_stop(session, image, &event)?);
                 }
-                Some(StopEvent::Stepped { .. }) => session.resume()?,
             }
             timeout = Duration::from_millis(5);
         }
+        Ok(served)
+    }
+
+    /// Serves one stop of the guest that someone else waited for: a breakpoint at an
+    /// armed stub is a lazy-translation stop ([`LiveJit::lazy_stop`]). The guest resumes
+    /// after any breakpoint or step; whether it was a lazy-translation stop.
+    ///
+    /// # Errors
+    /// As [`LiveJit::serve`].
+    pub fn on_stop(
+        &mut self,
+        session: &mut GuestSession,
+        image: &KernelImage,
+        event: &StopEvent,
+    ) -> anyhow::Result<bool> {
+        let served = match *event {
+            StopEvent::Breakpoint { pc, .. } => {
+                let stop = Instant::now();
+                let ours = self.armed.contains(&pc);
+                if ours {
+                    self.lazy_stop(session, image, pc)?;
+                } else {
+                    self.lazy.other_stops += 1;
+                }
+                self.lazy.stopped += stop.elapsed();
+                ours
+            }
+            StopEvent::Stepped { .. } => false,
+            StopEvent::Paused | StopEvent::Exited => return Ok(false),
+        };
+        session.resume()?;
         Ok(served)
     }
 
