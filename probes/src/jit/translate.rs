@@ -1230,6 +1230,38 @@ mod tests {
     }
 
     #[test]
+    fn a_lazy_target_the_full_cache_cannot_take_keeps_its_stub_to_the_original_code() {
+        let fx = fixture();
+        let view = CodeView::new(TEXT, &fx.bytes).unwrap();
+        let mut sizing = Translator::new(layout(0x4000), &[])
+            .unwrap()
+            .with_lazy(HashSet::from([G]));
+        sizing.translate(view, &fx.f).unwrap();
+        let f_and_stub = sizing.link().unwrap();
+        // Room for the dispatch routine, f and g's stub, not for g.
+        let mut small = layout(0x400);
+        small.code.end = f_and_stub.code_at + f_and_stub.code.len() as u64 + 4;
+        let mut t = Translator::new(small, &[])
+            .unwrap()
+            .with_lazy(HashSet::from([G]));
+        t.translate(view, &fx.f).unwrap();
+        let first = t.link().unwrap();
+
+        let refused = t.translate(view, &fx.g);
+        let second = t.link().unwrap();
+        let snapshot = t.snapshot();
+        let (_, rax0, _, _, _) = run(&fx.bytes, None, TEXT);
+        let (end, rax1, _, _, _) = run(&fx.bytes, Some(&snapshot), snapshot.entry(TEXT).unwrap());
+
+        assert_eq!(first.stubs.len(), 1);
+        assert!(matches!(refused, Err(TranslateError::Full { .. })));
+        assert!(second.code.is_empty() && second.functions.is_empty());
+        assert_eq!(t.resolve(G), None);
+        // The stub still jumps to g's original code: the kernel computes the same.
+        assert_eq!((end, rax1), (RunEnd::Halted(HALT), rax0));
+    }
+
+    #[test]
     fn counters_save_flags_only_where_liveness_says_they_are_live() {
         let fx = fixture();
 
