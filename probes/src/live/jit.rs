@@ -546,7 +546,7 @@ impl LiveJit {
         let mut timeout = wait;
         while started.elapsed() < budget {
             match session.wait(timeout)? {
-                None | Some(StopEvent::Paused) | Some(StopEvent::Exited) => break,
+                None | Some(StopEvent::Exited) => break,
                 Some(event) => {
                     served += u64::from(self.on_stop(session, image, &event)?);
                 }
@@ -558,7 +558,7 @@ impl LiveJit {
 
     /// Serves one stop of the guest that someone else waited for: a breakpoint at an
     /// armed stub is a lazy-translation stop ([`LiveJit::lazy_stop`]). The guest resumes
-    /// after any breakpoint or step; whether it was a lazy-translation stop.
+    /// after any stop but its end; whether it was a lazy-translation stop.
     ///
     /// # Errors
     /// As [`LiveJit::serve`].
@@ -573,15 +573,24 @@ impl LiveJit {
                 let stop = Instant::now();
                 let ours = self.armed.contains(&pc);
                 if ours {
-                    self.lazy_stop(session, image, pc)?;
+                    if let Err(e) = self.lazy_stop(session, image, pc) {
+                        // The stub's `jmp` is whole either way (to the original, or to a
+                        // translation written before the failure): the guest goes on.
+                        if session.machine.set_breakpoint(pc, false).is_ok() {
+                            self.armed.remove(&pc);
+                        }
+                        session.resume()?;
+                        return Err(e);
+                    }
                 } else {
                     self.lazy.other_stops += 1;
                 }
                 self.lazy.stopped += stop.elapsed();
                 ours
             }
-            StopEvent::Stepped { .. } => false,
-            StopEvent::Paused | StopEvent::Exited => return Ok(false),
+            // A stop nobody asked for (an interrupt the stub answered late): go on.
+            StopEvent::Stepped { .. } | StopEvent::Paused => false,
+            StopEvent::Exited => return Ok(false),
         };
         session.resume()?;
         Ok(served)
@@ -684,15 +693,20 @@ impl LiveJit {
             link.blocks.len()
         );
         self.names.insert(target, name.clone());
-        let report = session.install(&[Request {
-            name,
+        // Without its entry splice the function is still entered from translated code.
+        match session.install(&[Request {
+            name: name.clone(),
             addr: target,
             action: Action::Enter(entry),
-        }])?;
-        if report.refused.is_empty() {
-            self.lazy.entries += 1;
+        }]) {
+            Ok(report) => {
+                if report.refused.is_empty() {
+                    self.lazy.entries += 1;
+                }
+                self.entries.refused.extend(report.refused);
+            }
+            Err(e) => tracing::warn!("no entry splice for {name}, translated lazily: {e:#}"),
         }
-        self.entries.refused.extend(report.refused);
         self.entries_installed = session.splicer().map_or(0, |s| s.installed.len());
         Ok(())
     }
