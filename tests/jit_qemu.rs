@@ -40,7 +40,8 @@ use exotap_probes::live::KernelImage;
 /// files), `do_sys_openat2` (after `getname`,
 /// whose user copy runs at its original address): an indirect call the lookup table
 /// misses, or a user access, runs original code, and its `ret` pops an original return
-/// address, so the rest of the caller runs uncounted (no lazy translation yet). And
+/// address, so the rest of the caller runs uncounted (a return into original code does not
+/// come back into the cache, lazy translation or not). And
 /// `task_work_add` is translated but not compared: its `cmpxchg` retry loop takes its
 /// retry branch when another CPU raced it, which differs from run to run.
 const FUNCTIONS: &[&str] = &[
@@ -59,8 +60,8 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 /// Translated too (their callees are the compared functions'), not compared.
-/// `__x64_sys_open` calls `do_sys_openat2`, whose translation is given up once the guest
-/// arms its own kprobe there (see [`OWN_KPROBE`]): from then on `do_sys_openat2` returns
+/// `__x64_sys_open` calls `do_sys_openat2`, which the guest's own kprobe makes leave the
+/// cache for its original code (see [`OWN_KPROBE`]): from then on `do_sys_openat2` returns
 /// by its original `ret` into `__x64_sys_open`'s original code.
 const ALSO_TRANSLATED: &[&str] = &[
     "do_sys_openat2",
@@ -71,7 +72,8 @@ const ALSO_TRANSLATED: &[&str] = &[
 
 /// The function in which the guest arms and disarms its own kprobe in each window, at the
 /// instruction after the entry's nop (not a leader). It is translated and not compared:
-/// once the kprobe is armed, exotap sees the text change and gives up its translation.
+/// once the kprobe is armed, exotap sees the text change and translates the function again
+/// from the new text, where the kprobe's `int3` leaves the cache for its original address.
 const OWN_KPROBE: &str = "do_sys_openat2";
 
 /// Block leaders of `names` in the link-time text (offsets from each entry), skipping int3
