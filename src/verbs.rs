@@ -1020,6 +1020,7 @@ impl VerbRun {
                         "stopped_ms": stats.lazy.stopped.as_secs_f64() * 1e3,
                         "full": stats.lazy.full,
                         "other_stops": stats.lazy.other_stops,
+                        "changed_text": stats.lazy.changed_text,
                     },
                     "text": {
                         "pages": removal.text.pages,

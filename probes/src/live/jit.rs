@@ -189,6 +189,8 @@ pub struct LazyStats {
     pub full: Option<String>,
     /// Breakpoint stops at no armed stub (resumed at once).
     pub other_stops: u64,
+    /// Functions translated lazily from text the kernel had changed since exotap read it.
+    pub changed_text: usize,
 }
 
 /// A translation given up because the kernel changed the text under it (the guest arming
@@ -623,19 +625,43 @@ impl LiveJit {
             .analysis
             .function_containing(target)
             .filter(|f| f.cfg.start() == target);
-        let translated = match function {
+        // The kernel may have changed the function since its text was read (a jump label it
+        // flipped): what is there now is translated.
+        let made = function.map(|f| {
+            let (start, end) = (f.cfg.start(), f.cfg.end());
+            let known = ctx.text.range(start, end).unwrap_or_default().to_vec();
+            let mut now = vec![0u8; known.len()];
+            let read = match (&splicer.shared, splicer.kernel.phys(start)) {
+                (Some(shared), Some(phys)) => shared.read_phys(phys, &mut now).is_ok(),
+                _ => machine.read_virt(VcpuId(0), start, &mut now).is_ok(),
+            };
+            if !read || now == known {
+                let insns: Vec<u64> = f.cfg.insns().iter().map(|i| i.addr).collect();
+                translator
+                    .translate(ctx.text, f)
+                    .map(|()| (start, end, known, insns))
+            } else {
+                self.lazy.changed_text += 1;
+                let fresh = exotap_introspect::x86::FunctionAnalysis::analyze(
+                    &now,
+                    start,
+                    &splicer.kernel.facts.config,
+                );
+                let insns: Vec<u64> = fresh.cfg.insns().iter().map(|i| i.addr).collect();
+                match exotap_introspect::x86::CodeView::new(start, &now) {
+                    Ok(view) => translator
+                        .translate(view, &fresh)
+                        .map(|()| (start, end, now.clone(), insns)),
+                    Err(_) => Err(TranslateError::NoCode { start }),
+                }
+            }
+        });
+        let translated = match made {
             None => Err("no analysed function starts there".to_owned()),
-            Some(f) => match translator.translate(ctx.text, f) {
-                Ok(()) => {
-                    let bytes = ctx
-                        .text
-                        .range(f.cfg.start(), f.cfg.end())
-                        .unwrap_or_default()
-                        .to_vec();
-                    let insns = f.cfg.insns().iter().map(|i| i.addr).collect();
-                    self.sources
-                        .push((f.cfg.start(), f.cfg.end(), bytes, insns));
-                    self.source_bytes += f.cfg.end() - f.cfg.start();
+            Some(made) => match made {
+                Ok((start, end, bytes, insns)) => {
+                    self.sources.push((start, end, bytes, insns));
+                    self.source_bytes += end - start;
                     Ok(())
                 }
                 Err(e @ TranslateError::Full { .. }) => {
