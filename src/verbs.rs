@@ -113,6 +113,13 @@ pub struct CountArgs {
     /// With --blocks: print the blocks of the translated callees too.
     #[arg(long, requires = "blocks")]
     pub all_blocks: bool,
+    /// With --blocks: lazy translation. A direct call or jump from translated code to a
+    /// function not translated yet stops the guest once (a breakpoint on a stub in the
+    /// cache); exotap translates the function, relinks the stub and splices its entry. A job
+    /// may `exotap_wait jit-mark`: the counts printed are those after it, and the stops
+    /// before and after it are reported apart.
+    #[arg(long, requires = "blocks")]
+    pub lazy: bool,
     /// With --blocks: output format.
     #[arg(long, value_enum, default_value_t = BlockFormat::Text, requires = "blocks")]
     pub format: BlockFormat,
@@ -142,6 +149,9 @@ pub struct CoverageArgs {
     /// Translate direct callees to this depth too (their lines are not reported).
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub depth: u32,
+    /// Lazy translation of the functions reached beyond --depth (see `count --lazy`).
+    #[arg(long)]
+    pub lazy: bool,
     #[command(flatten)]
     pub live: LiveArgs,
 }
@@ -159,6 +169,7 @@ pub enum BlockFormat {
 #[derive(Debug, Clone)]
 struct BlocksRun {
     depth: u32,
+    lazy: bool,
     all: bool,
     format: BlockFormat,
     /// The guest's kprobe hits per (symbol, offset) at its `kprobes-in` wait.
@@ -318,6 +329,7 @@ impl VerbRun {
                     .collect();
             let options = JitOptions {
                 depth: self.blocks.as_ref().map_or(1, |b| b.depth),
+                lazy: self.blocks.as_ref().is_some_and(|b| b.lazy),
                 ..JitOptions::default()
             };
             let jit = LiveJit::install(&mut live.session, &self.image, &functions, &options)?;
@@ -791,10 +803,34 @@ impl VerbRun {
         let Some(jit) = jit.as_mut() else {
             return;
         };
+        // Lazy-translation stops first (the guest may be waiting at one), at most 500 ms a
+        // tick so that the console keeps being read.
+        if let Err(e) = jit.serve(
+            session,
+            &self.image,
+            Duration::from_millis(1),
+            Duration::from_millis(500),
+        ) {
+            eprintln!("exotap: warning: lazy translation failed: {e:#}");
+        }
         if let Err(e) = jit.watch(session) {
             eprintln!(
                 "exotap: warning: cannot compare the translated text with the guest's: {e:#}"
             );
+        }
+    }
+
+    /// `count --blocks` at a `jit-mark` wait: the block counts so far are set aside
+    /// ([`LiveJit::mark`]).
+    fn mark_jit(&mut self) -> anyhow::Result<()> {
+        self.settle();
+        let Some(live) = self.live.as_mut() else {
+            return Ok(());
+        };
+        let Live { session, jit, .. } = live;
+        match jit.as_mut() {
+            Some(jit) => jit.mark(session),
+            None => Ok(()),
         }
     }
 
@@ -906,6 +942,7 @@ impl VerbRun {
                 .map(|(k, v)| (format!("{k:?}"), v))
                 .collect(),
             refused: jit.refused.clone(),
+            lazy: jit.lazy.clone(),
         };
         let invalidated = jit.invalidated.clone();
         let ranges: Vec<(u64, u64)> = jit
@@ -961,6 +998,7 @@ impl VerbRun {
                             "link_address": format!("{:#x}", b.leader.wrapping_sub(slide)),
                             "line": line_of(b.leader),
                             "count": b.count,
+                            "requested": b.requested,
                             "kprobe": kprobe(&b.function, offset),
                         })
                     })
@@ -981,6 +1019,19 @@ impl VerbRun {
                         "exits": stats.exits,
                         "refused": stats.refused,
                     },
+                    "lazy": {
+                        "on": stats.lazy.on,
+                        "stops": stats.lazy.stops,
+                        "stops_at_mark": stats.lazy.stops_at_mark,
+                        "stops_after_mark": stats.lazy.stops_at_mark.map(|m| stats.lazy.stops - m),
+                        "translated": stats.lazy.translated,
+                        "entry_splices": stats.lazy.entries,
+                        "stubs": stats.lazy.stubs,
+                        "stopped_ms": stats.lazy.stopped.as_secs_f64() * 1e3,
+                        "full": stats.lazy.full,
+                        "other_stops": stats.lazy.other_stops,
+                        "changed_text": stats.lazy.changed_text,
+                    },
                     "text": {
                         "pages": removal.text.pages,
                         "sha256_before": removal.text.before,
@@ -993,6 +1044,7 @@ impl VerbRun {
                         "offset": i.at - i.start,
                         "was": i.was,
                         "now": i.now,
+                        "retranslated": i.retranslated,
                     })).collect::<Vec<_>>(),
                     "cache_unreachable": {
                         "unreachable": removal.reach.unreachable(),
@@ -1019,16 +1071,34 @@ impl VerbRun {
                     stats.entries_refused,
                     stats.exits
                 ));
+                if stats.lazy.on {
+                    let l = &stats.lazy;
+                    self.say(&format!(
+                        "lazy translation: {} stops ({} after jit-mark), {} functions translated, {} entry splices, {} stubs, {:.0} ms stopped{}",
+                        l.stops,
+                        l.stops_at_mark.map_or_else(|| "-".to_owned(), |m| (l.stops - m).to_string()),
+                        l.translated,
+                        l.entries,
+                        l.stubs,
+                        l.stopped.as_secs_f64() * 1e3,
+                        l.full.as_ref().map_or_else(String::new, |f| format!("; stopped early: {f}"))
+                    ));
+                }
                 for (name, why) in &stats.refused {
                     self.say(&format!("not translated {name}: {why}"));
                 }
                 for i in &invalidated {
                     self.say(&format!(
-                        "invalidated {}: the kernel changed its text at +{:#x} ({:02x} -> {:02x}); it ran its original code from then on",
+                        "invalidated {}: the kernel changed its text at +{:#x} ({:02x} -> {:02x}); {}",
                         i.function,
                         i.at - i.start,
                         i.was,
-                        i.now
+                        i.now,
+                        if i.retranslated {
+                            "translated again from the new text"
+                        } else {
+                            "it ran its original code from then on"
+                        }
                     ));
                 }
                 let with_kprobes = blocks.kprobes_out.is_some();
@@ -1131,6 +1201,7 @@ struct JitStats {
     entries_refused: usize,
     exits: BTreeMap<String, usize>,
     refused: Vec<(String, String)>,
+    lazy: exotap_probes::live::jit::LazyStats,
 }
 
 /// How often the trace rings are drained while the guest runs (each drain stops it).
@@ -1268,6 +1339,7 @@ impl PhaseHook for SpliceHook {
             "unsplice" => self.verb.remove(),
             "kprobes-in" => self.verb.read_kprobe_sites(&self.target, true),
             "kprobes-out" => self.verb.read_kprobe_sites(&self.target, false),
+            "jit-mark" => self.verb.mark_jit(),
             _ => Ok(()),
         };
         result.map_err(|e| QemuError::Hook {
@@ -1394,7 +1466,13 @@ fn run_with(
                     }
                     bail!("the guest ended with the splices in");
                 }
-                Some(_) => l.session.resume()?,
+                Some(event) => match l.jit.as_mut() {
+                    // A lazy-translation stop (the JIT's stub breakpoints).
+                    Some(jit) => {
+                        jit.on_stop(&mut l.session, &verb.image, &event)?;
+                    }
+                    None => l.session.resume()?,
+                },
             }
         }
         verb.remove()?;
@@ -1502,6 +1580,7 @@ fn finish(outcome: qemu::RunOutcome, refused_any: bool) -> anyhow::Result<i32> {
 pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
     let blocks = args.blocks.then(|| BlocksRun {
         depth: args.depth,
+        lazy: args.lazy,
         all: args.all_blocks,
         format: args.format,
         kprobes_in: None,
@@ -1547,6 +1626,7 @@ pub fn run_coverage(args: &CoverageArgs) -> anyhow::Result<i32> {
     }
     let blocks = BlocksRun {
         depth: args.depth,
+        lazy: args.lazy,
         all: false,
         format: args.format,
         kprobes_in: None,

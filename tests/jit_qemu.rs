@@ -40,7 +40,8 @@ use exotap_probes::live::KernelImage;
 /// files), `do_sys_openat2` (after `getname`,
 /// whose user copy runs at its original address): an indirect call the lookup table
 /// misses, or a user access, runs original code, and its `ret` pops an original return
-/// address, so the rest of the caller runs uncounted (no lazy translation yet). And
+/// address, so the rest of the caller runs uncounted (a return into original code does not
+/// come back into the cache, lazy translation or not). And
 /// `task_work_add` is translated but not compared: its `cmpxchg` retry loop takes its
 /// retry branch when another CPU raced it, which differs from run to run.
 const FUNCTIONS: &[&str] = &[
@@ -59,8 +60,8 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 /// Translated too (their callees are the compared functions'), not compared.
-/// `__x64_sys_open` calls `do_sys_openat2`, whose translation is given up once the guest
-/// arms its own kprobe there (see [`OWN_KPROBE`]): from then on `do_sys_openat2` returns
+/// `__x64_sys_open` calls `do_sys_openat2`, which the guest's own kprobe makes leave the
+/// cache for its original code (see [`OWN_KPROBE`]): from then on `do_sys_openat2` returns
 /// by its original `ret` into `__x64_sys_open`'s original code.
 const ALSO_TRANSLATED: &[&str] = &[
     "do_sys_openat2",
@@ -71,7 +72,8 @@ const ALSO_TRANSLATED: &[&str] = &[
 
 /// The function in which the guest arms and disarms its own kprobe in each window, at the
 /// instruction after the entry's nop (not a leader). It is translated and not compared:
-/// once the kprobe is armed, exotap sees the text change and gives up its translation.
+/// once the kprobe is armed, exotap sees the text change and translates the function again
+/// from the new text, where the kprobe's `int3` leaves the cache for its original address.
 const OWN_KPROBE: &str = "do_sys_openat2";
 
 /// Block leaders of `names` in the link-time text (offsets from each entry), skipping int3
@@ -417,6 +419,30 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     // Others may be invalidated too: jump labels the kernel flips while the JIT is in.
     eprintln!("invalidated: {invalidated:?}");
     assert!(invalidated.iter().any(|f| f == OWN_KPROBE), "{ctx}");
+    // Each change is translated again from the new text (the kprobe's int3 then leaves the
+    // cache for its original address, where it fires: the hits above are equal).
+    let again: Vec<String> = doc["invalidated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            format!(
+                "{}+{}:{}",
+                i["function"].as_str().unwrap(),
+                i["offset"],
+                i["retranslated"]
+            )
+        })
+        .collect();
+    eprintln!("invalidations (function+offset:translated again): {again:?}");
+    assert!(
+        doc["invalidated"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["function"] == OWN_KPROBE && i["retranslated"] == true),
+        "{ctx}"
+    );
     assert_eq!(
         log.matches("sysrq: Show backtrace of all active CPUs")
             .count(),
@@ -430,6 +456,144 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
         "ftrace failed",
         "ftrace faulted",
     ] {
+        assert!(!log.contains(bad), "console has {bad}:\n{log}");
+    }
+}
+
+/// Lazy translation (`--lazy`), asked for: the syscall entries only (`--depth 0`).
+const LAZY_REQUESTED: &[&str] = &[
+    "__x64_sys_getpid",
+    "__x64_sys_getppid",
+    "__x64_sys_close",
+    "__x64_sys_open",
+    "__x64_sys_pread64",
+];
+
+/// Compared with the guest's kprobes under lazy translation: functions the JIT reaches only
+/// through lazy translation (none is asked for; the depth is 0). Not `do_filp_open` and the
+/// rest of the open path: `do_sys_openat2` calls them after `getname`, whose user copy runs
+/// at its original address, so that call of `do_sys_openat2` goes on in its original code and
+/// never reaches their stubs (a return into original code does not come back into the cache).
+const LAZY_COMPARED: &[&str] = &[
+    "__task_pid_nr_ns",
+    "close_fd",
+    "pick_file",
+    "filp_close",
+    "dnotify_flush",
+    "locks_remove_posix",
+    "fput",
+    "rw_verify_area",
+];
+
+/// Lazy translation in the guest: only the syscall entries are translated up front
+/// (`--depth 0 --lazy`); every function they reach through direct calls is translated at
+/// its first call, by one stop of the guest at a stub. The job runs the workload W under
+/// the guest's kprobes at the leaders of [`LAZY_COMPARED`], then under the JIT three times:
+/// W twice (the warm-up, where the stops happen), `exotap_wait jit-mark` (the counts so far
+/// set aside), W again. The counts after the mark must equal the kprobes' over their W, and
+/// the last W must need few stops: a stop is a function reached for the first time (after
+/// the warm-up: rare slow paths, such as a slab refill or a load balance).
+#[test]
+fn lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_state() {
+    let test = "lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_state";
+    if !have_qemu(test) {
+        return;
+    }
+    let Some(dir) =
+        exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+    else {
+        eprintln!("SKIP {test}: no cached Debian kernel (exotap image fetch)");
+        return;
+    };
+    let image = KernelImage::load(dir.join("vmlinuz")).unwrap();
+    let leaders = self::leaders(&image, LAZY_COMPARED);
+    let mut job = String::from("T=/sys/kernel/tracing\n{\n");
+    job.push_str("while read l; do echo \"$l\" >> $T/kprobe_events || echo \"KPROBE-REFUSED $l\"; done <<'EOF'\n");
+    for (i, (f, off)) in leaders.iter().enumerate() {
+        job.push_str(&format!("p:exotap/b{i} {f}+{off:#x}\n"));
+    }
+    job.push_str(
+        "EOF\n\
+         W() { syscall-loop 200 > /dev/null; }\n\
+         W\n\
+         echo 1 > $T/events/exotap/enable\n\
+         exotap_wait kprobes-in; W; exotap_wait kprobes-out\n\
+         echo 0 > $T/events/exotap/enable\n\
+         echo > $T/kprobe_events\n\
+         exotap_result kprobes_left \"$(wc -l < $T/kprobe_events)\"\n\
+         exotap_wait splice; W; W; exotap_wait jit-mark; W; exotap_wait unsplice\n\
+         }\n",
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let job_file = tmp.path().join("job.sh");
+    std::fs::write(&job_file, job).unwrap();
+    let console = tmp.path().join("console.log");
+    let mut cmd = exotap();
+    cmd.arg("count")
+        .arg("--blocks")
+        .args(LAZY_REQUESTED)
+        .args(["--depth", "0", "--lazy", "--all-blocks", "--format", "json"])
+        .args(["--compare-kprobes", "--timeout", "900", "--job"])
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console);
+    let started = std::time::Instant::now();
+    let (code, out, err) = run(&mut cmd);
+    let log = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stderr:\n{err}");
+    eprintln!("took {:.0} s", started.elapsed().as_secs_f64());
+
+    assert_eq!(code, 0, "{ctx}\nconsole:\n{log}");
+    assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+    let json_end = out.find("\nEXOTAP-").unwrap_or(out.len());
+    let doc: serde_json::Value = serde_json::from_str(&out[..json_end]).expect("JSON");
+    let lazy = &doc["lazy"];
+    eprintln!("lazy translation: {lazy}");
+    let mut compared = 0;
+    let mut executed = 0;
+    let mut differ = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for b in doc["blocks"].as_array().unwrap() {
+        let f = b["function"].as_str().unwrap();
+        if !LAZY_COMPARED.contains(&f) {
+            continue;
+        }
+        assert_eq!(b["requested"], false, "{f} was asked for");
+        seen.insert(f.to_owned());
+        let (count, off) = (b["count"].as_u64().unwrap(), b["offset"].as_u64().unwrap());
+        let Some(k) = b["kprobe"].as_u64() else {
+            continue;
+        };
+        compared += 1;
+        executed += usize::from(count > 0);
+        if k != count {
+            differ.push(format!("{f}+{off:#x}: JIT {count}, kprobe {k}"));
+        }
+    }
+    eprintln!(
+        "lazily translated functions compared: {} ({compared} blocks, {executed} executed), {} differ",
+        seen.len(),
+        differ.len()
+    );
+    let refused = log.lines().filter(|l| l.contains("KPROBE-REFUSED")).count();
+    assert!(refused * 10 <= leaders.len(), "{refused} kprobes refused");
+    assert!(differ.is_empty(), "{}\n{ctx}", differ.join("\n"));
+    assert_eq!(
+        seen.len(),
+        LAZY_COMPARED.len(),
+        "translated lazily: {seen:?}"
+    );
+    assert!(executed >= 30, "only {executed} executed blocks compared");
+    let stops = lazy["stops"].as_u64().unwrap();
+    let after = lazy["stops_after_mark"].as_u64().unwrap();
+    assert_eq!(lazy["on"], true);
+    assert!(lazy["translated"].as_u64().unwrap() >= LAZY_COMPARED.len() as u64);
+    // Steady state: the run after the warm-up stops a fifth as often at most.
+    assert!(stops >= 10 && after * 5 <= stops, "{lazy}");
+    assert_eq!(result(&out, "kprobes_left"), Some("0"), "{ctx}");
+    assert_eq!(doc["text"]["identical"], true, "{ctx}");
+    assert_eq!(doc["cache_unreachable"]["unreachable"], true, "{ctx}");
+    for bad in ["WARNING:", "BUG:", "Oops"] {
         assert!(!log.contains(bad), "console has {bad}:\n{log}");
     }
 }

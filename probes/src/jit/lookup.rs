@@ -44,6 +44,9 @@ pub struct LookupTable {
     at: u64,
     slots: Vec<(u64, u64)>,
     entries: usize,
+    /// Slots written since [`LookupTable::take_changed`] last ran (lazy translation writes
+    /// only these to the guest).
+    changed: Vec<usize>,
 }
 
 /// The slot a target hashes to; the dispatch routine computes the same.
@@ -66,6 +69,7 @@ impl LookupTable {
             at,
             slots: vec![(0, 0); slots],
             entries: 0,
+            changed: Vec::new(),
         })
     }
 
@@ -111,6 +115,7 @@ impl LookupTable {
             let slot = &mut self.slots[i];
             if slot.0 == original {
                 slot.1 = cache;
+                self.changed.push(i);
                 return Ok(());
             }
             if slot.0 == 0 {
@@ -122,6 +127,7 @@ impl LookupTable {
                 }
                 *slot = (original, cache);
                 self.entries += 1;
+                self.changed.push(i);
                 return Ok(());
             }
             i = (i + 1) & (n - 1);
@@ -141,6 +147,24 @@ impl LookupTable {
             }
         }
         None
+    }
+
+    /// The slots written since the last call, as (guest address, the slot's 16 bytes), in
+    /// slot order.
+    pub fn take_changed(&mut self) -> Vec<(u64, [u8; 16])> {
+        let mut changed = std::mem::take(&mut self.changed);
+        changed.sort_unstable();
+        changed.dedup();
+        changed
+            .into_iter()
+            .map(|i| {
+                let (o, c) = self.slots[i];
+                let mut bytes = [0u8; 16];
+                bytes[..8].copy_from_slice(&o.to_le_bytes());
+                bytes[8..].copy_from_slice(&c.to_le_bytes());
+                (self.at + i as u64 * SLOT_BYTES, bytes)
+            })
+            .collect()
     }
 
     /// The table's bytes, as the guest reads them.

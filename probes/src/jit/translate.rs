@@ -42,7 +42,8 @@
 //! function; what was translated stays consistent (calls to the untranslated function
 //! go to its original code).
 
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use exotap_introspect::x86::{CodeView, Flow, FunctionAnalysis, Insn, StatusFlags};
 use iced_x86::{Code, Encoder, FlowControl, Instruction, Register};
@@ -194,6 +195,41 @@ pub struct Translation {
     pub exits: Vec<CacheExit>,
     /// Why translation stopped early, if it did.
     pub full: Option<CacheError>,
+    /// Lazy-translation stubs: untranslated target → stub address ([`Translator::with_lazy`]).
+    pub stubs: BTreeMap<u64, u64>,
+}
+
+/// What one [`Translator::link`] adds to a cache whose earlier code is already in the
+/// guest: everything translated since the previous link, linked.
+#[derive(Debug, Clone, Default)]
+pub struct Link {
+    /// Where `code` goes (right after the code handed out before).
+    pub code_at: u64,
+    /// The new translations and stubs.
+    pub code: Vec<u8>,
+    /// Lookup-table slots written: (guest address, the slot's 16 bytes).
+    pub table: Vec<(u64, [u8; 16])>,
+    /// New lazy-translation stubs: (untranslated target, stub address).
+    pub stubs: Vec<(u64, u64)>,
+    /// Blocks translated since the previous link.
+    pub blocks: Vec<CountedBlock>,
+    /// Functions translated since the previous link.
+    pub functions: Vec<TranslatedFunction>,
+    /// Cache exits of those functions.
+    pub exits: Vec<CacheExit>,
+    /// The counters in use now (from the area's start).
+    pub counters: std::ops::Range<u64>,
+}
+
+/// Bytes of a lazy-translation stub: `jmp rel32` and three `int3`, 8-byte aligned so that
+/// the `jmp` lies inside one aligned quadword.
+pub const STUB_BYTES: u64 = 8;
+
+/// The 5-byte `jmp rel32` at `stub` that sends a lazy-translation stub to `to` (the
+/// target's translation once it has one, the original target before).
+#[must_use]
+pub fn stub_jump(stub: u64, to: u64) -> Option<[u8; 5]> {
+    entry_splice(stub, to)
 }
 
 impl Translation {
@@ -334,7 +370,7 @@ pub struct Translator<'k> {
     counters: Bump,
     table: LookupTable,
     dispatch: u64,
-    address_keyed: &'k [u64],
+    address_keyed: Cow<'k, [u64]>,
     map: HashMap<u64, u64>,
     dispatch_targets: Vec<u64>,
     fixups: Vec<Fixup>,
@@ -346,6 +382,17 @@ pub struct Translator<'k> {
     /// each jumps through: a call or jump to one is an indirect call or jump through the
     /// lookup table, so a translated callee is entered in the cache.
     thunks: HashMap<u64, Register>,
+    /// Function starts a direct call or jump may reach before they are translated: such a
+    /// branch goes to a stub ([`Translator::with_lazy`]).
+    lazy: HashSet<u64>,
+    /// Stub per lazily reachable target not translated when a branch to it was linked.
+    stubs: BTreeMap<u64, u64>,
+    /// Stubs made since the last link.
+    new_stubs: Vec<(u64, u64)>,
+    /// Code bytes, blocks and exits handed out by earlier links.
+    linked: (usize, usize, usize),
+    /// Functions translated since the last link.
+    new_functions: Vec<u64>,
 }
 
 /// `push r64`.
@@ -380,6 +427,25 @@ impl<'k> Translator<'k> {
     /// # Errors
     /// An unusable layout; a table region under two slots.
     pub fn new(layout: CacheLayout, address_keyed: &'k [u64]) -> Result<Self, TranslateError> {
+        Self::with_keyed(layout, Cow::Borrowed(address_keyed))
+    }
+
+    /// As [`Translator::new`], owning the list (a translator that lives on with the cache,
+    /// for lazy translation).
+    ///
+    /// # Errors
+    /// As [`Translator::new`].
+    pub fn new_owned(
+        layout: CacheLayout,
+        address_keyed: Vec<u64>,
+    ) -> Result<Translator<'static>, TranslateError> {
+        Translator::with_keyed(layout, Cow::Owned(address_keyed))
+    }
+
+    fn with_keyed(
+        layout: CacheLayout,
+        address_keyed: Cow<'k, [u64]>,
+    ) -> Result<Self, TranslateError> {
         layout.check().map_err(TranslateError::Layout)?;
         let table = LookupTable::new(layout.table.start, layout.table.end - layout.table.start)?;
         let dispatch = layout.code.start;
@@ -405,7 +471,127 @@ impl<'k> Translator<'k> {
             exits: Vec::new(),
             full: None,
             thunks: HashMap::new(),
+            lazy: HashSet::new(),
+            stubs: BTreeMap::new(),
+            new_stubs: Vec::new(),
+            linked: (0, 0, 0),
+            new_functions: Vec::new(),
         })
+    }
+
+    /// Lazy translation: a direct call or jump to one of `starts` (function entries) that
+    /// has no translation when it is linked goes to a stub in the cache, a `jmp` to the
+    /// original target, 8-byte aligned ([`STUB_BYTES`]). The host stops the guest at a
+    /// stub (a breakpoint), translates the target, links ([`Translator::link`]) and turns
+    /// the stub into a `jmp` to the translation ([`Translator::resolve`]). A stub no one
+    /// stops at runs the original code: correct, uncounted.
+    #[must_use]
+    pub fn with_lazy(mut self, starts: HashSet<u64>) -> Self {
+        self.lazy = starts;
+        self
+    }
+
+    /// The stub of a lazily reachable target, if one was made.
+    #[must_use]
+    pub fn stub(&self, target: u64) -> Option<u64> {
+        self.stubs.get(&target).copied()
+    }
+
+    /// The target whose stub is at `stub`.
+    #[must_use]
+    pub fn stub_target(&self, stub: u64) -> Option<u64> {
+        self.stubs
+            .iter()
+            .find(|&(_, &s)| s == stub)
+            .map(|(&t, _)| t)
+    }
+
+    /// The jump that makes `target`'s stub enter its translation: (stub, bytes), when the
+    /// target has both.
+    #[must_use]
+    pub fn resolve(&self, target: u64) -> Option<(u64, [u8; 5])> {
+        let stub = self.stub(target)?;
+        let entry = self.functions.get(&target)?.entry;
+        Some((stub, stub_jump(stub, entry)?))
+    }
+
+    /// Whether `start` has a translation.
+    #[must_use]
+    pub fn translated(&self, start: u64) -> bool {
+        self.functions.contains_key(&start)
+    }
+
+    /// Forgets the translation of the function at `start` (`end` its original end), so
+    /// that [`Translator::translate`] makes a new one (its text changed). The old code
+    /// stays where it is; the host sends it to the new translation or the original code.
+    pub fn forget(&mut self, start: u64, end: u64) {
+        self.functions.remove(&start);
+        self.map.retain(|&orig, _| !(start..end).contains(&orig));
+    }
+
+    /// The translation entry of a block leader (or any translated instruction).
+    #[must_use]
+    pub fn cache_of(&self, original: u64) -> Option<u64> {
+        self.map.get(&original).copied()
+    }
+
+    /// Links everything translated since the last link (the first link: since the start,
+    /// the dispatch routine included) and hands it out: code to append in the guest,
+    /// table slots to write, new stubs to stop at.
+    ///
+    /// # Errors
+    /// A link out of rel32 reach; a table that overflows (not expected).
+    pub fn link(&mut self) -> Result<Link, TranslateError> {
+        self.link_pending()?;
+        let (code, blocks, exits) = self.linked;
+        let link = Link {
+            code_at: self.layout.code.start + code as u64,
+            code: self.code[code..].to_vec(),
+            table: self.table.take_changed(),
+            stubs: std::mem::take(&mut self.new_stubs),
+            blocks: self.blocks[blocks..].to_vec(),
+            functions: std::mem::take(&mut self.new_functions)
+                .into_iter()
+                .filter_map(|f| self.functions.get(&f).copied())
+                .collect(),
+            exits: self.exits[exits..].to_vec(),
+            counters: self.layout.counters.start..self.counters.here(),
+        };
+        self.linked = (self.code.len(), self.blocks.len(), self.exits.len());
+        Ok(link)
+    }
+
+    /// Entries in the lookup table.
+    #[must_use]
+    pub fn table_entries(&self) -> usize {
+        self.table.len()
+    }
+
+    /// The stub for `target`, made now if it is lazily reachable and the code area has
+    /// room; else `target` itself.
+    fn stub_for(&mut self, target: u64) -> u64 {
+        if let Some(&stub) = self.stubs.get(&target) {
+            return stub;
+        }
+        if !self.lazy.contains(&target) || self.full.is_some() {
+            return target;
+        }
+        let here = self.layout.code.start + self.code.len() as u64;
+        let at = here.next_multiple_of(STUB_BYTES);
+        let Some(jump) = stub_jump(at, target) else {
+            return target;
+        };
+        if at + STUB_BYTES > self.layout.code.end {
+            return target;
+        }
+        self.code
+            .resize(self.code.len() + (at - here) as usize, 0xcc);
+        self.code.extend_from_slice(&jump);
+        self.code
+            .extend_from_slice(&[0xcc; (STUB_BYTES - 5) as usize]);
+        self.stubs.insert(target, at);
+        self.new_stubs.push((target, at));
+        at
     }
 
     /// Treats a call or jump to one of `thunks` (retpoline thunks by address, with the
@@ -668,7 +854,8 @@ impl<'k> Translator<'k> {
                 left: self.counters.left() / 8,
             })
         } else {
-            let left = (self.table.slots() / 2).saturating_sub(self.dispatch_targets.len());
+            let left = (self.table.slots() / 2)
+                .saturating_sub(self.table.len() + self.dispatch_targets.len());
             let needed = p.dispatch_targets.len() + p.map.len();
             (needed > left).then_some(CacheError::TableFull { needed, left })
         };
@@ -683,6 +870,7 @@ impl<'k> Translator<'k> {
         p.dispatch_targets
             .extend(p.map.iter().map(|&(orig, _)| orig));
         let offset = self.code.len();
+        self.new_functions.push(start);
         self.functions.insert(
             start,
             TranslatedFunction {
@@ -712,12 +900,41 @@ impl<'k> Translator<'k> {
     /// A link out of rel32 reach; a table that overflows (not expected: checked per
     /// function).
     pub fn finish(mut self) -> Result<Translation, TranslateError> {
+        self.link_pending()?;
+        Ok(self.snapshot())
+    }
+
+    /// Everything translated and linked so far, as [`Translator::finish`] gives it, with the
+    /// translator kept for more (call [`Translator::link`] first).
+    #[must_use]
+    pub fn snapshot(&self) -> Translation {
+        Translation {
+            code_at: self.layout.code.start,
+            code: self.code.clone(),
+            table_at: self.table.addr(),
+            table_entries: self.table.len(),
+            table: self.table.to_bytes(),
+            counters: self.layout.counters.start..self.counters.here(),
+            blocks: self.blocks.clone(),
+            functions: self.functions.clone(),
+            exits: self.exits.clone(),
+            full: self.full.clone(),
+            stubs: self.stubs.clone(),
+        }
+    }
+
+    /// Fills in the rel32 of every branch translated since the last link (its target's
+    /// translation, a stub, or the original) and enters the new dispatch targets in the
+    /// lookup table.
+    fn link_pending(&mut self) -> Result<(), TranslateError> {
         let code_at = self.layout.code.start;
-        for f in &self.fixups {
-            let to = if f.link {
-                self.map.get(&f.target).copied().unwrap_or(f.target)
-            } else {
+        for f in std::mem::take(&mut self.fixups) {
+            let to = if !f.link {
                 f.target
+            } else if let Some(&cache) = self.map.get(&f.target) {
+                cache
+            } else {
+                self.stub_for(f.target)
             };
             let from = code_at + f.at as u64 + 4;
             let rel = i32::try_from(to.wrapping_sub(from) as i64)
@@ -726,25 +943,15 @@ impl<'k> Translator<'k> {
                 field.copy_from_slice(&rel.to_le_bytes());
             }
         }
-        self.dispatch_targets.sort_unstable();
-        self.dispatch_targets.dedup();
-        for target in &self.dispatch_targets {
+        let mut targets = std::mem::take(&mut self.dispatch_targets);
+        targets.sort_unstable();
+        targets.dedup();
+        for target in &targets {
             if let Some(&cache) = self.map.get(target) {
                 self.table.insert(*target, cache)?;
             }
         }
-        Ok(Translation {
-            code_at,
-            code: self.code,
-            table_at: self.table.addr(),
-            table_entries: self.table.len(),
-            table: self.table.to_bytes(),
-            counters: self.layout.counters.start..self.counters.here(),
-            blocks: self.blocks,
-            functions: self.functions,
-            exits: self.exits,
-            full: self.full,
-        })
+        Ok(())
     }
 
     /// Bytes of code used so far (the dispatch routine included).
@@ -976,6 +1183,81 @@ mod tests {
         assert!(matches!(again, Err(TranslateError::Full { .. })));
         assert!(translation.full.is_some());
         assert_eq!(translation.functions.len(), 1);
+        assert_eq!((end, rax1), (RunEnd::Halted(HALT), rax0));
+    }
+
+    #[test]
+    fn a_lazy_target_goes_through_a_stub_that_is_relinked_to_its_later_translation() {
+        let fx = fixture();
+        let view = CodeView::new(TEXT, &fx.bytes).unwrap();
+        let mut t = Translator::new(layout(0x4000), &[])
+            .unwrap()
+            .with_lazy(HashSet::from([G]));
+        t.translate(view, &fx.f).unwrap();
+        let first = t.link().unwrap();
+        let before = t.snapshot();
+        let (_, rax0, _, profile, _) = run(&fx.bytes, None, TEXT);
+        // Before the host translates g, the stub runs g's original code.
+        let (end1, rax1, _, _, _) = run(&fx.bytes, Some(&before), before.entry(TEXT).unwrap());
+
+        t.translate(view, &fx.g).unwrap();
+        let second = t.link().unwrap();
+        let (stub, jump) = t.resolve(G).unwrap();
+        let mut after = t.snapshot();
+        let off = (stub - after.code_at) as usize;
+        after.code[off..off + 5].copy_from_slice(&jump);
+        let (end2, rax2, _, _, counters) = run(&fx.bytes, Some(&after), after.entry(TEXT).unwrap());
+
+        assert_eq!(first.stubs, vec![(G, stub)]);
+        assert_eq!(stub % STUB_BYTES, 0);
+        assert_eq!(before.code[off], 0xe9);
+        assert_eq!(second.code_at, first.code_at + first.code.len() as u64);
+        assert_eq!(second.functions.len(), 1);
+        assert_eq!(second.functions[0].start, G);
+        assert!(second.stubs.is_empty() && !second.table.is_empty());
+        assert_eq!((end1, rax1), (RunEnd::Halted(HALT), rax0));
+        assert_eq!((end2, rax2), (RunEnd::Halted(HALT), rax0));
+        // Relinked: g runs translated (directly through the stub, and through the table),
+        // its returns land in f's translation, and every block counts as the profile.
+        for (leader, count) in after.counts(&counters) {
+            assert_eq!(
+                count,
+                profile.get(&leader).copied().unwrap_or(0),
+                "{leader:#x}"
+            );
+        }
+        assert_eq!(profile.get(&G).copied(), Some(8));
+    }
+
+    #[test]
+    fn a_lazy_target_the_full_cache_cannot_take_keeps_its_stub_to_the_original_code() {
+        let fx = fixture();
+        let view = CodeView::new(TEXT, &fx.bytes).unwrap();
+        let mut sizing = Translator::new(layout(0x4000), &[])
+            .unwrap()
+            .with_lazy(HashSet::from([G]));
+        sizing.translate(view, &fx.f).unwrap();
+        let f_and_stub = sizing.link().unwrap();
+        // Room for the dispatch routine, f and g's stub, not for g.
+        let mut small = layout(0x400);
+        small.code.end = f_and_stub.code_at + f_and_stub.code.len() as u64 + 4;
+        let mut t = Translator::new(small, &[])
+            .unwrap()
+            .with_lazy(HashSet::from([G]));
+        t.translate(view, &fx.f).unwrap();
+        let first = t.link().unwrap();
+
+        let refused = t.translate(view, &fx.g);
+        let second = t.link().unwrap();
+        let snapshot = t.snapshot();
+        let (_, rax0, _, _, _) = run(&fx.bytes, None, TEXT);
+        let (end, rax1, _, _, _) = run(&fx.bytes, Some(&snapshot), snapshot.entry(TEXT).unwrap());
+
+        assert_eq!(first.stubs.len(), 1);
+        assert!(matches!(refused, Err(TranslateError::Full { .. })));
+        assert!(second.code.is_empty() && second.functions.is_empty());
+        assert_eq!(t.resolve(G), None);
+        // The stub still jumps to g's original code: the kernel computes the same.
         assert_eq!((end, rax1), (RunEnd::Halted(HALT), rax0));
     }
 

@@ -20,8 +20,33 @@
 //! translated (its `ret` pops an ORIGINAL return address, which lands in original text:
 //! the stack never holds a cache address), and after a lookup miss of an indirect branch.
 //! From there the rest of that execution of the function, and of its callers up the stack,
-//! runs uncounted until the next entry splice is hit. Lazy translation and re-entry at such
-//! return sites are not built (issue 18).
+//! runs uncounted until the next entry splice is hit. Re-entry at such return sites is not
+//! built (issue 18).
+//!
+//! # Lazy translation ([`JitOptions::lazy`], [`LiveJit::serve`])
+//! A direct call or jump from translated code to a function start that has no translation
+//! (yet) is linked to a stub: an 8-byte-aligned `jmp <original target>` in the cache, with
+//! an exotap breakpoint on it (QEMU's gdbstub keeps breakpoints outside guest memory). The
+//! first vCPU to reach a stub stops the guest (all vCPUs: the gdbstub is all-stop); exotap
+//! translates the target from the session's text, appends the code after the cache's end,
+//! writes its lookup-table slots (cache address first, then the key), arms the stubs the
+//! new code brings, rewrites the stub's `jmp` to the translation (the backend's write path,
+//! so QEMU drops its blocks there), takes the breakpoint out and splices the function's
+//! entry; then the guest resumes, and the stopped vCPU runs the new `jmp`. Every patch is
+//! made with every vCPU stopped, so no vCPU sees half a stub; the `jmp` lies inside one
+//! aligned quadword all the same. A later call through the stub jumps straight into the
+//! translation: in steady state nothing stops. A target that cannot be translated keeps its
+//! `jmp` to the original; a full cache takes every breakpoint out (stubs then run original
+//! code) and is reported. Return addresses stay original ones (a stub is entered by the
+//! same `push <original return address>; jmp` as a linked call). At removal every
+//! breakpoint comes out first, so a vCPU stopped at a stub goes on to the original code.
+//!
+//! # Text that changes ([`LiveJit::watch`])
+//! A function whose text changed under its translation is translated again from its new
+//! text (at most [`MAX_RETRANSLATIONS`] times): every block head of the earlier translations
+//! becomes a `jmp` to the new translation's block at the same leader, and the lookup table
+//! maps its instructions to the new code. Past the bound, or when the new text cannot be
+//! translated, the heads go to the original code instead and the function runs there.
 //!
 //! # Remove (the guest stopped)
 //! The counters are read; the splicer writes back every entry's original bytes and hashes
@@ -39,7 +64,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use exotap_introspect::btf::Btf;
 use exotap_introspect::x86::{thunk_register, Flow};
-use exotap_vmm::control::{Machine, VcpuId};
+use exotap_vmm::control::{Machine, StopEvent, VcpuId};
 
 use super::attach;
 use super::guest_memory::BackendMemory;
@@ -47,7 +72,7 @@ use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, InstallReport, NotInstalled, RemoveReport, Request};
 use super::stacks::{list_tasks, KernelStacks, PageCache, TaskLayout};
-use crate::jit::{CacheLayout, ExitReason, TranslateError, Translation, Translator};
+use crate::jit::{CacheLayout, ExitReason, Link, TranslateError, Translation, Translator};
 
 /// What to translate and how much room to give it.
 #[derive(Debug, Clone)]
@@ -62,6 +87,10 @@ pub struct JitOptions {
     pub counter_bytes: u64,
     /// Bytes of lookup table (16 a slot; at most half the slots are used).
     pub table_bytes: u64,
+    /// Lazy translation: a direct call or jump from translated code to a function not
+    /// translated yet stops the guest once, at a stub; the host translates the function,
+    /// relinks the stub and gives it an entry splice ([`LiveJit::serve`]).
+    pub lazy: bool,
 }
 
 impl Default for JitOptions {
@@ -72,6 +101,7 @@ impl Default for JitOptions {
             code_bytes: 8 << 20,
             counter_bytes: 1 << 20,
             table_bytes: 8 << 20,
+            lazy: false,
         }
     }
 }
@@ -124,6 +154,43 @@ pub struct LiveJit {
     pending: BTreeSet<u64>,
     /// When the text was last compared.
     watched: Option<Instant>,
+    /// The translator, kept for lazy translation.
+    translator: Option<Translator<'static>>,
+    /// Lazy translation so far.
+    pub lazy: LazyStats,
+    /// Stubs with a breakpoint in place.
+    armed: BTreeSet<u64>,
+    /// Block counts at [`LiveJit::mark`], subtracted at removal.
+    marked: Option<BTreeMap<(u64, u64), u64>>,
+    /// Translations made again per function after its text changed.
+    retranslations: BTreeMap<u64, u32>,
+    /// Functions sent back to their original code for good.
+    given_up: BTreeSet<u64>,
+}
+
+/// What lazy translation did.
+#[derive(Debug, Clone, Default)]
+pub struct LazyStats {
+    /// Whether it is on.
+    pub on: bool,
+    /// Stops at a stub (each translated a function, or found it could not).
+    pub stops: u64,
+    /// Stops at [`LiveJit::mark`].
+    pub stops_at_mark: Option<u64>,
+    /// Functions translated lazily.
+    pub translated: usize,
+    /// Entry splices added for them.
+    pub entries: usize,
+    /// Stubs made (each an untranslated target of a translated direct call or jump).
+    pub stubs: usize,
+    /// Time the stops took, the guest stopped (translation, writes, breakpoints).
+    pub stopped: Duration,
+    /// Why lazy translation stopped early (the cache full): stubs then run original code.
+    pub full: Option<String>,
+    /// Breakpoint stops at no armed stub (resumed at once).
+    pub other_stops: u64,
+    /// Functions translated lazily from text the kernel had changed since exotap read it.
+    pub changed_text: usize,
 }
 
 /// A translation given up because the kernel changed the text under it (the guest arming
@@ -141,7 +208,15 @@ pub struct Invalidation {
     pub was: u8,
     /// See `was`.
     pub now: u8,
+    /// Whether the function was translated again from its new text (else it runs its
+    /// original code from then on).
+    pub retranslated: bool,
 }
+
+/// How many times one function is translated again after its text changed; after that it
+/// runs its original code (a function the kernel keeps patching costs a translation each
+/// time).
+pub const MAX_RETRANSLATIONS: u32 = 8;
 
 /// What the reachability check at removal found.
 #[derive(Debug, Clone, Default)]
@@ -291,8 +366,37 @@ impl LiveJit {
                 }
             }
         }
-        let mut translator =
-            Translator::new(layout.clone(), &facts.address_keyed)?.with_thunks(thunks);
+        let mut translator = Translator::new_owned(layout.clone(), facts.address_keyed.clone())?
+            .with_thunks(thunks.clone());
+        if options.lazy {
+            // Every function start the same rules admit; the ranges once sorted and merged
+            // (tens of thousands of starts against thousands of self-patched sites).
+            let mut out: Vec<Range<u64>> = facts
+                .forbidden
+                .iter()
+                .chain(&facts.self_patched)
+                .cloned()
+                .collect();
+            out.sort_by_key(|r| r.start);
+            let mut merged: Vec<Range<u64>> = Vec::new();
+            for r in out {
+                match merged.last_mut() {
+                    Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                    _ => merged.push(r),
+                }
+            }
+            let inside = |a: u64| {
+                let i = merged.partition_point(|r| r.start <= a);
+                i > 0 && merged[i - 1].contains(&a)
+            };
+            let lazy: std::collections::HashSet<u64> = facts
+                .starts
+                .iter()
+                .copied()
+                .filter(|a| !thunks.contains_key(a) && !special.contains(a) && !inside(*a))
+                .collect();
+            translator = translator.with_lazy(lazy);
+        }
         let mut names = BTreeMap::new();
         let mut sources = Vec::new();
         let mut source_bytes = 0;
@@ -328,7 +432,8 @@ impl LiveJit {
                 }
             }
         }
-        let translation = translator.finish()?;
+        translator.link()?;
+        let translation = translator.snapshot();
         let translate_time = started.elapsed();
         // Code over the backend's write path; data (zeroed counters, the table) through the
         // shared RAM when there is one.
@@ -355,6 +460,41 @@ impl LiveJit {
             .collect();
         let entries = session.install(&requests)?;
         let entries_installed = session.splicer().map_or(0, |s| s.installed.len());
+        let mut lazy = LazyStats {
+            on: options.lazy,
+            stubs: translation.stubs.len(),
+            ..LazyStats::default()
+        };
+        let mut armed = BTreeSet::new();
+        if options.lazy && session.machine.backend() != "qemu gdbstub" {
+            // Only the gdbstub's stops are served while the guest runs.
+            tracing::warn!(
+                "no lazy translation on the {} backend: only over QEMU's gdbstub",
+                session.machine.backend()
+            );
+            lazy.on = false;
+        }
+        if lazy.on {
+            for &stub in translation.stubs.values() {
+                match session.machine.set_breakpoint(stub, true) {
+                    Ok(()) => {
+                        armed.insert(stub);
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "no lazy translation: the backend sets no breakpoint in the cache ({e})"
+                        );
+                        lazy.on = false;
+                        break;
+                    }
+                }
+            }
+            if !lazy.on {
+                for stub in std::mem::take(&mut armed) {
+                    let _ = session.machine.set_breakpoint(stub, false);
+                }
+            }
+        }
         tracing::info!(
             "JIT: {} functions ({} bytes of text) translated in {:.1} ms into {} bytes of cache; {} entry splices",
             translation.functions.len(),
@@ -377,17 +517,285 @@ impl LiveJit {
             invalidated: Vec::new(),
             pending: BTreeSet::new(),
             watched: None,
+            translator: Some(translator),
+            lazy,
+            armed,
+            marked: None,
+            retranslations: BTreeMap::new(),
+            given_up: BTreeSet::new(),
         })
+    }
+
+    /// Lazy translation while the guest runs: takes the guest's stops at stubs (waiting
+    /// `wait` for the first, then briefly for more, at most `budget` in all) and serves
+    /// each ([`LiveJit::lazy_stop`]), then lets the guest run again. Nothing without lazy
+    /// translation. Returns the stops served.
+    ///
+    /// # Errors
+    /// When the guest is lost, or cannot be read, written or resumed.
+    pub fn serve(
+        &mut self,
+        session: &mut GuestSession,
+        image: &KernelImage,
+        wait: Duration,
+        budget: Duration,
+    ) -> anyhow::Result<u64> {
+        if !self.lazy.on || session.machine.is_paused() {
+            return Ok(0);
+        }
+        let started = Instant::now();
+        let mut served = 0;
+        let mut timeout = wait;
+        while started.elapsed() < budget {
+            match session.wait(timeout)? {
+                None | Some(StopEvent::Exited) => break,
+                Some(event) => {
+                    served += u64::from(self.on_stop(session, image, &event)?);
+                }
+            }
+            timeout = Duration::from_millis(5);
+        }
+        Ok(served)
+    }
+
+    /// Serves one stop of the guest that someone else waited for: a breakpoint at an
+    /// armed stub is a lazy-translation stop ([`LiveJit::lazy_stop`]). The guest resumes
+    /// after any stop but its end; whether it was a lazy-translation stop.
+    ///
+    /// # Errors
+    /// As [`LiveJit::serve`].
+    pub fn on_stop(
+        &mut self,
+        session: &mut GuestSession,
+        image: &KernelImage,
+        event: &StopEvent,
+    ) -> anyhow::Result<bool> {
+        let served = match *event {
+            StopEvent::Breakpoint { pc, .. } => {
+                let stop = Instant::now();
+                let ours = self.armed.contains(&pc);
+                if ours {
+                    if let Err(e) = self.lazy_stop(session, image, pc) {
+                        // The stub's `jmp` is whole either way (to the original, or to a
+                        // translation written before the failure): the guest goes on.
+                        if session.machine.set_breakpoint(pc, false).is_ok() {
+                            self.armed.remove(&pc);
+                        }
+                        session.resume()?;
+                        return Err(e);
+                    }
+                } else {
+                    self.lazy.other_stops += 1;
+                }
+                self.lazy.stopped += stop.elapsed();
+                ours
+            }
+            // A stop nobody asked for (an interrupt the stub answered late): go on.
+            StopEvent::Stepped { .. } | StopEvent::Paused => false,
+            StopEvent::Exited => return Ok(false),
+        };
+        session.resume()?;
+        Ok(served)
+    }
+
+    /// One lazy-translation stop (the guest stopped at the stub at `stub`): translates the
+    /// stub's target from the session's text, appends it to the cache and writes its
+    /// lookup-table slots, arms the stubs it brings, turns the stub into a `jmp` to the
+    /// translation, takes the breakpoint out and splices the function's entry. A target
+    /// that cannot be translated keeps its stub's `jmp` to the original code; a full cache
+    /// takes every breakpoint out (from then on stubs run the original code).
+    fn lazy_stop(
+        &mut self,
+        session: &mut GuestSession,
+        image: &KernelImage,
+        stub: u64,
+    ) -> anyhow::Result<()> {
+        self.lazy.stops += 1;
+        let slide = session.survey.kaslr.slide;
+        let Some(translator) = self.translator.as_mut() else {
+            return Ok(());
+        };
+        let Some(target) = translator.stub_target(stub) else {
+            return Ok(());
+        };
+        let name = name_of(image, slide, target);
+        let (machine, splicer) = session.parts()?;
+        let ctx = splicer.kernel.context();
+        let function = ctx
+            .analysis
+            .function_containing(target)
+            .filter(|f| f.cfg.start() == target);
+        // The kernel may have changed the function since its text was read (a jump label it
+        // flipped): what is there now is translated.
+        let made = function.map(|f| {
+            let (start, end) = (f.cfg.start(), f.cfg.end());
+            let known = ctx.text.range(start, end).unwrap_or_default().to_vec();
+            let mut now = vec![0u8; known.len()];
+            let read = match (&splicer.shared, splicer.kernel.phys(start)) {
+                (Some(shared), Some(phys)) => shared.read_phys(phys, &mut now).is_ok(),
+                _ => machine.read_virt(VcpuId(0), start, &mut now).is_ok(),
+            };
+            if !read || now == known {
+                let insns: Vec<u64> = f.cfg.insns().iter().map(|i| i.addr).collect();
+                translator
+                    .translate(ctx.text, f)
+                    .map(|()| (start, end, known, insns))
+            } else {
+                self.lazy.changed_text += 1;
+                let fresh = exotap_introspect::x86::FunctionAnalysis::analyze(
+                    &now,
+                    start,
+                    &splicer.kernel.facts.config,
+                );
+                let insns: Vec<u64> = fresh.cfg.insns().iter().map(|i| i.addr).collect();
+                match exotap_introspect::x86::CodeView::new(start, &now) {
+                    Ok(view) => translator
+                        .translate(view, &fresh)
+                        .map(|()| (start, end, now.clone(), insns)),
+                    Err(_) => Err(TranslateError::NoCode { start }),
+                }
+            }
+        });
+        let translated = match made {
+            None => Err("no analysed function starts there".to_owned()),
+            Some(made) => match made {
+                Ok((start, end, bytes, insns)) => {
+                    self.sources.push((start, end, bytes, insns));
+                    self.source_bytes += end - start;
+                    Ok(())
+                }
+                Err(e @ TranslateError::Full { .. }) => {
+                    self.lazy.full = Some(format!("{e:#}"));
+                    Err(format!("{e:#}"))
+                }
+                Err(e) => Err(format!("{e:#}")),
+            },
+        };
+        let link = translator.link()?;
+        let resolve = translator.resolve(target);
+        write_link(machine, splicer, &link)?;
+        for &(_, new_stub) in &link.stubs {
+            if self.lazy.full.is_none() && machine.set_breakpoint(new_stub, true).is_ok() {
+                self.armed.insert(new_stub);
+            }
+        }
+        if let Some((at, jump)) = resolve {
+            splicer.write_heap(machine, at, &jump)?;
+            let off = usize::try_from(at - self.translation.code_at)?;
+            if let Some(code) = self.translation.code.get_mut(off..off + jump.len()) {
+                code.copy_from_slice(&jump);
+            }
+        }
+        machine.set_breakpoint(stub, false)?;
+        self.armed.remove(&stub);
+        if self.lazy.full.is_some() {
+            tracing::warn!(
+                "the code cache is full: lazy translation stops, untranslated targets run their original code"
+            );
+            for armed in std::mem::take(&mut self.armed) {
+                machine.set_breakpoint(armed, false)?;
+            }
+        }
+        self.apply(&link);
+        let entry = match translated {
+            Ok(()) => link
+                .functions
+                .iter()
+                .find(|f| f.start == target)
+                .map(|f| f.entry),
+            Err(why) => {
+                tracing::info!("lazy translation of {name} refused: {why}");
+                self.refused.push((name.clone(), why));
+                None
+            }
+        };
+        let Some(entry) = entry else {
+            return Ok(());
+        };
+        self.lazy.translated += 1;
+        tracing::info!(
+            "lazy translation {}: {name} at {target:#x} ({} blocks)",
+            self.lazy.stops,
+            link.blocks.len()
+        );
+        self.names.insert(target, name.clone());
+        // Without its entry splice the function is still entered from translated code.
+        match session.install(&[Request {
+            name: name.clone(),
+            addr: target,
+            action: Action::Enter(entry),
+        }]) {
+            Ok(report) => {
+                if report.refused.is_empty() {
+                    self.lazy.entries += 1;
+                }
+                self.entries.refused.extend(report.refused);
+            }
+            Err(e) => tracing::warn!("no entry splice for {name}, translated lazily: {e:#}"),
+        }
+        self.entries_installed = session.splicer().map_or(0, |s| s.installed.len());
+        Ok(())
+    }
+
+    /// Adds a link's code, blocks, functions, exits, stubs and table slots to the host's
+    /// copy of the translation.
+    fn apply(&mut self, link: &Link) {
+        let t = &mut self.translation;
+        let end = t.code_at + t.code.len() as u64;
+        if link.code_at == end {
+            t.code.extend_from_slice(&link.code);
+        }
+        t.blocks.extend_from_slice(&link.blocks);
+        for f in &link.functions {
+            t.functions.insert(f.start, *f);
+        }
+        t.exits.extend_from_slice(&link.exits);
+        t.counters = link.counters.clone();
+        for &(target, stub) in &link.stubs {
+            t.stubs.insert(target, stub);
+        }
+        self.lazy.stubs = t.stubs.len();
+        for (at, bytes) in &link.table {
+            let off = (at - t.table_at) as usize;
+            if let Some(slot) = t.table.get_mut(off..off + 16) {
+                slot.copy_from_slice(bytes);
+            }
+        }
+        if let Some(tr) = &self.translator {
+            t.table_entries = tr.table_entries();
+        }
+    }
+
+    /// Reads the block counts now (the guest stopped for it, then resumed): removal reports
+    /// the executions after this point, and the lazy-translation stops after it are counted
+    /// apart (a workload run twice: the second run should need no stop).
+    ///
+    /// # Errors
+    /// When the guest cannot be stopped, read or resumed.
+    pub fn mark(&mut self, session: &mut GuestSession) -> anyhow::Result<()> {
+        session.pause()?;
+        let counts = self.counts(session)?;
+        self.marked = Some(
+            counts
+                .into_iter()
+                .map(|b| ((b.function_addr, b.leader), b.count))
+                .collect(),
+        );
+        self.lazy.stops_at_mark = Some(self.lazy.stops);
+        session.resume()?;
+        Ok(())
     }
 
     /// Compares the translated functions' text with what the guest holds now (through the
     /// shared RAM, the guest running; at most every 100 ms; nothing without shared RAM) and
     /// invalidates every function whose text changed past its entry instruction (the entry
-    /// holds exotap's own splice): its block heads become jumps to the original leaders
-    /// (the entry block's: the relocated entry instruction, then a jump past it) and its
+    /// holds exotap's own splice): it is translated again from the new text and its old
+    /// block heads jump to the new translation (see the module documentation), or, past
+    /// [`MAX_RETRANSLATIONS`], its block heads become jumps to the original leaders (the
+    /// entry block's: the relocated entry instruction, then a jump past it) and its
     /// lookup-table entries map to the original addresses, so every path into the old
     /// translation continues in the kernel's current code. The guest is stopped for the
-    /// writes. A function is not translated again (not built yet).
+    /// writes.
     ///
     /// # Errors
     /// When guest memory cannot be read or written, or the guest stopped.
@@ -406,7 +814,7 @@ impl LiveJit {
             };
             let mut changed = Vec::new();
             for (k, (start, end, bytes, insns)) in self.sources.iter().enumerate() {
-                if self.invalidated.iter().any(|i| i.start == *start) {
+                if self.given_up.contains(start) {
                     continue;
                 }
                 let skip = insns.get(1).map_or(bytes.len() as u64, |n| n - start) as usize;
@@ -418,7 +826,10 @@ impl LiveJit {
                     continue;
                 }
                 if let Some(i) = (skip..bytes.len()).find(|&i| now.get(i) != bytes.get(i)) {
-                    changed.push((k, i, now[i]));
+                    let mut text = now.clone();
+                    // The entry instruction holds exotap's splice: its original bytes.
+                    text[..skip].copy_from_slice(&bytes[..skip]);
+                    changed.push((k, i, now[i], text));
                 }
             }
             changed
@@ -428,36 +839,43 @@ impl LiveJit {
         }
         session.pause()?;
         let mut done = Vec::new();
-        for (k, i, now) in changed {
+        for (k, i, now, text) in changed {
             let (start, _, bytes, insns) = self.sources[k].clone();
             let Some(f) = self.translation.functions.get(&start).copied() else {
                 continue;
             };
-            let inv = Invalidation {
+            let mut inv = Invalidation {
                 function: self.names.get(&start).cloned().unwrap_or_default(),
                 start,
                 at: start + i as u64,
                 was: bytes[i],
                 now,
+                retranslated: false,
             };
             let entry_insn = bytes
                 .get(..insns.get(1).map_or(bytes.len(), |n| (n - start) as usize))
                 .unwrap_or_default()
                 .to_vec();
-            match self.invalidate(session, f.start, &entry_insn, &insns) {
-                Ok(true) => {
+            match self.invalidate(session, f.start, &entry_insn, &insns, k, &text) {
+                Ok(Some(retranslated)) => {
                     self.pending.remove(&start);
+                    inv.retranslated = retranslated;
                     tracing::info!(
-                        "{} changed at {:#x} ({:02x} -> {:02x}): its translation is given up, it runs its original code",
+                        "{} changed at {:#x} ({:02x} -> {:02x}): {}",
                         inv.function,
                         inv.at,
                         inv.was,
-                        inv.now
+                        inv.now,
+                        if retranslated {
+                            "translated again from its new text"
+                        } else {
+                            "its translation is given up, it runs its original code"
+                        }
                     );
                     self.invalidated.push(inv.clone());
                     done.push(inv);
                 }
-                Ok(false) => {
+                Ok(None) => {
                     self.pending.insert(start);
                 }
                 Err(e) => return Err(e),
@@ -467,16 +885,21 @@ impl LiveJit {
         Ok(done)
     }
 
-    /// Sends every way into one function's translation back to its original code (the
-    /// guest stopped); false when a vCPU or an interrupted context is inside a block head
-    /// that would be overwritten.
+    /// Sends every way into one function's translation (the `k`th source) to a new
+    /// translation of `text` (its current text, entry instruction as before the splice) or,
+    /// past [`MAX_RETRANSLATIONS`] or when it cannot be translated, back to its original
+    /// code (the guest stopped). `None` when a vCPU or an interrupted context is inside a
+    /// block head that would be overwritten; else whether it was translated again.
     fn invalidate(
         &mut self,
         session: &mut GuestSession,
         start: u64,
         entry_insn: &[u8],
         insns: &[u64],
-    ) -> anyhow::Result<bool> {
+        k: usize,
+        text: &[u8],
+    ) -> anyhow::Result<Option<bool>> {
+        // Every head so far (an earlier translation's included): all go to the new one.
         let heads: Vec<(u64, u64)> = self
             .translation
             .blocks
@@ -489,13 +912,29 @@ impl LiveJit {
         for vcpu in session.machine.vcpus()? {
             let regs = attach::x86_registers(&mut *session.machine, vcpu)?;
             if heads.iter().any(|&(c, _)| regs.rip > c && regs.rip < c + 5) {
-                return Ok(false);
+                return Ok(None);
             }
         }
+        let retranslated = self.retranslate(session, start, k, text)?;
+        let new_code = |leader: u64| -> Option<u64> {
+            let tr = self.translator.as_ref()?;
+            retranslated.then(|| tr.cache_of(leader)).flatten()
+        };
         let mut writes = Vec::new();
         for &(cache, leader) in &heads {
             let mut code = Vec::new();
             let mut at = cache;
+            if let Some(to) = new_code(leader) {
+                if to == cache {
+                    continue; // a head of the new translation itself
+                }
+                let rel = i32::try_from(to.wrapping_sub(at + 5) as i64)
+                    .context("a translation is out of rel32 reach of another")?;
+                code.push(0xe9);
+                code.extend_from_slice(&rel.to_le_bytes());
+                writes.push((cache, code));
+                continue;
+            }
             if leader == start {
                 let moved = crate::splice::reloc::relocate(
                     entry_insn,
@@ -518,7 +957,12 @@ impl LiveJit {
             code.extend_from_slice(&rel.to_le_bytes());
             writes.push((cache, code));
         }
-        let keys: BTreeSet<u64> = insns.iter().copied().collect();
+        // Instructions the new translation has are in the table already (its link).
+        let keys: BTreeSet<u64> = insns
+            .iter()
+            .copied()
+            .filter(|&a| new_code(a).is_none())
+            .collect();
         let mut table = self.translation.table.clone();
         for slot in table.chunks_exact_mut(16) {
             let key = u64::from_le_bytes(slot[..8].try_into().unwrap_or_default());
@@ -536,6 +980,60 @@ impl LiveJit {
             splicer.write_heap(machine, at, &code)?;
         }
         self.translation.table = table;
+        if !retranslated {
+            self.given_up.insert(start);
+        }
+        Ok(Some(retranslated))
+    }
+
+    /// Translates the `k`th source function again from `text` (its current bytes) and
+    /// writes the new translation into the cache, unless it was translated
+    /// [`MAX_RETRANSLATIONS`] times already or cannot be (the cache full, text that does
+    /// not analyse). Whether it was.
+    fn retranslate(
+        &mut self,
+        session: &mut GuestSession,
+        start: u64,
+        k: usize,
+        text: &[u8],
+    ) -> anyhow::Result<bool> {
+        let done = self.retranslations.get(&start).copied().unwrap_or(0);
+        let Some(translator) = self.translator.as_mut() else {
+            return Ok(false);
+        };
+        if done >= MAX_RETRANSLATIONS {
+            return Ok(false);
+        }
+        let end = start + text.len() as u64;
+        let (machine, splicer) = session.parts()?;
+        let analysis = exotap_introspect::x86::FunctionAnalysis::analyze(
+            text,
+            start,
+            &splicer.kernel.facts.config,
+        );
+        let view = exotap_introspect::x86::CodeView::new(start, text)
+            .context("the function's new text")?;
+        translator.forget(start, end);
+        if let Err(e) = translator.translate(view, &analysis) {
+            tracing::info!("cannot translate the function at {start:#x} again: {e:#}");
+            return Ok(false);
+        }
+        let link = translator.link()?;
+        write_link(machine, splicer, &link)?;
+        for &(_, stub) in &link.stubs {
+            if self.lazy.on
+                && self.lazy.full.is_none()
+                && machine.set_breakpoint(stub, true).is_ok()
+            {
+                self.armed.insert(stub);
+            }
+        }
+        self.apply(&link);
+        self.retranslations.insert(start, done + 1);
+        if let Some(source) = self.sources.get_mut(k) {
+            source.2 = text.to_vec();
+            source.3 = analysis.cfg.insns().iter().map(|i| i.addr).collect();
+        }
         Ok(true)
     }
 
@@ -571,19 +1069,30 @@ impl LiveJit {
             Some(shared) => shared.read_heap(range.start, len)?,
             None => splicer.read_heap(machine, range.start, len)?,
         };
-        Ok(self
+        // A function translated again after its text changed has two blocks per leader:
+        // one count, their sum.
+        let mut out: Vec<BlockCount> = Vec::new();
+        let mut at: HashMap<(u64, u64), usize> = HashMap::new();
+        for (b, (leader, count)) in self
             .translation
             .blocks
             .iter()
             .zip(self.translation.counts(&bytes))
-            .map(|(b, (leader, count))| BlockCount {
+        {
+            if let Some(&i) = at.get(&(b.function, leader)) {
+                out[i].count += count;
+                continue;
+            }
+            at.insert((b.function, leader), out.len());
+            out.push(BlockCount {
                 function: self.names.get(&b.function).cloned().unwrap_or_default(),
                 function_addr: b.function,
                 leader,
                 count,
                 requested: self.requested.contains(&b.function),
-            })
-            .collect())
+            });
+        }
+        Ok(out)
     }
 
     /// Reads the counters, takes the entry splices out (text byte-identical), zeroes the
@@ -598,7 +1107,20 @@ impl LiveJit {
         image: &KernelImage,
     ) -> anyhow::Result<JitRemoval> {
         session.pause()?;
-        let counts = self.counts(session)?;
+        let mut counts = self.counts(session)?;
+        if let Some(marked) = &self.marked {
+            for b in &mut counts {
+                let before = marked
+                    .get(&(b.function_addr, b.leader))
+                    .copied()
+                    .unwrap_or(0);
+                b.count = b.count.saturating_sub(before);
+            }
+        }
+        // Every stub runs its `jmp` (to the original code, or a translation) from now on.
+        for &stub in &self.armed {
+            session.machine.set_breakpoint(stub, false)?;
+        }
         let text = session.remove()?;
         let zeros = vec![0u8; self.translation.table.len()];
         {
@@ -634,6 +1156,33 @@ impl LiveJit {
             reach,
         })
     }
+}
+
+/// Writes a link into the guest (stopped): the code over the backend's write path (QEMU
+/// drops its translated blocks there), each table slot cache address first, then its
+/// original address, through the shared RAM when there is one. Nothing runs the new code
+/// before the stub's `jmp` is rewritten, which comes after.
+fn write_link(
+    machine: &mut dyn Machine,
+    splicer: &super::splicer::Splicer,
+    link: &Link,
+) -> anyhow::Result<()> {
+    if !link.code.is_empty() {
+        splicer.write_heap(machine, link.code_at, &link.code)?;
+    }
+    for (at, slot) in &link.table {
+        match &splicer.shared {
+            Some(shared) => {
+                shared.write_heap(at + 8, &slot[8..])?;
+                shared.write_heap(*at, &slot[..8])?;
+            }
+            None => {
+                splicer.write_heap(machine, at + 8, &slot[8..])?;
+                splicer.write_heap(machine, *at, &slot[..8])?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One look, with the guest stopped, for RIPs and return addresses inside `code`: every
