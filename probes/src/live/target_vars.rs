@@ -14,9 +14,12 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use exotap_introspect::btf::Btf;
+use exotap_introspect::dwarf::index::{EntryKind, Index, Layer};
 use exotap_introspect::dwarf::DebugFile;
 
 use crate::compile::codegen::walk;
+use crate::compile::globals::{spec_of, split_spec, KernelGlobal, KernelGlobals};
 use crate::compile::locals::{locals_at, Locals};
 use crate::lang::ast::{ExprKind, Stmt, StmtKind};
 use crate::lang::check::Program;
@@ -254,6 +257,171 @@ pub fn point_locals(
         return Err(UnreadableTargets(errors).into());
     }
     Ok(out)
+}
+
+/// The `@var(...)` specifications the probes of `prog` read: those outside `@defined`
+/// (required), and those only inside it.
+fn globals_read(prog: &Program) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut required = BTreeSet::new();
+    let mut optional = BTreeSet::new();
+    for p in &prog.script.probes {
+        let mut guarded = BTreeSet::new();
+        let mut visit = |e: &crate::lang::ast::Expr| {
+            walk::expr_all(e, &mut |inner| match &inner.kind {
+                ExprKind::Defined(x) => walk::expr_all(x, &mut |g| {
+                    guarded.insert(g.span.start);
+                    if let ExprKind::Target(t) = &g.kind {
+                        optional.extend(spec_of(&t.name));
+                    }
+                }),
+                ExprKind::Target(t) if !guarded.contains(&inner.span.start) => {
+                    required.extend(spec_of(&t.name));
+                }
+                _ => {}
+            })
+        };
+        if let Some(c) = &p.condition {
+            visit(c);
+        }
+        walk::block_exprs(&p.body, &mut visit);
+    }
+    optional.retain(|s| !required.contains(s));
+    (required, optional)
+}
+
+/// The debug info of the cached -dbg vmlinux and its name index, opened on demand.
+struct Dwarf<'f> {
+    info: exotap_introspect::dwarf::DebugInfo<'f>,
+    index: Index,
+}
+
+/// Finds the kernel globals (`@var("name")`, `@var("name@file.c")`) the probes of `prog` read:
+/// their link-time address (the image's symbols; DWARF for a `name@file` static) and their
+/// type (BTF's `VAR`, else the -dbg vmlinux's DWARF when cached, by the type's name in BTF).
+///
+/// # Errors
+/// Every global read outside `@defined` that cannot be found or typed, each with the reason.
+pub fn kernel_globals(
+    image: &KernelImage,
+    prog: &Program,
+    btf: Option<&Btf>,
+) -> anyhow::Result<KernelGlobals> {
+    let (required, optional) = globals_read(prog);
+    let mut out = KernelGlobals::new();
+    if required.is_empty() && optional.is_empty() {
+        return Ok(out);
+    }
+    let file = debug_vmlinux(image).and_then(|p| DebugFile::open(&p).ok());
+    let mut dwarf: Option<Option<Dwarf<'_>>> = None;
+    let cache = image
+        .path
+        .parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.parent())
+        .map(|p| p.join("debuginfo"));
+    let open = || -> Option<Dwarf<'_>> {
+        let info = file.as_ref()?.load().ok()?;
+        let index = Index::load_or_build(&info, cache.as_deref()?, Layer::Names, &|_, _| {})
+            .map_err(|e| tracing::warn!("cannot index the cached -dbg vmlinux: {e}"))
+            .ok()?;
+        Some(Dwarf { info, index })
+    };
+    let mut errors = Vec::new();
+    for spec in required.iter().chain(optional.iter()) {
+        let needs_dwarf = spec.contains('@') || btf.and_then(|b| btf_var(b, spec)).is_none();
+        if needs_dwarf && dwarf.is_none() {
+            dwarf = Some(open());
+        }
+        let d = dwarf.as_ref().and_then(Option::as_ref);
+        let found = resolve_global(image, btf, d, spec);
+        if let (Err(why), true) = (&found, required.contains(spec)) {
+            errors.push(format!("@var(\"{spec}\"): {why}"));
+        }
+        out.insert(spec.clone(), found);
+    }
+    if !errors.is_empty() {
+        return Err(UnreadableTargets(errors).into());
+    }
+    Ok(out)
+}
+
+/// The BTF `VAR` called `name`: its type.
+fn btf_var(btf: &Btf, name: &str) -> Option<u32> {
+    btf.iter().find_map(|(id, t)| match &t.kind {
+        exotap_introspect::btf::Kind::Var { ty, .. } if btf.name(id) == name => Some(*ty),
+        _ => None,
+    })
+}
+
+/// One global: address and type, or why not.
+fn resolve_global(
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    dwarf: Option<&Dwarf<'_>>,
+    spec: &str,
+) -> Result<KernelGlobal, String> {
+    let (name, file) = split_spec(spec);
+    let no_dwarf = "the kernel's BTF does not type it and no -dbg vmlinux is cached (exotap \
+                    image fetch --debuginfo)";
+    let btf = btf.ok_or("the kernel image has no BTF")?;
+    // The DWARF variable: in `file` when one is named, else any of that name.
+    let entry = dwarf.and_then(|d| {
+        d.index
+            .lookup_kind(name, EntryKind::Variable)
+            .find(|e| file.is_none_or(|f| e.file.ends_with(f) || f.ends_with(e.file)))
+    });
+    let link = match (file, &entry) {
+        (Some(_), Some(e)) if e.low != 0 => e.low,
+        (Some(f), _) if dwarf.is_none() => {
+            return Err(format!(
+                "a variable of {f} is found by DWARF, and {no_dwarf}"
+            ))
+        }
+        (Some(f), _) => return Err(format!("DWARF has no static variable {name} in {f}")),
+        (None, _) => match image.symbols.get(name) {
+            Some(s) => s.addr,
+            None => match &entry {
+                Some(e) if e.low != 0 => e.low,
+                _ => return Err(format!("the kernel has no symbol {name}")),
+            },
+        },
+    };
+    if let Some(ty) = btf_var(btf, name).filter(|_| file.is_none()) {
+        return Ok(KernelGlobal {
+            link,
+            ty,
+            type_name: exotap_introspect::btf::cdecl::declaration(btf, ty, ""),
+        });
+    }
+    let d = dwarf.ok_or(no_dwarf)?;
+    // A linker-script alias (`jiffies = jiffies_64`) takes the type of the variable DWARF
+    // places at its address.
+    let die = match entry {
+        Some(e) => e.die,
+        None => {
+            d.index
+                .iter()
+                .find(|e| e.kind == EntryKind::Variable && e.low == link)
+                .ok_or_else(|| format!("DWARF has no variable {name} (nor one at {link:#x})"))?
+                .die
+        }
+    };
+    let (_, c_type) = d
+        .info
+        .variable_type(die)
+        .ok_or_else(|| format!("DWARF gives {name} no type"))?;
+    let mut spec_ty = c_type.as_str();
+    for q in ["volatile ", "const "] {
+        spec_ty = spec_ty.trim_start_matches(q);
+    }
+    let ty = btf
+        .type_by_spec(spec_ty)
+        .map_err(|_| format!("its type {c_type} is not one BTF names"))?;
+    Ok(KernelGlobal {
+        link,
+        ty,
+        type_name: c_type,
+    })
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ use exotap_introspect::layout::TaskOffsets;
 use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 
+use crate::compile::globals::{spec_of, KernelGlobals};
 use crate::compile::locals::{Local, Locals};
 use crate::compile::types::{
     address_chain, cast_address_chain, cast_chain, chain, BtfTypes, KernelTypes, Step,
@@ -170,6 +171,10 @@ struct LiveContext<'a> {
     entry_values: &'a [(usize, Result<Value, String>)],
     /// The kernel's types, for member chains and `@cast` (`None` without BTF).
     types: Option<&'a BtfTypes>,
+    /// The kernel globals the script reads (`@var`), at link-time addresses.
+    globals: &'a KernelGlobals,
+    /// Link-time address of `jiffies_64`.
+    jiffies: Option<u64>,
     /// Guru-mode writes of this hit: register (index into [`X86Registers::gpr`]) and value,
     /// put into the vCPU before it resumes.
     writes: RefCell<Vec<(usize, u64)>>,
@@ -366,6 +371,9 @@ impl LiveContext<'_> {
     /// or with `address` the last member's address (`&$p->m`). From a local's struct pointer
     /// (DWARF), a parameter (BTF's signature) or `$return`.
     fn walk_target(&self, var: &TargetVar, address: bool) -> Option<Result<Value, String>> {
+        if spec_of(&var.name).is_some() {
+            return self.walk_global(var, address);
+        }
         let types = self.types?;
         let path = if address {
             format!("&{}", var.path())
@@ -414,6 +422,36 @@ impl LiveContext<'_> {
         )
     }
 
+    /// A kernel global `@var("name")` and its member chain, read from its slid address: its
+    /// value, or with `address` the last member's address; `None` for any other variable.
+    fn walk_global(&self, var: &TargetVar, address: bool) -> Option<Result<Value, String>> {
+        let spec = spec_of(&var.name)?;
+        let path = if address {
+            format!("&{}", var.path())
+        } else {
+            var.path()
+        };
+        let global = match self.globals.get(&spec) {
+            Some(Ok(g)) => g,
+            Some(Err(why)) => return Some(Err(format!("{path}: {why}"))),
+            None => return Some(Err(format!("{path}: the kernel global was not looked up"))),
+        };
+        let Some(types) = self.types else {
+            return Some(Err(format!("{path}: the kernel image has no BTF")));
+        };
+        let layout = if address {
+            crate::compile::globals::address_steps
+        } else {
+            crate::compile::globals::steps
+        };
+        let at = global.link.wrapping_add(self.survey.kaslr.slide);
+        Some(
+            layout(types, global.ty, &var.members)
+                .map_err(|e| format!("{path} ({}): {e}", global.type_name))
+                .and_then(|steps| self.follow(&path, at, &steps)),
+        )
+    }
+
     /// The last value this hit wrote to register `r`.
     fn written(&self, r: usize) -> Option<u64> {
         self.writes
@@ -434,6 +472,14 @@ impl Context for LiveContext<'_> {
     }
 
     fn target(&self, path: &str) -> Option<Value> {
+        if path.starts_with("@var(") {
+            let mut parts = path.split("->");
+            let var = TargetVar {
+                name: parts.next()?.to_owned(),
+                members: parts.map(str::to_owned).collect(),
+            };
+            return self.walk_global(&var, false)?.ok();
+        }
         if let Some(text) = self.pretty_target(path) {
             return Some(Value::Str(text));
         }
@@ -467,7 +513,7 @@ impl Context for LiveContext<'_> {
     }
 
     fn member_chain(&self, var: &TargetVar) -> Option<Result<Value, String>> {
-        if var.members.is_empty() {
+        if var.members.is_empty() && spec_of(&var.name).is_none() {
             return None;
         }
         self.walk_target(var, false)
@@ -584,6 +630,15 @@ impl Context for LiveContext<'_> {
 
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
         self.read(addr, len).ok_or(MemoryError::Unreadable { addr })
+    }
+
+    fn jiffies(&self) -> Option<Result<i64, String>> {
+        let at = self.jiffies?.wrapping_add(self.survey.kaslr.slide);
+        Some(
+            self.read_u64(at)
+                .map(|v| v as i64)
+                .ok_or_else(|| format!("jiffies_64 at {at:#x} cannot be read")),
+        )
     }
 
     fn task_current(&self) -> Option<u64> {
@@ -1036,6 +1091,10 @@ pub struct Traps {
     task_layout: Option<super::stacks::TaskLayout>,
     /// The kernel's types, for member chains and `@cast`.
     types: Option<BtfTypes>,
+    /// The kernel globals the script reads (`@var`), link-time.
+    globals: KernelGlobals,
+    /// Link-time address of `jiffies_64`, for `jiffies()`.
+    jiffies: Option<u64>,
     armed: HashMap<u64, ArmedPoint>,
     trampoline: u64,
     /// Swapped return addresses by the stack slot's address.
@@ -1088,8 +1147,11 @@ impl Traps {
                 .map_err(|e| tracing::warn!("task_backtrace() will be empty: {e:#}"))
                 .ok()
         });
+        let globals = super::target_vars::kernel_globals(image, prog, btf.as_ref())?;
         let (armed, trampoline) = arm(guest, image, btf.as_ref(), prog, area, host)?;
         Ok(Self {
+            globals,
+            jiffies: image.symbols.get("jiffies_64").map(|s| s.addr),
             tasks,
             ids: btf.as_ref().and_then(TaskIds::from_btf),
             stacks,
@@ -1287,6 +1349,8 @@ impl Traps {
             at_return,
             entry_values,
             types: self.types.as_ref(),
+            globals: &self.globals,
+            jiffies: self.jiffies,
             writes: RefCell::new(Vec::new()),
         }
     }
