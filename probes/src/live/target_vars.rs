@@ -37,6 +37,9 @@ pub struct UnreadableTargets(pub Vec<String>);
 /// here read only BTF parameters (or nothing).
 pub type PointLocals = HashMap<(usize, u64), Arc<Locals>>;
 
+/// The name [`names_read`] gives `$$locals` and `$$vars`: every variable in scope is read.
+const ALL_LOCALS: &str = "$*"; // `plain` makes it `*`
+
 /// Target variable names a probe reads (without `$`): those read outside `@defined`
 /// (required), and those only inside it.
 fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<String>) {
@@ -76,6 +79,16 @@ fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<Strin
         walk::expr_all(c, &mut visit);
     }
     walk::block_exprs(&p.body, &mut visit);
+    // `$$locals` and `$$vars` list every variable in scope: the point needs its DWARF.
+    let all = |set: &BTreeSet<String>| {
+        set.iter()
+            .any(|n| matches!(n.trim_end_matches('$'), "$$locals" | "$$vars"))
+    };
+    if all(&required) {
+        required.insert(ALL_LOCALS.into());
+    } else if all(&optional) {
+        optional.insert(ALL_LOCALS.into());
+    }
     let plain = |set: BTreeSet<String>| -> BTreeSet<String> {
         set.into_iter()
             .filter(|n| n != "$return" && !n.starts_with("$$") && n.starts_with('$'))
@@ -197,7 +210,13 @@ pub fn point_locals(
         }
         let must: Vec<&String> = required.iter().filter(|n| !params.contains(n)).collect();
         let Some(info) = &info else {
-            if let Some(name) = must.first() {
+            if must.iter().any(|n| *n == "*") {
+                errors.push(format!(
+                    "{}: $$locals and $$vars list the variables DWARF has in scope there, and \
+                     they need the kernel's -dbg vmlinux (exotap image fetch --debuginfo)",
+                    point.name
+                ));
+            } else if let Some(name) = must.first() {
                 errors.push(format!(
                     "{}: ${name} is not a parameter the kernel's BTF names there; locals, and \
                      parameters away from a function's entry, need the kernel's -dbg vmlinux \
@@ -231,7 +250,7 @@ pub fn point_locals(
                 continue;
             }
         };
-        for name in must {
+        for name in must.into_iter().filter(|n| *n != "*") {
             match locals.get(name) {
                 Some(Ok(_)) => {}
                 Some(Err(why)) => {

@@ -452,6 +452,33 @@ impl LiveContext<'_> {
         )
     }
 
+    /// `$$locals` as SystemTap prints it: every local (not parameter) DWARF has in scope at
+    /// the point, in declaration order, `name=0x...`, or `name=?` where it cannot be read
+    /// here (optimized out, a struct value, a location exotap does not read). Empty at a
+    /// return, as the locals are gone. With `params`, the parameters DWARF places there too
+    /// (`$$vars` away from a function's entry).
+    fn locals_text(&self, params: bool) -> String {
+        let Some(locals) = self.point.locals.as_ref().filter(|_| self.at_return.is_none())
+        else {
+            return String::new();
+        };
+        locals
+            .order
+            .iter()
+            .filter(|(_, is_param)| params || !is_param)
+            .filter_map(|(name, _)| {
+                let value = match locals.vars.get(name)? {
+                    Ok(l) => self
+                        .local_value(l)
+                        .map_or_else(|_| "?".to_owned(), |v| format!("{:#x}", v as u64)),
+                    Err(_) => "?".to_owned(),
+                };
+                Some(format!("{name}={value}"))
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// The last value this hit wrote to register `r`.
     fn written(&self, r: usize) -> Option<u64> {
         self.writes
@@ -482,6 +509,22 @@ impl Context for LiveContext<'_> {
         }
         if let Some(text) = self.pretty_target(path) {
             return Some(Value::Str(text));
+        }
+        if path == "$$locals" {
+            return Some(Value::Str(self.locals_text(false)));
+        }
+        if path == "$$vars" {
+            // Away from an entry, the parameters are where DWARF says too.
+            if self.point.params.is_empty() {
+                return Some(Value::Str(self.locals_text(true)));
+            }
+            let parms = match self.target("$$parms") {
+                Some(Value::Str(p)) => p,
+                _ => String::new(),
+            };
+            let locals = self.locals_text(false);
+            let both = [parms, locals].into_iter().filter(|s| !s.is_empty());
+            return Some(Value::Str(both.collect::<Vec<_>>().join(" ")));
         }
         if path == "$$parms" {
             let text: Vec<String> = self
