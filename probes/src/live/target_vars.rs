@@ -487,6 +487,81 @@ mod tests {
         point_locals(image, &prog, &resolved)
     }
 
+    /// The link-time address of `name` in the -dbg package's System.map (the outside oracle:
+    /// the linker's own map, not kallsyms).
+    fn system_map(image: &KernelImage, name: &str) -> Option<u64> {
+        let map = std::fs::read_to_string(image.path.parent()?.join("debug/System.map")).ok()?;
+        map.lines().find_map(|l| {
+            let mut f = l.split_whitespace();
+            let (addr, _, sym) = (f.next()?, f.next()?, f.next()?);
+            (sym == name).then(|| u64::from_str_radix(addr, 16).ok())?
+        })
+    }
+
+    fn globals(image: &KernelImage, text: &str) -> anyhow::Result<KernelGlobals> {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        let prog = check_script(&source, &Limits::default()).unwrap();
+        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes()).ok();
+        kernel_globals(image, &prog, btf.as_ref())
+    }
+
+    #[test]
+    fn kernel_globals_are_found_at_the_linkers_address_with_their_dwarf_type() {
+        let Some(image) = kernel() else { return };
+
+        let found = globals(
+            &image,
+            r#"probe kernel.function("vfs_read") {
+                 println(@var("jiffies"), @var("init_task")->pid, @var("nr_threads@kernel/fork.c"))
+                 if (@defined(@var("no_such_global_anywhere"))) println(1)
+               }"#,
+        )
+        .unwrap();
+
+        let get = |spec: &str| found.get(spec).unwrap().as_ref().unwrap();
+        // `jiffies = jiffies_64` (arch/x86/kernel/vmlinux.lds.S): the alias takes the type
+        // of the variable DWARF has at its address.
+        assert_eq!(get("jiffies").link, system_map(&image, "jiffies").unwrap());
+        assert_eq!(get("jiffies").link, system_map(&image, "jiffies_64").unwrap());
+        assert_eq!(get("jiffies").type_name, "u64");
+        assert_eq!(get("init_task").link, system_map(&image, "init_task").unwrap());
+        assert_eq!(get("init_task").type_name, "struct task_struct");
+        let threads = get("nr_threads@kernel/fork.c");
+        assert_eq!(threads.link, system_map(&image, "nr_threads").unwrap());
+        assert_eq!(threads.type_name, "int");
+        assert!(found
+            .get("no_such_global_anywhere")
+            .unwrap()
+            .as_ref()
+            .is_err());
+    }
+
+    #[test]
+    fn an_unknown_global_or_one_of_the_wrong_file_is_an_error_naming_it() {
+        let Some(image) = kernel() else { return };
+
+        let err = globals(
+            &image,
+            r#"probe kernel.function("vfs_read") {
+                 println(@var("no_such_global_anywhere"), @var("nr_threads@fs/read_write.c"))
+               }"#,
+        )
+        .unwrap_err()
+        .to_string();
+
+        assert!(
+            err.contains("@var(\"no_such_global_anywhere\"): the kernel has no symbol"),
+            "{err}"
+        );
+        assert!(
+            err.contains("DWARF has no static variable nr_threads in fs/read_write.c"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn locals_of_a_statement_probe_come_from_their_dwarf_location_there() {
         let Some(image) = kernel() else { return };
