@@ -34,6 +34,8 @@
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
 //! body), `kernel_long()`, `kernel_int()`, `kernel_short()`, `kernel_char()` (through the
 //! kernel's `copy_from_kernel_nofault`: a bad address ends the hit with a probe error),
+//! `jiffies()` and kernel globals `@var("name[@file]")->m...` ([`globals`]: an absolute
+//! address slid at install, read the same fault-tolerant way), `task_utime()`/`task_stime()`,
 //! `exit()`; `printf` with a literal format,
 //! `print` and `println`, `printd`/`printdln` with a literal delimiter (output records in per-vCPU rings, formatted by the host), also of
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
