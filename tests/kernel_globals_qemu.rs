@@ -6,7 +6,7 @@
 //! the file size `stat` gives, and the kernel's own fixed facts (`init_task` is pid 0,
 //! `swapper/0`).
 
-#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+#![allow(clippy::unwrap_used, clippy::panic)] // test helpers outside #[test] fns
 
 mod common;
 
