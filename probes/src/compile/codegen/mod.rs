@@ -770,6 +770,12 @@ impl Gen<'_, '_> {
         if let Some(spec) = super::globals::spec_of(&t.name) {
             return self.kernel_global(t, &spec);
         }
+        if t.name.starts_with("$$") {
+            return Err(self.no(format!(
+                "{} (a text listing of variables, formatted on the host)",
+                t.name
+            )));
+        }
         let name = t.name.trim_start_matches('$');
         let param = self.point.params.iter().any(|p| p == name);
         if t.name != "$return" && !self.point.is_return && !param {
