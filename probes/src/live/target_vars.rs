@@ -8,7 +8,9 @@
 //! out there, or lives where exotap cannot read it is an error that names it, the point and
 //! the function, before anything is put into the guest, as SystemTap's semantic errors are.
 //! Reads inside `@defined(...)` are not errors: there a missing variable is simply not
-//! defined.
+//! defined. The kernel globals a script reads (`@var("name[@file]")`) are found here too
+//! ([`kernel_globals`]), with the same errors before anything starts; `$$locals` and
+//! `$$vars` make a point read every variable DWARF has in scope there.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
