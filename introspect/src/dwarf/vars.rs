@@ -240,6 +240,28 @@ impl<'a> DebugInfo<'a> {
         Ok(out)
     }
 
+    /// A global variable's type (`DW_AT_type` of its DIE, or of the declaration it
+    /// specifies) and that type as C (`struct task_struct`, `long unsigned int`), for
+    /// `@var("name")` reads.
+    pub fn variable_type(&self, die: DieRef) -> Option<(TypeRef, String)> {
+        let mut source = die;
+        for _ in 0..4 {
+            let (u, o) = self.unit_of(source).ok()?;
+            let e = u.entry(o).ok()?;
+            if let Some(v) = e.attr_value(gimli::DW_AT_type).ok().flatten() {
+                let ty = TypeRef::new(Self::die_ref(&u, v)?);
+                return Some((ty, declaration(self, ty, "")));
+            }
+            let next = e
+                .attr_value(gimli::DW_AT_specification)
+                .ok()
+                .flatten()
+                .or_else(|| e.attr_value(gimli::DW_AT_abstract_origin).ok().flatten())?;
+            source = Self::die_ref(&u, next)?;
+        }
+        None
+    }
+
     /// A variable's own DIE, or its abstract origin for name and type.
     fn variable(&self, die: DieRef, is_param: bool, pc: u64) -> Option<Variable> {
         let (unit, off) = self.unit_of(die).ok()?;

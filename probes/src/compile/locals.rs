@@ -73,6 +73,9 @@ pub struct Locals {
     pub function: String,
     /// By name.
     pub vars: BTreeMap<String, Result<Local, String>>,
+    /// The names in the order DWARF declares them (parameters first), each with whether it
+    /// is a parameter, as `$$locals` and `$$vars` list them.
+    pub order: Vec<(String, bool)>,
 }
 
 impl Locals {
@@ -150,7 +153,11 @@ pub fn locals_at(info: &DebugInfo<'_>, pc: u64) -> Result<Locals, String> {
 
 fn from_scope(info: &DebugInfo<'_>, scope: &ScopeAt, pc: u64, cfa: Option<(u16, i64)>) -> Locals {
     let mut vars = BTreeMap::new();
+    let mut order = Vec::new();
     for v in &scope.vars {
+        if !vars.contains_key(&v.name) {
+            order.push((v.name.clone(), v.is_param));
+        }
         let local = info
             .scalar(v.ty)
             .ok_or_else(|| {
@@ -178,7 +185,11 @@ fn from_scope(info: &DebugInfo<'_>, scope: &ScopeAt, pc: u64, cfa: Option<(u16, 
     } else {
         scope.function.clone()
     };
-    Locals { function, vars }
+    Locals {
+        function,
+        vars,
+        order,
+    }
 }
 
 /// A location as a [`Place`], or why not (a phrase: "is optimized out", "lives at ...").

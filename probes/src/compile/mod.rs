@@ -34,6 +34,8 @@
 //! `gettimeofday_{s,ms,us,ns}()` (the kernel's own `ktime_get_real_fast_ns`, called from the
 //! body), `kernel_long()`, `kernel_int()`, `kernel_short()`, `kernel_char()` (through the
 //! kernel's `copy_from_kernel_nofault`: a bad address ends the hit with a probe error),
+//! `jiffies()` and kernel globals `@var("name[@file]")->m...` ([`globals`]: an absolute
+//! address slid at install, read the same fault-tolerant way), `task_utime()`/`task_stime()`,
 //! `exit()`; `printf` with a literal format,
 //! `print` and `println`, `printd`/`printdln` with a literal delimiter (output records in per-vCPU rings, formatted by the host), also of
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
@@ -65,6 +67,7 @@
 
 pub mod codegen;
 pub mod data;
+pub mod globals;
 pub mod locals;
 pub mod site;
 pub mod types;
@@ -98,6 +101,13 @@ pub struct Facts {
     /// The guest kernel's types, for member chains (`$p->m->n`, `@cast`); `None`: they do not
     /// compile.
     pub types: Option<std::sync::Arc<dyn types::KernelTypes>>,
+    /// The kernel globals the script reads (`@var`), at link-time addresses ([`globals`]).
+    pub globals: std::sync::Arc<globals::KernelGlobals>,
+    /// Link-time address of `jiffies_64` (for `jiffies()`).
+    pub jiffies: Option<u64>,
+    /// The KASLR slide added to the link-time addresses of kernel data (`@var`,
+    /// `jiffies()`): 0 while checking what compiles, the live slide at install.
+    pub data_slide: u64,
 }
 
 /// Slid addresses of the kernel's fault-tolerant string routines. Each is the kernel's own
@@ -156,6 +166,10 @@ pub struct TaskFields {
     pub cred: Option<u64>,
     /// `cred.uid` (a u32).
     pub cred_uid: Option<u64>,
+    /// `utime` (a u64: nanoseconds since Linux 4.11).
+    pub utime: Option<u64>,
+    /// `stime` (the same).
+    pub stime: Option<u64>,
 }
 
 /// One kernel probe point a compiled body runs at.

@@ -500,8 +500,8 @@ pub struct Expr {
     pub span: Span,
 }
 
-/// A target variable: `$name`, `$name->a->b`, `$return`, `$$parms`; `@var("name")` is
-/// `$name`, and `@var("name@file.c")` keeps its `@var(...)` text as its name.
+/// A target variable: `$name`, `$name->a->b`, `$return`, `$$parms`; a kernel global
+/// `@var("name")` or `@var("name@file.c")` keeps its `@var(...)` text as its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetVar {
     /// Name with its `$` or `$$` (or `@var("name@file")`).

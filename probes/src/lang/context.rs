@@ -83,6 +83,14 @@ pub trait Context {
     fn entry_value(&self, _key: usize) -> Option<Result<Value, String>> {
         None
     }
+    /// The kernel's `jiffies` counter (its `jiffies_64`), read now. `None` where this
+    /// context cannot read the guest's kernel variables (the default).
+    ///
+    /// # Errors
+    /// Inside the `Some`: why it could not be read.
+    fn jiffies(&self) -> Option<Result<i64, String>> {
+        None
+    }
     /// `@cast(pointer, "type")->member...`: `pointer` read as a pointer to the kernel type.
     /// `None` where this context has no kernel types (the default).
     ///

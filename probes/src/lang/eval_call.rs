@@ -469,6 +469,44 @@ impl Interp<'_> {
                     ),
                 }
             }
+            "jiffies" if ctx.jiffies().is_some() => match ctx.jiffies() {
+                Some(Ok(j)) => Value::Long(j),
+                Some(Err(why)) => return fail(format!("jiffies(): {why}"), span),
+                None => unit,
+            },
+            // SystemTap's `@const("current->utime")`: the task's own counter, nanoseconds
+            // since Linux 4.11 (cputime_t went away), as SystemTap returns it there.
+            "task_utime" | "task_stime" if args.is_empty() => {
+                let Some(task) = ctx.task_current() else {
+                    return fail(
+                        format!(
+                            "{name}() has no task here: only a kernel probe that stopped the \
+                             guest has one"
+                        ),
+                        span,
+                    );
+                };
+                let cast = CastExpr {
+                    pointer: Expr {
+                        kind: ExprKind::Num(task as i64),
+                        span,
+                    },
+                    type_name: "struct task_struct".into(),
+                    module: None,
+                    members: vec![name.trim_start_matches("task_").to_owned()],
+                    indexes: Vec::new(),
+                };
+                match ctx.cast(task, &cast) {
+                    Some(Ok(v)) => v,
+                    Some(Err(why)) => return fail(format!("{name}(): {why}"), span),
+                    None => {
+                        return fail(
+                            format!("{name}() needs the kernel's types (BTF), absent here"),
+                            span,
+                        )
+                    }
+                }
+            }
             "addr" | "user_mode" if ctx.probe_pc().is_some() => {
                 let (pc, user) = ctx.probe_pc().unwrap_or_default();
                 Value::Long(if name == "addr" {

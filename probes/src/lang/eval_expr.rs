@@ -17,7 +17,11 @@ impl Interp<'_> {
             ExprKind::Var(_) | ExprKind::Index(_) => self.load(e, f, ctx)?,
             ExprKind::Target(t) => match ctx.target(&t.path()) {
                 Some(v) => v,
-                None => match (t.members.is_empty(), ctx.member_chain(t)) {
+                // A kernel global (`@var`) answers its read error through `member_chain`.
+                None => match (
+                    t.members.is_empty() && !t.name.starts_with("@var("),
+                    ctx.member_chain(t),
+                ) {
                     (false, Some(Ok(v))) => v,
                     (false, Some(Err(why))) => return fail(why, e.span),
                     _ => {

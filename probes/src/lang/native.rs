@@ -425,25 +425,25 @@ pub const OVERLOADS: &[Builtin] = &[
         name: "task_utime",
         params: &[],
         ret: L,
-        doc: "user time of the current task, in clock ticks",
+        doc: "user time of the current task: task_struct's utime (nanoseconds since Linux 4.11)",
     },
     Builtin {
         name: "task_utime",
         params: &[L],
         ret: L,
-        doc: "user time of a task, in clock ticks",
+        doc: "user time of the thread with this id (0 when there is none)",
     },
     Builtin {
         name: "task_stime",
         params: &[],
         ret: L,
-        doc: "system time of the current task, in clock ticks",
+        doc: "system time of the current task: task_struct's stime (nanoseconds since Linux 4.11)",
     },
     Builtin {
         name: "task_stime",
         params: &[L],
         ret: L,
-        doc: "system time of a task, in clock ticks",
+        doc: "system time of the thread with this id (0 when there is none)",
     },
     Builtin {
         name: "proc_mem_size",
@@ -536,15 +536,20 @@ pub const UNAVAILABLE: &[(&str, &str)] = &[
     ),
     (
         "task_utime",
-        "host-evaluated probes do not read the task's CPU time accounting yet",
+        "task_utime(tid) finds the thread with pid2task, and host-evaluated probes do not walk \
+         the guest's pid hash yet; task_utime() of the current task needs a kernel probe that \
+         stopped the guest",
     ),
     (
         "task_stime",
-        "host-evaluated probes do not read the task's CPU time accounting yet",
+        "task_stime(tid) finds the thread with pid2task, and host-evaluated probes do not walk \
+         the guest's pid hash yet; task_stime() of the current task needs a kernel probe that \
+         stopped the guest",
     ),
     (
         "jiffies",
-        "host-evaluated probes do not look up the guest's 'jiffies' variable yet",
+        "only a kernel probe that stopped the guest reads the kernel's jiffies_64 here (a \
+         compiled probe reads it in the guest)",
     ),
     (
         "user_mode",

@@ -83,7 +83,7 @@ pub struct Plan {
 }
 
 /// The facts the generated code needs, from the image's symbols and BTF.
-fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
+fn facts(image: &KernelImage, prog: &Program, btf: &Btf) -> anyhow::Result<Facts> {
     let member = |s: &str, m: &str| -> Option<u64> {
         btf.struct_member(s, m).ok().and_then(|m| m.byte_offset())
     };
@@ -101,7 +101,12 @@ fn facts(image: &KernelImage, btf: &Btf) -> anyhow::Result<Facts> {
             real_parent: member("task_struct", "real_parent"),
             cred: member("task_struct", "cred"),
             cred_uid: member("cred", "uid"),
+            utime: member("task_struct", "utime"),
+            stime: member("task_struct", "stime"),
         },
+        globals: std::sync::Arc::new(super::target_vars::kernel_globals(image, prog, Some(btf))?),
+        jiffies: image.symbols.get("jiffies_64").map(|s| s.addr),
+        data_slide: 0,
         realtime_ns: image.symbols.get("ktime_get_real_fast_ns").map(|s| s.addr),
         copy_nofault: image
             .symbols
@@ -125,7 +130,7 @@ pub fn plan(
     limits: &Limits,
 ) -> anyhow::Result<Result<Plan, Vec<Unsupported>>> {
     let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
-    let facts = facts(image, &btf)?;
+    let facts = facts(image, prog, &btf)?;
     let lines = super::target_vars::source_lines(image);
     let resolver = KernelSymbols::new(&image.symbols, Some(&btf)).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
@@ -602,6 +607,7 @@ pub fn start_on(
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
     facts.copy_nofault = plan.copy_link.map(|a| a.wrapping_add(slide));
     facts.memory = plan.facts.memory.slid(slide);
+    facts.data_slide = slide;
     let kprobes = if script.compare_kprobes {
         let btf =
             Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;

@@ -8,15 +8,20 @@
 //! out there, or lives where exotap cannot read it is an error that names it, the point and
 //! the function, before anything is put into the guest, as SystemTap's semantic errors are.
 //! Reads inside `@defined(...)` are not errors: there a missing variable is simply not
-//! defined.
+//! defined. The kernel globals a script reads (`@var("name[@file]")`) are found here too
+//! ([`kernel_globals`]), with the same errors before anything starts; `$$locals` and
+//! `$$vars` make a point read every variable DWARF has in scope there.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use exotap_introspect::btf::Btf;
+use exotap_introspect::dwarf::index::{EntryKind, Index, Layer};
 use exotap_introspect::dwarf::DebugFile;
 
 use crate::compile::codegen::walk;
+use crate::compile::globals::{spec_of, split_spec, KernelGlobal, KernelGlobals};
 use crate::compile::locals::{locals_at, Locals};
 use crate::lang::ast::{ExprKind, Stmt, StmtKind};
 use crate::lang::check::Program;
@@ -33,6 +38,9 @@ pub struct UnreadableTargets(pub Vec<String>);
 /// The target variables by DWARF location, per (probe, link-time address); points absent
 /// here read only BTF parameters (or nothing).
 pub type PointLocals = HashMap<(usize, u64), Arc<Locals>>;
+
+/// The name [`names_read`] gives `$$locals` and `$$vars`: every variable in scope is read.
+const ALL_LOCALS: &str = "$*"; // `plain` makes it `*`
 
 /// Target variable names a probe reads (without `$`): those read outside `@defined`
 /// (required), and those only inside it.
@@ -73,6 +81,16 @@ fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<Strin
         walk::expr_all(c, &mut visit);
     }
     walk::block_exprs(&p.body, &mut visit);
+    // `$$locals` and `$$vars` list every variable in scope: the point needs its DWARF.
+    let all = |set: &BTreeSet<String>| {
+        set.iter()
+            .any(|n| matches!(n.trim_end_matches('$'), "$$locals" | "$$vars"))
+    };
+    if all(&required) {
+        required.insert(ALL_LOCALS.into());
+    } else if all(&optional) {
+        optional.insert(ALL_LOCALS.into());
+    }
     let plain = |set: BTreeSet<String>| -> BTreeSet<String> {
         set.into_iter()
             .filter(|n| n != "$return" && !n.starts_with("$$") && n.starts_with('$'))
@@ -194,7 +212,13 @@ pub fn point_locals(
         }
         let must: Vec<&String> = required.iter().filter(|n| !params.contains(n)).collect();
         let Some(info) = &info else {
-            if let Some(name) = must.first() {
+            if must.iter().any(|n| *n == "*") {
+                errors.push(format!(
+                    "{}: $$locals and $$vars list the variables DWARF has in scope there, and \
+                     they need the kernel's -dbg vmlinux (exotap image fetch --debuginfo)",
+                    point.name
+                ));
+            } else if let Some(name) = must.first() {
                 errors.push(format!(
                     "{}: ${name} is not a parameter the kernel's BTF names there; locals, and \
                      parameters away from a function's entry, need the kernel's -dbg vmlinux \
@@ -228,7 +252,7 @@ pub fn point_locals(
                 continue;
             }
         };
-        for name in must {
+        for name in must.into_iter().filter(|n| *n != "*") {
             match locals.get(name) {
                 Some(Ok(_)) => {}
                 Some(Err(why)) => {
@@ -254,6 +278,171 @@ pub fn point_locals(
         return Err(UnreadableTargets(errors).into());
     }
     Ok(out)
+}
+
+/// The `@var(...)` specifications the probes of `prog` read: those outside `@defined`
+/// (required), and those only inside it.
+fn globals_read(prog: &Program) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut required = BTreeSet::new();
+    let mut optional = BTreeSet::new();
+    for p in &prog.script.probes {
+        let mut guarded = BTreeSet::new();
+        let mut visit = |e: &crate::lang::ast::Expr| {
+            walk::expr_all(e, &mut |inner| match &inner.kind {
+                ExprKind::Defined(x) => walk::expr_all(x, &mut |g| {
+                    guarded.insert(g.span.start);
+                    if let ExprKind::Target(t) = &g.kind {
+                        optional.extend(spec_of(&t.name));
+                    }
+                }),
+                ExprKind::Target(t) if !guarded.contains(&inner.span.start) => {
+                    required.extend(spec_of(&t.name));
+                }
+                _ => {}
+            })
+        };
+        if let Some(c) = &p.condition {
+            visit(c);
+        }
+        walk::block_exprs(&p.body, &mut visit);
+    }
+    optional.retain(|s| !required.contains(s));
+    (required, optional)
+}
+
+/// The debug info of the cached -dbg vmlinux and its name index, opened on demand.
+struct Dwarf<'f> {
+    info: exotap_introspect::dwarf::DebugInfo<'f>,
+    index: Index,
+}
+
+/// Finds the kernel globals (`@var("name")`, `@var("name@file.c")`) the probes of `prog` read:
+/// their link-time address (the image's symbols; DWARF for a `name@file` static) and their
+/// type (BTF's `VAR`, else the -dbg vmlinux's DWARF when cached, by the type's name in BTF).
+///
+/// # Errors
+/// Every global read outside `@defined` that cannot be found or typed, each with the reason.
+pub fn kernel_globals(
+    image: &KernelImage,
+    prog: &Program,
+    btf: Option<&Btf>,
+) -> anyhow::Result<KernelGlobals> {
+    let (required, optional) = globals_read(prog);
+    let mut out = KernelGlobals::new();
+    if required.is_empty() && optional.is_empty() {
+        return Ok(out);
+    }
+    let file = debug_vmlinux(image).and_then(|p| DebugFile::open(&p).ok());
+    let mut dwarf: Option<Option<Dwarf<'_>>> = None;
+    let cache = image
+        .path
+        .parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.parent())
+        .map(|p| p.join("debuginfo"));
+    let open = || -> Option<Dwarf<'_>> {
+        let info = file.as_ref()?.load().ok()?;
+        let index = Index::load_or_build(&info, cache.as_deref()?, Layer::Names, &|_, _| {})
+            .map_err(|e| tracing::warn!("cannot index the cached -dbg vmlinux: {e}"))
+            .ok()?;
+        Some(Dwarf { info, index })
+    };
+    let mut errors = Vec::new();
+    for spec in required.iter().chain(optional.iter()) {
+        let needs_dwarf = spec.contains('@') || btf.and_then(|b| btf_var(b, spec)).is_none();
+        if needs_dwarf && dwarf.is_none() {
+            dwarf = Some(open());
+        }
+        let d = dwarf.as_ref().and_then(Option::as_ref);
+        let found = resolve_global(image, btf, d, spec);
+        if let (Err(why), true) = (&found, required.contains(spec)) {
+            errors.push(format!("@var(\"{spec}\"): {why}"));
+        }
+        out.insert(spec.clone(), found);
+    }
+    if !errors.is_empty() {
+        return Err(UnreadableTargets(errors).into());
+    }
+    Ok(out)
+}
+
+/// The BTF `VAR` called `name`: its type.
+fn btf_var(btf: &Btf, name: &str) -> Option<u32> {
+    btf.iter().find_map(|(id, t)| match &t.kind {
+        exotap_introspect::btf::Kind::Var { ty, .. } if btf.name(id) == name => Some(*ty),
+        _ => None,
+    })
+}
+
+/// One global: address and type, or why not.
+fn resolve_global(
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    dwarf: Option<&Dwarf<'_>>,
+    spec: &str,
+) -> Result<KernelGlobal, String> {
+    let (name, file) = split_spec(spec);
+    let no_dwarf = "the kernel's BTF does not type it and no -dbg vmlinux is cached (exotap \
+                    image fetch --debuginfo)";
+    let btf = btf.ok_or("the kernel image has no BTF")?;
+    // The DWARF variable: in `file` when one is named, else any of that name.
+    let entry = dwarf.and_then(|d| {
+        d.index
+            .lookup_kind(name, EntryKind::Variable)
+            .find(|e| file.is_none_or(|f| e.file.ends_with(f) || f.ends_with(e.file)))
+    });
+    let link = match (file, &entry) {
+        (Some(_), Some(e)) if e.low != 0 => e.low,
+        (Some(f), _) if dwarf.is_none() => {
+            return Err(format!(
+                "a variable of {f} is found by DWARF, and {no_dwarf}"
+            ))
+        }
+        (Some(f), _) => return Err(format!("DWARF has no static variable {name} in {f}")),
+        (None, _) => match image.symbols.get(name) {
+            Some(s) => s.addr,
+            None => match &entry {
+                Some(e) if e.low != 0 => e.low,
+                _ => return Err(format!("the kernel has no symbol {name}")),
+            },
+        },
+    };
+    if let Some(ty) = btf_var(btf, name).filter(|_| file.is_none()) {
+        return Ok(KernelGlobal {
+            link,
+            ty,
+            type_name: exotap_introspect::btf::cdecl::declaration(btf, ty, ""),
+        });
+    }
+    let d = dwarf.ok_or(no_dwarf)?;
+    // A linker-script alias (`jiffies = jiffies_64`) takes the type of the variable DWARF
+    // places at its address.
+    let die = match entry {
+        Some(e) => e.die,
+        None => {
+            d.index
+                .iter()
+                .find(|e| e.kind == EntryKind::Variable && e.low == link)
+                .ok_or_else(|| format!("DWARF has no variable {name} (nor one at {link:#x})"))?
+                .die
+        }
+    };
+    let (_, c_type) = d
+        .info
+        .variable_type(die)
+        .ok_or_else(|| format!("DWARF gives {name} no type"))?;
+    let mut spec_ty = c_type.as_str();
+    for q in ["volatile ", "const "] {
+        spec_ty = spec_ty.trim_start_matches(q);
+    }
+    let ty = btf
+        .type_by_spec(spec_ty)
+        .map_err(|_| format!("its type {c_type} is not one BTF names"))?;
+    Ok(KernelGlobal {
+        link,
+        ty,
+        type_name: c_type,
+    })
 }
 
 #[cfg(test)]
@@ -298,6 +487,81 @@ mod tests {
         let resolved =
             resolve_program(&prog, &KernelSymbols::new(&image.symbols, btf.as_ref())).unwrap();
         point_locals(image, &prog, &resolved)
+    }
+
+    /// The link-time address of `name` in the -dbg package's System.map (the outside oracle:
+    /// the linker's own map, not kallsyms).
+    fn system_map(image: &KernelImage, name: &str) -> Option<u64> {
+        let map = std::fs::read_to_string(image.path.parent()?.join("debug/System.map")).ok()?;
+        map.lines().find_map(|l| {
+            let mut f = l.split_whitespace();
+            let (addr, _, sym) = (f.next()?, f.next()?, f.next()?);
+            (sym == name).then(|| u64::from_str_radix(addr, 16).ok())?
+        })
+    }
+
+    fn globals(image: &KernelImage, text: &str) -> anyhow::Result<KernelGlobals> {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: text.into(),
+        };
+        let prog = check_script(&source, &Limits::default()).unwrap();
+        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes()).ok();
+        kernel_globals(image, &prog, btf.as_ref())
+    }
+
+    #[test]
+    fn kernel_globals_are_found_at_the_linkers_address_with_their_dwarf_type() {
+        let Some(image) = kernel() else { return };
+
+        let found = globals(
+            &image,
+            r#"probe kernel.function("vfs_read") {
+                 println(@var("jiffies"), @var("init_task")->pid, @var("nr_threads@kernel/fork.c"))
+                 if (@defined(@var("no_such_global_anywhere"))) println(1)
+               }"#,
+        )
+        .unwrap();
+
+        let get = |spec: &str| found.get(spec).unwrap().as_ref().unwrap();
+        // `jiffies = jiffies_64` (arch/x86/kernel/vmlinux.lds.S): the alias takes the type
+        // of the variable DWARF has at its address.
+        assert_eq!(get("jiffies").link, system_map(&image, "jiffies").unwrap());
+        assert_eq!(get("jiffies").link, system_map(&image, "jiffies_64").unwrap());
+        assert_eq!(get("jiffies").type_name, "u64");
+        assert_eq!(get("init_task").link, system_map(&image, "init_task").unwrap());
+        assert_eq!(get("init_task").type_name, "struct task_struct");
+        let threads = get("nr_threads@kernel/fork.c");
+        assert_eq!(threads.link, system_map(&image, "nr_threads").unwrap());
+        assert_eq!(threads.type_name, "int");
+        assert!(found
+            .get("no_such_global_anywhere")
+            .unwrap()
+            .as_ref()
+            .is_err());
+    }
+
+    #[test]
+    fn an_unknown_global_or_one_of_the_wrong_file_is_an_error_naming_it() {
+        let Some(image) = kernel() else { return };
+
+        let err = globals(
+            &image,
+            r#"probe kernel.function("vfs_read") {
+                 println(@var("no_such_global_anywhere"), @var("nr_threads@fs/read_write.c"))
+               }"#,
+        )
+        .unwrap_err()
+        .to_string();
+
+        assert!(
+            err.contains("@var(\"no_such_global_anywhere\"): the kernel has no symbol"),
+            "{err}"
+        );
+        assert!(
+            err.contains("DWARF has no static variable nr_threads in fs/read_write.c"),
+            "{err}"
+        );
     }
 
     #[test]

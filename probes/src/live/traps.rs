@@ -34,6 +34,7 @@ use exotap_introspect::layout::TaskOffsets;
 use exotap_introspect::paging::{pti_kernel_cr3, AddressSpace};
 use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 
+use crate::compile::globals::{spec_of, KernelGlobals};
 use crate::compile::locals::{Local, Locals};
 use crate::compile::types::{
     address_chain, cast_address_chain, cast_chain, chain, BtfTypes, KernelTypes, Step,
@@ -170,6 +171,10 @@ struct LiveContext<'a> {
     entry_values: &'a [(usize, Result<Value, String>)],
     /// The kernel's types, for member chains and `@cast` (`None` without BTF).
     types: Option<&'a BtfTypes>,
+    /// The kernel globals the script reads (`@var`), at link-time addresses.
+    globals: &'a KernelGlobals,
+    /// Link-time address of `jiffies_64`.
+    jiffies: Option<u64>,
     /// Guru-mode writes of this hit: register (index into [`X86Registers::gpr`]) and value,
     /// put into the vCPU before it resumes.
     writes: RefCell<Vec<(usize, u64)>>,
@@ -366,6 +371,9 @@ impl LiveContext<'_> {
     /// or with `address` the last member's address (`&$p->m`). From a local's struct pointer
     /// (DWARF), a parameter (BTF's signature) or `$return`.
     fn walk_target(&self, var: &TargetVar, address: bool) -> Option<Result<Value, String>> {
+        if spec_of(&var.name).is_some() {
+            return self.walk_global(var, address);
+        }
         let types = self.types?;
         let path = if address {
             format!("&{}", var.path())
@@ -414,6 +422,63 @@ impl LiveContext<'_> {
         )
     }
 
+    /// A kernel global `@var("name")` and its member chain, read from its slid address: its
+    /// value, or with `address` the last member's address; `None` for any other variable.
+    fn walk_global(&self, var: &TargetVar, address: bool) -> Option<Result<Value, String>> {
+        let spec = spec_of(&var.name)?;
+        let path = if address {
+            format!("&{}", var.path())
+        } else {
+            var.path()
+        };
+        let global = match self.globals.get(&spec) {
+            Some(Ok(g)) => g,
+            Some(Err(why)) => return Some(Err(format!("{path}: {why}"))),
+            None => return Some(Err(format!("{path}: the kernel global was not looked up"))),
+        };
+        let Some(types) = self.types else {
+            return Some(Err(format!("{path}: the kernel image has no BTF")));
+        };
+        let layout = if address {
+            crate::compile::globals::address_steps
+        } else {
+            crate::compile::globals::steps
+        };
+        let at = global.link.wrapping_add(self.survey.kaslr.slide);
+        Some(
+            layout(types, global.ty, &var.members)
+                .map_err(|e| format!("{path} ({}): {e}", global.type_name))
+                .and_then(|steps| self.follow(&path, at, &steps)),
+        )
+    }
+
+    /// `$$locals` as SystemTap prints it: every local (not parameter) DWARF has in scope at
+    /// the point, in declaration order, `name=0x...`, or `name=?` where it cannot be read
+    /// here (optimized out, a struct value, a location exotap does not read). Empty at a
+    /// return, as the locals are gone. With `params`, the parameters DWARF places there too
+    /// (`$$vars` away from a function's entry).
+    fn locals_text(&self, params: bool) -> String {
+        let Some(locals) = self.point.locals.as_ref().filter(|_| self.at_return.is_none())
+        else {
+            return String::new();
+        };
+        locals
+            .order
+            .iter()
+            .filter(|(_, is_param)| params || !is_param)
+            .filter_map(|(name, _)| {
+                let value = match locals.vars.get(name)? {
+                    Ok(l) => self
+                        .local_value(l)
+                        .map_or_else(|_| "?".to_owned(), |v| format!("{:#x}", v as u64)),
+                    Err(_) => "?".to_owned(),
+                };
+                Some(format!("{name}={value}"))
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// The last value this hit wrote to register `r`.
     fn written(&self, r: usize) -> Option<u64> {
         self.writes
@@ -434,8 +499,32 @@ impl Context for LiveContext<'_> {
     }
 
     fn target(&self, path: &str) -> Option<Value> {
+        if path.starts_with("@var(") {
+            let mut parts = path.split("->");
+            let var = TargetVar {
+                name: parts.next()?.to_owned(),
+                members: parts.map(str::to_owned).collect(),
+            };
+            return self.walk_global(&var, false)?.ok();
+        }
         if let Some(text) = self.pretty_target(path) {
             return Some(Value::Str(text));
+        }
+        if path == "$$locals" {
+            return Some(Value::Str(self.locals_text(false)));
+        }
+        if path == "$$vars" {
+            // Away from an entry, the parameters are where DWARF says too.
+            if self.point.params.is_empty() {
+                return Some(Value::Str(self.locals_text(true)));
+            }
+            let parms = match self.target("$$parms") {
+                Some(Value::Str(p)) => p,
+                _ => String::new(),
+            };
+            let locals = self.locals_text(false);
+            let both = [parms, locals].into_iter().filter(|s| !s.is_empty());
+            return Some(Value::Str(both.collect::<Vec<_>>().join(" ")));
         }
         if path == "$$parms" {
             let text: Vec<String> = self
@@ -467,7 +556,7 @@ impl Context for LiveContext<'_> {
     }
 
     fn member_chain(&self, var: &TargetVar) -> Option<Result<Value, String>> {
-        if var.members.is_empty() {
+        if var.members.is_empty() && spec_of(&var.name).is_none() {
             return None;
         }
         self.walk_target(var, false)
@@ -584,6 +673,15 @@ impl Context for LiveContext<'_> {
 
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
         self.read(addr, len).ok_or(MemoryError::Unreadable { addr })
+    }
+
+    fn jiffies(&self) -> Option<Result<i64, String>> {
+        let at = self.jiffies?.wrapping_add(self.survey.kaslr.slide);
+        Some(
+            self.read_u64(at)
+                .map(|v| v as i64)
+                .ok_or_else(|| format!("jiffies_64 at {at:#x} cannot be read")),
+        )
     }
 
     fn task_current(&self) -> Option<u64> {
@@ -1042,6 +1140,10 @@ pub struct Traps {
     task_layout: Option<super::stacks::TaskLayout>,
     /// The kernel's types, for member chains and `@cast`.
     types: Option<BtfTypes>,
+    /// The kernel globals the script reads (`@var`), link-time.
+    globals: KernelGlobals,
+    /// Link-time address of `jiffies_64`, for `jiffies()`.
+    jiffies: Option<u64>,
     armed: HashMap<u64, ArmedPoint>,
     trampoline: u64,
     /// Swapped return addresses by the stack slot's address.
@@ -1094,8 +1196,11 @@ impl Traps {
                 .map_err(|e| tracing::warn!("task_backtrace() will be empty: {e:#}"))
                 .ok()
         });
+        let globals = super::target_vars::kernel_globals(image, prog, btf.as_ref())?;
         let (armed, trampoline) = arm(guest, image, btf.as_ref(), prog, area, host)?;
         Ok(Self {
+            globals,
+            jiffies: image.symbols.get("jiffies_64").map(|s| s.addr),
             tasks,
             ids: btf.as_ref().and_then(TaskIds::from_btf),
             stacks,
@@ -1304,6 +1409,8 @@ impl Traps {
             at_return,
             entry_values,
             types: self.types.as_ref(),
+            globals: &self.globals,
+            jiffies: self.jiffies,
             writes: RefCell::new(Vec::new()),
         }
     }

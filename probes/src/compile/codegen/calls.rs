@@ -69,6 +69,20 @@ impl Gen<'_, '_> {
                 asm!(self, self.a.mov(eax, dword_ptr(rax + uid as i32)))?;
                 Ok(K::Long)
             }
+            "jiffies" => self.jiffies(),
+            // `task_struct`'s own counters, as SystemTap's `@const("current->utime")`.
+            "task_utime" | "task_stime" if c.args.is_empty() => {
+                let off = if name == "task_utime" {
+                    task.utime
+                } else {
+                    task.stime
+                };
+                let off = off.ok_or_else(|| {
+                    self.no(format!("{name}() (BTF lacks the task_struct member)"))
+                })?;
+                asm!(self, self.a.mov(rax, qword_ptr(r13 + off as i32)))?;
+                Ok(K::Long)
+            }
             "cpu" => {
                 let mut i = Instruction::with2(
                     Code::Mov_r32_rm32,

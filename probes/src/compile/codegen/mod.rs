@@ -25,6 +25,7 @@ use crate::lang::check::{Program, Ty};
 use crate::lang::Limits;
 
 use super::data::{field, DataLayout, GlobalSlot, Interner, ValueKind, KEY, MAX_KEYS};
+use super::types::Step;
 use super::{Facts, SitePoint, Unsupported};
 
 /// Bytes of the kernel-read buffer in a body's frame.
@@ -673,6 +674,10 @@ impl Gen<'_, '_> {
         let mut answer = Ok(true);
         walk::expr_all(x, &mut |e| {
             let here = match &e.kind {
+                ExprKind::Target(t) if t.name.starts_with("@var(") => {
+                    let spec = super::globals::spec_of(&t.name).unwrap_or_default();
+                    Ok(self.global_read(t, &spec).is_ok())
+                }
                 ExprKind::Target(t) if !t.members.is_empty() || t.name.starts_with("$$") => {
                     Err(format!("@defined of {}", t.path()))
                 }
@@ -762,6 +767,15 @@ impl Gen<'_, '_> {
     }
 
     fn target(&mut self, t: &TargetVar) -> R<K> {
+        if let Some(spec) = super::globals::spec_of(&t.name) {
+            return self.kernel_global(t, &spec);
+        }
+        if t.name.starts_with("$$") {
+            return Err(self.no(format!(
+                "{} (a text listing of variables, formatted on the host)",
+                t.name
+            )));
+        }
         let name = t.name.trim_start_matches('$');
         let param = self.point.params.iter().any(|p| p == name);
         if t.name != "$return" && !self.point.is_return && !param {
@@ -866,6 +880,57 @@ impl Gen<'_, '_> {
                 .map_err(|e| self.no(format!("{what}: {e}")))?;
             self.steps(&steps)?;
         }
+        Ok(K::Long)
+    }
+}
+
+impl Gen<'_, '_> {
+    /// The layout of a kernel global's read ([`super::globals`]): its slid address and the
+    /// steps from there, or why it does not compile.
+    fn global_read(&self, t: &TargetVar, spec: &str) -> Result<(u64, Vec<Step>), String> {
+        let what = t.path();
+        let global = match self.env.facts.globals.get(spec) {
+            Some(Ok(g)) => g,
+            Some(Err(why)) => return Err(format!("{what}: {why}")),
+            None => return Err(format!("{what} (the kernel global was not looked up)")),
+        };
+        let types = self
+            .env
+            .facts
+            .types
+            .clone()
+            .ok_or_else(|| format!("{what} (no kernel type information)"))?;
+        let steps = super::globals::steps(types.as_ref(), global.ty, &t.members)
+            .map_err(|e| format!("{what} ({}): {e}", global.type_name))?;
+        Ok((global.link.wrapping_add(self.env.facts.data_slide), steps))
+    }
+
+    /// `@var("name")->members`: from the global's slid address, each read through
+    /// `copy_from_kernel_nofault` (an unmapped address is a probe error).
+    fn kernel_global(&mut self, t: &TargetVar, spec: &str) -> R<K> {
+        let (at, steps) = self.global_read(t, spec).map_err(|why| self.no(why))?;
+        asm!(self, self.a.mov(rax, at))?;
+        self.steps(&steps)?;
+        Ok(K::Long)
+    }
+
+    /// `jiffies()`: the kernel's `jiffies_64`, read at its slid address.
+    pub(super) fn jiffies(&mut self) -> R<K> {
+        let link = self
+            .env
+            .facts
+            .jiffies
+            .ok_or_else(|| self.no("jiffies() (the kernel has no jiffies_64 symbol)"))?;
+        asm!(
+            self,
+            self.a
+                .mov(rax, link.wrapping_add(self.env.facts.data_slide))
+        )?;
+        self.steps(&[Step::Read {
+            offset: 0,
+            size: 8,
+            signed: false,
+        }])?;
         Ok(K::Long)
     }
 }

@@ -409,11 +409,8 @@ impl Parser {
                     self.string_literal("the module as a string")?;
                 }
                 self.expect_op(")")?;
-                let name = if spec.contains('@') {
-                    format!("@var(\"{}\")", spec.escape_default())
-                } else {
-                    format!("${spec}")
-                };
+                // A kernel global, found by its symbol (and file), not a local of the point.
+                let name = format!("@var(\"{}\")", spec.escape_default());
                 let members = self.target_members()?;
                 ExprKind::Target(TargetVar { name, members })
             }

@@ -908,11 +908,11 @@ mod tests {
     }
 
     #[test]
-    fn var_without_file_is_a_target_variable() {
+    fn var_without_file_is_a_kernel_global() {
         let ExprKind::Target(t) = body_expr(r#"@var("jiffies")"#) else {
             panic!()
         };
-        assert_eq!(t.name, "$jiffies");
+        assert_eq!(t.name, "@var(\"jiffies\")");
     }
 
     #[test]
