@@ -67,6 +67,7 @@ pub mod codegen;
 pub mod data;
 pub mod locals;
 pub mod site;
+pub mod snapshot;
 pub mod types;
 
 use std::collections::HashSet;

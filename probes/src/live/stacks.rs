@@ -466,6 +466,108 @@ impl KernelStacks {
     }
 }
 
+/// A compiled probe's stack snapshot as [`StackMemory`]: words inside the copied bytes only;
+/// the first word the unwinder wants past them is kept, so the caller can say the stack was
+/// cut there ([`crate::compile::snapshot`]).
+#[derive(Debug)]
+pub struct SnapshotMemory<'s, 'r> {
+    snapshot: &'s crate::compile::snapshot::Snapshot<'r>,
+    /// The first address read that the snapshot does not hold.
+    pub missed: Option<u64>,
+}
+
+/// A read past a stack snapshot.
+#[derive(Debug, thiserror::Error)]
+#[error("{addr:#x} is outside the stack snapshot")]
+pub struct PastSnapshot {
+    /// The address.
+    pub addr: u64,
+}
+
+impl<'s, 'r> SnapshotMemory<'s, 'r> {
+    /// Reads from `snapshot`.
+    pub fn new(snapshot: &'s crate::compile::snapshot::Snapshot<'r>) -> Self {
+        Self {
+            snapshot,
+            missed: None,
+        }
+    }
+}
+
+impl StackMemory for SnapshotMemory<'_, '_> {
+    type Error = PastSnapshot;
+
+    fn read_u64(&mut self, vaddr: u64) -> Result<u64, PastSnapshot> {
+        self.snapshot.word(vaddr).ok_or_else(|| {
+            self.missed.get_or_insert(vaddr);
+            PastSnapshot { addr: vaddr }
+        })
+    }
+}
+
+/// The kernel registers a compiled probe's snapshot holds, as the unwinder's starting
+/// `pt_regs`: the site's saved registers, the probed code's stack pointer and the probe
+/// point's address as the exact pc (kernel code and stack segments: the probe ran in the
+/// kernel).
+pub fn pt_regs_of_snapshot(snap: &crate::compile::snapshot::Snapshot<'_>) -> PtRegs {
+    // The site's push order (compile::codegen::SAVED): rax rcx rdx rbx rsi rdi rbp r8-r15.
+    let r = |i| snap.saved(i);
+    PtRegs {
+        ax: r(0),
+        cx: r(1),
+        dx: r(2),
+        bx: r(3),
+        si: r(4),
+        di: r(5),
+        bp: r(6),
+        r8: r(7),
+        r9: r(8),
+        r10: r(9),
+        r11: r(10),
+        r12: r(11),
+        r13: r(12),
+        r14: r(13),
+        r15: r(14),
+        orig_ax: u64::MAX,
+        ip: snap.pc,
+        cs: KERNEL_CS,
+        flags: r(15),
+        sp: snap.sp,
+        ss: KERNEL_DS,
+    }
+}
+
+/// `__KERNEL_CS` and `__KERNEL_DS` on x86-64.
+const KERNEL_CS: u64 = 0x10;
+const KERNEL_DS: u64 = 0x18;
+
+/// Unwinds a compiled probe's stack snapshot as [`probe_backtrace`] unwinds a stopped vCPU:
+/// each frame's pc and `%pB` name, and whether the unwind stopped at a word past the
+/// snapshot (its frames from there on are cut).
+pub fn snapshot_backtrace(
+    stacks: &KernelStacks,
+    snap: &crate::compile::snapshot::Snapshot<'_>,
+) -> crate::compile::snapshot::Unwound {
+    let start = UnwindStart::from_regs(pt_regs_of_snapshot(snap));
+    let mut mem = SnapshotMemory::new(snap);
+    let backtrace = stacks.unwinder().unwind(&start, &mut mem);
+    let cut = mem.missed.is_some()
+        && matches!(
+            backtrace.end,
+            exotap_introspect::orc::StackEnd::Error(
+                exotap_introspect::orc::UnwindError::StackRead { .. }
+            )
+        );
+    crate::compile::snapshot::Unwound {
+        frames: backtrace
+            .frames
+            .iter()
+            .map(|frame| (frame.pc, stacks.describe(frame)))
+            .collect(),
+        cut,
+    }
+}
+
 /// The kernel stack of a vCPU stopped at a probe hit, each frame's pc and `%pB` name, as
 /// the script built-ins (`backtrace()`, `print_backtrace()`) want it. An unwind that stops
 /// early gives the frames found so far.

@@ -110,6 +110,7 @@ mod foreach;
 mod functions;
 mod memory;
 mod operators;
+mod stack;
 mod updates;
 pub(crate) mod walk;
 
