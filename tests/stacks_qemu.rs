@@ -495,3 +495,124 @@ fn timer_profile_samples_every_vcpu_where_it_runs() {
         &syms[..syms.len().min(5)]
     );
 }
+
+/// Guest job for the stack-snapshot comparison: the guest's own kprobe on the probed
+/// function, armed before exotap attaches and read by exotap at its install and removal
+/// stops (`--compare-kprobes`), around a fixed number of getppid calls.
+const GETPPID_JOB: &str = "T=/sys/kernel/tracing\n\
+    echo 'p:exotap/gp __x64_sys_getppid' >> $T/kprobe_events\n\
+    echo 1 > $T/events/exotap/enable\n\
+    exotap_wait attach\n\
+    syscall-loop 200\n\
+    exotap_wait detach\n\
+    echo 0 > $T/events/exotap/enable\n\
+    echo > $T/kprobe_events\n";
+
+/// One record a hit: the stack as `print_backtrace()` prints it, then (a second record)
+/// its pcs as `backtrace()` gives them.
+const GETPPID_STACKS: &str = r#"probe kernel.function("__x64_sys_getppid") {
+  print_backtrace()
+  printf("PCS %s\n", backtrace())
+}
+"#;
+
+/// Runs `GETPPID_STACKS` with `--compile MODE`; returns (stdout, stderr, the stacks printed
+/// by `print_backtrace()` as (pc, name) frame lists, the `backtrace()` strings).
+fn getppid_stacks(mode: &str) -> (String, String, Vec<Vec<(u64, String)>>, Vec<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.sh");
+    std::fs::write(&job, GETPPID_JOB).unwrap();
+    let console = dir.path().join("console.log");
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "400", "--compile", mode])
+        .args(["--script-text", GETPPID_STACKS])
+        .args(["--attach-in-job", "--compare-kprobes", "--job"])
+        .arg(&job)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    assert_eq!(
+        code, 0,
+        "--compile {mode}: stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}"
+    );
+    let mut stacks: Vec<Vec<(u64, String)>> = Vec::new();
+    let mut pcs = Vec::new();
+    for line in out.lines() {
+        if let Some(words) = line.strip_prefix("PCS ") {
+            pcs.push(words.to_owned());
+            continue;
+        }
+        let Some((addr, name)) = line.trim_start().split_once(" : ") else {
+            continue;
+        };
+        let Ok(pc) = u64::from_str_radix(addr.trim_start_matches("0x"), 16) else {
+            continue;
+        };
+        let name = name.trim_end_matches(" [kernel]").to_owned();
+        // A stack starts at the probe point, the function's first byte.
+        if name.starts_with("__x64_sys_getppid+0x0/") || stacks.is_empty() {
+            stacks.push(Vec::new());
+        }
+        stacks.last_mut().unwrap().push((pc, name));
+    }
+    (out, err, stacks, pcs)
+}
+
+#[test]
+fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
+    if !have_qemu("compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks") {
+        return;
+    }
+    let (out, err, compiled, compiled_pcs) = getppid_stacks("require");
+    let (host_out, host_err, host, _) = getppid_stacks("never");
+    let ctx = format!(
+        "compiled stdout:\n{out}\ncompiled stderr:\n{err}\nhost stdout:\n{host_out}\nhost \
+         stderr:\n{host_err}"
+    );
+    // Compiled: no host stop per hit (nothing fell back), one stack per hit of the guest's
+    // own kprobe on the function, none lost or cut.
+    assert!(!err.contains("run on the host"), "{ctx}");
+    assert!(!out.contains("frames past the stack snapshot"), "{ctx}");
+    assert!(!err.contains("records of compiled probes lost"), "{ctx}");
+    let kprobe: usize = common::host_result(&err, "kprobe.__x64_sys_getppid")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no kprobe count: {ctx}"));
+    assert!(kprobe >= 200, "{ctx}");
+    assert_eq!(compiled.len(), kprobe, "{ctx}");
+    assert_eq!(compiled_pcs.len(), kprobe, "{ctx}");
+    // The frames by name (the two boots have different KASLR slides) equal the host's.
+    let names = |stacks: &[Vec<(u64, String)>]| -> BTreeSet<Vec<String>> {
+        stacks
+            .iter()
+            .map(|s| s.iter().map(|f| f.1.clone()).collect())
+            .collect()
+    };
+    assert!(!host.is_empty(), "{ctx}");
+    assert_eq!(names(&compiled), names(&host), "{ctx}");
+    for stack in names(&compiled) {
+        assert!(stack[0].starts_with("__x64_sys_getppid+0x0/"), "{stack:?}");
+        assert!(
+            stack.iter().any(|f| f.starts_with("do_syscall_64+"))
+                && stack.iter().any(|f| f.starts_with("entry_SYSCALL_64")),
+            "{stack:?}"
+        );
+    }
+    // backtrace() gives the same pcs as the print_backtrace() lines of the same run.
+    let pc_lists: BTreeSet<String> = compiled
+        .iter()
+        .map(|s| {
+            s.iter()
+                .map(|f| format!("{:#x}", f.0))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    let strings: BTreeSet<String> = compiled_pcs.into_iter().collect();
+    assert_eq!(strings, pc_lists, "{ctx}");
+    eprintln!(
+        "{} compiled stacks (= the guest's {kprobe} kprobe hits), {} host-evaluated; distinct: {:?}",
+        compiled.len(),
+        host.len(),
+        names(&compiled)
+    );
+}
