@@ -295,11 +295,19 @@ fn printf_of_a_backtrace_keeps_the_other_arguments_in_their_places() {
     let format = rig.format(&records[0]);
     // A stand-in unwinder: the probe point, then the word at the stack pointer.
     let unwind = |s: &Snapshot<'_>| Unwound {
-        frames: vec![(s.pc, String::new()), (s.word(s.sp).unwrap(), String::new())],
+        frames: vec![
+            (s.pc, String::new()),
+            (s.word(s.sp).unwrap(), String::new()),
+        ],
         cut: true,
     };
-    let text = snapshot::render(&format, &records[0], &|raw| rig.interner.decode(raw), &unwind)
-        .unwrap();
+    let text = snapshot::render(
+        &format,
+        &records[0],
+        &|raw| rig.interner.decode(raw),
+        &unwind,
+    )
+    .unwrap();
     // $b is rsi (gdb register 4) = 0x1004.
     assert_eq!(
         text,
@@ -327,10 +335,15 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
             is_return,
             locals: None,
         };
-        compile::check(&prog, &limits, &facts(), &[point(script.contains(".return"))])
-            .into_iter()
-            .map(|u| u.construct)
-            .collect()
+        compile::check(
+            &prog,
+            &limits,
+            &facts(),
+            &[point(script.contains(".return"))],
+        )
+        .into_iter()
+        .map(|u| u.construct)
+        .collect()
     };
 
     let key = refusal(r#"global s; probe kernel.function("f") { s[backtrace()]++ }"#);
@@ -338,7 +351,8 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     let fine = refusal(r#"probe kernel.function("f") { println(sprint_backtrace()) }"#);
 
     assert!(
-        key.iter().any(|c| c.contains("backtrace() other than as an argument")),
+        key.iter()
+            .any(|c| c.contains("backtrace() other than as an argument")),
         "{key:?}"
     );
     assert!(ret.iter().any(|c| c.contains("return probe")), "{ret:?}");

@@ -346,7 +346,10 @@ mod tests {
         assert_eq!(snap.word(0xff8), None);
         assert_eq!((snap.pc, snap.sp), (0xffff_ffff_8100_0000, 0x1000));
         // r15 first (pushed last), the flags last; saved(0) is rax.
-        assert_eq!((snap.saved(14), snap.saved(0), snap.saved(15)), (100, 114, 115));
+        assert_eq!(
+            (snap.saved(14), snap.saved(0), snap.saved(15)),
+            (100, 114, 115)
+        );
     }
 
     #[test]
@@ -392,9 +395,17 @@ mod tests {
         );
         let mut s = [0u8; 16];
         s[..3].copy_from_slice(b"cat");
-        let r = record(&f, 0x1000, &[], &[(-7i64 as u64 as u128).to_le_bytes(), [0; 16], s]);
+        let r = record(
+            &f,
+            0x1000,
+            &[],
+            &[(-7i64 as u64 as u128).to_le_bytes(), [0; 16], s],
+        );
         let unwound = Unwound {
-            frames: vec![(0xffff_ffff_8100_0000, String::new()), (0x10, String::new())],
+            frames: vec![
+                (0xffff_ffff_8100_0000, String::new()),
+                (0x10, String::new()),
+            ],
             cut: true,
         };
 

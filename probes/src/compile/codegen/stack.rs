@@ -145,9 +145,10 @@ impl Gen<'_, '_> {
             self.a.mov(ecx, snap)?;
             self.a.cmp(rax, rcx)?;
             self.a.cmova(rax, rcx)?;
+            // [rsp] = bytes to copy, [rsp + 8] = the record; then a page at a time, and a
+            // page that faults ends the copy.
             self.a.push(r8)?;
-            self.a.push(rax)?; // [rsp] = bytes to copy, [rsp + 8] = the record
-            // A page at a time; a page that faults ends the copy.
+            self.a.push(rax)?;
             self.a.set_label(&mut next)?;
             self.a.mov(r8, qword_ptr(rsp + 8))?;
             self.a.mov(rcx, qword_ptr(r8 + copied))?;
