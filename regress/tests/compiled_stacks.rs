@@ -358,3 +358,22 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     assert!(ret.iter().any(|c| c.contains("return probe")), "{ret:?}");
     assert!(fine.is_empty(), "{fine:?}");
 }
+
+#[test]
+fn a_user_function_snapshots_the_probed_codes_stack_not_its_own() {
+    let mut rig = rig(
+        r#"function show(n) { if (n > 0) return show(n - 1); print_backtrace(); return 0 }
+           probe kernel.function("f") { show(3) }"#,
+    );
+    let sp = STACK + 0x6000;
+
+    rig.hit(sp);
+
+    let records = rig.records();
+    assert_eq!(records.len(), 1);
+    let format = rig.format(&records[0]);
+    let s = snap(&format, &records[0]);
+    assert_eq!((s.pc, s.sp), (PROBE_PC, sp));
+    assert_eq!(s.stack, &memory(&rig, sp, s.stack.len())[..]);
+    assert_eq!(s.stack.len() as u64, format.snapshot_bytes);
+}
