@@ -599,6 +599,14 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
     };
     assert!(!host.is_empty(), "{ctx}");
     assert_eq!(names(&compiled), names(&host), "{ctx}");
+    // The host-evaluated path stopped at the same hits of the same workload.
+    assert_eq!(
+        common::host_result(&host_err, "kprobe.__x64_sys_getppid"),
+        Some(kprobe.to_string().as_str()),
+        "{ctx}"
+    );
+    assert_eq!(getppid(&host), kprobe, "{ctx}");
+    assert_eq!(compiled.len(), host.len(), "{ctx}");
     let reads = names(&compiled)
         .into_iter()
         .filter(|s| s[0].starts_with("vfs_read+0x0/"))
