@@ -509,7 +509,10 @@ const GETPPID_JOB: &str = "T=/sys/kernel/tracing\n\
     echo > $T/kprobe_events\n";
 
 /// One record a hit: the stack as `print_backtrace()` prints it, then (a second record)
-/// its pcs as `backtrace()` gives them; and the workload's reads, one frame deeper.
+/// its pcs as `backtrace()` gives them; the workload's reads, one frame deeper; and the
+/// timer tick's pcs, one line a hit (a tick may interrupt a probed function at its first
+/// byte, so its frames as lines would not say where a stack starts). The tick runs on the
+/// IRQ stack: a snapshot of it ends where the unwind goes back to the interrupted task's.
 const GETPPID_STACKS: &str = r#"probe kernel.function("__x64_sys_getppid") {
   print_backtrace()
   printf("PCS %s\n", backtrace())
@@ -517,11 +520,23 @@ const GETPPID_STACKS: &str = r#"probe kernel.function("__x64_sys_getppid") {
 probe kernel.function("vfs_read") {
   if (execname() == "syscall-loop") print_backtrace()
 }
+probe kernel.function("scheduler_tick") { printf("TICK %s\n", backtrace()) }
 "#;
 
-/// Runs `GETPPID_STACKS` with `--compile MODE`; returns (stdout, stderr, the stacks printed
-/// by `print_backtrace()` as (pc, name) frame lists, the `backtrace()` strings).
-fn getppid_stacks(mode: &str) -> (String, String, Vec<Vec<(u64, String)>>, Vec<String>) {
+/// What one run of `GETPPID_STACKS` printed.
+struct Printed {
+    out: String,
+    err: String,
+    /// The stacks printed by `print_backtrace()`, as (pc, name) frame lists.
+    stacks: Vec<Vec<(u64, String)>>,
+    /// The `backtrace()` strings of getppid.
+    pcs: Vec<String>,
+    /// The `backtrace()` strings of the ticks, as words.
+    ticks: Vec<Vec<String>>,
+}
+
+/// Runs `GETPPID_STACKS` with `--compile MODE`.
+fn getppid_stacks(mode: &str) -> Printed {
     let dir = tempfile::tempdir().unwrap();
     let job = dir.path().join("job.sh");
     std::fs::write(&job, GETPPID_JOB).unwrap();
@@ -540,9 +555,21 @@ fn getppid_stacks(mode: &str) -> (String, String, Vec<Vec<(u64, String)>>, Vec<S
     );
     let mut stacks: Vec<Vec<(u64, String)>> = Vec::new();
     let mut pcs = Vec::new();
+    let mut ticks = Vec::new();
     for line in out.lines() {
         if let Some(words) = line.strip_prefix("PCS ") {
             pcs.push(words.to_owned());
+            continue;
+        }
+        if let Some(words) = line.strip_prefix("TICK ") {
+            ticks.push(words.split(' ').map(str::to_owned).collect());
+            continue;
+        }
+        // The cut marker, kept as a last frame named "...".
+        if line.starts_with(" ... (") {
+            if let Some(stack) = stacks.last_mut() {
+                stack.push((0, "...".to_owned()));
+            }
             continue;
         }
         let Some((addr, name)) = line.trim_start().split_once(" : ") else {
@@ -552,14 +579,23 @@ fn getppid_stacks(mode: &str) -> (String, String, Vec<Vec<(u64, String)>>, Vec<S
             continue;
         };
         let name = name.trim_end_matches(" [kernel]").to_owned();
-        // A stack starts at the probe point, a function's first byte (a return address is
-        // never at offset 0: its call comes before it).
-        if name.contains("+0x0/") || stacks.is_empty() {
+        // A stack starts at a probe point, a probed function's first byte (an interrupted pc
+        // may be at another function's first byte; a return address never is).
+        let probed = ["__x64_sys_getppid", "vfs_read"]
+            .iter()
+            .any(|f| name.starts_with(&format!("{f}+0x0/")));
+        if probed || stacks.is_empty() {
             stacks.push(Vec::new());
         }
         stacks.last_mut().unwrap().push((pc, name));
     }
-    (out, err, stacks, pcs)
+    Printed {
+        out,
+        err,
+        stacks,
+        pcs,
+        ticks,
+    }
 }
 
 #[test]
@@ -567,16 +603,27 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
     if !have_qemu("compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks") {
         return;
     }
-    let (out, err, compiled, compiled_pcs) = getppid_stacks("require");
-    let (host_out, host_err, host, _) = getppid_stacks("never");
+    let Printed {
+        out,
+        err,
+        stacks: compiled,
+        pcs: compiled_pcs,
+        ticks: compiled_ticks,
+    } = getppid_stacks("require");
+    let Printed {
+        out: host_out,
+        err: host_err,
+        stacks: host,
+        ticks: host_ticks,
+        ..
+    } = getppid_stacks("never");
     let ctx = format!(
         "compiled stdout:\n{out}\ncompiled stderr:\n{err}\nhost stdout:\n{host_out}\nhost \
          stderr:\n{host_err}"
     );
     // Compiled: no host stop per hit (nothing fell back), one stack per hit of the guest's
-    // own kprobe on the function, none lost or cut.
+    // own kprobe on the function, none lost.
     assert!(!err.contains("run on the host"), "{ctx}");
-    assert!(!out.contains("frames past the stack snapshot"), "{ctx}");
     assert!(!err.contains("records of compiled probes lost"), "{ctx}");
     let kprobe: usize = common::host_result(&err, "kprobe.__x64_sys_getppid")
         .and_then(|v| v.parse().ok())
@@ -623,6 +670,48 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
             "{stack:?}"
         );
     }
+    // The timer ticks: the interrupt's 8 frames (scheduler_tick up to
+    // sysvec_apic_timer_interrupt) are those of some host-evaluated tick, once moved by the
+    // difference of the two boots' KASLR slides (getppid's address in each); a snapshot taken
+    // on the IRQ stack ends where the unwind would go back to the interrupted task's stack,
+    // which the host's unwind crosses.
+    let getppid_pc = |stacks: &[Vec<(u64, String)>]| {
+        stacks
+            .iter()
+            .find(|s| s[0].1.starts_with("__x64_sys_getppid+0x0/"))
+            .map(|s| s[0].0)
+            .unwrap_or_else(|| panic!("no getppid stack: {ctx}"))
+    };
+    let slide = getppid_pc(&host).wrapping_sub(getppid_pc(&compiled));
+    let interrupt = |words: &[String], delta: u64| -> Vec<u64> {
+        words
+            .iter()
+            .take(8)
+            .filter_map(|w| u64::from_str_radix(w.trim_start_matches("0x"), 16).ok())
+            .map(|pc| pc.wrapping_add(delta))
+            .collect()
+    };
+    let host_interrupts: BTreeSet<Vec<u64>> = host_ticks.iter().map(|t| interrupt(t, 0)).collect();
+    let cut = compiled_ticks
+        .iter()
+        .filter(|t| t.last().is_some_and(|w| w == "..."))
+        .count();
+    assert!(
+        !compiled_ticks.is_empty() && cut > 0,
+        "no tick was cut: {ctx}"
+    );
+    for tick in &compiled_ticks {
+        let frames = interrupt(tick, slide);
+        assert_eq!(frames.len(), 8, "tick {tick:?}: {ctx}");
+        assert!(
+            host_interrupts.contains(&frames),
+            "tick {tick:?}: no host-evaluated tick came the same way: {ctx}"
+        );
+    }
+    assert!(
+        host_ticks.iter().all(|t| !t.contains(&"...".to_owned())),
+        "{ctx}"
+    );
     // backtrace() gives the same pcs as the print_backtrace() lines of the same run.
     let pc_lists: BTreeSet<String> = compiled
         .iter()
@@ -636,9 +725,17 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
         .collect();
     let strings: BTreeSet<String> = compiled_pcs.into_iter().collect();
     assert_eq!(strings, pc_lists, "{ctx}");
+    assert!(
+        names(&compiled)
+            .iter()
+            .all(|s| s.last().is_some_and(|f| f != "...")),
+        "{ctx}"
+    );
     eprintln!(
-        "{} compiled getppid stacks (the guest's kprobe: {kprobe} hits), {} compiled stacks in \
-         all, {} host-evaluated; distinct: {:?}",
+        "{} compiled tick stacks, {cut} cut at the IRQ stack; {} compiled getppid stacks (the \
+         guest's kprobe: {kprobe} hits), {} compiled syscall stacks in all, {} host-evaluated; \
+         distinct: {:?}",
+        compiled_ticks.len(),
         getppid(&compiled),
         compiled.len(),
         host.len(),
