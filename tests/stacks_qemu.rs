@@ -495,3 +495,250 @@ fn timer_profile_samples_every_vcpu_where_it_runs() {
         &syms[..syms.len().min(5)]
     );
 }
+
+/// Guest job for the stack-snapshot comparison: the guest's own kprobe on the probed
+/// function, armed before exotap attaches and read by exotap at its install and removal
+/// stops (`--compare-kprobes`), around a fixed number of getppid calls.
+const GETPPID_JOB: &str = "T=/sys/kernel/tracing\n\
+    echo 'p:exotap/gp __x64_sys_getppid' >> $T/kprobe_events\n\
+    echo 1 > $T/events/exotap/enable\n\
+    exotap_wait attach\n\
+    syscall-loop 100\n\
+    exotap_wait detach\n\
+    echo 0 > $T/events/exotap/enable\n\
+    echo > $T/kprobe_events\n";
+
+/// One record a hit: the stack as `print_backtrace()` prints it, then (a second record)
+/// its pcs as `backtrace()` gives them; the workload's reads, one frame deeper; and the
+/// timer tick's pcs, one line a hit (a tick may interrupt a probed function at its first
+/// byte, so its frames as lines would not say where a stack starts). The tick runs on the
+/// IRQ stack: a snapshot of it ends where the unwind goes back to the interrupted task's.
+const GETPPID_STACKS: &str = r#"probe kernel.function("__x64_sys_getppid") {
+  print_backtrace()
+  printf("PCS %s\n", backtrace())
+}
+probe kernel.function("vfs_read") {
+  if (execname() == "syscall-loop") print_backtrace()
+}
+probe kernel.function("scheduler_tick") { printf("TICK %s\n", backtrace()) }
+"#;
+
+/// What one run of `GETPPID_STACKS` printed.
+struct Printed {
+    out: String,
+    err: String,
+    /// The stacks printed by `print_backtrace()`, as (pc, name) frame lists.
+    stacks: Vec<Vec<(u64, String)>>,
+    /// The `backtrace()` strings of getppid.
+    pcs: Vec<String>,
+    /// The `backtrace()` strings of the ticks, as words.
+    ticks: Vec<Vec<String>>,
+}
+
+/// Runs `GETPPID_STACKS` with `--compile MODE`.
+fn getppid_stacks(mode: &str) -> Printed {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.sh");
+    std::fs::write(&job, GETPPID_JOB).unwrap();
+    let console = dir.path().join("console.log");
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "400", "--compile", mode])
+        .args(["--script-text", GETPPID_STACKS])
+        .args(["--attach-in-job", "--compare-kprobes", "--job"])
+        .arg(&job)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    assert_eq!(
+        code, 0,
+        "--compile {mode}: stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}"
+    );
+    let mut stacks: Vec<Vec<(u64, String)>> = Vec::new();
+    let mut pcs = Vec::new();
+    let mut ticks = Vec::new();
+    for line in out.lines() {
+        if let Some(words) = line.strip_prefix("PCS ") {
+            pcs.push(words.to_owned());
+            continue;
+        }
+        if let Some(words) = line.strip_prefix("TICK ") {
+            ticks.push(words.split(' ').map(str::to_owned).collect());
+            continue;
+        }
+        // The cut marker, kept as a last frame named "...".
+        if line.starts_with(" ... (") {
+            if let Some(stack) = stacks.last_mut() {
+                stack.push((0, "...".to_owned()));
+            }
+            continue;
+        }
+        let Some((addr, name)) = line.trim_start().split_once(" : ") else {
+            continue;
+        };
+        let Ok(pc) = u64::from_str_radix(addr.trim_start_matches("0x"), 16) else {
+            continue;
+        };
+        let name = name.trim_end_matches(" [kernel]").to_owned();
+        // A stack starts at a probe point, a probed function's first byte (an interrupted pc
+        // may be at another function's first byte; a return address never is).
+        let probed = ["__x64_sys_getppid", "vfs_read"]
+            .iter()
+            .any(|f| name.starts_with(&format!("{f}+0x0/")));
+        if probed || stacks.is_empty() {
+            stacks.push(Vec::new());
+        }
+        stacks.last_mut().unwrap().push((pc, name));
+    }
+    Printed {
+        out,
+        err,
+        stacks,
+        pcs,
+        ticks,
+    }
+}
+
+#[test]
+fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
+    if !have_qemu("compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks") {
+        return;
+    }
+    let Printed {
+        out,
+        err,
+        stacks: compiled,
+        pcs: compiled_pcs,
+        ticks: compiled_ticks,
+    } = getppid_stacks("require");
+    let Printed {
+        out: host_out,
+        err: host_err,
+        stacks: host,
+        ticks: host_ticks,
+        ..
+    } = getppid_stacks("never");
+    let ctx = format!(
+        "compiled stdout:\n{out}\ncompiled stderr:\n{err}\nhost stdout:\n{host_out}\nhost \
+         stderr:\n{host_err}"
+    );
+    // Compiled: no host stop per hit (nothing fell back), one stack per hit of the guest's
+    // own kprobe on the function, none lost.
+    assert!(!err.contains("run on the host"), "{ctx}");
+    assert!(!err.contains("records of compiled probes lost"), "{ctx}");
+    let kprobe: usize = common::host_result(&err, "kprobe.__x64_sys_getppid")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no kprobe count: {ctx}"));
+    assert!(kprobe >= 100, "{ctx}");
+    let getppid = |stacks: &[Vec<(u64, String)>]| {
+        stacks
+            .iter()
+            .filter(|s| s[0].1.starts_with("__x64_sys_getppid+0x0/"))
+            .count()
+    };
+    assert_eq!(getppid(&compiled), kprobe, "{ctx}");
+    assert_eq!(compiled_pcs.len(), kprobe, "{ctx}");
+    // The frames by name (the two boots have different KASLR slides) equal the host's.
+    let names = |stacks: &[Vec<(u64, String)>]| -> BTreeSet<Vec<String>> {
+        stacks
+            .iter()
+            .map(|s| s.iter().map(|f| f.1.clone()).collect())
+            .collect()
+    };
+    assert!(!host.is_empty(), "{ctx}");
+    assert_eq!(names(&compiled), names(&host), "{ctx}");
+    // The host-evaluated path stopped at the same hits of the same workload.
+    assert_eq!(
+        common::host_result(&host_err, "kprobe.__x64_sys_getppid"),
+        Some(kprobe.to_string().as_str()),
+        "{ctx}"
+    );
+    assert_eq!(getppid(&host), kprobe, "{ctx}");
+    assert_eq!(compiled.len(), host.len(), "{ctx}");
+    let reads = names(&compiled)
+        .into_iter()
+        .filter(|s| s[0].starts_with("vfs_read+0x0/"))
+        .count();
+    assert!(reads >= 1, "{ctx}");
+    for stack in names(&compiled) {
+        assert!(
+            stack[0].starts_with("__x64_sys_getppid+0x0/") || stack[0].starts_with("vfs_read+0x0/"),
+            "{stack:?}"
+        );
+        assert!(
+            stack.iter().any(|f| f.starts_with("do_syscall_64+"))
+                && stack.iter().any(|f| f.starts_with("entry_SYSCALL_64")),
+            "{stack:?}"
+        );
+    }
+    // The timer ticks: the interrupt's 8 frames (scheduler_tick up to
+    // sysvec_apic_timer_interrupt) are those of some host-evaluated tick, once moved by the
+    // difference of the two boots' KASLR slides (getppid's address in each); a snapshot taken
+    // on the IRQ stack ends where the unwind would go back to the interrupted task's stack,
+    // which the host's unwind crosses.
+    let getppid_pc = |stacks: &[Vec<(u64, String)>]| {
+        stacks
+            .iter()
+            .find(|s| s[0].1.starts_with("__x64_sys_getppid+0x0/"))
+            .map(|s| s[0].0)
+            .unwrap_or_else(|| panic!("no getppid stack: {ctx}"))
+    };
+    let slide = getppid_pc(&host).wrapping_sub(getppid_pc(&compiled));
+    let interrupt = |words: &[String], delta: u64| -> Vec<u64> {
+        words
+            .iter()
+            .take(8)
+            .filter_map(|w| u64::from_str_radix(w.trim_start_matches("0x"), 16).ok())
+            .map(|pc| pc.wrapping_add(delta))
+            .collect()
+    };
+    let host_interrupts: BTreeSet<Vec<u64>> = host_ticks.iter().map(|t| interrupt(t, 0)).collect();
+    let cut = compiled_ticks
+        .iter()
+        .filter(|t| t.last().is_some_and(|w| w == "..."))
+        .count();
+    assert!(
+        !compiled_ticks.is_empty() && cut > 0,
+        "no tick was cut: {ctx}"
+    );
+    for tick in &compiled_ticks {
+        let frames = interrupt(tick, slide);
+        assert_eq!(frames.len(), 8, "tick {tick:?}: {ctx}");
+        assert!(
+            host_interrupts.contains(&frames),
+            "tick {tick:?}: no host-evaluated tick came the same way: {ctx}"
+        );
+    }
+    assert!(
+        host_ticks.iter().all(|t| !t.contains(&"...".to_owned())),
+        "{ctx}"
+    );
+    // backtrace() gives the same pcs as the print_backtrace() lines of the same run.
+    let pc_lists: BTreeSet<String> = compiled
+        .iter()
+        .filter(|s| s[0].1.starts_with("__x64_sys_getppid+0x0/"))
+        .map(|s| {
+            s.iter()
+                .map(|f| format!("{:#x}", f.0))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    let strings: BTreeSet<String> = compiled_pcs.into_iter().collect();
+    assert_eq!(strings, pc_lists, "{ctx}");
+    assert!(
+        names(&compiled)
+            .iter()
+            .all(|s| s.last().is_some_and(|f| f != "...")),
+        "{ctx}"
+    );
+    eprintln!(
+        "{} compiled tick stacks, {cut} cut at the IRQ stack; {} compiled getppid stacks (the \
+         guest's kprobe: {kprobe} hits), {} compiled syscall stacks in all, {} host-evaluated; \
+         distinct: {:?}",
+        compiled_ticks.len(),
+        getppid(&compiled),
+        compiled.len(),
+        host.len(),
+        names(&compiled)
+    );
+}

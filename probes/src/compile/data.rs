@@ -293,6 +293,9 @@ pub struct Interner {
     ids: std::collections::HashMap<String, u64>,
     /// Output formats by id: what prints, and how each argument is held.
     pub formats: Vec<(OutputKind, Vec<ArgSlot>)>,
+    /// The formats of records that hold a kernel stack snapshot, by id without
+    /// [`super::snapshot::STACK_FORMAT`] (see [`super::snapshot`]).
+    pub stacks: Vec<super::snapshot::StackFormat>,
 }
 
 impl Interner {

@@ -50,7 +50,9 @@
 //! `kernel_string_n`, `user_string`, `user_string_n`, through `strncpy_from_*_nofault`) as
 //! arguments of `printf`/`print`/`println`, directly or through a local that is only printed
 //! (see [`codegen`]'s memory module: a MAXSTRINGLEN-byte slot in the record; anywhere else
-//! they are refused, never cut short).
+//! they are refused, never cut short); `print_backtrace()`, and `backtrace()` /
+//! `sprint_backtrace()` as `printf`/`print` arguments, as stack snapshots the host unwinds
+//! ([`snapshot`]).
 //! Everything else is named by [`Unsupported`] and the script runs on the host path.
 //!
 //! Safety inside the guest: a division by zero, an exhausted per-hit statement budget
@@ -70,6 +72,7 @@ pub mod data;
 pub mod globals;
 pub mod locals;
 pub mod site;
+pub mod snapshot;
 pub mod types;
 
 use std::collections::HashSet;

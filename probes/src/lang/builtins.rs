@@ -278,7 +278,7 @@ pub const BUILTINS: &[Builtin] = &[
         name: "backtrace",
         params: &[],
         ret: S,
-        doc: "the kernel stack's pcs in hex, innermost first (host-evaluated probes)",
+        doc: "the kernel stack's pcs in hex, innermost first (compiled probes: as a printf/print argument)",
     },
     Builtin {
         name: "sprint_backtrace",

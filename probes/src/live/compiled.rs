@@ -283,6 +283,8 @@ struct Sites<'a> {
     env: Env<'a>,
     interner: &'a mut Interner,
     bodies: Vec<SiteBodies>,
+    /// Each site's address (the first frame of the stacks its bodies snapshot).
+    addrs: Vec<u64>,
 }
 
 impl SiteCode for Sites<'_> {
@@ -299,8 +301,15 @@ impl SiteCode for Sites<'_> {
         returns: Option<(u64, u64, u64)>,
     ) -> anyhow::Result<Vec<u8>> {
         let bodies = self.bodies.get(site as usize).context("no such site")?;
-        compile::entry_code(self.env, self.interner, at, bodies, returns)
-            .map_err(|u| anyhow::anyhow!("{u}"))
+        let stacks_before = self.interner.stacks.len();
+        let code = compile::entry_code(self.env, self.interner, at, bodies, returns)
+            .map_err(|u| anyhow::anyhow!("{u}"))?;
+        // The stack records these bodies write start at the probe point.
+        let addr = self.addrs.get(site as usize).copied().unwrap_or(0);
+        for format in self.interner.stacks.iter_mut().skip(stacks_before) {
+            format.pc = addr;
+        }
+        Ok(code)
     }
 
     fn trampoline(&mut self, site: u32, at: u64, table: u64) -> anyhow::Result<Vec<u8>> {
@@ -324,6 +333,26 @@ struct Guest {
     entered: HashMap<u64, u64>,
     /// The data as the last pull read it (the guest still stopped).
     pulled: Option<Vec<u8>>,
+    /// The kernel's ORC tables and symbols, when the probes take stack snapshots.
+    stacks: Option<super::stacks::KernelStacks>,
+}
+
+/// What an output record prints: a stack record unwound from its snapshot
+/// ([`compile::snapshot`]), any other as the interner renders it; `None` for a record no
+/// format knows (a hostile guest), or a stack record without the kernel's ORC tables.
+fn printed(
+    interner: &Interner,
+    stacks: Option<&super::stacks::KernelStacks>,
+    rec: &[u8],
+) -> Option<compile::data::Printed> {
+    let Some(format) = compile::snapshot::stack_format(&interner.stacks, rec) else {
+        return interner.printed(rec);
+    };
+    let stacks = stacks?;
+    compile::snapshot::render(format, rec, &|raw| interner.decode(raw), &|snap| {
+        super::stacks::snapshot_backtrace(stacks, snap)
+    })
+    .map(compile::data::Printed::Text)
 }
 
 impl Guest {
@@ -353,7 +382,7 @@ impl Guest {
                 self.lost += got.lost;
                 for rec in got.records.chunks_exact(record) {
                     let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
-                    match self.interner.printed(rec) {
+                    match printed(&self.interner, self.stacks.as_ref(), rec) {
                         Some(text) => records.push((tsc, text)),
                         None => self.lost += 1,
                     }
@@ -375,7 +404,7 @@ impl Guest {
             let (finished, consumed) = take(&bytes, record, last);
             for rec in finished {
                 let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
-                match self.interner.printed(rec) {
+                match printed(&self.interner, self.stacks.as_ref(), rec) {
                     Some(text) => records.push((tsc, text)),
                     None => self.lost += 1,
                 }
@@ -634,6 +663,17 @@ pub fn start_on(
         );
         Some(traps)
     };
+    // Stack snapshots are unwound on the host, with the image's ORC tables (without them
+    // their records count as lost, as the host-evaluated path's stacks are empty).
+    let stacks = if compile::snapshot::takes_snapshots(&script.prog) {
+        super::stacks::KernelStacks::load(image, slide)
+            .map_err(|e| {
+                tracing::warn!("the kernel stacks compiled probes print cannot be unwound: {e:#}")
+            })
+            .ok()
+    } else {
+        None
+    };
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())
@@ -644,6 +684,7 @@ pub fn start_on(
                 slide,
                 kprobes,
                 traps,
+                stacks,
             };
             run(session, script, started, ready_tx)
         })
@@ -754,6 +795,7 @@ fn install(
             env,
             interner: &mut interner,
             bodies,
+            addrs: requests.iter().map(|r| r.addr).collect(),
         };
         let report = guest.install_compiled(&requests, &mut sites)?;
         for r in &report.refused {
@@ -793,6 +835,7 @@ fn install(
         lost: 0,
         entered,
         pulled: None,
+        stacks: None,
     })
 }
 
@@ -805,6 +848,8 @@ struct Started {
     kprobes: Option<KprobeReader>,
     /// The host-evaluated probes of a mixed script.
     traps: Option<Traps>,
+    /// The kernel's ORC tables and symbols, when compiled probes print kernel stacks.
+    stacks: Option<super::stacks::KernelStacks>,
 }
 
 /// A hit of a host-evaluated probe of a mixed script (the guest stopped at it): what the
@@ -836,6 +881,7 @@ fn run(
         slide,
         kprobes,
         mut traps,
+        stacks,
     } = started;
     let GuestScript {
         source,
@@ -864,6 +910,7 @@ fn run(
             return 1;
         }
     };
+    guest.stacks = stacks;
     // The guest's own kprobe counters, read at the same stops as the install and the removal.
     let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.session.machine));
     let _ = ready.send(Ok(()));

@@ -14,7 +14,8 @@ use exotap_introspect::btf::Btf;
 use exotap_introspect::layout::TASK_COMM_LEN;
 use exotap_introspect::memory::PhysicalMemory;
 use exotap_introspect::orc::{
-    Backtrace, Frame, InactiveTaskFrame, OrcTable, PtRegs, StackMemory, UnwindStart, Unwinder,
+    Backtrace, Frame, InactiveTaskFrame, OrcTable, PtRegs, StackEnd, StackMemory, StackSnapshot,
+    UnwindStart, Unwinder,
 };
 use exotap_introspect::paging::{AddressSpace, PagingError};
 use exotap_introspect::symbols::{Symbol, SymbolTable};
@@ -466,6 +467,77 @@ impl KernelStacks {
     }
 }
 
+/// The kernel registers a compiled probe's snapshot holds, as the unwinder's starting
+/// `pt_regs`: the site's saved registers, the probed code's stack pointer and the probe
+/// point's address as the exact pc (kernel code and stack segments: the probe ran in the
+/// kernel).
+pub fn pt_regs_of_snapshot(snap: &crate::compile::snapshot::Snapshot<'_>) -> PtRegs {
+    // The site's push order (compile::codegen::SAVED): rax rcx rdx rbx rsi rdi rbp r8-r15.
+    let r = |i| snap.saved(i);
+    PtRegs {
+        ax: r(0),
+        cx: r(1),
+        dx: r(2),
+        bx: r(3),
+        si: r(4),
+        di: r(5),
+        bp: r(6),
+        r8: r(7),
+        r9: r(8),
+        r10: r(9),
+        r11: r(10),
+        r12: r(11),
+        r13: r(12),
+        r14: r(13),
+        r15: r(14),
+        orig_ax: u64::MAX,
+        ip: snap.pc,
+        cs: KERNEL_CS,
+        flags: r(15),
+        sp: snap.sp,
+        ss: KERNEL_DS,
+    }
+}
+
+/// `__KERNEL_CS` and `__KERNEL_DS` on x86-64.
+const KERNEL_CS: u64 = 0x10;
+const KERNEL_DS: u64 = 0x18;
+
+/// Unwinds a compiled probe's stack snapshot from its registers, reading only the bytes it
+/// holds; says whether the unwind stopped at a word past them (the frames from there on are
+/// cut: a deeper stack, or a switch to a stack the snapshot does not hold).
+pub fn unwind_snapshot(
+    unwinder: &Unwinder<'_>,
+    snap: &crate::compile::snapshot::Snapshot<'_>,
+) -> (Backtrace, bool) {
+    let start = UnwindStart::from_regs(pt_regs_of_snapshot(snap));
+    let mut mem = StackSnapshot::new(snap.sp, snap.stack.to_vec());
+    let backtrace = unwinder.unwind(&start, &mut mem);
+    // Every word of the snapshot reads, so a failed read is one past it.
+    let cut = matches!(
+        backtrace.end,
+        StackEnd::Error(exotap_introspect::orc::UnwindError::StackRead { .. })
+    );
+    (backtrace, cut)
+}
+
+/// [`unwind_snapshot`] with the image's tables, each frame named as [`probe_backtrace`]
+/// names a stopped vCPU's.
+pub fn snapshot_backtrace(
+    stacks: &KernelStacks,
+    snap: &crate::compile::snapshot::Snapshot<'_>,
+) -> crate::compile::snapshot::Unwound {
+    let (backtrace, cut) = unwind_snapshot(&stacks.unwinder(), snap);
+    crate::compile::snapshot::Unwound {
+        frames: backtrace
+            .frames
+            .iter()
+            .map(|frame| (frame.pc, stacks.describe(frame)))
+            .collect(),
+        cut,
+    }
+}
+
 /// The kernel stack of a vCPU stopped at a probe hit, each frame's pc and `%pB` name, as
 /// the script built-ins (`backtrace()`, `print_backtrace()`) want it. An unwind that stops
 /// early gives the frames found so far.
@@ -602,6 +674,100 @@ mod tests {
             (pt.ip, pt.cs, pt.user_mode()),
             (0xffff_ffff_8100_0000, 0x10, false)
         );
+    }
+
+    /// Text of two functions at `TEXT`: `leaf` (0x100.., 16 bytes of frame after its push)
+    /// called from `caller` (0x200.., an 8-byte frame), called from `outer` (0x300..),
+    /// where the stack ends.
+    const TEXT: u64 = 0xffff_ffff_8100_0000;
+
+    fn three_functions() -> OrcTable {
+        use exotap_introspect::orc::{encode_tables, OrcLayout, RawOrcEntry};
+        // Linux 4.14 layout: sp_reg in bits 0-3 (SP = 5), type in 8-9 (CALL 0), end bit 10.
+        let call = |sp_offset| RawOrcEntry {
+            sp_offset,
+            bp_offset: 0,
+            flags: 5,
+        };
+        let end = RawOrcEntry {
+            sp_offset: 0,
+            bp_offset: 0,
+            flags: 1 << 10,
+        };
+        let rows = [
+            (TEXT + 0x100, call(8)),
+            (TEXT + 0x101, call(24)),
+            (TEXT + 0x200, call(16)),
+            (TEXT + 0x300, end),
+            (TEXT + 0x1000, RawOrcEntry::default()),
+        ];
+        let at = 0xffff_ffff_8200_0000;
+        let (ips, entries) = encode_tables(at, &rows).unwrap();
+        OrcTable::parse_with_layout(&ips, at, &entries, OrcLayout::Linux4_14).unwrap()
+    }
+
+    /// A snapshot at `leaf`'s first byte: its return address into `caller`, then `caller`'s
+    /// 8 bytes and its return address into `outer`; `copied` bytes of that.
+    fn leaf_snapshot(stack: &[u8]) -> crate::compile::snapshot::Snapshot<'_> {
+        crate::compile::snapshot::Snapshot {
+            pc: TEXT + 0x100,
+            sp: 0xffff_c900_0000_3f00,
+            regs: [0; 16],
+            stack,
+        }
+    }
+
+    fn leaf_stack() -> Vec<u8> {
+        [TEXT + 0x234, 0xdead, TEXT + 0x345]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_unwinds_from_the_probe_point_through_its_callers() {
+        let table = three_functions();
+        let stack = leaf_stack();
+
+        let (backtrace, cut) = unwind_snapshot(&Unwinder::new(&table, 0), &leaf_snapshot(&stack));
+
+        let pcs: Vec<u64> = backtrace.pcs().collect();
+        assert_eq!(pcs, vec![TEXT + 0x100, TEXT + 0x234, TEXT + 0x345]);
+        assert!(backtrace.is_complete() && !cut, "{:?}", backtrace.end);
+    }
+
+    #[test]
+    fn a_snapshot_too_short_for_the_next_frame_says_the_stack_is_cut() {
+        let table = three_functions();
+        let stack = leaf_stack();
+
+        let (backtrace, cut) =
+            unwind_snapshot(&Unwinder::new(&table, 0), &leaf_snapshot(&stack[..16]));
+
+        let pcs: Vec<u64> = backtrace.pcs().collect();
+        assert_eq!(pcs, vec![TEXT + 0x100, TEXT + 0x234]);
+        assert!(cut, "{:?}", backtrace.end);
+    }
+
+    #[test]
+    fn a_snapshots_registers_start_the_unwind_in_kernel_mode_at_the_probe_point() {
+        let mut regs = [0u64; 16];
+        for (i, r) in regs.iter_mut().enumerate() {
+            *r = 1000 + i as u64;
+        }
+        let snap = crate::compile::snapshot::Snapshot {
+            pc: TEXT,
+            sp: 0x5000,
+            regs,
+            stack: &[],
+        };
+
+        let pt = pt_regs_of_snapshot(&snap);
+
+        // The copy from r15 holds r15 first, rax at 14, the flags at 15.
+        assert_eq!((pt.r15, pt.r14, pt.ax, pt.flags), (1000, 1001, 1014, 1015));
+        assert_eq!((pt.bp, pt.di, pt.r10), (1008, 1009, 1005));
+        assert_eq!((pt.ip, pt.sp, pt.user_mode()), (TEXT, 0x5000, false));
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::lang::Limits;
 use super::super::data::{
     field, value_kind, ArgSlot, OutputKind, ValueKind, MAX_PRINT_ARGS, MAX_RECORD, RECORD,
 };
+use super::super::snapshot::{stack_arg, takes_snapshots};
 use super::memory::text_call;
 use super::{rip, Gen, K, R};
 
@@ -133,6 +134,11 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
+            "print_backtrace" => self.print_backtrace(),
+            "backtrace" | "sprint_backtrace" => Err(self.no(format!(
+                "{name}() other than as an argument of printf/print/println (the host unwinds \
+                 a compiled probe's stack later, from a snapshot in its output record)"
+            ))),
             // `printd(", ", a, b)` prints what `print(a, ", ", b)` prints.
             "printd" | "printdln" => {
                 let args = interleaved(&c.args).ok_or_else(|| {
@@ -219,6 +225,9 @@ impl Gen<'_, '_> {
             }
             (OutputKind::Print(name == "println"), args)
         };
+        if values.iter().any(|v| stack_arg(v).is_some()) {
+            return self.print_stack(kind, values);
+        }
         if values.len() > MAX_PRINT_ARGS {
             return Err(self.no(format!(
                 "{name}() with more than {MAX_PRINT_ARGS} arguments"
@@ -525,12 +534,15 @@ fn print_calls(prog: &Program) -> Vec<&Call> {
 
 /// Whether any kernel probe of `prog` prints (then the data gets output rings).
 pub fn prints(prog: &Program) -> bool {
-    !print_calls(prog).is_empty()
+    !print_calls(prog).is_empty() || takes_snapshots(prog)
 }
 
 /// Bytes of the output records `prog`'s kernel probes need: [`RECORD`], or the next power of
 /// two that holds the largest `printf` of strings read from memory (at most [`MAX_RECORD`]).
 pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
+    if takes_snapshots(prog) {
+        return MAX_RECORD;
+    }
     let text = super::memory::text_slot(limits) as u64;
     // Locals that hold strings read from memory, in any kernel probe.
     let texts: std::collections::HashSet<String> = prog

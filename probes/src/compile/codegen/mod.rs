@@ -111,6 +111,7 @@ mod foreach;
 mod functions;
 mod memory;
 mod operators;
+mod stack;
 mod updates;
 pub(crate) mod walk;
 
