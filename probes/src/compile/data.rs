@@ -82,6 +82,9 @@ pub mod field {
     pub const NESTING: u64 = 72;
     /// `error()` outside `try`.
     pub const RAISED: u64 = 80;
+    /// Strings built in the guest that the string table had no room for (or a string the
+    /// guest cannot read the text of): each ends its hit with a probe error.
+    pub const STRINGS: u64 = 88;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -419,7 +422,7 @@ impl Interner {
     pub fn encode(&mut self, s: &str) -> [u8; 16] {
         let mut out = [0u8; 16];
         let bytes = s.as_bytes();
-        if bytes.len() < 16 && !bytes.contains(&0) && bytes.first() != Some(&1) {
+        if bytes.len() < 16 && !bytes.contains(&0) && !matches!(bytes.first(), Some(1 | 2)) {
             out[..bytes.len()].copy_from_slice(bytes);
             return out;
         }
@@ -482,6 +485,8 @@ pub struct Header {
     pub nesting: u64,
     /// Of the errors, `error()` calls.
     pub raised: u64,
+    /// Built strings the string table had no room for (see [`field::STRINGS`]).
+    pub strings: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -506,6 +511,7 @@ impl Header {
             empty: word(bytes, field::EMPTY),
             nesting: word(bytes, field::NESTING),
             raised: word(bytes, field::RAISED),
+            strings: word(bytes, field::STRINGS),
         }
     }
 }
@@ -521,8 +527,64 @@ pub struct DataLayout {
     pub rings: Option<(u64, u32)>,
     /// Bytes of one output record (a power of two).
     pub record: u64,
+    /// The table of strings built in the guest, when a kernel probe builds strings.
+    pub strings: Option<StringTable>,
     /// Bytes in all.
     pub size: u64,
+}
+
+/// The table of strings longer than 15 bytes that kernel probes build (`.`, `substr`,
+/// `sprint`): open-addressed, never emptied, each entry a state word (0 free, 1 being
+/// written, 2 ready), the text's hash, then the text, NUL-terminated, in a MAXSTRINGLEN
+/// slot. A built string's 16-byte encoding is byte 0 = 2 and its entry's index at +8, so equal
+/// texts have equal encodings, as the host's interned strings do; the host reads the text
+/// back from the data it pulls (the table lies inside `globals_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StringTable {
+    /// Byte offset from the data's start.
+    pub offset: u64,
+    /// Entries (a power of two).
+    pub entries: u32,
+    /// Bytes of an entry's text slot: MAXSTRINGLEN rounded up to 16 (the NUL included).
+    pub text: u64,
+}
+
+/// Entries of the string table.
+pub const STRING_ENTRIES: u32 = 1024;
+/// Bytes before an entry's text (state, hash).
+pub const STRING_HEAD: u64 = 16;
+/// The largest MAXSTRINGLEN with which kernel probes build strings (a built string takes a
+/// buffer of that size on the kernel stack while it is made).
+pub const MAX_BUILT_STRING: usize = 4096;
+
+impl StringTable {
+    /// Bytes of one entry.
+    pub fn entry_size(&self) -> u64 {
+        STRING_HEAD + self.text
+    }
+
+    /// The text of entry `index` in `data` (the data's bytes from its start), as the
+    /// interpreter holds strings: invalid UTF-8 replaced.
+    pub fn text_of(&self, data: &[u8], index: u64) -> Option<String> {
+        if index >= u64::from(self.entries) {
+            return None;
+        }
+        let at = self.offset + index * self.entry_size();
+        let at = usize::try_from(at).ok()?;
+        let text = usize::try_from(self.text).ok()?;
+        let bytes = data.get(at + STRING_HEAD as usize..at + STRING_HEAD as usize + text)?;
+        let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+        Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
+    }
+
+    /// The hash of a text, as the guest computes it (FNV-1a over its bytes).
+    pub fn hash(text: &[u8]) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for b in text {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+        h
+    }
 }
 
 impl DataLayout {
@@ -593,6 +655,7 @@ impl DataLayout {
             globals_size: HEADER,
             rings: None,
             record: super::codegen::record_bytes(prog, limits),
+            strings: None,
             size: HEADER,
         };
         let mut refused = Vec::new();
@@ -650,6 +713,38 @@ impl DataLayout {
             }
             out.globals.insert(name.clone(), slot);
         }
+        if super::codegen::builds_strings(prog) {
+            if limits.max_string_len > MAX_BUILT_STRING {
+                refused.push(Unsupported {
+                    probe: None,
+                    span: crate::lang::ast::Span::default(),
+                    construct: format!(
+                        "building strings with MAXSTRINGLEN {} (kernel probes build strings up \
+                         to MAXSTRINGLEN {MAX_BUILT_STRING}, in a buffer on the kernel stack)",
+                        limits.max_string_len
+                    ),
+                });
+            }
+            for (name, g) in &prog.globals {
+                if matches!(&g.init, Some(Literal::Str(s)) if s.len() >= 16) {
+                    refused.push(Unsupported {
+                        probe: None,
+                        span: g.span,
+                        construct: format!(
+                            "the global {name} initialized with a string over 15 bytes in a \
+                             script that builds strings (the guest could not read its text)"
+                        ),
+                    });
+                }
+            }
+            let table = StringTable {
+                offset: out.size,
+                entries: STRING_ENTRIES,
+                text: (limits.max_string_len.max(1) as u64).div_ceil(16) * 16,
+            };
+            out.size = (out.size + table.entry_size() * u64::from(table.entries)).div_ceil(64) * 64;
+            out.strings = Some(table);
+        }
         out.globals_size = out.size;
         if refused.is_empty() {
             Ok(out)
@@ -676,6 +771,32 @@ impl DataLayout {
         bytes
     }
 
+    /// The text of a 16-byte string encoding in the data `data`: a string built in the guest
+    /// from the string table, any other from `interner`.
+    fn text(&self, interner: &Interner, data: &[u8], raw: &[u8]) -> String {
+        if raw.first() == Some(&2) && raw.len() >= 16 {
+            let index = u64::from_le_bytes(raw[8..16].try_into().unwrap_or_default());
+            if let Some(t) = self.strings.and_then(|t| t.text_of(data, index)) {
+                return t;
+            }
+            return format!("<built string {index}>");
+        }
+        interner.decode(raw)
+    }
+
+    /// Copies the string table from `pulled` (the data as the guest left it) into `fresh`
+    /// (new bytes the host writes back): the strings the guest built stay where the guest's
+    /// encodings point.
+    pub fn keep_strings(&self, pulled: &[u8], fresh: &mut [u8]) {
+        if let Some(t) = self.strings {
+            let start = t.offset as usize;
+            let end = start + t.entry_size() as usize * t.entries as usize;
+            if let (Some(from), Some(to)) = (pulled.get(start..end), fresh.get_mut(start..end)) {
+                to.copy_from_slice(from);
+            }
+        }
+    }
+
     /// Decodes global `name` from the data's bytes `data` into an interpreter store.
     /// Entries still being written are left out; a hostile guest gives garbage values, never
     /// a panic.
@@ -685,9 +806,11 @@ impl DataLayout {
         let Some((keys, cap)) = slot.table else {
             return Some(match slot.value {
                 ValueKind::Long => Store::Scalar(Value::Long(word(data, at) as i64)),
-                ValueKind::Str => {
-                    Store::Scalar(Value::Str(interner.decode(bytes_at(data, at, 16))))
-                }
+                ValueKind::Str => Store::Scalar(Value::Str(self.text(
+                    interner,
+                    data,
+                    bytes_at(data, at, 16),
+                ))),
                 ValueKind::Stats(layout) => Store::Stats(decode_stats(data, at, layout)),
             });
         };
@@ -705,7 +828,7 @@ impl DataLayout {
                 .map(|k| {
                     let at = e + ENTRY_KEYS + k as u64 * KEY;
                     if slot.key_is_str.get(k).copied().unwrap_or(false) {
-                        Value::Str(interner.decode(bytes_at(data, at, 16)))
+                        Value::Str(self.text(interner, data, bytes_at(data, at, 16)))
                     } else {
                         Value::Long(word(data, at) as i64)
                     }
@@ -717,7 +840,10 @@ impl DataLayout {
                     scalars.insert(key, Value::Long(word(data, v) as i64));
                 }
                 ValueKind::Str => {
-                    scalars.insert(key, Value::Str(interner.decode(bytes_at(data, v, 16))));
+                    scalars.insert(
+                        key,
+                        Value::Str(self.text(interner, data, bytes_at(data, v, 16))),
+                    );
                 }
                 ValueKind::Stats(layout) => {
                     stats.insert(key, decode_stats(data, v, layout));

@@ -449,6 +449,7 @@ impl Guest {
         let header = data[..compile::data::HEADER as usize].to_vec();
         let mut fresh = self.layout.initial(prog, &mut self.interner);
         fresh[..header.len()].copy_from_slice(&header);
+        self.layout.keep_strings(&data, &mut fresh);
         for name in self.layout.globals.keys() {
             if let Some(store) = session.global(name) {
                 if let Err(e) = self
@@ -1089,6 +1090,13 @@ fn run(
         session.error(&format!(
             "error() raised in a compiled probe ({} times)",
             header.raised
+        ));
+    }
+    if header.strings > 0 {
+        session.error(&format!(
+            "{} strings built in a compiled probe had no room in its string table (or a text \
+             the guest cannot read)",
+            header.strings
         ));
     }
     if header.dropped > 0 {

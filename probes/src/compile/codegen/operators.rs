@@ -36,7 +36,7 @@ impl Gen<'_, '_> {
             return Ok(K::Long);
         }
         if op == BinOp::Concat {
-            return Err(self.no("string concatenation in a kernel probe"));
+            return self.concat(x, y);
         }
         let kx = self.expr(x)?;
         self.push(kx)?;
