@@ -144,6 +144,87 @@ fn compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops() {
 }
 
 #[test]
+fn compiled_strings_built_from_execname_and_pid_count_as_the_guests_kprobes() {
+    if !have_qemu("compiled_strings_built_from_execname_and_pid_count_as_the_guests_kprobes") {
+        return;
+    }
+    let job = "T=/sys/kernel/tracing\n\
+               i=0\n\
+               for f in __x64_sys_getppid __x64_sys_openat __x64_sys_close __x64_sys_pread64; do\n\
+                 echo \"p:exotap/k$i $f\" >> $T/kprobe_events 2>/dev/null && i=$((i+1))\n\
+               done\n\
+               echo 1 > $T/events/exotap/enable\n\
+               exotap_result kprobes \"$i\"\n\
+               exotap_wait attach\n\
+               syscall-loop 2000\n\
+               mixed 2\n\
+               exotap_wait detach\n\
+               echo 0 > $T/events/exotap/enable\n\
+               echo > $T/kprobe_events\n";
+    // The key is built in the guest: "syscall-loop/pid=PID" passes 15 bytes, so it lives in
+    // the compiled script's string table (shorter ones, e.g. "sh/pid=12", stay inline).
+    let script = r#"global c
+        probe kernel.function("__x64_sys_getppid"), kernel.function("__x64_sys_getpid"),
+              kernel.function("__x64_sys_openat"), kernel.function("__x64_sys_close"),
+              kernel.function("__x64_sys_pread64") {
+          c[probefunc(), execname() . "/pid=" . sprint(pid())]++
+        }"#;
+
+    let (code, out, err, transcript) = boot_compared(script, job, "500");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(!err.contains("string table"), "{ctx}");
+    // c["__x64_sys_getppid","syscall-loop/pid=123"]=2000
+    let mut per_function = BTreeMap::<String, u64>::new();
+    let mut by_loop = BTreeMap::<String, (String, u64)>::new();
+    for l in out.lines() {
+        let Some((func, rest)) = l.strip_prefix("c[\"").and_then(|r| r.split_once("\",\"")) else {
+            continue;
+        };
+        let (who, n) = rest.split_once("\"]=").unwrap();
+        let n: u64 = n.parse().unwrap();
+        let (comm, pid) = who.rsplit_once("/pid=").unwrap();
+        assert!(pid.parse::<u32>().is_ok_and(|p| p > 1), "{l}: {ctx}");
+        assert!(!comm.is_empty() && comm.len() <= 15, "{l}: {ctx}");
+        *per_function.entry(func.to_owned()).or_default() += n;
+        if comm == "syscall-loop" {
+            let before = by_loop.insert(func.to_owned(), (pid.to_owned(), n));
+            assert!(before.is_none(), "one syscall-loop process, one key: {ctx}");
+        }
+    }
+    let mut compared = 0;
+    for f in ["getppid", "openat", "close", "pread64"] {
+        let name = format!("__x64_sys_{f}");
+        let k = host_result(&err, &format!("kprobe.{name}"));
+        if let Some(k) = k {
+            assert_eq!(
+                k.parse::<u64>().ok(),
+                Some(per_function.get(&name).copied().unwrap_or(0)),
+                "{name}: {ctx}"
+            );
+            compared += 1;
+        }
+    }
+    eprintln!(
+        "{compared} functions: built-string keys sum to the guest's kprobe hits ({per_function:?}); \
+         syscall-loop's keys: {by_loop:?}"
+    );
+    assert!(compared >= 3, "only {compared} functions compared: {ctx}");
+    // The workload's own counts, under the key built from its execname and pid.
+    for f in ["getpid", "getppid", "pread64"] {
+        let calls: Option<u64> =
+            result(&transcript, &format!("{}.calls", f.trim_end_matches("64")))
+                .and_then(|v| v.parse().ok());
+        let got = by_loop.get(&format!("__x64_sys_{f}")).map(|v| v.1);
+        assert_eq!(got, calls, "{f}: {ctx}");
+    }
+    let pids: std::collections::BTreeSet<_> = by_loop.values().map(|v| &v.0).collect();
+    assert_eq!(pids.len(), 1, "one pid for syscall-loop: {ctx}");
+    assert_no_oops(&transcript);
+}
+
+#[test]
 fn compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times() {
     if !have_qemu("compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times") {
         return;

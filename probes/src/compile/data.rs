@@ -3,7 +3,8 @@
 //! ```text
 //! +0    header (128 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
 //!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults,
-//!       array overflows, reads of empty aggregates, calls past MAXNESTING, `error()`s
+//!       array overflows, reads of empty aggregates, calls past MAXNESTING, `error()`s,
+//!       built strings with no room in the string table
 //! +128  globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
@@ -14,6 +15,8 @@
 //!                       number at +8, the element count at +16), then `capacity` entries: state (0 free, 1 being
 //!                       written, 2 ready), insertion number, the keys (16 bytes each), the
 //!                       value (as a scalar of its type)
+//!       string table    when kernel probes build strings (see [`StringTable`]): entries of
+//!                       a state word, a hash and a MAXSTRINGLEN text slot
 //! ```
 //!
 //! After the globals, when kernel probes print: per vCPU, a ring of output records
@@ -28,7 +31,9 @@
 //!
 //! Strings are 16 bytes: up to 15 bytes of text inline, NUL-padded (what `task_struct.comm`
 //! holds, so `execname()` is two loads), or, for longer text the host knows (function names,
-//! probe points, long literals), byte 0 = 1 and an id into the host's [`Interner`] at +8.
+//! probe points, long literals), byte 0 = 1 and an id into the host's [`Interner`] at +8,
+//! or, for longer text built in the guest, byte 0 = 2 and its entry in the string table at
+//! +8 (where a script builds strings, its long constants are interned there too).
 //! Equal strings have equal encodings, so the guest compares and hashes keys as bytes.
 //!
 //! Tables are open-addressed with linear probing over at most [`MAX_PROBES`] slots. A guest

@@ -172,6 +172,8 @@ impl Gen<'_, '_> {
             "substr" => self.substr(c),
             "strlen" => self.strlen(c),
             "sprint" | "sprintln" => self.sprint(c),
+            "text_str" => self.text_str(c),
+            "string_quoted" => self.string_quoted(c),
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)

@@ -75,6 +75,9 @@ impl Gen<'_, '_> {
     /// `x < y` (and `<=`, `>`, `>=`) of the string pushed (x) and the one in rax/rdx (y):
     /// byte order, as the interpreter's; only where the script holds every string inline.
     fn order_strings(&mut self, op: BinOp) -> R<K> {
+        if self.env.layout.strings.is_some() {
+            return self.order_texts(op);
+        }
         if self.interns_strings() {
             return Err(self.no(
                 "ordering strings in a script with strings longer than 15 bytes (the guest \

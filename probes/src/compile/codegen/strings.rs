@@ -1,4 +1,5 @@
-//! Strings built in the guest: `.` (and `.=`), `substr`, `strlen` and `sprint`.
+//! Strings built in the guest: `.` (and `.=`), `substr`, `strlen`, `sprint`/`sprintln`,
+//! `text_str`, `string_quoted`, and the byte order of strings that may be built.
 //!
 //! A compiled string value stays 16 bytes wherever it goes (locals, function returns,
 //! globals, map keys and values, see [`super::super::data`]); a string built in the guest
@@ -65,7 +66,7 @@ pub(super) fn builds(e: &Expr) -> bool {
         ExprKind::Binary(BinOp::Concat, _) | ExprKind::Assign(Some(BinOp::Concat), _) => true,
         ExprKind::Call(c) => matches!(
             c.name.name.as_str(),
-            "substr" | "strlen" | "sprint" | "sprintln"
+            "substr" | "strlen" | "sprint" | "sprintln" | "text_str" | "string_quoted"
         ),
         _ => false,
     }
@@ -555,6 +556,146 @@ impl Gen<'_, '_> {
             self.a.jnz(strings)
         })();
         asm!(self, r)
+    }
+
+    /// `text_str(s)`: as the interpreter's `escape` (`\"`, `\\`, `\n`, `\t`, `\r`, other
+    /// control bytes and DEL as three octal digits), cut at MAXSTRINGLEN - 1 bytes.
+    pub(super) fn text_str(&mut self, c: &Call) -> R<K> {
+        let [s] = c.args.as_slice() else {
+            return Err(self.no("text_str() without one argument"));
+        };
+        self.string_operand(s, "text_str()")?;
+        self.open_buffer()?;
+        self.append()?;
+        let bytes = self.build_bytes();
+        let room = self.build_room();
+        let r = (|| {
+            let mut top = self.a.create_label();
+            let mut done = self.a.create_label();
+            let mut octal = self.a.create_label();
+            self.a.mov(byte_ptr(rdi), 0)?;
+            self.a.sub(rsp, bytes)?;
+            self.a.lea(rsi, qword_ptr(rsp + bytes))?;
+            self.a.mov(rdi, rsp)?;
+            self.a.mov(ecx, room)?;
+            fn put(a: &mut CodeAssembler, done: CodeLabel, b: Option<u8>) -> Result<(), IcedError> {
+                a.test(rcx, rcx)?;
+                a.jz(done)?;
+                match b {
+                    Some(b) => a.mov(byte_ptr(rdi), u32::from(b))?,
+                    None => a.mov(byte_ptr(rdi), dl)?,
+                }
+                a.inc(rdi)?;
+                a.dec(rcx)
+            }
+            self.a.set_label(&mut top)?;
+            self.a.movzx(eax, byte_ptr(rsi))?;
+            self.a.test(al, al)?;
+            self.a.jz(done)?;
+            self.a.inc(rsi)?;
+            let mut escapes = Vec::new();
+            for (from, to) in [
+                (b'"', b'"'),
+                (b'\\', b'\\'),
+                (b'\n', b'n'),
+                (b'\t', b't'),
+                (b'\r', b'r'),
+            ] {
+                let l = self.a.create_label();
+                self.a.cmp(al, u32::from(from))?;
+                self.a.je(l)?;
+                escapes.push((l, to));
+            }
+            self.a.cmp(al, 0x20)?;
+            self.a.jb(octal)?;
+            self.a.cmp(al, 0x7f)?;
+            self.a.je(octal)?;
+            self.a.mov(edx, eax)?;
+            put(self.a, done, None)?;
+            self.a.jmp(top)?;
+            for (mut l, to) in escapes {
+                self.a.set_label(&mut l)?;
+                put(self.a, done, Some(b'\\'))?;
+                put(self.a, done, Some(to))?;
+                self.a.jmp(top)?;
+            }
+            self.a.set_label(&mut octal)?;
+            put(self.a, done, Some(b'\\'))?;
+            for shift in [6u32, 3, 0] {
+                self.a.mov(edx, eax)?;
+                if shift > 0 {
+                    self.a.shr(edx, shift)?;
+                }
+                self.a.and(edx, 7)?;
+                self.a.add(dl, u32::from(b'0'))?;
+                put(self.a, done, None)?;
+            }
+            self.a.jmp(top)?;
+            self.a.set_label(&mut done)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        self.close_buffer(bytes)
+    }
+
+    /// `string_quoted(s)`: `text_str(s)` between double quotes (the interpreter's, cut at
+    /// MAXSTRINGLEN - 1 bytes as a whole).
+    pub(super) fn string_quoted(&mut self, c: &Call) -> R<K> {
+        self.host_string("\"")?;
+        self.push(K::Str)?;
+        self.text_str(c)?;
+        self.concat_pushed()?;
+        self.push(K::Str)?;
+        self.host_string("\"")?;
+        self.concat_pushed()
+    }
+
+    /// `x < y` (and `<=`, `>`, `>=`) of the string pushed (x) and the one in rax/rdx (y),
+    /// where strings may be in the guest's table: both texts laid out NUL-terminated, then
+    /// compared byte by byte up to the shorter one's NUL (the interpreter's byte order).
+    pub(super) fn order_texts(&mut self, op: BinOp) -> R<K> {
+        let bytes = self.build_bytes();
+        // y's text, then x's (8 + 8 bytes of the pushed x above y's buffer).
+        self.open_buffer()?;
+        self.append()?;
+        asm!(self, self.a.mov(byte_ptr(rdi), 0))?;
+        asm!(self, self.a.mov(r11, rdi))?;
+        asm!(self, self.a.sub(r11, rsp))?; // y's length
+        asm!(self, self.a.mov(rax, qword_ptr(rsp + bytes)))?;
+        asm!(self, self.a.mov(rdx, qword_ptr(rsp + bytes + 8)))?;
+        asm!(self, self.a.push(r11))?;
+        asm!(self, self.a.push(r8))?;
+        self.open_buffer()?;
+        asm!(self, self.a.or(r8, qword_ptr(rsp + bytes)))?;
+        self.append()?;
+        let strings = self.errors.strings;
+        let r = (|| {
+            self.a.mov(byte_ptr(rdi), 0)?;
+            self.a.mov(rcx, rdi)?;
+            self.a.sub(rcx, rsp)?; // x's length
+            self.a.mov(r11, qword_ptr(rsp + bytes + 8))?;
+            let mut shorter = self.a.create_label();
+            self.a.cmp(rcx, r11)?;
+            self.a.jbe(shorter)?;
+            self.a.mov(rcx, r11)?;
+            self.a.set_label(&mut shorter)?;
+            self.a.inc(rcx)?; // the NUL too
+            self.a.mov(rsi, rsp)?; // x
+            self.a.lea(rdi, qword_ptr(rsp + bytes + 16))?; // y
+            self.a.repe().cmpsb()?;
+            match op {
+                BinOp::Lt => self.a.setb(al)?,
+                BinOp::Le => self.a.setbe(al)?,
+                BinOp::Gt => self.a.seta(al)?,
+                _ => self.a.setae(al)?,
+            }
+            self.a.movzx(eax, al)?;
+            self.a.add(rsp, 2 * bytes + 16 + 16)?;
+            self.a.test(r8, r8)?;
+            self.a.jnz(strings)
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
     }
 
     /// Copies the text of the string in rax/rdx into a MAXSTRINGLEN buffer pushed on the
