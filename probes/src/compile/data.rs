@@ -301,6 +301,9 @@ pub struct Interner {
     ids: std::collections::HashMap<String, u64>,
     /// Output formats by id: what prints, and how each argument is held.
     pub formats: Vec<(OutputKind, Vec<ArgSlot>)>,
+    /// Strings the host placed in the guest's string table, by their entry (see
+    /// [`DataLayout::encode_into`]): encoded as the guest encodes the same text.
+    placed: std::collections::HashMap<String, u64>,
 }
 
 impl Interner {
@@ -429,6 +432,11 @@ impl Interner {
         let bytes = s.as_bytes();
         if bytes.len() < 16 && !bytes.contains(&0) && !matches!(bytes.first(), Some(1 | 2)) {
             out[..bytes.len()].copy_from_slice(bytes);
+            return out;
+        }
+        if let Some(index) = self.placed.get(s) {
+            out[0] = 2;
+            out[8..].copy_from_slice(&index.to_le_bytes());
             return out;
         }
         let next = self.strings.len() as u64;
@@ -582,6 +590,42 @@ impl StringTable {
         Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
     }
 
+    /// Interns `text` in the table in `data` (the data's bytes from its start) as the guest
+    /// would: the entry already holding it, or the first free one on its chain; entries
+    /// being written (a guest stopped mid-write) are passed over. `None`: no room (or a
+    /// text too long for a slot).
+    pub fn place(&self, data: &mut [u8], text: &str) -> Option<u64> {
+        let bytes = text.as_bytes();
+        if bytes.len() as u64 >= self.text || bytes.contains(&0) {
+            return None;
+        }
+        let hash = Self::hash(bytes);
+        let mask = u64::from(self.entries - 1);
+        for step in 0..u64::from(MAX_PROBES.min(self.entries)) {
+            let index = hash.wrapping_add(step) & mask;
+            let at = usize::try_from(self.offset + index * self.entry_size()).ok()?;
+            let entry = data.get_mut(at..at + self.entry_size() as usize)?;
+            let state = word(entry, 0);
+            let slot = &entry[STRING_HEAD as usize..];
+            let same = word(entry, 8) == hash
+                && slot.get(..bytes.len()) == Some(bytes)
+                && slot.get(bytes.len()) == Some(&0);
+            match state {
+                2 if same => return Some(index),
+                0 => {
+                    entry[..8].copy_from_slice(&2u64.to_le_bytes());
+                    entry[8..16].copy_from_slice(&hash.to_le_bytes());
+                    let text = &mut entry[STRING_HEAD as usize..];
+                    text.fill(0);
+                    text[..bytes.len()].copy_from_slice(bytes);
+                    return Some(index);
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
     /// The hash of a text, as the guest computes it (FNV-1a over its bytes).
     pub fn hash(text: &[u8]) -> u64 {
         let mut h = 0xcbf2_9ce4_8422_2325u64;
@@ -730,18 +774,6 @@ impl DataLayout {
                     ),
                 });
             }
-            for (name, g) in &prog.globals {
-                if matches!(&g.init, Some(Literal::Str(s)) if s.len() >= 16) {
-                    refused.push(Unsupported {
-                        probe: None,
-                        span: g.span,
-                        construct: format!(
-                            "the global {name} initialized with a string over 15 bytes in a \
-                             script that builds strings (the guest could not read its text)"
-                        ),
-                    });
-                }
-            }
             let table = StringTable {
                 offset: out.size,
                 entries: STRING_ENTRIES,
@@ -880,6 +912,23 @@ impl DataLayout {
             .ok_or_else(|| format!("{name} is not compiled"))?;
         let start = usize::try_from(slot.offset).map_err(|e| e.to_string())?;
         let end = start + usize::try_from(slot.size()).map_err(|e| e.to_string())?;
+        if let Some(table) = self.strings {
+            // Long strings go where the guest would intern the same text, so that a string
+            // the host gives back equals one a probe builds (and the guest can read it).
+            let mut long = Vec::new();
+            store_strings(store, &mut |s: &str| {
+                if s.len() >= 16 || matches!(s.as_bytes().first(), Some(1 | 2)) {
+                    long.push(s.to_owned());
+                }
+            });
+            for s in long {
+                if !interner.placed.contains_key(&s) {
+                    if let Some(index) = table.place(data, &s) {
+                        interner.placed.insert(s, index);
+                    }
+                }
+            }
+        }
         let area = data
             .get_mut(start..end)
             .ok_or("the data area is too small")?;
@@ -902,6 +951,30 @@ impl DataLayout {
             _ => return Err(format!("{name} changed shape")),
         }
         Ok(start..end)
+    }
+}
+
+/// Calls `f` on every string in `store` (keys and values).
+fn store_strings(store: &Store, f: &mut impl FnMut(&str)) {
+    let mut value = |v: &Value| {
+        if let Value::Str(s) = v {
+            f(s);
+        }
+    };
+    match store {
+        Store::Scalar(v) => value(v),
+        Store::Array(map) => {
+            for (k, v) in map {
+                k.iter().for_each(&mut value);
+                value(v);
+            }
+        }
+        Store::StatsArray(map) => {
+            for k in map.keys() {
+                k.iter().for_each(&mut value);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -1074,6 +1147,30 @@ mod tests {
             text: text.into(),
         };
         compile(&src, &Limits::default()).expect("the test script checks")
+    }
+
+    #[test]
+    fn a_string_placed_by_the_host_reads_back_and_is_found_again_in_its_entry() {
+        let t = StringTable {
+            offset: 64,
+            entries: 4,
+            text: 32,
+        };
+        let mut data = vec![0u8; 64 + 4 * 48];
+        let text = "a-string-over-fifteen";
+
+        let first = t.place(&mut data, text);
+        let again = t.place(&mut data, text);
+        let other = t.place(&mut data, "another-long-string");
+
+        assert_eq!(first, Some(StringTable::hash(text.as_bytes()) & 3));
+        assert_eq!(again, first);
+        assert_ne!(other, first);
+        assert_eq!(t.text_of(&data, first.unwrap()).as_deref(), Some(text));
+        // 31 bytes and a NUL fill a slot; 32 do not fit; an index past the table reads nothing.
+        assert!(t.place(&mut data, &"x".repeat(32)).is_none());
+        assert!(t.place(&mut data, &"y".repeat(31)).is_some());
+        assert_eq!(t.text_of(&data, 4), None);
     }
 
     #[test]
