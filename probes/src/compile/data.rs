@@ -922,9 +922,9 @@ impl DataLayout {
                 }
             });
             for s in long {
-                if !interner.placed.contains_key(&s) {
-                    if let Some(index) = table.place(data, &s) {
-                        interner.placed.insert(s, index);
+                if let std::collections::hash_map::Entry::Vacant(e) = interner.placed.entry(s) {
+                    if let Some(index) = table.place(data, e.key()) {
+                        e.insert(index);
                     }
                 }
             }

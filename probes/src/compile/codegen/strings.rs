@@ -40,16 +40,20 @@ pub(crate) const INTERN: &str = "$intern";
 /// Times a reader waits for an entry being written before it gives up.
 const SPINS: u32 = 1000;
 
-/// Whether a kernel probe (or a user function) of `prog` builds strings: then the data has
-/// a string table and the runtime its helpers.
+/// Whether a kernel probe (or a user function, which a kernel probe may call) of `prog`
+/// builds strings: then the data has a string table and the runtime its helpers.
 pub fn builds_strings(prog: &Program) -> bool {
     let mut hit = false;
     let mut visit = |e: &Expr| {
         hit |= builds(e);
     };
-    for p in &prog.script.probes {
-        for s in &p.body.stmts {
-            walk::stmt_exprs(s, &mut visit);
+    // Only kernel probes run compiled (begin, end and timer probes build strings on the host).
+    let (kernel, _) = super::super::kernel_probes(prog);
+    for i in kernel {
+        if let Some(p) = prog.script.probes.get(i) {
+            for s in &p.body.stmts {
+                walk::stmt_exprs(s, &mut visit);
+            }
         }
     }
     for f in &prog.script.functions {
