@@ -225,6 +225,33 @@ fn compiled_strings_built_from_execname_and_pid_count_as_the_guests_kprobes() {
 }
 
 #[test]
+fn a_long_string_the_host_gives_the_guest_equals_the_same_text_built_there() {
+    if !have_qemu("a_long_string_the_host_gives_the_guest_equals_the_same_text_built_there") {
+        return;
+    }
+    // `want` is set on the host (begin) and handed to the guest at the install; the
+    // compiled probe builds the same 26 bytes and must find them equal.
+    let script = r#"global want, hits, other
+        probe begin { want = "syscall-loop" . "/getppid-calls" }
+        probe kernel.syscall("getppid") {
+          if (execname() . "/getppid-calls" == want) hits++
+          else other++
+        }
+        probe end { printf("hits=%d %s %d\n", hits, want, strlen(want)) }"#;
+
+    let (code, out, err, console) = boot(script, "require", "syscall-loop 60");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let calls = result(&console, "getppid.calls").unwrap_or("?");
+    assert!(
+        script_output(&out).contains(&format!("hits={calls} syscall-loop/getppid-calls 26\n")),
+        "{ctx}"
+    );
+    assert_no_oops(&console);
+}
+
+#[test]
 fn compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times() {
     if !have_qemu("compiled_aggregates_stay_exact_with_both_vcpus_hitting_a_million_times") {
         return;
