@@ -513,10 +513,7 @@ fn a_mixed_script_runs_compiled_and_host_probes_over_the_same_globals() {
 
     let ctx = format!("mixed stderr:\n{err_a}\nhost stderr:\n{err_h}");
     assert_eq!(code_r, 125, "--compile=require refuses: {err_r}");
-    assert!(
-        err_r.contains("=~ in a kernel probe"),
-        "{err_r}"
-    );
+    assert!(err_r.contains("=~ in a kernel probe"), "{err_r}");
     assert_eq!((code_a, code_h), (0, 0), "{ctx}");
     assert!(
         err_a.contains("the script runs mixed: 2 kernel probes compiled")
