@@ -458,7 +458,17 @@ fn differential_in(
     setup: impl Fn(&mut UnicornMachine, &Hit),
     known: impl Fn(&Hit, &mut CapturedContext),
 ) -> (Header, u64) {
-    let limits = Limits::default();
+    differential_limits(script, hits, setup, known, Limits::default())
+}
+
+/// As [`differential_in`], under `limits` (e.g. a small MAXSTRINGLEN).
+fn differential_limits(
+    script: &str,
+    hits: &[Hit],
+    setup: impl Fn(&mut UnicornMachine, &Hit),
+    known: impl Fn(&Hit, &mut CapturedContext),
+    limits: Limits,
+) -> (Header, u64) {
     let (mut rig, prog) = rig(script, &limits);
     let out = SharedBuf::default();
     let err = SharedBuf::default();
@@ -575,6 +585,29 @@ fn strings_built_in_the_guest_match_the_interpreter_over_many_hits() {
     let header = differential(script, &hits(400));
 
     assert_eq!((header.errors, header.strings), (0, 0));
+}
+
+#[test]
+fn built_strings_are_cut_at_a_small_maxstringlen_as_in_the_interpreter() {
+    // MAXSTRINGLEN 8: every built string holds at most 7 bytes, sprint() of a long too.
+    let script = r#"
+        global keys, last
+        probe kernel.function("f") {
+          s = execname() . ":" . sprint($b)
+          keys[s]++
+          last = sprint($b) . substr(s, 2, 30)
+          println(s, "|", strlen(last), "|", text_str(s . "\n"), "|", sprint($b))
+          if (s < last) keys["lt"]++
+        }
+    "#;
+    let limits = Limits {
+        max_string_len: 8,
+        ..Limits::default()
+    };
+
+    let (header, failed) = differential_limits(script, &hits(120), |_, _| {}, |_, _| {}, limits);
+
+    assert_eq!((header.errors, header.strings, failed), (0, 0, 0));
 }
 
 #[test]

@@ -525,6 +525,7 @@ impl Gen<'_, '_> {
     /// The long in rax as a decimal string in rax/rdx.
     fn decimal(&mut self) -> R<()> {
         let f = self.string_helper(INTERN)?;
+        let room = self.build_room();
         let strings = self.errors.strings;
         let r = (|| {
             let mut positive = self.a.create_label();
@@ -554,6 +555,12 @@ impl Gen<'_, '_> {
             self.a.mov(rsi, rdi)?;
             self.a.lea(rcx, qword_ptr(rsp + 32))?;
             self.a.sub(rcx, rdi)?;
+            // At most MAXSTRINGLEN - 1 bytes, as the interpreter cuts it.
+            let mut fits = self.a.create_label();
+            self.a.cmp(rcx, room as i32)?;
+            self.a.jbe(fits)?;
+            self.a.mov(ecx, room)?;
+            self.a.set_label(&mut fits)?;
             self.a.call(f)?;
             self.a.add(rsp, 32)?;
             self.a.test(r8, r8)?;
