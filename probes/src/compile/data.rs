@@ -3,7 +3,8 @@
 //! ```text
 //! +0    header (128 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
 //!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults,
-//!       array overflows, reads of empty aggregates, calls past MAXNESTING, `error()`s
+//!       array overflows, reads of empty aggregates, calls past MAXNESTING, `error()`s,
+//!       built strings with no room in the string table
 //! +128  globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
@@ -14,6 +15,8 @@
 //!                       number at +8, the element count at +16), then `capacity` entries: state (0 free, 1 being
 //!                       written, 2 ready), insertion number, the keys (16 bytes each), the
 //!                       value (as a scalar of its type)
+//!       string table    when kernel probes build strings (see [`StringTable`]): entries of
+//!                       a state word, a hash and a MAXSTRINGLEN text slot
 //! ```
 //!
 //! After the globals, when kernel probes print: per vCPU, a ring of output records
@@ -28,7 +31,9 @@
 //!
 //! Strings are 16 bytes: up to 15 bytes of text inline, NUL-padded (what `task_struct.comm`
 //! holds, so `execname()` is two loads), or, for longer text the host knows (function names,
-//! probe points, long literals), byte 0 = 1 and an id into the host's [`Interner`] at +8.
+//! probe points, long literals), byte 0 = 1 and an id into the host's [`Interner`] at +8,
+//! or, for longer text built in the guest, byte 0 = 2 and its entry in the string table at
+//! +8 (where a script builds strings, its long constants are interned there too).
 //! Equal strings have equal encodings, so the guest compares and hashes keys as bytes.
 //!
 //! Tables are open-addressed with linear probing over at most [`MAX_PROBES`] slots. A guest
@@ -82,6 +87,9 @@ pub mod field {
     pub const NESTING: u64 = 72;
     /// `error()` outside `try`.
     pub const RAISED: u64 = 80;
+    /// Strings built in the guest that the string table had no room for (or a string the
+    /// guest cannot read the text of): each ends its hit with a probe error.
+    pub const STRINGS: u64 = 88;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -296,6 +304,9 @@ pub struct Interner {
     /// The formats of records that hold a kernel stack snapshot, by id without
     /// [`super::snapshot::STACK_FORMAT`] (see [`super::snapshot`]).
     pub stacks: Vec<super::snapshot::StackFormat>,
+    /// Strings the host placed in the guest's string table, by their entry (see
+    /// [`DataLayout::encode_into`]): encoded as the guest encodes the same text.
+    placed: std::collections::HashMap<String, u64>,
 }
 
 impl Interner {
@@ -422,8 +433,13 @@ impl Interner {
     pub fn encode(&mut self, s: &str) -> [u8; 16] {
         let mut out = [0u8; 16];
         let bytes = s.as_bytes();
-        if bytes.len() < 16 && !bytes.contains(&0) && bytes.first() != Some(&1) {
+        if bytes.len() < 16 && !bytes.contains(&0) && !matches!(bytes.first(), Some(1 | 2)) {
             out[..bytes.len()].copy_from_slice(bytes);
+            return out;
+        }
+        if let Some(index) = self.placed.get(s) {
+            out[0] = 2;
+            out[8..].copy_from_slice(&index.to_le_bytes());
             return out;
         }
         let next = self.strings.len() as u64;
@@ -485,6 +501,8 @@ pub struct Header {
     pub nesting: u64,
     /// Of the errors, `error()` calls.
     pub raised: u64,
+    /// Built strings the string table had no room for (see [`field::STRINGS`]).
+    pub strings: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -509,6 +527,7 @@ impl Header {
             empty: word(bytes, field::EMPTY),
             nesting: word(bytes, field::NESTING),
             raised: word(bytes, field::RAISED),
+            strings: word(bytes, field::STRINGS),
         }
     }
 }
@@ -524,8 +543,100 @@ pub struct DataLayout {
     pub rings: Option<(u64, u32)>,
     /// Bytes of one output record (a power of two).
     pub record: u64,
+    /// The table of strings built in the guest, when a kernel probe builds strings.
+    pub strings: Option<StringTable>,
     /// Bytes in all.
     pub size: u64,
+}
+
+/// The table of strings longer than 15 bytes that kernel probes build (`.`, `substr`,
+/// `sprint`): open-addressed, never emptied, each entry a state word (0 free, 1 being
+/// written, 2 ready), the text's hash, then the text, NUL-terminated, in a MAXSTRINGLEN
+/// slot. A built string's 16-byte encoding is byte 0 = 2 and its entry's index at +8, so equal
+/// texts have equal encodings, as the host's interned strings do; the host reads the text
+/// back from the data it pulls (the table lies inside `globals_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StringTable {
+    /// Byte offset from the data's start.
+    pub offset: u64,
+    /// Entries (a power of two).
+    pub entries: u32,
+    /// Bytes of an entry's text slot: MAXSTRINGLEN rounded up to 16 (the NUL included).
+    pub text: u64,
+}
+
+/// Entries of the string table.
+pub const STRING_ENTRIES: u32 = 1024;
+/// Bytes before an entry's text (state, hash).
+pub const STRING_HEAD: u64 = 16;
+/// The largest MAXSTRINGLEN with which kernel probes build strings (a built string takes a
+/// buffer of that size on the kernel stack while it is made, an ordering or `text_str` two).
+pub const MAX_BUILT_STRING: usize = 1024;
+
+impl StringTable {
+    /// Bytes of one entry.
+    pub fn entry_size(&self) -> u64 {
+        STRING_HEAD + self.text
+    }
+
+    /// The text of entry `index` in `data` (the data's bytes from its start), as the
+    /// interpreter holds strings: invalid UTF-8 replaced.
+    pub fn text_of(&self, data: &[u8], index: u64) -> Option<String> {
+        if index >= u64::from(self.entries) {
+            return None;
+        }
+        let at = self.offset + index * self.entry_size();
+        let at = usize::try_from(at).ok()?;
+        let text = usize::try_from(self.text).ok()?;
+        let bytes = data.get(at + STRING_HEAD as usize..at + STRING_HEAD as usize + text)?;
+        let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+        Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
+    }
+
+    /// Interns `text` in the table in `data` (the data's bytes from its start) as the guest
+    /// would: the entry already holding it, or the first free one on its chain; entries
+    /// being written (a guest stopped mid-write) are passed over. `None`: no room (or a
+    /// text too long for a slot).
+    pub fn place(&self, data: &mut [u8], text: &str) -> Option<u64> {
+        let bytes = text.as_bytes();
+        if bytes.len() as u64 >= self.text || bytes.contains(&0) {
+            return None;
+        }
+        let hash = Self::hash(bytes);
+        let mask = u64::from(self.entries - 1);
+        for step in 0..u64::from(MAX_PROBES.min(self.entries)) {
+            let index = hash.wrapping_add(step) & mask;
+            let at = usize::try_from(self.offset + index * self.entry_size()).ok()?;
+            let entry = data.get_mut(at..at + self.entry_size() as usize)?;
+            let state = word(entry, 0);
+            let slot = &entry[STRING_HEAD as usize..];
+            let same = word(entry, 8) == hash
+                && slot.get(..bytes.len()) == Some(bytes)
+                && slot.get(bytes.len()) == Some(&0);
+            match state {
+                2 if same => return Some(index),
+                0 => {
+                    entry[..8].copy_from_slice(&2u64.to_le_bytes());
+                    entry[8..16].copy_from_slice(&hash.to_le_bytes());
+                    let text = &mut entry[STRING_HEAD as usize..];
+                    text.fill(0);
+                    text[..bytes.len()].copy_from_slice(bytes);
+                    return Some(index);
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// The hash of a text, as the guest computes it (FNV-1a over its bytes).
+    pub fn hash(text: &[u8]) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for b in text {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+        h
+    }
 }
 
 impl DataLayout {
@@ -596,6 +707,7 @@ impl DataLayout {
             globals_size: HEADER,
             rings: None,
             record: super::codegen::record_bytes(prog, limits),
+            strings: None,
             size: HEADER,
         };
         let mut refused = Vec::new();
@@ -653,6 +765,26 @@ impl DataLayout {
             }
             out.globals.insert(name.clone(), slot);
         }
+        if super::codegen::builds_strings(prog) {
+            if limits.max_string_len > MAX_BUILT_STRING {
+                refused.push(Unsupported {
+                    probe: None,
+                    span: crate::lang::ast::Span::default(),
+                    construct: format!(
+                        "building strings with MAXSTRINGLEN {} (kernel probes build strings up \
+                         to MAXSTRINGLEN {MAX_BUILT_STRING}, in a buffer on the kernel stack)",
+                        limits.max_string_len
+                    ),
+                });
+            }
+            let table = StringTable {
+                offset: out.size,
+                entries: STRING_ENTRIES,
+                text: (limits.max_string_len.max(1) as u64).div_ceil(16) * 16,
+            };
+            out.size = (out.size + table.entry_size() * u64::from(table.entries)).div_ceil(64) * 64;
+            out.strings = Some(table);
+        }
         out.globals_size = out.size;
         if refused.is_empty() {
             Ok(out)
@@ -679,6 +811,32 @@ impl DataLayout {
         bytes
     }
 
+    /// The text of a 16-byte string encoding in the data `data`: a string built in the guest
+    /// from the string table, any other from `interner`.
+    fn text(&self, interner: &Interner, data: &[u8], raw: &[u8]) -> String {
+        if raw.first() == Some(&2) && raw.len() >= 16 {
+            let index = u64::from_le_bytes(raw[8..16].try_into().unwrap_or_default());
+            if let Some(t) = self.strings.and_then(|t| t.text_of(data, index)) {
+                return t;
+            }
+            return format!("<built string {index}>");
+        }
+        interner.decode(raw)
+    }
+
+    /// Copies the string table from `pulled` (the data as the guest left it) into `fresh`
+    /// (new bytes the host writes back): the strings the guest built stay where the guest's
+    /// encodings point.
+    pub fn keep_strings(&self, pulled: &[u8], fresh: &mut [u8]) {
+        if let Some(t) = self.strings {
+            let start = t.offset as usize;
+            let end = start + t.entry_size() as usize * t.entries as usize;
+            if let (Some(from), Some(to)) = (pulled.get(start..end), fresh.get_mut(start..end)) {
+                to.copy_from_slice(from);
+            }
+        }
+    }
+
     /// Decodes global `name` from the data's bytes `data` into an interpreter store.
     /// Entries still being written are left out; a hostile guest gives garbage values, never
     /// a panic.
@@ -688,9 +846,11 @@ impl DataLayout {
         let Some((keys, cap)) = slot.table else {
             return Some(match slot.value {
                 ValueKind::Long => Store::Scalar(Value::Long(word(data, at) as i64)),
-                ValueKind::Str => {
-                    Store::Scalar(Value::Str(interner.decode(bytes_at(data, at, 16))))
-                }
+                ValueKind::Str => Store::Scalar(Value::Str(self.text(
+                    interner,
+                    data,
+                    bytes_at(data, at, 16),
+                ))),
                 ValueKind::Stats(layout) => Store::Stats(decode_stats(data, at, layout)),
             });
         };
@@ -708,7 +868,7 @@ impl DataLayout {
                 .map(|k| {
                     let at = e + ENTRY_KEYS + k as u64 * KEY;
                     if slot.key_is_str.get(k).copied().unwrap_or(false) {
-                        Value::Str(interner.decode(bytes_at(data, at, 16)))
+                        Value::Str(self.text(interner, data, bytes_at(data, at, 16)))
                     } else {
                         Value::Long(word(data, at) as i64)
                     }
@@ -720,7 +880,10 @@ impl DataLayout {
                     scalars.insert(key, Value::Long(word(data, v) as i64));
                 }
                 ValueKind::Str => {
-                    scalars.insert(key, Value::Str(interner.decode(bytes_at(data, v, 16))));
+                    scalars.insert(
+                        key,
+                        Value::Str(self.text(interner, data, bytes_at(data, v, 16))),
+                    );
                 }
                 ValueKind::Stats(layout) => {
                     stats.insert(key, decode_stats(data, v, layout));
@@ -752,6 +915,23 @@ impl DataLayout {
             .ok_or_else(|| format!("{name} is not compiled"))?;
         let start = usize::try_from(slot.offset).map_err(|e| e.to_string())?;
         let end = start + usize::try_from(slot.size()).map_err(|e| e.to_string())?;
+        if let Some(table) = self.strings {
+            // Long strings go where the guest would intern the same text, so that a string
+            // the host gives back equals one a probe builds (and the guest can read it).
+            let mut long = Vec::new();
+            store_strings(store, &mut |s: &str| {
+                if s.len() >= 16 || matches!(s.as_bytes().first(), Some(1 | 2)) {
+                    long.push(s.to_owned());
+                }
+            });
+            for s in long {
+                if let std::collections::hash_map::Entry::Vacant(e) = interner.placed.entry(s) {
+                    if let Some(index) = table.place(data, e.key()) {
+                        e.insert(index);
+                    }
+                }
+            }
+        }
         let area = data
             .get_mut(start..end)
             .ok_or("the data area is too small")?;
@@ -774,6 +954,30 @@ impl DataLayout {
             _ => return Err(format!("{name} changed shape")),
         }
         Ok(start..end)
+    }
+}
+
+/// Calls `f` on every string in `store` (keys and values).
+fn store_strings(store: &Store, f: &mut impl FnMut(&str)) {
+    let mut value = |v: &Value| {
+        if let Value::Str(s) = v {
+            f(s);
+        }
+    };
+    match store {
+        Store::Scalar(v) => value(v),
+        Store::Array(map) => {
+            for (k, v) in map {
+                k.iter().for_each(&mut value);
+                value(v);
+            }
+        }
+        Store::StatsArray(map) => {
+            for k in map.keys() {
+                k.iter().for_each(&mut value);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -946,6 +1150,30 @@ mod tests {
             text: text.into(),
         };
         compile(&src, &Limits::default()).expect("the test script checks")
+    }
+
+    #[test]
+    fn a_string_placed_by_the_host_reads_back_and_is_found_again_in_its_entry() {
+        let t = StringTable {
+            offset: 64,
+            entries: 4,
+            text: 32,
+        };
+        let mut data = vec![0u8; 64 + 4 * 48];
+        let text = "a-string-over-fifteen";
+
+        let first = t.place(&mut data, text);
+        let again = t.place(&mut data, text);
+        let other = t.place(&mut data, "another-long-string");
+
+        assert_eq!(first, Some(StringTable::hash(text.as_bytes()) & 3));
+        assert_eq!(again, first);
+        assert_ne!(other, first);
+        assert_eq!(t.text_of(&data, first.unwrap()).as_deref(), Some(text));
+        // 31 bytes and a NUL fill a slot; 32 do not fit; an index past the table reads nothing.
+        assert!(t.place(&mut data, &"x".repeat(32)).is_none());
+        assert!(t.place(&mut data, &"y".repeat(31)).is_some());
+        assert_eq!(t.text_of(&data, 4), None);
     }
 
     #[test]

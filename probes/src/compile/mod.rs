@@ -23,7 +23,11 @@
 //! interpreter's messages, also for errors inside the functions the block calls, and
 //! `error()`; `@defined` and `@choose_defined` (answered when compiling, from the point's
 //! parameters); longs and strings
-//! (up to 15 bytes inline, longer ones interned by the host); locals; global scalars, arrays
+//! (up to 15 bytes inline, longer ones interned by the host, or, for strings built in the
+//! guest, in the script's string table: see [`codegen`]'s strings module); strings built in
+//! the guest with `.` and `.=`, `substr`, `strlen`, `sprint`/`sprintln`, `text_str` and
+//! `string_quoted`, cut at MAXSTRINGLEN as SystemTap cuts them, anywhere a string goes
+//! (locals, returns, keys, values, comparisons, output); locals; global scalars, arrays
 //! keyed by up to [`data::MAX_KEYS`] values and statistics (`<<<` with count, sum, min, max,
 //! `@hist_log` and `@hist_linear` buckets, and the running variance for `@variance`); `++`,
 //! `--`, `=`, `+=` and friends (atomic where they touch globals); wrapping arrays (`a%[N]`:

@@ -348,6 +348,11 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             labels.push(((name.clone(), insert), start));
         }
     }
+    if let Some(t) = &layout.strings {
+        let (append, intern) = super::codegen::string_helpers(&mut a, t, data)?;
+        labels.push(((super::codegen::APPEND.to_owned(), false), append));
+        labels.push(((super::codegen::INTERN.to_owned(), false), intern));
+    }
     if labels.is_empty() {
         return Ok(Runtime::default());
     }

@@ -483,6 +483,7 @@ impl Guest {
         let header = data[..compile::data::HEADER as usize].to_vec();
         let mut fresh = self.layout.initial(prog, &mut self.interner);
         fresh[..header.len()].copy_from_slice(&header);
+        self.layout.keep_strings(&data, &mut fresh);
         for name in self.layout.globals.keys() {
             if let Some(store) = session.global(name) {
                 if let Err(e) = self
@@ -1154,6 +1155,13 @@ fn run(
             header.raised
         ));
     }
+    if header.strings > 0 {
+        session.error(&format!(
+            "{} strings built in a compiled probe had no room in its string table (or a text \
+             the guest cannot read)",
+            header.strings
+        ));
+    }
     if header.dropped > 0 {
         session.error(&format!(
             "{} array updates dropped: a table was full (raise MAXMAPENTRIES) or a slot stayed busy",
@@ -1192,7 +1200,7 @@ mod tests {
         let prog = program(
             r#"global n, a, s
             probe kernel.function("vfs_read") { n++ }
-            probe kernel.function("vfs_write") { s = execname() . "!" }
+            probe kernel.function("vfs_write") { if (execname() =~ "!") s = 1 }
             probe kernel.statement("vfs_read+0x5") { a[n] = 1 }"#,
         );
 
@@ -1201,7 +1209,7 @@ mod tests {
         assert_eq!(plan.host, BTreeSet::from([1]));
         assert_eq!(plan.refused.len(), 1);
         assert!(
-            plan.refused[0].construct.contains("concatenation"),
+            plan.refused[0].construct.contains("=~"),
             "{:?}",
             plan.refused
         );
@@ -1232,7 +1240,7 @@ mod tests {
             return;
         };
         let prog = program(
-            r#"global s; probe kernel.function("vfs_read") { s = execname() . "!"; print(s) }"#,
+            r#"global s; probe kernel.function("vfs_read") { if (execname() =~ "!") s = 1 }"#,
         );
 
         let refused = plan(&image, &prog, &Limits::default())

@@ -189,6 +189,11 @@ impl Gen<'_, '_> {
                      holds 15)"
                 )))
             }
+            "substr" => self.substr(c),
+            "strlen" => self.strlen(c),
+            "sprint" | "sprintln" => self.sprint(c),
+            "text_str" => self.text_str(c),
+            "string_quoted" => self.string_quoted(c),
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)
@@ -266,6 +271,20 @@ impl Gen<'_, '_> {
                     max_string_len: u32::try_from(self.env.limits.max_string_len)
                         .unwrap_or(u32::MAX),
                 });
+            } else if self.env.layout.strings.is_some() && self.expr(v)? == K::Str {
+                // Where strings are built, a string may be in the guest's table: its text
+                // goes into the record, as a string read from memory does.
+                self.text_on_stack()?;
+                *on_stack.last_mut().unwrap_or(&mut false) = true;
+                slots.push(ArgSlot::Text {
+                    slot: text as u32,
+                    max_string_len: u32::try_from(self.env.limits.max_string_len)
+                        .unwrap_or(u32::MAX),
+                });
+            } else if self.env.layout.strings.is_some() {
+                // A long, already in rax.
+                slots.push(ArgSlot::Long);
+                asm!(self, self.a.xor(edx, edx))?;
             } else {
                 let k = self.expr(v)?;
                 slots.push(if k == K::Str {
@@ -363,6 +382,13 @@ impl Gen<'_, '_> {
             }
             ExprKind::Index(ix) => {
                 let slot = self.array(&ix.array.name)?;
+                if self.env.layout.strings.is_some() && slot.key_is_str.contains(&true) {
+                    return Err(self.no(format!(
+                        "a histogram of an element of {} keyed by strings in a script that \
+                         builds strings (the record names it by the keys' encodings)",
+                        ix.array.name
+                    )));
+                }
                 self.lookup(&ix.array.name, &ix.keys, false)?;
                 (
                     ix.array.name.clone(),
@@ -544,6 +570,7 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
         return MAX_RECORD;
     }
     let text = super::memory::text_slot(limits) as u64;
+    let builds = super::strings::builds_strings(prog);
     // Locals that hold strings read from memory, in any kernel probe.
     let texts: std::collections::HashSet<String> = prog
         .script
@@ -580,6 +607,8 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
                 .map(|a| match &a.kind {
                     _ if text_call(a).is_some() => text,
                     ExprKind::Var(n) if texts.contains(n) => text,
+                    // Any string may be a built one, whose text the record holds.
+                    _ if builds => text,
                     _ => 16,
                 })
                 .sum::<u64>()

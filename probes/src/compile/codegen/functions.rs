@@ -164,6 +164,7 @@ impl Gen<'_, '_> {
             empty: self.a.create_label(),
             other: self.a.create_label(),
             nesting: self.a.create_label(),
+            strings: self.a.create_label(),
         };
         let probe = std::mem::replace(&mut self.errors, dynamic);
         let mut result = Ok(());
@@ -184,6 +185,7 @@ impl Gen<'_, '_> {
             (dynamic.overflow, probe.overflow, Some(OVERFLOW_MESSAGE)),
             (dynamic.empty, probe.empty, Some(EMPTY_MESSAGE)),
             (dynamic.nesting, probe.nesting, Some(NESTING_MESSAGE)),
+            (dynamic.strings, probe.strings, Some(STRINGS_MESSAGE)),
             (dynamic.other, probe.other, None),
         ];
         for (mut here, counted, message) in kinds {
@@ -191,7 +193,7 @@ impl Gen<'_, '_> {
             asm!(self, self.a.cmp(qword_ptr(rbx), 0))?;
             asm!(self, self.a.je(counted))?;
             if let Some(m) = message {
-                self.string_const(m)?;
+                self.host_string(m)?;
             }
             asm!(self, self.a.jmp(dispatch))?;
         }
@@ -410,6 +412,7 @@ impl Gen<'_, '_> {
             empty: self.a.create_label(),
             other: self.a.create_label(),
             nesting: self.a.create_label(),
+            strings: self.a.create_label(),
         };
         let outer = std::mem::replace(&mut self.errors, caught);
         let outer_loops = self.try_loops;
@@ -440,10 +443,11 @@ impl Gen<'_, '_> {
             (caught.overflow, OVERFLOW_MESSAGE),
             (caught.empty, EMPTY_MESSAGE),
             (caught.nesting, NESTING_MESSAGE),
+            (caught.strings, STRINGS_MESSAGE),
         ];
         for (mut label, message) in kinds {
             asm!(self, self.a.set_label(&mut label))?;
-            self.string_const(message)?;
+            self.host_string(message)?;
             asm!(self, self.a.jmp(restore))?;
         }
         let mut other = caught.other;
@@ -482,3 +486,6 @@ const FAULT_MESSAGE: &str = "kernel read fault";
 const OVERFLOW_MESSAGE: &str = "array overflow, check MAXMAPENTRIES";
 const EMPTY_MESSAGE: &str = "empty aggregate";
 const NESTING_MESSAGE: &str = "MAXNESTING exceeded";
+/// A string built in the guest that its string table had no room for (not an interpreter
+/// error: the interpreter never runs out).
+const STRINGS_MESSAGE: &str = "string table full";

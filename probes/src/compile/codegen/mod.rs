@@ -112,10 +112,13 @@ mod functions;
 mod memory;
 mod operators;
 mod stack;
+mod strings;
 mod updates;
 pub(crate) mod walk;
 
 pub use calls::{prints, record_bytes};
+pub use strings::builds_strings;
+pub(crate) use strings::{runtime_helpers as string_helpers, APPEND, INTERN};
 
 fn rip(addr: u64) -> MemoryOperand {
     MemoryOperand::with_base_displ(Register::RIP, addr as i64)
@@ -162,6 +165,8 @@ struct Errors {
     other: CodeLabel,
     /// A call past MAXNESTING.
     nesting: CodeLabel,
+    /// A built string the string table had no room for.
+    strings: CodeLabel,
 }
 
 /// Bytes above a probe's frame for the catch record (see [`functions`]): the handler's
@@ -235,6 +240,7 @@ pub fn emit_body(
         empty: a.create_label(),
         other: a.create_label(),
         nesting: a.create_label(),
+        strings: a.create_label(),
     };
     let mut g = Gen {
         a,
@@ -377,6 +383,9 @@ impl Gen<'_, '_> {
         self.a.jmp(common)?;
         self.a.set_label(&mut self.errors.nesting)?;
         self.count(data + field::NESTING)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.errors.strings)?;
+        self.count(data + field::STRINGS)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
@@ -530,6 +539,15 @@ impl Gen<'_, '_> {
     }
 
     fn string_const(&mut self, s: &str) -> R<K> {
+        if self.env.layout.strings.is_some() && s.len() >= 16 {
+            // Where the guest builds strings, every long string is in its string table.
+            return self.built_const(s);
+        }
+        self.host_string(s)
+    }
+
+    /// A string constant in the host's encoding (inline, or interned by the host).
+    fn host_string(&mut self, s: &str) -> R<K> {
         let raw = self.interner.encode(s);
         let lo = u64::from_le_bytes(raw[..8].try_into().unwrap_or_default());
         let hi = u64::from_le_bytes(raw[8..].try_into().unwrap_or_default());
@@ -648,7 +666,10 @@ impl Gen<'_, '_> {
             ExprKind::Variance(target, _) => self.variance(target),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
             ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
-            ExprKind::RegexMatch(..) => Err(self.no("=~ in a kernel probe")),
+            ExprKind::RegexMatch(..) => Err(self.no(
+                "=~ in a kernel probe (a regular expression needs a matcher, e.g. a DFA \
+                 built on the host, run in the guest: not compiled yet)",
+            )),
             ExprKind::Wildcard => Err(self.no("a * key in a kernel probe")),
             ExprKind::In(i) => {
                 self.array(&i.array.name)?;

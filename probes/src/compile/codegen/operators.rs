@@ -36,7 +36,7 @@ impl Gen<'_, '_> {
             return Ok(K::Long);
         }
         if op == BinOp::Concat {
-            return Err(self.no("string concatenation in a kernel probe"));
+            return self.concat(x, y);
         }
         let kx = self.expr(x)?;
         self.push(kx)?;
@@ -75,6 +75,9 @@ impl Gen<'_, '_> {
     /// `x < y` (and `<=`, `>`, `>=`) of the string pushed (x) and the one in rax/rdx (y):
     /// byte order, as the interpreter's; only where the script holds every string inline.
     fn order_strings(&mut self, op: BinOp) -> R<K> {
+        if self.env.layout.strings.is_some() {
+            return self.order_texts(op);
+        }
         if self.interns_strings() {
             return Err(self.no(
                 "ordering strings in a script with strings longer than 15 bytes (the guest \

@@ -282,6 +282,20 @@ impl Gen<'_, '_> {
     }
 
     pub(super) fn assign(&mut self, op: Option<BinOp>, target: &Expr, value: &Expr) -> R<K> {
+        if op == Some(BinOp::Concat) && !matches!(target.kind, ExprKind::Target(_)) {
+            // `s .= v` is `s = s . v` (an element's keys are evaluated twice: refused where
+            // that could differ).
+            if let ExprKind::Index(ix) = &target.kind {
+                if ix.keys.iter().any(|k| !super::strings::plain_key(k)) {
+                    return Err(self.no(".= to an element whose keys have side effects"));
+                }
+            }
+            let joined = Expr {
+                kind: ExprKind::Binary(BinOp::Concat, Box::new((target.clone(), value.clone()))),
+                span: value.span,
+            };
+            return self.assign(None, target, &joined);
+        }
         if let ExprKind::Target(t) = &target.kind {
             return self.write_target(t, op, value);
         }

@@ -205,7 +205,19 @@ pub(super) fn reads_memory(e: &Expr) -> bool {
 pub(super) fn may_intern(e: &Expr) -> bool {
     match &e.kind {
         ExprKind::Str(s) => s.len() >= 16 || s.as_bytes().first() == Some(&1),
-        ExprKind::Call(c) => matches!(c.name.name.as_str(), "probefunc" | "ppfunc" | "pp"),
+        ExprKind::Call(c) => matches!(
+            c.name.name.as_str(),
+            "probefunc"
+                | "ppfunc"
+                | "pp"
+                | "substr"
+                | "sprint"
+                | "sprintln"
+                | "text_str"
+                | "string_quoted"
+        ),
+        // A built string over 15 bytes is in the guest's string table.
+        ExprKind::Binary(BinOp::Concat, _) | ExprKind::Assign(Some(BinOp::Concat), _) => true,
         _ => false,
     }
 }
