@@ -141,7 +141,10 @@ fn kernel_globals_jiffies_and_task_times_agree_with_the_guest_compiled_and_host_
             (split(st, sampled) - split(stime * 10_000_000, exact)).abs() <= 0.05,
             "system share: task_struct {ut}+{st} ns vs /proc/self/stat {utime}+{stime}: {ctx}"
         );
-        assert!(utime >= 10, "the busy loop ran {utime} ticks in user mode: {ctx}");
+        assert!(
+            utime >= 10,
+            "the busy loop ran {utime} ticks in user mode: {ctx}"
+        );
     }
 }
 
@@ -161,8 +164,7 @@ fn vfs_read_build(dir: &std::path::Path) -> bool {
 
 #[test]
 fn dollar_locals_and_vars_list_the_scope_with_the_values_the_workload_determines() {
-    if !have_qemu("dollar_locals_and_vars_list_the_scope_with_the_values_the_workload_determines")
-    {
+    if !have_qemu("dollar_locals_and_vars_list_the_scope_with_the_values_the_workload_determines") {
         return;
     }
     if !debug_kernel().is_some_and(|d| vfs_read_build(&d)) {

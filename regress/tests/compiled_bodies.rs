@@ -147,6 +147,8 @@ fn facts() -> Facts {
             real_parent: Some(0x40),
             cred: Some(0x48),
             cred_uid: Some(0x4),
+            utime: None,
+            stime: None,
         },
         realtime_ns: None,
         copy_nofault: Some(COPY),
@@ -156,6 +158,9 @@ fn facts() -> Facts {
             copy_user: Some(COPY),
         },
         types: Some(Arc::new(NodeTypes)),
+        globals: Default::default(),
+        jiffies: None,
+        data_slide: 0,
     }
 }
 

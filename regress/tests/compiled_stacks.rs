@@ -68,11 +68,16 @@ fn facts() -> Facts {
             real_parent: None,
             cred: None,
             cred_uid: None,
+            utime: None,
+            stime: None,
         },
         realtime_ns: None,
         copy_nofault: Some(COPY),
         memory: MemoryFns::default(),
         types: None,
+        globals: Default::default(),
+        jiffies: None,
+        data_slide: 0,
     }
 }
 
@@ -349,6 +354,12 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     let key = refusal(r#"global s; probe kernel.function("f") { s[backtrace()]++ }"#);
     let ret = refusal(r#"probe kernel.function("f").return { print_backtrace() }"#);
     let fine = refusal(r#"probe kernel.function("f") { println(sprint_backtrace()) }"#);
+    // A built string may live in the guest's string table, which a stack record lacks.
+    let built = refusal(
+        r#"probe kernel.function("f") { s = execname() . "!"; printf("%s %s\n", s, backtrace()) }"#,
+    );
+    let plain =
+        refusal(r#"probe kernel.function("f") { printf("%s %s\n", execname(), backtrace()) }"#);
 
     assert!(
         key.iter()
@@ -357,6 +368,13 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     );
     assert!(ret.iter().any(|c| c.contains("return probe")), "{ret:?}");
     assert!(fine.is_empty(), "{fine:?}");
+    assert!(
+        built
+            .iter()
+            .any(|c| c.contains("beside a kernel stack, in a script that builds strings")),
+        "{built:?}"
+    );
+    assert!(plain.is_empty(), "{plain:?}");
 }
 
 #[test]

@@ -527,9 +527,15 @@ mod tests {
         // `jiffies = jiffies_64` (arch/x86/kernel/vmlinux.lds.S): the alias takes the type
         // of the variable DWARF has at its address.
         assert_eq!(get("jiffies").link, system_map(&image, "jiffies").unwrap());
-        assert_eq!(get("jiffies").link, system_map(&image, "jiffies_64").unwrap());
+        assert_eq!(
+            get("jiffies").link,
+            system_map(&image, "jiffies_64").unwrap()
+        );
         assert_eq!(get("jiffies").type_name, "u64");
-        assert_eq!(get("init_task").link, system_map(&image, "init_task").unwrap());
+        assert_eq!(
+            get("init_task").link,
+            system_map(&image, "init_task").unwrap()
+        );
         assert_eq!(get("init_task").type_name, "struct task_struct");
         let threads = get("nr_threads@kernel/fork.c");
         assert_eq!(threads.link, system_map(&image, "nr_threads").unwrap());

@@ -458,7 +458,11 @@ impl LiveContext<'_> {
     /// return, as the locals are gone. With `params`, the parameters DWARF places there too
     /// (`$$vars` away from a function's entry).
     fn locals_text(&self, params: bool) -> String {
-        let Some(locals) = self.point.locals.as_ref().filter(|_| self.at_return.is_none())
+        let Some(locals) = self
+            .point
+            .locals
+            .as_ref()
+            .filter(|_| self.at_return.is_none())
         else {
             return String::new();
         };

@@ -78,6 +78,14 @@ impl Gen<'_, '_> {
                 if k == K::Long {
                     asm!(self, self.a.xor(edx, edx))?;
                 }
+                // A string built in the guest may be an index into its string table, which a
+                // stack record does not carry (printf records copy the text instead).
+                if k == K::Str && super::strings::builds_strings(self.env.prog) {
+                    return Err(self.no(format!(
+                        "{name}() of a string beside a kernel stack, in a script that builds \
+                         strings"
+                    )));
+                }
                 args.push(if k == K::Str {
                     StackArg::Str
                 } else {
