@@ -891,6 +891,11 @@ pub struct Splicer {
     pub before: PageSnapshot,
     /// What a guardian or `exotap recover` needs to undo this session ([`super::recover`]).
     journal: super::recover::Journal,
+    /// Whether no exotap had used the heap since the guest booted (its recovery journal's
+    /// header was still all zero when this session mapped it): then no code ever ran in it
+    /// before this session, which writes each code block once, so the blocks the batches
+    /// allocate have no translated blocks in QEMU and go in through the shared RAM.
+    untouched_heap: bool,
 }
 
 impl std::fmt::Debug for Splicer {
@@ -1032,6 +1037,15 @@ impl Splicer {
         image: &KernelImage,
         heap: (u64, u64),
     ) -> anyhow::Result<Self> {
+        // Read before the mapping writes its marker and the journal its header. A failed
+        // read only means the slow path.
+        let untouched_heap = {
+            let mut header = vec![0u8; 4096];
+            machine
+                .read_phys(heap.0 + super::recover::JOURNAL, &mut header)
+                .is_ok()
+                && header.iter().all(|&b| b == 0)
+        };
         // A hidden range too large for either side of the kernel image (see
         // exotap_introspect::heap): map as much of it as fits (splices need a few MiB).
         let mut size = heap.1;
@@ -1095,6 +1109,7 @@ impl Splicer {
             journal: super::recover::Journal {
                 heap_phys: plan.phys,
             },
+            untouched_heap: untouched_heap && plan.phys == heap.0,
         })
     }
 
@@ -1477,9 +1492,17 @@ impl Splicer {
             }
         }
         if !code_buf.is_empty() {
-            // Code: over the gdbstub, which invalidates QEMU's translated blocks of these
-            // addresses (a write into the shared RAM would not: see exotap_vmm::shared_ram).
-            machine.write_phys(self.heap_phys(code_block), &code_buf)?;
+            match &self.shared {
+                // Never run (a fresh block of a heap no earlier session used): nothing for
+                // QEMU to invalidate.
+                Some(shared) if self.untouched_heap => {
+                    shared.write_unexecuted_code(code_block, &code_buf)?;
+                }
+                // Code that may have run before: over the gdbstub, which invalidates QEMU's
+                // translated blocks of these addresses (a write into the shared RAM would
+                // not: see exotap_vmm::shared_ram).
+                _ => machine.write_phys(self.heap_phys(code_block), &code_buf)?,
+            }
         }
         tracing::debug!(
             "{} bytes of patches written at {:.3} s",
