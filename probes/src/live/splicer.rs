@@ -191,7 +191,8 @@ impl KernelFacts {
             }
         }
         // Sorted and disjoint, as the planner binary-searches them.
-        facts.self_patched = crate::splice::disjoint_ranges(std::mem::take(&mut facts.self_patched));
+        facts.self_patched =
+            crate::splice::disjoint_ranges(std::mem::take(&mut facts.self_patched));
         facts.forbidden = crate::splice::disjoint_ranges(std::mem::take(&mut facts.forbidden));
         // struct exception_table_entry { int insn, fixup, data; }
         let (at, bytes) = table(image, "__start___ex_table", "__stop___ex_table", 12)?;

@@ -944,8 +944,7 @@ impl GdbClient {
     /// # Errors
     /// When the stub refuses or fails.
     pub fn write_memory(&mut self, addr: u64, data: &[u8]) -> Result<(), GdbError> {
-        self.write_memory_batch(&[(addr, data)])
-            .map_err(|(_, e)| e)
+        self.write_memory_batch(&[(addr, data)]).map_err(|(_, e)| e)
     }
 
     /// Writes each `(address, bytes)` in order, as `M` packets sent without waiting for
@@ -1006,7 +1005,14 @@ impl GdbClient {
                 match answer {
                     Ok(()) => {}
                     // The stream holds no more answers we can trust.
-                    Err(e) if !matches!(e, GdbError::Refused { .. } | GdbError::Unexpected { .. } | GdbError::Unsupported(_)) => {
+                    Err(e)
+                        if !matches!(
+                            e,
+                            GdbError::Refused { .. }
+                                | GdbError::Unexpected { .. }
+                                | GdbError::Unsupported(_)
+                        ) =>
+                    {
                         return Err((k, e));
                     }
                     Err(e) => {
