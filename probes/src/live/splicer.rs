@@ -555,11 +555,13 @@ pub fn changed_sites(planned: &[(u64, Vec<u8>)], now: &PageSnapshot) -> Vec<(usi
 }
 
 /// Unchanged bytes between two changes below which one write covers both (writing the
-/// bytes between as they are). Against a booted guest under TCG each gdbstub write costs
-/// QEMU about 40 µs and each byte about 2 µs (it drops the translated blocks of every byte
-/// written, changed or not: splice-report runs with gaps 0, 24, 96 and 200 under load,
-/// fitted), so merging pays only across a few bytes; pipelining the writes did not lower
-/// the cost per write (`cargo run --release -p exotap-vmm --example gdb_write_cost`).
+/// bytes between as they are). Against a booted guest under TCG a gdbstub write costs QEMU
+/// tens of µs, and every byte written costs too (QEMU drops the translated blocks of every
+/// byte written, changed or not), so merging pays only across a few bytes. Measured with
+/// `splice-report --install 10000`, one binary, gaps interleaved (text writes, debug
+/// build, load 4): gap 16 0.293/0.293 s (9,155 packets), gap 96 0.353/0.565 s (5,099
+/// packets, 264 KB); one packet at a time instead of pipelined: 0.311/0.309 and
+/// 0.391/0.549 s.
 pub const MERGE_GAP: usize = 16;
 
 /// Applies byte writes to copies of the snapshot's pages and returns the spans to write:
@@ -858,7 +860,8 @@ pub struct Splicer {
     heap_phys: u64,
     heap_size: u64,
     /// The guest's RAM shared with exotap (set by the session): rings and counters are then
-    /// read and zeroed through it while the guest runs. Code still goes over the gdbstub.
+    /// read and zeroed through it while the guest runs. Code goes over the gdbstub unless
+    /// no vCPU can have run it (`untouched_heap`).
     pub shared: Option<super::shared::SharedHeap>,
     data: PatchHeap,
     code: PatchHeap,
