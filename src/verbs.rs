@@ -484,9 +484,15 @@ impl VerbRun {
                     action: Action::Count,
                 })
                 .collect();
+            let packets = session.machine.request_count();
             let started = Instant::now();
             let rep = session.install(&requests)?;
             let all = started.elapsed();
+            let packets = session
+                .machine
+                .request_count()
+                .zip(packets)
+                .map_or_else(|| "not counted".to_owned(), |(a, b)| (a - b).to_string());
             let installed = session.splicer().map_or(0, |s| s.installed.len());
             self.say(&format!(
                 "install: {installed} of {} splices in one batch in {:.3} s ({:.0} points/s; plan+generate {:.3} s, check+write {:.3} s); refused {}",
@@ -496,6 +502,15 @@ impl VerbRun {
                 rep.plan_time.as_secs_f64(),
                 rep.write_time.as_secs_f64(),
                 rep.refused.len()
+            ));
+            self.say(&format!(
+                "install split: plan+generate {:.3} s, text pages read {:.3} s, heap writes {:.3} s, text writes {:.3} s ({} spans, {} bytes); gdbstub packets {packets}",
+                rep.plan_time.as_secs_f64(),
+                rep.snapshot_time.as_secs_f64(),
+                rep.heap_time.as_secs_f64(),
+                rep.text_time.as_secs_f64(),
+                rep.text_spans,
+                rep.text_bytes,
             ));
             for r in &rep.refused {
                 self.say(&format!(

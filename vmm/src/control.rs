@@ -288,6 +288,26 @@ pub trait Machine {
         })
     }
 
+    /// Writes each `(address, bytes)` of guest-physical memory in order: the same as
+    /// [`Machine::write_phys`] for each, as one batch where the backend has a faster path
+    /// (the gdbstub pipelines the packets instead of waiting for each answer).
+    ///
+    /// # Errors
+    /// As [`Machine::write_phys`], for the first write that fails; the writes before it
+    /// are done, and some after it may be.
+    fn write_phys_batch(&mut self, writes: &[(u64, &[u8])]) -> Result<(), ControlError> {
+        for &(addr, data) in writes {
+            self.write_phys(addr, data)?;
+        }
+        Ok(())
+    }
+
+    /// Requests sent to the backend since it started (gdbstub packets), where it counts
+    /// them.
+    fn request_count(&self) -> Option<u64> {
+        None
+    }
+
     /// `len` bytes of guest-physical memory at `addr` in one bulk transfer, where the backend
     /// has a faster path than [`Machine::read_phys`] (QEMU's `pmemsave`); `None` otherwise.
     fn read_phys_bulk(&mut self, addr: u64, len: usize) -> Option<Vec<u8>> {
@@ -390,6 +410,12 @@ impl<M: Machine + ?Sized> Machine for Box<M> {
     }
     fn read_phys_bulk(&mut self, addr: u64, len: usize) -> Option<Vec<u8>> {
         (**self).read_phys_bulk(addr, len)
+    }
+    fn write_phys_batch(&mut self, writes: &[(u64, &[u8])]) -> Result<(), ControlError> {
+        (**self).write_phys_batch(writes)
+    }
+    fn request_count(&self) -> Option<u64> {
+        (**self).request_count()
     }
     fn reads_while_running(&self) -> bool {
         (**self).reads_while_running()

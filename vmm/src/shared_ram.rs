@@ -14,8 +14,10 @@
 //! **Text writes do not go through here.** QEMU's TCG keeps translated blocks of guest code;
 //! a write through the gdbstub goes through QEMU's memory API, which invalidates the blocks
 //! of the pages it touches, but a write into the shared file does not, so a vCPU could go on
-//! running the old instructions. Kernel text and patch code are written over the gdbstub;
-//! this path carries data only (counters, ring records, compiled globals).
+//! running the old instructions. Kernel text is written over the gdbstub, and so is patch
+//! code that may have run before; this path carries data (counters, ring records, compiled
+//! globals) and patch code no vCPU has run yet (a heap no exotap used since the guest
+//! booted: QEMU holds no translated block of it, see `exotap_probes::live::splicer`).
 //!
 //! The guest writes this memory concurrently and is hostile: every access is bounds-checked
 //! ([`SharedRamError::OutOfRange`]), never panics, and plain reads are volatile copies (the

@@ -140,6 +140,18 @@ impl SharedHeap {
     pub fn write_heap(&self, va: u64, data: &[u8]) -> Result<(), SharedHeapError> {
         Ok(self.ram.write(self.phys(va, data.len())?, data)?)
     }
+
+    /// Writes code at heap address `va` that no vCPU has ever run: QEMU then holds no
+    /// translated block of these bytes, so there is nothing to invalidate, and TCG
+    /// translates them from this memory when a vCPU first jumps there. The caller answers
+    /// for "never run" (see `Splicer`'s `untouched_heap`); code that may have run is
+    /// written over the gdbstub.
+    ///
+    /// # Errors
+    /// Outside the heap or the shared RAM.
+    pub fn write_unexecuted_code(&self, va: u64, code: &[u8]) -> Result<(), SharedHeapError> {
+        Ok(self.ram.write(self.phys(va, code.len())?, code)?)
+    }
 }
 
 impl SharedHeap {

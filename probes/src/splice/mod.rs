@@ -15,5 +15,5 @@ pub mod sparc;
 
 pub use patch::{generate, out_of_line, OutOfLine, Patch, PatchError, PatchRequest, Probe, Ring};
 pub use patch_heap::{PatchHeap, PatchHeapError};
-pub use plan::{plan, Refusal, Site, SpliceContext, SpliceDecision, TrapReason};
+pub use plan::{disjoint_ranges, plan, Refusal, Site, SpliceContext, SpliceDecision, TrapReason};
 pub use reloc::{relocate, CallReturn, RelocError, RelocShape, Relocated};

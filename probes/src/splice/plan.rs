@@ -178,10 +178,12 @@ pub struct SpliceContext<'a> {
     pub text: CodeView<'a>,
     /// Its structural analysis.
     pub analysis: &'a TextAnalysis,
-    /// Ranges not to instrument at all (e.g. `.entry.text`, `.noinstr.text`).
+    /// Ranges not to instrument at all (e.g. `.entry.text`, `.noinstr.text`). Sorted and
+    /// disjoint (see [`disjoint_ranges`]): the planner binary-searches them.
     pub forbidden: &'a [Range<u64>],
     /// Bytes the kernel rewrites itself (alternatives, jump labels, static calls, and
     /// ftrace sites when the guest's ftrace may be used).
+    /// Sorted and disjoint, as `forbidden`.
     pub self_patched: &'a [Range<u64>],
     /// Instruction addresses the kernel looks up (exception and bug tables), sorted.
     pub address_keyed: &'a [u64],
@@ -231,13 +233,13 @@ fn plan_site(ctx: &SpliceContext<'_>, addr: u64, patch: u64) -> Result<SpliceDec
         return Err(Refusal::InconsistentDecode { branch, target });
     }
     let end = insn.end();
-    if let Some(range) = ctx.forbidden.iter().find(|r| overlaps(r, addr, end)) {
+    if let Some(range) = first_overlapping(ctx.forbidden, addr, end) {
         return Err(Refusal::ForbiddenRange {
             addr,
             range: range.clone(),
         });
     }
-    if let Some(range) = ctx.self_patched.iter().find(|r| overlaps(r, addr, end)) {
+    if let Some(range) = first_overlapping(ctx.self_patched, addr, end) {
         return Err(Refusal::SelfPatchedSite {
             addr,
             range: range.clone(),
@@ -314,8 +316,29 @@ fn plan_site(ctx: &SpliceContext<'_>, addr: u64, patch: u64) -> Result<SpliceDec
     Ok(SpliceDecision::Splice(site))
 }
 
-fn overlaps(range: &Range<u64>, start: u64, end: u64) -> bool {
-    range.start < end && start < range.end
+/// The first of `ranges` (sorted and disjoint) that overlaps `[start, end)`: a binary
+/// search, since a batch plans thousands of sites against tens of thousands of
+/// self-patched ranges (every jump label).
+fn first_overlapping(ranges: &[Range<u64>], start: u64, end: u64) -> Option<&Range<u64>> {
+    // Disjoint and sorted by start: sorted by end too.
+    let i = ranges.partition_point(|r| r.end <= start);
+    ranges.get(i).filter(|r| r.start < end && start < r.end)
+}
+
+/// `ranges` sorted, with overlapping ones merged, as [`SpliceContext`] needs them. Empty
+/// ranges are dropped.
+#[must_use]
+pub fn disjoint_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
+    ranges.retain(|r| r.start < r.end);
+    ranges.sort_by_key(|r| (r.start, r.end));
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start < last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
 }
 
 /// Whether a rel32 field in an instruction ending at `next` can reach `target`.
@@ -528,6 +551,19 @@ mod tests {
             SpliceDecision::Refuse(r) => r,
             other => panic!("expected a refusal, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn overlapping_ranges_merge_and_the_first_overlapping_one_is_found() {
+        let ranges = disjoint_ranges(vec![30..35, 10..15, 12..20, 40..40, 50..55]);
+
+        assert_eq!(ranges, vec![10..20, 30..35, 50..55]);
+        assert_eq!(first_overlapping(&ranges, 0, 10), None);
+        assert_eq!(first_overlapping(&ranges, 5, 11), Some(&(10..20)));
+        assert_eq!(first_overlapping(&ranges, 19, 31), Some(&(10..20)));
+        assert_eq!(first_overlapping(&ranges, 20, 30), None);
+        assert_eq!(first_overlapping(&ranges, 34, 60), Some(&(30..35)));
+        assert_eq!(first_overlapping(&ranges, 55, 60), None);
     }
 
     #[test]

@@ -27,6 +27,10 @@ const MAX_RETRIES: usize = 3;
 /// Packets that do not answer a request (stop replies, console output) skipped while
 /// waiting for its answer.
 const MAX_UNSOLICITED: usize = 64;
+/// Bytes of framed `M` requests sent before their answers are read when writes are
+/// pipelined ([`GdbClient::write_memory_batch`]): QEMU reads 4 KiB at a time and answers
+/// each with 6 bytes, so neither side fills a socket buffer and blocks the other.
+const PIPELINE_WINDOW: usize = 32 << 10;
 /// Bytes of console output kept from one monitor command.
 const MAX_CONSOLE: usize = 1 << 20;
 /// Bytes of one `qXfer` object (QEMU's x86-64 target description is about 10 KiB).
@@ -373,6 +377,8 @@ pub struct GdbClient {
     general_thread: Option<ThreadId>,
     phys_mode: bool,
     registers: Vec<RegisterInfo>,
+    /// Packets sent since connecting (requests, not acks).
+    packets: u64,
 }
 
 impl std::fmt::Debug for GdbClient {
@@ -387,6 +393,35 @@ impl std::fmt::Debug for GdbClient {
 
 fn short(s: &str) -> String {
     s.chars().take(80).collect()
+}
+
+/// A reply as text; `Exx` is [`GdbError::Refused`] and an empty reply
+/// [`GdbError::Unsupported`].
+fn reply_text(request: &str, reply: &[u8]) -> Result<String, GdbError> {
+    let text = String::from_utf8_lossy(reply).into_owned();
+    if text.is_empty() {
+        return Err(GdbError::Unsupported(short(request)));
+    }
+    if text.len() == 3 && text.starts_with('E') && text[1..].bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Err(GdbError::Refused {
+            request: short(request),
+            code: text,
+        });
+    }
+    Ok(text)
+}
+
+/// Whether a reply (as text) is `OK`.
+fn ok_reply(request: &str, reply: &str) -> Result<(), GdbError> {
+    if reply == "OK" {
+        Ok(())
+    } else {
+        Err(GdbError::Unexpected {
+            request: short(request),
+            reply: short(reply),
+        })
+    }
 }
 
 /// Connects to the first address of `hostport` that answers within `timeout` each.
@@ -442,6 +477,7 @@ impl GdbClient {
             general_thread: None,
             phys_mode: false,
             registers: Vec::new(),
+            packets: 0,
         };
         client.handshake()?;
         Ok(client)
@@ -552,8 +588,14 @@ impl GdbClient {
         Ok(String::from_utf8_lossy(&out).into_owned())
     }
 
+    /// Packets sent since connecting (requests and resumes; not acks).
+    pub fn packets(&self) -> u64 {
+        self.packets
+    }
+
     fn send(&mut self, payload: &[u8]) -> Result<(), GdbError> {
         tracing::trace!(packet = %String::from_utf8_lossy(payload), "gdb send");
+        self.packets += 1;
         let framed = packet::encode(payload);
         let sent = self.write_raw(&framed, payload);
         self.last_sent = framed;
@@ -685,9 +727,20 @@ impl GdbClient {
         let wants_stop = payload.first() == Some(&b'?');
         // One deadline for the answer, however many other packets come first.
         let deadline = Deadline::after(self.timeout);
+        self.answer(&deadline, &what, wants_stop)
+    }
+
+    /// The answer to the request `what`, skipping what answers nothing: stop replies
+    /// (unless `wants_stop`) and console output.
+    fn answer(
+        &mut self,
+        deadline: &Deadline,
+        what: &str,
+        wants_stop: bool,
+    ) -> Result<Vec<u8>, GdbError> {
         let mut skipped = 0;
         loop {
-            let reply = self.receive(&deadline, &what)?;
+            let reply = self.receive(deadline, what)?;
             // QEMU sends a stop reply by itself when a client connects (it stops the VM then);
             // no other request is ever answered by one, so keep it aside and read on.
             // Console output (`O` + hex) may precede the answer to monitor commands.
@@ -695,11 +748,11 @@ impl GdbClient {
             if !unsolicited {
                 return Ok(reply);
             }
-            tracing::debug!(reply = %short(&String::from_utf8_lossy(&reply)), "packet while waiting for `{}`", short(&what));
+            tracing::debug!(reply = %short(&String::from_utf8_lossy(&reply)), "packet while waiting for `{}`", short(what));
             skipped += 1;
             if skipped > MAX_UNSOLICITED {
                 return Err(GdbError::Unsolicited {
-                    what: short(&what),
+                    what: short(what),
                     count: skipped,
                 });
             }
@@ -713,32 +766,12 @@ impl GdbClient {
     /// Connection failures, timeouts, refusals.
     pub fn request(&mut self, payload: &str) -> Result<String, GdbError> {
         let reply = self.request_bytes(payload.as_bytes())?;
-        let text = String::from_utf8_lossy(&reply).into_owned();
-        if text.is_empty() {
-            return Err(GdbError::Unsupported(short(payload)));
-        }
-        if text.len() == 3
-            && text.starts_with('E')
-            && text[1..].bytes().all(|b| b.is_ascii_hexdigit())
-        {
-            return Err(GdbError::Refused {
-                request: short(payload),
-                code: text,
-            });
-        }
-        Ok(text)
+        reply_text(payload, &reply)
     }
 
     fn expect_ok(&mut self, payload: &str) -> Result<(), GdbError> {
         let reply = self.request(payload)?;
-        if reply == "OK" {
-            Ok(())
-        } else {
-            Err(GdbError::Unexpected {
-                request: short(payload),
-                reply: short(&reply),
-            })
-        }
+        ok_reply(payload, &reply)
     }
 
     /// Why the target is stopped (`?`).
@@ -904,14 +937,95 @@ impl GdbClient {
         Ok(())
     }
 
-    /// Writes memory at `addr` (virtual or physical per [`Self::set_physical_mode`]).
+    /// Writes memory at `addr` (virtual or physical per [`Self::set_physical_mode`]), in
+    /// packets of at most [`Self::packet_size`], pipelined as
+    /// [`Self::write_memory_batch`] does.
     ///
     /// # Errors
     /// When the stub refuses or fails.
     pub fn write_memory(&mut self, addr: u64, data: &[u8]) -> Result<(), GdbError> {
-        for (i, part) in data.chunks(self.chunk()).enumerate() {
-            let at = addr.wrapping_add((i * self.chunk()) as u64);
-            self.expect_ok(&format!("M{at:x},{:x}:{}", part.len(), to_hex(part)))?;
+        self.write_memory_batch(&[(addr, data)]).map_err(|(_, e)| e)
+    }
+
+    /// Writes each `(address, bytes)` in order, as `M` packets sent without waiting for
+    /// each answer: up to [`PIPELINE_WINDOW`] bytes of requests go out in one write, then
+    /// their answers are read in order. A round trip per packet is what a gdbstub write
+    /// costs otherwise, and a batch of splices is thousands of short writes. QEMU handles
+    /// the packets one after the other as they arrive, exactly as if each had waited.
+    /// With acks on (a stub that would not turn them off), one packet at a time.
+    ///
+    /// # Errors
+    /// The index in `writes` of the first write the stub refused or that failed, and why.
+    /// The answers to the rest of that window are read before returning (the writes
+    /// before the failed one are done; those after it in the same window may be), and
+    /// nothing more is sent.
+    pub fn write_memory_batch(&mut self, writes: &[(u64, &[u8])]) -> Result<(), (usize, GdbError)> {
+        let chunk = self.chunk();
+        let mut requests = writes.iter().enumerate().flat_map(|(k, &(addr, data))| {
+            data.chunks(chunk)
+                .enumerate()
+                .map(move |(i, part)| (k, addr.wrapping_add((i * chunk) as u64), part))
+        });
+        if self.ack_mode {
+            for (k, at, part) in requests {
+                self.expect_ok(&format!("M{at:x},{:x}:{}", part.len(), to_hex(part)))
+                    .map_err(|e| (k, e))?;
+            }
+            return Ok(());
+        }
+        let mut framed = Vec::with_capacity(PIPELINE_WINDOW + 2 * chunk + 64);
+        // (index in `writes`, the request without its data) of each packet in flight.
+        let mut in_flight: Vec<(usize, String)> = Vec::new();
+        loop {
+            let next = requests.next();
+            if let Some((k, at, part)) = next {
+                let head = format!("M{at:x},{:x}", part.len());
+                let payload = format!("{head}:{}", to_hex(part));
+                framed.extend_from_slice(&packet::encode(payload.as_bytes()));
+                in_flight.push((k, head));
+                self.packets += 1;
+                if framed.len() < PIPELINE_WINDOW {
+                    continue;
+                }
+            }
+            let Some((first, _)) = in_flight.first() else {
+                break;
+            };
+            self.write_raw(&framed, b"pipelined M packets")
+                .map_err(|e| (*first, e))?;
+            framed.clear();
+            self.last_sent.clear();
+            let deadline = Deadline::after(self.timeout);
+            let mut failed = None;
+            for (k, head) in in_flight.drain(..) {
+                let answer = self
+                    .answer(&deadline, &head, false)
+                    .and_then(|reply| reply_text(&head, &reply))
+                    .and_then(|text| ok_reply(&head, &text));
+                match answer {
+                    Ok(()) => {}
+                    // The stream holds no more answers we can trust.
+                    Err(e)
+                        if !matches!(
+                            e,
+                            GdbError::Refused { .. }
+                                | GdbError::Unexpected { .. }
+                                | GdbError::Unsupported(_)
+                        ) =>
+                    {
+                        return Err((k, e));
+                    }
+                    Err(e) => {
+                        failed.get_or_insert((k, e));
+                    }
+                }
+            }
+            if let Some(failed) = failed {
+                return Err(failed);
+            }
+            if next.is_none() {
+                break;
+            }
         }
         Ok(())
     }

@@ -335,6 +335,68 @@ mod tests {
     }
 
     #[test]
+    fn batched_writes_go_out_in_order_and_each_answer_is_read() {
+        let (mut client, stub) = connected(
+            vec![
+                Step::Expect("M1000,2:abcd"),
+                Step::Expect("M2000,1:ef"),
+                Step::Expect("M3000,1:01"),
+                reply("OK"),
+                reply("OK"),
+                reply("OK"),
+                Step::Expect("m4000,1"),
+                reply("5a"),
+            ],
+            PATIENT,
+        );
+        let before = client.packets();
+
+        bounded(|| {
+            client.write_memory_batch(&[(0x1000, &[0xab, 0xcd]), (0x2000, &[0xef]), (0x3000, &[1])])
+        })
+        .unwrap();
+        let mut buf = [0u8; 1];
+        client.read_memory(0x4000, &mut buf).unwrap();
+
+        // The stub read all three requests before answering any: they were pipelined.
+        assert_eq!(client.packets() - before, 4);
+        assert_eq!(buf, [0x5a]);
+        drop(client);
+        stub.finish();
+    }
+
+    #[test]
+    fn a_refused_write_in_a_batch_names_its_index_and_leaves_the_stream_in_step() {
+        let (mut client, stub) = connected(
+            vec![
+                Step::Expect("M1000,1:01"),
+                Step::Expect("M2000,1:02"),
+                Step::Expect("M3000,1:03"),
+                reply("OK"),
+                reply("E14"),
+                reply("OK"),
+                Step::Expect("m4000,1"),
+                reply("5a"),
+            ],
+            PATIENT,
+        );
+
+        let (index, err) = bounded(|| {
+            client.write_memory_batch(&[(0x1000, &[1]), (0x2000, &[2]), (0x3000, &[3])])
+        })
+        .unwrap_err();
+        let mut buf = [0u8; 1];
+        client.read_memory(0x4000, &mut buf).unwrap();
+
+        assert_eq!(index, 1);
+        assert!(matches!(err, GdbError::Refused { .. }), "{err:?}");
+        // The answers to the rest of the window were read: the next request gets its own.
+        assert_eq!(buf, [0x5a]);
+        drop(client);
+        stub.finish();
+    }
+
+    #[test]
     fn connecting_to_a_closed_port_is_a_connect_error() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = format!("tcp:{}", listener.local_addr().unwrap());

@@ -247,6 +247,21 @@ impl Machine for GdbMachine {
             .map_err(|e| memory(e, addr, data.len(), "physical"))
     }
 
+    /// Pipelined ([`GdbClient::write_memory_batch`]): one round trip per 32 KiB of packets
+    /// rather than per packet.
+    fn write_phys_batch(&mut self, writes: &[(u64, &[u8])]) -> Result<(), ControlError> {
+        self.require_paused()?;
+        self.client.set_physical_mode(true).map_err(backend)?;
+        self.client.write_memory_batch(writes).map_err(|(k, e)| {
+            let (addr, data) = writes.get(k).copied().unwrap_or_default();
+            memory(e, addr, data.len(), "physical")
+        })
+    }
+
+    fn request_count(&self) -> Option<u64> {
+        Some(self.client.packets())
+    }
+
     fn read_virt(&mut self, vcpu: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
         self.require_paused()?;
         let thread = self.thread(vcpu)?;

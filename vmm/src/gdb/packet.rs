@@ -232,7 +232,15 @@ impl PacketReader {
 
 /// Lower-case hex of bytes.
 pub fn to_hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    // A table, not `format!` per byte: every byte of text and patch code written over the
+    // gdbstub passes through here (hundreds of KB for one batch of splices).
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for &b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    out
 }
 
 /// Bytes from hex; `None` for odd length or non-hex characters. `xx` (unavailable register
