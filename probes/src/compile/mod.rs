@@ -214,6 +214,17 @@ impl std::fmt::Display for Unsupported {
     }
 }
 
+/// The probes of `prog` with a point in the guest (what a compiled script runs there), with
+/// their source.
+pub(crate) fn guest_probes(prog: &Program) -> impl Iterator<Item = &crate::lang::ast::Probe> {
+    prog.script
+        .probes
+        .iter()
+        .zip(&prog.probes)
+        .filter(|(_, info)| info.points.iter().any(|(_, k)| k.needs_guest()))
+        .map(|(p, _)| p)
+}
+
 /// Kernel probes of `prog` (index and whether it is a return probe), and the constructs that
 /// keep the program from compiling: kernel points that are not function entries, returns or
 /// statements at an offset or address.

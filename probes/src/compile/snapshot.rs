@@ -170,13 +170,7 @@ pub fn takes_snapshots(prog: &Program) -> bool {
             );
         }
     };
-    for (p, _) in prog
-        .script
-        .probes
-        .iter()
-        .zip(&prog.probes)
-        .filter(|(_, info)| info.points.iter().any(|(_, k)| k.needs_guest()))
-    {
+    for p in super::guest_probes(prog) {
         if let Some(c) = &p.condition {
             expr_all(c, &mut look);
         }

@@ -537,13 +537,7 @@ fn print_calls(prog: &Program) -> Vec<&Call> {
         }
     }
     let mut out = Vec::new();
-    for (p, _) in prog
-        .script
-        .probes
-        .iter()
-        .zip(&prog.probes)
-        .filter(|(_, info)| info.points.iter().any(|(_, k)| k.needs_guest()))
-    {
+    for p in crate::compile::guest_probes(prog) {
         if let Some(c) = &p.condition {
             expr(c, &mut out);
         }
