@@ -260,17 +260,48 @@ fn wildcard(op: &str, span: Span, pattern: &str, text: &str) -> Result<bool, Par
 }
 
 /// fnmatch without flags: `*`, `?` and `[...]` classes (`[!...]` negated).
+///
+/// Iterative, backtracking only to the last `*` (every other token matches exactly one byte,
+/// so that is enough): O(pattern x text) at worst. The recursive form this replaced tried every
+/// split at every star, exponential in the number of stars; fuzzing the front end found a
+/// preprocessor condition that kept it busy for minutes.
 pub(super) fn glob(pattern: &[u8], text: &[u8]) -> bool {
-    match pattern.split_first() {
-        None => text.is_empty(),
-        Some((b'*', rest)) => (0..=text.len()).any(|k| glob(rest, &text[k..])),
-        Some((b'?', rest)) => !text.is_empty() && glob(rest, &text[1..]),
-        Some((b'[', rest)) => {
-            let Some(close) = rest.iter().skip(1).position(|&c| c == b']').map(|p| p + 1) else {
-                return text.first() == Some(&b'[') && glob(rest, &text[1..]);
-            };
-            let Some(&c) = text.first() else {
-                return false;
+    let (mut p, mut t) = (0, 0);
+    // The pattern index after the last star, and the text index that star's match ends at.
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if pattern.get(p) == Some(&b'*') {
+            p += 1;
+            star = Some((p, t));
+            continue;
+        }
+        if let Some(next) = token_matches(pattern, p, text[t]) {
+            p = next;
+            t += 1;
+            continue;
+        }
+        match star {
+            // Let the last star take one more byte, and try the rest again from there.
+            Some((after, taken)) => {
+                star = Some((after, taken + 1));
+                p = after;
+                t = taken + 1;
+            }
+            None => return false,
+        }
+    }
+    pattern[p.min(pattern.len())..].iter().all(|&c| c == b'*')
+}
+
+/// Whether the token at `pattern[p]` (not a star) matches byte `c`: the index after the
+/// token when it does. An unclosed `[` is a literal.
+fn token_matches(pattern: &[u8], p: usize, c: u8) -> Option<usize> {
+    match *pattern.get(p)? {
+        b'?' => Some(p + 1),
+        b'[' => {
+            let rest = &pattern[p + 1..];
+            let Some(close) = rest.iter().skip(1).position(|&x| x == b']').map(|q| q + 1) else {
+                return (c == b'[').then_some(p + 1);
             };
             let (negated, class) = match rest[..close].split_first() {
                 Some((b'!', class)) => (true, class),
@@ -287,9 +318,9 @@ pub(super) fn glob(pattern: &[u8], text: &[u8]) -> bool {
                     k += 1;
                 }
             }
-            hit != negated && glob(&rest[close + 1..], &text[1..])
+            (hit != negated).then_some(p + 1 + close + 1)
         }
-        Some((&p, rest)) => text.first() == Some(&p) && glob(rest, &text[1..]),
+        x => (x == c).then_some(p + 1),
     }
 }
 
@@ -395,5 +426,92 @@ mod tests {
         assert!(glob(b"[a-c]x", b"bx"));
         assert!(glob(b"[!a-c]x", b"dx"));
         assert!(!glob(b"[!a-c]x", b"ax"));
+    }
+
+    /// The recursive matcher `glob` replaced (exponential in stars), as the reference.
+    fn reference(pattern: &[u8], text: &[u8]) -> bool {
+        match pattern.split_first() {
+            None => text.is_empty(),
+            Some((b'*', rest)) => (0..=text.len()).any(|k| reference(rest, &text[k..])),
+            Some((b'?', rest)) => !text.is_empty() && reference(rest, &text[1..]),
+            Some((b'[', rest)) => {
+                let Some(close) = rest.iter().skip(1).position(|&c| c == b']').map(|p| p + 1)
+                else {
+                    return text.first() == Some(&b'[') && reference(rest, &text[1..]);
+                };
+                let Some(&c) = text.first() else {
+                    return false;
+                };
+                let (negated, class) = match rest[..close].split_first() {
+                    Some((b'!', class)) => (true, class),
+                    _ => (false, &rest[..close]),
+                };
+                let mut hit = false;
+                let mut k = 0;
+                while k < class.len() {
+                    if k + 2 < class.len() && class[k + 1] == b'-' {
+                        hit |= (class[k]..=class[k + 2]).contains(&c);
+                        k += 3;
+                    } else {
+                        hit |= class[k] == c;
+                        k += 1;
+                    }
+                }
+                hit != negated && reference(&rest[close + 1..], &text[1..])
+            }
+            Some((&p, rest)) => text.first() == Some(&p) && reference(rest, &text[1..]),
+        }
+    }
+
+    /// Every short pattern over `*?[]!-ab` against every short text over `ab[-`: the same
+    /// answers as the recursive matcher.
+    #[test]
+    fn glob_answers_as_the_recursive_matcher_on_every_short_input() {
+        let pat_alphabet = b"*?[]!-ab";
+        let text_alphabet = b"ab[-";
+        let strings = |alphabet: &[u8], max: usize| {
+            let mut all = vec![Vec::new()];
+            let mut last = vec![Vec::new()];
+            for _ in 0..max {
+                last = last
+                    .iter()
+                    .flat_map(|s: &Vec<u8>| {
+                        alphabet.iter().map(move |&c| {
+                            let mut n = s.clone();
+                            n.push(c);
+                            n
+                        })
+                    })
+                    .collect();
+                all.extend(last.iter().cloned());
+            }
+            all
+        };
+        let patterns = strings(pat_alphabet, 4);
+        let texts = strings(text_alphabet, 4);
+        let mut checked = 0;
+        for p in &patterns {
+            for t in &texts {
+                assert_eq!(
+                    glob(p, t),
+                    reference(p, t),
+                    "{:?} against {:?}",
+                    String::from_utf8_lossy(p),
+                    String::from_utf8_lossy(t)
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 1_000_000, "{checked}");
+    }
+
+    /// Many stars against a long text that does not match: answered (the recursive form
+    /// would try about 200^30 splits).
+    #[test]
+    fn glob_with_many_stars_answers() {
+        let pattern = [b"*a".repeat(30), b"b".to_vec()].concat();
+        let text = b"a".repeat(200);
+        assert!(!glob(&pattern, &text));
+        assert!(glob(&pattern, &[text.clone(), b"b".to_vec()].concat()));
     }
 }
