@@ -959,6 +959,30 @@ impl ControlClient {
         self.call(&request).map(drop)
     }
 
+    /// Reads `buf` from `addr` in requests of at most [`MAX_TRANSFER`] bytes, each made by
+    /// `request(at, len)`; an answer of another length is an error.
+    fn read_chunked(
+        &self,
+        addr: u64,
+        buf: &mut [u8],
+        request: impl Fn(u64, u32) -> Message,
+    ) -> Result<(), ControlError> {
+        for (i, chunk) in buf.chunks_mut(MAX_TRANSFER).enumerate() {
+            let at = addr.wrapping_add((i * MAX_TRANSFER) as u64);
+            let a = self.call(&request(at, chunk.len() as u32))?;
+            let got = Self::parse(&a, |f| f.bytes("data").map(<[u8]>::to_vec))?;
+            if got.len() != chunk.len() {
+                return Err(lost(SocketError::Malformed(format!(
+                    "{} bytes for a read of {}",
+                    got.len(),
+                    chunk.len()
+                ))));
+            }
+            chunk.copy_from_slice(&got);
+        }
+        Ok(())
+    }
+
     fn parse<T>(
         answer: &[u8],
         get: impl FnOnce(&mut Fields<'_>) -> Result<T, SocketError>,
@@ -982,24 +1006,9 @@ impl Machine for ControlClient {
                 return Ok(());
             }
         }
-        for (i, chunk) in buf.chunks_mut(MAX_TRANSFER).enumerate() {
-            let at = addr.wrapping_add((i * MAX_TRANSFER) as u64);
-            let request = Message::default()
-                .u8(OP_READ_PHYS)
-                .u64(at)
-                .u32(chunk.len() as u32);
-            let a = self.call(&request)?;
-            let got = Self::parse(&a, |f| f.bytes("data").map(<[u8]>::to_vec))?;
-            if got.len() != chunk.len() {
-                return Err(lost(SocketError::Malformed(format!(
-                    "{} bytes for a read of {}",
-                    got.len(),
-                    chunk.len()
-                ))));
-            }
-            chunk.copy_from_slice(&got);
-        }
-        Ok(())
+        self.read_chunked(addr, buf, |at, len| {
+            Message::default().u8(OP_READ_PHYS).u64(at).u32(len)
+        })
     }
 
     fn write_phys(&mut self, addr: u64, data: &[u8]) -> Result<(), ControlError> {
@@ -1016,25 +1025,13 @@ impl Machine for ControlClient {
     }
 
     fn read_virt(&mut self, vcpu: VcpuId, addr: u64, buf: &mut [u8]) -> Result<(), ControlError> {
-        for (i, chunk) in buf.chunks_mut(MAX_TRANSFER).enumerate() {
-            let at = addr.wrapping_add((i * MAX_TRANSFER) as u64);
-            let request = Message::default()
+        self.read_chunked(addr, buf, |at, len| {
+            Message::default()
                 .u8(OP_READ_VIRT)
                 .u32(vcpu.0)
                 .u64(at)
-                .u32(chunk.len() as u32);
-            let a = self.call(&request)?;
-            let got = Self::parse(&a, |f| f.bytes("data").map(<[u8]>::to_vec))?;
-            if got.len() != chunk.len() {
-                return Err(lost(SocketError::Malformed(format!(
-                    "{} bytes for a read of {}",
-                    got.len(),
-                    chunk.len()
-                ))));
-            }
-            chunk.copy_from_slice(&got);
-        }
-        Ok(())
+                .u32(len)
+        })
     }
 
     fn write_virt(&mut self, vcpu: VcpuId, addr: u64, data: &[u8]) -> Result<(), ControlError> {
