@@ -9,28 +9,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{exotap, have_qemu, host_result, result, run};
-
-/// Boots the guest with `script` and `mode`, running `command`; returns (code, stdout,
-/// stderr, console).
-fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let console = dir.path().join("console.log");
-    let (code, out, err) = run(exotap()
-        .args([
-            "boot",
-            "--timeout",
-            "400",
-            "--compile",
-            mode,
-            "--script-text",
-            script,
-        ])
-        .args(["--run", command, "--console"])
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    (code, out, err, transcript)
-}
+use common::{boot, exotap, have_qemu, host_result, result, run};
 
 /// Boots the guest with a compiled `script` whose `job` calls `exotap_wait attach` and
 /// `exotap_wait detach` itself (after arming the guest's kprobes, which exotap then reads at

@@ -10,28 +10,7 @@
 
 mod common;
 
-use common::{exotap, have_qemu, result, run};
-
-/// Boots the guest with `script` and `mode`, running `command`; returns (code, stdout,
-/// stderr, console).
-fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let console = dir.path().join("console.log");
-    let (code, out, err) = run(exotap()
-        .args([
-            "boot",
-            "--timeout",
-            "400",
-            "--compile",
-            mode,
-            "--script-text",
-            script,
-        ])
-        .args(["--run", command, "--console"])
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    (code, out, err, transcript)
-}
+use common::{boot, have_qemu, result};
 
 /// The cached Debian kernel's directory when its -dbg vmlinux is cached too (the types of
 /// `init_task` and `nr_threads` come from DWARF: 6.1's BTF types per-CPU variables only).

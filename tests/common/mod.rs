@@ -82,3 +82,24 @@ pub fn boot_with_gdbstub<S: AsRef<std::ffi::OsStr>>(
     }
     (guest, console)
 }
+
+/// Boots the guest with `script` and `mode`, running `command`; returns (code, stdout,
+/// stderr, console).
+pub fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, String) {
+    let dir = tempfile::tempdir().expect("cannot make a temporary directory");
+    let console = dir.path().join("console.log");
+    let (code, out, err) = run(exotap()
+        .args([
+            "boot",
+            "--timeout",
+            "400",
+            "--compile",
+            mode,
+            "--script-text",
+            script,
+        ])
+        .args(["--run", command, "--console"])
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    (code, out, err, transcript)
+}
