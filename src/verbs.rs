@@ -16,6 +16,7 @@ use exotap_probes::live::attach::Target;
 use exotap_probes::live::jit::{JitOptions, LiveJit};
 use exotap_probes::live::operation::{requests, Operation};
 use exotap_probes::live::splicer::KprobeReader;
+use exotap_probes::live::stacks::TaskLayout;
 use exotap_probes::live::splicer::{
     category, guest_ftrace_sites, guest_kprobe_hits, why_not, Action, Request, TraceRecord,
     CODE_OFFSET,
@@ -300,8 +301,8 @@ impl VerbRun {
     /// Attaches (the guest stops), plans, installs, resumes. On an error the session's
     /// drop takes out whatever went in and detaches.
     fn install(&mut self, target: &Target) -> anyhow::Result<()> {
-        self.settle();
-        let session = GuestSession::attach(target, &self.image)?;
+        let mut session = GuestSession::attach(target, &self.image)?;
+        self.settle(&mut session)?;
         self.install_with(session)
     }
 
@@ -613,11 +614,14 @@ impl VerbRun {
         if self.live.is_none() {
             return Ok(());
         }
-        self.settle();
         let Some(mut live) = self.live.take() else {
             return Ok(());
         };
         let stops_while_in = live.session.stops().saturating_sub(live.stops_at_install);
+        if let Err(e) = self.settle(&mut live.session) {
+            // The removal goes on (its own errors are the ones to report).
+            eprintln!("exotap: warning: {e:#}");
+        }
         live.session.pause()?;
         // Where the data path needs no stops (exotap's own VMM, in process or through its
         // control socket), the count of stops is the proof: say it.
@@ -801,11 +805,14 @@ impl VerbRun {
     }
 }
 
-/// How long `count --blocks` lets the guest run after it announced a wait, before stopping
-/// it there: the guest's `exotap_wait` starts a `dd` that reads the host's go byte, and
-/// stopping the guest once that `dd` sleeps in its read makes every wait's window start and
-/// end at the same point (the oracle's windows and the JIT's then hold the same work).
-const BLOCKS_SETTLE: Duration = Duration::from_secs(2);
+/// `count --blocks` stops the guest at each wait only once the `dd` its `exotap_wait` starts
+/// sleeps in its read of the host's go byte ([`GuestSession::settle_at_wait`]): every
+/// wait's window then starts and ends at the same point of the guest's work, and the
+/// oracle's windows and the JIT's hold the same work. (A fixed pause of 2 s before the stop
+/// was not enough on a loaded CI machine.)
+const WAITER: &str = "dd";
+/// How long a wait may take to settle before the count goes on with a warning.
+const SETTLE_LIMIT: Duration = Duration::from_secs(60);
 
 impl VerbRun {
     /// `count --blocks`: gives up translations whose text the kernel changed
@@ -838,10 +845,12 @@ impl VerbRun {
     /// `count --blocks` at a `jit-mark` wait: the block counts so far are set aside
     /// ([`LiveJit::mark`]).
     fn mark_jit(&mut self) -> anyhow::Result<()> {
-        self.settle();
-        let Some(live) = self.live.as_mut() else {
+        let Some(mut live) = self.live.take() else {
             return Ok(());
         };
+        let settled = self.settle(&mut live.session);
+        let live = self.live.insert(live);
+        settled?;
         let Live { session, jit, .. } = live;
         match jit.as_mut() {
             Some(jit) => jit.mark(session),
@@ -849,11 +858,20 @@ impl VerbRun {
         }
     }
 
-    /// See [`BLOCKS_SETTLE`]; nothing for the other verbs.
-    fn settle(&self) {
-        if self.blocks.is_some() {
-            std::thread::sleep(BLOCKS_SETTLE);
+    /// See [`WAITER`]; nothing for the other verbs. The guest is paused afterwards.
+    fn settle(&self, session: &mut GuestSession) -> anyhow::Result<()> {
+        if self.blocks.is_none() {
+            return Ok(());
         }
+        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let layout = TaskLayout::from_btf(btf)?;
+        if !session.settle_at_wait(&layout, WAITER, SETTLE_LIMIT)? {
+            eprintln!(
+                "exotap: warning: the guest's wait reader ({WAITER}) was not asleep after {} s: counts read now may hold part of its start",
+                SETTLE_LIMIT.as_secs()
+            );
+        }
+        Ok(())
     }
 
     /// Reads the guest's kprobe hits per site at a `kprobes-in` or `kprobes-out` wait: attach,
@@ -862,12 +880,12 @@ impl VerbRun {
         if self.blocks.is_none() {
             return Ok(());
         }
-        self.settle();
+        let mut session = GuestSession::attach(target, &self.image)?;
+        self.settle(&mut session)?;
         let Some(blocks) = self.blocks.as_mut() else {
             return Ok(());
         };
         let btf = self.btf.as_ref().context("the image has no BTF")?;
-        let mut session = GuestSession::attach(target, &self.image)?;
         let reader = KprobeReader::new(&session.survey, &self.image, btf)?;
         let hits = reader.read_sites(&mut *session.machine);
         session.detach()?;

@@ -364,7 +364,7 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
         refused.len() * 10 <= leaders.len(),
         "kprobes refused: {refused:?}"
     );
-    assert!(differ.is_empty(), "{}\n{ctx}", differ.join("\n"));
+    assert!(differ.is_empty(), "{ctx}\n{}", differ.join("\n"));
     assert!(per_function.len() >= 10, "{per_function:?}");
     assert!(executed >= 40, "only {executed} executed blocks compared");
     // Live leaders the link-time CFG lacks are mostly the int3 padding after a `ret` that
@@ -577,7 +577,8 @@ fn lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_stat
     );
     let refused = log.lines().filter(|l| l.contains("KPROBE-REFUSED")).count();
     assert!(refused * 10 <= leaders.len(), "{refused} kprobes refused");
-    assert!(differ.is_empty(), "{}\n{ctx}", differ.join("\n"));
+    // The differing blocks last: CI shows a failure's tail.
+    assert!(differ.is_empty(), "{ctx}\n{}", differ.join("\n"));
     assert_eq!(
         seen.len(),
         LAZY_COMPARED.len(),

@@ -378,6 +378,42 @@ impl GuestSession {
         Ok(u32::from_le_bytes(b).max(1))
     }
 
+    /// Waits until a task named `comm` sleeps interruptibly off its CPU, and leaves the
+    /// guest paused there; gives up after `limit` (returns `false`, the guest paused). The
+    /// guest's `exotap_wait` prints its wait line, then starts a `dd` that sleeps in its
+    /// read of the host's go byte: pausing once that `dd` sleeps stops every wait at the same
+    /// point of the guest's work, whatever the host's load (the fork, exec and opens before
+    /// the read are then behind it). A count read there, and one read at a later wait,
+    /// bound the same work as the guest's own counters read at two such waits.
+    ///
+    /// # Errors
+    /// When the guest cannot be paused or resumed, or its task list cannot be read.
+    pub fn settle_at_wait(
+        &mut self,
+        layout: &super::stacks::TaskLayout,
+        comm: &str,
+        limit: Duration,
+    ) -> anyhow::Result<bool> {
+        let started = std::time::Instant::now();
+        loop {
+            self.pause()?;
+            let mut mem = BackendMemory(&mut *self.machine);
+            let mut space = self.survey.space(&mut mem);
+            let tasks = super::stacks::list_tasks(&mut space, self.survey.layout.init_task, layout)?;
+            if tasks
+                .iter()
+                .any(|t| t.comm == comm && t.state_letter() == 'S' && !t.on_cpu)
+            {
+                return Ok(true);
+            }
+            if started.elapsed() >= limit {
+                return Ok(false);
+            }
+            self.resume()?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Whether splices are in the guest.
     pub fn installed(&self) -> bool {
         self.splicer
