@@ -1,7 +1,8 @@
 //! `exotap backtrace`: the kernel stacks of every vCPU and every task of a live guest,
 //! unwound from outside it while it is stopped; and what `exotap profile` shares with it:
-//! attaching for stacks ([`LiveStacks`]) and booting a guest whose job says when
-//! ([`GuestArgs`]).
+//! attaching for stacks ([`LiveStacks`], over any backend's control interface) and booting
+//! a guest, on QEMU or exotap's own KVM VMM, whose job says when ([`GuestArgs`],
+//! [`StackHook`]).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -13,10 +14,13 @@ use exotap_guest_images::{self as images, GuestJob};
 use exotap_introspect::btf::Btf;
 use exotap_introspect::orc::{Backtrace, StackEnd, StackMemory};
 use exotap_vmm::control::{Machine, VcpuId};
-use exotap_vmm::gdb::GdbMachine;
+use exotap_vmm::host::Backend;
+use exotap_vmm::kvm::{self, KvmConfig, KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::{self, Accel, PhaseHook, QemuConfig, RunOutcome, Timeouts};
 
 use crate::attach::TargetArgs;
+use crate::backend::BackendChoice;
+use exotap_probes::live::session::AnyMachine;
 use crate::kernel_image::{ImageArgs, KernelImage};
 use exotap_probes::live::attach::{self, Survey};
 use exotap_probes::live::guest_memory::BackendMemory;
@@ -25,9 +29,16 @@ use exotap_probes::live::stacks::{list_tasks, GuestTask, KernelStacks, PageCache
 /// How to reach the guest: a running one (`--target`) or one booted for the command.
 #[derive(Debug, Args, Clone)]
 pub struct GuestArgs {
-    /// Attach to a running guest's gdbstub (tcp:HOST:PORT or unix:PATH) instead of booting one.
+    /// Attach to a running guest instead of booting one: its gdbstub (tcp:HOST:PORT or
+    /// unix:PATH) or a running exotap VMM's control socket (vmm:PATH).
     #[arg(long, short = 't', value_name = "ADDR")]
     pub target: Option<String>,
+    /// Booting: the machine. `kvm` is exotap's own VMM on /dev/kvm (each stop pauses its
+    /// vCPU threads; memory is read through its own mapping); `qemu` is QEMU over its
+    /// gdbstub; `auto` takes kvm where /dev/kvm is hardware virtualization (not kvm_pvm),
+    /// qemu otherwise.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto, conflicts_with = "target")]
+    pub backend: BackendChoice,
     /// Booting: the command the guest runs (see the subcommand for where exotap steps in).
     #[arg(long, value_name = "COMMAND", conflicts_with = "job")]
     pub run: Option<String>,
@@ -67,32 +78,43 @@ impl GuestArgs {
         })
     }
 
-    /// Builds the guest for `job`: its initramfs and QEMU's settings, with a gdbstub on a
-    /// socket whose address [`BootPlan::target`] gives the hook.
+    /// Builds the guest for `job` on the backend `--backend` picks: its initramfs, and QEMU's
+    /// settings with a gdbstub on a socket, or exotap's VMM's.
     ///
     /// # Errors
-    /// When the working directory or the initramfs cannot be made.
+    /// A refused backend (with why), or when the working directory or the initramfs cannot
+    /// be made.
     pub fn plan(&self, image: &KernelImage, job: &GuestJob) -> anyhow::Result<BootPlan> {
+        let backend = crate::backend::resolve(self.backend, None)?;
         let work = tempfile::Builder::new()
             .prefix("exotap-stacks-")
             .tempdir()
             .context("cannot create a working directory")?;
         let initrd = work.path().join("initramfs.cpio.gz");
         images::write_initramfs(job, &initrd).context("cannot build the initramfs")?;
-        let mut config = QemuConfig::new(image.path.clone(), initrd)?;
-        config.accel = if exotap_vmm::host::detect().usable() {
-            Accel::Kvm
+        let config = if backend == Backend::Kvm {
+            let mut config = KvmConfig::new(image.path.clone(), initrd)?;
+            config.cpus = self.cpus;
+            BootConfig::Kvm(config)
         } else {
-            Accel::Tcg
+            let mut config = QemuConfig::new(image.path.clone(), initrd)?;
+            config.accel = if exotap_vmm::host::detect().usable() {
+                Accel::Kvm
+            } else {
+                Accel::Tcg
+            };
+            config.cpus = self.cpus;
+            let socket = work.path().join("gdb.sock");
+            config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
+            BootConfig::Qemu {
+                config,
+                target: TargetArgs {
+                    target: format!("unix:{}", socket.display()),
+                    gdb_timeout: 10,
+                },
+            }
         };
-        config.cpus = self.cpus;
-        let socket = work.path().join("gdb.sock");
-        config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
         Ok(BootPlan {
-            target: TargetArgs {
-                target: format!("unix:{}", socket.display()),
-                gdb_timeout: 10,
-            },
             work,
             config,
             console: self.console.clone(),
@@ -101,13 +123,82 @@ impl GuestArgs {
     }
 }
 
+/// The machine a [`BootPlan`] boots.
+#[derive(Debug)]
+enum BootConfig {
+    /// QEMU, with the gdbstub the hook attaches to.
+    Qemu {
+        config: QemuConfig,
+        target: TargetArgs,
+    },
+    /// exotap's own VMM: the hook takes a handle on it ([`KvmMachine::control`]).
+    Kvm(KvmConfig),
+}
+
+/// How a hook reaches the booted guest at a wait.
+#[derive(Clone, Copy)]
+pub enum Reach<'a> {
+    /// QEMU's gdbstub.
+    Gdb(&'a TargetArgs),
+    /// exotap's own VMM, in this process.
+    Kvm(&'a KvmMachine),
+}
+
+impl Reach<'_> {
+    /// Attaches for stacks: the guest stops and stays stopped.
+    ///
+    /// # Errors
+    /// As [`LiveStacks::attach`] and [`LiveStacks::over`].
+    pub fn attach(self, image: &KernelImage) -> anyhow::Result<LiveStacks> {
+        match self {
+            Reach::Gdb(target) => LiveStacks::attach(target, image),
+            Reach::Kvm(machine) => LiveStacks::over(Box::new(machine.control()), image),
+        }
+    }
+}
+
+/// What `backtrace` and `profile` do at the booted guest's waits, on either backend.
+pub trait StackHook {
+    /// The guest waits at `phase`; it goes on once this returns.
+    ///
+    /// # Errors
+    /// An error stops the run.
+    fn step(&mut self, phase: &str, reach: Reach<'_>) -> anyhow::Result<()>;
+}
+
+/// A [`StackHook`] on QEMU's path.
+struct OnQemu<'h, H: ?Sized> {
+    hook: &'h mut H,
+    target: TargetArgs,
+}
+
+impl<H: StackHook + ?Sized> PhaseHook for OnQemu<'_, H> {
+    fn at_wait(&mut self, phase: &str) -> Result<(), qemu::QemuError> {
+        self.hook
+            .step(phase, Reach::Gdb(&self.target))
+            .map_err(|e| qemu::QemuError::Hook {
+                phase: phase.to_owned(),
+                message: format!("{e:#}"),
+            })
+    }
+}
+
+/// A [`StackHook`] on exotap's VMM.
+struct OnKvm<'h, H: ?Sized>(&'h mut H);
+
+impl<H: StackHook + ?Sized> KvmPhaseHook for OnKvm<'_, H> {
+    fn at_wait(&mut self, phase: &str, machine: &mut KvmMachine) -> Result<(), String> {
+        self.0
+            .step(phase, Reach::Kvm(machine))
+            .map_err(|e| format!("{e:#}"))
+    }
+}
+
 /// A guest ready to boot (see [`GuestArgs::plan`]).
 #[derive(Debug)]
 pub struct BootPlan {
-    /// The gdbstub the hook attaches to.
-    pub target: TargetArgs,
     work: tempfile::TempDir,
-    config: QemuConfig,
+    config: BootConfig,
     console: Option<PathBuf>,
     timeout: u64,
 }
@@ -118,7 +209,7 @@ impl BootPlan {
     ///
     /// # Errors
     /// When the guest cannot be booted, fails, or the hook fails.
-    pub fn run(self, hook: &mut dyn PhaseHook) -> anyhow::Result<RunOutcome> {
+    pub fn run(self, hook: &mut dyn StackHook) -> anyhow::Result<RunOutcome> {
         let mut sink: Box<dyn Write> = match &self.console {
             Some(path) => Box::new(
                 std::fs::File::create(path)
@@ -130,7 +221,16 @@ impl BootPlan {
             boot: Duration::from_secs(120),
             total: Duration::from_secs(self.timeout),
         };
-        let outcome = qemu::run(&self.config, self.work.path(), timeouts, &mut sink, hook)?;
+        let outcome = match self.config {
+            BootConfig::Qemu { config, target } => qemu::run(
+                &config,
+                self.work.path(),
+                timeouts,
+                &mut sink,
+                &mut OnQemu { hook, target },
+            )?,
+            BootConfig::Kvm(config) => kvm::run(&config, timeouts, &mut sink, &mut OnKvm(hook))?,
+        };
         for (key, value) in &outcome.results {
             outln!("EXOTAP-RESULT {key}={value}");
         }
@@ -154,8 +254,8 @@ pub struct VcpuStack {
 
 /// A guest attached for stacks: the slide, the layout, the ORC tables, `task_struct`.
 pub struct LiveStacks {
-    /// The guest.
-    pub machine: GdbMachine,
+    /// The guest: QEMU's gdbstub, exotap's VMM in process or through its control socket.
+    pub machine: AnyMachine,
     /// Slide and layout.
     pub survey: Survey,
     /// ORC tables and symbols at the running addresses.
@@ -173,14 +273,35 @@ impl std::fmt::Debug for LiveStacks {
 }
 
 impl LiveStacks {
-    /// Attaches (the guest stops and stays stopped) and learns what unwinding needs.
+    /// Attaches (the guest stops and stays stopped) and learns what unwinding needs:
+    /// to a gdbstub, or to a running exotap VMM's control socket (`vmm:PATH`).
     ///
     /// # Errors
     /// When attaching or any step of the survey fails; the guest is detached then.
     pub fn attach(target: &TargetArgs, image: &KernelImage) -> anyhow::Result<Self> {
-        let mut att = attach::attach(&target.to_target())?;
+        if let Some(path) = target.target.strip_prefix(attach::VMM_PREFIX) {
+            let machine = exotap_vmm::control_socket::ControlClient::connect(
+                std::path::Path::new(path),
+                Duration::from_secs(target.gdb_timeout),
+            )
+            .with_context(|| format!("cannot attach to {}", target.target))?;
+            return Self::over(Box::new(machine), image);
+        }
+        let att = attach::attach(&target.to_target())?;
+        Self::over(Box::new(att.machine), image)
+    }
+
+    /// Stacks over a machine already reached: pauses it (it stays paused) and learns what
+    /// unwinding needs.
+    ///
+    /// # Errors
+    /// When the guest cannot be paused or any step of the survey fails; the machine is
+    /// released then.
+    pub fn over(mut machine: AnyMachine, image: &KernelImage) -> anyhow::Result<Self> {
+        let started = Instant::now();
         let learned = (|| {
-            let survey = attach::survey(&mut att, image)?;
+            machine.pause().context("cannot pause the guest")?;
+            let survey = attach::survey_machine(&mut *machine, started, image)?;
             let btf = Btf::from_elf(image.vmlinux.bytes())
                 .context("the kernel image has no usable BTF")?;
             let tasks = TaskLayout::from_btf(&btf)?;
@@ -189,16 +310,26 @@ impl LiveStacks {
         })();
         match learned {
             Ok((survey, stacks, tasks)) => Ok(Self {
-                machine: att.machine,
+                machine,
                 survey,
                 stacks,
                 tasks,
             }),
             Err(err) => {
-                let _ = att.machine.detach();
+                let _ = machine.release();
                 Err(err)
             }
         }
+    }
+
+    /// Lets the guest go: the gdbstub's detach (taken only from a stopped guest), or a
+    /// resume.
+    ///
+    /// # Errors
+    /// When the backend refuses.
+    pub fn release(mut self) -> anyhow::Result<()> {
+        self.machine.pause().context("cannot stop the guest to detach")?;
+        self.machine.release().context("cannot detach")
     }
 
     /// Every vCPU's kernel stack; the guest must be stopped.
@@ -209,9 +340,9 @@ impl LiveStacks {
         let vcpus = self.machine.vcpus()?;
         let mut regs = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
-            regs.push((vcpu, self.machine.unwind_registers(vcpu)?));
+            regs.push((vcpu, self.machine.stack_registers(vcpu)?));
         }
-        let mut mem = BackendMemory(&mut self.machine);
+        let mut mem = BackendMemory(&mut *self.machine);
         let mut space = self.survey.space(&mut mem);
         // One cache for the whole stop: the current tasks' and the stacks' pages.
         let mut cache = PageCache::new(&mut space);
@@ -242,7 +373,7 @@ impl LiveStacks {
     /// # Errors
     /// When the task list cannot be walked.
     pub fn task_stacks(&mut self) -> anyhow::Result<Vec<(GuestTask, Option<Backtrace>)>> {
-        let mut mem = BackendMemory(&mut self.machine);
+        let mut mem = BackendMemory(&mut *self.machine);
         let mut space = self.survey.space(&mut mem);
         let tasks = list_tasks(&mut space, self.survey.layout.init_task, &self.tasks)?;
         let mut cache = PageCache::new(&mut space);
@@ -354,15 +485,10 @@ fn print_stacks(live: &mut LiveStacks, args: &BacktraceArgs) -> anyhow::Result<(
     Ok(())
 }
 
-/// Attaches, prints, detaches.
-fn backtrace_once(
-    target: &TargetArgs,
-    image: &KernelImage,
-    args: &BacktraceArgs,
-) -> anyhow::Result<()> {
-    let mut live = LiveStacks::attach(target, image)?;
+/// Prints, detaches.
+fn backtrace_once(mut live: LiveStacks, args: &BacktraceArgs) -> anyhow::Result<()> {
     let printed = print_stacks(&mut live, args);
-    live.machine.detach()?;
+    live.release()?;
     printed
 }
 
@@ -370,18 +496,14 @@ fn backtrace_once(
 struct BacktraceHook<'a> {
     image: &'a KernelImage,
     args: &'a BacktraceArgs,
-    target: TargetArgs,
 }
 
-impl PhaseHook for BacktraceHook<'_> {
-    fn at_wait(&mut self, phase: &str) -> Result<(), qemu::QemuError> {
+impl StackHook for BacktraceHook<'_> {
+    fn step(&mut self, phase: &str, reach: Reach<'_>) -> anyhow::Result<()> {
         if phase != "backtrace" {
             return Ok(());
         }
-        backtrace_once(&self.target, self.image, self.args).map_err(|e| qemu::QemuError::Hook {
-            phase: phase.to_owned(),
-            message: format!("{e:#}"),
-        })
+        backtrace_once(reach.attach(self.image)?, self.args)
     }
 }
 
@@ -391,13 +513,17 @@ impl PhaseHook for BacktraceHook<'_> {
 /// # Errors
 /// Attach, unwind-setup or guest failures.
 pub fn run_backtrace(args: &BacktraceArgs) -> anyhow::Result<i32> {
+    if args.guest.target.is_none() {
+        // A refused backend says why before anything is loaded.
+        crate::backend::resolve(args.guest.backend, None)?;
+    }
     let image = args.guest.image.load()?;
     if let Some(target) = &args.guest.target {
         let target = TargetArgs {
             target: target.clone(),
             gdb_timeout: 10,
         };
-        backtrace_once(&target, &image, args)?;
+        backtrace_once(LiveStacks::attach(&target, &image)?, args)?;
         return Ok(0);
     }
     let job = args.guest.job("sleep 1000 &\nsleep 1", |cmd| {
@@ -407,7 +533,6 @@ pub fn run_backtrace(args: &BacktraceArgs) -> anyhow::Result<i32> {
     let mut hook = BacktraceHook {
         image: &image,
         args,
-        target: plan.target.clone(),
     };
     let outcome = plan.run(&mut hook)?;
     Ok(outcome.rc)

@@ -14,10 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use exotap_vmm::control::Machine;
-use exotap_vmm::qemu::{PhaseHook, QemuError};
 
 use crate::attach::TargetArgs;
-use crate::backtrace::{GuestArgs, LiveStacks, VcpuStack};
+use crate::backtrace::{GuestArgs, LiveStacks, Reach, StackHook, VcpuStack};
 use crate::kernel_image::KernelImage;
 use exotap_probes::live::stacks::KernelStacks;
 
@@ -229,12 +228,8 @@ impl Sampler {
             .map_err(|_| anyhow::anyhow!("the sampling thread panicked"))?;
         // The stub takes a detach only from a stopped guest (running, it answers nothing
         // but an interrupt); detaching lets the guest run on.
-        let mut machine = live.machine;
-        if let Err(err) = machine.pause() {
-            tracing::warn!("stopping the guest to detach failed: {err}");
-        }
-        if let Err(err) = machine.detach() {
-            tracing::warn!("detaching after sampling failed: {err}");
+        if let Err(err) = live.release() {
+            tracing::warn!("detaching after sampling failed: {err:#}");
         }
         Ok(profile)
     }
@@ -245,7 +240,6 @@ struct ProfileHook<'a> {
     image: &'a KernelImage,
     hz: u32,
     duration: Option<f64>,
-    target: TargetArgs,
     sampler: Option<Sampler>,
     profile: Option<Profile>,
     /// When the guest was let go at `baseline` and at `profile`, and reached `profile` and
@@ -256,13 +250,13 @@ struct ProfileHook<'a> {
     sampled: Option<Duration>,
 }
 
-impl ProfileHook<'_> {
-    fn step(&mut self, phase: &str) -> anyhow::Result<()> {
+impl StackHook for ProfileHook<'_> {
+    fn step(&mut self, phase: &str, reach: Reach<'_>) -> anyhow::Result<()> {
         match phase {
             "baseline" => self.baseline_from = Some(Instant::now()),
             "profile" => {
                 self.baseline = self.baseline_from.map(|t| t.elapsed());
-                let live = LiveStacks::attach(&self.target, self.image)?;
+                let live = reach.attach(self.image)?;
                 self.sampler = Some(Sampler::start(live, self.hz, self.duration)?);
                 self.sampled_from = Some(Instant::now());
             }
@@ -280,15 +274,6 @@ impl ProfileHook<'_> {
     }
 }
 
-impl PhaseHook for ProfileHook<'_> {
-    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
-        self.step(phase).map_err(|e| QemuError::Hook {
-            phase: phase.to_owned(),
-            message: format!("{e:#}"),
-        })
-    }
-}
-
 /// Wall times of the workload without and with sampling (booted with `--baseline`).
 #[derive(Debug, Clone, Copy)]
 struct Workload {
@@ -301,6 +286,10 @@ struct Workload {
 /// # Errors
 /// Bad arguments, attach, unwind-setup or guest failures, unwritable output files.
 pub fn run_profile(args: &ProfileArgs) -> anyhow::Result<i32> {
+    if args.guest.target.is_none() {
+        // A refused backend says why before anything is loaded.
+        crate::backend::resolve(args.guest.backend, None)?;
+    }
     let image = args.guest.image.load()?;
     let (profile, workload, rc) = if let Some(target) = &args.guest.target {
         let Some(duration) = args.duration else {
@@ -334,7 +323,6 @@ pub fn run_profile(args: &ProfileArgs) -> anyhow::Result<i32> {
             image: &image,
             hz: args.hz,
             duration: args.duration,
-            target: plan.target.clone(),
             sampler: None,
             profile: None,
             baseline_from: None,

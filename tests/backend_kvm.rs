@@ -100,6 +100,16 @@ fn splice_report_refuses_kvm_naming_the_host_reason() {
 }
 
 #[test]
+fn profile_refuses_kvm_naming_the_host_reason() {
+    assert_refused("profile", &["profile", "--run", "syscall-loop 100"]);
+}
+
+#[test]
+fn backtrace_refuses_kvm_naming_the_host_reason() {
+    assert_refused("backtrace", &["backtrace"]);
+}
+
+#[test]
 fn boot_script_refuses_kvm_naming_the_host_reason() {
     assert_refused(
         "boot --script",

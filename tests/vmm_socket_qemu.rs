@@ -146,6 +146,8 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
         "EXOTAP-RESULT armed=yes",
     );
     let before = text_digest(&gdb);
+    // The stacks over the gdbstub itself (one connection at a time: before the server's).
+    let (direct_code, direct_out, direct_err) = run(exotap().args(["backtrace", "--target", &gdb]));
     let socket = dir.path().join("vmm.sock");
     let recovered = Arc::new(Mutex::new(Vec::new()));
     let server = serve(&gdb, &socket, Arc::clone(&recovered));
@@ -176,6 +178,19 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
         "2",
         "--target",
         &target,
+    ]));
+    // Stacks through the socket: every task and vCPU, and a profile of the running loop.
+    let (bt_code, bt_out, bt_err) = run(exotap().args(["backtrace", "--target", &target]));
+    let (prof_code, prof_out, prof_err) = run(exotap().args([
+        "profile",
+        "--target",
+        &target,
+        "--duration",
+        "2",
+        "--hz",
+        "20",
+        "--format",
+        "json",
     ]));
     let mut killed = exotap()
         .args(["run", "--compile", "require", "--target", &target])
@@ -239,6 +254,41 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
         "count through the socket:\n{count_said}"
     );
     assert_eq!(n, kprobe, "{ctx}");
+    // kthreadd sleeps in kthreadd() for the whole run: through the socket its stack is the
+    // one the gdbstub path unwinds, down to the end of the stack.
+    assert_eq!(bt_code, 0, "backtrace through the socket:\n{bt_out}\n{bt_err}");
+    assert_eq!(direct_code, 0, "backtrace over the gdbstub:\n{direct_out}\n{direct_err}");
+    let kthreadd = |text: &str| -> Vec<String> {
+        text.lines()
+            .skip_while(|l| !l.starts_with("task 2 (kthreadd)"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (via_socket, via_gdb) = (kthreadd(&bt_out), kthreadd(&direct_out));
+    assert!(
+        via_socket.iter().any(|l| l.contains("] kthreadd+"))
+            && via_socket.last().is_some_and(|l| l.ends_with("-- end of stack")),
+        "kthreadd through the socket:\n{bt_out}"
+    );
+    assert_eq!(via_socket, via_gdb, "kthreadd: socket vs gdbstub");
+    let tasks = |text: &str| text.lines().filter(|l| l.starts_with("task ")).count();
+    assert!(tasks(&bt_out) >= 20, "{bt_out}");
+    // The profile samples the guest's loop: most stacks are syscall-loop's (the job runs
+    // nothing else).
+    assert_eq!(prof_code, 0, "profile through the socket:\n{prof_out}\n{prof_err}");
+    let prof: serde_json::Value = serde_json::from_str(&prof_out).expect("profile JSON");
+    let samples = prof["samples"].as_u64().unwrap_or(0);
+    let looping: u64 = prof["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["frames"][0] == "syscall-loop")
+        .map(|s| s["count"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(samples >= 20, "{prof_out}");
+    assert!(looping > 0, "no syscall-loop sample:\n{prof_out}");
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(9)
@@ -255,10 +305,14 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
     }
     eprintln!(
         "control socket over QEMU's gdbstub: n={} (guest kprobe {}), the first script done after \
-         {:.1} s; recovered {}; text sha256 {before} before and after; test {:.1} s",
+         {:.1} s; backtrace {} tasks, kthreadd's {} frames as over the gdbstub; profile {samples} \
+         samples, {looping} in syscall-loop; recovered {}; text sha256 {before} before and \
+         after; test {:.1} s",
         n.unwrap_or_default(),
         kprobe.unwrap_or_default(),
         first_done.as_secs_f64(),
+        tasks(&bt_out),
+        via_socket.len(),
         recovered[0],
         started.elapsed().as_secs_f64()
     );

@@ -217,6 +217,23 @@ pub trait Machine {
     /// Unknown vCPU, running guest, backend failure.
     fn registers(&mut self, vcpu: VcpuId) -> Result<RegisterFile, ControlError>;
 
+    /// The x86-64 registers a kernel stack unwind needs: the general registers, rip, flags,
+    /// segments and the kernel's GS base (the guest must be paused). A backend may answer in
+    /// fewer round trips than [`Machine::registers`], as QEMU's gdbstub does: a sampling
+    /// profiler reads them at every stop.
+    ///
+    /// # Errors
+    /// Unknown vCPU, running guest, backend failure, a vCPU that is not x86-64.
+    fn stack_registers(&mut self, vcpu: VcpuId) -> Result<X86Registers, ControlError> {
+        match self.registers(vcpu)? {
+            RegisterFile::X86_64(r) => Ok(r),
+            RegisterFile::Sparc64(_) => Err(ControlError::Unsupported {
+                backend: self.backend(),
+                what: "unwind an x86-64 kernel stack on a SPARC vCPU",
+            }),
+        }
+    }
+
     /// Sets a vCPU's instruction pointer (the guest must be paused).
     ///
     /// # Errors
@@ -377,6 +394,9 @@ impl<M: Machine + ?Sized> Machine for Box<M> {
     }
     fn registers(&mut self, vcpu: VcpuId) -> Result<RegisterFile, ControlError> {
         (**self).registers(vcpu)
+    }
+    fn stack_registers(&mut self, vcpu: VcpuId) -> Result<X86Registers, ControlError> {
+        (**self).stack_registers(vcpu)
     }
     fn set_pc(&mut self, vcpu: VcpuId, pc: u64) -> Result<(), ControlError> {
         (**self).set_pc(vcpu, pc)

@@ -224,6 +224,9 @@ impl GdbMachine {
 }
 
 impl Machine for GdbMachine {
+    fn stack_registers(&mut self, vcpu: VcpuId) -> Result<X86Registers, ControlError> {
+        self.unwind_registers(vcpu)
+    }
     fn vcpus(&mut self) -> Result<Vec<VcpuId>, ControlError> {
         Ok((0..self.threads.len())
             .filter_map(|i| u32::try_from(i).ok())
