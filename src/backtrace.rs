@@ -11,20 +11,15 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use exotap_guest_images::{self as images, GuestJob};
-use exotap_introspect::btf::Btf;
-use exotap_introspect::orc::{Backtrace, StackEnd, StackMemory};
-use exotap_vmm::control::{Machine, VcpuId};
+use exotap_introspect::orc::{Backtrace, StackEnd};
 use exotap_vmm::host::Backend;
 use exotap_vmm::kvm::{self, KvmConfig, KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::{self, Accel, PhaseHook, QemuConfig, RunOutcome, Timeouts};
 
 use crate::attach::TargetArgs;
 use crate::backend::BackendChoice;
-use exotap_probes::live::session::AnyMachine;
 use crate::kernel_image::{ImageArgs, KernelImage};
-use exotap_probes::live::attach::{self, Survey};
-use exotap_probes::live::guest_memory::BackendMemory;
-use exotap_probes::live::stacks::{list_tasks, GuestTask, KernelStacks, PageCache, TaskLayout};
+use exotap_probes::live::sampling::LiveStacks;
 
 /// How to reach the guest: a running one (`--target`) or one booted for the command.
 #[derive(Debug, Args, Clone)]
@@ -46,6 +41,10 @@ pub struct GuestArgs {
     /// `exotap_wait` points in it.
     #[arg(long, value_name = "FILE")]
     pub job: Option<PathBuf>,
+    /// Booting: this initramfs instead of one built from --run or --job (its job must have
+    /// the subcommand's `exotap_wait` points).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["run", "job", "target"])]
+    pub initrd: Option<PathBuf>,
     /// Booting: copy the serial console to FILE instead of standard error.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
@@ -90,8 +89,14 @@ impl GuestArgs {
             .prefix("exotap-stacks-")
             .tempdir()
             .context("cannot create a working directory")?;
-        let initrd = work.path().join("initramfs.cpio.gz");
-        images::write_initramfs(job, &initrd).context("cannot build the initramfs")?;
+        let initrd = match &self.initrd {
+            Some(path) => path.clone(),
+            None => {
+                let initrd = work.path().join("initramfs.cpio.gz");
+                images::write_initramfs(job, &initrd).context("cannot build the initramfs")?;
+                initrd
+            }
+        };
         let config = if backend == Backend::Kvm {
             let mut config = KvmConfig::new(image.path.clone(), initrd)?;
             config.cpus = self.cpus;
@@ -151,7 +156,7 @@ impl Reach<'_> {
     /// As [`LiveStacks::attach`] and [`LiveStacks::over`].
     pub fn attach(self, image: &KernelImage) -> anyhow::Result<LiveStacks> {
         match self {
-            Reach::Gdb(target) => LiveStacks::attach(target, image),
+            Reach::Gdb(target) => LiveStacks::attach(&target.to_target(), image),
             Reach::Kvm(machine) => LiveStacks::over(Box::new(machine.control()), image),
         }
     }
@@ -237,170 +242,6 @@ impl BootPlan {
         outln!("EXOTAP-DONE {}", outcome.rc);
         Ok(outcome)
     }
-}
-
-/// One vCPU's kernel stack at a stop.
-#[derive(Debug)]
-pub struct VcpuStack {
-    /// The vCPU.
-    pub vcpu: VcpuId,
-    /// Whether it was running kernel code.
-    pub in_kernel: bool,
-    /// Its current task's pid and command name, when readable.
-    pub current: Option<(i32, String)>,
-    /// Its kernel stack (no frames in user mode).
-    pub backtrace: Backtrace,
-}
-
-/// A guest attached for stacks: the slide, the layout, the ORC tables, `task_struct`.
-pub struct LiveStacks {
-    /// The guest: QEMU's gdbstub, exotap's VMM in process or through its control socket.
-    pub machine: AnyMachine,
-    /// Slide and layout.
-    pub survey: Survey,
-    /// ORC tables and symbols at the running addresses.
-    pub stacks: KernelStacks,
-    /// `task_struct` members.
-    pub tasks: TaskLayout,
-}
-
-impl std::fmt::Debug for LiveStacks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LiveStacks")
-            .field("stacks", &self.stacks)
-            .finish_non_exhaustive()
-    }
-}
-
-impl LiveStacks {
-    /// Attaches (the guest stops and stays stopped) and learns what unwinding needs:
-    /// to a gdbstub, or to a running exotap VMM's control socket (`vmm:PATH`).
-    ///
-    /// # Errors
-    /// When attaching or any step of the survey fails; the guest is detached then.
-    pub fn attach(target: &TargetArgs, image: &KernelImage) -> anyhow::Result<Self> {
-        if let Some(path) = target.target.strip_prefix(attach::VMM_PREFIX) {
-            let machine = exotap_vmm::control_socket::ControlClient::connect(
-                std::path::Path::new(path),
-                Duration::from_secs(target.gdb_timeout),
-            )
-            .with_context(|| format!("cannot attach to {}", target.target))?;
-            return Self::over(Box::new(machine), image);
-        }
-        let att = attach::attach(&target.to_target())?;
-        Self::over(Box::new(att.machine), image)
-    }
-
-    /// Stacks over a machine already reached: pauses it (it stays paused) and learns what
-    /// unwinding needs.
-    ///
-    /// # Errors
-    /// When the guest cannot be paused or any step of the survey fails; the machine is
-    /// released then.
-    pub fn over(mut machine: AnyMachine, image: &KernelImage) -> anyhow::Result<Self> {
-        let started = Instant::now();
-        let learned = (|| {
-            machine.pause().context("cannot pause the guest")?;
-            let survey = attach::survey_machine(&mut *machine, started, image)?;
-            let btf = Btf::from_elf(image.vmlinux.bytes())
-                .context("the kernel image has no usable BTF")?;
-            let tasks = TaskLayout::from_btf(&btf)?;
-            let stacks = KernelStacks::load(image, survey.kaslr.slide)?;
-            anyhow::Ok((survey, stacks, tasks))
-        })();
-        match learned {
-            Ok((survey, stacks, tasks)) => Ok(Self {
-                machine,
-                survey,
-                stacks,
-                tasks,
-            }),
-            Err(err) => {
-                let _ = machine.release();
-                Err(err)
-            }
-        }
-    }
-
-    /// Lets the guest go: the gdbstub's detach (taken only from a stopped guest), or a
-    /// resume.
-    ///
-    /// # Errors
-    /// When the backend refuses.
-    pub fn release(mut self) -> anyhow::Result<()> {
-        self.machine.pause().context("cannot stop the guest to detach")?;
-        self.machine.release().context("cannot detach")
-    }
-
-    /// Every vCPU's kernel stack; the guest must be stopped.
-    ///
-    /// # Errors
-    /// When the vCPUs or their registers cannot be read.
-    pub fn vcpu_stacks(&mut self) -> anyhow::Result<Vec<VcpuStack>> {
-        let vcpus = self.machine.vcpus()?;
-        let mut regs = Vec::with_capacity(vcpus.len());
-        for vcpu in vcpus {
-            regs.push((vcpu, self.machine.stack_registers(vcpu)?));
-        }
-        let mut mem = BackendMemory(&mut *self.machine);
-        let mut space = self.survey.space(&mut mem);
-        // One cache for the whole stop: the current tasks' and the stacks' pages.
-        let mut cache = PageCache::new(&mut space);
-        let mut out = Vec::with_capacity(regs.len());
-        for (vcpu, r) in regs {
-            let current_slot = r
-                .kernel_percpu_base()
-                .wrapping_add(self.survey.layout.current_task_offset);
-            let current = cache
-                .read_u64(current_slot)
-                .ok()
-                .and_then(|task| read_task_name(&mut cache, task, &self.tasks));
-            let backtrace = self.stacks.unwind_vcpu(&r, &mut cache);
-            out.push(VcpuStack {
-                vcpu,
-                in_kernel: r.in_kernel(),
-                current,
-                backtrace,
-            });
-        }
-        Ok(out)
-    }
-
-    /// Every task and its kernel stack, unwound from its saved stack pointer (a task
-    /// running on a CPU gets no stack here: its saved one is stale; see
-    /// [`Self::vcpu_stacks`]). The guest must be stopped.
-    ///
-    /// # Errors
-    /// When the task list cannot be walked.
-    pub fn task_stacks(&mut self) -> anyhow::Result<Vec<(GuestTask, Option<Backtrace>)>> {
-        let mut mem = BackendMemory(&mut *self.machine);
-        let mut space = self.survey.space(&mut mem);
-        let tasks = list_tasks(&mut space, self.survey.layout.init_task, &self.tasks)?;
-        let mut cache = PageCache::new(&mut space);
-        Ok(tasks
-            .into_iter()
-            .map(|task| {
-                let bt =
-                    (!task.on_cpu).then(|| self.stacks.unwind_task(task.thread_sp, &mut cache));
-                (task, bt)
-            })
-            .collect())
-    }
-}
-
-/// A task's pid and command name, read word by word through `mem`.
-fn read_task_name<S: StackMemory + ?Sized>(
-    mem: &mut S,
-    task: u64,
-    layout: &TaskLayout,
-) -> Option<(i32, String)> {
-    let pid = mem.read_u64(task.wrapping_add(layout.pid)).ok()? as u32 as i32;
-    let comm_at = task.wrapping_add(layout.comm);
-    let mut comm = [0u8; 16];
-    comm[..8].copy_from_slice(&mem.read_u64(comm_at).ok()?.to_le_bytes());
-    comm[8..].copy_from_slice(&mem.read_u64(comm_at.wrapping_add(8)).ok()?.to_le_bytes());
-    let name = comm.split(|b| *b == 0).next().unwrap_or(&comm);
-    Some((pid, String::from_utf8_lossy(name).into_owned()))
 }
 
 /// How a backtrace ended, in a few words.
@@ -523,7 +364,7 @@ pub fn run_backtrace(args: &BacktraceArgs) -> anyhow::Result<i32> {
             target: target.clone(),
             gdb_timeout: 10,
         };
-        backtrace_once(LiveStacks::attach(&target, &image)?, args)?;
+        backtrace_once(LiveStacks::attach(&target.to_target(), &image)?, args)?;
         return Ok(0);
     }
     let job = args.guest.job("sleep 1000 &\nsleep 1", |cmd| {

@@ -4,21 +4,16 @@
 //! current task's name at the root) and written as text, folded lines, an SVG flame graph
 //! (`inferno`) or JSON. The guest's time stopped is its cost, reported beside the result.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use exotap_vmm::control::Machine;
 
 use crate::attach::TargetArgs;
-use crate::backtrace::{GuestArgs, LiveStacks, Reach, StackHook, VcpuStack};
+use crate::backtrace::{GuestArgs, Reach, StackHook};
 use crate::kernel_image::KernelImage;
-use exotap_probes::live::stacks::KernelStacks;
+use exotap_probes::live::sampling::{LiveStacks, Profile, Sampler};
 
 /// Output format of the summary on standard output.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -59,180 +54,6 @@ pub struct ProfileArgs {
     pub baseline: bool,
     #[command(flatten)]
     pub guest: GuestArgs,
-}
-
-/// What a sampling run gathered.
-#[derive(Debug, Default, Clone)]
-pub struct Profile {
-    /// Folded stack → samples.
-    pub stacks: BTreeMap<String, u64>,
-    /// vCPU samples taken.
-    pub samples: u64,
-    /// Samples whose unwind did not reach the end of the stack or user mode.
-    pub incomplete: u64,
-    /// Samples in user mode.
-    pub user: u64,
-    /// Stops made.
-    pub stops: u64,
-    /// Time the guest spent stopped by the sampler.
-    pub stopped: Duration,
-    /// Of that, the time from asking for each stop to having it.
-    pub stopping: Duration,
-    /// Time from the first stop to the end of sampling.
-    pub wall: Duration,
-    /// Why sampling ended early, if it did.
-    pub ended_by: Option<String>,
-}
-
-impl Profile {
-    /// Fraction of the sampling time the guest was stopped.
-    pub fn stop_fraction(&self) -> f64 {
-        if self.wall.is_zero() {
-            0.0
-        } else {
-            self.stopped.as_secs_f64() / self.wall.as_secs_f64()
-        }
-    }
-
-    /// Adds one vCPU's sample.
-    fn add(&mut self, stacks: &KernelStacks, sample: &VcpuStack) {
-        self.samples += 1;
-        let comm = sample
-            .current
-            .as_ref()
-            .map_or_else(|| "[unknown]".to_owned(), |(_, comm)| comm.clone());
-        let mut parts = vec![sanitize(&comm)];
-        if !sample.in_kernel {
-            self.user += 1;
-            parts.push("[user]".into());
-        } else {
-            if !sample.backtrace.is_complete() {
-                self.incomplete += 1;
-                parts.push("[incomplete]".into());
-            }
-            for frame in sample.backtrace.frames.iter().rev() {
-                parts.push(match stacks.function(frame) {
-                    Some(sym) => sanitize(&sym.name),
-                    None => format!("{:#x}", frame.pc),
-                });
-            }
-        }
-        *self.stacks.entry(parts.join(";")).or_default() += 1;
-    }
-
-    /// Folded lines, `stack count`, hottest first.
-    pub fn folded_lines(&self) -> Vec<String> {
-        let mut lines: Vec<(&String, &u64)> = self.stacks.iter().collect();
-        lines.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
-        lines
-            .into_iter()
-            .map(|(stack, count)| format!("{stack} {count}"))
-            .collect()
-    }
-}
-
-/// A folded-stack frame name may not hold the separator or whitespace.
-fn sanitize(name: &str) -> String {
-    name.chars()
-        .map(|c| {
-            if c == ';' || c.is_whitespace() {
-                '_'
-            } else {
-                c
-            }
-        })
-        .collect()
-}
-
-/// Samples at `hz` until `stop` is set or `deadline` passes; the guest is running when it
-/// starts and when it returns (unless it ended).
-fn sample(live: &mut LiveStacks, hz: u32, stop: &AtomicBool, deadline: Option<Instant>) -> Profile {
-    let period = Duration::from_secs_f64(1.0 / f64::from(hz));
-    let mut profile = Profile::default();
-    let started = Instant::now();
-    let mut next = started;
-    while !stop.load(Ordering::SeqCst) && deadline.is_none_or(|d| Instant::now() < d) {
-        let stop_began = Instant::now();
-        if let Err(err) = live.machine.pause() {
-            profile.ended_by = Some(format!(
-                "the guest could not be stopped: {:#}",
-                anyhow::Error::new(err)
-            ));
-            break;
-        }
-        profile.stopping += stop_began.elapsed();
-        let result = live.vcpu_stacks();
-        let resumed = live.machine.resume();
-        profile.stopped += stop_began.elapsed();
-        profile.stops += 1;
-        match result {
-            Ok(samples) => {
-                for s in &samples {
-                    profile.add(&live.stacks, s);
-                }
-            }
-            Err(err) => {
-                profile.ended_by = Some(format!("reading the vCPUs failed: {err:#}"));
-                break;
-            }
-        }
-        if let Err(err) = resumed {
-            profile.ended_by = Some(format!(
-                "the guest could not be resumed: {:#}",
-                anyhow::Error::new(err)
-            ));
-            break;
-        }
-        next += period;
-        let now = Instant::now();
-        if next > now {
-            std::thread::sleep(next - now);
-        } else {
-            // Behind (stops slower than the period): sample again at once, no catch-up burst.
-            next = now;
-        }
-    }
-    profile.wall = started.elapsed();
-    profile
-}
-
-/// A sampler on its own thread, owning the attached guest.
-struct Sampler {
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<(LiveStacks, Profile)>,
-}
-
-impl Sampler {
-    /// Resumes the attached guest and samples it until [`Sampler::finish`].
-    fn start(mut live: LiveStacks, hz: u32, duration: Option<f64>) -> anyhow::Result<Self> {
-        live.machine.resume()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
-        let deadline = duration.map(|s| Instant::now() + Duration::from_secs_f64(s));
-        let thread = std::thread::Builder::new()
-            .name("exotap-sampler".into())
-            .spawn(move || {
-                let profile = sample(&mut live, hz, &flag, deadline);
-                (live, profile)
-            })
-            .context("cannot start the sampling thread")?;
-        Ok(Self { stop, thread })
-    }
-
-    /// Stops sampling, detaches, and returns the profile.
-    fn finish(self) -> anyhow::Result<Profile> {
-        self.stop.store(true, Ordering::SeqCst);
-        let (live, profile) = self
-            .thread
-            .join()
-            .map_err(|_| anyhow::anyhow!("the sampling thread panicked"))?;
-        // The stub takes a detach only from a stopped guest (running, it answers nothing
-        // but an interrupt); detaching lets the guest run on.
-        if let Err(err) = live.release() {
-            tracing::warn!("detaching after sampling failed: {err:#}");
-        }
-        Ok(profile)
-    }
 }
 
 /// Steps in at the job's `baseline`, `profile` and `unprofile` waits.
@@ -299,7 +120,7 @@ pub fn run_profile(args: &ProfileArgs) -> anyhow::Result<i32> {
             target: target.clone(),
             gdb_timeout: 10,
         };
-        let live = LiveStacks::attach(&target, &image)?;
+        let live = LiveStacks::attach(&target.to_target(), &image)?;
         eprintln!("exotap: sampling at {} Hz for {duration} s", args.hz);
         let sampler = Sampler::start(live, args.hz, Some(duration))?;
         std::thread::sleep(Duration::from_secs_f64(duration));
@@ -455,28 +276,4 @@ fn print_json(args: &ProfileArgs, profile: &Profile, workload: Workload) -> anyh
     });
     outln!("{}", serde_json::to_string_pretty(&value)?);
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn folded_names_lose_separators_and_spaces() {
-        assert_eq!(sanitize("kworker/0:1 x;y"), "kworker/0:1_x_y");
-    }
-
-    #[test]
-    fn folded_lines_put_the_hottest_first() {
-        let mut profile = Profile::default();
-        profile.stacks.insert("a;b".into(), 2);
-        profile.stacks.insert("a;c".into(), 5);
-
-        assert_eq!(profile.folded_lines(), ["a;c 5", "a;b 2"]);
-    }
-
-    #[test]
-    fn stop_fraction_of_no_time_is_zero() {
-        assert_eq!(Profile::default().stop_fraction(), 0.0);
-    }
 }

@@ -103,6 +103,32 @@ fn recover_job() -> GuestJob {
     ))
 }
 
+/// The inner guest's job for `exotap profile`: the workload for 3 s of the guest's uptime
+/// between its waits.
+fn profile_job() -> GuestJob {
+    GuestJob::from_script(
+        "exotap_wait profile\n\
+         t=$(($(cut -d. -f1 /proc/uptime) + 3))\n\
+         while [ \"$(cut -d. -f1 /proc/uptime)\" -lt \"$t\" ]; do syscall-loop 2000 > /dev/null; done\n\
+         exotap_wait unprofile\n"
+            .to_owned(),
+    )
+}
+
+/// The inner guest's job for `exotap backtrace`: a task asleep in nanosleep, whose stack the
+/// guest itself reports (`/proc/PID/stack`, the oracle), then the wait where exotap unwinds.
+fn backtrace_job() -> GuestJob {
+    GuestJob::from_script(
+        "sleep 1000 &\n\
+         p=$!\n\
+         sleep 1\n\
+         exotap_result sleeper \"$p\"\n\
+         exotap_result proc_stack \"$(grep -c hrtimer_nanosleep /proc/$p/stack)\"\n\
+         exotap_wait backtrace\n"
+            .to_owned(),
+    )
+}
+
 /// The compiled script: a map keyed by execname, a histogram, and records streamed through
 /// the rings while the workload runs (one every 1000 calls).
 const SCRIPT: &str = r#"global calls, one
@@ -160,6 +186,10 @@ tagged replace /bin/exotap replace --backend kvm --bzimage /kvm/vmlinuz \
 tagged report /bin/exotap splice-report --backend kvm --bzimage /kvm/vmlinuz \
     --initrd /kvm/report.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
     --install 1000
+tagged profile /bin/exotap profile --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --timeout 600 --hz 20 --format json
+tagged stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/backtrace.cpio.gz --cpus {inner_cpus} --timeout 600
 # trace with streaming: 40000 record lines go to a file in the outer guest, not through its serial
 # console (under TCG that console is the slow part); counted here, a sample printed and timed.
 s0=$(cut -d' ' -f1 /proc/uptime)
@@ -225,8 +255,10 @@ vmm_down recover
 }
 
 /// The tags of the engine's runs in the outer job.
-const TAGS: [&str; 10] = [
+const TAGS: [&str; 12] = [
     "count",
+    "profile",
+    "stacks",
     "nullify",
     "script",
     "time",
@@ -305,6 +337,10 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     images::write_initramfs(&report_job(), &report).unwrap();
     let recover = dir.path().join("recover.cpio.gz");
     images::write_initramfs(&recover_job(), &recover).unwrap();
+    let profile = dir.path().join("profile.cpio.gz");
+    images::write_initramfs(&profile_job(), &profile).unwrap();
+    let backtrace = dir.path().join("backtrace.cpio.gz");
+    images::write_initramfs(&backtrace_job(), &backtrace).unwrap();
     let busybox = std::fs::read(kernel::ensure_busybox().unwrap()).unwrap();
     let built: Vec<_> = workloads::ensure_workloads()
         .unwrap()
@@ -352,6 +388,18 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         "kvm/recover.cpio.gz",
         0o644,
         std::fs::read(&recover).unwrap(),
+    )
+    .unwrap();
+    fs.file(
+        "kvm/profile.cpio.gz",
+        0o644,
+        std::fs::read(&profile).unwrap(),
+    )
+    .unwrap();
+    fs.file(
+        "kvm/backtrace.cpio.gz",
+        0o644,
+        std::fs::read(&backtrace).unwrap(),
     )
     .unwrap();
     fs.file("kvm/count.stp", 0o644, SCRIPT.as_bytes().to_vec())
@@ -663,6 +711,71 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         "{trace_ctx}"
     );
     assert!(trace.contains(&"inner:DONE 0"), "{trace_ctx}");
+
+    // `exotap profile --backend kvm`: each sample pauses the VMM's vCPU threads and unwinds
+    // from the registers KVM gives; the samples are the workload's, the guest ends its job.
+    let prof = tagged(&console, "profile");
+    let prof_ctx = format!("profile run:\n{}\n{ctx}", prof.join("\n"));
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT profile.rc="),
+        Some("0"),
+        "{prof_ctx}"
+    );
+    let json = match (
+        prof.iter().position(|l| *l == "{"),
+        prof.iter().rposition(|l| *l == "}"),
+    ) {
+        (Some(a), Some(b)) if a < b => prof[a..=b].join("\n"),
+        _ => panic!("no JSON in the profile run\n{prof_ctx}"),
+    };
+    let doc: serde_json::Value = serde_json::from_str(&json).expect("profile JSON");
+    let looping: u64 = doc["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["frames"][0] == "syscall-loop")
+        .map(|s| s["count"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(doc["samples"].as_u64().unwrap_or(0) >= 10, "{prof_ctx}");
+    assert!(looping > 0, "no syscall-loop sample\n{prof_ctx}");
+    assert!(doc["ended_by"].is_null(), "{prof_ctx}");
+    assert!(prof.contains(&"inner:DONE 0"), "{prof_ctx}");
+
+    // `exotap backtrace --backend kvm`: a task asleep in nanosleep unwinds through
+    // hrtimer_nanosleep, as the guest's own /proc/PID/stack says; kthreadd to its end.
+    let bt = tagged(&console, "stacks");
+    let bt_ctx = format!("backtrace run:\n{}\n{ctx}", bt.join("\n"));
+    let bt_value = |key: &str| {
+        let prefix = format!("inner:RESULT {key}=");
+        bt.iter().find_map(|l| l.strip_prefix(&prefix).map(str::to_owned))
+    };
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT stacks.rc="),
+        Some("0"),
+        "{bt_ctx}"
+    );
+    assert_eq!(bt_value("proc_stack").as_deref(), Some("1"), "{bt_ctx}");
+    let sleeper = bt_value("sleeper").expect("the sleeper's pid");
+    let frames_of = |head: &str| -> Vec<&str> {
+        bt.iter()
+            .skip_while(|l| !l.starts_with(head))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .copied()
+            .collect()
+    };
+    let sleeping = frames_of(&format!("task {sleeper} (sleep) S"));
+    assert!(
+        sleeping.iter().any(|l| l.contains("] hrtimer_nanosleep+")),
+        "{bt_ctx}"
+    );
+    let kthreadd = frames_of("task 2 (kthreadd)");
+    assert!(
+        kthreadd.iter().any(|l| l.contains("] kthreadd+"))
+            && kthreadd.last().is_some_and(|l| l.ends_with("-- end of stack")),
+        "{bt_ctx}"
+    );
+    assert!(bt.contains(&"inner:DONE 0"), "{bt_ctx}");
 
     // `exotap run --target vmm:PATH` from a second process against a VMM that stays up
     // (--control-socket, --await-client): the same counts and records, 0 pauses, and the

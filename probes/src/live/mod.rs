@@ -66,6 +66,7 @@ pub mod kernel_image;
 pub mod operation;
 pub mod pretty;
 pub mod recover;
+pub mod sampling;
 pub mod session;
 pub mod shared;
 pub mod splicer;
