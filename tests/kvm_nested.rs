@@ -186,6 +186,9 @@ tagged replace /bin/exotap replace --backend kvm --bzimage /kvm/vmlinuz \
 tagged report /bin/exotap splice-report --backend kvm --bzimage /kvm/vmlinuz \
     --initrd /kvm/report.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
     --install 1000
+tagged blocks /bin/exotap count --blocks --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/inner.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    --depth 1 --format json __x64_sys_getpid __x64_sys_getppid
 tagged profile /bin/exotap profile --backend kvm --bzimage /kvm/vmlinuz \
     --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --timeout 600 --hz 20 --format json
 tagged stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
@@ -255,8 +258,9 @@ vmm_down recover
 }
 
 /// The tags of the engine's runs in the outer job.
-const TAGS: [&str; 12] = [
+const TAGS: [&str; 13] = [
     "count",
+    "blocks",
     "profile",
     "stacks",
     "nullify",
@@ -712,6 +716,36 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     );
     assert!(trace.contains(&"inner:DONE 0"), "{trace_ctx}");
 
+    // `exotap count --blocks --backend kvm`: the JIT's code cache on the VMM. The entry
+    // block of getpid runs once a call of the workload's loop; the text is identical after
+    // removal and no vCPU or stack points into the cache.
+    let blocks = tagged(&console, "blocks");
+    let blocks_ctx = format!("count --blocks run:\n{}\n{ctx}", blocks.join("\n"));
+    assert_eq!(
+        after(&console, "EXOTAP-RESULT blocks.rc="),
+        Some("0"),
+        "{blocks_ctx}"
+    );
+    let doc: serde_json::Value = blocks
+        .iter()
+        .position(|l| l.starts_with('{'))
+        .and_then(|at| {
+            serde_json::Deserializer::from_str(&blocks[at..].join("\n"))
+                .into_iter::<serde_json::Value>()
+                .next()
+        })
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("no JSON in the count --blocks run\n{blocks_ctx}"));
+    let entry = doc["blocks"].as_array().and_then(|rows| {
+        rows.iter()
+            .find(|b| b["function"] == "__x64_sys_getpid" && b["offset"] == 0)
+            .and_then(|b| b["count"].as_u64())
+    });
+    assert_eq!(entry, Some(u64::from(CALLS)), "{blocks_ctx}");
+    assert_eq!(doc["text"]["identical"], true, "{blocks_ctx}");
+    assert_eq!(doc["cache_unreachable"]["unreachable"], true, "{blocks_ctx}");
+    assert!(blocks.contains(&"inner:DONE 0"), "{blocks_ctx}");
+
     // `exotap profile --backend kvm`: each sample pauses the VMM's vCPU threads and unwinds
     // from the registers KVM gives; the samples are the workload's, the guest ends its job.
     let prof = tagged(&console, "profile");
@@ -729,13 +763,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         _ => panic!("no JSON in the profile run\n{prof_ctx}"),
     };
     let doc: serde_json::Value = serde_json::from_str(&json).expect("profile JSON");
-    let looping: u64 = doc["stacks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["frames"][0] == "syscall-loop")
-        .map(|s| s["count"].as_u64().unwrap_or(0))
-        .sum();
+    let looping = common::profile_samples_of(&doc, "syscall-loop");
     assert!(doc["samples"].as_u64().unwrap_or(0) >= 10, "{prof_ctx}");
     assert!(looping > 0, "no syscall-loop sample\n{prof_ctx}");
     assert!(doc["ended_by"].is_null(), "{prof_ctx}");

@@ -280,13 +280,7 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
     assert_eq!(prof_code, 0, "profile through the socket:\n{prof_out}\n{prof_err}");
     let prof: serde_json::Value = serde_json::from_str(&prof_out).expect("profile JSON");
     let samples = prof["samples"].as_u64().unwrap_or(0);
-    let looping: u64 = prof["stacks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["frames"][0] == "syscall-loop")
-        .map(|s| s["count"].as_u64().unwrap_or(0))
-        .sum();
+    let looping = common::profile_samples_of(&prof, "syscall-loop");
     assert!(samples >= 20, "{prof_out}");
     assert!(looping > 0, "no syscall-loop sample:\n{prof_out}");
     assert_eq!(

@@ -103,3 +103,17 @@ pub fn boot(script: &str, mode: &str, command: &str) -> (i32, String, String, St
     let transcript = std::fs::read_to_string(&console).unwrap_or_default();
     (code, out, err, transcript)
 }
+
+/// Samples of `exotap profile --format json` output whose stack is rooted at task `comm`.
+pub fn profile_samples_of(doc: &serde_json::Value, comm: &str) -> u64 {
+    doc["stacks"]
+        .as_array()
+        .map(|stacks| {
+            stacks
+                .iter()
+                .filter(|s| s["frames"][0] == comm)
+                .map(|s| s["count"].as_u64().unwrap_or(0))
+                .sum()
+        })
+        .unwrap_or(0)
+}

@@ -19,6 +19,25 @@ use super::kernel_image::KernelImage;
 /// The prefix of a target that is a running exotap VMM's control socket (`vmm:PATH`).
 pub const VMM_PREFIX: &str = "vmm:";
 
+/// Connects to the running exotap VMM `target` names (`vmm:PATH`); `None` for any other
+/// target (a gdbstub). Its memory is read while the guest runs, and the VMM itself undoes
+/// what a dead client left.
+///
+/// # Errors
+/// When nothing answers at the socket, or the VMM refuses the client.
+pub fn vmm_client(
+    target: &Target,
+) -> Option<anyhow::Result<exotap_vmm::control_socket::ControlClient>> {
+    let path = target.address.strip_prefix(VMM_PREFIX)?;
+    Some(
+        exotap_vmm::control_socket::ControlClient::connect(
+            std::path::Path::new(path),
+            target.gdb_timeout,
+        )
+        .with_context(|| format!("cannot attach to {}", target.address)),
+    )
+}
+
 /// Where a guest's gdbstub (or exotap VMM's control socket) is and how long to wait for its
 /// answers.
 #[derive(Debug, Clone, PartialEq, Eq)]

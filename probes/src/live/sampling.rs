@@ -62,13 +62,8 @@ impl LiveStacks {
     /// # Errors
     /// When attaching or any step of the survey fails; the guest is detached then.
     pub fn attach(target: &Target, image: &KernelImage) -> anyhow::Result<Self> {
-        if let Some(path) = target.address.strip_prefix(attach::VMM_PREFIX) {
-            let machine = exotap_vmm::control_socket::ControlClient::connect(
-                std::path::Path::new(path),
-                target.gdb_timeout,
-            )
-            .with_context(|| format!("cannot attach to {}", target.address))?;
-            return Self::over(Box::new(machine), image);
+        if let Some(client) = attach::vmm_client(target) {
+            return Self::over(Box::new(client?), image);
         }
         let att = attach::attach(target)?;
         Self::over(Box::new(att.machine), image)

@@ -56,15 +56,9 @@ impl GuestSession {
     /// the kernel's page-table root; a file that cannot be used gives a warning and the
     /// stop-and-read path.
     pub fn attach(target: &Target, image: &KernelImage) -> anyhow::Result<Self> {
-        if let Some(path) = target.address.strip_prefix(attach::VMM_PREFIX) {
-            // A running exotap VMM's control socket: its memory is read while the guest runs
-            // (no shared-RAM file to map), and the VMM itself undoes what a dead client left.
-            let machine = exotap_vmm::control_socket::ControlClient::connect(
-                std::path::Path::new(path),
-                target.gdb_timeout,
-            )
-            .with_context(|| format!("cannot attach to {}", target.address))?;
-            return Self::over(Box::new(machine), image);
+        if let Some(client) = attach::vmm_client(target) {
+            // No shared-RAM file to map: the client maps the VMM's memfd itself.
+            return Self::over(Box::new(client?), image);
         }
         let mut att = attach::attach(target)?;
         match attach::survey(&mut att, image) {
