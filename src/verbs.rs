@@ -16,11 +16,11 @@ use exotap_probes::live::attach::Target;
 use exotap_probes::live::jit::{JitOptions, LiveJit};
 use exotap_probes::live::operation::{requests, Operation};
 use exotap_probes::live::splicer::KprobeReader;
-use exotap_probes::live::stacks::TaskLayout;
 use exotap_probes::live::splicer::{
     category, guest_ftrace_sites, guest_kprobe_hits, why_not, Action, Request, TraceRecord,
     CODE_OFFSET,
 };
+use exotap_probes::live::stacks::TaskLayout;
 use exotap_probes::live::GuestSession;
 use exotap_vmm::control::StopEvent;
 use exotap_vmm::host::Backend;

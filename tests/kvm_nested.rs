@@ -743,7 +743,10 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     });
     assert_eq!(entry, Some(u64::from(CALLS)), "{blocks_ctx}");
     assert_eq!(doc["text"]["identical"], true, "{blocks_ctx}");
-    assert_eq!(doc["cache_unreachable"]["unreachable"], true, "{blocks_ctx}");
+    assert_eq!(
+        doc["cache_unreachable"]["unreachable"], true,
+        "{blocks_ctx}"
+    );
     assert!(blocks.contains(&"inner:DONE 0"), "{blocks_ctx}");
 
     // `exotap profile --backend kvm`: each sample pauses the VMM's vCPU threads and unwinds
@@ -775,7 +778,8 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     let bt_ctx = format!("backtrace run:\n{}\n{ctx}", bt.join("\n"));
     let bt_value = |key: &str| {
         let prefix = format!("inner:RESULT {key}=");
-        bt.iter().find_map(|l| l.strip_prefix(&prefix).map(str::to_owned))
+        bt.iter()
+            .find_map(|l| l.strip_prefix(&prefix).map(str::to_owned))
     };
     assert_eq!(
         after(&console, "EXOTAP-RESULT stacks.rc="),
@@ -800,7 +804,9 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     let kthreadd = frames_of("task 2 (kthreadd)");
     assert!(
         kthreadd.iter().any(|l| l.contains("] kthreadd+"))
-            && kthreadd.last().is_some_and(|l| l.ends_with("-- end of stack")),
+            && kthreadd
+                .last()
+                .is_some_and(|l| l.ends_with("-- end of stack")),
         "{bt_ctx}"
     );
     assert!(bt.contains(&"inner:DONE 0"), "{bt_ctx}");

@@ -133,9 +133,16 @@ fn sleeping_task_stacks_equal_the_guests_own_proc_pid_stack() {
 /// `printf` of `sprint_stack`: a string is cut at 512 bytes, as SystemTap's MAXSTRINGLEN.
 const STACK_SCRIPT: &str = r#"global stacks
 probe kernel.function("proc_pid_stack") {
+  if ($task == task_current()) next
   printf("TASK-STACK-BEGIN %d\n", @cast($task, "task_struct")->pid)
   print_stack(task_backtrace($task))
   printf("TASK-STACK-END\n")
+}
+probe kernel.function("stack_trace_save_tsk") {
+  if ($tsk != task_current()) next
+  printf("SELF-STACK-BEGIN %d\n", pid())
+  print_backtrace()
+  printf("SELF-STACK-END\n")
 }
 probe kernel.function("__x64_sys_getppid") {
   if (execname() == "syscall-loop") stacks[backtrace()]++
@@ -177,7 +184,16 @@ fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_k
     let dir = tempfile::tempdir().unwrap();
     let job = dir.path().join("job.sh");
     let script = dir.path().join("stacks.stp");
-    let job_text = BLOCKED_JOB.replace("exotap_wait backtrace\n", "syscall-loop 50\n");
+    // Then tasks that read their own stack: running, on a vCPU, when the probe stops the
+    // guest, so exotap unwinds them from the vCPU's registers (what drgn cannot do).
+    let job_text = BLOCKED_JOB.replace(
+        "exotap_wait backtrace\n",
+        "for i in 1 2 3 4 5 6 7 8; do\n\
+           sh -c 'echo \"SELF-STACK-BEGIN $$\"; exec cat /proc/self/stack'\n\
+           echo SELF-STACK-END\n\
+         done\n\
+         syscall-loop 50\n",
+    );
     std::fs::write(&job, job_text).unwrap();
     std::fs::write(&script, STACK_SCRIPT).unwrap();
     let console = dir.path().join("console.log");
@@ -205,6 +221,30 @@ fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_k
         compared += 1;
     }
     assert!(compared >= 20, "only {compared} tasks compared: {ctx}");
+    // Running tasks: the guest's /proc/self/stack (from inside stack_trace_save_tsk, which
+    // leaves itself out) against exotap's unwind at that function's entry, from the vCPU.
+    let guest_self = script_blocks(
+        &transcript.replace("[<0>] ", ""),
+        "SELF-STACK-BEGIN ",
+        "SELF-STACK-END",
+    );
+    let host_self = script_blocks(&out, "SELF-STACK-BEGIN ", "SELF-STACK-END");
+    assert_eq!(guest_self.len(), 8, "{ctx}");
+    for (pid, frames) in &guest_self {
+        let ours = host_self
+            .iter()
+            .find(|(p, _)| p == pid)
+            .unwrap_or_else(|| panic!("no stack of running task {pid}: {ctx}"));
+        assert!(
+            ours.1
+                .first()
+                .is_some_and(|f| f.starts_with("stack_trace_save_tsk+")),
+            "task {pid}: {:?}\n{ctx}",
+            ours.1
+        );
+        assert_eq!(&ours.1[1..], frames.as_slice(), "running task {pid}: {ctx}");
+        assert!(frames.len() >= 6, "task {pid}: {frames:?}");
+    }
     // Every getppid the workload made (its own count; the shells call getppid too) counted
     // under a stack that starts in __x64_sys_getppid and came from the system call entry.
     let calls: i64 = common::result(&out, "getppid.calls")
@@ -222,7 +262,9 @@ fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_k
         );
     }
     eprintln!(
-        "{compared} task_backtrace() stacks equal to /proc/PID/stack; {} getppid stacks as keys",
+        "{compared} task_backtrace() stacks equal to /proc/PID/stack; {} running tasks' \
+         print_backtrace() equal to their /proc/self/stack; {} getppid stacks as keys",
+        guest_self.len(),
         keys.len()
     );
 }

@@ -256,8 +256,14 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
     assert_eq!(n, kprobe, "{ctx}");
     // kthreadd sleeps in kthreadd() for the whole run: through the socket its stack is the
     // one the gdbstub path unwinds, down to the end of the stack.
-    assert_eq!(bt_code, 0, "backtrace through the socket:\n{bt_out}\n{bt_err}");
-    assert_eq!(direct_code, 0, "backtrace over the gdbstub:\n{direct_out}\n{direct_err}");
+    assert_eq!(
+        bt_code, 0,
+        "backtrace through the socket:\n{bt_out}\n{bt_err}"
+    );
+    assert_eq!(
+        direct_code, 0,
+        "backtrace over the gdbstub:\n{direct_out}\n{direct_err}"
+    );
     let kthreadd = |text: &str| -> Vec<String> {
         text.lines()
             .skip_while(|l| !l.starts_with("task 2 (kthreadd)"))
@@ -269,7 +275,9 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
     let (via_socket, via_gdb) = (kthreadd(&bt_out), kthreadd(&direct_out));
     assert!(
         via_socket.iter().any(|l| l.contains("] kthreadd+"))
-            && via_socket.last().is_some_and(|l| l.ends_with("-- end of stack")),
+            && via_socket
+                .last()
+                .is_some_and(|l| l.ends_with("-- end of stack")),
         "kthreadd through the socket:\n{bt_out}"
     );
     assert_eq!(via_socket, via_gdb, "kthreadd: socket vs gdbstub");
@@ -277,7 +285,10 @@ fn a_compiled_script_and_a_sigkill_recovery_go_through_the_control_socket() {
     assert!(tasks(&bt_out) >= 20, "{bt_out}");
     // The profile samples the guest's loop: most stacks are syscall-loop's (the job runs
     // nothing else).
-    assert_eq!(prof_code, 0, "profile through the socket:\n{prof_out}\n{prof_err}");
+    assert_eq!(
+        prof_code, 0,
+        "profile through the socket:\n{prof_out}\n{prof_err}"
+    );
     let prof: serde_json::Value = serde_json::from_str(&prof_out).expect("profile JSON");
     let samples = prof["samples"].as_u64().unwrap_or(0);
     let looping = common::profile_samples_of(&prof, "syscall-loop");

@@ -106,7 +106,9 @@ impl LiveStacks {
     /// # Errors
     /// When the backend refuses.
     pub fn release(mut self) -> anyhow::Result<()> {
-        self.machine.pause().context("cannot stop the guest to detach")?;
+        self.machine
+            .pause()
+            .context("cannot stop the guest to detach")?;
         self.machine.release().context("cannot detach")
     }
 
@@ -266,7 +268,12 @@ fn sanitize(name: &str) -> String {
 
 /// Samples at `hz` until `stop` is set or `deadline` passes; the guest is running when it
 /// starts and when it returns (unless it ended).
-pub fn sample(live: &mut LiveStacks, hz: u32, stop: &AtomicBool, deadline: Option<Instant>) -> Profile {
+pub fn sample(
+    live: &mut LiveStacks,
+    hz: u32,
+    stop: &AtomicBool,
+    deadline: Option<Instant>,
+) -> Profile {
     let period = Duration::from_secs_f64(1.0 / f64::from(hz));
     let mut profile = Profile::default();
     let started = Instant::now();

@@ -393,7 +393,8 @@ impl GuestSession {
             self.pause()?;
             let mut mem = BackendMemory(&mut *self.machine);
             let mut space = self.survey.space(&mut mem);
-            let tasks = super::stacks::list_tasks(&mut space, self.survey.layout.init_task, layout)?;
+            let tasks =
+                super::stacks::list_tasks(&mut space, self.survey.layout.init_task, layout)?;
             if tasks
                 .iter()
                 .any(|t| t.comm == comm && t.state_letter() == 'S' && !t.on_cpu)
