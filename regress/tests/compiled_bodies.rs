@@ -658,6 +658,114 @@ fn a_full_string_table_ends_hits_with_counted_probe_errors() {
 }
 
 #[test]
+fn isinstr_strpos_and_stringat_match_the_interpreter_over_many_hits() {
+    // s is over 15 bytes (in the guest's string table); the needles are empty, missing,
+    // longer than the haystack, at the start, the end and in between. A negative or
+    // too large index to stringat is a probe error (with the interpreter's message in
+    // catch).
+    let script = r#"
+        global pos, has, at, msgs, n
+        probe kernel.function("f") {
+          n++
+          s = execname() . "/" . sprint($a) . "/" . pp()
+          t = sprint($a % 10)
+          pos[execname(), strpos(s, t), strpos(s, "\")")]++
+          has[isinstr(s, "kworker"), isinstr(execname(), ""), isinstr("", t), isinstr(t, s)]++
+          p = strpos(pp(), "\"f\"") + strpos("", "") * 100 + strpos("ab", "abc") * 1000
+          try { at[stringat(s, $a % 40)]++ } catch (m) { msgs[m, $a % 40 < 0]++ }
+          if (n % 17 == 0) printf("%d %d %d %d\n", p, strpos(s, "/"), stringat(execname(), 0), strpos(execname(), "-"))
+          if ($a % 9 == 0) at[stringat(t, 5)]++
+        }
+    "#;
+
+    // 200 hits: s and the strings it is built from intern about 600 texts over 15 bytes
+    // (the table holds 1,024).
+    let (header, failed) = differential_with(script, &hits(200));
+
+    assert!(failed > 10, "the hits reach stringat past a string: {failed}");
+    assert_eq!(
+        (header.errors, header.arguments, header.strings),
+        (failed, failed, 0)
+    );
+}
+
+#[test]
+fn strtol_matches_the_interpreter_in_every_base_and_on_bad_input() {
+    let script = r#"
+        global v, w, x, msgs, n
+        probe kernel.function("f") {
+          n++
+          t = sprint($b)
+          v[strtol(t, 10) - $b, strtol(t, 16), strtol(t, 8), strtol(t, 2), strtol(t, 36)]++
+          w[strtol("0x" . t, 16), strtol(" \t+" . t, 10), strtol("0X" . substr(t, 1, 5), 16),
+            strtol(execname(), 36)]++
+          x[strtol("", 10), strtol("-", 10), strtol("12abc", 10), strtol("0x", 16)]++
+          x[strtol("zZ", 36), strtol("-0x1F", 16), strtol("0777", 8), strtol("9", 8)]++
+          try { msgs["", strtol(t, $a % 40)]++ } catch (m) { msgs[m, 0]++ }
+          if (n % 23 == 0) println(strtol(t, 16), " ", strtol(t . "g", 17))
+        }
+    "#;
+
+    let (header, failed) = differential_with(script, &hits(400));
+
+    assert_eq!((header.errors, header.arguments, failed), (0, 0, 0));
+}
+
+#[test]
+fn strtol_with_a_bad_base_is_a_probe_error() {
+    let script = r#"global v; probe kernel.function("f") { v = strtol("12", $a % 3) }"#;
+
+    let (header, failed) = differential_with(script, &hits(60));
+
+    assert!(failed > 10, "bases 0 and 1 come up: {failed}");
+    assert_eq!((header.errors, header.arguments), (failed, failed));
+}
+
+#[test]
+fn str_replace_matches_the_interpreter_up_to_maxstringlen() {
+    // Replacements that shrink, grow past 15 bytes into the string table and past
+    // MAXSTRINGLEN (cut at 511 bytes, or before a character whose bytes would straddle it).
+    let script = r#"
+        global r, lens, n
+        probe kernel.function("f") {
+          n++
+          s = execname() . "/" . sprint($a) . "/" . pp()
+          r[str_replace(s, "/", "--"), str_replace(execname(), "", "x"), str_replace(execname(), "o", "")]++
+          r[str_replace(s, sprint($a % 10), "<digit>"), str_replace("aaaa", "aa", "b"), str_replace("aaa", "aa", "b")]++
+          x = "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+          long = str_replace(x, "x", sprint($a % 100000))
+          lens[strlen(long), strlen(str_replace(x, "x", "ééééééé")), strlen(str_replace(x, "x", "yyyyyyyyyyyyyy"))]++
+          if (n % 31 == 0) println(long, "|", str_replace(s, execname(), ""))
+          r[str_replace(long, "0", "zero"), "", ""]++
+        }
+    "#;
+
+    // 60 hits: each interns about seven strings over 15 bytes, the table holds 1,024.
+    let (header, failed) = differential_with(script, &hits(60));
+
+    assert_eq!((header.errors, header.strings, failed), (0, 0, 0));
+}
+
+#[test]
+fn str_replace_is_cut_at_a_small_maxstringlen_as_in_the_interpreter() {
+    let script = r#"
+        global keys
+        probe kernel.function("f") {
+          keys[str_replace(execname(), "a", "AAAA"), str_replace(sprint($b), "-", "é")]++
+          println(str_replace(execname() . sprint($b), "", "?"), "|", strpos(execname(), "l"))
+        }
+    "#;
+    let limits = Limits {
+        max_string_len: 8,
+        ..Limits::default()
+    };
+
+    let (header, failed) = differential_limits(script, &hits(120), |_, _| {}, |_, _| {}, limits);
+
+    assert_eq!((header.errors, header.strings, failed), (0, 0, 0));
+}
+
+#[test]
 fn regular_expression_matches_are_refused_naming_why() {
     let refused =
         refusals(r#"global c; probe kernel.function("f") { if (execname() =~ "^ba") c++ }"#);
