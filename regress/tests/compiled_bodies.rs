@@ -766,6 +766,88 @@ fn str_replace_is_cut_at_a_small_maxstringlen_as_in_the_interpreter() {
 }
 
 #[test]
+fn sprintf_matches_the_interpreter_in_every_conversion_and_flag() {
+    // Every conversion with widths, precisions, flags and `*`, over the awkward values
+    // (0, -1, i64::MIN, i64::MAX), strings over 15 bytes, characters from 0x80 (two bytes
+    // of UTF-8), results over MAXSTRINGLEN.
+    let script = r#"
+        global f, g, lens, n
+        probe kernel.function("f") {
+          n++
+          s = execname() . "/" . pp()
+          f[sprintf("%d|%i|%u|%x|%X|%o|%%", $b, $a, $b, $b, $b, $b)]++
+          f[sprintf("[%5d][%-5d][%05d][%+d][% d][%.3d][%08.3d]", $a, $a, $a, $a, $a, $a, $a)]++
+          f[sprintf("[%#x][%#X][%#o][%#10x][%-#10o][%010x]", $a, $a, $a, $b, $b, $b)]++
+          f[sprintf("[%s][%10s][%-10s][%.3s][%5.2s][%-8.20s]", execname(), execname(), execname(), s, s, s)]++
+          f[sprintf("[%c][%3c][%-3c][%c]", 65 + $a % 26, 97 + $b % 26, 48 + $a % 10, 128 + $a % 100)]++
+          f[sprintf("[%*d][%-*d][%.*d][%*.*s]", $a % 30, $b, $a % 20, $a, $a % 8, $b, $a % 12, $a % 5, s)]++
+          f[sprintf("[%p][%20p][%-20p]", $b, $a, $a)]++
+          g[sprintf("%s", ""), sprintf("no conversions"), sprintf("%d", n)]++
+          lens[strlen(sprintf("%600d", $a)), strlen(sprintf("%-1000s|", s)), strlen(sprintf("%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s%s", s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s))]++
+          if (n % 11 == 0) println(sprintf("%-6s|%6d|%#x|%c", execname(), $a, $b & 0xffff, 200))
+        }
+    "#;
+
+    let (header, failed) = differential_with(script, &hits(120));
+
+    assert_eq!((header.errors, header.strings, failed), (0, 0, 0));
+}
+
+#[test]
+fn sprintf_is_cut_at_a_small_maxstringlen_before_a_split_character() {
+    let script = r#"
+        global keys
+        probe kernel.function("f") {
+          keys[sprintf("%d:%s", $b, execname()), sprintf("%6c%c", 233, 233), sprintf("%7c", 0xe9)]++
+          // 6 blanks and a 2-byte character: the cut at 7 bytes would split it, so it goes.
+          println(sprintf("%x", $b), "|", sprintf("%7c", 0xe9), "|", strlen(sprintf("%7c", 0xe9)))
+          // The literal is cut to "abcdefg" as well: no conversion is left for $a.
+          println(sprintf("abcdefg%d", $a))
+        }
+    "#;
+    let limits = Limits {
+        max_string_len: 8,
+        ..Limits::default()
+    };
+
+    let (header, failed) = differential_limits(script, &hits(120), |_, _| {}, |_, _| {}, limits);
+
+    assert_eq!((header.errors, header.strings, failed), (0, 0, 0));
+}
+
+#[test]
+fn sprintf_with_a_format_maxstringlen_cuts_into_a_bad_one_is_refused_by_name() {
+    // The interpreter holds "abcd%c%c" cut to "abcd%c%" under MAXSTRINGLEN 8: a bad format.
+    let limits = Limits {
+        max_string_len: 8,
+        ..Limits::default()
+    };
+    let prog = check_script(
+        &ScriptSource {
+            name: "t.stp".into(),
+            text: r#"probe kernel.function("f") { println(sprintf("abcd%c%c", 1, 2)) }"#.into(),
+        },
+        &limits,
+    )
+    .unwrap();
+    let point = SitePoint {
+        probe: 0,
+        name: "kernel.function(\"f\")".into(),
+        function: "f".into(),
+        params: vec!["a".into(), "b".into()],
+        is_return: false,
+        locals: None,
+    };
+
+    let refused = compile::check(&prog, &limits, &facts(), &[point]);
+
+    assert!(
+        refused.len() == 1 && refused[0].construct.contains("MAXSTRINGLEN cuts it"),
+        "{refused:?}"
+    );
+}
+
+#[test]
 fn regular_expression_matches_are_refused_naming_why() {
     let refused =
         refusals(r#"global c; probe kernel.function("f") { if (execname() =~ "^ba") c++ }"#);

@@ -12,7 +12,10 @@
 use iced_x86::code_asm::*;
 
 use crate::lang::ast::*;
-use crate::lang::format::{arg_kinds, parse_format, ArgKind, Conv, Piece, Spec, Width, MAX_FIELD_WIDTH};
+use crate::lang::format::{
+    arg_kinds, parse_format, ArgKind, Conv, Piece, Spec, Width, MAX_FIELD_WIDTH,
+};
+use crate::lang::value::truncate;
 
 use super::{Gen, K, R};
 
@@ -73,24 +76,33 @@ impl Gen<'_, '_> {
             Some(ExprKind::Str(s)) => s.clone(),
             _ => return Err(self.no("sprintf with a format that is not a literal")),
         };
-        let pieces = parse_format(&fmt)
-            .map_err(|e| self.no(format!("sprintf with a bad format ({e})")))?;
+        // The interpreter holds the literal cut at MAXSTRINGLEN, as every string.
+        let fmt = truncate(fmt, self.env.limits.max_string_len);
+        let pieces = parse_format(&fmt).map_err(|e| {
+            self.no(format!(
+                "sprintf with a format that is bad as MAXSTRINGLEN cuts it ({e}: a probe \
+                 error at every hit)"
+            ))
+        })?;
         let values = &c.args[1..];
         let kinds = arg_kinds(&pieces);
-        if kinds.len() != values.len() {
+        if kinds.len() > values.len() {
             return Err(self.no(format!(
                 "sprintf with {} arguments for a format that takes {}",
                 values.len(),
                 kinds.len()
             )));
         }
-        for (v, kind) in values.iter().zip(&kinds) {
-            match (self.expr(v)?, kind) {
-                (K::Long, ArgKind::Long) => {
+        // Arguments past the conversions (a format MAXSTRINGLEN cut) are evaluated, unused.
+        for (i, v) in values.iter().enumerate() {
+            let k = self.expr(v)?;
+            match (k, kinds.get(i)) {
+                (_, None) => {}
+                (K::Long, Some(ArgKind::Long)) => {
                     asm!(self, self.a.push(rax))?;
                     asm!(self, self.a.push(rax))?;
                 }
-                (K::Str, ArgKind::Str) => self.push(K::Str)?,
+                (K::Str, Some(ArgKind::Str)) => self.push(K::Str)?,
                 _ => {
                     return Err(
                         self.no("sprintf with an argument of another type than its conversion")
@@ -106,7 +118,7 @@ impl Gen<'_, '_> {
             digits: 2 * bytes,
             vars: 2 * bytes + DIGITS,
             args: 2 * bytes + DIGITS + VARS,
-            n: values.len() as i32,
+            n: kinds.len() as i32,
         };
         let mut next = 0usize;
         for p in &pieces {
@@ -460,6 +472,7 @@ impl Gen<'_, '_> {
                 self.a.mov(qword_ptr(rsp + vars + SIGN), i32::from(b'-'))?;
                 self.a.jmp(signed_done)?;
                 self.a.set_label(&mut positive)?;
+                self.a.nop()?;
                 if spec.plus {
                     self.a.mov(qword_ptr(rsp + vars + SIGN), i32::from(b'+'))?;
                 } else if spec.space {
