@@ -576,7 +576,8 @@ pub const STRING_ENTRIES: u32 = 1024;
 /// Bytes before an entry's text (state, hash).
 pub const STRING_HEAD: u64 = 16;
 /// The largest MAXSTRINGLEN with which kernel probes build strings (a built string takes a
-/// buffer of that size on the kernel stack while it is made, an ordering or `text_str` two).
+/// buffer of that size on the kernel stack while it is made, an ordering, `text_str`,
+/// `strpos`, `isinstr` or `sprintf` two, `str_replace` three).
 pub const MAX_BUILT_STRING: usize = 1024;
 
 impl StringTable {

@@ -215,15 +215,73 @@ impl Gen<'_, '_> {
                 self.a.ja(bad)?;
             }
             self.a.lea(rsi, qword_ptr(rsp + laid.text(0)))?;
-            // White space as Rust's trim_start sees it in ASCII: \t \n \v \f \r and ' '.
+            // White space as Rust's trim_start sees it: \t \n \v \f \r ' ', and in UTF-8
+            // U+0085, U+00A0, U+1680, U+2000..U+200A, U+2028, U+2029, U+202F, U+205F and
+            // U+3000 (a byte is read past the first only when the one before is no NUL).
+            let mut skip2 = self.a.create_label();
+            let mut skip3 = self.a.create_label();
+            let mut wide = self.a.create_label();
+            let mut e1 = self.a.create_label();
+            let mut e2 = self.a.create_label();
+            let mut e2_81 = self.a.create_label();
+            let mut e3 = self.a.create_label();
             self.a.set_label(&mut space)?;
             self.a.movzx(eax, byte_ptr(rsi))?;
             self.a.cmp(al, b' ' as u32)?;
             self.a.je(skip)?;
             self.a.cmp(al, 9)?;
-            self.a.jb(sign)?;
+            self.a.jb(wide)?;
             self.a.cmp(al, 13)?;
-            self.a.ja(sign)?;
+            self.a.jbe(skip)?;
+            self.a.set_label(&mut wide)?;
+            self.a.cmp(al, 0xc2)?;
+            self.a.jne(e1)?;
+            self.a.movzx(edx, byte_ptr(rsi + 1))?;
+            self.a.cmp(dl, 0x85)?;
+            self.a.je(skip2)?;
+            self.a.cmp(dl, 0xa0)?;
+            self.a.je(skip2)?;
+            self.a.jmp(sign)?;
+            self.a.set_label(&mut e1)?;
+            self.a.cmp(al, 0xe1)?;
+            self.a.jne(e2)?;
+            self.a.cmp(byte_ptr(rsi + 1), 0x9a)?;
+            self.a.jne(sign)?;
+            self.a.cmp(byte_ptr(rsi + 2), 0x80)?;
+            self.a.je(skip3)?;
+            self.a.jmp(sign)?;
+            self.a.set_label(&mut e2)?;
+            self.a.cmp(al, 0xe2)?;
+            self.a.jne(e3)?;
+            self.a.movzx(edx, byte_ptr(rsi + 1))?;
+            self.a.cmp(dl, 0x80)?;
+            self.a.jne(e2_81)?;
+            self.a.movzx(edx, byte_ptr(rsi + 2))?;
+            self.a.lea(ecx, dword_ptr(rdx - 0x80))?;
+            self.a.cmp(ecx, 0x0a)?;
+            self.a.jbe(skip3)?;
+            for b in [0xa8u32, 0xa9, 0xaf] {
+                self.a.cmp(dl, b)?;
+                self.a.je(skip3)?;
+            }
+            self.a.jmp(sign)?;
+            self.a.set_label(&mut e2_81)?;
+            self.a.cmp(dl, 0x81)?;
+            self.a.jne(sign)?;
+            self.a.cmp(byte_ptr(rsi + 2), 0x9f)?;
+            self.a.je(skip3)?;
+            self.a.jmp(sign)?;
+            self.a.set_label(&mut e3)?;
+            self.a.cmp(al, 0xe3)?;
+            self.a.jne(sign)?;
+            self.a.cmp(byte_ptr(rsi + 1), 0x80)?;
+            self.a.jne(sign)?;
+            self.a.cmp(byte_ptr(rsi + 2), 0x80)?;
+            self.a.jne(sign)?;
+            self.a.set_label(&mut skip3)?;
+            self.a.inc(rsi)?;
+            self.a.set_label(&mut skip2)?;
+            self.a.inc(rsi)?;
             self.a.set_label(&mut skip)?;
             self.a.inc(rsi)?;
             self.a.jmp(space)?;
