@@ -682,7 +682,10 @@ fn isinstr_strpos_and_stringat_match_the_interpreter_over_many_hits() {
     // (the table holds 1,024).
     let (header, failed) = differential_with(script, &hits(200));
 
-    assert!(failed > 10, "the hits reach stringat past a string: {failed}");
+    assert!(
+        failed > 10,
+        "the hits reach stringat past a string: {failed}"
+    );
     assert_eq!(
         (header.errors, header.arguments, header.strings),
         (failed, failed, 0)

@@ -231,7 +231,8 @@ impl Gen<'_, '_> {
         let vars = areas.vars;
         // LEFT from the flag (a negative `*` width sets it too), SIGN cleared.
         let r = (|| {
-            self.a.mov(qword_ptr(rsp + vars + LEFT), i32::from(spec.left))?;
+            self.a
+                .mov(qword_ptr(rsp + vars + LEFT), i32::from(spec.left))?;
             self.a.mov(qword_ptr(rsp + vars + SIGN), 0)
         })();
         asm!(self, r)?;
@@ -383,8 +384,9 @@ impl Gen<'_, '_> {
             self.a.pop(rdi)?;
             self.a.pop(rcx)?;
             self.a.lea(rsi, qword_ptr(rsp + text))?;
-            self.a.sub(rdx, rsi)?; // the text's bytes
-            // r9: bytes taken, r11: characters taken, r10: most characters.
+            // rdx: the text's bytes; r9: bytes taken, r11: characters taken, r10: most
+            // characters.
+            self.a.sub(rdx, rsi)?;
             if precision {
                 self.a.mov(r10, qword_ptr(rsp + vars + ZEROS))?;
             } else {
@@ -487,7 +489,10 @@ impl Gen<'_, '_> {
             self.a.div(r10)?;
             self.a.cmp(dl, 10)?;
             self.a.jb(decimal)?;
-            self.a.add(dl, u32::from(if upper { b'A' } else { b'a' }) - 10 - u32::from(b'0'))?;
+            self.a.add(
+                dl,
+                u32::from(if upper { b'A' } else { b'a' }) - 10 - u32::from(b'0'),
+            )?;
             self.a.set_label(&mut decimal)?;
             self.a.add(dl, u32::from(b'0'))?;
             self.a.dec(r9)?;
