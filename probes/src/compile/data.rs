@@ -90,6 +90,9 @@ pub mod field {
     /// Strings built in the guest that the string table had no room for (or a string the
     /// guest cannot read the text of): each ends its hit with a probe error.
     pub const STRINGS: u64 = 88;
+    /// Arguments of string functions out of their range (`stringat`'s index past the
+    /// string, `strtol`'s base outside 2..=36): each ends its hit with a probe error.
+    pub const ARGUMENTS: u64 = 96;
 }
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
@@ -503,6 +506,8 @@ pub struct Header {
     pub raised: u64,
     /// Built strings the string table had no room for (see [`field::STRINGS`]).
     pub strings: u64,
+    /// Arguments of string functions out of range (see [`field::ARGUMENTS`]).
+    pub arguments: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -528,6 +533,7 @@ impl Header {
             nesting: word(bytes, field::NESTING),
             raised: word(bytes, field::RAISED),
             strings: word(bytes, field::STRINGS),
+            arguments: word(bytes, field::ARGUMENTS),
         }
     }
 }
@@ -570,7 +576,8 @@ pub const STRING_ENTRIES: u32 = 1024;
 /// Bytes before an entry's text (state, hash).
 pub const STRING_HEAD: u64 = 16;
 /// The largest MAXSTRINGLEN with which kernel probes build strings (a built string takes a
-/// buffer of that size on the kernel stack while it is made, an ordering or `text_str` two).
+/// buffer of that size on the kernel stack while it is made, an ordering, `text_str`,
+/// `strpos`, `isinstr` or `sprintf` two, `str_replace` three).
 pub const MAX_BUILT_STRING: usize = 1024;
 
 impl StringTable {

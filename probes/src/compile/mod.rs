@@ -25,8 +25,10 @@
 //! parameters); longs and strings
 //! (up to 15 bytes inline, longer ones interned by the host, or, for strings built in the
 //! guest, in the script's string table: see [`codegen`]'s strings module); strings built in
-//! the guest with `.` and `.=`, `substr`, `strlen`, `sprint`/`sprintln`, `text_str` and
-//! `string_quoted`, cut at MAXSTRINGLEN as SystemTap cuts them, anywhere a string goes
+//! the guest with `.` and `.=`, `substr`, `strlen`, `sprint`/`sprintln`, `sprintf` (a
+//! literal format, see [`codegen`]'s sprintf module), `text_str`, `string_quoted` and
+//! `str_replace`, and searched with `isinstr`, `strpos`, `stringat` and `strtol` (see its
+//! string_search module), cut at MAXSTRINGLEN as SystemTap cuts them, anywhere a string goes
 //! (locals, returns, keys, values, comparisons, output); locals; global scalars, arrays
 //! keyed by up to [`data::MAX_KEYS`] values and statistics (`<<<` with count, sum, min, max,
 //! `@hist_log` and `@hist_linear` buckets, and the running variance for `@variance`); `++`,

@@ -1162,6 +1162,13 @@ fn run(
             header.strings
         ));
     }
+    if header.arguments > 0 {
+        session.error(&format!(
+            "string function argument out of range in a compiled probe ({} times): a \
+             stringat() index past the string or a strtol() base outside 2 to 36",
+            header.arguments
+        ));
+    }
     if header.dropped > 0 {
         session.error(&format!(
             "{} array updates dropped: a table was full (raise MAXMAPENTRIES) or a slot stayed busy",

@@ -194,6 +194,12 @@ impl Gen<'_, '_> {
             "sprint" | "sprintln" => self.sprint(c),
             "text_str" => self.text_str(c),
             "string_quoted" => self.string_quoted(c),
+            "isinstr" => self.strpos(c, true),
+            "strpos" => self.strpos(c, false),
+            "stringat" => self.stringat(c),
+            "strtol" => self.strtol(c),
+            "str_replace" => self.str_replace(c),
+            "sprintf" => self.sprintf(c),
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)

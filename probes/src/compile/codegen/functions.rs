@@ -165,6 +165,7 @@ impl Gen<'_, '_> {
             other: self.a.create_label(),
             nesting: self.a.create_label(),
             strings: self.a.create_label(),
+            argument: self.a.create_label(),
         };
         let probe = std::mem::replace(&mut self.errors, dynamic);
         let mut result = Ok(());
@@ -187,6 +188,7 @@ impl Gen<'_, '_> {
             (dynamic.nesting, probe.nesting, Some(NESTING_MESSAGE)),
             (dynamic.strings, probe.strings, Some(STRINGS_MESSAGE)),
             (dynamic.other, probe.other, None),
+            (dynamic.argument, probe.argument, None),
         ];
         for (mut here, counted, message) in kinds {
             asm!(self, self.a.set_label(&mut here))?;
@@ -413,6 +415,7 @@ impl Gen<'_, '_> {
             other: self.a.create_label(),
             nesting: self.a.create_label(),
             strings: self.a.create_label(),
+            argument: self.a.create_label(),
         };
         let outer = std::mem::replace(&mut self.errors, caught);
         let outer_loops = self.try_loops;
@@ -452,6 +455,8 @@ impl Gen<'_, '_> {
         }
         let mut other = caught.other;
         self.place(&mut other)?;
+        let mut argument = caught.argument;
+        self.place(&mut argument)?;
         // From a function (rbp and r12 already the owner's) or from the body itself.
         self.place(&mut handler)?;
         self.place(&mut restore)?;

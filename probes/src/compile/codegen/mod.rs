@@ -111,7 +111,9 @@ mod foreach;
 mod functions;
 mod memory;
 mod operators;
+mod sprintf;
 mod stack;
+mod string_search;
 mod strings;
 mod updates;
 pub(crate) mod walk;
@@ -167,6 +169,9 @@ struct Errors {
     nesting: CodeLabel,
     /// A built string the string table had no room for.
     strings: CodeLabel,
+    /// A string function's argument out of range, with the interpreter's message in
+    /// rax/rdx (`stringat`, `strtol`).
+    argument: CodeLabel,
 }
 
 /// Bytes above a probe's frame for the catch record (see [`functions`]): the handler's
@@ -241,6 +246,7 @@ pub fn emit_body(
         other: a.create_label(),
         nesting: a.create_label(),
         strings: a.create_label(),
+        argument: a.create_label(),
     };
     let mut g = Gen {
         a,
@@ -386,6 +392,9 @@ impl Gen<'_, '_> {
         self.a.jmp(common)?;
         self.a.set_label(&mut self.errors.strings)?;
         self.count(data + field::STRINGS)?;
+        self.a.jmp(common)?;
+        self.a.set_label(&mut self.errors.argument)?;
+        self.count(data + field::ARGUMENTS)?;
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;

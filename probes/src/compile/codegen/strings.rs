@@ -70,7 +70,18 @@ pub(super) fn builds(e: &Expr) -> bool {
         ExprKind::Binary(BinOp::Concat, _) | ExprKind::Assign(Some(BinOp::Concat), _) => true,
         ExprKind::Call(c) => matches!(
             c.name.name.as_str(),
-            "substr" | "strlen" | "sprint" | "sprintln" | "text_str" | "string_quoted"
+            "substr"
+                | "strlen"
+                | "sprint"
+                | "sprintln"
+                | "text_str"
+                | "string_quoted"
+                | "isinstr"
+                | "strpos"
+                | "stringat"
+                | "strtol"
+                | "str_replace"
+                | "sprintf"
         ),
         _ => false,
     }
@@ -280,19 +291,19 @@ fn copy_text(a: &mut CodeAssembler) -> Result<(), IcedError> {
 
 impl Gen<'_, '_> {
     /// Bytes of the buffer a string is built in: MAXSTRINGLEN, rounded up to 16.
-    fn build_bytes(&self) -> i32 {
+    pub(super) fn build_bytes(&self) -> i32 {
         self.text_bytes()
     }
 
     /// Most bytes of a built string's text: MAXSTRINGLEN less its NUL.
-    fn build_room(&self) -> u32 {
+    pub(super) fn build_room(&self) -> u32 {
         let most = self.env.limits.max_string_len.saturating_sub(1);
         u32::try_from(most)
             .unwrap_or(u32::MAX)
             .min(self.build_bytes() as u32 - 1)
     }
 
-    fn string_helper(&self, which: &str) -> R<u64> {
+    pub(super) fn string_helper(&self, which: &str) -> R<u64> {
         self.env
             .helpers
             .get(&(which.to_owned(), false))
@@ -301,13 +312,13 @@ impl Gen<'_, '_> {
     }
 
     /// Calls `append` for the string in rax/rdx (r8 gathers whether any text was unreadable).
-    fn append(&mut self) -> R<()> {
+    pub(super) fn append(&mut self) -> R<()> {
         let f = self.string_helper(APPEND)?;
         asm!(self, self.a.call(f))
     }
 
     /// Opens a build buffer at rsp: rdi at its start, rcx its room, r8 cleared.
-    fn open_buffer(&mut self) -> R<()> {
+    pub(super) fn open_buffer(&mut self) -> R<()> {
         let bytes = self.build_bytes();
         let room = self.build_room();
         let r = (|| {
@@ -322,7 +333,7 @@ impl Gen<'_, '_> {
     /// Interns the text from rsp to rdi (unless r8 says a text was unreadable), frees the
     /// buffer and `extra` more bytes of stack, then ends the hit with a probe error when
     /// r8 is set. The string is in rax/rdx.
-    fn close_buffer(&mut self, extra: i32) -> R<K> {
+    pub(super) fn close_buffer(&mut self, extra: i32) -> R<K> {
         let f = self.string_helper(INTERN)?;
         let bytes = self.build_bytes();
         let strings = self.errors.strings;
@@ -367,7 +378,7 @@ impl Gen<'_, '_> {
     }
 
     /// A string operand.
-    fn string_operand(&mut self, e: &Expr, what: &str) -> R<()> {
+    pub(super) fn string_operand(&mut self, e: &Expr, what: &str) -> R<()> {
         match self.expr(e)? {
             K::Str => Ok(()),
             K::Long => Err(self.no(format!("{what} of a number"))),
@@ -523,7 +534,7 @@ impl Gen<'_, '_> {
     }
 
     /// The long in rax as a decimal string in rax/rdx.
-    fn decimal(&mut self) -> R<()> {
+    pub(super) fn decimal(&mut self) -> R<()> {
         let f = self.string_helper(INTERN)?;
         let room = self.build_room();
         let strings = self.errors.strings;

@@ -215,6 +215,8 @@ pub(super) fn may_intern(e: &Expr) -> bool {
                 | "sprintln"
                 | "text_str"
                 | "string_quoted"
+                | "str_replace"
+                | "sprintf"
         ),
         // A built string over 15 bytes is in the guest's string table.
         ExprKind::Binary(BinOp::Concat, _) | ExprKind::Assign(Some(BinOp::Concat), _) => true,
