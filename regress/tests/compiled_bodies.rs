@@ -859,13 +859,109 @@ fn sprintf_with_a_format_maxstringlen_cuts_into_a_bad_one_is_refused_by_name() {
     );
 }
 
-#[test]
-fn regular_expression_matches_are_refused_naming_why() {
-    let refused =
-        refusals(r#"global c; probe kernel.function("f") { if (execname() =~ "^ba") c++ }"#);
+/// Patterns of the regular-expression differential: alternation, classes, anchors,
+/// repetition, dots, bracket expressions, case, the empty pattern, non-ASCII.
+const PATTERNS: &[&str] = &[
+    "",
+    "^(bash|syscall-loop)$",
+    "kworker|loop/",
+    "^-?[0-9]+$",
+    "[13579]$",
+    "^[a-z]+",
+    "[^a-z/0-9-]",
+    "[[:digit:]]{3,}",
+    "^.{4}$",
+    "b.sh",
+    "s.*p",
+    "^$",
+    "(?i)KWORKER",
+    "(?i)^[A-Z]+-[a-z]+",
+    "/-?[0-9]{1,2}/",
+    "0:1/.*/-",
+    "(ab|a)(c|sh)",
+    "^a-long-name-15c/.*[05]$",
+    "(/[0-9]+)+$",
+    "x*",
+    "é|€",
+    "[[:space:]]",
+    "\\.",
+    "-$",
+    "^[^/]{5,12}/",
+];
 
+/// The script of the regular-expression tests: each pattern against execname(), a number
+/// a string of 16 to ~60 bytes (in the guest's string table), one of up to ~200, and the empty string or non-ASCII text.
+fn regex_script() -> String {
+    let mut body = String::new();
+    for (i, p) in PATTERNS.iter().enumerate() {
+        let q = p.replace('\\', "\\\\");
+        body.push_str(&format!(
+            "  r[{i}, execname() =~ \"{q}\", t =~ \"{q}\", s =~ \"{q}\", u !~ \"{q}\"]++\n  \
+             yes[{i}] += (s =~ \"{q}\") + (execname() =~ \"{q}\") + (t =~ \"{q}\") + (v =~ \"{q}\")\n  \
+             no[{i}] += (s !~ \"{q}\") + (execname() !~ \"{q}\") + (t !~ \"{q}\") + (v !~ \"{q}\")\n"
+        ));
+    }
+    format!(
+        "global r, yes, no\nprobe kernel.function(\"f\") {{\n  t = sprint($a)\n  \
+         s = execname() . \"/\" . t . \"/\" . sprint($b)\n  u = s . t . s . s\n  \
+         v = $a % 3 == 0 ? \"\" : $a % 3 == 1 ? \"naïve café. €5 -\" : sprint($b)\n{body}  \
+         if ($a % 50 == 0) printf(\"%s %d %d\\n\", s, s =~ \"^bash\", s !~ \"[0-9]{{4}}\")\n}}\n"
+    )
+}
+
+#[test]
+fn regular_expression_matches_match_the_interpreter_over_many_hits() {
+    let script = regex_script();
+    // 100 hits intern about 400 texts over 15 bytes (the string table holds 1,024).
+    let hits = hits(100);
+
+    let header = differential(&script, &hits);
+
+    assert_eq!((header.errors, header.strings), (0, 0));
+    // Not vacuous: each pattern matched some subjects and missed others (the differential
+    // above showed the interpreter agrees on every one).
+    let (mut rig, prog) = rig(&script, &Limits::default());
+    for h in &hits {
+        rig.hit(h);
+    }
+    let data = rig.data();
+    let count = |name: &str, i: usize| match rig.layout.decode(name, &data, &rig.interner) {
+        Some(Store::Array(m)) => match m.get(&vec![Value::Long(i as i64)]) {
+            Some(Value::Long(n)) => *n,
+            _ => 0,
+        },
+        other => panic!("{name}: {other:?}"),
+    };
+    let _ = prog;
+    let always = ["", "x*"];
+    let mut trivial = Vec::new();
+    for (i, p) in PATTERNS.iter().enumerate() {
+        let (y, n) = (count("yes", i), count("no", i));
+        assert_eq!(y + n, 4 * hits.len() as i64, "{p:?}");
+        if y == 0 || (n == 0 && !always.contains(p)) {
+            trivial.push((*p, y, n));
+        }
+    }
     assert!(
-        refused.len() == 1 && refused[0].contains("=~") && refused[0].contains("matcher"),
+        trivial.is_empty(),
+        "patterns that always or never matched: {trivial:?}"
+    );
+}
+
+#[test]
+fn regular_expressions_the_guest_cannot_match_are_refused_naming_why() {
+    // A Unicode word boundary: no DFA (it would have to give up on non-ASCII bytes).
+    let refused =
+        refusals(r#"global c; probe kernel.function("f") { if (execname() =~ "\\bba") c++ }"#);
+    assert!(
+        refused.len() == 1 && refused[0].contains("=~") && refused[0].contains("no DFA"),
+        "got {refused:?}"
+    );
+    // Unicode word classes in sequence: past the table's bound.
+    let refused =
+        refusals(r#"global c; probe kernel.function("f") { if (execname() =~ "\\w\\W\\w") c++ }"#);
+    assert!(
+        refused.len() == 1 && refused[0].contains("=~") && refused[0].contains("states"),
         "got {refused:?}"
     );
 }
