@@ -235,8 +235,9 @@ fn compiled_string_functions_pick_out_the_workloads_calls() {
     if !have_qemu("compiled_string_functions_pick_out_the_workloads_calls") {
         return;
     }
-    // Every string function that compiles, on the guest's own execname: only
-    // syscall-loop's getppid calls pass all of them, as many as it reports making.
+    // Every string function that compiles, and `=~`/`!~` on inline and built strings, on
+    // the guest's own execname: only syscall-loop's getppid calls pass all of them, as many
+    // as it reports making.
     let script = r#"global hits, other
         probe kernel.syscall("getppid") {
           e = execname()
@@ -244,7 +245,9 @@ fn compiled_string_functions_pick_out_the_workloads_calls() {
           if (isinstr(e, "loop") && strpos(e, "-") == 7 && stringat(e, 0) == 115
               && strtol(sprintf("%x", 255), 16) == 255 && strtol(" -0x1f", 16) == -31
               && str_replace(e, "-", "__") == "syscall__loop"
-              && k == "syscall-loop/00042|ff  |!") hits++
+              && k == "syscall-loop/00042|ff  |!"
+              && e =~ "^sys[a-z]+-(loop|other)$" && k !~ "[A-Z]"
+              && k =~ "^syscall-loop/0+42\\|ff +\\|!$") hits++
           else other++
         }
         probe end { printf("hits=%d\n", hits) }"#;
