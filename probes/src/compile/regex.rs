@@ -254,7 +254,7 @@ pub fn build(pattern: &str) -> Result<Matcher, String> {
     let feed = |s: u32,
                 bytes: &[u8],
                 ids: &mut HashMap<u32, regex_automata::util::primitives::StateID>|
-     -> Result<Option<u32>, bool> {
+     -> Result<u32, bool> {
         let mut st = ids[&s];
         for b in bytes {
             st = dfa.next_state(st, *b);
@@ -265,15 +265,10 @@ pub fn build(pattern: &str) -> Result<Matcher, String> {
                 return Err(false);
             }
         }
-        Ok(Some(id(st, ids)))
+        Ok(id(st, ids))
     };
-    let absorb = |r: Result<Option<u32>, bool>| -> Result<u32, P> {
-        match r {
-            Err(true) => Err(P::Match),
-            Err(false) => Err(P::Dead),
-            Ok(Some(s)) => Ok(s),
-            Ok(None) => Err(P::Dead),
-        }
+    let absorb = |r: Result<u32, bool>| -> Result<u32, P> {
+        r.map_err(|matched| if matched { P::Match } else { P::Dead })
     };
     let replacement = "\u{fffd}".as_bytes();
     // The product state after byte `b` in `p`.
@@ -408,11 +403,12 @@ fn minimize(next: &[[u32; 256]], eoi: &[bool], start: usize) -> Matcher {
             _ => 2 + u32::from(eoi[s]),
         })
         .collect();
-    let mut count = 4;
+    let mut count = block.iter().collect::<std::collections::HashSet<_>>().len();
+    // Each round splits blocks whose states go to different blocks (a refinement: the count
+    // never falls); stable when it stops growing.
     loop {
         let mut sig: HashMap<(u32, Vec<u32>), u32> = HashMap::new();
         let mut fresh = vec![0u32; n];
-        // Keep 0 and 1 first.
         for s in 0..n {
             let key = (
                 block[s],
@@ -433,9 +429,9 @@ fn minimize(next: &[[u32; 256]], eoi: &[bool], start: usize) -> Matcher {
     order.insert(block[0], DEAD);
     order.insert(block[1], MATCH);
     let mut reps: Vec<usize> = vec![0, 1];
-    for s in 0..n {
-        if !order.contains_key(&block[s]) {
-            order.insert(block[s], reps.len() as u16);
+    for (s, b) in block.iter().enumerate() {
+        if let std::collections::hash_map::Entry::Vacant(v) = order.entry(*b) {
+            v.insert(reps.len() as u16);
             reps.push(s);
         }
     }
