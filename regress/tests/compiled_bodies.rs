@@ -281,8 +281,13 @@ fn rig_as(
 
 impl Rig {
     fn hit(&mut self, h: &Hit) {
+        self.hit_as(h, h.comm.as_bytes());
+    }
+
+    /// As [`Rig::hit`], with the task's comm holding `name` (up to 15 bytes, any bytes).
+    fn hit_as(&mut self, h: &Hit, name: &[u8]) {
         let mut comm = [0u8; 16];
-        comm[..h.comm.len()].copy_from_slice(h.comm.as_bytes());
+        comm[..name.len()].copy_from_slice(name);
         self.uc.write(TASK + 0x20, &comm).unwrap();
         self.uc.write(TASK + 0x10, &h.pid.to_le_bytes()).unwrap();
         self.uc.write(TASK + 0x14, &h.tgid.to_le_bytes()).unwrap();
@@ -946,6 +951,54 @@ fn regular_expression_matches_match_the_interpreter_over_many_hits() {
         trivial.is_empty(),
         "patterns that always or never matched: {trivial:?}"
     );
+}
+
+#[test]
+fn regular_expressions_see_invalid_utf8_in_execname_as_the_interpreter_does() {
+    // The guest matches comm's raw bytes; the interpreter, the text with invalid UTF-8
+    // replaced by U+FFFD (as the live host path reads comm): the answers must agree.
+    // (Keyed by a count, not by execname(): the guest keys comm's raw bytes.)
+    let script = "global r, n; probe kernel.function(\"f\") { n++; r[n, \
+                  execname() =~ \"^a\u{fffd}b$\", execname() =~ \"^a.b$\", \
+                  execname() =~ \"é\", execname() =~ \"^a(..)?b$\"]++ }";
+    let names: [&[u8]; 9] = [
+        b"a\xffb",
+        b"a\xc3\xa9b",
+        b"a\xe2\x82b",
+        b"a\xc3b",
+        b"a\xef\xbf\xbdb",
+        b"a\xed\xa0\x80b",
+        b"a\xf0\x9f\x98b",
+        b"\xc3\xa9t\xe9",
+        b"ab",
+    ];
+    let limits = Limits::default();
+    let (mut rig, prog) = rig(script, &limits);
+    let output = Output::new(
+        Format::Text,
+        Box::new(SharedBuf::default()),
+        Box::new(SharedBuf::default()),
+    );
+    let mut session = Session::new(&prog, limits.clone(), output, "t.stp", script);
+    let h = &hits(1)[0];
+    for name in names {
+        rig.hit_as(h, name);
+        let mut ctx = context(h);
+        ctx.execname = String::from_utf8_lossy(name).into_owned();
+        assert!(session.fire(0, "kernel.function(\"f\")", &ctx));
+    }
+    let data = rig.data();
+    let compiled = rig.layout.decode("r", &data, &rig.interner).unwrap();
+    let interpreted = session.global("r").unwrap().clone();
+    assert_eq!(format!("{compiled:?}"), format!("{interpreted:?}"));
+    // The replaced texts matched the U+FFFD pattern where the bytes were ill-formed.
+    let Store::Array(m) = interpreted else {
+        panic!("r: {interpreted:?}")
+    };
+    let fffd = m.keys().filter(|k| k[1] == Value::Long(1)).count();
+    // \xff, \xe2\x82, \xc3, \xf0\x9f\x98 (one U+FFFD each) and U+FFFD itself; not
+    // \xed\xa0\x80 (three).
+    assert_eq!(fffd, 5, "{m:?}");
 }
 
 #[test]
