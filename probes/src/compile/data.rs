@@ -17,6 +17,9 @@
 //!                       value (as a scalar of its type)
 //!       string table    when kernel probes build strings (see [`StringTable`]): entries of
 //!                       a state word, a hash and a MAXSTRINGLEN text slot
+//!       matchers        one per distinct `=~` pattern of kernel probes, 64-byte aligned:
+//!                       the host-built table the guest walks (see [`super::regex`]);
+//!                       constant, written with the initial bytes
 //! ```
 //!
 //! After the globals, when kernel probes print: per vCPU, a ring of output records
@@ -551,6 +554,9 @@ pub struct DataLayout {
     pub record: u64,
     /// The table of strings built in the guest, when a kernel probe builds strings.
     pub strings: Option<StringTable>,
+    /// The `=~` matchers by pattern: offset and table (patterns whose matcher cannot be
+    /// built are left out: their probes are refused, naming why).
+    pub matchers: IndexMap<String, (u64, super::regex::Matcher)>,
     /// Bytes in all.
     pub size: u64,
 }
@@ -715,6 +721,7 @@ impl DataLayout {
             rings: None,
             record: super::codegen::record_bytes(prog, limits),
             strings: None,
+            matchers: IndexMap::new(),
             size: HEADER,
         };
         let mut refused = Vec::new();
@@ -792,6 +799,13 @@ impl DataLayout {
             out.size = (out.size + table.entry_size() * u64::from(table.entries)).div_ceil(64) * 64;
             out.strings = Some(table);
         }
+        for pattern in super::codegen::regex_patterns(prog) {
+            if let Ok(m) = super::regex::build(&pattern) {
+                let at = out.size;
+                out.size = (out.size + m.size() as u64).div_ceil(64) * 64;
+                out.matchers.insert(pattern, (at, m));
+            }
+        }
         out.globals_size = out.size;
         if refused.is_empty() {
             Ok(out)
@@ -805,6 +819,12 @@ impl DataLayout {
     pub fn initial(&self, prog: &Program, interner: &mut Interner) -> Vec<u8> {
         let mut bytes = vec![0u8; usize::try_from(self.globals_size).unwrap_or(0)];
         bytes[..8].copy_from_slice(&MAGIC.to_le_bytes());
+        for (at, m) in self.matchers.values() {
+            let table = m.bytes();
+            if let Some(to) = bytes.get_mut(*at as usize..*at as usize + table.len()) {
+                to.copy_from_slice(&table);
+            }
+        }
         for (name, slot) in &self.globals {
             let init = prog.globals.get(name).and_then(|g| g.init.clone());
             let store = match (slot.table, slot.value, init) {

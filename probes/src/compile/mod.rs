@@ -78,6 +78,7 @@ pub mod data;
 pub mod globals;
 pub mod locals;
 pub mod site;
+pub mod regex;
 pub mod snapshot;
 pub mod types;
 

@@ -119,7 +119,7 @@ mod updates;
 pub(crate) mod walk;
 
 pub use calls::{prints, record_bytes};
-pub use strings::builds_strings;
+pub use strings::{builds_strings, regex_patterns};
 pub(crate) use strings::{runtime_helpers as string_helpers, APPEND, INTERN};
 
 fn rip(addr: u64) -> MemoryOperand {
@@ -675,10 +675,7 @@ impl Gen<'_, '_> {
             ExprKind::Variance(target, _) => self.variance(target),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
             ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
-            ExprKind::RegexMatch(..) => Err(self.no(
-                "=~ in a kernel probe (a regular expression needs a matcher, e.g. a DFA \
-                 built on the host, run in the guest: not compiled yet)",
-            )),
+            ExprKind::RegexMatch(p, negated) => self.regex_match(&p.0, &p.1, *negated),
             ExprKind::Wildcard => Err(self.no("a * key in a kernel probe")),
             ExprKind::In(i) => {
                 self.array(&i.array.name)?;

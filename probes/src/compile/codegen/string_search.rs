@@ -7,6 +7,11 @@
 //! C `strtol` digits, a replacement written into a build buffer that stops at
 //! MAXSTRINGLEN - 1 bytes, cut back to a character boundary as the interpreter cuts it.
 //!
+//! `s =~ "pattern"` (and `!~`) walks the subject's bytes through the pattern's matcher, a
+//! table the host built and laid in the data ([`super::super::regex`]): one class lookup
+//! and one transition per byte, stopping at the absorbing "dead" and "matched" states, the
+//! end-of-text flag deciding otherwise.
+//!
 //! `stringat` past the string and `strtol` with a base outside 2..=36 end the hit with a
 //! probe error, counted apart ([`super::super::data::field::ARGUMENTS`]); inside `try`, the
 //! handler gets the interpreter's message.
@@ -14,6 +19,8 @@
 use iced_x86::code_asm::*;
 
 use crate::lang::ast::*;
+
+use iced_x86::Register;
 
 use super::{Gen, K, R};
 
@@ -100,6 +107,60 @@ impl Gen<'_, '_> {
             self.a.push(rax)
         })();
         asm!(self, r)
+    }
+
+    /// `subject =~ pattern` (`!~` when `negated`): 1 or 0, as the interpreter's
+    /// `regex::Regex::is_match` on the subject's text.
+    pub(super) fn regex_match(&mut self, subject: &Expr, pattern: &Expr, negated: bool) -> R<K> {
+        let ExprKind::Str(pat) = &pattern.kind else {
+            return Err(self.no("=~ with a pattern that is not a string literal"));
+        };
+        let Some((at, m)) = self.env.layout.matchers.get(pat) else {
+            let why = match super::super::regex::build(pat) {
+                Err(e) => e,
+                Ok(_) => "no matcher was laid out for it".to_string(),
+            };
+            return Err(self.no(format!("=~ {pat:?}: {why}")));
+        };
+        let base = self.env.data + at;
+        let start = u32::from(m.start);
+        let stride = m.stride as u32;
+        let transitions = m.transitions() as i32;
+        self.push_string(subject, "=~")?;
+        let laid = self.lay_texts(&[0])?;
+        asm!(self, self.a.lea(rsi, qword_ptr(rsp + laid.text(0))))?;
+        asm!(self, self.a.mov(rcx, qword_ptr(rsp + laid.len(0))))?;
+        self.lea(Register::RDI, base)?;
+        let r = (|| {
+            let mut top = self.a.create_label();
+            let mut end = self.a.create_label();
+            let mut stop = self.a.create_label();
+            self.a.mov(eax, start)?;
+            self.a.set_label(&mut top)?;
+            // 0: no match can follow; 1: matched.
+            self.a.cmp(eax, 1)?;
+            self.a.jbe(stop)?;
+            self.a.test(rcx, rcx)?;
+            self.a.jz(end)?;
+            self.a.movzx(edx, byte_ptr(rsi))?;
+            self.a.movzx(edx, byte_ptr(rdi + rdx))?;
+            self.a.imul_3(eax, eax, stride)?;
+            self.a.add(eax, edx)?;
+            self.a.movzx(eax, word_ptr(rdi + rax * 2 + transitions))?;
+            self.a.inc(rsi)?;
+            self.a.dec(rcx)?;
+            self.a.jmp(top)?;
+            self.a.set_label(&mut end)?;
+            self.a.movzx(eax, byte_ptr(rdi + rax + 256))?;
+            self.a.set_label(&mut stop)?;
+            self.a.add(rsp, laid.total() + 16)?;
+            if negated {
+                self.a.xor(eax, 1)?;
+            }
+            Ok(())
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
     }
 
     /// `strpos(s, t)`: the byte offset of the first `t` in `s` (0 for an empty `t`), or -1;

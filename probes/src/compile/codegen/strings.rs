@@ -51,6 +51,9 @@ pub fn builds_strings(prog: &Program) -> bool {
     let (kernel, _) = super::super::kernel_probes(prog);
     for i in kernel {
         if let Some(p) = prog.script.probes.get(i) {
+            if let Some(c) = &p.condition {
+                walk::expr_all(c, &mut visit);
+            }
             for s in &p.body.stmts {
                 walk::stmt_exprs(s, &mut visit);
             }
@@ -64,9 +67,43 @@ pub fn builds_strings(prog: &Program) -> bool {
     hit
 }
 
+/// The distinct `=~` patterns of kernel probes (and of user functions, which a kernel probe
+/// may call): each gets a matcher in the data.
+pub fn regex_patterns(prog: &Program) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut visit = |e: &Expr| {
+        if let ExprKind::RegexMatch(p, _) = &e.kind {
+            if let ExprKind::Str(s) = &p.1.kind {
+                if !out.contains(s) {
+                    out.push(s.clone());
+                }
+            }
+        }
+    };
+    let (kernel, _) = super::super::kernel_probes(prog);
+    for i in kernel {
+        if let Some(p) = prog.script.probes.get(i) {
+            if let Some(c) = &p.condition {
+                walk::expr_all(c, &mut visit);
+            }
+            for s in &p.body.stmts {
+                walk::stmt_exprs(s, &mut visit);
+            }
+        }
+    }
+    for f in &prog.script.functions {
+        if let FunctionBody::Block(b) = &f.body {
+            walk::block_exprs(b, &mut visit);
+        }
+    }
+    out
+}
+
 /// Whether `e` itself builds a string (or reads one's text).
 pub(super) fn builds(e: &Expr) -> bool {
     match &e.kind {
+        // `=~` reads its subject's text (the string helpers lay it out).
+        ExprKind::RegexMatch(..) => true,
         ExprKind::Binary(BinOp::Concat, _) | ExprKind::Assign(Some(BinOp::Concat), _) => true,
         ExprKind::Call(c) => matches!(
             c.name.name.as_str(),
