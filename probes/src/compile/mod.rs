@@ -77,8 +77,8 @@ pub mod codegen;
 pub mod data;
 pub mod globals;
 pub mod locals;
-pub mod site;
 pub mod regex;
+pub mod site;
 pub mod snapshot;
 pub mod types;
 
