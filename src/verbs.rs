@@ -809,8 +809,13 @@ impl VerbRun {
 /// sleeps in its read of the host's go byte ([`GuestSession::settle_at_wait`]): every
 /// wait's window then starts and ends at the same point of the guest's work, and the
 /// oracle's windows and the JIT's hold the same work. (A fixed pause of 2 s before the stop
-/// was not enough on a loaded CI machine.)
+/// alone was not enough on a loaded CI machine; it stays as a floor, [`SETTLE_FLOOR`].)
 const WAITER: &str = "dd";
+/// How long the guest runs on after announcing a wait before the reader check: a removed
+/// kprobe's text is put back by the kernel's delayed optimizer worker (the block test arms
+/// and removes the guest's own kprobe just before `unsplice`); without this floor a CI run
+/// stopped the guest before that and found a text page changed.
+const SETTLE_FLOOR: Duration = Duration::from_secs(2);
 /// How long a wait may take to settle before the count goes on with a warning.
 const SETTLE_LIMIT: Duration = Duration::from_secs(60);
 
@@ -865,6 +870,12 @@ impl VerbRun {
         }
         let btf = self.btf.as_ref().context("the image has no BTF")?;
         let layout = TaskLayout::from_btf(btf)?;
+        // The kernel's own deferred text work (a removed kprobe's unoptimization runs from
+        // a delayed worker) gets its time first, as it had before the reader check.
+        if session.machine.is_paused() {
+            session.resume()?;
+        }
+        std::thread::sleep(SETTLE_FLOOR);
         if !session.settle_at_wait(&layout, WAITER, SETTLE_LIMIT)? {
             eprintln!(
                 "exotap: warning: the guest's wait reader ({WAITER}) was not asleep after {} s: counts read now may hold part of its start",
