@@ -437,9 +437,8 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
             &mut GoAtOnce,
         );
         let text = String::from_utf8_lossy(&transcript);
-        let svm_crash = outcome.is_err()
-            && text.contains("Kernel panic")
-            && text.contains("__svm_vcpu_run");
+        let svm_crash =
+            outcome.is_err() && text.contains("Kernel panic") && text.contains("__svm_vcpu_run");
         if svm_crash && attempt == 1 {
             let last_run = text
                 .lines()
