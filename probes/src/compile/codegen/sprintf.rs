@@ -133,22 +133,17 @@ impl Gen<'_, '_> {
 
     /// Copies rdx bytes from rsi to the output (rdi, room rcx), as many as there is room for.
     fn put_copy(&mut self) -> R<()> {
-        let r = (|| {
-            let mut fits = self.a.create_label();
-            self.a.cmp(rdx, rcx)?;
-            self.a.jbe(fits)?;
-            self.a.mov(rdx, rcx)?;
-            self.a.set_label(&mut fits)?;
-            self.a.sub(rcx, rdx)?;
-            self.a.xchg(rcx, rdx)?;
-            self.a.rep().movsb()?;
-            self.a.mov(rcx, rdx)
-        })();
-        asm!(self, r)
+        self.put_bounded(true)
     }
 
     /// Writes rdx bytes of al to the output, as many as there is room for.
     fn put_fill(&mut self) -> R<()> {
+        self.put_bounded(false)
+    }
+
+    /// rdx bytes to the output (rdi, room rcx), cut to the room: copied from rsi
+    /// (`rep movsb`) or filled with al (`rep stosb`).
+    fn put_bounded(&mut self, copy: bool) -> R<()> {
         let r = (|| {
             let mut fits = self.a.create_label();
             self.a.cmp(rdx, rcx)?;
@@ -157,7 +152,11 @@ impl Gen<'_, '_> {
             self.a.set_label(&mut fits)?;
             self.a.sub(rcx, rdx)?;
             self.a.xchg(rcx, rdx)?;
-            self.a.rep().stosb()?;
+            if copy {
+                self.a.rep().movsb()?;
+            } else {
+                self.a.rep().stosb()?;
+            }
             self.a.mov(rcx, rdx)
         })();
         asm!(self, r)

@@ -47,7 +47,14 @@ pub fn builds_strings(prog: &Program) -> bool {
     let mut visit = |e: &Expr| {
         hit |= builds(e);
     };
-    // Only kernel probes run compiled (begin, end and timer probes build strings on the host).
+    kernel_exprs(prog, &mut visit);
+    hit
+}
+
+/// Visits every expression compiled code may run: those of kernel probes (conditions and
+/// bodies; begin, end and timer probes run on the host) and of user functions, which a
+/// kernel probe may call.
+fn kernel_exprs(prog: &Program, mut visit: &mut dyn FnMut(&Expr)) {
     let (kernel, _) = super::super::kernel_probes(prog);
     for i in kernel {
         if let Some(p) = prog.script.probes.get(i) {
@@ -64,7 +71,6 @@ pub fn builds_strings(prog: &Program) -> bool {
             walk::block_exprs(b, &mut visit);
         }
     }
-    hit
 }
 
 /// The distinct `=~` patterns of kernel probes (and of user functions, which a kernel probe
@@ -80,22 +86,7 @@ pub fn regex_patterns(prog: &Program) -> Vec<String> {
             }
         }
     };
-    let (kernel, _) = super::super::kernel_probes(prog);
-    for i in kernel {
-        if let Some(p) = prog.script.probes.get(i) {
-            if let Some(c) = &p.condition {
-                walk::expr_all(c, &mut visit);
-            }
-            for s in &p.body.stmts {
-                walk::stmt_exprs(s, &mut visit);
-            }
-        }
-    }
-    for f in &prog.script.functions {
-        if let FunctionBody::Block(b) = &f.body {
-            walk::block_exprs(b, &mut visit);
-        }
-    }
+    kernel_exprs(prog, &mut visit);
     out
 }
 
