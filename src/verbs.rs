@@ -1415,23 +1415,6 @@ impl KvmPhaseHook for KvmSpliceHook {
         self.verb.stream();
         Ok(())
     }
-
-    /// A vCPU stopped: at a lazy-translation stub of `count --blocks --lazy` (exotap's stop
-    /// instruction), served by the JIT, which lets the guest go on; any other stop resumes.
-    fn stopped(&mut self, event: StopEvent, machine: &mut KvmMachine) -> Result<(), String> {
-        let verb = &mut self.verb;
-        match verb.live.as_mut() {
-            Some(Live {
-                session,
-                jit: Some(jit),
-                ..
-            }) => jit
-                .on_stop(session, &verb.image, &event)
-                .map(|_| ())
-                .map_err(|e| format!("{e:#}")),
-            _ => exotap_vmm::control::Machine::resume(machine).map_err(|e| e.to_string()),
-        }
-    }
 }
 
 /// Anonymous memory for a booted guest's RAM, shared with exotap; `None` (with a warning:

@@ -366,19 +366,6 @@ pub trait Machine {
         Vec::new()
     }
 
-    /// Turns stops at exotap's stop instruction on or off: `out $PORT, %al` in code exotap
-    /// writes (the JIT's lazy-translation stubs), for backends whose software breakpoints
-    /// do not exit. While on, a vCPU that runs it stops and is reported as a breakpoint at
-    /// the instruction (or just past it); while off, it does nothing. Returns the port, or
-    /// `None` where the backend has no such stop (the default).
-    ///
-    /// # Errors
-    /// Backend failure.
-    fn stub_stops(&mut self, on: bool) -> Result<Option<u16>, ControlError> {
-        let _ = on;
-        Ok(None)
-    }
-
     /// Lets the guest go: the debugger's detach (QEMU drops its breakpoints), or a resume.
     ///
     /// # Errors
@@ -410,9 +397,6 @@ impl<M: Machine + ?Sized> Machine for Box<M> {
     }
     fn stack_registers(&mut self, vcpu: VcpuId) -> Result<X86Registers, ControlError> {
         (**self).stack_registers(vcpu)
-    }
-    fn stub_stops(&mut self, on: bool) -> Result<Option<u16>, ControlError> {
-        (**self).stub_stops(on)
     }
     fn set_pc(&mut self, vcpu: VcpuId, pc: u64) -> Result<(), ControlError> {
         (**self).set_pc(vcpu, pc)

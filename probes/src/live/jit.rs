@@ -70,55 +70,9 @@ use super::attach;
 use super::guest_memory::BackendMemory;
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
-use super::splicer::Splicer;
 use super::splicer::{Action, InstallReport, NotInstalled, RemoveReport, Request};
 use super::stacks::{list_tasks, KernelStacks, PageCache, TaskLayout};
 use crate::jit::{CacheLayout, ExitReason, Link, TranslateError, Translation, Translator};
-
-/// How an armed lazy-translation stub stops the guest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum StubStops {
-    /// A backend breakpoint on the stub (QEMU's gdbstub keeps it outside guest memory); the
-    /// stub is `jmp <target>` and three `int3`.
-    Breakpoints,
-    /// exotap's stop instruction (`Machine::stub_stops`): the armed stub is `out $PORT,
-    /// %al; jmp <target>; int3`, and a served one `jmp .+2; jmp <translation>; int3`, so a
-    /// vCPU stopped at the `out` goes on correctly whether its backend skips the `out`
-    /// afterwards (KVM does) or had already moved past it. Where `int3` does not exit
-    /// (exotap's VMM nested under TCG's SVM).
-    Port(u8),
-}
-
-/// The 8 bytes of a stub in [`StubStops::Port`] form: stopping (`out`) or not (`jmp .+2`),
-/// then a `jmp` to `to`.
-fn port_stub(stub: u64, port: u8, to: u64, stopping: bool) -> Option<[u8; 8]> {
-    let rel = i32::try_from((to as i64).wrapping_sub(stub.wrapping_add(7) as i64)).ok()?;
-    let mut b = [0xcc; 8];
-    (b[0], b[1]) = if stopping { (0xe6, port) } else { (0xeb, 0x00) };
-    b[2] = 0xe9;
-    b[3..7].copy_from_slice(&rel.to_le_bytes());
-    Some(b)
-}
-
-/// Arms (`on`) or disarms the stub at `stub`, whose `jmp` goes to `to`.
-fn arm_stub(
-    stops: StubStops,
-    machine: &mut dyn Machine,
-    splicer: &mut Splicer,
-    stub: u64,
-    to: u64,
-    on: bool,
-) -> anyhow::Result<()> {
-    match stops {
-        StubStops::Breakpoints => Ok(machine.set_breakpoint(stub, on)?),
-        StubStops::Port(port) => {
-            let bytes = port_stub(stub, port, to, on).with_context(|| {
-                format!("{to:#x} is out of rel32 reach of the stub at {stub:#x}")
-            })?;
-            splicer.write_heap(machine, stub, &bytes)
-        }
-    }
-}
 
 /// What to translate and how much room to give it.
 #[derive(Debug, Clone)]
@@ -204,10 +158,8 @@ pub struct LiveJit {
     translator: Option<Translator<'static>>,
     /// Lazy translation so far.
     pub lazy: LazyStats,
-    /// Stubs armed to stop the guest.
+    /// Stubs with a breakpoint in place.
     armed: BTreeSet<u64>,
-    /// How an armed stub stops the guest.
-    stops: StubStops,
     /// Block counts at [`LiveJit::mark`], subtracted at removal.
     marked: Option<BTreeMap<(u64, u64), u64>>,
     /// Translations made again per function after its text changed.
@@ -514,28 +466,17 @@ impl LiveJit {
             ..LazyStats::default()
         };
         let mut armed = BTreeSet::new();
-        let mut stops = StubStops::Breakpoints;
         if options.lazy && session.machine.backend() != "qemu gdbstub" {
-            // QEMU's gdbstub serves breakpoints in the cache; elsewhere the stubs stop with
-            // exotap's stop instruction where the backend has one (exotap's VMM).
-            match session.machine.stub_stops(true) {
-                Ok(Some(port)) if u8::try_from(port).is_ok() => {
-                    stops = StubStops::Port(u8::try_from(port).unwrap_or(0));
-                }
-                other => {
-                    tracing::warn!(
-                        "no lazy translation on the {} backend: it neither serves breakpoints in the cache nor has a stop instruction{}",
-                        session.machine.backend(),
-                        other.err().map(|e| format!(" ({e})")).unwrap_or_default()
-                    );
-                    lazy.on = false;
-                }
-            }
+            // Only the gdbstub's stops are served while the guest runs.
+            tracing::warn!(
+                "no lazy translation on the {} backend: only over QEMU's gdbstub",
+                session.machine.backend()
+            );
+            lazy.on = false;
         }
         if lazy.on {
-            for (&target, &stub) in &translation.stubs {
-                let (machine, splicer) = session.parts()?;
-                match arm_stub(stops, machine, splicer, stub, target, true) {
+            for &stub in translation.stubs.values() {
+                match session.machine.set_breakpoint(stub, true) {
                     Ok(()) => {
                         armed.insert(stub);
                     }
@@ -550,17 +491,7 @@ impl LiveJit {
             }
             if !lazy.on {
                 for stub in std::mem::take(&mut armed) {
-                    let target = translation
-                        .stubs
-                        .iter()
-                        .find(|(_, &s)| s == stub)
-                        .map(|(&t, _)| t);
-                    if let (Some(target), Ok((machine, splicer))) = (target, session.parts()) {
-                        let _ = arm_stub(stops, machine, splicer, stub, target, false);
-                    }
-                }
-                if stops != StubStops::Breakpoints {
-                    let _ = session.machine.stub_stops(false);
+                    let _ = session.machine.set_breakpoint(stub, false);
                 }
             }
         }
@@ -589,7 +520,6 @@ impl LiveJit {
             translator: Some(translator),
             lazy,
             armed,
-            stops,
             marked: None,
             retranslations: BTreeMap::new(),
             given_up: BTreeSet::new(),
@@ -643,21 +573,12 @@ impl LiveJit {
         let served = match *event {
             StopEvent::Breakpoint { pc, .. } => {
                 let stop = Instant::now();
-                // A stop instruction may report the address just past it.
-                let pc = if self.stops != StubStops::Breakpoints
-                    && !self.armed.contains(&pc)
-                    && self.armed.contains(&pc.wrapping_sub(2))
-                {
-                    pc.wrapping_sub(2)
-                } else {
-                    pc
-                };
                 let ours = self.armed.contains(&pc);
                 if ours {
                     if let Err(e) = self.lazy_stop(session, image, pc) {
                         // The stub's `jmp` is whole either way (to the original, or to a
                         // translation written before the failure): the guest goes on.
-                        if self.disarm(session, pc).is_ok() {
+                        if session.machine.set_breakpoint(pc, false).is_ok() {
                             self.armed.remove(&pc);
                         }
                         session.resume()?;
@@ -675,17 +596,6 @@ impl LiveJit {
         };
         session.resume()?;
         Ok(served)
-    }
-
-    /// Takes the stub at `stub` out of the stopping ones: its `jmp` goes to its target.
-    fn disarm(&self, session: &mut GuestSession, stub: u64) -> anyhow::Result<()> {
-        let to = self
-            .translator
-            .as_ref()
-            .and_then(|t| t.stub_target(stub))
-            .unwrap_or(stub);
-        let (machine, splicer) = session.parts()?;
-        arm_stub(self.stops, machine, splicer, stub, to, false)
     }
 
     /// One lazy-translation stop (the guest stopped at the stub at `stub`): translates the
@@ -764,47 +674,26 @@ impl LiveJit {
         let link = translator.link()?;
         let resolve = translator.resolve(target);
         write_link(machine, splicer, &link)?;
-        for &(new_target, new_stub) in &link.stubs {
-            if self.lazy.full.is_none()
-                && arm_stub(self.stops, machine, splicer, new_stub, new_target, true).is_ok()
-            {
+        for &(_, new_stub) in &link.stubs {
+            if self.lazy.full.is_none() && machine.set_breakpoint(new_stub, true).is_ok() {
                 self.armed.insert(new_stub);
             }
         }
-        match (self.stops, resolve) {
-            (StubStops::Breakpoints, Some((at, jump))) => {
-                splicer.write_heap(machine, at, &jump)?;
-                let off = usize::try_from(at - self.translation.code_at)?;
-                if let Some(code) = self.translation.code.get_mut(off..off + jump.len()) {
-                    code.copy_from_slice(&jump);
-                }
+        if let Some((at, jump)) = resolve {
+            splicer.write_heap(machine, at, &jump)?;
+            let off = usize::try_from(at - self.translation.code_at)?;
+            if let Some(code) = self.translation.code.get_mut(off..off + jump.len()) {
+                code.copy_from_slice(&jump);
             }
-            (StubStops::Port(port), resolved) => {
-                // One 8-byte write: `jmp .+2` then the `jmp` to the translation (or, when
-                // none was made, to the original target).
-                let to = resolved
-                    .map(|(at, jump)| {
-                        let rel = i32::from_le_bytes([jump[1], jump[2], jump[3], jump[4]]);
-                        at.wrapping_add(5).wrapping_add(i64::from(rel) as u64)
-                    })
-                    .unwrap_or(target);
-                let bytes = port_stub(stub, port, to, false)
-                    .context("the stub's jump is out of rel32 reach")?;
-                splicer.write_heap(machine, stub, &bytes)?;
-            }
-            (StubStops::Breakpoints, None) => {}
         }
-        if self.stops == StubStops::Breakpoints {
-            machine.set_breakpoint(stub, false)?;
-        }
+        machine.set_breakpoint(stub, false)?;
         self.armed.remove(&stub);
         if self.lazy.full.is_some() {
             tracing::warn!(
                 "the code cache is full: lazy translation stops, untranslated targets run their original code"
             );
             for armed in std::mem::take(&mut self.armed) {
-                let to = translator.stub_target(armed).unwrap_or(armed);
-                arm_stub(self.stops, machine, splicer, armed, to, false)?;
+                machine.set_breakpoint(armed, false)?;
             }
         }
         self.apply(&link);
@@ -1131,10 +1020,10 @@ impl LiveJit {
         }
         let link = translator.link()?;
         write_link(machine, splicer, &link)?;
-        for &(target, stub) in &link.stubs {
+        for &(_, stub) in &link.stubs {
             if self.lazy.on
                 && self.lazy.full.is_none()
-                && arm_stub(self.stops, machine, splicer, stub, target, true).is_ok()
+                && machine.set_breakpoint(stub, true).is_ok()
             {
                 self.armed.insert(stub);
             }
@@ -1229,11 +1118,8 @@ impl LiveJit {
             }
         }
         // Every stub runs its `jmp` (to the original code, or a translation) from now on.
-        for stub in self.armed.clone() {
-            self.disarm(session, stub)?;
-        }
-        if self.stops != StubStops::Breakpoints {
-            session.machine.stub_stops(false)?;
+        for &stub in &self.armed {
+            session.machine.set_breakpoint(stub, false)?;
         }
         let text = session.remove()?;
         let zeros = vec![0u8; self.translation.table.len()];
@@ -1353,53 +1239,4 @@ fn check_reachability(
         );
     }
     Ok(reach)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use iced_x86::{Decoder, DecoderOptions, Mnemonic};
-
-    /// The stub's instructions, decoded at `stub` by iced-x86 (not by the code that wrote
-    /// them): (mnemonic, branch target or immediate).
-    fn decode(stub: u64, bytes: &[u8]) -> Vec<(Mnemonic, u64)> {
-        Decoder::with_ip(64, bytes, stub, DecoderOptions::NONE)
-            .into_iter()
-            .take(2)
-            .map(|i| {
-                let operand = if i.is_jmp_short_or_near() {
-                    i.near_branch_target()
-                } else {
-                    u64::from(i.immediate8())
-                };
-                (i.mnemonic(), operand)
-            })
-            .collect()
-    }
-
-    #[test]
-    fn a_port_stub_stops_then_jumps_and_once_served_skips_to_the_jump() {
-        let (stub, to) = (0xffff_ffff_c000_1008_u64, 0xffff_ffff_8123_4560_u64);
-
-        let armed = port_stub(stub, 0xf5, to, true).unwrap();
-        let served = port_stub(stub, 0xf5, to, false).unwrap();
-
-        assert_eq!(
-            decode(stub, &armed),
-            [(Mnemonic::Out, 0xf5), (Mnemonic::Jmp, to)]
-        );
-        assert_eq!(
-            decode(stub, &served),
-            [(Mnemonic::Jmp, stub + 2), (Mnemonic::Jmp, to)]
-        );
-        // A vCPU past the `out` (or sent past it) runs the same jump either way.
-        assert_eq!(decode(stub + 2, &armed[2..])[0], (Mnemonic::Jmp, to));
-        assert_eq!(decode(stub + 2, &served[2..])[0], (Mnemonic::Jmp, to));
-        assert_eq!(armed[7], 0xcc);
-    }
-
-    #[test]
-    fn a_port_stub_out_of_rel32_reach_is_refused() {
-        assert!(port_stub(0xffff_ffff_c000_0000, 0xf5, 0x7fff_0000_0000, true).is_none());
-    }
 }

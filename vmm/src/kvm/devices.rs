@@ -77,17 +77,7 @@ pub enum IoEffect {
     Reset,
     /// The guest entered ACPI S5 (soft-off).
     PowerOff,
-    /// An `out` to [`STUB_STOP_PORT`] while the host serves stops there.
-    Stop,
 }
-
-/// The port of exotap's stop instruction, `out $0xf5, %al` (2 bytes, no register written):
-/// code exotap places in the patch heap (the JIT's lazy-translation stubs) stops there where
-/// `int3` breakpoints do not exit (nested under TCG's SVM). While the host serves stops
-/// ([`Devices::set_stub_stops`]) the `out` parks its vCPU and reports a breakpoint at it;
-/// otherwise it does nothing and the code after it runs. No device of this machine, and
-/// nothing the Linux kernel touches, lives at this port.
-pub const STUB_STOP_PORT: u16 = 0xf5;
 
 /// The ACPI PM1a registers (PM1_STS and PM1_EN at [`PM1A_EVT`], PM1_CNT at [`PM1A_CNT`]).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -156,7 +146,6 @@ pub struct Devices {
     go: Serial<IrqTrigger, NoEvents, std::io::Sink>,
     cmos_index: u8,
     pm1: Pm1,
-    stub_stops: bool,
 }
 
 impl std::fmt::Debug for Devices {
@@ -180,7 +169,6 @@ impl Devices {
             go: Serial::new(IrqTrigger(go_irq), std::io::sink()),
             cmos_index: 0,
             pm1: Pm1::default(),
-            stub_stops: false,
         }
     }
 
@@ -198,13 +186,6 @@ impl Devices {
 
     /// An `out` of one access of `data` to `port` (see [`Devices::access_in`]).
     pub fn access_out(&mut self, port: u16, data: &[u8]) -> IoEffect {
-        if port == STUB_STOP_PORT {
-            return if self.stub_stops {
-                IoEffect::Stop
-            } else {
-                IoEffect::None
-            };
-        }
         if Pm1::owns(port) && data.len() <= 4 {
             return self.pm1.write(port, data);
         }
@@ -215,11 +196,6 @@ impl Devices {
             }
         }
         IoEffect::None
-    }
-
-    /// Whether an `out` to [`STUB_STOP_PORT`] stops its vCPU (see there).
-    pub fn set_stub_stops(&mut self, on: bool) {
-        self.stub_stops = on;
     }
 
     /// An `in` of `data.len()` bytes from `port`.

@@ -233,21 +233,6 @@ impl KvmMachine {
             .send_go(bytes)
     }
 
-    /// Takes the next vCPU event, if one is queued, as the control interface reports it,
-    /// with every vCPU paused (the one that stopped is parked already); `None` when nothing
-    /// is queued or the event ended the guest (see [`KvmMachine::ended`]).
-    pub fn take_stop(&mut self) -> Option<StopEvent> {
-        let event = self.next_event(Duration::ZERO)?;
-        if ends_the_run(&event) {
-            return None;
-        }
-        let stop = stop_of(event);
-        if let Err(e) = self.pause() {
-            tracing::warn!("cannot pause the vCPUs at a stop: {e}");
-        }
-        Some(stop)
-    }
-
     /// Takes one event from the vCPUs within `timeout`; remembers the end of the guest. A
     /// handle from [`KvmMachine::control`] takes none: it sleeps and reports the end.
     pub(crate) fn next_event(&mut self, timeout: Duration) -> Option<VmEvent> {
@@ -589,15 +574,6 @@ impl Machine for KvmMachine {
 
     fn backend(&self) -> &'static str {
         BACKEND
-    }
-
-    fn stub_stops(&mut self, on: bool) -> Result<Option<u16>, ControlError> {
-        self.vm
-            .devices
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .set_stub_stops(on);
-        Ok(Some(super::devices::STUB_STOP_PORT))
     }
 
     /// The vCPU's own IDTR, from the snapshot it left when it parked.

@@ -30,7 +30,6 @@ pub mod machine;
 pub mod mptable;
 pub mod vcpu;
 
-use crate::control::{Machine as _, StopEvent};
 use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
@@ -261,17 +260,6 @@ pub trait KvmPhaseHook {
     fn ready(&mut self, machine: &mut KvmMachine) -> Result<(), String> {
         let _ = machine;
         Ok(())
-    }
-
-    /// A vCPU stopped (a breakpoint, or exotap's stop instruction: see
-    /// [`crate::control::Machine::stub_stops`]); every vCPU is paused. The hook must let
-    /// the guest go on (the default resumes at once).
-    ///
-    /// # Errors
-    /// A message that stops the run.
-    fn stopped(&mut self, event: StopEvent, machine: &mut KvmMachine) -> Result<(), String> {
-        let _ = event;
-        machine.resume().map_err(|e| e.to_string())
     }
 
     /// Called about every 20 ms while the guest runs (e.g. to stream trace records, which the
@@ -769,13 +757,7 @@ pub fn run(
             }
         }
         if machine.ended().is_none() {
-            if let Some(stop) = machine.take_stop() {
-                hook.stopped(stop, &mut machine)
-                    .map_err(|message| KvmError::Hook {
-                        phase: "(a vCPU stop)".into(),
-                        message,
-                    })?;
-            }
+            machine.next_event(Duration::ZERO);
         }
         if machine.ended().is_none() {
             hook.tick(&mut machine).map_err(|message| KvmError::Hook {

@@ -139,9 +139,6 @@ pub enum ExitAction {
     PowerOff,
     /// A breakpoint at this address.
     Breakpoint(u64),
-    /// An `out` to the stub-stop port ([`super::devices::STUB_STOP_PORT`]): a breakpoint
-    /// at the vCPU's instruction pointer.
-    StubStop,
     /// A single step finished.
     Stepped,
     /// An exit the VMM cannot handle.
@@ -164,7 +161,6 @@ pub fn handle_exit(exit: VcpuExit<'_>, devices: &Mutex<Devices>) -> ExitAction {
             IoEffect::None => ExitAction::Continue,
             IoEffect::Reset => ExitAction::Reset,
             IoEffect::PowerOff => ExitAction::PowerOff,
-            IoEffect::Stop => ExitAction::StubStop,
         },
         VcpuExit::MmioRead(_, data) => {
             data.fill(0xff);
@@ -470,18 +466,6 @@ pub fn vcpu_loop(
             ExitAction::Reset => VmEvent::Reset { vcpu: id },
             ExitAction::PowerOff => VmEvent::PowerOff { vcpu: id },
             ExitAction::Breakpoint(pc) => VmEvent::Breakpoint { vcpu: id, pc },
-            // KVM reports an `out` exit with rip at the `out` (it skips it at the next
-            // KVM_RUN); older kernels had moved past it: the JIT accepts both.
-            ExitAction::StubStop => match fd.get_regs() {
-                Ok(regs) => VmEvent::Breakpoint {
-                    vcpu: id,
-                    pc: regs.rip,
-                },
-                Err(e) => {
-                    fail(format!("cannot read the registers at a stub stop: {e}"));
-                    break;
-                }
-            },
             ExitAction::Stepped => VmEvent::Stepped { vcpu: id },
             ExitAction::Fail(message) => {
                 fail(message);
@@ -523,28 +507,6 @@ mod tests {
 
         assert_eq!(action, ExitAction::Continue);
         assert_eq!(rx.try_recv().unwrap(), b"A");
-    }
-
-    #[test]
-    fn the_stub_stop_port_stops_only_while_the_host_serves_stops() {
-        let (d, rx) = devices();
-        let port = crate::kvm::devices::STUB_STOP_PORT;
-
-        let off = handle_exit(VcpuExit::IoOut(port, &[0]), &d);
-        d.lock().unwrap().set_stub_stops(true);
-        let on = handle_exit(VcpuExit::IoOut(port, &[0]), &d);
-        d.lock().unwrap().set_stub_stops(false);
-        let off_again = handle_exit(VcpuExit::IoOut(port, &[0]), &d);
-
-        assert_eq!(
-            (off, on, off_again),
-            (
-                ExitAction::Continue,
-                ExitAction::StubStop,
-                ExitAction::Continue
-            )
-        );
-        assert!(rx.try_recv().is_err(), "nothing reached the console");
     }
 
     #[test]
