@@ -493,6 +493,68 @@ fn a_host_evaluated_member_chain_through_null_is_a_probe_error_and_the_guest_liv
     assert_no_oops(&console);
 }
 
+/// Kernel stacks as map keys, both ways in ONE run: the first probe compiles (the guest's
+/// own unwinder, `stack_trace_save_regs`, walks from the probe point), the second does not
+/// (`errno_str()`) and runs on the host at a breakpoint on the same function, where
+/// exotap's ORC unwinder walks the stopped vCPU. Both see every hit, so the two arrays
+/// must be equal, key for key and count for count, whatever the guest did.
+const STACK_KEYS: &str = r#"global compiled, host
+  probe kernel.function("dput") {
+    if (execname() == "syscall-loop") compiled[backtrace()] <<< 1
+  }
+  probe kernel.function("dput") {
+    if (execname() == "syscall-loop" && errno_str(2) != "") host[backtrace()] <<< 1
+  }
+  probe end {
+    foreach (s in compiled) printf("compiled %d %s\n", @count(compiled[s]), s)
+    foreach (s in host) printf("host %d %s\n", @count(host[s]), s)
+  }"#;
+
+#[test]
+fn kernel_stacks_as_keys_are_the_same_unwound_in_the_guest_and_on_the_host() {
+    if !have_qemu("kernel_stacks_as_keys_are_the_same_unwound_in_the_guest_and_on_the_host") {
+        return;
+    }
+    let (code, out, err, console) = boot(STACK_KEYS, "auto", "syscall-loop 20");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(
+        err.contains("the script runs mixed: 1 kernel probes compiled")
+            || err.contains("the script runs mixed: 1 kernel probe compiled"),
+        "{ctx}"
+    );
+    let side = |which: &str| -> std::collections::BTreeMap<String, u64> {
+        script_output(&out)
+            .lines()
+            .filter_map(|l| l.strip_prefix(which))
+            .map(|l| {
+                let (n, stack) = l.split_once(' ').expect("a count and a stack");
+                (stack.to_owned(), n.parse().expect("a count"))
+            })
+            .collect()
+    };
+    let (compiled, host) = (side("compiled "), side("host "));
+    let stacks = compiled.len();
+    let hits: u64 = compiled.values().sum();
+    let deepest = compiled
+        .keys()
+        .map(|s| s.split(' ').count())
+        .max()
+        .unwrap_or(0);
+    eprintln!("dput from syscall-loop: {hits} hits over {stacks} distinct stacks (deepest {deepest} frames), equal both ways");
+    assert_eq!(compiled, host, "{ctx}");
+    // The workload's opens and closes reach dput along several paths, each at least the
+    // probe point, the syscall's frames and the entry from user space.
+    assert!(stacks >= 2 && hits >= 20 && deepest >= 5, "{ctx}");
+    let first: std::collections::BTreeSet<&str> = compiled
+        .keys()
+        .filter_map(|s| s.split(' ').next())
+        .collect();
+    assert_eq!(first.len(), 1, "every stack starts at dput: {ctx}");
+    assert_no_oops(&console);
+}
+
 /// A mixed script: the getppid and close probes compile, the vfs_read probe (`errno_str()`,
 /// which has no compiled form; `=~` had this role before it compiled) does not and runs on
 /// the host, and they share `n` and `reads` both ways.

@@ -152,6 +152,7 @@ fn facts() -> Facts {
         },
         realtime_ns: None,
         copy_nofault: Some(COPY),
+        stack_save: None,
         memory: MemoryFns {
             strncpy_kernel: Some(STRNCPY),
             strncpy_user: Some(STRNCPY),
@@ -226,6 +227,7 @@ fn rig_as(
             locals: None,
         }],
         ret: Vec::new(),
+        pc: 0,
     };
     let entry = CODE + 0x8_0000;
     let mut code = compile::entry_code(env, &mut interner, entry, &bodies, None).expect("compiles");

@@ -13,6 +13,8 @@ use exotap_probes::compile::{
     DataLayout, Facts, Interner, MemoryFns, SiteBodies, SitePoint, TaskFields,
 };
 use exotap_probes::lang::driver::{compile as check_script, ScriptSource};
+use exotap_probes::lang::eval::Store;
+use exotap_probes::lang::value::{truncate, Value};
 use exotap_probes::lang::Limits;
 use exotap_vmm::control::X86Registers;
 use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine};
@@ -31,6 +33,12 @@ const COPY: u64 = CODE + 0xf_0000;
 const GUARD_AT: u64 = CODE + 0xf_1000;
 /// Where the stand-in counts its calls.
 const CALLS_AT: u64 = CODE + 0xf_1008;
+/// A stand-in for `stack_trace_save_regs(regs, store, size, skip)`: keeps its size and skip
+/// at [`SAVED_AT`] and the `pt_regs` it got after them, then stores the first pcs of the
+/// list at [`PCS_AT`] (a count, then the pcs) that fit `size`, and returns how many.
+const SAVE: u64 = CODE + 0xf_2000;
+const SAVED_AT: u64 = CODE + 0xf_3000;
+const PCS_AT: u64 = CODE + 0xf_4000;
 
 fn copy_routine() -> Vec<u8> {
     let mut a = CodeAssembler::new(64).unwrap();
@@ -57,6 +65,31 @@ fn copy_routine() -> Vec<u8> {
     a.assemble(COPY).unwrap()
 }
 
+fn save_routine() -> Vec<u8> {
+    use iced_x86::code_asm::{r10, r11, r8, r9, rdi};
+    let mut a = CodeAssembler::new(64).unwrap();
+    a.mov(r8, SAVED_AT).unwrap();
+    a.mov(qword_ptr(r8), rdx).unwrap();
+    a.mov(qword_ptr(r8 + 8), rcx).unwrap();
+    a.mov(r9, rsi).unwrap();
+    a.mov(r10, rdx).unwrap();
+    a.mov(rsi, rdi).unwrap();
+    a.lea(rdi, qword_ptr(r8 + 16)).unwrap();
+    a.mov(rcx, 168u64).unwrap();
+    a.rep().movsb().unwrap();
+    a.mov(r11, PCS_AT).unwrap();
+    a.mov(rcx, qword_ptr(r11)).unwrap();
+    a.cmp(rcx, r10).unwrap();
+    a.cmova(rcx, r10).unwrap();
+    a.mov(rax, rcx).unwrap();
+    a.lea(rsi, qword_ptr(r11 + 8)).unwrap();
+    a.mov(rdi, r9).unwrap();
+    a.shl(rcx, 3).unwrap();
+    a.rep().movsb().unwrap();
+    a.ret().unwrap();
+    a.assemble(SAVE).unwrap()
+}
+
 fn facts() -> Facts {
     Facts {
         current_task: 0x100,
@@ -73,6 +106,7 @@ fn facts() -> Facts {
         },
         realtime_ns: None,
         copy_nofault: Some(COPY),
+        stack_save: Some(SAVE),
         memory: MemoryFns::default(),
         types: None,
         globals: Default::default(),
@@ -104,8 +138,9 @@ fn rig(script: &str) -> Rig {
     .expect("the script checks");
     let facts = facts();
     let mut layout = DataLayout::new(&prog, &limits).expect("lays out");
-    assert!(compile::codegen::prints(&prog));
-    layout = layout.with_rings(1);
+    if compile::codegen::prints(&prog) {
+        layout = layout.with_rings(1);
+    }
     let rt = compile::runtime(&layout, DATA, CODE).unwrap();
     let env = Env {
         prog: &prog,
@@ -126,6 +161,7 @@ fn rig(script: &str) -> Rig {
             locals: None,
         }],
         ret: Vec::new(),
+        pc: PROBE_PC,
     };
     let entry = CODE + 0x8_0000;
     let mut code = compile::entry_code(env, &mut interner, entry, &bodies, None).expect("compiles");
@@ -144,6 +180,7 @@ fn rig(script: &str) -> Rig {
     uc.write(CODE, &rt.code).unwrap();
     uc.write(entry, &code).unwrap();
     uc.write(COPY, &copy_routine()).unwrap();
+    uc.write(SAVE, &save_routine()).unwrap();
     uc.write(GUARD_AT, &u64::MAX.to_le_bytes()).unwrap();
     let mut init = layout.initial(&prog, &mut interner);
     init.resize(layout.size as usize, 0);
@@ -323,7 +360,7 @@ fn printf_of_a_backtrace_keeps_the_other_arguments_in_their_places() {
 #[test]
 fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     let limits = Limits::default();
-    let refusal = |script: &str| -> Vec<String> {
+    let refusal_with = |facts: &Facts, script: &str| -> Vec<String> {
         let prog = check_script(
             &ScriptSource {
                 name: "t.stp".into(),
@@ -340,20 +377,25 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
             is_return,
             locals: None,
         };
-        compile::check(
-            &prog,
-            &limits,
-            &facts(),
-            &[point(script.contains(".return"))],
-        )
-        .into_iter()
-        .map(|u| u.construct)
-        .collect()
+        compile::check(&prog, &limits, facts, &[point(script.contains(".return"))])
+            .into_iter()
+            .map(|u| u.construct)
+            .collect()
     };
+    let refusal = |script: &str| refusal_with(&facts(), script);
 
     let key = refusal(r#"global s; probe kernel.function("f") { s[backtrace()]++ }"#);
+    let no_unwinder = refusal_with(
+        &Facts {
+            stack_save: None,
+            ..facts()
+        },
+        r#"global s; probe kernel.function("f") { s[backtrace()]++ }"#,
+    );
+    let ret_key = refusal(r#"global s; probe kernel.function("f").return { s[backtrace()]++ }"#);
     let ret = refusal(r#"probe kernel.function("f").return { print_backtrace() }"#);
     let fine = refusal(r#"probe kernel.function("f") { println(sprint_backtrace()) }"#);
+    let lines = refusal(r#"probe kernel.function("f") { s = sprint_backtrace() }"#);
     // A built string may live in the guest's string table, which a stack record lacks.
     let built = refusal(
         r#"probe kernel.function("f") { s = execname() . "!"; printf("%s %s\n", s, backtrace()) }"#,
@@ -361,13 +403,27 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     let plain =
         refusal(r#"probe kernel.function("f") { printf("%s %s\n", execname(), backtrace()) }"#);
 
+    assert!(key.is_empty(), "{key:?}");
     assert!(
-        key.iter()
-            .any(|c| c.contains("backtrace() other than as an argument")),
-        "{key:?}"
+        no_unwinder
+            .iter()
+            .any(|c| c.contains("the kernel has no stack_trace_save_regs")),
+        "{no_unwinder:?}"
+    );
+    assert!(
+        ret_key
+            .iter()
+            .any(|c| c.contains("backtrace() as a value in a return probe")),
+        "{ret_key:?}"
     );
     assert!(ret.iter().any(|c| c.contains("return probe")), "{ret:?}");
     assert!(fine.is_empty(), "{fine:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|c| c.contains("sprint_backtrace() other than as an argument")),
+        "{lines:?}"
+    );
     assert!(
         built
             .iter()
@@ -375,6 +431,131 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
         "{built:?}"
     );
     assert!(plain.is_empty(), "{plain:?}");
+}
+
+impl Rig {
+    /// The pcs the stand-in unwinder gives.
+    fn unwinds_to(&mut self, pcs: &[u64]) {
+        let mut list = (pcs.len() as u64).to_le_bytes().to_vec();
+        list.extend(pcs.iter().flat_map(|p| p.to_le_bytes()));
+        self.uc.write(PCS_AT, &list).unwrap();
+    }
+
+    fn data(&self) -> Vec<u8> {
+        let mut data = vec![0u8; self.layout.size as usize];
+        self.uc.read(DATA, &mut data).unwrap();
+        data
+    }
+
+    /// The keys of the stats array `name` and their counts.
+    fn stack_keys(&self, name: &str) -> Vec<(String, i64)> {
+        let Some(Store::StatsArray(m)) = self.layout.decode(name, &self.data(), &self.interner)
+        else {
+            panic!("{name} is not an array of aggregates");
+        };
+        m.iter()
+            .map(|(k, v)| match &k[..] {
+                [Value::Str(s)] => (s.clone(), v.count),
+                other => panic!("key {other:?}"),
+            })
+            .collect()
+    }
+
+    /// The stand-in unwinder's arguments: (size, skip, the pt_regs words).
+    fn unwinder_args(&self) -> (u64, u64, Vec<u64>) {
+        let mut saved = vec![0u8; 16 + 168];
+        self.uc.read(SAVED_AT, &mut saved).unwrap();
+        let words: Vec<u64> = saved
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        (words[0], words[1], words[2..].to_vec())
+    }
+}
+
+/// The interpreter's `backtrace()` text of `pcs`.
+fn pcs_text(pcs: &[u64]) -> String {
+    let text = pcs
+        .iter()
+        .map(|p| format!("{p:#x}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    truncate(text, Limits::default().max_string_len)
+}
+
+#[test]
+fn backtrace_as_a_key_is_the_kernels_unwind_from_the_probed_codes_registers() {
+    let mut rig = rig(r#"global s; probe kernel.function("f") { s[backtrace()] <<< 1 }"#);
+    // Digits as `{:#x}` writes them: no leading zeros, "0x0" for 0.
+    let pcs = [
+        PROBE_PC,
+        0xffff_ffff_8100_0abc,
+        0xabc,
+        0,
+        0xffff_ffff_81ff_fff0,
+    ];
+    rig.unwinds_to(&pcs);
+    let sp = STACK + 0x6000;
+
+    let regs = rig.hit(sp);
+    rig.hit(sp);
+
+    assert_eq!(rig.stack_keys("s"), vec![(pcs_text(&pcs), 2)]);
+    let (size, skip, pt_regs) = rig.unwinder_args();
+    // MAXSTRINGLEN 512 holds 511 bytes of text: 27 frames of 19 bytes cover it.
+    assert_eq!((size, skip), (27, 0));
+    // struct pt_regs: r15 r14 r13 r12 bp bx r11 r10 r9 r8 ax cx dx si di (gdb's numbers:
+    // rax rbx rcx rdx rsi rdi rbp rsp r8..r15), orig_ax, ip, cs, flags, sp, ss.
+    let gdb = [15, 14, 13, 12, 6, 1, 11, 10, 9, 8, 0, 2, 3, 4, 5];
+    for (i, g) in gdb.iter().enumerate() {
+        assert_eq!(pt_regs[i], regs.gpr[*g], "pt_regs word {i}");
+    }
+    assert_eq!(
+        pt_regs[15..21],
+        [u64::MAX, PROBE_PC, 0x10, 0x246, sp, 0x18],
+        "orig_ax, ip, cs, flags, sp, ss"
+    );
+    let header = compile::Header::decode(&rig.data());
+    assert_eq!((header.errors, header.stacks_busy), (0, 0));
+    // The CPU's guard bit is clear again.
+    let mut guard = [0u8; 16];
+    rig.uc
+        .read(DATA + compile::data::field::STACK_GUARD, &mut guard)
+        .unwrap();
+    assert_eq!(guard, [0u8; 16]);
+}
+
+#[test]
+fn a_deep_backtrace_is_cut_at_maxstringlen_as_the_interpreter_cuts_it() {
+    let mut rig = rig(r#"global s; probe kernel.function("f") { s[backtrace()] <<< 1 }"#);
+    let pcs: Vec<u64> = (0..64).map(|i| 0xffff_ffff_8100_0000 + 0x40 * i).collect();
+    rig.unwinds_to(&pcs);
+
+    rig.hit(STACK + 0x6000);
+
+    let keys = rig.stack_keys("s");
+    assert_eq!(keys, vec![(pcs_text(&pcs), 1)]);
+    assert_eq!(keys[0].0.len(), Limits::default().max_string_len - 1);
+}
+
+#[test]
+fn a_cpu_already_in_the_unwinder_gets_an_empty_stack_counted_not_a_recursion() {
+    let mut rig = rig(r#"global s; probe kernel.function("f") { s[backtrace()] <<< 1 }"#);
+    rig.unwinds_to(&[PROBE_PC]);
+    // CPU 0 is inside the unwinder already (this probe stands in its path).
+    rig.uc
+        .write(
+            DATA + compile::data::field::STACK_GUARD,
+            &1u64.to_le_bytes(),
+        )
+        .unwrap();
+
+    rig.hit(STACK + 0x6000);
+
+    assert_eq!(rig.stack_keys("s"), vec![(String::new(), 1)]);
+    assert_eq!(rig.unwinder_args().0, 0, "the unwinder was not called");
+    let header = compile::Header::decode(&rig.data());
+    assert_eq!((header.errors, header.stacks_busy), (0, 1));
 }
 
 #[test]

@@ -4,7 +4,9 @@
 //! +0    header (128 bytes): magic "EXOTAPC1", exit flag, probe errors, division-by-zero
 //!       errors, MAXACTION errors, dropped updates (every table's sum), kernel read faults,
 //!       array overflows, reads of empty aggregates, calls past MAXNESTING, `error()`s,
-//!       built strings with no room in the string table
+//!       built strings with no room in the string table, string function arguments out
+//!       of range, `backtrace()` calls that found the unwinder busy, the per-CPU unwinder
+//!       guard bits
 //! +128  globals, each 64-byte aligned, in declaration order:
 //!       long scalar     8 bytes
 //!       string scalar   16 bytes (see below)
@@ -96,7 +98,16 @@ pub mod field {
     /// Arguments of string functions out of their range (`stringat`'s index past the
     /// string, `strtol`'s base outside 2..=36): each ends its hit with a probe error.
     pub const ARGUMENTS: u64 = 96;
+    /// `backtrace()` calls that found the kernel's unwinder already busy on their CPU (a
+    /// probe on a function the unwinder runs, or one in an NMI that came in during a
+    /// walk): each gives an empty stack, not a probe error.
+    pub const STACKS_BUSY: u64 = 104;
+    /// One bit per CPU (128 of them, two words): set while that CPU's compiled code runs
+    /// the kernel's unwinder for `backtrace()`.
+    pub const STACK_GUARD: u64 = 112;
 }
+/// CPUs [`field::STACK_GUARD`] has a bit for.
+pub const STACK_GUARD_CPUS: u32 = 128;
 /// Most keys of one array.
 pub const MAX_KEYS: usize = 5;
 /// Bytes per key.
@@ -511,6 +522,9 @@ pub struct Header {
     pub strings: u64,
     /// Arguments of string functions out of range (see [`field::ARGUMENTS`]).
     pub arguments: u64,
+    /// `backtrace()` calls that gave an empty stack because the unwinder was busy on their
+    /// CPU (see [`field::STACKS_BUSY`]).
+    pub stacks_busy: u64,
 }
 
 fn word(bytes: &[u8], at: u64) -> u64 {
@@ -537,6 +551,7 @@ impl Header {
             raised: word(bytes, field::RAISED),
             strings: word(bytes, field::STRINGS),
             arguments: word(bytes, field::ARGUMENTS),
+            stacks_busy: word(bytes, field::STACKS_BUSY),
         }
     }
 }

@@ -108,6 +108,9 @@ pub struct Facts {
     pub copy_nofault: Option<u64>,
     /// The kernel's other fault-tolerant copy routines (strings from memory).
     pub memory: MemoryFns,
+    /// Slid address of `stack_trace_save_regs` (for `backtrace()` as a value: the guest's
+    /// own ORC unwinder walks the probed code's stack, see [`codegen`]'s stack module).
+    pub stack_save: Option<u64>,
     /// The guest kernel's types, for member chains (`$p->m->n`, `@cast`); `None`: they do not
     /// compile.
     pub types: Option<std::sync::Arc<dyn types::KernelTypes>>,
@@ -316,7 +319,7 @@ pub fn check(
         } else {
             (vec![p.clone()], Vec::new())
         };
-        let bodies = SiteBodies { entry, ret };
+        let bodies = SiteBodies { entry, ret, pc: 0 };
         let r = if p.is_return {
             site::return_code(env, &mut interner, code, &bodies, base)
         } else {

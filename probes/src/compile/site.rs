@@ -377,6 +377,8 @@ pub struct SiteBodies {
     pub entry: Vec<SitePoint>,
     /// Run at the return.
     pub ret: Vec<SitePoint>,
+    /// The site's address: the first frame of a `backtrace()` its entry bodies take.
+    pub pc: u64,
 }
 
 fn save(a: &mut CodeAssembler) -> Result<(), IcedError> {
@@ -420,7 +422,7 @@ pub fn entry_code(
     a.set_prefer_short_branch(false);
     save(&mut a).map_err(refused)?;
     for p in &bodies.entry {
-        emit_body(&mut a, env, interner, p)?;
+        emit_body(&mut a, env, interner, p, bodies.pc)?;
     }
     if let Some((table, misses, trampoline)) = returns {
         let r = (|| {
@@ -467,7 +469,7 @@ pub fn return_code(
     })();
     r.map_err(refused)?;
     for p in &bodies.ret {
-        emit_body(&mut a, env, interner, p)?;
+        emit_body(&mut a, env, interner, p, bodies.pc)?;
     }
     a.add(rsp, ENTRY_ARGS).map_err(refused)?;
     restore(&mut a).map_err(refused)?;

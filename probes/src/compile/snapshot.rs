@@ -31,9 +31,9 @@
 //! ([`StackFormat::pc`]) when it installs the site, since the code is generated before the
 //! splice engine says where each site's code goes.
 //!
-//! Kernel stacks as map keys (`s[backtrace()]++`) do not compile: a key must be known in
-//! the guest, and the guest has no unwound stack (hashing the raw stack words would make
-//! keys of locals and stale bytes, not of call chains). Such probes run on the host path.
+//! `backtrace()` anywhere else (a map key: `s[backtrace()]++`, a local, a comparison) must
+//! be known in the guest at the hit: there the guest's own unwinder walks the stack (see
+//! the codegen's stack module), and the result is a string built in the guest.
 
 use crate::lang::ast::{Expr, ExprKind, FunctionBody};
 use crate::lang::check::Program;
@@ -160,14 +160,27 @@ pub fn stack_arg(e: &Expr) -> Option<StackArg> {
 /// Whether any kernel probe of `prog` (or a function) takes a stack snapshot: its records
 /// are then as large as records get.
 pub fn takes_snapshots(prog: &Program) -> bool {
+    stack_uses(prog).0 > 0
+}
+
+/// The kernel stacks the kernel probes of `prog` (and its functions) take, as (snapshots,
+/// values): snapshots are `print_backtrace()` and the stacks printed as arguments of a
+/// print call (records the host unwinds); values are the other `backtrace()` calls
+/// (`s[backtrace()]++`): strings the guest builds with the kernel's own unwinder (see the
+/// codegen's stack module).
+pub fn stack_uses(prog: &Program) -> (usize, usize) {
     use super::codegen::walk::{block_exprs, expr_all};
-    let mut found = false;
+    let (mut printed, mut stacks, mut print_backtrace) = (0usize, 0usize, 0usize);
     let mut look = |e: &Expr| {
         if let ExprKind::Call(c) = &e.kind {
-            found |= matches!(
-                c.name.name.as_str(),
-                "backtrace" | "sprint_backtrace" | "print_backtrace"
-            );
+            match c.name.name.as_str() {
+                "backtrace" | "sprint_backtrace" => stacks += 1,
+                "print_backtrace" => print_backtrace += 1,
+                "printf" | "print" | "println" | "printd" | "printdln" => {
+                    printed += c.args.iter().filter(|a| stack_arg(a).is_some()).count();
+                }
+                _ => {}
+            }
         }
     };
     for p in super::guest_probes(prog) {
@@ -181,7 +194,7 @@ pub fn takes_snapshots(prog: &Program) -> bool {
             block_exprs(b, &mut look);
         }
     }
-    found
+    (print_backtrace + printed, stacks.saturating_sub(printed))
 }
 
 fn word(record: &[u8], at: u64) -> Option<u64> {

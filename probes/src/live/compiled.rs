@@ -113,6 +113,7 @@ fn facts(image: &KernelImage, prog: &Program, btf: &Btf) -> anyhow::Result<Facts
             .get("copy_from_kernel_nofault")
             .map(|s| s.addr),
         memory: compile::MemoryFns::from_symbols(|n| image.symbols.get(n).map(|s| s.addr)),
+        stack_save: image.symbols.get("stack_trace_save_regs").map(|s| s.addr),
         types: Some(std::sync::Arc::new(compile::types::BtfTypes(btf.clone()))),
     })
 }
@@ -637,6 +638,7 @@ pub fn start_on(
     facts.realtime_ns = plan.realtime_link.map(|a| a.wrapping_add(slide));
     facts.copy_nofault = plan.copy_link.map(|a| a.wrapping_add(slide));
     facts.memory = plan.facts.memory.slid(slide);
+    facts.stack_save = plan.facts.stack_save.map(|a| a.wrapping_add(slide));
     facts.data_slide = slide;
     let kprobes = if script.compare_kprobes {
         let btf =
@@ -766,7 +768,10 @@ fn install(
         let mut names: HashMap<u64, String> = HashMap::new();
         for (link, p) in &plan.points {
             let addr = link.wrapping_add(slide);
-            let site = by_addr.entry(addr).or_default();
+            let site = by_addr.entry(addr).or_insert_with(|| SiteBodies {
+                pc: addr,
+                ..SiteBodies::default()
+            });
             names.entry(addr).or_insert_with(|| p.function.clone());
             if p.is_return {
                 site.ret.push(p.clone());
@@ -1167,6 +1172,14 @@ fn run(
             "string function argument out of range in a compiled probe ({} times): a \
              stringat() index past the string or a strtol() base outside 2 to 36",
             header.arguments
+        ));
+    }
+    if header.stacks_busy > 0 {
+        session.warn(&format!(
+            "{} backtrace() calls in compiled probes gave an empty stack: the kernel's \
+             unwinder was already running on their CPU (a probe on a function the unwinder \
+             runs, or one in an NMI)",
+            header.stacks_busy
         ));
     }
     if header.dropped > 0 {

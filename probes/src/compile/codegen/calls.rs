@@ -135,10 +135,11 @@ impl Gen<'_, '_> {
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
             "print_backtrace" => self.print_backtrace(),
-            "backtrace" | "sprint_backtrace" => Err(self.no(format!(
-                "{name}() other than as an argument of printf/print/println (the host unwinds \
-                 a compiled probe's stack later, from a snapshot in its output record)"
-            ))),
+            "backtrace" => self.backtrace_string(),
+            "sprint_backtrace" => Err(self.no(
+                "sprint_backtrace() other than as an argument of printf/print/println (the host \
+                 names the frames, from a snapshot in the output record)",
+            )),
             // `printd(", ", a, b)` prints what `print(a, ", ", b)` prints.
             "printd" | "printdln" => {
                 let args = interleaved(&c.args).ok_or_else(|| {

@@ -131,6 +131,8 @@ struct Gen<'a, 'b> {
     env: Env<'a>,
     interner: &'b mut Interner,
     point: &'b SitePoint,
+    /// The site's address (the first frame of `backtrace()`).
+    pc: u64,
     locals: HashMap<String, (i32, K)>,
     locals_size: i32,
     /// Locals holding strings read from memory: name → buffer offset under the scratch.
@@ -178,7 +180,7 @@ struct Errors {
 /// address (0: none), its frame pointer and its nesting depth.
 const CATCH_RECORD: i32 = 32;
 
-/// Emits probe `point.probe`'s body (with its condition) for `point`.
+/// Emits probe `point.probe`'s body (with its condition) for `point`, at a site at `pc`.
 ///
 /// # Errors
 /// The first construct that does not compile.
@@ -187,6 +189,7 @@ pub fn emit_body(
     env: Env<'_>,
     interner: &mut Interner,
     point: &SitePoint,
+    pc: u64,
 ) -> R<()> {
     let probe = env
         .prog
@@ -253,6 +256,7 @@ pub fn emit_body(
         env,
         interner,
         point,
+        pc,
         locals,
         locals_size: size,
         texts,

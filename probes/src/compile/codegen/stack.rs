@@ -3,24 +3,234 @@
 //! stack snapshot (the saved registers and the stack bytes above the probed code's stack
 //! pointer) for the host to unwind. The record layout and the bounds of the copy are in
 //! [`crate::compile::snapshot`].
+//!
+//! `backtrace()` anywhere else (a map key, `s[backtrace()] <<< 1`, a local, a comparison)
+//! is a value the hit needs now, so the guest unwinds: the body lays a `struct pt_regs` of
+//! the probed code out on its stack (the registers the site saved, the site's address as
+//! `ip`, the stack pointer the probed code had, kernel `cs`/`ss`) and calls the kernel's
+//! own `stack_trace_save_regs(regs, store, n, 0)`: the guest's ORC unwinder, the one behind
+//! `/proc/PID/stack`, walks from the probe point as exotap's host unwinder walks from a
+//! stopped vCPU's registers, frame for frame (tests/compiled_qemu.rs compares the two).
+//! Exotap's patch code has no ORC entries, but the walk starts at the probed code and
+//! never passes through it. The pcs become the interpreter's text (`0x...` blank
+//! separated, cut at MAXSTRINGLEN), a string built in the guest ([`super::strings`]).
+//!
+//! The walk runs with interrupts off and a per-CPU guard bit in the data's header: a probe
+//! on a function the unwinder itself runs (or one in an NMI) finds its CPU's bit set and
+//! gets an empty stack, counted ([`field::STACKS_BUSY`]), instead of recursing.
 
 use iced_x86::code_asm::*;
+use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
 use crate::lang::ast::*;
 
-use super::super::data::{OutputKind, MAX_PRINT_ARGS};
+use super::super::data::{field, OutputKind, MAX_PRINT_ARGS, STACK_GUARD_CPUS};
 use super::super::snapshot::{
     stack_arg, StackArg, StackFormat, StackOutput, REGS, SNAPSHOT_HEAD, STACK_FORMAT, STACK_SIZE,
 };
 use super::memory::text_call;
-use super::{Gen, K, R, SAVED_BYTES};
+use super::{rip, saved_offset, Gen, K, R, SAVED_BYTES};
 
 /// Fewest stack bytes a record must have room for (a few frames).
 const MIN_SNAPSHOT: u64 = 512;
 /// Bytes of a page: the copy goes a page at a time and stops at the first that faults.
 const PAGE: i32 = 4096;
+/// Most frames `backtrace()` asks the guest's unwinder for (exotap's host unwinder stops at
+/// as many).
+const MAX_FRAMES: u32 = 64;
+/// Bytes of one frame in `backtrace()`'s text: `0x` and 16 digits of a kernel address, and
+/// the blank before the next.
+const FRAME_TEXT: u32 = 19;
+/// Bytes of x86-64's `struct pt_regs` (rounded up to 16).
+const PT_REGS: i32 = 176;
+/// `struct pt_regs` offsets: the general registers in its order, then the rest.
+const PT_REGS_GPRS: [(Register, i32); 15] = [
+    (Register::R15, 0),
+    (Register::R14, 8),
+    (Register::R13, 16),
+    (Register::R12, 24),
+    (Register::RBP, 32),
+    (Register::RBX, 40),
+    (Register::R11, 48),
+    (Register::R10, 56),
+    (Register::R9, 64),
+    (Register::R8, 72),
+    (Register::RAX, 80),
+    (Register::RCX, 88),
+    (Register::RDX, 96),
+    (Register::RSI, 104),
+    (Register::RDI, 112),
+];
+const PT_ORIG_AX: i32 = 120;
+const PT_IP: i32 = 128;
+const PT_CS: i32 = 136;
+const PT_FLAGS: i32 = 144;
+const PT_SP: i32 = 152;
+const PT_SS: i32 = 160;
+/// The kernel's code and stack selectors (`__KERNEL_CS`, `__KERNEL_DS`).
+const KERNEL_CS: i32 = 0x10;
+const KERNEL_DS: i32 = 0x18;
+/// Offset of the flags the site saved, from `r15` (above the 15 registers).
+const SAVED_FLAGS: i32 = 15 * 8;
+
+/// `mov eax, gs:[cpu_number]`.
+fn load_cpu(a: &mut CodeAssembler, cpu_number: u64) -> Result<(), IcedError> {
+    let mut cpu = Instruction::with2(
+        Code::Mov_r32_rm32,
+        Register::EAX,
+        MemoryOperand::with_base_displ(Register::None, cpu_number as i64),
+    )?;
+    cpu.set_segment_prefix(Register::GS);
+    cpu.set_memory_displ_size(4);
+    a.add_instruction(cpu)
+}
 
 impl Gen<'_, '_> {
+    /// `backtrace()` as a value: the guest's unwinder from the probe point, as a string
+    /// built in the guest (see the module documentation).
+    pub(super) fn backtrace_string(&mut self) -> R<K> {
+        if self.point.is_return {
+            return Err(self.no(
+                "backtrace() as a value in a return probe (the compiled return trampoline \
+                 stands outside the probed function)",
+            ));
+        }
+        let save = self.env.facts.stack_save.ok_or_else(|| {
+            self.no("backtrace() as a value (the kernel has no stack_trace_save_regs)")
+        })?;
+        let room = self.build_room();
+        // Frames past the text's room are cut anyway.
+        let frames = (room / FRAME_TEXT + 1).min(MAX_FRAMES);
+        let store = ((frames * 8 + 15) & !15) as i32;
+        let area = store + PT_REGS;
+        let regs = store;
+        let pc = self.pc;
+        let data = self.env.data;
+        let cpu_number = self.env.facts.cpu_number;
+        let r = (|| {
+            let mut busy = self.a.create_label();
+            let mut walked = self.a.create_label();
+            // [rsp, +store): the pcs; [rsp + store, +PT_REGS): the probed code's pt_regs.
+            self.a.sub(rsp, area)?;
+            for (reg, at) in PT_REGS_GPRS {
+                self.a.mov(rax, qword_ptr(r15 + saved_offset(reg)))?;
+                self.a.mov(qword_ptr(rsp + regs + at), rax)?;
+            }
+            self.a.mov(qword_ptr(rsp + regs + PT_ORIG_AX), -1)?;
+            self.a.mov(rax, pc)?;
+            self.a.mov(qword_ptr(rsp + regs + PT_IP), rax)?;
+            self.a.mov(qword_ptr(rsp + regs + PT_CS), KERNEL_CS)?;
+            self.a.mov(rax, qword_ptr(r15 + SAVED_FLAGS))?;
+            self.a.mov(qword_ptr(rsp + regs + PT_FLAGS), rax)?;
+            self.a.lea(rax, qword_ptr(r15 + SAVED_BYTES))?;
+            self.a.mov(qword_ptr(rsp + regs + PT_SP), rax)?;
+            self.a.mov(qword_ptr(rsp + regs + PT_SS), KERNEL_DS)?;
+            // Interrupts off, then this CPU's guard bit: set already, the unwinder is busy
+            // here (this probe stands in its path, or came in an NMI during a walk).
+            self.a.pushfq()?;
+            self.a.cli()?;
+            load_cpu(self.a, cpu_number)?;
+            self.a.cmp(eax, STACK_GUARD_CPUS)?;
+            self.a.jae(busy)?;
+            self.a.add_instruction(Instruction::with2(
+                Code::Lea_r64_m,
+                Register::RCX,
+                rip(data + field::STACK_GUARD),
+            )?)?;
+            self.a.lock().bts(qword_ptr(rcx), rax)?;
+            self.a.jc(busy)?;
+            self.a.push(rax)?; // the CPU, and keeps the stack 16-byte aligned
+            self.a.lea(rdi, qword_ptr(rsp + 16 + regs))?;
+            self.a.lea(rsi, qword_ptr(rsp + 16))?;
+            self.a.mov(edx, frames)?;
+            self.a.xor(ecx, ecx)?;
+            self.a.call(save)?;
+            self.a.pop(rdx)?;
+            self.a.add_instruction(Instruction::with2(
+                Code::Lea_r64_m,
+                Register::RCX,
+                rip(data + field::STACK_GUARD),
+            )?)?;
+            self.a.lock().btr(qword_ptr(rcx), rdx)?;
+            self.a.jmp(walked)?;
+            self.a.set_label(&mut busy)?;
+            let mut inc = Instruction::with1(Code::Inc_rm64, rip(data + field::STACKS_BUSY))?;
+            inc.set_has_lock_prefix(true);
+            self.a.add_instruction(inc)?;
+            self.a.xor(eax, eax)?;
+            self.a.set_label(&mut walked)?;
+            self.a.popfq()?;
+            // The frames found, kept where pt_regs.orig_ax was.
+            self.a.mov(eax, eax)?;
+            self.a.mov(qword_ptr(rsp + regs + PT_ORIG_AX), rax)
+        })();
+        asm!(self, r)?;
+        self.open_buffer()?;
+        let bytes = self.build_bytes();
+        let r = (|| {
+            // rdi/rcx: the output and its room (r8 stays 0: every pc is readable);
+            // r9: the frame, r10: the frames, r11: the pc being written.
+            let mut frame = self.a.create_label();
+            let mut digit = self.a.create_label();
+            let mut first = self.a.create_label();
+            let mut full = self.a.create_label();
+            self.a.xor(r9d, r9d)?;
+            self.a
+                .mov(r10, qword_ptr(rsp + bytes + regs + PT_ORIG_AX))?;
+            self.a.set_label(&mut frame)?;
+            self.a.cmp(r9, r10)?;
+            self.a.jae(full)?;
+            self.a.test(r9, r9)?;
+            self.a.jz(first)?;
+            self.put_byte(b' ', full)?;
+            self.a.set_label(&mut first)?;
+            self.put_byte(b'0', full)?;
+            self.put_byte(b'x', full)?;
+            self.a.mov(r11, qword_ptr(rsp + bytes + 8 * r9))?;
+            // Digits from the highest non-zero one ("0" for 0), as `{:#x}` writes them:
+            // rdx = the shift of the next digit.
+            self.a.mov(rax, r11)?;
+            self.a.or(rax, 1)?;
+            self.a.bsr(rdx, rax)?;
+            self.a.and(edx, !3)?;
+            self.a.set_label(&mut digit)?;
+            self.a.test(rcx, rcx)?;
+            self.a.jz(full)?;
+            self.a.mov(rax, r11)?;
+            self.a.xchg(rcx, rdx)?;
+            self.a.shr(rax, cl)?;
+            self.a.xchg(rcx, rdx)?;
+            self.a.and(eax, 15)?;
+            self.a.cmp(eax, 10)?;
+            let mut decimal = self.a.create_label();
+            self.a.jb(decimal)?;
+            self.a.add(eax, i32::from(b'a' - b'0' - 10))?;
+            self.a.set_label(&mut decimal)?;
+            self.a.add(eax, i32::from(b'0'))?;
+            self.a.mov(byte_ptr(rdi), al)?;
+            self.a.inc(rdi)?;
+            self.a.dec(rcx)?;
+            self.a.sub(edx, 4)?;
+            self.a.jns(digit)?;
+            self.a.inc(r9)?;
+            self.a.jmp(frame)?;
+            self.a.set_label(&mut full)?;
+            self.a.nop()
+        })();
+        asm!(self, r)?;
+        self.close_buffer(area)
+    }
+
+    /// Writes `byte` to the build buffer (rdi, room rcx), or jumps to `full` when there is
+    /// no room.
+    fn put_byte(&mut self, byte: u8, full: CodeLabel) -> Result<(), IcedError> {
+        self.a.test(rcx, rcx)?;
+        self.a.jz(full)?;
+        self.a.mov(byte_ptr(rdi), u32::from(byte))?;
+        self.a.inc(rdi)?;
+        self.a.dec(rcx)
+    }
+
     /// `print_backtrace()`.
     pub(super) fn print_backtrace(&mut self) -> R<K> {
         self.stack_record(StackOutput::PrintBacktrace, &[])

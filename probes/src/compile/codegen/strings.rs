@@ -48,7 +48,8 @@ pub fn builds_strings(prog: &Program) -> bool {
         hit |= builds(e);
     };
     kernel_exprs(prog, &mut visit);
-    hit
+    // `backtrace()` other than as a print argument: its text is built in the guest.
+    hit || super::super::snapshot::stack_uses(prog).1 > 0
 }
 
 /// Visits every expression compiled code may run: those of kernel probes (conditions and
