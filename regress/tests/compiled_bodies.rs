@@ -1057,6 +1057,25 @@ fn deleted_elements_come_back_as_new_ones_in_the_interpreters_order() {
 }
 
 #[test]
+fn keys_with_side_effects_are_evaluated_once_per_update_both_ways() {
+    // `r[++n]++` moves `n` once (SystemTap's rule); the interpreter used to evaluate an
+    // updated element's keys twice.
+    let script = r#"
+        global r, n, s
+        probe kernel.function("f") {
+          r[++n % 7]++
+          r[n++ % 5] += $a % 10
+          s[execname(), n--] -= 1
+          x = r[++n % 3]--
+        }
+    "#;
+
+    let header = differential(script, &hits(200));
+
+    assert_eq!((header.errors, header.dropped), (0, 0));
+}
+
+#[test]
 fn foreach_user_functions_and_try_catch_match_the_interpreter_over_many_hits() {
     // Declared sizes keep the tables small: every foreach step scans the whole table.
     let script = r#"

@@ -565,6 +565,17 @@ mod tests {
     }
 
     #[test]
+    fn an_elements_keys_are_evaluated_once_in_an_update() {
+        // SystemTap moves `n` once per update; so does the compiled code.
+        let (out, r) = run(
+            "global r, n; probe begin { r[++n]++; r[++n] += 5; r[n++] -= 1; \
+             x = r[++n]--; foreach (k in r) printf(\"%d=%d \", k, r[k]); println(n, \" \", x) }",
+        );
+        r.unwrap();
+        assert_eq!(out, "1=1 2=4 4=-1 4 0\n");
+    }
+
+    #[test]
     fn infinite_loop_hits_maxaction() {
         let (_, r) = run("probe begin { for (;;) { } }");
         assert_eq!(r.unwrap_err().message, "MAXACTION exceeded");

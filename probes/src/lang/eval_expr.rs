@@ -14,7 +14,7 @@ impl Interp<'_> {
         Ok(match &e.kind {
             ExprKind::Num(n) => Value::Long(*n),
             ExprKind::Str(s) => self.string(s.clone()),
-            ExprKind::Var(_) | ExprKind::Index(_) => self.load(e, f, ctx)?,
+            ExprKind::Var(_) | ExprKind::Index(_) => self.load(e, None, f, ctx)?,
             ExprKind::Target(t) => match ctx.target(&t.path()) {
                 Some(v) => v,
                 // A kernel global (`@var`) answers its read error through `member_chain`.
@@ -49,26 +49,30 @@ impl Interp<'_> {
                     self.eval(&p.2, f, ctx)?
                 }
             }
+            // An element's keys are evaluated once, after the value (as SystemTap does, and
+            // the compiled code: `a[i++] += 1` moves `i` once).
             ExprKind::Assign(op, p) => {
                 let rhs = self.eval(&p.1, f, ctx)?;
+                let keys = self.element_keys(&p.0, f, ctx)?;
                 let v = match op {
                     None => rhs,
                     Some(op) => {
-                        let old = self.load(&p.0, f, ctx)?;
+                        let old = self.load(&p.0, keys.as_deref(), f, ctx)?;
                         self.apply(*op, old, rhs, e.span)?
                     }
                 };
-                self.store(&p.0, v.clone(), f, ctx)?;
+                self.store(&p.0, keys, v.clone(), f, ctx)?;
                 v
             }
             ExprKind::IncDec(i) => {
-                let old = self.load(&i.target, f, ctx)?.as_long();
+                let keys = self.element_keys(&i.target, f, ctx)?;
+                let old = self.load(&i.target, keys.as_deref(), f, ctx)?.as_long();
                 let new = if i.increment {
                     old.wrapping_add(1)
                 } else {
                     old.wrapping_sub(1)
                 };
-                self.store(&i.target, Value::Long(new), f, ctx)?;
+                self.store(&i.target, keys, Value::Long(new), f, ctx)?;
                 Value::Long(if i.prefix { new } else { old })
             }
             ExprKind::Aggregate(p) => {
@@ -244,7 +248,28 @@ impl Interp<'_> {
     }
 
     /// Reads a variable or array element (missing elements read as 0 or "").
-    fn load(&mut self, e: &Expr, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
+    /// The keys of an array element `e` names, evaluated now (`None` for anything else).
+    fn element_keys(
+        &mut self,
+        e: &Expr,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<Option<Vec<Value>>> {
+        match &e.kind {
+            ExprKind::Index(ix) => self.keys(&ix.keys, f, ctx).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Reads a variable or array element (at `keys` when given: the element's keys already
+    /// evaluated).
+    fn load(
+        &mut self,
+        e: &Expr,
+        keys: Option<&[Value]>,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<Value> {
         match &e.kind {
             ExprKind::Var(name) => {
                 if let Some(store) = self.globals.get(name) {
@@ -259,7 +284,10 @@ impl Interp<'_> {
                 })
             }
             ExprKind::Index(ix) => {
-                let keys = self.keys(&ix.keys, f, ctx)?;
+                let keys = match keys {
+                    Some(k) => k.to_vec(),
+                    None => self.keys(&ix.keys, f, ctx)?,
+                };
                 let ty = self
                     .prog
                     .globals
@@ -306,8 +334,15 @@ impl Interp<'_> {
             .is_some_and(|re| re.is_match(text)))
     }
 
-    /// Writes a variable or array element.
-    fn store(&mut self, e: &Expr, v: Value, f: &mut Frame, ctx: &dyn Context) -> EResult<()> {
+    /// Writes a variable or array element (at `keys` when given).
+    fn store(
+        &mut self,
+        e: &Expr,
+        keys: Option<Vec<Value>>,
+        v: Value,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<()> {
         match &e.kind {
             ExprKind::Var(name) => {
                 if let Some(store) = self.globals.get_mut(name) {
@@ -318,7 +353,10 @@ impl Interp<'_> {
                 Ok(())
             }
             ExprKind::Index(ix) => {
-                let keys = self.keys(&ix.keys, f, ctx)?;
+                let keys = match keys {
+                    Some(k) => k,
+                    None => self.keys(&ix.keys, f, ctx)?,
+                };
                 let cap = self.capacity(&ix.array.name);
                 let wrap = self.wraps(&ix.array.name);
                 if let Some(Store::Array(m)) = self.globals.get_mut(&ix.array.name) {
