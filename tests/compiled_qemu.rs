@@ -555,6 +555,63 @@ fn kernel_stacks_as_keys_are_the_same_unwound_in_the_guest_and_on_the_host() {
     assert_no_oops(&console);
 }
 
+/// A timer probe that only reads the compiled globals reads them while the guest runs (the
+/// shared RAM): no stop between install and removal. One that writes a global (`delete`)
+/// stops the guest at each firing, as the globals go back to the guest.
+#[test]
+fn timer_probes_that_only_read_do_not_stop_the_guest() {
+    if !have_qemu("timer_probes_that_only_read_do_not_stop_the_guest") {
+        return;
+    }
+    let probe = r#"global n
+      probe kernel.syscall("getppid") { if (execname() == "syscall-loop") n++ }
+      probe end { printf("end n=%d\n", n) }"#;
+    let reads = format!(r#"{probe} probe timer.ms(50) {{ printf("tick n=%d\n", n) }}"#);
+    let writes = format!(r#"{probe} probe timer.ms(50) {{ printf("tick n=%d\n", n); delete n }}"#);
+    // exotap's HOST-RESULT lines go to stderr.
+    let pauses = |err: &str| -> u64 {
+        err.lines()
+            .find_map(|l| l.strip_prefix("HOST-RESULT pauses.between_install_and_removal="))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("a pauses line")
+    };
+    let ticks = |out: &str| -> Vec<u64> {
+        out.lines()
+            .filter_map(|l| l.strip_prefix("tick n="))
+            .map(|n| n.parse().expect("a count"))
+            .collect()
+    };
+
+    let (code_r, out_r, err_r, con_r) = boot(&reads, "require", "syscall-loop 20000");
+    let (code_w, out_w, err_w, _) = boot(&writes, "require", "syscall-loop 20000");
+
+    let ctx = format!("reads:\n{out_r}\n{err_r}\nwrites:\n{out_w}\n{err_w}");
+    assert_eq!((code_r, code_w), (0, 0), "{ctx}");
+    let (seen, stopped) = (ticks(&out_r), ticks(&out_w));
+    eprintln!(
+        "read-only timer: {} firings, {} pauses; deleting timer: {} firings, {} pauses",
+        seen.len(),
+        pauses(&err_r),
+        stopped.len(),
+        pauses(&err_w)
+    );
+    assert!(!seen.is_empty() && !stopped.is_empty(), "{ctx}");
+    assert_eq!(pauses(&err_r), 0, "{ctx}");
+    assert!(pauses(&err_w) >= stopped.len() as u64, "{ctx}");
+    // What the reading timer saw only grows, up to the final count: the workload's calls.
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "{ctx}");
+    assert!(*seen.last().unwrap() <= 20000, "{ctx}");
+    assert!(out_r.contains("end n=20000\n"), "{ctx}");
+    // The deleting timer's counts add up to the workload's calls.
+    let end: u64 = out_w
+        .lines()
+        .find_map(|l| l.strip_prefix("end n="))
+        .and_then(|n| n.parse().ok())
+        .expect("an end line");
+    assert_eq!(stopped.iter().sum::<u64>() + end, 20000, "{ctx}");
+    assert_no_oops(&con_r);
+}
+
 /// A mixed script: the getppid and close probes compile, the vfs_read probe (`errno_str()`,
 /// which has no compiled form; `=~` had this role before it compiled) does not and runs on
 /// the host, and they share `n` and `reads` both ways.

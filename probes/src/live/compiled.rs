@@ -8,7 +8,9 @@
 //! The globals a script's kernel probes update live in the patch heap. The host brings them
 //! into the interpreter before any host probe runs (one stop and one bulk read: `pmemsave`
 //! when QEMU runs on this host), and writes them back after it (a timer's `delete` empties a
-//! table), with the guest stopped in between so no update is lost. It also looks at the data's
+//! table), with the guest stopped in between so no update is lost. A timer probe that writes
+//! no global only reads them: where the guest's memory can be read while it runs (shared
+//! RAM, exotap's own VMM) it gets them with no stop. It also looks at the data's
 //! header every [`POLL_EVERY`] (one short stop): `exit()` ends the session, a probe error
 //! (division by zero, MAXACTION) stops it as the interpreter would, and dropped updates (a
 //! full table) are reported at the end. Booted guests wait at `exotap_wait detach` after
@@ -464,14 +466,33 @@ impl Guest {
     /// read for the [`Guest::push`] that follows.
     fn pull(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
         let data = self.read_data()?;
+        let header = self.bring_in(session, &data);
+        self.pulled = Some(data);
+        Ok(header)
+    }
+
+    /// Brings every compiled global into the session while the guest runs (through the
+    /// shared RAM, or a backend that reads guest memory while it runs), for host probes that
+    /// only read them: nothing is written back. Each table entry is one the guest had
+    /// published (a slot being written is skipped); an aggregate's fields come from
+    /// separate atomic updates, so a hit in flight may show in its count before its sum.
+    fn pull_running(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
+        let len = usize::try_from(self.layout.globals_size)?;
+        let data = match self.session.shared_heap() {
+            Some(shared) => shared.read_heap(self.data, len)?,
+            None => self.session.read_heap(self.data, len)?,
+        };
+        Ok(self.bring_in(session, &data))
+    }
+
+    /// Decodes every compiled global of `data` into the session; returns the header.
+    fn bring_in(&self, session: &mut Session<'_>, data: &[u8]) -> Header {
         for name in self.layout.globals.keys() {
-            if let Some(store) = self.layout.decode(name, &data, &self.interner) {
+            if let Some(store) = self.layout.decode(name, data, &self.interner) {
                 session.set_global(name, store);
             }
         }
-        let header = Header::decode(&data);
-        self.pulled = Some(data);
-        Ok(header)
+        Header::decode(data)
     }
 
     /// Writes every compiled global from the session back, keeping the header (the guest
@@ -921,6 +942,13 @@ fn run(
     let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.session.machine));
     let _ = ready.send(Ok(()));
     let mut timers = host_timers(&prog, Instant::now());
+    // Timer probes that write no global read the compiled ones while the guest runs, where
+    // the backend can; the others stop it (they write the globals back, which the vCPUs
+    // must not update meanwhile).
+    let timer_writes: Vec<bool> = timers
+        .iter()
+        .map(|t| compile::codegen::walk::probe_writes_globals(&prog, t.0))
+        .collect();
     let host = host_context();
     let mut gone = false;
     let mut header = Header::default();
@@ -940,13 +968,23 @@ fn run(
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
         if !due.is_empty() || now >= next_poll {
             let shared = guest.session.is_shared();
+            let reads_running = shared || guest.session.machine.reads_while_running();
             let step = (|| -> anyhow::Result<bool> {
                 if shared && due.is_empty() {
-                    // Output and header through the shared RAM: no stop. (A timer probe
-                    // still stops the guest: the host runs it on globals it then writes
-                    // back, which the vCPUs must not update meanwhile.)
+                    // Output and header through the shared RAM: no stop.
                     guest.print(&mut session, false)?;
                     header = guest.header()?;
+                    return Ok(header.exit || header.errors > 0);
+                }
+                if reads_running && !due.is_empty() && due.iter().all(|i| !timer_writes[*i]) {
+                    // Timers that only read: the globals as the guest has them now, no stop.
+                    guest.print(&mut session, false)?;
+                    header = guest.pull_running(&mut session)?;
+                    for i in &due {
+                        let (probe, name, period, _) = timers[*i].clone();
+                        session.fire(probe, &name, &host);
+                        timers[*i].3 += period;
+                    }
                     return Ok(header.exit || header.errors > 0);
                 }
                 // A backend that maps guest memory (exotap's own VMM) is read, and its rings

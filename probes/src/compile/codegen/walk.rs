@@ -165,6 +165,26 @@ pub(super) fn stmt_writes(prog: &Program, s: &Stmt, name: &str) -> bool {
     hit
 }
 
+/// Whether probe `probe` of `prog` (its condition, its body, or a user function it reaches)
+/// may write or delete any global.
+pub(crate) fn probe_writes_globals(prog: &Program, probe: usize) -> bool {
+    let Some(p) = prog.script.probes.get(probe) else {
+        return true;
+    };
+    let names: Vec<&String> = prog.globals.keys().collect();
+    let mut hit = false;
+    if let Some(c) = &p.condition {
+        expr_all(c, &mut |e| {
+            hit |= names.iter().any(|n| writes_global(e, n));
+        });
+    }
+    hit || p
+        .body
+        .stmts
+        .iter()
+        .any(|s| names.iter().any(|n| stmt_writes(prog, s, n)))
+}
+
 /// Whether `s` holds a `delete` of global `name` (or of one of its elements).
 fn deletes(s: &Stmt, name: &str) -> bool {
     match &s.kind {
