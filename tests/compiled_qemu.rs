@@ -555,6 +555,71 @@ fn kernel_stacks_as_keys_are_the_same_unwound_in_the_guest_and_on_the_host() {
     assert_no_oops(&console);
 }
 
+/// Kernel stacks at a function's entry and at its return, compiled and host-evaluated: at
+/// the return the code stands in the caller at the return address, so each return's stack
+/// is its entry's without the first frame, hit for hit. Compiled, the return's key comes
+/// from the guest's unwinder started at the address the trampoline put back, and the
+/// printed stack from a snapshot the host unwinds; host-evaluated, from the vCPU stopped at
+/// the trampoline, unwound from the original return address.
+const RETURN_STACKS: &str = r#"global e, r, p
+  probe kernel.function("dput") { if (execname() == "syscall-loop") e[backtrace()] <<< 1 }
+  probe kernel.function("dput").return {
+    if (execname() == "syscall-loop") {
+      r[backtrace()] <<< 1
+      if (p++ < 3) printf("printed %s\n", backtrace())
+    }
+  }
+  probe end {
+    foreach (s in e) printf("entry %d %s\n", @count(e[s]), s)
+    foreach (s in r) printf("return %d %s\n", @count(r[s]), s)
+  }"#;
+
+#[test]
+fn a_return_probes_stack_is_its_entrys_without_the_first_frame_both_ways() {
+    if !have_qemu("a_return_probes_stack_is_its_entrys_without_the_first_frame_both_ways") {
+        return;
+    }
+    for mode in ["require", "never"] {
+        let (code, out, err, console) = boot(RETURN_STACKS, mode, "syscall-loop 20");
+        let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 0, "{ctx}");
+        let out = script_output(&out);
+        let side = |which: &str| -> std::collections::BTreeMap<String, u64> {
+            let mut m = std::collections::BTreeMap::new();
+            for l in out.lines().filter_map(|l| l.strip_prefix(which)) {
+                let (n, stack) = l.split_once(' ').expect("a count and a stack");
+                *m.entry(stack.to_owned()).or_insert(0) += n.parse::<u64>().expect("a count");
+            }
+            m
+        };
+        let (entries, returns) = (side("entry "), side("return "));
+        let mut expected = std::collections::BTreeMap::new();
+        for (stack, n) in &entries {
+            let caller = stack.split_once(' ').map_or("", |(_, rest)| rest);
+            *expected.entry(caller.to_owned()).or_insert(0) += n;
+        }
+        let hits: u64 = returns.values().sum();
+        eprintln!(
+            "--compile {mode}: {hits} returns of dput over {} stacks, each its entry's less the first frame",
+            returns.len()
+        );
+        assert!(returns.len() >= 2 && hits >= 20, "{ctx}");
+        assert_eq!(returns, expected, "{ctx}");
+        let printed: Vec<&str> = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("printed "))
+            .collect();
+        assert_eq!(printed.len(), 3, "{ctx}");
+        for stack in printed {
+            assert!(
+                returns.contains_key(stack),
+                "{stack} is no return's key: {ctx}"
+            );
+        }
+        assert_no_oops(&console);
+    }
+}
+
 /// A timer probe that only reads the compiled globals reads them while the guest runs (the
 /// shared RAM): no stop between install and removal. One that writes a global (`delete`)
 /// stops the guest at each firing, as the globals go back to the guest.

@@ -410,13 +410,8 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
             .any(|c| c.contains("the kernel has no stack_trace_save_regs")),
         "{no_unwinder:?}"
     );
-    assert!(
-        ret_key
-            .iter()
-            .any(|c| c.contains("backtrace() as a value in a return probe")),
-        "{ret_key:?}"
-    );
-    assert!(ret.iter().any(|c| c.contains("return probe")), "{ret:?}");
+    assert!(ret_key.is_empty(), "{ret_key:?}");
+    assert!(ret.is_empty(), "{ret:?}");
     assert!(fine.is_empty(), "{fine:?}");
     assert!(
         lines

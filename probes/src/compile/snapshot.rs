@@ -29,7 +29,10 @@
 //!
 //! The pc of the first frame is the probe point's address: the host fills it in
 //! ([`StackFormat::pc`]) when it installs the site, since the code is generated before the
-//! splice engine says where each site's code goes.
+//! splice engine says where each site's code goes. In a return probe the stack pointer is
+//! the call's return-address slot, where the trampoline put the original return address
+//! back: the first frame is that address in the caller, its stack the words above
+//! ([`StackFormat::at_return`]), as the host-evaluated path unwinds a return.
 //!
 //! `backtrace()` anywhere else (a map key: `s[backtrace()]++`, a local, a comparison) must
 //! be known in the guest at the hit: there the guest's own unwinder walks the stack (see
@@ -92,6 +95,10 @@ pub struct StackFormat {
     pub pc: u64,
     /// The probe's MAXSTRINGLEN (a stack as a string is cut to it, as the interpreter does).
     pub max_string_len: usize,
+    /// Taken in a return probe: the record's stack starts at the call's return-address
+    /// slot, where the trampoline put the original return address back; the stack is the
+    /// caller's, at that address, one word above.
+    pub at_return: bool,
 }
 
 impl StackFormat {
@@ -224,11 +231,22 @@ pub fn snapshot<'r>(format: &StackFormat, record: &'r [u8]) -> Option<Snapshot<'
     }
     let from = usize::try_from(at + SNAPSHOT_HEAD).ok()?;
     let to = from.checked_add(usize::try_from(copied).ok()?)?;
+    let stack = record.get(from..to)?;
+    if format.at_return {
+        // The code returned to the address in the slot, with its stack pointer above it.
+        let (slot, above) = stack.split_at_checked(8)?;
+        return Some(Snapshot {
+            pc: u64::from_le_bytes(slot.try_into().ok()?),
+            sp: sp.checked_add(8)?,
+            regs,
+            stack: above,
+        });
+    }
     Some(Snapshot {
         pc: format.pc,
         sp,
         regs,
-        stack: record.get(from..to)?,
+        stack,
     })
 }
 
@@ -336,7 +354,29 @@ mod tests {
             snapshot_bytes: 64,
             pc: 0xffff_ffff_8100_0000,
             max_string_len: 512,
+            at_return: false,
         }
+    }
+
+    #[test]
+    fn a_return_probes_snapshot_starts_in_the_caller_at_the_return_address() {
+        let f = StackFormat {
+            at_return: true,
+            ..format(StackOutput::PrintBacktrace, Vec::new())
+        };
+        let stack: Vec<u8> = [0xffff_ffff_8123_4567u64, 7, 8]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        let r = record(&f, 0x1000, &stack, &[]);
+
+        let snap = snapshot(&f, &r).unwrap();
+
+        assert_eq!((snap.pc, snap.sp), (0xffff_ffff_8123_4567, 0x1008));
+        assert_eq!((snap.word(0x1008), snap.word(0x1010)), (Some(7), Some(8)));
+        assert_eq!(snap.word(0x1000), None);
+        // Nothing copied: not even the return address.
+        assert!(snapshot(&f, &record(&f, 0x1000, &[], &[])).is_none());
     }
 
     #[test]

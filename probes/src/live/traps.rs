@@ -1548,7 +1548,7 @@ impl Traps {
     ) -> anyhow::Result<()> {
         let machine = &mut guest.machine;
         let survey = &guest.survey;
-        let regs = registers(machine, vcpu)?;
+        let mut regs = registers(machine, vcpu)?;
         // `ret` popped the swapped slot: it was just below the stack pointer.
         let slot = regs.gpr[7].wrapping_sub(8);
         let Some(p) = self.pending.remove(&slot) else {
@@ -1556,6 +1556,9 @@ impl Traps {
                 "{vcpu} reached the return trampoline with no swapped return address at {slot:#x}"
             );
         };
+        // The probes see the code where it returned to (the caller, at the original return
+        // address), not the trampoline: a stack unwound here starts in the caller.
+        regs.rip = p.original;
         let ret = self
             .armed
             .get(&p.site)

@@ -7,7 +7,8 @@
 //! `backtrace()` anywhere else (a map key, `s[backtrace()] <<< 1`, a local, a comparison)
 //! is a value the hit needs now, so the guest unwinds: the body lays a `struct pt_regs` of
 //! the probed code out on its stack (the registers the site saved, the site's address as
-//! `ip`, the stack pointer the probed code had, kernel `cs`/`ss`) and calls the kernel's
+//! `ip`, the stack pointer the probed code had, kernel `cs`/`ss`; in a return probe the
+//! return address the trampoline put back and the stack above it) and calls the kernel's
 //! own `stack_trace_save_regs(regs, store, n, 0)`: the guest's ORC unwinder, the one behind
 //! `/proc/PID/stack`, walks from the probe point as exotap's host unwinder walks from a
 //! stopped vCPU's registers, frame for frame (tests/compiled_qemu.rs compares the two).
@@ -89,12 +90,6 @@ impl Gen<'_, '_> {
     /// `backtrace()` as a value: the guest's unwinder from the probe point, as a string
     /// built in the guest (see the module documentation).
     pub(super) fn backtrace_string(&mut self) -> R<K> {
-        if self.point.is_return {
-            return Err(self.no(
-                "backtrace() as a value in a return probe (the compiled return trampoline \
-                 stands outside the probed function)",
-            ));
-        }
         let save = self.env.facts.stack_save.ok_or_else(|| {
             self.no("backtrace() as a value (the kernel has no stack_trace_save_regs)")
         })?;
@@ -105,6 +100,7 @@ impl Gen<'_, '_> {
         let area = store + PT_REGS;
         let regs = store;
         let pc = self.pc;
+        let at_return = self.point.is_return;
         let data = self.env.data;
         let cpu_number = self.env.facts.cpu_number;
         let r = (|| {
@@ -117,13 +113,21 @@ impl Gen<'_, '_> {
                 self.a.mov(qword_ptr(rsp + regs + at), rax)?;
             }
             self.a.mov(qword_ptr(rsp + regs + PT_ORIG_AX), -1)?;
-            self.a.mov(rax, pc)?;
-            self.a.mov(qword_ptr(rsp + regs + PT_IP), rax)?;
+            if at_return {
+                // The trampoline put the original return address back in the slot at
+                // r15 + SAVED_BYTES: the code returned there, its stack one word above.
+                self.a.mov(rax, qword_ptr(r15 + SAVED_BYTES))?;
+                self.a.mov(qword_ptr(rsp + regs + PT_IP), rax)?;
+                self.a.lea(rax, qword_ptr(r15 + SAVED_BYTES + 8))?;
+            } else {
+                self.a.mov(rax, pc)?;
+                self.a.mov(qword_ptr(rsp + regs + PT_IP), rax)?;
+                self.a.lea(rax, qword_ptr(r15 + SAVED_BYTES))?;
+            }
+            self.a.mov(qword_ptr(rsp + regs + PT_SP), rax)?;
             self.a.mov(qword_ptr(rsp + regs + PT_CS), KERNEL_CS)?;
             self.a.mov(rax, qword_ptr(r15 + SAVED_FLAGS))?;
             self.a.mov(qword_ptr(rsp + regs + PT_FLAGS), rax)?;
-            self.a.lea(rax, qword_ptr(r15 + SAVED_BYTES))?;
-            self.a.mov(qword_ptr(rsp + regs + PT_SP), rax)?;
             self.a.mov(qword_ptr(rsp + regs + PT_SS), KERNEL_DS)?;
             // Interrupts off, then this CPU's guard bit: set already, the unwinder is busy
             // here (this probe stands in its path, or came in an NMI during a walk).
@@ -256,12 +260,6 @@ impl Gen<'_, '_> {
         let Some(rings) = self.env.layout.ring_set(self.env.data) else {
             return Err(self.no(format!("{name}() of a kernel stack without output rings")));
         };
-        if self.point.is_return {
-            return Err(self.no(
-                "a kernel stack in a return probe (the compiled return trampoline stands \
-                 outside the probed function, so its stack would not be the probe's)",
-            ));
-        }
         let copy = self.env.facts.copy_nofault.ok_or_else(|| {
             self.no("a kernel stack (the kernel has no copy_from_kernel_nofault)")
         })?;
@@ -311,6 +309,8 @@ impl Gen<'_, '_> {
             snapshot_bytes: 0,
             pc: 0,
             max_string_len: self.env.limits.max_string_len,
+            // In a return trampoline r15 + SAVED_BYTES is the return-address slot.
+            at_return: self.point.is_return,
         };
         let head = format.snapshot_at() + SNAPSHOT_HEAD;
         let room = self.env.layout.record.saturating_sub(head) / 8 * 8;
