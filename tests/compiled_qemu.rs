@@ -493,6 +493,16 @@ fn a_host_evaluated_member_chain_through_null_is_a_probe_error_and_the_guest_liv
     assert_no_oops(&console);
 }
 
+/// The `PREFIX COUNT TEXT` lines of `out` as text → count (counts of one text added up).
+fn counted(out: &str, prefix: &str) -> std::collections::BTreeMap<String, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for l in out.lines().filter_map(|l| l.strip_prefix(prefix)) {
+        let (n, text) = l.split_once(' ').expect("a count and a text");
+        *m.entry(text.to_owned()).or_insert(0) += n.parse::<u64>().expect("a count");
+    }
+    m
+}
+
 /// Kernel stacks as map keys, both ways in ONE run: the first probe compiles (the guest's
 /// own unwinder, `stack_trace_save_regs`, walks from the probe point), the second does not
 /// (`errno_str()`) and runs on the host at a breakpoint on the same function, where
@@ -524,17 +534,8 @@ fn kernel_stacks_as_keys_are_the_same_unwound_in_the_guest_and_on_the_host() {
             || err.contains("the script runs mixed: 1 kernel probe compiled"),
         "{ctx}"
     );
-    let side = |which: &str| -> std::collections::BTreeMap<String, u64> {
-        script_output(&out)
-            .lines()
-            .filter_map(|l| l.strip_prefix(which))
-            .map(|l| {
-                let (n, stack) = l.split_once(' ').expect("a count and a stack");
-                (stack.to_owned(), n.parse().expect("a count"))
-            })
-            .collect()
-    };
-    let (compiled, host) = (side("compiled "), side("host "));
+    let out = script_output(&out);
+    let (compiled, host) = (counted(&out, "compiled "), counted(&out, "host "));
     let stacks = compiled.len();
     let hits: u64 = compiled.values().sum();
     let deepest = compiled
@@ -584,15 +585,7 @@ fn a_return_probes_stack_is_its_entrys_without_the_first_frame_both_ways() {
         let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
         assert_eq!(code, 0, "{ctx}");
         let out = script_output(&out);
-        let side = |which: &str| -> std::collections::BTreeMap<String, u64> {
-            let mut m = std::collections::BTreeMap::new();
-            for l in out.lines().filter_map(|l| l.strip_prefix(which)) {
-                let (n, stack) = l.split_once(' ').expect("a count and a stack");
-                *m.entry(stack.to_owned()).or_insert(0) += n.parse::<u64>().expect("a count");
-            }
-            m
-        };
-        let (entries, returns) = (side("entry "), side("return "));
+        let (entries, returns) = (counted(&out, "entry "), counted(&out, "return "));
         let mut expected = std::collections::BTreeMap::new();
         for (stack, n) in &entries {
             let caller = stack.split_once(' ').map_or("", |(_, rest)| rest);

@@ -63,6 +63,22 @@ pub struct RingSet {
     pub record: u64,
 }
 
+/// `eax` = the running vCPU's number: `mov eax, gs:[cpu_number]`, the kernel's per-CPU
+/// `cpu_number` at that offset from the GS base.
+///
+/// # Errors
+/// When the assembler refuses the instruction.
+pub fn emit_cpu_number(a: &mut CodeAssembler, cpu_number: u64) -> Result<(), IcedError> {
+    let mut cpu = Instruction::with2(
+        Code::Mov_r32_rm32,
+        Register::EAX,
+        MemoryOperand::with_base_displ(Register::None, cpu_number as i64),
+    )?;
+    cpu.set_segment_prefix(Register::GS);
+    cpu.set_memory_displ_size(4);
+    a.add_instruction(cpu)
+}
+
 impl RingSet {
     /// Bytes of one vCPU's ring.
     pub fn ring_bytes(&self) -> u64 {
@@ -97,14 +113,7 @@ impl RingSet {
         dst: AsmRegister64,
         skip: CodeLabel,
     ) -> Result<(), IcedError> {
-        let mut cpu = Instruction::with2(
-            Code::Mov_r32_rm32,
-            Register::EAX,
-            MemoryOperand::with_base_displ(Register::None, cpu_number as i64),
-        )?;
-        cpu.set_segment_prefix(Register::GS);
-        cpu.set_memory_displ_size(4);
-        a.add_instruction(cpu)?;
+        emit_cpu_number(a, cpu_number)?;
         a.cmp(eax, self.cpus)?;
         a.jae(skip)?;
         match i32::try_from(self.ring_bytes()) {

@@ -2,7 +2,7 @@
 //! `exit()`, and the output records of `printf`/`print`/`println`.
 
 use iced_x86::code_asm::*;
-use iced_x86::{Code, Instruction, MemoryOperand, Register};
+use iced_x86::{Code, Instruction, Register};
 
 use crate::lang::ast::*;
 use crate::lang::check::Program;
@@ -85,18 +85,8 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "cpu" => {
-                let mut i = Instruction::with2(
-                    Code::Mov_r32_rm32,
-                    Register::EAX,
-                    MemoryOperand::with_base_displ(
-                        Register::None,
-                        self.env.facts.cpu_number as i64,
-                    ),
-                )
-                .map_err(|e| self.no(e.to_string()))?;
-                i.set_segment_prefix(Register::GS);
-                i.set_memory_displ_size(4);
-                asm!(self, self.a.add_instruction(i))?;
+                let cpu_number = self.env.facts.cpu_number;
+                asm!(self, crate::rings::emit_cpu_number(self.a, cpu_number))?;
                 Ok(K::Long)
             }
             "execname" => {

@@ -21,7 +21,7 @@
 //! gets an empty stack, counted ([`field::STACKS_BUSY`]), instead of recursing.
 
 use iced_x86::code_asm::*;
-use iced_x86::{Code, Instruction, MemoryOperand, Register};
+use iced_x86::{Code, Instruction, Register};
 
 use crate::lang::ast::*;
 
@@ -74,18 +74,6 @@ const KERNEL_DS: i32 = 0x18;
 /// Offset of the flags the site saved, from `r15` (above the 15 registers).
 const SAVED_FLAGS: i32 = 15 * 8;
 
-/// `mov eax, gs:[cpu_number]`.
-fn load_cpu(a: &mut CodeAssembler, cpu_number: u64) -> Result<(), IcedError> {
-    let mut cpu = Instruction::with2(
-        Code::Mov_r32_rm32,
-        Register::EAX,
-        MemoryOperand::with_base_displ(Register::None, cpu_number as i64),
-    )?;
-    cpu.set_segment_prefix(Register::GS);
-    cpu.set_memory_displ_size(4);
-    a.add_instruction(cpu)
-}
-
 impl Gen<'_, '_> {
     /// `backtrace()` as a value: the guest's unwinder from the probe point, as a string
     /// built in the guest (see the module documentation).
@@ -133,14 +121,15 @@ impl Gen<'_, '_> {
             // here (this probe stands in its path, or came in an NMI during a walk).
             self.a.pushfq()?;
             self.a.cli()?;
-            load_cpu(self.a, cpu_number)?;
+            crate::rings::emit_cpu_number(self.a, cpu_number)?;
             self.a.cmp(eax, STACK_GUARD_CPUS)?;
             self.a.jae(busy)?;
-            self.a.add_instruction(Instruction::with2(
+            let guard = Instruction::with2(
                 Code::Lea_r64_m,
                 Register::RCX,
                 rip(data + field::STACK_GUARD),
-            )?)?;
+            )?;
+            self.a.add_instruction(guard)?;
             self.a.lock().bts(qword_ptr(rcx), rax)?;
             self.a.jc(busy)?;
             self.a.push(rax)?; // the CPU, and keeps the stack 16-byte aligned
@@ -150,11 +139,7 @@ impl Gen<'_, '_> {
             self.a.xor(ecx, ecx)?;
             self.a.call(save)?;
             self.a.pop(rdx)?;
-            self.a.add_instruction(Instruction::with2(
-                Code::Lea_r64_m,
-                Register::RCX,
-                rip(data + field::STACK_GUARD),
-            )?)?;
+            self.a.add_instruction(guard)?;
             self.a.lock().btr(qword_ptr(rcx), rdx)?;
             self.a.jmp(walked)?;
             self.a.set_label(&mut busy)?;
