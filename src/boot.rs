@@ -351,6 +351,8 @@ fn use_kvm(
     let mode: CompileMode = args.compile.into();
     let why = if mode == CompileMode::Never {
         "--compile never (host-evaluated trap probes)".to_owned()
+    } else if mode == CompileMode::Check {
+        "--compile check (host-evaluated trap probes beside the compiled ones)".to_owned()
     } else if !guest_script.prog.needs_guest() {
         "a script without kernel probes".to_owned()
     } else {

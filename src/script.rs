@@ -91,6 +91,10 @@ pub enum CompileArg {
     Require,
     /// Host-evaluated (a stop per hit): the reference the compiled path is checked against.
     Never,
+    /// Both on the same hits: compiled as with auto, and every kernel probe also evaluated
+    /// on the host (a stop per hit) over globals of its own; at the end both outputs must be
+    /// the same bytes, or the run says where they part and exits 1.
+    Check,
 }
 
 impl From<CompileArg> for CompileMode {
@@ -99,6 +103,7 @@ impl From<CompileArg> for CompileMode {
             CompileArg::Auto => Self::Auto,
             CompileArg::Require => Self::Require,
             CompileArg::Never => Self::Never,
+            CompileArg::Check => Self::Check,
         }
     }
 }

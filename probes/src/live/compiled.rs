@@ -43,7 +43,7 @@ use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, KprobeReader, Request, SiteCode};
 use super::trap_script::GuestScript;
-use super::traps::Traps;
+use super::traps::{HitSessions, Traps};
 use crate::splice::{SpliceDecision, TrapReason};
 
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
@@ -64,6 +64,11 @@ pub enum CompileMode {
     Require,
     /// Host-evaluated (a stop per hit): the reference the compiled path is checked against.
     Never,
+    /// Both, on the same hits: the kernel probes run as with `Auto`, and every one of them
+    /// also on the host at a breakpoint (a stop per hit) into a shadow session with globals
+    /// of its own; at the end the two outputs must be the same bytes, else the run says
+    /// where they part and exits 1.
+    Check,
 }
 
 /// What the image says a compiled run needs: the points, the kernel facts (link-time
@@ -230,6 +235,9 @@ pub fn start_script(
         };
         if mode == CompileMode::Require {
             bail!("the script's kernel probes do not compile (--compile=require):\n{why}");
+        }
+        if mode == CompileMode::Check {
+            bail!("no kernel probe of the script compiles: --compile=check has nothing to check:\n{why}");
         }
         tracing::warn!(
             "the script's kernel probes run on the host instead, one stop of the guest per hit \
@@ -620,6 +628,9 @@ pub fn start_on(
         if mode == CompileMode::Require {
             bail!("some of the script's kernel probes do not compile (--compile=require):\n{why}");
         }
+        if mode == CompileMode::Check && plan.points.is_empty() {
+            bail!("no kernel probe of the script compiles: --compile=check has nothing to check:\n{why}");
+        }
         if plan.points.is_empty() {
             tracing::warn!(
                 "the script's kernel probes run on the host instead, one stop of the guest per \
@@ -668,9 +679,13 @@ pub fn start_on(
     } else {
         None
     };
-    // The probes that do not compile get their breakpoints now, before any splice goes in
-    // (the guest stays paused until the thread installs and resumes).
-    let traps = if plan.host.is_empty() {
+    // Check mode: every compiled probe runs on the host too, into a shadow session.
+    let check: Option<BTreeSet<usize>> =
+        (mode == CompileMode::Check).then(|| plan.points.iter().map(|(_, p)| p.probe).collect());
+    // The probes that do not compile (in check mode all of them) get their breakpoints now,
+    // before any splice goes in (the guest stays paused until the thread installs and
+    // resumes).
+    let traps = if plan.host.is_empty() && check.is_none() {
         None
     } else {
         let area = session
@@ -678,8 +693,9 @@ pub fn start_on(
             .context("the session has no splicer after its plan")?
             .trap_area();
         let host = plan.host.clone();
+        let also = check.clone().unwrap_or_default();
         let traps = Traps::arm(&mut session, image, &script.prog, area, &|i| {
-            host.contains(&i)
+            host.contains(&i) || also.contains(&i)
         })?;
         tracing::info!(
             "{} host-evaluated probe points armed beside the compiled ones",
@@ -709,6 +725,7 @@ pub fn start_on(
                 kprobes,
                 traps,
                 stacks,
+                check,
             };
             run(session, script, started, ready_tx)
         })
@@ -877,6 +894,8 @@ struct Started {
     traps: Option<Traps>,
     /// The kernel's ORC tables and symbols, when compiled probes print kernel stacks.
     stacks: Option<super::stacks::KernelStacks>,
+    /// Check mode: the compiled probes (see [`CompileMode::Check`]).
+    check: Option<BTreeSet<usize>>,
 }
 
 /// A hit of a host-evaluated probe of a mixed script (the guest stopped at it): what the
@@ -885,15 +904,90 @@ struct Started {
 fn host_hit(
     guest: &mut Guest,
     traps: &mut Traps,
-    session: &mut Session<'_>,
+    sessions: &mut HitSessions<'_, '_>,
     prog: &Program,
     (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<()> {
-    guest.print(session, false)?;
-    guest.pull(session)?;
-    traps.hit(&mut guest.session, session, vcpu, pc)?;
-    guest.push(session, prog)?;
+    guest.print(sessions.main, false)?;
+    guest.pull(sessions.main)?;
+    traps.hit_in(&mut guest.session, sessions, vcpu, pc)?;
+    guest.push(sessions.main, prog)?;
     guest.session.resume()
+}
+
+/// Check mode's copy of what a session prints: a buffer the writer shares with the run.
+#[derive(Clone, Default)]
+struct Copied(std::rc::Rc<std::cell::RefCell<Vec<u8>>>);
+
+impl std::io::Write for Copied {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.borrow_mut().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A writer that also keeps a copy of what went through it.
+struct Tee<W>(W, Copied);
+
+impl<W: std::io::Write> std::io::Write for Tee<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.0.write(buf)?;
+        self.1.write(&buf[..n])
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+/// A writer several holders write through, one after another (the run's diagnostics: the
+/// session's, then check mode's verdict after the session ended).
+struct Shared<W>(std::rc::Rc<std::cell::RefCell<W>>);
+
+impl<W> Clone for Shared<W> {
+    fn clone(&self) -> Self {
+        Shared(self.0.clone())
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for Shared<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.borrow_mut().write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.borrow_mut().flush()
+    }
+}
+
+/// Check mode's verdict on the two outputs: `Ok(lines)` when they are the same bytes, else
+/// where they part.
+fn check_verdict(compiled: &[u8], host: &[u8]) -> Result<usize, String> {
+    let (c, h) = (
+        String::from_utf8_lossy(compiled),
+        String::from_utf8_lossy(host),
+    );
+    if compiled == host {
+        return Ok(c.lines().count());
+    }
+    let (cl, hl): (Vec<&str>, Vec<&str>) = (c.lines().collect(), h.lines().collect());
+    let at = cl.iter().zip(&hl).take_while(|(a, b)| a == b).count();
+    let line = |v: &[&str]| {
+        v.get(at)
+            .map_or("(the output ends)".to_owned(), |l| format!("{l:?}"))
+    };
+    Err(format!(
+        "line {} of {} (compiled) / {} (host-evaluated) differs:\n  compiled:        {}\n  host-evaluated:  {}",
+        at + 1,
+        cl.len(),
+        hl.len(),
+        line(&cl),
+        line(&hl)
+    ))
 }
 
 fn run(
@@ -909,6 +1003,7 @@ fn run(
         kprobes,
         mut traps,
         stacks,
+        check,
     } = started;
     let GuestScript {
         source,
@@ -920,9 +1015,31 @@ fn run(
         stop,
         ..
     } = script;
-    let output = Output::new(format, Box::new(out), Box::new(err));
+    // Check mode: copies of both outputs, and the diagnostics kept for the verdict.
+    let (main_copy, shadow_copy) = (Copied::default(), Copied::default());
+    let err = Shared(std::rc::Rc::new(std::cell::RefCell::new(err)));
+    let output = if check.is_some() {
+        Output::new(
+            format,
+            Box::new(Tee(out, main_copy.clone())),
+            Box::new(err.clone()),
+        )
+    } else {
+        Output::new(format, Box::new(out), Box::new(err.clone()))
+    };
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
     session.begin();
+    let mut shadow = check.as_ref().map(|_| {
+        let output = Output::new(
+            format,
+            Box::new(shadow_copy.clone()),
+            Box::new(std::io::sink()),
+        );
+        Session::new(&prog, limits.clone(), output, &source.name, &source.text)
+    });
+    if let Some(shadow) = shadow.as_mut() {
+        shadow.begin();
+    }
     let what = Install {
         prog: &prog,
         limits: &limits,
@@ -983,6 +1100,9 @@ fn run(
                     for i in &due {
                         let (probe, name, period, _) = timers[*i].clone();
                         session.fire(probe, &name, &host);
+                        if let Some(shadow) = shadow.as_mut() {
+                            shadow.fire(probe, &name, &host);
+                        }
                         timers[*i].3 += period;
                     }
                     return Ok(header.exit || header.errors > 0);
@@ -1003,6 +1123,9 @@ fn run(
                     for i in &due {
                         let (probe, name, period, _) = timers[*i].clone();
                         session.fire(probe, &name, &host);
+                        if let Some(shadow) = shadow.as_mut() {
+                            shadow.fire(probe, &name, &host);
+                        }
                         timers[*i].3 += period;
                     }
                     guest.push(&session, &prog)?;
@@ -1054,7 +1177,13 @@ fn run(
             {
                 host_hits += 1;
                 let step = match traps.as_mut() {
-                    Some(t) => host_hit(&mut guest, t, &mut session, &prog, (vcpu, pc)),
+                    Some(t) => {
+                        let mut sessions = HitSessions {
+                            main: &mut session,
+                            shadow: shadow.as_mut().zip(check.as_ref()),
+                        };
+                        host_hit(&mut guest, t, &mut sessions, &prog, (vcpu, pc))
+                    }
                     None => Ok(()),
                 };
                 if let Err(e) = step {
@@ -1226,7 +1355,26 @@ fn run(
             header.dropped
         ));
     }
-    session.finish()
+    let mut code = session.finish();
+    if let Some(shadow) = shadow {
+        shadow.finish();
+        let verdict = match check_verdict(&main_copy.0.borrow(), &shadow_copy.0.borrow()) {
+            Ok(lines) => format!(
+                "check: the compiled probes and the same probes evaluated on the host (at \
+                 {host_hits} stops) printed the same {lines} lines"
+            ),
+            Err(why) => {
+                code = code.max(1);
+                format!(
+                    "check: the compiled probes and the same probes evaluated on the host (at \
+                     {host_hits} stops) printed different output: {why}"
+                )
+            }
+        };
+        let mut err = err;
+        let _ = std::io::Write::write_all(&mut err, format!("{verdict}\n").as_bytes());
+    }
+    code
 }
 
 #[cfg(test)]

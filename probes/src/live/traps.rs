@@ -1135,6 +1135,45 @@ pub struct TrapArea {
     pub size: u64,
 }
 
+/// The sessions a hit's probes run in: `main`, the script's, and in check mode
+/// (`--compile check`) a `shadow` that runs every kernel probe on the host over globals of
+/// its own, the reference the compiled probes' results are compared with at the end.
+pub struct HitSessions<'s, 'p> {
+    /// The script's session.
+    pub main: &'s mut Session<'p>,
+    /// Check mode's shadow, and the probes compiled into the guest, which the main
+    /// session does not run (their compiled bodies do).
+    pub shadow: Option<(&'s mut Session<'p>, &'s std::collections::BTreeSet<usize>)>,
+}
+
+impl std::fmt::Debug for HitSessions<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HitSessions")
+            .field("shadow", &self.shadow.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HitSessions<'_, '_> {
+    /// Fires probe `probe` in the main session, unless it is compiled.
+    fn fire_main(&mut self, probe: usize, name: &str, ctx: &dyn Context) {
+        if !self
+            .shadow
+            .as_ref()
+            .is_some_and(|(_, compiled)| compiled.contains(&probe))
+        {
+            self.main.fire(probe, name, ctx);
+        }
+    }
+
+    /// Fires probe `probe` in the shadow, if there is one.
+    fn fire_shadow(&mut self, probe: usize, name: &str, ctx: &dyn Context) {
+        if let Some((shadow, _)) = self.shadow.as_mut() {
+            shadow.fire(probe, name, ctx);
+        }
+    }
+}
+
 /// The host-evaluated probes of a script: breakpoints at their points, the return
 /// trampoline, and the return addresses swapped while calls are in flight.
 pub struct Traps {
@@ -1431,17 +1470,35 @@ impl Traps {
         vcpu: VcpuId,
         pc: u64,
     ) -> anyhow::Result<()> {
+        let mut sessions = HitSessions {
+            main: session,
+            shadow: None,
+        };
+        self.hit_in(guest, &mut sessions, vcpu, pc)
+    }
+
+    /// [`Traps::hit`], the probes running in `sessions` (check mode's shadow too).
+    ///
+    /// # Errors
+    /// As [`Traps::hit`].
+    pub fn hit_in(
+        &mut self,
+        guest: &mut GuestSession,
+        sessions: &mut HitSessions<'_, '_>,
+        vcpu: VcpuId,
+        pc: u64,
+    ) -> anyhow::Result<()> {
         if pc == self.trampoline {
-            self.returned(guest, session, vcpu)
+            self.returned(guest, sessions, vcpu)
         } else {
-            self.entered(guest, session, vcpu, pc)
+            self.entered(guest, sessions, vcpu, pc)
         }
     }
 
     fn entered(
         &mut self,
         guest: &mut GuestSession,
-        session: &mut Session<'_>,
+        sessions: &mut HitSessions<'_, '_>,
         vcpu: VcpuId,
         pc: u64,
     ) -> anyhow::Result<()> {
@@ -1461,16 +1518,21 @@ impl Traps {
         let mut entry_values = Vec::new();
         if let Some(ctx) = self.context(machine, survey, vcpu, regs, pc, None, &[]) {
             for p in &entry {
-                session.fire(p.probe, &p.name, &ctx);
+                sessions.fire_main(p.probe, &p.name, &ctx);
             }
             // The implicit entry side of the return probes' `@entry(...)` (as stap's): their
             // expressions as they are now, kept with this call's swapped return address.
             if wants_return && !self.free.is_empty() {
                 for r in &site_ret {
-                    entry_values.extend(session.entry_values(r.probe, &r.name, &ctx));
+                    entry_values.extend(sessions.main.entry_values(r.probe, &r.name, &ctx));
                 }
             }
             writes = ctx.writes.take();
+            for p in &entry {
+                sessions.fire_shadow(p.probe, &p.name, &ctx);
+            }
+            // The shadow's guru writes: the compiled code (or the main session) made them.
+            ctx.writes.take();
         }
         // Guru writes of parameters: the function runs with them (and a return probe sees
         // them as the entry's, as compiled).
@@ -1543,7 +1605,7 @@ impl Traps {
     fn returned(
         &mut self,
         guest: &mut GuestSession,
-        session: &mut Session<'_>,
+        sessions: &mut HitSessions<'_, '_>,
         vcpu: VcpuId,
     ) -> anyhow::Result<()> {
         let machine = &mut guest.machine;
@@ -1558,6 +1620,7 @@ impl Traps {
         };
         // The probes see the code where it returned to (the caller, at the original return
         // address), not the trampoline: a stack unwound here starts in the caller.
+        let mut writes = Vec::new();
         regs.rip = p.original;
         let ret = self
             .armed
@@ -1574,12 +1637,17 @@ impl Traps {
             &p.entry_values,
         ) {
             for r in &ret {
-                session.fire(r.probe, &r.name, &ctx);
+                sessions.fire_main(r.probe, &r.name, &ctx);
             }
-            // `$return = v`, `set_return(v)`: the caller gets it.
-            for (r, v) in ctx.writes.take() {
-                machine.set_register(vcpu, GPR_NAMES[r], v)?;
+            writes = ctx.writes.take();
+            for r in &ret {
+                sessions.fire_shadow(r.probe, &r.name, &ctx);
             }
+            ctx.writes.take();
+        }
+        // `$return = v`, `set_return(v)`: the caller gets it.
+        for (r, v) in writes {
+            machine.set_register(vcpu, GPR_NAMES[r], v)?;
         }
         machine.set_pc(vcpu, p.original)?;
         self.journal.set_return(machine, p.index, 0, 0)?;
