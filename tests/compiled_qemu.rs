@@ -426,6 +426,39 @@ fn compiled_and_host_evaluated_scripts_print_the_same() {
     );
 }
 
+/// `--compile check` on the same scripts: the compiled probes and the same probes on the
+/// host see the same hits in ONE run, and exotap compares what they print; a value that
+/// differs by design (the time a probe reads, the host's probe running later, at its stop)
+/// is caught and named.
+#[test]
+fn check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits() {
+    if !have_qemu("check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits") {
+        return;
+    }
+    for script in &DIFFERENTIAL[..2] {
+        let (code, out, err, con) = boot(script, "check", "syscall-loop 30");
+        let ctx = format!("script:\n{script}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 0, "{ctx}");
+        let verdict = err.lines().find(|l| l.starts_with("check: ")).unwrap_or("");
+        assert!(verdict.contains("printed the same"), "{ctx}");
+        assert!(!script_output(&out).trim().is_empty(), "{ctx}");
+        assert_no_oops(&con);
+    }
+    let clock = r#"global n
+      probe kernel.syscall("getppid") {
+        if (execname() == "syscall-loop" && ++n == 3) printf("t=%d\n", gettimeofday_ns())
+      }"#;
+    let (code, out, err, _) = boot(clock, "check", "syscall-loop 5");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 1, "{ctx}");
+    assert!(
+        err.contains("printed different output: line 1 of 2 (compiled) / 2 (host-evaluated) differs")
+            && err.contains("compiled:        \"t=")
+            && err.contains("host-evaluated:  \"t="),
+        "{ctx}"
+    );
+}
+
 /// Member chains and `@cast` on both paths; syscall-loop creates its 18-byte file
 /// `/tmp/syscall-loop.small` (a name of 18 bytes) with mode 0644, opens it for writing once
 /// and for reading 61 times, and preads 64 bytes from it 60 times.
