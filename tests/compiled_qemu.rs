@@ -426,6 +426,39 @@ fn compiled_and_host_evaluated_scripts_print_the_same() {
     );
 }
 
+/// Probes run on the host (begin) and compiled probes (in the guest) read one clock: the
+/// guest's. A TCG guest's wall clock is seconds off the host's (its RTC has whole seconds,
+/// and it drifts), so before the host side added the guest's offset a compiled probe's
+/// `gettimeofday_us() - start` came out negative (-2.1 s measured on a fresh boot).
+#[test]
+fn begin_and_compiled_probes_read_the_same_clock() {
+    if !have_qemu("begin_and_compiled_probes_read_the_same_clock") {
+        return;
+    }
+    let script = r#"global start
+      probe begin { start = gettimeofday_us() }
+      probe kernel.syscall("getppid") {
+        if (execname() == "syscall-loop") printf("since begin %d\n", gettimeofday_us() - start)
+      }"#;
+    let began = std::time::Instant::now();
+    let (code, out, err, _) = boot(script, "require", "syscall-loop 3");
+    let run_us = began.elapsed().as_micros() as i64;
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let since: Vec<i64> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("since begin "))
+        .map(|n| n.parse().expect("a number"))
+        .collect();
+    assert_eq!(since.len(), 3, "{ctx}");
+    // After begin, and within the run (plus the clock's tick of staleness).
+    assert!(
+        since.iter().all(|&us| (-10_000..run_us).contains(&us)),
+        "{since:?} not within 0..{run_us} us: {ctx}"
+    );
+    assert!(since.windows(2).all(|w| w[0] <= w[1]), "{ctx}");
+}
+
 /// `--compile check` on the same scripts: the compiled probes and the same probes on the
 /// host see the same hits in ONE run, and exotap compares what they print; a value that
 /// differs by design (the time a probe reads, the host's probe running later, at its stop)
@@ -452,8 +485,9 @@ fn check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits() {
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 1, "{ctx}");
     assert!(
-        err.contains("printed different output: line 1 of 2 (compiled) / 2 (host-evaluated) differs")
-            && err.contains("compiled:        \"t=")
+        err.contains(
+            "printed different output: line 1 of 2 (compiled) / 2 (host-evaluated) differs"
+        ) && err.contains("compiled:        \"t=")
             && err.contains("host-evaluated:  \"t="),
         "{ctx}"
     );

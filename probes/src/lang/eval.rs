@@ -102,6 +102,11 @@ pub struct Interp<'p> {
     /// probe's context has no symbols of its own (`sprint_stack()` of a stack kept as a
     /// map key): set by a runner that has the kernel's symbols.
     pub kernel_symbols: Option<KernelSymbols>,
+    /// How far the target's wall clock is ahead of this host's, in ns: `gettimeofday_*()`
+    /// and `ctime()` give the host's time plus it, so that probes run on the host (begin,
+    /// end, timers, host-evaluated kernel probes) read the clock compiled probes read in
+    /// the guest (set by a runner that measured it; 0 otherwise).
+    pub clock_offset_ns: i64,
 }
 
 /// A function naming kernel addresses (see [`Interp::kernel_symbols`]).
@@ -139,6 +144,7 @@ impl<'p> Interp<'p> {
             regexes: HashMap::new(),
             started: std::time::Instant::now(),
             kernel_symbols: None,
+            clock_offset_ns: 0,
         };
         for name in prog.globals.keys() {
             let store = me.initial(name);

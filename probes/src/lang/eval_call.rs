@@ -140,10 +140,16 @@ impl Interp<'_> {
         let args = self.args(c, f, ctx)?;
         let long = |i: usize| args.get(i).map_or(0, Value::as_long);
         let text = |i: usize| args.get(i).map_or("", Value::as_str);
+        let offset = i128::from(self.clock_offset_ns);
         let now = || {
-            SystemTime::now()
+            let host = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .unwrap_or_default()
+                .as_nanos();
+            let ns = i128::try_from(host)
+                .unwrap_or(i128::MAX)
+                .saturating_add(offset);
+            std::time::Duration::from_nanos(u64::try_from(ns.max(0)).unwrap_or(u64::MAX))
         };
         let v = match name {
             "set_return" => {

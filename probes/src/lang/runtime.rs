@@ -198,6 +198,12 @@ impl<'p> Session<'p> {
         }
     }
 
+    /// Makes `gettimeofday_*()` read the target's clock: the host's plus `ns`
+    /// ([`Interp::clock_offset_ns`]).
+    pub fn set_clock_offset(&mut self, ns: i64) {
+        self.interp.clock_offset_ns = ns;
+    }
+
     /// Names kernel addresses for every probe, `end` included ([`Interp::kernel_symbols`]).
     pub fn set_kernel_symbols(&mut self, symbols: crate::lang::eval::KernelSymbols) {
         self.interp.kernel_symbols = Some(symbols);

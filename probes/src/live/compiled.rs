@@ -679,6 +679,7 @@ pub fn start_on(
     } else {
         None
     };
+    let clock_offset = super::trap_script::guest_clock_offset(&mut session, image);
     // Check mode: every compiled probe runs on the host too, into a shadow session.
     let check: Option<BTreeSet<usize>> =
         (mode == CompileMode::Check).then(|| plan.points.iter().map(|(_, p)| p.probe).collect());
@@ -726,6 +727,7 @@ pub fn start_on(
                 traps,
                 stacks,
                 check,
+                clock_offset,
             };
             run(session, script, started, ready_tx)
         })
@@ -896,6 +898,9 @@ struct Started {
     stacks: Option<super::stacks::KernelStacks>,
     /// Check mode: the compiled probes (see [`CompileMode::Check`]).
     check: Option<BTreeSet<usize>>,
+    /// How far the guest's clock is ahead of the host's: probes run on the host read the
+    /// guest's clock, as the compiled ones do.
+    clock_offset: Option<i64>,
 }
 
 /// A hit of a host-evaluated probe of a mixed script (the guest stopped at it): what the
@@ -913,6 +918,49 @@ fn host_hit(
     traps.hit_in(&mut guest.session, sessions, vcpu, pc)?;
     guest.push(sessions.main, prog)?;
     guest.session.resume()
+}
+
+/// Most single steps [`finish_hits`] takes per vCPU.
+const FINISH_STEPS: usize = 100_000;
+
+/// Check mode, at the last pause: a vCPU that a host hit let go may not have run the
+/// compiled body of that hit yet (it resumes through the trap's out-of-line copy in the
+/// patch heap, then the splice's patch). Each vCPU whose instruction pointer is in the
+/// heap is stepped until it leaves it, so the compiled side ends with the hits the host
+/// side counted. A vCPU at a probe site itself has not been counted on either side.
+fn finish_hits(guest: &mut Guest) -> anyhow::Result<()> {
+    let (va, _, size) = guest
+        .session
+        .splicer()
+        .context("the session has no splicer")?
+        .heap_range();
+    let heap = va..va.saturating_add(size);
+    let machine = &mut guest.session.machine;
+    for vcpu in machine.vcpus()? {
+        let mut steps = 0;
+        loop {
+            let rip = match machine.registers(vcpu)? {
+                exotap_vmm::control::RegisterFile::X86_64(r) => r.rip,
+                _ => break,
+            };
+            if !heap.contains(&rip) {
+                break;
+            }
+            if steps == FINISH_STEPS {
+                tracing::warn!(
+                    "{vcpu} is still in exotap's code after {FINISH_STEPS} steps: its last \
+                     compiled hit may be missing from the check"
+                );
+                break;
+            }
+            machine.step(vcpu)?;
+            steps += 1;
+        }
+        if steps > 0 {
+            tracing::info!("{vcpu} finished its last compiled hit in {steps} steps");
+        }
+    }
+    Ok(())
 }
 
 /// Check mode's copy of what a session prints: a buffer the writer shares with the run.
@@ -1004,6 +1052,7 @@ fn run(
         mut traps,
         stacks,
         check,
+        clock_offset,
     } = started;
     let GuestScript {
         source,
@@ -1028,6 +1077,9 @@ fn run(
         Output::new(format, Box::new(out), Box::new(err.clone()))
     };
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
+    if let Some(ns) = clock_offset {
+        session.set_clock_offset(ns);
+    }
     session.begin();
     let mut shadow = check.as_ref().map(|_| {
         let output = Output::new(
@@ -1035,7 +1087,11 @@ fn run(
             Box::new(shadow_copy.clone()),
             Box::new(std::io::sink()),
         );
-        Session::new(&prog, limits.clone(), output, &source.name, &source.text)
+        let mut shadow = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
+        if let Some(ns) = clock_offset {
+            shadow.set_clock_offset(ns);
+        }
+        shadow
     });
     if let Some(shadow) = shadow.as_mut() {
         shadow.begin();
@@ -1239,6 +1295,9 @@ fn run(
             guest.session.pause()?;
             if let Some(t) = traps.as_mut() {
                 t.disarm(&mut guest.session.machine);
+            }
+            if check.is_some() {
+                finish_hits(&mut guest)?;
             }
             guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;

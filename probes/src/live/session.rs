@@ -354,6 +354,52 @@ impl GuestSession {
         self.detached = true;
     }
 
+    /// How far the guest's wall clock (CLOCK_REALTIME as of its last timekeeping update:
+    /// `shadow_timekeeper`'s `xtime_sec` and `tkr_mono.xtime_nsec >> tkr_mono.shift`, a
+    /// tick old at most) is ahead of this host's, in ns; the guest paused. Probes run on
+    /// the host add it to the host's time, so that they read the clock compiled probes
+    /// read in the guest (`ktime_get_real_fast_ns`): a TCG guest's clock is seconds to
+    /// minutes off the host's.
+    ///
+    /// # Errors
+    /// When the image lacks the symbol or the BTF members, or the guest cannot be read.
+    pub fn clock_offset_ns(&mut self, image: &KernelImage) -> anyhow::Result<i64> {
+        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes())
+            .context("the kernel image has no usable BTF")?;
+        let member = |s: &str, m: &str| -> anyhow::Result<u64> {
+            btf.struct_member(s, m)
+                .ok()
+                .and_then(|m| m.byte_offset())
+                .with_context(|| format!("BTF has no byte offset for {s}.{m}"))
+        };
+        let tk = image
+            .address("shadow_timekeeper")?
+            .wrapping_add(self.survey.kaslr.slide);
+        let tkr = tk.wrapping_add(member("timekeeper", "tkr_mono")?);
+        let fields = [
+            (tk.wrapping_add(member("timekeeper", "xtime_sec")?), 8),
+            (tkr.wrapping_add(member("tk_read_base", "xtime_nsec")?), 8),
+            (tkr.wrapping_add(member("tk_read_base", "shift")?), 4),
+        ];
+        let mut mem = BackendMemory(&mut *self.machine);
+        let mut space = self.survey.space(&mut mem);
+        let mut words = [0u64; 3];
+        for (w, (at, len)) in words.iter_mut().zip(fields) {
+            let mut b = [0u8; 8];
+            space
+                .read(at, &mut b[..len])
+                .context("cannot read the guest's timekeeper")?;
+            *w = u64::from_le_bytes(b);
+        }
+        let host = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let [sec, nsec, shift] = words;
+        let guest = i128::from(sec) * 1_000_000_000 + i128::from(nsec >> (shift & 63));
+        i64::try_from(guest - i128::try_from(host)?).context("the guest's clock is out of range")
+    }
+
     /// The guest kernel's TSC rate (`tsc_khz`, at least 1), to turn recorded TSC values into
     /// time; the guest paused.
     ///

@@ -88,6 +88,7 @@ pub fn start(
         size: plan.size,
     };
     let traps = Traps::arm(&mut session, image, &script.prog, area, &|_| true)?;
+    let clock_offset = guest_clock_offset(&mut session, image);
     let kprobes = if script.compare_kprobes {
         let btf =
             Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
@@ -102,6 +103,7 @@ pub fn start(
                 session,
                 traps,
                 kprobes,
+                clock_offset,
             }
             .run(script)
         })
@@ -115,6 +117,26 @@ struct Tracer {
     traps: Traps,
     /// With `compare_kprobes`: reads the guest's own kprobe hits.
     kprobes: Option<KprobeReader>,
+    /// How far the guest's clock is ahead of the host's ([`guest_clock_offset`]).
+    clock_offset: Option<i64>,
+}
+
+/// [`GuestSession::clock_offset_ns`], or `None` (said) when it cannot be measured: probes
+/// run on the host then read the host's clock.
+pub(crate) fn guest_clock_offset(session: &mut GuestSession, image: &KernelImage) -> Option<i64> {
+    match session.clock_offset_ns(image) {
+        Ok(ns) => {
+            tracing::debug!("the guest's clock is {ns} ns ahead of the host's");
+            Some(ns)
+        }
+        Err(e) => {
+            tracing::warn!(
+                "gettimeofday_*() in probes run on the host read the host's clock, not the \
+                 guest's: {e:#}"
+            );
+            None
+        }
+    }
 }
 
 impl Tracer {
@@ -133,6 +155,9 @@ impl Tracer {
         let mut session = Session::new(&prog, limits, output, &source.name, &source.text);
         if let Some(symbols) = self.traps.kernel_symbols() {
             session.set_kernel_symbols(symbols);
+        }
+        if let Some(ns) = self.clock_offset {
+            session.set_clock_offset(ns);
         }
         session.begin();
         let mut timers = host_timers(&prog, Instant::now());
