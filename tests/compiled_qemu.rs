@@ -15,6 +15,16 @@ use common::{boot, exotap, have_qemu, host_result, result, run};
 /// `exotap_wait detach` itself (after arming the guest's kprobes, which exotap then reads at
 /// its install and removal stops); returns (code, stdout, stderr, console).
 fn boot_compared(script: &str, job: &str, timeout: &str) -> (i32, String, String, String) {
+    boot_in_job(script, "require", job, timeout)
+}
+
+/// [`boot_compared`] with `--compile MODE`.
+fn boot_in_job(
+    script: &str,
+    mode: &str,
+    job: &str,
+    timeout: &str,
+) -> (i32, String, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let console = dir.path().join("console.log");
     let job_file = dir.path().join("job.sh");
@@ -25,7 +35,7 @@ fn boot_compared(script: &str, job: &str, timeout: &str) -> (i32, String, String
             "--timeout",
             timeout,
             "--compile",
-            "require",
+            mode,
             "--script-text",
             script,
         ])
@@ -457,6 +467,39 @@ fn begin_and_compiled_probes_read_the_same_clock() {
         "{since:?} not within 0..{run_us} us: {ctx}"
     );
     assert!(since.windows(2).all(|w| w[0] <= w[1]), "{ctx}");
+}
+
+/// A compiled and a host-evaluated `.return` probe of one function both swap the return
+/// address of a call (the host's breakpoint first, then the splice); a call still in flight
+/// at removal (a `sleep` in `hrtimer_nanosleep`) must get its caller's address back, not
+/// the host trampoline the compiled probe kept as "original": the removal undoes the swaps
+/// in reverse order. It returns after exotap left; before, it ran the trampoline's `ud2`.
+#[test]
+fn a_call_swapped_by_a_compiled_and_a_host_return_probe_returns_to_its_caller_after_removal() {
+    if !have_qemu(
+        "a_call_swapped_by_a_compiled_and_a_host_return_probe_returns_to_its_caller_after_removal",
+    ) {
+        return;
+    }
+    let script = r#"global c, h
+      probe kernel.function("hrtimer_nanosleep").return { c++ }
+      probe kernel.function("hrtimer_nanosleep").return { if (errno_str(2) != "") h++ }
+      probe end { printf("compiled %d host %d\n", c, h) }"#;
+    let job = "exotap_wait attach\n\
+               sleep 3 &\n\
+               sleep 1\n\
+               exotap_wait detach\n\
+               wait\n\
+               exotap_result slept 1\n";
+    let (code, out, err, console) = boot_in_job(script, "auto", job, "300");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{console}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(err.contains("the script runs mixed"), "{ctx}");
+    // `sleep 1` returned through both probes; `sleep 3` was still asleep at removal.
+    assert!(out.contains("compiled 1 host 1\n"), "{ctx}");
+    assert!(console.contains("EXOTAP-RESULT slept=1"), "{ctx}");
+    assert_no_oops(&console);
+    assert!(!console.contains("invalid opcode"), "{ctx}");
 }
 
 /// `--compile check` on the same scripts: the compiled probes and the same probes on the

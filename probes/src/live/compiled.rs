@@ -225,6 +225,9 @@ pub fn start_script(
     script: GuestScript,
     mode: CompileMode,
 ) -> anyhow::Result<JoinHandle<i32>> {
+    if mode == CompileMode::Check && !script.prog.needs_guest() {
+        bail!("the script has no kernel probe: --compile=check has nothing to check");
+    }
     if mode != CompileMode::Never && script.prog.needs_guest() {
         let why = match plan(image, &script.prog, &script.limits) {
             Ok(Ok(plan)) => return start(target, image, heap, script, plan, mode),
@@ -926,9 +929,10 @@ const FINISH_STEPS: usize = 100_000;
 /// Check mode, at the last pause: a vCPU that a host hit let go may not have run the
 /// compiled body of that hit yet (it resumes through the trap's out-of-line copy in the
 /// patch heap, then the splice's patch). Each vCPU whose instruction pointer is in the
-/// heap is stepped until it leaves it, so the compiled side ends with the hits the host
-/// side counted. A vCPU at a probe site itself has not been counted on either side.
-fn finish_hits(guest: &mut Guest) -> anyhow::Result<()> {
+/// heap is stepped until it leaves it (the breakpoints still in), so the compiled side ends
+/// with the hits the host side counted. A vCPU at a probe site itself has not been counted
+/// on either side.
+fn finish_hits(guest: &mut Guest, traps: Option<&Traps>) -> anyhow::Result<()> {
     let (va, _, size) = guest
         .session
         .splicer()
@@ -943,7 +947,9 @@ fn finish_hits(guest: &mut Guest) -> anyhow::Result<()> {
                 exotap_vmm::control::RegisterFile::X86_64(r) => r.rip,
                 _ => break,
             };
-            if !heap.contains(&rip) {
+            // Out of exotap's code, or at a breakpoint of the host-evaluated probes (the
+            // return trampoline's: their disarm sends that vCPU on).
+            if !heap.contains(&rip) || traps.is_some_and(|t| t.owns(rip)) {
                 break;
             }
             if steps == FINISH_STEPS {
@@ -1291,13 +1297,11 @@ fn run(
                 now.saturating_sub(then)
             ));
         }
+        let mut disarmed = false;
         let end = (|| -> anyhow::Result<()> {
             guest.session.pause()?;
-            if let Some(t) = traps.as_mut() {
-                t.disarm(&mut guest.session.machine);
-            }
             if check.is_some() {
-                finish_hits(&mut guest)?;
+                finish_hits(&mut guest, traps.as_ref())?;
             }
             guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;
@@ -1315,6 +1319,15 @@ fn run(
                 }
             }
             let removed = guest.session.remove()?;
+            // The host-evaluated probes' swapped return addresses go back after the compiled
+            // ones: where both swapped one (a host-evaluated and a compiled `.return` probe
+            // of one function: mixed scripts, check mode), the host's breakpoint came first,
+            // so the compiled probe kept the host's trampoline as the "original", and only
+            // this order (the reverse of the swaps) puts the caller's address back.
+            if let Some(t) = traps.as_mut() {
+                t.disarm(&mut guest.session.machine);
+            }
+            disarmed = true;
             if !removed.differing.is_empty() {
                 tracing::warn!(
                     "{} text pages differ after removal",
@@ -1331,6 +1344,11 @@ fn run(
         })();
         if let Err(e) = end {
             tracing::error!("removing the compiled probes failed: {e:#}");
+            if !disarmed {
+                if let Some(t) = traps.as_mut() {
+                    t.disarm(&mut guest.session.machine);
+                }
+            }
         }
         lost = guest.lost;
         // After a failed removal, the detach tries it again.
