@@ -442,8 +442,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         if svm_crash && attempt == 1 {
             let last_run = text
                 .lines()
-                .filter(|l| l.starts_with("EXOTAP-RESULT ") && l.contains(".rc="))
-                .last()
+                .rfind(|l| l.starts_with("EXOTAP-RESULT ") && l.contains(".rc="))
                 .unwrap_or("(none)");
             eprintln!(
                 "RETRY kvm_nested: the outer kernel panicked inside __svm_vcpu_run (QEMU TCG's \

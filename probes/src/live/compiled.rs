@@ -1155,7 +1155,13 @@ fn run(
                     header = guest.header()?;
                     return Ok(header.exit || header.errors > 0);
                 }
-                if reads_running && !due.is_empty() && due.iter().all(|i| !timer_writes[*i]) {
+                // (Check mode compares at stops: a vCPU between its host-evaluated and its
+                // compiled run of a hit is finished first, below.)
+                if reads_running
+                    && check.is_none()
+                    && !due.is_empty()
+                    && due.iter().all(|i| !timer_writes[*i])
+                {
                     // Timers that only read: the globals as the guest has them now, no stop.
                     guest.print(&mut session, false)?;
                     header = guest.pull_running(&mut session)?;
@@ -1175,6 +1181,9 @@ fn run(
                     guest.session.pause_for_read()?
                 } else {
                     guest.session.pause()?;
+                    if check.is_some() {
+                        finish_hits(&mut guest, traps.as_ref())?;
+                    }
                     true
                 };
                 guest.print(&mut session, false)?;

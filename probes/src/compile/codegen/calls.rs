@@ -154,24 +154,21 @@ impl Gen<'_, '_> {
                     "kernel_short" => 2,
                     _ => 1,
                 };
-                let scratch = self.scratch();
-                let fault = self.errors.fault;
-                let r = (|| {
-                    self.a.mov(rsi, rax)?;
-                    self.a.lea(rdi, qword_ptr(rbp + scratch))?;
-                    self.a.mov(edx, len)?;
-                    self.a.call(copy)?;
-                    self.a.test(rax, rax)?;
-                    self.a.jnz(fault)?;
-                    match len {
-                        8 => self.a.mov(rax, qword_ptr(rbp + scratch)),
-                        4 => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
-                        2 => self.a.movsx(rax, word_ptr(rbp + scratch)),
-                        _ => self.a.movsx(rax, byte_ptr(rbp + scratch)),
-                    }
-                })();
-                asm!(self, r)?;
+                self.read_kernel(copy, len)?;
                 Ok(K::Long)
+            }
+            // As the interpreter: `$return` in a return probe (elsewhere the probe runs on
+            // the host, where it is an error).
+            "returnval" => {
+                if !self.point.is_return {
+                    return Err(self.no("returnval() outside a return probe"));
+                }
+                let off = super::saved_offset(Register::RAX);
+                asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
+                Ok(K::Long)
+            }
+            "int_arg" | "uint_arg" | "long_arg" | "ulong_arg" | "pointer_arg" => {
+                self.arg_register(name, c)
             }
             "kernel_string" | "kernel_string_n" | "user_string" | "user_string_n" => {
                 Err(self.no(format!(
@@ -607,4 +604,76 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
         .max()
         .unwrap_or(0);
     largest.next_power_of_two().clamp(RECORD, MAX_RECORD)
+}
+
+/// Byte offsets of the syscall arguments in `struct pt_regs`: di, si, dx, r10, r8, r9.
+const SYSCALL_ARG_REGS: [i32; 6] = [112, 104, 96, 56, 72, 64];
+
+impl Gen<'_, '_> {
+    /// `rax` = the `len`-byte word at the kernel address in `rax` (sign-extended), read with
+    /// `copy_from_kernel_nofault` at `copy`; a fault ends the hit with a probe error.
+    fn read_kernel(&mut self, copy: u64, len: u32) -> R<()> {
+        let scratch = self.scratch();
+        let fault = self.errors.fault;
+        let r = (|| {
+            self.a.mov(rsi, rax)?;
+            self.a.lea(rdi, qword_ptr(rbp + scratch))?;
+            self.a.mov(edx, len)?;
+            self.a.call(copy)?;
+            self.a.test(rax, rax)?;
+            self.a.jnz(fault)?;
+            match len {
+                8 => self.a.mov(rax, qword_ptr(rbp + scratch)),
+                4 => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
+                2 => self.a.movsx(rax, word_ptr(rbp + scratch)),
+                _ => self.a.movsx(rax, byte_ptr(rbp + scratch)),
+            }
+        })();
+        asm!(self, r)
+    }
+
+    /// `int_arg(n)`, `uint_arg(n)`, `long_arg(n)`, `ulong_arg(n)`, `pointer_arg(n)`, as the
+    /// interpreter answers them: argument register `n` (1 to 6, a constant) at the entry
+    /// (in a return probe the entry's, which the trampoline keeps), or in a syscall wrapper
+    /// (`__x64_sys_*`) the syscall's argument from the `pt_regs` that is the wrapper's one
+    /// parameter; `int_arg` sign-extends its low 32 bits, `uint_arg` zero-extends them.
+    fn arg_register(&mut self, name: &str, c: &Call) -> R<K> {
+        let n = match c.args.first().map(|a| &a.kind) {
+            Some(ExprKind::Num(n)) if (1..=6).contains(n) => *n as usize,
+            _ => {
+                return Err(self.no(format!(
+                    "{name}() of an argument number other than a constant 1 to 6"
+                )))
+            }
+        };
+        let entry_arg = |g: &Self, i: usize| -> i32 {
+            if g.point.is_return {
+                // The entry's value, which the trampoline pushed under the saved registers.
+                8 * i as i32 - super::super::site::ENTRY_ARGS
+            } else {
+                super::saved_offset(super::ARGS[i])
+            }
+        };
+        if self.point.function.starts_with("__x64_sys_") {
+            let copy = self.env.facts.copy_nofault.ok_or_else(|| {
+                self.no(format!(
+                    "{name}() in a syscall wrapper (the kernel has no copy_from_kernel_nofault)"
+                ))
+            })?;
+            let regs = entry_arg(self, 0);
+            let at = SYSCALL_ARG_REGS[n - 1];
+            asm!(self, self.a.mov(rax, qword_ptr(r15 + regs)))?;
+            asm!(self, self.a.add(rax, at))?;
+            self.read_kernel(copy, 8)?;
+        } else {
+            let off = entry_arg(self, n - 1);
+            asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
+        }
+        match name {
+            "int_arg" => asm!(self, self.a.movsxd(rax, eax))?,
+            "uint_arg" => asm!(self, self.a.mov(eax, eax))?,
+            _ => {}
+        }
+        Ok(K::Long)
+    }
 }
