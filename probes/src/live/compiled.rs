@@ -1117,6 +1117,14 @@ fn run(
         }
     };
     guest.stacks = stacks;
+    if check.is_some() && !guest.entered.is_empty() {
+        tracing::warn!(
+            "check: {} compiled points are entered from a breakpoint (no splice fits there); \
+             that breakpoint takes the hit before the host-evaluated twin's, which never runs: \
+             their probes' output will differ",
+            guest.entered.len()
+        );
+    }
     // The guest's own kprobe counters, read at the same stops as the install and the removal.
     let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.session.machine));
     let _ = ready.send(Ok(()));
