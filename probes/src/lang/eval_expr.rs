@@ -247,7 +247,6 @@ impl Interp<'_> {
         }))
     }
 
-    /// Reads a variable or array element (missing elements read as 0 or "").
     /// The keys of an array element `e` names, evaluated now (`None` for anything else).
     fn element_keys(
         &mut self,
@@ -261,8 +260,8 @@ impl Interp<'_> {
         }
     }
 
-    /// Reads a variable or array element (at `keys` when given: the element's keys already
-    /// evaluated).
+    /// Reads a variable or array element (missing elements read as 0 or ""), at `keys` when
+    /// given (the element's keys already evaluated).
     fn load(
         &mut self,
         e: &Expr,

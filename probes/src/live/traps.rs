@@ -1620,8 +1620,8 @@ impl Traps {
         };
         // The probes see the code where it returned to (the caller, at the original return
         // address), not the trampoline: a stack unwound here starts in the caller.
-        let mut writes = Vec::new();
         regs.rip = p.original;
+        let mut writes = Vec::new();
         let ret = self
             .armed
             .get(&p.site)
