@@ -24,6 +24,10 @@ use super::vcpu::{RunRequest, Snapshot, VcpuShared, VcpuState, VmEvent, DEBUG_ST
 use crate::control::{ControlError, Machine, RegisterFile, SharedRegion, StopEvent, VcpuId};
 
 const BACKEND: &str = "kvm";
+/// How long a pause waits for a vCPU before kicking it again.
+const PAUSE_REKICK: Duration = Duration::from_millis(50);
+/// How long a pause waits for every vCPU in all before it fails.
+const PAUSE_LIMIT: Duration = Duration::from_secs(30);
 
 /// One vCPU as the host holds it.
 #[derive(Debug)]
@@ -445,8 +449,27 @@ impl Machine for KvmMachine {
         for v in &self.vm.vcpus {
             v.ask(RunRequest::Pause);
         }
+        // A vCPU that has not parked after a while is kicked again (a signal and
+        // `immediate_exit` once more): nested under TCG's SVM a kick has been seen to go
+        // unanswered, and a pause that never returns blocks whoever asked, the run's own
+        // timeout included. Past PAUSE_LIMIT the pause fails instead.
+        let started = Instant::now();
         for v in &self.vm.vcpus {
-            v.shared.wait_stopped();
+            while v.shared.wait_stopped_for(PAUSE_REKICK).is_none() {
+                if started.elapsed() > PAUSE_LIMIT {
+                    return Err(ControlError::Backend {
+                        backend: BACKEND,
+                        source: format!(
+                            "vCPU {} did not stop within {} s of being asked",
+                            v.shared.id,
+                            PAUSE_LIMIT.as_secs()
+                        )
+                        .into(),
+                    });
+                }
+                tracing::debug!("vCPU {} has not stopped yet: kicked again", v.shared.id);
+                v.ask(RunRequest::Pause);
+            }
         }
         control.paused = true;
         self.vm.pauses.fetch_add(1, Ordering::Relaxed);

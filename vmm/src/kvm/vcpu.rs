@@ -275,6 +275,25 @@ impl VcpuShared {
         self.changed.notify_all();
     }
 
+    /// Waits up to `timeout` for the thread to be in `Paused` or `Finished`; `None` when it
+    /// is still running then.
+    pub fn wait_stopped_for(&self, timeout: std::time::Duration) -> Option<VcpuState> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut inner = self.lock();
+        while !matches!(inner.state, VcpuState::Paused | VcpuState::Finished) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            inner = self
+                .changed
+                .wait_timeout(inner, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        Some(inner.state)
+    }
+
     /// Waits until the thread is in `Paused` or `Finished`.
     pub fn wait_stopped(&self) -> VcpuState {
         let mut inner = self.lock();
@@ -497,6 +516,31 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         let evt = || EventFd::new(libc::EFD_NONBLOCK).unwrap();
         (Mutex::new(Devices::new(evt(), evt(), tx)), rx)
+    }
+
+    #[test]
+    fn a_bounded_wait_gives_up_on_a_running_vcpu_and_sees_one_that_parks() {
+        let shared = Arc::new(VcpuShared::new(0));
+        shared.lock().state = VcpuState::Running;
+
+        let waited = std::time::Instant::now();
+        assert_eq!(
+            shared.wait_stopped_for(std::time::Duration::from_millis(30)),
+            None
+        );
+        assert!(waited.elapsed() >= std::time::Duration::from_millis(30));
+
+        let parker = Arc::clone(&shared);
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            parker.lock().state = VcpuState::Paused;
+            parker.changed.notify_all();
+        });
+        assert_eq!(
+            shared.wait_stopped_for(std::time::Duration::from_secs(10)),
+            Some(VcpuState::Paused)
+        );
+        t.join().unwrap();
     }
 
     #[test]
