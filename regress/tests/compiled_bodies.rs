@@ -382,6 +382,8 @@ fn context(h: &Hit) -> CapturedContext {
         execname: h.comm.into(),
         cpu: 0,
         probefunc: "f".into(),
+        // The site's argument registers as the rig sets them: rdi, rsi, the rest 0.
+        args: vec![h.a as u64, h.b as u64, 0, 0, 0, 0],
         ..Default::default()
     };
     ctx.targets.insert("$a".into(), Value::Long(h.a));

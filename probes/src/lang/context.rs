@@ -178,11 +178,19 @@ pub struct CapturedContext {
     pub probefunc: String,
     /// Captured memory ranges: start address to bytes.
     pub memory: Vec<(u64, Vec<u8>)>,
+    /// The argument registers at the entry, in calling-convention order (`int_arg(n)` and
+    /// friends answer the n-th; empty: none, as outside a kernel probe).
+    pub args: Vec<u64>,
 }
 
 impl Context for CapturedContext {
     fn target(&self, path: &str) -> Option<Value> {
         self.targets.get(path).cloned()
+    }
+
+    fn arg_register(&self, n: i64) -> Option<u64> {
+        let i = usize::try_from(n.checked_sub(1)?).ok()?;
+        self.args.get(i).copied()
     }
 
     fn pid(&self) -> i64 {
