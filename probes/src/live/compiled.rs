@@ -39,6 +39,7 @@ use crate::lang::runtime::{host_context, host_timers, Session};
 use crate::lang::Limits;
 
 use super::attach::Target;
+use super::check::{check_verdict, Copied, Shared, Tee};
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, KprobeReader, Request, SiteCode};
@@ -967,81 +968,6 @@ fn finish_hits(guest: &mut Guest, traps: Option<&Traps>) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Check mode's copy of what a session prints: a buffer the writer shares with the run.
-#[derive(Clone, Default)]
-struct Copied(std::rc::Rc<std::cell::RefCell<Vec<u8>>>);
-
-impl std::io::Write for Copied {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.borrow_mut().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// A writer that also keeps a copy of what went through it.
-struct Tee<W>(W, Copied);
-
-impl<W: std::io::Write> std::io::Write for Tee<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.0.write(buf)?;
-        self.1.write(&buf[..n])
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.0.flush()
-    }
-}
-
-/// A writer several holders write through, one after another (the run's diagnostics: the
-/// session's, then check mode's verdict after the session ended).
-struct Shared<W>(std::rc::Rc<std::cell::RefCell<W>>);
-
-impl<W> Clone for Shared<W> {
-    fn clone(&self) -> Self {
-        Shared(self.0.clone())
-    }
-}
-
-impl<W: std::io::Write> std::io::Write for Shared<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.borrow_mut().write(buf)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.0.borrow_mut().flush()
-    }
-}
-
-/// Check mode's verdict on the two outputs: `Ok(lines)` when they are the same bytes, else
-/// where they part.
-fn check_verdict(compiled: &[u8], host: &[u8]) -> Result<usize, String> {
-    let (c, h) = (
-        String::from_utf8_lossy(compiled),
-        String::from_utf8_lossy(host),
-    );
-    if compiled == host {
-        return Ok(c.lines().count());
-    }
-    let (cl, hl): (Vec<&str>, Vec<&str>) = (c.lines().collect(), h.lines().collect());
-    let at = cl.iter().zip(&hl).take_while(|(a, b)| a == b).count();
-    let line = |v: &[&str]| {
-        v.get(at)
-            .map_or("(the output ends)".to_owned(), |l| format!("{l:?}"))
-    };
-    Err(format!(
-        "line {} of {} (compiled) / {} (host-evaluated) differs:\n  compiled:        {}\n  host-evaluated:  {}",
-        at + 1,
-        cl.len(),
-        hl.len(),
-        line(&cl),
-        line(&hl)
-    ))
 }
 
 fn run(

@@ -58,6 +58,7 @@
 //! through `tracing`.
 
 pub mod attach;
+mod check;
 pub mod compiled;
 pub mod drainer;
 pub mod guest_memory;
