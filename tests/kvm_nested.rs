@@ -24,11 +24,14 @@
 
 mod common;
 
+use std::cell::Cell;
+use std::io::Write;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use exotap_guest_images::{self as images, init, kernel, workloads, GuestJob};
-use exotap_vmm::qemu::{self, GoAtOnce, QemuConfig, Timeouts};
+use exotap_vmm::qemu::{self, PhaseHook, QemuConfig, QemuError, Timeouts};
 
 /// getpid calls the inner workload makes while the splice is in.
 const CALLS: u32 = 20000;
@@ -151,6 +154,10 @@ fn outer_job(inner_cpus: u32, log: &str) -> GuestJob {
     GuestJob::from_script(format!(
         r#"set -e
 set -o pipefail 2>/dev/null || true
+# A heartbeat on the console: the host tells a frozen outer guest (it stops) from a slow
+# inner run (it goes on).
+(while :; do sleep {HEARTBEAT_S}; echo "outer: alive at $(cut -d' ' -f1 /proc/uptime) s"; done) &
+heartbeat=$!
 for m in irqbypass kvm kvm-amd; do insmod /kvm/$m.ko; done
 test -c /dev/kvm
 exotap_result outer.kvm "$(/bin/exotap host)"
@@ -253,9 +260,60 @@ vmm_up /kvm/recover.cpio.gz
 until_vmm_says 'EXOTAP-RESULT getpid.calls='
 kill -KILL $client
 vmm_down recover
+kill $heartbeat
 "#
     ))
 }
+
+/// Seconds between the outer guest's heartbeat lines.
+const HEARTBEAT_S: u64 = 20;
+/// A console silent this long means the outer guest is frozen (its heartbeat stopped).
+const SILENT: Duration = Duration::from_secs(10 * HEARTBEAT_S);
+
+/// The outer console, noting when it last printed.
+struct Watched {
+    transcript: Vec<u8>,
+    last: Rc<Cell<Instant>>,
+}
+
+impl Write for Watched {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.last.set(Instant::now());
+        self.transcript.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Lets the outer guest go at once, and ends the run when its console (heartbeat included)
+/// has been silent for [`SILENT`].
+struct SilenceWatch(Rc<Cell<Instant>>);
+
+impl PhaseHook for SilenceWatch {
+    fn at_wait(&mut self, _phase: &str) -> Result<(), QemuError> {
+        Ok(())
+    }
+
+    fn tick(&mut self) -> Result<(), QemuError> {
+        let quiet = self.0.get().elapsed();
+        if quiet > SILENT {
+            return Err(QemuError::Hook {
+                phase: "(running)".into(),
+                message: format!(
+                    "{FROZEN}: its console, a heartbeat every {HEARTBEAT_S} s included, printed \
+                     nothing for {} s",
+                    quiet.as_secs()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// How [`SilenceWatch`] names a frozen outer guest.
+const FROZEN: &str = "the outer guest froze";
 
 /// The tags of the engine's runs in the outer job.
 const TAGS: [&str; 13] = [
@@ -424,30 +482,44 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     };
     // QEMU TCG's emulation of SVM under the outer kernel's KVM has crashed that kernel once
     // in CI (a page-fault storm on an interrupt inside `__svm_vcpu_run`, kvm_amd, the outer
-    // guest's own kernel: nothing of exotap runs there). Such a run is retried once, saying
-    // so; any other failure, or a second crash, fails the test.
+    // guest's own kernel: nothing of exotap runs there), and has frozen it twice (the console
+    // silent from the start of an inner run on, the inner run's own timeout never firing:
+    // nothing in the outer guest ran any more). Such a run is retried once, saying so, with
+    // its last lines; any other failure, or a second crash or freeze, fails the test.
     let mut attempt = 1;
     let (outcome, transcript) = loop {
-        let mut transcript = Vec::new();
+        let last = Rc::new(Cell::new(Instant::now()));
+        let mut watched = Watched {
+            transcript: Vec::new(),
+            last: Rc::clone(&last),
+        };
         let outcome = qemu::run(
             &config,
             dir.path(),
             timeouts,
-            &mut transcript,
-            &mut GoAtOnce,
+            &mut watched,
+            &mut SilenceWatch(last),
         );
+        let transcript = watched.transcript;
         let text = String::from_utf8_lossy(&transcript);
         let svm_crash =
             outcome.is_err() && text.contains("Kernel panic") && text.contains("__svm_vcpu_run");
-        if svm_crash && attempt == 1 {
+        let frozen = matches!(&outcome, Err(QemuError::Hook { message, .. }) if message.starts_with(FROZEN));
+        if (svm_crash || frozen) && attempt == 1 {
             let last_run = text
                 .lines()
                 .rfind(|l| l.starts_with("EXOTAP-RESULT ") && l.contains(".rc="))
                 .unwrap_or("(none)");
+            let why = if svm_crash {
+                "the outer kernel panicked inside __svm_vcpu_run (QEMU TCG's SVM emulation)"
+                    .to_owned()
+            } else {
+                outcome.as_ref().err().map(ToString::to_string).unwrap_or_default()
+            };
             eprintln!(
-                "RETRY kvm_nested: the outer kernel panicked inside __svm_vcpu_run (QEMU TCG's \
-                 SVM emulation); last engine run finished: {last_run}; running the whole \
-                 harness once more"
+                "RETRY kvm_nested: {why}; last engine run finished: {last_run}; last console \
+                 lines:\n{}\nrunning the whole harness once more",
+                tail(&text)
             );
             attempt += 1;
             continue;

@@ -220,6 +220,29 @@ impl KvmMachine {
         dead
     }
 
+    /// Each vCPU's thread state and the host's request of it, and whether the host holds the
+    /// guest paused: what a run that is stuck says about itself.
+    pub fn describe_vcpus(&self) -> String {
+        let states: Vec<String> = self
+            .vm
+            .vcpus
+            .iter()
+            .map(|v| {
+                format!(
+                    "vCPU {} {:?} (asked {:?})",
+                    v.shared.id,
+                    v.shared.state(),
+                    v.shared.request()
+                )
+            })
+            .collect();
+        format!(
+            "{}; host pause {}",
+            states.join(", "),
+            if self.is_paused() { "held" } else { "not held" }
+        )
+    }
+
     /// Why the guest ended, once it has.
     pub fn ended(&self) -> Option<VmEvent> {
         self.lock().ended.clone()

@@ -57,6 +57,8 @@ use vcpu::{VcpuShared, VmEvent};
 /// often it looks then (each look pauses and resumes the vCPUs).
 const HALT_CHECK_QUIET: Duration = Duration::from_millis(500);
 const HALT_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How long past its total timeout a run may go on before [`watchdog`] ends the process.
+const WATCHDOG_GRACE: Duration = Duration::from_secs(60);
 
 /// Where KVM wants its TSS on VMX (three pages below 4 GiB, out of the way of RAM).
 const TSS_ADDR: usize = 0xfffb_d000;
@@ -718,6 +720,7 @@ pub fn run(
     check_host()?;
     let start = Instant::now();
     let (mut machine, console_rx) = boot(config)?;
+    let _watchdog = watchdog(machine.control(), timeouts.total + WATCHDOG_GRACE);
     let mut lines = LineBuffer::default();
     let mut tail = ConsoleTail::new(30);
     let mut outcome = RunOutcome {
@@ -811,6 +814,35 @@ pub fn run(
             tail: tail.render(),
         }),
     }
+}
+
+/// Ends the process when the run has not returned `limit` after its start: the run loop
+/// checks its timeouts between console lines and hook calls, and a hook blocked for good
+/// (or a vCPU thread that never parks) would otherwise hold the VM, and whoever waits on
+/// exotap, forever. It prints what each vCPU was doing, then exits with status 124 (as
+/// `timeout(1)` does); the VM goes with the process. Dropping the returned sender disarms it.
+fn watchdog(machine: KvmMachine, limit: Duration) -> mpsc::Sender<()> {
+    let (disarm, armed) = mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("kvm-watchdog".into())
+        .spawn(move || {
+            if armed.recv_timeout(limit) != Err(mpsc::RecvTimeoutError::Timeout) {
+                return;
+            }
+            let _ = writeln!(
+                std::io::stderr(),
+                "exotap: the KVM run did not end {} s after its start ({} s past its \
+                 timeout): the host side is blocked; {}; ending the process",
+                limit.as_secs(),
+                WATCHDOG_GRACE.as_secs(),
+                machine.describe_vcpus()
+            );
+            std::process::exit(124);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("no watchdog for this run (cannot start its thread: {e})");
+    }
+    disarm
 }
 
 #[cfg(test)]
