@@ -1227,6 +1227,36 @@ fn compiled_return_probes_see_the_entrys_arguments_as_the_host_path_does() {
 }
 
 #[test]
+fn entry_values_of_expressions_are_computed_at_the_entry_both_ways() {
+    if !have_qemu("entry_values_of_expressions_are_computed_at_the_entry_both_ways") {
+        return;
+    }
+    // Oracles: dd's own request (64 bytes: ksys_read's third argument), its name and pid
+    // at the return, a clock that cannot run backwards, and the host-evaluated path.
+    let script = r#"probe kernel.function("ksys_read").return {
+          if (execname() == "dd")
+            printf("count=%d plus=%d arg=%d same_pid=%d name=%s forward=%d\n", $count,
+                   @entry($count + 1), @entry(pointer_arg(3)), @entry(pid()) == pid(),
+                   @entry(execname()), gettimeofday_ns() >= @entry(gettimeofday_ns()))
+        }"#;
+    let job = "dd if=/init of=/dev/null bs=64 count=1";
+
+    let (code_c, out_c, err_c, con_c) = boot(script, "require", job);
+    let (code_h, out_h, err_h, _) = boot(script, "never", job);
+
+    let ctx = format!("compiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
+    assert_eq!((code_c, code_h), (0, 0), "{ctx}");
+    let want = "count=64 plus=65 arg=64 same_pid=1 name=dd forward=1\n";
+    assert!(script_output(&out_c).contains(want), "{out_c}\n{ctx}");
+    assert!(script_output(&out_h).contains(want), "{out_h}\n{ctx}");
+    let host = script_output(&out_h);
+    for line in script_output(&out_c).lines() {
+        assert!(host.contains(line), "{line} only compiled: {host}\n{ctx}");
+    }
+    assert_no_oops(&con_c);
+}
+
+#[test]
 fn a_guru_script_sets_the_return_value_the_guests_workload_sees() {
     if !have_qemu("a_guru_script_sets_the_return_value_the_guests_workload_sees") {
         return;

@@ -384,6 +384,7 @@ fn context(h: &Hit) -> CapturedContext {
         probefunc: "f".into(),
         // The site's argument registers as the rig sets them: rdi, rsi, the rest 0.
         args: vec![h.a as u64, h.b as u64, 0, 0, 0, 0],
+        task: Some(TASK),
         ..Default::default()
     };
     ctx.targets.insert("$a".into(), Value::Long(h.a));
@@ -551,6 +552,27 @@ fn arrays_statistics_arithmetic_and_context_match_the_interpreter() {
     "#;
 
     let header = differential(script, &hits(400));
+
+    assert_eq!((header.valid, header.errors, header.dropped), (true, 0, 0));
+}
+
+#[test]
+fn task_current_target_and_a_printf_of_many_arguments_match_the_interpreter() {
+    // As sched_switch.stp: eleven printf arguments (SystemTap allows 32); the task and the
+    // target pid as keys.
+    let script = r#"
+        global tasks
+        probe kernel.function("f") {
+          tasks[task_current(), target()]++
+          printf("%-16s%5d %5d %5d:%5d:%s +   %5d:%5d:%s %-16s %d\n", execname(), cpu(), $a,
+                 pid(), tid(), execname(), ppid(), uid(), "x", execname(), $b)
+          printf("%d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d\n",
+                 $a, $b, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                 21, 22, 23, 24, 25, 26, 27, 28, 29, task_current() == 0)
+        }
+    "#;
+
+    let header = differential(script, &hits(60));
 
     assert_eq!((header.valid, header.errors, header.dropped), (true, 0, 0));
 }

@@ -126,8 +126,9 @@ pub const ENTRY_KEYS: u64 = 16;
 pub const STATS_FIXED: u64 = 32;
 /// Bytes of one output record.
 pub const RECORD: u64 = 128;
-/// Most arguments of one compiled `printf`/`print`.
-pub const MAX_PRINT_ARGS: usize = 7;
+/// Most arguments of one compiled `printf`/`print` (SystemTap's MAXPRINTARGS; the record
+/// grows with them, up to [`MAX_RECORD`]).
+pub const MAX_PRINT_ARGS: usize = 32;
 /// Records per vCPU ring (of [`RECORD`] bytes; larger records get fewer, at least
 /// [`MIN_RING_SLOTS`]).
 pub const RING_SLOTS: u32 = 2048;

@@ -8,16 +8,21 @@
 //! calls in flight keyed by the address of the return-address slot (the same table `exotap
 //! time` uses). The trampoline finds the slot, puts the original return address back, runs
 //! the return bodies with `$return` in the saved `rax`, and returns to the caller. The slot
-//! also keeps the entry's six argument registers: the trampoline pushes them under the
-//! registers it saves ([`ENTRY_ARGS`] bytes below `r15`), where return bodies read `$param`
-//! and `@entry($param)` as the interpreter answers them (the values at the entry).
+//! also keeps the entry's six argument registers and up to [`ENTRY_VALUES`] `@entry(...)`
+//! values the entry computed (of anything but a parameter, e.g. `@entry(gettimeofday_us())`,
+//! as the interpreter evaluates them at the entry): the trampoline pushes them under the
+//! registers it saves ([`ENTRY_ARGS`] bytes below `r15`), where return bodies read `$param`,
+//! `@entry($param)` and `@entry(expr)` as the interpreter answers them.
 
 use std::collections::HashMap;
 
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
-use super::codegen::{emit_body, saved_offset, Env, ARGS, SAVED, SAVED_BYTES};
+use super::codegen::{
+    emit_body, emit_entry_value, emit_return_body, entry_values, saved_offset, EntryValue, Env,
+    ARGS, SAVED, SAVED_BYTES,
+};
 use super::data::{
     field, DataLayout, Interner, ValueKind, ENTRY_KEYS, KEY, MAX_PROBES, TABLE_COUNT, TABLE_HEADER,
     TABLE_SEQUENCE,
@@ -26,15 +31,24 @@ use super::{SitePoint, Unsupported};
 
 /// Slots of the table of calls in flight (a power of two).
 pub const INFLIGHT: u64 = 4096;
+/// Where a return body finds the `k`th `@entry(...)` value: relative to `r15`.
+pub fn entry_value_offset(k: usize) -> i32 {
+    8 * (ARGS.len() + k) as i32 - ENTRY_ARGS
+}
+
 /// Slots tried after the hashed one.
 pub const PROBE_SLOTS: u32 = 8;
 /// Bytes per slot: key (stack slot address), original return address, entry TSC, the entry's
-/// argument registers (rdi, rsi, rdx, rcx, r8, r9) from [`SLOT_ARGS`], unused.
+/// argument registers (rdi, rsi, rdx, rcx, r8, r9) from [`SLOT_ARGS`], then the entry's
+/// `@entry(...)` values.
 pub const SLOT: u64 = 128;
 /// Offset of the entry's argument registers in a slot.
 pub const SLOT_ARGS: i32 = 24;
-/// Bytes of the entry's argument registers a return trampoline pushes below `r15`.
-pub const ENTRY_ARGS: i32 = 48;
+/// Most `@entry(...)` values (of anything but a parameter) one site's return bodies read.
+pub const ENTRY_VALUES: usize = 7;
+/// Bytes of the entry's argument registers and `@entry(...)` values a return trampoline
+/// pushes below `r15` (the slot from [`SLOT_ARGS`] on).
+pub const ENTRY_ARGS: i32 = SLOT as i32 - SLOT_ARGS - 8;
 /// Bytes of the table of calls in flight.
 pub const INFLIGHT_BYTES: u64 = (INFLIGHT + PROBE_SLOTS as u64) * SLOT;
 /// Spins on a slot another writer holds before an update is dropped.
@@ -425,6 +439,16 @@ pub fn entry_code(
         emit_body(&mut a, env, interner, p, bodies.pc)?;
     }
     if let Some((table, misses, trampoline)) = returns {
+        // The return bodies' `@entry(...)` values, computed here in the entry's context, two
+        // 8-byte stack words each (0 where computing it failed), then kept in the slot.
+        let values = site_entry_values(env, interner, bodies)?;
+        for v in &values {
+            let p = value_point(bodies, v);
+            a.push(0).map_err(refused)?;
+            a.push(0).map_err(refused)?;
+            emit_entry_value(&mut a, env, interner, &p, bodies.pc, v.expr)?;
+        }
+        let stacked = 16 * values.len() as i32;
         let r = (|| {
             let mut done = a.create_label();
             a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
@@ -433,13 +457,72 @@ pub fn entry_code(
                 a.mov(rax, qword_ptr(r15 + saved_offset(*reg)))?;
                 a.mov(qword_ptr(rcx + SLOT_ARGS + 8 * i as i32), rax)?;
             }
+            // Value j's words are 16 * (the values after it) bytes above rsp.
+            for (j, v) in values.iter().enumerate() {
+                let above = 16 * (values.len() - 1 - j) as i32;
+                for w in 0..(1 + usize::from(v.string)) {
+                    a.mov(rax, qword_ptr(rsp + above + 8 * w as i32))?;
+                    let word = ARGS.len() + v.word + w;
+                    a.mov(qword_ptr(rcx + SLOT_ARGS + 8 * word as i32), rax)?;
+                }
+            }
             a.set_label(&mut done)?;
-            a.nop()
+            a.lea(rsp, qword_ptr(rsp + stacked))
         })();
         r.map_err(refused)?;
     }
     restore(&mut a).map_err(refused)?;
     a.assemble(at).map_err(refused)
+}
+
+/// The site's return bodies' `@entry(...)` values (of anything but a parameter), their
+/// words in the slot laid out in order; more than [`ENTRY_VALUES`] words are refused. Whether
+/// each is a string, the code that computes it says (compiled once here, and thrown away).
+fn site_entry_values<'p>(
+    env: Env<'p>,
+    interner: &mut Interner,
+    bodies: &'p SiteBodies,
+) -> Result<Vec<EntryValue<'p>>, Unsupported> {
+    let mut out: Vec<EntryValue<'p>> = Vec::new();
+    let mut word = 0;
+    for (i, p) in bodies.ret.iter().enumerate() {
+        for e in entry_values(env.prog, std::slice::from_ref(p)) {
+            let point = SitePoint {
+                is_return: false,
+                ..p.clone()
+            };
+            let mut scratch = CodeAssembler::new(64).map_err(refused)?;
+            let string = emit_entry_value(&mut scratch, env, interner, &point, bodies.pc, e)?;
+            let words = 1 + usize::from(string);
+            if word + words > ENTRY_VALUES {
+                return Err(Unsupported {
+                    probe: Some(p.probe),
+                    span: e.span,
+                    construct: format!(
+                        "@entry(...) values of expressions past {ENTRY_VALUES} words at one \
+                         function (a long takes one, a string two: its call's slot keeps \
+                         {ENTRY_VALUES})"
+                    ),
+                });
+            }
+            out.push(EntryValue {
+                expr: e,
+                body: i,
+                word,
+                string,
+            });
+            word += words;
+        }
+    }
+    Ok(out)
+}
+
+/// The entry-side point of the return body that `v` is in.
+fn value_point(bodies: &SiteBodies, v: &EntryValue<'_>) -> SitePoint {
+    SitePoint {
+        is_return: false,
+        ..bodies.ret[v.body].clone()
+    }
 }
 
 /// The return trampoline of a site at `at`: finds the call in `table`, puts its return
@@ -461,15 +544,17 @@ pub fn return_code(
         save(&mut a)?;
         a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
         emit_unswap(&mut a, table)?;
-        // The entry's arguments: [r15 - ENTRY_ARGS + 8 * i] = argument i.
-        for i in (0..ARGS.len() as i32).rev() {
+        // The entry's arguments, then its @entry values: [r15 - ENTRY_ARGS + 8 * i] = the
+        // slot's word i from SLOT_ARGS.
+        for i in (0..ENTRY_ARGS / 8).rev() {
             a.push(qword_ptr(rcx + SLOT_ARGS + 8 * i))?;
         }
         a.mov(qword_ptr(rcx), 0)
     })();
     r.map_err(refused)?;
+    let values = site_entry_values(env, interner, bodies)?;
     for p in &bodies.ret {
-        emit_body(&mut a, env, interner, p, bodies.pc)?;
+        emit_return_body(&mut a, env, interner, p, bodies.pc, &values)?;
     }
     a.add(rsp, ENTRY_ARGS).map_err(refused)?;
     restore(&mut a).map_err(refused)?;

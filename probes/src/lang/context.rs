@@ -181,6 +181,8 @@ pub struct CapturedContext {
     /// The argument registers at the entry, in calling-convention order (`int_arg(n)` and
     /// friends answer the n-th; empty: none, as outside a kernel probe).
     pub args: Vec<u64>,
+    /// The current task's `task_struct` address (`task_current()`; `None`: no task).
+    pub task: Option<u64>,
 }
 
 impl Context for CapturedContext {
@@ -219,6 +221,10 @@ impl Context for CapturedContext {
 
     fn probefunc(&self) -> String {
         self.probefunc.clone()
+    }
+
+    fn task_current(&self) -> Option<u64> {
+        self.task
     }
 
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {

@@ -71,6 +71,17 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "jiffies" => self.jiffies(),
+            // The task `r13` holds, as the interpreter's context answers it at the stop.
+            "task_current" if c.args.is_empty() => {
+                asm!(self, self.a.mov(rax, r13))?;
+                Ok(K::Long)
+            }
+            // The session's `-x PID`, fixed when the script is compiled (0 without one).
+            "target" if c.args.is_empty() => {
+                let pid = self.env.prog.target_pid;
+                asm!(self, self.a.mov(rax, pid))?;
+                Ok(K::Long)
+            }
             // `task_struct`'s own counters, as SystemTap's `@const("current->utime")`.
             "task_utime" | "task_stime" if c.args.is_empty() => {
                 let off = if name == "task_utime" {

@@ -155,6 +155,9 @@ struct Gen<'a, 'b> {
     /// Loops open when the innermost `try` with a catch record began: a `break` or
     /// `continue` to one of them would leave the record set, so it is refused.
     try_loops: Option<usize>,
+    /// The `@entry(...)` values the entry kept in the call's slot (return bodies only): by
+    /// [`crate::lang::context::entry_key`], the first word and whether a string.
+    entry_values: Vec<(usize, usize, bool)>,
 }
 
 /// Where each kind of probe error jumps: the probe's counters, or inside `try` the handler.
@@ -191,87 +194,43 @@ pub fn emit_body(
     point: &SitePoint,
     pc: u64,
 ) -> R<()> {
-    let probe = env
-        .prog
-        .script
-        .probes
-        .get(point.probe)
-        .ok_or_else(|| Unsupported {
-            probe: Some(point.probe),
-            span: Span::default(),
-            construct: "a probe that is not in the program".into(),
-        })?;
-    let mut locals = HashMap::new();
-    let mut size = 0i32;
-    // Locals that hold a string read from memory: a MAXSTRINGLEN buffer each, below the rest.
-    let text_names = memory::text_locals(&probe.body);
-    let text_bytes = memory::text_slot(env.limits);
-    let mut texts = HashMap::new();
-    if let Some(types) = env.prog.locals.get(point.probe) {
-        let mut names: Vec<_> = types.iter().collect();
-        names.sort_by(|x, y| x.0.cmp(y.0));
-        for (name, ty) in names {
-            if env.prog.globals.contains_key(name) {
-                continue;
-            }
-            if *ty == Ty::Str && text_names.contains(name) {
-                let at = (texts.len() as i32 + 1) * text_bytes;
-                texts.insert(name.clone(), at);
-                continue;
-            }
-            let k = match ty {
-                Ty::Long | Ty::Unknown => K::Long,
-                Ty::Str => K::Str,
-                _ => {
-                    return Err(Unsupported {
-                        probe: Some(point.probe),
-                        span: probe.span,
-                        construct: format!("the local {name} of type {ty}"),
-                    })
-                }
-            };
-            size += if k == K::Str { 16 } else { 8 };
-            locals.insert(name.clone(), (size, k));
-        }
-    }
-    let asm = |e: IcedError| Unsupported {
-        probe: Some(point.probe),
-        span: probe.span,
-        construct: format!("code the assembler refused ({e})"),
-    };
-    let end = a.create_label();
-    let errors = Errors {
-        div: a.create_label(),
-        budget: a.create_label(),
-        fault: a.create_label(),
-        overflow: a.create_label(),
-        empty: a.create_label(),
-        other: a.create_label(),
-        nesting: a.create_label(),
-        strings: a.create_label(),
-        argument: a.create_label(),
-    };
-    let mut g = Gen {
-        a,
-        env,
-        interner,
-        point,
-        pc,
-        locals,
-        locals_size: size,
-        texts,
-        depth: 0,
-        loops: Vec::new(),
-        end,
-        errors,
-        span: probe.span,
-        key_levels: MAX_KEY_DEPTH,
-        foreach_levels: foreach::FOREACH_LEVELS,
-        foreach_depth: 0,
-        functions: functions::Functions::default(),
-        try_pushed: 0,
-        try_loops: None,
-    };
+    emit_return_body(a, env, interner, point, pc, &[])
+}
+
+/// An `@entry(...)` value the entry computes and the call's slot keeps.
+#[derive(Debug, Clone, Copy)]
+pub struct EntryValue<'p> {
+    /// The `@entry(...)` expression.
+    pub expr: &'p Expr,
+    /// The return body it is in: its index among the site's.
+    pub body: usize,
+    /// Its first word among the slot's entry values.
+    pub word: usize,
+    /// A string (two words; else a long, one).
+    pub string: bool,
+}
+
+/// As [`emit_body`], for a return body whose `@entry(...)` values (other than parameters)
+/// the entry computed into the call's slot (the trampoline pushed them under the entry's
+/// arguments).
+///
+/// # Errors
+/// The first construct that does not compile.
+pub fn emit_return_body(
+    a: &mut CodeAssembler,
+    env: Env<'_>,
+    interner: &mut Interner,
+    point: &SitePoint,
+    pc: u64,
+    entry_values: &[EntryValue<'_>],
+) -> R<()> {
+    let probe = probe_of(env, point)?;
+    let mut g = Gen::new(a, env, interner, point, pc)?;
+    g.entry_values = entry_values
+        .iter()
+        .map(|v| (crate::lang::context::entry_key(v.expr), v.word, v.string))
+        .collect();
+    let asm = |e: IcedError| g_asm(point, probe, e);
     g.prologue().map_err(asm)?;
     if let Some(cond) = &probe.condition {
         g.long(cond)?;
@@ -279,12 +238,184 @@ pub fn emit_body(
         g.a.jz(g.end).map_err(asm)?;
     }
     g.block(&probe.body)?;
-    g.epilogue().map_err(asm)?;
-    // The user functions it calls follow the body; the site's code goes on after them.
-    let mut after = g.a.create_label();
-    g.a.jmp(after).map_err(asm)?;
-    g.emit_functions()?;
-    g.place(&mut after)
+    g.finish()
+}
+
+/// At a function's entry, computes the operand of `e` (an `@entry(...)` in `point`'s return
+/// probe) as the interpreter does there (with no locals), and stores it in the 16 bytes just
+/// above the stack pointer it starts with (a long in the first 8). A probe error while
+/// computing it is counted and leaves what was there (the caller stores 0 first). Returns
+/// whether it is a string.
+///
+/// # Errors
+/// The first construct that does not compile.
+pub fn emit_entry_value(
+    a: &mut CodeAssembler,
+    env: Env<'_>,
+    interner: &mut Interner,
+    point: &SitePoint,
+    pc: u64,
+    e: &Expr,
+) -> R<bool> {
+    let probe = probe_of(env, point)?;
+    let mut g = Gen::new(a, env, interner, point, pc)?;
+    g.locals.clear();
+    g.locals_size = 0;
+    g.texts.clear();
+    g.span = e.span;
+    let asm = |err: IcedError| g_asm(point, probe, err);
+    let x = match &e.kind {
+        ExprKind::Entry(x) => x,
+        _ => e,
+    };
+    g.prologue().map_err(asm)?;
+    let string = g.expr(x)? == K::Str;
+    g.a.mov(qword_ptr(rbx + CATCH_RECORD), rax).map_err(asm)?;
+    if string {
+        g.a.mov(qword_ptr(rbx + CATCH_RECORD + 8), rdx)
+            .map_err(asm)?;
+    }
+    g.finish()?;
+    Ok(string)
+}
+
+/// The `@entry(...)` expressions of the return bodies `points` whose values the entry must
+/// compute (those of anything but a parameter, which the slot keeps anyway), in the order
+/// their slot words take.
+pub fn entry_values<'p>(prog: &'p Program, points: &[SitePoint]) -> Vec<&'p Expr> {
+    let mut out: Vec<&'p Expr> = Vec::new();
+    for p in points {
+        let Some(probe) = prog.script.probes.get(p.probe) else {
+            continue;
+        };
+        let mut collect = |e: &'p Expr| {
+            if let ExprKind::Entry(x) = &e.kind {
+                let param = matches!(&x.kind,
+                    ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$'));
+                if !param && !out.iter().any(|o| std::ptr::eq(*o, e)) {
+                    out.push(e);
+                }
+            }
+        };
+        if let Some(cond) = &probe.condition {
+            walk::expr_all(cond, &mut collect);
+        }
+        walk::block_exprs(&probe.body, &mut collect);
+    }
+    out
+}
+
+fn probe_of<'p>(env: Env<'p>, point: &SitePoint) -> R<&'p crate::lang::ast::Probe> {
+    env.prog
+        .script
+        .probes
+        .get(point.probe)
+        .ok_or_else(|| Unsupported {
+            probe: Some(point.probe),
+            span: Span::default(),
+            construct: "a probe that is not in the program".into(),
+        })
+}
+
+fn g_asm(point: &SitePoint, probe: &crate::lang::ast::Probe, e: IcedError) -> Unsupported {
+    Unsupported {
+        probe: Some(point.probe),
+        span: probe.span,
+        construct: format!("code the assembler refused ({e})"),
+    }
+}
+
+impl<'a, 'b> Gen<'a, 'b> {
+    /// A generator for `point`'s probe: its locals laid out, its labels made.
+    fn new(
+        a: &'b mut CodeAssembler,
+        env: Env<'a>,
+        interner: &'b mut Interner,
+        point: &'b SitePoint,
+        pc: u64,
+    ) -> R<Self> {
+        let probe = probe_of(env, point)?;
+        let mut locals = HashMap::new();
+        let mut size = 0i32;
+        // Locals that hold a string read from memory: a MAXSTRINGLEN buffer each, below the
+        // rest.
+        let text_names = memory::text_locals(&probe.body);
+        let text_bytes = memory::text_slot(env.limits);
+        let mut texts = HashMap::new();
+        if let Some(types) = env.prog.locals.get(point.probe) {
+            let mut names: Vec<_> = types.iter().collect();
+            names.sort_by(|x, y| x.0.cmp(y.0));
+            for (name, ty) in names {
+                if env.prog.globals.contains_key(name) {
+                    continue;
+                }
+                if *ty == Ty::Str && text_names.contains(name) {
+                    let at = (texts.len() as i32 + 1) * text_bytes;
+                    texts.insert(name.clone(), at);
+                    continue;
+                }
+                let k = match ty {
+                    Ty::Long | Ty::Unknown => K::Long,
+                    Ty::Str => K::Str,
+                    _ => {
+                        return Err(Unsupported {
+                            probe: Some(point.probe),
+                            span: probe.span,
+                            construct: format!("the local {name} of type {ty}"),
+                        })
+                    }
+                };
+                size += if k == K::Str { 16 } else { 8 };
+                locals.insert(name.clone(), (size, k));
+            }
+        }
+        let end = a.create_label();
+        let errors = Errors {
+            div: a.create_label(),
+            budget: a.create_label(),
+            fault: a.create_label(),
+            overflow: a.create_label(),
+            empty: a.create_label(),
+            other: a.create_label(),
+            nesting: a.create_label(),
+            strings: a.create_label(),
+            argument: a.create_label(),
+        };
+        Ok(Gen {
+            a,
+            env,
+            interner,
+            point,
+            pc,
+            locals,
+            locals_size: size,
+            texts,
+            depth: 0,
+            loops: Vec::new(),
+            end,
+            errors,
+            span: probe.span,
+            key_levels: MAX_KEY_DEPTH,
+            foreach_levels: foreach::FOREACH_LEVELS,
+            foreach_depth: 0,
+            functions: functions::Functions::default(),
+            try_pushed: 0,
+            try_loops: None,
+            entry_values: Vec::new(),
+        })
+    }
+
+    /// The epilogue, then the user functions the code calls (after it: the site's code goes
+    /// on past them).
+    fn finish(mut self) -> R<()> {
+        let r = self.epilogue();
+        self.asm(r)?;
+        let mut after = self.a.create_label();
+        let r = self.a.jmp(after);
+        self.asm(r)?;
+        self.emit_functions()?;
+        self.place(&mut after)
+    }
 }
 
 impl Gen<'_, '_> {
@@ -665,10 +796,23 @@ impl Gen<'_, '_> {
                 ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
                     self.target(t)
                 }
-                _ => Err(self.no(
-                    "@entry of anything but a parameter (its value would need a per-call \
-                     slot in the guest, kept from the entry to the return)",
-                )),
+                _ => {
+                    // The value the entry computed, which the trampoline pushed with the
+                    // entry's arguments.
+                    let key = crate::lang::context::entry_key(e);
+                    let &(_, word, string) = self
+                        .entry_values
+                        .iter()
+                        .find(|v| v.0 == key)
+                        .ok_or_else(|| self.no("@entry(...) outside a return probe"))?;
+                    let off = super::site::entry_value_offset(word);
+                    asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
+                    if !string {
+                        return Ok(K::Long);
+                    }
+                    asm!(self, self.a.mov(rdx, qword_ptr(r15 + off + 8)))?;
+                    Ok(K::Str)
+                }
             },
             ExprKind::Defined(_) => {
                 let yes = self.defined_here(e)?;
