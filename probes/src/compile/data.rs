@@ -299,13 +299,19 @@ pub enum ArgSlot {
         /// MAXSTRINGLEN.
         max_string_len: u32,
     },
+    /// `ctime(t)` (or `tz_ctime(t)`): the long `t` (in a 16-byte slot), which the host
+    /// renders as the interpreter's `ctime` does, cut to MAXSTRINGLEN.
+    Ctime {
+        /// MAXSTRINGLEN.
+        max_string_len: u32,
+    },
 }
 
 impl ArgSlot {
     /// Bytes it takes in a record.
     pub fn size(&self) -> u64 {
         match self {
-            ArgSlot::Long | ArgSlot::Str => 16,
+            ArgSlot::Long | ArgSlot::Str | ArgSlot::Ctime { .. } => 16,
             ArgSlot::Text { slot, .. } => u64::from(*slot),
         }
     }
@@ -417,6 +423,10 @@ impl Interner {
                 match slot {
                     ArgSlot::Str => Value::Str(self.decode(bytes_at(record, here, 16))),
                     ArgSlot::Long => Value::Long(word(record, here) as i64),
+                    ArgSlot::Ctime { max_string_len } => Value::Str(truncate(
+                        crate::lang::native::ctime(word(record, here) as i64),
+                        *max_string_len as usize,
+                    )),
                     ArgSlot::Text {
                         slot,
                         max_string_len,

@@ -182,11 +182,7 @@ impl Gen<'_, '_> {
                 self.arg_register(name, c)
             }
             "kernel_string" | "kernel_string_n" | "user_string" | "user_string_n" => {
-                Err(self.no(format!(
-                    "{name}() other than as an argument of printf/print/println (a string \
-                     read from memory is up to MAXSTRINGLEN bytes, a compiled string value \
-                     holds 15)"
-                )))
+                self.text_value(c, name.starts_with("user"), name.ends_with("_n"))
             }
             "substr" => self.substr(c),
             "strlen" => self.strlen(c),
@@ -199,6 +195,7 @@ impl Gen<'_, '_> {
             "strtol" => self.strtol(c),
             "str_replace" => self.str_replace(c),
             "sprintf" => self.sprintf(c),
+            "signal_str" => self.signal_str(c),
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)
@@ -273,6 +270,14 @@ impl Gen<'_, '_> {
                 asm!(self, self.a.xor(edx, edx))?;
                 slots.push(ArgSlot::Text {
                     slot: text as u32,
+                    max_string_len: u32::try_from(self.env.limits.max_string_len)
+                        .unwrap_or(u32::MAX),
+                });
+            } else if let Some(t) = ctime_arg(v) {
+                // The time, which the host renders as the interpreter's ctime().
+                self.long(t)?;
+                asm!(self, self.a.xor(edx, edx))?;
+                slots.push(ArgSlot::Ctime {
                     max_string_len: u32::try_from(self.env.limits.max_string_len)
                         .unwrap_or(u32::MAX),
                 });
@@ -560,6 +565,19 @@ fn print_calls(prog: &Program) -> Vec<&Call> {
 /// Whether any kernel probe of `prog` prints (then the data gets output rings).
 pub fn prints(prog: &Program) -> bool {
     !print_calls(prog).is_empty() || takes_snapshots(prog)
+}
+
+/// The time of `ctime(t)` / `tz_ctime(t)` (a print argument the host renders).
+fn ctime_arg(e: &Expr) -> Option<&Expr> {
+    match &e.kind {
+        ExprKind::Call(c) if matches!(c.name.name.as_str(), "ctime" | "tz_ctime") => {
+            match c.args.as_slice() {
+                [t] => Some(t),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
 }
 
 /// Bytes of the output records `prog`'s kernel probes need: [`RECORD`], or the next power of

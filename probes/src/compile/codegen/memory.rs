@@ -16,7 +16,7 @@
 //! than the interpreter would cut it, and compared or hashed only as the interpreter would
 //! (which compares text after replacing invalid UTF-8: raw bytes would not be the same).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use iced_x86::code_asm::*;
 
@@ -24,7 +24,7 @@ use crate::lang::ast::*;
 use crate::lang::Limits;
 
 use super::super::types::{chain, Step, TypeRef};
-use super::{Gen, K, R};
+use super::{walk, Gen, K, R};
 
 /// The memory-string built-ins: name → (reads user memory, takes a length).
 pub(super) fn text_call(e: &Expr) -> Option<(&Call, bool, bool)> {
@@ -47,7 +47,10 @@ pub(super) fn text_slot(limits: &Limits) -> i32 {
 }
 
 /// Locals that `body` assigns a string read from memory (`s = kernel_string(p)` as a
-/// statement): they get a buffer of their own, and may only be printed.
+/// statement) and only ever prints (each read of one is a direct argument of
+/// printf/print/println/printd/printdln): they get a MAXSTRINGLEN buffer of their own, whose
+/// text goes into the output record whole. A local used any other way holds a string value
+/// (interned in the guest's string table, see [`Gen::text_value`]).
 pub(super) fn text_locals(body: &Block) -> HashSet<String> {
     fn stmt(s: &Stmt, out: &mut HashSet<String>) {
         match &s.kind {
@@ -79,10 +82,92 @@ pub(super) fn text_locals(body: &Block) -> HashSet<String> {
     }
     let mut out = HashSet::new();
     body.stmts.iter().for_each(|s| stmt(s, &mut out));
+    // Every occurrence of each, and those that keep it a text local.
+    let mut all: HashMap<&str, usize> = HashMap::new();
+    let mut kept: HashMap<&str, usize> = HashMap::new();
+    walk::block_exprs(body, &mut |e: &Expr| match &e.kind {
+        ExprKind::Var(n) => *all.entry(n.as_str()).or_default() += 1,
+        ExprKind::Assign(None, p) if text_call(&p.1).is_some() => {
+            if let ExprKind::Var(n) = &p.0.kind {
+                *kept.entry(n.as_str()).or_default() += 1;
+            }
+        }
+        ExprKind::Call(c) if prints(c) => {
+            for a in &c.args {
+                if let ExprKind::Var(n) = &a.kind {
+                    *kept.entry(n.as_str()).or_default() += 1;
+                }
+            }
+        }
+        _ => {}
+    });
+    out.retain(|n| all.get(n.as_str()) == kept.get(n.as_str()));
     out
 }
 
+/// Whether `c` prints its arguments (a string read from memory among them goes into the
+/// record as text).
+fn prints(c: &Call) -> bool {
+    matches!(
+        c.name.name.as_str(),
+        "printf" | "print" | "println" | "printd" | "printdln"
+    )
+}
+
+/// Whether `block` reads a string from memory as a value: anywhere but as a direct argument
+/// of a print, or into one of `texts` (see [`text_locals`]). Such a string is interned in the
+/// guest's string table.
+pub(super) fn reads_text_values(block: &Block, texts: &HashSet<String>) -> bool {
+    let mut calls = 0usize;
+    let mut kept = 0usize;
+    walk::block_exprs(block, &mut |e: &Expr| {
+        if text_call(e).is_some() {
+            calls += 1;
+        }
+        match &e.kind {
+            ExprKind::Assign(None, p) if text_call(&p.1).is_some() => {
+                if matches!(&p.0.kind, ExprKind::Var(n) if texts.contains(n)) {
+                    kept += 1;
+                }
+            }
+            ExprKind::Call(c) if prints(c) => {
+                kept += c.args.iter().filter(|a| text_call(a).is_some()).count();
+            }
+            _ => {}
+        }
+    });
+    calls > kept
+}
+
 impl Gen<'_, '_> {
+    /// `kernel_string(p)` (and the other three) as a value: the text read into a buffer on
+    /// the stack, then interned in the guest's string table (up to 15 bytes inline), as a
+    /// string built in the guest is. The bytes are kept as read; the interpreter holds the
+    /// same text with invalid UTF-8 replaced, which only a string that is not UTF-8 shows.
+    pub(super) fn text_value(&mut self, c: &Call, user: bool, with_n: bool) -> R<K> {
+        let intern = self.string_helper(super::strings::INTERN)?;
+        let text = self.text_bytes();
+        let strings = self.errors.strings;
+        asm!(self, self.a.sub(rsp, text))?;
+        self.text(c, user, with_n)?;
+        let r = (|| {
+            // rcx = the text's length (it ends at a NUL inside the buffer).
+            self.a.mov(rdi, rsp)?;
+            self.a.xor(eax, eax)?;
+            self.a.mov(ecx, text as u32)?;
+            self.a.repne().scasb()?;
+            self.a.lea(rcx, qword_ptr(rdi - 1))?;
+            self.a.mov(rsi, rsp)?;
+            self.a.sub(rcx, rsi)?;
+            self.a.call(intern)?;
+            self.a.lea(rsp, qword_ptr(rsp + text))?;
+            self.a.test(r8, r8)?;
+            self.a.jnz(strings)
+        })();
+        asm!(self, r)?;
+        Ok(K::Str)
+    }
+
     /// Bytes a string read from memory takes on the stack and in a record.
     pub(super) fn text_bytes(&self) -> i32 {
         text_slot(self.env.limits)
@@ -154,7 +239,27 @@ impl Gen<'_, '_> {
         } else {
             asm!(self, self.a.mov(rcx, most))?;
         }
-        let fault = self.errors.fault;
+        // The overloads with a string for an unreadable address (a literal here) answer it
+        // instead of the fault, as the interpreter does.
+        let fallback = match c.args.get(if with_n { 2 } else { 1 }) {
+            None => None,
+            Some(Expr {
+                kind: ExprKind::Str(s),
+                ..
+            }) => Some(crate::lang::value::truncate(
+                s.clone(),
+                self.env.limits.max_string_len,
+            )),
+            Some(_) => {
+                return Err(self.no(format!(
+                    "{name}() with a string for an unreadable address that is not a literal"
+                )))
+            }
+        };
+        let fault = match fallback {
+            Some(_) => self.a.create_label(),
+            None => self.errors.fault,
+        };
         // rax = address, rcx = n. L = clamp(n, 0, MAXSTRINGLEN - 1) bytes at most, read up
         // to the first NUL. strncpy_*_nofault(dst, src, L) reads bytes 0..L-1 but keeps L-1
         // of them (its last byte becomes the NUL): when it returns L, the byte at L-1 is read
@@ -188,6 +293,22 @@ impl Gen<'_, '_> {
             self.a.test(rax, rax)?;
             self.a.jnz(fault)?;
             self.a.set_label(&mut fits)?;
+            let Some(text) = &fallback else {
+                return self.a.mov(rax, rsp);
+            };
+            let mut done = self.a.create_label();
+            let mut fault = fault;
+            self.a.jmp(done)?;
+            self.a.set_label(&mut fault)?;
+            let mut bytes = text.as_bytes().to_vec();
+            bytes.push(0);
+            for (i, chunk) in bytes.chunks(8).enumerate() {
+                let mut word = [0u8; 8];
+                word[..chunk.len()].copy_from_slice(chunk);
+                self.a.mov(rax, u64::from_le_bytes(word))?;
+                self.a.mov(qword_ptr(rsp + 8 * i as i32), rax)?;
+            }
+            self.a.set_label(&mut done)?;
             self.a.mov(rax, rsp)
         })();
         asm!(self, r)

@@ -49,7 +49,30 @@ pub fn builds_strings(prog: &Program) -> bool {
     };
     kernel_exprs(prog, &mut visit);
     // `backtrace()` other than as a print argument: its text is built in the guest.
-    hit || super::super::snapshot::stack_uses(prog).1 > 0
+    hit || super::super::snapshot::stack_uses(prog).1 > 0 || reads_text_values(prog)
+}
+
+/// Whether a kernel probe (its condition or body) or a user function reads a string from
+/// memory as a value (see [`super::memory::reads_text_values`]).
+fn reads_text_values(prog: &Program) -> bool {
+    use super::memory::{reads_text_values as reads, text_call, text_locals};
+    let (kernel, _) = super::super::kernel_probes(prog);
+    let none = std::collections::HashSet::new();
+    let in_condition = |c: &Expr| {
+        let mut hit = false;
+        walk::expr_all(c, &mut |e: &Expr| hit |= text_call(e).is_some());
+        hit
+    };
+    kernel
+        .iter()
+        .filter_map(|&i| prog.script.probes.get(i))
+        .any(|p| {
+            p.condition.as_ref().is_some_and(in_condition) || reads(&p.body, &text_locals(&p.body))
+        })
+        || prog.script.functions.iter().any(|f| match &f.body {
+            FunctionBody::Block(b) => reads(b, &none),
+            _ => false,
+        })
 }
 
 /// Visits every expression compiled code may run: those of kernel probes (conditions and
@@ -111,6 +134,7 @@ pub(super) fn builds(e: &Expr) -> bool {
                 | "strtol"
                 | "str_replace"
                 | "sprintf"
+                | "signal_str"
         ),
         _ => false,
     }
@@ -559,6 +583,46 @@ impl Gen<'_, '_> {
                 self.concat_pushed()?;
             }
         }
+        Ok(K::Str)
+    }
+
+    /// `signal_str(n)`, as the interpreter names signals: 0 to 64 from a table of their
+    /// names (each fits a string's 15 inline bytes) in the code, any other `SIG<n>` built.
+    pub(super) fn signal_str(&mut self, c: &Call) -> R<K> {
+        let [n] = c.args.as_slice() else {
+            return Err(self.no("signal_str() without one argument"));
+        };
+        let mut table = Vec::new();
+        for sig in 0..=64 {
+            let raw = self.interner.encode(&crate::lang::native::signal_str(sig));
+            table.extend_from_slice(&raw);
+        }
+        self.long(n)?;
+        let mut other = self.a.create_label();
+        let mut done = self.a.create_label();
+        let r = (|| {
+            let mut names = self.a.create_label();
+            self.a.cmp(rax, 64)?;
+            self.a.ja(other)?; // unsigned: negative numbers too
+            self.a.shl(rax, 4)?;
+            self.a.lea(rcx, qword_ptr(names))?;
+            self.a.mov(rdx, qword_ptr(rcx + rax + 8))?;
+            self.a.mov(rax, qword_ptr(rcx + rax))?;
+            self.a.jmp(done)?;
+            self.a.set_label(&mut names)?;
+            self.a.db(&table)?;
+            self.a.set_label(&mut other)?;
+            self.a.push(rax)?;
+            self.a.push(rax) // keeps the stack 16-byte aligned
+        })();
+        asm!(self, r)?;
+        self.host_string("SIG")?;
+        self.push(K::Str)?;
+        asm!(self, self.a.mov(rax, qword_ptr(rsp + 16)))?;
+        self.decimal()?;
+        self.concat_pushed()?;
+        asm!(self, self.a.add(rsp, 16))?;
+        self.place(&mut done)?;
         Ok(K::Str)
     }
 
