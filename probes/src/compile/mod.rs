@@ -47,6 +47,10 @@
 //! `@hist_log`/`@hist_linear` (the statistics copied into the record); `@count`, `@sum`,
 //! `@min`, `@max`, `@avg`, `@variance` of aggregates; `$params` in registers at function
 //! entries, and in return probes as they were at the entry (also `@entry($param)`);
+//! `@entry(expr)` of any long or string expression in a return probe, computed at the entry
+//! and kept in the call's slot (up to [`site::ENTRY_VALUES`] words per function);
+//! `task_current()`, `target()`, `signal_str()`, and `ctime()`/`tz_ctime()` as print
+//! arguments (the host renders the time in the record);
 //! `$locals` and `$params` anywhere by their DWARF location at the point ([`locals`]); and
 //! `$return`; in guru mode (`-g`, the checker refuses them without) `$param = v` at entries
 //! and `$return = v` or `set_return(v)` in return probes, written where the site restores
@@ -55,8 +59,9 @@
 //! and read with `copy_from_kernel_nofault` at each step; strings read from memory (`kernel_string`,
 //! `kernel_string_n`, `user_string`, `user_string_n`, through `strncpy_from_*_nofault`) as
 //! arguments of `printf`/`print`/`println`, directly or through a local that is only printed
-//! (see [`codegen`]'s memory module: a MAXSTRINGLEN-byte slot in the record; anywhere else
-//! they are refused, never cut short); `print_backtrace()`, and `backtrace()` /
+//! (see [`codegen`]'s memory module: a MAXSTRINGLEN-byte slot in the record), and as values
+//! anywhere else (interned in the guest's string table as built strings are; a literal
+//! fallback for an unreadable address as the interpreter answers it); `print_backtrace()`, and `backtrace()` /
 //! `sprint_backtrace()` as `printf`/`print` arguments, as stack snapshots the host unwinds
 //! ([`snapshot`]).
 //! Everything else is named by [`Unsupported`] and the script runs on the host path.
