@@ -504,7 +504,8 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
         let text = String::from_utf8_lossy(&transcript);
         let svm_crash =
             outcome.is_err() && text.contains("Kernel panic") && text.contains("__svm_vcpu_run");
-        let frozen = matches!(&outcome, Err(QemuError::Hook { message, .. }) if message.starts_with(FROZEN));
+        let frozen =
+            matches!(&outcome, Err(QemuError::Hook { message, .. }) if message.starts_with(FROZEN));
         if (svm_crash || frozen) && attempt == 1 {
             let last_run = text
                 .lines()
@@ -514,7 +515,11 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
                 "the outer kernel panicked inside __svm_vcpu_run (QEMU TCG's SVM emulation)"
                     .to_owned()
             } else {
-                outcome.as_ref().err().map(ToString::to_string).unwrap_or_default()
+                outcome
+                    .as_ref()
+                    .err()
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
             };
             eprintln!(
                 "RETRY kvm_nested: {why}; last engine run finished: {last_run}; last console \

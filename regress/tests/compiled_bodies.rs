@@ -578,13 +578,19 @@ fn task_current_target_and_a_printf_of_many_arguments_match_the_interpreter() {
 }
 
 #[test]
-fn signal_names_and_printed_times_match_the_interpreter_for_every_number() {
+fn signal_and_syscall_names_and_printed_times_match_the_interpreter_for_every_number() {
     // 0 to 64 from the table (SIGRTMIN+n included), anything else built as SIG<n>.
     let script = r#"
-        global names
+        global names, calls, affinity
         probe kernel.function("f") {
           names[signal_str($a % 70)]++
           if ($a % 7 == 0) println(signal_str($b), " ", signal_str(-$a))
+          // Long names interned in the guest, names past the table built, and compared with a
+          // built string.
+          calls[syscall_name($a % 470 + 200)]++
+          if (syscall_name($a % 470 + 200) == "sched_" . "setaffinity") affinity++
+          if (syscall_name(203 + $a % 2) == "sched_" . "setaffinity") affinity += 10
+          if ($a % 11 == 0) println(syscall_name($b), " ", syscall_name($a + 200))
           // The host renders a printed ctime() from the time in the record.
           if ($a % 5 == 0) printf("%s|%-30s|%d\n", ctime($a * 86400 * 7), tz_ctime($b), $a)
         }

@@ -368,6 +368,11 @@ pub const SYSCALLS: &[(i64, &str)] = &[
     (450, "set_mempolicy_home_node"),
 ];
 
+/// The highest number of a named system call.
+pub fn highest() -> i64 {
+    SYSCALLS.iter().map(|(n, _)| *n).max().unwrap_or(0)
+}
+
 /// The name of system call `nr`, if x86-64 has one.
 pub fn name(nr: i64) -> Option<&'static str> {
     SYSCALLS.iter().find(|(n, _)| *n == nr).map(|(_, s)| *s)

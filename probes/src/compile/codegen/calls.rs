@@ -196,6 +196,7 @@ impl Gen<'_, '_> {
             "str_replace" => self.str_replace(c),
             "sprintf" => self.sprintf(c),
             "signal_str" => self.signal_str(c),
+            "syscall_name" => self.syscall_name(c),
             "exit" => {
                 let addr = self.env.data + field::EXIT;
                 let i = Instruction::with2(Code::Mov_rm64_imm32, rip(addr), 1)

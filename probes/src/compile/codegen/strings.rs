@@ -37,6 +37,9 @@ use super::{rip, walk, Gen, K, R};
 pub(crate) const APPEND: &str = "$append";
 /// Key of the `intern` helper in the runtime's helpers.
 pub(crate) const INTERN: &str = "$intern";
+/// Byte 0 of a name-table entry whose name is longer than 15 bytes (never a text's first
+/// byte: the names are ASCII).
+const LONG_NAME: u8 = 0xff;
 /// Times a reader waits for an entry being written before it gives up.
 const SPINS: u32 = 1000;
 
@@ -135,6 +138,7 @@ pub(super) fn builds(e: &Expr) -> bool {
                 | "str_replace"
                 | "sprintf"
                 | "signal_str"
+                | "syscall_name"
         ),
         _ => false,
     }
@@ -586,28 +590,75 @@ impl Gen<'_, '_> {
         Ok(K::Str)
     }
 
-    /// `signal_str(n)`, as the interpreter names signals: 0 to 64 from a table of their
-    /// names (each fits a string's 15 inline bytes) in the code, any other `SIG<n>` built.
+    /// `signal_str(n)`, as the interpreter names signals: SIGHUP to SIGRTMIN+32 from a table,
+    /// any other number `SIG<n>`.
     pub(super) fn signal_str(&mut self, c: &Call) -> R<K> {
+        let names = (0..=64).map(crate::lang::native::signal_str).collect();
+        self.name_table(c, names, "SIG")
+    }
+
+    /// `syscall_name(n)`, as the interpreter names x86-64 system calls: every number up to
+    /// the highest named one from a table (`syscall_<n>` where it has no name), any other
+    /// `syscall_<n>`.
+    pub(super) fn syscall_name(&mut self, c: &Call) -> R<K> {
+        let names = (0..=crate::lang::syscalls::highest())
+            .map(crate::lang::native::syscall_name)
+            .collect();
+        self.name_table(c, names, "syscall_")
+    }
+
+    /// The name of the number `c`'s one argument gives: `names[n]` from a table in the code
+    /// (16 bytes per name: a short one inline, a longer one its text's place in the code,
+    /// interned in the guest's string table), else `prefix` and the number in decimal, built.
+    fn name_table(&mut self, c: &Call, names: Vec<String>, prefix: &str) -> R<K> {
         let [n] = c.args.as_slice() else {
-            return Err(self.no("signal_str() without one argument"));
+            return Err(self.no(format!("{}() without one argument", c.name.name)));
         };
+        let intern = self.string_helper(INTERN)?;
+        // Entries first, then the texts of the long names.
         let mut table = Vec::new();
-        for sig in 0..=64 {
-            let raw = self.interner.encode(&crate::lang::native::signal_str(sig));
-            table.extend_from_slice(&raw);
+        let mut texts: Vec<u8> = Vec::new();
+        let entries = 16 * names.len();
+        for name in &names {
+            let name = truncate(name.clone(), self.env.limits.max_string_len);
+            if name.len() <= 15 {
+                table.extend_from_slice(&self.interner.encode(&name));
+            } else {
+                let mut entry = [0u8; 16];
+                entry[0] = LONG_NAME;
+                entry[4..8].copy_from_slice(&(name.len() as u32).to_le_bytes());
+                entry[8..12].copy_from_slice(&((entries + texts.len()) as u32).to_le_bytes());
+                table.extend_from_slice(&entry);
+                texts.extend_from_slice(name.as_bytes());
+            }
         }
+        table.extend_from_slice(&texts);
+        let last = i32::try_from(names.len().saturating_sub(1))
+            .map_err(|_| self.no("a name table past 2^31 entries"))?;
         self.long(n)?;
         let mut other = self.a.create_label();
         let mut done = self.a.create_label();
+        let strings = self.errors.strings;
         let r = (|| {
             let mut names = self.a.create_label();
-            self.a.cmp(rax, 64)?;
+            let mut short = self.a.create_label();
+            self.a.cmp(rax, last)?;
             self.a.ja(other)?; // unsigned: negative numbers too
             self.a.shl(rax, 4)?;
-            self.a.lea(rcx, qword_ptr(names))?;
-            self.a.mov(rdx, qword_ptr(rcx + rax + 8))?;
-            self.a.mov(rax, qword_ptr(rcx + rax))?;
+            self.a.lea(rsi, qword_ptr(names))?;
+            self.a.mov(rdx, qword_ptr(rsi + rax + 8))?;
+            self.a.mov(rax, qword_ptr(rsi + rax))?;
+            self.a.cmp(al, LONG_NAME as u32)?;
+            self.a.jne(short)?;
+            // A long name: intern its text (rsi = the text, rcx = its length).
+            self.a.mov(ecx, edx)?;
+            self.a.add(rsi, rcx)?;
+            self.a.shr(rax, 32)?;
+            self.a.mov(rcx, rax)?;
+            self.a.call(intern)?;
+            self.a.test(r8, r8)?;
+            self.a.jnz(strings)?;
+            self.a.set_label(&mut short)?;
             self.a.jmp(done)?;
             self.a.set_label(&mut names)?;
             self.a.db(&table)?;
@@ -616,7 +667,7 @@ impl Gen<'_, '_> {
             self.a.push(rax) // keeps the stack 16-byte aligned
         })();
         asm!(self, r)?;
-        self.host_string("SIG")?;
+        self.host_string(prefix)?;
         self.push(K::Str)?;
         asm!(self, self.a.mov(rax, qword_ptr(rsp + 16)))?;
         self.decimal()?;
