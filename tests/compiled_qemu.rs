@@ -569,6 +569,69 @@ fn check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits() {
     );
 }
 
+#[test]
+fn tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hits() {
+    if !have_qemu("tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hits")
+    {
+        return;
+    }
+    // sched_switch(preempt, prev, next, prev_state): the task switched out is the one
+    // running the probe, the one switched in another; counted per pair of names and printed
+    // for syscall-loop, compiled and host-evaluated on the same hits (check mode).
+    let script = r#"global n, own, other, pairs
+      probe kernel.trace("sched_switch") {
+        n++
+        if ($prev->pid == tid()) own++
+        if ($next != $prev) other++
+        if (execname() == "syscall-loop") pairs[kernel_string($prev->comm), $next->pid > 0]++
+      }
+      probe end {
+        printf("own %d other %d of %d\n", own, other, n)
+        foreach ([p, x] in pairs) printf("%s %d %d\n", p, x, pairs[p, x])
+      }"#;
+    let on = "T=/sys/kernel/tracing; [ -d $T/events ] || mount -t tracefs none $T\n\
+              echo 1 > $T/events/sched/sched_switch/enable\n\
+              exotap_wait attach\n\
+              syscall-loop 20; sleep 0.1; syscall-loop 20\n\
+              exotap_wait detach\n";
+    let (code, out, err, con) = boot_in_job(script, "check", on, "400");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("check: ") && l.contains("printed the same")),
+        "{ctx}"
+    );
+    let printed = script_output(&out);
+    let (own, other, n) = printed
+        .lines()
+        .find_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            match w.as_slice() {
+                ["own", own, "other", other, "of", n] => Some((
+                    own.parse::<u64>().ok()?,
+                    other.parse::<u64>().ok()?,
+                    n.parse::<u64>().ok()?,
+                )),
+                _ => None,
+            }
+        })
+        .unwrap_or_else(|| panic!("no totals: {ctx}"));
+    assert!(n > 0 && own == n && other == n, "{ctx}");
+    assert!(printed.contains("syscall-loop 1 "), "{ctx}");
+    assert_no_oops(&con);
+
+    // Off in the guest: refused before anything goes in, naming the tracepoint.
+    let off = "exotap_wait attach\nsyscall-loop 5\nexotap_wait detach\n";
+    let (code, out, err, _) = boot_in_job(script, "require", off, "400");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_ne!(code, 0, "{ctx}");
+    assert!(
+        err.contains("kernel.trace(\"sched_switch\"): its static key is off"),
+        "{ctx}"
+    );
+}
+
 /// Member chains and `@cast` on both paths; syscall-loop creates its 18-byte file
 /// `/tmp/syscall-loop.small` (a name of 18 bytes) with mode 0644, opens it for writing once
 /// and for reading 61 times, and preads 64 bytes from it 60 times.

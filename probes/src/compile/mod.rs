@@ -256,12 +256,15 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
                 // `func+OFFSET` and `.absolute`: compiled where the splice planner accepts
                 // the instruction (live::compiled asks it).
                 PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => kernel = true,
+                // A tracepoint's iterator `__traceiter_NAME` is a function entry (see
+                // live::compiled: its arguments start at the second register).
+                PointKind::KernelTrace { .. } => kernel = true,
                 k if k.needs_guest() => refused.push(Unsupported {
                     probe: Some(i),
                     span: pt.span,
                     construct: format!(
-                        "the probe point {pt} (only function entries, returns and statements \
-                         at an offset compile)"
+                        "the probe point {pt} (only function entries, returns, tracepoints \
+                         and statements at an offset compile)"
                     ),
                 }),
                 _ => {}

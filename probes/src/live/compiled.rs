@@ -168,7 +168,14 @@ pub fn plan(
             });
             continue;
         };
-        let params = super::target_vars::btf_params(&point);
+        // A tracepoint's point is its iterator `__traceiter_NAME(void *__data, ARGS)`, whose
+        // variables leave out `__data`: the arguments start at the second register (as the
+        // host-evaluated path reads them, live::traps).
+        let data = super::traps::tracepoint_name(&point.name).map(|_| String::new());
+        let params = data
+            .into_iter()
+            .chain(super::target_vars::btf_params(&point))
+            .collect();
         if statement {
             statements.insert(link);
         }
@@ -592,6 +599,17 @@ pub fn start_on(
     mode: CompileMode,
 ) -> anyhow::Result<JoinHandle<i32>> {
     let slide = session.survey.kaslr.slide;
+    // A compiled tracepoint probe is spliced into `__traceiter_NAME`, which the kernel calls
+    // only while the tracepoint is on.
+    {
+        let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
+        let names: Vec<&str> = plan
+            .points
+            .iter()
+            .filter_map(|(_, p)| super::traps::tracepoint_name(&p.name))
+            .collect();
+        super::traps::tracepoints_on(&mut session, image, btf.as_ref(), names.into_iter())?;
+    }
     // On an error from here on, dropping the session detaches.
     let splicer = session.plan(image, heap)?;
     let patch = splicer.heap_va + super::splicer::CODE_OFFSET;

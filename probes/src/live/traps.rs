@@ -917,28 +917,15 @@ fn arm(
     let lines = super::target_vars::source_lines(image);
     let resolver = KernelSymbols::new(&image.symbols, btf).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
-    let off: Vec<String> = resolved
-        .iter()
-        .filter(|(probe, _)| host(*probe))
-        .filter_map(|(_, point)| tracepoint_name(&point.name))
-        .filter_map(|name| match tracepoint_enabled(att, image, btf, name) {
-            Ok(true) => None,
-            Ok(false) => Some(format!(
-                "kernel.trace(\"{name}\"): its static key is off (enable it inside the guest, \
-                 e.g. echo 1 > /sys/kernel/tracing/events/*/{name}/enable)"
-            )),
-            Err(e) => Some(format!("kernel.trace(\"{name}\"): {e:#}")),
-        })
-        .collect();
-    if !off.is_empty() {
-        bail!(
-            "tracepoints call their probes only while something in the guest has them on, and \
-             exotap does not turn a guest's tracepoint on by itself (that would run the guest's \
-             tracing code): \n  {}\nor probe the function that fires the tracepoint with \
-             kernel.function",
-            off.join("\n  ")
-        );
-    }
+    tracepoints_on(
+        att,
+        image,
+        btf,
+        resolved
+            .iter()
+            .filter(|(probe, _)| host(*probe))
+            .filter_map(|(_, point)| tracepoint_name(&point.name)),
+    )?;
     let locals = super::target_vars::point_locals(image, prog, &resolved)?;
     let plan = area;
     let text = TextMap::new(image);
@@ -1069,8 +1056,40 @@ fn arm(
     Ok((armed, trampoline))
 }
 
+/// Fails, naming each one, unless the guest has every tracepoint in `names` on.
+///
+/// # Errors
+/// A tracepoint that is off, or whose state cannot be read.
+pub(super) fn tracepoints_on<'n>(
+    att: &mut GuestSession,
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    names: impl Iterator<Item = &'n str>,
+) -> anyhow::Result<()> {
+    let off: Vec<String> = names
+        .filter_map(|name| match tracepoint_enabled(att, image, btf, name) {
+            Ok(true) => None,
+            Ok(false) => Some(format!(
+                "kernel.trace(\"{name}\"): its static key is off (enable it inside the guest, \
+                 e.g. echo 1 > /sys/kernel/tracing/events/*/{name}/enable)"
+            )),
+            Err(e) => Some(format!("kernel.trace(\"{name}\"): {e:#}")),
+        })
+        .collect();
+    if !off.is_empty() {
+        bail!(
+            "tracepoints call their probes only while something in the guest has them on, and \
+             exotap does not turn a guest's tracepoint on by itself (that would run the guest's \
+             tracing code): \n  {}\nor probe the function that fires the tracepoint with \
+             kernel.function",
+            off.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
 /// The tracepoint a resolved point names (`kernel.trace("NAME")`).
-fn tracepoint_name(point: &str) -> Option<&str> {
+pub(super) fn tracepoint_name(point: &str) -> Option<&str> {
     point.strip_prefix("kernel.trace(\"")?.strip_suffix("\")")
 }
 
