@@ -15,6 +15,10 @@
 //!   the relocated instruction; and for `.return` probes the kretprobe-style return
 //!   trampoline.
 //!
+//! Where: function entries and returns, statements at an offset or address where the
+//! splice planner accepts the instruction, and tracepoints (`kernel.trace`, entered at the
+//! tracepoint's iterator `__traceiter_NAME`, its arguments from the second register on).
+//!
 //! What compiles: `if/else`, `while`, `for`, `next`, `break`, `continue`; `foreach` over an
 //! array in the interpreter's order (insertion order, or sorted on the value, a statistic or
 //! a key, `+`/`-`, with `limit`; each step selects the next element from the table, see
