@@ -31,9 +31,10 @@ use super::{SitePoint, Unsupported};
 
 /// Slots of the table of calls in flight (a power of two).
 pub const INFLIGHT: u64 = 4096;
-/// Where a return body finds the `k`th `@entry(...)` value: relative to `r15`.
+/// Where a return body finds the `k`th word of the `@entry(...)` values: relative to `r15`
+/// (the word before the first keeps their errors).
 pub fn entry_value_offset(k: usize) -> i32 {
-    8 * (ARGS.len() + k) as i32 - ENTRY_ARGS
+    8 * (ARGS.len() + 1 + k) as i32 - ENTRY_ARGS
 }
 
 /// Slots tried after the hashed one.
@@ -44,11 +45,14 @@ pub const PROBE_SLOTS: u32 = 8;
 pub const SLOT: u64 = 128;
 /// Offset of the entry's argument registers in a slot.
 pub const SLOT_ARGS: i32 = 24;
-/// Most `@entry(...)` values (of anything but a parameter) one site's return bodies read.
-pub const ENTRY_VALUES: usize = 7;
-/// Bytes of the entry's argument registers and `@entry(...)` values a return trampoline
-/// pushes below `r15` (the slot from [`SLOT_ARGS`] on).
-pub const ENTRY_ARGS: i32 = SLOT as i32 - SLOT_ARGS - 8;
+/// Most words of `@entry(...)` values (of anything but a parameter) one site's return
+/// bodies read: the slot's last 7 words less the one that keeps, a byte per value, why
+/// computing it failed ([`super::codegen::EntryError`]).
+pub const ENTRY_VALUES: usize = 6;
+/// Bytes a return trampoline takes below `r15`: an 8-byte pad, then the slot from
+/// [`SLOT_ARGS`] on (the entry's argument registers, the `@entry(...)` values' errors and
+/// the values).
+pub const ENTRY_ARGS: i32 = SLOT as i32 - SLOT_ARGS + 8;
 /// Bytes of the table of calls in flight.
 pub const INFLIGHT_BYTES: u64 = (INFLIGHT + PROBE_SLOTS as u64) * SLOT;
 /// Spins on a slot another writer holds before an update is dropped.
@@ -439,16 +443,18 @@ pub fn entry_code(
         emit_body(&mut a, env, interner, p, bodies.pc)?;
     }
     if let Some((table, misses, trampoline)) = returns {
-        // The return bodies' `@entry(...)` values, computed here in the entry's context, two
-        // 8-byte stack words each (0 where computing it failed), then kept in the slot.
+        // The return bodies' `@entry(...)` values, computed here in the entry's context, four
+        // 8-byte stack words each (the value's two, then why computing it failed, 0 if it
+        // did not), then kept in the slot.
         let values = site_entry_values(env, interner, bodies)?;
         for v in &values {
             let p = value_point(bodies, v);
-            a.push(0).map_err(refused)?;
-            a.push(0).map_err(refused)?;
+            for _ in 0..4 {
+                a.push(0).map_err(refused)?;
+            }
             emit_entry_value(&mut a, env, interner, &p, bodies.pc, v.expr)?;
         }
-        let stacked = 16 * values.len() as i32;
+        let stacked = 32 * values.len() as i32;
         let r = (|| {
             let mut done = a.create_label();
             a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
@@ -457,14 +463,19 @@ pub fn entry_code(
                 a.mov(rax, qword_ptr(r15 + saved_offset(*reg)))?;
                 a.mov(qword_ptr(rcx + SLOT_ARGS + 8 * i as i32), rax)?;
             }
-            // Value j's words are 16 * (the values after it) bytes above rsp.
+            // Value j's words are 32 * (the values after it) bytes above rsp; its error byte
+            // goes into the error word at the byte of its first word.
+            let errors = SLOT_ARGS + 8 * ARGS.len() as i32;
+            a.mov(qword_ptr(rcx + errors), 0)?;
             for (j, v) in values.iter().enumerate() {
-                let above = 16 * (values.len() - 1 - j) as i32;
+                let above = 32 * (values.len() - 1 - j) as i32;
                 for w in 0..(1 + usize::from(v.string)) {
                     a.mov(rax, qword_ptr(rsp + above + 8 * w as i32))?;
-                    let word = ARGS.len() + v.word + w;
+                    let word = ARGS.len() + 1 + v.word + w;
                     a.mov(qword_ptr(rcx + SLOT_ARGS + 8 * word as i32), rax)?;
                 }
+                a.mov(al, byte_ptr(rsp + above + 16))?;
+                a.mov(byte_ptr(rcx + errors + v.word as i32), al)?;
             }
             a.set_label(&mut done)?;
             a.lea(rsp, qword_ptr(rsp + stacked))
@@ -544,9 +555,11 @@ pub fn return_code(
         save(&mut a)?;
         a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
         emit_unswap(&mut a, table)?;
-        // The entry's arguments, then its @entry values: [r15 - ENTRY_ARGS + 8 * i] = the
-        // slot's word i from SLOT_ARGS.
-        for i in (0..ENTRY_ARGS / 8).rev() {
+        // An 8-byte pad (the stack stays 16-byte aligned), then the entry's arguments, the
+        // @entry values' errors and the values: [r15 - ENTRY_ARGS + 8 * i] = the slot's
+        // word i from SLOT_ARGS.
+        a.sub(rsp, 8)?;
+        for i in (0..(SLOT as i32 - SLOT_ARGS) / 8).rev() {
             a.push(qword_ptr(rcx + SLOT_ARGS + 8 * i))?;
         }
         a.mov(qword_ptr(rcx), 0)

@@ -275,8 +275,62 @@ pub fn emit_entry_value(
         g.a.mov(qword_ptr(rbx + CATCH_RECORD + 8), rdx)
             .map_err(asm)?;
     }
-    g.finish()?;
+    // A probe error is not counted here: its kind goes into the value's third word, and the
+    // return raises it where the body reads the value, as the interpreter reports an
+    // `@entry(...)` that failed at the entry only where the return evaluates it.
+    let mut common = g.a.create_label();
+    g.a.jmp(g.end).map_err(asm)?;
+    let errors = g.errors;
+    for (label, kind) in [
+        (errors.div, EntryError::Div),
+        (errors.budget, EntryError::Budget),
+        (errors.fault, EntryError::Fault),
+        (errors.overflow, EntryError::Overflow),
+        (errors.empty, EntryError::Empty),
+        (errors.other, EntryError::Other),
+        (errors.nesting, EntryError::Nesting),
+        (errors.strings, EntryError::Strings),
+        (errors.argument, EntryError::Other),
+    ] {
+        let mut label = label;
+        g.a.set_label(&mut label).map_err(asm)?;
+        g.a.mov(eax, kind as u32).map_err(asm)?;
+        g.a.jmp(common).map_err(asm)?;
+    }
+    g.a.set_label(&mut common).map_err(asm)?;
+    g.a.mov(qword_ptr(rbx + CATCH_RECORD + 16), rax)
+        .map_err(asm)?;
+    let mut end = g.end;
+    g.a.set_label(&mut end).map_err(asm)?;
+    g.a.lea(rsp, qword_ptr(rbx + CATCH_RECORD)).map_err(asm)?;
+    let mut after = g.a.create_label();
+    g.a.jmp(after).map_err(asm)?;
+    g.emit_functions()?;
+    g.place(&mut after)?;
     Ok(string)
+}
+
+/// Why computing an `@entry(...)` value at the entry failed (0: it did not), kept with the
+/// value for the return to raise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum EntryError {
+    /// A division by zero.
+    Div = 1,
+    /// MAXACTION.
+    Budget = 2,
+    /// A memory read that faulted.
+    Fault = 3,
+    /// An array past its size.
+    Overflow = 4,
+    /// An empty aggregate.
+    Empty = 5,
+    /// `error()` or a string function's bad argument.
+    Other = 6,
+    /// MAXNESTING.
+    Nesting = 7,
+    /// A full string table.
+    Strings = 8,
 }
 
 /// The `@entry(...)` expressions of the return bodies `points` whose values the entry must
@@ -419,6 +473,42 @@ impl<'a, 'b> Gen<'a, 'b> {
 }
 
 impl Gen<'_, '_> {
+    /// Raises the probe error the entry met computing the `@entry(...)` value at `word`, if
+    /// it met one (its kind in the slot's error word, a byte per value).
+    fn entry_failed(&mut self, word: usize) -> R<()> {
+        let codes = super::site::entry_value_offset(0) - 8;
+        let shift = 8 * word as u32;
+        let e = self.errors;
+        let mut ok = self.a.create_label();
+        let r = (|| {
+            self.a.mov(rax, qword_ptr(r15 + codes))?;
+            if shift > 0 {
+                self.a.shr(rax, shift)?;
+            }
+            self.a.movzx(eax, al)?;
+            self.a.test(eax, eax)?;
+            self.a.jz(ok)?;
+            for (kind, label) in [
+                (EntryError::Div, e.div),
+                (EntryError::Budget, e.budget),
+                (EntryError::Fault, e.fault),
+                (EntryError::Overflow, e.overflow),
+                (EntryError::Empty, e.empty),
+                (EntryError::Nesting, e.nesting),
+                (EntryError::Strings, e.strings),
+            ] {
+                self.a.cmp(eax, kind as u32)?;
+                self.a.je(label)?;
+            }
+            Ok(())
+        })();
+        asm!(self, r)?;
+        // Anything else (`error()`, a bad argument) as `error()` with a message.
+        self.host_string("@entry(...) failed at the function's entry")?;
+        asm!(self, self.a.jmp(e.other))?;
+        self.place(&mut ok)
+    }
+
     fn no(&self, construct: impl Into<String>) -> Unsupported {
         Unsupported {
             probe: Some(self.point.probe),
@@ -805,6 +895,7 @@ impl Gen<'_, '_> {
                         .iter()
                         .find(|v| v.0 == key)
                         .ok_or_else(|| self.no("@entry(...) outside a return probe"))?;
+                    self.entry_failed(word)?;
                     let off = super::site::entry_value_offset(word);
                     asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;
                     if !string {
