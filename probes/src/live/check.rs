@@ -68,15 +68,29 @@ pub(crate) fn check_verdict(compiled: &[u8], host: &[u8]) -> Result<usize, Strin
         v.get(at)
             .map_or("(the output ends)".to_owned(), |l| format!("{l:?}"))
     };
+    // A few lines more of each, to see whether the outputs part for good or meet again.
+    let more = |v: &[&str]| -> String {
+        v.iter()
+            .skip(at + 1)
+            .take(CONTEXT)
+            .map(|l| format!("\n    {l:?}"))
+            .collect()
+    };
     Err(format!(
-        "line {} of {} (compiled) / {} (host-evaluated) differs:\n  compiled:        {}\n  host-evaluated:  {}",
+        "line {} of {} (compiled) / {} (host-evaluated) differs:\n  compiled:        {}\n  \
+         host-evaluated:  {}\n  then compiled:{}\n  then host-evaluated:{}",
         at + 1,
         cl.len(),
         hl.len(),
         line(&cl),
-        line(&hl)
+        line(&hl),
+        more(&cl),
+        more(&hl)
     ))
 }
+
+/// Lines of each output the verdict shows after the first that differs.
+const CONTEXT: usize = 4;
 
 #[cfg(test)]
 mod tests {
