@@ -553,6 +553,24 @@ fn check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits() {
             && printed.contains("vfs_read of 64: 30\n"),
         "{ctx}"
     );
+    // __switch_to's first instruction is too short for a splice: a breakpoint enters its
+    // compiled body, and the host-evaluated twin at that breakpoint runs first.
+    let switch = r#"global n, names
+      probe kernel.function("__switch_to") { n++; names[execname()]++ }
+      probe end { printf("%d\n", n); foreach (e in names) printf("%s %d\n", e, names[e]) }"#;
+    let (code, out, err, con) = boot(switch, "check", "syscall-loop 5; sleep 0.1");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("check: ") && l.contains("printed the same")),
+        "{ctx}"
+    );
+    assert!(
+        err.contains("hits entered compiled code from a breakpoint"),
+        "{ctx}"
+    );
+    assert_no_oops(&con);
     let clock = r#"global n
       probe kernel.syscall("getppid") {
         if (execname() == "syscall-loop" && ++n == 3) printf("t=%d\n", gettimeofday_ns())

@@ -942,6 +942,27 @@ fn host_hit(
     guest.session.resume()
 }
 
+/// Check mode, at a breakpoint that enters compiled code (no splice fits there): the
+/// host-evaluated twin's hit, the guest left stopped. Returns whether the vCPU then stands at
+/// the twin's out-of-line copy of the instruction, where the compiled code may take over.
+fn twin_hit(
+    guest: &mut Guest,
+    traps: &mut Traps,
+    sessions: &mut HitSessions<'_, '_>,
+    prog: &Program,
+    (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
+) -> anyhow::Result<bool> {
+    guest.print(sessions.main, false)?;
+    guest.pull(sessions.main)?;
+    traps.hit_in(&mut guest.session, sessions, vcpu, pc)?;
+    guest.push(sessions.main, prog)?;
+    let rip = match guest.session.machine.registers(vcpu)? {
+        exotap_vmm::control::RegisterFile::X86_64(r) => r.rip,
+        _ => return Ok(false),
+    };
+    Ok(traps.out_of_line(pc) == Some(rip))
+}
+
 /// Most single steps [`finish_hits`] takes per vCPU.
 const FINISH_STEPS: usize = 100_000;
 /// Stack words [`finish_hits`] looks at for a return address into the heap.
@@ -1159,14 +1180,6 @@ fn run(
         }
     };
     guest.stacks = stacks;
-    if check.is_some() && !guest.entered.is_empty() {
-        tracing::warn!(
-            "check: {} compiled points are entered from a breakpoint (no splice fits there); \
-             that breakpoint takes the hit before the host-evaluated twin's, which never runs: \
-             their probes' output will differ",
-            guest.entered.len()
-        );
-    }
     // The guest's own kprobe counters, read at the same stops as the install and the removal.
     let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.session.machine));
     let _ = ready.send(Ok(()));
@@ -1192,6 +1205,7 @@ fn run(
     let mut next_poll = Instant::now() + POLL_EVERY;
     let mut host_hits = 0u64;
     let mut entered_hits = 0u64;
+    let mut twin_emulated = false;
     while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let now = Instant::now();
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
@@ -1280,11 +1294,37 @@ fn run(
             Ok(Some(StopEvent::Breakpoint { vcpu, pc })) if guest.entered.contains_key(&pc) => {
                 entered_hits += 1;
                 let code = guest.entered.get(&pc).copied().unwrap_or(pc);
-                let step = guest
-                    .session
-                    .machine
-                    .set_pc(vcpu, code)
-                    .map_err(anyhow::Error::from)
+                // Check mode: the host-evaluated twin at the same breakpoint runs first (as
+                // at a splice, where its breakpoint comes before the patch), then the vCPU
+                // goes from the twin's out-of-line copy into the compiled code instead,
+                // which ends with the same instruction.
+                let twin = check.is_some() && traps.as_ref().is_some_and(|t| t.owns(pc));
+                let mut step: anyhow::Result<()> = Ok(());
+                let mut enter = true;
+                if let (true, Some(t)) = (twin, traps.as_mut()) {
+                    host_hits += 1;
+                    let mut sessions = HitSessions {
+                        main: &mut session,
+                        shadow: shadow.as_mut().zip(check.as_ref()),
+                    };
+                    let at_copy = twin_hit(&mut guest, t, &mut sessions, &prog, (vcpu, pc));
+                    enter = matches!(at_copy, Ok(true));
+                    if matches!(at_copy, Ok(false)) && !twin_emulated {
+                        twin_emulated = true;
+                        tracing::warn!(
+                            "check: the host-evaluated twin at {pc:#x} emulates its instruction, \
+                             so its hits do not enter the compiled code: their output will differ"
+                        );
+                    }
+                    step = at_copy.map(drop);
+                }
+                let step = step
+                    .and_then(|()| {
+                        if enter {
+                            guest.session.machine.set_pc(vcpu, code)?;
+                        }
+                        Ok(())
+                    })
                     .and_then(|()| guest.session.resume());
                 if let Err(e) = step {
                     tracing::error!("lost the guest: {e:#}");

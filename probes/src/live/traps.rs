@@ -1359,6 +1359,13 @@ impl Traps {
         pc == self.trampoline || self.armed.contains_key(&pc)
     }
 
+    /// Where a hit at armed point `pc` resumes when it resumes through the point's
+    /// out-of-line copy (`None`: the host emulates the instruction there, or no point).
+    pub fn out_of_line(&self, pc: u64) -> Option<u64> {
+        let site = self.armed.get(&pc)?;
+        matches!(site.action, TrapAction::OutOfLine { .. }).then_some(site.slot)
+    }
+
     /// How many points are armed.
     pub fn points(&self) -> usize {
         self.armed.len()
