@@ -963,6 +963,29 @@ fn twin_hit(
     Ok(traps.out_of_line(pc) == Some(rip))
 }
 
+/// Check mode, after [`finish_hits`] at a pause before a read: a vCPU at the host-evaluated
+/// probes' return trampoline has run the compiled return bodies of its call (the compiled
+/// trampoline returns into the host's) but not yet the host-evaluated ones; they run now, so
+/// that both sides have counted the same returns when the host reads. The guest stays paused.
+fn settle_returns(
+    guest: &mut Guest,
+    traps: &mut Traps,
+    sessions: &mut HitSessions<'_, '_>,
+    prog: &Program,
+) -> anyhow::Result<()> {
+    for vcpu in guest.session.machine.vcpus()? {
+        let rip = match guest.session.machine.registers(vcpu)? {
+            exotap_vmm::control::RegisterFile::X86_64(r) => r.rip,
+            _ => continue,
+        };
+        if rip == traps.trampoline() {
+            tracing::debug!("{vcpu} stands at the return trampoline: its return probes run now");
+            twin_hit(guest, traps, sessions, prog, (vcpu, rip))?;
+        }
+    }
+    Ok(())
+}
+
 /// Most single steps [`finish_hits`] takes per vCPU.
 const FINISH_STEPS: usize = 100_000;
 /// Stack words [`finish_hits`] looks at for a return address into the heap.
@@ -1243,8 +1266,13 @@ fn run(
                     guest.session.pause_for_read()?
                 } else {
                     guest.session.pause()?;
-                    if check.is_some() {
-                        finish_hits(&mut guest, traps.as_ref(), &facts)?;
+                    if let (Some(compiled), Some(t)) = (check.as_ref(), traps.as_mut()) {
+                        finish_hits(&mut guest, Some(t), &facts)?;
+                        let mut sessions = HitSessions {
+                            main: &mut session,
+                            shadow: shadow.as_mut().map(|s| (s, compiled)),
+                        };
+                        settle_returns(&mut guest, t, &mut sessions, &prog)?;
                     }
                     true
                 };
@@ -1398,6 +1426,13 @@ fn run(
         let end = (|| -> anyhow::Result<()> {
             guest.session.pause()?;
             finish_hits(&mut guest, traps.as_ref(), &facts)?;
+            if let (Some(compiled), Some(t)) = (check.as_ref(), traps.as_mut()) {
+                let mut sessions = HitSessions {
+                    main: &mut session,
+                    shadow: shadow.as_mut().map(|s| (s, compiled)),
+                };
+                settle_returns(&mut guest, t, &mut sessions, &prog)?;
+            }
             guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;
             if let (Some(reader), Some(before)) = (&kprobes, &kprobes_before) {

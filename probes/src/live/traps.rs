@@ -1359,6 +1359,11 @@ impl Traps {
         pc == self.trampoline || self.armed.contains_key(&pc)
     }
 
+    /// The return trampoline's address.
+    pub fn trampoline(&self) -> u64 {
+        self.trampoline
+    }
+
     /// Where a hit at armed point `pc` resumes when it resumes through the point's
     /// out-of-line copy (`None`: the host emulates the instruction there, or no point).
     pub fn out_of_line(&self, pc: u64) -> Option<u64> {
