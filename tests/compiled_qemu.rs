@@ -47,6 +47,12 @@ fn boot_in_job(
     (code, out, err, transcript)
 }
 
+/// Whether check mode's verdict on stderr says both sides printed the same.
+fn printed_the_same(err: &str) -> bool {
+    err.lines()
+        .any(|l| l.starts_with("check: ") && l.contains("printed the same"))
+}
+
 fn assert_no_oops(console: &str) {
     for bad in [
         "Oops",
@@ -561,11 +567,7 @@ fn check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits() {
     let (code, out, err, con) = boot(switch, "check", "syscall-loop 5; sleep 0.1");
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
-    assert!(
-        err.lines()
-            .any(|l| l.starts_with("check: ") && l.contains("printed the same")),
-        "{ctx}"
-    );
+    assert!(printed_the_same(&err), "{ctx}");
     assert!(
         err.contains("hits entered compiled code from a breakpoint"),
         "{ctx}"
@@ -615,11 +617,7 @@ fn tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hit
     let (code, out, err, con) = boot_in_job(script, "check", on, "400");
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
-    assert!(
-        err.lines()
-            .any(|l| l.starts_with("check: ") && l.contains("printed the same")),
-        "{ctx}"
-    );
+    assert!(printed_the_same(&err), "{ctx}");
     let printed = script_output(&out);
     let (own, other, n) = printed
         .lines()

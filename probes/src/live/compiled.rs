@@ -933,13 +933,24 @@ fn host_hit(
     traps: &mut Traps,
     sessions: &mut HitSessions<'_, '_>,
     prog: &Program,
+    at: (exotap_vmm::control::VcpuId, u64),
+) -> anyhow::Result<()> {
+    host_hit_stopped(guest, traps, sessions, prog, at)?;
+    guest.session.resume()
+}
+
+/// [`host_hit`], the guest left stopped.
+fn host_hit_stopped(
+    guest: &mut Guest,
+    traps: &mut Traps,
+    sessions: &mut HitSessions<'_, '_>,
+    prog: &Program,
     (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<()> {
     guest.print(sessions.main, false)?;
     guest.pull(sessions.main)?;
     traps.hit_in(&mut guest.session, sessions, vcpu, pc)?;
-    guest.push(sessions.main, prog)?;
-    guest.session.resume()
+    guest.push(sessions.main, prog)
 }
 
 /// Check mode, at a breakpoint that enters compiled code (no splice fits there): the
@@ -952,10 +963,7 @@ fn twin_hit(
     prog: &Program,
     (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<bool> {
-    guest.print(sessions.main, false)?;
-    guest.pull(sessions.main)?;
-    traps.hit_in(&mut guest.session, sessions, vcpu, pc)?;
-    guest.push(sessions.main, prog)?;
+    host_hit_stopped(guest, traps, sessions, prog, (vcpu, pc))?;
     let rip = match guest.session.machine.registers(vcpu)? {
         exotap_vmm::control::RegisterFile::X86_64(r) => r.rip,
         _ => return Ok(false),
@@ -980,7 +988,7 @@ fn settle_returns(
         };
         if rip == traps.trampoline() {
             tracing::debug!("{vcpu} stands at the return trampoline: its return probes run now");
-            twin_hit(guest, traps, sessions, prog, (vcpu, rip))?;
+            host_hit_stopped(guest, traps, sessions, prog, (vcpu, rip))?;
         }
     }
     Ok(())
