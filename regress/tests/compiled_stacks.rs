@@ -395,6 +395,7 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     let ret_key = refusal(r#"global s; probe kernel.function("f").return { s[backtrace()]++ }"#);
     let ret = refusal(r#"probe kernel.function("f").return { print_backtrace() }"#);
     let fine = refusal(r#"probe kernel.function("f") { println(sprint_backtrace()) }"#);
+    let syms = refusal(r#"probe kernel.function("f") { print_syms(backtrace()) }"#);
     let lines = refusal(r#"probe kernel.function("f") { s = sprint_backtrace() }"#);
     // A built string may live in the guest's string table, which a stack record lacks.
     let built = refusal(
@@ -413,6 +414,7 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
     assert!(ret_key.is_empty(), "{ret_key:?}");
     assert!(ret.is_empty(), "{ret:?}");
     assert!(fine.is_empty(), "{fine:?}");
+    assert!(syms.is_empty(), "{syms:?}");
     assert!(
         lines
             .iter()

@@ -183,6 +183,14 @@ pub fn stack_uses(prog: &Program) -> (usize, usize) {
             match c.name.name.as_str() {
                 "backtrace" | "sprint_backtrace" => stacks += 1,
                 "print_backtrace" => print_backtrace += 1,
+                // `print_syms(backtrace())` prints what `print_backtrace()` prints: a
+                // snapshot too, its `backtrace()` no string.
+                "print_syms"
+                    if c.args.len() == 1
+                        && matches!(stack_arg(&c.args[0]), Some(StackArg::Pcs)) =>
+                {
+                    printed += 1;
+                }
                 "printf" | "print" | "println" | "printd" | "printdln" => {
                     printed += c.args.iter().filter(|a| stack_arg(a).is_some()).count();
                 }

@@ -136,6 +136,14 @@ impl Gen<'_, '_> {
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
             "print_backtrace" => self.print_backtrace(),
+            // As the interpreter prints it, the stack's frames one per line, as
+            // `print_backtrace()` does.
+            "print_syms"
+                if matches!(c.args.as_slice(), [Expr { kind: ExprKind::Call(b), .. }]
+                    if b.name.name == "backtrace" && b.args.is_empty()) =>
+            {
+                self.print_backtrace()
+            }
             "backtrace" => self.backtrace_string(),
             "sprint_backtrace" => Err(self.no(
                 "sprint_backtrace() other than as an argument of printf/print/println (the host \
