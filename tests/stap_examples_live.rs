@@ -1423,7 +1423,10 @@ const CHECK_ONLY: &[(&str, &[&str])] = &[
     ("network/sk_stream_wait_memory.stp", &[]),
     ("network/socket-trace.stp", &[]),
     ("network/tcp_retransmission.stp", &[]),
-    ("network/tcp_trace.stp", &["127.0.0.1:*-127.0.0.1:*", "timeout=1"]),
+    (
+        "network/tcp_trace.stp",
+        &["127.0.0.1:*-127.0.0.1:*", "timeout=1"],
+    ),
     ("network/tcpdumplike.stp", &[]),
     ("process/futexes.stp", &[]),
     ("process/futexes2.stp", &[]),
@@ -1452,6 +1455,7 @@ const TIMES: &[&str] = &[
     "func_time_stats.stp",
     "wait4time.stp",
     "slowvfs.stp",
+    "socket-trace.stp",
 ];
 
 /// Examples whose histograms are of durations: the buckets themselves differ by design (see
