@@ -701,7 +701,6 @@ pub fn start_on(
     } else {
         None
     };
-    let clock_offset = super::trap_script::guest_clock_offset(&mut session, image);
     // Check mode: every compiled probe runs on the host too, into a shadow session.
     let check: Option<BTreeSet<usize>> =
         (mode == CompileMode::Check).then(|| plan.points.iter().map(|(_, p)| p.probe).collect());
@@ -737,6 +736,10 @@ pub fn start_on(
     } else {
         None
     };
+    // The guest's clock, measured last before begin runs: it stands still while the guest is
+    // paused (under TCG), so time spent here after measuring it (arming breakpoints: tens of
+    // ms) would put begin's clock ahead of the compiled probes' (negative intervals).
+    let clock_offset = super::trap_script::guest_clock_offset(&mut session, image);
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())

@@ -88,7 +88,6 @@ pub fn start(
         size: plan.size,
     };
     let traps = Traps::arm(&mut session, image, &script.prog, area, &|_| true)?;
-    let clock_offset = guest_clock_offset(&mut session, image);
     let kprobes = if script.compare_kprobes {
         let btf =
             Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
@@ -96,6 +95,9 @@ pub fn start(
     } else {
         None
     };
+    // Measured last before begin runs (see live::compiled: the paused guest's clock stands
+    // still).
+    let clock_offset = guest_clock_offset(&mut session, image);
     std::thread::Builder::new()
         .name("exotap-tracer".into())
         .spawn(move || {
