@@ -166,6 +166,10 @@ pub struct ScriptOptions {
     /// Other names (stap passes them to its module's C compiler) are accepted with a warning.
     #[arg(short = 'D', value_name = "NAME=VALUE")]
     pub define: Vec<String>,
+    /// Give scalar global NAME this initial value, as stap's -G (-G sloth=10): a number for
+    /// a global that holds numbers, the text for one that holds strings.
+    #[arg(short = 'G', value_name = "NAME=VALUE")]
+    pub global: Vec<String>,
     /// Guru mode, as stap's -g: `guru_mode == 1` in preprocessor conditions, and target
     /// variables may be written.
     #[arg(short = 'g')]
@@ -399,12 +403,22 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
         facts.arch,
         facts.origin
     );
+    let globals = args
+        .global
+        .iter()
+        .map(|g| {
+            g.split_once('=')
+                .map(|(n, v)| (n.to_owned(), v.to_owned()))
+                .with_context(|| format!("-G {g}: expected NAME=VALUE"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let invocation = Invocation {
         args: script_args,
         guru: args.guru,
         target_pid: args.target_pid,
         facts,
         include_dirs: args.include.clone(),
+        globals,
     };
     let out: Box<dyn Write> = match &args.output {
         Some(path) => {

@@ -1785,3 +1785,70 @@ fn foreach_over_an_array_slice_is_refused_by_name() {
         "got {refused:?}"
     );
 }
+
+/// Runs `code` (assembled at `CODE`) under Unicorn with `rsi` = `slot` until its `hlt`.
+fn run_inflight(uc: &mut UnicornMachine, code: &[u8], slot: u64) {
+    uc.write(CODE, code).unwrap();
+    let mut regs = X86Registers::default();
+    regs.gpr[4] = slot; // rsi
+    regs.gpr[7] = STACK + (60 << 10); // rsp
+    regs.rip = CODE;
+    regs.rflags = 0x2;
+    uc.set_x86_registers(&regs).unwrap();
+    uc.set_halt(Some(CODE + code.len() as u64 - 1)).unwrap();
+    uc.set_budget(100_000);
+    let end = uc.run().unwrap();
+    assert!(matches!(end, RunEnd::Halted(_)), "{end:?}");
+}
+
+#[test]
+fn a_call_that_never_returned_leaves_no_slot_a_later_call_at_the_same_stack_slot_returns_through() {
+    use exotap_probes::compile::site::{emit_swap, emit_unswap, INFLIGHT_BYTES, SLOT};
+    let table = DATA;
+    let misses = DATA + INFLIGHT_BYTES;
+    let trampoline = CODE + 0x1000;
+    let assemble = |f: &dyn Fn(&mut CodeAssembler) -> Result<(), IcedError>| {
+        let mut a = CodeAssembler::new(64).unwrap();
+        f(&mut a).unwrap();
+        a.hlt().unwrap();
+        a.assemble(CODE).unwrap()
+    };
+    let swap = assemble(&|a| {
+        let mut done = a.create_label();
+        emit_swap(a, table, misses, trampoline, done)?;
+        a.set_label(&mut done)?;
+        a.nop()
+    });
+    let unswap = assemble(&|a| emit_unswap(a, table));
+    let mut uc = UnicornMachine::new(Isa::X86_64).unwrap();
+    uc.map(CODE, 1 << 20).unwrap();
+    uc.map(DATA, (INFLIGHT_BYTES + 4096).div_ceil(4096) * 4096)
+        .unwrap();
+    uc.map(STACK, 64 << 10).unwrap();
+    let slot = STACK + 0x8ff0;
+    let word = |uc: &UnicornMachine, at: u64| {
+        let mut b = [0u8; 8];
+        uc.read(at, &mut b).unwrap();
+        u64::from_le_bytes(b)
+    };
+
+    // A call whose task exits inside it (its return never comes), then a new task on the same
+    // stack calls through the same slot from another call site, and returns.
+    uc.write(slot, &0x1111u64.to_le_bytes()).unwrap();
+    run_inflight(&mut uc, &swap, slot);
+    assert_eq!(word(&uc, slot), trampoline);
+    uc.write(slot, &0x2222u64.to_le_bytes()).unwrap();
+    run_inflight(&mut uc, &swap, slot);
+    run_inflight(&mut uc, &unswap, slot);
+
+    assert_eq!(
+        word(&uc, slot),
+        0x2222,
+        "the return went to the dead call's caller"
+    );
+    let keyed = (0..INFLIGHT_BYTES / SLOT)
+        .filter(|i| word(&uc, table + i * SLOT) == slot)
+        .count();
+    assert_eq!(keyed, 1, "one slot for the one stack slot");
+    assert_eq!(word(&uc, misses), 0);
+}

@@ -88,7 +88,8 @@ pub fn emit_inflight_hash(a: &mut CodeAssembler, table: u64) -> Result<(), IcedE
     a.add(rcx, rax)
 }
 
-/// Claims a slot of the table of calls in flight for the return-address slot at `rsi`, keeps
+/// Claims a slot of the table of calls in flight for the return-address slot at `rsi` (or
+/// takes back the one a call through the same stack slot left when it never returned), keeps
 /// the original return address and the entry TSC there and swaps in `trampoline`; falls
 /// through with rcx = the slot and rax = the TSC. A full table counts a miss at `misses`,
 /// leaves the call alone and jumps to `missed`. Clobbers rax, rcx, rdx and the flags.
@@ -104,6 +105,20 @@ pub fn emit_swap(
 ) -> Result<(), IcedError> {
     let mut probe = a.create_label();
     let mut claim = a.create_label();
+    let mut stale = a.create_label();
+    // A slot already keyed by this return-address slot belongs to a call that is over (the
+    // stack slot holds one live return address at a time) but never returned: its task
+    // exited (`exit_group` through `x64_sys_call`, `do_exit`), and this stack is reused. It
+    // is taken again; left behind, the return below would find it first and put back that
+    // dead call's return address.
+    emit_inflight_hash(a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut stale)?;
+    a.cmp(qword_ptr(rcx), rsi)?;
+    a.je(claim)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(stale)?;
     emit_inflight_hash(a, table)?;
     a.mov(edx, PROBE_SLOTS)?;
     a.set_label(&mut probe)?;

@@ -43,7 +43,47 @@ pub fn compile_with(
     let script = parse_with(&src.text, limits, inv).map_err(|e| vec![Diagnostic::from(&e)])?;
     let mut prog = check_guru(script, inv.guru)?;
     prog.target_pid = inv.target_pid.unwrap_or(0);
+    set_globals(&mut prog, &inv.globals).map_err(|e| vec![e])?;
     Ok(prog)
+}
+
+/// `-G NAME=VALUE`: the initial value of scalar global NAME (a number for a global that
+/// holds numbers, in decimal or 0x hex; the text for one that holds strings), as stap's.
+fn set_globals(
+    prog: &mut crate::lang::check::Program,
+    globals: &[(String, String)],
+) -> Result<(), Diagnostic> {
+    use crate::lang::ast::Literal;
+    use crate::lang::check::{Shape, Ty};
+    let error = |m: String| Diagnostic::error(m, crate::lang::ast::Span::default());
+    for (name, value) in globals {
+        let Some(g) = prog.globals.get_mut(name) else {
+            return Err(error(format!(
+                "-G {name}={value}: the script has no global {name}"
+            )));
+        };
+        if g.shape == Shape::Array || g.value == Ty::Stats {
+            return Err(error(format!(
+                "-G {name}={value}: {name} is an array or an aggregate, not a scalar"
+            )));
+        }
+        let span = g.span;
+        g.init = Some(if g.value == Ty::Str {
+            Literal::Str(value.clone())
+        } else {
+            let n = match value.strip_prefix("0x") {
+                Some(hex) => i64::from_str_radix(hex, 16).ok(),
+                None => value.parse::<i64>().ok(),
+            };
+            Literal::Num(n.ok_or_else(|| {
+                Diagnostic::error(
+                    format!("-G {name}={value}: {name} holds numbers and {value:?} is not one"),
+                    span,
+                )
+            })?)
+        });
+    }
+    Ok(())
 }
 
 /// What to do with a script.
@@ -376,6 +416,50 @@ mod tests {
         };
         let prog = compile_with(&source, &Limits::default(), &inv).unwrap();
         assert_eq!(prog.target_pid, 1234);
+    }
+
+    #[test]
+    fn dash_g_sets_scalar_globals_and_names_what_it_cannot_set() {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: "global sloth = 50, who = \"x\", hits\n\
+                   probe begin { hits[1]++; printf(\"%d %s\\n\", sloth, who) }"
+                .into(),
+        };
+        let with = |globals: &[(&str, &str)]| {
+            let inv = Invocation {
+                globals: globals
+                    .iter()
+                    .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+                    .collect(),
+                ..Invocation::default()
+            };
+            compile_with(&source, &Limits::default(), &inv)
+        };
+        let init = |prog: &crate::lang::check::Program, name: &str| prog.globals[name].init.clone();
+
+        let prog = with(&[("sloth", "10"), ("who", "y z")]).unwrap();
+        let hex = with(&[("sloth", "0x10")]).unwrap();
+        let errors: Vec<String> = [("sloth", "ten"), ("nope", "1"), ("hits", "1")]
+            .iter()
+            .map(|g| with(&[*g]).unwrap_err()[0].message.clone())
+            .collect();
+
+        assert_eq!(
+            init(&prog, "sloth"),
+            Some(crate::lang::ast::Literal::Num(10))
+        );
+        assert_eq!(
+            init(&prog, "who"),
+            Some(crate::lang::ast::Literal::Str("y z".into()))
+        );
+        assert_eq!(
+            init(&hex, "sloth"),
+            Some(crate::lang::ast::Literal::Num(16))
+        );
+        assert!(errors[0].contains("sloth holds numbers"), "{errors:?}");
+        assert!(errors[1].contains("no global nope"), "{errors:?}");
+        assert!(errors[2].contains("not a scalar"), "{errors:?}");
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub struct Invocation {
     pub facts: TargetFacts,
     /// `-I DIR`: directories whose `*.stp` files join the tapset library.
     pub include_dirs: Vec<std::path::PathBuf>,
+    /// `-G NAME=VALUE`: initial values of scalar globals, as stap's `-G`.
+    pub globals: Vec<(String, String)>,
 }
 
 impl Invocation {
