@@ -105,20 +105,12 @@ pub fn emit_swap(
 ) -> Result<(), IcedError> {
     let mut probe = a.create_label();
     let mut claim = a.create_label();
-    let mut stale = a.create_label();
     // A slot already keyed by this return-address slot belongs to a call that is over (the
     // stack slot holds one live return address at a time) but never returned: its task
     // exited (`exit_group` through `x64_sys_call`, `do_exit`), and this stack is reused. It
     // is taken again; left behind, the return below would find it first and put back that
     // dead call's return address.
-    emit_inflight_hash(a, table)?;
-    a.mov(edx, PROBE_SLOTS)?;
-    a.set_label(&mut stale)?;
-    a.cmp(qword_ptr(rcx), rsi)?;
-    a.je(claim)?;
-    a.add(rcx, SLOT as i32)?;
-    a.dec(edx)?;
-    a.jne(stale)?;
+    emit_find(a, table, claim)?;
     emit_inflight_hash(a, table)?;
     a.mov(edx, PROBE_SLOTS)?;
     a.set_label(&mut probe)?;
@@ -141,6 +133,20 @@ pub fn emit_swap(
     a.mov(qword_ptr(rcx + 16), rax)
 }
 
+/// Jumps to `found` with rcx = the slot of the table keyed by the return-address slot at
+/// `rsi`; falls through when none of the slots it may be in is. Clobbers rax, rcx, rdx.
+fn emit_find(a: &mut CodeAssembler, table: u64, found: CodeLabel) -> Result<(), IcedError> {
+    let mut probe = a.create_label();
+    emit_inflight_hash(a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.cmp(qword_ptr(rcx), rsi)?;
+    a.je(found)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)
+}
+
 /// In a return trampoline, with `rsi` = the return-address slot `ret` just popped: finds the
 /// call's slot in the table (rcx) and puts the original return address back at `rsi`. The
 /// caller frees the slot (`mov qword [rcx], 0`) once done with its entry TSC at +16. Clobbers
@@ -149,16 +155,8 @@ pub fn emit_swap(
 /// # Errors
 /// When the assembler refuses an instruction.
 pub fn emit_unswap(a: &mut CodeAssembler, table: u64) -> Result<(), IcedError> {
-    let mut probe = a.create_label();
     let mut found = a.create_label();
-    emit_inflight_hash(a, table)?;
-    a.mov(edx, PROBE_SLOTS)?;
-    a.set_label(&mut probe)?;
-    a.cmp(qword_ptr(rcx), rsi)?;
-    a.je(found)?;
-    a.add(rcx, SLOT as i32)?;
-    a.dec(edx)?;
-    a.jne(probe)?;
+    emit_find(a, table, found)?;
     a.ud2()?;
     a.set_label(&mut found)?;
     a.mov(rax, qword_ptr(rcx + 8))?;
