@@ -191,7 +191,7 @@ pub fn stack_uses(prog: &Program) -> (usize, usize) {
                 {
                     printed += 1;
                 }
-                "printf" | "print" | "println" | "printd" | "printdln" => {
+                _ if super::codegen::is_print(c) => {
                     printed += c.args.iter().filter(|a| stack_arg(a).is_some()).count();
                 }
                 _ => {}

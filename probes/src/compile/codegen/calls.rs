@@ -496,14 +496,19 @@ fn interleaved(args: &[Expr]) -> Option<Vec<Expr>> {
 }
 
 /// The `printf`/`print`/`println`/`printd`/`printdln` calls of `prog`'s kernel probes.
+/// Whether `c` prints its arguments: `printf`, `print`, `println`, `printd`, `printdln`.
+pub(crate) fn is_print(c: &Call) -> bool {
+    matches!(
+        c.name.name.as_str(),
+        "printf" | "print" | "println" | "printd" | "printdln"
+    )
+}
+
 fn print_calls(prog: &Program) -> Vec<&Call> {
     fn expr<'p>(e: &'p Expr, out: &mut Vec<&'p Call>) {
         match &e.kind {
             ExprKind::Call(c) => {
-                if matches!(
-                    c.name.name.as_str(),
-                    "printf" | "print" | "println" | "printd" | "printdln"
-                ) {
+                if is_print(c) {
                     out.push(c);
                 }
                 c.args.iter().for_each(|a| expr(a, out));

@@ -24,6 +24,7 @@ use crate::lang::ast::*;
 use crate::lang::Limits;
 
 use super::super::types::{chain, Step, TypeRef};
+use super::calls::is_print;
 use super::{walk, Gen, K, R};
 
 /// The memory-string built-ins: name → (reads user memory, takes a length).
@@ -92,7 +93,7 @@ pub(super) fn text_locals(body: &Block) -> HashSet<String> {
                 *kept.entry(n.as_str()).or_default() += 1;
             }
         }
-        ExprKind::Call(c) if prints(c) => {
+        ExprKind::Call(c) if is_print(c) => {
             for a in &c.args {
                 if let ExprKind::Var(n) = &a.kind {
                     *kept.entry(n.as_str()).or_default() += 1;
@@ -103,15 +104,6 @@ pub(super) fn text_locals(body: &Block) -> HashSet<String> {
     });
     out.retain(|n| all.get(n.as_str()) == kept.get(n.as_str()));
     out
-}
-
-/// Whether `c` prints its arguments (a string read from memory among them goes into the
-/// record as text).
-fn prints(c: &Call) -> bool {
-    matches!(
-        c.name.name.as_str(),
-        "printf" | "print" | "println" | "printd" | "printdln"
-    )
 }
 
 /// Whether `block` reads a string from memory as a value: anywhere but as a direct argument
@@ -130,7 +122,7 @@ pub(super) fn reads_text_values(block: &Block, texts: &HashSet<String>) -> bool 
                     kept += 1;
                 }
             }
-            ExprKind::Call(c) if prints(c) => {
+            ExprKind::Call(c) if is_print(c) => {
                 kept += c.args.iter().filter(|a| text_call(a).is_some()).count();
             }
             _ => {}

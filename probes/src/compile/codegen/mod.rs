@@ -119,6 +119,7 @@ mod strings;
 mod updates;
 pub(crate) mod walk;
 
+pub(crate) use calls::is_print;
 pub use calls::{prints, record_bytes};
 pub use entry::{emit_entry_value, entry_values, EntryError, EntryValue};
 pub use strings::{builds_strings, regex_patterns};
