@@ -376,6 +376,13 @@ pub struct GdbClient {
     features: Vec<String>,
     general_thread: Option<ThreadId>,
     phys_mode: bool,
+    /// The stub takes a new packet before its last answer is acked, as QEMU's gdbstub does
+    /// in system mode (a `$` drops the answer it kept for a retransmission), so requests can
+    /// be pipelined with acks on. QEMU before 8.0 never turns acks off.
+    pipelines_with_acks: bool,
+    /// Reading the answers of a pipelined window: no `+` per answer (one at the window's
+    /// end), and a `-` is an error (the answers would no longer pair with the requests).
+    pipelining: bool,
     registers: Vec<RegisterInfo>,
     /// Packets sent since connecting (requests, not acks).
     packets: u64,
@@ -476,6 +483,8 @@ impl GdbClient {
             features: Vec::new(),
             general_thread: None,
             phys_mode: false,
+            pipelines_with_acks: false,
+            pipelining: false,
             registers: Vec::new(),
             packets: 0,
         };
@@ -505,6 +514,10 @@ impl GdbClient {
         self.phys_mode = true;
         if self.set_physical_mode(false).is_err() {
             self.phys_mode = false;
+        } else {
+            // Only QEMU answers `Qqemu.PhyMemMode`: its gdbstub (system mode) reads a `$`
+            // while an answer waits for its ack as the start of the next request.
+            self.pipelines_with_acks = true;
         }
         Ok(())
     }
@@ -654,7 +667,7 @@ impl GdbClient {
             match frame {
                 Some(Frame::Packet(payload)) => {
                     tracing::trace!(packet = %String::from_utf8_lossy(&payload), "gdb recv");
-                    if self.ack_mode {
+                    if self.ack_mode && !self.pipelining {
                         self.write_raw(b"+", b"+")?;
                     }
                     return Ok(payload);
@@ -671,7 +684,16 @@ impl GdbClient {
                     self.write_raw(b"-", b"-")?;
                 }
                 // Outside ack mode a `-` is line noise.
-                Some(Frame::Nak) if !self.ack_mode || self.last_sent.is_empty() => {}
+                Some(Frame::Nak) if !self.ack_mode => {}
+                // The stub dropped one of the pipelined requests: the answers after it
+                // would pair with the wrong requests.
+                Some(Frame::Nak) if self.pipelining => {
+                    return Err(GdbError::Rejected {
+                        what: short(what),
+                        count: 1,
+                    });
+                }
+                Some(Frame::Nak) if self.last_sent.is_empty() => {}
                 Some(Frame::Nak) => {
                     naks += 1;
                     if naks > MAX_RETRIES {
@@ -952,7 +974,9 @@ impl GdbClient {
     /// their answers are read in order. A round trip per packet is what a gdbstub write
     /// costs otherwise, and a batch of splices is thousands of short writes. QEMU handles
     /// the packets one after the other as they arrive, exactly as if each had waited.
-    /// With acks on (a stub that would not turn them off), one packet at a time.
+    /// With acks on, the same where the stub takes a request before its last answer is
+    /// acked (QEMU, whose gdbstub before 8.0 never turns acks off: one `+` per window);
+    /// one packet at a time for any other stub.
     ///
     /// # Errors
     /// The index in `writes` of the first write the stub refused or that failed, and why.
@@ -966,7 +990,7 @@ impl GdbClient {
                 .enumerate()
                 .map(move |(i, part)| (k, addr.wrapping_add((i * chunk) as u64), part))
         });
-        if self.ack_mode {
+        if self.ack_mode && !self.pipelines_with_acks {
             for (k, at, part) in requests {
                 self.expect_ok(&format!("M{at:x},{:x}:{}", part.len(), to_hex(part)))
                     .map_err(|e| (k, e))?;
@@ -995,39 +1019,52 @@ impl GdbClient {
                 .map_err(|e| (*first, e))?;
             framed.clear();
             self.last_sent.clear();
-            let deadline = Deadline::after(self.timeout);
-            let mut failed = None;
-            for (k, head) in in_flight.drain(..) {
-                let answer = self
-                    .answer(&deadline, &head, false)
-                    .and_then(|reply| reply_text(&head, &reply))
-                    .and_then(|text| ok_reply(&head, &text));
-                match answer {
-                    Ok(()) => {}
-                    // The stream holds no more answers we can trust.
-                    Err(e)
-                        if !matches!(
-                            e,
-                            GdbError::Refused { .. }
-                                | GdbError::Unexpected { .. }
-                                | GdbError::Unsupported(_)
-                        ) =>
-                    {
-                        return Err((k, e));
-                    }
-                    Err(e) => {
-                        failed.get_or_insert((k, e));
-                    }
-                }
-            }
-            if let Some(failed) = failed {
-                return Err(failed);
-            }
+            self.read_window(&mut in_flight)?;
             if next.is_none() {
                 break;
             }
         }
         Ok(())
+    }
+
+    /// The answers to a window of pipelined `M` requests, in order (see
+    /// [`Self::write_memory_batch`]); in ack mode one `+` at the end acks the last.
+    fn read_window(&mut self, in_flight: &mut Vec<(usize, String)>) -> Result<(), (usize, GdbError)> {
+        let deadline = Deadline::after(self.timeout);
+        let mut failed = None;
+        let last = in_flight.last().map_or(0, |r| r.0);
+        self.pipelining = self.ack_mode;
+        let mut result = Ok(());
+        for (k, head) in in_flight.drain(..) {
+            let answer = self
+                .answer(&deadline, &head, false)
+                .and_then(|reply| reply_text(&head, &reply))
+                .and_then(|text| ok_reply(&head, &text));
+            match answer {
+                Ok(()) => {}
+                // The stream holds no more answers we can trust.
+                Err(e)
+                    if !matches!(
+                        e,
+                        GdbError::Refused { .. }
+                            | GdbError::Unexpected { .. }
+                            | GdbError::Unsupported(_)
+                    ) =>
+                {
+                    result = Err((k, e));
+                    break;
+                }
+                Err(e) => {
+                    failed.get_or_insert((k, e));
+                }
+            }
+        }
+        self.pipelining = false;
+        result?;
+        if self.ack_mode {
+            self.write_raw(b"+", b"+").map_err(|e| (last, e))?;
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     /// Inserts (`true`) or removes a software breakpoint.

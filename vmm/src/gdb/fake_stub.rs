@@ -542,6 +542,92 @@ mod tests {
         stub.finish();
     }
 
+    /// Connects in ack mode to a stub whose handshake is `handshake` and then `tail`.
+    fn connected_with_acks(handshake: Vec<Step>, tail: Vec<Step>) -> (GdbClient, FakeStub) {
+        let stub = FakeStub::start(handshake.into_iter().chain(tail).collect());
+        let client = GdbClient::connect(&stub.addr, PATIENT).unwrap();
+        (client, stub)
+    }
+
+    #[test]
+    fn with_acks_qemu_takes_batched_writes_pipelined() {
+        // QEMU before 8.0 keeps acks on; it acks each request (`+`) and answers it, and
+        // reads the next `$` while its answer waits for the client's ack.
+        let (mut client, stub) = connected_with_acks(
+            handshake_with_acks(),
+            vec![
+                Step::Expect("M1000,1:01"),
+                Step::Expect("M2000,1:02"),
+                raw("+"),
+                reply("OK"),
+                raw("+"),
+                reply("OK"),
+                Step::Expect("m3000,1"),
+                raw("+"),
+                reply("5a"),
+            ],
+        );
+        let before = client.packets();
+
+        bounded(|| client.write_memory_batch(&[(0x1000, &[1]), (0x2000, &[2])])).unwrap();
+        let mut buf = [0u8; 1];
+        client.read_memory(0x3000, &mut buf).unwrap();
+
+        // The stub read both writes before answering either.
+        assert_eq!(client.packets() - before, 3);
+        assert_eq!(buf, [0x5a]);
+        drop(client);
+        stub.finish();
+    }
+
+    #[test]
+    fn with_acks_a_stub_that_is_not_qemu_gets_one_write_at_a_time() {
+        let not_qemu = vec![
+            Step::Expect("qSupported"),
+            reply("PacketSize=1000"),
+            Step::Expect("Qqemu.PhyMemMode:0"),
+            reply(""),
+        ];
+        let (mut client, stub) = connected_with_acks(
+            not_qemu,
+            vec![
+                Step::Expect("M1000,1:01"),
+                reply("OK"),
+                Step::Expect("M2000,1:02"),
+                reply("OK"),
+            ],
+        );
+
+        bounded(|| client.write_memory_batch(&[(0x1000, &[1]), (0x2000, &[2])])).unwrap();
+
+        drop(client);
+        stub.finish();
+    }
+
+    #[test]
+    fn with_acks_a_nak_inside_a_pipelined_window_is_an_error_not_a_mismatch() {
+        // A `-` says a request arrived corrupt and was dropped: the answers after it would
+        // pair with the wrong requests, so the batch stops there.
+        let (mut client, stub) = connected_with_acks(
+            handshake_with_acks(),
+            vec![
+                Step::Expect("M1000,1:01"),
+                Step::Expect("M2000,1:02"),
+                raw("+"),
+                reply("OK"),
+                raw("-"),
+            ],
+        );
+
+        let (index, err) =
+            bounded(|| client.write_memory_batch(&[(0x1000, &[1]), (0x2000, &[2])])).unwrap_err();
+
+        assert_eq!(index, 1);
+        assert!(matches!(err, GdbError::Rejected { .. }), "{err}");
+        drop(client);
+        stub.finish();
+    }
+
     #[test]
     fn one_bad_checksum_with_acks_is_asked_for_again() {
         let stub = FakeStub::start(
