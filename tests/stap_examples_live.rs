@@ -68,6 +68,22 @@ const EVENTS: &[&str] = &[
     "skb/kfree_skb",
     "irq/irq_handler_entry",
     "irq/irq_handler_exit",
+    // For check mode's extra examples (CHECK_ONLY): block, memory, module and process.
+    "block/block_rq_insert",
+    "block/block_rq_issue",
+    "block/block_rq_complete",
+    "block/block_bio_frontmerge",
+    "block/block_bio_backmerge",
+    "kmem/mm_page_alloc",
+    "kmem/mm_page_free",
+    "filemap/mm_filemap_add_to_page_cache",
+    "filemap/mm_filemap_delete_from_page_cache",
+    "vmscan/mm_vmscan_direct_reclaim_end",
+    "vmscan/mm_vmscan_lru_shrink_inactive",
+    "vmscan/mm_vmscan_memcg_reclaim_end",
+    "vmscan/mm_vmscan_memcg_softlimit_reclaim_end",
+    "module/module_load",
+    "sched/sched_process_exit",
 ];
 
 /// The guest's job: arm the kprobes and tracepoints, start an HTTP server on loopback, then
@@ -1461,6 +1477,7 @@ const TIMES: &[&str] = &[
     "wait4time.stp",
     "slowvfs.stp",
     "socket-trace.stp",
+    "procmod_watcher.stp",
 ];
 
 /// Examples whose histograms are of durations: the buckets themselves differ by design (see

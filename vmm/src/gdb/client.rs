@@ -1060,10 +1060,15 @@ impl GdbClient {
             }
         }
         self.pipelining = false;
+        // The ack matters beyond courtesy: QEMU drops an interrupt byte (0x03) that arrives
+        // while its last answer waits for one. Sent after a failure too, where it can be.
+        let acked = if self.ack_mode {
+            self.write_raw(b"+", b"+").map_err(|e| (last, e))
+        } else {
+            Ok(())
+        };
         result?;
-        if self.ack_mode {
-            self.write_raw(b"+", b"+").map_err(|e| (last, e))?;
-        }
+        acked?;
         failed.map_or(Ok(()), Err)
     }
 
