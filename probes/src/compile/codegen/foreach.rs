@@ -48,11 +48,8 @@ enum Part {
 impl Gen<'_, '_> {
     pub(super) fn foreach(&mut self, fe: &Foreach) -> R<()> {
         let name = fe.array.name.as_str();
-        if fe.slice.is_some() {
-            return Err(self.no(format!("foreach over a slice of {name} (in {name}[k, *])")));
-        }
         let slot = self.array(name)?;
-        let (nkeys, cap) = slot.table.unwrap_or((0, 0));
+        let (nkeys, _) = slot.table.unwrap_or((0, 0));
         if fe.keys.len() != nkeys {
             return Err(self.no(format!(
                 "foreach over {name} with {} keys, not {nkeys}",
@@ -108,18 +105,111 @@ impl Gen<'_, '_> {
             )));
         }
         let state = self.foreach_state(self.foreach_depth);
-        let entries = self.env.data + slot.offset + TABLE_HEADER;
-        let entry_size = slot.entry_size() as i32;
         // The limit is evaluated once, before the walk.
         match &fe.limit {
             Some(l) => self.long(l)?,
             None => asm!(self, self.a.mov(rax, i64::MAX))?,
         }
+        asm!(self, self.a.mov(qword_ptr(rbp + state + LIMIT), rax))?;
+        // `in a[k, *]`: the named keys, evaluated once after the limit (as the interpreter
+        // does), wait in a key buffer of their own for the whole walk: the body's lookups
+        // use the buffers after it.
+        let slice = match &fe.slice {
+            Some(keys) => Some(self.slice_keys(name, &slot, keys)?),
+            None => None,
+        };
+        let named = slice.as_ref().map_or(&[][..], |s| &s.1[..]);
+        let slice_buf = slice.as_ref().map_or(0, |s| s.0);
+        if slice.is_some() {
+            self.depth += 1;
+        }
+        let walked = self.walk(fe, &slot, &parts, descending, state, named, slice_buf);
+        if slice.is_some() {
+            self.depth -= 1;
+        }
+        walked
+    }
+
+    /// Evaluates the named keys of a `foreach` slice into the key buffer at the current
+    /// depth; returns the buffer and the positions of the named keys.
+    fn slice_keys(
+        &mut self,
+        name: &str,
+        slot: &super::super::data::GlobalSlot,
+        keys: &[Expr],
+    ) -> R<(i32, Vec<usize>)> {
+        let (nkeys, _) = slot.table.unwrap_or((0, 0));
+        if keys.len() != nkeys {
+            return Err(self.no(format!(
+                "a slice of {name} with {} keys, not {nkeys}",
+                keys.len()
+            )));
+        }
+        if self.depth >= self.key_levels {
+            return Err(self.no(format!(
+                "array lookups nested more than {} deep",
+                self.key_levels
+            )));
+        }
+        let buf = self.key_buffer(self.depth);
+        self.depth += 1;
+        let mut named = Vec::new();
+        let mut result = Ok(());
+        for (i, key) in keys.iter().enumerate() {
+            if matches!(key.kind, ExprKind::Wildcard) {
+                continue;
+            }
+            let k = match self.expr(key) {
+                Ok(k) => k,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            if slot.key_is_str.get(i).copied().unwrap_or(false) != (k == K::Str) {
+                result = Err(self.no(format!("a key of {name} of the wrong type")));
+                break;
+            }
+            let at = buf + 16 * i as i32;
+            let r = (|| {
+                self.a.mov(qword_ptr(rbp + at), rax)?;
+                if k == K::Str {
+                    self.a.mov(qword_ptr(rbp + at + 8), rdx)
+                } else {
+                    self.a.mov(qword_ptr(rbp + at + 8), 0)
+                }
+            })();
+            if let Err(e) = self.asm(r) {
+                result = Err(e);
+                break;
+            }
+            named.push(i);
+        }
+        self.depth -= 1;
+        result.map(|()| (buf, named))
+    }
+
+    /// The walk of [`Self::foreach`] once its limit (and slice keys) are in the frame.
+    #[allow(clippy::too_many_arguments)]
+    fn walk(
+        &mut self,
+        fe: &Foreach,
+        slot: &super::super::data::GlobalSlot,
+        parts: &[Part],
+        descending: bool,
+        state: i32,
+        named: &[usize],
+        slice_buf: i32,
+    ) -> R<()> {
+        let (_, cap) = slot.table.unwrap_or((0, 0));
+        let vo = slot.value_offset() as i32;
+        let key = |i: usize| ENTRY_KEYS as i32 + KEY as i32 * i as i32;
+        let entries = self.env.data + slot.offset + TABLE_HEADER;
+        let entry_size = slot.entry_size() as i32;
         let mut less = self.a.create_label();
         let mut top = self.a.create_label();
         let mut out = self.a.create_label();
         let r = (|| {
-            self.a.mov(qword_ptr(rbp + state + LIMIT), rax)?;
             self.a.xor(eax, eax)?;
             self.a.mov(qword_ptr(rbp + state + PREV), rax)?;
             self.a.mov(qword_ptr(rbp + state + DONE), rax)?;
@@ -143,7 +233,16 @@ impl Gen<'_, '_> {
             self.a.mov(rsi, qword_ptr(rbp + state + CURSOR))?;
             self.a.cmp(qword_ptr(rsi), 2)?;
             self.a.jne(skip)?;
-            // After the previous element...
+            // In the slice...
+            for &i in named {
+                for half in [0, 8] {
+                    self.a
+                        .mov(rax, qword_ptr(rbp + slice_buf + 16 * i as i32 + half))?;
+                    self.a.cmp(rax, qword_ptr(rsi + key(i) + half))?;
+                    self.a.jne(skip)?;
+                }
+            }
+            // ...after the previous element...
             self.a.mov(rdi, qword_ptr(rbp + state + PREV))?;
             self.a.test(rdi, rdi)?;
             self.a.jz(no_prev)?;
