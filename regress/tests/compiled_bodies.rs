@@ -602,6 +602,30 @@ fn signal_and_syscall_names_and_printed_times_match_the_interpreter_for_every_nu
 }
 
 #[test]
+fn errno_names_return_strings_and_colors_match_the_interpreter_for_every_number() {
+    // errno_str of either sign, the restart codes (512-516) and numbers past the table (""),
+    // i64::MIN included; return_str in its three formats of errors, non-errors and negative
+    // numbers that name no errno; ansi_set_color's three arities.
+    let script = r#"
+        global names, n
+        probe kernel.function("f") {
+          n++
+          names[errno_str($a % 600)]++
+          e = -($a % 4200)
+          f = n % 4
+          r = return_str(f, e)
+          if (n % 3 == 0) println(errno_str($b), "|", errno_str(-$b % 520), "|", r)
+          if (n % 5 == 0) printf("%s %s %s\n", return_str(1, $a), return_str(2, $b), return_str(3, $a))
+          if (n % 9 == 0) { ansi_set_color(31); ansi_set_color(32, 41); ansi_set_color(33, 44, 1); println(r) }
+        }
+    "#;
+
+    let header = differential(script, &hits(400));
+
+    assert_eq!((header.valid, header.errors, header.dropped), (true, 0, 0));
+}
+
+#[test]
 fn strings_in_keys_and_values_and_printf_match_the_interpreter() {
     let script = r#"
         global by, first, n

@@ -204,6 +204,31 @@ impl Gen<'_, '_> {
             "str_replace" => self.str_replace(c),
             "sprintf" => self.sprintf(c),
             "signal_str" => self.signal_str(c),
+            "errno_str" => self.errno_str(c),
+            "return_str" => {
+                let e = return_str(c).ok_or_else(|| {
+                    self.no(
+                        "return_str() of arguments other than numbers, variables and target \
+                         variables (they are read more than once)",
+                    )
+                })?;
+                self.expr(&e)
+            }
+            // The escape the interpreter prints: `ESC[fg m`, `ESC[bg;fg m`, `ESC[bg;fg;attr m`.
+            "ansi_set_color" if (1..=3).contains(&c.args.len()) => {
+                let order: &[usize] = match c.args.len() {
+                    1 => &[0],
+                    2 => &[1, 0],
+                    _ => &[1, 0, 2],
+                };
+                let format = format!("\x1b[{}m", vec!["%d"; order.len()].join(";"));
+                let mut args = vec![Expr {
+                    kind: ExprKind::Str(format),
+                    span: c.name.span,
+                }];
+                args.extend(order.iter().map(|&i| c.args[i].clone()));
+                self.print("printf", &args)
+            }
             "syscall_name" => self.syscall_name(c),
             "exit" => {
                 let addr = self.env.data + field::EXIT;
@@ -719,4 +744,64 @@ impl Gen<'_, '_> {
         }
         Ok(K::Long)
     }
+}
+
+/// `return_str(format, ret)` as the expression the interpreter's answer equals (an errno
+/// named, else decimal, `%#x` or Rust's `0o` octal): `-4095 <= ret && ret < 0 &&
+/// errno_str(ret) != "" ? sprintf("%d (%s)", ret, errno_str(ret)) : format == 2 ?
+/// sprintf("%#x", ret) : format == 3 ? "0o" . sprintf("%o", ret) : sprintf("%d", ret)`.
+/// `None` when an argument could change or cost something if read more than once.
+fn return_str(c: &Call) -> Option<Expr> {
+    let [format, ret] = c.args.as_slice() else {
+        return None;
+    };
+    let pure = |e: &Expr| {
+        matches!(
+            e.kind,
+            ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Target(_)
+        )
+    };
+    if !pure(format) || !pure(ret) {
+        return None;
+    }
+    let span = c.name.span;
+    let at = |kind| Expr { kind, span };
+    let num = |n| at(ExprKind::Num(n));
+    let text = |s: &str| at(ExprKind::Str(s.to_owned()));
+    let bin = |op, a, b| at(ExprKind::Binary(op, Box::new((a, b))));
+    let call = |name: &str, args| {
+        at(ExprKind::Call(Box::new(Call {
+            name: Ident {
+                name: name.to_owned(),
+                span,
+            },
+            args,
+        })))
+    };
+    let ternary = |c, a, b| at(ExprKind::Ternary(Box::new((c, a, b))));
+    let errno = || call("errno_str", vec![ret.clone()]);
+    let named = bin(
+        BinOp::And,
+        bin(
+            BinOp::And,
+            bin(BinOp::Ge, ret.clone(), num(-4095)),
+            bin(BinOp::Lt, ret.clone(), num(0)),
+        ),
+        bin(BinOp::Ne, errno(), text("")),
+    );
+    let sprintf = |f: &str| call("sprintf", vec![text(f), ret.clone()]);
+    let plain = ternary(
+        bin(BinOp::Eq, format.clone(), num(2)),
+        sprintf("%#x"),
+        ternary(
+            bin(BinOp::Eq, format.clone(), num(3)),
+            bin(BinOp::Concat, text("0o"), sprintf("%o")),
+            sprintf("%d"),
+        ),
+    );
+    Some(ternary(
+        named,
+        call("sprintf", vec![text("%d (%s)"), ret.clone(), errno()]),
+        plain,
+    ))
 }

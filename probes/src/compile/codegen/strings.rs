@@ -138,6 +138,7 @@ pub(super) fn builds(e: &Expr) -> bool {
                 | "str_replace"
                 | "sprintf"
                 | "signal_str"
+                | "errno_str"
                 | "syscall_name"
         ),
         _ => false,
@@ -594,7 +595,14 @@ impl Gen<'_, '_> {
     /// any other number `SIG<n>`.
     pub(super) fn signal_str(&mut self, c: &Call) -> R<K> {
         let names = (0..=64).map(crate::lang::native::signal_str).collect();
-        self.name_table(c, names, "SIG")
+        self.name_table(c, names, Some("SIG"), false)
+    }
+
+    /// `errno_str(e)`, as the interpreter names an errno (either sign): the table up to the
+    /// kernel's restart codes (516), "" for any other.
+    pub(super) fn errno_str(&mut self, c: &Call) -> R<K> {
+        let names = (0..=516).map(crate::lang::native::errno_str).collect();
+        self.name_table(c, names, None, true)
     }
 
     /// `syscall_name(n)`, as the interpreter names x86-64 system calls: every number up to
@@ -604,13 +612,20 @@ impl Gen<'_, '_> {
         let names = (0..=crate::lang::syscalls::highest())
             .map(crate::lang::native::syscall_name)
             .collect();
-        self.name_table(c, names, "syscall_")
+        self.name_table(c, names, Some("syscall_"), false)
     }
 
     /// The name of the number `c`'s one argument gives: `names[n]` from a table in the code
     /// (16 bytes per name: a short one inline, a longer one its text's place in the code,
-    /// interned in the guest's string table), else `prefix` and the number in decimal, built.
-    fn name_table(&mut self, c: &Call, names: Vec<String>, prefix: &str) -> R<K> {
+    /// interned in the guest's string table), else `prefix` and the number in decimal, built
+    /// (no prefix: ""). With `abs`, the number's absolute value picks the name.
+    fn name_table(
+        &mut self,
+        c: &Call,
+        names: Vec<String>,
+        prefix: Option<&str>,
+        abs: bool,
+    ) -> R<K> {
         let [n] = c.args.as_slice() else {
             return Err(self.no(format!("{}() without one argument", c.name.name)));
         };
@@ -636,6 +651,15 @@ impl Gen<'_, '_> {
         let last = i32::try_from(names.len().saturating_sub(1))
             .map_err(|_| self.no("a name table past 2^31 entries"))?;
         self.long(n)?;
+        if abs {
+            // i64::MIN stays negative: past the table as unsigned.
+            let r = (|| {
+                self.a.mov(rcx, rax)?;
+                self.a.neg(rax)?;
+                self.a.cmovs(rax, rcx)
+            })();
+            asm!(self, r)?;
+        }
         let mut other = self.a.create_label();
         let mut done = self.a.create_label();
         let strings = self.errors.strings;
@@ -667,11 +691,18 @@ impl Gen<'_, '_> {
             self.a.push(rax) // keeps the stack 16-byte aligned
         })();
         asm!(self, r)?;
-        self.host_string(prefix)?;
-        self.push(K::Str)?;
-        asm!(self, self.a.mov(rax, qword_ptr(rsp + 16)))?;
-        self.decimal()?;
-        self.concat_pushed()?;
+        match prefix {
+            Some(prefix) => {
+                self.host_string(prefix)?;
+                self.push(K::Str)?;
+                asm!(self, self.a.mov(rax, qword_ptr(rsp + 16)))?;
+                self.decimal()?;
+                self.concat_pushed()?;
+            }
+            None => {
+                self.host_string("")?;
+            }
+        }
         asm!(self, self.a.add(rsp, 16))?;
         self.place(&mut done)?;
         Ok(K::Str)
