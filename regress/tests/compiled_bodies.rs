@@ -626,6 +626,27 @@ fn errno_names_return_strings_and_colors_match_the_interpreter_for_every_number(
 }
 
 #[test]
+fn open_flag_strings_match_the_interpreter_for_every_flag_and_stray_bits() {
+    // Every access mode, each named bit alone and together, bits the table does not name
+    // (written in octal as the interpreter writes them), negative numbers.
+    let script = r#"
+        global seen, n
+        probe kernel.function("f") {
+          n++
+          bit = 1 << (n % 40)
+          f = (n % 4) | bit
+          seen[_sys_open_flag_str(f)]++
+          if (n % 3 == 0) println(_sys_open_flag_str($a), "|", _sys_open_flag_str($b))
+          if (n % 7 == 0) { g = $a & 0xffffff; println(_sys_open_flag_str(g)) }
+        }
+    "#;
+
+    let header = differential(script, &hits(300));
+
+    assert_eq!((header.valid, header.errors, header.dropped), (true, 0, 0));
+}
+
+#[test]
 fn strings_in_keys_and_values_and_printf_match_the_interpreter() {
     let script = r#"
         global by, first, n

@@ -836,7 +836,27 @@ pub fn syscall_name(nr: i64) -> String {
 
 /// open(2) flags as SystemTap's `_sys_open_flag_str` writes them.
 pub fn open_flags(flags: i64) -> String {
-    const BITS: &[(i64, &str)] = &[
+    let mut parts = vec![match flags & 3 {
+        0 => "O_RDONLY".to_string(),
+        1 => "O_WRONLY".to_string(),
+        2 => "O_RDWR".to_string(),
+        _ => "O_ACCMODE".to_string(),
+    }];
+    let mut rest = flags & !3;
+    for (bit, name) in OPEN_FLAGS {
+        if rest & bit != 0 {
+            parts.push((*name).to_string());
+            rest &= !bit;
+        }
+    }
+    if rest != 0 {
+        parts.push(format!("{rest:#o}"));
+    }
+    parts.join("|")
+}
+
+/// The open(2) flag bits [`open_flags`] names, in the order it writes them.
+pub const OPEN_FLAGS: &[(i64, &str)] = &[
         (0o100, "O_CREAT"),
         (0o200, "O_EXCL"),
         (0o400, "O_NOCTTY"),
@@ -854,25 +874,7 @@ pub fn open_flags(flags: i64) -> String {
         (0o4000000, "__O_SYNC"),
         (0o10000000, "O_PATH"),
         (0o20000000, "__O_TMPFILE"),
-    ];
-    let mut parts = vec![match flags & 3 {
-        0 => "O_RDONLY".to_string(),
-        1 => "O_WRONLY".to_string(),
-        2 => "O_RDWR".to_string(),
-        _ => "O_ACCMODE".to_string(),
-    }];
-    let mut rest = flags & !3;
-    for (bit, name) in BITS {
-        if rest & bit != 0 {
-            parts.push((*name).to_string());
-            rest &= !bit;
-        }
-    }
-    if rest != 0 {
-        parts.push(format!("{rest:#o}"));
-    }
-    parts.join("|")
-}
+];
 
 /// The name of TCP state `state` (include/net/tcp_states.h).
 pub fn tcp_state(state: i64) -> String {

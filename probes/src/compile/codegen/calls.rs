@@ -205,6 +205,15 @@ impl Gen<'_, '_> {
             "sprintf" => self.sprintf(c),
             "signal_str" => self.signal_str(c),
             "errno_str" => self.errno_str(c),
+            "_sys_open_flag_str" => {
+                let e = open_flag_str(c).ok_or_else(|| {
+                    self.no(
+                        "_sys_open_flag_str() of something other than a number, a variable or \
+                         a target variable (it is read once per flag)",
+                    )
+                })?;
+                self.expr(&e)
+            }
             "return_str" => {
                 let e = return_str(c).ok_or_else(|| {
                     self.no(
@@ -746,6 +755,60 @@ impl Gen<'_, '_> {
     }
 }
 
+/// Builds the expressions that stand for tapset functions the interpreter answers natively
+/// (each equal to its answer), at the call's place.
+struct Ast {
+    span: crate::lang::ast::Span,
+}
+
+impl Ast {
+    fn at(&self, kind: ExprKind) -> Expr {
+        Expr {
+            kind,
+            span: self.span,
+        }
+    }
+    fn num(&self, n: i64) -> Expr {
+        self.at(ExprKind::Num(n))
+    }
+    fn text(&self, s: &str) -> Expr {
+        self.at(ExprKind::Str(s.to_owned()))
+    }
+    fn bin(&self, op: BinOp, a: Expr, b: Expr) -> Expr {
+        self.at(ExprKind::Binary(op, Box::new((a, b))))
+    }
+    fn call(&self, name: &str, args: Vec<Expr>) -> Expr {
+        self.at(ExprKind::Call(Box::new(Call {
+            name: Ident {
+                name: name.to_owned(),
+                span: self.span,
+            },
+            args,
+        })))
+    }
+    fn ternary(&self, c: Expr, a: Expr, b: Expr) -> Expr {
+        self.at(ExprKind::Ternary(Box::new((c, a, b))))
+    }
+    /// `sprintf(format, args...)`.
+    fn sprintf(&self, format: &str, args: &[&Expr]) -> Expr {
+        let mut all = vec![self.text(format)];
+        all.extend(args.iter().map(|a| (*a).clone()));
+        self.call("sprintf", all)
+    }
+    /// Rust's `{:#o}`, as the interpreter writes octal: `"0o" . sprintf("%o", x)`.
+    fn rust_octal(&self, x: &Expr) -> Expr {
+        self.bin(BinOp::Concat, self.text("0o"), self.sprintf("%o", &[x]))
+    }
+}
+
+/// Whether reading `e` more than once reads the same value at no cost beyond the read.
+fn pure(e: &Expr) -> bool {
+    matches!(
+        e.kind,
+        ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Target(_)
+    )
+}
+
 /// `return_str(format, ret)` as the expression the interpreter's answer equals (an errno
 /// named, else decimal, `%#x` or Rust's `0o` octal): `-4095 <= ret && ret < 0 &&
 /// errno_str(ret) != "" ? sprintf("%d (%s)", ret, errno_str(ret)) : format == 2 ?
@@ -755,53 +818,73 @@ fn return_str(c: &Call) -> Option<Expr> {
     let [format, ret] = c.args.as_slice() else {
         return None;
     };
-    let pure = |e: &Expr| {
-        matches!(
-            e.kind,
-            ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Target(_)
-        )
-    };
     if !pure(format) || !pure(ret) {
         return None;
     }
-    let span = c.name.span;
-    let at = |kind| Expr { kind, span };
-    let num = |n| at(ExprKind::Num(n));
-    let text = |s: &str| at(ExprKind::Str(s.to_owned()));
-    let bin = |op, a, b| at(ExprKind::Binary(op, Box::new((a, b))));
-    let call = |name: &str, args| {
-        at(ExprKind::Call(Box::new(Call {
-            name: Ident {
-                name: name.to_owned(),
-                span,
-            },
-            args,
-        })))
-    };
-    let ternary = |c, a, b| at(ExprKind::Ternary(Box::new((c, a, b))));
-    let errno = || call("errno_str", vec![ret.clone()]);
-    let named = bin(
+    let t = Ast { span: c.name.span };
+    let errno = || t.call("errno_str", vec![ret.clone()]);
+    let named = t.bin(
         BinOp::And,
-        bin(
+        t.bin(
             BinOp::And,
-            bin(BinOp::Ge, ret.clone(), num(-4095)),
-            bin(BinOp::Lt, ret.clone(), num(0)),
+            t.bin(BinOp::Ge, ret.clone(), t.num(-4095)),
+            t.bin(BinOp::Lt, ret.clone(), t.num(0)),
         ),
-        bin(BinOp::Ne, errno(), text("")),
+        t.bin(BinOp::Ne, errno(), t.text("")),
     );
-    let sprintf = |f: &str| call("sprintf", vec![text(f), ret.clone()]);
-    let plain = ternary(
-        bin(BinOp::Eq, format.clone(), num(2)),
-        sprintf("%#x"),
-        ternary(
-            bin(BinOp::Eq, format.clone(), num(3)),
-            bin(BinOp::Concat, text("0o"), sprintf("%o")),
-            sprintf("%d"),
+    let plain = t.ternary(
+        t.bin(BinOp::Eq, format.clone(), t.num(2)),
+        t.sprintf("%#x", &[ret]),
+        t.ternary(
+            t.bin(BinOp::Eq, format.clone(), t.num(3)),
+            t.rust_octal(ret),
+            t.sprintf("%d", &[ret]),
         ),
     );
-    Some(ternary(
-        named,
-        call("sprintf", vec![text("%d (%s)"), ret.clone(), errno()]),
-        plain,
-    ))
+    let errno = errno();
+    Some(t.ternary(named, t.sprintf("%d (%s)", &[ret, &errno]), plain))
+}
+
+/// `_sys_open_flag_str(flags)` as the interpreter writes it (`native::open_flags`): the
+/// access mode, then `|NAME` for each flag bit set in the table's order, then `|0o...` of
+/// the bits it does not name. `None` unless `flags` is pure.
+fn open_flag_str(c: &Call) -> Option<Expr> {
+    let [flags] = c.args.as_slice() else {
+        return None;
+    };
+    if !pure(flags) {
+        return None;
+    }
+    let t = Ast { span: c.name.span };
+    let mode = t.bin(BinOp::BitAnd, flags.clone(), t.num(3));
+    let s = t.ternary(
+        t.bin(BinOp::Eq, mode.clone(), t.num(0)),
+        t.text("O_RDONLY"),
+        t.ternary(
+            t.bin(BinOp::Eq, mode.clone(), t.num(1)),
+            t.text("O_WRONLY"),
+            t.ternary(
+                t.bin(BinOp::Eq, mode, t.num(2)),
+                t.text("O_RDWR"),
+                t.text("O_ACCMODE"),
+            ),
+        ),
+    );
+    // One sprintf of the parts: one string built per call, not one per flag.
+    let mut parts = vec![s];
+    let mut named = 3;
+    for &(bit, name) in crate::lang::native::OPEN_FLAGS {
+        named |= bit;
+        let set = t.bin(BinOp::BitAnd, flags.clone(), t.num(bit));
+        parts.push(t.ternary(set, t.text(&format!("|{name}")), t.text("")));
+    }
+    let rest = t.bin(BinOp::BitAnd, flags.clone(), t.num(!named));
+    parts.push(t.ternary(
+        rest.clone(),
+        t.bin(BinOp::Concat, t.text("|"), t.rust_octal(&rest)),
+        t.text(""),
+    ));
+    let format = "%s".repeat(parts.len());
+    let refs: Vec<&Expr> = parts.iter().collect();
+    Some(t.sprintf(&format, &refs))
 }

@@ -139,6 +139,8 @@ pub(super) fn builds(e: &Expr) -> bool {
                 | "sprintf"
                 | "signal_str"
                 | "errno_str"
+                | "return_str"
+                | "_sys_open_flag_str"
                 | "syscall_name"
         ),
         _ => false,
