@@ -7,7 +7,9 @@
 //! written to a file or a pipe), a slow write or a busy host delays the next drain past
 //! that, and records are overwritten. The drainer only copies raw records out (the
 //! concurrent reader of [`crate::rings`]) and hands them over a channel; it polls again at
-//! once while there is more, and every [`POLL`] otherwise. What it took waits in host
+//! once while there is more, and otherwise after a sleep from [`POLL`] to [`MAX_POLL`] that
+//! follows the rate it sees (a pass costs about the same however few records it takes, so
+//! fewer, fuller passes cost less, and no ring gets past a quarter full at that rate). What it took waits in host
 //! memory until the printing side catches up: nothing is lost to a slow consumer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,8 +20,13 @@ use std::time::{Duration, Instant};
 
 use crate::rings::{drain_concurrent, RingMemory, RingSet};
 
-/// How long the drainer sleeps after a pass that found little to take.
+/// The shortest sleep after a pass that found little to take.
 pub const POLL: Duration = Duration::from_millis(1);
+
+/// The longest sleep between passes: a ring fills in about a tenth of a second at the
+/// fastest traced loop, so a writer that starts at full speed during a sleep fills a tenth
+/// of it at most.
+pub const MAX_POLL: Duration = Duration::from_millis(10);
 
 /// A pass that took fewer records than this sleeps [`POLL`] before the next.
 const BUSY: usize = 4096;
@@ -82,13 +89,20 @@ impl Drainer {
             .name("exotap-drainer".into())
             .spawn(move || {
                 let record = usize::try_from(set.record.max(1)).unwrap_or(1);
+                // The thread only reads and sleeps: its CPU time is what reading cost (one
+                // clock read at each end, not two system calls a pass).
+                let cpu_started = thread_cpu_time();
+                let mut sleep = POLL;
+                let mut last_pass: Option<Instant> = None;
                 loop {
                     // Read the flag before the pass: the pass after a stop request still
                     // runs, so what was in the rings at the request is taken.
                     let stopping = stopping.load(Ordering::Acquire);
                     let started = Instant::now();
-                    let cpu_started = thread_cpu_time();
+                    let since_last = last_pass.map_or(POLL, |l| started.duration_since(l));
+                    last_pass = Some(started);
                     let mut took = 0;
+                    let mut most = 0;
                     for cpu in 0..set.cpus {
                         let i = cpu as usize;
                         let got =
@@ -96,12 +110,15 @@ impl Drainer {
                                 Ok(got) => got,
                                 Err(e) => {
                                     state.error = Some(format!("ring of vCPU {cpu}: {e}"));
+                                    state.reading_cpu =
+                                        thread_cpu_time().saturating_sub(cpu_started);
                                     return state;
                                 }
                             };
                         state.lost[i] = state.lost[i].saturating_add(got.lost);
                         let n = got.records.len() / record;
                         took += n;
+                        most = most.max(n);
                         if n > 0
                             && tx
                                 .send(Batch {
@@ -111,18 +128,22 @@ impl Drainer {
                                 .is_err()
                         {
                             // Nobody listens any more: stop.
+                            state.reading_cpu = thread_cpu_time().saturating_sub(cpu_started);
                             return state;
                         }
                     }
                     state.reading += started.elapsed();
-                    state.reading_cpu += thread_cpu_time().saturating_sub(cpu_started);
                     state.records += took as u64;
                     state.passes += 1;
                     if stopping {
+                        state.reading_cpu = thread_cpu_time().saturating_sub(cpu_started);
                         return state;
                     }
                     if took < BUSY {
-                        std::thread::sleep(POLL);
+                        sleep = next_sleep(sleep, most, since_last, set.slots);
+                        std::thread::sleep(sleep);
+                    } else {
+                        sleep = POLL;
                     }
                 }
             })?;
@@ -163,6 +184,23 @@ impl Drainer {
             });
         (self.try_batches(), state)
     }
+}
+
+/// The sleep before the next pass, after one that took `most` records from its fullest ring
+/// `since_last` after the pass before: long enough that passes take records in bulk (the
+/// cost of a pass is mostly fixed), short enough that no ring fills past a quarter at the
+/// rate just seen; from [`POLL`] to [`MAX_POLL`], doubling while the rings stay empty.
+fn next_sleep(previous: Duration, most: usize, since_last: Duration, slots: u32) -> Duration {
+    let quarter = u128::from(slots / 4).max(1);
+    let sleep = match u128::try_from(most) {
+        Ok(0) | Err(_) => previous.saturating_mul(2),
+        // At `most` records per `since_last`, a quarter ring takes this long.
+        Ok(most) => {
+            let nanos = since_last.as_nanos().saturating_mul(quarter) / most;
+            Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+        }
+    };
+    sleep.clamp(POLL, MAX_POLL)
 }
 
 /// The calling thread's CPU time so far (zero if the clock cannot be read).
@@ -296,6 +334,23 @@ mod tests {
             (state.taken, state.lost, state.records, state.error),
             (vec![192, 192], vec![0, 0], 384, None)
         );
+    }
+
+    #[test]
+    fn the_sleep_grows_while_the_rings_are_empty_and_shrinks_to_keep_a_ring_a_quarter_full() {
+        let ms = Duration::from_millis;
+        // Empty rings: doubling, up to the longest sleep.
+        assert_eq!(next_sleep(POLL, 0, ms(1), 1 << 16), ms(2));
+        assert_eq!(next_sleep(ms(8), 0, ms(9), 1 << 16), MAX_POLL);
+        // 1,000 records in 2 ms into a ring of 16,384: a quarter (4,096) takes 8.2 ms.
+        assert_eq!(
+            next_sleep(ms(2), 1000, ms(2), 1 << 14),
+            Duration::from_nanos(8_192_000)
+        );
+        // A fast writer: a quarter ring in less than the shortest sleep.
+        assert_eq!(next_sleep(ms(5), 400_000, ms(5), 1 << 16), POLL);
+        // A slow one: never past the longest.
+        assert_eq!(next_sleep(ms(1), 1, ms(1), 1 << 16), MAX_POLL);
     }
 
     #[test]

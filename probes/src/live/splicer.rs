@@ -1254,8 +1254,8 @@ impl Splicer {
             // 512 KiB of records in all; 32 MiB when the host reads them while the guest runs
             // (zeroed through the shared RAM, or the VMM's own mapping of guest memory, not the
             // gdbstub): with 2 vCPUs a ring then holds 262,144 records, about 120 ms of the
-            // fastest traced syscall loop under TCG, while the drainer thread polls every
-            // millisecond (live::drainer; the VMM's reads every 10 ms). (Nested KVM measured:
+            // fastest traced syscall loop under TCG, while the drainer thread polls every 1 to
+            // 10 ms (live::drainer, by the rate it sees; the VMM's reads every 10 ms). (Nested KVM measured:
             // 512 KiB lost 35,904 of 40,000 records of a 20,000-call getpid loop on the VMM
             // between two 250-ms drains.)
             let all: u64 = if self.shared.is_some() || machine.reads_while_running() {
