@@ -1514,6 +1514,46 @@ fn node_hits() -> Vec<Hit> {
 }
 
 #[test]
+fn addresses_of_members_match_the_interpreter_with_no_read_of_the_last_member() {
+    // `&` reads the pointers on the way but not the last member: `&$a->x` of the NULL node
+    // is 0 with no fault, `&$a->next->x` of a node without a next is 0, and of the NULL node
+    // a fault (reading its next).
+    let script = r#"
+        global at, n
+        probe kernel.function("f") {
+          n++
+          printf("%d %x %x %x\n", n, &$a->x, &$a->name - &$a->x, &$a->inner->c - $a)
+          at[&$a->next->x == 0] += &$a->s - &$a->x
+        }
+    "#;
+    let hits = node_hits();
+    let addresses = |h: &Hit, ctx: &mut CapturedContext| {
+        let a = h.a;
+        let mut put = |path: &str, v: i64| {
+            ctx.targets.insert(path.into(), Value::Long(v));
+        };
+        put("&$a->x", a);
+        put("&$a->name", a + 16);
+        put("&$a->s", a + 32);
+        put("&$a->inner->c", a + 40);
+        if a != 0 {
+            let next = (0..NODES.len())
+                .find(|i| node(*i) == a as u64)
+                .and_then(|i| NODES[i].1)
+                .map_or(0, node);
+            put("&$a->next->x", next as i64);
+        }
+        put("$a", a);
+    };
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), addresses);
+
+    // Only the NULL node's `&$a->next->x` faults: 10 of its hits.
+    assert_eq!(failed, 10);
+    assert_eq!((header.errors, header.faults), (10, 10));
+}
+
+#[test]
 fn member_chains_and_strings_read_from_memory_match_the_interpreter() {
     let script = r#"
         global xs, n

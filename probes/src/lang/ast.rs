@@ -594,6 +594,16 @@ pub struct CastExpr {
     pub indexes: Vec<Expr>,
 }
 
+impl CastExpr {
+    /// Whether the type is the kernel's own: no module, `kernel`, or `kernel<linux/x.h>`
+    /// (SystemTap's way of naming a header that declares a kernel type).
+    pub fn of_kernel(&self) -> bool {
+        self.module
+            .as_deref()
+            .is_none_or(|m| m == "kernel" || (m.starts_with("kernel<") && m.ends_with('>')))
+    }
+}
+
 /// `array[keys]`.
 #[derive(Debug, Clone)]
 pub struct IndexExpr {

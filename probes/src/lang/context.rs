@@ -190,6 +190,16 @@ impl Context for CapturedContext {
         self.targets.get(path).cloned()
     }
 
+    /// `&$p->m`: the value captured under `&` and the chain's path (`&$p->m`), if any.
+    fn member_address(
+        &self,
+        var: Option<&TargetVar>,
+        _cast: Option<(u64, &crate::lang::ast::CastExpr)>,
+    ) -> Option<Result<Value, String>> {
+        let path = format!("&{}", var?.path());
+        self.targets.get(&path).cloned().map(Ok)
+    }
+
     fn arg_register(&self, n: i64) -> Option<u64> {
         let i = usize::try_from(n.checked_sub(1)?).ok()?;
         self.args.get(i).copied()

@@ -589,7 +589,7 @@ impl Context for LiveContext<'_> {
     fn cast(&self, pointer: u64, cast: &CastExpr) -> Option<Result<Value, String>> {
         let types = self.types?;
         let what = format!("@cast(..., \"{}\")", cast.type_name);
-        if cast.module.as_deref().is_some_and(|m| m != "kernel") {
+        if !cast.of_kernel() {
             return Some(Err(format!(
                 "{what}: only the kernel's own types are known"
             )));

@@ -1029,7 +1029,10 @@ impl GdbClient {
 
     /// The answers to a window of pipelined `M` requests, in order (see
     /// [`Self::write_memory_batch`]); in ack mode one `+` at the end acks the last.
-    fn read_window(&mut self, in_flight: &mut Vec<(usize, String)>) -> Result<(), (usize, GdbError)> {
+    fn read_window(
+        &mut self,
+        in_flight: &mut Vec<(usize, String)>,
+    ) -> Result<(), (usize, GdbError)> {
         let deadline = Deadline::after(self.timeout);
         let mut failed = None;
         let last = in_flight.last().map_or(0, |r| r.0);

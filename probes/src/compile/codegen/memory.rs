@@ -374,15 +374,22 @@ impl Gen<'_, '_> {
             .types
             .clone()
             .ok_or_else(|| self.no(format!("{what} (no kernel type information)")))?;
+        let lay = if std::mem::take(&mut self.address_of) {
+            super::super::types::address_chain
+        } else {
+            chain
+        };
         let steps =
-            chain(types.as_ref(), base, members).map_err(|e| self.no(format!("{what}: {e}")))?;
+            lay(types.as_ref(), base, members).map_err(|e| self.no(format!("{what}: {e}")))?;
         self.steps(&steps)
     }
 
     /// `@cast(p, "type")->m...`: `p` read as a pointer to `type`.
     pub(super) fn cast(&mut self, c: &CastExpr) -> R<K> {
+        // `&` applies to this chain, not to any inside the pointer's expression.
+        let address = std::mem::take(&mut self.address_of);
         let what = format!("@cast(..., \"{}\")", c.type_name);
-        if c.module.as_deref().is_some_and(|m| m != "kernel") {
+        if !c.of_kernel() {
             return Err(self.no(format!("{what} of a module's type")));
         }
         if c.members.is_empty() {
@@ -398,8 +405,13 @@ impl Gen<'_, '_> {
             .named(&c.type_name)
             .ok_or_else(|| self.no(format!("{what} (BTF has no such type)")))?;
         self.long(&c.pointer)?;
-        let steps = super::super::types::cast_chain(types.as_ref(), ty, &c.members)
-            .map_err(|e| self.no(format!("{what}: {e}")))?;
+        let lay = if address {
+            super::super::types::cast_address_chain
+        } else {
+            super::super::types::cast_chain
+        };
+        let steps =
+            lay(types.as_ref(), ty, &c.members).map_err(|e| self.no(format!("{what}: {e}")))?;
         self.steps(&steps)?;
         Ok(K::Long)
     }

@@ -147,6 +147,8 @@ struct Gen<'a, 'b> {
     span: Span,
     /// Levels of key buffers in the current frame (array lookups nested in keys).
     key_levels: usize,
+    /// Inside `&`: the next member chain laid out ends at its last member's address.
+    address_of: bool,
     /// `foreach` loops the current frame has state for, and how many are open.
     foreach_levels: usize,
     foreach_depth: usize,
@@ -322,6 +324,7 @@ impl<'a, 'b> Gen<'a, 'b> {
             errors,
             span: probe.span,
             key_levels: MAX_KEY_DEPTH,
+            address_of: false,
             foreach_levels: foreach::FOREACH_LEVELS,
             foreach_depth: 0,
             functions: functions::Functions::default(),
@@ -732,7 +735,28 @@ impl Gen<'_, '_> {
             ExprKind::Cast(c) => self.cast(c),
             ExprKind::Variance(target, _) => self.variance(target),
             ExprKind::Embedded(_) => Err(self.no("embedded C")),
-            ExprKind::AddressOf(_) => Err(self.no("& of a target variable in a kernel probe")),
+            // `&$p->m...` and `&@cast(p, "T")->m...`: the chain, its last member's address.
+            ExprKind::AddressOf(x) => match &x.kind {
+                ExprKind::Target(t)
+                    if t.name.starts_with('$')
+                        && !t.name.starts_with("$$")
+                        && !t.members.is_empty() =>
+                {
+                    self.address_of = true;
+                    let k = self.target(t);
+                    self.address_of = false;
+                    k
+                }
+                // As the interpreter: no computed member index under `&`.
+                ExprKind::Cast(c) if !c.members.is_empty() && c.indexes.is_empty() => {
+                    self.address_of = true;
+                    let k = self.cast(c);
+                    self.address_of = false;
+                    k
+                }
+                _ => Err(self
+                    .no("& of something other than a member of a target variable or of a @cast")),
+            },
             ExprKind::RegexMatch(p, negated) => self.regex_match(&p.0, &p.1, *negated),
             ExprKind::Wildcard => Err(self.no("a * key in a kernel probe")),
             ExprKind::In(i) => {
