@@ -115,7 +115,7 @@ impl Gen<'_, '_> {
         // does), wait in a key buffer of their own for the whole walk: the body's lookups
         // use the buffers after it.
         let slice = match &fe.slice {
-            Some(keys) => Some(self.slice_keys(name, &slot, keys)?),
+            Some(keys) => Some(self.named_keys(name, &slot, keys)?),
             None => None,
         };
         let named = slice.as_ref().map_or(&[][..], |s| &s.1[..]);
@@ -128,65 +128,6 @@ impl Gen<'_, '_> {
             self.depth -= 1;
         }
         walked
-    }
-
-    /// Evaluates the named keys of a `foreach` slice into the key buffer at the current
-    /// depth; returns the buffer and the positions of the named keys.
-    fn slice_keys(
-        &mut self,
-        name: &str,
-        slot: &super::super::data::GlobalSlot,
-        keys: &[Expr],
-    ) -> R<(i32, Vec<usize>)> {
-        let (nkeys, _) = slot.table.unwrap_or((0, 0));
-        if keys.len() != nkeys {
-            return Err(self.no(format!(
-                "a slice of {name} with {} keys, not {nkeys}",
-                keys.len()
-            )));
-        }
-        if self.depth >= self.key_levels {
-            return Err(self.no(format!(
-                "array lookups nested more than {} deep",
-                self.key_levels
-            )));
-        }
-        let buf = self.key_buffer(self.depth);
-        self.depth += 1;
-        let mut named = Vec::new();
-        let mut result = Ok(());
-        for (i, key) in keys.iter().enumerate() {
-            if matches!(key.kind, ExprKind::Wildcard) {
-                continue;
-            }
-            let k = match self.expr(key) {
-                Ok(k) => k,
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            };
-            if slot.key_is_str.get(i).copied().unwrap_or(false) != (k == K::Str) {
-                result = Err(self.no(format!("a key of {name} of the wrong type")));
-                break;
-            }
-            let at = buf + 16 * i as i32;
-            let r = (|| {
-                self.a.mov(qword_ptr(rbp + at), rax)?;
-                if k == K::Str {
-                    self.a.mov(qword_ptr(rbp + at + 8), rdx)
-                } else {
-                    self.a.mov(qword_ptr(rbp + at + 8), 0)
-                }
-            })();
-            if let Err(e) = self.asm(r) {
-                result = Err(e);
-                break;
-            }
-            named.push(i);
-        }
-        self.depth -= 1;
-        result.map(|()| (buf, named))
     }
 
     /// The walk of [`Self::foreach`] once its limit (and slice keys) are in the frame.

@@ -64,6 +64,18 @@ impl Gen<'_, '_> {
     /// marked deleted (one pass over the table, bounded).
     fn delete_matching(&mut self, name: &str, keys: &[Expr]) -> R<()> {
         let slot = self.array(name)?;
+        let (buf, named) = self.named_keys(name, &slot, keys)?;
+        self.delete_pass(&slot, &named, buf)
+    }
+
+    /// The keys of `name[k, *]` other than `*`, evaluated into the key buffer at the current
+    /// depth (16 bytes a key): the buffer, and the positions of the keys in it.
+    pub(super) fn named_keys(
+        &mut self,
+        name: &str,
+        slot: &super::super::data::GlobalSlot,
+        keys: &[Expr],
+    ) -> R<(i32, Vec<usize>)> {
         let (nkeys, _) = slot.table.unwrap_or((0, 0));
         if keys.len() != nkeys {
             return Err(self.no(format!(
@@ -79,6 +91,18 @@ impl Gen<'_, '_> {
         }
         let buf = self.key_buffer(self.depth);
         self.depth += 1;
+        let named = self.store_named_keys(name, slot, keys, buf);
+        self.depth -= 1;
+        named.map(|named| (buf, named))
+    }
+
+    fn store_named_keys(
+        &mut self,
+        name: &str,
+        slot: &super::super::data::GlobalSlot,
+        keys: &[Expr],
+        buf: i32,
+    ) -> R<Vec<usize>> {
         let mut named = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             if matches!(key.kind, ExprKind::Wildcard) {
@@ -86,7 +110,6 @@ impl Gen<'_, '_> {
             }
             let k = self.expr(key)?;
             if slot.key_is_str.get(i).copied().unwrap_or(false) != (k == K::Str) {
-                self.depth -= 1;
                 return Err(self.no(format!("a key of {name} of the wrong type")));
             }
             let at = buf + 16 * i as i32;
@@ -98,8 +121,7 @@ impl Gen<'_, '_> {
             }
             named.push(i);
         }
-        self.depth -= 1;
-        self.delete_pass(&slot, &named, buf)
+        Ok(named)
     }
 
     /// `delete a` of a whole array: every published element is marked deleted, as `delete
