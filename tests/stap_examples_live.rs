@@ -583,9 +583,8 @@ fn sched_switch(run: &Run) -> Result<String, String> {
     ))
 }
 
-/// iostats: syscall.open runs on the host (its prologue's `argstr = sprintf(...)` of
-/// `user_string_quoted()` and `_sys_open_flag_str()` does not compile),
-/// syscall.{read,write}.return compiled.
+/// iostats: every probe compiled (syscall.open's `argstr = sprintf(...)` of
+/// `user_string_quoted()` and `_sys_open_flag_str()` too).
 fn iostats(run: &Run) -> Result<String, String> {
     let rows = rows_after(run, "name", 8)?;
     let (mut opens, mut reads, mut writes) = (0, 0, 0);

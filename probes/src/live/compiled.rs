@@ -1445,7 +1445,7 @@ mod tests {
         let prog = program(
             r#"global n, a, s
             probe kernel.function("vfs_read") { n++ }
-            probe kernel.function("vfs_write") { if (errno_str(2) != "") s = 1 }
+            probe kernel.function("vfs_write") { if (symname(2) != "") s = 1 }
             probe kernel.statement("vfs_read+0x5") { a[n] = 1 }"#,
         );
 
@@ -1454,7 +1454,7 @@ mod tests {
         assert_eq!(plan.host, BTreeSet::from([1]));
         assert_eq!(plan.refused.len(), 1);
         assert!(
-            plan.refused[0].construct.contains("errno_str()"),
+            plan.refused[0].construct.contains("symname()"),
             "{:?}",
             plan.refused
         );
@@ -1485,7 +1485,7 @@ mod tests {
             return;
         };
         let prog = program(
-            r#"global s; probe kernel.function("vfs_read") { if (errno_str(2) != "") s = 1 }"#,
+            r#"global s; probe kernel.function("vfs_read") { if (symname(2) != "") s = 1 }"#,
         );
 
         let refused = plan(&image, &prog, &Limits::default())
