@@ -6,7 +6,83 @@
 //! understands the guest (page tables, symbols, KASLR) lives in `introspect/` and sees only
 //! this.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+/// The time a guest has spent paused (see [`Machine::paused_clock`]), shared with whoever
+/// turns host time into the guest's: the backend marks each pause and resume, readers on
+/// any thread ask for the total so far, the pause in progress included.
+#[derive(Debug)]
+pub struct PausedClock {
+    origin: std::time::Instant,
+    /// Paused time of the pauses that ended, ns.
+    total: AtomicU64,
+    /// When the pause in progress began, ns after `origin`, plus one; 0 while running.
+    since: AtomicU64,
+}
+
+impl PausedClock {
+    /// A clock of a guest that is paused now (`paused`) or running.
+    pub fn new(paused: bool) -> Self {
+        let clock = Self {
+            origin: std::time::Instant::now(),
+            total: AtomicU64::new(0),
+            since: AtomicU64::new(0),
+        };
+        if paused {
+            clock.paused_at(0);
+        }
+        clock
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The guest stopped (again: no change while it is paused).
+    pub fn paused(&self) {
+        self.paused_at(self.now());
+    }
+
+    /// The guest runs again.
+    pub fn resumed(&self) {
+        self.resumed_at(self.now());
+    }
+
+    /// Nanoseconds paused so far, the pause in progress included.
+    pub fn paused_ns(&self) -> u64 {
+        self.paused_ns_at(self.now())
+    }
+
+    fn paused_at(&self, now: u64) {
+        let _ = self.since.compare_exchange(
+            0,
+            now.saturating_add(1),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    fn resumed_at(&self, now: u64) {
+        let since = self.since.swap(0, Ordering::AcqRel);
+        if since > 0 {
+            self.total
+                .fetch_add(now.saturating_sub(since - 1), Ordering::AcqRel);
+        }
+    }
+
+    fn paused_ns_at(&self, now: u64) -> u64 {
+        // The pause's start first: a resume in between moves its time into the total.
+        let since = self.since.load(Ordering::Acquire);
+        let total = self.total.load(Ordering::Acquire);
+        let ongoing = if since > 0 {
+            now.saturating_sub(since - 1)
+        } else {
+            0
+        };
+        total.saturating_add(ongoing)
+    }
+}
 
 /// A vCPU as the backend numbers it, from 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -325,6 +401,14 @@ pub trait Machine {
         None
     }
 
+    /// The time the guest has spent paused, where its clocks stand still while it is (QEMU
+    /// TCG: a stop disables the guest's ticks, so its TSC and timers resume where they
+    /// stopped): what keeps a clock computed on the host equal to the guest's. `None` where
+    /// the guest's clock runs on through pauses (KVM: the TSC is the host's).
+    fn paused_clock(&mut self) -> Option<std::sync::Arc<PausedClock>> {
+        None
+    }
+
     /// `len` bytes of guest-physical memory at `addr` in one bulk transfer, where the backend
     /// has a faster path than [`Machine::read_phys`] (QEMU's `pmemsave`); `None` otherwise.
     fn read_phys_bulk(&mut self, addr: u64, len: usize) -> Option<Vec<u8>> {
@@ -437,6 +521,9 @@ impl<M: Machine + ?Sized> Machine for Box<M> {
     fn request_count(&self) -> Option<u64> {
         (**self).request_count()
     }
+    fn paused_clock(&mut self) -> Option<std::sync::Arc<PausedClock>> {
+        (**self).paused_clock()
+    }
     fn reads_while_running(&self) -> bool {
         (**self).reads_while_running()
     }
@@ -472,5 +559,35 @@ mod tests {
         assert_eq!(regs.kernel_percpu_base(), 0xaaaa);
         regs.segments[0] = 0x33;
         assert_eq!(regs.kernel_percpu_base(), 0xbbbb);
+    }
+}
+
+#[cfg(test)]
+mod paused_clock_tests {
+    use super::PausedClock;
+
+    #[test]
+    fn a_paused_clock_counts_the_pauses_and_the_one_in_progress_but_not_the_running_time() {
+        let clock = PausedClock::new(true);
+        // Paused from 0 to 100, running to 250, paused from 250 on.
+        assert_eq!(clock.paused_ns_at(40), 40);
+        clock.resumed_at(100);
+        assert_eq!(clock.paused_ns_at(200), 100);
+        clock.paused_at(250);
+        // A second stop while paused changes nothing.
+        clock.paused_at(260);
+        assert_eq!(clock.paused_ns_at(300), 150);
+        clock.resumed_at(400);
+        // A resume while running changes nothing either.
+        clock.resumed_at(450);
+        assert_eq!(clock.paused_ns_at(1000), 250);
+    }
+
+    #[test]
+    fn a_clock_started_running_counts_nothing_until_a_pause() {
+        let clock = PausedClock::new(false);
+        assert_eq!(clock.paused_ns_at(500), 0);
+        clock.paused_at(500);
+        assert_eq!(clock.paused_ns_at(520), 20);
     }
 }

@@ -107,10 +107,18 @@ pub struct Interp<'p> {
     /// end, timers, host-evaluated kernel probes) read the clock compiled probes read in
     /// the guest (set by a runner that measured it; 0 otherwise).
     pub clock_offset_ns: i64,
+    /// How far the target's clock has fallen behind since the offset was measured, in ns,
+    /// asked at each read: the time the guest spent paused where its clocks stand still
+    /// then (QEMU TCG). Subtracted from the offset, so a probe run at a stop reads the time
+    /// the guest's clock shows at that stop, not one its own stops have pushed ahead.
+    pub clock_drift: Option<ClockDrift>,
 }
 
 /// A function naming kernel addresses (see [`Interp::kernel_symbols`]).
 pub type KernelSymbols = Box<dyn Fn(u64) -> Option<String> + Send>;
+
+/// See [`Interp::clock_drift`].
+pub type ClockDrift = Box<dyn Fn() -> i64 + Send>;
 
 impl std::fmt::Debug for Interp<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -145,6 +153,7 @@ impl<'p> Interp<'p> {
             started: std::time::Instant::now(),
             kernel_symbols: None,
             clock_offset_ns: 0,
+            clock_drift: None,
         };
         for name in prog.globals.keys() {
             let store = me.initial(name);

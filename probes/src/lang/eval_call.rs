@@ -140,7 +140,8 @@ impl Interp<'_> {
         let args = self.args(c, f, ctx)?;
         let long = |i: usize| args.get(i).map_or(0, Value::as_long);
         let text = |i: usize| args.get(i).map_or("", Value::as_str);
-        let offset = i128::from(self.clock_offset_ns);
+        let drift = self.clock_drift.as_ref().map_or(0, |d| d());
+        let offset = i128::from(self.clock_offset_ns) - i128::from(drift);
         let now = || {
             let host = SystemTime::now()
                 .duration_since(UNIX_EPOCH)

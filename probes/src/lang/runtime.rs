@@ -204,6 +204,12 @@ impl<'p> Session<'p> {
         self.interp.clock_offset_ns = ns;
     }
 
+    /// Makes the offset of [`Session::set_clock_offset`] fall by what `drift` answers at
+    /// each read ([`Interp::clock_drift`]).
+    pub fn set_clock_drift(&mut self, drift: crate::lang::eval::ClockDrift) {
+        self.interp.clock_drift = Some(drift);
+    }
+
     /// Names kernel addresses for every probe, `end` included ([`Interp::kernel_symbols`]).
     pub fn set_kernel_symbols(&mut self, symbols: crate::lang::eval::KernelSymbols) {
         self.interp.kernel_symbols = Some(symbols);

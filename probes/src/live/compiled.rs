@@ -926,9 +926,8 @@ struct Started {
     stacks: Option<super::stacks::KernelStacks>,
     /// Check mode: the compiled probes (see [`CompileMode::Check`]).
     check: Option<BTreeSet<usize>>,
-    /// How far the guest's clock is ahead of the host's: probes run on the host read the
-    /// guest's clock, as the compiled ones do.
-    clock_offset: Option<i64>,
+    /// The guest's clock: probes run on the host read it, as the compiled ones do.
+    clock_offset: Option<super::trap_script::GuestClock>,
 }
 
 /// A hit of a host-evaluated probe of a mixed script (the guest stopped at it): what the
@@ -998,8 +997,8 @@ fn run(
         Output::new(format, Box::new(out), Box::new(err.clone()))
     };
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
-    if let Some(ns) = clock_offset {
-        session.set_clock_offset(ns);
+    if let Some(clock) = &clock_offset {
+        clock.apply(&mut session);
     }
     session.begin();
     let mut shadow = check.as_ref().map(|_| {
@@ -1009,8 +1008,8 @@ fn run(
             Box::new(std::io::sink()),
         );
         let mut shadow = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
-        if let Some(ns) = clock_offset {
-            shadow.set_clock_offset(ns);
+        if let Some(clock) = &clock_offset {
+            clock.apply(&mut shadow);
         }
         shadow
     });

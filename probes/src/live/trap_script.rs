@@ -119,17 +119,48 @@ struct Tracer {
     traps: Traps,
     /// With `compare_kprobes`: reads the guest's own kprobe hits.
     kprobes: Option<KprobeReader>,
-    /// How far the guest's clock is ahead of the host's ([`guest_clock_offset`]).
-    clock_offset: Option<i64>,
+    /// The guest's clock ([`guest_clock_offset`]).
+    clock_offset: Option<GuestClock>,
 }
 
-/// [`GuestSession::clock_offset_ns`], or `None` (said) when it cannot be measured: probes
-/// run on the host then read the host's clock.
-pub(crate) fn guest_clock_offset(session: &mut GuestSession, image: &KernelImage) -> Option<i64> {
+/// The guest's clock as probes run on the host read it: the host's plus the offset measured
+/// at attach, less the time the guest spent paused since (where its clocks stand still
+/// then: [`exotap_vmm::control::Machine::paused_clock`]).
+pub(crate) struct GuestClock {
+    offset: i64,
+    /// The backend's paused time, and its value when the offset was measured.
+    paused: Option<(std::sync::Arc<exotap_vmm::control::PausedClock>, u64)>,
+}
+
+impl GuestClock {
+    /// Makes `session`'s `gettimeofday_*()` read this clock.
+    pub(crate) fn apply(&self, session: &mut Session<'_>) {
+        session.set_clock_offset(self.offset);
+        if let Some((clock, mark)) = &self.paused {
+            let (clock, mark) = (std::sync::Arc::clone(clock), *mark);
+            session.set_clock_drift(Box::new(move || {
+                i64::try_from(clock.paused_ns().saturating_sub(mark)).unwrap_or(i64::MAX)
+            }));
+        }
+    }
+}
+
+/// [`GuestSession::clock_offset_ns`] and the backend's paused time, or `None` (said) when the
+/// offset cannot be measured: probes run on the host then read the host's clock.
+pub(crate) fn guest_clock_offset(
+    session: &mut GuestSession,
+    image: &KernelImage,
+) -> Option<GuestClock> {
     match session.clock_offset_ns(image) {
         Ok(ns) => {
             tracing::debug!("the guest's clock is {ns} ns ahead of the host's");
-            Some(ns)
+            // Marked now: the offset holds the pause in progress up to here, the drift the
+            // rest of it and every pause after.
+            let paused = session.machine.paused_clock().map(|clock| {
+                let mark = clock.paused_ns();
+                (clock, mark)
+            });
+            Some(GuestClock { offset: ns, paused })
         }
         Err(e) => {
             tracing::warn!(
@@ -158,8 +189,8 @@ impl Tracer {
         if let Some(symbols) = self.traps.kernel_symbols() {
             session.set_kernel_symbols(symbols);
         }
-        if let Some(ns) = self.clock_offset {
-            session.set_clock_offset(ns);
+        if let Some(clock) = &self.clock_offset {
+            clock.apply(&mut session);
         }
         session.begin();
         let mut timers = host_timers(&prog, Instant::now());

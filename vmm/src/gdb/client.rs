@@ -31,6 +31,10 @@ const MAX_UNSOLICITED: usize = 64;
 /// pipelined ([`GdbClient::write_memory_batch`]): QEMU reads 4 KiB at a time and answers
 /// each with 6 bytes, so neither side fills a socket buffer and blocks the other.
 const PIPELINE_WINDOW: usize = 32 << 10;
+/// Read requests in flight at once ([`GdbClient::read_memory`]): their answers (up to a
+/// packet each) wait in the socket until read, so a window's answers stay within what the
+/// stub can write without blocking on a full socket for long.
+const READ_WINDOW: usize = 32;
 /// Bytes of console output kept from one monitor command.
 const MAX_CONSOLE: usize = 1 << 20;
 /// Bytes of one `qXfer` object (QEMU's x86-64 target description is about 10 KiB).
@@ -942,6 +946,9 @@ impl GdbClient {
     pub fn read_memory(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), GdbError> {
         let chunk = self.chunk();
         let mut done = 0usize;
+        if buf.len() > chunk && (!self.ack_mode || self.pipelines_with_acks) {
+            done = self.read_pipelined(addr, buf)?;
+        }
         while done < buf.len() {
             let n = chunk.min(buf.len() - done);
             let at = addr.wrapping_add(done as u64);
@@ -957,6 +964,71 @@ impl GdbClient {
             done += bytes.len();
         }
         Ok(())
+    }
+
+    /// The chunks of a read of more than one packet, [`READ_WINDOW`] requests at a time
+    /// sent without waiting, then their answers in order (a round trip per window, not per
+    /// chunk: a ring or a page table of 32 KiB is 16 chunks). Returns the bytes read from the
+    /// start of `buf`: all of them, or up to a short answer, after which the caller goes on
+    /// one chunk at a time.
+    fn read_pipelined(&mut self, addr: u64, buf: &mut [u8]) -> Result<usize, GdbError> {
+        let chunk = self.chunk();
+        let mut done = 0usize;
+        while done < buf.len() {
+            let mut framed = Vec::new();
+            let mut asked = Vec::new();
+            let mut at = done;
+            while at < buf.len() && asked.len() < READ_WINDOW {
+                let n = chunk.min(buf.len() - at);
+                let request = format!("m{:x},{n:x}", addr.wrapping_add(at as u64));
+                framed.extend_from_slice(&packet::encode(request.as_bytes()));
+                asked.push((at, n, request));
+                self.packets += 1;
+                at += n;
+            }
+            self.write_raw(&framed, b"pipelined m packets")?;
+            self.last_sent.clear();
+            let deadline = Deadline::after(self.timeout);
+            self.pipelining = self.ack_mode;
+            // Every answer is read, whatever happens, so the stream stays in step.
+            let mut outcome: Result<bool, GdbError> = Ok(true);
+            for (at, n, request) in &asked {
+                let answer = self.answer(&deadline, request, false);
+                let Ok(true) = outcome else {
+                    if answer.is_err() {
+                        // The stream holds no more answers we can trust.
+                        break;
+                    }
+                    continue;
+                };
+                outcome = answer.and_then(|reply| {
+                    let reply = reply_text(request, &reply)?;
+                    let bytes = from_hex(reply.as_bytes())
+                        .filter(|b| !b.is_empty() && b.len() <= *n)
+                        .ok_or_else(|| GdbError::Unexpected {
+                            request: request.clone(),
+                            reply: short(&reply),
+                        })?;
+                    buf[*at..*at + bytes.len()].copy_from_slice(&bytes);
+                    done = *at + bytes.len();
+                    // A short answer ends the pipelined part.
+                    Ok(bytes.len() == *n)
+                });
+            }
+            self.pipelining = false;
+            // QEMU drops an interrupt byte while an answer waits for its ack.
+            let acked = if self.ack_mode {
+                self.write_raw(b"+", b"+")
+            } else {
+                Ok(())
+            };
+            let whole = outcome?;
+            acked?;
+            if !whole {
+                return Ok(done);
+            }
+        }
+        Ok(done)
     }
 
     /// Writes memory at `addr` (virtual or physical per [`Self::set_physical_mode`]), in

@@ -580,6 +580,72 @@ mod tests {
         stub.finish();
     }
 
+    /// `n` bytes counting up from `first`, and their hex.
+    fn counting(first: u8, n: usize) -> (Vec<u8>, String) {
+        let bytes: Vec<u8> = (0..n).map(|i| first.wrapping_add(i as u8)).collect();
+        let hex = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        (bytes, hex)
+    }
+
+    #[test]
+    fn with_acks_qemu_answers_the_chunks_of_a_long_read_pipelined() {
+        // PacketSize 0x1000: 2,032 bytes a chunk, so 3,000 bytes are two requests, both
+        // read by the stub before it answers either.
+        let (first, first_hex) = counting(0, 2032);
+        let (second, second_hex) = counting(7, 968);
+        let (mut client, stub) = connected_with_acks(
+            handshake_with_acks(),
+            vec![
+                Step::Expect("m1000,7f0"),
+                Step::Expect("m17f0,3c8"),
+                raw("+"),
+                reply(&first_hex),
+                raw("+"),
+                reply(&second_hex),
+            ],
+        );
+        let mut buf = vec![0u8; 3000];
+
+        bounded(|| client.read_memory(0x1000, &mut buf)).unwrap();
+
+        assert_eq!(&buf[..2032], &first[..]);
+        assert_eq!(&buf[2032..], &second[..]);
+        drop(client);
+        stub.finish();
+    }
+
+    #[test]
+    fn a_short_answer_in_a_pipelined_read_goes_on_from_where_it_ended() {
+        // The first chunk comes back with 16 bytes only: the window's other answer is read
+        // and dropped, and the read goes on at 0x1010, one request at a time.
+        let (head, head_hex) = counting(1, 16);
+        let (_, dropped_hex) = counting(0, 968);
+        let (rest1, rest1_hex) = counting(50, 2032);
+        let (rest2, rest2_hex) = counting(9, 952);
+        let (mut client, stub) = connected_with_acks(
+            handshake_with_acks(),
+            vec![
+                Step::Expect("m1000,7f0"),
+                Step::Expect("m17f0,3c8"),
+                reply(&head_hex),
+                reply(&dropped_hex),
+                Step::Expect("m1010,7f0"),
+                reply(&rest1_hex),
+                Step::Expect("m1800,3b8"),
+                reply(&rest2_hex),
+            ],
+        );
+        let mut buf = vec![0u8; 3000];
+
+        bounded(|| client.read_memory(0x1000, &mut buf)).unwrap();
+
+        assert_eq!(&buf[..16], &head[..]);
+        assert_eq!(&buf[16..2048], &rest1[..]);
+        assert_eq!(&buf[2048..], &rest2[..]);
+        drop(client);
+        stub.finish();
+    }
+
     #[test]
     fn with_acks_a_stub_that_is_not_qemu_gets_one_write_at_a_time() {
         let not_qemu = vec![

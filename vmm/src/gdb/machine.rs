@@ -40,6 +40,10 @@ pub struct GdbMachine {
     regs_cache: Option<(VcpuId, X86Registers)>,
     /// Times the running guest stopped: at a [`Machine::pause`] or a stop event.
     stops: u64,
+    /// The time the guest spent stopped (its clocks stand still then, under TCG).
+    clock: std::sync::Arc<crate::control::PausedClock>,
+    /// Whether QEMU runs the guest with TCG (asked once, by [`Machine::paused_clock`]).
+    tcg: Option<bool>,
 }
 
 impl GdbMachine {
@@ -72,6 +76,8 @@ impl GdbMachine {
             layout,
             regs_cache: None,
             stops: 0,
+            clock: std::sync::Arc::new(crate::control::PausedClock::new(true)),
+            tcg: None,
         })
     }
 
@@ -132,6 +138,7 @@ impl GdbMachine {
             self.stops += 1;
         }
         self.paused = true;
+        self.clock.paused();
         self.regs_cache = None;
         match reply {
             StopReply::Signal {
@@ -359,6 +366,7 @@ impl Machine for GdbMachine {
             self.client.interrupt().map_err(backend)?;
             self.stops += 1;
             self.paused = true;
+            self.clock.paused();
             self.regs_cache = None;
         }
         Ok(())
@@ -369,6 +377,7 @@ impl Machine for GdbMachine {
             self.regs_cache = None;
             self.client.resume().map_err(backend)?;
             self.paused = false;
+            self.clock.resumed();
         }
         Ok(())
     }
@@ -414,6 +423,21 @@ impl Machine for GdbMachine {
     /// The stops counted by [`GdbMachine::stops`].
     fn pause_count(&self) -> Option<u64> {
         Some(self.stops)
+    }
+
+    /// QEMU stops the guest's ticks (TSC, timers) with its vCPUs: under TCG the guest's
+    /// clocks stand still while the gdbstub holds it. Under KVM the TSC runs on: `None`
+    /// there (asked once of the monitor, `info kvm`).
+    fn paused_clock(&mut self) -> Option<std::sync::Arc<crate::control::PausedClock>> {
+        if self.tcg.is_none() {
+            let kvm = self
+                .client
+                .monitor("info kvm")
+                .is_ok_and(|out| out.contains("enabled"));
+            self.tcg = Some(!kvm);
+        }
+        let tcg = self.tcg.unwrap_or(true);
+        tcg.then(|| std::sync::Arc::clone(&self.clock))
     }
 
     /// From QEMU's `info registers` (the gdbstub does not expose IDTR); vCPU 0's.
