@@ -1477,6 +1477,7 @@ const TIMES: &[&str] = &[
     "slowvfs.stp",
     "socket-trace.stp",
     "procmod_watcher.stp",
+    "iotime.stp",
 ];
 
 /// Examples whose histograms are of durations: the buckets themselves differ by design (see
