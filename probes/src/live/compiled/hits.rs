@@ -67,7 +67,12 @@ const STACK_SCAN: usize = 32;
 /// kernel function the compiled code called (`copy_from_kernel_nofault`, ...): a return
 /// address into the heap, just after a call, near the top of its stack. Steps are taken
 /// with the breakpoints still in; a backend that cannot step leaves the hit where it is,
-/// saying so. A vCPU at a probe site itself has not been counted on either side.
+/// saying so. A vCPU at a probe site itself has not been counted on either side. A probed
+/// `call` relocated as `push <original next>; jmp <callee>` (the ftrace call of a guest
+/// kprobe on the same function) is followed into its callee until it returns to the
+/// function: the kprobe's handler counts that hit inside the same window as the compiled
+/// probe (without it `compiled_counts_equal_the_guests_own_kprobes_at_the_same_stops`
+/// failed once in CI: one `rt_sigaction` counted compiled and not by the kprobe).
 pub(super) fn finish_hits(
     guest: &mut Guest,
     traps: Option<&Traps>,
@@ -108,26 +113,54 @@ pub(super) fn finish_hits(
         };
         let mut steps = 0;
         let mut last = regs;
+        // The stack pointer after the last push in the heap of a word from outside it, and
+        // the step that saw it.
+        let mut pushed: Option<(u64, usize)> = None;
+        // A relocated call's original return address, once its callee runs.
+        let mut tail: Option<u64> = None;
         loop {
             let regs = match machine.registers(vcpu)? {
                 exotap_vmm::control::RegisterFile::X86_64(r) => r,
                 _ => break,
             };
-            if callee == Some(regs.rip) {
-                callee = None;
-            }
-            if callee.is_none() && !in_heap(regs.rip) {
-                // Out of the heap: a call the compiled code made (its return address, just
-                // past the call, on top of the stack), or the end of the hit.
-                let top = read_word(machine, vcpu, regs.gpr[7]);
-                let called = steps > 0
-                    && in_heap(last.rip)
-                    && regs.gpr[7] == last.gpr[7].wrapping_sub(8)
-                    && top.is_some_and(|t| t > last.rip && t - last.rip <= 15);
-                if !called {
+            if let Some(ret) = tail {
+                // The relocated call returned into the function: the hit is over.
+                if regs.rip == ret {
                     break;
                 }
-                callee = top;
+            } else {
+                if callee == Some(regs.rip) {
+                    callee = None;
+                }
+                if callee.is_none() && !in_heap(regs.rip) {
+                    // Out of the heap: a call the compiled code made (its return address,
+                    // just past the call, on top of the stack), a relocated call of the
+                    // probed instruction (`push <original next>; jmp <callee>`: a guest
+                    // kprobe's ftrace call, whose handler must run in the window too), or
+                    // the end of the hit.
+                    let top = read_word(machine, vcpu, regs.gpr[7]);
+                    let called = steps > 0
+                        && in_heap(last.rip)
+                        && regs.gpr[7] == last.gpr[7].wrapping_sub(8)
+                        && top.is_some_and(|t| t > last.rip && t - last.rip <= 15);
+                    let relocated = steps > 0
+                        && in_heap(last.rip)
+                        && pushed == Some((regs.gpr[7], steps - 1))
+                        && top.is_some_and(|t| after_a_splice(machine, vcpu, t, &heap));
+                    if called {
+                        callee = top;
+                    } else if relocated {
+                        tail = top;
+                    } else {
+                        break;
+                    }
+                } else if callee.is_none()
+                    && steps > 0
+                    && regs.gpr[7] == last.gpr[7].wrapping_sub(8)
+                    && read_word(machine, vcpu, regs.gpr[7]).is_some_and(|w| !heap.contains(&w))
+                {
+                    pushed = Some((regs.gpr[7], steps));
+                }
             }
             if steps == FINISH_STEPS {
                 tracing::warn!(
@@ -151,6 +184,36 @@ pub(super) fn finish_hits(
         }
     }
     Ok(())
+}
+
+/// Whether `ret` follows a splice: a `jmp rel32` into `heap` starts 5 to 15 bytes before it
+/// (the bytes a splice took, whose last relocated instruction was a call that returns to
+/// `ret`). A word some other push put on the stack (a register's value) is not such an
+/// address.
+fn after_a_splice(
+    machine: &mut dyn exotap_vmm::control::Machine,
+    vcpu: exotap_vmm::control::VcpuId,
+    ret: u64,
+    heap: &std::ops::Range<u64>,
+) -> bool {
+    if !(0xffff_ffff_8000_0000..0xffff_ffff_c000_0000).contains(&ret) {
+        return false;
+    }
+    let start = ret.wrapping_sub(15);
+    let mut b = [0u8; 15];
+    if machine.read_virt(vcpu, start, &mut b).is_err() {
+        return false;
+    }
+    (5..=15).any(|k| {
+        let at = 15 - k;
+        b[at] == 0xe9 && {
+            let rel = i32::from_le_bytes([b[at + 1], b[at + 2], b[at + 3], b[at + 4]]);
+            let target = start
+                .wrapping_add(at as u64 + 5)
+                .wrapping_add_signed(i64::from(rel));
+            heap.contains(&target)
+        }
+    })
 }
 
 /// The word at `addr` in the guest's kernel view.
