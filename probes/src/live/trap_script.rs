@@ -151,12 +151,15 @@ pub(crate) fn guest_clock_offset(
     session: &mut GuestSession,
     image: &KernelImage,
 ) -> Option<GuestClock> {
+    // Asked first (it may take a monitor command): the mark must follow the measurement
+    // closely.
+    let clock = session.machine.paused_clock();
     match session.clock_offset_ns(image) {
         Ok(ns) => {
             tracing::debug!("the guest's clock is {ns} ns ahead of the host's");
             // Marked now: the offset holds the pause in progress up to here, the drift the
             // rest of it and every pause after.
-            let paused = session.machine.paused_clock().map(|clock| {
+            let paused = clock.map(|clock| {
                 let mark = clock.paused_ns();
                 (clock, mark)
             });
