@@ -89,11 +89,18 @@ pub(super) fn finish_hits(
     .into_iter()
     .flatten()
     .collect();
-    let (va, _, size) = guest
+    let splicer = guest
         .session
         .splicer()
-        .context("the session has no splicer")?
-        .heap_range();
+        .context("the session has no splicer")?;
+    let (va, _, size) = splicer.heap_range();
+    // Where each splice's patch goes back to the function: a relocated call of the spliced
+    // instruction returns there.
+    let resumes: std::collections::HashSet<u64> = splicer
+        .installed
+        .iter()
+        .map(|i| i.addr.wrapping_add(i.original.len() as u64))
+        .collect();
     let heap = va..va.saturating_add(size);
     let machine = &mut *guest.session.machine;
     for vcpu in machine.vcpus()? {
@@ -146,7 +153,7 @@ pub(super) fn finish_hits(
                     let relocated = steps > 0
                         && in_heap(last.rip)
                         && pushed == Some((regs.gpr[7], steps - 1))
-                        && top.is_some_and(|t| after_a_splice(machine, vcpu, t, &heap));
+                        && top.is_some_and(|t| resumes.contains(&t));
                     if called {
                         callee = top;
                     } else if relocated {
@@ -184,36 +191,6 @@ pub(super) fn finish_hits(
         }
     }
     Ok(())
-}
-
-/// Whether `ret` follows a splice: a `jmp rel32` into `heap` starts 5 to 15 bytes before it
-/// (the bytes a splice took, whose last relocated instruction was a call that returns to
-/// `ret`). A word some other push put on the stack (a register's value) is not such an
-/// address.
-fn after_a_splice(
-    machine: &mut dyn exotap_vmm::control::Machine,
-    vcpu: exotap_vmm::control::VcpuId,
-    ret: u64,
-    heap: &std::ops::Range<u64>,
-) -> bool {
-    if !(0xffff_ffff_8000_0000..0xffff_ffff_c000_0000).contains(&ret) {
-        return false;
-    }
-    let start = ret.wrapping_sub(15);
-    let mut b = [0u8; 15];
-    if machine.read_virt(vcpu, start, &mut b).is_err() {
-        return false;
-    }
-    (5..=15).any(|k| {
-        let at = 15 - k;
-        b[at] == 0xe9 && {
-            let rel = i32::from_le_bytes([b[at + 1], b[at + 2], b[at + 3], b[at + 4]]);
-            let target = start
-                .wrapping_add(at as u64 + 5)
-                .wrapping_add_signed(i64::from(rel));
-            heap.contains(&target)
-        }
-    })
 }
 
 /// The word at `addr` in the guest's kernel view.
