@@ -1015,13 +1015,7 @@ impl GdbClient {
                     Ok(bytes.len() == *n)
                 });
             }
-            self.pipelining = false;
-            // QEMU drops an interrupt byte while an answer waits for its ack.
-            let acked = if self.ack_mode {
-                self.write_raw(b"+", b"+")
-            } else {
-                Ok(())
-            };
+            let acked = self.end_window();
             let whole = outcome?;
             acked?;
             if !whole {
@@ -1134,17 +1128,22 @@ impl GdbClient {
                 }
             }
         }
-        self.pipelining = false;
-        // The ack matters beyond courtesy: QEMU drops an interrupt byte (0x03) that arrives
-        // while its last answer waits for one. Sent after a failure too, where it can be.
-        let acked = if self.ack_mode {
-            self.write_raw(b"+", b"+").map_err(|e| (last, e))
-        } else {
-            Ok(())
-        };
+        let acked = self.end_window().map_err(|e| (last, e));
         result?;
         acked?;
         failed.map_or(Ok(()), Err)
+    }
+
+    /// Ends reading a pipelined window's answers: in ack mode one `+` for the last. The ack
+    /// matters beyond courtesy: QEMU drops an interrupt byte (0x03) that arrives while its
+    /// last answer waits for one. Callers send it after a failure too, where it can be.
+    fn end_window(&mut self) -> Result<(), GdbError> {
+        self.pipelining = false;
+        if self.ack_mode {
+            self.write_raw(b"+", b"+")
+        } else {
+            Ok(())
+        }
     }
 
     /// Inserts (`true`) or removes a software breakpoint.
