@@ -98,6 +98,7 @@ const SHORT: TypeRef = 5;
 const INNER: TypeRef = 6;
 const UCHAR: TypeRef = 7;
 const LONG: TypeRef = 8;
+const CHAR: TypeRef = 9;
 
 impl KernelTypes for NodeTypes {
     fn param(&self, function: &str, param: Option<&str>) -> Option<TypeRef> {
@@ -120,7 +121,22 @@ impl KernelTypes for NodeTypes {
             SHORT => int(2, true),
             UCHAR => int(1, false),
             LONG => int(8, true),
+            CHAR => int(1, true),
             _ => Shape::Other,
+        }
+    }
+    fn element(&self, ty: TypeRef) -> Option<TypeRef> {
+        (ty == NAME).then_some(CHAR)
+    }
+    fn size(&self, ty: TypeRef) -> Option<u64> {
+        match ty {
+            NODE => Some(0x40),
+            NODE_PTR | LONG => Some(8),
+            INT => Some(4),
+            NAME => Some(16),
+            SHORT => Some(2),
+            INNER | UCHAR | CHAR => Some(1),
+            _ => None,
         }
     }
     fn member(&self, ty: TypeRef, name: &str) -> Option<(u64, TypeRef)> {
@@ -193,6 +209,18 @@ fn rig_as(
     limits: &Limits,
     inv: &Invocation,
 ) -> (Rig, exotap_probes::lang::check::Program) {
+    rig_guarded(script, limits, inv, &[None])
+}
+
+/// As [`rig_as`], with probe i of the script at the site too, guarded by `guards[i]` (as a
+/// tracepoint's probe at its class's shared callback: it runs where `$a`, the first
+/// argument, is the guard).
+fn rig_guarded(
+    script: &str,
+    limits: &Limits,
+    inv: &Invocation,
+    guards: &[Option<u64>],
+) -> (Rig, exotap_probes::lang::check::Program) {
     let prog = compile_with(
         &ScriptSource {
             name: "t.stp".into(),
@@ -218,14 +246,19 @@ fn rig_as(
     };
     let mut interner = Interner::default();
     let bodies = SiteBodies {
-        entry: vec![SitePoint {
-            probe: 0,
-            name: "kernel.function(\"f\")".into(),
-            function: "f".into(),
-            params: vec!["a".into(), "b".into()],
-            is_return: false,
-            locals: None,
-        }],
+        entry: guards
+            .iter()
+            .enumerate()
+            .map(|(probe, guard)| SitePoint {
+                probe,
+                name: "kernel.function(\"f\")".into(),
+                function: "f".into(),
+                params: vec!["a".into(), "b".into()],
+                is_return: false,
+                locals: None,
+                guard: *guard,
+            })
+            .collect(),
         ret: Vec::new(),
         pc: 0,
     };
@@ -949,6 +982,7 @@ fn sprintf_with_a_format_maxstringlen_cuts_into_a_bad_one_is_refused_by_name() {
         params: vec!["a".into(), "b".into()],
         is_return: false,
         locals: None,
+        guard: None,
     };
 
     let refused = compile::check(&prog, &limits, &facts(), &[point]);
@@ -1514,6 +1548,44 @@ fn node_hits() -> Vec<Hit> {
 }
 
 #[test]
+fn defined_of_member_chains_is_known_from_the_types_not_the_values() {
+    // SystemTap decides `@defined($a->m)` when it compiles: from [`NodeTypes`] (written by
+    // hand above), `->x`, `->next->next->x` and `->inner->c` lay out; `->nosuch`, `->inner`
+    // (a struct, not a value) and `$b->x` (`b` is a long) do not. The NULL node and the nodes
+    // without a next change nothing: no pointer is read.
+    let script = r#"
+        global n
+        probe kernel.function("f") {
+          n++
+          printf("%d %d%d%d %d%d%d\n", n, @defined($a->x), @defined($a->next->next->x),
+                 @defined($a->inner->c), @defined($a->nosuch), @defined($a->inner),
+                 @defined($b->x))
+          if (@defined($a->nosuch)) println($a->nosuch)
+          else if (@defined($b->x)) println($b->x)
+          else println(@defined($a->x) ? "x laid out" : "no x")
+        }
+    "#;
+    let known = |_: &Hit, ctx: &mut CapturedContext| {
+        for (path, yes) in [
+            ("$a->x", 1),
+            ("$a->next->next->x", 1),
+            ("$a->inner->c", 1),
+            ("$a->nosuch", 0),
+            ("$a->inner", 0),
+            ("$b->x", 0),
+        ] {
+            ctx.targets
+                .insert(format!("@defined({path})"), Value::Long(yes));
+        }
+    };
+    let hits = node_hits();
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), known);
+
+    assert_eq!((header.errors, failed), (0, 0));
+}
+
+#[test]
 fn addresses_of_members_match_the_interpreter_with_no_read_of_the_last_member() {
     // `&` reads the pointers on the way but not the last member: `&$a->x` of the NULL node
     // is 0 with no fault, `&$a->next->x` of a node without a next is 0, and of the NULL node
@@ -1524,6 +1596,8 @@ fn addresses_of_members_match_the_interpreter_with_no_read_of_the_last_member() 
           n++
           printf("%d %x %x %x\n", n, &$a->x, &$a->name - &$a->x, &$a->inner->c - $a)
           at[&$a->next->x == 0] += &$a->s - &$a->x
+          # A @cast without members is its pointer, under & too (SystemTap's @container_of).
+          at[&@cast($a + 8, "struct node") - $a] += @cast($b, "struct node") == $b
         }
     "#;
     let hits = node_hits();
@@ -1551,6 +1625,33 @@ fn addresses_of_members_match_the_interpreter_with_no_read_of_the_last_member() 
     // Only the NULL node's `&$a->next->x` faults: 10 of its hits.
     assert_eq!(failed, 10);
     assert_eq!((header.errors, header.faults), (10, 10));
+}
+
+#[test]
+fn user_integer_reads_match_the_interpreter_in_size_sign_and_faults() {
+    // The strings' bytes and the nodes' fields read as 1, 2, 4 and 8-byte integers, signed
+    // and not; addresses 0 and 1 fault (the rig's copy routine faults below 64 KiB; it has
+    // no end of memory, so no read runs past the task's pages).
+    let script = r#"
+        global n, sum
+        probe kernel.function("f") {
+          n++
+          printf("%d %d %d %d\n", n, user_char($b), user_short($b + 1), user_ushort($b + 1))
+          printf("%d %d %d\n", user_int($a), user_uint($a), user_int($b))
+          printf("%d %d %d\n", user_short($a + 32), user_ushort($a + 32), user_char($a + 40))
+          sum += user_long($b & -8)
+        }
+    "#;
+    let hits = node_hits();
+
+    let (header, failed) = differential_in(script, &hits, |uc, _| write_nodes(uc), |_, _| {});
+
+    // Faults: $b at 0 and 1 (user_char), then the NULL node's user_int($a).
+    assert!(
+        failed > 10 && failed + 10 < hits.len() as u64,
+        "{failed} errors"
+    );
+    assert_eq!((header.errors, header.faults), (failed, failed));
 }
 
 #[test]
@@ -1684,6 +1785,7 @@ fn refusals(script: &str) -> Vec<String> {
         params: vec!["a".into(), "b".into()],
         is_return: false,
         locals: None,
+        guard: None,
     };
     compile::check(&prog, &limits, &facts(), &[point])
         .into_iter()
@@ -1752,6 +1854,83 @@ fn a_cast_reads_through_the_named_struct_and_a_null_pointer_is_a_fault() {
 }
 
 #[test]
+fn guarded_bodies_run_only_for_their_first_argument() {
+    // Two events of one class at their shared callback: each probe counts the calls whose
+    // `__data` (here `$a`) is its own; an unguarded probe at the site counts them all.
+    let limits = Limits::default();
+    let script = r#"global n
+        probe kernel.function("f") { n["first"]++ }
+        probe kernel.function("f") { n["second"]++ }
+        probe kernel.function("f") { n["all"]++ }"#;
+    let (mut rig, _) = rig_guarded(
+        script,
+        &limits,
+        &Invocation::default(),
+        &[Some(0x1111), Some(0x2222), None],
+    );
+    for a in [0x1111, 0x2222, 0x2222, 0x3333, 0x2222] {
+        rig.hit(&Hit {
+            comm: "t",
+            pid: 1,
+            tgid: 1,
+            a,
+            b: 0,
+        });
+    }
+
+    let data = rig.data();
+    let n = format!(
+        "{:?}",
+        rig.layout.decode("n", &data, &rig.interner).unwrap()
+    );
+    for (key, count) in [("first", 1), ("second", 3), ("all", 5)] {
+        assert!(
+            n.contains(&format!("[Str(\"{key}\")]: Long({count})")),
+            "{key} {count}: {n}"
+        );
+    }
+}
+
+#[test]
+fn cast_subscripts_step_by_the_element_size_computed_or_constant() {
+    // The nodes lie 0x40 bytes (sizeof(struct node)) apart from node(0); "alpha" is node 0's
+    // name, node 1's s is 300.
+    let limits = Limits::default();
+    let (mut rig, _) = rig(
+        r#"global v, w, y, z, c
+           probe kernel.function("f") {
+             v = @cast($b, "struct node")[1]->x
+             w = &@cast($b, "struct node")[$a + 1] - $b
+             y = @cast($b, "struct node")->next[0]->s
+             z = @cast($b, "struct node")->name[$a]
+             c = @cast($b, "struct node")[$a]->name[1]
+           }"#,
+        &limits,
+    );
+    write_nodes(&mut rig.uc);
+
+    rig.hit(&Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 2,
+        b: node(0) as i64,
+    });
+
+    let data = rig.data();
+    let header = Header::decode(&data);
+    assert_eq!(header.errors, 0);
+    let value = |name: &str| format!("{:?}", rig.layout.decode(name, &data, &rig.interner));
+    let long = |v: i64| format!("Some(Scalar(Long({v})))");
+    assert_eq!(value("v"), long(i64::from(NODES[1].0)));
+    assert_eq!(value("w"), long(3 * 0x40));
+    assert_eq!(value("y"), long(i64::from(NODES[1].3)));
+    assert_eq!(value("z"), long(i64::from(b'p')));
+    // Node 2's name is "fifteen-chars-x".
+    assert_eq!(value("c"), long(i64::from(b'i')));
+}
+
+#[test]
 fn user_string_of_a_bad_address_is_a_probe_error_and_prints_nothing() {
     let limits = Limits::default();
     let (mut rig, _) = rig(
@@ -1816,6 +1995,7 @@ fn the_run_corpus_as_kernel_probes_matches_the_interpreter_wherever_it_compiles(
             params: vec!["a".into(), "b".into()],
             is_return: false,
             locals: None,
+            guard: None,
         };
         let refused = compile::check(&prog, &limits, &facts(), &[point]);
         if let Some(first) = refused.first() {

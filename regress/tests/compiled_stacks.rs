@@ -159,6 +159,7 @@ fn rig(script: &str) -> Rig {
             params: vec!["a".into(), "b".into()],
             is_return: false,
             locals: None,
+            guard: None,
         }],
         ret: Vec::new(),
         pc: PROBE_PC,
@@ -376,6 +377,7 @@ fn stacks_the_guest_cannot_hold_are_refused_by_name() {
             params: vec!["a".into()],
             is_return,
             locals: None,
+            guard: None,
         };
         compile::check(&prog, &limits, facts, &[point(script.contains(".return"))])
             .into_iter()

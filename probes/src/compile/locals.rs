@@ -107,7 +107,7 @@ impl Local {
             Place::Register(r) => reg(r),
             Place::Computed { reg: r, add } => reg(r).wrapping_add(add as u64),
             Place::Memory { base, offset } => {
-                return Step::follow(&self.steps(offset), reg(base), read);
+                return Step::follow(&self.steps(offset), reg(base), &[], read);
             }
         };
         Ok(self.extend(raw))

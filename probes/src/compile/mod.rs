@@ -210,6 +210,9 @@ pub struct SitePoint {
     /// The target variables at the point by their DWARF locations (statement probes, and
     /// entries whose body reads a variable BTF does not name), from the -dbg vmlinux.
     pub locals: Option<std::sync::Arc<locals::Locals>>,
+    /// At a tracepoint's event callback, which the events of its class share: the body runs
+    /// only when the callback's first argument (`__data`, the event's own) is this.
+    pub guard: Option<u64>,
 }
 
 /// A construct that does not compile, and where.

@@ -47,6 +47,14 @@ pub trait KernelTypes: std::fmt::Debug + Send + Sync {
     /// Member `name` of the struct or union `ty` (looking through anonymous members): its
     /// byte offset and type. `None` also for a bitfield.
     fn member(&self, ty: TypeRef, name: &str) -> Option<(u64, TypeRef)>;
+    /// The element type of the array `ty` (`None`: not an array, or not known).
+    fn element(&self, _ty: TypeRef) -> Option<TypeRef> {
+        None
+    }
+    /// The size of `ty` in bytes, for a subscript's stride (`None`: not known).
+    fn size(&self, _ty: TypeRef) -> Option<u64> {
+        None
+    }
 }
 
 /// One step of a chain, applied to the value in hand.
@@ -66,6 +74,14 @@ pub enum Step {
         /// Byte offset.
         offset: u64,
     },
+    /// value + index × `scale`, the index the `slot`-th computed subscript of the chain
+    /// (`@cast(p, "T")->fd[i]`), evaluated before the chain is walked.
+    Index {
+        /// Which computed subscript, in the chain's order.
+        slot: usize,
+        /// The element's size.
+        scale: u64,
+    },
 }
 
 impl Step {
@@ -77,12 +93,18 @@ impl Step {
     pub fn follow(
         steps: &[Step],
         value: u64,
+        indexes: &[i64],
         mut read: impl FnMut(u64, usize) -> Option<Vec<u8>>,
     ) -> Result<i64, u64> {
         let mut value = value;
         for step in steps {
             value = match *step {
                 Step::Address { offset } => value.wrapping_add(offset),
+                Step::Index { slot, scale } => {
+                    // A chain is laid out with as many slots as its computed subscripts.
+                    let index = indexes.get(slot).copied().unwrap_or(0) as u64;
+                    value.wrapping_add(index.wrapping_mul(scale))
+                }
                 Step::Read {
                     offset,
                     size,
@@ -178,12 +200,30 @@ fn walk(
     // The value in hand is a pointer to the current aggregate, plus `pending` bytes.
     let mut pending = 0u64;
     let mut through_pointer = false;
+    let mut slots = 0;
     for (i, member) in members.iter().enumerate() {
         if member.ends_with('$') {
             return Err(format!("the pretty-printed member ->{member}"));
         }
-        if member.contains('[') {
-            return Err(format!("the subscripted member ->{member}"));
+        let (member, subscript) = match member.split_once('[') {
+            None => (member.as_str(), None),
+            Some((name, sub)) => {
+                let sub = sub
+                    .strip_suffix(']')
+                    .filter(|s| !s.contains('['))
+                    .ok_or_else(|| format!("the member {member} (one subscript at most)"))?;
+                (name, Some(sub))
+            }
+        };
+        if member.is_empty() {
+            // `@cast(p, "T")[i]->...`: the i-th T from p.
+            let (Some(sub), (0, Some(p))) = (subscript, (i, pointee)) else {
+                return Err(format!("the subscript {} after a member", members[i]));
+            };
+            index(types, p, sub, &mut steps, &mut pending, &mut slots)?;
+            ty = p;
+            through_pointer = true;
+            continue;
         }
         let aggregate = match (i, pointee) {
             (0, Some(p)) => p,
@@ -216,6 +256,29 @@ fn walk(
             .ok_or_else(|| format!("->{member}: the offset overflows"))?;
         through_pointer = true;
         ty = next;
+        if let Some(sub) = subscript {
+            ty = match types.shape(ty) {
+                Shape::Array => types
+                    .element(ty)
+                    .ok_or_else(|| format!("->{member}[]: the array's element type"))?,
+                Shape::Pointer(to) => {
+                    steps.push(Step::Read {
+                        offset: pending,
+                        size: 8,
+                        signed: false,
+                    });
+                    pending = 0;
+                    to
+                }
+                _ => {
+                    return Err(format!(
+                        "->{member}[] of something that is not an array or a pointer"
+                    ))
+                }
+            };
+            index(types, ty, sub, &mut steps, &mut pending, &mut slots)
+                .map_err(|e| format!("->{member}[]: {e}"))?;
+        }
     }
     if address {
         steps.push(Step::Address { offset: pending });
@@ -247,6 +310,138 @@ fn walk(
         }
     }
     Ok(steps)
+}
+
+/// Where a target variable's member chain starts at a point.
+#[derive(Debug, Clone, Copy)]
+pub enum ChainBase<'a> {
+    /// A variable by its DWARF location ([`super::locals`]): its pointer type names the
+    /// struct (`None`: it is not a pointer to a struct).
+    Local(Option<&'a str>),
+    /// A parameter of the probed function by its BTF type, or (`None`) its return value.
+    Param(Option<&'a str>),
+}
+
+/// The base of target variable `name` (with its `$`) at a point of a function with BTF
+/// parameters `params`, in a return probe or not: a parameter first, then a variable by its
+/// DWARF location (not in return probes: the function's frame is gone), `$return` in a
+/// return probe. `None` where the variable is not defined there.
+pub fn chain_base<'a>(
+    name: &'a str,
+    params: &[String],
+    is_return: bool,
+    locals: Option<&'a super::locals::Locals>,
+) -> Option<ChainBase<'a>> {
+    if name == "$return" {
+        return is_return.then_some(ChainBase::Param(None));
+    }
+    let bare = name.strip_prefix('$')?;
+    if params.iter().any(|p| p == bare) {
+        return Some(ChainBase::Param(Some(bare)));
+    }
+    if is_return {
+        return None;
+    }
+    let local = locals?.get(bare)?.as_ref().ok()?;
+    Some(ChainBase::Local(local.pointee.as_deref()))
+}
+
+/// Lays out `members` of the target variable `name` from `base` at a point of `function`,
+/// as both the compiler and the host-evaluated path read it; with `address`, the last
+/// member's address.
+///
+/// # Errors
+/// As [`chain`], without the chain's path in front; also where the base has no struct type.
+pub fn target_chain(
+    types: &dyn KernelTypes,
+    function: &str,
+    name: &str,
+    base: ChainBase<'_>,
+    members: &[String],
+    address: bool,
+) -> Result<Vec<Step>, String> {
+    match base {
+        ChainBase::Local(pointee) => {
+            let pointee = pointee.ok_or_else(|| format!("{name} is not a pointer to a struct"))?;
+            let ty = types
+                .named(pointee)
+                .ok_or_else(|| format!("BTF has no {pointee}"))?;
+            if address {
+                cast_address_chain(types, ty, members)
+            } else {
+                cast_chain(types, ty, members)
+            }
+        }
+        ChainBase::Param(param) => {
+            let ty = types
+                .param(function, param)
+                .ok_or_else(|| format!("BTF has no type for {name} of {function}"))?;
+            walk(types, ty, None, members, address)
+        }
+    }
+}
+
+/// `@defined` of the member chain `members` of target variable `name` (known when
+/// compiling, as SystemTap knows it): the variable is defined at the point and the chain
+/// lays out from its type, whatever the values the pointers hold when it runs.
+pub fn chain_defined(
+    types: Option<&dyn KernelTypes>,
+    function: &str,
+    name: &str,
+    base: Option<ChainBase<'_>>,
+    members: &[String],
+) -> bool {
+    match (base, types) {
+        (None, _) => false,
+        (Some(_), _) if members.is_empty() => true,
+        (Some(_), None) => false,
+        (Some(base), Some(types)) => {
+            target_chain(types, function, name, base, members, false).is_ok()
+        }
+    }
+}
+
+/// `@defined(@cast(p, "T")->m...)`, known when compiling as SystemTap knows it: the kernel
+/// has the type, and the chain lays out from it (without members: the type exists).
+pub fn cast_defined(types: Option<&dyn KernelTypes>, cast: &crate::lang::ast::CastExpr) -> bool {
+    let Some(types) = types.filter(|_| cast.of_kernel()) else {
+        return false;
+    };
+    types
+        .named(&cast.type_name)
+        .is_some_and(|ty| cast.members.is_empty() || cast_chain(types, ty, &cast.members).is_ok())
+}
+
+/// Steps to the element `sub` (a number, or `?`: the next computed subscript) of an array
+/// of `elem` whose first element is at the value in hand plus `pending`.
+fn index(
+    types: &dyn KernelTypes,
+    elem: TypeRef,
+    sub: &str,
+    steps: &mut Vec<Step>,
+    pending: &mut u64,
+    slots: &mut usize,
+) -> Result<(), String> {
+    let scale = types
+        .size(elem)
+        .filter(|s| *s > 0)
+        .ok_or("the element's size is not known")?;
+    if sub == "?" {
+        if *pending != 0 {
+            steps.push(Step::Address { offset: *pending });
+            *pending = 0;
+        }
+        steps.push(Step::Index {
+            slot: *slots,
+            scale,
+        });
+        *slots += 1;
+        return Ok(());
+    }
+    let n: i64 = sub.parse().map_err(|_| format!("the subscript [{sub}]"))?;
+    let by = (n as u64).wrapping_mul(scale);
+    *pending = pending.wrapping_add(by);
+    Ok(())
 }
 
 /// [`KernelTypes`] from the guest kernel's BTF.
@@ -289,6 +484,17 @@ impl KernelTypes for BtfTypes {
     fn member(&self, ty: TypeRef, name: &str) -> Option<(u64, TypeRef)> {
         let loc = self.0.member(ty as TypeId, name).ok()?;
         Some((loc.byte_offset()?, loc.ty))
+    }
+
+    fn element(&self, ty: TypeRef) -> Option<TypeRef> {
+        match &self.0.get(self.0.resolve(ty).ok()?)?.kind {
+            Kind::Array { elem, .. } => Some(*elem),
+            _ => None,
+        }
+    }
+
+    fn size(&self, ty: TypeRef) -> Option<u64> {
+        self.0.size_of(ty)
     }
 }
 
@@ -336,6 +542,54 @@ mod tests {
                 _ => None,
             }
         }
+        fn element(&self, ty: TypeRef) -> Option<TypeRef> {
+            // char name[4]: elements of the 2-byte type 6 here, to see the stride.
+            (ty == 8).then_some(6)
+        }
+        fn size(&self, ty: TypeRef) -> Option<u64> {
+            match ty {
+                3 => Some(0x48),
+                4 => Some(8),
+                6 => Some(2),
+                _ => None,
+            }
+        }
+    }
+
+    #[test]
+    fn subscripts_step_by_the_element_size_from_the_value_in_hand() {
+        // @cast(p, "struct inode")[i]->name[j] at 0x1000, i = 2, j = 3: p + 2 * 0x48, then
+        // name at +4, then 3 elements of 2 bytes, read as a short.
+        let steps = cast_chain(&Made, 3, &members(&["[?]", "name[?]"])).unwrap();
+        let mut reads = Vec::new();
+        let value = Step::follow(&steps, 0x1000, &[2, 3], |at, len| {
+            reads.push((at, len));
+            Some(vec![0xfe, 0xff])
+        });
+        assert_eq!(value, Ok(-2));
+        assert_eq!(reads, [(0x1000 + 2 * 0x48 + 4 + 3 * 2, 2)]);
+        // A constant subscript folds into the offset; a pointer's subscript reads it first.
+        assert_eq!(
+            chain(&Made, 2, &members(&["f_inode[1]", "i_mode"])),
+            Ok(vec![
+                Step::Read {
+                    offset: 8,
+                    size: 8,
+                    signed: false
+                },
+                Step::Read {
+                    offset: 0x48 + 2,
+                    size: 2,
+                    signed: true
+                },
+            ])
+        );
+        // Subscripts of what is neither an array nor a pointer, of an unknown size, and a
+        // second subscript are refused.
+        assert!(chain(&Made, 2, &members(&["inner[1]"])).is_err());
+        assert!(cast_chain(&Made, 3, &members(&["i_ino[0]"])).is_err());
+        assert!(cast_chain(&Made, 3, &members(&["name[1][2]"])).is_err());
+        assert!(chain(&Made, 2, &members(&["f_inode", "[1]"])).is_err());
     }
 
     fn members(m: &[&str]) -> Vec<String> {
@@ -408,7 +662,7 @@ mod tests {
         assert!(chain(&Made, 2, &members(&["inner"])).is_err());
         // &@cast(p, "struct inode")->i_ino: p plus the offset, nothing read.
         let steps = cast_address_chain(&Made, 3, &members(&["i_ino"])).unwrap();
-        assert_eq!(Step::follow(&steps, 0x4000, |_, _| None), Ok(0x4040));
+        assert_eq!(Step::follow(&steps, 0x4000, &[], |_, _| None), Ok(0x4040));
         assert!(cast_address_chain(&Made, 5, &members(&["i_ino"])).is_err());
     }
 
@@ -429,7 +683,7 @@ mod tests {
             _ => None,
         };
 
-        assert_eq!(Step::follow(&steps, 0x1000, memory), Ok(-2));
+        assert_eq!(Step::follow(&steps, 0x1000, &[], memory), Ok(-2));
     }
 
     #[test]
@@ -437,7 +691,7 @@ mod tests {
         let steps = chain(&Made, 2, &members(&["f_inode", "i_mode"])).unwrap();
         let memory = |at: u64, _: usize| (at == 0x1008).then(|| vec![0u8; 8]);
 
-        assert_eq!(Step::follow(&steps, 0x1000, memory), Err(2));
+        assert_eq!(Step::follow(&steps, 0x1000, &[], memory), Err(2));
     }
 
     #[test]

@@ -43,6 +43,17 @@ pub trait Context {
     /// # Errors
     /// When the memory is not available.
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError>;
+    /// `@defined` of a target variable: for a member chain (`$timer->data`), whether it lays
+    /// out from the kernel's types at this point, known before any value is read (as
+    /// SystemTap decides it when compiling). The default: the variable has a value here.
+    fn target_defined(&self, var: &TargetVar) -> bool {
+        self.target(&var.path()).is_some()
+    }
+    /// `@defined(@cast(p, "T")->m...)`: whether the chain lays out from the kernel's types.
+    /// The default: never (this context knows no types).
+    fn cast_defined(&self, _cast: &crate::lang::ast::CastExpr) -> bool {
+        false
+    }
     /// A member chain of a target variable (`$file->f_inode->i_ino`, `$return->m`), laid
     /// out from the kernel's types and read through guest memory. `None` where this context
     /// cannot follow chains (the default: only a context stopped in the guest can).
@@ -53,7 +64,8 @@ pub trait Context {
         None
     }
     /// `&` of a member chain (`&$file->f_pos`; with `cast`, `&@cast(p, "T")->m` from the
-    /// pointer `p`): the member's address, laid out from the kernel's types. `None` where
+    /// pointer `p` and the values of its computed subscripts): the member's address, laid out
+    /// from the kernel's types. `None` where
     /// this context has no types (the default).
     ///
     /// # Errors
@@ -61,7 +73,7 @@ pub trait Context {
     fn member_address(
         &self,
         _var: Option<&TargetVar>,
-        _cast: Option<(u64, &crate::lang::ast::CastExpr)>,
+        _cast: Option<(u64, &crate::lang::ast::CastExpr, &[i64])>,
     ) -> Option<Result<Value, String>> {
         None
     }
@@ -91,12 +103,18 @@ pub trait Context {
     fn jiffies(&self) -> Option<Result<i64, String>> {
         None
     }
-    /// `@cast(pointer, "type")->member...`: `pointer` read as a pointer to the kernel type.
+    /// `@cast(pointer, "type")->member...`: `pointer` read as a pointer to the kernel type;
+    /// `indexes` are the values of the chain's computed subscripts (`->fd[i]`), in order.
     /// `None` where this context has no kernel types (the default).
     ///
     /// # Errors
     /// Inside the `Some`: as [`Context::member_chain`].
-    fn cast(&self, _pointer: u64, _cast: &CastExpr) -> Option<Result<Value, String>> {
+    fn cast(
+        &self,
+        _pointer: u64,
+        _cast: &CastExpr,
+        _indexes: &[i64],
+    ) -> Option<Result<Value, String>> {
         None
     }
     /// The kernel stack where the probe fired, innermost first: each frame's pc and its
@@ -190,11 +208,29 @@ impl Context for CapturedContext {
         self.targets.get(path).cloned()
     }
 
+    /// A member chain is defined where the capture says so under `@defined(path)`, else
+    /// where its value was captured.
+    fn target_defined(&self, var: &TargetVar) -> bool {
+        let path = var.path();
+        match self.targets.get(&format!("@defined({path})")) {
+            Some(v) => *v == Value::Long(1),
+            None => self.targets.contains_key(&path),
+        }
+    }
+
+    /// A cast's chain is defined where the capture says so under
+    /// `@defined(@cast(T)->m...)`.
+    fn cast_defined(&self, cast: &crate::lang::ast::CastExpr) -> bool {
+        let chain: String = cast.members.iter().map(|m| format!("->{m}")).collect();
+        let key = format!("@defined(@cast({}){chain})", cast.type_name);
+        self.targets.get(&key) == Some(&Value::Long(1))
+    }
+
     /// `&$p->m`: the value captured under `&` and the chain's path (`&$p->m`), if any.
     fn member_address(
         &self,
         var: Option<&TargetVar>,
-        _cast: Option<(u64, &crate::lang::ast::CastExpr)>,
+        _cast: Option<(u64, &crate::lang::ast::CastExpr, &[i64])>,
     ) -> Option<Result<Value, String>> {
         let path = format!("&{}", var?.path());
         self.targets.get(&path).cloned().map(Ok)

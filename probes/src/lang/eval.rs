@@ -98,9 +98,9 @@ pub struct Interp<'p> {
     pub(crate) regexes: HashMap<String, regex::Regex>,
     /// When the interpreter started: the origin of `get_cycles()` and the local clocks.
     pub(crate) started: std::time::Instant,
-    /// Names kernel addresses (`func+0xoff/0xsize`) in any probe, `end` too, where the
+    /// Names kernel addresses (symbol, offset, size) in any probe, `end` too, where the
     /// probe's context has no symbols of its own (`sprint_stack()` of a stack kept as a
-    /// map key): set by a runner that has the kernel's symbols.
+    /// map key, `symname()` in `end`): set by a runner that has the kernel's symbols.
     pub kernel_symbols: Option<KernelSymbols>,
     /// How far the target's wall clock is ahead of this host's, in ns: `gettimeofday_*()`
     /// and `ctime()` give the host's time plus it, so that probes run on the host (begin,
@@ -114,8 +114,9 @@ pub struct Interp<'p> {
     pub clock_drift: Option<ClockDrift>,
 }
 
-/// A function naming kernel addresses (see [`Interp::kernel_symbols`]).
-pub type KernelSymbols = Box<dyn Fn(u64) -> Option<String> + Send>;
+/// A function naming kernel addresses (see [`Interp::kernel_symbols`]): the symbol that
+/// covers one, the offset into it and its size.
+pub type KernelSymbols = Box<dyn Fn(u64) -> Option<(String, u64, u64)> + Send>;
 
 /// See [`Interp::clock_drift`].
 pub type ClockDrift = Box<dyn Fn() -> i64 + Send>;

@@ -11,6 +11,20 @@ use super::native;
 use super::value::{Stats, Value};
 
 impl Interp<'_> {
+    /// The kernel symbol covering `addr`: the probe's context's, else the session's
+    /// ([`Interp::kernel_symbols`], e.g. in `end`).
+    fn kernel_symbol(
+        &self,
+        ctx: &dyn Context,
+        addr: u64,
+    ) -> Result<Option<(String, u64, u64)>, super::context::MemoryError> {
+        ctx.kernel_symbol(addr)
+            .or_else(|e| match &self.kernel_symbols {
+                Some(f) => Ok(f(addr)),
+                None => Err(e),
+            })
+    }
+
     fn args(&mut self, c: &Call, f: &mut Frame, ctx: &dyn Context) -> EResult<Vec<Value>> {
         c.args.iter().map(|a| self.eval(a, f, ctx)).collect()
     }
@@ -191,11 +205,9 @@ impl Interp<'_> {
                 let pcs: Vec<String> = frames.iter().map(|(pc, _)| format!("{pc:#x}")).collect();
                 self.string(pcs.join(" "))
             }
-            "sprint_stack" => {
-                self.string(stack_lines(ctx, self.kernel_symbols.as_deref(), text(0)))
-            }
+            "sprint_stack" => self.string(stack_lines(ctx, self.kernel_symbols.as_ref(), text(0))),
             "print_stack" => {
-                let lines = stack_lines(ctx, self.kernel_symbols.as_deref(), text(0));
+                let lines = stack_lines(ctx, self.kernel_symbols.as_ref(), text(0));
                 if !lines.is_empty() {
                     self.emit_text(&format!("{lines}\n"), span)?;
                 }
@@ -354,16 +366,6 @@ impl Interp<'_> {
             "syscall_name" => self.string(native::syscall_name(long(0))),
             "_sys_open_flag_str" => self.string(native::open_flags(long(0))),
             "tcp_sockstate_str" => self.string(native::tcp_state(long(0))),
-            "format_ipaddr" if long(1) == 2 => self.string(native::ipv4(long(0))),
-            "format_ipaddr" => {
-                return fail(
-                    format!(
-                        "format_ipaddr: address family {} is not AF_INET (2)",
-                        long(1)
-                    ),
-                    span,
-                )
-            }
             // The guest's cycle counter is not the host's: host-evaluated probes answer
             // the host's monotonic clock, in nanoseconds, which orders and times events alike.
             "get_cycles" | "local_clock_ns" | "cpu_clock_ns" => {
@@ -436,7 +438,7 @@ impl Interp<'_> {
             }
             "symname" | "symdata" => {
                 let addr = long(0) as u64;
-                match ctx.kernel_symbol(addr) {
+                match self.kernel_symbol(ctx, addr) {
                     Ok(Some((sym, _, _))) if name == "symname" => self.string(sym),
                     Ok(Some((sym, offset, size))) => {
                         self.string(format!("{sym}+{offset:#x}/{size:#x} [kernel]"))
@@ -455,7 +457,7 @@ impl Interp<'_> {
                     else {
                         return fail(format!("print_syms: '{word}' is not an address"), span);
                     };
-                    match ctx.kernel_symbol(addr) {
+                    match self.kernel_symbol(ctx, addr) {
                         Ok(Some((sym, offset, size))) => lines.push_str(&format!(
                             " {addr:#018x} : {sym}+{offset:#x}/{size:#x} [kernel]\n"
                         )),
@@ -503,7 +505,7 @@ impl Interp<'_> {
                     members: vec![name.trim_start_matches("task_").to_owned()],
                     indexes: Vec::new(),
                 };
-                match ctx.cast(task, &cast) {
+                match ctx.cast(task, &cast, &[]) {
                     Some(Ok(v)) => v,
                     Some(Err(why)) => return fail(format!("{name}(): {why}"), span),
                     None => {
@@ -581,7 +583,7 @@ fn backtrace_lines(ctx: &dyn Context) -> String {
 /// has one or the word is not a number): how a stack kept as a map key is printed.
 fn stack_lines(
     ctx: &dyn Context,
-    symbols: Option<&(dyn Fn(u64) -> Option<String> + Send)>,
+    symbols: Option<&super::eval::KernelSymbols>,
     stack: &str,
 ) -> String {
     stack
@@ -589,7 +591,12 @@ fn stack_lines(
         .map(|word| {
             let pc = u64::from_str_radix(word.trim_start_matches("0x"), 16).ok();
             let name = pc
-                .and_then(|pc| ctx.pc_name(pc).or_else(|| symbols.and_then(|f| f(pc))))
+                .and_then(|pc| {
+                    ctx.pc_name(pc).or_else(|| {
+                        let (sym, offset, size) = symbols.and_then(|f| f(pc))?;
+                        Some(format!("{sym}+{offset:#x}/{size:#x}"))
+                    })
+                })
                 .unwrap_or_else(|| word.to_owned());
             match pc {
                 Some(pc) => format!(" {pc:#018x} : {name} [kernel]"),

@@ -10,6 +10,20 @@ use super::value::{Stats, Value};
 
 impl Interp<'_> {
     /// Evaluates `e`.
+    /// The values of a `@cast` chain's computed subscripts (`->fd[i]`), in order, after its
+    /// pointer (the compiled code's order too).
+    fn cast_indexes(
+        &mut self,
+        c: &crate::lang::ast::CastExpr,
+        f: &mut Frame,
+        ctx: &dyn Context,
+    ) -> EResult<Vec<i64>> {
+        c.indexes
+            .iter()
+            .map(|i| Ok(self.eval(i, f, ctx)?.as_long()))
+            .collect()
+    }
+
     pub(crate) fn eval(&mut self, e: &Expr, f: &mut Frame, ctx: &dyn Context) -> EResult<Value> {
         Ok(match &e.kind {
             ExprKind::Num(n) => Value::Long(*n),
@@ -121,14 +135,12 @@ impl Interp<'_> {
             ExprKind::Defined(x) => Value::Long(i64::from(defined(x, ctx))),
             ExprKind::Cast(c) => {
                 let pointer = self.eval(&c.pointer, f, ctx)?.as_long() as u64;
-                if !c.indexes.is_empty() {
-                    return fail(
-                        "a member index computed at run time (@cast(...)->a[i]) is not \
-                         supported yet: the type walk takes constant indexes only",
-                        e.span,
-                    );
+                if c.members.is_empty() && c.indexes.is_empty() {
+                    // The pointer itself, whatever the context knows of types.
+                    return Ok(Value::Long(pointer as i64));
                 }
-                match ctx.cast(pointer, c) {
+                let indexes = self.cast_indexes(c, f, ctx)?;
+                match ctx.cast(pointer, c, &indexes) {
                     Some(Ok(v)) => return Ok(v),
                     Some(Err(why)) => return fail(why, e.span),
                     None => {}
@@ -146,9 +158,14 @@ impl Interp<'_> {
                     ExprKind::Target(t) if !t.members.is_empty() => {
                         ctx.member_address(Some(t), None)
                     }
-                    ExprKind::Cast(c) if c.indexes.is_empty() && !c.members.is_empty() => {
+                    // `&@cast(p, "T")`: the structure's address, `p` itself.
+                    ExprKind::Cast(c) if c.members.is_empty() && c.indexes.is_empty() => {
+                        return self.eval(&c.pointer, f, ctx);
+                    }
+                    ExprKind::Cast(c) if !c.members.is_empty() => {
                         let pointer = self.eval(&c.pointer, f, ctx)?.as_long() as u64;
-                        ctx.member_address(None, Some((pointer, c)))
+                        let indexes = self.cast_indexes(c, f, ctx)?;
+                        ctx.member_address(None, Some((pointer, c, &indexes)))
                     }
                     _ => None,
                 };
@@ -479,8 +496,9 @@ impl Interp<'_> {
 /// does: the interpreter has no kernel types.
 fn defined(e: &Expr, ctx: &dyn Context) -> bool {
     match &e.kind {
-        ExprKind::Target(t) => ctx.target(&t.path()).is_some(),
-        ExprKind::Cast(_) | ExprKind::Embedded(_) => false,
+        ExprKind::Target(t) => ctx.target_defined(t),
+        ExprKind::Cast(c) => ctx.cast_defined(c) && defined(&c.pointer, ctx),
+        ExprKind::Embedded(_) => false,
         ExprKind::Num(_) | ExprKind::Str(_) | ExprKind::Var(_) | ExprKind::Wildcard => true,
         ExprKind::Unary(_, x)
         | ExprKind::Stat(_, x)

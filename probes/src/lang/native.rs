@@ -62,12 +62,6 @@ pub const NATIVE: &[Builtin] = &[
         doc: "a TCP state number as its name (TCP_ESTABLISHED)",
     },
     Builtin {
-        name: "format_ipaddr",
-        params: &[L, L],
-        ret: S,
-        doc: "an IPv4 address (network byte order) of family AF_INET as dotted text",
-    },
-    Builtin {
         name: "get_cycles",
         params: &[],
         ret: L,
@@ -899,12 +893,6 @@ pub fn tcp_state(state: i64) -> String {
         .map_or_else(|| format!("UNKNOWN ({state})"), |s| (*s).to_string())
 }
 
-/// An IPv4 address as the kernel keeps it (network byte order in a little-endian long).
-pub fn ipv4(addr: i64) -> String {
-    let b = (addr as u32).to_le_bytes();
-    format!("{}.{}.{}.{}", b[0], b[1], b[2], b[3])
-}
-
 /// C's `ctime()` of `secs` since the epoch, in UTC, without the newline:
 /// `Thu Jan  1 00:00:00 1970`.
 pub fn ctime(secs: i64) -> String {
@@ -971,11 +959,6 @@ mod tests {
     #[test]
     fn open_flags_name_the_access_mode_and_the_bits() {
         assert_eq!(open_flags(0o2101), "O_WRONLY|O_CREAT|O_APPEND");
-    }
-
-    #[test]
-    fn ipv4_reads_network_byte_order() {
-        assert_eq!(ipv4(0x0100_007f), "127.0.0.1");
     }
 
     #[test]

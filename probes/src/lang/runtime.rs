@@ -770,7 +770,7 @@ mod tests {
         let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
         // The session's symbols know one of the two pcs; `end` has no hit context.
         session.set_kernel_symbols(Box::new(|pc| {
-            (pc == 0xffff_ffff_8125_0a01).then(|| "ksys_read+0x71/0xf0".to_owned())
+            (pc == 0xffff_ffff_8125_0a01).then(|| ("ksys_read".to_owned(), 0x71, 0xf0))
         }));
         session.begin();
         let ctx = StackedContext(CapturedContext::default());
@@ -787,6 +787,33 @@ mod tests {
              0xffffffff81250a01 : ksys_read+0x71/0xf0 [kernel]\n \
              0xffffffff81250a01 : ksys_read+0x71/0xf0 [kernel]\n \
              junk : junk [kernel]\n"
+        );
+    }
+
+    #[test]
+    fn symname_and_symdata_in_end_use_the_sessions_symbols() {
+        let src = "probe end { println(symname(0xffffffff81250a01)); \
+                   println(symdata(0xffffffff81250a01)); println(symname(16)) }";
+        let prog = program(src);
+        let out = SharedBuf::default();
+        let output = Output::new(
+            Format::Text,
+            Box::new(out.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
+        session.set_kernel_symbols(Box::new(|pc| {
+            (0xffff_ffff_8125_0990..0xffff_ffff_8125_0a80)
+                .contains(&pc)
+                .then(|| ("ksys_read".to_owned(), pc - 0xffff_ffff_8125_0990, 0xf0))
+        }));
+        session.begin();
+
+        assert_eq!(session.finish(), 0);
+
+        assert_eq!(
+            out.contents(),
+            "ksys_read\nksys_read+0x71/0xf0 [kernel]\n0x10\n"
         );
     }
 

@@ -191,6 +191,7 @@ pub fn plan(
                 params,
                 is_return,
                 locals: locals.get(&(probe, link)).cloned(),
+                guard: None,
             },
         ));
     }
@@ -602,8 +603,7 @@ pub fn start_on(
     mode: CompileMode,
 ) -> anyhow::Result<JoinHandle<i32>> {
     let slide = session.survey.kaslr.slide;
-    // A compiled tracepoint probe is spliced into `__traceiter_NAME`, which the kernel calls
-    // only while the tracepoint is on.
+    // A compiled tracepoint probe needs its tracepoint on...
     {
         let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
         let names: Vec<&str> = plan
@@ -612,6 +612,18 @@ pub fn start_on(
             .filter_map(|(_, p)| super::traps::tracepoint_name(&p.name))
             .collect();
         super::traps::tracepoints_on(&mut session, image, btf.as_ref(), names.into_iter())?;
+        // ... and goes into its one callback where the kernel calls that past the iterator
+        // (traps::tracepoint_callback).
+        for (link, point) in &mut plan.points {
+            if let Some(name) = super::traps::tracepoint_name(&point.name) {
+                if let Some((callback, data)) =
+                    super::traps::tracepoint_callback(&mut session, image, btf.as_ref(), name)?
+                {
+                    *link = callback;
+                    point.guard = Some(data);
+                }
+            }
+        }
     }
     // On an error from here on, dropping the session detaches.
     let splicer = session.plan(image, heap)?;
@@ -743,6 +755,8 @@ pub fn start_on(
     // paused (under TCG), so time spent here after measuring it (arming breakpoints: tens of
     // ms) would put begin's clock ahead of the compiled probes' (negative intervals).
     let clock_offset = super::trap_script::guest_clock_offset(&mut session, image);
+    // Probes run on the host (`end`, timers) name kernel addresses with the image's symbols.
+    let symbols = super::stacks::text_symbols(image, slide);
     let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<()>>();
     let handle = std::thread::Builder::new()
         .name("exotap-compiled".into())
@@ -754,6 +768,7 @@ pub fn start_on(
                 kprobes,
                 traps,
                 stacks,
+                symbols,
                 check,
                 clock_offset,
             };
@@ -924,6 +939,8 @@ struct Started {
     traps: Option<Traps>,
     /// The kernel's ORC tables and symbols, when compiled probes print kernel stacks.
     stacks: Option<super::stacks::KernelStacks>,
+    /// The kernel's text symbols at running addresses, for probes run on the host.
+    symbols: exotap_introspect::symbols::SymbolTable,
     /// Check mode: the compiled probes (see [`CompileMode::Check`]).
     check: Option<BTreeSet<usize>>,
     /// The guest's clock: probes run on the host read it, as the compiled ones do.
@@ -971,6 +988,7 @@ fn run(
         kprobes,
         mut traps,
         stacks,
+        symbols,
         check,
         clock_offset,
     } = started;
@@ -997,6 +1015,7 @@ fn run(
         Output::new(format, Box::new(out), Box::new(err.clone()))
     };
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
+    session.set_kernel_symbols(super::stacks::symbol_lookup(symbols.clone()));
     if let Some(clock) = &clock_offset {
         clock.apply(&mut session);
     }
@@ -1008,6 +1027,7 @@ fn run(
             Box::new(std::io::sink()),
         );
         let mut shadow = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
+        shadow.set_kernel_symbols(super::stacks::symbol_lookup(symbols.clone()));
         if let Some(clock) = &clock_offset {
             clock.apply(&mut shadow);
         }

@@ -357,7 +357,7 @@ impl KernelStacks {
     pub fn load(image: &KernelImage, slide: u64) -> anyhow::Result<Self> {
         let orc = OrcTable::from_vmlinux(&image.vmlinux)
             .context("cannot read the ORC unwind tables of the kernel image")?;
-        let symbols = image.symbols.text_only().slid(slide);
+        let symbols = text_symbols(image, slide);
         let range = |start: &str, end: &str| {
             let a = image.symbols.get(start)?.addr.wrapping_add(slide);
             let b = image.symbols.get(end)?.addr.wrapping_add(slide);
@@ -451,12 +451,8 @@ impl KernelStacks {
 
     /// A namer of pcs as [`KernelStacks::name_pc`], owning a copy of the symbols (for a
     /// script session's `end` probes, which run without a hit).
-    pub fn pc_namer(&self) -> impl Fn(u64) -> Option<String> + Send + 'static {
-        let symbols = self.symbols.clone();
-        move |pc| {
-            let (sym, offset) = symbols.lookup_addr(pc)?;
-            Some(format!("{}+{offset:#x}/{:#x}", sym.name, sym.size))
-        }
+    pub fn symbol_lookup(&self) -> crate::lang::eval::KernelSymbols {
+        symbol_lookup(self.symbols.clone())
     }
 
     /// Whether the kernel leaves this frame out of `/proc/PID/stack` and other saved
@@ -465,6 +461,21 @@ impl KernelStacks {
         let pc = frame.pc;
         self.scheduler.iter().any(|r| r.contains(&pc))
     }
+}
+
+/// Names kernel addresses with `symbols` (running addresses): the symbol covering one, the
+/// offset into it and its size, for a script session ([`crate::lang::eval::KernelSymbols`]).
+pub fn symbol_lookup(symbols: SymbolTable) -> crate::lang::eval::KernelSymbols {
+    Box::new(move |pc| {
+        let (sym, offset) = symbols.lookup_addr(pc)?;
+        Some((sym.name.clone(), offset, sym.size))
+    })
+}
+
+/// The image's text symbols at their running addresses (`slide` applied), as
+/// [`KernelStacks`] keeps them.
+pub fn text_symbols(image: &KernelImage, slide: u64) -> SymbolTable {
+    image.symbols.text_only().slid(slide)
 }
 
 /// The kernel registers a compiled probe's snapshot holds, as the unwinder's starting

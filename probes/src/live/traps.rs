@@ -37,7 +37,8 @@ use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 use crate::compile::globals::{spec_of, KernelGlobals};
 use crate::compile::locals::{Local, Locals};
 use crate::compile::types::{
-    address_chain, cast_address_chain, cast_chain, chain, BtfTypes, KernelTypes, Step,
+    cast_address_chain, cast_chain, cast_defined, chain_base, chain_defined, target_chain,
+    BtfTypes, ChainBase, KernelTypes, Step,
 };
 use crate::lang::ast::{CastExpr, TargetVar};
 use crate::lang::check::Program;
@@ -73,6 +74,9 @@ const TRAMPOLINE_OFFSET: u64 = 0x8000;
 struct SiteProbe {
     probe: usize,
     name: String,
+    /// A tracepoint probe at its event's callback, which the events of its class share:
+    /// the `__data` (first argument) of this event's calls ([`tracepoint_callback`]).
+    guard: Option<u64>,
 }
 
 /// One breakpoint at an instruction boundary and what it runs.
@@ -244,7 +248,18 @@ impl LiveContext<'_> {
 
     /// Follows `steps` from `base` through guest memory; `what` names the expression.
     fn follow(&self, what: &str, base: u64, steps: &[Step]) -> Result<Value, String> {
-        Step::follow(steps, base, |at, len| self.read(at, len))
+        self.follow_indexed(what, base, steps, &[])
+    }
+
+    /// As [`Self::follow`], with the values of the chain's computed subscripts.
+    fn follow_indexed(
+        &self,
+        what: &str,
+        base: u64,
+        steps: &[Step],
+        indexes: &[i64],
+    ) -> Result<Value, String> {
+        Step::follow(steps, base, indexes, |at, len| self.read(at, len))
             .map(Value::Long)
             .map_err(|addr| {
                 format!(
@@ -380,46 +395,32 @@ impl LiveContext<'_> {
         } else {
             var.path()
         };
-        if let Some(local) = self.local(&var.name) {
-            let Some(pointee) = &local.pointee else {
-                return Some(Err(format!(
-                    "{path}: {} is not a pointer to a struct",
-                    var.name
-                )));
-            };
-            let Some(ty) = types.named(pointee) else {
-                return Some(Err(format!("{path}: BTF has no {pointee}")));
-            };
-            let walk = if address {
-                cast_address_chain
-            } else {
-                cast_chain
-            };
-            return Some(self.local_value(local).and_then(|base| {
-                walk(types, ty, &var.members)
-                    .map_err(|e| format!("{path}: {e}"))
-                    .and_then(|steps| self.follow(&path, base as u64, &steps))
-            }));
-        }
-        let (base, param) = if var.name == "$return" {
-            (self.at_return.map(|(_, rax)| rax)?, None)
-        } else {
-            let name = var.name.strip_prefix('$')?;
-            let index = self.point.params.iter().position(|p| p == name)?;
-            (self.argument(index)?, Some(name))
+        let base = chain_base(
+            &var.name,
+            &self.point.params,
+            self.at_return.is_some(),
+            self.point.locals.as_deref(),
+        )?;
+        let value = match base {
+            ChainBase::Local(_) => self.local_value(self.local(&var.name)?),
+            ChainBase::Param(None) => Ok(self.at_return?.1 as i64),
+            ChainBase::Param(Some(name)) => {
+                let index = self.point.params.iter().position(|p| p == name)?;
+                Ok(self.argument(index)? as i64)
+            }
         };
-        let Some(ty) = types.param(&self.point.function, param) else {
-            return Some(Err(format!(
-                "{path}: BTF has no type for {} of {}",
-                var.name, self.point.function
-            )));
-        };
-        let walk = if address { address_chain } else { chain };
-        Some(
-            walk(types, ty, &var.members)
-                .map_err(|e| format!("{path}: {e}"))
-                .and_then(|steps| self.follow(&path, base, &steps)),
-        )
+        Some(value.and_then(|base_value| {
+            target_chain(
+                types,
+                &self.point.function,
+                &var.name,
+                base,
+                &var.members,
+                address,
+            )
+            .map_err(|e| format!("{path}: {e}"))
+            .and_then(|steps| self.follow(&path, base_value as u64, &steps))
+        }))
     }
 
     /// A kernel global `@var("name")` and its member chain, read from its slid address: its
@@ -559,6 +560,29 @@ impl Context for LiveContext<'_> {
         self.argument(index).map(|v| Value::Long(v as i64))
     }
 
+    fn target_defined(&self, var: &TargetVar) -> bool {
+        if var.members.is_empty() || var.name.starts_with("$$") || spec_of(&var.name).is_some() {
+            return self.target(&var.path()).is_some();
+        }
+        let base = chain_base(
+            &var.name,
+            &self.point.params,
+            self.at_return.is_some(),
+            self.point.locals.as_deref(),
+        );
+        chain_defined(
+            self.types.map(|t| t as &dyn KernelTypes),
+            &self.point.function,
+            &var.name,
+            base,
+            &var.members,
+        )
+    }
+
+    fn cast_defined(&self, cast: &CastExpr) -> bool {
+        cast_defined(self.types.map(|t| t as &dyn KernelTypes), cast)
+    }
+
     fn member_chain(&self, var: &TargetVar) -> Option<Result<Value, String>> {
         if var.members.is_empty() && spec_of(&var.name).is_none() {
             return None;
@@ -569,10 +593,10 @@ impl Context for LiveContext<'_> {
     fn member_address(
         &self,
         var: Option<&TargetVar>,
-        cast: Option<(u64, &CastExpr)>,
+        cast: Option<(u64, &CastExpr, &[i64])>,
     ) -> Option<Result<Value, String>> {
         let types = self.types?;
-        if let Some((pointer, cast)) = cast {
+        if let Some((pointer, cast, indexes)) = cast {
             let what = format!("&@cast(..., \"{}\")", cast.type_name);
             let Some(ty) = types.named(&cast.type_name) else {
                 return Some(Err(format!("{what}: BTF has no such type")));
@@ -580,13 +604,18 @@ impl Context for LiveContext<'_> {
             return Some(
                 cast_address_chain(types, ty, &cast.members)
                     .map_err(|e| format!("{what}: {e}"))
-                    .and_then(|steps| self.follow(&what, pointer, &steps)),
+                    .and_then(|steps| self.follow_indexed(&what, pointer, &steps, indexes)),
             );
         }
         self.walk_target(var?, true)
     }
 
-    fn cast(&self, pointer: u64, cast: &CastExpr) -> Option<Result<Value, String>> {
+    fn cast(
+        &self,
+        pointer: u64,
+        cast: &CastExpr,
+        indexes: &[i64],
+    ) -> Option<Result<Value, String>> {
         let types = self.types?;
         let what = format!("@cast(..., \"{}\")", cast.type_name);
         if !cast.of_kernel() {
@@ -603,7 +632,7 @@ impl Context for LiveContext<'_> {
         Some(
             cast_chain(types, ty, &cast.members)
                 .map_err(|e| format!("{what}: {e}"))
-                .and_then(|steps| self.follow(&what, pointer, &steps)),
+                .and_then(|steps| self.follow_indexed(&what, pointer, &steps, indexes)),
         )
     }
 
@@ -935,18 +964,36 @@ fn arm(
     let trampoline = plan.va + TRAMPOLINE_OFFSET;
     let mut needs_trampoline = false;
     let slots = (OOL_END.min(plan.size) - OOL_OFFSET) / OOL_SLOT;
+    let mut callbacks: HashMap<String, Option<(u64, u64)>> = HashMap::new();
     for (probe, point) in resolved {
-        let Some(link) = point.address else {
+        let Some(point_link) = point.address else {
             continue; // begin, end, timers: the host runs those
         };
         if !host(probe) {
             continue; // compiled into the guest
         }
+        let tracepoint = tracepoint_name(&point.name);
+        let callback = match tracepoint {
+            Some(name) => match callbacks.get(name) {
+                Some(c) => *c,
+                None => {
+                    let c = tracepoint_callback(att, image, btf, name)?;
+                    callbacks.insert(name.to_owned(), c);
+                    c
+                }
+            },
+            None => None,
+        };
+        let (link, guard) = match callback {
+            Some((callback, data)) => (callback, Some(data)),
+            None => (point_link, None),
+        };
         let addr = link.wrapping_add(slide);
         let is_return = point.name.ends_with(".return");
         let probe = SiteProbe {
             probe,
             name: point.name.clone(),
+            guard,
         };
         if let Some(site) = armed.get_mut(&addr) {
             needs_trampoline |= is_return;
@@ -996,7 +1043,13 @@ fn arm(
             .into_iter()
             .chain(super::target_vars::btf_params(&point))
             .collect();
-        let point_locals = locals.get(&(probe.probe, link)).cloned();
+        let point_locals = locals.get(&(probe.probe, point_link)).cloned();
+        // A tracepoint's probe runs in its callback, but its variables and probefunc() are
+        // the tracepoint's (its iterator's).
+        let function = match tracepoint {
+            Some(name) => format!("{TRACEPOINT_ITERATOR}{name}"),
+            None => function,
+        };
         needs_trampoline |= is_return;
         let (entry, ret) = if is_return {
             (Vec::new(), vec![probe])
@@ -1122,6 +1175,84 @@ fn tracepoint_enabled(
         .or_else(|_| read_kernel(&mut *att.machine, at, &mut count))
         .with_context(|| format!("cannot read __tracepoint_{name} at {at:#x}"))?;
     Ok(i32::from_le_bytes(count) > 0)
+}
+
+/// The prefix of a tracepoint's iterator, `__traceiter_NAME(void *__data, ARGS)`.
+const TRACEPOINT_ITERATOR: &str = "__traceiter_";
+
+/// Where a probe on tracepoint `name` goes when the guest registered exactly one callback on
+/// it: that callback (link-time address), and the `data` the kernel passes it as its first
+/// argument. `None` with two or more: the probe stays at the iterator.
+///
+/// Since Linux 5.10 a tracepoint with one callback calls it through a static call, past
+/// `__traceiter_NAME`; only with two or more does the iterator run, calling each. A probe
+/// at the iterator would miss every hit of a tracepoint that only its trace event is on
+/// (kmem, block, timer...), so there it goes into the callback, which has the iterator's
+/// arguments. A trace event's callback (`trace_event_raw_event_CLASS`) serves every event
+/// of its class; its `data`, the event's own file, tells them apart (the probe is guarded
+/// by it). The choice is made once, at the install: a callback the guest adds or removes
+/// while the probe is in moves its hits (as turning the tracepoint off stops them).
+///
+/// # Errors
+/// No callback (the tracepoint is off), a lone callback outside the kernel image's text (a
+/// module's, BPF's), or memory or BTF that cannot be read.
+pub(super) fn tracepoint_callback(
+    att: &mut GuestSession,
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    name: &str,
+) -> anyhow::Result<Option<(u64, u64)>> {
+    let btf = btf.context("the kernel image has no BTF to lay out struct tracepoint")?;
+    let offset = |s: &str, m: &str| {
+        btf.struct_member(s, m)
+            .ok()
+            .and_then(|l| l.byte_offset())
+            .with_context(|| format!("BTF has no {s}.{m}"))
+    };
+    let (funcs, func, data) = (
+        offset("tracepoint", "funcs")?,
+        offset("tracepoint_func", "func")?,
+        offset("tracepoint_func", "data")?,
+    );
+    let size = btf
+        .struct_by_name("tracepoint_func")
+        .ok()
+        .and_then(|t| btf.size_of(t))
+        .context("BTF has no size for struct tracepoint_func")?;
+    let slide = att.survey.kaslr.slide;
+    let mut read = |at: u64| -> anyhow::Result<u64> {
+        let mut word = [0u8; 8];
+        att.machine
+            .read_virt(VcpuId(0), at, &mut word)
+            .map_err(anyhow::Error::from)
+            .or_else(|_| read_kernel(&mut *att.machine, at, &mut word))
+            .with_context(|| format!("cannot read tracepoint {name}'s callbacks at {at:#x}"))?;
+        Ok(u64::from_le_bytes(word))
+    };
+    let tracepoint = image
+        .address(&format!("__tracepoint_{name}"))?
+        .wrapping_add(slide);
+    let first = read(tracepoint.wrapping_add(funcs))?;
+    if first == 0 {
+        bail!("kernel.trace(\"{name}\"): no callback is registered (the tracepoint is off)");
+    }
+    // The array ends with a NULL func.
+    if read(first.wrapping_add(size).wrapping_add(func))? != 0 {
+        return Ok(None);
+    }
+    let callback = read(first.wrapping_add(func))?;
+    let data = read(first.wrapping_add(data))?;
+    let link = callback.wrapping_sub(slide);
+    if TextMap::new(image)
+        .function(link)
+        .is_none_or(|f| f.1 != link)
+    {
+        bail!(
+            "kernel.trace(\"{name}\"): its one callback, at {callback:#x}, is not a function \
+             of the kernel image (a module's or BPF's), where exotap cannot probe"
+        );
+    }
+    Ok(Some((link, data)))
 }
 
 fn registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
@@ -1286,6 +1417,7 @@ impl Traps {
                 .map(|(probe, (pt, _))| SiteProbe {
                     probe,
                     name: pt.to_string(),
+                    guard: None,
                 })
                 .collect(),
             profile_point: ArmedPoint {
@@ -1351,7 +1483,7 @@ impl Traps {
     pub fn kernel_symbols(&self) -> Option<crate::lang::eval::KernelSymbols> {
         self.stacks
             .as_ref()
-            .map(|s| Box::new(s.pc_namer()) as crate::lang::eval::KernelSymbols)
+            .map(super::stacks::KernelStacks::symbol_lookup)
     }
 
     /// Whether a stop at `pc` is one of these traps'.
@@ -1543,7 +1675,9 @@ impl Traps {
         let action = site.action.clone();
         let slot_va = site.slot;
         let wants_return = !site.ret.is_empty();
-        let entry = site.entry.clone();
+        let mut entry = site.entry.clone();
+        // At an event callback the class shares, only this event's calls.
+        entry.retain(|p| p.guard.is_none_or(|g| g == regs.gpr[5]));
         let site_ret = site.ret.clone();
         let mut writes = Vec::new();
         let mut entry_values = Vec::new();

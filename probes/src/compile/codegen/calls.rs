@@ -173,7 +173,31 @@ impl Gen<'_, '_> {
                     "kernel_short" => 2,
                     _ => 1,
                 };
-                self.read_kernel(copy, len)?;
+                self.read_kernel(copy, len, true)?;
+                Ok(K::Long)
+            }
+            // As the interpreter: a user address read in the task's address space, through
+            // `copy_from_user_nofault` (a bad address is a probe error).
+            "user_char" | "user_short" | "user_ushort" | "user_int" | "user_uint" | "user_long" => {
+                let copy = self.env.facts.memory.copy_user.ok_or_else(|| {
+                    self.no(format!(
+                        "{name}() (the kernel has no copy_from_user_nofault)"
+                    ))
+                })?;
+                let arg = c
+                    .args
+                    .first()
+                    .ok_or_else(|| self.no(format!("{name}() without an address")))?;
+                self.long(arg)?;
+                let (len, signed) = match name {
+                    "user_char" => (1, true),
+                    "user_short" => (2, true),
+                    "user_ushort" => (2, false),
+                    "user_int" => (4, true),
+                    "user_uint" => (4, false),
+                    _ => (8, true),
+                };
+                self.read_kernel(copy, len, signed)?;
                 Ok(K::Long)
             }
             // As the interpreter: `$return` in a return probe (elsewhere the probe runs on
@@ -689,7 +713,7 @@ const SYSCALL_ARG_REGS: [i32; 6] = [112, 104, 96, 56, 72, 64];
 impl Gen<'_, '_> {
     /// `rax` = the `len`-byte word at the kernel address in `rax` (sign-extended), read with
     /// `copy_from_kernel_nofault` at `copy`; a fault ends the hit with a probe error.
-    fn read_kernel(&mut self, copy: u64, len: u32) -> R<()> {
+    fn read_kernel(&mut self, copy: u64, len: u32, signed: bool) -> R<()> {
         let scratch = self.scratch();
         let fault = self.errors.fault;
         let r = (|| {
@@ -699,11 +723,14 @@ impl Gen<'_, '_> {
             self.a.call(copy)?;
             self.a.test(rax, rax)?;
             self.a.jnz(fault)?;
-            match len {
-                8 => self.a.mov(rax, qword_ptr(rbp + scratch)),
-                4 => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
-                2 => self.a.movsx(rax, word_ptr(rbp + scratch)),
-                _ => self.a.movsx(rax, byte_ptr(rbp + scratch)),
+            match (len, signed) {
+                (8, _) => self.a.mov(rax, qword_ptr(rbp + scratch)),
+                (4, true) => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
+                (4, false) => self.a.mov(eax, dword_ptr(rbp + scratch)),
+                (2, true) => self.a.movsx(rax, word_ptr(rbp + scratch)),
+                (2, false) => self.a.movzx(eax, word_ptr(rbp + scratch)),
+                (_, true) => self.a.movsx(rax, byte_ptr(rbp + scratch)),
+                (_, false) => self.a.movzx(eax, byte_ptr(rbp + scratch)),
             }
         })();
         asm!(self, r)
@@ -741,7 +768,7 @@ impl Gen<'_, '_> {
             let at = SYSCALL_ARG_REGS[n - 1];
             asm!(self, self.a.mov(rax, qword_ptr(r15 + regs)))?;
             asm!(self, self.a.add(rax, at))?;
-            self.read_kernel(copy, 8)?;
+            self.read_kernel(copy, 8, true)?;
         } else {
             let off = entry_arg(self, n - 1);
             asm!(self, self.a.mov(rax, qword_ptr(r15 + off)))?;

@@ -308,6 +308,12 @@ impl Gen<'_, '_> {
 
     /// Applies a member chain's steps to the value in `rax`.
     pub(super) fn steps(&mut self, steps: &[Step]) -> R<()> {
+        self.steps_indexed(steps, 0)
+    }
+
+    /// As [`Self::steps`], with the chain's `indexes` computed subscripts in 16-byte slots on
+    /// the stack, the first deepest (`[rsp + 16 × (indexes - 1 - slot)]`).
+    pub(super) fn steps_indexed(&mut self, steps: &[Step], indexes: usize) -> R<()> {
         let copy = self.env.facts.copy_nofault.ok_or_else(|| {
             self.no("a member chain (the kernel has no copy_from_kernel_nofault)")
         })?;
@@ -315,6 +321,18 @@ impl Gen<'_, '_> {
         let fault = self.errors.fault;
         for step in steps {
             let r = match *step {
+                Step::Index { slot, scale } => {
+                    let at = indexes
+                        .checked_sub(slot + 1)
+                        .and_then(|d| i32::try_from(16 * d).ok())
+                        .ok_or_else(|| self.no("a subscript without its value"))?;
+                    let scale = i32::try_from(scale)
+                        .map_err(|_| self.no("a subscript of elements past 2 GiB"))?;
+                    (|| {
+                        self.a.imul_3(rcx, qword_ptr(rsp + at), scale)?;
+                        self.a.add(rax, rcx)
+                    })()
+                }
                 Step::Address { offset } => {
                     let off =
                         i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
@@ -389,11 +407,13 @@ impl Gen<'_, '_> {
         // `&` applies to this chain, not to any inside the pointer's expression.
         let address = std::mem::take(&mut self.address_of);
         let what = format!("@cast(..., \"{}\")", c.type_name);
+        if c.members.is_empty() {
+            // The pointer itself, as the interpreter answers.
+            self.long(&c.pointer)?;
+            return Ok(K::Long);
+        }
         if !c.of_kernel() {
             return Err(self.no(format!("{what} of a module's type")));
-        }
-        if c.members.is_empty() {
-            return Err(self.no(format!("{what} without a member")));
         }
         let types = self
             .env
@@ -404,7 +424,6 @@ impl Gen<'_, '_> {
         let ty = types
             .named(&c.type_name)
             .ok_or_else(|| self.no(format!("{what} (BTF has no such type)")))?;
-        self.long(&c.pointer)?;
         let lay = if address {
             super::super::types::cast_address_chain
         } else {
@@ -412,7 +431,25 @@ impl Gen<'_, '_> {
         };
         let steps =
             lay(types.as_ref(), ty, &c.members).map_err(|e| self.no(format!("{what}: {e}")))?;
-        self.steps(&steps)?;
+        self.long(&c.pointer)?;
+        if c.indexes.is_empty() {
+            self.steps(&steps)?;
+            return Ok(K::Long);
+        }
+        // The pointer, then each computed subscript, in 16-byte slots on the stack (the
+        // interpreter's order); the walk's `Index` steps read them there.
+        let n = c.indexes.len();
+        asm!(self, self.a.push(rax))?;
+        asm!(self, self.a.push(rax))?;
+        for index in &c.indexes {
+            self.long(index)?;
+            asm!(self, self.a.push(rax))?;
+            asm!(self, self.a.push(rax))?;
+        }
+        let slots = i32::try_from(16 * n).map_err(|_| self.no("so many subscripts"))?;
+        asm!(self, self.a.mov(rax, qword_ptr(rsp + slots)))?;
+        self.steps_indexed(&steps, n)?;
+        asm!(self, self.a.add(rsp, slots + 16))?;
         Ok(K::Long)
     }
 }

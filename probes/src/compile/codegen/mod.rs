@@ -25,7 +25,7 @@ use crate::lang::check::{Program, Ty};
 use crate::lang::Limits;
 
 use super::data::{field, DataLayout, GlobalSlot, Interner, ValueKind, KEY, MAX_KEYS};
-use super::types::Step;
+use super::types::{cast_defined, chain_base, chain_defined, target_chain, ChainBase, Step};
 use super::{Facts, SitePoint, Unsupported};
 
 /// Bytes of the kernel-read buffer in a body's frame.
@@ -224,6 +224,13 @@ pub fn emit_return_body(
         .collect();
     let asm = |e: IcedError| g_asm(point, probe, e);
     g.prologue().map_err(asm)?;
+    if let Some(data) = point.guard {
+        // Another event of the callback's class: not this probe's hit.
+        g.a.mov(rax, data).map_err(asm)?;
+        g.a.cmp(qword_ptr(r15 + saved_offset(Register::RDI)), rax)
+            .map_err(asm)?;
+        g.a.jne(g.end).map_err(asm)?;
+    }
     if let Some(cond) = &probe.condition {
         g.long(cond)?;
         g.a.test(rax, rax).map_err(asm)?;
@@ -747,8 +754,12 @@ impl Gen<'_, '_> {
                     self.address_of = false;
                     k
                 }
-                // As the interpreter: no computed member index under `&`.
-                ExprKind::Cast(c) if !c.members.is_empty() && c.indexes.is_empty() => {
+                // `&@cast(p, "T")`: the structure's address, `p` itself.
+                ExprKind::Cast(c) if c.members.is_empty() && c.indexes.is_empty() => {
+                    self.long(&c.pointer)?;
+                    Ok(K::Long)
+                }
+                ExprKind::Cast(c) if !c.members.is_empty() => {
                     self.address_of = true;
                     let k = self.cast(c);
                     self.address_of = false;
@@ -775,8 +786,8 @@ impl Gen<'_, '_> {
 
     /// `@defined(x)` (given as the whole `Defined` expression) at this probe point, known
     /// when compiling as the interpreter answers it: a parameter the point has (or
-    /// `$return` in a return probe) is defined, a `@cast` never is; member chains are refused
-    /// (the host path cannot read them, so its answer would differ).
+    /// `$return` in a return probe) is defined; a member chain, of a variable or of a `@cast`,
+    /// is where it lays out from the kernel's types ([`chain_defined`], [`cast_defined`]).
     fn defined_here(&self, e: &Expr) -> R<bool> {
         let ExprKind::Defined(x) = &e.kind else {
             return Err(self.no("@defined of this"));
@@ -788,8 +799,23 @@ impl Gen<'_, '_> {
                     let spec = super::globals::spec_of(&t.name).unwrap_or_default();
                     Ok(self.global_read(t, &spec).is_ok())
                 }
-                ExprKind::Target(t) if !t.members.is_empty() || t.name.starts_with("$$") => {
+                ExprKind::Target(t) if t.name.starts_with("$$") => {
                     Err(format!("@defined of {}", t.path()))
+                }
+                ExprKind::Target(t) if !t.members.is_empty() => {
+                    let base = chain_base(
+                        &t.name,
+                        &self.point.params,
+                        self.point.is_return,
+                        self.point.locals.as_deref(),
+                    );
+                    Ok(chain_defined(
+                        self.env.facts.types.as_deref(),
+                        &self.point.function,
+                        &t.name,
+                        base,
+                        &t.members,
+                    ))
                 }
                 ExprKind::Target(t) if t.name == "$return" => Ok(self.point.is_return),
                 ExprKind::Target(t) => {
@@ -803,7 +829,8 @@ impl Gen<'_, '_> {
                             .is_some_and(|l| l.is_ok());
                     Ok(local || self.point.params.iter().any(|p| p == name))
                 }
-                ExprKind::Cast(_) | ExprKind::Embedded(_) => Ok(false),
+                ExprKind::Cast(c) => Ok(cast_defined(self.env.facts.types.as_deref(), c)),
+                ExprKind::Embedded(_) => Ok(false),
                 _ => Ok(true),
             };
             answer = match (answer.clone(), here) {
@@ -973,21 +1000,27 @@ impl Gen<'_, '_> {
             }
         }
         if !t.members.is_empty() {
-            let what = t.path();
-            let pointee = local.pointee.clone().ok_or_else(|| {
-                self.no(format!("{what}: {} is not a pointer to a struct", t.name))
-            })?;
+            let address = std::mem::take(&mut self.address_of);
+            let what = if address {
+                format!("&{}", t.path())
+            } else {
+                t.path()
+            };
             let types = self
                 .env
                 .facts
                 .types
                 .clone()
                 .ok_or_else(|| self.no(format!("{what} (no kernel type information)")))?;
-            let ty = types
-                .named(&pointee)
-                .ok_or_else(|| self.no(format!("{what} (BTF has no {pointee})")))?;
-            let steps = super::types::cast_chain(types.as_ref(), ty, &t.members)
-                .map_err(|e| self.no(format!("{what}: {e}")))?;
+            let steps = target_chain(
+                types.as_ref(),
+                &self.point.function,
+                &t.name,
+                ChainBase::Local(local.pointee.as_deref()),
+                &t.members,
+                address,
+            )
+            .map_err(|e| self.no(format!("{what}: {e}")))?;
             self.steps(&steps)?;
         }
         Ok(K::Long)
