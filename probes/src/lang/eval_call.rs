@@ -365,7 +365,6 @@ impl Interp<'_> {
             "signal_str" => self.string(native::signal_str(long(0))),
             "syscall_name" => self.string(native::syscall_name(long(0))),
             "_sys_open_flag_str" => self.string(native::open_flags(long(0))),
-            "tcp_sockstate_str" => self.string(native::tcp_state(long(0))),
             // The guest's cycle counter is not the host's: host-evaluated probes answer
             // the host's monotonic clock, in nanoseconds, which orders and times events alike.
             "get_cycles" | "local_clock_ns" | "cpu_clock_ns" => {

@@ -56,12 +56,6 @@ pub const NATIVE: &[Builtin] = &[
         doc: "open(2) flags as O_... names joined by '|'",
     },
     Builtin {
-        name: "tcp_sockstate_str",
-        params: &[L],
-        ret: S,
-        doc: "a TCP state number as its name (TCP_ESTABLISHED)",
-    },
-    Builtin {
         name: "get_cycles",
         params: &[],
         ret: L,
@@ -869,29 +863,6 @@ pub const OPEN_FLAGS: &[(i64, &str)] = &[
     (0o10000000, "O_PATH"),
     (0o20000000, "__O_TMPFILE"),
 ];
-
-/// The name of TCP state `state` (include/net/tcp_states.h).
-pub fn tcp_state(state: i64) -> String {
-    const STATES: &[&str] = &[
-        "TCP_ESTABLISHED",
-        "TCP_SYN_SENT",
-        "TCP_SYN_RECV",
-        "TCP_FIN_WAIT1",
-        "TCP_FIN_WAIT2",
-        "TCP_TIME_WAIT",
-        "TCP_CLOSE",
-        "TCP_CLOSE_WAIT",
-        "TCP_LAST_ACK",
-        "TCP_LISTEN",
-        "TCP_CLOSING",
-        "TCP_NEW_SYN_RECV",
-    ];
-    usize::try_from(state)
-        .ok()
-        .and_then(|s| s.checked_sub(1))
-        .and_then(|i| STATES.get(i))
-        .map_or_else(|| format!("UNKNOWN ({state})"), |s| (*s).to_string())
-}
 
 /// C's `ctime()` of `secs` since the epoch, in UTC, without the newline:
 /// `Thu Jan  1 00:00:00 1970`.
