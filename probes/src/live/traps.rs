@@ -1243,16 +1243,49 @@ pub(super) fn tracepoint_callback(
     let callback = read(first.wrapping_add(func))?;
     let data = read(first.wrapping_add(data))?;
     let link = callback.wrapping_sub(slide);
-    if TextMap::new(image)
-        .function(link)
-        .is_none_or(|f| f.1 != link)
-    {
+    let is_function = image
+        .symbols
+        .lookup_addr(link)
+        .is_some_and(|(sym, offset)| sym.is_text() && offset == 0);
+    if !is_function {
         bail!(
             "kernel.trace(\"{name}\"): its one callback, at {callback:#x}, is not a function \
              of the kernel image (a module's or BPF's), where exotap cannot probe"
         );
     }
-    Ok(Some((link, data)))
+    let mut code = [0u8; 32];
+    att.machine
+        .read_virt(VcpuId(0), callback, &mut code)
+        .map_err(anyhow::Error::from)
+        .or_else(|_| read_kernel(&mut *att.machine, callback, &mut code))
+        .with_context(|| format!("cannot read tracepoint {name}'s callback at {callback:#x}"))?;
+    Ok(Some((link + past_pushes(&code), data)))
+}
+
+/// Where a probe at a function's entry whose first instruction is too short for a splice
+/// (event callbacks are `notrace`: no 5-byte ftrace call opens them) can go instead: past
+/// the register pushes that open it, at the first instruction of 5 bytes or more. A push
+/// changes no argument register, so a body there reads the arguments the entry had. 0 (the
+/// entry) when no such instruction follows the pushes in `code`.
+fn past_pushes(code: &[u8]) -> u64 {
+    use iced_x86::{Decoder, DecoderOptions, Mnemonic, OpKind};
+    let mut decoder = Decoder::new(64, code, DecoderOptions::NONE);
+    let mut offset = 0;
+    while decoder.can_decode() {
+        let i = decoder.decode();
+        if i.is_invalid() {
+            return 0;
+        }
+        if i.mnemonic() != Mnemonic::Push || i.op0_kind() != OpKind::Register {
+            return if i.len() >= 5 && offset > 0 {
+                offset
+            } else {
+                0
+            };
+        }
+        offset += i.len() as u64;
+    }
+    0
 }
 
 fn registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Registers> {
@@ -1882,6 +1915,22 @@ mod tests {
         );
         assert_eq!(tracepoint_name("kernel.function(\"vfs_read\")"), None);
         assert_eq!(tracepoint_name("kernel.trace(\"sched_switch\").x"), None);
+    }
+
+    #[test]
+    fn event_callbacks_are_probed_past_their_pushes_at_a_long_instruction() {
+        // trace_event_raw_event_sched_process_template of the Debian 6.1 guest: push %r12;
+        // mov $0x6,%ecx (5 bytes).
+        let template = [0x41, 0x54, 0xb9, 0x06, 0, 0, 0, 0x55, 0x48, 0x89, 0xfd];
+        assert_eq!(past_pushes(&template), 2);
+        // push %r13; push %r12; mov $0x6,%ecx.
+        assert_eq!(past_pushes(&[0x41, 0x55, 0x41, 0x54, 0xb9, 6, 0, 0, 0]), 4);
+        // A 5-byte first instruction (the ftrace call) needs no move; after the pushes a
+        // 3-byte mov %rdi,%rbp is too short for a splice.
+        assert_eq!(past_pushes(&[0x0f, 0x1f, 0x44, 0, 0, 0x55]), 0);
+        assert_eq!(past_pushes(&[0x55, 0x48, 0x89, 0xfd, 0x90, 0x90]), 0);
+        // Code that ends among the pushes.
+        assert_eq!(past_pushes(&[0x55, 0x53]), 0);
     }
 
     #[test]
