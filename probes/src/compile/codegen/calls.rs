@@ -114,6 +114,17 @@ impl Gen<'_, '_> {
                 let p = self.point.name.clone();
                 self.string_const(&p)
             }
+            // The guest's own cycle counter, as stap's get_cycles() (host-evaluated probes
+            // answer the host's monotonic nanoseconds instead: a time, different by design).
+            "get_cycles" => {
+                let r = (|| {
+                    self.a.rdtsc()?;
+                    self.a.shl(rdx, 32)?;
+                    self.a.or(rax, rdx)
+                })();
+                asm!(self, r)?;
+                Ok(K::Long)
+            }
             "gettimeofday_ns" | "gettimeofday_us" | "gettimeofday_ms" | "gettimeofday_s" => {
                 let f = self.env.facts.realtime_ns.ok_or_else(|| {
                     self.no(format!(
