@@ -323,25 +323,23 @@ impl Interp<'_> {
                 }
                 self.string(String::from_utf8_lossy(&bytes).into_owned())
             }
-            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
-                let len = match name {
-                    "kernel_long" => 8,
-                    "kernel_int" => 4,
-                    "kernel_short" => 2,
-                    _ => 1,
-                };
+            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" | "user_char"
+            | "user_short" | "user_ushort" | "user_int" | "user_uint" | "user_long" => {
+                let (len, signed, user) = native::memory_read(name).unwrap_or((8, true, false));
+                let len = usize::from(len);
                 let bytes = match ctx.read_kernel(long(0) as u64, len) {
                     Ok(b) if b.len() == len => b,
                     Ok(_) => return fail("short guest memory read", span),
+                    Err(e) if user => return fail(format!("user read fault: {e}"), span),
                     Err(e) => return fail(format!("kernel read fault: {e}"), span),
                 };
                 let mut buf = [0u8; 8];
                 buf[..len].copy_from_slice(&bytes);
                 let v = i64::from_le_bytes(buf);
-                Value::Long(match len {
-                    4 => i64::from(v as i32),
-                    2 => i64::from(v as i16),
-                    1 => i64::from(v as i8),
+                Value::Long(match (len, signed) {
+                    (4, true) => i64::from(v as i32),
+                    (2, true) => i64::from(v as i16),
+                    (1, true) => i64::from(v as i8),
                     _ => v,
                 })
             }
@@ -393,30 +391,6 @@ impl Interp<'_> {
                     return fail(format!("system: cannot run /bin/sh: {e}"), span);
                 }
                 unit
-            }
-            "user_char" | "user_short" | "user_ushort" | "user_int" | "user_uint" | "user_long" => {
-                let (len, signed) = match name {
-                    "user_char" => (1, true),
-                    "user_short" => (2, true),
-                    "user_ushort" => (2, false),
-                    "user_int" => (4, true),
-                    "user_uint" => (4, false),
-                    _ => (8, true),
-                };
-                let bytes = match ctx.read_kernel(long(0) as u64, len) {
-                    Ok(b) if b.len() == len => b,
-                    Ok(_) => return fail("short guest memory read", span),
-                    Err(e) => return fail(format!("user read fault: {e}"), span),
-                };
-                let mut buf = [0u8; 8];
-                buf[..len].copy_from_slice(&bytes);
-                let v = i64::from_le_bytes(buf);
-                Value::Long(match (len, signed) {
-                    (1, true) => i64::from(v as i8),
-                    (2, true) => i64::from(v as i16),
-                    (4, true) => i64::from(v as i32),
-                    _ => v,
-                })
             }
             "int_arg" | "uint_arg" | "long_arg" | "ulong_arg" | "pointer_arg" => {
                 let Some(raw) = ctx.arg_register(long(0)) else {

@@ -864,6 +864,25 @@ pub const OPEN_FLAGS: &[(i64, &str)] = &[
     (0o20000000, "__O_TMPFILE"),
 ];
 
+/// What the integer reads of guest memory read, by name: bytes, sign-extended, and whether
+/// the address is a user one (`user_*`, read in the task's address space) rather than a
+/// kernel one (`kernel_*`).
+pub fn memory_read(name: &str) -> Option<(u8, bool, bool)> {
+    Some(match name {
+        "kernel_long" => (8, true, false),
+        "kernel_int" => (4, true, false),
+        "kernel_short" => (2, true, false),
+        "kernel_char" => (1, true, false),
+        "user_long" => (8, true, true),
+        "user_int" => (4, true, true),
+        "user_uint" => (4, false, true),
+        "user_short" => (2, true, true),
+        "user_ushort" => (2, false, true),
+        "user_char" => (1, true, true),
+        _ => return None,
+    })
+}
+
 /// C's `ctime()` of `secs` since the epoch, in UTC, without the newline:
 /// `Thu Jan  1 00:00:00 1970`.
 pub fn ctime(secs: i64) -> String {

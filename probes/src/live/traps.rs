@@ -915,12 +915,7 @@ fn plan_point(
     // Decode up to the point's instruction; bytes past the function's end are never needed.
     let want = (link - start + MAX_INSN as u64).min(end - start);
     let mut code = vec![0u8; usize::try_from(want)?];
-    // vCPU 0's own view first (one request); when it stopped in user mode under PTI that
-    // view lacks most kernel text, and the kernel's page tables are walked instead.
-    machine
-        .read_virt(VcpuId(0), fstart, &mut code)
-        .map_err(anyhow::Error::from)
-        .or_else(|_| read_kernel(machine, fstart, &mut code))
+    read_guest(machine, fstart, &mut code)
         .with_context(|| format!("cannot read {function} at {fstart:#x}"))?;
     let instr = instruction_at(&function, fstart, &code, addr)?;
     let from = usize::try_from(link - start)?;
@@ -1169,10 +1164,7 @@ fn tracepoint_enabled(
         .wrapping_add(att.survey.kaslr.slide)
         .wrapping_add(enabled);
     let mut count = [0u8; 4];
-    att.machine
-        .read_virt(VcpuId(0), at, &mut count)
-        .map_err(anyhow::Error::from)
-        .or_else(|_| read_kernel(&mut *att.machine, at, &mut count))
+    read_guest(&mut *att.machine, at, &mut count)
         .with_context(|| format!("cannot read __tracepoint_{name} at {at:#x}"))?;
     Ok(i32::from_le_bytes(count) > 0)
 }
@@ -1222,10 +1214,7 @@ pub(super) fn tracepoint_callback(
     let slide = att.survey.kaslr.slide;
     let mut read = |at: u64| -> anyhow::Result<u64> {
         let mut word = [0u8; 8];
-        att.machine
-            .read_virt(VcpuId(0), at, &mut word)
-            .map_err(anyhow::Error::from)
-            .or_else(|_| read_kernel(&mut *att.machine, at, &mut word))
+        read_guest(&mut *att.machine, at, &mut word)
             .with_context(|| format!("cannot read tracepoint {name}'s callbacks at {at:#x}"))?;
         Ok(u64::from_le_bytes(word))
     };
@@ -1254,12 +1243,19 @@ pub(super) fn tracepoint_callback(
         );
     }
     let mut code = [0u8; 32];
-    att.machine
-        .read_virt(VcpuId(0), callback, &mut code)
-        .map_err(anyhow::Error::from)
-        .or_else(|_| read_kernel(&mut *att.machine, callback, &mut code))
+    read_guest(&mut *att.machine, callback, &mut code)
         .with_context(|| format!("cannot read tracepoint {name}'s callback at {callback:#x}"))?;
     Ok(Some((link + past_pushes(&code), data)))
+}
+
+/// Reads kernel memory at `at`: vCPU 0's own view first (one request); when it stopped in
+/// user mode under PTI that view lacks most kernel text and data, and the kernel's page
+/// tables are walked instead.
+fn read_guest(machine: &mut dyn Machine, at: u64, buf: &mut [u8]) -> anyhow::Result<()> {
+    machine
+        .read_virt(VcpuId(0), at, buf)
+        .map_err(anyhow::Error::from)
+        .or_else(|_| read_kernel(machine, at, buf))
 }
 
 /// Where a probe at a function's entry whose first instruction is too short for a splice

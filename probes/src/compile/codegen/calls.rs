@@ -167,47 +167,24 @@ impl Gen<'_, '_> {
                 })?;
                 self.print(if name == "printd" { "print" } else { "println" }, &args)
             }
-            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" => {
-                let copy = self.env.facts.copy_nofault.ok_or_else(|| {
-                    self.no(format!(
-                        "{name}() (the kernel has no copy_from_kernel_nofault)"
-                    ))
-                })?;
+            // As the interpreter: a kernel address, or a user one in the task's address space,
+            // read through the kernel's nofault copies (a bad address is a probe error).
+            "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" | "user_char"
+            | "user_short" | "user_ushort" | "user_int" | "user_uint" | "user_long" => {
+                let (len, signed, user) = crate::lang::native::memory_read(name)
+                    .ok_or_else(|| self.no(format!("{name}() (no such read)")))?;
+                let (copy, routine) = if user {
+                    (self.env.facts.memory.copy_user, "copy_from_user_nofault")
+                } else {
+                    (self.env.facts.copy_nofault, "copy_from_kernel_nofault")
+                };
+                let copy =
+                    copy.ok_or_else(|| self.no(format!("{name}() (the kernel has no {routine})")))?;
                 let arg = c
                     .args
                     .first()
                     .ok_or_else(|| self.no(format!("{name}() without an address")))?;
                 self.long(arg)?;
-                let len: u32 = match name {
-                    "kernel_long" => 8,
-                    "kernel_int" => 4,
-                    "kernel_short" => 2,
-                    _ => 1,
-                };
-                self.read_kernel(copy, len, true)?;
-                Ok(K::Long)
-            }
-            // As the interpreter: a user address read in the task's address space, through
-            // `copy_from_user_nofault` (a bad address is a probe error).
-            "user_char" | "user_short" | "user_ushort" | "user_int" | "user_uint" | "user_long" => {
-                let copy = self.env.facts.memory.copy_user.ok_or_else(|| {
-                    self.no(format!(
-                        "{name}() (the kernel has no copy_from_user_nofault)"
-                    ))
-                })?;
-                let arg = c
-                    .args
-                    .first()
-                    .ok_or_else(|| self.no(format!("{name}() without an address")))?;
-                self.long(arg)?;
-                let (len, signed) = match name {
-                    "user_char" => (1, true),
-                    "user_short" => (2, true),
-                    "user_ushort" => (2, false),
-                    "user_int" => (4, true),
-                    "user_uint" => (4, false),
-                    _ => (8, true),
-                };
                 self.read_kernel(copy, len, signed)?;
                 Ok(K::Long)
             }
@@ -724,26 +701,8 @@ const SYSCALL_ARG_REGS: [i32; 6] = [112, 104, 96, 56, 72, 64];
 impl Gen<'_, '_> {
     /// `rax` = the `len`-byte word at the kernel address in `rax` (sign-extended), read with
     /// `copy_from_kernel_nofault` at `copy`; a fault ends the hit with a probe error.
-    fn read_kernel(&mut self, copy: u64, len: u32, signed: bool) -> R<()> {
-        let scratch = self.scratch();
-        let fault = self.errors.fault;
-        let r = (|| {
-            self.a.mov(rsi, rax)?;
-            self.a.lea(rdi, qword_ptr(rbp + scratch))?;
-            self.a.mov(edx, len)?;
-            self.a.call(copy)?;
-            self.a.test(rax, rax)?;
-            self.a.jnz(fault)?;
-            match (len, signed) {
-                (8, _) => self.a.mov(rax, qword_ptr(rbp + scratch)),
-                (4, true) => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
-                (4, false) => self.a.mov(eax, dword_ptr(rbp + scratch)),
-                (2, true) => self.a.movsx(rax, word_ptr(rbp + scratch)),
-                (2, false) => self.a.movzx(eax, word_ptr(rbp + scratch)),
-                (_, true) => self.a.movsx(rax, byte_ptr(rbp + scratch)),
-                (_, false) => self.a.movzx(eax, byte_ptr(rbp + scratch)),
-            }
-        })();
+    fn read_kernel(&mut self, copy: u64, len: u8, signed: bool) -> R<()> {
+        let r = self.copy_in(copy, 0, len, signed);
         asm!(self, r)
     }
 

@@ -132,6 +132,33 @@ pub(super) fn reads_text_values(block: &Block, texts: &HashSet<String>) -> bool 
 }
 
 impl Gen<'_, '_> {
+    /// Copies `size` bytes (1, 2, 4 or 8) at `rax + offset` into the scratch slot with the
+    /// nofault routine `copy`, and loads them into `rax` (sign-extended when `signed`); a
+    /// fault ends the hit as a probe error.
+    pub(super) fn copy_in(
+        &mut self,
+        copy: u64,
+        offset: i32,
+        size: u8,
+        signed: bool,
+    ) -> Result<(), IcedError> {
+        let scratch = self.scratch();
+        self.a.lea(rsi, qword_ptr(rax + offset))?;
+        self.a.lea(rdi, qword_ptr(rbp + scratch))?;
+        self.a.mov(edx, u32::from(size))?;
+        self.a.call(copy)?;
+        self.a.test(rax, rax)?;
+        self.a.jnz(self.errors.fault)?;
+        match (size, signed) {
+            (8, _) => self.a.mov(rax, qword_ptr(rbp + scratch)),
+            (4, true) => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
+            (4, false) => self.a.mov(eax, dword_ptr(rbp + scratch)),
+            (2, true) => self.a.movsx(rax, word_ptr(rbp + scratch)),
+            (2, false) => self.a.movzx(eax, word_ptr(rbp + scratch)),
+            (_, true) => self.a.movsx(rax, byte_ptr(rbp + scratch)),
+            (_, false) => self.a.movzx(eax, byte_ptr(rbp + scratch)),
+        }
+    }
     /// `kernel_string(p)` (and the other three) as a value: the text read into a buffer on
     /// the stack, then interned in the guest's string table (up to 15 bytes inline), as a
     /// string built in the guest is. The bytes are kept as read; the interpreter holds the
@@ -317,8 +344,6 @@ impl Gen<'_, '_> {
         let copy = self.env.facts.copy_nofault.ok_or_else(|| {
             self.no("a member chain (the kernel has no copy_from_kernel_nofault)")
         })?;
-        let scratch = self.scratch();
-        let fault = self.errors.fault;
         for step in steps {
             let r = match *step {
                 Step::Index { slot, scale } => {
@@ -345,24 +370,7 @@ impl Gen<'_, '_> {
                 } => {
                     let off =
                         i32::try_from(offset).map_err(|_| self.no("a member offset past 2 GiB"))?;
-                    (|| {
-                        self.a.lea(rsi, qword_ptr(rax + off))?;
-                        self.a.lea(rdi, qword_ptr(rbp + scratch))?;
-                        self.a.mov(edx, u32::from(size))?;
-                        self.a.call(copy)?;
-                        self.a.test(rax, rax)?;
-                        self.a.jnz(fault)?;
-                        let at = qword_ptr(rbp + scratch);
-                        match (size, signed) {
-                            (8, _) => self.a.mov(rax, at),
-                            (4, true) => self.a.movsxd(rax, dword_ptr(rbp + scratch)),
-                            (4, false) => self.a.mov(eax, dword_ptr(rbp + scratch)),
-                            (2, true) => self.a.movsx(rax, word_ptr(rbp + scratch)),
-                            (2, false) => self.a.movzx(eax, word_ptr(rbp + scratch)),
-                            (_, true) => self.a.movsx(rax, byte_ptr(rbp + scratch)),
-                            (_, false) => self.a.movzx(eax, byte_ptr(rbp + scratch)),
-                        }
-                    })()
+                    self.copy_in(copy, off, size, signed)
                 }
             };
             asm!(self, r)?;
