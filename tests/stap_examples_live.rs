@@ -1509,7 +1509,12 @@ const TIMES: &[&str] = &[
 
 /// Examples whose histograms are of durations: the buckets themselves differ by design (see
 /// [`TIMES`]), so any difference is reported, not failed.
-const TIME_HISTOGRAMS: &[&str] = &["rwtime-nd.stp", "sched-latency.stp", "cycle_thief.stp"];
+const TIME_HISTOGRAMS: &[&str] = &[
+    "rwtime-nd.stp",
+    "sched-latency.stp",
+    "cycle_thief.stp",
+    "func_time_stats.stp",
+];
 
 /// Whether check mode's verdict `v` (and the stderr after it) shows outputs that differ only
 /// in their digits at the first line that differs, with as many lines on both sides.

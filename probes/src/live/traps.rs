@@ -1245,7 +1245,7 @@ pub(super) fn tracepoint_callback(
     let mut code = [0u8; 32];
     read_guest(&mut *att.machine, callback, &mut code)
         .with_context(|| format!("cannot read tracepoint {name}'s callback at {callback:#x}"))?;
-    Ok(Some((link + past_pushes(&code), data)))
+    Ok(Some((link + past_prologue(&code), data)))
 }
 
 /// Reads kernel memory at `at`: vCPU 0's own view first (one request); when it stopped in
@@ -1259,25 +1259,48 @@ fn read_guest(machine: &mut dyn Machine, at: u64, buf: &mut [u8]) -> anyhow::Res
 }
 
 /// Where a probe at a function's entry whose first instruction is too short for a splice
-/// (event callbacks are `notrace`: no 5-byte ftrace call opens them) can go instead: past
-/// the register pushes that open it, at the first instruction of 5 bytes or more. A push
-/// changes no argument register, so a body there reads the arguments the entry had. 0 (the
-/// entry) when no such instruction follows the pushes in `code`.
-fn past_pushes(code: &[u8]) -> u64 {
-    use iced_x86::{Decoder, DecoderOptions, Mnemonic, OpKind};
+/// (event callbacks are `notrace`: no 5-byte ftrace call opens them) can go instead: at the
+/// first instruction of 5 bytes or more, when every instruction before it leaves the
+/// argument registers as the entry had them (register pushes, copies of arguments into
+/// callee-saved registers: no branch, no other write to memory or to `rsp`). A body there
+/// reads the entry's arguments. 0 (the entry) when there is no such instruction in `code`.
+fn past_prologue(code: &[u8]) -> u64 {
+    use iced_x86::{
+        Decoder, DecoderOptions, FlowControl, InstructionInfoFactory, Mnemonic, OpAccess, Register,
+    };
+    const KEPT: [Register; 7] = [
+        Register::RDI,
+        Register::RSI,
+        Register::RDX,
+        Register::RCX,
+        Register::R8,
+        Register::R9,
+        Register::RSP,
+    ];
     let mut decoder = Decoder::new(64, code, DecoderOptions::NONE);
+    let mut info = InstructionInfoFactory::new();
     let mut offset = 0;
     while decoder.can_decode() {
         let i = decoder.decode();
-        if i.is_invalid() {
+        if i.is_invalid() || i.flow_control() != FlowControl::Next {
             return 0;
         }
-        if i.mnemonic() != Mnemonic::Push || i.op0_kind() != OpKind::Register {
-            return if i.len() >= 5 && offset > 0 {
-                offset
-            } else {
-                0
-            };
+        if i.len() >= 5 {
+            return offset;
+        }
+        let push = i.mnemonic() == Mnemonic::Push;
+        let used = info.info(&i);
+        let writes = |a: OpAccess| !matches!(a, OpAccess::Read | OpAccess::NoMemAccess);
+        let kept = used
+            .used_registers()
+            .iter()
+            .all(|r| !writes(r.access()) || !KEPT.contains(&r.register().full_register()) || push);
+        let memory = used
+            .used_memory()
+            .iter()
+            .all(|m| !writes(m.access()) || push);
+        if !kept || !memory {
+            return 0;
         }
         offset += i.len() as u64;
     }
@@ -1914,19 +1937,38 @@ mod tests {
     }
 
     #[test]
-    fn event_callbacks_are_probed_past_their_pushes_at_a_long_instruction() {
+    fn event_callbacks_are_probed_past_their_prologue_at_a_long_instruction() {
         // trace_event_raw_event_sched_process_template of the Debian 6.1 guest: push %r12;
         // mov $0x6,%ecx (5 bytes).
         let template = [0x41, 0x54, 0xb9, 0x06, 0, 0, 0, 0x55, 0x48, 0x89, 0xfd];
-        assert_eq!(past_pushes(&template), 2);
-        // push %r13; push %r12; mov $0x6,%ecx.
-        assert_eq!(past_pushes(&[0x41, 0x55, 0x41, 0x54, 0xb9, 6, 0, 0, 0]), 4);
-        // A 5-byte first instruction (the ftrace call) needs no move; after the pushes a
-        // 3-byte mov %rdi,%rbp is too short for a splice.
-        assert_eq!(past_pushes(&[0x0f, 0x1f, 0x44, 0, 0, 0x55]), 0);
-        assert_eq!(past_pushes(&[0x55, 0x48, 0x89, 0xfd, 0x90, 0x90]), 0);
-        // Code that ends among the pushes.
-        assert_eq!(past_pushes(&[0x55, 0x53]), 0);
+        assert_eq!(past_prologue(&template), 2);
+        // trace_event_raw_event_sched_switch: push %r15; mov %r8d,%r15d; push %r14;
+        // mov %esi,%r14d; push %r13; push %r12; mov %rdi,%r12; push %rbp; mov %rcx,%rbp;
+        // mov $0x6,%ecx at +21.
+        let switch = [
+            0x41, 0x57, 0x45, 0x89, 0xc7, 0x41, 0x56, 0x41, 0x89, 0xf6, 0x41, 0x55, 0x41, 0x54,
+            0x49, 0x89, 0xfc, 0x55, 0x48, 0x89, 0xcd, 0xb9, 0x06, 0, 0, 0,
+        ];
+        assert_eq!(past_prologue(&switch), 21);
+        // A 5-byte first instruction (the ftrace call) needs no move.
+        assert_eq!(past_prologue(&[0x0f, 0x1f, 0x44, 0, 0, 0x55]), 0);
+        // Before the long instruction: a write to an argument register (mov %rdx,%rdi), to
+        // memory (mov %rax,(%rsp)), to rsp (sub $8,%rsp), or a branch (je): the entry.
+        assert_eq!(
+            past_prologue(&[0x55, 0x48, 0x89, 0xd7, 0xb9, 6, 0, 0, 0]),
+            0
+        );
+        assert_eq!(
+            past_prologue(&[0x48, 0x89, 0x04, 0x24, 0xb9, 6, 0, 0, 0]),
+            0
+        );
+        assert_eq!(
+            past_prologue(&[0x48, 0x83, 0xec, 0x08, 0xb9, 6, 0, 0, 0]),
+            0
+        );
+        assert_eq!(past_prologue(&[0x74, 0x02, 0xb9, 6, 0, 0, 0]), 0);
+        // Code that ends before a long instruction.
+        assert_eq!(past_prologue(&[0x55, 0x53]), 0);
     }
 
     #[test]
