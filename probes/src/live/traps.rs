@@ -1187,7 +1187,8 @@ const TRACEPOINT_ITERATOR: &str = "__traceiter_";
 ///
 /// # Errors
 /// No callback (the tracepoint is off), a lone callback outside the kernel image's text (a
-/// module's, BPF's), or memory or BTF that cannot be read.
+/// module's, BPF's) or without data (the kernel's own, which may serve other tracepoints),
+/// or memory or BTF that cannot be read.
 pub(super) fn tracepoint_callback(
     att: &mut GuestSession,
     image: &KernelImage,
@@ -1240,6 +1241,21 @@ pub(super) fn tracepoint_callback(
         bail!(
             "kernel.trace(\"{name}\"): its one callback, at {callback:#x}, is not a function \
              of the kernel image (a module's or BPF's), where exotap cannot probe"
+        );
+    }
+    // A callback registered without data (the kernel's own: the cmdline recorder's
+    // probe_sched_wakeup serves sched_wakeup and sched_wakeup_new alike) cannot tell this
+    // tracepoint's calls from another's.
+    if data == 0 {
+        let callback_name = image
+            .symbols
+            .lookup_addr(link)
+            .map_or_else(|| format!("{callback:#x}"), |(sym, _)| sym.name.clone());
+        bail!(
+            "kernel.trace(\"{name}\"): its one callback, {callback_name}, is the kernel's own \
+             and may serve other tracepoints too, so its calls cannot be told apart; turn the \
+             tracepoint's event on in the guest (echo 1 > \
+             /sys/kernel/tracing/events/*/{name}/enable) and probe again"
         );
     }
     let mut code = [0u8; 32];
