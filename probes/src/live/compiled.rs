@@ -174,7 +174,7 @@ pub fn plan(
         // A tracepoint's point is its iterator `__traceiter_NAME(void *__data, ARGS)`, whose
         // variables leave out `__data`: the arguments start at the second register (as the
         // host-evaluated path reads them, live::traps).
-        let data = super::traps::tracepoint_name(&point.name).map(|_| String::new());
+        let data = super::tracepoints::tracepoint_name(&point.name).map(|_| String::new());
         let params = data
             .into_iter()
             .chain(super::target_vars::btf_params(&point))
@@ -609,16 +609,19 @@ pub fn start_on(
         let names: Vec<&str> = plan
             .points
             .iter()
-            .filter_map(|(_, p)| super::traps::tracepoint_name(&p.name))
+            .filter_map(|(_, p)| super::tracepoints::tracepoint_name(&p.name))
             .collect();
-        super::traps::tracepoints_on(&mut session, image, btf.as_ref(), names.into_iter())?;
+        super::tracepoints::tracepoints_on(&mut session, image, btf.as_ref(), names.into_iter())?;
         // ... and goes into its one callback where the kernel calls that past the iterator
-        // (traps::tracepoint_callback).
+        // (tracepoints::tracepoint_callback).
         for (link, point) in &mut plan.points {
-            if let Some(name) = super::traps::tracepoint_name(&point.name) {
-                if let Some((callback, data)) =
-                    super::traps::tracepoint_callback(&mut session, image, btf.as_ref(), name)?
-                {
+            if let Some(name) = super::tracepoints::tracepoint_name(&point.name) {
+                if let Some((callback, data)) = super::tracepoints::tracepoint_callback(
+                    &mut session,
+                    image,
+                    btf.as_ref(),
+                    name,
+                )? {
                     *link = callback;
                     point.guard = Some(data);
                 }

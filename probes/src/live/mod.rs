@@ -73,6 +73,7 @@ pub mod shared;
 pub mod splicer;
 pub mod stacks;
 pub mod target_vars;
+pub mod tracepoints;
 pub mod trap_point;
 pub mod trap_script;
 pub mod traps;

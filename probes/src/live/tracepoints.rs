@@ -1,0 +1,273 @@
+//! Tracepoint probes (`kernel.trace("NAME")`): whether the guest has a tracepoint on, and
+//! where a probe on it goes.
+//!
+//! A tracepoint's probe point is its iterator `__traceiter_NAME(void *__data, ARGS)`, which
+//! calls every callback registered on it, but only with two or more: since Linux 5.10 a
+//! tracepoint with one callback calls it through a static call, past the iterator. Then the
+//! probe goes into that callback, guarded by its `data` ([`tracepoint_callback`]).
+
+use anyhow::{bail, Context as _};
+use exotap_introspect::btf::Btf;
+
+use super::kernel_image::KernelImage;
+use super::session::GuestSession;
+use super::traps::read_guest;
+
+/// Fails, naming each one, unless the guest has every tracepoint in `names` on.
+///
+/// # Errors
+/// A tracepoint that is off, or whose state cannot be read.
+pub(super) fn tracepoints_on<'n>(
+    att: &mut GuestSession,
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    names: impl Iterator<Item = &'n str>,
+) -> anyhow::Result<()> {
+    let off: Vec<String> = names
+        .filter_map(|name| match tracepoint_enabled(att, image, btf, name) {
+            Ok(true) => None,
+            Ok(false) => Some(format!(
+                "kernel.trace(\"{name}\"): its static key is off (enable it inside the guest, \
+                 e.g. echo 1 > /sys/kernel/tracing/events/*/{name}/enable)"
+            )),
+            Err(e) => Some(format!("kernel.trace(\"{name}\"): {e:#}")),
+        })
+        .collect();
+    if !off.is_empty() {
+        bail!(
+            "tracepoints call their probes only while something in the guest has them on, and \
+             exotap does not turn a guest's tracepoint on by itself (that would run the guest's \
+             tracing code): \n  {}\nor probe the function that fires the tracepoint with \
+             kernel.function",
+            off.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+/// The tracepoint a resolved point names (`kernel.trace("NAME")`).
+pub(super) fn tracepoint_name(point: &str) -> Option<&str> {
+    point.strip_prefix("kernel.trace(\"")?.strip_suffix("\")")
+}
+
+/// Whether the guest has tracepoint `name` on: its `__tracepoint_NAME.key.enabled` is
+/// positive once a tracer, perf or BPF in the guest attached to it. While it is off the
+/// kernel jumps over the call to `__traceiter_NAME`, so a probe there would never fire.
+///
+/// # Errors
+/// When BTF or the symbol table lacks the tracepoint, or guest memory cannot be read.
+fn tracepoint_enabled(
+    att: &mut GuestSession,
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    name: &str,
+) -> anyhow::Result<bool> {
+    let btf = btf.context("the kernel image has no BTF to lay out struct tracepoint")?;
+    let enabled = btf
+        .struct_member("tracepoint", "key.enabled")
+        .ok()
+        .and_then(|l| l.byte_offset())
+        .context("BTF has no tracepoint.key.enabled")?;
+    let at = image
+        .address(&format!("__tracepoint_{name}"))?
+        .wrapping_add(att.survey.kaslr.slide)
+        .wrapping_add(enabled);
+    let mut count = [0u8; 4];
+    read_guest(&mut *att.machine, at, &mut count)
+        .with_context(|| format!("cannot read __tracepoint_{name} at {at:#x}"))?;
+    Ok(i32::from_le_bytes(count) > 0)
+}
+
+/// The prefix of a tracepoint's iterator, `__traceiter_NAME(void *__data, ARGS)`.
+pub(super) const TRACEPOINT_ITERATOR: &str = "__traceiter_";
+
+/// Where a probe on tracepoint `name` goes when the guest registered exactly one callback on
+/// it: that callback (link-time address), and the `data` the kernel passes it as its first
+/// argument. `None` with two or more: the probe stays at the iterator.
+///
+/// Since Linux 5.10 a tracepoint with one callback calls it through a static call, past
+/// `__traceiter_NAME`; only with two or more does the iterator run, calling each. A probe
+/// at the iterator would miss every hit of a tracepoint that only its trace event is on
+/// (kmem, block, timer...), so there it goes into the callback, which has the iterator's
+/// arguments. A trace event's callback (`trace_event_raw_event_CLASS`) serves every event
+/// of its class; its `data`, the event's own file, tells them apart (the probe is guarded
+/// by it). The choice is made once, at the install: a callback the guest adds or removes
+/// while the probe is in moves its hits (as turning the tracepoint off stops them).
+///
+/// # Errors
+/// No callback (the tracepoint is off), a lone callback outside the kernel image's text (a
+/// module's, BPF's) or without data (the kernel's own, which may serve other tracepoints),
+/// or memory or BTF that cannot be read.
+pub(super) fn tracepoint_callback(
+    att: &mut GuestSession,
+    image: &KernelImage,
+    btf: Option<&Btf>,
+    name: &str,
+) -> anyhow::Result<Option<(u64, u64)>> {
+    let btf = btf.context("the kernel image has no BTF to lay out struct tracepoint")?;
+    let offset = |s: &str, m: &str| {
+        btf.struct_member(s, m)
+            .ok()
+            .and_then(|l| l.byte_offset())
+            .with_context(|| format!("BTF has no {s}.{m}"))
+    };
+    let (funcs, func, data) = (
+        offset("tracepoint", "funcs")?,
+        offset("tracepoint_func", "func")?,
+        offset("tracepoint_func", "data")?,
+    );
+    let size = btf
+        .struct_by_name("tracepoint_func")
+        .ok()
+        .and_then(|t| btf.size_of(t))
+        .context("BTF has no size for struct tracepoint_func")?;
+    let slide = att.survey.kaslr.slide;
+    let mut read = |at: u64| -> anyhow::Result<u64> {
+        let mut word = [0u8; 8];
+        read_guest(&mut *att.machine, at, &mut word)
+            .with_context(|| format!("cannot read tracepoint {name}'s callbacks at {at:#x}"))?;
+        Ok(u64::from_le_bytes(word))
+    };
+    let tracepoint = image
+        .address(&format!("__tracepoint_{name}"))?
+        .wrapping_add(slide);
+    let first = read(tracepoint.wrapping_add(funcs))?;
+    if first == 0 {
+        bail!("kernel.trace(\"{name}\"): no callback is registered (the tracepoint is off)");
+    }
+    // The array ends with a NULL func.
+    if read(first.wrapping_add(size).wrapping_add(func))? != 0 {
+        return Ok(None);
+    }
+    let callback = read(first.wrapping_add(func))?;
+    let data = read(first.wrapping_add(data))?;
+    let link = callback.wrapping_sub(slide);
+    let is_function = image
+        .symbols
+        .lookup_addr(link)
+        .is_some_and(|(sym, offset)| sym.is_text() && offset == 0);
+    if !is_function {
+        bail!(
+            "kernel.trace(\"{name}\"): its one callback, at {callback:#x}, is not a function \
+             of the kernel image (a module's or BPF's), where exotap cannot probe"
+        );
+    }
+    // A callback registered without data (the kernel's own: the cmdline recorder's
+    // probe_sched_wakeup serves sched_wakeup and sched_wakeup_new alike) cannot tell this
+    // tracepoint's calls from another's.
+    if data == 0 {
+        let callback_name = image
+            .symbols
+            .lookup_addr(link)
+            .map_or_else(|| format!("{callback:#x}"), |(sym, _)| sym.name.clone());
+        bail!(
+            "kernel.trace(\"{name}\"): its one callback, {callback_name}, is the kernel's own \
+             and may serve other tracepoints too, so its calls cannot be told apart; turn the \
+             tracepoint's event on in the guest (echo 1 > \
+             /sys/kernel/tracing/events/*/{name}/enable) and probe again"
+        );
+    }
+    let mut code = [0u8; 32];
+    read_guest(&mut *att.machine, callback, &mut code)
+        .with_context(|| format!("cannot read tracepoint {name}'s callback at {callback:#x}"))?;
+    Ok(Some((link + past_prologue(&code), data)))
+}
+
+/// Where a probe at a function's entry whose first instruction is too short for a splice
+/// (event callbacks are `notrace`: no 5-byte ftrace call opens them) can go instead: at the
+/// first instruction of 5 bytes or more, when every instruction before it leaves the
+/// argument registers as the entry had them (register pushes, copies of arguments into
+/// callee-saved registers: no branch, no other write to memory or to `rsp`). A body there
+/// reads the entry's arguments. 0 (the entry) when there is no such instruction in `code`.
+fn past_prologue(code: &[u8]) -> u64 {
+    use iced_x86::{
+        Decoder, DecoderOptions, FlowControl, InstructionInfoFactory, Mnemonic, OpAccess, Register,
+    };
+    const KEPT: [Register; 7] = [
+        Register::RDI,
+        Register::RSI,
+        Register::RDX,
+        Register::RCX,
+        Register::R8,
+        Register::R9,
+        Register::RSP,
+    ];
+    let mut decoder = Decoder::new(64, code, DecoderOptions::NONE);
+    let mut info = InstructionInfoFactory::new();
+    let mut offset = 0;
+    while decoder.can_decode() {
+        let i = decoder.decode();
+        if i.is_invalid() || i.flow_control() != FlowControl::Next {
+            return 0;
+        }
+        if i.len() >= 5 {
+            return offset;
+        }
+        let push = i.mnemonic() == Mnemonic::Push;
+        let used = info.info(&i);
+        let writes = |a: OpAccess| !matches!(a, OpAccess::Read | OpAccess::NoMemAccess);
+        let kept = used
+            .used_registers()
+            .iter()
+            .all(|r| !writes(r.access()) || !KEPT.contains(&r.register().full_register()) || push);
+        let memory = used
+            .used_memory()
+            .iter()
+            .all(|m| !writes(m.access()) || push);
+        if !kept || !memory {
+            return 0;
+        }
+        offset += i.len() as u64;
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracepoint_points_name_their_tracepoint_and_others_none() {
+        assert_eq!(
+            tracepoint_name("kernel.trace(\"sched_switch\")"),
+            Some("sched_switch")
+        );
+        assert_eq!(tracepoint_name("kernel.function(\"vfs_read\")"), None);
+        assert_eq!(tracepoint_name("kernel.trace(\"sched_switch\").x"), None);
+    }
+
+    #[test]
+    fn event_callbacks_are_probed_past_their_prologue_at_a_long_instruction() {
+        // trace_event_raw_event_sched_process_template of the Debian 6.1 guest: push %r12;
+        // mov $0x6,%ecx (5 bytes).
+        let template = [0x41, 0x54, 0xb9, 0x06, 0, 0, 0, 0x55, 0x48, 0x89, 0xfd];
+        assert_eq!(past_prologue(&template), 2);
+        // trace_event_raw_event_sched_switch: push %r15; mov %r8d,%r15d; push %r14;
+        // mov %esi,%r14d; push %r13; push %r12; mov %rdi,%r12; push %rbp; mov %rcx,%rbp;
+        // mov $0x6,%ecx at +21.
+        let switch = [
+            0x41, 0x57, 0x45, 0x89, 0xc7, 0x41, 0x56, 0x41, 0x89, 0xf6, 0x41, 0x55, 0x41, 0x54,
+            0x49, 0x89, 0xfc, 0x55, 0x48, 0x89, 0xcd, 0xb9, 0x06, 0, 0, 0,
+        ];
+        assert_eq!(past_prologue(&switch), 21);
+        // A 5-byte first instruction (the ftrace call) needs no move.
+        assert_eq!(past_prologue(&[0x0f, 0x1f, 0x44, 0, 0, 0x55]), 0);
+        // Before the long instruction: a write to an argument register (mov %rdx,%rdi), to
+        // memory (mov %rax,(%rsp)), to rsp (sub $8,%rsp), or a branch (je): the entry.
+        assert_eq!(
+            past_prologue(&[0x55, 0x48, 0x89, 0xd7, 0xb9, 6, 0, 0, 0]),
+            0
+        );
+        assert_eq!(
+            past_prologue(&[0x48, 0x89, 0x04, 0x24, 0xb9, 6, 0, 0, 0]),
+            0
+        );
+        assert_eq!(
+            past_prologue(&[0x48, 0x83, 0xec, 0x08, 0xb9, 6, 0, 0, 0]),
+            0
+        );
+        assert_eq!(past_prologue(&[0x74, 0x02, 0xb9, 6, 0, 0, 0]), 0);
+        // Code that ends before a long instruction.
+        assert_eq!(past_prologue(&[0x55, 0x53]), 0);
+    }
+}
