@@ -53,7 +53,8 @@ impl<W: std::io::Write> std::io::Write for Shared<W> {
 }
 
 /// Check mode's verdict on the two outputs: `Ok(lines)` when they are the same bytes, else
-/// where they part.
+/// where they part, and whether they are the same lines in another order (records of
+/// several vCPUs: the compiled ones in their TSC order, the host's in the order of its stops).
 pub(crate) fn check_verdict(compiled: &[u8], host: &[u8]) -> Result<usize, String> {
     let (c, h) = (
         String::from_utf8_lossy(compiled),
@@ -76,8 +77,16 @@ pub(crate) fn check_verdict(compiled: &[u8], host: &[u8]) -> Result<usize, Strin
             .map(|l| format!("\n    {l:?}"))
             .collect()
     };
+    let (mut cs, mut hs) = (cl.clone(), hl.clone());
+    cs.sort_unstable();
+    hs.sort_unstable();
+    let order = if cs == hs {
+        " (the same lines, in another order)"
+    } else {
+        ""
+    };
     Err(format!(
-        "line {} of {} (compiled) / {} (host-evaluated) differs:\n  compiled:        {}\n  \
+        "line {} of {} (compiled) / {} (host-evaluated) differs{order}:\n  compiled:        {}\n  \
          host-evaluated:  {}\n  then compiled:{}\n  then host-evaluated:{}",
         at + 1,
         cl.len(),
@@ -105,6 +114,15 @@ mod tests {
             "{why}"
         );
         assert!(why.contains("compiled:        \"b\"") && why.contains("host-evaluated:  \"x\""));
+        assert!(!why.contains("another order"), "{why}");
+        let swapped = check_verdict(b"a\nb\nc\n", b"a\nc\nb\n").unwrap_err();
+        assert!(
+            swapped.starts_with(
+                "line 2 of 3 (compiled) / 3 (host-evaluated) differs (the same lines, in \
+                 another order)"
+            ),
+            "{swapped}"
+        );
         let short = check_verdict(b"a\nb\n", b"a\n").unwrap_err();
         assert!(
             short.contains("host-evaluated:  (the output ends)"),
