@@ -1721,8 +1721,8 @@ fn systemtap_examples_print_the_same_compiled_and_host_evaluated_on_the_same_hit
     live.end();
     eprintln!(
         "check mode: {} examples printed the same compiled and host-evaluated, {} differ only \
-         in times or order (by design), {} differ, {} not checked (nothing compiles, or no verdict), in \
-         {:.0} s",
+         in times or order (by design), {} differ, {} not checked (nothing compiles, or no \
+         verdict), in {:.0} s",
         same.len(),
         by_design.len(),
         differ.len(),
