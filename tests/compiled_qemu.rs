@@ -648,6 +648,66 @@ fn check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits() {
 }
 
 #[test]
+fn compiled_timer_profile_samples_every_tick_with_the_interrupted_pc() {
+    if !have_qemu("compiled_timer_profile_samples_every_tick_with_the_interrupted_pc") {
+        return;
+    }
+    // Every tick runs update_process_times: the guest's own kprobe on it counts the samples.
+    // A shell loop spends its ticks in user mode, syscall-loop in the kernel: both kinds are
+    // sampled, each pc on its side of the address space (kernel pcs are negative longs).
+    let job = "T=/sys/kernel/tracing\n\
+               echo 'p:exotap/k0 update_process_times' >> $T/kprobe_events\n\
+               echo 1 > $T/events/exotap/enable\n\
+               exotap_wait attach\n\
+               sh -c 'i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done'\n\
+               syscall-loop 20000\n\
+               exotap_wait detach\n\
+               echo 0 > $T/events/exotap/enable\n\
+               echo > $T/kprobe_events\n";
+    let script = r#"global n, user, kernel, bad, by
+      probe timer.profile {
+        n++
+        pc = addr()
+        if (user_mode()) { user++; if (pc <= 0 || pc >= 0x800000000000) bad++ }
+        else { kernel++; if (pc >= 0) bad++ }
+        by[execname()]++
+      }
+      probe end {
+        printf("n %d user %d kernel %d bad %d\n", n, user, kernel, bad)
+        foreach (e in by- limit 4) printf("%s %d\n", e, by[e])
+      }"#;
+
+    let (code, out, err, transcript) = boot_compared(script, job, "500");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let printed = script_output(&out);
+    let totals: Vec<u64> = printed
+        .lines()
+        .find(|l| l.starts_with("n "))
+        .unwrap_or_else(|| panic!("no totals: {ctx}"))
+        .split_whitespace()
+        .skip(1)
+        .step_by(2)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let [n, user, kernel, bad] = totals[..] else {
+        panic!("totals: {ctx}")
+    };
+    let ticks = host_result(&err, "kprobe.update_process_times")
+        .and_then(|k| k.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no kprobe count: {ctx}"));
+    assert_eq!(n, ticks, "samples vs the guest's ticks: {ctx}");
+    assert!(user > 0 && kernel > 0 && user + kernel == n, "{ctx}");
+    assert_eq!(bad, 0, "{ctx}");
+    assert!(
+        printed.contains("syscall-loop ") && printed.contains("sh "),
+        "{ctx}"
+    );
+    assert_no_oops(&transcript);
+}
+
+#[test]
 fn tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hits() {
     if !have_qemu("tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hits")
     {

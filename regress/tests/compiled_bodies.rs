@@ -14,7 +14,7 @@ use exotap_probes::compile::{
     codegen::Env,
     data::{Header, Printed},
     types::{KernelTypes, Shape, TypeRef},
-    DataLayout, Facts, Interner, MemoryFns, SiteBodies, SitePoint, TaskFields,
+    DataLayout, Facts, Interner, IrqRegs, MemoryFns, SiteBodies, SitePoint, TaskFields,
 };
 use exotap_probes::lang::context::CapturedContext;
 use exotap_probes::lang::driver::{compile as check_script, compile_with, ScriptSource};
@@ -178,6 +178,12 @@ fn facts() -> Facts {
         globals: Default::default(),
         jiffies: None,
         data_slide: 0,
+        // The tick's registers (timer.profile): a pt_regs pointer per CPU, ip and cs in it.
+        irq_regs: Some(IrqRegs {
+            percpu: 0x110,
+            ip: 0x80,
+            cs: 0x88,
+        }),
     }
 }
 
@@ -212,6 +218,9 @@ fn rig_as(
     rig_guarded(script, limits, inv, &[None])
 }
 
+/// The point every probe of a rig's script is at (`pp()`), unless [`rig_at`] says another.
+const POINT: &str = "kernel.function(\"f\")";
+
 /// As [`rig_as`], with probe i of the script at the site too, guarded by `guards[i]` (as a
 /// tracepoint's probe at its class's shared callback: it runs where `$a`, the first
 /// argument, is the guard).
@@ -220,6 +229,17 @@ fn rig_guarded(
     limits: &Limits,
     inv: &Invocation,
     guards: &[Option<u64>],
+) -> (Rig, exotap_probes::lang::check::Program) {
+    let points: Vec<(Option<u64>, &str)> = guards.iter().map(|g| (*g, POINT)).collect();
+    rig_at(script, limits, inv, &points)
+}
+
+/// As [`rig_guarded`], probe i at the point named `points[i].1`.
+fn rig_at(
+    script: &str,
+    limits: &Limits,
+    inv: &Invocation,
+    points: &[(Option<u64>, &str)],
 ) -> (Rig, exotap_probes::lang::check::Program) {
     let prog = compile_with(
         &ScriptSource {
@@ -246,12 +266,12 @@ fn rig_guarded(
     };
     let mut interner = Interner::default();
     let bodies = SiteBodies {
-        entry: guards
+        entry: points
             .iter()
             .enumerate()
-            .map(|(probe, guard)| SitePoint {
+            .map(|(probe, (guard, name))| SitePoint {
                 probe,
-                name: "kernel.function(\"f\")".into(),
+                name: (*name).into(),
                 function: "f".into(),
                 params: vec!["a".into(), "b".into()],
                 is_return: false,
@@ -1889,6 +1909,47 @@ fn guarded_bodies_run_only_for_their_first_argument() {
             "{key} {count}: {n}"
         );
     }
+}
+
+#[test]
+fn timer_profile_reads_the_ticks_interrupted_registers() {
+    // The rig's CPU keeps its pt_regs pointer at gs:0x110 (its facts), ip at +0x80 and cs
+    // at +0x88: a kernel pc, a user pc (cs 0x33), then no registers (a NULL pointer).
+    let limits = Limits::default();
+    let (mut rig, _) = rig_at(
+        r#"global k, u
+           probe timer.profile {
+             if (user_mode()) u++; else k++
+             printf("%s|%d %x\n", probefunc(), user_mode(), addr())
+           }"#,
+        &limits,
+        &Invocation::default(),
+        &[(None, "timer.profile")],
+    );
+    let regs = TASK + 0x2800;
+    let hit = Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 0,
+        b: 0,
+    };
+    for (at, pc, code_segment) in [
+        (regs, 0xffff_ffff_8123_4567u64, 0x10u64),
+        (regs, 0x40_1000, 0x33),
+        (0, 0, 0),
+    ] {
+        rig.uc.write(PERCPU + 0x110, &at.to_le_bytes()).unwrap();
+        rig.uc.write(regs + 0x80, &pc.to_le_bytes()).unwrap();
+        rig.uc
+            .write(regs + 0x88, &code_segment.to_le_bytes())
+            .unwrap();
+        rig.hit(&hit);
+    }
+
+    assert_eq!(rig.printed(), "|0 ffffffff81234567\n|1 401000\n|0 0\n");
+    let data = rig.data();
+    assert_eq!(Header::decode(&data).errors, 0);
 }
 
 #[test]

@@ -112,6 +112,7 @@ fn facts() -> Facts {
         globals: Default::default(),
         jiffies: None,
         data_slide: 0,
+        irq_regs: None,
     }
 }
 

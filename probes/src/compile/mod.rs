@@ -130,7 +130,31 @@ pub struct Facts {
     /// The KASLR slide added to the link-time addresses of kernel data (`@var`,
     /// `jiffies()`): 0 while checking what compiles, the live slide at install.
     pub data_slide: u64,
+    /// Where a tick's interrupted registers are (`timer.profile`'s `addr()` and
+    /// `user_mode()`); `None`: they do not compile.
+    pub irq_regs: Option<IrqRegs>,
 }
+
+/// The interrupted registers of the tick a `timer.profile` probe runs in: the per-CPU
+/// `__irq_regs` pointer (gs-relative offset, as `get_irq_regs()` reads it) to the
+/// interrupt's `struct pt_regs`, and the offsets of `ip` and `cs` in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IrqRegs {
+    /// Per-CPU offset of `__irq_regs`.
+    pub percpu: u64,
+    /// `pt_regs.ip`.
+    pub ip: u64,
+    /// `pt_regs.cs`.
+    pub cs: u64,
+}
+
+/// The kernel function every tick runs on its CPU, where a compiled `timer.profile` probe
+/// is spliced: `update_process_times(user_tick)`, called with the interrupted registers in
+/// `irq_regs` (a CPU idle under NO_HZ takes no tick, so it takes no sample either).
+pub const PROFILE_FUNCTION: &str = "update_process_times";
+
+/// The point name of a `timer.profile` probe.
+pub const PROFILE_POINT: &str = "timer.profile";
 
 /// Slid addresses of the kernel's fault-tolerant string routines. Each is the kernel's own
 /// (mm/maccess.c), so a bad address is an error code, never a fault in the guest.
@@ -266,6 +290,8 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
                 // A tracepoint's iterator `__traceiter_NAME` is a function entry (see
                 // live::compiled: its arguments start at the second register).
                 PointKind::KernelTrace { .. } => kernel = true,
+                // Each tick's `update_process_times` ([`PROFILE_FUNCTION`]).
+                PointKind::TimerProfile => kernel = true,
                 k if k.needs_guest() => refused.push(Unsupported {
                     probe: Some(i),
                     span: pt.span,

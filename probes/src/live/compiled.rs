@@ -126,6 +126,15 @@ fn facts(image: &KernelImage, prog: &Program, btf: &Btf) -> anyhow::Result<Facts
         memory: compile::MemoryFns::from_symbols(|n| image.symbols.get(n).map(|s| s.addr)),
         stack_save: image.symbols.get("stack_trace_save_regs").map(|s| s.addr),
         types: Some(std::sync::Arc::new(compile::types::BtfTypes(btf.clone()))),
+        irq_regs: ["__irq_regs", "irq_regs"]
+            .iter()
+            .find_map(|n| image.symbols.get(n))
+            .zip(member("pt_regs", "ip").zip(member("pt_regs", "cs")))
+            .map(|(s, (ip, cs))| compile::IrqRegs {
+                percpu: s.addr,
+                ip,
+                cs,
+            }),
     })
 }
 
@@ -151,8 +160,26 @@ pub fn plan(
     let mut elsewhere = Vec::new();
     let mut statements = BTreeSet::new();
     for (probe, point) in resolved {
-        let Some(link) = point.address else {
-            continue;
+        let profile = point.name.starts_with(compile::PROFILE_POINT);
+        let link = match point.address {
+            Some(link) => link,
+            // Each tick's update_process_times runs a compiled timer.profile probe.
+            None if profile => match image.symbols.get(compile::PROFILE_FUNCTION) {
+                Some(s) => s.addr,
+                None => {
+                    elsewhere.push(Unsupported {
+                        probe: Some(probe),
+                        span: prog.script.probes[probe].span,
+                        construct: format!(
+                            "{} (the kernel has no {})",
+                            point.name,
+                            compile::PROFILE_FUNCTION
+                        ),
+                    });
+                    continue;
+                }
+            },
+            None => continue,
         };
         let is_return = point.name.ends_with(".return");
         // A statement (`func+OFFSET`, `.absolute`) runs its body in its function, at a

@@ -106,6 +106,8 @@ impl Gen<'_, '_> {
                 asm!(self, self.a.mov(rdx, qword_ptr(r13 + comm + 8)))?;
                 Ok(K::Str)
             }
+            // A sample is in no probed function (as the host-evaluated profile answers).
+            "probefunc" | "ppfunc" if self.profile() => self.string_const(""),
             "probefunc" | "ppfunc" => {
                 let f = self.point.function.clone();
                 self.string_const(&f)
@@ -146,6 +148,30 @@ impl Gen<'_, '_> {
                 Ok(K::Long)
             }
             "printf" | "print" | "println" => self.print(name, &c.args),
+            "print_backtrace" | "backtrace" | "print_syms" if self.profile() => {
+                self.not_in_profile("a kernel stack").map(|()| K::Long)
+            }
+            // A tick's interrupted code (SystemTap's addr()): the pc in the interrupt's
+            // registers, 0 without them.
+            "addr" if self.profile() => {
+                self.irq_regs(|g, regs| g.a.mov(rax, qword_ptr(rax + regs.ip as i32)))
+            }
+            // Whether the tick interrupted user code: its `cs` has a nonzero privilege level.
+            "user_mode" if self.profile() => self.irq_regs(|g, regs| {
+                g.a.mov(rax, qword_ptr(rax + regs.cs as i32))?;
+                g.a.and(eax, 3)?;
+                g.a.setne(al)?;
+                g.a.movzx(eax, al)
+            }),
+            // Elsewhere, as the interpreter: the probe point's address, in kernel code.
+            "addr" if !self.point.is_return => {
+                asm!(self, self.a.mov(rax, self.pc))?;
+                Ok(K::Long)
+            }
+            "user_mode" if !self.point.is_return => {
+                asm!(self, self.a.xor(eax, eax))?;
+                Ok(K::Long)
+            }
             "print_backtrace" => self.print_backtrace(),
             // As the interpreter prints it, the stack's frames one per line, as
             // `print_backtrace()` does.
@@ -288,6 +314,7 @@ impl Gen<'_, '_> {
             (OutputKind::Print(name == "println"), args)
         };
         if values.iter().any(|v| stack_arg(v).is_some()) {
+            self.not_in_profile("a kernel stack")?;
             return self.print_stack(kind, values);
         }
         if values.len() > MAX_PRINT_ARGS {
@@ -701,6 +728,50 @@ const SYSCALL_ARG_REGS: [i32; 6] = [112, 104, 96, 56, 72, 64];
 impl Gen<'_, '_> {
     /// `rax` = the `len`-byte word at the kernel address in `rax` (sign-extended), read with
     /// `copy_from_kernel_nofault` at `copy`; a fault ends the hit with a probe error.
+    /// A `timer.profile` probe (spliced into each tick's `update_process_times`).
+    fn profile(&self) -> bool {
+        self.point.name.starts_with(super::super::PROFILE_POINT)
+    }
+
+    /// Refuses `what` in a `timer.profile` probe: from the tick's splice it would describe
+    /// the tick, not the interrupted code a sample is of.
+    fn not_in_profile(&self, what: &str) -> R<()> {
+        if self.profile() {
+            return Err(self.no(format!(
+                "{what} in timer.profile (it would start at the tick, not at the interrupted code)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `value` of the tick's interrupted registers: `rax` = the per-CPU `irq_regs` pointer
+    /// (`get_irq_regs()`), then `value`; 0 when there are none.
+    fn irq_regs(
+        &mut self,
+        value: impl FnOnce(&mut Self, super::super::IrqRegs) -> Result<(), IcedError>,
+    ) -> R<K> {
+        let regs = self.env.facts.irq_regs.ok_or_else(|| {
+            self.no("the tick's registers (the kernel has no __irq_regs or BTF pt_regs)")
+        })?;
+        let mut none = self.a.create_label();
+        let r = (|| {
+            let mut load = Instruction::with2(
+                Code::Mov_r64_rm64,
+                Register::RAX,
+                iced_x86::MemoryOperand::with_base_displ(Register::None, regs.percpu as i64),
+            )?;
+            load.set_segment_prefix(Register::GS);
+            load.set_memory_displ_size(4);
+            self.a.add_instruction(load)?;
+            self.a.test(rax, rax)?;
+            self.a.jz(none)?;
+            value(self, regs)?;
+            self.a.set_label(&mut none)
+        })();
+        asm!(self, r)?;
+        Ok(K::Long)
+    }
+
     fn read_kernel(&mut self, copy: u64, len: u8, signed: bool) -> R<()> {
         let r = self.copy_in(copy, 0, len, signed);
         asm!(self, r)
