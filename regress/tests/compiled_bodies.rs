@@ -29,6 +29,8 @@ use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine};
 use iced_x86::code_asm::*;
 
 const CODE: u64 = 0xffff_ffff_a000_0000;
+/// Where the rig's site code is (the probe point's address, `addr()`).
+const SITE: u64 = CODE + 0x8_0000;
 const DATA: u64 = 0xffff_ffff_a100_0000;
 const STACK: u64 = 0xffff_c900_0000_0000;
 const PERCPU: u64 = 0xffff_8880_0100_0000;
@@ -280,9 +282,9 @@ fn rig_at(
             })
             .collect(),
         ret: Vec::new(),
-        pc: 0,
+        pc: SITE,
     };
-    let entry = CODE + 0x8_0000;
+    let entry = SITE;
     let mut code = compile::entry_code(env, &mut interner, entry, &bodies, None).expect("compiles");
     code.push(0xf4); // hlt: where the run ends (the relocated instruction would be here)
     let end = entry + code.len() as u64 - 1;
@@ -1950,6 +1952,27 @@ fn timer_profile_reads_the_ticks_interrupted_registers() {
     assert_eq!(rig.printed(), "|0 ffffffff81234567\n|1 401000\n|0 0\n");
     let data = rig.data();
     assert_eq!(Header::decode(&data).errors, 0);
+}
+
+#[test]
+fn addr_and_user_mode_of_a_kernel_probe_are_its_point_in_kernel_mode() {
+    // As the host-evaluated path answers them at its breakpoint: the probe point's address
+    // (here the rig's site) and not user mode.
+    let limits = Limits::default();
+    let (mut rig, _) = rig(
+        r#"probe kernel.function("f") { printf("%x %d\n", addr(), user_mode()) }"#,
+        &limits,
+    );
+
+    rig.hit(&Hit {
+        comm: "t",
+        pid: 1,
+        tgid: 1,
+        a: 0,
+        b: 0,
+    });
+
+    assert_eq!(rig.printed(), format!("{SITE:x} 0\n"));
 }
 
 #[test]
