@@ -697,6 +697,7 @@ fn compiled_timer_profile_samples_every_tick_with_the_interrupted_pc() {
     let ticks = host_result(&err, "kprobe.update_process_times")
         .and_then(|k| k.parse::<u64>().ok())
         .unwrap_or_else(|| panic!("no kprobe count: {ctx}"));
+    eprintln!("timer.profile: {n} samples ({user} user, {kernel} kernel) = {ticks} ticks");
     assert_eq!(n, ticks, "samples vs the guest's ticks: {ctx}");
     assert!(user > 0 && kernel > 0 && user + kernel == n, "{ctx}");
     assert_eq!(bad, 0, "{ctx}");
