@@ -180,18 +180,11 @@ pub(super) fn tracepoint_callback(
 /// callee-saved registers: no branch, no other write to memory or to `rsp`). A body there
 /// reads the entry's arguments. 0 (the entry) when there is no such instruction in `code`.
 fn past_prologue(code: &[u8]) -> u64 {
+    use exotap_introspect::x86::regs::RegSet;
     use iced_x86::{
         Decoder, DecoderOptions, FlowControl, InstructionInfoFactory, Mnemonic, OpAccess, Register,
     };
-    const KEPT: [Register; 7] = [
-        Register::RDI,
-        Register::RSI,
-        Register::RDX,
-        Register::RCX,
-        Register::R8,
-        Register::R9,
-        Register::RSP,
-    ];
+    const KEPT: RegSet = RegSet::SYSV_ARGS.with(Register::RSP);
     let mut decoder = Decoder::new(64, code, DecoderOptions::NONE);
     let mut info = InstructionInfoFactory::new();
     let mut offset = 0;
@@ -209,7 +202,7 @@ fn past_prologue(code: &[u8]) -> u64 {
         let kept = used
             .used_registers()
             .iter()
-            .all(|r| !writes(r.access()) || !KEPT.contains(&r.register().full_register()) || push);
+            .all(|r| !writes(r.access()) || !KEPT.contains(r.register().full_register()) || push);
         let memory = used
             .used_memory()
             .iter()
