@@ -726,8 +726,6 @@ pub fn record_bytes(prog: &Program, limits: &Limits) -> u64 {
 const SYSCALL_ARG_REGS: [i32; 6] = [112, 104, 96, 56, 72, 64];
 
 impl Gen<'_, '_> {
-    /// `rax` = the `len`-byte word at the kernel address in `rax` (sign-extended), read with
-    /// `copy_from_kernel_nofault` at `copy`; a fault ends the hit with a probe error.
     /// A `timer.profile` probe (spliced into each tick's `update_process_times`).
     fn profile(&self) -> bool {
         self.point.name.starts_with(super::super::PROFILE_POINT)
@@ -772,6 +770,8 @@ impl Gen<'_, '_> {
         Ok(K::Long)
     }
 
+    /// `rax` = the `len`-byte word at the address in `rax` (sign-extended when `signed`),
+    /// read with the nofault copy routine at `copy`; a fault ends the hit with a probe error.
     fn read_kernel(&mut self, copy: u64, len: u8, signed: bool) -> R<()> {
         let r = self.copy_in(copy, 0, len, signed);
         asm!(self, r)
