@@ -16,8 +16,10 @@
 //!   trampoline.
 //!
 //! Where: function entries and returns, statements at an offset or address where the
-//! splice planner accepts the instruction, and tracepoints (`kernel.trace`, entered at the
-//! tracepoint's iterator `__traceiter_NAME`, its arguments from the second register on).
+//! splice planner accepts the instruction, tracepoints (`kernel.trace`, entered at the
+//! tracepoint's iterator `__traceiter_NAME`, or at its one callback where the kernel calls
+//! that past the iterator: live/tracepoints.rs; the arguments from the second register on),
+//! and `timer.profile` (each tick's [`PROFILE_FUNCTION`]).
 //!
 //! What compiles: `if/else`, `while`, `for`, `next`, `break`, `continue`; `foreach` over an
 //! array in the interpreter's order (insertion order, or sorted on the value, a statistic or
