@@ -1,0 +1,312 @@
+//! What the kernel image says about its text, and the live text and its analysis.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use exotap_introspect::x86::{
+    ranges_from_starts, thunk_register, AnalysisConfig, CallEffect, CodeView, TextAnalysis,
+};
+use exotap_vmm::control::Machine;
+
+use crate::splice::{plan, Refusal, SpliceContext, SpliceDecision, TrapReason};
+
+use crate::live::attach::Survey;
+use crate::live::guest_memory::BackendMemory;
+use crate::live::kernel_image::KernelImage;
+
+use super::READ_CHUNK;
+
+/// Facts from the image, slid to the running kernel.
+#[derive(Debug, Default)]
+pub struct KernelFacts {
+    /// The text's range `[start, end)`.
+    pub text: (u64, u64),
+    /// Function start addresses (kallsyms `T`/`t` inside the text).
+    pub starts: Vec<u64>,
+    /// Ranges not to instrument.
+    pub forbidden: Vec<Range<u64>>,
+    /// Bytes the kernel rewrites at run time.
+    pub self_patched: Vec<Range<u64>>,
+    /// Instructions the kernel finds by address, sorted.
+    pub address_keyed: Vec<u64>,
+    /// Calls and returns the analysis must model specially.
+    pub config: AnalysisConfig,
+}
+
+/// A table of fixed-size entries between two symbols of the image (link-time contents).
+fn table<'i>(
+    image: &'i KernelImage,
+    start: &str,
+    stop: &str,
+    entry: usize,
+) -> anyhow::Result<(u64, &'i [u8])> {
+    let from = image.address(start)?;
+    let to = image.address(stop)?;
+    let len = usize::try_from(
+        to.checked_sub(from)
+            .context("table ends before it starts")?,
+    )?;
+    if len % entry != 0 {
+        bail!("{start}..{stop} is {len} bytes, not a multiple of {entry}");
+    }
+    let bytes = image
+        .vmlinux
+        .read_at(from, len)
+        .with_context(|| format!("cannot read {start}..{stop} from the image"))?;
+    Ok((from, bytes))
+}
+
+/// The address a 32-bit self-relative field at `table_addr + offset` points to.
+fn relative(table_addr: u64, bytes: &[u8], offset: usize) -> Option<u64> {
+    let raw: [u8; 4] = bytes.get(offset..offset + 4)?.try_into().ok()?;
+    let disp = i64::from(i32::from_le_bytes(raw));
+    Some(
+        table_addr
+            .wrapping_add(offset as u64)
+            .wrapping_add(disp as u64),
+    )
+}
+
+impl KernelFacts {
+    /// Reads the facts from the image and slides them.
+    ///
+    /// # Errors
+    /// When a symbol or table the engine relies on is missing.
+    pub fn from_image(image: &KernelImage, slide: u64) -> anyhow::Result<Self> {
+        let (start, end) = image
+            .vmlinux
+            .text_range()
+            .context("the image has no .text")?;
+        let s = |a: u64| a.wrapping_add(slide);
+        let mut facts = Self {
+            text: (s(start), s(end)),
+            ..Self::default()
+        };
+        let mut config = AnalysisConfig::new();
+        for sym in image.symbols.iter() {
+            if matches!(sym.kind, 'T' | 't' | 'W' | 'w') && sym.addr >= start && sym.addr < end {
+                facts.starts.push(s(sym.addr));
+            }
+            if sym.name == "__fentry__" {
+                config = config.with_call_effect(s(sym.addr), CallEffect::TRANSPARENT);
+            }
+            if sym.name == "__x86_return_thunk" {
+                config = config.with_return_thunk(s(sym.addr));
+            }
+            if let Some(reg) = thunk_register(&sym.name) {
+                config = config.with_call_effect(s(sym.addr), CallEffect::sysv_reading(reg));
+            }
+        }
+        facts.config = config;
+        for (from, to) in [
+            ("__entry_text_start", "__entry_text_end"),
+            ("__noinstr_text_start", "__noinstr_text_end"),
+        ] {
+            facts
+                .forbidden
+                .push(s(image.address(from)?)..s(image.address(to)?));
+        }
+        facts.self_patched.push(
+            s(image.address("__static_call_text_start")?)
+                ..s(image.address("__static_call_text_end")?),
+        );
+        // struct jump_entry { s32 code; s32 target; long key; }
+        let (at, bytes) = table(image, "__start___jump_table", "__stop___jump_table", 16)?;
+        for i in (0..bytes.len()).step_by(16) {
+            if let Some(code) = relative(at, bytes, i) {
+                facts.self_patched.push(s(code)..s(code) + 5);
+            }
+        }
+        // struct static_call_site { s32 addr; s32 key; }
+        let (at, bytes) = table(
+            image,
+            "__start_static_call_sites",
+            "__stop_static_call_sites",
+            8,
+        )?;
+        for i in (0..bytes.len()).step_by(8) {
+            if let Some(site) = relative(at, bytes, i) {
+                facts.self_patched.push(s(site)..s(site) + 5);
+            }
+        }
+        // Sorted and disjoint, as the planner binary-searches them.
+        facts.self_patched =
+            crate::splice::disjoint_ranges(std::mem::take(&mut facts.self_patched));
+        facts.forbidden = crate::splice::disjoint_ranges(std::mem::take(&mut facts.forbidden));
+        // struct exception_table_entry { int insn, fixup, data; }
+        let (at, bytes) = table(image, "__start___ex_table", "__stop___ex_table", 12)?;
+        for i in (0..bytes.len()).step_by(12) {
+            facts.address_keyed.extend(relative(at, bytes, i).map(s));
+        }
+        // struct bug_entry { s32 bug_addr_disp; s32 file_disp; u16 line; u16 flags; }
+        let (at, bytes) = table(image, "__start___bug_table", "__stop___bug_table", 12)?;
+        for i in (0..bytes.len()).step_by(12) {
+            facts.address_keyed.extend(relative(at, bytes, i).map(s));
+        }
+        facts.address_keyed.sort_unstable();
+        facts.address_keyed.dedup();
+        Ok(facts)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The live text and its analysis.
+// ---------------------------------------------------------------------------------------
+
+/// The running kernel's text as read from the stopped guest, analysed.
+pub struct LiveKernel {
+    /// Facts from the image.
+    pub facts: KernelFacts,
+    /// Guest-physical address of the text's first byte (the text is contiguous).
+    pub text_phys: u64,
+    bytes: Vec<u8>,
+    analysis: TextAnalysis,
+    /// Time to read the text over the gdbstub.
+    pub read_time: Duration,
+    /// Time to analyse it.
+    pub analysis_time: Duration,
+}
+
+impl std::fmt::Debug for LiveKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveKernel")
+            .field("text", &self.facts.text)
+            .field("functions", &self.analysis.functions().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LiveKernel {
+    /// Reads and analyses the live text of a stopped guest.
+    ///
+    /// # Errors
+    /// When the image lacks a table, or the text cannot be read.
+    pub fn read(
+        machine: &mut dyn Machine,
+        survey: &Survey,
+        image: &KernelImage,
+    ) -> anyhow::Result<Self> {
+        let facts = KernelFacts::from_image(image, survey.kaslr.slide)?;
+        let (start, end) = facts.text;
+        let text_va = image.address("_text")?.wrapping_add(survey.kaslr.slide);
+        let text_phys = survey.kaslr.text_phys + (start - text_va);
+        // The image is mapped contiguously; check both ends through the page tables.
+        for va in [start, end - 1] {
+            let t = survey
+                .space(&mut BackendMemory(&mut *machine))
+                .translate(va)
+                .with_context(|| format!("kernel text at {va:#x} is not mapped"))?;
+            if t.phys != text_phys + (va - start) {
+                bail!(
+                    "kernel text at {va:#x} maps to {:#x}, not {:#x}: not contiguous",
+                    t.phys,
+                    text_phys + (va - start)
+                );
+            }
+        }
+        let started = Instant::now();
+        let len = usize::try_from(end - start)?;
+        let bytes = match machine.read_phys_bulk(text_phys, len) {
+            Some(bytes) => bytes,
+            None => {
+                let mut bytes = vec![0u8; len];
+                for (i, chunk) in bytes.chunks_mut(READ_CHUNK).enumerate() {
+                    let at = text_phys + (i * READ_CHUNK) as u64;
+                    machine
+                        .read_phys(at, chunk)
+                        .with_context(|| format!("cannot read the kernel text at {at:#x}"))?;
+                }
+                bytes
+            }
+        };
+        let read_time = started.elapsed();
+        let started = Instant::now();
+        let view = CodeView::new(start, &bytes)?;
+        let ranges = ranges_from_starts(&facts.starts, view.end());
+        let analysis = TextAnalysis::analyze(view, &ranges, &facts.config);
+        let analysis_time = started.elapsed();
+        tracing::info!(
+            "read {} KiB of live kernel text in {:.2} s ({:.1} MB/s), analysed {} functions in {:.2} s",
+            bytes.len() >> 10,
+            read_time.as_secs_f64(),
+            bytes.len() as f64 / read_time.as_secs_f64().max(1e-9) / 1e6,
+            analysis.functions().len(),
+            analysis_time.as_secs_f64()
+        );
+        Ok(Self {
+            facts,
+            text_phys,
+            bytes,
+            analysis,
+            read_time,
+            analysis_time,
+        })
+    }
+
+    /// The planner's context.
+    pub fn context(&self) -> SpliceContext<'_> {
+        SpliceContext {
+            text: CodeView::new(self.facts.text.0, &self.bytes)
+                .unwrap_or_else(|_| CodeView::new(0, &[]).unwrap_or_else(|_| unreachable!())),
+            analysis: &self.analysis,
+            forbidden: &self.facts.forbidden,
+            self_patched: &self.facts.self_patched,
+            address_keyed: &self.facts.address_keyed,
+        }
+    }
+
+    /// Plans a splice at `addr` for a patch at `patch`.
+    pub fn plan(&self, addr: u64, patch: u64) -> SpliceDecision {
+        plan(&self.context(), addr, patch)
+    }
+
+    /// Guest-physical address of a text address.
+    pub fn phys(&self, va: u64) -> Option<u64> {
+        (va >= self.facts.text.0 && va < self.facts.text.1)
+            .then(|| self.text_phys + (va - self.facts.text.0))
+    }
+}
+
+/// A one-line reason for a plan that is not a splice.
+pub fn why_not(decision: &SpliceDecision) -> Option<String> {
+    match decision {
+        SpliceDecision::Splice(_) => None,
+        SpliceDecision::Trap {
+            reason: TrapReason::ShortInstruction { len },
+            ..
+        } => Some(format!(
+            "the instruction there is {len} bytes, shorter than a 5-byte jmp (needs a trap probe)"
+        )),
+        SpliceDecision::Refuse(r) => Some(r.to_string()),
+    }
+}
+
+/// A short category name for a plan, for tallies.
+pub fn category(decision: &SpliceDecision) -> String {
+    match decision {
+        SpliceDecision::Splice(_) => "splice".into(),
+        SpliceDecision::Trap { .. } => "trap (short instruction)".into(),
+        SpliceDecision::Refuse(Refusal::Unsupported { mnemonic, .. }) => {
+            format!("refuse: unsupported {mnemonic:?}")
+        }
+        SpliceDecision::Refuse(r) => {
+            let name = format!("{r:?}");
+            format!("refuse: {}", name.split([' ', '{']).next().unwrap_or(""))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_table_fields_resolve_against_their_own_address() {
+        let bytes = [0xf0, 0xff, 0xff, 0xff, 0x10, 0, 0, 0];
+
+        assert_eq!(relative(0x1000, &bytes, 0), Some(0x1000 - 0x10));
+        assert_eq!(relative(0x1000, &bytes, 4), Some(0x1014));
+        assert_eq!(relative(0x1000, &bytes, 6), None);
+    }
+}

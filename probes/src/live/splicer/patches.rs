@@ -1,0 +1,272 @@
+//! The patches a splice enters: counting, nullifying and replacing ones, and the
+//! entry/exit pairs of `exotap time` and `exotap trace`.
+
+use anyhow::{bail, Context};
+use exotap_introspect::layout::TaskOffsets;
+use iced_x86::code_asm::{rax, CodeAssembler};
+use iced_x86::Register;
+
+use crate::rings::RingSet;
+
+use super::Action;
+
+/// `jmp rel32` from `from` to `to`.
+pub(super) fn jmp_rel32(from: u64, to: u64) -> anyhow::Result<[u8; 5]> {
+    let rel = i32::try_from(to.wrapping_sub(from.wrapping_add(5)) as i64)
+        .with_context(|| format!("{to:#x} is out of rel32 reach of {from:#x}"))?;
+    let mut out = [0xe9, 0, 0, 0, 0];
+    out[1..].copy_from_slice(&rel.to_le_bytes());
+    Ok(out)
+}
+
+/// A patch that counts and then returns `value` (nullify) or jumps to `other` (replace),
+/// never running the spliced instruction.
+pub(super) fn diverting_patch(
+    at: u64,
+    counter: u64,
+    action: Action,
+    return_thunk: Option<u64>,
+) -> anyhow::Result<Vec<u8>> {
+    let mut a = CodeAssembler::new(64)?;
+    // Flags are dead at a function entry (SysV: callers assume they are clobbered).
+    let mut inc = iced_x86::Instruction::with1(
+        iced_x86::Code::Inc_rm64,
+        iced_x86::MemoryOperand::with_base_displ(Register::RIP, counter as i64),
+    )?;
+    inc.set_has_lock_prefix(true);
+    a.add_instruction(inc)?;
+    a.set_prefer_short_branch(false);
+    match action {
+        Action::Nullify(value) => {
+            a.mov(rax, value)?;
+            match return_thunk {
+                Some(thunk) => a.jmp(thunk)?,
+                None => a.ret()?,
+            }
+        }
+        Action::Replace(other) => a.jmp(other)?,
+        Action::Count
+        | Action::Time
+        | Action::Trace(_)
+        | Action::Compiled(_)
+        | Action::Enter(_) => {
+            bail!("this patch relocates the original instruction")
+        }
+    }
+    Ok(a.assemble(at)?)
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry/exit pairs inside the guest (`exotap time`).
+//
+// The entry patch claims a slot in a table of calls in flight, keyed by the address of the
+// return-address slot on the stack (unique per call in flight: tasks have their own stacks,
+// and nested calls sit deeper), stores the original return address and an rdtsc there, and
+// swaps the return address for the function's return trampoline. The trampoline finds the
+// slot again (the `ret` left rsp just above it), puts the original return address back
+// where `ret` will pop it, adds the elapsed cycles to a log2 histogram, frees the slot and
+// returns to the caller. A full table (more than INFLIGHT calls in flight) skips the timing
+// of that call and counts a miss. Removal puts back every swapped return address still on
+// a stack, as kretprobes do; the trampolines stay in the heap for calls in the middle of one.
+// ---------------------------------------------------------------------------------------
+
+// The table of calls in flight and its hash are the compiled probes' (one table layout for
+// `time`, `trace` and compiled `.return` probes).
+use crate::compile::site::{emit_swap, emit_unswap};
+/// Histogram buckets (log2 of cycles).
+pub const BUCKETS: usize = 64;
+
+fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
+    iced_x86::MemoryOperand::with_base_displ(Register::RIP, addr as i64)
+}
+
+/// Per-vCPU ring buffers of entry/exit records (`exotap trace`).
+///
+/// Each vCPU's ring is a 64-byte header (the `u64` head: records ever reserved, with
+/// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
+/// first argument at entry, the return value at exit), function id at +16, kind at +20
+/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit), the running task's
+/// pid at +32 and its `comm` (16 bytes) at +40 (zero when the kernel's task offsets are
+/// unknown), 8 bytes reserved. The TSC is stored last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
+/// guest stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
+/// from where it stopped last up to the first one whose TSC is still 0 (its writer has not
+/// finished), then zeroes the records it took, so that a slot being rewritten reads as
+/// unfinished. A burst of more than `slots` records between two drains overwrites the oldest
+/// ones: those are counted as lost (overruns).
+#[derive(Debug, Clone, Copy)]
+pub struct Rings {
+    /// The rings (crate::rings: the protocol `trace` shares with compiled probes).
+    pub set: RingSet,
+    /// The per-CPU offset of `cpu_number` (gs-relative).
+    pub cpu_number: u64,
+    /// Where the running task's pid and name are: the per-CPU offset of `current_task`, and
+    /// `task_struct`'s pid and comm offsets.
+    pub task: Option<(u64, TaskOffsets)>,
+}
+
+/// Bytes per trace record.
+pub const TRACE_RECORD: u64 = 64;
+
+/// Writes one record; r8 = TSC, `value` = the value, rsi = the stack slot. Clobbers rax,
+/// rcx, rdx and the flags.
+fn emit_record(
+    a: &mut CodeAssembler,
+    rings: &Rings,
+    id: u32,
+    kind: u32,
+    value: iced_x86::code_asm::AsmRegister64,
+) -> anyhow::Result<()> {
+    use iced_x86::code_asm::{dword_ptr, qword_ptr, r8, rdx, rsi};
+    let mut skip = a.create_label();
+    rings.set.emit_reserve(a, rings.cpu_number, rdx, skip)?;
+    a.mov(qword_ptr(rdx + 8), value)?;
+    a.mov(dword_ptr(rdx + 16), id)?;
+    a.mov(dword_ptr(rdx + 20), kind)?;
+    a.mov(qword_ptr(rdx + 24), rsi)?;
+    match rings.task {
+        Some((current_task, task)) => {
+            use iced_x86::code_asm::{ecx, rcx};
+            let mut cur = iced_x86::Instruction::with2(
+                iced_x86::Code::Mov_r64_rm64,
+                Register::RAX,
+                iced_x86::MemoryOperand::with_base_displ(Register::None, current_task as i64),
+            )?;
+            cur.set_segment_prefix(Register::GS);
+            cur.set_memory_displ_size(4);
+            a.add_instruction(cur)?;
+            let pid = i32::try_from(task.pid)?;
+            let comm = i32::try_from(task.comm)?;
+            a.mov(ecx, dword_ptr(rax + pid))?;
+            a.mov(dword_ptr(rdx + 32), ecx)?;
+            a.mov(rcx, qword_ptr(rax + comm))?;
+            a.mov(qword_ptr(rdx + 40), rcx)?;
+            a.mov(rcx, qword_ptr(rax + comm + 8))?;
+            a.mov(qword_ptr(rdx + 48), rcx)?;
+        }
+        None => {
+            a.mov(dword_ptr(rdx + 32), 0)?;
+            a.mov(qword_ptr(rdx + 40), 0)?;
+            a.mov(qword_ptr(rdx + 48), 0)?;
+        }
+    }
+    a.mov(qword_ptr(rdx), r8)?;
+    a.set_label(&mut skip)?;
+    a.nop()?;
+    Ok(())
+}
+
+/// The entry half: claim a slot, save the return address and the TSC, swap in the
+/// trampoline (and with `trace`, record the entry with the first argument). Preserves every
+/// register and (function entry) needs no flags.
+pub(super) fn timing_entry(
+    at: u64,
+    table: u64,
+    misses: u64,
+    trampoline: u64,
+    trace: Option<(&Rings, u32)>,
+) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{qword_ptr, r8, rcx, rdi, rdx, rsi, rsp};
+    let mut a = CodeAssembler::new(64)?;
+    let mut done = a.create_label();
+    a.push(rax)?;
+    a.push(rcx)?;
+    a.push(rdx)?;
+    a.push(rsi)?;
+    a.push(r8)?;
+    a.lea(rsi, qword_ptr(rsp + 40))?;
+    emit_swap(&mut a, table, misses, trampoline, done)?;
+    if let Some((rings, id)) = trace {
+        a.mov(r8, rax)?;
+        emit_record(&mut a, rings, id, 1, rdi)?;
+    }
+    a.set_label(&mut done)?;
+    a.pop(r8)?;
+    a.pop(rsi)?;
+    a.pop(rdx)?;
+    a.pop(rcx)?;
+    a.pop(rax)?;
+    Ok(a.assemble(at)?)
+}
+
+/// The return trampoline of one timed (histogram) or traced (ring record) function.
+pub(super) fn timing_trampoline(
+    at: u64,
+    table: u64,
+    histogram: u64,
+    trace: Option<(&Rings, u32)>,
+) -> anyhow::Result<Vec<u8>> {
+    use iced_x86::code_asm::{qword_ptr, r8, r9, rcx, rdx, rsi, rsp};
+    let mut a = CodeAssembler::new(64)?;
+    a.lea(rsp, qword_ptr(rsp - 8))?; // the slot `ret` popped; no flags touched
+    a.push(rax)?;
+    a.push(rcx)?;
+    a.push(rdx)?;
+    a.push(rsi)?;
+    a.push(r8)?;
+    a.push(r9)?;
+    a.pushfq()?;
+    a.mov(r9, rax)?; // the return value
+    a.lea(rsi, qword_ptr(rsp + 56))?;
+    emit_unswap(&mut a, table)?;
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.mov(r8, rax)?;
+    a.sub(rax, qword_ptr(rcx + 16))?;
+    a.mov(qword_ptr(rcx), 0)?;
+    match trace {
+        Some((rings, id)) => emit_record(&mut a, rings, id, 2, r9)?,
+        None => {
+            a.or(rax, 1)?;
+            a.bsr(rdx, rax)?;
+            a.add_instruction(iced_x86::Instruction::with2(
+                iced_x86::Code::Lea_r64_m,
+                Register::RCX,
+                rip_mem(histogram),
+            )?)?;
+            a.lock().inc(qword_ptr(rcx + rdx * 8))?;
+        }
+    }
+    a.popfq()?;
+    a.pop(r9)?;
+    a.pop(r8)?;
+    a.pop(rsi)?;
+    a.pop(rdx)?;
+    a.pop(rcx)?;
+    a.pop(rax)?;
+    a.ret()?;
+    Ok(a.assemble(at)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jmp_rel32_encodes_the_displacement_from_the_next_instruction() {
+        assert_eq!(
+            jmp_rel32(0xffff_ffff_8100_0000, 0xffff_ffff_8100_0105).unwrap(),
+            [0xe9, 0x00, 0x01, 0x00, 0x00]
+        );
+        assert!(jmp_rel32(0xffff_ffff_8100_0000, 0x4000_0000_0000).is_err());
+    }
+
+    #[test]
+    fn nullify_patch_counts_sets_rax_and_returns_through_the_thunk() {
+        let at = 0xffff_ffff_c000_0000;
+        let counter = at + 0x1000;
+        let thunk = 0xffff_ffff_81e0_1ef0;
+
+        let code = diverting_patch(at, counter, Action::Nullify(4242), Some(thunk)).unwrap();
+
+        let insns: Vec<_> =
+            iced_x86::Decoder::with_ip(64, &code, at, iced_x86::DecoderOptions::NONE)
+                .into_iter()
+                .collect();
+        assert_eq!(insns.len(), 3);
+        assert!(insns[0].has_lock_prefix());
+        assert_eq!(insns[0].ip_rel_memory_address(), counter);
+        assert_eq!(insns[1].immediate64(), 4242);
+        assert_eq!(insns[2].near_branch_target(), thunk);
+    }
+}
