@@ -1,0 +1,290 @@
+//! The guest side of a compiled run: the compiled sites the splice engine asks code of,
+//! and the heap data, rings and stack tables the host reads and writes.
+
+use std::collections::HashMap;
+
+use anyhow::Context as _;
+
+use crate::compile::{self, codegen::Env, data::Header, DataLayout, Interner, SiteBodies};
+use crate::lang::check::Program;
+use crate::lang::runtime::Session;
+
+use crate::live::session::GuestSession;
+use crate::live::splicer::SiteCode;
+
+/// The compiled sites of one install, as the splice engine asks for their code.
+pub(super) struct Sites<'a> {
+    pub(super) env: Env<'a>,
+    pub(super) interner: &'a mut Interner,
+    pub(super) bodies: Vec<SiteBodies>,
+    /// Each site's address (the first frame of the stacks its bodies snapshot).
+    pub(super) addrs: Vec<u64>,
+}
+
+impl SiteCode for Sites<'_> {
+    fn has_returns(&self, site: u32) -> bool {
+        self.bodies
+            .get(site as usize)
+            .is_some_and(|b| !b.ret.is_empty())
+    }
+
+    fn entry(
+        &mut self,
+        site: u32,
+        at: u64,
+        returns: Option<(u64, u64, u64)>,
+    ) -> anyhow::Result<Vec<u8>> {
+        let bodies = self.bodies.get(site as usize).context("no such site")?;
+        let stacks_before = self.interner.stacks.len();
+        let code = compile::entry_code(self.env, self.interner, at, bodies, returns)
+            .map_err(|u| anyhow::anyhow!("{u}"))?;
+        // The stack records these bodies write start at the probe point.
+        let addr = self.addrs.get(site as usize).copied().unwrap_or(0);
+        for format in self.interner.stacks.iter_mut().skip(stacks_before) {
+            format.pc = addr;
+        }
+        Ok(code)
+    }
+
+    fn trampoline(&mut self, site: u32, at: u64, table: u64) -> anyhow::Result<Vec<u8>> {
+        let bodies = self.bodies.get(site as usize).context("no such site")?;
+        compile::return_code(self.env, self.interner, at, bodies, table)
+            .map_err(|u| anyhow::anyhow!("{u}"))
+    }
+}
+
+/// The guest side of a compiled run.
+pub(super) struct Guest {
+    pub(super) session: GuestSession,
+    pub(super) layout: DataLayout,
+    pub(super) data: u64,
+    pub(super) interner: Interner,
+    /// Per vCPU: output records taken so far.
+    pub(super) taken: Vec<u64>,
+    /// Output records lost to ring overruns (or unreadable).
+    pub(super) lost: u64,
+    /// Sites whose compiled code a breakpoint enters (no splice fits there): site to code.
+    pub(super) entered: HashMap<u64, u64>,
+    /// The data as the last pull read it (the guest still stopped).
+    pub(super) pulled: Option<Vec<u8>>,
+    /// The kernel's ORC tables and symbols, when the probes take stack snapshots.
+    pub(super) stacks: Option<crate::live::stacks::KernelStacks>,
+}
+
+/// What an output record prints: a stack record unwound from its snapshot
+/// ([`compile::snapshot`]), any other as the interner renders it; `None` for a record no
+/// format knows (a hostile guest), or a stack record without the kernel's ORC tables.
+fn printed(
+    interner: &Interner,
+    stacks: Option<&crate::live::stacks::KernelStacks>,
+    rec: &[u8],
+) -> Option<compile::data::Printed> {
+    let Some(format) = compile::snapshot::stack_format(&interner.stacks, rec) else {
+        return interner.printed(rec);
+    };
+    let stacks = stacks?;
+    compile::snapshot::render(format, rec, &|raw| interner.decode(raw), &|snap| {
+        crate::live::stacks::snapshot_backtrace(stacks, snap)
+    })
+    .map(compile::data::Printed::Text)
+}
+
+impl Guest {
+    pub(super) fn read_data(&mut self) -> anyhow::Result<Vec<u8>> {
+        let len = usize::try_from(self.layout.globals_size)?;
+        self.session.read_heap(self.data, len)
+    }
+
+    /// Takes the output records written since the last drain, in TSC order across vCPUs (the
+    /// guest stopped). A record still being written ends its vCPU's take until the next
+    /// drain; with `last` it is skipped instead.
+    pub(super) fn drain(&mut self, last: bool) -> anyhow::Result<Vec<compile::data::Printed>> {
+        use crate::rings::{spans, take, window};
+        let Some(rings) = self.layout.ring_set(self.data) else {
+            return Ok(Vec::new());
+        };
+        self.taken.resize(rings.cpus as usize, 0);
+        let record = usize::try_from(rings.record)?;
+        let mut records = Vec::new();
+        if let Some(shared) = self.session.shared_heap().cloned() {
+            // The zero-stop path: the vCPUs may be running ([`crate::rings`]).
+            for cpu in 0..rings.cpus {
+                let Some(taken) = self.taken.get_mut(cpu as usize) else {
+                    continue;
+                };
+                let got = crate::rings::drain_concurrent(&shared, &rings, cpu, taken, last)?;
+                self.lost += got.lost;
+                for rec in got.records.chunks_exact(record) {
+                    let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+                    match printed(&self.interner, self.stacks.as_ref(), rec) {
+                        Some(text) => records.push((tsc, text)),
+                        None => self.lost += 1,
+                    }
+                }
+            }
+            records.sort_by_key(|r| r.0);
+            return Ok(records.into_iter().map(|r| r.1).collect());
+        }
+        for cpu in 0..rings.cpus {
+            let head = self.session.read_heap(rings.ring(cpu), 8)?;
+            let head = u64::from_le_bytes(head.try_into().unwrap_or_default());
+            let (from, lost) = window(head, self.taken[cpu as usize], rings.slots);
+            self.lost += lost;
+            let mut bytes = Vec::new();
+            for (slot, n) in spans(from, head, rings.slots) {
+                let len = usize::try_from(n * rings.record)?;
+                bytes.extend(self.session.read_heap(rings.slot(cpu, slot), len)?);
+            }
+            let (finished, consumed) = take(&bytes, record, last);
+            for rec in finished {
+                let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
+                match printed(&self.interner, self.stacks.as_ref(), rec) {
+                    Some(text) => records.push((tsc, text)),
+                    None => self.lost += 1,
+                }
+            }
+            if !last {
+                for (slot, n) in spans(from, from + consumed, rings.slots) {
+                    let zeros = vec![0u8; usize::try_from(n * rings.record)?];
+                    self.session.write_heap(rings.slot(cpu, slot), &zeros)?;
+                }
+            }
+            self.taken[cpu as usize] = from + consumed;
+        }
+        records.sort_by_key(|r| r.0);
+        Ok(records.into_iter().map(|r| r.1).collect())
+    }
+
+    /// Prints what the compiled probes printed since the last look.
+    pub(super) fn print(&mut self, session: &mut Session<'_>, last: bool) -> anyhow::Result<()> {
+        for printed in self.drain(last)? {
+            match printed {
+                compile::data::Printed::Text(text) => session.text(&text),
+                compile::data::Printed::Hist {
+                    name,
+                    kind,
+                    buckets,
+                    newline,
+                } => {
+                    session.hist(
+                        &name,
+                        &crate::lang::hist::Histogram {
+                            kind,
+                            buckets: &buckets,
+                        },
+                    );
+                    if newline {
+                        session.text("\n");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The data's header (error counts, exit), read while the guest runs when its RAM is
+    /// shared, else with the guest stopped.
+    pub(super) fn header(&mut self) -> anyhow::Result<Header> {
+        let len = compile::data::HEADER as usize;
+        let bytes = match self.session.shared_heap() {
+            Some(shared) => shared.read_heap(self.data, len)?,
+            None => self.session.read_heap(self.data, len)?,
+        };
+        Ok(Header::decode(&bytes))
+    }
+
+    /// Brings every compiled global into the session (the guest stopped); keeps what it
+    /// read for the [`Guest::push`] that follows.
+    pub(super) fn pull(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
+        let data = self.read_data()?;
+        let header = self.bring_in(session, &data);
+        self.pulled = Some(data);
+        Ok(header)
+    }
+
+    /// Brings every compiled global into the session while the guest runs (through the
+    /// shared RAM, or a backend that reads guest memory while it runs), for host probes that
+    /// only read them: nothing is written back. Each table entry is one the guest had
+    /// published (a slot being written is skipped); an aggregate's fields come from
+    /// separate atomic updates, so a hit in flight may show in its count before its sum.
+    pub(super) fn pull_running(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
+        let len = usize::try_from(self.layout.globals_size)?;
+        let data = match self.session.shared_heap() {
+            Some(shared) => shared.read_heap(self.data, len)?,
+            None => self.session.read_heap(self.data, len)?,
+        };
+        Ok(self.bring_in(session, &data))
+    }
+
+    /// Decodes every compiled global of `data` into the session; returns the header.
+    pub(super) fn bring_in(&self, session: &mut Session<'_>, data: &[u8]) -> Header {
+        for name in self.layout.globals.keys() {
+            if let Some(store) = self.layout.decode(name, data, &self.interner) {
+                session.set_global(name, store);
+            }
+        }
+        Header::decode(data)
+    }
+
+    /// Writes every compiled global from the session back, keeping the header (the guest
+    /// stopped, right after a pull): only the bytes that differ from what the pull read.
+    pub(super) fn push(&mut self, session: &Session<'_>, prog: &Program) -> anyhow::Result<()> {
+        let data = match self.pulled.take() {
+            Some(data) => data,
+            None => self.read_data()?,
+        };
+        let header = data[..compile::data::HEADER as usize].to_vec();
+        let mut fresh = self.layout.initial(prog, &mut self.interner);
+        fresh[..header.len()].copy_from_slice(&header);
+        self.layout.keep_strings(&data, &mut fresh);
+        for name in self.layout.globals.keys() {
+            if let Some(store) = session.global(name) {
+                if let Err(e) = self
+                    .layout
+                    .encode_into(name, store, &mut self.interner, &mut fresh)
+                {
+                    tracing::warn!("cannot give {name} back to the compiled probes: {e}");
+                }
+            }
+        }
+        for (at, len) in changed_spans(&data, &fresh, SPAN_GAP) {
+            self.session
+                .write_heap(self.data + at as u64, &fresh[at..at + len])?;
+        }
+        Ok(())
+    }
+}
+
+/// Unchanged bytes between two changed ones that [`changed_spans`] writes anyway rather
+/// than start another write.
+const SPAN_GAP: usize = 64;
+
+/// The spans (offset, length) where `new` differs from `old` (same length), merged across
+/// runs of fewer than `gap` equal bytes.
+fn changed_spans(old: &[u8], new: &[u8], gap: usize) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for (i, _) in old.iter().zip(new).enumerate().filter(|(_, (a, b))| a != b) {
+        match spans.last_mut() {
+            Some((at, len)) if i < *at + *len + gap => *len = i + 1 - *at,
+            _ => spans.push((i, 1)),
+        }
+    }
+    spans
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changed_spans_merge_close_changes_and_keep_far_ones_apart() {
+        let old = vec![0u8; 300];
+        let mut new = old.clone();
+        new[3] = 1;
+        new[10] = 1;
+        new[200] = 1;
+
+        assert_eq!(changed_spans(&old, &new, 64), vec![(3, 8), (200, 1)]);
+        assert_eq!(changed_spans(&old, &old, 64), vec![]);
+    }
+}
