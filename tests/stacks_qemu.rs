@@ -247,6 +247,9 @@ fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_k
     }
     // Every getppid the workload made (its own count; the shells call getppid too) counted
     // under a stack that starts in __x64_sys_getppid and came from the system call entry.
+    // Its first frame is named `__do_sys_getppid`: on this kernel `__x64_sys_getppid`,
+    // `__ia32_sys_getppid` and `__do_sys_getppid` share one address, and exotap names an
+    // address as the kernel's own kallsyms_lookup does (`/proc/PID/stack`, `%pS`).
     let calls: i64 = common::result(&out, "getppid.calls")
         .unwrap()
         .parse()
@@ -254,7 +257,7 @@ fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_k
     let keys = script_blocks(&out, "KEY-BEGIN ", "KEY-END");
     assert_eq!(keys.iter().map(|k| k.0).sum::<i64>(), calls, "{ctx}");
     for (_, frames) in &keys {
-        assert!(frames[0].starts_with("__x64_sys_getppid+0x"), "{frames:?}");
+        assert!(frames[0].starts_with("__do_sys_getppid+0x"), "{frames:?}");
         assert!(
             frames.iter().any(|f| f.starts_with("do_syscall_64+"))
                 && frames.iter().any(|f| f.starts_with("entry_SYSCALL_64")),
@@ -622,8 +625,9 @@ fn getppid_stacks(mode: &str) -> Printed {
         };
         let name = name.trim_end_matches(" [kernel]").to_owned();
         // A stack starts at a probe point, a probed function's first byte (an interrupted pc
-        // may be at another function's first byte; a return address never is).
-        let probed = ["__x64_sys_getppid", "vfs_read"]
+        // may be at another function's first byte; a return address never is). The kernel
+        // names __x64_sys_getppid's address __do_sys_getppid (they alias).
+        let probed = ["__do_sys_getppid", "vfs_read"]
             .iter()
             .any(|f| name.starts_with(&format!("{f}+0x0/")));
         if probed || stacks.is_empty() {
@@ -674,7 +678,7 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
     let getppid = |stacks: &[Vec<(u64, String)>]| {
         stacks
             .iter()
-            .filter(|s| s[0].1.starts_with("__x64_sys_getppid+0x0/"))
+            .filter(|s| s[0].1.starts_with("__do_sys_getppid+0x0/"))
             .count()
     };
     assert_eq!(getppid(&compiled), kprobe, "{ctx}");
@@ -703,7 +707,7 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
     assert!(reads >= 1, "{ctx}");
     for stack in names(&compiled) {
         assert!(
-            stack[0].starts_with("__x64_sys_getppid+0x0/") || stack[0].starts_with("vfs_read+0x0/"),
+            stack[0].starts_with("__do_sys_getppid+0x0/") || stack[0].starts_with("vfs_read+0x0/"),
             "{stack:?}"
         );
         assert!(
@@ -720,7 +724,7 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
     let getppid_pc = |stacks: &[Vec<(u64, String)>]| {
         stacks
             .iter()
-            .find(|s| s[0].1.starts_with("__x64_sys_getppid+0x0/"))
+            .find(|s| s[0].1.starts_with("__do_sys_getppid+0x0/"))
             .map(|s| s[0].0)
             .unwrap_or_else(|| panic!("no getppid stack: {ctx}"))
     };
@@ -757,7 +761,7 @@ fn compiled_print_backtrace_unwinds_snapshots_to_the_host_evaluated_stacks() {
     // backtrace() gives the same pcs as the print_backtrace() lines of the same run.
     let pc_lists: BTreeSet<String> = compiled
         .iter()
-        .filter(|s| s[0].1.starts_with("__x64_sys_getppid+0x0/"))
+        .filter(|s| s[0].1.starts_with("__do_sys_getppid+0x0/"))
         .map(|s| {
             s.iter()
                 .map(|f| format!("{:#x}", f.0))

@@ -62,7 +62,12 @@ pub struct SymbolTable {
 impl SymbolTable {
     /// Builds a table; sizes of 0 are derived from the next higher address.
     pub fn new(mut symbols: Vec<Symbol>) -> Self {
-        symbols.sort_by(|a, b| a.addr.cmp(&b.addr).then_with(|| a.name.cmp(&b.name)));
+        // Stable: symbols the kernel ranks alike keep the order given (kallsyms' own).
+        symbols.sort_by(|a, b| {
+            a.addr
+                .cmp(&b.addr)
+                .then_with(|| alias_rank(a).cmp(&alias_rank(b)))
+        });
         // Walking down: `higher` is the lowest address above the current alias group.
         let (mut higher, mut group) = (None::<u64>, None::<u64>);
         for sym in symbols.iter_mut().rev() {
@@ -214,13 +219,19 @@ impl SymbolTable {
             .collect()
     }
 
-    /// The symbol containing `addr` and the offset into it: the highest symbol at or below
-    /// `addr` whose size covers it (or that has no known size).
+    /// The symbol containing `addr` and the offset into it: of the symbols at the highest
+    /// address at or below `addr`, the first (in the kernel's order, [`alias_rank`]) whose
+    /// size covers it (or that has no known size). Where symbols alias one address this is
+    /// the name the kernel's `kallsyms_lookup` gives (`%pS`, `/proc/PID/stack`).
     pub fn lookup_addr(&self, addr: u64) -> Option<(&Symbol, u64)> {
         let after = self.symbols.partition_point(|sym| sym.addr <= addr);
-        let sym = self.symbols.get(after.checked_sub(1)?)?;
-        let offset = addr - sym.addr;
-        (sym.size == 0 || offset < sym.size).then_some((sym, offset))
+        let at = self.symbols.get(after.checked_sub(1)?)?.addr;
+        let first = self.symbols.partition_point(|sym| sym.addr < at);
+        let offset = addr - at;
+        self.symbols[first..after]
+            .iter()
+            .find(|sym| sym.size == 0 || offset < sym.size)
+            .map(|sym| (sym, offset))
     }
 
     /// Only the code symbols.
@@ -287,6 +298,28 @@ pub fn wildcard_match(pattern: &str, name: &str) -> bool {
     pattern[p..].iter().all(|c| *c == b'*')
 }
 
+/// How the kernel orders symbols at one address (scripts/kallsyms.c, `compare_symbols`):
+/// weak ones last, then names a linker script may provide (`__start_*`, `__stop_*`,
+/// `__end_*`, `__*_start`, `__*_end`), then by the number of leading underscores; symbols
+/// ranked alike keep the order they were given in. `kallsyms_lookup` names an address by
+/// the first of them.
+fn alias_rank(sym: &Symbol) -> (bool, bool, usize) {
+    let name = sym.name.as_str();
+    let weak = matches!(sym.kind, 'w' | 'W');
+    let linker = name.len() >= 8
+        && name.starts_with("__")
+        && (name[2..].starts_with("start_")
+            || name[2..].starts_with("stop_")
+            || name[2..].starts_with("end_")
+            || name.ends_with("_start")
+            || name.ends_with("_end"));
+    (
+        weak,
+        linker,
+        name.len() - name.trim_start_matches('_').len(),
+    )
+}
+
 /// The `nm` type character for an ELF symbol.
 fn nm_kind(kind: SymbolKind, section: Option<SectionKind>, global: bool) -> char {
     let local = match (kind, section) {
@@ -329,6 +362,37 @@ ffffffff82000000 D linux_banner
         assert_eq!(table.get("vfs_read").unwrap().size, 0x1a0);
         assert_eq!(table.get("_text").unwrap().size, 0x23_4560);
         assert_eq!(table.get("linux_banner").unwrap().size, 0);
+    }
+
+    #[test]
+    fn an_address_several_symbols_share_is_named_as_the_kernel_names_it() {
+        // As the Debian 6.1 guest's kallsyms lists them (its `%pS` and /proc/PID/stack name
+        // the thunk `__x86_indirect_thunk_array`), then aliases given in the other order:
+        // fewer leading underscores first, weak symbols and linker-provided names last.
+        let map = "\
+ffffffff81e01ae0 T __x86_indirect_thunk_array
+ffffffff81e01ae0 T __x86_indirect_thunk_rax
+ffffffff81e01b00 T __x86_indirect_thunk_rcx
+ffffffff81f00000 T __memcpy
+ffffffff81f00000 W memcpy_weak
+ffffffff81f00000 T memcpy
+ffffffff81f00040 T __end_of_copy
+ffffffff81f00040 T copy_end_helper
+ffffffff81f00080 T next
+";
+        let table = SymbolTable::from_system_map(map).unwrap();
+        let name = |addr| {
+            table
+                .lookup_addr(addr)
+                .map(|(s, off)| (s.name.as_str(), off))
+        };
+
+        assert_eq!(
+            name(0xffff_ffff_81e0_1ae4),
+            Some(("__x86_indirect_thunk_array", 4))
+        );
+        assert_eq!(name(0xffff_ffff_81f0_0010), Some(("memcpy", 0x10)));
+        assert_eq!(name(0xffff_ffff_81f0_0040), Some(("copy_end_helper", 0)));
     }
 
     #[test]
