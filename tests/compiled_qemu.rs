@@ -647,6 +647,66 @@ fn check_mode_compares_compiled_and_host_evaluated_probes_on_the_same_hits() {
     );
 }
 
+/// `symname()` compiles: the guest kernel's own `kallsyms_lookup` names the address in the
+/// guest, and the host names it from the image's symbols (the oracle). In check mode, on the
+/// same hits: the probe's own address and one byte past it, 0 and a data address (they print
+/// as themselves), and the `read_iter` of the files the workload reads (their names are the
+/// kernel's own: mm/shmem.c for the workload's file in the initramfs's tmpfs,
+/// drivers/char/mem.c for /dev/zero). Then every pc a tick interrupted (`timer.profile`,
+/// which check mode does not run on the host) keeps its name from the guest, and the `end`
+/// probe, on the host, names the same pc: the two must agree.
+#[test]
+fn symname_compiles_and_names_what_the_host_names() {
+    if !have_qemu("symname_compiles_and_names_what_the_host_names") {
+        return;
+    }
+    let script = r#"global n, ops
+      probe kernel.function("vfs_read") {
+        if (execname() == "syscall-loop") {
+          if (n++ < 3)
+            printf("%s|%s|%s|%s\n", symname(addr()), symname(addr() + 1), symname(0), symname($file->f_op))
+          ops[symname($file->f_op->read_iter)]++
+        }
+      }
+      probe end { foreach (s in ops) printf("%s %d\n", s, ops[s]) }"#;
+    let (code, out, err, con) = boot(script, "check", "syscall-loop 30 pread read");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(printed_the_same(&err), "{ctx}");
+    let printed = script_output(&out);
+    assert!(
+        printed.contains("vfs_read|vfs_read|0x0|0xffffffff"),
+        "{ctx}"
+    );
+    assert!(
+        printed.contains("shmem_file_read_iter 30\n") && printed.contains("read_iter_zero 30\n"),
+        "{ctx}"
+    );
+    assert_no_oops(&con);
+
+    let ticks = r#"global names
+      probe timer.profile { if (!user_mode()) names[addr()] = symname(addr()) }
+      probe end { foreach (pc in names) printf("%s %s\n", names[pc], symname(pc)) }"#;
+    let (code, out, err, con) = boot(ticks, "require", "syscall-loop 5000; sleep 0.2");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let printed = script_output(&out);
+    let lines: Vec<&str> = printed.lines().filter(|l| !l.is_empty()).collect();
+    let differ: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.split_once(' ').is_none_or(|(guest, host)| guest != host))
+        .collect();
+    let named = lines.iter().filter(|l| !l.starts_with("0x")).count();
+    eprintln!(
+        "{} pcs a tick interrupted, {named} named, {} named differently in the guest",
+        lines.len(),
+        differ.len()
+    );
+    assert!(differ.is_empty(), "{differ:?}\n{ctx}");
+    assert!(named >= 5, "{ctx}");
+    assert_no_oops(&con);
+}
+
 #[test]
 fn compiled_timer_profile_samples_every_tick_with_the_interrupted_pc() {
     if !have_qemu("compiled_timer_profile_samples_every_tick_with_the_interrupted_pc") {

@@ -175,6 +175,7 @@ fn facts() -> Facts {
             strncpy_kernel: Some(STRNCPY),
             strncpy_user: Some(STRNCPY),
             copy_user: Some(COPY),
+            kallsyms: None,
         },
         types: Some(Arc::new(NodeTypes)),
         globals: Default::default(),

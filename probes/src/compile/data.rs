@@ -98,9 +98,9 @@ pub mod field {
     /// Arguments of string functions out of their range (`stringat`'s index past the
     /// string, `strtol`'s base outside 2..=36): each ends its hit with a probe error.
     pub const ARGUMENTS: u64 = 96;
-    /// `backtrace()` calls that found the kernel's unwinder already busy on their CPU (a
-    /// probe on a function the unwinder runs, or one in an NMI that came in during a
-    /// walk): each gives an empty stack, not a probe error.
+    /// `backtrace()` and `symname()` calls that found the kernel's unwinder or symbol lookup
+    /// already busy on their CPU (a probe on a function they run, or one in an NMI that came
+    /// in during one): each gives an empty stack or the bare address, not a probe error.
     pub const STACKS_BUSY: u64 = 104;
     /// One bit per CPU (128 of them, two words): set while that CPU's compiled code runs
     /// the kernel's unwinder for `backtrace()`.

@@ -158,8 +158,9 @@ pub const PROFILE_FUNCTION: &str = "update_process_times";
 /// The point name of a `timer.profile` probe.
 pub const PROFILE_POINT: &str = "timer.profile";
 
-/// Slid addresses of the kernel's fault-tolerant string routines. Each is the kernel's own
-/// (mm/maccess.c), so a bad address is an error code, never a fault in the guest.
+/// Slid addresses of the kernel routines compiled code calls besides `copy_from_kernel_nofault`:
+/// the fault-tolerant string copies (mm/maccess.c: a bad address is an error code, never a
+/// fault in the guest), and the kernel's own symbol lookup for `symname()`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MemoryFns {
     /// `strncpy_from_kernel_nofault(dst, src, count)` (for `kernel_string*()`).
@@ -168,23 +169,58 @@ pub struct MemoryFns {
     pub strncpy_user: Option<u64>,
     /// `copy_from_user_nofault(dst, src, len)` (the last byte of a user string at its limit).
     pub copy_user: Option<u64>,
+    /// `kallsyms_lookup()` and the kernel's text (`_stext`, `_etext`) it names for
+    /// `symname()`.
+    pub kallsyms: Option<Kallsyms>,
 }
+
+/// The guest kernel's symbol lookup, `kallsyms_lookup(addr, *size, *offset, **modname,
+/// namebuf)`: lock-free for the kernel's own text (a binary search and the expansion of a
+/// compressed name into `namebuf`, [`KSYM_NAME_LEN`] bytes). Compiled `symname()` asks it
+/// only for addresses in `[text_start, text_end)`, the text whose symbols the host names
+/// too; any other address prints as itself (`0x...`), as the interpreter answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kallsyms {
+    /// `kallsyms_lookup`.
+    pub lookup: u64,
+    /// `_stext`.
+    pub text_start: u64,
+    /// `_etext`.
+    pub text_end: u64,
+}
+
+/// The room `kallsyms_lookup` may fill in its `namebuf` (`KSYM_NAME_LEN` since Linux 6.1;
+/// 128 before, so this covers both).
+pub const KSYM_NAME_LEN: u32 = 512;
 
 impl MemoryFns {
     /// The kernel symbols it needs, by name.
-    pub const SYMBOLS: [&'static str; 3] = [
+    pub const SYMBOLS: [&'static str; 6] = [
         "strncpy_from_kernel_nofault",
         "strncpy_from_user_nofault",
         "copy_from_user_nofault",
+        "kallsyms_lookup",
+        "_stext",
+        "_etext",
     ];
 
     /// The routines at the addresses `lookup` gives for [`Self::SYMBOLS`].
     pub fn from_symbols(lookup: impl Fn(&str) -> Option<u64>) -> Self {
-        let [k, u, c] = Self::SYMBOLS;
+        let [k, u, c, kallsyms, stext, etext] = Self::SYMBOLS;
         MemoryFns {
             strncpy_kernel: lookup(k),
             strncpy_user: lookup(u),
             copy_user: lookup(c),
+            kallsyms: match (lookup(kallsyms), lookup(stext), lookup(etext)) {
+                (Some(lookup), Some(text_start), Some(text_end)) if text_start < text_end => {
+                    Some(Kallsyms {
+                        lookup,
+                        text_start,
+                        text_end,
+                    })
+                }
+                _ => None,
+            },
         }
     }
 
@@ -195,6 +231,11 @@ impl MemoryFns {
             strncpy_kernel: s(self.strncpy_kernel),
             strncpy_user: s(self.strncpy_user),
             copy_user: s(self.copy_user),
+            kallsyms: self.kallsyms.map(|k| Kallsyms {
+                lookup: k.lookup.wrapping_add(slide),
+                text_start: k.text_start.wrapping_add(slide),
+                text_end: k.text_end.wrapping_add(slide),
+            }),
         }
     }
 }

@@ -901,9 +901,9 @@ fn run(
     }
     if header.stacks_busy > 0 {
         session.warn(&format!(
-            "{} backtrace() calls in compiled probes gave an empty stack: the kernel's \
-             unwinder was already running on their CPU (a probe on a function the unwinder \
-             runs, or one in an NMI)",
+            "{} backtrace() or symname() calls in compiled probes gave an empty stack or the \
+             bare address: the kernel's unwinder or symbol lookup was already running on \
+             their CPU (a probe on a function they run, or one in an NMI)",
             header.stacks_busy
         ));
     }

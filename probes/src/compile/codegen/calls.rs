@@ -230,6 +230,7 @@ impl Gen<'_, '_> {
             "kernel_string" | "kernel_string_n" | "user_string" | "user_string_n" => {
                 self.text_value(c, name.starts_with("user"), name.ends_with("_n"))
             }
+            "symname" => self.symname(c),
             "substr" => self.substr(c),
             "strlen" => self.strlen(c),
             "sprint" | "sprintln" => self.sprint(c),

@@ -23,7 +23,9 @@ use iced_x86::code_asm::*;
 use crate::lang::ast::*;
 use crate::lang::Limits;
 
+use super::super::data::{field, STACK_GUARD_CPUS};
 use super::super::types::{chain, Step, TypeRef};
+use super::super::KSYM_NAME_LEN;
 use super::calls::is_print;
 use super::{walk, Gen, K, R};
 
@@ -180,6 +182,130 @@ impl Gen<'_, '_> {
             self.a.sub(rcx, rsi)?;
             self.a.call(intern)?;
             self.a.lea(rsp, qword_ptr(rsp + text))?;
+            self.a.test(r8, r8)?;
+            self.a.jnz(strings)
+        })();
+        asm!(self, r)?;
+        Ok(K::Str)
+    }
+
+    /// `symname(addr)`: the name of the kernel function at `addr`, from the guest kernel's
+    /// own `kallsyms_lookup` into a [`KSYM_NAME_LEN`]-byte buffer on the stack (cut at
+    /// MAXSTRINGLEN - 1 bytes, as the interpreter cuts it); an address outside the kernel's
+    /// text, or one kallsyms does not know, is its own text `0x...`, as the interpreter
+    /// answers. The call runs with interrupts off under this CPU's guard bit, which the
+    /// kernel's unwinder takes too ([`super::stack`]): a probe on a function the lookup runs
+    /// (or an NMI during one) finds it set and answers the address instead of recursing,
+    /// counted in `STACKS_BUSY`.
+    pub(super) fn symname(&mut self, c: &Call) -> R<K> {
+        let Some(kallsyms) = self.env.facts.memory.kallsyms else {
+            return Err(self.no("symname() (the kernel has no kallsyms_lookup)"));
+        };
+        let arg = c
+            .args
+            .first()
+            .ok_or_else(|| self.no("symname() without an address"))?;
+        let intern = self.string_helper(super::strings::INTERN)?;
+        let strings = self.errors.strings;
+        let data = self.env.data;
+        let cpu_number = self.env.facts.cpu_number;
+        let most = u32::try_from(self.env.limits.max_string_len.saturating_sub(1))
+            .unwrap_or(u32::MAX)
+            .min(KSYM_NAME_LEN - 1);
+        // [rsp]: the address, [rsp + 8]: padding, [rsp + 16, +KSYM_NAME_LEN): the name.
+        const NAME: i32 = 16;
+        let frame = NAME + KSYM_NAME_LEN as i32;
+        self.long(arg)?;
+        let r = (|| {
+            let mut busy = self.a.create_label();
+            let mut hex = self.a.create_label();
+            let mut digit = self.a.create_label();
+            let mut decimal = self.a.create_label();
+            let mut found = self.a.create_label();
+            let mut cut = self.a.create_label();
+            let mut intern_it = self.a.create_label();
+            self.a.sub(rsp, frame)?;
+            self.a.mov(qword_ptr(rsp), rax)?;
+            // Only the kernel's own text: the symbols the host names as well.
+            self.a.mov(rdx, kallsyms.text_start)?;
+            self.a.cmp(rax, rdx)?;
+            self.a.jb(hex)?;
+            self.a.mov(rdx, kallsyms.text_end)?;
+            self.a.cmp(rax, rdx)?;
+            self.a.jae(hex)?;
+            self.a.pushfq()?;
+            self.a.cli()?;
+            crate::rings::emit_cpu_number(self.a, cpu_number)?;
+            self.a.cmp(eax, STACK_GUARD_CPUS)?;
+            self.a.jae(busy)?;
+            let guard = iced_x86::Instruction::with2(
+                iced_x86::Code::Lea_r64_m,
+                iced_x86::Register::RCX,
+                super::rip(data + field::STACK_GUARD),
+            )?;
+            self.a.add_instruction(guard)?;
+            self.a.lock().bts(qword_ptr(rcx), rax)?;
+            self.a.jc(busy)?;
+            // [rsp]: the CPU, [rsp + 8]: the flags, then the frame above (16-byte aligned).
+            self.a.push(rax)?;
+            self.a.mov(rdi, qword_ptr(rsp + 16))?;
+            self.a.xor(esi, esi)?;
+            self.a.xor(edx, edx)?;
+            self.a.xor(ecx, ecx)?;
+            self.a.lea(r8, qword_ptr(rsp + 16 + NAME))?;
+            self.a.call(kallsyms.lookup)?;
+            self.a.pop(rdx)?;
+            self.a.add_instruction(guard)?;
+            self.a.lock().btr(qword_ptr(rcx), rdx)?;
+            self.a.popfq()?;
+            self.a.test(rax, rax)?;
+            self.a.jnz(found)?;
+            self.a.jmp(hex)?;
+            self.a.set_label(&mut busy)?;
+            let mut inc = iced_x86::Instruction::with1(
+                iced_x86::Code::Inc_rm64,
+                super::rip(data + field::STACKS_BUSY),
+            )?;
+            inc.set_has_lock_prefix(true);
+            self.a.add_instruction(inc)?;
+            self.a.popfq()?;
+            // The address as `0x` and its hex digits, written backwards from NAME + 32.
+            self.a.set_label(&mut hex)?;
+            self.a.mov(rax, qword_ptr(rsp))?;
+            self.a.lea(rsi, qword_ptr(rsp + NAME + 32))?;
+            self.a.set_label(&mut digit)?;
+            self.a.dec(rsi)?;
+            self.a.mov(edx, eax)?;
+            self.a.and(edx, 15)?;
+            self.a.cmp(edx, 10)?;
+            self.a.jb(decimal)?;
+            self.a.add(edx, i32::from(b'a' - b'0' - 10))?;
+            self.a.set_label(&mut decimal)?;
+            self.a.add(edx, i32::from(b'0'))?;
+            self.a.mov(byte_ptr(rsi), dl)?;
+            self.a.shr(rax, 4)?;
+            self.a.jnz(digit)?;
+            self.a.sub(rsi, 2)?;
+            self.a
+                .mov(word_ptr(rsi), u32::from(u16::from_le_bytes(*b"0x")))?;
+            self.a.lea(rcx, qword_ptr(rsp + NAME + 32))?;
+            self.a.sub(rcx, rsi)?;
+            self.a.jmp(intern_it)?;
+            // The name: up to its NUL, at most `most` bytes.
+            self.a.set_label(&mut found)?;
+            self.a.lea(rdi, qword_ptr(rsp + NAME))?;
+            self.a.mov(rsi, rdi)?;
+            self.a.xor(eax, eax)?;
+            self.a.mov(ecx, most)?;
+            self.a.repne().scasb()?;
+            self.a.jne(cut)?;
+            self.a.dec(rdi)?;
+            self.a.set_label(&mut cut)?;
+            self.a.mov(rcx, rdi)?;
+            self.a.sub(rcx, rsi)?;
+            self.a.set_label(&mut intern_it)?;
+            self.a.call(intern)?;
+            self.a.lea(rsp, qword_ptr(rsp + frame))?;
             self.a.test(r8, r8)?;
             self.a.jnz(strings)
         })();

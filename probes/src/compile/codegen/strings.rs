@@ -142,6 +142,7 @@ pub(super) fn builds(e: &Expr) -> bool {
                 | "return_str"
                 | "_sys_open_flag_str"
                 | "syscall_name"
+                | "symname"
         ),
         _ => false,
     }

@@ -85,6 +85,7 @@ pub(super) fn finish_hits(
         facts.memory.strncpy_kernel,
         facts.memory.strncpy_user,
         facts.memory.copy_user,
+        facts.memory.kallsyms.map(|k| k.lookup),
     ]
     .into_iter()
     .flatten()
