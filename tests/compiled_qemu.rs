@@ -499,10 +499,10 @@ fn host_evaluated_probes_read_the_guests_clock_across_their_own_stops() {
     if !have_qemu("host_evaluated_probes_read_the_guests_clock_across_their_own_stops") {
         return;
     }
-    // symname() keeps the entry probe on the host; the return probe compiles.
+    // symdata() keeps the entry probe on the host; the return probe compiles.
     let script = r#"global t, d
       probe kernel.function("__x64_sys_getppid") {
-        if (execname() == "syscall-loop" && symname(2) != "") t[tid()] = gettimeofday_us()
+        if (execname() == "syscall-loop" && symdata(2) != "") t[tid()] = gettimeofday_us()
       }
       probe kernel.function("__x64_sys_getppid").return {
         if (execname() == "syscall-loop" && tid() in t) {
@@ -547,7 +547,7 @@ fn a_call_swapped_by_a_compiled_and_a_host_return_probe_returns_to_its_caller_af
     }
     let script = r#"global c, h
       probe kernel.function("hrtimer_nanosleep").return { c++ }
-      probe kernel.function("hrtimer_nanosleep").return { if (symname(2) != "") h++ }
+      probe kernel.function("hrtimer_nanosleep").return { if (symdata(2) != "") h++ }
       probe end { printf("compiled %d host %d\n", c, h) }"#;
     let job = "exotap_wait attach\n\
                sleep 3 &\n\
@@ -906,7 +906,7 @@ fn counted(out: &str, prefix: &str) -> std::collections::BTreeMap<String, u64> {
 
 /// Kernel stacks as map keys, both ways in ONE run: the first probe compiles (the guest's
 /// own unwinder, `stack_trace_save_regs`, walks from the probe point), the second does not
-/// (`symname()`) and runs on the host at a breakpoint on the same function, where
+/// (`symdata()`) and runs on the host at a breakpoint on the same function, where
 /// exotap's ORC unwinder walks the stopped vCPU. Both see every hit, so the two arrays
 /// must be equal, key for key and count for count, whatever the guest did.
 const STACK_KEYS: &str = r#"global compiled, host
@@ -914,7 +914,7 @@ const STACK_KEYS: &str = r#"global compiled, host
     if (execname() == "syscall-loop") compiled[backtrace()] <<< 1
   }
   probe kernel.function("dput") {
-    if (execname() == "syscall-loop" && symname(2) != "") host[backtrace()] <<< 1
+    if (execname() == "syscall-loop" && symdata(2) != "") host[backtrace()] <<< 1
   }
   probe end {
     foreach (s in compiled) printf("compiled %d %s\n", @count(compiled[s]), s)
@@ -1071,7 +1071,7 @@ fn timer_probes_that_only_read_do_not_stop_the_guest() {
     assert_no_oops(&con_r);
 }
 
-/// A mixed script: the getppid and close probes compile, the vfs_read probe (`symname()`,
+/// A mixed script: the getppid and close probes compile, the vfs_read probe (`symdata()`,
 /// which has no compiled form; `=~` had this role before it compiled) does not and runs on
 /// the host, and they share `n` and `reads` both ways.
 const MIXED: &str = r#"global n, reads, last
@@ -1079,7 +1079,7 @@ const MIXED: &str = r#"global n, reads, last
     if (execname() == "syscall-loop") { n++; if (n % 20 == 0) printf("getppid %d\n", n) }
   }
   probe kernel.function("vfs_read") {
-    if (execname() != "syscall-loop" || symname(2) == "") next
+    if (execname() != "syscall-loop" || symdata(2) == "") next
     reads[$file->f_inode->i_size, n]++
     t = 0
     foreach ([s, m] in reads) t += reads[s, m]
@@ -1107,14 +1107,14 @@ fn a_mixed_script_runs_compiled_and_host_probes_over_the_same_globals() {
     let ctx = format!("mixed stderr:\n{err_a}\nhost stderr:\n{err_h}");
     assert_eq!(code_r, 125, "--compile=require refuses: {err_r}");
     assert!(
-        err_r.contains("the function symname() in a kernel probe"),
+        err_r.contains("the function symdata() in a kernel probe"),
         "{err_r}"
     );
     assert_eq!((code_a, code_h), (0, 0), "{ctx}");
     assert!(
         err_a.contains("the script runs mixed: 2 kernel probes compiled")
             && err_a.contains(":5: probe kernel.function(\"vfs_read\")")
-            && err_a.contains("the function symname() in a kernel probe"),
+            && err_a.contains("the function symdata() in a kernel probe"),
         "{ctx}"
     );
     let out = script_output(&out_a);
@@ -1595,7 +1595,7 @@ fn a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails() 
         return;
     }
     let script = r#"global n
-        probe kernel.syscall("getppid") { if (execname() == "syscall-loop") n++; x = symname(n) }
+        probe kernel.syscall("getppid") { if (execname() == "syscall-loop") n++; x = symdata(n) }
         probe end { printf("n=%d\n", n) }"#;
 
     let (code_r, _, err_r, _) = boot(script, "require", "syscall-loop 5");
@@ -1606,12 +1606,12 @@ fn a_script_that_does_not_compile_names_the_construct_and_falls_back_or_fails() 
         "--compile=require refuses before the job runs: {err_r}"
     );
     assert!(
-        err_r.contains("the function symname() in a kernel probe"),
+        err_r.contains("the function symdata() in a kernel probe"),
         "{err_r}"
     );
     assert_eq!(code_a, 0, "{err_a}");
     assert!(
-        err_a.contains("run on the host instead") && err_a.contains("symname()"),
+        err_a.contains("run on the host instead") && err_a.contains("symdata()"),
         "{err_a}"
     );
     assert!(out_a.contains("n=5"), "auto ran it on the host: {out_a}");
@@ -1785,11 +1785,11 @@ fn bench_a_mixed_scripts_compiled_probe_costs_what_a_compiled_scripts_does() {
         return;
     }
     let compiled = r#"global s; probe kernel.function("vfs_read") { s[execname()] <<< $count }"#;
-    // The same probe beside a host-evaluated one (`symname()` does not compile) on a
+    // The same probe beside a host-evaluated one (`symdata()` does not compile) on a
     // function the workload never calls.
     let mixed = r#"global s, w
         probe kernel.function("vfs_read") { s[execname()] <<< $count }
-        probe kernel.function("ksys_sync") { if (symname(2) != "") w++ }"#;
+        probe kernel.function("ksys_sync") { if (symdata(2) != "") w++ }"#;
     let boot = |script: &'static str, mode: &'static str| -> Vec<&'static str> {
         vec![
             "boot",

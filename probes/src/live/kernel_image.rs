@@ -64,3 +64,10 @@ impl KernelImage {
             .with_context(|| format!("the kernel has no symbol {name}"))
     }
 }
+
+/// The cached Debian kernel, when present (for unit tests that need a real image).
+#[cfg(test)]
+pub(crate) fn cached_debian_image() -> Option<KernelImage> {
+    let dir = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
+    KernelImage::load(dir.join("vmlinuz")).ok()
+}

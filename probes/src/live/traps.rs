@@ -1687,12 +1687,7 @@ impl Traps {
 mod tests {
     use super::*;
 
-    /// The cached Debian kernel, when present.
-    fn image() -> Option<KernelImage> {
-        let dir =
-            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
-        KernelImage::load(dir.join("vmlinuz")).ok()
-    }
+    use crate::live::kernel_image::cached_debian_image as image;
 
     #[test]
     fn entry_text_and_exception_table_instructions_are_refused_before_any_byte_is_read() {

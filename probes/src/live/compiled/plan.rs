@@ -300,12 +300,7 @@ mod tests {
     use super::*;
     use crate::lang::driver::{compile as check_script, ScriptSource};
 
-    /// The cached Debian kernel, when present.
-    fn image() -> Option<KernelImage> {
-        let dir =
-            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
-        KernelImage::load(dir.join("vmlinuz")).ok()
-    }
+    use crate::live::kernel_image::cached_debian_image as image;
 
     fn program(text: &str) -> Program {
         let source = ScriptSource {
@@ -324,7 +319,7 @@ mod tests {
         let prog = program(
             r#"global n, a, s
             probe kernel.function("vfs_read") { n++ }
-            probe kernel.function("vfs_write") { if (symname(2) != "") s = 1 }
+            probe kernel.function("vfs_write") { if (symdata(2) != "") s = 1 }
             probe kernel.statement("vfs_read+0x5") { a[n] = 1 }"#,
         );
 
@@ -333,7 +328,7 @@ mod tests {
         assert_eq!(plan.host, BTreeSet::from([1]));
         assert_eq!(plan.refused.len(), 1);
         assert!(
-            plan.refused[0].construct.contains("symname()"),
+            plan.refused[0].construct.contains("symdata()"),
             "{:?}",
             plan.refused
         );
@@ -352,7 +347,7 @@ mod tests {
             return;
         };
         let prog = program(
-            r#"global s; probe kernel.function("vfs_read") { if (symname(2) != "") s = 1 }"#,
+            r#"global s; probe kernel.function("vfs_read") { if (symdata(2) != "") s = 1 }"#,
         );
 
         let refused = plan(&image, &prog, &Limits::default())
