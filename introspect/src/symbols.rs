@@ -220,18 +220,32 @@ impl SymbolTable {
     }
 
     /// The symbol containing `addr` and the offset into it: of the symbols at the highest
-    /// address at or below `addr`, the first (in the kernel's order, [`alias_rank`]) whose
-    /// size covers it (or that has no known size). Where symbols alias one address this is
-    /// the name the kernel's `kallsyms_lookup` gives (`%pS`, `/proc/PID/stack`).
+    /// address at or below `addr`, the last by name, when its size covers `addr` (or it has
+    /// no known size). Probe points name their function so (`__x64_sys_getpid`, not the
+    /// `__do_sys_getpid` the kernel gives the same address); see [`Self::kernel_lookup`].
     pub fn lookup_addr(&self, addr: u64) -> Option<(&Symbol, u64)> {
-        let after = self.symbols.partition_point(|sym| sym.addr <= addr);
-        let at = self.symbols.get(after.checked_sub(1)?)?.addr;
-        let first = self.symbols.partition_point(|sym| sym.addr < at);
-        let offset = addr - at;
-        self.symbols[first..after]
+        let (group, offset) = self.alias_group(addr)?;
+        let sym = group.iter().max_by(|a, b| a.name.cmp(&b.name))?;
+        (sym.size == 0 || offset < sym.size).then_some((sym, offset))
+    }
+
+    /// As [`Self::lookup_addr`], but where symbols share the address, the first (in the
+    /// kernel's order, [`alias_rank`]) whose size covers `addr`: the name the kernel's own
+    /// `kallsyms_lookup` gives (`%pS`, `/proc/PID/stack`), for stack frames and `symname()`.
+    pub fn kernel_lookup(&self, addr: u64) -> Option<(&Symbol, u64)> {
+        let (group, offset) = self.alias_group(addr)?;
+        group
             .iter()
             .find(|sym| sym.size == 0 || offset < sym.size)
             .map(|sym| (sym, offset))
+    }
+
+    /// The symbols at the highest address at or below `addr`, and `addr`'s offset from it.
+    fn alias_group(&self, addr: u64) -> Option<(&[Symbol], u64)> {
+        let after = self.symbols.partition_point(|sym| sym.addr <= addr);
+        let at = self.symbols.get(after.checked_sub(1)?)?.addr;
+        let first = self.symbols.partition_point(|sym| sym.addr < at);
+        Some((&self.symbols[first..after], addr - at))
     }
 
     /// Only the code symbols.
@@ -383,7 +397,7 @@ ffffffff81f00080 T next
         let table = SymbolTable::from_system_map(map).unwrap();
         let name = |addr| {
             table
-                .lookup_addr(addr)
+                .kernel_lookup(addr)
                 .map(|(s, off)| (s.name.as_str(), off))
         };
 
@@ -393,6 +407,9 @@ ffffffff81f00080 T next
         );
         assert_eq!(name(0xffff_ffff_81f0_0010), Some(("memcpy", 0x10)));
         assert_eq!(name(0xffff_ffff_81f0_0040), Some(("copy_end_helper", 0)));
+        // Probe points keep naming such an address by the last name.
+        let last = table.lookup_addr(0xffff_ffff_81e0_1ae0).unwrap().0;
+        assert_eq!(last.name, "__x86_indirect_thunk_rax");
     }
 
     #[test]

@@ -416,13 +416,13 @@ impl KernelStacks {
 
     /// The text symbol `addr` (a running address) lies in, and the offset into it.
     pub fn symbol(&self, addr: u64) -> Option<(&Symbol, u64)> {
-        self.symbols.lookup_addr(addr)
+        self.symbols.kernel_lookup(addr)
     }
 
     /// The function a frame is in.
     pub fn function(&self, frame: &Frame) -> Option<&Symbol> {
         self.symbols
-            .lookup_addr(Self::lookup_pc(frame))
+            .kernel_lookup(Self::lookup_pc(frame))
             .map(|(sym, _)| sym)
     }
 
@@ -431,7 +431,7 @@ impl KernelStacks {
     /// when no symbol covers it.
     pub fn describe(&self, frame: &Frame) -> String {
         let back = u64::from(!frame.signal);
-        match self.symbols.lookup_addr(Self::lookup_pc(frame)) {
+        match self.symbols.kernel_lookup(Self::lookup_pc(frame)) {
             Some((sym, offset)) => format!(
                 "{}+{:#x}/{:#x}",
                 sym.name,
@@ -445,7 +445,7 @@ impl KernelStacks {
     /// A pc as a backtrace string holds it, named `func+0xoff/0xsize` (looked up as is: the
     /// string does not say which pcs are return addresses); `None` outside every symbol.
     pub fn name_pc(&self, pc: u64) -> Option<String> {
-        let (sym, offset) = self.symbols.lookup_addr(pc)?;
+        let (sym, offset) = self.symbols.kernel_lookup(pc)?;
         Some(format!("{}+{offset:#x}/{:#x}", sym.name, sym.size))
     }
 
@@ -467,7 +467,7 @@ impl KernelStacks {
 /// offset into it and its size, for a script session ([`crate::lang::eval::KernelSymbols`]).
 pub fn symbol_lookup(symbols: SymbolTable) -> crate::lang::eval::KernelSymbols {
     Box::new(move |pc| {
-        let (sym, offset) = symbols.lookup_addr(pc)?;
+        let (sym, offset) = symbols.kernel_lookup(pc)?;
         Some((sym.name.clone(), offset, sym.size))
     })
 }
