@@ -291,19 +291,23 @@ impl Gen<'_, '_> {
             self.a.lea(rcx, qword_ptr(rsp + NAME + 32))?;
             self.a.sub(rcx, rsi)?;
             self.a.jmp(intern_it)?;
-            // The name: up to its NUL, at most `most` bytes.
+            // The name: up to its NUL.
             self.a.set_label(&mut found)?;
             self.a.lea(rdi, qword_ptr(rsp + NAME))?;
             self.a.mov(rsi, rdi)?;
             self.a.xor(eax, eax)?;
-            self.a.mov(ecx, most)?;
+            self.a.mov(ecx, KSYM_NAME_LEN)?;
             self.a.repne().scasb()?;
             self.a.jne(cut)?;
             self.a.dec(rdi)?;
             self.a.set_label(&mut cut)?;
             self.a.mov(rcx, rdi)?;
             self.a.sub(rcx, rsi)?;
+            // Either text cut at `most` bytes, as the interpreter cuts a string.
             self.a.set_label(&mut intern_it)?;
+            self.a.mov(edx, most)?;
+            self.a.cmp(rcx, rdx)?;
+            self.a.cmova(rcx, rdx)?;
             self.a.call(intern)?;
             self.a.lea(rsp, qword_ptr(rsp + frame))?;
             self.a.test(r8, r8)?;
