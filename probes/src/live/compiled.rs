@@ -47,6 +47,10 @@ use crate::splice::{SpliceDecision, TrapReason};
 mod hits;
 use hits::{finish_hits, settle_returns, twin_hit};
 
+/// Check mode writes both outputs whole (`compiled.out`, `host.out`) into the directory this
+/// environment variable names.
+pub const CHECK_DUMP: &str = "EXOTAP_CHECK_DUMP";
+
 /// How often the host looks at the data's header (exit, errors) while the guest runs.
 pub const POLL_EVERY: Duration = Duration::from_millis(250);
 /// How often they are read when the guest's RAM is shared (no stop).
@@ -916,6 +920,15 @@ fn run(
     let mut code = session.finish();
     if let Some(shadow) = shadow {
         shadow.finish();
+        // For a difference to be looked into whole: both outputs as files.
+        if let Some(dir) = std::env::var_os(CHECK_DUMP) {
+            let dir = std::path::PathBuf::from(dir);
+            for (name, out) in [("compiled.out", &main_copy), ("host.out", &shadow_copy)] {
+                if let Err(e) = std::fs::write(dir.join(name), &*out.0.borrow()) {
+                    tracing::warn!("{CHECK_DUMP}: cannot write {name}: {e}");
+                }
+            }
+        }
         let verdict = match check_verdict(&main_copy.0.borrow(), &shadow_copy.0.borrow()) {
             Ok(lines) => format!(
                 "check: the compiled probes and the same probes evaluated on the host (at \
