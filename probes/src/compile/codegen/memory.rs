@@ -23,10 +23,10 @@ use iced_x86::code_asm::*;
 use crate::lang::ast::*;
 use crate::lang::Limits;
 
-use super::super::data::{field, STACK_GUARD_CPUS};
 use super::super::types::{chain, Step, TypeRef};
 use super::super::KSYM_NAME_LEN;
 use super::calls::is_print;
+use super::stack::{guard_busy, guard_enter, guard_leave};
 use super::{walk, Gen, K, R};
 
 /// The memory-string built-ins: name → (reads user memory, takes a length).
@@ -233,19 +233,7 @@ impl Gen<'_, '_> {
             self.a.mov(rdx, kallsyms.text_end)?;
             self.a.cmp(rax, rdx)?;
             self.a.jae(hex)?;
-            self.a.pushfq()?;
-            self.a.cli()?;
-            crate::rings::emit_cpu_number(self.a, cpu_number)?;
-            self.a.cmp(eax, STACK_GUARD_CPUS)?;
-            self.a.jae(busy)?;
-            let guard = iced_x86::Instruction::with2(
-                iced_x86::Code::Lea_r64_m,
-                iced_x86::Register::RCX,
-                super::rip(data + field::STACK_GUARD),
-            )?;
-            self.a.add_instruction(guard)?;
-            self.a.lock().bts(qword_ptr(rcx), rax)?;
-            self.a.jc(busy)?;
+            guard_enter(self.a, data, cpu_number, busy)?;
             // [rsp]: the CPU, [rsp + 8]: the flags, then the frame above (16-byte aligned).
             self.a.push(rax)?;
             self.a.mov(rdi, qword_ptr(rsp + 16))?;
@@ -255,19 +243,13 @@ impl Gen<'_, '_> {
             self.a.lea(r8, qword_ptr(rsp + 16 + NAME))?;
             self.a.call(kallsyms.lookup)?;
             self.a.pop(rdx)?;
-            self.a.add_instruction(guard)?;
-            self.a.lock().btr(qword_ptr(rcx), rdx)?;
+            guard_leave(self.a, data)?;
             self.a.popfq()?;
             self.a.test(rax, rax)?;
             self.a.jnz(found)?;
             self.a.jmp(hex)?;
             self.a.set_label(&mut busy)?;
-            let mut inc = iced_x86::Instruction::with1(
-                iced_x86::Code::Inc_rm64,
-                super::rip(data + field::STACKS_BUSY),
-            )?;
-            inc.set_has_lock_prefix(true);
-            self.a.add_instruction(inc)?;
+            guard_busy(self.a, data)?;
             self.a.popfq()?;
             // The address as `0x` and its hex digits, written backwards from NAME + 32.
             self.a.set_label(&mut hex)?;

@@ -119,19 +119,7 @@ impl Gen<'_, '_> {
             self.a.mov(qword_ptr(rsp + regs + PT_SS), KERNEL_DS)?;
             // Interrupts off, then this CPU's guard bit: set already, the unwinder is busy
             // here (this probe stands in its path, or came in an NMI during a walk).
-            self.a.pushfq()?;
-            self.a.cli()?;
-            crate::rings::emit_cpu_number(self.a, cpu_number)?;
-            self.a.cmp(eax, STACK_GUARD_CPUS)?;
-            self.a.jae(busy)?;
-            let guard = Instruction::with2(
-                Code::Lea_r64_m,
-                Register::RCX,
-                rip(data + field::STACK_GUARD),
-            )?;
-            self.a.add_instruction(guard)?;
-            self.a.lock().bts(qword_ptr(rcx), rax)?;
-            self.a.jc(busy)?;
+            guard_enter(self.a, data, cpu_number, busy)?;
             self.a.push(rax)?; // the CPU, and keeps the stack 16-byte aligned
             self.a.lea(rdi, qword_ptr(rsp + 16 + regs))?;
             self.a.lea(rsi, qword_ptr(rsp + 16))?;
@@ -139,13 +127,10 @@ impl Gen<'_, '_> {
             self.a.xor(ecx, ecx)?;
             self.a.call(save)?;
             self.a.pop(rdx)?;
-            self.a.add_instruction(guard)?;
-            self.a.lock().btr(qword_ptr(rcx), rdx)?;
+            guard_leave(self.a, data)?;
             self.a.jmp(walked)?;
             self.a.set_label(&mut busy)?;
-            let mut inc = Instruction::with1(Code::Inc_rm64, rip(data + field::STACKS_BUSY))?;
-            inc.set_has_lock_prefix(true);
-            self.a.add_instruction(inc)?;
+            guard_busy(self.a, data)?;
             self.a.xor(eax, eax)?;
             self.a.set_label(&mut walked)?;
             self.a.popfq()?;
@@ -395,4 +380,47 @@ impl Gen<'_, '_> {
         asm!(self, r)?;
         Ok(K::Long)
     }
+}
+
+/// Interrupts off (the flags pushed) and this CPU's guard bit in the data's header taken, for
+/// a call into a kernel routine a probe may stand in the path of (the unwinder, the symbol
+/// lookup). Jumps to `busy`, the flags still pushed, where the bit is set already (a probe
+/// inside that routine, or an NMI during it) or the CPU is past [`STACK_GUARD_CPUS`]. Leaves
+/// the CPU in rax; clobbers rcx.
+pub(super) fn guard_enter(
+    a: &mut CodeAssembler,
+    data: u64,
+    cpu_number: u64,
+    busy: CodeLabel,
+) -> Result<(), IcedError> {
+    a.pushfq()?;
+    a.cli()?;
+    crate::rings::emit_cpu_number(a, cpu_number)?;
+    a.cmp(eax, STACK_GUARD_CPUS)?;
+    a.jae(busy)?;
+    a.add_instruction(Instruction::with2(
+        Code::Lea_r64_m,
+        Register::RCX,
+        rip(data + field::STACK_GUARD),
+    )?)?;
+    a.lock().bts(qword_ptr(rcx), rax)?;
+    a.jc(busy)
+}
+
+/// Gives back the guard bit of the CPU in rdx ([`guard_enter`]); clobbers rcx. The flags are
+/// still the caller's to pop.
+pub(super) fn guard_leave(a: &mut CodeAssembler, data: u64) -> Result<(), IcedError> {
+    a.add_instruction(Instruction::with2(
+        Code::Lea_r64_m,
+        Register::RCX,
+        rip(data + field::STACK_GUARD),
+    )?)?;
+    a.lock().btr(qword_ptr(rcx), rdx)
+}
+
+/// Counts a call that found its guard bit set ([`field::STACKS_BUSY`]).
+pub(super) fn guard_busy(a: &mut CodeAssembler, data: u64) -> Result<(), IcedError> {
+    let mut inc = Instruction::with1(Code::Inc_rm64, rip(data + field::STACKS_BUSY))?;
+    inc.set_has_lock_prefix(true);
+    a.add_instruction(inc)
 }
