@@ -80,7 +80,8 @@ pub mod field {
     pub const DIV_ZERO: u64 = 24;
     /// Hits that ran past MAXACTION statements.
     pub const MAXACTION: u64 = 32;
-    /// Updates dropped because a table was full or a slot stayed busy.
+    /// Updates dropped because a table was full or a slot stayed busy, and lookups that
+    /// gave up on a slot that stayed busy (they answer "absent").
     pub const DROPPED: u64 = 40;
     /// Reads of guest memory that faulted (`kernel_long` and friends, a member chain, a string).
     pub const FAULTS: u64 = 48;
@@ -968,23 +969,7 @@ impl DataLayout {
             .ok_or_else(|| format!("{name} is not compiled"))?;
         let start = usize::try_from(slot.offset).map_err(|e| e.to_string())?;
         let end = start + usize::try_from(slot.size()).map_err(|e| e.to_string())?;
-        if let Some(table) = self.strings {
-            // Long strings go where the guest would intern the same text, so that a string
-            // the host gives back equals one a probe builds (and the guest can read it).
-            let mut long = Vec::new();
-            store_strings(store, &mut |s: &str| {
-                if s.len() >= 16 || matches!(s.as_bytes().first(), Some(1 | 2)) {
-                    long.push(s.to_owned());
-                }
-            });
-            for s in long {
-                if let std::collections::hash_map::Entry::Vacant(e) = interner.placed.entry(s) {
-                    if let Some(index) = table.place(data, e.key()) {
-                        e.insert(index);
-                    }
-                }
-            }
-        }
+        self.place_strings(store, interner, data);
         let area = data
             .get_mut(start..end)
             .ok_or("the data area is too small")?;
@@ -1007,6 +992,195 @@ impl DataLayout {
             _ => return Err(format!("{name} changed shape")),
         }
         Ok(start..end)
+    }
+}
+
+impl DataLayout {
+    /// Long strings of `store` go where the guest would intern the same text, so that a
+    /// string the host gives back equals one a probe builds (and the guest can read it).
+    fn place_strings(&self, store: &Store, interner: &mut Interner, data: &mut [u8]) {
+        let Some(table) = self.strings else {
+            return;
+        };
+        let mut long = Vec::new();
+        store_strings(store, &mut |s: &str| {
+            if s.len() >= 16 || matches!(s.as_bytes().first(), Some(1 | 2)) {
+                long.push(s.to_owned());
+            }
+        });
+        for s in long {
+            if let std::collections::hash_map::Entry::Vacant(e) = interner.placed.entry(s) {
+                if let Some(index) = table.place(data, e.key()) {
+                    e.insert(index);
+                }
+            }
+        }
+    }
+
+    /// Edits `data` (the bytes a pull read, the guest stopped) so that global `name` holds
+    /// `after` where the pull decoded `before`, touching only what changed: a scalar the
+    /// host's probes left alone is not rewritten, an array's elements keep their slots, a
+    /// new key takes a slot as the guest's insert would (the first free or deleted one of
+    /// its chain) and a removed key's slot is marked deleted. Everything else stays as the
+    /// guest left it, above all an element a vCPU stopped in the middle of writing (state
+    /// 1: no key yet, or its value not yet zeroed): re-encoding the table whole would wipe
+    /// it, and the vCPU would then publish it without its key (a lost element, seen in
+    /// check mode as a key absent right after its insert).
+    ///
+    /// # Errors
+    /// When the stores do not fit the slot (a different shape, or no slot left for a key).
+    pub fn update_into(
+        &self,
+        name: &str,
+        before: &Store,
+        after: &Store,
+        interner: &mut Interner,
+        data: &mut [u8],
+    ) -> Result<(), String> {
+        if before == after {
+            return Ok(());
+        }
+        let slot = self
+            .globals
+            .get(name)
+            .ok_or_else(|| format!("{name} is not compiled"))?;
+        let Some((keys, cap)) = slot.table else {
+            self.encode_into(name, after, interner, data)?;
+            return Ok(());
+        };
+        self.place_strings(after, interner, data);
+        let start = usize::try_from(slot.offset).map_err(|e| e.to_string())?;
+        let end = start + usize::try_from(slot.size()).map_err(|e| e.to_string())?;
+        let area = data
+            .get_mut(start..end)
+            .ok_or("the data area is too small")?;
+        let table = Table {
+            slot,
+            keys,
+            cap,
+            area,
+        };
+        match (before, after, slot.value) {
+            (Store::Array(b), Store::Array(a), kind) => {
+                table.update(b, a, interner, &mut |area, at, v, interner| {
+                    put_value(area, at, v, kind, interner)
+                })
+            }
+            (Store::StatsArray(b), Store::StatsArray(a), ValueKind::Stats(layout)) => {
+                table.update(b, a, interner, &mut |area, at, s, _| {
+                    put_stats(area, at, s, layout)
+                })
+            }
+            _ => Err(format!("{name} changed shape")),
+        }
+    }
+}
+
+/// Writes one element's value at an offset of a table's bytes.
+type PutValue<'f, V> = dyn FnMut(&mut [u8], usize, &V, &mut Interner) + 'f;
+
+/// One array's bytes in the data, as [`DataLayout::update_into`] edits them.
+struct Table<'a> {
+    slot: &'a GlobalSlot,
+    keys: usize,
+    cap: u32,
+    area: &'a mut [u8],
+}
+
+impl Table<'_> {
+    fn entry(&self, i: u64) -> usize {
+        TABLE_HEADER as usize + i as usize * self.slot.entry_size() as usize
+    }
+
+    /// The entry of the published element with key `words`, as the guest's lookup finds it.
+    fn find(&self, words: &[u64]) -> Option<usize> {
+        let mask = u64::from(self.cap) - 1;
+        let mut i = hash_key(words) & mask;
+        for _ in 0..MAX_PROBES.min(self.cap) {
+            let e = self.entry(i);
+            match word(self.area, e as u64) {
+                0 => return None,
+                2 if words
+                    .iter()
+                    .enumerate()
+                    .all(|(k, w)| word(self.area, e as u64 + ENTRY_KEYS + 8 * k as u64) == *w) =>
+                {
+                    return Some(e)
+                }
+                _ => {}
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    /// A slot for a key known absent: the first free or deleted one of its chain (never
+    /// one a vCPU is writing), published with the key and the next insertion number.
+    fn claim(&mut self, words: &[u64]) -> Option<usize> {
+        let mask = u64::from(self.cap) - 1;
+        let mut i = hash_key(words) & mask;
+        for _ in 0..MAX_PROBES.min(self.cap) {
+            let e = self.entry(i);
+            if matches!(word(self.area, e as u64), 0 | 3) {
+                let seq = word(self.area, TABLE_SEQUENCE);
+                put(self.area, TABLE_SEQUENCE as usize, seq + 1);
+                put(self.area, e + 8, seq);
+                for (k, w) in words.iter().enumerate() {
+                    put(self.area, e + ENTRY_KEYS as usize + 8 * k, *w);
+                }
+                put(self.area, e, 2);
+                let count = word(self.area, TABLE_COUNT);
+                put(self.area, TABLE_COUNT as usize, count + 1);
+                return Some(e);
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    /// Applies the difference between `before` and `after` element by element.
+    fn update<V: PartialEq>(
+        mut self,
+        before: &IndexMap<Vec<Value>, V>,
+        after: &IndexMap<Vec<Value>, V>,
+        interner: &mut Interner,
+        put_one: &mut PutValue<'_, V>,
+    ) -> Result<(), String> {
+        let value = self.slot.value_offset() as usize;
+        let size = self.slot.value.size() as usize;
+        // Removed keys first, so that their slots can take new ones.
+        for k in before.keys().filter(|k| !after.contains_key(*k)) {
+            let words = key_words(k, interner);
+            if let Some(e) = self.find(&words) {
+                put(self.area, e, 3);
+                let count = word(self.area, TABLE_COUNT);
+                put(self.area, TABLE_COUNT as usize, count.saturating_sub(1));
+            }
+        }
+        for (k, v) in after {
+            if before.get(k) == Some(v) {
+                continue;
+            }
+            let words = key_words(k, interner);
+            if words.len() != self.keys * 2 {
+                return Err(format!(
+                    "a key of {} values in an array of {}",
+                    k.len(),
+                    self.keys
+                ));
+            }
+            let e = match self.find(&words) {
+                Some(e) => e,
+                None => self
+                    .claim(&words)
+                    .ok_or("the table has no room for the host's entries")?,
+            };
+            if let Some(v) = self.area.get_mut(e + value..e + value + size) {
+                v.fill(0);
+            }
+            put_one(self.area, e + value, v, interner);
+        }
+        Ok(())
     }
 }
 
@@ -1298,6 +1472,85 @@ mod tests {
         s.m2 = 0;
         assert!(sl.log && sl.linear.is_some());
         assert_eq!(back, s);
+    }
+
+    #[test]
+    fn a_host_update_changes_only_the_elements_it_changed_and_spares_one_being_written() {
+        let prog = program("global a; probe begin { a[1] = 1 }");
+        let layout = DataLayout::new(&prog, &Limits::default()).expect("lays out");
+        let slot = layout.globals["a"].clone();
+        let (_, cap) = slot.table.expect("a table");
+        let mut interner = Interner::default();
+        let mut data = vec![0u8; layout.size as usize];
+        let long = |pairs: &[(i64, i64)]| {
+            Store::Array(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (vec![Value::Long(*k)], Value::Long(*v)))
+                    .collect(),
+            )
+        };
+        layout
+            .encode_into(
+                "a",
+                &long(&[(1, 10), (2, 20), (3, 30)]),
+                &mut interner,
+                &mut data,
+            )
+            .expect("encodes");
+        // A vCPU stopped in the middle of inserting key 4: its slot claimed (state 1), the
+        // key written, not yet published.
+        let home = |k: u64| hash_key(&[k, 0]) & (u64::from(cap) - 1);
+        let entry = |i: u64| (slot.offset + TABLE_HEADER + i * slot.entry_size()) as usize;
+        let writing = entry(home(4));
+        assert_eq!(word(&data, writing as u64), 0, "key 4's home slot is free");
+        data[writing..writing + 8].copy_from_slice(&1u64.to_le_bytes());
+        data[writing + ENTRY_KEYS as usize..][..8].copy_from_slice(&4u64.to_le_bytes());
+        let before = layout.decode("a", &data, &interner).expect("decodes");
+        assert_eq!(before, long(&[(1, 10), (2, 20), (3, 30)]));
+
+        // Nothing changed: not a byte.
+        let mut same = data.clone();
+        layout
+            .update_into("a", &before, &before.clone(), &mut interner, &mut same)
+            .expect("updates");
+        assert!(same == data);
+
+        // a[1] changed, a[2] deleted, a[6] new, a[3] left alone.
+        let after = long(&[(1, 11), (3, 30), (6, 60)]);
+        let mut fresh = data.clone();
+        layout
+            .update_into("a", &before, &after, &mut interner, &mut fresh)
+            .expect("updates");
+
+        assert_eq!(layout.decode("a", &fresh, &interner), Some(after));
+        let size = slot.entry_size() as usize;
+        assert_eq!(
+            fresh[writing..writing + size],
+            data[writing..writing + size],
+            "the element being written is left as the vCPU has it"
+        );
+        let three = entry(home(3));
+        assert_eq!(fresh[three..three + size], data[three..three + size]);
+        assert_eq!(
+            word(&fresh, entry(home(2)) as u64),
+            3,
+            "a[2]'s slot is marked deleted"
+        );
+        let count = (slot.offset + TABLE_COUNT) as usize;
+        assert_eq!(word(&fresh, count as u64), 3);
+        // Re-encoding the table whole (what the host did before) wipes the element being
+        // written: the vCPU would then publish it with no key.
+        let mut whole = data.clone();
+        layout
+            .encode_into(
+                "a",
+                &layout.decode("a", &fresh, &interner).expect("decodes"),
+                &mut interner,
+                &mut whole,
+            )
+            .expect("encodes");
+        assert_eq!(word(&whole, writing as u64), 0);
     }
 
     #[test]

@@ -336,6 +336,10 @@ pub fn runtime(layout: &DataLayout, data: u64, at: u64) -> Result<Runtime, IcedE
             a.pause()?;
             a.dec(r10d)?;
             a.jnz(probe)?;
+            if !insert {
+                // A lookup that gave up answers "absent": never silently.
+                lock_inc(&mut a, data + field::DROPPED)?;
+            }
             a.jmp(drop)?;
             a.set_label(&mut next)?;
             a.inc(eax)?;

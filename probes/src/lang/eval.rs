@@ -60,7 +60,7 @@ pub(crate) enum Flow {
 }
 
 /// Storage of one global.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Store {
     /// Long or string scalar.
     Scalar(Value),

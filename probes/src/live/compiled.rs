@@ -7,8 +7,10 @@
 //!
 //! The globals a script's kernel probes update live in the patch heap. The host brings them
 //! into the interpreter before any host probe runs (one stop and one bulk read: `pmemsave`
-//! when QEMU runs on this host), and writes them back after it (a timer's `delete` empties a
-//! table), with the guest stopped in between so no update is lost. A timer probe that writes
+//! when QEMU runs on this host), and writes back after it what the host probe changed, element
+//! by element (a timer's `delete` empties a table), with the guest stopped in between so no
+//! update is lost: an element a vCPU stopped in the middle of writing is left as it is (a
+//! table re-encoded whole lost such elements, found by check mode). A timer probe that writes
 //! no global only reads them: where the guest's memory can be read while it runs (shared
 //! RAM, exotap's own VMM) it gets them with no stop. It also looks at the data's
 //! header every [`POLL_EVERY`] (one short stop): `exit()` ends the session, a probe error
@@ -458,10 +460,9 @@ fn host_hit(
     guest: &mut Guest,
     traps: &mut Traps,
     sessions: &mut HitSessions<'_, '_>,
-    prog: &Program,
     at: (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<()> {
-    host_hit_stopped(guest, traps, sessions, prog, at)?;
+    host_hit_stopped(guest, traps, sessions, at)?;
     guest.session.resume()
 }
 
@@ -470,13 +471,12 @@ fn host_hit_stopped(
     guest: &mut Guest,
     traps: &mut Traps,
     sessions: &mut HitSessions<'_, '_>,
-    prog: &Program,
     (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<()> {
     guest.print(sessions.main, false)?;
     guest.pull(sessions.main)?;
     traps.hit_in(&mut guest.session, sessions, vcpu, pc)?;
-    guest.push(sessions.main, prog)
+    guest.push(sessions.main)
 }
 
 fn run(
@@ -624,7 +624,7 @@ fn run(
                             main: &mut session,
                             shadow: shadow.as_mut().map(|s| (s, compiled)),
                         };
-                        settle_returns(&mut guest, t, &mut sessions, &prog)?;
+                        settle_returns(&mut guest, t, &mut sessions)?;
                     }
                     true
                 };
@@ -641,7 +641,7 @@ fn run(
                         }
                         timers[*i].3 += period;
                     }
-                    guest.push(&session, &prog)?;
+                    guest.push(&session)?;
                 }
                 let end = header.exit || header.errors > 0;
                 if !end {
@@ -687,7 +687,7 @@ fn run(
                         main: &mut session,
                         shadow: shadow.as_mut().zip(check.as_ref()),
                     };
-                    let at_copy = twin_hit(&mut guest, t, &mut sessions, &prog, (vcpu, pc));
+                    let at_copy = twin_hit(&mut guest, t, &mut sessions, (vcpu, pc));
                     enter = matches!(at_copy, Ok(true));
                     if matches!(at_copy, Ok(false)) && !twin_emulated {
                         twin_emulated = true;
@@ -721,7 +721,7 @@ fn run(
                             main: &mut session,
                             shadow: shadow.as_mut().zip(check.as_ref()),
                         };
-                        host_hit(&mut guest, t, &mut sessions, &prog, (vcpu, pc))
+                        host_hit(&mut guest, t, &mut sessions, (vcpu, pc))
                     }
                     None => Ok(()),
                 };
@@ -783,7 +783,7 @@ fn run(
                     main: &mut session,
                     shadow: shadow.as_mut().map(|s| (s, compiled)),
                 };
-                settle_returns(&mut guest, t, &mut sessions, &prog)?;
+                settle_returns(&mut guest, t, &mut sessions)?;
             }
             guest.print(&mut session, true)?;
             header = guest.pull(&mut session)?;
@@ -913,7 +913,8 @@ fn run(
     }
     if header.dropped > 0 {
         session.error(&format!(
-            "{} array updates dropped: a table was full (raise MAXMAPENTRIES) or a slot stayed busy",
+            "{} array updates or lookups dropped: a table was full (raise MAXMAPENTRIES) or a \
+             slot stayed busy (another vCPU writing it)",
             header.dropped
         ));
     }

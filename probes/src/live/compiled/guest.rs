@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use anyhow::Context as _;
 
 use crate::compile::{self, codegen::Env, data::Header, DataLayout, Interner, SiteBodies};
-use crate::lang::check::Program;
 use crate::lang::runtime::Session;
 
 use crate::live::session::GuestSession;
@@ -226,25 +225,29 @@ impl Guest {
         Header::decode(data)
     }
 
-    /// Writes every compiled global from the session back, keeping the header (the guest
-    /// stopped, right after a pull): only the bytes that differ from what the pull read.
-    pub(super) fn push(&mut self, session: &Session<'_>, prog: &Program) -> anyhow::Result<()> {
+    /// Writes back what the host's probes changed in the compiled globals (the guest
+    /// stopped, right after a pull): each global as the session has it now against what the
+    /// pull decoded, element by element ([`compile::data::DataLayout::update_into`]), then
+    /// only the bytes that differ. Nothing a vCPU stopped in the middle of an update was
+    /// writing is touched.
+    pub(super) fn push(&mut self, session: &Session<'_>) -> anyhow::Result<()> {
         let data = match self.pulled.take() {
             Some(data) => data,
             None => self.read_data()?,
         };
-        let header = data[..compile::data::HEADER as usize].to_vec();
-        let mut fresh = self.layout.initial(prog, &mut self.interner);
-        fresh[..header.len()].copy_from_slice(&header);
-        self.layout.keep_strings(&data, &mut fresh);
+        let mut fresh = data.clone();
         for name in self.layout.globals.keys() {
-            if let Some(store) = session.global(name) {
-                if let Err(e) = self
-                    .layout
-                    .encode_into(name, store, &mut self.interner, &mut fresh)
-                {
-                    tracing::warn!("cannot give {name} back to the compiled probes: {e}");
-                }
+            let (Some(after), Some(before)) = (
+                session.global(name),
+                self.layout.decode(name, &data, &self.interner),
+            ) else {
+                continue;
+            };
+            if let Err(e) =
+                self.layout
+                    .update_into(name, &before, after, &mut self.interner, &mut fresh)
+            {
+                tracing::warn!("cannot give {name} back to the compiled probes: {e}");
             }
         }
         for (at, len) in changed_spans(&data, &fresh, SPAN_GAP) {

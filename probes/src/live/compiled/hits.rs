@@ -6,7 +6,6 @@
 use anyhow::Context as _;
 
 use crate::compile::Facts;
-use crate::lang::check::Program;
 
 use super::super::traps::{HitSessions, Traps};
 use super::{host_hit_stopped, Guest};
@@ -18,10 +17,9 @@ pub(super) fn twin_hit(
     guest: &mut Guest,
     traps: &mut Traps,
     sessions: &mut HitSessions<'_, '_>,
-    prog: &Program,
     (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<bool> {
-    host_hit_stopped(guest, traps, sessions, prog, (vcpu, pc))?;
+    host_hit_stopped(guest, traps, sessions, (vcpu, pc))?;
     let rip = match guest.session.machine.registers(vcpu)? {
         exotap_vmm::control::RegisterFile::X86_64(r) => r.rip,
         _ => return Ok(false),
@@ -37,7 +35,6 @@ pub(super) fn settle_returns(
     guest: &mut Guest,
     traps: &mut Traps,
     sessions: &mut HitSessions<'_, '_>,
-    prog: &Program,
 ) -> anyhow::Result<()> {
     for vcpu in guest.session.machine.vcpus()? {
         let rip = match guest.session.machine.registers(vcpu)? {
@@ -46,7 +43,7 @@ pub(super) fn settle_returns(
         };
         if rip == traps.trampoline() {
             tracing::debug!("{vcpu} stands at the return trampoline: its return probes run now");
-            host_hit_stopped(guest, traps, sessions, prog, (vcpu, rip))?;
+            host_hit_stopped(guest, traps, sessions, (vcpu, rip))?;
         }
     }
     Ok(())
