@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use anyhow::Context as _;
 
 use crate::compile::{self, codegen::Env, data::Header, DataLayout, Interner, SiteBodies};
+use crate::lang::eval::Store;
 use crate::lang::runtime::Session;
 
 use crate::live::session::GuestSession;
@@ -64,11 +65,15 @@ pub(super) struct Guest {
     pub(super) lost: u64,
     /// Sites whose compiled code a breakpoint enters (no splice fits there): site to code.
     pub(super) entered: HashMap<u64, u64>,
-    /// The data as the last pull read it (the guest still stopped).
-    pub(super) pulled: Option<Vec<u8>>,
+    /// The data as the last pull read it (the guest still stopped), and each global as it
+    /// decoded it.
+    pub(super) pulled: Option<(Vec<u8>, Globals)>,
     /// The kernel's ORC tables and symbols, when the probes take stack snapshots.
     pub(super) stacks: Option<crate::live::stacks::KernelStacks>,
 }
+
+/// Compiled globals by name, as a pull decoded them.
+type Globals = Vec<(String, Store)>;
 
 /// What an output record prints: a stack record unwound from its snapshot
 /// ([`compile::snapshot`]), any other as the interner renders it; `None` for a record no
@@ -196,8 +201,9 @@ impl Guest {
     /// read for the [`Guest::push`] that follows.
     pub(super) fn pull(&mut self, session: &mut Session<'_>) -> anyhow::Result<Header> {
         let data = self.read_data()?;
-        let header = self.bring_in(session, &data);
-        self.pulled = Some(data);
+        let stores = self.bring_in(session, &data);
+        let header = Header::decode(&data);
+        self.pulled = Some((data, stores));
         Ok(header)
     }
 
@@ -212,17 +218,20 @@ impl Guest {
             Some(shared) => shared.read_heap(self.data, len)?,
             None => self.session.read_heap(self.data, len)?,
         };
-        Ok(self.bring_in(session, &data))
+        self.bring_in(session, &data);
+        Ok(Header::decode(&data))
     }
 
-    /// Decodes every compiled global of `data` into the session; returns the header.
-    pub(super) fn bring_in(&self, session: &mut Session<'_>, data: &[u8]) -> Header {
+    /// Decodes every compiled global of `data` into the session; returns them as decoded.
+    fn bring_in(&self, session: &mut Session<'_>, data: &[u8]) -> Globals {
+        let mut stores = Vec::with_capacity(self.layout.globals.len());
         for name in self.layout.globals.keys() {
             if let Some(store) = self.layout.decode(name, data, &self.interner) {
-                session.set_global(name, store);
+                session.set_global(name, store.clone());
+                stores.push((name.clone(), store));
             }
         }
-        Header::decode(data)
+        stores
     }
 
     /// Writes back what the host's probes changed in the compiled globals (the guest
@@ -231,21 +240,30 @@ impl Guest {
     /// only the bytes that differ. Nothing a vCPU stopped in the middle of an update was
     /// writing is touched.
     pub(super) fn push(&mut self, session: &Session<'_>) -> anyhow::Result<()> {
-        let data = match self.pulled.take() {
-            Some(data) => data,
-            None => self.read_data()?,
+        let (data, stores) = match self.pulled.take() {
+            Some(pulled) => pulled,
+            None => {
+                let data = self.read_data()?;
+                let stores = self
+                    .layout
+                    .globals
+                    .keys()
+                    .filter_map(|name| {
+                        let store = self.layout.decode(name, &data, &self.interner)?;
+                        Some((name.clone(), store))
+                    })
+                    .collect();
+                (data, stores)
+            }
         };
         let mut fresh = data.clone();
-        for name in self.layout.globals.keys() {
-            let (Some(after), Some(before)) = (
-                session.global(name),
-                self.layout.decode(name, &data, &self.interner),
-            ) else {
+        for (name, before) in &stores {
+            let Some(after) = session.global(name) else {
                 continue;
             };
             if let Err(e) =
                 self.layout
-                    .update_into(name, &before, after, &mut self.interner, &mut fresh)
+                    .update_into(name, before, after, &mut self.interner, &mut fresh)
             {
                 tracing::warn!("cannot give {name} back to the compiled probes: {e}");
             }
