@@ -126,6 +126,159 @@ fn sleeping_task_stacks_equal_the_guests_own_proc_pid_stack() {
     eprintln!("{compared} tasks equal to /proc/PID/stack; leaves {leaves:?}");
 }
 
+/// Guest job for module text: evdev loaded from the initramfs, readers of every input
+/// event device (they sleep in `evdev_read`, module code, and nothing ever types), printed by
+/// `/proc/PID/stack` as in [`BLOCKED_JOB`], then the host's stop.
+const MODULE_JOB: &str = r#"start=$(sh -c 'echo $$')
+insmod /modules/evdev.ko
+for e in /dev/input/event*; do for i in 1 2 3; do cat $e > /dev/null & done; done
+sleep 2
+for d in /proc/[0-9]*; do
+  p=${d#/proc/}
+  [ "$p" -gt "$start" ] || continue
+  read -r comm < $d/comm 2>/dev/null || continue
+  st=$(cat /proc/$p/stack 2>/dev/null) || continue
+  echo "PROC-STACK-BEGIN $p $comm"
+  echo "$st"
+  echo "PROC-STACK-END $p"
+done
+exotap_wait backtrace
+"#;
+
+/// The initramfs of `job` (e.g. [`MODULE_JOB`]), with the kernel cache's evdev.ko in
+/// `/modules`.
+fn module_initramfs(dir: &std::path::Path, job: &str) -> std::path::PathBuf {
+    use exotap_guest_images::{self as images, init, kernel, workloads, GuestJob};
+    let kernel = images::ensure_kernel(images::DEFAULT_KERNEL).unwrap();
+    let evdev = kernel
+        .modules
+        .iter()
+        .find(|p| p.file_name().is_some_and(|n| n == "evdev.ko"))
+        .expect("evdev.ko is not in the kernel cache");
+    let busybox = std::fs::read(kernel::ensure_busybox().unwrap()).unwrap();
+    let built: Vec<_> = workloads::ensure_workloads()
+        .unwrap()
+        .into_iter()
+        .map(|w| {
+            let bytes = std::fs::read(&w.binary).unwrap();
+            (w, bytes)
+        })
+        .collect();
+    let mut fs = init::assemble(busybox, &built, &GuestJob::from_script(job)).unwrap();
+    fs.file("modules/evdev.ko", 0o644, std::fs::read(evdev).unwrap())
+        .unwrap();
+    let out = dir.join("module.cpio.gz");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&out).unwrap());
+    fs.write_gz(&mut file).unwrap();
+    std::io::Write::flush(&mut file).unwrap();
+    out
+}
+
+#[test]
+fn stacks_through_module_text_equal_the_guests_own_proc_pid_stack() {
+    if !have_qemu("stacks_through_module_text_equal_the_guests_own_proc_pid_stack") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = module_initramfs(dir.path(), MODULE_JOB);
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args(["backtrace", "--proc-style", "--timeout", "300", "--initrd"])
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console));
+
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+    let guest = guest_stacks(&transcript);
+    let host = host_stacks(&out);
+    let mut in_module = 0;
+    for (pid, (comm, frames)) in &guest {
+        let (ours, end) = host
+            .get(pid)
+            .unwrap_or_else(|| panic!("exotap did not list task {pid} ({comm}): {ctx}"));
+        assert_eq!(ours, frames, "task {pid} ({comm}): {ctx}");
+        if frames.iter().any(|f| f.ends_with(" [evdev]")) {
+            // Through the module's frames to the system call's entry and user mode.
+            assert!(end.starts_with("user mode at "), "task {pid}: {end}");
+            in_module += 1;
+        }
+    }
+    // Three readers of each input device QEMU's PC gives the guest (at least the keyboard).
+    assert!(in_module >= 3, "only {in_module} tasks in evdev: {ctx}");
+    eprintln!("{in_module} tasks through evdev equal to /proc/PID/stack");
+}
+
+/// A script's view of tasks sleeping in module code: `task_backtrace()` at the guest's own
+/// `proc_pid_stack`, printed there and kept for `end` (the module was loaded after the
+/// script's probes were armed, so exotap learns of it at a stop).
+const MODULE_SCRIPT: &str = r#"global kept
+probe kernel.function("proc_pid_stack") {
+  if ($task == task_current()) next
+  p = @cast($task, "task_struct")->pid
+  printf("TASK-STACK-BEGIN %d\n", p)
+  print_stack(task_backtrace($task))
+  printf("TASK-STACK-END\n")
+  kept[p] = task_backtrace($task)
+}
+probe end {
+  foreach (p in kept) {
+    printf("END-STACK-BEGIN %d\n", p)
+    print_stack(kept[p])
+    printf("END-STACK-END\n")
+  }
+}
+"#;
+
+#[test]
+fn scripts_name_module_frames_as_the_guest_does_at_hits_and_in_end() {
+    if !have_qemu("scripts_name_module_frames_as_the_guest_does_at_hits_and_in_end") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = module_initramfs(
+        dir.path(),
+        &MODULE_JOB.replace("exotap_wait backtrace\n", ""),
+    );
+    let script = dir.path().join("module.stp");
+    std::fs::write(&script, MODULE_SCRIPT).unwrap();
+    let console = dir.path().join("console.log");
+
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "300", "--compile", "never", "--script"])
+        .arg(&script)
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console));
+
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    let guest = guest_stacks(&transcript);
+    let at_hits = script_blocks(&out, "TASK-STACK-BEGIN ", "TASK-STACK-END");
+    let in_end = script_blocks(&out, "END-STACK-BEGIN ", "END-STACK-END");
+    let mut in_module = 0;
+    for (pid, (comm, frames)) in &guest {
+        if !frames.iter().any(|f| f.ends_with(" [evdev]")) {
+            continue;
+        }
+        for (when, blocks) in [("at the hit", &at_hits), ("in end", &in_end)] {
+            let ours = blocks
+                .iter()
+                .find(|(p, _)| i64::from(*pid) == *p)
+                .unwrap_or_else(|| panic!("no stack of task {pid} ({comm}) {when}: {ctx}"));
+            assert_eq!(&ours.1, frames, "task {pid} ({comm}) {when}: {ctx}");
+        }
+        in_module += 1;
+    }
+    assert!(in_module >= 3, "only {in_module} tasks in evdev: {ctx}");
+    eprintln!("{in_module} tasks through evdev: the script's stacks equal /proc/PID/stack");
+}
+
 /// A script's view of the same tasks: `task_backtrace($task)` at the guest's own
 /// `proc_pid_stack` (the function behind `/proc/PID/stack`), so the host unwinds the very
 /// task the guest is about to print, at the same moment; and kernel stacks as map keys,

@@ -3,7 +3,7 @@
 //!
 //! Layout under the cache root:
 //! ```text
-//! kernels/<abi>/manifest.json         vmlinuz, config, modules/{irqbypass,kvm,kvm-amd,kvm-intel}.ko
+//! kernels/<abi>/manifest.json         vmlinuz, config, modules/{irqbypass,kvm,kvm-amd,kvm-intel,evdev}.ko
 //! kernels/<abi>/debug/manifest.json   vmlinux, System.map          (image fetch --debuginfo)
 //! packages/busybox-static/manifest.json   busybox
 //! ```
@@ -18,8 +18,16 @@ use crate::debian::{self, DebianError};
 /// The kernel exotap boots unless told otherwise.
 pub const DEFAULT_KERNEL: &str = "6.1.0-50-cloud-amd64";
 
-/// The modules kept for the nested-KVM harness, by file name.
-pub const KEPT_MODULES: &[&str] = &["irqbypass.ko", "kvm.ko", "kvm-amd.ko", "kvm-intel.ko"];
+/// The modules kept, by file name: kvm and its vendor modules for the nested-KVM harness,
+/// and evdev (no dependencies; a reader of `/dev/input/eventN` sleeps in its code) for the
+/// tests of unwinding through module text.
+pub const KEPT_MODULES: &[&str] = &[
+    "irqbypass.ko",
+    "kvm.ko",
+    "kvm-amd.ko",
+    "kvm-intel.ko",
+    "evdev.ko",
+];
 
 /// Errors of fetching guest images.
 #[derive(Debug, thiserror::Error)]

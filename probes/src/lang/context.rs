@@ -163,7 +163,7 @@ pub trait Context {
     ///
     /// # Errors
     /// When this context has no kernel symbols.
-    fn kernel_symbol(&self, _addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
+    fn kernel_symbol(&self, _addr: u64) -> Result<Option<super::eval::NamedAddress>, MemoryError> {
         Err(MemoryError::NoMemory)
     }
 }

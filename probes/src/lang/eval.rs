@@ -114,9 +114,45 @@ pub struct Interp<'p> {
     pub clock_drift: Option<ClockDrift>,
 }
 
-/// A function naming kernel addresses (see [`Interp::kernel_symbols`]): the symbol that
-/// covers one, the offset into it and its size.
-pub type KernelSymbols = Box<dyn Fn(u64) -> Option<(String, u64, u64)> + Send>;
+/// A function naming kernel addresses (see [`Interp::kernel_symbols`]).
+pub type KernelSymbols = Box<dyn Fn(u64) -> Option<NamedAddress> + Send>;
+
+/// A kernel address named: the symbol that covers it, the offset into it, its size, and
+/// the module whose text holds it (`None`: the kernel's own text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedAddress {
+    /// The symbol.
+    pub name: String,
+    /// The address less the symbol's.
+    pub offset: u64,
+    /// The symbol's size.
+    pub size: u64,
+    /// The module, if any.
+    pub module: Option<String>,
+}
+
+impl NamedAddress {
+    /// The same name at another offset (a return address printed one past its lookup).
+    pub fn with_offset(self, offset: u64) -> Self {
+        Self { offset, ..self }
+    }
+
+    /// Where SystemTap says the address lies: the module's name, or `kernel`.
+    pub fn module_or_kernel(&self) -> &str {
+        self.module.as_deref().unwrap_or("kernel")
+    }
+}
+
+/// As the kernel's `%pB` prints it: `func+0xoff/0xsize`, with ` [module]` in a module.
+impl std::fmt::Display for NamedAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}+{:#x}/{:#x}", self.name, self.offset, self.size)?;
+        match &self.module {
+            Some(module) => write!(f, " [{module}]"),
+            None => Ok(()),
+        }
+    }
+}
 
 /// See [`Interp::clock_drift`].
 pub type ClockDrift = Box<dyn Fn() -> i64 + Send>;

@@ -17,7 +17,7 @@ impl Interp<'_> {
         &self,
         ctx: &dyn Context,
         addr: u64,
-    ) -> Result<Option<(String, u64, u64)>, super::context::MemoryError> {
+    ) -> Result<Option<super::eval::NamedAddress>, super::context::MemoryError> {
         ctx.kernel_symbol(addr)
             .or_else(|e| match &self.kernel_symbols {
                 Some(f) => Ok(f(addr)),
@@ -412,10 +412,14 @@ impl Interp<'_> {
             "symname" | "symdata" => {
                 let addr = long(0) as u64;
                 match self.kernel_symbol(ctx, addr) {
-                    Ok(Some((sym, _, _))) if name == "symname" => self.string(sym),
-                    Ok(Some((sym, offset, size))) => {
-                        self.string(format!("{sym}+{offset:#x}/{size:#x} [kernel]"))
-                    }
+                    Ok(Some(named)) if name == "symname" => self.string(named.name),
+                    Ok(Some(named)) => self.string(format!(
+                        "{}+{:#x}/{:#x} [{}]",
+                        named.name,
+                        named.offset,
+                        named.size,
+                        named.module_or_kernel()
+                    )),
                     // As SystemTap: an address no symbol covers prints as itself.
                     Ok(None) => self.string(format!("{addr:#x}")),
                     Err(_) => return fail(no_symbols(name), span),
@@ -431,8 +435,12 @@ impl Interp<'_> {
                         return fail(format!("print_syms: '{word}' is not an address"), span);
                     };
                     match self.kernel_symbol(ctx, addr) {
-                        Ok(Some((sym, offset, size))) => lines.push_str(&format!(
-                            " {addr:#018x} : {sym}+{offset:#x}/{size:#x} [kernel]\n"
+                        Ok(Some(named)) => lines.push_str(&format!(
+                            " {addr:#018x} : {}+{:#x}/{:#x} [{}]\n",
+                            named.name,
+                            named.offset,
+                            named.size,
+                            named.module_or_kernel()
                         )),
                         Ok(None) => lines.push_str(&format!(" {addr:#018x}\n")),
                         Err(_) => return fail(no_symbols(name), span),
@@ -542,11 +550,22 @@ fn no_symbols(name: &str) -> String {
     )
 }
 
+/// A frame's `%pB` name as SystemTap prints it: a module's frame already ends in
+/// ` [module]`; the kernel's own gets ` [kernel]` (`%pB` prints it bare, and a symbol
+/// name has no blank).
+fn stap_frame_name(name: &str) -> String {
+    if name.contains(" [") && name.ends_with(']') {
+        name.to_owned()
+    } else {
+        format!("{name} [kernel]")
+    }
+}
+
 fn backtrace_lines(ctx: &dyn Context) -> String {
     ctx.kernel_backtrace()
         .unwrap_or_default()
         .iter()
-        .map(|(pc, name)| format!(" {pc:#018x} : {name} [kernel]"))
+        .map(|(pc, name)| format!(" {pc:#018x} : {}", stap_frame_name(name)))
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -565,15 +584,14 @@ fn stack_lines(
             let pc = u64::from_str_radix(word.trim_start_matches("0x"), 16).ok();
             let name = pc
                 .and_then(|pc| {
-                    ctx.pc_name(pc).or_else(|| {
-                        let (sym, offset, size) = symbols.and_then(|f| f(pc))?;
-                        Some(format!("{sym}+{offset:#x}/{size:#x}"))
-                    })
+                    ctx.pc_name(pc)
+                        .or_else(|| symbols.and_then(|f| f(pc)).map(|n| n.to_string()))
                 })
                 .unwrap_or_else(|| word.to_owned());
+            let name = stap_frame_name(&name);
             match pc {
-                Some(pc) => format!(" {pc:#018x} : {name} [kernel]"),
-                None => format!(" {word} : {name} [kernel]"),
+                Some(pc) => format!(" {pc:#018x} : {name}"),
+                None => format!(" {word} : {name}"),
             }
         })
         .collect::<Vec<_>>()

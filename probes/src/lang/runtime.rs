@@ -770,7 +770,12 @@ mod tests {
         let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
         // The session's symbols know one of the two pcs; `end` has no hit context.
         session.set_kernel_symbols(Box::new(|pc| {
-            (pc == 0xffff_ffff_8125_0a01).then(|| ("ksys_read".to_owned(), 0x71, 0xf0))
+            (pc == 0xffff_ffff_8125_0a01).then(|| crate::lang::eval::NamedAddress {
+                name: "ksys_read".to_owned(),
+                offset: 0x71,
+                size: 0xf0,
+                module: None,
+            })
         }));
         session.begin();
         let ctx = StackedContext(CapturedContext::default());
@@ -805,7 +810,12 @@ mod tests {
         session.set_kernel_symbols(Box::new(|pc| {
             (0xffff_ffff_8125_0990..0xffff_ffff_8125_0a80)
                 .contains(&pc)
-                .then(|| ("ksys_read".to_owned(), pc - 0xffff_ffff_8125_0990, 0xf0))
+                .then(|| crate::lang::eval::NamedAddress {
+                    name: "ksys_read".to_owned(),
+                    offset: pc - 0xffff_ffff_8125_0990,
+                    size: 0xf0,
+                    module: None,
+                })
         }));
         session.begin();
 
@@ -814,6 +824,49 @@ mod tests {
         assert_eq!(
             out.contents(),
             "ksys_read\nksys_read+0x71/0xf0 [kernel]\n0x10\n"
+        );
+    }
+
+    #[test]
+    fn addresses_in_a_modules_text_name_the_module_where_systemtap_says_kernel() {
+        let src = "probe end { println(symname(0xffffffffc000120c)); \
+                   println(symdata(0xffffffffc000120c)); \
+                   print_stack(\"0xffffffffc000120c 0xffffffff81250a01\") }";
+        let prog = program(src);
+        let out = SharedBuf::default();
+        let output = Output::new(
+            Format::Text,
+            Box::new(out.clone()),
+            Box::new(std::io::sink()),
+        );
+        let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
+        session.set_kernel_symbols(Box::new(|pc| {
+            let named =
+                |name: &str, base: u64, module: Option<&str>| crate::lang::eval::NamedAddress {
+                    name: name.to_owned(),
+                    offset: pc - base,
+                    size: 0x2b0,
+                    module: module.map(str::to_owned),
+                };
+            match pc {
+                0xffff_ffff_c000_1000..0xffff_ffff_c000_12b0 => {
+                    Some(named("evdev_read", 0xffff_ffff_c000_1000, Some("evdev")))
+                }
+                0xffff_ffff_8125_0990..0xffff_ffff_8125_0c40 => {
+                    Some(named("ksys_read", 0xffff_ffff_8125_0990, None))
+                }
+                _ => None,
+            }
+        }));
+        session.begin();
+
+        assert_eq!(session.finish(), 0);
+
+        assert_eq!(
+            out.contents(),
+            "evdev_read\nevdev_read+0x20c/0x2b0 [evdev]\n \
+             0xffffffffc000120c : evdev_read+0x20c/0x2b0 [evdev]\n \
+             0xffffffff81250a01 : ksys_read+0x71/0x2b0 [kernel]\n"
         );
     }
 

@@ -249,7 +249,7 @@ pub fn start_on(
     // Stack snapshots are unwound on the host, with the image's ORC tables (without them
     // their records count as lost, as the host-evaluated path's stacks are empty).
     let stacks = if compile::snapshot::takes_snapshots(&script.prog) {
-        super::stacks::KernelStacks::load(image, slide)
+        super::stacks::KernelStacks::load_for(image, &mut session)
             .map_err(|e| {
                 tracing::warn!("the kernel stacks compiled probes print cannot be unwound: {e:#}")
             })

@@ -64,6 +64,7 @@ pub mod drainer;
 pub mod guest_memory;
 pub mod jit;
 pub mod kernel_image;
+pub mod modules;
 pub mod operation;
 pub mod pretty;
 pub mod recover;

@@ -83,7 +83,9 @@ impl LiveStacks {
             let btf = Btf::from_elf(image.vmlinux.bytes())
                 .context("the kernel image has no usable BTF")?;
             let tasks = TaskLayout::from_btf(&btf)?;
-            let stacks = KernelStacks::load(image, survey.kaslr.slide)?;
+            let mut stacks = KernelStacks::load(image, survey.kaslr.slide)?;
+            let mut mem = BackendMemory(&mut *machine);
+            stacks.refresh_modules(&mut survey.space(&mut mem));
             anyhow::Ok((survey, stacks, tasks))
         })();
         match learned {
@@ -135,7 +137,9 @@ impl LiveStacks {
                 .read_u64(current_slot)
                 .ok()
                 .and_then(|task| read_task_name(&mut cache, task, &self.tasks));
-            let backtrace = self.stacks.unwind_vcpu(&r, &mut cache);
+            let backtrace = self
+                .stacks
+                .unwind_knowing_modules(&mut cache, |stacks, mem| stacks.unwind_vcpu(&r, mem));
             out.push(VcpuStack {
                 vcpu,
                 in_kernel: r.in_kernel(),
@@ -157,11 +161,15 @@ impl LiveStacks {
         let mut space = self.survey.space(&mut mem);
         let tasks = list_tasks(&mut space, self.survey.layout.init_task, &self.tasks)?;
         let mut cache = PageCache::new(&mut space);
+        let stacks = &mut self.stacks;
         Ok(tasks
             .into_iter()
             .map(|task| {
-                let bt =
-                    (!task.on_cpu).then(|| self.stacks.unwind_task(task.thread_sp, &mut cache));
+                let bt = (!task.on_cpu).then(|| {
+                    stacks.unwind_knowing_modules(&mut cache, |stacks, mem| {
+                        stacks.unwind_task(task.thread_sp, mem)
+                    })
+                });
                 (task, bt)
             })
             .collect())
@@ -233,8 +241,8 @@ impl Profile {
                 parts.push("[incomplete]".into());
             }
             for frame in sample.backtrace.frames.iter().rev() {
-                parts.push(match stacks.function(frame) {
-                    Some(sym) => sanitize(&sym.name),
+                parts.push(match stacks.function_name(frame) {
+                    Some(name) => sanitize(&name),
                     None => format!("{:#x}", frame.pc),
                 });
             }

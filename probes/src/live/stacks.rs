@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context};
 use exotap_introspect::btf::Btf;
@@ -18,10 +19,11 @@ use exotap_introspect::orc::{
     UnwindStart, Unwinder,
 };
 use exotap_introspect::paging::{AddressSpace, PagingError};
-use exotap_introspect::symbols::{Symbol, SymbolTable};
+use exotap_introspect::symbols::SymbolTable;
 use exotap_vmm::control::X86Registers;
 
 use super::kernel_image::KernelImage;
+use super::modules::{read_modules, GuestModule, ModuleLayout, VirtualMemory};
 
 /// Most tasks a walk of the task list visits before it gives up (a corrupt or cyclic list).
 pub const MAX_TASKS: usize = 1 << 16;
@@ -277,6 +279,13 @@ impl<'s, 'm, M: PhysicalMemory + ?Sized> PageCache<'s, 'm, M> {
     }
 }
 
+/// Reads past the cache (the module list is read once per refresh).
+impl<M: PhysicalMemory + ?Sized> VirtualMemory for PageCache<'_, '_, M> {
+    fn read_virt(&mut self, va: u64, buf: &mut [u8]) -> anyhow::Result<()> {
+        Ok(self.space.read(va, buf)?)
+    }
+}
+
 impl<M: PhysicalMemory + ?Sized> StackMemory for PageCache<'_, '_, M> {
     type Error = PagingError;
 
@@ -327,11 +336,24 @@ pub fn pt_regs_of(regs: &X86Registers) -> PtRegs {
     }
 }
 
-/// The image's ORC tables and symbols, and what the kernel itself leaves out of
-/// `/proc/PID/stack`.
+/// The image's ORC tables and symbols, the loaded modules' (read from the guest), and what
+/// the kernel itself leaves out of `/proc/PID/stack`.
 pub struct KernelStacks {
     orc: OrcTable,
     slide: u64,
+    /// Where the guest's module list is and how `struct module` is laid out; `None` when
+    /// the image's BTF or symbols lack it (frames in module text then end an unwind).
+    module_list: Option<(u64, ModuleLayout)>,
+    /// The modules as last read ([`KernelStacks::refresh_modules`]).
+    modules: Arc<Vec<GuestModule>>,
+    /// The same list for the namers handed out ([`KernelStacks::symbol_lookup`]), which
+    /// outlive a borrow of this and must see modules read after they were made.
+    published: Arc<Mutex<Arc<Vec<GuestModule>>>>,
+    /// The list head's `next` and `prev` when the list was last read: a module loaded
+    /// since is added at the head, and changes them.
+    list_ends: Option<[u64; 2]>,
+    /// When the module list was last read.
+    modules_read: Option<std::time::Instant>,
     /// Text symbols at running addresses.
     symbols: SymbolTable,
     /// `__sched_text_start..__sched_text_end` and `__lock_text_start..__lock_text_end`,
@@ -345,18 +367,37 @@ impl std::fmt::Debug for KernelStacks {
         f.debug_struct("KernelStacks")
             .field("orc_entries", &self.orc.len())
             .field("slide", &format_args!("{:#x}", self.slide))
+            .field("modules", &self.modules.len())
             .finish_non_exhaustive()
     }
 }
 
 impl KernelStacks {
-    /// Reads the ORC tables of the image's vmlinux; `slide` is the guest's KASLR slide.
+    /// Reads the ORC tables of the image's vmlinux; `slide` is the guest's KASLR slide. No
+    /// module is known until [`KernelStacks::refresh_modules`] reads the guest's list.
     ///
     /// # Errors
     /// When the image has no (or an unknown kind of) ORC table.
     pub fn load(image: &KernelImage, slide: u64) -> anyhow::Result<Self> {
         let orc = OrcTable::from_vmlinux(&image.vmlinux)
             .context("cannot read the ORC unwind tables of the kernel image")?;
+        let module_list = (|| {
+            let head = image
+                .symbols
+                .get("modules")
+                .context("the image's symbols have no `modules` list")?
+                .addr
+                .wrapping_add(slide);
+            let btf = Btf::from_elf(image.vmlinux.bytes()).context("the image has no BTF")?;
+            anyhow::Ok((head, ModuleLayout::from_btf(&btf)?))
+        })();
+        let module_list = match module_list {
+            Ok(found) => Some(found),
+            Err(err) => {
+                tracing::warn!("frames in module text will end stacks: {err:#}");
+                None
+            }
+        };
         let symbols = text_symbols(image, slide);
         let range = |start: &str, end: &str| {
             let a = image.symbols.get(start)?.addr.wrapping_add(slide);
@@ -377,15 +418,114 @@ impl KernelStacks {
         Ok(Self {
             orc,
             slide,
+            module_list,
+            modules: Arc::default(),
+            published: Arc::default(),
+            list_ends: None,
+            modules_read: None,
             symbols,
             scheduler,
             ret_from_fork,
         })
     }
 
-    /// An unwinder over the image's table at this slide.
+    /// [`KernelStacks::load`] for a session's guest, whose module list is read at once
+    /// (the guest stopped).
+    ///
+    /// # Errors
+    /// As [`KernelStacks::load`].
+    pub fn load_for(
+        image: &KernelImage,
+        guest: &mut super::session::GuestSession,
+    ) -> anyhow::Result<Self> {
+        let mut stacks = Self::load(image, guest.survey.kaslr.slide)?;
+        let mut mem = super::guest_memory::BackendMemory(&mut *guest.machine);
+        stacks.refresh_modules(&mut guest.survey.space(&mut mem));
+        Ok(stacks)
+    }
+
+    /// An unwinder over the image's table at this slide and the known modules' tables.
     pub fn unwinder(&self) -> Unwinder<'_> {
-        Unwinder::new(&self.orc, self.slide)
+        self.modules
+            .iter()
+            .filter_map(|m| m.orc.as_ref())
+            .fold(Unwinder::new(&self.orc, self.slide), |unwinder, table| {
+                unwinder.with_table(table, 0)
+            })
+    }
+
+    /// Reads the guest's module list again (the guest stopped): the modules' text, ORC
+    /// tables and symbols. A list that cannot be read keeps the modules known before, with a
+    /// warning; a module whose tables cannot be read is kept without them, with a warning.
+    pub fn refresh_modules<R: VirtualMemory + ?Sized>(&mut self, mem: &mut R) {
+        let Some((head, layout)) = self.module_list else {
+            return;
+        };
+        self.modules_read = Some(std::time::Instant::now());
+        self.list_ends = list_ends(mem, head);
+        match read_modules(mem, head, &layout, self.orc.layout()) {
+            Ok(modules) => {
+                for m in modules.iter().filter(|m| m.problem.is_some()) {
+                    tracing::warn!(module = %m.name, "{}", m.problem.as_deref().unwrap_or_default());
+                }
+                tracing::debug!(modules = modules.len(), "read the guest's module list");
+                self.modules = Arc::new(modules);
+                if let Ok(mut published) = self.published.lock() {
+                    *published = Arc::clone(&self.modules);
+                }
+            }
+            Err(err) => tracing::warn!("cannot read the guest's module list: {err:#}"),
+        }
+    }
+
+    /// [`KernelStacks::refresh_modules`] when the list's ends moved since it was last read
+    /// (one 16-byte read otherwise): for a host-evaluated probe's stop, where the script
+    /// names kernel code.
+    pub fn refresh_modules_if_changed<R: VirtualMemory + ?Sized>(&mut self, mem: &mut R) {
+        let Some((head, _)) = self.module_list else {
+            return;
+        };
+        let ends = list_ends(mem, head);
+        if ends.is_some() && ends != self.list_ends {
+            self.refresh_modules(mem);
+        }
+    }
+
+    /// The modules as last read.
+    pub fn modules(&self) -> &[GuestModule] {
+        &self.modules
+    }
+
+    /// Whether `backtrace` ended at a pc in the module area that no known module's text
+    /// holds (a module loaded since the list was read), and the list was last read more
+    /// than a second ago (BPF programs and trampolines live there too, and must not cost a
+    /// read of the list at every stop).
+    fn ended_in_unknown_module(&self, backtrace: &Backtrace) -> bool {
+        let StackEnd::Error(exotap_introspect::orc::UnwindError::NoEntry { pc }) = backtrace.end
+        else {
+            return false;
+        };
+        self.module_list.is_some()
+            && MODULE_AREA.contains(&pc)
+            && !self.modules.iter().any(|m| m.text.contains(&pc))
+            && self
+                .modules_read
+                .is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(1))
+    }
+
+    /// `unwind(self, mem)`, and when it ends in a module the host does not know yet, the
+    /// module list read again and the unwind made again.
+    pub fn unwind_knowing_modules<S: StackMemory + VirtualMemory + ?Sized>(
+        &mut self,
+        mem: &mut S,
+        unwind: impl Fn(&Self, &mut S) -> Backtrace,
+    ) -> Backtrace {
+        let backtrace = unwind(self, mem);
+        if !self.ended_in_unknown_module(&backtrace) {
+            return backtrace;
+        }
+        self.refresh_modules(mem);
+        unwind(self, mem)
     }
 
     /// Unwinds a stopped vCPU's stack from its registers (no frames when it runs user code).
@@ -414,45 +554,52 @@ impl KernelStacks {
         frame.pc.wrapping_sub(u64::from(!frame.signal))
     }
 
-    /// The text symbol `addr` (a running address) lies in, and the offset into it.
-    pub fn symbol(&self, addr: u64) -> Option<(&Symbol, u64)> {
-        self.symbols.kernel_lookup(addr)
-    }
-
-    /// The function a frame is in.
-    pub fn function(&self, frame: &Frame) -> Option<&Symbol> {
-        self.symbols
-            .kernel_lookup(Self::lookup_pc(frame))
-            .map(|(sym, _)| sym)
+    /// The name of the function a frame is in: the kernel's symbol, or a module's with
+    /// ` [module]` after it.
+    pub fn function_name(&self, frame: &Frame) -> Option<String> {
+        let named = name_address(&self.symbols, &self.modules, Self::lookup_pc(frame))?;
+        Some(match named.module {
+            Some(module) => format!("{} [{module}]", named.name),
+            None => named.name,
+        })
     }
 
     /// The frame as the kernel's `%pB` prints it: `func+0xoff/0xsize`, the offset of a
-    /// return address as is (looked up one byte back, printed plus one); the bare address
-    /// when no symbol covers it.
+    /// return address as is (looked up one byte back, printed plus one), ` [module]` after
+    /// it in a module's text; the bare address when no symbol covers it.
     pub fn describe(&self, frame: &Frame) -> String {
         let back = u64::from(!frame.signal);
-        match self.symbols.kernel_lookup(Self::lookup_pc(frame)) {
-            Some((sym, offset)) => format!(
-                "{}+{:#x}/{:#x}",
-                sym.name,
-                offset.wrapping_add(back),
-                sym.size
-            ),
+        match name_address(&self.symbols, &self.modules, Self::lookup_pc(frame)) {
+            Some(named) => {
+                let offset = named.offset.wrapping_add(back);
+                named.with_offset(offset).to_string()
+            }
             None => format!("{:#x}", frame.pc),
         }
     }
 
-    /// A pc as a backtrace string holds it, named `func+0xoff/0xsize` (looked up as is: the
-    /// string does not say which pcs are return addresses); `None` outside every symbol.
-    pub fn name_pc(&self, pc: u64) -> Option<String> {
-        let (sym, offset) = self.symbols.kernel_lookup(pc)?;
-        Some(format!("{}+{offset:#x}/{:#x}", sym.name, sym.size))
+    /// `addr` named by the kernel's text symbols or a known module's.
+    pub fn name_address(&self, addr: u64) -> Option<crate::lang::eval::NamedAddress> {
+        name_address(&self.symbols, &self.modules, addr)
     }
 
-    /// A namer of pcs as [`KernelStacks::name_pc`], owning a copy of the symbols (for a
-    /// script session's `end` probes, which run without a hit).
+    /// A pc as a backtrace string holds it, named `func+0xoff/0xsize` (` [module]` after it
+    /// in a module's text; looked up as is: the string does not say which pcs are return
+    /// addresses); `None` outside every symbol.
+    pub fn name_pc(&self, pc: u64) -> Option<String> {
+        name_address(&self.symbols, &self.modules, pc).map(|named| named.to_string())
+    }
+
+    /// A namer of pcs as [`KernelStacks::name_pc`], owning a copy of the symbols and
+    /// sharing the module list, refreshed or not (for a script session's `end` probes,
+    /// which run without a hit).
     pub fn symbol_lookup(&self) -> crate::lang::eval::KernelSymbols {
-        symbol_lookup(self.symbols.clone())
+        let symbols = self.symbols.clone();
+        let published = Arc::clone(&self.published);
+        Box::new(move |pc| {
+            let modules = published.lock().map(|m| Arc::clone(&m)).unwrap_or_default();
+            name_address(&symbols, &modules, pc)
+        })
     }
 
     /// Whether the kernel leaves this frame out of `/proc/PID/stack` and other saved
@@ -466,9 +613,44 @@ impl KernelStacks {
 /// Names kernel addresses with `symbols` (running addresses): the symbol covering one, the
 /// offset into it and its size, for a script session ([`crate::lang::eval::KernelSymbols`]).
 pub fn symbol_lookup(symbols: SymbolTable) -> crate::lang::eval::KernelSymbols {
-    Box::new(move |pc| {
-        let (sym, offset) = symbols.kernel_lookup(pc)?;
-        Some((sym.name.clone(), offset, sym.size))
+    Box::new(move |pc| name_address(&symbols, &[], pc))
+}
+
+/// The `next` and `prev` of the list head at `head`; `None` when unreadable.
+fn list_ends<R: VirtualMemory + ?Sized>(mem: &mut R, head: u64) -> Option<[u64; 2]> {
+    let mut bytes = [0u8; 16];
+    mem.read_virt(head, &mut bytes).ok()?;
+    let word = |r: std::ops::Range<usize>| bytes.get(r)?.try_into().ok().map(u64::from_le_bytes);
+    Some([word(0..8)?, word(8..16)?])
+}
+
+/// Where the kernel loads modules (and BPF programs) on x86-64: `MODULES_VADDR` (the kernel
+/// image's 1 GiB above `__START_KERNEL_map`) to `MODULES_END`.
+const MODULE_AREA: Range<u64> = 0xffff_ffff_a000_0000..0xffff_ffff_ff00_0000;
+
+/// `addr` named by the kernel's text symbols, or else by the module whose text holds it.
+fn name_address(
+    symbols: &SymbolTable,
+    modules: &[GuestModule],
+    addr: u64,
+) -> Option<crate::lang::eval::NamedAddress> {
+    use crate::lang::eval::NamedAddress;
+    if let Some((sym, offset)) = symbols.kernel_lookup(addr) {
+        return Some(NamedAddress {
+            name: sym.name.clone(),
+            offset,
+            size: sym.size,
+            module: None,
+        });
+    }
+    modules.iter().find_map(|m| {
+        let (name, offset, size) = m.lookup(addr)?;
+        Some(NamedAddress {
+            name: name.to_owned(),
+            offset,
+            size,
+            module: Some(m.name.clone()),
+        })
     })
 }
 

@@ -732,11 +732,12 @@ impl Context for LiveContext<'_> {
         Some((self.regs.rip, !self.regs.in_kernel()))
     }
 
-    fn kernel_symbol(&self, addr: u64) -> Result<Option<(String, u64, u64)>, MemoryError> {
+    fn kernel_symbol(
+        &self,
+        addr: u64,
+    ) -> Result<Option<crate::lang::eval::NamedAddress>, MemoryError> {
         let stacks = self.stacks.ok_or(MemoryError::NoMemory)?;
-        Ok(stacks
-            .symbol(addr)
-            .map(|(sym, offset)| (sym.name.clone(), offset, sym.size)))
+        Ok(stacks.name_address(addr))
     }
 
     fn arg_register(&self, n: i64) -> Option<u64> {
@@ -1186,12 +1187,47 @@ impl HitSessions<'_, '_> {
     }
 }
 
+/// Whether any probe or function of `prog` unwinds or names kernel code.
+fn names_kernel_code(prog: &Program) -> bool {
+    use crate::compile::codegen::walk::block_exprs;
+    const NAMERS: &[&str] = &[
+        "backtrace",
+        "print_backtrace",
+        "sprint_backtrace",
+        "task_backtrace",
+        "print_stack",
+        "sprint_stack",
+        "print_syms",
+        "sprint_syms",
+        "symname",
+        "symdata",
+    ];
+    let mut found = false;
+    let mut look = |e: &crate::lang::ast::Expr| {
+        if let crate::lang::ast::ExprKind::Call(c) = &e.kind {
+            found |= NAMERS.contains(&c.name.name.as_str());
+        }
+    };
+    for p in &prog.script.probes {
+        block_exprs(&p.body, &mut look);
+    }
+    for f in &prog.script.functions {
+        if let crate::lang::ast::FunctionBody::Block(b) = &f.body {
+            block_exprs(b, &mut look);
+        }
+    }
+    found
+}
+
 /// The host-evaluated probes of a script: breakpoints at their points, the return
 /// trampoline, and the return addresses swapped while calls are in flight.
 pub struct Traps {
     tasks: Option<TaskOffsets>,
     ids: Option<TaskIds>,
     stacks: Option<super::stacks::KernelStacks>,
+    /// The script unwinds or names kernel code: each stop checks the guest's module list
+    /// for modules loaded since (their frames and names).
+    watch_modules: bool,
     task_layout: Option<super::stacks::TaskLayout>,
     /// The kernel's types, for member chains and `@cast`.
     types: Option<BtfTypes>,
@@ -1243,7 +1279,7 @@ impl Traps {
     ) -> anyhow::Result<Self> {
         let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
         let tasks = attach::task_offsets(image).ok();
-        let stacks = super::stacks::KernelStacks::load(image, guest.survey.kaslr.slide)
+        let stacks = super::stacks::KernelStacks::load_for(image, guest)
             .map_err(|e| tracing::warn!("backtrace() will be empty: {e:#}"))
             .ok();
         let task_layout = btf.as_ref().and_then(|btf| {
@@ -1259,6 +1295,7 @@ impl Traps {
             tasks,
             ids: btf.as_ref().and_then(TaskIds::from_btf),
             stacks,
+            watch_modules: names_kernel_code(prog),
             task_layout,
             types: btf.map(BtfTypes),
             armed,
@@ -1301,6 +1338,15 @@ impl Traps {
         })
     }
 
+    /// Reads the guest's module list again where modules came or went since (the guest
+    /// stopped), when the script unwinds or names kernel code.
+    fn know_new_modules(&mut self, guest: &mut GuestSession) {
+        if let (true, Some(stacks)) = (self.watch_modules, self.stacks.as_mut()) {
+            let mut mem = BackendMemory(&mut *guest.machine);
+            stacks.refresh_modules_if_changed(&mut guest.survey.space(&mut mem));
+        }
+    }
+
     /// Whether the script has `timer.profile` probes for [`Traps::sample`].
     pub fn profiles(&self) -> bool {
         !self.profile.is_empty()
@@ -1319,8 +1365,9 @@ impl Traps {
         guest: &mut GuestSession,
         session: &mut Session<'_>,
     ) -> anyhow::Result<()> {
+        guest.machine.pause()?;
+        self.know_new_modules(guest);
         let machine = &mut guest.machine;
-        machine.pause()?;
         for vcpu in machine.vcpus()? {
             let regs = registers(machine, vcpu)?;
             let ctx = self.context_at(
@@ -1527,6 +1574,10 @@ impl Traps {
         vcpu: VcpuId,
         pc: u64,
     ) -> anyhow::Result<()> {
+        if !self.armed.contains_key(&pc) {
+            return Ok(());
+        }
+        self.know_new_modules(guest);
         let machine = &mut guest.machine;
         let survey = &guest.survey;
         let mut regs = registers(machine, vcpu)?;
@@ -1635,6 +1686,7 @@ impl Traps {
         sessions: &mut HitSessions<'_, '_>,
         vcpu: VcpuId,
     ) -> anyhow::Result<()> {
+        self.know_new_modules(guest);
         let machine = &mut guest.machine;
         let survey = &guest.survey;
         let mut regs = registers(machine, vcpu)?;
