@@ -279,6 +279,75 @@ fn scripts_name_module_frames_as_the_guest_does_at_hits_and_in_end() {
     eprintln!("{in_module} tasks through evdev: the script's stacks equal /proc/PID/stack");
 }
 
+/// Guest job: evdev loaded after the script's probes are in, then three opens of the
+/// keyboard's event device, the first through evdev's `evdev_open` into the kernel's
+/// `input_open_device`.
+const MODULE_OPEN_JOB: &str = "insmod /modules/evdev.ko\n\
+    for i in 1 2 3; do cat /dev/input/event0 > /dev/null & done\n\
+    sleep 2\n";
+
+/// The stacks a script printed at `input_open_device`, each a list of `%pB` names.
+fn module_open_stacks(mode: &str) -> Vec<Vec<String>> {
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = module_initramfs(dir.path(), MODULE_OPEN_JOB);
+    let console = dir.path().join("console.log");
+    let (code, out, err) = run(exotap()
+        .args([
+            "boot",
+            "--timeout",
+            "300",
+            "--compile",
+            mode,
+            "--script-text",
+        ])
+        .arg(
+            "probe kernel.function(\"input_open_device\") { \
+             printf(\"OPEN-BEGIN 0\\n\"); print_backtrace(); printf(\"OPEN-END\\n\") }",
+        )
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("--compile {mode}: stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    let stacks: Vec<Vec<String>> = script_blocks(&out, "OPEN-BEGIN ", "OPEN-END")
+        .into_iter()
+        .map(|(_, frames)| frames)
+        .collect();
+    // evdev opens the input device at its first open only.
+    assert_eq!(stacks.len(), 1, "{ctx}");
+    stacks
+}
+
+#[test]
+fn compiled_snapshots_unwind_through_a_module_loaded_after_the_script_started() {
+    if !have_qemu("compiled_snapshots_unwind_through_a_module_loaded_after_the_script_started") {
+        return;
+    }
+    let compiled = module_open_stacks("require");
+    let host = module_open_stacks("never");
+
+    for stack in compiled.iter().chain(&host) {
+        assert!(
+            stack
+                .iter()
+                .any(|f| f.starts_with("evdev_open+") && f.ends_with(" [evdev]")),
+            "{stack:?}"
+        );
+        assert!(
+            stack
+                .last()
+                .is_some_and(|f| f.starts_with("entry_SYSCALL_64_after_hwframe+")),
+            "{stack:?}"
+        );
+    }
+    // The same path each time: the compiled probe's snapshots name what the host-evaluated
+    // probe's stops unwound (checked against the guest's /proc/PID/stack above).
+    assert_eq!(compiled, host);
+    eprintln!("compiled and host-evaluated: {:?}", compiled[0]);
+}
+
 /// A script's view of the same tasks: `task_backtrace($task)` at the guest's own
 /// `proc_pid_stack` (the function behind `/proc/PID/stack`), so the host unwinds the very
 /// task the guest is about to print, at the same moment; and kernel stacks as map keys,

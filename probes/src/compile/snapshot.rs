@@ -264,7 +264,12 @@ pub fn stack_lines(stack: &Unwound) -> String {
     let mut lines: Vec<String> = stack
         .frames
         .iter()
-        .map(|(pc, name)| format!(" {pc:#018x} : {name} [kernel]"))
+        .map(|(pc, name)| {
+            format!(
+                " {pc:#018x} : {}",
+                crate::lang::eval_call::stap_frame_name(name)
+            )
+        })
         .collect();
     if stack.cut {
         lines.push(CUT_LINE.to_owned());

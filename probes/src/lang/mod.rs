@@ -16,7 +16,7 @@ pub mod context;
 pub mod diag;
 pub mod driver;
 pub mod eval;
-mod eval_call;
+pub(crate) mod eval_call;
 mod eval_expr;
 pub mod facts;
 pub mod format;

@@ -247,6 +247,26 @@ impl Machine for HeapDataPath<'_> {
     }
 }
 
+/// The shared RAM as guest-physical memory, read while the guest runs (page-table walks for
+/// the module list: [`crate::live::stacks::KernelStacks::refresh_modules_if_changed`]).
+#[derive(Debug)]
+pub struct SharedPhysical<'a>(pub &'a SharedHeap);
+
+impl exotap_introspect::memory::PhysicalMemory for SharedPhysical<'_> {
+    fn read_phys(
+        &mut self,
+        addr: u64,
+        buf: &mut [u8],
+    ) -> Result<(), exotap_introspect::memory::MemoryError> {
+        self.0
+            .read_phys(addr, buf)
+            .map_err(|_| exotap_introspect::memory::MemoryError::Unmapped {
+                addr,
+                len: buf.len(),
+            })
+    }
+}
+
 impl RingMemory for SharedHeap {
     type Error = SharedHeapError;
 

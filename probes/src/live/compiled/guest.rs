@@ -159,8 +159,30 @@ impl Guest {
         Ok(records.into_iter().map(|r| r.1).collect())
     }
 
+    /// Learns of modules loaded or removed since the module list was last read (their
+    /// frames in stack snapshots): one look at the list's head, through the shared RAM while
+    /// the guest runs, else through the backend (the guest stopped, or a backend that reads
+    /// while it runs).
+    fn know_new_modules(&mut self) {
+        let Some(stacks) = self.stacks.as_mut() else {
+            return;
+        };
+        let session = &mut self.session;
+        match session.shared_heap() {
+            Some(shared) => {
+                let mut mem = crate::live::shared::SharedPhysical(shared);
+                stacks.refresh_modules_if_changed(&mut session.survey.space(&mut mem));
+            }
+            None => {
+                let mut mem = crate::live::guest_memory::BackendMemory(&mut *session.machine);
+                stacks.refresh_modules_if_changed(&mut session.survey.space(&mut mem));
+            }
+        }
+    }
+
     /// Prints what the compiled probes printed since the last look.
     pub(super) fn print(&mut self, session: &mut Session<'_>, last: bool) -> anyhow::Result<()> {
+        self.know_new_modules();
         for printed in self.drain(last)? {
             match printed {
                 compile::data::Printed::Text(text) => session.text(&text),
