@@ -137,9 +137,16 @@ impl NamedAddress {
         Self { offset, ..self }
     }
 
-    /// Where SystemTap says the address lies: the module's name, or `kernel`.
-    pub fn module_or_kernel(&self) -> &str {
-        self.module.as_deref().unwrap_or("kernel")
+    /// As SystemTap's `symdata()` and `print_syms()` name it: `func+0xoff/0xsize [module]`,
+    /// `[kernel]` in the kernel's own text.
+    pub fn systemtap(&self) -> String {
+        format!(
+            "{}+{:#x}/{:#x} [{}]",
+            self.name,
+            self.offset,
+            self.size,
+            self.module.as_deref().unwrap_or("kernel")
+        )
     }
 }
 

@@ -413,13 +413,7 @@ impl Interp<'_> {
                 let addr = long(0) as u64;
                 match self.kernel_symbol(ctx, addr) {
                     Ok(Some(named)) if name == "symname" => self.string(named.name),
-                    Ok(Some(named)) => self.string(format!(
-                        "{}+{:#x}/{:#x} [{}]",
-                        named.name,
-                        named.offset,
-                        named.size,
-                        named.module_or_kernel()
-                    )),
+                    Ok(Some(named)) => self.string(named.systemtap()),
                     // As SystemTap: an address no symbol covers prints as itself.
                     Ok(None) => self.string(format!("{addr:#x}")),
                     Err(_) => return fail(no_symbols(name), span),
@@ -435,13 +429,9 @@ impl Interp<'_> {
                         return fail(format!("print_syms: '{word}' is not an address"), span);
                     };
                     match self.kernel_symbol(ctx, addr) {
-                        Ok(Some(named)) => lines.push_str(&format!(
-                            " {addr:#018x} : {}+{:#x}/{:#x} [{}]\n",
-                            named.name,
-                            named.offset,
-                            named.size,
-                            named.module_or_kernel()
-                        )),
+                        Ok(Some(named)) => {
+                            lines.push_str(&format!(" {addr:#018x} : {}\n", named.systemtap()));
+                        }
                         Ok(None) => lines.push_str(&format!(" {addr:#018x}\n")),
                         Err(_) => return fail(no_symbols(name), span),
                     }

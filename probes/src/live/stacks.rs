@@ -491,11 +491,6 @@ impl KernelStacks {
         }
     }
 
-    /// The modules as last read.
-    pub fn modules(&self) -> &[GuestModule] {
-        &self.modules
-    }
-
     /// Whether `backtrace` ended at a pc in the module area that no known module's text
     /// holds (a module loaded since the list was read), and the list was last read more
     /// than a second ago (BPF programs and trampolines live there too, and must not cost a
