@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use exotap_guest_images::{self as images, init, kernel, workloads, GuestJob};
+use exotap_guest_images::{self as images, GuestJob};
 use exotap_vmm::qemu::{self, PhaseHook, QemuConfig, QemuError, Timeouts};
 
 /// getpid calls the inner workload makes while the splice is in.
@@ -403,16 +403,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     images::write_initramfs(&profile_job(), &profile).unwrap();
     let backtrace = dir.path().join("backtrace.cpio.gz");
     images::write_initramfs(&backtrace_job(), &backtrace).unwrap();
-    let busybox = std::fs::read(kernel::ensure_busybox().unwrap()).unwrap();
-    let built: Vec<_> = workloads::ensure_workloads()
-        .unwrap()
-        .into_iter()
-        .map(|w| {
-            let bytes = std::fs::read(&w.binary).unwrap();
-            (w, bytes)
-        })
-        .collect();
-    let mut fs = init::assemble(busybox, &built, &outer_job(inner_cpus, &log)).unwrap();
+    let mut fs = images::build_initramfs(&outer_job(inner_cpus, &log)).unwrap();
     for m in ["irqbypass.ko", "kvm.ko", "kvm-amd.ko"] {
         let path = kernel
             .modules

@@ -10,17 +10,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use common::{exotap, have_qemu, run};
 
-/// Guest job: tasks blocked in four different ways, each printed by the guest's own
-/// `/proc/PID/stack`, then the host's stop. The tasks stay blocked (nothing ever writes
-/// their pipes or opens the other end of their fifos; they sleep 1000 s), so the stacks
-/// the guest printed are the stacks at the stop.
-const BLOCKED_JOB: &str = r#"start=$(sh -c 'echo $$')
-for i in 1 2 3 4 5 6; do sleep 1000 & done
-for i in 1 2 3 4 5 6; do sh -c 'sleep 1000; :' & done
-for i in 1 2 3 4 5 6; do mkfifo /tmp/f$i; cat /tmp/f$i > /dev/null & done
-for i in 1 2 3 4 5 6; do sleep 1000 | cat > /dev/null & done
-sleep 2
-for d in /proc/[0-9]*; do
+/// The end of a job: every task started after `$start` printed by the guest's own
+/// `/proc/PID/stack` between `PROC-STACK-BEGIN PID COMM` and `PROC-STACK-END PID`, then the
+/// host's stop.
+macro_rules! print_proc_stacks {
+    () => {
+        r#"for d in /proc/[0-9]*; do
   p=${d#/proc/}
   [ "$p" -gt "$start" ] || continue
   read -r comm < $d/comm 2>/dev/null || continue
@@ -30,7 +25,24 @@ for d in /proc/[0-9]*; do
   echo "PROC-STACK-END $p"
 done
 exotap_wait backtrace
-"#;
+"#
+    };
+}
+
+/// Guest job: tasks blocked in four different ways, each printed by the guest's own
+/// `/proc/PID/stack`, then the host's stop. The tasks stay blocked (nothing ever writes
+/// their pipes or opens the other end of their fifos; they sleep 1000 s), so the stacks
+/// the guest printed are the stacks at the stop.
+const BLOCKED_JOB: &str = concat!(
+    r#"start=$(sh -c 'echo $$')
+for i in 1 2 3 4 5 6; do sleep 1000 & done
+for i in 1 2 3 4 5 6; do sh -c 'sleep 1000; :' & done
+for i in 1 2 3 4 5 6; do mkfifo /tmp/f$i; cat /tmp/f$i > /dev/null & done
+for i in 1 2 3 4 5 6; do sleep 1000 | cat > /dev/null & done
+sleep 2
+"#,
+    print_proc_stacks!()
+);
 
 /// `/proc/PID/stack` blocks from the console: pid → (comm, frames without the `[<0>] `).
 fn guest_stacks(console: &str) -> BTreeMap<i32, (String, Vec<String>)> {
@@ -79,17 +91,9 @@ fn sleeping_task_stacks_equal_the_guests_own_proc_pid_stack() {
     let dir = tempfile::tempdir().unwrap();
     let job = dir.path().join("job.sh");
     std::fs::write(&job, BLOCKED_JOB).unwrap();
-    let console = dir.path().join("console.log");
 
-    let (code, out, err) = run(exotap()
-        .args(["backtrace", "--proc-style", "--timeout", "300", "--job"])
-        .arg(&job)
-        .arg("--console")
-        .arg(&console));
+    let (out, transcript, ctx) = proc_style_backtrace(dir.path(), "--job", &job);
 
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
-    assert_eq!(code, 0, "{ctx}");
     assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
     let guest = guest_stacks(&transcript);
     let host = host_stacks(&out);
@@ -126,45 +130,89 @@ fn sleeping_task_stacks_equal_the_guests_own_proc_pid_stack() {
     eprintln!("{compared} tasks equal to /proc/PID/stack; leaves {leaves:?}");
 }
 
+/// `exotap boot --compile never --script SCRIPT` over `guest` (`--job FILE` or `--initrd
+/// FILE`), which must end with 0: its standard output, the guest's console and both (with
+/// standard error) for failure messages.
+fn boot_host_evaluated(
+    dir: &std::path::Path,
+    script: &str,
+    guest: &str,
+    file: &std::path::Path,
+    timeout: u32,
+) -> (String, String, String) {
+    let script_file = dir.join("script.stp");
+    std::fs::write(&script_file, script).unwrap();
+    let timeout = timeout.to_string();
+    run_guest(
+        dir,
+        &[
+            "boot".as_ref(),
+            "--timeout".as_ref(),
+            timeout.as_ref(),
+            "--compile".as_ref(),
+            "never".as_ref(),
+            "--script".as_ref(),
+            script_file.as_os_str(),
+            guest.as_ref(),
+            file.as_os_str(),
+        ],
+    )
+}
+
+/// `exotap ARGS --console FILE`, which must end with 0: its standard output, the guest's
+/// console and both (with standard error) for failure messages.
+fn run_guest(dir: &std::path::Path, args: &[&std::ffi::OsStr]) -> (String, String, String) {
+    let console = dir.join("console.log");
+    let (code, out, err) = run(exotap().args(args).arg("--console").arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    (out, transcript, ctx)
+}
+
+/// `exotap backtrace --proc-style` over `guest` (`--job FILE` or `--initrd FILE`), as
+/// [`run_guest`].
+fn proc_style_backtrace(
+    dir: &std::path::Path,
+    guest: &str,
+    file: &std::path::Path,
+) -> (String, String, String) {
+    run_guest(
+        dir,
+        &[
+            "backtrace".as_ref(),
+            "--proc-style".as_ref(),
+            "--timeout".as_ref(),
+            "300".as_ref(),
+            guest.as_ref(),
+            file.as_os_str(),
+        ],
+    )
+}
+
 /// Guest job for module text: evdev loaded from the initramfs, readers of every input
 /// event device (they sleep in `evdev_read`, module code, and nothing ever types), printed by
 /// `/proc/PID/stack` as in [`BLOCKED_JOB`], then the host's stop.
-const MODULE_JOB: &str = r#"start=$(sh -c 'echo $$')
+const MODULE_JOB: &str = concat!(
+    r#"start=$(sh -c 'echo $$')
 insmod /modules/evdev.ko
 for e in /dev/input/event*; do for i in 1 2 3; do cat $e > /dev/null & done; done
 sleep 2
-for d in /proc/[0-9]*; do
-  p=${d#/proc/}
-  [ "$p" -gt "$start" ] || continue
-  read -r comm < $d/comm 2>/dev/null || continue
-  st=$(cat /proc/$p/stack 2>/dev/null) || continue
-  echo "PROC-STACK-BEGIN $p $comm"
-  echo "$st"
-  echo "PROC-STACK-END $p"
-done
-exotap_wait backtrace
-"#;
+"#,
+    print_proc_stacks!()
+);
 
 /// The initramfs of `job` (e.g. [`MODULE_JOB`]), with the kernel cache's evdev.ko in
 /// `/modules`.
 fn module_initramfs(dir: &std::path::Path, job: &str) -> std::path::PathBuf {
-    use exotap_guest_images::{self as images, init, kernel, workloads, GuestJob};
+    use exotap_guest_images::{self as images, GuestJob};
     let kernel = images::ensure_kernel(images::DEFAULT_KERNEL).unwrap();
     let evdev = kernel
         .modules
         .iter()
         .find(|p| p.file_name().is_some_and(|n| n == "evdev.ko"))
         .expect("evdev.ko is not in the kernel cache");
-    let busybox = std::fs::read(kernel::ensure_busybox().unwrap()).unwrap();
-    let built: Vec<_> = workloads::ensure_workloads()
-        .unwrap()
-        .into_iter()
-        .map(|w| {
-            let bytes = std::fs::read(&w.binary).unwrap();
-            (w, bytes)
-        })
-        .collect();
-    let mut fs = init::assemble(busybox, &built, &GuestJob::from_script(job)).unwrap();
+    let mut fs = images::build_initramfs(&GuestJob::from_script(job)).unwrap();
     fs.file("modules/evdev.ko", 0o644, std::fs::read(evdev).unwrap())
         .unwrap();
     let out = dir.join("module.cpio.gz");
@@ -181,17 +229,9 @@ fn stacks_through_module_text_equal_the_guests_own_proc_pid_stack() {
     }
     let dir = tempfile::tempdir().unwrap();
     let initrd = module_initramfs(dir.path(), MODULE_JOB);
-    let console = dir.path().join("console.log");
 
-    let (code, out, err) = run(exotap()
-        .args(["backtrace", "--proc-style", "--timeout", "300", "--initrd"])
-        .arg(&initrd)
-        .arg("--console")
-        .arg(&console));
+    let (out, transcript, ctx) = proc_style_backtrace(dir.path(), "--initrd", &initrd);
 
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
-    assert_eq!(code, 0, "{ctx}");
     assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
     let guest = guest_stacks(&transcript);
     let host = host_stacks(&out);
@@ -243,21 +283,8 @@ fn scripts_name_module_frames_as_the_guest_does_at_hits_and_in_end() {
         dir.path(),
         &MODULE_JOB.replace("exotap_wait backtrace\n", ""),
     );
-    let script = dir.path().join("module.stp");
-    std::fs::write(&script, MODULE_SCRIPT).unwrap();
-    let console = dir.path().join("console.log");
-
-    let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "300", "--compile", "never", "--script"])
-        .arg(&script)
-        .arg("--initrd")
-        .arg(&initrd)
-        .arg("--console")
-        .arg(&console));
-
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
-    assert_eq!(code, 0, "{ctx}");
+    let (out, transcript, ctx) =
+        boot_host_evaluated(dir.path(), MODULE_SCRIPT, "--initrd", &initrd, 300);
     let guest = guest_stacks(&transcript);
     let at_hits = script_blocks(&out, "TASK-STACK-BEGIN ", "TASK-STACK-END");
     let in_end = script_blocks(&out, "END-STACK-BEGIN ", "END-STACK-END");
@@ -405,7 +432,6 @@ fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_k
     }
     let dir = tempfile::tempdir().unwrap();
     let job = dir.path().join("job.sh");
-    let script = dir.path().join("stacks.stp");
     // Then tasks that read their own stack: running, on a vCPU, when the probe stops the
     // guest, so exotap unwinds them from the vCPU's registers (what drgn cannot do).
     let job_text = BLOCKED_JOB.replace(
@@ -417,20 +443,7 @@ fn task_backtrace_equals_the_guests_own_proc_pid_stack_and_stacks_count_as_map_k
          syscall-loop 50\n",
     );
     std::fs::write(&job, job_text).unwrap();
-    std::fs::write(&script, STACK_SCRIPT).unwrap();
-    let console = dir.path().join("console.log");
-
-    let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "600", "--compile", "never", "--script"])
-        .arg(&script)
-        .arg("--job")
-        .arg(&job)
-        .arg("--console")
-        .arg(&console));
-
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
-    assert_eq!(code, 0, "{ctx}");
+    let (out, transcript, ctx) = boot_host_evaluated(dir.path(), STACK_SCRIPT, "--job", &job, 600);
     let guest = guest_stacks(&transcript);
     let host = script_blocks(&out, "TASK-STACK-BEGIN ", "TASK-STACK-END");
     let mut compared = 0;

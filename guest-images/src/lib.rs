@@ -37,15 +37,12 @@ pub enum PrepareError {
     },
 }
 
-/// Builds the gzip'd initramfs for `job` at `out`: busybox, `/init`, the job and every workload.
+/// The initramfs for `job`: busybox, `/init`, the job and every workload (add files to it,
+/// e.g. modules, before writing it).
 ///
 /// # Errors
-/// When busybox or the workloads cannot be had, or the file cannot be written.
-pub fn write_initramfs(job: &GuestJob, out: &Path) -> Result<(), PrepareError> {
-    let io_err = |path: &Path| {
-        let path = path.to_owned();
-        move |source| PrepareError::Io { path, source }
-    };
+/// When busybox or the workloads cannot be had.
+pub fn build_initramfs(job: &GuestJob) -> Result<initramfs::Initramfs, PrepareError> {
     let busybox_path = kernel::ensure_busybox().map_err(PrepareError::Busybox)?;
     let busybox = std::fs::read(&busybox_path).map_err(io_err(&busybox_path))?;
     let mut built = Vec::new();
@@ -53,7 +50,20 @@ pub fn write_initramfs(job: &GuestJob, out: &Path) -> Result<(), PrepareError> {
         let bytes = std::fs::read(&w.binary).map_err(io_err(&w.binary))?;
         built.push((w, bytes));
     }
-    let fs = init::assemble(busybox, &built, job)?;
+    Ok(init::assemble(busybox, &built, job)?)
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PrepareError {
+    let path = path.to_owned();
+    move |source| PrepareError::Io { path, source }
+}
+
+/// Builds the gzip'd initramfs for `job` at `out`: busybox, `/init`, the job and every workload.
+///
+/// # Errors
+/// When busybox or the workloads cannot be had, or the file cannot be written.
+pub fn write_initramfs(job: &GuestJob, out: &Path) -> Result<(), PrepareError> {
+    let fs = build_initramfs(job)?;
     let file = std::fs::File::create(out).map_err(io_err(out))?;
     let mut writer = std::io::BufWriter::new(file);
     fs.write_gz(&mut writer)?;
