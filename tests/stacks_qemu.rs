@@ -328,8 +328,12 @@ fn module_open_stacks(mode: &str) -> Vec<Vec<String>> {
             "--script-text",
         ])
         .arg(
-            "probe kernel.function(\"input_open_device\") { \
-             printf(\"OPEN-BEGIN 0\\n\"); print_backtrace(); printf(\"OPEN-END\\n\") }",
+            "global keys\n\
+             probe kernel.function(\"input_open_device\") { \
+             printf(\"OPEN-BEGIN 0\\n\"); print_backtrace(); printf(\"OPEN-END\\n\"); \
+             keys[backtrace()]++ }\n\
+             probe end { foreach (k in keys) { \
+             printf(\"KEY-BEGIN %d\\n\", keys[k]); print_stack(k); printf(\"KEY-END\\n\") } }",
         )
         .arg("--initrd")
         .arg(&initrd)
@@ -344,6 +348,21 @@ fn module_open_stacks(mode: &str) -> Vec<Vec<String>> {
         .collect();
     // evdev opens the input device at its first open only.
     assert_eq!(stacks.len(), 1, "{ctx}");
+    // The stack kept as a key (a string of pcs: the kernel's own unwinder in compiled
+    // code), named by the host in `end` after the module was loaded.
+    let keys = script_blocks(&out, "KEY-BEGIN ", "KEY-END");
+    assert_eq!(keys.len(), 1, "{ctx}");
+    assert!(
+        keys[0]
+            .1
+            .iter()
+            .any(|f| f.starts_with("evdev_open+") && f.ends_with(" [evdev]"))
+            && keys[0]
+                .1
+                .last()
+                .is_some_and(|f| f.starts_with("entry_SYSCALL_64_after_hwframe+")),
+        "{ctx}"
+    );
     stacks
 }
 

@@ -170,6 +170,42 @@ pub fn takes_snapshots(prog: &Program) -> bool {
     stack_uses(prog).0 > 0
 }
 
+/// Whether any probe or function of `prog` unwinds or names kernel code (the host then
+/// keeps the kernel's ORC tables and symbols, and the guest's modules', at hand).
+pub fn names_kernel_code(prog: &Program) -> bool {
+    use super::codegen::walk::{block_exprs, expr_all};
+    const NAMERS: &[&str] = &[
+        "backtrace",
+        "print_backtrace",
+        "sprint_backtrace",
+        "task_backtrace",
+        "print_stack",
+        "sprint_stack",
+        "print_syms",
+        "sprint_syms",
+        "symname",
+        "symdata",
+    ];
+    let mut found = false;
+    let mut look = |e: &crate::lang::ast::Expr| {
+        if let crate::lang::ast::ExprKind::Call(c) = &e.kind {
+            found |= NAMERS.contains(&c.name.name.as_str());
+        }
+    };
+    for p in &prog.script.probes {
+        if let Some(c) = &p.condition {
+            expr_all(c, &mut look);
+        }
+        block_exprs(&p.body, &mut look);
+    }
+    for f in &prog.script.functions {
+        if let crate::lang::ast::FunctionBody::Block(b) = &f.body {
+            block_exprs(b, &mut look);
+        }
+    }
+    found
+}
+
 /// The kernel stacks the kernel probes of `prog` (and its functions) take, as (snapshots,
 /// values): snapshots are `print_backtrace()` and the stacks printed as arguments of a
 /// print call (records the host unwinds); values are the other `backtrace()` calls

@@ -247,8 +247,9 @@ pub fn start_on(
         Some(traps)
     };
     // Stack snapshots are unwound on the host, with the image's ORC tables (without them
-    // their records count as lost, as the host-evaluated path's stacks are empty).
-    let stacks = if compile::snapshot::takes_snapshots(&script.prog) {
+    // their records count as lost, as the host-evaluated path's stacks are empty); probes
+    // run on the host name kernel addresses, modules' too, with the same tables.
+    let stacks = if compile::snapshot::names_kernel_code(&script.prog) {
         super::stacks::KernelStacks::load_for(image, &mut session)
             .map_err(|e| {
                 tracing::warn!("the kernel stacks compiled probes print cannot be unwound: {e:#}")
@@ -519,7 +520,11 @@ fn run(
         Output::new(format, Box::new(out), Box::new(err.clone()))
     };
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
-    session.set_kernel_symbols(super::stacks::symbol_lookup(symbols.clone()));
+    let namer = || match &stacks {
+        Some(stacks) => stacks.symbol_lookup(),
+        None => super::stacks::symbol_lookup(symbols.clone()),
+    };
+    session.set_kernel_symbols(namer());
     if let Some(clock) = &clock_offset {
         clock.apply(&mut session);
     }
@@ -531,7 +536,7 @@ fn run(
             Box::new(std::io::sink()),
         );
         let mut shadow = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
-        shadow.set_kernel_symbols(super::stacks::symbol_lookup(symbols.clone()));
+        shadow.set_kernel_symbols(namer());
         if let Some(clock) = &clock_offset {
             clock.apply(&mut shadow);
         }

@@ -1187,38 +1187,6 @@ impl HitSessions<'_, '_> {
     }
 }
 
-/// Whether any probe or function of `prog` unwinds or names kernel code.
-fn names_kernel_code(prog: &Program) -> bool {
-    use crate::compile::codegen::walk::block_exprs;
-    const NAMERS: &[&str] = &[
-        "backtrace",
-        "print_backtrace",
-        "sprint_backtrace",
-        "task_backtrace",
-        "print_stack",
-        "sprint_stack",
-        "print_syms",
-        "sprint_syms",
-        "symname",
-        "symdata",
-    ];
-    let mut found = false;
-    let mut look = |e: &crate::lang::ast::Expr| {
-        if let crate::lang::ast::ExprKind::Call(c) = &e.kind {
-            found |= NAMERS.contains(&c.name.name.as_str());
-        }
-    };
-    for p in &prog.script.probes {
-        block_exprs(&p.body, &mut look);
-    }
-    for f in &prog.script.functions {
-        if let crate::lang::ast::FunctionBody::Block(b) = &f.body {
-            block_exprs(b, &mut look);
-        }
-    }
-    found
-}
-
 /// The host-evaluated probes of a script: breakpoints at their points, the return
 /// trampoline, and the return addresses swapped while calls are in flight.
 pub struct Traps {
@@ -1295,7 +1263,7 @@ impl Traps {
             tasks,
             ids: btf.as_ref().and_then(TaskIds::from_btf),
             stacks,
-            watch_modules: names_kernel_code(prog),
+            watch_modules: crate::compile::snapshot::names_kernel_code(prog),
             task_layout,
             types: btf.map(BtfTypes),
             armed,
