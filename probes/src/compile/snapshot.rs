@@ -377,6 +377,33 @@ pub fn render(
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_script_names_kernel_code_in_a_body_a_condition_or_a_function_it_calls() {
+        let names = |src: &str| {
+            let prog = crate::lang::check::check(
+                crate::lang::parser::parse(src, &crate::lang::Limits::default()).unwrap(),
+            )
+            .unwrap();
+            names_kernel_code(&prog)
+        };
+        let probe = |body: &str| format!("probe kernel.function(\"vfs_read\") {{ {body} }}");
+
+        assert!(names(&probe("print_backtrace()")));
+        assert!(names(&probe("println(symname(16))")));
+        assert!(names(&format!(
+            "global s\n{}\nprobe end {{ foreach (k in s) print_stack(k) }}",
+            probe("s[backtrace()]++")
+        )));
+        assert!(names(
+            "probe kernel.function(\"vfs_read\") if (symname(16) == \"x\") { println(1) }"
+        ));
+        assert!(names(&format!(
+            "function f() {{ return sprint_backtrace() }}\n{}",
+            probe("println(f())")
+        )));
+        assert!(!names(&probe("println(pid(), execname())")));
+    }
+
     fn record(format: &StackFormat, sp: u64, stack: &[u8], args: &[[u8; 16]]) -> Vec<u8> {
         let mut r = vec![0u8; format.bytes() as usize];
         r[0..8].copy_from_slice(&1u64.to_le_bytes());
