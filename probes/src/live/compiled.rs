@@ -250,7 +250,7 @@ pub fn start_on(
     // their records count as lost, as the host-evaluated path's stacks are empty); probes
     // run on the host name kernel addresses, modules' too, with the same tables.
     let stacks = if compile::snapshot::names_kernel_code(&script.prog) {
-        super::stacks::KernelStacks::load_for(image, &mut session)
+        super::stacks::KernelStacks::load_for(image, &mut session, None)
             .map_err(|e| {
                 tracing::warn!("the kernel stacks compiled probes print cannot be unwound: {e:#}")
             })

@@ -1134,7 +1134,7 @@ impl LiveJit {
             self.layout.code.start..self.translation.code_at + self.translation.code.len() as u64;
         let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no BTF")?;
         let tasks = TaskLayout::from_btf(&btf)?;
-        let stacks = KernelStacks::load(image, session.survey.kaslr.slide)?;
+        let stacks = KernelStacks::load_with(image, session.survey.kaslr.slide, Some(&btf))?;
         let mut reach = Reachability::default();
         for check in 1..=REACH_CHECKS {
             reach = check_reachability(session, &code, &tasks, &stacks)?;

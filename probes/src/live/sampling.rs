@@ -83,7 +83,7 @@ impl LiveStacks {
             let btf = Btf::from_elf(image.vmlinux.bytes())
                 .context("the kernel image has no usable BTF")?;
             let tasks = TaskLayout::from_btf(&btf)?;
-            let mut stacks = KernelStacks::load(image, survey.kaslr.slide)?;
+            let mut stacks = KernelStacks::load_with(image, survey.kaslr.slide, Some(&btf))?;
             let mut mem = BackendMemory(&mut *machine);
             stacks.refresh_modules(&mut survey.space(&mut mem));
             anyhow::Ok((survey, stacks, tasks))

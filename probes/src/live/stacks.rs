@@ -379,6 +379,15 @@ impl KernelStacks {
     /// # Errors
     /// When the image has no (or an unknown kind of) ORC table.
     pub fn load(image: &KernelImage, slide: u64) -> anyhow::Result<Self> {
+        Self::load_with(image, slide, None)
+    }
+
+    /// [`KernelStacks::load`] with the image's BTF when the caller has parsed it already
+    /// (`struct module`'s layout comes from it; `None`: parsed here).
+    ///
+    /// # Errors
+    /// As [`KernelStacks::load`].
+    pub fn load_with(image: &KernelImage, slide: u64, btf: Option<&Btf>) -> anyhow::Result<Self> {
         let orc = OrcTable::from_vmlinux(&image.vmlinux)
             .context("cannot read the ORC unwind tables of the kernel image")?;
         let module_list = (|| {
@@ -388,8 +397,13 @@ impl KernelStacks {
                 .context("the image's symbols have no `modules` list")?
                 .addr
                 .wrapping_add(slide);
-            let btf = Btf::from_elf(image.vmlinux.bytes()).context("the image has no BTF")?;
-            anyhow::Ok((head, ModuleLayout::from_btf(&btf)?))
+            let layout = match btf {
+                Some(btf) => ModuleLayout::from_btf(btf)?,
+                None => ModuleLayout::from_btf(
+                    &Btf::from_elf(image.vmlinux.bytes()).context("the image has no BTF")?,
+                )?,
+            };
+            anyhow::Ok((head, layout))
         })();
         let module_list = match module_list {
             Ok(found) => Some(found),
@@ -429,7 +443,7 @@ impl KernelStacks {
         })
     }
 
-    /// [`KernelStacks::load`] for a session's guest, whose module list is read at once
+    /// [`KernelStacks::load_with`] for a session's guest, whose module list is read at once
     /// (the guest stopped).
     ///
     /// # Errors
@@ -437,8 +451,9 @@ impl KernelStacks {
     pub fn load_for(
         image: &KernelImage,
         guest: &mut super::session::GuestSession,
+        btf: Option<&Btf>,
     ) -> anyhow::Result<Self> {
-        let mut stacks = Self::load(image, guest.survey.kaslr.slide)?;
+        let mut stacks = Self::load_with(image, guest.survey.kaslr.slide, btf)?;
         let mut mem = super::guest_memory::BackendMemory(&mut *guest.machine);
         stacks.refresh_modules(&mut guest.survey.space(&mut mem));
         Ok(stacks)

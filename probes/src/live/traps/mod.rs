@@ -617,7 +617,7 @@ impl Traps {
     ) -> anyhow::Result<Self> {
         let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
         let tasks = attach::task_offsets(image).ok();
-        let stacks = super::stacks::KernelStacks::load_for(image, guest)
+        let stacks = super::stacks::KernelStacks::load_for(image, guest, btf.as_ref())
             .map_err(|e| tracing::warn!("backtrace() will be empty: {e:#}"))
             .ok();
         let task_layout = btf.as_ref().and_then(|btf| {
