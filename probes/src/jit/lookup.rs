@@ -5,13 +5,14 @@
 //! in an open-addressing table of `(original address, cache address)` pairs in the patch
 //! heap and continues at the translation, or at the original address on a miss (the
 //! kernel then runs its own code, correct but uncounted). All registers and flags are
-//! kept. The routine ends with `ret`, which pops the target in one instruction: nothing
+//! kept (the status flags through `lahf`/`seto` and back, never `popfq`; a CPU without
+//! LAHF/SAHF in 64-bit mode is refused before anything is translated). The routine ends with `ret`, which pops the target in one instruction: nothing
 //! is ever left below `rsp` for an interrupt to overwrite.
 //!
 //! The table is written by the host only; the guest reads it. It is kept at most half
 //! full, so every probe sequence ends at an empty slot and the loop is bounded.
 
-use iced_x86::code_asm::{ecx, qword_ptr, rax, rcx, rdx, rsp, CodeAssembler};
+use iced_x86::code_asm::{al, ecx, qword_ptr, rax, rbx, rcx, rdx, rsp, CodeAssembler};
 
 /// Bytes per table slot: the original address, then the cache address.
 pub const SLOT_BYTES: u64 = 16;
@@ -190,21 +191,26 @@ pub fn dispatch_routine(at: u64, table: &LookupTable) -> Result<Vec<u8>, LookupE
         let mut probe = a.create_label();
         let mut hit = a.create_label();
         let mut miss = a.create_label();
+        // The status flags go into `ah` (`lahf`: SF ZF AF PF CF) and `al` (`seto`: OF), not
+        // through `pushfq`/`popfq`: the routine changes no other flag, and `popfq` (which may
+        // change IF, TF and AC) costs more on hardware and ends QEMU's translated block.
         a.push(rax)?;
         a.push(rcx)?;
         a.push(rdx)?;
-        a.pushfq()?;
-        a.mov(rax, qword_ptr(rsp + 32))?;
-        a.mov(rcx, rax)?;
+        a.push(rbx)?;
+        a.lahf()?;
+        a.seto(al)?;
+        a.mov(rdx, qword_ptr(rsp + 32))?;
+        a.mov(rcx, rdx)?;
         a.shr(rcx, 4)?;
-        a.xor(rcx, rax)?;
+        a.xor(rcx, rdx)?;
         a.and(ecx, slots.wrapping_sub(1) as i32)?;
         a.shl(ecx, 4)?;
-        a.mov(rdx, table.addr())?;
+        a.mov(rbx, table.addr())?;
         a.set_label(&mut probe)?;
-        a.cmp(rax, qword_ptr(rdx + rcx))?;
+        a.cmp(rdx, qword_ptr(rbx + rcx))?;
         a.je(hit)?;
-        a.cmp(qword_ptr(rdx + rcx), 0)?;
+        a.cmp(qword_ptr(rbx + rcx), 0)?;
         a.je(miss)?;
         a.add(ecx, SLOT_BYTES as i32)?;
         a.and(
@@ -213,10 +219,13 @@ pub fn dispatch_routine(at: u64, table: &LookupTable) -> Result<Vec<u8>, LookupE
         )?;
         a.jmp(probe)?;
         a.set_label(&mut hit)?;
-        a.mov(rax, qword_ptr(rdx + rcx + 8))?;
-        a.mov(qword_ptr(rsp + 32), rax)?;
+        a.mov(rdx, qword_ptr(rbx + rcx + 8))?;
+        a.mov(qword_ptr(rsp + 32), rdx)?;
         a.set_label(&mut miss)?;
-        a.popfq()?;
+        // OF back from `al` (0x7f + 1 overflows, 0x7f + 0 does not), then the rest from `ah`.
+        a.add(al, 0x7f)?;
+        a.sahf()?;
+        a.pop(rbx)?;
         a.pop(rdx)?;
         a.pop(rcx)?;
         a.pop(rax)?;

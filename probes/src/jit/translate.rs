@@ -34,8 +34,12 @@
 //! into a translated function (its entry splice, a translated return) comes back.
 //!
 //! **Flags.** The counter is `lock inc qword [rip+counter]` where liveness says no status
-//! flag but CF (which `inc` keeps) is live at the leader, and `pushfq; lock inc; popfq`
-//! elsewhere. The dispatch routine keeps every flag.
+//! flag but CF (which `inc` keeps) is live at the leader; elsewhere the status flags are
+//! kept in `rax` around it (`push rax; lahf; seto al; lock inc; add al, 0x7f; sahf; pop
+//! rax`), never with `pushfq`/`popfq` (`popfq` ends QEMU's translated block, and is the
+//! slower of the two on hardware). The dispatch routine keeps every flag the same way. Both
+//! need LAHF/SAHF in 64-bit mode (CPUID `LAHF_LM`), which every x86-64 CPU but the first
+//! steppings of 2003-2005 has; the live JIT checks the guest's CPU for it.
 //!
 //! **Cache full.** A function whose code, counters or table entries do not fit is not
 //! translated at all; the translator says so ([`CacheError`]) and refuses every later
@@ -153,7 +157,7 @@ pub struct CountedBlock {
     pub counter: u64,
     /// Where the block's translation starts (its counter increment).
     pub cache: u64,
-    /// Whether the counter saves the flags (`pushfq`/`popfq`).
+    /// Whether the counter keeps the status flags around its `lock inc` (`lahf`/`sahf`).
     pub saves_flags: bool,
 }
 
@@ -341,10 +345,13 @@ impl Pending {
         }
     }
 
-    /// `lock inc qword [rip+counter]`, inside `pushfq`/`popfq` when flags are live.
+    /// `lock inc qword [rip+counter]`; when flags are live, with the status flags kept in
+    /// `rax` around it (`push rax; lahf; seto al` ... `add al, 0x7f; sahf; pop rax`:
+    /// `inc` changes only status flags, and `popfq` would end QEMU's translated block and
+    /// costs more on hardware too).
     fn count(&mut self, counter: u64, save_flags: bool) -> Result<(), TranslateError> {
         if save_flags {
-            self.bytes.push(0x9c);
+            self.bytes.extend_from_slice(&SAVE_STATUS_FLAGS);
         }
         let end = self.here() + 8;
         let disp = i32::try_from(counter.wrapping_sub(end) as i64).map_err(|_| {
@@ -356,11 +363,18 @@ impl Pending {
         self.bytes.extend_from_slice(&[0xf0, 0x48, 0xff, 0x05]);
         self.bytes.extend_from_slice(&disp.to_le_bytes());
         if save_flags {
-            self.bytes.push(0x9d);
+            self.bytes.extend_from_slice(&RESTORE_STATUS_FLAGS);
         }
         Ok(())
     }
 }
+
+/// `push rax; lahf; seto al`: the status flags into `ah` (SF ZF AF PF CF) and `al` (OF).
+const SAVE_STATUS_FLAGS: [u8; 5] = [0x50, 0x9f, 0x0f, 0x90, 0xc0];
+
+/// `add al, 0x7f; sahf; pop rax`: OF back from `al` (0x7f + 1 overflows, 0x7f + 0 does not),
+/// the others from `ah`, then `rax`.
+const RESTORE_STATUS_FLAGS: [u8; 4] = [0x04, 0x7f, 0x9e, 0x58];
 
 /// Translates functions into one code cache; [`Translator::finish`] links them.
 #[derive(Debug)]
@@ -1269,6 +1283,70 @@ mod tests {
 
         // Every block of this fixture starts with a flag-writing instruction or a call.
         assert!(t.blocks.iter().all(|b| !b.saves_flags), "{:?}", t.blocks);
+    }
+
+    #[test]
+    fn a_counter_where_flags_are_live_keeps_every_status_flag() {
+        // f: rax = rdi + rsi; jmp L; L: pushfq; pop rax; ret. The flags of the `add` are
+        // live at L, so L's counter keeps them; the flags f returns must be the original's.
+        let mut a = CodeAssembler::new(64).unwrap();
+        let mut l = a.create_label();
+        a.mov(rax, rdi).unwrap();
+        a.add(rax, rsi).unwrap();
+        a.jmp(l).unwrap();
+        a.set_label(&mut l).unwrap();
+        a.pushfq().unwrap();
+        a.pop(rax).unwrap();
+        a.ret().unwrap();
+        let mut bytes = a.assemble(TEXT).unwrap();
+        let f_len = bytes.len();
+        bytes.resize(0x1000, 0xcc);
+        bytes[0xff0] = 0xf4;
+        let f = FunctionAnalysis::analyze(&bytes[..f_len], TEXT, &AnalysisConfig::new());
+        let view = CodeView::new(TEXT, &bytes).unwrap();
+        let mut tr = Translator::new(layout(0x4000), &[]).unwrap();
+        tr.translate(view, &f).unwrap();
+        let t = tr.finish().unwrap();
+        assert!(t.blocks.iter().any(|b| b.saves_flags), "{:?}", t.blocks);
+        let flags_after = |rip: u64, translated: bool, x: u64, y: u64| {
+            let mut m = UnicornMachine::new(Isa::X86_64).unwrap();
+            m.map(TEXT, 0x1000).unwrap();
+            m.map(HEAP, 0x1_0000).unwrap();
+            m.map(STACK_TOP - 0x1000, 0x1000).unwrap();
+            m.write(TEXT, &bytes).unwrap();
+            if translated {
+                m.write(t.code_at, &t.code).unwrap();
+                m.write(t.table_at, &t.table).unwrap();
+            }
+            m.write(STACK_TOP - 8, &HALT.to_le_bytes()).unwrap();
+            m.set_halt(Some(HALT)).unwrap();
+            m.set_budget(1_000);
+            let mut regs = X86Registers {
+                rip,
+                rflags: 0x2,
+                ..X86Registers::default()
+            };
+            regs.gpr[4] = y;
+            regs.gpr[5] = x;
+            regs.gpr[7] = STACK_TOP - 8;
+            m.set_x86_registers(&regs).unwrap();
+            assert_eq!(m.run().unwrap(), RunEnd::Halted(HALT));
+            let RegisterFile::X86_64(r) = m.registers(VCPU).unwrap() else {
+                panic!("not x86-64")
+            };
+            let mut counters = vec![0; 0x1000];
+            m.read(HEAP + 0x4000, &mut counters).unwrap();
+            (r.gpr[0] & 0x8d5, t.counts(&counters))
+        };
+        // OF SF AF PF; CF ZF AF PF; none.
+        for (x, y) in [(i64::MAX as u64, 1), (u64::MAX, 1), (1, 2)] {
+            let (original, _) = flags_after(TEXT, false, x, y);
+            let (translated, counts) = flags_after(t.entry(TEXT).unwrap(), true, x, y);
+            assert_eq!(translated, original, "{x:#x} + {y:#x}");
+            assert!(counts.iter().all(|&(_, c)| c == 1), "{counts:?}");
+        }
+        assert_ne!(flags_after(TEXT, false, i64::MAX as u64, 1).0 & 0x800, 0);
+        assert_ne!(flags_after(TEXT, false, u64::MAX, 1).0 & 0x41, 0);
     }
 
     #[test]

@@ -269,6 +269,35 @@ fn name_of(image: &KernelImage, slide: u64, addr: u64) -> String {
         )
 }
 
+/// Whether the guest's CPU runs `lahf`/`sahf` in 64-bit mode, which translated code uses to
+/// keep the status flags (crate::jit::translate, "Flags"): `X86_FEATURE_LAHF_LM`, bit 0 of
+/// word 6 (CPUID 0x8000_0001 ECX) of `boot_cpu_data.x86_capability`, as the kernel found it
+/// at boot.
+fn guest_has_lahf_lm(session: &mut GuestSession, image: &KernelImage) -> anyhow::Result<bool> {
+    /// `CPUID_8000_0001_ECX`'s word in `x86_capability`.
+    const WORD: u64 = 6;
+    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no BTF")?;
+    let at = btf
+        .struct_member("cpuinfo_x86", "x86_capability")
+        .context("struct cpuinfo_x86 in the kernel's BTF")?;
+    let boot = image
+        .symbols
+        .get("boot_cpu_data")
+        .context("the kernel image has no boot_cpu_data")?
+        .addr
+        .wrapping_add(session.survey.kaslr.slide);
+    let word = boot + at.bit_offset / 8 + WORD * 4;
+    let survey = session.survey.clone();
+    let (machine, _) = session.parts()?;
+    let mut mem = BackendMemory(&mut *machine);
+    let mut space = survey.space(&mut mem);
+    let mut bytes = [0u8; 4];
+    space
+        .read(word, &mut bytes)
+        .with_context(|| format!("reading boot_cpu_data's capabilities at {word:#x}"))?;
+    Ok(u32::from_le_bytes(bytes) & 1 != 0)
+}
+
 impl LiveJit {
     /// Translates `functions` (names and running-kernel entries) and their direct callees
     /// to `options.depth`, writes the cache and splices every translated entry that takes a
@@ -285,6 +314,12 @@ impl LiveJit {
     ) -> anyhow::Result<Self> {
         let slide = session.survey.kaslr.slide;
         let started = Instant::now();
+        if !guest_has_lahf_lm(session, image)? {
+            anyhow::bail!(
+                "the guest's CPU has no LAHF/SAHF in 64-bit mode (CPUID LAHF_LM), which \
+                 translated code uses to keep the flags: the JIT cannot run on it"
+            );
+        }
         let (machine, splicer) = session.parts()?;
         let total = options
             .code_bytes
