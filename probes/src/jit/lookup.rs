@@ -6,8 +6,9 @@
 //! heap and continues at the translation, or at the original address on a miss (the
 //! kernel then runs its own code, correct but uncounted). All registers and flags are
 //! kept (the status flags through `lahf`/`seto` and back, never `popfq`; a CPU without
-//! LAHF/SAHF in 64-bit mode is refused before anything is translated). The routine ends with `ret`, which pops the target in one instruction: nothing
-//! is ever left below `rsp` for an interrupt to overwrite.
+//! LAHF/SAHF in 64-bit mode is refused before anything is translated). The routine ends
+//! with `ret`, which pops the target in one instruction: nothing is ever left below `rsp`
+//! for an interrupt to overwrite.
 //!
 //! The table is written by the host only; the guest reads it. It is kept at most half
 //! full, so every probe sequence ends at an empty slot and the loop is bounded.
