@@ -3,44 +3,48 @@
 //!
 //! Each vCPU's ring is a [`HEADER`]-byte header whose first `u64` is the head (records ever
 //! reserved there, taken with `lock xadd`), then `slots` records of `record` bytes. A record's
-//! first `u64` (its TSC) is stored last by its writer and is never 0 once written, so 0 means
-//! "not finished yet". The host takes records from where it stopped last ([`window`]) up to
-//! the first unfinished one ([`take`]), then zeroes what it took, so a slot being rewritten
-//! reads as unfinished. A burst of more than `slots` records between two drains overwrites
-//! the oldest ones: [`window`] counts them as lost. Everything read back is guest data: a
-//! head below what was taken, or past it by more than a ring, never panics.
+//! first `u64` is its *mark*: its writer stores the record's lap tag there when it reserves it
+//! (`(index / slots) & 1`: 0 or 1, which reads as "not finished yet"), and the TSC with its
+//! bit 0 replaced by that tag last ([`RingSet::emit_finish`]; TSCs lose one bit, a 2-cycle
+//! resolution). A mark of at least 2 whose tag is the lap of the index read is a finished
+//! record of that lap. The host takes records from where it stopped last ([`window`]) up to
+//! the first unfinished one ([`take`], [`drain_concurrent`]). A burst of more than `slots`
+//! records between two drains overwrites the oldest ones: [`window`] counts them as lost.
+//! Everything read back is guest data: a head below what was taken, or past it by more than a
+//! ring, never panics.
 //!
 //! # Two readers
 //!
-//! - **Stopped** (the gdbstub path): the host pauses every vCPU, reads, zeroes, resumes. No
-//!   writer runs during the read, so there is nothing to order.
+//! - **Stopped** (the gdbstub path): the host pauses every vCPU, reads, zeroes what it took,
+//!   resumes. No writer runs during the read, so there is nothing to order, and a zeroed mark
+//!   reads as unfinished, so [`take`] needs no lap: any mark of at least 2 is finished.
 //! - **Concurrent** ([`drain_concurrent`], the shared-memory path): the vCPUs keep running
 //!   while the host reads the rings through guest RAM it has mapped. The protocol is
-//!   lock-free on both sides (the writer never waits for the host), and its memory ordering
-//!   is this:
+//!   lock-free on both sides (the writer never waits for the host), the host writes nothing
+//!   into the rings (each record costs it a cache line read from the writer's core, no
+//!   ownership transfer and no locked instruction), and its memory ordering is this:
 //!
 //!   *Writer* (patch code on one vCPU, x86 TSO): (W1) `lock xadd` on the head reserves index
-//!   `j` (a full barrier); (W2) plain stores of the record's fields into slot `j % slots`;
-//!   (W3) a plain store of the TSC into the record's first word. x86 keeps stores in program
-//!   order, so a reader that sees W3 sees W2, and a reader that sees any W2/W3 store of `j`
-//!   sees W1 of `j` on a later load.
+//!   `j` (a full barrier); (W2) a plain store of `j`'s lap tag into the mark; (W3) plain
+//!   stores of the record's fields into slot `j % slots`; (W4) a plain store of the finished
+//!   mark (TSC and tag). x86 keeps stores in program order, so a reader that sees W4 sees W3,
+//!   and a reader that sees any W2-W4 store of `j` sees W1 of `j` on a later load.
 //!
 //!   *Reader* (host): (R1) load the head `h` with `Acquire`; for each index `i` in the
-//!   window below `h`: (R2) load the record's TSC with `Acquire`: 0 means unfinished, the
-//!   take ends there (it resumes at `i` next time); otherwise (R3) copy the other fields with
-//!   volatile reads. Then (R4) an `Acquire` fence and a second load of the head `h2`. A
-//!   record `i` whose slot a later writer could have reused during the copy has
-//!   `i + slots < h2 + 1`, i.e. `i < h2 - slots`: it is dropped and counted lost, never
-//!   delivered torn (if R3 saw any store of writer `i + slots`, R4 sees its W1: R4 is after
-//!   R3, and x86 does not reorder loads). (R5) For every record kept, a `lock cmpxchg`
-//!   replaces its TSC with 0 only if it still holds the TSC read at R2, so the zeroing never
-//!   erases a newer record that finished in between (its W3 changed the TSC); a writer that
-//!   reserved the slot after R4 and stores its TSC after R5 leaves a finished record.
+//!   window below `h`: (R2) load the record's mark with `Acquire`: below 2, or a tag other
+//!   than `i`'s lap, means unfinished and the take ends there (it resumes at `i` next time).
+//!   A tag from the slot's previous lap is what a reader sees when `i`'s writer has done W1
+//!   but its W2 is not visible yet: the old record is never delivered as `i`. Otherwise (R3)
+//!   copy the other fields with volatile reads. Then (R4) an `Acquire` fence and a second
+//!   load of the head `h2`. A record `i` whose slot a later writer could have reused during
+//!   the copy has `i + slots < h2 + 1`, i.e. `i < h2 - slots`: it is dropped and counted
+//!   lost, never delivered torn (if R3 saw any store of writer `i + slots`, R4 sees its W1:
+//!   R4 is after R3, and x86 does not reorder loads).
 //!
-//!   One case stays unresolved by design, and is counted: after an overrun (the host was
-//!   lapped), the skipped slots were never zeroed, so a writer that has reserved such a slot
-//!   but not yet stored its TSC leaves the previous lap's record there, which reads as
-//!   finished. It can only happen when records were already lost (the overrun count says so).
+//!   The tag is one bit, so a mark two laps old reads as current. That needs the writer of
+//!   the lap in between to have reserved its slot and not yet done W2 while a whole ring of
+//!   other records was written on the same vCPU and the reader was lapped: records were
+//!   already lost then, and the overrun count says so.
 
 use iced_x86::code_asm::{
     eax, edx, qword_ptr, rax, rcx, rdx, AsmRegister64, CodeAssembler, CodeLabel,
@@ -130,11 +134,46 @@ impl RingSet {
         )?)?;
         a.add(rcx, rax)?;
         a.mov(edx, 1)?;
+        // W1.
         a.lock().xadd(qword_ptr(rcx), rdx)?;
+        // The lap tag of index rdx: bit log2(slots) of it.
+        a.mov(eax, edx)?;
+        a.shr(eax, self.slots.max(1).trailing_zeros())?;
+        a.and(eax, 1)?;
         a.and(edx, self.slots - 1)?;
         a.shl(rdx, self.record.trailing_zeros())?;
-        a.lea(dst, qword_ptr(rcx + rdx + HEADER as i32))
+        a.lea(dst, qword_ptr(rcx + rdx + HEADER as i32))?;
+        // W2: the record reads as unfinished, and as this lap's.
+        a.mov(qword_ptr(dst), rax)
     }
+
+    /// Finishes the record at `record` reserved by [`RingSet::emit_reserve`] (W4 of the
+    /// module documentation): its mark becomes the TSC in `tsc` with bit 0 replaced by the
+    /// lap tag the reservation stored. Call it after every other store into the record.
+    /// Changes `tsc` and the flags.
+    ///
+    /// # Errors
+    /// When the assembler refuses an instruction.
+    pub fn emit_finish(
+        a: &mut CodeAssembler,
+        record: AsmRegister64,
+        tsc: AsmRegister64,
+    ) -> Result<(), IcedError> {
+        a.and(tsc, -2)?;
+        a.or(tsc, qword_ptr(record))?;
+        a.mov(qword_ptr(record), tsc)
+    }
+}
+
+/// The lap tag of record `index` of a ring of `slots` records: bit 0 of its mark.
+pub fn lap_tag(index: u64, slots: u32) -> u64 {
+    (index / u64::from(slots.max(1))) & 1
+}
+
+/// Whether a record's mark (its first `u64`) is a finished record's: at least 2 (0 and 1 are
+/// the lap tags a reservation stores). The record's TSC is then `mark & !1`.
+pub fn is_finished(mark: u64) -> bool {
+    mark >= 2
 }
 
 /// The records of one ring still to take: from the first not yet taken, or the oldest still
@@ -167,19 +206,20 @@ pub fn spans(from: u64, to: u64, slots: u32) -> Vec<(u64, u64)> {
     out
 }
 
-/// Splits consecutive records of `record` bytes; stops at the first unfinished one (first
-/// `u64` 0) unless `last`, which skips it. Returns the finished records and how many records
-/// (finished or skipped) were consumed.
+/// Splits consecutive records of `record` bytes, read with the guest stopped after earlier
+/// takes zeroed what they took; stops at the first unfinished one ([`is_finished`]) unless
+/// `last`, which skips it. Returns the finished records and how many records (finished or
+/// skipped) were consumed.
 pub fn take(bytes: &[u8], record: usize, last: bool) -> (Vec<&[u8]>, u64) {
     let mut out = Vec::new();
     let mut consumed = 0;
     for chunk in bytes.chunks_exact(record.max(8)) {
-        let tsc = u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default());
-        if tsc == 0 && !last {
+        let mark = u64::from_le_bytes(chunk[..8].try_into().unwrap_or_default());
+        if !is_finished(mark) && !last {
             break;
         }
         consumed += 1;
-        if tsc != 0 {
+        if is_finished(mark) {
             out.push(chunk);
         }
     }
@@ -203,19 +243,13 @@ pub trait RingMemory {
     /// # Errors
     /// When the range is outside the memory.
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), Self::Error>;
-
-    /// Replaces the `u64` at `addr` with `new` if it holds `current` (atomically); whether
-    /// it did.
-    ///
-    /// # Errors
-    /// When `addr` is outside the memory or unaligned.
-    fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, Self::Error>;
 }
 
 /// What one concurrent take of one ring found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Taken {
-    /// The finished records one after the other, oldest first, each `record` bytes.
+    /// The finished records one after the other, oldest first, each `record` bytes; each
+    /// one's mark replaced by its TSC (bit 0 clear, never below 2).
     pub records: Vec<u8>,
     /// Records lost: overwritten before the host read them, or reused during the read.
     pub lost: u64,
@@ -224,7 +258,7 @@ pub struct Taken {
 /// Takes vCPU `cpu`'s finished records from its ring while the vCPUs may be writing it (the
 /// concurrent reader of the module documentation); `taken` is how many records of that ring
 /// the host has consumed so far, and is advanced. With `last` (the guest is stopped for good)
-/// an unfinished record is skipped rather than waited for, and nothing is zeroed.
+/// an unfinished record is skipped rather than waited for. Nothing is written into the ring.
 ///
 /// # Errors
 /// When the ring's memory cannot be reached (a head or slot outside the memory).
@@ -261,11 +295,11 @@ pub fn drain_concurrent<M: RingMemory>(
 /// Records read and validated together by [`drain_concurrent`].
 const BATCH: u64 = 4096;
 
-/// One batch of [`drain_concurrent`]: R1 to R5 of the module documentation over at most
+/// One batch of [`drain_concurrent`]: R1 to R4 of the module documentation over at most
 /// `max` records; whether there may be more to take now.
 ///
 /// R2 and R3 are done as two passes over the batch rather than record by record: first every
-/// TSC (R2, `Acquire` loads, up to the first unfinished record), then one bulk copy of the
+/// mark (R2, `Acquire` loads, up to the first unfinished record), then one bulk copy of the
 /// finished records (R3). Each record's R2 still comes before its R3, which is all the
 /// protocol asks, and the bulk copy goes straight into the output (no copy per record, no
 /// allocation per batch once the output has grown): measured by `benches/ring_drain.rs`,
@@ -287,22 +321,25 @@ fn take_batch<M: RingMemory>(
     let head = mem.load_acquire(head_at)?;
     let (from, lost) = window(head, *taken, set.slots);
     out.lost = out.lost.saturating_add(lost);
-    // Not past the ring's end in one batch: the slots of [from, end) are contiguous.
+    // Not past the ring's end in one batch: the slots of [from, end) are contiguous, and
+    // share one lap tag.
     let to_wrap = slots - from % slots;
     let end = head.min(from.saturating_add(max.min(to_wrap)));
-    // R2 for each record, into the TSCs of the batch.
+    let tag = lap_tag(from, set.slots);
+    // R2 for each record, into the TSCs of the batch (0: unfinished, skipped with `last`).
     let mut tscs: Vec<u64> = Vec::with_capacity(usize::try_from(end - from).unwrap_or(0));
     let mut unfinished = false;
     for index in from..end {
-        let tsc = mem.load_acquire(set.slot(cpu, index % slots))?;
-        if tsc == 0 && !last {
+        let mark = mem.load_acquire(set.slot(cpu, index % slots))?;
+        let done = is_finished(mark) && mark & 1 == tag;
+        if !done && !last {
             unfinished = true;
             break;
         }
-        tscs.push(tsc);
+        tscs.push(if done { mark & !1 } else { 0 });
     }
     let next = from + tscs.len() as u64;
-    // R3: the records [from, next) in one copy, after every TSC load above.
+    // R3: the records [from, next) in one copy, after every mark load above.
     let start = out.records.len();
     if !tscs.is_empty() {
         out.records.resize(start + tscs.len() * record, 0);
@@ -322,16 +359,12 @@ fn take_batch<M: RingMemory>(
             // Only with `last`: a record never finished, skipped.
             continue;
         }
-        if !last {
-            // R5: a failure means a newer record finished there; it stays for later.
-            mem.compare_exchange(set.slot(cpu, (from + i as u64) % slots), tsc, 0)?;
-        }
         let at = start + i * record;
         if kept != at {
             out.records.copy_within(at..at + record, kept);
         }
-        // The TSC R2 read, which R5 compared with (the copy's is the same, or the record
-        // was reused and is not kept).
+        // The mark R2 read, as a TSC (the copy's is the same, or the record was reused and
+        // is not kept).
         out.records[kept..kept + 8].copy_from_slice(&tsc.to_le_bytes());
         kept += record;
     }
@@ -403,16 +436,6 @@ mod tests {
             buf.copy_from_slice(src);
             Ok(())
         }
-
-        fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, ()> {
-            self.tick();
-            if self.word(addr) != current {
-                return Ok(false);
-            }
-            let a = addr as usize;
-            self.bytes.borrow_mut()[a..a + 8].copy_from_slice(&new.to_le_bytes());
-            Ok(true)
-        }
     }
 
     const SET: RingSet = RingSet {
@@ -422,12 +445,20 @@ mod tests {
         record: 16,
     };
 
-    /// What the patch code does: reserve, fields, TSC last.
-    fn write_record(bytes: &mut [u8], index: u64, tsc: u64, value: u64) {
+    /// W1 and W2 of the patch code: reserve index `index`, store its lap tag.
+    fn reserve(bytes: &mut [u8], index: u64) {
         bytes[..8].copy_from_slice(&(index + 1).to_le_bytes());
         let at = SET.slot(0, index % 4) as usize;
+        bytes[at..at + 8].copy_from_slice(&lap_tag(index, SET.slots).to_le_bytes());
+    }
+
+    /// What the patch code does: reserve, tag, fields, the finished mark last.
+    fn write_record(bytes: &mut [u8], index: u64, tsc: u64, value: u64) {
+        reserve(bytes, index);
+        let at = SET.slot(0, index % 4) as usize;
         bytes[at + 8..at + 16].copy_from_slice(&value.to_le_bytes());
-        bytes[at..at + 8].copy_from_slice(&tsc.to_le_bytes());
+        let mark = (tsc & !1) | lap_tag(index, SET.slots);
+        bytes[at..at + 8].copy_from_slice(&mark.to_le_bytes());
     }
 
     fn values(taken: &Taken) -> Vec<u64> {
@@ -438,29 +469,42 @@ mod tests {
             .collect()
     }
 
+    fn tscs(taken: &Taken) -> Vec<u64> {
+        taken
+            .records
+            .chunks_exact(16)
+            .map(|r| u64::from_le_bytes(r[..8].try_into().unwrap()))
+            .collect()
+    }
+
     #[test]
-    fn concurrent_drain_takes_finished_records_and_zeroes_their_tsc() {
+    fn concurrent_drain_takes_finished_records_and_writes_nothing() {
         let ram = FakeRam::new(SET.bytes() as usize);
-        for i in 0..3 {
+        for i in 0..6 {
             write_record(&mut ram.bytes.borrow_mut(), i, 100 + i, 10 + i);
         }
-        let mut taken = 0;
+        let before = ram.bytes.borrow().clone();
+        let mut taken = 2;
 
         let got = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
 
-        assert_eq!((values(&got), got.lost, taken), (vec![10, 11, 12], 0, 3));
         assert_eq!(
-            ram.word(SET.slot(0, 0)),
-            0,
-            "the taken slot reads unfinished"
+            (values(&got), got.lost, taken),
+            (vec![12, 13, 14, 15], 0, 6)
         );
+        assert_eq!(
+            tscs(&got),
+            vec![102, 102, 104, 104],
+            "TSCs without the tag bit"
+        );
+        assert_eq!(*ram.bytes.borrow(), before, "the ring is left as it was");
     }
 
     #[test]
     fn concurrent_drain_waits_at_a_reserved_unfinished_record() {
         let ram = FakeRam::new(SET.bytes() as usize);
         write_record(&mut ram.bytes.borrow_mut(), 0, 100, 10);
-        ram.bytes.borrow_mut()[..8].copy_from_slice(&2u64.to_le_bytes()); // index 1 reserved
+        reserve(&mut ram.bytes.borrow_mut(), 1);
         let mut taken = 0;
 
         let now = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
@@ -474,14 +518,56 @@ mod tests {
     }
 
     #[test]
+    fn a_slots_record_of_the_previous_lap_is_not_taken_for_the_next() {
+        let ram = FakeRam::new(SET.bytes() as usize);
+        for i in 0..4 {
+            write_record(&mut ram.bytes.borrow_mut(), i, 100 + i, 10 + i);
+        }
+        let mut taken = 0;
+        let first = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+        // Index 4 reserved (the head says so), its tag not stored yet: slot 0 still holds
+        // record 0, finished.
+        ram.bytes.borrow_mut()[..8].copy_from_slice(&5u64.to_le_bytes());
+
+        let early = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+        write_record(&mut ram.bytes.borrow_mut(), 4, 104, 14);
+        let later = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+
+        assert_eq!(values(&first), vec![10, 11, 12, 13]);
+        assert_eq!(
+            values(&early),
+            Vec::<u64>::new(),
+            "record 0 not taken again"
+        );
+        assert_eq!((values(&later), taken), (vec![14], 5));
+    }
+
+    #[test]
+    fn after_an_overrun_a_reserved_slot_is_not_read_as_its_old_record() {
+        let ram = FakeRam::new(SET.bytes() as usize);
+        for i in 0..8 {
+            write_record(&mut ram.bytes.borrow_mut(), i, 100 + i, 10 + i);
+        }
+        // Index 8 reserved in slot 0, which holds record 4 (never taken: the reader was
+        // lapped).
+        ram.bytes.borrow_mut()[..8].copy_from_slice(&9u64.to_le_bytes());
+        let mut taken = 0;
+
+        let got = drain_concurrent(&ram, &SET, 0, &mut taken, false).unwrap();
+
+        assert_eq!((values(&got), got.lost, taken), (vec![15, 16, 17], 5, 8));
+    }
+
+    #[test]
     fn a_record_whose_slot_is_reused_during_the_read_is_lost_not_torn() {
         let mut ram = FakeRam::new(SET.bytes() as usize);
         for i in 0..4 {
             write_record(&mut ram.bytes.borrow_mut(), i, 100 + i, 10 + i);
         }
-        // Right after the reader loads record 0's TSC, a writer laps the ring and rewrites
-        // slot 0 (index 4) with a new value: the copy of record 0 would be torn.
-        ram.writer_at = 3;
+        // Right after the reader loads record 0's mark (the 3rd access: the head twice, then
+        // that mark; the writer runs at the start of the 4th), a writer laps the ring and
+        // rewrites slot 0 (index 4) with a new value: the copy of record 0 would be torn.
+        ram.writer_at = 4;
         ram.writer = RefCell::new(Some(Box::new(|b: &mut Vec<u8>| {
             write_record(b, 4, 104, 99)
         })));
@@ -495,11 +581,95 @@ mod tests {
             "record 0 is dropped, not delivered as 99"
         );
         assert_eq!(got.lost, 1);
+    }
+
+    /// The writer as patch code emits it ([`RingSet::emit_reserve`], a field, then
+    /// [`RingSet::emit_finish`]) run in Unicorn, and the concurrent reader on the memory it
+    /// wrote: across a lap, and with a reservation whose record is not finished yet.
+    #[test]
+    fn the_emitted_writer_and_the_concurrent_reader_agree_across_laps() {
+        use exotap_vmm::control::X86Registers;
+        use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine};
+        use iced_x86::code_asm::{qword_ptr, r12, rbx, rdi};
+
+        const CODE: u64 = 0xffff_ffff_a000_0000;
+        const PERCPU: u64 = CODE + 0x8000;
+        const CPU_NUMBER: u64 = 0x10;
+        let set = RingSet {
+            base: CODE + 0x1_0000,
+            ..SET
+        };
+        // Whole records: reserve, the value in rbx, the TSC in r12. Only the reservation:
+        // a writer interrupted before its other stores.
+        let assemble = |at: u64, finish: bool| {
+            let mut a = CodeAssembler::new(64).unwrap();
+            let mut skip = a.create_label();
+            set.emit_reserve(&mut a, CPU_NUMBER, rdi, skip).unwrap();
+            if finish {
+                a.mov(qword_ptr(rdi + 8), rbx).unwrap();
+                a.mov(rax, r12).unwrap();
+                RingSet::emit_finish(&mut a, rdi, rax).unwrap();
+            }
+            a.set_label(&mut skip).unwrap();
+            a.nop().unwrap();
+            a.assemble(at).unwrap()
+        };
+        let whole = assemble(CODE, true);
+        let reserve_only = assemble(CODE + 0x1000, false);
+        let mut m = UnicornMachine::new(Isa::X86_64).unwrap();
+        m.map(CODE, 0x2_0000).unwrap();
+        m.write(CODE, &whole).unwrap();
+        m.write(CODE + 0x1000, &reserve_only).unwrap();
+        m.write(PERCPU + CPU_NUMBER, &0u32.to_le_bytes()).unwrap();
+        m.set_gs_base(PERCPU).unwrap();
+        let run = |m: &mut UnicornMachine, code: &[u8], at: u64, value: u64, tsc: u64| {
+            let end = at + code.len() as u64 - 1;
+            m.set_halt(Some(end)).unwrap();
+            let mut regs = X86Registers {
+                rip: at,
+                rflags: 0x2,
+                ..X86Registers::default()
+            };
+            regs.gpr[1] = value;
+            regs.gpr[7] = PERCPU - 0x100;
+            regs.gpr[12] = tsc;
+            m.set_x86_registers(&regs).unwrap();
+            assert_eq!(m.run().unwrap(), RunEnd::Halted(end));
+        };
+        struct Emu<'a>(&'a UnicornMachine);
+        impl RingMemory for Emu<'_> {
+            type Error = ();
+            fn load_acquire(&self, addr: u64) -> Result<u64, ()> {
+                let mut b = [0u8; 8];
+                self.read(addr, &mut b)?;
+                Ok(u64::from_le_bytes(b))
+            }
+            fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), ()> {
+                UnicornMachine::read(self.0, addr, buf).map_err(|_| ())
+            }
+        }
+        let mut taken = 0;
+
+        for i in 0..4 {
+            run(&mut m, &whole, CODE, 10 + i, 1001 + i);
+        }
+        let lap0 = drain_concurrent(&Emu(&m), &set, 0, &mut taken, false).unwrap();
+        for i in 4..6 {
+            run(&mut m, &whole, CODE, 10 + i, 1001 + i);
+        }
+        run(&mut m, &reserve_only, CODE + 0x1000, 0, 0);
+        let lap1 = drain_concurrent(&Emu(&m), &set, 0, &mut taken, false).unwrap();
+        let mut mark = [0u8; 8];
+        m.read(set.slot(0, 2), &mut mark).unwrap();
+
+        assert_eq!(values(&lap0), vec![10, 11, 12, 13]);
+        assert_eq!(tscs(&lap0), vec![1000, 1002, 1002, 1004]);
         assert_eq!(
-            ram.word(SET.slot(0, 0)),
-            104,
-            "the zeroing left the newer record alone"
+            (values(&lap1), tscs(&lap1), taken),
+            (vec![14, 15], vec![1004, 1006], 6),
+            "record 6 is reserved, not finished: record 2 is not read in its place"
         );
+        assert_eq!(u64::from_le_bytes(mark), 1, "the reservation's lap tag");
     }
 
     #[test]
@@ -554,15 +724,17 @@ mod tests {
 
     #[test]
     fn take_waits_for_an_unfinished_record_until_the_last_drain() {
-        let mut bytes = vec![0u8; 3 * 16];
-        bytes[0] = 1;
+        // Finished, reserved (a lap tag: 1), finished, zeroed.
+        let mut bytes = vec![0u8; 4 * 16];
+        bytes[0] = 2;
+        bytes[16] = 1;
         bytes[32] = 3;
 
         let (now, n) = take(&bytes, 16, false);
         let (last, m) = take(&bytes, 16, true);
 
         assert_eq!((now.len(), n), (1, 1));
-        assert_eq!((last.len(), m), (2, 3));
+        assert_eq!((last.len(), m), (2, 4));
     }
 
     #[test]

@@ -250,29 +250,6 @@ impl SharedRam {
     pub fn load_acquire(&self, addr: u64) -> Result<u64, SharedRamError> {
         Ok(u64::from_le(self.atomic(addr)?.load(Ordering::Acquire)))
     }
-
-    /// Replaces the `u64` at `addr` with `new` if it still holds `current` (a `lock cmpxchg`,
-    /// atomic with respect to the vCPUs); whether it did.
-    ///
-    /// # Errors
-    /// [`SharedRamError::OutOfRange`], [`SharedRamError::Unaligned`].
-    #[inline]
-    pub fn compare_exchange(
-        &self,
-        addr: u64,
-        current: u64,
-        new: u64,
-    ) -> Result<bool, SharedRamError> {
-        Ok(self
-            .atomic(addr)?
-            .compare_exchange(
-                current.to_le(),
-                new.to_le(),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .is_ok())
-    }
 }
 
 /// Anonymous memory (a memfd) for the RAM of a guest exotap boots: QEMU inherits the
@@ -368,19 +345,6 @@ mod tests {
             ram.load_acquire(12),
             Err(SharedRamError::Unaligned(12))
         ));
-    }
-
-    #[test]
-    fn compare_exchange_replaces_only_the_expected_value() {
-        let file = ram_file(&[0u8; 64]);
-        let ram = SharedRam::open(file.path()).unwrap();
-        ram.write(8, &5u64.to_le_bytes()).unwrap();
-
-        let wrong = ram.compare_exchange(8, 4, 0).unwrap();
-        let right = ram.compare_exchange(8, 5, 0).unwrap();
-
-        assert_eq!((wrong, right), (false, true));
-        assert_eq!(ram.load_acquire(8).unwrap(), 0);
     }
 
     #[test]

@@ -44,14 +44,6 @@ impl RingMemory for Flat<'_> {
         buf.copy_from_slice(src);
         Ok(())
     }
-    fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, ()> {
-        if self.load_acquire(addr)? != current {
-            return Ok(false);
-        }
-        let at = usize::try_from(addr).map_err(|_| ())?;
-        self.0.borrow_mut()[at..at + 8].copy_from_slice(&new.to_le_bytes());
-        Ok(true)
-    }
 }
 
 fn word(b: &[u8], i: usize) -> u64 {

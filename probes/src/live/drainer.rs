@@ -269,16 +269,6 @@ mod tests {
             buf.copy_from_slice(src);
             Ok(())
         }
-
-        fn compare_exchange(&self, addr: u64, current: u64, new: u64) -> Result<bool, String> {
-            let mut b = self.0.lock().unwrap();
-            let a = addr as usize;
-            if u64::from_le_bytes(b[a..a + 8].try_into().unwrap()) != current {
-                return Ok(false);
-            }
-            b[a..a + 8].copy_from_slice(&new.to_le_bytes());
-            Ok(true)
-        }
     }
 
     const SET: RingSet = RingSet {
@@ -288,12 +278,15 @@ mod tests {
         record: 16,
     };
 
-    /// The patch code's steps for record `index` of `cpu`: reserve, value, TSC last.
+    /// The patch code's steps for record `index` of `cpu`: reserve, lap tag, value, the
+    /// finished mark last.
     fn write_record(ram: &Ram, cpu: u32, index: u64, value: u64) {
         ram.put(SET.ring(cpu), index + 1);
         let at = SET.slot(cpu, index % u64::from(SET.slots));
+        let tag = crate::rings::lap_tag(index, SET.slots);
+        ram.put(at, tag);
         ram.put(at + 8, value);
-        ram.put(at, 1000 + index);
+        ram.put(at, 1000 + 2 * index + tag);
     }
 
     fn values(batches: &[Batch], cpu: u32) -> Vec<u64> {
@@ -318,9 +311,8 @@ mod tests {
                 write_record(&ram, 0, index, index);
                 write_record(&ram, 1, index, 10_000 + index);
             }
-            while ram.word(SET.slot(0, (burst * 16 + 15) % 64)) != 0
-                || ram.word(SET.slot(1, (burst * 16 + 15) % 64)) != 0
-            {
+            let written = (burst as usize + 1) * 16;
+            while values(&batches, 0).len() < written || values(&batches, 1).len() < written {
                 batches.extend(drainer.try_batches());
                 std::thread::sleep(Duration::from_millis(1));
             }

@@ -369,8 +369,7 @@ impl Gen<'_, '_> {
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
-            self.a.or(rax, 1)?; // never 0: 0 marks an unfinished record
-            self.a.mov(qword_ptr(r8), rax)?;
+            crate::rings::RingSet::emit_finish(self.a, r8, rax)?;
             self.a.jmp(done)?;
             self.a.set_label(&mut skip)?;
             self.a.add(rsp, pushed)?;

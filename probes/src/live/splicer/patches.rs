@@ -83,16 +83,19 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 /// Per-vCPU ring buffers of entry/exit records (`exotap trace`).
 ///
 /// Each vCPU's ring is a 64-byte header (the `u64` head: records ever reserved, with
-/// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: TSC at +0, value at +8 (the
-/// first argument at entry, the return value at exit), function id at +16, kind at +20
-/// (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit), the running task's
+/// `lock xadd`) and `slots` records of [`TRACE_RECORD`] bytes: the mark at +0 (the lap tag
+/// while the record is written, then the TSC with the tag in bit 0: [`crate::rings`]), value
+/// at +8 (the first argument at entry, the return value at exit), function id at +16, kind at
+/// +20 (1 entry, 2 exit), stack slot at +24 (pairs an entry with its exit), the running task's
 /// pid at +32 and its `comm` (16 bytes) at +40 (zero when the kernel's task offsets are
-/// unknown), 8 bytes reserved. The TSC is stored last. The host drains the rings while the guest runs (every 250 ms for `exotap trace`, the
-/// guest stopped for the read) and at removal ([`Splicer::drain_rings`]): it takes the records
-/// from where it stopped last up to the first one whose TSC is still 0 (its writer has not
-/// finished), then zeroes the records it took, so that a slot being rewritten reads as
-/// unfinished. A burst of more than `slots` records between two drains overwrites the oldest
-/// ones: those are counted as lost (overruns).
+/// unknown), 8 bytes reserved. The mark is stored last. The host drains the rings while the
+/// guest runs: through the shared RAM with the vCPUs running where it has it
+/// ([`crate::rings::drain_concurrent`], which writes nothing into the rings), else every 250
+/// ms for `exotap trace` with the guest stopped for the read, and at removal
+/// ([`Splicer::drain_rings`]). A stopped drain takes the records from where it stopped last up
+/// to the first unfinished one, then zeroes the records it took. A burst of more than `slots`
+/// records between two drains overwrites the oldest ones: those are counted as lost
+/// (overruns).
 #[derive(Debug, Clone, Copy)]
 pub struct Rings {
     /// The rings (crate::rings: the protocol `trace` shares with compiled probes).
@@ -149,7 +152,7 @@ fn emit_record(
             a.mov(qword_ptr(rdx + 48), 0)?;
         }
     }
-    a.mov(qword_ptr(rdx), r8)?;
+    RingSet::emit_finish(a, rdx, r8)?;
     a.set_label(&mut skip)?;
     a.nop()?;
     Ok(())

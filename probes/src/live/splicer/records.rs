@@ -36,8 +36,10 @@ pub fn ring_spans(from: u64, to: u64, slots: u32) -> Vec<(u64, u64)> {
     ring_spans_of(from, to, slots)
 }
 
-/// Decodes consecutive trace records; stops at the first unfinished one (TSC 0, stored last
-/// by its writer) unless `last`, which skips it. Returns the finished records and how many
+/// Decodes consecutive trace records, read with the guest stopped after earlier takes zeroed
+/// what they took (or as [`crate::rings::drain_concurrent`] hands them out); stops at the
+/// first unfinished one ([`crate::rings::is_finished`]: its mark, stored last by its writer)
+/// unless `last`, which skips it. Returns the finished records and how many
 /// records (finished or skipped) were consumed.
 pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
     // The loop of `crate::rings::take`, decoding as it goes: this runs on every record
@@ -48,14 +50,15 @@ pub fn take_records(bytes: &[u8], last: bool) -> (Vec<TraceRecord>, u64) {
     for chunk in bytes.chunks_exact(TRACE_RECORD as usize) {
         let word = |o: usize| u64::from_le_bytes(chunk[o..o + 8].try_into().unwrap_or_default());
         let half = |o: usize| u32::from_le_bytes(chunk[o..o + 4].try_into().unwrap_or_default());
-        let tsc = word(0);
-        if tsc == 0 && !last {
+        let mark = word(0);
+        let finished = crate::rings::is_finished(mark);
+        if !finished && !last {
             break;
         }
         consumed += 1;
-        if tsc != 0 {
+        if finished {
             records.push(TraceRecord {
-                tsc,
+                tsc: mark & !1,
                 value: word(8),
                 id: half(16),
                 kind: half(20),
@@ -114,9 +117,10 @@ mod tests {
     fn take_records_waits_for_an_unfinished_record_until_the_last_drain() {
         let bytes = record_bytes(&[
             (100, 20, 7, 1),
-            (101, 21, 7, 2),
-            (0, 0, 7, 1),
-            (103, 23, 7, 2),
+            (103, 21, 7, 2),
+            // Reserved on an odd lap: the mark holds the lap tag 1, not a TSC yet.
+            (1, 0, 7, 1),
+            (104, 23, 7, 2),
         ]);
 
         let (running, consumed) = take_records(&bytes, false);
@@ -124,11 +128,12 @@ mod tests {
 
         assert_eq!(
             consumed, 2,
-            "stops at the record whose TSC is not written yet"
+            "stops at the record whose mark is not written yet"
         );
         assert_eq!(
             running.iter().map(|r| r.tsc).collect::<Vec<_>>(),
-            [100, 101]
+            [100, 102],
+            "TSCs without the lap tag bit"
         );
         assert_eq!(
             (running[0].value, running[0].id, running[0].kind),
@@ -141,7 +146,7 @@ mod tests {
         assert_eq!(consumed_last, 4, "at removal it is skipped, not waited for");
         assert_eq!(
             last.iter().map(|r| r.tsc).collect::<Vec<_>>(),
-            [100, 101, 103]
+            [100, 102, 104]
         );
     }
 }
