@@ -104,9 +104,10 @@ impl RingSet {
         self.ring(cpu) + HEADER + slot * self.record
     }
 
-    /// Reserves a record in the running vCPU's ring and leaves its address in `dst` (not
-    /// rax, rcx or rdx); jumps to `skip` when the vCPU number (at the per-CPU offset
-    /// `cpu_number`) has no ring. Clobbers rax, rcx, rdx and the flags.
+    /// Reserves a record in the running vCPU's ring (W1 and W2 of the module documentation:
+    /// the record's mark then holds its lap tag) and leaves its address in `dst` (not rax or
+    /// rcx); jumps to `skip` when the vCPU number (at the per-CPU offset `cpu_number`) has no
+    /// ring. Clobbers rax, rcx, rdx and the flags.
     ///
     /// # Errors
     /// When the assembler refuses an instruction.

@@ -28,11 +28,13 @@
 //! (crate::rings: the protocol `exotap trace` uses too) of [`RECORD`] bytes, or more when a
 //! `printf` prints strings read from memory (the next power of two that holds the largest
 //! one, the ring keeping about the same bytes). A record holds its mark at +0 (the lap tag,
-//! then the TSC with the tag in bit 0, stored last: crate::rings), the output format's id at +8 and up to [`MAX_PRINT_ARGS`] arguments from +16,
-//! each as its format's [`ArgSlot`] says: 16 bytes for a long or a string, MAXSTRINGLEN
-//! bytes (rounded up to 16, NUL-terminated) for a string read from memory. The host drains the rings at every look (through
-//! the shared RAM while the vCPUs run where it has it, else with the guest stopped) and prints the records in TSC order across vCPUs; a burst of more than a ring
-//! between two looks overwrites the oldest records, which the host counts as lost.
+//! then the TSC with the tag in bit 0, stored last: crate::rings), the output format's id at
+//! +8 and up to [`MAX_PRINT_ARGS`] arguments from +16, each as its format's [`ArgSlot`] says:
+//! 16 bytes for a long or a string, MAXSTRINGLEN bytes (rounded up to 16, NUL-terminated) for
+//! a string read from memory. The host drains the rings at every look (through the shared RAM
+//! while the vCPUs run where it has it, else with the guest stopped) and prints the records
+//! in TSC order across vCPUs; a burst of more than a ring between two looks overwrites the
+//! oldest records, which the host counts as lost.
 //!
 //! Strings are 16 bytes: up to 15 bytes of text inline, NUL-padded (what `task_struct.comm`
 //! holds, so `execname()` is two loads), or, for longer text the host knows (function names,
