@@ -244,6 +244,17 @@ pub trait RingMemory {
     /// # Errors
     /// When the range is outside the memory.
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), Self::Error>;
+
+    /// Appends `len` bytes at `addr` to `out`, as [`RingMemory::read`] reads them (a memory
+    /// that can copy into `out`'s spare capacity overrides this zero-fill and copy).
+    ///
+    /// # Errors
+    /// When the range is outside the memory.
+    fn append(&self, addr: u64, len: usize, out: &mut Vec<u8>) -> Result<(), Self::Error> {
+        let start = out.len();
+        out.resize(start + len, 0);
+        self.read(addr, &mut out[start..])
+    }
 }
 
 /// What one concurrent take of one ring found.
@@ -343,8 +354,11 @@ fn take_batch<M: RingMemory>(
     // R3: the records [from, next) in one copy, after every mark load above.
     let start = out.records.len();
     if !tscs.is_empty() {
-        out.records.resize(start + tscs.len() * record, 0);
-        mem.read(set.slot(cpu, from % slots), &mut out.records[start..])?;
+        mem.append(
+            set.slot(cpu, from % slots),
+            tscs.len() * record,
+            &mut out.records,
+        )?;
     }
     // R4.
     std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);

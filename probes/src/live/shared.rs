@@ -279,6 +279,11 @@ impl RingMemory for SharedHeap {
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), SharedHeapError> {
         Ok(self.ram.read(self.phys(addr, buf.len())?, buf)?)
     }
+
+    #[inline]
+    fn append(&self, addr: u64, len: usize, out: &mut Vec<u8>) -> Result<(), SharedHeapError> {
+        Ok(self.ram.append(self.phys(addr, len)?, len, out)?)
+    }
 }
 
 #[cfg(test)]
