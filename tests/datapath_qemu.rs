@@ -218,17 +218,15 @@ fn tail(out: &str) -> String {
     lines[lines.len().saturating_sub(6)..].join("\n")
 }
 
-/// (records/s drained, records lost) from a run's `data path:` and `trace:` lines.
+/// (records/s drained, records lost) from a run's `data path:` and `trace:` lines: the rate
+/// while reading (the first figure, wall clock, what both paths report) and the records
+/// lost.
 fn rate_and_lost(out: &str) -> (f64, u64) {
     let line = out
         .lines()
         .find(|l| l.starts_with("data path: "))
         .expect("a data path line");
-    let rate = line
-        .rsplit_once(" records/s)")
-        .and_then(|(before, _)| before.rsplit_once('(').map(|(_, n)| n.to_owned()))
-        .and_then(|n| n.parse().ok())
-        .expect("a records/s figure");
+    let rate = rates(line).first().copied().expect("a records/s figure");
     let lost = out
         .lines()
         .find_map(|l| l.split_once("lost to ring overruns per vCPU: ["))
@@ -240,6 +238,13 @@ fn rate_and_lost(out: &str) -> (f64, u64) {
         })
         .expect("a lost line");
     (rate, lost)
+}
+
+/// Every `(N records/s)` figure of a line, in order.
+fn rates(line: &str) -> Vec<f64> {
+    line.split(" records/s)")
+        .filter_map(|before| before.rsplit_once('(')?.1.parse().ok())
+        .collect()
 }
 
 /// Data path bench (`cargo test --release --test datapath_qemu -- --ignored --nocapture`):
@@ -258,6 +263,9 @@ fn bench_data_path_shared_memory_against_stop_and_read() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(3);
     let mut results: [Vec<(f64, u64)>; 2] = [Vec::new(), Vec::new()];
+    // Shared memory: the drainer's CPU-time rate over the passes that took records (the last
+    // figure of its line).
+    let mut busy_cpu: Vec<f64> = Vec::new();
     for round in 0..rounds {
         for (i, stop_and_read) in [false, true].into_iter().enumerate() {
             let (out, console) = bench_run(stop_and_read);
@@ -276,17 +284,24 @@ fn bench_data_path_shared_memory_against_stop_and_read() {
                 summary.join("\n  ")
             );
             results[i].push(rate_and_lost(&out));
+            if !stop_and_read {
+                let line = summary.first().copied().unwrap_or_default();
+                busy_cpu.push(rates(line).last().copied().expect("a records/s figure"));
+            }
         }
     }
-    let median = |v: &[(f64, u64)]| {
-        let mut rates: Vec<f64> = v.iter().map(|r| r.0).collect();
+    let median = |v: &[f64]| {
+        let mut rates = v.to_vec();
         rates.sort_by(f64::total_cmp);
         rates[rates.len() / 2]
     };
-    let (shared, stopped) = (median(&results[0]), median(&results[1]));
+    let wall = |v: &[(f64, u64)]| v.iter().map(|r| r.0).collect::<Vec<_>>();
+    let (shared, stopped) = (median(&wall(&results[0])), median(&wall(&results[1])));
     println!(
-        "BENCH summary over {rounds} rounds: drained records/s median shared memory {shared:.0}, stop-and-read {stopped:.0} (ratio {:.1}); lost per round shared memory {:?}, stop-and-read {:?}",
+        "BENCH summary over {rounds} rounds: drained records/s while reading (wall), median: shared memory {shared:.0}, stop-and-read {stopped:.0} (ratio {:.1}); shared memory's drainer, CPU time of the passes that took records: median {:.0} records/s (rounds {:?}); lost per round shared memory {:?}, stop-and-read {:?}",
         shared / stopped.max(1.0),
+        median(&busy_cpu),
+        busy_cpu.iter().map(|r| r.round()).collect::<Vec<_>>(),
         results[0].iter().map(|r| r.1).collect::<Vec<_>>(),
         results[1].iter().map(|r| r.1).collect::<Vec<_>>()
     );

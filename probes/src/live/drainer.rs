@@ -56,6 +56,15 @@ pub struct DrainState {
     pub reading_cpu: Duration,
     /// Passes over the rings.
     pub passes: u64,
+    /// The passes that took at least one record: the drain rate while there was something to
+    /// take is [`DrainState::records`] over their time (the other passes found the rings
+    /// empty, a cost that grows with the run's idle time, not with its records).
+    pub busy_passes: u64,
+    /// Wall-clock time of [`DrainState::busy_passes`].
+    pub busy_reading: Duration,
+    /// CPU time of [`DrainState::busy_passes`] (the thread's clock read at each end of every
+    /// pass).
+    pub busy_reading_cpu: Duration,
     /// Why the drainer stopped early, if a read failed.
     pub error: Option<String>,
 }
@@ -99,6 +108,7 @@ impl Drainer {
                     // runs, so what was in the rings at the request is taken.
                     let stopping = stopping.load(Ordering::Acquire);
                     let started = Instant::now();
+                    let pass_cpu = thread_cpu_time();
                     let since_last = last_pass.map_or(POLL, |l| started.duration_since(l));
                     last_pass = Some(started);
                     let mut took = 0;
@@ -132,9 +142,15 @@ impl Drainer {
                             return state;
                         }
                     }
-                    state.reading += started.elapsed();
+                    let pass = started.elapsed();
+                    state.reading += pass;
                     state.records += took as u64;
                     state.passes += 1;
+                    if took > 0 {
+                        state.busy_passes += 1;
+                        state.busy_reading += pass;
+                        state.busy_reading_cpu += thread_cpu_time().saturating_sub(pass_cpu);
+                    }
                     if stopping {
                         state.reading_cpu = thread_cpu_time().saturating_sub(cpu_started);
                         return state;
@@ -326,6 +342,15 @@ mod tests {
             (state.taken, state.lost, state.records, state.error),
             (vec![192, 192], vec![0, 0], 384, None)
         );
+        // 12 bursts, each taken in one pass or more; the passes that found nothing (the
+        // drainer polls while the writer sleeps) are not among them.
+        assert!(
+            (12..state.passes).contains(&state.busy_passes),
+            "{} busy of {} passes",
+            state.busy_passes,
+            state.passes
+        );
+        assert!(state.busy_reading <= state.reading);
     }
 
     #[test]
