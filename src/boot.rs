@@ -16,6 +16,7 @@ use exotap_vmm::qemu::{
 use crate::attach;
 use crate::backend::BackendChoice;
 use crate::kernel_image::KernelImage;
+use exotap_probes::lang::check::Program;
 use exotap_probes::lang::driver::{compile_with, stop_on_ctrl_c, ScriptSource};
 use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::output::Format;
@@ -261,24 +262,7 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<GuestScript>> {
         },
         (None, None) => return Ok(None),
     };
-    let limits = Limits::default();
-    let color = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let invocation = Invocation {
-        guru: args.guru,
-        ..Invocation::default()
-    };
-    let prog = match compile_with(&source, &limits, &invocation) {
-        Ok(prog) => prog,
-        Err(diags) => {
-            for d in &diags {
-                eprint!("{}", d.render(&source.name, &source.text, color));
-            }
-            bail!("the script has errors");
-        }
-    };
-    for d in &prog.warnings {
-        eprint!("{}", d.render(&source.name, &source.text, color));
-    }
+    let (prog, limits) = compile_checked(&source, args.guru)?;
     let out: Box<dyn Write + Send> = match &args.script_output {
         Some(path) => Box::new(
             File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
@@ -302,6 +286,33 @@ fn guest_script(args: &BootArgs) -> anyhow::Result<Option<GuestScript>> {
         stop,
         compare_kprobes: args.compare_kprobes,
     }))
+}
+
+/// Compiles and checks a script to run in a guest: its errors are printed (rendered against
+/// the source) and refuse it, its warnings are printed.
+pub(crate) fn compile_checked(
+    source: &ScriptSource,
+    guru: bool,
+) -> anyhow::Result<(Program, Limits)> {
+    let limits = Limits::default();
+    let color = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let invocation = Invocation {
+        guru,
+        ..Invocation::default()
+    };
+    let prog = match compile_with(source, &limits, &invocation) {
+        Ok(prog) => prog,
+        Err(diags) => {
+            for d in &diags {
+                eprint!("{}", d.render(&source.name, &source.text, color));
+            }
+            bail!("the script has errors");
+        }
+    };
+    for d in &prog.warnings {
+        eprint!("{}", d.render(&source.name, &source.text, color));
+    }
+    Ok((prog, limits))
 }
 
 /// A script to run on exotap's own VMM: compiled, its plan made before booting.

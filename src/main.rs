@@ -22,6 +22,7 @@ mod image;
 mod kernel_image;
 mod kvm_splice;
 mod perfetto;
+mod phase_script;
 mod profile;
 mod recover;
 #[cfg(feature = "unicorn")]

@@ -29,6 +29,7 @@ use exotap_vmm::qemu::{self, Accel, PatchHeapRange, PhaseHook, QemuConfig, QemuE
 
 use crate::backend::BackendChoice;
 use crate::kernel_image::{ImageArgs, KernelImage};
+use crate::phase_script::PhaseScript;
 
 /// How to reach the guest: a running one (`--target`) or one booted for the run.
 #[derive(Debug, Args, Clone)]
@@ -128,6 +129,12 @@ pub struct CountArgs {
     /// tracefile (needs the cached -dbg vmlinux: `exotap image fetch --debuginfo`).
     #[arg(long, value_name = "FILE", requires = "blocks")]
     pub lcov: Option<PathBuf>,
+    /// Booting, with --blocks: a probe script run with host-evaluated trap probes (one stop
+    /// of the guest per hit) from the job's `exotap_wait script-in` to its `exotap_wait
+    /// script-out`, outside the splices; e.g. a trap probe at every block leader, the JIT's
+    /// trap-per-block peer in one guest run. Its output goes to stdout
+    #[arg(long, value_name = "FILE", requires = "blocks")]
+    pub trap_script: Option<PathBuf>,
     #[command(flatten)]
     pub live: LiveArgs,
 }
@@ -646,10 +653,15 @@ impl VerbRun {
                     d.records,
                     d.reading,
                     format!(
-                        " by the drainer thread in {} passes, {:.1} ms of its CPU time ({:.0} records/s)",
+                        " by the drainer thread in {} passes, {:.1} ms of its CPU time ({:.0} records/s); in the {} passes that took records, {:.1} ms ({:.0} records/s), {:.1} ms of CPU time ({:.0} records/s)",
                         d.passes,
                         d.reading_cpu.as_secs_f64() * 1e3,
-                        d.records as f64 / d.reading_cpu.as_secs_f64().max(1e-9)
+                        d.records as f64 / d.reading_cpu.as_secs_f64().max(1e-9),
+                        d.busy_passes,
+                        d.busy_reading.as_secs_f64() * 1e3,
+                        d.records as f64 / d.busy_reading.as_secs_f64().max(1e-9),
+                        d.busy_reading_cpu.as_secs_f64() * 1e3,
+                        d.records as f64 / d.busy_reading_cpu.as_secs_f64().max(1e-9)
                     ),
                 ),
                 None => (live.drained.0, live.drained.1, String::new()),
@@ -1368,6 +1380,9 @@ pub fn histogram_lines(buckets: &[u64], tsc_khz: u32) -> Vec<String> {
 struct SpliceHook {
     verb: VerbRun,
     target: Target,
+    heap: (u64, u64),
+    /// `count --trap-script`.
+    phase: Option<PhaseScript>,
 }
 
 impl PhaseHook for SpliceHook {
@@ -1384,6 +1399,10 @@ impl PhaseHook for SpliceHook {
             "kprobes-in" => self.verb.read_kprobe_sites(&self.target, true),
             "kprobes-out" => self.verb.read_kprobe_sites(&self.target, false),
             "jit-mark" => self.verb.mark_jit(),
+            crate::phase_script::START | crate::phase_script::END => match &mut self.phase {
+                Some(p) => p.at_wait(phase, &self.target, &self.verb.image, self.heap),
+                None => Ok(()),
+            },
             _ => Ok(()),
         };
         result.map_err(|e| QemuError::Hook {
@@ -1428,7 +1447,7 @@ pub(crate) fn guest_ram() -> Option<exotap_vmm::shared_ram::RamMemfd> {
 }
 
 fn run(op: Operation, live: &LiveArgs, perfetto: Option<PathBuf>) -> anyhow::Result<i32> {
-    run_with(op, live, perfetto, None)
+    run_with(op, live, perfetto, None, None)
 }
 
 fn run_with(
@@ -1436,6 +1455,7 @@ fn run_with(
     live: &LiveArgs,
     perfetto: Option<PathBuf>,
     blocks: Option<BlocksRun>,
+    phase: Option<PhaseScript>,
 ) -> anyhow::Result<i32> {
     // Before anything is loaded: a refused backend says why at once.
     // A running exotap VMM (--target vmm:PATH) is whatever backend it is; nothing to choose.
@@ -1446,13 +1466,20 @@ fn run_with(
     let backend = if vmm_target {
         Backend::Qemu
     } else {
-        crate::backend::resolve(
-            live.backend,
-            live.target
-                .as_ref()
-                .map(|_| "--target (attaching to a running guest's gdbstub)"),
-        )?
+        let needs_qemu = match (&live.target, &phase) {
+            (Some(_), _) => Some("--target (attaching to a running guest's gdbstub)"),
+            (None, Some(_)) => Some("--trap-script (host-evaluated trap probes)"),
+            (None, None) => None,
+        };
+        crate::backend::resolve(live.backend, needs_qemu)?
     };
+    if phase.is_some() && live.target.is_some() {
+        bail!(
+            "--trap-script runs in a guest exotap boots (from its job's `exotap_wait {}` to its `exotap_wait {}`): not with --target",
+            crate::phase_script::START,
+            crate::phase_script::END
+        );
+    }
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
@@ -1593,6 +1620,8 @@ fn run_with(
     let mut hook = SpliceHook {
         verb: make_run(image, heap),
         target,
+        heap,
+        phase,
     };
     let outcome = qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook);
     drop(sink);
@@ -1600,6 +1629,16 @@ fn run_with(
         tracing::warn!("the guest ended before its `exotap_wait unsplice`: splices not removed");
         // Its QEMU is gone: nothing to remove them from.
         live.session.abandon();
+    }
+    if let Some(phase) = &mut hook.phase {
+        if phase.never_started() {
+            tracing::warn!(
+                "the job never reached `exotap_wait {}`: the --trap-script did not run",
+                crate::phase_script::START
+            );
+        } else if let Err(e) = phase.stop() {
+            tracing::warn!("{e:#}");
+        }
     }
     finish(outcome?, hook.verb.refused_any)
 }
@@ -1636,11 +1675,17 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
             "--lcov needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo"
         );
     }
+    let phase = args
+        .trap_script
+        .as_deref()
+        .map(PhaseScript::load)
+        .transpose()?;
     run_with(
         Operation::Count(args.patterns.clone()),
         &args.live,
         None,
         blocks,
+        phase,
     )
 }
 
@@ -1677,7 +1722,13 @@ pub fn run_coverage(args: &CoverageArgs) -> anyhow::Result<i32> {
         kprobes_out: None,
         lcov: Some(args.output.clone()),
     };
-    run_with(Operation::Count(patterns), &args.live, None, Some(blocks))
+    run_with(
+        Operation::Count(patterns),
+        &args.live,
+        None,
+        Some(blocks),
+        None,
+    )
 }
 
 /// `exotap nullify`.

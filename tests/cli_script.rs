@@ -1,6 +1,7 @@
 //! The command line as stap users type it: `exotap FILE.stp ARGS...` without the `run`
 //! subcommand, stap's `-p N`, `-g`, `-D NAME=VALUE`, `-o FILE` and `-x PID`, and the script's
-//! arguments reaching `$1`, `@1`, `argc` and `argv`. Guest-free scripts only: no guest needed.
+//! arguments reaching `$1`, `@1`, `argc` and `argv`; the checks of `count --trap-script` made
+//! before a guest boots. Guest-free scripts only: no guest needed.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)] // test helpers outside #[test] fns
 
@@ -127,4 +128,51 @@ fn a_target_variable_write_is_checked_in_guru_mode_only() {
         "plain:\n{plain_err}\nguru:\n{guru_err}"
     );
     assert!(plain_err.contains("run with -g"), "{plain_err}");
+}
+
+/// `count --blocks --trap-script`: what is wrong with the script, or with where it would run,
+/// is said before any guest boots (and without a cached kernel).
+#[test]
+fn a_trap_script_is_checked_before_anything_boots() {
+    let count = |path: &std::path::Path, extra: &[&str]| {
+        run(exotap()
+            .args(["count", "--blocks", "vfs_read", "--trap-script"])
+            .arg(path)
+            .args(extra))
+    };
+    let (_dir, bad) = script("probe kernel.function(\"vfs_read\") { n++ \n");
+    let (code, out, err) = count(&bad, &[]);
+    assert_ne!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(err.contains("the script has errors"), "{err}");
+    assert!(!err.contains("booting"), "{err}");
+
+    let (_dir, no_kernel) = script("probe begin { println(1) }");
+    let (code, _, err) = count(&no_kernel, &[]);
+    assert_ne!(code, 0, "stderr:\n{err}");
+    assert!(err.contains("the script has no kernel probe"), "{err}");
+
+    let (_dir, good) = script("global n\nprobe kernel.function(\"vfs_read\") { n++ }\n");
+    let (code, _, err) = count(&good, &["--target", "tcp:127.0.0.1:9"]);
+    assert_ne!(code, 0, "stderr:\n{err}");
+    assert!(err.contains("not with --target"), "{err}");
+
+    // Refused on any host: for the trap script where KVM runs Linux, for the host elsewhere.
+    let (code, _, err) = count(&good, &["--backend", "kvm"]);
+    assert_ne!(code, 0, "stderr:\n{err}");
+    assert!(err.contains("--backend kvm refused"), "{err}");
+
+    let missing = std::path::Path::new("/nonexistent/t.stp");
+    let (code, _, err) = count(missing, &[]);
+    assert_ne!(code, 0, "stderr:\n{err}");
+    assert!(
+        err.contains("cannot read script /nonexistent/t.stp"),
+        "{err}"
+    );
+
+    // Without --blocks the option is refused by the argument parser.
+    let (code, _, err) = run(exotap()
+        .args(["count", "vfs_read", "--trap-script"])
+        .arg(&good));
+    assert_eq!(code, 2, "stderr:\n{err}");
+    assert!(err.contains("--blocks"), "{err}");
 }
