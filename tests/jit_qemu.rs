@@ -600,15 +600,15 @@ fn lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_stat
 }
 
 /// The bench of issue 18, in one guest run: the syscall workload's time per call (after a
-/// warm-up, see `WARM_UP`) uninstrumented; with an exotap trap probe at every block leader of the functions (a
-/// host-evaluated probe: one stop of the guest per block, `count --trap-script`; fewer calls,
-/// each costs milliseconds); with a guest kprobe at every leader (int3 traps handled in the
+/// warm-up, see `WARM_UP`) uninstrumented; with an exotap trap probe at every block leader of
+/// the functions (a host-evaluated probe: one stop of the guest per block, `count
+/// --trap-script`; fewer calls, each costs milliseconds); with a guest kprobe at every leader (int3 traps handled in the
 /// guest, kprobe optimization off, so every block costs a trap); with the same functions
 /// counted through the JIT; and uninstrumented again after removal. Ratios are printed, not
 /// asserted (timings under TCG on a shared machine). Run it with `cargo test --release --test
 /// jit_qemu -- --ignored --nocapture bench`.
 #[test]
-#[ignore = "a benchmark (one boot, about a minute): run it with --ignored"]
+#[ignore = "a benchmark (one boot, about three minutes): run it with --ignored"]
 fn bench_jit_vs_a_trap_per_block_vs_uninstrumented() {
     /// Calls of each kind timed in a phase. Each phase but the trap probes' first runs
     /// `WARM_UP` calls untimed: TCG translates the code a phase runs first (the JIT's cache,
