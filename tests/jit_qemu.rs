@@ -28,10 +28,10 @@ use exotap_probes::live::splicer::KernelFacts;
 use exotap_probes::live::KernelImage;
 
 /// Translated functions (syscall entries and what they call); their blocks are compared
-/// with kprobes. Functions on the paths of the guest's own wait (`dd` sleeping in
-/// `vfs_read`) and of the scheduler are left out: a task asleep inside a function when the
-/// JIT goes in finishes that call in the original code, uncounted, while the kprobes count
-/// it.
+/// with kprobes. Functions on the paths of the guest's own wait (the job's shell asleep in
+/// `poll` of its go channel) and of the scheduler are left out: a task asleep inside a
+/// function when the JIT goes in finishes that call in the original code, uncounted, while
+/// the kprobes count it.
 ///
 /// Functions whose calls leave the cache part-way are translated (as callees) but not
 /// compared: `path_openat` (after `link_path_walk`), `do_dentry_open` (after the file's
@@ -255,6 +255,16 @@ fn job(leaders: &[(String, u64)], own: &(String, u64)) -> String {
     s
 }
 
+/// Every wait settled on the guest's waiting reader: a wait that did not was read at its
+/// time limit, with a warning, and its counts may hold the start of the wait (the settle
+/// once looked for a reader the guest no longer ran, and every wait sat out its minute).
+fn assert_settled(err: &str) {
+    assert!(
+        !err.contains("wait reader"),
+        "a wait did not settle on the guest's reader:\n{err}"
+    );
+}
+
 #[test]
 fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves() {
     let test = "block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves";
@@ -308,6 +318,7 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
 
     assert_eq!(code, 0, "{ctx}\nconsole:\n{log}");
     assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+    assert_settled(&err);
     let json_end = out.find("\nEXOTAP-").unwrap_or(out.len());
     let doc: serde_json::Value = serde_json::from_str(&out[..json_end]).expect("JSON");
     let mut compared = 0;
@@ -545,6 +556,7 @@ fn lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_stat
 
     assert_eq!(code, 0, "{ctx}\nconsole:\n{log}");
     assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
+    assert_settled(&err);
     let json_end = out.find("\nEXOTAP-").unwrap_or(out.len());
     let doc: serde_json::Value = serde_json::from_str(&out[..json_end]).expect("JSON");
     let lazy = &doc["lazy"];

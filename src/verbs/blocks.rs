@@ -2,13 +2,21 @@
 //! the leaders, line coverage, and the counts, cache and removal checks printed at removal.
 
 use super::*;
+use exotap_probes::live::session::Waiter;
+use exotap_probes::live::stacks::KernelStacks;
 
-/// `count --blocks` stops the guest at each wait only once the `dd` its `exotap_wait` starts
-/// sleeps in its read of the host's go byte ([`GuestSession::settle_at_wait`]): every
+/// `count --blocks` stops the guest at each wait only once the shell running its
+/// `exotap_wait` sleeps in its read of the host's go byte ([`GuestSession::settle_at_wait`]:
+/// busybox's `read -n 1 -u 9` polls the tty first, so the job's subshell, a fork of the
+/// `/init` script and named after it, sleeps in `do_sys_poll`; the init shell itself sleeps
+/// in `wait4` meanwhile, and a command the job runs has its own name): every
 /// wait's window then starts and ends at the same point of the guest's work, and the
 /// oracle's windows and the JIT's hold the same work. (A fixed pause of 2 s before the stop
 /// alone was not enough on a loaded CI machine; it stays as a floor, [`SETTLE_FLOOR`].)
-const WAITER: &str = "dd";
+const WAITER: Waiter<'static> = Waiter {
+    comm: "init",
+    function: "do_sys_poll",
+};
 /// How long the guest runs on after announcing a wait before the reader check: a removed
 /// kprobe's text is put back by the kernel's delayed optimizer worker (the block test arms
 /// and removes the guest's own kprobe just before `unsplice`); without this floor a CI run
@@ -68,15 +76,18 @@ impl VerbRun {
         }
         let btf = self.btf.as_ref().context("the image has no BTF")?;
         let layout = TaskLayout::from_btf(btf)?;
+        let stacks = KernelStacks::load_with(&self.image, session.survey.kaslr.slide, Some(btf))?;
         // The kernel's own deferred text work (a removed kprobe's unoptimization runs from
         // a delayed worker) gets its time first, as it had before the reader check.
         if session.machine.is_paused() {
             session.resume()?;
         }
         std::thread::sleep(SETTLE_FLOOR);
-        if !session.settle_at_wait(&layout, WAITER, SETTLE_LIMIT)? {
+        if !session.settle_at_wait(&layout, &stacks, &WAITER, SETTLE_LIMIT)? {
             eprintln!(
-                "exotap: warning: the guest's wait reader ({WAITER}) was not asleep after {} s: counts read now may hold part of its start",
+                "exotap: warning: the guest's wait reader (`{}` asleep in {}) was not seen after {} s: counts read now may hold part of its start",
+                WAITER.comm,
+                WAITER.function,
                 SETTLE_LIMIT.as_secs()
             );
         }

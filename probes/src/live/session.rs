@@ -418,20 +418,24 @@ impl GuestSession {
         Ok(u32::from_le_bytes(b).max(1))
     }
 
-    /// Waits until a task named `comm` sleeps interruptibly off its CPU, and leaves the
-    /// guest paused there; gives up after `limit` (returns `false`, the guest paused). The
-    /// guest's `exotap_wait` prints its wait line, then starts a `dd` that sleeps in its
-    /// read of the host's go byte: pausing once that `dd` sleeps stops every wait at the same
-    /// point of the guest's work, whatever the host's load (the fork, exec and opens before
-    /// the read are then behind it). A count read there, and one read at a later wait,
-    /// bound the same work as the guest's own counters read at two such waits.
+    /// Waits until `waiter` sleeps: a task named `waiter.comm`, asleep interruptibly off
+    /// its CPU, whose saved kernel stack passes through `waiter.function`; leaves the guest
+    /// paused there. Gives up after `limit` (returns `false`, the guest paused). The guest's
+    /// `exotap_wait` prints its wait line, then blocks in its shell's own read of the host's
+    /// go byte: pausing once that read sleeps stops every wait at the same point of the
+    /// guest's work, whatever the host's load (what the shell does between the line and the
+    /// read is then behind it). A count read there, and one read at a later wait, bound the
+    /// same work as the guest's own counters read at two such waits. The comm alone does not
+    /// tell the waiting shell from the others (the init shell waits for the job's subshell
+    /// under the same name), hence the stack.
     ///
     /// # Errors
     /// When the guest cannot be paused or resumed, or its task list cannot be read.
     pub fn settle_at_wait(
         &mut self,
         layout: &super::stacks::TaskLayout,
-        comm: &str,
+        stacks: &super::stacks::KernelStacks,
+        waiter: &Waiter<'_>,
         limit: Duration,
     ) -> anyhow::Result<bool> {
         let started = std::time::Instant::now();
@@ -441,10 +445,20 @@ impl GuestSession {
             let mut space = self.survey.space(&mut mem);
             let tasks =
                 super::stacks::list_tasks(&mut space, self.survey.layout.init_task, layout)?;
-            if tasks
+            let mut cache = super::stacks::PageCache::new(&mut space);
+            let asleep = tasks
                 .iter()
-                .any(|t| t.comm == comm && t.state_letter() == 'S' && !t.on_cpu)
-            {
+                .filter(|t| t.comm == waiter.comm && t.state_letter() == 'S' && !t.on_cpu)
+                .any(|t| {
+                    stacks
+                        .unwind_task(t.thread_sp, &mut cache)
+                        .frames
+                        .iter()
+                        .any(|frame| {
+                            stacks.function_name(frame).as_deref() == Some(waiter.function)
+                        })
+                });
+            if asleep {
                 return Ok(true);
             }
             if started.elapsed() >= limit {
@@ -461,6 +475,16 @@ impl GuestSession {
             .as_ref()
             .is_some_and(|s| !s.installed.is_empty())
     }
+}
+
+/// A guest task [`GuestSession::settle_at_wait`] waits for: its command name, and a function
+/// its saved kernel stack passes through while it sleeps.
+#[derive(Debug, Clone, Copy)]
+pub struct Waiter<'a> {
+    /// `task->comm`.
+    pub comm: &'a str,
+    /// A kernel function's name, as the symbol table has it.
+    pub function: &'a str,
 }
 
 impl Drop for GuestSession {
