@@ -245,6 +245,29 @@ pub trait RingMemory {
     /// When the range is outside the memory.
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), Self::Error>;
 
+    /// Loads `count` 8-aligned `u64`s with `Acquire` ordering, at `addr`, `addr + stride`,
+    /// ..., in that order, handing each to `f` until it returns `false` (the reader's R2,
+    /// one mark per record). The default loads each with [`RingMemory::load_acquire`]; a
+    /// memory that can bounds-check the whole range once overrides it.
+    ///
+    /// # Errors
+    /// When an address is outside the memory or unaligned (nothing is loaded from a range
+    /// that an override finds outside).
+    fn load_each<F: FnMut(u64) -> bool>(
+        &self,
+        addr: u64,
+        stride: u64,
+        count: u64,
+        mut f: F,
+    ) -> Result<(), Self::Error> {
+        for k in 0..count {
+            if !f(self.load_acquire(addr.wrapping_add(k.wrapping_mul(stride)))?) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// Appends `len` bytes at `addr` to `out`, as [`RingMemory::read`] reads them (a memory
     /// that can copy into `out`'s spare capacity overrides this zero-fill and copy).
     ///
@@ -339,17 +362,24 @@ fn take_batch<M: RingMemory>(
     let end = head.min(from.saturating_add(max.min(to_wrap)));
     let tag = lap_tag(from, set.slots);
     // R2 for each record, into the TSCs of the batch (0: unfinished, skipped with `last`).
+    // The batch's slots are contiguous: one address computation (and, in shared RAM, one
+    // bounds check) for all its marks, not a division and a check per record.
     let mut tscs: Vec<u64> = Vec::with_capacity(usize::try_from(end - from).unwrap_or(0));
     let mut unfinished = false;
-    for index in from..end {
-        let mark = mem.load_acquire(set.slot(cpu, index % slots))?;
-        let done = is_finished(mark) && mark & 1 == tag;
-        if !done && !last {
-            unfinished = true;
-            break;
-        }
-        tscs.push(if done { mark & !1 } else { 0 });
-    }
+    mem.load_each(
+        set.slot(cpu, from % slots),
+        set.record,
+        end.saturating_sub(from),
+        |mark| {
+            let done = is_finished(mark) && mark & 1 == tag;
+            if !done && !last {
+                unfinished = true;
+                return false;
+            }
+            tscs.push(if done { mark & !1 } else { 0 });
+            true
+        },
+    )?;
     let next = from + tscs.len() as u64;
     // R3: the records [from, next) in one copy, after every mark load above.
     let start = out.records.len();

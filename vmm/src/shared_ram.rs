@@ -277,6 +277,54 @@ impl SharedRam {
         Ok(unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(offset).cast::<u64>()) })
     }
 
+    /// Loads `count` `u64`s at `addr`, `addr + stride`, ... with `Acquire` ordering, in that
+    /// order, handing each to `f` until it returns `false`: [`SharedRam::load_acquire`] with
+    /// one bounds check for the whole range (the ring reader loads a mark per record).
+    ///
+    /// # Errors
+    /// [`SharedRamError::OutOfRange`] for a range past the RAM (nothing is loaded),
+    /// [`SharedRamError::Unaligned`] for an `addr` or `stride` not a multiple of 8.
+    #[inline]
+    pub fn load_each<F: FnMut(u64) -> bool>(
+        &self,
+        addr: u64,
+        stride: u64,
+        count: u64,
+        mut f: F,
+    ) -> Result<(), SharedRamError> {
+        let Some(last) = count.checked_sub(1) else {
+            return Ok(());
+        };
+        if !addr.is_multiple_of(8) || !stride.is_multiple_of(8) {
+            return Err(SharedRamError::Unaligned(addr));
+        }
+        let out = SharedRamError::OutOfRange {
+            addr,
+            len: u64::MAX,
+            limit: self.reachable,
+        };
+        let span = last
+            .checked_mul(stride)
+            .and_then(|s| s.checked_add(8))
+            .and_then(|s| usize::try_from(s).ok())
+            .ok_or(out)?;
+        let offset = self.offset(addr, span)?;
+        let stride = usize::try_from(stride).map_err(|_| SharedRamError::Unaligned(addr))?;
+        for k in 0..=usize::try_from(last).unwrap_or(0) {
+            // SAFETY: `offset + k * stride + 8 <= offset + span`, inside the range `offset`
+            // checked; 8-aligned (`offset` and `stride` are, and the mapping is
+            // page-aligned); valid while `&self` lives; other writers are hardware atomic
+            // accesses of the same size (as in `atomic`).
+            let word = unsafe {
+                AtomicU64::from_ptr(self.base.as_ptr().add(offset + k * stride).cast::<u64>())
+            };
+            if !f(u64::from_le(word.load(Ordering::Acquire))) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// Loads the `u64` at `addr` with `Acquire` ordering: the reads after it see at least
     /// what the guest wrote before the value it returns (x86 stores are ordered).
     ///
@@ -403,6 +451,45 @@ mod tests {
             ram.load_acquire(12),
             Err(SharedRamError::Unaligned(12))
         ));
+    }
+
+    #[test]
+    fn load_each_loads_every_strided_word_until_told_to_stop_and_checks_the_whole_range() {
+        let bytes: Vec<u8> = (0..512u64).flat_map(|w| (w * 3).to_le_bytes()).collect();
+        let file = ram_file(&bytes);
+        let ram = SharedRam::open(file.path()).unwrap();
+        let mut seen = Vec::new();
+
+        ram.load_each(64, 24, 5, |w| {
+            seen.push(w);
+            true
+        })
+        .unwrap();
+        let mut until = Vec::new();
+        ram.load_each(0, 8, 100, |w| {
+            until.push(w);
+            w < 6
+        })
+        .unwrap();
+        let mut past = 0;
+        let past_the_end = ram.load_each(4096 - 64, 64, 2, |_| {
+            past += 1;
+            true
+        });
+
+        // Words 8, 11, 14, 17, 20 (bytes 64, 88, ...), each word w holding 3w.
+        assert_eq!(seen, [24, 33, 42, 51, 60]);
+        assert_eq!(until, [0, 3, 6], "stops after the word it refused");
+        assert!(matches!(
+            past_the_end,
+            Err(SharedRamError::OutOfRange { .. })
+        ));
+        assert_eq!(past, 0, "nothing is loaded from a range past the end");
+        assert!(matches!(
+            ram.load_each(8, 12, 2, |_| true),
+            Err(SharedRamError::Unaligned(8))
+        ));
+        assert!(ram.load_each(u64::MAX - 7, 8, 0, |_| true).is_ok(), "nothing to load");
     }
 
     #[test]

@@ -281,6 +281,26 @@ impl RingMemory for SharedHeap {
     }
 
     #[inline]
+    fn load_each<F: FnMut(u64) -> bool>(
+        &self,
+        addr: u64,
+        stride: u64,
+        count: u64,
+        f: F,
+    ) -> Result<(), SharedHeapError> {
+        let Some(last) = count.checked_sub(1) else {
+            return Ok(());
+        };
+        // The range from the first word to the end of the last, in the heap as a whole.
+        let span = last
+            .checked_mul(stride)
+            .and_then(|s| s.checked_add(8))
+            .and_then(|s| usize::try_from(s).ok())
+            .ok_or(SharedHeapError::OutsideHeap { addr, len: u64::MAX })?;
+        Ok(self.ram.load_each(self.phys(addr, span)?, stride, count, f)?)
+    }
+
+    #[inline]
     fn append(&self, addr: u64, len: usize, out: &mut Vec<u8>) -> Result<(), SharedHeapError> {
         Ok(self.ram.append(self.phys(addr, len)?, len, out)?)
     }
@@ -314,6 +334,30 @@ mod tests {
         );
         assert!(heap.read_heap(HEAP_VA - 8, 8).is_err(), "below the heap");
         assert!(heap.read_heap(u64::MAX, 2).is_err(), "wraps");
+    }
+
+    #[test]
+    fn strided_loads_equal_one_load_each_and_stay_inside_the_heap() {
+        let ram: Vec<u8> = (0..0x5000u64 / 8).flat_map(|w| w.to_le_bytes()).collect();
+        let (_file, heap) = heap_over(&ram);
+        let mut seen = Vec::new();
+
+        heap.load_each(HEAP_VA + 0x40, 0x40, 4, |w| {
+            seen.push(w);
+            true
+        })
+        .unwrap();
+        let one_each: Vec<u64> = (0..4)
+            .map(|k| heap.load_acquire(HEAP_VA + 0x40 + 0x40 * k).unwrap())
+            .collect();
+
+        assert_eq!(seen, one_each);
+        assert_eq!(seen[0], 0x2040 / 8, "the heap's physical offset");
+        // The last word would be at 0x2000 into the heap: past its end, though the RAM
+        // goes on.
+        assert!(heap.load_each(HEAP_VA + 0x1000, 0x400, 5, |_| true).is_err());
+        assert!(heap.load_each(HEAP_VA + 0x1000, 0x400, 4, |_| true).is_ok());
+        assert!(heap.load_each(HEAP_VA, u64::MAX, 3, |_| true).is_err(), "wraps");
     }
 
     #[test]
