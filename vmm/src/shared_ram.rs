@@ -489,7 +489,10 @@ mod tests {
             ram.load_each(8, 12, 2, |_| true),
             Err(SharedRamError::Unaligned(8))
         ));
-        assert!(ram.load_each(u64::MAX - 7, 8, 0, |_| true).is_ok(), "nothing to load");
+        assert!(
+            ram.load_each(u64::MAX - 7, 8, 0, |_| true).is_ok(),
+            "nothing to load"
+        );
     }
 
     #[test]

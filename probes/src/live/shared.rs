@@ -296,8 +296,13 @@ impl RingMemory for SharedHeap {
             .checked_mul(stride)
             .and_then(|s| s.checked_add(8))
             .and_then(|s| usize::try_from(s).ok())
-            .ok_or(SharedHeapError::OutsideHeap { addr, len: u64::MAX })?;
-        Ok(self.ram.load_each(self.phys(addr, span)?, stride, count, f)?)
+            .ok_or(SharedHeapError::OutsideHeap {
+                addr,
+                len: u64::MAX,
+            })?;
+        Ok(self
+            .ram
+            .load_each(self.phys(addr, span)?, stride, count, f)?)
     }
 
     #[inline]
@@ -355,9 +360,14 @@ mod tests {
         assert_eq!(seen[0], 0x2040 / 8, "the heap's physical offset");
         // The last word would be at 0x2000 into the heap: past its end, though the RAM
         // goes on.
-        assert!(heap.load_each(HEAP_VA + 0x1000, 0x400, 5, |_| true).is_err());
+        assert!(heap
+            .load_each(HEAP_VA + 0x1000, 0x400, 5, |_| true)
+            .is_err());
         assert!(heap.load_each(HEAP_VA + 0x1000, 0x400, 4, |_| true).is_ok());
-        assert!(heap.load_each(HEAP_VA, u64::MAX, 3, |_| true).is_err(), "wraps");
+        assert!(
+            heap.load_each(HEAP_VA, u64::MAX, 3, |_| true).is_err(),
+            "wraps"
+        );
     }
 
     #[test]
