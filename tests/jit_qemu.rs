@@ -620,7 +620,7 @@ fn lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_stat
 /// asserted (timings under TCG on a shared machine). Run it with `cargo test --release --test
 /// jit_qemu -- --ignored --nocapture bench`.
 #[test]
-#[ignore = "a benchmark (one boot, about three minutes): run it with --ignored"]
+#[ignore = "a benchmark (one boot, about a minute): run it with --ignored"]
 fn bench_jit_vs_a_trap_per_block_vs_uninstrumented() {
     /// Calls of each kind timed in a phase. Each phase but the trap probes' first runs
     /// `WARM_UP` calls untimed: TCG translates the code a phase runs first (the JIT's cache,
