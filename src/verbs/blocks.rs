@@ -204,6 +204,13 @@ impl VerbRun {
             .filter(|(s, _)| jit.requested.contains(s))
             .collect();
         let removal = jit.remove(&mut live.session, &self.image)?;
+        // What still points into the cache (nothing, when the removal went right).
+        let found: Vec<String> = removal
+            .reach
+            .found
+            .iter()
+            .map(|(w, v)| format!("{w}: {v:#x}"))
+            .collect();
         if let Some(path) = self.blocks.as_ref().and_then(|b| b.lcov.clone()) {
             self.write_lcov(&path, slide, &ranges, &removal.counts)?;
         }
@@ -304,7 +311,7 @@ impl VerbRun {
                         "checks": removal.reach.checks,
                         "tasks": removal.reach.tasks,
                         "frames_unwound": removal.reach.frames,
-                        "found": removal.reach.found.iter().map(|(w, v)| format!("{w}: {v:#x}")).collect::<Vec<_>>(),
+                        "found": found,
                     },
                 });
                 self.say(&serde_json::to_string_pretty(&doc)?);
@@ -407,13 +414,7 @@ impl VerbRun {
                     self.say(&format!(
                         "code cache STILL REACHABLE after {} checks: {}",
                         removal.reach.checks,
-                        removal
-                            .reach
-                            .found
-                            .iter()
-                            .map(|(w, v)| format!("{w}: {v:#x}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
+                        found.join(", ")
                     ));
                 }
             }
@@ -427,13 +428,7 @@ impl VerbRun {
         if !removal.reach.unreachable() {
             bail!(
                 "the code cache is still reachable ({}); the patch heap must not be reused",
-                removal
-                    .reach
-                    .found
-                    .iter()
-                    .map(|(w, v)| format!("{w}: {v:#x}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                found.join(", ")
             );
         }
         Ok(())
