@@ -17,7 +17,7 @@
 use crate::memory::PhysicalMemory;
 use crate::paging::{
     AddressSpace, PagingError, TableLevel, PTE_ACCESSED, PTE_ADDR_MASK, PTE_DIRTY, PTE_GLOBAL,
-    PTE_PAGE_SIZE, PTE_PRESENT, PTE_WRITABLE, SIZE_2M,
+    PTE_NO_EXECUTE, PTE_PAGE_SIZE, PTE_PRESENT, PTE_WRITABLE, SIZE_2M,
 };
 
 /// First address of the kernel-image mapping (`__START_KERNEL_map`).
@@ -182,6 +182,58 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
         return Err(HeapError::PhysicalTooHigh { phys, size });
     }
     let (va, side) = place(image, placement, size)?;
+    let (pmd_pages, writes) = pmd_writes(space, va, phys, size, HEAP_PMD_FLAGS)?;
+    Ok(HeapPlan {
+        va,
+        side,
+        phys,
+        size,
+        pmd_pages,
+        writes,
+    })
+}
+
+/// Flags of a data alias's PMD entry: as [`HEAP_PMD_FLAGS`], not executable.
+pub const DATA_ALIAS_PMD_FLAGS: u64 = HEAP_PMD_FLAGS | PTE_NO_EXECUTE;
+
+/// Plans a second, data-only (NX) mapping of `size` bytes of the heap's physical memory at
+/// `phys` at the virtual address `va`, by 2 MiB entries in the PMD page the kernel already
+/// has there. The JIT maps part of the heap where the kernel's direct map would have it
+/// (`page_offset_base + phys`), within a 32-bit displacement of every CPU's per-CPU base,
+/// so translated code reaches per-CPU counters as `gs:[disp32]`. Entries that already map
+/// this very range (an earlier session's) are accepted; anything else there is refused.
+///
+/// # Errors
+/// [`HeapError::Misaligned`] (`va`, `phys` or `size` not whole 2 MiB pages),
+/// [`HeapError::PhysicalTooHigh`], [`HeapError::NoPmdPage`] (no PMD page to extend: the
+/// caller goes without the alias), [`HeapError::Occupied`], [`HeapError::Walk`].
+pub fn plan_data_alias<M: PhysicalMemory + ?Sized>(
+    space: &mut AddressSpace<'_, M>,
+    va: u64,
+    phys: u64,
+    size: u64,
+) -> Result<Vec<PmdWrite>, HeapError> {
+    if size == 0 || !(phys | size | va).is_multiple_of(SIZE_2M) {
+        return Err(HeapError::Misaligned { phys, size });
+    }
+    let phys_last = phys
+        .checked_add(size - 1)
+        .ok_or(HeapError::PhysicalTooHigh { phys, size })?;
+    if phys_last & !PTE_ADDR_MASK & !(SIZE_2M - 1) != 0 {
+        return Err(HeapError::PhysicalTooHigh { phys, size });
+    }
+    Ok(pmd_writes(space, va, phys, size, DATA_ALIAS_PMD_FLAGS)?.1)
+}
+
+/// The PMD entries that map `[phys, phys + size)` at `va` with `flags`: the PMD pages
+/// written into, in order of first use, and one write per 2 MiB page.
+fn pmd_writes<M: PhysicalMemory + ?Sized>(
+    space: &mut AddressSpace<'_, M>,
+    va: u64,
+    phys: u64,
+    size: u64,
+    flags: u64,
+) -> Result<(Vec<u64>, Vec<PmdWrite>), HeapError> {
     let mut pmd_pages = Vec::new();
     let mut writes = Vec::new();
     for page in 0..size / SIZE_2M {
@@ -199,7 +251,7 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
                 }
             }
         })?;
-        let new = (phys + page * SIZE_2M) | HEAP_PMD_FLAGS;
+        let new = (phys + page * SIZE_2M) | flags;
         // An entry that maps this very heap page already is an earlier exotap's mapping (the
         // heap stays mapped after a session: trampolines in it may still be returned to).
         if slot.entry & PTE_PRESENT != 0 && slot.entry != new {
@@ -218,14 +270,7 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
             new,
         });
     }
-    Ok(HeapPlan {
-        va,
-        side,
-        phys,
-        size,
-        pmd_pages,
-        writes,
-    })
+    Ok((pmd_pages, writes))
 }
 
 /// The heap's virtual start for an image `[text, end)`: after it if it fits and `placement`
@@ -294,7 +339,7 @@ fn is_missing_pmd_page(err: &PagingError) -> bool {
 mod tests {
     use super::*;
     use crate::paging::tests::TableBuilder;
-    use crate::paging::{translate, PageSize, PTE_NO_EXECUTE};
+    use crate::paging::{translate, PageSize};
 
     /// Slid `_text` and `_end` of the Debian 6.1 kernel at slide 0x2a000000.
     const TEXT: u64 = 0xffff_ffff_ab00_0000;
@@ -393,6 +438,72 @@ mod tests {
         let err = plan(&mut tb.space(), IMAGE, HeapPlacement::Auto, HEAP_PHYS, SIZE).unwrap_err();
 
         assert!(matches!(err, HeapError::Occupied { va, .. } if va == HEAP_VA + 4 * SIZE_2M));
+    }
+
+    /// The direct map's start (`page_offset_base`) in a KASLR boot.
+    const DIRECT_MAP: u64 = 0xffff_9a80_0000_0000;
+
+    /// A direct map of RAM below the heap's physical range by 2 MiB pages: the PMD page
+    /// exists, the entries past the RAM are zero.
+    fn guest_with_direct_map(ram: u64) -> TableBuilder {
+        let mut tb = guest();
+        for pa in (0..ram).step_by(SIZE_2M as usize) {
+            let flags = PTE_PRESENT | PTE_WRITABLE | PTE_GLOBAL | PTE_NO_EXECUTE;
+            tb.map(DIRECT_MAP + pa, pa, TableLevel::Pmd, flags);
+        }
+        tb
+    }
+
+    #[test]
+    fn a_data_alias_maps_the_heap_pages_not_executable_in_the_direct_map() {
+        const PHYS: u64 = 0x3c00_0000;
+        let mut tb = guest_with_direct_map(PHYS);
+        let va = DIRECT_MAP + PHYS;
+
+        let writes = plan_data_alias(&mut tb.space(), va, PHYS, 4 * SIZE_2M).unwrap();
+        for w in &writes {
+            tb.mem.write_phys_u64(w.entry_addr, w.new).unwrap();
+        }
+        let last = translate(&mut tb.mem, tb.cr3, false, va + 4 * SIZE_2M - 1).unwrap();
+
+        assert_eq!(writes.len(), 4);
+        assert!(writes.iter().all(|w| w.old == 0));
+        assert_eq!(last.phys, PHYS + 4 * SIZE_2M - 1);
+        assert!(last.flags.no_execute && last.flags.writable && !last.flags.user);
+        // An earlier session's alias is accepted as it is; other physical memory is not.
+        let again = plan_data_alias(&mut tb.space(), va, PHYS, 4 * SIZE_2M).unwrap();
+        assert!(again.iter().all(|w| w.old == w.new));
+        let other = plan_data_alias(&mut tb.space(), va, PHYS + SIZE_2M, SIZE_2M);
+        assert!(
+            matches!(other, Err(HeapError::Occupied { .. })),
+            "{other:?}"
+        );
+    }
+
+    #[test]
+    fn a_data_alias_refuses_ram_the_kernel_maps_no_pmd_page_and_misalignment() {
+        let mut tb = guest_with_direct_map(0x3c00_0000);
+
+        let ram = plan_data_alias(&mut tb.space(), DIRECT_MAP, 0, SIZE_2M);
+        let nothing = plan_data_alias(
+            &mut tb.space(),
+            DIRECT_MAP + (1 << 40),
+            0x3c00_0000,
+            SIZE_2M,
+        );
+        let odd = plan_data_alias(
+            &mut tb.space(),
+            DIRECT_MAP + 0x3c00_1000,
+            0x3c00_0000,
+            SIZE_2M,
+        );
+
+        assert!(matches!(ram, Err(HeapError::Occupied { .. })), "{ram:?}");
+        assert!(
+            matches!(nothing, Err(HeapError::NoPmdPage { .. })),
+            "{nothing:?}"
+        );
+        assert!(matches!(odd, Err(HeapError::Misaligned { .. })), "{odd:?}");
     }
 
     /// KASLR slide 0x39000000, as in a CI boot where the heap did not fit after `_end`.

@@ -186,6 +186,7 @@ impl VerbRun {
             cache_bytes: jit.translation.code.len() as u64,
             blocks: jit.translation.blocks.len(),
             table_entries: jit.translation.table_entries,
+            counter_copies: jit.counter_copies.len(),
             translate_ms: jit.translate_time.as_secs_f64() * 1e3,
             entry_splices: jit.entries_installed,
             entries_refused: jit.entries_refused().len(),
@@ -273,6 +274,7 @@ impl VerbRun {
                         "cache_bytes": stats.cache_bytes,
                         "blocks": stats.blocks,
                         "table_entries": stats.table_entries,
+                        "counter_copies": stats.counter_copies,
                         "translate_ms": stats.translate_ms,
                         "entry_splices": stats.entry_splices,
                         "entries_refused": stats.entries_refused,
@@ -318,7 +320,7 @@ impl VerbRun {
             }
             BlockFormat::Text => {
                 self.say(&format!(
-                    "JIT: {} functions translated ({} asked for, callees to depth {}) in {:.1} ms: {} bytes of text, {} blocks, {} bytes of cache, {} lookup entries; {} entry splices ({} entries take none); cache exits {:?}",
+                    "JIT: {} functions translated ({} asked for, callees to depth {}) in {:.1} ms: {} bytes of text, {} blocks, {} bytes of cache, {} lookup entries, {}; {} entry splices ({} entries take none); cache exits {:?}",
                     stats.functions,
                     stats.requested,
                     blocks.depth,
@@ -327,6 +329,11 @@ impl VerbRun {
                     stats.blocks,
                     stats.cache_bytes,
                     stats.table_entries,
+                    if stats.counter_copies > 1 {
+                        format!("a copy of the counters per CPU ({})", stats.counter_copies)
+                    } else {
+                        "counters shared by the CPUs".to_owned()
+                    },
                     stats.entry_splices,
                     stats.entries_refused,
                     stats.exits
@@ -444,6 +451,8 @@ struct JitStats {
     cache_bytes: u64,
     blocks: usize,
     table_entries: usize,
+    /// Copies of the block counters: one per CPU, or 1 (shared, `lock inc`).
+    counter_copies: usize,
     translate_ms: f64,
     entry_splices: usize,
     entries_refused: usize,

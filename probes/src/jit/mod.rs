@@ -14,8 +14,8 @@ pub mod translate;
 pub use cache::{CacheError, CacheLayout};
 pub use lookup::{dispatch_routine, LookupError, LookupTable};
 pub use translate::{
-    entry_splice, stub_jump, CacheExit, CountedBlock, ExitReason, Link, TranslateError,
-    TranslatedFunction, Translation, Translator, STUB_BYTES,
+    entry_splice, stub_jump, CacheExit, CountedBlock, CounterMode, ExitReason, Link,
+    TranslateError, TranslatedFunction, Translation, Translator, STUB_BYTES,
 };
 
 // In a live guest (crate::live::jit): translated from the live text, entered through

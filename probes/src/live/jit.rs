@@ -67,7 +67,7 @@ use exotap_introspect::x86::{thunk_register, Flow};
 use exotap_vmm::control::{Machine, StopEvent, VcpuId};
 
 use super::attach;
-use super::guest_memory::BackendMemory;
+use super::guest_memory::{read_kernel, BackendMemory};
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::splicer::{Action, InstallReport, NotInstalled, RemoveReport, Request};
@@ -128,6 +128,9 @@ pub struct LiveJit {
     pub translation: Translation,
     /// The cache's parts in the patch heap.
     pub layout: CacheLayout,
+    /// Where each CPU's copy of the block counters is, in bytes past `layout.counters`
+    /// (one copy at 0: a counter shared by every CPU, incremented with `lock inc`).
+    pub counter_copies: Vec<u64>,
     /// Function entry → name, for every translated function.
     pub names: BTreeMap<u64, String>,
     /// The entries asked for.
@@ -320,18 +323,42 @@ impl LiveJit {
                  translated code uses to keep the flags: the JIT cannot run on it"
             );
         }
-        let (machine, splicer) = session.parts()?;
+        let per_cpu = per_cpu_copies(
+            &session.survey.layout.per_cpu_offsets,
+            options.counter_bytes,
+        );
+        // The counter area: one copy (shared), or a copy per CPU laid out as the CPUs'
+        // per-CPU bases are.
+        let counter_area = per_cpu
+            .as_ref()
+            .map_or(options.counter_bytes, |c| c.span.max(options.counter_bytes));
         let total = options
             .code_bytes
-            .checked_add(options.counter_bytes)
+            .checked_add(counter_area)
             .and_then(|t| t.checked_add(options.table_bytes))
             .context("the cache size overflows")?;
-        let base = splicer.alloc(total, 0x1000)?;
-        let layout = CacheLayout {
-            code: base..base + options.code_bytes,
-            counters: base + options.code_bytes..base + options.code_bytes + options.counter_bytes,
-            table: base + options.code_bytes + options.counter_bytes..base + total,
+        let base = session.alloc(total, 0x1000)?;
+        let counters_at = base + options.code_bytes;
+        let mut layout = CacheLayout {
+            code: base..counters_at,
+            counters: counters_at..counters_at + options.counter_bytes,
+            table: counters_at + counter_area..base + total,
         };
+        let mut counter_copies = vec![0];
+        let mut gs_delta = None;
+        if let Some(copies) = per_cpu {
+            match map_counter_alias(session, image, counters_at, copies.span) {
+                Ok(delta) => {
+                    layout.counters = counters_at..counters_at + copies.per_copy;
+                    gs_delta = Some(delta);
+                    counter_copies = copies.offsets;
+                }
+                Err(e) => tracing::info!(
+                    "one block counter shared by every CPU (`lock inc`), not one per CPU: {e:#}"
+                ),
+            }
+        }
+        let (machine, splicer) = session.parts()?;
         let thunks: HashMap<u64, iced_x86::Register> = image
             .symbols
             .iter()
@@ -403,6 +430,9 @@ impl LiveJit {
         }
         let mut translator = Translator::new_owned(layout.clone(), facts.address_keyed.clone())?
             .with_thunks(thunks.clone());
+        if let Some(delta) = gs_delta {
+            translator = translator.with_per_cpu_counters(delta)?;
+        }
         if options.lazy {
             // Every function start the same rules admit; the ranges once sorted and merged
             // (tens of thousands of starts against thousands of self-patched sites).
@@ -473,14 +503,14 @@ impl LiveJit {
         // Code over the backend's write path; data (zeroed counters, the table) through the
         // shared RAM when there is one.
         splicer.write_heap(machine, translation.code_at, &translation.code)?;
-        let zeros = vec![0u8; usize::try_from(layout.counters.end - layout.counters.start)?];
+        let zeros = vec![0u8; usize::try_from(counter_area)?];
         match &splicer.shared {
             Some(shared) => {
-                shared.write_heap(layout.counters.start, &zeros)?;
+                shared.write_heap(counters_at, &zeros)?;
                 shared.write_heap(translation.table_at, &translation.table)?;
             }
             None => {
-                splicer.write_heap(machine, layout.counters.start, &zeros)?;
+                splicer.write_heap(machine, counters_at, &zeros)?;
                 splicer.write_heap(machine, translation.table_at, &translation.table)?;
             }
         }
@@ -541,6 +571,7 @@ impl LiveJit {
         Ok(Self {
             translation,
             layout,
+            counter_copies,
             names,
             requested: functions.iter().map(|(_, a)| *a).collect(),
             refused,
@@ -1100,10 +1131,19 @@ impl LiveJit {
         let range = &self.translation.counters;
         let len = usize::try_from(range.end - range.start)?;
         let (machine, splicer) = session.parts()?;
-        let bytes = match &splicer.shared {
-            Some(shared) => shared.read_heap(range.start, len)?,
-            None => splicer.read_heap(machine, range.start, len)?,
-        };
+        // Each CPU's copy, summed.
+        let mut bytes = vec![0u8; len];
+        for &offset in &self.counter_copies {
+            let copy = match &splicer.shared {
+                Some(shared) => shared.read_heap(range.start + offset, len)?,
+                None => splicer.read_heap(machine, range.start + offset, len)?,
+            };
+            for (sum, part) in bytes.chunks_exact_mut(8).zip(copy.chunks_exact(8)) {
+                let total = u64::from_le_bytes(sum[..].try_into()?)
+                    .wrapping_add(u64::from_le_bytes(part.try_into()?));
+                sum.copy_from_slice(&total.to_le_bytes());
+            }
+        }
         // A function translated again after its text changed has two blocks per leader:
         // one count, their sum.
         let mut out: Vec<BlockCount> = Vec::new();
@@ -1191,6 +1231,120 @@ impl LiveJit {
             reach,
         })
     }
+}
+
+/// Per-CPU counter copies planned from the CPUs' per-CPU bases ([`per_cpu_copies`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CounterCopies {
+    /// Each CPU's copy, in bytes past the first (the lowest per-CPU base's), by CPU.
+    offsets: Vec<u64>,
+    /// Bytes of each copy.
+    per_copy: u64,
+    /// Bytes from the first copy's start to the last one's end.
+    span: u64,
+}
+
+/// The most room per-CPU copies may take in the patch heap.
+const MAX_COUNTER_SPAN: u64 = 16 << 20;
+
+/// Lays out one copy of `counter_bytes` of counters per CPU, each CPU's copy as far from
+/// the first as its per-CPU base is from the lowest (so one `gs` displacement reaches every
+/// CPU's own copy). A copy is cut to the smallest distance between two bases, and to a
+/// multiple of 4 KiB. `None` (one shared counter then) with one CPU, or when two CPUs
+/// share a base, copies would have under 4 KiB, or they would take more than
+/// [`MAX_COUNTER_SPAN`].
+fn per_cpu_copies(per_cpu_offsets: &[u64], counter_bytes: u64) -> Option<CounterCopies> {
+    let lowest = *per_cpu_offsets.iter().min()?;
+    let mut sorted = per_cpu_offsets.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if per_cpu_offsets.len() < 2 || sorted.len() != per_cpu_offsets.len() {
+        return None;
+    }
+    let gap = sorted.windows(2).map(|w| w[1] - w[0]).min()?;
+    let per_copy = counter_bytes.min(gap) & !0xfff;
+    let span = (sorted.last()? - lowest).checked_add(per_copy)?;
+    (per_copy > 0 && span <= MAX_COUNTER_SPAN).then(|| CounterCopies {
+        offsets: per_cpu_offsets.iter().map(|o| o - lowest).collect(),
+        per_copy,
+        span,
+    })
+}
+
+/// `page_offset_base` where the kernel has no such variable (no memory KASLR).
+const DEFAULT_PAGE_OFFSET: u64 = 0xffff_8880_0000_0000;
+
+/// Maps the heap's `len` bytes at `va` a second time, data only, where the kernel's direct
+/// map would have them (`page_offset_base` + physical address: the kernel maps no RAM
+/// there, the heap being hidden), which is within a 32-bit displacement of the per-CPU
+/// bases the kernel allocated in its direct map; checks the alias through the kernel's
+/// page tables and that the vCPUs' per-CPU bases are the kernel's `__per_cpu_offset`s.
+/// Returns the translator's `gs` delta ([`crate::jit::CounterMode::PerCpu`]) for copies
+/// laid out by [`per_cpu_copies`] from `va`. The alias's entries stay after the session,
+/// as the heap's mapping does (an NX mapping of memory only exotap uses).
+fn map_counter_alias(
+    session: &mut GuestSession,
+    image: &KernelImage,
+    va: u64,
+    len: u64,
+) -> anyhow::Result<u64> {
+    const SIZE_2M: u64 = 2 << 20;
+    let slide = session.survey.kaslr.slide;
+    let offsets = session.survey.layout.per_cpu_offsets.clone();
+    let lowest = *offsets.iter().min().context("no CPU")?;
+    let (heap_va, heap_phys, heap_size) = session
+        .splicer()
+        .context("the session is not planned")?
+        .heap_range();
+    anyhow::ensure!(
+        va >= heap_va && va + len <= heap_va + heap_size,
+        "the counters are not in the heap"
+    );
+    let machine: &mut dyn Machine = &mut *session.machine;
+    let mut bases = Vec::new();
+    for vcpu in machine.vcpus()? {
+        if let exotap_vmm::control::RegisterFile::X86_64(r) = machine.registers(vcpu)? {
+            bases.push(r.kernel_percpu_base());
+        }
+    }
+    anyhow::ensure!(
+        bases.iter().any(|b| offsets.contains(b)),
+        "no vCPU's GS base ({bases:#x?}) is one of the kernel's per-CPU offsets"
+    );
+    let page_offset = match image.symbols.get("page_offset_base") {
+        Some(sym) => session
+            .survey
+            .space(&mut BackendMemory(&mut *machine))
+            .read_u64(sym.addr.wrapping_add(slide))
+            .context("reading page_offset_base")?,
+        None => DEFAULT_PAGE_OFFSET,
+    };
+    let phys = heap_phys + (va - heap_va);
+    let first = phys & !(SIZE_2M - 1);
+    let end = (phys + len).next_multiple_of(SIZE_2M);
+    let alias = page_offset.wrapping_add(first);
+    let writes = exotap_introspect::heap::plan_data_alias(
+        &mut session.survey.space(&mut BackendMemory(&mut *machine)),
+        alias,
+        first,
+        end - first,
+    )
+    .with_context(|| format!("no data alias of the heap at {alias:#x}"))?;
+    for w in writes.iter().filter(|w| w.old != w.new) {
+        machine.write_phys(w.entry_addr, &w.new.to_le_bytes())?;
+    }
+    const MARK: &[u8; 8] = b"exotapgs";
+    machine.write_phys(phys, MARK)?;
+    let mut seen = [0u8; 8];
+    read_kernel(machine, page_offset.wrapping_add(phys), &mut seen)
+        .context("the counters' alias cannot be read")?;
+    machine.write_phys(phys, &[0; 8])?;
+    anyhow::ensure!(&seen == MARK, "the counters' alias shows {seen:02x?}");
+    // gs_base(n) + counter + delta = alias(counter) + (offsets[n] - lowest).
+    Ok(page_offset
+        .wrapping_add(heap_phys)
+        .wrapping_sub(heap_va)
+        .wrapping_sub(lowest))
 }
 
 /// Writes a link into the guest (stopped): the code over the backend's write path (QEMU
