@@ -4,16 +4,28 @@
 //! target on top of the stack and jump to the dispatch routine. It looks the target up
 //! in an open-addressing table of `(original address, cache address)` pairs in the patch
 //! heap and continues at the translation, or at the original address on a miss (the
-//! kernel then runs its own code, correct but uncounted). All registers and flags are
-//! kept (the status flags through `lahf`/`seto` and back, never `popfq`; a CPU without
-//! LAHF/SAHF in 64-bit mode is refused before anything is translated). The routine ends
-//! with `ret`, which pops the target in one instruction: nothing is ever left below `rsp`
-//! for an interrupt to overwrite.
+//! kernel then runs its own code, correct but uncounted). The routine ends with `ret`,
+//! which pops the target in one instruction: nothing is ever left below `rsp` for an
+//! interrupt to overwrite.
+//!
+//! **No flag is touched.** The routine uses only `mov`, `movzx`, `bswap`, `lea`, `not`,
+//! `push`, `pop`, `jrcxz`, `jmp` and `ret`, none of which writes a flag, so it keeps every
+//! flag without saving any: the slot index is masked by `movzx` (8 or 16 bits) and mixed
+//! and scaled by `lea`, and a key is compared as `lea rcx, [key + !target + 1]` (their
+//! difference), then `jrcxz`. Saving the status flags (`lahf`/`seto` and back, as it did
+//! before) cost two out-of-line flag computations per return under QEMU TCG, about a tenth
+//! of the time the JIT bench spent in the cache, on every one of a workload's returns.
+//! Hence the hashes ([`Hash`]): the widest of a few fixed index ranges that the table
+//! holds, not a mask of the table's size.
 //!
 //! The table is written by the host only; the guest reads it. It is kept at most half
-//! full, so every probe sequence ends at an empty slot and the loop is bounded.
+//! full, and a probe never wraps: it runs up from the target's home slot to the target or
+//! an empty slot, and the host never fills the last slot, so every probe ends inside the
+//! table.
 
-use iced_x86::code_asm::{al, ecx, qword_ptr, rax, rbx, rcx, rdx, rsp, CodeAssembler};
+use iced_x86::code_asm::{
+    cx, dh, dl, dx, eax, ecx, edx, qword_ptr, rax, rbx, rcx, rdx, rsp, CodeAssembler,
+};
 
 /// Bytes per table slot: the original address, then the cache address.
 pub const SLOT_BYTES: u64 = 16;
@@ -40,39 +52,85 @@ pub enum LookupError {
     Assemble(#[source] iced_x86::IcedError),
 }
 
+/// How a target's home slot is computed, in the dispatch routine and on the host: from
+/// the target's low bytes `b0` (bits 0-7), `b1` (bits 8-15), `b2`, `b3`, with no flag
+/// written. The table takes the widest whose homes fit with room to probe past the last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hash {
+    /// `b0`: 256 homes (tables under 9 KiB).
+    Byte,
+    /// `b0 + (b1 << shift)`, `shift` 0 to 8 (8: the low 16 bits, 65,536 homes).
+    Low {
+        /// How far `b1` is shifted.
+        shift: u32,
+    },
+    /// The low 16 bits `+ 4 * (b3 + 256 * b2)`: 327,676 homes (a 5.25 MB table).
+    Words,
+}
+
+impl Hash {
+    /// Homes it gives (the highest home is one less).
+    #[must_use]
+    pub fn homes(self) -> usize {
+        self.home(u64::MAX) + 1
+    }
+
+    /// The home slot of `target`.
+    #[must_use]
+    pub fn home(self, target: u64) -> usize {
+        let b = |i: u32| ((target >> (8 * i)) & 0xff) as usize;
+        match self {
+            Hash::Byte => b(0),
+            Hash::Low { shift } => b(0) + (b(1) << shift),
+            Hash::Words => b(0) + 256 * b(1) + 4 * (b(3) + 256 * b(2)),
+        }
+    }
+
+    /// The widest kind whose homes, and an eighth more to probe past the highest, fit in
+    /// `slots`.
+    fn for_slots(slots: usize) -> Option<Hash> {
+        std::iter::once(Hash::Words)
+            .chain((0..=8).rev().map(|shift| Hash::Low { shift }))
+            .chain(std::iter::once(Hash::Byte))
+            .find(|h| h.homes() + h.homes() / 8 <= slots)
+    }
+}
+
 /// The host's copy of the lookup table, written to the guest as a whole.
 #[derive(Debug, Clone)]
 pub struct LookupTable {
     at: u64,
     slots: Vec<(u64, u64)>,
+    hash: Hash,
     entries: usize,
     /// Slots written since [`LookupTable::take_changed`] last ran (lazy translation writes
     /// only these to the guest).
     changed: Vec<usize>,
 }
 
-/// The slot a target hashes to; the dispatch routine computes the same.
-fn home_slot(target: u64, slots: usize) -> usize {
-    (((target >> 4) ^ target) as usize) & (slots - 1)
-}
-
 impl LookupTable {
-    /// A table at `at` with as many slots (a power of two) as `bytes` hold.
+    /// A table at `at` with as many slots as `bytes` hold, and the widest [`Hash`] they
+    /// take.
     ///
     /// # Errors
-    /// [`LookupError::TooSmall`] under two slots.
+    /// [`LookupError::TooSmall`] under 288 slots (4.5 KiB), the narrowest hash's homes and
+    /// room past them.
     pub fn new(at: u64, bytes: u64) -> Result<Self, LookupError> {
-        let fit = bytes / SLOT_BYTES;
-        if fit < 2 {
-            return Err(LookupError::TooSmall { bytes });
-        }
-        let slots = 1usize << (63 - fit.leading_zeros());
+        let slots = usize::try_from(bytes / SLOT_BYTES).unwrap_or(usize::MAX);
+        let hash = Hash::for_slots(slots).ok_or(LookupError::TooSmall { bytes })?;
         Ok(Self {
             at,
             slots: vec![(0, 0); slots],
+            hash,
             entries: 0,
             changed: Vec::new(),
         })
+    }
+
+    /// How home slots are computed.
+    #[must_use]
+    pub fn hash(&self) -> Hash {
+        self.hash
     }
 
     /// The table's guest address.
@@ -109,11 +167,16 @@ impl LookupTable {
     /// address replaces the first.
     ///
     /// # Errors
-    /// [`LookupError::Full`] when the table is half full.
+    /// [`LookupError::Full`] when the table is half full, or the probe from `original`'s
+    /// home would reach the last slot (which stays empty, to end every probe).
     pub fn insert(&mut self, original: u64, cache: u64) -> Result<(), LookupError> {
         let n = self.slots.len();
-        let mut i = home_slot(original, n);
-        loop {
+        let full = LookupError::Full {
+            entries: self.entries,
+            slots: n,
+        };
+        let mut i = self.hash.home(original);
+        while i + 1 < n {
             let slot = &mut self.slots[i];
             if slot.0 == original {
                 slot.1 = cache;
@@ -122,30 +185,27 @@ impl LookupTable {
             }
             if slot.0 == 0 {
                 if self.entries >= n / 2 {
-                    return Err(LookupError::Full {
-                        entries: self.entries,
-                        slots: n,
-                    });
+                    return Err(full);
                 }
                 *slot = (original, cache);
                 self.entries += 1;
                 self.changed.push(i);
                 return Ok(());
             }
-            i = (i + 1) & (n - 1);
+            i += 1;
         }
+        Err(full)
     }
 
     /// The cache address of `original`, as the dispatch routine finds it.
     #[must_use]
     pub fn get(&self, original: u64) -> Option<u64> {
-        let n = self.slots.len();
-        let mut i = home_slot(original, n);
-        for _ in 0..n {
-            match self.slots[i] {
-                (0, _) => return None,
-                (o, c) if o == original => return Some(c),
-                _ => i = (i + 1) & (n - 1),
+        let mut i = self.hash.home(original);
+        while let Some(&(o, c)) = self.slots.get(i) {
+            match o {
+                0 => return None,
+                o if o == original => return Some(c),
+                _ => i += 1,
             }
         }
         None
@@ -186,46 +246,57 @@ impl LookupTable {
 /// # Errors
 /// [`LookupError::Assemble`] (not expected).
 pub fn dispatch_routine(at: u64, table: &LookupTable) -> Result<Vec<u8>, LookupError> {
-    let slots = table.slots() as u32;
     let build = || -> Result<Vec<u8>, iced_x86::IcedError> {
         let mut a = CodeAssembler::new(64)?;
         let mut probe = a.create_label();
         let mut hit = a.create_label();
         let mut miss = a.create_label();
-        // The status flags go into `ah` (`lahf`: SF ZF AF PF CF) and `al` (`seto`: OF), not
-        // through `pushfq`/`popfq`: the routine changes no other flag, and `popfq` (which may
-        // change IF, TF and AC) costs more on hardware and ends QEMU's translated block.
         a.push(rax)?;
         a.push(rcx)?;
         a.push(rdx)?;
         a.push(rbx)?;
-        a.lahf()?;
-        a.seto(al)?;
         a.mov(rdx, qword_ptr(rsp + 32))?;
-        a.mov(rcx, rdx)?;
-        a.shr(rcx, 4)?;
-        a.xor(rcx, rdx)?;
-        a.and(ecx, slots.wrapping_sub(1) as i32)?;
-        a.shl(ecx, 4)?;
+        // The home slot into eax ([`Hash::home`]).
+        match table.hash() {
+            Hash::Byte => a.movzx(eax, dl)?,
+            Hash::Low { shift: 8 } => a.movzx(eax, dx)?,
+            Hash::Low { shift } => {
+                a.movzx(eax, dl)?;
+                a.movzx(ecx, dh)?;
+                // b1 << shift, by `lea`s scaling by 8, 4 or 2.
+                let mut left = shift;
+                while left > 0 {
+                    let step = left.min(3);
+                    a.lea(ecx, rcx * (1 << step))?;
+                    left -= step;
+                }
+                a.lea(eax, rax + rcx)?;
+            }
+            Hash::Words => {
+                a.movzx(eax, dx)?;
+                a.mov(ecx, edx)?;
+                a.bswap(ecx)?;
+                // cl = b3, ch = b2: cx = b3 + 256 * b2.
+                a.movzx(ecx, cx)?;
+                a.lea(eax, rax + rcx * 4)?;
+            }
+        }
+        // Two quadwords a slot.
+        a.lea(eax, rax + rax)?;
         a.mov(rbx, table.addr())?;
+        a.not(rdx)?;
         a.set_label(&mut probe)?;
-        a.cmp(rdx, qword_ptr(rbx + rcx))?;
-        a.je(hit)?;
-        a.cmp(qword_ptr(rbx + rcx), 0)?;
-        a.je(miss)?;
-        a.add(ecx, SLOT_BYTES as i32)?;
-        a.and(
-            ecx,
-            (slots.wrapping_mul(SLOT_BYTES as u32)).wrapping_sub(1) as i32,
-        )?;
+        a.mov(rcx, qword_ptr(rbx + rax * 8))?;
+        a.jrcxz(miss)?;
+        // key + !target + 1 = key - target.
+        a.lea(rcx, rcx + rdx + 1)?;
+        a.jrcxz(hit)?;
+        a.lea(eax, rax + 2)?;
         a.jmp(probe)?;
         a.set_label(&mut hit)?;
-        a.mov(rdx, qword_ptr(rbx + rcx + 8))?;
-        a.mov(qword_ptr(rsp + 32), rdx)?;
+        a.mov(rcx, qword_ptr(rbx + rax * 8 + 8))?;
+        a.mov(qword_ptr(rsp + 32), rcx)?;
         a.set_label(&mut miss)?;
-        // OF back from `al` (0x7f + 1 overflows, 0x7f + 0 does not), then the rest from `ah`.
-        a.add(al, 0x7f)?;
-        a.sahf()?;
         a.pop(rbx)?;
         a.pop(rdx)?;
         a.pop(rcx)?;
@@ -243,27 +314,32 @@ mod tests {
     use exotap_vmm::unicorn::{Isa, RunEnd, UnicornMachine, VCPU};
 
     const CODE: u64 = 0xffff_ffff_a000_0000;
-    const TABLE: u64 = CODE + 0x1000;
-    const STACK: u64 = CODE + 0x8000;
+    /// The stack grows down from here, towards the routine at `CODE`.
+    const STACK: u64 = CODE + 0x1000;
+    const TABLE: u64 = CODE + 0x2000;
+    /// Flags set on entry: CF, ZF, OF (and SF clear), which the routine must keep.
+    const FLAGS_IN: u64 = 0x1 | 0x40 | 0x800;
 
     /// Runs the dispatch routine with `target` on the stack; returns where it went and
     /// the registers it left.
     fn dispatch(table: &LookupTable, target: u64, halt: u64) -> (RunEnd, X86Registers) {
         let mut m = UnicornMachine::new(Isa::X86_64).unwrap();
-        m.map(CODE, 0x1_0000).unwrap();
+        m.map(CODE, 0x80_0000).unwrap();
         let code = dispatch_routine(CODE, table).unwrap();
         m.write(CODE, &code).unwrap();
         m.write(TABLE, &table.to_bytes()).unwrap();
         m.write(STACK - 8, &target.to_le_bytes()).unwrap();
         m.set_halt(Some(halt)).unwrap();
+        m.set_budget(1_000_000);
         let mut regs = X86Registers {
             rip: CODE,
-            rflags: 0x2 | 0x1 | 0x40 | 0x800,
+            rflags: 0x2 | FLAGS_IN,
             ..X86Registers::default()
         };
         for (i, r) in regs.gpr.iter_mut().enumerate() {
             *r = 0x1111 * (i as u64 + 1);
         }
+        // GDB's order: rax, rbx, rcx, rdx, rsi, rdi, rbp, rsp, r8-r15.
         regs.gpr[7] = STACK - 8;
         m.set_x86_registers(&regs).unwrap();
         let end = m.run().unwrap();
@@ -273,59 +349,130 @@ mod tests {
         (end, after)
     }
 
+    /// Registers and flags as the routine found them, the target popped.
+    fn assert_kept(regs: &X86Registers) {
+        for (i, &r) in regs.gpr.iter().enumerate() {
+            let expected = if i == 7 {
+                STACK
+            } else {
+                0x1111 * (i as u64 + 1)
+            };
+            assert_eq!(r, expected, "register {i}");
+        }
+        assert_eq!(regs.rflags & 0x8d5, FLAGS_IN);
+    }
+
     #[test]
     fn a_known_target_continues_at_its_translation_with_registers_and_flags_kept() {
-        let mut table = LookupTable::new(TABLE, 0x400).unwrap();
+        let mut table = LookupTable::new(TABLE, 0x2000).unwrap();
         for k in 0..20u64 {
             table
-                .insert(0xffff_ffff_8100_0000 + k * 16, CODE + 0x4000 + k)
+                .insert(0xffff_ffff_8100_0000 + k * 16, CODE + 0x1_0000 + k)
                 .unwrap();
         }
         let target = 0xffff_ffff_8100_0000 + 7 * 16;
 
-        let (end, regs) = dispatch(&table, target, CODE + 0x4007);
+        let (end, regs) = dispatch(&table, target, CODE + 0x1_0007);
 
-        assert_eq!(end, RunEnd::Halted(CODE + 0x4007));
-        assert_eq!(regs.gpr[7], STACK);
-        assert_eq!(regs.gpr[0], 0x1111);
-        assert_eq!(regs.gpr[1], 0x2222);
-        assert_eq!(regs.gpr[3], 0x4444);
-        assert_eq!(regs.rflags & 0x8d5, 0x1 | 0x40 | 0x800);
+        assert_eq!(end, RunEnd::Halted(CODE + 0x1_0007));
+        assert_kept(&regs);
     }
 
     #[test]
     fn an_unknown_target_continues_at_the_original_address() {
-        let mut table = LookupTable::new(TABLE, 0x400).unwrap();
-        table.insert(0xffff_ffff_8100_0010, CODE + 0x4000).unwrap();
+        let mut table = LookupTable::new(TABLE, 0x2000).unwrap();
+        table.insert(0xffff_ffff_8100_0010, CODE + 0x1_0000).unwrap();
         let target = 0xffff_ffff_8100_0020;
 
         let (end, regs) = dispatch(&table, target, target);
 
         assert_eq!(end, RunEnd::Halted(target));
-        assert_eq!(regs.gpr[7], STACK);
+        assert_kept(&regs);
+    }
+
+    #[test]
+    fn every_hash_finds_what_the_host_inserted_and_misses_the_rest() {
+        // Pseudo-random kernel-text addresses (an LCG), some with the same low bits.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            0xffff_ffff_8100_0000 + ((x >> 33) & 0x1ff_ffff)
+        };
+        for (bytes, hash) in [
+            (0x2000, Hash::Byte),
+            (0x2800, Hash::Low { shift: 0 }),
+            (0xc000, Hash::Low { shift: 3 }),
+            (0x4_0000, Hash::Low { shift: 5 }),
+            (0x12_0000, Hash::Low { shift: 8 }),
+            (0x60_0000, Hash::Words),
+        ] {
+            let mut table = LookupTable::new(TABLE, bytes).unwrap();
+            assert_eq!(table.hash(), hash);
+            let mut targets: Vec<u64> = (0..200).map(|_| next()).collect();
+            targets.extend((0..8).map(|k| 0xffff_ffff_8200_0000 + (k << 16) + 0x123));
+            targets.sort_unstable();
+            targets.dedup();
+            for (k, &t) in targets.iter().enumerate() {
+                table.insert(t, CODE + 0x70_0000 + k as u64).unwrap();
+            }
+            for (k, &t) in targets.iter().enumerate().step_by(23) {
+                let cache = CODE + 0x70_0000 + k as u64;
+                assert_eq!(table.get(t), Some(cache));
+                let (end, regs) = dispatch(&table, t, cache);
+                assert_eq!(end, RunEnd::Halted(cache), "{hash:?} {t:#x}");
+                assert_kept(&regs);
+            }
+            let absent = 0xffff_ffff_8300_0123;
+            assert_eq!(table.get(absent), None);
+            let (end, regs) = dispatch(&table, absent, absent);
+            assert_eq!(end, RunEnd::Halted(absent), "{hash:?}");
+            assert_kept(&regs);
+        }
     }
 
     #[test]
     fn colliding_targets_are_all_found_and_the_table_refuses_past_half_full() {
-        let mut table = LookupTable::new(TABLE, 16 * SLOT_BYTES).unwrap();
-        // All hash to the same home slot: targets that differ only above bit 8.
-        let targets: Vec<u64> = (1..=8u64).map(|k| k << 20).collect();
+        let mut table = LookupTable::new(TABLE, 512 * SLOT_BYTES).unwrap();
+        assert_eq!(table.hash(), Hash::Byte);
+        // All have the same home slot: targets that differ only above bit 8.
+        let targets: Vec<u64> = (1..=256u64).map(|k| k << 20).collect();
         for (k, t) in targets.iter().enumerate() {
             table.insert(*t, 100 + k as u64).unwrap();
         }
 
-        let ninth = table.insert(9 << 20, 1);
+        let next = table.insert(257 << 20, 1);
 
         assert!(matches!(
-            ninth,
+            next,
             Err(LookupError::Full {
-                entries: 8,
-                slots: 16
+                entries: 256,
+                slots: 512
             })
         ));
         for (k, t) in targets.iter().enumerate() {
             assert_eq!(table.get(*t), Some(100 + k as u64));
         }
-        assert_eq!(table.get(10 << 20), None);
+        assert_eq!(table.get(300 << 20), None);
+    }
+
+    #[test]
+    fn a_probe_never_reaches_the_last_slot_and_small_tables_are_refused() {
+        // 300 slots: homes 0-255; a run from home 255 may take slots up to 298, never 299.
+        let mut table = LookupTable::new(TABLE, 300 * SLOT_BYTES).unwrap();
+        let at_255: Vec<u64> = (1..=45u64).map(|k| (k << 20) | 0xff).collect();
+        for t in &at_255[..44] {
+            table.insert(*t, 1).unwrap();
+        }
+
+        let last = table.insert(at_255[44], 1);
+
+        assert!(matches!(last, Err(LookupError::Full { .. })), "{last:?}");
+        assert_eq!(table.to_bytes()[299 * 16..].to_vec(), vec![0u8; 16]);
+        assert!(matches!(
+            LookupTable::new(TABLE, 287 * SLOT_BYTES),
+            Err(LookupError::TooSmall { .. })
+        ));
     }
 }

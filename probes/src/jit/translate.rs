@@ -46,9 +46,9 @@
 //! (which `inc` keeps) is live at the leader; elsewhere the status flags are kept in `rax`
 //! around it (`push rax; lahf; seto al; inc; add al, 0x7f; sahf; pop rax`), never with
 //! `pushfq`/`popfq` (`popfq` ends QEMU's translated block, and is the slower of the two on
-//! hardware). The dispatch routine keeps every flag the same way. Both need LAHF/SAHF in
-//! 64-bit mode (CPUID `LAHF_LM`), which every x86-64 CPU but the first steppings of
-//! 2003-2005 has; the live JIT checks the guest's CPU for it.
+//! hardware). This needs LAHF/SAHF in 64-bit mode (CPUID `LAHF_LM`), which every x86-64 CPU
+//! but the first steppings of 2003-2005 has; the live JIT checks the guest's CPU for it.
+//! The dispatch routine writes no flag at all ([`super::lookup`]).
 //!
 //! **Cache full.** A function whose code, counters or table entries do not fit is not
 //! translated at all; the translator says so ([`CacheError`]) and refuses every later
@@ -1127,7 +1127,7 @@ mod tests {
         CacheLayout {
             code: HEAP..HEAP + code,
             counters: HEAP + 0x4000..HEAP + 0x5000,
-            table: HEAP + 0x8000..HEAP + 0x9000,
+            table: HEAP + 0x6000..HEAP + 0x8000,
         }
     }
 
