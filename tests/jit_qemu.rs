@@ -367,6 +367,11 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     // The guest has two vCPUs: the counts above came from a copy of the counters per CPU
     // (`inc gs:[...]`, no lock), summed by exotap.
     assert_eq!(doc["cache"]["counter_copies"], 2, "{}", doc["cache"]);
+    // Every return goes through the lookup table: a hit takes one or two probes, not runs
+    // of hundreds (a hash that folded neighbouring text onto the same slots did).
+    let probes = &doc["cache"]["lookup_probes"];
+    assert!(probes["mean"].as_f64().unwrap() < 1.5, "{probes}");
+    assert!(probes["longest_run"].as_u64().unwrap() < 512, "{probes}");
     let refused: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("KPROBE-REFUSED"))

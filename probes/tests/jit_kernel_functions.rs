@@ -82,6 +82,14 @@ fn hot_kernel_functions_translate_and_user_accesses_leave_the_cache() {
     for (_, f) in &functions {
         translator.translate(view, f).unwrap();
     }
+    translator.link().unwrap();
+    let (hash, (mean, most, run)) = translator.table_probe_lengths();
+    println!(
+        "lookup table: low {} bits, {mean:.2} probes a hit on average, {most} at most, longest run {run}",
+        hash.bits
+    );
+    // The kernel's dense text spreads over the slots: no long runs for a return to walk.
+    assert!(mean < 1.5 && most <= 16, "{mean} {most}");
     let translation = translator.finish().unwrap();
     let elapsed = started.elapsed();
 

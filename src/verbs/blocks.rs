@@ -187,6 +187,7 @@ impl VerbRun {
             blocks: jit.translation.blocks.len(),
             table_entries: jit.translation.table_entries,
             counter_copies: jit.counter_copies.len(),
+            table_probes: jit.table_probes,
             translate_ms: jit.translate_time.as_secs_f64() * 1e3,
             entry_splices: jit.entries_installed,
             entries_refused: jit.entries_refused().len(),
@@ -275,6 +276,11 @@ impl VerbRun {
                         "blocks": stats.blocks,
                         "table_entries": stats.table_entries,
                         "counter_copies": stats.counter_copies,
+                        "lookup_probes": {
+                            "mean": stats.table_probes.0,
+                            "most": stats.table_probes.1,
+                            "longest_run": stats.table_probes.2,
+                        },
                         "translate_ms": stats.translate_ms,
                         "entry_splices": stats.entry_splices,
                         "entries_refused": stats.entries_refused,
@@ -453,6 +459,8 @@ struct JitStats {
     table_entries: usize,
     /// Copies of the block counters: one per CPU, or 1 (shared, `lock inc`).
     counter_copies: usize,
+    /// Lookup probes a hit takes (mean, most) and the longest run of full slots.
+    table_probes: (f64, usize, usize),
     translate_ms: f64,
     entry_splices: usize,
     entries_refused: usize,

@@ -12,7 +12,7 @@ pub mod lookup;
 pub mod translate;
 
 pub use cache::{CacheError, CacheLayout};
-pub use lookup::{dispatch_routine, LookupError, LookupTable};
+pub use lookup::{dispatch_routine, Hash, LookupError, LookupTable};
 pub use translate::{
     entry_splice, stub_jump, CacheExit, CountedBlock, CounterMode, ExitReason, Link,
     TranslateError, TranslatedFunction, Translation, Translator, STUB_BYTES,

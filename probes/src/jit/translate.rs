@@ -1043,6 +1043,12 @@ impl<'k> Translator<'k> {
         Ok(())
     }
 
+    /// The lookup table's hash and its probe lengths ([`LookupTable::probe_lengths`]).
+    #[must_use]
+    pub fn table_probe_lengths(&self) -> (super::lookup::Hash, (f64, usize, usize)) {
+        (self.table.hash(), self.table.probe_lengths())
+    }
+
     /// Bytes of code used so far (the dispatch routine included).
     #[must_use]
     pub fn code_used(&self) -> u64 {

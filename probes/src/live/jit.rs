@@ -100,7 +100,7 @@ impl Default for JitOptions {
             max_functions: 4000,
             code_bytes: 8 << 20,
             counter_bytes: 1 << 20,
-            table_bytes: 8 << 20,
+            table_bytes: 20 << 20,
             lazy: false,
         }
     }
@@ -131,6 +131,9 @@ pub struct LiveJit {
     /// Where each CPU's copy of the block counters is, in bytes past `layout.counters`
     /// (one copy at 0: a counter shared by every CPU, incremented with `lock inc`).
     pub counter_copies: Vec<u64>,
+    /// The lookup table at install: probes a hit takes on average and at most, and the
+    /// longest run of full slots ([`crate::jit::LookupTable::probe_lengths`]).
+    pub table_probes: (f64, usize, usize),
     /// Function entry → name, for every translated function.
     pub names: BTreeMap<u64, String>,
     /// The entries asked for.
@@ -498,6 +501,12 @@ impl LiveJit {
             }
         }
         translator.link()?;
+        let (hash, table_probes) = translator.table_probe_lengths();
+        let (mean, most, run) = table_probes;
+        tracing::info!(
+            "JIT lookup table: home slots from the low {} bits, {mean:.2} probes a hit on average, {most} at most; longest run of full slots {run}",
+            hash.bits
+        );
         let translation = translator.snapshot();
         let translate_time = started.elapsed();
         // Code over the backend's write path; data (zeroed counters, the table) through the
@@ -572,6 +581,7 @@ impl LiveJit {
             translation,
             layout,
             counter_copies,
+            table_probes,
             names,
             requested: functions.iter().map(|(_, a)| *a).collect(),
             refused,
