@@ -172,15 +172,7 @@ pub fn plan<M: PhysicalMemory + ?Sized>(
     phys: u64,
     size: u64,
 ) -> Result<HeapPlan, HeapError> {
-    if size == 0 || !phys.is_multiple_of(SIZE_2M) || !size.is_multiple_of(SIZE_2M) {
-        return Err(HeapError::Misaligned { phys, size });
-    }
-    let phys_last = phys
-        .checked_add(size - 1)
-        .ok_or(HeapError::PhysicalTooHigh { phys, size })?;
-    if phys_last & !PTE_ADDR_MASK & !(SIZE_2M - 1) != 0 {
-        return Err(HeapError::PhysicalTooHigh { phys, size });
-    }
+    check_physical(0, phys, size)?;
     let (va, side) = place(image, placement, size)?;
     let (pmd_pages, writes) = pmd_writes(space, va, phys, size, HEAP_PMD_FLAGS)?;
     Ok(HeapPlan {
@@ -213,6 +205,13 @@ pub fn plan_data_alias<M: PhysicalMemory + ?Sized>(
     phys: u64,
     size: u64,
 ) -> Result<Vec<PmdWrite>, HeapError> {
+    check_physical(va, phys, size)?;
+    Ok(pmd_writes(space, va, phys, size, DATA_ALIAS_PMD_FLAGS)?.1)
+}
+
+/// Whether `[phys, phys + size)` is whole 2 MiB pages (and `va` 2 MiB-aligned) that a
+/// page-table entry can address.
+fn check_physical(va: u64, phys: u64, size: u64) -> Result<(), HeapError> {
     if size == 0 || !(phys | size | va).is_multiple_of(SIZE_2M) {
         return Err(HeapError::Misaligned { phys, size });
     }
@@ -222,7 +221,7 @@ pub fn plan_data_alias<M: PhysicalMemory + ?Sized>(
     if phys_last & !PTE_ADDR_MASK & !(SIZE_2M - 1) != 0 {
         return Err(HeapError::PhysicalTooHigh { phys, size });
     }
-    Ok(pmd_writes(space, va, phys, size, DATA_ALIAS_PMD_FLAGS)?.1)
+    Ok(())
 }
 
 /// The PMD entries that map `[phys, phys + size)` at `va` with `flags`: the PMD pages
