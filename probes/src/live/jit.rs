@@ -1439,3 +1439,35 @@ fn check_reachability(
     }
     Ok(reach)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_cpu_copies_lie_as_far_apart_as_the_per_cpu_bases_and_fit_between_them() {
+        // Bases 256 KiB apart, given out of order: CPU 1 has the lowest.
+        let bases = [
+            0xffff_8880_3e64_0000,
+            0xffff_8880_3e60_0000,
+            0xffff_8880_3e68_0000,
+        ];
+
+        let copies = per_cpu_copies(&bases, 1 << 20).unwrap();
+
+        assert_eq!(copies.offsets, [0x4_0000, 0, 0x8_0000]);
+        assert_eq!(copies.per_copy, 0x4_0000);
+        assert_eq!(copies.span, 0xc_0000);
+        // Room to spare between bases: a copy is what was asked for.
+        assert_eq!(per_cpu_copies(&bases, 0x1_0000).unwrap().per_copy, 0x1_0000);
+    }
+
+    #[test]
+    fn no_per_cpu_copies_for_one_cpu_shared_bases_tiny_gaps_or_a_huge_span() {
+        assert_eq!(per_cpu_copies(&[0x1000_0000], 1 << 20), None);
+        assert_eq!(per_cpu_copies(&[0x1000_0000, 0x1000_0000], 1 << 20), None);
+        assert_eq!(per_cpu_copies(&[0x1000_0000, 0x1000_0800], 1 << 20), None);
+        assert_eq!(per_cpu_copies(&[0x1000_0000, 0x2000_0000], 1 << 20), None);
+        assert_eq!(per_cpu_copies(&[], 1 << 20), None);
+    }
+}
