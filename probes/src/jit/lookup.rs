@@ -97,8 +97,8 @@ impl Hash {
             .find(|h| h.homes() + h.homes() / 8 <= slots)
     }
 
-    /// The byte the routine looks up in the mask table (1: bits 8-15, 2: bits 16-23), and
-    /// the table's value for byte value `i`: its bits above 8 or 16 in place.
+    /// The mask table's entry for byte value `i` of the target's bits 8-15 (hashes of 9 to
+    /// 15 bits) or 16-23 (17 to 24 bits): that byte's low bits the hash takes, in place.
     fn mask(self, i: u32) -> u32 {
         match self.bits {
             9..=15 => (i & ((1 << (self.bits - 8)) - 1)) << 8,
