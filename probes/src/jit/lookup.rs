@@ -10,9 +10,9 @@
 //!
 //! **No flag is touched.** The routine uses only `mov`, `movzx`, `bswap`, `lea`, `not`,
 //! `push`, `pop`, `jrcxz`, `jmp` and `ret`, none of which writes a flag, so it keeps every
-//! flag without saving any: the home slot is the target's low bits ([`Hash`]), taken by
-//! `movzx` and a 256-entry mask table after the slots, and a key is compared as `lea rcx,
-//! [key + !target + 1]` (their difference), then `jrcxz`. Saving the status flags
+//! flag without saving any: the home slot is the target's low bits
+//! ([`Hash`](struct@Hash)), taken by `movzx` and a 256-entry mask table after the slots, and
+//! a key is compared as `lea rcx, [key + !target + 1]` (their difference), then `jrcxz`. Saving the status flags
 //! (`lahf`/`seto` and back, as it did before) cost two out-of-line flag computations per
 //! return under QEMU TCG, about a tenth of the time the JIT bench spent in the cache.
 //!
@@ -125,7 +125,7 @@ pub struct LookupTable {
 
 impl LookupTable {
     /// A table at `at` in `bytes`: as many slots as fit before the 1 KiB mask table, and
-    /// the widest [`Hash`] they take.
+    /// the widest [`Hash`](struct@Hash) they take.
     ///
     /// # Errors
     /// [`LookupError::TooSmall`] under 288 slots (5.5 KiB in all), the narrowest hash's
