@@ -655,7 +655,7 @@ impl VerbRun {
                     d.records,
                     d.reading,
                     format!(
-                        " by the drainer thread in {} passes, {:.1} ms of its CPU time ({:.0} records/s); in the {} passes that took records, {:.1} ms ({:.0} records/s), {:.1} ms of CPU time ({:.0} records/s)",
+                        " by the drainer thread in {} passes, {:.1} ms of its CPU time ({:.0} records/s); in the {} passes that took records, {:.1} ms ({:.0} records/s), {:.1} ms of CPU time ({:.0} records/s); buffers: {} made ready while the rings were empty, {} new while taking records",
                         d.passes,
                         d.reading_cpu.as_secs_f64() * 1e3,
                         d.records as f64 / d.reading_cpu.as_secs_f64().max(1e-9),
@@ -663,7 +663,9 @@ impl VerbRun {
                         d.busy_reading.as_secs_f64() * 1e3,
                         d.records as f64 / d.busy_reading.as_secs_f64().max(1e-9),
                         d.busy_reading_cpu.as_secs_f64() * 1e3,
-                        d.records as f64 / d.busy_reading_cpu.as_secs_f64().max(1e-9)
+                        d.records as f64 / d.busy_reading_cpu.as_secs_f64().max(1e-9),
+                        d.prepared_buffers,
+                        d.new_buffers
                     ),
                 ),
                 None => (live.drained.0, live.drained.1, String::new()),

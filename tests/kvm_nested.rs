@@ -169,11 +169,24 @@ t0=$(cut -d' ' -f1 /proc/uptime)
 t1=$(cut -d' ' -f1 /proc/uptime)
 exotap_result inner.wall_s "$(awk -v a=$t0 -v b=$t1 'BEGIN {{print b - a}}')"
 set +e
+# Whether a failed engine run's inner guest reset the machine before it printed EXOTAP-READY
+# (its output in $1): before any instrumentation (see RETRY_INNER).
+reset_before_ready() {{
+    grep -q 'reset the machine' "$1" && ! grep -q 'EXOTAP-READY' "$1"
+}}
 tagged() {{
     tag=$1; shift
     s0=$(cut -d' ' -f1 /proc/uptime)
-    "$@" 2>&1 | sed "s/EXOTAP-/inner:/g; s/^/$tag| /"
-    exotap_result "$tag.rc" "$?"
+    for try in 1 2; do
+        "$@" 2>&1 | tee /tmp/tagged.out | sed "s/EXOTAP-/inner:/g; s/^/$tag| /"
+        rc=$?
+        if [ "$rc" -ne 0 ] && [ $try = 1 ] && reset_before_ready /tmp/tagged.out; then
+            echo "{RETRY_INNER} $tag: the inner guest reset the machine before EXOTAP-READY; running it again"
+            continue
+        fi
+        break
+    done
+    exotap_result "$tag.rc" "$rc"
     s1=$(cut -d' ' -f1 /proc/uptime)
     exotap_result "$tag.wall_s" "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
 }}
@@ -203,9 +216,17 @@ tagged stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
 # trace with streaming: 40000 record lines go to a file in the outer guest, not through its serial
 # console (under TCG that console is the slow part); counted here, a sample printed and timed.
 s0=$(cut -d' ' -f1 /proc/uptime)
-/bin/exotap trace --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
-    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid > /tmp/trace.out 2>&1
-exotap_result trace.rc "$?"
+for try in 1 2; do
+    /bin/exotap trace --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+        --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid > /tmp/trace.out 2>&1
+    rc=$?
+    if [ "$rc" -ne 0 ] && [ $try = 1 ] && reset_before_ready /tmp/trace.out; then
+        echo "{RETRY_INNER} trace: the inner guest reset the machine before EXOTAP-READY; running it again"
+        continue
+    fi
+    break
+done
+exotap_result trace.rc "$rc"
 s1=$(cut -d' ' -f1 /proc/uptime)
 exotap_result trace.wall_s "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
 exotap_result trace.entries "$(grep -c 'syscall-loop\[[0-9]*\]  -> __x64_sys_getpid(' /tmp/trace.out)"
@@ -264,6 +285,15 @@ kill $heartbeat
 "#
     ))
 }
+
+/// The outer guest's line when an engine run's inner guest reset the machine (a triple fault:
+/// nothing printed) before it printed `EXOTAP-READY`, and the run goes again, once. Seen once
+/// in CI (the `trace` run, 1.8 s into the inner boot, after ten runs that booted the same
+/// kernel fine): before `EXOTAP-READY` exotap has instrumented nothing in the inner guest,
+/// so like the outer crashes and freezes below it is put down to QEMU TCG's SVM emulation (a
+/// rare fault of exotap's VMM during boot would be hidden too: the retries are printed, so a
+/// pattern shows); a reset after it, or a second one, fails the run as before.
+const RETRY_INNER: &str = "RETRY-INNER";
 
 /// Seconds between the outer guest's heartbeat lines.
 const HEARTBEAT_S: u64 = 20;
@@ -533,6 +563,9 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     let ctx = format!("outer console tail:\n{}", tail(&console));
     let outcome = outcome.unwrap_or_else(|e| panic!("{e}\n{ctx}"));
     eprintln!("{console}");
+    for retry in console.lines().filter(|l| l.starts_with(RETRY_INNER)) {
+        eprintln!("RETRY kvm_nested: {retry}");
+    }
 
     assert_eq!(outcome.rc, 0, "{ctx}");
     // The inner guest followed the protocol exactly as it does under QEMU.

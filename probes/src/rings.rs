@@ -304,27 +304,47 @@ pub fn drain_concurrent<M: RingMemory>(
     taken: &mut u64,
     last: bool,
 ) -> Result<Taken, M::Error> {
-    // In batches, each validated on its own: a reader that fell behind loses only the
-    // batches a writer overtook, not a whole ring's read. At most a ring's worth in all: a
-    // hostile head far ahead costs one ring, no more.
     let slots = u64::from(set.slots.max(1));
-    let batch = slots.min(BATCH);
     let mut out = Taken::default();
     // Room for what is there now (at most a ring): the output grows once, not by doubling.
     let head = mem.load_acquire(set.ring(cpu))?;
     let waiting = head.saturating_sub(*taken).min(slots);
     out.records
         .reserve(usize::try_from(waiting.saturating_mul(set.record)).unwrap_or(0));
-    let mut budget = slots;
+    drain_concurrent_into(mem, set, cpu, taken, last, slots, &mut out)?;
+    Ok(out)
+}
+
+/// [`drain_concurrent`] into a buffer the caller brings (`out`, appended to), taking at most
+/// `max` records, or skipping past them as lost (at least one in all: 0 is taken as 1);
+/// whether there may be more to take now. A reader that hands records over in buffers of a
+/// fixed size (the drainer thread's, which it reuses) calls this once per buffer.
+///
+/// # Errors
+/// When the ring's memory cannot be reached (a head or slot outside the memory).
+pub fn drain_concurrent_into<M: RingMemory>(
+    mem: &M,
+    set: &RingSet,
+    cpu: u32,
+    taken: &mut u64,
+    last: bool,
+    max: u64,
+    out: &mut Taken,
+) -> Result<bool, M::Error> {
+    // In batches, each validated on its own: a reader that fell behind loses only the
+    // batches a writer overtook, not a whole ring's read. At most `max`, so at most a ring's
+    // worth from `drain_concurrent`: a hostile head far ahead costs one ring, no more.
+    let batch = u64::from(set.slots.max(1)).min(BATCH);
+    let mut budget = max.max(1);
     while budget > 0 {
         let before = *taken;
-        let more = take_batch(mem, set, cpu, taken, last, batch.min(budget), &mut out)?;
+        let more = take_batch(mem, set, cpu, taken, last, batch.min(budget), out)?;
         budget = budget.saturating_sub(taken.saturating_sub(before).max(1));
         if !more {
-            break;
+            return Ok(false);
         }
     }
-    Ok(out)
+    Ok(true)
 }
 
 /// Records read and validated together by [`drain_concurrent`].
