@@ -541,36 +541,28 @@ mod tests {
         let drainer = Drainer::start(ram.clone(), BIG, DrainState::default()).unwrap();
         let mut got: Vec<u64> = Vec::new();
         let mut sizes = Vec::new();
-        while got.len() < 10_000 {
-            for batch in drainer.try_batches() {
-                sizes.push(batch.records.len() / 16);
-                got.extend(
-                    batch
-                        .records
-                        .chunks_exact(16)
-                        .map(|r| u64::from_le_bytes(r[8..16].try_into().unwrap())),
-                );
-                // Dropped here: its buffer goes back.
+        // Takes batches until `n` records came, dropping each (its buffer goes back).
+        let mut take_until = |n: usize| {
+            while got.len() < n {
+                for batch in drainer.try_batches() {
+                    sizes.push(batch.records.len() / 16);
+                    got.extend(
+                        batch
+                            .records
+                            .chunks_exact(16)
+                            .map(|r| u64::from_le_bytes(r[8..16].try_into().unwrap())),
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(1));
             }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        };
+        take_until(10_000);
         // A second burst, after the first's buffers came back.
         std::thread::sleep(Duration::from_millis(20));
         for index in 10_000..20_000 {
             write(index);
         }
-        while got.len() < 20_000 {
-            for batch in drainer.try_batches() {
-                sizes.push(batch.records.len() / 16);
-                got.extend(
-                    batch
-                        .records
-                        .chunks_exact(16)
-                        .map(|r| u64::from_le_bytes(r[8..16].try_into().unwrap())),
-                );
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        take_until(20_000);
         let (rest, state) = drainer.stop();
 
         assert!(rest.is_empty());
