@@ -230,7 +230,7 @@ impl SymbolTable {
     }
 
     /// As [`Self::lookup_addr`], but where symbols share the address, the first (in the
-    /// kernel's order, [`alias_rank`]) whose size covers `addr`: the name the kernel's own
+    /// kernel's order, `alias_rank`) whose size covers `addr`: the name the kernel's own
     /// `kallsyms_lookup` gives (`%pS`, `/proc/PID/stack`), for stack frames and `symname()`.
     pub fn kernel_lookup(&self, addr: u64) -> Option<(&Symbol, u64)> {
         let (group, offset) = self.alias_group(addr)?;

@@ -13,8 +13,8 @@
 //! functions do not write it).
 //!
 //! `exotap regress --functions FILE` sweeps the functions a file names instead
-//! ([`read_function_list`], [`regress_functions`]); one outside [`CALLS`] gets generic
-//! arguments (see [`generic_setup`]).
+//! ([`read_function_list`], [`regress_functions`]); one outside `CALLS` gets generic
+//! arguments (see `generic_setup`).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -280,7 +280,7 @@ fn generic_setup(s: &mut Scratch) -> [u64; 5] {
     [(); 5].map(|()| s.alloc(GENERIC_BUFFER))
 }
 
-/// The functions the sweep calls by default (those of [`CALLS`]), each with arguments set
+/// The functions the sweep calls by default (those of `CALLS`), each with arguments set
 /// up for it.
 #[must_use]
 pub fn builtin_functions() -> Vec<&'static str> {

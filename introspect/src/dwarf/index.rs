@@ -1,7 +1,7 @@
 //! The name index: every named function, inlined instance, type and global variable of a
 //! DWARF file, sorted by name, in one flat file that is used straight from a memory map.
 //!
-//! Built once per build id by a parallel one-pass [`scan`](super::scan) (a progress callback
+//! Built once per build id by a parallel one-pass `scan` (a progress callback
 //! reports it), written to a temporary file and renamed into the cache, then only mapped:
 //! a warm lookup is a binary search, no deserialization. The file is checked like any
 //! other input; a stale or corrupt one is rebuilt.

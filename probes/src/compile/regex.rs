@@ -22,7 +22,7 @@
 //! table (no premultiplied ids, special-state ranges or acceleration to reimplement).
 //!
 //! Layout in the data (see [`super::data`]): the 256-byte class map at +0, the end flags
-//! (one byte per state) at +256, then from [`RegexTable::transitions`] `states × classes`
+//! (one byte per state) at +256, then from [`Matcher::transitions`] `states × classes`
 //! next-state ids as little-endian u16.
 
 use std::collections::HashMap;

@@ -1,6 +1,6 @@
 //! Elaboration: probe points are classified, names resolved (globals are declared, locals are
 //! whatever a body assigns), and types inferred by iterating to a fixed point, as SystemTap's
-//! semantic pass does. Expressions are checked in [`check_expr`](super::check_expr).
+//! semantic pass does. Expressions are checked in `check_expr`.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;

@@ -8,7 +8,7 @@ pub enum Tok {
     /// Identifier or keyword (`probe`, `if`, ...): the parser decides.
     Ident(String),
     /// `$name` or `$$name`; also `$1`, `$2`, ... and `$#` (script arguments, replaced by the
-    /// [preprocessor](super::preprocess)).
+    /// preprocessor).
     Target(String),
     /// `@name` (`@count`, `@hist_log`, ...); also `@1`, ... and `@#` (script arguments as strings)
     /// and macro invocations.

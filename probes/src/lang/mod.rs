@@ -4,8 +4,8 @@
 //! the [`ast`] (every node carries a [`ast::Span`]), [`check`] resolves names and infers types,
 //! and [`eval`] runs probe bodies on the host, either for guest-free probes (`begin`, `end`,
 //! timers) or on a [`context::Context`] captured by a kernel backend. [`diag`] renders
-//! diagnostics with the source line and a caret; [`format`] implements printf formats and
-//! [`hist`] the SystemTap histogram layout; [`output`] writes text or JSON lines.
+//! diagnostics with the source line and a caret; [`format`](mod@format) implements printf
+//! formats and [`hist`] the SystemTap histogram layout; [`output`] writes text or JSON lines.
 
 pub mod ast;
 pub mod builtins;

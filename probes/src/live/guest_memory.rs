@@ -41,7 +41,7 @@ fn kernel_root<M: Machine + ?Sized>(machine: &mut M) -> anyhow::Result<(u64, boo
     }
 }
 
-/// Reads kernel virtual memory through the kernel's page tables (see [`kernel_root`]); the
+/// Reads kernel virtual memory through the kernel's page tables (see `kernel_root`); the
 /// guest is stopped.
 ///
 /// # Errors
@@ -59,7 +59,7 @@ pub fn read_kernel<M: Machine + ?Sized>(
 }
 
 /// Writes kernel virtual memory through the kernel's page tables, page by page at the
-/// physical addresses they map to (see [`kernel_root`]); the guest is stopped. Kernel text
+/// physical addresses they map to (see `kernel_root`); the guest is stopped. Kernel text
 /// goes through the splicer, which knows QEMU must see its writes: this is for data (stack
 /// slots, variables).
 ///

@@ -163,7 +163,8 @@ impl GuestSession {
         self.splicer.as_ref().and(self.shared.as_ref())
     }
 
-    /// How many times the guest was stopped since attaching (see [`GdbMachine::stops`]).
+    /// How many times the guest was stopped since attaching (see
+    /// [`exotap_vmm::gdb::GdbMachine::stops`]).
     pub fn stops(&self) -> u64 {
         self.machine.pause_count().unwrap_or(0)
     }

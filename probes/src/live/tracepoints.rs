@@ -4,7 +4,7 @@
 //! A tracepoint's probe point is its iterator `__traceiter_NAME(void *__data, ARGS)`, which
 //! calls every callback registered on it, but only with two or more: since Linux 5.10 a
 //! tracepoint with one callback calls it through a static call, past the iterator. Then the
-//! probe goes into that callback, guarded by its `data` ([`tracepoint_callback`]).
+//! probe goes into that callback, guarded by its `data` (`tracepoint_callback`).
 
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;

@@ -1036,7 +1036,7 @@ impl GdbClient {
     }
 
     /// Writes each `(address, bytes)` in order, as `M` packets sent without waiting for
-    /// each answer: up to [`PIPELINE_WINDOW`] bytes of requests go out in one write, then
+    /// each answer: up to `PIPELINE_WINDOW` bytes of requests go out in one write, then
     /// their answers are read in order. A round trip per packet is what a gdbstub write
     /// costs otherwise, and a batch of splices is thousands of short writes. QEMU handles
     /// the packets one after the other as they arrive, exactly as if each had waited.

@@ -1,6 +1,6 @@
 //! KLAS join points without compiler changes: the instructions that read or write member M of
 //! struct S, or call through a function-pointer member, found from DWARF (parameter and local
-//! locations, types, layouts) and disassembly with register copy propagation ([`flow`]).
+//! locations, types, layouts) and disassembly with register copy propagation (`flow`).
 //!
 //! KLAS (Tokyo Tech) needed a modified gcc to mark member accesses; here a register is known
 //! to point to `struct S` because DWARF says a variable of type `S *` lives in it over that pc
@@ -12,7 +12,7 @@
 //! `guest-images/testprogs/klas.c` with `gcc -g -O2`, runs it and records every executed access
 //! to its struct instances, then prints precision and recall of the static answer. The issue
 //! asked for the run to be in Unicorn; the workspace has no Unicorn binding, and the program is
-//! native x86-64, so the test-only [`tracer`] single-steps it under ptrace instead (same
+//! native x86-64, so the test-only `tracer` single-steps it under ptrace instead (same
 //! observation: which instruction touched which bytes, read or write).
 
 mod facts;

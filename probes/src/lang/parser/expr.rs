@@ -1,4 +1,4 @@
-//! Expressions: precedence climbing over [`BINARY`](super::BINARY), unary operators, primaries.
+//! Expressions: precedence climbing over [`BINARY`], unary operators, primaries.
 
 use super::*;
 

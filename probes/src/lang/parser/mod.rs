@@ -184,7 +184,7 @@ pub fn parse(src: &str, limits: &Limits) -> Result<Script, ParseError> {
     parse_with(src, limits, &Invocation::default())
 }
 
-/// Parses a whole script: tokens, then the [preprocessor](preprocess) (conditionals, macros,
+/// Parses a whole script: tokens, then the preprocessor (conditionals, macros,
 /// script arguments from `inv`), then the grammar; probe aliases are expanded at the end, and
 /// `argc`/`argv` declared when the script names them ([`declare_argv`]).
 ///

@@ -219,8 +219,8 @@ pub fn plan(
 /// ([`crate::live::trap_script`]).
 ///
 /// # Errors
-/// As [`start`] and [`crate::live::trap_script::start`]; with [`CompileMode::Require`], a script of
-/// which some kernel probe does not compile.
+/// As [`crate::live::compiled::start`] and [`crate::live::trap_script::start`]; with
+/// [`CompileMode::Require`], a script of which some kernel probe does not compile.
 pub fn start_script(
     target: &Target,
     image: &KernelImage,

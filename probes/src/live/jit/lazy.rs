@@ -8,7 +8,7 @@ use super::*;
 impl LiveJit {
     /// Lazy translation while the guest runs: takes the guest's stops at stubs (waiting
     /// `wait` for the first, then briefly for more, at most `budget` in all) and serves
-    /// each ([`LiveJit::lazy_stop`]), then lets the guest run again. Nothing without lazy
+    /// each (`LiveJit::lazy_stop`), then lets the guest run again. Nothing without lazy
     /// translation. Returns the stops served.
     ///
     /// # Errors
@@ -39,7 +39,7 @@ impl LiveJit {
     }
 
     /// Serves one stop of the guest that someone else waited for: a breakpoint at an
-    /// armed stub is a lazy-translation stop ([`LiveJit::lazy_stop`]). The guest resumes
+    /// armed stub is a lazy-translation stop (`LiveJit::lazy_stop`). The guest resumes
     /// after any stop but its end; whether it was a lazy-translation stop.
     ///
     /// # Errors

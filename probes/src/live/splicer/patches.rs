@@ -92,10 +92,10 @@ fn rip_mem(addr: u64) -> iced_x86::MemoryOperand {
 /// guest runs: through the shared RAM with the vCPUs running where it has it
 /// ([`crate::rings::drain_concurrent`], which writes nothing into the rings), else every 250
 /// ms for `exotap trace` with the guest stopped for the read, and at removal
-/// ([`Splicer::drain_rings`]). A stopped drain takes the records from where it stopped last up
-/// to the first unfinished one, then zeroes the records it took. A burst of more than `slots`
-/// records between two drains overwrites the oldest ones: those are counted as lost
-/// (overruns).
+/// ([`super::Splicer::drain_rings`]). A stopped drain takes the records from where it stopped
+/// last up to the first unfinished one, then zeroes the records it took. A burst of more
+/// than `slots` records between two drains overwrites the oldest ones: those are counted as
+/// lost (overruns).
 #[derive(Debug, Clone, Copy)]
 pub struct Rings {
     /// The rings (crate::rings: the protocol `trace` shares with compiled probes).

@@ -2,7 +2,7 @@
 //! that run on the host, at one stop of the guest per hit.
 //!
 //! Each point gets a gdbstub software breakpoint (QEMU keeps it outside guest memory). On a
-//! hit the host runs the probe body on a [`LiveContext`] (registers, arguments named by BTF,
+//! hit the host runs the probe body on a `LiveContext` (registers, arguments named by BTF,
 //! member chains typed by BTF, the current task, kernel memory), then gets the vCPU past the
 //! probed instruction with the breakpoint still in place: relative branches, calls and
 //! returns are emulated by the host, anything else resumes through an out-of-line copy in the
