@@ -1,8 +1,9 @@
 //! End-to-end: a probe script runs against the live Debian guest (`exotap boot --script`),
 //! with host-evaluated breakpoint probes (`--compile never`: this path is the oracle the
-//! compiled one is checked against in tests/compiled_qemu.rs). Oracles: the workload's own call counts, and a kprobe
-//! the guest arms on the same function through its own kprobe_events (which also turns the
-//! entry nop5 into an ftrace call under the breakpoint, so the out-of-line copy must follow).
+//! compiled one is checked against in tests/compiled_qemu/). Oracles: the workload's own call
+//! counts, and a kprobe the guest arms on the same function through its own kprobe_events
+//! (which also turns the entry nop5 into an ftrace call under the breakpoint, so the
+//! out-of-line copy must follow).
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 

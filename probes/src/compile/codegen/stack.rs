@@ -11,7 +11,7 @@
 //! return address the trampoline put back and the stack above it) and calls the kernel's
 //! own `stack_trace_save_regs(regs, store, n, 0)`: the guest's ORC unwinder, the one behind
 //! `/proc/PID/stack`, walks from the probe point as exotap's host unwinder walks from a
-//! stopped vCPU's registers, frame for frame (tests/compiled_qemu.rs compares the two).
+//! stopped vCPU's registers, frame for frame (tests/compiled_qemu/stacks.rs compares the two).
 //! Exotap's patch code has no ORC entries, but the walk starts at the probed code and
 //! never passes through it. The pcs become the interpreter's text (`0x...` blank
 //! separated, cut at MAXSTRINGLEN), a string built in the guest ([`super::strings`]).

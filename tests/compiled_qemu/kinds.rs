@@ -1,0 +1,251 @@
+//! Probe and function kinds beyond kprobes: `symname()`, `timer.profile`, tracepoints, member
+//! chains and casts, a member chain through NULL.
+
+use super::*;
+
+/// `symname()` compiles: the guest kernel's own `kallsyms_lookup` names the address in the
+/// guest, and the host names it from the image's symbols (the oracle). In check mode, on the
+/// same hits: the probe's own address and one byte past it, 0 and a data address (they print
+/// as themselves), and the `read_iter` of the files the workload reads (their names are the
+/// kernel's own: mm/shmem.c for the workload's file in the initramfs's tmpfs,
+/// drivers/char/mem.c for /dev/zero). Then every pc a tick interrupted (`timer.profile`,
+/// which check mode does not run on the host) keeps its name from the guest, and the `end`
+/// probe, on the host, names the same pc: the two must agree.
+#[test]
+fn symname_compiles_and_names_what_the_host_names() {
+    if !have_qemu("symname_compiles_and_names_what_the_host_names") {
+        return;
+    }
+    let script = r#"global n, ops
+      probe kernel.function("vfs_read") {
+        if (execname() == "syscall-loop") {
+          if (n++ < 3)
+            printf("%s|%s|%s|%s\n", symname(addr()), symname(addr() + 1), symname(0), symname($file->f_op))
+          ops[symname($file->f_op->read_iter)]++
+        }
+      }
+      probe end { foreach (s in ops) printf("%s %d\n", s, ops[s]) }"#;
+    let (code, out, err, con) = boot(script, "check", "syscall-loop 30 pread read");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(printed_the_same(&err), "{ctx}");
+    let printed = script_output(&out);
+    assert!(
+        printed.contains("vfs_read|vfs_read|0x0|0xffffffff"),
+        "{ctx}"
+    );
+    assert!(
+        printed.contains("shmem_file_read_iter 30\n") && printed.contains("read_iter_zero 30\n"),
+        "{ctx}"
+    );
+    assert_no_oops(&con);
+
+    let ticks = r#"global names
+      probe timer.profile { if (!user_mode()) names[addr()] = symname(addr()) }
+      probe end { foreach (pc in names) printf("%s %s\n", names[pc], symname(pc)) }"#;
+    let (code, out, err, con) = boot(ticks, "require", "syscall-loop 5000; sleep 0.2");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let printed = script_output(&out);
+    let lines: Vec<&str> = printed.lines().filter(|l| !l.is_empty()).collect();
+    let differ: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.split_once(' ').is_none_or(|(guest, host)| guest != host))
+        .collect();
+    let named = lines.iter().filter(|l| !l.starts_with("0x")).count();
+    eprintln!(
+        "{} pcs a tick interrupted, {named} named, {} named differently in the guest",
+        lines.len(),
+        differ.len()
+    );
+    assert!(differ.is_empty(), "{differ:?}\n{ctx}");
+    assert!(named >= 5, "{ctx}");
+    assert_no_oops(&con);
+}
+
+#[test]
+fn compiled_timer_profile_samples_every_tick_with_the_interrupted_pc() {
+    if !have_qemu("compiled_timer_profile_samples_every_tick_with_the_interrupted_pc") {
+        return;
+    }
+    // Every tick runs update_process_times: the guest's own kprobe on it counts the samples.
+    // A shell loop spends its ticks in user mode, syscall-loop in the kernel: both kinds are
+    // sampled, each pc on its side of the address space (kernel pcs are negative longs).
+    let job = "T=/sys/kernel/tracing\n\
+               echo 'p:exotap/k0 update_process_times' >> $T/kprobe_events\n\
+               echo 1 > $T/events/exotap/enable\n\
+               exotap_wait attach\n\
+               sh -c 'i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done'\n\
+               syscall-loop 20000\n\
+               exotap_wait detach\n\
+               echo 0 > $T/events/exotap/enable\n\
+               echo > $T/kprobe_events\n";
+    let script = r#"global n, user, kernel, bad, by
+      probe timer.profile {
+        n++
+        pc = addr()
+        if (user_mode()) { user++; if (pc <= 0 || pc >= 0x800000000000) bad++ }
+        else { kernel++; if (pc >= 0) bad++ }
+        by[execname()]++
+      }
+      probe end {
+        printf("n %d user %d kernel %d bad %d\n", n, user, kernel, bad)
+        foreach (e in by- limit 4) printf("%s %d\n", e, by[e])
+      }"#;
+
+    let (code, out, err, transcript) = boot_compared(script, job, "500");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let printed = script_output(&out);
+    let totals: Vec<u64> = printed
+        .lines()
+        .find(|l| l.starts_with("n "))
+        .unwrap_or_else(|| panic!("no totals: {ctx}"))
+        .split_whitespace()
+        .skip(1)
+        .step_by(2)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let [n, user, kernel, bad] = totals[..] else {
+        panic!("totals: {ctx}")
+    };
+    let ticks = host_result(&err, "kprobe.update_process_times")
+        .and_then(|k| k.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no kprobe count: {ctx}"));
+    eprintln!("timer.profile: {n} samples ({user} user, {kernel} kernel) = {ticks} ticks");
+    assert_eq!(n, ticks, "samples vs the guest's ticks: {ctx}");
+    assert!(user > 0 && kernel > 0 && user + kernel == n, "{ctx}");
+    assert_eq!(bad, 0, "{ctx}");
+    assert!(
+        printed.contains("syscall-loop ") && printed.contains("sh "),
+        "{ctx}"
+    );
+    assert_no_oops(&transcript);
+}
+
+#[test]
+fn tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hits() {
+    if !have_qemu("tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hits")
+    {
+        return;
+    }
+    // sched_switch(preempt, prev, next, prev_state): the task switched out is the one
+    // running the probe, the one switched in another; counted per pair of names and printed
+    // for syscall-loop, compiled and host-evaluated on the same hits (check mode).
+    let script = r#"global n, own, other, pairs
+      probe kernel.trace("sched_switch") {
+        n++
+        if ($prev->pid == tid()) own++
+        if ($next != $prev) other++
+        if (execname() == "syscall-loop") pairs[kernel_string($prev->comm), $next->pid > 0]++
+      }
+      probe end {
+        printf("own %d other %d of %d\n", own, other, n)
+        foreach ([p, x] in pairs) printf("%s %d %d\n", p, x, pairs[p, x])
+      }"#;
+    let on = "T=/sys/kernel/tracing; [ -d $T/events ] || mount -t tracefs none $T\n\
+              echo 1 > $T/events/sched/sched_switch/enable\n\
+              exotap_wait attach\n\
+              syscall-loop 20; sleep 0.1; syscall-loop 20\n\
+              exotap_wait detach\n";
+    let (code, out, err, con) = boot_in_job(script, "check", on, "400");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(printed_the_same(&err), "{ctx}");
+    let printed = script_output(&out);
+    let (own, other, n) = printed
+        .lines()
+        .find_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            match w.as_slice() {
+                ["own", own, "other", other, "of", n] => Some((
+                    own.parse::<u64>().ok()?,
+                    other.parse::<u64>().ok()?,
+                    n.parse::<u64>().ok()?,
+                )),
+                _ => None,
+            }
+        })
+        .unwrap_or_else(|| panic!("no totals: {ctx}"));
+    assert!(n > 0 && own == n && other == n, "{ctx}");
+    assert!(printed.contains("syscall-loop 1 "), "{ctx}");
+    assert_no_oops(&con);
+
+    // Off in the guest: refused before anything goes in, naming the tracepoint.
+    let off = "exotap_wait attach\nsyscall-loop 5\nexotap_wait detach\n";
+    let (code, out, err, _) = boot_in_job(script, "require", off, "400");
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_ne!(code, 0, "{ctx}");
+    assert!(
+        err.contains("kernel.trace(\"sched_switch\"): its static key is off"),
+        "{ctx}"
+    );
+}
+
+/// Member chains and `@cast` on both paths; syscall-loop creates its 18-byte file
+/// `/tmp/syscall-loop.small` (a name of 18 bytes) with mode 0644, opens it for writing once
+/// and for reading 61 times, and preads 64 bytes from it 60 times.
+const CHAINS: &str = r#"global sizes, names, modes, opened
+  probe kernel.function("vfs_read") {
+    if (execname() != "syscall-loop") next
+    sizes[$file->f_inode->i_size] <<< $count
+    names[$file->f_path->dentry->d_name->len]++
+    modes[@cast($file, "struct file")->f_inode->i_mode & 511] += $count
+  }
+  probe kernel.function("do_filp_open").return {
+    if (execname() == "syscall-loop") opened[$return->f_flags & 3]++
+  }
+  probe end {
+    foreach (s in sizes) printf("size %d: %d reads of %d bytes\n", s, @count(sizes[s]), @sum(sizes[s]))
+    foreach (l in names) printf("name of %d bytes: %d\n", l, names[l])
+    foreach (m in modes) printf("mode %d: %d\n", m, modes[m])
+    foreach (f in opened) printf("opened with access mode %d: %d\n", f, opened[f])
+  }"#;
+
+#[test]
+fn member_chains_and_casts_print_the_same_compiled_and_host_evaluated() {
+    if !have_qemu("member_chains_and_casts_print_the_same_compiled_and_host_evaluated") {
+        return;
+    }
+    let (code_c, out_c, err_c, con_c) = boot(CHAINS, "require", "syscall-loop 60");
+    let (code_h, out_h, err_h, _) = boot(CHAINS, "never", "syscall-loop 60");
+
+    let ctx = format!("compiled stderr:\n{err_c}\nhost stderr:\n{err_h}");
+    assert_eq!((code_c, code_h), (0, 0), "{ctx}");
+    let out = script_output(&out_c);
+    for line in [
+        "size 18: 60 reads of 3840 bytes\n",
+        "name of 18 bytes: 60\n",
+        "mode 420: 3840\n",
+        "opened with access mode 1: 1\n",
+    ] {
+        assert!(out.contains(line), "{line} missing from:\n{out}\n{ctx}");
+    }
+    assert_eq!(out, script_output(&out_h), "{ctx}");
+    assert_no_oops(&con_c);
+}
+
+#[test]
+fn a_host_evaluated_member_chain_through_null_is_a_probe_error_and_the_guest_lives() {
+    if !have_qemu("a_host_evaluated_member_chain_through_null_is_a_probe_error_and_the_guest_lives")
+    {
+        return;
+    }
+    let script = r#"global x; probe kernel.syscall("getpid") { if (execname() == "syscall-loop") x = @cast(0, "struct file")->f_inode->i_ino }"#;
+
+    let (code, out, err, console) = boot(script, "never", "syscall-loop 5");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 1, "a probe error is a script error: {ctx}");
+    assert!(
+        err.contains("kernel read fault in @cast(..., \"struct file\")")
+            && err.contains("cannot read guest memory at 0x"),
+        "{ctx}"
+    );
+    assert!(
+        out.contains("EXOTAP-DONE 0"),
+        "the guest's job finished: {ctx}"
+    );
+    assert_no_oops(&console);
+}
