@@ -82,7 +82,7 @@ pub struct BootArgs {
     pub count_entry: Option<String>,
     /// kvm backend: serve the guest's control interface on a unix socket at PATH while the VMM
     /// runs, for `exotap run|count|trace|... --target vmm:PATH` from another exotap process
-    /// (compiled probes and splices; the protocol is in vmm/src/control_socket.rs). The socket
+    /// (compiled probes and splices; the protocol is in vmm/src/control_socket/mod.rs). The socket
     /// appears at EXOTAP-READY. A client that ends with its probes in (killed) has them
     /// removed by the VMM at once.
     #[arg(long, value_name = "PATH", conflicts_with_all = ["script", "script_text", "count_entry", "gdb", "gdbstub"])]

@@ -1,4 +1,4 @@
-//! The VMM control socket (vmm/src/control_socket.rs) end to end on a real kernel, on a host
+//! The VMM control socket (vmm/src/control_socket/) end to end on a real kernel, on a host
 //! without hardware KVM: the test serves a QEMU guest's gdbstub machine on a control socket,
 //! as `exotap boot --backend kvm --control-socket` serves its VMM, and a separate exotap runs a
 //! compiled script against it with `--target vmm:PATH`: survey, plan, install, drain and removal
