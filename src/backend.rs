@@ -3,6 +3,7 @@
 
 use clap::ValueEnum;
 use exotap_vmm::host::{self, Backend, BackendRequest};
+use exotap_vmm::qemu::TcgThreads;
 
 /// Which machine runs the guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -22,6 +23,25 @@ impl From<BackendChoice> for BackendRequest {
             BackendChoice::Auto => Self::Auto,
             BackendChoice::Kvm => Self::Kvm,
             BackendChoice::Qemu => Self::Qemu,
+        }
+    }
+}
+
+/// `--tcg-threads single|multi`: how QEMU's TCG runs the vCPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TcgThreadsChoice {
+    /// One host thread runs every vCPU in turn: the guest may patch its own text safely.
+    Single,
+    /// A host thread per vCPU: faster on multi-threaded workloads, but QEMU 7.2 crashes a
+    /// guest that patches its own hot text (its kprobes, ftrace, static keys) meanwhile.
+    Multi,
+}
+
+impl From<TcgThreadsChoice> for TcgThreads {
+    fn from(choice: TcgThreadsChoice) -> Self {
+        match choice {
+            TcgThreadsChoice::Single => Self::Single,
+            TcgThreadsChoice::Multi => Self::Multi,
         }
     }
 }

@@ -17,7 +17,7 @@ use exotap_vmm::kvm::{self, KvmConfig, KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::{self, Accel, PhaseHook, QemuConfig, RunOutcome, Timeouts};
 
 use crate::attach::TargetArgs;
-use crate::backend::BackendChoice;
+use crate::backend::{BackendChoice, TcgThreadsChoice};
 use crate::kernel_image::{ImageArgs, KernelImage};
 use exotap_probes::live::sampling::LiveStacks;
 
@@ -54,6 +54,9 @@ pub struct GuestArgs {
     /// Booting: number of vCPUs.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub cpus: u32,
+    /// Booting, QEMU TCG: how many host threads run the vCPUs.
+    #[arg(long, value_enum, default_value_t = TcgThreadsChoice::Single, value_name = "MODE")]
+    pub tcg_threads: TcgThreadsChoice,
     #[command(flatten)]
     pub image: ImageArgs,
 }
@@ -109,6 +112,7 @@ impl GuestArgs {
                 Accel::Tcg
             };
             config.cpus = self.cpus;
+            config.tcg_threads = self.tcg_threads.into();
             let socket = work.path().join("gdb.sock");
             config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
             BootConfig::Qemu {

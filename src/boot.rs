@@ -14,7 +14,7 @@ use exotap_vmm::qemu::{
 };
 
 use crate::attach;
-use crate::backend::BackendChoice;
+use crate::backend::{BackendChoice, TcgThreadsChoice};
 use crate::kernel_image::KernelImage;
 use exotap_probes::lang::check::Program;
 use exotap_probes::lang::driver::{compile_with, stop_on_ctrl_c, ScriptSource};
@@ -68,6 +68,9 @@ pub struct BootArgs {
     /// Accelerator.
     #[arg(long, value_enum, default_value_t = AccelChoice::Auto)]
     pub accel: AccelChoice,
+    /// QEMU TCG: how many host threads run the vCPUs.
+    #[arg(long, value_enum, default_value_t = TcgThreadsChoice::Single, value_name = "MODE")]
+    pub tcg_threads: TcgThreadsChoice,
     /// The machine: exotap's own KVM VMM or QEMU. `auto` takes kvm where /dev/kvm is hardware
     /// virtualization, qemu otherwise. --gdb and --gdbstub need qemu; so does a --script
     /// whose kernel probes do not all compile (kvm runs compiled probes only).
@@ -597,6 +600,7 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
     config.memory_mib = args.memory;
     config.cpus = args.cpus;
     config.accel = pick_accel(args.accel)?;
+    config.tcg_threads = args.tcg_threads.into();
     config.patch_heap = PatchHeapRange::place(args.memory << 20, args.heap_size << 20)?;
     config.hold = args.hold.clone();
     config.kaslr = !args.nokaslr;

@@ -847,6 +847,7 @@ fn run_with(
         Accel::Tcg
     };
     config.cpus = live.cpus;
+    config.tcg_threads = live.tcg_threads.into();
     config.patch_heap = PatchHeapRange::place(config.memory_mib << 20, 64 << 20)?;
     let socket = work.path().join("gdb.sock");
     config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));

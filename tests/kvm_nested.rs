@@ -384,6 +384,15 @@ fn after<'a>(console: &'a str, prefix: &str) -> Option<&'a str> {
         .find_map(|l| l.find(prefix).map(|at| l[at + prefix.len()..].trim_end()))
 }
 
+/// A failed assertion's context: the outer console's tail, then one engine run's own lines
+/// last, next to the assertion (CI's summary keeps a message's start and end).
+fn run_context(console_tail: &str, label: &str, lines: &[&str]) -> String {
+    format!(
+        "{console_tail}\n== {label}, its own lines ==\n{}",
+        lines.join("\n")
+    )
+}
+
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(60)..].join("\n")
@@ -496,6 +505,10 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     config.cpu_model = "max,+svm".into();
     config.memory_mib = 2048;
     config.cpus = 2;
+    // A thread per vCPU: with exotap's default (one TCG thread for both), the inner guest
+    // printed nothing in 300 s (1 run of 1); in the 3 runs before it, with a thread per
+    // vCPU, every inner guest booted.
+    config.tcg_threads = qemu::TcgThreads::Multi;
     config.patch_heap = qemu::PatchHeapRange::place(2048 << 20, 64 << 20).unwrap();
     let timeouts = Timeouts {
         boot: Duration::from_secs(180),
@@ -626,7 +639,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // `exotap count --backend kvm`: the engine's counter equals the workload's calls, the
     // vCPUs were never paused while the splice was in, and the text came back.
     let count = tagged(&console, "count");
-    let count_ctx = format!("count run:\n{}\n{ctx}", count.join("\n"));
+    let count_ctx = run_context(&ctx, "count run", &count);
     assert_eq!(
         after(&console, "EXOTAP-RESULT count.rc="),
         Some("0"),
@@ -655,7 +668,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // after removal the real parent: the shell that forks the pipeline, as /proc shows it for
     // a process in the same place (`cut`'s ppid).
     let nullify = tagged(&console, "nullify");
-    let nullify_ctx = format!("nullify run:\n{}\n{ctx}", nullify.join("\n"));
+    let nullify_ctx = run_context(&ctx, "nullify run", &nullify);
     let value = |key: &str| {
         let prefix = format!("inner:RESULT {key}=");
         nullify
@@ -694,7 +707,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // calls exactly, its streamed records all arrived, and nothing paused the vCPUs between
     // install and removal.
     let script = tagged(&console, "script");
-    let script_ctx = format!("script run:\n{}\n{ctx}", script.join("\n"));
+    let script_ctx = run_context(&ctx, "script run", &script);
     assert_eq!(
         after(&console, "EXOTAP-RESULT script.rc="),
         Some("0"),
@@ -721,7 +734,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
 
     // `exotap time --backend kvm`: every call of the workload timed, no pause, text identical.
     let time = tagged(&console, "time");
-    let time_ctx = format!("time run:\n{}\n{ctx}", time.join("\n"));
+    let time_ctx = run_context(&ctx, "time run", &time);
     assert_eq!(
         after(&console, "EXOTAP-RESULT time.rc="),
         Some("0"),
@@ -744,7 +757,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // `exotap replace --backend kvm`: getppid runs getpid's body while the splice is in (the
     // loop's own pid, as its getpid says), the real parent after it.
     let replaced = tagged(&console, "replace");
-    let replace_ctx = format!("replace run:\n{}\n{ctx}", replaced.join("\n"));
+    let replace_ctx = run_context(&ctx, "replace run", &replaced);
     let value = |key: &str| {
         let prefix = format!("inner:RESULT {key}=");
         replaced
@@ -783,7 +796,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // guest memory are as many as the guest lists itself; 1000 splices in one batch, hit while
     // in, the text identical after.
     let report = tagged(&console, "report");
-    let report_ctx = format!("splice-report run:\n{}\n{ctx}", report.join("\n"));
+    let report_ctx = run_context(&ctx, "splice-report run", &report);
     assert_eq!(
         after(&console, "EXOTAP-RESULT report.rc="),
         Some("0"),
@@ -819,7 +832,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // `exotap trace --backend kvm`: every entry and return of the workload's calls streamed
     // while the guest ran, none lost, no pause, the text identical after.
     let trace = tagged(&console, "trace");
-    let trace_ctx = format!("trace run:\n{}\n{ctx}", trace.join("\n"));
+    let trace_ctx = run_context(&ctx, "trace run", &trace);
     let result = |key: &str| after(&console, &format!("EXOTAP-RESULT {key}=")).map(str::to_owned);
     assert_eq!(result("trace.rc").as_deref(), Some("0"), "{trace_ctx}");
     assert_eq!(result("trace.entries"), Some(calls.clone()), "{trace_ctx}");
@@ -852,7 +865,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // block of getpid runs once a call of the workload's loop; the text is identical after
     // removal and no vCPU or stack points into the cache.
     let blocks = tagged(&console, "blocks");
-    let blocks_ctx = format!("count --blocks run:\n{}\n{ctx}", blocks.join("\n"));
+    let blocks_ctx = run_context(&ctx, "count --blocks run", &blocks);
     assert_eq!(
         after(&console, "EXOTAP-RESULT blocks.rc="),
         Some("0"),
@@ -884,7 +897,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // `exotap profile --backend kvm`: each sample pauses the VMM's vCPU threads and unwinds
     // from the registers KVM gives; the samples are the workload's, the guest ends its job.
     let prof = tagged(&console, "profile");
-    let prof_ctx = format!("profile run:\n{}\n{ctx}", prof.join("\n"));
+    let prof_ctx = run_context(&ctx, "profile run", &prof);
     assert_eq!(
         after(&console, "EXOTAP-RESULT profile.rc="),
         Some("0"),
@@ -907,7 +920,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // `exotap backtrace --backend kvm`: a task asleep in nanosleep unwinds through
     // hrtimer_nanosleep, as the guest's own /proc/PID/stack says; kthreadd to its end.
     let bt = tagged(&console, "stacks");
-    let bt_ctx = format!("backtrace run:\n{}\n{ctx}", bt.join("\n"));
+    let bt_ctx = run_context(&ctx, "backtrace run", &bt);
     let bt_value = |key: &str| {
         let prefix = format!("inner:RESULT {key}=");
         bt.iter()
@@ -949,9 +962,9 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     let target = tagged(&console, "target");
     let target_vmm = tagged(&console, "target.vmm");
     let target_ctx = format!(
-        "client:\n{}\nVMM:\n{}\n{ctx}",
-        target.join("\n"),
-        target_vmm.join("\n")
+        "{}\n{}",
+        run_context(&ctx, "VMM", &target_vmm),
+        run_context("", "client", &target)
     );
     assert_eq!(
         after(&console, "EXOTAP-RESULT target.client.rc="),
@@ -1014,9 +1027,9 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     let recover = tagged(&console, "recover");
     let recover_vmm = tagged(&console, "recover.vmm");
     let recover_ctx = format!(
-        "client:\n{}\nVMM:\n{}\n{ctx}",
-        recover.join("\n"),
-        recover_vmm.join("\n")
+        "{}\n{}",
+        run_context(&ctx, "VMM", &recover_vmm),
+        run_context("", "client", &recover)
     );
     assert_eq!(
         after(&console, "EXOTAP-RESULT recover.client.rc="),

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::backend::BackendChoice;
+use crate::backend::{BackendChoice, TcgThreadsChoice};
 use crate::kernel_image::ImageArgs;
 
 /// How to reach the guest: a running one (`--target`) or one booted for the run.
@@ -57,6 +57,9 @@ pub struct LiveArgs {
     /// Booting: number of vCPUs.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub cpus: u32,
+    /// Booting, QEMU TCG: how many host threads run the vCPUs.
+    #[arg(long, value_enum, default_value_t = TcgThreadsChoice::Single, value_name = "MODE")]
+    pub tcg_threads: TcgThreadsChoice,
     /// Booting: the machine. `kvm` is exotap's own VMM on /dev/kvm (counters, rings and maps
     /// read straight from guest memory, no stop of the guest between install and removal);
     /// `qemu` is QEMU over its gdbstub; `auto` takes kvm where /dev/kvm is hardware
