@@ -48,6 +48,9 @@ pub struct GuestArgs {
     /// Booting: copy the serial console to FILE instead of standard error.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
+    /// Booting: seconds until the guest must print EXOTAP-READY.
+    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+    pub boot_timeout: u64,
     /// Booting: seconds until the guest must finish.
     #[arg(long, default_value_t = 600, value_name = "SECONDS")]
     pub timeout: u64,
@@ -127,6 +130,7 @@ impl GuestArgs {
             work,
             config,
             console: self.console.clone(),
+            boot_timeout: self.boot_timeout,
             timeout: self.timeout,
         })
     }
@@ -209,6 +213,7 @@ pub struct BootPlan {
     work: tempfile::TempDir,
     config: BootConfig,
     console: Option<PathBuf>,
+    boot_timeout: u64,
     timeout: u64,
 }
 
@@ -227,7 +232,7 @@ impl BootPlan {
             None => Box::new(std::io::stderr()),
         };
         let timeouts = Timeouts {
-            boot: Duration::from_secs(120),
+            boot: Duration::from_secs(self.boot_timeout),
             total: Duration::from_secs(self.timeout),
         };
         let outcome = match self.config {

@@ -210,9 +210,10 @@ tagged blocks /bin/exotap count --blocks --backend kvm --bzimage /kvm/vmlinuz \
     --initrd /kvm/inner.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
     --depth 1 --format json __x64_sys_getpid __x64_sys_getppid
 tagged profile /bin/exotap profile --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --timeout 600 --hz 20 --format json
+    --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 --hz 20 \
+    --format json
 tagged stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/backtrace.cpio.gz --cpus {inner_cpus} --timeout 600
+    --initrd /kvm/backtrace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600
 # trace with streaming: 40000 record lines go to a file in the outer guest, not through its serial
 # console (under TCG that console is the slow part); counted here, a sample printed and timed.
 s0=$(cut -d' ' -f1 /proc/uptime)
