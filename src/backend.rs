@@ -1,7 +1,7 @@
 //! `--backend auto|kvm|qemu`: which machine a command runs on (the choice itself is
 //! [`exotap_vmm::host::choose`], tested there).
 
-use clap::ValueEnum;
+use clap::{Args, ValueEnum};
 use exotap_vmm::host::{self, Backend, BackendRequest};
 use exotap_vmm::qemu::TcgThreads;
 
@@ -44,6 +44,24 @@ impl From<TcgThreadsChoice> for TcgThreads {
             TcgThreadsChoice::Multi => Self::Multi,
         }
     }
+}
+
+/// The machine a command boots: its deadlines, vCPUs and TCG threads (`boot` has its own,
+/// with more).
+#[derive(Debug, Args, Clone)]
+pub struct MachineArgs {
+    /// Booting: seconds until the guest must print EXOTAP-READY.
+    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+    pub boot_timeout: u64,
+    /// Booting: seconds until the guest must finish.
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub timeout: u64,
+    /// Booting: number of vCPUs.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub cpus: u32,
+    /// Booting, QEMU TCG: how many host threads run the vCPUs.
+    #[arg(long, value_enum, default_value_t = TcgThreadsChoice::Single, value_name = "MODE")]
+    pub tcg_threads: TcgThreadsChoice,
 }
 
 /// The backend for `choice` on this host; `needs_qemu` names what the command asks for that

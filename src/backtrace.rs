@@ -17,7 +17,7 @@ use exotap_vmm::kvm::{self, KvmConfig, KvmMachine, KvmPhaseHook};
 use exotap_vmm::qemu::{self, Accel, PhaseHook, QemuConfig, RunOutcome, Timeouts};
 
 use crate::attach::TargetArgs;
-use crate::backend::{BackendChoice, TcgThreadsChoice};
+use crate::backend::{BackendChoice, MachineArgs};
 use crate::kernel_image::{ImageArgs, KernelImage};
 use exotap_probes::live::sampling::LiveStacks;
 
@@ -48,18 +48,8 @@ pub struct GuestArgs {
     /// Booting: copy the serial console to FILE instead of standard error.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
-    /// Booting: seconds until the guest must print EXOTAP-READY.
-    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
-    pub boot_timeout: u64,
-    /// Booting: seconds until the guest must finish.
-    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
-    pub timeout: u64,
-    /// Booting: number of vCPUs.
-    #[arg(long, default_value_t = 2, value_name = "N")]
-    pub cpus: u32,
-    /// Booting, QEMU TCG: how many host threads run the vCPUs.
-    #[arg(long, value_enum, default_value_t = TcgThreadsChoice::Single, value_name = "MODE")]
-    pub tcg_threads: TcgThreadsChoice,
+    #[command(flatten)]
+    pub machine: MachineArgs,
     #[command(flatten)]
     pub image: ImageArgs,
 }
@@ -105,7 +95,7 @@ impl GuestArgs {
         };
         let config = if backend == Backend::Kvm {
             let mut config = KvmConfig::new(image.path.clone(), initrd)?;
-            config.cpus = self.cpus;
+            config.cpus = self.machine.cpus;
             BootConfig::Kvm(config)
         } else {
             let mut config = QemuConfig::new(image.path.clone(), initrd)?;
@@ -114,8 +104,8 @@ impl GuestArgs {
             } else {
                 Accel::Tcg
             };
-            config.cpus = self.cpus;
-            config.tcg_threads = self.tcg_threads.into();
+            config.cpus = self.machine.cpus;
+            config.tcg_threads = self.machine.tcg_threads.into();
             let socket = work.path().join("gdb.sock");
             config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));
             BootConfig::Qemu {
@@ -130,8 +120,8 @@ impl GuestArgs {
             work,
             config,
             console: self.console.clone(),
-            boot_timeout: self.boot_timeout,
-            timeout: self.timeout,
+            boot_timeout: self.machine.boot_timeout,
+            timeout: self.machine.timeout,
         })
     }
 }

@@ -820,12 +820,12 @@ fn run_with(
         None => Box::new(std::io::stderr()),
     };
     let timeouts = Timeouts {
-        boot: Duration::from_secs(live.boot_timeout),
-        total: Duration::from_secs(live.timeout),
+        boot: Duration::from_secs(live.machine.boot_timeout),
+        total: Duration::from_secs(live.machine.timeout),
     };
     if backend == Backend::Kvm {
         let mut config = KvmConfig::new(image.path.clone(), initrd)?;
-        config.cpus = live.cpus;
+        config.cpus = live.machine.cpus;
         let heap = (config.patch_heap.base, config.patch_heap.size);
         let mut hook = KvmSpliceHook {
             verb: make_run(image, heap),
@@ -846,8 +846,8 @@ fn run_with(
     } else {
         Accel::Tcg
     };
-    config.cpus = live.cpus;
-    config.tcg_threads = live.tcg_threads.into();
+    config.cpus = live.machine.cpus;
+    config.tcg_threads = live.machine.tcg_threads.into();
     config.patch_heap = PatchHeapRange::place(config.memory_mib << 20, 64 << 20)?;
     let socket = work.path().join("gdb.sock");
     config.gdbstub = Some(format!("unix:{},server=on,wait=off", socket.display()));

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::backend::{BackendChoice, TcgThreadsChoice};
+use crate::backend::{BackendChoice, MachineArgs};
 use crate::kernel_image::ImageArgs;
 
 /// How to reach the guest: a running one (`--target`) or one booted for the run.
@@ -48,18 +48,8 @@ pub struct LiveArgs {
     /// Booting: copy the serial console to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
-    /// Booting: seconds until the guest must print EXOTAP-READY.
-    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
-    pub boot_timeout: u64,
-    /// Booting: seconds until the guest must finish.
-    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
-    pub timeout: u64,
-    /// Booting: number of vCPUs.
-    #[arg(long, default_value_t = 2, value_name = "N")]
-    pub cpus: u32,
-    /// Booting, QEMU TCG: how many host threads run the vCPUs.
-    #[arg(long, value_enum, default_value_t = TcgThreadsChoice::Single, value_name = "MODE")]
-    pub tcg_threads: TcgThreadsChoice,
+    #[command(flatten)]
+    pub machine: MachineArgs,
     /// Booting: the machine. `kvm` is exotap's own VMM on /dev/kvm (counters, rings and maps
     /// read straight from guest memory, no stop of the guest between install and removal);
     /// `qemu` is QEMU over its gdbstub; `auto` takes kvm where /dev/kvm is hardware
