@@ -39,20 +39,27 @@ pub fn entry_value_offset(k: usize) -> i32 {
 
 /// Slots tried after the hashed one.
 pub const PROBE_SLOTS: u32 = 8;
-/// Bytes per slot: key (stack slot address), original return address, entry TSC, the entry's
-/// argument registers (rdi, rsi, rdx, rcx, r8, r9) from [`SLOT_ARGS`], then the entry's
-/// `@entry(...)` values.
-pub const SLOT: u64 = 128;
+/// Bytes per slot (a power of two): key (stack slot address), original return address, entry
+/// TSC, the trampoline the swap wrote ([`SLOT_TRAMPOLINE`]), the entry's argument registers
+/// (rdi, rsi, rdx, rcx, r8, r9) from [`SLOT_ARGS`], the `@entry(...)` values' errors and the
+/// values, up to [`SLOT_END`].
+pub const SLOT: u64 = 256;
+/// Offset of the trampoline the call's swap wrote: with tail calls several calls share one
+/// stack slot ([`emit_swap`]), and each trampoline finds its own call by it.
+pub const SLOT_TRAMPOLINE: i32 = 24;
 /// Offset of the entry's argument registers in a slot.
-pub const SLOT_ARGS: i32 = 24;
+pub const SLOT_ARGS: i32 = 32;
 /// Most words of `@entry(...)` values (of anything but a parameter) one site's return
 /// bodies read: the slot's last 7 words less the one that keeps, a byte per value, why
 /// computing it failed ([`super::codegen::EntryError`]).
 pub const ENTRY_VALUES: usize = 6;
+/// Where a slot's used bytes end: the argument registers, the errors word, the values.
+pub const SLOT_END: i32 = SLOT_ARGS + 8 * (ARGS.len() + 1 + ENTRY_VALUES) as i32;
+const _: () = assert!(SLOT_END as u64 <= SLOT);
 /// Bytes a return trampoline takes below `r15`: an 8-byte pad, then the slot from
 /// [`SLOT_ARGS`] on (the entry's argument registers, the `@entry(...)` values' errors and
 /// the values).
-pub const ENTRY_ARGS: i32 = SLOT as i32 - SLOT_ARGS + 8;
+pub const ENTRY_ARGS: i32 = SLOT_END - SLOT_ARGS + 8;
 /// Bytes of the table of calls in flight.
 pub const INFLIGHT_BYTES: u64 = (INFLIGHT + PROBE_SLOTS as u64) * SLOT;
 /// Spins on a slot another writer holds before an update is dropped.
@@ -88,30 +95,66 @@ pub fn emit_inflight_hash(a: &mut CodeAssembler, table: u64) -> Result<(), IcedE
     a.add(rcx, rax)
 }
 
-/// Claims a slot of the table of calls in flight for the return-address slot at `rsi` (or
-/// takes back the one a call through the same stack slot left when it never returned), keeps
-/// the original return address and the entry TSC there and swaps in `trampoline`; falls
-/// through with rcx = the slot and rax = the TSC. A full table counts a miss at `misses`,
-/// leaves the call alone and jumps to `missed`. Clobbers rax, rcx, rdx and the flags.
+/// What a return-address swap needs: the table of calls in flight, its miss counter, the
+/// trampoline it swaps in, and the patch heap's range (a return address inside it is a swap
+/// already made, or a return into patch code: never the stale address of a dead call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReturnSwap {
+    /// The table of calls in flight.
+    pub table: u64,
+    /// Its miss counter (a full table, or a call already in its own tail chain).
+    pub misses: u64,
+    /// The trampoline this site swaps in.
+    pub trampoline: u64,
+    /// The patch heap's virtual range, start and end.
+    pub heap: (u64, u64),
+}
+
+/// Claims a slot of the table of calls in flight for the return-address slot at `rsi`, keeps
+/// the original return address, the trampoline and the entry TSC there and swaps in the
+/// trampoline; falls through with rcx = the slot and rax = the TSC. Clobbers rax, rcx, rdx and
+/// the flags.
+///
+/// What the stack slot holds decides what came before:
+/// - a return address outside the patch heap: no call through this stack slot is in flight
+///   (one live return address at a time), so any the table keeps for it never returned (its
+///   task exited: `exit_group` through `x64_sys_call`, `do_exit`, and the stack is reused):
+///   they are freed first, or a return below would find one and go back to a dead call's
+///   caller.
+/// - an address inside the heap: another probed function's swap, still in flight, that
+///   tail-called this one (`jmp` to it with its own frame gone), or a return into patch code.
+///   This call stacks on it: its original is that address, so its trampoline returns into the
+///   one below, and both return probes run, innermost first, as kretprobes do. A call whose
+///   own trampoline is already in that chain (a tail recursion) is not swapped again.
+///
+/// A full table, or a call already in its chain, counts a miss at `misses`, leaves the call
+/// alone and jumps to `missed`.
 ///
 /// # Errors
 /// When the assembler refuses an instruction.
 pub fn emit_swap(
     a: &mut CodeAssembler,
-    table: u64,
-    misses: u64,
-    trampoline: u64,
+    swap: &ReturnSwap,
     missed: CodeLabel,
 ) -> Result<(), IcedError> {
+    let mut real = a.create_label();
+    let mut stacked = a.create_label();
     let mut probe = a.create_label();
     let mut claim = a.create_label();
-    // A slot already keyed by this return-address slot belongs to a call that is over (the
-    // stack slot holds one live return address at a time) but never returned: its task
-    // exited (`exit_group` through `x64_sys_call`, `do_exit`), and this stack is reused. It
-    // is taken again; left behind, the return below would find it first and put back that
-    // dead call's return address.
-    emit_find(a, table, claim)?;
-    emit_inflight_hash(a, table)?;
+    let mut full = a.create_label();
+    a.mov(rax, qword_ptr(rsi))?;
+    a.mov(rcx, swap.heap.0)?;
+    a.cmp(rax, rcx)?;
+    a.jb(real)?;
+    a.mov(rcx, swap.heap.1)?;
+    a.cmp(rax, rcx)?;
+    a.jae(real)?;
+    emit_find_own(a, swap.table, swap.trampoline, full)?;
+    a.jmp(stacked)?;
+    a.set_label(&mut real)?;
+    emit_free_all(a, swap.table)?;
+    a.set_label(&mut stacked)?;
+    emit_inflight_hash(a, swap.table)?;
     a.mov(edx, PROBE_SLOTS)?;
     a.set_label(&mut probe)?;
     a.xor(eax, eax)?;
@@ -120,17 +163,60 @@ pub fn emit_swap(
     a.add(rcx, SLOT as i32)?;
     a.dec(edx)?;
     a.jne(probe)?;
-    lock_inc(a, misses)?;
+    a.set_label(&mut full)?;
+    lock_inc(a, swap.misses)?;
     a.jmp(missed)?;
     a.set_label(&mut claim)?;
     a.mov(rax, qword_ptr(rsi))?;
     a.mov(qword_ptr(rcx + 8), rax)?;
-    lea(a, Register::RAX, trampoline)?;
+    lea(a, Register::RAX, swap.trampoline)?;
     a.mov(qword_ptr(rsi), rax)?;
+    a.mov(qword_ptr(rcx + SLOT_TRAMPOLINE), rax)?;
     a.rdtsc()?;
     a.shl(rdx, 32)?;
     a.or(rax, rdx)?;
     a.mov(qword_ptr(rcx + 16), rax)
+}
+
+/// Frees every slot of the table keyed by the return-address slot at `rsi`. Clobbers rax,
+/// rcx, rdx and the flags.
+fn emit_free_all(a: &mut CodeAssembler, table: u64) -> Result<(), IcedError> {
+    let mut probe = a.create_label();
+    let mut next = a.create_label();
+    emit_inflight_hash(a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    a.set_label(&mut probe)?;
+    a.cmp(qword_ptr(rcx), rsi)?;
+    a.jne(next)?;
+    a.mov(qword_ptr(rcx), 0)?;
+    a.set_label(&mut next)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)
+}
+
+/// Jumps to `found` with rcx = the slot of the table keyed by the return-address slot at
+/// `rsi` whose swap wrote `trampoline`; falls through when none is. Clobbers rax, rcx, rdx.
+fn emit_find_own(
+    a: &mut CodeAssembler,
+    table: u64,
+    trampoline: u64,
+    found: CodeLabel,
+) -> Result<(), IcedError> {
+    let mut probe = a.create_label();
+    let mut next = a.create_label();
+    emit_inflight_hash(a, table)?;
+    a.mov(edx, PROBE_SLOTS)?;
+    lea(a, Register::RAX, trampoline)?;
+    a.set_label(&mut probe)?;
+    a.cmp(qword_ptr(rcx), rsi)?;
+    a.jne(next)?;
+    a.cmp(qword_ptr(rcx + SLOT_TRAMPOLINE), rax)?;
+    a.je(found)?;
+    a.set_label(&mut next)?;
+    a.add(rcx, SLOT as i32)?;
+    a.dec(edx)?;
+    a.jne(probe)
 }
 
 /// Jumps to `found` with rcx = the slot of the table keyed by the return-address slot at
@@ -147,15 +233,19 @@ fn emit_find(a: &mut CodeAssembler, table: u64, found: CodeLabel) -> Result<(), 
     a.jne(probe)
 }
 
-/// In a return trampoline, with `rsi` = the return-address slot `ret` just popped: finds the
-/// call's slot in the table (rcx) and puts the original return address back at `rsi`. The
-/// caller frees the slot (`mov qword [rcx], 0`) once done with its entry TSC at +16. Clobbers
-/// rax, rcx, rdx and the flags; a missing slot (the table overwritten) is a `ud2`.
+/// In the return trampoline at `trampoline`, with `rsi` = the return-address slot `ret` just
+/// popped: finds the call's slot in the table (rcx), the one whose swap wrote this trampoline
+/// (a tail chain keeps several calls on one stack slot, [`emit_swap`]), and puts the original
+/// return address back at `rsi`. The caller frees the slot (`mov qword [rcx], 0`) once done
+/// with its entry TSC at +16. Clobbers rax, rcx, rdx and the flags. A slot of the same stack
+/// slot with another trampoline stands in when none has this one; a missing slot (the table
+/// overwritten) is a `ud2`.
 ///
 /// # Errors
 /// When the assembler refuses an instruction.
-pub fn emit_unswap(a: &mut CodeAssembler, table: u64) -> Result<(), IcedError> {
+pub fn emit_unswap(a: &mut CodeAssembler, table: u64, trampoline: u64) -> Result<(), IcedError> {
     let mut found = a.create_label();
+    emit_find_own(a, table, trampoline, found)?;
     emit_find(a, table, found)?;
     a.ud2()?;
     a.set_label(&mut found)?;
@@ -451,7 +541,7 @@ pub fn entry_code(
     interner: &mut Interner,
     at: u64,
     bodies: &SiteBodies,
-    returns: Option<(u64, u64, u64)>,
+    returns: Option<ReturnSwap>,
 ) -> Result<Vec<u8>, Unsupported> {
     let mut a = CodeAssembler::new(64).map_err(refused)?;
     a.set_prefer_short_branch(false);
@@ -459,7 +549,7 @@ pub fn entry_code(
     for p in &bodies.entry {
         emit_body(&mut a, env, interner, p, bodies.pc)?;
     }
-    if let Some((table, misses, trampoline)) = returns {
+    if let Some(swap) = returns {
         // The return bodies' `@entry(...)` values, computed here in the entry's context, four
         // 8-byte stack words each (the value's two, then why computing it failed, 0 if it
         // did not), then kept in the slot.
@@ -475,7 +565,7 @@ pub fn entry_code(
         let r = (|| {
             let mut done = a.create_label();
             a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
-            emit_swap(&mut a, table, misses, trampoline, done)?;
+            emit_swap(&mut a, &swap, done)?;
             for (i, reg) in ARGS.iter().enumerate() {
                 a.mov(rax, qword_ptr(r15 + saved_offset(*reg)))?;
                 a.mov(qword_ptr(rcx + SLOT_ARGS + 8 * i as i32), rax)?;
@@ -571,12 +661,12 @@ pub fn return_code(
         a.lea(rsp, qword_ptr(rsp - 8))?; // the slot `ret` popped; no flags touched
         save(&mut a)?;
         a.lea(rsi, qword_ptr(r15 + SAVED_BYTES))?;
-        emit_unswap(&mut a, table)?;
+        emit_unswap(&mut a, table, at)?;
         // An 8-byte pad (the stack stays 16-byte aligned), then the entry's arguments, the
         // @entry values' errors and the values: [r15 - ENTRY_ARGS + 8 * i] = the slot's
         // word i from SLOT_ARGS.
         a.sub(rsp, 8)?;
-        for i in (0..(SLOT as i32 - SLOT_ARGS) / 8).rev() {
+        for i in (0..(SLOT_END - SLOT_ARGS) / 8).rev() {
             a.push(qword_ptr(rcx + SLOT_ARGS + 8 * i))?;
         }
         a.mov(qword_ptr(rcx), 0)

@@ -355,54 +355,138 @@ fn run_inflight(uc: &mut UnicornMachine, code: &[u8], slot: u64) {
     assert!(matches!(end, RunEnd::Halted(_)), "{end:?}");
 }
 
-#[test]
-fn a_call_that_never_returned_leaves_no_slot_a_later_call_at_the_same_stack_slot_returns_through() {
-    use exotap_probes::compile::site::{emit_swap, emit_unswap, INFLIGHT_BYTES, SLOT};
-    let table = DATA;
-    let misses = DATA + INFLIGHT_BYTES;
-    let trampoline = CODE + 0x1000;
-    let assemble = |f: &dyn Fn(&mut CodeAssembler) -> Result<(), IcedError>| {
+/// The Unicorn rig for the return-address swap: the table at `DATA`, trampolines inside the
+/// code region (the "heap"), a stack at `STACK`.
+struct SwapRig {
+    uc: UnicornMachine,
+    misses: u64,
+}
+
+impl SwapRig {
+    fn new() -> Self {
+        use exotap_probes::compile::site::INFLIGHT_BYTES;
+        let mut uc = UnicornMachine::new(Isa::X86_64).unwrap();
+        uc.map(CODE, 1 << 20).unwrap();
+        uc.map(DATA, (INFLIGHT_BYTES + 4096).div_ceil(4096) * 4096)
+            .unwrap();
+        uc.map(STACK, 64 << 10).unwrap();
+        Self {
+            uc,
+            misses: DATA + INFLIGHT_BYTES,
+        }
+    }
+
+    fn assemble(f: &dyn Fn(&mut CodeAssembler) -> Result<(), IcedError>) -> Vec<u8> {
         let mut a = CodeAssembler::new(64).unwrap();
         f(&mut a).unwrap();
         a.hlt().unwrap();
         a.assemble(CODE).unwrap()
-    };
-    let swap = assemble(&|a| {
-        let mut done = a.create_label();
-        emit_swap(a, table, misses, trampoline, done)?;
-        a.set_label(&mut done)?;
-        a.nop()
-    });
-    let unswap = assemble(&|a| emit_unswap(a, table));
-    let mut uc = UnicornMachine::new(Isa::X86_64).unwrap();
-    uc.map(CODE, 1 << 20).unwrap();
-    uc.map(DATA, (INFLIGHT_BYTES + 4096).div_ceil(4096) * 4096)
-        .unwrap();
-    uc.map(STACK, 64 << 10).unwrap();
-    let slot = STACK + 0x8ff0;
-    let word = |uc: &UnicornMachine, at: u64| {
+    }
+
+    /// The entry half of a function whose return trampoline is at `trampoline`.
+    fn enter(&mut self, slot: u64, trampoline: u64) {
+        use exotap_probes::compile::site::{emit_swap, ReturnSwap};
+        let swap = ReturnSwap {
+            table: DATA,
+            misses: self.misses,
+            trampoline,
+            heap: (CODE, CODE + (1 << 20)),
+        };
+        let code = Self::assemble(&|a| {
+            let mut done = a.create_label();
+            emit_swap(a, &swap, done)?;
+            a.set_label(&mut done)?;
+            a.nop()
+        });
+        run_inflight(&mut self.uc, &code, slot);
+    }
+
+    /// What the trampoline at `trampoline` does to the table when `ret` popped `slot`: puts
+    /// the original back and frees the call's slot.
+    fn leave(&mut self, slot: u64, trampoline: u64) {
+        use exotap_probes::compile::site::emit_unswap;
+        let code = Self::assemble(&|a| {
+            emit_unswap(a, DATA, trampoline)?;
+            a.mov(qword_ptr(rcx), 0)
+        });
+        run_inflight(&mut self.uc, &code, slot);
+    }
+
+    fn word(&self, at: u64) -> u64 {
         let mut b = [0u8; 8];
-        uc.read(at, &mut b).unwrap();
+        self.uc.read(at, &mut b).unwrap();
         u64::from_le_bytes(b)
-    };
+    }
+
+    /// Slots of the table keyed by `slot`.
+    fn keyed(&self, slot: u64) -> usize {
+        use exotap_probes::compile::site::{INFLIGHT_BYTES, SLOT};
+        (0..INFLIGHT_BYTES / SLOT)
+            .filter(|i| self.word(DATA + i * SLOT) == slot)
+            .count()
+    }
+}
+
+#[test]
+fn a_call_that_never_returned_leaves_no_slot_a_later_call_at_the_same_stack_slot_returns_through() {
+    let mut rig = SwapRig::new();
+    let trampoline = CODE + 0x1000;
+    let slot = STACK + 0x8ff0;
 
     // A call whose task exits inside it (its return never comes), then a new task on the same
     // stack calls through the same slot from another call site, and returns.
-    uc.write(slot, &0x1111u64.to_le_bytes()).unwrap();
-    run_inflight(&mut uc, &swap, slot);
-    assert_eq!(word(&uc, slot), trampoline);
-    uc.write(slot, &0x2222u64.to_le_bytes()).unwrap();
-    run_inflight(&mut uc, &swap, slot);
-    run_inflight(&mut uc, &unswap, slot);
+    rig.uc.write(slot, &0x1111u64.to_le_bytes()).unwrap();
+    rig.enter(slot, trampoline);
+    assert_eq!(rig.word(slot), trampoline);
+    rig.uc.write(slot, &0x2222u64.to_le_bytes()).unwrap();
+    rig.enter(slot, trampoline);
+    rig.leave(slot, trampoline);
 
     assert_eq!(
-        word(&uc, slot),
+        rig.word(slot),
         0x2222,
         "the return went to the dead call's caller"
     );
-    let keyed = (0..INFLIGHT_BYTES / SLOT)
-        .filter(|i| word(&uc, table + i * SLOT) == slot)
-        .count();
-    assert_eq!(keyed, 1, "one slot for the one stack slot");
-    assert_eq!(word(&uc, misses), 0);
+    assert_eq!(rig.keyed(slot), 0, "the dead call's slot is freed");
+    assert_eq!(rig.word(rig.misses), 0);
+}
+
+#[test]
+fn a_tail_call_into_another_probed_function_returns_through_both_trampolines_to_the_real_caller() {
+    let mut rig = SwapRig::new();
+    let (outer, inner) = (CODE + 0x1000, CODE + 0x2000);
+    let slot = STACK + 0x8ff0;
+    rig.uc.write(slot, &0x1111u64.to_le_bytes()).unwrap();
+
+    // A's entry swaps; A ends in `jmp B`, so B enters with the same return-address slot.
+    rig.enter(slot, outer);
+    rig.enter(slot, inner);
+    let swapped = rig.word(slot);
+    // B's `ret` reaches B's trampoline, which returns into A's.
+    rig.leave(slot, inner);
+    let after_inner = rig.word(slot);
+    rig.leave(slot, outer);
+
+    assert_eq!(swapped, inner);
+    assert_eq!(after_inner, outer, "B's trampoline returns into A's");
+    assert_eq!(rig.word(slot), 0x1111, "A's trampoline returns to A's caller");
+    assert_eq!(rig.keyed(slot), 0);
+    assert_eq!(rig.word(rig.misses), 0);
+}
+
+#[test]
+fn a_tail_call_back_into_a_function_already_in_the_chain_is_not_swapped_again() {
+    let mut rig = SwapRig::new();
+    let trampoline = CODE + 0x1000;
+    let slot = STACK + 0x8ff0;
+    rig.uc.write(slot, &0x1111u64.to_le_bytes()).unwrap();
+
+    rig.enter(slot, trampoline);
+    rig.enter(slot, trampoline);
+    let keyed = rig.keyed(slot);
+    rig.leave(slot, trampoline);
+
+    assert_eq!(keyed, 1);
+    assert_eq!(rig.word(rig.misses), 1, "the second entry counts a miss");
+    assert_eq!(rig.word(slot), 0x1111);
 }

@@ -32,7 +32,7 @@ impl SiteCode for Sites<'_> {
         &mut self,
         site: u32,
         at: u64,
-        returns: Option<(u64, u64, u64)>,
+        returns: Option<crate::compile::site::ReturnSwap>,
     ) -> anyhow::Result<Vec<u8>> {
         let bodies = self.bodies.get(site as usize).context("no such site")?;
         let stacks_before = self.interner.stacks.len();

@@ -38,7 +38,7 @@ use exotap_introspect::heap::HeapPlacement;
 use exotap_introspect::layout::TaskOffsets;
 use exotap_vmm::control::Machine;
 
-use crate::compile::site::{INFLIGHT, PROBE_SLOTS, SLOT};
+use crate::compile::site::{ReturnSwap, INFLIGHT, PROBE_SLOTS, SLOT};
 use crate::rings::RingSet;
 use crate::splice::{generate, PatchHeap, PatchRequest, Probe, Site, SpliceDecision};
 
@@ -109,8 +109,8 @@ pub enum Action {
 pub trait SiteCode {
     /// Whether site `site` has return probes (then it gets a return trampoline).
     fn has_returns(&self, site: u32) -> bool;
-    /// The entry half at `at`; with `returns` = (table of calls in flight, its miss
-    /// counter, the trampoline) it also swaps the return address.
+    /// The entry half at `at`; with `returns` (the table of calls in flight, its miss
+    /// counter, the trampoline, the heap) it also swaps the return address.
     ///
     /// # Errors
     /// When the code cannot be generated.
@@ -118,7 +118,7 @@ pub trait SiteCode {
         &mut self,
         site: u32,
         at: u64,
-        returns: Option<(u64, u64, u64)>,
+        returns: Option<ReturnSwap>,
     ) -> anyhow::Result<Vec<u8>>;
     /// The return trampoline at `at`, over the table of calls in flight `table`.
     ///
@@ -587,6 +587,7 @@ impl Splicer {
             let built = match req.action {
                 Action::Time | Action::Trace(_) => {
                     let (table, misses) = self.inflight.unwrap_or_default();
+                    let heap = (self.heap_va, self.heap_va.saturating_add(self.heap_size));
                     let trace = match (req.action, &self.rings) {
                         (Action::Trace(id), Some(rings)) => Some((rings, id)),
                         _ => None,
@@ -603,7 +604,13 @@ impl Splicer {
                         let mut code = timing_trampoline(patch, table, hist, trace)?;
                         code.resize(code.len().div_ceil(16) * 16, 0xcc);
                         let entry_at = patch + code.len() as u64;
-                        let entry = timing_entry(entry_at, table, misses, patch, trace)?;
+                        let swap = ReturnSwap {
+                            table,
+                            misses,
+                            trampoline: patch,
+                            heap,
+                        };
+                        let entry = timing_entry(entry_at, &swap, trace)?;
                         let reloc_at = entry_at + entry.len() as u64;
                         let moved = generate(&PatchRequest {
                             original: &site.bytes,
@@ -621,6 +628,7 @@ impl Splicer {
                 }
                 Action::Compiled(k) => {
                     let (table, misses) = self.inflight.unwrap_or_default();
+                    let heap = (self.heap_va, self.heap_va.saturating_add(self.heap_size));
                     let Some(gen) = compiled.as_deref_mut() else {
                         bail!("a compiled site without its code");
                     };
@@ -633,7 +641,12 @@ impl Splicer {
                         if gen.has_returns(k) {
                             code = gen.trampoline(k, patch, table)?;
                             code.resize(code.len().div_ceil(16) * 16, 0xcc);
-                            ret = Some((table, misses, patch));
+                            ret = Some(ReturnSwap {
+                                table,
+                                misses,
+                                trampoline: patch,
+                                heap,
+                            });
                             timing = Some((0, patch));
                         }
                         let entry_at = patch + code.len() as u64;

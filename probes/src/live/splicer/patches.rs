@@ -72,7 +72,7 @@ pub(super) fn diverting_patch(
 
 // The table of calls in flight and its hash are the compiled probes' (one table layout for
 // `time`, `trace` and compiled `.return` probes).
-use crate::compile::site::{emit_swap, emit_unswap};
+use crate::compile::site::{emit_swap, emit_unswap, ReturnSwap};
 /// Histogram buckets (log2 of cycles).
 pub const BUCKETS: usize = 64;
 
@@ -163,9 +163,7 @@ fn emit_record(
 /// register and (function entry) needs no flags.
 pub(super) fn timing_entry(
     at: u64,
-    table: u64,
-    misses: u64,
-    trampoline: u64,
+    swap: &ReturnSwap,
     trace: Option<(&Rings, u32)>,
 ) -> anyhow::Result<Vec<u8>> {
     use iced_x86::code_asm::{qword_ptr, r8, rcx, rdi, rdx, rsi, rsp};
@@ -177,7 +175,7 @@ pub(super) fn timing_entry(
     a.push(rsi)?;
     a.push(r8)?;
     a.lea(rsi, qword_ptr(rsp + 40))?;
-    emit_swap(&mut a, table, misses, trampoline, done)?;
+    emit_swap(&mut a, swap, done)?;
     if let Some((rings, id)) = trace {
         a.mov(r8, rax)?;
         emit_record(&mut a, rings, id, 1, rdi)?;
@@ -210,7 +208,7 @@ pub(super) fn timing_trampoline(
     a.pushfq()?;
     a.mov(r9, rax)?; // the return value
     a.lea(rsi, qword_ptr(rsp + 56))?;
-    emit_unswap(&mut a, table)?;
+    emit_unswap(&mut a, table, at)?;
     a.rdtsc()?;
     a.shl(rdx, 32)?;
     a.or(rax, rdx)?;

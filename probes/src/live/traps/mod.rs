@@ -67,8 +67,10 @@ const GPR_NAMES: [&str; 16] = [
 ];
 
 mod context;
+mod returns;
 
 use context::LiveContext;
+use returns::{Call, Entry, Ledger, Return};
 
 /// Where the out-of-line entry copies start inside the patch heap, and their spacing.
 const OOL_OFFSET: u64 = 0x10000;
@@ -495,18 +497,6 @@ fn registers(machine: &mut dyn Machine, vcpu: VcpuId) -> anyhow::Result<X86Regis
     }
 }
 
-/// A swapped return address: where it sits on the stack, what it was, and the entry state.
-#[derive(Debug, Clone)]
-struct PendingReturn {
-    site: u64,
-    original: u64,
-    entry_regs: X86Registers,
-    /// The return probes' `@entry(...)` values, evaluated at this call's entry.
-    entry_values: Vec<(usize, Result<Value, String>)>,
-    /// Its entry in the recovery journal's return list.
-    index: usize,
-}
-
 /// The trap part of the patch heap: below the splice engine's region.
 #[derive(Debug, Clone, Copy)]
 pub struct TrapArea {
@@ -575,15 +565,11 @@ pub struct Traps {
     jiffies: Option<u64>,
     armed: HashMap<u64, ArmedPoint>,
     trampoline: u64,
-    /// Swapped return addresses by the stack slot's address.
-    pending: HashMap<u64, PendingReturn>,
+    /// The calls in flight whose return addresses are swapped, by stack slot.
+    pending: Ledger,
     /// The recovery journal, where every swap is written before it is made (so that a
     /// guardian or `exotap recover` can put it back if exotap dies).
     journal: super::recover::Journal,
-    /// Free entries of the journal's return list.
-    free: Vec<usize>,
-    /// Calls whose return probe did not run because the return list was full.
-    missed_returns: u64,
     /// `timer.profile` probes the host runs on every vCPU at each sample ([`Traps::sample`]).
     profile: Vec<SiteProbe>,
     /// The point those probes' contexts name.
@@ -638,12 +624,10 @@ impl Traps {
             types: btf.map(BtfTypes),
             armed,
             trampoline,
-            pending: HashMap::new(),
+            pending: Ledger::new(super::recover::RETURN_SLOTS),
             journal: super::recover::Journal {
                 heap_phys: area.phys,
             },
-            free: (0..super::recover::RETURN_SLOTS).rev().collect(),
-            missed_returns: 0,
             profile: prog
                 .probes
                 .iter()
@@ -772,8 +756,12 @@ impl Traps {
                 continue;
             }
             let slot = regs.gpr[7].wrapping_sub(8);
-            match self.pending.remove(&slot) {
-                Some(p) if machine.set_pc(vcpu, p.original).is_ok() => moved += 1,
+            let to = match self.pending.leave(slot) {
+                Return::Calls(chain) => Some(chain.original),
+                Return::Unaccounted { fallback } => fallback,
+            };
+            match to {
+                Some(original) if machine.set_pc(vcpu, original).is_ok() => moved += 1,
                 _ => tracing::error!(
                     "{vcpu} stopped at the return trampoline with no swapped return address at \
                      {slot:#x}: it will fault once exotap detaches"
@@ -786,36 +774,78 @@ impl Traps {
         // The slots are on kernel stacks: read and written through the kernel's page tables,
         // since vCPU 0 may have stopped in user mode, where PTI's user half maps no kernel
         // stack. A slot left swapped returns into the trampoline's `ud2` after the detach.
+        // A tail chain's slot gets its bottom call's address, the real one.
         let mut restored = 0;
-        for (slot, p) in self.pending.drain() {
+        let mut failed = 0;
+        let in_flight = if self.pending.is_empty() {
+            Vec::new()
+        } else {
+            self.pending.drain().collect()
+        };
+        let chains: Vec<(u64, u64)> = in_flight
+            .into_iter()
+            .map(|(slot, chain)| (slot, chain.original))
+            .collect();
+        for (slot, original) in chains {
             let mut now = [0u8; 8];
             match read_kernel(machine, slot, &mut now) {
                 Ok(()) if u64::from_le_bytes(now) == self.trampoline => {}
                 // The call returned since, or its task and stack are gone.
                 Ok(()) => continue,
                 Err(e) => {
-                    tracing::warn!("cannot read the swapped return address at {slot:#x}: {e:#}");
+                    // Its stack may be gone with its task; if not, it returns into `ud2`.
+                    tracing::error!(
+                        "cannot read the swapped return address at {slot:#x} to put {original:#x} \
+                         back: {e:#}"
+                    );
+                    failed += 1;
                     continue;
                 }
             }
-            match write_kernel(machine, slot, &p.original.to_le_bytes()) {
+            match write_kernel(machine, slot, &original.to_le_bytes()) {
                 Ok(()) => restored += 1,
-                Err(e) => tracing::error!(
-                    "cannot put the return address {:#x} back at {slot:#x}: {e:#}; that call \
-                     will fault when it returns",
-                    p.original
-                ),
+                Err(e) => {
+                    tracing::error!(
+                        "cannot put the return address {original:#x} back at {slot:#x}: {e:#}; \
+                         that call will fault when it returns"
+                    );
+                    failed += 1;
+                }
             }
         }
         if restored > 0 {
             tracing::info!("{restored} calls in flight got their return addresses back");
         }
-        if self.missed_returns > 0 {
+        if self.pending.missed > 0 {
             tracing::warn!(
-                "{} calls missed their return probe: more than {} calls were in flight at once",
-                self.missed_returns,
-                super::recover::RETURN_SLOTS
+                "{} calls missed their return probe: more than {} calls were in flight at once, \
+                 or more than {} tail calls chained on one",
+                self.pending.missed,
+                super::recover::RETURN_SLOTS,
+                returns::MAX_TAIL_CHAIN
             );
+        }
+        if self.pending.tail_calls > 0 {
+            tracing::info!(
+                "{} calls entered through a tail call from a probed function: their return \
+                 probes ran at their caller's return, innermost first",
+                self.pending.tail_calls
+            );
+        }
+        if self.pending.unaccounted > 0 {
+            tracing::error!(
+                "{} returns or entries at a swapped return address that exotap had no record of \
+                 (see the errors above)",
+                self.pending.unaccounted
+            );
+        }
+        if failed > 0 {
+            // The journal keeps them: the guardian or `exotap recover` can try again.
+            tracing::error!(
+                "{failed} swapped return addresses could not be put back; the recovery journal \
+                 keeps them"
+            );
+            return;
         }
         if let Err(e) = self.journal.clear_returns(machine) {
             tracing::warn!("cannot clear the recovery journal: {e:#}");
@@ -938,7 +968,7 @@ impl Traps {
             }
             // The implicit entry side of the return probes' `@entry(...)` (as stap's): their
             // expressions as they are now, kept with this call's swapped return address.
-            if wants_return && !self.free.is_empty() {
+            if wants_return {
                 for r in &site_ret {
                     entry_values.extend(sessions.main.entry_values(r.probe, &r.name, &ctx));
                 }
@@ -957,34 +987,7 @@ impl Traps {
             regs.gpr[r] = v;
         }
         if wants_return {
-            // A swap left at this slot by a call that never returned through it (its task
-            // exited) is stale: forget it first.
-            if let Some(stale) = self.pending.remove(&regs.gpr[7]) {
-                self.journal.set_return(machine, stale.index, 0, 0)?;
-                self.free.push(stale.index);
-            }
-            if let Some(index) = self.free.pop() {
-                // rsp points at the return address: swap it for the trampoline, journaled
-                // first.
-                let slot = regs.gpr[7];
-                let mut original = [0u8; 8];
-                machine.read_virt(vcpu, slot, &mut original)?;
-                let original = u64::from_le_bytes(original);
-                self.journal.set_return(machine, index, slot, original)?;
-                machine.write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
-                self.pending.insert(
-                    slot,
-                    PendingReturn {
-                        site: pc,
-                        original,
-                        entry_regs: regs,
-                        entry_values,
-                        index,
-                    },
-                );
-            } else {
-                self.missed_returns += 1;
-            }
+            self.swap_return(machine, vcpu, pc, regs, entry_values)?;
         }
         match action {
             TrapAction::OutOfLine { .. } => machine.set_pc(vcpu, slot_va)?,
@@ -1018,6 +1021,49 @@ impl Traps {
         Ok(())
     }
 
+    /// Swaps the return address of the call entering at `site` (rsp points at it) for the
+    /// trampoline, journaled first; a tail call stacks on its caller's swap ([`returns`]).
+    fn swap_return(
+        &mut self,
+        machine: &mut dyn Machine,
+        vcpu: VcpuId,
+        site: u64,
+        regs: X86Registers,
+        entry_values: Vec<(usize, Result<Value, String>)>,
+    ) -> anyhow::Result<()> {
+        let slot = regs.gpr[7];
+        let mut now = [0u8; 8];
+        machine.read_virt(vcpu, slot, &mut now)?;
+        let now = u64::from_le_bytes(now);
+        let call = Call {
+            site,
+            entry_regs: regs,
+            entry_values,
+        };
+        let stale = match self.pending.enter(slot, now, self.trampoline, call) {
+            Entry::Swap { index, stale } => {
+                self.journal.set_return(machine, index, slot, now)?;
+                machine.write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
+                stale
+            }
+            Entry::Missed { stale } => stale,
+            Entry::Chained => Vec::new(),
+            Entry::Unaccounted => {
+                tracing::error!(
+                    "{vcpu} entered {} with its return address at {slot:#x} already swapped for \
+                     the trampoline, and exotap has no record of that swap: its return probes \
+                     will not run",
+                    self.armed.get(&site).map_or("?", |p| p.name.as_str())
+                );
+                Vec::new()
+            }
+        };
+        for index in stale {
+            self.journal.set_return(machine, index, 0, 0)?;
+        }
+        Ok(())
+    }
+
     fn returned(
         &mut self,
         guest: &mut GuestSession,
@@ -1030,45 +1076,87 @@ impl Traps {
         let mut regs = registers(machine, vcpu)?;
         // `ret` popped the swapped slot: it was just below the stack pointer.
         let slot = regs.gpr[7].wrapping_sub(8);
-        let Some(p) = self.pending.remove(&slot) else {
-            bail!(
-                "{vcpu} reached the return trampoline with no swapped return address at {slot:#x}"
-            );
+        let chain = match self.pending.leave(slot) {
+            Return::Calls(chain) => chain,
+            Return::Unaccounted { fallback } => {
+                return self.unaccounted_return(machine, survey, vcpu, regs, slot, fallback);
+            }
         };
         // The probes see the code where it returned to (the caller, at the original return
         // address), not the trampoline: a stack unwound here starts in the caller.
-        regs.rip = p.original;
-        let mut writes = Vec::new();
-        let ret = self
+        regs.rip = chain.original;
+        // A tail chain's calls end together, innermost first; each sees the return value the
+        // one inside it left (a `$return = v` included).
+        for call in chain.calls.iter().rev() {
+            let mut writes = Vec::new();
+            let ret = self
+                .armed
+                .get(&call.site)
+                .map(|s| s.ret.clone())
+                .unwrap_or_default();
+            if let Some(ctx) = self.context(
+                machine,
+                survey,
+                vcpu,
+                regs,
+                call.site,
+                Some((call.entry_regs, regs.gpr[0])),
+                &call.entry_values,
+            ) {
+                for r in &ret {
+                    sessions.fire_main(r.probe, &r.name, &ctx);
+                }
+                writes = ctx.writes.take();
+                for r in &ret {
+                    sessions.fire_shadow(r.probe, &r.name, &ctx);
+                }
+                ctx.writes.take();
+            }
+            // `$return = v`, `set_return(v)`: the caller gets it.
+            for (r, v) in writes {
+                machine.set_register(vcpu, GPR_NAMES[r], v)?;
+                regs.gpr[r] = v;
+            }
+        }
+        machine.set_pc(vcpu, chain.original)?;
+        self.journal.set_return(machine, chain.index, 0, 0)?;
+        Ok(())
+    }
+
+    /// A stop at the trampoline that no swap recorded here accounts for: an error, reported
+    /// with the task and the slot. The task goes on to the return address the last call
+    /// through the same slot went back to (the case of a swap recorded twice); with none, it
+    /// stays at the trampoline and the run stops, since resuming would run its `ud2`.
+    fn unaccounted_return(
+        &self,
+        machine: &mut dyn Machine,
+        survey: &Survey,
+        vcpu: VcpuId,
+        regs: X86Registers,
+        slot: u64,
+        fallback: Option<u64>,
+    ) -> anyhow::Result<()> {
+        let (pid, comm) = self
             .armed
-            .get(&p.site)
-            .map(|s| s.ret.clone())
-            .unwrap_or_default();
-        if let Some(ctx) = self.context(
-            machine,
-            survey,
-            vcpu,
-            regs,
-            p.site,
-            Some((p.entry_regs, regs.gpr[0])),
-            &p.entry_values,
-        ) {
-            for r in &ret {
-                sessions.fire_main(r.probe, &r.name, &ctx);
-            }
-            writes = ctx.writes.take();
-            for r in &ret {
-                sessions.fire_shadow(r.probe, &r.name, &ctx);
-            }
-            ctx.writes.take();
-        }
-        // `$return = v`, `set_return(v)`: the caller gets it.
-        for (r, v) in writes {
-            machine.set_register(vcpu, GPR_NAMES[r], v)?;
-        }
-        machine.set_pc(vcpu, p.original)?;
-        self.journal.set_return(machine, p.index, 0, 0)?;
-        self.free.push(p.index);
+            .values()
+            .next()
+            .map(|point| {
+                let ctx = self.context_at(point, machine, survey, vcpu, regs, None, &[]);
+                (ctx.pid(), ctx.execname())
+            })
+            .unwrap_or((-1, String::new()));
+        let Some(to) = fallback else {
+            bail!(
+                "{vcpu} (pid {pid}, {comm}) reached the return trampoline with no swapped return \
+                 address recorded at {slot:#x}, nor a return through that slot before"
+            );
+        };
+        tracing::error!(
+            "{vcpu} (pid {pid}, {comm}) reached the return trampoline with no swapped return \
+             address recorded at {slot:#x}: sent to {to:#x}, where the last call through that \
+             slot returned"
+        );
+        machine.set_pc(vcpu, to)?;
         Ok(())
     }
 }
