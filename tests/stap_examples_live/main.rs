@@ -29,13 +29,14 @@ mod common;
 
 mod checks;
 mod examples;
+mod soak;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{exotap, have_qemu};
@@ -98,6 +99,11 @@ const EVENTS: &[&str] = &[
 /// The guest's job: arm the kprobes and tracepoints, start an HTTP server on loopback, then
 /// run rounds of the mixed workload until the host ends the guest, printing each round.
 fn job() -> String {
+    job_with("")
+}
+
+/// [`job`] with `extra` shell lines in each round, before the round's marker.
+fn job_with(extra: &str) -> String {
     let mut job = String::from(
         "T=/sys/kernel/tracing\n\
          echo 0 > $T/tracing_on\n",
@@ -125,8 +131,11 @@ fn job() -> String {
            wget -q -O /dev/null http://127.0.0.1:8080/f\n\
            ping -c 1 -W 1 127.0.0.1 >/dev/null\n\
            sleep 5 & kill -9 $!\n\
-           sleep 0.3\n\
-           i=$((i+1)); exotap_result round $i\n\
+           sleep 0.3\n",
+    );
+    job.push_str(extra);
+    job.push_str(
+        "  i=$((i+1)); exotap_result round $i\n\
          done\n",
     );
     job
@@ -325,6 +334,8 @@ fn run_example(file: &Path, ex: &Example, socket: &Path, rounds: &AtomicU64, com
 struct LiveGuest {
     guest: Child,
     console: std::thread::JoinHandle<String>,
+    /// The console so far (what `console` returns at the end).
+    log: Arc<Mutex<String>>,
     rounds: Arc<AtomicU64>,
     socket: PathBuf,
     booted: f64,
@@ -333,10 +344,15 @@ struct LiveGuest {
 
 impl LiveGuest {
     fn boot(began: Instant) -> Self {
+        Self::boot_with(began, &job())
+    }
+
+    /// [`LiveGuest::boot`] with the job `job`.
+    fn boot_with(began: Instant, job: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("gdb.sock");
         let job_file = dir.path().join("job.sh");
-        std::fs::write(&job_file, job()).unwrap();
+        std::fs::write(&job_file, job).unwrap();
         let job_arg = job_file.to_str().unwrap().to_owned();
         let (guest, console) = common::boot_with_gdbstub(
             &["--timeout", "1800", "--job", &job_arg],
@@ -345,6 +361,8 @@ impl LiveGuest {
         );
         let rounds = Arc::new(AtomicU64::new(0));
         let seen = Arc::clone(&rounds);
+        let log = Arc::new(Mutex::new(String::new()));
+        let written = Arc::clone(&log);
         let console = std::thread::spawn(move || {
             let mut all = String::new();
             for line in console.lines().map_while(Result::ok) {
@@ -353,17 +371,26 @@ impl LiveGuest {
                 }
                 all.push_str(&line);
                 all.push('\n');
+                let mut log = written.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
             }
             all
         });
         LiveGuest {
             guest,
             console,
+            log,
             rounds,
             socket,
             booted: began.elapsed().as_secs_f64(),
             _dir: dir,
         }
+    }
+
+    /// Whether the guest still runs.
+    fn guest_runs(&mut self) -> bool {
+        self.guest.try_wait().ok().flatten().is_none()
     }
 
     /// Ends the guest; its console, checked for oopses.

@@ -97,6 +97,8 @@ const BLOCKS: u64 = 48;
 const TABLES: u64 = 56;
 const TABLE_LIST: u64 = 64;
 const BLOCK_LIST: u64 = 256;
+/// Passes over the swapped return addresses at most (see [`Journal::recover`]).
+const MAX_CHAIN_PASSES: usize = 8;
 /// A slot of an in-flight table: (stack slot address, original return address, ...).
 const INFLIGHT_SLOT: usize = crate::compile::site::SLOT as usize;
 
@@ -436,14 +438,8 @@ impl Journal {
             machine.write_phys(phys, &original.to_le_bytes())?;
             Ok(true)
         };
-        if trampoline != 0 {
-            for &(slot, original) in &pairs {
-                if restore(machine, slot, original, &|v| v == trampoline)? {
-                    report.returns_restored += 1;
-                }
-            }
-        }
         let tables = usize::try_from(word(&h, TABLES as usize))?.min(MAX_TABLES);
+        let mut in_flight = Vec::new();
         for t in 0..tables {
             let (phys, bytes) = (
                 word(&h, TABLE_LIST as usize + 16 * t),
@@ -456,11 +452,35 @@ impl Journal {
                 ));
                 continue;
             }
-            for s in table.chunks(INFLIGHT_SLOT) {
-                let (slot, original) = (word(s, 0), word(s, 8));
-                if slot != 0 && restore(machine, slot, original, &|v| in_heap(v))? {
-                    report.returns_restored += 1;
+            in_flight.extend(
+                table
+                    .chunks(INFLIGHT_SLOT)
+                    .map(|s| (word(s, 0), word(s, 8)))
+                    .filter(|&(slot, _)| slot != 0),
+            );
+        }
+        // A tail call from one probed function into another chains their swaps on one stack
+        // slot (the inner call's original is the outer one's trampoline). Within one kind any
+        // order ends at the outermost original; across kinds (a host-evaluated probe's call
+        // tail-calling a compiled one's, or the reverse) one pass may put back a trampoline
+        // of the other kind: passes go on until one finds nothing of exotap's left.
+        for _ in 0..MAX_CHAIN_PASSES {
+            let mut restored = 0;
+            if trampoline != 0 {
+                for &(slot, original) in &pairs {
+                    if restore(machine, slot, original, &|v| v == trampoline)? {
+                        restored += 1;
+                    }
                 }
+            }
+            for &(slot, original) in &in_flight {
+                if restore(machine, slot, original, &|v| in_heap(v))? {
+                    restored += 1;
+                }
+            }
+            report.returns_restored += restored;
+            if restored == 0 {
+                break;
             }
         }
 
@@ -859,6 +879,53 @@ mod tests {
         // Emptied: a second recovery finds nothing.
         let again = journal.recover(&mut m).unwrap();
         assert!(!again.anything(), "{again}");
+    }
+
+    /// Maps the kernel stack page at `va` to physical `phys` with 4-level page tables at
+    /// 0xa000 (cr3), 0xc000, 0xe000 and 0x1_0000.
+    fn map_stack(m: &mut Ram, va: u64, phys: u64) {
+        let levels = [(0xa000u64, 39), (0xc000, 30), (0xe000, 21), (0x1_0000, 12)];
+        for (k, &(table, shift)) in levels.iter().enumerate() {
+            let next = levels.get(k + 1).map_or(phys, |l| l.0);
+            let at = (table + 8 * ((va >> shift) & 511)) as usize;
+            m.ram[at..at + 8].copy_from_slice(&(next | 0x3).to_le_bytes());
+        }
+        m.regs.cr3 = 0xa000;
+    }
+
+    #[test]
+    fn a_tail_chain_of_a_host_evaluated_and_a_compiled_swap_goes_back_to_the_real_caller() {
+        // A host-evaluated `.return` probe's function swapped the return address at SLOT
+        // (journaled: the real caller), then tail-called a function with a compiled `.return`
+        // probe, which swapped the host's trampoline for its own (its table keeps the host's
+        // trampoline as its original).
+        const SLOT: u64 = 0xffff_c900_0001_3f58;
+        const STACK_PHYS: u64 = 0x1_2000;
+        const CALLER: u64 = 0xffff_ffff_8134_9955;
+        let compiled_trampoline = HEAP_VA + 0x9_0000;
+        let mut m = guest();
+        map_stack(&mut m, SLOT, STACK_PHYS);
+        let journal = Journal::open(HEAP, HEAP_VA, 0x10_0000, &mut m).unwrap();
+        journal.set_trampoline(&mut m, TRAMPOLINE_VA).unwrap();
+        journal.set_return(&mut m, 0, SLOT, CALLER).unwrap();
+        let table = HEAP + 0x5_0000;
+        let entry = table as usize;
+        m.ram[entry..entry + 8].copy_from_slice(&SLOT.to_le_bytes());
+        m.ram[entry + 8..entry + 16].copy_from_slice(&TRAMPOLINE_VA.to_le_bytes());
+        journal
+            .record_table(&mut m, table, INFLIGHT_SLOT as u64)
+            .unwrap();
+        let at = (STACK_PHYS + (SLOT & 0xfff)) as usize;
+        m.ram[at..at + 8].copy_from_slice(&compiled_trampoline.to_le_bytes());
+
+        let report = journal.recover(&mut m).unwrap();
+
+        assert_eq!(
+            u64::from_le_bytes(m.ram[at..at + 8].try_into().unwrap()),
+            CALLER,
+            "{report}"
+        );
+        assert_eq!(report.returns_restored, 2, "{report}");
     }
 
     #[test]

@@ -469,7 +469,11 @@ fn a_tail_call_into_another_probed_function_returns_through_both_trampolines_to_
 
     assert_eq!(swapped, inner);
     assert_eq!(after_inner, outer, "B's trampoline returns into A's");
-    assert_eq!(rig.word(slot), 0x1111, "A's trampoline returns to A's caller");
+    assert_eq!(
+        rig.word(slot),
+        0x1111,
+        "A's trampoline returns to A's caller"
+    );
     assert_eq!(rig.keyed(slot), 0);
     assert_eq!(rig.word(rig.misses), 0);
 }

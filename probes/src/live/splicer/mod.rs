@@ -114,12 +114,8 @@ pub trait SiteCode {
     ///
     /// # Errors
     /// When the code cannot be generated.
-    fn entry(
-        &mut self,
-        site: u32,
-        at: u64,
-        returns: Option<ReturnSwap>,
-    ) -> anyhow::Result<Vec<u8>>;
+    fn entry(&mut self, site: u32, at: u64, returns: Option<ReturnSwap>)
+        -> anyhow::Result<Vec<u8>>;
     /// The return trampoline at `at`, over the table of calls in flight `table`.
     ///
     /// # Errors

@@ -141,7 +141,12 @@ impl Ledger {
                 }
             };
         }
-        let stale: Vec<usize> = self.chains.remove(&slot).map(|c| c.index).into_iter().collect();
+        let stale: Vec<usize> = self
+            .chains
+            .remove(&slot)
+            .map(|c| c.index)
+            .into_iter()
+            .collect();
         self.free.extend(&stale);
         match self.free.pop() {
             Some(index) => {
