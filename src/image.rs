@@ -10,6 +10,9 @@ pub enum ImageCommand {
     ///
     /// A second fetch verifies the cached files (size and sha256) and downloads nothing.
     Fetch(FetchArgs),
+    /// List the x86-64 Debian kernels apt knows (the unsigned cloud-amd64 and amd64
+    /// packages) and what the cache holds of each.
+    List,
 }
 
 #[derive(Debug, Args)]
@@ -25,7 +28,30 @@ pub struct FetchArgs {
 pub fn run(cmd: ImageCommand) -> anyhow::Result<()> {
     match cmd {
         ImageCommand::Fetch(args) => fetch(&args),
+        ImageCommand::List => list(),
     }
+}
+
+fn list() -> anyhow::Result<()> {
+    let known = images::debian::x86_kernels().context("cannot ask apt which kernels it knows")?;
+    if known.is_empty() {
+        outln!("apt knows no linux-image-*-amd64-unsigned package: run apt-get update");
+    }
+    for abi in known {
+        let held = match images::kernel::cached(&abi)? {
+            (true, true) => "cached, with debug info",
+            (true, false) => "cached",
+            (false, true) => "debug info cached",
+            (false, false) => "",
+        };
+        let default = if abi == images::DEFAULT_KERNEL {
+            " (default)"
+        } else {
+            ""
+        };
+        outln!("{abi:<32} {held}{default}");
+    }
+    Ok(())
 }
 
 fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
@@ -39,6 +65,9 @@ fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
     outln!("config     {}", kernel.config.display());
     for module in &kernel.modules {
         outln!("module     {}", module.display());
+    }
+    for module in &kernel.lacking_modules {
+        outln!("module     {module}: not in this kernel's package (built in, or not built)");
     }
     let busybox = images::kernel::ensure_busybox().context("cannot fetch busybox")?;
     outln!("busybox    {}", busybox.display());

@@ -137,6 +137,36 @@ fn version_key(name: &str) -> Vec<u64> {
         .collect()
 }
 
+/// The x86-64 kernels in `apt-cache search` output that exotap can fetch (the unsigned
+/// `cloud-amd64` and `amd64` flavours), as ABI names, oldest first.
+pub fn x86_kernels_in(search_output: &str) -> Vec<String> {
+    let mut abis: Vec<String> = search_output
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter_map(|n| n.strip_prefix("linux-image-")?.strip_suffix("-unsigned"))
+        .filter(|abi| {
+            abi.ends_with("-cloud-amd64") || abi.ends_with("-amd64") && !abi.ends_with("-rt-amd64")
+        })
+        .map(str::to_owned)
+        .collect();
+    abis.sort_by_key(|a| version_key(a));
+    abis.dedup();
+    abis
+}
+
+/// The x86-64 kernels apt knows ([`x86_kernels_in`]).
+///
+/// # Errors
+/// When `apt-cache` cannot run.
+pub fn x86_kernels() -> Result<Vec<String>, DebianError> {
+    let out = run_capture(Command::new("apt-cache").args([
+        "search",
+        "--names-only",
+        "^linux-image-.*-amd64-unsigned$",
+    ]))?;
+    Ok(x86_kernels_in(&String::from_utf8_lossy(&out.stdout)))
+}
+
 /// The newest cloud kernel apt knows, if any.
 ///
 /// # Errors
@@ -341,6 +371,29 @@ linux-image-6.12.115+deb12-cloud-amd64-unsigned - Linux 6.12 for x86-64 cloud
         assert_eq!(
             newest_cloud_kernel_in(search).as_deref(),
             Some("linux-image-6.12.115+deb12-cloud-amd64-unsigned")
+        );
+    }
+
+    #[test]
+    fn x86_kernels_are_the_unsigned_cloud_and_generic_flavours_in_version_order() {
+        let search = "\
+linux-image-6.12.57+deb12-cloud-amd64-unsigned - Linux 6.12 for x86-64 cloud (unsigned)
+linux-image-6.1.0-50-cloud-amd64-unsigned - Linux 6.1 for x86-64 cloud (unsigned)
+linux-image-6.1.0-50-cloud-amd64-dbg - Debug symbols for linux-image-6.1.0-50-cloud-amd64
+linux-image-6.1.0-9-amd64-unsigned - Linux 6.1 for 64-bit PCs (unsigned)
+linux-image-6.1.0-50-rt-amd64-unsigned - Linux 6.1 for 64-bit PCs, PREEMPT_RT (unsigned)
+linux-image-6.1.0-50-cloud-arm64-unsigned - Linux 6.1 for arm64 cloud (unsigned)
+";
+
+        let kernels = x86_kernels_in(search);
+
+        assert_eq!(
+            kernels,
+            [
+                "6.1.0-9-amd64",
+                "6.1.0-50-cloud-amd64",
+                "6.12.57+deb12-cloud-amd64"
+            ]
         );
     }
 

@@ -4,6 +4,7 @@
 //! Layout under the cache root:
 //! ```text
 //! kernels/<abi>/manifest.json         vmlinuz, config, modules/{irqbypass,kvm,kvm-amd,kvm-intel,evdev}.ko
+//!                                     (those of the modules the package has)
 //! kernels/<abi>/debug/manifest.json   vmlinux, System.map          (image fetch --debuginfo)
 //! packages/busybox-static/manifest.json   busybox
 //! ```
@@ -75,8 +76,10 @@ pub struct Kernel {
     pub bzimage: PathBuf,
     /// The kernel's build configuration.
     pub config: PathBuf,
-    /// The kept modules (see [`KEPT_MODULES`]).
+    /// The kept modules the package has (see [`KEPT_MODULES`]).
     pub modules: Vec<PathBuf>,
+    /// The kept modules the package does not have (built in, or not built).
+    pub lacking_modules: Vec<String>,
 }
 
 /// Debug info of a kernel, verified.
@@ -108,6 +111,19 @@ pub fn kernel_abi(name: &str) -> Result<String, ImageError> {
     } else {
         Err(ImageError::BadKernelName(name.to_owned()))
     }
+}
+
+/// What the cache holds of kernel `abi`: (the kernel, its debug info), by their manifests
+/// (a fetch verifies the files themselves).
+///
+/// # Errors
+/// When the cache directory cannot be found.
+pub fn cached(abi: &str) -> Result<(bool, bool), ImageError> {
+    let dir = kernel_dir(abi)?;
+    Ok((
+        dir.join(cache::MANIFEST).is_file(),
+        dir.join("debug").join(cache::MANIFEST).is_file(),
+    ))
 }
 
 fn kernel_dir(abi: &str) -> Result<PathBuf, ImageError> {
@@ -242,27 +258,37 @@ pub fn ensure_kernel(name: &str) -> Result<Kernel, ImageError> {
         (path.starts_with("lib/modules/") && KEPT_MODULES.contains(&file))
             .then(|| format!("modules/{file}"))
     };
-    let mut required = vec!["vmlinuz", "config"];
-    let module_files: Vec<String> = KEPT_MODULES
-        .iter()
-        .map(|m| format!("modules/{m}"))
-        .collect();
-    required.extend(module_files.iter().map(String::as_str));
+    // The modules are optional: a kernel may build one in or lack it (Debian's 6.12 has no
+    // irqbypass.ko); what it has is kept, what it lacks is said.
     let manifest = Component {
         source: &Apt,
         dir: dir.clone(),
         package: format!("linux-image-{abi}-unsigned"),
-        required: &required,
+        required: &["vmlinuz", "config"],
         select: &select,
         suggestion: &cloud_suggestion,
     }
     .ensure()?;
+    let (kept, lacking): (Vec<&str>, Vec<&str>) = KEPT_MODULES
+        .iter()
+        .partition(|m| manifest.files.contains_key(&format!("modules/{m}")));
+    if !lacking.is_empty() {
+        tracing::debug!(
+            kernel = %abi,
+            "the package has no {} (built in, or not built): tests that load them skip",
+            lacking.join(", ")
+        );
+    }
     Ok(Kernel {
         abi,
         version: manifest.version,
         bzimage: dir.join("vmlinuz"),
         config: dir.join("config"),
-        modules: module_files.iter().map(|m| dir.join(m)).collect(),
+        modules: kept
+            .iter()
+            .map(|m| dir.join(format!("modules/{m}")))
+            .collect(),
+        lacking_modules: lacking.iter().map(|m| (*m).to_owned()).collect(),
         dir,
     })
 }

@@ -23,7 +23,7 @@ use super::*;
 /// Examples the bounded soak always runs: the ones that crashed the guest (issue 40).
 const ALWAYS: &[&str] = &["general/para-callgraph.stp", "general/callgraph.stp"];
 /// How many more the bounded soak takes, rotating with the day.
-const ROTATING: usize = 4;
+const ROTATING: usize = 2;
 /// Seconds each run lasts after its install.
 const WINDOW: u64 = 3;
 /// What a hurt kernel prints.
@@ -207,14 +207,15 @@ fn chosen_for_soak(dir: &Path) -> Vec<InScope> {
 /// One run's end: how it ended, and its diagnostics.
 struct Soaked {
     installed: bool,
+    out: String,
     code: Option<i32>,
     err: String,
     secs: f64,
 }
 
-/// Runs `ex` against the guest at `socket` for [`WINDOW`] seconds after its install, then
-/// SIGINT (SIGKILL after 60 s more, which leaves the guardian to recover).
-fn soak_one(ex: &InScope, socket: &Path, compile: &str) -> Soaked {
+/// Runs `ex` against the guest at `socket` for `window` after its install, then SIGINT
+/// (SIGKILL after 60 s more, which leaves the guardian to recover).
+fn soak_one(ex: &InScope, socket: &Path, compile: &str, window: Duration) -> Soaked {
     let started = Instant::now();
     let mut child = exotap()
         .current_dir(ex.path.parent().unwrap())
@@ -222,10 +223,16 @@ fn soak_one(ex: &InScope, socket: &Path, compile: &str) -> Soaked {
         .arg(format!("unix:{}", socket.display()))
         .arg(&ex.path)
         .args(&ex.words)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("cannot start exotap run");
+    let mut stdout = child.stdout.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
     let (tx, rx) = mpsc::channel::<String>();
     let stderr = BufReader::new(child.stderr.take().unwrap());
     let err = std::thread::spawn(move || {
@@ -247,7 +254,7 @@ fn soak_one(ex: &InScope, socket: &Path, compile: &str) -> Soaked {
         }
     }
     if installed {
-        let end = Instant::now() + Duration::from_secs(WINDOW);
+        let end = Instant::now() + window;
         while Instant::now() < end && child.try_wait().ok().flatten().is_none() {
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -268,6 +275,7 @@ fn soak_one(ex: &InScope, socket: &Path, compile: &str) -> Soaked {
     }
     Soaked {
         installed,
+        out: out.join().unwrap_or_default(),
         code,
         err: err.join().unwrap_or_default(),
         secs: started.elapsed().as_secs_f64(),
@@ -287,8 +295,9 @@ fn recover_digest(socket: &Path) -> (bool, String, String) {
     let digest = out
         .lines()
         .find_map(|l| l.strip_prefix("kernel text sha256 "))
-        .unwrap_or_else(|| panic!("no digest in:\n{out}"))
-        .to_owned();
+        .map(str::to_owned);
+    assert!(digest.is_some(), "no digest in:\n{out}");
+    let digest = digest.unwrap_or_default();
     (!out.contains("nothing to recover"), digest, out)
 }
 
@@ -353,19 +362,11 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
     'soak: for round in 0..repeat {
         for ex in &examples {
             for compile in ["auto", "never"] {
-                let from = live.log.lock().unwrap().len();
-                let run = soak_one(ex, &live.socket, compile);
-                runs += 1;
                 let name = ex.name(&dir);
-                let (left, digest, out) = recover_digest(&live.socket);
-                let console = hurt_since(&live.log, from);
-                let alive = live.guest_runs();
-                let first_error = run
-                    .err
-                    .lines()
-                    .find(|l| l.contains("ERROR") || l.starts_with("error") || l.contains("error:"))
-                    .unwrap_or("")
-                    .to_owned();
+                let from = live.log.lock().unwrap().len();
+                let run = soak_one(ex, &live.socket, compile, Duration::from_secs(WINDOW));
+                runs += 1;
+                let first_error = first_error(&run.err);
                 eprintln!(
                     "SOAK {round}/{compile} {name}: exit {:?}, installed {}, {:.1} s{}",
                     run.code,
@@ -383,21 +384,7 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
                         run.code
                     ));
                 }
-                let mut why = Vec::new();
-                if left {
-                    why.push(format!("exotap left work in the guest:\n{out}"));
-                }
-                if digest != reference {
-                    why.push(format!(
-                        "the kernel text hash changed: {reference} -> {digest}"
-                    ));
-                }
-                if let Some(c) = console {
-                    why.push(format!("the console:\n{c}"));
-                }
-                if !alive {
-                    why.push("the guest is gone".to_owned());
-                }
+                let why = unhurt(&mut live, &reference, from);
                 if !why.is_empty() {
                     eprintln!(
                         "HURT {name} ({compile}): {}\n--- stderr:\n{}",
@@ -411,6 +398,9 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
             }
         }
     }
+    if hurt.is_empty() {
+        hurt.extend(stress_nested_returns(&mut live, &reference));
+    }
     let rounds = live.rounds.load(Ordering::SeqCst);
     live.end();
     eprintln!(
@@ -422,6 +412,127 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
         ended_with_errors.join("\n")
     );
     assert!(hurt.is_empty(), "hurt the guest:\n{}", hurt.join("\n"));
+}
+
+/// The first error line of a run's stderr ("" when none).
+fn first_error(err: &str) -> String {
+    err.lines()
+        .find(|l| l.contains("ERROR") || l.starts_with("error") || l.contains("error:"))
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// Why the guest is not as it was before the runs (nothing when it is): exotap's work left
+/// in it, its text changed from `reference`, its console past byte `from` shows a hurt
+/// kernel, or it is gone.
+fn unhurt(live: &mut LiveGuest, reference: &str, from: usize) -> Vec<String> {
+    let (left, digest, out) = recover_digest(&live.socket);
+    let mut why = Vec::new();
+    if left {
+        why.push(format!("exotap left work in the guest:\n{out}"));
+    }
+    if digest != reference {
+        why.push(format!(
+            "the kernel text hash changed: {reference} -> {digest}"
+        ));
+    }
+    if let Some(c) = hurt_since(&live.log, from) {
+        why.push(format!("the console:\n{c}"));
+    }
+    if !live.guest_runs() {
+        why.push("the guest is gone".to_owned());
+    }
+    why
+}
+
+/// Return probes over 238 functions that nest (timer interrupts inside any of them),
+/// tail-call each other (fs/proc: `proc_root_readdir` into `proc_pid_readdir`) and sleep
+/// (`hrtimer_nanosleep`, the workload's `sleep`), on two vCPUs. Every point compiles (the
+/// `*@fs/proc/*.c` of `callgraph.stp` has three that do not: weak functions' copies).
+const STRESS: &str = r#"global entries, returns
+probe kernel.function("*@fs/proc/base.c"), kernel.function("*@fs/proc/root.c"),
+      kernel.function("*@fs/proc/generic.c"), kernel.function("*@fs/proc/inode.c"),
+      kernel.function("*@fs/proc/array.c"), kernel.function("*@kernel/time/hrtimer.c") { entries++ }
+probe kernel.function("*@fs/proc/base.c").return, kernel.function("*@fs/proc/root.c").return,
+      kernel.function("*@fs/proc/generic.c").return, kernel.function("*@fs/proc/inode.c").return,
+      kernel.function("*@fs/proc/array.c").return, kernel.function("*@kernel/time/hrtimer.c").return { returns++ }
+probe end { printf("entries %d returns %d\n", entries, returns) }
+"#;
+
+/// Ends of the stress run per mode, each at a random moment.
+const STRESS_ENDS: usize = 3;
+
+/// [`STRESS`] compiled and host-evaluated, each ended [`STRESS_ENDS`] times at a random
+/// moment 0.2 to 6 s after its install: every return address must be accounted for (no
+/// "no record" or "no swapped return address" error, nothing left in the guest, the text as
+/// it was, no oops). Returns what hurt the guest.
+fn stress_nested_returns(live: &mut LiveGuest, reference: &str) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nested-returns.stp");
+    std::fs::write(&path, STRESS).unwrap();
+    let stress = InScope {
+        path,
+        words: Vec::new(),
+    };
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        | 1;
+    eprintln!("stress: seed {seed}");
+    let mut hurt = Vec::new();
+    for compile in ["require", "never"] {
+        for end in 0..STRESS_ENDS {
+            // xorshift64: the moments differ from run to run; the seed above replays them.
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let window = Duration::from_millis(200 + seed % 5800);
+            let from = live.log.lock().unwrap().len();
+            let run = soak_one(&stress, &live.socket, compile, window);
+            let sites = run
+                .err
+                .lines()
+                .find(|l| l.contains("compiled probes in at") || l.contains("probe sites ("))
+                .unwrap_or("")
+                .to_owned();
+            eprintln!(
+                "STRESS {compile} #{end} ended after {:.1} s: exit {:?}, {}, {sites}",
+                window.as_secs_f64(),
+                run.code,
+                run.out.trim()
+            );
+            let mut why = unhurt(live, reference, from);
+            if !run.installed || run.code != Some(0) {
+                why.push(format!("the run failed (exit {:?})", run.code));
+            }
+            // Each return probe ran for a call whose entry it saw: as many, less the calls in
+            // flight at the removal (tasks asleep in hrtimer_nanosleep, a few per task).
+            let counted: Vec<u64> = run
+                .out
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            match counted[..] {
+                [entries, returns] if returns <= entries && entries - returns <= 100 => {}
+                _ => why.push(format!("entries and returns do not pair: {:?}", run.out)),
+            }
+            for lost in ["no record", "no swapped return address", "will fault"] {
+                if run.err.contains(lost) {
+                    why.push(format!("a return address was not accounted for ({lost})"));
+                }
+            }
+            if !why.is_empty() {
+                eprintln!(
+                    "HURT stress ({compile} #{end}): {}\n--- stderr:\n{}",
+                    why.join("\n"),
+                    run.err
+                );
+                hurt.push(format!("stress ({compile} #{end}): {}", why.join("; ")));
+                return hurt;
+            }
+        }
+    }
+    hurt
 }
 
 #[test]

@@ -60,8 +60,9 @@ pub(super) fn diverting_patch(
 // Entry/exit pairs inside the guest (`exotap time`).
 //
 // The entry patch claims a slot in a table of calls in flight, keyed by the address of the
-// return-address slot on the stack (unique per call in flight: tasks have their own stacks,
-// and nested calls sit deeper), stores the original return address and an rdtsc there, and
+// return-address slot on the stack (tasks have their own stacks, and nested calls sit
+// deeper; only a tail call from one timed function into another shares its caller's, and
+// chains on it: `emit_swap`), stores the original return address and an rdtsc there, and
 // swaps the return address for the function's return trampoline. The trampoline finds the
 // slot again (the `ret` left rsp just above it), puts the original return address back
 // where `ret` will pop it, adds the elapsed cycles to a log2 histogram, frees the slot and
