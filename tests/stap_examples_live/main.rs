@@ -329,11 +329,17 @@ fn run_example(file: &Path, ex: &Example, socket: &Path, rounds: &AtomicU64, com
     }
 }
 
+/// Taken by each test of this binary while its guest runs (the test harness runs them on
+/// parallel threads).
+static ONE_GUEST: Mutex<()> = Mutex::new(());
+
 /// The guest the examples run against: booted with [`job`], its gdbstub at `socket`, its
 /// console read by a thread that counts the workload's rounds.
 struct LiveGuest {
+    /// This test's turn to have a guest (see [`ONE_GUEST`]).
+    _turn: std::sync::MutexGuard<'static, ()>,
     guest: Child,
-    console: std::thread::JoinHandle<String>,
+    console: Option<std::thread::JoinHandle<String>>,
     /// The console so far (what `console` returns at the end).
     log: Arc<Mutex<String>>,
     rounds: Arc<AtomicU64>,
@@ -349,6 +355,10 @@ impl LiveGuest {
 
     /// [`LiveGuest::boot`] with the job `job`.
     fn boot_with(began: Instant, job: &str) -> Self {
+        // One guest at a time: two TCG guests on a 2-core host stretch each other's windows.
+        let turn = ONE_GUEST
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("gdb.sock");
         let job_file = dir.path().join("job.sh");
@@ -378,8 +388,9 @@ impl LiveGuest {
             all
         });
         LiveGuest {
+            _turn: turn,
             guest,
-            console,
+            console: Some(console),
             log,
             rounds,
             socket,
@@ -397,11 +408,23 @@ impl LiveGuest {
     fn end(mut self) -> String {
         let _ = self.guest.kill();
         let _ = self.guest.wait();
-        let console = self.console.join().unwrap_or_default();
+        let console = self
+            .console
+            .take()
+            .and_then(|c| c.join().ok())
+            .unwrap_or_default();
         for bad in ["Oops", "BUG:", "general protection", "Call Trace"] {
             assert!(!console.contains(bad), "{bad} in the console:\n{console}");
         }
         console
+    }
+}
+
+impl Drop for LiveGuest {
+    /// A failed test's guest does not outlive it (nor hold the next test's turn).
+    fn drop(&mut self) {
+        let _ = self.guest.kill();
+        let _ = self.guest.wait();
     }
 }
 
