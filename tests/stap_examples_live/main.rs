@@ -329,6 +329,16 @@ fn run_example(file: &Path, ex: &Example, socket: &Path, rounds: &AtomicU64, com
     }
 }
 
+/// The guest's `--timeout` in seconds: 30 minutes, or 4 hours for a soak chosen by hand
+/// (`EXOTAP_SOAK`: the whole of it takes about an hour).
+fn guest_timeout() -> String {
+    if std::env::var_os("EXOTAP_SOAK").is_some() {
+        "14400".into()
+    } else {
+        "1800".into()
+    }
+}
+
 /// Taken by each test of this binary while its guest runs (the test harness runs them on
 /// parallel threads).
 static ONE_GUEST: Mutex<()> = Mutex::new(());
@@ -365,7 +375,7 @@ impl LiveGuest {
         std::fs::write(&job_file, job).unwrap();
         let job_arg = job_file.to_str().unwrap().to_owned();
         let (guest, console) = common::boot_with_gdbstub(
-            &["--timeout", "1800", "--job", &job_arg],
+            &["--timeout", &guest_timeout(), "--job", &job_arg],
             &socket,
             "EXOTAP-RESULT armed=1",
         );

@@ -340,7 +340,10 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
             .join(" ")
     );
     let began = Instant::now();
-    let mut live = LiveGuest::boot_with(began, &job_with(PROC_READS));
+    // The guest boots `quiet` (its console prints errors only): a WARNING, and the kernel's
+    // notes that it changes its own text, are warnings.
+    let job = format!("echo 5 > /proc/sys/kernel/printk\n{}", job_with(PROC_READS));
+    let mut live = LiveGuest::boot_with(began, &job);
     // The reference: the text once the workload has run two rounds (the job armed its
     // kprobes and tracepoints before it said so, and the kernel flips some static keys of its
     // own the first time a round's work runs: the text changed across the first round in one
@@ -353,7 +356,7 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let (left, reference, _) = recover_digest(&live.socket);
+    let (left, mut reference, _) = recover_digest(&live.socket);
     assert!(!left, "exotap's work in a guest no exotap touched");
 
     let mut ended_with_errors = Vec::new();
@@ -384,7 +387,7 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
                         run.code
                     ));
                 }
-                let why = unhurt(&mut live, &reference, from);
+                let why = unhurt(&mut live, &mut reference, from);
                 if !why.is_empty() {
                     eprintln!(
                         "HURT {name} ({compile}): {}\n--- stderr:\n{}",
@@ -399,7 +402,7 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
         }
     }
     if hurt.is_empty() {
-        hurt.extend(stress_nested_returns(&mut live, &reference));
+        hurt.extend(stress_nested_returns(&mut live, &mut reference));
     }
     let rounds = live.rounds.load(Ordering::SeqCst);
     live.end();
@@ -422,19 +425,55 @@ fn first_error(err: &str) -> String {
         .to_owned()
 }
 
+/// Kernel messages that announce a change of the kernel's own text: under a loaded TCG host
+/// the clocksource watchdog can find the TSC skewed, mark it unstable and turn the
+/// `__sched_clock_stable` static key off, which rewrites jumps in the text.
+const GUEST_TEXT_CHANGES: &[&str] = &["clocksource", "sched_clock"];
+
 /// Why the guest is not as it was before the runs (nothing when it is): exotap's work left
 /// in it, its text changed from `reference`, its console past byte `from` shows a hurt
-/// kernel, or it is gone.
-fn unhurt(live: &mut LiveGuest, reference: &str, from: usize) -> Vec<String> {
-    let (left, digest, out) = recover_digest(&live.socket);
+/// kernel, or it is gone. A text hash that differs is read again (a static key the kernel is
+/// flipping at that moment holds an `int3` for a while); a change the kernel announced on
+/// its console ([`GUEST_TEXT_CHANGES`]) becomes the new reference, said on stderr.
+fn unhurt(live: &mut LiveGuest, reference: &mut String, from: usize) -> Vec<String> {
+    let (left, mut digest, out) = recover_digest(&live.socket);
+    for _ in 0..3 {
+        if digest == *reference {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        digest = recover_digest(&live.socket).1;
+    }
     let mut why = Vec::new();
     if left {
         why.push(format!("exotap left work in the guest:\n{out}"));
     }
-    if digest != reference {
-        why.push(format!(
-            "the kernel text hash changed: {reference} -> {digest}"
-        ));
+    if digest != *reference {
+        let said: Vec<String> = {
+            let log = live.log.lock().unwrap();
+            log.get(from..)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| !l.contains("EXOTAP-RESULT round="))
+                .map(str::to_owned)
+                .collect()
+        };
+        let announced = said
+            .iter()
+            .any(|l| GUEST_TEXT_CHANGES.iter().any(|c| l.contains(c)));
+        if announced {
+            eprintln!(
+                "the guest changed its own text ({reference} -> {digest}); its console:\n{}",
+                said.join("\n")
+            );
+            *reference = digest;
+        } else {
+            why.push(format!(
+                "the kernel text hash changed: {reference} -> {digest}; the console since \
+                 the run began:\n{}",
+                said.join("\n")
+            ));
+        }
     }
     if let Some(c) = hurt_since(&live.log, from) {
         why.push(format!("the console:\n{c}"));
@@ -466,7 +505,7 @@ const STRESS_ENDS: usize = 3;
 /// moment 0.2 to 6 s after its install: every return address must be accounted for (no
 /// "no record" or "no swapped return address" error, nothing left in the guest, the text as
 /// it was, no oops). Returns what hurt the guest.
-fn stress_nested_returns(live: &mut LiveGuest, reference: &str) -> Vec<String> {
+fn stress_nested_returns(live: &mut LiveGuest, reference: &mut String) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nested-returns.stp");
     std::fs::write(&path, STRESS).unwrap();
