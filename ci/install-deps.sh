@@ -15,6 +15,9 @@ packages=(
   systemtap-doc     # SystemTap's example suite, measured by ci/stap-examples.sh
   lcov              # genhtml renders the coverage tracefiles of exotap coverage (tests/jit_qemu.rs)
   python3-pip       # tests/perfetto_qemu.rs installs protobuf and Perfetto's published protos (PyPI) at test time
+  # introspect/src/bzimage/decompress.rs compresses with each kernel compression's reference
+  # tool at test time and checks the payload decompresses back (lzma and xz come from xz-utils)
+  gzip bzip2 xz-utils lzop lz4 zstd
 )
 
 missing=()

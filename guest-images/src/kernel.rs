@@ -51,6 +51,15 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+    /// A compressed module could not be decompressed.
+    #[error("cannot decompress {module}")]
+    Module {
+        /// The module's file, relative to the cache directory.
+        module: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The package lacked files we need.
     #[error("{package} {version} lacks {missing}")]
     Incomplete {
@@ -157,6 +166,9 @@ impl PackageSource for Apt {
     }
 }
 
+/// What a component does to the files it unpacked (see [`Component::finish`]).
+type Finish = dyn Fn(&Path, Vec<String>) -> Result<Vec<String>, ImageError>;
+
 /// A cached component: a directory filled from one Debian package.
 struct Component<'a> {
     source: &'a dyn PackageSource,
@@ -164,6 +176,9 @@ struct Component<'a> {
     package: String,
     required: &'a [&'a str],
     select: &'a dyn Fn(&str) -> Option<String>,
+    /// Turns the files `select` wrote into the ones the cache keeps (named relative to the
+    /// component's directory), e.g. a compressed module into the module.
+    finish: &'a Finish,
     /// Said when apt does not know the package.
     suggestion: &'a dyn Fn() -> Option<String>,
 }
@@ -207,7 +222,7 @@ impl Component<'_> {
         let _ = fs::remove_dir_all(&download_dir);
         fs::create_dir_all(&download_dir).map_err(io_err(&download_dir))?;
         let deb = self.source.download(&info, &download_dir)?;
-        let written = debian::extract(&deb, &self.dir, self.select)?;
+        let written = (self.finish)(&self.dir, debian::extract(&deb, &self.dir, self.select)?)?;
         let _ = fs::remove_dir_all(&download_dir);
         if let Some(missing) = self
             .required
@@ -237,6 +252,44 @@ fn cloud_suggestion() -> Option<String> {
     }
 }
 
+/// The most bytes one module decompresses to (kvm.ko is about 2 MB).
+const MAX_MODULE: u64 = 64 << 20;
+
+/// Decompresses the `modules/*.ko.xz` among `written` (files under `dir`) into `modules/*.ko`,
+/// removing the compressed files.
+fn decompress_modules(dir: &Path, written: Vec<String>) -> Result<Vec<String>, ImageError> {
+    use std::io::Read;
+    let mut kept = Vec::with_capacity(written.len());
+    for name in written {
+        let Some(module) = name.strip_suffix(".xz") else {
+            kept.push(name);
+            continue;
+        };
+        let (from, to) = (dir.join(&name), dir.join(module));
+        let compressed = fs::File::open(&from).map_err(io_err(&from))?;
+        let mut out = Vec::new();
+        lzma_rust2::XzReader::new(std::io::BufReader::new(compressed), false)
+            .take(MAX_MODULE + 1)
+            .read_to_end(&mut out)
+            .map_err(|source| ImageError::Module {
+                module: name.clone(),
+                source,
+            })?;
+        if out.len() as u64 > MAX_MODULE {
+            return Err(ImageError::Module {
+                module: name,
+                source: std::io::Error::other(format!(
+                    "it decompresses to more than {MAX_MODULE} bytes"
+                )),
+            });
+        }
+        fs::write(&to, &out).map_err(io_err(&to))?;
+        fs::remove_file(&from).map_err(io_err(&from))?;
+        kept.push(module.to_owned());
+    }
+    Ok(kept)
+}
+
 /// Makes sure the kernel `name` (ABI or package name) is in the cache and intact, fetching it
 /// when needed. A second call downloads nothing and needs no network.
 ///
@@ -255,7 +308,9 @@ pub fn ensure_kernel(name: &str) -> Result<Kernel, ImageError> {
             return Some("config".into());
         }
         let file = path.rsplit('/').next()?;
-        (path.starts_with("lib/modules/") && KEPT_MODULES.contains(&file))
+        // Debian's 6.12 packages ship their modules xz-compressed (`kvm.ko.xz`).
+        let module = file.strip_suffix(".xz").unwrap_or(file);
+        (path.starts_with("lib/modules/") && KEPT_MODULES.contains(&module))
             .then(|| format!("modules/{file}"))
     };
     // The modules are optional: a kernel may build one in or lack it (Debian's 6.12 has no
@@ -266,6 +321,7 @@ pub fn ensure_kernel(name: &str) -> Result<Kernel, ImageError> {
         package: format!("linux-image-{abi}-unsigned"),
         required: &["vmlinuz", "config"],
         select: &select,
+        finish: &decompress_modules,
         suggestion: &cloud_suggestion,
     }
     .ensure()?;
@@ -318,6 +374,7 @@ pub fn ensure_debuginfo(name: &str) -> Result<Debuginfo, ImageError> {
         package: format!("linux-image-{abi}-dbg"),
         required: &["vmlinux", "System.map"],
         select: &select,
+        finish: &|_, written| Ok(written),
         suggestion: &|| None,
     }
     .ensure()?;
@@ -340,6 +397,7 @@ pub fn ensure_busybox() -> Result<PathBuf, ImageError> {
         package: "busybox-static".into(),
         required: &["busybox"],
         select: &select,
+        finish: &|_, written| Ok(written),
         suggestion: &|| Some("install it with apt-get update first".into()),
     }
     .ensure()?;
@@ -413,8 +471,42 @@ mod tests {
             package: "exotap-test-kernel".into(),
             required: &["vmlinuz"],
             select,
+            finish: &decompress_modules,
             suggestion: &|| None,
         }
+    }
+
+    #[test]
+    fn xz_modules_are_kept_decompressed_and_a_corrupt_one_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        fs::create_dir_all(dir.join("modules")).unwrap();
+        let module: Vec<u8> = (0..200_000u32)
+            .flat_map(|i| (i % 251).to_le_bytes())
+            .collect();
+        fs::write(dir.join("modules/evdev.ko"), &module).unwrap();
+        // As Debian's build compresses them: xz with a CRC32 check.
+        let xz = Command::new("xz")
+            .args(["--check=crc32", "-9", "-f"])
+            .arg(dir.join("modules/evdev.ko"))
+            .status();
+        let Ok(xz) = xz else {
+            eprintln!("SKIP: xz is not installed (ci/install-deps.sh installs xz-utils)");
+            return;
+        };
+        assert!(xz.success(), "xz failed");
+        fs::write(dir.join("modules/kvm.ko.xz"), b"\xfd7zXZ\x00 not really").unwrap();
+
+        let kept = decompress_modules(dir, vec!["vmlinuz".into(), "modules/evdev.ko.xz".into()]);
+        let corrupt = decompress_modules(dir, vec!["modules/kvm.ko.xz".into()]);
+
+        assert_eq!(kept.unwrap(), ["vmlinuz", "modules/evdev.ko"]);
+        assert_eq!(fs::read(dir.join("modules/evdev.ko")).unwrap(), module);
+        assert!(!dir.join("modules/evdev.ko.xz").exists());
+        assert!(
+            matches!(corrupt, Err(ImageError::Module { ref module, .. }) if module == "modules/kvm.ko.xz"),
+            "{corrupt:?}"
+        );
     }
 
     #[test]

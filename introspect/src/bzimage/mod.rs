@@ -3,9 +3,17 @@
 //!
 //! Boot protocol (Documentation/x86/boot.rst): `setup_sects` at 0x1f1, `"HdrS"` at 0x202,
 //! `payload_offset`/`payload_length` at 0x248/0x24c counted from the start of the
-//! protected-mode code, which follows the `setup_sects + 1` real-mode sectors.
+//! protected-mode code, which follows the `setup_sects + 1` real-mode sectors. The payload is
+//! decompressed by [`decompress`], in every format the kernel's build makes.
 
 use object::{Object, ObjectSection, ObjectSegment};
+
+mod decompress;
+mod lz4_legacy;
+mod lzop;
+
+pub use decompress::{decompress, Compression};
+pub use lz4_legacy::{decompress_lz4_legacy, LZ4_LEGACY_MAGIC};
 
 /// Why an image could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -17,7 +25,7 @@ pub enum ImageError {
         what: &'static str,
         /// One past the last byte needed.
         end: u64,
-        /// The file length.
+        /// The file length (for a payload's own structures, the length of the payload).
         len: usize,
     },
     /// No `"HdrS"` signature: not a bzImage.
@@ -31,9 +39,56 @@ pub enum ImageError {
         /// Minor version.
         minor: u8,
     },
-    /// The payload's compression is not one this reader decompresses.
-    #[error("the payload is compressed with {0:?}, only LZ4 (legacy format) is supported")]
+    /// The payload's magic bytes name no compression this reader decompresses.
+    #[error("the payload's compression ({0:?}) is not one this reader decompresses")]
     UnsupportedCompression(Compression),
+    /// The 4-byte size the kernel's build appends to the payload disagrees with what its
+    /// stream decompresses to: the stream ended early or is not the one the build made.
+    #[error(
+        "the payload's size trailer says {trailer:#x} bytes, its stream decompresses to \
+         {decompressed:#x}"
+    )]
+    SizeTrailerMismatch {
+        /// The size the trailer holds.
+        trailer: u32,
+        /// The size the stream decompressed to.
+        decompressed: usize,
+    },
+    /// The payload decompresses to more than any vmlinux needs.
+    #[error("the payload decompresses to more than {limit:#x} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: usize,
+    },
+    /// The gzip stream is corrupt (its deflate data, CRC-32 or length).
+    #[error("the gzip stream is corrupt")]
+    Gzip(#[source] std::io::Error),
+    /// The bzip2 stream is corrupt.
+    #[error("the bzip2 stream is corrupt")]
+    Bzip2(#[source] std::io::Error),
+    /// The 13-byte header of the legacy `.lzma` format is invalid.
+    #[error("the .lzma header is invalid")]
+    LzmaHeader(#[source] std::io::Error),
+    /// The `.lzma` stream is corrupt.
+    #[error("the .lzma stream is corrupt")]
+    Lzma(#[source] std::io::Error),
+    /// The xz stream is corrupt (its headers, LZMA2 data, filters or check).
+    #[error("the xz stream is corrupt")]
+    Xz(#[source] std::io::Error),
+    /// The zstd frame header is invalid.
+    #[error("the zstd frame header is invalid")]
+    ZstdFrameHeader(#[source] ruzstd::decoding::errors::FrameDecoderError),
+    /// A block of the zstd frame is corrupt.
+    #[error("the zstd frame is corrupt")]
+    Zstd(#[source] std::io::Error),
+    /// The zstd frame decompressed to bytes whose checksum is not the one it stores.
+    #[error("the zstd frame's checksum is {stored:#010x}, its content hashes to {computed:#010x}")]
+    ZstdChecksum {
+        /// The checksum at the end of the frame.
+        stored: u32,
+        /// The low 32 bits of the XXH64 of the decompressed bytes.
+        computed: u32,
+    },
     /// A legacy-LZ4 block is corrupt.
     #[error("LZ4 block at payload offset {offset:#x} is corrupt")]
     Lz4 {
@@ -51,11 +106,55 @@ pub enum ImageError {
         /// The claimed size.
         size: u32,
     },
-    /// The payload decompresses to more than any vmlinux needs.
-    #[error("the payload decompresses to more than {limit:#x} bytes")]
-    TooLarge {
-        /// The limit.
-        limit: usize,
+    /// The lzop stream applies a filter to its data, which the kernel's build never asks for.
+    #[error("the lzop stream applies filter {0:#x}, which this reader does not undo")]
+    LzopFilter(u32),
+    /// The lzop stream's method is not one of LZO1X's.
+    #[error("the lzop stream's method is {0}, not LZO1X (1, 2 or 3)")]
+    LzopMethod(u8),
+    /// A checksum in the lzop stream does not match the bytes it covers.
+    #[error("the lzop {what} checksum at payload offset {offset:#x} does not match")]
+    LzopChecksum {
+        /// What the checksum covers: the header, its extra field, or a block's data.
+        what: &'static str,
+        /// Offset of the header or block inside the payload.
+        offset: usize,
+    },
+    /// An lzop block's sizes are impossible: more than lzop's 64 MiB, no compressed bytes, or
+    /// more compressed than uncompressed bytes.
+    #[error(
+        "lzop block at payload offset {offset:#x} claims {compressed:#x} compressed bytes for \
+         {uncompressed:#x} bytes"
+    )]
+    LzopBlockSize {
+        /// Offset of the block's header inside the payload.
+        offset: usize,
+        /// The uncompressed size it claims.
+        uncompressed: u32,
+        /// The compressed size it claims.
+        compressed: u32,
+    },
+    /// An LZO1X block inside the lzop stream is corrupt.
+    #[error("LZO block at payload offset {offset:#x} is corrupt")]
+    Lzo {
+        /// Offset of the block's header inside the payload.
+        offset: usize,
+        /// The cause.
+        #[source]
+        source: lzokay::Error,
+    },
+    /// An LZO1X block decompressed to fewer bytes than its header claims.
+    #[error(
+        "LZO block at payload offset {offset:#x} decompressed to {actual:#x} bytes, not \
+         {expected:#x}"
+    )]
+    LzoBlockLength {
+        /// Offset of the block's header inside the payload.
+        offset: usize,
+        /// The uncompressed size its header claims.
+        expected: u32,
+        /// The bytes it decompressed to.
+        actual: usize,
     },
     /// The decompressed payload is not an ELF file the `object` crate accepts.
     #[error("the vmlinux is not a readable ELF file")]
@@ -75,56 +174,6 @@ pub enum ImageError {
     #[error("the vmlinux has no {0} section")]
     NoSection(&'static str),
 }
-
-/// How a bzImage payload is compressed, from its magic bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression {
-    /// gzip (`1f 8b`).
-    Gzip,
-    /// bzip2 (`BZh`).
-    Bzip2,
-    /// LZMA (`5d 00 00`).
-    Lzma,
-    /// XZ (`fd 37 7a 58 5a 00`).
-    Xz,
-    /// LZO (`89 4c 5a 4f`).
-    Lzo,
-    /// LZ4 legacy frame (`02 21 4c 18`).
-    Lz4Legacy,
-    /// Zstandard (`28 b5 2f fd`).
-    Zstd,
-    /// Not compressed: an ELF file (`7f 45 4c 46`).
-    None,
-    /// Something else.
-    Unknown,
-}
-
-impl Compression {
-    /// Identifies the compression from the payload's first bytes.
-    pub fn detect(payload: &[u8]) -> Self {
-        const MAGICS: [(&[u8], Compression); 8] = [
-            (&[0x1f, 0x8b], Compression::Gzip),
-            (b"BZh", Compression::Bzip2),
-            (&[0x5d, 0x00, 0x00], Compression::Lzma),
-            (&[0xfd, b'7', b'z', b'X', b'Z', 0x00], Compression::Xz),
-            (&[0x89, b'L', b'Z', b'O'], Compression::Lzo),
-            (&LZ4_LEGACY_MAGIC, Compression::Lz4Legacy),
-            (&[0x28, 0xb5, 0x2f, 0xfd], Compression::Zstd),
-            (b"\x7fELF", Compression::None),
-        ];
-        MAGICS
-            .iter()
-            .find(|(magic, _)| payload.starts_with(magic))
-            .map_or(Self::Unknown, |(_, kind)| *kind)
-    }
-}
-
-/// Magic of the LZ4 legacy frame (0x184c2102 little-endian).
-pub const LZ4_LEGACY_MAGIC: [u8; 4] = [0x02, 0x21, 0x4c, 0x18];
-/// Most bytes one legacy-LZ4 block decompresses to.
-const LZ4_LEGACY_BLOCK: usize = 8 << 20;
-/// Most bytes a payload may decompress to: a hostile image must not exhaust host memory.
-const MAX_VMLINUX: usize = 1 << 30;
 
 /// The fields of a bzImage setup header this crate uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,60 +247,14 @@ impl SetupHeader {
     }
 }
 
-/// Decompresses a legacy-LZ4 stream: the magic, then blocks each prefixed by their
-/// little-endian compressed size. A repeated magic starts a new frame; the kernel's build
-/// appends the decompressed size as a final 4-byte field, which ends the stream.
-///
-/// # Errors
-/// [`ImageError::UnsupportedCompression`] without the magic, [`ImageError::Lz4BlockSize`] or
-/// [`ImageError::Lz4`] for a corrupt block, [`ImageError::TooLarge`].
-pub fn decompress_lz4_legacy(payload: &[u8]) -> Result<Vec<u8>, ImageError> {
-    let mut rest =
-        payload
-            .strip_prefix(&LZ4_LEGACY_MAGIC)
-            .ok_or(ImageError::UnsupportedCompression(Compression::detect(
-                payload,
-            )))?;
-    let mut out = Vec::new();
-    while rest.len() > 4 {
-        let offset = payload.len() - rest.len();
-        let size_field = [rest[0], rest[1], rest[2], rest[3]];
-        rest = &rest[4..];
-        if size_field == LZ4_LEGACY_MAGIC {
-            continue;
-        }
-        let size = u32::from_le_bytes(size_field);
-        let block = usize::try_from(size)
-            .ok()
-            .filter(|len| *len <= lz4_flex::block::get_maximum_output_size(LZ4_LEGACY_BLOCK))
-            .and_then(|len| rest.get(..len))
-            .ok_or(ImageError::Lz4BlockSize { offset, size })?;
-        rest = &rest[block.len()..];
-        let start = out.len();
-        if start + LZ4_LEGACY_BLOCK > MAX_VMLINUX {
-            return Err(ImageError::TooLarge { limit: MAX_VMLINUX });
-        }
-        out.resize(start + LZ4_LEGACY_BLOCK, 0);
-        let written = lz4_flex::block::decompress_into(block, &mut out[start..])
-            .map_err(|source| ImageError::Lz4 { offset, source })?;
-        out.truncate(start + written);
-    }
-    Ok(out)
-}
-
 /// Extracts the ELF vmlinux from a bzImage.
 ///
 /// # Errors
-/// Header errors from [`SetupHeader::parse`], [`ImageError::UnsupportedCompression`] for a
-/// payload that is not legacy LZ4 (or plain ELF), LZ4 errors.
+/// Header errors from [`SetupHeader::parse`], [`SetupHeader::payload`], and the errors of
+/// [`decompress`].
 pub fn extract_vmlinux(bzimage: &[u8]) -> Result<Vec<u8>, ImageError> {
     let header = SetupHeader::parse(bzimage)?;
-    let payload = header.payload(bzimage)?;
-    match Compression::detect(payload) {
-        Compression::Lz4Legacy => decompress_lz4_legacy(payload),
-        Compression::None => Ok(payload.to_vec()),
-        other => Err(ImageError::UnsupportedCompression(other)),
-    }
+    decompress(header.payload(bzimage)?)
 }
 
 /// A section of the vmlinux.
@@ -437,6 +440,7 @@ pub fn cached_kernel_dir(release: &str) -> Option<std::path::PathBuf> {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use super::lz4_legacy::tests::{legacy_stream, sample_data};
     use super::*;
 
     /// The Debian kernel the real-image tests use.
@@ -473,74 +477,9 @@ pub(crate) mod tests {
         image
     }
 
-    /// `data` as a legacy-LZ4 stream in `block`-sized blocks, with the size trailer.
-    fn lz4_legacy(data: &[u8], block: usize) -> Vec<u8> {
-        let mut out = LZ4_LEGACY_MAGIC.to_vec();
-        for chunk in data.chunks(block) {
-            let compressed = lz4_flex::block::compress(chunk);
-            out.extend_from_slice(&u32::try_from(compressed.len()).unwrap().to_le_bytes());
-            out.extend_from_slice(&compressed);
-        }
-        out.extend_from_slice(&u32::try_from(data.len()).unwrap().to_le_bytes());
-        out
-    }
-
-    fn sample_data() -> Vec<u8> {
-        (0..300_000u32)
-            .flat_map(|i| (i % 251).to_le_bytes())
-            .collect()
-    }
-
-    #[test]
-    fn compression_detects_known_magics() {
-        assert_eq!(
-            Compression::detect(&[0x02, 0x21, 0x4c, 0x18, 9]),
-            Compression::Lz4Legacy
-        );
-        assert_eq!(
-            Compression::detect(&[0x28, 0xb5, 0x2f, 0xfd]),
-            Compression::Zstd
-        );
-        assert_eq!(Compression::detect(&[0x1f, 0x8b, 8]), Compression::Gzip);
-        assert_eq!(Compression::detect(b"\x7fELF"), Compression::None);
-        assert_eq!(Compression::detect(b"??"), Compression::Unknown);
-    }
-
-    #[test]
-    fn lz4_legacy_round_trips_multiple_blocks() {
-        let data = sample_data();
-        let stream = lz4_legacy(&data, 100_000);
-
-        let out = decompress_lz4_legacy(&stream).unwrap();
-
-        assert_eq!(out, data);
-    }
-
-    #[test]
-    fn lz4_legacy_refuses_block_past_end() {
-        let mut stream = lz4_legacy(&sample_data(), 1 << 20);
-        stream.truncate(100);
-
-        let err = decompress_lz4_legacy(&stream).unwrap_err();
-
-        assert!(matches!(err, ImageError::Lz4BlockSize { offset: 4, .. }));
-    }
-
-    #[test]
-    fn lz4_legacy_reports_corrupt_block() {
-        let mut stream = LZ4_LEGACY_MAGIC.to_vec();
-        stream.extend_from_slice(&4u32.to_le_bytes());
-        stream.extend_from_slice(&[0xff, 0xff, 0xff, 0xff]);
-        stream.extend_from_slice(&[0, 0, 0, 0, 0]);
-
-        let err = decompress_lz4_legacy(&stream).unwrap_err();
-
-        assert!(matches!(err, ImageError::Lz4 { offset: 4, .. }));
-    }
-
     #[test]
     fn setup_header_locates_payload_after_setup_sectors() {
-        let payload = lz4_legacy(&sample_data(), 1 << 20);
+        let payload = legacy_stream(&sample_data(), 1 << 20);
         let image = synthetic_bzimage(&payload);
 
         let header = SetupHeader::parse(&image).unwrap();
@@ -552,7 +491,7 @@ pub(crate) mod tests {
     #[test]
     fn extract_vmlinux_decompresses_synthetic_bzimage() {
         let data = sample_data();
-        let image = synthetic_bzimage(&lz4_legacy(&data, 1 << 20));
+        let image = synthetic_bzimage(&legacy_stream(&data, 1 << 20));
 
         let out = extract_vmlinux(&image).unwrap();
 
