@@ -15,7 +15,7 @@ export EXOTAP_NESTED=1
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-cargo test --workspace --locked "$@" -- --show-output 2>&1 | tee "$log"
+cargo test --workspace --locked --no-fail-fast "$@" -- --show-output 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 # How much of SystemTap's own example suite the front end parses and checks (a measure, not

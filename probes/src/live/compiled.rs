@@ -474,6 +474,15 @@ fn host_hit_stopped(
     sessions: &mut HitSessions<'_, '_>,
     (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<()> {
+    // Check mode's twin of a compiled probe fires in the shadow only: the main session's
+    // globals (the compiled data, hundreds of KiB read through the stub) stay in the guest.
+    if sessions
+        .shadow
+        .as_ref()
+        .is_some_and(|(_, compiled)| traps.fires_only(pc, compiled))
+    {
+        return traps.hit_in(&mut guest.session, sessions, vcpu, pc);
+    }
     guest.print(sessions.main, false)?;
     guest.pull(sessions.main)?;
     traps.hit_in(&mut guest.session, sessions, vcpu, pc)?;

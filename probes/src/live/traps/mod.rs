@@ -722,6 +722,15 @@ impl Traps {
         pc == self.trampoline || self.armed.contains_key(&pc)
     }
 
+    /// Whether a hit at armed point `pc` fires only probes of `probes` (and swaps no return
+    /// address): in check mode, a point whose probes are all compiled runs in the shadow
+    /// alone, so the script's own globals need no round trip through the guest for it.
+    pub fn fires_only(&self, pc: u64, probes: &std::collections::BTreeSet<usize>) -> bool {
+        self.armed.get(&pc).is_some_and(|site| {
+            site.ret.is_empty() && site.entry.iter().all(|p| probes.contains(&p.probe))
+        })
+    }
+
     /// The return trampoline's address.
     pub fn trampoline(&self) -> u64 {
         self.trampoline
