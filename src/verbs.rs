@@ -264,7 +264,9 @@ impl VerbRun {
         let mut entries: BTreeMap<String, usize> = BTreeMap::new();
         for &start in &splicer.kernel.facts.starts {
             *entries
-                .entry(category(&splicer.kernel.plan(start, patch)))
+                .entry(category(
+                    &splicer.kernel.plan(splicer.kernel.entry(start), patch),
+                ))
                 .or_default() += 1;
         }
         self.say(&format!(

@@ -136,7 +136,8 @@ pub fn start_on(
     let patch = splicer.heap_va + super::splicer::CODE_OFFSET;
     let mut entered = Vec::new();
     for link in std::mem::take(&mut plan.statements) {
-        let why = match splicer.kernel.plan(link.wrapping_add(slide), patch) {
+        let at = splicer.kernel.entry(link.wrapping_add(slide));
+        let why = match splicer.kernel.plan(at, patch) {
             SpliceDecision::Splice(_) => None,
             SpliceDecision::Trap {
                 reason: TrapReason::ShortInstruction { len },

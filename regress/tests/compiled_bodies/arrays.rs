@@ -91,6 +91,10 @@ fn foreach_user_functions_and_try_catch_match_the_interpreter_over_many_hits() {
 
     assert_eq!(header.errors, failed, "probe errors");
     assert!(header.nesting > 0, "some hits nested past MAXNESTING");
+    // Its try blocks around user functions set up catch records, whose handlers the rig
+    // checked begin with endbr64.
+    let (rig, _) = rig(script, &Limits::default());
+    assert!(rig.catch_records >= 3, "{} catch records", rig.catch_records);
 }
 
 #[test]

@@ -218,6 +218,8 @@ struct Rig {
     interner: Interner,
     entry: u64,
     end: u64,
+    /// The catch records the site's code sets up (each handler checked for `endbr64`).
+    catch_records: usize,
 }
 
 fn rig(script: &str, limits: &Limits) -> (Rig, exotap_probes::lang::check::Program) {
@@ -301,6 +303,7 @@ fn rig_at(
     let mut code = compile::entry_code(env, &mut interner, entry, &bodies, None).expect("compiles");
     code.push(0xf4); // hlt: where the run ends (the relocated instruction would be here)
     let end = entry + code.len() as u64 - 1;
+    let catch_records = catch_handlers_begin_with_endbr64(&code, entry);
 
     let mut uc = UnicornMachine::new(Isa::X86_64).unwrap();
     uc.map(CODE, 1 << 20).unwrap();
@@ -344,9 +347,49 @@ fn rig_at(
             interner,
             entry,
             end,
+            catch_records,
         },
         prog,
     )
+}
+
+/// The catch records `code` (placed at `at`) sets up: `lea r, [rip+handler]` then
+/// `mov [rbx], r`, the handler a user function's error reaches by `jmp [rbx]`, the one
+/// indirect branch compiled code makes. Each handler begins with `endbr64`, as IBT requires
+/// of an indirect branch's target (QEMU TCG does not enforce IBT: only this check shows the
+/// code would hold on a CPU that does). Returns how many there are.
+fn catch_handlers_begin_with_endbr64(code: &[u8], at: u64) -> usize {
+    use iced_x86::{Decoder, DecoderOptions, Mnemonic, OpKind, Register};
+    let end = at + code.len() as u64;
+    let insns: Vec<_> = Decoder::with_ip(64, code, at, DecoderOptions::NONE)
+        .into_iter()
+        .collect();
+    let mut records = 0;
+    for pair in insns.windows(2) {
+        let (lea, store) = (&pair[0], &pair[1]);
+        let takes = lea.mnemonic() == Mnemonic::Lea
+            && lea.op_kind(1) == OpKind::Memory
+            && lea.memory_base() == Register::RIP
+            && (at..end).contains(&lea.memory_displacement64());
+        let records_it = store.mnemonic() == Mnemonic::Mov
+            && store.op_kind(0) == OpKind::Memory
+            && store.memory_base() == Register::RBX
+            && store.memory_displacement64() == 0
+            && store.op_kind(1) == OpKind::Register
+            && store.op_register(1) == lea.op_register(0);
+        if takes && records_it {
+            let target = lea.memory_displacement64();
+            let off = (target - at) as usize;
+            assert_eq!(
+                code.get(off..off + 4),
+                Some(&[0xf3, 0x0f, 0x1e, 0xfa][..]),
+                "the catch record at {:#x} names {target:#x}, which does not begin with endbr64",
+                lea.ip()
+            );
+            records += 1;
+        }
+    }
+    records
 }
 
 impl Rig {

@@ -457,8 +457,14 @@ impl Gen<'_, '_> {
         self.place(&mut other)?;
         let mut argument = caught.argument;
         self.place(&mut argument)?;
-        // From a function (rbp and r12 already the owner's) or from the body itself.
-        self.place(&mut handler)?;
+        // From a function (rbp and r12 already the owner's) or from the body itself. A
+        // function reaches it by `jmp [rbx]`, an indirect branch: it begins with `endbr64`,
+        // as IBT requires of every indirect target (a nop where IBT is not enforced).
+        let r = (|| {
+            self.a.set_label(&mut handler)?;
+            self.a.endbr64()
+        })();
+        asm!(self, r)?;
         self.place(&mut restore)?;
         let top = -(frame + base);
         let r = (|| {

@@ -17,6 +17,13 @@ use crate::live::kernel_image::KernelImage;
 
 use super::READ_CHUNK;
 
+/// `endbr64`: the first instruction of every function an indirect branch may reach on a
+/// kernel built with IBT.
+pub const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
+/// `nopl -0x2a(%rax)`: what such a kernel writes over an `endbr64` no indirect branch
+/// needs (`ENDBR_POISON`) when the CPU enforces IBT.
+pub const ENDBR_POISON: [u8; 4] = [0x0f, 0x1f, 0x40, 0xd6];
+
 /// Facts from the image, slid to the running kernel.
 #[derive(Debug, Default)]
 pub struct KernelFacts {
@@ -98,6 +105,8 @@ impl KernelFacts {
                 config = config.with_call_effect(s(sym.addr), CallEffect::sysv_reading(reg));
             }
         }
+        facts.starts.sort_unstable();
+        facts.starts.dedup();
         facts.config = config;
         for (from, to) in [
             ("__entry_text_start", "__entry_text_end"),
@@ -261,6 +270,24 @@ impl LiveKernel {
         plan(&self.context(), addr, patch)
     }
 
+    /// Where a probe of the function starting at `addr` goes: past the `endbr64` an IBT
+    /// kernel (`CONFIG_X86_KERNEL_IBT`) begins its functions with, or past the 4-byte nop the
+    /// kernel seals an unneeded one with on CPUs that enforce IBT. There the ftrace site
+    /// sits, as it does at the entry itself on a kernel built without IBT; a jmp over the
+    /// `endbr64` would also leave an indirect call landing on a jmp, which IBT faults. Read
+    /// from the live text, not from the kernel's configuration; `addr` itself where it is
+    /// not a function's start or begins with anything else.
+    pub fn entry(&self, addr: u64) -> u64 {
+        if self.facts.starts.binary_search(&addr).is_err() {
+            return addr;
+        }
+        let at = usize::try_from(addr.wrapping_sub(self.facts.text.0)).unwrap_or(usize::MAX);
+        match self.bytes.get(at..at.saturating_add(4)) {
+            Some(b) if b == ENDBR64 || b == ENDBR_POISON => addr + 4,
+            _ => addr,
+        }
+    }
+
     /// Guest-physical address of a text address.
     pub fn phys(&self, va: u64) -> Option<u64> {
         (va >= self.facts.text.0 && va < self.facts.text.1)
@@ -300,6 +327,71 @@ pub fn category(decision: &SpliceDecision) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A text of four 16-byte functions: `endbr64` then the ftrace nop; the nop alone (a
+    /// kernel without IBT); the sealed `endbr64` then the nop; and one whose `endbr64`
+    /// bytes sit inside it, not at its start.
+    fn ibt_text() -> LiveKernel {
+        const BASE: u64 = 0xffff_ffff_8100_0000;
+        const NOP5: [u8; 5] = [0x0f, 0x1f, 0x44, 0x00, 0x00];
+        let mut bytes = Vec::new();
+        for prefix in [&ENDBR64[..], &[], &ENDBR_POISON[..], &[0x90; 4][..]] {
+            let mut f = prefix.to_vec();
+            f.extend_from_slice(&NOP5);
+            if prefix == [0x90; 4] {
+                f.extend_from_slice(&ENDBR64);
+            }
+            f.push(0xc3);
+            f.resize(16, 0xcc);
+            bytes.extend_from_slice(&f);
+        }
+        let starts: Vec<u64> = (0..4).map(|i| BASE + 16 * i).collect();
+        let view = CodeView::new(BASE, &bytes).unwrap();
+        let ranges = ranges_from_starts(&starts, view.end());
+        let config = AnalysisConfig::new();
+        let analysis = TextAnalysis::analyze(view, &ranges, &config);
+        LiveKernel {
+            facts: KernelFacts {
+                text: (BASE, BASE + bytes.len() as u64),
+                starts,
+                ..KernelFacts::default()
+            },
+            text_phys: 0x100_0000,
+            bytes,
+            analysis,
+            read_time: Duration::ZERO,
+            analysis_time: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn a_function_probe_goes_past_an_endbr64_or_its_seal_and_nowhere_else() {
+        let k = ibt_text();
+        let f = |i: u64| k.facts.text.0 + 16 * i;
+
+        assert_eq!(k.entry(f(0)), f(0) + 4);
+        assert_eq!(k.entry(f(1)), f(1));
+        assert_eq!(k.entry(f(2)), f(2) + 4);
+        assert_eq!(k.entry(f(3)), f(3));
+        // Not a function's start: as asked, even where endbr64's bytes are.
+        assert_eq!(k.entry(f(3) + 9), f(3) + 9);
+        assert_eq!(k.entry(f(0) + 4), f(0) + 4);
+        // Past the text's end: as asked.
+        assert_eq!(k.entry(f(4)), f(4));
+    }
+
+    #[test]
+    fn the_splice_past_an_endbr64_lands_on_the_ftrace_nop() {
+        let k = ibt_text();
+        let at = k.entry(k.facts.text.0);
+        match k.plan(at, 0xffff_ffff_c000_0000) {
+            SpliceDecision::Splice(site) => {
+                assert_eq!(site.addr, at);
+                assert_eq!(site.bytes[..5], [0x0f, 0x1f, 0x44, 0x00, 0x00]);
+            }
+            other => panic!("no splice past the endbr64: {other:?}"),
+        }
+    }
 
     #[test]
     fn relative_table_fields_resolve_against_their_own_address() {

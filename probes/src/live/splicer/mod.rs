@@ -51,9 +51,10 @@ use super::kernel_image::KernelImage;
 pub const REGION: u64 = 0x10_0000;
 /// Start of the patches (between [`REGION`] and this: counters).
 pub const CODE_OFFSET: u64 = 0x20_0000;
-/// The most bytes one patch may take (a timed function's trampoline, entry half and
-/// relocated instruction take about 200, a traced one about 520 with the task's pid and name).
-const MAX_PATCH: u64 = 768;
+/// The most bytes one patch may take: a traced function's trampoline, entry half (with the
+/// chained return swap of nested probes) and relocated instruction take up to 817 with the
+/// task's pid and name (`patches::tests`), a timed one less.
+const MAX_PATCH: u64 = 1024;
 /// The most bytes one compiled-probe site may take (bodies, trampoline, relocation).
 const MAX_COMPILED: u64 = 64 << 10;
 /// Patch space reserved per site of a batch (a counting patch is 20 to 40 bytes).
@@ -461,6 +462,16 @@ impl Splicer {
     ) -> anyhow::Result<InstallReport> {
         let started = Instant::now();
         let mut report = InstallReport::default();
+        // A function's probe goes past its `endbr64` on an IBT kernel (see
+        // [`LiveKernel::entry`]); from here on the site's address is that one.
+        let past_endbr: Vec<Request> = requests
+            .iter()
+            .map(|r| Request {
+                addr: self.kernel.entry(r.addr),
+                ..r.clone()
+            })
+            .collect();
+        let requests = &past_endbr[..];
         // One block of counters and one of code for the whole batch, each written to the
         // guest with one write.
         let n = u64::try_from(requests.len())?.max(1);

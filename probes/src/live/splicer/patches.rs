@@ -253,6 +253,42 @@ mod tests {
         assert!(jmp_rel32(0xffff_ffff_8100_0000, 0x4000_0000_0000).is_err());
     }
 
+    /// A traced function's whole patch (its trampoline rounded up to 16 bytes as the
+    /// splicer places it, its entry half, the longest relocated instruction) fits the space
+    /// the splicer gives one timed or traced site; so does a timed one.
+    #[test]
+    fn a_traced_or_timed_patch_fits_the_space_a_site_is_given() {
+        let heap = 0xffff_ffff_c000_0000u64;
+        let rings = Rings {
+            set: RingSet {
+                base: heap + 0x10_0000,
+                cpus: 64,
+                slots: 4096,
+                record: TRACE_RECORD,
+            },
+            cpu_number: 0x2_0000,
+            task: Some((0x2_1000, TaskOffsets { pid: 0x9a8, comm: 0xbc0 })),
+        };
+        let swap = ReturnSwap {
+            table: heap + 0x20_0000,
+            misses: heap + 0x30_0000,
+            trampoline: heap,
+            heap: (heap, heap + (64 << 20)),
+        };
+        for trace in [Some((&rings, 7)), None] {
+            let tramp = timing_trampoline(heap, swap.table, heap + 0x40_0000, trace).unwrap();
+            let entry_at = heap + tramp.len().div_ceil(16) as u64 * 16;
+            let entry = timing_entry(entry_at, &swap, trace).unwrap();
+            let total = (entry_at - heap) + entry.len() as u64 + 15;
+            assert!(
+                total <= super::super::MAX_PATCH,
+                "a {} patch takes {total} bytes, more than {}",
+                if trace.is_some() { "traced" } else { "timed" },
+                super::super::MAX_PATCH
+            );
+        }
+    }
+
     #[test]
     fn nullify_patch_counts_sets_rax_and_returns_through_the_thunk() {
         let at = 0xffff_ffff_c000_0000;
