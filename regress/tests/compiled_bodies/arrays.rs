@@ -94,7 +94,11 @@ fn foreach_user_functions_and_try_catch_match_the_interpreter_over_many_hits() {
     // Its try blocks around user functions set up catch records, whose handlers the rig
     // checked begin with endbr64.
     let (rig, _) = rig(script, &Limits::default());
-    assert!(rig.catch_records >= 3, "{} catch records", rig.catch_records);
+    assert!(
+        rig.catch_records >= 3,
+        "{} catch records",
+        rig.catch_records
+    );
 }
 
 #[test]

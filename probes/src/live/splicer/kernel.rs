@@ -20,9 +20,22 @@ use super::READ_CHUNK;
 /// `endbr64`: the first instruction of every function an indirect branch may reach on a
 /// kernel built with IBT.
 pub const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
-/// `nopl -0x2a(%rax)`: what such a kernel writes over an `endbr64` no indirect branch
-/// needs (`ENDBR_POISON`) when the CPU enforces IBT.
-pub const ENDBR_POISON: [u8; 4] = [0x0f, 0x1f, 0x40, 0xd6];
+/// Whether `bytes` begin with `endbr64` or a 4-byte nop: what an IBT kernel writes over an
+/// `endbr64` no indirect branch needs (it seals it), `nopl -0x2a(%rax)` (`0f 1f 40 d6`) in
+/// earlier kernels, `osp nopl (%rax)` (`66 0f 1f 00`, seen at `vfs_read` in Debian's 6.12)
+/// in later ones. Any 4-byte nop at a function's start is taken the same way: a probe
+/// after it still sees every call.
+fn endbr_or_seal(bytes: &[u8]) -> bool {
+    let Some(head) = bytes.get(..4) else {
+        return false;
+    };
+    if head == ENDBR64 {
+        return true;
+    }
+    let mut decoder = iced_x86::Decoder::new(64, head, iced_x86::DecoderOptions::NONE);
+    let insn = decoder.decode();
+    insn.len() == 4 && insn.mnemonic() == iced_x86::Mnemonic::Nop
+}
 
 /// Facts from the image, slid to the running kernel.
 #[derive(Debug, Default)]
@@ -272,7 +285,7 @@ impl LiveKernel {
 
     /// Where a probe of the function starting at `addr` goes: past the `endbr64` an IBT
     /// kernel (`CONFIG_X86_KERNEL_IBT`) begins its functions with, or past the 4-byte nop the
-    /// kernel seals an unneeded one with on CPUs that enforce IBT. There the ftrace site
+    /// kernel seals an unneeded one with. There the ftrace site
     /// sits, as it does at the entry itself on a kernel built without IBT; a jmp over the
     /// `endbr64` would also leave an indirect call landing on a jmp, which IBT faults. Read
     /// from the live text, not from the kernel's configuration; `addr` itself where it is
@@ -282,8 +295,8 @@ impl LiveKernel {
             return addr;
         }
         let at = usize::try_from(addr.wrapping_sub(self.facts.text.0)).unwrap_or(usize::MAX);
-        match self.bytes.get(at..at.saturating_add(4)) {
-            Some(b) if b == ENDBR64 || b == ENDBR_POISON => addr + 4,
+        match self.bytes.get(at..) {
+            Some(b) if endbr_or_seal(b) => addr + 4,
             _ => addr,
         }
     }
@@ -328,14 +341,23 @@ pub fn category(decision: &SpliceDecision) -> String {
 mod tests {
     use super::*;
 
-    /// A text of four 16-byte functions: `endbr64` then the ftrace nop; the nop alone (a
-    /// kernel without IBT); the sealed `endbr64` then the nop; and one whose `endbr64`
-    /// bytes sit inside it, not at its start.
+    /// The seal of earlier kernels (`nopl -0x2a(%rax)`).
+    const ENDBR_POISON: [u8; 4] = [0x0f, 0x1f, 0x40, 0xd6];
+
+    /// A text of five 16-byte functions: `endbr64` then the ftrace nop; the nop alone (a
+    /// kernel without IBT); the sealed `endbr64` then the nop; one beginning with four 1-byte
+    /// nops whose `endbr64` bytes sit inside it, not at its start; the later seal.
     fn ibt_text() -> LiveKernel {
         const BASE: u64 = 0xffff_ffff_8100_0000;
         const NOP5: [u8; 5] = [0x0f, 0x1f, 0x44, 0x00, 0x00];
         let mut bytes = Vec::new();
-        for prefix in [&ENDBR64[..], &[], &ENDBR_POISON[..], &[0x90; 4][..]] {
+        for prefix in [
+            &ENDBR64[..],
+            &[],
+            &ENDBR_POISON[..],
+            &[0x90; 4][..],
+            &[0x66, 0x0f, 0x1f, 0x00][..],
+        ] {
             let mut f = prefix.to_vec();
             f.extend_from_slice(&NOP5);
             if prefix == [0x90; 4] {
@@ -345,7 +367,7 @@ mod tests {
             f.resize(16, 0xcc);
             bytes.extend_from_slice(&f);
         }
-        let starts: Vec<u64> = (0..4).map(|i| BASE + 16 * i).collect();
+        let starts: Vec<u64> = (0..5).map(|i| BASE + 16 * i).collect();
         let view = CodeView::new(BASE, &bytes).unwrap();
         let ranges = ranges_from_starts(&starts, view.end());
         let config = AnalysisConfig::new();
@@ -373,11 +395,12 @@ mod tests {
         assert_eq!(k.entry(f(1)), f(1));
         assert_eq!(k.entry(f(2)), f(2) + 4);
         assert_eq!(k.entry(f(3)), f(3));
+        assert_eq!(k.entry(f(4)), f(4) + 4);
         // Not a function's start: as asked, even where endbr64's bytes are.
         assert_eq!(k.entry(f(3) + 9), f(3) + 9);
         assert_eq!(k.entry(f(0) + 4), f(0) + 4);
         // Past the text's end: as asked.
-        assert_eq!(k.entry(f(4)), f(4));
+        assert_eq!(k.entry(f(5)), f(5));
     }
 
     #[test]

@@ -267,7 +267,13 @@ mod tests {
                 record: TRACE_RECORD,
             },
             cpu_number: 0x2_0000,
-            task: Some((0x2_1000, TaskOffsets { pid: 0x9a8, comm: 0xbc0 })),
+            task: Some((
+                0x2_1000,
+                TaskOffsets {
+                    pid: 0x9a8,
+                    comm: 0xbc0,
+                },
+            )),
         };
         let swap = ReturnSwap {
             table: heap + 0x20_0000,

@@ -927,7 +927,12 @@ impl GdbClient {
         if self.phys_mode {
             self.set_physical_mode(false)?;
         }
-        self.expect_ok("D")
+        match self.expect_ok("D") {
+            // QEMU keeps the multiprocess mode a client before (gdb) asked for, and then
+            // wants the process named: its one process is pid 1.
+            Err(GdbError::Refused { .. }) => self.expect_ok("D;1"),
+            other => other,
+        }
     }
 }
 
