@@ -24,6 +24,10 @@ EXOTAP="$PWD/target/debug/exotap" ci/stap-examples.sh | sed -n '/^== SystemTap e
 echo
 echo "== tests that skipped part of their work, and why =="
 grep -h 'SKIP' "$log" | sort -u || echo "(none)"
+echo
+echo "== the ten slowest test binaries (seconds) =="
+awk '/^ *Running / { name = ($2 == "unittests") ? $4 : $2 } /^test result:/ { for (i = 1; i <= NF; i++) if ($i == "in") { t = $(i + 1); sub(/s$/, "", t); print t, name } }' "$log" |
+    sort -rn | head -10 || true
 # One closing line over every test binary (cargo prints one per binary).
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "\ntotal: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 exit "$rc"
