@@ -500,13 +500,11 @@ fn resolve_all<S: AsRef<str>>(
     (callable, unusable)
 }
 
-/// The Debian kernel's vmlinux with symbols, if the -dbg package is in the cache.
+/// The Debian kernel's vmlinux with symbols, if the -dbg package is in the cache (where
+/// `exotap image fetch` puts it: `$XDG_CACHE_HOME/exotap`, else `~/.cache/exotap`).
 #[must_use]
 pub fn cached_vmlinux() -> Option<std::path::PathBuf> {
-    let home = std::env::var_os("HOME")?;
-    let path = Path::new(&home)
-        .join(".cache/exotap/kernels")
-        .join(exotap_guest_images::DEFAULT_KERNEL)
+    let path = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?
         .join("debug/vmlinux");
     path.is_file().then_some(path)
 }
