@@ -203,18 +203,27 @@ pub fn task_offsets(image: &KernelImage) -> anyhow::Result<TaskOffsets> {
 /// The link-time (unslid) per-CPU offset of the kernel's per-CPU variable `name`
 /// (`cpu_number`, `current_task`): its own symbol where the kernel has one, else the member
 /// of that name in `struct pcpu_hot` (kernels that gathered their hottest per-CPU variables
-/// there keep no symbol of their own), its offset from the image's BTF.
+/// there keep no symbol of their own), its offset from the image's BTF (`btf` when the caller
+/// has it parsed already, else parsed here, only in that case).
 ///
 /// # Errors
 /// When neither exists, or the image has no BTF where it is needed.
-pub fn percpu_variable(image: &KernelImage, name: &str) -> anyhow::Result<u64> {
+pub fn percpu_variable(image: &KernelImage, btf: Option<&Btf>, name: &str) -> anyhow::Result<u64> {
     if let Some(sym) = image.symbols.get(name) {
         return Ok(sym.addr);
     }
     let hot = image.symbols.get("pcpu_hot").with_context(|| {
         format!("the kernel has neither a {name} per-CPU variable nor a pcpu_hot to hold it")
     })?;
-    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+    let parsed;
+    let btf = match btf {
+        Some(btf) => btf,
+        None => {
+            parsed = Btf::from_elf(image.vmlinux.bytes())
+                .context("the kernel image has no usable BTF")?;
+            &parsed
+        }
+    };
     let offset = btf
         .struct_member("pcpu_hot", name)
         .ok()

@@ -63,8 +63,8 @@ fn facts(image: &KernelImage, prog: &Program, btf: &Btf) -> anyhow::Result<Facts
     };
     Ok(Facts {
         // Per-CPU symbols are offsets from the GS base: not slid.
-        current_task: crate::live::attach::percpu_variable(image, "current_task")?,
-        cpu_number: crate::live::attach::percpu_variable(image, "cpu_number")?,
+        current_task: crate::live::attach::percpu_variable(image, Some(btf), "current_task")?,
+        cpu_number: crate::live::attach::percpu_variable(image, Some(btf), "cpu_number")?,
         task: TaskFields {
             pid: need("task_struct", "pid")?,
             tgid: member("task_struct", "tgid"),

@@ -285,11 +285,11 @@ impl LiveKernel {
 
     /// Where a probe of the function starting at `addr` goes: past the `endbr64` an IBT
     /// kernel (`CONFIG_X86_KERNEL_IBT`) begins its functions with, or past the 4-byte nop the
-    /// kernel seals an unneeded one with. There the ftrace site
-    /// sits, as it does at the entry itself on a kernel built without IBT; a jmp over the
-    /// `endbr64` would also leave an indirect call landing on a jmp, which IBT faults. Read
-    /// from the live text, not from the kernel's configuration; `addr` itself where it is
-    /// not a function's start or begins with anything else.
+    /// kernel seals an unneeded one with. There the ftrace site sits, as it does at the entry
+    /// itself on a kernel built without IBT; a jmp over the `endbr64` would also leave an
+    /// indirect call landing on a jmp, which IBT faults. Read from the live text, not from
+    /// the kernel's configuration; `addr` itself where it is not a function's start or
+    /// begins with anything else.
     pub fn entry(&self, addr: u64) -> u64 {
         if self.facts.starts.binary_search(&addr).is_err() {
             return addr;

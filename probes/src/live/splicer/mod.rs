@@ -350,7 +350,7 @@ impl Splicer {
             installed_timing: Vec::new(),
             rings: None,
             // A per-CPU symbol: an offset from the GS base, not slid.
-            cpu_number: attach::percpu_variable(image, "cpu_number").ok(),
+            cpu_number: attach::percpu_variable(image, None, "cpu_number").ok(),
             trace_task: None,
             trace_names: Vec::new(),
             ring_taken: Vec::new(),
