@@ -38,7 +38,7 @@ pub enum AccelChoice {
 #[derive(Debug, Args)]
 pub struct BootArgs {
     /// Kernel ABI name or package name; fetched into the cache when missing.
-    #[arg(long, default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
+    #[arg(long, env = "EXOTAP_KERNEL", default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
     pub kernel: String,
     /// Boot this bzImage instead of a cached Debian kernel.
     #[arg(long, value_name = "PATH")]

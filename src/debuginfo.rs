@@ -1,7 +1,7 @@
 //! `exotap lines|ptype|vars|where`: source-level lookups in the guest kernel's debug info
 //! (the Debian `-dbg` vmlinux, or the image's BTF for `ptype --btf`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -17,7 +17,7 @@ use exotap_introspect::dwarf::{DebugFile, DebugInfo, EntryKind, Index};
 #[derive(Debug, Args, Clone)]
 pub struct DebugArgs {
     /// Kernel ABI name or package name; its -dbg vmlinux is fetched into the cache when missing.
-    #[arg(long, default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
+    #[arg(long, env = "EXOTAP_KERNEL", default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
     pub kernel: String,
     /// Read this ELF file with DWARF instead of the cached -dbg vmlinux.
     #[arg(long, value_name = "PATH")]
@@ -449,15 +449,18 @@ pub struct LineLookup {
 }
 
 impl LineLookup {
-    /// The cached debug vmlinux of the default kernel, if there is one.
-    pub fn cached() -> Option<Self> {
-        let args = DebugArgs {
-            kernel: images::DEFAULT_KERNEL.to_owned(),
-            vmlinux: None,
-            timings: false,
-        };
-        let path = cached_debug_file(&args).ok().flatten()?;
-        DebugFile::open(&path).ok().map(|file| Self { file })
+    /// The cached debug vmlinux of the kernel whose bzImage is `bzimage`, if there is one:
+    /// the cache keeps it beside the image (`kernels/ABI/debug/vmlinux`, with the manifest
+    /// written once verified). A bzImage outside the cache has none: the debug info of
+    /// another build would give wrong lines.
+    pub fn beside(bzimage: &Path) -> Option<Self> {
+        let dir = bzimage.parent()?.join("debug");
+        if !(dir.join("manifest.json").is_file() && dir.join("vmlinux").is_file()) {
+            return None;
+        }
+        DebugFile::open(&dir.join("vmlinux"))
+            .ok()
+            .map(|file| Self { file })
     }
 
     /// `file:line` of each link-time address, grouped by `function` (one line table a

@@ -18,7 +18,7 @@ pub enum ImageCommand {
 #[derive(Debug, Args)]
 pub struct FetchArgs {
     /// Kernel ABI name or package name (linux-image-VERSION-unsigned).
-    #[arg(long, default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
+    #[arg(long, env = "EXOTAP_KERNEL", default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
     pub kernel: String,
     /// Also fetch the matching -dbg package's vmlinux (with DWARF) and System.map (~282 MB download).
     #[arg(long)]

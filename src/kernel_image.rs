@@ -12,7 +12,7 @@ pub use exotap_probes::live::KernelImage;
 #[derive(Debug, Args, Clone)]
 pub struct ImageArgs {
     /// Kernel ABI name or package name; fetched into the cache when missing.
-    #[arg(long, default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
+    #[arg(long, env = "EXOTAP_KERNEL", default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
     pub kernel: String,
     /// Read this bzImage instead of a cached Debian kernel.
     #[arg(long, value_name = "PATH")]

@@ -255,8 +255,9 @@ fn main() -> ExitCode {
         }
     };
     // A normal end (the script's own exit code included) removed everything: the guardian
-    // may go. After an error it stays, and recovers whatever is left.
-    if result.is_ok() {
+    // may go; so did a run whose reader went away (the live verbs end with that error only
+    // after their removal). After any other error it stays, and recovers whatever is left.
+    if result.as_ref().map_or_else(is_broken_pipe, |_| true) {
         exotap_probes::live::recover::dismiss();
     }
     exit_code(result)

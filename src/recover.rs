@@ -86,12 +86,21 @@ pub fn run_guardian(args: &GuardianArgs) -> anyhow::Result<i32> {
         Ok(GuardianEnd::Recovered(report, took)) => {
             // Said even when the journal was empty: the detach itself dropped the breakpoints
             // and let a guest that was stopped at one run on.
-            eprintln!(
-                "exotap guardian: exotap (pid {}) ended without removing its probes; \
-                 recovered in {:.3} s: {report}; breakpoints dropped, guest running",
-                args.parent,
-                took.as_secs_f64()
-            );
+            if report.anything() {
+                eprintln!(
+                    "exotap guardian: exotap (pid {}) ended without removing its probes; \
+                     recovered in {:.3} s: {report}; breakpoints dropped, guest running",
+                    args.parent,
+                    took.as_secs_f64()
+                );
+            } else {
+                eprintln!(
+                    "exotap guardian: exotap (pid {}) ended on an error; nothing of it was left \
+                     in the guest (checked in {:.3} s); breakpoints dropped, guest running",
+                    args.parent,
+                    took.as_secs_f64()
+                );
+            }
             Ok(0)
         }
         Ok(_) => Ok(0),

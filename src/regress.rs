@@ -47,6 +47,10 @@ pub struct RegressArgs {
     /// every count must equal Unicorn's own block hook. x86-64 only.
     #[arg(long, conflicts_with_all = ["full", "batch", "functions"])]
     pub jit: bool,
+    /// With --vmlinux: the kernel whose -dbg vmlinux is swept (ABI name, as `exotap image
+    /// fetch --kernel KERNEL --debuginfo` caches it).
+    #[arg(long, env = "EXOTAP_KERNEL", default_value = exotap_guest_images::DEFAULT_KERNEL, value_name = "VERSION")]
+    pub kernel: String,
 }
 
 /// `exotap regress --jit`: the JIT-mode reports; exit code 1 on any divergence.
@@ -56,9 +60,11 @@ fn run_jit(args: &RegressArgs) -> anyhow::Result<i32> {
     }
     let mut reports = vec![exotap_regress::regress_jit_x86_minikernel()?];
     if args.vmlinux {
-        let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
+        let path = exotap_regress::vmlinux::cached_vmlinux(&args.kernel).ok_or_else(|| {
             anyhow::anyhow!(
-                "no vmlinux with symbols in the cache: run exotap image fetch --debuginfo"
+                "no vmlinux with symbols of {} in the cache: run exotap image fetch --kernel {} --debuginfo",
+                args.kernel,
+                args.kernel
             )
         })?;
         reports.push(exotap_regress::vmlinux::regress_jit(&path)?);
@@ -98,9 +104,11 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
         .map(exotap_regress::vmlinux::read_function_list)
         .transpose()?;
     if args.vmlinux || functions.is_some() {
-        let path = exotap_regress::vmlinux::cached_vmlinux().ok_or_else(|| {
+        let path = exotap_regress::vmlinux::cached_vmlinux(&args.kernel).ok_or_else(|| {
             anyhow::anyhow!(
-                "no vmlinux with symbols in the cache: run exotap image fetch --debuginfo"
+                "no vmlinux with symbols of {} in the cache: run exotap image fetch --kernel {} --debuginfo",
+                args.kernel,
+                args.kernel
             )
         })?;
         vmlinux_report = Some(match &functions {

@@ -53,6 +53,10 @@ struct BlocksRun {
     kprobes_out: Option<BTreeMap<(String, u64), (u64, u64)>>,
     /// Where to write the line coverage (lcov).
     lcov: Option<PathBuf>,
+    /// Whether a job exotap booted announces its waits (`exotap_wait`): the counts are then
+    /// read where its reader sleeps ([`VerbRun::settle`]). Not with --target: no job of
+    /// ours runs there, and nothing would be seen.
+    job_waits: bool,
 }
 
 /// The state between install and removal.
@@ -82,6 +86,8 @@ struct VerbRun {
     out: Box<dyn Write + Send>,
     /// Whether a site asked for was refused (exit code 1).
     refused_any: bool,
+    /// The first error writing the output ([`VerbRun::say`]).
+    out_error: Option<std::io::Error>,
     /// `--perfetto`: where the trace's Perfetto file goes.
     perfetto: Option<PathBuf>,
     /// Whether trace records still stream (off after a failed drain: the rest are read at
@@ -92,9 +98,16 @@ struct VerbRun {
 }
 
 impl VerbRun {
+    /// Prints a line of the verb's output. A write that fails (the reader of a pipe went
+    /// away: `exotap trace F | head -5`) is kept: the run then removes what it put in and
+    /// ends with that error (exit 141 for a closed pipe), printing nothing more.
     fn say(&mut self, line: &str) {
-        let _ = writeln!(self.out, "{line}");
-        let _ = self.out.flush();
+        if self.out_error.is_some() {
+            return;
+        }
+        if let Err(e) = writeln!(self.out, "{line}").and_then(|()| self.out.flush()) {
+            self.out_error = Some(e);
+        }
     }
 
     /// Attaches (the guest stops), plans, installs, resumes. On an error the session's
@@ -381,8 +394,15 @@ impl VerbRun {
                 text.push_str(&line);
                 text.push('\n');
             }
-            let _ = self.out.write_all(text.as_bytes());
-            let _ = self.out.flush();
+            if self.out_error.is_none() {
+                if let Err(e) = self
+                    .out
+                    .write_all(text.as_bytes())
+                    .and_then(|()| self.out.flush())
+                {
+                    self.out_error = Some(e);
+                }
+            }
         }
         Ok(())
     }
@@ -533,18 +553,27 @@ impl VerbRun {
             match (&live.kprobes_before, &kprobes_after) {
                 (Some(before), Some(after)) => {
                     // The guest's kprobe may name the function by an alias at the same
-                    // address (__do_sys_getpid for __x64_sys_getpid).
-                    let aliases: Vec<String> = self
+                    // address (__do_sys_getpid for __x64_sys_getpid). The splice address
+                    // is not the symbol's where an endbr64 comes first (IBT kernels): the
+                    // aliases are those of the function's own symbol.
+                    let entry = self
                         .image
                         .symbols
-                        .iter()
-                        .filter(|s| s.addr.wrapping_add(slide) == *addr && s.is_text())
-                        .map(|s| s.name.clone())
+                        .lookup_addr(addr.wrapping_sub(slide))
+                        .map_or(*addr, |(s, _)| s.addr.wrapping_add(slide));
+                    let aliases: Vec<String> = std::iter::once(name.clone())
+                        .chain(
+                            self.image
+                                .symbols
+                                .iter()
+                                .filter(|s| s.addr.wrapping_add(slide) == entry && s.is_text())
+                                .map(|s| s.name.clone()),
+                        )
                         .collect();
                     let k = aliases.iter().find_map(|a| {
                         let a1 = after.get(a)?;
                         let b = before.get(a).copied().unwrap_or_default();
-                        Some((a1.0 - b.0, a1.1 - b.1))
+                        Some((counter_delta(b.0, a1.0), counter_delta(b.1, a1.1)))
                     });
                     match k {
                         Some((hits, missed)) => {
@@ -606,11 +635,45 @@ impl VerbRun {
                 "DIFFERENT"
             }
         ));
+        for (slot, why) in &report.returns_unrestored {
+            self.say(&format!(
+                "return address slot {slot:#x} of a timed call in flight cannot be read: {why}; \
+                 not put back"
+            ));
+        }
         if !report.differing.is_empty() {
             bail!("{} text pages differ after removal", report.differing.len());
         }
+        if !report.returns_unrestored.is_empty() {
+            bail!(
+                "{} return addresses of timed calls in flight could not be checked at removal",
+                report.returns_unrestored.len()
+            );
+        }
         Ok(())
     }
+}
+
+/// Whether standard output is a pipe whose reading end was closed (`poll` reports `POLLERR`
+/// on the writing end then): the reader went away before anything was written.
+fn stdout_reader_gone() -> bool {
+    let mut fd = libc::pollfd {
+        fd: libc::STDOUT_FILENO,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no timeout.
+    let n = unsafe { libc::poll(&mut fd, 1, 0) };
+    n == 1 && fd.revents & libc::POLLERR != 0
+}
+
+/// How much a guest counter grew from `before` to `after`: its difference, or `reset`
+/// where it went down (the guest's kprobe was re-registered, or its counter is not to be
+/// trusted). Never an underflow.
+fn counter_delta(before: u64, after: u64) -> String {
+    after
+        .checked_sub(before)
+        .map_or_else(|| "reset".to_owned(), |d| d.to_string())
 }
 
 /// How often the trace rings are drained while the guest runs (each drain stops it).
@@ -736,6 +799,7 @@ fn run_with(
         live: None,
         out: Box::new(std::io::stdout()),
         refused_any: false,
+        out_error: None,
         streaming: true,
         blocks,
     };
@@ -764,7 +828,15 @@ fn run_with(
             None => eprintln!("exotap: splices in; Ctrl-C removes them"),
         }
         loop {
-            if stop.load(Ordering::SeqCst) || deadline.is_some_and(|d| Instant::now() >= d) {
+            if verb.out_error.is_none() && stdout_reader_gone() {
+                // `exotap count F --target A | head`: count prints at the end, so the reader
+                // going away is seen on the pipe itself, not on a write.
+                verb.out_error = Some(std::io::ErrorKind::BrokenPipe.into());
+            }
+            if stop.load(Ordering::SeqCst)
+                || deadline.is_some_and(|d| Instant::now() >= d)
+                || verb.out_error.is_some()
+            {
                 break;
             }
             verb.stream();
@@ -789,6 +861,9 @@ fn run_with(
             }
         }
         verb.remove()?;
+        if let Some(e) = verb.out_error.take() {
+            return Err(anyhow::Error::new(e).context("cannot write standard output"));
+        }
         return Ok(i32::from(verb.refused_any));
     }
     // Boot a guest for the run.
@@ -912,8 +987,11 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
         kprobes_in: None,
         kprobes_out: None,
         lcov: args.lcov.clone(),
+        job_waits: args.live.target.is_none(),
     });
-    if args.lcov.is_some() && crate::debuginfo::LineLookup::cached().is_none() {
+    if args.lcov.is_some()
+        && crate::debuginfo::LineLookup::beside(&args.live.image.bzimage_path()?).is_none()
+    {
         bail!(
             "--lcov needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo"
         );
@@ -937,7 +1015,7 @@ pub fn run_count(args: &CountArgs) -> anyhow::Result<i32> {
 /// # Errors
 /// No cached debug info, no function in the file, as [`run_count`].
 pub fn run_coverage(args: &CoverageArgs) -> anyhow::Result<i32> {
-    let lines = crate::debuginfo::LineLookup::cached().context(
+    let lines = crate::debuginfo::LineLookup::beside(&args.live.image.bzimage_path()?).context(
         "coverage needs the kernel's -dbg vmlinux in the cache: exotap image fetch --debuginfo",
     )?;
     let mut patterns = args.patterns.clone();
@@ -964,6 +1042,7 @@ pub fn run_coverage(args: &CoverageArgs) -> anyhow::Result<i32> {
         kprobes_in: None,
         kprobes_out: None,
         lcov: Some(args.output.clone()),
+        job_waits: args.live.target.is_none(),
     };
     run_with(
         Operation::Count(patterns),
@@ -1032,4 +1111,18 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<i32> {
         &args.live,
         None,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counter_delta;
+
+    #[test]
+    fn a_guest_counter_that_went_down_is_a_reset_not_an_underflow() {
+        assert_eq!(counter_delta(3, 10), "7");
+        assert_eq!(counter_delta(5, 5), "0");
+        assert_eq!(counter_delta(10, 3), "reset");
+        assert_eq!(counter_delta(u64::MAX, 0), "reset");
+        assert_eq!(counter_delta(0, u64::MAX), u64::MAX.to_string());
+    }
 }

@@ -61,15 +61,23 @@ fn debug_vmlinux() -> Option<PathBuf> {
     }
 }
 
+/// Whether gdb is installed (printing the skip when not); panics when it is there but cannot
+/// run or fails, which is a failure, not a missing tool.
 fn have_gdb() -> bool {
-    let ok = Command::new("gdb")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        println!("SKIP: gdb is not installed (ci/install-deps.sh installs it)");
-    }
-    ok
+    let out = match Command::new("gdb").arg("--version").output() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!("SKIP: gdb is not installed (ci/install-deps.sh installs it)");
+            return false;
+        }
+        other => other.expect("cannot run gdb --version"),
+    };
+    assert!(
+        out.status.success(),
+        "gdb --version failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    true
 }
 
 /// Functions gdb and exotap must resolve to the same code: one definition, one ELF symbol at

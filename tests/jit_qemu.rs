@@ -116,7 +116,20 @@ fn second_instruction(image: &KernelImage, name: &str) -> u64 {
     let sym = image.symbols.get(name).unwrap();
     let bytes = image.vmlinux.read_at(sym.addr, 64).unwrap();
     let f = FunctionAnalysis::analyze(bytes, sym.addr, &facts.config);
-    f.cfg.insns()[1].addr - sym.addr
+    // Past an `endbr64` (IBT kernels) the entry's first instruction is the one after it:
+    // exotap's splice covers that one.
+    let first = usize::from(bytes.starts_with(&[0xf3, 0x0f, 0x1e, 0xfa]));
+    eprintln!(
+        "{name} begins {:02x?}; instructions at {:?}",
+        &bytes[..12],
+        f.cfg
+            .insns()
+            .iter()
+            .take(4)
+            .map(|i| i.addr - sym.addr)
+            .collect::<Vec<_>>()
+    );
+    f.cfg.insns()[first + 1].addr - sym.addr
 }
 
 /// The lcov tracefile against the kprobes: a line holding a leader whose kprobe saw it run
@@ -265,18 +278,35 @@ fn assert_settled(err: &str) {
     );
 }
 
+/// On the default guest kernel, or on each kernel of `EXOTAP_JIT_KERNELS` (ABI names
+/// separated by commas). Not yet on the kernel matrix's list (`EXOTAP_KERNELS`): on 6.12.117
+/// cloud one block of 104 differs (`alloc_empty_file+0x56`: JIT 0, kprobe 269), run in
+/// original code after `kmem_cache_alloc_noprof` returned there (a return into original code
+/// is not re-entered into the cache: issue 18).
 #[test]
 fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves() {
     let test = "block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves";
     if !have_qemu(test) {
         return;
     }
-    let Some(dir) =
-        exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
-    else {
-        eprintln!("SKIP {test}: no cached Debian kernel (exotap image fetch)");
-        return;
-    };
+    let kernels = std::env::var("EXOTAP_JIT_KERNELS")
+        .map(|l| {
+            l.split(',')
+                .filter(|k| !k.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_else(|_| vec![exotap_guest_images::DEFAULT_KERNEL.to_owned()]);
+    for kernel in kernels {
+        eprintln!("== {kernel}");
+        block_counts_on(&kernel);
+    }
+}
+
+fn block_counts_on(kernel: &str) {
+    common::fetch_kernel(kernel);
+    let dir = exotap_introspect::bzimage::cached_kernel_dir(kernel)
+        .unwrap_or_else(|| panic!("{kernel} is not in the cache after exotap image fetch"));
     let image = KernelImage::load(dir.join("vmlinuz")).unwrap();
     let leaders = self::leaders(&image, FUNCTIONS);
     let own = (
@@ -295,6 +325,7 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
 
     let mut cmd = exotap();
     cmd.arg("count")
+        .args(["--kernel", kernel])
         .arg("--blocks")
         .args(FUNCTIONS)
         .args(ALSO_TRANSLATED)

@@ -38,28 +38,48 @@ for p in trace.packet:
         print('?', p.timestamp, track, e.type)
 "#;
 
-/// Installs `protobuf` and Perfetto's `perfetto` package into `lib`; why not, when it fails.
+/// Installs `protobuf` and Perfetto's `perfetto` package into `lib`. `Err` (why) only when
+/// python3 or its pip is not installed; a pip that runs and fails (the index is reachable on
+/// CI) panics with its output: that is a failure of the test, not a skip.
 fn install_decoder(lib: &Path) -> Result<(), String> {
+    let pip = || {
+        let mut cmd = Command::new("python3");
+        cmd.args(["-m", "pip", "--disable-pip-version-check"]);
+        cmd
+    };
+    match pip().arg("--version").output() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err("python3 is not installed".into());
+        }
+        Err(e) => panic!("cannot run python3 -m pip: {e}"),
+        Ok(out) if !out.status.success() => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            // `python3 -m pip` without pip: "No module named pip".
+            if stderr.contains("No module named pip") {
+                return Err("pip is not installed for python3".into());
+            }
+            panic!(
+                "python3 -m pip --version failed ({}): {}",
+                out.status,
+                stderr.trim()
+            );
+        }
+        Ok(_) => {}
+    }
     for args in [&["protobuf"][..], &["--no-deps", "perfetto"][..]] {
-        let out = Command::new("python3")
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .arg("--target")
+        let out = pip()
+            .args(["install", "--quiet", "--target"])
             .arg(lib)
             .args(args)
             .output()
-            .map_err(|e| format!("cannot run python3 -m pip: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "pip install {args:?} failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
+            .unwrap_or_else(|e| panic!("cannot run python3 -m pip: {e}"));
+        assert!(
+            out.status.success(),
+            "pip install {args:?} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
@@ -179,6 +199,7 @@ fn perfetto_slices_are_the_text_outputs_calls_with_the_same_timestamps() {
     }
     let dir = tempfile::tempdir().unwrap();
     let lib = dir.path().join("pylib");
+    // Skips only when python3 or pip is not installed; a failed install panics there.
     if let Err(why) = install_decoder(&lib) {
         eprintln!(
             "SKIP perfetto_slices_are_the_text_outputs_calls_with_the_same_timestamps: no independent decoder: {why}"

@@ -448,13 +448,24 @@ mod tests {
         fs::write(root.join("boot/vmlinuz-test"), vec![0x42u8; 100_000]).unwrap();
         fs::write(root.join("boot/other"), b"not wanted").unwrap();
         let deb = dir.join("test.deb");
-        let ok = Command::new("dpkg-deb")
+        let built = Command::new("dpkg-deb")
             .args(["--root-owner-group", "-Znone", "--build"])
             .arg(&root)
             .arg(&deb)
-            .output()
-            .is_ok_and(|o| o.status.success());
-        ok.then(|| LocalDeb {
+            .output();
+        // Only a missing dpkg-deb skips; one that runs and fails is a failure.
+        let out = match built {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(e) => panic!("cannot run dpkg-deb: {e}"),
+            Ok(out) => out,
+        };
+        assert!(
+            out.status.success(),
+            "dpkg-deb --build failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Some(LocalDeb {
             deb,
             downloads: Cell::new(0),
         })
@@ -490,9 +501,13 @@ mod tests {
             .args(["--check=crc32", "-9", "-f"])
             .arg(dir.join("modules/evdev.ko"))
             .status();
-        let Ok(xz) = xz else {
-            eprintln!("SKIP: xz is not installed (ci/install-deps.sh installs xz-utils)");
-            return;
+        let xz = match xz {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                eprintln!("SKIP: xz is not installed (ci/install-deps.sh installs xz-utils)");
+                return;
+            }
+            Err(e) => panic!("cannot run xz: {e}"),
+            Ok(xz) => xz,
         };
         assert!(xz.success(), "xz failed");
         fs::write(dir.join("modules/kvm.ko.xz"), b"\xfd7zXZ\x00 not really").unwrap();
@@ -513,7 +528,7 @@ mod tests {
     fn corrupted_cache_file_is_detected_and_fetched_again() {
         let tmp = tempfile::tempdir().unwrap();
         let Some(source) = local_deb(tmp.path()) else {
-            eprintln!("SKIP: dpkg-deb cannot build a test package on this host");
+            eprintln!("SKIP: dpkg-deb is not installed; cannot build a test package");
             return;
         };
         let select = |p: &str| (p == "boot/vmlinuz-test").then(|| "vmlinuz".to_owned());
@@ -552,7 +567,7 @@ mod tests {
     fn unknown_package_says_so() {
         let tmp = tempfile::tempdir().unwrap();
         let Some(source) = local_deb(tmp.path()) else {
-            eprintln!("SKIP: dpkg-deb cannot build a test package on this host");
+            eprintln!("SKIP: dpkg-deb is not installed; cannot build a test package");
             return;
         };
         let select = |_: &str| None;

@@ -500,12 +500,11 @@ fn resolve_all<S: AsRef<str>>(
     (callable, unusable)
 }
 
-/// The Debian kernel's vmlinux with symbols, if the -dbg package is in the cache (where
+/// The vmlinux with symbols of the Debian kernel `kernel` (ABI name), if its -dbg package is in the cache (where
 /// `exotap image fetch` puts it: `$XDG_CACHE_HOME/exotap`, else `~/.cache/exotap`).
 #[must_use]
-pub fn cached_vmlinux() -> Option<std::path::PathBuf> {
-    let path = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?
-        .join("debug/vmlinux");
+pub fn cached_vmlinux(kernel: &str) -> Option<std::path::PathBuf> {
+    let path = exotap_introspect::bzimage::cached_kernel_dir(kernel)?.join("debug/vmlinux");
     path.is_file().then_some(path)
 }
 

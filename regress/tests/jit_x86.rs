@@ -31,7 +31,7 @@ fn every_function_of_the_x86_minikernel_runs_translated_and_counts_exactly() {
 
 #[test]
 fn every_vmlinux_library_function_runs_translated_and_counts_exactly() {
-    let Some(path) = vmlinux::cached_vmlinux() else {
+    let Some(path) = vmlinux::cached_vmlinux(exotap_guest_images::DEFAULT_KERNEL) else {
         println!("SKIP: no vmlinux with symbols in the cache (exotap image fetch --debuginfo)");
         return;
     };

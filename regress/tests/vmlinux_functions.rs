@@ -6,7 +6,7 @@ use exotap_regress::{vmlinux, Options};
 
 #[test]
 fn every_accepted_point_of_30_vmlinux_functions_runs_unchanged() {
-    let Some(path) = vmlinux::cached_vmlinux() else {
+    let Some(path) = vmlinux::cached_vmlinux(exotap_guest_images::DEFAULT_KERNEL) else {
         println!("SKIP: no vmlinux with symbols in the cache (exotap image fetch --debuginfo)");
         return;
     };
@@ -27,7 +27,7 @@ fn every_accepted_point_of_30_vmlinux_functions_runs_unchanged() {
 
 #[test]
 fn listed_functions_are_swept_and_unknown_ones_refused_by_name() {
-    let Some(path) = vmlinux::cached_vmlinux() else {
+    let Some(path) = vmlinux::cached_vmlinux(exotap_guest_images::DEFAULT_KERNEL) else {
         println!("SKIP: no vmlinux with symbols in the cache (exotap image fetch --debuginfo)");
         return;
     };

@@ -71,7 +71,7 @@ impl VerbRun {
 
     /// See [`WAITER`]; nothing for the other verbs. The guest is paused afterwards.
     pub(super) fn settle(&self, session: &mut GuestSession) -> anyhow::Result<()> {
-        if self.blocks.is_none() {
+        if !self.blocks.as_ref().is_some_and(|b| b.job_waits) {
             return Ok(());
         }
         let btf = self.btf.as_ref().context("the image has no BTF")?;
@@ -127,7 +127,7 @@ impl VerbRun {
         ranges: &[(u64, u64)],
         counts: &[exotap_probes::live::jit::BlockCount],
     ) -> anyhow::Result<()> {
-        let lines = crate::debuginfo::LineLookup::cached().context(
+        let lines = crate::debuginfo::LineLookup::beside(&self.image.path).context(
             "line coverage needs the cached -dbg vmlinux (exotap image fetch --debuginfo)",
         )?;
         let link: Vec<(u64, u64)> = ranges
@@ -241,7 +241,7 @@ impl VerbRun {
                 .push(b.leader.wrapping_sub(slide));
         }
         let groups: Vec<(u64, Vec<u64>)> = groups.into_iter().collect();
-        let lines = crate::debuginfo::LineLookup::cached()
+        let lines = crate::debuginfo::LineLookup::beside(&self.image.path)
             .map(|l| l.lines(&groups))
             .unwrap_or_default();
         let line_of = |leader: u64| lines.get(&leader.wrapping_sub(slide)).cloned();

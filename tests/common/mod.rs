@@ -117,3 +117,28 @@ pub fn profile_samples_of(doc: &serde_json::Value, comm: &str) -> u64 {
         })
         .unwrap_or(0)
 }
+
+/// The kernels of the kernel matrix (issue 38): `EXOTAP_KERNELS` (ABI names separated by
+/// commas or spaces, e.g. `6.1.0-50-cloud-amd64,6.12.117+deb12-cloud-amd64`), or the default
+/// guest kernel alone. `ci/test.sh` sets it to the default kernel and the newest 6.12 cloud
+/// kernel apt knows.
+pub fn matrix_kernels() -> Vec<String> {
+    match std::env::var("EXOTAP_KERNELS") {
+        Ok(list) if !list.trim().is_empty() => list
+            .split([',', ' '])
+            .filter(|k| !k.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        _ => vec![exotap_guest_images::DEFAULT_KERNEL.to_owned()],
+    }
+}
+
+/// Fetches `kernel` into the cache (`exotap image fetch --kernel`: nothing to do when it is
+/// there), failing the test when that fails.
+pub fn fetch_kernel(kernel: &str) {
+    let (code, out, err) = run(exotap().args(["image", "fetch", "--kernel", kernel]));
+    assert_eq!(
+        code, 0,
+        "exotap image fetch --kernel {kernel}:\n{out}\n{err}"
+    );
+}

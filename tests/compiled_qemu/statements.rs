@@ -2,15 +2,31 @@
 
 use super::*;
 
+/// The cached kernel in `dir`: `None` when its `vmlinuz` is absent (not cached); panics when
+/// it is there and does not load (a broken cache fails the test; it does not skip it).
+#[allow(clippy::panic)] // that panic is the point
+fn load_cached(dir: &std::path::Path) -> Option<exotap_probes::live::kernel_image::KernelImage> {
+    let path = dir.join("vmlinuz");
+    if !path.exists() {
+        return None;
+    }
+    match exotap_probes::live::kernel_image::KernelImage::load(path.clone()) {
+        Ok(image) => Some(image),
+        Err(e) => panic!("the cached kernel {} does not load: {e:#}", path.display()),
+    }
+}
+
 /// Offsets into the cached kernel's `vfs_read` of two instructions of its entry block (run
 /// at every call): the first of at least 5 bytes (a splice fits) and the first shorter one
-/// (none fits), past the ftrace site at +0.
+/// (none fits), past the ftrace site at +0. `None` when the kernel is not cached; panics when
+/// the entry block lacks one kind (then the test would check nothing).
 fn vfs_read_prologue_offsets() -> Option<(u64, u64)> {
     use iced_x86::{Decoder, DecoderOptions, FlowControl};
     let dir = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
-    let image = exotap_probes::live::kernel_image::KernelImage::load(dir.join("vmlinuz")).ok()?;
-    let start = image.address("vfs_read").ok()?;
-    let code = image.vmlinux.read_at(start, 128).ok()?;
+    // Not cached: None (the caller skips); cached but broken: a failure, not a skip.
+    let image = load_cached(&dir)?;
+    let start = image.address("vfs_read").unwrap();
+    let code = image.vmlinux.read_at(start, 128).unwrap();
     let mut decoder = Decoder::with_ip(64, code, start, DecoderOptions::NONE);
     let (mut long, mut short) = (None, None);
     // +0 is the ftrace site (`call __fentry__` in the file, a nop once booted).
@@ -25,7 +41,13 @@ fn vfs_read_prologue_offsets() -> Option<(u64, u64)> {
             short.get_or_insert(offset);
         }
     }
-    long.zip(short)
+    let found = long.zip(short);
+    assert!(
+        found.is_some(),
+        "vfs_read's entry block has no instruction of each kind (>= 5 bytes: {long:?}, \
+         shorter: {short:?})"
+    );
+    found
 }
 
 #[test]
@@ -36,7 +58,7 @@ fn statement_probes_compile_at_a_splice_or_behind_a_breakpoint_and_count_as_the_
         return;
     }
     let Some((long, short)) = vfs_read_prologue_offsets() else {
-        eprintln!("SKIP: the Debian kernel is not cached, or vfs_read's entry block has no instruction of each kind");
+        eprintln!("SKIP: the Debian kernel is not cached (exotap image fetch)");
         return;
     };
     let script = format!(
@@ -117,13 +139,10 @@ fn vfs_read_locals_build() -> bool {
     if !dir.join("debug/vmlinux").is_file() {
         return false;
     }
-    let Ok(image) = exotap_probes::live::kernel_image::KernelImage::load(dir.join("vmlinuz"))
-    else {
+    let Some(image) = load_cached(&dir) else {
         return false;
     };
-    let Ok(start) = image.address("vfs_read") else {
-        return false;
-    };
+    let start = image.address("vfs_read").unwrap();
     let at = |off: u64, len: usize| image.vmlinux.read_at(start + off, len).ok();
     at(0xf1, 7) == Some(&[0xf7, 0x45, 0x44, 0x00, 0x40, 0x00, 0x04][..])
         && at(0x1b6, 3) == Some(&[0x4d, 0x85, 0xff][..])

@@ -446,18 +446,24 @@ pub(crate) mod tests {
     /// The Debian kernel the real-image tests use.
     pub(crate) const RELEASE: &str = "6.1.0-50-cloud-amd64";
 
-    /// The cached Debian vmlinux, or `None` after printing why it is skipped.
+    /// The cached Debian vmlinux, or `None` after printing why it is skipped (it is absent);
+    /// panics when it is there but cannot be read or unpacked.
     pub(crate) fn real_vmlinux() -> Option<Vmlinux> {
         let Some(path) = cached_kernel_dir(RELEASE).map(|dir| dir.join("vmlinuz")) else {
             println!("SKIP: no HOME or XDG_CACHE_HOME to find the kernel cache");
             return None;
         };
-        let Ok(image) = std::fs::read(&path) else {
-            println!(
-                "SKIP: {} is absent; run `exotap image fetch` first",
-                path.display()
-            );
-            return None;
+        let image = match std::fs::read(&path) {
+            Ok(image) => image,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                println!(
+                    "SKIP: {} is absent; run `exotap image fetch` first",
+                    path.display()
+                );
+                return None;
+            }
+            // Present but unreadable: a failure, not a missing cache.
+            Err(e) => panic!("cannot read the cached {}: {e}", path.display()),
         };
         Some(Vmlinux::from_bzimage(&image).unwrap())
     }

@@ -401,15 +401,26 @@ mod tests {
             return;
         };
         let stripped = path.with_file_name("dwarf_fixture.stripped");
-        let ok = std::process::Command::new("objcopy")
+        let objcopy = std::process::Command::new("objcopy")
             .arg("--strip-debug")
             .arg(&path)
             .arg(&stripped)
-            .status();
-        if !ok.is_ok_and(|s| s.success()) {
-            println!("SKIP: objcopy is not installed");
-            return;
-        }
+            .output();
+        let out = match objcopy {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                println!("SKIP: objcopy is not installed");
+                return;
+            }
+            Err(e) => panic!("cannot run objcopy: {e}"),
+            Ok(out) => out,
+        };
+        assert!(
+            out.status.success(),
+            "objcopy --strip-debug {} failed ({}):\n{}",
+            path.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
         let bytes = std::fs::read(&stripped).unwrap();
 
         assert!(matches!(

@@ -107,7 +107,8 @@ impl StackImage {
     }
 }
 
-/// The cached Debian `-dbg` vmlinux, mapped, or `None` after printing why it is skipped.
+/// The cached Debian `-dbg` vmlinux, mapped, or `None` after printing why it is skipped (it
+/// is absent); panics when it is there but cannot be opened or mapped.
 pub(crate) fn debug_vmlinux() -> Option<memmap2::Mmap> {
     let release = crate::bzimage::tests::RELEASE;
     let Some(dir) = crate::bzimage::cached_kernel_dir(release) else {
@@ -115,12 +116,17 @@ pub(crate) fn debug_vmlinux() -> Option<memmap2::Mmap> {
         return None;
     };
     let path = dir.join("debug").join("vmlinux");
-    let Ok(file) = std::fs::File::open(&path) else {
-        println!(
-            "SKIP: {} is absent; run `exotap image fetch --debuginfo` first",
-            path.display()
-        );
-        return None;
+    let file = match std::fs::File::open(&path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!(
+                "SKIP: {} is absent; run `exotap image fetch --debuginfo` first",
+                path.display()
+            );
+            return None;
+        }
+        // Present but unreadable: a failure, not a missing cache.
+        Err(e) => panic!("cannot open the cached {}: {e}", path.display()),
     };
     // SAFETY: the cache file is only ever replaced whole (written elsewhere, then renamed),
     // never modified in place, so the mapping stays valid for the test's lifetime.

@@ -138,22 +138,37 @@ mod tests {
     use crate::lang::resolve::{list, ResolveError, ResolvedPoint};
     use crate::live::KernelImage;
 
-    /// The cached kernel and its -dbg vmlinux; `None` (after saying why) otherwise.
+    /// The cached kernel and its -dbg vmlinux; `None` (after saying why) when either is not
+    /// cached. One that is there but does not load or open panics: a failure, not a skip.
     fn kernel() -> Option<(KernelImage, super::SourceLines)> {
-        let Some(dir) =
-            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
-        else {
+        let Some(image) = crate::live::kernel_image::cached_debian_image() else {
             println!("SKIP: the default guest kernel is not cached (exotap image fetch)");
             return None;
         };
-        let image = KernelImage::load(dir.join("vmlinuz")).ok()?;
-        let Some(lines) = crate::live::target_vars::source_lines(&image) else {
+        // Where exotap image fetch --debuginfo puts it (live::target_vars::source_lines, which
+        // logs an open failure and gives None, is not used: that would skip a broken file).
+        let dir = image.path.with_file_name("debug");
+        if !(dir.join("manifest.json").is_file() && dir.join("vmlinux").is_file()) {
             println!("SKIP: no cached -dbg vmlinux (exotap image fetch --debuginfo)");
             return None;
-        };
+        }
+        let cache = image
+            .path
+            .ancestors()
+            .nth(3)
+            .expect("the cache holds the kernel three levels down")
+            .join("debuginfo");
+        let lines = super::SourceLines::open(&dir.join("vmlinux"), &cache).unwrap_or_else(|e| {
+            panic!(
+                "the cached -dbg vmlinux {} does not open: {e:#}",
+                dir.join("vmlinux").display()
+            )
+        });
         Some((image, lines))
     }
 
+    /// gdb's output for `commands` on `vmlinux`; `None` (after saying why) when gdb is not
+    /// installed. Panics when gdb cannot be run otherwise or runs and fails.
     fn gdb(vmlinux: &std::path::Path, commands: &[String]) -> Option<String> {
         let mut cmd = Command::new("gdb");
         cmd.args(["-nx", "-batch"]);
@@ -161,12 +176,20 @@ mod tests {
             cmd.arg("-ex").arg(c);
         }
         match cmd.arg(vmlinux).output() {
-            Ok(out) if out.status.success() => Some(String::from_utf8_lossy(&out.stdout).into()),
-            _ => {
-                println!(
-                    "SKIP: gdb is not installed or failed; the comparison with gdb is skipped"
-                );
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                println!("SKIP: gdb is not installed; the comparison with gdb is skipped");
                 None
+            }
+            Err(e) => panic!("cannot run gdb: {e}"),
+            Ok(out) => {
+                assert!(
+                    out.status.success(),
+                    "gdb -batch on {} failed ({}):\n{}",
+                    vmlinux.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                Some(String::from_utf8_lossy(&out.stdout).into())
             }
         }
     }

@@ -807,7 +807,9 @@ fn run(
                     (Ok(before), Ok(after)) => {
                         for (name, (hits, missed)) in after {
                             let (h0, m0) = before.get(&name).copied().unwrap_or_default();
-                            let n = (hits + missed).saturating_sub(h0 + m0);
+                            let n = hits
+                                .saturating_add(missed)
+                                .saturating_sub(h0.saturating_add(m0));
                             session.note(&format!("HOST-RESULT kprobe.{name}={n}"));
                         }
                     }
@@ -830,6 +832,15 @@ fn run(
                     "{} text pages differ after removal",
                     removed.differing.len()
                 );
+            }
+            // A timed call whose return address slot could not be read kept exotap's
+            // trampoline as its return address (also logged where it was found).
+            if !removed.returns_unrestored.is_empty() {
+                session.warn(&format!(
+                    "{} calls in flight at removal: their return address slots could not be \
+                     read, so their return addresses were not put back",
+                    removed.returns_unrestored.len()
+                ));
             }
             // As stap's skipped probes (a kretprobe's missed instances): said, not a script
             // error that would keep the end probes from running.

@@ -65,9 +65,27 @@ impl KernelImage {
     }
 }
 
-/// The cached Debian kernel, when present (for unit tests that need a real image).
+/// The cached Debian kernel (for unit tests that need a real image): `None` only when it is
+/// not cached (no `vmlinuz` in the cache, or no HOME/XDG_CACHE_HOME to find the cache), for
+/// the caller to print its `SKIP: ... not cached`.
+///
+/// # Panics
+/// When the file is there but cannot be examined or does not load: a cache that is present
+/// and broken fails the test; it is not a kernel that was never fetched.
 #[cfg(test)]
 pub(crate) fn cached_debian_image() -> Option<KernelImage> {
     let dir = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
-    KernelImage::load(dir.join("vmlinuz")).ok()
+    let path = dir.join("vmlinuz");
+    match std::fs::metadata(&path) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => panic!("cannot examine the cached kernel {}: {e}", path.display()),
+    }
+    match KernelImage::load(path.clone()) {
+        Ok(image) => Some(image),
+        Err(e) => panic!(
+            "the cached kernel {} is present but does not load: {e:#}",
+            path.display()
+        ),
+    }
 }

@@ -10,6 +10,7 @@
 //! capped before anything is allocated, and a module whose tables cannot be read is kept with
 //! its problem (its frames then end an unwind, as before) instead of failing the others.
 
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 use anyhow::{bail, Context};
@@ -24,6 +25,14 @@ pub const MAX_MODULES: usize = 4096;
 const MAX_ORCS: u64 = 1 << 20;
 /// Most symbols one module's kallsyms may claim.
 const MAX_SYMBOLS: u64 = 1 << 18;
+/// Largest string table offset a module's symbol names are read up to. The kernel keeps only
+/// its core symbols' names there (a few hundred KiB for the largest Debian modules); a name
+/// offset past this is a hostile or corrupt `st_name`, not a 4-GiB read.
+const MAX_STRTAB: u64 = 8 << 20;
+/// Most bytes of ORC tables, symbol tables and string tables one walk of the list reads, all
+/// modules together: [`MAX_MODULES`] modules each within the caps above could otherwise
+/// claim tens of GiB.
+const MAX_TABLE_BYTES: u64 = 256 << 20;
 /// Longest symbol name read (the kernel's `KSYM_NAME_LEN`).
 const MAX_NAME: usize = 512;
 /// `MODULE_STATE_UNFORMED`: a module still being loaded, skipped as the kernel's lookups do.
@@ -161,8 +170,9 @@ impl GuestModule {
 /// kept per module.
 ///
 /// # Errors
-/// When the list itself cannot be walked (an unreadable node, or one that never comes back
-/// to the head within [`MAX_MODULES`]).
+/// When the list itself cannot be walked (an unreadable node, a node whose `struct module`
+/// would lie outside the address space, a node visited twice, or a list that never comes
+/// back to the head within [`MAX_MODULES`]).
 pub fn read_modules<R: VirtualMemory + ?Sized>(
     mem: &mut R,
     head: u64,
@@ -170,19 +180,76 @@ pub fn read_modules<R: VirtualMemory + ?Sized>(
     orc_layout: OrcLayout,
 ) -> anyhow::Result<Vec<GuestModule>> {
     let mut modules = Vec::new();
+    let mut budget = Budget(MAX_TABLE_BYTES);
+    let mut seen = BTreeSet::new();
     let mut node = read_u64(mem, head).context("cannot read the kernel's module list head")?;
     while node != head {
-        if modules.len() >= MAX_MODULES {
+        if seen.len() >= MAX_MODULES {
             bail!("the module list at {head:#x} does not come back to its head");
         }
-        let module = node.wrapping_sub(layout.list);
-        if read_u32(mem, module.wrapping_add(layout.state))? != STATE_UNFORMED {
-            modules.push(read_module(mem, module, layout, orc_layout)?);
+        if !seen.insert(node) {
+            bail!(
+                "the module list at {head:#x} does not come back to its head: it loops back \
+                 to {node:#x}"
+            );
+        }
+        let module = node.checked_sub(layout.list).with_context(|| {
+            format!(
+                "the module list node {node:#x} lies below its offset {:#x} in struct module",
+                layout.list
+            )
+        })?;
+        if read_u32(mem, field(module, layout.state, "module state")?)? != STATE_UNFORMED {
+            modules.push(read_module(mem, module, layout, orc_layout, &mut budget)?);
         }
         node = read_u64(mem, node)
             .with_context(|| format!("cannot follow the module list node at {node:#x}"))?;
     }
     Ok(modules)
+}
+
+/// Bytes of tables (ORC, symbols, names) all modules of one walk may still read: a list of
+/// [`MAX_MODULES`] hostile modules, each within its own caps, still reads a bounded total.
+#[derive(Debug)]
+struct Budget(u64);
+
+impl Budget {
+    /// Takes `bytes` for `what`, or says the walk has read all it may.
+    fn take(&mut self, bytes: u64, what: &str) -> anyhow::Result<()> {
+        match self.0.checked_sub(bytes) {
+            Some(left) => {
+                self.0 = left;
+                Ok(())
+            }
+            None => bail!(
+                "{what} ({bytes} bytes) would take the modules' tables past \
+                 {MAX_TABLE_BYTES} bytes in all"
+            ),
+        }
+    }
+}
+
+/// `base + offset` for the guest field `what`, or an error where it would leave the address
+/// space (a hostile pointer).
+fn field(base: u64, offset: u64, what: &str) -> anyhow::Result<u64> {
+    base.checked_add(offset).with_context(|| {
+        format!("{what} at {base:#x} + {offset:#x} lies outside the address space")
+    })
+}
+
+/// `len` bytes at `va` (`len` already capped by the caller), or an error where the range
+/// would wrap the address space.
+fn read_block<R: VirtualMemory + ?Sized>(
+    mem: &mut R,
+    va: u64,
+    len: u64,
+    what: &str,
+) -> anyhow::Result<Vec<u8>> {
+    field(va, len, what)?;
+    let mut buf = vec![0u8; usize::try_from(len)?];
+    mem.read_virt(va, &mut buf)
+        .with_context(|| format!("cannot read {what} ({len} bytes at {va:#x})"))?;
+    Ok(buf)
 }
 
 /// One module: its name and text must read; its tables and symbols may fail (kept as its
@@ -192,18 +259,18 @@ fn read_module<R: VirtualMemory + ?Sized>(
     module: u64,
     layout: &ModuleLayout,
     orc_layout: OrcLayout,
+    budget: &mut Budget,
 ) -> anyhow::Result<GuestModule> {
-    let at = |offset: u64| module.wrapping_add(offset);
     let mut name = vec![0u8; usize::try_from(layout.name.1).unwrap_or(0).min(MAX_NAME)];
-    mem.read_virt(at(layout.name.0), &mut name)
+    mem.read_virt(field(module, layout.name.0, "module name")?, &mut name)
         .with_context(|| format!("cannot read the name of the module at {module:#x}"))?;
     let name = String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
-    let base = read_u64(mem, at(layout.text.0))?;
-    let size = read_u32(mem, at(layout.text.1))?;
+    let base = read_u64(mem, field(module, layout.text.0, "module text base")?)?;
+    let size = read_u32(mem, field(module, layout.text.1, "module text size")?)?;
     let text = base..base.saturating_add(u64::from(size));
-    let orc = read_orc(mem, at(0), layout, orc_layout)
+    let orc = read_orc(mem, module, layout, orc_layout, budget)
         .with_context(|| format!("cannot read the ORC tables of module {name}"));
-    let symbols = read_symbols(mem, module, layout)
+    let symbols = read_symbols(mem, module, layout, budget)
         .with_context(|| format!("cannot read the symbols of module {name}"));
     let problem = [orc.as_ref().err(), symbols.as_ref().err()]
         .into_iter()
@@ -224,18 +291,20 @@ fn read_orc<R: VirtualMemory + ?Sized>(
     module: u64,
     layout: &ModuleLayout,
     orc_layout: OrcLayout,
+    budget: &mut Budget,
 ) -> anyhow::Result<OrcTable> {
     let (num, ip_ptr, entries_ptr) = layout.orcs;
-    let count = u64::from(read_u32(mem, module.wrapping_add(num))?);
+    let count = u64::from(read_u32(mem, field(module, num, "arch.num_orcs")?)?);
     if count == 0 || count > MAX_ORCS {
-        bail!("it claims {count} entries");
+        bail!("it claims {count} entries (at most {MAX_ORCS} are read)");
     }
-    let ip_addr = read_u64(mem, module.wrapping_add(ip_ptr))?;
-    let entries_addr = read_u64(mem, module.wrapping_add(entries_ptr))?;
-    let mut ips = vec![0u8; (count * 4) as usize];
-    mem.read_virt(ip_addr, &mut ips)?;
-    let mut entries = vec![0u8; count as usize * ENTRY_SIZE];
-    mem.read_virt(entries_addr, &mut entries)?;
+    let ip_addr = read_u64(mem, field(module, ip_ptr, "arch.orc_unwind_ip")?)?;
+    let entries_addr = read_u64(mem, field(module, entries_ptr, "arch.orc_unwind")?)?;
+    // count <= MAX_ORCS: neither product overflows.
+    let (ip_bytes, entry_bytes) = (count * 4, count * ENTRY_SIZE as u64);
+    budget.take(ip_bytes + entry_bytes, "its ORC tables")?;
+    let ips = read_block(mem, ip_addr, ip_bytes, "the ORC ip table")?;
+    let entries = read_block(mem, entries_addr, entry_bytes, "the ORC entries")?;
     Ok(OrcTable::parse_with_layout(
         &ips, ip_addr, &entries, orc_layout,
     )?)
@@ -245,17 +314,23 @@ fn read_symbols<R: VirtualMemory + ?Sized>(
     mem: &mut R,
     module: u64,
     layout: &ModuleLayout,
+    budget: &mut Budget,
 ) -> anyhow::Result<Vec<ModuleSymbol>> {
-    let kallsyms = read_u64(mem, module.wrapping_add(layout.kallsyms))?;
+    let kallsyms = read_u64(mem, field(module, layout.kallsyms, "kallsyms")?)?;
     let (symtab_at, num_at, strtab_at) = layout.symtab;
-    let symtab = read_u64(mem, kallsyms.wrapping_add(symtab_at))?;
-    let count = u64::from(read_u32(mem, kallsyms.wrapping_add(num_at))?);
-    let strtab = read_u64(mem, kallsyms.wrapping_add(strtab_at))?;
+    let symtab = read_u64(mem, field(kallsyms, symtab_at, "kallsyms->symtab")?)?;
+    let count = u64::from(read_u32(
+        mem,
+        field(kallsyms, num_at, "kallsyms->num_symtab")?,
+    )?);
+    let strtab = read_u64(mem, field(kallsyms, strtab_at, "kallsyms->strtab")?)?;
     if count > MAX_SYMBOLS {
-        bail!("it claims {count} symbols");
+        bail!("it claims {count} symbols (at most {MAX_SYMBOLS} are read)");
     }
-    let mut raw = vec![0u8; count as usize * SYM_SIZE];
-    mem.read_virt(symtab, &mut raw)?;
+    // count <= MAX_SYMBOLS: no overflow.
+    let symtab_bytes = count * SYM_SIZE as u64;
+    budget.take(symtab_bytes, "its symbol table")?;
+    let raw = read_block(mem, symtab, symtab_bytes, "the symbol table")?;
     // (name offset, value) of the symbols the kernel's lookup considers; ELF's first symbol
     // is the null one and is skipped, as the kernel does.
     let wanted: Vec<(u32, u64)> = raw
@@ -270,17 +345,26 @@ fn read_symbols<R: VirtualMemory + ?Sized>(
         })
         .collect();
     // The string table in one read up to the last name's start, then that name by itself.
-    let last = wanted.iter().map(|(n, _)| *n).max().unwrap_or(0);
-    let mut strings = vec![0u8; last as usize];
-    mem.read_virt(strtab, &mut strings)?;
-    strings.extend(read_cstr(mem, strtab.wrapping_add(u64::from(last)))?);
+    let last = u64::from(wanted.iter().map(|(n, _)| *n).max().unwrap_or(0));
+    if last > MAX_STRTAB {
+        bail!(
+            "a symbol's name starts at offset {last:#x} of its string table, past the \
+             {MAX_STRTAB:#x} bytes a module's string table is read up to"
+        );
+    }
+    budget.take(last + MAX_NAME as u64, "its string table")?;
+    let mut strings = read_block(mem, strtab, last, "the string table")?;
+    strings.extend(read_cstr(
+        mem,
+        field(strtab, last, "the last symbol name")?,
+    )?);
     strings.push(0);
     let mut symbols: Vec<ModuleSymbol> = wanted
         .into_iter()
         .filter_map(|(offset, addr)| {
-            let tail = strings.get(offset as usize..)?;
+            let tail = strings.get(usize::try_from(offset).ok()?..)?;
             let name = tail.split(|b| *b == 0).next()?;
-            let name = String::from_utf8_lossy(&name[..name.len().min(MAX_NAME)]).into_owned();
+            let name = String::from_utf8_lossy(name.get(..MAX_NAME).unwrap_or(name)).into_owned();
             (!name.is_empty() && !is_mapping_symbol(&name)).then_some(ModuleSymbol { addr, name })
         })
         .collect();
@@ -313,20 +397,22 @@ fn read_cstr<R: VirtualMemory + ?Sized>(mem: &mut R, va: u64) -> anyhow::Result<
             out.extend_from_slice(&chunk[..end]);
             return Ok(out);
         }
-        at = at.wrapping_add(chunk.len() as u64);
+        at = field(at, chunk.len() as u64, "a symbol name")?;
         out.extend(chunk);
     }
     Ok(out)
 }
 
-fn read_u64<R: VirtualMemory + ?Sized>(mem: &mut R, va: u64) -> anyhow::Result<u64> {
+/// A little-endian `u64` at `va`.
+pub(crate) fn read_u64<R: VirtualMemory + ?Sized>(mem: &mut R, va: u64) -> anyhow::Result<u64> {
     let mut b = [0u8; 8];
     mem.read_virt(va, &mut b)
         .with_context(|| format!("cannot read guest memory at {va:#x}"))?;
     Ok(u64::from_le_bytes(b))
 }
 
-fn read_u32<R: VirtualMemory + ?Sized>(mem: &mut R, va: u64) -> anyhow::Result<u32> {
+/// A little-endian `u32` at `va`.
+pub(crate) fn read_u32<R: VirtualMemory + ?Sized>(mem: &mut R, va: u64) -> anyhow::Result<u32> {
     let mut b = [0u8; 4];
     mem.read_virt(va, &mut b)
         .with_context(|| format!("cannot read guest memory at {va:#x}"))?;
@@ -339,11 +425,13 @@ mod tests {
     use exotap_introspect::memory::SparseMemory;
     use exotap_introspect::orc::{encode_tables, RawOrcEntry};
 
-    /// Guest-virtual memory as flat regions (no page tables).
-    struct Flat(SparseMemory);
+    /// Guest-virtual memory as flat regions (no page tables), and the longest read asked of
+    /// it (every buffer the reader allocates for guest data is read into at once).
+    struct Flat(SparseMemory, usize);
 
     impl VirtualMemory for Flat {
         fn read_virt(&mut self, va: u64, buf: &mut [u8]) -> anyhow::Result<()> {
+            self.1 = self.1.max(buf.len());
             Ok(self.0.read_phys(va, buf)?)
         }
     }
@@ -448,7 +536,7 @@ mod tests {
             2,
             &[("tun_chr_read_iter", 0x10, 1)],
         );
-        Flat(mem)
+        Flat(mem, 0)
     }
 
     #[test]
@@ -500,7 +588,7 @@ mod tests {
         let node: u64 = 0xffff_ffff_c010_0008;
         mem.add_region(HEAD, node.to_le_bytes().to_vec()).unwrap();
         module(&mut mem, node - 8, node, "loop", 0, 0, &[]);
-        let err = read_modules(&mut Flat(mem), HEAD, &LAYOUT, OrcLayout::Linux4_14).unwrap_err();
+        let err = read_modules(&mut Flat(mem, 0), HEAD, &LAYOUT, OrcLayout::Linux4_14).unwrap_err();
         assert!(format!("{err:#}").contains("does not come back"), "{err:#}");
 
         // A module claiming billions of ORC entries and symbols keeps its name and text,
@@ -521,6 +609,196 @@ mod tests {
             "{problem}"
         );
         assert_eq!(modules[1].name, "tun");
+    }
+
+    /// The largest single read (and so allocation) the reader may make for one table: the
+    /// string table up to [`MAX_STRTAB`]; the symbol and ORC tables are capped below it.
+    const LARGEST_READ: usize = MAX_STRTAB as usize;
+
+    #[test]
+    fn a_hostile_name_offset_is_an_error_not_a_4_gib_read() {
+        let mut mem = two_modules();
+        let evdev = 0xffff_ffff_c010_0000u64;
+        // The first symbol's st_name: u32::MAX would size a 4-GiB string table read.
+        mem.0
+            .write_phys(
+                evdev + 0x1000 + 0x300 + SYM_SIZE as u64,
+                &u32::MAX.to_le_bytes(),
+            )
+            .unwrap();
+
+        let modules = read_modules(&mut mem, HEAD, &LAYOUT, OrcLayout::Linux4_14).unwrap();
+
+        let problem = modules[0].problem.as_deref().unwrap();
+        assert!(
+            problem.contains("symbols of module evdev")
+                && problem.contains("offset 0xffffffff of its string table"),
+            "{problem}"
+        );
+        // The ORC tables still read; the other module is untouched.
+        assert!(modules[0].orc.is_some());
+        assert_eq!(
+            modules[1].lookup(TEXT + 0x2020),
+            Some(("tun_chr_read_iter", 0x10, 0x3f0))
+        );
+        assert!(mem.1 <= 0x1000, "a read of {} bytes", mem.1);
+    }
+
+    #[test]
+    fn hostile_pointers_are_errors_not_wrapped_addresses() {
+        // A list node below the list's offset in struct module.
+        let mut mem = SparseMemory::new();
+        mem.add_region(HEAD, 4u64.to_le_bytes().to_vec()).unwrap();
+        let err = read_modules(&mut Flat(mem, 0), HEAD, &LAYOUT, OrcLayout::Linux4_14).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("lies below its offset"),
+            "{err:#}"
+        );
+
+        // A kallsyms pointer at the top of the address space (its fields are not read at
+        // wrapped, low addresses), and a string table whose names would run past the top.
+        let mut mem = two_modules();
+        let (evdev, tun) = (0xffff_ffff_c010_0000u64, 0xffff_ffff_c030_0000u64);
+        mem.0
+            .write_phys(evdev + 120, &(u64::MAX - 4).to_le_bytes())
+            .unwrap();
+        mem.0
+            .write_phys(tun + 0x1000 + 0x210, &u64::MAX.to_le_bytes())
+            .unwrap();
+        let modules = read_modules(&mut mem, HEAD, &LAYOUT, OrcLayout::Linux4_14).unwrap();
+        let problem = modules[0].problem.as_deref().unwrap();
+        assert!(
+            problem.contains("symbols of module evdev") && problem.contains("0xfffffffffffffffb"),
+            "{problem}"
+        );
+        let problem = modules[1].problem.as_deref().unwrap();
+        assert!(
+            problem.contains("symbols of module tun")
+                && problem.contains("the string table at 0xffffffffffffffff + 0x1")
+                && problem.contains("lies outside the address space"),
+            "{problem}"
+        );
+        assert!(modules[0].orc.is_some() && modules[1].orc.is_some());
+    }
+
+    #[test]
+    fn all_modules_together_read_a_bounded_total() {
+        // 40 modules each claiming the most ORC entries one module may (10 MiB of tables):
+        // past the walk's total the rest are refused before anything is allocated.
+        let mut mem = SparseMemory::new();
+        let at = |i: u64| 0xffff_ffff_c100_0000 + 0x2000 * i;
+        mem.add_region(HEAD, (at(0) + 8).to_le_bytes().to_vec())
+            .unwrap();
+        for i in 0..40 {
+            let next = if i == 39 { HEAD } else { at(i + 1) + 8 };
+            module(&mut mem, at(i), next, "big", 0, i, &[]);
+            mem.write_phys(at(i) + 96, &(MAX_ORCS as u32).to_le_bytes())
+                .unwrap();
+        }
+        let mut mem = Flat(mem, 0);
+
+        let modules = read_modules(&mut mem, HEAD, &LAYOUT, OrcLayout::Linux4_14).unwrap();
+
+        assert_eq!(modules.len(), 40);
+        let refused = modules
+            .iter()
+            .filter(|m| m.problem.as_deref().is_some_and(|p| p.contains("in all")))
+            .count();
+        let per_module = MAX_ORCS * (4 + ENTRY_SIZE as u64);
+        assert!(
+            refused >= 40 - (MAX_TABLE_BYTES / per_module) as usize,
+            "{refused}"
+        );
+        assert!(mem.1 <= LARGEST_READ, "a read of {} bytes", mem.1);
+    }
+
+    /// xorshift64*: a fixed-seed generator, so a failure reproduces.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Reads `mem` as the module list at `head` and uses what it gives: any outcome but a
+    /// panic or a read larger than one capped table.
+    fn read_and_use(mut mem: Flat, head: u64) {
+        if let Ok(modules) = read_modules(&mut mem, head, &LAYOUT, OrcLayout::Linux4_14) {
+            assert!(modules.len() <= MAX_MODULES);
+            for m in &modules {
+                for addr in [m.text.start, m.text.start.wrapping_add(0x1a5), m.text.end] {
+                    let _ = m.lookup(addr);
+                }
+                if let Some(orc) = &m.orc {
+                    let _ = orc.covers(m.text.start);
+                }
+            }
+        }
+        assert!(mem.1 <= LARGEST_READ, "a read of {} bytes", mem.1);
+    }
+
+    #[test]
+    fn random_corruption_of_the_module_list_gives_ok_or_err_never_a_panic() {
+        let (a, b, c) = (
+            0xffff_ffff_c010_0000u64,
+            0xffff_ffff_c020_0000u64,
+            0xffff_ffff_c030_0000u64,
+        );
+        // (start, length) of every region two_modules() maps.
+        let regions: Vec<(u64, u64)> = [a, b, c]
+            .iter()
+            .flat_map(|&m| [(m, 0x100), (m + 0x1000, 0x1000)])
+            .chain([(HEAD, 8)])
+            .collect();
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for _ in 0..2000 {
+            let mut mem = two_modules();
+            for _ in 0..1 + rng.below(8) {
+                let (start, len) = regions[rng.below(regions.len() as u64) as usize];
+                let at = start + (rng.below(len) & !3).min(len.saturating_sub(8));
+                let (r0, r1) = regions[rng.below(regions.len() as u64) as usize];
+                let value = match rng.below(6) {
+                    0 => rng.next(),
+                    1 => u64::from(u32::MAX),
+                    2 => rng.below(1 << 24),
+                    3 => r0 + rng.below(r1),
+                    4 => u64::MAX - rng.below(64),
+                    _ => 0,
+                };
+                let width = if len >= 8 && rng.below(2) == 0 { 8 } else { 4 };
+                let _ = mem.0.write_phys(at, &value.to_le_bytes()[..width]);
+            }
+            read_and_use(mem, HEAD);
+        }
+    }
+
+    #[test]
+    fn random_bytes_as_the_module_list_give_ok_or_err_never_a_panic() {
+        // 16 KiB of random words, half of them pointers into it; the head at its start.
+        const BASE: u64 = 0xffff_ffff_c000_0000;
+        const LEN: u64 = 0x4000;
+        let mut rng = Rng(0x0123_4567_89ab_cdef);
+        for _ in 0..300 {
+            let mut bytes = vec![0u8; LEN as usize];
+            for word in bytes.chunks_exact_mut(8) {
+                let value = match rng.below(4) {
+                    0 | 1 => BASE + (rng.below(LEN) & !7),
+                    2 => rng.below(1 << 12),
+                    _ => rng.next(),
+                };
+                word.copy_from_slice(&value.to_le_bytes());
+            }
+            let mut mem = SparseMemory::new();
+            mem.add_region(BASE, bytes).unwrap();
+            read_and_use(Flat(mem, 0), BASE);
+        }
     }
 
     #[test]

@@ -104,13 +104,17 @@ mod tests {
     const SLIDE: u64 = 0x1c00_0000;
 
     /// The cached Debian kernel (its kallsyms) and the linker's own `System.map` from its -dbg
-    /// package, the oracle for what the names are and where.
+    /// package, the oracle for what the names are and where. `None` only when either is not
+    /// cached; one that is there and fails to load or read panics (the test fails, it does
+    /// not skip).
     fn image_and_map() -> Option<(KernelImage, String)> {
-        let dir =
-            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
-        let image = KernelImage::load(dir.join("vmlinuz")).ok()?;
-        let map = std::fs::read_to_string(dir.join("debug").join("System.map")).ok()?;
-        Some((image, map))
+        let image = crate::live::kernel_image::cached_debian_image()?;
+        let path = image.path.with_file_name("debug").join("System.map");
+        match std::fs::read_to_string(&path) {
+            Ok(map) => Some((image, map)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => panic!("cannot read the cached {}: {e}", path.display()),
+        }
     }
 
     /// The addresses of System.map's text symbols (`T`, `t`) whose names `keep`.

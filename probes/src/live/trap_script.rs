@@ -268,7 +268,9 @@ impl Tracer {
                     (Ok(before), Ok(after)) => {
                         for (name, (hits, missed)) in after {
                             let (h0, m0) = before.get(&name).copied().unwrap_or_default();
-                            let n = (hits + missed).saturating_sub(h0 + m0);
+                            let n = hits
+                                .saturating_add(missed)
+                                .saturating_sub(h0.saturating_add(m0));
                             session.note(&format!("HOST-RESULT kprobe.{name}={n}"));
                         }
                     }

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use object::{Object, ObjectSymbol};
 
 use super::facts::Layouts;
-use super::tracer::trace;
+use super::tracer::{trace, TraceError};
 use super::*;
 use crate::dwarf::testing::{fixture, names};
 use crate::dwarf::DebugFile;
@@ -102,15 +102,21 @@ fn join_points_of_the_test_program_match_its_traced_accesses() {
     }
     let ranges: Vec<(u64, u64)> = instances.iter().map(|(_, r)| *r).collect();
     let traced = match trace(&path, &ranges) {
-        Ok(t) if !t.touches.is_empty() => t,
-        other => {
-            println!(
-                "SKIP: single-stepping the KLAS program under ptrace saw nothing ({:?})",
-                other.err()
-            );
+        Ok(t) => t,
+        Err(TraceError::NotPermitted(why)) => {
+            println!("SKIP: ptrace is not permitted here ({why}); the KLAS program is not traced");
             return;
         }
+        Err(TraceError::Failed(why)) => panic!("tracing {} failed: {why}", path.display()),
     };
+    // The program ran (it exited 0 after its instructions were stepped): an empty trace is a
+    // wrong one.
+    assert!(
+        !traced.touches.is_empty(),
+        "single-stepping {} ran {} distinct instructions but saw no access to {ranges:x?}",
+        path.display(),
+        traced.executed.len()
+    );
     let mut truth: Sites = HashSet::new();
     let mut writes: HashMap<u64, bool> = HashMap::new();
     for t in &traced.touches {
@@ -164,4 +170,25 @@ fn join_points_of_the_test_program_match_its_traced_accesses() {
     assert!(recall >= 0.9, "recall {recall}");
     assert!(precision >= 0.95, "precision {precision}");
     assert_eq!(kind_ok, found);
+}
+
+/// The tracer's failures are failures, never an empty trace: a program that cannot be
+/// executed, and one that exits with an error.
+#[test]
+fn a_program_that_cannot_run_or_fails_under_the_tracer_is_an_error() {
+    let missing = trace(std::path::Path::new("/nonexistent/exotap-klas"), &[]);
+    if let Err(TraceError::NotPermitted(why)) = &missing {
+        println!("SKIP: ptrace is not permitted here ({why}); the tracer is not checked");
+        return;
+    }
+    let failing = trace(std::path::Path::new("/bin/false"), &[]);
+
+    assert!(
+        matches!(&missing, Err(TraceError::Failed(why)) if why.starts_with("execv /nonexistent/exotap-klas")),
+        "{missing:?}"
+    );
+    assert!(
+        matches!(&failing, Err(TraceError::Failed(why)) if why.contains("exited with status 1")),
+        "{failing:?}"
+    );
 }

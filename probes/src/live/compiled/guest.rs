@@ -117,7 +117,7 @@ impl Guest {
                     continue;
                 };
                 let got = crate::rings::drain_concurrent(&shared, &rings, cpu, taken, last)?;
-                self.lost += got.lost;
+                self.lost = self.lost.saturating_add(got.lost);
                 for rec in got.records.chunks_exact(record) {
                     let tsc = u64::from_le_bytes(rec[..8].try_into().unwrap_or_default());
                     match printed(&self.interner, self.stacks.as_ref(), rec) {
@@ -133,7 +133,7 @@ impl Guest {
             let head = self.session.read_heap(rings.ring(cpu), 8)?;
             let head = u64::from_le_bytes(head.try_into().unwrap_or_default());
             let (from, lost) = window(head, self.taken[cpu as usize], rings.slots);
-            self.lost += lost;
+            self.lost = self.lost.saturating_add(lost);
             let mut bytes = Vec::new();
             for (slot, n) in spans(from, head, rings.slots) {
                 let len = usize::try_from(n * rings.record)?;

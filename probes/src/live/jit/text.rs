@@ -36,7 +36,7 @@ impl LiveJit {
                 if self.given_up.contains(start) {
                     continue;
                 }
-                let skip = insns.get(1).map_or(bytes.len() as u64, |n| n - start) as usize;
+                let skip = spliced_len(&splicer.kernel, *start, insns, bytes.len());
                 let Some(phys) = splicer.kernel.phys(*start) else {
                     continue;
                 };
@@ -46,7 +46,7 @@ impl LiveJit {
                 }
                 if let Some(i) = (skip..bytes.len()).find(|&i| now.get(i) != bytes.get(i)) {
                     let mut text = now.clone();
-                    // The entry instruction holds exotap's splice: its original bytes.
+                    // The entry holds exotap's splice: its original bytes.
                     text[..skip].copy_from_slice(&bytes[..skip]);
                     changed.push((k, i, now[i], text));
                 }
@@ -71,11 +71,12 @@ impl LiveJit {
                 now,
                 retranslated: false,
             };
-            let entry_insn = bytes
-                .get(..insns.get(1).map_or(bytes.len(), |n| (n - start) as usize))
-                .unwrap_or_default()
-                .to_vec();
-            match self.invalidate(session, f.start, &entry_insn, &insns, k, &text) {
+            let spliced = {
+                let (_, splicer) = session.parts()?;
+                spliced_len(&splicer.kernel, start, &insns, bytes.len())
+            };
+            let entry_insns = bytes.get(..spliced).unwrap_or_default().to_vec();
+            match self.invalidate(session, f.start, &entry_insns, &insns, k, &text) {
                 Ok(Some(retranslated)) => {
                     self.pending.remove(&start);
                     inv.retranslated = retranslated;
@@ -113,7 +114,7 @@ impl LiveJit {
         &mut self,
         session: &mut GuestSession,
         start: u64,
-        entry_insn: &[u8],
+        entry_insns: &[u8],
         insns: &[u64],
         k: usize,
         text: &[u8],
@@ -155,18 +156,28 @@ impl LiveJit {
                 continue;
             }
             if leader == start {
-                let moved = crate::splice::reloc::relocate(
-                    entry_insn,
-                    start,
-                    cache,
-                    crate::splice::reloc::CallReturn::Patch,
-                )
-                .map_err(|e| anyhow::anyhow!("cannot relocate the entry instruction: {e}"))?;
-                code.extend_from_slice(&moved.bytes);
-                at += moved.bytes.len() as u64;
+                // The entry's instructions up to the end of the one exotap's splice covers
+                // (past an `endbr64` where the splice sits after it), one by one: the jump
+                // back lands after the splice, never on it.
+                let end = start + entry_insns.len() as u64;
+                for (i, &a) in insns.iter().enumerate().take_while(|(_, &a)| a < end) {
+                    let next = insns.get(i + 1).copied().unwrap_or(end).min(end);
+                    let insn = entry_insns
+                        .get((a - start) as usize..(next - start) as usize)
+                        .context("the entry's instructions lie outside its bytes")?;
+                    let moved = crate::splice::reloc::relocate(
+                        insn,
+                        a,
+                        at,
+                        crate::splice::reloc::CallReturn::Patch,
+                    )
+                    .map_err(|e| anyhow::anyhow!("cannot relocate the entry instruction: {e}"))?;
+                    code.extend_from_slice(&moved.bytes);
+                    at += moved.bytes.len() as u64;
+                }
             }
             let resume = if leader == start {
-                start + entry_insn.len() as u64
+                start + entry_insns.len() as u64
             } else {
                 leader
             };
@@ -255,4 +266,23 @@ impl LiveJit {
         }
         Ok(true)
     }
+}
+
+/// Bytes from a translated function's start to the end of the instruction its entry splice
+/// covers ([`crate::live::splicer::LiveKernel::entry`]: the first instruction, or the one after an `endbr64`):
+/// the bytes whose change is exotap's own, and what runs before the jump back to the
+/// original code when a translation is given up. `len` (the function's) when the
+/// instructions do not say.
+fn spliced_len(
+    kernel: &crate::live::splicer::LiveKernel,
+    start: u64,
+    insns: &[u64],
+    len: usize,
+) -> usize {
+    let at = kernel.entry(start);
+    insns
+        .iter()
+        .position(|&a| a == at)
+        .and_then(|j| insns.get(j + 1))
+        .map_or(len, |&n| usize::try_from(n - start).unwrap_or(len).min(len))
 }

@@ -63,7 +63,7 @@ impl Splicer {
             let i = cpu as usize;
             if let (Some(t), Some(l)) = (self.ring_taken.get_mut(i), self.ring_lost.get_mut(i)) {
                 *t = from + count;
-                *l += lost;
+                *l = l.saturating_add(lost);
             }
             out.extend(records.into_iter().map(|r| (cpu, r)));
         }
@@ -151,7 +151,7 @@ impl Splicer {
                 continue;
             };
             let got = crate::rings::drain_concurrent(shared, &rings, cpu, taken, last)?;
-            *lost += got.lost;
+            *lost = lost.saturating_add(got.lost);
             let (records, _) = take_records(&got.records, true);
             out.extend(records.into_iter().map(|r| (cpu, r)));
         }

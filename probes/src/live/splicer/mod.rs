@@ -274,6 +274,9 @@ pub struct RemoveReport {
     pub timing_misses: u64,
     /// Timed calls in flight at removal whose return address was put back.
     pub returns_restored: usize,
+    /// Timed calls in flight at removal whose stack slot could not be read, so their return
+    /// address could not be checked or put back: (slot address, why). Each is also logged.
+    pub returns_unrestored: Vec<(u64, String)>,
     /// Trace records (cpu, record), oldest first per vCPU.
     pub records: Vec<(u32, TraceRecord)>,
     /// Records lost per vCPU (ring overruns).
@@ -984,15 +987,22 @@ impl Splicer {
         self.write_text(machine, &now, &writes)?;
         self.journal.clear_text(machine)?;
         if let Some((table, misses)) = self.inflight {
-            let (n, restored) = self.restore_returns(machine, table)?;
+            let ReturnsRestored {
+                in_flight: n,
+                restored,
+                unrestored,
+            } = self.restore_returns(machine, table)?;
             self.journal.clear_tables(machine)?;
             report.returns_restored = restored;
             let mut m = [0u8; 8];
             machine.read_phys(self.heap_phys(misses), &mut m)?;
             report.timing_misses = u64::from_le_bytes(m);
             tracing::debug!(
-                "{n} timed calls in flight at removal, {restored} return addresses put back"
+                "{n} timed calls in flight at removal, {restored} return addresses put back, \
+                 {} unreadable",
+                unrestored.len()
             );
+            report.returns_unrestored = unrestored;
         }
         let pages: BTreeSet<u64> = self.before.0.keys().copied().collect();
         let after = snapshot(machine, &self.kernel, &pages)?;
@@ -1005,18 +1015,18 @@ impl Splicer {
     }
 
     /// Puts back the return addresses of timed calls still in flight (their stack slot still
-    /// holds a trampoline); returns (calls in flight, addresses put back). A call whose vCPU
-    /// stopped inside the trampoline finishes there when the guest resumes.
+    /// holds a trampoline); a slot that cannot be read is logged as a warning and returned.
+    /// A call whose vCPU stopped inside the trampoline finishes there when the guest resumes.
     fn restore_returns(
         &self,
         machine: &mut dyn Machine,
         table: u64,
-    ) -> anyhow::Result<(usize, usize)> {
+    ) -> anyhow::Result<ReturnsRestored> {
         let trampolines: BTreeSet<u64> = self.installed_timing.iter().copied().collect();
         let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
         let mut buf = vec![0u8; usize::try_from(bytes)?];
         machine.read_phys(self.heap_phys(table), &mut buf)?;
-        let (mut n, mut restored) = (0, 0);
+        let (mut n, mut restored, mut unrestored) = (0, 0, Vec::new());
         let word =
             |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
         for slot in buf.chunks(SLOT as usize) {
@@ -1029,16 +1039,38 @@ impl Splicer {
             let mut mem = BackendMemory(&mut *machine);
             let mut space = self.survey.space(&mut mem);
             let mut now = [0u8; 8];
-            if space.read(key, &mut now).is_err() || !trampolines.contains(&u64::from_le_bytes(now))
-            {
+            if let Err(e) = space.read(key, &mut now) {
+                tracing::warn!(
+                    "a timed call in flight at removal: its return address slot at {key:#x} \
+                     cannot be read ({e}); its return address is not put back"
+                );
+                unrestored.push((key, e.to_string()));
+                continue;
+            }
+            if !trampolines.contains(&u64::from_le_bytes(now)) {
                 continue;
             }
             let phys = space.translate(key)?.phys;
             machine.write_phys(phys, &original.to_le_bytes())?;
             restored += 1;
         }
-        Ok((n, restored))
+        Ok(ReturnsRestored {
+            in_flight: n,
+            restored,
+            unrestored,
+        })
     }
+}
+
+/// What [`Splicer::restore_returns`] did.
+#[derive(Debug)]
+struct ReturnsRestored {
+    /// Timed calls in flight.
+    in_flight: usize,
+    /// Return addresses put back.
+    restored: usize,
+    /// Return address slots that could not be read: (address, why).
+    unrestored: Vec<(u64, String)>,
 }
 
 fn hex(bytes: &[u8]) -> String {
