@@ -237,12 +237,26 @@ pub(crate) fn parse_heap(text: &str) -> anyhow::Result<(u64, u64)> {
 /// exotap's defaults (no CONFIG_ option set) when the kernel is not cached or is a `--bzimage`.
 fn target_facts(image: &ImageArgs) -> TargetFacts {
     if let Some(path) = &image.bzimage {
-        return TargetFacts {
-            origin: format!(
-                "exotap's defaults ({} may be another kernel; its version and configuration are not read)",
-                path.display()
-            ),
-            ..TargetFacts::default()
+        // The release from the image's own banner; its configuration is not in the image.
+        let release = KernelImage::load(path.clone())
+            .ok()
+            .and_then(|i| i.release());
+        return match release {
+            Some(release) => TargetFacts {
+                kernel_release: release,
+                origin: format!(
+                    "the banner of {} (its configuration is not read: CONFIG_ conditions are unset)",
+                    path.display()
+                ),
+                ..TargetFacts::default()
+            },
+            None => TargetFacts {
+                origin: format!(
+                    "exotap's defaults ({} has no banner to read its release from; its configuration is not read)",
+                    path.display()
+                ),
+                ..TargetFacts::default()
+            },
         };
     }
     let Ok(abi) = images::kernel::kernel_abi(&image.kernel) else {

@@ -63,6 +63,21 @@ impl KernelImage {
             .map(|s| s.addr)
             .with_context(|| format!("the kernel has no symbol {name}"))
     }
+
+    /// The kernel's release (`uname -r`: `6.12.117+deb12-cloud-amd64`), read from its
+    /// `linux_banner` (`Linux version RELEASE (...`); `None` where the image has no banner
+    /// of that form.
+    pub fn release(&self) -> Option<String> {
+        let at = self.address("linux_banner").ok()?;
+        let bytes = self.vmlinux.read_at(at, 256).ok()?;
+        let text = bytes.split(|b| *b == 0).next()?;
+        let text = std::str::from_utf8(text).ok()?;
+        let release = text
+            .strip_prefix("Linux version ")?
+            .split_whitespace()
+            .next()?;
+        Some(release.to_owned())
+    }
 }
 
 /// The cached Debian kernel (for unit tests that need a real image): `None` only when it is
@@ -87,5 +102,21 @@ pub(crate) fn cached_debian_image() -> Option<KernelImage> {
             "the cached kernel {} is present but does not load: {e:#}",
             path.display()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_release_is_read_from_the_images_banner() {
+        let Some(image) = super::cached_debian_image() else {
+            println!("SKIP: the default guest kernel is not cached (exotap image fetch)");
+            return;
+        };
+        // Debian names the package after the release `uname -r` prints.
+        assert_eq!(
+            image.release().as_deref(),
+            Some(exotap_guest_images::DEFAULT_KERNEL)
+        );
     }
 }
