@@ -5,6 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ci/install-deps.sh
 cargo build --locked
+# Gates (issue 41): the code as rustfmt writes it, no clippy warning (the workspace's lints),
+# documentation that builds without a warning (broken intra-doc links included).
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 target/debug/exotap image fetch
 target/debug/exotap image fetch --debuginfo
 # The kernel matrix (tests/kernel_matrix.rs): the default kernel and the newest 6.12 cloud

@@ -35,8 +35,10 @@ use crate::x86::{sweep, Harness, Region};
 use crate::{Options, RegressError, Report};
 
 const PAGE: u64 = 0x1000;
-/// Scratch area for arguments and stubs (past the patch heap).
-const SCRATCH: u64 = 0xffff_ffff_8400_0000;
+/// Scratch area for arguments and stubs: 256 MiB into the kernel's text mapping, past any
+/// image and its patch heap (6.12's image alone reaches 0xffff_ffff_8420_0000, over the
+/// 0xffff_ffff_8400_0000 this once was), within rel32 reach of the image.
+const SCRATCH: u64 = 0xffff_ffff_9000_0000;
 const SCRATCH_SIZE: usize = 0x1_0000;
 
 /// A bump allocator over the scratch area's initial contents.
