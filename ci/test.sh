@@ -25,7 +25,7 @@ fi
 target/debug/exotap image fetch --kernel "$newest_612"
 export EXOTAP_KERNELS="$default,$newest_612"
 # The nested KVM test (tests/kvm_nested.rs) runs a static release exotap inside a QEMU TCG
-# guest: ~2.5 min to build from scratch, 4-8 min to run with its nine engine runs (README.md,
+# guest: ~2.5 min to build from scratch, 4-8 min to run with its nine engine runs (docs/backends.md,
 # "The kvm backend").
 ci/nested/build-static.sh
 export EXOTAP_NESTED=1

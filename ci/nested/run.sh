@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The nested KVM harness: boots Debian under QEMU TCG with -cpu max,+svm, loads kvm-amd there
 # and runs exotap's own KVM VMM on the same kernel with the syscall workload and a counting
-# splice of __x64_sys_getpid. ci/test.sh runs it too (see README.md, "The kvm backend").
+# splice of __x64_sys_getpid. ci/test.sh runs it too (see docs/backends.md, "The kvm backend").
 #   EXOTAP_NESTED_CPUS=N   inner guest vCPUs (default 2)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
