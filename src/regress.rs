@@ -14,6 +14,16 @@ pub enum Arch {
     Sparc64,
 }
 
+/// How `exotap regress` prints its reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// One block of lines per image.
+    Text,
+    /// One JSON document: an array with an object per image (points, refusals by reason,
+    /// build errors and divergences with their addresses), for a CI system to show.
+    Json,
+}
+
 /// Arguments of `exotap regress`.
 #[derive(Debug, clap::Args)]
 pub struct RegressArgs {
@@ -51,6 +61,9 @@ pub struct RegressArgs {
     /// fetch --kernel KERNEL --debuginfo` caches it).
     #[arg(long, env = "EXOTAP_KERNEL", default_value = exotap_guest_images::DEFAULT_KERNEL, value_name = "VERSION")]
     pub kernel: String,
+    /// Output format of the splice sweep (`--jit` prints text).
+    #[arg(long, value_enum, default_value = "text", conflicts_with = "jit")]
+    pub format: Format,
 }
 
 /// `exotap regress --jit`: the JIT-mode reports; exit code 1 on any divergence.
@@ -137,10 +150,83 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
         }
     }
     reports.extend(vmlinux_report);
-    let mut failed = false;
-    for report in &reports {
-        outln!("{report}\n");
-        failed |= !report.divergences.is_empty() || !report.build_errors.is_empty();
+    let failed = reports
+        .iter()
+        .any(|r| !r.divergences.is_empty() || !r.build_errors.is_empty());
+    match args.format {
+        Format::Text => {
+            for report in &reports {
+                outln!("{report}\n");
+            }
+        }
+        Format::Json => {
+            let doc: Vec<serde_json::Value> = reports.iter().map(report_json).collect();
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
+        }
     }
     Ok(i32::from(failed))
+}
+
+/// One report as JSON (`--format json`): the numbers of the text form, every build error
+/// and every divergence with its points.
+fn report_json(r: &Report) -> serde_json::Value {
+    let hex = |a: u64| format!("{a:#x}");
+    serde_json::json!({
+        "image": r.image,
+        "functions": r.functions,
+        "points": r.points,
+        "accepted": { "splice": r.splice_points, "trap": r.trap_points },
+        "executed_by_reference": r.executed_points,
+        "refused": r.refused,
+        "checked": { "splices": r.splices_checked, "traps": r.traps_checked },
+        "springboards": r.springboards,
+        "runs": r.runs,
+        "reference": { "instructions": r.reference_instructions, "checksum": hex(r.checksum) },
+        "skipped": r.skipped,
+        "build_errors": r.build_errors.iter()
+            .map(|(a, why)| serde_json::json!({ "address": hex(*a), "why": why }))
+            .collect::<Vec<_>>(),
+        "divergences": r.divergences.iter()
+            .map(|d| serde_json::json!({
+                "kind": d.kind.to_string(),
+                "points": d.points.iter().map(|p| hex(*p)).collect::<Vec<_>>(),
+                "function": d.function,
+                "what": d.what,
+            }))
+            .collect::<Vec<_>>(),
+        "seconds": r.elapsed.as_secs_f64(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report_json;
+    use exotap_regress::{Divergence, ProbeKind, Report};
+
+    #[test]
+    fn the_json_report_names_every_divergence_and_build_error_with_its_addresses() {
+        let mut r = Report {
+            image: "mini".into(),
+            points: 10,
+            splice_points: 6,
+            trap_points: 3,
+            ..Report::default()
+        };
+        r.refused.insert("Unsupported (Ud2)".into(), 1);
+        r.build_errors.push((0x1000, "no room".into()));
+        r.divergences.push(Divergence {
+            points: vec![0xffff_ffff_8100_0010, 0xffff_ffff_8100_0014],
+            function: "f".into(),
+            kind: ProbeKind::Trap,
+            what: "rax 1 != 2".into(),
+        });
+        let j = report_json(&r);
+        assert_eq!(j["accepted"]["splice"], 6);
+        assert_eq!(j["accepted"]["trap"], 3);
+        assert_eq!(j["refused"]["Unsupported (Ud2)"], 1);
+        assert_eq!(j["build_errors"][0]["address"], "0x1000");
+        assert_eq!(j["divergences"][0]["kind"], "trap");
+        assert_eq!(j["divergences"][0]["points"][1], "0xffffffff81000014");
+        assert_eq!(j["divergences"][0]["what"], "rax 1 != 2");
+    }
 }
