@@ -119,16 +119,6 @@ fn second_instruction(image: &KernelImage, name: &str) -> u64 {
     // Past an `endbr64` (IBT kernels) the entry's first instruction is the one after it:
     // exotap's splice covers that one.
     let first = usize::from(bytes.starts_with(&[0xf3, 0x0f, 0x1e, 0xfa]));
-    eprintln!(
-        "{name} begins {:02x?}; instructions at {:?}",
-        &bytes[..12],
-        f.cfg
-            .insns()
-            .iter()
-            .take(4)
-            .map(|i| i.addr - sym.addr)
-            .collect::<Vec<_>>()
-    );
     f.cfg.insns()[first + 1].addr - sym.addr
 }
 
@@ -289,15 +279,7 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
     if !have_qemu(test) {
         return;
     }
-    let kernels = std::env::var("EXOTAP_JIT_KERNELS")
-        .map(|l| {
-            l.split(',')
-                .filter(|k| !k.is_empty())
-                .map(str::to_owned)
-                .collect()
-        })
-        .unwrap_or_else(|_| vec![exotap_guest_images::DEFAULT_KERNEL.to_owned()]);
-    for kernel in kernels {
+    for kernel in common::kernels_from_env("EXOTAP_JIT_KERNELS") {
         eprintln!("== {kernel}");
         block_counts_on(&kernel);
     }

@@ -123,7 +123,13 @@ pub fn profile_samples_of(doc: &serde_json::Value, comm: &str) -> u64 {
 /// guest kernel alone. `ci/test.sh` sets it to the default kernel and the newest 6.12 cloud
 /// kernel apt knows.
 pub fn matrix_kernels() -> Vec<String> {
-    match std::env::var("EXOTAP_KERNELS") {
+    kernels_from_env("EXOTAP_KERNELS")
+}
+
+/// The kernels the environment variable `var` lists (ABI names separated by commas or
+/// spaces), or the default guest kernel alone when it is unset or empty.
+pub fn kernels_from_env(var: &str) -> Vec<String> {
+    match std::env::var(var) {
         Ok(list) if !list.trim().is_empty() => list
             .split([',', ' '])
             .filter(|k| !k.is_empty())
