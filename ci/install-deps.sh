@@ -34,3 +34,9 @@ fi
 if ! apt-cache show --no-all-versions busybox-static >/dev/null 2>&1; then
   apt-get update -q
 fi
+# ci/test.sh runs the tests with cargo-nextest (each test in its own process, two at a time,
+# the slowest first: .config/nextest.toml). Built from crates.io where it is not installed.
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "ci/install-deps.sh: installing cargo-nextest (cargo install --locked)"
+  cargo install --locked cargo-nextest
+fi
