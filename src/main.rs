@@ -21,6 +21,7 @@ mod entry_patch;
 mod image;
 mod kernel_image;
 mod kvm_splice;
+mod manual;
 mod perfetto;
 mod phase_script;
 mod profile;
@@ -155,6 +156,10 @@ enum Command {
     /// at --hz for --duration or while the guest runs --run; print the hottest stacks, write
     /// folded stacks (--folded), an SVG flame graph (--svg) or JSON, and the overhead.
     Profile(profile::ProfileArgs),
+    /// Write exotap's manual pages (exotap.1 and one per subcommand) into a directory.
+    Man(manual::ManArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(manual::CompletionsArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -248,6 +253,8 @@ fn main() -> ExitCode {
         Command::Regress(args) => regress::run(&args),
         Command::Backtrace(args) => backtrace::run_backtrace(&args),
         Command::Profile(args) => profile::run_profile(&args),
+        Command::Man(args) => manual::run_man(&args),
+        Command::Completions(args) => manual::run_completions(&args),
         Command::Host => {
             let support = exotap_vmm::host::detect();
             outln!("{}", support.explain());
