@@ -13,8 +13,12 @@ cargo test --workspace --locked --no-run
 # Gates (issue 41): the code as rustfmt writes it, no clippy warning (the workspace's lints),
 # documentation that builds without a warning (broken intra-doc links included).
 cargo fmt --all --check
+# probes/'s layers: no module uses one above it (docs/architecture.md).
+ci/layers.sh
 cargo clippy --workspace --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+# The benches build (they are run by hand: criterion, see docs/), so that they cannot rot.
+cargo build --workspace --locked --benches
 # The documentation's examples (cargo-nextest below does not run doctests).
 cargo test --workspace --locked --doc
 target/debug/exotap image fetch

@@ -2,6 +2,7 @@
 
 pub mod compile;
 pub mod jit;
+pub mod kernel_image;
 pub mod lang;
 pub mod live;
 pub mod rings;

@@ -173,7 +173,7 @@ pub fn takes_snapshots(prog: &Program) -> bool {
 /// Whether any probe or function of `prog` unwinds or names kernel code (the host then
 /// keeps the kernel's ORC tables and symbols, and the guest's modules', at hand).
 pub fn names_kernel_code(prog: &Program) -> bool {
-    use super::codegen::walk::{block_exprs, expr_all};
+    use crate::lang::walk::{block_exprs, expr_all};
     const NAMERS: &[&str] = &[
         "backtrace",
         "print_backtrace",
@@ -212,7 +212,7 @@ pub fn names_kernel_code(prog: &Program) -> bool {
 /// (`s[backtrace()]++`): strings the guest builds with the kernel's own unwinder (see the
 /// codegen's stack module).
 pub fn stack_uses(prog: &Program) -> (usize, usize) {
-    use super::codegen::walk::{block_exprs, expr_all};
+    use crate::lang::walk::{block_exprs, expr_all};
     let (mut printed, mut stacks, mut print_backtrace) = (0usize, 0usize, 0usize);
     let mut look = |e: &Expr| {
         if let ExprKind::Call(c) = &e.kind {

@@ -299,9 +299,9 @@ impl<'p> Interp<'p> {
             }
         };
         if let Some(cond) = &probe.condition {
-            crate::compile::codegen::walk::expr_all(cond, &mut collect);
+            crate::lang::walk::expr_all(cond, &mut collect);
         }
-        crate::compile::codegen::walk::block_exprs(&probe.body, &mut collect);
+        crate::lang::walk::block_exprs(&probe.body, &mut collect);
         let mut out = Vec::with_capacity(entries.len());
         for e in entries {
             let ExprKind::Entry(x) = &e.kind else {

@@ -35,5 +35,6 @@ pub mod source_lines;
 pub mod syscalls;
 pub mod tapset;
 pub mod value;
+pub(crate) mod walk;
 
 pub use limits::Limits;

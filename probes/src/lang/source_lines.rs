@@ -134,14 +134,14 @@ impl SourceLines {
 mod tests {
     use std::process::Command;
 
+    use crate::kernel_image::KernelImage;
     use crate::lang::kernel_points::KernelSymbols;
     use crate::lang::resolve::{list, ResolveError, ResolvedPoint};
-    use crate::live::KernelImage;
 
     /// The cached kernel and its -dbg vmlinux; `None` (after saying why) when either is not
     /// cached. One that is there but does not load or open panics: a failure, not a skip.
     fn kernel() -> Option<(KernelImage, super::SourceLines)> {
-        let Some(image) = crate::live::kernel_image::cached_debian_image() else {
+        let Some(image) = crate::kernel_image::cached_debian_image() else {
             println!("SKIP: the default guest kernel is not cached (exotap image fetch)");
             return None;
         };

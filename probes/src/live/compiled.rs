@@ -579,7 +579,7 @@ fn run(
     // must not update meanwhile).
     let timer_writes: Vec<bool> = timers
         .iter()
-        .map(|t| compile::codegen::walk::probe_writes_globals(&prog, t.0))
+        .map(|t| crate::lang::walk::probe_writes_globals(&prog, t.0))
         .collect();
     let host = host_context();
     let mut gone = false;

@@ -63,7 +63,7 @@ pub mod compiled;
 pub mod drainer;
 pub mod guest_memory;
 pub mod jit;
-pub mod kernel_image;
+pub use crate::kernel_image;
 pub mod modules;
 pub mod operation;
 pub mod pretty;

@@ -20,12 +20,12 @@ use exotap_introspect::btf::Btf;
 use exotap_introspect::dwarf::index::{EntryKind, Index, Layer};
 use exotap_introspect::dwarf::DebugFile;
 
-use crate::compile::codegen::walk;
 use crate::compile::globals::{spec_of, split_spec, KernelGlobal, KernelGlobals};
 use crate::compile::locals::{locals_at, Locals};
 use crate::lang::ast::{ExprKind, Stmt, StmtKind};
 use crate::lang::check::Program;
 use crate::lang::resolve::ResolvedPoint;
+use crate::lang::walk;
 
 use super::kernel_image::KernelImage;
 

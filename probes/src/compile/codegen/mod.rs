@@ -117,7 +117,7 @@ mod stack;
 mod string_search;
 mod strings;
 mod updates;
-pub(crate) mod walk;
+pub(crate) use crate::lang::walk;
 
 pub(crate) use calls::is_print;
 pub use calls::{prints, record_bytes};

@@ -1,6 +1,7 @@
-//! Walks over a body's syntax, for the questions the code generator asks before it emits a
-//! construct: which user functions a probe reaches, whether a `foreach` body writes the array
-//! it walks, whether a `try` block reads memory, whether a function touches tables.
+//! Walks over a body's syntax, for the questions the evaluator and the code generator ask
+//! before they run or emit a construct: which user functions a probe reaches, whether a
+//! `foreach` body writes the array it walks, whether a `try` block reads memory, whether a
+//! function touches tables.
 
 use crate::lang::ast::*;
 use crate::lang::check::Program;
@@ -94,7 +95,7 @@ pub(crate) fn expr_all<'p>(e: &'p Expr, f: &mut impl FnMut(&'p Expr)) {
 }
 
 /// The body of user function `index`, when it is a block.
-pub(super) fn function_body(prog: &Program, index: usize) -> Option<&Block> {
+pub(crate) fn function_body(prog: &Program, index: usize) -> Option<&Block> {
     match &prog.script.functions.get(index)?.body {
         FunctionBody::Block(b) => Some(b),
         _ => None,
@@ -102,7 +103,7 @@ pub(super) fn function_body(prog: &Program, index: usize) -> Option<&Block> {
 }
 
 /// The user functions `s` calls directly, by index.
-pub(super) fn called_functions(prog: &Program, s: &Stmt) -> Vec<usize> {
+pub(crate) fn called_functions(prog: &Program, s: &Stmt) -> Vec<usize> {
     let mut out = Vec::new();
     stmt_exprs(s, &mut |e| {
         if let ExprKind::Call(c) = &e.kind {
@@ -115,7 +116,7 @@ pub(super) fn called_functions(prog: &Program, s: &Stmt) -> Vec<usize> {
 }
 
 /// The user functions reachable from `start` (transitively), by index, `start` included.
-pub(super) fn reachable_functions(prog: &Program, start: &[usize]) -> Vec<usize> {
+pub(crate) fn reachable_functions(prog: &Program, start: &[usize]) -> Vec<usize> {
     let mut seen: Vec<usize> = Vec::new();
     let mut todo: Vec<usize> = start.to_vec();
     while let Some(i) = todo.pop() {
@@ -134,7 +135,7 @@ pub(super) fn reachable_functions(prog: &Program, start: &[usize]) -> Vec<usize>
 
 /// Whether `e` writes global `name`: assigns, increments, `<<<` or deletes it (whole or an
 /// element).
-pub(super) fn writes_global(e: &Expr, name: &str) -> bool {
+pub(crate) fn writes_global(e: &Expr, name: &str) -> bool {
     let target = |t: &Expr| match &t.kind {
         ExprKind::Var(n) => n == name,
         ExprKind::Index(ix) => ix.array.name == name,
@@ -148,7 +149,7 @@ pub(super) fn writes_global(e: &Expr, name: &str) -> bool {
 }
 
 /// Whether statement `s` (or a user function it reaches) writes or deletes global `name`.
-pub(super) fn stmt_writes(prog: &Program, s: &Stmt, name: &str) -> bool {
+pub(crate) fn stmt_writes(prog: &Program, s: &Stmt, name: &str) -> bool {
     let mut hit = false;
     let visit = |s: &Stmt, hit: &mut bool| {
         stmt_exprs(s, &mut |e| *hit |= writes_global(e, name));
@@ -211,7 +212,7 @@ fn deletes(s: &Stmt, name: &str) -> bool {
 }
 
 /// Whether `e` reads guest memory (whose fault message the interpreter takes from the host).
-pub(super) fn reads_memory(e: &Expr) -> bool {
+pub(crate) fn reads_memory(e: &Expr) -> bool {
     match &e.kind {
         ExprKind::Target(t) => !t.members.is_empty(),
         ExprKind::Cast(_) => true,
@@ -222,7 +223,7 @@ pub(super) fn reads_memory(e: &Expr) -> bool {
 
 /// Whether `e` may produce a string the host interns (longer than 15 bytes), which the guest
 /// cannot order: long literals and the probe point's names.
-pub(super) fn may_intern(e: &Expr) -> bool {
+pub(crate) fn may_intern(e: &Expr) -> bool {
     match &e.kind {
         ExprKind::Str(s) => s.len() >= 16 || s.as_bytes().first() == Some(&1),
         ExprKind::Call(c) => matches!(
@@ -245,7 +246,7 @@ pub(super) fn may_intern(e: &Expr) -> bool {
 }
 
 /// Whether `b` uses arrays or aggregates (then a function's frame needs key buffers).
-pub(super) fn uses_tables(prog: &Program, b: &Block) -> bool {
+pub(crate) fn uses_tables(prog: &Program, b: &Block) -> bool {
     let mut hit = false;
     block_exprs(b, &mut |e| {
         hit |= match &e.kind {
