@@ -92,7 +92,7 @@ fi
 # The examples run from their own directories: a relative EXOTAP would not be found there.
 EXOTAP=$(realpath "$EXOTAP")
 
-# meta_words FILE: the options (-g, -D X, -x PID) and arguments of the example's
+# meta_words FILE: the options (-g, -w, -D X, -G X, -x PID, ...) and arguments of the example's
 # `test_check: stap ...` line, one per line, options first and the script's name left out.
 meta_words() {
     local stp=$1 meta line words opts=() args=()
@@ -121,14 +121,20 @@ meta_words() {
         case $1 in
         -p*) [[ $1 == -p ]] && shift ;;
         -g) opts+=(-g) ;;
-        -[a-zA-Z]*p[0-9]) [[ $1 == *g*p* ]] && opts+=(-g) ;; # -gp4, -wp4
+        -[a-zA-Z]*p[0-9]) # -gp4, -wp4
+            [[ $1 == *g*p* ]] && opts+=(-g)
+            [[ $1 == *w*p* ]] && opts+=(-w)
+            ;;
         -D) opts+=(-D "$2") && shift ;;
         -D*) opts+=(-D "${1#-D}") ;;
         -x) opts+=(-x "$2") && shift ;;
         -I) opts+=(-I "$2") && shift ;;
         -I*) opts+=(-I "${1#-I}") ;;
-        -c | -r | -m | -B | --remote | -S | -d | -G) shift ;;
-        -*) ;; # other stap options (--bpf, -w, ...): not exotap's concern here
+        -w | -k | --all-modules | --bpf) opts+=("$1") ;;
+        -s | -T | -G) opts+=("$1" "$2") && shift ;;
+        -G*) opts+=(-G "${1#-G}") ;;
+        -c | -r | -m | -B | --remote | -S | -d) shift ;;
+        -*) ;; # other stap options (--ldd, -V, ...): not exotap's concern here
         *.stp) [[ $1 == "$(basename "$stp")" ]] || args+=("$1") ;;
         *) args+=("$1") ;;
         esac

@@ -35,6 +35,9 @@ if [ -z "$default" ] || [ -z "$newest_612" ]; then
 fi
 target/debug/exotap image fetch --kernel "$newest_612"
 export EXOTAP_KERNELS="$default,$newest_612"
+# The JIT's block counts against the guest's kprobes at every leader (tests/jit_qemu.rs), on
+# both kernels too.
+export EXOTAP_JIT_KERNELS="$default,$newest_612"
 # The nested KVM test (tests/kvm_nested.rs) runs a static release exotap inside a QEMU TCG
 # guest: ~2.5 min to build from scratch, 4-8 min to run with its nine engine runs (docs/backends.md,
 # "The kvm backend").

@@ -162,8 +162,10 @@ enum Command {
     Completions(manual::CompletionsArgs),
 }
 
-fn init_logging(verbose: u8) {
+/// Logging to stderr at `info` (`-v` debug, `-vv` trace; a script's `-w`: errors only).
+fn init_logging(verbose: u8, no_warnings: bool) {
     let default = match verbose {
+        0 if no_warnings => "error",
         0 => "info",
         1 => "debug",
         _ => "trace",
@@ -191,7 +193,11 @@ fn signals_stop_the_run() {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    let no_warnings = match &cli.command {
+        Some(Command::Run(a)) => a.options.no_warnings,
+        _ => cli.script.options.no_warnings,
+    };
+    init_logging(cli.verbose, no_warnings);
     recover::enable_guardian();
     let Some(command) = cli.command else {
         let result = if cli.script.any() {

@@ -203,6 +203,32 @@ pub struct ScriptOptions {
     /// why).
     #[arg(long, value_enum, default_value_t = CompileArg::Auto)]
     pub compile: CompileArg,
+    /// stap's -c CMD (run CMD, end the script when it exits, target() = its pid): not
+    /// supported yet; the error says what to run instead.
+    #[arg(short = 'c', value_name = "CMD")]
+    pub command: Option<String>,
+    /// End the script after SECONDS, as Ctrl-C would (its end probes run), as stap's -T.
+    #[arg(short = 'T', value_name = "SECONDS")]
+    pub timeout: Option<u64>,
+    /// Do not print warnings, as stap's -w.
+    #[arg(short = 'w')]
+    pub no_warnings: bool,
+    /// stap's -s MiB (the size of its module's output buffer): accepted for stap's command
+    /// lines; exotap sizes its per-vCPU rings itself and says so when one overflows.
+    #[arg(short = 's', value_name = "MIB")]
+    pub buffer_mib: Option<u32>,
+    /// stap's -k (keep its temporary build directory): accepted; exotap builds no module and
+    /// leaves nothing to keep.
+    #[arg(short = 'k')]
+    pub keep_tmp: bool,
+    /// stap's --all-modules (every module's symbols, for backtraces): accepted; exotap reads
+    /// the guest's module list live.
+    #[arg(long)]
+    pub all_modules: bool,
+    /// stap's --bpf (its eBPF back end): accepted with a warning; exotap compiles scripts into
+    /// its own code in the guest (--compile), not into eBPF.
+    #[arg(long)]
+    pub bpf: bool,
     /// The guest kernel whose symbols resolve kernel probe points.
     #[command(flatten)]
     pub image: ImageArgs,
@@ -303,8 +329,10 @@ fn run_attached(
             return Ok(1);
         }
     };
-    for d in &prog.warnings {
-        eprint!("{}", d.render(&source.name, &source.text, color));
+    if !invocation.no_warnings {
+        for d in &prog.warnings {
+            eprint!("{}", d.render(&source.name, &source.text, color));
+        }
     }
     let heap = parse_heap(&args.heap)?;
     let image = args.image.load()?;
@@ -409,6 +437,12 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
         }
         (None, None) => bail!("give a script FILE, -e SCRIPT, -l PATTERN or -L PATTERN"),
     };
+    if let Some(command) = &args.command {
+        bail!(
+            "-c {command:?}: exotap cannot start a command inside a running guest yet; boot one \
+             that runs it with the script instead: exotap boot --run {command:?} --script FILE"
+        );
+    }
     let limits = limits_from(&args.define)?;
     let facts = target_facts(&args.image);
     tracing::debug!(
@@ -433,7 +467,31 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
         facts,
         include_dirs: args.include.clone(),
         globals,
+        no_warnings: args.no_warnings,
     };
+    if args.bpf {
+        tracing::warn!(
+            "--bpf: exotap compiles the script into its own code in the guest (--compile), not into eBPF"
+        );
+    }
+    for (given, what) in [
+        (
+            args.buffer_mib.is_some(),
+            "-s (exotap sizes its rings itself)",
+        ),
+        (
+            args.keep_tmp,
+            "-k (exotap builds no module, nothing to keep)",
+        ),
+        (
+            args.all_modules,
+            "--all-modules (exotap reads the guest's modules live)",
+        ),
+    ] {
+        if given {
+            tracing::debug!("stap option {what}: accepted, nothing to do");
+        }
+    }
     let out: Box<dyn Write> = match &args.output {
         Some(path) => {
             let f = std::fs::File::create(path)
@@ -449,6 +507,14 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
             Arc::new(AtomicBool::new(false))
         }
     };
+    if let Some(seconds) = args.timeout {
+        // -T: the same end as a Ctrl-C after SECONDS (end probes run, probes removed).
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(seconds));
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+    }
     let format = match args.format {
         OutputFormat::Text => Format::Text,
         OutputFormat::Json => Format::Json,

@@ -176,3 +176,60 @@ fn a_trap_script_is_checked_before_anything_boots() {
     assert_eq!(code, 2, "stderr:\n{err}");
     assert!(err.contains("--blocks"), "{err}");
 }
+
+/// stap's `-T SECONDS` ends a script that would run forever the way Ctrl-C does: its end
+/// probe runs (and prints), exit 0.
+#[test]
+fn dash_capital_t_ends_the_script_and_runs_its_end_probe() {
+    let (code, out, err) = run(exotap().args([
+        "-T",
+        "1",
+        "-e",
+        "global n; probe timer.ms(50) { n++ } probe end { printf(\"ended %d\\n\", n > 0) }",
+    ]));
+    assert_eq!((code, out.as_str()), (0, "ended 1\n"), "stderr:\n{err}");
+}
+
+/// stap's `-w` silences the checker's warnings (here: an optional probe point that does not
+/// exist); without it the warning is printed.
+#[test]
+fn dash_w_silences_warnings() {
+    let text = "probe nosuch.thing?, begin { exit() }";
+    let (code, _, err) = run(exotap().args(["-e", text]));
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("optional probe point skipped"), "{err}");
+    let (code, _, err) = run(exotap().args(["-w", "-e", text]));
+    assert_eq!((code, err.as_str()), (0, ""));
+}
+
+/// The stap options an example's command line carries that mean nothing to exotap are
+/// accepted (`-s`, `-k`, `--all-modules`), `--bpf` with a warning that says what exotap does
+/// instead; the script runs as without them.
+#[test]
+fn stap_options_without_an_effect_here_are_accepted() {
+    let (code, out, err) = run(exotap().args([
+        "-s",
+        "8",
+        "-k",
+        "--all-modules",
+        "--bpf",
+        "-e",
+        "probe begin { println(\"ran\"); exit() }",
+    ]));
+    assert_eq!((code, out.as_str()), (0, "ran\n"), "stderr:\n{err}");
+    assert!(
+        err.contains("--bpf") && err.contains("not into eBPF"),
+        "{err}"
+    );
+}
+
+/// stap's `-c CMD` is refused by name, with what to run instead; nothing runs.
+#[test]
+fn dash_c_is_refused_with_the_boot_command_to_use() {
+    let (code, out, err) = run(exotap().args(["-c", "ls", "-e", "probe begin { println(1) }"]));
+    assert_eq!((code, out.as_str()), (125, ""), "stderr:\n{err}");
+    assert!(
+        err.contains("-c \"ls\"") && err.contains("exotap boot --run"),
+        "{err}"
+    );
+}

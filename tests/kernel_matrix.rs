@@ -15,8 +15,8 @@
 //!   BUG or WARNING in the console.
 //!
 //! `count --blocks` against the guest's kprobes at every block leader needs the job's
-//! `exotap_wait` windows: `tests/jit_qemu.rs` runs it (`EXOTAP_JIT_KERNELS` for other
-//! kernels; not yet in the matrix: one block of 104 differs on 6.12, see there).
+//! `exotap_wait` windows: `tests/jit_qemu.rs` runs it, on each kernel of
+//! `EXOTAP_JIT_KERNELS` (`ci/test.sh` sets it to this matrix's kernels).
 //!
 //! ```text
 //! EXOTAP_KERNELS=6.1.0-50-cloud-amd64,6.12.117+deb12-cloud-amd64,6.1.0-57-amd64,6.12.117+deb12-amd64 \

@@ -23,5 +23,6 @@ pub use translate::{
 // detached by removing the entry splices (text byte-identical), zeroing the lookup table
 // so every return and indirect branch in the cache continues at its original target, and
 // checking that no vCPU RIP and no unwound return address is in the cache before the heap
-// is given up. Stacks hold original return addresses only, so a sleeping task never
-// returns into the cache; an interrupted one may, until it runs.
+// is given up. Stacks hold original return addresses only (but inside a native leaf, which
+// neither calls nor sleeps), so a sleeping task never returns into the cache; an
+// interrupted one may, until it runs.

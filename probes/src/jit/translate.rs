@@ -8,12 +8,16 @@
 //!   translation when it has one, else to the original address (`jrcxz`/`loop` get a
 //!   rel8 hop over a `jmp rel32`);
 //! - a direct call becomes `push <original return address>; jmp <callee>`, the callee
-//!   being its translation when it is in the translated set, else the original;
+//!   being its translation when it is in the translated set, else the original; a direct
+//!   call to a *native leaf* (a callee that is not translated and calls nothing, such as
+//!   `__memset` in a kernel that keeps it in its `noinstr` text) stays a plain `call`, so
+//!   that it returns into the cache ([`Translator::with_native_leaves`]);
 //! - an indirect call becomes `push <original return address>; push <operand>; jmp
 //!   dispatch`, an indirect jump `push <operand>; jmp dispatch`, and a return (`ret`, or
 //!   `jmp __x86_return_thunk`) `jmp dispatch` ([`super::lookup`]).
 //!
-//! **Why original return addresses.** Every return address a translated call pushes is
+//! **Why original return addresses.** Every return address a translated call (but a call to
+//! a native leaf) pushes is
 //! the one the untranslated call would have pushed, so the stack holds exactly the words
 //! it holds without the JIT: the kernel's ORC unwinder (`/proc/PID/stack`, WARN
 //! backtraces, perf), `__builtin_return_address` users (`_RET_IP_`, lockdep, kmalloc
@@ -450,6 +454,9 @@ pub struct Translator<'k> {
     /// each jumps through: a call or jump to one is an indirect call or jump through the
     /// lookup table, so a translated callee is entered in the cache.
     thunks: HashMap<u64, Register>,
+    /// Functions that are not translated and call nothing ([`Translator::with_native_leaves`]):
+    /// a direct call to one pushes the cache's return address.
+    native_leaves: HashSet<u64>,
     /// Function starts a direct call or jump may reach before they are translated: such a
     /// branch goes to a stub ([`Translator::with_lazy`]).
     lazy: HashSet<u64>,
@@ -540,6 +547,7 @@ impl<'k> Translator<'k> {
             exits: Vec::new(),
             full: None,
             thunks: HashMap::new(),
+            native_leaves: HashSet::new(),
             lazy: HashSet::new(),
             stubs: BTreeMap::new(),
             new_stubs: Vec::new(),
@@ -693,6 +701,21 @@ impl<'k> Translator<'k> {
         self
     }
 
+    /// Direct calls to these functions (not translated, and calling nothing: `__memset`,
+    /// which a kernel may keep in its `noinstr` text) are made from the cache with a plain
+    /// `call`, so that they return into the cache: with the original return address pushed,
+    /// the callee's own `ret` would land in the caller's original code, and the rest of the
+    /// caller (and of every translated caller above it) would run uncounted. The one place
+    /// where a stack then holds a cache address: inside such a leaf, which neither calls nor
+    /// sleeps; a task interrupted there is the case of a task interrupted in the cache
+    /// (see [`super`]). The caller decides what is a leaf (the live JIT: no call, no
+    /// indirect jump, no self-patched byte, tail jumps only to such leaves).
+    #[must_use]
+    pub fn with_native_leaves(mut self, leaves: HashSet<u64>) -> Self {
+        self.native_leaves = leaves;
+        self
+    }
+
     /// The dispatch routine's address.
     #[must_use]
     pub fn dispatch(&self) -> u64 {
@@ -838,6 +861,14 @@ impl<'k> Translator<'k> {
                         return Ok(p.leave(addr, ExitReason::Unrelocatable));
                     }
                     p.jmp_known(self.dispatch)?;
+                    p.dispatch_targets.push(next);
+                    return Ok(true);
+                }
+                if self.native_leaves.contains(&target) {
+                    // `call` the original: its `ret` comes back here, to the translation
+                    // of `next` that follows.
+                    p.bytes.push(0xe8);
+                    p.rel32_to(target, false);
                     p.dispatch_targets.push(next);
                     return Ok(true);
                 }

@@ -210,7 +210,9 @@ pub fn run_job(
             return 1;
         }
     };
-    print_diags(&mut *err, &prog.warnings, src, job.color);
+    if !job.invocation.no_warnings {
+        print_diags(&mut *err, &prog.warnings, src, job.color);
+    }
     if job.last_pass == Some(2) {
         let _ = out.write_all(summary(&prog).as_bytes());
         return 0;

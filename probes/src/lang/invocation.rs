@@ -30,6 +30,8 @@ pub struct Invocation {
     pub include_dirs: Vec<std::path::PathBuf>,
     /// `-G NAME=VALUE`: initial values of scalar globals, as stap's `-G`.
     pub globals: Vec<(String, String)>,
+    /// `-w`: the checker's warnings are not printed, as stap's `-w`.
+    pub no_warnings: bool,
 }
 
 impl Invocation {

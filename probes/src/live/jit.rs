@@ -57,7 +57,7 @@
 //! included) points into the cache's code, letting the guest run 100 ms and checking again
 //! while one does ([`Reachability`], up to 20 times). Only then is the heap given up.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -437,8 +437,50 @@ impl LiveJit {
                 }
             }
         }
+        // Callees that are not translated and call nothing (`__memset` in a kernel that
+        // keeps it in its noinstr text): called from the cache, they return into it.
+        let entry_text = ["__entry_text_start", "__entry_text_end"]
+            .map(|n| image.symbols.get(n).map(|s| s.addr.wrapping_add(slide)));
+        let in_entry_text = |a: u64| match entry_text {
+            [Some(start), Some(end)] => (start..end).contains(&a),
+            _ => true,
+        };
+        let leaf_ok = |a: u64| {
+            starts.contains(&a)
+                && !thunks.contains_key(&a)
+                && !special.contains(&a)
+                && !in_entry_text(a)
+        };
+        let mut native_leaves = HashSet::new();
+        for &addr in &order {
+            let Some(f) = ctx.analysis.function_containing(addr) else {
+                continue;
+            };
+            for insn in f.cfg.insns() {
+                if let Flow::Call { target } = insn.flow {
+                    if !translatable(target)
+                        && !native_leaves.contains(&target)
+                        && is_native_leaf(&ctx, &facts.self_patched, &leaf_ok, target, 3)
+                    {
+                        native_leaves.insert(target);
+                    }
+                }
+            }
+        }
+        if !native_leaves.is_empty() {
+            tracing::debug!(
+                "{} leaf callees that are not translated are called from the cache: {}",
+                native_leaves.len(),
+                native_leaves
+                    .iter()
+                    .map(|&a| name_of(image, slide, a))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         let mut translator = Translator::new_owned(layout.clone(), facts.address_keyed.clone())?
-            .with_thunks(thunks.clone());
+            .with_thunks(thunks.clone())
+            .with_native_leaves(native_leaves);
         if let Some(delta) = gs_delta {
             translator = translator.with_per_cpu_counters(delta)?;
         }
@@ -839,4 +881,35 @@ fn check_reachability(
         );
     }
     Ok(reach)
+}
+
+/// Whether the function starting at `addr` may be called from the code cache with the
+/// cache's return address ([`Translator::with_native_leaves`]): a function start `ok` admits
+/// whose instructions neither call (directly or not) nor jump indirectly, whose bytes the
+/// kernel never rewrites at run time (no jump label or static call), and whose tail jumps
+/// go only to such functions (followed `depth` deep).
+fn is_native_leaf(
+    ctx: &crate::splice::SpliceContext<'_>,
+    self_patched: &[std::ops::Range<u64>],
+    ok: &impl Fn(u64) -> bool,
+    addr: u64,
+    depth: u32,
+) -> bool {
+    if !ok(addr) {
+        return false;
+    }
+    let Some(f) = ctx.analysis.function_containing(addr) else {
+        return false;
+    };
+    let (start, end) = (f.cfg.start(), f.cfg.end());
+    if start != addr || self_patched.iter().any(|r| r.start < end && start < r.end) {
+        return false;
+    }
+    f.cfg.insns().iter().all(|insn| match insn.flow {
+        Flow::Next | Flow::Jump { .. } | Flow::CondJump { .. } | Flow::Return => true,
+        Flow::TailJump { target } | Flow::CondTailJump { target } => {
+            depth > 0 && is_native_leaf(ctx, self_patched, ok, target, depth - 1)
+        }
+        Flow::Call { .. } | Flow::IndirectCall | Flow::IndirectJump | Flow::Invalid => false,
+    })
 }

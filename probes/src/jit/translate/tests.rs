@@ -226,6 +226,71 @@ fn callees_see_the_original_return_address() {
     assert_eq!(rdx1, rdx0);
 }
 
+/// `h(n)`: calls `g` directly n times in a loop (`g` as in [`text`], at the same place).
+fn direct_calls_text() -> Vec<u8> {
+    let mut a = CodeAssembler::new(64).unwrap();
+    let mut top = a.create_label();
+    a.xor(eax, eax).unwrap();
+    a.set_label(&mut top).unwrap();
+    a.call(G).unwrap();
+    a.add(rax, 2).unwrap();
+    a.dec(rdi).unwrap();
+    a.jne(top).unwrap();
+    a.ret().unwrap();
+    let mut bytes = a.assemble(TEXT).unwrap();
+    bytes.resize(0x100, 0xcc);
+    bytes.extend_from_slice(&text()[0x100..]);
+    bytes
+}
+
+/// h alone translated, g left out: g's `ret` pops h's original return address, so after
+/// the first call h runs on in its original code, uncounted. With g a native leaf, each
+/// call is made from the cache and returns into it: every leader of h counts what ran,
+/// h computes the same, and g sees a return address in the cache (the one place a stack
+/// holds one).
+#[test]
+fn a_native_leaf_returns_into_the_cache_and_the_caller_counts_on() {
+    let bytes = direct_calls_text();
+    let h_end = TEXT + text_len(&bytes[..0x100]);
+    let h = FunctionAnalysis::analyze(
+        &bytes[..(h_end - TEXT) as usize],
+        TEXT,
+        &AnalysisConfig::new(),
+    );
+    let view = CodeView::new(TEXT, &bytes).unwrap();
+    let translate = |leaves: HashSet<u64>| {
+        let mut t = Translator::new(layout(0x4000), &[])
+            .unwrap()
+            .with_native_leaves(leaves);
+        t.translate(view, &h).unwrap();
+        t.finish().unwrap()
+    };
+    let (end0, rax0, _, profile, _) = run(&bytes, None, TEXT);
+    let ran = |leader: u64| profile.get(&leader).copied().unwrap_or(0);
+
+    let plain = translate(HashSet::new());
+    let (end1, rax1, _, _, counters1) = run(&bytes, Some(&plain), plain.entry(TEXT).unwrap());
+    let leaf = translate(HashSet::from([G]));
+    let (end2, rax2, rdx2, _, counters2) = run(&bytes, Some(&leaf), leaf.entry(TEXT).unwrap());
+
+    assert_eq!(end0, RunEnd::Halted(HALT));
+    assert_eq!((&end1, rax1), (&end0, rax0));
+    assert_eq!((&end2, rax2), (&end0, rax0));
+    assert!(
+        plain.counts(&counters1).iter().any(|&(l, c)| c < ran(l)),
+        "every leader counted what ran without the leaf: {:?}",
+        plain.counts(&counters1)
+    );
+    for (leader, count) in leaf.counts(&counters2) {
+        assert_eq!(count, ran(leader), "{leader:#x}");
+    }
+    assert!(leaf.counts(&counters2).iter().any(|&(_, c)| c == 4));
+    assert!(
+        (leaf.code_at..leaf.code_at + leaf.code.len() as u64).contains(&rdx2),
+        "{rdx2:#x}"
+    );
+}
+
 #[test]
 fn an_exception_table_instruction_runs_at_its_original_address() {
     let fx = fixture();
