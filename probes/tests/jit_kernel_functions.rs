@@ -132,4 +132,23 @@ fn hot_kernel_functions_translate_and_user_accesses_leave_the_cache() {
     assert!(translation.full.is_none());
     assert!(!expected.is_empty());
     assert_eq!(left, expected);
+    // IBT: no indirect jmp or call in the cache, so no address in it needs an `endbr64`
+    // (the kernel enters it by direct jmps and the dispatch routine's `ret`).
+    let decoder = iced_x86::Decoder::with_ip(
+        64,
+        &translation.code,
+        translation.code_at,
+        iced_x86::DecoderOptions::NONE,
+    );
+    for instr in decoder {
+        assert!(!instr.is_invalid(), "undecodable at {:#x}", instr.ip());
+        assert!(
+            !matches!(
+                instr.flow_control(),
+                iced_x86::FlowControl::IndirectBranch | iced_x86::FlowControl::IndirectCall
+            ),
+            "{instr} at {:#x}",
+            instr.ip()
+        );
+    }
 }

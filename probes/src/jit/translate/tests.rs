@@ -670,3 +670,37 @@ fn hostile_text_gives_translations_inside_the_cache_or_errors_never_a_panic() {
             .all(|b| layout.counters.contains(&b.counter) && layout.code.contains(&b.cache)));
     }
 }
+
+/// IBT (`CONFIG_X86_KERNEL_IBT`): an indirect `jmp` or `call` must land on an `endbr64`.
+/// None lands in the cache: the kernel enters it by direct `jmp` (entry splices) and by the
+/// dispatch routine's `ret`, and the cache itself holds no indirect branch (the fixture's
+/// `call rsi` goes through the dispatch routine), so no address in it needs an `endbr64`,
+/// and the code would hold on CET hardware too (QEMU TCG does not enforce IBT).
+#[test]
+fn the_cache_holds_no_indirect_jump_or_call() {
+    let fx = fixture();
+    let t = translate_both(&fx, &[]);
+    let mut decoder =
+        iced_x86::Decoder::with_ip(64, &t.code, t.code_at, iced_x86::DecoderOptions::NONE);
+    let mut decoded = 0;
+    for instr in &mut decoder {
+        assert!(!instr.is_invalid(), "undecodable at {:#x}", instr.ip());
+        assert!(
+            !matches!(
+                instr.flow_control(),
+                FlowControl::IndirectBranch | FlowControl::IndirectCall
+            ),
+            "{instr} at {:#x}",
+            instr.ip()
+        );
+        decoded += 1;
+    }
+    assert!(decoded > 20, "{decoded}");
+    // The fixture's own indirect call is there to be rewritten.
+    assert!(fx
+        .f
+        .cfg
+        .insns()
+        .iter()
+        .any(|i| matches!(i.flow, exotap_introspect::x86::Flow::IndirectCall)));
+}
