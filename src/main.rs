@@ -191,8 +191,34 @@ fn signals_stop_the_run() {
     }
 }
 
+/// `exotap -v count ...`: the global `-v` before a subcommand's name. Without a subcommand
+/// exotap reads its first word as a script FILE (as `stap` does), so clap would take
+/// `count` for one; the leading `-v`/`-vv`/`--verbose` words are moved after the name
+/// instead, where a global flag means the same.
+fn verbose_after_subcommand(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    use clap::CommandFactory as _;
+    let is_verbose = |a: &std::ffi::OsString| {
+        a.to_str().is_some_and(|a| {
+            a == "--verbose"
+                || (a.len() > 1 && a.starts_with('-') && a[1..].chars().all(|c| c == 'v'))
+        })
+    };
+    let flags = args.iter().skip(1).take_while(|a| is_verbose(a)).count();
+    let Some(name) = args.get(1 + flags).and_then(|a| a.to_str()) else {
+        return args;
+    };
+    if flags > 0
+        && Cli::command()
+            .get_subcommands()
+            .any(|s| s.get_name() == name)
+    {
+        args[1..=1 + flags].rotate_left(flags);
+    }
+    args
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(verbose_after_subcommand(std::env::args_os().collect()));
     let no_warnings = match &cli.command {
         Some(Command::Run(a)) => a.options.no_warnings,
         _ => cli.script.options.no_warnings,
@@ -335,5 +361,40 @@ fn exit_code(result: anyhow::Result<i32>) -> ExitCode {
         (Ok(code), None) => {
             ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(EXOTAP_FAILURE))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_leading_verbose_flag_goes_after_the_subcommand_and_scripts_keep_their_words() {
+        let v = |words: &[&str]| {
+            super::verbose_after_subcommand(words.iter().map(Into::into).collect())
+                .into_iter()
+                .map(|w| w.into_string().unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            v(&["exotap", "-v", "count", "vfs_read"]),
+            ["exotap", "count", "-v", "vfs_read"]
+        );
+        assert_eq!(
+            v(&["exotap", "-vv", "--verbose", "symbols", "x"]),
+            ["exotap", "symbols", "-vv", "--verbose", "x"]
+        );
+        // A script's arguments that happen to be subcommand names stay arguments.
+        assert_eq!(
+            v(&["exotap", "-v", "t.stp", "count"]),
+            ["exotap", "-v", "t.stp", "count"]
+        );
+        assert_eq!(
+            v(&["exotap", "t.stp", "count"]),
+            ["exotap", "t.stp", "count"]
+        );
+        assert_eq!(
+            v(&["exotap", "-e", "S", "count"]),
+            ["exotap", "-e", "S", "count"]
+        );
+        assert_eq!(v(&["exotap"]), ["exotap"]);
     }
 }
