@@ -16,7 +16,8 @@
 //! Bounded in CI: the two examples that crashed the guest (`para-callgraph.stp` and
 //! `callgraph.stp`, over `*@fs/proc*.c`) and [`ROTATING`] more, which rotate with the day.
 //! `EXOTAP_SOAK=all` runs every example in scope; `EXOTAP_SOAK=a,b` those whose path contains
-//! a or b; `EXOTAP_SOAK_REPEAT=N` runs each N times.
+//! a or b; `EXOTAP_SOAK_REPEAT=N` runs each N times; `EXOTAP_STRESS_SEED=N` replays the
+//! moments at which a stress run ended (each run prints its seed).
 
 use super::*;
 
@@ -436,6 +437,21 @@ const GUEST_TEXT_CHANGES: &[&str] = &["clocksource", "sched_clock"];
 /// flipping at that moment holds an `int3` for a while); a change the kernel announced on
 /// its console ([`GUEST_TEXT_CHANGES`]) becomes the new reference, said on stderr.
 fn unhurt(live: &mut LiveGuest, reference: &mut String, from: usize) -> Vec<String> {
+    // A guest that is gone (QEMU ended: a panic, a triple fault) is the first thing to say,
+    // with what its console said since the run began; `recover` could only fail to connect.
+    if !live.guest_runs() {
+        std::thread::sleep(Duration::from_secs(1));
+        let log = live.log.lock().unwrap();
+        let said = log.get(from..).unwrap_or_default();
+        let tail: Vec<&str> = said
+            .lines()
+            .filter(|l| !l.contains("EXOTAP-RESULT round="))
+            .collect();
+        return vec![format!(
+            "the guest is gone (its QEMU ended); its console since the run began:\n{}",
+            tail[tail.len().saturating_sub(80)..].join("\n")
+        )];
+    }
     let (left, mut digest, out) = recover_digest(&live.socket);
     for _ in 0..3 {
         if digest == *reference {
@@ -513,9 +529,15 @@ fn stress_nested_returns(live: &mut LiveGuest, reference: &mut String) -> Vec<St
         path,
         words: Vec::new(),
     };
-    let mut seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |d| d.as_nanos() as u64)
+    // EXOTAP_STRESS_SEED replays the moments of a run that failed (its seed is printed).
+    let mut seed = std::env::var("EXOTAP_STRESS_SEED")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        })
         | 1;
     eprintln!("stress: seed {seed}");
     let mut hurt = Vec::new();
