@@ -56,7 +56,8 @@ pub fn host_result<'a>(out: &'a str, key: &str) -> Option<&'a str> {
 
 /// A guest someone else booted: `exotap boot ARGS` with its gdbstub on the unix socket
 /// `socket`, read until a console line contains `until`. Returns the child and the rest of
-/// its console.
+/// its console. exotap boot's own log (why QEMU ended, if it does) goes to
+/// [`boot_log`]`(socket)`.
 pub fn boot_with_gdbstub<S: AsRef<std::ffi::OsStr>>(
     args: &[S],
     socket: &Path,
@@ -68,7 +69,7 @@ pub fn boot_with_gdbstub<S: AsRef<std::ffi::OsStr>>(
         .arg("--gdbstub")
         .arg(format!("unix:{},server=on,wait=off", socket.display()))
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(boot_log(socket)).map_or_else(|_| Stdio::null(), Stdio::from))
         .spawn()
         .expect("cannot start exotap boot");
     let mut console = BufReader::new(guest.stdout.take().expect("piped stdout"));
@@ -81,6 +82,12 @@ pub fn boot_with_gdbstub<S: AsRef<std::ffi::OsStr>>(
         assert!(n > 0, "the guest ended before printing {until}");
     }
     (guest, console)
+}
+
+/// Where [`boot_with_gdbstub`] writes the log (stderr) of the `exotap boot` whose gdbstub is
+/// at `socket`.
+pub fn boot_log(socket: &Path) -> std::path::PathBuf {
+    socket.with_extension("boot.log")
 }
 
 /// Boots the guest with `script` and `mode`, running `command`; returns (code, stdout,

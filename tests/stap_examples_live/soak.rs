@@ -447,9 +447,13 @@ fn unhurt(live: &mut LiveGuest, reference: &mut String, from: usize) -> Vec<Stri
             .lines()
             .filter(|l| !l.contains("EXOTAP-RESULT round="))
             .collect();
+        let boot_log = std::fs::read_to_string(common::boot_log(&live.socket)).unwrap_or_default();
+        let boot_tail: Vec<&str> = boot_log.lines().collect();
         return vec![format!(
-            "the guest is gone (its QEMU ended); its console since the run began:\n{}",
-            tail[tail.len().saturating_sub(80)..].join("\n")
+            "the guest is gone (its QEMU ended); its console since the run began:\n{}\n\
+             exotap boot's log:\n{}",
+            tail[tail.len().saturating_sub(80)..].join("\n"),
+            boot_tail[boot_tail.len().saturating_sub(30)..].join("\n")
         )];
     }
     let (left, mut digest, out) = recover_digest(&live.socket);
