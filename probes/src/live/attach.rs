@@ -172,6 +172,7 @@ pub fn survey_machine(
         kaslr::detect(&mut space, idt_base, &anchors).context("cannot find the KASLR slide")?;
     let layout = KernelLayout::read(&mut space, &image.symbols, kaslr.slide)
         .context("cannot read the kernel layout")?;
+    let cr3 = kernel_root(&mut mem, image, &kaslr, la57).unwrap_or(cr3);
     Ok(Survey {
         cr3,
         la57,
@@ -180,6 +181,39 @@ pub fn survey_machine(
         layout,
         ready_after: started.elapsed(),
     })
+}
+
+/// The kernel's own page-table root, `init_top_pgt` (the kernel's `swapper_pg_dir`), for the
+/// survey: the CR3 vCPU 0 had at the attach is the root of whatever process ran there, and
+/// that process's page tables are freed when it exits, so a long session would read the kernel
+/// through a freed (and maybe reused) page. Its physical address comes from the image (its
+/// offset from `_text`, plus `_text`'s physical address) and is used only when it maps
+/// `_text` and itself as the attach-time root does; `None` (keep that root) otherwise.
+fn kernel_root<M: PhysicalMemory>(
+    mem: &mut M,
+    image: &KernelImage,
+    kaslr: &exotap_introspect::kaslr::Kaslr,
+    la57: bool,
+) -> Option<u64> {
+    let text = image.address("_text").ok()?;
+    let pgd = image.address("init_top_pgt").ok()?;
+    let root = kaslr.text_phys.checked_add(pgd.checked_sub(text)?)?;
+    let mut space = AddressSpace::new(mem, root, la57);
+    let text_ok = space
+        .translate(text.wrapping_add(kaslr.slide))
+        .is_ok_and(|t| t.phys == kaslr.text_phys);
+    let self_ok = space
+        .translate(pgd.wrapping_add(kaslr.slide))
+        .is_ok_and(|t| t.phys == root);
+    if text_ok && self_ok {
+        Some(root)
+    } else {
+        tracing::debug!(
+            "init_top_pgt at {root:#x} does not map the kernel as vCPU 0's CR3 does; \
+             reading through that CR3"
+        );
+        None
+    }
 }
 
 /// `task_struct`'s pid and comm offsets from the BTF in the image.
