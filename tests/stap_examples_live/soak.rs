@@ -581,7 +581,12 @@ fn stress_nested_returns(live: &mut LiveGuest, reference: &mut String) -> Vec<St
                 [entries, returns] if returns <= entries && entries - returns <= 100 => {}
                 _ => why.push(format!("entries and returns do not pair: {:?}", run.out)),
             }
-            for lost in ["no record", "no swapped return address", "will fault"] {
+            for lost in [
+                "no record",
+                "no swapped return address",
+                "will fault",
+                "not put back",
+            ] {
                 if run.err.contains(lost) {
                     why.push(format!("a return address was not accounted for ({lost})"));
                 }
