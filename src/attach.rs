@@ -138,7 +138,7 @@ pub fn print_info(att: &mut Attached, image: &KernelImage) -> anyhow::Result<()>
     );
     outln!("init_task     {:#x}", l.init_task);
     outln!(
-        "page tables   cr3 {:#x}, {}-level",
+        "page tables   root {:#x} (the kernel's, read through), {}-level",
         survey.cr3,
         if survey.la57 { 5 } else { 4 }
     );
