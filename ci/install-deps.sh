@@ -14,6 +14,7 @@ packages=(
   gcc-sparc64-linux-gnu  # builds the SPARC v9 mini-kernel of the splicing regression (regress/src/sparc.rs)
   systemtap-doc     # SystemTap's example suite, measured by ci/stap-examples.sh
   lcov              # genhtml renders the coverage tracefiles of exotap coverage (tests/jit_qemu.rs)
+  python3-prometheus-client  # tests/procfs.rs parses /metrics with Prometheus's own Python parser
   python3-pip       # tests/perfetto_qemu.rs installs protobuf and Perfetto's published protos (PyPI) at test time
   # introspect/src/bzimage/decompress.rs compresses with each kernel compression's reference
   # tool at test time and checks the payload decompresses back (lzma and xz come from xz-utils)

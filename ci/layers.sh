@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../probes/src"
 
 # module -> its layer
 declare -A layer=(
-    [kernel_image]=0 [rings]=0 # the guest kernel's image on the host; the trace-record format
+    [kernel_image]=0 [rings]=0 [procfs]=0 # the kernel image on the host; the trace-record format; files served
     [lang]=1                   # the front end: SystemTap's language to one checked program
     [compile]=2                # that program to x86-64 machine code
     [splice]=3 [jit]=3         # planning splices, translating functions into the code cache

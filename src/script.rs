@@ -229,6 +229,16 @@ pub struct ScriptOptions {
     /// its own code in the guest (--compile), not into eBPF.
     #[arg(long)]
     pub bpf: bool,
+    /// Where the script's procfs("NAME") files are served on this host, one FIFO per name:
+    /// `cat DIR/NAME` runs its .read probe, `echo x > DIR/NAME` its .write probe. Default:
+    /// $XDG_RUNTIME_DIR/exotap/PID (said on stderr at the start).
+    #[arg(long, value_name = "DIR")]
+    pub procfs_dir: Option<PathBuf>,
+    /// Also serve the procfs files over HTTP at ADDR (e.g. 127.0.0.1:9900; off without):
+    /// GET /procfs/NAME reads, PUT or POST /procfs/NAME writes, GET /metrics serves the
+    /// prometheus tapset's `probe prometheus` in Prometheus's text format.
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<std::net::SocketAddr>,
     /// The guest kernel whose symbols resolve kernel probe points.
     #[command(flatten)]
     pub image: ImageArgs,
@@ -468,6 +478,10 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
         include_dirs: args.include.clone(),
         globals,
         no_warnings: args.no_warnings,
+        host_files: exotap_probes::procfs::HostFiles {
+            dir: args.procfs_dir.clone(),
+            http: args.http,
+        },
     };
     if args.bpf {
         tracing::warn!(

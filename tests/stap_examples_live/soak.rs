@@ -284,22 +284,25 @@ fn soak_one(ex: &InScope, socket: &Path, compile: &str, window: Duration) -> Soa
 }
 
 /// `exotap recover --digest` against the guest: (whether it found anything left, the text
-/// hash, its output).
-fn recover_digest(socket: &Path) -> (bool, String, String) {
+/// hash, its output), or why it failed.
+fn recover_digest(socket: &Path) -> Result<(bool, String, String), String> {
     let (code, out, err) = common::run(exotap().args([
         "recover",
         "--digest",
         "--target",
         &format!("unix:{}", socket.display()),
     ]));
-    assert_eq!(code, 0, "exotap recover failed:\n{out}\n{err}");
+    if code != 0 {
+        return Err(format!(
+            "exotap recover failed (exit {code}):\n{out}\n{err}"
+        ));
+    }
     let digest = out
         .lines()
         .find_map(|l| l.strip_prefix("kernel text sha256 "))
-        .map(str::to_owned);
-    assert!(digest.is_some(), "no digest in:\n{out}");
-    let digest = digest.unwrap_or_default();
-    (!out.contains("nothing to recover"), digest, out)
+        .map(str::to_owned)
+        .ok_or_else(|| format!("no digest in:\n{out}"))?;
+    Ok((!out.contains("nothing to recover"), digest, out))
 }
 
 /// The first line of the console that shows a hurt kernel, after byte `from`.
@@ -357,7 +360,7 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let (left, mut reference, _) = recover_digest(&live.socket);
+    let (left, mut reference, _) = recover_digest(&live.socket).unwrap_or_else(|e| panic!("{e}"));
     assert!(!left, "exotap's work in a guest no exotap touched");
 
     let mut ended_with_errors = Vec::new();
@@ -440,29 +443,22 @@ fn unhurt(live: &mut LiveGuest, reference: &mut String, from: usize) -> Vec<Stri
     // A guest that is gone (QEMU ended: a panic, a triple fault) is the first thing to say,
     // with what its console said since the run began; `recover` could only fail to connect.
     if !live.guest_runs() {
-        std::thread::sleep(Duration::from_secs(1));
-        let log = live.log.lock().unwrap();
-        let said = log.get(from..).unwrap_or_default();
-        let tail: Vec<&str> = said
-            .lines()
-            .filter(|l| !l.contains("EXOTAP-RESULT round="))
-            .collect();
-        let boot_log = std::fs::read_to_string(common::boot_log(&live.socket)).unwrap_or_default();
-        let boot_tail: Vec<&str> = boot_log.lines().collect();
-        return vec![format!(
-            "the guest is gone (its QEMU ended); its console since the run began:\n{}\n\
-             exotap boot's log:\n{}",
-            tail[tail.len().saturating_sub(80)..].join("\n"),
-            boot_tail[boot_tail.len().saturating_sub(30)..].join("\n")
-        )];
+        return vec![gone(live, from, "")];
     }
-    let (left, mut digest, out) = recover_digest(&live.socket);
+    let (left, mut digest, out) = match recover_digest(&live.socket) {
+        Ok(r) => r,
+        // QEMU may end between the check above and the attach: say why, with its console.
+        Err(e) => return vec![gone(live, from, &e)],
+    };
     for _ in 0..3 {
         if digest == *reference {
             break;
         }
         std::thread::sleep(Duration::from_secs(1));
-        digest = recover_digest(&live.socket).1;
+        match recover_digest(&live.socket) {
+            Ok(r) => digest = r.1,
+            Err(e) => return vec![gone(live, from, &e)],
+        }
     }
     let mut why = Vec::new();
     if left {
@@ -502,6 +498,36 @@ fn unhurt(live: &mut LiveGuest, reference: &mut String, from: usize) -> Vec<Stri
         why.push("the guest is gone".to_owned());
     }
     why
+}
+
+/// What a guest that `recover` cannot reach (`failure`), or that is gone, said: whether its
+/// QEMU still runs, its console since byte `from` and the tail of `exotap boot`'s log.
+fn gone(live: &mut LiveGuest, from: usize, failure: &str) -> String {
+    // The console thread may still be copying QEMU's last lines.
+    std::thread::sleep(Duration::from_secs(2));
+    let state = if live.guest_runs() {
+        "the guest still runs but exotap recover cannot attach"
+    } else {
+        "the guest is gone (its QEMU ended)"
+    };
+    let log = live.log.lock().unwrap();
+    let said = log.get(from..).unwrap_or_default();
+    let tail: Vec<&str> = said
+        .lines()
+        .filter(|l| !l.contains("EXOTAP-RESULT round="))
+        .collect();
+    let boot_log = std::fs::read_to_string(common::boot_log(&live.socket)).unwrap_or_default();
+    let boot_tail: Vec<&str> = boot_log.lines().collect();
+    format!(
+        "{state}{}; its console since the run began:\n{}\nexotap boot's log:\n{}",
+        if failure.is_empty() {
+            String::new()
+        } else {
+            format!(" ({failure})")
+        },
+        tail[tail.len().saturating_sub(80)..].join("\n"),
+        boot_tail[boot_tail.len().saturating_sub(30)..].join("\n")
+    )
 }
 
 /// Return probes over 238 functions that nest (timer interrupts inside any of them),

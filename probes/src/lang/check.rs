@@ -114,6 +114,8 @@ pub struct Program {
     pub warnings: Vec<Diagnostic>,
     /// What `target()` returns: the `-x PID` of the invocation, 0 without.
     pub target_pid: i64,
+    /// Where the host serves the script's procfs files.
+    pub host_files: crate::procfs::HostFiles,
 }
 
 impl Program {
@@ -144,13 +146,37 @@ pub fn check(script: Script) -> Result<Program, Vec<Diagnostic>> {
     check_guru(script, false)
 }
 
+/// A procfs probe's `$value` (the file's contents) is not a kernel variable: it becomes the
+/// probe's string local [`PROCFS_VALUE`](super::point::PROCFS_VALUE), which the host sets
+/// before a `.write` probe and reads after a `.read` probe.
+fn procfs_value_as_local(script: &mut Script) {
+    use super::point::PROCFS_VALUE;
+    for probe in &mut script.probes {
+        let procfs = probe
+            .points
+            .iter()
+            .any(|p| matches!(classify(p), Ok(PointKind::Procfs { .. })));
+        if !procfs {
+            continue;
+        }
+        crate::lang::walk::block_exprs_mut(&mut probe.body, &mut |e| {
+            if let ExprKind::Target(t) = &e.kind {
+                if t.name == PROCFS_VALUE && t.members.is_empty() {
+                    e.kind = ExprKind::Var(PROCFS_VALUE.to_string());
+                }
+            }
+        });
+    }
+}
+
 /// As [`check`], in guru mode when `guru` (stap's `-g`): writes to target variables
 /// (`$param = v` at kernel function entries, `$return = v` in return probes) and
 /// `set_return(v)` are allowed; without it they are errors.
 ///
 /// # Errors
 /// As [`check`].
-pub fn check_guru(script: Script, guru: bool) -> Result<Program, Vec<Diagnostic>> {
+pub fn check_guru(mut script: Script, guru: bool) -> Result<Program, Vec<Diagnostic>> {
+    procfs_value_as_local(&mut script);
     let mut c = Checker::new(&script);
     // `-g` reaches the checker either way: as the caller's flag or parsed into the script.
     c.guru = guru || script.guru;
@@ -195,6 +221,7 @@ pub fn check_guru(script: Script, guru: bool) -> Result<Program, Vec<Diagnostic>
         probes,
         warnings,
         target_pid: 0,
+        host_files: crate::procfs::HostFiles::default(),
     })
 }
 
@@ -428,7 +455,7 @@ impl<'a> Checker<'a> {
         // host but do not read exotap's standard input: a script that needs both is refused
         // here rather than having its input probes never fire.
         let points = || self.probes.iter().flat_map(|p| p.points.iter());
-        let input = points().find(|(_, k)| k.given_local().is_some());
+        let input = points().find(|(_, k)| k.reads_input());
         let kernel = points().find(|(_, k)| k.needs_guest());
         if let (Some((pt, _)), Some((kpt, _))) = (input, kernel) {
             let d = Diagnostic::error(

@@ -43,6 +43,7 @@ pub fn compile_with(
     let script = parse_with(&src.text, limits, inv).map_err(|e| vec![Diagnostic::from(&e)])?;
     let mut prog = check_guru(script, inv.guru)?;
     prog.target_pid = inv.target_pid.unwrap_or(0);
+    prog.host_files = inv.host_files.clone();
     set_globals(&mut prog, &inv.globals).map_err(|e| vec![e])?;
     Ok(prog)
 }

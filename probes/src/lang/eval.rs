@@ -252,9 +252,26 @@ impl<'p> Interp<'p> {
         ctx: &dyn Context,
         locals: Vec<(String, Value)>,
     ) -> Result<(), ScriptError> {
+        self.run_probe_keeping(index, point, ctx, locals, None)
+            .map(drop)
+    }
+
+    /// [`Interp::run_probe_with`], returning the value local `keep` holds at the end (a
+    /// procfs read probe's `$value`), also after `next`.
+    ///
+    /// # Errors
+    /// The script error that ended the handler.
+    pub fn run_probe_keeping(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+        locals: Vec<(String, Value)>,
+        keep: Option<&str>,
+    ) -> Result<Option<Value>, ScriptError> {
         let prog = self.prog;
         let Some(probe) = prog.script.probes.get(index) else {
-            return Ok(());
+            return Ok(None);
         };
         self.actions = 0;
         self.depth = 0;
@@ -272,7 +289,9 @@ impl<'p> Interp<'p> {
             self.block(&probe.body, &mut frame, ctx)
         })();
         match result {
-            Ok(_) | Err(Stop::Next | Stop::OutputClosed) => Ok(()),
+            Ok(_) | Err(Stop::Next | Stop::OutputClosed) => {
+                Ok(keep.and_then(|k| frame.locals.remove(k)))
+            }
             Err(Stop::Error(e)) => Err(e),
         }
     }

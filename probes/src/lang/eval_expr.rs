@@ -6,6 +6,7 @@ use super::ast::*;
 use super::check::Ty;
 use super::context::Context;
 use super::eval::{default_of, fail, stat_value, EResult, Flow, Frame, Interp, Stop, Store};
+use super::point::PROCFS_VALUE;
 use super::value::{Stats, Value};
 
 impl Interp<'_> {
@@ -70,6 +71,13 @@ impl Interp<'_> {
                 let keys = self.element_keys(&p.0, f, ctx)?;
                 let v = match op {
                     None => rhs,
+                    // A procfs file's contents grow past MAXSTRINGLEN (up to the read's
+                    // maxsize, which the host applies), as stap's procfs buffer does.
+                    Some(BinOp::Concat) if matches!(&p.0.kind, ExprKind::Var(n) if n == PROCFS_VALUE) =>
+                    {
+                        let old = self.load(&p.0, None, f, ctx)?;
+                        Value::Str(format!("{}{}", old.as_str(), rhs.as_str()))
+                    }
                     Some(op) => {
                         let old = self.load(&p.0, keys.as_deref(), f, ctx)?;
                         self.apply(*op, old, rhs, e.span)?

@@ -32,6 +32,8 @@ pub struct Invocation {
     pub globals: Vec<(String, String)>,
     /// `-w`: the checker's warnings are not printed, as stap's `-w`.
     pub no_warnings: bool,
+    /// `--procfs-dir`, `--http`: where the host serves the script's procfs files.
+    pub host_files: crate::procfs::HostFiles,
 }
 
 impl Invocation {

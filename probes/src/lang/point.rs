@@ -62,6 +62,20 @@ pub enum PointKind {
     /// `input.line`: each line of exotap's standard input, its newline included, in the local
     /// `line`.
     InputLine,
+    /// `procfs("NAME").read[.maxsize(N)]` / `procfs("NAME").write` (`procfs.read`: the name
+    /// `command`; `procfs.umask(M)...`): a file the host serves (`crate::procfs`), whose
+    /// reads run the `.read` probe and return what it left in `$value`, and whose writes run
+    /// the `.write` probe with the bytes written in `$value`.
+    Procfs {
+        /// The file's name.
+        name: String,
+        /// `.write` rather than `.read`.
+        write: bool,
+        /// `.maxsize(N)`: the most bytes a read returns.
+        maxsize: Option<u64>,
+        /// `.umask(M)`: the permission bits taken away from the file's (0o600 without).
+        umask: Option<u32>,
+    },
     /// `kernel.function("pattern@file:line")[.call|.inline|.return]`.
     KernelFunction {
         /// Function name pattern, with `*` and `?` wildcards.
@@ -121,17 +135,24 @@ impl PointKind {
                 | PointKind::Timer { .. }
                 | PointKind::InputChar
                 | PointKind::InputLine
+                | PointKind::Procfs { .. }
         )
     }
 
     /// The local a probe on this point starts with: `char` for `input.char`, `line` for
-    /// `input.line` (strings).
+    /// `input.line`, [`PROCFS_VALUE`] for procfs probes (strings).
     pub fn given_local(&self) -> Option<&'static str> {
         match self {
             PointKind::InputChar => Some("char"),
             PointKind::InputLine => Some("line"),
+            PointKind::Procfs { .. } => Some(PROCFS_VALUE),
             _ => None,
         }
+    }
+
+    /// Whether this point reads exotap's standard input (`input.char`, `input.line`).
+    pub fn reads_input(&self) -> bool {
+        matches!(self, PointKind::InputChar | PointKind::InputLine)
     }
 
     /// Whether target variables (`$x`) can be read at this point.
@@ -169,6 +190,7 @@ impl PointKind {
             PointKind::TimerProfile => "timer.profile",
             PointKind::InputChar => "input.char",
             PointKind::InputLine => "input.line",
+            PointKind::Procfs { .. } => "procfs",
             PointKind::KernelFunction { .. } => "kernel.function",
             PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => "kernel.statement",
             PointKind::KernelField { .. } => "kernel.field",
@@ -301,7 +323,17 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
     }
     let known_root = matches!(
         names.first(),
-        Some(&("begin" | "end" | "error" | "never" | "timer" | "kernel" | "kprobe" | "input"))
+        Some(
+            &("begin"
+                | "end"
+                | "error"
+                | "never"
+                | "timer"
+                | "kernel"
+                | "kprobe"
+                | "input"
+                | "procfs")
+        )
     );
     if !known_root {
         return Err(unknown());
@@ -312,7 +344,9 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             (Some(&"kernel" | &"kprobe"), 1)
                 | (Some(&"timer"), 1)
                 | (Some(&"begin" | &"end" | &"error"), 0)
-        ) || (c.name == "maxactive" && i == 3);
+        ) || (c.name == "maxactive" && i == 3)
+            || (names.first() == Some(&"procfs")
+                && matches!(c.name.as_str(), "procfs" | "umask" | "maxsize"));
         if !c.args.is_empty() && !allowed {
             return Err(bad(&c.name, "this component takes no argument"));
         }
@@ -324,6 +358,7 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
         ["never"] => Ok(PointKind::Never),
         ["input", "char"] => Ok(PointKind::InputChar),
         ["input", "line"] => Ok(PointKind::InputLine),
+        ["procfs", ..] => procfs_point(point),
         ["timer", "profile"] | ["timer", "profile", "tick"] => Ok(PointKind::TimerProfile),
         ["timer", unit] => {
             let n = match args(1) {
@@ -455,6 +490,65 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
     }
 }
 
+/// The variable a procfs probe reads and writes as `$value` (a local of the probe: the
+/// checker renames the target variable, so no script name can clash with it).
+pub const PROCFS_VALUE: &str = "$value";
+
+/// `procfs[("NAME")][.umask(M)].read[.maxsize(N)]` or `procfs[("NAME")][.umask(M)].write`.
+fn procfs_point(point: &ProbePoint) -> Result<PointKind, PointError> {
+    let bad = |reason: String| PointError::BadArgument {
+        family: "procfs".to_string(),
+        reason,
+        span: point.span,
+    };
+    let mut parts = point.components.iter().peekable();
+    let root = parts.next().ok_or_else(|| bad("empty point".into()))?;
+    let name = match root.args.as_slice() {
+        [] => "command".to_string(),
+        [Literal::Str(s)] => s.clone(),
+        _ => return Err(bad("procfs takes one string, the file's name".into())),
+    };
+    // A name is one path component, as a file in /proc/systemtap/MODULE/ is.
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(bad(format!(
+            "{name:?} is not a file name (one path component)"
+        )));
+    }
+    let number = |c: &crate::lang::ast::Component, what: &str| match c.args.as_slice() {
+        [Literal::Num(n)] if *n >= 0 => Ok(*n as u64),
+        _ => Err(bad(format!("{what} takes one number"))),
+    };
+    let mut umask = None;
+    if parts.peek().is_some_and(|c| c.name == "umask") {
+        let c = parts.next().unwrap_or(root);
+        umask = Some((number(c, "umask")? & 0o777) as u32);
+    }
+    let write = match parts.next().map(|c| c.name.as_str()) {
+        Some("read") => false,
+        Some("write") => true,
+        _ => return Err(bad("expected .read or .write after procfs(...)".into())),
+    };
+    let mut maxsize = None;
+    if let Some(c) = parts.next() {
+        if c.name != "maxsize" || write {
+            return Err(bad(format!(
+                "unexpected .{} (only .read takes .maxsize(N))",
+                c.name
+            )));
+        }
+        maxsize = Some(number(c, "maxsize")?);
+    }
+    if let Some(c) = parts.next() {
+        return Err(bad(format!("unexpected .{} at the end", c.name)));
+    }
+    Ok(PointKind::Procfs {
+        name,
+        write,
+        maxsize,
+        umask,
+    })
+}
+
 /// Why a family SystemTap has is out of exotap's scope, for the points it names.
 fn out_of_scope(names: &[&str]) -> Option<&'static str> {
     match names.first()? {
@@ -471,9 +565,6 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
             "perf events need the guest's perf subsystem armed from inside it, which exotap \
              does not do; use timer.profile for sampling",
         ),
-        &"procfs" => {
-            Some("procfs files would have to be created inside the guest, which exotap does not do")
-        }
         &"netfilter" => Some(
             "netfilter probes register a hook function in the guest's network stack, which \
              exotap does not do; probe nf_hook_slow or the protocol's functions with \
@@ -559,6 +650,56 @@ mod tests {
             kind(r#"kernel.function("vfs_read").maxactive(4)"#),
             Err(PointError::BadArgument { .. } | PointError::Unknown { .. })
         ));
+    }
+
+    #[test]
+    fn procfs_points_name_their_file_direction_size_and_mask() {
+        let procfs = |name: &str, write, maxsize, umask| PointKind::Procfs {
+            name: name.into(),
+            write,
+            maxsize,
+            umask,
+        };
+        assert_eq!(
+            kind(r#"procfs("x").read"#).unwrap(),
+            procfs("x", false, None, None)
+        );
+        assert_eq!(
+            kind(r#"procfs("x").write"#).unwrap(),
+            procfs("x", true, None, None)
+        );
+        // stap's default name, its size and mask components.
+        assert_eq!(
+            kind("procfs.read").unwrap(),
+            procfs("command", false, None, None)
+        );
+        assert_eq!(
+            kind(r#"procfs("__prometheus").read.maxsize(0x10000)"#).unwrap(),
+            procfs("__prometheus", false, Some(0x10000), None)
+        );
+        assert_eq!(
+            kind(r#"procfs("x").umask(0022).write"#).unwrap(),
+            procfs("x", true, None, Some(0o22))
+        );
+        // The host serves them: no guest needed, `$value` is the probe's own.
+        let k = kind(r#"procfs("x").read"#).unwrap();
+        assert!(!k.needs_guest());
+        assert_eq!(k.given_local(), Some(PROCFS_VALUE));
+        assert!(!k.reads_input());
+        for bad in [
+            r#"procfs("x")"#,
+            r#"procfs("x").write.maxsize(10)"#,
+            r#"procfs("a/b").read"#,
+            r#"procfs("..").read"#,
+            r#"procfs("x").read.maxsize(1).more"#,
+            r#"procfs(1).read"#,
+        ] {
+            assert!(
+                matches!(kind(bad), Err(PointError::BadArgument { .. })),
+                "{bad}: {:?}",
+                kind(bad)
+            );
+        }
     }
 
     #[test]

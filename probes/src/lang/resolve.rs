@@ -110,6 +110,10 @@ pub fn describe(kind: &PointKind) -> String {
         PointKind::TimerProfile => "every scheduler tick of every guest CPU".to_string(),
         PointKind::InputChar => "each byte of exotap's standard input".to_string(),
         PointKind::InputLine => "each line of exotap's standard input".to_string(),
+        PointKind::Procfs { name, write, .. } => format!(
+            "each {} of the procfs file {name} the host serves",
+            if *write { "write" } else { "read" }
+        ),
         PointKind::KernelFunction {
             pattern,
             file,

@@ -16,9 +16,10 @@ use super::diag::line_col;
 use super::eval::{sort_rows, stat_value, Interp, ScriptError, Store};
 use super::format::escape;
 use super::output::{Format, Output};
-use super::point::PointKind;
+use super::point::{PointKind, PROCFS_VALUE};
 use super::value::{Stats, Value};
 use super::Limits;
+use crate::procfs::{FileSpec, Op, Request, Server};
 
 /// Why a session could not run at all.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +30,9 @@ pub enum RuntimeError {
         /// The kernel probe points, comma separated.
         points: String,
     },
+    /// The script's procfs files cannot be served.
+    #[error("{0}")]
+    HostFiles(String),
 }
 
 /// Exit code of a session whose output's reader went away: 128 + `SIGPIPE`, what a shell
@@ -179,6 +183,84 @@ impl<'p> Session<'p> {
                 false
             }
         }
+    }
+
+    /// Fires procfs probe `index` at `point`: a `.write` probe with `written` in `$value`,
+    /// a `.read` probe with `$value` empty. What `$value` holds at the end (for a read, the
+    /// file's contents), or `None` after a script error (reported).
+    pub fn fire_procfs(
+        &mut self,
+        index: usize,
+        point: &str,
+        ctx: &dyn Context,
+        written: Option<String>,
+    ) -> Option<String> {
+        let value = Value::Str(written.unwrap_or_default());
+        let locals = vec![(PROCFS_VALUE.to_string(), value)];
+        let r = self
+            .interp
+            .run_probe_keeping(index, point, ctx, locals, Some(PROCFS_VALUE));
+        let _ = self.interp.out.flush();
+        match r {
+            Ok(v) => Some(v.map(|v| v.as_str().to_owned()).unwrap_or_default()),
+            Err(e) => {
+                self.report(&e);
+                None
+            }
+        }
+    }
+
+    /// Answers an access to one of the script's procfs files: a read runs the file's `.read`
+    /// probes (the last one's `$value` is the contents, cut to its `.maxsize`), a write its
+    /// `.write` probes with the bytes written.
+    pub fn answer_procfs(&mut self, request: Request, ctx: &dyn Context) {
+        let prog = self.interp.prog;
+        let reading = request.op == Op::Read;
+        let mut answer = Err(format!(
+            "the script has no such procfs file {}",
+            request.name
+        ));
+        for (index, p) in prog.probes.iter().enumerate() {
+            for (pt, kind) in &p.points {
+                let PointKind::Procfs {
+                    name,
+                    write,
+                    maxsize,
+                    ..
+                } = kind
+                else {
+                    continue;
+                };
+                if *name != request.name || *write == reading {
+                    continue;
+                }
+                let written = match &request.op {
+                    Op::Write(w) => Some(w.clone()),
+                    Op::Read => None,
+                };
+                answer = match self.fire_procfs(index, &pt.to_string(), ctx, written) {
+                    Some(mut value) if reading => {
+                        if let Some(max) = maxsize.map(|m| m as usize) {
+                            if value.len() > max {
+                                let mut cut = max;
+                                while !value.is_char_boundary(cut) {
+                                    cut -= 1;
+                                }
+                                tracing::warn!(
+                                    "procfs(\"{name}\").read: {} bytes cut to its maxsize {max}",
+                                    value.len()
+                                );
+                                value.truncate(cut);
+                            }
+                        }
+                        Ok(value)
+                    }
+                    Some(_) => Ok(String::new()),
+                    None => Err(format!("the probe on procfs file {name} failed")),
+                };
+            }
+        }
+        request.answer(answer);
     }
 
     /// Runs the begin probes in order, until `exit()` or an error.
@@ -415,7 +497,73 @@ pub fn host_timers(prog: &Program, start: Instant) -> Vec<(usize, String, Durati
     timers
 }
 
-/// The context host-run probes (begin, end, timers) see.
+/// The procfs files `prog`'s probes read and write, each once.
+pub fn procfs_files(prog: &Program) -> Vec<FileSpec> {
+    let mut files: Vec<FileSpec> = Vec::new();
+    for p in &prog.probes {
+        for (_, kind) in &p.points {
+            let PointKind::Procfs {
+                name, write, umask, ..
+            } = kind
+            else {
+                continue;
+            };
+            let i = files
+                .iter()
+                .position(|f| &f.name == name)
+                .unwrap_or_else(|| {
+                    files.push(FileSpec {
+                        name: name.clone(),
+                        readable: false,
+                        writable: false,
+                        mode: 0o600,
+                    });
+                    files.len() - 1
+                });
+            let f = &mut files[i];
+            if *write {
+                f.writable = true;
+            } else {
+                f.readable = true;
+            }
+            // stap's `.umask(M)` takes bits from 0666 (0444 for a file only read); without
+            // one the file is its user's alone.
+            if let Some(m) = umask {
+                f.mode = 0o666 & !m;
+            }
+        }
+    }
+    for f in &mut files {
+        if !f.writable {
+            f.mode &= 0o444;
+        }
+        if !f.readable {
+            f.mode &= 0o222;
+        }
+    }
+    files
+}
+
+/// Serves `prog`'s procfs files where its invocation said (`None` when it has none), and
+/// says where on stderr.
+///
+/// # Errors
+/// A FIFO or the HTTP address cannot be made ready.
+pub fn serve_procfs(prog: &Program) -> Result<Option<Server>, RuntimeError> {
+    let files = procfs_files(prog);
+    if files.is_empty() {
+        if prog.host_files.http.is_some() {
+            tracing::warn!("--http: the script has no procfs probe, nothing to serve");
+        }
+        return Ok(None);
+    }
+    let server = Server::start(files, &prog.host_files)
+        .map_err(|e| RuntimeError::HostFiles(format!("{e:#}")))?;
+    tracing::info!("{}", server.describe());
+    Ok(Some(server))
+}
+
+/// The context host-run probes (begin, end, timers) see./// The context host-run probes (begin, end, timers) see.
 pub fn host_context() -> CapturedContext {
     let pid = i64::from(std::process::id());
     CapturedContext {
@@ -518,10 +666,20 @@ pub fn run_guest_free_with_input(
     };
     // `input.line`: the bytes of the line read so far.
     let mut line: Vec<u8> = Vec::new();
-    while (!timers.is_empty() || reader.is_some())
+    // procfs files keep the session running until Ctrl-C or exit(), as in stap.
+    let files = if session.stopping() {
+        None
+    } else {
+        serve_procfs(prog)?
+    };
+    while (!timers.is_empty() || reader.is_some() || files.is_some())
         && !session.stopping()
         && !stop.load(Ordering::SeqCst)
     {
+        if let Some(request) = files.as_ref().and_then(|f| f.next(Duration::ZERO)) {
+            session.answer_procfs(request, &ctx);
+            continue;
+        }
         let now = Instant::now();
         let next = (0..timers.len()).min_by_key(|&t| timers[t].3);
         let due = next.map(|t| timers[t].3);

@@ -94,6 +94,100 @@ pub(crate) fn expr_all<'p>(e: &'p Expr, f: &mut impl FnMut(&'p Expr)) {
     }
 }
 
+/// Calls `f` on every expression in `b`, nested ones included, each after those inside it
+/// (so `f` may replace an expression whole).
+pub(crate) fn block_exprs_mut(b: &mut Block, f: &mut impl FnMut(&mut Expr)) {
+    for s in &mut b.stmts {
+        stmt_exprs_mut(s, f);
+    }
+}
+
+fn stmt_exprs_mut(s: &mut Stmt, f: &mut impl FnMut(&mut Expr)) {
+    match &mut s.kind {
+        StmtKind::Empty | StmtKind::Next | StmtKind::Break | StmtKind::Continue => {}
+        StmtKind::Block(b) => block_exprs_mut(b, f),
+        StmtKind::Expr(e) | StmtKind::Delete(e) => expr_all_mut(e, f),
+        StmtKind::Return(e) => {
+            if let Some(e) = e {
+                expr_all_mut(e, f);
+            }
+        }
+        StmtKind::If(i) => {
+            expr_all_mut(&mut i.cond, f);
+            stmt_exprs_mut(&mut i.then, f);
+            if let Some(e) = &mut i.els {
+                stmt_exprs_mut(e, f);
+            }
+        }
+        StmtKind::While(w) => {
+            expr_all_mut(&mut w.0, f);
+            stmt_exprs_mut(&mut w.1, f);
+        }
+        StmtKind::For(fs) => {
+            for e in [&mut fs.init, &mut fs.cond, &mut fs.step]
+                .into_iter()
+                .flatten()
+            {
+                expr_all_mut(e, f);
+            }
+            stmt_exprs_mut(&mut fs.body, f);
+        }
+        StmtKind::Foreach(fe) => {
+            for e in fe.slice.iter_mut().flatten() {
+                expr_all_mut(e, f);
+            }
+            if let Some(l) = &mut fe.limit {
+                expr_all_mut(l, f);
+            }
+            stmt_exprs_mut(&mut fe.body, f);
+        }
+        StmtKind::Try(t) => {
+            block_exprs_mut(&mut t.body, f);
+            block_exprs_mut(&mut t.handler, f);
+        }
+    }
+}
+
+/// Calls `f` on every expression inside `e`, then on `e`.
+pub(crate) fn expr_all_mut(e: &mut Expr, f: &mut impl FnMut(&mut Expr)) {
+    match &mut e.kind {
+        ExprKind::Num(_)
+        | ExprKind::Str(_)
+        | ExprKind::Var(_)
+        | ExprKind::Target(_)
+        | ExprKind::Embedded(_)
+        | ExprKind::Wildcard => {}
+        ExprKind::Index(ix) => ix.keys.iter_mut().for_each(|k| expr_all_mut(k, f)),
+        ExprKind::In(i) => i.keys.iter_mut().for_each(|k| expr_all_mut(k, f)),
+        ExprKind::Call(c) => c.args.iter_mut().for_each(|a| expr_all_mut(a, f)),
+        ExprKind::Unary(_, x)
+        | ExprKind::Stat(_, x)
+        | ExprKind::Hist(_, x)
+        | ExprKind::Entry(x)
+        | ExprKind::Defined(x)
+        | ExprKind::Variance(x, _)
+        | ExprKind::AddressOf(x) => expr_all_mut(x, f),
+        ExprKind::Binary(_, p)
+        | ExprKind::Assign(_, p)
+        | ExprKind::Aggregate(p)
+        | ExprKind::RegexMatch(p, _) => {
+            expr_all_mut(&mut p.0, f);
+            expr_all_mut(&mut p.1, f);
+        }
+        ExprKind::Ternary(t) => {
+            expr_all_mut(&mut t.0, f);
+            expr_all_mut(&mut t.1, f);
+            expr_all_mut(&mut t.2, f);
+        }
+        ExprKind::IncDec(i) => expr_all_mut(&mut i.target, f),
+        ExprKind::Cast(c) => {
+            expr_all_mut(&mut c.pointer, f);
+            c.indexes.iter_mut().for_each(|x| expr_all_mut(x, f));
+        }
+    }
+    f(e);
+}
+
 /// The body of user function `index`, when it is a block.
 pub(crate) fn function_body(prog: &Program, index: usize) -> Option<&Block> {
     match &prog.script.functions.get(index)?.body {

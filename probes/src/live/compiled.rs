@@ -582,6 +582,15 @@ fn run(
         .map(|t| crate::lang::walk::probe_writes_globals(&prog, t.0))
         .collect();
     let host = host_context();
+    // The script's procfs files, served by the host: each access is answered like a timer
+    // that writes the globals (a stop, the compiled data pulled in, written back after).
+    let files = match crate::lang::runtime::serve_procfs(&prog) {
+        Ok(files) => files,
+        Err(e) => {
+            session.error(&e.to_string());
+            None
+        }
+    };
     let mut gone = false;
     let mut header = Header::default();
     let mut lost = 0;
@@ -599,11 +608,15 @@ fn run(
     while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
         let now = Instant::now();
         let due: Vec<usize> = (0..timers.len()).filter(|i| timers[*i].3 <= now).collect();
-        if !due.is_empty() || now >= next_poll {
+        let requests: Vec<crate::procfs::Request> = files
+            .iter()
+            .flat_map(|f| std::iter::from_fn(|| f.next(Duration::ZERO)))
+            .collect();
+        if !due.is_empty() || !requests.is_empty() || now >= next_poll {
             let shared = guest.session.is_shared();
             let reads_running = shared || guest.session.machine.reads_while_running();
             let step = (|| -> anyhow::Result<bool> {
-                if shared && due.is_empty() {
+                if shared && due.is_empty() && requests.is_empty() {
                     // Output and header through the shared RAM: no stop.
                     guest.print(&mut session, false)?;
                     header = guest.header()?;
@@ -613,6 +626,7 @@ fn run(
                 // compiled run of a hit is finished first, below.)
                 if reads_running
                     && check.is_none()
+                    && requests.is_empty()
                     && !due.is_empty()
                     && due.iter().all(|i| !timer_writes[*i])
                 {
@@ -629,7 +643,8 @@ fn run(
                 }
                 // A backend that maps guest memory (exotap's own VMM) is read, and its rings
                 // drained, while the guest runs; timers write the globals back: a stop then.
-                let paused = if due.is_empty() {
+                let host_probes = !due.is_empty() || !requests.is_empty();
+                let paused = if !host_probes {
                     guest.session.pause_for_read()?
                 } else {
                     guest.session.pause()?;
@@ -644,7 +659,7 @@ fn run(
                     true
                 };
                 guest.print(&mut session, false)?;
-                if due.is_empty() {
+                if !host_probes {
                     header = guest.header()?;
                 } else {
                     header = guest.pull(&mut session)?;
@@ -655,6 +670,9 @@ fn run(
                             shadow.fire(probe, &name, &host);
                         }
                         timers[*i].3 += period;
+                    }
+                    for request in requests {
+                        session.answer_procfs(request, &host);
                     }
                     guest.push(&session)?;
                 }

@@ -210,6 +210,14 @@ impl Tracer {
             tracing::error!("cannot resume the guest: {e}");
             gone = true;
         }
+        // The script's procfs files, served by the host, answered between hits.
+        let files = match crate::lang::runtime::serve_procfs(&prog) {
+            Ok(files) => files,
+            Err(e) => {
+                session.error(&e.to_string());
+                None
+            }
+        };
         let profile_every = Duration::from_secs(1) / super::traps::PROFILE_HZ;
         let mut next_sample = Instant::now() + profile_every;
         while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
@@ -217,6 +225,9 @@ impl Tracer {
             for timer in timers.iter_mut().filter(|t| t.3 <= now) {
                 session.fire(timer.0, &timer.1, &host);
                 timer.3 += timer.2;
+            }
+            while let Some(request) = files.as_ref().and_then(|f| f.next(Duration::ZERO)) {
+                session.answer_procfs(request, &host);
             }
             let mut wait = POLL;
             if self.traps.profiles() {

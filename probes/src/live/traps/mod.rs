@@ -751,16 +751,27 @@ impl Traps {
     /// Puts back the return addresses still swapped and empties the journal's return list
     /// (the guest paused); detaching then removes the breakpoints.
     pub fn disarm(&mut self, machine: &mut dyn Machine) {
-        let _ = machine.pause();
+        if let Err(e) = machine.pause() {
+            tracing::error!("cannot pause the guest to put the return addresses back: {e}");
+        }
         // A vCPU that returned into the trampoline and stopped at its breakpoint, where the
         // loop ended before handling that stop, would run the trampoline's `ud2` once the
         // breakpoint is gone: send it to the return address its `ret` popped (its return
         // probe does not run).
         let mut moved = 0;
         for vcpu in machine.vcpus().unwrap_or_default() {
-            let Ok(regs) = registers(machine, vcpu) else {
-                continue;
+            let regs = match registers(machine, vcpu) {
+                Ok(regs) => regs,
+                Err(e) => {
+                    tracing::error!("cannot read {vcpu}'s registers at the removal: {e:#}");
+                    continue;
+                }
             };
+            tracing::debug!(
+                "{vcpu} at the removal: rip {:#x} rsp {:#x}",
+                regs.rip,
+                regs.gpr[7]
+            );
             if regs.rip != self.trampoline {
                 continue;
             }
@@ -793,7 +804,12 @@ impl Traps {
             .collect();
         for (slot, original) in chains {
             let mut now = [0u8; 8];
-            match read_kernel(machine, slot, &mut now) {
+            let read = read_kernel(machine, slot, &mut now);
+            tracing::debug!(
+                "in flight at {slot:#x}: holds {:#x} ({read:?}), goes back to {original:#x}",
+                u64::from_le_bytes(now)
+            );
+            match read {
                 Ok(()) if u64::from_le_bytes(now) == self.trampoline => {}
                 // The call returned since, or its task and stack are gone.
                 Ok(()) => continue,
@@ -1041,7 +1057,11 @@ impl Traps {
             entry_regs: regs,
             entry_values,
         };
-        let stale = match self.pending.enter(slot, now, self.trampoline, call) {
+        let entry = self.pending.enter(slot, now, self.trampoline, call);
+        tracing::debug!(
+            "{vcpu} entered {site:#x}: return address {now:#x} at {slot:#x}: {entry:?}"
+        );
+        let stale = match entry {
             Entry::Swap { index, stale } => {
                 self.journal.set_return(machine, index, slot, now)?;
                 machine.write_virt(vcpu, slot, &self.trampoline.to_le_bytes())?;
@@ -1077,7 +1097,15 @@ impl Traps {
         let mut regs = registers(machine, vcpu)?;
         // `ret` popped the swapped slot: it was just below the stack pointer.
         let slot = regs.gpr[7].wrapping_sub(8);
-        let chain = match self.pending.leave(slot) {
+        let left = self.pending.leave(slot);
+        tracing::debug!(
+            "{vcpu} returned through {slot:#x}: {}",
+            match &left {
+                Return::Calls(c) => format!("{} calls, to {:#x}", c.calls.len(), c.original),
+                Return::Unaccounted { .. } => "unaccounted".to_owned(),
+            }
+        );
+        let chain = match left {
             Return::Calls(chain) => chain,
             Return::Unaccounted { fallback } => {
                 return self.unaccounted_return(machine, survey, vcpu, regs, slot, fallback);
