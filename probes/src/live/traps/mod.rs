@@ -83,6 +83,12 @@ const MAX_FUNCTION: u64 = 1 << 20;
 const ARG_REGS: [usize; 6] = [5, 4, 3, 2, 8, 9];
 /// The return trampoline inside the patch heap.
 const TRAMPOLINE_OFFSET: u64 = 0x8000;
+/// The return trampoline's code while exotap is attached: `jmp .` (see [`arm`]).
+const PARKED: [u8; 2] = [0xeb, 0xfe];
+/// Its code once the return addresses are back: `ud2`.
+const LOUD: [u8; 2] = [0x0f, 0x0b];
+/// How often the stops look at every vCPU for one parked at the return trampoline.
+const PARKED_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// One probe of a site: its index in the program and how the point is named.
 #[derive(Debug, Clone)]
@@ -450,15 +456,19 @@ fn arm(
         );
     }
     if needs_trampoline {
-        // Never executed while exotap is attached (the breakpoint stops it first); `ud2` makes
-        // a bug loud instead of running on. Journaled first: a guardian moves a vCPU stopped
-        // there to its return address if exotap dies.
+        // Never executed while exotap is attached: the breakpoint stops a vCPU there first.
+        // Should a stop be missed all the same, `jmp .` parks the vCPU there instead of
+        // running on, where the next look at every vCPU ([`Traps::hit_in`], the removal)
+        // finds it and sends it on to its caller; the removal puts `ud2` back, so that a
+        // return address left swapped after the detach is a loud oops, never a hang.
+        // Journaled first: a guardian moves a vCPU stopped there to its return address if
+        // exotap dies.
         super::recover::Journal {
             heap_phys: plan.phys,
         }
         .set_trampoline(&mut att.machine, trampoline)?;
         att.machine
-            .write_phys(plan.phys + TRAMPOLINE_OFFSET, &[0x0f, 0x0b])?;
+            .write_phys(plan.phys + TRAMPOLINE_OFFSET, &PARKED)?;
         att.machine.set_breakpoint(trampoline, true)?;
     }
     let mut kinds: Vec<(&str, usize)> = Vec::new();
@@ -483,6 +493,27 @@ fn arm(
 /// Reads kernel memory at `at`: vCPU 0's own view first (one request); when it stopped in
 /// user mode under PTI that view lacks most kernel text and data, and the kernel's page
 /// tables are walked instead.
+/// Where the interrupted RIP of an interrupt frame lies that a vCPU pushed when an interrupt
+/// came after a `ret` popped `slot` and before the instruction at `trampoline` (the frame
+/// the x86-64 processor pushes on the current stack, aligned down to 16 bytes from the stack
+/// pointer `slot + 8`: RIP, CS, RFLAGS, RSP, SS), or `None` when the words there are not such
+/// a frame.
+fn interrupted_at(machine: &mut dyn Machine, slot: u64, trampoline: u64) -> Option<u64> {
+    let rsp = slot.wrapping_add(8);
+    let top = rsp & !15;
+    let rip_at = top.wrapping_sub(40);
+    let mut frame = [0u8; 40];
+    read_kernel(machine, rip_at, &mut frame).ok()?;
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&frame[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(w)
+    };
+    let (rip, cs, rsp_saved) = (word(0), word(1), word(3));
+    // The kernel's code segment (ring 0), and the stack pointer the `ret` left.
+    (rip == trampoline && cs & 3 == 0 && rsp_saved == rsp).then_some(rip_at)
+}
+
 pub(super) fn read_guest(machine: &mut dyn Machine, at: u64, buf: &mut [u8]) -> anyhow::Result<()> {
     machine
         .read_virt(VcpuId(0), at, buf)
@@ -574,6 +605,8 @@ pub struct Traps {
     profile: Vec<SiteProbe>,
     /// The point those probes' contexts name.
     profile_point: ArmedPoint,
+    /// When the stops last looked for a vCPU parked at the return trampoline.
+    parked_look: std::time::Instant,
 }
 
 impl std::fmt::Debug for Traps {
@@ -657,6 +690,7 @@ impl Traps {
                 params: Vec::new(),
                 locals: None,
             },
+            parked_look: std::time::Instant::now(),
         })
     }
 
@@ -809,10 +843,24 @@ impl Traps {
                 "in flight at {slot:#x}: holds {:#x} ({read:?}), goes back to {original:#x}",
                 u64::from_le_bytes(now)
             );
+            let mut slot = slot;
             match read {
                 Ok(()) if u64::from_le_bytes(now) == self.trampoline => {}
-                // The call returned since, or its task and stack are gone.
-                Ok(()) => continue,
+                // The `ret` popped the slot, and an interrupt came before the trampoline's
+                // first instruction: its frame, pushed over the slot, holds the trampoline
+                // as the interrupted RIP, and the handler's `iret` would run the `ud2` after
+                // the detach. That RIP gets the return address instead.
+                Ok(()) => match interrupted_at(machine, slot, self.trampoline) {
+                    Some(rip) => {
+                        tracing::info!(
+                            "a task interrupted at the return trampoline (its frame at \
+                             {rip:#x}) resumes at {original:#x} instead"
+                        );
+                        slot = rip;
+                    }
+                    // The call returned since, or its task and stack are gone.
+                    None => continue,
+                },
                 // Its task exited inside the call and its stack is unmapped: nothing returns.
                 Err(e) => {
                     tracing::warn!("cannot read the swapped return address at {slot:#x}: {e:#}");
@@ -855,6 +903,11 @@ impl Traps {
                  (see the errors above)",
                 self.pending.unaccounted
             );
+        }
+        // Every vCPU is past the trampoline and every swapped address is back: from now on
+        // a return into it is a bug to be loud about (`ud2`), not to park.
+        if let Err(e) = machine.write_phys(self.journal.heap_phys + TRAMPOLINE_OFFSET, &LOUD) {
+            tracing::warn!("cannot put ud2 back into the return trampoline: {e}");
         }
         if failed > 0 {
             // The journal keeps them: the guardian or `exotap recover` can try again.
@@ -946,10 +999,41 @@ impl Traps {
         pc: u64,
     ) -> anyhow::Result<()> {
         if pc == self.trampoline {
-            self.returned(guest, sessions, vcpu)
+            self.returned(guest, sessions, vcpu)?;
         } else {
-            self.entered(guest, sessions, vcpu, pc)
+            self.entered(guest, sessions, vcpu, pc)?;
         }
+        if self.parked_look.elapsed() >= PARKED_LOOK && !self.pending.is_empty() {
+            self.parked_look = std::time::Instant::now();
+            self.send_on_parked(guest, sessions, vcpu)?;
+        }
+        Ok(())
+    }
+
+    /// Sends on every vCPU but `reported` that is at the return trampoline: one whose
+    /// breakpoint stop was not reported (QEMU reports one stop of all those that happen at
+    /// once, and a vCPU that came there without stopping is parked by its `jmp .`). Its
+    /// return is handled as a stop there would be.
+    fn send_on_parked(
+        &mut self,
+        guest: &mut GuestSession,
+        sessions: &mut HitSessions<'_, '_>,
+        reported: VcpuId,
+    ) -> anyhow::Result<()> {
+        for vcpu in guest.machine.vcpus().unwrap_or_default() {
+            if vcpu == reported {
+                continue;
+            }
+            let rip = registers(&mut *guest.machine, vcpu)?.rip;
+            if rip == self.trampoline {
+                tracing::warn!(
+                    "{vcpu} was at the return trampoline with no stop reported there: its \
+                     return is handled now"
+                );
+                self.returned(guest, sessions, vcpu)?;
+            }
+        }
+        Ok(())
     }
 
     fn entered(

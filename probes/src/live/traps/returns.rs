@@ -117,7 +117,6 @@ impl Ledger {
     }
 
     /// Whether no call is in flight.
-    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.chains.is_empty()
     }
