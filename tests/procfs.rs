@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::exotap;
+use common::{exotap, parse_metrics, Sample};
 
 /// exotap running `script` with its files in `dir` and HTTP on a port of its choosing;
 /// returns the child, the HTTP address it printed, and its stderr so far.
@@ -187,46 +187,4 @@ fn prometheus_metrics_are_served_in_prometheus_text_format() {
             .any(|(_, labels, _)| labels.contains(&("who".into(), "a \"quoted\" name".into()))),
         "{last:?}"
     );
-}
-
-/// A sample: its name, its labels (sorted), its value.
-type Sample = (String, Vec<(String, String)>, f64);
-
-/// The samples of a scrape, as Prometheus's Python client parses them: (name, labels,
-/// value). Panics when the text does not parse.
-fn parse_metrics(text: &str) -> Vec<Sample> {
-    const PARSE: &str = r#"
-import json, sys
-from prometheus_client.parser import text_string_to_metric_families
-out = []
-for family in text_string_to_metric_families(sys.stdin.read()):
-    for s in family.samples:
-        out.append([s.name, sorted(s.labels.items()), s.value])
-print(json.dumps(out))
-"#;
-    // Debian's python3-prometheus-client (ci/install-deps.sh) is for the system python.
-    let mut child = Command::new("/usr/bin/python3")
-        .args(["-c", PARSE])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect(
-            "cannot run /usr/bin/python3 (ci/install-deps.sh installs python3-prometheus-client)",
-        );
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "Prometheus's parser refused the metrics (or python3-prometheus-client is missing: \
-         ci/install-deps.sh installs it):\n{}\n--- the metrics:\n{text}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<Sample> = serde_json::from_slice(&out.stdout).expect("json from the parser");
-    rows
 }

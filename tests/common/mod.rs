@@ -155,3 +155,44 @@ pub fn fetch_kernel(kernel: &str) {
         "exotap image fetch --kernel {kernel}:\n{out}\n{err}"
     );
 }
+
+/// A sample: its name, its labels (sorted), its value.
+pub type Sample = (String, Vec<(String, String)>, f64);
+
+/// The samples of a scrape, as Prometheus's Python client parses them: (name, labels,
+/// value). Panics when the text does not parse.
+pub fn parse_metrics(text: &str) -> Vec<Sample> {
+    const PARSE: &str = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = []
+for family in text_string_to_metric_families(sys.stdin.read()):
+    for s in family.samples:
+        out.append([s.name, sorted(s.labels.items()), s.value])
+print(json.dumps(out))
+"#;
+    // Debian's python3-prometheus-client (ci/install-deps.sh) is for the system python.
+    let mut child = std::process::Command::new("/usr/bin/python3")
+        .args(["-c", PARSE])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect(
+            "cannot run /usr/bin/python3 (ci/install-deps.sh installs python3-prometheus-client)",
+        );
+    std::io::Write::write_all(
+        &mut child.stdin.take().expect("piped stdin"),
+        text.as_bytes(),
+    )
+    .expect("cannot write to the parser");
+    let out = child.wait_with_output().expect("the parser's output");
+    assert!(
+        out.status.success(),
+        "Prometheus's parser refused the metrics (or python3-prometheus-client is missing: \
+         ci/install-deps.sh installs it):\n{}\n--- the metrics:\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Sample> = serde_json::from_slice(&out.stdout).expect("json from the parser");
+    rows
+}

@@ -29,6 +29,7 @@ mod common;
 
 mod checks;
 mod examples;
+mod metrics;
 mod soak;
 
 use std::collections::BTreeMap;
@@ -599,6 +600,21 @@ fn systemtap_examples_run_unchanged_on_the_live_guest_and_agree_with_its_kprobes
                     run.err
                 );
                 failed.push(format!("{name}: {why}"));
+            }
+        }
+    }
+    // The Prometheus examples, scraped while they run (issue 42).
+    for (f, grows) in metrics::PROMETHEUS_EXAMPLES {
+        // EXOTAP_EXAMPLES chooses among these too.
+        let only = std::env::var("EXOTAP_EXAMPLES").unwrap_or_default();
+        if !only.is_empty() && !only.split(',').any(|o| !o.is_empty() && f.contains(o)) {
+            continue;
+        }
+        match metrics::scrape_example(&dir.join(f), &socket, *grows) {
+            Ok(said) => eprintln!("PASS {f} --http: {said}"),
+            Err(why) => {
+                eprintln!("FAIL {f} --http: {why}");
+                failed.push(format!("{f} --http: {}", why.lines().next().unwrap_or("")));
             }
         }
     }

@@ -1026,7 +1026,7 @@ impl Splicer {
         let bytes = (INFLIGHT + u64::from(PROBE_SLOTS)) * SLOT;
         let mut buf = vec![0u8; usize::try_from(bytes)?];
         machine.read_phys(self.heap_phys(table), &mut buf)?;
-        let (mut n, mut restored, mut unrestored) = (0, 0, Vec::new());
+        let (mut n, mut restored, mut unrestored, mut gone) = (0, 0, Vec::new(), 0);
         let word =
             |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
         for slot in buf.chunks(SLOT as usize) {
@@ -1039,13 +1039,23 @@ impl Splicer {
             let mut mem = BackendMemory(&mut *machine);
             let mut space = self.survey.space(&mut mem);
             let mut now = [0u8; 8];
-            if let Err(e) = space.read(key, &mut now) {
-                tracing::warn!(
-                    "a timed call in flight at removal: its return address slot at {key:#x} \
-                     cannot be read ({e}); its return address is not put back"
-                );
-                unrestored.push((key, e.to_string()));
-                continue;
+            match space.read(key, &mut now) {
+                Ok(()) => {}
+                // A kernel stack is mapped for as long as its task lives: an unmapped slot
+                // belongs to a task that ended inside the call (exit and exit_group never
+                // return), whose stack is gone with it. Nothing will return there.
+                Err(exotap_introspect::paging::PagingError::NotPresent { .. }) => {
+                    gone += 1;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "a timed call in flight at removal: its return address slot at \
+                         {key:#x} cannot be read ({e}); its return address is not put back"
+                    );
+                    unrestored.push((key, e.to_string()));
+                    continue;
+                }
             }
             if !trampolines.contains(&u64::from_le_bytes(now)) {
                 continue;
@@ -1053,6 +1063,12 @@ impl Splicer {
             let phys = space.translate(key)?.phys;
             machine.write_phys(phys, &original.to_le_bytes())?;
             restored += 1;
+        }
+        if gone > 0 {
+            tracing::debug!(
+                "{gone} calls in flight at removal belong to tasks that ended inside them \
+                 (their stacks are unmapped): nothing returns there"
+            );
         }
         Ok(ReturnsRestored {
             in_flight: n,
