@@ -523,6 +523,11 @@ impl Journal {
                 }
             }
         }
+        // The trap trampoline parks a vCPU (`jmp .`) while exotap is attached; with every
+        // return address back, a return into it is a bug to be loud about (`ud2`).
+        if trampoline != 0 && in_heap(trampoline) {
+            machine.write_phys(self.heap_phys + (trampoline - heap_va), &[0x0f, 0x0b])?;
+        }
         self.put(machine, BLOCKS, 0)?;
         self.put(machine, TABLES, 0)?;
         self.put(machine, TRAMPOLINE, 0)?;
@@ -876,6 +881,9 @@ mod tests {
             "{report}"
         );
         assert!(report.foreign[0].contains("0x3000"), "{report}");
+        // The parked trampoline (`jmp .` while exotap was attached) is loud again: `ud2`.
+        let at = (HEAP + (TRAMPOLINE_VA - HEAP_VA)) as usize;
+        assert_eq!(&m.ram[at..at + 2], &[0x0f, 0x0b]);
         // Emptied: a second recovery finds nothing.
         let again = journal.recover(&mut m).unwrap();
         assert!(!again.anything(), "{again}");
