@@ -563,7 +563,7 @@ pub fn serve_procfs(prog: &Program) -> Result<Option<Server>, RuntimeError> {
     Ok(Some(server))
 }
 
-/// The context host-run probes (begin, end, timers) see./// The context host-run probes (begin, end, timers) see.
+/// The context host-run probes (begin, end, timers) see.
 pub fn host_context() -> CapturedContext {
     let pid = i64::from(std::process::id());
     CapturedContext {

@@ -490,9 +490,6 @@ fn arm(
     Ok((armed, trampoline))
 }
 
-/// Reads kernel memory at `at`: vCPU 0's own view first (one request); when it stopped in
-/// user mode under PTI that view lacks most kernel text and data, and the kernel's page
-/// tables are walked instead.
 /// Where the interrupted RIP of an interrupt frame lies that a vCPU pushed when an interrupt
 /// came after a `ret` popped `slot` and before the instruction at `trampoline` (the frame
 /// the x86-64 processor pushes on the current stack, aligned down to 16 bytes from the stack
@@ -514,6 +511,9 @@ fn interrupted_at(machine: &mut dyn Machine, slot: u64, trampoline: u64) -> Opti
     (rip == trampoline && cs & 3 == 0 && rsp_saved == rsp).then_some(rip_at)
 }
 
+/// Reads kernel memory at `at`: vCPU 0's own view first (one request); when it stopped in
+/// user mode under PTI that view lacks most kernel text and data, and the kernel's page
+/// tables are walked instead.
 pub(super) fn read_guest(machine: &mut dyn Machine, at: u64, buf: &mut [u8]) -> anyhow::Result<()> {
     machine
         .read_virt(VcpuId(0), at, buf)
@@ -607,6 +607,8 @@ pub struct Traps {
     profile_point: ArmedPoint,
     /// When the stops last looked for a vCPU parked at the return trampoline.
     parked_look: std::time::Instant,
+    /// Returns handled for a vCPU found at the trampoline with no stop reported there.
+    unreported_returns: u64,
 }
 
 impl std::fmt::Debug for Traps {
@@ -691,6 +693,7 @@ impl Traps {
                 locals: None,
             },
             parked_look: std::time::Instant::now(),
+            unreported_returns: 0,
         })
     }
 
@@ -824,6 +827,15 @@ impl Traps {
         }
         if moved > 0 {
             tracing::info!("{moved} vCPUs at the return trampoline sent on to their callers");
+        }
+        if self.unreported_returns > 0 {
+            // QEMU's round-robin TCG reports one of the breakpoint stops that happen
+            // together: the others wait at their breakpoints, found at the next look.
+            tracing::info!(
+                "{} returns of vCPUs found at the return trampoline with no stop reported \
+                 there were handled at another vCPU's stop",
+                self.unreported_returns
+            );
         }
         // The slots are on kernel stacks: read and written through the kernel's page tables,
         // since vCPU 0 may have stopped in user mode, where PTI's user half maps no kernel
@@ -1026,10 +1038,11 @@ impl Traps {
             }
             let rip = registers(&mut *guest.machine, vcpu)?.rip;
             if rip == self.trampoline {
-                tracing::warn!(
+                tracing::debug!(
                     "{vcpu} was at the return trampoline with no stop reported there: its \
                      return is handled now"
                 );
+                self.unreported_returns += 1;
                 self.returned(guest, sessions, vcpu)?;
             }
         }
