@@ -95,8 +95,9 @@ pub fn run_guardian(args: &GuardianArgs) -> anyhow::Result<i32> {
                 );
             } else {
                 eprintln!(
-                    "exotap guardian: exotap (pid {}) ended on an error; nothing of it was left \
-                     in the guest (checked in {:.3} s); breakpoints dropped, guest running",
+                    "exotap guardian: exotap (pid {}) ended without dismissing its guardian (an \
+                     error, or killed); nothing of it was left in the guest (checked in {:.3} \
+                     s); breakpoints dropped, guest running",
                     args.parent,
                     took.as_secs_f64()
                 );

@@ -166,6 +166,7 @@ fn a_killed_exotap_leaves_nothing_behind_and_signals_remove_cleanly() {
     let job = r#"end=$(( $(date +%s) + 150 ))
 ( while [ $(date +%s) -lt $end ]; do mixed 5 >/dev/null || echo STORM-FAIL; done ) &
 ( while [ $(date +%s) -lt $end ]; do syscall-loop 20000 >/dev/null || echo STORM-FAIL; done ) &
+( while [ $(date +%s) -lt $end ]; do echo x; sleep 0.2; done ) | while read l; do :; done &
 wait
 exotap_result storm done"#;
     let (mut guest, mut console) = boot_job(dir.path(), job, "600", &socket, "EXOTAP-READY");
