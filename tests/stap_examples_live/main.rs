@@ -252,6 +252,35 @@ fn signal(child: &Child, sig: &str) {
 
 /// Runs `file ARGS` against the guest at `socket` over its window after the install, then
 /// SIGINT; `--compile COMPILE`.
+/// Reads a spawned exotap's piped stdout and stderr on threads of their own: (its whole
+/// stdout, its stderr line by line as they come, its whole stderr).
+fn watch_output(
+    child: &mut Child,
+) -> (
+    std::thread::JoinHandle<String>,
+    mpsc::Receiver<String>,
+    std::thread::JoinHandle<String>,
+) {
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let (tx, rx) = mpsc::channel::<String>();
+    let stderr = BufReader::new(child.stderr.take().expect("piped stderr"));
+    let err = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    (out, rx, err)
+}
+
 fn run_example(file: &Path, ex: &Example, socket: &Path, rounds: &AtomicU64, compile: &str) -> Run {
     let started = Instant::now();
     let mut child = exotap()
@@ -263,23 +292,7 @@ fn run_example(file: &Path, ex: &Example, socket: &Path, rounds: &AtomicU64, com
         .stderr(Stdio::piped())
         .spawn()
         .expect("cannot start exotap run");
-    let mut stdout = child.stdout.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let (tx, rx) = mpsc::channel::<String>();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let err = std::thread::spawn(move || {
-        let mut all = String::new();
-        for line in stderr.lines().map_while(Result::ok) {
-            let _ = tx.send(line.clone());
-            all.push_str(&line);
-            all.push('\n');
-        }
-        all
-    });
+    let (out, rx, err) = watch_output(&mut child);
     // The install: exotap names the sites it compiled in or armed.
     let deadline = started + Duration::from_secs(120);
     let mut installed = false;

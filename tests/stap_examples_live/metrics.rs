@@ -5,7 +5,7 @@
 //! no sample present in two scrapes may shrink between them. topsys.stp empties its table
 //! every 5 s, as in SystemTap, so only its format is checked.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::mpsc;
@@ -36,23 +36,7 @@ pub fn scrape_example(file: &Path, socket: &Path, grows: bool) -> Result<String,
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot start exotap: {e}"))?;
-    let (tx, rx) = mpsc::channel::<String>();
-    let stderr = BufReader::new(child.stderr.take().expect("piped"));
-    let err = std::thread::spawn(move || {
-        let mut all = String::new();
-        for line in stderr.lines().map_while(Result::ok) {
-            let _ = tx.send(line.clone());
-            all.push_str(&line);
-            all.push('\n');
-        }
-        all
-    });
-    let mut stdout = child.stdout.take().expect("piped");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
+    let (out, rx, err) = crate::watch_output(&mut child);
     // Where it serves, then its probes in.
     let deadline = Instant::now() + Duration::from_secs(180);
     let (mut addr, mut installed) = (None, false);

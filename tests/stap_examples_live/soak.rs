@@ -228,23 +228,7 @@ fn soak_one(ex: &InScope, socket: &Path, compile: &str, window: Duration) -> Soa
         .stderr(Stdio::piped())
         .spawn()
         .expect("cannot start exotap run");
-    let mut stdout = child.stdout.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let (tx, rx) = mpsc::channel::<String>();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let err = std::thread::spawn(move || {
-        let mut all = String::new();
-        for line in stderr.lines().map_while(Result::ok) {
-            let _ = tx.send(line.clone());
-            all.push_str(&line);
-            all.push('\n');
-        }
-        all
-    });
+    let (out, rx, err) = crate::watch_output(&mut child);
     let deadline = started + Duration::from_secs(180);
     let mut installed = false;
     while !installed && Instant::now() < deadline {
