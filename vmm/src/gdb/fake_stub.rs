@@ -915,6 +915,49 @@ mod tests {
         stub.finish();
     }
 
+    /// QEMU's gdbstub selects the vCPU that stopped at every stop: a register access to
+    /// another vCPU after the guest ran must select it again, or it reads (and writes) the
+    /// vCPU that stopped. (Issue 40: the removal read one vCPU's registers twice and never
+    /// saw the other parked at the return trampoline, which then ran its `ud2`.)
+    #[test]
+    fn a_stop_forgets_the_selected_thread() {
+        let rip = "0080ffffffffffff";
+        let stub = FakeStub::start(
+            machine_handshake()
+                .into_iter()
+                .chain([
+                    Step::Expect("Hg2"),
+                    reply("OK"),
+                    Step::Expect("p10"),
+                    reply(rip),
+                    Step::Expect("p10"),
+                    reply(rip),
+                    Step::Expect("c"),
+                    reply("T05thread:01;"),
+                    Step::Expect("Hg2"),
+                    reply("OK"),
+                    Step::Expect("p10"),
+                    reply(rip),
+                ])
+                .collect(),
+        );
+        let mut machine = GdbMachine::connect(&stub.addr, PATIENT).unwrap();
+        let client = machine.client();
+        let other = crate::gdb::ThreadId(2);
+
+        bounded(|| {
+            // Selected once while stopped; then the guest runs and thread 1 stops.
+            client.read_register(other, "rip").unwrap();
+            client.read_register(other, "rip").unwrap();
+            client.resume().unwrap();
+            assert!(client.wait_stop(PATIENT).unwrap().is_some());
+            client.read_register(other, "rip").unwrap();
+        });
+
+        drop(machine);
+        stub.finish();
+    }
+
     #[test]
     fn register_value_narrower_than_the_register_is_unexpected() {
         let stub = FakeStub::start(

@@ -242,6 +242,9 @@ pub struct GdbClient {
     /// The stub's maximum packet size (`PacketSize`).
     packet_size: usize,
     features: Vec<String>,
+    /// The thread the stub's `Hg` selects, as far as this client knows. QEMU's gdbstub
+    /// selects the vCPU that stopped at every stop (`gdb_set_stop_cpu` sets its `g_cpu`),
+    /// so the target running forgets it ([`GdbClient::resume`], [`GdbClient::step`]).
     general_thread: Option<ThreadId>,
     phys_mode: bool,
     /// The stub takes a new packet before its last answer is acked, as QEMU's gdbstub does
@@ -798,6 +801,9 @@ impl GdbClient {
     /// # Errors
     /// When sending fails.
     pub fn resume(&mut self) -> Result<(), GdbError> {
+        // The stop that ends this run selects the vCPU that stopped: an `Hg` sent before it
+        // no longer holds (a register read of another vCPU would read the one that stopped).
+        self.general_thread = None;
         self.send(b"c")
     }
 
@@ -806,6 +812,7 @@ impl GdbClient {
     /// # Errors
     /// When the stub fails or does not stop in time.
     pub fn step(&mut self, thread: ThreadId) -> Result<StopReply, GdbError> {
+        self.general_thread = None;
         self.send(format!("vCont;s:{:x}", thread.0).as_bytes())?;
         self.wait_stop(self.timeout)?.ok_or(GdbError::Timeout {
             what: "the single step".into(),
