@@ -23,7 +23,8 @@ use super::scan::{scan, UnitEntries};
 use super::{DebugInfo, DieRef, DwarfError};
 
 const MAGIC: &[u8; 8] = b"EXOTAPIX";
-const VERSION: u32 = 2;
+/// 3: an entry's `low` is its `DW_AT_entry_pc` when that lies inside its `low_pc..high_pc`.
+const VERSION: u32 = 3;
 const RECORD: usize = 48;
 
 /// Errors of the on-disk index.

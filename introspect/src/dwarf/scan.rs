@@ -137,7 +137,13 @@ impl<'u, 'a> UnitScan<'u, 'a> {
                 AttributeValue::Udata(len) => low.checked_add(len)?,
                 v => dwarf.attr_address(self.unit, v).ok().flatten()?,
             };
-            return Some((low, high));
+            // An inlined instance whose first instruction is not its entry (code of the
+            // caller scheduled into it): the entry pc, as kprobes and SystemTap take it.
+            let entry = a
+                .entry_pc
+                .and_then(|v| dwarf.attr_address(self.unit, v).ok().flatten())
+                .filter(|pc| (low..high).contains(pc));
+            return Some((entry.unwrap_or(low), high));
         }
         let offset = dwarf.attr_ranges_offset(self.unit, a.ranges?).ok()??;
         let mut ranges = dwarf.ranges(self.unit, offset).ok()?;

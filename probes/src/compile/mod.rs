@@ -320,12 +320,9 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
         let mut kernel = false;
         for (pt, kind) in &p.points {
             match kind {
-                // `@FILE`/`:LINE` resolve (with the -dbg vmlinux) to entries and statements.
-                PointKind::KernelFunction { site, .. }
-                    if *site != crate::lang::point::FunctionSite::Inline =>
-                {
-                    kernel = true
-                }
+                // `@FILE`/`:LINE` resolve (with the -dbg vmlinux) to entries and statements;
+                // `.inline` to the instances' entry pcs, statements in their callers.
+                PointKind::KernelFunction { .. } => kernel = true,
                 PointKind::Syscall { .. } => kernel = true,
                 // `func+OFFSET` and `.absolute`: compiled where the splice planner accepts
                 // the instruction (live::compiled asks it).

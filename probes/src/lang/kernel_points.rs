@@ -4,7 +4,8 @@
 //! Addresses are link-time; the backend adds the KASLR slide when it attaches. Points that need
 //! source positions (`@file`, `:line`, `kernel.statement("f@file:line")`) are resolved with the
 //! -dbg vmlinux's DWARF when one is given ([`KernelSymbols::with_lines`], see
-//! [`super::source_lines`]), and otherwise say how to get it; `kernel.field` (struct layouts)
+//! [`super::source_lines`]), and otherwise say how to get it; so are the inlined instances of
+//! `kernel.function("F").inline` (each instance's entry pc); `kernel.field` (struct layouts)
 //! says it is not supported here instead of guessing.
 //!
 //! Source positions follow SystemTap: `@FILE` keeps the functions whose definition is in a
@@ -21,7 +22,7 @@ use exotap_introspect::btf::Btf;
 use exotap_introspect::symbols::{Symbol, SymbolTable};
 
 use super::ast::ProbePoint;
-use super::point::PointKind;
+use super::point::{FunctionSite, PointKind};
 use super::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
 use super::source_lines::{LineSites, SourceLines};
 
@@ -92,6 +93,50 @@ impl<'a> KernelSymbols<'a> {
                 ),
                 address: Some(f.low),
                 variables: self.parameters(&f.name),
+            })
+            .collect())
+    }
+
+    /// `kernel.function("PAT[@FILE]").inline`: each inlined instance of the functions
+    /// matching PAT (declared in FILE), at its entry pc, as SystemTap probes them. The
+    /// instances are in the caller's code: no BTF parameters (an inlined function's
+    /// arguments are wherever the caller's code keeps them: DWARF says, per point).
+    fn inlined(
+        &self,
+        point: &ProbePoint,
+        pattern: &str,
+        file: Option<&str>,
+        line: Option<&str>,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        if line.is_some() {
+            return Err(ResolveError::Source(format!(
+                "{point}: a line does not select inlined instances (write \
+                 kernel.statement(\"PAT@FILE:LINE\") for the code of a line)"
+            )));
+        }
+        let src = self.lines.ok_or_else(|| {
+            ResolveError::Source(format!(
+                "{point}: the inlined instances of a function are known from the kernel's DWARF \
+             debug info only, and no -dbg vmlinux is cached (run `exotap image fetch \
+             --debuginfo`)"
+            ))
+        })?;
+        let copies = src
+            .inlined(pattern, file.unwrap_or("*"))
+            .map_err(|e| dwarf_error(point, &e))?;
+        Ok(copies
+            .into_iter()
+            .map(|c| {
+                let at = if c.file.is_empty() {
+                    String::new()
+                } else {
+                    format!("@{}:{}", c.file, c.line)
+                };
+                ResolvedPoint {
+                    name: format!("kernel.function(\"{}{at}\").inline", c.name),
+                    address: Some(c.entry),
+                    variables: Vec::new(),
+                }
             })
             .collect())
     }
@@ -289,6 +334,12 @@ impl ProbePointResolver for KernelSymbols<'_> {
         kind: &PointKind,
     ) -> Result<Vec<ResolvedPoint>, ResolveError> {
         let found = match kind {
+            PointKind::KernelFunction {
+                pattern,
+                file,
+                line,
+                site: FunctionSite::Inline,
+            } => self.inlined(point, pattern, file.as_deref(), line.as_deref())?,
             PointKind::KernelFunction {
                 pattern,
                 file,

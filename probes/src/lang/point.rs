@@ -5,7 +5,8 @@ use super::ast::{Literal, ProbePoint, Span};
 /// Which instances of a kernel function a `kernel.function` point covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FunctionSite {
-    /// Entry of every instance, out-of-line and inlined.
+    /// Entry of the out-of-line instance (SystemTap adds the inlined instances, which
+    /// exotap does not yet: `.inline` probes those).
     Entry,
     /// `.call`: entry of out-of-line instances only.
     Call,

@@ -241,6 +241,10 @@ pub fn list(
             out.extend(resolver.resolve(point, &kind)?);
         }
     }
+    // As stap's: a point listed once, however many places share its name (the inlined
+    // instances of one function).
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|p| seen.insert((p.name.clone(), p.variables.clone())));
     Ok(out)
 }
 

@@ -1,6 +1,7 @@
 //! Source positions of the guest kernel from its -dbg vmlinux (DWARF): the functions a
-//! source file defines and the addresses where a source line begins, for the `@FILE` and
-//! `:LINE` filters of `kernel.function(...)` and `kernel.statement(...)`.
+//! source file defines, the addresses where a source line begins, and the places a function
+//! was inlined, for the `@FILE` and `:LINE` filters of `kernel.function(...)` and
+//! `kernel.statement(...)` and for `kernel.function(...).inline`.
 //!
 //! The DWARF reading (name index, line tables) is introspect's; this module only asks it.
 
@@ -23,6 +24,25 @@ pub struct SourceFunction {
     pub low: u64,
     /// End of its main range (link-time).
     pub high: u64,
+}
+
+/// One place a function was inlined: its name and declaration (as the abstract function
+/// has them), the call site, and the instance's entry pc (link-time: `DW_AT_entry_pc`, or its
+/// `low_pc`, or the start of its first range).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InlinedCopy {
+    /// The inlined function's name.
+    pub name: String,
+    /// The file that declares it (`include/linux/file.h`), `""` when DWARF does not say.
+    pub file: String,
+    /// Its declaration line (0 when unknown).
+    pub line: u32,
+    /// The file of the call site that it was inlined into.
+    pub call_file: String,
+    /// The line of that call.
+    pub call_line: u32,
+    /// The instance's entry pc.
+    pub entry: u64,
 }
 
 /// What a source line maps to.
@@ -84,6 +104,51 @@ impl SourceLines {
             .collect();
         out.sort_by(|a, b| (&a.name, a.low).cmp(&(&b.name, b.low)));
         out.dedup_by(|a, b| a.name == b.name && a.low == b.low);
+        Ok(out)
+    }
+
+    /// The inlined instances of the functions matching `pattern` (a name or glob) declared
+    /// in a file matching `file` (`*`: any), by entry pc; one per function and entry pc (a
+    /// function inlined into another inlined one can share its entry).
+    ///
+    /// # Errors
+    /// Unreadable DWARF.
+    pub fn inlined(&self, pattern: &str, file: &str) -> anyhow::Result<Vec<InlinedCopy>> {
+        let info = self.file.load()?;
+        let names = Index::load_or_build(&info, &self.cache, Layer::Names, &|_, _| {})?;
+        // The declaring file is the abstract function's; an instance records its call site.
+        let declared: std::collections::HashMap<&str, (&str, u32)> = names
+            .functions(
+                &format!("{pattern}@{file}"),
+                &[EntryKind::Abstract, EntryKind::Function],
+            )
+            .into_iter()
+            .map(|f| (f.name, (f.file, f.line)))
+            .collect();
+        let inlines = Index::load_or_build(&info, &self.cache, Layer::Inlines, &|_, _| {})?;
+        let mut out: Vec<InlinedCopy> = inlines
+            .functions(pattern, &[EntryKind::Inlined])
+            .into_iter()
+            .filter(|e| e.low != 0)
+            .filter_map(|e| {
+                let (decl_file, decl_line) = match declared.get(e.name) {
+                    Some(d) => *d,
+                    // Matched by name but declared elsewhere: out when a file was asked for.
+                    None if file != "*" => return None,
+                    None => ("", 0),
+                };
+                Some(InlinedCopy {
+                    name: e.name.to_owned(),
+                    file: decl_file.to_owned(),
+                    line: if decl_line == u32::MAX { 0 } else { decl_line },
+                    call_file: e.file.to_owned(),
+                    call_line: e.line,
+                    entry: e.low,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| (a.entry, &a.name).cmp(&(b.entry, &b.name)));
+        out.dedup_by(|a, b| a.entry == b.entry && a.name == b.name);
         Ok(out)
     }
 
@@ -204,6 +269,65 @@ mod tests {
             &KernelSymbols::new(&image.symbols, None).with_lines(Some(lines)),
         )
         .map_err(|e| e.to_string())
+    }
+
+    /// `kernel.function("F").inline` is at one place per location of gdb's `break F` (gdb
+    /// puts a breakpoint on every inlined instance), each within a few instructions of gdb's
+    /// address: gdb skips an instance's prologue, or takes the start of its first range where
+    /// GCC's `DW_AT_entry_pc` names a later one; exotap takes the entry pc, as elfutils'
+    /// `dwarf_entrypc` (SystemTap) does. A file filter keeps the function's declaring file,
+    /// not the callers'.
+    #[test]
+    fn inlined_instances_are_the_locations_of_gdbs_breakpoint() {
+        let Some((image, lines)) = kernel() else {
+            return;
+        };
+        let functions = ["file_ppos", "fdget_pos", "fdput_pos"];
+        let commands: Vec<String> = functions
+            .iter()
+            .map(|f| format!("break {f}"))
+            .chain(["info breakpoints".to_owned()])
+            .collect();
+        let Some(out) = gdb(lines.path(), &commands) else {
+            return;
+        };
+        for (n, f) in functions.iter().enumerate() {
+            // "1.3    y   0xffffffff8134a506 in file_ppos at fs/read_write.c:599"
+            let gdb_at: Vec<u64> = out
+                .lines()
+                .filter(|l| l.trim_start().starts_with(&format!("{}.", n + 1)))
+                .filter(|l| l.contains(&format!(" in {f} at ")))
+                .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("0x")))
+                .map(|w| u64::from_str_radix(&w[2..], 16).unwrap())
+                .collect();
+            assert!(gdb_at.len() >= 2, "{f}: gdb found {gdb_at:?} in:\n{out}");
+            let found = resolve(&image, &lines, &format!(r#"kernel.function("{f}").inline"#));
+            // -l lists the name once; the points themselves are one per instance.
+            assert_eq!(found.as_ref().map(Vec::len), Ok(1), "{f}: {found:?}");
+            let copies = lines.inlined(f, "*").unwrap();
+            assert_eq!(
+                copies.len(),
+                gdb_at.len(),
+                "{f}: {copies:?} vs gdb {gdb_at:x?}"
+            );
+            for at in &gdb_at {
+                assert!(
+                    copies.iter().any(|c| c.entry.abs_diff(*at) < 32),
+                    "{f}: gdb's location {at:#x} is not at an instance entry: {copies:?}"
+                );
+            }
+            assert!(copies.iter().all(|c| c.name == *f), "{f}: {copies:?}");
+        }
+        // file_ppos is declared in fs/read_write.c, fdget_pos in include/linux/file.h.
+        assert_eq!(
+            lines.inlined("file_ppos", "fs/read_write.c").unwrap().len(),
+            4
+        );
+        assert!(lines
+            .inlined("fdget_pos", "fs/read_write.c")
+            .unwrap()
+            .is_empty());
+        assert!(!lines.inlined("fdget_pos", "file.h").unwrap().is_empty());
     }
 
     /// For every line of fs/read_write.c 450-500 where gdb's `info line` says "starts at

@@ -147,8 +147,10 @@ pub fn plan(
         };
         let is_return = point.name.ends_with(".return");
         // A statement (`func+OFFSET`, `.absolute`) runs its body in its function, at a
-        // splice where the planner accepts the instruction ([`start`] asks it).
-        let statement = point.name.starts_with("kernel.statement(");
+        // splice where the planner accepts the instruction ([`start`] asks it); so does an
+        // inlined instance (`.inline`), in the code of the function it was inlined into.
+        let statement =
+            point.name.starts_with("kernel.statement(") || point.name.ends_with(".inline");
         let function = image
             .symbols
             .lookup_addr(link)
