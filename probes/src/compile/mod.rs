@@ -327,6 +327,8 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
                 // `func+OFFSET` and `.absolute`: compiled where the splice planner accepts
                 // the instruction (live::compiled asks it).
                 PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => kernel = true,
+                // `kernel.field`: the accessing instructions, statements in their functions.
+                PointKind::KernelField { .. } => kernel = true,
                 // A tracepoint's iterator `__traceiter_NAME` is a function entry (see
                 // live::compiled: its arguments start at the second register).
                 PointKind::KernelTrace { .. } => kernel = true,

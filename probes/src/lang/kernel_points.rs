@@ -5,8 +5,8 @@
 //! source positions (`@file`, `:line`, `kernel.statement("f@file:line")`) are resolved with the
 //! -dbg vmlinux's DWARF when one is given ([`KernelSymbols::with_lines`], see
 //! [`super::source_lines`]), and otherwise say how to get it; so are the inlined instances of
-//! `kernel.function("F").inline` (each instance's entry pc); `kernel.field` (struct layouts)
-//! says it is not supported here instead of guessing.
+//! `kernel.function("F").inline` (each instance's entry pc) and the member accesses of
+//! `kernel.field("struct S", "member")` (KLAS's join points).
 //!
 //! Source positions follow SystemTap: `@FILE` keeps the functions whose definition is in a
 //! file whose path ends with FILE (globs allowed); `PAT@FILE:LINE` as a function keeps those
@@ -22,7 +22,7 @@ use exotap_introspect::btf::Btf;
 use exotap_introspect::symbols::{Symbol, SymbolTable};
 
 use super::ast::ProbePoint;
-use super::point::{FunctionSite, PointKind};
+use super::point::{FieldAccess, FunctionSite, PointKind};
 use super::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
 use super::source_lines::{LineSites, SourceLines};
 
@@ -137,6 +137,41 @@ impl<'a> KernelSymbols<'a> {
                     address: Some(c.entry),
                     variables: Vec::new(),
                 }
+            })
+            .collect())
+    }
+
+    /// `kernel.field("struct S", "member").read|.write|.call`: every instruction that
+    /// accesses the member so (KLAS's join points, from the -dbg vmlinux's DWARF and the
+    /// code), each a statement probe in its function.
+    fn field_accesses(
+        &self,
+        point: &ProbePoint,
+        structure: &str,
+        member: &str,
+        access: FieldAccess,
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        let src = self.lines.ok_or_else(|| {
+            ResolveError::Source(format!(
+                "{point}: the instructions that access a struct member are found in the \
+                 kernel's DWARF debug info, and no -dbg vmlinux is cached (run `exotap image \
+                 fetch --debuginfo`)"
+            ))
+        })?;
+        let sites = src
+            .field_accesses(structure, member, access)
+            .map_err(|e| dwarf_error(point, &e))?;
+        let suffix = match access {
+            FieldAccess::Read => "read",
+            FieldAccess::Write => "write",
+            FieldAccess::Call => "call",
+        };
+        Ok(sites
+            .into_iter()
+            .map(|(addr, _)| ResolvedPoint {
+                name: format!("kernel.field(\"{structure}\", \"{member}\").{suffix}"),
+                address: Some(addr),
+                variables: Vec::new(),
             })
             .collect())
     }
@@ -321,12 +356,6 @@ fn dwarf_error(point: &ProbePoint, e: &anyhow::Error) -> ResolveError {
     ResolveError::Source(format!("{point}: cannot read the -dbg vmlinux: {e:#}"))
 }
 
-fn needs_debuginfo(point: &ProbePoint, why: &str) -> ResolveError {
-    ResolveError::NeedsDebugInfo {
-        what: format!("{point} {why}"),
-    }
-}
-
 impl ProbePointResolver for KernelSymbols<'_> {
     fn resolve(
         &self,
@@ -418,12 +447,11 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     "{point}: a statement is \"func+OFFSET\" or \"PAT@FILE:LINE\""
                 )));
             }
-            PointKind::KernelField { .. } => {
-                return Err(needs_debuginfo(
-                    point,
-                    "needs struct layouts and variable locations",
-                ));
-            }
+            PointKind::KernelField {
+                structure,
+                member,
+                access,
+            } => self.field_accesses(point, structure, member, *access)?,
             PointKind::KernelTrace { name } => self
                 .functions(&format!("{TRACEPOINT_PREFIX}{name}"))
                 .into_iter()

@@ -29,14 +29,6 @@ pub enum ResolveError {
         /// What the point means.
         what: String,
     },
-    /// Resolving needs DWARF debug info (source positions, variable locations, layouts).
-    #[error(
-        "{what}: that needs the kernel's DWARF debug info, which this resolver does not use yet"
-    )]
-    NeedsDebugInfo {
-        /// The point and what it asks for.
-        what: String,
-    },
     /// Resolving needs the -dbg vmlinux, which is not cached.
     #[error(
         "{what} names a source file or line: that needs the kernel's DWARF debug info, and no \

@@ -1,7 +1,8 @@
 //! Source positions of the guest kernel from its -dbg vmlinux (DWARF): the functions a
 //! source file defines, the addresses where a source line begins, and the places a function
 //! was inlined, for the `@FILE` and `:LINE` filters of `kernel.function(...)` and
-//! `kernel.statement(...)` and for `kernel.function(...).inline`.
+//! `kernel.statement(...)`, for `kernel.function(...).inline`, and the member accesses of
+//! `kernel.field(...)` (KLAS's join points).
 //!
 //! The DWARF reading (name index, line tables) is introspect's; this module only asks it.
 
@@ -150,6 +151,36 @@ impl SourceLines {
         out.sort_by(|a, b| (a.entry, &a.name).cmp(&(b.entry, &b.name)));
         out.dedup_by(|a, b| a.entry == b.entry && a.name == b.name);
         Ok(out)
+    }
+
+    /// The instructions that access `member` of `structure` (`struct file`, `f_pos`) the
+    /// way `access` asks (a read-modify-write counts as both), by address: KLAS's join
+    /// points, found in every function by introspect's analysis (`exotap joinpoints`). Each
+    /// is `(address, "<function+offset>")`.
+    ///
+    /// # Errors
+    /// A query that is not a struct and member name, or unreadable DWARF.
+    pub fn field_accesses(
+        &self,
+        structure: &str,
+        member: &str,
+        access: crate::lang::point::FieldAccess,
+    ) -> anyhow::Result<Vec<(u64, String)>> {
+        use crate::lang::point::FieldAccess;
+        use exotap_introspect::dwarf::klas::{self, Access, MemberQuery};
+        let query = MemberQuery::parse(&format!("{structure}.{member}"))?;
+        let info = self.file.load()?;
+        let names = Index::load_or_build(&info, &self.cache, Layer::Names, &|_, _| {})?;
+        let points = klas::join_points_everywhere(self.file.bytes(), &names, &query, &|_, _| {})?;
+        Ok(points
+            .into_iter()
+            .filter(|p| match access {
+                FieldAccess::Read => matches!(p.access, Access::Read | Access::ReadWrite),
+                FieldAccess::Write => matches!(p.access, Access::Write | Access::ReadWrite),
+                FieldAccess::Call => p.access == Access::Call,
+            })
+            .map(|p| (p.addr, p.function))
+            .collect())
     }
 
     /// Every line of `f`'s own file that has code in `f`'s main range, with the lowest

@@ -147,10 +147,12 @@ pub fn plan(
         };
         let is_return = point.name.ends_with(".return");
         // A statement (`func+OFFSET`, `.absolute`) runs its body in its function, at a
-        // splice where the planner accepts the instruction ([`start`] asks it); so does an
-        // inlined instance (`.inline`), in the code of the function it was inlined into.
-        let statement =
-            point.name.starts_with("kernel.statement(") || point.name.ends_with(".inline");
+        // splice where the planner accepts the instruction ([`start`] asks it); so do an
+        // inlined instance (`.inline`), in the code of the function it was inlined into,
+        // and a member access (`kernel.field`).
+        let statement = point.name.starts_with("kernel.statement(")
+            || point.name.starts_with("kernel.field(")
+            || point.name.ends_with(".inline");
         let function = image
             .symbols
             .lookup_addr(link)
