@@ -162,7 +162,8 @@ pub struct ScriptOptions {
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
-    /// Set a limit: MAXACTION, MAXMAPENTRIES, MAXSTRINGLEN or MAXNESTING (-D MAXACTION=10000).
+    /// Set a limit: MAXACTION, MAXACTION_INTERRUPTIBLE, MAXMAPENTRIES, MAXSTRINGLEN or
+    /// MAXNESTING (-D MAXACTION=10000).
     /// Other names (stap passes them to its module's C compiler) are accepted with a warning.
     #[arg(short = 'D', value_name = "NAME=VALUE")]
     pub define: Vec<String>,

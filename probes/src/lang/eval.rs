@@ -91,6 +91,9 @@ pub struct Interp<'p> {
     /// Set by `exit()`.
     pub exit_requested: bool,
     pub(crate) actions: u64,
+    /// The statements the probe running now may execute: MAXACTION, or
+    /// MAXACTION_INTERRUPTIBLE for one that runs in process context on the host.
+    pub(crate) action_limit: u64,
     pub(crate) depth: usize,
     pub(crate) rng: u64,
     pub(crate) point: String,
@@ -190,6 +193,7 @@ impl<'p> Interp<'p> {
             out,
             exit_requested: false,
             actions: 0,
+            action_limit: 0,
             depth: 0,
             rng: 0x2545_f491_4f6c_dd1d,
             point: String::new(),
@@ -199,6 +203,7 @@ impl<'p> Interp<'p> {
             clock_offset_ns: 0,
             clock_drift: None,
         };
+        me.action_limit = me.limits.max_action;
         for name in prog.globals.keys() {
             let store = me.initial(name);
             me.globals.insert(name.clone(), store);
@@ -274,6 +279,16 @@ impl<'p> Interp<'p> {
             return Ok(None);
         };
         self.actions = 0;
+        // As SystemTap: a probe that runs in process context (begin, end, procfs; here also
+        // every probe the host runs on its own, timers and input) may run ten times longer.
+        let host_side = prog.probes.get(index).is_some_and(|p| {
+            !p.points.is_empty() && p.points.iter().all(|(_, k)| !k.needs_guest())
+        });
+        self.action_limit = if host_side {
+            self.limits.max_action_interruptible()
+        } else {
+            self.limits.max_action
+        };
         self.depth = 0;
         self.point = point.to_string();
         let mut frame = Frame {
@@ -327,6 +342,7 @@ impl<'p> Interp<'p> {
                 continue;
             };
             self.actions = 0;
+            self.action_limit = self.limits.max_action;
             self.depth = 0;
             self.point = point.to_string();
             let mut frame = Frame {
@@ -346,7 +362,7 @@ impl<'p> Interp<'p> {
 
     pub(crate) fn tick(&mut self, span: Span) -> EResult<()> {
         self.actions += 1;
-        if self.actions > self.limits.max_action {
+        if self.actions > self.action_limit {
             return fail("MAXACTION exceeded", span);
         }
         Ok(())
@@ -656,6 +672,32 @@ mod tests {
     #[test]
     fn infinite_loop_hits_maxaction() {
         let (_, r) = run("probe begin { for (;;) { } }");
+        assert_eq!(r.unwrap_err().message, "MAXACTION exceeded");
+    }
+
+    /// SystemTap's MAXACTION_INTERRUPTIBLE: a begin probe runs ten times MAXACTION's
+    /// statements (ansi_colors.stp's table); a kernel probe stays at MAXACTION.
+    #[test]
+    fn host_side_probes_run_ten_times_maxaction() {
+        let loop_of = |n: u32| format!("for (i = 0; i < {n}; i++) {{ x += i }} println(x)");
+        let (out, r) = run(&format!("probe begin {{ {} }}", loop_of(3000)));
+        r.unwrap();
+        assert_eq!(out, "4498500\n");
+        let (_, r) = run(&format!("probe begin {{ {} }}", loop_of(6000)));
+        assert_eq!(r.unwrap_err().message, "MAXACTION exceeded");
+        let (_, r) = run(&format!(
+            "probe kernel.function(\"vfs_read\") {{ {} }}",
+            loop_of(3000)
+        ));
+        assert_eq!(r.unwrap_err().message, "MAXACTION exceeded");
+        // -D MAXACTION_INTERRUPTIBLE=N sets it apart from MAXACTION.
+        let mut limits = Limits::default();
+        limits.set("MAXACTION_INTERRUPTIBLE=100").unwrap();
+        let (_, r) = run_with(
+            &format!("probe begin {{ {} }}", loop_of(100)),
+            limits,
+            &CapturedContext::default(),
+        );
         assert_eq!(r.unwrap_err().message, "MAXACTION exceeded");
     }
 

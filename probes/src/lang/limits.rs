@@ -6,6 +6,10 @@
 pub struct Limits {
     /// MAXACTION: statements executed per probe hit.
     pub max_action: u64,
+    /// MAXACTION_INTERRUPTIBLE: statements per run of a probe that SystemTap runs in process
+    /// context (begin, end, error, procfs; exotap also runs its timers and input probes on
+    /// the host); `None`: ten times MAXACTION, as SystemTap's default.
+    pub max_action_interruptible: Option<u64>,
     /// MAXMAPENTRIES: entries per global array unless its declaration says otherwise.
     pub max_map_entries: usize,
     /// MAXSTRINGLEN: bytes per string value, terminator included (strings are cut to one less).
@@ -22,6 +26,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_action: 1000,
+            max_action_interruptible: None,
             max_map_entries: 2048,
             max_string_len: 512,
             max_nesting: 10,
@@ -38,7 +43,10 @@ pub enum LimitError {
     #[error("expected NAME=VALUE, got '{0}'")]
     Malformed(String),
     /// NAME is not a known limit.
-    #[error("unknown limit '{0}' (known: MAXACTION, MAXMAPENTRIES, MAXSTRINGLEN, MAXNESTING)")]
+    #[error(
+        "unknown limit '{0}' (known: MAXACTION, MAXACTION_INTERRUPTIBLE, MAXMAPENTRIES, \
+         MAXSTRINGLEN, MAXNESTING)"
+    )]
     Unknown(String),
     /// VALUE is above what the host can safely give.
     #[error("{name} is at most {max}")]
@@ -59,6 +67,13 @@ pub enum LimitError {
 }
 
 impl Limits {
+    /// Statements per run of a probe that runs in process context on the host (begin, end,
+    /// error, timers, procfs, input): MAXACTION_INTERRUPTIBLE.
+    pub fn max_action_interruptible(&self) -> u64 {
+        self.max_action_interruptible
+            .unwrap_or_else(|| self.max_action.saturating_mul(10))
+    }
+
     /// Applies one `NAME=VALUE` setting such as `MAXACTION=10000`.
     ///
     /// # Errors
@@ -91,6 +106,7 @@ impl Limits {
         let as_usize = usize::try_from(n).map_err(|_| bad())?;
         match name.trim() {
             "MAXACTION" => self.max_action = n,
+            "MAXACTION_INTERRUPTIBLE" => self.max_action_interruptible = Some(n),
             "MAXMAPENTRIES" => self.max_map_entries = as_usize,
             "MAXSTRINGLEN" => self.max_string_len = as_usize.max(2),
             "MAXNESTING" => self.max_nesting = as_usize,
