@@ -84,6 +84,9 @@ impl<'a> KernelSymbols<'a> {
             let sites = self.line_sites(point, src, file, line)?;
             funcs.retain(|f| sites.iter().any(|(_, a)| (f.low..f.high).contains(a)));
         }
+        if is_wildcard(pattern) || file.contains(['*', '?', '[']) {
+            funcs.retain(|f| !self.is_init_text(f.low));
+        }
         Ok(funcs
             .into_iter()
             .map(|f| ResolvedPoint {
@@ -290,17 +293,34 @@ impl<'a> KernelSymbols<'a> {
             .collect())
     }
 
-    /// Code symbols matching `pattern`, one per name, in name order.
+    /// Code symbols matching `pattern`, one per name, in name order. A wildcard leaves out
+    /// `__init` code, as SystemTap's does: the kernel freed it after booting (its bytes are
+    /// `int3` now), so it never runs again; a function named exactly is kept, and a probe
+    /// there is refused with that reason.
     fn functions(&self, pattern: &str) -> Vec<&'a Symbol> {
+        let wildcard = is_wildcard(pattern);
         let mut found: Vec<&Symbol> = self
             .symbols
             .matching(pattern)
             .into_iter()
             .filter(|s| s.is_text())
+            .filter(|s| !(wildcard && self.is_init_text(s.addr)))
             .collect();
         found.sort_by(|a, b| a.name.cmp(&b.name));
         found.dedup_by(|a, b| a.name == b.name);
         found
+    }
+
+    /// Whether `addr` (link-time) is in the kernel's `__init` text (`_sinittext` ..
+    /// `_einittext`).
+    fn is_init_text(&self, addr: u64) -> bool {
+        match (
+            self.symbols.get("_sinittext"),
+            self.symbols.get("_einittext"),
+        ) {
+            (Some(start), Some(end)) => (start.addr..end.addr).contains(&addr),
+            _ => false,
+        }
     }
 
     /// `$param:type` for each parameter BTF knows of `function`.
@@ -324,6 +344,11 @@ impl<'a> KernelSymbols<'a> {
             variables,
         }
     }
+}
+
+/// Whether a function pattern is a glob (`*`, `?`, `[...]`).
+fn is_wildcard(pattern: &str) -> bool {
+    pattern.contains(['*', '?', '['])
 }
 
 /// `func+OFFSET` split into the function pattern and the byte offset (decimal or `0x` hex).
@@ -500,7 +525,32 @@ mod tests {
             sym("__x64_sys_getpid", 0xffff_ffff_810b_0d90, 'T'),
             sym("__do_sys_getpid", 0xffff_ffff_810b_0d90, 't'),
             sym("__traceiter_sched_switch", 0xffff_ffff_810c_0000, 'T'),
+            // __init code, freed after boot.
+            sym("_sinittext", 0xffff_ffff_8304_c000, 'T'),
+            sym("vfs_caches_init", 0xffff_ffff_8304_d000, 't'),
+            sym("_einittext", 0xffff_ffff_830a_f4bc, 'T'),
         ])
+    }
+
+    /// As SystemTap's: a wildcard leaves out `__init` code (the kernel freed it after
+    /// booting); a function named exactly is still found.
+    #[test]
+    fn wildcards_leave_out_init_text() {
+        let symbols = table();
+        let names = |pattern: &str| -> Vec<String> {
+            list(
+                &format!(r#"kernel.function("{pattern}")"#),
+                &KernelSymbols::new(&symbols, None),
+            )
+            .map(|found| found.into_iter().map(|p| p.name).collect())
+            .unwrap_or_default()
+        };
+        assert!(!names("vfs_*").iter().any(|n| n.contains("vfs_caches_init")));
+        assert!(names("vfs_*").iter().any(|n| n.contains("vfs_read")));
+        assert_eq!(
+            names("vfs_caches_init"),
+            vec![r#"kernel.function("vfs_caches_init")"#.to_owned()]
+        );
     }
 
     #[test]

@@ -129,6 +129,11 @@ impl KernelFacts {
                 .forbidden
                 .push(s(image.address(from)?)..s(image.address(to)?));
         }
+        // `__init` code: freed after boot, its pages poisoned and given back to the
+        // allocator (what is there now is no code of this function).
+        if let (Ok(from), Ok(to)) = (image.address("_sinittext"), image.address("_einittext")) {
+            facts.forbidden.push(s(from)..s(to));
+        }
         facts.self_patched.push(
             s(image.address("__static_call_text_start")?)
                 ..s(image.address("__static_call_text_end")?),

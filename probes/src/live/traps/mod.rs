@@ -189,6 +189,8 @@ struct TextMap<'a> {
     starts: Vec<u64>,
     /// The entry text runs on the user page tables, where the patch heap is not mapped.
     entry_text: Option<(u64, u64)>,
+    /// `__init` code, freed after boot: its pages hold something else now.
+    init_text: Option<(u64, u64)>,
     /// Instructions with an exception-table fixup (link-time): a fault there must happen at
     /// its own address for the kernel to find the fixup.
     fixups: HashSet<u64>,
@@ -208,6 +210,11 @@ impl<'a> TextMap<'a> {
             .get("__entry_text_start")
             .zip(image.symbols.get("__entry_text_end"))
             .map(|(a, b)| (a.addr, b.addr));
+        let init_text = image
+            .symbols
+            .get("_sinittext")
+            .zip(image.symbols.get("_einittext"))
+            .map(|(a, b)| (a.addr, b.addr));
         let fixups = exception_table(image).unwrap_or_else(|e| {
             tracing::warn!("no exception table ({e}): faulting instructions are not refused");
             HashSet::new()
@@ -216,6 +223,7 @@ impl<'a> TextMap<'a> {
             image,
             starts,
             entry_text,
+            init_text,
             fixups,
         }
     }
@@ -243,6 +251,14 @@ impl<'a> TextMap<'a> {
                 return Some(format!(
                     "{link:#x} is in the entry text, which runs on page tables without the \
                      patch heap"
+                ));
+            }
+        }
+        if let Some((start, end)) = self.init_text {
+            if (start..end).contains(&link) {
+                return Some(format!(
+                    "{link:#x} is in the kernel's __init code, which it freed after booting: \
+                     the function never runs again, and its pages hold something else now"
                 ));
             }
         }
@@ -1098,7 +1114,7 @@ mod tests {
     use crate::live::kernel_image::cached_debian_image as image;
 
     #[test]
-    fn entry_text_and_exception_table_instructions_are_refused_before_any_byte_is_read() {
+    fn entry_text_init_text_and_exception_table_instructions_are_refused_before_any_byte_is_read() {
         let Some(image) = image() else {
             eprintln!("SKIP: the Debian kernel is not cached (exotap boot fetches it)");
             return;
@@ -1137,6 +1153,13 @@ mod tests {
             "{start:#x}..{end:#x}"
         );
         assert_eq!(text.refusal(vfs_read + 0x10), None);
+        // __init code (freed after boot): start_kernel is in it.
+        let init = image.address("start_kernel").unwrap();
+        assert!(
+            text.refusal(init)
+                .is_some_and(|why| why.contains("__init code")),
+            "start_kernel is not refused"
+        );
     }
 
     #[test]
