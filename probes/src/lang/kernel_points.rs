@@ -127,8 +127,10 @@ impl<'a> KernelSymbols<'a> {
         let copies = src
             .inlined(pattern, file.unwrap_or("*"))
             .map_err(|e| dwarf_error(point, &e))?;
+        // Copies inlined into `__init` code went with it after boot.
         Ok(copies
             .into_iter()
+            .filter(|c| !self.is_init_text(c.entry))
             .map(|c| {
                 let at = if c.file.is_empty() {
                     String::new()
@@ -171,6 +173,7 @@ impl<'a> KernelSymbols<'a> {
         };
         Ok(sites
             .into_iter()
+            .filter(|(addr, _)| !self.is_init_text(*addr))
             .map(|(addr, _)| ResolvedPoint {
                 name: format!("kernel.field(\"{structure}\", \"{member}\").{suffix}"),
                 address: Some(addr),
