@@ -535,6 +535,25 @@ mod tests {
         ])
     }
 
+    /// `.inline` and `kernel.field` come from DWARF: without the -dbg vmlinux each is an
+    /// error that says how to get it, never the function's entry or nothing.
+    #[test]
+    fn inline_and_field_points_without_dwarf_say_which_file_to_fetch() {
+        let symbols = table();
+        for point in [
+            r#"kernel.function("vfs_read").inline"#,
+            r#"kernel.field("struct file", "f_pos").write"#,
+        ] {
+            let err = list(point, &KernelSymbols::new(&symbols, None)).unwrap_err();
+            let text = err.to_string();
+            assert!(
+                text.contains("no -dbg vmlinux is cached")
+                    && text.contains("exotap image fetch --debuginfo"),
+                "{point}: {text}"
+            );
+        }
+    }
+
     /// As SystemTap's: a wildcard leaves out `__init` code (the kernel freed it after
     /// booting); a function named exactly is still found.
     #[test]
