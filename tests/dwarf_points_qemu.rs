@@ -128,25 +128,8 @@ fn count_like_the_guests_kprobes(mode: &str, points: &[String], mut all: Vec<Pla
          probe end {{ foreach (a in hits) printf(\"place %s=%d\\n\", symdata(a), hits[a]) }}\n",
         points.join(", ")
     );
-    let dir = tempfile::tempdir().unwrap();
-    let console = dir.path().join("console.log");
-    let job_file = dir.path().join("job.sh");
-    std::fs::write(&job_file, job).unwrap();
-    let (code, out, err) = run(exotap()
-        .args([
-            "boot",
-            "--timeout",
-            "600",
-            "--compile",
-            mode,
-            "--script-text",
-        ])
-        .arg(&script)
-        .args(["--attach-in-job", "--job"])
-        .arg(&job_file)
-        .arg("--console")
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let (code, out, err, transcript) =
+        common::boot_attached_in_job(&script, mode, &job, "600", &[]);
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
     assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");

@@ -196,3 +196,37 @@ print(json.dumps(out))
     let rows: Vec<Sample> = serde_json::from_slice(&out.stdout).expect("json from the parser");
     rows
 }
+
+/// Boots the guest with `script` (`--compile MODE`) whose `job` calls `exotap_wait attach`
+/// and `exotap_wait detach` itself (`--attach-in-job`), with `extra` options (such as
+/// `--compare-kprobes`); returns (code, stdout, stderr, console).
+pub fn boot_attached_in_job(
+    script: &str,
+    mode: &str,
+    job: &str,
+    timeout: &str,
+    extra: &[&str],
+) -> (i32, String, String, String) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let console = dir.path().join("console.log");
+    let job_file = dir.path().join("job.sh");
+    std::fs::write(&job_file, job).expect("the job file");
+    let (code, out, err) = run(exotap()
+        .args([
+            "boot",
+            "--timeout",
+            timeout,
+            "--compile",
+            mode,
+            "--script-text",
+            script,
+        ])
+        .arg("--attach-in-job")
+        .args(extra)
+        .arg("--job")
+        .arg(&job_file)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    (code, out, err, transcript)
+}

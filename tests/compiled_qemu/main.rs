@@ -39,26 +39,7 @@ fn boot_in_job(
     job: &str,
     timeout: &str,
 ) -> (i32, String, String, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let console = dir.path().join("console.log");
-    let job_file = dir.path().join("job.sh");
-    std::fs::write(&job_file, job).unwrap();
-    let (code, out, err) = run(exotap()
-        .args([
-            "boot",
-            "--timeout",
-            timeout,
-            "--compile",
-            mode,
-            "--script-text",
-            script,
-        ])
-        .args(["--attach-in-job", "--compare-kprobes", "--job"])
-        .arg(&job_file)
-        .arg("--console")
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    (code, out, err, transcript)
+    common::boot_attached_in_job(script, mode, job, timeout, &["--compare-kprobes"])
 }
 
 /// Boots `script` on `job` compiled (`--compile require`) and host-evaluated (both exit 0);

@@ -65,6 +65,17 @@ impl<'a> KernelSymbols<'a> {
         })
     }
 
+    /// The DWARF for a point that only DWARF can place (`what` ... "from the kernel's DWARF
+    /// debug info"), or the error that says how to fetch it.
+    fn dwarf_for(&self, point: &ProbePoint, what: &str) -> Result<&'a SourceLines, ResolveError> {
+        self.lines.ok_or_else(|| {
+            ResolveError::Source(format!(
+                "{point}: {what} from the kernel's DWARF debug info, and no -dbg vmlinux is \
+                 cached (run `exotap image fetch --debuginfo`)"
+            ))
+        })
+    }
+
     /// `kernel.function("PAT@FILE[:LINE]")`: the functions matching PAT defined in FILE
     /// (holding LINE's code).
     fn source_functions(
@@ -117,13 +128,7 @@ impl<'a> KernelSymbols<'a> {
                  kernel.statement(\"PAT@FILE:LINE\") for the code of a line)"
             )));
         }
-        let src = self.lines.ok_or_else(|| {
-            ResolveError::Source(format!(
-                "{point}: the inlined instances of a function are known from the kernel's DWARF \
-             debug info only, and no -dbg vmlinux is cached (run `exotap image fetch \
-             --debuginfo`)"
-            ))
-        })?;
+        let src = self.dwarf_for(point, "the inlined instances of a function are known")?;
         let copies = src
             .inlined(pattern, file.unwrap_or("*"))
             .map_err(|e| dwarf_error(point, &e))?;
@@ -156,13 +161,10 @@ impl<'a> KernelSymbols<'a> {
         member: &str,
         access: FieldAccess,
     ) -> Result<Vec<ResolvedPoint>, ResolveError> {
-        let src = self.lines.ok_or_else(|| {
-            ResolveError::Source(format!(
-                "{point}: the instructions that access a struct member are found in the \
-                 kernel's DWARF debug info, and no -dbg vmlinux is cached (run `exotap image \
-                 fetch --debuginfo`)"
-            ))
-        })?;
+        let src = self.dwarf_for(
+            point,
+            "the instructions that access a struct member are found",
+        )?;
         let sites = src
             .field_accesses(structure, member, access)
             .map_err(|e| dwarf_error(point, &e))?;
