@@ -71,6 +71,11 @@ rm -f "$matrix"
 echo
 echo "== tests that skipped part of their work, and why =="
 grep -h 'SKIP' "$log" | sort -u || echo "(none)"
+echo
+# A test that ran part of its work again (kvm_nested, for faults put down to QEMU TCG's SVM
+# emulation) says so on a RETRY line: listed, so that a pattern shows.
+echo "== tests that ran part of their work again, and why =="
+grep -h 'RETRY ' "$log" | cut -c1-600 | sort -u || echo "(none)"
 # Only an environment's lack may skip (issue 41): a skip for any other reason is listed here
 # and fails the run, after the rest of the summary.
 skips_rc=0

@@ -156,6 +156,11 @@ impl std::fmt::Debug for Devices {
     }
 }
 
+/// The 8250's interrupt enable register's offset.
+const UART_IER: u8 = 1;
+/// The 8250's line status register's offset.
+const UART_LSR: u8 = 5;
+
 /// Which device a port belongs to.
 fn serial_offset(port: u16, base: u16) -> Option<u8> {
     port.checked_sub(base).filter(|o| *o < 8).map(|o| o as u8)
@@ -239,6 +244,22 @@ impl Devices {
         IoEffect::None
     }
 
+    /// Both UARTs' interrupt enable and line status registers (reads without side effects),
+    /// e.g. `ttyS0 IER 0x02 LSR 0x60`: IER bit 1 set with nothing arriving is a driver that
+    /// waits for a transmit interrupt.
+    pub fn uart_state(&mut self) -> String {
+        let one = |name: &str, read: &mut dyn FnMut(u8) -> u8| {
+            format!(
+                "{name} IER {:#04x} LSR {:#04x}",
+                read(UART_IER),
+                read(UART_LSR)
+            )
+        };
+        let console = one("ttyS0 (console)", &mut |off| self.console.read(off));
+        let go = one("ttyS1 (go)", &mut |off| self.go.read(off));
+        format!("{console}; {go}")
+    }
+
     /// Puts bytes into ttyS1's receive FIFO (the host's go).
     ///
     /// # Errors
@@ -286,6 +307,28 @@ mod tests {
 
         assert_eq!(lsr[0] & 1, 1, "data ready");
         assert_eq!(rbr[0], b'g');
+    }
+
+    #[test]
+    fn uart_state_shows_what_the_driver_enabled_and_reading_it_changes_nothing() {
+        let (mut d, _rx) = devices();
+        // The 8250 driver waiting for a transmit interrupt: IER.THRI (bit 1).
+        d.io_out(COM1 + 1, &[0x02]);
+        d.send_go(b"g").unwrap();
+
+        let state = d.uart_state();
+        assert_eq!(
+            state,
+            d.uart_state(),
+            "reading the state twice gives the same"
+        );
+
+        assert!(state.contains("ttyS0 (console) IER 0x02"), "{state}");
+        // ttyS1: a byte waiting (LSR.DR, bit 0), the transmitter empty (bits 5 and 6).
+        assert!(state.contains("ttyS1 (go) IER 0x00 LSR 0x61"), "{state}");
+        let mut rbr = [0u8];
+        d.io_in(COM2, &mut rbr);
+        assert_eq!(rbr[0], b'g', "the waiting byte is still there");
     }
 
     #[test]

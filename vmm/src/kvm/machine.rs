@@ -243,6 +243,48 @@ impl KvmMachine {
         )
     }
 
+    /// What a guest that stopped making progress was doing, for the error that ends its run:
+    /// each vCPU's thread state, then (the guest paused, at most `PAUSE_LIMIT`) each one's
+    /// instruction and stack pointers, flags and whether it sat in `hlt`, and the UARTs'
+    /// interrupt state (a transmitter waiting for an interrupt that never came is a silent
+    /// guest too). The guest stays paused: the run is over.
+    pub fn stuck_report(&mut self) -> String {
+        let threads = self.describe_vcpus();
+        if self.ended().is_some() {
+            return threads;
+        }
+        let mut out = vec![threads];
+        match self.pause() {
+            Err(e) => out.push(format!("could not pause it to read registers: {e}")),
+            Ok(()) => {
+                for v in &self.vm.vcpus {
+                    out.push(match v.shared.snapshot() {
+                        Some(s) => format!(
+                            "vCPU {}: rip {:#x} rsp {:#x} rflags {:#x} (interrupts {}){}{} cr3 {:#x}",
+                            v.shared.id,
+                            s.regs.rip,
+                            s.regs.gpr[7],
+                            s.regs.rflags,
+                            if s.regs.rflags & (1 << 9) != 0 { "on" } else { "off" },
+                            if s.halted { ", halted" } else { "" },
+                            if s.waiting_for_sipi { ", waiting for SIPI" } else { "" },
+                            s.regs.cr3
+                        ),
+                        None => format!("vCPU {}: no registers ({:?})", v.shared.id, v.shared.state()),
+                    });
+                }
+            }
+        }
+        out.push(
+            self.vm
+                .devices
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .uart_state(),
+        );
+        out.join("\n")
+    }
+
     /// Why the guest ended, once it has.
     pub fn ended(&self) -> Option<VmEvent> {
         self.lock().ended.clone()

@@ -117,20 +117,28 @@ pub enum KvmError {
     #[error("cannot install the vCPU kick signal handler: {0}")]
     Signal(String),
     /// The guest did not print `EXOTAP-READY` in time.
-    #[error("the guest did not reach EXOTAP-READY within {secs} s; last console lines:\n{tail}")]
+    #[error(
+        "the guest did not reach EXOTAP-READY within {secs} s; last console lines:\n{tail}\nwhere it was:\n{vcpus}"
+    )]
     BootTimeout {
         /// The timeout.
         secs: u64,
         /// The last console lines.
         tail: String,
+        /// Each vCPU's state and registers, the UARTs' ([`KvmMachine::stuck_report`]).
+        vcpus: String,
     },
     /// The guest did not print `EXOTAP-DONE` in time.
-    #[error("the guest did not finish within {secs} s; last console lines:\n{tail}")]
+    #[error(
+        "the guest did not finish within {secs} s; last console lines:\n{tail}\nwhere it was:\n{vcpus}"
+    )]
     RunTimeout {
         /// The timeout.
         secs: u64,
         /// The last console lines.
         tail: String,
+        /// Each vCPU's state and registers, the UARTs' ([`KvmMachine::stuck_report`]).
+        vcpus: String,
     },
     /// The VM stopped before the guest printed `EXOTAP-DONE`.
     #[error(
@@ -745,12 +753,14 @@ pub fn run(
             return Err(KvmError::BootTimeout {
                 secs: timeouts.boot.as_secs(),
                 tail: state.tail.render(),
+                vcpus: machine.stuck_report(),
             });
         }
         if elapsed > timeouts.total {
             return Err(KvmError::RunTimeout {
                 secs: timeouts.total.as_secs(),
                 tail: state.tail.render(),
+                vcpus: machine.stuck_report(),
             });
         }
         if let Ok(bytes) = console_rx.recv_timeout(Duration::from_millis(20)) {
