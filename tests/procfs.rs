@@ -188,3 +188,82 @@ fn prometheus_metrics_are_served_in_prometheus_text_format() {
         "{last:?}"
     );
 }
+
+#[test]
+fn the_json_tapset_serves_its_data_and_metadata_as_json_documents() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = dir.path().join("files");
+    // The json tapset as net_xmit_json.stp uses it, with every kind of metric, and strings
+    // that need JSON's escapes.
+    let script = r#"global reads, devs
+        probe begin {
+            json_set_prefix("demo")
+            json_add_numeric_metric("reads", "data documents read", "count")
+            json_add_string_metric("who", "a \"quoted\" description")
+            json_add_array("dev", "per device")
+            json_add_array_numeric_metric("dev", "packets", "packets sent", "count")
+            json_add_array_string_metric("dev", "label", "the device's label")
+            devs["eth0"] = 3; devs["lo"] = 1
+        }
+        probe json_data {
+            reads++
+            @json_output_data_start
+            @json_output_numeric_value("reads", reads)
+            @json_output_string_value("who", "back\\slash \"quote\"\ttab")
+            foreach (d in devs) {
+                @json_output_array_numeric_value("dev", d, "packets", devs[d] * reads)
+                @json_output_array_string_value("dev", d, "label", "L-" . d)
+            }
+            @json_output_data_end
+        }"#;
+    let (child, addr, _err) = serve(script, &files);
+    let parse = |text: &str| -> serde_json::Value {
+        serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
+    };
+
+    let first = parse(&std::fs::read_to_string(files.join("data")).unwrap());
+    let meta = parse(&std::fs::read_to_string(files.join("metadata")).unwrap());
+    let (status, _, body) = http(addr, "GET", "/procfs/data", "");
+    assert_eq!(status, 200);
+    let second = parse(&body);
+    let (_, code) = interrupt(child);
+    assert_eq!(code, Some(0));
+
+    assert_eq!(first["generation"], 1, "{first}");
+    assert_eq!(first["data"]["reads"], 1, "{first}");
+    assert_eq!(first["data"]["who"], "back\\slash \"quote\"\ttab", "{first}");
+    let devs = first["data"]["dev"].as_array().expect("an array");
+    let ids: Vec<&str> = devs.iter().map(|d| d["__id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["eth0", "lo"], "{first}");
+    assert_eq!(devs[0]["packets"], 3);
+    assert_eq!(devs[0]["label"], "L-eth0");
+    assert_eq!(devs[1]["packets"], 1);
+    // Reading the metadata ran none of the script's json_data probe: the next document is
+    // the second.
+    assert_eq!(second["generation"], 2, "{second}");
+    assert_eq!(second["data"]["reads"], 2, "{second}");
+    assert_eq!(second["data"]["dev"][0]["packets"], 6, "{second}");
+
+    assert_eq!(meta["prefix"], "demo", "{meta}");
+    let metrics = meta["metrics"].as_array().expect("metrics");
+    let by_name = |name: &str| {
+        metrics
+            .iter()
+            .find(|m| m["name"] == name)
+            .unwrap_or_else(|| panic!("no metric {name} in {meta}"))
+    };
+    assert_eq!(by_name("reads")["pointer"], "/data/reads");
+    assert_eq!(by_name("reads")["type"], "integer");
+    assert_eq!(by_name("reads")["units"], "count");
+    assert_eq!(by_name("who")["type"], "string");
+    assert_eq!(by_name("who")["description"], "a \"quoted\" description");
+    let dev = by_name("dev");
+    assert_eq!((&dev["type"], &dev["index"]), (&"array".into(), &"/__id".into()));
+    let inner: Vec<(&str, &str)> = dev["metrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["pointer"].as_str().unwrap(), m["type"].as_str().unwrap()))
+        .collect();
+    assert_eq!(inner, [("/label", "string"), ("/packets", "integer")], "{meta}");
+}

@@ -46,6 +46,7 @@ pub const FILES: &[(&str, &str)] = &[
     ),
     ("stopwatch.stp", include_str!("../../tapset/stopwatch.stp")),
     ("misc.stp", include_str!("../../tapset/misc.stp")),
+    ("json.stp", include_str!("../../tapset/json.stp")),
     (
         "queue_stats.stp",
         include_str!("../../tapset/queue_stats.stp"),
