@@ -8,7 +8,9 @@ use exotap_guest_images as images;
 pub enum ImageCommand {
     /// Fetch the Debian cloud kernel (and busybox, and the workloads) into the cache.
     ///
-    /// A second fetch verifies the cached files (size and sha256) and downloads nothing.
+    /// A second fetch verifies every cached file (size and sha256) and downloads nothing.
+    /// Other commands hash a cached file again only when it changed (size, modification
+    /// time or inode) since the last full check.
     Fetch(FetchArgs),
     /// List the x86-64 Debian kernels apt knows (the unsigned cloud-amd64 and amd64
     /// packages) and what the cache holds of each.
@@ -55,6 +57,9 @@ fn list() -> anyhow::Result<()> {
 }
 
 fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
+    // The command that says the cache is sound hashes all of it (other commands trust the
+    // stamp of the last full check: guest_images::cache).
+    images::cache::distrust_stamps();
     let kernel = images::ensure_kernel(&args.kernel).context("cannot fetch the guest kernel")?;
     outln!(
         "kernel     {} ({}) {}",

@@ -231,7 +231,10 @@ fn the_json_tapset_serves_its_data_and_metadata_as_json_documents() {
 
     assert_eq!(first["generation"], 1, "{first}");
     assert_eq!(first["data"]["reads"], 1, "{first}");
-    assert_eq!(first["data"]["who"], "back\\slash \"quote\"\ttab", "{first}");
+    assert_eq!(
+        first["data"]["who"], "back\\slash \"quote\"\ttab",
+        "{first}"
+    );
     let devs = first["data"]["dev"].as_array().expect("an array");
     let ids: Vec<&str> = devs.iter().map(|d| d["__id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["eth0", "lo"], "{first}");
@@ -258,12 +261,19 @@ fn the_json_tapset_serves_its_data_and_metadata_as_json_documents() {
     assert_eq!(by_name("who")["type"], "string");
     assert_eq!(by_name("who")["description"], "a \"quoted\" description");
     let dev = by_name("dev");
-    assert_eq!((&dev["type"], &dev["index"]), (&"array".into(), &"/__id".into()));
+    assert_eq!(
+        (&dev["type"], &dev["index"]),
+        (&"array".into(), &"/__id".into())
+    );
     let inner: Vec<(&str, &str)> = dev["metrics"]
         .as_array()
         .unwrap()
         .iter()
         .map(|m| (m["pointer"].as_str().unwrap(), m["type"].as_str().unwrap()))
         .collect();
-    assert_eq!(inner, [("/label", "string"), ("/packets", "integer")], "{meta}");
+    assert_eq!(
+        inner,
+        [("/label", "string"), ("/packets", "integer")],
+        "{meta}"
+    );
 }

@@ -4,6 +4,14 @@
 //! own directory with a `manifest.json` recording the size and sha256 of each file at the time
 //! it was stored. Reuse checks size and hash, so a truncated or corrupted file is noticed and
 //! the component fetched again instead of booting garbage.
+//!
+//! Hashing every file at every use cost more than the use itself (the -dbg vmlinux is 500 MB):
+//! a full check leaves a stamp (`.verified`: each file's size, modification time and inode as
+//! the check saw them), and a later check whose files all still match the stamp is done
+//! without hashing. A file changed since has another modification time or inode, and is
+//! hashed again; as git does with its index, a file modified within [`RACY`] of the stamp
+//! is never trusted to it (a write in the same timestamp tick as the check could keep the
+//! time).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -143,12 +151,104 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Reads the manifest of `dir` and checks every file it lists (size, then sha256), and that it
-/// lists each of `required`. Returns the manifest when the component can be reused.
+/// Set by [`distrust_stamps`].
+static DISTRUST_STAMPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every later [`verify`] of this process hash every file, whatever the stamps say
+/// (`exotap image fetch`: the command that says the cache is sound checks all of it).
+pub fn distrust_stamps() {
+    DISTRUST_STAMPS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Name of the stamp a full check leaves inside a component directory.
+pub const STAMP: &str = ".verified";
+
+/// How much older than its stamp a file must be for the stamp to vouch for it.
+pub const RACY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// What a full check saw of each file: size, modification time (ns since the epoch), inode.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Stamp {
+    /// When the check ended (ns since the epoch).
+    checked_ns: i128,
+    /// By file name (the manifest's own included).
+    files: BTreeMap<String, (u64, i128, u64)>,
+}
+
+/// Size, modification time and inode of `path`.
+fn file_identity(path: &Path) -> Option<(u64, i128, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(path).ok()?;
+    let mtime = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
+    Some((meta.len(), mtime, meta.ino()))
+}
+
+/// The identities of the manifest and of every file it lists, now.
+fn identities(dir: &Path, manifest: &Manifest) -> Option<BTreeMap<String, (u64, i128, u64)>> {
+    std::iter::once(MANIFEST)
+        .chain(manifest.files.keys().map(String::as_str))
+        .map(|name| Some((name.to_owned(), file_identity(&dir.join(name))?)))
+        .collect()
+}
+
+/// Whether the stamp in `dir` vouches for every file of `manifest` as it is now.
+fn stamped(dir: &Path, manifest: &Manifest) -> bool {
+    let Some(stamp) = fs::read_to_string(dir.join(STAMP))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Stamp>(&t).ok())
+    else {
+        return false;
+    };
+    let racy = i128::try_from(RACY.as_nanos()).unwrap_or(i128::MAX);
+    identities(dir, manifest).is_some_and(|now| {
+        now == stamp.files
+            && now
+                .values()
+                .all(|(_, mtime, _)| mtime.saturating_add(racy) < stamp.checked_ns)
+    })
+}
+
+/// Leaves the stamp of a full check (best effort: without it the next check hashes again).
+fn stamp(dir: &Path, manifest: &Manifest) {
+    let checked_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(i128::MAX));
+    let Some(files) = identities(dir, manifest) else {
+        return;
+    };
+    let Ok(text) = serde_json::to_string(&Stamp { checked_ns, files }) else {
+        return;
+    };
+    let tmp = dir.join(format!("{STAMP}.tmp"));
+    if fs::write(&tmp, text).is_ok() {
+        let _ = fs::rename(&tmp, dir.join(STAMP));
+    }
+}
+
+/// Reads the manifest of `dir` and checks every file it lists (size, then sha256, unless the
+/// stamp of an earlier full check vouches for it: see the module's doc), and that it lists
+/// each of `required`. Returns the manifest when the component can be reused.
 ///
 /// # Errors
 /// The reason the component is stale.
 pub fn verify(dir: &Path, required: &[&str]) -> Result<Manifest, Staleness> {
+    let manifest = verify_manifest(dir, required)?;
+    if !DISTRUST_STAMPS.load(std::sync::atomic::Ordering::Relaxed) && stamped(dir, &manifest) {
+        return Ok(manifest);
+    }
+    verify_files(dir, manifest)
+}
+
+/// [`verify`], hashing every file whatever the stamp says.
+///
+/// # Errors
+/// The reason the component is stale.
+pub fn verify_fully(dir: &Path, required: &[&str]) -> Result<Manifest, Staleness> {
+    verify_files(dir, verify_manifest(dir, required)?)
+}
+
+/// The manifest of `dir`, when it lists each of `required`.
+fn verify_manifest(dir: &Path, required: &[&str]) -> Result<Manifest, Staleness> {
     let text = match fs::read_to_string(dir.join(MANIFEST)) {
         Ok(text) => text,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Staleness::Missing),
@@ -159,6 +259,12 @@ pub fn verify(dir: &Path, required: &[&str]) -> Result<Manifest, Staleness> {
     if let Some(file) = required.iter().find(|f| !manifest.files.contains_key(**f)) {
         return Err(Staleness::Incomplete((*file).to_owned()));
     }
+    Ok(manifest)
+}
+
+/// Checks the size and sha256 of every file of `manifest`, and leaves the stamp.
+fn verify_files(dir: &Path, manifest: Manifest) -> Result<Manifest, Staleness> {
+    let _ = fs::remove_file(dir.join(STAMP));
     for (name, want) in &manifest.files {
         let path = dir.join(name);
         let meta = fs::metadata(&path).map_err(|_| Staleness::FileMissing(name.clone()))?;
@@ -179,6 +285,7 @@ pub fn verify(dir: &Path, required: &[&str]) -> Result<Manifest, Staleness> {
             });
         }
     }
+    stamp(dir, &manifest);
     Ok(manifest)
 }
 
@@ -214,8 +321,9 @@ pub fn seal(
     Ok(manifest)
 }
 
-/// Removes the manifest so the component is fetched again.
+/// Removes the manifest (and the stamp) so the component is fetched again.
 pub fn invalidate(dir: &Path) {
+    let _ = fs::remove_file(dir.join(STAMP));
     let _ = fs::remove_file(dir.join(MANIFEST));
 }
 
@@ -301,5 +409,79 @@ mod tests {
         );
         invalidate(dir.path());
         assert_eq!(verify(dir.path(), &[]).unwrap_err(), Staleness::Missing);
+    }
+
+    /// Sets the modification time of every file of `dir` a minute back, as files fetched
+    /// a while ago have.
+    fn age(dir: &Path) {
+        let then = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        for name in [MANIFEST, "a.bin", "sub/b.ko"] {
+            let f = fs::File::options()
+                .write(true)
+                .open(dir.join(name))
+                .unwrap();
+            f.set_modified(then).unwrap();
+        }
+    }
+
+    /// Overwrites a.bin with bytes of the same size, keeping its modification time.
+    fn corrupt_keeping_the_time(dir: &Path) {
+        let path = dir.join("a.bin");
+        let mtime = fs::metadata(&path).unwrap().modified().unwrap();
+        fs::write(&path, b"hello kerneL").unwrap();
+        fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+    }
+
+    #[test]
+    fn a_stamp_spares_the_hashing_of_files_it_saw_and_only_those() {
+        let (dir, manifest) = sealed_dir();
+        age(dir.path());
+        assert_eq!(verify(dir.path(), &[]).unwrap(), manifest);
+        assert!(
+            dir.path().join(STAMP).exists(),
+            "a full check leaves a stamp"
+        );
+
+        // What the stamp trades: a change that keeps size, time and inode is not hashed...
+        corrupt_keeping_the_time(dir.path());
+        assert_eq!(verify(dir.path(), &[]).unwrap(), manifest);
+        // ... but a full check finds it, and leaves no stamp for it.
+        assert!(matches!(
+            verify_fully(dir.path(), &[]).unwrap_err(),
+            Staleness::Corrupt { ref file, .. } if file == "a.bin"
+        ));
+        assert!(!dir.path().join(STAMP).exists());
+    }
+
+    #[test]
+    fn a_file_changed_after_the_stamp_is_hashed_again() {
+        let (dir, _) = sealed_dir();
+        age(dir.path());
+        verify(dir.path(), &[]).unwrap();
+        // Another modification time (now): the stamp no longer vouches for the file.
+        fs::write(dir.path().join("a.bin"), b"hello kerneL").unwrap();
+
+        assert!(matches!(
+            verify(dir.path(), &[]).unwrap_err(),
+            Staleness::Corrupt { ref file, ref what } if file == "a.bin" && what.contains("sha256")
+        ));
+    }
+
+    #[test]
+    fn a_stamp_does_not_vouch_for_files_modified_just_before_it() {
+        // Fresh files: modified within RACY of the check, possibly in its timestamp tick.
+        let (dir, _) = sealed_dir();
+        verify(dir.path(), &[]).unwrap();
+        corrupt_keeping_the_time(dir.path());
+
+        assert!(matches!(
+            verify(dir.path(), &[]).unwrap_err(),
+            Staleness::Corrupt { ref file, .. } if file == "a.bin"
+        ));
     }
 }

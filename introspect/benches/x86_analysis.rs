@@ -123,19 +123,17 @@ fn bench_kernel(c: &mut Criterion) {
     eprintln!(
         "kernel text: {} bytes, {} functions, {} instructions, {} branch targets, {} rejected ranges",
         text.len(),
-        once.functions().len(),
+        once.function_count(),
         once.insn_count(),
         once.branch_targets().len(),
         once.rejected().len()
     );
     let inconsistent: Vec<_> = once
         .functions()
-        .iter()
         .filter(|f| !f.cfg.bad_targets().is_empty())
         .collect();
     let invalid = once
         .functions()
-        .iter()
         .flat_map(|f| f.cfg.insns())
         .filter(|i| i.flow == Flow::Invalid)
         .count();

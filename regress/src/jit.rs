@@ -323,7 +323,7 @@ pub fn regress_image(image: &ElfImage) -> Result<JitReport, RegressError> {
                 |s| format!("{}+{:#x}", s.name, addr - s.addr),
             )
     };
-    let functions: Vec<JitFunction<'_>> = analysis.functions().iter().map(|f| (view, f)).collect();
+    let functions: Vec<JitFunction<'_>> = analysis.functions().map(|f| (view, f)).collect();
     let mut report = JitReport {
         image: image.path.clone(),
         ..JitReport::default()

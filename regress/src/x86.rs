@@ -353,7 +353,7 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
     h.in_emulator_traps = options.in_emulator_traps;
     let mut report = Report {
         image: image.path.clone(),
-        functions: analysis.functions().len(),
+        functions: analysis.function_count(),
         ..Report::default()
     };
     let func_name = |addr: u64| -> String {
@@ -369,7 +369,6 @@ pub fn regress(image: &ElfImage, options: &Options) -> Result<Report, RegressErr
     };
     let addrs: Vec<u64> = analysis
         .functions()
-        .iter()
         .flat_map(|f| f.cfg.insns().iter().map(|i| i.addr))
         .collect();
     sweep(&mut h, &ctx, &addrs, options, &mut report, &func_name)?;

@@ -187,7 +187,7 @@ pub struct LiveKernel {
     pub facts: KernelFacts,
     /// Guest-physical address of the text's first byte (the text is contiguous).
     pub text_phys: u64,
-    bytes: Vec<u8>,
+    bytes: std::sync::Arc<[u8]>,
     analysis: TextAnalysis,
     /// Time to read the text over the gdbstub.
     pub read_time: Duration,
@@ -199,7 +199,7 @@ impl std::fmt::Debug for LiveKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LiveKernel")
             .field("text", &self.facts.text)
-            .field("functions", &self.analysis.functions().len())
+            .field("functions", &self.analysis.function_count())
             .finish_non_exhaustive()
     }
 }
@@ -249,16 +249,22 @@ impl LiveKernel {
         };
         let read_time = started.elapsed();
         let started = Instant::now();
+        let bytes: std::sync::Arc<[u8]> = bytes.into();
         let view = CodeView::new(start, &bytes)?;
         let ranges = ranges_from_starts(&facts.starts, view.end());
-        let analysis = TextAnalysis::analyze(view, &ranges, &facts.config);
+        let analysis = TextAnalysis::analyze_shared(
+            start,
+            std::sync::Arc::clone(&bytes),
+            &ranges,
+            &facts.config,
+        );
         let analysis_time = started.elapsed();
         tracing::info!(
-            "read {} KiB of live kernel text in {:.2} s ({:.1} MB/s), analysed {} functions in {:.2} s",
+            "read {} KiB of live kernel text in {:.2} s ({:.1} MB/s), decoded {} functions for their branch targets in {:.2} s",
             bytes.len() >> 10,
             read_time.as_secs_f64(),
             bytes.len() as f64 / read_time.as_secs_f64().max(1e-9) / 1e6,
-            analysis.functions().len(),
+            analysis.function_count(),
             analysis_time.as_secs_f64()
         );
         Ok(Self {
@@ -384,7 +390,7 @@ mod tests {
                 ..KernelFacts::default()
             },
             text_phys: 0x100_0000,
-            bytes,
+            bytes: bytes.into(),
             analysis,
             read_time: Duration::ZERO,
             analysis_time: Duration::ZERO,
