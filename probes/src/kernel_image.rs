@@ -40,8 +40,18 @@ impl KernelImage {
         let start = Instant::now();
         let bytes = std::fs::read(&path)
             .with_context(|| format!("cannot read the kernel image {}", path.display()))?;
-        let vmlinux = Vmlinux::from_bzimage(&bytes)
-            .with_context(|| format!("cannot unpack the vmlinux inside {}", path.display()))?;
+        let cached = exotap_guest_images::cache::cache_root()
+            .map_err(anyhow::Error::from)
+            .and_then(|root| unpacked(&root.join("unpacked"), &bytes));
+        let vmlinux = match cached {
+            Ok(vmlinux) => vmlinux,
+            Err(e) => {
+                tracing::debug!("no unpacked copy of {} is used: {e:#}", path.display());
+                Vmlinux::from_bzimage(&bytes).with_context(|| {
+                    format!("cannot unpack the vmlinux inside {}", path.display())
+                })?
+            }
+        };
         let found = kallsyms::extract(&vmlinux)
             .with_context(|| format!("cannot recover the symbols of {}", path.display()))?;
         let symbols = SymbolTable::from_kallsyms(&found);
@@ -80,6 +90,46 @@ impl KernelImage {
     }
 }
 
+/// The vmlinux of the bzImage `bytes`, mapped from the unpacked copy kept under `root`
+/// (`ROOT/SHA256/vmlinux`, named after the bzImage's sha256, with a manifest checked as any
+/// cached component's: `exotap_guest_images::cache`), unpacked and stored there first when it
+/// is absent, stale or corrupt. Mapped, only the pages read (symbols, BTF, ORC, the tables the
+/// splicer reads) are resident: the unpacked 6.1 vmlinux is 67 MB, and unpacking it took as
+/// long as the rest of a load.
+///
+/// # Errors
+/// When the cache cannot be written or read, or the bzImage does not unpack.
+fn unpacked(root: &std::path::Path, bytes: &[u8]) -> anyhow::Result<Vmlinux> {
+    use exotap_guest_images::cache;
+    use sha2::{Digest, Sha256};
+    let key = cache::hex(&Sha256::digest(bytes));
+    let dir = root.join(&key);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // One unpacking at a time per kernel (tests run side by side).
+    let lock = std::fs::File::create(dir.join(".lock"))?;
+    lock.lock()?;
+    let file = dir.join("vmlinux");
+    if let Err(why) = cache::verify(&dir, &["vmlinux"]) {
+        if why != cache::Staleness::Missing {
+            tracing::warn!(
+                "the unpacked kernel {} is unusable, {why}: unpacking it again",
+                file.display()
+            );
+        }
+        cache::invalidate(&dir);
+        let vmlinux = Vmlinux::from_bzimage(bytes).context("cannot unpack the vmlinux")?;
+        let tmp = dir.join("vmlinux.tmp");
+        std::fs::write(&tmp, vmlinux.bytes())
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        // A new file, never the one another exotap may have mapped.
+        std::fs::rename(&tmp, &file)?;
+        cache::seal(&dir, "bzImage", &key, &["vmlinux".to_owned()])?;
+    }
+    let opened =
+        std::fs::File::open(&file).with_context(|| format!("cannot open {}", file.display()))?;
+    Vmlinux::map(&opened).with_context(|| format!("cannot map {}", file.display()))
+}
+
 /// The cached Debian kernel (for unit tests that need a real image): `None` only when it is
 /// not cached (no `vmlinuz` in the cache, or no HOME/XDG_CACHE_HOME to find the cache), for
 /// the caller to print its `SKIP: ... not cached`.
@@ -107,6 +157,48 @@ pub(crate) fn cached_debian_image() -> Option<KernelImage> {
 
 #[cfg(test)]
 mod tests {
+    use exotap_introspect::bzimage::Vmlinux;
+
+    #[test]
+    fn an_unpacked_copy_is_kept_mapped_and_a_corrupt_one_is_unpacked_again() {
+        let Some(dir) =
+            exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)
+        else {
+            println!("SKIP: no HOME or XDG_CACHE_HOME to find the kernel cache");
+            return;
+        };
+        let bytes = match std::fs::read(dir.join("vmlinuz")) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                println!("SKIP: the default guest kernel is not cached (exotap image fetch)");
+                return;
+            }
+            Err(e) => panic!("cannot read the cached kernel: {e}"),
+        };
+        let root = tempfile::tempdir().unwrap();
+        let want = Vmlinux::from_bzimage(&bytes).unwrap();
+
+        let first = super::unpacked(root.path(), &bytes).unwrap();
+        let second = super::unpacked(root.path(), &bytes).unwrap();
+
+        let same = |v: &Vmlinux| v.bytes() == want.bytes();
+        assert!(same(&first) && same(&second), "the unpacked copy differs");
+        let keyed: Vec<_> = std::fs::read_dir(root.path()).unwrap().collect();
+        assert_eq!(keyed.len(), 1, "one directory per bzImage");
+        let file = keyed[0].as_ref().unwrap().path().join("vmlinux");
+        drop((first, second));
+        // Corrupt it (a write: another modification time): detected and unpacked again.
+        let mut bad = std::fs::read(&file).unwrap();
+        bad[0x1000] ^= 0xff;
+        std::fs::write(&file, &bad).unwrap();
+        let third = super::unpacked(root.path(), &bytes).unwrap();
+        assert!(same(&third), "the corrupt copy was used");
+        assert!(
+            std::fs::read(&file).unwrap() == want.bytes(),
+            "the corrupt copy was not replaced"
+        );
+    }
+
     #[test]
     fn the_release_is_read_from_the_images_banner() {
         let Some(image) = super::cached_debian_image() else {

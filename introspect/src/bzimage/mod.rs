@@ -18,6 +18,9 @@ pub use lz4_legacy::{decompress_lz4_legacy, LZ4_LEGACY_MAGIC};
 /// Why an image could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
+    /// An unpacked vmlinux file could not be mapped.
+    #[error("cannot map the vmlinux file")]
+    Map(#[source] std::io::Error),
     /// The file is too short for what a header says it holds.
     #[error("the image is truncated: {what} needs bytes up to {end:#x}, the file has {len:#x}")]
     Truncated {
@@ -278,10 +281,29 @@ struct Segment {
     file_size: u64,
 }
 
-/// The ELF vmlinux, owned, with its sections and segments parsed once.
+/// The bytes of a vmlinux: decompressed into memory, or a file mapped read-only.
+#[derive(Debug, Clone)]
+enum ElfBytes {
+    Owned(std::sync::Arc<Vec<u8>>),
+    Mapped(std::sync::Arc<memmap2::Mmap>),
+}
+
+impl std::ops::Deref for ElfBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Owned(v) => v,
+            Self::Mapped(m) => m,
+        }
+    }
+}
+
+/// The ELF vmlinux, in memory or mapped from a file, with its sections and segments parsed
+/// once.
 #[derive(Debug, Clone)]
 pub struct Vmlinux {
-    data: Vec<u8>,
+    data: ElfBytes,
     sections: Vec<Section>,
     segments: Vec<Segment>,
     build_id: Option<Vec<u8>>,
@@ -294,6 +316,24 @@ impl Vmlinux {
     /// [`ImageError::Elf`] for a malformed file, [`ImageError::NotX86_64`] for another
     /// architecture.
     pub fn parse(data: Vec<u8>) -> Result<Self, ImageError> {
+        Self::parse_bytes(ElfBytes::Owned(std::sync::Arc::new(data)))
+    }
+
+    /// Maps the ELF vmlinux `file` read-only and parses it: only the pages read (symbols,
+    /// BTF, ORC) come into memory. The file must not change while mapped: exotap maps only
+    /// the unpacked copies it keeps in its cache, written once to a temporary name and
+    /// renamed into place, never written again.
+    ///
+    /// # Errors
+    /// [`ImageError::Map`] when the file cannot be mapped, then as [`Vmlinux::parse`].
+    pub fn map(file: &std::fs::File) -> Result<Self, ImageError> {
+        // SAFETY: a read-only private mapping; the file is one exotap never modifies in place
+        // (see above), so the bytes do not change under the references handed out.
+        let map = unsafe { memmap2::Mmap::map(file) }.map_err(ImageError::Map)?;
+        Self::parse_bytes(ElfBytes::Mapped(std::sync::Arc::new(map)))
+    }
+
+    fn parse_bytes(data: ElfBytes) -> Result<Self, ImageError> {
         let file = object::File::parse(&*data).map_err(ImageError::Elf)?;
         if file.architecture() != object::Architecture::X86_64 || !file.is_64() {
             return Err(ImageError::NotX86_64);

@@ -262,6 +262,36 @@ impl<'c> FunctionDecoder<'c> {
         }
     }
 
+    /// Appends to `out` the targets of `code`'s direct branches and calls, the bytes of the
+    /// function at `start`: what [`Flow::target`] gives for each of [`FunctionDecoder::decode`]'s
+    /// instructions, without their register effects and without keeping them (the whole
+    /// kernel's branch targets, padding of a megabyte of `int3` included, in constant memory).
+    pub fn branch_targets_into(&self, code: &[u8], start: u64, out: &mut Vec<u64>) {
+        let mut decoder = Decoder::with_ip(64, code, start, DecoderOptions::NONE);
+        let mut instr = Instruction::default();
+        while decoder.can_decode() {
+            decoder.decode_out(&mut instr);
+            if instr.is_invalid() {
+                continue;
+            }
+            let target = match instr.flow_control() {
+                FlowControl::ConditionalBranch | FlowControl::Call => {
+                    Some(instr.near_branch_target())
+                }
+                FlowControl::XbeginXabortXend if instr.mnemonic() == Mnemonic::Xbegin => {
+                    Some(instr.near_branch_target())
+                }
+                FlowControl::UnconditionalBranch => {
+                    let far = matches!(instr.op0_kind(), OpKind::FarBranch16 | OpKind::FarBranch32);
+                    let target = instr.near_branch_target();
+                    (!far && !self.config.is_return_thunk(target)).then_some(target)
+                }
+                _ => None,
+            };
+            out.extend(target);
+        }
+    }
+
     /// Decodes `code`, the bytes of the function at `start`.
     #[must_use]
     pub fn decode(&mut self, code: &[u8], start: u64) -> Vec<Insn> {

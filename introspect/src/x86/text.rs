@@ -270,23 +270,23 @@ impl TextAnalysis {
                 kept.push(r);
             }
         }
-        // Each function decoded once, its instructions dropped as soon as their targets are
-        // taken.
-        let targets: Vec<u64> = kept
-            .par_iter()
-            .map_init(
-                || (FunctionDecoder::new(config), Vec::new()),
-                |(decoder, insns), r| {
+        // Each function decoded once for its targets alone, in parallel chunks of functions.
+        let decoder = FunctionDecoder::new(config);
+        let mut targets: Vec<u64> = kept
+            .par_chunks(256)
+            .map(|chunk| {
+                let mut out = Vec::new();
+                for r in chunk {
                     let code = text.range(r.start, r.end).unwrap_or_default();
-                    decoder.decode_into(code, r.start, insns);
-                    insns
-                        .iter()
-                        .filter_map(|insn| insn.flow.target())
-                        .collect::<Vec<u64>>()
-                },
-            )
+                    decoder.branch_targets_into(code, r.start, &mut out);
+                }
+                out.sort_unstable();
+                out.dedup();
+                out
+            })
             .flatten_iter()
             .collect();
+        targets.shrink_to_fit();
         let functions = (0..kept.len()).map(|_| OnceLock::new()).collect();
         Self {
             base,
@@ -462,6 +462,85 @@ mod tests {
 
         assert_eq!(analysis.function_count(), 1);
         assert_eq!(analysis.rejected().len(), 3);
+    }
+
+    /// Targets as the CFG sees them: every analysed function's instructions' flow targets.
+    fn cfg_targets(analysis: &TextAnalysis) -> BranchTargets {
+        BranchTargets::new(
+            analysis
+                .functions()
+                .flat_map(|f| f.cfg.branch_targets().collect::<Vec<_>>())
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_up_front_targets_are_the_cfgs_targets_for_every_kind_of_branch() {
+        // Conditional and unconditional jumps inside and out, a call, xbegin, a jmp to a
+        // return thunk (a return: no target), an indirect jump, a far jump (no target).
+        let mut a = CodeAssembler::new(64).unwrap();
+        let mut thunk = a.create_label();
+        let mut inside = a.create_label();
+        a.test(rdi, rdi).unwrap();
+        a.jne(inside).unwrap();
+        a.call(thunk).unwrap();
+        a.set_label(&mut inside).unwrap();
+        a.xbegin(inside).unwrap();
+        a.jmp(rax).unwrap();
+        a.jmp(thunk).unwrap();
+        a.set_label(&mut thunk).unwrap();
+        a.ret().unwrap();
+        let result = a
+            .assemble_options(
+                BASE,
+                iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS,
+            )
+            .unwrap();
+        let thunk_addr = result.label_ip(&thunk).unwrap();
+        let mut bytes = result.inner.code_buffer;
+        // jmp far [rax] (FF /5): a far branch.
+        bytes.extend_from_slice(&[0xff, 0x28]);
+        let text = CodeView::new(BASE, &bytes).unwrap();
+        for config in [
+            AnalysisConfig::new(),
+            AnalysisConfig::new().with_return_thunk(thunk_addr),
+        ] {
+            let ranges = ranges_from_starts(&[BASE, thunk_addr], text.end());
+
+            let analysis = TextAnalysis::analyze(text, &ranges, &config);
+
+            assert_eq!(analysis.analyzed_count(), 0, "nothing analysed up front");
+            assert_eq!(*analysis.branch_targets(), cfg_targets(&analysis));
+            assert_eq!(analysis.analyzed_count(), 2);
+        }
+    }
+
+    #[test]
+    fn the_up_front_targets_of_the_real_kernel_are_its_cfgs_targets() {
+        let Some(vmlinux) = crate::bzimage::tests::real_vmlinux() else {
+            return;
+        };
+        let text = vmlinux.section(".text").unwrap();
+        let bytes = vmlinux.section_data(".text").unwrap();
+        let starts: Vec<u64> = crate::kallsyms::extract(&vmlinux)
+            .unwrap()
+            .symbols
+            .iter()
+            .filter(|s| matches!(s.kind, 't' | 'T' | 'w' | 'W'))
+            .map(|s| s.addr)
+            .collect();
+        let view = CodeView::new(text.addr, bytes).unwrap();
+        let ranges = ranges_from_starts(&starts, view.end());
+
+        let analysis = TextAnalysis::analyze(view, &ranges, &AnalysisConfig::new());
+
+        assert!(
+            analysis.function_count() > 40_000,
+            "{}",
+            analysis.function_count()
+        );
+        assert!(analysis.branch_targets().len() > 100_000);
+        assert_eq!(*analysis.branch_targets(), cfg_targets(&analysis));
     }
 
     #[test]
