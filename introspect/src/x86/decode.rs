@@ -205,6 +205,12 @@ impl AnalysisConfig {
         self
     }
 
+    /// The addresses a `jmp` to is a return, sorted.
+    #[must_use]
+    pub fn return_thunks(&self) -> &[u64] {
+        &self.return_thunks
+    }
+
     /// Whether a `jmp` to `addr` is a return.
     #[must_use]
     pub fn is_return_thunk(&self, addr: u64) -> bool {

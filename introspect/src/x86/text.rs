@@ -188,6 +188,22 @@ impl BranchTargets {
         self.0.get(i).copied().filter(|&t| t < end)
     }
 
+    /// Targets that are already sorted and distinct (e.g. read back from a cache), or `None`
+    /// when they are not.
+    #[must_use]
+    pub fn from_sorted(targets: Vec<u64>) -> Option<Self> {
+        targets
+            .windows(2)
+            .all(|w| w[0] < w[1])
+            .then_some(Self(targets))
+    }
+
+    /// The targets, sorted and distinct.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u64] {
+        &self.0
+    }
+
     /// Whether `addr` is a target.
     #[must_use]
     pub fn contains(&self, addr: u64) -> bool {
@@ -205,6 +221,34 @@ impl BranchTargets {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+}
+
+/// The ranges to analyse, sorted, and why the others are set aside (empty, outside `text`,
+/// overlapping the one before).
+fn keep_ranges(
+    text: CodeView<'_>,
+    ranges: &[FunctionRange],
+) -> (Vec<FunctionRange>, Vec<TextError>) {
+    let mut sorted = ranges.to_vec();
+    sorted.sort_unstable();
+    let mut kept: Vec<FunctionRange> = Vec::with_capacity(sorted.len());
+    let mut rejected = Vec::new();
+    for r in sorted {
+        if text.range(r.start, r.end).is_none() {
+            rejected.push(TextError::RangeOutsideText {
+                start: r.start,
+                end: r.end,
+            });
+        } else if kept.last().is_some_and(|prev| r.start < prev.end) {
+            rejected.push(TextError::RangeOverlaps {
+                start: r.start,
+                end: r.end,
+            });
+        } else {
+            kept.push(r);
+        }
+    }
+    (kept, rejected)
 }
 
 /// The analysis of a whole text section: every direct branch target, found up front (a splice
@@ -251,25 +295,7 @@ impl TextAnalysis {
                 ..Self::default()
             };
         };
-        let mut sorted = ranges.to_vec();
-        sorted.sort_unstable();
-        let mut kept: Vec<FunctionRange> = Vec::with_capacity(sorted.len());
-        let mut rejected = Vec::new();
-        for r in sorted {
-            if text.range(r.start, r.end).is_none() {
-                rejected.push(TextError::RangeOutsideText {
-                    start: r.start,
-                    end: r.end,
-                });
-            } else if kept.last().is_some_and(|prev| r.start < prev.end) {
-                rejected.push(TextError::RangeOverlaps {
-                    start: r.start,
-                    end: r.end,
-                });
-            } else {
-                kept.push(r);
-            }
-        }
+        let (kept, rejected) = keep_ranges(text, ranges);
         // Each function decoded once for its targets alone, in parallel chunks of functions.
         let decoder = FunctionDecoder::new(config);
         let mut targets: Vec<u64> = kept
@@ -295,6 +321,33 @@ impl TextAnalysis {
             ranges: kept,
             functions,
             targets: BranchTargets::new(targets),
+            rejected,
+        }
+    }
+
+    /// [`TextAnalysis::analyze_shared`] with the branch targets already known (an earlier
+    /// analysis of the same text, ranges and configuration, kept by the caller): nothing is
+    /// decoded up front.
+    #[must_use]
+    pub fn with_targets(
+        base: u64,
+        bytes: Arc<[u8]>,
+        ranges: &[FunctionRange],
+        config: &AnalysisConfig,
+        targets: BranchTargets,
+    ) -> Self {
+        let (kept, rejected) = match CodeView::new(base, &bytes) {
+            Ok(text) => keep_ranges(text, ranges),
+            Err(e) => (Vec::new(), vec![e]),
+        };
+        let functions = (0..kept.len()).map(|_| OnceLock::new()).collect();
+        Self {
+            base,
+            bytes,
+            config: config.clone(),
+            ranges: kept,
+            functions,
+            targets,
             rejected,
         }
     }

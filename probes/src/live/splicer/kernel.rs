@@ -252,19 +252,15 @@ impl LiveKernel {
         let bytes: std::sync::Arc<[u8]> = bytes.into();
         let view = CodeView::new(start, &bytes)?;
         let ranges = ranges_from_starts(&facts.starts, view.end());
-        let analysis = TextAnalysis::analyze_shared(
-            start,
-            std::sync::Arc::clone(&bytes),
-            &ranges,
-            &facts.config,
-        );
+        let (analysis, cached) = analyze(start, &bytes, &ranges, &facts.config);
         let analysis_time = started.elapsed();
         tracing::info!(
-            "read {} KiB of live kernel text in {:.2} s ({:.1} MB/s), decoded {} functions for their branch targets in {:.2} s",
+            "read {} KiB of live kernel text in {:.2} s ({:.1} MB/s); the branch targets of its {} functions {} in {:.3} s",
             bytes.len() >> 10,
             read_time.as_secs_f64(),
             bytes.len() as f64 / read_time.as_secs_f64().max(1e-9) / 1e6,
             analysis.function_count(),
+            if cached { "read from the cache" } else { "found" },
             analysis_time.as_secs_f64()
         );
         Ok(Self {
@@ -317,6 +313,46 @@ impl LiveKernel {
         (va >= self.facts.text.0 && va < self.facts.text.1)
             .then(|| self.text_phys + (va - self.facts.text.0))
     }
+}
+
+/// The analysis of the live text `bytes` at `base`, its branch targets read from the cache
+/// when an earlier run found them for this very text ([`super::targets_cache`]), else found
+/// and stored there; and whether they came from the cache. Without a usable cache they are
+/// found every time.
+fn analyze(
+    base: u64,
+    bytes: &std::sync::Arc<[u8]>,
+    ranges: &[exotap_introspect::x86::FunctionRange],
+    config: &AnalysisConfig,
+) -> (TextAnalysis, bool) {
+    let shared = std::sync::Arc::clone(bytes);
+    let Ok(root) = exotap_guest_images::cache::cache_root() else {
+        return (
+            TextAnalysis::analyze_shared(base, shared, ranges, config),
+            false,
+        );
+    };
+    let entry = super::targets_cache::entry(&root.join("analysis"), base, bytes, ranges, config);
+    match super::targets_cache::load(&entry) {
+        Ok(targets) => {
+            return (
+                TextAnalysis::with_targets(base, shared, ranges, config, targets),
+                true,
+            );
+        }
+        Err(e) if entry.exists() => {
+            tracing::warn!(
+                "the cached branch targets {} are unusable ({e:#}): finding them again",
+                entry.display()
+            );
+        }
+        Err(_) => {}
+    }
+    let analysis = TextAnalysis::analyze_shared(base, shared, ranges, config);
+    if let Err(e) = super::targets_cache::store(&entry, analysis.branch_targets()) {
+        tracing::debug!("the branch targets are not kept: {e:#}");
+    }
+    (analysis, false)
 }
 
 /// A one-line reason for a plan that is not a splice.

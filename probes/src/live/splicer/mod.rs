@@ -70,6 +70,7 @@ mod oracles;
 mod pages;
 mod patches;
 mod records;
+mod targets_cache;
 
 pub use kernel::{category, why_not, KernelFacts, LiveKernel};
 pub use oracles::{guest_ftrace_sites, guest_kprobe_hits, KprobeReader};

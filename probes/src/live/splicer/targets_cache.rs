@@ -1,0 +1,195 @@
+//! Every direct branch target of a live kernel text, kept on disk between runs
+//! (`$XDG_CACHE_HOME/exotap/analysis/KEY.targets`): finding them means decoding all 14 MB of
+//! the text, the one part of an attach that grows with the kernel. The key is the sha256 of
+//! what they are computed from (the live text bytes and where they are, the function starts,
+//! the return thunks), so an entry is only ever used for the very text it was made from: a
+//! guest booted again with another KASLR slide, or whose text changed, makes another key. A
+//! file that does not read back whole (bad magic, short, a payload whose sha256 differs, targets
+//! out of order) is not used, and is written again.
+//!
+//! The format: the magic `EXOTAPBT`, a u32 version, a u32 of zero, the u64 target count, the
+//! 32-byte sha256 of the payload, then the payload: each target a little-endian u64.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use exotap_introspect::x86::{AnalysisConfig, BranchTargets, FunctionRange};
+use sha2::{Digest, Sha256};
+
+const MAGIC: &[u8; 8] = b"EXOTAPBT";
+const VERSION: u32 = 1;
+const HEADER: usize = 8 + 4 + 4 + 8 + 32;
+/// How many entries the directory keeps (the oldest go first): one per boot of each guest a
+/// host instruments, and a file is ~2 MB.
+const KEEP: usize = 32;
+
+/// The file holding the targets of this text, named by the hash of everything they are
+/// computed from.
+pub fn entry(
+    root: &Path,
+    base: u64,
+    text: &[u8],
+    ranges: &[FunctionRange],
+    config: &AnalysisConfig,
+) -> PathBuf {
+    let mut h = Sha256::new();
+    h.update(VERSION.to_le_bytes());
+    h.update(base.to_le_bytes());
+    h.update((text.len() as u64).to_le_bytes());
+    h.update(text);
+    h.update((ranges.len() as u64).to_le_bytes());
+    for r in ranges {
+        h.update(r.start.to_le_bytes());
+        h.update(r.end.to_le_bytes());
+    }
+    for t in config.return_thunks() {
+        h.update(t.to_le_bytes());
+    }
+    let key = exotap_guest_images::cache::hex(&h.finalize());
+    root.join(format!("{}.targets", &key[..40]))
+}
+
+/// The targets stored in `path`.
+///
+/// # Errors
+/// When the file cannot be read or does not read back whole (see the module's doc).
+pub fn load(path: &Path) -> anyhow::Result<BranchTargets> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if bytes.len() < HEADER || &bytes[..8] != MAGIC {
+        bail!("not a branch-target file");
+    }
+    let word = |at: usize| -> [u8; 8] {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&bytes[at..at + 8]);
+        w
+    };
+    let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    if version != VERSION {
+        bail!("version {version}, not {VERSION}");
+    }
+    let count = usize::try_from(u64::from_le_bytes(word(16)))?;
+    let payload = &bytes[HEADER..];
+    if Some(payload.len()) != count.checked_mul(8) {
+        bail!("{} payload bytes for {count} targets", payload.len());
+    }
+    if Sha256::digest(payload)[..] != bytes[24..HEADER] {
+        bail!("the payload's sha256 differs from its header's");
+    }
+    let targets = payload
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    BranchTargets::from_sorted(targets).context("the targets are out of order")
+}
+
+/// Stores `targets` in `path` (through a temporary name: a reader never sees half a file)
+/// and drops the oldest entries past [`KEEP`].
+///
+/// # Errors
+/// When the directory or the file cannot be written.
+pub fn store(path: &Path, targets: &BranchTargets) -> anyhow::Result<()> {
+    let dir = path.parent().context("an entry has a directory")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut payload = Vec::with_capacity(targets.len() * 8);
+    for t in targets.as_slice() {
+        payload.extend_from_slice(&t.to_le_bytes());
+    }
+    let mut out = Vec::with_capacity(HEADER + payload.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&(targets.len() as u64).to_le_bytes());
+    out.extend_from_slice(&Sha256::digest(&payload));
+    out.extend_from_slice(&payload);
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, &out).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    prune(dir);
+    Ok(())
+}
+
+/// Removes all but the [`KEEP`] most recently modified entries of `dir`.
+fn prune(dir: &Path) {
+    let Ok(read) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> = read
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "targets"))
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .collect();
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (_, old) in entries.into_iter().skip(KEEP) {
+        let _ = std::fs::remove_file(old);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges() -> Vec<FunctionRange> {
+        vec![FunctionRange {
+            start: 0x1000,
+            end: 0x1010,
+        }]
+    }
+
+    #[test]
+    fn targets_round_trip_and_a_damaged_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = entry(
+            dir.path(),
+            0x1000,
+            &[0xc3; 16],
+            &ranges(),
+            &AnalysisConfig::new(),
+        );
+        let targets =
+            BranchTargets::from_sorted(vec![0x1000, 0x1004, 0xffff_ffff_8100_0000]).unwrap();
+
+        store(&path, &targets).unwrap();
+        assert_eq!(load(&path).unwrap(), targets);
+
+        let good = std::fs::read(&path).unwrap();
+        let mut flipped = good.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        let mut short = good.clone();
+        short.truncate(good.len() - 8);
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        for (what, bytes) in [
+            ("a flipped target", flipped),
+            ("a short file", short),
+            ("bad magic", magic),
+        ] {
+            std::fs::write(&path, bytes).unwrap();
+            assert!(load(&path).is_err(), "{what} was read back");
+        }
+    }
+
+    #[test]
+    fn the_key_changes_with_the_text_its_place_its_functions_and_its_thunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = AnalysisConfig::new();
+        let key = |base, text: &[u8], ranges: &[FunctionRange], config: &AnalysisConfig| {
+            entry(dir.path(), base, text, ranges, config)
+        };
+        let one = key(0x1000, &[0xc3; 16], &ranges(), &config);
+
+        assert_eq!(one, key(0x1000, &[0xc3; 16], &ranges(), &config));
+        assert_ne!(one, key(0x2000, &[0xc3; 16], &ranges(), &config));
+        assert_ne!(one, key(0x1000, &[0x90; 16], &ranges(), &config));
+        assert_ne!(one, key(0x1000, &[0xc3; 16], &ranges()[..0], &config));
+        assert_ne!(
+            one,
+            key(
+                0x1000,
+                &[0xc3; 16],
+                &ranges(),
+                &AnalysisConfig::new().with_return_thunk(0x1008)
+            )
+        );
+    }
+}
