@@ -63,6 +63,7 @@ impl GuestSession {
         let mut att = attach::attach(target)?;
         match attach::survey(&mut att, image) {
             Ok(survey) => {
+                tracing::debug!("attached: the guest is stopped and surveyed");
                 let shared = target.shm.as_deref().and_then(|path| {
                     let heap = SharedHeap::open(path)
                         .and_then(|h| h.verify(&mut att.machine, survey.cr3 & !0xfff).map(|()| h));
@@ -101,13 +102,16 @@ impl GuestSession {
         let started = std::time::Instant::now();
         machine.pause().context("cannot pause the guest")?;
         match attach::survey_machine(&mut *machine, started, image) {
-            Ok(survey) => Ok(Self {
-                machine,
-                survey,
-                splicer: None,
-                shared: None,
-                detached: false,
-            }),
+            Ok(survey) => {
+                tracing::debug!("attached: the guest is stopped and surveyed");
+                Ok(Self {
+                    machine,
+                    survey,
+                    splicer: None,
+                    shared: None,
+                    detached: false,
+                })
+            }
             Err(e) => {
                 let _ = machine.release();
                 Err(e)
