@@ -186,10 +186,29 @@ pub enum StopEvent {
         /// The vCPU.
         vcpu: VcpuId,
     },
+    /// A watchpoint ([`Machine::set_watchpoint`]) saw an access on a vCPU: it stopped after
+    /// the accessing instruction.
+    Watchpoint {
+        /// The vCPU.
+        vcpu: VcpuId,
+        /// Its instruction pointer (past the accessing instruction).
+        pc: u64,
+        /// The data address the stub reported (inside the watched range).
+        addr: u64,
+    },
     /// Stopped on request ([`Machine::pause`]).
     Paused,
     /// The guest is gone (powered off, QEMU exited).
     Exited,
+}
+
+/// Which accesses a watchpoint stops on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WatchKind {
+    /// Writes.
+    Write,
+    /// Reads and writes.
+    Access,
 }
 
 /// Errors of any backend.
@@ -336,6 +355,27 @@ pub trait Machine {
     /// # Errors
     /// Backend failure or an unmapped address.
     fn set_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), ControlError>;
+
+    /// Inserts or removes a hardware watchpoint on `len` bytes (1, 2, 4 or 8, aligned) of
+    /// guest-virtual data at `addr`: a vCPU that accesses them stops after the access with
+    /// [`StopEvent::Watchpoint`].
+    ///
+    /// # Errors
+    /// [`ControlError::Unsupported`] where the backend has no watchpoints (the default),
+    /// else backend failure.
+    fn set_watchpoint(
+        &mut self,
+        addr: u64,
+        len: u64,
+        kind: WatchKind,
+        insert: bool,
+    ) -> Result<(), ControlError> {
+        let _ = (addr, len, kind, insert);
+        Err(ControlError::Unsupported {
+            backend: self.backend(),
+            what: "watch kernel data (hardware watchpoints)",
+        })
+    }
 
     /// Waits up to `timeout` for the running guest to stop; `None` when it is still running.
     ///
@@ -496,6 +536,15 @@ impl<M: Machine + ?Sized> Machine for Box<M> {
     }
     fn set_breakpoint(&mut self, addr: u64, insert: bool) -> Result<(), ControlError> {
         (**self).set_breakpoint(addr, insert)
+    }
+    fn set_watchpoint(
+        &mut self,
+        addr: u64,
+        len: u64,
+        kind: WatchKind,
+        insert: bool,
+    ) -> Result<(), ControlError> {
+        (**self).set_watchpoint(addr, len, kind, insert)
     }
     fn wait_event(&mut self, timeout: Duration) -> Result<Option<StopEvent>, ControlError> {
         (**self).wait_event(timeout)

@@ -496,6 +496,27 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     Some(self.point(format!("kernel.trace(\"{trace}\")"), sym, vars))
                 })
                 .collect(),
+            // A watchpoint, not code: no address to splice or trap (live::traps::watches
+            // sets it); a symbol must be kernel data.
+            PointKind::KernelData { target, .. } => {
+                if let crate::lang::point::DataTarget::Symbol(name) = target {
+                    match self.symbols.get(name) {
+                        None => return Err(ResolveError::NoMatch(point.to_string())),
+                        Some(sym) if sym.is_text() => {
+                            return Err(ResolveError::Source(format!(
+                                "{point}: {name} is code, not data (probe it with \
+                                 kernel.function or kernel.statement)"
+                            )))
+                        }
+                        Some(_) => {}
+                    }
+                }
+                vec![ResolvedPoint {
+                    name: point.to_string(),
+                    address: None,
+                    variables: Vec::new(),
+                }]
+            }
             PointKind::TimerProfile => vec![ResolvedPoint {
                 name: point.to_string(),
                 address: None,

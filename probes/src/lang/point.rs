@@ -122,6 +122,25 @@ pub enum PointKind {
         /// Tracepoint name pattern, without the `system:` prefix.
         name: String,
     },
+    /// `kernel.data(ADDR|"symbol")[.length(N)].write|.rw`: a hardware watchpoint on `len`
+    /// bytes of kernel data; the probe runs after each access, on the vCPU that made it.
+    KernelData {
+        /// What is watched.
+        target: DataTarget,
+        /// How many bytes (1, 2, 4 or 8).
+        len: u64,
+        /// `.write` (writes only) rather than `.rw` (reads and writes).
+        write_only: bool,
+    },
+}
+
+/// The data a `kernel.data` probe watches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataTarget {
+    /// A link-time kernel address (`kernel.data(0xffffffff82a4c6e0)`).
+    Address(u64),
+    /// A kernel data symbol (`kernel.data("vm_dirty_ratio")`), slid like any symbol.
+    Symbol(String),
 }
 
 impl PointKind {
@@ -197,6 +216,7 @@ impl PointKind {
             PointKind::KernelField { .. } => "kernel.field",
             PointKind::Syscall { .. } => "kernel.syscall",
             PointKind::KernelTrace { .. } => "kernel.trace",
+            PointKind::KernelData { .. } => "kernel.data",
         }
     }
 }
@@ -252,7 +272,7 @@ timer.profile, kernel.function(\"pat[@file[:line]]\")[.call|.inline|.return], \
 kernel.statement(\"func@file:line\"), kernel.statement(\"func+OFFSET\"), \
 kernel.statement(ADDR).absolute, \
 kernel.field(\"struct S\", \"member\").read|.write|.call, kernel.syscall(\"name\")[.return], \
-kernel.trace(\"tracepoint\"), kprobe.function(\"name\")[.return], \
+kernel.trace(\"tracepoint\"), kernel.data(ADDR|\"symbol\")[.length(N)].write|.rw, kprobe.function(\"name\")[.return], \
 kprobe.statement(ADDR).absolute, and the tapset's aliases (syscall.*, vfs.*, scheduler.*, ...)";
 
 fn split_location(spec: &str) -> (String, Option<String>, Option<String>) {
@@ -346,6 +366,7 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 | (Some(&"timer"), 1)
                 | (Some(&"begin" | &"end" | &"error"), 0)
         ) || (c.name == "maxactive" && i == 3)
+            || (c.name == "length" && i == 2 && names.get(1) == Some(&"data"))
             || (names.first() == Some(&"procfs")
                 && matches!(c.name.as_str(), "procfs" | "umask" | "maxsize"));
         if !c.args.is_empty() && !allowed {
@@ -483,6 +504,36 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 site,
             })
         }
+        ["kernel", "data", rest @ ..] => {
+            let target = match args(1) {
+                [Literal::Num(addr)] => DataTarget::Address(*addr as u64),
+                [Literal::Str(sym)] if !sym.is_empty() => DataTarget::Symbol(sym.clone()),
+                _ => return Err(bad("kernel.data", "expected an address or a symbol's name")),
+            };
+            let (len, access) = match rest {
+                [access] => (1, *access),
+                ["length", access] => match args(2) {
+                    [Literal::Num(n)] if [1, 2, 4, 8].contains(n) => (*n as u64, *access),
+                    _ => {
+                        return Err(bad(
+                            "kernel.data",
+                            "a watchpoint's length is 1, 2, 4 or 8 bytes",
+                        ))
+                    }
+                },
+                _ => return Err(unknown()),
+            };
+            let write_only = match access {
+                "write" => true,
+                "rw" => false,
+                _ => return Err(unknown()),
+            };
+            Ok(PointKind::KernelData {
+                target,
+                len,
+                write_only,
+            })
+        }
         ["kprobe", "statement", "absolute"] => match args(1) {
             [Literal::Num(addr)] => Ok(PointKind::KernelAddress(*addr as u64)),
             _ => Err(bad("kprobe.statement", "expected an address")),
@@ -583,10 +634,6 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
             "these are markers inside SystemTap's own programs (user-space probe points), \
              which exotap neither is nor probes",
         ),
-        &"kernel" if names.get(1) == Some(&"data") => Some(
-            "watchpoints on kernel data need hardware debug registers, which exotap's backends \
-             do not arm; use kernel.field(\"struct S\", \"member\").write for member writes",
-        ),
         _ => None,
     }
 }
@@ -612,6 +659,35 @@ mod tests {
                 site: FunctionSite::Return,
             }
         );
+    }
+
+    #[test]
+    fn kernel_data_takes_an_address_or_a_symbol_a_length_and_write_or_rw() {
+        assert_eq!(
+            kind(r#"kernel.data("vm_dirty_ratio").rw"#).unwrap(),
+            PointKind::KernelData {
+                target: DataTarget::Symbol("vm_dirty_ratio".into()),
+                len: 1,
+                write_only: false,
+            }
+        );
+        assert_eq!(
+            kind("kernel.data(0xffffffff82a4c6e0).length(8).write").unwrap(),
+            PointKind::KernelData {
+                target: DataTarget::Address(0xffff_ffff_82a4_c6e0),
+                len: 8,
+                write_only: true,
+            }
+        );
+        for bad in [
+            "kernel.data(0x1000).length(3).write",
+            "kernel.data(0x1000).length(16).rw",
+            "kernel.data(0x1000).read",
+            "kernel.data(0x1000)",
+            r#"kernel.data("").write"#,
+        ] {
+            assert!(kind(bad).is_err(), "{bad} was accepted");
+        }
     }
 
     #[test]

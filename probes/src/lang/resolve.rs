@@ -6,7 +6,7 @@ use super::ast::ProbePoint;
 use super::check::Program;
 use super::diag::Diagnostic;
 use super::parser::parse;
-use super::point::{classify, FieldAccess, FunctionSite, PointKind};
+use super::point::{classify, DataTarget, FieldAccess, FunctionSite, PointKind};
 use super::Limits;
 
 /// One concrete place a probe point stands for.
@@ -155,6 +155,22 @@ pub fn describe(kind: &PointKind) -> String {
             format!("{when} system calls matching '{name}'")
         }
         PointKind::KernelTrace { name } => format!("the kernel tracepoints matching '{name}'"),
+        PointKind::KernelData {
+            target,
+            len,
+            write_only,
+        } => {
+            let what = match target {
+                DataTarget::Address(a) => format!("the kernel data at {a:#x}"),
+                DataTarget::Symbol(s) => format!("the kernel data '{s}'"),
+            };
+            let access = if *write_only {
+                "write"
+            } else {
+                "read or write"
+            };
+            format!("each {access} of {len} byte(s) of {what}")
+        }
     }
 }
 

@@ -769,6 +769,28 @@ fn run(
                     break;
                 }
             }
+            Ok(Some(StopEvent::Watchpoint { vcpu, addr, .. }))
+                if traps.as_ref().is_some_and(|t| t.watches(addr)) =>
+            {
+                host_hits += 1;
+                let step = match traps.as_mut() {
+                    Some(t) => {
+                        let mut sessions = HitSessions {
+                            main: &mut session,
+                            shadow: shadow.as_mut().zip(check.as_ref()),
+                        };
+                        t.watch_hit_in(&mut guest.session, &mut sessions, vcpu, addr)
+                            .and_then(|()| guest.session.resume())
+                    }
+                    None => Ok(()),
+                };
+                if let Err(e) = step {
+                    tracing::error!(
+                        "a kernel.data probe at {addr:#x} failed: {e:#}; ending the run"
+                    );
+                    break;
+                }
+            }
             Ok(Some(_)) => {
                 // Compiled probes set no breakpoints: a stop is someone else's; go on.
                 if let Err(e) = guest.session.resume() {

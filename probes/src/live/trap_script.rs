@@ -261,6 +261,12 @@ impl Tracer {
                         .hit(&mut self.session, &mut session, vcpu, pc)
                         .and_then(|()| self.session.resume())
                 }
+                Some(StopEvent::Watchpoint { vcpu, addr, .. }) if self.traps.watches(addr) => {
+                    hits += 1;
+                    self.traps
+                        .watch_hit(&mut self.session, &mut session, vcpu, addr)
+                        .and_then(|()| self.session.resume())
+                }
                 Some(_) => self.session.machine.resume().map_err(Into::into),
             };
             if let Err(e) = step {

@@ -195,6 +195,7 @@ pub(super) fn put_event(m: Message, event: StopEvent) -> Message {
         StopEvent::Stepped { vcpu } => m.u8(1).u32(vcpu.0),
         StopEvent::Paused => m.u8(2),
         StopEvent::Exited => m.u8(3),
+        StopEvent::Watchpoint { vcpu, pc, addr } => m.u8(4).u32(vcpu.0).u64(pc).u64(addr),
     }
 }
 
@@ -209,6 +210,11 @@ pub(super) fn get_event(f: &mut Fields<'_>) -> Result<StopEvent, SocketError> {
         },
         2 => StopEvent::Paused,
         3 => StopEvent::Exited,
+        4 => StopEvent::Watchpoint {
+            vcpu: VcpuId(f.u32("vcpu")?),
+            pc: f.u64("pc")?,
+            addr: f.u64("addr")?,
+        },
         other => return Err(SocketError::Malformed(format!("unknown event {other}"))),
     })
 }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::client::{GdbClient, GdbError, Interrupter, StopReply, ThreadId};
 use crate::control::{
-    ControlError, Machine, RegisterFile, StopEvent, VcpuId, X86Registers, X86_GPR_NAMES,
+    ControlError, Machine, RegisterFile, StopEvent, VcpuId, WatchKind, X86Registers, X86_GPR_NAMES,
 };
 
 const BACKEND: &str = "qemu gdbstub";
@@ -142,14 +142,19 @@ impl GdbMachine {
         self.regs_cache = None;
         match reply {
             StopReply::Signal {
-                signal: 5, thread, ..
+                signal: 5,
+                thread,
+                info,
             } => {
                 let vcpu = self.vcpu_of(thread);
                 let pc = match self.registers(vcpu)? {
                     RegisterFile::X86_64(r) => r.rip,
                     RegisterFile::Sparc64(r) => r.pc,
                 };
-                Ok(StopEvent::Breakpoint { vcpu, pc })
+                Ok(match watched_address(&info) {
+                    Some(addr) => StopEvent::Watchpoint { vcpu, pc, addr },
+                    None => StopEvent::Breakpoint { vcpu, pc },
+                })
             }
             StopReply::Signal { .. } => Ok(StopEvent::Paused),
             StopReply::Exited(_) | StopReply::Terminated(_) => Ok(StopEvent::Exited),
@@ -393,6 +398,19 @@ impl Machine for GdbMachine {
             .map_err(|e| memory(e, addr, 1, "virtual"))
     }
 
+    fn set_watchpoint(
+        &mut self,
+        addr: u64,
+        len: u64,
+        kind: WatchKind,
+        insert: bool,
+    ) -> Result<(), ControlError> {
+        self.require_paused()?;
+        self.client
+            .set_watchpoint(addr, len, kind == WatchKind::Write, insert)
+            .map_err(|e| memory(e, addr, len as usize, "virtual"))
+    }
+
     fn wait_event(&mut self, timeout: Duration) -> Result<Option<StopEvent>, ControlError> {
         if self.paused {
             return Ok(Some(StopEvent::Paused));
@@ -497,5 +515,42 @@ impl Machine for GdbMachine {
 
     fn release(&mut self) -> Result<(), ControlError> {
         self.client.detach().map_err(backend)
+    }
+}
+
+/// The data address of a watchpoint stop (`T05watch:ADDR;...`: a write; `awatch:` an access,
+/// `rwatch:` a read), from a stop reply's `key:value` pairs; `None` for any other stop.
+fn watched_address(info: &[(String, String)]) -> Option<u64> {
+    info.iter().find_map(|(k, v)| {
+        matches!(k.as_str(), "watch" | "awatch" | "rwatch")
+            .then(|| u64::from_str_radix(v, 16).ok())
+            .flatten()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::watched_address;
+    use crate::gdb::client::parse_stop_reply;
+    use crate::gdb::StopReply;
+
+    fn info(reply: &str) -> Vec<(String, String)> {
+        match parse_stop_reply(reply) {
+            Some(StopReply::Signal { info, .. }) => info,
+            other => panic!("{reply}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_watchpoint_stop_names_the_data_address_and_a_breakpoint_none() {
+        for key in ["watch", "awatch", "rwatch"] {
+            assert_eq!(
+                watched_address(&info(&format!("T05thread:02;{key}:ffffffff82a4c6e0;"))),
+                Some(0xffff_ffff_82a4_c6e0),
+                "{key}"
+            );
+        }
+        assert_eq!(watched_address(&info("T05thread:01;swbreak:;")), None);
+        assert_eq!(watched_address(&info("T05thread:01;watch:zz;")), None);
     }
 }

@@ -71,7 +71,7 @@ impl LiveJit {
                 ours
             }
             // A stop nobody asked for (an interrupt the stub answered late): go on.
-            StopEvent::Stepped { .. } | StopEvent::Paused => false,
+            StopEvent::Stepped { .. } | StopEvent::Paused | StopEvent::Watchpoint { .. } => false,
             StopEvent::Exited => return Ok(false),
         };
         session.resume()?;

@@ -69,6 +69,7 @@ const GPR_NAMES: [&str; 16] = [
 mod context;
 mod removal;
 mod returns;
+mod watches;
 
 use context::LiveContext;
 use returns::{Call, Entry, Ledger, Return};
@@ -605,6 +606,8 @@ pub struct Traps {
     parked_look: std::time::Instant,
     /// Returns handled for a vCPU found at the trampoline with no stop reported there.
     unreported_returns: u64,
+    /// `kernel.data` probes' watchpoints ([`watches`]).
+    watches: Vec<watches::Watch>,
 }
 
 impl std::fmt::Debug for Traps {
@@ -644,7 +647,9 @@ impl Traps {
         });
         let globals = super::target_vars::kernel_globals(image, prog, btf.as_ref())?;
         let (armed, trampoline) = arm(guest, image, btf.as_ref(), prog, area, host)?;
+        let watches = watches::arm(guest, image, prog, host)?;
         Ok(Self {
+            watches,
             globals,
             jiffies: image.symbols.get("jiffies_64").map(|s| s.addr),
             tasks,

@@ -17,6 +17,7 @@ impl Traps {
         if let Err(e) = machine.pause() {
             tracing::error!("cannot pause the guest to put the return addresses back: {e}");
         }
+        self.unwatch(machine);
         // A vCPU that returned into the trampoline and stopped at its breakpoint, where the
         // loop ended before handling that stop, would run the trampoline's `ud2` once the
         // breakpoint is gone: send it to the return address its `ret` popped (its return

@@ -796,6 +796,23 @@ impl GdbClient {
         self.expect_ok(&format!("{op}0,{addr:x},1"))
     }
 
+    /// Inserts (`Z2`/`Z4`) or removes (`z2`/`z4`) a write or access watchpoint on `len`
+    /// bytes at `addr`.
+    ///
+    /// # Errors
+    /// When the stub refuses it (an error reply, or an empty one: not supported).
+    pub fn set_watchpoint(
+        &mut self,
+        addr: u64,
+        len: u64,
+        write_only: bool,
+        insert: bool,
+    ) -> Result<(), GdbError> {
+        let op = if insert { 'Z' } else { 'z' };
+        let kind = if write_only { 2 } else { 4 };
+        self.expect_ok(&format!("{op}{kind},{addr:x},{len:x}"))
+    }
+
     /// Resumes all vCPUs (all-stop `c`); the stub answers only when the target stops again.
     ///
     /// # Errors
