@@ -262,9 +262,10 @@ impl QemuConfig {
             "panic=-1".to_owned(),
             "quiet".to_owned(),
             // The IO-APIC timer check counts timer ticks within a delay calibrated moments
-            // before: under TCG on a loaded host it saw too few and panicked the boot ("IO-APIC
-            // + timer doesn't work!", once in a local test run with three guests on two cores). The
-            // timer works; virtual machines skip the check (as exotap's KVM VMM does).
+            // before: under TCG on a loaded host it saw too few and panicked the boot
+            // ("IO-APIC + timer doesn't work!", once in a local test run with three guests on
+            // two cores). The timer works; virtual machines skip the check (as exotap's KVM
+            // VMM does).
             "no_timer_check".to_owned(),
             self.patch_heap.kernel_param(),
         ];
