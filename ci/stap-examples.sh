@@ -116,6 +116,15 @@ meta_words() {
     fi
     line=$(grep -m1 '^test_check:' "$meta" | sed 's/^test_check:[[:space:]]*//') || return 0
     [[ -n $line ]] || return 0
+    # One command substitution is answered, without running it: `grep "SYM" /proc/kallsyms |
+    # awk '{print $1}'` (hw_watch_addr's address argument), which stap's test suite runs on the
+    # kernel it probes, from the guest kernel's own kallsyms (`exotap symbols`, link-time).
+    local kallsyms='`grep "([A-Za-z0-9_]+)" /proc/kallsyms \| awk .\{print \$1\}.`'
+    if [[ $line =~ $kallsyms ]]; then
+        local sym=${BASH_REMATCH[1]} addr
+        addr=$("$EXOTAP" symbols "$sym" 2>/dev/null | awk -v s="$sym" '$3 == s { print $1; exit }')
+        [[ -n $addr ]] && line=${line/"${BASH_REMATCH[0]}"/$addr}
+    fi
     # Split as the shell would, without running anything in it (xargs knows quotes; a
     # command substitution in a .meta line stays text).
     mapfile -t words < <(printf '%s' "$line" | xargs -r printf '%s\n' 2>/dev/null)
