@@ -127,7 +127,39 @@ fn unpacked(root: &std::path::Path, bytes: &[u8]) -> anyhow::Result<Vmlinux> {
     }
     let opened =
         std::fs::File::open(&file).with_context(|| format!("cannot open {}", file.display()))?;
-    Vmlinux::map(&opened).with_context(|| format!("cannot map {}", file.display()))
+    let vmlinux =
+        Vmlinux::map(&opened).with_context(|| format!("cannot map {}", file.display()))?;
+    drop(lock);
+    prune_unpacked(root, &dir);
+    Ok(vmlinux)
+}
+
+/// How many unpacked kernels the cache keeps: the most recently used (a load rewrites its
+/// directory's `.lock`).
+const UNPACKED_KEEP: usize = 4;
+
+/// Removes the unpacked kernels of `root` past the [`UNPACKED_KEEP`] most recently used,
+/// `current` among them, leaving any another exotap is unpacking now (its lock is held). A
+/// copy another exotap has mapped outlives its removal (the mapping keeps the file).
+fn prune_unpacked(root: &std::path::Path, current: &std::path::Path) {
+    let Ok(read) = std::fs::read_dir(root) else {
+        return;
+    };
+    let mut others: Vec<(std::time::SystemTime, std::path::PathBuf)> = read
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.is_dir() && p != current)
+        .filter_map(|p| Some((std::fs::metadata(p.join(".lock")).ok()?.modified().ok()?, p)))
+        .collect();
+    others.sort_by_key(|o| std::cmp::Reverse(o.0));
+    for (_, old) in others.into_iter().skip(UNPACKED_KEEP - 1) {
+        let Ok(lock) = std::fs::File::open(old.join(".lock")) else {
+            continue;
+        };
+        if lock.try_lock().is_ok() {
+            let _ = std::fs::remove_dir_all(&old);
+        }
+    }
 }
 
 /// The cached Debian kernel (for unit tests that need a real image): `None` only when it is
@@ -197,6 +229,37 @@ mod tests {
             std::fs::read(&file).unwrap() == want.bytes(),
             "the corrupt copy was not replaced"
         );
+    }
+
+    #[test]
+    fn only_the_most_recently_used_unpacked_kernels_are_kept() {
+        let root = tempfile::tempdir().unwrap();
+        let now = std::time::SystemTime::now();
+        let dir = |i: u64| {
+            let d = root.path().join(format!("k{i}"));
+            std::fs::create_dir(&d).unwrap();
+            std::fs::write(d.join("vmlinux"), b"elf").unwrap();
+            let lock = std::fs::File::create(d.join(".lock")).unwrap();
+            // k0 used last, k5 first.
+            lock.set_modified(now - std::time::Duration::from_secs(60 * (i + 1)))
+                .unwrap();
+            d
+        };
+        let dirs: Vec<_> = (0..6).map(dir).collect();
+        // k5, the oldest, is being unpacked by another exotap: left.
+        let busy = std::fs::File::open(dirs[5].join(".lock")).unwrap();
+        busy.lock().unwrap();
+        let current = root.path().join("current");
+        std::fs::create_dir(&current).unwrap();
+
+        super::prune_unpacked(root.path(), &current);
+
+        let mut left: Vec<String> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["current", "k0", "k1", "k2", "k5"]);
     }
 
     #[test]
