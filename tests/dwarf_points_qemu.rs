@@ -133,18 +133,7 @@ fn count_like_the_guests_kprobes(mode: &str, points: &[String], mut all: Vec<Pla
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
     assert!(out.contains("EXOTAP-DONE 0"), "{ctx}");
-    for bad in [
-        "Oops",
-        "BUG:",
-        "WARNING:",
-        "general protection",
-        "invalid opcode",
-    ] {
-        assert!(
-            !transcript.contains(bad),
-            "{bad} in the console:\n{transcript}"
-        );
-    }
+    common::assert_console_clean(&transcript);
     if mode == "never" {
         assert!(
             err.contains(&format!("armed {expected_points} probe sites"))

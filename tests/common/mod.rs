@@ -197,6 +197,23 @@ print(json.dumps(out))
     rows
 }
 
+/// Fails when the guest's console shows the kernel hurt: an oops, a BUG, a WARNING, a general
+/// protection fault or an invalid opcode.
+pub fn assert_console_clean(transcript: &str) {
+    for bad in [
+        "Oops",
+        "BUG:",
+        "WARNING:",
+        "general protection",
+        "invalid opcode",
+    ] {
+        assert!(
+            !transcript.contains(bad),
+            "{bad} in the console:\n{transcript}"
+        );
+    }
+}
+
 /// Boots the guest with `script` (`--compile MODE`) whose `job` calls `exotap_wait attach`
 /// and `exotap_wait detach` itself (`--attach-in-job`), with `extra` options (such as
 /// `--compare-kprobes`); returns (code, stdout, stderr, console).

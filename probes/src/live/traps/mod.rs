@@ -126,6 +126,27 @@ struct ArmedPoint {
 }
 
 impl ArmedPoint {
+    /// A point whose probes run at stops that are not at a breakpoint (a `timer.profile`
+    /// sample, a watchpoint's access): named, with no instruction to get past.
+    fn stopless(name: String, function: String) -> Self {
+        Self {
+            entry: Vec::new(),
+            ret: Vec::new(),
+            name,
+            function,
+            window: Vec::new(),
+            // Never carried out: the vCPU goes on from where it stopped.
+            action: TrapAction::OutOfLine {
+                code: Vec::new(),
+                rip_relative: false,
+            },
+            slot: 0,
+            slot_phys: 0,
+            params: Vec::new(),
+            locals: None,
+        }
+    }
+
     /// Remakes the action when the guest changed the instruction since it was made (its own
     /// ftrace turns an entry nop5 into a call and back, static keys flip jumps): the hit
     /// must do what is there now. Patching keeps lengths, so the point stays a boundary.
@@ -677,22 +698,7 @@ impl Traps {
                     guard: None,
                 })
                 .collect(),
-            profile_point: ArmedPoint {
-                entry: Vec::new(),
-                ret: Vec::new(),
-                name: "timer.profile".into(),
-                function: String::new(),
-                window: Vec::new(),
-                // Never carried out: a sample does not stop at a breakpoint.
-                action: TrapAction::OutOfLine {
-                    code: Vec::new(),
-                    rip_relative: false,
-                },
-                slot: 0,
-                slot_phys: 0,
-                params: Vec::new(),
-                locals: None,
-            },
+            profile_point: ArmedPoint::stopless("timer.profile".into(), String::new()),
             parked_look: std::time::Instant::now(),
             unreported_returns: 0,
         })

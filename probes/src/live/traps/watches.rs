@@ -13,7 +13,6 @@ use crate::lang::point::{DataTarget, PointKind};
 use super::{registers, ArmedPoint, HitSessions, SiteProbe, Traps};
 use crate::live::kernel_image::KernelImage;
 use crate::live::session::GuestSession;
-use crate::live::trap_point::TrapAction;
 
 /// One watchpoint and the probes on it.
 pub(super) struct Watch {
@@ -116,23 +115,7 @@ pub(super) fn arm(
                 len: *len,
                 kind,
                 probes: vec![site],
-                point: ArmedPoint {
-                    entry: Vec::new(),
-                    ret: Vec::new(),
-                    name: pt.to_string(),
-                    function,
-                    window: Vec::new(),
-                    // Never carried out: a watchpoint stops after the access, and the vCPU
-                    // goes on from where it is.
-                    action: TrapAction::OutOfLine {
-                        code: Vec::new(),
-                        rip_relative: false,
-                    },
-                    slot: 0,
-                    slot_phys: 0,
-                    params: Vec::new(),
-                    locals: None,
-                },
+                point: ArmedPoint::stopless(pt.to_string(), function),
             });
         }
     }
