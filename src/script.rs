@@ -1,5 +1,5 @@
 //! `exotap run FILE` / `exotap -e SCRIPT`: the probe language front end (the language itself
-//! is in probes/src/lang).
+//! is in probes/lang/src).
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;

@@ -1,4 +1,4 @@
-//! procfs probes served by the host (`probes/src/procfs.rs`): a script's `procfs("NAME")`
+//! procfs probes served by the host (`probes/base/src/procfs.rs`): a script's `procfs("NAME")`
 //! files as FIFOs in a directory and over HTTP, and the prometheus tapset's `/metrics`,
 //! checked with Prometheus's own parser of its text format (the `prometheus_client` Python
 //! package, Debian's python3-prometheus-client). No guest: the scripts' probes run on the

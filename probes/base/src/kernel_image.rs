@@ -169,8 +169,12 @@ fn prune_unpacked(root: &std::path::Path, current: &std::path::Path) {
 /// # Panics
 /// When the file is there but cannot be examined or does not load: a cache that is present
 /// and broken fails the test; it is not a kernel that was never fetched.
-#[cfg(test)]
-pub(crate) fn cached_debian_image() -> Option<KernelImage> {
+///
+/// For the unit tests of this crate and of the crates above it (their dev-dependency on this
+/// one enables the `testing` feature).
+#[cfg(any(test, feature = "testing"))]
+#[allow(clippy::panic, reason = "a test helper: a cache that is present and broken fails the test")]
+pub fn cached_debian_image() -> Option<KernelImage> {
     let dir = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
     let path = dir.join("vmlinuz");
     match std::fs::metadata(&path) {

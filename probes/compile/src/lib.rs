@@ -95,10 +95,10 @@ pub mod types;
 
 use std::collections::HashSet;
 
-use crate::lang::ast::Span;
-use crate::lang::check::Program;
-use crate::lang::point::PointKind;
-use crate::lang::Limits;
+use exotap_lang::ast::Span;
+use exotap_lang::check::Program;
+use exotap_lang::point::PointKind;
+use exotap_lang::Limits;
 
 pub use data::{DataLayout, Header, Interner};
 pub use site::{entry_code, return_code, runtime, Runtime, SiteBodies};
@@ -301,7 +301,7 @@ impl std::fmt::Display for Unsupported {
 
 /// The probes of `prog` with a point in the guest (what a compiled script runs there), with
 /// their source.
-pub(crate) fn guest_probes(prog: &Program) -> impl Iterator<Item = &crate::lang::ast::Probe> {
+pub(crate) fn guest_probes(prog: &Program) -> impl Iterator<Item = &exotap_lang::ast::Probe> {
     prog.script
         .probes
         .iter()

@@ -1,7 +1,7 @@
 //! `s =~ "pattern"` in compiled bodies: a table-driven matcher built on the host, walked in
 //! the guest (see [`super::codegen`]'s `regex_match`).
 //!
-//! The interpreter (probes/src/lang/eval_expr.rs) matches with `regex::Regex::new(pattern)`
+//! The interpreter (probes/lang/src/eval_expr.rs) matches with `regex::Regex::new(pattern)`
 //! and `is_match` on the subject as it holds strings: Rust syntax with the crate's defaults
 //! (Unicode, case-sensitive, unanchored, `^`/`$` at the text's ends, `.` not `\n`), on text
 //! whose invalid UTF-8 was replaced by U+FFFD (`String::from_utf8_lossy`). A compiled

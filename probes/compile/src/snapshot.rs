@@ -38,9 +38,9 @@
 //! be known in the guest at the hit: there the guest's own unwinder walks the stack (see
 //! the codegen's stack module), and the result is a string built in the guest.
 
-use crate::lang::ast::{Expr, ExprKind, FunctionBody};
-use crate::lang::check::Program;
-use crate::lang::value::{truncate, Value};
+use exotap_lang::ast::{Expr, ExprKind, FunctionBody};
+use exotap_lang::check::Program;
+use exotap_lang::value::{truncate, Value};
 
 /// The bit of a record's format id that marks a stack record.
 pub const STACK_FORMAT: u32 = 1 << 31;
@@ -173,7 +173,7 @@ pub fn takes_snapshots(prog: &Program) -> bool {
 /// Whether any probe or function of `prog` unwinds or names kernel code (the host then
 /// keeps the kernel's ORC tables and symbols, and the guest's modules', at hand).
 pub fn names_kernel_code(prog: &Program) -> bool {
-    use crate::lang::walk::{block_exprs, expr_all};
+    use exotap_lang::walk::{block_exprs, expr_all};
     const NAMERS: &[&str] = &[
         "backtrace",
         "print_backtrace",
@@ -187,8 +187,8 @@ pub fn names_kernel_code(prog: &Program) -> bool {
         "symdata",
     ];
     let mut found = false;
-    let mut look = |e: &crate::lang::ast::Expr| {
-        if let crate::lang::ast::ExprKind::Call(c) = &e.kind {
+    let mut look = |e: &exotap_lang::ast::Expr| {
+        if let exotap_lang::ast::ExprKind::Call(c) = &e.kind {
             found |= NAMERS.contains(&c.name.name.as_str());
         }
     };
@@ -199,7 +199,7 @@ pub fn names_kernel_code(prog: &Program) -> bool {
         block_exprs(&p.body, &mut look);
     }
     for f in &prog.script.functions {
-        if let crate::lang::ast::FunctionBody::Block(b) = &f.body {
+        if let exotap_lang::ast::FunctionBody::Block(b) = &f.body {
             block_exprs(b, &mut look);
         }
     }
@@ -212,7 +212,7 @@ pub fn names_kernel_code(prog: &Program) -> bool {
 /// (`s[backtrace()]++`): strings the guest builds with the kernel's own unwinder (see the
 /// codegen's stack module).
 pub fn stack_uses(prog: &Program) -> (usize, usize) {
-    use crate::lang::walk::{block_exprs, expr_all};
+    use exotap_lang::walk::{block_exprs, expr_all};
     let (mut printed, mut stacks, mut print_backtrace) = (0usize, 0usize, 0usize);
     let mut look = |e: &Expr| {
         if let ExprKind::Call(c) = &e.kind {
@@ -303,7 +303,7 @@ pub fn stack_lines(stack: &Unwound) -> String {
         .map(|(pc, name)| {
             format!(
                 " {pc:#018x} : {}",
-                crate::lang::eval_call::stap_frame_name(name)
+                exotap_lang::eval_call::stap_frame_name(name)
             )
         })
         .collect();
@@ -359,8 +359,8 @@ pub fn render(
     }
     Some(match &format.output {
         StackOutput::Printf(fmt) => {
-            let pieces = crate::lang::format::parse_format(fmt).ok()?;
-            crate::lang::format::render(&pieces, &args)
+            let pieces = exotap_lang::format::parse_format(fmt).ok()?;
+            exotap_lang::format::render(&pieces, &args)
         }
         StackOutput::Print(ln) => {
             let mut s: String = args.iter().map(ToString::to_string).collect();
@@ -380,8 +380,8 @@ mod tests {
     #[test]
     fn a_script_names_kernel_code_in_a_body_a_condition_or_a_function_it_calls() {
         let names = |src: &str| {
-            let prog = crate::lang::check::check(
-                crate::lang::parser::parse(src, &crate::lang::Limits::default()).unwrap(),
+            let prog = exotap_lang::check::check(
+                exotap_lang::parser::parse(src, &exotap_lang::Limits::default()).unwrap(),
             )
             .unwrap();
             names_kernel_code(&prog)

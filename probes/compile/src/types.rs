@@ -403,7 +403,7 @@ pub fn chain_defined(
 
 /// `@defined(@cast(p, "T")->m...)`, known when compiling as SystemTap knows it: the kernel
 /// has the type, and the chain lays out from it (without members: the type exists).
-pub fn cast_defined(types: Option<&dyn KernelTypes>, cast: &crate::lang::ast::CastExpr) -> bool {
+pub fn cast_defined(types: Option<&dyn KernelTypes>, cast: &exotap_lang::ast::CastExpr) -> bool {
     let Some(types) = types.filter(|_| cast.of_kernel()) else {
         return false;
     };

@@ -115,7 +115,7 @@ pub struct Program {
     /// What `target()` returns: the `-x PID` of the invocation, 0 without.
     pub target_pid: i64,
     /// Where the host serves the script's procfs files.
-    pub host_files: crate::procfs::HostFiles,
+    pub host_files: exotap_probes_base::procfs::HostFiles,
 }
 
 impl Program {
@@ -159,7 +159,7 @@ fn procfs_value_as_local(script: &mut Script) {
         if !procfs {
             continue;
         }
-        crate::lang::walk::block_exprs_mut(&mut probe.body, &mut |e| {
+        crate::walk::block_exprs_mut(&mut probe.body, &mut |e| {
             if let ExprKind::Target(t) = &e.kind {
                 if t.name == PROCFS_VALUE && t.members.is_empty() {
                     e.kind = ExprKind::Var(PROCFS_VALUE.to_string());
@@ -221,7 +221,7 @@ pub fn check_guru(mut script: Script, guru: bool) -> Result<Program, Vec<Diagnos
         probes,
         warnings,
         target_pid: 0,
-        host_files: crate::procfs::HostFiles::default(),
+        host_files: exotap_probes_base::procfs::HostFiles::default(),
     })
 }
 
@@ -682,7 +682,7 @@ impl<'a> Checker<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::{parser::parse, Limits};
+    use crate::{parser::parse, Limits};
 
     fn checked(src: &str) -> Program {
         check(parse(src, &Limits::default()).unwrap()).unwrap()
@@ -937,11 +937,11 @@ mod tests {
 
     #[test]
     fn target_write_is_accepted_in_guru_mode() {
-        let inv = crate::lang::invocation::Invocation {
+        let inv = crate::invocation::Invocation {
             guru: true,
             ..Default::default()
         };
-        let script = crate::lang::parser::parse_with(
+        let script = crate::parser::parse_with(
             "probe kernel.function(\"f\") { $x = 1 }",
             &Limits::default(),
             &inv,

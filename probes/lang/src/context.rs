@@ -51,7 +51,7 @@ pub trait Context {
     }
     /// `@defined(@cast(p, "T")->m...)`: whether the chain lays out from the kernel's types.
     /// The default: never (this context knows no types).
-    fn cast_defined(&self, _cast: &crate::lang::ast::CastExpr) -> bool {
+    fn cast_defined(&self, _cast: &crate::ast::CastExpr) -> bool {
         false
     }
     /// A member chain of a target variable (`$file->f_inode->i_ino`, `$return->m`), laid
@@ -73,7 +73,7 @@ pub trait Context {
     fn member_address(
         &self,
         _var: Option<&TargetVar>,
-        _cast: Option<(u64, &crate::lang::ast::CastExpr, &[i64])>,
+        _cast: Option<(u64, &crate::ast::CastExpr, &[i64])>,
     ) -> Option<Result<Value, String>> {
         None
     }
@@ -220,7 +220,7 @@ impl Context for CapturedContext {
 
     /// A cast's chain is defined where the capture says so under
     /// `@defined(@cast(T)->m...)`.
-    fn cast_defined(&self, cast: &crate::lang::ast::CastExpr) -> bool {
+    fn cast_defined(&self, cast: &crate::ast::CastExpr) -> bool {
         let chain: String = cast.members.iter().map(|m| format!("->{m}")).collect();
         let key = format!("@defined(@cast({}){chain})", cast.type_name);
         self.targets.get(&key) == Some(&Value::Long(1))
@@ -230,7 +230,7 @@ impl Context for CapturedContext {
     fn member_address(
         &self,
         var: Option<&TargetVar>,
-        _cast: Option<(u64, &crate::lang::ast::CastExpr, &[i64])>,
+        _cast: Option<(u64, &crate::ast::CastExpr, &[i64])>,
     ) -> Option<Result<Value, String>> {
         let path = format!("&{}", var?.path());
         self.targets.get(&path).cloned().map(Ok)

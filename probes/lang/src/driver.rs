@@ -51,12 +51,12 @@ pub fn compile_with(
 /// `-G NAME=VALUE`: the initial value of scalar global NAME (a number for a global that
 /// holds numbers, in decimal or 0x hex; the text for one that holds strings), as stap's.
 fn set_globals(
-    prog: &mut crate::lang::check::Program,
+    prog: &mut crate::check::Program,
     globals: &[(String, String)],
 ) -> Result<(), Diagnostic> {
-    use crate::lang::ast::Literal;
-    use crate::lang::check::{Shape, Ty};
-    let error = |m: String| Diagnostic::error(m, crate::lang::ast::Span::default());
+    use crate::ast::Literal;
+    use crate::check::{Shape, Ty};
+    let error = |m: String| Diagnostic::error(m, crate::ast::Span::default());
     for (name, value) in globals {
         let Some(g) = prog.globals.get_mut(name) else {
             return Err(error(format!(
@@ -329,8 +329,8 @@ pub fn stop_on_ctrl_c() -> Result<Arc<AtomicBool>, ctrlc::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::output::SharedBuf;
-    use crate::lang::resolve::NoSymbols;
+    use crate::output::SharedBuf;
+    use crate::resolve::NoSymbols;
 
     fn job(text: &str, last_pass: Option<u8>) -> (i32, String, String) {
         job_with_args(text, last_pass, &[])
@@ -439,7 +439,7 @@ mod tests {
             };
             compile_with(&source, &Limits::default(), &inv)
         };
-        let init = |prog: &crate::lang::check::Program, name: &str| prog.globals[name].init.clone();
+        let init = |prog: &crate::check::Program, name: &str| prog.globals[name].init.clone();
 
         let prog = with(&[("sloth", "10"), ("who", "y z")]).unwrap();
         let hex = with(&[("sloth", "0x10")]).unwrap();
@@ -448,18 +448,12 @@ mod tests {
             .map(|g| with(&[*g]).unwrap_err()[0].message.clone())
             .collect();
 
-        assert_eq!(
-            init(&prog, "sloth"),
-            Some(crate::lang::ast::Literal::Num(10))
-        );
+        assert_eq!(init(&prog, "sloth"), Some(crate::ast::Literal::Num(10)));
         assert_eq!(
             init(&prog, "who"),
-            Some(crate::lang::ast::Literal::Str("y z".into()))
+            Some(crate::ast::Literal::Str("y z".into()))
         );
-        assert_eq!(
-            init(&hex, "sloth"),
-            Some(crate::lang::ast::Literal::Num(16))
-        );
+        assert_eq!(init(&hex, "sloth"), Some(crate::ast::Literal::Num(16)));
         assert!(errors[0].contains("sloth holds numbers"), "{errors:?}");
         assert!(errors[1].contains("no global nope"), "{errors:?}");
         assert!(errors[2].contains("not a scalar"), "{errors:?}");

@@ -333,9 +333,9 @@ impl<'p> Interp<'p> {
             }
         };
         if let Some(cond) = &probe.condition {
-            crate::lang::walk::expr_all(cond, &mut collect);
+            crate::walk::expr_all(cond, &mut collect);
         }
-        crate::lang::walk::block_exprs(&probe.body, &mut collect);
+        crate::walk::block_exprs(&probe.body, &mut collect);
         let mut out = Vec::with_capacity(entries.len());
         for e in entries {
             let ExprKind::Entry(x) = &e.kind else {
@@ -618,10 +618,10 @@ pub(crate) fn stat_value(s: &Stats, op: StatOp) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::check::check;
-    use crate::lang::context::CapturedContext;
-    use crate::lang::output::{Format, SharedBuf};
-    use crate::lang::parser::parse;
+    use crate::check::check;
+    use crate::context::CapturedContext;
+    use crate::output::{Format, SharedBuf};
+    use crate::parser::parse;
 
     fn run_with(
         src: &str,
@@ -864,7 +864,7 @@ mod tests {
             &self,
             addr: u64,
             len: usize,
-        ) -> Result<Vec<u8>, crate::lang::context::MemoryError> {
+        ) -> Result<Vec<u8>, crate::context::MemoryError> {
             self.here.read_kernel(addr, len)
         }
         fn entry_value(&self, key: usize) -> Option<Result<Value, String>> {

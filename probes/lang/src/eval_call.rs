@@ -543,7 +543,7 @@ fn no_symbols(name: &str) -> String {
 /// A frame's `%pB` name as SystemTap prints it: a module's frame already ends in
 /// ` [module]`; the kernel's own gets ` [kernel]` (`%pB` prints it bare, and a symbol
 /// name has no blank).
-pub(crate) fn stap_frame_name(name: &str) -> String {
+pub fn stap_frame_name(name: &str) -> String {
     if name.contains(" [") && name.ends_with(']') {
         name.to_owned()
     } else {

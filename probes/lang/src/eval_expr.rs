@@ -15,7 +15,7 @@ impl Interp<'_> {
     /// pointer (the compiled code's order too).
     fn cast_indexes(
         &mut self,
-        c: &crate::lang::ast::CastExpr,
+        c: &crate::ast::CastExpr,
         f: &mut Frame,
         ctx: &dyn Context,
     ) -> EResult<Vec<i64>> {

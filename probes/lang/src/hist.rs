@@ -175,7 +175,7 @@ impl Histogram<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::value::{log_bucket, LOG_BUCKETS};
+    use crate::value::{log_bucket, LOG_BUCKETS};
 
     fn log_hist(values: &[i64]) -> Vec<u64> {
         let mut b = vec![0; LOG_BUCKETS];

@@ -33,7 +33,7 @@ pub struct Invocation {
     /// `-w`: the checker's warnings are not printed, as stap's `-w`.
     pub no_warnings: bool,
     /// `--procfs-dir`, `--http`: where the host serves the script's procfs files.
-    pub host_files: crate::procfs::HostFiles,
+    pub host_files: exotap_probes_base::procfs::HostFiles,
 }
 
 impl Invocation {

@@ -499,7 +499,7 @@ impl ProbePointResolver for KernelSymbols<'_> {
             // A watchpoint, not code: no address to splice or trap (live::traps::watches
             // sets it); a symbol must be kernel data.
             PointKind::KernelData { target, .. } => {
-                if let crate::lang::point::DataTarget::Symbol(name) = target {
+                if let crate::point::DataTarget::Symbol(name) = target {
                     match self.symbols.get(name) {
                         None => return Err(ResolveError::NoMatch(point.to_string())),
                         Some(sym) if sym.is_text() => {
@@ -534,7 +534,7 @@ impl ProbePointResolver for KernelSymbols<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::resolve::list;
+    use crate::resolve::list;
 
     fn table() -> SymbolTable {
         let sym = |name: &str, addr: u64, kind: char| Symbol {

@@ -16,7 +16,7 @@ pub mod context;
 pub mod diag;
 pub mod driver;
 pub mod eval;
-pub(crate) mod eval_call;
+pub mod eval_call;
 mod eval_expr;
 pub mod facts;
 pub mod format;
@@ -35,6 +35,6 @@ pub mod source_lines;
 pub mod syscalls;
 pub mod tapset;
 pub mod value;
-pub(crate) mod walk;
+pub mod walk;
 
 pub use limits::Limits;

@@ -2,7 +2,7 @@
 //! which exotap implements in Rust ([`NATIVE`]), and the ones whose answer needs something
 //! host-evaluated probes do not have yet ([`UNAVAILABLE`]: the checker accepts them, and a
 //! call at run time is an error that says why). The tapset's script-language functions are
-//! in `probes/tapset/*.stp`.
+//! in `probes/lang/tapset/*.stp`.
 
 use super::builtins::Builtin;
 use super::check::Ty;

@@ -64,7 +64,7 @@ pub enum PointKind {
     /// `line`.
     InputLine,
     /// `procfs("NAME").read[.maxsize(N)]` / `procfs("NAME").write` (`procfs.read`: the name
-    /// `command`; `procfs.umask(M)...`): a file the host serves (`crate::procfs`), whose
+    /// `command`; `procfs.umask(M)...`): a file the host serves (`exotap_probes_base::procfs`), whose
     /// reads run the `.read` probe and return what it left in `$value`, and whose writes run
     /// the `.write` probe with the bytes written in `$value`.
     Procfs {
@@ -566,7 +566,7 @@ fn procfs_point(point: &ProbePoint) -> Result<PointKind, PointError> {
             "{name:?} is not a file name (one path component)"
         )));
     }
-    let number = |c: &crate::lang::ast::Component, what: &str| match c.args.as_slice() {
+    let number = |c: &crate::ast::Component, what: &str| match c.args.as_slice() {
         [Literal::Num(n)] if *n >= 0 => Ok(*n as u64),
         _ => Err(bad(format!("{what} takes one number"))),
     };
@@ -641,7 +641,7 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::{parser::parse, Limits};
+    use crate::{parser::parse, Limits};
 
     fn kind(point: &str) -> Result<PointKind, PointError> {
         let script = parse(&format!("probe {point} {{}}"), &Limits::default()).unwrap();

@@ -301,7 +301,7 @@ mod tests {
     }
 
     fn program(src: &str) -> Program {
-        crate::lang::check::check(parse(src, &Limits::default()).unwrap()).unwrap()
+        crate::check::check(parse(src, &Limits::default()).unwrap()).unwrap()
     }
 
     #[test]

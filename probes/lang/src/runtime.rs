@@ -19,7 +19,7 @@ use super::output::{Format, Output};
 use super::point::{PointKind, PROCFS_VALUE};
 use super::value::{Stats, Value};
 use super::Limits;
-use crate::procfs::{FileSpec, Op, Request, Server};
+use exotap_probes_base::procfs::{FileSpec, Op, Request, Server};
 
 /// Why a session could not run at all.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +127,7 @@ impl<'p> Session<'p> {
 
     /// Prints a histogram a compiled probe printed (`print(@hist_log(s))`): text, or JSON's
     /// own `hist` object, as the interpreter prints it.
-    pub fn hist(&mut self, name: &str, h: &crate::lang::hist::Histogram<'_>) {
+    pub fn hist(&mut self, name: &str, h: &crate::hist::Histogram<'_>) {
         let _ = self.interp.out.hist(name, h);
         let _ = self.interp.out.flush();
     }
@@ -288,12 +288,12 @@ impl<'p> Session<'p> {
 
     /// Makes the offset of [`Session::set_clock_offset`] fall by what `drift` answers at
     /// each read ([`Interp::clock_drift`]).
-    pub fn set_clock_drift(&mut self, drift: crate::lang::eval::ClockDrift) {
+    pub fn set_clock_drift(&mut self, drift: crate::eval::ClockDrift) {
         self.interp.clock_drift = Some(drift);
     }
 
     /// Names kernel addresses for every probe, `end` included ([`Interp::kernel_symbols`]).
-    pub fn set_kernel_symbols(&mut self, symbols: crate::lang::eval::KernelSymbols) {
+    pub fn set_kernel_symbols(&mut self, symbols: crate::eval::KernelSymbols) {
         self.interp.kernel_symbols = Some(symbols);
     }
 
@@ -750,9 +750,9 @@ fn fire_line(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::check::check;
-    use crate::lang::output::SharedBuf;
-    use crate::lang::parser::parse;
+    use crate::check::check;
+    use crate::output::SharedBuf;
+    use crate::parser::parse;
 
     fn program(src: &str) -> Program {
         check(parse(src, &Limits::default()).unwrap()).unwrap()
@@ -859,7 +859,7 @@ mod tests {
     struct StackedContext(CapturedContext);
 
     impl Context for StackedContext {
-        fn target(&self, path: &str) -> Option<crate::lang::value::Value> {
+        fn target(&self, path: &str) -> Option<crate::value::Value> {
             self.0.target(path)
         }
         fn pid(&self) -> i64 {
@@ -887,12 +887,10 @@ mod tests {
             &self,
             addr: u64,
             len: usize,
-        ) -> Result<Vec<u8>, crate::lang::context::MemoryError> {
+        ) -> Result<Vec<u8>, crate::context::MemoryError> {
             self.0.read_kernel(addr, len)
         }
-        fn kernel_backtrace(
-            &self,
-        ) -> Result<Vec<(u64, String)>, crate::lang::context::MemoryError> {
+        fn kernel_backtrace(&self) -> Result<Vec<(u64, String)>, crate::context::MemoryError> {
             Ok(vec![
                 (0xffff_ffff_8124_ff10, "vfs_read+0x0/0x1c0".into()),
                 (0xffff_ffff_8125_0a01, "ksys_read+0x71/0xf0".into()),
@@ -901,10 +899,10 @@ mod tests {
         fn task_backtrace(
             &self,
             task: u64,
-        ) -> Result<Vec<(u64, String)>, crate::lang::context::MemoryError> {
+        ) -> Result<Vec<(u64, String)>, crate::context::MemoryError> {
             match task {
                 0x1000 => Ok(vec![(0xffff_ffff_8100_0010, "schedule+0x10/0x80".into())]),
-                _ => Err(crate::lang::context::MemoryError::NoMemory),
+                _ => Err(crate::context::MemoryError::NoMemory),
             }
         }
         fn pc_name(&self, addr: u64) -> Option<String> {
@@ -928,7 +926,7 @@ mod tests {
         let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
         // The session's symbols know one of the two pcs; `end` has no hit context.
         session.set_kernel_symbols(Box::new(|pc| {
-            (pc == 0xffff_ffff_8125_0a01).then(|| crate::lang::eval::NamedAddress {
+            (pc == 0xffff_ffff_8125_0a01).then(|| crate::eval::NamedAddress {
                 name: "ksys_read".to_owned(),
                 offset: 0x71,
                 size: 0xf0,
@@ -968,7 +966,7 @@ mod tests {
         session.set_kernel_symbols(Box::new(|pc| {
             (0xffff_ffff_8125_0990..0xffff_ffff_8125_0a80)
                 .contains(&pc)
-                .then(|| crate::lang::eval::NamedAddress {
+                .then(|| crate::eval::NamedAddress {
                     name: "ksys_read".to_owned(),
                     offset: pc - 0xffff_ffff_8125_0990,
                     size: 0xf0,
@@ -999,13 +997,12 @@ mod tests {
         );
         let mut session = Session::new(&prog, Limits::default(), output, "t.stp", src);
         session.set_kernel_symbols(Box::new(|pc| {
-            let named =
-                |name: &str, base: u64, module: Option<&str>| crate::lang::eval::NamedAddress {
-                    name: name.to_owned(),
-                    offset: pc - base,
-                    size: 0x2b0,
-                    module: module.map(str::to_owned),
-                };
+            let named = |name: &str, base: u64, module: Option<&str>| crate::eval::NamedAddress {
+                name: name.to_owned(),
+                offset: pc - base,
+                size: 0x2b0,
+                module: module.map(str::to_owned),
+            };
             match pc {
                 0xffff_ffff_c000_1000..0xffff_ffff_c000_12b0 => {
                     Some(named("evdev_read", 0xffff_ffff_c000_1000, Some("evdev")))

@@ -164,9 +164,9 @@ impl SourceLines {
         &self,
         structure: &str,
         member: &str,
-        access: crate::lang::point::FieldAccess,
+        access: crate::point::FieldAccess,
     ) -> anyhow::Result<Vec<(u64, String)>> {
-        use crate::lang::point::FieldAccess;
+        use crate::point::FieldAccess;
         use exotap_introspect::dwarf::klas::{self, Access, MemberQuery};
         let query = MemberQuery::parse(&format!("{structure}.{member}"))?;
         let info = self.file.load()?;
@@ -230,14 +230,14 @@ impl SourceLines {
 mod tests {
     use std::process::Command;
 
-    use crate::kernel_image::KernelImage;
-    use crate::lang::kernel_points::KernelSymbols;
-    use crate::lang::resolve::{list, ResolveError, ResolvedPoint};
+    use crate::kernel_points::KernelSymbols;
+    use crate::resolve::{list, ResolveError, ResolvedPoint};
+    use exotap_probes_base::kernel_image::KernelImage;
 
     /// The cached kernel and its -dbg vmlinux; `None` (after saying why) when either is not
     /// cached. One that is there but does not load or open panics: a failure, not a skip.
     fn kernel() -> Option<(KernelImage, super::SourceLines)> {
-        let Some(image) = crate::kernel_image::cached_debian_image() else {
+        let Some(image) = exotap_probes_base::kernel_image::cached_debian_image() else {
             println!("SKIP: the default guest kernel is not cached (exotap image fetch)");
             return None;
         };
@@ -549,7 +549,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(
             err,
-            crate::lang::resolve::ListError::Resolve(ResolveError::NoDebugInfo { .. })
+            crate::resolve::ListError::Resolve(ResolveError::NoDebugInfo { .. })
         ));
         assert!(
             err.to_string().contains("exotap image fetch --debuginfo"),

@@ -1,6 +1,6 @@
 //! The tapset library: exotap's own probe aliases, functions and globals, written in the
 //! probe language for the guest kernel exotap targets (Linux 6.1, x86-64) and built into the
-//! binary (`probes/tapset/*.stp`), plus one generated `syscall.NAME` alias pair per x86-64
+//! binary (`probes/lang/tapset/*.stp`), plus one generated `syscall.NAME` alias pair per x86-64
 //! system call.
 //!
 //! A script is linked against the library after parsing, as SystemTap links its tapsets: the
@@ -26,31 +26,22 @@ use super::Limits;
 
 /// The library's files: name and text.
 pub const FILES: &[(&str, &str)] = &[
-    ("syscalls.stp", include_str!("../../tapset/syscalls.stp")),
-    ("vfs.stp", include_str!("../../tapset/vfs.stp")),
-    ("scheduler.stp", include_str!("../../tapset/scheduler.stp")),
-    ("signal.stp", include_str!("../../tapset/signal.stp")),
-    ("memory.stp", include_str!("../../tapset/memory.stp")),
-    ("kprocess.stp", include_str!("../../tapset/kprocess.stp")),
-    (
-        "networking.stp",
-        include_str!("../../tapset/networking.stp"),
-    ),
-    ("ioblock.stp", include_str!("../../tapset/ioblock.stp")),
-    ("task.stp", include_str!("../../tapset/task.stp")),
-    ("indent.stp", include_str!("../../tapset/indent.stp")),
-    ("ansi.stp", include_str!("../../tapset/ansi.stp")),
-    (
-        "conversions.stp",
-        include_str!("../../tapset/conversions.stp"),
-    ),
-    ("stopwatch.stp", include_str!("../../tapset/stopwatch.stp")),
-    ("misc.stp", include_str!("../../tapset/misc.stp")),
-    ("json.stp", include_str!("../../tapset/json.stp")),
-    (
-        "queue_stats.stp",
-        include_str!("../../tapset/queue_stats.stp"),
-    ),
+    ("syscalls.stp", include_str!("../tapset/syscalls.stp")),
+    ("vfs.stp", include_str!("../tapset/vfs.stp")),
+    ("scheduler.stp", include_str!("../tapset/scheduler.stp")),
+    ("signal.stp", include_str!("../tapset/signal.stp")),
+    ("memory.stp", include_str!("../tapset/memory.stp")),
+    ("kprocess.stp", include_str!("../tapset/kprocess.stp")),
+    ("networking.stp", include_str!("../tapset/networking.stp")),
+    ("ioblock.stp", include_str!("../tapset/ioblock.stp")),
+    ("task.stp", include_str!("../tapset/task.stp")),
+    ("indent.stp", include_str!("../tapset/indent.stp")),
+    ("ansi.stp", include_str!("../tapset/ansi.stp")),
+    ("conversions.stp", include_str!("../tapset/conversions.stp")),
+    ("stopwatch.stp", include_str!("../tapset/stopwatch.stp")),
+    ("misc.stp", include_str!("../tapset/misc.stp")),
+    ("json.stp", include_str!("../tapset/json.stp")),
+    ("queue_stats.stp", include_str!("../tapset/queue_stats.stp")),
 ];
 
 /// `nd_syscall.NAME[.return]` for every system call (the same probes: exotap needs no DWARF
@@ -421,7 +412,7 @@ impl Names {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::parser::parse;
+    use crate::parser::parse;
 
     fn parsed(src: &str) -> Script {
         parse(src, &Limits::default()).unwrap()
@@ -525,7 +516,7 @@ mod tests {
             ..Invocation::default()
         };
 
-        let script = crate::lang::parser::parse_with(
+        let script = crate::parser::parse_with(
             "probe mine.tick { println(twice(ticks)) }",
             &Limits::default(),
             &inv,
@@ -544,7 +535,7 @@ mod tests {
             ..Invocation::default()
         };
 
-        let err = crate::lang::parser::parse_with(
+        let err = crate::parser::parse_with(
             "probe begin { println(nosuch()) }",
             &Limits::default(),
             &inv,

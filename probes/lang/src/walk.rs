@@ -3,11 +3,11 @@
 //! `foreach` body writes the array it walks, whether a `try` block reads memory, whether a
 //! function touches tables.
 
-use crate::lang::ast::*;
-use crate::lang::check::Program;
+use crate::ast::*;
+use crate::check::Program;
 
 /// Calls `f` on every expression in `s`, nested ones included.
-pub(crate) fn stmt_exprs<'p>(s: &'p Stmt, f: &mut impl FnMut(&'p Expr)) {
+pub fn stmt_exprs<'p>(s: &'p Stmt, f: &mut impl FnMut(&'p Expr)) {
     match &s.kind {
         StmtKind::Empty | StmtKind::Next | StmtKind::Break | StmtKind::Continue => {}
         StmtKind::Block(b) => block_exprs(b, f),
@@ -51,14 +51,14 @@ pub(crate) fn stmt_exprs<'p>(s: &'p Stmt, f: &mut impl FnMut(&'p Expr)) {
 }
 
 /// Calls `f` on every expression in `b`.
-pub(crate) fn block_exprs<'p>(b: &'p Block, f: &mut impl FnMut(&'p Expr)) {
+pub fn block_exprs<'p>(b: &'p Block, f: &mut impl FnMut(&'p Expr)) {
     for s in &b.stmts {
         stmt_exprs(s, f);
     }
 }
 
 /// Calls `f` on `e` and every expression inside it.
-pub(crate) fn expr_all<'p>(e: &'p Expr, f: &mut impl FnMut(&'p Expr)) {
+pub fn expr_all<'p>(e: &'p Expr, f: &mut impl FnMut(&'p Expr)) {
     f(e);
     match &e.kind {
         ExprKind::Num(_)
@@ -96,7 +96,7 @@ pub(crate) fn expr_all<'p>(e: &'p Expr, f: &mut impl FnMut(&'p Expr)) {
 
 /// Calls `f` on every expression in `b`, nested ones included, each after those inside it
 /// (so `f` may replace an expression whole).
-pub(crate) fn block_exprs_mut(b: &mut Block, f: &mut impl FnMut(&mut Expr)) {
+pub fn block_exprs_mut(b: &mut Block, f: &mut impl FnMut(&mut Expr)) {
     for s in &mut b.stmts {
         stmt_exprs_mut(s, f);
     }
@@ -149,7 +149,7 @@ fn stmt_exprs_mut(s: &mut Stmt, f: &mut impl FnMut(&mut Expr)) {
 }
 
 /// Calls `f` on every expression inside `e`, then on `e`.
-pub(crate) fn expr_all_mut(e: &mut Expr, f: &mut impl FnMut(&mut Expr)) {
+pub fn expr_all_mut(e: &mut Expr, f: &mut impl FnMut(&mut Expr)) {
     match &mut e.kind {
         ExprKind::Num(_)
         | ExprKind::Str(_)
@@ -189,7 +189,7 @@ pub(crate) fn expr_all_mut(e: &mut Expr, f: &mut impl FnMut(&mut Expr)) {
 }
 
 /// The body of user function `index`, when it is a block.
-pub(crate) fn function_body(prog: &Program, index: usize) -> Option<&Block> {
+pub fn function_body(prog: &Program, index: usize) -> Option<&Block> {
     match &prog.script.functions.get(index)?.body {
         FunctionBody::Block(b) => Some(b),
         _ => None,
@@ -197,7 +197,7 @@ pub(crate) fn function_body(prog: &Program, index: usize) -> Option<&Block> {
 }
 
 /// The user functions `s` calls directly, by index.
-pub(crate) fn called_functions(prog: &Program, s: &Stmt) -> Vec<usize> {
+pub fn called_functions(prog: &Program, s: &Stmt) -> Vec<usize> {
     let mut out = Vec::new();
     stmt_exprs(s, &mut |e| {
         if let ExprKind::Call(c) = &e.kind {
@@ -210,7 +210,7 @@ pub(crate) fn called_functions(prog: &Program, s: &Stmt) -> Vec<usize> {
 }
 
 /// The user functions reachable from `start` (transitively), by index, `start` included.
-pub(crate) fn reachable_functions(prog: &Program, start: &[usize]) -> Vec<usize> {
+pub fn reachable_functions(prog: &Program, start: &[usize]) -> Vec<usize> {
     let mut seen: Vec<usize> = Vec::new();
     let mut todo: Vec<usize> = start.to_vec();
     while let Some(i) = todo.pop() {
@@ -229,7 +229,7 @@ pub(crate) fn reachable_functions(prog: &Program, start: &[usize]) -> Vec<usize>
 
 /// Whether `e` writes global `name`: assigns, increments, `<<<` or deletes it (whole or an
 /// element).
-pub(crate) fn writes_global(e: &Expr, name: &str) -> bool {
+pub fn writes_global(e: &Expr, name: &str) -> bool {
     let target = |t: &Expr| match &t.kind {
         ExprKind::Var(n) => n == name,
         ExprKind::Index(ix) => ix.array.name == name,
@@ -243,7 +243,7 @@ pub(crate) fn writes_global(e: &Expr, name: &str) -> bool {
 }
 
 /// Whether statement `s` (or a user function it reaches) writes or deletes global `name`.
-pub(crate) fn stmt_writes(prog: &Program, s: &Stmt, name: &str) -> bool {
+pub fn stmt_writes(prog: &Program, s: &Stmt, name: &str) -> bool {
     let mut hit = false;
     let visit = |s: &Stmt, hit: &mut bool| {
         stmt_exprs(s, &mut |e| *hit |= writes_global(e, name));
@@ -262,7 +262,7 @@ pub(crate) fn stmt_writes(prog: &Program, s: &Stmt, name: &str) -> bool {
 
 /// Whether probe `probe` of `prog` (its condition, its body, or a user function it reaches)
 /// may write or delete any global.
-pub(crate) fn probe_writes_globals(prog: &Program, probe: usize) -> bool {
+pub fn probe_writes_globals(prog: &Program, probe: usize) -> bool {
     let Some(p) = prog.script.probes.get(probe) else {
         return true;
     };
@@ -306,7 +306,7 @@ fn deletes(s: &Stmt, name: &str) -> bool {
 }
 
 /// Whether `e` reads guest memory (whose fault message the interpreter takes from the host).
-pub(crate) fn reads_memory(e: &Expr) -> bool {
+pub fn reads_memory(e: &Expr) -> bool {
     match &e.kind {
         ExprKind::Target(t) => !t.members.is_empty(),
         ExprKind::Cast(_) => true,
@@ -317,7 +317,7 @@ pub(crate) fn reads_memory(e: &Expr) -> bool {
 
 /// Whether `e` may produce a string the host interns (longer than 15 bytes), which the guest
 /// cannot order: long literals and the probe point's names.
-pub(crate) fn may_intern(e: &Expr) -> bool {
+pub fn may_intern(e: &Expr) -> bool {
     match &e.kind {
         ExprKind::Str(s) => s.len() >= 16 || s.as_bytes().first() == Some(&1),
         ExprKind::Call(c) => matches!(
@@ -340,14 +340,13 @@ pub(crate) fn may_intern(e: &Expr) -> bool {
 }
 
 /// Whether `b` uses arrays or aggregates (then a function's frame needs key buffers).
-pub(crate) fn uses_tables(prog: &Program, b: &Block) -> bool {
+pub fn uses_tables(prog: &Program, b: &Block) -> bool {
     let mut hit = false;
     block_exprs(b, &mut |e| {
         hit |= match &e.kind {
             ExprKind::Index(_) | ExprKind::In(_) | ExprKind::Stat(..) | ExprKind::Hist(..) => true,
             ExprKind::Var(n) => prog.globals.get(n).is_some_and(|g| {
-                g.value == crate::lang::check::Ty::Stats
-                    || g.shape == crate::lang::check::Shape::Array
+                g.value == crate::check::Ty::Stats || g.shape == crate::check::Shape::Array
             }),
             _ => false,
         };
@@ -374,9 +373,9 @@ fn has_foreach(s: &Stmt) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::check::check;
-    use crate::lang::parser::parse;
-    use crate::lang::Limits;
+    use crate::check::check;
+    use crate::parser::parse;
+    use crate::Limits;
 
     fn program(src: &str) -> Program {
         check(parse(src, &Limits::default()).unwrap()).unwrap()

@@ -5,7 +5,7 @@
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, Register};
 
-use crate::lang::ast::*;
+use exotap_lang::ast::*;
 
 use super::super::data::{field, ValueKind};
 use super::{rip, Gen, K, R};

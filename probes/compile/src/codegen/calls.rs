@@ -4,10 +4,10 @@
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, Register};
 
-use crate::lang::ast::*;
-use crate::lang::check::Program;
+use exotap_lang::ast::*;
+use exotap_lang::check::Program;
 
-use crate::lang::Limits;
+use exotap_lang::Limits;
 
 use super::super::data::{
     field, value_kind, ArgSlot, OutputKind, ValueKind, MAX_PRINT_ARGS, MAX_RECORD, RECORD,
@@ -97,7 +97,10 @@ impl Gen<'_, '_> {
             }
             "cpu" => {
                 let cpu_number = self.env.facts.cpu_number;
-                asm!(self, crate::rings::emit_cpu_number(self.a, cpu_number))?;
+                asm!(
+                    self,
+                    exotap_probes_base::rings::emit_cpu_number(self.a, cpu_number)
+                )?;
                 Ok(K::Long)
             }
             "execname" => {
@@ -197,7 +200,7 @@ impl Gen<'_, '_> {
             // read through the kernel's nofault copies (a bad address is a probe error).
             "kernel_long" | "kernel_int" | "kernel_short" | "kernel_char" | "user_char"
             | "user_short" | "user_ushort" | "user_int" | "user_uint" | "user_long" => {
-                let (len, signed, user) = crate::lang::native::memory_read(name)
+                let (len, signed, user) = exotap_lang::native::memory_read(name)
                     .ok_or_else(|| self.no(format!("{name}() (no such read)")))?;
                 let (copy, routine) = if user {
                     (self.env.facts.memory.copy_user, "copy_from_user_nofault")
@@ -443,7 +446,7 @@ impl Gen<'_, '_> {
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
-            crate::rings::RingSet::emit_finish(self.a, rdi, rax)?;
+            exotap_probes_base::rings::RingSet::emit_finish(self.a, rdi, rax)?;
             self.a.jmp(done)?;
             self.a.set_label(&mut skip)?;
             self.a.add(rsp, stacked)?;
@@ -539,7 +542,7 @@ impl Gen<'_, '_> {
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
-            crate::rings::RingSet::emit_finish(self.a, r8, rax)?;
+            exotap_probes_base::rings::RingSet::emit_finish(self.a, r8, rax)?;
             self.a.add(rsp, -16)?;
             self.a.set_label(&mut skip)?;
             self.a.add(rsp, 16)
@@ -633,7 +636,7 @@ fn print_calls(prog: &Program) -> Vec<&Call> {
         }
     }
     let mut out = Vec::new();
-    for p in crate::compile::guest_probes(prog) {
+    for p in crate::guest_probes(prog) {
         if let Some(c) = &p.condition {
             expr(c, &mut out);
         }
@@ -825,7 +828,7 @@ impl Gen<'_, '_> {
 /// Builds the expressions that stand for tapset functions the interpreter answers natively
 /// (each equal to its answer), at the call's place.
 struct Ast {
-    span: crate::lang::ast::Span,
+    span: exotap_lang::ast::Span,
 }
 
 impl Ast {
@@ -940,7 +943,7 @@ fn open_flag_str(c: &Call) -> Option<Expr> {
     // One sprintf of the parts: one string built per call, not one per flag.
     let mut parts = vec![s];
     let mut named = 3;
-    for &(bit, name) in crate::lang::native::OPEN_FLAGS {
+    for &(bit, name) in exotap_lang::native::OPEN_FLAGS {
         named |= bit;
         let set = t.bin(BinOp::BitAnd, flags.clone(), t.num(bit));
         parts.push(t.ternary(set, t.text(&format!("|{name}")), t.text("")));

@@ -6,8 +6,8 @@
 use iced_x86::code_asm::*;
 use iced_x86::IcedError;
 
-use crate::lang::ast::*;
-use crate::lang::check::Program;
+use exotap_lang::ast::*;
+use exotap_lang::check::Program;
 
 use super::super::data::Interner;
 use super::super::{site, SitePoint};
@@ -148,7 +148,7 @@ impl Gen<'_, '_> {
     /// `e`, an `@entry(...)` of anything but a parameter in a return body: the value the
     /// entry computed, which the trampoline pushed with the entry's arguments.
     pub(super) fn entry_value(&mut self, e: &Expr) -> R<K> {
-        let key = crate::lang::context::entry_key(e);
+        let key = exotap_lang::context::entry_key(e);
         let &(_, word, string) = self
             .entry_values
             .iter()

@@ -2,7 +2,7 @@
 //!
 //! The interpreter walks a snapshot of the array: in insertion order, or sorted on the value
 //! (a statistic of it for aggregate arrays) or on one key, ascending or descending, ties
-//! broken by the keys in order (probes/src/lang/eval.rs, `sort_rows`). The guest has no room
+//! broken by the keys in order (probes/lang/src/eval.rs, `sort_rows`). The guest has no room
 //! for a snapshot, so each iteration selects the next element from the table itself: the
 //! smallest published element (in that order) that comes after the previous one. Every
 //! selection scans the table's slots once, so a walk costs elements × capacity slot visits,
@@ -14,7 +14,7 @@
 use iced_x86::code_asm::*;
 use iced_x86::Register;
 
-use crate::lang::ast::*;
+use exotap_lang::ast::*;
 
 use super::super::data::{ValueKind, ENTRY_KEYS, KEY, TABLE_HEADER};
 use super::{walk, Gen, K, R};

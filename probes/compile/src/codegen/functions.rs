@@ -24,8 +24,8 @@ use std::collections::HashMap;
 
 use iced_x86::code_asm::*;
 
-use crate::lang::ast::*;
-use crate::lang::check::Ty;
+use exotap_lang::ast::*;
+use exotap_lang::check::Ty;
 
 use super::{walk, Errors, Gen, K, MAX_KEY_DEPTH, R};
 
@@ -489,7 +489,7 @@ impl Gen<'_, '_> {
     }
 }
 
-/// The interpreter's message of each kind of probe error (probes/src/lang/eval*.rs), which
+/// The interpreter's message of each kind of probe error (probes/lang/src/eval*.rs), which
 /// `catch (msg)` receives.
 const DIV_MESSAGE: &str = "division by 0";
 const BUDGET_MESSAGE: &str = "MAXACTION exceeded";

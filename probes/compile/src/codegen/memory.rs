@@ -20,8 +20,8 @@ use std::collections::{HashMap, HashSet};
 
 use iced_x86::code_asm::*;
 
-use crate::lang::ast::*;
-use crate::lang::Limits;
+use exotap_lang::ast::*;
+use exotap_lang::Limits;
 
 use super::super::types::{chain, Step, TypeRef};
 use super::super::KSYM_NAME_LEN;
@@ -377,7 +377,7 @@ impl Gen<'_, '_> {
             Some(Expr {
                 kind: ExprKind::Str(s),
                 ..
-            }) => Some(crate::lang::value::truncate(
+            }) => Some(exotap_lang::value::truncate(
                 s.clone(),
                 self.env.limits.max_string_len,
             )),

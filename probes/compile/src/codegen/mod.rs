@@ -10,7 +10,7 @@
 //! never need registers saved. A long is in `rax`; a string (see [`super::data`]) is in
 //! `rax` (bytes 0-7) and `rdx` (bytes 8-15).
 //!
-//! Semantics follow the interpreter (probes/src/lang/eval*.rs), which is the oracle of the
+//! Semantics follow the interpreter (probes/lang/src/eval*.rs), which is the oracle of the
 //! differential tests: wrapping arithmetic, shifts by the count's low 6 bits, a division by
 //! zero ends the hit with a probe error, one statement-budget tick per statement and per
 //! loop iteration.
@@ -20,9 +20,9 @@ use std::collections::HashMap;
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
-use crate::lang::ast::*;
-use crate::lang::check::{Program, Ty};
-use crate::lang::Limits;
+use exotap_lang::ast::*;
+use exotap_lang::check::{Program, Ty};
+use exotap_lang::Limits;
 
 use super::data::{field, DataLayout, GlobalSlot, Interner, ValueKind, KEY, MAX_KEYS};
 use super::types::{cast_defined, chain_base, chain_defined, target_chain, ChainBase, Step};
@@ -117,7 +117,7 @@ mod stack;
 mod string_search;
 mod strings;
 mod updates;
-pub(crate) use crate::lang::walk;
+pub(crate) use exotap_lang::walk;
 
 pub(crate) use calls::is_print;
 pub use calls::{prints, record_bytes};
@@ -161,7 +161,7 @@ struct Gen<'a, 'b> {
     /// `continue` to one of them would leave the record set, so it is refused.
     try_loops: Option<usize>,
     /// The `@entry(...)` values the entry kept in the call's slot (return bodies only): by
-    /// [`crate::lang::context::entry_key`], the first word and whether a string.
+    /// [`exotap_lang::context::entry_key`], the first word and whether a string.
     entry_values: Vec<(usize, usize, bool)>,
 }
 
@@ -220,7 +220,7 @@ pub fn emit_return_body(
     let mut g = Gen::new(a, env, interner, point, pc)?;
     g.entry_values = entry_values
         .iter()
-        .map(|v| (crate::lang::context::entry_key(v.expr), v.word, v.string))
+        .map(|v| (exotap_lang::context::entry_key(v.expr), v.word, v.string))
         .collect();
     let asm = |e: IcedError| g_asm(point, probe, e);
     g.prologue().map_err(asm)?;
@@ -240,7 +240,7 @@ pub fn emit_return_body(
     g.finish()
 }
 
-fn probe_of<'p>(env: Env<'p>, point: &SitePoint) -> R<&'p crate::lang::ast::Probe> {
+fn probe_of<'p>(env: Env<'p>, point: &SitePoint) -> R<&'p exotap_lang::ast::Probe> {
     env.prog
         .script
         .probes
@@ -252,7 +252,7 @@ fn probe_of<'p>(env: Env<'p>, point: &SitePoint) -> R<&'p crate::lang::ast::Prob
         })
 }
 
-fn g_asm(point: &SitePoint, probe: &crate::lang::ast::Probe, e: IcedError) -> Unsupported {
+fn g_asm(point: &SitePoint, probe: &exotap_lang::ast::Probe, e: IcedError) -> Unsupported {
     Unsupported {
         probe: Some(point.probe),
         span: probe.span,

@@ -5,7 +5,7 @@
 
 use iced_x86::code_asm::*;
 
-use crate::lang::ast::*;
+use exotap_lang::ast::*;
 
 use super::{Gen, K, R};
 

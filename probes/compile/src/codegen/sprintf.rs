@@ -1,5 +1,5 @@
 //! `sprintf` formatted in the guest, with the interpreter's rendering
-//! (probes/src/lang/format.rs `render`): `%d %i %u %x %X %o %c %s %p` and `%%`, the flags
+//! (probes/lang/src/format.rs `render`): `%d %i %u %x %X %o %c %s %p` and `%%`, the flags
 //! `- 0 + space #`, widths and precisions, fixed or taken from an argument (`*`).
 //!
 //! The format must be a literal: it is parsed here, and each piece becomes code that
@@ -11,11 +11,11 @@
 
 use iced_x86::code_asm::*;
 
-use crate::lang::ast::*;
-use crate::lang::format::{
+use exotap_lang::ast::*;
+use exotap_lang::format::{
     arg_kinds, parse_format, ArgKind, Conv, Piece, Spec, Width, MAX_FIELD_WIDTH,
 };
-use crate::lang::value::truncate;
+use exotap_lang::value::truncate;
 
 use super::{Gen, K, R};
 

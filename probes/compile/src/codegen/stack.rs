@@ -2,7 +2,7 @@
 //! `sprint_backtrace()` as arguments of `printf`/`print`/`println`, as records that carry a
 //! stack snapshot (the saved registers and the stack bytes above the probed code's stack
 //! pointer) for the host to unwind. The record layout and the bounds of the copy are in
-//! [`crate::compile::snapshot`].
+//! [`crate::snapshot`].
 //!
 //! `backtrace()` anywhere else (a map key, `s[backtrace()] <<< 1`, a local, a comparison)
 //! is a value the hit needs now, so the guest unwinds: the body lays a `struct pt_regs` of
@@ -23,7 +23,7 @@
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, Register};
 
-use crate::lang::ast::*;
+use exotap_lang::ast::*;
 
 use super::super::data::{field, OutputKind, MAX_PRINT_ARGS, STACK_GUARD_CPUS};
 use super::super::snapshot::{
@@ -369,7 +369,7 @@ impl Gen<'_, '_> {
             self.a.rdtsc()?;
             self.a.shl(rdx, 32)?;
             self.a.or(rax, rdx)?;
-            crate::rings::RingSet::emit_finish(self.a, r8, rax)?;
+            exotap_probes_base::rings::RingSet::emit_finish(self.a, r8, rax)?;
             self.a.jmp(done)?;
             self.a.set_label(&mut skip)?;
             self.a.add(rsp, pushed)?;
@@ -394,7 +394,7 @@ pub(super) fn guard_enter(
 ) -> Result<(), IcedError> {
     a.pushfq()?;
     a.cli()?;
-    crate::rings::emit_cpu_number(a, cpu_number)?;
+    exotap_probes_base::rings::emit_cpu_number(a, cpu_number)?;
     a.cmp(eax, STACK_GUARD_CPUS)?;
     a.jae(busy)?;
     a.add_instruction(Instruction::with2(

@@ -1,5 +1,5 @@
 //! Strings searched and taken apart in the guest: `isinstr`, `strpos`, `stringat`,
-//! `strtol` and `str_replace`, with the interpreter's semantics (probes/src/lang/eval_call.rs).
+//! `strtol` and `str_replace`, with the interpreter's semantics (probes/lang/src/eval_call.rs).
 //!
 //! Each lays its operands' texts into MAXSTRINGLEN buffers on the stack (as the other
 //! string operations, see [`super::strings`]), NUL-terminated, and works on the bytes:
@@ -18,7 +18,7 @@
 
 use iced_x86::code_asm::*;
 
-use crate::lang::ast::*;
+use exotap_lang::ast::*;
 
 use iced_x86::Register;
 

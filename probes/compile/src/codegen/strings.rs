@@ -26,9 +26,9 @@
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, Register};
 
-use crate::lang::ast::*;
-use crate::lang::check::Program;
-use crate::lang::value::truncate;
+use exotap_lang::ast::*;
+use exotap_lang::check::Program;
+use exotap_lang::value::truncate;
 
 use super::super::data::{StringTable, MAX_PROBES, STRING_HEAD};
 use super::{rip, walk, Gen, K, R};
@@ -597,14 +597,14 @@ impl Gen<'_, '_> {
     /// `signal_str(n)`, as the interpreter names signals: SIGHUP to SIGRTMIN+32 from a table,
     /// any other number `SIG<n>`.
     pub(super) fn signal_str(&mut self, c: &Call) -> R<K> {
-        let names = (0..=64).map(crate::lang::native::signal_str).collect();
+        let names = (0..=64).map(exotap_lang::native::signal_str).collect();
         self.name_table(c, names, Some("SIG"), false)
     }
 
     /// `errno_str(e)`, as the interpreter names an errno (either sign): the table up to the
     /// kernel's restart codes (516), "" for any other.
     pub(super) fn errno_str(&mut self, c: &Call) -> R<K> {
-        let names = (0..=516).map(crate::lang::native::errno_str).collect();
+        let names = (0..=516).map(exotap_lang::native::errno_str).collect();
         self.name_table(c, names, None, true)
     }
 
@@ -612,8 +612,8 @@ impl Gen<'_, '_> {
     /// the highest named one from a table (`syscall_<n>` where it has no name), any other
     /// `syscall_<n>`.
     pub(super) fn syscall_name(&mut self, c: &Call) -> R<K> {
-        let names = (0..=crate::lang::syscalls::highest())
-            .map(crate::lang::native::syscall_name)
+        let names = (0..=exotap_lang::syscalls::highest())
+            .map(exotap_lang::native::syscall_name)
             .collect();
         self.name_table(c, names, Some("syscall_"), false)
     }

@@ -5,7 +5,7 @@
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, Register};
 
-use crate::lang::ast::*;
+use exotap_lang::ast::*;
 
 use super::super::data::{ValueKind, ENTRY_KEYS, TABLE_COUNT};
 use super::{rip, value_k, Gen, K, MAX_KEY_DEPTH, R};

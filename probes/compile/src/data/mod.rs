@@ -25,10 +25,10 @@
 //! ```
 //!
 //! After the globals, when kernel probes print: per vCPU, a ring of output records
-//! (crate::rings: the protocol `exotap trace` uses too) of [`RECORD`] bytes, or more when a
+//! (exotap_probes_base::rings: the protocol `exotap trace` uses too) of [`RECORD`] bytes, or more when a
 //! `printf` prints strings read from memory (the next power of two that holds the largest
 //! one, the ring keeping about the same bytes). A record holds its mark at +0 (the lap tag,
-//! then the TSC with the tag in bit 0, stored last: crate::rings), the output format's id at
+//! then the TSC with the tag in bit 0, stored last: exotap_probes_base::rings), the output format's id at
 //! +8 and up to [`MAX_PRINT_ARGS`] arguments from +16, each as its format's [`ArgSlot`] says:
 //! 16 bytes for a long or a string, MAXSTRINGLEN bytes (rounded up to 16, NUL-terminated) for
 //! a string read from memory. The host drains the rings at every look (through the shared RAM
@@ -59,12 +59,12 @@
 
 use indexmap::IndexMap;
 
-use crate::lang::ast::{HistKind, Literal};
-use crate::lang::check::{Program, Shape, Ty};
-use crate::lang::eval::Store;
-use crate::lang::value::{linear_buckets, truncate, Stats, Value, LOG_BUCKETS};
-use crate::lang::Limits;
-use crate::rings::{RingSet, HEADER as RING_HEADER};
+use exotap_lang::ast::{HistKind, Literal};
+use exotap_lang::check::{Program, Shape, Ty};
+use exotap_lang::eval::Store;
+use exotap_lang::value::{linear_buckets, truncate, Stats, Value, LOG_BUCKETS};
+use exotap_lang::Limits;
+use exotap_probes_base::rings::{RingSet, HEADER as RING_HEADER};
 
 use super::Unsupported;
 
@@ -410,7 +410,7 @@ impl Interner {
                 HistKind::Log => &stats.log,
                 HistKind::Linear { .. } => stats.linear.as_ref().map_or(&[], |l| &l.1[..]),
             };
-            let mut text = crate::lang::hist::Histogram {
+            let mut text = exotap_lang::hist::Histogram {
                 kind: *kind,
                 buckets,
             }
@@ -430,7 +430,7 @@ impl Interner {
                     ArgSlot::Str => Value::Str(self.decode(bytes_at(record, here, 16))),
                     ArgSlot::Long => Value::Long(word(record, here) as i64),
                     ArgSlot::Ctime { max_string_len } => Value::Str(truncate(
-                        crate::lang::native::ctime(word(record, here) as i64),
+                        exotap_lang::native::ctime(word(record, here) as i64),
                         *max_string_len as usize,
                     )),
                     ArgSlot::Text {
@@ -449,8 +449,8 @@ impl Interner {
             .collect();
         Some(match kind {
             OutputKind::Printf(fmt) => {
-                let pieces = crate::lang::format::parse_format(fmt).ok()?;
-                crate::lang::format::render(&pieces, &args)
+                let pieces = exotap_lang::format::parse_format(fmt).ok()?;
+                exotap_lang::format::render(&pieces, &args)
             }
             OutputKind::Hist { .. } => String::new(),
             OutputKind::Print(ln) => {
@@ -815,7 +815,7 @@ impl DataLayout {
             if limits.max_string_len > MAX_BUILT_STRING {
                 refused.push(Unsupported {
                     probe: None,
-                    span: crate::lang::ast::Span::default(),
+                    span: exotap_lang::ast::Span::default(),
                     construct: format!(
                         "building strings with MAXSTRINGLEN {} (kernel probes build strings up \
                          to MAXSTRINGLEN {MAX_BUILT_STRING}, in a buffer on the kernel stack)",
@@ -1000,7 +1000,7 @@ fn decode_stats(data: &[u8], at: u64, layout: StatsLayout) -> Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::driver::{compile, ScriptSource};
+    use exotap_lang::driver::{compile, ScriptSource};
 
     pub(super) fn program(text: &str) -> Program {
         let src = ScriptSource {

@@ -4,8 +4,8 @@
 
 use indexmap::IndexMap;
 
-use crate::lang::eval::Store;
-use crate::lang::value::{Stats, Value};
+use exotap_lang::eval::Store;
+use exotap_lang::value::{Stats, Value};
 
 use super::*;
 
@@ -376,7 +376,7 @@ fn place(
 mod tests {
     use super::super::tests::program;
     use super::*;
-    use crate::lang::Limits;
+    use exotap_lang::Limits;
     #[test]
     fn an_array_encoded_by_the_host_decodes_to_the_same_store_in_insertion_order() {
         let prog =

@@ -175,9 +175,9 @@ fn prefix_match(name: &ProbePoint, point: &ProbePoint) -> Option<Vec<Component>>
 
 #[cfg(test)]
 mod tests {
-    use crate::lang::ast::{ExprKind, Script, StmtKind};
-    use crate::lang::parser::{parse, ParseError};
-    use crate::lang::Limits;
+    use crate::ast::{ExprKind, Script, StmtKind};
+    use crate::parser::{parse, ParseError};
+    use crate::Limits;
 
     fn parse_ok(src: &str) -> Script {
         parse(src, &Limits::default()).unwrap()

@@ -327,8 +327,8 @@ fn token_matches(pattern: &[u8], p: usize, c: u8) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lang::facts::TargetFacts;
-    use crate::lang::lexer::tokenize;
+    use crate::facts::TargetFacts;
+    use crate::lexer::tokenize;
 
     fn eval_with(cond: &str, inv: &Invocation) -> Result<bool, ParseError> {
         let mut toks = tokenize(cond).unwrap();

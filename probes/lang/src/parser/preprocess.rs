@@ -11,7 +11,7 @@
 //! Expanded tokens keep spans inside the script: an argument's tokens take the span of the
 //! `$N` they replace, a macro body's tokens the span they have in the `@define`.
 //!
-//! The tapset library's macros (SystemTap's `.stpm` files; ours are `probes/tapset/*.stpm`)
+//! The tapset library's macros (SystemTap's `.stpm` files; ours are `probes/lang/tapset/*.stpm`)
 //! are known in every script: a script's own `@define` of the same name hides one. Their
 //! tokens take the span of the `@NAME` that uses them, since their own spans are in another
 //! file.
@@ -41,7 +41,7 @@ struct Macro {
 
 /// The tapset library's macro files (`.stpm`): name and text.
 pub(crate) const MACRO_FILES: &[(&str, &str)] =
-    &[("macros.stpm", include_str!("../../../tapset/macros.stpm"))];
+    &[("macros.stpm", include_str!("../../tapset/macros.stpm"))];
 
 /// The library's macros, read once; an error names the file (a bug in exotap).
 fn library_macros() -> Result<&'static HashMap<String, Macro>, ParseError> {

@@ -125,9 +125,9 @@ fn expr(e: &mut Expr, from: &str, to: &str) {
 
 #[cfg(test)]
 mod tests {
-    use crate::lang::ast::{ExprKind, FunctionBody, StmtKind};
-    use crate::lang::parser::parse;
-    use crate::lang::Limits;
+    use crate::ast::{ExprKind, FunctionBody, StmtKind};
+    use crate::parser::parse;
+    use crate::Limits;
 
     #[test]
     fn parameter_named_like_a_global_array_is_renamed_but_indexes_stay_global() {
