@@ -228,7 +228,11 @@ impl VerbRun {
         let btf = self.btf.as_ref().context("the image has no BTF")?;
         let sites = guest_ftrace_sites(&mut session.machine, &session.survey, &self.image, btf)?;
         let slide = session.survey.kaslr.slide;
-        let splicer = &*session.plan(&self.image, self.heap)?;
+        session.plan(&self.image, self.heap)?;
+        // The report plans at every function: the whole text, read now.
+        let (machine, splicer) = session.parts()?;
+        splicer.kernel.load_all(machine)?;
+        let splicer = &*splicer;
         let patch = splicer.heap_va + CODE_OFFSET;
         let mut tally: BTreeMap<String, usize> = BTreeMap::new();
         let mut lines = Vec::new();
@@ -278,7 +282,7 @@ impl VerbRun {
         for &start in &splicer.kernel.facts.starts {
             *entries
                 .entry(category(
-                    &splicer.kernel.plan(splicer.kernel.entry(start), patch),
+                    &splicer.kernel.plan(splicer.kernel.entry(start)?, patch),
                 ))
                 .or_default() += 1;
         }

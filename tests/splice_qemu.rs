@@ -639,6 +639,22 @@ fn replaced_getppid_runs_getpid_instead() {
     );
 }
 
+/// The path of the branch-target cache entry a `-v` run names ("... kept in PATH" or "...
+/// from the cache (PATH) ...").
+fn targets_entry(err: &str) -> Option<std::path::PathBuf> {
+    err.lines().find_map(|l| {
+        let at = l
+            .find("kept in ")
+            .map(|i| i + "kept in ".len())
+            .or_else(|| {
+                l.find("from the cache (")
+                    .map(|i| i + "from the cache (".len())
+            })?;
+        let path = l[at..].split([')', ' ']).next()?;
+        path.ends_with(".targets").then(|| path.into())
+    })
+}
+
 #[test]
 fn count_with_target_splices_a_guest_someone_else_booted() {
     if !have_qemu("count_with_target_splices_a_guest_someone_else_booted") {
@@ -648,60 +664,119 @@ fn count_with_target_splices_a_guest_someone_else_booted() {
     let socket = dir.path().join("gdb.sock");
     // The guest arms its own kprobe on getpid, says so, and calls getpid in bursts for a
     // while; it never disarms (exotap may still be spliced over the entry then), it just
-    // powers off. `exotap count --target` attaches on its own, counts for 3 s and leaves.
+    // powers off. `exotap count --target` attaches on its own, counts for 3 s and leaves:
+    // four times, with the text's branch targets found (cold), read from the cache (warm),
+    // from a corrupted cache entry, and from an entry of another text (issue 44: each is
+    // found out and the targets found again, never used).
     let job = "T=/sys/kernel/tracing\n\
                echo 'p:exotap/g __do_sys_getpid' >> $T/kprobe_events\n\
                echo 1 > $T/events/exotap/enable\n\
                exotap_result armed 1\n\
                i=0\n\
-               while [ $i -lt 80 ]; do syscall-loop 50 > /dev/null; sleep 0.3; i=$((i+1)); done\n";
+               while [ $i -lt 160 ]; do syscall-loop 50 > /dev/null; sleep 0.3; i=$((i+1)); done\n";
     let job_file = dir.path().join("job.sh");
     std::fs::write(&job_file, job).unwrap();
     let (mut guest, mut console) = boot_with_gdbstub(
-        &["--timeout", "300", "--job", job_file.to_str().unwrap()],
+        &["--timeout", "400", "--job", job_file.to_str().unwrap()],
         &socket,
         "EXOTAP-RESULT armed=1",
     );
 
-    let started = std::time::Instant::now();
-    let (code, out, err) = run(exotap()
-        .args([
-            "count",
-            "__do_sys_getpid",
-            "--compare-kprobes",
-            "--duration",
-            "3",
-        ])
-        .arg("--target")
-        .arg(format!("unix:{}", socket.display())));
-    let took = started.elapsed().as_secs_f64();
+    let mut entry: Option<std::path::PathBuf> = None;
+    for case in ["cold", "warm", "corrupted", "foreign"] {
+        match (case, &entry) {
+            ("corrupted", Some(path)) => {
+                let mut bytes = std::fs::read(path).unwrap();
+                *bytes.last_mut().unwrap() ^= 0x40;
+                std::fs::write(path, bytes).unwrap();
+            }
+            ("foreign", Some(path)) => {
+                // A well-formed entry of no target at all (the sha256 of the empty payload
+                // is the well-known e3b0c442...): every function with a branch or a call
+                // shows it is not this text's.
+                let mut bytes = b"EXOTAPBT".to_vec();
+                bytes.extend_from_slice(&2u32.to_le_bytes());
+                bytes.extend_from_slice(&0u32.to_le_bytes());
+                bytes.extend_from_slice(&0u64.to_le_bytes());
+                let empty: Vec<u8> = (0..32)
+                    .map(|i| {
+                        u8::from_str_radix(
+                            &"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+                                [2 * i..2 * i + 2],
+                            16,
+                        )
+                        .unwrap()
+                    })
+                    .collect();
+                bytes.extend_from_slice(&empty);
+                std::fs::write(path, bytes).unwrap();
+            }
+            _ => {}
+        }
+        let started = std::time::Instant::now();
+        let (code, out, err) = run(exotap()
+            .args([
+                "-v",
+                "count",
+                "__do_sys_getpid",
+                "--compare-kprobes",
+                "--duration",
+                "3",
+            ])
+            .arg("--target")
+            .arg(format!("unix:{}", socket.display())));
+        let took = started.elapsed().as_secs_f64();
+        let ctx = format!("{case}: stdout:\n{out}\nstderr:\n{err}\n(count took {took:.1} s)");
+        eprintln!("{ctx}");
+        assert_eq!(code, 0, "{ctx}");
+        let t = table(&out);
+        let (ours, kprobe) = t
+            .get("__do_sys_getpid")
+            .expect("a count for __do_sys_getpid");
+        let (hits, missed) = kprobe.expect("the guest's kprobe beside it");
+        assert_eq!(*ours, hits + missed, "{ctx}");
+        assert!(
+            *ours >= 50,
+            "3 s should see at least one burst of 50: {ctx}"
+        );
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
+            "{ctx}"
+        );
+        let found = err.contains("functions found in");
+        let lazy = err.contains("its pages are read as plans need them");
+        match case {
+            // A boot whose slide an earlier boot had may find its entry: either is right.
+            "cold" => assert!(found || lazy, "{ctx}"),
+            "warm" => assert!(lazy && !found, "the warm run did not use the cache: {ctx}"),
+            "corrupted" => assert!(
+                err.contains("are unusable") && found && !lazy,
+                "the corrupted entry was not refused: {ctx}"
+            ),
+            _ => assert!(
+                lazy && err.contains("not this text's") && found,
+                "the foreign entry was not found out: {ctx}"
+            ),
+        }
+        let named = targets_entry(&err).unwrap_or_else(|| panic!("no cache entry named: {ctx}"));
+        if let Some(prev) = &entry {
+            assert_eq!(&named, prev, "another entry for the same text: {ctx}");
+        }
+        entry = Some(named);
+    }
+    // The foreign entry was written again with the text's own targets.
+    let rewritten = std::fs::metadata(entry.as_ref().unwrap()).unwrap().len();
+    assert!(rewritten > 64 + 8 * 1000, "{rewritten} bytes");
 
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut console, &mut rest).unwrap();
     let guest_ok = guest.wait().unwrap().success();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\n(count took {took:.1} s)");
-    eprintln!("{ctx}");
-    assert_eq!(code, 0, "{ctx}");
     assert!(
         guest_ok,
         "the guest did not end well after exotap left:\n{rest}"
     );
     assert!(rest.contains("EXOTAP-DONE 0"), "{rest}");
-    let t = table(&out);
-    let (ours, kprobe) = t
-        .get("__do_sys_getpid")
-        .expect("a count for __do_sys_getpid");
-    let (hits, missed) = kprobe.expect("the guest's kprobe beside it");
-    assert_eq!(*ours, hits + missed, "{ctx}");
-    assert!(
-        *ours >= 50,
-        "3 s should see at least one burst of 50: {ctx}"
-    );
-    assert!(
-        out.lines()
-            .any(|l| l.starts_with("text: ") && l.ends_with(": identical")),
-        "{ctx}"
-    );
     for bad in ["Oops", "BUG:", "WARNING:", "general protection"] {
         assert!(!rest.contains(bad), "{bad} in the console:\n{rest}");
     }

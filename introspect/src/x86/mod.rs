@@ -15,6 +15,6 @@ pub use decode::{thunk_register, AnalysisConfig, CallEffect, Flow, FunctionDecod
 pub use liveness::Liveness;
 pub use regs::{LiveState, RegSet, StatusFlags};
 pub use text::{
-    ranges_from_starts, BranchTargets, CodeView, FunctionAnalysis, FunctionRange, TextAnalysis,
-    TextError,
+    ranges_from_starts, zeroed_text, BranchTargets, CodeView, FunctionAnalysis, FunctionRange,
+    TextAnalysis, TextError,
 };

@@ -4,7 +4,7 @@
 //! Function ranges come from the caller (kallsyms, ELF symbols, System.map): this module
 //! does not care where. Ranges are guest data, so bad ones are set aside, not trusted.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
@@ -251,6 +251,14 @@ fn keep_ranges(
     (kept, rejected)
 }
 
+/// A text of `len` zero bytes to [`TextAnalysis::fill`] piece by piece: a zeroed allocation
+/// of that size is the allocator's fresh zero pages (`calloc`), which take no memory until
+/// written, so a 14 MB text of which a plan reads a few functions costs a few pages.
+#[must_use]
+pub fn zeroed_text(len: usize) -> Vec<u8> {
+    vec![0; len]
+}
+
 /// The analysis of a whole text section: every direct branch target, found up front (a splice
 /// must know whether any branch of the kernel lands inside the bytes it overwrites), and each
 /// function's CFG and liveness, made the first time that function is asked for and kept. A
@@ -259,7 +267,7 @@ fn keep_ranges(
 #[derive(Debug, Default)]
 pub struct TextAnalysis {
     base: u64,
-    bytes: Arc<[u8]>,
+    bytes: Vec<u8>,
     config: AnalysisConfig,
     ranges: Vec<FunctionRange>,
     functions: Vec<OnceLock<FunctionAnalysis>>,
@@ -269,20 +277,19 @@ pub struct TextAnalysis {
 
 impl TextAnalysis {
     /// Analyzes every function of `ranges` in `text` (a copy of its bytes is kept: see
-    /// [`TextAnalysis::analyze_shared`]). Ranges that are empty, outside the text or
+    /// [`TextAnalysis::analyze_owned`]). Ranges that are empty, outside the text or
     /// overlapping an earlier one are set aside in [`TextAnalysis::rejected`].
     #[must_use]
     pub fn analyze(text: CodeView<'_>, ranges: &[FunctionRange], config: &AnalysisConfig) -> Self {
-        Self::analyze_shared(text.base(), Arc::from(text.bytes()), ranges, config)
+        Self::analyze_owned(text.base(), text.bytes().to_vec(), ranges, config)
     }
 
-    /// [`TextAnalysis::analyze`] of the text `bytes` at `base`, shared with the caller
-    /// rather than copied. The branch targets are found here, in parallel; the functions'
+    /// [`TextAnalysis::analyze`] of the text `bytes` at `base`, taken rather than copied. The branch targets are found here, in parallel; the functions'
     /// CFGs when they are first asked for.
     #[must_use]
-    pub fn analyze_shared(
+    pub fn analyze_owned(
         base: u64,
-        bytes: Arc<[u8]>,
+        bytes: Vec<u8>,
         ranges: &[FunctionRange],
         config: &AnalysisConfig,
     ) -> Self {
@@ -325,13 +332,13 @@ impl TextAnalysis {
         }
     }
 
-    /// [`TextAnalysis::analyze_shared`] with the branch targets already known (an earlier
+    /// [`TextAnalysis::analyze_owned`] with the branch targets already known (an earlier
     /// analysis of the same text, ranges and configuration, kept by the caller): nothing is
     /// decoded up front.
     #[must_use]
     pub fn with_targets(
         base: u64,
-        bytes: Arc<[u8]>,
+        bytes: Vec<u8>,
         ranges: &[FunctionRange],
         config: &AnalysisConfig,
         targets: BranchTargets,
@@ -350,6 +357,77 @@ impl TextAnalysis {
             targets,
             rejected,
         }
+    }
+
+    /// The text the analysis reads (its bytes from [`TextAnalysis::base`] on).
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The address of the text's first byte.
+    #[must_use]
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Writes `data` into the text at `at` (a caller that reads the text piece by piece, as
+    /// it needs it, over a text it created zeroed), and forgets the analysis of every
+    /// function the write overlaps, so that none is ever made from bytes since replaced.
+    ///
+    /// # Errors
+    /// [`TextError::RangeOutsideText`] when `data` does not fit inside the text at `at`.
+    pub fn fill(&mut self, at: u64, data: &[u8]) -> Result<(), TextError> {
+        let outside = TextError::RangeOutsideText {
+            start: at,
+            end: at.wrapping_add(data.len() as u64),
+        };
+        let from = usize::try_from(at.wrapping_sub(self.base)).map_err(|_| outside)?;
+        let to = from.checked_add(data.len()).ok_or(outside)?;
+        if at < self.base || to > self.bytes.len() {
+            return Err(outside);
+        }
+        self.bytes[from..to].copy_from_slice(data);
+        let end = at + data.len() as u64;
+        let first = self.ranges.partition_point(|r| r.end <= at);
+        for (r, f) in self.ranges[first..]
+            .iter()
+            .zip(&mut self.functions[first..])
+            .take_while(|(r, _)| r.start < end)
+        {
+            if r.start < end && at < r.end {
+                *f = OnceLock::new();
+            }
+        }
+        Ok(())
+    }
+
+    /// The direct branch and call targets the function `range` has in the text now that
+    /// [`TextAnalysis::branch_targets`] lacks: none for a function whose targets were found in
+    /// this very text; a target missing says the targets were found in another text (a cache
+    /// entry that does not belong to it).
+    #[must_use]
+    pub fn targets_missing_from(&self, range: &FunctionRange) -> Vec<u64> {
+        let Some(code) = CodeView::new(self.base, &self.bytes)
+            .ok()
+            .and_then(|t| t.range(range.start, range.end))
+        else {
+            return Vec::new();
+        };
+        let mut own = Vec::new();
+        FunctionDecoder::new(&self.config).branch_targets_into(code, range.start, &mut own);
+        own.retain(|&t| !self.targets.contains(t));
+        own.sort_unstable();
+        own.dedup();
+        own
+    }
+
+    /// Adds `extra` to the branch targets (targets the text does not show now but may at
+    /// run time: the destinations of jump labels that are off).
+    pub fn add_targets(&mut self, extra: impl IntoIterator<Item = u64>) {
+        let mut all = std::mem::take(&mut self.targets).0;
+        all.extend(extra);
+        self.targets = BranchTargets::new(all);
     }
 
     /// The analysis of the `i`th function of [`TextAnalysis::ranges`], made now if it was
@@ -486,6 +564,87 @@ mod tests {
 
         assert!(analysis.branch_targets().contains(g));
         assert_eq!(analysis.branch_targets().len(), 2);
+    }
+
+    #[test]
+    fn a_text_filled_piece_by_piece_analyses_as_the_whole_and_forgets_what_it_overwrote() {
+        let (bytes, g) = two_functions();
+        let whole = TextAnalysis::analyze(
+            CodeView::new(BASE, &bytes).unwrap(),
+            &ranges_from_starts(&[BASE, g], BASE + bytes.len() as u64),
+            &AnalysisConfig::new(),
+        );
+        let ranges = ranges_from_starts(&[BASE, g], BASE + bytes.len() as u64);
+        let mut lazy = TextAnalysis::with_targets(
+            BASE,
+            zeroed_text(bytes.len()),
+            &ranges,
+            &AnalysisConfig::new(),
+            whole.branch_targets().clone(),
+        );
+        assert!(lazy.bytes().iter().all(|&b| b == 0));
+        // Analysed over zeros first (what a caller must not plan on) ...
+        let zeros = lazy.function_containing(g).unwrap().cfg.insns().len();
+        assert_ne!(
+            zeros,
+            whole.function_containing(g).unwrap().cfg.insns().len()
+        );
+        // ... then filled: the analysis is made again from the new bytes.
+        let split = usize::try_from(g - BASE).unwrap();
+        lazy.fill(g, &bytes[split..]).unwrap();
+        lazy.fill(BASE, &bytes[..split]).unwrap();
+        assert_eq!(lazy.bytes(), &bytes[..]);
+        for at in [BASE, g] {
+            let (a, b) = (
+                lazy.function_containing(at).unwrap(),
+                whole.function_containing(at).unwrap(),
+            );
+            assert_eq!(
+                a.cfg.insns().len(),
+                b.cfg.insns().len(),
+                "function at {at:#x}"
+            );
+            assert_eq!(a.live_before(at), b.live_before(at));
+        }
+        // Outside the text: an error, nothing written.
+        assert!(lazy.fill(BASE + bytes.len() as u64 - 1, &[0, 0]).is_err());
+        assert!(lazy.fill(BASE - 1, &[0]).is_err());
+        assert_eq!(lazy.bytes(), &bytes[..]);
+    }
+
+    #[test]
+    fn targets_missing_from_names_a_functions_own_targets_that_the_set_lacks() {
+        let (bytes, g) = two_functions();
+        let ranges = ranges_from_starts(&[BASE, g], BASE + bytes.len() as u64);
+        let whole = TextAnalysis::analyze(
+            CodeView::new(BASE, &bytes).unwrap(),
+            &ranges,
+            &AnalysisConfig::new(),
+        );
+        assert!(ranges
+            .iter()
+            .all(|r| whole.targets_missing_from(r).is_empty()));
+        // A set without the call's target `g` (which `f`, the first function, has).
+        let mut without_g = TextAnalysis::with_targets(
+            BASE,
+            bytes.clone(),
+            &ranges,
+            &AnalysisConfig::new(),
+            BranchTargets::new(
+                whole
+                    .branch_targets()
+                    .as_slice()
+                    .iter()
+                    .copied()
+                    .filter(|&t| t != g)
+                    .collect(),
+            ),
+        );
+        assert_eq!(without_g.targets_missing_from(&ranges[0]), vec![g]);
+        assert!(without_g.targets_missing_from(&ranges[1]).is_empty());
+        without_g.add_targets([g, BASE + 1000]);
+        assert!(without_g.targets_missing_from(&ranges[0]).is_empty());
+        assert!(without_g.branch_targets().contains(BASE + 1000));
     }
 
     #[test]

@@ -173,7 +173,10 @@ fn prune_unpacked(root: &std::path::Path, current: &std::path::Path) {
 /// For the unit tests of this crate and of the crates above it (their dev-dependency on this
 /// one enables the `testing` feature).
 #[cfg(any(test, feature = "testing"))]
-#[allow(clippy::panic, reason = "a test helper: a cache that is present and broken fails the test")]
+#[allow(
+    clippy::panic,
+    reason = "a test helper: a cache that is present and broken fails the test"
+)]
 pub fn cached_debian_image() -> Option<KernelImage> {
     let dir = exotap_introspect::bzimage::cached_kernel_dir(exotap_guest_images::DEFAULT_KERNEL)?;
     let path = dir.join("vmlinuz");

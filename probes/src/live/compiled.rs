@@ -132,11 +132,19 @@ pub fn start_on(
         }
     }
     // On an error from here on, dropping the session detaches.
-    let splicer = session.plan(image, heap)?;
+    session.plan(image, heap)?;
+    let (machine, splicer) = session.parts()?;
+    // The text of the functions the statements are in (read as plans need it).
+    let slid: Vec<u64> = plan
+        .statements
+        .iter()
+        .map(|l| l.wrapping_add(slide))
+        .collect();
+    splicer.kernel.prepare(machine, &slid)?;
     let patch = splicer.heap_va + super::splicer::CODE_OFFSET;
     let mut entered = Vec::new();
     for link in std::mem::take(&mut plan.statements) {
-        let at = splicer.kernel.entry(link.wrapping_add(slide));
+        let at = splicer.kernel.entry(link.wrapping_add(slide))?;
         let why = match splicer.kernel.plan(at, patch) {
             SpliceDecision::Splice(_) => None,
             SpliceDecision::Trap {

@@ -368,6 +368,8 @@ impl LiveJit {
             }
         }
         let (machine, splicer) = session.parts()?;
+        // The walk over callees reads any function: the whole text, now.
+        splicer.kernel.load_all(machine)?;
         let thunks: HashMap<u64, iced_x86::Register> = image
             .symbols
             .iter()

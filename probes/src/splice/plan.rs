@@ -30,6 +30,13 @@ pub enum Refusal {
         /// The address asked for.
         addr: u64,
     },
+    /// The function's bytes have not been read from the guest (a plan asked before the
+    /// text was read: a bug of the caller, refused rather than planned over unread bytes).
+    #[error("the text of the function holding {addr:#x} has not been read from the guest")]
+    TextNotRead {
+        /// The address asked for.
+        addr: u64,
+    },
     /// The address is inside an instruction, not at its start.
     #[error("{addr:#x} is not the start of an instruction")]
     NotInstructionBoundary {

@@ -100,6 +100,7 @@ impl LiveJit {
         };
         let name = name_of(image, slide, target);
         let (machine, splicer) = session.parts()?;
+        splicer.kernel.prepare(machine, &[target])?;
         let ctx = splicer.kernel.context();
         let function = ctx
             .analysis

@@ -279,7 +279,8 @@ fn spliced_len(
     insns: &[u64],
     len: usize,
 ) -> usize {
-    let at = kernel.entry(start);
+    // The JIT reads the whole text first (jit.rs), so the entry is known.
+    let at = kernel.entry(start).unwrap_or(start);
     insns
         .iter()
         .position(|&a| a == at)

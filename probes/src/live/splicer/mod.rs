@@ -468,13 +468,18 @@ impl Splicer {
         let mut report = InstallReport::default();
         // A function's probe goes past its `endbr64` on an IBT kernel (see
         // [`LiveKernel::entry`]); from here on the site's address is that one.
+        // The text of the functions they are in, read now where it was not yet.
+        let addrs: Vec<u64> = requests.iter().map(|r| r.addr).collect();
+        self.kernel.prepare(machine, &addrs)?;
         let past_endbr: Vec<Request> = requests
             .iter()
-            .map(|r| Request {
-                addr: self.kernel.entry(r.addr),
-                ..r.clone()
+            .map(|r| {
+                Ok(Request {
+                    addr: self.kernel.entry(r.addr)?,
+                    ..r.clone()
+                })
             })
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         let requests = &past_endbr[..];
         // One block of counters and one of code for the whole batch, each written to the
         // guest with one write.

@@ -1,11 +1,20 @@
 //! Every direct branch target of a live kernel text, kept on disk between runs
-//! (`$XDG_CACHE_HOME/exotap/analysis/KEY.targets`): finding them means decoding all 14 MB of
-//! the text, the one part of an attach that grows with the kernel. The key is the sha256 of
-//! what they are computed from (the live text bytes and where they are, the function starts,
-//! the return thunks), so an entry is only ever used for the very text it was made from: a
-//! guest booted again with another KASLR slide, or whose text changed, makes another key. A
-//! file that does not read back whole (bad magic, short, a payload whose sha256 differs, targets
-//! out of order) is not used, and is written again.
+//! (`$XDG_CACHE_HOME/exotap/analysis/KEY.targets`): finding them means reading and decoding
+//! all 14 MB of the text, the one part of an attach that grows with the kernel. The key is the
+//! sha256 of what they follow from, so an entry is only ever used for a text that has them:
+//! - the build ([`Identity::Build`]: its GNU build-id) and the guest's boot-time CPU state
+//!   (`boot_cpu_data`, whose capability and bug words decide the alternatives, retpolines and
+//!   returns the kernel patched into its text at boot), the text's address (the KASLR slide),
+//!   the function starts and the return thunks. What the kernel changes in its text after
+//!   boot adds no direct branch inside it but its jump labels, whose targets are stored
+//!   whatever their keys' state (`LiveKernel`); and each function a plan touches is checked
+//!   against the entry when its bytes are read (`LiveKernel::prepare`).
+//! - or, for a build without a build-id or a guest whose CPU state cannot be read, the text's
+//!   bytes themselves ([`Identity::Text`]), read whole as before.
+//!
+//! A guest booted again with another KASLR slide makes another key. A file that does not
+//! read back whole (bad magic, short, a payload whose sha256 differs, targets out of order)
+//! is not used, and is written again.
 //!
 //! The format: the magic `EXOTAPBT`, a u32 version, a u32 of zero, the u64 target count, the
 //! 32-byte sha256 of the payload, then the payload: each target a little-endian u64.
@@ -17,26 +26,51 @@ use exotap_introspect::x86::{AnalysisConfig, BranchTargets, FunctionRange};
 use sha2::{Digest, Sha256};
 
 const MAGIC: &[u8; 8] = b"EXOTAPBT";
-const VERSION: u32 = 1;
+/// 2: keyed by the build and CPU state, jump-label targets included.
+const VERSION: u32 = 2;
 const HEADER: usize = 8 + 4 + 4 + 8 + 32;
 /// How many entries the directory keeps (the oldest go first): one per boot of each guest a
 /// host instruments, and a file is ~2 MB.
 const KEEP: usize = 32;
 
-/// The file holding the targets of this text, named by the hash of everything they are
-/// computed from.
+/// What, besides its place, functions and thunks, decides a text's branch targets.
+#[derive(Debug, Clone, Copy)]
+pub enum Identity<'a> {
+    /// The build's GNU build-id and the guest's `boot_cpu_data` bytes.
+    Build {
+        /// The build-id.
+        build: &'a [u8],
+        /// `boot_cpu_data`.
+        cpu: &'a [u8],
+    },
+    /// The live text's bytes.
+    Text(&'a [u8]),
+}
+
+/// The file holding the targets of the text at `base` that `identity` names, named by the
+/// hash of everything they follow from.
 pub fn entry(
     root: &Path,
     base: u64,
-    text: &[u8],
+    identity: Identity<'_>,
     ranges: &[FunctionRange],
     config: &AnalysisConfig,
 ) -> PathBuf {
     let mut h = Sha256::new();
     h.update(VERSION.to_le_bytes());
     h.update(base.to_le_bytes());
-    h.update((text.len() as u64).to_le_bytes());
-    h.update(text);
+    let field = |h: &mut Sha256, tag: u8, bytes: &[u8]| {
+        h.update([tag]);
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    match identity {
+        Identity::Build { build, cpu } => {
+            field(&mut h, b'B', build);
+            field(&mut h, b'C', cpu);
+        }
+        Identity::Text(text) => field(&mut h, b'T', text),
+    }
     h.update((ranges.len() as u64).to_le_bytes());
     for r in ranges {
         h.update(r.start.to_le_bytes());
@@ -142,7 +176,7 @@ mod tests {
         let path = entry(
             dir.path(),
             0x1000,
-            &[0xc3; 16],
+            Identity::Text(&[0xc3; 16]),
             &ranges(),
             &AnalysisConfig::new(),
         );
@@ -170,26 +204,71 @@ mod tests {
     }
 
     #[test]
-    fn the_key_changes_with_the_text_its_place_its_functions_and_its_thunks() {
+    fn the_key_changes_with_the_build_the_cpu_state_the_text_its_place_its_functions_and_its_thunks(
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let config = AnalysisConfig::new();
-        let key = |base, text: &[u8], ranges: &[FunctionRange], config: &AnalysisConfig| {
-            entry(dir.path(), base, text, ranges, config)
+        let key = |base, id: Identity<'_>, ranges: &[FunctionRange], config: &AnalysisConfig| {
+            entry(dir.path(), base, id, ranges, config)
         };
-        let one = key(0x1000, &[0xc3; 16], &ranges(), &config);
+        let build = Identity::Build {
+            build: &[1; 20],
+            cpu: &[7; 64],
+        };
+        let one = key(0x1000, build, &ranges(), &config);
 
-        assert_eq!(one, key(0x1000, &[0xc3; 16], &ranges(), &config));
-        assert_ne!(one, key(0x2000, &[0xc3; 16], &ranges(), &config));
-        assert_ne!(one, key(0x1000, &[0x90; 16], &ranges(), &config));
-        assert_ne!(one, key(0x1000, &[0xc3; 16], &ranges()[..0], &config));
+        assert_eq!(one, key(0x1000, build, &ranges(), &config));
+        assert_ne!(one, key(0x2000, build, &ranges(), &config));
+        let other_build = Identity::Build {
+            build: &[2; 20],
+            cpu: &[7; 64],
+        };
+        assert_ne!(one, key(0x1000, other_build, &ranges(), &config));
+        // One capability bit of the boot CPU.
+        let mut cpu = [7u8; 64];
+        cpu[40] ^= 0x10;
+        let other_cpu = Identity::Build {
+            build: &[1; 20],
+            cpu: &cpu,
+        };
+        assert_ne!(one, key(0x1000, other_cpu, &ranges(), &config));
+        assert_ne!(one, key(0x1000, build, &ranges()[..0], &config));
         assert_ne!(
             one,
             key(
                 0x1000,
-                &[0xc3; 16],
+                build,
                 &ranges(),
                 &AnalysisConfig::new().with_return_thunk(0x1008)
             )
+        );
+        // A text keyed by its bytes: never the build's entry, and its bytes count.
+        let text = key(0x1000, Identity::Text(&[0xc3; 16]), &ranges(), &config);
+        assert_ne!(one, text);
+        assert_eq!(
+            text,
+            key(0x1000, Identity::Text(&[0xc3; 16]), &ranges(), &config)
+        );
+        assert_ne!(
+            text,
+            key(0x1000, Identity::Text(&[0x90; 16]), &ranges(), &config)
+        );
+        // The build-id's bytes cannot pass for the CPU state's.
+        let shifted = Identity::Build {
+            build: &[1; 19],
+            cpu: &[1; 65],
+        };
+        assert_ne!(
+            key(
+                0x1000,
+                Identity::Build {
+                    build: &[1; 20],
+                    cpu: &[1; 64]
+                },
+                &ranges(),
+                &config
+            ),
+            key(0x1000, shifted, &ranges(), &config)
         );
     }
 }
