@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use exotap_guest_images::{self as images, GuestJob};
-use exotap_introspect::btf::Btf;
 use exotap_probes::live::attach::Target;
 use exotap_probes::live::jit::{JitOptions, LiveJit};
 use exotap_probes::live::operation::{requests, Operation};
@@ -78,7 +77,6 @@ struct Live {
 /// A verb's run against one guest: the verb's session, and what the verb prints.
 struct VerbRun {
     image: KernelImage,
-    btf: Option<Btf>,
     op: Operation,
     heap: (u64, u64),
     compare_kprobes: bool,
@@ -212,7 +210,7 @@ impl VerbRun {
             report.plan_time.as_secs_f64() * 1e3
         );
         if self.compare_kprobes {
-            let btf = self.btf.as_ref().context("the image has no BTF")?;
+            let btf = self.image.btf()?;
             let hits = guest_kprobe_hits(&mut session.machine, &session.survey, &self.image, btf)?;
             return Ok(Some(hits));
         }
@@ -225,7 +223,7 @@ impl VerbRun {
         list: bool,
         install: Option<usize>,
     ) -> anyhow::Result<()> {
-        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let btf = self.image.btf()?;
         let sites = guest_ftrace_sites(&mut session.machine, &session.survey, &self.image, btf)?;
         let slide = session.survey.kaslr.slide;
         session.plan(&self.image, self.heap)?;
@@ -510,7 +508,7 @@ impl VerbRun {
         if let Some(jit) = live.jit.take() {
             return self.remove_blocks(live, jit);
         }
-        let kprobes_after = match (&live.kprobes_before, &self.btf) {
+        let kprobes_after = match (&live.kprobes_before, self.image.btf().ok()) {
             (Some(_), Some(btf)) => Some(guest_kprobe_hits(
                 &mut live.session.machine,
                 &live.session.survey,
@@ -792,10 +790,10 @@ fn run_with(
     let image = live.image.load()?;
     // Unknown names fail here, before any guest is touched.
     requests(&op, &image, 0)?;
-    let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
+    // Parsed here (kept by the image), before any guest is touched: the run needs it at once.
+    let _ = image.btf();
     let make_run = |image, heap| VerbRun {
         image,
-        btf,
         op,
         heap,
         compare_kprobes: live.compare_kprobes,

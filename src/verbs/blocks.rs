@@ -74,7 +74,7 @@ impl VerbRun {
         if !self.blocks.as_ref().is_some_and(|b| b.job_waits) {
             return Ok(());
         }
-        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let btf = self.image.btf()?;
         let layout = TaskLayout::from_btf(btf)?;
         let stacks = KernelStacks::load_with(&self.image, session.survey.kaslr.slide, Some(btf))?;
         // The kernel's own deferred text work (a removed kprobe's unoptimization runs from
@@ -105,7 +105,7 @@ impl VerbRun {
         let Some(blocks) = self.blocks.as_mut() else {
             return Ok(());
         };
-        let btf = self.btf.as_ref().context("the image has no BTF")?;
+        let btf = self.image.btf()?;
         let reader = KprobeReader::new(&session.survey, &self.image, btf)?;
         let hits = reader.read_sites(&mut *session.machine);
         session.detach()?;

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use exotap_introspect::btf::Btf;
 use exotap_introspect::bzimage::Vmlinux;
 use exotap_introspect::kallsyms;
 use exotap_introspect::symbols::SymbolTable;
@@ -19,6 +20,8 @@ pub struct KernelImage {
     pub symbols: SymbolTable,
     /// Time to decompress and recover the symbols.
     pub load_time: Duration,
+    /// The image's BTF, parsed the first time it is asked for ([`KernelImage::btf`]).
+    btf: std::sync::OnceLock<Result<Btf, String>>,
 }
 
 impl std::fmt::Debug for KernelImage {
@@ -60,7 +63,20 @@ impl KernelImage {
             vmlinux,
             symbols,
             load_time: start.elapsed(),
+            btf: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The image's BTF (its `.BTF` section), parsed once, the first time it is asked for,
+    /// and shared by everything that reads the kernel's types.
+    ///
+    /// # Errors
+    /// When the image has no `.BTF` section or it does not parse (the same error each time).
+    pub fn btf(&self) -> anyhow::Result<&Btf> {
+        self.btf
+            .get_or_init(|| Btf::from_elf(self.vmlinux.bytes()).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("the kernel image has no usable BTF: {e}"))
     }
 
     /// The link-time address of a symbol that must exist.

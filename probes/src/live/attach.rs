@@ -221,7 +221,7 @@ fn kernel_root<M: PhysicalMemory>(
 /// # Errors
 /// When the image has no BTF or its task_struct lacks the members.
 pub fn task_offsets(image: &KernelImage) -> anyhow::Result<TaskOffsets> {
-    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
+    let btf = image.btf()?;
     let offset = |member: &str| -> anyhow::Result<u64> {
         btf.struct_member("task_struct", member)
             .ok()
@@ -249,14 +249,9 @@ pub fn percpu_variable(image: &KernelImage, btf: Option<&Btf>, name: &str) -> an
     let hot = image.symbols.get("pcpu_hot").with_context(|| {
         format!("the kernel has neither a {name} per-CPU variable nor a pcpu_hot to hold it")
     })?;
-    let parsed;
     let btf = match btf {
         Some(btf) => btf,
-        None => {
-            parsed = Btf::from_elf(image.vmlinux.bytes())
-                .context("the kernel image has no usable BTF")?;
-            &parsed
-        }
+        None => image.btf()?,
     };
     let offset = btf
         .struct_member("pcpu_hot", name)

@@ -26,7 +26,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use exotap_introspect::btf::Btf;
 use exotap_vmm::control::{Machine as _, StopEvent};
 
 use crate::compile::{
@@ -108,23 +107,20 @@ pub fn start_on(
     let slide = session.survey.kaslr.slide;
     // A compiled tracepoint probe needs its tracepoint on...
     {
-        let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
+        let btf = image.btf().ok();
         let names: Vec<&str> = plan
             .points
             .iter()
             .filter_map(|(_, p)| super::tracepoints::tracepoint_name(&p.name))
             .collect();
-        super::tracepoints::tracepoints_on(&mut session, image, btf.as_ref(), names.into_iter())?;
+        super::tracepoints::tracepoints_on(&mut session, image, btf, names.into_iter())?;
         // ... and goes into its one callback where the kernel calls that past the iterator
         // (tracepoints::tracepoint_callback).
         for (link, point) in &mut plan.points {
             if let Some(name) = super::tracepoints::tracepoint_name(&point.name) {
-                if let Some((callback, data)) = super::tracepoints::tracepoint_callback(
-                    &mut session,
-                    image,
-                    btf.as_ref(),
-                    name,
-                )? {
+                if let Some((callback, data)) =
+                    super::tracepoints::tracepoint_callback(&mut session, image, btf, name)?
+                {
                     *link = callback;
                     point.guard = Some(data);
                 }
@@ -225,9 +221,8 @@ pub fn start_on(
     facts.stack_save = plan.facts.stack_save.map(|a| a.wrapping_add(slide));
     facts.data_slide = slide;
     let kprobes = if script.compare_kprobes {
-        let btf =
-            Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
-        Some(KprobeReader::new(&session.survey, image, &btf)?)
+        let btf = image.btf()?;
+        Some(KprobeReader::new(&session.survey, image, btf)?)
     } else {
         None
     };

@@ -62,7 +62,6 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use exotap_introspect::btf::Btf;
 use exotap_introspect::x86::{thunk_register, Flow};
 use exotap_vmm::control::{Machine, StopEvent, VcpuId};
 
@@ -288,7 +287,7 @@ fn name_of(image: &KernelImage, slide: u64, addr: u64) -> String {
 fn guest_has_lahf_lm(session: &mut GuestSession, image: &KernelImage) -> anyhow::Result<bool> {
     /// `CPUID_8000_0001_ECX`'s word in `x86_capability`.
     const WORD: u64 = 6;
-    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no BTF")?;
+    let btf = image.btf()?;
     let at = btf
         .struct_member("cpuinfo_x86", "x86_capability")
         .context("struct cpuinfo_x86 in the kernel's BTF")?;
@@ -776,9 +775,9 @@ impl LiveJit {
         }
         let code =
             self.layout.code.start..self.translation.code_at + self.translation.code.len() as u64;
-        let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no BTF")?;
-        let tasks = TaskLayout::from_btf(&btf)?;
-        let stacks = KernelStacks::load_with(image, session.survey.kaslr.slide, Some(&btf))?;
+        let btf = image.btf()?;
+        let tasks = TaskLayout::from_btf(btf)?;
+        let stacks = KernelStacks::load_with(image, session.survey.kaslr.slide, Some(btf))?;
         let mut reach = Reachability::default();
         for check in 1..=REACH_CHECKS {
             reach = check_reachability(session, &code, &tasks, &stacks)?;

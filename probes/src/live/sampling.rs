@@ -12,7 +12,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use exotap_introspect::btf::Btf;
 use exotap_introspect::orc::{Backtrace, StackMemory};
 use exotap_vmm::control::{Machine, VcpuId};
 
@@ -80,10 +79,9 @@ impl LiveStacks {
         let learned = (|| {
             machine.pause().context("cannot pause the guest")?;
             let survey = attach::survey_machine(&mut *machine, started, image)?;
-            let btf = Btf::from_elf(image.vmlinux.bytes())
-                .context("the kernel image has no usable BTF")?;
-            let tasks = TaskLayout::from_btf(&btf)?;
-            let mut stacks = KernelStacks::load_with(image, survey.kaslr.slide, Some(&btf))?;
+            let btf = image.btf()?;
+            let tasks = TaskLayout::from_btf(btf)?;
+            let mut stacks = KernelStacks::load_with(image, survey.kaslr.slide, Some(btf))?;
             let mut mem = BackendMemory(&mut *machine);
             stacks.refresh_modules(&mut survey.space(&mut mem));
             anyhow::Ok((survey, stacks, tasks))

@@ -369,8 +369,7 @@ impl GuestSession {
     /// # Errors
     /// When the image lacks the symbol or the BTF members, or the guest cannot be read.
     pub fn clock_offset_ns(&mut self, image: &KernelImage) -> anyhow::Result<i64> {
-        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes())
-            .context("the kernel image has no usable BTF")?;
+        let btf = image.btf()?;
         let member = |s: &str, m: &str| -> anyhow::Result<u64> {
             btf.struct_member(s, m)
                 .ok()

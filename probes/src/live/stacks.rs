@@ -399,9 +399,7 @@ impl KernelStacks {
                 .wrapping_add(slide);
             let layout = match btf {
                 Some(btf) => ModuleLayout::from_btf(btf)?,
-                None => ModuleLayout::from_btf(
-                    &Btf::from_elf(image.vmlinux.bytes()).context("the image has no BTF")?,
-                )?,
+                None => ModuleLayout::from_btf(image.btf()?)?,
             };
             anyhow::Ok((head, layout))
         })();

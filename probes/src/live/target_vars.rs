@@ -491,9 +491,8 @@ mod tests {
             text: text.into(),
         };
         let prog = check_script(&source, &Limits::default()).unwrap();
-        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes()).ok();
-        let resolved =
-            resolve_program(&prog, &KernelSymbols::new(&image.symbols, btf.as_ref())).unwrap();
+        let btf = image.btf().ok();
+        let resolved = resolve_program(&prog, &KernelSymbols::new(&image.symbols, btf)).unwrap();
         point_locals(image, &prog, &resolved)
     }
 
@@ -514,8 +513,8 @@ mod tests {
             text: text.into(),
         };
         let prog = check_script(&source, &Limits::default()).unwrap();
-        let btf = exotap_introspect::btf::Btf::from_elf(image.vmlinux.bytes()).ok();
-        kernel_globals(image, &prog, btf.as_ref())
+        let btf = image.btf().ok();
+        kernel_globals(image, &prog, btf)
     }
 
     #[test]

@@ -11,7 +11,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use exotap_introspect::btf::Btf;
 use exotap_introspect::heap::HeapPlacement;
 use exotap_vmm::control::{Machine, StopEvent};
 
@@ -89,9 +88,8 @@ pub fn start(
     };
     let traps = Traps::arm(&mut session, image, &script.prog, area, &|_| true)?;
     let kprobes = if script.compare_kprobes {
-        let btf =
-            Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
-        Some(KprobeReader::new(&session.survey, image, &btf)?)
+        let btf = image.btf()?;
+        Some(KprobeReader::new(&session.survey, image, btf)?)
     } else {
         None
     };

@@ -114,10 +114,10 @@ pub fn plan(
     prog: &Program,
     limits: &Limits,
 ) -> anyhow::Result<Result<Plan, Vec<Unsupported>>> {
-    let btf = Btf::from_elf(image.vmlinux.bytes()).context("the kernel image has no usable BTF")?;
-    let facts = facts(image, prog, &btf)?;
+    let btf = image.btf()?;
+    let facts = facts(image, prog, btf)?;
     let lines = crate::live::target_vars::source_lines(image);
-    let resolver = KernelSymbols::new(&image.symbols, Some(&btf)).with_lines(lines.as_ref());
+    let resolver = KernelSymbols::new(&image.symbols, Some(btf)).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
     let locals = crate::live::target_vars::point_locals(image, prog, &resolved)?;
     let mut points = Vec::new();

@@ -260,7 +260,7 @@ impl LiveKernel {
         let len = usize::try_from(end - start)?;
         let ranges = ranges_from_starts(&facts.starts, end);
         let pages = len.div_ceil(PAGE as usize);
-        let cpu = boot_cpu_state(machine, survey, image);
+        let cpu = boot_cpu_caps(machine, survey, image);
         let build = image.vmlinux.build_id().map(<[u8]>::to_vec);
         let root = exotap_guest_images::cache::cache_root()
             .ok()
@@ -277,7 +277,7 @@ impl LiveKernel {
         };
         if let Some(entry) = &entry {
             let started = Instant::now();
-            match super::targets_cache::load(entry) {
+            match super::targets_cache::load(entry, start) {
                 Ok(targets) => {
                     let analysis = TextAnalysis::with_targets(
                         start,
@@ -371,7 +371,7 @@ impl LiveKernel {
         let cached = if text_keyed {
             self.entry
                 .as_deref()
-                .and_then(|e| super::targets_cache::load(e).ok())
+                .and_then(|e| super::targets_cache::load(e, start).ok())
         } else {
             None
         };
@@ -385,7 +385,7 @@ impl LiveKernel {
                     TextAnalysis::analyze_owned(start, bytes, &ranges, &self.facts.config);
                 analysis.add_targets(self.facts.jump_targets.iter().copied());
                 if let Some(entry) = &self.entry {
-                    match super::targets_cache::store(entry, analysis.branch_targets()) {
+                    match super::targets_cache::store(entry, start, analysis.branch_targets()) {
                         Ok(()) => tracing::info!("the branch targets kept in {}", entry.display()),
                         Err(e) => tracing::debug!("the branch targets are not kept: {e:#}"),
                     }
@@ -438,19 +438,9 @@ impl LiveKernel {
             return Ok(());
         }
         let (start, end) = self.facts.text;
-        let ranges: Vec<exotap_introspect::x86::FunctionRange> = {
-            let all = self.analysis.ranges();
-            let mut picked: Vec<_> = addrs
-                .iter()
-                .filter_map(|&a| {
-                    let i = all.partition_point(|r| r.start <= a).checked_sub(1)?;
-                    all.get(i).copied().filter(|r| r.contains(a))
-                })
-                .collect();
-            picked.sort_unstable();
-            picked.dedup();
-            picked
-        };
+        let mut ranges: Vec<_> = addrs.iter().filter_map(|&a| self.range_of(a)).collect();
+        ranges.sort_unstable();
+        ranges.dedup();
         let mut wanted: Vec<usize> = Vec::new();
         for r in &ranges {
             let from = (r.start - start) / PAGE;
@@ -533,14 +523,14 @@ impl LiveKernel {
         })
     }
 
-    /// Whether the function holding `addr` has been read whole ([`LiveKernel::prepare`]).
-    fn function_loaded(&self, addr: u64) -> bool {
+    /// The range of the function holding `addr` (without analysing it).
+    fn range_of(&self, addr: u64) -> Option<exotap_introspect::x86::FunctionRange> {
         let all = self.analysis.ranges();
         all.partition_point(|r| r.start <= addr)
             .checked_sub(1)
             .and_then(|i| all.get(i))
             .filter(|r| r.contains(addr))
-            .is_some_and(|r| self.is_loaded(r.start, r.end))
+            .copied()
     }
 
     /// The planner's context.
@@ -558,8 +548,10 @@ impl LiveKernel {
     /// Plans a splice at `addr` for a patch at `patch`: refused where the function there has
     /// not been read ([`LiveKernel::prepare`] first).
     pub fn plan(&self, addr: u64, patch: u64) -> SpliceDecision {
-        if !self.function_loaded(addr) && self.analysis.function_containing(addr).is_some() {
-            return SpliceDecision::Refuse(Refusal::TextNotRead { addr });
+        if let Some(r) = self.range_of(addr) {
+            if !self.is_loaded(r.start, r.end) {
+                return SpliceDecision::Refuse(Refusal::TextNotRead { addr });
+            }
         }
         plan(&self.context(), addr, patch)
     }
@@ -595,27 +587,29 @@ impl LiveKernel {
     }
 }
 
-/// The guest's boot-time CPU state, `boot_cpu_data` (its capability and bug words decide
-/// which alternatives, retpolines and returns the kernel patched into its text at boot):
-/// the bytes from the symbol to the next one, at most a page; `None` where the kernel has no
-/// such symbol or it cannot be read.
-fn boot_cpu_state(
+/// The guest's boot-time CPU capabilities: `boot_cpu_data.x86_capability` (its feature and
+/// bug words), which decide the alternatives, retpolines and returns the kernel patched into
+/// its text at boot; where the member is and how long it is from the image's BTF. `None`
+/// where the kernel has no such symbol or member, or it cannot be read.
+fn boot_cpu_caps(
     machine: &mut dyn Machine,
     survey: &Survey,
     image: &KernelImage,
 ) -> Option<Vec<u8>> {
-    let at = image.symbols.get("boot_cpu_data")?.addr;
-    let next = image
+    let btf = image.btf().ok()?;
+    let member = btf.struct_member("cpuinfo_x86", "x86_capability").ok()?;
+    let offset = member.byte_offset()?;
+    let len = usize::try_from(btf.size_of(member.ty)?.min(PAGE)).ok()?;
+    let at = image
         .symbols
-        .iter()
-        .map(|s| s.addr)
-        .filter(|&a| a > at)
-        .min()?;
-    let len = usize::try_from((next - at).min(PAGE)).ok()?;
+        .get("boot_cpu_data")?
+        .addr
+        .wrapping_add(survey.kaslr.slide)
+        .wrapping_add(offset);
     let mut bytes = vec![0u8; len];
     survey
         .space(&mut BackendMemory(machine))
-        .read(at.wrapping_add(survey.kaslr.slide), &mut bytes)
+        .read(at, &mut bytes)
         .ok()?;
     Some(bytes)
 }
@@ -974,7 +968,7 @@ mod tests {
             .filter(|&t| t != starts[5] + 9)
             .collect();
         let stale = BranchTargets::from_sorted(lacking).unwrap();
-        super::super::targets_cache::store(&entry, &stale).unwrap();
+        super::super::targets_cache::store(&entry, LAZY_BASE, &stale).unwrap();
         let mut k = lazy_kernel(&text, &starts, stale, entry.clone());
         let mut ram = TextRam {
             text: text.clone(),
@@ -989,7 +983,7 @@ mod tests {
         assert!(k.whole, "the stale entry was trusted");
         assert!(k.analysis.branch_targets().contains(starts[5] + 9));
         assert_eq!(
-            super::super::targets_cache::load(&entry).unwrap(),
+            super::super::targets_cache::load(&entry, LAZY_BASE).unwrap(),
             good,
             "the entry was not written again with the text's own targets"
         );

@@ -2,22 +2,24 @@
 //! (`$XDG_CACHE_HOME/exotap/analysis/KEY.targets`): finding them means reading and decoding
 //! all 14 MB of the text, the one part of an attach that grows with the kernel. The key is the
 //! sha256 of what they follow from, so an entry is only ever used for a text that has them:
-//! - the build ([`Identity::Build`]: its GNU build-id) and the guest's boot-time CPU state
-//!   (`boot_cpu_data`, whose capability and bug words decide the alternatives, retpolines and
-//!   returns the kernel patched into its text at boot), the text's address (the KASLR slide),
-//!   the function starts and the return thunks. What the kernel changes in its text after
+//! - the build ([`Identity::Build`]: its GNU build-id) and the guest's boot-time CPU
+//!   capabilities (`boot_cpu_data.x86_capability`, the feature and bug words that decide the
+//!   alternatives, retpolines and returns the kernel patched into its text at boot), the
+//!   function starts and the return thunks, all relative to the text's start: the targets are
+//!   stored as offsets from it, so one entry serves every boot of the build on such a CPU,
+//!   whatever its KASLR slide. What the kernel changes in its text after
 //!   boot adds no direct branch inside it but its jump labels, whose targets are stored
 //!   whatever their keys' state (`LiveKernel`); and each function a plan touches is checked
 //!   against the entry when its bytes are read (`LiveKernel::prepare`).
 //! - or, for a build without a build-id or a guest whose CPU state cannot be read, the text's
 //!   bytes themselves ([`Identity::Text`]), read whole as before.
 //!
-//! A guest booted again with another KASLR slide makes another key. A file that does not
-//! read back whole (bad magic, short, a payload whose sha256 differs, targets out of order)
+//! A file that does not read back whole (bad magic, short, a payload whose sha256 differs, targets out of order)
 //! is not used, and is written again.
 //!
 //! The format: the magic `EXOTAPBT`, a u32 version, a u32 of zero, the u64 target count, the
-//! 32-byte sha256 of the payload, then the payload: each target a little-endian u64.
+//! 32-byte sha256 of the payload, then the payload: each target a little-endian u64, its
+//! offset from the text's start (wrapping), in the order of the targets.
 
 use std::path::{Path, PathBuf};
 
@@ -26,8 +28,9 @@ use exotap_introspect::x86::{AnalysisConfig, BranchTargets, FunctionRange};
 use sha2::{Digest, Sha256};
 
 const MAGIC: &[u8; 8] = b"EXOTAPBT";
-/// 2: keyed by the build and CPU state, jump-label targets included.
-const VERSION: u32 = 2;
+/// 3: keyed by the build and CPU capabilities, targets relative to the text, jump-label
+/// targets included.
+const VERSION: u32 = 3;
 const HEADER: usize = 8 + 4 + 4 + 8 + 32;
 /// How many entries the directory keeps (the oldest go first): one per boot of each guest a
 /// host instruments, and a file is ~2 MB.
@@ -36,14 +39,14 @@ const KEEP: usize = 32;
 /// What, besides its place, functions and thunks, decides a text's branch targets.
 #[derive(Debug, Clone, Copy)]
 pub enum Identity<'a> {
-    /// The build's GNU build-id and the guest's `boot_cpu_data` bytes.
+    /// The build's GNU build-id and the guest's boot-time CPU capabilities.
     Build {
         /// The build-id.
         build: &'a [u8],
-        /// `boot_cpu_data`.
+        /// `boot_cpu_data.x86_capability`.
         cpu: &'a [u8],
     },
-    /// The live text's bytes.
+    /// The live text's bytes (and its place: relocated, they depend on it).
     Text(&'a [u8]),
 }
 
@@ -58,7 +61,6 @@ pub fn entry(
 ) -> PathBuf {
     let mut h = Sha256::new();
     h.update(VERSION.to_le_bytes());
-    h.update(base.to_le_bytes());
     let field = |h: &mut Sha256, tag: u8, bytes: &[u8]| {
         h.update([tag]);
         h.update((bytes.len() as u64).to_le_bytes());
@@ -69,25 +71,29 @@ pub fn entry(
             field(&mut h, b'B', build);
             field(&mut h, b'C', cpu);
         }
-        Identity::Text(text) => field(&mut h, b'T', text),
+        Identity::Text(text) => {
+            field(&mut h, b'T', text);
+            h.update(base.to_le_bytes());
+        }
     }
+    let rel = |a: u64| a.wrapping_sub(base).to_le_bytes();
     h.update((ranges.len() as u64).to_le_bytes());
     for r in ranges {
-        h.update(r.start.to_le_bytes());
-        h.update(r.end.to_le_bytes());
+        h.update(rel(r.start));
+        h.update(rel(r.end));
     }
     for t in config.return_thunks() {
-        h.update(t.to_le_bytes());
+        h.update(rel(*t));
     }
     let key = exotap_guest_images::cache::hex(&h.finalize());
     root.join(format!("{}.targets", &key[..40]))
 }
 
-/// The targets stored in `path`.
+/// The targets stored in `path`, for the text at `base`.
 ///
 /// # Errors
 /// When the file cannot be read or does not read back whole (see the module's doc).
-pub fn load(path: &Path) -> anyhow::Result<BranchTargets> {
+pub fn load(path: &Path, base: u64) -> anyhow::Result<BranchTargets> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     if bytes.len() < HEADER || &bytes[..8] != MAGIC {
         bail!("not a branch-target file");
@@ -111,22 +117,22 @@ pub fn load(path: &Path) -> anyhow::Result<BranchTargets> {
     }
     let targets = payload
         .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()).wrapping_add(base))
         .collect();
     BranchTargets::from_sorted(targets).context("the targets are out of order")
 }
 
-/// Stores `targets` in `path` (through a temporary name: a reader never sees half a file)
-/// and drops the oldest entries past [`KEEP`].
+/// Stores `targets` of the text at `base` in `path` (through a temporary name: a reader never
+/// sees half a file) and drops the oldest entries past [`KEEP`].
 ///
 /// # Errors
 /// When the directory or the file cannot be written.
-pub fn store(path: &Path, targets: &BranchTargets) -> anyhow::Result<()> {
+pub fn store(path: &Path, base: u64, targets: &BranchTargets) -> anyhow::Result<()> {
     let dir = path.parent().context("an entry has a directory")?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut payload = Vec::with_capacity(targets.len() * 8);
     for t in targets.as_slice() {
-        payload.extend_from_slice(&t.to_le_bytes());
+        payload.extend_from_slice(&t.wrapping_sub(base).to_le_bytes());
     }
     let mut out = Vec::with_capacity(HEADER + payload.len());
     out.extend_from_slice(MAGIC);
@@ -183,8 +189,13 @@ mod tests {
         let targets =
             BranchTargets::from_sorted(vec![0x1000, 0x1004, 0xffff_ffff_8100_0000]).unwrap();
 
-        store(&path, &targets).unwrap();
-        assert_eq!(load(&path).unwrap(), targets);
+        store(&path, 0x1000, &targets).unwrap();
+        assert_eq!(load(&path, 0x1000).unwrap(), targets);
+        // Another boot's text, 16 MiB further: the same targets, moved with it.
+        let moved =
+            BranchTargets::from_sorted(targets.as_slice().iter().map(|t| t + (16 << 20)).collect())
+                .unwrap();
+        assert_eq!(load(&path, 0x1000 + (16 << 20)).unwrap(), moved);
 
         let good = std::fs::read(&path).unwrap();
         let mut flipped = good.clone();
@@ -199,7 +210,7 @@ mod tests {
             ("bad magic", magic),
         ] {
             std::fs::write(&path, bytes).unwrap();
-            assert!(load(&path).is_err(), "{what} was read back");
+            assert!(load(&path, 0x1000).is_err(), "{what} was read back");
         }
     }
 
@@ -218,6 +229,16 @@ mod tests {
         let one = key(0x1000, build, &ranges(), &config);
 
         assert_eq!(one, key(0x1000, build, &ranges(), &config));
+        // Another slide moves the functions and thunks with the text: the same entry.
+        let slid: Vec<FunctionRange> = ranges()
+            .iter()
+            .map(|r| FunctionRange {
+                start: r.start + 0x1000,
+                end: r.end + 0x1000,
+            })
+            .collect();
+        assert_eq!(one, key(0x2000, build, &slid, &config));
+        // The same functions at another place in the text: another entry.
         assert_ne!(one, key(0x2000, build, &ranges(), &config));
         let other_build = Identity::Build {
             build: &[2; 20],

@@ -656,29 +656,29 @@ impl Traps {
         area: TrapArea,
         host: &dyn Fn(usize) -> bool,
     ) -> anyhow::Result<Self> {
-        let btf = Btf::from_elf(image.vmlinux.bytes()).ok();
+        let btf = image.btf().ok();
         let tasks = attach::task_offsets(image).ok();
-        let stacks = super::stacks::KernelStacks::load_for(image, guest, btf.as_ref())
+        let stacks = super::stacks::KernelStacks::load_for(image, guest, btf)
             .map_err(|e| tracing::warn!("backtrace() will be empty: {e:#}"))
             .ok();
-        let task_layout = btf.as_ref().and_then(|btf| {
+        let task_layout = btf.and_then(|btf| {
             super::stacks::TaskLayout::from_btf(btf)
                 .map_err(|e| tracing::warn!("task_backtrace() will be empty: {e:#}"))
                 .ok()
         });
-        let globals = super::target_vars::kernel_globals(image, prog, btf.as_ref())?;
-        let (armed, trampoline) = arm(guest, image, btf.as_ref(), prog, area, host)?;
+        let globals = super::target_vars::kernel_globals(image, prog, btf)?;
+        let (armed, trampoline) = arm(guest, image, btf, prog, area, host)?;
         let watches = watches::arm(guest, image, prog, host)?;
         Ok(Self {
             watches,
             globals,
             jiffies: image.symbols.get("jiffies_64").map(|s| s.addr),
             tasks,
-            ids: btf.as_ref().and_then(TaskIds::from_btf),
+            ids: btf.and_then(TaskIds::from_btf),
             stacks,
             watch_modules: crate::compile::snapshot::names_kernel_code(prog),
             task_layout,
-            types: btf.map(BtfTypes),
+            types: btf.cloned().map(BtfTypes),
             armed,
             trampoline,
             pending: Ledger::new(super::recover::RETURN_SLOTS),
