@@ -402,10 +402,12 @@ impl TextAnalysis {
         Ok(())
     }
 
-    /// The direct branch and call targets the function `range` has in the text now that
-    /// [`TextAnalysis::branch_targets`] lacks: none for a function whose targets were found in
-    /// this very text; a target missing says the targets were found in another text (a cache
-    /// entry that does not belong to it).
+    /// The targets inside the function `range` of its own direct branches (and calls) in the
+    /// text now that [`TextAnalysis::branch_targets`] lacks: none for a function whose targets
+    /// were found in this very text; a target missing says the targets were found in another
+    /// text (a cache entry that does not belong to it). Targets outside the function are left
+    /// out: calls and tail calls elsewhere change with what the kernel patches in at run time
+    /// (ftrace trampolines, static calls) and say nothing about this function's decoding.
     #[must_use]
     pub fn targets_missing_from(&self, range: &FunctionRange) -> Vec<u64> {
         let Some(code) = CodeView::new(self.base, &self.bytes)
@@ -416,7 +418,7 @@ impl TextAnalysis {
         };
         let mut own = Vec::new();
         FunctionDecoder::new(&self.config).branch_targets_into(code, range.start, &mut own);
-        own.retain(|&t| !self.targets.contains(t));
+        own.retain(|&t| range.contains(t) && !self.targets.contains(t));
         own.sort_unstable();
         own.dedup();
         own
@@ -624,27 +626,39 @@ mod tests {
         assert!(ranges
             .iter()
             .all(|r| whole.targets_missing_from(r).is_empty()));
-        // A set without the call's target `g` (which `f`, the first function, has).
-        let mut without_g = TextAnalysis::with_targets(
-            BASE,
-            bytes.clone(),
-            &ranges,
-            &AnalysisConfig::new(),
-            BranchTargets::new(
-                whole
-                    .branch_targets()
-                    .as_slice()
-                    .iter()
-                    .copied()
-                    .filter(|&t| t != g)
-                    .collect(),
-            ),
-        );
-        assert_eq!(without_g.targets_missing_from(&ranges[0]), vec![g]);
-        assert!(without_g.targets_missing_from(&ranges[1]).is_empty());
-        without_g.add_targets([g, BASE + 1000]);
-        assert!(without_g.targets_missing_from(&ranges[0]).is_empty());
-        assert!(without_g.branch_targets().contains(BASE + 1000));
+        // `f`'s own targets: `skip` (its `je`) inside it, `g` (its call) outside.
+        let skip = *whole
+            .branch_targets()
+            .as_slice()
+            .iter()
+            .find(|&&t| t != g)
+            .unwrap();
+        assert!(ranges[0].contains(skip) && !ranges[0].contains(g));
+        let lacking = |gone: u64| {
+            TextAnalysis::with_targets(
+                BASE,
+                bytes.clone(),
+                &ranges,
+                &AnalysisConfig::new(),
+                BranchTargets::new(
+                    whole
+                        .branch_targets()
+                        .as_slice()
+                        .iter()
+                        .copied()
+                        .filter(|&t| t != gone)
+                        .collect(),
+                ),
+            )
+        };
+        let mut without_skip = lacking(skip);
+        assert_eq!(without_skip.targets_missing_from(&ranges[0]), vec![skip]);
+        assert!(without_skip.targets_missing_from(&ranges[1]).is_empty());
+        // A call elsewhere is not the function's own decoding.
+        assert!(lacking(g).targets_missing_from(&ranges[0]).is_empty());
+        without_skip.add_targets([skip, BASE + 1000]);
+        assert!(without_skip.targets_missing_from(&ranges[0]).is_empty());
+        assert!(without_skip.branch_targets().contains(BASE + 1000));
     }
 
     #[test]

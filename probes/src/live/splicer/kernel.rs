@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use exotap_introspect::x86::{
-    ranges_from_starts, thunk_register, zeroed_text, AnalysisConfig, CallEffect, CodeView,
-    TextAnalysis,
+    ranges_from_starts, thunk_register, zeroed_text, AnalysisConfig, BranchTargets, CallEffect,
+    CodeView, TextAnalysis,
 };
 use exotap_vmm::control::Machine;
 
@@ -385,7 +385,18 @@ impl LiveKernel {
                     TextAnalysis::analyze_owned(start, bytes, &ranges, &self.facts.config);
                 analysis.add_targets(self.facts.jump_targets.iter().copied());
                 if let Some(entry) = &self.entry {
-                    match super::targets_cache::store(entry, start, analysis.branch_targets()) {
+                    // The text's own targets: those outside it (calls into ftrace
+                    // trampolines, modules) change from boot to boot and are no plan's concern.
+                    let inside = BranchTargets::new(
+                        analysis
+                            .branch_targets()
+                            .as_slice()
+                            .iter()
+                            .copied()
+                            .filter(|t| (start..end).contains(t))
+                            .collect(),
+                    );
+                    match super::targets_cache::store(entry, start, &inside) {
                         Ok(()) => tracing::info!("the branch targets kept in {}", entry.display()),
                         Err(e) => tracing::debug!("the branch targets are not kept: {e:#}"),
                     }
@@ -892,7 +903,6 @@ mod tests {
             .clone()
     }
 
-    use exotap_introspect::x86::BranchTargets;
     use exotap_vmm::control::ControlError;
 
     #[test]

@@ -18,8 +18,9 @@
 //! is not used, and is written again.
 //!
 //! The format: the magic `EXOTAPBT`, a u32 version, a u32 of zero, the u64 target count, the
-//! 32-byte sha256 of the payload, then the payload: each target a little-endian u64, its
-//! offset from the text's start (wrapping), in the order of the targets.
+//! 32-byte sha256 of the payload, then the payload: each target inside the text a
+//! little-endian u64, its offset from the text's start, in order. (Targets outside the text,
+//! calls into ftrace trampolines or modules, change from boot to boot and concern no plan.)
 
 use std::path::{Path, PathBuf};
 
@@ -28,9 +29,9 @@ use exotap_introspect::x86::{AnalysisConfig, BranchTargets, FunctionRange};
 use sha2::{Digest, Sha256};
 
 const MAGIC: &[u8; 8] = b"EXOTAPBT";
-/// 3: keyed by the build and CPU capabilities, targets relative to the text, jump-label
-/// targets included.
-const VERSION: u32 = 3;
+/// 4: keyed by the build and CPU capabilities, the text's own targets relative to it,
+/// jump-label targets included.
+const VERSION: u32 = 4;
 const HEADER: usize = 8 + 4 + 4 + 8 + 32;
 /// How many entries the directory keeps (the oldest go first): one per boot of each guest a
 /// host instruments, and a file is ~2 MB.
