@@ -220,6 +220,27 @@ impl KvmMachine {
         dead
     }
 
+    /// The registers of vCPU `vcpu` as it parked after it reset the machine (a triple fault,
+    /// `KVM_EXIT_SHUTDOWN`: the vCPU thread parks after reporting it), for the error that
+    /// says the VM died; `None` when it has not parked within a second.
+    pub fn reset_registers(&self, vcpu: u32) -> Option<String> {
+        let v = self.vm.vcpus.iter().find(|v| v.shared.id == vcpu)?;
+        v.shared.wait_stopped_for(Duration::from_secs(1))?;
+        let s = v.shared.snapshot()?;
+        Some(format!(
+            "rip {:#x} rsp {:#x} rflags {:#x} (interrupts {}) cr3 {:#x}",
+            s.regs.rip,
+            s.regs.gpr[7],
+            s.regs.rflags,
+            if s.regs.rflags & (1 << 9) != 0 {
+                "on"
+            } else {
+                "off"
+            },
+            s.regs.cr3
+        ))
+    }
+
     /// Each vCPU's thread state and the host's request of it, and whether the host holds the
     /// guest paused: what a run that is stuck says about itself.
     pub fn describe_vcpus(&self) -> String {

@@ -805,6 +805,13 @@ pub fn run(
     let done = state.done;
     console.flush().map_err(KvmError::Sink)?;
     let why = match machine.ended() {
+        // Where it was, when the run did not end on its own (a triple fault mid-job).
+        Some(VmEvent::Reset { vcpu }) if done.is_none() => format!(
+            "vCPU {vcpu} reset the machine ({})",
+            machine
+                .reset_registers(vcpu)
+                .unwrap_or_else(|| "its registers could not be read".into())
+        ),
         Some(VmEvent::Reset { vcpu }) => format!("vCPU {vcpu} reset the machine"),
         Some(VmEvent::PowerOff { vcpu }) => format!("vCPU {vcpu} powered the machine off"),
         Some(VmEvent::Halted) => "every vCPU halted with interrupts off".into(),
