@@ -191,10 +191,11 @@ impl KernelFacts {
 /// The running kernel's text, analysed, read from the guest as the plans need it.
 ///
 /// Its branch targets come from the cache when an earlier attach found them for the same
-/// build, KASLR slide and boot-time CPU state ([`super::targets_cache`]); then no byte of the
-/// text is read up front, and [`LiveKernel::prepare`] reads the pages of the functions a plan
-/// touches (and checks each one's own targets against the cached ones: a cache entry that
-/// does not belong to this text is found out, and everything is read and found again).
+/// build on a CPU with the same capabilities, whatever the KASLR slide (the splicer's
+/// `targets_cache` module); then no byte of the text is read up front, and
+/// [`LiveKernel::prepare`] reads the pages of the functions a plan touches (and checks the
+/// targets inside each against the cached ones: a cache entry that does not belong to this
+/// text is found out, and everything is read and found again).
 /// Otherwise the whole text is read and analysed at once, and its targets kept for the next
 /// attach.
 pub struct LiveKernel {
