@@ -175,15 +175,82 @@ fn tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hit
     assert!(printed.contains("syscall-loop 1 "), "{ctx}");
     assert_no_oops(&con);
 
-    // Off in the guest: refused before anything goes in, naming the tracepoint.
+    // Off in the guest, compiled required: exotap probes the tracepoint's call site (the
+    // inlined trace_sched_switch), whose first instruction is the static key's own jump,
+    // bytes the kernel patches itself: no compiled body goes there, and the refusal says so
+    // before anything goes in.
     let off = "exotap_wait attach\nsyscall-loop 5\nexotap_wait detach\n";
     let (code, out, err, _) = boot_in_job(script, "require", off, "400");
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_ne!(code, 0, "{ctx}");
     assert!(
-        err.contains("kernel.trace(\"sched_switch\"): its static key is off"),
+        err.contains("trace_sched_switch") && err.contains("the kernel patches the bytes"),
         "{ctx}"
     );
+}
+
+/// A tracepoint that nothing in the guest turned on fires all the same: exotap probes its
+/// call sites, the inlined instances of `trace_sched_process_fork` (live::tracepoints),
+/// with the tracepoint's arguments from DWARF there, and leaves the guest's tracing state
+/// as it was. The guest's own kprobe on `kernel_clone`, which calls it once per successful
+/// fork, counts the same window.
+#[test]
+fn a_tracepoint_the_guest_has_off_fires_at_its_call_sites() {
+    if !have_qemu("a_tracepoint_the_guest_has_off_fires_at_its_call_sites") {
+        return;
+    }
+    let job = "T=/sys/kernel/tracing\n\
+               echo 'p:exotap/k0 kernel_clone' >> $T/kprobe_events\n\
+               echo 1 > $T/events/exotap/enable\n\
+               exotap_wait attach\n\
+               i=0; while [ $i -lt 40 ]; do /bin/true; i=$((i+1)); done\n\
+               exotap_wait detach\n\
+               echo 0 > $T/events/exotap/enable\n\
+               echo > $T/kprobe_events\n\
+               exotap_result fork.enable $(cat $T/events/sched/sched_process_fork/enable)\n";
+    let script = r#"global n, named, younger
+      probe kernel.trace("sched_process_fork") {
+        n++
+        if ($child->pid > $parent->pid) younger++
+        if (kernel_string($parent->comm) != "") named++
+      }
+      probe end { printf("forks %d younger %d named %d\n", n, younger, named) }"#;
+
+    let (code, out, err, con) = boot_in_job(script, "auto", job, "400");
+
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    assert!(
+        err.contains("probing its 1 call sites (the inlined trace_sched_process_fork)"),
+        "{ctx}"
+    );
+    let printed = script_output(&out);
+    let (n, younger, named) = printed
+        .lines()
+        .find_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            match w.as_slice() {
+                ["forks", n, "younger", y, "named", m] => Some((
+                    n.parse::<u64>().ok()?,
+                    y.parse::<u64>().ok()?,
+                    m.parse::<u64>().ok()?,
+                )),
+                _ => None,
+            }
+        })
+        .unwrap_or_else(|| panic!("no totals: {ctx}"));
+    let clones = host_result(&err, "kprobe.kernel_clone")
+        .and_then(|k| k.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no kprobe count: {ctx}"));
+    eprintln!("sched_process_fork at its call sites: {n} = kernel_clone's kprobe {clones}");
+    assert!(n >= 40, "{ctx}");
+    assert_eq!(n, clones, "{ctx}");
+    assert_eq!((younger, named), (n, n), "{ctx}");
+    // Nothing in the guest turned the tracepoint on, exotap included.
+    let enable =
+        common::result(&out, "fork.enable").or_else(|| common::result(&con, "fork.enable"));
+    assert_eq!(enable, Some("0"), "{ctx}");
+    assert_no_oops(&con);
 }
 
 /// Member chains and `@cast` on both paths; syscall-loop creates its 18-byte file

@@ -100,11 +100,44 @@ pub fn start_on(
     target: Option<&Target>,
     image: &KernelImage,
     heap: (u64, u64),
-    script: GuestScript,
+    mut script: GuestScript,
     mut plan: Plan,
     mode: CompileMode,
 ) -> anyhow::Result<JoinHandle<i32>> {
     let slide = session.survey.kaslr.slide;
+    // Tracepoints that cannot fire through their iterator in this guest are probed at their
+    // call sites (live::tracepoints): the plan is made again for those points.
+    if super::tracepoints::call_sites_where_off(&mut session, image, &mut script.prog)? > 0 {
+        match plan::plan(image, &script.prog, &script.limits)? {
+            Ok(again) => plan = again,
+            Err(constructs) => {
+                let why = describe(&constructs, &script.source.name, &script.source.text);
+                if mode == CompileMode::Require || mode == CompileMode::Check {
+                    bail!(
+                        "the script's kernel probes do not compile at the tracepoints' call \
+                         sites (--compile={}):\n{why}",
+                        if mode == CompileMode::Require {
+                            "require"
+                        } else {
+                            "check"
+                        }
+                    );
+                }
+                let Some(target) = target else {
+                    bail!(
+                        "the script's kernel probes do not compile at the tracepoints' call \
+                         sites, and this backend cannot run them on the host:\n{why}"
+                    );
+                };
+                tracing::warn!(
+                    "the script's kernel probes run on the host instead, one stop of the guest \
+                     per hit, because these do not compile:\n{why}"
+                );
+                session.detach()?;
+                return super::trap_script::start(target, image, heap, script);
+            }
+        }
+    }
     // A compiled tracepoint probe needs its tracepoint on...
     {
         let btf = image.btf().ok();

@@ -5,13 +5,139 @@
 //! calls every callback registered on it, but only with two or more: since Linux 5.10 a
 //! tracepoint with one callback calls it through a static call, past the iterator. Then the
 //! probe goes into that callback, guarded by its `data` (`tracepoint_callback`).
+//!
+//! # A tracepoint the guest has off: its call sites ([`call_sites_where_off`])
+//! SystemTap turns a tracepoint on by registering its probe as a callback inside the
+//! kernel. From outside, turning the static key on is not enough: `__DO_TRACE_CALL` calls
+//! the iterator only when `tracepoint.funcs` is not NULL, and a `funcs` array of exotap's in
+//! the patch heap would be the guest's to free (`release_probes`, `kfree` through RCU) the
+//! moment anything in the guest registers on the same tracepoint: a heap page handed to the
+//! page allocator, a crash later. So exotap leaves the guest's tracepoint state alone and
+//! probes where the tracepoint is called: `trace_NAME()` (and `trace_NAME_rcuidle()`) is a
+//! `static inline` wrapper, and each call is an inlined instance in the -dbg vmlinux's DWARF
+//! (`DW_TAG_inlined_subroutine`), whose entry pc runs once per call whether the key is on
+//! or off, with the tracepoint's arguments as the wrapper's parameters (named as in
+//! `TP_PROTO`, located by DWARF there). A probe on a tracepoint whose iterator path cannot
+//! serve (off, or on with a lone callback that cannot be told apart) becomes a probe on
+//! those instances, like `kernel.function("trace_NAME").inline`.
 
 use anyhow::{bail, Context as _};
 use exotap_introspect::btf::Btf;
 
+use crate::lang::check::Program;
+use crate::lang::point::{FunctionSite, PointKind};
+
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
 use super::traps::read_guest;
+
+/// Rewrites, in `prog`, each `kernel.trace` point on a tracepoint that the iterator path
+/// cannot serve in this guest (off, or with a lone callback that cannot be told apart:
+/// [`tracepoint_callback`]) into a probe on its call sites, the inlined instances of
+/// `trace_NAME` and `trace_NAME_rcuidle` (module note). A pattern (`sched_*`) is split into
+/// its tracepoints. Returns how many tracepoints moved to their call sites; where the -dbg
+/// vmlinux is not cached, or it records no call site, the point stays and the install says
+/// why it cannot fire.
+///
+/// # Errors
+/// The -dbg vmlinux cannot be read.
+pub(super) fn call_sites_where_off(
+    att: &mut GuestSession,
+    image: &KernelImage,
+    prog: &mut Program,
+) -> anyhow::Result<usize> {
+    let has_trace = prog.probes.iter().any(|p| {
+        p.points
+            .iter()
+            .any(|(_, k)| matches!(k, PointKind::KernelTrace { .. }))
+    });
+    if !has_trace {
+        return Ok(0);
+    }
+    let btf = image.btf().ok();
+    let lines = super::target_vars::source_lines(image);
+    let init = match (
+        image.symbols.get("_sinittext"),
+        image.symbols.get("_einittext"),
+    ) {
+        (Some(s), Some(e)) => s.addr..e.addr,
+        _ => 0..0,
+    };
+    // Per tracepoint: the wrappers with call sites, when the iterator cannot serve.
+    let mut decided: std::collections::HashMap<String, Vec<String>> =
+        std::collections::HashMap::new();
+    let mut moved = 0;
+    for probe in &mut prog.probes {
+        let mut points = Vec::with_capacity(probe.points.len());
+        for (point, kind) in std::mem::take(&mut probe.points) {
+            let PointKind::KernelTrace { name } = &kind else {
+                points.push((point, kind));
+                continue;
+            };
+            let mut names: Vec<String> = image
+                .symbols
+                .matching(&format!("{TRACEPOINT_ITERATOR}{name}"))
+                .into_iter()
+                .filter_map(|s| s.name.strip_prefix(TRACEPOINT_ITERATOR).map(str::to_owned))
+                .collect();
+            names.sort();
+            names.dedup();
+            let mut split = Vec::new();
+            let mut changed = false;
+            for t in names {
+                let wrappers = match decided.get(&t) {
+                    Some(w) => w.clone(),
+                    None => {
+                        let serves = tracepoint_enabled(att, image, btf, &t).unwrap_or(false)
+                            && tracepoint_callback(att, image, btf, &t).is_ok();
+                        let mut wrappers = Vec::new();
+                        if !serves {
+                            if let Some(lines) = &lines {
+                                for w in [format!("trace_{t}"), format!("trace_{t}_rcuidle")] {
+                                    let sites = lines.inlined(&w, "*")?;
+                                    let live = sites.iter().filter(|c| !init.contains(&c.entry));
+                                    let n = live.count();
+                                    if n > 0 {
+                                        tracing::info!(
+                                            "kernel.trace(\"{t}\") cannot fire through its \
+                                             iterator in this guest (off, or its one callback \
+                                             cannot be told apart): probing its {n} call \
+                                             sites (the inlined {w}) instead"
+                                        );
+                                        wrappers.push(w);
+                                    }
+                                }
+                            }
+                            if !wrappers.is_empty() {
+                                moved += 1;
+                            }
+                        }
+                        decided.insert(t.clone(), wrappers.clone());
+                        wrappers
+                    }
+                };
+                if wrappers.is_empty() {
+                    split.push(PointKind::KernelTrace { name: t });
+                } else {
+                    changed = true;
+                    split.extend(wrappers.into_iter().map(|w| PointKind::KernelFunction {
+                        pattern: w,
+                        file: None,
+                        line: None,
+                        site: FunctionSite::Inline,
+                    }));
+                }
+            }
+            if changed {
+                points.extend(split.into_iter().map(|k| (point.clone(), k)));
+            } else {
+                points.push((point, kind));
+            }
+        }
+        probe.points = points;
+    }
+    Ok(moved)
+}
 
 /// Fails, naming each one, unless the guest has every tracepoint in `names` on.
 ///
@@ -38,7 +164,8 @@ pub(super) fn tracepoints_on<'n>(
             "tracepoints call their probes only while something in the guest has them on, and \
              exotap does not turn a guest's tracepoint on by itself (that would run the guest's \
              tracing code): \n  {}\nor probe the function that fires the tracepoint with \
-             kernel.function",
+             kernel.function; with the kernel's -dbg vmlinux cached (exotap image fetch \
+             --debuginfo) exotap probes a tracepoint's call sites instead",
             off.join("\n  ")
         );
     }

@@ -70,10 +70,11 @@ pub fn start(
     target: &attach::Target,
     image: &KernelImage,
     heap: (u64, u64),
-    script: GuestScript,
+    mut script: GuestScript,
 ) -> anyhow::Result<JoinHandle<i32>> {
     // On an error, dropping the session detaches (QEMU drops the breakpoints set so far).
     let mut session = GuestSession::attach(target, image)?;
+    super::tracepoints::call_sites_where_off(&mut session, image, &mut script.prog)?;
     let plan = attach::map_patch_heap(
         &mut session.machine,
         &session.survey.clone(),
