@@ -17,7 +17,8 @@
 //! `callgraph.stp`, over `*@fs/proc*.c`) and [`ROTATING`] more, which rotate with the day.
 //! `EXOTAP_SOAK=all` runs every example in scope; `EXOTAP_SOAK=a,b` those whose path contains
 //! a or b; `EXOTAP_SOAK_REPEAT=N` runs each N times; `EXOTAP_STRESS_SEED=N` replays the
-//! moments at which a stress run ended (each run prints its seed).
+//! moments at which a stress run ended (each run prints its seed); `EXOTAP_SOAK_EVENTS=none`
+//! leaves every tracepoint of the guest off (the main test's guest turns some on).
 
 use super::*;
 

@@ -47,6 +47,9 @@ pub enum Location {
     Frame(i64),
     /// At a fixed address (`DW_OP_addr`).
     Address(u64),
+    /// A fixed (link-time) address is the value itself (`DW_OP_addr; DW_OP_stack_value`:
+    /// e.g. a `_RET_IP_`-like argument the compiler knew, a function's own address).
+    AddressValue(u64),
     /// A known constant.
     Const(i64),
     /// A DWARF expression exotap does not simplify, in text.
@@ -65,6 +68,7 @@ impl fmt::Display for Location {
             }
             Location::Frame(off) => write!(f, "frame_base{off:+}"),
             Location::Address(a) => write!(f, "{a:#x}"),
+            Location::AddressValue(a) => write!(f, "value {a:#x}"),
             Location::Const(v) => write!(f, "constant {v}"),
             Location::Expr(e) => write!(f, "{e}"),
             Location::OptimizedOut => write!(f, "<optimized out>"),
@@ -120,6 +124,7 @@ pub(crate) fn describe(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding
         },
         [Operation::FrameOffset { offset }] => Location::Frame(*offset),
         [Operation::Address { address }] => Location::Address(*address),
+        [Operation::Address { address }, Operation::StackValue] => Location::AddressValue(*address),
         [Operation::UnsignedConstant { value }, Operation::StackValue] => {
             Location::Const(*value as i64)
         }

@@ -48,6 +48,9 @@ pub enum Place {
     },
     /// A constant (`DW_AT_const_value`, `DW_OP_lit`/`constu; stack_value`).
     Const(i64),
+    /// A link-time address is the value (`DW_OP_addr; stack_value`): the live value is it
+    /// plus the KASLR slide.
+    Address(u64),
 }
 
 /// A target variable at one probe address: where it is and how to read it.
@@ -93,7 +96,8 @@ impl Locals {
 
 impl Local {
     /// The value read on the host: `reg` gives a DWARF register's value at the probe
-    /// address, `read` guest memory (address, length → bytes).
+    /// address, `read` guest memory (address, length → bytes), `slide` the kernel's KASLR
+    /// slide (for a link-time address that is the value).
     ///
     /// # Errors
     /// The address that could not be read.
@@ -101,9 +105,11 @@ impl Local {
         &self,
         reg: impl Fn(u16) -> u64,
         read: impl FnMut(u64, usize) -> Option<Vec<u8>>,
+        slide: u64,
     ) -> Result<i64, u64> {
         let raw = match self.place {
             Place::Const(v) => return Ok(v),
+            Place::Address(a) => a.wrapping_add(slide),
             Place::Register(r) => reg(r),
             Place::Computed { reg: r, add } => reg(r).wrapping_add(add as u64),
             Place::Memory { base, offset } => {
@@ -235,6 +241,7 @@ fn place(
         Location::Address(a) => Err(format!(
             "is a static variable at {a:#x} (read it with @var or kernel_long)"
         )),
+        Location::AddressValue(a) => Ok(Place::Address(*a)),
         Location::Value { base, offset } => Ok(Place::Computed {
             reg: gpr(*base)?,
             add: *offset,
@@ -265,16 +272,30 @@ mod tests {
         let none = |_: u64, _: usize| None;
 
         assert_eq!(
-            local(Place::Register(3), 4, true).value(regs, none),
+            local(Place::Register(3), 4, true).value(regs, none, 0),
             Ok(-16)
         );
         assert_eq!(
-            local(Place::Register(3), 4, false).value(regs, none),
+            local(Place::Register(3), 4, false).value(regs, none, 0),
             Ok(0xffff_fff0)
         );
         assert_eq!(
-            local(Place::Computed { reg: 3, add: 0x10 }, 8, false).value(regs, none),
+            local(Place::Computed { reg: 3, add: 0x10 }, 8, false).value(regs, none, 0),
             Ok(0xdead_bef0_0000_0000u64 as i64)
+        );
+    }
+
+    #[test]
+    fn a_link_time_address_that_is_the_value_is_slid() {
+        let regs = |_: u16| 0;
+        let none = |_: u64, _: usize| None;
+        assert_eq!(
+            place(&Location::AddressValue(0xffff_ffff_8100_0000), &None, None),
+            Ok(Place::Address(0xffff_ffff_8100_0000))
+        );
+        assert_eq!(
+            local(Place::Address(0xffff_ffff_8100_0000), 8, false).value(regs, none, 0x2a0_0000),
+            Ok(0xffff_ffff_83a0_0000u64 as i64)
         );
     }
 
@@ -292,7 +313,7 @@ mod tests {
                 2,
                 true
             )
-            .value(regs, memory),
+            .value(regs, memory, 0),
             Ok(-2)
         );
     }

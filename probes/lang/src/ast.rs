@@ -500,6 +500,21 @@ pub struct Expr {
     pub span: Span,
 }
 
+impl Expr {
+    /// `@defined(x)` or `!@defined(x)` as an `if`'s condition: the `@defined` expression,
+    /// and whether the test is negated. SystemTap decides such a branch at elaboration, so
+    /// the branch it drops is never resolved (`if (!@defined($t->m)) ... $var_elsewhere`).
+    pub fn defined_test(&self) -> Option<(&Expr, bool)> {
+        match &self.kind {
+            ExprKind::Defined(_) => Some((self, false)),
+            ExprKind::Unary(UnOp::Not, inner) if matches!(inner.kind, ExprKind::Defined(_)) => {
+                Some((inner, true))
+            }
+            _ => None,
+        }
+    }
+}
+
 /// A target variable: `$name`, `$name->a->b`, `$return`, `$$parms`; a kernel global
 /// `@var("name")` or `@var("name@file.c")` keeps its `@var(...)` text as its name.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -71,15 +71,15 @@ pub fn generated_syscalls(hand_written: &HashSet<String>) -> String {
         if NO_RETURN.contains(name) {
             text.push_str(&format!(
                 "probe syscall.{name} = kernel.function(\"__x64_sys_{name}\") ? {{\n\
-                 \tname = \"{name}\"\n\targ1 = $regs->di\n\targstr = sprintf(\"%d\", arg1)\n}}\n"
+                 \tname = \"{name}\"\n\targ1 = ulong_arg(1)\n\targstr = sprintf(\"%d\", arg1)\n}}\n"
             ));
             continue;
         }
         text.push_str(&format!(
             "probe syscall.{name} = kernel.function(\"__x64_sys_{name}\") ? {{\n\
              \tname = \"{name}\"\n\
-             \targ1 = $regs->di; arg2 = $regs->si; arg3 = $regs->dx\n\
-             \targ4 = $regs->r10; arg5 = $regs->r8; arg6 = $regs->r9\n\
+             \targ1 = ulong_arg(1); arg2 = ulong_arg(2); arg3 = ulong_arg(3)\n\
+             \targ4 = ulong_arg(4); arg5 = ulong_arg(5); arg6 = ulong_arg(6)\n\
              \targstr = sprintf(\"%#x, %#x, %#x, %#x, %#x, %#x\", arg1, arg2, arg3, arg4, arg5, arg6)\n\
              }}\n\
              probe syscall.{name}.return = kernel.function(\"__x64_sys_{name}\").return ? {{\n\

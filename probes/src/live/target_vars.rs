@@ -101,12 +101,12 @@ fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<Strin
     (plain(required), plain(optional))
 }
 
-/// Calls `f` on every expression inside an `if (@defined(...))` statement's condition and
-/// branches, at any depth of `stmts`.
+/// Calls `f` on every expression inside an `if (@defined(...))` (or `if (!@defined(...))`)
+/// statement's condition and branches, at any depth of `stmts`.
 fn guarded_branches<'p>(stmts: &'p [Stmt], f: &mut impl FnMut(&'p crate::lang::ast::Expr)) {
     for s in stmts {
         match &s.kind {
-            StmtKind::If(i) if matches!(i.cond.kind, ExprKind::Defined(_)) => {
+            StmtKind::If(i) if i.cond.defined_test().is_some() => {
                 walk::stmt_exprs(s, f);
             }
             StmtKind::Block(b) => guarded_branches(&b.stmts, f),
@@ -505,6 +505,27 @@ mod tests {
             let (addr, _, sym) = (f.next()?, f.next()?, f.next()?);
             (sym == name).then(|| u64::from_str_radix(addr, 16).ok())?
         })
+    }
+
+    /// A branch that `@defined` or `!@defined` decides reads its variables only where it is
+    /// kept (SystemTap elides the other at elaboration): they are optional, the rest required.
+    #[test]
+    fn reads_under_a_negated_defined_test_are_optional() {
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: r#"global x
+              probe kernel.function("vfs_read") {
+                if (!@defined($file->f_no_such_member)) x = $rq
+                if (@defined($pos)) x = $q else x = $r
+                x = $count
+              }"#
+            .into(),
+        };
+        let prog = check_script(&source, &Limits::default()).unwrap();
+        let (required, optional) = names_read(&prog, 0);
+        let names = |s: &[&str]| s.iter().map(|n| (*n).to_owned()).collect::<BTreeSet<_>>();
+        assert_eq!(required, names(&["count"]));
+        assert_eq!(optional, names(&["file", "pos", "q", "r", "rq"]));
     }
 
     fn globals(image: &KernelImage, text: &str) -> anyhow::Result<KernelGlobals> {

@@ -505,8 +505,9 @@ impl Gen<'_, '_> {
             StmtKind::Empty => Ok(()),
             StmtKind::Block(b) => self.block(b),
             StmtKind::Expr(e) => self.expr(e).map(|_| ()),
-            StmtKind::If(i) if matches!(i.cond.kind, ExprKind::Defined(_)) => {
-                if self.defined_here(&i.cond)? {
+            StmtKind::If(i) if i.cond.defined_test().is_some() => {
+                let (test, negated) = i.cond.defined_test().ok_or_else(|| self.no("@defined"))?;
+                if self.defined_here(test)? != negated {
                     self.stmt(&i.then)
                 } else if let Some(e) = &i.els {
                     self.stmt(e)
@@ -977,6 +978,12 @@ impl Gen<'_, '_> {
         };
         match local.place {
             Place::Const(v) => asm!(self, self.a.mov(rax, v))?,
+            Place::Address(a) => {
+                asm!(
+                    self,
+                    self.a.mov(rax, a.wrapping_add(self.env.facts.data_slide))
+                )?;
+            }
             Place::Register(reg) | Place::Computed { reg, .. } => {
                 load(self, reg)?;
                 if let Place::Computed { add, .. } = local.place {

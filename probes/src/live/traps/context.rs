@@ -123,7 +123,7 @@ impl LiveContext<'_> {
         const GPR: [usize; 16] = [0, 3, 2, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
         let reg = |r: u16| GPR.get(usize::from(r)).map_or(0, |i| self.regs.gpr[*i]);
         local
-            .value(reg, |at, len| self.read(at, len))
+            .value(reg, |at, len| self.read(at, len), self.survey.kaslr.slide)
             .map_err(|addr| {
                 format!(
                     "kernel read fault in a target variable: {}",
