@@ -45,6 +45,10 @@ pub enum Location {
     },
     /// At frame base + offset (`DW_OP_fbreg`).
     Frame(i64),
+    /// The low 32 bits of the word at frame base + offset are the value (`DW_OP_fbreg;
+    /// DW_OP_deref; DW_OP_const4u 0xffffffff; DW_OP_and; DW_OP_stack_value`: GCC's form for
+    /// a 32-bit variable kept in a 64-bit stack slot).
+    FrameLow32(i64),
     /// At a fixed address (`DW_OP_addr`).
     Address(u64),
     /// A fixed (link-time) address is the value itself (`DW_OP_addr; DW_OP_stack_value`:
@@ -69,6 +73,7 @@ impl fmt::Display for Location {
             Location::Frame(off) => write!(f, "frame_base{off:+}"),
             Location::Address(a) => write!(f, "{a:#x}"),
             Location::AddressValue(a) => write!(f, "value {a:#x}"),
+            Location::FrameLow32(o) => write!(f, "low 32 bits of frame{o:+}"),
             Location::Const(v) => write!(f, "constant {v}"),
             Location::Expr(e) => write!(f, "{e}"),
             Location::OptimizedOut => write!(f, "<optimized out>"),
@@ -123,6 +128,13 @@ pub(crate) fn describe(expr: gimli::Expression<R<'_>>, encoding: gimli::Encoding
             offset: *offset,
         },
         [Operation::FrameOffset { offset }] => Location::Frame(*offset),
+        [Operation::FrameOffset { offset }, Operation::Deref {
+            size, space: false, ..
+        }, Operation::UnsignedConstant { value: 0xffff_ffff }, Operation::And, Operation::StackValue]
+            if *size >= 4 =>
+        {
+            Location::FrameLow32(*offset)
+        }
         [Operation::Address { address }] => Location::Address(*address),
         [Operation::Address { address }, Operation::StackValue] => Location::AddressValue(*address),
         [Operation::UnsignedConstant { value }, Operation::StackValue] => {
@@ -786,6 +798,34 @@ mod tests {
         // At a function's first instruction the CFA is rsp + 8 (the return address).
         assert_eq!(info.cfa_at(f.low).unwrap(), Some((7, 8)));
         assert!(info.scope_at(0).unwrap().is_none());
+    }
+
+    /// GCC's two forms beyond the plain ones, from their bytes: a 32-bit value in a 64-bit
+    /// frame slot (fbreg -24; deref; const4u 0xffffffff; and; stack_value) and a link-time
+    /// address that is the value (addr A; stack_value).
+    #[test]
+    fn a_masked_frame_word_and_an_address_value_are_described() {
+        let encoding = gimli::Encoding {
+            format: gimli::Format::Dwarf32,
+            version: 5,
+            address_size: 8,
+        };
+        let expr = |bytes: &'static [u8]| -> gimli::Expression<R<'static>> {
+            gimli::Expression(gimli::EndianSlice::new(bytes, gimli::RunTimeEndian::Little))
+        };
+        const MASKED: [u8; 10] = [0x91, 0x68, 0x06, 0x0c, 0xff, 0xff, 0xff, 0xff, 0x1a, 0x9f];
+        assert_eq!(describe(expr(&MASKED), encoding), Location::FrameLow32(-24));
+        // Another mask is not the low 32 bits: left as an expression.
+        const OTHER: [u8; 10] = [0x91, 0x68, 0x06, 0x0c, 0xff, 0xff, 0x00, 0x00, 0x1a, 0x9f];
+        assert!(matches!(
+            describe(expr(&OTHER), encoding),
+            Location::Expr(_)
+        ));
+        const ADDRESS: [u8; 10] = [0x03, 0x10, 0x32, 0x54, 0x81, 0xff, 0xff, 0xff, 0xff, 0x9f];
+        assert_eq!(
+            describe(expr(&ADDRESS), encoding),
+            Location::AddressValue(0xffff_ffff_8154_3210)
+        );
     }
 
     #[test]

@@ -176,9 +176,15 @@ fn from_scope(info: &DebugInfo<'_>, scope: &ScopeAt, pc: u64, cfa: Option<(u16, 
             .and_then(|s| {
                 let place = place(&v.at_entry, &scope.frame_base, cfa)
                     .map_err(|why| format!("${} {why} at {pc:#x}", v.name))?;
+                // A value that is a word's low 32 bits is read as 4 bytes at most.
+                let size = if matches!(v.at_entry, Location::FrameLow32(_)) {
+                    s.size.min(4)
+                } else {
+                    s.size
+                };
                 Ok(Local {
                     place,
-                    size: s.size,
+                    size,
                     signed: s.signed,
                     pointee: s.pointee,
                     is_param: v.is_param,
@@ -221,6 +227,9 @@ fn place(
             offset: *offset,
         }),
         Location::Const(v) => Ok(Place::Const(*v)),
+        // Little-endian: the word's low 32 bits are the 4 bytes at its address (the caller
+        // reads at most 4, [`from_scope`]).
+        Location::FrameLow32(off) => place(&Location::Frame(*off), frame_base, cfa),
         Location::Frame(off) => match (frame_base, cfa) {
             (Some(FrameBase::Cfa), Some((reg, cfa_off))) => Ok(Place::Memory {
                 base: gpr(reg)?,

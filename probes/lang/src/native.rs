@@ -349,12 +349,6 @@ pub const NATIVE: &[Builtin] = &[
         ret: L,
         doc: "the NUMA node of a physical address",
     },
-    Builtin {
-        name: "task_rlimit_nofile",
-        params: &[L],
-        ret: L,
-        doc: "a task's limit on open files",
-    },
 ];
 
 /// Second signatures of built-ins SystemTap overloads by arity: the string readers with a
@@ -517,10 +511,6 @@ pub const UNAVAILABLE: &[(&str, &str)] = &[
     (
         "addr_to_node",
         "host-evaluated probes do not read the guest's NUMA layout yet",
-    ),
-    (
-        "task_rlimit_nofile",
-        "host-evaluated probes do not read the task's signal_struct limits yet",
     ),
     (
         "task_utime",
