@@ -24,7 +24,8 @@ use super::{DebugInfo, DieRef, DwarfError};
 
 const MAGIC: &[u8; 8] = b"EXOTAPIX";
 /// 3: an entry's `low` is its `DW_AT_entry_pc` when that lies inside its `low_pc..high_pc`.
-const VERSION: u32 = 3;
+/// 4: ... or inside one of its ranges; an entry pc in none of them gives the first range.
+const VERSION: u32 = 4;
 const RECORD: usize = 48;
 
 /// Errors of the on-disk index.

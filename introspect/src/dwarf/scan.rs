@@ -152,9 +152,12 @@ impl<'u, 'a> UnitScan<'u, 'a> {
             .entry_pc
             .and_then(|v| dwarf.attr_address(self.unit, v).ok().flatten());
         match entry {
-            // An entry pc inside a later range: report the range that holds it.
+            // An entry pc inside a later range: report the range that holds it. One in no
+            // range at all (GCC gives some instances the pc of caller code scheduled before
+            // them, where none of their variables is in scope): the first range, where the
+            // instance's own code begins.
             Some(pc) if !(first.begin <= pc && pc < first.end) => {
-                let mut found = (pc, pc);
+                let mut found = (first.begin, first.end);
                 while let Ok(Some(r)) = ranges.next() {
                     if r.begin <= pc && pc < r.end {
                         found = (pc, r.end);

@@ -507,6 +507,31 @@ mod tests {
         })
     }
 
+    /// Every call site of a tracepoint (an inlined `trace_NAME`) has the tracepoint's
+    /// arguments in scope at the pc it is probed at, those whose DWARF entry pc lies in
+    /// none of the instance's ranges included (two of `trace_block_rq_complete`'s four in
+    /// 6.1: caller code scheduled before it, where only the caller's variables are).
+    #[test]
+    fn each_tracepoint_call_site_has_the_tracepoint_arguments_in_scope() {
+        let Some(image) = kernel() else { return };
+        let lines = source_lines(&image).expect("the cached -dbg vmlinux opens");
+        let source = ScriptSource {
+            name: "t.stp".into(),
+            text: r#"global x
+              probe kernel.function("trace_block_rq_complete").inline { x = $rq + $nr_bytes }
+              probe kernel.function("trace_sched_switch").inline { x = $prev + $next }"#
+                .into(),
+        };
+        let prog = check_script(&source, &Limits::default()).unwrap();
+        let btf = image.btf().ok();
+        let resolver = KernelSymbols::new(&image.symbols, btf).with_lines(Some(&lines));
+        let resolved = resolve_program(&prog, &resolver).unwrap();
+        assert!(resolved.len() >= 3, "{resolved:?}");
+        let locals = point_locals(&image, &prog, &resolved)
+            .unwrap_or_else(|e| panic!("call sites without their arguments: {e:#}"));
+        assert_eq!(locals.len(), resolved.len());
+    }
+
     /// A branch that `@defined` or `!@defined` decides reads its variables only where it is
     /// kept (SystemTap elides the other at elaboration): they are optional, the rest required.
     #[test]
