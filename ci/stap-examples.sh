@@ -94,6 +94,26 @@ scope() {
         echo in
     fi
 }
+# suite FILE: "suite" when SystemTap's own test suite runs the example (it has a .meta file
+# with a test_check line: testsuite/systemtap.examples runs exactly those), "extra" otherwise
+# (the tutorial's scripts and tapset fragments, a template).
+suite() {
+    if [[ -f ${1%.stp}.meta ]] && grep -q '^test_check:' "${1%.stp}.meta"; then
+        echo suite
+    else
+        echo extra
+    fi
+}
+# modules FILE: "modules" when the example's probe points are in kernel modules (module("M")
+# points, or the nfs/nfsd tapsets, which SystemTap writes as module probes), "-" otherwise.
+modules() {
+    if grep -vE '^[[:space:]]*(#|//|\*)' "$1" |
+        grep -qE '(^|[^A-Za-z_.])module\("|(probe|,)[[:space:]]+nfsd?\.'; then
+        echo modules
+    else
+        echo -
+    fi
+}
 if [[ -z ${EXOTAP:-} ]]; then
     nice -n 10 cargo build --quiet --no-default-features --bin exotap >&2
     EXOTAP=$PWD/target/debug/exotap
@@ -227,7 +247,7 @@ for f in "${files[@]}"; do
         out_scope[$where]=$((out_scope[$where] + 1))
     fi
     ((list)) && printf '%s\tp%s\t%s\t%s\n' "${f#*/share/}" "$reached" "$where" "$err"
-    printf '%s\t%s\t%s\t%s\n' "${f#*/share/}" "$reached" "$where" "$err" >>"$tmp/rows"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "${f#*/share/}" "$reached" "$where" "$err" "$(suite "$f")" "$(modules "$f")" >>"$tmp/rows"
 done
 
 total=${#files[@]}
@@ -243,6 +263,14 @@ else
     in3=
 fi
 echo "in scope (no process.* probe points, no embedded C): ${in_scope[n]}; -p 1 ${in_scope[p1]}, -p 2 ${in_scope[p2]}$in3"
+# SystemTap's test suite's own population (the examples with a .meta test_check line), in
+# scope; and of those, the ones whose probe points are not in kernel modules.
+suite_line() {
+    awk -F'\t' -v mods="$1" '$3 == "in" && $5 == "suite" && (mods == "all" || $6 == "-") {
+        n++; if ($2 >= 2) p++ }
+        END { printf "%d of %d (%.1f%%)", p, n, n ? 100 * p / n : 0 }' "$tmp/rows"
+}
+echo "SystemTap's test suite's examples in scope (a .meta test_check line), pass -p 2: $(suite_line all); without module probes: $(suite_line none)"
 for p in 1 2 3; do
     ((p == 3 && !pass3)) && continue
     echo
@@ -284,7 +312,11 @@ fi
 if [[ -n $matrix ]]; then
     # Every example by its result: those in scope that pass -p 2, those that fail grouped by
     # their first error, and those out of scope. Generated, never edited by hand.
-    names() { cut -f1 | sed -E 's#^(systemtap/examples|doc/systemtap/examples)/##' | sed 's/.*/`&`/' | paste -sd, - | sed 's/,/, /g'; }
+    names() {
+        awk -F'\t' '{ n = $1; sub(/^(systemtap\/examples|doc\/systemtap\/examples)\//, "", n)
+            printf "%s`%s`%s", (NR > 1 ? ", " : ""), n, ($5 == "extra" ? " *(no .meta)*" : "") }
+            END { print "" }'
+    }
     {
         echo "# SystemTap's examples: what exotap makes of each"
         echo
@@ -295,6 +327,12 @@ if [[ -n $matrix ]]; then
         echo "In scope: no user-space probe points (\`process.*\`) and no embedded C."
         echo
         echo "In scope: ${in_scope[n]}; pass \`-p 2\`: ${in_scope[p2]} ($(((100 * ${in_scope[p2]} + ${in_scope[n]} / 2) / ${in_scope[n]}))%)."
+        echo
+        echo "SystemTap's own test suite runs the examples that have a \`.meta\` file with a"
+        echo "\`test_check:\` line; of those in scope, $(suite_line all) pass \`-p 2\`; without the"
+        echo "ones whose probe points are in kernel modules (\`module(\"M\")\`, the nfs and nfsd"
+        echo "tapsets), $(suite_line none). The others in scope (the tutorial's scripts, tapset"
+        echo "fragments, a template) are below with the rest, marked *(no .meta)*."
         echo
         echo "## In scope, pass -p 2 (${in_scope[p2]})"
         echo
