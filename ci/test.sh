@@ -17,8 +17,11 @@ cargo fmt --all --check
 ci/layers.sh
 cargo clippy --workspace --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
-# The benches build (they are run by hand: criterion, see docs/), so that they cannot rot.
-cargo build --workspace --locked --benches
+# The benches build (they are run by hand: criterion, see docs/), so that they cannot rot:
+# in the dev profile of the test build above, whose crates they reuse (the bench profile
+# would build the whole workspace and its dependencies again, optimised, for a check that only
+# needs their code to compile and link; `cargo bench` by hand builds them optimised).
+cargo build --workspace --locked --benches --profile dev
 # The documentation's examples (cargo-nextest below does not run doctests), when there are
 # any: rustdoc type-checks every library again to look for them (2.5 min for none).
 if ci/has-doctests.sh; then
