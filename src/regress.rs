@@ -22,6 +22,10 @@ pub enum Format {
     /// One JSON document: an array with an object per image (points, refusals by reason,
     /// build errors and divergences with their addresses), for a CI system to show.
     Json,
+    /// A JUnit XML report (what CI systems show as test results): a test suite per image,
+    /// a passing case per probe kind with its points checked, a failing case per divergence
+    /// and per build error, a skipped case per function left out.
+    Junit,
 }
 
 /// Arguments of `exotap regress`.
@@ -163,6 +167,7 @@ pub fn run(args: &RegressArgs) -> anyhow::Result<i32> {
             let doc: Vec<serde_json::Value> = reports.iter().map(report_json).collect();
             outln!("{}", serde_json::to_string_pretty(&doc)?);
         }
+        Format::Junit => outln!("{}", report_junit(&reports)?),
     }
     Ok(i32::from(failed))
 }
@@ -198,9 +203,118 @@ fn report_json(r: &Report) -> serde_json::Value {
     })
 }
 
+/// The reports as one JUnit XML document (`--format junit`): per image a `testsuite`, with a
+/// passing `testcase` per probe kind (splices, traps) naming the points it checked, a failing
+/// one per divergence (its points, function and what differed) and per build error, and a
+/// skipped one per function the sweep left out.
+fn report_junit(reports: &[Report]) -> anyhow::Result<String> {
+    use quick_xml::events::{BytesDecl, BytesEnd, BytesStart, Event};
+    let mut w = quick_xml::Writer::new_with_indent(Vec::new(), b' ', 2);
+    w.write_event(Event::Decl(BytesDecl::new("1.0", Some("UTF-8"), None)))?;
+    let count = |r: &Report| 2 + r.divergences.len() + r.build_errors.len() + r.skipped.len();
+    let failures = |r: &Report| r.divergences.len() + r.build_errors.len();
+    let mut all = BytesStart::new("testsuites");
+    all.push_attribute(("name", "exotap regress"));
+    all.push_attribute((
+        "tests",
+        reports
+            .iter()
+            .map(count)
+            .sum::<usize>()
+            .to_string()
+            .as_str(),
+    ));
+    all.push_attribute((
+        "failures",
+        reports
+            .iter()
+            .map(failures)
+            .sum::<usize>()
+            .to_string()
+            .as_str(),
+    ));
+    w.write_event(Event::Start(all))?;
+    for r in reports {
+        let mut suite = BytesStart::new("testsuite");
+        suite.push_attribute(("name", r.image.as_str()));
+        suite.push_attribute(("tests", count(r).to_string().as_str()));
+        suite.push_attribute(("failures", failures(r).to_string().as_str()));
+        suite.push_attribute(("skipped", r.skipped.len().to_string().as_str()));
+        suite.push_attribute(("time", format!("{:.3}", r.elapsed.as_secs_f64()).as_str()));
+        w.write_event(Event::Start(suite))?;
+        let case = |w: &mut quick_xml::Writer<Vec<u8>>,
+                    class: &str,
+                    name: &str,
+                    inner: Option<(&str, &str)>|
+         -> anyhow::Result<()> {
+            let mut c = BytesStart::new("testcase");
+            c.push_attribute(("classname", class));
+            c.push_attribute(("name", name));
+            match inner {
+                None => w.write_event(Event::Empty(c))?,
+                Some((tag, message)) => {
+                    w.write_event(Event::Start(c))?;
+                    let mut f = BytesStart::new(tag);
+                    f.push_attribute(("message", message));
+                    w.write_event(Event::Empty(f))?;
+                    w.write_event(Event::End(BytesEnd::new("testcase")))?;
+                }
+            }
+            Ok(())
+        };
+        let image = r.image.as_str();
+        case(
+            &mut w,
+            image,
+            &format!(
+                "splices: {} points accepted, {} checked against the reference",
+                r.splice_points, r.splices_checked
+            ),
+            None,
+        )?;
+        case(
+            &mut w,
+            image,
+            &format!(
+                "traps: {} points accepted, {} checked against the reference",
+                r.trap_points, r.traps_checked
+            ),
+            None,
+        )?;
+        for d in &r.divergences {
+            let points: Vec<String> = d.points.iter().map(|p| format!("{p:#x}")).collect();
+            case(
+                &mut w,
+                &format!("{image}.divergence"),
+                &format!("{} at {} in {}", d.kind, points.join(" "), d.function),
+                Some(("failure", &d.what)),
+            )?;
+        }
+        for (at, why) in &r.build_errors {
+            case(
+                &mut w,
+                &format!("{image}.build"),
+                &format!("probe code for {at:#x}"),
+                Some(("failure", why)),
+            )?;
+        }
+        for what in &r.skipped {
+            case(
+                &mut w,
+                &format!("{image}.skipped"),
+                what,
+                Some(("skipped", what)),
+            )?;
+        }
+        w.write_event(Event::End(BytesEnd::new("testsuite")))?;
+    }
+    w.write_event(Event::End(BytesEnd::new("testsuites")))?;
+    Ok(String::from_utf8(w.into_inner())?)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::report_json;
+    use super::{report_json, report_junit};
     use exotap_regress::{Divergence, ProbeKind, Report};
 
     #[test]
@@ -228,5 +342,70 @@ mod tests {
         assert_eq!(j["divergences"][0]["kind"], "trap");
         assert_eq!(j["divergences"][0]["points"][1], "0xffffffff81000014");
         assert_eq!(j["divergences"][0]["what"], "rax 1 != 2");
+    }
+
+    /// The JUnit report, read back with an XML parser: a suite per image, its counts, the
+    /// failing case of each divergence and build error with its message (escaped), and the
+    /// passing cases of the probe kinds.
+    #[test]
+    fn the_junit_report_has_a_failing_case_per_divergence_and_build_error() {
+        let mut r = Report {
+            image: "mini <x86>".into(),
+            splice_points: 6,
+            splices_checked: 6,
+            trap_points: 3,
+            traps_checked: 3,
+            ..Report::default()
+        };
+        r.build_errors.push((0x1000, "no room".into()));
+        r.divergences.push(Divergence {
+            points: vec![0xffff_ffff_8100_0010],
+            function: "f".into(),
+            kind: ProbeKind::Splice,
+            what: "rax 1 != 2 & \"more\"".into(),
+        });
+        r.skipped.push("g: its call does not return".into());
+        let ok = Report {
+            image: "sparc".into(),
+            ..Report::default()
+        };
+        let xml = report_junit(&[r, ok]).unwrap();
+        let mut reader = quick_xml::Reader::from_str(&xml);
+        let mut suites = Vec::new();
+        let mut failures = Vec::new();
+        let mut cases = 0;
+        loop {
+            match reader.read_event().unwrap() {
+                quick_xml::events::Event::Eof => break,
+                quick_xml::events::Event::Start(e) | quick_xml::events::Event::Empty(e) => {
+                    let attr = |k: &str| {
+                        e.try_get_attribute(k)
+                            .unwrap()
+                            .map(|a| a.unescape_value().unwrap().into_owned())
+                    };
+                    match e.name().as_ref() {
+                        b"testsuite" => suites.push((
+                            attr("name").unwrap(),
+                            attr("tests").unwrap(),
+                            attr("failures").unwrap(),
+                            attr("skipped").unwrap(),
+                        )),
+                        b"testcase" => cases += 1,
+                        b"failure" => failures.push(attr("message").unwrap()),
+                        _ => {}
+                    }
+                }
+                _ => {}
+            }
+        }
+        let s = |a: &str, b: &str, c: &str, d: &str| {
+            (a.to_owned(), b.to_owned(), c.to_owned(), d.to_owned())
+        };
+        assert_eq!(
+            suites,
+            [s("mini <x86>", "5", "2", "1"), s("sparc", "2", "0", "0")]
+        );
+        assert_eq!(cases, 7);
+        assert_eq!(failures, ["rax 1 != 2 & \"more\"", "no room"]);
     }
 }
