@@ -232,9 +232,21 @@ impl PhaseHook for ScriptHook {
             }
             return Ok(());
         }
-        let Some(script) = self.script.take().filter(|_| phase == "attach") else {
+        // `attach.PID` (a `-c CMD` job, [`command_job`]): the process that is about to exec
+        // the command, whose pid target() answers.
+        let pid = phase
+            .strip_prefix("attach.")
+            .and_then(|p| p.parse::<i64>().ok());
+        let Some(mut script) = self
+            .script
+            .take()
+            .filter(|_| phase == "attach" || pid.is_some())
+        else {
             return Ok(());
         };
+        if let Some(pid) = pid {
+            script.prog.target_pid = pid;
+        }
         self.stop = Some(script.stop.clone());
         let started =
             compiled::start_script(&self.target, &self.image, self.heap, script, self.compile);
@@ -247,6 +259,95 @@ impl PhaseHook for ScriptHook {
                 phase: phase.to_owned(),
                 message: format!("{e:#}"),
             }),
+        }
+    }
+}
+
+/// The job of `exotap -c CMD SCRIPT` (stap's `-c`): a child reports its pid at the `attach`
+/// wait (`attach.PID`, where the host starts the script with target() = PID), then execs
+/// `sh -c CMD`, keeping that pid; the job waits for it and then at `detach`, where the host
+/// ends the script (end probes, removal) before the guest powers off.
+pub(crate) fn command_job(command: &str) -> GuestJob {
+    let quoted = command.replace('\'', r"'\''");
+    GuestJob::from_script(format!(
+        "( read -r pid _ < /proc/self/stat; exotap_wait \"attach.$pid\"; exec sh -c '{quoted}' )\n\
+         rc=$?\n\
+         exotap_wait detach\n\
+         exit $rc\n"
+    ))
+}
+
+/// `exotap -c CMD SCRIPT` without `--target` (stap's `-c`): boots the guest kernel `image`
+/// names under QEMU with CMD as its job, runs `script` from just before CMD starts (target()
+/// = CMD's pid) until CMD exits, and returns the script's exit code (125 when the guest
+/// failed). The guest's console goes to a file, named when the guest fails.
+///
+/// # Errors
+/// When the kernel cannot be fetched, or QEMU cannot start.
+pub(crate) fn run_with_command(
+    image: &crate::kernel_image::ImageArgs,
+    script: GuestScript,
+    command: &str,
+    compile: CompileMode,
+) -> anyhow::Result<i32> {
+    let bzimage = image.bzimage_path()?;
+    let work = tempfile::Builder::new()
+        .prefix("exotap-c-")
+        .tempdir()
+        .context("cannot create a working directory")?;
+    let initrd = work.path().join("initramfs.cpio.gz");
+    images::write_initramfs(&command_job(command), &initrd)
+        .context("cannot build the initramfs")?;
+    let mut config = QemuConfig::new(bzimage, initrd)?;
+    config.accel = pick_accel(AccelChoice::Auto)?;
+    config.patch_heap = PatchHeapRange::place(config.memory_mib << 20, 64 << 20)?;
+    let ram = crate::verbs::guest_ram();
+    if let Some(ram) = &ram {
+        config.shared_ram = Some(ram.path());
+    }
+    let gdb_socket = work.path().join("gdb.sock");
+    config.gdbstub = Some(format!("unix:{},server=on,wait=off", gdb_socket.display()));
+    config.attach_point = true;
+    config.attach_in_job = true;
+    let console_path = work.path().join("console.log");
+    let mut console = File::create(&console_path)
+        .with_context(|| format!("cannot create {}", console_path.display()))?;
+    let mut target = Target::new(format!("unix:{}", gdb_socket.display()));
+    target.shm.clone_from(&config.shared_ram);
+    let mut hook = ScriptHook {
+        target,
+        image: KernelImage::load(config.kernel.clone())?,
+        heap: (config.patch_heap.base, config.patch_heap.size),
+        script: Some(script),
+        compile,
+        tracer: None,
+        stop: None,
+        rc: None,
+    };
+    // The command runs as long as it runs: a day at most, as a bound on a guest that hangs.
+    let timeouts = Timeouts {
+        boot: Duration::from_secs(120),
+        total: Duration::from_secs(24 * 3600),
+    };
+    let outcome = qemu::run(&config, work.path(), timeouts, &mut console, &mut hook);
+    let script_rc = match hook.tracer.take() {
+        Some(tracer) => tracer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the tracer thread panicked"))?,
+        None => hook.rc.unwrap_or(0),
+    };
+    drop(console);
+    match outcome {
+        Ok(outcome) => {
+            tracing::info!("-c {command:?} exited with {}", outcome.rc);
+            Ok(script_rc)
+        }
+        Err(e) => {
+            let text = std::fs::read_to_string(&console_path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = lines[lines.len().saturating_sub(30)..].join("\n");
+            eprintln!("exotap: the guest running -c {command:?} failed: {e}\nits console's last lines:\n{tail}");
+            Ok(125)
         }
     }
 }

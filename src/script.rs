@@ -204,8 +204,9 @@ pub struct ScriptOptions {
     /// why).
     #[arg(long, value_enum, default_value_t = CompileArg::Auto)]
     pub compile: CompileArg,
-    /// stap's -c CMD (run CMD, end the script when it exits, target() = its pid): not
-    /// supported yet; the error says what to run instead.
+    /// stap's -c CMD: boot the guest kernel (--kernel/--bzimage) with CMD as its job, run the
+    /// script from just before CMD starts until it exits, target() = CMD's pid. Not with
+    /// --target (exotap cannot start a command inside a running guest: use -x PID there).
     #[arg(short = 'c', value_name = "CMD")]
     pub command: Option<String>,
     /// End the script after SECONDS, as Ctrl-C would (its end probes run), as stap's -T.
@@ -378,6 +379,56 @@ fn run_attached(
         .map_err(|_| anyhow::anyhow!("the tracer thread panicked"))
 }
 
+/// `-c CMD` without `--target` (stap's `-c`): the script runs in a guest booted to run CMD,
+/// from just before CMD starts until it exits, with target() = CMD's pid
+/// ([`crate::boot::run_with_command`]).
+fn run_command(
+    source: ScriptSource,
+    command: &str,
+    args: &ScriptOptions,
+    invocation: &Invocation,
+    limits: Limits,
+    format: Format,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<i32> {
+    let color = std::io::stderr().is_terminal();
+    if invocation.target_pid.is_some() {
+        bail!("-c CMD and -x PID both name target(): give one");
+    }
+    let prog = match compile_with(&source, &limits, invocation) {
+        Ok(prog) => prog,
+        Err(diags) => {
+            for d in &diags {
+                eprint!("{}", d.render(&source.name, &source.text, color));
+            }
+            return Ok(1);
+        }
+    };
+    if !invocation.no_warnings {
+        for d in &prog.warnings {
+            eprint!("{}", d.render(&source.name, &source.text, color));
+        }
+    }
+    let out: Box<dyn Write + Send> = match &args.output {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    let script = exotap_probes::live::trap_script::GuestScript {
+        source,
+        prog,
+        limits,
+        format,
+        out,
+        err: Box::new(std::io::stderr()),
+        stop,
+        compare_kprobes: args.compare_kprobes,
+    };
+    crate::boot::run_with_command(&args.image, script, command, args.compile.into())
+}
+
 impl ScriptOptions {
     /// Whether any script option was given (so `exotap` without a subcommand has work).
     pub fn any(&self) -> bool {
@@ -448,10 +499,11 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
         }
         (None, None) => bail!("give a script FILE, -e SCRIPT, -l PATTERN or -L PATTERN"),
     };
-    if let Some(command) = &args.command {
+    if let (Some(command), Some(_)) = (&args.command, &args.target) {
         bail!(
-            "-c {command:?}: exotap cannot start a command inside a running guest yet; boot one \
-             that runs it with the script instead: exotap boot --run {command:?} --script FILE"
+            "-c {command:?} with --target: exotap cannot start a command inside a guest that is \
+             already running; run it there and pass its pid with -x PID, or leave out --target \
+             and exotap boots a guest that runs it"
         );
     }
     let limits = limits_from(&args.define)?;
@@ -537,6 +589,10 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
     if let (Some(target), None | Some(5)) = (&args.target, args.pass) {
         drop(out);
         return run_attached(source, target, args, &invocation, limits, format, stop);
+    }
+    if let (Some(command), None | Some(5)) = (&args.command, args.pass) {
+        drop(out);
+        return run_command(source, command, args, &invocation, limits, format, stop);
     }
     let job = Job {
         source,

@@ -223,13 +223,50 @@ fn stap_options_without_an_effect_here_are_accepted() {
     );
 }
 
-/// stap's `-c CMD` is refused by name, with what to run instead; nothing runs.
+/// stap's `-c CMD` with `--target`: refused (exotap cannot start a command inside a guest
+/// that is already running), saying what to do instead; nothing runs.
 #[test]
-fn dash_c_is_refused_with_the_boot_command_to_use() {
-    let (code, out, err) = run(exotap().args(["-c", "ls", "-e", "probe begin { println(1) }"]));
+fn dash_c_with_a_running_guest_is_refused_with_what_to_do() {
+    let (code, out, err) = run(exotap().args([
+        "-c",
+        "ls",
+        "--target",
+        "unix:/nonexistent/gdb.sock",
+        "-e",
+        "probe begin { println(1) }",
+    ]));
     assert_eq!((code, out.as_str()), (125, ""), "stderr:\n{err}");
     assert!(
-        err.contains("-c \"ls\"") && err.contains("exotap boot --run"),
+        err.contains("-c \"ls\" with --target") && err.contains("-x PID"),
         "{err}"
+    );
+}
+
+/// stap's `-c CMD`: exotap boots the guest with CMD as its job, the script runs from before
+/// CMD starts until it exits, and target() is CMD's pid: syscall-loop's 100 getppid calls
+/// (exactly COUNT, guest-images/workloads/syscall-loop.c) are all the target's.
+#[test]
+fn dash_c_runs_the_command_in_a_booted_guest_with_target_its_pid() {
+    if !common::have_qemu("dash_c_runs_the_command_in_a_booted_guest_with_target_its_pid") {
+        return;
+    }
+    let (code, out, err) = run(exotap().args([
+        "-c",
+        "syscall-loop 100",
+        "-e",
+        r#"global mine, other
+           probe kernel.syscall("getppid") {
+             if (execname() == "syscall-loop") { if (pid() == target()) mine++; else other++ }
+           }
+           probe end { printf("getppid by the target %d, by other syscall-loops %d (%d)\n",
+                              mine, other, target() > 1) }"#,
+    ]));
+    assert_eq!(
+        (code, out.as_str()),
+        (
+            0,
+            "getppid by the target 100, by other syscall-loops 0 (1)\n"
+        ),
+        "stderr:\n{err}"
     );
 }
