@@ -1,9 +1,9 @@
 //! The kvm backend, verified through nested KVM: this host's `/dev/kvm` is kvm_pvm (no
 //! VMX/SVM), so the test boots the Debian guest under QEMU TCG with `-cpu max,+svm`, loads
-//! irqbypass, kvm and kvm-amd from the same kernel package in that guest, and runs a static
-//! exotap there that boots the same kernel under KVM (exotap's own VMM) with the syscall
+//! irqbypass, kvm and kvm-amd from the same kernel package in that guest, and runs this test
+//! build's exotap there (stripped, with its loader and shared libraries) that boots the same kernel under KVM (exotap's own VMM) with the syscall
 //! workload and splices a counter at `__x64_sys_getpid`'s entry (`--count-entry`; no traps).
-//! Then the same static exotap drives the live engine on its VMM (`--backend kvm`): `count`
+//! Then the same exotap drives the live engine on its VMM (`--backend kvm`): `count`
 //! (the counter equals the workload's calls, 0 vCPU pauses between install and removal),
 //! `nullify` (getppid returns the value, then the real parent's pid), a compiled script
 //! with a map, a histogram and streamed records on `boot --script`, `time`, `replace`,
@@ -15,10 +15,10 @@
 //! The outer guest prints the inner guest's console with `EXOTAP-` renamed `inner:` so that
 //! the outer run's own protocol is not confused.
 //!
-//! It needs the static exotap and several minutes (276-482 s measured on 2 shared cores):
-//! `ci/nested/run.sh`, or `EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture` after
-//! `ci/nested/build-static.sh` (ci/test.sh does both). Without `EXOTAP_NESTED` it prints
-//! `SKIP: <reason>`.
+//! It takes several minutes (276-482 s measured on 2 shared cores): `ci/nested/run.sh`, or
+//! `EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture` (ci/test.sh sets it).
+//! `EXOTAP_STATIC_BIN` runs another exotap there (ci/nested/build-static.sh makes a static
+//! release one). Without `EXOTAP_NESTED` it prints `SKIP: <reason>`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -37,8 +37,6 @@ use exotap_vmm::qemu::{self, PhaseHook, QemuConfig, QemuError, Timeouts};
 const CALLS: u32 = 20000;
 /// The variable that enables the test.
 const ENABLE: &str = "EXOTAP_NESTED";
-/// Where ci/nested/build-static.sh leaves the static exotap (override with EXOTAP_STATIC_BIN).
-const STATIC_BIN: &str = "target/nested/exotap";
 
 /// The inner guest's job: wait for the splice, run the workload, wait for the unsplice.
 fn inner_job() -> GuestJob {
@@ -383,10 +381,58 @@ fn tagged<'a>(console: &'a str, tag: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// The exotap the outer guest runs: `EXOTAP_STATIC_BIN`, else this test build's own (its
+/// shared libraries go into the outer guest with it, [`shared_libraries`]).
 fn static_exotap() -> PathBuf {
     std::env::var_os("EXOTAP_STATIC_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(STATIC_BIN))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_exotap")))
+}
+
+/// `exotap` without its symbols and debug information (`strip`, from binutils, which the
+/// gcc that builds the workloads brings): the outer guest holds it in its RAM.
+fn stripped(exotap: &std::path::Path, dir: &std::path::Path) -> Vec<u8> {
+    let out = dir.join("exotap.stripped");
+    let status = std::process::Command::new("strip")
+        .arg("-o")
+        .arg(&out)
+        .arg(exotap)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run strip: {e}"));
+    assert!(
+        status.success(),
+        "strip {} failed: {status}",
+        exotap.display()
+    );
+    std::fs::read(&out).unwrap()
+}
+
+/// The program interpreter and the shared libraries `exotap` loads, as this host resolves
+/// them (`ldd`); none for a static binary.
+fn shared_libraries(exotap: &std::path::Path) -> Vec<PathBuf> {
+    let out = std::process::Command::new("ldd")
+        .arg(exotap)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run ldd: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || text.contains("not a dynamic executable") {
+        return Vec::new();
+    }
+    // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)`, `/lib64/ld-linux-x86-64.so.2 (0x...)`.
+    let libs: Vec<PathBuf> = text
+        .lines()
+        .filter_map(|l| {
+            let path = l.split("=>").last()?.split_whitespace().next()?;
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect();
+    assert!(
+        libs.iter()
+            .any(|l| l.to_string_lossy().contains("ld-linux")),
+        "ldd names no program interpreter for {}:\n{text}",
+        exotap.display()
+    );
+    libs
 }
 
 /// The value after `prefix` on the first console line that has it.
@@ -416,7 +462,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     if std::env::var_os(ENABLE).is_none() {
         eprintln!(
             "SKIP: the nested KVM harness takes minutes; run ci/nested/run.sh \
-             (or set {ENABLE}=1 after ci/nested/build-static.sh)"
+             (or set {ENABLE}=1)"
         );
         return;
     }
@@ -426,7 +472,7 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     let exotap = static_exotap();
     assert!(
         exotap.exists(),
-        "{} is missing: build it with ci/nested/build-static.sh",
+        "{} is missing (EXOTAP_STATIC_BIN, or the test build's exotap)",
         exotap.display()
     );
     let inner_cpus: u32 = std::env::var("EXOTAP_NESTED_CPUS")
@@ -508,8 +554,23 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     .unwrap();
     fs.file("kvm/count.stp", 0o644, SCRIPT.as_bytes().to_vec())
         .unwrap();
-    fs.file("bin/exotap", 0o755, std::fs::read(&exotap).unwrap())
+    fs.file("bin/exotap", 0o755, stripped(&exotap, dir.path()))
         .unwrap();
+    // A dynamically linked exotap (the test build's own) brings its loader and libraries,
+    // at the paths it names them by.
+    for lib in shared_libraries(&exotap) {
+        let at = lib.to_str().unwrap().trim_start_matches('/').to_owned();
+        let mut parent = String::new();
+        for part in at.split('/').collect::<Vec<_>>().split_last().unwrap().1 {
+            parent = if parent.is_empty() {
+                (*part).to_owned()
+            } else {
+                format!("{parent}/{part}")
+            };
+            let _ = fs.dir(&parent, 0o755);
+        }
+        fs.file(&at, 0o755, std::fs::read(&lib).unwrap()).unwrap();
+    }
     let outer = dir.path().join("outer.cpio.gz");
     fs.write_gz(std::fs::File::create(&outer).unwrap()).unwrap();
 

@@ -5,7 +5,8 @@
 #   EXOTAP_NESTED_CPUS=N   inner guest vCPUs (default 2)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ci/nested/build-static.sh
+# The test build's exotap goes into the outer guest with its shared libraries; set
+# EXOTAP_STATIC_BIN=target/nested/exotap after ci/nested/build-static.sh for a static release one.
 start=$(date +%s)
 EXOTAP_NESTED=1 cargo test --test kvm_nested -- --nocapture
 echo "nested harness: $(( $(date +%s) - start )) s (build excluded)"
