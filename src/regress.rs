@@ -379,9 +379,11 @@ mod tests {
                 quick_xml::events::Event::Eof => break,
                 quick_xml::events::Event::Start(e) | quick_xml::events::Event::Empty(e) => {
                     let attr = |k: &str| {
-                        e.try_get_attribute(k)
-                            .unwrap()
-                            .map(|a| a.unescape_value().unwrap().into_owned())
+                        e.try_get_attribute(k).unwrap().map(|a| {
+                            a.normalized_value(quick_xml::XmlVersion::Explicit1_0)
+                                .unwrap()
+                                .into_owned()
+                        })
                     };
                     match e.name().as_ref() {
                         b"testsuite" => suites.push((

@@ -45,6 +45,9 @@ pub struct Session<'p> {
     file: String,
     source: String,
     errors: usize,
+    /// The context begin, end and error probes run in ([`host_context`] unless a backend
+    /// gave one with [`Session::set_host_context`]).
+    host: Option<Box<dyn Context>>,
 }
 
 impl std::fmt::Debug for Session<'_> {
@@ -64,7 +67,14 @@ impl<'p> Session<'p> {
             file: file.to_string(),
             source: source.to_string(),
             errors: 0,
+            host: None,
         }
+    }
+
+    /// The context begin, end and error probes run in from now on: a live backend's knows
+    /// the guest kernel's types.
+    pub fn set_host_context(&mut self, ctx: Box<dyn Context>) {
+        self.host = Some(ctx);
     }
 
     /// Whether the session should stop (`exit()` was called, an error happened, or the
@@ -265,7 +275,15 @@ impl<'p> Session<'p> {
 
     /// Runs the begin probes in order, until `exit()` or an error.
     pub fn begin(&mut self) {
-        let ctx = host_context();
+        let host = self.host.take();
+        let default;
+        let ctx: &dyn Context = match &host {
+            Some(h) => h.as_ref(),
+            None => {
+                default = host_context();
+                &default
+            }
+        };
         for (_, i, pt) in self.points(|k| {
             if let PointKind::Begin(n) = k {
                 Some(*n)
@@ -276,8 +294,9 @@ impl<'p> Session<'p> {
             if self.stopping() {
                 break;
             }
-            self.fire(i, &pt, &ctx);
+            self.fire(i, &pt, ctx);
         }
+        self.host = host;
     }
 
     /// Makes `gettimeofday_*()` read the target's clock: the host's plus `ns`
@@ -306,7 +325,15 @@ impl<'p> Session<'p> {
             let _ = self.interp.out.flush();
             return OUTPUT_CLOSED_EXIT;
         }
-        let ctx = host_context();
+        let host = self.host.take();
+        let default;
+        let ctx: &dyn Context = match &host {
+            Some(h) => h.as_ref(),
+            None => {
+                default = host_context();
+                &default
+            }
+        };
         let failed = self.errors > 0;
         let pick: fn(&PointKind) -> Option<i64> = if failed {
             |k| {
@@ -326,7 +353,7 @@ impl<'p> Session<'p> {
             }
         };
         for (_, i, pt) in self.points(pick) {
-            self.fire(i, &pt, &ctx);
+            self.fire(i, &pt, ctx);
         }
         if self.interp.out.closed() {
             return OUTPUT_CLOSED_EXIT;

@@ -33,7 +33,7 @@ use crate::compile::{
 };
 use crate::lang::check::Program;
 use crate::lang::output::Output;
-use crate::lang::runtime::{host_context, host_timers, Session};
+use crate::lang::runtime::{host_timers, Session};
 use crate::lang::Limits;
 
 use super::attach::Target;
@@ -566,6 +566,10 @@ fn run(
         Output::new(format, Box::new(out), Box::new(err.clone()))
     };
     let mut session = Session::new(&prog, limits.clone(), output, &source.name, &source.text);
+    // Begin, end and timer probes lay out `@cast` chains with the kernel's types.
+    session.set_host_context(Box::new(super::host_context::HostContext::new(
+        facts.types.clone(),
+    )));
     let namer = || match &stacks {
         Some(stacks) => stacks.symbol_lookup(),
         None => super::stacks::symbol_lookup(symbols.clone()),
@@ -617,7 +621,7 @@ fn run(
         .iter()
         .map(|t| crate::lang::walk::probe_writes_globals(&prog, t.0))
         .collect();
-    let host = host_context();
+    let host = super::host_context::HostContext::new(facts.types.clone());
     // The script's procfs files, served by the host: each access is answered like a timer
     // that writes the globals (a stop, the compiled data pulled in, written back after).
     let files = match crate::lang::runtime::serve_procfs(&prog) {

@@ -62,6 +62,7 @@ mod check;
 pub mod compiled;
 pub mod drainer;
 pub mod guest_memory;
+mod host_context;
 pub mod jit;
 pub use crate::kernel_image;
 pub mod modules;

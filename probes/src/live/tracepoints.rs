@@ -6,7 +6,7 @@
 //! tracepoint with one callback calls it through a static call, past the iterator. Then the
 //! probe goes into that callback, guarded by its `data` (`tracepoint_callback`).
 //!
-//! # A tracepoint the guest has off: its call sites ([`call_sites_where_off`])
+//! # A tracepoint the guest has off: its call sites
 //! SystemTap turns a tracepoint on by registering its probe as a callback inside the
 //! kernel. From outside, turning the static key on is not enough: `__DO_TRACE_CALL` calls
 //! the iterator only when `tracepoint.funcs` is not NULL, and a `funcs` array of exotap's in

@@ -17,7 +17,7 @@ use exotap_vmm::control::{Machine, StopEvent};
 use crate::lang::check::Program;
 use crate::lang::driver::ScriptSource;
 use crate::lang::output::{Format, Output};
-use crate::lang::runtime::{host_context, host_timers, Session};
+use crate::lang::runtime::{host_timers, Session};
 use crate::lang::Limits;
 
 use super::attach;
@@ -194,9 +194,14 @@ impl Tracer {
         if let Some(clock) = &self.clock_offset {
             clock.apply(&mut session);
         }
+        // Begin, end and timer probes lay out `@cast` chains with the kernel's types.
+        let types = self.traps.kernel_types();
+        session.set_host_context(Box::new(super::host_context::HostContext::new(
+            types.clone(),
+        )));
         session.begin();
         let mut timers = host_timers(&prog, Instant::now());
-        let host = host_context();
+        let host = super::host_context::HostContext::new(types);
         let mut hits = 0u64;
         let mut gone = false;
         // Read with the guest still paused after arming, as at the end after disarming:

@@ -761,6 +761,14 @@ impl Traps {
             .map(super::stacks::KernelStacks::symbol_lookup)
     }
 
+    /// The kernel's types, for the script's begin, end and timer probes
+    /// ([`super::host_context::HostContext`]).
+    pub(crate) fn kernel_types(&self) -> Option<Arc<dyn KernelTypes>> {
+        self.types
+            .as_ref()
+            .map(|t| Arc::new(BtfTypes(t.0.clone())) as Arc<dyn KernelTypes>)
+    }
+
     /// Whether a stop at `pc` is one of these traps'.
     pub fn owns(&self, pc: u64) -> bool {
         pc == self.trampoline || self.armed.contains_key(&pc)
