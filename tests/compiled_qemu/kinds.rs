@@ -319,3 +319,52 @@ fn a_host_evaluated_member_chain_through_null_is_a_probe_error_and_the_guest_liv
     );
     assert_no_oops(&console);
 }
+
+/// Timer and end probes run on the host and read the guest's kernel memory, the guest stopped
+/// for them (as a SystemTap timer reads it in the kernel): the task that runs the job, found
+/// by a compiled probe, has the same command name and pid read from the host (`@cast` chains,
+/// `kernel_string`, the tapset's `task_execname`) as the compiled probe read in the guest.
+#[test]
+fn timer_and_end_probes_read_guest_memory() {
+    if !have_qemu("timer_and_end_probes_read_guest_memory") {
+        return;
+    }
+    let script = r#"global parent, pcomm, pid_seen, timer_seen
+      probe kernel.syscall("getppid") {
+        if (execname() == "syscall-loop" && !parent) {
+          parent = task_parent(task_current())
+          pcomm = task_execname(parent)
+          pid_seen = ppid()
+        }
+      }
+      probe timer.ms(100) {
+        if (parent && !timer_seen) {
+          timer_seen = 1
+          printf("timer: %s %d\n", kernel_string(@cast(parent, "task_struct")->comm),
+                 @cast(parent, "task_struct")->tgid)
+        }
+      }
+      probe end {
+        printf("end: %s %d\n", task_execname(parent), task_pid(parent))
+        printf("guest: %s %d\n", pcomm, pid_seen)
+      }"#;
+    let job = "exotap_wait attach\nsyscall-loop 20\nsleep 2\nexotap_wait detach\n";
+    for mode in ["auto", "never"] {
+        let (code, out, err, con) = boot_in_job(script, mode, job, "400");
+        let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 0, "{ctx}");
+        let printed = script_output(&out);
+        let line = |tag: &str| {
+            printed
+                .lines()
+                .find_map(|l| l.strip_prefix(tag))
+                .unwrap_or_else(|| panic!("no {tag} line: {ctx}"))
+                .to_owned()
+        };
+        let guest = line("guest: ");
+        assert!(!guest.starts_with(' ') && !guest.ends_with(" 0"), "{ctx}");
+        assert_eq!(line("timer: "), guest, "{ctx}");
+        assert_eq!(line("end: "), guest, "{ctx}");
+        assert_no_oops(&con);
+    }
+}

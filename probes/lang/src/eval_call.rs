@@ -409,6 +409,10 @@ impl Interp<'_> {
                     _ => raw as i64,
                 })
             }
+            // As SystemTap where it finds no line for the address: the address in hex.
+            // Probes do not look up the -dbg vmlinux's line tables (yet), so that is always
+            // the answer; scripts test for it (`strtol(fileline, 16)`, periodic.stp).
+            "symfileline" => self.string(format!("{:#x}", long(0) as u64)),
             "symname" | "symdata" => {
                 let addr = long(0) as u64;
                 match self.kernel_symbol(ctx, addr) {

@@ -305,7 +305,8 @@ pub const NATIVE: &[Builtin] = &[
         name: "symfileline",
         params: &[L],
         ret: S,
-        doc: "the source file and line of a kernel address",
+        doc: "the source file and line of a kernel address; the address in hex where no line \
+              is known (always, for now: probes do not look up line tables)",
     },
     Builtin {
         name: "usymfileline",
@@ -479,10 +480,6 @@ pub const UNAVAILABLE: &[(&str, &str)] = &[
     (
         "modname",
         "exotap resolves against the kernel image only, not loaded modules",
-    ),
-    (
-        "symfileline",
-        "host-evaluated probes do not look up DWARF line tables yet",
     ),
     (
         "usymfileline",

@@ -320,16 +320,23 @@ impl<'p> Session<'p> {
     /// write-only globals. Returns the exit code: 0, or 1 after errors, or
     /// [`OUTPUT_CLOSED_EXIT`] when the output's reader went away (then nothing more runs:
     /// what it would print has nowhere to go).
-    pub fn finish(mut self) -> i32 {
+    pub fn finish(self) -> i32 {
+        self.finish_with(None)
+    }
+
+    /// [`Session::finish`] with the end (and error) probes in `ctx` where given: a live
+    /// backend's, with the guest stopped and its memory readable.
+    pub fn finish_with(mut self, with: Option<&dyn Context>) -> i32 {
         if self.interp.out.closed() {
             let _ = self.interp.out.flush();
             return OUTPUT_CLOSED_EXIT;
         }
         let host = self.host.take();
         let default;
-        let ctx: &dyn Context = match &host {
-            Some(h) => h.as_ref(),
-            None => {
+        let ctx: &dyn Context = match (with, &host) {
+            (Some(c), _) => c,
+            (None, Some(h)) => h.as_ref(),
+            (None, None) => {
                 default = host_context();
                 &default
             }

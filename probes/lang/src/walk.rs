@@ -261,6 +261,34 @@ pub fn stmt_writes(prog: &Program, s: &Stmt, name: &str) -> bool {
 }
 
 /// Whether probe `probe` of `prog` (its condition, its body, or a user function it reaches)
+/// may read guest memory ([`reads_memory`]): a host-side probe that does needs the guest
+/// stopped.
+pub fn probe_reads_guest_memory(prog: &Program, probe: usize) -> bool {
+    let Some(p) = prog.script.probes.get(probe) else {
+        return true;
+    };
+    let mut hit = false;
+    if let Some(c) = &p.condition {
+        expr_all(c, &mut |e| hit |= reads_memory(e));
+    }
+    block_exprs(&p.body, &mut |e| {
+        expr_all(e, &mut |i| hit |= reads_memory(i))
+    });
+    let direct: Vec<usize> = p
+        .body
+        .stmts
+        .iter()
+        .flat_map(|s| called_functions(prog, s))
+        .collect();
+    for f in reachable_functions(prog, &direct) {
+        if let Some(b) = function_body(prog, f) {
+            block_exprs(b, &mut |e| expr_all(e, &mut |i| hit |= reads_memory(i)));
+        }
+    }
+    hit
+}
+
+/// Whether probe `probe` of `prog` (its condition, its body, or a user function it reaches)
 /// may write or delete any global.
 pub fn probe_writes_globals(prog: &Program, probe: usize) -> bool {
     let Some(p) = prog.script.probes.get(probe) else {

@@ -614,12 +614,16 @@ fn run(
     let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.session.machine));
     let _ = ready.send(Ok(()));
     let mut timers = host_timers(&prog, Instant::now());
-    // Timer probes that write no global read the compiled ones while the guest runs, where
-    // the backend can; the others stop it (they write the globals back, which the vCPUs
-    // must not update meanwhile).
+    // Timer probes that write no global and read no guest memory read the compiled globals
+    // while the guest runs, where the backend can; the others stop it (they write the globals
+    // back, which the vCPUs must not update meanwhile, or read kernel memory, as a
+    // SystemTap timer does: HostContext::with_memory).
     let timer_writes: Vec<bool> = timers
         .iter()
-        .map(|t| crate::lang::walk::probe_writes_globals(&prog, t.0))
+        .map(|t| {
+            crate::lang::walk::probe_writes_globals(&prog, t.0)
+                || crate::lang::walk::probe_reads_guest_memory(&prog, t.0)
+        })
         .collect();
     let host = super::host_context::HostContext::new(facts.types.clone());
     // The script's procfs files, served by the host: each access is answered like a timer
@@ -703,16 +707,23 @@ fn run(
                     header = guest.header()?;
                 } else {
                     header = guest.pull(&mut session)?;
-                    for i in &due {
-                        let (probe, name, period, _) = timers[*i].clone();
-                        session.fire(probe, &name, &host);
-                        if let Some(shadow) = shadow.as_mut() {
-                            shadow.fire(probe, &name, &host);
+                    {
+                        // The guest is stopped: these probes read its kernel memory too.
+                        let host = super::host_context::HostContext::with_memory(
+                            facts.types.clone(),
+                            &mut *guest.session.machine,
+                        );
+                        for i in &due {
+                            let (probe, name, period, _) = timers[*i].clone();
+                            session.fire(probe, &name, &host);
+                            if let Some(shadow) = shadow.as_mut() {
+                                shadow.fire(probe, &name, &host);
+                            }
+                            timers[*i].3 += period;
                         }
-                        timers[*i].3 += period;
-                    }
-                    for request in requests {
-                        session.answer_procfs(request, &host);
+                        for request in requests {
+                            session.answer_procfs(request, &host);
+                        }
                     }
                     guest.push(&session)?;
                 }
@@ -850,6 +861,8 @@ fn run(
     if !guest.entered.is_empty() {
         tracing::info!("{entered_hits} hits entered compiled code from a breakpoint");
     }
+    // The session, still attached after the removal, until the end probes ran.
+    let mut attached: Option<GuestSession> = None;
     if gone {
         session.error(
             "the guest ended before exotap read its compiled probes' data: their last updates are lost",
@@ -942,10 +955,8 @@ fn run(
             }
         }
         lost = guest.lost;
-        // After a failed removal, the detach tries it again.
-        if let Err(e) = guest.session.detach() {
-            tracing::warn!("{e:#}");
-        }
+        // Detached after the end probes, which read the stopped guest's memory as timers do.
+        attached = Some(guest.session);
     }
     if lost > 0 {
         session.warn(&format!(
@@ -1024,7 +1035,23 @@ fn run(
             header.dropped
         ));
     }
-    let mut code = session.finish();
+    let stopped = attached.as_mut().is_some_and(|live| live.pause().is_ok());
+    let mut code = match attached.as_mut() {
+        Some(live) if stopped => {
+            let ctx = super::host_context::HostContext::with_memory(
+                facts.types.clone(),
+                &mut *live.machine,
+            );
+            session.finish_with(Some(&ctx))
+        }
+        _ => session.finish(),
+    };
+    // After a failed removal, the detach tries it again.
+    if let Some(live) = attached {
+        if let Err(e) = live.detach() {
+            tracing::warn!("{e:#}");
+        }
+    }
     if let Some(shadow) = shadow {
         shadow.finish();
         // For a difference to be looked into whole: both outputs as files.

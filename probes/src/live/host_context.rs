@@ -2,34 +2,89 @@
 //! task and no stopped vCPU, as on any host-side probe, but the guest kernel's types, so that
 //! layout questions are answered as SystemTap answers them when it compiles: `@defined` of a
 //! `@cast` chain, and `&@cast(p, "T")->m...` where nothing is read on the way (the sizeof
-//! idiom `&@cast(0, "T")[1]`, `offsetof` as `&@cast(0, "T")->m`). A chain that would read
-//! guest memory is refused, naming the address.
+//! idiom `&@cast(0, "T")[1]`, `offsetof` as `&@cast(0, "T")->m`). With the guest stopped
+//! ([`HostContext::with_memory`]: a timer or procfs probe, which the host fires at a stop when
+//! it reads guest memory) it also reads kernel memory, as a SystemTap timer does in the
+//! kernel: `kernel_string()`, `@cast(p, "T")->m`; so do end probes, run before the detach
+//! with the guest stopped. In begin probes a chain that would read guest memory is refused,
+//! naming the address.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
-use crate::compile::types::{cast_address_chain, cast_defined, KernelTypes, Step};
+use exotap_vmm::control::Machine;
+
+use crate::compile::types::{cast_address_chain, cast_chain, cast_defined, KernelTypes, Step};
 use crate::lang::ast::{CastExpr, TargetVar};
 use crate::lang::context::{CapturedContext, Context, MemoryError};
 use crate::lang::value::Value;
 
 /// A host-side probe's context with the kernel's types ([`crate::lang::runtime::host_context`]
-/// otherwise).
-pub(crate) struct HostContext {
+/// otherwise), and with guest memory where the guest is stopped.
+pub(crate) struct HostContext<'m> {
     inner: CapturedContext,
     types: Option<Arc<dyn KernelTypes>>,
+    memory: Option<RefCell<&'m mut dyn Machine>>,
 }
 
-impl HostContext {
-    /// The host context, laying out `@cast` chains with `types`.
+impl HostContext<'static> {
+    /// The host context, laying out `@cast` chains with `types`; no guest memory.
     pub(crate) fn new(types: Option<Arc<dyn KernelTypes>>) -> Self {
         Self {
             inner: crate::lang::runtime::host_context(),
             types,
+            memory: None,
         }
     }
 }
 
-impl Context for HostContext {
+impl<'m> HostContext<'m> {
+    /// [`HostContext::new`] reading kernel memory through `machine`, whose guest is stopped
+    /// while the context lives.
+    pub(crate) fn with_memory(
+        types: Option<Arc<dyn KernelTypes>>,
+        machine: &'m mut dyn Machine,
+    ) -> Self {
+        Self {
+            inner: crate::lang::runtime::host_context(),
+            types,
+            memory: Some(RefCell::new(machine)),
+        }
+    }
+
+    fn read(&self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let mut machine = self.memory.as_ref()?.borrow_mut();
+        let mut buf = vec![0u8; len];
+        crate::live::guest_memory::read_kernel(&mut **machine, addr, &mut buf).ok()?;
+        Some(buf)
+    }
+
+    fn follow(
+        &self,
+        what: &str,
+        pointer: u64,
+        steps: &[Step],
+        indexes: &[i64],
+    ) -> Result<Value, String> {
+        Step::follow(steps, pointer, indexes, |a, l| self.read(a, l))
+            .map(Value::Long)
+            .map_err(|addr| {
+                if self.memory.is_some() {
+                    format!(
+                        "kernel read fault in {what}: {}",
+                        MemoryError::Unreadable { addr }
+                    )
+                } else {
+                    format!(
+                        "{what}: the chain reads guest memory at {addr:#x}, which a begin \
+                         probe does not read (only the layout is known there)"
+                    )
+                }
+            })
+    }
+}
+
+impl Context for HostContext<'_> {
     fn target(&self, path: &str) -> Option<Value> {
         self.inner.target(path)
     }
@@ -55,7 +110,10 @@ impl Context for HostContext {
         self.inner.probefunc()
     }
     fn read_kernel(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
-        self.inner.read_kernel(addr, len)
+        if self.memory.is_none() {
+            return self.inner.read_kernel(addr, len);
+        }
+        self.read(addr, len).ok_or(MemoryError::Unreadable { addr })
     }
     fn target_defined(&self, var: &TargetVar) -> bool {
         self.inner.target_defined(var)
@@ -87,17 +145,33 @@ impl Context for HostContext {
         Some(
             cast_address_chain(types, ty, &cast.members)
                 .map_err(|e| format!("{what}: {e}"))
-                .and_then(|steps| {
-                    Step::follow(&steps, pointer, indexes, |_, _| None)
-                        .map(Value::Long)
-                        .map_err(|addr| {
-                            format!(
-                                "{what}: the chain reads guest memory at {addr:#x}, which a \
-                                 begin, end or timer probe does not read (only the layout \
-                                 is known here)"
-                            )
-                        })
-                }),
+                .and_then(|steps| self.follow(&what, pointer, &steps, indexes)),
+        )
+    }
+
+    fn cast(
+        &self,
+        pointer: u64,
+        cast: &CastExpr,
+        indexes: &[i64],
+    ) -> Option<Result<Value, String>> {
+        let types = self.types.as_deref()?;
+        let what = format!("@cast(..., \"{}\")", cast.type_name);
+        if !cast.of_kernel() {
+            return Some(Err(format!(
+                "{what}: only the kernel's own types are known"
+            )));
+        }
+        if cast.members.is_empty() {
+            return Some(Ok(Value::Long(pointer as i64)));
+        }
+        let Some(ty) = types.named(&cast.type_name) else {
+            return Some(Err(format!("{what}: BTF has no such type")));
+        };
+        Some(
+            cast_chain(types, ty, &cast.members)
+                .map_err(|e| format!("{what}: {e}"))
+                .and_then(|steps| self.follow(&what, pointer, &steps, indexes)),
         )
     }
 }

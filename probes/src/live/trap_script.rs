@@ -201,7 +201,13 @@ impl Tracer {
         )));
         session.begin();
         let mut timers = host_timers(&prog, Instant::now());
-        let host = super::host_context::HostContext::new(types);
+        // Timers that read guest memory fire with the guest stopped (as a SystemTap timer
+        // reads kernel memory in the kernel); the others while it runs.
+        let timer_reads: Vec<bool> = timers
+            .iter()
+            .map(|t| crate::lang::walk::probe_reads_guest_memory(&prog, t.0))
+            .collect();
+        let host = super::host_context::HostContext::new(types.clone());
         let mut hits = 0u64;
         let mut gone = false;
         // Read with the guest still paused after arming, as at the end after disarming:
@@ -226,8 +232,25 @@ impl Tracer {
         let mut next_sample = Instant::now() + profile_every;
         while !gone && !session.stopping() && !stop.load(Ordering::SeqCst) {
             let now = Instant::now();
-            for timer in timers.iter_mut().filter(|t| t.3 <= now) {
-                session.fire(timer.0, &timer.1, &host);
+            for (k, timer) in timers.iter_mut().enumerate().filter(|(_, t)| t.3 <= now) {
+                if timer_reads[k] {
+                    let fired = self.session.machine.pause().and_then(|()| {
+                        {
+                            let ctx = super::host_context::HostContext::with_memory(
+                                types.clone(),
+                                &mut *self.session.machine,
+                            );
+                            session.fire(timer.0, &timer.1, &ctx);
+                        }
+                        self.session.machine.resume()
+                    });
+                    if let Err(e) = fired {
+                        tracing::error!("lost the guest: {:#}", anyhow::Error::from(e));
+                        gone = true;
+                    }
+                } else {
+                    session.fire(timer.0, &timer.1, &host);
+                }
                 timer.3 += timer.2;
             }
             while let Some(request) = files.as_ref().and_then(|f| f.next(Duration::ZERO)) {
@@ -299,6 +322,21 @@ impl Tracer {
                         tracing::warn!("cannot read the guest's kprobes: {e:#}");
                     }
                 }
+            }
+            // End probes read the guest's memory as timers do: the guest stays stopped and
+            // attached while they run, and goes on after the detach.
+            if self.session.pause().is_ok() {
+                let code = {
+                    let ctx = super::host_context::HostContext::with_memory(
+                        types.clone(),
+                        &mut *self.session.machine,
+                    );
+                    session.finish_with(Some(&ctx))
+                };
+                if let Err(e) = self.session.detach() {
+                    tracing::warn!("{e:#}");
+                }
+                return code;
             }
             if let Err(e) = self.session.detach() {
                 tracing::warn!("{e:#}");
