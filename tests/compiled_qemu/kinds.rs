@@ -368,3 +368,34 @@ fn timer_and_end_probes_read_guest_memory() {
         assert_no_oops(&con);
     }
 }
+
+/// At a syscall wrapper's entry (`__x64_sys_openat(const struct pt_regs *regs)`), the system
+/// call's own parameters by their `SYSCALL_DEFINE` names (`$dfd`, `$filename`, `$flags`,
+/// `$mode`), which DWARF has in scope only further in, read from the caller's registers as
+/// SystemTap's nd_syscall does: syscall-loop's two opens of its small file
+/// (guest-images/workloads/syscall-loop.c: glibc's `open` is `openat(AT_FDCWD, ...)`), the
+/// first creating it for writing with mode 0644, the second reading it.
+#[test]
+fn a_syscall_wrapper_entry_reads_the_syscall_parameters_by_name() {
+    if !have_qemu("a_syscall_wrapper_entry_reads_the_syscall_parameters_by_name") {
+        return;
+    }
+    let script = r#"global opens
+      probe kernel.function("__x64_sys_openat") {
+        if (execname() == "syscall-loop") opens[$dfd, user_string($filename), $flags & 3, $mode]++
+      }
+      probe end {
+        foreach ([d, f, a+, m] in opens) printf("%d %s %d %o %d\n", d, f, a, m, opens[d, f, a, m])
+      }"#;
+    for mode in ["auto", "never"] {
+        let (code, out, err, con) = boot(script, mode, "syscall-loop 5 pread");
+        let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 0, "{ctx}");
+        assert_eq!(
+            script_output(&out),
+            "-100 /tmp/syscall-loop.small 0 0 1\n-100 /tmp/syscall-loop.small 1 644 1\n",
+            "{ctx}"
+        );
+        assert_no_oops(&con);
+    }
+}

@@ -147,6 +147,56 @@ pub fn source_lines(image: &KernelImage) -> Option<crate::lang::source_lines::So
         .ok()
 }
 
+/// Parameter `name` of system call `call` at the entry of its wrapper `__x64_sys_CALL(const
+/// struct pt_regs *regs)`: the syscall's parameters are `SYSCALL_DEFINE`'s, in the order of
+/// `__do_sys_CALL` (or `__se_sys_CALL`) in DWARF, and the N-th is in the caller's register
+/// di, si, dx, r10, r8 or r9 of that `pt_regs` (laid out from BTF), as SystemTap's
+/// `nd_syscall` tapset reads them. Typed as `__do_sys_CALL` declares it.
+fn syscall_argument(
+    image: &KernelImage,
+    info: &exotap_introspect::dwarf::DebugInfo<'_>,
+    index: &Index,
+    call: &str,
+    name: &str,
+) -> Option<crate::compile::locals::Local> {
+    const REGS: [&str; 6] = ["di", "si", "dx", "r10", "r8", "r9"];
+    /// DWARF's number for rdi, the wrapper's `regs` at its entry.
+    const DWARF_RDI: u16 = 5;
+    let func = [format!("__do_sys_{call}"), format!("__se_sys_{call}")]
+        .iter()
+        .find_map(|f| {
+            index
+                .functions(f, &[EntryKind::Abstract, EntryKind::Function])
+                .into_iter()
+                .next()
+        })?;
+    let params: Vec<_> = info
+        .variables(func.die, func.low)
+        .ok()?
+        .into_iter()
+        .filter(|v| v.is_param)
+        .collect();
+    let at = params.iter().position(|v| v.name == name)?;
+    let reg = REGS.get(at)?;
+    let scalar = info.scalar(params[at].ty)?;
+    let offset = image
+        .btf()
+        .ok()?
+        .struct_member("pt_regs", reg)
+        .ok()?
+        .byte_offset()?;
+    Some(crate::compile::locals::Local {
+        place: crate::compile::locals::Place::Memory {
+            base: DWARF_RDI,
+            offset: i64::try_from(offset).ok()?,
+        },
+        size: scalar.size,
+        signed: scalar.signed,
+        pointee: scalar.pointee,
+        is_param: true,
+    })
+}
+
 /// The parameter names BTF gives a resolved point (`$name:type`).
 pub fn btf_params(point: &ResolvedPoint) -> Vec<String> {
     point
@@ -191,6 +241,8 @@ pub fn point_locals(
             tracing::warn!("cannot read the cached -dbg vmlinux: {e}");
             None
         });
+    // The -dbg vmlinux's name index, loaded for the first syscall wrapper that needs it.
+    let names: std::cell::OnceCell<Option<Index>> = std::cell::OnceCell::new();
     for (probe, point) in resolved {
         let Some(link) = point.address else {
             continue;
@@ -243,7 +295,7 @@ pub fn point_locals(
             ));
             continue;
         }
-        let locals = match locals_at(info, link) {
+        let mut locals = match locals_at(info, link) {
             Ok(l) => l,
             Err(why) => {
                 if !must.is_empty() {
@@ -252,6 +304,34 @@ pub fn point_locals(
                 continue;
             }
         };
+        // At a syscall wrapper's entry (`kernel.function("sys_NAME")`), the system call's
+        // own parameters, which DWARF has in scope only further in.
+        let wrapper = image
+            .symbols
+            .lookup_addr(link)
+            .filter(|(_, off)| *off == 0)
+            .and_then(|(sym, _)| sym.name.strip_prefix("__x64_sys_").map(str::to_owned));
+        if let Some(call) = wrapper {
+            let missing: Vec<String> = must
+                .iter()
+                .filter(|n| locals.get(n).is_none())
+                .map(|n| (*n).clone())
+                .collect();
+            for name in &missing {
+                let index = names.get_or_init(|| {
+                    let cache = image.path.parent()?.parent()?.parent()?.join("debuginfo");
+                    Index::load_or_build(info, &cache, Layer::Names, &|_, _| {})
+                        .map_err(|e| tracing::warn!("cannot index the cached -dbg vmlinux: {e}"))
+                        .ok()
+                });
+                if let Some(local) = index
+                    .as_ref()
+                    .and_then(|index| syscall_argument(image, info, index, &call, name))
+                {
+                    locals.vars.insert(name.clone(), Ok(local));
+                }
+            }
+        }
         for name in must.into_iter().filter(|n| *n != "*") {
             match locals.get(name) {
                 Some(Ok(_)) => {}
