@@ -399,3 +399,70 @@ fn a_syscall_wrapper_entry_reads_the_syscall_parameters_by_name() {
         assert_no_oops(&con);
     }
 }
+
+/// `kernel.field("struct file", "f_pos").write` (KLAS's join points) gives the handler the
+/// object written (`$object`, the struct the accessing instruction addresses, less the
+/// member's offset) and the value a plain store writes (`$value`): at every write of `dd`'s
+/// reads and writes of regular files, `$object` is the file `vfs_read` or `vfs_write` was
+/// called with (captured at its entry, an independent oracle), and the new position is what
+/// the file held before plus the bytes the call returned (at the writes in `ksys_read` and
+/// `ksys_write`, which store the position the call left).
+#[test]
+fn a_member_write_gives_the_object_and_the_value_written() {
+    if !have_qemu("a_member_write_gives_the_object_and_the_value_written") {
+        return;
+    }
+    let script = r#"global file, ret, before, same, other, advanced, writes, elsewhere, regular
+      probe kernel.function("vfs_read"), kernel.function("vfs_write") {
+        if (execname() == "dd") { file[tid()] = $file; before[tid()] = $file->f_pos }
+      }
+      probe kernel.function("vfs_read").return, kernel.function("vfs_write").return {
+        if (execname() == "dd") ret[tid()] = $return
+      }
+      probe kernel.field("struct file", "f_pos").write {
+        if (execname() != "dd" || !(tid() in file)) next
+        // The position a read or write leaves (dd also seeks: vfs_setpos writes f_pos too).
+        if (probefunc() != "ksys_read" && probefunc() != "ksys_write") { elsewhere++; next }
+        writes++
+        if ($object == file[tid()]) same++; else other++
+        // A regular file's position moves by what the call returned (/dev/null's, where dd
+        // writes its report, stays).
+        if (($object->f_inode->i_mode & 0170000) == 0100000) {
+          regular++
+          if ($value == before[tid()] + ret[tid()]) advanced++
+        }
+      }
+      probe end {
+        printf("writes %d same %d other %d regular %d advanced %d\n", writes, same, other,
+               regular, advanced)
+      }"#;
+    let job = "exotap_wait attach\n\
+               i=0; while [ $i -lt 5 ]; do dd if=/init of=/tmp/copy bs=64 2>/dev/null; i=$((i+1)); done\n\
+               exotap_wait detach\n";
+    for mode in ["auto", "never"] {
+        let (code, out, err, con) = boot_in_job(script, mode, job, "400");
+        let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(code, 0, "{ctx}");
+        let printed = script_output(&out);
+        let totals: Vec<u64> = printed
+            .lines()
+            .find(|l| l.starts_with("writes "))
+            .unwrap_or_else(|| panic!("no totals: {ctx}"))
+            .split_whitespace()
+            .skip(1)
+            .step_by(2)
+            .map(|v| v.parse().unwrap())
+            .collect();
+        let [writes, same, other, regular, advanced] = totals[..] else {
+            panic!("totals: {ctx}")
+        };
+        eprintln!(
+            "--compile {mode}: {writes} f_pos writes, $object = the call's file at {same}, \
+             $value = the position it left at {advanced} of {regular} in regular files"
+        );
+        // Each dd copies /init (more than 64 bytes) in reads and writes of 64 bytes.
+        assert!(regular >= 20 && writes > regular, "{ctx}");
+        assert_eq!((same, other, advanced), (writes, 0, regular), "{ctx}");
+        assert_no_oops(&con);
+    }
+}

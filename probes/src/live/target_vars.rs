@@ -147,6 +147,119 @@ pub fn source_lines(image: &KernelImage) -> Option<crate::lang::source_lines::So
         .ok()
 }
 
+/// The struct and member of a `kernel.field("struct S", "member").ACCESS` point.
+fn field_of(point: &str) -> Option<(&str, &str)> {
+    let rest = point.strip_prefix("kernel.field(\"")?;
+    let (structure, rest) = rest.split_once("\", \"")?;
+    let (member, _) = rest.split_once("\")")?;
+    Some((structure, member))
+}
+
+/// `$object` and `$value` at a member access (KLAS's join point): `$object`, the address of
+/// the struct whose member the instruction accesses (its memory operand's address less the
+/// member's offset, laid out from BTF; a `struct S *`, so `$object->m` reads its members),
+/// and for a plain store (`mov` of a register or an immediate) `$value`, what it writes. An
+/// access that cannot give one (an index register in the operand, a read-modify-write) says
+/// why; another name is `None`.
+fn field_variable(
+    image: &KernelImage,
+    link: u64,
+    structure: &str,
+    member: &str,
+    name: &str,
+) -> Option<Result<crate::compile::locals::Local, String>> {
+    use crate::compile::locals::{Local, Place};
+    use exotap_introspect::x86::regs::DWARF_GPRS;
+    use iced_x86::{Decoder, DecoderOptions, Mnemonic, OpKind, Register};
+    let bytes = image.vmlinux.read_at(link, 15).ok()?;
+    let mut decoder = Decoder::with_ip(64, &bytes, link, DecoderOptions::NONE);
+    let instr = decoder.decode();
+    let dwarf = |r: Register| {
+        DWARF_GPRS
+            .iter()
+            .position(|g| *g == r.full_register())
+            .and_then(|i| u16::try_from(i).ok())
+    };
+    let at = format!("{instr} at {link:#x}");
+    Some(match name {
+        "object" => (|| {
+            let btf = image.btf().map_err(|e| format!("$object: {e:#}"))?;
+            let path: Vec<&str> = member
+                .split(['.', '-', '>'])
+                .filter(|m| !m.is_empty())
+                .collect();
+            let plain = structure.trim_start_matches("struct ").trim();
+            let offset = btf
+                .struct_member(plain, &path.join("."))
+                .ok()
+                .and_then(|l| l.byte_offset())
+                .ok_or_else(|| format!("$object: BTF lays out no {structure}.{member}"))?;
+            let offset = i64::try_from(offset).map_err(|_| "$object: offset".to_owned())?;
+            if instr.memory_index() != Register::None {
+                return Err(format!(
+                    "$object: {at} addresses the member with an index register"
+                ));
+            }
+            let disp = instr.memory_displacement64() as i64;
+            let place = match instr.memory_base() {
+                Register::RIP => Place::Address((disp - offset) as u64),
+                base => Place::Computed {
+                    reg: dwarf(base)
+                        .ok_or_else(|| format!("$object: {at} has no base register"))?,
+                    add: disp - offset,
+                },
+            };
+            Ok(Local {
+                place,
+                size: 8,
+                signed: false,
+                pointee: Some(format!("struct {plain}")),
+                is_param: false,
+            })
+        })(),
+        "value" => {
+            let size = u8::try_from(instr.memory_size().size()).unwrap_or(0);
+            let store = instr.mnemonic() == Mnemonic::Mov
+                && instr.op0_kind() == OpKind::Memory
+                && matches!(size, 1 | 2 | 4 | 8);
+            if !store {
+                Err(format!(
+                    "$value: {at} is not a plain store of a register or a constant"
+                ))
+            } else {
+                match instr.op1_kind() {
+                    OpKind::Register => dwarf(instr.op1_register())
+                        .map(|r| Local {
+                            place: Place::Register(r),
+                            size,
+                            signed: false,
+                            pointee: None,
+                            is_param: false,
+                        })
+                        .ok_or_else(|| {
+                            format!("$value: {at} stores a register exotap cannot read")
+                        }),
+                    OpKind::Immediate8
+                    | OpKind::Immediate16
+                    | OpKind::Immediate32
+                    | OpKind::Immediate32to64
+                    | OpKind::Immediate8to64 => Ok(Local {
+                        place: Place::Const(instr.immediate(1) as i64),
+                        size,
+                        signed: false,
+                        pointee: None,
+                        is_param: false,
+                    }),
+                    _ => Err(format!(
+                        "$value: {at} is not a plain store of a register or a constant"
+                    )),
+                }
+            }
+        }
+        _ => return None,
+    })
+}
+
 /// Parameter `name` of system call `call` at the entry of its wrapper `__x64_sys_CALL(const
 /// struct pt_regs *regs)`: the syscall's parameters are `SYSCALL_DEFINE`'s, in the order of
 /// `__do_sys_CALL` (or `__se_sys_CALL`) in DWARF, and the N-th is in the caller's register
@@ -304,6 +417,17 @@ pub fn point_locals(
                 continue;
             }
         };
+        // At a member access (`kernel.field`): the object accessed, and the value a plain
+        // store writes.
+        if let Some((structure, member)) = field_of(&point.name) {
+            for name in ["object", "value"] {
+                if locals.get(name).is_none() {
+                    if let Some(local) = field_variable(image, link, structure, member, name) {
+                        locals.vars.insert(name.to_owned(), local);
+                    }
+                }
+            }
+        }
         // At a syscall wrapper's entry (`kernel.function("sys_NAME")`), the system call's
         // own parameters, which DWARF has in scope only further in.
         let wrapper = image
