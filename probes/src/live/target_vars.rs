@@ -172,7 +172,7 @@ fn field_variable(
     use exotap_introspect::x86::regs::DWARF_GPRS;
     use iced_x86::{Decoder, DecoderOptions, Mnemonic, OpKind, Register};
     let bytes = image.vmlinux.read_at(link, 15).ok()?;
-    let mut decoder = Decoder::with_ip(64, &bytes, link, DecoderOptions::NONE);
+    let mut decoder = Decoder::with_ip(64, bytes, link, DecoderOptions::NONE);
     let instr = decoder.decode();
     let dwarf = |r: Register| {
         DWARF_GPRS
