@@ -321,6 +321,53 @@ fn target_facts(image: &ImageArgs) -> TargetFacts {
     }
 }
 
+/// Compiles `source` into the script a guest runs: its errors printed (rendered against the
+/// source) and `Ok(Err(1))`, its warnings printed unless `-w`; output to `-o FILE` or stdout.
+///
+/// # Errors
+/// When the output file cannot be created.
+fn guest_script(
+    source: ScriptSource,
+    args: &ScriptOptions,
+    invocation: &Invocation,
+    limits: Limits,
+    format: Format,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<Result<exotap_probes::live::trap_script::GuestScript, i32>> {
+    let color = std::io::stderr().is_terminal();
+    let prog = match compile_with(&source, &limits, invocation) {
+        Ok(prog) => prog,
+        Err(diags) => {
+            for d in &diags {
+                eprint!("{}", d.render(&source.name, &source.text, color));
+            }
+            return Ok(Err(1));
+        }
+    };
+    if !invocation.no_warnings {
+        for d in &prog.warnings {
+            eprint!("{}", d.render(&source.name, &source.text, color));
+        }
+    }
+    let out: Box<dyn Write + Send> = match &args.output {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    Ok(Ok(exotap_probes::live::trap_script::GuestScript {
+        source,
+        prog,
+        limits,
+        format,
+        out,
+        err: Box::new(std::io::stderr()),
+        stop,
+        compare_kprobes: args.compare_kprobes,
+    }))
+}
+
 /// Runs a checked script against the guest at `target` until it ends.
 fn run_attached(
     source: ScriptSource,
@@ -331,42 +378,14 @@ fn run_attached(
     format: Format,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<i32> {
-    let color = std::io::stderr().is_terminal();
-    let prog = match compile_with(&source, &limits, invocation) {
-        Ok(prog) => prog,
-        Err(diags) => {
-            for d in &diags {
-                eprint!("{}", d.render(&source.name, &source.text, color));
-            }
-            return Ok(1);
-        }
+    let script = match guest_script(source, args, invocation, limits, format, stop)? {
+        Ok(script) => script,
+        Err(code) => return Ok(code),
     };
-    if !invocation.no_warnings {
-        for d in &prog.warnings {
-            eprint!("{}", d.render(&source.name, &source.text, color));
-        }
-    }
     let heap = parse_heap(&args.heap)?;
     let image = args.image.load()?;
-    let out: Box<dyn Write + Send> = match &args.output {
-        Some(path) => Box::new(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create {}", path.display()))?,
-        ),
-        None => Box::new(std::io::stdout()),
-    };
     let mut target = exotap_probes::live::attach::Target::new(target);
     target.shm.clone_from(&args.shm);
-    let script = exotap_probes::live::trap_script::GuestScript {
-        source,
-        prog,
-        limits,
-        format,
-        out,
-        err: Box::new(std::io::stderr()),
-        stop,
-        compare_kprobes: args.compare_kprobes,
-    };
     let tracer = exotap_probes::live::compiled::start_script(
         &target,
         &image,
@@ -391,40 +410,12 @@ fn run_command(
     format: Format,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<i32> {
-    let color = std::io::stderr().is_terminal();
     if invocation.target_pid.is_some() {
         bail!("-c CMD and -x PID both name target(): give one");
     }
-    let prog = match compile_with(&source, &limits, invocation) {
-        Ok(prog) => prog,
-        Err(diags) => {
-            for d in &diags {
-                eprint!("{}", d.render(&source.name, &source.text, color));
-            }
-            return Ok(1);
-        }
-    };
-    if !invocation.no_warnings {
-        for d in &prog.warnings {
-            eprint!("{}", d.render(&source.name, &source.text, color));
-        }
-    }
-    let out: Box<dyn Write + Send> = match &args.output {
-        Some(path) => Box::new(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create {}", path.display()))?,
-        ),
-        None => Box::new(std::io::stdout()),
-    };
-    let script = exotap_probes::live::trap_script::GuestScript {
-        source,
-        prog,
-        limits,
-        format,
-        out,
-        err: Box::new(std::io::stderr()),
-        stop,
-        compare_kprobes: args.compare_kprobes,
+    let script = match guest_script(source, args, invocation, limits, format, stop)? {
+        Ok(script) => script,
+        Err(code) => return Ok(code),
     };
     crate::boot::run_with_command(&args.image, script, command, args.compile.into())
 }

@@ -156,24 +156,34 @@ impl Context for HostContext<'_> {
         indexes: &[i64],
     ) -> Option<Result<Value, String>> {
         let types = self.types.as_deref()?;
-        let what = format!("@cast(..., \"{}\")", cast.type_name);
-        if !cast.of_kernel() {
-            return Some(Err(format!(
-                "{what}: only the kernel's own types are known"
-            )));
-        }
-        if cast.members.is_empty() {
-            return Some(Ok(Value::Long(pointer as i64)));
-        }
-        let Some(ty) = types.named(&cast.type_name) else {
-            return Some(Err(format!("{what}: BTF has no such type")));
-        };
-        Some(
-            cast_chain(types, ty, &cast.members)
-                .map_err(|e| format!("{what}: {e}"))
-                .and_then(|steps| self.follow(&what, pointer, &steps, indexes)),
-        )
+        Some(cast_value(types, pointer, cast, |what, steps| {
+            self.follow(what, pointer, steps, indexes)
+        }))
     }
+}
+
+/// `@cast(pointer, "type")->members...` (the kernel's types only), laid out with `types`;
+/// `follow` reads the laid-out steps from `pointer` (`what` names the cast in its errors).
+/// Shared by the host-side and the stopped-vCPU contexts.
+pub(crate) fn cast_value(
+    types: &dyn KernelTypes,
+    pointer: u64,
+    cast: &CastExpr,
+    follow: impl FnOnce(&str, &[Step]) -> Result<Value, String>,
+) -> Result<Value, String> {
+    let what = format!("@cast(..., \"{}\")", cast.type_name);
+    if !cast.of_kernel() {
+        return Err(format!("{what}: only the kernel's own types are known"));
+    }
+    if cast.members.is_empty() {
+        return Ok(Value::Long(pointer as i64));
+    }
+    let ty = types
+        .named(&cast.type_name)
+        .ok_or_else(|| format!("{what}: BTF has no such type"))?;
+    cast_chain(types, ty, &cast.members)
+        .map_err(|e| format!("{what}: {e}"))
+        .and_then(|steps| follow(&what, &steps))
 }
 
 #[cfg(test)]

@@ -457,23 +457,12 @@ impl Context for LiveContext<'_> {
         indexes: &[i64],
     ) -> Option<Result<Value, String>> {
         let types = self.types?;
-        let what = format!("@cast(..., \"{}\")", cast.type_name);
-        if !cast.of_kernel() {
-            return Some(Err(format!(
-                "{what}: only the kernel's own types are known"
-            )));
-        }
-        if cast.members.is_empty() {
-            return Some(Ok(Value::Long(pointer as i64)));
-        }
-        let Some(ty) = types.named(&cast.type_name) else {
-            return Some(Err(format!("{what}: BTF has no such type")));
-        };
-        Some(
-            cast_chain(types, ty, &cast.members)
-                .map_err(|e| format!("{what}: {e}"))
-                .and_then(|steps| self.follow_indexed(&what, pointer, &steps, indexes)),
-        )
+        Some(crate::live::host_context::cast_value(
+            types,
+            pointer,
+            cast,
+            |what, steps| self.follow_indexed(what, pointer, steps, indexes),
+        ))
     }
 
     fn write_target(&self, path: &str, value: i64) -> Result<(), String> {

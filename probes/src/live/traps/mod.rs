@@ -37,8 +37,8 @@ use exotap_vmm::control::{Machine, RegisterFile, VcpuId, X86Registers};
 use crate::compile::globals::{spec_of, KernelGlobals};
 use crate::compile::locals::{Local, Locals};
 use crate::compile::types::{
-    cast_address_chain, cast_chain, cast_defined, chain_base, chain_defined, target_chain,
-    BtfTypes, ChainBase, KernelTypes, Step,
+    cast_address_chain, cast_defined, chain_base, chain_defined, target_chain, BtfTypes, ChainBase,
+    KernelTypes, Step,
 };
 use crate::lang::ast::{CastExpr, TargetVar};
 use crate::lang::check::Program;
