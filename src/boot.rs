@@ -280,7 +280,8 @@ pub(crate) fn command_job(command: &str) -> GuestJob {
 /// `exotap -c CMD SCRIPT` without `--target` (stap's `-c`): boots the guest kernel `image`
 /// names under QEMU with CMD as its job, runs `script` from just before CMD starts (target()
 /// = CMD's pid) until CMD exits, and returns the script's exit code (125 when the guest
-/// failed). The guest's console goes to a file, named when the guest fails.
+/// failed). The guest's console goes to a file, whose last lines are printed when the guest
+/// fails.
 ///
 /// # Errors
 /// When the kernel cannot be fetched, or QEMU cannot start.
