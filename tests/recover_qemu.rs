@@ -205,8 +205,15 @@ exotap_result storm done"#;
         let recovered_after = killed.elapsed();
         let (clean, after, out) = recover(&target);
         let said = said.all();
+        // With trap probes, a return address is swapped only while a call is in flight
+        // between two stops; a kill between the reader's return and its next entry finds none
+        // (CI, 2026-11-30: "nothing of it was left in the guest"): the guardian's right answer
+        // then. What must hold either way is `clean` below.
+        let nothing_left = args.contains(&"never")
+            && said.contains("ended without dismissing its guardian")
+            && said.contains("nothing of it was left in the guest");
         assert!(
-            said.contains("ended without removing its probes; recovered in"),
+            said.contains("ended without removing its probes; recovered in") || nothing_left,
             "{args:?}: the guardian did not say it recovered:\n{said}"
         );
         assert!(
