@@ -98,15 +98,7 @@ fn compiled_timer_profile_samples_every_tick_with_the_interrupted_pc() {
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 0, "{ctx}");
     let printed = script_output(&out);
-    let totals: Vec<u64> = printed
-        .lines()
-        .find(|l| l.starts_with("n "))
-        .unwrap_or_else(|| panic!("no totals: {ctx}"))
-        .split_whitespace()
-        .skip(1)
-        .step_by(2)
-        .map(|v| v.parse().unwrap())
-        .collect();
+    let totals = totals(&printed, "n").unwrap_or_else(|| panic!("no totals: {ctx}"));
     let [n, user, kernel, bad] = totals[..] else {
         panic!("totals: {ctx}")
     };
@@ -157,20 +149,10 @@ fn tracepoint_probes_compile_and_print_what_the_host_path_prints_on_the_same_hit
     assert_eq!(code, 0, "{ctx}");
     assert!(printed_the_same(&err), "{ctx}");
     let printed = script_output(&out);
-    let (own, other, n) = printed
-        .lines()
-        .find_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            match w.as_slice() {
-                ["own", own, "other", other, "of", n] => Some((
-                    own.parse::<u64>().ok()?,
-                    other.parse::<u64>().ok()?,
-                    n.parse::<u64>().ok()?,
-                )),
-                _ => None,
-            }
-        })
-        .unwrap_or_else(|| panic!("no totals: {ctx}"));
+    let totals = totals(&printed, "own").unwrap_or_else(|| panic!("no totals: {ctx}"));
+    let [own, other, n] = totals[..] else {
+        panic!("totals: {ctx}")
+    };
     assert!(n > 0 && own == n && other == n, "{ctx}");
     assert!(printed.contains("syscall-loop 1 "), "{ctx}");
     assert_no_oops(&con);
@@ -225,20 +207,10 @@ fn a_tracepoint_the_guest_has_off_fires_at_its_call_sites() {
         "{ctx}"
     );
     let printed = script_output(&out);
-    let (n, younger, named) = printed
-        .lines()
-        .find_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            match w.as_slice() {
-                ["forks", n, "younger", y, "named", m] => Some((
-                    n.parse::<u64>().ok()?,
-                    y.parse::<u64>().ok()?,
-                    m.parse::<u64>().ok()?,
-                )),
-                _ => None,
-            }
-        })
-        .unwrap_or_else(|| panic!("no totals: {ctx}"));
+    let totals = totals(&printed, "forks").unwrap_or_else(|| panic!("no totals: {ctx}"));
+    let [n, younger, named] = totals[..] else {
+        panic!("totals: {ctx}")
+    };
     let clones = host_result(&err, "kprobe.kernel_clone")
         .and_then(|k| k.parse::<u64>().ok())
         .unwrap_or_else(|| panic!("no kprobe count: {ctx}"));
@@ -444,15 +416,7 @@ fn a_member_write_gives_the_object_and_the_value_written() {
         let ctx = format!("--compile {mode}\nstdout:\n{out}\nstderr:\n{err}");
         assert_eq!(code, 0, "{ctx}");
         let printed = script_output(&out);
-        let totals: Vec<u64> = printed
-            .lines()
-            .find(|l| l.starts_with("writes "))
-            .unwrap_or_else(|| panic!("no totals: {ctx}"))
-            .split_whitespace()
-            .skip(1)
-            .step_by(2)
-            .map(|v| v.parse().unwrap())
-            .collect();
+        let totals = totals(&printed, "writes").unwrap_or_else(|| panic!("no totals: {ctx}"));
         let [writes, same, other, regular, advanced] = totals[..] else {
             panic!("totals: {ctx}")
         };

@@ -79,6 +79,19 @@ fn script_output(out: &str) -> String {
         .collect()
 }
 
+/// The numbers of the line of `printed` that a script printed as `FIRST n WORD n WORD n...`
+/// (the first such line), in order; `None` when there is none or a number does not parse.
+fn totals(printed: &str, first: &str) -> Option<Vec<u64>> {
+    let line = printed
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(first))?;
+    line.split_whitespace()
+        .skip(1)
+        .step_by(2)
+        .map(|v| v.parse().ok())
+        .collect()
+}
+
 /// The `PREFIX COUNT TEXT` lines of `out` as text → count (counts of one text added up).
 fn counted(out: &str, prefix: &str) -> std::collections::BTreeMap<String, u64> {
     let mut m = std::collections::BTreeMap::new();
