@@ -66,22 +66,38 @@ impl<'m> HostContext<'m> {
         steps: &[Step],
         indexes: &[i64],
     ) -> Result<Value, String> {
-        Step::follow(steps, pointer, indexes, |a, l| self.read(a, l))
-            .map(Value::Long)
-            .map_err(|addr| {
-                if self.memory.is_some() {
-                    format!(
-                        "kernel read fault in {what}: {}",
-                        MemoryError::Unreadable { addr }
-                    )
-                } else {
+        if self.memory.is_none() {
+            return Step::follow(steps, pointer, indexes, |_, _| None)
+                .map(Value::Long)
+                .map_err(|addr| {
                     format!(
                         "{what}: the chain reads guest memory at {addr:#x}, which a begin \
                          probe does not read (only the layout is known there)"
                     )
-                }
-            })
+                });
+        }
+        follow_steps(what, pointer, steps, indexes, |a, l| self.read(a, l))
     }
+}
+
+/// The value `steps` lead to from `pointer` through `read` (a `@cast` or member chain laid
+/// out), or the read fault, named with `what`. Shared by the host-side and the stopped-vCPU
+/// contexts.
+pub(crate) fn follow_steps(
+    what: &str,
+    pointer: u64,
+    steps: &[Step],
+    indexes: &[i64],
+    read: impl FnMut(u64, usize) -> Option<Vec<u8>>,
+) -> Result<Value, String> {
+    Step::follow(steps, pointer, indexes, read)
+        .map(Value::Long)
+        .map_err(|addr| {
+            format!(
+                "kernel read fault in {what}: {}",
+                MemoryError::Unreadable { addr }
+            )
+        })
 }
 
 impl Context for HostContext<'_> {

@@ -97,14 +97,9 @@ impl LiveContext<'_> {
         steps: &[Step],
         indexes: &[i64],
     ) -> Result<Value, String> {
-        Step::follow(steps, base, indexes, |at, len| self.read(at, len))
-            .map(Value::Long)
-            .map_err(|addr| {
-                format!(
-                    "kernel read fault in {what}: {}",
-                    MemoryError::Unreadable { addr }
-                )
-            })
+        crate::live::host_context::follow_steps(what, base, steps, indexes, |at, len| {
+            self.read(at, len)
+        })
     }
 
     /// The target variable `name` by its DWARF location here: not at a return, and not a
