@@ -10,6 +10,28 @@ ci/install-deps.sh
 export CARGO_INCREMENTAL=0
 export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 cargo test --workspace --locked --no-run
+# The guest images, fetched (downloads, unpacking) while the gates below keep the two cores busy
+# compiling: on a fresh machine that is time CI no longer waits for. The kernel matrix
+# (tests/kernel_matrix.rs) runs on the default kernel and the newest 6.12 cloud kernel apt knows.
+images=$(mktemp -d)
+# A gate that fails below ends the fetch too.
+trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; rm -rf "$images"' EXIT
+(
+    set -euo pipefail
+    target/debug/exotap image fetch
+    target/debug/exotap image fetch --debuginfo
+    kernels=$(target/debug/exotap image list)
+    default=$(awk '/\(default\)/ { print $1 }' <<<"$kernels")
+    newest_612=$(awk '$1 ~ /^6\.12\..*-cloud-amd64$/ { print $1 }' <<<"$kernels" | sort -V | tail -1)
+    if [ -z "$default" ] || [ -z "$newest_612" ]; then
+        echo "ci/test.sh: exotap image list names no default kernel or no 6.12 cloud kernel:" >&2
+        echo "$kernels" >&2
+        exit 1
+    fi
+    target/debug/exotap image fetch --kernel "$newest_612"
+    echo "$default,$newest_612" >"$images/kernels"
+) >"$images/log" 2>&1 &
+images_pid=$!
 # Gates (issue 41): the code as rustfmt writes it, no clippy warning (the workspace's lints),
 # documentation that builds without a warning (broken intra-doc links included).
 cargo fmt --all --check
@@ -29,29 +51,25 @@ if ci/has-doctests.sh; then
 else
     echo "ci/test.sh: no documentation example to run (ci/has-doctests.sh)"
 fi
-target/debug/exotap image fetch
-target/debug/exotap image fetch --debuginfo
-# The kernel matrix (tests/kernel_matrix.rs): the default kernel and the newest 6.12 cloud
-# kernel apt knows.
-kernels=$(target/debug/exotap image list)
-default=$(awk '/\(default\)/ { print $1 }' <<<"$kernels")
-newest_612=$(awk '$1 ~ /^6\.12\..*-cloud-amd64$/ { print $1 }' <<<"$kernels" | sort -V | tail -1)
-if [ -z "$default" ] || [ -z "$newest_612" ]; then
-    echo "ci/test.sh: exotap image list names no default kernel or no 6.12 cloud kernel:" >&2
-    echo "$kernels" >&2
-    exit 1
+# The images fetched above, in the background: their output now, and a failure fails here.
+images_rc=0
+wait "$images_pid" || images_rc=$?
+images_pid=
+cat "$images/log"
+if [ "$images_rc" -ne 0 ]; then
+    echo "ci/test.sh: fetching the guest images failed (exit $images_rc)" >&2
+    exit "$images_rc"
 fi
-target/debug/exotap image fetch --kernel "$newest_612"
-export EXOTAP_KERNELS="$default,$newest_612"
+export EXOTAP_KERNELS="$(cat "$images/kernels")"
 # The JIT's block counts against the guest's kprobes at every leader (tests/jit_qemu.rs), on
 # both kernels too.
-export EXOTAP_JIT_KERNELS="$default,$newest_612"
+export EXOTAP_JIT_KERNELS="$EXOTAP_KERNELS"
 # The nested KVM test (tests/kvm_nested.rs) runs the test build's own exotap (stripped, with its
 # loader and libraries) inside a QEMU TCG guest: 4-8 min with its engine runs (docs/backends.md,
 # "The kvm backend"). No second build: the static release one it ran before took 6-8 min of CI.
 export EXOTAP_NESTED=1
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log"; rm -rf "$images"' EXIT
 set +e
 # cargo-nextest, profile `ci` of .config/nextest.toml: every test in its own process, two at a
 # time, the slowest first; each test's time as it ends, every test's output at the end (the

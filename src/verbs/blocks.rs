@@ -292,6 +292,9 @@ impl VerbRun {
                         "stops": stats.lazy.stops,
                         "stops_at_mark": stats.lazy.stops_at_mark,
                         "stops_after_mark": stats.lazy.stops_at_mark.map(|m| stats.lazy.stops - m),
+                        "after_mark": stats.lazy.stops_at_mark.map(|m| {
+                            stats.lazy.order.get(usize::try_from(m).unwrap_or(usize::MAX)..).unwrap_or_default()
+                        }),
                         "translated": stats.lazy.translated,
                         "entry_splices": stats.lazy.entries,
                         "stubs": stats.lazy.stubs,

@@ -202,6 +202,9 @@ pub struct LazyStats {
     pub other_stops: u64,
     /// Functions translated lazily from text the kernel had changed since exotap read it.
     pub changed_text: usize,
+    /// The function each stop was for, in order (the first `stops_at_mark` of them came
+    /// before the mark): which paths a workload reached late.
+    pub order: Vec<String>,
 }
 
 /// A translation given up because the kernel changed the text under it (the guest arming

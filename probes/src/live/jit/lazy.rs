@@ -93,12 +93,15 @@ impl LiveJit {
         self.lazy.stops += 1;
         let slide = session.survey.kaslr.slide;
         let Some(translator) = self.translator.as_mut() else {
+            self.lazy.order.push(format!("(no translator) {stub:#x}"));
             return Ok(());
         };
         let Some(target) = translator.stub_target(stub) else {
+            self.lazy.order.push(format!("(no stub) {stub:#x}"));
             return Ok(());
         };
         let name = name_of(image, slide, target);
+        self.lazy.order.push(name.clone());
         let (machine, splicer) = session.parts()?;
         splicer.kernel.prepare(machine, &[target])?;
         let ctx = splicer.kernel.context();
