@@ -338,6 +338,35 @@ if [[ -n $matrix ]]; then
         echo
         awk -F'\t' '$3 == "in" && $2 >= 2' "$tmp/rows" | names
         echo
+        # What the soak measured running live (tests/stap_examples_live/soak.rs), from its
+        # committed results: docs/stap-examples-live.tsv, or LIVE=FILE.
+        live=${LIVE:-docs/stap-examples-live.tsv}
+        if [[ -s $live ]]; then
+            live_all=$(wc -l <"$live")
+            live_runs=$(awk -F'\t' '$2 == "runs"' "$live" | wc -l)
+            echo "## Run live: $live_runs of $live_all"
+            echo
+            echo "The examples in \`/usr/share/systemtap/examples\` that pass \`-p 2\`, each run against"
+            echo "a booted guest under the mixed workload (tests/stap_examples_live, the soak), compiled"
+            echo "and host-evaluated, ended by SIGINT some seconds after its install. It *runs* when"
+            echo "both runs end with exit 0 and no error and print on standard output what its \`.meta\`"
+            echo "file's \`output:\` line promises (nothing for \`proc\`, \`file\`, \`none\`). From"
+            echo "\`$live\`, which the soak writes:"
+            echo "\`EXOTAP_SOAK=all EXOTAP_SOAK_WINDOW=6 EXOTAP_SOAK_EVENTS=none EXOTAP_SOAK_RESULTS=\$PWD/$live"
+            echo "cargo test --test stap_examples_live every_example -- --nocapture\` (every tracepoint of"
+            echo "the guest left off: exotap arms those the examples use)."
+            echo
+            echo "### Run ($live_runs)"
+            echo
+            awk -F'\t' '$2 == "runs"' "$live" | names
+            echo
+            echo "### Do not run, with the first run that failed ($((live_all - live_runs)))"
+            echo
+            echo "| example | mode: why |"
+            echo "|---|---|"
+            awk -F'\t' '$2 != "runs" { r = $2; gsub(/\|/, "\\|", r); printf "| `%s` | %s |\n", $1, r }' "$live"
+            echo
+        fi
         echo "## In scope, fail"
         awk -F'\t' '$3 == "in" && $2 < 2 {print $4}' "$tmp/rows" | sort | uniq -c | sort -rn |
             while read -r n cause; do

@@ -18,7 +18,14 @@
 //! `EXOTAP_SOAK=all` runs every example in scope; `EXOTAP_SOAK=a,b` those whose path contains
 //! a or b; `EXOTAP_SOAK_REPEAT=N` runs each N times; `EXOTAP_STRESS_SEED=N` replays the
 //! moments at which a stress run ended (each run prints its seed); `EXOTAP_SOAK_EVENTS=none`
-//! leaves every tracepoint of the guest off (the main test's guest turns some on).
+//! leaves every tracepoint of the guest off (the main test's guest turns some on);
+//! `EXOTAP_SOAK_WINDOW=S` lets each run last S seconds after its install (3 by default).
+//!
+//! Running is measured too (issue 42): an example *runs live* when both of its runs (compiled
+//! and host-evaluated) end with exit 0, no error, and print what its `.meta` file's `output:`
+//! line promises ([`promise_kept`]). `EXOTAP_SOAK_RESULTS=FILE` writes each example's result
+//! there, one line each (`docs/stap-examples-live.tsv` is the whole soak's, which
+//! `ci/stap-examples.sh --matrix` shows on the examples' page).
 
 use super::*;
 
@@ -26,7 +33,7 @@ use super::*;
 const ALWAYS: &[&str] = &["general/para-callgraph.stp", "general/callgraph.stp"];
 /// How many more the bounded soak takes, rotating with the day.
 const ROTATING: usize = 2;
-/// Seconds each run lasts after its install.
+/// Seconds each run lasts after its install, unless `EXOTAP_SOAK_WINDOW` says otherwise.
 const WINDOW: u64 = 3;
 /// What a hurt kernel prints.
 const HURT: &[&str] = &[
@@ -51,6 +58,8 @@ const PROC_READS: &str = "  cat /proc/meminfo /proc/self/stat /proc/sys/vm/* >/d
 struct InScope {
     path: PathBuf,
     words: Vec<String>,
+    /// Its `.meta` file's `output:` line ("" when it has none).
+    output: String,
 }
 
 impl InScope {
@@ -123,6 +132,46 @@ fn meta_words(meta: &str, script: &str) -> Vec<String> {
     out
 }
 
+/// The words of `meta`'s `output:` line (`trace`, `sorted-list on-exit`, ...), "" when none.
+fn meta_output(meta: &str) -> String {
+    meta.lines()
+        .find_map(|l| l.strip_prefix("output:"))
+        .map(|o| o.split_whitespace().collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Whether a run kept what its example promises: it installed, ended with exit 0 and no
+/// error, and printed on standard output, unless its `.meta` `output:` promises nothing
+/// there (`none`; `proc`: files the host serves; `file`; `user-controlled`) or it has no
+/// `.meta`. The reason when not, one line.
+fn promise_kept(output: &str, run: &Soaked) -> Result<(), String> {
+    if !run.installed {
+        return Err(format!(
+            "not installed: {}",
+            first_error(&run.err).chars().take(160).collect::<String>()
+        ));
+    }
+    let error = first_error(&run.err);
+    if run.code != Some(0) || !error.is_empty() {
+        return Err(format!(
+            "exit {}: {}",
+            run.code
+                .map_or_else(|| "by signal".to_owned(), |c| c.to_string()),
+            error.chars().take(160).collect::<String>()
+        ));
+    }
+    let silent = output.is_empty()
+        || output
+            .split_whitespace()
+            .any(|w| matches!(w, "none" | "proc" | "file" | "user-controlled"));
+    if !silent && run.out.trim().is_empty() {
+        return Err(format!(
+            "printed nothing (its .meta promises output: {output})"
+        ));
+    }
+    Ok(())
+}
+
 /// Every example in scope under `dir`, sorted by path (not yet checked with `-p 2`).
 fn examples_in_scope(dir: &Path) -> Vec<InScope> {
     let mut found = Vec::new();
@@ -141,6 +190,7 @@ fn examples_in_scope(dir: &Path) -> Vec<InScope> {
                 let script = path.file_name().unwrap().to_string_lossy().into_owned();
                 found.push(InScope {
                     words: meta_words(&meta, &script),
+                    output: meta_output(&meta),
                     path,
                 });
             }
@@ -348,16 +398,28 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
     let (left, mut reference, _) = recover_digest(&live.socket).unwrap_or_else(|e| panic!("{e}"));
     assert!(!left, "exotap's work in a guest no exotap touched");
 
+    let window: u64 = std::env::var("EXOTAP_SOAK_WINDOW")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(WINDOW);
     let mut ended_with_errors = Vec::new();
     let mut hurt = Vec::new();
     let mut runs = 0;
+    // Per example, the first of its runs that did not keep its promise (or none).
+    let mut live_results: std::collections::BTreeMap<String, Option<String>> =
+        std::collections::BTreeMap::new();
     'soak: for round in 0..repeat {
         for ex in &examples {
             for compile in ["auto", "never"] {
                 let name = ex.name(&dir);
                 let from = live.log.lock().unwrap().len();
-                let run = soak_one(ex, &live.socket, compile, Duration::from_secs(WINDOW));
+                let run = soak_one(ex, &live.socket, compile, Duration::from_secs(window));
                 runs += 1;
+                let kept = promise_kept(&ex.output, &run);
+                let entry = live_results.entry(name.clone()).or_default();
+                if let (None, Err(why)) = (&entry, &kept) {
+                    *entry = Some(format!("{compile}: {why}"));
+                }
                 let first_error = first_error(&run.err);
                 eprintln!(
                     "SOAK {round}/{compile} {name}: exit {:?}, installed {}, {:.1} s{}",
@@ -403,6 +465,22 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
         ended_with_errors.len(),
         ended_with_errors.join("\n")
     );
+    let running = live_results.values().filter(|r| r.is_none()).count();
+    eprintln!(
+        "soak: {running} of {} examples run live (both modes exit 0, no error, and print what \
+         their .meta output: promises)",
+        live_results.len()
+    );
+    if let Some(path) = std::env::var_os("EXOTAP_SOAK_RESULTS") {
+        let text: String = live_results
+            .iter()
+            .map(|(name, r)| {
+                let r = r.as_deref().unwrap_or("runs").replace(['\t', '\n'], " ");
+                format!("{name}\t{r}\n")
+            })
+            .collect();
+        std::fs::write(&path, text).expect("cannot write EXOTAP_SOAK_RESULTS");
+    }
     assert!(hurt.is_empty(), "hurt the guest:\n{}", hurt.join("\n"));
 }
 
@@ -543,6 +621,7 @@ fn stress_nested_returns(live: &mut LiveGuest, reference: &mut String) -> Vec<St
     let stress = InScope {
         path,
         words: Vec::new(),
+        output: String::new(),
     };
     // EXOTAP_STRESS_SEED replays the moments of a run that failed (its seed is printed).
     let mut seed = std::env::var("EXOTAP_STRESS_SEED")
@@ -645,4 +724,39 @@ fn the_soak_scope_and_meta_words_follow_stap_test_suite() {
         ]
     );
     assert_eq!(options, ["-g", "-D", "MAXACTION=100", "5"]);
+}
+
+#[test]
+fn a_run_keeps_its_promise_only_with_exit_0_no_error_and_the_output_its_meta_names() {
+    let run = |installed, code, out: &str, err: &str| Soaked {
+        installed,
+        out: out.to_owned(),
+        code,
+        err: err.to_owned(),
+        secs: 1.0,
+    };
+    assert_eq!(
+        meta_output("title: x\noutput: sorted-list  on-exit\nscope: system-wide\n"),
+        "sorted-list on-exit"
+    );
+    assert_eq!(meta_output("title: x\n"), "");
+    assert!(promise_kept("trace", &run(true, Some(0), "a line\n", "")).is_ok());
+    let silent = promise_kept("trace", &run(true, Some(0), " \n", "")).unwrap_err();
+    assert!(silent.contains("printed nothing"), "{silent}");
+    // procfs output is the host's files, not standard output.
+    assert!(promise_kept("proc", &run(true, Some(0), "", "")).is_ok());
+    let failed = promise_kept(
+        "trace",
+        &run(true, Some(1), "x", "exotap: error: no such probe point\n"),
+    )
+    .unwrap_err();
+    assert!(
+        failed.starts_with("exit 1: ") && failed.contains("no such probe point"),
+        "{failed}"
+    );
+    // Exit 0 with an error printed (an error in a probe handler) is no kept promise.
+    assert!(promise_kept("trace", &run(true, Some(0), "x", "ERROR: division by 0\n")).is_err());
+    assert!(promise_kept("none", &run(false, None, "", ""))
+        .unwrap_err()
+        .starts_with("not installed"));
 }
