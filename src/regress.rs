@@ -39,8 +39,10 @@ pub struct RegressArgs {
     /// Points probed together in one run (default 16; 1 with --full).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub batch: Option<u16>,
-    /// Also run the sweep over 41 library functions of the Debian kernel's vmlinux (needs
-    /// the -dbg package in the cache: `exotap image fetch --debuginfo`).
+    /// Also run the sweep over 55 library and time-conversion functions of the Debian
+    /// kernel's vmlinux, and the entry patches of time, trace, nullify and replace at each
+    /// of their entries the planner splices (needs the -dbg package in the cache: `exotap
+    /// image fetch --debuginfo`).
     #[arg(long)]
     pub vmlinux: bool,
     /// Sweep the vmlinux functions named in FILE instead of the built-in list (implies
@@ -184,6 +186,10 @@ fn report_json(r: &Report) -> serde_json::Value {
         "executed_by_reference": r.executed_points,
         "refused": r.refused,
         "checked": { "splices": r.splices_checked, "traps": r.traps_checked },
+        "entries_checked": r.entries_checked.iter()
+            .map(|(kind, n)| (kind.to_string(), serde_json::json!(n)))
+            .collect::<serde_json::Map<_, _>>(),
+        "entries_refused": r.entries_refused,
         "springboards": r.springboards,
         "runs": r.runs,
         "reference": { "instructions": r.reference_instructions, "checksum": hex(r.checksum) },
@@ -211,7 +217,9 @@ fn report_junit(reports: &[Report]) -> anyhow::Result<String> {
     use quick_xml::events::{BytesDecl, BytesEnd, BytesStart, Event};
     let mut w = quick_xml::Writer::new_with_indent(Vec::new(), b' ', 2);
     w.write_event(Event::Decl(BytesDecl::new("1.0", Some("UTF-8"), None)))?;
-    let count = |r: &Report| 2 + r.divergences.len() + r.build_errors.len() + r.skipped.len();
+    let count = |r: &Report| {
+        2 + r.entries_checked.len() + r.divergences.len() + r.build_errors.len() + r.skipped.len()
+    };
     let failures = |r: &Report| r.divergences.len() + r.build_errors.len();
     let mut all = BytesStart::new("testsuites");
     all.push_attribute(("name", "exotap regress"));
@@ -281,6 +289,16 @@ fn report_junit(reports: &[Report]) -> anyhow::Result<String> {
             ),
             None,
         )?;
+        for (kind, n) in &r.entries_checked {
+            case(
+                &mut w,
+                image,
+                &format!(
+                    "{kind}: {n} function entries checked against the reference and its own oracle"
+                ),
+                None,
+            )?;
+        }
         for d in &r.divergences {
             let points: Vec<String> = d.points.iter().map(|p| format!("{p:#x}")).collect();
             case(

@@ -64,6 +64,14 @@ pub enum ProbeKind {
     Splice,
     /// A trap (breakpoint; the host counts and resumes through an out-of-line copy).
     Trap,
+    /// `exotap time`'s entry patch and return trampoline (a histogram of cycles).
+    Time,
+    /// `exotap trace`'s entry patch and return trampoline (ring records).
+    Trace,
+    /// `exotap nullify`'s diverting patch (returns a value, the function never runs).
+    Nullify,
+    /// `exotap replace`'s diverting patch (a jump to another function).
+    Replace,
 }
 
 impl fmt::Display for ProbeKind {
@@ -71,6 +79,10 @@ impl fmt::Display for ProbeKind {
         f.write_str(match self {
             Self::Splice => "splice",
             Self::Trap => "trap",
+            Self::Time => "time",
+            Self::Trace => "trace",
+            Self::Nullify => "nullify",
+            Self::Replace => "replace",
         })
     }
 }
@@ -111,6 +123,11 @@ pub struct Report {
     pub splices_checked: usize,
     /// Trap runs checked (points).
     pub traps_checked: usize,
+    /// Function entries checked per entry patch kind (time, trace, nullify, replace: the
+    /// vmlinux sweep, [`vmlinux`]'s entries module), each run under its kind's own oracle.
+    pub entries_checked: BTreeMap<ProbeKind, usize>,
+    /// Function entries the planner would not splice (no entry patch checked there), with why.
+    pub entries_refused: Vec<String>,
     /// Splices checked that reached their patch through a springboard (SPARC: patch
     /// beyond `ba,a` reach).
     pub springboards: usize,
@@ -164,6 +181,25 @@ impl fmt::Display for Report {
             "checked: {} splices, {} traps in {} runs",
             self.splices_checked, self.traps_checked, self.runs
         )?;
+        if !self.entries_checked.is_empty() || !self.entries_refused.is_empty() {
+            let per_kind: Vec<String> = self
+                .entries_checked
+                .iter()
+                .map(|(kind, n)| {
+                    let bad = self.divergences.iter().filter(|d| d.kind == *kind).count();
+                    format!("{kind} {n} ({bad} diverged)")
+                })
+                .collect();
+            writeln!(
+                f,
+                "function entries checked per patch kind: {}; {} entries not spliced",
+                per_kind.join(", "),
+                self.entries_refused.len()
+            )?;
+            for why in self.entries_refused.iter().take(20) {
+                writeln!(f, "  {why}")?;
+            }
+        }
         if self.springboards > 0 {
             writeln!(f, "through springboards: {}", self.springboards)?;
         }
@@ -174,7 +210,20 @@ impl fmt::Display for Report {
         for (addr, why) in self.build_errors.iter().take(20) {
             writeln!(f, "  {addr:#x}: {why}")?;
         }
-        writeln!(f, "divergences: {}", self.divergences.len())?;
+        let by_kind: Vec<String> = [ProbeKind::Splice, ProbeKind::Trap]
+            .into_iter()
+            .chain(self.entries_checked.keys().copied())
+            .map(|kind| {
+                let n = self.divergences.iter().filter(|d| d.kind == kind).count();
+                format!("{kind} {n}")
+            })
+            .collect();
+        writeln!(
+            f,
+            "divergences: {} ({})",
+            self.divergences.len(),
+            by_kind.join(", ")
+        )?;
         for d in self.divergences.iter().take(50) {
             let points: Vec<String> = d.points.iter().map(|p| format!("{p:#x}")).collect();
             writeln!(

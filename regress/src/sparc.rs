@@ -522,9 +522,10 @@ fn check_batch(
     if points.is_empty() {
         return Ok(());
     }
+    // The counting sweep's kinds: a trap, else a counting splice.
     match kind {
-        ProbeKind::Splice => report.splices_checked += points.len(),
         ProbeKind::Trap => report.traps_checked += points.len(),
+        _ => report.splices_checked += points.len(),
     }
     report.springboards += points
         .iter()

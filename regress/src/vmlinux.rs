@@ -27,6 +27,7 @@ use exotap_probes::splice::SpliceContext;
 use exotap_vmm::control::X86Registers;
 use object::{Object, ObjectSegment, ObjectSymbol};
 
+mod entries;
 mod jit;
 
 pub use jit::regress_jit;
@@ -268,6 +269,27 @@ const CALLS: &[(&str, Setup)] = &[
     ("bin2hex", |s| [s.alloc(64), s.put(&pattern(24)), 24, 0, 0]),
     ("__sw_hweight64", |_| [0x0123_4567_89ab_cdef, 0, 0, 0, 0]),
     ("__sw_hweight32", |_| [0xf0f0_1234, 0, 0, 0, 0]),
+    // Arithmetic of lib/math and kernel/time whose entry is an ftrace site (most of lib/ is
+    // built without one): the entry patches of `time`, `trace`, `nullify` and `replace`
+    // splice there (entries.rs).
+    ("int_pow", |_| [7, 13, 0, 0, 0]),
+    ("reciprocal_value", |_| [1_000_003, 0, 0, 0, 0]),
+    ("jiffies_to_msecs", |_| [123_456, 0, 0, 0, 0]),
+    ("jiffies_to_usecs", |_| [123_456, 0, 0, 0, 0]),
+    ("__msecs_to_jiffies", |_| [98_765, 0, 0, 0, 0]),
+    ("__usecs_to_jiffies", |_| [98_765_432, 0, 0, 0, 0]),
+    ("mktime64", |_| [2026, 11, 30, 4, 5]),
+    ("ns_to_timespec64", |_| [3_141_592_653_589, 0, 0, 0, 0]),
+    ("ns_to_kernel_old_timeval", |_| {
+        [2_718_281_828_459, 0, 0, 0, 0]
+    }),
+    ("jiffies_to_clock_t", |_| [250_000, 0, 0, 0, 0]),
+    ("nsec_to_clock_t", |_| [5_000_000_000, 0, 0, 0, 0]),
+    ("clock_t_to_jiffies", |_| [4_321, 0, 0, 0, 0]),
+    ("nsecs_to_jiffies64", |_| [7_000_000_123, 0, 0, 0, 0]),
+    ("timespec64_to_jiffies", |s| {
+        [s.u64s(&[12, 345_678_901]), 0, 0, 0, 0]
+    }),
 ];
 
 /// Bytes of each zero-filled buffer that a function outside [`CALLS`] gets as an argument.
@@ -517,12 +539,16 @@ struct Loaded {
     /// Every symbol of a wanted name.
     symbols: HashMap<String, Vec<SymbolFact>>,
     return_thunk: Option<u64>,
+    /// The per-CPU offset of `cpu_number` (the per-CPU segment is mapped at 0: it reads 0).
+    cpu_number: Option<u64>,
     /// Every sized code symbol in the text, `(start, end, name)`, sorted (the JIT mode
     /// translates callees too).
     code_symbols: Vec<(u64, u64, String)>,
 }
 
 const RETURN_THUNK: &str = "__x86_return_thunk";
+/// The kernel's per-CPU vCPU number, which trace records read `gs:`-relative.
+const CPU_NUMBER: &str = "cpu_number";
 
 fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError> {
     let bad = |why: String| RegressError::Layout(format!("{}: {why}", path.display()));
@@ -560,7 +586,7 @@ fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError>
     let wanted: HashSet<&str> = names
         .iter()
         .map(AsRef::as_ref)
-        .chain([RETURN_THUNK])
+        .chain([RETURN_THUNK, CPU_NUMBER])
         .collect();
     let mut symbols: HashMap<String, Vec<SymbolFact>> = HashMap::new();
     let text_end = text_base + text.len() as u64;
@@ -592,6 +618,10 @@ fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError>
         .get(RETURN_THUNK)
         .and_then(|facts| facts.iter().find(|f| f.code))
         .map(|f| f.addr);
+    let cpu_number = symbols
+        .get(CPU_NUMBER)
+        .and_then(|facts| facts.iter().find(|f| !f.code))
+        .map(|f| f.addr);
     code_symbols.sort();
     code_symbols.dedup_by_key(|s| s.0);
     Ok(Loaded {
@@ -600,6 +630,7 @@ fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError>
         text,
         symbols,
         return_thunk,
+        cpu_number,
         code_symbols,
     })
 }
@@ -689,6 +720,14 @@ fn sweep_functions<S: AsRef<str>>(
         reset: true,
         compare: true,
     });
+    // The entry patches' data: zeroed by their checks themselves (a megabyte written before
+    // each of the counting sweep's runs would slow it for nothing).
+    regions.push(Region {
+        addr: entries::DATA,
+        init: vec![0; entries::DATA_SIZE],
+        reset: false,
+        compare: false,
+    });
     let mut h = Harness::with_regions(
         regions,
         image_start,
@@ -741,7 +780,18 @@ fn sweep_functions<S: AsRef<str>>(
             .unwrap_or_default();
         let func_name = |addr: u64| format!("{name}+{:#x}", addr - range.start);
         match sweep(&mut h, &ctx, &addrs, options, &mut report, &func_name) {
-            Ok(()) => report.functions += 1,
+            Ok(()) => {
+                report.functions += 1;
+                entries::check_entry_kinds(
+                    &mut h,
+                    &ctx,
+                    range.start,
+                    name,
+                    loaded.return_thunk,
+                    loaded.cpu_number,
+                    &mut report,
+                )?;
+            }
             Err(RegressError::ReferenceDidNotHalt(why)) => {
                 report
                     .skipped

@@ -553,9 +553,10 @@ fn check_batch(
         return Ok(());
     }
     let failures = run_points(h, reference, profile, points, kind, slots, counters)?;
+    // The counting sweep's kinds: a trap, else a counting splice.
     match kind {
-        ProbeKind::Splice => report.splices_checked += points.len(),
         ProbeKind::Trap => report.traps_checked += points.len(),
+        _ => report.splices_checked += points.len(),
     }
     let Some(batch_failure) = failures else {
         return Ok(());
@@ -627,6 +628,7 @@ fn rebuild_in_slot0(
                 .map_err(|e| error_chain(&e))?;
             out.ool = Some(o.code);
         }
+        other => return Err(format!("{other} is not a kind of the counting sweep")),
     }
     Ok(out)
 }
@@ -696,12 +698,12 @@ fn run_points(
     for (i, p) in points.iter().enumerate() {
         let expected = profile.get(&p.addr).copied().unwrap_or(0);
         let got = match kind {
-            ProbeKind::Splice => {
+            ProbeKind::Trap => outcome.hits.get(&p.addr).copied().unwrap_or(0),
+            _ => {
                 let mut b = [0u8; 8];
                 h.m.read(counters + 8 * i as u64, &mut b)?;
                 u64::from_le_bytes(b)
             }
-            ProbeKind::Trap => outcome.hits.get(&p.addr).copied().unwrap_or(0),
         };
         if got != expected {
             return Ok(Some(format!(

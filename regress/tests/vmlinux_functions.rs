@@ -2,7 +2,7 @@
 //! library functions of the vmlinux, called in Unicorn with the image mapped at its link
 //! address, every accepted point probed.
 
-use exotap_regress::{vmlinux, Options};
+use exotap_regress::{vmlinux, Options, ProbeKind};
 
 #[test]
 fn every_accepted_point_of_30_vmlinux_functions_runs_unchanged() {
@@ -19,6 +19,17 @@ fn every_accepted_point_of_30_vmlinux_functions_runs_unchanged() {
     assert!(report.divergences.is_empty(), "{report}");
     assert!(report.build_errors.is_empty(), "{report}");
     assert!(report.splice_points + report.trap_points > 500, "{report}");
+    // The entry patches of time, trace, nullify and replace at every function entry the
+    // planner splices (the ftrace sites of lib/math and kernel/time), each under its oracle.
+    for kind in [
+        ProbeKind::Time,
+        ProbeKind::Trace,
+        ProbeKind::Nullify,
+        ProbeKind::Replace,
+    ] {
+        let checked = report.entries_checked.get(&kind).copied().unwrap_or(0);
+        assert!(checked >= 15, "{kind}: {checked} entries checked\n{report}");
+    }
     assert!(
         report.executed_points * 2 > report.splice_points + report.trap_points,
         "{report}"

@@ -76,7 +76,8 @@ pub use kernel::{category, why_not, KernelFacts, LiveKernel};
 pub use oracles::{guest_ftrace_sites, guest_kprobe_hits, KprobeReader};
 pub use pages::{changed_sites, page_spans, PageSnapshot, MERGE_GAP};
 use pages::{pages_of, snapshot};
-use patches::{diverting_patch, jmp_rel32, timing_entry, timing_trampoline};
+use patches::jmp_rel32;
+pub use patches::{diverting_patch, timed_entry_patch, EntryPatch};
 pub use patches::{Rings, BUCKETS, TRACE_RECORD};
 pub use records::{ring_spans, ring_spans_of, ring_window, take_records, TraceRecord};
 
@@ -616,31 +617,15 @@ impl Splicer {
                         0
                     };
                     timing = Some((hist, patch));
-                    (|| -> anyhow::Result<(Vec<u8>, [u8; 5])> {
-                        let mut code = timing_trampoline(patch, table, hist, trace)?;
-                        code.resize(code.len().div_ceil(16) * 16, 0xcc);
-                        let entry_at = patch + code.len() as u64;
-                        let swap = ReturnSwap {
-                            table,
-                            misses,
-                            trampoline: patch,
-                            heap,
-                        };
-                        let entry = timing_entry(entry_at, &swap, trace)?;
-                        let reloc_at = entry_at + entry.len() as u64;
-                        let moved = generate(&PatchRequest {
-                            original: &site.bytes,
-                            addr: site.addr,
-                            patch: reloc_at,
-                            probes: &[],
-                            live: site.live,
-                            call_return: crate::splice::CallReturn::default(),
-                        })?;
-                        code.extend_from_slice(&entry);
-                        code.extend_from_slice(&moved.code);
-                        Ok((code, jmp_rel32(req.addr, entry_at)?))
-                    })()
-                    .map_err(|e| format!("{e:#}"))
+                    let swap = ReturnSwap {
+                        table,
+                        misses,
+                        trampoline: patch,
+                        heap,
+                    };
+                    timed_entry_patch(&site, &swap, hist, trace)
+                        .map(|p| (p.code, p.splice))
+                        .map_err(|e| format!("{e:#}"))
                 }
                 Action::Compiled(k) => {
                     let (table, misses) = self.inflight.unwrap_or_default();

@@ -7,6 +7,7 @@ use iced_x86::code_asm::{rax, CodeAssembler};
 use iced_x86::Register;
 
 use crate::rings::RingSet;
+use crate::splice::{generate, CallReturn, PatchRequest, Site};
 
 use super::Action;
 
@@ -20,8 +21,13 @@ pub(super) fn jmp_rel32(from: u64, to: u64) -> anyhow::Result<[u8; 5]> {
 }
 
 /// A patch that counts and then returns `value` (nullify) or jumps to `other` (replace),
-/// never running the spliced instruction.
-pub(super) fn diverting_patch(
+/// never running the spliced instruction: the code `exotap nullify` and `exotap replace`
+/// splice in at a function's entry (`exotap regress` runs it too). `return_thunk`: where the
+/// kernel returns through (`__x86_return_thunk`), else a `ret`.
+///
+/// # Errors
+/// For an action that runs the original instruction, or code the assembler refuses.
+pub fn diverting_patch(
     at: u64,
     counter: u64,
     action: Action,
@@ -159,10 +165,58 @@ fn emit_record(
     Ok(())
 }
 
+/// A built entry patch: its code (placed at the `trampoline` address of its
+/// [`ReturnSwap`]), the splice that enters it, and where its entry half begins.
+#[derive(Debug, Clone)]
+pub struct EntryPatch {
+    /// The return trampoline, then the entry half, then the relocated entry instruction.
+    pub code: Vec<u8>,
+    /// The `jmp rel32` written over the entry instruction.
+    pub splice: [u8; 5],
+    /// Where the splice jumps: the entry half.
+    pub entry: u64,
+}
+
+/// The code `exotap time` (a log2 histogram of cycles at `histogram`) or `exotap trace`
+/// (entry and return records into `trace`'s rings, with its id) splices in at the entry
+/// `site`: the return trampoline at `swap.trampoline`, the entry half (claims a slot of the
+/// table of calls in flight and swaps the return address), the relocated entry instruction
+/// and a jump back. One builder for the splicer and `exotap regress`, which runs this code
+/// under its oracles.
+///
+/// # Errors
+/// When the instruction cannot be relocated, or the assembler refuses the code.
+pub fn timed_entry_patch(
+    site: &Site,
+    swap: &ReturnSwap,
+    histogram: u64,
+    trace: Option<(&Rings, u32)>,
+) -> anyhow::Result<EntryPatch> {
+    let mut code = timing_trampoline(swap.trampoline, swap.table, histogram, trace)?;
+    code.resize(code.len().div_ceil(16) * 16, 0xcc);
+    let entry = swap.trampoline + code.len() as u64;
+    let half = timing_entry(entry, swap, trace)?;
+    let moved = generate(&PatchRequest {
+        original: &site.bytes,
+        addr: site.addr,
+        patch: entry + half.len() as u64,
+        probes: &[],
+        live: site.live,
+        call_return: CallReturn::default(),
+    })?;
+    code.extend_from_slice(&half);
+    code.extend_from_slice(&moved.code);
+    Ok(EntryPatch {
+        code,
+        splice: jmp_rel32(site.addr, entry)?,
+        entry,
+    })
+}
+
 /// The entry half: claim a slot, save the return address and the TSC, swap in the
 /// trampoline (and with `trace`, record the entry with the first argument). Preserves every
 /// register and (function entry) needs no flags.
-pub(super) fn timing_entry(
+fn timing_entry(
     at: u64,
     swap: &ReturnSwap,
     trace: Option<(&Rings, u32)>,
@@ -191,7 +245,7 @@ pub(super) fn timing_entry(
 }
 
 /// The return trampoline of one timed (histogram) or traced (ring record) function.
-pub(super) fn timing_trampoline(
+fn timing_trampoline(
     at: u64,
     table: u64,
     histogram: u64,
