@@ -46,10 +46,12 @@ const HURT: &[&str] = &[
     "Kernel panic",
 ];
 
-/// Reads of /proc in each round of the workload: `cat` reads through `vfs_read` into
-/// fs/proc's seq_file shows, `ls` reads the directory (`proc_root_readdir`, which tail-calls
-/// `proc_pid_readdir`).
-const PROC_READS: &str = "  cat /proc/meminfo /proc/self/stat /proc/sys/vm/* >/dev/null 2>&1\n  \
+/// Reads of /proc in each round of the workload: `dd` reads a seq_file show through `read`,
+/// so through `vfs_read` (what `para-callgraph.stp` watches; busybox's `cat` reads with
+/// `sendfile`), `cat` more of them, `ls` reads the directory (`proc_root_readdir`, which
+/// tail-calls `proc_pid_readdir`).
+const PROC_READS: &str = "  dd if=/proc/meminfo of=/dev/null 2>/dev/null\n  \
+                          cat /proc/meminfo /proc/self/stat /proc/sys/vm/* >/dev/null 2>&1\n  \
                           ls /proc >/dev/null\n";
 
 /// An example in scope: its path, stap's options (`-g`, `-D X`, `-I X`) and its arguments,
@@ -422,10 +424,11 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
                 }
                 let first_error = first_error(&run.err);
                 eprintln!(
-                    "SOAK {round}/{compile} {name}: exit {:?}, installed {}, {:.1} s{}",
+                    "SOAK {round}/{compile} {name}: exit {:?}, installed {}, {:.1} s, {} lines out{}",
                     run.code,
                     run.installed,
                     run.secs,
+                    run.out.lines().count(),
                     if first_error.is_empty() {
                         String::new()
                     } else {
