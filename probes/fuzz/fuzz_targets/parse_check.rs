@@ -19,6 +19,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(src) = std::str::from_utf8(data) else { return };
     let limits = Limits {
         max_action: 200,
+        max_action_interruptible: Some(400),
         max_map_entries: 16,
         max_string_len: 64,
         max_nesting: 6,

@@ -52,6 +52,8 @@ fuzz_target!(|data: &[u8]| {
         snapshot_bytes: u64::from(u16::from_le_bytes([head[5], head[6]])),
         pc: 0xffff_ffff_8100_0000 + u64::from(head[7]) * 16,
         max_string_len: 512,
+        // A return probe's stack too (its record starts at the return-address slot).
+        at_return: head[7] & 0x80 != 0,
     }];
     let mut record = record.to_vec();
     if record.len() >= 12 {
