@@ -67,6 +67,19 @@ pub(crate) struct Outcome {
     hits: HashMap<u64, u64>,
 }
 
+impl Outcome {
+    /// Puts the first five of `original`'s bytes back at `addr` in the memory the run left
+    /// (where a splice's `jmp` was), so that the text compares with the reference's.
+    pub(crate) fn unsplice(&mut self, addr: u64, original: &[u8]) {
+        for (start, bytes) in &mut self.memory {
+            if addr >= *start && addr + 5 <= *start + bytes.len() as u64 {
+                let off = (addr - *start) as usize;
+                bytes[off..off + 5].copy_from_slice(&original[..5]);
+            }
+        }
+    }
+}
+
 /// The image loaded in a Unicorn machine that can be reset between runs.
 pub(crate) struct Harness {
     pub(crate) m: UnicornMachine,
@@ -680,17 +693,8 @@ fn run_points(
         Err(_) => return outcome.map(|_| None),
     };
     // Put the original bytes back under each splice before comparing the text.
-    for p in points {
-        if p.splice.is_some() {
-            for (addr, bytes) in &mut outcome.memory {
-                let start = *addr;
-                let end = start + bytes.len() as u64;
-                if p.addr >= start && p.addr + 5 <= end {
-                    let off = (p.addr - start) as usize;
-                    bytes[off..off + 5].copy_from_slice(&p.original[..5]);
-                }
-            }
-        }
+    for p in points.iter().filter(|p| p.splice.is_some()) {
+        outcome.unsplice(p.addr, &p.original);
     }
     if let Some(what) = compare(reference, &outcome) {
         return Ok(Some(what));

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 
 use exotap_probes::compile::site::{ReturnSwap, INFLIGHT_BYTES, SLOT};
 use exotap_probes::live::splicer::{
-    diverting_patch, timed_entry_patch, Action, Rings, BUCKETS, TRACE_RECORD,
+    diverting_patch, jmp_rel32, timed_entry_patch, Action, Rings, BUCKETS, TRACE_RECORD,
 };
 use exotap_probes::rings::RingSet;
 use exotap_probes::splice::{plan, SpliceContext, SpliceDecision};
@@ -139,12 +139,8 @@ pub(super) fn check_entry_kinds(
                     stub.push(0xc3);
                     (Action::Replace(stand_in), stub)
                 };
-                diverting_patch(patch, counter, action, return_thunk).and_then(|code| {
-                    let rel = i32::try_from(patch as i64 - (entry as i64 + 5))?;
-                    let mut splice = [0xe9, 0, 0, 0, 0];
-                    splice[1..].copy_from_slice(&rel.to_le_bytes());
-                    Ok((code, splice, stub))
-                })
+                diverting_patch(patch, counter, action, return_thunk)
+                    .and_then(|code| Ok((code, jmp_rel32(entry, patch)?, stub)))
             }
             ProbeKind::Splice | ProbeKind::Trap => continue,
         };
@@ -168,13 +164,7 @@ pub(super) fn check_entry_kinds(
         let outcome = h.run(&HashMap::new());
         h.m.write(entry, &site.bytes[..5])?;
         let mut outcome = outcome?;
-        // The spliced bytes put back in what the run left, as for the counting sweep.
-        for (addr, bytes) in &mut outcome.memory {
-            if entry >= *addr && entry + 5 <= *addr + bytes.len() as u64 {
-                let off = (entry - *addr) as usize;
-                bytes[off..off + 5].copy_from_slice(&site.bytes[..5]);
-            }
-        }
+        outcome.unsplice(entry, &site.bytes);
         let what = match kind {
             ProbeKind::Time | ProbeKind::Trace => compare(&reference, &outcome)
                 .map_or_else(|| own_effect(h, kind, calls, &reference), |w| Ok(Some(w)))?,

@@ -76,8 +76,7 @@ pub use kernel::{category, why_not, KernelFacts, LiveKernel};
 pub use oracles::{guest_ftrace_sites, guest_kprobe_hits, KprobeReader};
 pub use pages::{changed_sites, page_spans, PageSnapshot, MERGE_GAP};
 use pages::{pages_of, snapshot};
-use patches::jmp_rel32;
-pub use patches::{diverting_patch, timed_entry_patch, EntryPatch};
+pub use patches::{diverting_patch, jmp_rel32, timed_entry_patch, EntryPatch};
 pub use patches::{Rings, BUCKETS, TRACE_RECORD};
 pub use records::{ring_spans, ring_spans_of, ring_window, take_records, TraceRecord};
 

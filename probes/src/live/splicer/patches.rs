@@ -12,7 +12,10 @@ use crate::splice::{generate, CallReturn, PatchRequest, Site};
 use super::Action;
 
 /// `jmp rel32` from `from` to `to`.
-pub(super) fn jmp_rel32(from: u64, to: u64) -> anyhow::Result<[u8; 5]> {
+///
+/// # Errors
+/// When `to` is out of rel32 reach of `from`.
+pub fn jmp_rel32(from: u64, to: u64) -> anyhow::Result<[u8; 5]> {
     let rel = i32::try_from(to.wrapping_sub(from.wrapping_add(5)) as i64)
         .with_context(|| format!("{to:#x} is out of rel32 reach of {from:#x}"))?;
     let mut out = [0xe9, 0, 0, 0, 0];
