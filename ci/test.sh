@@ -74,7 +74,7 @@ export EXOTAP_KERNELS="$(cat "$images/kernels")"
 # The JIT's block counts against the guest's kprobes at every leader (tests/jit_qemu.rs), on
 # both kernels too.
 export EXOTAP_JIT_KERNELS="$EXOTAP_KERNELS"
-# The nested KVM test (tests/kvm_nested.rs) runs the test build's own exotap (stripped, with its
+# The nested KVM test (tests/kvm_nested/) runs the test build's own exotap (stripped, with its
 # loader and libraries) inside a QEMU TCG guest: 4-8 min with its engine runs (docs/backends.md,
 # "The kvm backend"). No second build: the static release one it ran before took 6-8 min of CI.
 export EXOTAP_NESTED=1

@@ -6,7 +6,7 @@
 //! `_end`, writes a counter and the patch into the heap and the `jmp` over the function's
 //! entry instruction, and resumes. At `unsplice` it pauses, reads the counter, restores the
 //! original bytes and resumes. No trap is used: int3 debug exits did not reach userspace under
-//! QEMU TCG's emulated SVM, where this is verified (tests/kvm_nested.rs).
+//! QEMU TCG's emulated SVM, where this is verified (tests/kvm_nested/).
 //!
 //! Findings are printed as `HOST-RESULT key=value`, as `exotap selftest` does.
 

@@ -2,7 +2,7 @@
 //! (kvm_pvm here, or no /dev/kvm), each command must refuse at once, before loading an image
 //! or booting anything, naming why; the reason is checked against what the host shows
 //! (`/sys/module/kvm_pvm`, `/dev/kvm`). Where hardware KVM works the commands would run for
-//! real: these tests print SKIP there (tests/kvm_nested.rs runs them under nested KVM).
+//! real: these tests print SKIP there (tests/kvm_nested/ runs them under nested KVM).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -21,7 +21,7 @@ fn refusal_expected(test: &str) -> Option<String> {
         None => {
             eprintln!(
                 "SKIP {test}: this host has hardware KVM ({}), so --backend kvm would run; \
-                 tests/kvm_nested.rs covers the real runs",
+                 tests/kvm_nested/ covers the real runs",
                 support.explain()
             );
             None

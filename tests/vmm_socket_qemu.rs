@@ -6,7 +6,7 @@
 //! function, read at the same stops (`--compare-kprobes`). Then a second
 //! exotap is killed with SIGKILL while its splice is in, and the server's end-of-connection
 //! recovery (the VMM's, `Journal::recover`) puts the text back: its SHA-256, read through a
-//! fresh gdbstub connection, equals the one taken before. tests/kvm_nested.rs does the same
+//! fresh gdbstub connection, equals the one taken before. tests/kvm_nested/ does the same
 //! against the real VMM under nested KVM.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

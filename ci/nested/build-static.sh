@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the static exotap that the nested KVM harness (tests/kvm_nested.rs) runs inside the
+# Builds the static exotap that the nested KVM harness (tests/kvm_nested/) runs inside the
 # outer QEMU guest: glibc linked statically (-C target-feature=+crt-static), release profile
 # (the guest runs it under TCG, where a debug build's kallsyms recovery is slow).
 # Output: target/nested/exotap (stripped)
