@@ -539,7 +539,9 @@ struct Loaded {
     /// Every symbol of a wanted name.
     symbols: HashMap<String, Vec<SymbolFact>>,
     return_thunk: Option<u64>,
-    /// The per-CPU offset of `cpu_number` (the per-CPU segment is mapped at 0: it reads 0).
+    /// The per-CPU offset of `cpu_number` (the per-CPU segment is mapped at 0: it reads 0):
+    /// its own symbol, or `pcpu_hot.cpu_number` (6.12) from the vmlinux's BTF, the rule of
+    /// `exotap_probes::live::attach::percpu_variable`.
     cpu_number: Option<u64>,
     /// Every sized code symbol in the text, `(start, end, name)`, sorted (the JIT mode
     /// translates callees too).
@@ -549,6 +551,8 @@ struct Loaded {
 const RETURN_THUNK: &str = "__x86_return_thunk";
 /// The kernel's per-CPU vCPU number, which trace records read `gs:`-relative.
 const CPU_NUMBER: &str = "cpu_number";
+/// Where kernels that gathered their hottest per-CPU variables keep `cpu_number` (6.12).
+const PCPU_HOT: &str = "pcpu_hot";
 
 fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError> {
     let bad = |why: String| RegressError::Layout(format!("{}: {why}", path.display()));
@@ -586,7 +590,7 @@ fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError>
     let wanted: HashSet<&str> = names
         .iter()
         .map(AsRef::as_ref)
-        .chain([RETURN_THUNK, CPU_NUMBER])
+        .chain([RETURN_THUNK, CPU_NUMBER, PCPU_HOT])
         .collect();
     let mut symbols: HashMap<String, Vec<SymbolFact>> = HashMap::new();
     let text_end = text_base + text.len() as u64;
@@ -618,10 +622,18 @@ fn load<S: AsRef<str>>(path: &Path, names: &[S]) -> Result<Loaded, RegressError>
         .get(RETURN_THUNK)
         .and_then(|facts| facts.iter().find(|f| f.code))
         .map(|f| f.addr);
-    let cpu_number = symbols
-        .get(CPU_NUMBER)
-        .and_then(|facts| facts.iter().find(|f| !f.code))
-        .map(|f| f.addr);
+    let data_symbol = |name: &str| {
+        symbols
+            .get(name)
+            .and_then(|facts| facts.iter().find(|f| !f.code))
+            .map(|f| f.addr)
+    };
+    let cpu_number = data_symbol(CPU_NUMBER).or_else(|| {
+        let hot = data_symbol(PCPU_HOT)?;
+        let btf = exotap_introspect::btf::Btf::from_elf(&map).ok()?;
+        let member = btf.struct_member(PCPU_HOT, CPU_NUMBER).ok()?;
+        Some(hot + member.byte_offset()?)
+    });
     code_symbols.sort();
     code_symbols.dedup_by_key(|s| s.0);
     Ok(Loaded {

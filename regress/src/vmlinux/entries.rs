@@ -1,7 +1,8 @@
 //! The patches `exotap time`, `exotap trace`, `exotap nullify` and `exotap replace` splice in
 //! at a function's entry, run under the regression's oracles (issue 41): the same builders
 //! the live splicer calls ([`timed_entry_patch`], [`diverting_patch`]), at the entry of each
-//! function the vmlinux sweep calls, after its counting and trap sweep.
+//! function the vmlinux sweep calls (past an `endbr64` or its seal, as the splicer places a
+//! function probe), after its counting and trap sweep.
 //!
 //! Each kind's run must do what the unprobed call did, and its own effect is checked:
 //! - **time**: the same end, registers, scratch memory and live stack as the reference; the
@@ -24,7 +25,8 @@ use std::collections::HashMap;
 
 use exotap_probes::compile::site::{ReturnSwap, INFLIGHT_BYTES, SLOT};
 use exotap_probes::live::splicer::{
-    diverting_patch, jmp_rel32, timed_entry_patch, Action, Rings, BUCKETS, TRACE_RECORD,
+    diverting_patch, endbr_or_seal, jmp_rel32, timed_entry_patch, Action, Rings, BUCKETS,
+    TRACE_RECORD,
 };
 use exotap_probes::rings::RingSet;
 use exotap_probes::splice::{plan, SpliceContext, SpliceDecision};
@@ -74,6 +76,14 @@ pub(super) fn check_entry_kinds(
     cpu_number: Option<u64>,
     report: &mut Report,
 ) -> Result<(), RegressError> {
+    // Past an `endbr64` or its seal (IBT kernels, 6.12): where the splicer puts a function
+    // probe (`LiveKernel::entry`), the ftrace site.
+    let start = entry;
+    let entry = if ctx.text.range(start, start + 4).is_some_and(endbr_or_seal) {
+        start + 4
+    } else {
+        start
+    };
     let counter = h.heap_base();
     let stand_in = h.heap_base() + 0x800;
     let patch = h.heap_base() + 0x1000;
@@ -174,7 +184,7 @@ pub(super) fn check_entry_kinds(
         if let Some(what) = what {
             report.divergences.push(Divergence {
                 points: vec![entry],
-                function: format!("{name}+0x0"),
+                function: format!("{name}+{:#x}", entry - start),
                 kind,
                 what,
             });

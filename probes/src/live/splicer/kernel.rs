@@ -25,8 +25,8 @@ pub const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
 /// `endbr64` no indirect branch needs (it seals it), `nopl -0x2a(%rax)` (`0f 1f 40 d6`) in
 /// earlier kernels, `osp nopl (%rax)` (`66 0f 1f 00`, seen at `vfs_read` in Debian's 6.12)
 /// in later ones. Any 4-byte nop at a function's start is taken the same way: a probe
-/// after it still sees every call.
-fn endbr_or_seal(bytes: &[u8]) -> bool {
+/// after it still sees every call. `exotap regress` places its entry patches by the same rule.
+pub fn endbr_or_seal(bytes: &[u8]) -> bool {
     let Some(head) = bytes.get(..4) else {
         return false;
     };

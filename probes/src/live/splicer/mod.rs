@@ -72,7 +72,7 @@ mod patches;
 mod records;
 mod targets_cache;
 
-pub use kernel::{category, why_not, KernelFacts, LiveKernel};
+pub use kernel::{category, endbr_or_seal, why_not, KernelFacts, LiveKernel};
 pub use oracles::{guest_ftrace_sites, guest_kprobe_hits, KprobeReader};
 pub use pages::{changed_sites, page_spans, PageSnapshot, MERGE_GAP};
 use pages::{pages_of, snapshot};
