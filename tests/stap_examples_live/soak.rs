@@ -1,8 +1,9 @@
 //! Issue 40's soak: SystemTap's examples (those in scope that pass `-p 2` with their `.meta`
 //! arguments) run live back to back against ONE booted 2-vCPU guest under the mixed workload
 //! (plus reads of /proc, where the probed code of `para-callgraph.stp` and `callgraph.stp`
-//! runs), each ended by SIGINT a few seconds after its install, with `--compile auto` and
-//! with `--compile never`. After each run, the guest must be unhurt:
+//! runs, and a process named `bash` that migrates, [`BASH_ROUND`]), each ended by SIGINT a
+//! few seconds after its install, with `--compile auto` and with `--compile never`. After each
+//! run, the guest must be unhurt:
 //! - `exotap recover --digest` finds nothing exotap left (no splice, no swapped return
 //!   address, no breakpoint) and the kernel text hashes to what it did before the first run;
 //! - the console has no oops, BUG, WARNING or invalid opcode, and the guest still runs.
@@ -53,6 +54,17 @@ const HURT: &[&str] = &[
 const PROC_READS: &str = "  dd if=/proc/meminfo of=/dev/null 2>/dev/null\n  \
                           cat /proc/meminfo /proc/self/stat /proc/sys/vm/* >/dev/null 2>&1\n  \
                           ls /proc >/dev/null\n";
+
+/// A process named `bash` (the syscall loop under that name: comm is the executable's name),
+/// the argument SystemTap's test suite gives `migrate.stp`, `chng_cpu.stp` and
+/// `pstrace_exec.stp`: exec'd each round (what `pstrace_exec.stp` watches), once pinned to the
+/// second vCPU (a context switch onto it, `chng_cpu.stp`'s), once moved between the vCPUs
+/// while it runs (`sched_migrate_task`, `migrate.stp`'s).
+const BASH_SETUP: &str = "cp /bin/syscall-loop /tmp/bash\n";
+const BASH_ROUND: &str = "  taskset 2 /tmp/bash 200 >/dev/null\n  \
+                          /tmp/bash 5000 >/dev/null & b=$!\n  \
+                          taskset -p 1 $b >/dev/null 2>&1; taskset -p 2 $b >/dev/null 2>&1\n  \
+                          wait $b\n";
 
 /// An example in scope: its path, stap's options (`-g`, `-D X`, `-I X`) and its arguments,
 /// from its `.meta` file's `test_check:` line.
@@ -383,7 +395,10 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
     let began = Instant::now();
     // The guest boots `quiet` (its console prints errors only): a WARNING, and the kernel's
     // notes that it changes its own text, are warnings.
-    let job = format!("echo 5 > /proc/sys/kernel/printk\n{}", job_with(PROC_READS));
+    let job = format!(
+        "echo 5 > /proc/sys/kernel/printk\n{BASH_SETUP}{}",
+        job_with(&format!("{PROC_READS}{BASH_ROUND}"))
+    );
     let mut live = LiveGuest::boot_with(began, &job);
     // The reference: the text once the workload has run two rounds (the job armed its
     // kprobes and tracepoints before it said so, and the kernel flips some static keys of its
