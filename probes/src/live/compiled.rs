@@ -15,9 +15,12 @@
 //! RAM, exotap's own VMM) it gets them with no stop. It also looks at the data's
 //! header every [`POLL_EVERY`] (one short stop): `exit()` ends the session, a probe error
 //! (division by zero, MAXACTION) stops it as the interpreter would, and dropped updates (a
-//! full table) are reported at the end. Booted guests wait at `exotap_wait detach` after
-//! their job, where the host reads the final state and removes the splices before the guest
-//! powers off.
+//! full table) are reported at the end. A look that finds the string table of built strings
+//! past half full collects it (crate::compile::data::collect), with the guest stopped (a
+//! stop of its own where the look made none) and no compiled hit in progress; what the
+//! collector did is said at the end (`HOST-RESULT strings.collections=...`). Booted guests
+//! wait at `exotap_wait detach` after their job, where the host reads the final state and
+//! removes the splices before the guest powers off.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
@@ -431,6 +434,8 @@ fn install(
             addrs: requests.iter().map(|r| r.addr).collect(),
         };
         let report = guest.install_compiled(&requests, &mut sites)?;
+        // The code may hold the encodings of strings placed so far: the collector keeps them.
+        interner.pin_placed();
         for r in &report.refused {
             tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
         }
@@ -469,6 +474,7 @@ fn install(
         entered,
         pulled: None,
         stacks: None,
+        collections: Default::default(),
     })
 }
 
@@ -646,6 +652,13 @@ fn run(
     }
     let pauses_at_install = guest.session.pause_count();
     let mut next_poll = Instant::now() + POLL_EVERY;
+    // A collection that finds a vCPU in a compiled hit may let the guest run a moment and
+    // look again, unless a breakpoint of the run could stop a vCPU meanwhile.
+    let collect_tries = if traps.is_none() && guest.entered.is_empty() {
+        guest::COLLECT_TRIES
+    } else {
+        1
+    };
     let mut host_hits = 0u64;
     let mut entered_hits = 0u64;
     let mut twin_emulated = false;
@@ -664,7 +677,11 @@ fn run(
                     // Output and header through the shared RAM: no stop.
                     guest.print(&mut session, false)?;
                     header = guest.header()?;
-                    return Ok(header.exit || header.errors > 0);
+                    let end = header.exit || header.errors > 0;
+                    if !end {
+                        guest.collect_strings(collect_tries)?;
+                    }
+                    return Ok(end);
                 }
                 // (Check mode compares at stops: a vCPU between its host-evaluated and its
                 // compiled run of a hit is finished first, below.)
@@ -729,6 +746,7 @@ fn run(
                 }
                 let end = header.exit || header.errors > 0;
                 if !end {
+                    guest.collect_strings(collect_tries)?;
                     guest.session.resume_after_read(paused)?;
                 }
                 Ok(end)
@@ -857,6 +875,20 @@ fn run(
     }
     if traps.is_some() {
         tracing::info!("{host_hits} hits of host-evaluated probes");
+    }
+    if guest.layout.strings.is_some_and(|t| t.collectable) {
+        let c = guest.collections;
+        tracing::info!(
+            "string table: {} collections freed {} entries; {} attempts found a vCPU in a \
+             compiled hit",
+            c.collections,
+            c.freed,
+            c.busy
+        );
+        session.note(&format!(
+            "HOST-RESULT strings.collections={} strings.freed={} strings.busy={}",
+            c.collections, c.freed, c.busy
+        ));
     }
     if !guest.entered.is_empty() {
         tracing::info!("{entered_hits} hits entered compiled code from a breakpoint");

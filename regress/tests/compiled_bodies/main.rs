@@ -340,6 +340,8 @@ fn rig_at(
         .unwrap();
     uc.write(TASK + 0x2000 + 0x4, &1000u32.to_le_bytes())
         .unwrap();
+    // As the live install: the collector keeps what the host placed before the code ran.
+    interner.pin_placed();
     (
         Rig {
             uc,
@@ -399,6 +401,42 @@ impl Rig {
 
     /// As [`Rig::hit`], with the task's comm holding `name` (up to 15 bytes, any bytes).
     fn hit_as(&mut self, h: &Hit, name: &[u8]) {
+        self.begin_hit(h, name);
+        self.uc.set_budget(10_000_000);
+        let end = self.uc.run().unwrap();
+        assert!(
+            matches!(end, RunEnd::Halted(_)),
+            "the body did not return: {end:?}"
+        );
+    }
+
+    /// Runs hit `h` an instruction at a time until `stop` says so of the machine (the hit
+    /// then in progress, `true`) or the hit ends (`false`).
+    fn hit_until(&mut self, h: &Hit, stop: impl Fn(&UnicornMachine) -> bool) -> bool {
+        self.begin_hit(h, h.comm.as_bytes());
+        loop {
+            self.uc.set_budget(1);
+            match self.uc.run().unwrap() {
+                RunEnd::Halted(_) => return false,
+                RunEnd::BudgetExhausted(_) if stop(&self.uc) => return true,
+                RunEnd::BudgetExhausted(_) => {}
+                end => panic!("the body stopped: {end:?}"),
+            }
+        }
+    }
+
+    /// Runs the rest of a hit [`Rig::hit_until`] stopped.
+    fn finish_hit(&mut self) {
+        self.uc.set_budget(10_000_000);
+        let end = self.uc.run().unwrap();
+        assert!(
+            matches!(end, RunEnd::Halted(_)),
+            "the body did not return: {end:?}"
+        );
+    }
+
+    /// The task and registers of hit `h` (the comm holding `name`), the pc at the site.
+    fn begin_hit(&mut self, h: &Hit, name: &[u8]) {
         let mut comm = [0u8; 16];
         comm[..name.len()].copy_from_slice(name);
         self.uc.write(TASK + 0x20, &comm).unwrap();
@@ -413,18 +451,24 @@ impl Rig {
         self.uc.set_x86_registers(&regs).unwrap();
         self.uc.set_gs_base(PERCPU).unwrap();
         self.uc.set_halt(Some(self.end)).unwrap();
-        self.uc.set_budget(10_000_000);
-        let end = self.uc.run().unwrap();
-        assert!(
-            matches!(end, RunEnd::Halted(_)),
-            "the body did not return: {end:?}"
-        );
     }
 
     fn data(&self) -> Vec<u8> {
         let mut buf = vec![0u8; self.layout.size as usize];
         self.uc.read(DATA, &mut buf).unwrap();
         buf
+    }
+
+    /// The host's collection of the string table, as the live loop makes it at a look (the
+    /// "guest" stopped between instructions), written back.
+    fn collect_strings(&mut self) -> compile::data::collect::Collection {
+        let mut data = self.data();
+        let got = self
+            .layout
+            .collect_strings(&mut data, &mut self.interner)
+            .expect("a collectable string table");
+        self.uc.write(DATA, &data).unwrap();
+        got
     }
 
     /// What the compiled code printed, in order.
@@ -595,6 +639,19 @@ fn differential_limits(
     known: impl Fn(&Hit, &mut CapturedContext),
     limits: Limits,
 ) -> (Header, u64) {
+    differential_between(script, hits, setup, known, limits, |_, _| {})
+}
+
+/// As [`differential_limits`], with `between` given the rig after each hit (and its index):
+/// what the host does to the data between hits (collect the string table).
+fn differential_between(
+    script: &str,
+    hits: &[Hit],
+    setup: impl Fn(&mut UnicornMachine, &Hit),
+    known: impl Fn(&Hit, &mut CapturedContext),
+    limits: Limits,
+    mut between: impl FnMut(&mut Rig, usize),
+) -> (Header, u64) {
     let (mut rig, prog) = rig(script, &limits);
     let out = SharedBuf::default();
     let err = SharedBuf::default();
@@ -608,9 +665,10 @@ fn differential_limits(
     );
     let mut session_json = Session::new(&prog, limits.clone(), output_json, "t.stp", script);
     let mut failed = 0;
-    for h in hits {
+    for (i, h) in hits.iter().enumerate() {
         setup(&mut rig.uc, h);
         rig.hit(h);
+        between(&mut rig, i);
         let mut ctx = context(h);
         let mut task = vec![0u8; (TASK_END - TASK) as usize];
         rig.uc.read(TASK, &mut task).unwrap();

@@ -1,5 +1,9 @@
 //! Strings: in keys, values and printf; built in the guest; cut at MAXSTRINGLEN; a full string
-//! table; the string functions (isinstr, strpos, stringat, strtol, str_replace, sprintf).
+//! table, and one the host collects; the string functions (isinstr, strpos, stringat,
+//! strtol, str_replace, sprintf).
+
+use exotap_probes::compile::data::collect::{Collection, Collections};
+use exotap_probes::compile::data::{StringTable, IN_USE, STRING_ENTRIES};
 
 use super::*;
 
@@ -112,6 +116,110 @@ fn a_full_string_table_ends_hits_with_counted_probe_errors() {
             .unwrap();
         assert!((0..n).contains(&a) && *v == Value::Long(1), "{text} {v:?}");
     }
+}
+
+#[test]
+fn strings_replaced_far_past_the_table_match_the_interpreter_when_the_host_collects() {
+    // Two new long strings a hit over 3,000 hits: some 6,000 texts through a table of
+    // 1,024 entries, which the host collects every 100 hits as the live loop does at its
+    // looks. Without the collections the table fills within 600 hits (the test above).
+    let script = r#"
+        global last, by, n
+        probe kernel.function("f") {
+          n++
+          last = sprint($a) . ":" . sprint($b) . "-a-long-built-string"
+          by[n % 7] = last . "/" . execname()
+          if (n % 500 == 0) println(last)
+        }
+    "#;
+    let mut done = Collections::default();
+
+    let (header, _) = differential_between(
+        script,
+        &hits(3000),
+        |_, _| {},
+        |_, _| {},
+        Limits::default(),
+        |rig, i| {
+            if i % 100 == 99 {
+                done.count(rig.collect_strings());
+            }
+        },
+    );
+
+    assert_eq!(
+        (header.errors, header.strings, done.collections, done.busy),
+        (0, 0, 30, 0)
+    );
+    assert!(
+        done.freed > 4 * u64::from(STRING_ENTRIES),
+        "only {} entries freed",
+        done.freed
+    );
+}
+
+#[test]
+fn a_collection_keeps_what_globals_hold_and_waits_out_a_hit_in_progress() {
+    // The second hit is stopped once its string is in the table, held by a local only:
+    // the collection then must free nothing. After the hit a global holds it.
+    let script = r#"
+        global kept, later
+        probe kernel.function("f") {
+          s = sprint($a) . "-held-by-a-local-only"
+          if ($b == 0) kept = s . "-and-a-global"
+          else later = s
+        }
+    "#;
+    let (mut rig, _) = rig(script, &Limits::default());
+    let table = rig.layout.strings.expect("a string table");
+    let in_use = move |uc: &UnicornMachine| {
+        let mut word = [0u8; 8];
+        uc.read(DATA + table.head + IN_USE, &mut word).unwrap();
+        u64::from_le_bytes(word)
+    };
+    let hit = |a, b| Hit {
+        comm: "bash",
+        pid: 1,
+        tgid: 1,
+        a,
+        b,
+    };
+    rig.hit(&hit(1, 0));
+    let before = in_use(&rig.uc);
+
+    let stopped = rig.hit_until(&hit(2, 1), |uc| in_use(uc) > before);
+    let in_progress = rig.collect_strings();
+    rig.finish_hit();
+    let after = rig.collect_strings();
+
+    let data = rig.data();
+    let held = |name: &str| {
+        let at = rig.layout.globals[name].offset as usize;
+        let index = u64::from_le_bytes(data[at + 8..at + 16].try_into().unwrap());
+        let entry = (table.offset + index * table.entry_size()) as usize;
+        let state = u64::from_le_bytes(data[entry..entry + 8].try_into().unwrap());
+        (data[at], state, table.text_of(&data, index).unwrap())
+    };
+    assert!(stopped);
+    assert_eq!(in_progress, Collection::Busy(1));
+    // Freed: the first hit's `s` and the long constant, which the guest interns again
+    // where it is evaluated.
+    assert_eq!(after, Collection::Collected { freed: 2, live: 2 });
+    assert_eq!(
+        (held("kept"), held("later")),
+        (
+            (2, 2, "1-held-by-a-local-only-and-a-global".to_string()),
+            (2, 2, "2-held-by-a-local-only".to_string())
+        )
+    );
+    let head = &data[table.head as usize..];
+    assert_eq!(
+        (
+            StringTable::in_use(head),
+            StringTable::hits_in_progress(head)
+        ),
+        (2, 0)
+    );
 }
 
 #[test]

@@ -87,6 +87,7 @@ pub fn emit_entry_value(
         .map_err(asm)?;
     let mut end = g.end;
     g.a.set_label(&mut end).map_err(asm)?;
+    g.leave_hit().map_err(asm)?;
     g.a.lea(rsp, qword_ptr(rbx + CATCH_RECORD)).map_err(asm)?;
     let mut after = g.a.create_label();
     g.a.jmp(after).map_err(asm)?;

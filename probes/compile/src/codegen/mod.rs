@@ -122,7 +122,7 @@ pub(crate) use exotap_lang::walk;
 pub(crate) use calls::is_print;
 pub use calls::{prints, record_bytes};
 pub use entry::{emit_entry_value, entry_values, EntryError, EntryValue};
-pub use strings::{builds_strings, regex_patterns};
+pub use strings::{builds_strings, keeps_entry_values, regex_patterns};
 pub(crate) use strings::{runtime_helpers as string_helpers, APPEND, INTERN};
 
 fn rip(addr: u64) -> MemoryOperand {
@@ -185,8 +185,11 @@ struct Errors {
 }
 
 /// Bytes above a probe's frame for the catch record (see [`functions`]): the handler's
-/// address (0: none), its frame pointer and its nesting depth.
+/// address (0: none), its frame pointer and its nesting depth; then [`HIT_WORD`].
 const CATCH_RECORD: i32 = 32;
+/// Where in the catch record a hit keeps the address of the count of hits in progress it
+/// counted itself into (see [`strings`]'s `enter_hit`).
+const HIT_WORD: i32 = 24;
 
 /// Emits probe `point.probe`'s body (with its condition) for `point`, at a site at `pc`.
 ///
@@ -405,7 +408,8 @@ impl Gen<'_, '_> {
         self.a.xor(r12d, r12d)?;
         self.a.sub(rsp, frame)?;
         self.zero_locals()?;
-        self.enter_probe()
+        self.enter_probe()?;
+        self.enter_hit()
     }
 
     /// Locals start at 0 and "" (the key buffers need no clearing).
@@ -469,6 +473,7 @@ impl Gen<'_, '_> {
         self.a.set_label(&mut common)?;
         self.count(data + field::ERRORS)?;
         self.a.set_label(&mut self.end)?;
+        self.leave_hit()?;
         self.a.lea(rsp, qword_ptr(rbx + CATCH_RECORD))?;
         Ok(())
     }

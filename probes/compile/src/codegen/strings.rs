@@ -30,8 +30,10 @@ use exotap_lang::ast::*;
 use exotap_lang::check::Program;
 use exotap_lang::value::truncate;
 
-use super::super::data::{StringTable, MAX_PROBES, STRING_HEAD};
-use super::{rip, walk, Gen, K, R};
+use super::super::data::{
+    StringTable, HITS, HIT_CPUS, HIT_STRIDE, IN_USE, MAX_PROBES, STRING_HEAD,
+};
+use super::{rip, walk, Gen, HIT_WORD, K, R};
 
 /// Key of the `append` helper in the runtime's helpers.
 pub(crate) const APPEND: &str = "$append";
@@ -117,6 +119,22 @@ pub fn regex_patterns(prog: &Program) -> Vec<String> {
     out
 }
 
+/// Whether a kernel probe keeps an `@entry(...)` value of anything but a parameter in its
+/// call's slot: a built string's table index may then live there, outside the globals and
+/// any hit, so the string table is not collected (see [`super::super::data::collect`]).
+pub fn keeps_entry_values(prog: &Program) -> bool {
+    let mut hit = false;
+    let mut visit = |e: &Expr| {
+        if let ExprKind::Entry(x) = &e.kind {
+            let param = matches!(&x.kind,
+                ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$'));
+            hit |= !param;
+        }
+    };
+    kernel_exprs(prog, &mut visit);
+    hit
+}
+
 /// Whether `e` itself builds a string (or reads one's text).
 pub(super) fn builds(e: &Expr) -> bool {
     match &e.kind {
@@ -167,7 +185,9 @@ pub(super) fn plain_key(e: &Expr) -> bool {
 ///
 /// `intern`: rsi = a text, rcx = its length (at most the table's text slot less one);
 /// returns its encoding in rax/rdx and r8 = 0, or r8 = 1 when the table had no room (or
-/// an entry stayed busy). Clobbers rcx, rdi, r9-r11.
+/// an entry stayed busy). A text not in the table takes its chain's first entry the host's
+/// collector freed, else the free entry that ends the chain, and counts it in use.
+/// Clobbers rcx, rdi, r9-r11.
 pub(crate) fn runtime_helpers(
     a: &mut CodeAssembler,
     t: &StringTable,
@@ -259,6 +279,14 @@ pub(crate) fn runtime_helpers(
     a.inc(rdi)?;
     a.jmp(hash)?;
     a.set_label(&mut hashed)?;
+    // [rsp]: the index of the chain's first freed entry (a tombstone of the host's
+    // collector), or -1 while none was passed.
+    a.push(-1)?;
+    let mut chain = a.create_label();
+    let mut freed = a.create_label();
+    let mut reuse = a.create_label();
+    let mut fill = a.create_label();
+    a.set_label(&mut chain)?;
     a.mov(r11, r9)?;
     a.and(r11d, mask as i32)?;
     a.mov(r10d, MAX_PROBES.min(t.entries))?;
@@ -275,13 +303,20 @@ pub(crate) fn runtime_helpers(
     a.mov(rax, qword_ptr(rdi))?;
     a.cmp(rax, 2)?;
     a.je(ready)?;
+    a.cmp(rax, 3)?;
+    a.je(freed)?;
     a.test(rax, rax)?;
     a.jnz(busy)?;
-    // A free entry: claim it (0 → 1), fill it, publish it (2; stores are not reordered).
+    // A free entry ends the chain: the text is not in the table. It goes into the chain's
+    // first freed entry if it passed one, else here: claimed (0 → 1), filled, published
+    // (2; stores are not reordered).
+    a.cmp(qword_ptr(rsp), -1)?;
+    a.jne(reuse)?;
     a.mov(r8d, 1)?;
     a.lock().cmpxchg(qword_ptr(rdi), r8)?;
     a.mov(r8d, 0)?;
     a.jne(look)?;
+    a.set_label(&mut fill)?;
     a.mov(qword_ptr(rdi + 8), r9)?;
     a.push(rdi)?;
     a.push(rsi)?;
@@ -293,7 +328,33 @@ pub(crate) fn runtime_helpers(
     a.pop(rsi)?;
     a.pop(rdi)?;
     a.mov(qword_ptr(rdi), 2)?;
+    let mut in_use = Instruction::with1(Code::Inc_rm64, rip(data + t.head + IN_USE))?;
+    in_use.set_has_lock_prefix(true);
+    a.add_instruction(in_use)?;
     a.jmp(found)?;
+    a.set_label(&mut freed)?;
+    a.cmp(qword_ptr(rsp), -1)?;
+    a.jne(next)?;
+    a.mov(qword_ptr(rsp), r11)?;
+    a.jmp(next)?;
+    // The first freed entry: claimed (3 → 1). Another vCPU that took it first may have put
+    // this very text there: the chain is looked at again from its start.
+    a.set_label(&mut reuse)?;
+    a.mov(r11, qword_ptr(rsp))?;
+    a.imul_3(rdi, r11, entry)?;
+    a.add_instruction(Instruction::with2(
+        Code::Lea_r64_m,
+        Register::RAX,
+        rip(base),
+    )?)?;
+    a.add(rdi, rax)?;
+    a.mov(eax, 3)?;
+    a.mov(r8d, 1)?;
+    a.lock().cmpxchg(qword_ptr(rdi), r8)?;
+    a.mov(r8d, 0)?;
+    a.je(fill)?;
+    a.mov(qword_ptr(rsp), -1)?;
+    a.jmp(chain)?;
     a.set_label(&mut ready)?;
     a.cmp(qword_ptr(rdi + 8), r9)?;
     a.jne(next)?;
@@ -311,6 +372,7 @@ pub(crate) fn runtime_helpers(
     a.set_label(&mut found)?;
     a.mov(eax, 2)?;
     a.mov(rdx, r11)?;
+    a.pop(r10)?;
     a.ret()?;
     a.set_label(&mut busy)?;
     a.pause()?;
@@ -322,8 +384,12 @@ pub(crate) fn runtime_helpers(
     a.and(r11d, mask as i32)?;
     a.dec(r10d)?;
     a.jnz(probe)?;
+    // The chain's probes ran out with no free entry: a freed one passed on the way will do.
+    a.cmp(qword_ptr(rsp), -1)?;
+    a.jne(reuse)?;
     a.set_label(&mut fail)?;
     a.mov(r8d, 1)?;
+    a.pop(r10)?;
     a.ret()?;
     Ok((append, intern))
 }
@@ -348,6 +414,39 @@ fn copy_text(a: &mut CodeAssembler) -> Result<(), IcedError> {
     a.jmp(top)?;
     a.set_label(&mut done)?;
     a.nop()
+}
+
+impl Gen<'_, '_> {
+    /// Counts the hit in its CPU's word of the string table's head, which the host's
+    /// collector reads (see [`super::super::data::collect`]), and keeps the word's address
+    /// in the catch record for [`Gen::leave_hit`]. Clobbers rax and rcx; nothing where the
+    /// table is not collected.
+    pub(super) fn enter_hit(&mut self) -> Result<(), IcedError> {
+        let Some(t) = self.env.layout.strings.filter(|t| t.collectable) else {
+            return Ok(());
+        };
+        exotap_probes_base::rings::emit_cpu_number(self.a, self.env.facts.cpu_number)?;
+        self.a.and(eax, (HIT_CPUS - 1) as i32)?;
+        self.a.shl(eax, HIT_STRIDE.trailing_zeros())?;
+        self.a.add_instruction(Instruction::with2(
+            Code::Lea_r64_m,
+            Register::RCX,
+            rip(self.env.data + t.head + HITS),
+        )?)?;
+        self.a.add(rcx, rax)?;
+        self.a.mov(qword_ptr(rbx + HIT_WORD), rcx)?;
+        self.a.lock().inc(qword_ptr(rcx))
+    }
+
+    /// Counts the hit out of the word [`Gen::enter_hit`] counted it into (its CPU at the
+    /// start, should its task have moved since). Clobbers rcx.
+    pub(super) fn leave_hit(&mut self) -> Result<(), IcedError> {
+        if !self.env.layout.strings.is_some_and(|t| t.collectable) {
+            return Ok(());
+        }
+        self.a.mov(rcx, qword_ptr(rbx + HIT_WORD))?;
+        self.a.lock().dec(qword_ptr(rcx))
+    }
 }
 
 impl Gen<'_, '_> {

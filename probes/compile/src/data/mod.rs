@@ -17,8 +17,10 @@
 //!                       number at +8, the element count at +16), then `capacity` entries: state (0 free, 1 being
 //!                       written, 2 ready), insertion number, the keys (16 bytes each), the
 //!                       value (as a scalar of its type)
-//!       string table    when kernel probes build strings (see [`StringTable`]): entries of
-//!                       a state word, a hash and a MAXSTRINGLEN text slot
+//!       string table    when kernel probes build strings (see [`StringTable`]): its head
+//!                       (entries in use, a count of compiled hits in progress per CPU),
+//!                       then entries of a state word, a hash and a MAXSTRINGLEN text slot,
+//!                       which the host collects ([`collect`])
 //!       matchers        one per distinct `=~` pattern of kernel probes, 64-byte aligned:
 //!                       the host-built table the guest walks (see [`super::regex`]);
 //!                       constant, written with the initial bytes
@@ -68,6 +70,7 @@ use exotap_probes_base::rings::{RingSet, HEADER as RING_HEADER};
 
 use super::Unsupported;
 
+pub mod collect;
 mod writes;
 pub use writes::key_words;
 
@@ -337,6 +340,9 @@ pub struct Interner {
     /// Strings the host placed in the guest's string table, by their entry (see
     /// [`DataLayout::encode_into`]): encoded as the guest encodes the same text.
     placed: std::collections::HashMap<String, u64>,
+    /// Entries of the string table the collector keeps whatever the globals hold (see
+    /// [`Interner::pin_placed`]).
+    pinned: std::collections::HashSet<u64>,
 }
 
 impl Interner {
@@ -594,20 +600,44 @@ pub struct DataLayout {
 }
 
 /// The table of strings longer than 15 bytes that kernel probes build (`.`, `substr`,
-/// `sprint`): open-addressed, never emptied, each entry a state word (0 free, 1 being
-/// written, 2 ready), the text's hash, then the text, NUL-terminated, in a MAXSTRINGLEN
-/// slot. A built string's 16-byte encoding is byte 0 = 2 and its entry's index at +8, so equal
-/// texts have equal encodings, as the host's interned strings do; the host reads the text
-/// back from the data it pulls (the table lies inside `globals_size`).
+/// `sprint`): open-addressed, each entry a state word (0 free, 1 being written, 2 ready,
+/// 3 freed by the host's collector: a tombstone that lookups pass over and inserts reuse),
+/// the text's hash, then the text, NUL-terminated, in a MAXSTRINGLEN slot. A built string's
+/// 16-byte encoding is byte 0 = 2 and its entry's index at +8, so equal texts have equal
+/// encodings, as the host's interned strings do; the host reads the text back from the data
+/// it pulls (the table lies inside `globals_size`).
+///
+/// Before the entries, the table's head ([`STRING_TABLE_HEAD`] bytes, at `head`): the entries
+/// in use at +0 (the guest counts the ones it claims, the collector sets it to what is left),
+/// then from [`HITS`] a word per CPU ([`HIT_CPUS`] of them, [`HIT_STRIDE`] bytes apart so no
+/// two share a cache line) counting the compiled hits in progress there, which the host's
+/// collector reads: see [`collect`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StringTable {
-    /// Byte offset from the data's start.
+    /// Byte offset of the head from the data's start.
+    pub head: u64,
+    /// Byte offset of the first entry from the data's start.
     pub offset: u64,
     /// Entries (a power of two).
     pub entries: u32,
     /// Bytes of an entry's text slot: MAXSTRINGLEN rounded up to 16 (the NUL included).
     pub text: u64,
+    /// Whether the host may collect it: not where a table index can live outside the globals
+    /// and a hit in progress (see [`collect`]).
+    pub collectable: bool,
 }
+
+/// Offset in the string table's head of the count of entries in use.
+pub const IN_USE: u64 = 0;
+/// Offset in the string table's head of the first CPU's count of hits in progress.
+pub const HITS: u64 = 64;
+/// CPUs with a count of hits in progress of their own (a CPU past them shares CPU
+/// `cpu % HIT_CPUS`'s: the counts are updated with `lock`, so sharing costs only speed).
+pub const HIT_CPUS: u32 = 128;
+/// Bytes between two CPUs' counts of hits in progress (a cache line).
+pub const HIT_STRIDE: u64 = 64;
+/// Bytes of the string table's head.
+pub const STRING_TABLE_HEAD: u64 = HITS + HIT_CPUS as u64 * HIT_STRIDE;
 
 /// Entries of the string table.
 pub const STRING_ENTRIES: u32 = 1024;
@@ -639,9 +669,9 @@ impl StringTable {
     }
 
     /// Interns `text` in the table in `data` (the data's bytes from its start) as the guest
-    /// would: the entry already holding it, or the first free one on its chain; entries
-    /// being written (a guest stopped mid-write) are passed over. `None`: no room (or a
-    /// text too long for a slot).
+    /// would: the entry already holding it, or else the first freed entry of its chain, or
+    /// the free one that ends the chain, counted in use; entries being written (a guest
+    /// stopped mid-write) are passed over. `None`: no room (or a text too long for a slot).
     pub fn place(&self, data: &mut [u8], text: &str) -> Option<u64> {
         let bytes = text.as_bytes();
         if bytes.len() as u64 >= self.text || bytes.contains(&0) {
@@ -649,10 +679,11 @@ impl StringTable {
         }
         let hash = Self::hash(bytes);
         let mask = u64::from(self.entries - 1);
+        let mut freed = None;
+        let mut free = None;
         for step in 0..u64::from(MAX_PROBES.min(self.entries)) {
             let index = hash.wrapping_add(step) & mask;
-            let at = usize::try_from(self.offset + index * self.entry_size()).ok()?;
-            let entry = data.get_mut(at..at + self.entry_size() as usize)?;
+            let entry = self.entry(data, index)?;
             let state = word(entry, 0);
             let slot = &entry[STRING_HEAD as usize..];
             let same = word(entry, 8) == hash
@@ -660,18 +691,34 @@ impl StringTable {
                 && slot.get(bytes.len()) == Some(&0);
             match state {
                 2 if same => return Some(index),
+                3 => {
+                    freed.get_or_insert(index);
+                }
                 0 => {
-                    entry[..8].copy_from_slice(&2u64.to_le_bytes());
-                    entry[8..16].copy_from_slice(&hash.to_le_bytes());
-                    let text = &mut entry[STRING_HEAD as usize..];
-                    text.fill(0);
-                    text[..bytes.len()].copy_from_slice(bytes);
-                    return Some(index);
+                    free = Some(index);
+                    break;
                 }
                 _ => {}
             }
         }
-        None
+        let index = freed.or(free)?;
+        let entry = self.entry(data, index)?;
+        entry[..8].copy_from_slice(&2u64.to_le_bytes());
+        entry[8..16].copy_from_slice(&hash.to_le_bytes());
+        let text = &mut entry[STRING_HEAD as usize..];
+        text.fill(0);
+        text[..bytes.len()].copy_from_slice(bytes);
+        let in_use = usize::try_from(self.head + IN_USE).ok()?;
+        let count = word(data, self.head + IN_USE).saturating_add(1);
+        data.get_mut(in_use..in_use + 8)?
+            .copy_from_slice(&count.to_le_bytes());
+        Some(index)
+    }
+
+    /// The bytes of entry `index` in `data` (`None` past the data).
+    fn entry<'d>(&self, data: &'d mut [u8], index: u64) -> Option<&'d mut [u8]> {
+        let at = usize::try_from(self.offset + index * self.entry_size()).ok()?;
+        data.get_mut(at..at + self.entry_size() as usize)
     }
 
     /// The hash of a text, as the guest computes it (FNV-1a over its bytes).
@@ -824,11 +871,14 @@ impl DataLayout {
                 });
             }
             let table = StringTable {
-                offset: out.size,
+                head: out.size,
+                offset: out.size + STRING_TABLE_HEAD,
                 entries: STRING_ENTRIES,
                 text: (limits.max_string_len.max(1) as u64).div_ceil(16) * 16,
+                collectable: !super::codegen::keeps_entry_values(prog),
             };
-            out.size = (out.size + table.entry_size() * u64::from(table.entries)).div_ceil(64) * 64;
+            out.size =
+                (table.offset + table.entry_size() * u64::from(table.entries)).div_ceil(64) * 64;
             out.strings = Some(table);
         }
         for pattern in super::codegen::regex_patterns(prog) {
@@ -1013,9 +1063,11 @@ mod tests {
     #[test]
     fn a_string_placed_by_the_host_reads_back_and_is_found_again_in_its_entry() {
         let t = StringTable {
+            head: 0,
             offset: 64,
             entries: 4,
             text: 32,
+            collectable: true,
         };
         let mut data = vec![0u8; 64 + 4 * 48];
         let text = "a-string-over-fifteen";

@@ -5,6 +5,8 @@ use std::collections::HashMap;
 
 use anyhow::Context as _;
 
+use crate::compile::data::collect::{Collection, Collections};
+use crate::compile::data::{StringTable, STRING_TABLE_HEAD};
 use crate::compile::{self, codegen::Env, data::Header, DataLayout, Interner, SiteBodies};
 use crate::lang::eval::Store;
 use crate::lang::runtime::Session;
@@ -70,7 +72,16 @@ pub(super) struct Guest {
     pub(super) pulled: Option<(Vec<u8>, Globals)>,
     /// The kernel's ORC tables and symbols, when the probes take stack snapshots.
     pub(super) stacks: Option<crate::live::stacks::KernelStacks>,
+    /// What the string table's collector did.
+    pub(super) collections: Collections,
 }
+
+/// Stops of the guest one look makes to collect the string table while compiled hits are
+/// in progress at each (the guest runs [`BUSY_PAUSE`] in between), where no breakpoint of
+/// the run can stop a vCPU meanwhile (a stop the look would take for its own).
+pub(super) const COLLECT_TRIES: u32 = 4;
+/// How long the guest runs between two such stops.
+const BUSY_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// Compiled globals by name, as a pull decoded them.
 type Globals = Vec<(String, Store)>;
@@ -217,6 +228,59 @@ impl Guest {
             None => self.session.read_heap(self.data, len)?,
         };
         Ok(Header::decode(&bytes))
+    }
+
+    /// Collects the compiled probes' string table once it is past half full (see
+    /// [`compile::data::collect`]): a look at its count of entries in use (through the shared
+    /// RAM while the guest runs where it has it), then, with the guest stopped (here, if it
+    /// was not, and let go again after), the counts of hits in progress, and when no vCPU is
+    /// in a compiled hit the whole data, collected and written back where it changed. While
+    /// hits are in progress it tries again after letting the guest run a moment, up to
+    /// `tries` stops, then leaves it to the next look.
+    pub(super) fn collect_strings(&mut self, tries: u32) -> anyhow::Result<()> {
+        let Some(table) = self.layout.strings.filter(|t| t.collectable) else {
+            return Ok(());
+        };
+        let head = self.data + table.head;
+        let in_use = match self.session.shared_heap() {
+            Some(shared) => shared.read_heap(head, 8)?,
+            None => self.session.read_heap(head, 8)?,
+        };
+        if !table.wants_collecting(StringTable::in_use(&in_use)) {
+            return Ok(());
+        }
+        let was_stopped = self.session.machine.is_paused();
+        for attempt in 0..tries.max(1) {
+            if attempt > 0 {
+                self.session.resume()?;
+                std::thread::sleep(BUSY_PAUSE);
+            }
+            self.session.pause()?;
+            let hits = self
+                .session
+                .read_heap(head, usize::try_from(STRING_TABLE_HEAD)?)?;
+            let in_progress = StringTable::hits_in_progress(&hits);
+            if in_progress != 0 {
+                self.collections.count(Collection::Busy(in_progress));
+                continue;
+            }
+            let before = self.read_data()?;
+            let mut data = before.clone();
+            let Some(done) = self.layout.collect_strings(&mut data, &mut self.interner) else {
+                break;
+            };
+            self.collections.count(done);
+            for (at, len) in changed_spans(&before, &data, SPAN_GAP) {
+                self.session
+                    .write_heap(self.data + at as u64, &data[at..at + len])?;
+            }
+            tracing::debug!("string table collected: {done:?}");
+            break;
+        }
+        if !was_stopped {
+            self.session.resume()?;
+        }
+        Ok(())
     }
 
     /// Brings every compiled global into the session (the guest stopped); keeps what it
