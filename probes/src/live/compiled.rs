@@ -16,9 +16,10 @@
 //! header every [`POLL_EVERY`] (one short stop): `exit()` ends the session, a probe error
 //! (division by zero, MAXACTION) stops it as the interpreter would, and dropped updates (a
 //! full table) are reported at the end. A look that finds the string table of built strings
-//! past half full collects it (crate::compile::data::collect), with the guest stopped (a
-//! stop of its own where the look made none) and no compiled hit in progress; what the
-//! collector did is said at the end (`HOST-RESULT strings.collections=...`). Booted guests
+//! past a quarter full collects it (crate::compile::data::collect), with the guest stopped
+//! (a stop of its own where the look made none) and no compiled hit in progress, and the
+//! next look comes after [`POLL_SHARED_EVERY`]; what the collector did is said at the end
+//! (`HOST-RESULT strings.collections=...`). Booted guests
 //! wait at `exotap_wait detach` after their job, where the host reads the final state and
 //! removes the splices before the guest powers off.
 
@@ -654,6 +655,8 @@ fn run(
     let mut next_poll = Instant::now() + POLL_EVERY;
     // A collection that finds a vCPU in a compiled hit may let the guest run a moment and
     // look again, unless a breakpoint of the run could stop a vCPU meanwhile.
+    // Whether the last look found the string table filling: the next one comes soon.
+    let mut churning = false;
     let collect_tries = if traps.is_none() && guest.entered.is_empty() {
         guest::COLLECT_TRIES
     } else {
@@ -679,7 +682,7 @@ fn run(
                     header = guest.header()?;
                     let end = header.exit || header.errors > 0;
                     if !end {
-                        guest.collect_strings(collect_tries)?;
+                        churning = guest.collect_strings(collect_tries)?;
                     }
                     return Ok(end);
                 }
@@ -746,7 +749,7 @@ fn run(
                 }
                 let end = header.exit || header.errors > 0;
                 if !end {
-                    guest.collect_strings(collect_tries)?;
+                    churning = guest.collect_strings(collect_tries)?;
                     guest.session.resume_after_read(paused)?;
                 }
                 Ok(end)
@@ -761,7 +764,7 @@ fn run(
                 }
             }
             next_poll = Instant::now()
-                + if guest.session.is_shared() {
+                + if guest.session.is_shared() || churning {
                     POLL_SHARED_EVERY
                 } else {
                     POLL_EVERY

@@ -90,10 +90,12 @@ impl StringTable {
             .fold(0u64, u64::wrapping_add)
     }
 
-    /// Whether a table with `in_use` entries in use is worth collecting: past half full, so
-    /// that chains stay short and a burst of new strings finds room until the next look.
+    /// Whether a table with `in_use` entries in use is worth collecting: past a quarter
+    /// full, so that chains stay short and a burst of new strings finds room until the next
+    /// look (errsnoop.stp, a new string at every system call, filled the other half of a
+    /// table collected past half full between two looks 250 ms apart).
     pub fn wants_collecting(&self, in_use: u64) -> bool {
-        self.collectable && in_use.saturating_mul(2) > u64::from(self.entries)
+        self.collectable && in_use.saturating_mul(4) > u64::from(self.entries)
     }
 
     fn state(&self, data: &[u8], index: u64) -> u64 {

@@ -230,16 +230,17 @@ impl Guest {
         Ok(Header::decode(&bytes))
     }
 
-    /// Collects the compiled probes' string table once it is past half full (see
+    /// Collects the compiled probes' string table once it is past a quarter full (see
     /// [`compile::data::collect`]): a look at its count of entries in use (through the shared
     /// RAM while the guest runs where it has it), then, with the guest stopped (here, if it
     /// was not, and let go again after), the counts of hits in progress, and when no vCPU is
     /// in a compiled hit the whole data, collected and written back where it changed. While
     /// hits are in progress it tries again after letting the guest run a moment, up to
-    /// `tries` stops, then leaves it to the next look.
-    pub(super) fn collect_strings(&mut self, tries: u32) -> anyhow::Result<()> {
+    /// `tries` stops, then leaves it to the next look. Returns whether the table wanted
+    /// collecting (the next look should come soon: strings are being built fast).
+    pub(super) fn collect_strings(&mut self, tries: u32) -> anyhow::Result<bool> {
         let Some(table) = self.layout.strings.filter(|t| t.collectable) else {
-            return Ok(());
+            return Ok(false);
         };
         let head = self.data + table.head;
         let in_use = match self.session.shared_heap() {
@@ -247,7 +248,7 @@ impl Guest {
             None => self.session.read_heap(head, 8)?,
         };
         if !table.wants_collecting(StringTable::in_use(&in_use)) {
-            return Ok(());
+            return Ok(false);
         }
         let was_stopped = self.session.machine.is_paused();
         for attempt in 0..tries.max(1) {
@@ -280,7 +281,7 @@ impl Guest {
         if !was_stopped {
             self.session.resume()?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Brings every compiled global into the session (the guest stopped); keeps what it
