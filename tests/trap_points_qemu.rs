@@ -414,35 +414,40 @@ fn random_points_count_like_the_guests_kprobes(mode: &str) {
     );
 
     // The guest counts the calls of every function that has a point, on the workload's comm.
+    // In as few syscalls as the shell allows: the job runs under the probes (with `--compile
+    // never` each of its syscalls stops the guest at a trap or more), so the kprobes are
+    // defined in one write, the comm filtered by one filter of their subsystem (the comm at
+    // the event: the trace's own `comm-pid` column is the pid's latest comm, which names a
+    // forked shell after its exec too), and the results printed by awk through one pipe, not
+    // a shell loop (both tests: 98 s instead of 213 s, side by side on one machine).
     let used: Vec<usize> = {
         let mut u: Vec<usize> = points.iter().map(|p| p.fidx).collect();
         u.sort_unstable();
         u.dedup();
         u
     };
-    let mut job =
-        String::from("T=/sys/kernel/tracing\necho 8192 > $T/buffer_size_kb\necho > $T/trace\n");
-    for f in &used {
-        job += &format!(
-            "echo 'p:exotap/tp{f} {}' >> $T/kprobe_events || exotap_result kprobe.failed {f}\n\
-             echo 'comm == \"syscall-loop\"' > $T/events/exotap/tp{f}/filter\n",
-            functions[*f]
-        );
-    }
+    let events: String = used
+        .iter()
+        .map(|f| format!("p:exotap/tp{f} {}\\n", functions[*f]))
+        .collect();
     // `sleep 1`: the parent wakes while the exiting workload still frees its last objects
     // under its own comm; the kprobes must still see those.
-    job += &format!(
-        "echo 1 > $T/events/exotap/enable\n\
+    let job = format!(
+        "T=/sys/kernel/tracing\n\
+         echo 8192 > $T/buffer_size_kb\n\
+         echo > $T/trace\n\
+         printf '{events}' >> $T/kprobe_events || exotap_result kprobe.failed 1\n\
+         echo 'comm == \"syscall-loop\"' > $T/events/exotap/filter\n\
+         echo 1 > $T/events/exotap/enable\n\
          syscall-loop {CALLS}\n\
          sleep 1\n\
          echo 0 > $T/events/exotap/enable\n\
          cat $T/kprobe_profile\n\
-         awk '$1 ~ /tp[0-9]+$/ {{sub(/.*\\//, \"\", $1); print $1 \"=\" $3}}' $T/kprobe_profile |\n\
-           while read kv; do exotap_result \"kmiss.${{kv%%=*}}\" \"${{kv#*=}}\"; done\n\
-         exotap_result overruns \"$(cat $T/per_cpu/cpu*/stats | awk '/^overrun/ {{s += $2}} END {{print s+0}}')\"\n\
-         awk '{{for (i = 1; i <= NF; i++) if ($i ~ /^tp[0-9]+:$/) c[$i]++}}\n\
-              END {{for (k in c) printf \"kprobe.%s=%d\\n\", substr(k, 1, length(k) - 1), c[k]}}' $T/trace |\n\
-           while read kv; do exotap_result \"${{kv%%=*}}\" \"${{kv#*=}}\"; done\n"
+         {{ awk '$1 ~ /tp[0-9]+$/ {{sub(/.*\\//, \"\", $1); print \"EXOTAP-RESULT kmiss.\" $1 \"=\" $3}}' $T/kprobe_profile\n\
+           cat $T/per_cpu/cpu*/stats | awk '/^overrun/ {{s += $2}} END {{print \"EXOTAP-RESULT overruns=\" s+0}}'\n\
+           awk '{{for (i = 1; i <= NF; i++) if ($i ~ /^tp[0-9]+:$/) c[$i]++}}\n\
+                END {{for (k in c) printf \"EXOTAP-RESULT kprobe.%s=%d\\n\", substr(k, 1, length(k) - 1), c[k]}}' $T/trace\n\
+         }} | cat\n"
     );
     let mut script = String::from("global hits\n");
     for (i, p) in points.iter().enumerate() {
