@@ -25,8 +25,9 @@
 //! Running is measured too (issue 42): an example *runs live* when both of its runs (compiled
 //! and host-evaluated) end with exit 0, no error, and print what its `.meta` file's `output:`
 //! line promises ([`promise_kept`]). `EXOTAP_SOAK_RESULTS=FILE` writes each example's result
-//! there, one line each (`docs/stap-examples-live.tsv` is the whole soak's, which
-//! `ci/stap-examples.sh --matrix` shows on the examples' page).
+//! there, one line each, keeping the lines of examples the run did not run
+//! (`docs/stap-examples-live.tsv` is the whole soak's, which `ci/stap-examples.sh --matrix`
+//! shows on the examples' page).
 
 use super::*;
 
@@ -495,12 +496,21 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
         live_results.len()
     );
     if let Some(path) = std::env::var_os("EXOTAP_SOAK_RESULTS") {
-        let text: String = live_results
+        // The examples this run ran replace their lines; the others' stay (a run of a few
+        // examples after a change updates the whole soak's file in place).
+        let mut lines: BTreeMap<String, String> = std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .map(|(name, r)| (name.to_owned(), r.to_owned()))
+            .collect();
+        for (name, r) in &live_results {
+            let r = r.as_deref().unwrap_or("runs").replace(['\t', '\n'], " ");
+            lines.insert(name.clone(), r);
+        }
+        let text: String = lines
             .iter()
-            .map(|(name, r)| {
-                let r = r.as_deref().unwrap_or("runs").replace(['\t', '\n'], " ");
-                format!("{name}\t{r}\n")
-            })
+            .map(|(name, r)| format!("{name}\t{r}\n"))
             .collect();
         std::fs::write(&path, text).expect("cannot write EXOTAP_SOAK_RESULTS");
     }
