@@ -882,8 +882,8 @@ fn run(
     if guest.layout.strings.is_some_and(|t| t.collectable) {
         let c = guest.collections;
         tracing::info!(
-            "string table: {} collections freed {} entries; {} attempts found a vCPU in a \
-             compiled hit",
+            "built strings collected {} times, {} entries freed; {} attempts found a vCPU in \
+             a compiled hit",
             c.collections,
             c.freed,
             c.busy
