@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{boot_with_gdbstub, exotap, have_qemu, run};
+use common::{boot_with_gdbstub, exotap, have_qemu, run, Console};
 
 /// Boots a 2-vCPU guest running `job` (written into `dir`) with its gdbstub on `socket`,
 /// until its console shows `until`.
@@ -135,58 +135,6 @@ impl Said {
             self.seen.push_str(&String::from_utf8_lossy(&chunk));
         }
         self.seen
-    }
-}
-
-/// The console of a booted guest, read line by line from the start as it comes (so that a
-/// line's time of arrival is when the guest printed it, give or take the pipe).
-struct Console {
-    lines: std::sync::mpsc::Receiver<(Instant, String)>,
-    read: String,
-}
-
-impl Console {
-    fn follow(mut console: std::io::BufReader<std::process::ChildStdout>) -> Self {
-        use std::io::BufRead as _;
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || loop {
-            let mut line = String::new();
-            let n = console.read_line(&mut line).unwrap_or(0);
-            if n == 0 || tx.send((Instant::now(), line)).is_err() {
-                break;
-            }
-        });
-        Self {
-            lines,
-            read: String::new(),
-        }
-    }
-
-    /// Waits until each storm loop of the job has beaten twice after `since` (the first
-    /// beat may close a round begun before it); returns the whole console read. A storm that
-    /// stops beating fails after 120 s (a round takes seconds), a guest that ends fails.
-    fn storm_beats_again(mut self, since: Instant) -> String {
-        let mut beats = [0usize; 2];
-        while beats.iter().any(|b| *b < 2) {
-            let left = Duration::from_secs(120).saturating_sub(since.elapsed());
-            let (at, line) = match self.lines.recv_timeout(left) {
-                Ok(got) => got,
-                Err(e) => panic!(
-                    "the storm did not beat twice more ({beats:?} beats; {e}):\n{}",
-                    self.read
-                ),
-            };
-            if at > since {
-                for (beat, name) in beats
-                    .iter_mut()
-                    .zip(["STORM-BEAT mixed", "STORM-BEAT syscalls"])
-                {
-                    *beat += usize::from(line.contains(name));
-                }
-            }
-            self.read.push_str(&line);
-        }
-        self.read
     }
 }
 
@@ -318,7 +266,7 @@ exotap_result storm done"#;
     // The guest lives through it all: both storm loops beat again after the last check
     // (each beat a whole round of fork/exec or syscalls that succeeded), then it is ended
     // (its QEMU dies with `exotap boot`) instead of waiting out the storm.
-    let rest = console.storm_beats_again(Instant::now());
+    let rest = console.beats_after(Instant::now(), &["STORM-BEAT mixed", "STORM-BEAT syscalls"]);
     guest.kill().unwrap();
     guest.wait().unwrap();
     for bad in [

@@ -247,3 +247,55 @@ pub fn boot_attached_in_job(
     let transcript = std::fs::read_to_string(&console).unwrap_or_default();
     (code, out, err, transcript)
 }
+
+/// The console of a booted guest, read line by line from the start as it comes (so that a
+/// line's time of arrival is when the guest printed it, give or take the pipe): for a test
+/// whose job would run on long after the checks, to end the guest as soon as its job shows
+/// it still runs after them (instead of waiting out a fixed length of workload).
+pub struct Console {
+    lines: std::sync::mpsc::Receiver<(std::time::Instant, String)>,
+    read: String,
+}
+
+impl Console {
+    /// Follows `console` (the one [`boot_with_gdbstub`] returns) from here on.
+    pub fn follow(mut console: BufReader<ChildStdout>) -> Self {
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || loop {
+            let mut line = String::new();
+            let n = console.read_line(&mut line).unwrap_or(0);
+            if n == 0 || tx.send((std::time::Instant::now(), line)).is_err() {
+                break;
+            }
+        });
+        Self {
+            lines,
+            read: String::new(),
+        }
+    }
+
+    /// Waits until each of `beats` (a line each loop of the job prints once per round) has
+    /// been printed twice after `since` (the first may close a round begun before it);
+    /// returns the whole console read. A job that stops beating fails after 120 s (a round
+    /// takes seconds), a guest that ends fails.
+    pub fn beats_after(mut self, since: std::time::Instant, beats: &[&str]) -> String {
+        let mut seen = vec![0usize; beats.len()];
+        while seen.iter().any(|n| *n < 2) {
+            let left = std::time::Duration::from_secs(120).saturating_sub(since.elapsed());
+            let (at, line) = match self.lines.recv_timeout(left) {
+                Ok(got) => got,
+                Err(e) => panic!(
+                    "the job did not beat twice more ({beats:?}: {seen:?}; {e}):\n{}",
+                    self.read
+                ),
+            };
+            if at > since {
+                for (n, beat) in seen.iter_mut().zip(beats) {
+                    *n += usize::from(line.contains(beat));
+                }
+            }
+            self.read.push_str(&line);
+        }
+        self.read
+    }
+}
