@@ -1,6 +1,6 @@
 //! Helpers shared by the end-to-end tests.
 
-#![allow(dead_code, clippy::expect_used)]
+#![allow(dead_code, clippy::expect_used, clippy::panic)]
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
