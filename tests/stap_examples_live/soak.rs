@@ -1,7 +1,7 @@
 //! Issue 40's soak: SystemTap's examples (those in scope that pass `-p 2` with their `.meta`
 //! arguments) run live back to back against ONE booted 2-vCPU guest under the mixed workload
 //! (plus reads of /proc, where the probed code of `para-callgraph.stp` and `callgraph.stp`
-//! runs, and a process named `bash` that migrates, [`BASH_ROUND`]), each ended by SIGINT a
+//! runs, and a process named `bash` that migrates, [`BASH_LOOP`]), each ended by SIGINT a
 //! few seconds after its install, with `--compile auto` and with `--compile never`. After each
 //! run, the guest must be unhurt:
 //! - `exotap recover --digest` finds nothing exotap left (no splice, no swapped return
@@ -58,19 +58,22 @@ const PROC_READS: &str = "  dd if=/proc/meminfo of=/dev/null 2>/dev/null\n  \
 
 /// A process named `bash` (the syscall loop under that name: comm is the executable's name),
 /// the argument SystemTap's test suite gives `migrate.stp`, `chng_cpu.stp` and
-/// `pstrace_exec.stp`: exec'd each round (what `pstrace_exec.stp` watches), once pinned to the
-/// second vCPU (a context switch onto it, `chng_cpu.stp`'s), once moved between the vCPUs
-/// while it runs (`sched_migrate_task`, `migrate.stp`'s).
-const BASH_SETUP: &str = "cp /bin/syscall-loop /tmp/bash\n";
+/// `pstrace_exec.stp`: exec'd in a loop (what `pstrace_exec.stp` watches), once pinned to
+/// the second vCPU (a context switch onto it, `chng_cpu.stp`'s), once moved between the vCPUs
+/// while it runs (`sched_migrate_task`, `migrate.stp`'s). Apart from the workload's rounds,
+/// as [`PROC_READER`]: with a trap probe on every context switch a round outlasts a window.
+const BASH_LOOP: &str = "cp /bin/syscall-loop /tmp/bash\n\
+                         ( while :; do\n  \
+                         taskset 2 /tmp/bash 200 >/dev/null\n  \
+                         /tmp/bash 2000 >/dev/null & b=$!\n  \
+                         taskset -p 1 $b >/dev/null 2>&1; taskset -p 2 $b >/dev/null 2>&1\n  \
+                         wait $b; sleep 1\n\
+                         done ) &\n";
 /// A read of /proc through `read` twice a second, apart from the rounds: a round under
 /// hundreds of trap probes can outlast a run's window (`para-callgraph.stp` over
 /// `*@fs/proc*.c` inside `vfs_read` printed nothing in 6 s).
 const PROC_READER: &str =
     "( while :; do dd if=/proc/meminfo of=/dev/null 2>/dev/null; sleep 0.5; done ) &\n";
-const BASH_ROUND: &str = "  taskset 2 /tmp/bash 200 >/dev/null\n  \
-                          /tmp/bash 5000 >/dev/null & b=$!\n  \
-                          taskset -p 1 $b >/dev/null 2>&1; taskset -p 2 $b >/dev/null 2>&1\n  \
-                          wait $b\n";
 
 /// An example in scope: its path, stap's options (`-g`, `-D X`, `-I X`) and its arguments,
 /// from its `.meta` file's `test_check:` line.
@@ -402,8 +405,8 @@ fn every_example_in_scope_run_live_back_to_back_leaves_the_guest_unhurt_and_its_
     // The guest boots `quiet` (its console prints errors only): a WARNING, and the kernel's
     // notes that it changes its own text, are warnings.
     let job = format!(
-        "echo 5 > /proc/sys/kernel/printk\n{BASH_SETUP}{PROC_READER}{}",
-        job_with(&format!("{PROC_READS}{BASH_ROUND}"))
+        "echo 5 > /proc/sys/kernel/printk\n{BASH_LOOP}{PROC_READER}{}",
+        job_with(PROC_READS)
     );
     let mut live = LiveGuest::boot_with(began, &job);
     // The reference: the text once the workload has run two rounds (the job armed its

@@ -78,14 +78,14 @@ fn built_strings_are_cut_at_a_small_maxstringlen_as_in_the_interpreter() {
 
 #[test]
 fn a_full_string_table_ends_hits_with_counted_probe_errors() {
-    // 1,100 distinct strings over 15 bytes; the table holds 1,024 (fewer where a probe
-    // chain runs out first): the rest end their hit with a counted error, never an
-    // overflow of the table.
+    // STRING_ENTRIES + 76 distinct strings over 15 bytes; the table holds STRING_ENTRIES
+    // (fewer where a probe chain runs out first): the rest end their hit with a counted
+    // error, never an overflow of the table.
     let script =
-        r#"global c; probe kernel.function("f") { c[sprint($a) . "-more-than-fifteen"]++ }"#;
+        r#"global c[8192]; probe kernel.function("f") { c[sprint($a) . "-more-than-fifteen"]++ }"#;
     let limits = Limits::default();
     let (mut rig, _prog) = rig(script, &limits);
-    let n = 1100;
+    let n = i64::from(STRING_ENTRIES) + 76;
 
     for i in 0..n {
         rig.hit(&Hit {
@@ -121,8 +121,9 @@ fn a_full_string_table_ends_hits_with_counted_probe_errors() {
 #[test]
 fn strings_replaced_far_past_the_table_match_the_interpreter_when_the_host_collects() {
     // Two new long strings a hit over 3,000 hits: some 6,000 texts through a table of
-    // 1,024 entries, which the host collects every 100 hits as the live loop does at its
-    // looks. Without the collections the table fills within 600 hits (the test above).
+    // STRING_ENTRIES (4,096) entries, which the host collects every 100 hits as the live
+    // loop does at its looks. Without the collections the table fills within 2,100 hits
+    // (the test above).
     let script = r#"
         global last, by, n
         probe kernel.function("f") {
@@ -152,7 +153,7 @@ fn strings_replaced_far_past_the_table_match_the_interpreter_when_the_host_colle
         (0, 0, 30, 0)
     );
     assert!(
-        done.freed > 4 * u64::from(STRING_ENTRIES),
+        done.freed > u64::from(STRING_ENTRIES),
         "only {} entries freed",
         done.freed
     );
@@ -244,7 +245,7 @@ fn isinstr_strpos_and_stringat_match_the_interpreter_over_many_hits() {
     "#;
 
     // 200 hits: s and the strings it is built from intern about 600 texts over 15 bytes
-    // (the table holds 1,024).
+    // (the table holds STRING_ENTRIES, 4,096).
     let (header, failed) = differential_with(script, &hits(200));
 
     assert!(
@@ -317,7 +318,7 @@ fn str_replace_matches_the_interpreter_up_to_maxstringlen() {
         }
     "#;
 
-    // 60 hits: each interns about seven strings over 15 bytes, the table holds 1,024.
+    // 60 hits: each interns about seven strings over 15 bytes, the table holds 4,096.
     let (header, failed) = differential_with(script, &hits(60));
 
     assert_eq!((header.errors, header.strings, failed), (0, 0, 0));
