@@ -291,13 +291,7 @@ pub(crate) fn runtime_helpers(
     a.and(r11d, mask as i32)?;
     a.mov(r10d, MAX_PROBES.min(t.entries))?;
     a.set_label(&mut probe)?;
-    a.imul_3(rdi, r11, entry)?;
-    a.add_instruction(Instruction::with2(
-        Code::Lea_r64_m,
-        Register::RAX,
-        rip(base),
-    )?)?;
-    a.add(rdi, rax)?;
+    entry_address(a, base, entry)?;
     a.mov(edx, SPINS)?;
     a.set_label(&mut look)?;
     a.mov(rax, qword_ptr(rdi))?;
@@ -341,13 +335,7 @@ pub(crate) fn runtime_helpers(
     // this very text there: the chain is looked at again from its start.
     a.set_label(&mut reuse)?;
     a.mov(r11, qword_ptr(rsp))?;
-    a.imul_3(rdi, r11, entry)?;
-    a.add_instruction(Instruction::with2(
-        Code::Lea_r64_m,
-        Register::RAX,
-        rip(base),
-    )?)?;
-    a.add(rdi, rax)?;
+    entry_address(a, base, entry)?;
     a.mov(eax, 3)?;
     a.mov(r8d, 1)?;
     a.lock().cmpxchg(qword_ptr(rdi), r8)?;
@@ -395,6 +383,18 @@ pub(crate) fn runtime_helpers(
 }
 
 /// Copies bytes from rsi to rdi until a NUL, r9 bytes of source or rcx bytes of room.
+/// `rdi` = the address of the string table's entry `r11` (the table's entries at `base`,
+/// `entry` bytes each). Clobbers rax.
+fn entry_address(a: &mut CodeAssembler, base: u64, entry: i32) -> Result<(), IcedError> {
+    a.imul_3(rdi, r11, entry)?;
+    a.add_instruction(Instruction::with2(
+        Code::Lea_r64_m,
+        Register::RAX,
+        rip(base),
+    )?)?;
+    a.add(rdi, rax)
+}
+
 fn copy_text(a: &mut CodeAssembler) -> Result<(), IcedError> {
     let mut top = a.create_label();
     let mut done = a.create_label();
