@@ -13,13 +13,12 @@ export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 # module uses one above it, docs/architecture.md).
 cargo fmt --all --check
 ci/layers.sh
-# exotap itself first (with one test that runs it: the binary the whole test build makes;
-# `cargo build --bin exotap` resolves the dependencies' features without the tests' and builds
-# it all again), to fetch the guest images (downloads, unpacking) with while the rest of the
-# test build and the gates below keep the two cores busy compiling: on a fresh machine that is
-# time CI no longer waits for. The kernel matrix (tests/kernel_matrix.rs) runs on the default
+cargo test --workspace --locked --no-run
+# The guest images, fetched (downloads, unpacking) while the gates below keep the two cores busy
+# compiling: on a fresh machine that is time CI no longer waits for. (Not after a first build of
+# exotap alone, before the rest: two cargo runs left a core idle at the end of the first and
+# took 72 s more than one.) The kernel matrix (tests/kernel_matrix.rs) runs on the default
 # kernel and the newest 6.12 cloud kernel apt knows.
-cargo test --workspace --locked --no-run --test cli_output
 images=$(mktemp -d)
 # A gate that fails below ends the fetch too.
 trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; rm -rf "$images"' EXIT
@@ -45,7 +44,6 @@ trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; rm -rf "$image
         >"$images/stap" 2>&1 || echo "ci/stap-examples.sh failed (exit $?)" >>"$images/stap"
 ) >"$images/log" 2>&1 &
 images_pid=$!
-cargo test --workspace --locked --no-run
 # No clippy warning (the workspace's lints), then documentation that builds without a warning
 # (broken intra-doc links included). Not clippy's driver inside the test build: rustdoc reads
 # the dependencies' metadata from their check-mode build, which clippy's pass makes (doc then
