@@ -218,7 +218,7 @@ impl Interner {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::program;
+    use super::super::tests::{program, tiny_table};
     use super::*;
 
     /// A layout with a string scalar `s` and an array `a` of strings by string, its table's
@@ -287,14 +287,7 @@ mod tests {
 
     #[test]
     fn a_freed_entry_is_a_tombstone_that_keeps_its_chain_and_is_reused() {
-        let t = StringTable {
-            head: 0,
-            offset: 64,
-            entries: 4,
-            text: 32,
-            collectable: true,
-        };
-        let mut data = vec![0u8; 64 + 4 * 48];
+        let (t, mut data) = tiny_table();
         // Three texts on one chain: entries 0, 1 and 2 (the index is the hash's low bits).
         let same_chain: Vec<String> = (0..)
             .map(|i| format!("chained-text-{i:04}-long"))

@@ -1062,8 +1062,8 @@ mod tests {
         compile(&src, &Limits::default()).expect("the test script checks")
     }
 
-    #[test]
-    fn a_string_placed_by_the_host_reads_back_and_is_found_again_in_its_entry() {
+    /// A string table of four 32-byte entries after a 64-byte head, and its zeroed data.
+    pub(super) fn tiny_table() -> (StringTable, Vec<u8>) {
         let t = StringTable {
             head: 0,
             offset: 64,
@@ -1071,7 +1071,12 @@ mod tests {
             text: 32,
             collectable: true,
         };
-        let mut data = vec![0u8; 64 + 4 * 48];
+        (t, vec![0u8; 64 + 4 * 48])
+    }
+
+    #[test]
+    fn a_string_placed_by_the_host_reads_back_and_is_found_again_in_its_entry() {
+        let (t, mut data) = tiny_table();
         let text = "a-string-over-fifteen";
 
         let first = t.place(&mut data, text);
