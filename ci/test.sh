@@ -6,13 +6,12 @@ cd "$(dirname "$0")/.."
 ci/install-deps.sh
 # Room for the build (about 4 GiB of target/) and the guest images (about 2.5 GiB in the
 # cache): a disk that runs out mid-build fails with rustc's "No space left on device" deep in
-# the log, so say it first, with the numbers.
+# the log, so say it first, with the numbers (a warning: the run goes on and may fit).
 need_kib=$((8 * 1024 * 1024))
 free_kib=$(df -Pk . | awk 'NR == 2 { print $4 }')
 if [ "$free_kib" -lt "$need_kib" ]; then
-    echo "ci/test.sh: only $((free_kib / 1024)) MiB free on $(df -P . | awk 'NR == 2 { print $6 }'); the build and the guest images need about 8 GiB" >&2
-    df -h . "${XDG_CACHE_HOME:-$HOME/.cache}" >&2 || true
-    exit 1
+    echo "ci/test.sh: warning: only $((free_kib / 1024)) MiB free on $(df -P . | awk 'NR == 2 { print $6 }'); the build and the guest images need about 8 GiB" >&2
+    df -h . >&2 || true
 fi
 # One build from scratch, as CI makes it: no incremental state to write (it is never reused),
 # line tables only as debug info (backtraces keep file:line; the test binaries link in a
