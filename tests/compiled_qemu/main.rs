@@ -16,6 +16,7 @@ mod counts;
 mod differential;
 mod kinds;
 mod mixed;
+mod modules;
 mod returns;
 mod stacks;
 mod statements;

@@ -323,6 +323,8 @@ pub fn kernel_probes(prog: &Program) -> (Vec<usize>, Vec<Unsupported>) {
                 // `@FILE`/`:LINE` resolve (with the -dbg vmlinux) to entries and statements;
                 // `.inline` to the instances' entry pcs, statements in their callers.
                 PointKind::KernelFunction { .. } => kernel = true,
+                // A module's function entries and returns, found when the script attaches.
+                PointKind::ModuleFunction { .. } => kernel = true,
                 PointKind::Syscall { .. } => kernel = true,
                 // `func+OFFSET` and `.absolute`: compiled where the splice planner accepts
                 // the instruction (live::compiled asks it).

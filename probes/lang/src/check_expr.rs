@@ -355,7 +355,14 @@ impl Checker<'_> {
             return Ty::Long;
         }
         let kinds = self.scope.kinds.clone();
-        if let Some(k) = kinds.iter().find(|k| !k.has_target_vars()) {
+        // `$return` at a module's return probe is the return register, without DWARF.
+        let module_return = t.name == "$return"
+            && t.members.is_empty()
+            && kinds.iter().all(super::point::PointKind::is_return);
+        if let Some(k) = kinds
+            .iter()
+            .find(|k| !(k.has_target_vars() || module_return && k.family() == "module.function"))
+        {
             self.emit(
                 Diagnostic::error(
                     format!(
@@ -365,7 +372,12 @@ impl Checker<'_> {
                     ),
                     span,
                 )
-                .with_hint("target variables exist only at kernel probe points"),
+                .with_hint(if k.family() == "module.function" {
+                    "a kernel module's target variables need its DWARF debug info, which exotap \
+                     does not read yet (only `$return` of a module's .return probe is known)"
+                } else {
+                    "target variables exist only at kernel probe points"
+                }),
             );
             return Ty::Long;
         }

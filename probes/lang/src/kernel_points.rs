@@ -419,6 +419,13 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     self.point(name, sym, self.parameters(&sym.name))
                 })
                 .collect(),
+            // A module's functions are known once the script attaches: the live guest's
+            // module list and each module's kallsyms (exotap_probes' live::modules).
+            PointKind::ModuleFunction { .. } => vec![ResolvedPoint {
+                name: point.to_string(),
+                address: None,
+                variables: Vec::new(),
+            }],
             PointKind::Syscall { name, ret } => self
                 .functions(&format!("{SYSCALL_PREFIX}{name}"))
                 .into_iter()

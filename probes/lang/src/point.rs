@@ -88,6 +88,18 @@ pub enum PointKind {
         /// Which instances.
         site: FunctionSite,
     },
+    /// `module("m").function("pattern")[.call|.return]` (or `kprobe.module(...)`): functions
+    /// of a loaded kernel module, found in the live guest's module list when the script
+    /// attaches (their symbols are the module's own kallsyms), not in the image.
+    ModuleFunction {
+        /// Module name pattern, with `*` and `?` wildcards.
+        module: String,
+        /// Function name pattern, with `*` and `?` wildcards.
+        pattern: String,
+        /// Which instances (`Entry`, `Call` or `Return`: inlined instances need the
+        /// module's DWARF).
+        site: FunctionSite,
+    },
     /// `kernel.statement("func@file:line")`, or `kernel.statement("func+OFFSET")` (an
     /// instruction boundary at a byte offset into the function).
     KernelStatement {
@@ -195,6 +207,9 @@ impl PointKind {
             PointKind::KernelFunction {
                 site: FunctionSite::Return,
                 ..
+            } | PointKind::ModuleFunction {
+                site: FunctionSite::Return,
+                ..
             } | PointKind::Syscall { ret: true, .. }
         )
     }
@@ -212,6 +227,7 @@ impl PointKind {
             PointKind::InputLine => "input.line",
             PointKind::Procfs { .. } => "procfs",
             PointKind::KernelFunction { .. } => "kernel.function",
+            PointKind::ModuleFunction { .. } => "module.function",
             PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => "kernel.statement",
             PointKind::KernelField { .. } => "kernel.field",
             PointKind::Syscall { .. } => "kernel.syscall",
@@ -272,7 +288,7 @@ timer.profile, kernel.function(\"pat[@file[:line]]\")[.call|.inline|.return], \
 kernel.statement(\"func@file:line\"), kernel.statement(\"func+OFFSET\"), \
 kernel.statement(ADDR).absolute, \
 kernel.field(\"struct S\", \"member\").read|.write|.call, kernel.syscall(\"name\")[.return], \
-kernel.trace(\"tracepoint\"), kernel.data(ADDR|\"symbol\")[.length(N)].write|.rw, kprobe.function(\"name\")[.return], \
+kernel.trace(\"tracepoint\"), module(\"m\").function(\"pat\")[.call|.return], kernel.data(ADDR|\"symbol\")[.length(N)].write|.rw, kprobe.function(\"name\")[.return], \
 kprobe.statement(ADDR).absolute, and the tapset's aliases (syscall.*, vfs.*, scheduler.*, ...)";
 
 fn split_location(spec: &str) -> (String, Option<String>, Option<String>) {
@@ -352,6 +368,7 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 | "timer"
                 | "kernel"
                 | "kprobe"
+                | "module"
                 | "input"
                 | "procfs")
         )
@@ -363,9 +380,13 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
         let allowed = matches!(
             (names.first(), i),
             (Some(&"kernel" | &"kprobe"), 1)
+                | (Some(&"module"), 0 | 1)
                 | (Some(&"timer"), 1)
                 | (Some(&"begin" | &"end" | &"error"), 0)
         ) || (c.name == "maxactive" && i == 3)
+            || (names.first() == Some(&"kprobe")
+                && names.get(1) == Some(&"module")
+                && (i == 2 || (c.name == "maxactive" && i == 4)))
             || (c.name == "length" && i == 2 && names.get(1) == Some(&"data"))
             || (names.first() == Some(&"procfs")
                 && matches!(c.name.as_str(), "procfs" | "umask" | "maxsize"));
@@ -424,6 +445,17 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 site,
             })
         }
+        ["module", "function", rest @ ..] => module_function(point, 0, rest),
+        ["kprobe", "module", "function", rest @ ..] => module_function(point, 1, rest),
+        ["module", ..] | ["kprobe", "module", ..] => Err(PointError::OutOfScope {
+            text: point.to_string(),
+            reason: "in a kernel module exotap probes functions (module(\"m\").function(\"f\") \
+                     and its .call and .return); statements, inlined instances and source \
+                     positions in modules need the module's DWARF debug info, which exotap does \
+                     not read yet"
+                .to_string(),
+            span: point.span,
+        }),
         ["kernel", "statement", rest @ ..] => match (args(1), rest) {
             ([Literal::Num(addr)], ["absolute"]) => Ok(PointKind::KernelAddress(*addr as u64)),
             ([Literal::Num(_)], []) => Err(bad("kernel.statement", "an address needs .absolute")),
@@ -601,6 +633,70 @@ fn procfs_point(point: &ProbePoint) -> Result<PointKind, PointError> {
     })
 }
 
+/// `module("M").function("F")[.call|.return]` (`first` = index of the `module` component:
+/// 1 for `kprobe.module(...)`); `rest` the components after `function`.
+fn module_function(
+    point: &ProbePoint,
+    first: usize,
+    rest: &[&str],
+) -> Result<PointKind, PointError> {
+    let family = if first == 0 {
+        "module.function"
+    } else {
+        "kprobe.module.function"
+    };
+    let bad = |reason: String| PointError::BadArgument {
+        family: family.to_string(),
+        reason,
+        span: point.span,
+    };
+    let text = |i: usize, what: &str| match point.components.get(i).map(|c| c.args.as_slice()) {
+        Some([Literal::Str(s)]) if !s.is_empty() => Ok(s.clone()),
+        _ => Err(bad(format!("expected one non-empty string, the {what}"))),
+    };
+    let module = text(first, "module's name")?;
+    let pattern = text(first + 1, "function's name")?;
+    if pattern.contains(['@', ':', '+']) {
+        return Err(PointError::OutOfScope {
+            text: point.to_string(),
+            reason: "a source position or offset in a module needs the module's DWARF debug \
+                     info, which exotap does not read yet: name the function alone"
+                .to_string(),
+            span: point.span,
+        });
+    }
+    let site = match rest {
+        [] => FunctionSite::Entry,
+        ["call"] => FunctionSite::Call,
+        ["return"] => FunctionSite::Return,
+        ["return", "maxactive"] => match point.components.get(first + 3).map(|c| c.args.as_slice())
+        {
+            Some([Literal::Num(n)]) if *n > 0 => FunctionSite::Return,
+            _ => return Err(bad("maxactive takes one positive number".into())),
+        },
+        ["inline"] => {
+            return Err(PointError::OutOfScope {
+                text: point.to_string(),
+                reason: "the inlined instances of a module's functions are known from the \
+                         module's DWARF debug info, which exotap does not read yet"
+                    .to_string(),
+                span: point.span,
+            })
+        }
+        _ => {
+            return Err(PointError::Unknown {
+                text: point.to_string(),
+                span: point.span,
+            })
+        }
+    };
+    Ok(PointKind::ModuleFunction {
+        module,
+        pattern,
+        site,
+    })
+}
+
 /// Why a family SystemTap has is out of exotap's scope, for the points it names.
 fn out_of_scope(names: &[&str]) -> Option<&'static str> {
     match names.first()? {
@@ -608,10 +704,6 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
             "user-space probe points (process.*, uprobes) are out of exotap's scope: exotap \
              instruments the guest kernel from outside, with no agent in the guest's processes; \
              probe the kernel side instead (syscall.*, kernel.function)",
-        ),
-        &"module" | &"kprobe" if names.get(1) == Some(&"module") || names[0] == "module" => Some(
-            "probes in kernel modules are not supported yet: exotap resolves points against the \
-             kernel image's own symbols and BTF, not against loaded modules",
         ),
         &"perf" => Some(
             "perf events need the guest's perf subsystem armed from inside it, which exotap \
@@ -623,8 +715,8 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
              kernel.function instead",
         ),
         &"nfsd" | &"nfs" | &"sunrpc" => Some(
-            "the NFS tapsets probe functions of kernel modules, and probes in modules are not \
-             supported yet",
+            "the NFS tapsets read the target variables of kernel modules' functions, which \
+             need the modules' DWARF debug info, which exotap does not read yet",
         ),
         &"glib" | &"python2" | &"python3" | &"java" | &"tcl" => Some(
             "these tapsets are markers in user-space programs (process.mark), and user-space \
@@ -860,8 +952,44 @@ mod tests {
     }
 
     #[test]
-    fn module_points_are_refused_with_the_reason() {
-        let err = kind(r#"module("ext4").function("ext4_sync_fs")"#).unwrap_err();
-        assert!(err.to_string().contains("kernel modules"), "{err}");
+    fn module_functions_are_points_and_what_needs_a_modules_dwarf_is_refused_with_the_reason() {
+        assert_eq!(
+            kind(r#"module("ext4").function("ext4_*").return.maxactive(4)"#).unwrap(),
+            PointKind::ModuleFunction {
+                module: "ext4".into(),
+                pattern: "ext4_*".into(),
+                site: FunctionSite::Return,
+            }
+        );
+        assert_eq!(
+            kind(r#"kprobe.module("e*").function("ext4_sync_fs")"#).unwrap(),
+            PointKind::ModuleFunction {
+                module: "e*".into(),
+                pattern: "ext4_sync_fs".into(),
+                site: FunctionSite::Entry,
+            }
+        );
+        for (point, why) in [
+            (
+                r#"module("ext4").function("ext4_sync_fs").inline"#,
+                "module's DWARF",
+            ),
+            (
+                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c")"#,
+                "module's DWARF",
+            ),
+            (
+                r#"module("ext4").statement("ext4_sync_fs+4")"#,
+                "module's DWARF",
+            ),
+            (r#"module("ext4").function("")"#, "non-empty string"),
+            (
+                r#"module("ext4").function("f").call(3)"#,
+                "takes no argument",
+            ),
+        ] {
+            let err = kind(point).unwrap_err();
+            assert!(err.to_string().contains(why), "{point}: {err}");
+        }
     }
 }

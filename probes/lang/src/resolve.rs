@@ -123,6 +123,17 @@ pub fn describe(kind: &PointKind) -> String {
                 location(file, line)
             )
         }
+        PointKind::ModuleFunction {
+            module,
+            pattern,
+            site,
+        } => {
+            let what = match site {
+                FunctionSite::Return => "the return of",
+                _ => "the entry of",
+            };
+            format!("{what} the functions matching '{pattern}' of the kernel modules matching '{module}' (found in the live guest)")
+        }
         PointKind::KernelStatement {
             function,
             file,

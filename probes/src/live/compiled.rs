@@ -33,7 +33,8 @@ use anyhow::{bail, Context as _};
 use exotap_vmm::control::{Machine as _, StopEvent};
 
 use crate::compile::{
-    self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, Unsupported,
+    self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, SitePoint,
+    Unsupported,
 };
 use crate::lang::check::Program;
 use crate::lang::output::Output;
@@ -64,6 +65,7 @@ pub const POLL_SHARED_EVERY: Duration = Duration::from_millis(20);
 const WAIT: Duration = Duration::from_millis(20);
 
 mod guest;
+mod modules;
 mod plan;
 
 use guest::{Guest, Sites};
@@ -166,6 +168,7 @@ pub fn start_on(
     }
     // On an error from here on, dropping the session detaches.
     session.plan(image, heap)?;
+    let watch = modules::place_module_points(&mut session, image, &mut plan)?;
     let (machine, splicer) = session.parts()?;
     // The text of the functions the statements are in (read as plans need it).
     let slid: Vec<u64> = plan
@@ -319,6 +322,7 @@ pub fn start_on(
                 symbols,
                 check,
                 clock_offset,
+                watch,
             };
             run(session, script, started, ready_tx)
         })
@@ -361,7 +365,7 @@ fn install(
         slide,
     } = *what;
     #[allow(clippy::type_complexity)]
-    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner, HashMap<u64, u64>)> {
+    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner, HashMap<u64, u64>, Helpers)> {
         let mut layout = DataLayout::new(prog, limits).map_err(|u| {
             anyhow::anyhow!(
                 "{}",
@@ -394,32 +398,6 @@ fn install(
         if !rt.code.is_empty() {
             guest.write_heap(rt_at, &rt.code)?;
         }
-        // One site per address: its entry bodies and its return bodies.
-        let mut by_addr: BTreeMap<u64, SiteBodies> = BTreeMap::new();
-        let mut names: HashMap<u64, String> = HashMap::new();
-        for (link, p) in &plan.points {
-            let addr = link.wrapping_add(slide);
-            let site = by_addr.entry(addr).or_insert_with(|| SiteBodies {
-                pc: addr,
-                ..SiteBodies::default()
-            });
-            names.entry(addr).or_insert_with(|| p.function.clone());
-            if p.is_return {
-                site.ret.push(p.clone());
-            } else {
-                site.entry.push(p.clone());
-            }
-        }
-        let mut requests = Vec::new();
-        let mut bodies = Vec::new();
-        for (addr, b) in by_addr {
-            requests.push(Request {
-                name: names.get(&addr).cloned().unwrap_or_default(),
-                addr,
-                action: Action::Compiled(u32::try_from(bodies.len())?),
-            });
-            bodies.push(b);
-        }
         let env = Env {
             prog,
             limits,
@@ -428,22 +406,13 @@ fn install(
             data,
             helpers: &rt.helpers,
         };
-        let mut sites = Sites {
-            env,
-            interner: &mut interner,
-            bodies,
-            addrs: requests.iter().map(|r| r.addr).collect(),
-        };
-        let report = guest.install_compiled(&requests, &mut sites)?;
-        // The code may hold the encodings of strings placed so far: the collector keeps them.
-        interner.pin_placed();
-        for r in &report.refused {
-            tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
-        }
-        for (site, _) in &report.entered {
-            guest.machine.set_breakpoint(*site, true)?;
-        }
-        if report.refused.len() == requests.len() {
+        let points: Vec<(u64, SitePoint)> = plan
+            .points
+            .iter()
+            .map(|(link, p)| (link.wrapping_add(slide), p.clone()))
+            .collect();
+        let (sites, report) = install_sites(&mut guest, env, &mut interner, &points)?;
+        if sites > 0 && report.refused.len() == sites {
             bail!(
                 "none of the script's kernel probe points could be spliced: {}",
                 report
@@ -461,10 +430,16 @@ fn install(
             layout.size >> 10,
             report.plan_time.as_secs_f64()
         );
-        Ok((layout, data, interner, report.entered.into_iter().collect()))
+        Ok((
+            layout,
+            data,
+            interner,
+            report.entered.into_iter().collect(),
+            rt.helpers,
+        ))
     })();
     // On an error, dropping the session takes out whatever went in and detaches.
-    let (layout, data, interner, entered) = r?;
+    let (layout, data, interner, entered, helpers) = r?;
     Ok(Guest {
         session: guest,
         layout,
@@ -476,7 +451,101 @@ fn install(
         pulled: None,
         stacks: None,
         collections: Default::default(),
+        helpers,
     })
+}
+
+/// The table helpers' addresses, by (global, insert).
+type Helpers = HashMap<(String, bool), u64>;
+
+/// A module's load or unload seen at the watch's breakpoint (the guest stopped): the sites of
+/// the script's points in a loading module go in before its code runs.
+///
+/// # Errors
+/// As [`modules::ModuleWatch::stopped`] and [`install_sites`].
+fn module_event(
+    guest: &mut Guest,
+    watch: &mut modules::ModuleWatch,
+    (prog, limits, facts): (&Program, &Limits, &Facts),
+    (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
+) -> anyhow::Result<()> {
+    let points = watch.stopped(&mut guest.session, vcpu, pc)?;
+    if points.is_empty() {
+        return Ok(());
+    }
+    let env = Env {
+        prog,
+        limits,
+        facts,
+        layout: &guest.layout,
+        data: guest.data,
+        helpers: &guest.helpers,
+    };
+    let (sites, report) = install_sites(&mut guest.session, env, &mut guest.interner, &points)?;
+    guest.entered.extend(report.entered.iter().copied());
+    watch.sites_in += (sites - report.refused.len()) as u64;
+    tracing::info!(
+        "{} sites in the loading module ({} refused)",
+        sites - report.refused.len(),
+        report.refused.len()
+    );
+    Ok(())
+}
+
+/// Generates the code of the compiled sites at `points` (running addresses; the points at
+/// one address share its site) and installs their splices, the guest stopped. Sites the
+/// planner refuses are logged; a site a breakpoint enters gets its breakpoint. Returns the
+/// number of sites asked for and the install's report.
+///
+/// # Errors
+/// When the code cannot be generated or written.
+fn install_sites(
+    guest: &mut GuestSession,
+    env: Env<'_>,
+    interner: &mut Interner,
+    points: &[(u64, SitePoint)],
+) -> anyhow::Result<(usize, super::splicer::InstallReport)> {
+    // One site per address: its entry bodies and its return bodies.
+    let mut by_addr: BTreeMap<u64, SiteBodies> = BTreeMap::new();
+    let mut names: HashMap<u64, String> = HashMap::new();
+    for (addr, p) in points {
+        let site = by_addr.entry(*addr).or_insert_with(|| SiteBodies {
+            pc: *addr,
+            ..SiteBodies::default()
+        });
+        names.entry(*addr).or_insert_with(|| p.function.clone());
+        if p.is_return {
+            site.ret.push(p.clone());
+        } else {
+            site.entry.push(p.clone());
+        }
+    }
+    let mut requests = Vec::new();
+    let mut bodies = Vec::new();
+    for (addr, b) in by_addr {
+        requests.push(Request {
+            name: names.get(&addr).cloned().unwrap_or_default(),
+            addr,
+            action: Action::Compiled(u32::try_from(bodies.len())?),
+        });
+        bodies.push(b);
+    }
+    let mut sites = Sites {
+        env,
+        interner: &mut *interner,
+        bodies,
+        addrs: requests.iter().map(|r| r.addr).collect(),
+    };
+    let report = guest.install_compiled(&requests, &mut sites)?;
+    // The code may hold the encodings of strings placed so far: the collector keeps them.
+    interner.pin_placed();
+    for r in &report.refused {
+        tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
+    }
+    for (site, _) in &report.entered {
+        guest.machine.set_breakpoint(*site, true)?;
+    }
+    Ok((requests.len(), report))
 }
 
 /// What [`start`] hands the session's thread besides the guest and the script.
@@ -496,6 +565,8 @@ struct Started {
     check: Option<BTreeSet<usize>>,
     /// The guest's clock: probes run on the host read it, as the compiled ones do.
     clock_offset: Option<super::trap_script::GuestClock>,
+    /// The script's probes in kernel modules, placed as modules load and unload.
+    watch: Option<modules::ModuleWatch>,
 }
 
 /// A hit of a host-evaluated probe of a mixed script (the guest stopped at it): what the
@@ -549,6 +620,7 @@ fn run(
         symbols,
         check,
         clock_offset,
+        mut watch,
     } = started;
     let GuestScript {
         source,
@@ -617,6 +689,14 @@ fn run(
         }
     };
     guest.stacks = stacks;
+    if let Some(w) = &watch {
+        for at in w.breakpoints() {
+            if let Err(e) = guest.session.machine.set_breakpoint(at, true) {
+                let _ = ready.send(Err(e.into()));
+                return 1;
+            }
+        }
+    }
     // The guest's own kprobe counters, read at the same stops as the install and the removal.
     let kprobes_before = kprobes.as_ref().map(|k| k.read(&mut guest.session.machine));
     let _ = ready.send(Ok(()));
@@ -817,6 +897,19 @@ fn run(
                 }
             }
             Ok(Some(StopEvent::Breakpoint { vcpu, pc }))
+                if watch.as_ref().is_some_and(|w| w.owns(pc)) =>
+            {
+                let step = match watch.as_mut() {
+                    Some(w) => module_event(&mut guest, w, (&prog, &limits, &facts), (vcpu, pc)),
+                    None => Ok(()),
+                }
+                .and_then(|()| guest.session.resume());
+                if let Err(e) = step {
+                    tracing::error!("a module's load or unload at {pc:#x} failed: {e:#}");
+                    gone = true;
+                }
+            }
+            Ok(Some(StopEvent::Breakpoint { vcpu, pc }))
                 if traps.as_ref().is_some_and(|t| t.owns(pc)) =>
             {
                 host_hits += 1;
@@ -915,6 +1008,20 @@ fn run(
             session.note(&format!(
                 "HOST-RESULT pauses.between_install_and_removal={}",
                 now.saturating_sub(then)
+            ));
+        }
+        if let Some(w) = &watch {
+            tracing::info!(
+                "kernel modules: {} loads and {} unloads of probed modules seen, {} sites put \
+                 in and {} taken out at them",
+                w.loads,
+                w.unloads,
+                w.sites_in,
+                w.sites_out
+            );
+            session.note(&format!(
+                "HOST-RESULT modules.loads_unloads={}/{}",
+                w.loads, w.unloads
             ));
         }
         let mut disarmed = false;

@@ -132,6 +132,8 @@ struct ModuleSymbol {
 pub struct GuestModule {
     /// Its name, as `[name]` ends its frames.
     pub name: String,
+    /// Where its `struct module` is.
+    pub address: u64,
     /// Its core text, running addresses.
     pub text: Range<u64>,
     /// Its ORC tables at running addresses; `None` when they could not be read.
@@ -143,6 +145,15 @@ pub struct GuestModule {
 }
 
 impl GuestModule {
+    /// Its symbols inside its core text (name, running address), by address: its functions,
+    /// and the `__pfx_`/`__cfi_` padding before them on kernels built with call padding.
+    pub fn symbols_in_text(&self) -> impl Iterator<Item = (&str, u64)> + '_ {
+        self.symbols
+            .iter()
+            .filter(|s| self.text.contains(&s.addr))
+            .map(|s| (s.name.as_str(), s.addr))
+    }
+
     /// The symbol `addr` is named by, its offset and size, as the kernel's
     /// `find_kallsyms_symbol` answers for core text: the symbol with the highest address at
     /// or below `addr` (the first of equals), sized up to the next symbol above `addr` or the
@@ -279,6 +290,7 @@ fn read_module<R: VirtualMemory + ?Sized>(
         .reduce(|a, b| format!("{a}; {b}"));
     Ok(GuestModule {
         name,
+        address: module,
         text,
         orc: orc.ok(),
         symbols: symbols.unwrap_or_default(),

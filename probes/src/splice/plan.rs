@@ -37,6 +37,13 @@ pub enum Refusal {
         /// The address asked for.
         addr: u64,
     },
+    /// The bytes the splice would replace cross from one page of a module's text into one
+    /// that is not physically after it (module text is mapped page by page).
+    #[error("the splice at {addr:#x} would cross into a page of module text that is not physically after its first")]
+    SplitPages {
+        /// The address asked for.
+        addr: u64,
+    },
     /// The address is inside an instruction, not at its start.
     #[error("{addr:#x} is not the start of an instruction")]
     NotInstructionBoundary {

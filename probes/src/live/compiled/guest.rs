@@ -74,6 +74,8 @@ pub(super) struct Guest {
     pub(super) stacks: Option<crate::live::stacks::KernelStacks>,
     /// What the string table's collector did.
     pub(super) collections: Collections,
+    /// The table helpers' addresses (for the sites of modules loaded later).
+    pub(super) helpers: std::collections::HashMap<(String, bool), u64>,
 }
 
 /// Stops of the guest one look makes to collect the string table while compiled hits are

@@ -51,6 +51,24 @@ pub struct Plan {
     pub(super) facts: Facts,
     pub(super) realtime_link: Option<u64>,
     pub(super) copy_link: Option<u64>,
+    /// The points in kernel modules, found in the live guest when the script attaches
+    /// ([`super::module_points`]).
+    pub(super) modules: Vec<ModulePoint>,
+}
+
+/// A `module("M").function("F")` point of the script, to be found in the live guest.
+#[derive(Debug, Clone)]
+pub struct ModulePoint {
+    /// Module name pattern.
+    pub module: String,
+    /// Function name pattern.
+    pub pattern: String,
+    /// Entry (`Entry`/`Call`) or `Return`.
+    pub site: crate::lang::point::FunctionSite,
+    /// Whether the point may match nothing (`?` or `!`).
+    pub optional: bool,
+    /// The site point each function found gets (its name and function set then).
+    pub template: SitePoint,
 }
 
 /// The facts the generated code needs, from the image's symbols and BTF.
@@ -123,7 +141,12 @@ pub fn plan(
     let mut points = Vec::new();
     let mut elsewhere = Vec::new();
     let mut statements = BTreeSet::new();
+    let mut modules = Vec::new();
     for (probe, point) in resolved {
+        if let Some(m) = module_point(prog, probe, &point.name) {
+            modules.push(m);
+            continue;
+        }
         let profile = point.name.starts_with(compile::PROFILE_POINT);
         let link = match point.address {
             Some(link) => link,
@@ -190,7 +213,11 @@ pub fn plan(
             },
         ));
     }
-    let only: Vec<SitePoint> = points.iter().map(|p| p.1.clone()).collect();
+    let only: Vec<SitePoint> = points
+        .iter()
+        .map(|p| p.1.clone())
+        .chain(modules.iter().map(|m| m.template.clone()))
+        .collect();
     let mut refused = compile::check(prog, limits, &facts, &only);
     refused.append(&mut elsewhere);
     refused.sort_by_key(|u| (u.span.start, u.construct.clone()));
@@ -199,8 +226,22 @@ pub fn plan(
         return Ok(Err(refused));
     }
     let host: BTreeSet<usize> = refused.iter().filter_map(|u| u.probe).collect();
+    // A module's probes run compiled or not at all: the host path places its breakpoints
+    // from the image's symbols, which have none of a module's.
+    if let Some(m) = modules.iter().find(|m| host.contains(&m.template.probe)) {
+        let why: Vec<String> = refused
+            .iter()
+            .filter(|u| u.probe == Some(m.template.probe))
+            .map(|u| u.construct.clone())
+            .collect();
+        bail!(
+            "{} does not compile ({}), and probes in kernel modules run compiled only",
+            m.template.name,
+            why.join("; ")
+        );
+    }
     points.retain(|(_, p)| !host.contains(&p.probe));
-    if points.is_empty() {
+    if points.is_empty() && modules.is_empty() {
         return Ok(Err(refused));
     }
     let realtime_link = facts.realtime_ns;
@@ -213,7 +254,42 @@ pub fn plan(
         facts,
         realtime_link,
         copy_link,
+        modules,
     }))
+}
+
+/// The module point `name` of probe `probe` stands for, if it is one.
+fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint> {
+    let (point, kind) = prog
+        .probes
+        .get(probe)?
+        .points
+        .iter()
+        .find(|(p, _)| p.to_string() == name)?;
+    let crate::lang::point::PointKind::ModuleFunction {
+        module,
+        pattern,
+        site,
+    } = kind
+    else {
+        return None;
+    };
+    let is_return = *site == crate::lang::point::FunctionSite::Return;
+    Some(ModulePoint {
+        module: module.clone(),
+        pattern: pattern.clone(),
+        site: *site,
+        optional: point.optional || point.sufficient,
+        template: SitePoint {
+            probe,
+            name: name.to_owned(),
+            function: pattern.clone(),
+            params: Vec::new(),
+            is_return,
+            locals: None,
+            guard: None,
+        },
+    })
 }
 
 /// Starts `script` against `target`: compiled into the guest where it compiles (as `mode`

@@ -213,6 +213,8 @@ pub struct LiveKernel {
     pub read_time: Duration,
     /// Time to find its branch targets, or read them from the cache.
     pub analysis_time: Duration,
+    /// The text of the loaded modules probes go into ([`LiveKernel::add_module`]).
+    modules: Vec<super::modules::ModuleText>,
 }
 
 impl std::fmt::Debug for LiveKernel {
@@ -304,6 +306,7 @@ impl LiveKernel {
                         entry: Some(entry.clone()),
                         read_time: Duration::ZERO,
                         analysis_time,
+                        modules: Vec::new(),
                     });
                 }
                 Err(e) if entry.exists() => tracing::warn!(
@@ -322,6 +325,7 @@ impl LiveKernel {
             entry,
             read_time: Duration::ZERO,
             analysis_time: Duration::ZERO,
+            modules: Vec::new(),
         };
         kernel.read_whole(machine, root.as_deref())?;
         Ok(kernel)
@@ -557,9 +561,64 @@ impl LiveKernel {
         }
     }
 
+    /// Reads a loaded module's text and tables (the guest stopped), so that splices can go
+    /// into it; a module added before is kept as it was read.
+    ///
+    /// # Errors
+    /// As [`super::modules::ModuleText::read`].
+    pub fn add_module(
+        &mut self,
+        machine: &mut dyn Machine,
+        survey: &Survey,
+        module: &crate::live::modules::GuestModule,
+        tables: &super::modules::ModuleTables,
+    ) -> anyhow::Result<()> {
+        if self.modules.iter().any(|m| m.text == module.text) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let text =
+            super::modules::ModuleText::read(machine, survey, module, tables, &self.facts.config)?;
+        tracing::info!(
+            "read the {} KiB of module {}'s text at {:#x} and its tables in {:.3} s",
+            (text.text.end - text.text.start) >> 10,
+            text.name,
+            text.text.start,
+            started.elapsed().as_secs_f64()
+        );
+        self.modules.push(text);
+        Ok(())
+    }
+
+    /// Forgets the module whose text is `range` (it is being freed).
+    pub fn forget_module(&mut self, range: &Range<u64>) {
+        self.modules.retain(|m| m.text != *range);
+    }
+
+    /// Whether a module's text at `range` has been added.
+    pub fn has_module(&self, range: &Range<u64>) -> bool {
+        self.modules.iter().any(|m| m.text == *range)
+    }
+
+    /// The module whose text holds `addr`, of those added.
+    fn module_of(&self, addr: u64) -> Option<&super::modules::ModuleText> {
+        self.modules.iter().find(|m| m.contains(addr))
+    }
+
     /// Plans a splice at `addr` for a patch at `patch`: refused where the function there has
-    /// not been read ([`LiveKernel::prepare`] first).
+    /// not been read ([`LiveKernel::prepare`] first). In a module's text too; there a splice
+    /// whose bytes would cross into a page not physically after the first is refused (the
+    /// journal and the writes keep a splice as one physical range).
     pub fn plan(&self, addr: u64, patch: u64) -> SpliceDecision {
+        if let Some(m) = self.module_of(addr) {
+            let decision = plan(&m.context(), addr, patch);
+            if let SpliceDecision::Splice(site) = &decision {
+                if !self.contiguous(addr, site.bytes.len().max(5) as u64) {
+                    return SpliceDecision::Refuse(Refusal::SplitPages { addr });
+                }
+            }
+            return decision;
+        }
         if let Some(r) = self.range_of(addr) {
             if !self.is_loaded(r.start, r.end) {
                 return SpliceDecision::Refuse(Refusal::TextNotRead { addr });
@@ -579,6 +638,12 @@ impl LiveKernel {
     /// # Errors
     /// When the function's first bytes have not been read ([`LiveKernel::prepare`] first).
     pub fn entry(&self, addr: u64) -> anyhow::Result<u64> {
+        if let Some(m) = self.module_of(addr) {
+            return Ok(match m.bytes_at(addr) {
+                Some(b) if m.starts.binary_search(&addr).is_ok() && endbr_or_seal(b) => addr + 4,
+                _ => addr,
+            });
+        }
         if self.facts.starts.binary_search(&addr).is_err() {
             return Ok(addr);
         }
@@ -594,8 +659,28 @@ impl LiveKernel {
 
     /// Guest-physical address of a text address.
     pub fn phys(&self, va: u64) -> Option<u64> {
-        (va >= self.facts.text.0 && va < self.facts.text.1)
-            .then(|| self.text_phys + (va - self.facts.text.0))
+        if va >= self.facts.text.0 && va < self.facts.text.1 {
+            return Some(self.text_phys + (va - self.facts.text.0));
+        }
+        self.module_of(va).and_then(|m| m.phys(va))
+    }
+
+    /// Whether `[va, va + len)` is one physically contiguous run of text (always in the
+    /// kernel's own text; in a module's only where its pages happen to be adjacent).
+    pub fn contiguous(&self, va: u64, len: u64) -> bool {
+        let Some(first) = self.phys(va) else {
+            return false;
+        };
+        let last = va + len.max(1) - 1;
+        let mut page = va & !(PAGE - 1);
+        while page <= last {
+            let at = page.max(va);
+            if self.phys(at) != Some(first + (at - va)) {
+                return false;
+            }
+            page += PAGE;
+        }
+        true
     }
 }
 
@@ -698,6 +783,7 @@ mod tests {
             },
             text_phys: 0x100_0000,
             analysis,
+            modules: Vec::new(),
             loaded: vec![true],
             whole: true,
             entry: None,
@@ -880,6 +966,7 @@ mod tests {
                 ..KernelFacts::default()
             },
             text_phys: TEXT_PHYS,
+            modules: Vec::new(),
             analysis: TextAnalysis::with_targets(
                 LAZY_BASE,
                 zeroed_text(text.len()),

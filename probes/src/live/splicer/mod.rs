@@ -66,6 +66,7 @@ const READ_CHUNK: usize = 1 << 20;
 
 mod drain;
 mod kernel;
+mod modules;
 mod oracles;
 mod pages;
 mod patches;
@@ -73,6 +74,7 @@ mod records;
 mod targets_cache;
 
 pub use kernel::{category, endbr_or_seal, why_not, KernelFacts, LiveKernel};
+pub use modules::{ModuleTables, ModuleText};
 pub use oracles::{guest_ftrace_sites, guest_kprobe_hits, KprobeReader};
 pub use pages::{changed_sites, page_spans, PageSnapshot, MERGE_GAP};
 use pages::{pages_of, snapshot};
@@ -880,15 +882,24 @@ impl Splicer {
         // Text always over the gdbstub: QEMU then drops its translated blocks of these bytes
         // (a write into the shared RAM would leave the vCPUs running the old instructions).
         // All spans in one pipelined batch: no round trip per span.
-        let phys: Vec<(u64, &[u8])> = spans
-            .iter()
-            .map(|(addr, bytes)| {
-                self.kernel
-                    .phys(*addr)
-                    .map(|p| (p, &bytes[..]))
-                    .with_context(|| format!("{addr:#x} is not kernel text"))
-            })
-            .collect::<anyhow::Result<_>>()?;
+        // A span across pages that are not physically adjacent (module text) goes in pieces.
+        let mut phys: Vec<(u64, &[u8])> = Vec::with_capacity(spans.len());
+        for (addr, bytes) in &spans {
+            let mut done = 0usize;
+            while done < bytes.len() {
+                let at = addr + done as u64;
+                let mut n = usize::try_from(PAGE - (at % PAGE))?.min(bytes.len() - done);
+                while done + n < bytes.len() && self.kernel.contiguous(at, (n + 1) as u64) {
+                    n = (n + usize::try_from(PAGE)?).min(bytes.len() - done);
+                }
+                let p = self
+                    .kernel
+                    .phys(at)
+                    .with_context(|| format!("{at:#x} is not kernel text"))?;
+                phys.push((p, &bytes[done..done + n]));
+                done += n;
+            }
+        }
         machine.write_phys_batch(&phys)?;
         Ok((spans.len(), spans.iter().map(|s| s.1.len()).sum()))
     }
@@ -1002,6 +1013,41 @@ impl Splicer {
         report.pages = pages.len();
         self.before = PageSnapshot::default();
         Ok(report)
+    }
+
+    /// Takes out the splices inside `range` (a module's text the guest is about to free;
+    /// the guest stopped): the original bytes go back where exotap's `jmp` still is, the
+    /// touched pages leave the before/after comparison (the module's text goes away with
+    /// them), and the module's text is forgotten, so that a module loaded there later is read
+    /// anew. No call of a module's function is in flight when the kernel frees it, so no
+    /// return address points into these sites' trampolines. Returns the sites taken out.
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or written.
+    pub fn remove_range(
+        &mut self,
+        machine: &mut dyn Machine,
+        range: std::ops::Range<u64>,
+    ) -> anyhow::Result<usize> {
+        let (gone, keep): (Vec<Installed>, Vec<Installed>) = std::mem::take(&mut self.installed)
+            .into_iter()
+            .partition(|s| range.contains(&s.addr));
+        self.installed = keep;
+        if !gone.is_empty() {
+            let pages = pages_of(gone.iter().map(|s| (s.addr, s.original.len())));
+            let now = snapshot(machine, &self.kernel, &pages)?;
+            let writes: Vec<(u64, Vec<u8>)> = gone
+                .iter()
+                .filter(|s| now.bytes(s.addr, 5).unwrap_or_default() == s.splice)
+                .map(|s| (s.addr, s.original[..5].to_vec()))
+                .collect();
+            self.write_text(machine, &now, &writes)?;
+        }
+        self.before
+            .0
+            .retain(|page, _| !(range.start & !(PAGE - 1)..range.end).contains(page));
+        self.kernel.forget_module(&range);
+        Ok(gone.len())
     }
 
     /// Puts back the return addresses of timed calls still in flight (their stack slot still

@@ -69,7 +69,7 @@ pub(super) fn snapshot(
     // Many pages: one bulk read of the span through the monitor, when QEMU is local.
     if let (Some(&first), Some(&last)) = (list.first(), list.last()) {
         let len = usize::try_from(last + PAGE - first)?;
-        if list.len() >= 64 {
+        if list.len() >= 64 && kernel.contiguous(first, len as u64) {
             if let Some(bulk) = kernel
                 .phys(first)
                 .and_then(|phys| machine.read_phys_bulk(phys, len))
@@ -85,7 +85,12 @@ pub(super) fn snapshot(
     let mut i = 0;
     while i < list.len() {
         let mut j = i + 1;
-        while j < list.len() && list[j] == list[j - 1] + PAGE && j - i < 256 {
+        // Pages next to each other in both address spaces (module text need not be).
+        while j < list.len()
+            && list[j] == list[j - 1] + PAGE
+            && kernel.phys(list[j]) == kernel.phys(list[j - 1]).map(|p| p + PAGE)
+            && j - i < 256
+        {
             j += 1;
         }
         let first = list[i];

@@ -243,6 +243,13 @@ fn arm(
     let mut callbacks: HashMap<String, Option<(u64, u64)>> = HashMap::new();
     for (probe, point) in resolved {
         let Some(point_link) = point.address else {
+            if host(probe) && is_module_point(&point.name) {
+                bail!(
+                    "{}: probes in kernel modules run compiled only (the host path places its \
+                     breakpoints from the image's symbols, which have none of a module's)",
+                    point.name
+                );
+            }
             continue; // begin, end, timers: the host runs those
         };
         if !host(probe) {
@@ -984,6 +991,12 @@ impl Traps {
         machine.set_pc(vcpu, to)?;
         Ok(())
     }
+}
+
+/// Whether a resolved point's name is a point in a kernel module (`module("m")...`,
+/// `kprobe.module("m")...`), which the live guest places, not the image.
+pub(crate) fn is_module_point(name: &str) -> bool {
+    name.starts_with("module(") || name.starts_with("kprobe.module(")
 }
 
 #[cfg(test)]

@@ -1,0 +1,360 @@
+//! A compiled script's points in kernel modules, found in the live guest when it attaches:
+//! the guest's module list and each module's own symbols (its kallsyms) name the functions;
+//! the module's text is read and analysed for the splicer ([`super::super::splicer::ModuleText`])
+//! and each function found becomes a compiled point like any kernel function's, at its running
+//! address.
+//!
+//! As in SystemTap, a point whose module is not loaded is pending: it goes in when the module
+//! arrives, and out when it goes. The host puts two breakpoints in the kernel:
+//! - `do_init_module` (a module formed and on the list, its `COMING` notifiers run, its text
+//!   final, its `init` not yet run): the points matching the new module are placed and their
+//!   sites installed before any of its code runs;
+//! - `jump_label_module_notify`, the first of the module notifiers, called with
+//!   `MODULE_STATE_GOING` after the module's `exit` ran (and at a failed load): the module's
+//!   splices come out there, before the next notifiers run. They must: the kprobes notifier
+//!   disarms a guest kprobe on the module by having ftrace turn its call back into a nop,
+//!   and ftrace, finding exotap's `jmp` where it expects its call, declares a bug and turns
+//!   itself off for good (seen: every guest kprobe dead after the first unload). Where the
+//!   kernel has no such function, `free_module` instead, with a warning.
+//!
+//! Each module load or unload stops the guest (the notifier, at every state change of every
+//! module); no hit does.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use anyhow::Context as _;
+use exotap_introspect::orc::{OrcLayout, OrcTable};
+use exotap_introspect::symbols::wildcard_match;
+use exotap_vmm::control::{Machine, RegisterFile, StopEvent, VcpuId};
+
+use crate::compile::SitePoint;
+use crate::live::guest_memory::BackendMemory;
+use crate::live::kernel_image::KernelImage;
+use crate::live::modules::{read_modules, GuestModule, ModuleLayout};
+use crate::live::session::GuestSession;
+use crate::live::splicer::{ModuleTables, Splicer};
+
+use super::plan::ModulePoint;
+use super::Plan;
+
+/// Whether a module symbol named `name` is a function a pattern may name: not the padding
+/// before a function (`__pfx_`, `__cfi_`), and, for a wildcard, not a compiler-split part
+/// (`f.cold`, `f.part.0`), as SystemTap leaves them out.
+fn is_function(name: &str, wildcard: bool) -> bool {
+    !(name.starts_with("__pfx_") || name.starts_with("__cfi_") || wildcard && name.contains('.'))
+}
+
+/// What the host needs to find a script's module points in the guest's module list.
+pub(super) struct ModuleWatch {
+    /// Every module point of the script (a module may come, go and come again).
+    points: Vec<ModulePoint>,
+    /// `do_init_module` and the unload's breakpoint, running addresses; `None` where the
+    /// kernel has no `do_init_module` (then modules loaded later are not probed, with a
+    /// warning).
+    events: Option<(u64, u64)>,
+    /// How the unload's breakpoint is read: `Some(GOING)` at `jump_label_module_notify(nb,
+    /// state, module)`, where only `state == GOING` is an unload; `None` at
+    /// `free_module(module)`.
+    going: Option<u64>,
+    head: u64,
+    layout: ModuleLayout,
+    orc: OrcLayout,
+    tables: ModuleTables,
+    slide: u64,
+    /// The text of each module with sites in, by its `struct module`'s address.
+    probed: HashMap<u64, (String, Range<u64>)>,
+    /// Loads and unloads handled, and sites put in and taken out at them.
+    pub(super) loads: u64,
+    pub(super) unloads: u64,
+    pub(super) sites_in: u64,
+    pub(super) sites_out: u64,
+}
+
+impl std::fmt::Debug for ModuleWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModuleWatch")
+            .field("points", &self.points.len())
+            .field("events", &self.events)
+            .field("probed", &self.probed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModuleWatch {
+    /// The breakpoints the watch stops at.
+    pub(super) fn breakpoints(&self) -> Vec<u64> {
+        self.events.map_or_else(Vec::new, |(a, b)| vec![a, b])
+    }
+
+    /// Whether a breakpoint at `pc` is the watch's.
+    pub(super) fn owns(&self, pc: u64) -> bool {
+        self.events.is_some_and(|(a, b)| pc == a || pc == b)
+    }
+
+    /// The guest's formed modules.
+    fn read(
+        &self,
+        machine: &mut dyn Machine,
+        survey: &crate::live::attach::Survey,
+    ) -> anyhow::Result<Vec<GuestModule>> {
+        let mut mem = BackendMemory(machine);
+        let mut space = survey.space(&mut mem);
+        read_modules(&mut space, self.head, &self.layout, self.orc)
+            .context("cannot read the guest's module list")
+    }
+
+    /// The points of the script (all, or the `only`th) in `module`, each function found as a
+    /// site point at its running address less the slide; reads the module's text for the
+    /// splicer first.
+    fn place(
+        &mut self,
+        machine: &mut dyn Machine,
+        survey: &crate::live::attach::Survey,
+        splicer: &mut Splicer,
+        module: &GuestModule,
+        only: Option<usize>,
+    ) -> anyhow::Result<Vec<(u64, SitePoint)>> {
+        let mut found = Vec::new();
+        for (i, wanted) in self.points.iter().enumerate() {
+            if !wildcard_match(&wanted.module, &module.name) || only.is_some_and(|o| o != i) {
+                continue;
+            }
+            let wildcard = wanted.pattern.contains(['*', '?', '[']);
+            for (name, addr) in module.symbols_in_text() {
+                if !is_function(name, wildcard) || !wildcard_match(&wanted.pattern, name) {
+                    continue;
+                }
+                found.push((
+                    addr.wrapping_sub(self.slide),
+                    SitePoint {
+                        name: format!(
+                            "module(\"{}\").function(\"{name}\"){}",
+                            module.name,
+                            wanted.site.suffix()
+                        ),
+                        function: name.to_owned(),
+                        ..wanted.template.clone()
+                    },
+                ));
+            }
+        }
+        if !found.is_empty() {
+            if let Some(problem) = &module.problem {
+                tracing::warn!("module {}: {problem}", module.name);
+            }
+            splicer
+                .kernel
+                .add_module(&mut *machine, survey, module, &self.tables)?;
+            self.probed
+                .insert(module.address, (module.name.clone(), module.text.clone()));
+        }
+        Ok(found)
+    }
+
+    /// At a watch breakpoint (the guest stopped): a module loading has its points placed
+    /// and returned (running addresses) for the caller to install before its code runs; a
+    /// module about to be freed has its splices taken out. Then the vCPU steps past the
+    /// breakpoint, which goes back in.
+    ///
+    /// # Errors
+    /// When guest memory cannot be read or written, or the vCPU cannot step.
+    pub(super) fn stopped(
+        &mut self,
+        session: &mut GuestSession,
+        vcpu: VcpuId,
+        pc: u64,
+    ) -> anyhow::Result<Vec<(u64, SitePoint)>> {
+        let survey = session.survey.clone();
+        let (machine, splicer) = session.parts()?;
+        let RegisterFile::X86_64(regs) = machine.registers(vcpu)? else {
+            anyhow::bail!("module events are watched on x86-64 only");
+        };
+        // `do_init_module(mod)` and `free_module(mod)` take the module first (rdi), the
+        // notifier third (rdx), after the state (rsi); GDB's order: rsi 4, rdi 5, rdx 3.
+        let load = Some(pc) == self.events.map(|e| e.0);
+        let (module, unload) = match self.going {
+            Some(going) if !load => (regs.gpr[3], regs.gpr[4] == going),
+            _ => (regs.gpr[5], !load),
+        };
+        let mut placed = Vec::new();
+        if !unload && !load {
+            // Another state change of a module: nothing to do.
+        } else if load {
+            self.loads += 1;
+            let loaded = self.read(&mut *machine, &survey)?;
+            if let Some(m) = loaded.iter().find(|m| m.address == module) {
+                placed = self
+                    .place(&mut *machine, &survey, splicer, m, None)?
+                    .into_iter()
+                    .map(|(link, p)| (link.wrapping_add(self.slide), p))
+                    .collect();
+                tracing::info!(
+                    "module {} loaded: {} probe points of the script in it",
+                    m.name,
+                    placed.len()
+                );
+            }
+        } else if let Some((name, text)) = self.probed.remove(&module) {
+            self.unloads += 1;
+            let out = splicer.remove_range(&mut *machine, text)?;
+            self.sites_out += out as u64;
+            tracing::info!("module {name} unloading: its {out} sites taken out first");
+        }
+        // Past the breakpoint: out, one instruction, in again.
+        machine.set_breakpoint(pc, false)?;
+        let stepped = machine.step(vcpu);
+        machine.set_breakpoint(pc, true)?;
+        match stepped? {
+            StopEvent::Stepped { .. } | StopEvent::Breakpoint { .. } => {}
+            other => anyhow::bail!("stepping past {pc:#x} stopped with {other:?}"),
+        }
+        Ok(placed)
+    }
+}
+
+/// Finds `plan`'s module points in the live guest (after [`GuestSession::plan`]: the
+/// splicer reads each probed module's text) and adds each function found to `plan.points`
+/// (at its running address less the slide, as the points of the image are kept). Returns the
+/// watch that places them in modules loaded later, and takes them out of modules unloaded.
+///
+/// # Errors
+/// When the module list cannot be read, a probed module's text cannot be read, or a point
+/// whose module is loaded finds no function there.
+pub(super) fn place_module_points(
+    session: &mut GuestSession,
+    image: &KernelImage,
+    plan: &mut Plan,
+) -> anyhow::Result<Option<ModuleWatch>> {
+    if plan.modules.is_empty() {
+        return Ok(None);
+    }
+    let survey = session.survey.clone();
+    let slide = survey.kaslr.slide;
+    let btf = image.btf()?;
+    let head = image
+        .symbols
+        .get("modules")
+        .context("the image's symbols have no `modules` list, where the loaded modules are")?
+        .addr
+        .wrapping_add(slide);
+    let layout = ModuleLayout::from_btf(btf).context("cannot lay out `struct module` from BTF")?;
+    let orc = OrcTable::from_vmlinux(&image.vmlinux)
+        .context("cannot read the kernel's ORC tables (the modules' share their layout)")?
+        .layout();
+    let going = btf_enum_value(btf, "module_state", "MODULE_STATE_GOING");
+    let unload = match (image.symbols.get("jump_label_module_notify"), going) {
+        (Some(s), Some(_)) => Some(s.addr),
+        _ => {
+            tracing::warn!(
+                "the kernel has no jump_label_module_notify (or BTF no MODULE_STATE_GOING): \
+                 a module's probes come out when it is freed, after its notifiers; a guest \
+                 kprobe on its functions may then find exotap's splice and turn off ftrace"
+            );
+            image.symbols.get("free_module").map(|s| s.addr)
+        }
+    };
+    let events = match (image.symbols.get("do_init_module"), unload) {
+        (Some(a), Some(b)) => Some((a.addr.wrapping_add(slide), b.wrapping_add(slide))),
+        _ => {
+            tracing::warn!(
+                "the kernel has no do_init_module or free_module: probes in modules loaded \
+                 after the script starts are not placed, and a module unloaded under its \
+                 probes is found out only at their removal"
+            );
+            None
+        }
+    };
+    let going = going.filter(|_| image.symbols.get("jump_label_module_notify").is_some());
+    let mut watch = ModuleWatch {
+        points: std::mem::take(&mut plan.modules),
+        events,
+        going,
+        head,
+        layout,
+        orc,
+        tables: ModuleTables::from_btf(btf),
+        slide,
+        probed: HashMap::new(),
+        loads: 0,
+        unloads: 0,
+        sites_in: 0,
+        sites_out: 0,
+    };
+    let (machine, splicer) = session.parts()?;
+    let loaded = watch.read(&mut *machine, &survey)?;
+    let points = watch.points.clone();
+    for (i, wanted) in points.iter().enumerate() {
+        let matching: Vec<&GuestModule> = loaded
+            .iter()
+            .filter(|m| wildcard_match(&wanted.module, &m.name))
+            .collect();
+        let mut found = 0usize;
+        for module in &matching {
+            let placed = watch.place(&mut *machine, &survey, splicer, module, Some(i))?;
+            found += placed.len();
+            plan.points.extend(placed);
+        }
+        if found == 0 && !matching.is_empty() && !wanted.optional {
+            anyhow::bail!(
+                "no match for probe point '{}': no function of module {} matches '{}'",
+                wanted.template.name,
+                matching
+                    .iter()
+                    .map(|m| m.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                wanted.pattern
+            );
+        }
+        if matching.is_empty() {
+            let names: Vec<&str> = loaded.iter().map(|m| m.name.as_str()).collect();
+            tracing::warn!(
+                "{}: no loaded module matches '{}' (loaded: {}); its probes go in when one \
+                 loads",
+                wanted.template.name,
+                wanted.module,
+                if names.is_empty() {
+                    "none".to_owned()
+                } else {
+                    names.join(", ")
+                }
+            );
+        }
+    }
+    tracing::info!(
+        "{} compiled probe points in kernel modules",
+        plan.points
+            .iter()
+            .filter(|(_, p)| p.name.starts_with("module("))
+            .count()
+    );
+    Ok(Some(watch))
+}
+
+/// The value of `enumerator` in BTF's `enum name`.
+fn btf_enum_value(btf: &exotap_introspect::btf::Btf, name: &str, enumerator: &str) -> Option<u64> {
+    use exotap_introspect::btf::Kind;
+    let id = btf.find(name, |k| matches!(k, Kind::Enum { .. }))?;
+    let Kind::Enum { values, .. } = &btf.get(id)?.kind else {
+        return None;
+    };
+    values
+        .iter()
+        .find(|v| btf.str_at(v.name) == enumerator)
+        .and_then(|v| u64::try_from(v.value).ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn padding_and_split_parts_are_not_functions_a_wildcard_names() {
+        assert!(is_function("evdev_open", true));
+        assert!(!is_function("__pfx_evdev_open", true));
+        assert!(!is_function("__cfi_evdev_open", false));
+        assert!(!is_function("evdev_do_ioctl.cold", true));
+        assert!(is_function("evdev_do_ioctl.cold", false));
+    }
+}

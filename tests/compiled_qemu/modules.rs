@@ -1,0 +1,277 @@
+//! Compiled probes in a kernel module (`module("evdev").function(...)`), found in the live
+//! guest's module list when the script attaches: counts against the guest's own kprobes on
+//! the same functions (`evdev:FUNC`, armed by the guest before exotap attaches) and the
+//! workload's own count of its opens.
+
+use super::*;
+
+/// Opens of the keyboard's event device the job makes while the probes are in...
+const OPENS: u32 = 25;
+/// ... and readers of it, each of which opens it once more and reads once.
+const READERS: u32 = 3;
+
+/// The job: evdev loaded from the initramfs, the guest's kprobes on every function of it
+/// ftrace lists, then (probes in) `OPENS` opens and closes of the first event device.
+fn job() -> String {
+    format!(
+        "insmod /modules/evdev.ko\n\
+         T=/sys/kernel/tracing\n\
+         n=0\n\
+         for f in $(grep ' \\[evdev\\]$' $T/available_filter_functions | cut -d' ' -f1); do\n\
+           echo \"p:exotap/$f evdev:$f\" >> $T/kprobe_events && n=$((n+1))\n\
+         done\n\
+         exotap_result kprobes \"$n\"\n\
+         echo 1 > $T/events/exotap/enable\n\
+         exotap_result module.loaded \"$(grep -c '^evdev ' /proc/modules)\"\n\
+         exotap_wait attach\n\
+         i=0\n\
+         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
+         exotap_result opens \"$i\"\n\
+         for i in $(seq {READERS}); do cat /dev/input/event0 > /dev/null & r=$!; sleep 0.2; kill $r; wait $r; done\n\
+         exotap_wait detach\n\
+         echo 0 > $T/events/exotap/enable\n\
+         while read -r name hits missed; do\n\
+           exotap_result \"kprobe.${{name##*/}}\" \"$hits\"\n\
+         done < $T/kprobe_profile\n\
+         echo > $T/kprobe_events\n"
+    )
+}
+
+/// The initramfs of `job`, with the kernel cache's evdev.ko in `/modules`.
+#[allow(clippy::expect_used)] // a fixture missing is this test's failure, said plainly
+fn initramfs(dir: &std::path::Path, job: &str) -> std::path::PathBuf {
+    use exotap_guest_images::{self as images, GuestJob};
+    let kernel = images::ensure_kernel(images::DEFAULT_KERNEL).unwrap();
+    let evdev = kernel
+        .modules
+        .iter()
+        .find(|p| p.file_name().is_some_and(|n| n == "evdev.ko"))
+        .expect("evdev.ko is not in the kernel cache (exotap image fetch keeps it)");
+    let mut fs = images::build_initramfs(&GuestJob::from_script(job)).unwrap();
+    fs.file("modules/evdev.ko", 0o644, std::fs::read(evdev).unwrap())
+        .unwrap();
+    let out = dir.join("module.cpio.gz");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&out).unwrap());
+    fs.write_gz(&mut file).unwrap();
+    std::io::Write::flush(&mut file).unwrap();
+    out
+}
+
+#[test]
+fn module_function_counts_equal_the_guests_kprobes_on_a_module_loaded_before_the_script() {
+    if !have_qemu(
+        "module_function_counts_equal_the_guests_kprobes_on_a_module_loaded_before_the_script",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &job());
+    let console = dir.path().join("console.log");
+    let script = r#"global c, all
+        probe module("evdev").function("evdev_open"),
+              module("evdev").function("evdev_release"),
+              module("evdev").function("evdev_fasync") { c[probefunc()]++ }
+        probe module("evdev").function("evdev_open").return {
+            c["evdev_open.return"]++
+            if ($return != 0) c["evdev_open.failed"]++
+        }
+        probe module("ev*").function("evdev_*") { all[probefunc()]++ }
+        probe end {
+            foreach (f in c+) printf("c %s %d\n", f, c[f])
+            foreach (f in all+) printf("all %s %d\n", f, all[f])
+        }"#;
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "300", "--compile", "require"])
+        .args(["--script-text", script, "--attach-in-job"])
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    assert_eq!(result(&transcript, "module.loaded"), Some("1"), "{ctx}");
+    assert_eq!(
+        result(&transcript, "opens"),
+        Some(&*OPENS.to_string()),
+        "{ctx}"
+    );
+    let counts: BTreeMap<String, u64> = out
+        .lines()
+        .filter_map(|l| {
+            let (name, n) = l.strip_prefix("c ")?.split_once(' ')?;
+            Some((name.to_owned(), n.parse().ok()?))
+        })
+        .collect();
+    let all: BTreeMap<String, u64> = out
+        .lines()
+        .filter_map(|l| {
+            let (name, n) = l.strip_prefix("all ")?.split_once(' ')?;
+            Some((name.to_owned(), n.parse().ok()?))
+        })
+        .collect();
+    // The guest's kprobes on the same functions, over the same window (armed before exotap
+    // attached, read after it left): the same counts.
+    for f in ["evdev_open", "evdev_release"] {
+        let k: u64 = result(&transcript, &format!("kprobe.{f}"))
+            .and_then(|k| k.parse().ok())
+            .unwrap_or_else(|| panic!("no kprobe count for {f}: {ctx}"));
+        assert_eq!(counts.get(f).copied().unwrap_or(0), k, "{f}: {ctx}");
+        assert_eq!(
+            all.get(f).copied().unwrap_or(0),
+            k,
+            "{f} by wildcard: {ctx}"
+        );
+        // Each open and close of the job, and nothing else opened the device meanwhile.
+        assert_eq!(k, u64::from(OPENS + READERS), "{f}: {ctx}");
+    }
+    // The wildcard over every evdev function against the guest's kprobe on each: every
+    // function either side saw, the same count.
+    let kprobes: BTreeMap<&str, u64> = transcript
+        .lines()
+        .filter_map(|l| {
+            let rest = &l[l.find("EXOTAP-RESULT kprobe.")? + "EXOTAP-RESULT kprobe.".len()..];
+            let (name, n) = rest.trim_end().split_once('=')?;
+            Some((name, n.parse().ok()?))
+        })
+        .collect();
+    let armed: usize = result(&transcript, "kprobes")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        armed >= 10 && kprobes.len() == armed,
+        "{armed} kprobes armed: {ctx}"
+    );
+    for (name, &k) in &kprobes {
+        assert_eq!(all.get(*name).copied().unwrap_or(0), k, "{name}: {ctx}");
+    }
+    for name in all.keys() {
+        assert!(
+            kprobes.contains_key(name.as_str()),
+            "{name} has no kprobe: {ctx}"
+        );
+    }
+    // A function the workload never calls: 0 on both sides.
+    assert_eq!(
+        result(&transcript, "kprobe.evdev_fasync"),
+        Some("0"),
+        "{ctx}"
+    );
+    assert_eq!(counts.get("evdev_fasync"), None, "{ctx}");
+    // `$return` at a module's return probe: each open succeeded.
+    assert_eq!(counts.get("evdev_open.failed"), None, "{ctx}");
+    assert_eq!(
+        counts.get("evdev_open.return"),
+        Some(&u64::from(OPENS + READERS)),
+        "{ctx}"
+    );
+    assert_eq!(all.get("evdev_read"), Some(&u64::from(READERS)), "{ctx}");
+    // Compiled: the guest never stopped between install and removal.
+    assert_eq!(
+        host_result(&err, "pauses.between_install_and_removal"),
+        Some("0"),
+        "{ctx}"
+    );
+    eprintln!(
+        "evdev_open/evdev_release counted {} times each, equal to the guest's kprobes; \
+         {} of evdev's functions equal to the guest's kprobes on them: {all:?}",
+        OPENS + READERS,
+        kprobes.len()
+    );
+}
+
+/// evdev's functions the guest's kprobes watch in [`LOAD_JOB`], registered before evdev is
+/// loaded (the kernel arms a kprobe on a module that is not there when the module comes).
+const WATCHED: &str = "evdev_open evdev_release evdev_read evdev_connect evdev_disconnect \
+                       evdev_cleanup evdev_free evdev_fasync";
+
+/// The job: with exotap's probes in, twice: the guest's kprobes on [`WATCHED`], pending (the
+/// kernel arms them when the module comes; it does not arm them again at a second load, so
+/// each round defines its own), evdev loaded (its init connects it to every input device),
+/// opened, unloaded under the probes, and the kprobes' counts printed.
+fn load_job() -> String {
+    format!(
+        "T=/sys/kernel/tracing\n\
+         exotap_wait attach\n\
+         for round in 1 2; do\n\
+           for f in {WATCHED}; do echo \"p:exotap/$f evdev:$f\" >> $T/kprobe_events; done\n\
+           echo 1 > $T/events/exotap/enable\n\
+           insmod /modules/evdev.ko\n\
+           i=0\n\
+           while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
+           rmmod evdev\n\
+           exotap_result round$round.gone \"$(grep -c '^evdev ' /proc/modules)\"\n\
+           echo 0 > $T/events/exotap/enable\n\
+           while read -r name hits missed; do\n\
+             exotap_result \"kprobe$round.${{name##*/}}\" \"$hits\"\n\
+           done < $T/kprobe_profile\n\
+           echo > $T/kprobe_events\n\
+         done\n\
+         exotap_wait detach\n"
+    )
+}
+
+#[test]
+fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
+    if !have_qemu("module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &load_job());
+    let console = dir.path().join("console.log");
+    let script = r#"global c
+        probe module("evdev").function("evdev_*") { c[probefunc()]++ }
+        probe end { foreach (f in c+) printf("c %s %d\n", f, c[f]) }"#;
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "300", "--compile", "require"])
+        .args(["--script-text", script, "--attach-in-job"])
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    for bad in ["Oops", "BUG:", "general protection", "WARNING:"] {
+        assert!(!transcript.contains(bad), "{bad}: {ctx}");
+    }
+    // Unloaded each round, with exotap's probes in.
+    assert_eq!(result(&transcript, "round1.gone"), Some("0"), "{ctx}");
+    assert_eq!(result(&transcript, "round2.gone"), Some("0"), "{ctx}");
+    let counts: BTreeMap<String, u64> = out
+        .lines()
+        .filter_map(|l| {
+            let (name, n) = l.strip_prefix("c ")?.split_once(' ')?;
+            Some((name.to_owned(), n.parse().ok()?))
+        })
+        .collect();
+    // Each watched function: the script's count over both loads equals the guest's kprobe,
+    // its init's connects and its exit's disconnects included.
+    for f in WATCHED.split_whitespace() {
+        let k: u64 = (1..=2)
+            .map(|round| {
+                result(&transcript, &format!("kprobe{round}.{f}"))
+                    .and_then(|k| k.parse::<u64>().ok())
+                    .unwrap_or_else(|| panic!("no kprobe count for {f} in round {round}: {ctx}"))
+            })
+            .sum();
+        assert_eq!(counts.get(f).copied().unwrap_or(0), k, "{f}: {ctx}");
+    }
+    assert_eq!(
+        counts.get("evdev_open"),
+        Some(&u64::from(2 * OPENS)),
+        "{ctx}"
+    );
+    assert!(
+        counts.get("evdev_connect").is_some_and(|&n| n >= 2)
+            && counts.get("evdev_connect") == counts.get("evdev_disconnect"),
+        "{ctx}"
+    );
+    // Each load and unload stopped the guest once; no hit did.
+    assert_eq!(
+        host_result(&err, "modules.loads_unloads"),
+        Some("2/2"),
+        "{ctx}"
+    );
+    eprintln!("over two loads and unloads of evdev, equal to the guest's kprobes: {counts:?}");
+}
