@@ -37,6 +37,9 @@ type Loaded = (
 struct LazyKernel {
     image: ImageArgs,
     loaded: std::cell::OnceCell<Result<Loaded, String>>,
+    /// For `-l`/`-L`: the live guest whose loaded modules list a module point's functions
+    /// (`Some(None)`: listing without `--target`).
+    listing: Option<Option<String>>,
 }
 
 impl LazyKernel {
@@ -44,7 +47,37 @@ impl LazyKernel {
         Self {
             image,
             loaded: std::cell::OnceCell::new(),
+            listing: None,
         }
+    }
+
+    /// `module("M").function("F")` for `-l`/`-L`: the functions of the live guest's loaded
+    /// modules (a module's functions are known only there).
+    fn list_module(
+        &self,
+        point: &ProbePoint,
+        loaded: &Loaded,
+        (module, pattern, suffix): (&str, &str, &str),
+    ) -> Result<Vec<ResolvedPoint>, ResolveError> {
+        let Some(Some(target)) = &self.listing else {
+            return Err(ResolveError::Source(format!(
+                "{point}: a kernel module's functions are listed from the live guest's module \
+                 list: give --target ADDR"
+            )));
+        };
+        let target = exotap_probes::live::attach::Target::new(target.clone());
+        let found = exotap_probes::live::compiled::list_module_functions(
+            &target, &loaded.0, module, pattern,
+        )
+        .map_err(|e| ResolveError::Source(format!("{point}: {e:#}")))?;
+        Ok(found
+            .into_iter()
+            .map(|(m, f, addr)| ResolvedPoint {
+                name: format!("module(\"{m}\").function(\"{f}\"){suffix}"),
+                address: Some(addr),
+                variables: Vec::new(),
+            })
+            .collect())
     }
 }
 
@@ -69,11 +102,21 @@ impl ProbePointResolver for LazyKernel {
             let lines = exotap_probes::live::target_vars::source_lines(&image);
             Ok((image, btf, lines))
         });
-        match loaded {
-            Ok((image, btf, lines)) => KernelSymbols::new(&image.symbols, btf.as_ref())
+        match (loaded, kind) {
+            (
+                Ok(loaded),
+                PointKind::ModuleFunction {
+                    module,
+                    pattern,
+                    site,
+                },
+            ) if self.listing.is_some() => {
+                self.list_module(point, loaded, (module, pattern, site.suffix()))
+            }
+            (Ok((image, btf, lines)), _) => KernelSymbols::new(&image.symbols, btf.as_ref())
                 .with_lines(lines.as_ref())
                 .resolve(point, kind),
-            Err(e) => Err(ResolveError::NeedsSymbols {
+            (Err(e), _) => Err(ResolveError::NeedsSymbols {
                 what: format!("{point} (the kernel image could not be loaded: {e})"),
             }),
         }
@@ -457,6 +500,10 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
         .map(|p| (p, false))
         .or(args.list_vars.as_ref().map(|p| (p, true)));
     if let Some((pattern, with_vars)) = listing {
+        let resolver = LazyKernel {
+            listing: Some(args.target.clone()),
+            ..LazyKernel::new(args.image.clone())
+        };
         let mut out = std::io::stdout();
         let code = run_listing(
             pattern,

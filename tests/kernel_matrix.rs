@@ -7,6 +7,8 @@
 //! - a compiled script with a map, an aggregate and a `.return` probe: its entry count =
 //!   the guest's kprobe, its returns = the guest's kretprobe (but for the calls in flight at
 //!   either end);
+//! - a compiled probe in a kernel module (evdev, which the job loads): its count = the
+//!   guest's kprobe on the same function;
 //! - `trace`: entries and returns that pair up per task, 0 records lost;
 //! - `nullify` getppid: the guest's getppid returns 4242 while it is in, its real value after;
 //! - `backtrace --proc-style` of a sleeping task = its `/proc/PID/stack`;
@@ -85,6 +87,8 @@ fn job() -> String {
     }
     job.push_str(
         "echo 'r:exotap/vfs_read_ret vfs_read' >> $T/kprobe_events || exotap_result kprobe.failed vfs_read_ret\n\
+         insmod /modules/evdev.ko || exotap_result kprobe.failed insmod-evdev\n\
+         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || exotap_result kprobe.failed evdev_open\n\
          echo 1 > $T/events/exotap/enable\n\
          sleep 100000 &\n\
          s=$!\n\
@@ -97,11 +101,32 @@ fn job() -> String {
          while :; do\n\
            syscall-loop 20 getppid open_close pread read | grep getppid.value\n\
            mixed 1 > /dev/null\n\
+           for j in 1 2 3; do : < /dev/input/event0; done\n\
            sleep 0.2\n\
            i=$((i+1)); exotap_result round $i\n\
          done\n",
     );
     job
+}
+
+/// The initramfs of [`job`] with `kernel`'s evdev.ko in `/modules` (the module probes'
+/// check: every kernel of the matrix builds evdev as a module).
+fn initramfs(dir: &Path, kernel: &str) -> std::path::PathBuf {
+    use exotap_guest_images::{self as images, GuestJob};
+    let cached = images::ensure_kernel(kernel).unwrap();
+    let evdev = cached
+        .modules
+        .iter()
+        .find(|p| p.file_name().is_some_and(|n| n == "evdev.ko"))
+        .expect("evdev.ko is not in the kernel cache");
+    let mut fs = images::build_initramfs(&GuestJob::from_script(job())).unwrap();
+    fs.file("modules/evdev.ko", 0o644, std::fs::read(evdev).unwrap())
+        .unwrap();
+    let out = dir.join("initramfs.cpio.gz");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&out).unwrap());
+    fs.write_gz(&mut file).unwrap();
+    std::io::Write::flush(&mut file).unwrap();
+    out
 }
 
 /// A booted guest with its console collected line by line.
@@ -119,11 +144,10 @@ impl Guest {
     fn boot(kernel: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("gdb.sock");
-        let job_file = dir.path().join("job.sh");
-        std::fs::write(&job_file, job()).unwrap();
+        let initrd = initramfs(dir.path(), kernel);
         let mut child = exotap()
-            .args(["boot", "--kernel", kernel, "--timeout", "1800", "--job"])
-            .arg(&job_file)
+            .args(["boot", "--kernel", kernel, "--timeout", "1800", "--initrd"])
+            .arg(&initrd)
             .arg("--gdbstub")
             .arg(format!("unix:{},server=on,wait=off", socket.display()))
             .stdout(Stdio::piped())
@@ -375,6 +399,42 @@ fn compiled(g: &Guest, dir: &Path) -> Result<String, String> {
     ))
 }
 
+/// A compiled probe in a module (evdev, loaded by the job): its count = the guest's kprobe
+/// on the same function over the same window (both read at the install and removal stops).
+fn module(g: &Guest, dir: &Path) -> Result<String, String> {
+    let file = dir.join("module.stp");
+    std::fs::write(
+        &file,
+        "global n\n\
+         probe module(\"evdev\").function(\"evdev_open\") { n++ }\n\
+         probe timer.s(2) { exit() }\n\
+         probe end { printf(\"opens %d\\n\", n) }\n",
+    )
+    .unwrap();
+    let (code, out, err) = g.exotap(&[
+        "run",
+        "--compile",
+        "require",
+        "--compare-kprobes",
+        file.to_str().unwrap(),
+    ]);
+    ensure(code == 0, || format!("run exited {code}:\n{out}\n{err}"))?;
+    let opens: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("opens "))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| format!("no 'opens' in:\n{out}\n{err}"))?;
+    let k: u64 = err
+        .lines()
+        .find_map(|l| l.strip_prefix("HOST-RESULT kprobe.evdev:evdev_open="))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| format!("no guest kprobe count for evdev:evdev_open:\n{err}"))?;
+    ensure(opens == k && opens > 0, || {
+        format!("the script counted {opens} opens, the guest's kprobe {k}:\n{out}\n{err}")
+    })?;
+    Ok(format!("module evdev: {opens} opens = kprobe {k}"))
+}
+
 /// `trace vfs_write`: every return pairs with an entry of its task (but those in flight at
 /// either end), and no record lost.
 fn trace(g: &Guest) -> Result<String, String> {
@@ -564,6 +624,7 @@ fn matrix_one(kernel: &str) -> Vec<(String, Result<String, String>)> {
         ("slide", Box::new(slide)),
         ("count", Box::new(counts)),
         ("compiled", Box::new(|g: &Guest| compiled(g, dir.path()))),
+        ("module", Box::new(|g: &Guest| module(g, dir.path()))),
         ("trace", Box::new(trace)),
         ("nullify", Box::new(nullify)),
         ("backtrace", Box::new(backtrace)),

@@ -275,3 +275,71 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
     );
     eprintln!("over two loads and unloads of evdev, equal to the guest's kprobes: {counts:?}");
 }
+
+#[test]
+fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms() {
+    if !have_qemu("listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = "insmod /modules/evdev.ko\n\
+               grep '\\[evdev\\]$' /proc/kallsyms | sed 's/^/KALLSYMS /'\n\
+               echo EVDEV-LISTED\n\
+               sleep 600\n";
+    let initrd = initramfs(dir.path(), job);
+    let socket = dir.path().join("gdb.sock");
+    let (mut guest, mut console) = common::boot_with_gdbstub(
+        &[
+            "--timeout".as_ref(),
+            "300".as_ref(),
+            "--initrd".as_ref(),
+            initrd.as_os_str(),
+        ],
+        &socket,
+        "EXOTAP-READY",
+    );
+    let mut kallsyms = std::collections::BTreeSet::new();
+    let mut line = String::new();
+    while !line.contains("EVDEV-LISTED") {
+        line.clear();
+        let n = std::io::BufRead::read_line(&mut console, &mut line).unwrap();
+        assert!(n > 0, "the guest ended before listing evdev's symbols");
+        // `ADDR t NAME [evdev]`: the module's text symbols the pattern names.
+        let mut words = line.split_whitespace().skip(1);
+        if let (Some(_), Some(kind), Some(name)) = (words.next(), words.next(), words.next()) {
+            if matches!(kind, "t" | "T") && name.starts_with("evdev_") && !name.contains('.') {
+                kallsyms.insert(name.to_owned());
+            }
+        }
+    }
+    let target = format!("unix:{}", socket.display());
+    let (code, out, err) = run(exotap().args([
+        "-l",
+        r#"module("ev*").function("evdev_*")"#,
+        "--target",
+        &target,
+    ]));
+    let (code_none, _, err_none) =
+        run(exotap().args(["-l", r#"module("evdev").function("evdev_open")"#]));
+    let _ = guest.kill();
+    let _ = guest.wait();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nkallsyms: {kallsyms:?}");
+    assert_eq!(code, 0, "{ctx}");
+    let listed: std::collections::BTreeSet<String> = out
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("module(\"evdev\").function(\"")?
+                .strip_suffix("\")")
+                .map(str::to_owned)
+        })
+        .collect();
+    assert!(kallsyms.len() >= 10, "{ctx}");
+    assert_eq!(listed, kallsyms, "{ctx}");
+    // Without a live guest there is no module to list: said, not guessed.
+    assert_ne!(code_none, 0, "{err_none}");
+    assert!(err_none.contains("give --target"), "{err_none}");
+    eprintln!(
+        "{} evdev functions listed, as the guest's kallsyms has them",
+        listed.len()
+    );
+}

@@ -69,6 +69,7 @@ mod modules;
 mod plan;
 
 use guest::{Guest, Sites};
+pub use modules::list_module_functions;
 use plan::mixed_report;
 pub use plan::{describe, plan, start_script, CompileMode, Plan};
 

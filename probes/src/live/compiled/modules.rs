@@ -121,8 +121,14 @@ impl ModuleWatch {
                 continue;
             }
             let wildcard = wanted.pattern.contains(['*', '?', '[']);
+            // One probe per address: an alias (`cleanup_module` of the module's exit
+            // function) is the same function.
+            let mut seen = std::collections::BTreeSet::new();
             for (name, addr) in module.symbols_in_text() {
-                if !is_function(name, wildcard) || !wildcard_match(&wanted.pattern, name) {
+                if !is_function(name, wildcard)
+                    || !wildcard_match(&wanted.pattern, name)
+                    || !seen.insert(addr)
+                {
                     continue;
                 }
                 found.push((
@@ -232,16 +238,7 @@ pub(super) fn place_module_points(
     let survey = session.survey.clone();
     let slide = survey.kaslr.slide;
     let btf = image.btf()?;
-    let head = image
-        .symbols
-        .get("modules")
-        .context("the image's symbols have no `modules` list, where the loaded modules are")?
-        .addr
-        .wrapping_add(slide);
-    let layout = ModuleLayout::from_btf(btf).context("cannot lay out `struct module` from BTF")?;
-    let orc = OrcTable::from_vmlinux(&image.vmlinux)
-        .context("cannot read the kernel's ORC tables (the modules' share their layout)")?
-        .layout();
+    let (head, layout, orc) = list_reader(image, slide)?;
     let going = btf_enum_value(btf, "module_state", "MODULE_STATE_GOING");
     let unload = match (image.symbols.get("jump_label_module_notify"), going) {
         (Some(s), Some(_)) => Some(s.addr),
@@ -330,6 +327,61 @@ pub(super) fn place_module_points(
             .count()
     );
     Ok(Some(watch))
+}
+
+/// Where the guest's module list is (running address), how `struct module` is laid out,
+/// and the ORC layout its modules' tables share with the kernel's.
+fn list_reader(image: &KernelImage, slide: u64) -> anyhow::Result<(u64, ModuleLayout, OrcLayout)> {
+    let head = image
+        .symbols
+        .get("modules")
+        .context("the image's symbols have no `modules` list, where the loaded modules are")?
+        .addr
+        .wrapping_add(slide);
+    let layout =
+        ModuleLayout::from_btf(image.btf()?).context("cannot lay out `struct module` from BTF")?;
+    let orc = OrcTable::from_vmlinux(&image.vmlinux)
+        .context("cannot read the kernel's ORC tables (the modules' share their layout)")?
+        .layout();
+    Ok((head, layout, orc))
+}
+
+/// The functions of the loaded modules matching `module` whose names match `pattern`, as
+/// (module, function, running address), for `-l`/`-L`: read from the live guest at `target`
+/// (attached for the read, then left).
+///
+/// # Errors
+/// When the guest cannot be attached or its module list read.
+pub fn list_module_functions(
+    target: &crate::live::attach::Target,
+    image: &KernelImage,
+    module: &str,
+    pattern: &str,
+) -> anyhow::Result<Vec<(String, String, u64)>> {
+    let mut session = GuestSession::attach(target, image)?;
+    let survey = session.survey.clone();
+    let (head, layout, orc) = list_reader(image, survey.kaslr.slide)?;
+    let loaded = {
+        let mut mem = BackendMemory(&mut *session.machine);
+        let mut space = survey.space(&mut mem);
+        read_modules(&mut space, head, &layout, orc)
+            .context("cannot read the guest's module list")?
+    };
+    session.detach()?;
+    let wildcard = pattern.contains(['*', '?', '[']);
+    let mut found: Vec<(String, String, u64)> = loaded
+        .iter()
+        .filter(|m| wildcard_match(module, &m.name))
+        .flat_map(|m| {
+            m.symbols_in_text()
+                .filter(|(name, _)| is_function(name, wildcard) && wildcard_match(pattern, name))
+                .map(|(name, addr)| (m.name.clone(), name.to_owned(), addr))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    found.sort();
+    found.dedup();
+    Ok(found)
 }
 
 /// The value of `enumerator` in BTF's `enum name`.
