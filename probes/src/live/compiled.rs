@@ -470,10 +470,25 @@ fn module_event(
     (prog, limits, facts): (&Program, &Limits, &Facts),
     (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
 ) -> anyhow::Result<()> {
-    let points = watch.stopped(&mut guest.session, vcpu, pc)?;
-    if points.is_empty() {
-        return Ok(());
-    }
+    let points = match watch.stopped(&mut guest.session, vcpu, pc)? {
+        modules::ModuleEvent::Loaded(points) if !points.is_empty() => points,
+        modules::ModuleEvent::Unloading(text) => {
+            // Sites a breakpoint entered: their breakpoints go with the module's text (a
+            // module loaded there later must not stop in them).
+            let gone: Vec<u64> = guest
+                .entered
+                .keys()
+                .copied()
+                .filter(|a| text.contains(a))
+                .collect();
+            for site in gone {
+                guest.session.machine.set_breakpoint(site, false)?;
+                guest.entered.remove(&site);
+            }
+            return Ok(());
+        }
+        _ => return Ok(()),
+    };
     let env = Env {
         prog,
         limits,

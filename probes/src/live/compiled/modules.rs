@@ -160,8 +160,9 @@ impl ModuleWatch {
 
     /// At a watch breakpoint (the guest stopped): a module loading has its points placed
     /// and returned (running addresses) for the caller to install before its code runs; a
-    /// module about to be freed has its splices taken out. Then the vCPU steps past the
-    /// breakpoint, which goes back in.
+    /// module about to be freed has its splices taken out, and its text is returned (for
+    /// the caller's breakpoints there). Then the vCPU steps past the breakpoint, which goes
+    /// back in.
     ///
     /// # Errors
     /// When guest memory cannot be read or written, or the vCPU cannot step.
@@ -170,7 +171,7 @@ impl ModuleWatch {
         session: &mut GuestSession,
         vcpu: VcpuId,
         pc: u64,
-    ) -> anyhow::Result<Vec<(u64, SitePoint)>> {
+    ) -> anyhow::Result<ModuleEvent> {
         let survey = session.survey.clone();
         let (machine, splicer) = session.parts()?;
         let RegisterFile::X86_64(regs) = machine.registers(vcpu)? else {
@@ -183,14 +184,12 @@ impl ModuleWatch {
             Some(going) if !load => (regs.gpr[3], regs.gpr[4] == going),
             _ => (regs.gpr[5], !load),
         };
-        let mut placed = Vec::new();
-        if !unload && !load {
-            // Another state change of a module: nothing to do.
-        } else if load {
+        let mut event = ModuleEvent::Other;
+        if load {
             self.loads += 1;
             let loaded = self.read(&mut *machine, &survey)?;
             if let Some(m) = loaded.iter().find(|m| m.address == module) {
-                placed = self
+                let placed: Vec<(u64, SitePoint)> = self
                     .place(&mut *machine, &survey, splicer, m, None)?
                     .into_iter()
                     .map(|(link, p)| (link.wrapping_add(self.slide), p))
@@ -200,12 +199,16 @@ impl ModuleWatch {
                     m.name,
                     placed.len()
                 );
+                event = ModuleEvent::Loaded(placed);
             }
-        } else if let Some((name, text)) = self.probed.remove(&module) {
-            self.unloads += 1;
-            let out = splicer.remove_range(&mut *machine, text)?;
-            self.sites_out += out as u64;
-            tracing::info!("module {name} unloading: its {out} sites taken out first");
+        } else if unload {
+            if let Some((name, text)) = self.probed.remove(&module) {
+                self.unloads += 1;
+                let out = splicer.remove_range(&mut *machine, text.clone())?;
+                self.sites_out += out as u64;
+                tracing::info!("module {name} unloading: its {out} sites taken out first");
+                event = ModuleEvent::Unloading(text);
+            }
         }
         // Past the breakpoint: out, one instruction, in again.
         machine.set_breakpoint(pc, false)?;
@@ -215,8 +218,19 @@ impl ModuleWatch {
             StopEvent::Stepped { .. } | StopEvent::Breakpoint { .. } => {}
             other => anyhow::bail!("stepping past {pc:#x} stopped with {other:?}"),
         }
-        Ok(placed)
+        Ok(event)
     }
+}
+
+/// What a stop at the watch's breakpoints was.
+#[derive(Debug)]
+pub(super) enum ModuleEvent {
+    /// A module is loading: the script's points in it (running addresses), to install.
+    Loaded(Vec<(u64, SitePoint)>),
+    /// A probed module is going: its text, whose splices are out.
+    Unloading(Range<u64>),
+    /// Another module's state changed.
+    Other,
 }
 
 /// Finds `plan`'s module points in the live guest (after [`GuestSession::plan`]: the

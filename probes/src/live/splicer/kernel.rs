@@ -595,11 +595,6 @@ impl LiveKernel {
         self.modules.retain(|m| m.text != *range);
     }
 
-    /// Whether a module's text at `range` has been added.
-    pub fn has_module(&self, range: &Range<u64>) -> bool {
-        self.modules.iter().any(|m| m.text == *range)
-    }
-
     /// The module whose text holds `addr`, of those added.
     fn module_of(&self, addr: u64) -> Option<&super::modules::ModuleText> {
         self.modules.iter().find(|m| m.contains(addr))
