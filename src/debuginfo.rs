@@ -419,7 +419,8 @@ pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
                 bar.set_length(total);
                 bar.set_position(done);
             };
-            let points = klas::join_points_everywhere(file.bytes(), &names, &query, &progress)?;
+            let cache = images::cache::cache_root()?.join("debuginfo");
+            let points = klas::join_points_cached(file.bytes(), &names, &query, &cache, &progress)?;
             bar.finish_and_clear();
             points
         }

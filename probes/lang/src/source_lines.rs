@@ -171,7 +171,8 @@ impl SourceLines {
         let query = MemberQuery::parse(&format!("{structure}.{member}"))?;
         let info = self.file.load()?;
         let names = Index::load_or_build(&info, &self.cache, Layer::Names, &|_, _| {})?;
-        let points = klas::join_points_everywhere(self.file.bytes(), &names, &query, &|_, _| {})?;
+        let points =
+            klas::join_points_cached(self.file.bytes(), &names, &query, &self.cache, &|_, _| {})?;
         Ok(points
             .into_iter()
             .filter(|p| match access {

@@ -15,6 +15,7 @@
 //! native x86-64, so the test-only `tracer` single-steps it under ptrace instead (same
 //! observation: which instruction touched which bytes, read or write).
 
+mod cache;
 mod facts;
 mod flow;
 #[cfg(test)]
@@ -28,6 +29,7 @@ use rayon::prelude::*;
 use super::index::{Entry, EntryKind, Index};
 use super::lines::LineTable;
 use super::{unit_start, DebugInfo, DwarfError};
+pub use cache::join_points_cached;
 pub use facts::Globals;
 use facts::Layouts;
 use flow::Pass;
