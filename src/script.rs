@@ -76,6 +76,7 @@ impl LazyKernel {
                 name: format!("module(\"{m}\").function(\"{f}\"){suffix}"),
                 address: Some(addr),
                 variables: Vec::new(),
+                implicit: false,
             })
             .collect())
     }

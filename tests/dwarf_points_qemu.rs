@@ -2,6 +2,7 @@
 //! nothing else.
 //! - `kernel.function("F").inline`: every place the compiler inlined F (each
 //!   `DW_TAG_inlined_subroutine`'s entry pc, `exotap lines --inlined`);
+//! - `kernel.function("F")`: F's out-of-line entry and each of those places, as SystemTap;
 //! - `kernel.field("struct file", "f_pos").read|.write`: every instruction that reads or writes
 //!   the member (KLAS's join points, `exotap joinpoints`).
 //!
@@ -214,6 +215,37 @@ fn inline_points(mode: &str) {
     count_like_the_guests_kprobes(mode, &points, all, 4);
 }
 
+/// Functions with an out-of-line copy and inlined instances both: each of `dd`'s reads and
+/// writes calls `rw_verify_area` out of line (it is inlined once more, in `kernel_read`) and
+/// `__fdget` inlined in `__fdget_pos` (its out-of-line copy serves other callers).
+const WITH_ENTRY: &[&str] = &["rw_verify_area", "__fdget"];
+
+/// `kernel.function("F")` = F's entry and every inlined instance, each place counted as the
+/// guest's kprobe there counts it.
+fn entry_and_inline_points(mode: &str) {
+    let mut all = Vec::new();
+    for f in WITH_ENTRY {
+        // An "instance" inside F's own code is DWARF's picture of F's out-of-line body
+        // (`fput+21` in `fput`): not a place of its own (every call passes both).
+        let copies: Vec<Place> = inlined(f)
+            .into_iter()
+            .filter(|p| !p.site.starts_with(&format!("{f}+")))
+            .collect();
+        assert!(!copies.is_empty(), "{f}: no inlined instance in the DWARF");
+        all.push(Place {
+            what: format!("{f} entry"),
+            site: format!("{f}+0"),
+        });
+        all.extend(copies);
+    }
+    let points: Vec<String> = WITH_ENTRY
+        .iter()
+        .map(|f| format!("kernel.function(\"{f}\")"))
+        .collect();
+    // rw_verify_area's entry and __fdget's instance in __fdget_pos at each read and write.
+    count_like_the_guests_kprobes(mode, &points, all, 2);
+}
+
 fn f_pos_points(mode: &str, access: &str) {
     let all = f_pos_accesses(access);
     assert!(all.len() >= 5, "few f_pos {access}s: {all:?}");
@@ -225,6 +257,16 @@ fn f_pos_points(mode: &str, access: &str) {
 #[test]
 fn inlined_instances_count_as_the_guests_kprobes_host_evaluated() {
     inline_points("never");
+}
+
+#[test]
+fn a_function_is_its_entry_and_its_inlined_instances_compiled() {
+    entry_and_inline_points("require");
+}
+
+#[test]
+fn a_function_is_its_entry_and_its_inlined_instances_host_evaluated() {
+    entry_and_inline_points("never");
 }
 
 #[test]

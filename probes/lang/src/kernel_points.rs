@@ -8,6 +8,15 @@
 //! `kernel.function("F").inline` (each instance's entry pc) and the member accesses of
 //! `kernel.field("struct S", "member")` (KLAS's join points).
 //!
+//! `kernel.function("F")` (a name without wildcards, not `.call`) is, as in SystemTap, F's
+//! out-of-line entry and each of its inlined instances (with the -dbg vmlinux; without it,
+//! the entry alone). An instance the point did not name (`ResolvedPoint::implicit`) is left
+//! out with a warning where it cannot be served: a variable the probe reads is not there
+//! (optimized out in that copy), or the instruction takes no probe. A wildcard keeps to the
+//! out-of-line entries (`.inline` names the instances): a pattern such as `vfs_*` or
+//! `*@fs/proc/*.c` would add hundreds of instances, each a statement probe in its caller's
+//! code, where the script's author asked for function entries.
+//!
 //! Source positions follow SystemTap: `@FILE` keeps the functions whose definition is in a
 //! file whose path ends with FILE (globs allowed); `PAT@FILE:LINE` as a function keeps those
 //! of them whose code holds that line; as a statement it stands for the lowest `is_stmt`
@@ -107,6 +116,7 @@ impl<'a> KernelSymbols<'a> {
                 ),
                 address: Some(f.low),
                 variables: self.parameters(&f.name),
+                implicit: false,
             })
             .collect())
     }
@@ -146,6 +156,7 @@ impl<'a> KernelSymbols<'a> {
                     name: format!("kernel.function(\"{}{at}\").inline", c.name),
                     address: Some(c.entry),
                     variables: Vec::new(),
+                    implicit: false,
                 }
             })
             .collect())
@@ -180,6 +191,7 @@ impl<'a> KernelSymbols<'a> {
                 name: format!("kernel.field(\"{structure}\", \"{member}\").{suffix}"),
                 address: Some(addr),
                 variables: Vec::new(),
+                implicit: false,
             })
             .collect())
     }
@@ -251,6 +263,7 @@ impl<'a> KernelSymbols<'a> {
                     ),
                     address: Some(addr),
                     variables: Vec::new(),
+                    implicit: false,
                 });
             }
         }
@@ -294,6 +307,7 @@ impl<'a> KernelSymbols<'a> {
                 name: format!("kernel.statement(\"{name}@{path}:{line}\") ({name}+{off:#x})"),
                 address: Some(addr),
                 variables: Vec::new(),
+                implicit: false,
             })
             .collect())
     }
@@ -347,6 +361,7 @@ impl<'a> KernelSymbols<'a> {
             name,
             address: Some(sym.addr),
             variables,
+            implicit: false,
         }
     }
 }
@@ -411,20 +426,46 @@ impl ProbePointResolver for KernelSymbols<'_> {
                 line.as_deref(),
                 site.suffix(),
             )?,
-            PointKind::KernelFunction { pattern, site, .. } => self
-                .functions(pattern)
-                .into_iter()
-                .map(|sym| {
-                    let name = format!("kernel.function(\"{}\"){}", sym.name, site.suffix());
-                    self.point(name, sym, self.parameters(&sym.name))
-                })
-                .collect(),
+            PointKind::KernelFunction { pattern, site, .. } => {
+                let mut found: Vec<ResolvedPoint> = self
+                    .functions(pattern)
+                    .into_iter()
+                    .map(|sym| {
+                        let name = format!("kernel.function(\"{}\"){}", sym.name, site.suffix());
+                        self.point(name, sym, self.parameters(&sym.name))
+                    })
+                    .collect();
+                // `kernel.function("F")`: as in SystemTap, the out-of-line entry and every
+                // inlined instance (where the -dbg vmlinux says where they are; see the
+                // module doc for why a wildcard keeps to the entries).
+                if *site == FunctionSite::Entry && !is_wildcard(pattern) && self.lines.is_some() {
+                    // An "instance" inside F's own out-of-line code is how GCC describes the
+                    // body of an out-of-line copy it made of F (`bprm_execve+100` in
+                    // `bprm_execve`): every call passes both, so it is no instance of its own.
+                    let own_body = |at: u64| {
+                        self.symbols
+                            .lookup_addr(at)
+                            .is_some_and(|(sym, _)| sym.name == *pattern)
+                    };
+                    found.extend(
+                        self.inlined(point, pattern, None, None)?
+                            .into_iter()
+                            .filter(|p| !p.address.is_some_and(own_body))
+                            .map(|p| ResolvedPoint {
+                                implicit: true,
+                                ..p
+                            }),
+                    );
+                }
+                found
+            }
             // A module's functions are known once the script attaches: the live guest's
             // module list and each module's kallsyms (exotap_probes' live::modules).
             PointKind::ModuleFunction { .. } => vec![ResolvedPoint {
                 name: point.to_string(),
                 address: None,
                 variables: Vec::new(),
+                implicit: false,
             }],
             PointKind::Syscall { name, ret } => self
                 .functions(&format!("{SYSCALL_PREFIX}{name}"))
@@ -453,6 +494,7 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     name,
                     address: Some(*addr),
                     variables: Vec::new(),
+                    implicit: false,
                 }]
             }
             PointKind::KernelStatement {
@@ -471,6 +513,7 @@ impl ProbePointResolver for KernelSymbols<'_> {
                         name: format!("kernel.statement(\"{}+{offset:#x}\")", sym.name),
                         address: Some(sym.addr.wrapping_add(offset)),
                         variables: Vec::new(),
+                        implicit: false,
                     })
                     .collect()
             }
@@ -522,12 +565,14 @@ impl ProbePointResolver for KernelSymbols<'_> {
                     name: point.to_string(),
                     address: None,
                     variables: Vec::new(),
+                    implicit: false,
                 }]
             }
             PointKind::TimerProfile => vec![ResolvedPoint {
                 name: point.to_string(),
                 address: None,
                 variables: Vec::new(),
+                implicit: false,
             }],
             _ => return NoSymbols.resolve(point, kind),
         };

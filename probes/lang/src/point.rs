@@ -5,8 +5,8 @@ use super::ast::{Literal, ProbePoint, Span};
 /// Which instances of a kernel function a `kernel.function` point covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FunctionSite {
-    /// Entry of the out-of-line instance (SystemTap adds the inlined instances, which
-    /// exotap does not yet: `.inline` probes those).
+    /// Entry of the out-of-line instance and, for a name without wildcards with the -dbg
+    /// vmlinux, each inlined instance, as in SystemTap (see `kernel_points`).
     Entry,
     /// `.call`: entry of out-of-line instances only.
     Call,

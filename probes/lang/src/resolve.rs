@@ -18,6 +18,11 @@ pub struct ResolvedPoint {
     pub address: Option<u64>,
     /// Target variables available there (for `-L`).
     pub variables: Vec<String>,
+    /// An inlined instance the point did not name itself (`kernel.function("F")` adds F's
+    /// instances; `.inline` names them): where it cannot be served (a variable the probe
+    /// reads is not there, the instruction takes no probe), it is left out with a warning,
+    /// where a place the point named is an error.
+    pub implicit: bool,
 }
 
 /// Why a probe point could not be resolved.
@@ -79,6 +84,7 @@ impl ProbePointResolver for NoSymbols {
             name: point.to_string(),
             address: None,
             variables: Vec::new(),
+            implicit: false,
         }])
     }
 }
@@ -303,6 +309,7 @@ mod tests {
                         name: point.to_string(),
                         address: Some(0x1000),
                         variables: vec!["$x".into()],
+                        implicit: false,
                     }])
                 }
                 PointKind::KernelFunction { .. } => Err(ResolveError::NoMatch(point.to_string())),

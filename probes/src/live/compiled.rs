@@ -197,6 +197,19 @@ pub fn start_on(
             plan.statements.insert(link);
             continue;
         };
+        // An inlined instance the point did not name: left out, not sent to the host.
+        let implicit = &plan.implicit;
+        plan.points.retain(|(l, p)| {
+            let keep = *l != link || !implicit.contains(&(p.probe, link));
+            if !keep {
+                tracing::warn!(
+                    "left out: {} at {:#x}: {why}",
+                    p.name,
+                    link.wrapping_add(slide)
+                );
+            }
+            keep
+        });
         for (_, p) in plan.points.iter().filter(|(l, _)| *l == link) {
             plan.host.insert(p.probe);
             plan.refused.push(Unsupported {

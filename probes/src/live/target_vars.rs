@@ -325,6 +325,9 @@ pub fn btf_params(point: &ResolvedPoint) -> Vec<String> {
 /// not give as a parameter. Return probes read parameters (as at the entry) and `$return`
 /// only, as before.
 ///
+/// Also returns the implicit inlined instances (`ResolvedPoint::implicit`) left out because
+/// a variable their probe reads is not there, as (probe, link-time address), each warned of.
+///
 /// # Errors
 /// Every variable read outside `@defined` that does not exist at a point, is optimized out
 /// there or lives where exotap cannot read it, each named with the point and the function;
@@ -333,8 +336,9 @@ pub fn point_locals(
     image: &KernelImage,
     prog: &Program,
     resolved: &[(usize, ResolvedPoint)],
-) -> anyhow::Result<PointLocals> {
+) -> anyhow::Result<(PointLocals, Vec<(usize, u64)>)> {
     let mut out = PointLocals::new();
+    let mut dropped: Vec<(usize, u64)> = Vec::new();
     let mut errors: Vec<String> = Vec::new();
     let mut reads: HashMap<usize, (BTreeSet<String>, BTreeSet<String>)> = HashMap::new();
     let path = debug_vmlinux(image);
@@ -357,131 +361,146 @@ pub fn point_locals(
     // The -dbg vmlinux's name index, loaded for the first syscall wrapper that needs it.
     let names: std::cell::OnceCell<Option<Index>> = std::cell::OnceCell::new();
     for (probe, point) in resolved {
-        let Some(link) = point.address else {
-            continue;
-        };
-        if point.name.ends_with(".return") {
-            continue;
-        }
-        let (required, optional) = reads
-            .entry(*probe)
-            .or_insert_with(|| names_read(prog, *probe));
-        let params = btf_params(point);
-        let needed: Vec<&String> = required
-            .iter()
-            .chain(optional.iter())
-            .filter(|n| !params.contains(n))
-            .collect();
-        if needed.is_empty() {
-            continue;
-        }
-        let must: Vec<&String> = required.iter().filter(|n| !params.contains(n)).collect();
-        let Some(info) = &info else {
-            if must.iter().any(|n| *n == "*") {
-                errors.push(format!(
-                    "{}: $$locals and $$vars list the variables DWARF has in scope there, and \
-                     they need the kernel's -dbg vmlinux (exotap image fetch --debuginfo)",
-                    point.name
-                ));
-            } else if let Some(name) = must.first() {
-                errors.push(format!(
-                    "{}: ${name} is not a parameter the kernel's BTF names there; locals, and \
-                     parameters away from a function's entry, need the kernel's -dbg vmlinux \
-                     (exotap image fetch --debuginfo)",
-                    point.name
-                ));
+        let before = errors.len();
+        'point: {
+            let Some(link) = point.address else {
+                break 'point;
+            };
+            if point.name.ends_with(".return") {
+                break 'point;
             }
-            continue;
-        };
-        // The cached debug info must be this kernel's: the bytes at the point agree.
-        let same = match (info.code(link, link + 16), image.vmlinux.read_at(link, 16)) {
-            (Some(a), Ok(b)) => a == b,
-            _ => false,
-        };
-        if !same {
-            errors.push(format!(
-                "{}: the cached -dbg vmlinux ({}) does not hold this kernel's code at {link:#x}",
-                point.name,
-                path.as_deref()
-                    .unwrap_or(std::path::Path::new("?"))
-                    .display()
-            ));
-            continue;
-        }
-        let mut locals = match locals_at(info, link) {
-            Ok(l) => l,
-            Err(why) => {
-                if !must.is_empty() {
-                    errors.push(format!("{}: {why}", point.name));
-                }
-                continue;
-            }
-        };
-        // At a member access (`kernel.field`): the object accessed, and the value a plain
-        // store writes.
-        if let Some((structure, member)) = field_of(&point.name) {
-            for name in ["object", "value"] {
-                if locals.get(name).is_none() {
-                    if let Some(local) = field_variable(image, link, structure, member, name) {
-                        locals.vars.insert(name.to_owned(), local);
-                    }
-                }
-            }
-        }
-        // At a syscall wrapper's entry (`kernel.function("sys_NAME")`), the system call's
-        // own parameters, which DWARF has in scope only further in.
-        let wrapper = image
-            .symbols
-            .lookup_addr(link)
-            .filter(|(_, off)| *off == 0)
-            .and_then(|(sym, _)| sym.name.strip_prefix("__x64_sys_").map(str::to_owned));
-        if let Some(call) = wrapper {
-            let missing: Vec<String> = must
+            let (required, optional) = reads
+                .entry(*probe)
+                .or_insert_with(|| names_read(prog, *probe));
+            let params = btf_params(point);
+            let needed: Vec<&String> = required
                 .iter()
-                .filter(|n| locals.get(n).is_none())
-                .map(|n| (*n).clone())
+                .chain(optional.iter())
+                .filter(|n| !params.contains(n))
                 .collect();
-            for name in &missing {
-                let index = names.get_or_init(|| {
-                    let cache = image.path.parent()?.parent()?.parent()?.join("debuginfo");
-                    Index::load_or_build(info, &cache, Layer::Names, &|_, _| {})
-                        .map_err(|e| tracing::warn!("cannot index the cached -dbg vmlinux: {e}"))
-                        .ok()
-                });
-                if let Some(local) = index
-                    .as_ref()
-                    .and_then(|index| syscall_argument(image, info, index, &call, name))
-                {
-                    locals.vars.insert(name.clone(), Ok(local));
-                }
+            if needed.is_empty() {
+                break 'point;
             }
-        }
-        for name in must.into_iter().filter(|n| *n != "*") {
-            match locals.get(name) {
-                Some(Ok(_)) => {}
-                Some(Err(why)) => {
-                    errors.push(format!("{}: {why} in {}", point.name, locals.function))
+            let must: Vec<&String> = required.iter().filter(|n| !params.contains(n)).collect();
+            let Some(info) = &info else {
+                if must.iter().any(|n| *n == "*") {
+                    errors.push(format!(
+                        "{}: $$locals and $$vars list the variables DWARF has in scope there, and \
+                         they need the kernel's -dbg vmlinux (exotap image fetch --debuginfo)",
+                        point.name
+                    ));
+                } else if let Some(name) = must.first() {
+                    errors.push(format!(
+                        "{}: ${name} is not a parameter the kernel's BTF names there; locals, and \
+                         parameters away from a function's entry, need the kernel's -dbg vmlinux \
+                         (exotap image fetch --debuginfo)",
+                        point.name
+                    ));
                 }
-                None => errors.push(format!(
-                    "{}: no variable ${name} in scope at {link:#x}, in {} (there: {})",
+                break 'point;
+            };
+            // The cached debug info must be this kernel's: the bytes at the point agree.
+            let same = match (info.code(link, link + 16), image.vmlinux.read_at(link, 16)) {
+                (Some(a), Ok(b)) => a == b,
+                _ => false,
+            };
+            if !same {
+                errors.push(format!(
+                    "{}: the cached -dbg vmlinux ({}) does not hold this kernel's code at {link:#x}",
                     point.name,
-                    locals.function,
-                    if locals.vars.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        locals.names()
+                    path.as_deref()
+                        .unwrap_or(std::path::Path::new("?"))
+                        .display()
+                ));
+                break 'point;
+            }
+            let mut locals = match locals_at(info, link) {
+                Ok(l) => l,
+                Err(why) => {
+                    if !must.is_empty() {
+                        errors.push(format!("{}: {why}", point.name));
                     }
-                )),
+                    break 'point;
+                }
+            };
+            // At a member access (`kernel.field`): the object accessed, and the value a plain
+            // store writes.
+            if let Some((structure, member)) = field_of(&point.name) {
+                for name in ["object", "value"] {
+                    if locals.get(name).is_none() {
+                        if let Some(local) = field_variable(image, link, structure, member, name) {
+                            locals.vars.insert(name.to_owned(), local);
+                        }
+                    }
+                }
+            }
+            // At a syscall wrapper's entry (`kernel.function("sys_NAME")`), the system call's
+            // own parameters, which DWARF has in scope only further in.
+            let wrapper = image
+                .symbols
+                .lookup_addr(link)
+                .filter(|(_, off)| *off == 0)
+                .and_then(|(sym, _)| sym.name.strip_prefix("__x64_sys_").map(str::to_owned));
+            if let Some(call) = wrapper {
+                let missing: Vec<String> = must
+                    .iter()
+                    .filter(|n| locals.get(n).is_none())
+                    .map(|n| (*n).clone())
+                    .collect();
+                for name in &missing {
+                    let index = names.get_or_init(|| {
+                        let cache = image.path.parent()?.parent()?.parent()?.join("debuginfo");
+                        Index::load_or_build(info, &cache, Layer::Names, &|_, _| {})
+                            .map_err(|e| {
+                                tracing::warn!("cannot index the cached -dbg vmlinux: {e}")
+                            })
+                            .ok()
+                    });
+                    if let Some(local) = index
+                        .as_ref()
+                        .and_then(|index| syscall_argument(image, info, index, &call, name))
+                    {
+                        locals.vars.insert(name.clone(), Ok(local));
+                    }
+                }
+            }
+            for name in must.into_iter().filter(|n| *n != "*") {
+                match locals.get(name) {
+                    Some(Ok(_)) => {}
+                    Some(Err(why)) => {
+                        errors.push(format!("{}: {why} in {}", point.name, locals.function))
+                    }
+                    None => errors.push(format!(
+                        "{}: no variable ${name} in scope at {link:#x}, in {} (there: {})",
+                        point.name,
+                        locals.function,
+                        if locals.vars.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            locals.names()
+                        }
+                    )),
+                }
+            }
+            out.insert((*probe, link), Arc::new(locals));
+        }
+        // An inlined instance the point did not name, whose variables are not all there:
+        // left out, where a place the point named is an error.
+        if point.implicit && errors.len() > before {
+            for why in errors.drain(before..) {
+                tracing::warn!("left out: {why}");
+            }
+            if let Some(link) = point.address {
+                dropped.push((*probe, link));
             }
         }
-        out.insert((*probe, link), Arc::new(locals));
     }
     if !errors.is_empty() {
         errors.sort();
         errors.dedup();
         return Err(UnreadableTargets(errors).into());
     }
-    Ok(out)
+    Ok((out, dropped))
 }
 
 /// The `@var(...)` specifications the probes of `prog` read: those outside `@defined`
@@ -697,7 +716,7 @@ mod tests {
         let prog = check_script(&source, &Limits::default()).unwrap();
         let btf = image.btf().ok();
         let resolved = resolve_program(&prog, &KernelSymbols::new(&image.symbols, btf)).unwrap();
-        point_locals(image, &prog, &resolved)
+        point_locals(image, &prog, &resolved).map(|(locals, _)| locals)
     }
 
     /// The link-time address of `name` in the -dbg package's System.map (the outside oracle:
@@ -731,9 +750,10 @@ mod tests {
         let resolver = KernelSymbols::new(&image.symbols, btf).with_lines(Some(&lines));
         let resolved = resolve_program(&prog, &resolver).unwrap();
         assert!(resolved.len() >= 3, "{resolved:?}");
-        let locals = point_locals(&image, &prog, &resolved)
+        let (locals, left_out) = point_locals(&image, &prog, &resolved)
             .unwrap_or_else(|e| panic!("call sites without their arguments: {e:#}"));
         assert_eq!(locals.len(), resolved.len());
+        assert!(left_out.is_empty(), "{left_out:?}");
     }
 
     /// A branch that `@defined` or `!@defined` decides reads its variables only where it is

@@ -52,8 +52,11 @@ pub struct Plan {
     pub(super) realtime_link: Option<u64>,
     pub(super) copy_link: Option<u64>,
     /// The points in kernel modules, found in the live guest when the script attaches
-    /// ([`super::module_points`]).
+    /// ([`super::modules`]).
     pub(super) modules: Vec<ModulePoint>,
+    /// The inlined instances the points did not name (`kernel.function("F")` adds F's), as
+    /// (probe, link-time address): left out where the planner refuses them.
+    pub(super) implicit: BTreeSet<(usize, u64)>,
 }
 
 /// A `module("M").function("F")` point of the script, to be found in the live guest.
@@ -137,7 +140,12 @@ pub fn plan(
     let lines = crate::live::target_vars::source_lines(image);
     let resolver = KernelSymbols::new(&image.symbols, Some(btf)).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
-    let locals = crate::live::target_vars::point_locals(image, prog, &resolved)?;
+    let (locals, left_out) = crate::live::target_vars::point_locals(image, prog, &resolved)?;
+    let resolved: Vec<_> = resolved
+        .into_iter()
+        .filter(|(probe, p)| !p.address.is_some_and(|a| left_out.contains(&(*probe, a))))
+        .collect();
+    let mut implicit = BTreeSet::new();
     let mut points = Vec::new();
     let mut elsewhere = Vec::new();
     let mut statements = BTreeSet::new();
@@ -200,6 +208,9 @@ pub fn plan(
         if statement {
             statements.insert(link);
         }
+        if point.implicit {
+            implicit.insert((probe, link));
+        }
         points.push((
             link,
             SitePoint {
@@ -255,6 +266,7 @@ pub fn plan(
         realtime_link,
         copy_link,
         modules,
+        implicit,
     }))
 }
 

@@ -231,7 +231,11 @@ fn arm(
             .filter(|(probe, _)| host(*probe))
             .filter_map(|(_, point)| tracepoint_name(&point.name)),
     )?;
-    let locals = super::target_vars::point_locals(image, prog, &resolved)?;
+    let (locals, left_out) = super::target_vars::point_locals(image, prog, &resolved)?;
+    let resolved: Vec<_> = resolved
+        .into_iter()
+        .filter(|(probe, p)| !p.address.is_some_and(|a| left_out.contains(&(*probe, a))))
+        .collect();
     let plan = area;
     let text = TextMap::new(image);
     let mut armed: HashMap<u64, ArmedPoint> = HashMap::new();
