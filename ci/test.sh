@@ -23,6 +23,14 @@ export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 cargo fmt --all --check
 ci/layers.sh
 cargo test --workspace --locked --no-run
+# The fuzz targets (issue 41): their instrumented build and each target's 30 s, at the lowest
+# CPU priority beside everything below, so that they take the CPU the gates and the tests
+# leave idle (a guest that waits, a test that sleeps: a fifth of the two cores in the last
+# run) rather than minutes of their own. Waited for after the tests; a failure fails the run.
+fuzz_log=$(mktemp)
+# (Its own process group, so that an early exit below ends all of it.)
+setsid nice -n 19 ci/fuzz.sh >"$fuzz_log" 2>&1 &
+fuzz_pid=$!
 # The guest images, fetched (downloads, unpacking) while the gates below keep the two cores busy
 # compiling: on a fresh machine that is time CI no longer waits for. (Not after a first build of
 # exotap alone, before the rest: two cargo runs left a core idle at the end of the first and
@@ -30,7 +38,7 @@ cargo test --workspace --locked --no-run
 # kernel and the newest 6.12 cloud kernel apt knows.
 images=$(mktemp -d)
 # A gate that fails below ends the fetch too.
-trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; rm -rf "$images"' EXIT
+trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; [ -z "${fuzz_pid:-}" ] || kill -- -"$fuzz_pid" 2>/dev/null; rm -rf "$images"' EXIT
 (
     set -euo pipefail
     target/debug/exotap image fetch
@@ -93,7 +101,7 @@ export EXOTAP_JIT_KERNELS="$EXOTAP_KERNELS"
 # "The kvm backend"). No second build: the static release one it ran before took 6-8 min of CI.
 export EXOTAP_NESTED=1
 log=$(mktemp)
-trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; rm -f "$log"; rm -rf "$images"' EXIT
+trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; [ -z "${fuzz_pid:-}" ] || kill -- -"$fuzz_pid" 2>/dev/null; rm -f "$log"; rm -rf "$images"' EXIT
 set +e
 # cargo-nextest, profile `ci` of .config/nextest.toml: every test in its own process, two at a
 # time, the slowest first; each test's time as it ends, every test's output at the end (the
@@ -110,6 +118,19 @@ if [ -s "$images/matrix" ] && ! diff -q docs/stap-examples.md "$images/matrix" >
     echo "ci/test.sh: docs/stap-examples.md is stale; what this run found differs:"
     diff -u docs/stap-examples.md "$images/matrix" | head -40 || true
 fi
+# The fuzz targets, started after the build: each target's last line (its runs in 30 s).
+echo
+echo "== fuzz targets (ci/fuzz.sh, 30 s each at nice 19 beside the tests) =="
+fuzz_rc=0
+wait "$fuzz_pid" || fuzz_rc=$?
+fuzz_pid=
+grep -E '^(== |#[0-9]+ +DONE|Done [0-9]+ runs|ci/fuzz.sh)' "$fuzz_log" || true
+if [ "$fuzz_rc" -ne 0 ]; then
+    tail -40 "$fuzz_log"
+    echo "ci/test.sh: ci/fuzz.sh failed (exit $fuzz_rc)"
+    [ "$rc" -ne 0 ] || rc=$fuzz_rc
+fi
+rm -f "$fuzz_log"
 echo
 echo "== tests that skipped part of their work, and why =="
 grep -h 'SKIP' "$log" | sort -u || echo "(none)"
