@@ -5,8 +5,9 @@
 # a while from an empty corpus. A crash, a leak of a panic or a timeout fails the script and
 # leaves the input under target/fuzz-artifacts/TARGET/.
 #
-#   ci/fuzz.sh                 # every target, 30 s each
+#   ci/fuzz.sh                 # every target, 30 s each, one at a time
 #   FUZZ_SECONDS=300 ci/fuzz.sh parse_check module_list
+#   FUZZ_JOBS=11 ci/fuzz.sh      # all at once
 #
 # ci/test.sh runs it at nice 19 beside its gates and tests (the instrumented build is a second
 # build of most of the workspace, about 2.5 min of CPU on a 2-core machine, and the eleven
@@ -24,7 +25,24 @@ flags+=" -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanit
 flags+=" -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
 
 want=("$@")
-failed=()
+# Targets run FUZZ_JOBS at a time (default 1); each for $seconds of wall time whatever the
+# CPU it gets (ci/test.sh runs them all at once at nice 19, beside its tests).
+jobs=${FUZZ_JOBS:-1}
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+run_target() {
+    local crate=$1 bin=$2 artifacts=target/fuzz-artifacts/$2 corpus
+    mkdir -p "$artifacts"
+    corpus=$(mktemp -d)
+    if "$build/$target/release/$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
+        -artifact_prefix="$artifacts/" "$corpus" 2>"$corpus.log"; then
+        { echo "== $crate: $bin for $seconds s"; grep -E '^(#[0-9]+ +DONE|Done [0-9]+ runs)' "$corpus.log" | tail -1; } >"$results/$bin.ok"
+    else
+        { echo "== $crate: $bin for $seconds s: FAILED"; tail -30 "$corpus.log"; } >"$results/$bin.failed"
+    fi
+    rm -rf "$corpus" "$corpus.log"
+}
+targets=()
 for crate in introspect/fuzz vmm/fuzz probes/fuzz; do
     # --target: the flags reach the targets, not the build scripts and proc macros.
     RUSTFLAGS=$flags CARGO_TARGET_DIR=$build cargo build --manifest-path "$crate/Cargo.toml" \
@@ -33,19 +51,28 @@ for crate in introspect/fuzz vmm/fuzz probes/fuzz; do
         if ((${#want[@]})) && [[ " ${want[*]} " != *" $bin "* ]]; then
             continue
         fi
-        artifacts=target/fuzz-artifacts/$bin
-        mkdir -p "$artifacts"
-        corpus=$(mktemp -d)
-        echo "== $crate: $bin for $seconds s"
-        if "$build/$target/release/$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
-            -artifact_prefix="$artifacts/" "$corpus" 2>"$corpus.log"; then
-            grep -E '^(#[0-9]+ +DONE|Done [0-9]+ runs)' "$corpus.log" | tail -1
-        else
-            tail -30 "$corpus.log"
-            failed+=("$bin")
-        fi
-        rm -rf "$corpus" "$corpus.log"
+        targets+=("$crate:$bin")
     done
+done
+running=0
+for t in "${targets[@]}"; do
+    if ((running >= jobs)); then
+        wait -n || true
+        running=$((running - 1))
+    fi
+    run_target "${t%%:*}" "${t#*:}" &
+    running=$((running + 1))
+done
+wait
+failed=()
+for t in "${targets[@]}"; do
+    bin=${t#*:}
+    if [ -f "$results/$bin.ok" ]; then
+        cat "$results/$bin.ok"
+    else
+        cat "$results/$bin.failed" 2>/dev/null || echo "== ${t%%:*}: $bin: no result"
+        failed+=("$bin")
+    fi
 done
 if ((${#failed[@]})); then
     echo "ci/fuzz.sh: failed: ${failed[*]} (inputs under target/fuzz-artifacts/)" >&2
