@@ -112,21 +112,7 @@ fn job() -> String {
 /// The initramfs of [`job`] with `kernel`'s evdev.ko in `/modules` (the module probes'
 /// check: every kernel of the matrix builds evdev as a module).
 fn initramfs(dir: &Path, kernel: &str) -> std::path::PathBuf {
-    use exotap_guest_images::{self as images, GuestJob};
-    let cached = images::ensure_kernel(kernel).unwrap();
-    let evdev = cached
-        .modules
-        .iter()
-        .find(|p| p.file_name().is_some_and(|n| n == "evdev.ko"))
-        .expect("evdev.ko is not in the kernel cache");
-    let mut fs = images::build_initramfs(&GuestJob::from_script(job())).unwrap();
-    fs.file("modules/evdev.ko", 0o644, std::fs::read(evdev).unwrap())
-        .unwrap();
-    let out = dir.join("initramfs.cpio.gz");
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&out).unwrap());
-    fs.write_gz(&mut file).unwrap();
-    std::io::Write::flush(&mut file).unwrap();
-    out
+    common::initramfs_with_evdev(dir, kernel, &job())
 }
 
 /// A booted guest with its console collected line by line.

@@ -299,3 +299,28 @@ impl Console {
         self.read
     }
 }
+
+/// The initramfs of `job` with `kernel`'s cached evdev.ko in `/modules` (the tests of module
+/// text: stacks through it, probes in it), written under `dir`.
+pub fn initramfs_with_evdev(dir: &Path, kernel: &str, job: &str) -> std::path::PathBuf {
+    use exotap_guest_images::{self as images, GuestJob};
+    let cached = images::ensure_kernel(kernel).expect("the kernel is not in the cache");
+    let evdev = cached
+        .modules
+        .iter()
+        .find(|p| p.file_name().is_some_and(|n| n == "evdev.ko"))
+        .unwrap_or_else(|| panic!("{kernel}: evdev.ko is not in the kernel cache"));
+    let mut fs = images::build_initramfs(&GuestJob::from_script(job)).expect("the initramfs");
+    fs.file(
+        "modules/evdev.ko",
+        0o644,
+        std::fs::read(evdev).expect("evdev.ko"),
+    )
+    .expect("evdev.ko in the initramfs");
+    let out = dir.join("initramfs.cpio.gz");
+    let mut file =
+        std::io::BufWriter::new(std::fs::File::create(&out).expect("the initramfs file"));
+    fs.write_gz(&mut file).expect("the initramfs written");
+    std::io::Write::flush(&mut file).expect("the initramfs written");
+    out
+}

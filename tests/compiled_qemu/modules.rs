@@ -37,24 +37,9 @@ fn job() -> String {
     )
 }
 
-/// The initramfs of `job`, with the kernel cache's evdev.ko in `/modules`.
-#[allow(clippy::expect_used)] // a fixture missing is this test's failure, said plainly
+/// The initramfs of `job`, with the default kernel's evdev.ko in `/modules`.
 fn initramfs(dir: &std::path::Path, job: &str) -> std::path::PathBuf {
-    use exotap_guest_images::{self as images, GuestJob};
-    let kernel = images::ensure_kernel(images::DEFAULT_KERNEL).unwrap();
-    let evdev = kernel
-        .modules
-        .iter()
-        .find(|p| p.file_name().is_some_and(|n| n == "evdev.ko"))
-        .expect("evdev.ko is not in the kernel cache (exotap image fetch keeps it)");
-    let mut fs = images::build_initramfs(&GuestJob::from_script(job)).unwrap();
-    fs.file("modules/evdev.ko", 0o644, std::fs::read(evdev).unwrap())
-        .unwrap();
-    let out = dir.join("module.cpio.gz");
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&out).unwrap());
-    fs.write_gz(&mut file).unwrap();
-    std::io::Write::flush(&mut file).unwrap();
-    out
+    common::initramfs_with_evdev(dir, exotap_guest_images::DEFAULT_KERNEL, job)
 }
 
 #[test]
