@@ -37,6 +37,16 @@ fn job() -> String {
     )
 }
 
+/// The counts a script printed as `TAG NAME N` lines (`tag` with its space), by name.
+fn printed(out: &str, tag: &str) -> BTreeMap<String, u64> {
+    out.lines()
+        .filter_map(|l| {
+            let (name, n) = l.strip_prefix(tag)?.split_once(' ')?;
+            Some((name.to_owned(), n.parse().ok()?))
+        })
+        .collect()
+}
+
 /// The initramfs of `job`, with the default kernel's evdev.ko in `/modules`.
 fn initramfs(dir: &std::path::Path, job: &str) -> std::path::PathBuf {
     common::initramfs_with_evdev(dir, exotap_guest_images::DEFAULT_KERNEL, job)
@@ -81,20 +91,8 @@ fn module_function_counts_equal_the_guests_kprobes_on_a_module_loaded_before_the
         Some(&*OPENS.to_string()),
         "{ctx}"
     );
-    let counts: BTreeMap<String, u64> = out
-        .lines()
-        .filter_map(|l| {
-            let (name, n) = l.strip_prefix("c ")?.split_once(' ')?;
-            Some((name.to_owned(), n.parse().ok()?))
-        })
-        .collect();
-    let all: BTreeMap<String, u64> = out
-        .lines()
-        .filter_map(|l| {
-            let (name, n) = l.strip_prefix("all ")?.split_once(' ')?;
-            Some((name.to_owned(), n.parse().ok()?))
-        })
-        .collect();
+    let counts = printed(&out, "c ");
+    let all = printed(&out, "all ");
     // The guest's kprobes on the same functions, over the same window (armed before exotap
     // attached, read after it left): the same counts.
     for f in ["evdev_open", "evdev_release"] {
@@ -223,13 +221,7 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
     // Unloaded each round, with exotap's probes in.
     assert_eq!(result(&transcript, "round1.gone"), Some("0"), "{ctx}");
     assert_eq!(result(&transcript, "round2.gone"), Some("0"), "{ctx}");
-    let counts: BTreeMap<String, u64> = out
-        .lines()
-        .filter_map(|l| {
-            let (name, n) = l.strip_prefix("c ")?.split_once(' ')?;
-            Some((name.to_owned(), n.parse().ok()?))
-        })
-        .collect();
+    let counts = printed(&out, "c ");
     // Each watched function: the script's count over both loads equals the guest's kprobe,
     // its init's connects and its exit's disconnects included.
     for f in WATCHED.split_whitespace() {

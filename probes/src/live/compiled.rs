@@ -23,7 +23,7 @@
 //! wait at `exotap_wait detach` after their job, where the host reads the final state and
 //! removes the splices before the guest powers off.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -32,20 +32,15 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use exotap_vmm::control::{Machine as _, StopEvent};
 
-use crate::compile::{
-    self, codegen::Env, data::Header, DataLayout, Facts, Interner, Runtime, SiteBodies, SitePoint,
-    Unsupported,
-};
-use crate::lang::check::Program;
+use crate::compile::{self, data::Header, Facts, Unsupported};
 use crate::lang::output::Output;
 use crate::lang::runtime::{host_timers, Session};
-use crate::lang::Limits;
 
 use super::attach::Target;
 use super::check::{check_verdict, Copied, Shared, Tee};
 use super::kernel_image::KernelImage;
 use super::session::GuestSession;
-use super::splicer::{Action, KprobeReader, Request};
+use super::splicer::KprobeReader;
 use super::trap_script::GuestScript;
 use super::traps::{HitSessions, Traps};
 use crate::splice::{SpliceDecision, TrapReason};
@@ -65,10 +60,12 @@ pub const POLL_SHARED_EVERY: Duration = Duration::from_millis(20);
 const WAIT: Duration = Duration::from_millis(20);
 
 mod guest;
+mod install;
 mod modules;
 mod plan;
 
-use guest::{Guest, Sites};
+use guest::Guest;
+use install::{install, module_event, Install};
 pub use modules::list_module_functions;
 use plan::mixed_report;
 pub use plan::{describe, plan, start_script, CompileMode, Plan};
@@ -352,229 +349,6 @@ pub fn start_on(
             bail!("the script thread ended before installing its probes")
         }
     }
-}
-
-/// What an install puts in: the program, its points and the kernel's facts (slid).
-#[derive(Clone, Copy)]
-struct Install<'a> {
-    prog: &'a Program,
-    limits: &'a Limits,
-    plan: &'a Plan,
-    facts: &'a Facts,
-    slide: u64,
-}
-
-/// Generates the sites' code and the data, writes them and installs the splices; returns the
-/// guest side.
-fn install(
-    mut guest: GuestSession,
-    what: &Install<'_>,
-    session: &Session<'_>,
-) -> anyhow::Result<Guest> {
-    let Install {
-        prog,
-        limits,
-        plan,
-        facts,
-        slide,
-    } = *what;
-    #[allow(clippy::type_complexity)]
-    let r = (|| -> anyhow::Result<(DataLayout, u64, Interner, HashMap<u64, u64>, Helpers)> {
-        let mut layout = DataLayout::new(prog, limits).map_err(|u| {
-            anyhow::anyhow!(
-                "{}",
-                u.iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            )
-        })?;
-        if compile::codegen::prints(prog) {
-            let cpus = u32::try_from(guest.parts()?.1.cpus())?;
-            layout = layout.with_rings(cpus);
-        }
-        let data = guest.alloc(layout.size, 64)?;
-        // Assembled once to learn its size, then again where it goes.
-        let size = compile::runtime(&layout, data, data)?.code.len() as u64;
-        let rt_at = guest.alloc(size.max(16), 16)?;
-        let rt: Runtime = compile::runtime(&layout, data, rt_at)?;
-        let mut interner = Interner::default();
-        let mut bytes = layout.initial(prog, &mut interner);
-        for name in layout.globals.keys() {
-            if let Some(store) = session.global(name) {
-                if let Err(e) = layout.encode_into(name, store, &mut interner, &mut bytes) {
-                    tracing::warn!("{name} starts empty in the guest: {e}");
-                }
-            }
-        }
-        bytes.resize(usize::try_from(layout.size)?, 0);
-        guest.write_heap(data, &bytes)?;
-        if !rt.code.is_empty() {
-            guest.write_heap(rt_at, &rt.code)?;
-        }
-        let env = Env {
-            prog,
-            limits,
-            facts,
-            layout: &layout,
-            data,
-            helpers: &rt.helpers,
-        };
-        let points: Vec<(u64, SitePoint)> = plan
-            .points
-            .iter()
-            .map(|(link, p)| (link.wrapping_add(slide), p.clone()))
-            .collect();
-        let (sites, report) = install_sites(&mut guest, env, &mut interner, &points)?;
-        if sites > 0 && report.refused.len() == sites {
-            bail!(
-                "none of the script's kernel probe points could be spliced: {}",
-                report
-                    .refused
-                    .iter()
-                    .map(|r| format!("{}: {}", r.name, r.reason))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            );
-        }
-        tracing::info!(
-            "compiled probes in at {} sites ({} refused), {} KiB of data, planned in {:.3} s",
-            guest.splicer().map_or(0, |s| s.installed.len()),
-            report.refused.len(),
-            layout.size >> 10,
-            report.plan_time.as_secs_f64()
-        );
-        Ok((
-            layout,
-            data,
-            interner,
-            report.entered.into_iter().collect(),
-            rt.helpers,
-        ))
-    })();
-    // On an error, dropping the session takes out whatever went in and detaches.
-    let (layout, data, interner, entered, helpers) = r?;
-    Ok(Guest {
-        session: guest,
-        layout,
-        data,
-        interner,
-        taken: Vec::new(),
-        lost: 0,
-        entered,
-        pulled: None,
-        stacks: None,
-        collections: Default::default(),
-        helpers,
-    })
-}
-
-/// The table helpers' addresses, by (global, insert).
-type Helpers = HashMap<(String, bool), u64>;
-
-/// A module's load or unload seen at the watch's breakpoint (the guest stopped): the sites of
-/// the script's points in a loading module go in before its code runs.
-///
-/// # Errors
-/// As [`modules::ModuleWatch::stopped`] and [`install_sites`].
-fn module_event(
-    guest: &mut Guest,
-    watch: &mut modules::ModuleWatch,
-    (prog, limits, facts): (&Program, &Limits, &Facts),
-    (vcpu, pc): (exotap_vmm::control::VcpuId, u64),
-) -> anyhow::Result<()> {
-    let points = match watch.stopped(&mut guest.session, vcpu, pc)? {
-        modules::ModuleEvent::Loaded(points) if !points.is_empty() => points,
-        modules::ModuleEvent::Unloading(text) => {
-            // Sites a breakpoint entered: their breakpoints go with the module's text (a
-            // module loaded there later must not stop in them).
-            let gone: Vec<u64> = guest
-                .entered
-                .keys()
-                .copied()
-                .filter(|a| text.contains(a))
-                .collect();
-            for site in gone {
-                guest.session.machine.set_breakpoint(site, false)?;
-                guest.entered.remove(&site);
-            }
-            return Ok(());
-        }
-        _ => return Ok(()),
-    };
-    let env = Env {
-        prog,
-        limits,
-        facts,
-        layout: &guest.layout,
-        data: guest.data,
-        helpers: &guest.helpers,
-    };
-    let (sites, report) = install_sites(&mut guest.session, env, &mut guest.interner, &points)?;
-    guest.entered.extend(report.entered.iter().copied());
-    watch.sites_in += (sites - report.refused.len()) as u64;
-    tracing::info!(
-        "{} sites in the loading module ({} refused)",
-        sites - report.refused.len(),
-        report.refused.len()
-    );
-    Ok(())
-}
-
-/// Generates the code of the compiled sites at `points` (running addresses; the points at
-/// one address share its site) and installs their splices, the guest stopped. Sites the
-/// planner refuses are logged; a site a breakpoint enters gets its breakpoint. Returns the
-/// number of sites asked for and the install's report.
-///
-/// # Errors
-/// When the code cannot be generated or written.
-fn install_sites(
-    guest: &mut GuestSession,
-    env: Env<'_>,
-    interner: &mut Interner,
-    points: &[(u64, SitePoint)],
-) -> anyhow::Result<(usize, super::splicer::InstallReport)> {
-    // One site per address: its entry bodies and its return bodies.
-    let mut by_addr: BTreeMap<u64, SiteBodies> = BTreeMap::new();
-    let mut names: HashMap<u64, String> = HashMap::new();
-    for (addr, p) in points {
-        let site = by_addr.entry(*addr).or_insert_with(|| SiteBodies {
-            pc: *addr,
-            ..SiteBodies::default()
-        });
-        names.entry(*addr).or_insert_with(|| p.function.clone());
-        if p.is_return {
-            site.ret.push(p.clone());
-        } else {
-            site.entry.push(p.clone());
-        }
-    }
-    let mut requests = Vec::new();
-    let mut bodies = Vec::new();
-    for (addr, b) in by_addr {
-        requests.push(Request {
-            name: names.get(&addr).cloned().unwrap_or_default(),
-            addr,
-            action: Action::Compiled(u32::try_from(bodies.len())?),
-        });
-        bodies.push(b);
-    }
-    let mut sites = Sites {
-        env,
-        interner: &mut *interner,
-        bodies,
-        addrs: requests.iter().map(|r| r.addr).collect(),
-    };
-    let report = guest.install_compiled(&requests, &mut sites)?;
-    // The code may hold the encodings of strings placed so far: the collector keeps them.
-    interner.pin_placed();
-    for r in &report.refused {
-        tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
-    }
-    for (site, _) in &report.entered {
-        guest.machine.set_breakpoint(*site, true)?;
-    }
-    Ok((requests.len(), report))
 }
 
 /// What [`start`] hands the session's thread besides the guest and the script.

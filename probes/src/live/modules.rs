@@ -57,6 +57,21 @@ impl<M: PhysicalMemory + ?Sized> VirtualMemory for AddressSpace<'_, M> {
     }
 }
 
+/// Guest-virtual memory as flat regions (no page tables): the readers' tests.
+#[cfg(test)]
+pub(crate) struct Flat(pub(crate) exotap_introspect::memory::SparseMemory);
+
+#[cfg(test)]
+impl VirtualMemory for Flat {
+    fn read_virt(&mut self, va: u64, buf: &mut [u8]) -> anyhow::Result<()> {
+        Ok(exotap_introspect::memory::PhysicalMemory::read_phys(
+            &mut self.0,
+            va,
+            buf,
+        )?)
+    }
+}
+
 /// Where `struct module` and `struct mod_kallsyms` keep what the unwinder needs, from BTF.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModuleLayout {

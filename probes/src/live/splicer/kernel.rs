@@ -82,7 +82,7 @@ fn table<'i>(
 }
 
 /// The address a 32-bit self-relative field at `table_addr + offset` points to.
-fn relative(table_addr: u64, bytes: &[u8], offset: usize) -> Option<u64> {
+pub(super) fn relative(table_addr: u64, bytes: &[u8], offset: usize) -> Option<u64> {
     let raw: [u8; 4] = bytes.get(offset..offset + 4)?.try_into().ok()?;
     let disp = i64::from(i32::from_le_bytes(raw));
     Some(

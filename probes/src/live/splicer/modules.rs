@@ -34,6 +34,8 @@ use crate::live::guest_memory::BackendMemory;
 use crate::live::modules::{read_u32, read_u64, GuestModule, VirtualMemory};
 use crate::splice::SpliceContext;
 
+use super::kernel::relative;
+
 /// Bytes in a page of module text.
 const PAGE: u64 = 4096;
 /// Largest module text read (the largest Debian module's core text, amdgpu's, is about
@@ -130,13 +132,6 @@ impl std::fmt::Debug for ModuleText {
             .field("functions", &self.starts.len())
             .finish_non_exhaustive()
     }
-}
-
-/// The running address an `s32` at `at` (read in `bytes` at `offset`) is relative to.
-fn relative(at: u64, bytes: &[u8], offset: usize) -> Option<u64> {
-    let raw: [u8; 4] = bytes.get(offset..offset + 4)?.try_into().ok()?;
-    let disp = i64::from(i32::from_le_bytes(raw));
-    Some(at.wrapping_add(offset as u64).wrapping_add(disp as u64))
 }
 
 /// Reads `count` entries of `table` of the module at `module`, or `None` where it has none.
@@ -339,16 +334,8 @@ impl ModuleText {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use exotap_introspect::memory::{PhysicalMemory as _, SparseMemory};
-
-    /// Guest-virtual memory as flat regions (no page tables).
-    struct Flat(SparseMemory);
-
-    impl VirtualMemory for Flat {
-        fn read_virt(&mut self, va: u64, buf: &mut [u8]) -> anyhow::Result<()> {
-            Ok(self.0.read_phys(va, buf)?)
-        }
-    }
+    use crate::live::modules::Flat;
+    use exotap_introspect::memory::SparseMemory;
 
     const MODULE: u64 = 0xffff_ffff_c100_0000;
     const TEXT: u64 = 0xffff_ffff_c000_0000;

@@ -296,16 +296,8 @@ fn read_ftrace_pages<R: VirtualMemory + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use exotap_introspect::memory::{PhysicalMemory, SparseMemory};
-
-    /// Guest-virtual memory as flat regions (no page tables).
-    struct Flat(SparseMemory);
-
-    impl VirtualMemory for Flat {
-        fn read_virt(&mut self, va: u64, buf: &mut [u8]) -> anyhow::Result<()> {
-            Ok(self.0.read_phys(va, buf)?)
-        }
-    }
+    use crate::live::modules::Flat;
+    use exotap_introspect::memory::SparseMemory;
 
     const HEAD: u64 = 0xffff_ffff_8300_0000;
     const OPS: u64 = 0xffff_ffff_8200_0000;
