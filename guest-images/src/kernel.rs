@@ -5,7 +5,9 @@
 //! ```text
 //! kernels/<abi>/manifest.json         vmlinuz, config, modules/{irqbypass,kvm,kvm-amd,kvm-intel,evdev}.ko
 //!                                     (those of the modules the package has)
-//! kernels/<abi>/debug/manifest.json   vmlinux, System.map          (image fetch --debuginfo)
+//! kernels/<abi>/debug/manifest.json   vmlinux, System.map, modules.list and
+//!                                     modules/{irqbypass,kvm,kvm-amd,kvm-intel,evdev,nfsd}.ko
+//!                                     (the modules' debug files)   (image fetch --debuginfo)
 //! packages/busybox-static/manifest.json   busybox
 //! ```
 //! `<abi>` is the kernel's ABI name, e.g. `6.1.0-50-cloud-amd64`.
@@ -29,6 +31,21 @@ pub const KEPT_MODULES: &[&str] = &[
     "kvm-intel.ko",
     "evdev.ko",
 ];
+
+/// The modules whose debug files (ELF relocatable objects with DWARF) are kept with the
+/// vmlinux: the kept modules, and nfsd (SystemTap's nfsd tapset and examples).
+pub const DEBUG_MODULES: &[&str] = &[
+    "irqbypass.ko",
+    "kvm.ko",
+    "kvm-amd.ko",
+    "kvm-intel.ko",
+    "evdev.ko",
+    "nfsd.ko",
+];
+
+/// The file of the debug component listing the [`DEBUG_MODULES`] the package had (one name
+/// a line): a debug cache made before the modules were kept lacks it, and is fetched again.
+const DEBUG_MODULES_LIST: &str = "modules.list";
 
 /// Errors of fetching guest images.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +115,8 @@ pub struct Debuginfo {
     pub vmlinux: PathBuf,
     /// The full System.map.
     pub system_map: PathBuf,
+    /// The debug files of the [`DEBUG_MODULES`] the package has (`debug/modules/NAME.ko`).
+    pub modules: Vec<PathBuf>,
 }
 
 /// Turns `6.1.0-50-cloud-amd64` or `linux-image-6.1.0-50-cloud-amd64-unsigned` into the ABI name.
@@ -349,39 +368,69 @@ pub fn ensure_kernel(name: &str) -> Result<Kernel, ImageError> {
     })
 }
 
-/// Makes sure the debug info (`vmlinux` with DWARF and the full `System.map`) of kernel `name`
-/// is cached, fetching only those two files from the `-dbg` package.
+/// Makes sure the debug info (`vmlinux` with DWARF, the full `System.map` and the debug files
+/// of the [`DEBUG_MODULES`]) of kernel `name` is cached, fetching only those files from the
+/// `-dbg` package.
 ///
 /// # Errors
 /// When the debug package cannot be fetched, unpacked or verified.
 pub fn ensure_debuginfo(name: &str) -> Result<Debuginfo, ImageError> {
     let abi = kernel_abi(name)?;
     let dir = kernel_dir(&abi)?.join("debug");
-    let vmlinux = format!("usr/lib/debug/boot/vmlinux-{abi}");
-    let map = format!("usr/lib/debug/boot/System.map-{abi}");
-    let select = |path: &str| -> Option<String> {
-        if path == vmlinux {
-            Some("vmlinux".into())
-        } else if path == map {
-            Some("System.map".into())
-        } else {
-            None
-        }
-    };
-    Component {
+    let select = debug_select(&abi);
+    let manifest = Component {
         source: &Apt,
         dir: dir.clone(),
         package: format!("linux-image-{abi}-dbg"),
-        required: &["vmlinux", "System.map"],
+        required: &["vmlinux", "System.map", DEBUG_MODULES_LIST],
         select: &select,
-        finish: &|_, written| Ok(written),
+        finish: &list_debug_modules,
         suggestion: &|| None,
     }
     .ensure()?;
     Ok(Debuginfo {
         vmlinux: dir.join("vmlinux"),
         system_map: dir.join("System.map"),
+        modules: manifest
+            .files
+            .keys()
+            .filter(|f| f.starts_with("modules/"))
+            .map(|f| dir.join(f))
+            .collect(),
     })
+}
+
+/// Which files of kernel `abi`'s `-dbg` package the cache keeps, and under which names.
+fn debug_select(abi: &str) -> impl Fn(&str) -> Option<String> {
+    let vmlinux = format!("usr/lib/debug/boot/vmlinux-{abi}");
+    let map = format!("usr/lib/debug/boot/System.map-{abi}");
+    let modules = format!("usr/lib/debug/lib/modules/{abi}/kernel/");
+    move |path: &str| -> Option<String> {
+        if path == vmlinux {
+            Some("vmlinux".into())
+        } else if path == map {
+            Some("System.map".into())
+        } else {
+            let file = path.strip_prefix(&modules)?.rsplit('/').next()?;
+            DEBUG_MODULES
+                .contains(&file)
+                .then(|| format!("modules/{file}"))
+        }
+    }
+}
+
+/// Writes [`DEBUG_MODULES_LIST`]: which of the [`DEBUG_MODULES`] the package had.
+fn list_debug_modules(dir: &Path, mut written: Vec<String>) -> Result<Vec<String>, ImageError> {
+    let mut names: Vec<&str> = written
+        .iter()
+        .filter_map(|w| w.strip_prefix("modules/"))
+        .collect();
+    names.sort_unstable();
+    let list = dir.join(DEBUG_MODULES_LIST);
+    let text: String = names.iter().map(|n| format!("{n}\n")).collect();
+    fs::write(&list, text).map_err(io_err(&list))?;
+    written.push(DEBUG_MODULES_LIST.to_owned());
+    Ok(written)
 }
 
 /// Makes sure a static busybox (Debian's `busybox-static`) is cached; returns its path.
@@ -485,6 +534,53 @@ mod tests {
             finish: &decompress_modules,
             suggestion: &|| None,
         }
+    }
+
+    #[test]
+    fn the_debug_package_keeps_vmlinux_system_map_and_the_listed_modules_debug_files() {
+        let select = debug_select("6.1.0-50-cloud-amd64");
+        let debug = "usr/lib/debug";
+        for (path, kept) in [
+            ("boot/vmlinux-6.1.0-50-cloud-amd64", Some("vmlinux")),
+            ("boot/System.map-6.1.0-50-cloud-amd64", Some("System.map")),
+            (
+                "lib/modules/6.1.0-50-cloud-amd64/kernel/fs/nfsd/nfsd.ko",
+                Some("modules/nfsd.ko"),
+            ),
+            (
+                "lib/modules/6.1.0-50-cloud-amd64/kernel/arch/x86/kvm/kvm-amd.ko",
+                Some("modules/kvm-amd.ko"),
+            ),
+            // Not listed, another kernel's, or not under kernel/.
+            (
+                "lib/modules/6.1.0-50-cloud-amd64/kernel/fs/ext4/ext4.ko",
+                None,
+            ),
+            ("lib/modules/6.1.0-57-amd64/kernel/fs/nfsd/nfsd.ko", None),
+            ("boot/vmlinux-6.1.0-57-amd64", None),
+            ("lib/modules/6.1.0-50-cloud-amd64/nfsd.ko", None),
+        ] {
+            assert_eq!(
+                select(&format!("{debug}/{path}")).as_deref(),
+                kept,
+                "{path}"
+            );
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let written = list_debug_modules(
+            tmp.path(),
+            vec![
+                "vmlinux".into(),
+                "modules/nfsd.ko".into(),
+                "modules/evdev.ko".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(written.last().map(String::as_str), Some(DEBUG_MODULES_LIST));
+        assert_eq!(
+            fs::read_to_string(tmp.path().join(DEBUG_MODULES_LIST)).unwrap(),
+            "evdev.ko\nnfsd.ko\n"
+        );
     }
 
     #[test]

@@ -12,7 +12,9 @@ pub mod workloads;
 use std::path::{Path, PathBuf};
 
 pub use init::GuestJob;
-pub use kernel::{ensure_debuginfo, ensure_kernel, Debuginfo, Kernel, DEFAULT_KERNEL};
+pub use kernel::{
+    ensure_debuginfo, ensure_kernel, Debuginfo, Kernel, DEBUG_MODULES, DEFAULT_KERNEL,
+};
 
 /// Errors of preparing a guest's initramfs.
 #[derive(Debug, thiserror::Error)]

@@ -163,6 +163,107 @@ fn module_function_counts_equal_the_guests_kprobes_on_a_module_loaded_before_the
     );
 }
 
+/// Sizes of the reads the job's readers ask of evdev, one reader each.
+const READ_SIZES: [u32; 2] = [48, 96];
+
+/// The job: evdev loaded, the device number of its first event device as the guest's `stat`
+/// gives it, the guest's kprobe on `evdev_read`, then (probes in) `OPENS` opens and one
+/// reader of each of [`READ_SIZES`] bytes.
+fn vars_job() -> String {
+    let readers: String = READ_SIZES
+        .iter()
+        .map(|n| {
+            format!(
+                "dd if=/dev/input/event0 of=/dev/null bs={n} count=1 2>/dev/null & r=$!; \
+                 sleep 0.2; kill $r; wait $r\n"
+            )
+        })
+        .collect();
+    format!(
+        "insmod /modules/evdev.ko\n\
+         T=/sys/kernel/tracing\n\
+         exotap_result event0 \"$(stat -c '%t %T' /dev/input/event0)\"\n\
+         echo 'p:exotap/evdev_read evdev:evdev_read' >> $T/kprobe_events\n\
+         echo 1 > $T/events/exotap/enable\n\
+         exotap_wait attach\n\
+         i=0\n\
+         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
+         {readers}\
+         exotap_wait detach\n\
+         echo 0 > $T/events/exotap/enable\n\
+         exotap_result kprobe.evdev_read \"$(awk '{{print $2}}' $T/kprobe_profile)\"\n\
+         echo > $T/kprobe_events\n"
+    )
+}
+
+/// The device number the job's result `tag` holds as the guest's `stat -c '%t %T'` gives it
+/// (hex major and minor), as the kernel keeps it in an inode (`MKDEV`: the major above 20
+/// bits of minor).
+fn device_number(transcript: &str, tag: &str) -> Option<u64> {
+    let (major, minor) = result(transcript, tag)?.split_once(' ')?;
+    let (major, minor) = (
+        u64::from_str_radix(major, 16).ok()?,
+        u64::from_str_radix(minor, 16).ok()?,
+    );
+    Some((major << 20) | minor)
+}
+
+#[test]
+fn module_target_variables_come_from_the_modules_dwarf() {
+    if !have_qemu("module_target_variables_come_from_the_modules_dwarf") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &vars_job());
+    let console = dir.path().join("console.log");
+    // `$inode` and `$count` are parameters of evdev's functions, described only by evdev's
+    // own debug file; `$inode->i_rdev` is laid out from the kernel's BTF.
+    let script = r#"global rdev, sizes
+        probe module("evdev").function("evdev_open") { rdev[$inode->i_rdev]++ }
+        probe module("evdev").function("evdev_read") { sizes[$count]++ }
+        probe end {
+            foreach (d in rdev) printf("rdev %d %d\n", d, rdev[d])
+            foreach (n in sizes+) printf("size %d %d\n", n, sizes[n])
+        }"#;
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "300", "--compile", "require"])
+        .args(["--script-text", script, "--attach-in-job"])
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    // The device number the guest's stat gives.
+    let device = device_number(&transcript, "event0")
+        .unwrap_or_else(|| panic!("no device number of event0: {ctx}"));
+    let rdev = printed(&out, "rdev ");
+    let expected = BTreeMap::from([(
+        device.to_string(),
+        u64::from(OPENS + READ_SIZES.len() as u32),
+    )]);
+    assert_eq!(
+        rdev, expected,
+        "every open of event0, its device number: {ctx}"
+    );
+    // Each reader's size, once each, and as many reads as the guest's kprobe counted.
+    let sizes = printed(&out, "size ");
+    let asked: BTreeMap<String, u64> = READ_SIZES.iter().map(|n| (n.to_string(), 1)).collect();
+    assert_eq!(sizes, asked, "{ctx}");
+    assert_eq!(
+        result(&transcript, "kprobe.evdev_read"),
+        Some(&*READ_SIZES.len().to_string()),
+        "{ctx}"
+    );
+    assert_eq!(
+        host_result(&err, "pauses.between_install_and_removal"),
+        Some("0"),
+        "{ctx}"
+    );
+    eprintln!("evdev's $inode->i_rdev and $count read from its debug file: {rdev:?} {sizes:?}");
+}
+
 /// evdev's functions the guest's kprobes watch in [`LOAD_JOB`], registered before evdev is
 /// loaded (the kernel arms a kprobe on a module that is not there when the module comes).
 const WATCHED: &str = "evdev_open evdev_release evdev_read evdev_connect evdev_disconnect \
@@ -180,6 +281,7 @@ fn load_job() -> String {
            for f in {WATCHED}; do echo \"p:exotap/$f evdev:$f\" >> $T/kprobe_events; done\n\
            echo 1 > $T/events/exotap/enable\n\
            insmod /modules/evdev.ko\n\
+           exotap_result round$round.event0 \"$(stat -c '%t %T' /dev/input/event0)\"\n\
            i=0\n\
            while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
            rmmod evdev\n\
@@ -202,9 +304,14 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
     let dir = tempfile::tempdir().unwrap();
     let initrd = initramfs(dir.path(), &load_job());
     let console = dir.path().join("console.log");
-    let script = r#"global c
+    // `$inode` from evdev's debug file, placed where each load put the module.
+    let script = r#"global c, rdev
         probe module("evdev").function("evdev_*") { c[probefunc()]++ }
-        probe end { foreach (f in c+) printf("c %s %d\n", f, c[f]) }"#;
+        probe module("evdev").function("evdev_open") { rdev[$inode->i_rdev]++ }
+        probe end {
+            foreach (f in c+) printf("c %s %d\n", f, c[f])
+            foreach (d in rdev) printf("rdev %d %d\n", d, rdev[d])
+        }"#;
     let (code, out, err) = run(exotap()
         .args(["boot", "--timeout", "300", "--compile", "require"])
         .args(["--script-text", script, "--attach-in-job"])
@@ -244,6 +351,19 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
             && counts.get("evdev_connect") == counts.get("evdev_disconnect"),
         "{ctx}"
     );
+    // Every open read its inode's device number, the one the guest's stat gives, at both
+    // loads.
+    let devices: BTreeMap<String, u64> = (1..=2)
+        .map(|round| {
+            device_number(&transcript, &format!("round{round}.event0"))
+                .unwrap_or_else(|| panic!("no device number of event0 in round {round}: {ctx}"))
+                .to_string()
+        })
+        .fold(BTreeMap::new(), |mut m, d| {
+            *m.entry(d).or_insert(0) += u64::from(OPENS);
+            m
+        });
+    assert_eq!(printed(&out, "rdev "), devices, "{ctx}");
     // Each load and unload stopped the guest once; no hit did.
     assert_eq!(
         host_result(&err, "modules.loads_unloads"),

@@ -11,6 +11,7 @@ pub mod index;
 pub mod klas;
 pub mod lines;
 pub mod pattern;
+pub mod relocatable;
 mod scan;
 pub mod symtab;
 pub mod types;
@@ -51,6 +52,9 @@ pub enum DwarfError {
     /// The ELF container is malformed.
     #[error("the ELF file is malformed")]
     Elf(#[source] object::Error),
+    /// A relocatable object (a module's `.ko`) whose DWARF cannot be placed.
+    #[error("cannot relocate the module's debug info: {0}")]
+    Relocatable(String),
     /// The file has no `.debug_info`.
     #[error("the file has no DWARF (.debug_info is missing or empty); is it the -dbg vmlinux?")]
     NoDwarf,
@@ -88,8 +92,25 @@ pub(crate) fn gimli_err(context: impl Into<String>) -> impl FnOnce(gimli::Error)
 /// A debug file mapped into memory.
 #[derive(Debug)]
 pub struct DebugFile {
-    map: memmap2::Mmap,
+    map: Bytes,
     path: PathBuf,
+}
+
+/// A debug file's bytes: mapped, or made in memory ([`DebugFile::relocated`]).
+#[derive(Debug)]
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
 }
 
 impl DebugFile {
@@ -108,9 +129,35 @@ impl DebugFile {
         // place, so the bytes do not change under the mapping while it lives.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(open_err)?;
         Ok(DebugFile {
-            map,
+            map: Bytes::Mapped(map),
             path: path.to_owned(),
         })
+    }
+
+    /// A kernel module's debug file (`path`, an ELF relocatable object) with its allocated
+    /// sections at the addresses `address` gives by section name (the others laid out at
+    /// made-up addresses) and its DWARF relocated to them ([`relocatable::place`]). Returns
+    /// it and each allocated section's address.
+    ///
+    /// # Errors
+    /// [`DwarfError::Open`] when the file cannot be read, [`DwarfError::Relocatable`] when it
+    /// cannot be placed.
+    pub fn relocated(
+        path: &Path,
+        address: &dyn Fn(&str) -> Option<u64>,
+    ) -> Result<(DebugFile, relocatable::Placement), DwarfError> {
+        let bytes = std::fs::read(path).map_err(|source| DwarfError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+        let (bytes, placed) = relocatable::place(&bytes, address)?;
+        Ok((
+            DebugFile {
+                map: Bytes::Owned(bytes),
+                path: path.to_owned(),
+            },
+            placed,
+        ))
     }
 
     /// The path it was opened from.

@@ -370,20 +370,6 @@ impl<'a> Checker<'a> {
             let mut points = Vec::new();
             for pt in &p.points {
                 match classify(pt) {
-                    // A module's target variables (but `$return`) need its DWARF: an optional
-                    // point there is dropped as SystemTap drops a point it cannot resolve.
-                    Ok(PointKind::ModuleFunction { .. })
-                        if (pt.optional || pt.sufficient) && reads_targets_but_return(&p.body) =>
-                    {
-                        self.emit(Diagnostic::warning(
-                            format!(
-                                "the probe reads target variables, which exotap does not read \
-                                 in kernel modules (that needs the module's DWARF debug info); \
-                                 optional probe point {pt} skipped"
-                            ),
-                            pt.span,
-                        ));
-                    }
                     Ok(kind) => points.push((pt.clone(), kind)),
                     Err(e) if pt.optional || pt.sufficient => self.emit(Diagnostic::warning(
                         format!("{e}; optional probe point skipped"),
@@ -691,20 +677,6 @@ impl<'a> Checker<'a> {
             .map(|g| g.keys.clone())
             .unwrap_or_default()
     }
-}
-
-/// Whether `body` reads a target variable other than `$return` (which a module's return
-/// probe has without DWARF: the return register).
-fn reads_targets_but_return(body: &crate::ast::Block) -> bool {
-    let mut reads = false;
-    crate::walk::block_exprs(body, &mut |e| {
-        crate::walk::expr_all(e, &mut |x| {
-            if let crate::ast::ExprKind::Target(t) = &x.kind {
-                reads |= t.name.trim_end_matches('$') != "$return";
-            }
-        });
-    });
-    reads
 }
 
 #[cfg(test)]

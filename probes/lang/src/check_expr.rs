@@ -373,8 +373,9 @@ impl Checker<'_> {
                     span,
                 )
                 .with_hint(if k.family() == "module.function" {
-                    "a kernel module's target variables need its DWARF debug info, which exotap \
-                     does not read yet (only `$return` of a module's .return probe is known)"
+                    "at a module function's .return probe only `$return` is known (exotap does \
+                     not keep the values of its variables from the entry); read them at the \
+                     entry and keep them in a global indexed by tid()"
                 } else {
                     "target variables exist only at kernel probe points"
                 }),

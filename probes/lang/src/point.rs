@@ -96,8 +96,8 @@ pub enum PointKind {
         module: String,
         /// Function name pattern, with `*` and `?` wildcards.
         pattern: String,
-        /// Which instances (`Entry`, `Call` or `Return`: inlined instances need the
-        /// module's DWARF).
+        /// Which instances (`Entry`, `Call` or `Return`; inlined instances are not
+        /// probed in modules yet).
         site: FunctionSite,
     },
     /// `kernel.statement("func@file:line")`, or `kernel.statement("func+OFFSET")` (an
@@ -197,6 +197,12 @@ impl PointKind {
                 | PointKind::KernelField { .. }
                 | PointKind::Syscall { .. }
                 | PointKind::KernelTrace { .. }
+                // At a module function's entry, from the module's DWARF (its return: only
+                // `$return`, the return register).
+                | PointKind::ModuleFunction {
+                    site: FunctionSite::Entry | FunctionSite::Call,
+                    ..
+                }
         )
     }
 
@@ -451,8 +457,8 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
             text: point.to_string(),
             reason: "in a kernel module exotap probes functions (module(\"m\").function(\"f\") \
                      and its .call and .return); statements, inlined instances and source \
-                     positions in modules need the module's DWARF debug info, which exotap does \
-                     not read yet"
+                     positions in modules need the module's DWARF debug info beyond the \
+                     variables at a function's entry, which is all exotap reads of it yet"
                 .to_string(),
             span: point.span,
         }),
@@ -659,8 +665,8 @@ fn module_function(
     if pattern.contains(['@', ':', '+']) {
         return Err(PointError::OutOfScope {
             text: point.to_string(),
-            reason: "a source position or offset in a module needs the module's DWARF debug \
-                     info, which exotap does not read yet: name the function alone"
+            reason: "a source position or offset in a module needs the module's DWARF line \
+                     table, which exotap does not read yet: name the function alone"
                 .to_string(),
             span: point.span,
         });
@@ -678,7 +684,8 @@ fn module_function(
             return Err(PointError::OutOfScope {
                 text: point.to_string(),
                 reason: "the inlined instances of a module's functions are known from the \
-                         module's DWARF debug info, which exotap does not read yet"
+                         module's DWARF debug info, where exotap does not look for them yet (it \
+                         reads the variables at a function's entry)"
                     .to_string(),
                 span: point.span,
             })
@@ -715,8 +722,9 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
              kernel.function instead",
         ),
         &"nfsd" | &"nfs" | &"sunrpc" => Some(
-            "the NFS tapsets read the target variables of kernel modules' functions, which \
-             need the modules' DWARF debug info, which exotap does not read yet",
+            "exotap has no NFS tapset (nfsd.*, nfs.*, sunrpc.*) yet: probe the nfsd module's \
+             functions with module(\"nfsd\").function(\"...\"), whose target variables come \
+             from its debug file",
         ),
         &"glib" | &"python2" | &"python3" | &"java" | &"tcl" => Some(
             "these tapsets are markers in user-space programs (process.mark), and user-space \

@@ -61,6 +61,7 @@ const WAIT: Duration = Duration::from_millis(20);
 
 mod guest;
 mod install;
+mod module_dwarf;
 mod modules;
 mod plan;
 

@@ -169,6 +169,11 @@ impl GuestModule {
             .map(|s| (s.name.as_str(), s.addr))
     }
 
+    /// All its symbols (name, running address): text, data and read-only data.
+    pub fn symbols(&self) -> impl Iterator<Item = (&str, u64)> + '_ {
+        self.symbols.iter().map(|s| (s.name.as_str(), s.addr))
+    }
+
     /// The symbol `addr` is named by, its offset and size, as the kernel's
     /// `find_kallsyms_symbol` answers for core text: the symbol with the highest address at
     /// or below `addr` (the first of equals), sized up to the next symbol above `addr` or the

@@ -44,7 +44,7 @@ const ALL_LOCALS: &str = "$*"; // `plain` makes it `*`
 
 /// Target variable names a probe reads (without `$`): those read outside `@defined`
 /// (required), and those only inside it.
-fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<String>) {
+pub(crate) fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTreeSet<String>) {
     let mut required = BTreeSet::new();
     let mut optional = BTreeSet::new();
     let Some(p) = prog.script.probes.get(probe) else {
@@ -464,24 +464,7 @@ pub fn point_locals(
                     }
                 }
             }
-            for name in must.into_iter().filter(|n| *n != "*") {
-                match locals.get(name) {
-                    Some(Ok(_)) => {}
-                    Some(Err(why)) => {
-                        errors.push(format!("{}: {why} in {}", point.name, locals.function))
-                    }
-                    None => errors.push(format!(
-                        "{}: no variable ${name} in scope at {link:#x}, in {} (there: {})",
-                        point.name,
-                        locals.function,
-                        if locals.vars.is_empty() {
-                            "none".to_owned()
-                        } else {
-                            locals.names()
-                        }
-                    )),
-                }
-            }
+            errors.extend(unreadable(&point.name, link, &locals, must));
             out.insert((*probe, link), Arc::new(locals));
         }
         // An inlined instance the point did not name, whose variables are not all there:
@@ -501,6 +484,34 @@ pub fn point_locals(
         return Err(UnreadableTargets(errors).into());
     }
     Ok((out, dropped))
+}
+
+/// Why each of `must` (target variable names without `$`; `*` stands for all and is no
+/// error) cannot be read at `point` (address `pc`) from `locals`: not in scope there, or
+/// not readable (optimized out, a location exotap does not read).
+pub(crate) fn unreadable<'n>(
+    point: &str,
+    pc: u64,
+    locals: &crate::compile::locals::Locals,
+    must: impl IntoIterator<Item = &'n String>,
+) -> Vec<String> {
+    let mut errors = Vec::new();
+    for name in must.into_iter().filter(|n| *n != "*") {
+        match locals.get(name) {
+            Some(Ok(_)) => {}
+            Some(Err(why)) => errors.push(format!("{point}: {why} in {}", locals.function)),
+            None => errors.push(format!(
+                "{point}: no variable ${name} in scope at {pc:#x}, in {} (there: {})",
+                locals.function,
+                if locals.vars.is_empty() {
+                    "none".to_owned()
+                } else {
+                    locals.names()
+                }
+            )),
+        }
+    }
+    errors
 }
 
 /// The `@var(...)` specifications the probes of `prog` read: those outside `@defined`

@@ -22,6 +22,8 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use exotap_introspect::orc::{OrcLayout, OrcTable};
@@ -35,15 +37,19 @@ use crate::live::modules::{read_modules, GuestModule, ModuleLayout};
 use crate::live::session::GuestSession;
 use crate::live::splicer::{ModuleTables, Splicer};
 
+use super::module_dwarf::{cached_debug_files, ModuleDwarf};
 use super::plan::ModulePoint;
 use super::Plan;
 
 /// Whether a module symbol named `name` is a function a pattern may name: not the padding
 /// before a function (`__pfx_`, `__cfi_`), and, for a wildcard, not a compiler-split part
 /// (`f.cold`, `f.part.0`), as SystemTap leaves them out.
-fn is_function(name: &str, wildcard: bool) -> bool {
+pub(super) fn is_function(name: &str, wildcard: bool) -> bool {
     !(name.starts_with("__pfx_") || name.starts_with("__cfi_") || wildcard && name.contains('.'))
 }
+
+/// Site points placed in a module, at their link-time addresses (running less the slide).
+type Placed = Vec<(u64, SitePoint)>;
 
 /// What the host needs to find a script's module points in the guest's module list.
 pub(super) struct ModuleWatch {
@@ -64,6 +70,11 @@ pub(super) struct ModuleWatch {
     slide: u64,
     /// The text of each module with sites in, by its `struct module`'s address.
     probed: HashMap<u64, (String, Range<u64>)>,
+    /// The cached debug files of modules, by module name.
+    debug_files: Vec<(String, PathBuf)>,
+    /// The DWARF of each probed module whose points read target variables, placed where it
+    /// runs, by its `struct module`'s address.
+    dwarf: HashMap<u64, Arc<ModuleDwarf>>,
     /// Loads and unloads handled, and sites put in and taken out at them.
     pub(super) loads: u64,
     pub(super) unloads: u64,
@@ -104,8 +115,33 @@ impl ModuleWatch {
             .context("cannot read the guest's module list")
     }
 
+    /// The module's DWARF placed where it runs (read once per load).
+    fn dwarf(&mut self, module: &GuestModule) -> Result<Arc<ModuleDwarf>, String> {
+        if let Some(d) = self.dwarf.get(&module.address) {
+            return Ok(Arc::clone(d));
+        }
+        let path = self
+            .debug_files
+            .iter()
+            .find(|(n, _)| *n == module.name)
+            .map(|(_, p)| p)
+            .ok_or_else(|| {
+                format!(
+                    "the cache holds no debug file of module {}, where its target variables \
+                     are described",
+                    module.name
+                )
+            })?;
+        let dwarf = ModuleDwarf::live(path, module, self.slide)
+            .map(Arc::new)
+            .map_err(|e| format!("{e:#}"))?;
+        self.dwarf.insert(module.address, Arc::clone(&dwarf));
+        Ok(dwarf)
+    }
+
     /// The points of the script (all, or the `only`th) in `module`, each function found as a
-    /// site point at its running address less the slide; reads the module's text for the
+    /// site point at its running address less the slide, and why each function whose
+    /// target variables cannot be read there is left out; reads the module's text for the
     /// splicer first.
     fn place(
         &mut self,
@@ -114,9 +150,11 @@ impl ModuleWatch {
         splicer: &mut Splicer,
         module: &GuestModule,
         only: Option<usize>,
-    ) -> anyhow::Result<Vec<(u64, SitePoint)>> {
+    ) -> anyhow::Result<(Placed, Vec<String>)> {
         let mut found = Vec::new();
-        for (i, wanted) in self.points.iter().enumerate() {
+        let mut problems = Vec::new();
+        let points = self.points.clone();
+        for (i, wanted) in points.iter().enumerate() {
             if !wildcard_match(&wanted.module, &module.name) || only.is_some_and(|o| o != i) {
                 continue;
             }
@@ -131,15 +169,32 @@ impl ModuleWatch {
                 {
                     continue;
                 }
+                let link = addr.wrapping_sub(self.slide);
+                let point = format!(
+                    "module(\"{}\").function(\"{name}\"){}",
+                    module.name,
+                    wanted.site.suffix()
+                );
+                let locals = match &wanted.vars {
+                    None => None,
+                    Some(vars) => match self
+                        .dwarf(module)
+                        .map_err(|why| vec![format!("{point}: {why}")])
+                        .and_then(|dwarf| vars.at(&dwarf, &point, link))
+                    {
+                        Ok(locals) => Some(locals),
+                        Err(mut why) => {
+                            problems.append(&mut why);
+                            continue;
+                        }
+                    },
+                };
                 found.push((
-                    addr.wrapping_sub(self.slide),
+                    link,
                     SitePoint {
-                        name: format!(
-                            "module(\"{}\").function(\"{name}\"){}",
-                            module.name,
-                            wanted.site.suffix()
-                        ),
+                        name: point,
                         function: name.to_owned(),
+                        locals,
                         ..wanted.template.clone()
                     },
                 ));
@@ -155,7 +210,7 @@ impl ModuleWatch {
             self.probed
                 .insert(module.address, (module.name.clone(), module.text.clone()));
         }
-        Ok(found)
+        Ok((found, problems))
     }
 
     /// At a watch breakpoint (the guest stopped): a module loading has its points placed
@@ -189,8 +244,11 @@ impl ModuleWatch {
             self.loads += 1;
             let loaded = self.read(&mut *machine, &survey)?;
             if let Some(m) = loaded.iter().find(|m| m.address == module) {
-                let placed: Vec<(u64, SitePoint)> = self
-                    .place(&mut *machine, &survey, splicer, m, None)?
+                let (placed, problems) = self.place(&mut *machine, &survey, splicer, m, None)?;
+                for why in problems {
+                    tracing::warn!("module {} loaded; left out: {why}", m.name);
+                }
+                let placed: Vec<(u64, SitePoint)> = placed
                     .into_iter()
                     .map(|(link, p)| (link.wrapping_add(self.slide), p))
                     .collect();
@@ -202,6 +260,7 @@ impl ModuleWatch {
                 event = ModuleEvent::Loaded(placed);
             }
         } else if unload {
+            self.dwarf.remove(&module);
             if let Some((name, text)) = self.probed.remove(&module) {
                 self.unloads += 1;
                 let out = splicer.remove_range(&mut *machine, text.clone())?;
@@ -287,6 +346,8 @@ pub(super) fn place_module_points(
         tables: ModuleTables::from_btf(btf),
         slide,
         probed: HashMap::new(),
+        debug_files: cached_debug_files(image),
+        dwarf: HashMap::new(),
         loads: 0,
         unloads: 0,
         sites_in: 0,
@@ -301,10 +362,18 @@ pub(super) fn place_module_points(
             .filter(|m| wildcard_match(&wanted.module, &m.name))
             .collect();
         let mut found = 0usize;
+        let mut problems = Vec::new();
         for module in &matching {
-            let placed = watch.place(&mut *machine, &survey, splicer, module, Some(i))?;
+            let (placed, mut why) =
+                watch.place(&mut *machine, &survey, splicer, module, Some(i))?;
             found += placed.len();
             plan.points.extend(placed);
+            problems.append(&mut why);
+        }
+        if !problems.is_empty() {
+            problems.sort();
+            problems.dedup();
+            return Err(crate::live::target_vars::UnreadableTargets(problems).into());
         }
         if found == 0 && !matching.is_empty() && !wanted.optional {
             anyhow::bail!(

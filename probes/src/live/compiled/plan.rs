@@ -72,6 +72,9 @@ pub struct ModulePoint {
     pub optional: bool,
     /// The site point each function found gets (its name and function set then).
     pub template: SitePoint,
+    /// The target variables its probe reads from the module's DWARF (`None`: none but
+    /// `$return`), found at each function when the module is placed.
+    pub vars: Option<super::module_dwarf::ModuleVars>,
 }
 
 /// The facts the generated code needs, from the image's symbols and BTF.
@@ -151,8 +154,10 @@ pub fn plan(
     let mut statements = BTreeSet::new();
     let mut modules = Vec::new();
     for (probe, point) in resolved {
-        if let Some(m) = module_point(prog, probe, &point.name) {
-            modules.push(m);
+        if let Some(mut m) = module_point(prog, probe, &point.name) {
+            if super::module_dwarf::plan_vars(image, prog, &mut m)? {
+                modules.push(m);
+            }
             continue;
         }
         let profile = point.name.starts_with(compile::PROFILE_POINT);
@@ -301,6 +306,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
             locals: None,
             guard: None,
         },
+        vars: None,
     })
 }
 

@@ -1,0 +1,298 @@
+//! Target variables in kernel modules: each module's DWARF, from its debug file in the `-dbg`
+//! package (kept beside the -dbg vmlinux, `kernels/ABI/debug/modules/NAME.ko`, for the
+//! modules `exotap image fetch --debuginfo` keeps).
+//!
+//! A module's debug file is a relocatable object: its DWARF means nothing until its sections
+//! have addresses ([`exotap_introspect::dwarf::relocatable`]). Two placements serve:
+//! - **made up**, when the script is planned (no guest yet, the module perhaps not loaded):
+//!   names, scopes and types are right, addresses are not; the probe's variables are checked
+//!   at every matching function, and a template's code compiled, as for a kernel function;
+//! - **live**, when a module with points is found in the guest (at attach or when it loads):
+//!   each allocated section is where the running module's own symbols say (a symbol's
+//!   running address less its offset in its section), so that every DWARF location, global
+//!   addresses included, is the running one (less the KASLR slide, as the kernel's are
+//!   kept). A debug file of another build of the module does not agree with the running
+//!   symbols, and is refused.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context as _};
+use exotap_introspect::dwarf::relocatable::section_symbols;
+use exotap_introspect::dwarf::DebugFile;
+use exotap_introspect::symbols::wildcard_match;
+
+use crate::compile::locals::{locals_at, Locals};
+use crate::live::kernel_image::KernelImage;
+use crate::live::modules::GuestModule;
+
+/// The debug files of modules beside the image's cached -dbg vmlinux.
+fn debug_dir(image: &KernelImage) -> Option<PathBuf> {
+    Some(image.path.parent()?.join("debug").join("modules"))
+}
+
+/// The module names whose debug files are cached (`kvm_amd` for `kvm-amd.ko`, as the kernel
+/// names modules), with their files.
+pub(crate) fn cached_debug_files(image: &KernelImage) -> Vec<(String, PathBuf)> {
+    let Some(dir) = debug_dir(image) else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(String, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e
+                .file_name()
+                .to_str()?
+                .strip_suffix(".ko")?
+                .replace('-', "_");
+            Some((name, e.path()))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// A module's DWARF at one placement of its sections.
+pub(crate) struct ModuleDwarf {
+    file: DebugFile,
+    /// Its functions (text symbols of the debug file) and their addresses there.
+    functions: Vec<(String, u64)>,
+}
+
+impl std::fmt::Debug for ModuleDwarf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModuleDwarf")
+            .field("file", &self.file.path())
+            .field("functions", &self.functions.len())
+            .finish()
+    }
+}
+
+impl ModuleDwarf {
+    fn open(path: &Path, address: &dyn Fn(&str) -> Option<u64>) -> anyhow::Result<ModuleDwarf> {
+        let (file, _) = DebugFile::relocated(path, address)
+            .with_context(|| format!("cannot read the module debug file {}", path.display()))?;
+        let functions = {
+            let info = file.load()?;
+            info.symbols()
+                .iter()
+                .map(|s| (s.name.to_owned(), s.addr))
+                .collect()
+        };
+        Ok(ModuleDwarf { file, functions })
+    }
+
+    /// `path` with its sections at made-up addresses (see the module doc).
+    ///
+    /// # Errors
+    /// When the file cannot be read or placed.
+    pub(crate) fn made_up(path: &Path) -> anyhow::Result<ModuleDwarf> {
+        Self::open(path, &|_| None)
+    }
+
+    /// `path` placed where `module` runs, less `slide`: each allocated section at the
+    /// address most of its symbols agree on.
+    ///
+    /// # Errors
+    /// When the file cannot be read or placed, or its symbols do not agree with the running
+    /// module's (another build of it).
+    pub(crate) fn live(path: &Path, module: &GuestModule, slide: u64) -> anyhow::Result<Self> {
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("cannot read the module debug file {}", path.display()))?;
+        let symbols = section_symbols(&bytes)
+            .with_context(|| format!("cannot read the symbols of {}", path.display()))?;
+        let running: HashMap<&str, u64> = module.symbols().collect();
+        // Per section, how many symbols vote for each base.
+        let mut votes: HashMap<&str, HashMap<u64, usize>> = HashMap::new();
+        for s in &symbols {
+            if let Some(&at) = running.get(s.name.as_str()) {
+                let base = at.wrapping_sub(slide).wrapping_sub(s.offset);
+                *votes
+                    .entry(s.section.as_str())
+                    .or_default()
+                    .entry(base)
+                    .or_default() += 1;
+            }
+        }
+        let mut bases: HashMap<String, u64> = HashMap::new();
+        for (section, counts) in votes {
+            let total: usize = counts.values().sum();
+            let (base, n) = counts
+                .into_iter()
+                .max_by_key(|(b, n)| (*n, std::cmp::Reverse(*b)))
+                .unwrap_or_default();
+            // Names shared by two static functions may disagree; most must not.
+            if section == ".text" && n * 10 < total * 9 {
+                bail!(
+                    "the debug file {} is not of the module {} the guest runs: only {n} of \
+                     {total} of its .text symbols agree on where .text is",
+                    path.display(),
+                    module.name
+                );
+            }
+            bases.insert(section.to_owned(), base);
+        }
+        if !bases.contains_key(".text") {
+            bail!(
+                "the debug file {} shares no .text symbol with the module {} the guest runs",
+                path.display(),
+                module.name
+            );
+        }
+        Self::open(path, &|name| bases.get(name).copied())
+    }
+
+    /// The functions whose names match `pattern`, with their addresses, in address order.
+    pub(crate) fn functions(&self, pattern: &str) -> Vec<(&str, u64)> {
+        let mut found: Vec<(&str, u64)> = self
+            .functions
+            .iter()
+            .filter(|(n, _)| wildcard_match(pattern, n))
+            .map(|(n, a)| (n.as_str(), *a))
+            .collect();
+        found.sort_by_key(|(_, a)| *a);
+        found.dedup_by_key(|(_, a)| *a);
+        found
+    }
+
+    /// The target variables in scope at `pc`, as [`locals_at`] gives a kernel's.
+    ///
+    /// # Errors
+    /// When the DWARF cannot be read there.
+    pub(crate) fn locals(&self, pc: u64) -> Result<Locals, String> {
+        let info = self
+            .file
+            .load()
+            .map_err(|e| format!("cannot read {}: {e}", self.file.path().display()))?;
+        locals_at(&info, pc)
+    }
+}
+
+/// The target variables a module point's probe reads (it reads some besides `$return`):
+/// what must be there at each function it names (read outside `@defined`; what is read only
+/// inside `@defined` is simply read where DWARF has it).
+#[derive(Debug, Clone, Default)]
+pub struct ModuleVars {
+    /// Read outside `@defined`.
+    pub required: BTreeSet<String>,
+}
+
+impl ModuleVars {
+    /// The variables of `function` at `pc` in `dwarf`: `Err` naming each required one that is
+    /// not there or cannot be read, as a kernel function's are named.
+    pub(crate) fn at(
+        &self,
+        dwarf: &ModuleDwarf,
+        point: &str,
+        pc: u64,
+    ) -> Result<Arc<Locals>, Vec<String>> {
+        let locals = dwarf
+            .locals(pc)
+            .map_err(|why| vec![format!("{point}: {why}")])?;
+        let errors = crate::live::target_vars::unreadable(point, pc, &locals, &self.required);
+        if errors.is_empty() {
+            Ok(Arc::new(locals))
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// At planning: the target variables `m`'s probe reads, checked at every function of the
+/// cached debug files of the modules `m` names (made-up placement), and the first
+/// function's kept as the template's (whose code [`crate::compile::check`] compiles).
+/// `Ok(false)`: an optional point left out, with a warning, for want of a debug file.
+///
+/// # Errors
+/// A variable that is not at some function, or no debug file for a point that reads
+/// variables.
+pub(super) fn plan_vars(
+    image: &KernelImage,
+    prog: &crate::lang::check::Program,
+    m: &mut super::plan::ModulePoint,
+) -> anyhow::Result<bool> {
+    let (mut required, mut optional) = crate::live::target_vars::names_read(prog, m.template.probe);
+    required.remove("return");
+    optional.remove("return");
+    // At a return only `$return` is read (the compiled code refuses others there).
+    if m.template.is_return || required.is_empty() && optional.is_empty() {
+        return Ok(true);
+    }
+    let files: Vec<(String, PathBuf)> = cached_debug_files(image)
+        .into_iter()
+        .filter(|(name, _)| wildcard_match(&m.module, name))
+        .collect();
+    if files.is_empty() {
+        if required.is_empty() {
+            return Ok(true);
+        }
+        let kept: Vec<String> = cached_debug_files(image)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let why = format!(
+            "{}: the probe reads ${}, and a module's target variables come from its debug file \
+             in the -dbg package, which the cache does not hold for a module matching '{}' ({})",
+            m.template.name,
+            required.iter().next().map_or("", String::as_str),
+            m.module,
+            if kept.is_empty() {
+                "exotap image fetch --debuginfo keeps the modules' with the vmlinux".to_owned()
+            } else {
+                format!("kept: {}", kept.join(", "))
+            }
+        );
+        if m.optional {
+            tracing::warn!("{why}; optional probe point skipped");
+            return Ok(false);
+        }
+        bail!(why);
+    }
+    let vars = ModuleVars { required };
+    let wildcard = m.pattern.contains(['*', '?', '[']);
+    let mut errors = Vec::new();
+    let mut template = None;
+    for (name, path) in &files {
+        let dwarf = ModuleDwarf::made_up(path)?;
+        for (function, pc) in dwarf.functions(&m.pattern) {
+            if !super::modules::is_function(function, wildcard) {
+                continue;
+            }
+            let point = format!("module(\"{name}\").function(\"{function}\")");
+            match vars.at(&dwarf, &point, pc) {
+                Ok(locals) => {
+                    template.get_or_insert(locals);
+                }
+                Err(mut why) => errors.append(&mut why),
+            }
+        }
+    }
+    if !errors.is_empty() {
+        errors.sort();
+        errors.dedup();
+        return Err(crate::live::target_vars::UnreadableTargets(errors).into());
+    }
+    let Some(template) = template else {
+        if m.optional || vars.required.is_empty() {
+            m.vars = Some(vars);
+            return Ok(true);
+        }
+        bail!(
+            "no match for probe point '{}': no function of the debug file of {} matches '{}'",
+            m.template.name,
+            files
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            m.pattern
+        );
+    };
+    m.template.locals = Some(template);
+    m.vars = Some(vars);
+    Ok(true)
+}
