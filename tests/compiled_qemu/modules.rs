@@ -200,7 +200,12 @@ fn vars_job() -> String {
 /// (hex major and minor), as the kernel keeps it in an inode (`MKDEV`: the major above 20
 /// bits of minor).
 fn device_number(transcript: &str, tag: &str) -> Option<u64> {
-    let (major, minor) = result(transcript, tag)?.split_once(' ')?;
+    parse_device_number(result(transcript, tag)?)
+}
+
+/// `MAJOR MINOR` in hex (`stat -c '%t %T'`) as the kernel's `dev_t` ([`device_number`]).
+fn parse_device_number(text: &str) -> Option<u64> {
+    let (major, minor) = text.split_once(' ')?;
     let (major, minor) = (
         u64::from_str_radix(major, 16).ok()?,
         u64::from_str_radix(minor, 16).ok()?,
@@ -282,6 +287,7 @@ fn load_job() -> String {
            echo 1 > $T/events/exotap/enable\n\
            insmod /modules/evdev.ko\n\
            exotap_result round$round.event0 \"$(stat -c '%t %T' /dev/input/event0)\"\n\
+           exotap_result round$round.events \"$(for e in /dev/input/event*; do stat -c '%t %T' $e; done | tr '\\n' ,)\"\n\
            i=0\n\
            while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
            rmmod evdev\n\
@@ -305,12 +311,15 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
     let initrd = initramfs(dir.path(), &load_job());
     let console = dir.path().join("console.log");
     // `$inode` from evdev's debug file, placed where each load put the module.
-    let script = r#"global c, rdev
+    // `$evdev` is a `struct evdev`, a type of evdev's own: laid out from its split BTF.
+    let script = r#"global c, rdev, devt
         probe module("evdev").function("evdev_*") { c[probefunc()]++ }
         probe module("evdev").function("evdev_open") { rdev[$inode->i_rdev]++ }
+        probe module("evdev").function("evdev_cleanup") { devt[$evdev->dev->devt]++ }
         probe end {
             foreach (f in c+) printf("c %s %d\n", f, c[f])
             foreach (d in rdev) printf("rdev %d %d\n", d, rdev[d])
+            foreach (d in devt) printf("devt %d %d\n", d, devt[d])
         }"#;
     let (code, out, err) = run(exotap()
         .args(["boot", "--timeout", "300", "--compile", "require"])
@@ -364,6 +373,19 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
             m
         });
     assert_eq!(printed(&out, "rdev "), devices, "{ctx}");
+    // Each unload cleans up every event device evdev made, each with its device number.
+    let mut cleaned: BTreeMap<String, u64> = BTreeMap::new();
+    for round in 1..=2 {
+        let list = result(&transcript, &format!("round{round}.events"))
+            .unwrap_or_else(|| panic!("no event devices in round {round}: {ctx}"));
+        for pair in list.split(',').filter(|p| !p.is_empty()) {
+            let d = parse_device_number(pair)
+                .unwrap_or_else(|| panic!("bad device number {pair:?}: {ctx}"));
+            *cleaned.entry(d.to_string()).or_insert(0) += 1;
+        }
+    }
+    assert!(!cleaned.is_empty(), "{ctx}");
+    assert_eq!(printed(&out, "devt "), cleaned, "{ctx}");
     // Each load and unload stopped the guest once; no hit did.
     assert_eq!(
         host_result(&err, "modules.loads_unloads"),

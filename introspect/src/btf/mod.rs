@@ -278,6 +278,31 @@ impl Btf {
     /// [`BtfError`] when the header, a section or a type record is malformed or refers to a
     /// string or type that does not exist.
     pub fn parse(blob: &[u8]) -> Result<Btf, BtfError> {
+        Self::parse_on(blob, None)
+    }
+
+    /// Parses a split BTF blob (a kernel module's `.BTF`, whose type ids and string offsets
+    /// continue those of `base`, the vmlinux's) into one BTF holding `base`'s types and the
+    /// module's: a module's own types (`struct evdev`) and the kernel's they refer to.
+    ///
+    /// # Errors
+    /// As [`Btf::parse`]; a reference past the combined types or strings is one.
+    pub fn parse_split(blob: &[u8], base: &Btf) -> Result<Btf, BtfError> {
+        Self::parse_on(blob, Some(base))
+    }
+
+    /// [`Btf::parse_split`] of the `.BTF` section of an ELF file (a module's `.ko`).
+    ///
+    /// # Errors
+    /// As [`Btf::from_elf`] and [`Btf::parse_split`].
+    pub fn from_elf_split(elf: &[u8], base: &Btf) -> Result<Btf, BtfError> {
+        let file = object::File::parse(elf).map_err(BtfError::Elf)?;
+        let section = file.section_by_name(".BTF").ok_or(BtfError::NoBtfSection)?;
+        let data = section.data().map_err(BtfError::Elf)?;
+        Btf::parse_split(data, base)
+    }
+
+    fn parse_on(blob: &[u8], base: Option<&Btf>) -> Result<Btf, BtfError> {
         let magic_le = blob.get(..2).map(|m| u16::from_le_bytes([m[0], m[1]]));
         let big_endian = match magic_le {
             Some(MAGIC) => false,
@@ -307,11 +332,20 @@ impl Btf {
                 .ok_or(truncated(what, end, blob.len()))
         };
         let type_section = section(8, "the type section")?;
-        let strings = section(16, "the string section")?.to_vec();
-        let types = types::parse_all(Reader {
+        let own = section(16, "the string section")?;
+        let reader = Reader {
             bytes: type_section,
             big_endian,
-        })?;
+        };
+        let (types, strings) = match base {
+            None => (types::parse_all(reader)?, own.to_vec()),
+            Some(base) => {
+                let mut strings = Vec::with_capacity(base.strings.len() + own.len());
+                strings.extend_from_slice(&base.strings);
+                strings.extend_from_slice(own);
+                (types::parse_after(reader, base.types.clone())?, strings)
+            }
+        };
         let btf = Btf { types, strings };
         btf.validate()?;
         Ok(btf)

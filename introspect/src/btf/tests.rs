@@ -382,3 +382,35 @@ fn debian_kernel_btf_gives_task_struct_offsets() {
     assert!(pid.byte_offset().is_some_and(|o| o > 0 && o < 4096));
     assert!(btf.func_signature("vfs_read").unwrap().params.len() == 4);
 }
+
+#[test]
+fn split_btf_continues_its_bases_ids_and_strings() {
+    let base = task_btf();
+    let shift = u32::try_from(base.strings.len()).unwrap();
+    // A module's BTF: its own strings (offsets past the base's) and types (ids past the
+    // base's), `struct wrapper { struct task *t; pid_t n; }` over the base's `task`.
+    let mut b = Builder {
+        strings: Vec::new(),
+        ..Builder::default()
+    };
+    let (wrapper, t, n) = (b.s("wrapper") + shift, b.s("t") + shift, b.s("n") + shift);
+    let ptr = u32::try_from(base.len()).unwrap();
+    b.words.extend_from_slice(&[0, 2 << 24, 9]); // PTR -> task (base id 9)
+    b.words
+        .extend_from_slice(&[wrapper, 4 << 24 | 2, 16, t, ptr, 0, n, 3, 64]);
+    let split = Btf::parse_split(&b.blob(), &base).unwrap();
+    assert_eq!(split.len(), base.len() + 2);
+    let member_t = split.struct_member("wrapper", "t").unwrap();
+    assert_eq!(split.get(member_t.ty).map(|t| &t.kind), Some(&Kind::Ptr(9)));
+    assert_eq!(split.name(9), "task");
+    let member_n = split.struct_member("wrapper", "n").unwrap();
+    assert_eq!((member_n.byte_offset(), member_n.ty), (Some(8), 3));
+    // The base's own types are all there, and the base alone has no `wrapper`.
+    assert_eq!(
+        split.struct_member("task", "pid").unwrap().byte_offset(),
+        Some(0)
+    );
+    assert!(base.struct_member("wrapper", "n").is_err());
+    // Parsed alone, its references to the base's types and strings do not resolve.
+    assert!(Btf::parse(&b.blob()).is_err());
+}

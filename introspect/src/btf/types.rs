@@ -63,10 +63,17 @@ impl Cursor<'_> {
 
 /// Decodes every type of the section; index 0 of the result is `void`.
 pub(super) fn parse_all(r: Reader<'_>) -> Result<Vec<Type>, BtfError> {
-    let mut types = vec![Type {
-        name: 0,
-        kind: Kind::Void,
-    }];
+    parse_after(
+        r,
+        vec![Type {
+            name: 0,
+            kind: Kind::Void,
+        }],
+    )
+}
+
+/// The types of `r` appended to `types` (a split BTF's ids continue its base's).
+pub(super) fn parse_after(r: Reader<'_>, mut types: Vec<Type>) -> Result<Vec<Type>, BtfError> {
     let mut c = Cursor { r, pos: 0 };
     while !c.at_end() {
         let id = TypeId::try_from(types.len()).unwrap_or(TypeId::MAX);

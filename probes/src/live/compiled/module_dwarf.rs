@@ -296,3 +296,44 @@ pub(super) fn plan_vars(
     m.vars = Some(vars);
     Ok(true)
 }
+
+/// The kernel's BTF with the own types of the module the script's module points name (its
+/// split BTF, from its debug file): what member chains through a module's types are laid
+/// out from. `None` when no point names a module with a cached debug file; where points
+/// name several, the first one's (a split BTF's ids continue the kernel's, so two modules'
+/// cannot be joined without renumbering one), with a warning.
+pub(super) fn module_types(
+    image: &KernelImage,
+    btf: &exotap_introspect::btf::Btf,
+    points: &[super::plan::ModulePoint],
+) -> Option<exotap_introspect::btf::Btf> {
+    let files = cached_debug_files(image);
+    let mut named: Vec<&(String, PathBuf)> = files
+        .iter()
+        .filter(|(name, _)| points.iter().any(|p| wildcard_match(&p.module, name)))
+        .collect();
+    named.dedup_by_key(|(name, _)| name.clone());
+    let (name, path) = named.first()?;
+    if named.len() > 1 {
+        tracing::warn!(
+            "the script's points name modules {}: member chains see the types of {name} only",
+            named
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let bytes = std::fs::read(path)
+        .map_err(|e| tracing::warn!("cannot read {}: {e}", path.display()))
+        .ok()?;
+    exotap_introspect::btf::Btf::from_elf_split(&bytes, btf)
+        .map_err(|e| {
+            tracing::warn!(
+                "the BTF of module {name} ({}) cannot be read ({e}): its own types are not \
+                 known to member chains",
+                path.display()
+            )
+        })
+        .ok()
+}

@@ -139,7 +139,7 @@ pub fn plan(
     limits: &Limits,
 ) -> anyhow::Result<Result<Plan, Vec<Unsupported>>> {
     let btf = image.btf()?;
-    let facts = facts(image, prog, btf)?;
+    let mut facts = facts(image, prog, btf)?;
     let lines = crate::live::target_vars::source_lines(image);
     let resolver = KernelSymbols::new(&image.symbols, Some(btf)).with_lines(lines.as_ref());
     let resolved = resolve_program(prog, &resolver)?;
@@ -228,6 +228,10 @@ pub fn plan(
                 guard: None,
             },
         ));
+    }
+    // A module's own types (`struct evdev`) come with the kernel's from its split BTF.
+    if let Some(types) = super::module_dwarf::module_types(image, btf, &modules) {
+        facts.types = Some(std::sync::Arc::new(compile::types::BtfTypes(types)));
     }
     let only: Vec<SitePoint> = points
         .iter()
