@@ -311,15 +311,21 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
     let initrd = initramfs(dir.path(), &load_job());
     let console = dir.path().join("console.log");
     // `$inode` from evdev's debug file, placed where each load put the module.
-    // `$evdev` is a `struct evdev`, a type of evdev's own: laid out from its split BTF.
-    let script = r#"global c, rdev, devt
+    // `$evdev` is a `struct evdev`, a type of evdev's own: laid out from its split BTF, also
+    // through a local copied from it.
+    let script = r#"global c, rdev, devt, auto
         probe module("evdev").function("evdev_*") { c[probefunc()]++ }
         probe module("evdev").function("evdev_open") { rdev[$inode->i_rdev]++ }
-        probe module("evdev").function("evdev_cleanup") { devt[$evdev->dev->devt]++ }
+        probe module("evdev").function("evdev_cleanup") {
+            devt[$evdev->dev->devt]++
+            e = $evdev
+            auto[e->dev->devt]++
+        }
         probe end {
             foreach (f in c+) printf("c %s %d\n", f, c[f])
             foreach (d in rdev) printf("rdev %d %d\n", d, rdev[d])
             foreach (d in devt) printf("devt %d %d\n", d, devt[d])
+            foreach (d in auto) printf("auto %d %d\n", d, auto[d])
         }"#;
     let (code, out, err) = run(exotap()
         .args(["boot", "--timeout", "300", "--compile", "require"])
@@ -386,6 +392,8 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
     }
     assert!(!cleaned.is_empty(), "{ctx}");
     assert_eq!(printed(&out, "devt "), cleaned, "{ctx}");
+    // The same through a local copied from `$evdev` (autocast).
+    assert_eq!(printed(&out, "auto "), cleaned, "{ctx}");
     // Each load and unload stopped the guest once; no hit did.
     assert_eq!(
         host_result(&err, "modules.loads_unloads"),

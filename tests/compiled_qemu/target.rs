@@ -101,3 +101,37 @@ fn pretty_printed_targets_and_member_addresses_show_what_the_workload_read() {
     assert_eq!(line("RET "), "return=0x12", "{ctx}");
     assert_no_oops(&con);
 }
+
+/// SystemTap's autocast: a local copied from `$file` keeps `struct file *` for `->` (and `&`
+/// of a member), compiled. The workload reads its 18-byte file 100 times (`pread`).
+#[test]
+fn a_local_copied_from_a_target_variable_keeps_its_type() {
+    if !have_qemu("a_local_copied_from_a_target_variable_keeps_its_type") {
+        return;
+    }
+    let script = r#"global sizes, differ
+        probe kernel.function("vfs_read") {
+            if (execname() != "syscall-loop") next
+            f = $file
+            sizes[f->f_inode->i_size]++
+            if (&f->f_pos != &$file->f_pos || f->f_path->dentry != $file->f_path->dentry) differ++
+        }
+        probe end {
+            foreach (s in sizes) printf("size %d %d\n", s, sizes[s])
+            printf("differ %d\n", differ)
+        }"#;
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "300", "--compile", "require"])
+        .args(["--run", "syscall-loop 100 pread"])
+        .args(["--script-text", script]));
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(code, 0, "{ctx}");
+    let sizes: Vec<&str> = out.lines().filter(|l| l.starts_with("size ")).collect();
+    assert_eq!(sizes, ["size 18 100"], "{ctx}");
+    assert!(out.contains("differ 0\n"), "{ctx}");
+    assert_eq!(
+        host_result(&err, "pauses.between_install_and_removal"),
+        Some("0"),
+        "{ctx}"
+    );
+}

@@ -607,6 +607,11 @@ pub struct CastExpr {
     pub members: Vec<String>,
     /// The computed member indexes, in the order of the `[?]` in `members`.
     pub indexes: Vec<Expr>,
+    /// SystemTap's autocast, `p->m` on a local `p`: the type is that of the target variable
+    /// named here (with its `$`) at each point, the one the probe copied `p` from (`p =
+    /// $fhp`). The parser leaves it empty and [`crate::check`] names the variable; `None`
+    /// for an `@cast`.
+    pub like: Option<String>,
 }
 
 impl CastExpr {

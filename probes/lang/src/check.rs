@@ -169,6 +169,70 @@ fn procfs_value_as_local(script: &mut Script) {
     }
 }
 
+/// SystemTap's autocast: in each probe (an alias's prologue and the probe's body are one),
+/// a local copied from a target variable (`fh = $fhp`) keeps that variable's type at each
+/// point, and one copied from an `@cast` its type, for `fh->member` ([`CastExpr::like`]).
+/// The first copy in the probe names it; a local copied from nothing of the kind is left
+/// unresolved, for the checker to report.
+fn resolve_autocasts(script: &mut Script) {
+    use super::ast::CastExpr;
+    enum Source {
+        Target(String),
+        Cast(String, Option<String>),
+    }
+    for probe in &mut script.probes {
+        let mut sources: HashMap<String, Source> = HashMap::new();
+        crate::walk::block_exprs(&probe.body, &mut |e| {
+            let ExprKind::Assign(None, pair) = &e.kind else {
+                return;
+            };
+            let ExprKind::Var(local) = &pair.0.kind else {
+                return;
+            };
+            let source = match &pair.1.kind {
+                ExprKind::Target(t) if t.members.is_empty() && t.name.starts_with('$') => {
+                    Source::Target(t.name.clone())
+                }
+                ExprKind::Cast(c)
+                    if c.like.is_none() && c.members.is_empty() && c.indexes.is_empty() =>
+                {
+                    Source::Cast(c.type_name.clone(), c.module.clone())
+                }
+                _ => return,
+            };
+            sources.entry(local.clone()).or_insert(source);
+        });
+        if sources.is_empty() {
+            continue;
+        }
+        crate::walk::block_exprs_mut(&mut probe.body, &mut |e| {
+            let ExprKind::Cast(c) = &mut e.kind else {
+                return;
+            };
+            let CastExpr {
+                pointer,
+                like: Some(like),
+                ..
+            } = c.as_mut()
+            else {
+                return;
+            };
+            let ExprKind::Var(local) = &pointer.kind else {
+                return;
+            };
+            match sources.get(local) {
+                Some(Source::Target(name)) if like.is_empty() => *like = name.clone(),
+                Some(Source::Cast(ty, module)) if like.is_empty() => {
+                    c.type_name = ty.clone();
+                    c.module = module.clone();
+                    c.like = None;
+                }
+                _ => {}
+            }
+        });
+    }
+}
+
 /// As [`check`], in guru mode when `guru` (stap's `-g`): writes to target variables
 /// (`$param = v` at kernel function entries, `$return = v` in return probes) and
 /// `set_return(v)` are allowed; without it they are errors.
@@ -177,6 +241,7 @@ fn procfs_value_as_local(script: &mut Script) {
 /// As [`check`].
 pub fn check_guru(mut script: Script, guru: bool) -> Result<Program, Vec<Diagnostic>> {
     procfs_value_as_local(&mut script);
+    resolve_autocasts(&mut script);
     let mut c = Checker::new(&script);
     // `-g` reaches the checker either way: as the caller's flag or parsed into the script.
     c.guru = guru || script.guru;

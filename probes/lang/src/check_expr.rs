@@ -96,7 +96,37 @@ impl Checker<'_> {
                 for index in &c.indexes {
                     self.expect(index, Ty::Long);
                 }
-                if c.type_name.trim().is_empty() {
+                if let Some(like) = &c.like {
+                    if like.is_empty() {
+                        let local = match &c.pointer.kind {
+                            ExprKind::Var(v) => v.as_str(),
+                            _ => "?",
+                        };
+                        self.emit(
+                            Diagnostic::error(
+                                format!(
+                                    "{local}->member: the local variable '{local}' is not copied \
+                                     from a target variable or an @cast in this probe, so it has \
+                                     no kernel type (SystemTap's autocast)"
+                                ),
+                                e.span,
+                            )
+                            .with_hint(format!(
+                                "copy it from one ({local} = $param) or write \
+                                 @cast({local}, \"struct TYPE\")->member"
+                            )),
+                        );
+                    } else if let Some(k) = self.scope.kinds.iter().find(|k| !k.has_target_vars()) {
+                        self.emit(Diagnostic::error(
+                            format!(
+                                "the local copied from {like} has its type only where {like} is: \
+                                 target variables are not available in '{}' probes",
+                                k.family()
+                            ),
+                            e.span,
+                        ));
+                    }
+                } else if c.type_name.trim().is_empty() {
                     self.emit(
                         Diagnostic::error("@cast needs a type name", e.span)
                             .with_hint("e.g. @cast(p, \"struct task_struct\", \"kernel\")->pid"),

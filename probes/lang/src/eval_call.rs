@@ -479,6 +479,7 @@ impl Interp<'_> {
                     module: None,
                     members: vec![name.trim_start_matches("task_").to_owned()],
                     indexes: Vec::new(),
+                    like: None,
                 };
                 match ctx.cast(task, &cast, &[]) {
                     Some(Ok(v)) => v,

@@ -188,6 +188,12 @@ pub(crate) fn cast_value(
     follow: impl FnOnce(&str, &[Step]) -> Result<Value, String>,
 ) -> Result<Value, String> {
     let what = format!("@cast(..., \"{}\")", cast.type_name);
+    if let Some(like) = &cast.like {
+        return Err(format!(
+            "a member of a local copied from {like} (SystemTap's autocast) is read in compiled \
+             probes only; write @cast(local, \"struct TYPE\")->member"
+        ));
+    }
     if !cast.of_kernel() {
         return Err(format!("{what}: only the kernel's own types are known"));
     }

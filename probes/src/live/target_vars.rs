@@ -75,6 +75,16 @@ pub(crate) fn names_read(prog: &Program, probe: usize) -> (BTreeSet<String>, BTr
         ExprKind::Target(t) if !guarded.contains(&e.span.start) => {
             required.insert(t.name.clone());
         }
+        // `fh->m` on a local copied from `$fhp` (autocast): `$fhp`'s type at the point.
+        ExprKind::Cast(c) => {
+            if let Some(like) = c.like.as_ref().filter(|l| !l.is_empty()) {
+                if guarded.contains(&e.span.start) {
+                    optional.insert(like.clone());
+                } else {
+                    required.insert(like.clone());
+                }
+            }
+        }
         _ => {}
     };
     if let Some(c) = &p.condition {

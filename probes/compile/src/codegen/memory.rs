@@ -532,25 +532,52 @@ impl Gen<'_, '_> {
             self.long(&c.pointer)?;
             return Ok(K::Long);
         }
-        if !c.of_kernel() {
-            return Err(self.no(format!("{what} of a module's type")));
-        }
         let types = self
             .env
             .facts
             .types
             .clone()
             .ok_or_else(|| self.no(format!("{what} (no kernel type information)")))?;
-        let ty = types
-            .named(&c.type_name)
-            .ok_or_else(|| self.no(format!("{what} (BTF has no such type)")))?;
-        let lay = if address {
-            super::super::types::cast_address_chain
+        let steps = if let Some(like) = &c.like {
+            // Autocast: laid out as the target variable the local was copied from is here.
+            let local = match &c.pointer.kind {
+                ExprKind::Var(v) => v.as_str(),
+                _ => "the local",
+            };
+            let what = format!("{local}->... (copied from {like})");
+            let base = super::super::types::chain_base(
+                like,
+                &self.point.params,
+                self.point.is_return,
+                self.point.locals.as_deref(),
+            )
+            .ok_or_else(|| self.no(format!("{what}: {like} is not defined here")))?;
+            super::super::types::target_chain(
+                types.as_ref(),
+                &self.point.function,
+                like,
+                base,
+                &c.members,
+                address,
+            )
+            .map_err(|e| self.no(format!("{what}: {e}")))?
         } else {
-            super::super::types::cast_chain
+            // A module's type is known where the script probes that module (its split BTF
+            // joins the kernel's).
+            let ty = types.named(&c.type_name).ok_or_else(|| {
+                self.no(if c.of_kernel() {
+                    format!("{what} (BTF has no such type)")
+                } else {
+                    format!("{what} of a module's type, which is known only for the module the script probes")
+                })
+            })?;
+            let lay = if address {
+                super::super::types::cast_address_chain
+            } else {
+                super::super::types::cast_chain
+            };
+            lay(types.as_ref(), ty, &c.members).map_err(|e| self.no(format!("{what}: {e}")))?
         };
-        let steps =
-            lay(types.as_ref(), ty, &c.members).map_err(|e| self.no(format!("{what}: {e}")))?;
         self.long(&c.pointer)?;
         if c.indexes.is_empty() {
             self.steps(&steps)?;

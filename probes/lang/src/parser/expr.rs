@@ -279,16 +279,20 @@ impl Parser {
                     }
                     ExprKind::Index(Box::new(IndexExpr { array: name, keys }))
                 } else if self.is_op("->") {
-                    return Err(ParseError::Unsupported {
-                        what: format!(
-                            "a member of the local variable '{}' ({}->member: SystemTap's \
-                             autocast keeps the kernel type of a pointer copied from a target \
-                             variable, which exotap does not track; write \
-                             @cast({}, \"struct TYPE\")->member)",
-                            name.name, name.name, name.name
-                        ),
-                        span: name.span,
-                    });
+                    // SystemTap's autocast: the local keeps the type of what it was copied
+                    // from, which the checker finds.
+                    let (members, indexes) = self.member_chain()?;
+                    ExprKind::Cast(Box::new(CastExpr {
+                        pointer: Expr {
+                            kind: ExprKind::Var(name.name),
+                            span: name.span,
+                        },
+                        type_name: String::new(),
+                        module: None,
+                        members,
+                        indexes,
+                        like: Some(String::new()),
+                    }))
                 } else {
                     ExprKind::Var(name.name)
                 }
@@ -400,6 +404,7 @@ impl Parser {
                     module,
                     members,
                     indexes,
+                    like: None,
                 }))
             }
             "var" => {
