@@ -314,3 +314,65 @@ fn ptype_and_vars_fall_back_to_btf_without_the_dbg_vmlinux_and_agree_with_dwarf(
     assert_eq!(params(&btf_vars), params(&dwarf_vars));
     assert_eq!(params(&btf_vars).len(), 4);
 }
+
+/// Every nfsd.* point of the tapset, each local it defines read, planned as `run --compile
+/// require` plans a script before it attaches: each variable checked in the nfsd module's
+/// DWARF at every function, each probe compiled with its BTF types (`svc_rqst`,
+/// `nfsd3_*args`, `svc_fh` through the autocast `fh`). The attach then fails (no guest), and
+/// that is the only error.
+#[test]
+fn the_nfsd_tapset_plans_against_the_nfsd_modules_debug_info() {
+    let Some(vmlinux) = debug_vmlinux() else {
+        return;
+    };
+    let nfsd = vmlinux.with_file_name("modules").join("nfsd.ko");
+    assert!(
+        nfsd.is_file(),
+        "{} is absent: `exotap image fetch --debuginfo` keeps it with the vmlinux",
+        nfsd.display()
+    );
+    let plan = |script: &str| {
+        let out = common::exotap()
+            .args(["run", "--compile", "require"])
+            .args([
+                "--target",
+                "unix:/nonexistent/exotap-test.sock",
+                "-e",
+                script,
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let script = r#"global n, b
+        probe nfsd.proc.entries {
+            filename .= "" // not every procedure names a file, as in SystemTap's
+            n[client_ip, name, argstr, filename] <<< version
+            if (fh) n[d_name(fh->fh_dentry), "", "", ""] <<< fh->fh_export->ex_path->mnt
+        }
+        probe nfsd.proc.read, nfsd.proc.write, nfsd.proc.commit { b[name] <<< size + offset + count }
+        probe nfsd.proc.create { b[name] <<< createmode + filelen }
+        probe nfsd.proc.rename { b[tname] <<< tlen }
+        probe nfsd.proc.compound { b[name] <<< num }
+        probe nfsd.entries { n[client_ip, name, argstr, ""] <<< 1 }
+        probe nfsd.lookup, nfsd.create, nfsd.unlink, nfsd.rename {
+            b[filename] <<< filelen + (fh->fh_dentry != 0)
+        }
+        probe nfsd.read, nfsd.write { b[name] <<< size + vlen }
+        probe nfsd.dispatch { b[name] <<< proc + version }
+        probe nfsd.unlink.return { b[retstr] <<< addr_from_rqst(@entry($rqstp)) }"#;
+    let err = plan(script);
+    assert!(
+        err.contains("cannot attach to unix:/nonexistent/exotap-test.sock"),
+        "the plan failed before the attach:\n{err}"
+    );
+    // A variable no nfsd procedure has: named at each function, before anything attaches.
+    let err = plan(r#"probe module("nfsd").function("nfsd3_proc_re*") { x = $nosuch }"#);
+    for f in ["nfsd3_proc_read", "nfsd3_proc_remove", "nfsd3_proc_rename"] {
+        assert!(
+            err.contains(&format!("function(\"{f}\"): no variable $nosuch in scope")),
+            "{f}:\n{err}"
+        );
+    }
+    assert!(!err.contains("cannot attach"), "{err}");
+}

@@ -223,12 +223,17 @@ fn module_target_variables_come_from_the_modules_dwarf() {
     let console = dir.path().join("console.log");
     // `$inode` and `$count` are parameters of evdev's functions, described only by evdev's
     // own debug file; `$inode->i_rdev` is laid out from the kernel's BTF.
-    let script = r#"global rdev, sizes
+    // At the returns, the parameters as they were at the entry (from evdev's BTF).
+    let script = r#"global rdev, sizes, opened
         probe module("evdev").function("evdev_open") { rdev[$inode->i_rdev]++ }
         probe module("evdev").function("evdev_read") { sizes[$count]++ }
+        probe module("evdev").function("evdev_open").return {
+            opened[sprintf("%d/%d", @entry($inode->i_rdev), $return)]++
+        }
         probe end {
             foreach (d in rdev) printf("rdev %d %d\n", d, rdev[d])
             foreach (n in sizes+) printf("size %d %d\n", n, sizes[n])
+            foreach (k in opened) printf("opened %s %d\n", k, opened[k])
         }"#;
     let (code, out, err) = run(exotap()
         .args(["boot", "--timeout", "300", "--compile", "require"])
@@ -251,6 +256,15 @@ fn module_target_variables_come_from_the_modules_dwarf() {
     assert_eq!(
         rdev, expected,
         "every open of event0, its device number: {ctx}"
+    );
+    let opened: BTreeMap<String, u64> = expected
+        .iter()
+        .map(|(d, n)| (format!("{d}/0"), *n))
+        .collect();
+    assert_eq!(
+        printed(&out, "opened "),
+        opened,
+        "each open returned 0: {ctx}"
     );
     // Each reader's size, once each, and as many reads as the guest's kprobe counted.
     let sizes = printed(&out, "size ");

@@ -385,14 +385,7 @@ impl Checker<'_> {
             return Ty::Long;
         }
         let kinds = self.scope.kinds.clone();
-        // `$return` at a module's return probe is the return register, without DWARF.
-        let module_return = t.name == "$return"
-            && t.members.is_empty()
-            && kinds.iter().all(super::point::PointKind::is_return);
-        if let Some(k) = kinds
-            .iter()
-            .find(|k| !(k.has_target_vars() || module_return && k.family() == "module.function"))
-        {
+        if let Some(k) = kinds.iter().find(|k| !k.has_target_vars()) {
             self.emit(
                 Diagnostic::error(
                     format!(
@@ -402,13 +395,7 @@ impl Checker<'_> {
                     ),
                     span,
                 )
-                .with_hint(if k.family() == "module.function" {
-                    "at a module function's .return probe only `$return` is known (exotap does \
-                     not keep the values of its variables from the entry); read them at the \
-                     entry and keep them in a global indexed by tid()"
-                } else {
-                    "target variables exist only at kernel probe points"
-                }),
+                .with_hint("target variables exist only at kernel probe points"),
             );
             return Ty::Long;
         }

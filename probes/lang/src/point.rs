@@ -197,12 +197,9 @@ impl PointKind {
                 | PointKind::KernelField { .. }
                 | PointKind::Syscall { .. }
                 | PointKind::KernelTrace { .. }
-                // At a module function's entry, from the module's DWARF (its return: only
-                // `$return`, the return register).
-                | PointKind::ModuleFunction {
-                    site: FunctionSite::Entry | FunctionSite::Call,
-                    ..
-                }
+                // A module function's: at its entry from the module's DWARF; at its return
+                // `$return` and its parameters as at the entry, from the module's BTF.
+                | PointKind::ModuleFunction { .. }
         )
     }
 
@@ -721,10 +718,10 @@ fn out_of_scope(names: &[&str]) -> Option<&'static str> {
              exotap does not do; probe nf_hook_slow or the protocol's functions with \
              kernel.function instead",
         ),
-        &"nfsd" | &"nfs" | &"sunrpc" => Some(
-            "exotap has no NFS tapset (nfsd.*, nfs.*, sunrpc.*) yet: probe the nfsd module's \
-             functions with module(\"nfsd\").function(\"...\"), whose target variables come \
-             from its debug file",
+        &"nfs" | &"sunrpc" => Some(
+            "exotap has no NFS client or RPC tapset (nfs.*, sunrpc.*) yet: probe those modules' \
+             functions with module(\"nfs\").function(\"...\") (the server's nfsd.* points \
+             are in the tapset)",
         ),
         &"glib" | &"python2" | &"python3" | &"java" | &"tcl" => Some(
             "these tapsets are markers in user-space programs (process.mark), and user-space \

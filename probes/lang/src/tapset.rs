@@ -42,6 +42,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("misc.stp", include_str!("../tapset/misc.stp")),
     ("json.stp", include_str!("../tapset/json.stp")),
     ("queue_stats.stp", include_str!("../tapset/queue_stats.stp")),
+    ("nfsd.stp", include_str!("../tapset/nfsd.stp")),
 ];
 
 /// `nd_syscall.NAME[.return]` for every system call (the same probes: exotap needs no DWARF

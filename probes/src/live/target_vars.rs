@@ -383,15 +383,19 @@ pub fn point_locals(
                 .entry(*probe)
                 .or_insert_with(|| names_read(prog, *probe));
             let params = btf_params(point);
+            // BTF parameters in the six argument registers are read there; the others (the
+            // seventh on, on the stack) by their DWARF location.
+            let in_registers =
+                |n: &String| params.iter().position(|p| p == n).is_some_and(|i| i < 6);
             let needed: Vec<&String> = required
                 .iter()
                 .chain(optional.iter())
-                .filter(|n| !params.contains(n))
+                .filter(|n| !in_registers(n))
                 .collect();
             if needed.is_empty() {
                 break 'point;
             }
-            let must: Vec<&String> = required.iter().filter(|n| !params.contains(n)).collect();
+            let must: Vec<&String> = required.iter().filter(|n| !in_registers(n)).collect();
             let Some(info) = &info else {
                 if must.iter().any(|n| *n == "*") {
                     errors.push(format!(

@@ -920,7 +920,14 @@ impl Gen<'_, '_> {
             )));
         }
         let name = t.name.trim_start_matches('$');
-        let param = self.point.params.iter().any(|p| p == name);
+        // A parameter in an argument register is read there; one passed on the stack (the
+        // seventh on) by its DWARF location, where the point has one.
+        let param = self
+            .point
+            .params
+            .iter()
+            .position(|p| p == name)
+            .is_some_and(|i| i < ARGS.len());
         if t.name != "$return" && !self.point.is_return && !param {
             if let Some(local) = self.point.locals.as_ref().and_then(|l| l.get(name)) {
                 let local = local.clone().map_err(|why| self.no(why))?;

@@ -337,3 +337,26 @@ pub(super) fn module_types(
         })
         .ok()
 }
+
+/// The parameter names of the function `pattern` names in `btf` (the kernel's with a
+/// module's): of the function of that name, or of the first whose name matches a wildcard.
+/// Empty when BTF has none.
+pub(super) fn btf_params(btf: &exotap_introspect::btf::Btf, pattern: &str) -> Vec<String> {
+    use exotap_introspect::btf::Kind;
+    let name = if pattern.contains(['*', '?', '[']) {
+        let Some(name) = btf
+            .iter()
+            .filter(|(_, t)| matches!(t.kind, Kind::Func { .. }))
+            .map(|(_, t)| btf.str_at(t.name))
+            .find(|n| wildcard_match(pattern, n))
+        else {
+            return Vec::new();
+        };
+        name.to_owned()
+    } else {
+        pattern.to_owned()
+    };
+    btf.func_signature(&name)
+        .map(|sig| sig.params.into_iter().map(|(n, _)| n).collect())
+        .unwrap_or_default()
+}

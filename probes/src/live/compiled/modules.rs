@@ -75,6 +75,8 @@ pub(super) struct ModuleWatch {
     /// The DWARF of each probed module whose points read target variables, placed where it
     /// runs, by its `struct module`'s address.
     dwarf: HashMap<u64, Arc<ModuleDwarf>>,
+    /// The kernel's BTF with the probed module's: its functions' parameters.
+    btf: Option<Arc<exotap_introspect::btf::Btf>>,
     /// Loads and unloads handled, and sites put in and taken out at them.
     pub(super) loads: u64,
     pub(super) unloads: u64,
@@ -189,11 +191,17 @@ impl ModuleWatch {
                         }
                     },
                 };
+                let params = self
+                    .btf
+                    .as_deref()
+                    .map(|btf| super::module_dwarf::btf_params(btf, name))
+                    .unwrap_or_default();
                 found.push((
                     link,
                     SitePoint {
                         name: point,
                         function: name.to_owned(),
+                        params,
                         locals,
                         ..wanted.template.clone()
                     },
@@ -348,6 +356,7 @@ pub(super) fn place_module_points(
         probed: HashMap::new(),
         debug_files: cached_debug_files(image),
         dwarf: HashMap::new(),
+        btf: plan.module_btf.clone(),
         loads: 0,
         unloads: 0,
         sites_in: 0,

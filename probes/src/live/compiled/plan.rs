@@ -57,6 +57,9 @@ pub struct Plan {
     /// The inlined instances the points did not name (`kernel.function("F")` adds F's), as
     /// (probe, link-time address): left out where the planner refuses them.
     pub(super) implicit: BTreeSet<(usize, u64)>,
+    /// The kernel's BTF with the probed module's own types and functions
+    /// ([`super::module_dwarf::module_types`]): its functions' parameters, by name.
+    pub(super) module_btf: Option<std::sync::Arc<Btf>>,
 }
 
 /// A `module("M").function("F")` point of the script, to be found in the live guest.
@@ -229,9 +232,17 @@ pub fn plan(
             },
         ));
     }
-    // A module's own types (`struct evdev`) come with the kernel's from its split BTF.
-    if let Some(types) = super::module_dwarf::module_types(image, btf, &modules) {
-        facts.types = Some(std::sync::Arc::new(compile::types::BtfTypes(types)));
+    // A module's own types (`struct evdev`) and its functions' parameters come with the
+    // kernel's from its split BTF.
+    let module_btf =
+        super::module_dwarf::module_types(image, btf, &modules).map(std::sync::Arc::new);
+    if let Some(types) = &module_btf {
+        facts.types = Some(std::sync::Arc::new(compile::types::BtfTypes(Btf::clone(
+            types,
+        ))));
+        for m in &mut modules {
+            m.template.params = super::module_dwarf::btf_params(types, &m.pattern);
+        }
     }
     let only: Vec<SitePoint> = points
         .iter()
@@ -276,6 +287,7 @@ pub fn plan(
         copy_link,
         modules,
         implicit,
+        module_btf,
     }))
 }
 
