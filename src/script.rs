@@ -72,10 +72,10 @@ impl LazyKernel {
         .map_err(|e| ResolveError::Source(format!("{point}: {e:#}")))?;
         Ok(found
             .into_iter()
-            .map(|(m, f, addr)| ResolvedPoint {
+            .map(|(m, f, addr, variables)| ResolvedPoint {
                 name: format!("module(\"{m}\").function(\"{f}\"){suffix}"),
                 address: Some(addr),
-                variables: Vec::new(),
+                variables,
                 implicit: false,
             })
             .collect())

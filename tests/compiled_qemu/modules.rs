@@ -460,6 +460,12 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
         "--target",
         &target,
     ]));
+    let (code_vars, out_vars, err_vars) = run(exotap().args([
+        "-L",
+        r#"module("evdev").function("evdev_read")"#,
+        "--target",
+        &target,
+    ]));
     let (code_none, _, err_none) =
         run(exotap().args(["-l", r#"module("evdev").function("evdev_open")"#]));
     let _ = guest.kill();
@@ -476,6 +482,15 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
         .collect();
     assert!(kallsyms.len() >= 10, "{ctx}");
     assert_eq!(listed, kallsyms, "{ctx}");
+    // `-L`: the parameters, with their types from evdev's BTF, written as a kernel
+    // function's are (`evdev_read(struct file *file, char __user *buffer, size_t count,
+    // loff_t *ppos)`).
+    assert_eq!(code_vars, 0, "{out_vars}\n{err_vars}");
+    assert_eq!(
+        out_vars.trim(),
+        r#"module("evdev").function("evdev_read") $file:struct file * $buffer:char * $count:size_t $ppos:loff_t *"#,
+        "{err_vars}"
+    );
     // Without a live guest there is no module to list: said, not guessed.
     assert_ne!(code_none, 0, "{err_none}");
     assert!(err_none.contains("give --target"), "{err_none}");

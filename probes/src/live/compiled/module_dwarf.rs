@@ -324,6 +324,26 @@ pub(super) fn module_types(
                 .join(", ")
         );
     }
+    split_btf(btf, name, path)
+}
+
+/// The kernel's BTF with module `name`'s own types, from its cached debug file (`None`
+/// where it is not cached or its BTF cannot be read, with a warning for the latter).
+pub(crate) fn module_types_of(
+    image: &KernelImage,
+    btf: &exotap_introspect::btf::Btf,
+    name: &str,
+) -> Option<exotap_introspect::btf::Btf> {
+    let files = cached_debug_files(image);
+    let (name, path) = files.iter().find(|(n, _)| n == name)?;
+    split_btf(btf, name, path)
+}
+
+fn split_btf(
+    btf: &exotap_introspect::btf::Btf,
+    name: &str,
+    path: &Path,
+) -> Option<exotap_introspect::btf::Btf> {
     let bytes = std::fs::read(path)
         .map_err(|e| tracing::warn!("cannot read {}: {e}", path.display()))
         .ok()?;

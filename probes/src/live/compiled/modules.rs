@@ -438,9 +438,12 @@ fn list_reader(image: &KernelImage, slide: u64) -> anyhow::Result<(u64, ModuleLa
     Ok((head, layout, orc))
 }
 
-/// The functions of the loaded modules matching `module` whose names match `pattern`, as
-/// (module, function, running address), for `-l`/`-L`: read from the live guest at `target`
-/// (attached for the read, then left).
+/// A function of a loaded module, for `-l`/`-L`: its module, name, running address and
+/// parameters (`$name:type`, from the module's BTF where its debug file is cached).
+pub type ListedFunction = (String, String, u64, Vec<String>);
+
+/// The functions of the loaded modules matching `module` whose names match `pattern`, for
+/// `-l`/`-L`: read from the live guest at `target` (attached for the read, then left).
 ///
 /// # Errors
 /// When the guest cannot be attached or its module list read.
@@ -449,7 +452,7 @@ pub fn list_module_functions(
     image: &KernelImage,
     module: &str,
     pattern: &str,
-) -> anyhow::Result<Vec<(String, String, u64)>> {
+) -> anyhow::Result<Vec<ListedFunction>> {
     let mut session = GuestSession::attach(target, image)?;
     let survey = session.survey.clone();
     let (head, layout, orc) = list_reader(image, survey.kaslr.slide)?;
@@ -461,16 +464,32 @@ pub fn list_module_functions(
     };
     session.detach()?;
     let wildcard = pattern.contains(['*', '?', '[']);
-    let mut found: Vec<(String, String, u64)> = loaded
-        .iter()
-        .filter(|m| wildcard_match(module, &m.name))
-        .flat_map(|m| {
-            m.symbols_in_text()
-                .filter(|(name, _)| is_function(name, wildcard) && wildcard_match(pattern, name))
-                .map(|(name, addr)| (m.name.clone(), name.to_owned(), addr))
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let btf = image.btf()?;
+    let mut found: Vec<ListedFunction> = Vec::new();
+    for m in loaded.iter().filter(|m| wildcard_match(module, &m.name)) {
+        let types = super::module_dwarf::module_types_of(image, btf, &m.name);
+        for (name, addr) in m.symbols_in_text() {
+            if !is_function(name, wildcard) || !wildcard_match(pattern, name) {
+                continue;
+            }
+            let params = types
+                .as_ref()
+                .and_then(|t| t.func_signature(name).ok())
+                .map(|sig| {
+                    sig.params
+                        .iter()
+                        .map(|(p, ty)| {
+                            let t = types.as_ref().map_or(String::new(), |types| {
+                                exotap_introspect::btf::cdecl::declaration(types, *ty, "")
+                            });
+                            format!("${p}:{t}")
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            found.push((m.name.clone(), name.to_owned(), addr, params));
+        }
+    }
     found.sort();
     found.dedup();
     Ok(found)
