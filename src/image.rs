@@ -22,7 +22,8 @@ pub struct FetchArgs {
     /// Kernel ABI name or package name (linux-image-VERSION-unsigned).
     #[arg(long, env = "EXOTAP_KERNEL", default_value = images::DEFAULT_KERNEL, value_name = "VERSION")]
     pub kernel: String,
-    /// Also fetch the matching -dbg package's vmlinux (with DWARF) and System.map (~282 MB download).
+    /// Also fetch the matching -dbg package's vmlinux (with DWARF), System.map and the debug
+    /// files of some modules (evdev, kvm*, irqbypass, nfsd) (~282 MB download).
     #[arg(long)]
     pub debuginfo: bool,
 }
@@ -84,6 +85,9 @@ fn fetch(args: &FetchArgs) -> anyhow::Result<()> {
             .context("cannot fetch the kernel's debug info")?;
         outln!("vmlinux    {}", debug.vmlinux.display());
         outln!("System.map {}", debug.system_map.display());
+        for m in &debug.modules {
+            outln!("module     {}", m.display());
+        }
     }
     Ok(())
 }
