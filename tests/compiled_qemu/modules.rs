@@ -163,6 +163,66 @@ fn module_function_counts_equal_the_guests_kprobes_on_a_module_loaded_before_the
     );
 }
 
+/// evdev's functions the compiler inlined, each into one caller: (function, caller).
+const INLINED: [(&str, &str); 4] = [
+    ("evdev_open_device", "evdev_open"),
+    ("evdev_attach_client", "evdev_open"),
+    ("evdev_close_device", "evdev_release"),
+    ("evdev_detach_client", "evdev_release"),
+];
+
+#[test]
+fn inlined_instances_in_a_module_run_once_per_call_of_their_caller() {
+    if !have_qemu("inlined_instances_in_a_module_run_once_per_call_of_their_caller") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &job());
+    let console = dir.path().join("console.log");
+    // The instances come from evdev's DWARF; `$evdev` at the opening one by its location.
+    let probes: String = INLINED
+        .iter()
+        .map(|(f, _)| {
+            format!("probe module(\"evdev\").function(\"{f}\").inline {{ c[\"{f}\"]++ }}\n")
+        })
+        .collect();
+    let script = format!(
+        "global c, dev\n{probes}\
+         probe module(\"evdev\").function(\"evdev_open_device\").inline {{ dev[$evdev->exist]++ }}\n\
+         probe end {{ foreach (f in c) printf(\"c %s %d\\n\", f, c[f])\n\
+                      foreach (e in dev) printf(\"exist %d %d\\n\", e, dev[e]) }}"
+    );
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "300", "--compile", "require"])
+        .args(["--script-text", &script, "--attach-in-job"])
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--console")
+        .arg(&console));
+    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert_eq!(code, 0, "{ctx}");
+    let counts = printed(&out, "c ");
+    // Each inlined copy ran once per call of the function it is in, as the guest's kprobe
+    // on that function counted them.
+    for (f, caller) in INLINED {
+        let k: u64 = result(&transcript, &format!("kprobe.{caller}"))
+            .and_then(|k| k.parse().ok())
+            .unwrap_or_else(|| panic!("no kprobe count for {caller}: {ctx}"));
+        assert_eq!(k, u64::from(OPENS + READERS), "{caller}: {ctx}");
+        assert_eq!(counts.get(f).copied(), Some(k), "{f} in {caller}: {ctx}");
+    }
+    // The device existed at every open.
+    assert_eq!(
+        printed(&out, "exist "),
+        BTreeMap::from([("1".to_owned(), u64::from(OPENS + READERS))]),
+        "{ctx}"
+    );
+    // Compiled, every instance: none refused (an instance whose instruction is too short for
+    // a splice is entered from a breakpoint, one stop per hit, nothing evaluated on the host).
+    assert!(err.contains("(0 refused)"), "{ctx}");
+}
+
 /// Sizes of the reads the job's readers ask of evdev, one reader each.
 const READ_SIZES: [u32; 2] = [48, 96];
 

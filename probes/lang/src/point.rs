@@ -453,9 +453,8 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
         ["module", ..] | ["kprobe", "module", ..] => Err(PointError::OutOfScope {
             text: point.to_string(),
             reason: "in a kernel module exotap probes functions (module(\"m\").function(\"f\") \
-                     and its .call and .return); statements, inlined instances and source \
-                     positions in modules need the module's DWARF debug info beyond the \
-                     variables at a function's entry, which is all exotap reads of it yet"
+                     and its .call, .return and .inline); statements and source positions in \
+                     modules need the module's line table, which exotap does not read yet"
                 .to_string(),
             span: point.span,
         }),
@@ -677,16 +676,8 @@ fn module_function(
             Some([Literal::Num(n)]) if *n > 0 => FunctionSite::Return,
             _ => return Err(bad("maxactive takes one positive number".into())),
         },
-        ["inline"] => {
-            return Err(PointError::OutOfScope {
-                text: point.to_string(),
-                reason: "the inlined instances of a module's functions are known from the \
-                         module's DWARF debug info, where exotap does not look for them yet (it \
-                         reads the variables at a function's entry)"
-                    .to_string(),
-                span: point.span,
-            })
-        }
+        // From the module's DWARF, when the module is placed.
+        ["inline"] => FunctionSite::Inline,
         _ => {
             return Err(PointError::Unknown {
                 text: point.to_string(),
@@ -974,18 +965,22 @@ mod tests {
                 site: FunctionSite::Entry,
             }
         );
+        assert_eq!(
+            kind(r#"module("ext4").function("ext4_*").inline"#).unwrap(),
+            PointKind::ModuleFunction {
+                module: "ext4".into(),
+                pattern: "ext4_*".into(),
+                site: FunctionSite::Inline,
+            }
+        );
         for (point, why) in [
             (
-                r#"module("ext4").function("ext4_sync_fs").inline"#,
-                "module's DWARF",
-            ),
-            (
                 r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c")"#,
-                "module's DWARF",
+                "module's DWARF line table",
             ),
             (
                 r#"module("ext4").statement("ext4_sync_fs+4")"#,
-                "module's DWARF",
+                "module's line table",
             ),
             (r#"module("ext4").function("")"#, "non-empty string"),
             (

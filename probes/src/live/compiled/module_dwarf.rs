@@ -159,6 +159,27 @@ impl ModuleDwarf {
         found
     }
 
+    /// The inlined instances of the functions matching `pattern`, as (function, entry pc),
+    /// by entry pc: DWARF's `DW_TAG_inlined_subroutine`s, scanned from the module's own
+    /// debug info (small: not indexed on disk, and each placement's addresses differ).
+    ///
+    /// # Errors
+    /// When the DWARF cannot be read.
+    pub(crate) fn inlined(&self, pattern: &str) -> anyhow::Result<Vec<(String, u64)>> {
+        use exotap_introspect::dwarf::index::{EntryKind, Index, Layer};
+        let info = self.file.load()?;
+        let index = Index::build(&info, Layer::Inlines, &|_, _| {})?;
+        let mut found: Vec<(String, u64)> = index
+            .functions(pattern, &[EntryKind::Inlined])
+            .into_iter()
+            .filter(|e| e.low != 0)
+            .map(|e| (e.name.to_owned(), e.low))
+            .collect();
+        found.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+        found.dedup();
+        Ok(found)
+    }
+
     /// The target variables in scope at `pc`, as [`locals_at`] gives a kernel's.
     ///
     /// # Errors
@@ -218,8 +239,9 @@ pub(super) fn plan_vars(
     let (mut required, mut optional) = crate::live::target_vars::names_read(prog, m.template.probe);
     required.remove("return");
     optional.remove("return");
-    // At a return only `$return` is read (the compiled code refuses others there).
-    if m.template.is_return || required.is_empty() && optional.is_empty() {
+    let inline = m.site == crate::lang::point::FunctionSite::Inline;
+    // At a return the parameters are BTF's, as at the entry (and `$return`).
+    if m.template.is_return || !inline && required.is_empty() && optional.is_empty() {
         return Ok(true);
     }
     let files: Vec<(String, PathBuf)> = cached_debug_files(image)
@@ -227,6 +249,18 @@ pub(super) fn plan_vars(
         .filter(|(name, _)| wildcard_match(&m.module, name))
         .collect();
     if files.is_empty() {
+        if inline {
+            let why = format!(
+                "{}: a module's inlined instances come from its debug file in the -dbg \
+                 package, which the cache does not hold for a module matching '{}'",
+                m.template.name, m.module
+            );
+            if m.optional {
+                tracing::warn!("{why}; optional probe point skipped");
+                return Ok(false);
+            }
+            bail!(why);
+        }
         if required.is_empty() {
             return Ok(true);
         }
@@ -252,17 +286,33 @@ pub(super) fn plan_vars(
         }
         bail!(why);
     }
+    let reads = !(required.is_empty() && optional.is_empty());
     let vars = ModuleVars { required };
     let wildcard = m.pattern.contains(['*', '?', '[']);
     let mut errors = Vec::new();
     let mut template = None;
+    let mut places = 0usize;
     for (name, path) in &files {
         let dwarf = ModuleDwarf::made_up(path)?;
-        for (function, pc) in dwarf.functions(&m.pattern) {
-            if !super::modules::is_function(function, wildcard) {
-                continue;
-            }
-            let point = format!("module(\"{name}\").function(\"{function}\")");
+        let at: Vec<(String, u64)> = if inline {
+            dwarf.inlined(&m.pattern)?
+        } else {
+            dwarf
+                .functions(&m.pattern)
+                .into_iter()
+                .filter(|(f, _)| super::modules::is_function(f, wildcard))
+                .map(|(f, pc)| (f.to_owned(), pc))
+                .collect()
+        };
+        places += at.len();
+        if !reads {
+            continue;
+        }
+        for (function, pc) in at {
+            let point = format!(
+                "module(\"{name}\").function(\"{function}\"){}",
+                m.site.suffix()
+            );
             match vars.at(&dwarf, &point, pc) {
                 Ok(locals) => {
                     template.get_or_insert(locals);
@@ -275,6 +325,26 @@ pub(super) fn plan_vars(
         errors.sort();
         errors.dedup();
         return Err(crate::live::target_vars::UnreadableTargets(errors).into());
+    }
+    if places == 0 && !m.optional {
+        bail!(
+            "no match for probe point '{}': no {} of the debug file of {} matches '{}'",
+            m.template.name,
+            if inline {
+                "inlined instance"
+            } else {
+                "function"
+            },
+            files
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            m.pattern
+        );
+    }
+    if !reads {
+        return Ok(true);
     }
     let Some(template) = template else {
         if m.optional || vars.required.is_empty() {

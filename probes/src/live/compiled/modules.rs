@@ -141,6 +141,59 @@ impl ModuleWatch {
         Ok(dwarf)
     }
 
+    /// The inlined instances `wanted` names in `module`, from its DWARF placed where it
+    /// runs: each a statement in the function it was inlined into (no parameters in
+    /// registers there; its variables by their DWARF locations), or why they cannot be.
+    fn inline_instances(
+        &mut self,
+        module: &GuestModule,
+        wanted: &ModulePoint,
+    ) -> Result<Placed, Vec<String>> {
+        let name = &wanted.template.name;
+        let dwarf = self
+            .dwarf(module)
+            .map_err(|why| vec![format!("{name}: {why}")])?;
+        let instances = dwarf
+            .inlined(&wanted.pattern)
+            .map_err(|e| vec![format!("{name}: {e:#}")])?;
+        let mut placed = Vec::new();
+        let mut problems = Vec::new();
+        for (function, link) in instances {
+            let point = format!(
+                "module(\"{}\").function(\"{function}\").inline",
+                module.name
+            );
+            let into = module
+                .lookup(link.wrapping_add(self.slide))
+                .map_or_else(|| function.clone(), |(n, _, _)| n.to_owned());
+            let locals = match &wanted.vars {
+                None => None,
+                Some(vars) => match vars.at(&dwarf, &point, link) {
+                    Ok(l) => Some(l),
+                    Err(mut why) => {
+                        problems.append(&mut why);
+                        continue;
+                    }
+                },
+            };
+            placed.push((
+                link,
+                SitePoint {
+                    name: point,
+                    function: into,
+                    params: Vec::new(),
+                    locals,
+                    ..wanted.template.clone()
+                },
+            ));
+        }
+        if problems.is_empty() {
+            Ok(placed)
+        } else {
+            Err(problems)
+        }
+    }
+
     /// The points of the script (all, or the `only`th) in `module`, each function found as a
     /// site point at its running address less the slide, and why each function whose
     /// target variables cannot be read there is left out; reads the module's text for the
@@ -158,6 +211,13 @@ impl ModuleWatch {
         let points = self.points.clone();
         for (i, wanted) in points.iter().enumerate() {
             if !wildcard_match(&wanted.module, &module.name) || only.is_some_and(|o| o != i) {
+                continue;
+            }
+            if wanted.site == crate::lang::point::FunctionSite::Inline {
+                match self.inline_instances(module, wanted) {
+                    Ok(mut placed) => found.append(&mut placed),
+                    Err(mut why) => problems.append(&mut why),
+                }
                 continue;
             }
             let wildcard = wanted.pattern.contains(['*', '?', '[']);

@@ -240,7 +240,10 @@ pub fn plan(
         facts.types = Some(std::sync::Arc::new(compile::types::BtfTypes(Btf::clone(
             types,
         ))));
-        for m in &mut modules {
+        for m in modules
+            .iter_mut()
+            .filter(|m| m.site != crate::lang::point::FunctionSite::Inline)
+        {
             m.template.params = super::module_dwarf::btf_params(types, &m.pattern);
         }
     }
