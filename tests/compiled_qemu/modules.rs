@@ -187,9 +187,11 @@ fn inlined_instances_in_a_module_run_once_per_call_of_their_caller() {
         })
         .collect();
     let script = format!(
-        "global c, dev\n{probes}\
+        "global c, dev, whole\n{probes}\
          probe module(\"evdev\").function(\"evdev_open_device\").inline {{ dev[$evdev->exist]++ }}\n\
+         probe module(\"evdev\").function(\"evdev_attach_client\") {{ whole++ }}\n\
          probe end {{ foreach (f in c) printf(\"c %s %d\\n\", f, c[f])\n\
+                      printf(\"whole %d\\n\", whole)\n\
                       foreach (e in dev) printf(\"exist %d %d\\n\", e, dev[e]) }}"
     );
     let (code, out, err) = run(exotap()
@@ -212,6 +214,12 @@ fn inlined_instances_in_a_module_run_once_per_call_of_their_caller() {
         assert_eq!(k, u64::from(OPENS + READERS), "{caller}: {ctx}");
         assert_eq!(counts.get(f).copied(), Some(k), "{f} in {caller}: {ctx}");
     }
+    // Without `.inline`, a function named without wildcards is its entry and its inlined
+    // instances, as in SystemTap: evdev_attach_client has no out-of-line copy.
+    assert!(
+        out.contains(&format!("whole {}\n", OPENS + READERS)),
+        "{ctx}"
+    );
     // The device existed at every open.
     assert_eq!(
         printed(&out, "exist "),

@@ -143,19 +143,22 @@ impl ModuleWatch {
 
     /// The inlined instances `wanted` names in `module`, from its DWARF placed where it
     /// runs: each a statement in the function it was inlined into (no parameters in
-    /// registers there; its variables by their DWARF locations), or why they cannot be.
+    /// registers there; its variables by their DWARF locations), and why each of the others
+    /// cannot be.
     fn inline_instances(
         &mut self,
         module: &GuestModule,
         wanted: &ModulePoint,
-    ) -> Result<Placed, Vec<String>> {
+    ) -> (Placed, Vec<String>) {
         let name = &wanted.template.name;
-        let dwarf = self
-            .dwarf(module)
-            .map_err(|why| vec![format!("{name}: {why}")])?;
-        let instances = dwarf
-            .inlined(&wanted.pattern)
-            .map_err(|e| vec![format!("{name}: {e:#}")])?;
+        let dwarf = match self.dwarf(module) {
+            Ok(d) => d,
+            Err(why) => return (Vec::new(), vec![format!("{name}: {why}")]),
+        };
+        let instances = match dwarf.inlined(&wanted.pattern) {
+            Ok(i) => i,
+            Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
+        };
         let mut placed = Vec::new();
         let mut problems = Vec::new();
         for (function, link) in instances {
@@ -187,11 +190,7 @@ impl ModuleWatch {
                 },
             ));
         }
-        if problems.is_empty() {
-            Ok(placed)
-        } else {
-            Err(problems)
-        }
+        (placed, problems)
     }
 
     /// The points of the script (all, or the `only`th) in `module`, each function found as a
@@ -214,10 +213,9 @@ impl ModuleWatch {
                 continue;
             }
             if wanted.site == crate::lang::point::FunctionSite::Inline {
-                match self.inline_instances(module, wanted) {
-                    Ok(mut placed) => found.append(&mut placed),
-                    Err(mut why) => problems.append(&mut why),
-                }
+                let (mut placed, mut why) = self.inline_instances(module, wanted);
+                found.append(&mut placed);
+                problems.append(&mut why);
                 continue;
             }
             let wildcard = wanted.pattern.contains(['*', '?', '[']);
@@ -266,6 +264,29 @@ impl ModuleWatch {
                         ..wanted.template.clone()
                     },
                 ));
+            }
+            // `module("m").function("f")`, a name without wildcards: also f's inlined
+            // instances, as SystemTap (and `kernel.function("f")`) has it, where the module's
+            // debug file is cached. An instance whose variables are not there is left out.
+            if wanted.site == crate::lang::point::FunctionSite::Entry
+                && !wildcard
+                && self.debug_files.iter().any(|(n, _)| *n == module.name)
+            {
+                let (placed, why) = self.inline_instances(module, wanted);
+                for w in why {
+                    tracing::warn!("left out: {w}");
+                }
+                found.extend(placed.into_iter().filter_map(|(link, p)| {
+                    // GCC's picture of f's own body inside its out-of-line copy is no place
+                    // of its own.
+                    let inside = module
+                        .lookup(link.wrapping_add(self.slide))
+                        .is_some_and(|(n, _, _)| n == wanted.pattern);
+                    (!inside && !seen.contains(&link.wrapping_add(self.slide))).then(|| {
+                        let name = p.name.trim_end_matches(".inline").to_owned();
+                        (link, SitePoint { name, ..p })
+                    })
+                }));
             }
         }
         if !found.is_empty() {
