@@ -135,3 +135,146 @@ fn get_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
     }
     Ok(body.to_owned())
 }
+
+/// The guest's job for [`errno_metrics_equal_the_guests_own_count_of_the_same_failures`]:
+/// its own count of failing `openat`s (a kretprobe event, only `ENOENT` returns traced),
+/// armed at boot; after a pause for exotap to attach, the trace emptied and a burst of 150
+/// opens of missing files by one shell (errno.stp exports its 20 largest counts per process,
+/// errno and call: one process keeps the burst in one), then the count of the burst.
+const ERRNO_JOB: &str = "T=/sys/kernel/tracing
+echo 'r:exotap/openat __x64_sys_openat ret=$retval:s64' >> $T/kprobe_events || echo ERRNO-FAILED
+echo 'ret == -2' > $T/events/exotap/openat/filter || echo ERRNO-FAILED
+echo 1 > $T/events/exotap/openat/enable || echo ERRNO-FAILED
+echo ERRNO-ARMED
+sleep 40
+echo > $T/trace
+echo BURST-START
+sh -c 'for i in $(seq 150); do true < /nonexistent-$i; done' 2>/dev/null
+echo \"BURST-DONE $(grep -c 'exotap/openat\\|openat:' $T/trace)\"
+sleep 120
+";
+
+/// errno.stp (SystemTap's, unchanged) with `--http`: at the last of three scrapes of
+/// `/metrics`, taken after a burst of failing `openat`s with nothing else running, its
+/// count of `openat` failing with `ENOENT` (summed over processes) equals the guest's own
+/// count of the same returns (issue 42).
+#[test]
+fn errno_metrics_equal_the_guests_own_count_of_the_same_failures() {
+    if !crate::have_qemu("errno_metrics_equal_the_guests_own_count_of_the_same_failures") {
+        return;
+    }
+    let Some(examples) = crate::examples_dir() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let job = tmp.path().join("job.sh");
+    std::fs::write(&job, ERRNO_JOB).unwrap();
+    let socket = tmp.path().join("gdb.sock");
+    let (mut guest, mut console) = crate::common::boot_with_gdbstub(
+        &[
+            "--timeout".as_ref(),
+            "400".as_ref(),
+            "--job".as_ref(),
+            job.as_os_str(),
+        ],
+        &socket,
+        "ERRNO-ARMED",
+    );
+    let (console_tx, console_rx) = mpsc::channel::<(Instant, String)>();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        while std::io::BufRead::read_line(&mut console, &mut line).is_ok_and(|n| n > 0) {
+            let _ = console_tx.send((Instant::now(), std::mem::take(&mut line)));
+        }
+    });
+    let mut child = exotap()
+        .current_dir(examples.join("profiling"))
+        .args(["run", "--http", "127.0.0.1:0", "--procfs-dir"])
+        .arg(tmp.path().join("files"))
+        .arg("--target")
+        .arg(format!("unix:{}", socket.display()))
+        .arg("errno.stp")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, rx, err) = crate::watch_output(&mut child);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (mut addr, mut installed) = (None::<std::net::SocketAddr>, None::<Instant>);
+    let (mut burst_start, mut burst) = (None::<Instant>, None::<u64>);
+    let mut transcript = String::new();
+    while burst.is_none() && Instant::now() < deadline {
+        while let Ok(l) = rx.try_recv() {
+            if let Some(rest) = l.split("HTTP on http://").nth(1) {
+                addr = rest.split('/').next().and_then(|a| a.parse().ok());
+            }
+            if installed.is_none() && l.contains("compiled probes in at") {
+                installed = Some(Instant::now());
+            }
+        }
+        match console_rx.recv_timeout(Duration::from_millis(100)) {
+            Ok((at, l)) => {
+                if l.contains("BURST-START") {
+                    burst_start = Some(at);
+                }
+                if let Some(n) = l.trim().strip_prefix("BURST-DONE ") {
+                    burst = n.trim().parse().ok();
+                }
+                transcript.push_str(&l);
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let scrapes: Vec<Vec<Sample>> = match addr {
+        Some(addr) => (0..3)
+            .map(|_| {
+                std::thread::sleep(Duration::from_secs(1));
+                get_metrics(addr).map(|body| parse_metrics(&body))
+            })
+            .collect::<Result<_, _>>()
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    signal(&child, "INT");
+    let code = child.wait().ok().and_then(|s| s.code());
+    let _ = guest.kill();
+    let _ = guest.wait();
+    let (out, err) = (
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+    );
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    assert!(
+        !transcript.contains("ERRNO-FAILED"),
+        "the guest could not arm its count: {ctx}"
+    );
+    let burst = burst.unwrap_or_else(|| panic!("the guest never ended its burst: {ctx}"));
+    assert!(
+        burst >= 150,
+        "the guest saw {burst} failing openats of 150 opens: {ctx}"
+    );
+    let (Some(installed), Some(started)) = (installed, burst_start) else {
+        panic!("exotap never installed its probes, or the burst never began: {ctx}");
+    };
+    assert!(
+        installed < started,
+        "exotap's probes went in after the burst began (the guest waits 40 s): {ctx}"
+    );
+    assert_eq!(code, Some(0), "{ctx}");
+    assert_eq!(scrapes.len(), 3, "three scrapes of /metrics: {ctx}");
+    let enoent = |scrape: &[Sample]| -> f64 {
+        scrape
+            .iter()
+            .filter(|(name, labels, _)| {
+                name == "syscall_error_count"
+                    && labels.contains(&("name".to_owned(), "openat".to_owned()))
+                    && labels.contains(&("errno".to_owned(), "-2".to_owned()))
+            })
+            .map(|s| s.2)
+            .sum()
+    };
+    let counted: Vec<f64> = scrapes.iter().map(|s| enoent(s)).collect();
+    // Nothing ran after the burst: every scrape says the same, the guest's own count.
+    assert_eq!(counted, vec![burst as f64; 3], "{ctx}");
+}
