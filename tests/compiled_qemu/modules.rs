@@ -47,6 +47,26 @@ fn printed(out: &str, tag: &str) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// Boots `initrd` with `script` compiled in (`--compile require`), attached in the job:
+/// exotap's exit code, stdout and stderr, the guest's console (written to `console`), and
+/// all of these as one context for assertion messages.
+fn boot_script(
+    initrd: &std::path::Path,
+    console: &std::path::Path,
+    script: &str,
+) -> (i32, String, String, String, String) {
+    let (code, out, err) = run(exotap()
+        .args(["boot", "--timeout", "300", "--compile", "require"])
+        .args(["--script-text", script, "--attach-in-job"])
+        .arg("--initrd")
+        .arg(initrd)
+        .arg("--console")
+        .arg(console));
+    let transcript = std::fs::read_to_string(console).unwrap_or_default();
+    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    (code, out, err, transcript, ctx)
+}
+
 /// The initramfs of `job`, with the default kernel's evdev.ko in `/modules`.
 fn initramfs(dir: &std::path::Path, job: &str) -> std::path::PathBuf {
     common::initramfs_with_evdev(dir, exotap_guest_images::DEFAULT_KERNEL, job)
@@ -75,15 +95,7 @@ fn module_function_counts_equal_the_guests_kprobes_on_a_module_loaded_before_the
             foreach (f in c+) printf("c %s %d\n", f, c[f])
             foreach (f in all+) printf("all %s %d\n", f, all[f])
         }"#;
-    let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "300", "--compile", "require"])
-        .args(["--script-text", script, "--attach-in-job"])
-        .arg("--initrd")
-        .arg(&initrd)
-        .arg("--console")
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, script);
     assert_eq!(code, 0, "{ctx}");
     assert_eq!(result(&transcript, "module.loaded"), Some("1"), "{ctx}");
     assert_eq!(
@@ -194,15 +206,7 @@ fn inlined_instances_in_a_module_run_once_per_call_of_their_caller() {
                       printf(\"whole %d\\n\", whole)\n\
                       foreach (e in dev) printf(\"exist %d %d\\n\", e, dev[e]) }}"
     );
-    let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "300", "--compile", "require"])
-        .args(["--script-text", &script, "--attach-in-job"])
-        .arg("--initrd")
-        .arg(&initrd)
-        .arg("--console")
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, &script);
     assert_eq!(code, 0, "{ctx}");
     let counts = printed(&out, "c ");
     // Each inlined copy ran once per call of the function it is in, as the guest's kprobe
@@ -303,15 +307,7 @@ fn module_target_variables_come_from_the_modules_dwarf() {
             foreach (n in sizes+) printf("size %d %d\n", n, sizes[n])
             foreach (k in opened) printf("opened %s %d\n", k, opened[k])
         }"#;
-    let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "300", "--compile", "require"])
-        .args(["--script-text", script, "--attach-in-job"])
-        .arg("--initrd")
-        .arg(&initrd)
-        .arg("--console")
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, script);
     assert_eq!(code, 0, "{ctx}");
     // The device number the guest's stat gives.
     let device = device_number(&transcript, "event0")
@@ -409,15 +405,7 @@ fn module_probes_go_in_when_the_module_loads_and_out_before_it_is_freed() {
             foreach (d in devt) printf("devt %d %d\n", d, devt[d])
             foreach (d in auto) printf("auto %d %d\n", d, auto[d])
         }"#;
-    let (code, out, err) = run(exotap()
-        .args(["boot", "--timeout", "300", "--compile", "require"])
-        .args(["--script-text", script, "--attach-in-job"])
-        .arg("--initrd")
-        .arg(&initrd)
-        .arg("--console")
-        .arg(&console));
-    let transcript = std::fs::read_to_string(&console).unwrap_or_default();
-    let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nconsole:\n{transcript}");
+    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, script);
     assert_eq!(code, 0, "{ctx}");
     for bad in ["Oops", "BUG:", "general protection", "WARNING:"] {
         assert!(!transcript.contains(bad), "{bad}: {ctx}");

@@ -346,21 +346,10 @@ pub(super) fn plan_vars(
     if !reads {
         return Ok(true);
     }
+    // No place (an optional point), or only `@defined` reads: nothing to check here.
     let Some(template) = template else {
-        if m.optional || vars.required.is_empty() {
-            m.vars = Some(vars);
-            return Ok(true);
-        }
-        bail!(
-            "no match for probe point '{}': no function of the debug file of {} matches '{}'",
-            m.template.name,
-            files
-                .iter()
-                .map(|(n, _)| n.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            m.pattern
-        );
+        m.vars = Some(vars);
+        return Ok(true);
     };
     m.template.locals = Some(template);
     m.vars = Some(vars);
