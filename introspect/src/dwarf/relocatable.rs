@@ -221,22 +221,21 @@ pub fn place(
     Ok((out, placed))
 }
 
-fn read_u16(bytes: &[u8], at: u64) -> Result<u16, DwarfError> {
+/// The `N` bytes at `at`, bounds-checked.
+fn read<const N: usize>(bytes: &[u8], at: u64) -> Result<[u8; N], DwarfError> {
     let at = usize::try_from(at).map_err(|_| malformed("offset out of range"))?;
     bytes
-        .get(at..at.saturating_add(2))
+        .get(at..at.saturating_add(N))
         .and_then(|b| b.try_into().ok())
-        .map(u16::from_le_bytes)
         .ok_or_else(|| malformed(format!("offset {at:#x} past the end of the file")))
 }
 
+fn read_u16(bytes: &[u8], at: u64) -> Result<u16, DwarfError> {
+    read(bytes, at).map(u16::from_le_bytes)
+}
+
 fn read_u64(bytes: &[u8], at: u64) -> Result<u64, DwarfError> {
-    let at = usize::try_from(at).map_err(|_| malformed("offset out of range"))?;
-    bytes
-        .get(at..at.saturating_add(8))
-        .and_then(|b| b.try_into().ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| malformed(format!("offset {at:#x} past the end of the file")))
+    read(bytes, at).map(u64::from_le_bytes)
 }
 
 fn write(out: &mut [u8], at: u64, value: &[u8]) -> Result<(), DwarfError> {

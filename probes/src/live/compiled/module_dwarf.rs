@@ -59,6 +59,8 @@ pub(crate) fn cached_debug_files(image: &KernelImage) -> Vec<(String, PathBuf)> 
 /// A module's DWARF at one placement of its sections.
 pub(crate) struct ModuleDwarf {
     file: DebugFile,
+    /// Its inlined instances' index, built at the first `.inline` asked of it.
+    inlines: std::sync::OnceLock<exotap_introspect::dwarf::index::Index>,
     /// Its functions (text symbols of the debug file) and their addresses there.
     functions: Vec<(String, u64)>,
 }
@@ -83,7 +85,11 @@ impl ModuleDwarf {
                 .map(|s| (s.name.to_owned(), s.addr))
                 .collect()
         };
-        Ok(ModuleDwarf { file, functions })
+        Ok(ModuleDwarf {
+            file,
+            inlines: std::sync::OnceLock::new(),
+            functions,
+        })
     }
 
     /// `path` with its sections at made-up addresses (see the module doc).
@@ -167,8 +173,14 @@ impl ModuleDwarf {
     /// When the DWARF cannot be read.
     pub(crate) fn inlined(&self, pattern: &str) -> anyhow::Result<Vec<(String, u64)>> {
         use exotap_introspect::dwarf::index::{EntryKind, Index, Layer};
-        let info = self.file.load()?;
-        let index = Index::build(&info, Layer::Inlines, &|_, _| {})?;
+        let index = match self.inlines.get() {
+            Some(index) => index,
+            None => {
+                let info = self.file.load()?;
+                let built = Index::build(&info, Layer::Inlines, &|_, _| {})?;
+                self.inlines.get_or_init(|| built)
+            }
+        };
         let mut found: Vec<(String, u64)> = index
             .functions(pattern, &[EntryKind::Inlined])
             .into_iter()
@@ -235,6 +247,7 @@ pub(super) fn plan_vars(
     image: &KernelImage,
     prog: &crate::lang::check::Program,
     m: &mut super::plan::ModulePoint,
+    made_up: &mut HashMap<PathBuf, ModuleDwarf>,
 ) -> anyhow::Result<bool> {
     let (mut required, mut optional) = crate::live::target_vars::names_read(prog, m.template.probe);
     required.remove("return");
@@ -293,7 +306,13 @@ pub(super) fn plan_vars(
     let mut template = None;
     let mut places = 0usize;
     for (name, path) in &files {
-        let dwarf = ModuleDwarf::made_up(path)?;
+        // Each debug file read and placed once per plan (the nfsd tapset names one module
+        // at seventeen points).
+        let dwarf = match made_up.entry(path.clone()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(ModuleDwarf::made_up(path)?),
+        };
+        let dwarf: &ModuleDwarf = dwarf;
         let at: Vec<(String, u64)> = if inline {
             dwarf.inlined(&m.pattern)?
         } else {
@@ -313,7 +332,7 @@ pub(super) fn plan_vars(
                 "module(\"{name}\").function(\"{function}\"){}",
                 m.site.suffix()
             );
-            match vars.at(&dwarf, &point, pc) {
+            match vars.at(dwarf, &point, pc) {
                 Ok(locals) => {
                     template.get_or_insert(locals);
                 }

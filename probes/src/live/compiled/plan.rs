@@ -156,9 +156,10 @@ pub fn plan(
     let mut elsewhere = Vec::new();
     let mut statements = BTreeSet::new();
     let mut modules = Vec::new();
+    let mut made_up = std::collections::HashMap::new();
     for (probe, point) in resolved {
         if let Some(mut m) = module_point(prog, probe, &point.name) {
-            if super::module_dwarf::plan_vars(image, prog, &mut m)? {
+            if super::module_dwarf::plan_vars(image, prog, &mut m, &mut made_up)? {
                 modules.push(m);
             }
             continue;
