@@ -47,6 +47,10 @@
 //! It does not undo return addresses replaced by the function-graph tracer or kretprobes
 //! (`return_to_handler`, `__kretprobe_trampoline` appear as such).
 //!
+//! Code the kernel patches at boot (alternatives) can run with a stack the tables do not
+//! describe; [`PatchedRules`] derives the rules of such sites from the running text and
+//! [`Unwinder::with_patched`] puts them first.
+//!
 //! # Where the tables come from
 //! [`OrcTable::from_elf`] on the `-dbg` vmlinux, [`OrcTable::from_vmlinux`] on the ELF
 //! inside a bzImage (the Debian image keeps its section headers, so this works there too),
@@ -55,6 +59,7 @@
 
 mod entry;
 mod format;
+mod patched;
 mod stack;
 mod table;
 mod unwind;
@@ -63,6 +68,9 @@ pub use entry::{
     OrcEntry, OrcLayout, OrcReg, OrcType, RawOrcEntry, ENTRY_SIZE, HEADER_SIZE, KNOWN_HEADERS,
 };
 pub use format::format_backtrace;
+pub use patched::{
+    alternatives, undescribed_sites, AltError, AltInstrLayout, AltSite, Alternative, PatchedRules,
+};
 pub use stack::{
     InactiveTaskFrame, IretFrame, OutsideSnapshot, PtRegs, StackMemory, StackSnapshot,
 };

@@ -5,8 +5,8 @@
 use std::sync::OnceLock;
 
 use iced_x86::{
-    Decoder, DecoderOptions, FlowControl, InstructionInfoFactory, Mnemonic, OpAccess, OpKind,
-    Register,
+    Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
+    OpKind, Register,
 };
 use object::{Object, ObjectSection};
 
@@ -532,4 +532,146 @@ fn real_bzimage_vmlinux_carries_the_same_orc_tables() {
 
     assert_eq!(from_image.len(), kernel.table.len());
     assert!(from_image.iter().eq(kernel.table.iter()));
+}
+
+/// The image, its BTF's `struct alt_instr`, and the alternatives sites the table does not
+/// describe.
+fn undescribed_sites_of(
+    vmlinux: &crate::bzimage::Vmlinux,
+    table: &OrcTable,
+) -> (AltInstrLayout, Vec<AltSite>) {
+    let btf = crate::btf::Btf::from_elf(vmlinux.bytes()).unwrap();
+    let layout = AltInstrLayout::from_btf(&btf).unwrap();
+    let sites = undescribed_sites(vmlinux, &layout, table).unwrap();
+    (layout, sites)
+}
+
+/// At every alternatives site, the rules walked through the image's own bytes there (the
+/// original, which objtool checked at build time) equal the table's at each instruction the
+/// walk reaches: the walk and objtool agree where objtool saw the code.
+#[test]
+fn real_vmlinux_rules_walked_through_the_original_text_of_each_site_equal_objtools() {
+    let Some(kernel) = kernel() else { return };
+    let vmlinux =
+        crate::bzimage::Vmlinux::map(&super::testing::debug_vmlinux_file().unwrap()).unwrap();
+    let (layout, undescribed) = undescribed_sites_of(&vmlinux, &kernel.table);
+    let mut sites: Vec<AltSite> = alternatives(&vmlinux, &layout)
+        .unwrap()
+        .into_iter()
+        .map(|alt| alt.site)
+        .collect();
+    sites.sort_by_key(|s| s.addr);
+    sites.dedup();
+    let table_rule = |addr| kernel.table.lookup(addr).map(|(_, entry)| entry);
+    let (mut walked, mut compared) = (0, 0);
+    for site in &sites {
+        let rules = PatchedRules::derive(&[*site], 0, table_rule, |at, buf| {
+            vmlinux
+                .read_at(at, buf.len())
+                .map(|bytes| buf.copy_from_slice(bytes))
+                .is_ok()
+        });
+        walked += rules.len();
+        for (addr, rule) in rules.iter() {
+            assert_eq!(
+                Some(rule),
+                table_rule(addr),
+                "site {:#x} at {addr:#x}",
+                site.addr
+            );
+            compared += 1;
+        }
+    }
+    println!(
+        "{} alternatives sites, {walked} walked, {compared} instructions compared; \
+         {} sites the table does not describe for every variant",
+        sites.len(),
+        undescribed.len()
+    );
+    assert!(walked * 2 > sites.len(), "the walk followed too few sites");
+    assert!(!undescribed.is_empty() && undescribed.len() * 100 < sites.len());
+}
+
+/// A sample inside the RSB-stuffing loop that CPUs with `X86_FEATURE_RSB_CTXSW` run in
+/// `__switch_to_asm` (its replacement patched in as the kernel does) unwinds to the
+/// `__schedule` that called it with the rules derived from the patched text; the table's rule
+/// there (objtool's, for the one-call variant) reads the return address 16 bytes too low.
+#[test]
+fn real_vmlinux_unwinds_a_sample_in_the_patched_rsb_fill_of_switch_to_asm() {
+    let Some(kernel) = kernel() else { return };
+    let vmlinux =
+        crate::bzimage::Vmlinux::map(&super::testing::debug_vmlinux_file().unwrap()).unwrap();
+    let (layout, sites) = undescribed_sites_of(&vmlinux, &kernel.table);
+    let switch = kernel.symbols.get("__switch_to_asm").unwrap();
+    let in_switch = |addr: u64| (switch.addr..switch.addr + switch.size).contains(&addr);
+    let site = *sites.iter().find(|s| in_switch(s.addr)).unwrap();
+    let table_rule = |addr| kernel.table.lookup(addr).map(|(_, entry)| entry);
+    let slide = 0x2a0_0000;
+    // Each replacement patched in (padded with nops, as the kernel pads), the deepest one.
+    let (rules, live) = alternatives(&vmlinux, &layout)
+        .unwrap()
+        .into_iter()
+        .filter(|alt| alt.site == site)
+        .map(|alt| {
+            let mut live = vmlinux
+                .read_at(alt.replacement, usize::from(alt.replacement_len))
+                .unwrap()
+                .to_vec();
+            live.resize(usize::from(site.len), 0x90);
+            let rules = PatchedRules::derive(&[site], slide, table_rule, |_, buf| {
+                buf.copy_from_slice(&live);
+                true
+            });
+            (rules, live)
+        })
+        .max_by_key(|(rules, _)| {
+            (0..u64::from(site.len))
+                .filter_map(|off| rules.entry_at(site.addr + slide + off))
+                .map(|rule| rule.sp_offset)
+                .max()
+        })
+        .unwrap();
+    // The instruction after the loop's second call: two return addresses pushed.
+    let calls: Vec<Instruction> = Decoder::with_ip(64, &live, site.addr, DecoderOptions::NONE)
+        .into_iter()
+        .filter(|insn| insn.mnemonic() == Mnemonic::Call)
+        .collect();
+    assert_eq!(calls.len(), 2, "the loop's two intra-function calls");
+    let deepest = calls[1].near_branch_target();
+    let start = table_rule(site.addr).unwrap();
+    let derived = rules.entry_at(deepest + slide).unwrap();
+    assert_eq!(derived.sp_offset, start.sp_offset + 16);
+    assert_ne!(
+        Some(derived),
+        table_rule(deepest),
+        "the table already had this rule"
+    );
+
+    // The stack: the loop's two return addresses, six saved registers, then __schedule's.
+    let schedule = kernel.ret_after_call("__schedule", "__switch_to_asm");
+    let cfa = STACK + u64::try_from(derived.sp_offset).unwrap();
+    let mut stack = super::testing::StackImage::new(STACK, 0x1000);
+    stack
+        .put(STACK, calls[1].next_ip() + slide)
+        .put(STACK + 8, calls[0].next_ip() + slide)
+        .put(cfa - 8, schedule + slide);
+    let begin = UnwindStart {
+        ip: deepest + slide,
+        sp: STACK,
+        bp: 0,
+        regs: None,
+        signal: true,
+    };
+    let patched = Unwinder::new(&kernel.table, slide)
+        .with_patched(&rules)
+        .unwind(&begin, &mut stack.snapshot());
+    println!("{}", kernel.backtrace_text(&patched, slide));
+    assert_eq!(patched.frames[1].pc, schedule + slide);
+    assert_eq!(patched.frames[1].sp, cfa);
+    let unpatched = Unwinder::new(&kernel.table, slide).unwind(&begin, &mut stack.snapshot());
+    assert_ne!(
+        unpatched.frames.get(1).map(|f| f.pc),
+        Some(schedule + slide),
+        "the table alone unwound the loop"
+    );
 }

@@ -110,6 +110,15 @@ impl StackImage {
 /// The cached Debian `-dbg` vmlinux, mapped, or `None` after printing why it is skipped (it
 /// is absent); panics when it is there but cannot be opened or mapped.
 pub(crate) fn debug_vmlinux() -> Option<memmap2::Mmap> {
+    let file = debug_vmlinux_file()?;
+    // SAFETY: the cache file is only ever replaced whole (written elsewhere, then renamed),
+    // never modified in place, so the mapping stays valid for the test's lifetime.
+    Some(unsafe { memmap2::Mmap::map(&file) }.unwrap())
+}
+
+/// The cached Debian `-dbg` vmlinux, opened, or `None` after printing why it is skipped (it
+/// is absent); panics when it is there but cannot be opened.
+pub(crate) fn debug_vmlinux_file() -> Option<std::fs::File> {
     let release = crate::bzimage::tests::RELEASE;
     let Some(dir) = crate::bzimage::cached_kernel_dir(release) else {
         println!("SKIP: no HOME or XDG_CACHE_HOME to find the kernel cache");
@@ -128,7 +137,5 @@ pub(crate) fn debug_vmlinux() -> Option<memmap2::Mmap> {
         // Present but unreadable: a failure, not a missing cache.
         Err(e) => panic!("cannot open the cached {}: {e}", path.display()),
     };
-    // SAFETY: the cache file is only ever replaced whole (written elsewhere, then renamed),
-    // never modified in place, so the mapping stays valid for the test's lifetime.
-    Some(unsafe { memmap2::Mmap::map(&file) }.unwrap())
+    Some(file)
 }

@@ -464,6 +464,42 @@ fn task_that_never_ran_starts_exactly_at_ret_from_fork() {
     assert!(begin.signal);
 }
 
+/// A vCPU stopped in `__switch_to`, reached by `__switch_to_asm`'s jump, on the stack of a
+/// task that never ran: the return address is `ret_from_fork`'s first instruction, and one
+/// byte back is the padding after the routine before it, which has no rule.
+#[test]
+fn a_return_to_the_first_instruction_of_ret_from_fork_is_looked_up_as_is() {
+    let ret_from_fork = TEXT + 0x300;
+    let table = text_table(&[
+        (0x100, call(8)),
+        (0x2f6, RawOrcEntry::default()),
+        (0x300, end_of_stack()),
+        (0x310, call(8)),
+    ]);
+    let mut stack = StackImage::new(STACK, 0x100);
+    stack.put(STACK, ret_from_fork);
+    let begin = UnwindStart {
+        ip: TEXT + 0x120,
+        sp: STACK,
+        bp: 0,
+        regs: None,
+        signal: true,
+    };
+
+    let plain = Unwinder::new(&table, 0).unwind(&begin, &mut stack.snapshot());
+    let known = Unwinder::new(&table, 0)
+        .with_entry_return(ret_from_fork)
+        .unwind(&begin, &mut stack.snapshot());
+
+    assert!(matches!(
+        plain.end,
+        StackEnd::Error(UnwindError::Undefined { .. })
+    ));
+    assert_eq!(pcs(&known), [0x120, 0x300]);
+    assert!(known.frames[1].signal);
+    assert!(matches!(known.end, StackEnd::EndOfStack));
+}
+
 #[test]
 fn task_frame_at_the_top_of_the_address_space_is_refused() {
     let stack = StackImage::new(STACK, 8);

@@ -4,6 +4,7 @@
 use std::ops::Range;
 
 use super::entry::{OrcEntry, OrcReg, OrcType};
+use super::patched::PatchedRules;
 use super::stack::{InactiveTaskFrame, IretFrame, PtRegs, StackMemory};
 use super::table::OrcTable;
 
@@ -311,6 +312,8 @@ pub struct Unwinder<'t> {
     max_frames: usize,
     guess_frame_pointers: bool,
     stacks: Vec<Range<u64>>,
+    patched: Option<&'t PatchedRules>,
+    entry_returns: Vec<u64>,
 }
 
 impl<'t> Unwinder<'t> {
@@ -323,6 +326,8 @@ impl<'t> Unwinder<'t> {
             max_frames: DEFAULT_MAX_FRAMES,
             guess_frame_pointers: false,
             stacks: Vec::new(),
+            patched: None,
+            entry_returns: Vec::new(),
         }
     }
 
@@ -355,8 +360,28 @@ impl<'t> Unwinder<'t> {
         self
     }
 
+    /// Rules for code the kernel patched at boot, taking precedence over the tables inside
+    /// their sites ([`PatchedRules`]).
+    pub fn with_patched(mut self, patched: &'t PatchedRules) -> Self {
+        self.patched = Some(patched);
+        self
+    }
+
+    /// Declares a return address that is a routine's first instruction, not the one after a
+    /// call: a new task's `ret_from_fork` (`ret_from_fork_asm` where the kernel has it),
+    /// which `__switch_to` returns to the first time the task runs. Its rule is looked up
+    /// at the address itself, as the kernel's `__unwind_start` does for a task that never
+    /// ran; one byte back is the end of the routine before it.
+    pub fn with_entry_return(mut self, addr: u64) -> Self {
+        self.entry_returns.push(addr);
+        self
+    }
+
     /// The ORC entry in force at the running address `addr`.
     pub fn entry_at(&self, addr: u64) -> Option<OrcEntry> {
+        if let Some(entry) = self.patched.and_then(|p| p.entry_at(addr)) {
+            return Some(entry);
+        }
         self.tables.iter().find_map(|slid| {
             let link = addr.wrapping_sub(slid.slide);
             if !slid.table.covers(link) {
@@ -567,7 +592,7 @@ impl<'t> Unwinder<'t> {
             sp,
             bp,
             regs,
-            signal: entry.signal,
+            signal: entry.signal || (kind == FrameKind::Call && self.entry_returns.contains(&ip)),
         };
         Ok((next, kind))
     }

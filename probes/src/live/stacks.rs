@@ -15,8 +15,8 @@ use exotap_introspect::btf::Btf;
 use exotap_introspect::layout::TASK_COMM_LEN;
 use exotap_introspect::memory::PhysicalMemory;
 use exotap_introspect::orc::{
-    Backtrace, Frame, InactiveTaskFrame, OrcTable, PtRegs, StackEnd, StackMemory, StackSnapshot,
-    UnwindStart, Unwinder,
+    undescribed_sites, AltInstrLayout, AltSite, Backtrace, Frame, InactiveTaskFrame, OrcTable,
+    PatchedRules, PtRegs, StackEnd, StackMemory, StackSnapshot, UnwindStart, Unwinder,
 };
 use exotap_introspect::paging::{AddressSpace, PagingError};
 use exotap_introspect::symbols::SymbolTable;
@@ -360,6 +360,10 @@ pub struct KernelStacks {
     /// running addresses: `stack_trace_save_tsk` skips these (`in_sched_functions`).
     scheduler: Vec<Range<u64>>,
     ret_from_fork: Option<u64>,
+    /// The image's alternatives sites whose variants its table does not all describe.
+    alt_sites: Vec<AltSite>,
+    /// Their rules from the running text, once read ([`KernelStacks::refresh_modules`]).
+    patched: Option<PatchedRules>,
 }
 
 impl std::fmt::Debug for KernelStacks {
@@ -423,10 +427,25 @@ impl KernelStacks {
         .into_iter()
         .flatten()
         .collect();
-        let ret_from_fork = image
-            .symbols
-            .get("ret_from_fork")
+        // Where a new task's first `__switch_to` returns: the assembly `ret_from_fork_asm`
+        // where the kernel has one (it calls the C `ret_from_fork`), else `ret_from_fork`.
+        let ret_from_fork = ["ret_from_fork_asm", "ret_from_fork"]
+            .into_iter()
+            .find_map(|name| image.symbols.get(name))
             .map(|s| s.addr.wrapping_add(slide));
+        let alt_sites = match btf.map_or_else(|| image.btf(), Ok) {
+            Ok(btf) => AltInstrLayout::from_btf(btf)
+                .and_then(|layout| undescribed_sites(&image.vmlinux, &layout, &orc))
+                .map_err(anyhow::Error::from),
+            Err(err) => Err(err),
+        };
+        let alt_sites = alt_sites.unwrap_or_else(|err| {
+            tracing::warn!(
+                "frames in code the kernel patched at boot may unwind wrong: \
+                 the image's alternatives are not readable: {err:#}"
+            );
+            Vec::new()
+        });
         Ok(Self {
             orc,
             slide,
@@ -438,6 +457,8 @@ impl KernelStacks {
             symbols,
             scheduler,
             ret_from_fork,
+            alt_sites,
+            patched: None,
         })
     }
 
@@ -457,20 +478,56 @@ impl KernelStacks {
         Ok(stacks)
     }
 
-    /// An unwinder over the image's table at this slide and the known modules' tables.
+    /// An unwinder over the image's table at this slide, the known modules' tables, and the
+    /// rules of code the kernel patched at boot, once read; `ret_from_fork` a return address
+    /// looked up as is ([`Unwinder::with_entry_return`]).
     pub fn unwinder(&self) -> Unwinder<'_> {
-        self.modules
+        let unwinder = self
+            .modules
             .iter()
             .filter_map(|m| m.orc.as_ref())
             .fold(Unwinder::new(&self.orc, self.slide), |unwinder, table| {
                 unwinder.with_table(table, 0)
-            })
+            });
+        let unwinder = match self.ret_from_fork {
+            Some(addr) => unwinder.with_entry_return(addr),
+            None => unwinder,
+        };
+        match &self.patched {
+            Some(patched) => unwinder.with_patched(patched),
+            None => unwinder,
+        }
+    }
+
+    /// Reads the running text of the image's alternatives sites its table does not describe
+    /// and derives their rules ([`PatchedRules`]): what the kernel patched in at boot, which the
+    /// image's table may not describe. Once per guest: the kernel patches them at boot.
+    fn read_patched_text<R: VirtualMemory + ?Sized>(&mut self, mem: &mut R) {
+        if self.patched.is_some() {
+            return;
+        }
+        let orc = &self.orc;
+        let patched = PatchedRules::derive(
+            &self.alt_sites,
+            self.slide,
+            |addr| orc.lookup(addr).map(|(_, entry)| entry),
+            |at, buf| mem.read_virt(at, buf).is_ok(),
+        );
+        tracing::debug!(
+            sites = self.alt_sites.len(),
+            patched = patched.len(),
+            "ORC rules from the running text of alternatives sites"
+        );
+        self.patched = Some(patched);
     }
 
     /// Reads the guest's module list again (the guest stopped): the modules' text, ORC
-    /// tables and symbols. A list that cannot be read keeps the modules known before, with a
-    /// warning; a module whose tables cannot be read is kept without them, with a warning.
+    /// tables and symbols, and the first time, the running text of the kernel's patched
+    /// alternatives sites ([`PatchedRules`]). A list that cannot be read keeps the modules
+    /// known before, with a warning; a module whose tables cannot be read is kept without
+    /// them, with a warning.
     pub fn refresh_modules<R: VirtualMemory + ?Sized>(&mut self, mem: &mut R) {
+        self.read_patched_text(mem);
         let Some((head, layout)) = self.module_list else {
             return;
         };
