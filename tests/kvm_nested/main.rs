@@ -175,6 +175,21 @@ t0=$(cut -d' ' -f1 /proc/uptime)
 t1=$(cut -d' ' -f1 /proc/uptime)
 exotap_result inner.wall_s "$(awk -v a=$t0 -v b=$t1 'BEGIN {{print b - a}}')"
 set +e
+# The phases a run before this one finished (`exotap.done=a,b` on the kernel command line,
+# after a freeze of the outer guest): skipped, their lines kept from that run. A phase's lines
+# lie between its `phase.start` and `phase.done` results.
+done_phases=$(sed -n 's/.*exotap\.done=\([^ ]*\).*/\1/p' /proc/cmdline)
+phase() {{
+    case ",$done_phases," in *",$1,"*) return 1 ;; esac
+    exotap_result phase.start "$1"
+}}
+phase_done() {{
+    exotap_result phase.done "$1"
+    # A freeze made on purpose (EXOTAP_NESTED_FREEZE_AFTER), to try the retry by hand.
+    case " $(cat /proc/cmdline) " in
+    *" exotap.freeze_after=$1 "*) kill $heartbeat; sleep 100000 ;;
+    esac
+}}
 # Whether a failed engine run's inner guest reset the machine before it printed EXOTAP-READY
 # (its output in $1): before any instrumentation (see RETRY_INNER).
 reset_before_ready() {{
@@ -204,57 +219,87 @@ tagged() {{
     s1=$(cut -d' ' -f1 /proc/uptime)
     exotap_result "$tag.wall_s" "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
 }}
-tagged count /bin/exotap count --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
-    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
-tagged nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/nullify.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
-    __x64_sys_getppid 4242
-tagged script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
-    --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
-    --compile require --script /kvm/count.stp
-tagged time /bin/exotap time --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
-    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
-tagged replace /bin/exotap replace --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/replace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
-    __x64_sys_getppid __x64_sys_getpid
-tagged report /bin/exotap splice-report --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/report.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 400 \
-    --install 1000
-tagged blocks /bin/exotap count --blocks --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/inner.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
-    --depth 1 --format json __x64_sys_getpid __x64_sys_getppid
-tagged profile /bin/exotap profile --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 --hz 20 \
-    --format json
-tagged stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
-    --initrd /kvm/backtrace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600
+if phase count; then
+    tagged count /bin/exotap count --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+        --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
+    phase_done count
+fi
+if phase nullify; then
+    tagged nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
+        --initrd /kvm/nullify.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+        __x64_sys_getppid 4242
+    phase_done nullify
+fi
+if phase script; then
+    tagged script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
+        --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
+        --compile require --script /kvm/count.stp
+    phase_done script
+fi
+if phase time; then
+    tagged time /bin/exotap time --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+        --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
+    phase_done time
+fi
+if phase replace; then
+    tagged replace /bin/exotap replace --backend kvm --bzimage /kvm/vmlinuz \
+        --initrd /kvm/replace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+        __x64_sys_getppid __x64_sys_getpid
+    phase_done replace
+fi
+if phase report; then
+    tagged report /bin/exotap splice-report --backend kvm --bzimage /kvm/vmlinuz \
+        --initrd /kvm/report.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 400 \
+        --install 1000
+    phase_done report
+fi
+if phase blocks; then
+    tagged blocks /bin/exotap count --blocks --backend kvm --bzimage /kvm/vmlinuz \
+        --initrd /kvm/inner.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+        --depth 1 --format json __x64_sys_getpid __x64_sys_getppid
+    phase_done blocks
+fi
+if phase profile; then
+    tagged profile /bin/exotap profile --backend kvm --bzimage /kvm/vmlinuz \
+        --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 --hz 20 \
+        --format json
+    phase_done profile
+fi
+if phase stacks; then
+    tagged stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
+        --initrd /kvm/backtrace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600
+    phase_done stacks
+fi
 # trace with streaming: 40000 record lines go to a file in the outer guest, not through its serial
 # console (under TCG that console is the slow part); counted here, a sample printed and timed.
-s0=$(cut -d' ' -f1 /proc/uptime)
-for try in 1 2; do
-    /bin/exotap trace --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
-        --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid > /tmp/trace.out 2>&1
-    rc=$?
-    if [ "$rc" -ne 0 ] && [ $try = 1 ] && reset_before_ready /tmp/trace.out; then
-        echo "{RETRY_INNER} trace: the inner guest reset the machine before EXOTAP-READY; running it again"
-        continue
-    fi
-    break
-done
-exotap_result trace.rc "$rc"
-s1=$(cut -d' ' -f1 /proc/uptime)
-exotap_result trace.wall_s "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
-exotap_result trace.entries "$(grep -c 'syscall-loop\[[0-9]*\]  -> __x64_sys_getpid(' /tmp/trace.out)"
-exotap_result trace.returns "$(grep -c 'syscall-loop\[[0-9]*\]  <- __x64_sys_getpid = ' /tmp/trace.out)"
-exotap_result trace.bytes "$(wc -c < /tmp/trace.out)"
-grep -v -e '-> __x64_sys_getpid(' -e '<- __x64_sys_getpid = ' /tmp/trace.out \
-    | sed "s/EXOTAP-/inner:/g; s/^/trace| /"
-s0=$(cut -d' ' -f1 /proc/uptime)
-grep -e '-> __x64_sys_getpid(' /tmp/trace.out | head -2000 | sed 's/^/trace.sample| /'
-s1=$(cut -d' ' -f1 /proc/uptime)
-exotap_result trace.sample_bytes "$(grep -e '-> __x64_sys_getpid(' /tmp/trace.out | head -2000 | wc -c)"
-exotap_result trace.sample_s "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
-rm -f /tmp/trace.out
+if phase trace; then
+    s0=$(cut -d' ' -f1 /proc/uptime)
+    for try in 1 2; do
+        /bin/exotap trace --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+            --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid > /tmp/trace.out 2>&1
+        rc=$?
+        if [ "$rc" -ne 0 ] && [ $try = 1 ] && reset_before_ready /tmp/trace.out; then
+            echo "{RETRY_INNER} trace: the inner guest reset the machine before EXOTAP-READY; running it again"
+            continue
+        fi
+        break
+    done
+    exotap_result trace.rc "$rc"
+    s1=$(cut -d' ' -f1 /proc/uptime)
+    exotap_result trace.wall_s "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
+    exotap_result trace.entries "$(grep -c 'syscall-loop\[[0-9]*\]  -> __x64_sys_getpid(' /tmp/trace.out)"
+    exotap_result trace.returns "$(grep -c 'syscall-loop\[[0-9]*\]  <- __x64_sys_getpid = ' /tmp/trace.out)"
+    exotap_result trace.bytes "$(wc -c < /tmp/trace.out)"
+    grep -v -e '-> __x64_sys_getpid(' -e '<- __x64_sys_getpid = ' /tmp/trace.out \
+        | sed "s/EXOTAP-/inner:/g; s/^/trace| /"
+    s0=$(cut -d' ' -f1 /proc/uptime)
+    grep -e '-> __x64_sys_getpid(' /tmp/trace.out | head -2000 | sed 's/^/trace.sample| /'
+    s1=$(cut -d' ' -f1 /proc/uptime)
+    exotap_result trace.sample_bytes "$(grep -e '-> __x64_sys_getpid(' /tmp/trace.out | head -2000 | wc -c)"
+    exotap_result trace.sample_s "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
+    rm -f /tmp/trace.out
+    phase_done trace
+fi
 # A VMM that stays up with its control socket; a second exotap drives it with --target.
 vmm_up() {{
     rm -f /tmp/vmm.sock /tmp/vmm.out /tmp/client.out
@@ -285,17 +330,23 @@ vmm_down() {{
 }}
 # run --target vmm:PATH: the guest's job runs between the client's install and its end (SIGTERM
 # at the guest's detach wait: the client removes its probes and leaves).
-s0=$(cut -d' ' -f1 /proc/uptime)
-vmm_up /kvm/script.cpio.gz
-until_vmm_says 'EXOTAP-WAIT detach'
-kill -TERM $client
-vmm_down target
+if phase target; then
+    s0=$(cut -d' ' -f1 /proc/uptime)
+    vmm_up /kvm/script.cpio.gz
+    until_vmm_says 'EXOTAP-WAIT detach'
+    kill -TERM $client
+    vmm_down target
+    phase_done target
+fi
 # SIGKILL with the splices in, while the guest runs: the VMM undoes them itself.
-s0=$(cut -d' ' -f1 /proc/uptime)
-vmm_up /kvm/recover.cpio.gz
-until_vmm_says 'EXOTAP-RESULT getpid.calls='
-kill -KILL $client
-vmm_down recover
+if phase recover; then
+    s0=$(cut -d' ' -f1 /proc/uptime)
+    vmm_up /kvm/recover.cpio.gz
+    until_vmm_says 'EXOTAP-RESULT getpid.calls='
+    kill -KILL $client
+    vmm_down recover
+    phase_done recover
+fi
 kill $heartbeat
 "#
     ))
@@ -341,6 +392,52 @@ const TAGS: [&str; 13] = [
     "target",
     "recover",
 ];
+
+/// The phases a run of the outer job finished, in order, each with its lines: from its
+/// `phase.start` result to its `phase.done` (the outer guest's heartbeat among them).
+fn finished_phases(console: &str) -> Vec<(String, String)> {
+    let marker = |line: &str, key: &str| {
+        let prefix = format!("EXOTAP-RESULT phase.{key}=");
+        line.find(&prefix)
+            .map(|at| line[at + prefix.len()..].trim_end().to_owned())
+    };
+    let mut finished = Vec::new();
+    let mut open: Option<(String, String)> = None;
+    for line in console.lines() {
+        if let Some(tag) = marker(line, "start") {
+            open = Some((tag, String::new()));
+        }
+        if let Some((tag, lines)) = open.as_mut() {
+            lines.push_str(line);
+            lines.push('\n');
+            if marker(line, "done").as_ref() == Some(tag) {
+                finished.extend(open.take());
+            }
+        }
+    }
+    finished
+}
+
+#[test]
+fn a_retry_keeps_the_lines_of_the_phases_the_frozen_run_finished() {
+    let console = "EXOTAP-RESULT inner.wall_s=9\n\
+                   EXOTAP-RESULT phase.start=count\n\
+                   count| 10000 __x64_sys_getpid\n\
+                   outer: alive at 40 s\n\
+                   EXOTAP-RESULT count.rc=0\n\
+                   EXOTAP-RESULT phase.done=count\n\
+                   EXOTAP-RESULT phase.start=nullify\n\
+                   nullify| inner:READY\n\
+                   [  212.9] watchdog: BUG: soft lockup - CPU#1 stuck for 26s!\n";
+    let finished = finished_phases(console);
+    assert_eq!(finished.len(), 1);
+    assert_eq!(finished[0].0, "count");
+    assert_eq!(
+        finished[0].1,
+        "EXOTAP-RESULT phase.start=count\ncount| 10000 __x64_sys_getpid\n\
+         outer: alive at 40 s\nEXOTAP-RESULT count.rc=0\nEXOTAP-RESULT phase.done=count\n"
+    );
+}
 
 /// The lines of one tagged run, tag removed.
 fn tagged<'a>(console: &'a str, tag: &str) -> Vec<&'a str> {
@@ -537,9 +634,25 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // an inner run on, the inner run's own timeout never firing: nothing in the outer guest
     // ran any more). Such a run is retried, twice at most, saying so, with its last lines;
     // any other failure (an inner guest's panic included), or a third crash or freeze, fails
-    // the test.
+    // the test. A retry runs only the phases the crashed or frozen run did not finish (the
+    // canned splice's boot always), and keeps the finished ones' lines: a freeze late in the
+    // run cost a whole second run before (1,003 s for the test in one CI run, two retries).
     let mut attempt = 1;
+    let base_append = config.append.clone();
+    let mut done: Vec<String> = Vec::new();
+    let mut carried = String::new();
     let (outcome, transcript) = loop {
+        config.append.clone_from(&base_append);
+        if !done.is_empty() {
+            config
+                .append
+                .push(format!("exotap.done={}", done.join(",")));
+        }
+        if let (Some(tag), 1) = (std::env::var_os("EXOTAP_NESTED_FREEZE_AFTER"), attempt) {
+            config
+                .append
+                .push(format!("exotap.freeze_after={}", tag.to_string_lossy()));
+        }
         let last = Rc::new(Cell::new(Instant::now()));
         let mut watched = Watched {
             transcript: Vec::new(),
@@ -577,18 +690,30 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
                     .map(ToString::to_string)
                     .unwrap_or_default()
             };
+            for (tag, lines) in finished_phases(&text) {
+                if !done.contains(&tag) {
+                    done.push(tag);
+                    carried.push_str(&lines);
+                }
+            }
             eprintln!(
                 "RETRY kvm_nested: {why}; last engine run finished: {last_run}; last console \
-                 lines:\n{}\nrunning the whole harness again (attempt {})",
+                 lines:\n{}\nrunning the harness again (attempt {}) but for the phases \
+                 finished: {}",
                 tail(&text),
-                attempt + 1
+                attempt + 1,
+                if done.is_empty() {
+                    "none".to_owned()
+                } else {
+                    done.join(", ")
+                }
             );
             attempt += 1;
             continue;
         }
         break (outcome, transcript);
     };
-    let console = String::from_utf8_lossy(&transcript).into_owned();
+    let console = carried + &String::from_utf8_lossy(&transcript);
     let ctx = format!("outer console tail:\n{}", tail(&console));
     let outcome = outcome.unwrap_or_else(|e| panic!("{e}\n{ctx}"));
     eprintln!("{console}");

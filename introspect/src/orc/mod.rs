@@ -70,6 +70,7 @@ pub use entry::{
 pub use format::format_backtrace;
 pub use patched::{
     alternatives, undescribed_sites, AltError, AltInstrLayout, AltSite, Alternative, PatchedRules,
+    THUNK_ENTRY,
 };
 pub use stack::{
     InactiveTaskFrame, IretFrame, OutsideSnapshot, PtRegs, StackMemory, StackSnapshot,

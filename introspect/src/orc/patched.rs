@@ -17,7 +17,9 @@
 //! not describe every variant are read ([`undescribed_sites`]); a live variant
 //! this walk cannot follow (a write to `%rsp` it does not model, a frame pointer changed,
 //! two heights at one instruction, a height at the site's end other than at its start)
-//! keeps objtool's rules.
+//! keeps objtool's rules. A jump out of the site ends the walk (a tail call, or a
+//! retpoline's jump to the return thunk). The retpoline thunks, whose table rules say
+//! nothing, are walked the same way from [`THUNK_ENTRY`].
 //!
 //! `.altinstructions` holds one `struct alt_instr` per (site, replacement): `s32
 //! instr_offset` and `s32 repl_offset`, each relative to its own field, then the feature
@@ -244,6 +246,22 @@ fn writes(info: &mut InstructionInfoFactory, insn: &Instruction, reg: Register) 
     })
 }
 
+/// The rule at the first instruction of a retpoline thunk (`__x86_indirect_thunk_rax`, ...):
+/// the return address on top of the stack. A thunk is reached by a call, or by a tail call's
+/// jump once the caller's frame is gone: either way the return address is there. The kernel
+/// annotates the thunks `UNWIND_HINT_EMPTY` (6.1: the end of the stack, so a sample there
+/// showed a one-frame stack as complete) or `UNWIND_HINT_UNDEFINED` (6.12: an unwind that
+/// fails); the rules walked from this one through the running thunk follow its retpoline
+/// (`call 1f; int3; 1: mov %reg, (%rsp); ret`, 8 bytes deeper after the call).
+pub const THUNK_ENTRY: OrcEntry = OrcEntry {
+    sp_reg: OrcReg::Sp,
+    sp_offset: 8,
+    bp_reg: OrcReg::Undefined,
+    bp_offset: 0,
+    kind: OrcType::Call,
+    signal: false,
+};
+
 /// A rule and the running address of the instruction it holds from.
 type Rule = (u64, OrcEntry);
 
@@ -287,6 +305,12 @@ impl PatchedRules {
         }
         rules.sites.sort_by_key(|(range, _)| range.start);
         rules
+    }
+
+    /// Adds the sites of `other` (derived from other starting rules).
+    pub fn extend(&mut self, other: Self) {
+        self.sites.extend(other.sites);
+        self.sites.sort_by_key(|(range, _)| range.start);
     }
 
     /// Sites with rules of their own.
@@ -369,10 +393,10 @@ fn site_rules(bytes: &[u8], addr: u64, start: OrcEntry) -> Option<Vec<Rule>> {
                 }
             }
             FlowControl::UnconditionalBranch => {
+                // A jump out of the site ends the walk there: a tail call, or 6.1's
+                // retpolines' `jmp __x86_return_thunk` standing for their `ret`.
                 if target_inside(&insn) || is_direct(&insn) && insn.near_branch_target() == end {
                     work.push((insn.near_branch_target(), height));
-                } else if height != start_height {
-                    return None;
                 }
             }
             FlowControl::ConditionalBranch => {
@@ -382,8 +406,6 @@ fn site_rules(bytes: &[u8], addr: u64, start: OrcEntry) -> Option<Vec<Rule>> {
                 let target = insn.near_branch_target();
                 if target_inside(&insn) || target == end {
                     work.push((target, height));
-                } else if height != start_height {
-                    return None;
                 }
                 work.push((next, height));
             }
@@ -496,6 +518,23 @@ mod tests {
         assert!(rules
             .iter()
             .all(|(_, e)| e.bp_reg == OrcReg::PrevSp && e.bp_offset == -16));
+    }
+
+    #[test]
+    fn a_retpoline_thunk_runs_8_bytes_deeper_after_its_call() {
+        // The retpoline of later kernels: `call 1f; int3; 1: mov %rax, (%rsp); ret`, then
+        // int3 padding.
+        let code = hex("e801000000cc48890424c3cccccc");
+        let rules = site_rules(&code, SITE, THUNK_ENTRY).unwrap();
+        assert_eq!(heights(&rules), [(0, 8), (6, 16), (0xa, 16)]);
+        // Debian 6.1's: `call 1f; 2: pause; lfence; jmp 2b; 1: mov %rax, (%rsp); jmp
+        // __x86_return_thunk` (out of the site).
+        let code = hex("e807000000f3900faee8ebf948890424e99b070000");
+        let rules = site_rules(&code, SITE, THUNK_ENTRY).unwrap();
+        assert_eq!(heights(&rules), [(0, 8), (0xc, 16), (0x10, 16)]);
+        // With `jmp *%rax` patched in (no retpoline): the entry only.
+        let rules = site_rules(&[0xff, 0xe0, 0xcc], SITE, THUNK_ENTRY).unwrap();
+        assert_eq!(heights(&rules), [(0, 8)]);
     }
 
     #[test]

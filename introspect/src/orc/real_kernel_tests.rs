@@ -675,3 +675,63 @@ fn real_vmlinux_unwinds_a_sample_in_the_patched_rsb_fill_of_switch_to_asm() {
         "the table alone unwound the loop"
     );
 }
+
+/// A sample inside the retpoline of `__x86_indirect_thunk_rax`, after its call, unwinds to
+/// the function that called the thunk with the rules walked from [`THUNK_ENTRY`]; the
+/// table's rule there (`UNWIND_HINT_EMPTY`) ends the stack at the thunk as if it were
+/// complete.
+#[test]
+fn real_vmlinux_unwinds_a_sample_in_a_retpoline_thunk_to_its_caller() {
+    let Some(kernel) = kernel() else { return };
+    let thunk = kernel.addr("__x86_indirect_thunk_rax");
+    let code = kernel.code(thunk, 32).unwrap().to_vec();
+    let site = AltSite {
+        addr: thunk,
+        len: 32,
+    };
+    let slide = 0x120_0000;
+    let rules = PatchedRules::derive(
+        &[site],
+        slide,
+        |_| Some(THUNK_ENTRY),
+        |_, buf| {
+            buf.copy_from_slice(&code);
+            true
+        },
+    );
+    // The retpoline's `mov %rax, (%rsp)`: the target of its call.
+    let call = Decoder::with_ip(64, &code, thunk, DecoderOptions::NONE)
+        .into_iter()
+        .find(|insn| insn.mnemonic() == Mnemonic::Call)
+        .unwrap();
+    let inside = call.near_branch_target();
+    assert_eq!(
+        rules.entry_at(inside + slide).map(|r| r.sp_offset),
+        Some(16)
+    );
+
+    let caller = kernel.call_site("ksys_read", None).ret;
+    let mut stack = super::testing::StackImage::new(STACK, 0x1000);
+    stack
+        .put(STACK, call.next_ip() + slide)
+        .put(STACK + 8, caller + slide);
+    let begin = UnwindStart {
+        ip: inside + slide,
+        sp: STACK,
+        bp: 0,
+        regs: None,
+        signal: true,
+    };
+    let walked = Unwinder::new(&kernel.table, slide)
+        .with_patched(&rules)
+        .unwind(&begin, &mut stack.snapshot());
+    println!("{}", kernel.backtrace_text(&walked, slide));
+    assert_eq!(walked.frames[1].pc, caller + slide);
+    assert_eq!(walked.frames[1].sp, STACK + 16);
+    let table_only = Unwinder::new(&kernel.table, slide).unwind(&begin, &mut stack.snapshot());
+    assert_eq!(
+        table_only.frames.len(),
+        1,
+        "the table alone went past the thunk"
+    );
+}

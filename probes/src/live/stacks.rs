@@ -16,7 +16,7 @@ use exotap_introspect::layout::TASK_COMM_LEN;
 use exotap_introspect::memory::PhysicalMemory;
 use exotap_introspect::orc::{
     undescribed_sites, AltInstrLayout, AltSite, Backtrace, Frame, InactiveTaskFrame, OrcTable,
-    PatchedRules, PtRegs, StackEnd, StackMemory, StackSnapshot, UnwindStart, Unwinder,
+    PatchedRules, PtRegs, StackEnd, StackMemory, StackSnapshot, UnwindStart, Unwinder, THUNK_ENTRY,
 };
 use exotap_introspect::paging::{AddressSpace, PagingError};
 use exotap_introspect::symbols::SymbolTable;
@@ -362,6 +362,8 @@ pub struct KernelStacks {
     ret_from_fork: Option<u64>,
     /// The image's alternatives sites whose variants its table does not all describe.
     alt_sites: Vec<AltSite>,
+    /// The retpoline thunks (`__x86_indirect_thunk_*`), whose table rules say nothing.
+    thunks: Vec<AltSite>,
     /// Their rules from the running text, once read ([`KernelStacks::refresh_modules`]).
     patched: Option<PatchedRules>,
 }
@@ -458,6 +460,7 @@ impl KernelStacks {
             scheduler,
             ret_from_fork,
             alt_sites,
+            thunks: retpoline_thunks(&image.symbols),
             patched: None,
         })
     }
@@ -507,16 +510,24 @@ impl KernelStacks {
             return;
         }
         let orc = &self.orc;
-        let patched = PatchedRules::derive(
+        let mut patched = PatchedRules::derive(
             &self.alt_sites,
             self.slide,
             |addr| orc.lookup(addr).map(|(_, entry)| entry),
             |at, buf| mem.read_virt(at, buf).is_ok(),
         );
+        let alternatives = patched.len();
+        patched.extend(PatchedRules::derive(
+            &self.thunks,
+            self.slide,
+            |_| Some(THUNK_ENTRY),
+            |at, buf| mem.read_virt(at, buf).is_ok(),
+        ));
         tracing::debug!(
             sites = self.alt_sites.len(),
-            patched = patched.len(),
-            "ORC rules from the running text of alternatives sites"
+            alternatives,
+            thunks = patched.len() - alternatives,
+            "ORC rules from the running text of alternatives sites and retpoline thunks"
         );
         self.patched = Some(patched);
     }
@@ -717,6 +728,31 @@ fn name_address(
             module: Some(m.name.clone()),
         })
     })
+}
+
+/// The retpoline thunks of the image (`__x86_indirect_thunk_rax`, ... and 6.12's
+/// `__x86_indirect_jump_thunk_*`), link-time addresses, each up to the next symbol (at most
+/// 64 bytes: the kernel aligns them to 32).
+fn retpoline_thunks(symbols: &SymbolTable) -> Vec<AltSite> {
+    let mut starts: Vec<u64> = symbols.iter().map(|s| s.addr).collect();
+    starts.sort_unstable();
+    starts.dedup();
+    let mut thunks: Vec<AltSite> = symbols
+        .iter()
+        .filter(|s| {
+            s.name.starts_with("__x86_indirect_")
+                && s.name.contains("thunk_")
+                && !s.name.ends_with("_array")
+        })
+        .filter_map(|s| {
+            let next = starts.get(starts.partition_point(|&a| a <= s.addr))?;
+            let len = u8::try_from((next - s.addr).min(64)).ok()?;
+            Some(AltSite { addr: s.addr, len })
+        })
+        .collect();
+    thunks.sort_by_key(|t| t.addr);
+    thunks.dedup_by_key(|t| t.addr);
+    thunks
 }
 
 /// The image's text symbols at their running addresses (`slide` applied), as
