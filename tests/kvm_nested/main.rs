@@ -219,57 +219,37 @@ tagged() {{
     s1=$(cut -d' ' -f1 /proc/uptime)
     exotap_result "$tag.wall_s" "$(awk -v a=$s0 -v b=$s1 'BEGIN {{print b - a}}')"
 }}
-if phase count; then
-    tagged count /bin/exotap count --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
-        --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
-    phase_done count
-fi
-if phase nullify; then
-    tagged nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
-        --initrd /kvm/nullify.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
-        __x64_sys_getppid 4242
-    phase_done nullify
-fi
-if phase script; then
-    tagged script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
-        --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
-        --compile require --script /kvm/count.stp
-    phase_done script
-fi
-if phase time; then
-    tagged time /bin/exotap time --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
-        --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
-    phase_done time
-fi
-if phase replace; then
-    tagged replace /bin/exotap replace --backend kvm --bzimage /kvm/vmlinuz \
-        --initrd /kvm/replace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
-        __x64_sys_getppid __x64_sys_getpid
-    phase_done replace
-fi
-if phase report; then
-    tagged report /bin/exotap splice-report --backend kvm --bzimage /kvm/vmlinuz \
-        --initrd /kvm/report.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 400 \
-        --install 1000
-    phase_done report
-fi
-if phase blocks; then
-    tagged blocks /bin/exotap count --blocks --backend kvm --bzimage /kvm/vmlinuz \
-        --initrd /kvm/inner.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
-        --depth 1 --format json __x64_sys_getpid __x64_sys_getppid
-    phase_done blocks
-fi
-if phase profile; then
-    tagged profile /bin/exotap profile --backend kvm --bzimage /kvm/vmlinuz \
-        --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 --hz 20 \
-        --format json
-    phase_done profile
-fi
-if phase stacks; then
-    tagged stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
-        --initrd /kvm/backtrace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600
-    phase_done stacks
-fi
+# `tagged`, as the phase its tag names.
+tagged_phase() {{
+    if phase "$1"; then
+        tagged "$@"
+        phase_done "$1"
+    fi
+}}
+tagged_phase count /bin/exotap count --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
+tagged_phase nullify /bin/exotap nullify --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/nullify.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    __x64_sys_getppid 4242
+tagged_phase script /bin/exotap boot --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/script.cpio.gz \
+    --memory 512 --cpus {inner_cpus} --heap-size 16 --boot-timeout 300 --timeout 600 \
+    --compile require --script /kvm/count.stp
+tagged_phase time /bin/exotap time --backend kvm --bzimage /kvm/vmlinuz --initrd /kvm/inner.cpio.gz \
+    --cpus {inner_cpus} --boot-timeout 300 --timeout 600 __x64_sys_getpid
+tagged_phase replace /bin/exotap replace --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/replace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    __x64_sys_getppid __x64_sys_getpid
+tagged_phase report /bin/exotap splice-report --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/report.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 400 \
+    --install 1000
+tagged_phase blocks /bin/exotap count --blocks --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/inner.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 \
+    --depth 1 --format json __x64_sys_getpid __x64_sys_getppid
+tagged_phase profile /bin/exotap profile --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/profile.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600 --hz 20 \
+    --format json
+tagged_phase stacks /bin/exotap backtrace --backend kvm --bzimage /kvm/vmlinuz \
+    --initrd /kvm/backtrace.cpio.gz --cpus {inner_cpus} --boot-timeout 300 --timeout 600
 # trace with streaming: 40000 record lines go to a file in the outer guest, not through its serial
 # console (under TCG that console is the slow part); counted here, a sample printed and timed.
 if phase trace; then

@@ -253,14 +253,8 @@ fn writes(info: &mut InstructionInfoFactory, insn: &Instruction, reg: Register) 
 /// showed a one-frame stack as complete) or `UNWIND_HINT_UNDEFINED` (6.12: an unwind that
 /// fails); the rules walked from this one through the running thunk follow its retpoline
 /// (`call 1f; int3; 1: mov %reg, (%rsp); ret`, 8 bytes deeper after the call).
-pub const THUNK_ENTRY: OrcEntry = OrcEntry {
-    sp_reg: OrcReg::Sp,
-    sp_offset: 8,
-    bp_reg: OrcReg::Undefined,
-    bp_offset: 0,
-    kind: OrcType::Call,
-    signal: false,
-};
+/// The same rule as the kernel's for a call through a NULL pointer.
+pub const THUNK_ENTRY: OrcEntry = OrcEntry::NULL_CALL;
 
 /// A rule and the running address of the instruction it holds from.
 type Rule = (u64, OrcEntry);
