@@ -110,6 +110,7 @@ impl ProbePointResolver for LazyKernel {
                     module,
                     pattern,
                     site,
+                    statement: None,
                 },
             ) if self.listing.is_some() => {
                 self.list_module(point, loaded, (module, pattern, site.suffix()))

@@ -555,3 +555,196 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
         listed.len()
     );
 }
+
+/// What gdb, reading evdev's debug file from the cache, says of `commands` (one `-ex` each).
+#[allow(clippy::panic, clippy::expect_used)] // a fixture that fails fails the test
+fn gdb_on_evdev(commands: &[String]) -> String {
+    let cached = exotap_guest_images::ensure_kernel(exotap_guest_images::DEFAULT_KERNEL)
+        .expect("the default kernel is not in the cache");
+    let ko = cached
+        .bzimage
+        .parent()
+        .unwrap()
+        .join("debug/modules/evdev.ko");
+    assert!(
+        ko.is_file(),
+        "{} is absent: `exotap image fetch --debuginfo` keeps it with the vmlinux",
+        ko.display()
+    );
+    let mut gdb = std::process::Command::new("gdb");
+    gdb.args(["-nx", "-batch"]);
+    for c in commands {
+        gdb.arg("-ex").arg(c);
+    }
+    let out = gdb
+        .arg(&ko)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run gdb (ci/install-deps.sh installs it): {e}"));
+    assert!(out.status.success(), "gdb on {} failed", ko.display());
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// gdb's `Line N of "FILE" starts at address 0x.. <evdev_open+OFF> ...` or `... contains no
+/// code`, for each line after `evdev_open`'s own, as (line, file, offset when it has code).
+#[allow(clippy::panic, clippy::expect_used)] // a fixture that fails fails the test
+fn evdev_open_lines() -> Vec<(u32, String, Option<u64>)> {
+    let decl = gdb_on_evdev(&["info line evdev_open".to_owned()]);
+    let parse = |l: &str| -> Option<(u32, String)> {
+        let rest = l.strip_prefix("Line ")?;
+        let (n, rest) = rest.split_once(" of \"")?;
+        let (file, _) = rest.split_once('"')?;
+        Some((n.parse().ok()?, file.to_owned()))
+    };
+    let (first, _) = decl
+        .lines()
+        .find_map(parse)
+        .unwrap_or_else(|| panic!("gdb gave no line of evdev_open:\n{decl}"));
+    let asks: Vec<String> = (first + 1..first + 40)
+        .map(|n| format!("info line drivers/input/evdev.c:{n}"))
+        .collect();
+    let text = gdb_on_evdev(&asks);
+    text.lines()
+        .filter_map(|l| {
+            let (n, file) = parse(l)?;
+            let offset = l
+                .split_once("starts at address ")
+                .and_then(|(_, rest)| rest.split_once("<evdev_open+"))
+                .and_then(|(_, rest)| rest.split_once('>'))
+                .and_then(|(off, _)| off.parse().ok());
+            Some((n, file, offset))
+        })
+        .collect()
+}
+
+/// The length of the instruction at `evdev_open+offset`, as gdb decodes evdev's debug file.
+#[allow(clippy::panic, clippy::expect_used)] // a fixture that fails fails the test
+fn evdev_open_instruction_length(offset: u64) -> u64 {
+    let text = gdb_on_evdev(&[format!("x/2i evdev_open+{offset}")]);
+    let at: Vec<u64> = text
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("<evdev_open+")?;
+            rest.split_once('>')?.0.parse().ok()
+        })
+        .collect();
+    match at.as_slice() {
+        [a, b] => b - a,
+        _ => panic!("gdb did not decode two instructions at evdev_open+{offset}:\n{text}"),
+    }
+}
+
+/// `module("evdev").statement("evdev_open@FILE:LINE")`: the first line gdb places past the
+/// first 16 bytes of evdev_open whose first instruction is long enough for a splice (5
+/// bytes; its first statements after the prologue, run at every call that allocates its
+/// client), probed compiled at the address gdb gives for it (`addr()` equals
+/// the guest's own `evdev_open` in `/proc/kallsyms` plus gdb's offset) and counted once per
+/// call, as the guest's kprobe on `evdev_open` counts calls. (Not a kprobe at the line's own
+/// address: its `int3` would be where exotap splices, which exotap refuses.)
+#[test]
+fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its_line() {
+    if !have_qemu(
+        "a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its_line",
+    ) {
+        return;
+    }
+    let lines = evdev_open_lines();
+    let (line, file, offset) = lines
+        .iter()
+        .filter_map(|(n, f, off)| off.filter(|o| *o >= 16).map(|o| (*n, f.clone(), o)))
+        .find(|(_, _, o)| evdev_open_instruction_length(*o) >= 5)
+        .unwrap_or_else(|| {
+            panic!("no line of evdev_open past its prologue starts a splice's room: {lines:?}")
+        });
+    let job = format!(
+        "insmod /modules/evdev.ko\n\
+         T=/sys/kernel/tracing\n\
+         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || echo STMT-FAILED\n\
+         echo 1 > $T/events/exotap/enable\n\
+         exotap_result evdev_open \"$(grep ' evdev_open\t' /proc/kallsyms | cut -d' ' -f1)\"\n\
+         exotap_wait attach\n\
+         i=0\n\
+         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
+         exotap_wait detach\n\
+         echo 0 > $T/events/exotap/enable\n\
+         while read -r name hits missed; do\n\
+           exotap_result \"kprobe.${{name##*/}}\" \"$hits\"\n\
+         done < $T/kprobe_profile\n\
+         echo > $T/kprobe_events\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &job);
+    let console = dir.path().join("console.log");
+    let point = format!("module(\"evdev\").statement(\"evdev_open@{file}:{line}\")");
+    let script = format!(
+        "global n\nprobe {point} {{ n[pp(), addr()]++ }}\n\
+         probe end {{ foreach ([p, a] in n) printf(\"stmt %s@%x %d\\n\", p, a, n[p, a]) }}"
+    );
+    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, &script);
+    assert_eq!(code, 0, "{ctx}");
+    assert!(!transcript.contains("STMT-FAILED"), "{ctx}");
+    let kprobe: u64 = result(&transcript, "kprobe.evdev_open")
+        .and_then(|k| k.parse().ok())
+        .unwrap_or_else(|| panic!("no kprobe count of evdev_open: {ctx}"));
+    assert_eq!(kprobe, u64::from(OPENS), "{ctx}");
+    let function = result(&transcript, "evdev_open")
+        .and_then(|a| u64::from_str_radix(a, 16).ok())
+        .unwrap_or_else(|| panic!("no address of evdev_open in the guest's kallsyms: {ctx}"));
+    assert_eq!(
+        printed(&out, "stmt "),
+        BTreeMap::from([(format!("{point}@{:x}", function + offset), kprobe)]),
+        "{ctx}"
+    );
+    assert_eq!(
+        host_result(&err, "pauses.between_install_and_removal"),
+        Some("0"),
+        "{ctx}"
+    );
+    eprintln!("{point} (evdev_open+{offset}, as gdb says): {kprobe} hits, as the guest's kprobe");
+}
+
+/// A line of evdev_open without code is refused when the script is planned, naming the next
+/// line with code as gdb has it, and a line of evdev_open asked of another function names
+/// evdev_open (before any guest: the attach would fail next).
+#[test]
+fn a_module_line_without_code_is_refused_naming_the_next_line_with_code() {
+    let lines = evdev_open_lines();
+    let Some(pos) = lines
+        .iter()
+        .position(|(_, _, off)| off.is_none())
+        .filter(|&i| lines[i + 1..].iter().any(|(_, _, off)| off.is_some()))
+    else {
+        panic!("no line of evdev_open without code before one with: {lines:?}");
+    };
+    let (line, file, _) = &lines[pos];
+    let next = lines[pos + 1..]
+        .iter()
+        .find(|(_, _, off)| off.is_some())
+        .map(|(n, _, _)| *n)
+        .unwrap();
+    let script = format!("probe module(\"evdev\").statement(\"evdev_open@{file}:{line}\") {{ }}");
+    let (code, _, err) = run(exotap()
+        .args(["run", "--compile", "require"])
+        .args(["--target", "unix:/nonexistent/exotap-test.sock", "-e"])
+        .arg(&script));
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains(&format!("line {line} of {file} has no code"))
+            && err.contains(&format!("the next line with code is {next}")),
+        "{err}"
+    );
+    // A line with code, asked of another function: the error names the one that has it.
+    let script =
+        format!("probe module(\"evdev\").statement(\"evdev_release@{file}:{next}\") {{ }}");
+    let (code, _, err) = run(exotap()
+        .args(["run", "--compile", "require"])
+        .args(["--target", "unix:/nonexistent/exotap-test.sock", "-e"])
+        .arg(&script));
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains(&format!(
+            "line {next} of {file} has code only in evdev_open, not in a function matching \
+             'evdev_release'"
+        )),
+        "{err}"
+    );
+}

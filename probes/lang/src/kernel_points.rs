@@ -31,7 +31,7 @@ use exotap_introspect::btf::Btf;
 use exotap_introspect::symbols::{Symbol, SymbolTable};
 
 use super::ast::ProbePoint;
-use super::point::{FieldAccess, FunctionSite, PointKind};
+use super::point::{parse_lines, FieldAccess, FunctionSite, PointKind};
 use super::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
 use super::source_lines::{LineSites, SourceLines};
 
@@ -383,18 +383,6 @@ fn function_offset(spec: &str) -> Option<(&str, u64)> {
         None => offset.parse().ok()?,
     };
     (!name.is_empty()).then_some((name, offset))
-}
-
-/// `N` or `N-M` (first <= last).
-fn parse_lines(spec: &str) -> Option<(u32, u32)> {
-    let (a, b) = match spec.split_once('-') {
-        Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
-        None => {
-            let n = spec.trim().parse().ok()?;
-            (n, n)
-        }
-    };
-    (a <= b && a > 0).then_some((a, b))
 }
 
 fn dwarf_error(point: &ProbePoint, e: &anyhow::Error) -> ResolveError {

@@ -39,6 +39,27 @@ pub enum FieldAccess {
     Call,
 }
 
+/// A source line of a statement point: `FILE:N` or `FILE:N-M` (a range of lines).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceLine {
+    /// The source file, as a trailing path (`drivers/input/evdev.c`, `evdev.c`).
+    pub file: String,
+    /// The first and last line.
+    pub lines: (u32, u32),
+}
+
+/// `N` or `N-M` (1-based, N ≤ M), as statement points write lines.
+pub fn parse_lines(spec: &str) -> Option<(u32, u32)> {
+    let (a, b) = match spec.split_once('-') {
+        Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+        None => {
+            let n = spec.trim().parse().ok()?;
+            (n, n)
+        }
+    };
+    (a <= b && a > 0).then_some((a, b))
+}
+
 /// What a probe point means.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PointKind {
@@ -96,9 +117,11 @@ pub enum PointKind {
         module: String,
         /// Function name pattern, with `*` and `?` wildcards.
         pattern: String,
-        /// Which instances (`Entry`, `Call` or `Return`; inlined instances are not
-        /// probed in modules yet).
+        /// Which instances (`Entry`, `Call`, `Return` or `Inline`; `Entry` for a statement).
         site: FunctionSite,
+        /// `module("m").statement("f@FILE:LINE")`: the source line, in the functions
+        /// matching `pattern` (from the module's DWARF line table, when it is placed).
+        statement: Option<SourceLine>,
     },
     /// `kernel.statement("func@file:line")`, or `kernel.statement("func+OFFSET")` (an
     /// instruction boundary at a byte offset into the function).
@@ -230,6 +253,9 @@ impl PointKind {
             PointKind::InputLine => "input.line",
             PointKind::Procfs { .. } => "procfs",
             PointKind::KernelFunction { .. } => "kernel.function",
+            PointKind::ModuleFunction {
+                statement: Some(_), ..
+            } => "module.statement",
             PointKind::ModuleFunction { .. } => "module.function",
             PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => "kernel.statement",
             PointKind::KernelField { .. } => "kernel.field",
@@ -450,11 +476,12 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
         }
         ["module", "function", rest @ ..] => module_function(point, 0, rest),
         ["kprobe", "module", "function", rest @ ..] => module_function(point, 1, rest),
+        ["module", "statement"] => module_statement(point),
         ["module", ..] | ["kprobe", "module", ..] => Err(PointError::OutOfScope {
             text: point.to_string(),
             reason: "in a kernel module exotap probes functions (module(\"m\").function(\"f\") \
-                     and its .call, .return and .inline); statements and source positions in \
-                     modules need the module's line table, which exotap does not read yet"
+                     and its .call, .return and .inline) and source lines \
+                     (module(\"m\").statement(\"f@FILE:LINE\"))"
                 .to_string(),
             span: point.span,
         }),
@@ -661,8 +688,8 @@ fn module_function(
     if pattern.contains(['@', ':', '+']) {
         return Err(PointError::OutOfScope {
             text: point.to_string(),
-            reason: "a source position or offset in a module needs the module's DWARF line \
-                     table, which exotap does not read yet: name the function alone"
+            reason: "a module function is named alone; for a source line write \
+                     module(\"m\").statement(\"f@FILE:LINE\")"
                 .to_string(),
             span: point.span,
         });
@@ -689,6 +716,43 @@ fn module_function(
         module,
         pattern,
         site,
+        statement: None,
+    })
+}
+
+/// `module("m").statement("f@FILE:LINE")` (or `:N-M`): the line's code in the module's
+/// functions matching `f`.
+fn module_statement(point: &ProbePoint) -> Result<PointKind, PointError> {
+    let bad = |reason: &str| PointError::BadArgument {
+        family: "module.statement".to_string(),
+        reason: reason.to_string(),
+        span: point.span,
+    };
+    let text = |i: usize| match point.components.get(i).map(|c| c.args.as_slice()) {
+        Some([Literal::Str(s)]) if !s.is_empty() => Some(s.clone()),
+        _ => None,
+    };
+    let module = text(0).ok_or_else(|| bad("expected one non-empty string, the module's name"))?;
+    let spec = text(1).ok_or_else(|| bad("expected \"f@FILE:LINE\""))?;
+    let (pattern, file, line) = split_location(&spec);
+    let (Some(file), Some(line)) = (file, line) else {
+        return Err(bad(
+            "expected \"f@FILE:LINE\" (an offset or address in a module is not supported)",
+        ));
+    };
+    if pattern.is_empty() || file.is_empty() {
+        return Err(bad("expected \"f@FILE:LINE\" with a function and a file"));
+    }
+    if file.contains(['*', '?', '[']) {
+        return Err(bad("a source line needs a file name without wildcards"));
+    }
+    let lines = parse_lines(&line)
+        .ok_or_else(|| bad(&format!("'{line}' is not a line (write N or N-M)")))?;
+    Ok(PointKind::ModuleFunction {
+        module,
+        pattern,
+        site: FunctionSite::Entry,
+        statement: Some(SourceLine { file, lines }),
     })
 }
 
@@ -955,6 +1019,7 @@ mod tests {
                 module: "ext4".into(),
                 pattern: "ext4_*".into(),
                 site: FunctionSite::Return,
+                statement: None,
             }
         );
         assert_eq!(
@@ -963,6 +1028,7 @@ mod tests {
                 module: "e*".into(),
                 pattern: "ext4_sync_fs".into(),
                 site: FunctionSite::Entry,
+                statement: None,
             }
         );
         assert_eq!(
@@ -971,16 +1037,41 @@ mod tests {
                 module: "ext4".into(),
                 pattern: "ext4_*".into(),
                 site: FunctionSite::Inline,
+                statement: None,
+            }
+        );
+        assert_eq!(
+            kind(r#"module("evdev").statement("evdev_*@drivers/input/evdev.c:478-480")"#).unwrap(),
+            PointKind::ModuleFunction {
+                module: "evdev".into(),
+                pattern: "evdev_*".into(),
+                site: FunctionSite::Entry,
+                statement: Some(SourceLine {
+                    file: "drivers/input/evdev.c".into(),
+                    lines: (478, 480),
+                }),
             }
         );
         for (point, why) in [
             (
                 r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c")"#,
-                "module's DWARF line table",
+                "for a source line write",
             ),
             (
                 r#"module("ext4").statement("ext4_sync_fs+4")"#,
-                "module's line table",
+                "offset or address in a module",
+            ),
+            (
+                r#"module("ext4").statement("f@fs/ext4/*.c:3")"#,
+                "without wildcards",
+            ),
+            (
+                r#"module("ext4").statement("f@fs/ext4/super.c:9-3")"#,
+                "is not a line",
+            ),
+            (
+                r#"module("ext4").statement("f@fs/ext4/super.c:*")"#,
+                "is not a line",
             ),
             (r#"module("ext4").function("")"#, "non-empty string"),
             (

@@ -132,10 +132,30 @@ pub fn describe(kind: &PointKind) -> String {
         PointKind::ModuleFunction {
             module,
             pattern,
+            statement: Some(line),
+            ..
+        } => {
+            let (first, last) = line.lines;
+            let lines = if first == last {
+                format!("line {first}")
+            } else {
+                format!("lines {first}-{last}")
+            };
+            format!(
+                "{lines} of {} in the functions matching '{pattern}' of the kernel modules \
+                 matching '{module}' (found in the live guest)",
+                line.file
+            )
+        }
+        PointKind::ModuleFunction {
+            module,
+            pattern,
             site,
+            statement: None,
         } => {
             let what = match site {
                 FunctionSite::Return => "the return of",
+                FunctionSite::Inline => "the inlined instances of",
                 _ => "the entry of",
             };
             format!("{what} the functions matching '{pattern}' of the kernel modules matching '{module}' (found in the live guest)")

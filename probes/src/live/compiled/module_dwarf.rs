@@ -24,6 +24,7 @@ use exotap_introspect::dwarf::DebugFile;
 use exotap_introspect::symbols::wildcard_match;
 
 use crate::compile::locals::{locals_at, Locals};
+use crate::lang::point::SourceLine;
 use crate::live::kernel_image::KernelImage;
 use crate::live::modules::GuestModule;
 
@@ -61,8 +62,10 @@ pub(crate) struct ModuleDwarf {
     file: DebugFile,
     /// Its inlined instances' index, built at the first `.inline` asked of it.
     inlines: std::sync::OnceLock<exotap_introspect::dwarf::index::Index>,
-    /// Its functions (text symbols of the debug file) and their addresses there.
-    functions: Vec<(String, u64)>,
+    /// Its names' index (source files and their units), built at the first statement.
+    names: std::sync::OnceLock<exotap_introspect::dwarf::index::Index>,
+    /// Its functions (text symbols of the debug file), their addresses there and sizes.
+    functions: Vec<(String, u64, u64)>,
 }
 
 impl std::fmt::Debug for ModuleDwarf {
@@ -82,12 +85,13 @@ impl ModuleDwarf {
             let info = file.load()?;
             info.symbols()
                 .iter()
-                .map(|s| (s.name.to_owned(), s.addr))
+                .map(|s| (s.name.to_owned(), s.addr, s.size))
                 .collect()
         };
         Ok(ModuleDwarf {
             file,
             inlines: std::sync::OnceLock::new(),
+            names: std::sync::OnceLock::new(),
             functions,
         })
     }
@@ -157,8 +161,8 @@ impl ModuleDwarf {
         let mut found: Vec<(&str, u64)> = self
             .functions
             .iter()
-            .filter(|(n, _)| wildcard_match(pattern, n))
-            .map(|(n, a)| (n.as_str(), *a))
+            .filter(|(n, _, _)| wildcard_match(pattern, n))
+            .map(|(n, a, _)| (n.as_str(), *a))
             .collect();
         found.sort_by_key(|(_, a)| *a);
         found.dedup_by_key(|(_, a)| *a);
@@ -192,6 +196,102 @@ impl ModuleDwarf {
         Ok(found)
     }
 
+    /// The code of `at`'s lines in the functions matching `pattern`, as (function, address,
+    /// source file as DWARF names it): for each function the lowest `is_stmt` address of
+    /// the lines, as `kernel.statement("f@FILE:N")` has it. A line with no code is an error
+    /// that names the next line with some, as the kernel's is.
+    ///
+    /// # Errors
+    /// When the DWARF cannot be read, or no function matching `pattern` has code of the lines.
+    pub(crate) fn statements(
+        &self,
+        pattern: &str,
+        at: &SourceLine,
+    ) -> anyhow::Result<Vec<(String, u64, String)>> {
+        use exotap_introspect::dwarf::index::{Index, Layer};
+        let info = self.file.load()?;
+        let names = match self.names.get() {
+            Some(index) => index,
+            None => {
+                let built = Index::build(&info, Layer::Names, &|_, _| {})?;
+                self.names.get_or_init(|| built)
+            }
+        };
+        let (first, last) = at.lines;
+        let mut sites = Vec::new();
+        let mut next_code = None;
+        for line in first..=last {
+            let found = info.line_addresses(names, &at.file, line)?;
+            let before = sites.len();
+            sites.extend(
+                found
+                    .iter()
+                    .filter(|(_, l, _)| *l == line)
+                    .map(|(path, _, addr)| (path.clone(), *addr)),
+            );
+            if sites.len() == before {
+                let next = found.iter().map(|(_, l, _)| *l).filter(|l| *l > line).min();
+                next_code = next_code.or(next);
+            }
+        }
+        let mut best: std::collections::BTreeMap<&str, (u64, String)> =
+            std::collections::BTreeMap::new();
+        let mut elsewhere = BTreeSet::new();
+        for (path, addr) in sites {
+            let Some(function) = self.function_at(addr) else {
+                continue;
+            };
+            if !wildcard_match(pattern, function) {
+                elsewhere.insert(function);
+                continue;
+            }
+            let e = best.entry(function).or_insert((addr, path.clone()));
+            if addr < e.0 {
+                *e = (addr, path);
+            }
+        }
+        if best.is_empty() {
+            let lines = if first == last {
+                format!("line {first}")
+            } else {
+                format!("lines {first}-{last}")
+            };
+            if !elsewhere.is_empty() {
+                let holders: Vec<&str> = elsewhere.into_iter().collect();
+                bail!(
+                    "{lines} of {} has code only in {}, not in a function matching '{pattern}'",
+                    at.file,
+                    holders.join(", ")
+                );
+            }
+            match next_code {
+                Some(next) => bail!(
+                    "{lines} of {} has no code in a function matching '{pattern}'; the next \
+                     line with code is {next}",
+                    at.file
+                ),
+                None => bail!(
+                    "{lines} of {} has no code in a function matching '{pattern}' (or no file \
+                     of the module ends with {})",
+                    at.file,
+                    at.file
+                ),
+            }
+        }
+        Ok(best
+            .into_iter()
+            .map(|(f, (addr, path))| (f.to_owned(), addr, path))
+            .collect())
+    }
+
+    /// The function whose code holds `addr`.
+    fn function_at(&self, addr: u64) -> Option<&str> {
+        self.functions
+            .iter()
+            .find(|(_, start, size)| (*start..start.saturating_add(*size)).contains(&addr))
+            .map(|(name, _, _)| name.as_str())
+    }
+
     /// The target variables in scope at `pc`, as [`locals_at`] gives a kernel's.
     ///
     /// # Errors
@@ -203,6 +303,23 @@ impl ModuleDwarf {
             .map_err(|e| format!("cannot read {}: {e}", self.file.path().display()))?;
         locals_at(&info, pc)
     }
+}
+
+/// How a statement found in `module` is named: `module("m").statement("f@FILE:N")` (or
+/// `:N-M`), the file as the point wrote it.
+pub(crate) fn statement_name(
+    module: &str,
+    function: &str,
+    file: &str,
+    lines: (u32, u32),
+) -> String {
+    let (first, last) = lines;
+    let lines = if first == last {
+        first.to_string()
+    } else {
+        format!("{first}-{last}")
+    };
+    format!("module(\"{module}\").statement(\"{function}@{file}:{lines}\")")
 }
 
 /// The target variables a module point's probe reads (it reads some besides `$return`):
@@ -253,8 +370,11 @@ pub(super) fn plan_vars(
     required.remove("return");
     optional.remove("return");
     let inline = m.site == crate::lang::point::FunctionSite::Inline;
+    let statement = m.statement.clone();
+    // Points that only the debug file knows: checked here even when nothing is read.
+    let from_dwarf = inline || statement.is_some();
     // At a return the parameters are BTF's, as at the entry (and `$return`).
-    if m.template.is_return || !inline && required.is_empty() && optional.is_empty() {
+    if m.template.is_return || !from_dwarf && required.is_empty() && optional.is_empty() {
         return Ok(true);
     }
     let files: Vec<(String, PathBuf)> = cached_debug_files(image)
@@ -262,11 +382,17 @@ pub(super) fn plan_vars(
         .filter(|(name, _)| wildcard_match(&m.module, name))
         .collect();
     if files.is_empty() {
-        if inline {
+        if from_dwarf {
             let why = format!(
-                "{}: a module's inlined instances come from its debug file in the -dbg \
-                 package, which the cache does not hold for a module matching '{}'",
-                m.template.name, m.module
+                "{}: a module's {} come from its debug file in the -dbg package, which the \
+                 cache does not hold for a module matching '{}'",
+                m.template.name,
+                if inline {
+                    "inlined instances"
+                } else {
+                    "source lines"
+                },
+                m.module
             );
             if m.optional {
                 tracing::warn!("{why}; optional probe point skipped");
@@ -305,6 +431,7 @@ pub(super) fn plan_vars(
     let mut errors = Vec::new();
     let mut template = None;
     let mut places = 0usize;
+    let mut no_code = None;
     for (name, path) in &files {
         // Each debug file read and placed once per plan (the nfsd tapset names one module
         // at seventeen points).
@@ -313,7 +440,15 @@ pub(super) fn plan_vars(
             std::collections::hash_map::Entry::Vacant(e) => e.insert(ModuleDwarf::made_up(path)?),
         };
         let dwarf: &ModuleDwarf = dwarf;
-        let at: Vec<(String, u64)> = if inline {
+        let at: Vec<(String, u64)> = if let Some(line) = &statement {
+            match dwarf.statements(&m.pattern, line) {
+                Ok(found) => found.into_iter().map(|(f, pc, _)| (f, pc)).collect(),
+                Err(e) => {
+                    no_code.get_or_insert(format!("{e:#}"));
+                    Vec::new()
+                }
+            }
+        } else if inline {
             dwarf.inlined(&m.pattern)?
         } else {
             dwarf
@@ -328,10 +463,13 @@ pub(super) fn plan_vars(
             continue;
         }
         for (function, pc) in at {
-            let point = format!(
-                "module(\"{name}\").function(\"{function}\"){}",
-                m.site.suffix()
-            );
+            let point = match &statement {
+                Some(line) => statement_name(name, &function, &line.file, line.lines),
+                None => format!(
+                    "module(\"{name}\").function(\"{function}\"){}",
+                    m.site.suffix()
+                ),
+            };
             match vars.at(dwarf, &point, pc) {
                 Ok(locals) => {
                     template.get_or_insert(locals);
@@ -344,6 +482,9 @@ pub(super) fn plan_vars(
         errors.sort();
         errors.dedup();
         return Err(crate::live::target_vars::UnreadableTargets(errors).into());
+    }
+    if let (0, false, Some(why)) = (places, m.optional, &no_code) {
+        bail!("no match for probe point '{}': {why}", m.template.name);
     }
     if places == 0 && !m.optional {
         bail!(

@@ -193,6 +193,57 @@ impl ModuleWatch {
         (placed, problems)
     }
 
+    /// The code of the source line `wanted` names in `module`'s functions, from its DWARF
+    /// placed where it runs: a statement in each function that has some (its variables by
+    /// their DWARF locations, no parameters in registers), and why the others cannot be.
+    fn statements(
+        &mut self,
+        module: &GuestModule,
+        wanted: &ModulePoint,
+        line: &crate::lang::point::SourceLine,
+    ) -> (Placed, Vec<String>) {
+        let name = &wanted.template.name;
+        let dwarf = match self.dwarf(module) {
+            Ok(d) => d,
+            Err(why) => return (Vec::new(), vec![format!("{name}: {why}")]),
+        };
+        let found = match dwarf.statements(&wanted.pattern, line) {
+            Ok(found) => found,
+            Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
+        };
+        let mut placed = Vec::new();
+        let mut problems = Vec::new();
+        for (function, link, _) in found {
+            let point = super::module_dwarf::statement_name(
+                &module.name,
+                &function,
+                &line.file,
+                line.lines,
+            );
+            let locals = match &wanted.vars {
+                None => None,
+                Some(vars) => match vars.at(&dwarf, &point, link) {
+                    Ok(l) => Some(l),
+                    Err(mut why) => {
+                        problems.append(&mut why);
+                        continue;
+                    }
+                },
+            };
+            placed.push((
+                link,
+                SitePoint {
+                    name: point,
+                    function,
+                    params: Vec::new(),
+                    locals,
+                    ..wanted.template.clone()
+                },
+            ));
+        }
+        (placed, problems)
+    }
+
     /// The points of the script (all, or the `only`th) in `module`, each function found as a
     /// site point at its running address less the slide, and why each function whose
     /// target variables cannot be read there is left out; reads the module's text for the
@@ -210,6 +261,12 @@ impl ModuleWatch {
         let points = self.points.clone();
         for (i, wanted) in points.iter().enumerate() {
             if !wildcard_match(&wanted.module, &module.name) || only.is_some_and(|o| o != i) {
+                continue;
+            }
+            if let Some(line) = &wanted.statement {
+                let (mut placed, mut why) = self.statements(module, wanted, line);
+                found.append(&mut placed);
+                problems.append(&mut why);
                 continue;
             }
             if wanted.site == crate::lang::point::FunctionSite::Inline {

@@ -69,8 +69,10 @@ pub struct ModulePoint {
     pub module: String,
     /// Function name pattern.
     pub pattern: String,
-    /// Entry (`Entry`/`Call`) or `Return`.
+    /// Entry (`Entry`/`Call`), `Return` or `Inline`.
     pub site: crate::lang::point::FunctionSite,
+    /// `module("m").statement("f@FILE:N")`: the line, in the functions matching `pattern`.
+    pub statement: Option<crate::lang::point::SourceLine>,
     /// Whether the point may match nothing (`?` or `!`).
     pub optional: bool,
     /// The site point each function found gets (its name and function set then).
@@ -243,7 +245,7 @@ pub fn plan(
         ))));
         for m in modules
             .iter_mut()
-            .filter(|m| m.site != crate::lang::point::FunctionSite::Inline)
+            .filter(|m| m.site != crate::lang::point::FunctionSite::Inline && m.statement.is_none())
         {
             m.template.params = super::module_dwarf::btf_params(types, &m.pattern);
         }
@@ -307,6 +309,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         module,
         pattern,
         site,
+        statement,
     } = kind
     else {
         return None;
@@ -316,6 +319,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         module: module.clone(),
         pattern: pattern.clone(),
         site: *site,
+        statement: statement.clone(),
         optional: point.optional || point.sufficient,
         template: SitePoint {
             probe,
