@@ -10,6 +10,15 @@ const OPENS: u32 = 25;
 /// ... and readers of it, each of which opens it once more and reads once.
 const READERS: u32 = 3;
 
+/// The end of a job: the guest's kprobe events turned off, each one's hits printed as
+/// `kprobe.NAME`, the events removed.
+const KPROBE_COUNTS: &str = "echo 0 > $T/events/exotap/enable
+while read -r name hits missed; do
+  exotap_result \"kprobe.${name##*/}\" \"$hits\"
+done < $T/kprobe_profile
+echo > $T/kprobe_events
+";
+
 /// The job: evdev loaded from the initramfs, the guest's kprobes on every function of it
 /// ftrace lists, then (probes in) `OPENS` opens and closes of the first event device.
 fn job() -> String {
@@ -29,11 +38,7 @@ fn job() -> String {
          exotap_result opens \"$i\"\n\
          for i in $(seq {READERS}); do cat /dev/input/event0 > /dev/null & r=$!; sleep 0.2; kill $r; wait $r; done\n\
          exotap_wait detach\n\
-         echo 0 > $T/events/exotap/enable\n\
-         while read -r name hits missed; do\n\
-           exotap_result \"kprobe.${{name##*/}}\" \"$hits\"\n\
-         done < $T/kprobe_profile\n\
-         echo > $T/kprobe_events\n"
+         {KPROBE_COUNTS}"
     )
 }
 
@@ -665,11 +670,7 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
          i=0\n\
          while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
          exotap_wait detach\n\
-         echo 0 > $T/events/exotap/enable\n\
-         while read -r name hits missed; do\n\
-           exotap_result \"kprobe.${{name##*/}}\" \"$hits\"\n\
-         done < $T/kprobe_profile\n\
-         echo > $T/kprobe_events\n"
+         {KPROBE_COUNTS}"
     );
     let dir = tempfile::tempdir().unwrap();
     let initrd = initramfs(dir.path(), &job);

@@ -159,9 +159,7 @@ impl ModuleWatch {
             Ok(i) => i,
             Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
         };
-        let mut placed = Vec::new();
-        let mut problems = Vec::new();
-        for (function, link) in instances {
+        let found = instances.into_iter().map(|(function, link)| {
             let point = format!(
                 "module(\"{}\").function(\"{function}\").inline",
                 module.name
@@ -169,28 +167,9 @@ impl ModuleWatch {
             let into = module
                 .lookup(link.wrapping_add(self.slide))
                 .map_or_else(|| function.clone(), |(n, _, _)| n.to_owned());
-            let locals = match &wanted.vars {
-                None => None,
-                Some(vars) => match vars.at(&dwarf, &point, link) {
-                    Ok(l) => Some(l),
-                    Err(mut why) => {
-                        problems.append(&mut why);
-                        continue;
-                    }
-                },
-            };
-            placed.push((
-                link,
-                SitePoint {
-                    name: point,
-                    function: into,
-                    params: Vec::new(),
-                    locals,
-                    ..wanted.template.clone()
-                },
-            ));
-        }
-        (placed, problems)
+            (point, into, link)
+        });
+        dwarf_sites(wanted, &dwarf, found)
     }
 
     /// The code of the source line `wanted` names in `module`'s functions, from its DWARF
@@ -211,37 +190,16 @@ impl ModuleWatch {
             Ok(found) => found,
             Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
         };
-        let mut placed = Vec::new();
-        let mut problems = Vec::new();
-        for (function, link, _) in found {
+        let found = found.into_iter().map(|(function, link, _)| {
             let point = super::module_dwarf::statement_name(
                 &module.name,
                 &function,
                 &line.file,
                 line.lines,
             );
-            let locals = match &wanted.vars {
-                None => None,
-                Some(vars) => match vars.at(&dwarf, &point, link) {
-                    Ok(l) => Some(l),
-                    Err(mut why) => {
-                        problems.append(&mut why);
-                        continue;
-                    }
-                },
-            };
-            placed.push((
-                link,
-                SitePoint {
-                    name: point,
-                    function,
-                    params: Vec::new(),
-                    locals,
-                    ..wanted.template.clone()
-                },
-            ));
-        }
-        (placed, problems)
+            (point, function, link)
+        });
+        dwarf_sites(wanted, &dwarf, found)
     }
 
     /// The points of the script (all, or the `only`th) in `module`, each function found as a
@@ -644,6 +602,41 @@ fn btf_enum_value(btf: &exotap_introspect::btf::Btf, name: &str, enumerator: &st
         .iter()
         .find(|v| btf.str_at(v.name) == enumerator)
         .and_then(|v| u64::try_from(v.value).ok())
+}
+
+/// Site points at places the module's DWARF found, `(point, function it is in, address less
+/// the slide)`: each with the target variables its probe reads there (no parameters in
+/// registers: a place inside a function), and why each place without them is left out.
+fn dwarf_sites(
+    wanted: &ModulePoint,
+    dwarf: &super::module_dwarf::ModuleDwarf,
+    found: impl IntoIterator<Item = (String, String, u64)>,
+) -> (Placed, Vec<String>) {
+    let mut placed = Vec::new();
+    let mut problems = Vec::new();
+    for (point, function, link) in found {
+        let locals = match &wanted.vars {
+            None => None,
+            Some(vars) => match vars.at(dwarf, &point, link) {
+                Ok(l) => Some(l),
+                Err(mut why) => {
+                    problems.append(&mut why);
+                    continue;
+                }
+            },
+        };
+        placed.push((
+            link,
+            SitePoint {
+                name: point,
+                function,
+                params: Vec::new(),
+                locals,
+                ..wanted.template.clone()
+            },
+        ));
+    }
+    (placed, problems)
 }
 
 #[cfg(test)]
