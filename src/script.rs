@@ -110,6 +110,7 @@ impl ProbePointResolver for LazyKernel {
                     module,
                     pattern,
                     site,
+                    file: None,
                     statement: None,
                 },
             ) if self.listing.is_some() => {

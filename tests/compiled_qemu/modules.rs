@@ -644,7 +644,9 @@ fn evdev_open_instruction_length(offset: u64) -> u64 {
 /// client), probed compiled at the address gdb gives for it (`addr()` equals
 /// the guest's own `evdev_open` in `/proc/kallsyms` plus gdb's offset) and counted once per
 /// call, as the guest's kprobe on `evdev_open` counts calls. (Not a kprobe at the line's own
-/// address: its `int3` would be where exotap splices, which exotap refuses.)
+/// address: its `int3` would be where exotap splices, which exotap refuses.) And
+/// `module("evdev").function("evdev_open@FILE")`, the function by the file DWARF says defines
+/// it, at its entry as often.
 #[test]
 fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its_line() {
     if !have_qemu(
@@ -677,8 +679,10 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
     let console = dir.path().join("console.log");
     let point = format!("module(\"evdev\").statement(\"evdev_open@{file}:{line}\")");
     let script = format!(
-        "global n\nprobe {point} {{ n[pp(), addr()]++ }}\n\
-         probe end {{ foreach ([p, a] in n) printf(\"stmt %s@%x %d\\n\", p, a, n[p, a]) }}"
+        "global n, e\nprobe {point} {{ n[pp(), addr()]++ }}\n\
+         probe module(\"evdev\").function(\"evdev_open@{file}\") {{ e[pp()]++ }}\n\
+         probe end {{ foreach ([p, a] in n) printf(\"stmt %s@%x %d\\n\", p, a, n[p, a])\n\
+                      foreach (p in e) printf(\"entry %s %d\\n\", p, e[p]) }}"
     );
     let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, &script);
     assert_eq!(code, 0, "{ctx}");
@@ -695,6 +699,15 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
         BTreeMap::from([(format!("{point}@{:x}", function + offset), kprobe)]),
         "{ctx}"
     );
+    // The function by its file (the DWARF's): its entry, as the kprobe counts it.
+    assert_eq!(
+        printed(&out, "entry "),
+        BTreeMap::from([(
+            "module(\"evdev\").function(\"evdev_open\")".to_owned(),
+            kprobe
+        )]),
+        "{ctx}"
+    );
     assert_eq!(
         host_result(&err, "pauses.between_install_and_removal"),
         Some("0"),
@@ -704,8 +717,9 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
 }
 
 /// A line of evdev_open without code is refused when the script is planned, naming the next
-/// line with code as gdb has it, and a line of evdev_open asked of another function names
-/// evdev_open (before any guest: the attach would fail next).
+/// line with code as gdb has it; a line of evdev_open asked of another function names
+/// evdev_open; a function asked of a file that defines none is refused (before any guest: the
+/// attach would fail next).
 #[test]
 fn a_module_line_without_code_is_refused_naming_the_next_line_with_code() {
     let lines = evdev_open_lines();
@@ -746,6 +760,19 @@ fn a_module_line_without_code_is_refused_naming_the_next_line_with_code() {
             "line {next} of {file} has code only in evdev_open, not in a function matching \
              'evdev_release'"
         )),
+        "{err}"
+    );
+    // A function by a file that defines none of that name.
+    let (code, _, err) = run(exotap()
+        .args(["run", "--compile", "require"])
+        .args(["--target", "unix:/nonexistent/exotap-test.sock", "-e"])
+        .arg("probe module(\"evdev\").function(\"evdev_*@include/linux/input.h\") { }"));
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.contains(
+            "no function of the debug file of evdev matches 'evdev_*' in a file ending \
+                      with include/linux/input.h"
+        ),
         "{err}"
     );
 }

@@ -117,6 +117,8 @@ pub enum PointKind {
         module: String,
         /// Function name pattern, with `*` and `?` wildcards.
         pattern: String,
+        /// `@FILE`: only the functions the module's DWARF says FILE defines.
+        file: Option<String>,
         /// Which instances (`Entry`, `Call`, `Return` or `Inline`; `Entry` for a statement).
         site: FunctionSite,
         /// `module("m").statement("f@FILE:LINE")`: the source line, in the functions
@@ -684,15 +686,18 @@ fn module_function(
         _ => Err(bad(format!("expected one non-empty string, the {what}"))),
     };
     let module = text(first, "module's name")?;
-    let pattern = text(first + 1, "function's name")?;
-    if pattern.contains(['@', ':', '+']) {
+    let (pattern, file, line) = split_location(&text(first + 1, "function's name")?);
+    if line.is_some() || pattern.contains([':', '+']) {
         return Err(PointError::OutOfScope {
             text: point.to_string(),
-            reason: "a module function is named alone; for a source line write \
-                     module(\"m\").statement(\"f@FILE:LINE\")"
+            reason: "a module function is named alone or with its file (f@FILE); for a source \
+                     line write module(\"m\").statement(\"f@FILE:LINE\")"
                 .to_string(),
             span: point.span,
         });
+    }
+    if pattern.is_empty() || file.as_deref().is_some_and(str::is_empty) {
+        return Err(bad("expected \"f\" or \"f@FILE\"".into()));
     }
     let site = match rest {
         [] => FunctionSite::Entry,
@@ -704,7 +709,16 @@ fn module_function(
             _ => return Err(bad("maxactive takes one positive number".into())),
         },
         // From the module's DWARF, when the module is placed.
-        ["inline"] => FunctionSite::Inline,
+        ["inline"] if file.is_none() => FunctionSite::Inline,
+        ["inline"] => {
+            return Err(PointError::OutOfScope {
+                text: point.to_string(),
+                reason: "the inlined instances of a module function are not filtered by file \
+                         yet: name the function alone"
+                    .to_string(),
+                span: point.span,
+            })
+        }
         _ => {
             return Err(PointError::Unknown {
                 text: point.to_string(),
@@ -715,6 +729,7 @@ fn module_function(
     Ok(PointKind::ModuleFunction {
         module,
         pattern,
+        file,
         site,
         statement: None,
     })
@@ -751,6 +766,7 @@ fn module_statement(point: &ProbePoint) -> Result<PointKind, PointError> {
     Ok(PointKind::ModuleFunction {
         module,
         pattern,
+        file: None,
         site: FunctionSite::Entry,
         statement: Some(SourceLine { file, lines }),
     })
@@ -1018,6 +1034,7 @@ mod tests {
             PointKind::ModuleFunction {
                 module: "ext4".into(),
                 pattern: "ext4_*".into(),
+                file: None,
                 site: FunctionSite::Return,
                 statement: None,
             }
@@ -1027,6 +1044,7 @@ mod tests {
             PointKind::ModuleFunction {
                 module: "e*".into(),
                 pattern: "ext4_sync_fs".into(),
+                file: None,
                 site: FunctionSite::Entry,
                 statement: None,
             }
@@ -1036,6 +1054,7 @@ mod tests {
             PointKind::ModuleFunction {
                 module: "ext4".into(),
                 pattern: "ext4_*".into(),
+                file: None,
                 site: FunctionSite::Inline,
                 statement: None,
             }
@@ -1045,6 +1064,7 @@ mod tests {
             PointKind::ModuleFunction {
                 module: "evdev".into(),
                 pattern: "evdev_*".into(),
+                file: None,
                 site: FunctionSite::Entry,
                 statement: Some(SourceLine {
                     file: "drivers/input/evdev.c".into(),
@@ -1052,11 +1072,26 @@ mod tests {
                 }),
             }
         );
+        assert_eq!(
+            kind(r#"module("ext4").function("ext4_*@fs/ext4/super.c").return"#).unwrap(),
+            PointKind::ModuleFunction {
+                module: "ext4".into(),
+                pattern: "ext4_*".into(),
+                file: Some("fs/ext4/super.c".into()),
+                site: FunctionSite::Return,
+                statement: None,
+            }
+        );
         for (point, why) in [
             (
-                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c")"#,
+                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c:12")"#,
                 "for a source line write",
             ),
+            (
+                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c").inline"#,
+                "not filtered by file",
+            ),
+            (r#"module("ext4").function("@fs/ext4/super.c")"#, "expected"),
             (
                 r#"module("ext4").statement("ext4_sync_fs+4")"#,
                 "offset or address in a module",

@@ -150,6 +150,7 @@ pub fn describe(kind: &PointKind) -> String {
         PointKind::ModuleFunction {
             module,
             pattern,
+            file,
             site,
             statement: None,
         } => {
@@ -158,7 +159,11 @@ pub fn describe(kind: &PointKind) -> String {
                 FunctionSite::Inline => "the inlined instances of",
                 _ => "the entry of",
             };
-            format!("{what} the functions matching '{pattern}' of the kernel modules matching '{module}' (found in the live guest)")
+            format!(
+                "{what} the functions matching '{pattern}'{} of the kernel modules matching \
+                 '{module}' (found in the live guest)",
+                location(file, &None)
+            )
         }
         PointKind::KernelStatement {
             function,

@@ -208,15 +208,8 @@ impl ModuleDwarf {
         pattern: &str,
         at: &SourceLine,
     ) -> anyhow::Result<Vec<(String, u64, String)>> {
-        use exotap_introspect::dwarf::index::{Index, Layer};
         let info = self.file.load()?;
-        let names = match self.names.get() {
-            Some(index) => index,
-            None => {
-                let built = Index::build(&info, Layer::Names, &|_, _| {})?;
-                self.names.get_or_init(|| built)
-            }
-        };
+        let names = self.names(&info)?;
         let (first, last) = at.lines;
         let mut sites = Vec::new();
         let mut next_code = None;
@@ -281,6 +274,42 @@ impl ModuleDwarf {
         Ok(best
             .into_iter()
             .map(|(f, (addr, path))| (f.to_owned(), addr, path))
+            .collect())
+    }
+
+    /// Its names' index, built at the first question that needs it.
+    fn names(
+        &self,
+        info: &exotap_introspect::dwarf::DebugInfo<'_>,
+    ) -> anyhow::Result<&exotap_introspect::dwarf::index::Index> {
+        use exotap_introspect::dwarf::index::{Index, Layer};
+        Ok(match self.names.get() {
+            Some(index) => index,
+            None => {
+                let built = Index::build(info, Layer::Names, &|_, _| {})?;
+                self.names.get_or_init(|| built)
+            }
+        })
+    }
+
+    /// The names of the functions matching `pattern` that `file` (a trailing path, globs
+    /// allowed) defines, as the module's DWARF says.
+    ///
+    /// # Errors
+    /// When the DWARF cannot be read.
+    pub(crate) fn functions_in_file(
+        &self,
+        pattern: &str,
+        file: &str,
+    ) -> anyhow::Result<BTreeSet<String>> {
+        use exotap_introspect::dwarf::EntryKind;
+        let info = self.file.load()?;
+        Ok(self
+            .names(&info)?
+            .functions(&format!("{pattern}@{file}"), &[EntryKind::Function])
+            .into_iter()
+            .filter(|f| f.low != 0)
+            .map(|f| f.name.to_owned())
             .collect())
     }
 
@@ -372,7 +401,7 @@ pub(super) fn plan_vars(
     let inline = m.site == crate::lang::point::FunctionSite::Inline;
     let statement = m.statement.clone();
     // Points that only the debug file knows: checked here even when nothing is read.
-    let from_dwarf = inline || statement.is_some();
+    let from_dwarf = inline || statement.is_some() || m.file.is_some();
     // At a return the parameters are BTF's, as at the entry (and `$return`).
     if m.template.is_return || !from_dwarf && required.is_empty() && optional.is_empty() {
         return Ok(true);
@@ -390,7 +419,7 @@ pub(super) fn plan_vars(
                 if inline {
                     "inlined instances"
                 } else {
-                    "source lines"
+                    "source positions"
                 },
                 m.module
             );
@@ -451,10 +480,15 @@ pub(super) fn plan_vars(
         } else if inline {
             dwarf.inlined(&m.pattern)?
         } else {
+            let in_file = match &m.file {
+                Some(file) => Some(dwarf.functions_in_file(&m.pattern, file)?),
+                None => None,
+            };
             dwarf
                 .functions(&m.pattern)
                 .into_iter()
                 .filter(|(f, _)| super::modules::is_function(f, wildcard))
+                .filter(|(f, _)| in_file.as_ref().is_none_or(|names| names.contains(*f)))
                 .map(|(f, pc)| (f.to_owned(), pc))
                 .collect()
         };
@@ -488,7 +522,7 @@ pub(super) fn plan_vars(
     }
     if places == 0 && !m.optional {
         bail!(
-            "no match for probe point '{}': no {} of the debug file of {} matches '{}'",
+            "no match for probe point '{}': no {} of the debug file of {} matches '{}'{}",
             m.template.name,
             if inline {
                 "inlined instance"
@@ -500,7 +534,10 @@ pub(super) fn plan_vars(
                 .map(|(n, _)| n.as_str())
                 .collect::<Vec<_>>()
                 .join(", "),
-            m.pattern
+            m.pattern,
+            m.file
+                .as_ref()
+                .map_or_else(String::new, |f| format!(" in a file ending with {f}"))
         );
     }
     if !reads {

@@ -234,12 +234,27 @@ impl ModuleWatch {
                 continue;
             }
             let wildcard = wanted.pattern.contains(['*', '?', '[']);
+            // `f@FILE`: the functions the module's DWARF says FILE defines.
+            let in_file = match &wanted.file {
+                None => None,
+                Some(file) => match self.dwarf(module).and_then(|d| {
+                    d.functions_in_file(&wanted.pattern, file)
+                        .map_err(|e| format!("{e:#}"))
+                }) {
+                    Ok(names) => Some(names),
+                    Err(why) => {
+                        problems.push(format!("{}: {why}", wanted.template.name));
+                        continue;
+                    }
+                },
+            };
             // One probe per address: an alias (`cleanup_module` of the module's exit
             // function) is the same function.
             let mut seen = std::collections::BTreeSet::new();
             for (name, addr) in module.symbols_in_text() {
                 if !is_function(name, wildcard)
                     || !wildcard_match(&wanted.pattern, name)
+                    || in_file.as_ref().is_some_and(|names| !names.contains(name))
                     || !seen.insert(addr)
                 {
                     continue;
@@ -285,6 +300,9 @@ impl ModuleWatch {
             // debug file is cached. An instance whose variables are not there is left out.
             if wanted.site == crate::lang::point::FunctionSite::Entry
                 && !wildcard
+                && in_file
+                    .as_ref()
+                    .is_none_or(|names| names.contains(&wanted.pattern))
                 && self.debug_files.iter().any(|(n, _)| *n == module.name)
             {
                 let (placed, why) = self.inline_instances(module, wanted);

@@ -73,6 +73,8 @@ pub struct ModulePoint {
     pub site: crate::lang::point::FunctionSite,
     /// `module("m").statement("f@FILE:N")`: the line, in the functions matching `pattern`.
     pub statement: Option<crate::lang::point::SourceLine>,
+    /// `module("m").function("f@FILE")`: only the functions FILE defines.
+    pub file: Option<String>,
     /// Whether the point may match nothing (`?` or `!`).
     pub optional: bool,
     /// The site point each function found gets (its name and function set then).
@@ -308,6 +310,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
     let crate::lang::point::PointKind::ModuleFunction {
         module,
         pattern,
+        file,
         site,
         statement,
     } = kind
@@ -320,6 +323,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         pattern: pattern.clone(),
         site: *site,
         statement: statement.clone(),
+        file: file.clone(),
         optional: point.optional || point.sufficient,
         template: SitePoint {
             probe,
