@@ -153,30 +153,28 @@ pub fn alternatives(
             size: layout.size,
         });
     }
+    // A layout made by hand may put a field past the entry: such entries are skipped.
     Ok(table
         .chunks_exact(layout.size)
         .enumerate()
-        .map(|(index, entry)| {
+        .filter_map(|(index, entry)| {
             let entry_addr = table_addr.wrapping_add((index * layout.size) as u64);
             let rel = |offset: usize| {
-                let bytes = [
-                    entry[offset],
-                    entry[offset + 1],
-                    entry[offset + 2],
-                    entry[offset + 3],
-                ];
-                entry_addr
-                    .wrapping_add(offset as u64)
-                    .wrapping_add_signed(i64::from(i32::from_le_bytes(bytes)))
+                let bytes: [u8; 4] = entry.get(offset..offset.checked_add(4)?)?.try_into().ok()?;
+                Some(
+                    entry_addr
+                        .wrapping_add(offset as u64)
+                        .wrapping_add_signed(i64::from(i32::from_le_bytes(bytes))),
+                )
             };
-            Alternative {
+            Some(Alternative {
                 site: AltSite {
-                    addr: rel(layout.instr_offset),
-                    len: entry[layout.instrlen],
+                    addr: rel(layout.instr_offset)?,
+                    len: *entry.get(layout.instrlen)?,
                 },
-                replacement: rel(layout.repl_offset),
-                replacement_len: entry[layout.replacementlen],
-            }
+                replacement: rel(layout.repl_offset)?,
+                replacement_len: *entry.get(layout.replacementlen)?,
+            })
         })
         .collect())
 }
