@@ -502,9 +502,9 @@ impl KernelStacks {
         }
     }
 
-    /// Reads the running text of the image's alternatives sites its table does not describe
-    /// and derives their rules ([`PatchedRules`]): what the kernel patched in at boot, which the
-    /// image's table may not describe. Once per guest: the kernel patches them at boot.
+    /// Reads the running text of the image's alternatives sites whose variants its table does
+    /// not all describe, and of the retpoline thunks, and derives their rules
+    /// ([`PatchedRules`]). Once per guest: the kernel patches them at boot.
     fn read_patched_text<R: VirtualMemory + ?Sized>(&mut self, mem: &mut R) {
         if self.patched.is_some() {
             return;
