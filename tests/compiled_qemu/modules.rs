@@ -716,6 +716,19 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
     eprintln!("{point} (evdev_open+{offset}, as gdb says): {kprobe} hits, as the guest's kprobe");
 }
 
+/// What `run --compile require` says when it plans `script` and fails (before any guest:
+/// the target does not exist), after checking that it failed.
+fn planning_error(script: &str) -> String {
+    let (code, _, err) = run(exotap().args(["run", "--compile", "require"]).args([
+        "--target",
+        "unix:/nonexistent/exotap-test.sock",
+        "-e",
+        script,
+    ]));
+    assert_ne!(code, 0, "{err}");
+    err
+}
+
 /// A line of evdev_open without code is refused when the script is planned, naming the next
 /// line with code as gdb has it; a line of evdev_open asked of another function names
 /// evdev_open; a function asked of a file that defines none is refused (before any guest: the
@@ -737,11 +750,7 @@ fn a_module_line_without_code_is_refused_naming_the_next_line_with_code() {
         .map(|(n, _, _)| *n)
         .unwrap();
     let script = format!("probe module(\"evdev\").statement(\"evdev_open@{file}:{line}\") {{ }}");
-    let (code, _, err) = run(exotap()
-        .args(["run", "--compile", "require"])
-        .args(["--target", "unix:/nonexistent/exotap-test.sock", "-e"])
-        .arg(&script));
-    assert_ne!(code, 0, "{err}");
+    let err = planning_error(&script);
     assert!(
         err.contains(&format!("line {line} of {file} has no code"))
             && err.contains(&format!("the next line with code is {next}")),
@@ -750,11 +759,7 @@ fn a_module_line_without_code_is_refused_naming_the_next_line_with_code() {
     // A line with code, asked of another function: the error names the one that has it.
     let script =
         format!("probe module(\"evdev\").statement(\"evdev_release@{file}:{next}\") {{ }}");
-    let (code, _, err) = run(exotap()
-        .args(["run", "--compile", "require"])
-        .args(["--target", "unix:/nonexistent/exotap-test.sock", "-e"])
-        .arg(&script));
-    assert_ne!(code, 0, "{err}");
+    let err = planning_error(&script);
     assert!(
         err.contains(&format!(
             "line {next} of {file} has code only in evdev_open, not in a function matching \
@@ -763,11 +768,8 @@ fn a_module_line_without_code_is_refused_naming_the_next_line_with_code() {
         "{err}"
     );
     // A function by a file that defines none of that name.
-    let (code, _, err) = run(exotap()
-        .args(["run", "--compile", "require"])
-        .args(["--target", "unix:/nonexistent/exotap-test.sock", "-e"])
-        .arg("probe module(\"evdev\").function(\"evdev_*@include/linux/input.h\") { }"));
-    assert_ne!(code, 0, "{err}");
+    let err =
+        planning_error("probe module(\"evdev\").function(\"evdev_*@include/linux/input.h\") { }");
     assert!(
         err.contains(
             "no function of the debug file of evdev matches 'evdev_*' in a file ending \
