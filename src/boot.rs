@@ -115,6 +115,11 @@ pub struct BootArgs {
     /// or `unix:PATH,server=on,wait=off`.
     #[arg(long, value_name = "DEVICE")]
     pub gdbstub: Option<String>,
+    /// At each `exotap_wait NAME` of the job, hold the guest until a line arrives on standard
+    /// input (end of input lets it go too): time to attach another exotap or gdb through
+    /// --gdbstub and install probes before the work they watch begins.
+    #[arg(long, conflicts_with_all = ["script", "script_text", "gdb", "control_socket"])]
+    pub go_on_stdin: bool,
     /// Put the guest's RAM in FILE, shared (a QEMU memory-backend-file with share=on; use a
     /// tmpfs path such as /dev/shm/guest-ram), so that `exotap ... --target --shm FILE`
     /// reads trace rings and counters without stopping the guest.
@@ -180,6 +185,24 @@ fn job(args: &BootArgs) -> anyhow::Result<GuestJob> {
         Some(command) => GuestJob::from_script(format!("{command}\n")),
         None => GuestJob::default_workload(),
     })
+}
+
+/// Lets the guest go from a wait once a line arrives on standard input (`--go-on-stdin`).
+struct GoOnStdin;
+
+impl PhaseHook for GoOnStdin {
+    fn at_wait(&mut self, phase: &str) -> Result<(), QemuError> {
+        eprintln!("exotap boot: the guest waits at {phase}; a line on standard input lets it go");
+        let mut line = String::new();
+        match std::io::stdin().read_line(&mut line) {
+            Ok(0) => eprintln!("exotap boot: standard input ended; the guest goes on from {phase}"),
+            Ok(_) => {}
+            Err(e) => eprintln!(
+                "exotap boot: cannot read standard input ({e}); the guest goes on from {phase}"
+            ),
+        }
+        Ok(())
+    }
 }
 
 /// Attaches at the guest's `attach` wait point, prints what it sees and detaches.
@@ -444,6 +467,8 @@ fn use_kvm(
         Some("--gdb")
     } else if args.gdbstub.is_some() {
         Some("--gdbstub")
+    } else if args.go_on_stdin {
+        Some("--go-on-stdin")
     } else {
         None
     };
@@ -774,6 +799,8 @@ pub fn run(args: &BootArgs) -> anyhow::Result<i32> {
             image: KernelImage::load(config.kernel.clone())?,
         };
         qemu::run(&config, work.path(), timeouts, &mut sink, &mut hook)?
+    } else if args.go_on_stdin {
+        qemu::run(&config, work.path(), timeouts, &mut sink, &mut GoOnStdin)?
     } else {
         qemu::run(&config, work.path(), timeouts, &mut sink, &mut GoAtOnce)?
     };

@@ -68,6 +68,9 @@ pub fn boot_with_gdbstub<S: AsRef<std::ffi::OsStr>>(
         .args(args)
         .arg("--gdbstub")
         .arg(format!("unix:{},server=on,wait=off", socket.display()))
+        // For a job's `exotap_wait` under `--go-on-stdin`: a line on the child's stdin lets the
+        // guest go; otherwise never read.
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(boot_log(socket)).map_or_else(|_| Stdio::null(), Stdio::from))
         .spawn()

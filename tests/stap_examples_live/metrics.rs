@@ -138,7 +138,8 @@ fn get_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
 
 /// The guest's job for [`errno_metrics_equal_the_guests_own_count_of_the_same_failures`]:
 /// its own count of failing `openat`s (a kretprobe event, only `ENOENT` returns traced),
-/// armed at boot; after a pause for exotap to attach, the trace emptied and a burst of 150
+/// armed at boot; held at `exotap_wait probes` until the test has seen exotap's probes go in
+/// (`exotap boot --go-on-stdin`), then the trace emptied and a burst of 150
 /// opens of missing files by one shell (errno.stp exports its 20 largest counts per process,
 /// errno and call: one process keeps the burst in one), then the count of the burst.
 const ERRNO_JOB: &str = "T=/sys/kernel/tracing
@@ -146,7 +147,7 @@ echo 'r:exotap/openat __x64_sys_openat ret=$retval:s64' >> $T/kprobe_events || e
 echo 'ret == -2' > $T/events/exotap/openat/filter || echo ERRNO-FAILED
 echo 1 > $T/events/exotap/openat/enable || echo ERRNO-FAILED
 echo ERRNO-ARMED
-sleep 40
+exotap_wait probes
 echo > $T/trace
 echo BURST-START
 sh -c 'for i in $(seq 150); do true < /nonexistent-$i; done' 2>/dev/null
@@ -176,10 +177,12 @@ fn errno_metrics_equal_the_guests_own_count_of_the_same_failures() {
             "400".as_ref(),
             "--job".as_ref(),
             job.as_os_str(),
+            "--go-on-stdin".as_ref(),
         ],
         &socket,
         "ERRNO-ARMED",
     );
+    let mut go = guest.stdin.take();
     let (console_tx, console_rx) = mpsc::channel::<(Instant, String)>();
     std::thread::spawn(move || {
         let mut line = String::new();
@@ -210,6 +213,11 @@ fn errno_metrics_equal_the_guests_own_count_of_the_same_failures() {
             }
             if installed.is_none() && l.contains("compiled probes in at") {
                 installed = Some(Instant::now());
+                // The probes are in: the guest's burst may begin.
+                if let Some(mut stdin) = go.take() {
+                    use std::io::Write as _;
+                    let _ = stdin.write_all(b"go\n");
+                }
             }
         }
         match console_rx.recv_timeout(Duration::from_millis(100)) {
@@ -259,7 +267,7 @@ fn errno_metrics_equal_the_guests_own_count_of_the_same_failures() {
     };
     assert!(
         installed < started,
-        "exotap's probes went in after the burst began (the guest waits 40 s): {ctx}"
+        "exotap's probes went in after the burst began (the guest waits for them): {ctx}"
     );
     assert_eq!(code, Some(0), "{ctx}");
     assert_eq!(scrapes.len(), 3, "three scrapes of /metrics: {ctx}");
