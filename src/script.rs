@@ -112,6 +112,7 @@ impl ProbePointResolver for LazyKernel {
                     site,
                     file: None,
                     statement: None,
+                    field: None,
                 },
             ) if self.listing.is_some() => {
                 self.list_module(point, loaded, (module, pattern, site.suffix()))

@@ -46,7 +46,7 @@ fn job() -> String {
 fn printed(out: &str, tag: &str) -> BTreeMap<String, u64> {
     out.lines()
         .filter_map(|l| {
-            let (name, n) = l.strip_prefix(tag)?.split_once(' ')?;
+            let (name, n) = l.strip_prefix(tag)?.rsplit_once(' ')?;
             Some((name.to_owned(), n.parse().ok()?))
         })
         .collect()
@@ -776,5 +776,126 @@ fn a_module_line_without_code_is_refused_naming_the_next_line_with_code() {
                       with include/linux/input.h"
         ),
         "{err}"
+    );
+}
+
+/// gdb's byte offset of `struct evdev_client`'s `bufsize`, and the offsets in `evdev_open`
+/// of the instructions that store to that offset from a base register (`mov ...,0xOFF(%reg)`),
+/// as gdb lays out and disassembles evdev's debug file: the member writes, found without
+/// exotap's join-point finder. (`evdev_open` is where evdev sets a client's buffer size.)
+#[allow(clippy::panic)] // a fixture that fails fails the test
+fn bufsize_stores_in_evdev_open() -> (u64, Vec<u64>) {
+    let text = gdb_on_evdev(&[
+        "ptype /o struct evdev_client".to_owned(),
+        "disassemble evdev_open".to_owned(),
+    ]);
+    let member = text
+        .lines()
+        .find(|l| l.trim_end().ends_with(" bufsize;"))
+        .and_then(|l| l.trim_start().strip_prefix("/*"))
+        .and_then(|rest| rest.split('|').next())
+        .and_then(|off| off.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("gdb lays out no bufsize in struct evdev_client:\n{text}"));
+    let target = format!(",{member:#x}(%r");
+    let stores: Vec<u64> = text
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("<+")?;
+            let (offset, instr) = rest.split_once(">:")?;
+            let instr = instr.trim();
+            (instr.starts_with("mov") && instr.contains(&target))
+                .then(|| offset.parse().ok())
+                .flatten()
+        })
+        .collect();
+    assert!(
+        !stores.is_empty(),
+        "gdb shows no store to bufsize ({member:#x}) in evdev_open:\n{text}"
+    );
+    (member, stores)
+}
+
+/// `module("evdev").field("struct evdev_client", "bufsize").write` (KLAS's join points in a
+/// module): the instructions it probes are the stores gdb shows in `evdev_open` (`addr()`
+/// equals the guest's own `evdev_open` plus gdb's offset), each counted once per open as the
+/// guest's kprobe on `evdev_open` counts; `$value` is the size written (evdev rounds it to a
+/// power of two of at least 64) and `$object` the client each `evdev_release` later gets in
+/// `file->private_data`; compiled, no vCPU pause.
+#[test]
+fn member_writes_in_a_module_are_gdbs_stores_counted_as_the_guests_kprobe() {
+    if !have_qemu("member_writes_in_a_module_are_gdbs_stores_counted_as_the_guests_kprobe") {
+        return;
+    }
+    let (member, stores) = bufsize_stores_in_evdev_open();
+    let job = format!(
+        "insmod /modules/evdev.ko\n\
+         T=/sys/kernel/tracing\n\
+         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || echo FIELD-FAILED\n\
+         echo 1 > $T/events/exotap/enable\n\
+         exotap_result evdev_open \"$(grep ' evdev_open\t' /proc/kallsyms | cut -d' ' -f1)\"\n\
+         exotap_wait attach\n\
+         i=0\n\
+         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
+         exotap_wait detach\n\
+         {KPROBE_COUNTS}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &job);
+    let console = dir.path().join("console.log");
+    let point = "module(\"evdev\").field(\"struct evdev_client\", \"bufsize\").write";
+    let script = format!(
+        "global n, objects, released, odd, nrel\n\
+         probe {point} {{\n\
+           n[pp(), addr()]++\n\
+           objects[$object] = 1\n\
+           if ($value < 64 || ($value & ($value - 1)) != 0) odd[$value]++\n\
+         }}\n\
+         probe module(\"evdev\").function(\"evdev_release\") {{\n\
+           released[$file->private_data] = 1\n\
+           nrel++\n\
+         }}\n\
+         probe end {{\n\
+           foreach ([p, a] in n) printf(\"write %s@%x %d\\n\", p, a, n[p, a])\n\
+           foreach (o in released) if (!(o in objects)) printf(\"unseen %x\\n\", o)\n\
+           foreach (v in odd) printf(\"odd %d %d\\n\", v, odd[v])\n\
+           printf(\"released %d\\n\", nrel)\n\
+         }}"
+    );
+    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, &script);
+    assert_eq!(code, 0, "{ctx}");
+    assert!(!transcript.contains("FIELD-FAILED"), "{ctx}");
+    let kprobe: u64 = result(&transcript, "kprobe.evdev_open")
+        .and_then(|k| k.parse().ok())
+        .unwrap_or_else(|| panic!("no kprobe count of evdev_open: {ctx}"));
+    assert_eq!(kprobe, u64::from(OPENS), "{ctx}");
+    let function = result(&transcript, "evdev_open")
+        .and_then(|a| u64::from_str_radix(a, 16).ok())
+        .unwrap_or_else(|| panic!("no address of evdev_open in the guest's kallsyms: {ctx}"));
+    let expected: BTreeMap<String, u64> = stores
+        .iter()
+        .map(|off| (format!("{point}@{:x}", function + off), kprobe))
+        .collect();
+    assert_eq!(printed(&out, "write "), expected, "{ctx}");
+    assert!(
+        !out.contains("unseen "),
+        "a released client no write saw: {ctx}"
+    );
+    assert!(
+        !out.contains("odd "),
+        "$value is not evdev's buffer size: {ctx}"
+    );
+    assert!(
+        out.contains(&format!("released {OPENS}\n")),
+        "one release per open: {ctx}"
+    );
+    assert_eq!(
+        host_result(&err, "pauses.between_install_and_removal"),
+        Some("0"),
+        "{ctx}"
+    );
+    eprintln!(
+        "{point}: {} stores (gdb: bufsize at {member:#x}, evdev_open+{stores:?}), {kprobe} hits \
+         each, as the guest's kprobe on evdev_open",
+        stores.len()
     );
 }

@@ -39,6 +39,28 @@ pub enum FieldAccess {
     Call,
 }
 
+/// The member accesses a `module("m").field("struct S", "member").ACCESS` point names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberAccess {
+    /// The struct, with its `struct ` prefix.
+    pub structure: String,
+    /// Member name (a path: `a.b`).
+    pub member: String,
+    /// Which accesses.
+    pub access: FieldAccess,
+}
+
+impl MemberAccess {
+    /// `.read`, `.write` or `.call`, as the point ends.
+    pub fn suffix(&self) -> &'static str {
+        match self.access {
+            FieldAccess::Read => "read",
+            FieldAccess::Write => "write",
+            FieldAccess::Call => "call",
+        }
+    }
+}
+
 /// A source line of a statement point: `FILE:N` or `FILE:N-M` (a range of lines).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceLine {
@@ -124,6 +146,10 @@ pub enum PointKind {
         /// `module("m").statement("f@FILE:LINE")`: the source line, in the functions
         /// matching `pattern` (from the module's DWARF line table, when it is placed).
         statement: Option<SourceLine>,
+        /// `module("m").field("struct S", "member").ACCESS`: the instructions of the
+        /// functions matching `pattern` (`*`) that access the member (KLAS's join points in
+        /// the module's DWARF and code, when it is placed).
+        field: Option<MemberAccess>,
     },
     /// `kernel.statement("func@file:line")`, or `kernel.statement("func+OFFSET")` (an
     /// instruction boundary at a byte offset into the function).
@@ -258,6 +284,7 @@ impl PointKind {
             PointKind::ModuleFunction {
                 statement: Some(_), ..
             } => "module.statement",
+            PointKind::ModuleFunction { field: Some(_), .. } => "module.field",
             PointKind::ModuleFunction { .. } => "module.function",
             PointKind::KernelStatement { .. } | PointKind::KernelAddress(_) => "kernel.statement",
             PointKind::KernelField { .. } => "kernel.field",
@@ -479,6 +506,8 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
         ["module", "function", rest @ ..] => module_function(point, 0, rest),
         ["kprobe", "module", "function", rest @ ..] => module_function(point, 1, rest),
         ["module", "statement"] => module_statement(point),
+        ["module", "field", access] => module_field(point, access),
+        ["module", "field"] => Err(bad("module.field", "say .read, .write or .call")),
         ["module", ..] | ["kprobe", "module", ..] => Err(PointError::OutOfScope {
             text: point.to_string(),
             reason: "in a kernel module exotap probes functions (module(\"m\").function(\"f\") \
@@ -732,6 +761,50 @@ fn module_function(
         file,
         site,
         statement: None,
+        field: None,
+    })
+}
+
+/// `module("m").field("struct S", "member").read|.write|.call`: the member's accesses in
+/// the module's functions.
+fn module_field(point: &ProbePoint, access: &str) -> Result<PointKind, PointError> {
+    let bad = |reason: &str| PointError::BadArgument {
+        family: "module.field".to_string(),
+        reason: reason.to_string(),
+        span: point.span,
+    };
+    let module = match point.components.first().map(|c| c.args.as_slice()) {
+        Some([Literal::Str(s)]) if !s.is_empty() => s.clone(),
+        _ => return Err(bad("expected one non-empty string, the module's name")),
+    };
+    let (structure, member) = match point.components.get(1).map(|c| c.args.as_slice()) {
+        Some([Literal::Str(s), Literal::Str(m)]) if !s.is_empty() && !m.is_empty() => {
+            (s.clone(), m.clone())
+        }
+        _ => return Err(bad("expected (\"struct S\", \"member\")")),
+    };
+    let access = match access {
+        "read" => FieldAccess::Read,
+        "write" => FieldAccess::Write,
+        "call" => FieldAccess::Call,
+        _ => {
+            return Err(PointError::Unknown {
+                text: point.to_string(),
+                span: point.span,
+            })
+        }
+    };
+    Ok(PointKind::ModuleFunction {
+        module,
+        pattern: "*".to_string(),
+        file: None,
+        site: FunctionSite::Entry,
+        statement: None,
+        field: Some(MemberAccess {
+            structure,
+            member,
+            access,
+        }),
     })
 }
 
@@ -769,6 +842,7 @@ fn module_statement(point: &ProbePoint) -> Result<PointKind, PointError> {
         file: None,
         site: FunctionSite::Entry,
         statement: Some(SourceLine { file, lines }),
+        field: None,
     })
 }
 
@@ -1037,6 +1111,7 @@ mod tests {
                 file: None,
                 site: FunctionSite::Return,
                 statement: None,
+                field: None,
             }
         );
         assert_eq!(
@@ -1047,6 +1122,7 @@ mod tests {
                 file: None,
                 site: FunctionSite::Entry,
                 statement: None,
+                field: None,
             }
         );
         assert_eq!(
@@ -1057,6 +1133,7 @@ mod tests {
                 file: None,
                 site: FunctionSite::Inline,
                 statement: None,
+                field: None,
             }
         );
         assert_eq!(
@@ -1070,6 +1147,22 @@ mod tests {
                     file: "drivers/input/evdev.c".into(),
                     lines: (478, 480),
                 }),
+                field: None,
+            }
+        );
+        assert_eq!(
+            kind(r#"module("evdev").field("struct evdev_client", "bufsize").write"#).unwrap(),
+            PointKind::ModuleFunction {
+                module: "evdev".into(),
+                pattern: "*".into(),
+                file: None,
+                site: FunctionSite::Entry,
+                statement: None,
+                field: Some(MemberAccess {
+                    structure: "struct evdev_client".into(),
+                    member: "bufsize".into(),
+                    access: FieldAccess::Write,
+                }),
             }
         );
         assert_eq!(
@@ -1080,6 +1173,7 @@ mod tests {
                 file: Some("fs/ext4/super.c".into()),
                 site: FunctionSite::Return,
                 statement: None,
+                field: None,
             }
         );
         for (point, why) in [
@@ -1109,6 +1203,14 @@ mod tests {
                 "is not a line",
             ),
             (r#"module("ext4").function("")"#, "non-empty string"),
+            (
+                r#"module("evdev").field("struct evdev_client").write"#,
+                "expected (\"struct S\"",
+            ),
+            (
+                r#"module("evdev").field("struct evdev_client", "bufsize")"#,
+                "say .read",
+            ),
             (
                 r#"module("ext4").function("f").call(3)"#,
                 "takes no argument",

@@ -149,10 +149,26 @@ pub fn describe(kind: &PointKind) -> String {
         }
         PointKind::ModuleFunction {
             module,
+            field: Some(f),
+            ..
+        } => format!(
+            "the instructions that {} {}'s member {} in the kernel modules matching '{module}' \
+             (found in the live guest)",
+            match f.access {
+                FieldAccess::Read => "read",
+                FieldAccess::Write => "write",
+                FieldAccess::Call => "call through",
+            },
+            f.structure,
+            f.member
+        ),
+        PointKind::ModuleFunction {
+            module,
             pattern,
             file,
             site,
             statement: None,
+            field: None,
         } => {
             let what = match site {
                 FunctionSite::Return => "the return of",

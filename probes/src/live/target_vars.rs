@@ -178,10 +178,35 @@ fn field_variable(
     member: &str,
     name: &str,
 ) -> Option<Result<crate::compile::locals::Local, String>> {
+    let bytes = image.vmlinux.read_at(link, 15).ok()?;
+    let offset = || {
+        let btf = image.btf().map_err(|e| format!("$object: {e:#}"))?;
+        let path: Vec<&str> = member
+            .split(['.', '-', '>'])
+            .filter(|m| !m.is_empty())
+            .collect();
+        let plain = structure.trim_start_matches("struct ").trim();
+        btf.struct_member(plain, &path.join("."))
+            .ok()
+            .and_then(|l| l.byte_offset())
+            .ok_or_else(|| format!("$object: BTF lays out no {structure}.{member}"))
+    };
+    member_access_variable(bytes, link, structure, &offset, name)
+}
+
+/// `$object` or `$value` (`name`) at the member access whose instruction is `bytes` at
+/// `link` (as [`field_variable`] has them), the member at the byte offset `offset` gives
+/// in `structure` (asked only for `$object`). Another name is `None`.
+pub(crate) fn member_access_variable(
+    bytes: &[u8],
+    link: u64,
+    structure: &str,
+    offset: &dyn Fn() -> Result<u64, String>,
+    name: &str,
+) -> Option<Result<crate::compile::locals::Local, String>> {
     use crate::compile::locals::{Local, Place};
     use exotap_introspect::x86::regs::DWARF_GPRS;
     use iced_x86::{Decoder, DecoderOptions, Mnemonic, OpKind, Register};
-    let bytes = image.vmlinux.read_at(link, 15).ok()?;
     let mut decoder = Decoder::with_ip(64, bytes, link, DecoderOptions::NONE);
     let instr = decoder.decode();
     let dwarf = |r: Register| {
@@ -193,18 +218,8 @@ fn field_variable(
     let at = format!("{instr} at {link:#x}");
     Some(match name {
         "object" => (|| {
-            let btf = image.btf().map_err(|e| format!("$object: {e:#}"))?;
-            let path: Vec<&str> = member
-                .split(['.', '-', '>'])
-                .filter(|m| !m.is_empty())
-                .collect();
             let plain = structure.trim_start_matches("struct ").trim();
-            let offset = btf
-                .struct_member(plain, &path.join("."))
-                .ok()
-                .and_then(|l| l.byte_offset())
-                .ok_or_else(|| format!("$object: BTF lays out no {structure}.{member}"))?;
-            let offset = i64::try_from(offset).map_err(|_| "$object: offset".to_owned())?;
+            let offset = i64::try_from(offset()?).map_err(|_| "$object: offset".to_owned())?;
             if instr.memory_index() != Register::None {
                 return Err(format!(
                     "$object: {at} addresses the member with an index register"

@@ -277,6 +277,36 @@ impl ModuleDwarf {
             .collect())
     }
 
+    /// The instructions of the module that access `field`'s member, as (function, address),
+    /// by address: KLAS's join points ([`exotap_introspect::dwarf::klas`]) in the module's
+    /// DWARF and the code of its debug file, where `exotap joinpoints` finds the kernel's.
+    /// The code is the file's, unrelocated: an access through one of the module's own global
+    /// variables (a RIP-relative operand the loader fills in) is not seen; accesses through
+    /// pointers (registers) are.
+    ///
+    /// # Errors
+    /// When the DWARF cannot be read, or the member is not `struct S.member`.
+    pub(crate) fn field_accesses(
+        &self,
+        field: &crate::lang::point::MemberAccess,
+    ) -> anyhow::Result<Vec<(String, u64)>> {
+        use crate::lang::point::FieldAccess;
+        use exotap_introspect::dwarf::klas::{self, Access, MemberQuery};
+        let query = MemberQuery::parse(&format!("{}.{}", field.structure, field.member))?;
+        let info = self.file.load()?;
+        let names = self.names(&info)?;
+        let points = klas::join_points_everywhere(self.file.bytes(), names, &query, &|_, _| {})?;
+        Ok(points
+            .into_iter()
+            .filter(|p| match field.access {
+                FieldAccess::Read => matches!(p.access, Access::Read | Access::ReadWrite),
+                FieldAccess::Write => matches!(p.access, Access::Write | Access::ReadWrite),
+                FieldAccess::Call => p.access == Access::Call,
+            })
+            .filter_map(|p| Some((self.function_at(p.addr)?.to_owned(), p.addr)))
+            .collect())
+    }
+
     /// Its names' index, built at the first question that needs it.
     fn names(
         &self,
@@ -332,6 +362,56 @@ impl ModuleDwarf {
             .map_err(|e| format!("cannot read {}: {e}", self.file.path().display()))?;
         locals_at(&info, pc)
     }
+
+    /// The byte offset of `member` (a path `a.b` through named struct and union members) in
+    /// `structure`, as the module's DWARF lays it out.
+    ///
+    /// # Errors
+    /// When the DWARF has no such struct or member.
+    pub(crate) fn member_offset(&self, structure: &str, member: &str) -> Result<u64, String> {
+        let info = self
+            .file
+            .load()
+            .map_err(|e| format!("cannot read {}: {e}", self.file.path().display()))?;
+        let names = self.names(&info).map_err(|e| format!("{e:#}"))?;
+        let mut ty = info
+            .find_type(names, structure)
+            .map_err(|e| format!("{}: {e}", self.file.path().display()))?;
+        let mut offset = 0u64;
+        let path: Vec<&str> = member
+            .split(['.', '-', '>'])
+            .filter(|m| !m.is_empty())
+            .collect();
+        for (i, name) in path.iter().enumerate() {
+            let found = info
+                .layout(ty)
+                .and_then(|members| members.into_iter().find(|m| m.name == *name))
+                .ok_or_else(|| {
+                    format!(
+                        "the DWARF of {} lays out no {structure}.{member}",
+                        self.file.path().display()
+                    )
+                })?;
+            offset = offset.saturating_add(found.bit_offset / 8);
+            if i + 1 < path.len() {
+                ty = info.find_type(names, &found.type_name).map_err(|e| {
+                    format!(
+                        "{structure}.{member}: {} is not a named struct ({e})",
+                        found.name
+                    )
+                })?;
+            }
+        }
+        Ok(offset)
+    }
+
+    /// The code of the debug file at `pc`: up to one instruction's 15 bytes.
+    fn code_at(&self, pc: u64) -> Option<Vec<u8>> {
+        let info = self.file.load().ok()?;
+        (1..=15u64)
+            .rev()
+            .find_map(|n| info.code(pc, pc.checked_add(n)?).map(<[u8]>::to_vec))
+    }
 }
 
 /// How a statement found in `module` is named: `module("m").statement("f@FILE:N")` (or
@@ -351,6 +431,16 @@ pub(crate) fn statement_name(
     format!("module(\"{module}\").statement(\"{function}@{file}:{lines}\")")
 }
 
+/// The name of a member access point in `module`: `module("m").field("struct S", "x").write`.
+pub(crate) fn field_name(module: &str, field: &crate::lang::point::MemberAccess) -> String {
+    format!(
+        "module(\"{module}\").field(\"{}\", \"{}\").{}",
+        field.structure,
+        field.member,
+        field.suffix()
+    )
+}
+
 /// The target variables a module point's probe reads (it reads some besides `$return`):
 /// what must be there at each function it names (read outside `@defined`; what is read only
 /// inside `@defined` is simply read where DWARF has it).
@@ -358,6 +448,9 @@ pub(crate) fn statement_name(
 pub struct ModuleVars {
     /// Read outside `@defined`.
     pub required: BTreeSet<String>,
+    /// At a member access (`module("m").field(...)`): the member, for `$object` and
+    /// `$value`.
+    pub field: Option<crate::lang::point::MemberAccess>,
 }
 
 impl ModuleVars {
@@ -369,9 +462,38 @@ impl ModuleVars {
         point: &str,
         pc: u64,
     ) -> Result<Arc<Locals>, Vec<String>> {
-        let locals = dwarf
+        let mut locals = dwarf
             .locals(pc)
             .map_err(|why| vec![format!("{point}: {why}")])?;
+        // At a member access: the object accessed, and the value a plain store writes (the
+        // instruction as the debug file has it; its operands are registers the loader does
+        // not touch).
+        if let Some(field) = &self.field {
+            let code = dwarf.code_at(pc);
+            let offset = || dwarf.member_offset(&field.structure, &field.member);
+            for name in ["object", "value"] {
+                if locals.get(name).is_some() {
+                    continue;
+                }
+                let local = code
+                    .as_deref()
+                    .and_then(|code| {
+                        crate::live::target_vars::member_access_variable(
+                            code,
+                            pc,
+                            &field.structure,
+                            &offset,
+                            name,
+                        )
+                    })
+                    .unwrap_or_else(|| {
+                        Err(format!(
+                            "${name}: the module's debug file has no code at {pc:#x}"
+                        ))
+                    });
+                locals.vars.insert(name.to_owned(), local);
+            }
+        }
         let errors = crate::live::target_vars::unreadable(point, pc, &locals, &self.required);
         if errors.is_empty() {
             Ok(Arc::new(locals))
@@ -400,8 +522,9 @@ pub(super) fn plan_vars(
     optional.remove("return");
     let inline = m.site == crate::lang::point::FunctionSite::Inline;
     let statement = m.statement.clone();
+    let field = m.field.clone();
     // Points that only the debug file knows: checked here even when nothing is read.
-    let from_dwarf = inline || statement.is_some() || m.file.is_some();
+    let from_dwarf = inline || statement.is_some() || m.file.is_some() || field.is_some();
     // At a return the parameters are BTF's, as at the entry (and `$return`).
     if m.template.is_return || !from_dwarf && required.is_empty() && optional.is_empty() {
         return Ok(true);
@@ -418,6 +541,8 @@ pub(super) fn plan_vars(
                 m.template.name,
                 if inline {
                     "inlined instances"
+                } else if field.is_some() {
+                    "member accesses"
                 } else {
                     "source positions"
                 },
@@ -455,7 +580,10 @@ pub(super) fn plan_vars(
         bail!(why);
     }
     let reads = !(required.is_empty() && optional.is_empty());
-    let vars = ModuleVars { required };
+    let vars = ModuleVars {
+        required,
+        field: field.clone(),
+    };
     let wildcard = m.pattern.contains(['*', '?', '[']);
     let mut errors = Vec::new();
     let mut template = None;
@@ -469,7 +597,9 @@ pub(super) fn plan_vars(
             std::collections::hash_map::Entry::Vacant(e) => e.insert(ModuleDwarf::made_up(path)?),
         };
         let dwarf: &ModuleDwarf = dwarf;
-        let at: Vec<(String, u64)> = if let Some(line) = &statement {
+        let at: Vec<(String, u64)> = if let Some(field) = &field {
+            dwarf.field_accesses(field)?
+        } else if let Some(line) = &statement {
             match dwarf.statements(&m.pattern, line) {
                 Ok(found) => found.into_iter().map(|(f, pc, _)| (f, pc)).collect(),
                 Err(e) => {
@@ -497,9 +627,10 @@ pub(super) fn plan_vars(
             continue;
         }
         for (function, pc) in at {
-            let point = match &statement {
-                Some(line) => statement_name(name, &function, &line.file, line.lines),
-                None => format!(
+            let point = match (&statement, &field) {
+                (_, Some(field)) => field_name(name, field),
+                (Some(line), None) => statement_name(name, &function, &line.file, line.lines),
+                (None, None) => format!(
                     "module(\"{name}\").function(\"{function}\"){}",
                     m.site.suffix()
                 ),
@@ -519,6 +650,27 @@ pub(super) fn plan_vars(
     }
     if let (0, false, Some(why)) = (places, m.optional, &no_code) {
         bail!("no match for probe point '{}': {why}", m.template.name);
+    }
+    if let (0, false, Some(field)) = (places, m.optional, &field) {
+        // A member the module's types do not have says so.
+        if let Some(Err(why)) = files.iter().find_map(|(_, path)| {
+            let dwarf = made_up.get(path)?;
+            Some(dwarf.member_offset(&field.structure, &field.member))
+        }) {
+            bail!("no match for probe point '{}': {why}", m.template.name);
+        }
+        bail!(
+            "no match for probe point '{}': no instruction of {} {}s {}'s member {}",
+            m.template.name,
+            files
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            field.suffix(),
+            field.structure,
+            field.member
+        );
     }
     if places == 0 && !m.optional {
         bail!(

@@ -202,6 +202,31 @@ impl ModuleWatch {
         dwarf_sites(wanted, &dwarf, found)
     }
 
+    /// The instructions of `module` that access the member `field` names, from its DWARF and
+    /// code placed where it runs: each a statement in its function (`$object` and `$value`
+    /// with its variables where the probe reads them), and why the others cannot be.
+    fn member_accesses(
+        &mut self,
+        module: &GuestModule,
+        wanted: &ModulePoint,
+        field: &crate::lang::point::MemberAccess,
+    ) -> (Placed, Vec<String>) {
+        let name = &wanted.template.name;
+        let dwarf = match self.dwarf(module) {
+            Ok(d) => d,
+            Err(why) => return (Vec::new(), vec![format!("{name}: {why}")]),
+        };
+        let found = match dwarf.field_accesses(field) {
+            Ok(found) => found,
+            Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
+        };
+        let point = super::module_dwarf::field_name(&module.name, field);
+        let found = found
+            .into_iter()
+            .map(|(function, link)| (point.clone(), function, link));
+        dwarf_sites(wanted, &dwarf, found)
+    }
+
     /// The points of the script (all, or the `only`th) in `module`, each function found as a
     /// site point at its running address less the slide, and why each function whose
     /// target variables cannot be read there is left out; reads the module's text for the
@@ -219,6 +244,12 @@ impl ModuleWatch {
         let points = self.points.clone();
         for (i, wanted) in points.iter().enumerate() {
             if !wildcard_match(&wanted.module, &module.name) || only.is_some_and(|o| o != i) {
+                continue;
+            }
+            if let Some(field) = &wanted.field {
+                let (mut placed, mut why) = self.member_accesses(module, wanted, field);
+                found.append(&mut placed);
+                problems.append(&mut why);
                 continue;
             }
             if let Some(line) = &wanted.statement {

@@ -75,6 +75,8 @@ pub struct ModulePoint {
     pub statement: Option<crate::lang::point::SourceLine>,
     /// `module("m").function("f@FILE")`: only the functions FILE defines.
     pub file: Option<String>,
+    /// `module("m").field("struct S", "member").ACCESS`: the member's accesses.
+    pub field: Option<crate::lang::point::MemberAccess>,
     /// Whether the point may match nothing (`?` or `!`).
     pub optional: bool,
     /// The site point each function found gets (its name and function set then).
@@ -245,10 +247,11 @@ pub fn plan(
         facts.types = Some(std::sync::Arc::new(compile::types::BtfTypes(Btf::clone(
             types,
         ))));
-        for m in modules
-            .iter_mut()
-            .filter(|m| m.site != crate::lang::point::FunctionSite::Inline && m.statement.is_none())
-        {
+        for m in modules.iter_mut().filter(|m| {
+            m.site != crate::lang::point::FunctionSite::Inline
+                && m.statement.is_none()
+                && m.field.is_none()
+        }) {
             m.template.params = super::module_dwarf::btf_params(types, &m.pattern);
         }
     }
@@ -313,6 +316,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         file,
         site,
         statement,
+        field,
     } = kind
     else {
         return None;
@@ -324,6 +328,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         site: *site,
         statement: statement.clone(),
         file: file.clone(),
+        field: field.clone(),
         optional: point.optional || point.sufficient,
         template: SitePoint {
             probe,
