@@ -10,7 +10,7 @@
 #   FUZZ_JOBS=11 ci/fuzz.sh      # all at once
 #
 # ci/test.sh runs it at nice 19 beside its gates and tests (the instrumented build is a second
-# build of most of the workspace, about 2.5 min of CPU on a 2-core machine, and the eleven
+# build of most of the workspace, about 4.5 min of CPU on a 2-core machine, and the eleven
 # targets run 5.5 min at 30 s each: at the lowest priority they take the CPU the tests leave
 # idle). Run it by hand, longer, after changing a reader of guest data or the front end.
 set -euo pipefail
@@ -43,10 +43,12 @@ run_target() {
     rm -rf "$corpus" "$corpus.log"
 }
 targets=()
+# One build of the three crates' targets: their workspace is rooted at probes/fuzz, so the
+# crates they share (introspect, vmm) are instrumented and compiled once.
+# --target: the flags reach the targets, not the build scripts and proc macros.
+RUSTFLAGS=$flags CARGO_TARGET_DIR=$build cargo build --manifest-path probes/fuzz/Cargo.toml \
+    --workspace --release --bins --target "$target" --locked
 for crate in introspect/fuzz vmm/fuzz probes/fuzz; do
-    # --target: the flags reach the targets, not the build scripts and proc macros.
-    RUSTFLAGS=$flags CARGO_TARGET_DIR=$build cargo build --manifest-path "$crate/Cargo.toml" \
-        --release --bins --target "$target" --locked
     for bin in $(awk -F'"' '/^name = / && seen { print $2 } /^\[\[bin\]\]/ { seen = 1 }' "$crate/Cargo.toml"); do
         if ((${#want[@]})) && [[ " ${want[*]} " != *" $bin "* ]]; then
             continue
