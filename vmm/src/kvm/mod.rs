@@ -231,6 +231,7 @@ impl KvmConfig {
             "reboot=k",
             "pci=off",
             "no_timer_check",
+            crate::qemu::CRYPTO_SELFTESTS_OFF,
             "i8042.noaux",
             "i8042.nomux",
             "i8042.dumbkbd",
