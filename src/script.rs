@@ -111,6 +111,7 @@ impl ProbePointResolver for LazyKernel {
                     pattern,
                     site,
                     file: None,
+                    line: None,
                     statement: None,
                     field: None,
                 },

@@ -589,8 +589,12 @@ fn gdb_on_evdev(commands: &[String]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// How many lines after its own `evdev_open_lines` asks gdb about (evdev_open is shorter).
+const EVDEV_OPEN_LINES: u32 = 60;
+
 /// gdb's `Line N of "FILE" starts at address 0x.. <evdev_open+OFF> ...` or `... contains no
-/// code`, for each line after `evdev_open`'s own, as (line, file, offset when it has code).
+/// code`, for `evdev_open`'s own line and each after it, as (line, file, offset when it has
+/// code).
 #[allow(clippy::panic, clippy::expect_used)] // a fixture that fails fails the test
 fn evdev_open_lines() -> Vec<(u32, String, Option<u64>)> {
     let decl = gdb_on_evdev(&["info line evdev_open".to_owned()]);
@@ -604,7 +608,7 @@ fn evdev_open_lines() -> Vec<(u32, String, Option<u64>)> {
         .lines()
         .find_map(parse)
         .unwrap_or_else(|| panic!("gdb gave no line of evdev_open:\n{decl}"));
-    let asks: Vec<String> = (first + 1..first + 40)
+    let asks: Vec<String> = (first..first + EVDEV_OPEN_LINES)
         .map(|n| format!("info line drivers/input/evdev.c:{n}"))
         .collect();
     let text = gdb_on_evdev(&asks);
@@ -646,7 +650,8 @@ fn evdev_open_instruction_length(offset: u64) -> u64 {
 /// call, as the guest's kprobe on `evdev_open` counts calls. (Not a kprobe at the line's own
 /// address: its `int3` would be where exotap splices, which exotap refuses.) And
 /// `module("evdev").function("evdev_open@FILE")`, the function by the file DWARF says defines
-/// it, at its entry as often.
+/// it, and `module("evdev").function("evdev_*@FILE:LINE")`, the functions with code of that
+/// line (evdev_open alone), at their entries as often.
 #[test]
 fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its_line() {
     if !have_qemu(
@@ -679,10 +684,12 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
     let console = dir.path().join("console.log");
     let point = format!("module(\"evdev\").statement(\"evdev_open@{file}:{line}\")");
     let script = format!(
-        "global n, e\nprobe {point} {{ n[pp(), addr()]++ }}\n\
+        "global n, e, f\nprobe {point} {{ n[pp(), addr()]++ }}\n\
          probe module(\"evdev\").function(\"evdev_open@{file}\") {{ e[pp()]++ }}\n\
+         probe module(\"evdev\").function(\"evdev_*@{file}:{line}\") {{ f[pp()]++ }}\n\
          probe end {{ foreach ([p, a] in n) printf(\"stmt %s@%x %d\\n\", p, a, n[p, a])\n\
-                      foreach (p in e) printf(\"entry %s %d\\n\", p, e[p]) }}"
+                      foreach (p in e) printf(\"entry %s %d\\n\", p, e[p])\n\
+                      foreach (p in f) printf(\"byline %s %d\\n\", p, f[p]) }}"
     );
     let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, &script);
     assert_eq!(code, 0, "{ctx}");
@@ -702,6 +709,15 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
     // The function by its file (the DWARF's): its entry, as the kprobe counts it.
     assert_eq!(
         printed(&out, "entry "),
+        BTreeMap::from([(
+            "module(\"evdev\").function(\"evdev_open\")".to_owned(),
+            kprobe
+        )]),
+        "{ctx}"
+    );
+    // The functions matching evdev_* with code of that line: evdev_open alone, at its entry.
+    assert_eq!(
+        printed(&out, "byline "),
         BTreeMap::from([(
             "module(\"evdev\").function(\"evdev_open\")".to_owned(),
             kprobe
@@ -897,5 +913,127 @@ fn member_writes_in_a_module_are_gdbs_stores_counted_as_the_guests_kprobe() {
         "{point}: {} stores (gdb: bufsize at {member:#x}, evdev_open+{stores:?}), {kprobe} hits \
          each, as the guest's kprobe on evdev_open",
         stores.len()
+    );
+}
+
+/// `module("evdev").statement("evdev_open@FILE:*")`: every line of evdev.c in evdev_open's
+/// code (its own and those of evdev.c's helpers inlined into it), each its own probe. At the
+/// address each line fired at, gdb (reading evdev's debug file, `info line *ADDR`) names the
+/// same line; the line the statement test above probes fired once per open, as the guest's
+/// kprobe on `evdev_open` counts; several lines ran at every open.
+#[test]
+fn every_line_of_a_module_function_fires_where_gdb_places_the_line() {
+    if !have_qemu("every_line_of_a_module_function_fires_where_gdb_places_the_line") {
+        return;
+    }
+    let lines = evdev_open_lines();
+    let (line, file, _) = lines
+        .iter()
+        .filter_map(|(n, f, off)| off.filter(|o| *o >= 16).map(|o| (*n, f.clone(), o)))
+        .find(|(_, _, o)| evdev_open_instruction_length(*o) >= 5)
+        .unwrap_or_else(|| panic!("no line of evdev_open past its prologue: {lines:?}"));
+    let job = format!(
+        "insmod /modules/evdev.ko\n\
+         T=/sys/kernel/tracing\n\
+         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || echo STMT-FAILED\n\
+         echo 1 > $T/events/exotap/enable\n\
+         exotap_result evdev_open \"$(grep ' evdev_open\t' /proc/kallsyms | cut -d' ' -f1)\"\n\
+         exotap_wait attach\n\
+         i=0\n\
+         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
+         exotap_wait detach\n\
+         {KPROBE_COUNTS}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &job);
+    let console = dir.path().join("console.log");
+    let script = format!(
+        "global n\nprobe module(\"evdev\").statement(\"evdev_open@{file}:*\") {{ n[pp(), addr()]++ }}\n\
+         probe end {{ foreach ([p, a] in n) printf(\"line %s %x %d\\n\", p, a, n[p, a]) }}"
+    );
+    let (code, out, _, transcript, ctx) = boot_script(&initrd, &console, &script);
+    assert_eq!(code, 0, "{ctx}");
+    assert!(!transcript.contains("STMT-FAILED"), "{ctx}");
+    let kprobe: u64 = result(&transcript, "kprobe.evdev_open")
+        .and_then(|k| k.parse().ok())
+        .unwrap_or_else(|| panic!("no kprobe count of evdev_open: {ctx}"));
+    assert_eq!(kprobe, u64::from(OPENS), "{ctx}");
+    let function = result(&transcript, "evdev_open")
+        .and_then(|a| u64::from_str_radix(a, 16).ok())
+        .unwrap_or_else(|| panic!("no address of evdev_open in the guest's kallsyms: {ctx}"));
+    // (line, offset into evdev_open, hits), from `line PP ADDR N`.
+    let prefix = format!("module(\"evdev\").statement(\"evdev_open@{file}:");
+    let fired: Vec<(u32, u64, u64)> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("line "))
+        .map(|l| {
+            let parsed = (|| {
+                let (rest, n) = l.rsplit_once(' ')?;
+                let (pp, addr) = rest.rsplit_once(' ')?;
+                let line = pp
+                    .strip_prefix(&prefix)?
+                    .strip_suffix("\")")?
+                    .parse()
+                    .ok()?;
+                let addr = u64::from_str_radix(addr, 16).ok()?;
+                Some((line, addr.checked_sub(function)?, n.parse().ok()?))
+            })();
+            parsed.unwrap_or_else(|| panic!("not a line of evdev_open: {l}: {ctx}"))
+        })
+        .collect();
+    assert!(!fired.is_empty(), "{ctx}");
+    let asks: Vec<String> = fired
+        .iter()
+        .map(|(_, off, _)| format!("info line *(evdev_open+{off})"))
+        .collect();
+    let answers = gdb_on_evdev(&asks);
+    let gdb_lines: Vec<u32> = answers
+        .lines()
+        .filter_map(|l| l.strip_prefix("Line ")?.split_once(' ')?.0.parse().ok())
+        .collect();
+    assert_eq!(gdb_lines.len(), fired.len(), "{answers}\n{ctx}");
+    // Where several lines share an address (an inlined helper's first line, a line whose code
+    // is its neighbour's), gdb names the last for the address and says of ours that it "is at"
+    // that address but has no code of its own.
+    let shared: Vec<(u32, u64)> = fired
+        .iter()
+        .zip(&gdb_lines)
+        .filter(|((ours, _, _), gdb)| ours != *gdb)
+        .map(|((ours, off, _), _)| (*ours, *off))
+        .collect();
+    let asks: Vec<String> = shared
+        .iter()
+        .map(|(l, _)| format!("info line {file}:{l}"))
+        .collect();
+    let said = if asks.is_empty() {
+        String::new()
+    } else {
+        gdb_on_evdev(&asks)
+    };
+    for (l, off) in &shared {
+        assert!(
+            said.contains(&format!(
+                "Line {l} of \"{file}\" is at address 0x"
+            )) && said
+                .lines()
+                .any(|s| s.starts_with(&format!("Line {l} of")) && s.contains(&format!("<evdev_open+{off}>"))),
+            "line {l} fired at evdev_open+{off}, where gdb names another line:\n{answers}\n{said}\n{ctx}"
+        );
+    }
+    let at_line: Vec<u64> = fired
+        .iter()
+        .filter(|(l, _, _)| *l == line)
+        .map(|(_, _, n)| *n)
+        .collect();
+    assert_eq!(at_line, vec![kprobe], "line {line}: {ctx}");
+    let every_open = fired.iter().filter(|(_, _, n)| *n == kprobe).count();
+    assert!(
+        every_open >= 3,
+        "{every_open} lines ran at every open: {ctx}"
+    );
+    eprintln!(
+        "evdev_open@{file}:*: {} lines fired ({every_open} at every open), each at an address \
+         gdb gives its line",
+        fired.len()
     );
 }

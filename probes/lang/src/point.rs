@@ -61,13 +61,25 @@ impl MemberAccess {
     }
 }
 
-/// A source line of a statement point: `FILE:N` or `FILE:N-M` (a range of lines).
+/// A source line of a statement point: `FILE:N` or `FILE:N-M` (a range of lines), or
+/// `FILE:*` (every line).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceLine {
     /// The source file, as a trailing path (`drivers/input/evdev.c`, `evdev.c`).
     pub file: String,
-    /// The first and last line.
-    pub lines: (u32, u32),
+    /// The first and last line; `None` for `*`, every line of the functions the point names.
+    pub lines: Option<(u32, u32)>,
+}
+
+impl SourceLine {
+    /// `N`, `N-M` or `*`, as the point wrote it.
+    pub fn lines_text(&self) -> String {
+        match self.lines {
+            None => "*".to_owned(),
+            Some((first, last)) if first == last => first.to_string(),
+            Some((first, last)) => format!("{first}-{last}"),
+        }
+    }
 }
 
 /// `N` or `N-M` (1-based, N ≤ M), as statement points write lines.
@@ -141,6 +153,9 @@ pub enum PointKind {
         pattern: String,
         /// `@FILE`: only the functions the module's DWARF says FILE defines.
         file: Option<String>,
+        /// `@FILE:N` (or `:N-M`): only those of them with code of the lines, as
+        /// `kernel.function("f@FILE:N")` has it.
+        line: Option<(u32, u32)>,
         /// Which instances (`Entry`, `Call`, `Return` or `Inline`; `Entry` for a statement).
         site: FunctionSite,
         /// `module("m").statement("f@FILE:LINE")`: the source line, in the functions
@@ -716,17 +731,32 @@ fn module_function(
     };
     let module = text(first, "module's name")?;
     let (pattern, file, line) = split_location(&text(first + 1, "function's name")?);
-    if line.is_some() || pattern.contains([':', '+']) {
+    if pattern.contains([':', '+']) {
         return Err(PointError::OutOfScope {
             text: point.to_string(),
-            reason: "a module function is named alone or with its file (f@FILE); for a source \
-                     line write module(\"m\").statement(\"f@FILE:LINE\")"
+            reason: "a module function is named alone or with its file (f@FILE, f@FILE:LINE); \
+                     for an offset into it write module(\"m\").statement(...) with a source line"
                 .to_string(),
             span: point.span,
         });
     }
     if pattern.is_empty() || file.as_deref().is_some_and(str::is_empty) {
-        return Err(bad("expected \"f\" or \"f@FILE\"".into()));
+        return Err(bad("expected \"f\", \"f@FILE\" or \"f@FILE:LINE\"".into()));
+    }
+    // `f@FILE:N`: the functions with code of line N of FILE (or lines N-M).
+    let line = match line {
+        None => None,
+        Some(spec) => Some(parse_lines(&spec).ok_or_else(|| {
+            bad(format!(
+                "'{spec}' is not a line (write N or N-M; every line of a function is \
+                 module(\"m\").statement(\"f@FILE:N-M\"))"
+            ))
+        })?),
+    };
+    if line.is_some() && file.as_deref().is_some_and(|f| f.contains(['*', '?', '['])) {
+        return Err(bad(
+            "a source line needs a file name without wildcards".into()
+        ));
     }
     let site = match rest {
         [] => FunctionSite::Entry,
@@ -738,6 +768,15 @@ fn module_function(
             _ => return Err(bad("maxactive takes one positive number".into())),
         },
         // From the module's DWARF, when the module is placed.
+        ["inline"] if line.is_some() => {
+            return Err(PointError::OutOfScope {
+                text: point.to_string(),
+                reason: "a line does not select inlined instances (write \
+                         module(\"m\").statement(\"f@FILE:LINE\") for the code of a line)"
+                    .to_string(),
+                span: point.span,
+            })
+        }
         ["inline"] if file.is_none() => FunctionSite::Inline,
         ["inline"] => {
             return Err(PointError::OutOfScope {
@@ -759,6 +798,7 @@ fn module_function(
         module,
         pattern,
         file,
+        line,
         site,
         statement: None,
         field: None,
@@ -798,6 +838,7 @@ fn module_field(point: &ProbePoint, access: &str) -> Result<PointKind, PointErro
         module,
         pattern: "*".to_string(),
         file: None,
+        line: None,
         site: FunctionSite::Entry,
         statement: None,
         field: Some(MemberAccess {
@@ -834,12 +875,19 @@ fn module_statement(point: &ProbePoint) -> Result<PointKind, PointError> {
     if file.contains(['*', '?', '[']) {
         return Err(bad("a source line needs a file name without wildcards"));
     }
-    let lines = parse_lines(&line)
-        .ok_or_else(|| bad(&format!("'{line}' is not a line (write N or N-M)")))?;
+    let lines = if line.trim() == "*" {
+        None
+    } else {
+        Some(
+            parse_lines(&line)
+                .ok_or_else(|| bad(&format!("'{line}' is not a line (write N, N-M or *)")))?,
+        )
+    };
     Ok(PointKind::ModuleFunction {
         module,
         pattern,
         file: None,
+        line: None,
         site: FunctionSite::Entry,
         statement: Some(SourceLine { file, lines }),
         field: None,
@@ -1109,6 +1157,7 @@ mod tests {
                 module: "ext4".into(),
                 pattern: "ext4_*".into(),
                 file: None,
+                line: None,
                 site: FunctionSite::Return,
                 statement: None,
                 field: None,
@@ -1120,6 +1169,7 @@ mod tests {
                 module: "e*".into(),
                 pattern: "ext4_sync_fs".into(),
                 file: None,
+                line: None,
                 site: FunctionSite::Entry,
                 statement: None,
                 field: None,
@@ -1131,6 +1181,7 @@ mod tests {
                 module: "ext4".into(),
                 pattern: "ext4_*".into(),
                 file: None,
+                line: None,
                 site: FunctionSite::Inline,
                 statement: None,
                 field: None,
@@ -1142,10 +1193,11 @@ mod tests {
                 module: "evdev".into(),
                 pattern: "evdev_*".into(),
                 file: None,
+                line: None,
                 site: FunctionSite::Entry,
                 statement: Some(SourceLine {
                     file: "drivers/input/evdev.c".into(),
-                    lines: (478, 480),
+                    lines: Some((478, 480)),
                 }),
                 field: None,
             }
@@ -1156,6 +1208,7 @@ mod tests {
                 module: "evdev".into(),
                 pattern: "*".into(),
                 file: None,
+                line: None,
                 site: FunctionSite::Entry,
                 statement: None,
                 field: Some(MemberAccess {
@@ -1171,15 +1224,40 @@ mod tests {
                 module: "ext4".into(),
                 pattern: "ext4_*".into(),
                 file: Some("fs/ext4/super.c".into()),
+                line: None,
                 site: FunctionSite::Return,
+                statement: None,
+                field: None,
+            }
+        );
+        assert_eq!(
+            kind(r#"module("ext4").function("ext4_*@fs/ext4/super.c:12-14").call"#).unwrap(),
+            PointKind::ModuleFunction {
+                module: "ext4".into(),
+                pattern: "ext4_*".into(),
+                file: Some("fs/ext4/super.c".into()),
+                line: Some((12, 14)),
+                site: FunctionSite::Call,
                 statement: None,
                 field: None,
             }
         );
         for (point, why) in [
             (
-                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c:12")"#,
-                "for a source line write",
+                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c:12").inline"#,
+                "a line does not select inlined instances",
+            ),
+            (
+                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c:*")"#,
+                "is not a line",
+            ),
+            (
+                r#"module("ext4").function("ext4_sync_fs@fs/ext4/*.c:3")"#,
+                "without wildcards",
+            ),
+            (
+                r#"module("ext4").function("ext4_sync_fs+4")"#,
+                "for an offset into it",
             ),
             (
                 r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c").inline"#,
@@ -1199,7 +1277,7 @@ mod tests {
                 "is not a line",
             ),
             (
-                r#"module("ext4").statement("f@fs/ext4/super.c:*")"#,
+                r#"module("ext4").statement("f@fs/ext4/super.c:*-3")"#,
                 "is not a line",
             ),
             (r#"module("ext4").function("")"#, "non-empty string"),

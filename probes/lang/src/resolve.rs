@@ -135,11 +135,10 @@ pub fn describe(kind: &PointKind) -> String {
             statement: Some(line),
             ..
         } => {
-            let (first, last) = line.lines;
-            let lines = if first == last {
-                format!("line {first}")
-            } else {
-                format!("lines {first}-{last}")
+            let lines = match line.lines {
+                None => "every line".to_owned(),
+                Some((first, last)) if first == last => format!("line {first}"),
+                Some((first, last)) => format!("lines {first}-{last}"),
             };
             format!(
                 "{lines} of {} in the functions matching '{pattern}' of the kernel modules \
@@ -166,6 +165,7 @@ pub fn describe(kind: &PointKind) -> String {
             module,
             pattern,
             file,
+            line,
             site,
             statement: None,
             field: None,
@@ -175,10 +175,17 @@ pub fn describe(kind: &PointKind) -> String {
                 FunctionSite::Inline => "the inlined instances of",
                 _ => "the entry of",
             };
+            let line = line.map(|(first, last)| {
+                if first == last {
+                    first.to_string()
+                } else {
+                    format!("{first}-{last}")
+                }
+            });
             format!(
                 "{what} the functions matching '{pattern}'{} of the kernel modules matching \
                  '{module}' (found in the live guest)",
-                location(file, &None)
+                location(file, &line)
             )
         }
         PointKind::KernelStatement {

@@ -57,6 +57,10 @@ pub(crate) fn cached_debug_files(image: &KernelImage) -> Vec<(String, PathBuf)> 
     found
 }
 
+/// Where a module statement is: its function, its address, and its lines (the point's
+/// `N-M`, or `(N, N)` for each line of `:*`).
+pub(crate) type StatementSite = (String, u64, (u32, u32));
+
 /// A module's DWARF at one placement of its sections.
 pub(crate) struct ModuleDwarf {
     file: DebugFile,
@@ -197,9 +201,11 @@ impl ModuleDwarf {
     }
 
     /// The code of `at`'s lines in the functions matching `pattern`, as (function, address,
-    /// source file as DWARF names it): for each function the lowest `is_stmt` address of
-    /// the lines, as `kernel.statement("f@FILE:N")` has it. A line with no code is an error
-    /// that names the next line with some, as the kernel's is.
+    /// lines): for each function the lowest `is_stmt` address of the lines, as
+    /// `kernel.statement("f@FILE:N")` has it (the lines the point names); for `FILE:*`, every
+    /// line of each function matching `pattern` that FILE defines, at its lowest address in
+    /// the function (each its own line). A line with no code is an error that names the next
+    /// line with some, as the kernel's is.
     ///
     /// # Errors
     /// When the DWARF cannot be read, or no function matching `pattern` has code of the lines.
@@ -207,10 +213,12 @@ impl ModuleDwarf {
         &self,
         pattern: &str,
         at: &SourceLine,
-    ) -> anyhow::Result<Vec<(String, u64, String)>> {
+    ) -> anyhow::Result<Vec<StatementSite>> {
+        let Some((first, last)) = at.lines else {
+            return self.every_line(pattern, &at.file);
+        };
         let info = self.file.load()?;
         let names = self.names(&info)?;
-        let (first, last) = at.lines;
         let mut sites = Vec::new();
         let mut next_code = None;
         for line in first..=last {
@@ -273,8 +281,48 @@ impl ModuleDwarf {
         }
         Ok(best
             .into_iter()
-            .map(|(f, (addr, path))| (f.to_owned(), addr, path))
+            .map(|(f, (addr, _))| (f.to_owned(), addr, (first, last)))
             .collect())
+    }
+
+    /// `f@FILE:*`: every line of FILE in the code of each function matching `pattern` that
+    /// FILE defines, at its lowest `is_stmt` address there, as (function, address, (line,
+    /// line)), by function and line.
+    ///
+    /// # Errors
+    /// When the DWARF cannot be read, or FILE defines no function matching `pattern`.
+    fn every_line(&self, pattern: &str, file: &str) -> anyhow::Result<Vec<StatementSite>> {
+        let defined = self.functions_in_file(pattern, file)?;
+        if defined.is_empty() {
+            bail!("no function matching '{pattern}' is defined in a file ending with {file}");
+        }
+        let info = self.file.load()?;
+        let in_file =
+            |path: &str| wildcard_match(file, path) || wildcard_match(&format!("*/{file}"), path);
+        let mut out = Vec::new();
+        for (name, low, size) in self
+            .functions
+            .iter()
+            .filter(|(n, _, _)| defined.contains(n))
+        {
+            let high = low.saturating_add(*size);
+            let table = info.line_table_at(*low)?;
+            let mut lines: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+            for (path, row) in table.rows_in(*low, high) {
+                if row.is_stmt && in_file(path) {
+                    let e = lines.entry(row.line).or_insert(row.addr);
+                    *e = (*e).min(row.addr);
+                }
+            }
+            out.extend(
+                lines
+                    .into_iter()
+                    .map(|(line, addr)| (name.clone(), addr, (line, line))),
+            );
+        }
+        out.sort();
+        out.dedup();
+        Ok(out)
     }
 
     /// The instructions of the module that access `field`'s member, as (function, address),
@@ -341,6 +389,34 @@ impl ModuleDwarf {
             .filter(|f| f.low != 0)
             .map(|f| f.name.to_owned())
             .collect())
+    }
+
+    /// [`Self::functions_in_file`], and with `lines` (`f@FILE:N-M`) only those that have code
+    /// of the lines, as `kernel.function("f@FILE:N")` keeps them.
+    ///
+    /// # Errors
+    /// When the DWARF cannot be read, or no function matching `pattern` has code of the lines
+    /// (naming the next line with code, or the functions that have some).
+    pub(crate) fn functions_in_file_at(
+        &self,
+        pattern: &str,
+        file: &str,
+        lines: Option<(u32, u32)>,
+    ) -> anyhow::Result<BTreeSet<String>> {
+        let mut names = self.functions_in_file(pattern, file)?;
+        if let Some(lines) = lines {
+            let at = SourceLine {
+                file: file.to_owned(),
+                lines: Some(lines),
+            };
+            let with_code: BTreeSet<String> = self
+                .statements(pattern, &at)?
+                .into_iter()
+                .map(|(f, _, _)| f)
+                .collect();
+            names.retain(|n| with_code.contains(n));
+        }
+        Ok(names)
     }
 
     /// The function whose code holds `addr`.
@@ -597,21 +673,24 @@ pub(super) fn plan_vars(
             std::collections::hash_map::Entry::Vacant(e) => e.insert(ModuleDwarf::made_up(path)?),
         };
         let dwarf: &ModuleDwarf = dwarf;
-        let at: Vec<(String, u64)> = if let Some(field) = &field {
-            dwarf.field_accesses(field)?
+        // Each place: its function, address and (for a statement) its lines.
+        let at: Vec<(String, u64, (u32, u32))> = if let Some(field) = &field {
+            let found = dwarf.field_accesses(field)?;
+            found.into_iter().map(|(f, pc)| (f, pc, (0, 0))).collect()
         } else if let Some(line) = &statement {
             match dwarf.statements(&m.pattern, line) {
-                Ok(found) => found.into_iter().map(|(f, pc, _)| (f, pc)).collect(),
+                Ok(found) => found,
                 Err(e) => {
                     no_code.get_or_insert(format!("{e:#}"));
                     Vec::new()
                 }
             }
         } else if inline {
-            dwarf.inlined(&m.pattern)?
+            let found = dwarf.inlined(&m.pattern)?;
+            found.into_iter().map(|(f, pc)| (f, pc, (0, 0))).collect()
         } else {
             let in_file = match &m.file {
-                Some(file) => Some(dwarf.functions_in_file(&m.pattern, file)?),
+                Some(file) => Some(dwarf.functions_in_file_at(&m.pattern, file, m.line)?),
                 None => None,
             };
             dwarf
@@ -619,17 +698,17 @@ pub(super) fn plan_vars(
                 .into_iter()
                 .filter(|(f, _)| super::modules::is_function(f, wildcard))
                 .filter(|(f, _)| in_file.as_ref().is_none_or(|names| names.contains(*f)))
-                .map(|(f, pc)| (f.to_owned(), pc))
+                .map(|(f, pc)| (f.to_owned(), pc, (0, 0)))
                 .collect()
         };
         places += at.len();
         if !reads {
             continue;
         }
-        for (function, pc) in at {
+        for (function, pc, lines) in at {
             let point = match (&statement, &field) {
                 (_, Some(field)) => field_name(name, field),
-                (Some(line), None) => statement_name(name, &function, &line.file, line.lines),
+                (Some(line), None) => statement_name(name, &function, &line.file, lines),
                 (None, None) => format!(
                     "module(\"{name}\").function(\"{function}\"){}",
                     m.site.suffix()

@@ -190,13 +190,9 @@ impl ModuleWatch {
             Ok(found) => found,
             Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
         };
-        let found = found.into_iter().map(|(function, link, _)| {
-            let point = super::module_dwarf::statement_name(
-                &module.name,
-                &function,
-                &line.file,
-                line.lines,
-            );
+        let found = found.into_iter().map(|(function, link, lines)| {
+            let point =
+                super::module_dwarf::statement_name(&module.name, &function, &line.file, lines);
             (point, function, link)
         });
         dwarf_sites(wanted, &dwarf, found)
@@ -269,7 +265,7 @@ impl ModuleWatch {
             let in_file = match &wanted.file {
                 None => None,
                 Some(file) => match self.dwarf(module).and_then(|d| {
-                    d.functions_in_file(&wanted.pattern, file)
+                    d.functions_in_file_at(&wanted.pattern, file, wanted.line)
                         .map_err(|e| format!("{e:#}"))
                 }) {
                     Ok(names) => Some(names),

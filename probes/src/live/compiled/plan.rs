@@ -75,6 +75,8 @@ pub struct ModulePoint {
     pub statement: Option<crate::lang::point::SourceLine>,
     /// `module("m").function("f@FILE")`: only the functions FILE defines.
     pub file: Option<String>,
+    /// `module("m").function("f@FILE:N")` (or `:N-M`): only those with code of the lines.
+    pub line: Option<(u32, u32)>,
     /// `module("m").field("struct S", "member").ACCESS`: the member's accesses.
     pub field: Option<crate::lang::point::MemberAccess>,
     /// Whether the point may match nothing (`?` or `!`).
@@ -314,6 +316,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         module,
         pattern,
         file,
+        line,
         site,
         statement,
         field,
@@ -328,6 +331,7 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         site: *site,
         statement: statement.clone(),
         file: file.clone(),
+        line: *line,
         field: field.clone(),
         optional: point.optional || point.sufficient,
         template: SitePoint {
