@@ -642,6 +642,67 @@ fn evdev_open_instruction_length(offset: u64) -> u64 {
     }
 }
 
+/// The first line of evdev_open past its first 16 bytes whose first instruction has a
+/// splice's room (5 bytes), as gdb reads evdev's debug file: (line, file, offset).
+#[allow(clippy::panic)] // a fixture that fails fails the test
+fn evdev_open_line_with_room() -> (u32, String, u64) {
+    let lines = evdev_open_lines();
+    lines
+        .iter()
+        .filter_map(|(n, f, off)| off.filter(|o| *o >= 16).map(|o| (*n, f.clone(), o)))
+        .find(|(_, _, o)| evdev_open_instruction_length(*o) >= 5)
+        .unwrap_or_else(|| {
+            panic!("no line of evdev_open past its prologue starts a splice's room: {lines:?}")
+        })
+}
+
+/// A run of `script` over `OPENS` opens of evdev's first device, with the guest's kprobe on
+/// `evdev_open` counting them: exotap's stdout and stderr, all as one context for messages,
+/// the kprobe's count (checked: one per open) and where the guest's kallsyms has evdev_open.
+struct OpensRun {
+    out: String,
+    err: String,
+    ctx: String,
+    kprobe: u64,
+    evdev_open: u64,
+}
+
+#[allow(clippy::panic)] // a fixture that fails fails the test
+fn run_over_opens(script: &str) -> OpensRun {
+    let job = format!(
+        "insmod /modules/evdev.ko\n\
+         T=/sys/kernel/tracing\n\
+         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || echo KPROBE-FAILED\n\
+         echo 1 > $T/events/exotap/enable\n\
+         exotap_result evdev_open \"$(grep ' evdev_open\t' /proc/kallsyms | cut -d' ' -f1)\"\n\
+         exotap_wait attach\n\
+         i=0\n\
+         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
+         exotap_wait detach\n\
+         {KPROBE_COUNTS}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let initrd = initramfs(dir.path(), &job);
+    let console = dir.path().join("console.log");
+    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, script);
+    assert_eq!(code, 0, "{ctx}");
+    assert!(!transcript.contains("KPROBE-FAILED"), "{ctx}");
+    let kprobe: u64 = result(&transcript, "kprobe.evdev_open")
+        .and_then(|k| k.parse().ok())
+        .unwrap_or_else(|| panic!("no kprobe count of evdev_open: {ctx}"));
+    assert_eq!(kprobe, u64::from(OPENS), "{ctx}");
+    let evdev_open = result(&transcript, "evdev_open")
+        .and_then(|a| u64::from_str_radix(a, 16).ok())
+        .unwrap_or_else(|| panic!("no address of evdev_open in the guest's kallsyms: {ctx}"));
+    OpensRun {
+        out,
+        err,
+        ctx,
+        kprobe,
+        evdev_open,
+    }
+}
+
 /// `module("evdev").statement("evdev_open@FILE:LINE")`: the first line gdb places past the
 /// first 16 bytes of evdev_open whose first instruction is long enough for a splice (5
 /// bytes; its first statements after the prologue, run at every call that allocates its
@@ -659,29 +720,7 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
     ) {
         return;
     }
-    let lines = evdev_open_lines();
-    let (line, file, offset) = lines
-        .iter()
-        .filter_map(|(n, f, off)| off.filter(|o| *o >= 16).map(|o| (*n, f.clone(), o)))
-        .find(|(_, _, o)| evdev_open_instruction_length(*o) >= 5)
-        .unwrap_or_else(|| {
-            panic!("no line of evdev_open past its prologue starts a splice's room: {lines:?}")
-        });
-    let job = format!(
-        "insmod /modules/evdev.ko\n\
-         T=/sys/kernel/tracing\n\
-         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || echo STMT-FAILED\n\
-         echo 1 > $T/events/exotap/enable\n\
-         exotap_result evdev_open \"$(grep ' evdev_open\t' /proc/kallsyms | cut -d' ' -f1)\"\n\
-         exotap_wait attach\n\
-         i=0\n\
-         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
-         exotap_wait detach\n\
-         {KPROBE_COUNTS}"
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let initrd = initramfs(dir.path(), &job);
-    let console = dir.path().join("console.log");
+    let (line, file, offset) = evdev_open_line_with_room();
     let point = format!("module(\"evdev\").statement(\"evdev_open@{file}:{line}\")");
     let script = format!(
         "global n, e, f\nprobe {point} {{ n[pp(), addr()]++ }}\n\
@@ -691,19 +730,16 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
                       foreach (p in e) printf(\"entry %s %d\\n\", p, e[p])\n\
                       foreach (p in f) printf(\"byline %s %d\\n\", p, f[p]) }}"
     );
-    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, &script);
-    assert_eq!(code, 0, "{ctx}");
-    assert!(!transcript.contains("STMT-FAILED"), "{ctx}");
-    let kprobe: u64 = result(&transcript, "kprobe.evdev_open")
-        .and_then(|k| k.parse().ok())
-        .unwrap_or_else(|| panic!("no kprobe count of evdev_open: {ctx}"));
-    assert_eq!(kprobe, u64::from(OPENS), "{ctx}");
-    let function = result(&transcript, "evdev_open")
-        .and_then(|a| u64::from_str_radix(a, 16).ok())
-        .unwrap_or_else(|| panic!("no address of evdev_open in the guest's kallsyms: {ctx}"));
+    let OpensRun {
+        out,
+        err,
+        ctx,
+        kprobe,
+        evdev_open,
+    } = run_over_opens(&script);
     assert_eq!(
         printed(&out, "stmt "),
-        BTreeMap::from([(format!("{point}@{:x}", function + offset), kprobe)]),
+        BTreeMap::from([(format!("{point}@{:x}", evdev_open + offset), kprobe)]),
         "{ctx}"
     );
     // The function by its file (the DWARF's): its entry, as the kprobe counts it.
@@ -843,21 +879,6 @@ fn member_writes_in_a_module_are_gdbs_stores_counted_as_the_guests_kprobe() {
         return;
     }
     let (member, stores) = bufsize_stores_in_evdev_open();
-    let job = format!(
-        "insmod /modules/evdev.ko\n\
-         T=/sys/kernel/tracing\n\
-         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || echo FIELD-FAILED\n\
-         echo 1 > $T/events/exotap/enable\n\
-         exotap_result evdev_open \"$(grep ' evdev_open\t' /proc/kallsyms | cut -d' ' -f1)\"\n\
-         exotap_wait attach\n\
-         i=0\n\
-         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
-         exotap_wait detach\n\
-         {KPROBE_COUNTS}"
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let initrd = initramfs(dir.path(), &job);
-    let console = dir.path().join("console.log");
     let point = "module(\"evdev\").field(\"struct evdev_client\", \"bufsize\").write";
     let script = format!(
         "global n, objects, released, odd, nrel\n\
@@ -877,19 +898,16 @@ fn member_writes_in_a_module_are_gdbs_stores_counted_as_the_guests_kprobe() {
            printf(\"released %d\\n\", nrel)\n\
          }}"
     );
-    let (code, out, err, transcript, ctx) = boot_script(&initrd, &console, &script);
-    assert_eq!(code, 0, "{ctx}");
-    assert!(!transcript.contains("FIELD-FAILED"), "{ctx}");
-    let kprobe: u64 = result(&transcript, "kprobe.evdev_open")
-        .and_then(|k| k.parse().ok())
-        .unwrap_or_else(|| panic!("no kprobe count of evdev_open: {ctx}"));
-    assert_eq!(kprobe, u64::from(OPENS), "{ctx}");
-    let function = result(&transcript, "evdev_open")
-        .and_then(|a| u64::from_str_radix(a, 16).ok())
-        .unwrap_or_else(|| panic!("no address of evdev_open in the guest's kallsyms: {ctx}"));
+    let OpensRun {
+        out,
+        err,
+        ctx,
+        kprobe,
+        evdev_open,
+    } = run_over_opens(&script);
     let expected: BTreeMap<String, u64> = stores
         .iter()
-        .map(|off| (format!("{point}@{:x}", function + off), kprobe))
+        .map(|off| (format!("{point}@{:x}", evdev_open + off), kprobe))
         .collect();
     assert_eq!(printed(&out, "write "), expected, "{ctx}");
     assert!(
@@ -926,41 +944,18 @@ fn every_line_of_a_module_function_fires_where_gdb_places_the_line() {
     if !have_qemu("every_line_of_a_module_function_fires_where_gdb_places_the_line") {
         return;
     }
-    let lines = evdev_open_lines();
-    let (line, file, _) = lines
-        .iter()
-        .filter_map(|(n, f, off)| off.filter(|o| *o >= 16).map(|o| (*n, f.clone(), o)))
-        .find(|(_, _, o)| evdev_open_instruction_length(*o) >= 5)
-        .unwrap_or_else(|| panic!("no line of evdev_open past its prologue: {lines:?}"));
-    let job = format!(
-        "insmod /modules/evdev.ko\n\
-         T=/sys/kernel/tracing\n\
-         echo 'p:exotap/evdev_open evdev:evdev_open' >> $T/kprobe_events || echo STMT-FAILED\n\
-         echo 1 > $T/events/exotap/enable\n\
-         exotap_result evdev_open \"$(grep ' evdev_open\t' /proc/kallsyms | cut -d' ' -f1)\"\n\
-         exotap_wait attach\n\
-         i=0\n\
-         while [ $i -lt {OPENS} ]; do : < /dev/input/event0; i=$((i+1)); done\n\
-         exotap_wait detach\n\
-         {KPROBE_COUNTS}"
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let initrd = initramfs(dir.path(), &job);
-    let console = dir.path().join("console.log");
+    let (line, file, _) = evdev_open_line_with_room();
     let script = format!(
         "global n\nprobe module(\"evdev\").statement(\"evdev_open@{file}:*\") {{ n[pp(), addr()]++ }}\n\
          probe end {{ foreach ([p, a] in n) printf(\"line %s %x %d\\n\", p, a, n[p, a]) }}"
     );
-    let (code, out, _, transcript, ctx) = boot_script(&initrd, &console, &script);
-    assert_eq!(code, 0, "{ctx}");
-    assert!(!transcript.contains("STMT-FAILED"), "{ctx}");
-    let kprobe: u64 = result(&transcript, "kprobe.evdev_open")
-        .and_then(|k| k.parse().ok())
-        .unwrap_or_else(|| panic!("no kprobe count of evdev_open: {ctx}"));
-    assert_eq!(kprobe, u64::from(OPENS), "{ctx}");
-    let function = result(&transcript, "evdev_open")
-        .and_then(|a| u64::from_str_radix(a, 16).ok())
-        .unwrap_or_else(|| panic!("no address of evdev_open in the guest's kallsyms: {ctx}"));
+    let OpensRun {
+        out,
+        ctx,
+        kprobe,
+        evdev_open,
+        ..
+    } = run_over_opens(&script);
     // (line, offset into evdev_open, hits), from `line PP ADDR N`.
     let prefix = format!("module(\"evdev\").statement(\"evdev_open@{file}:");
     let fired: Vec<(u32, u64, u64)> = out
@@ -976,7 +971,7 @@ fn every_line_of_a_module_function_fires_where_gdb_places_the_line() {
                     .parse()
                     .ok()?;
                 let addr = u64::from_str_radix(addr, 16).ok()?;
-                Some((line, addr.checked_sub(function)?, n.parse().ok()?))
+                Some((line, addr.checked_sub(evdev_open)?, n.parse().ok()?))
             })();
             parsed.unwrap_or_else(|| panic!("not a line of evdev_open: {l}: {ctx}"))
         })
