@@ -141,86 +141,94 @@ impl ModuleWatch {
         Ok(dwarf)
     }
 
-    /// The inlined instances `wanted` names in `module`, from its DWARF placed where it
-    /// runs: each a statement in the function it was inlined into (no parameters in
-    /// registers there; its variables by their DWARF locations), and why each of the others
-    /// cannot be.
-    fn inline_instances(
+    /// The places `find` names in `module`'s DWARF placed where it runs, as (point name,
+    /// function, address): each a statement in its function (no parameters in registers
+    /// there; its variables by their DWARF locations, `$object` and `$value` at a member
+    /// access), and why each of the others, or all of them, cannot be.
+    fn dwarf_points(
         &mut self,
         module: &GuestModule,
         wanted: &ModulePoint,
+        find: impl FnOnce(&ModuleDwarf) -> anyhow::Result<Vec<(String, String, u64)>>,
     ) -> (Placed, Vec<String>) {
         let name = &wanted.template.name;
         let dwarf = match self.dwarf(module) {
             Ok(d) => d,
             Err(why) => return (Vec::new(), vec![format!("{name}: {why}")]),
         };
-        let instances = match dwarf.inlined(&wanted.pattern) {
-            Ok(i) => i,
-            Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
-        };
-        let found = instances.into_iter().map(|(function, link)| {
-            let point = format!(
-                "module(\"{}\").function(\"{function}\").inline",
-                module.name
-            );
-            let into = module
-                .lookup(link.wrapping_add(self.slide))
-                .map_or_else(|| function.clone(), |(n, _, _)| n.to_owned());
-            (point, into, link)
-        });
-        dwarf_sites(wanted, &dwarf, found)
+        match find(&dwarf) {
+            Ok(found) => dwarf_sites(wanted, &dwarf, found),
+            Err(e) => (Vec::new(), vec![format!("{name}: {e:#}")]),
+        }
     }
 
-    /// The code of the source line `wanted` names in `module`'s functions, from its DWARF
-    /// placed where it runs: a statement in each function that has some (its variables by
-    /// their DWARF locations, no parameters in registers), and why the others cannot be.
+    /// The inlined instances `wanted` names in `module`, each in the function it was inlined
+    /// into.
+    fn inline_instances(
+        &mut self,
+        module: &GuestModule,
+        wanted: &ModulePoint,
+    ) -> (Placed, Vec<String>) {
+        let slide = self.slide;
+        self.dwarf_points(module, wanted, |dwarf| {
+            Ok(dwarf
+                .inlined(&wanted.pattern)?
+                .into_iter()
+                .map(|(function, link)| {
+                    let point = format!(
+                        "module(\"{}\").function(\"{function}\").inline",
+                        module.name
+                    );
+                    let into = module
+                        .lookup(link.wrapping_add(slide))
+                        .map_or_else(|| function.clone(), |(n, _, _)| n.to_owned());
+                    (point, into, link)
+                })
+                .collect())
+        })
+    }
+
+    /// The code of the source line `wanted` names in `module`'s functions (or of every line,
+    /// `:*`), in each function that has some.
     fn statements(
         &mut self,
         module: &GuestModule,
         wanted: &ModulePoint,
         line: &crate::lang::point::SourceLine,
     ) -> (Placed, Vec<String>) {
-        let name = &wanted.template.name;
-        let dwarf = match self.dwarf(module) {
-            Ok(d) => d,
-            Err(why) => return (Vec::new(), vec![format!("{name}: {why}")]),
-        };
-        let found = match dwarf.statements(&wanted.pattern, line) {
-            Ok(found) => found,
-            Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
-        };
-        let found = found.into_iter().map(|(function, link, lines)| {
-            let point =
-                super::module_dwarf::statement_name(&module.name, &function, &line.file, lines);
-            (point, function, link)
-        });
-        dwarf_sites(wanted, &dwarf, found)
+        self.dwarf_points(module, wanted, |dwarf| {
+            Ok(dwarf
+                .statements(&wanted.pattern, line)?
+                .into_iter()
+                .map(|(function, link, lines)| {
+                    let point = super::module_dwarf::statement_name(
+                        &module.name,
+                        &function,
+                        &line.file,
+                        lines,
+                    );
+                    (point, function, link)
+                })
+                .collect())
+        })
     }
 
-    /// The instructions of `module` that access the member `field` names, from its DWARF and
-    /// code placed where it runs: each a statement in its function (`$object` and `$value`
-    /// with its variables where the probe reads them), and why the others cannot be.
+    /// The instructions of `module` that access the member `field` names, each in its
+    /// function.
     fn member_accesses(
         &mut self,
         module: &GuestModule,
         wanted: &ModulePoint,
         field: &crate::lang::point::MemberAccess,
     ) -> (Placed, Vec<String>) {
-        let name = &wanted.template.name;
-        let dwarf = match self.dwarf(module) {
-            Ok(d) => d,
-            Err(why) => return (Vec::new(), vec![format!("{name}: {why}")]),
-        };
-        let found = match dwarf.field_accesses(field) {
-            Ok(found) => found,
-            Err(e) => return (Vec::new(), vec![format!("{name}: {e:#}")]),
-        };
         let point = super::module_dwarf::field_name(&module.name, field);
-        let found = found
-            .into_iter()
-            .map(|(function, link)| (point.clone(), function, link));
-        dwarf_sites(wanted, &dwarf, found)
+        self.dwarf_points(module, wanted, |dwarf| {
+            Ok(dwarf
+                .field_accesses(field)?
+                .into_iter()
+                .map(|(function, link)| (point.clone(), function, link))
+                .collect())
+        })
     }
 
     /// The points of the script (all, or the `only`th) in `module`, each function found as a
