@@ -2,6 +2,9 @@
 
 use super::ast::{Literal, ProbePoint, Span};
 
+mod module;
+use module::{module_field, module_function, module_statement};
+
 /// Which instances of a kernel function a `kernel.function` point covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FunctionSite {
@@ -48,6 +51,18 @@ pub struct MemberAccess {
     pub member: String,
     /// Which accesses.
     pub access: FieldAccess,
+}
+
+impl FieldAccess {
+    /// The access a point's last component (`read`, `write`, `call`) names.
+    pub fn from_suffix(suffix: &str) -> Option<FieldAccess> {
+        match suffix {
+            "read" => Some(FieldAccess::Read),
+            "write" => Some(FieldAccess::Write),
+            "call" => Some(FieldAccess::Call),
+            _ => None,
+        }
+    }
 }
 
 impl MemberAccess {
@@ -558,12 +573,7 @@ pub fn classify(point: &ProbePoint) -> Result<PointKind, PointError> {
                 }
                 _ => return Err(bad("kernel.field", "expected (\"struct S\", \"member\")")),
             };
-            let access = match *access {
-                "read" => FieldAccess::Read,
-                "write" => FieldAccess::Write,
-                "call" => FieldAccess::Call,
-                _ => return Err(unknown()),
-            };
+            let access = FieldAccess::from_suffix(access).ok_or_else(unknown)?;
             Ok(PointKind::KernelField {
                 structure,
                 member,
@@ -708,192 +718,6 @@ fn procfs_point(point: &ProbePoint) -> Result<PointKind, PointError> {
     })
 }
 
-/// `module("M").function("F")[.call|.return]` (`first` = index of the `module` component:
-/// 1 for `kprobe.module(...)`); `rest` the components after `function`.
-fn module_function(
-    point: &ProbePoint,
-    first: usize,
-    rest: &[&str],
-) -> Result<PointKind, PointError> {
-    let family = if first == 0 {
-        "module.function"
-    } else {
-        "kprobe.module.function"
-    };
-    let bad = |reason: String| PointError::BadArgument {
-        family: family.to_string(),
-        reason,
-        span: point.span,
-    };
-    let text = |i: usize, what: &str| match point.components.get(i).map(|c| c.args.as_slice()) {
-        Some([Literal::Str(s)]) if !s.is_empty() => Ok(s.clone()),
-        _ => Err(bad(format!("expected one non-empty string, the {what}"))),
-    };
-    let module = text(first, "module's name")?;
-    let (pattern, file, line) = split_location(&text(first + 1, "function's name")?);
-    if pattern.contains([':', '+']) {
-        return Err(PointError::OutOfScope {
-            text: point.to_string(),
-            reason: "a module function is named alone or with its file (f@FILE, f@FILE:LINE); \
-                     for an offset into it write module(\"m\").statement(...) with a source line"
-                .to_string(),
-            span: point.span,
-        });
-    }
-    if pattern.is_empty() || file.as_deref().is_some_and(str::is_empty) {
-        return Err(bad("expected \"f\", \"f@FILE\" or \"f@FILE:LINE\"".into()));
-    }
-    // `f@FILE:N`: the functions with code of line N of FILE (or lines N-M).
-    let line = match line {
-        None => None,
-        Some(spec) => Some(parse_lines(&spec).ok_or_else(|| {
-            bad(format!(
-                "'{spec}' is not a line (write N or N-M; every line of a function is \
-                 module(\"m\").statement(\"f@FILE:N-M\"))"
-            ))
-        })?),
-    };
-    if line.is_some() && file.as_deref().is_some_and(|f| f.contains(['*', '?', '['])) {
-        return Err(bad(
-            "a source line needs a file name without wildcards".into()
-        ));
-    }
-    let site = match rest {
-        [] => FunctionSite::Entry,
-        ["call"] => FunctionSite::Call,
-        ["return"] => FunctionSite::Return,
-        ["return", "maxactive"] => match point.components.get(first + 3).map(|c| c.args.as_slice())
-        {
-            Some([Literal::Num(n)]) if *n > 0 => FunctionSite::Return,
-            _ => return Err(bad("maxactive takes one positive number".into())),
-        },
-        // From the module's DWARF, when the module is placed.
-        ["inline"] if line.is_some() => {
-            return Err(PointError::OutOfScope {
-                text: point.to_string(),
-                reason: "a line does not select inlined instances (write \
-                         module(\"m\").statement(\"f@FILE:LINE\") for the code of a line)"
-                    .to_string(),
-                span: point.span,
-            })
-        }
-        ["inline"] if file.is_none() => FunctionSite::Inline,
-        ["inline"] => {
-            return Err(PointError::OutOfScope {
-                text: point.to_string(),
-                reason: "the inlined instances of a module function are not filtered by file \
-                         yet: name the function alone"
-                    .to_string(),
-                span: point.span,
-            })
-        }
-        _ => {
-            return Err(PointError::Unknown {
-                text: point.to_string(),
-                span: point.span,
-            })
-        }
-    };
-    Ok(PointKind::ModuleFunction {
-        module,
-        pattern,
-        file,
-        line,
-        site,
-        statement: None,
-        field: None,
-    })
-}
-
-/// `module("m").field("struct S", "member").read|.write|.call`: the member's accesses in
-/// the module's functions.
-fn module_field(point: &ProbePoint, access: &str) -> Result<PointKind, PointError> {
-    let bad = |reason: &str| PointError::BadArgument {
-        family: "module.field".to_string(),
-        reason: reason.to_string(),
-        span: point.span,
-    };
-    let module = match point.components.first().map(|c| c.args.as_slice()) {
-        Some([Literal::Str(s)]) if !s.is_empty() => s.clone(),
-        _ => return Err(bad("expected one non-empty string, the module's name")),
-    };
-    let (structure, member) = match point.components.get(1).map(|c| c.args.as_slice()) {
-        Some([Literal::Str(s), Literal::Str(m)]) if !s.is_empty() && !m.is_empty() => {
-            (s.clone(), m.clone())
-        }
-        _ => return Err(bad("expected (\"struct S\", \"member\")")),
-    };
-    let access = match access {
-        "read" => FieldAccess::Read,
-        "write" => FieldAccess::Write,
-        "call" => FieldAccess::Call,
-        _ => {
-            return Err(PointError::Unknown {
-                text: point.to_string(),
-                span: point.span,
-            })
-        }
-    };
-    Ok(PointKind::ModuleFunction {
-        module,
-        pattern: "*".to_string(),
-        file: None,
-        line: None,
-        site: FunctionSite::Entry,
-        statement: None,
-        field: Some(MemberAccess {
-            structure,
-            member,
-            access,
-        }),
-    })
-}
-
-/// `module("m").statement("f@FILE:LINE")` (or `:N-M`): the line's code in the module's
-/// functions matching `f`.
-fn module_statement(point: &ProbePoint) -> Result<PointKind, PointError> {
-    let bad = |reason: &str| PointError::BadArgument {
-        family: "module.statement".to_string(),
-        reason: reason.to_string(),
-        span: point.span,
-    };
-    let text = |i: usize| match point.components.get(i).map(|c| c.args.as_slice()) {
-        Some([Literal::Str(s)]) if !s.is_empty() => Some(s.clone()),
-        _ => None,
-    };
-    let module = text(0).ok_or_else(|| bad("expected one non-empty string, the module's name"))?;
-    let spec = text(1).ok_or_else(|| bad("expected \"f@FILE:LINE\""))?;
-    let (pattern, file, line) = split_location(&spec);
-    let (Some(file), Some(line)) = (file, line) else {
-        return Err(bad(
-            "expected \"f@FILE:LINE\" (an offset or address in a module is not supported)",
-        ));
-    };
-    if pattern.is_empty() || file.is_empty() {
-        return Err(bad("expected \"f@FILE:LINE\" with a function and a file"));
-    }
-    if file.contains(['*', '?', '[']) {
-        return Err(bad("a source line needs a file name without wildcards"));
-    }
-    let lines = if line.trim() == "*" {
-        None
-    } else {
-        Some(
-            parse_lines(&line)
-                .ok_or_else(|| bad(&format!("'{line}' is not a line (write N, N-M or *)")))?,
-        )
-    };
-    Ok(PointKind::ModuleFunction {
-        module,
-        pattern,
-        file: None,
-        line: None,
-        site: FunctionSite::Entry,
-        statement: Some(SourceLine { file, lines }),
-        field: None,
-    })
-}
-
 /// Why a family SystemTap has is out of exotap's scope, for the points it names.
 fn out_of_scope(names: &[&str]) -> Option<&'static str> {
     match names.first()? {
@@ -933,7 +757,7 @@ mod tests {
     use super::*;
     use crate::{parser::parse, Limits};
 
-    fn kind(point: &str) -> Result<PointKind, PointError> {
+    pub(super) fn kind(point: &str) -> Result<PointKind, PointError> {
         let script = parse(&format!("probe {point} {{}}"), &Limits::default()).unwrap();
         classify(&script.probes[0].points[0])
     }
@@ -1147,155 +971,5 @@ mod tests {
     fn user_space_points_are_refused_with_the_reason() {
         let err = kind(r#"process("/bin/ls").function("main")"#).unwrap_err();
         assert!(err.to_string().contains("user-space probe points"), "{err}");
-    }
-
-    #[test]
-    fn module_functions_are_points_and_what_needs_a_modules_dwarf_is_refused_with_the_reason() {
-        assert_eq!(
-            kind(r#"module("ext4").function("ext4_*").return.maxactive(4)"#).unwrap(),
-            PointKind::ModuleFunction {
-                module: "ext4".into(),
-                pattern: "ext4_*".into(),
-                file: None,
-                line: None,
-                site: FunctionSite::Return,
-                statement: None,
-                field: None,
-            }
-        );
-        assert_eq!(
-            kind(r#"kprobe.module("e*").function("ext4_sync_fs")"#).unwrap(),
-            PointKind::ModuleFunction {
-                module: "e*".into(),
-                pattern: "ext4_sync_fs".into(),
-                file: None,
-                line: None,
-                site: FunctionSite::Entry,
-                statement: None,
-                field: None,
-            }
-        );
-        assert_eq!(
-            kind(r#"module("ext4").function("ext4_*").inline"#).unwrap(),
-            PointKind::ModuleFunction {
-                module: "ext4".into(),
-                pattern: "ext4_*".into(),
-                file: None,
-                line: None,
-                site: FunctionSite::Inline,
-                statement: None,
-                field: None,
-            }
-        );
-        assert_eq!(
-            kind(r#"module("evdev").statement("evdev_*@drivers/input/evdev.c:478-480")"#).unwrap(),
-            PointKind::ModuleFunction {
-                module: "evdev".into(),
-                pattern: "evdev_*".into(),
-                file: None,
-                line: None,
-                site: FunctionSite::Entry,
-                statement: Some(SourceLine {
-                    file: "drivers/input/evdev.c".into(),
-                    lines: Some((478, 480)),
-                }),
-                field: None,
-            }
-        );
-        assert_eq!(
-            kind(r#"module("evdev").field("struct evdev_client", "bufsize").write"#).unwrap(),
-            PointKind::ModuleFunction {
-                module: "evdev".into(),
-                pattern: "*".into(),
-                file: None,
-                line: None,
-                site: FunctionSite::Entry,
-                statement: None,
-                field: Some(MemberAccess {
-                    structure: "struct evdev_client".into(),
-                    member: "bufsize".into(),
-                    access: FieldAccess::Write,
-                }),
-            }
-        );
-        assert_eq!(
-            kind(r#"module("ext4").function("ext4_*@fs/ext4/super.c").return"#).unwrap(),
-            PointKind::ModuleFunction {
-                module: "ext4".into(),
-                pattern: "ext4_*".into(),
-                file: Some("fs/ext4/super.c".into()),
-                line: None,
-                site: FunctionSite::Return,
-                statement: None,
-                field: None,
-            }
-        );
-        assert_eq!(
-            kind(r#"module("ext4").function("ext4_*@fs/ext4/super.c:12-14").call"#).unwrap(),
-            PointKind::ModuleFunction {
-                module: "ext4".into(),
-                pattern: "ext4_*".into(),
-                file: Some("fs/ext4/super.c".into()),
-                line: Some((12, 14)),
-                site: FunctionSite::Call,
-                statement: None,
-                field: None,
-            }
-        );
-        for (point, why) in [
-            (
-                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c:12").inline"#,
-                "a line does not select inlined instances",
-            ),
-            (
-                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c:*")"#,
-                "is not a line",
-            ),
-            (
-                r#"module("ext4").function("ext4_sync_fs@fs/ext4/*.c:3")"#,
-                "without wildcards",
-            ),
-            (
-                r#"module("ext4").function("ext4_sync_fs+4")"#,
-                "for an offset into it",
-            ),
-            (
-                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c").inline"#,
-                "not filtered by file",
-            ),
-            (r#"module("ext4").function("@fs/ext4/super.c")"#, "expected"),
-            (
-                r#"module("ext4").statement("ext4_sync_fs+4")"#,
-                "offset or address in a module",
-            ),
-            (
-                r#"module("ext4").statement("f@fs/ext4/*.c:3")"#,
-                "without wildcards",
-            ),
-            (
-                r#"module("ext4").statement("f@fs/ext4/super.c:9-3")"#,
-                "is not a line",
-            ),
-            (
-                r#"module("ext4").statement("f@fs/ext4/super.c:*-3")"#,
-                "is not a line",
-            ),
-            (r#"module("ext4").function("")"#, "non-empty string"),
-            (
-                r#"module("evdev").field("struct evdev_client").write"#,
-                "expected (\"struct S\"",
-            ),
-            (
-                r#"module("evdev").field("struct evdev_client", "bufsize")"#,
-                "say .read",
-            ),
-            (
-                r#"module("ext4").function("f").call(3)"#,
-                "takes no argument",
-            ),
-        ] {
-            let err = kind(point).unwrap_err();
-            assert!(err.to_string().contains(why), "{point}: {err}");
-        }
     }
 }
