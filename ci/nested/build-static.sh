@@ -7,11 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 # No debug info: the binary is stripped anyway, and it saves build time.
 # Without the unicorn feature (`exotap regress`): Unicorn's C library does not link statically.
-# perfetto_protos (a large generated crate that the nested test never uses: 7 minutes of CPU
-# optimised) unoptimised: the build takes 366 s instead of 533 s on a 2-core machine.
 CARGO_PROFILE_RELEASE_DEBUG=false \
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --config 'profile.release.package.perfetto_protos.opt-level=0' --locked --release --bin exotap --no-default-features --target x86_64-unknown-linux-gnu
+    cargo build --locked --release --bin exotap --no-default-features --target x86_64-unknown-linux-gnu
 built=target/x86_64-unknown-linux-gnu/release/exotap
 if readelf -d "$built" 2>/dev/null | grep -q NEEDED; then
     echo "build-static.sh: $built needs shared libraries" >&2
