@@ -96,6 +96,12 @@ pub struct JoinpointsArgs {
     /// Print only the count per access kind.
     #[arg(long)]
     pub count: bool,
+    /// In this kernel module instead of the kernel (`evdev`, `kvm_amd`): its debug file from
+    /// the -dbg package, kept beside the -dbg vmlinux for the modules `exotap image fetch
+    /// --debuginfo` keeps. Places are printed as function+offset (a module's addresses are
+    /// known only where it is loaded), the same places `module("M").field(...)` probes.
+    #[arg(long, value_name = "MODULE", conflicts_with = "vmlinux")]
+    pub module: Option<String>,
     #[command(flatten)]
     pub debug: DebugArgs,
 }
@@ -400,7 +406,13 @@ pub fn run_where(args: &WhereArgs) -> anyhow::Result<i32> {
 pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
     let t = Timer::new(args.debug.timings);
     let query = MemberQuery::parse(&args.member.join(" "))?;
-    let file = DebugFile::open(&debug_file(&args.debug)?)?;
+    let file = match &args.module {
+        // At made-up addresses: names, lines and offsets into functions are right.
+        Some(module) => {
+            DebugFile::relocated(&module_debug_file(&args.debug, module)?, &|_| None)?.0
+        }
+        None => DebugFile::open(&debug_file(&args.debug)?)?,
+    };
     let info = file.load()?;
     let names = index(&info, Layer::Names)?;
     t.mark("index open");
@@ -411,6 +423,9 @@ pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
                 bail!("no function with code matches `{pattern}`");
             }
             info.join_points(&funcs, &Globals::from_index(&info, &names), &query)?
+        }
+        None if args.module.is_some() => {
+            klas::join_points_everywhere(file.bytes(), &names, &query, &|_, _| {})?
         }
         None => {
             let bar = indicatif::ProgressBar::new(0);
@@ -429,18 +444,73 @@ pub fn run_joinpoints(args: &JoinpointsArgs) -> anyhow::Result<i32> {
     let mut counts = std::collections::BTreeMap::new();
     for p in &points {
         *counts.entry(p.access.to_string()).or_insert(0usize) += 1;
-        if !args.count {
+        if args.count {
+            continue;
+        }
+        if args.module.is_some() {
+            outln!(
+                "{} {}:{} {} {}",
+                p.function,
+                p.file,
+                p.line,
+                p.access,
+                p.member
+            );
+        } else {
             outln!("{p}");
         }
     }
     let by_kind: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
     outln!(
-        "{} join points for {} ({})",
+        "{} join points for {}{} ({})",
         points.len(),
         args.member.join(" "),
+        args.module
+            .as_ref()
+            .map_or_else(String::new, |m| format!(" in module {m}")),
         by_kind.join(", ")
     );
     Ok(0)
+}
+
+/// The cached debug file of kernel module `module` (`kvm_amd` or `kvm-amd`), kept beside the
+/// -dbg vmlinux (`kernels/ABI/debug/modules/NAME.ko`); an error that names the kept ones.
+fn module_debug_file(args: &DebugArgs, module: &str) -> anyhow::Result<PathBuf> {
+    let abi = images::kernel::kernel_abi(&args.kernel)?;
+    let dir = images::cache::cache_root()?
+        .join("kernels")
+        .join(abi)
+        .join("debug")
+        .join("modules");
+    let wanted = module.replace('-', "_");
+    let mut kept = Vec::new();
+    for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let Some(name) = path
+            .file_name()
+            .and_then(|n| n.to_str()?.strip_suffix(".ko"))
+        else {
+            continue;
+        };
+        let name = name.replace('-', "_");
+        if name == wanted {
+            return Ok(path);
+        }
+        kept.push(name);
+    }
+    kept.sort();
+    bail!(
+        "no debug file of module {module} for kernel {} in {} ({}; `exotap image fetch \
+         --debuginfo --kernel {}` keeps these with the -dbg vmlinux)",
+        args.kernel,
+        dir.display(),
+        if kept.is_empty() {
+            "none is".to_owned()
+        } else {
+            format!("kept: {}", kept.join(", "))
+        },
+        args.kernel
+    )
 }
 
 /// Source lines of kernel addresses from the cached `-dbg` vmlinux, for the commands that

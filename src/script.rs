@@ -18,7 +18,7 @@ use exotap_probes::lang::invocation::Invocation;
 use exotap_probes::lang::kernel_points::KernelSymbols;
 use exotap_probes::lang::limits::LimitError;
 use exotap_probes::lang::output::Format;
-use exotap_probes::lang::point::PointKind;
+use exotap_probes::lang::point::{FunctionSite, PointKind};
 use exotap_probes::lang::resolve::{NoSymbols, ProbePointResolver, ResolveError, ResolvedPoint};
 use exotap_probes::lang::Limits;
 use exotap_probes::live::compiled::CompileMode;
@@ -40,6 +40,8 @@ struct LazyKernel {
     /// For `-l`/`-L`: the live guest whose loaded modules list a module point's functions
     /// (`Some(None)`: listing without `--target`).
     listing: Option<Option<String>>,
+    /// `-L`: list each point's target variables too.
+    list_vars: bool,
 }
 
 impl LazyKernel {
@@ -48,6 +50,7 @@ impl LazyKernel {
             image,
             loaded: std::cell::OnceCell::new(),
             listing: None,
+            list_vars: false,
         }
     }
 
@@ -61,8 +64,7 @@ impl LazyKernel {
     ) -> Result<Vec<ResolvedPoint>, ResolveError> {
         let Some(Some(target)) = &self.listing else {
             return Err(ResolveError::Source(format!(
-                "{point}: a kernel module's functions are listed from the live guest's module \
-                 list: give --target ADDR"
+                "{point}: listing a module's functions needs --target ADDR"
             )));
         };
         let target = exotap_probes::live::attach::Target::new(target.clone());
@@ -110,13 +112,38 @@ impl ProbePointResolver for LazyKernel {
                     module,
                     pattern,
                     site,
-                    file: None,
-                    line: None,
-                    statement: None,
-                    field: None,
+                    file,
+                    line,
+                    statement,
+                    field,
                 },
             ) if self.listing.is_some() => {
-                self.list_module(point, loaded, (module, pattern, site.suffix()))
+                // Functions from the live guest's module list where there is one; the rest
+                // (and functions without --target) from the modules' cached debug files.
+                let from_dwarf = file.is_some()
+                    || line.is_some()
+                    || statement.is_some()
+                    || field.is_some()
+                    || *site == FunctionSite::Inline;
+                if !from_dwarf && matches!(self.listing, Some(Some(_))) {
+                    return self.list_module(point, loaded, (module, pattern, site.suffix()));
+                }
+                let found = exotap_probes::live::compiled::list_from_debug_files(
+                    &loaded.0,
+                    kind,
+                    &point.to_string(),
+                    self.list_vars,
+                )
+                .map_err(|e| ResolveError::Source(format!("{e:#}")))?;
+                Ok(found
+                    .into_iter()
+                    .map(|(name, variables)| ResolvedPoint {
+                        name,
+                        address: None,
+                        variables,
+                        implicit: false,
+                    })
+                    .collect())
             }
             (Ok((image, btf, lines)), _) => KernelSymbols::new(&image.symbols, btf.as_ref())
                 .with_lines(lines.as_ref())
@@ -507,6 +534,7 @@ pub fn run(script_args: &ScriptArgs) -> anyhow::Result<i32> {
     if let Some((pattern, with_vars)) = listing {
         let resolver = LazyKernel {
             listing: Some(args.target.clone()),
+            list_vars: with_vars,
             ..LazyKernel::new(args.image.clone())
         };
         let mut out = std::io::stdout();

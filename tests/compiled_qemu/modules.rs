@@ -527,8 +527,11 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
         "--target",
         &target,
     ]));
+    // Without --target: from evdev's cached debug file; a module without one, an error.
+    let (code_file, out_file, err_file) =
+        run(exotap().args(["-l", r#"module("evdev").function("evdev_*")"#]));
     let (code_none, _, err_none) =
-        run(exotap().args(["-l", r#"module("evdev").function("evdev_open")"#]));
+        run(exotap().args(["-l", r#"module("nosuchmod").function("f")"#]));
     let _ = guest.kill();
     let _ = guest.wait();
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nkallsyms: {kallsyms:?}");
@@ -552,7 +555,26 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
         r#"module("evdev").function("evdev_read") $file:struct file * $buffer:char * $count:size_t $ppos:loff_t *"#,
         "{err_vars}"
     );
-    // Without a live guest there is no module to list: said, not guessed.
+    // The debug file has every function the live module has, and its init and exit, which
+    // the kernel frees or leaves out of a loaded module's kallsyms.
+    assert_eq!(code_file, 0, "{err_file}");
+    let in_file: std::collections::BTreeSet<String> = out_file
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("module(\"evdev\").function(\"")?
+                .strip_suffix("\")")
+                .map(str::to_owned)
+        })
+        .collect();
+    let extra: Vec<&String> = in_file.difference(&listed).collect();
+    assert!(
+        listed.is_subset(&in_file)
+            && extra
+                .iter()
+                .all(|f| f.ends_with("_init") || f.ends_with("_exit")),
+        "from the debug file: {in_file:?}\n{ctx}"
+    );
+    // Neither a live guest nor a debug file: said, not guessed.
     assert_ne!(code_none, 0, "{err_none}");
     assert!(err_none.contains("give --target"), "{err_none}");
     eprintln!(
@@ -1030,5 +1052,106 @@ fn every_line_of_a_module_function_fires_where_gdb_places_the_line() {
         "evdev_open@{file}:*: {} lines fired ({every_open} at every open), each at an address \
          gdb gives its line",
         fired.len()
+    );
+}
+
+/// `-l`, `-L` and `exotap joinpoints --module` read a module's points from its cached debug
+/// file, no guest: every line gdb gives code in `evdev_open` is listed as a statement (and
+/// gdb places each listed line in `evdev_open`: inlined helpers' lines too), `-L`
+/// names the function's parameters at each, the member writes `joinpoints` finds in
+/// `evdev_open` are gdb's stores to `bufsize`, and a member evdev's types lack is an error
+/// that says so, not a listing.
+#[test]
+#[allow(clippy::panic)] // a fixture that fails fails the test
+fn module_points_list_from_the_debug_file_as_gdb_reads_it() {
+    let lines = evdev_open_lines();
+    let file = lines
+        .first()
+        .map(|(_, f, _)| f.clone())
+        .unwrap_or_else(|| panic!("gdb gave no line of evdev_open"));
+    let pattern = format!("module(\"evdev\").statement(\"evdev_open@{file}:*\")");
+    let (code, out, err) = run(exotap().args(["-L", &pattern]));
+    assert_eq!(code, 0, "{err}");
+    let prefix = format!("module(\"evdev\").statement(\"evdev_open@{file}:");
+    let listed: Vec<u32> = out
+        .lines()
+        .map(|l| {
+            let (point, vars) = l.split_once(' ').unwrap_or((l, ""));
+            assert!(
+                vars.contains("$inode:struct inode *") && vars.contains("$file:struct file *"),
+                "evdev_open's parameters at {point}: {vars:?}"
+            );
+            point
+                .strip_prefix(&prefix)
+                .and_then(|r| r.strip_suffix("\")"))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("not a line of evdev_open: {l}"))
+        })
+        .collect();
+    let with_code: Vec<u32> = lines
+        .iter()
+        .filter(|(_, _, off)| off.is_some())
+        .map(|(n, _, _)| *n)
+        .collect();
+    assert!(with_code.len() > 5, "{lines:?}");
+    for n in &with_code {
+        assert!(
+            listed.contains(n),
+            "line {n} has code (gdb) but is not listed: {out}"
+        );
+    }
+    let others: Vec<String> = listed
+        .iter()
+        .filter(|n| !with_code.contains(n))
+        .map(|n| format!("info line {file}:{n}"))
+        .collect();
+    // The others: lines of evdev.c's helpers inlined into evdev_open, and lines sharing an
+    // address with another; gdb places each in evdev_open.
+    if !others.is_empty() {
+        let said = gdb_on_evdev(&others);
+        let placed = said
+            .lines()
+            .filter(|l| l.starts_with("Line ") && l.contains("<evdev_open+"))
+            .count();
+        assert_eq!(
+            placed,
+            others.len(),
+            "listed lines gdb does not place in evdev_open: {others:?}\n{said}"
+        );
+    }
+
+    let (_, stores) = bufsize_stores_in_evdev_open();
+    let (code, out, err) = run(exotap().args([
+        "joinpoints",
+        "--module",
+        "evdev",
+        "--function",
+        "evdev_open",
+        "struct evdev_client.bufsize",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    let found: Vec<u64> = out
+        .lines()
+        .filter(|l| l.contains(" write "))
+        .filter_map(|l| {
+            l.strip_prefix("<evdev_open+")?
+                .split_once('>')?
+                .0
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(found, stores, "{out}");
+
+    let point = "module(\"evdev\").field(\"struct evdev_client\", \"bufsize\").write";
+    let (code, out, err) = run(exotap().args(["-l", point]));
+    assert_eq!((code, out.trim()), (0, point), "{err}");
+    let (code, _, err) = run(exotap().args([
+        "-l",
+        "module(\"evdev\").field(\"struct evdev_client\", \"nosuch\").write",
+    ]));
+    assert!(
+        code != 0 && err.contains("no match") && err.contains("evdev_client.nosuch"),
+        "{err}"
     );
 }

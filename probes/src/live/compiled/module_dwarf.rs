@@ -579,6 +579,178 @@ impl ModuleVars {
     }
 }
 
+/// Each place of `m` in `dwarf` (one module's debug file): its function, address and (for a
+/// statement) its lines; and, where a statement found no code, why.
+///
+/// # Errors
+/// When the DWARF cannot be read.
+fn places(
+    dwarf: &ModuleDwarf,
+    m: &super::plan::ModulePoint,
+) -> anyhow::Result<(Vec<StatementSite>, Option<String>)> {
+    if let Some(field) = &m.field {
+        let found = dwarf.field_accesses(field)?;
+        return Ok((
+            found.into_iter().map(|(f, pc)| (f, pc, (0, 0))).collect(),
+            None,
+        ));
+    }
+    if let Some(line) = &m.statement {
+        return Ok(match dwarf.statements(&m.pattern, line) {
+            Ok(found) => (found, None),
+            Err(e) => (Vec::new(), Some(format!("{e:#}"))),
+        });
+    }
+    if m.site == crate::lang::point::FunctionSite::Inline {
+        let found = dwarf.inlined(&m.pattern)?;
+        return Ok((
+            found.into_iter().map(|(f, pc)| (f, pc, (0, 0))).collect(),
+            None,
+        ));
+    }
+    let wildcard = m.pattern.contains(['*', '?', '[']);
+    let in_file = match &m.file {
+        Some(file) => Some(dwarf.functions_in_file_at(&m.pattern, file, m.line)?),
+        None => None,
+    };
+    let found = dwarf
+        .functions(&m.pattern)
+        .into_iter()
+        .filter(|(f, _)| super::modules::is_function(f, wildcard))
+        .filter(|(f, _)| in_file.as_ref().is_none_or(|names| names.contains(*f)))
+        .map(|(f, pc)| (f.to_owned(), pc, (0, 0)))
+        .collect();
+    Ok((found, None))
+}
+
+/// The name of `m`'s place in `function` of module `module` (`lines`: a statement's).
+fn place_name(
+    module: &str,
+    m: &super::plan::ModulePoint,
+    function: &str,
+    lines: (u32, u32),
+) -> String {
+    match (&m.statement, &m.field) {
+        (_, Some(field)) => field_name(module, field),
+        (Some(line), None) => statement_name(module, function, &line.file, lines),
+        (None, None) => format!(
+            "module(\"{module}\").function(\"{function}\"){}",
+            m.site.suffix()
+        ),
+    }
+}
+
+/// A listed module point: its name and, for `-L`, the target variables there.
+pub type ListedPoint = (String, Vec<String>);
+
+/// `-l`/`-L` of module point `kind` from the cached debug files of the modules it names,
+/// without a guest: each place's name (a statement per line, a function per function, a
+/// member access once per module) and, with `with_vars`, the variables there
+/// (`$name`, `$name:struct S*` where it points to a struct; at a member access `$object`
+/// and, for a plain store, `$value`).
+///
+/// # Errors
+/// No cached debug file for a module it names (saying which are kept), a DWARF that cannot
+/// be read, or no place at all.
+pub fn list_from_debug_files(
+    image: &KernelImage,
+    kind: &crate::lang::point::PointKind,
+    name: &str,
+    with_vars: bool,
+) -> anyhow::Result<Vec<ListedPoint>> {
+    let Some(m) = super::plan::ModulePoint::from_kind(kind, 0, name, false) else {
+        bail!("{name} is not a module point");
+    };
+    let files: Vec<(String, PathBuf)> = cached_debug_files(image)
+        .into_iter()
+        .filter(|(n, _)| wildcard_match(&m.module, n))
+        .collect();
+    if files.is_empty() {
+        let kept: Vec<String> = cached_debug_files(image)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        bail!(
+            "{name}: no debug file of a module matching '{}' is cached ({}); give --target \
+             ADDR to list a module's functions from the live guest",
+            m.module,
+            if kept.is_empty() {
+                "exotap image fetch --debuginfo keeps some modules' with the vmlinux".to_owned()
+            } else {
+                format!("kept: {}", kept.join(", "))
+            }
+        );
+    }
+    let vars = ModuleVars {
+        required: BTreeSet::new(),
+        field: m.field.clone(),
+    };
+    let mut found = Vec::new();
+    let mut no_code = None;
+    for (module, path) in &files {
+        let dwarf = ModuleDwarf::made_up(path)?;
+        let (at, why) = places(&dwarf, &m)?;
+        if let Some(why) = why {
+            no_code.get_or_insert(why);
+        }
+        for (function, pc, lines) in at {
+            let point = place_name(module, &m, &function, lines);
+            let listed = if with_vars {
+                vars.at(&dwarf, &point, pc)
+                    .map(|locals| listed_variables(&locals))
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            found.push((point, listed));
+        }
+    }
+    if found.is_empty() {
+        match (no_code, &m.field) {
+            (Some(why), _) => bail!("no match for probe point '{name}': {why}"),
+            (None, Some(field)) => {
+                for (_, path) in &files {
+                    ModuleDwarf::made_up(path)?
+                        .member_offset(&field.structure, &field.member)
+                        .map_err(|why| {
+                            anyhow::anyhow!("no match for probe point '{name}': {why}")
+                        })?;
+                }
+                bail!(
+                    "no match for probe point '{name}': no instruction {}s {}'s member {}",
+                    field.suffix(),
+                    field.structure,
+                    field.member
+                )
+            }
+            (None, None) => bail!("no match for probe point '{name}'"),
+        }
+    }
+    let mut seen = BTreeSet::new();
+    found.retain(|p| seen.insert(p.clone()));
+    Ok(found)
+}
+
+/// `-L`'s words for the variables of `locals` that can be read, in DWARF's order.
+fn listed_variables(locals: &Locals) -> Vec<String> {
+    let mut names: Vec<String> = locals.order.iter().map(|(n, _)| n.clone()).collect();
+    for extra in locals.vars.keys() {
+        if !names.contains(extra) {
+            names.push(extra.clone());
+        }
+    }
+    names
+        .into_iter()
+        .filter_map(|n| match locals.vars.get(&n)? {
+            Ok(local) => Some(match &local.pointee {
+                Some(s) => format!("${n}:{s} *"),
+                None => format!("${n}"),
+            }),
+            Err(_) => None,
+        })
+        .collect()
+}
+
 /// At planning: the target variables `m`'s probe reads, checked at every function of the
 /// cached debug files of the modules `m` names (made-up placement), and the first
 /// function's kept as the template's (whose code [`crate::compile::check`] compiles).
@@ -660,10 +832,9 @@ pub(super) fn plan_vars(
         required,
         field: field.clone(),
     };
-    let wildcard = m.pattern.contains(['*', '?', '[']);
     let mut errors = Vec::new();
     let mut template = None;
-    let mut places = 0usize;
+    let mut count = 0usize;
     let mut no_code = None;
     for (name, path) in &files {
         // Each debug file read and placed once per plan (the nfsd tapset names one module
@@ -673,47 +844,16 @@ pub(super) fn plan_vars(
             std::collections::hash_map::Entry::Vacant(e) => e.insert(ModuleDwarf::made_up(path)?),
         };
         let dwarf: &ModuleDwarf = dwarf;
-        // Each place: its function, address and (for a statement) its lines.
-        let at: Vec<(String, u64, (u32, u32))> = if let Some(field) = &field {
-            let found = dwarf.field_accesses(field)?;
-            found.into_iter().map(|(f, pc)| (f, pc, (0, 0))).collect()
-        } else if let Some(line) = &statement {
-            match dwarf.statements(&m.pattern, line) {
-                Ok(found) => found,
-                Err(e) => {
-                    no_code.get_or_insert(format!("{e:#}"));
-                    Vec::new()
-                }
-            }
-        } else if inline {
-            let found = dwarf.inlined(&m.pattern)?;
-            found.into_iter().map(|(f, pc)| (f, pc, (0, 0))).collect()
-        } else {
-            let in_file = match &m.file {
-                Some(file) => Some(dwarf.functions_in_file_at(&m.pattern, file, m.line)?),
-                None => None,
-            };
-            dwarf
-                .functions(&m.pattern)
-                .into_iter()
-                .filter(|(f, _)| super::modules::is_function(f, wildcard))
-                .filter(|(f, _)| in_file.as_ref().is_none_or(|names| names.contains(*f)))
-                .map(|(f, pc)| (f.to_owned(), pc, (0, 0)))
-                .collect()
-        };
-        places += at.len();
+        let (at, why) = places(dwarf, m)?;
+        if let Some(why) = why {
+            no_code.get_or_insert(why);
+        }
+        count += at.len();
         if !reads {
             continue;
         }
         for (function, pc, lines) in at {
-            let point = match (&statement, &field) {
-                (_, Some(field)) => field_name(name, field),
-                (Some(line), None) => statement_name(name, &function, &line.file, lines),
-                (None, None) => format!(
-                    "module(\"{name}\").function(\"{function}\"){}",
-                    m.site.suffix()
-                ),
-            };
+            let point = place_name(name, m, &function, lines);
             match vars.at(dwarf, &point, pc) {
                 Ok(locals) => {
                     template.get_or_insert(locals);
@@ -727,10 +867,10 @@ pub(super) fn plan_vars(
         errors.dedup();
         return Err(crate::live::target_vars::UnreadableTargets(errors).into());
     }
-    if let (0, false, Some(why)) = (places, m.optional, &no_code) {
+    if let (0, false, Some(why)) = (count, m.optional, &no_code) {
         bail!("no match for probe point '{}': {why}", m.template.name);
     }
-    if let (0, false, Some(field)) = (places, m.optional, &field) {
+    if let (0, false, Some(field)) = (count, m.optional, &field) {
         // A member the module's types do not have says so.
         if let Some(Err(why)) = files.iter().find_map(|(_, path)| {
             let dwarf = made_up.get(path)?;
@@ -751,7 +891,7 @@ pub(super) fn plan_vars(
             field.member
         );
     }
-    if places == 0 && !m.optional {
+    if count == 0 && !m.optional {
         bail!(
             "no match for probe point '{}': no {} of the debug file of {} matches '{}'{}",
             m.template.name,

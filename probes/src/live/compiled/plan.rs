@@ -312,39 +312,51 @@ fn module_point(prog: &Program, probe: usize, name: &str) -> Option<ModulePoint>
         .points
         .iter()
         .find(|(p, _)| p.to_string() == name)?;
-    let crate::lang::point::PointKind::ModuleFunction {
-        module,
-        pattern,
-        file,
-        line,
-        site,
-        statement,
-        field,
-    } = kind
-    else {
-        return None;
-    };
-    let is_return = *site == crate::lang::point::FunctionSite::Return;
-    Some(ModulePoint {
-        module: module.clone(),
-        pattern: pattern.clone(),
-        site: *site,
-        statement: statement.clone(),
-        file: file.clone(),
-        line: *line,
-        field: field.clone(),
-        optional: point.optional || point.sufficient,
-        template: SitePoint {
-            probe,
-            name: name.to_owned(),
-            function: pattern.clone(),
-            params: Vec::new(),
-            is_return,
-            locals: None,
-            guard: None,
-        },
-        vars: None,
-    })
+    ModulePoint::from_kind(kind, probe, name, point.optional || point.sufficient)
+}
+
+impl ModulePoint {
+    /// The module point of `kind` (none for another kind), as probe `probe`'s point `name`.
+    pub(crate) fn from_kind(
+        kind: &crate::lang::point::PointKind,
+        probe: usize,
+        name: &str,
+        optional: bool,
+    ) -> Option<ModulePoint> {
+        let crate::lang::point::PointKind::ModuleFunction {
+            module,
+            pattern,
+            file,
+            line,
+            site,
+            statement,
+            field,
+        } = kind
+        else {
+            return None;
+        };
+        let is_return = *site == crate::lang::point::FunctionSite::Return;
+        Some(ModulePoint {
+            module: module.clone(),
+            pattern: pattern.clone(),
+            site: *site,
+            statement: statement.clone(),
+            file: file.clone(),
+            line: *line,
+            field: field.clone(),
+            optional,
+            template: SitePoint {
+                probe,
+                name: name.to_owned(),
+                function: pattern.clone(),
+                params: Vec::new(),
+                is_return,
+                locals: None,
+                guard: None,
+            },
+            vars: None,
+        })
+    }
 }
 
 /// Starts `script` against `target`: compiled into the guest where it compiles (as `mode`
