@@ -501,13 +501,13 @@ fn module_debug_file(args: &DebugArgs, module: &str) -> anyhow::Result<PathBuf> 
     kept.sort();
     bail!(
         "no debug file of module {module} for kernel {} in {} ({}; `exotap image fetch \
-         --debuginfo --kernel {}` keeps these with the -dbg vmlinux)",
+         --debuginfo --kernel {}` keeps a few modules' with the -dbg vmlinux)",
         args.kernel,
         dir.display(),
         if kept.is_empty() {
-            "none is".to_owned()
+            "none is cached".to_owned()
         } else {
-            format!("kept: {}", kept.join(", "))
+            format!("cached: {}", kept.join(", "))
         },
         args.kernel
     )

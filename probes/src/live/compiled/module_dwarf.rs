@@ -646,7 +646,7 @@ pub type ListedPoint = (String, Vec<String>);
 /// `-l`/`-L` of module point `kind` from the cached debug files of the modules it names,
 /// without a guest: each place's name (a statement per line, a function per function, a
 /// member access once per module) and, with `with_vars`, the variables there
-/// (`$name`, `$name:struct S*` where it points to a struct; at a member access `$object`
+/// (`$name`, `$name:struct S *` where it points to a struct; at a member access `$object`
 /// and, for a plain store, `$value`).
 ///
 /// # Errors
