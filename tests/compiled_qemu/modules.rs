@@ -196,7 +196,8 @@ fn inlined_instances_in_a_module_run_once_per_call_of_their_caller() {
     let dir = tempfile::tempdir().unwrap();
     let initrd = initramfs(dir.path(), &job());
     let console = dir.path().join("console.log");
-    // The instances come from evdev's DWARF; `$evdev` at the opening one by its location.
+    // The instances come from evdev's DWARF; `$evdev` at the opening one by its location,
+    // that one named with its declaring file (`f@FILE`).
     let probes: String = INLINED
         .iter()
         .map(|(f, _)| {
@@ -205,7 +206,7 @@ fn inlined_instances_in_a_module_run_once_per_call_of_their_caller() {
         .collect();
     let script = format!(
         "global c, dev, whole\n{probes}\
-         probe module(\"evdev\").function(\"evdev_open_device\").inline {{ dev[$evdev->exist]++ }}\n\
+         probe module(\"evdev\").function(\"evdev_open_device@drivers/input/evdev.c\").inline {{ dev[$evdev->exist]++ }}\n\
          probe module(\"evdev\").function(\"evdev_attach_client\") {{ whole++ }}\n\
          probe end {{ foreach (f in c) printf(\"c %s %d\\n\", f, c[f])\n\
                       printf(\"whole %d\\n\", whole)\n\
@@ -1142,6 +1143,40 @@ fn module_points_list_from_the_debug_file_as_gdb_reads_it() {
         })
         .collect();
     assert_eq!(found, stores, "{out}");
+
+    // `.inline` by file: the instances of the functions the file declares (DWARF's
+    // declaring file; gdb's `info line` gives an instance's first line, often a helper's).
+    // evdev's own helpers are declared in evdev.c, `spin_lock` in include/linux/spinlock.h
+    // (the kernel's source); the two sets are disjoint, both within the whole module's.
+    let inline_functions = |pattern: &str| -> std::collections::BTreeSet<String> {
+        let (code, out, err) = run(exotap().args(["-l", pattern]));
+        assert_eq!(code, 0, "{pattern}: {err}");
+        out.lines()
+            .map(|l| {
+                l.strip_prefix("module(\"evdev\").function(\"")
+                    .and_then(|r| r.strip_suffix("\").inline"))
+                    .unwrap_or_else(|| panic!("{pattern} listed {l}"))
+                    .to_owned()
+            })
+            .collect()
+    };
+    let all = inline_functions(r#"module("evdev").function("*").inline"#);
+    let own = inline_functions(r#"module("evdev").function("*@drivers/input/evdev.c").inline"#);
+    let headers = inline_functions(r#"module("evdev").function("*@include/linux/*.h").inline"#);
+    let evdev_named: std::collections::BTreeSet<String> = all
+        .iter()
+        .filter(|f| f.starts_with("evdev_"))
+        .cloned()
+        .collect();
+    assert!(
+        evdev_named.len() >= 5
+            && evdev_named.is_subset(&own)
+            && own.is_subset(&all)
+            && headers.is_subset(&all)
+            && own.is_disjoint(&headers)
+            && headers.contains("spin_lock"),
+        "evdev.c: {own:?}\ninclude/linux: {headers:?}\nall: {all:?}"
+    );
 
     let point = "module(\"evdev\").field(\"struct evdev_client\", \"bufsize\").write";
     let (code, out, err) = run(exotap().args(["-l", point]));

@@ -85,16 +85,8 @@ pub(super) fn module_function(
                 span: point.span,
             })
         }
-        ["inline"] if file.is_none() => FunctionSite::Inline,
-        ["inline"] => {
-            return Err(PointError::OutOfScope {
-                text: point.to_string(),
-                reason: "the inlined instances of a module function are not filtered by file \
-                         yet: name the function alone"
-                    .to_string(),
-                span: point.span,
-            })
-        }
+        // `f@FILE`: the instances of the functions FILE declares.
+        ["inline"] => FunctionSite::Inline,
         _ => {
             return Err(PointError::Unknown {
                 text: point.to_string(),
@@ -304,10 +296,6 @@ mod tests {
             (
                 r#"module("ext4").function("ext4_sync_fs+4")"#,
                 "for an offset into it",
-            ),
-            (
-                r#"module("ext4").function("ext4_sync_fs@fs/ext4/super.c").inline"#,
-                "not filtered by file",
             ),
             (r#"module("ext4").function("@fs/ext4/super.c")"#, "expected"),
             (

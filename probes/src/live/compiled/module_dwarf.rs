@@ -179,8 +179,30 @@ impl ModuleDwarf {
     ///
     /// # Errors
     /// When the DWARF cannot be read.
-    pub(crate) fn inlined(&self, pattern: &str) -> anyhow::Result<Vec<(String, u64)>> {
+    pub(crate) fn inlined(
+        &self,
+        pattern: &str,
+        file: Option<&str>,
+    ) -> anyhow::Result<Vec<(String, u64)>> {
         use exotap_introspect::dwarf::index::{EntryKind, Index, Layer};
+        // `f@FILE`: the functions FILE declares (the abstract instance's file; an instance
+        // records only its call site), as `kernel.function("f@FILE").inline` keeps them.
+        let declared = match file {
+            None => None,
+            Some(file) => {
+                let info = self.file.load()?;
+                let names: BTreeSet<String> = self
+                    .names(&info)?
+                    .functions(
+                        &format!("{pattern}@{file}"),
+                        &[EntryKind::Abstract, EntryKind::Function],
+                    )
+                    .into_iter()
+                    .map(|f| f.name.to_owned())
+                    .collect();
+                Some(names)
+            }
+        };
         let index = match self.inlines.get() {
             Some(index) => index,
             None => {
@@ -193,6 +215,7 @@ impl ModuleDwarf {
             .functions(pattern, &[EntryKind::Inlined])
             .into_iter()
             .filter(|e| e.low != 0)
+            .filter(|e| declared.as_ref().is_none_or(|d| d.contains(e.name)))
             .map(|e| (e.name.to_owned(), e.low))
             .collect();
         found.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
@@ -602,7 +625,7 @@ fn places(
         });
     }
     if m.site == crate::lang::point::FunctionSite::Inline {
-        let found = dwarf.inlined(&m.pattern)?;
+        let found = dwarf.inlined(&m.pattern, m.file.as_deref())?;
         return Ok((
             found.into_iter().map(|(f, pc)| (f, pc, (0, 0))).collect(),
             None,

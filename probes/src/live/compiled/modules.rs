@@ -172,7 +172,7 @@ impl ModuleWatch {
         let slide = self.slide;
         self.dwarf_points(module, wanted, |dwarf| {
             Ok(dwarf
-                .inlined(&wanted.pattern)?
+                .inlined(&wanted.pattern, wanted.file.as_deref())?
                 .into_iter()
                 .map(|(function, link)| {
                     let point = format!(
