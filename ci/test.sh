@@ -56,7 +56,8 @@ trap '[ -z "${images_pid:-}" ] || kill "$images_pid" 2>/dev/null; [ -z "${fuzz_p
         echo "$kernels" >&2
         exit 1
     fi
-    target/debug/exotap image fetch --kernel "$newest_612"
+    # With its -dbg package: the kernel matrix reads evdev's debug file on every kernel.
+    target/debug/exotap image fetch --debuginfo --kernel "$newest_612"
     echo "$default,$newest_612" >"$images/kernels"
     # Then how much of SystemTap's own example suite the front end parses and checks (a
     # measure, not a pass/fail gate; one core for about 45 s, mostly while the gates below

@@ -286,7 +286,7 @@ fn block_counts_equal_the_guests_kprobes_at_every_leader_and_the_kernel_behaves(
 }
 
 fn block_counts_on(kernel: &str) {
-    common::fetch_kernel(kernel);
+    common::fetch_kernel(kernel, false);
     let dir = exotap_introspect::bzimage::cached_kernel_dir(kernel)
         .unwrap_or_else(|| panic!("{kernel} is not in the cache after exotap image fetch"));
     let image = KernelImage::load(dir.join("vmlinuz")).unwrap();

@@ -8,7 +8,8 @@
 //!   the guest's kprobe, its returns = the guest's kretprobe (but for the calls in flight at
 //!   either end);
 //! - a compiled probe in a kernel module (evdev, which the job loads): its count = the
-//!   guest's kprobe on the same function;
+//!   guest's kprobe on the same function; from the module's DWARF (the -dbg package's debug
+//!   file), `$inode` an input device's and a member write counted once per open;
 //! - `trace`: entries and returns that pair up per task, 0 records lost;
 //! - `nullify` getppid: the guest's getppid returns 4242 while it is in, its real value after;
 //! - `backtrace --proc-style` of a sleeping task = its `/proc/PID/stack`;
@@ -387,14 +388,20 @@ fn compiled(g: &Guest, dir: &Path) -> Result<String, String> {
 
 /// A compiled probe in a module (evdev, loaded by the job): its count = the guest's kprobe
 /// on the same function over the same window (both read at the install and removal stops).
+/// With the module's own DWARF (its debug file from the kernel's -dbg package): `$inode` at
+/// each open is an input device's (major 13, Linux's `INPUT_MAJOR`), and the member write
+/// `module("evdev").field("struct evdev_client", "bufsize").write` (each open sets its new
+/// client's buffer size once) counts the opens too.
 fn module(g: &Guest, dir: &Path) -> Result<String, String> {
     let file = dir.join("module.stp");
     std::fs::write(
         &file,
-        "global n\n\
-         probe module(\"evdev\").function(\"evdev_open\") { n++ }\n\
+        "global n, major, w\n\
+         probe module(\"evdev\").function(\"evdev_open\") { n++; major[$inode->i_rdev >> 20]++ }\n\
+         probe module(\"evdev\").field(\"struct evdev_client\", \"bufsize\").write { w++ }\n\
          probe timer.s(2) { exit() }\n\
-         probe end { printf(\"opens %d\\n\", n) }\n",
+         probe end { printf(\"opens %d\\n\", n); printf(\"bufsize %d\\n\", w)\n\
+                     foreach (m in major) printf(\"major %d %d\\n\", m, major[m]) }\n",
     )
     .unwrap();
     let (code, out, err) = g.exotap(&[
@@ -418,7 +425,16 @@ fn module(g: &Guest, dir: &Path) -> Result<String, String> {
     ensure(opens == k && opens > 0, || {
         format!("the script counted {opens} opens, the guest's kprobe {k}:\n{out}\n{err}")
     })?;
-    Ok(format!("module evdev: {opens} opens = kprobe {k}"))
+    let majors: Vec<&str> = out.lines().filter(|l| l.starts_with("major ")).collect();
+    ensure(majors == [format!("major 13 {opens}")], || {
+        format!("$inode->i_rdev's majors at the {opens} opens: {majors:?}\n{out}\n{err}")
+    })?;
+    ensure(out.contains(&format!("bufsize {opens}\n")), || {
+        format!("bufsize writes at {opens} opens:\n{out}\n{err}")
+    })?;
+    Ok(format!(
+        "module evdev: {opens} opens = kprobe {k}, $inode major 13 at each, {opens} bufsize writes"
+    ))
 }
 
 /// `trace vfs_write`: every return pairs with an entry of its task (but those in flight at
@@ -595,7 +611,8 @@ fn guardian(g: &Guest) -> Result<String, String> {
 }
 
 fn matrix_one(kernel: &str) -> Vec<(String, Result<String, String>)> {
-    fetch_kernel(kernel);
+    // With its -dbg package: the module check reads evdev's debug file.
+    fetch_kernel(kernel, true);
     let began = Instant::now();
     let g = Guest::boot(kernel);
     eprintln!(

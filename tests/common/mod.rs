@@ -149,10 +149,15 @@ pub fn kernels_from_env(var: &str) -> Vec<String> {
     }
 }
 
-/// Fetches `kernel` into the cache (`exotap image fetch --kernel`: nothing to do when it is
-/// there), failing the test when that fails.
-pub fn fetch_kernel(kernel: &str) {
-    let (code, out, err) = run(exotap().args(["image", "fetch", "--kernel", kernel]));
+/// Fetches `kernel` into the cache (`exotap image fetch --kernel`, with `--debuginfo` when
+/// `debuginfo`: nothing to do when it is there), failing the test when that fails.
+pub fn fetch_kernel(kernel: &str, debuginfo: bool) {
+    let mut cmd = exotap();
+    cmd.args(["image", "fetch", "--kernel", kernel]);
+    if debuginfo {
+        cmd.arg("--debuginfo");
+    }
+    let (code, out, err) = run(&mut cmd);
     assert_eq!(
         code, 0,
         "exotap image fetch --kernel {kernel}:\n{out}\n{err}"
