@@ -60,7 +60,7 @@ impl LazyKernel {
         &self,
         point: &ProbePoint,
         loaded: &Loaded,
-        (module, pattern, suffix): (&str, &str, &str),
+        (module, pattern, suffix, offset): (&str, &str, &str, Option<u64>),
     ) -> Result<Vec<ResolvedPoint>, ResolveError> {
         let Some(Some(target)) = &self.listing else {
             return Err(ResolveError::Source(format!(
@@ -74,11 +74,20 @@ impl LazyKernel {
         .map_err(|e| ResolveError::Source(format!("{point}: {e:#}")))?;
         Ok(found
             .into_iter()
-            .map(|(m, f, addr, variables)| ResolvedPoint {
-                name: format!("module(\"{m}\").function(\"{f}\"){suffix}"),
-                address: Some(addr),
-                variables,
-                implicit: false,
+            .map(|(m, f, addr, variables)| match offset {
+                // Where the planner will check it is an instruction; no parameters there.
+                Some(offset) => ResolvedPoint {
+                    name: format!("module(\"{m}\").statement(\"{f}+{offset:#x}\")"),
+                    address: Some(addr.wrapping_add(offset)),
+                    variables: Vec::new(),
+                    implicit: false,
+                },
+                None => ResolvedPoint {
+                    name: format!("module(\"{m}\").function(\"{f}\"){suffix}"),
+                    address: Some(addr),
+                    variables,
+                    implicit: false,
+                },
             })
             .collect())
     }
@@ -116,6 +125,7 @@ impl ProbePointResolver for LazyKernel {
                     line,
                     statement,
                     field,
+                    offset,
                 },
             ) if self.listing.is_some() => {
                 // Functions from the live guest's module list where there is one; the rest
@@ -126,7 +136,11 @@ impl ProbePointResolver for LazyKernel {
                     || field.is_some()
                     || *site == FunctionSite::Inline;
                 if !from_dwarf && matches!(self.listing, Some(Some(_))) {
-                    return self.list_module(point, loaded, (module, pattern, site.suffix()));
+                    return self.list_module(
+                        point,
+                        loaded,
+                        (module, pattern, site.suffix(), *offset),
+                    );
                 }
                 let found = exotap_probes::live::compiled::list_from_debug_files(
                     &loaded.0,

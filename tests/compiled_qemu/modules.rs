@@ -746,12 +746,16 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
     let (line, file, offset) = evdev_open_line_with_room();
     let point = format!("module(\"evdev\").statement(\"evdev_open@{file}:{line}\")");
     let script = format!(
-        "global n, e, f\nprobe {point} {{ n[pp(), addr()]++ }}\n\
+        "global n, e, f, o\nprobe {point} {{ n[pp(), addr()]++ }}\n\
          probe module(\"evdev\").function(\"evdev_open@{file}\") {{ e[pp()]++ }}\n\
          probe module(\"evdev\").function(\"evdev_*@{file}:{line}\") {{ f[pp()]++ }}\n\
+         probe module(\"evdev\").statement(\"evdev_open+{offset}\") {{ o[pp(), addr()]++ }}\n\
+         probe module(\"evdev\").statement(\"evdev_open+{inside}\")? {{ o[pp(), addr()]++ }}\n\
          probe end {{ foreach ([p, a] in n) printf(\"stmt %s@%x %d\\n\", p, a, n[p, a])\n\
                       foreach (p in e) printf(\"entry %s %d\\n\", p, e[p])\n\
-                      foreach (p in f) printf(\"byline %s %d\\n\", p, f[p]) }}"
+                      foreach (p in f) printf(\"byline %s %d\\n\", p, f[p])\n\
+                      foreach ([p, a] in o) printf(\"offset %s@%x %d\\n\", p, a, o[p, a]) }}",
+        inside = offset + 1
     );
     let OpensRun {
         out,
@@ -781,6 +785,25 @@ fn a_statement_in_a_module_counts_like_the_guests_kprobe_at_gdbs_address_for_its
             "module(\"evdev\").function(\"evdev_open\")".to_owned(),
             kprobe
         )]),
+        "{ctx}"
+    );
+    // The same instruction by its offset (a second probe there), once per open; one byte
+    // further is inside it, which the planner refuses (an optional point: left out, saying
+    // why).
+    assert_eq!(
+        printed(&out, "offset "),
+        BTreeMap::from([(
+            format!(
+                "module(\"evdev\").statement(\"evdev_open+{offset:#x}\")@{:x}",
+                evdev_open + offset
+            ),
+            kprobe
+        )]),
+        "{ctx}"
+    );
+    assert!(
+        err.contains(&format!("evdev_open+{:#x}", offset + 1))
+            && err.contains("not the start of an instruction"),
         "{ctx}"
     );
     assert_eq!(

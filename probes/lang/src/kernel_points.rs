@@ -372,7 +372,7 @@ fn is_wildcard(pattern: &str) -> bool {
 }
 
 /// `func+OFFSET` split into the function pattern and the byte offset (decimal or `0x` hex).
-fn function_offset(spec: &str) -> Option<(&str, u64)> {
+pub(crate) fn function_offset(spec: &str) -> Option<(&str, u64)> {
     let (name, offset) = spec.rsplit_once('+')?;
     let offset = offset.trim();
     let offset = match offset

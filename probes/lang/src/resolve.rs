@@ -164,11 +164,21 @@ pub fn describe(kind: &PointKind) -> String {
         PointKind::ModuleFunction {
             module,
             pattern,
+            offset: Some(offset),
+            ..
+        } => format!(
+            "the instruction at offset {offset:#x} into function '{pattern}' of the kernel \
+             modules matching '{module}' (found in the live guest)"
+        ),
+        PointKind::ModuleFunction {
+            module,
+            pattern,
             file,
             line,
             site,
             statement: None,
             field: None,
+            offset: None,
         } => {
             let what = match site {
                 FunctionSite::Return => "the return of",

@@ -180,6 +180,10 @@ pub enum PointKind {
         /// functions matching `pattern` (`*`) that access the member (KLAS's join points in
         /// the module's DWARF and code, when it is placed).
         field: Option<MemberAccess>,
+        /// `module("m").statement("f+OFFSET")`: the instruction at a byte offset into the
+        /// function `pattern` (an instruction boundary, as the planner checks when the module
+        /// is placed).
+        offset: Option<u64>,
     },
     /// `kernel.statement("func@file:line")`, or `kernel.statement("func+OFFSET")` (an
     /// instruction boundary at a byte offset into the function).
@@ -313,6 +317,9 @@ impl PointKind {
             PointKind::KernelFunction { .. } => "kernel.function",
             PointKind::ModuleFunction {
                 statement: Some(_), ..
+            }
+            | PointKind::ModuleFunction {
+                offset: Some(_), ..
             } => "module.statement",
             PointKind::ModuleFunction { field: Some(_), .. } => "module.field",
             PointKind::ModuleFunction { .. } => "module.function",

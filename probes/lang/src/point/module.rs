@@ -102,6 +102,7 @@ pub(super) fn module_function(
         site,
         statement: None,
         field: None,
+        offset: None,
     })
 }
 
@@ -137,11 +138,13 @@ pub(super) fn module_field(point: &ProbePoint, access: &str) -> Result<PointKind
             member,
             access,
         }),
+        offset: None,
     })
 }
 
 /// `module("m").statement("f@FILE:LINE")` (or `:N-M`): the line's code in the module's
-/// functions matching `f`.
+/// functions matching `f`; `module("m").statement("f+OFFSET")`: the instruction at a byte
+/// offset into the function f.
 pub(super) fn module_statement(point: &ProbePoint) -> Result<PointKind, PointError> {
     let bad = |reason: &str| PointError::BadArgument {
         family: "module.statement".to_string(),
@@ -150,11 +153,32 @@ pub(super) fn module_statement(point: &ProbePoint) -> Result<PointKind, PointErr
     };
     let module = one_string(point, 0)
         .ok_or_else(|| bad("expected one non-empty string, the module's name"))?;
-    let spec = one_string(point, 1).ok_or_else(|| bad("expected \"f@FILE:LINE\""))?;
+    let spec =
+        one_string(point, 1).ok_or_else(|| bad("expected \"f@FILE:LINE\" or \"f+OFFSET\""))?;
+    if !spec.contains('@') {
+        if let Some((function, offset)) = crate::kernel_points::function_offset(&spec) {
+            if function.contains(['*', '?', '[']) {
+                return Err(bad(
+                    "an offset is into one function: name it without wildcards",
+                ));
+            }
+            return Ok(PointKind::ModuleFunction {
+                module,
+                pattern: function.to_owned(),
+                file: None,
+                line: None,
+                site: FunctionSite::Entry,
+                statement: None,
+                field: None,
+                offset: Some(offset),
+            });
+        }
+    }
     let (pattern, file, line) = split_location(&spec);
     let (Some(file), Some(line)) = (file, line) else {
         return Err(bad(
-            "expected \"f@FILE:LINE\" (an offset or address in a module is not supported)",
+            "expected \"f@FILE:LINE\" or \"f+OFFSET\" (an absolute address in a module is \
+             not supported: modules move)",
         ));
     };
     if pattern.is_empty() || file.is_empty() {
@@ -179,6 +203,7 @@ pub(super) fn module_statement(point: &ProbePoint) -> Result<PointKind, PointErr
         site: FunctionSite::Entry,
         statement: Some(SourceLine { file, lines }),
         field: None,
+        offset: None,
     })
 }
 
@@ -199,6 +224,7 @@ mod tests {
                 site: FunctionSite::Return,
                 statement: None,
                 field: None,
+                offset: None,
             }
         );
         assert_eq!(
@@ -211,6 +237,7 @@ mod tests {
                 site: FunctionSite::Entry,
                 statement: None,
                 field: None,
+                offset: None,
             }
         );
         assert_eq!(
@@ -223,6 +250,7 @@ mod tests {
                 site: FunctionSite::Inline,
                 statement: None,
                 field: None,
+                offset: None,
             }
         );
         assert_eq!(
@@ -238,6 +266,7 @@ mod tests {
                     lines: Some((478, 480)),
                 }),
                 field: None,
+                offset: None,
             }
         );
         assert_eq!(
@@ -254,6 +283,7 @@ mod tests {
                     member: "bufsize".into(),
                     access: FieldAccess::Write,
                 }),
+                offset: None,
             }
         );
         assert_eq!(
@@ -266,6 +296,7 @@ mod tests {
                 site: FunctionSite::Return,
                 statement: None,
                 field: None,
+                offset: None,
             }
         );
         assert_eq!(
@@ -278,6 +309,7 @@ mod tests {
                 site: FunctionSite::Call,
                 statement: None,
                 field: None,
+                offset: None,
             }
         );
         for (point, why) in [
@@ -299,8 +331,12 @@ mod tests {
             ),
             (r#"module("ext4").function("@fs/ext4/super.c")"#, "expected"),
             (
-                r#"module("ext4").statement("ext4_sync_fs+4")"#,
-                "offset or address in a module",
+                r#"module("ext4").statement("ext4_*+4")"#,
+                "without wildcards",
+            ),
+            (
+                r#"module("ext4").statement("0xffffffffc0001000")"#,
+                "modules move",
             ),
             (
                 r#"module("ext4").statement("f@fs/ext4/*.c:3")"#,

@@ -202,12 +202,18 @@ fn install_sites(
     // One site per address: its entry bodies and its return bodies.
     let mut by_addr: BTreeMap<u64, SiteBodies> = BTreeMap::new();
     let mut names: HashMap<u64, String> = HashMap::new();
+    // The probe points at each address, for what is said of a refused one.
+    let mut points_at: HashMap<u64, Vec<String>> = HashMap::new();
     for (addr, p) in points {
         let site = by_addr.entry(*addr).or_insert_with(|| SiteBodies {
             pc: *addr,
             ..SiteBodies::default()
         });
         names.entry(*addr).or_insert_with(|| p.function.clone());
+        let named = points_at.entry(*addr).or_default();
+        if !named.contains(&p.name) {
+            named.push(p.name.clone());
+        }
         if p.is_return {
             site.ret.push(p.clone());
         } else {
@@ -234,7 +240,15 @@ fn install_sites(
     // The code may hold the encodings of strings placed so far: the collector keeps them.
     interner.pin_placed();
     for r in &report.refused {
-        tracing::warn!("{} ({:#x}) not instrumented: {}", r.name, r.addr, r.reason);
+        let named = points_at
+            .get(&r.addr)
+            .map_or_else(String::new, |n| n.join(", "));
+        tracing::warn!(
+            "{named} in {} ({:#x}) not instrumented: {}",
+            r.name,
+            r.addr,
+            r.reason
+        );
     }
     for (site, _) in &report.entered {
         guest.machine.set_breakpoint(*site, true)?;

@@ -530,6 +530,12 @@ pub(crate) fn statement_name(
     format!("module(\"{module}\").statement(\"{function}@{file}:{lines}\")")
 }
 
+/// The name of the instruction `offset` bytes into `function` of `module`:
+/// `module("m").statement("f+0x1c")`.
+pub(crate) fn offset_name(module: &str, function: &str, offset: u64) -> String {
+    format!("module(\"{module}\").statement(\"{function}+{offset:#x}\")")
+}
+
 /// The name of a member access point in `module`: `module("m").field("struct S", "x").write`.
 pub(crate) fn field_name(module: &str, field: &crate::lang::point::MemberAccess) -> String {
     format!(
@@ -641,7 +647,7 @@ fn places(
         .into_iter()
         .filter(|(f, _)| super::modules::is_function(f, wildcard))
         .filter(|(f, _)| in_file.as_ref().is_none_or(|names| names.contains(*f)))
-        .map(|(f, pc)| (f.to_owned(), pc, (0, 0)))
+        .map(|(f, pc)| (f.to_owned(), pc.wrapping_add(m.offset.unwrap_or(0)), (0, 0)))
         .collect();
     Ok((found, None))
 }
@@ -653,10 +659,11 @@ fn place_name(
     function: &str,
     lines: (u32, u32),
 ) -> String {
-    match (&m.statement, &m.field) {
-        (_, Some(field)) => field_name(module, field),
-        (Some(line), None) => statement_name(module, function, &line.file, lines),
-        (None, None) => format!(
+    match (&m.statement, &m.field, m.offset) {
+        (_, Some(field), _) => field_name(module, field),
+        (Some(line), None, _) => statement_name(module, function, &line.file, lines),
+        (None, None, Some(offset)) => offset_name(module, function, offset),
+        (None, None, None) => format!(
             "module(\"{module}\").function(\"{function}\"){}",
             m.site.suffix()
         ),

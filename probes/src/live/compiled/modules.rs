@@ -294,12 +294,18 @@ impl ModuleWatch {
                 {
                     continue;
                 }
-                let link = addr.wrapping_sub(self.slide);
-                let point = format!(
-                    "module(\"{}\").function(\"{name}\"){}",
-                    module.name,
-                    wanted.site.suffix()
-                );
+                // `f+OFFSET`: the instruction there (the planner checks it is one).
+                let link = addr
+                    .wrapping_sub(self.slide)
+                    .wrapping_add(wanted.offset.unwrap_or(0));
+                let point = match wanted.offset {
+                    Some(offset) => super::module_dwarf::offset_name(&module.name, name, offset),
+                    None => format!(
+                        "module(\"{}\").function(\"{name}\"){}",
+                        module.name,
+                        wanted.site.suffix()
+                    ),
+                };
                 let locals = match &wanted.vars {
                     None => None,
                     Some(vars) => match self
@@ -314,11 +320,11 @@ impl ModuleWatch {
                         }
                     },
                 };
-                let params = self
-                    .btf
-                    .as_deref()
-                    .map(|btf| super::module_dwarf::btf_params(btf, name))
-                    .unwrap_or_default();
+                // The parameters are where BTF says at the entry only.
+                let params = match (&self.btf, wanted.offset) {
+                    (Some(btf), None) => super::module_dwarf::btf_params(btf, name),
+                    _ => Vec::new(),
+                };
                 found.push((
                     link,
                     SitePoint {
@@ -334,6 +340,7 @@ impl ModuleWatch {
             // instances, as SystemTap (and `kernel.function("f")`) has it, where the module's
             // debug file is cached. An instance whose variables are not there is left out.
             if wanted.site == crate::lang::point::FunctionSite::Entry
+                && wanted.offset.is_none()
                 && !wildcard
                 && in_file
                     .as_ref()

@@ -79,6 +79,8 @@ pub struct ModulePoint {
     pub line: Option<(u32, u32)>,
     /// `module("m").field("struct S", "member").ACCESS`: the member's accesses.
     pub field: Option<crate::lang::point::MemberAccess>,
+    /// `module("m").statement("f+OFFSET")`: the instruction at this offset into f.
+    pub offset: Option<u64>,
     /// Whether the point may match nothing (`?` or `!`).
     pub optional: bool,
     /// The site point each function found gets (its name and function set then).
@@ -331,6 +333,7 @@ impl ModulePoint {
             site,
             statement,
             field,
+            offset,
         } = kind
         else {
             return None;
@@ -344,6 +347,7 @@ impl ModulePoint {
             file: file.clone(),
             line: *line,
             field: field.clone(),
+            offset: *offset,
             optional,
             template: SitePoint {
                 probe,
