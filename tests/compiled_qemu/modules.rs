@@ -537,14 +537,18 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
     let _ = guest.wait();
     let ctx = format!("stdout:\n{out}\nstderr:\n{err}\nkallsyms: {kallsyms:?}");
     assert_eq!(code, 0, "{ctx}");
-    let listed: std::collections::BTreeSet<String> = out
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("module(\"evdev\").function(\"")?
-                .strip_suffix("\")")
-                .map(str::to_owned)
-        })
-        .collect();
+    // The functions a listing of evdev's names.
+    let functions = |listing: &str| -> std::collections::BTreeSet<String> {
+        listing
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("module(\"evdev\").function(\"")?
+                    .strip_suffix("\")")
+                    .map(str::to_owned)
+            })
+            .collect()
+    };
+    let listed = functions(&out);
     assert!(kallsyms.len() >= 10, "{ctx}");
     assert_eq!(listed, kallsyms, "{ctx}");
     // `-L`: the parameters, with their types from evdev's BTF, written as a kernel
@@ -559,14 +563,7 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
     // The debug file has every function the live module has, and its init and exit, which
     // the kernel frees or leaves out of a loaded module's kallsyms.
     assert_eq!(code_file, 0, "{err_file}");
-    let in_file: std::collections::BTreeSet<String> = out_file
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("module(\"evdev\").function(\"")?
-                .strip_suffix("\")")
-                .map(str::to_owned)
-        })
-        .collect();
+    let in_file = functions(&out_file);
     let extra: Vec<&String> = in_file.difference(&listed).collect();
     assert!(
         listed.is_subset(&in_file)
