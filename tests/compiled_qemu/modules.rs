@@ -581,31 +581,43 @@ fn listing_a_modules_functions_reads_the_live_guest_and_agrees_with_its_kallsyms
     );
 }
 
-/// What gdb, reading evdev's debug file from the cache, says of `commands` (one `-ex` each).
-#[allow(clippy::panic, clippy::expect_used)] // a fixture that fails fails the test
-fn gdb_on_evdev(commands: &[String]) -> String {
+/// The debug file of module `name` (`evdev.ko`) of the default kernel, from the cache.
+#[allow(clippy::expect_used)] // a fixture that fails fails the test
+fn module_debug_file(name: &str) -> std::path::PathBuf {
     let cached = exotap_guest_images::ensure_kernel(exotap_guest_images::DEFAULT_KERNEL)
         .expect("the default kernel is not in the cache");
     let ko = cached
         .bzimage
         .parent()
         .unwrap()
-        .join("debug/modules/evdev.ko");
+        .join("debug/modules")
+        .join(name);
     assert!(
         ko.is_file(),
         "{} is absent: `exotap image fetch --debuginfo` keeps it with the vmlinux",
         ko.display()
     );
+    ko
+}
+
+/// What gdb, reading evdev's debug file from the cache, says of `commands` (one `-ex` each).
+fn gdb_on_evdev(commands: &[String]) -> String {
+    gdb_on(&module_debug_file("evdev.ko"), commands)
+}
+
+/// What gdb says of `commands` (one `-ex` each) reading `file`.
+#[allow(clippy::panic)] // a fixture that fails fails the test
+fn gdb_on(file: &std::path::Path, commands: &[String]) -> String {
     let mut gdb = std::process::Command::new("gdb");
     gdb.args(["-nx", "-batch"]);
     for c in commands {
         gdb.arg("-ex").arg(c);
     }
     let out = gdb
-        .arg(&ko)
+        .arg(file)
         .output()
         .unwrap_or_else(|e| panic!("cannot run gdb (ci/install-deps.sh installs it): {e}"));
-    assert!(out.status.success(), "gdb on {} failed", ko.display());
+    assert!(out.status.success(), "gdb on {} failed", file.display());
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -1209,4 +1221,110 @@ fn module_points_list_from_the_debug_file_as_gdb_reads_it() {
         code != 0 && err.contains("no match") && err.contains("evdev_client.nosuch"),
         "{err}"
     );
+}
+
+/// The places in module debug file `ko` that reach member bytes `member` (offsets into the
+/// global `global`) RIP-relative, as binutils' `objdump -dr` shows the file's own
+/// relocations: a `R_X86_64_PC32 global+A` at P in the instruction ending at N reaches
+/// `global + A + (N - P)`. As (function, offset into it).
+#[allow(clippy::panic)] // a fixture that fails fails the test
+fn objdump_global_member_sites(
+    ko: &std::path::Path,
+    global: &str,
+    member: std::ops::Range<u64>,
+) -> std::collections::BTreeSet<(String, u64)> {
+    let out = std::process::Command::new("objdump")
+        .args(["-dr", "--no-show-raw-insn"])
+        .arg(ko)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run objdump (binutils, with gcc): {e}"));
+    assert!(out.status.success(), "objdump -dr {} failed", ko.display());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let hex = |s: &str| u64::from_str_radix(s.trim(), 16).ok();
+    // (function, its address, the instruction's address, the relocation's place, addend)
+    let mut relocs = Vec::new();
+    let mut starts: Vec<u64> = Vec::new();
+    let mut function: Option<(String, u64)> = None;
+    for line in text.lines() {
+        if let Some((addr, name)) = line
+            .strip_suffix(">:")
+            .and_then(|l| l.split_once(" <"))
+            .and_then(|(a, n)| Some((hex(a)?, n.to_owned())))
+        {
+            function = Some((name, addr));
+            continue;
+        }
+        let Some((addr, rest)) = line.split_once(':') else {
+            continue;
+        };
+        let Some(addr) = hex(addr) else { continue };
+        let rest = rest.trim();
+        if let Some(target) = rest.strip_prefix("R_X86_64_PC32") {
+            let target = target.trim();
+            let Some(addend) = target.strip_prefix(global).and_then(|a| {
+                if a.is_empty() {
+                    return Some(0);
+                }
+                if let Some(v) = a.strip_prefix("+0x") {
+                    return i64::try_from(hex(v)?).ok();
+                }
+                Some(-i64::try_from(hex(a.strip_prefix("-0x")?)?).ok()?)
+            }) else {
+                continue;
+            };
+            if let (Some((f, at)), Some(insn)) = (&function, starts.last()) {
+                relocs.push((f.clone(), *at, *insn, addr, addend));
+            }
+        } else if !rest.is_empty() {
+            starts.push(addr);
+        }
+    }
+    relocs
+        .into_iter()
+        .filter_map(|(f, at, insn, place, addend)| {
+            // The instruction after this one: where its RIP-relative operand counts from.
+            let next = starts.iter().copied().find(|&s| s > insn)?;
+            let off = addend.checked_add(i64::try_from(next.checked_sub(place)?).ok()?)?;
+            member
+                .contains(&u64::try_from(off).ok()?)
+                .then(|| (f, insn - at))
+        })
+        .collect()
+}
+
+/// `exotap joinpoints --module kvm 'struct kvm_x86_ops.nested_ops'`: the reads of a member
+/// of the module's own global `kvm_x86_ops` (RIP-relative, relocated in the debug file) are
+/// the places `objdump -dr` shows reaching the member's bytes through the file's relocations
+/// against `kvm_x86_ops`, at the same function and offset.
+#[test]
+#[allow(clippy::panic)] // a fixture that fails fails the test
+fn a_modules_global_member_accesses_are_objdumps_relocated_references() {
+    let ko = module_debug_file("kvm.ko");
+    let layout = gdb_on(&ko, &["ptype /o struct kvm_x86_ops".to_owned()]);
+    let offset = layout
+        .lines()
+        .find(|l| l.trim_end().ends_with("*nested_ops;"))
+        .and_then(|l| l.trim_start().strip_prefix("/*"))
+        .and_then(|rest| rest.split('|').next())
+        .and_then(|off| off.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("gdb lays out no nested_ops in struct kvm_x86_ops:\n{layout}"));
+    let expected = objdump_global_member_sites(&ko, "kvm_x86_ops", offset..offset + 8);
+    assert!(expected.len() >= 5, "objdump: {expected:?}");
+    let (code, out, err) = run(exotap().args([
+        "joinpoints",
+        "--module",
+        "kvm",
+        "struct kvm_x86_ops.nested_ops",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    let found: std::collections::BTreeSet<(String, u64)> = out
+        .lines()
+        .filter_map(|l| {
+            let (function, rest) = l.strip_prefix('<')?.split_once('>')?;
+            let (name, off) = function.rsplit_once('+')?;
+            rest.contains("kvm_x86_ops.nested_ops")
+                .then(|| Some((name.to_owned(), off.parse().ok()?)))?
+        })
+        .collect();
+    assert_eq!(found, expected, "{out}");
 }

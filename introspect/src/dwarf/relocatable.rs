@@ -1,6 +1,7 @@
 //! The DWARF of a relocatable object (a kernel module's `.ko` from the `-dbg` package) made
 //! readable as a linked file's: its allocated sections placed at addresses, and the
-//! relocations of its other sections (`.rela.debug_info`, `.rela.debug_line`, ...) applied.
+//! relocations of its other sections (`.rela.debug_info`, `.rela.debug_line`, ...) applied,
+//! and of its code where they name its own symbols (its globals, for the join-point finder).
 //!
 //! In a `.ko` every address in the DWARF is zero plus a relocation against a section symbol:
 //! unrelocated, every function starts at 0 and every name reads the first string of
@@ -82,10 +83,74 @@ fn allocated(section: &object::Section<'_, '_>) -> bool {
     }
 }
 
+fn executable(section: &object::Section<'_, '_>) -> bool {
+    match section.flags() {
+        SectionFlags::Elf { sh_flags } => {
+            let want = u64::from(object::elf::SHF_ALLOC | object::elf::SHF_EXECINSTR);
+            sh_flags & want == want
+        }
+        _ => false,
+    }
+}
+
+/// Applies the relocations of code `section` (placed at `base`) whose symbol the object
+/// defines: absolute (`R_X86_64_64`, `_32`, `_32S`) and PC-relative (`R_X86_64_PC32`,
+/// `_PLT32`) ones. A reference to a symbol the object does not define (the kernel's: its
+/// address is the running kernel's) and any other kind are left as the file has them: the
+/// code is read, never run.
+fn relocate_code(
+    file: &object::File<'_>,
+    section: &object::Section<'_, '_>,
+    base: u64,
+    base_of: &dyn Fn(SectionIndex) -> u64,
+    out: &mut [u8],
+) -> Result<(), DwarfError> {
+    let Some((start, size)) = section.file_range() else {
+        // SHT_NOBITS: no bytes to relocate.
+        return Ok(());
+    };
+    for (offset, reloc) in section.relocations() {
+        let RelocationTarget::Symbol(s) = reloc.target() else {
+            continue;
+        };
+        let Ok(sym) = file.symbol_by_index(s) else {
+            continue;
+        };
+        let SymbolSection::Section(index) = sym.section() else {
+            continue;
+        };
+        let value = base_of(index)
+            .wrapping_add(sym.address())
+            .wrapping_add_signed(reloc.addend());
+        let RelocationFlags::Elf { r_type } = reloc.flags() else {
+            continue;
+        };
+        let bytes: Vec<u8> = match r_type {
+            object::elf::R_X86_64_64 => value.to_le_bytes().to_vec(),
+            object::elf::R_X86_64_32 | object::elf::R_X86_64_32S => {
+                value.to_le_bytes()[..4].to_vec()
+            }
+            object::elf::R_X86_64_PC32 | object::elf::R_X86_64_PLT32 => {
+                value.wrapping_sub(base.wrapping_add(offset)).to_le_bytes()[..4].to_vec()
+            }
+            _ => continue,
+        };
+        if offset.saturating_add(bytes.len() as u64) > size {
+            return Err(malformed(format!(
+                "a relocation at {offset:#x} past the end of {}",
+                section.name().unwrap_or_default()
+            )));
+        }
+        write(out, start + offset, &bytes)?;
+    }
+    Ok(())
+}
+
 /// `bytes` (an ELF64 little-endian relocatable object) with each allocated section at the
 /// address `address(name)` gives it (the others after each other from a made-up base), its
 /// symbols at their sections' addresses, and the relocations of its non-allocated sections
-/// (the DWARF) applied. Returns the copy and the address of each allocated section.
+/// (the DWARF) and of its code's references to its own symbols applied. Returns the copy and
+/// the address of each allocated section.
 ///
 /// # Errors
 /// [`DwarfError::Relocatable`] when the file is not an ELF64 little-endian relocatable object, is
@@ -155,6 +220,19 @@ pub fn place(
                 }
                 at += 24;
             }
+        }
+    }
+    // The code's references to the module's own data (`mov kvm_x86_ops+0x2e0(%rip)`): what
+    // the join-point finder reads global addresses from.
+    for section in file.sections() {
+        if executable(&section) {
+            relocate_code(
+                &file,
+                &section,
+                base_of(section.index()),
+                &base_of,
+                &mut out,
+            )?;
         }
     }
     // The relocations of the non-allocated sections.
@@ -318,6 +396,44 @@ mod tests {
         // Unrelocated, the same file puts both functions at 0: no scope is found at TEXT.
         let raw = DebugInfo::new(&bytes).expect("raw DWARF");
         assert!(raw.scope_at(count[0].addr).expect("scope").is_none());
+    }
+
+    /// A member of a module's own global reached RIP-relative (`shared_counter.hits += by`)
+    /// is a join point only once the code's relocation against the global is applied: in
+    /// the unrelocated file its displacement is 0. A member reached through a parameter
+    /// (`c->hits` in `count_hit`) is one either way.
+    #[test]
+    fn a_modules_own_global_is_reached_through_its_relocated_code() {
+        use crate::dwarf::klas::{join_points_everywhere, MemberQuery};
+        let Some(bytes) = module_like() else { return };
+        let query = MemberQuery::parse("struct counter.hits").expect("query");
+        let in_function = |placed: &[u8], function: &str| -> usize {
+            let info = DebugInfo::new(placed).expect("DWARF");
+            let names = crate::dwarf::testing::names(&info);
+            join_points_everywhere(placed, &names, &query, &|_, _| {})
+                .expect("join points")
+                .iter()
+                .filter(|j| j.function.starts_with(&format!("<{function}+")))
+                .count()
+        };
+        let (placed, _) = place(&bytes, &|_| None).expect("place the object");
+        assert!(
+            in_function(&placed, "count_hit") > 0,
+            "through the parameter"
+        );
+        assert!(
+            in_function(&placed, "bump_shared") > 0,
+            "shared_counter.hits, RIP-relative"
+        );
+        // The same placement with the code's relocations undone: the global is out of reach.
+        let file = object::File::parse(&*bytes).expect("parse");
+        let text = file.section_by_name(".text").expect(".text");
+        let (start, size) = text.file_range().expect("bytes");
+        let mut unrelocated = placed.clone();
+        let (start, end) = (start as usize, (start + size) as usize);
+        unrelocated[start..end].copy_from_slice(&bytes[start..end]);
+        assert_eq!(in_function(&unrelocated, "bump_shared"), 0);
+        assert!(in_function(&unrelocated, "count_hit") > 0);
     }
 
     #[test]

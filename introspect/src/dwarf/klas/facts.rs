@@ -199,7 +199,13 @@ impl DebugInfo<'_> {
             if let Some(v) = e.attr_value(gimli::DW_AT_type).ok().flatten() {
                 return Self::die_ref(&u, v).map(TypeRef::new);
             }
-            cur = Self::die_ref(&u, e.attr_value(gimli::DW_AT_abstract_origin).ok()??)?;
+            // An inlined or out-of-line copy's origin, or the declaration a definition
+            // completes (`struct kvm_x86_ops kvm_x86_ops;` after the header's `extern`).
+            let origin = match e.attr_value(gimli::DW_AT_abstract_origin).ok().flatten() {
+                Some(origin) => origin,
+                None => e.attr_value(gimli::DW_AT_specification).ok()??,
+            };
+            cur = Self::die_ref(&u, origin)?;
         }
         None
     }
