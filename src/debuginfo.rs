@@ -483,22 +483,11 @@ fn module_debug_file(args: &DebugArgs, module: &str) -> anyhow::Result<PathBuf> 
         .join("debug")
         .join("modules");
     let wanted = module.replace('-', "_");
-    let mut kept = Vec::new();
-    for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        let Some(name) = path
-            .file_name()
-            .and_then(|n| n.to_str()?.strip_suffix(".ko"))
-        else {
-            continue;
-        };
-        let name = name.replace('-', "_");
-        if name == wanted {
-            return Ok(path);
-        }
-        kept.push(name);
+    let cached = exotap_probes::live::compiled::debug_files_in(&dir);
+    if let Some((_, path)) = cached.iter().find(|(name, _)| *name == wanted) {
+        return Ok(path.clone());
     }
-    kept.sort();
+    let kept: Vec<&str> = cached.iter().map(|(name, _)| name.as_str()).collect();
     bail!(
         "no debug file of module {module} for kernel {} in {} ({}; `exotap image fetch \
          --debuginfo --kernel {}` keeps a few modules' with the -dbg vmlinux)",

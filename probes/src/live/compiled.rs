@@ -67,7 +67,7 @@ mod plan;
 
 use guest::Guest;
 use install::{install, module_event, Install};
-pub use module_dwarf::{list_from_debug_files, ListedPoint};
+pub use module_dwarf::{debug_files_in, list_from_debug_files, ListedPoint};
 pub use modules::list_module_functions;
 use plan::mixed_report;
 pub use plan::{describe, plan, start_script, CompileMode, Plan};

@@ -36,10 +36,13 @@ fn debug_dir(image: &KernelImage) -> Option<PathBuf> {
 /// The module names whose debug files are cached (`kvm_amd` for `kvm-amd.ko`, as the kernel
 /// names modules), with their files.
 pub(crate) fn cached_debug_files(image: &KernelImage) -> Vec<(String, PathBuf)> {
-    let Some(dir) = debug_dir(image) else {
-        return Vec::new();
-    };
-    let Ok(entries) = std::fs::read_dir(&dir) else {
+    debug_dir(image).map_or_else(Vec::new, |dir| debug_files_in(&dir))
+}
+
+/// The module debug files (`NAME.ko`) in `dir`, by module name as the kernel names modules
+/// (`kvm_amd` for `kvm-amd.ko`), sorted; none where `dir` cannot be read.
+pub fn debug_files_in(dir: &Path) -> Vec<(String, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     let mut found: Vec<(String, PathBuf)> = entries
@@ -717,16 +720,20 @@ pub fn list_from_debug_files(
     };
     let mut found = Vec::new();
     let mut no_code = None;
+    let mut made_up = HashMap::new();
     for (module, path) in &files {
-        let dwarf = ModuleDwarf::made_up(path)?;
-        let (at, why) = places(&dwarf, &m)?;
+        let dwarf: &ModuleDwarf = match made_up.entry(path.clone()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(ModuleDwarf::made_up(path)?),
+        };
+        let (at, why) = places(dwarf, &m)?;
         if let Some(why) = why {
             no_code.get_or_insert(why);
         }
         for (function, pc, lines) in at {
             let point = place_name(module, &m, &function, lines);
             let listed = if with_vars {
-                vars.at(&dwarf, &point, pc)
+                vars.at(dwarf, &point, pc)
                     .map(|locals| listed_variables(&locals))
                     .unwrap_or_default()
             } else {
@@ -736,29 +743,67 @@ pub fn list_from_debug_files(
         }
     }
     if found.is_empty() {
-        match (no_code, &m.field) {
-            (Some(why), _) => bail!("no match for probe point '{name}': {why}"),
-            (None, Some(field)) => {
-                for (_, path) in &files {
-                    ModuleDwarf::made_up(path)?
-                        .member_offset(&field.structure, &field.member)
-                        .map_err(|why| {
-                            anyhow::anyhow!("no match for probe point '{name}': {why}")
-                        })?;
-                }
-                bail!(
-                    "no match for probe point '{name}': no instruction {}s {}'s member {}",
-                    field.suffix(),
-                    field.structure,
-                    field.member
-                )
-            }
-            (None, None) => bail!("no match for probe point '{name}'"),
-        }
+        return Err(nothing_found(
+            name,
+            &m,
+            &files,
+            &made_up,
+            no_code.as_deref(),
+        ));
     }
     let mut seen = BTreeSet::new();
     found.retain(|p| seen.insert(p.clone()));
     Ok(found)
+}
+
+/// Why module point `name` (`m`) has no place in the debug files `files` (read into
+/// `made_up`): a statement's line without code (`no_code`), a member the module's types lack
+/// or no instruction accessing it, or no function or inlined instance matching.
+fn nothing_found(
+    name: &str,
+    m: &super::plan::ModulePoint,
+    files: &[(String, PathBuf)],
+    made_up: &HashMap<PathBuf, ModuleDwarf>,
+    no_code: Option<&str>,
+) -> anyhow::Error {
+    let modules = files
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if let Some(why) = no_code {
+        return anyhow::anyhow!("no match for probe point '{name}': {why}");
+    }
+    if let Some(field) = &m.field {
+        // A member the module's types do not have says so.
+        if let Some(Err(why)) = files.iter().find_map(|(_, path)| {
+            Some(
+                made_up
+                    .get(path)?
+                    .member_offset(&field.structure, &field.member),
+            )
+        }) {
+            return anyhow::anyhow!("no match for probe point '{name}': {why}");
+        }
+        return anyhow::anyhow!(
+            "no match for probe point '{name}': no instruction of {modules} {}s {}'s member {}",
+            field.suffix(),
+            field.structure,
+            field.member
+        );
+    }
+    anyhow::anyhow!(
+        "no match for probe point '{name}': no {} of the debug file of {modules} matches '{}'{}",
+        if m.site == crate::lang::point::FunctionSite::Inline {
+            "inlined instance"
+        } else {
+            "function"
+        },
+        m.pattern,
+        m.file
+            .as_ref()
+            .map_or_else(String::new, |f| format!(" in a file ending with {f}"))
+    )
 }
 
 /// `-L`'s words for the variables of `locals` that can be read, in DWARF's order.
@@ -897,49 +942,14 @@ pub(super) fn plan_vars(
         errors.dedup();
         return Err(crate::live::target_vars::UnreadableTargets(errors).into());
     }
-    if let (0, false, Some(why)) = (count, m.optional, &no_code) {
-        bail!("no match for probe point '{}': {why}", m.template.name);
-    }
-    if let (0, false, Some(field)) = (count, m.optional, &field) {
-        // A member the module's types do not have says so.
-        if let Some(Err(why)) = files.iter().find_map(|(_, path)| {
-            let dwarf = made_up.get(path)?;
-            Some(dwarf.member_offset(&field.structure, &field.member))
-        }) {
-            bail!("no match for probe point '{}': {why}", m.template.name);
-        }
-        bail!(
-            "no match for probe point '{}': no instruction of {} {}s {}'s member {}",
-            m.template.name,
-            files
-                .iter()
-                .map(|(n, _)| n.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            field.suffix(),
-            field.structure,
-            field.member
-        );
-    }
     if count == 0 && !m.optional {
-        bail!(
-            "no match for probe point '{}': no {} of the debug file of {} matches '{}'{}",
-            m.template.name,
-            if inline {
-                "inlined instance"
-            } else {
-                "function"
-            },
-            files
-                .iter()
-                .map(|(n, _)| n.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            m.pattern,
-            m.file
-                .as_ref()
-                .map_or_else(String::new, |f| format!(" in a file ending with {f}"))
-        );
+        return Err(nothing_found(
+            &m.template.name,
+            m,
+            &files,
+            made_up,
+            no_code.as_deref(),
+        ));
     }
     if !reads {
         return Ok(true);
