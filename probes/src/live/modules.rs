@@ -418,7 +418,10 @@ fn is_mapping_symbol(name: &str) -> bool {
 
 /// A NUL-terminated string of at most [`MAX_NAME`] bytes, read a page at a time so a
 /// string near the end of mapped memory reads.
-fn read_cstr<R: VirtualMemory + ?Sized>(mem: &mut R, va: u64) -> anyhow::Result<Vec<u8>> {
+pub(crate) fn read_cstr<R: VirtualMemory + ?Sized>(
+    mem: &mut R,
+    va: u64,
+) -> anyhow::Result<Vec<u8>> {
     let mut out = Vec::new();
     let mut at = va;
     while out.len() < MAX_NAME {

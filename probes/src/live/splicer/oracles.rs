@@ -9,7 +9,7 @@ use exotap_vmm::control::Machine;
 use crate::live::attach::Survey;
 use crate::live::guest_memory::BackendMemory;
 use crate::live::kernel_image::KernelImage;
-use crate::live::modules::{read_u32, read_u64, VirtualMemory};
+use crate::live::modules::{read_cstr, read_u32, read_u64, VirtualMemory};
 
 /// The guest's own kprobes (`kprobe_events`): name of the probed symbol → (hits, misses),
 /// summed over the CPUs, read from its `trace_kprobe` structures (the numbers
@@ -166,11 +166,11 @@ fn read_kprobe_list<R: VirtualMemory + ?Sized>(
         let ops = read_u64(mem, field(ev, o.ops_in_devent, "dyn_event.ops")?)?;
         if o.kprobe_ops.is_none_or(|k| k == ops) {
             let name_ptr = read_u64(mem, field(tk, o.symbol, "trace_kprobe.symbol")?)?;
-            let mut name = [0u8; 128];
-            mem.read_virt(name_ptr, &mut name)
+            // A page at a time: the string may end just before unmapped memory (seen on
+            // 6.12: a kmalloc'd name 32 bytes before the end of the direct map's last page).
+            let name = read_cstr(mem, name_ptr)
                 .with_context(|| format!("cannot read a kprobe's symbol at {name_ptr:#x}"))?;
-            let mut name =
-                String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+            let mut name = String::from_utf8_lossy(&name).into_owned();
             // A return probe counts the function's returns: `vfs_read%return`, as stap
             // names the point.
             if let Some(h) = o.handler {
@@ -328,7 +328,8 @@ mod tests {
         hits: [u64; 2],
         missed: u64,
     ) {
-        let mut t = vec![0u8; 0x100];
+        // A page, as the guest maps memory (names are read up to the end of their page).
+        let mut t = vec![0u8; 0x1000];
         let word =
             |t: &mut Vec<u8>, o: usize, v: u64| t[o..o + 8].copy_from_slice(&v.to_le_bytes());
         word(&mut t, 8, next);
@@ -377,6 +378,23 @@ mod tests {
         let mut twice = sites.clone();
         twice.insert(("vfs_read".to_owned(), 0), (u64::MAX, 1));
         assert_eq!(by_function(twice)["vfs_read"], (u64::MAX, u64::MAX));
+    }
+
+    /// A kprobe's symbol that ends just before unmapped memory reads (the string is read a
+    /// page at a time, not as a fixed-size buffer that runs past it).
+    #[test]
+    fn a_kprobe_symbol_at_the_end_of_mapped_memory_reads() {
+        let mut mem = kprobes([3, 4]);
+        // The first kprobe's name moved to the last 16 bytes before a page nothing maps.
+        let a = 0xffff_8880_0200_0000u64;
+        let name_at = 0xffff_8880_0300_0ff0u64;
+        let mut tail = b"vfs_write".to_vec();
+        tail.resize(16, 0);
+        mem.0.add_region(name_at, tail).unwrap();
+        mem.0.write_phys(a + 40, &name_at.to_le_bytes()).unwrap();
+        let sites = read_kprobe_list(&mut mem, &KPROBES, &CPUS).unwrap();
+        assert_eq!(sites[&("vfs_write".to_owned(), 0x1c)], (7, 1));
+        assert_eq!(sites[&("vfs_read".to_owned(), 0x1c)], (3, u64::MAX));
     }
 
     #[test]
