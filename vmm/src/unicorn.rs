@@ -133,6 +133,11 @@ pub struct UnicornMachine {
     redirects: Vec<UcHookId>,
     /// SPARC: the code hooks standing in for exits (halt and breakpoints).
     stop_hooks: Vec<UcHookId>,
+    /// The exits (breakpoints and halt) Unicorn was last given: setting the same set again
+    /// (a harness's `set_halt` at every hit) keeps the translated code, which a change must
+    /// drop (the exits are compiled into it). Retranslating every body at every hit was most
+    /// of the compiled-bodies regression's time.
+    synced_exits: Option<Vec<u64>>,
     pending: Option<StopEvent>,
     last_end: Option<RunEnd>,
 }
@@ -250,6 +255,7 @@ impl UnicornMachine {
             block_hook: None,
             redirects: Vec::new(),
             stop_hooks: Vec::new(),
+            synced_exits: None,
             pending: None,
             last_end: None,
         };
@@ -579,11 +585,16 @@ impl UnicornMachine {
         exits.extend(self.halt);
         exits.sort_unstable();
         exits.dedup();
+        if self.synced_exits.as_ref() == Some(&exits) {
+            return Ok(());
+        }
+        // Unknown until the new set is in: a failure below leaves it to be set again.
+        self.synced_exits = None;
         if self.isa == Isa::Sparc64 {
             for hook in std::mem::take(&mut self.stop_hooks) {
                 self.uc.remove_hook(hook).map_err(backend)?;
             }
-            for addr in exits {
+            for &addr in &exits {
                 let hook = self
                     .uc
                     .add_code_hook(addr, addr, move |uc, pc, _size| {
@@ -606,11 +617,14 @@ impl UnicornMachine {
                     .map_err(backend)?;
                 self.stop_hooks.push(hook);
             }
-            return self.uc.ctl_flush_tb().map_err(backend);
+        } else {
+            self.uc.ctl_set_exits(&exits).map_err(backend)?;
         }
-        self.uc.ctl_set_exits(&exits).map_err(backend)?;
-        // Exits are compiled into translated blocks: drop those made with the old set.
-        self.uc.ctl_flush_tb().map_err(backend)
+        // Exits (and SPARC's stop hooks) are compiled into translated blocks: drop those
+        // made with the old set.
+        self.uc.ctl_flush_tb().map_err(backend)?;
+        self.synced_exits = Some(exits);
+        Ok(())
     }
 
     fn emulate(&mut self, pc: u64, count: u64) -> Result<(), uc_error> {
@@ -961,6 +975,38 @@ mod tests {
         );
         assert_eq!(rax_at_bp, 1);
         assert_eq!(second, Some(StopEvent::Exited));
+        assert_eq!(rax(&mut m), 4);
+    }
+
+    /// The exits are compiled into translated code: setting the same set again keeps that
+    /// code, a changed set (a moved halt, a breakpoint added or removed after the code ran)
+    /// must still take effect at once.
+    #[test]
+    fn exits_changed_after_the_code_ran_take_effect_at_the_next_run() {
+        let mut m = machine_with(&CODE);
+        let from_start = |m: &mut UnicornMachine| m.set_pc(VCPU, BASE).unwrap();
+        m.set_halt(Some(BASE + 11)).unwrap();
+        assert_eq!(m.run().unwrap(), RunEnd::Halted(BASE + 11));
+
+        from_start(&mut m);
+        m.set_halt(Some(BASE + 11)).unwrap();
+        assert_eq!(m.run().unwrap(), RunEnd::Halted(BASE + 11));
+        assert_eq!(rax(&mut m), 4);
+
+        from_start(&mut m);
+        m.set_halt(Some(BASE + 8)).unwrap();
+        assert_eq!(m.run().unwrap(), RunEnd::Halted(BASE + 8));
+        assert_eq!(rax(&mut m), 2);
+
+        from_start(&mut m);
+        m.set_breakpoint(BASE + 5, true).unwrap();
+        assert_eq!(m.run().unwrap(), RunEnd::Breakpoint(BASE + 5));
+        assert_eq!(rax(&mut m), 1);
+
+        from_start(&mut m);
+        m.set_breakpoint(BASE + 5, false).unwrap();
+        m.set_halt(Some(BASE + 11)).unwrap();
+        assert_eq!(m.run().unwrap(), RunEnd::Halted(BASE + 11));
         assert_eq!(rax(&mut m), 4);
     }
 
