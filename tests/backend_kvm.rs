@@ -9,7 +9,6 @@
 mod common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use exotap_vmm::host;
 
@@ -34,8 +33,6 @@ fn assert_refused(test: &str, args: &[&str]) {
     let Some(reason) = refusal_expected(test) else {
         return;
     };
-    let started = Instant::now();
-
     let (code, stdout, stderr) =
         common::run(common::exotap().args(args).args(["--backend", "kvm"]));
 
@@ -58,11 +55,6 @@ fn assert_refused(test: &str, args: &[&str]) {
     assert!(
         !stdout.contains("EXOTAP-") && !stderr.contains("EXOTAP-"),
         "{stderr}"
-    );
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "the refusal took {:?}",
-        started.elapsed()
     );
 }
 
