@@ -161,9 +161,11 @@ phase() {{
 }}
 phase_done() {{
     exotap_result phase.done "$1"
-    # A freeze made on purpose (EXOTAP_NESTED_FREEZE_AFTER), to try the retry by hand.
+    # A freeze or a reset made on purpose (EXOTAP_NESTED_FREEZE_AFTER,
+    # EXOTAP_NESTED_RESET_AFTER), to try the retry by hand.
     case " $(cat /proc/cmdline) " in
     *" exotap.freeze_after=$1 "*) kill $heartbeat; sleep 100000 ;;
+    *" exotap.reset_after=$1 "*) echo b > /proc/sysrq-trigger; sleep 100000 ;;
     esac
 }}
 # Whether a failed engine run's inner guest reset the machine before it printed EXOTAP-READY
