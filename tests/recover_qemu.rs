@@ -1,9 +1,10 @@
 //! exotap dies, the guest lives (issue 20): exotap is killed with its probes in a running
 //! 2-vCPU guest under a fork/exec and syscall storm; its guardian puts everything back, the
 //! kernel text's SHA-256 equals the one taken before, `exotap recover` finds nothing left, and
-//! the storm goes on after the last trial with no Oops, BUG or WARNING. SIGTERM and SIGINT end a run with
-//! a normal removal. QEMU killed under a running exotap ends it (at once: it reads the gdbstub's end; the test
-//! allows a minute, as a hang's bound, not a speed check) with a clear error.
+//! the storm goes on after the last trial with no Oops, BUG or WARNING. SIGTERM and SIGINT end
+//! a run with a normal removal. QEMU killed under a running exotap ends it with a clear error
+//! (at once: it reads the gdbstub's end; the test allows a minute, a hang's bound, not a
+//! speed check).
 //! `ci/fault-trials.sh` runs the same trials by the dozen, at random moments.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

@@ -229,9 +229,10 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
     // an inner run on, the inner run's own timeout never firing: nothing in the outer guest
     // ran any more), and has reset it with nothing printed. Such a run is retried, twice at
     // most, saying so, with its last lines; any other failure (an inner guest's panic
-    // included), or a third crash, freeze or reset, fails the test. A retry runs only the phases the crashed or frozen run did not finish (the
-    // canned splice's boot always), and keeps the finished ones' lines: a freeze late in the
-    // run cost a whole second run before (1,003 s for the test in one CI run, two retries).
+    // included), or a third crash, freeze or reset, fails the test. A retry runs only the
+    // phases the run did not finish (the canned splice's boot always), and keeps the finished
+    // ones' lines: a freeze late in the run cost a whole second run before (1,003 s for the
+    // test in one CI run, two retries).
     let mut attempt = 1;
     let base_append = config.append.clone();
     let mut done: Vec<String> = Vec::new();
@@ -287,24 +288,20 @@ fn kvm_backend_boots_and_splices_the_inner_guest_under_nested_kvm() {
                 .lines()
                 .rfind(|l| l.starts_with("EXOTAP-RESULT ") && l.contains(".rc="))
                 .unwrap_or("(none)");
+            let error = outcome
+                .as_ref()
+                .err()
+                .map(ToString::to_string)
+                .unwrap_or_default();
             let why = if svm_crash {
                 "the outer kernel panicked running a vCPU (QEMU TCG's SVM emulation)".to_owned()
             } else if silent_death {
                 format!(
                     "the outer machine ended with nothing printed (a reset: QEMU TCG's SVM \
-                     emulation): {}",
-                    outcome
-                        .as_ref()
-                        .err()
-                        .map(ToString::to_string)
-                        .unwrap_or_default()
+                     emulation): {error}"
                 )
             } else {
-                outcome
-                    .as_ref()
-                    .err()
-                    .map(ToString::to_string)
-                    .unwrap_or_default()
+                error
             };
             for (tag, lines) in finished_phases(&text) {
                 if !done.contains(&tag) {
